@@ -1,0 +1,58 @@
+"""The `shardlm` command line: one subcommand per pipeline stage.
+
+Each stage module exposes `add_parser(subparsers)`, which registers its subcommand and sets
+`func=run` on it. Modules are imported only when their command is parsed, so `shardlm --help` stays
+fast and one stage's optional dependency never breaks another stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shardlm.errors import UserError
+
+# subcommand -> module with add_parser(subparsers)
+COMMANDS = {
+    "train": "shardlm.training.cli",
+    "preprocess": "shardlm.data.cli",
+    "tokenizer": "shardlm.data.cli",
+    "corpus": "shardlm.data.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardlm",
+        description="Tensor x data parallel training of GPT and BERT models (Megatron-LM style).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    registered = set()
+    for name, module_name in COMMANDS.items():
+        if module_name in registered:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("shardlm"):
+                continue  # stage not built in this version
+            raise
+        module.add_parser(sub)
+        registered.add(module_name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except UserError as exc:
+        print(f"shardlm: error: {exc}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        print("shardlm: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
