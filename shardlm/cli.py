@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     registered = set()
-    for name, module_name in COMMANDS.items():
+    for module_name in COMMANDS.values():
         if module_name in registered:
             continue
         try:

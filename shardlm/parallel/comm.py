@@ -1,0 +1,93 @@
+"""Communication accounting: every collective the parallel code issues, counted by kind, group and bytes.
+
+The counter is a plain dict update per call, cheap enough to stay on in production. Tests and
+benchmarks read it to check the paper's communication pattern (two all-reduces forward and two
+backward per transformer layer, O(batch x sequence) scalars for the parallel cross-entropy).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Totals of collective calls, keyed by (kind, group name).
+
+    `calls[(kind, group)]` is the number of calls, `bytes[(kind, group)]` the payload bytes of the
+    local tensor (what one rank hands to the collective), `elements[(kind, group)]` its element count.
+    """
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+    elements: dict = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, group: str, tensor: torch.Tensor) -> None:
+        key = (kind, group)
+        self.calls[key] += 1
+        self.bytes[key] += tensor.numel() * tensor.element_size()
+        self.elements[key] += tensor.numel()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+        self.elements.clear()
+
+    def count(self, kind: str | None = None, group: str | None = None) -> int:
+        """Number of calls matching kind and group (None matches any)."""
+        return sum(n for (k, g), n in self.calls.items() if kind in (None, k) and group in (None, g))
+
+    def total_bytes(self, kind: str | None = None, group: str | None = None) -> int:
+        return sum(n for (k, g), n in self.bytes.items() if kind in (None, k) and group in (None, g))
+
+    def snapshot(self) -> dict:
+        """A JSON-friendly copy: {"kind/group": {"calls": n, "bytes": b, "elements": e}}."""
+        return {
+            f"{k}/{g}": {"calls": self.calls[(k, g)], "bytes": self.bytes[(k, g)],
+                         "elements": self.elements[(k, g)]}
+            for (k, g) in sorted(self.calls)
+        }
+
+
+class Communicator:
+    """Collectives on one process group, recorded in a shared `CommStats`.
+
+    A communicator of size 1 (or without a process group) makes every collective a no-op that is not
+    counted: TP=1 and DP=1 communicate nothing.
+    """
+
+    def __init__(self, name: str, group, size: int, rank: int, stats: CommStats):
+        self.name = name
+        self.group = group
+        self.size = size
+        self.rank = rank
+        self.stats = stats
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce of `tensor` over this group; returns it."""
+        if self.size == 1:
+            return tensor
+        kind = "all_reduce_max" if op == dist.ReduceOp.MAX else "all_reduce"
+        self.stats.record(kind, self.name, tensor)
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Gather equal-shaped tensors from every rank of the group, in rank order."""
+        if self.size == 1:
+            return [tensor]
+        self.stats.record("all_gather", self.name, tensor)
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor.contiguous(), group=self.group)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        self.stats.record("broadcast", self.name, tensor)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank_in_group), group=self.group)
+        return tensor

@@ -1,0 +1,159 @@
+"""The parallel layout: which ranks form tensor-parallel and data-parallel groups.
+
+Ranks are arranged in a grid `arange(world).view(pipeline, data, tensor)` with the tensor dimension
+innermost, so a tensor-parallel group is a run of consecutive ranks (inside one server, where the
+fast links are) and a data-parallel group takes the ranks at the same position of every
+tensor-parallel group. The pipeline dimension is always 1 today; it is in the grid so that adding
+pipeline parallelism later changes no rank arithmetic.
+
+Everything is held by an explicit `ParallelContext` that is passed to layers and the trainer; there
+are no module-level globals.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardlm.errors import UserError
+from shardlm.parallel.comm import CommStats, Communicator
+from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
+
+
+def check_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1) -> int:
+    """Validate the sizes and return the data-parallel size; raises UserError naming the numbers."""
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise UserError(
+            f"parallel sizes must be >= 1 (tensor={tensor_parallel}, pipeline={pipeline_parallel})"
+        )
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world_size % model_parallel != 0:
+        raise UserError(
+            f"world size {world_size} is not divisible by tensor x pipeline = {tensor_parallel} x "
+            f"{pipeline_parallel}; use a world size that is a multiple of {model_parallel}"
+        )
+    return world_size // model_parallel
+
+
+def rank_grid(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1) -> torch.Tensor:
+    """Global ranks as a (pipeline, data, tensor) grid; TP groups are rows of consecutive ranks."""
+    data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel)
+    return torch.arange(world_size).view(pipeline_parallel, data_parallel, tensor_parallel)
+
+
+def tensor_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
+    """Ranks of every tensor-parallel group (consecutive ranks)."""
+    return grid.reshape(-1, grid.shape[2]).tolist()
+
+
+def data_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
+    """Ranks of every data-parallel group (strided by the tensor-parallel size)."""
+    return grid.permute(0, 2, 1).reshape(-1, grid.shape[1]).tolist()
+
+
+@dataclass
+class ParallelContext:
+    """Sizes, ranks, process groups and device of one rank, passed explicitly to every layer.
+
+    `tp` and `dp` are `Communicator`s over the tensor- and data-parallel groups; both record into
+    the shared `comm` statistics.
+    """
+
+    rank: int
+    world_size: int
+    tp: Communicator
+    dp: Communicator
+    device: torch.device
+    pp_size: int = 1
+    comm: CommStats = field(default_factory=CommStats)
+    rng: RNGStatesTracker | None = None
+
+    def seed(self, seed: int) -> RNGStatesTracker:
+        """Seed this rank's generators (see `shardlm.parallel.random`) and keep the tracker."""
+        self.rng = seed_model_parallel(seed, self.tp_rank, self.device)
+        return self.rng
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that logs and writes shared files."""
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
+        """A one-process context (TP=1, DP=1) that needs no process group."""
+        stats = CommStats()
+        return cls(
+            rank=0, world_size=1,
+            tp=Communicator("tp", None, 1, 0, stats),
+            dp=Communicator("dp", None, 1, 0, stats),
+            device=torch.device(device), comm=stats,
+        )
+
+    @classmethod
+    def from_process_group(cls, tensor_parallel: int, device: torch.device | None = None) -> ParallelContext:
+        """Build the TP and DP groups on an initialized default process group.
+
+        Every rank must call this with the same `tensor_parallel`, since `new_group` is collective.
+        """
+        world, rank = dist.get_world_size(), dist.get_rank()
+        grid = rank_grid(world, tensor_parallel)
+        stats = CommStats()
+        tp = dp = None
+        for ranks in tensor_parallel_groups(grid):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                tp = Communicator("tp", group, len(ranks), ranks.index(rank), stats)
+        for ranks in data_parallel_groups(grid):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                dp = Communicator("dp", group, len(ranks), ranks.index(rank), stats)
+        return cls(rank=rank, world_size=world, tp=tp, dp=dp,
+                   device=device or default_device(), comm=stats)
+
+
+def default_device() -> torch.device:
+    """This process's accelerator (cuda:LOCAL_RANK) when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
+                     device: torch.device | None = None) -> ParallelContext:
+    """Initialize torch.distributed from the torchrun environment and return this rank's context.
+
+    The backend follows the device: NCCL for CUDA, gloo for CPU. Without torchrun variables (a
+    plain `python` process) this is a world of one. `timeout_s` bounds every collective, so a dead
+    peer ends the run with an error instead of a hang.
+    """
+    device = device or default_device()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_layout(world, tensor_parallel)
+    if world == 1 and not dist.is_initialized():
+        return ParallelContext.single(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return ParallelContext.from_process_group(tensor_parallel, device)

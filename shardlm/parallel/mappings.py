@@ -1,0 +1,92 @@
+"""The paper's conjugate communication operators, as autograd functions.
+
+    f  = copy_to_tensor_parallel      forward: identity       backward: all-reduce
+    g  = reduce_from_tensor_parallel  forward: all-reduce     backward: identity
+         scatter_to_tensor_parallel   forward: keep my slice  backward: all-gather
+         gather_from_tensor_parallel  forward: all-gather     backward: keep my slice
+
+`f` enters a parallel region (its input is replicated, its users are split), `g` leaves one.
+Scatter and gather split or join the last dimension in tensor-parallel rank order. All four talk
+only to the tensor-parallel group of `ctx` and are identities at TP=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm.parallel.comm import Communicator
+
+
+def _split_last_dim(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    size = x.shape[-1]
+    if size % tp.size != 0:
+        raise ValueError(f"last dimension {size} is not divisible by tensor parallel size {tp.size}")
+    chunk = size // tp.size
+    return x[..., tp.rank * chunk:(tp.rank + 1) * chunk].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    return torch.cat(tp.all_gather(x.contiguous()), dim=-1)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _split_last_dim(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.tp), None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_last_dim(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.tp), None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """`f`: identity forward, all-reduce of the gradient over the TP group backward. x: any shape."""
+    return x if tp.size == 1 else _CopyToTensorParallel.apply(x, tp)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """`g`: all-reduce (sum) over the TP group forward, identity backward. x: any shape."""
+    return x if tp.size == 1 else _ReduceFromTensorParallel.apply(x, tp)
+
+
+def scatter_to_tensor_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """(..., n) -> (..., n / tp): this rank's slice of the last dimension; backward all-gathers."""
+    return x if tp.size == 1 else _ScatterToTensorParallel.apply(x, tp)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """(..., n / tp) -> (..., n): all-gather along the last dimension; backward keeps the slice."""
+    return x if tp.size == 1 else _GatherFromTensorParallel.apply(x, tp)
