@@ -8,6 +8,7 @@ checks produced. A worker's exception travels back as text and fails the test th
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -32,8 +33,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         # A short collective timeout turns a hang (one rank failed mid-check) into an error.
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=90))
-        result = fn(*args)
-        queue.put((rank, "ok", result))
+        # Plain pickle bytes: torch's queue would share tensors through file descriptors that vanish
+        # when this process exits before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -56,7 +58,7 @@ def run_workers(world_size: int, fn, *args, timeout: float = 240.0) -> list:
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

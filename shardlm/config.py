@@ -1,0 +1,288 @@
+"""Run configuration: typed sections loaded from TOML, overridable with dotted KEY=VALUE.
+
+Each section is a dataclass whose fields carry a docstring line (see `describe()`, which prints the
+reference). Loading checks names and types; `validate()` checks the arithmetic of the layout. Both
+raise `UserError` with one line naming the key and the fix, before any process group or data work.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class ParallelConfig:
+    """The `[parallel]` section. Data-parallel size = world size / tensor."""
+
+    tensor: int = 1
+    """Tensor-parallel size: ranks that split every layer (consecutive ranks, inside one node)."""
+
+
+@dataclass
+class DataConfig:
+    """The `[data]` section: where training tokens come from."""
+
+    text_file: str = ""
+    """A plain UTF-8 text file, tokenized in memory (small corpora)."""
+    prefixes: list = field(default_factory=list)
+    """Indexed datasets (`PREFIX.bin/.idx` from `shardlm preprocess`): [prefix] or [w1, p1, w2, p2, ...]."""
+    split: str = "949,50,1"
+    """Train/valid/test weights; for text_file only the first two count."""
+    tokenizer: str = "gpt2"
+    """Tokenizer kind: "gpt2" (encoder.json + vocab.bpe), "bert" (vocab.txt) or "json" (tokenizer.json)."""
+    vocab_file: str = ""
+    """Vocabulary file; empty uses the shared GPT-2 files ($SHARDLM_DATA/vocab/gpt2/encoder.json)."""
+    merges_file: str = ""
+    """BPE merges file for "gpt2"; empty uses $SHARDLM_DATA/vocab/gpt2/vocab.bpe."""
+    cache_dir: str = ""
+    """Where sample indices are cached; empty: beside the data."""
+
+
+@dataclass
+class TrainConfig:
+    """The `[train]` section: batch, schedule, optimizer, precision."""
+
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all DP ranks; micro_batch x DP x accumulation steps."""
+    steps: int = 100
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seed for initialization, data order and dropout."""
+    lr: float = 1.5e-4
+    """Peak learning rate."""
+    min_lr: float = 1e-5
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to lr."""
+    decay_steps: int = 0
+    """Steps of decay after warmup; 0 decays over all remaining steps."""
+    decay_style: str = "cosine"
+    """"cosine", "linear" or "constant"."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (never on biases and LayerNorm)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables."""
+    precision: str = "fp32"
+    """"fp32", "bf16" or "fp16" (fp32 master weights; fp16 uses dynamic loss scaling)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer layer's activations in the backward pass."""
+    initial_loss_scale: float = 4294967296.0
+    """fp16: starting loss scale (2^32)."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the scale never drops below this."""
+    eval_interval: int = 0
+    """Validate every N steps (and at the end); 0: only at the end."""
+    eval_iters: int = 10
+    """Micro-batches per validation."""
+    timeout_s: float = 600.0
+    """Collective timeout: a peer that stops responding ends the run with an error after this long."""
+    device: str = "auto"
+    """"auto" (CUDA when available), "cpu" or "cuda"."""
+
+
+@dataclass
+class CheckpointConfig:
+    """The `[checkpoint]` section."""
+
+    save_interval: int = 0
+    """Save every N steps; 0 disables periodic saves."""
+    keep_last: int = 2
+    """Checkpoints kept in the run directory."""
+    load: str = ""
+    """Checkpoint directory to resume from."""
+
+
+@dataclass
+class LogConfig:
+    """The `[log]` section."""
+
+    interval: int = 10
+    """Log every N steps (metrics.jsonl, console, TensorBoard)."""
+    tensorboard: bool = True
+    """Write TensorBoard events when tensorboard is installed."""
+    progress: bool = True
+    """Progress bar with ETA on rank 0."""
+    plot: bool = True
+    """Write loss_curve.png at the end."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one field per TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+
+
+def _coerce(value, expected: type, key: str):
+    """Check a TOML value against a field's type (int is accepted for float)."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is bool and not isinstance(value, bool):
+        raise UserError(f"{key}={value!r} must be true or false")
+    if expected in (int, float) and isinstance(value, bool):
+        raise UserError(f"{key}={value!r} must be a number")
+    if not isinstance(value, expected):
+        raise UserError(f"{key}={value!r} must be of type {expected.__name__}")
+    return value
+
+
+def _field_types(section_cls) -> dict[str, type]:
+    hints = {"int": int, "float": float, "str": str, "bool": bool, "list": list}
+    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in dataclasses.fields(section_cls)}
+
+
+def from_dict(raw: dict) -> RunConfig:
+    """Build a RunConfig from nested dicts, rejecting unknown sections/keys and wrong types."""
+    config = RunConfig()
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise UserError(f"unknown config section [{section}]; known sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise UserError(f"config section [{section}] must be a table")
+        target = getattr(config, section)
+        types = _field_types(type(target))
+        for key, value in values.items():
+            if key not in types:
+                raise UserError(f"unknown config key {section}.{key}; known keys: {', '.join(types)}")
+            setattr(target, key, _coerce(value, types[key], f"{section}.{key}"))
+    return config
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """"train.lr=3e-4" -> ("train", "lr", 0.0003). Values are TOML; bare words are strings."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise UserError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
+    dotted, value_text = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = value_text
+    return section, key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (or defaults when None) and apply dotted overrides."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} not found")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    return from_dict(raw)
+
+
+def validate(config: RunConfig, world_size: int) -> int:
+    """Check the layout and batch arithmetic for `world_size` ranks; return the accumulation steps."""
+    m, p, t = config.model, config.parallel, config.train
+    positive = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+                "model.num_heads": m.num_heads, "model.seq_length": m.seq_length, "parallel.tensor": p.tensor,
+                "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+                "train.steps": t.steps}
+    for key, value in positive.items():
+        if value < 1:
+            raise UserError(f"{key}={value} must be at least 1")
+    if m.arch != "gpt":
+        raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt"')
+    if m.hidden_size % m.num_heads:
+        raise UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                        "choose sizes with hidden_size = num_heads x head_dim")
+    if m.num_heads % p.tensor:
+        raise UserError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
+                        "use a tensor-parallel size that divides the heads")
+    if m.ffn_size % p.tensor:
+        raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
+    if world_size % p.tensor:
+        raise UserError(f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; "
+                        f"launch a multiple of {p.tensor} processes")
+    dp = world_size // p.tensor
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                        f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}; "
+                        f"use a multiple of {per_step}")
+    checks = [
+        (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
+        (t.decay_style in ("cosine", "linear", "constant"),
+         f'train.decay_style="{t.decay_style}" must be "cosine", "linear" or "constant"'),
+        (t.device in ("auto", "cpu", "cuda"), f'train.device="{t.device}" must be "auto", "cpu" or "cuda"'),
+        (t.warmup_steps >= 0 and t.lr > 0, "train.lr must be > 0 and train.warmup_steps >= 0"),
+        (0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)"),
+        (m.attention_dropout < 1, f"model.attention_dropout={m.attention_dropout} must be < 1"),
+        (config.data.tokenizer in ("gpt2", "bert", "json"),
+         f'data.tokenizer="{config.data.tokenizer}" must be "gpt2", "bert" or "json"'),
+        (bool(config.data.text_file) != bool(config.data.prefixes),
+         "set exactly one of data.text_file and data.prefixes"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    if config.data.text_file and not Path(config.data.text_file).is_file():
+        raise UserError(f"data.text_file={config.data.text_file} not found; point it at a UTF-8 text file")
+    return t.global_batch_size // per_step
+
+
+def describe() -> str:
+    """The config reference as Markdown: every section, key, default and docstring."""
+    lines = []
+    for section, factory in SECTIONS.items():
+        cls = factory()
+        lines.append(f"### [{section}]\n\n{inspect.getdoc(type(cls)).splitlines()[0]}\n")
+        lines.append("| key | default | meaning |\n|---|---|---|")
+        docs = _field_docs(type(cls))
+        for f in dataclasses.fields(cls):
+            lines.append(f"| `{f.name}` | `{getattr(cls, f.name)!r}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) of a dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).replace("|", "\\|")
+    return docs

@@ -1,0 +1,58 @@
+"""Model shape and regularization, shared by GPT and BERT."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """The `[model]` section of a run config."""
+
+    arch: str = "gpt"
+    """Architecture: "gpt" (causal LM)."""
+    num_layers: int = 2
+    """Transformer layers (l)."""
+    hidden_size: int = 64
+    """Hidden size (h); must divide by num_heads."""
+    num_heads: int = 4
+    """Attention heads; must divide by parallel.tensor."""
+    seq_length: int = 64
+    """Sequence length (s): positions the model learns, and the training window."""
+    vocab_size: int = 0
+    """Real vocabulary size; 0 takes it from the tokenizer."""
+    ffn_hidden_size: int = 0
+    """MLP width; 0 means 4 x hidden_size."""
+    dropout: float = 0.1
+    """Dropout on embeddings and on both residual branches."""
+    attention_dropout: float = -1.0
+    """Dropout on attention probabilities; negative means the same as dropout."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal initialization; the two residual projections use init_std / sqrt(2 l)."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times parallel.tensor (padding is masked out)."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def attention_dropout_p(self) -> float:
+        return self.dropout if self.attention_dropout < 0 else self.attention_dropout
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x tensor_parallel."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False) -> float:
+    """Model FLOPs of one training step (forward + backward) for a GPT, as the paper's later
+    formula writes it: 72 B s l h^2 (1 + s / 6h + V / 16 l h); with activation recomputation the
+    factor is 96 because the forward runs twice. B global batch, s sequence, l layers, h hidden,
+    V (padded-free) vocabulary. Assumes the 4h MLP."""
+    b, s, layers, h, v = global_batch, cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    factor = 96 if recompute else 72
+    return factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))

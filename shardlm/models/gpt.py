@@ -1,0 +1,152 @@
+"""GPT-2 built from the tensor-parallel layers.
+
+Pre-LayerNorm blocks, exact-erf GeLU MLP of width 4h, learned positions, a final LayerNorm, and an
+output layer tied to the vocabulary-parallel input embedding. Attention heads are split over the TP
+group: each rank runs SDPA on its heads with one fused QKV GEMM. The full (TP=1) QKV weight is laid
+out head by head, `(heads, 3, head_dim)` rows, so that a contiguous split over ranks gives each rank
+the q, k and v of its own heads.
+
+The model receives the `ParallelContext`; it never builds groups or reads globals. Communication per
+transformer layer: 2 all-reduces forward (attention and MLP outputs, `g`) and 2 backward (their
+inputs, `f`). Outside the layers: the embedding's all-reduce forward, the LM head's all-reduce
+backward, and the cross-entropy's MAX and SUM all-reduces forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardlm.models.config import ModelConfig
+from shardlm.parallel import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+from shardlm.parallel.init import normal_shard, param_seed
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split over the TP group. x: (B, T, h) -> (B, T, h)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
+        super().__init__()
+        self.ctx = ctx
+        self.heads = cfg.num_heads // ctx.tp_size
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.dropout = cfg.attention_dropout_p
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ctx.tp, std=cfg.init_std,
+                                        seed=param_seed(seed, f"{prefix}.qkv"), device=ctx.device)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, std=out_std,
+                                      seed=param_seed(seed, f"{prefix}.proj"), device=ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, self.heads, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, heads/tp, T, head_dim)
+        if self.training and self.dropout > 0:
+            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # (B, T, h/tp)
+        return self.proj(y)
+
+
+class ParallelMLP(nn.Module):
+    """h -> 4h (column-parallel) -> GeLU -> h (row-parallel). x: (B, T, h) -> (B, T, h)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
+        super().__init__()
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx.tp, std=cfg.init_std,
+                                       seed=param_seed(seed, f"{prefix}.fc"), device=ctx.device)
+        self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx.tp, std=out_std,
+                                      seed=param_seed(seed, f"{prefix}.proj"), device=ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x))). (B, T, h) -> (B, T, h)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.attn = ParallelAttention(cfg, ctx, seed, f"layers.{index}.attn")
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.mlp = ParallelMLP(cfg, ctx, seed, f"layers.{index}.mlp")
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model over a TP group.
+
+    tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary slice of the logits,
+    (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses (B, T) through
+    the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        if ctx.rng is None:
+            ctx.seed(seed)
+        self.cfg, self.ctx = cfg, ctx
+        self.activation_checkpointing = activation_checkpointing
+        self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
+        self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
+                                          vocab_size=cfg.vocab_size, std=cfg.init_std,
+                                          seed=param_seed(seed, "wte"), device=ctx.device)
+        self.wpe = nn.Parameter(normal_shard((cfg.seq_length, cfg.hidden_size), cfg.init_std,
+                                             param_seed(seed, "wpe"), device=ctx.device))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, ctx, seed, i) for i in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) final-LayerNorm output, replicated over the TP group."""
+        T = tokens.shape[1]
+        if T > self.cfg.seq_length:
+            raise ValueError(f"sequence of {T} tokens is longer than model.seq_length={self.cfg.seq_length}")
+        x = self.drop(self.wte(tokens) + self.wpe[:T])
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+            else:
+                x = layer(x)
+        return self.ln_f(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                ignore_index: int = -100) -> torch.Tensor:
+        h = copy_to_tensor_parallel(self.hidden_states(tokens), self.ctx.tp)
+        logits = F.linear(h, self.wte.weight)  # (B, T, V_padded / tp): the tied output layer
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
+                                            ignore_index=ignore_index)
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_padded / tp) -> (..., vocab_size): gather the slices and drop the padding.
+        For evaluation and generation only; training never gathers logits."""
+        return gather_from_tensor_parallel(local_logits, self.ctx.tp)[..., : self.cfg.vocab_size]
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (summing the TP shards of split weights), padding included."""
+        sharded = sum(p.numel() for p in self.parameters() if hasattr(p, "tensor_parallel_dim"))
+        replicated = sum(p.numel() for p in self.parameters() if not hasattr(p, "tensor_parallel_dim"))
+        return sharded * self.ctx.tp_size + replicated

@@ -1,0 +1,87 @@
+"""`shardlm train CONFIG.toml [KEY=VALUE ...] [--nproc-per-node N] [--run-dir DIR]`.
+
+Without `--nproc-per-node` the command trains in this process, or as one worker of an outer
+`torchrun` (single- or multi-node). With it, the command validates the config and then starts N
+local workers through PyTorch's elastic launcher, exactly as `torchrun --standalone` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a GPT with tensor x data parallelism",
+        description="Train a model from a TOML config. Overrides: section.key=value (e.g. train.lr=3e-4).",
+    )
+    parser.add_argument("config", help="TOML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="start this many local worker processes (elastic launcher)")
+    parser.add_argument("--run-dir", default=None, help="where logs and plots go (default runs/<config>-<time>)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardlm.config import load_config, validate
+    from shardlm.errors import UserError
+
+    config = load_config(args.config, args.overrides)
+    under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    nproc = args.nproc_per_node
+    world = nproc if nproc and not under_launcher else int(os.environ.get("WORLD_SIZE", "1"))
+    validate(config, world)
+    if args.print_config:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(config), indent=2))
+        return 0
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc-per-node={nproc} must be at least 1")
+    if nproc and not under_launcher:
+        return launch_local(args, nproc)
+
+    from pathlib import Path
+
+    from shardlm.training.run import train
+
+    try:
+        result = train(config, Path(args.run_dir) if args.run_dir else None, args.config)
+    except RuntimeError as exc:
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise UserError(f"a collective timed out after train.timeout_s={config.train.timeout_s:g}s: "
+                            "a peer stopped responding (check the other ranks' logs)") from None
+        raise
+    metrics = result.metrics
+    if "val_loss" in metrics and int(os.environ.get("RANK", "0")) == 0:
+        print(f"final validation loss {metrics['val_loss']:.4f} | perplexity {metrics['val_ppl']:.2f}")
+    return 0
+
+
+def launch_local(args: argparse.Namespace, nproc: int) -> int:
+    """Re-run this command on `nproc` local workers via torch.distributed.run (torchrun)."""
+    import time
+    from pathlib import Path
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    run_dir = args.run_dir or str(Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    argv = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", "shardlm", "train",
+            args.config, *args.overrides, "--run-dir", run_dir]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        torchrun(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        failures = exc.failures
+        first = min(failures) if failures else None
+        code = failures[first].exitcode if first is not None else 1
+        print(f"shardlm: training failed on {len(failures)} worker(s); see the messages above", file=sys.stderr)
+        return code if code and code > 0 else 1
+    return 0

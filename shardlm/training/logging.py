@@ -1,0 +1,116 @@
+"""Run logging on rank 0: console lines, a progress bar with ETA, metrics.jsonl, TensorBoard, a PNG.
+
+`metrics.jsonl` holds one JSON object per logged step (at least step, loss, lr, grad_norm,
+tokens_per_sec) and one per validation (`{"step", "val_loss", "val_ppl"}`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class RunLogger:
+    """Writes a run's metrics. Every method is a no-op on ranks other than the main one."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, interval: int = 10,
+                 progress: bool = True, tensorboard: bool = True, first_step: int = 0):
+        self.enabled, self.interval, self.run_dir = enabled, max(1, interval), run_dir
+        self.history: list[dict] = []
+        self.bar = self.writer = self.file = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if progress:
+            self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: the JSON log is enough
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar else print)(message)
+
+    def step(self, metrics: dict, total_steps: int) -> None:
+        if not self.enabled:
+            return
+        step = metrics["step"]
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+        if step % self.interval and step != total_steps and step != 1:
+            return
+        self._write(metrics)
+        mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if metrics.get("mfu") else ""
+        skipped = " | step skipped (fp16 overflow)" if metrics.get("skipped") else ""
+        self.print(f"step {step:>6}/{total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
+                   f"grad norm {metrics['grad_norm']:.3f} | loss scale {metrics['loss_scale']:.0f} | "
+                   f"{metrics['tokens_per_sec']:.0f} tokens/s | {metrics['tflops_per_device']:.3f} TFLOP/s/device"
+                   f"{mfu}{skipped}")
+        if self.writer:
+            for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device"):
+                value = metrics.get(key)
+                if value is not None and math.isfinite(value):
+                    self.writer.add_scalar(f"train/{key}", value, step)
+
+    def validation(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(loss, 700.0))
+        self._write({"step": step, "val_loss": loss, "val_ppl": ppl})
+        self.print(f"validation at step {step}: loss {loss:.4f} | perplexity {ppl:.2f}")
+        if self.writer:
+            self.writer.add_scalar("valid/loss", loss, step)
+            self.writer.add_scalar("valid/ppl", ppl, step)
+
+    def _write(self, record: dict) -> None:
+        self.history.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self, plot: bool = True) -> Path | None:
+        """Close the files; write loss_curve.png from the whole metrics.jsonl when `plot`."""
+        if not self.enabled:
+            return None
+        if self.bar:
+            self.bar.close()
+        if self.writer:
+            self.writer.close()
+        self.file.close()
+        return plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png") if plot else None
+
+
+def plot_loss_curve(metrics_file: Path, out: Path) -> Path:
+    """Training (and validation) loss against step, from a metrics.jsonl, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    valid = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"shardlm: {metrics_file.parent.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

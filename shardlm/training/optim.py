@@ -1,0 +1,73 @@
+"""Optimizer, learning-rate schedule and global gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardlm.parallel import ParallelContext
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a shard of a split weight; False for a parameter replicated on every TP rank."""
+    return hasattr(param, "tensor_parallel_dim")
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+                    eps: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (never on biases and LayerNorm parameters).
+    Uses the fused kernel on CUDA and the multi-tensor (foreach) one elsewhere."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **fast)
+
+
+def learning_rate(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+                  style: str) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup to `lr`, then cosine or linear decay to
+    `min_lr` over `decay_steps`, constant at `min_lr` afterwards."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if style == "constant":
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps))
+    if style == "linear":
+        return lr - (lr - min_lr) * progress
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
+    """L2 norm of all gradients of the whole model, equal to the single-process norm.
+
+    Squared norms of tensor-parallel shards are summed over the TP group (one all-reduce of one
+    scalar); replicated parameters are identical on every TP rank and are counted once. Gradients
+    are already averaged over DP, so DP needs no communication.
+    """
+    device = ctx.device
+    sharded = [p.grad for p in params if p.grad is not None and is_tensor_parallel(p)]
+    replicated = [p.grad for p in params if p.grad is not None and not is_tensor_parallel(p)]
+
+    def squared(grads):
+        if not grads:
+            return torch.zeros((), device=device)
+        return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+
+    sharded_sq = squared(sharded)
+    ctx.tp.all_reduce(sharded_sq)
+    return (sharded_sq + squared(replicated)).sqrt()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ctx: ParallelContext) -> torch.Tensor:
+    """Scale gradients so the global norm is at most `max_norm` (same rule as
+    `torch.nn.utils.clip_grad_norm_`); returns the norm before clipping."""
+    norm = global_grad_norm(params, ctx)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+    return norm

@@ -1,0 +1,162 @@
+"""The training loop: micro-batches, data-parallel gradient reduction, clipping, AdamW, fp16 scaling.
+
+Order of one step on every rank:
+  1. for each micro-batch: forward under autocast (bf16/fp16) or fp32, loss / accumulation steps,
+     backward; DDP all-reduces gradient buckets over the DP group during the last micro-batch's
+     backward (overlapped with it), `no_sync` before that;
+  2. fp16: unscale and check for inf/NaN (all-reduce MAX over TP); an overflow skips 3-4;
+  3. clip the global gradient norm (one all-reduce of a scalar over TP);
+  4. set the scheduled LR and step AdamW on this rank's parameter shards.
+Parameters are fp32 master weights in every precision; autocast runs the matmuls in half precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shardlm.config import RunConfig
+from shardlm.models.config import flops_per_step
+from shardlm.models.gpt import GPT
+from shardlm.parallel import ParallelContext
+from shardlm.training.data import micro_batches
+from shardlm.training.loss_scaler import DynamicLossScaler
+from shardlm.training.optim import build_optimizer, clip_grad_norm, learning_rate
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Dense peak TFLOP/s per GPU for MFU (bf16/fp16 tensor cores; V100: fp16).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "V100": 125.0, "L40S": 362.0, "A10": 125.0}
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """Peak TFLOP/s of this GPU model when known; None on CPU or unknown devices."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def _counting_allreduce_hook(state, bucket):
+    """DDP communication hook: the default averaging all-reduce, recorded in the comm stats."""
+    dp = state
+    buffer = bucket.buffer()
+    dp.stats.record("all_reduce", dp.name, buffer)
+    buffer.div_(dp.size)
+    future = dist.all_reduce(buffer, group=dp.group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0])
+
+
+class Trainer:
+    """Owns the model, optimizer, scaler and step counter of one rank."""
+
+    def __init__(self, config: RunConfig, ctx: ParallelContext, train_data, valid_data=None):
+        self.config, self.ctx = config, ctx
+        self.train_data, self.valid_data = train_data, valid_data
+        t = config.train
+        ctx.seed(t.seed)
+        self.model = GPT(config.model, ctx, seed=t.seed, activation_checkpointing=t.activation_checkpointing)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.ddp = None
+        if ctx.dp_size > 1:
+            self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group, broadcast_buffers=False,
+                                               gradient_as_bucket_view=True)
+            self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
+        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2),
+                                         t.adam_eps, ctx.device)
+        self.scaler = None
+        if t.precision == "fp16":
+            self.scaler = DynamicLossScaler(t.initial_loss_scale, t.loss_scale_window, t.hysteresis,
+                                            t.min_loss_scale)
+        self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
+        self.decay_steps = t.decay_steps or max(1, t.steps - t.warmup_steps)
+        self.step = 0
+        self.skipped_steps = 0
+        self.flops_per_step = flops_per_step(config.model, t.global_batch_size)
+
+    def autocast(self):
+        precision = self.config.train.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.ctx.device.type, dtype=HALF[precision])
+
+    def lr(self, step: int) -> float:
+        t = self.config.train
+        return learning_rate(step, t.lr, t.min_lr, t.warmup_steps, self.decay_steps, t.decay_style)
+
+    def train_step(self) -> dict:
+        """One optimizer step over the global batch; returns this step's metrics (same on every rank)."""
+        t, ctx = self.config.train, self.ctx
+        start = time.perf_counter()
+        self.model.train()
+        forward = self.ddp or self.model
+        batches = micro_batches(self.train_data, self.step, t.global_batch_size, t.micro_batch_size,
+                                ctx.dp_rank, ctx.dp_size, ctx.device)
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss_sum = torch.zeros((), device=ctx.device)
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync:
+                with self.autocast():
+                    loss = forward(batch[:, :-1], batch[:, 1:]).mean()
+                loss_sum += loss.detach()
+                (loss * (scale / len(batches))).backward()
+        ctx.dp.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / (len(batches) * ctx.dp_size)
+
+        overflow = self.scaler.unscale_and_check(self.params, ctx) if self.scaler else False
+        grad_norm = float("nan")
+        lr = self.lr(self.step)
+        if not overflow:
+            grad_norm = clip_grad_norm(self.params, t.clip_grad, ctx).item()
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+        if self.scaler:
+            self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = t.global_batch_size * self.config.model.seq_length
+        tflops = self.flops_per_step / elapsed / 1e12
+        peak = device_peak_tflops(ctx.device)
+        return {
+            "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+            "loss_scale": scale, "skipped": overflow, "step_time_s": elapsed,
+            "tokens_per_sec": tokens / elapsed, "tflops": tflops,
+            "tflops_per_device": tflops / ctx.world_size,
+            "mfu": (tflops / ctx.world_size / peak) if peak else None,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over up to `train.eval_iters` micro-batches per DP rank; None without data."""
+        if self.valid_data is None:
+            return None
+        t, ctx = self.config.train, self.ctx
+        per_iter = t.micro_batch_size * ctx.dp_size
+        iters = min(t.eval_iters, len(self.valid_data) // per_iter)
+        if iters == 0:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=ctx.device)
+        for it in range(iters):
+            batch = micro_batches(self.valid_data, it, per_iter, t.micro_batch_size, ctx.dp_rank, ctx.dp_size,
+                                  ctx.device)[0]
+            with self.autocast():
+                total += self.model(batch[:, :-1], batch[:, 1:]).mean().float()
+        ctx.dp.all_reduce(total)
+        self.model.train()
+        return total.item() / (iters * ctx.dp_size)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))
