@@ -19,6 +19,7 @@ COMMANDS = {
     "preprocess": "shardlm.data.cli",
     "tokenizer": "shardlm.data.cli",
     "corpus": "shardlm.data.cli",
+    "plan": "shardlm.plan.cli",
 }
 
 
