@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlm.data.documents import ReadStats, iter_documents
+from shardlm.data.documents import ReadStats, input_format, iter_documents
 from shardlm.data.indexed import IndexedDatasetWriter, token_dtype_for_vocab
 from shardlm.data.sentences import split_sentences
 from shardlm.data.tokenizers import Tokenizer, build_tokenizer
@@ -126,6 +126,9 @@ def preprocess(config: PreprocessConfig, progress: bool = True) -> PreprocessRes
     """Tokenize `config.input` into `config.output_prefix`.{bin,idx}; returns counts and timing."""
     if config.workers < 1:
         raise UserError(f"--workers {config.workers} must be at least 1")
+    if not Path(config.input).is_file():
+        raise UserError(f"input file not found: {config.input}; check --input")
+    input_format(config.input)  # fails early on an unknown extension
     tokenizer = _build(config)  # also validates the vocabulary before any worker starts
     stats = ReadStats()
     start = time.perf_counter()
