@@ -65,7 +65,8 @@ def test_sample_layout(novel_samples, bert):
         assert (tokens[length:] == bert.pad).all() and (sample["labels"][length:] == IGNORE_LABEL).all()
         seps = np.flatnonzero(tokens[:length] == bert.sep)
         assert len(seps) == 2
-        assert (sample["token_types"][: seps[0] + 1] == 0).all() and (sample["token_types"][seps[0] + 1:length] == 1).all()
+        types = sample["token_types"]
+        assert (types[: seps[0] + 1] == 0).all() and (types[seps[0] + 1:length] == 1).all()
         assert (sample["labels"][[0, *seps]] == IGNORE_LABEL).all()
 
 
