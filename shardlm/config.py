@@ -196,8 +196,22 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
+PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load")
+
+
+def expand_path(value: str) -> str:
+    """Expand `~`, environment variables, and `$SHARDLM_DATA` (defaulting to ../shared/data)."""
+    import os
+
+    from shardlm.paths import DATA_ENV, shared_data_dir
+
+    for token in ("${" + DATA_ENV + "}", "$" + DATA_ENV):
+        value = value.replace(token, str(shared_data_dir()))
+    return os.path.expanduser(os.path.expandvars(value))
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Read a TOML file (or defaults when None) and apply dotted overrides."""
+    """Read a TOML file (or defaults when None), apply dotted overrides, expand paths."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -210,11 +224,18 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
-    return from_dict(raw)
+    config = from_dict(raw)
+    for section in (config.data, config.checkpoint):
+        for key in PATH_KEYS:
+            if hasattr(section, key) and getattr(section, key):
+                setattr(section, key, expand_path(getattr(section, key)))
+    config.data.prefixes = [expand_path(p) if isinstance(p, str) else p for p in config.data.prefixes]
+    return config
 
 
-def validate(config: RunConfig, world_size: int) -> int:
-    """Check the layout and batch arithmetic for `world_size` ranks; return the accumulation steps."""
+def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> int:
+    """Check the layout and batch arithmetic for `world_size` ranks (and, with `check_paths`, that
+    every input file exists); return the gradient-accumulation steps."""
     m, p, t = config.model, config.parallel, config.train
     positive = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
                 "model.num_heads": m.num_heads, "model.seq_length": m.seq_length, "parallel.tensor": p.tensor,
@@ -258,9 +279,30 @@ def validate(config: RunConfig, world_size: int) -> int:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    if config.data.text_file and not Path(config.data.text_file).is_file():
-        raise UserError(f"data.text_file={config.data.text_file} not found; point it at a UTF-8 text file")
+    if check_paths:
+        check_files(config)
     return t.global_batch_size // per_step
+
+
+def check_files(config: RunConfig) -> None:
+    """Every file the run will read exists (cheap; done before any process starts)."""
+    from shardlm.paths import shared_data_dir
+
+    d = config.data
+    if d.text_file and not Path(d.text_file).is_file():
+        raise UserError(f"data.text_file={d.text_file} not found; point it at a UTF-8 text file")
+    for prefix in d.prefixes[1::2] if len(d.prefixes) > 1 else d.prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(f"{prefix}{suffix}").is_file():
+                raise UserError(f"data.prefixes: {prefix}{suffix} not found; create it with `shardlm preprocess`")
+    gpt2 = shared_data_dir() / "vocab" / "gpt2"
+    vocab = d.vocab_file or (str(gpt2 / "encoder.json") if d.tokenizer == "gpt2" else "")
+    merges = d.merges_file or (str(gpt2 / "vocab.bpe") if d.tokenizer == "gpt2" else "")
+    if not vocab:
+        raise UserError(f'data.vocab_file must be set for data.tokenizer="{d.tokenizer}"')
+    for key, path in (("data.vocab_file", vocab), ("data.merges_file", merges)):
+        if path and not Path(path).is_file():
+            raise UserError(f"{key}: {path} not found; set {key} (or SHARDLM_DATA for the shared GPT-2 files)")
 
 
 def describe() -> str:

@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, init):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1")
@@ -32,7 +32,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         # A short collective timeout turns a hang (one rank failed mid-check) into an error.
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=90))
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=90))
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that vanish
         # when this process exits before the parent reads them.
         queue.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -43,12 +44,13 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_workers(world_size: int, fn, *args, timeout: float = 240.0) -> list:
-    """Run `fn(*args)` on ranks 0..world_size-1 (gloo, CPU); return the per-rank results."""
+def run_workers(world_size: int, fn, *args, timeout: float = 240.0, init: bool = True) -> list:
+    """Run `fn(*args)` on ranks 0..world_size-1 (gloo, CPU); return the per-rank results.
+    With init=False the workers get the torchrun environment but no process group yet."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

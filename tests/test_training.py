@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardlm.config import RunConfig, from_dict
+from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.parallel import ParallelContext
-from shardlm.training.data import EpochShuffled, TokenWindows
 from shardlm.training.trainer import Trainer
 
 from multiproc import run_workers
@@ -40,13 +40,13 @@ def tiny_config(tp: int = 1, micro: int = 8, dropout: float = 0.0, checkpointing
     })
 
 
-def synthetic_data(seed: int = 0) -> EpochShuffled:
+def synthetic_data(seed: int = 0) -> TokenArrayDataset:
     """A learnable stream: each token is a fixed function of the previous one, 10% noise."""
     rng = np.random.default_rng(seed)
     successor, tokens = rng.permutation(VOCAB), [0]
     for noise, noisy in zip(rng.random(4000), rng.integers(0, VOCAB, 4000)):
         tokens.append(noisy if noise < 0.1 else successor[tokens[-1]])
-    return EpochShuffled(TokenWindows(np.asarray(tokens), 16), seed=3)
+    return TokenArrayDataset(np.asarray(tokens), 16, seed=3, num_samples=STEPS * 8)
 
 
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:

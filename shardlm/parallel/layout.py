@@ -110,21 +110,24 @@ class ParallelContext:
         )
 
     @classmethod
-    def from_process_group(cls, tensor_parallel: int, device: torch.device | None = None) -> ParallelContext:
+    def from_process_group(cls, tensor_parallel: int, device: torch.device | None = None,
+                           timeout_s: float | None = None) -> ParallelContext:
         """Build the TP and DP groups on an initialized default process group.
 
         Every rank must call this with the same `tensor_parallel`, since `new_group` is collective.
+        `timeout_s` bounds each collective on the new groups (default: torch's).
         """
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = rank_grid(world, tensor_parallel)
         stats = CommStats()
         tp = dp = None
         for ranks in tensor_parallel_groups(grid):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 tp = Communicator("tp", group, len(ranks), ranks.index(rank), stats)
         for ranks in data_parallel_groups(grid):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 dp = Communicator("dp", group, len(ranks), ranks.index(rank), stats)
         return cls(rank=rank, world_size=world, tp=tp, dp=dp,
@@ -156,4 +159,4 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return ParallelContext.from_process_group(tensor_parallel, device)
+    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s)

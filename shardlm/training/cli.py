@@ -34,13 +34,13 @@ def run(args: argparse.Namespace) -> int:
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
     nproc = args.nproc_per_node
     world = nproc if nproc and not under_launcher else int(os.environ.get("WORLD_SIZE", "1"))
-    validate(config, world)
     if args.print_config:
         import dataclasses
         import json
 
         print(json.dumps(dataclasses.asdict(config), indent=2))
         return 0
+    validate(config, world)
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc-per-node={nproc} must be at least 1")
     if nproc and not under_launcher:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(config, Path(args.run_dir) if args.run_dir else None, args.config)
     except RuntimeError as exc:
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        if is_timeout(exc):
             raise UserError(f"a collective timed out after train.timeout_s={config.train.timeout_s:g}s: "
                             "a peer stopped responding (check the other ranks' logs)") from None
         raise
@@ -61,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if "val_loss" in metrics and int(os.environ.get("RANK", "0")) == 0:
         print(f"final validation loss {metrics['val_loss']:.4f} | perplexity {metrics['val_ppl']:.2f}")
     return 0
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """True for the errors torch.distributed raises when a collective outlives its timeout."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def launch_local(args: argparse.Namespace, nproc: int) -> int:

@@ -51,10 +51,10 @@ class RunLogger:
         self._write(metrics)
         mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if metrics.get("mfu") else ""
         skipped = " | step skipped (fp16 overflow)" if metrics.get("skipped") else ""
+        scale = f" | loss scale {metrics['loss_scale']:.0f}" if metrics["loss_scale"] != 1.0 else ""
         self.print(f"step {step:>6}/{total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
-                   f"grad norm {metrics['grad_norm']:.3f} | loss scale {metrics['loss_scale']:.0f} | "
-                   f"{metrics['tokens_per_sec']:.0f} tokens/s | {metrics['tflops_per_device']:.3f} TFLOP/s/device"
-                   f"{mfu}{skipped}")
+                   f"grad norm {metrics['grad_norm']:.3f}{scale} | {metrics['tokens_per_sec']:.0f} tokens/s | "
+                   f"{metrics['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skipped}")
         if self.writer:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device"):
                 value = metrics.get(key)

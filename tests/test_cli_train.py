@@ -1,0 +1,179 @@
+"""`shardlm train` from the command line: config errors, local launch, two-node launch, timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlm.cli import main
+
+from multiproc import free_port, run_workers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = """
+[model]
+num_layers = 2
+hidden_size = 32
+num_heads = 4
+seq_length = 32
+dropout = 0.0
+
+[parallel]
+tensor = 2
+
+[data]
+text_file = "{text}"
+
+[train]
+micro_batch_size = 2
+global_batch_size = 8
+steps = 4
+lr = 1e-3
+warmup_steps = 1
+eval_iters = 2
+
+[log]
+interval = 1
+progress = false
+tensorboard = false
+plot = {plot}
+"""
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory, data_dir):
+    folder = tmp_path_factory.mktemp("cli")
+    text = folder / "corpus.txt"
+    text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:40_000])
+    path = folder / "tiny.toml"
+    path.write_text(TINY.format(text=text, plot="true"))
+    return path
+
+
+ERRORS = [
+    (["model.num_heads=6", "model.hidden_size=48", "--nproc-per-node", "4", "parallel.tensor=4"],
+     "model.num_heads=6 is not divisible by parallel.tensor=4"),
+    (["--nproc-per-node", "3"], "world size 3 is not divisible by parallel.tensor=2"),
+    (["model.hidden_size=30"], "model.hidden_size=30 is not divisible by model.num_heads=4"),
+    (["train.micro_batch_size=4", "train.global_batch_size=6"],
+     "train.global_batch_size=6 is not divisible by train.micro_batch_size x data-parallel size = 4 x 1"),
+    (["train.lrr=1"], "unknown config key train.lrr"),
+    (["optimizer.lr=1"], "unknown config section [optimizer]"),
+    (["train.steps=ten"], "train.steps='ten' must be of type int"),
+    (["train.activation_checkpointing=1"], "train.activation_checkpointing=1 must be true or false"),
+    (["data.text_file=/no/such/file.txt"], "data.text_file=/no/such/file.txt not found"),
+    (["data.tokenizer=json"], 'data.vocab_file must be set for data.tokenizer="json"'),
+    (["data.vocab_file=/no/vocab.json"], "data.vocab_file: /no/vocab.json not found"),
+    (["train.precision=fp8"], 'train.precision="fp8" must be'),
+]
+
+
+@pytest.mark.parametrize("extra,message", ERRORS, ids=[m.split()[0] for _, m in ERRORS])
+def test_config_error_is_one_line_exit_2(config_file, capsys, extra, message):
+    launch = [] if "--nproc-per-node" in extra else ["--nproc-per-node", "2"]
+    code = main(["train", str(config_file), *launch, *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_missing_and_invalid_config_files(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "none.toml")]) == 2
+    assert "none.toml not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nnum_layers = 2")
+    assert main(["train", str(bad)]) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def shardlm(*args, cwd=ROOT, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "shardlm", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def single_node_run(config_file, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    result = shardlm("train", str(config_file), "--nproc-per-node", "4", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_local_launch_trains_and_writes_outputs(single_node_run):
+    run_dir, result = single_node_run
+    losses = read_losses(run_dir)
+    assert len(losses) == 4
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec"} <= records[0].keys()
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    assert "final validation loss" in result.stdout
+    assert "TP=2 x DP=2" in result.stderr + result.stdout
+
+
+def test_two_node_launch_on_loopback_matches_single_node(config_file, single_node_run, tmp_path):
+    """Two torchrun agents (--nnodes 2, 2 processes each, TP=2 x DP=2) train like one node of 4."""
+    run_dir = tmp_path / "two-node"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                          "-m", "shardlm", "train", str(config_file), "--run-dir", str(run_dir)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    single = read_losses(single_node_run[0])
+    two_node = read_losses(run_dir)
+    assert two_node == pytest.approx(single, rel=1e-5)
+
+
+def hung_peer(timeout_s: float):
+    """Rank 1 never joins the collective; rank 0 must fail after about timeout_s, not hang."""
+    import torch
+
+    from shardlm.parallel import init_distributed
+
+    ctx = init_distributed(tensor_parallel=2, timeout_s=timeout_s)
+    if ctx.rank == 1:
+        time.sleep(timeout_s + 6)
+        return None
+    start = time.perf_counter()
+    try:
+        ctx.tp.all_reduce(torch.ones(4))
+    except RuntimeError as exc:
+        return time.perf_counter() - start, str(exc)
+    return time.perf_counter() - start, "no error"
+
+
+def test_collective_timeout_ends_a_hung_run():
+    elapsed, message = run_workers(2, hung_peer, 3.0, init=False, timeout=60)[0]
+    assert message != "no error"
+    assert elapsed < 15
+    from shardlm.training.cli import is_timeout
+
+    assert is_timeout(RuntimeError(message)), message
+
+
+@pytest.mark.parametrize("name,world,accumulation", [("gpt2-355m", 64, 1), ("gpt2-2.5b", 128, 1),
+                                                     ("gpt2-8.3b", 512, 1), ("tiny", 1, 2)])
+def test_shipped_configs_are_valid_for_their_layout(name, world, accumulation):
+    from shardlm.config import load_config, validate
+
+    config = load_config(ROOT / "configs" / f"{name}.toml")
+    assert validate(config, world, check_paths=False) == accumulation
