@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multiproc import run_checks, run_workers
 
 from shardlm.parallel import (
     ColumnParallelLinear,
@@ -25,6 +24,8 @@ from shardlm.parallel import (
     vocab_parallel_cross_entropy,
 )
 from shardlm.parallel.layout import data_parallel_groups, rank_grid, tensor_parallel_groups
+
+from multiproc import run_checks, run_workers
 
 TOL = 1e-5
 _CONTEXTS: dict[int, ParallelContext] = {}
