@@ -139,3 +139,13 @@ def test_sentence_splitter_rules():
         "New para",
     ]
     assert split_sentences("") == []
+
+
+def test_benchmark_reports_medians(tmp_path, data_dir):
+    from shardlm.data.bench import benchmark_preprocess
+
+    report = benchmark_preprocess(tmp_path, workers=(1,), repeats=1, data_dir=data_dir)
+    stats = report["by_workers"]["1"]
+    assert report["documents"] > 10_000 and report["tokens"] > 500_000
+    assert stats["documents_per_second"]["min"] <= stats["documents_per_second"]["median"] > 0
+    assert stats["tokens_per_second"]["median"] > stats["documents_per_second"]["median"]

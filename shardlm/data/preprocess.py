@@ -1,10 +1,11 @@
 """`shardlm preprocess`: text documents -> token ids -> `PREFIX.bin` / `PREFIX.idx` (Megatron format).
 
 The input streams through in batches of documents; with `workers > 1` a process pool tokenizes the
-batches (in order, so the output does not depend on the worker count) while the main process
-writes. Each document becomes one sequence, or one sequence per sentence with `split_sentences`
-(for BERT). With `append_eod` the tokenizer's end-of-document id ends each document's last
-sequence. Documents with no tokens are skipped and counted.
+batches while the main process reads and writes. Results are taken in input order (the output does
+not depend on the worker count) and at most 4 x workers batches are in flight (memory stays
+bounded however large the input). Each document becomes one sequence, or one sequence per sentence
+with `split_sentences` (for BERT). With `append_eod` the tokenizer's end-of-document id ends each
+document's last sequence. Documents with no tokens are skipped and counted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +144,7 @@ def preprocess(config: PreprocessConfig, progress: bool = True) -> PreprocessRes
                            for batch in _batches(config, stats))
             else:
                 pool = _start_pool(config)
-                results = pool.imap(_worker_tokenize, _batches(config, stats), chunksize=1)
+                results = _ordered_bounded_map(pool, _batches(config, stats), 4 * config.workers)
             for documents in results:
                 for sequences in documents:
                     if sequences:
@@ -161,6 +163,17 @@ def preprocess(config: PreprocessConfig, progress: bool = True) -> PreprocessRes
         empty_documents=empty, bad_lines=stats.bad_lines, bytes_read=stats.bytes_read,
         seconds=time.perf_counter() - start,
     )
+
+
+def _ordered_bounded_map(pool, batches: Iterator[list[str]], max_in_flight: int) -> Iterator:
+    """`pool.imap` in input order, but reading at most `max_in_flight` batches ahead (bounded memory)."""
+    in_flight: deque = deque()
+    for batch in batches:
+        in_flight.append(pool.apply_async(_worker_tokenize, (batch,)))
+        if len(in_flight) >= max_in_flight:
+            yield in_flight.popleft().get()
+    while in_flight:
+        yield in_flight.popleft().get()
 
 
 def _start_pool(config: PreprocessConfig):
