@@ -1,0 +1,106 @@
+"""What shardlm actually allocates on this machine, to check the planner's memory model against.
+
+- `state_bytes`: bytes of a trainer's parameters, gradients (unique storages, so DDP's bucket views
+  count once) and optimizer state tensors;
+- `saved_activation_bytes`: bytes of the tensors autograd saves for backward during one forward
+  pass, through `torch.autograd.graph.saved_tensors_hooks`. Each storage counts once (views such as
+  q, k, v of the fused QKV output share one), parameters are excluded, and every saved tensor is
+  attributed to the transformer layer that was running when it was saved. Exact and deterministic.
+- `time_steps`: median wall time of training steps (for the CPU step-time comparison).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+OUTSIDE = "outside"
+
+
+@dataclass
+class SavedBytes:
+    """Bytes saved for backward in one forward pass, by where they were saved."""
+
+    by_layer: dict[int, int] = field(default_factory=dict)
+    """Transformer layer index -> bytes its forward saved."""
+    outside_layers: int = 0
+    """Embedding, final LayerNorm, LM head, loss."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_layer.values()) + self.outside_layers
+
+
+def saved_activation_bytes(model: nn.Module, forward, layers: list[nn.Module]) -> SavedBytes:
+    """Run `forward()` (which calls `model`) and sum the bytes of every tensor it saves for backward.
+
+    `layers` are the transformer blocks to attribute saved tensors to. Returns the forward's result
+    in `result.value` is not needed by callers, so the output is discarded after measuring.
+    """
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    result = SavedBytes()
+    current: list[int | None] = [None]
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in parameter_storages and pointer not in seen and storage.nbytes() > 0:
+            seen.add(pointer)
+            if current[0] is None:
+                result.outside_layers += storage.nbytes()
+            else:
+                result.by_layer[current[0]] = result.by_layer.get(current[0], 0) + storage.nbytes()
+        return tensor
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=index: current.__setitem__(0, i)))
+        handles.append(layer.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    del output
+    return result
+
+
+def state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, of their gradients (unique storages) and of the optimizer's state."""
+    grad_storages = {}
+    for p in params:
+        if p.grad is not None:
+            storage = p.grad.untyped_storage()
+            grad_storages[storage.data_ptr()] = storage.nbytes()
+    optimizer_bytes = sum(value.numel() * value.element_size()
+                          for state in optimizer.state.values() for value in state.values()
+                          if isinstance(value, torch.Tensor))
+    return {"parameters": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(grad_storages.values()), "optimizer": optimizer_bytes}
+
+
+def autocast_context(precision: str, device: torch.device):
+    """The autocast the trainer uses for `precision` ("fp32": none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def time_steps(step, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of `step()` over `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,229 @@
+"""Per-rank memory of shardlm's GPT: parameters, gradients, optimizer state and activations.
+
+Everything is derived from the code, not from rules of thumb:
+
+- parameters: which weights `shardlm.models.gpt` splits over the TP group (fused QKV and the first
+  MLP GEMM by columns, with their biases; the two residual projections by rows; the vocabulary
+  embedding, tied to the LM head, by rows of the padded vocabulary) and which it replicates
+  (LayerNorms, the row-parallel biases, learned positions);
+- state bytes per parameter: shardlm keeps fp32 parameters, fp32 gradients (DDP buckets are the
+  gradients) and AdamW's two fp32 moments plus one fp32 `step` scalar per tensor, in every
+  precision (autocast only changes activations): 4 + 4 + 8 bytes. Megatron's mixed precision
+  (the paper's implementation) keeps half-precision weights and gradients, an fp32 master copy and
+  the two moments: 2 + 2 + 12 bytes;
+- activations: exactly what autograd saves in shardlm's transformer layer for one micro-batch
+  (listed in `layer_activation_bytes`), assuming a fused SDPA kernel (flash / memory-efficient:
+  q, k, v, the output and the fp32 log-sum-exp; dropout masks regenerated from the RNG).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class NumericFormat:
+    """Bytes per element of each kind of tensor, for one precision in one implementation."""
+
+    name: str
+    """"shardlm-fp32", "shardlm-bf16", "megatron-fp16", ..."""
+    weight_bytes: int
+    """Model weights the forward pass reads (shardlm: fp32 masters; Megatron: half copies)."""
+    grad_bytes: int
+    """Gradient of each weight (also the element size of the DP all-reduce)."""
+    optimizer_bytes: int
+    """Optimizer state per parameter: Adam's two fp32 moments, plus the fp32 master in Megatron."""
+    matmul_bytes: int
+    """Inputs and outputs of the GEMMs and SDPA: 4 in fp32, 2 under half precision."""
+    residual_bytes: int
+    """The residual stream and LayerNorm inputs (shardlm: fp32, the fp32 biases promote it)."""
+    weight_cast_bytes: int
+    """Half copy of each GEMM weight that autocast saves for the backward pass (0 without autocast)."""
+    tp_forward_bytes: int
+    """Element size of the forward TP all-reduces (outputs of the row-parallel GEMMs)."""
+    tp_backward_bytes: int
+    """Element size of the backward TP all-reduces (gradients of the LayerNorm outputs)."""
+    adam_step_scalar: bool
+    """True when the optimizer keeps a 4-byte `step` tensor per parameter tensor (torch AdamW)."""
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+IMPLEMENTATIONS = ("shardlm", "megatron")
+
+
+def numeric_format(precision: str, implementation: str = "shardlm") -> NumericFormat:
+    """The byte sizes of `implementation` ("shardlm" or "megatron") running in `precision`."""
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r} must be one of {', '.join(PRECISIONS)}")
+    if implementation not in IMPLEMENTATIONS:
+        raise UserError(f"--implementation {implementation!r} must be one of {', '.join(IMPLEMENTATIONS)}")
+    name = f"{implementation}-{precision}"
+    if precision == "fp32":
+        return NumericFormat(name, 4, 4, 8, 4, 4, 0, 4, 4, implementation == "shardlm")
+    if implementation == "shardlm":  # fp32 masters and grads, autocast GEMMs, fp32 residual stream
+        return NumericFormat(name, 4, 4, 8, 2, 4, 2, 2, 4, True)
+    return NumericFormat(name, 2, 2, 12, 2, 2, 0, 2, 2, False)
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Parameter elements held by one TP rank."""
+
+    sharded: int
+    """Elements of split weights (this rank's shard)."""
+    replicated: int
+    """Elements of weights every TP rank holds in full."""
+    tensors: int
+    """Number of parameter tensors (the optimizer keeps one `step` scalar per tensor)."""
+    matrix: int
+    """Elements of this rank's GEMM weights inside the layers (autocast saves half copies of them)."""
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def _split(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise UserError(f"{what}={size} is not divisible by tensor parallel size {tp}")
+    return size // tp
+
+
+def parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.gpt.GPT` at tensor-parallel size `tp`.
+
+    Per layer: QKV (3h x h weight + 3h bias) and MLP fc (f x h + f) split by columns, the attention
+    and MLP output projections (h x h, h x f) split by rows with their h biases replicated, two
+    LayerNorms (2h each) replicated. Outside: the vocabulary embedding (V_padded x h, V_padded a
+    multiple of 128 x tp) split by rows and tied to the LM head, positions (s x h) and the final
+    LayerNorm replicated. arch="bert" adds Megatron's BERT heads (token types, pooler, LM-head
+    transform, output bias, binary head).
+    """
+    h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
+    h_local, f_local = _split(h, tp, "hidden_size"), _split(f, tp, "ffn size")
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    matrix = 3 * h_local * h + h * h_local + f_local * h + h * f_local
+    layer_sharded = matrix + 3 * h_local + f_local
+    layer_replicated = 2 * h + 2 * h + h + h  # ln_1, ln_2, attention and MLP output biases
+    sharded = layers * layer_sharded + vocab_local * h
+    replicated = layers * layer_replicated + cfg.seq_length * h + 2 * h
+    tensors = 12 * layers + 4
+    if cfg.arch == "bert":
+        sharded += vocab_local  # output-layer bias, split like the vocabulary
+        replicated += 2 * h + (h * h + h) + (h * h + h) + 2 * h + (2 * h + 2)
+        tensors += 10
+    return ParameterCount(sharded, replicated, tensors, layers * matrix)
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes of parameters, gradients and optimizer state on one rank."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def state_memory(params: ParameterCount, fmt: NumericFormat) -> StateMemory:
+    """Per-rank bytes of weights, gradients and optimizer state (AdamW, no sharding of the state)."""
+    step_scalars = 4 * params.tensors if fmt.adam_step_scalar else 0
+    return StateMemory(parameters=params.total * fmt.weight_bytes, gradients=params.total * fmt.grad_bytes,
+                       optimizer=params.total * fmt.optimizer_bytes + step_scalars)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes one rank keeps for the backward pass of one micro-batch."""
+
+    per_layer: int
+    """What one transformer layer saves (also what a checkpointed layer rebuilds in its backward)."""
+    layer_input: int
+    """A layer's input: all that a checkpointed layer keeps until its backward."""
+    outside_layers: int
+    """Embedding, final LayerNorm, LM head and cross-entropy."""
+    transient: int
+    """Not saved but alive at the end of the forward pass: the logits and the loss's fp32 copy."""
+    num_layers: int
+
+    def stored(self, checkpointing: bool) -> int:
+        """Saved bytes held between the forward and the backward pass."""
+        layers = self.layer_input if checkpointing else self.per_layer
+        return self.num_layers * layers + self.outside_layers
+
+    def peak(self, checkpointing: bool) -> int:
+        """Most saved bytes alive at once: with checkpointing, the kept layer inputs plus one layer
+        being recomputed (its input is already among the kept ones)."""
+        if not checkpointing:
+            return self.stored(False)
+        return self.stored(True) + self.per_layer - self.layer_input
+
+
+def _mask_bytes(cfg: ModelConfig, fmt: NumericFormat, backend: str) -> int:
+    """Bytes per element of a residual dropout mask: CUDA's fused dropout saves a bool mask, the CPU
+    kernel saves the scaled mask in the input's dtype; no mask without dropout."""
+    if cfg.dropout <= 0:
+        return 0
+    return 1 if backend == "cuda" else fmt.residual_bytes
+
+
+def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                           backend: str = "cuda") -> int:
+    """Bytes autograd saves in one `TransformerBlock` forward on one TP rank (b = micro_batch, s, h,
+    a heads, f = ffn, t = tp):
+
+      replicated over TP (b s h elements each):  LN1 input, LN2 input (residual dtype);
+          LN1 and LN2 outputs as saved by the QKV and fc GEMMs (GEMM dtype); 2 dropout masks;
+      split over TP:  QKV output 3 b s h/t, SDPA output b s h/t (also the output projection's input:
+          the kernel's (b, s, a, d) layout makes the reshape a view), fc output and GeLU output
+          2 x b s f/t, all in the GEMM dtype;
+      small: LayerNorm mean and rstd 2 x 2 b s fp32, SDPA log-sum-exp b a/t s fp32;
+      autocast: the half copies of this rank's four GEMM weights.
+    """
+    if cfg.attention_dropout_p > 0 and backend != "cuda":
+        raise ValueError("attention dropout on CPU runs the unfused SDPA (it saves s x s matrices); "
+                         "measure with model.attention_dropout=0")
+    h, f, b, s = cfg.hidden_size, cfg.ffn_size, micro_batch, cfg.seq_length
+    tokens = b * s
+    replicated = tokens * h * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + 2 * _mask_bytes(cfg, fmt, backend))
+    split = tokens * (4 * h // tp + 2 * f // tp) * fmt.matmul_bytes
+    small = 2 * 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
+    weights = fmt.weight_cast_bytes * (4 * h * h + 2 * f * h) // tp
+    return replicated + split + small + weights
+
+
+def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, backend: str = "cuda",
+                      rank: int | None = None) -> ActivationMemory:
+    """Activation bytes of TP rank `rank` (default: the last, which holds the vocabulary padding).
+
+    Outside the layers: token ids (int64; at TP > 1 the local ids and the out-of-range mask of the
+    vocabulary-parallel lookup), the embedding dropout mask, the final LayerNorm's input and stats,
+    its output as saved by the LM-head GEMM (plus autocast's half copy of this rank's embedding), and
+    the cross-entropy's fp32 softmax b s V/t, local targets (int64) and two bool masks, plus a bool
+    padding mask on ranks whose vocabulary slice holds padding.
+    """
+    rank = tp - 1 if rank is None else rank
+    h, b, s = cfg.hidden_size, micro_batch, cfg.seq_length
+    tokens = b * s
+    vocab_local = cfg.padded_vocab_size(tp) // tp
+    ids = tokens * 8 + (tokens if tp > 1 else 0)
+    embedding = ids + tokens * h * _mask_bytes(cfg, fmt, backend)
+    final_norm = tokens * h * fmt.residual_bytes + 2 * tokens * 4
+    lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * vocab_local * h
+    holds_padding = (rank + 1) * vocab_local > cfg.vocab_size
+    cross_entropy = tokens * vocab_local * 4 + tokens * 8 + 2 * tokens + (vocab_local if holds_padding else 0)
+    return ActivationMemory(
+        per_layer=layer_activation_bytes(cfg, tp, micro_batch, fmt, backend),
+        layer_input=tokens * h * fmt.residual_bytes,
+        outside_layers=embedding + final_norm + lm_head + cross_entropy,
+        transient=tokens * vocab_local * (fmt.matmul_bytes + 4),
+        num_layers=cfg.num_layers,
+    )

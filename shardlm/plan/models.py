@@ -1,0 +1,83 @@
+"""Model presets for the planner: the paper's GPT-2 and BERT models and its weak-scaling configs.
+
+`--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
+the same transformer layer as GPT (bidirectional attention costs what causal attention costs in the
+FLOP formula) plus Megatron's BERT heads, counted in `memory.parameter_count`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+GPT2_VOCAB = 50257
+BERT_VOCAB = 30522
+SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
+
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int = GPT2_VOCAB, seq: int = 1024) -> ModelConfig:
+    return ModelConfig(arch="gpt", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=seq,
+                       vocab_size=vocab)
+
+
+def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
+    return ModelConfig(arch="bert", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=512,
+                       vocab_size=BERT_VOCAB)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "gpt2-355m": _gpt(24, 1024, 16),
+    "gpt2-2.5b": _gpt(54, 1920, 20),
+    "gpt2-8.3b": _gpt(72, 3072, 24),
+    "bert-336m": _bert(24, 1024, 16),
+    "bert-1.3b": _bert(24, 2048, 32),
+    "bert-3.9b": _bert(48, 2560, 40),
+    # paper §4 / Table 1: hidden per head 96, vocab 51,200, sequence 1024
+    "scaling-1.2b": _gpt(40, 1536, 16, SCALING_VOCAB),
+    "scaling-2.5b": _gpt(54, 1920, 20, SCALING_VOCAB),
+    "scaling-4.2b": _gpt(64, 2304, 24, SCALING_VOCAB),
+    "scaling-8.3b": _gpt(72, 3072, 32, SCALING_VOCAB),
+}
+
+TOKENIZER_VOCAB = {"gpt2": GPT2_VOCAB, "bert": BERT_VOCAB}
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """A model the planner sizes: its shape and where it came from."""
+
+    name: str
+    """Preset name or config path."""
+    config: ModelConfig
+    """Layers, hidden size, heads, sequence length, vocabulary (real, before padding)."""
+
+
+def resolve_model(spec: str) -> PlannedModel:
+    """A preset name (case-insensitive) or a path to a shardlm TOML config."""
+    if spec.lower() in MODEL_PRESETS:
+        return PlannedModel(spec.lower(), MODEL_PRESETS[spec.lower()])
+    path = Path(spec)
+    if not path.suffix == ".toml" and not path.exists():
+        raise UserError(f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a TOML config file")
+    from shardlm.config import load_config
+
+    run = load_config(path)
+    model = run.model
+    if model.vocab_size <= 0:
+        if run.data.tokenizer not in TOKENIZER_VOCAB:
+            raise UserError(f"{path}: set model.vocab_size (the planner cannot read a {run.data.tokenizer} "
+                            "tokenizer's size)")
+        model = ModelConfig(**{**model.__dict__, "vocab_size": TOKENIZER_VOCAB[run.data.tokenizer]})
+    return PlannedModel(str(path), model)
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Reject shapes the model cannot have; UserError naming the field."""
+    for key in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"model.{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.hidden_size % cfg.num_heads:
+        raise UserError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
