@@ -246,6 +246,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
             raise UserError(f"{key}={value} must be at least 1")
     if m.arch != "gpt":
         raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt"')
+    if m.activation not in ("gelu", "gelu_tanh"):
+        raise UserError(f'model.activation="{m.activation}" must be "gelu" or "gelu_tanh"')
     if m.hidden_size % m.num_heads:
         raise UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
                         "choose sizes with hidden_size = num_heads x head_dim")

@@ -23,6 +23,8 @@ class ModelConfig:
     """Real vocabulary size; 0 takes it from the tokenizer."""
     ffn_hidden_size: int = 0
     """MLP width; 0 means 4 x hidden_size."""
+    activation: str = "gelu"
+    """MLP activation: "gelu" (exact erf) or "gelu_tanh" (the tanh approximation of OpenAI's GPT-2)."""
     dropout: float = 0.1
     """Dropout on embeddings and on both residual branches."""
     attention_dropout: float = -1.0

@@ -72,9 +72,10 @@ class ParallelMLP(nn.Module):
                                        seed=param_seed(seed, f"{prefix}.fc"), device=ctx.device)
         self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx.tp, std=out_std,
                                       seed=param_seed(seed, f"{prefix}.proj"), device=ctx.device)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 class TransformerBlock(nn.Module):
