@@ -148,3 +148,17 @@ def test_unreadable_vocabulary_is_a_user_error(tmp_path, data_dir):
     bad_tokenizer.write_text("[]", encoding="utf-8")
     with pytest.raises(UserError, match="tokenizer.json"):
         build_tokenizer("json", bad_tokenizer)
+
+
+def test_bert_equals_transformers_bert_tokenizer(bert, data_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.BertTokenizer.from_pretrained(str(data_dir / "vocab/bert-base-uncased"),
+                                                           do_lower_case=True)
+    texts = VARIED_TEXTS + [
+        (data_dir / "corpus/moby_dick_pg2701.txt").read_text(encoding="utf-8")[:30_000],
+        (data_dir / "wikitext/wikitext-103/wiki.valid.tokens").read_text(encoding="utf-8")[:30_000],
+        "été \u0301 accents ÀÉÎÕÜ",
+    ]
+    for text in texts:
+        assert bert.encode(text) == reference.encode(text, add_special_tokens=False)
