@@ -101,7 +101,7 @@ def test_bad_json_line_fails_with_its_number_and_leaves_nothing(tmp_path, gpt2_f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no .bin/.idx, no temporaries
     assert main(["preprocess", "--input", str(source), "--output-prefix", str(tmp_path / "out"),
                  "--skip-bad-lines", *gpt2_flags]) == 0
-    assert "2 bad lines" in capsys.readouterr().out
+    assert "2 bad lines (lines 5, 6)" in capsys.readouterr().out
     assert len(documents_of(tmp_path / "out")) == 4
 
 

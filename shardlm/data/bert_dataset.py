@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlm.data.gpt_dataset import build_split_datasets
+from shardlm.data.builders import build_split_datasets
 from shardlm.data.index_cache import cached_arrays, file_signature
 from shardlm.data.indexed import IndexedDataset, idx_path
 from shardlm.data.masking import IGNORE_LABEL, MaskingConfig, continuation_flags, mask_tokens

@@ -16,9 +16,12 @@ TOKENIZER_CHOICES = ("gpt2", "bert", "json")
 
 
 def _add_tokenizer_flags(parser: argparse.ArgumentParser, default: str | None) -> None:
-    parser.add_argument("--tokenizer", choices=TOKENIZER_CHOICES if default != "words"
-                        else ("words", *TOKENIZER_CHOICES), default=default, required=default is None,
-                        help="gpt2 (encoder.json + vocab.bpe), bert (vocab.txt) or json (tokenizer.json)")
+    help_text = "gpt2 (encoder.json + vocab.bpe), bert (vocab.txt) or json (tokenizer.json)"
+    choices = TOKENIZER_CHOICES
+    if default == "words":
+        choices = ("words", *TOKENIZER_CHOICES)
+        help_text = "how to count tokens: words (whitespace, default), or " + help_text
+    parser.add_argument("--tokenizer", choices=choices, default=default, required=default is None, help=help_text)
     parser.add_argument("--vocab-file", type=Path, help="encoder.json / vocab.txt / tokenizer.json")
     parser.add_argument("--merges-file", type=Path, help="vocab.bpe / merges.txt (gpt2 only)")
     parser.add_argument("--cased", action="store_true", help="bert: do not lower-case the text")
@@ -62,15 +65,15 @@ def add_parser(subparsers) -> None:
     corpus = subparsers.add_parser("corpus", help="clean a corpus: filter, dedup, overlap")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", metavar="ACTION", required=True)
     filter_ = corpus_sub.add_parser("filter", help="drop documents shorter than --min-tokens")
-    filter_.add_argument("--input", type=Path, required=True)
+    filter_.add_argument("--input", type=Path, required=True, help=".jsonl, .txt, or either with .gz")
     filter_.add_argument("--output", type=Path, required=True, help=".jsonl (or .jsonl.gz)")
-    filter_.add_argument("--min-tokens", type=int, default=128)
+    filter_.add_argument("--min-tokens", type=int, default=128, help="keep documents with at least this many")
     _add_tokenizer_flags(filter_, default="words")
     _add_input_flags(filter_)
     filter_.set_defaults(func=run_corpus_filter)
 
     dedup = corpus_sub.add_parser("dedup", help="remove near-duplicates (MinHash LSH, Jaccard > threshold)")
-    dedup.add_argument("--input", type=Path, required=True)
+    dedup.add_argument("--input", type=Path, required=True, help=".jsonl, .txt, or either with .gz")
     dedup.add_argument("--output", type=Path, required=True, help=".jsonl (or .jsonl.gz)")
     dedup.add_argument("--threshold", type=float, default=0.7)
     dedup.add_argument("--num-perm", type=int, default=128, help="MinHash permutations")
@@ -104,10 +107,14 @@ def run_preprocess(args: argparse.Namespace) -> int:
         split_sentences=args.split_sentences, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
     )
     result = preprocess(config, progress=not args.no_progress)
+    bad_lines = f"{result.bad_lines} bad lines"
+    if result.bad_line_numbers:
+        more = ", ..." if result.bad_lines > 5 else ""
+        bad_lines += f" (lines {', '.join(map(str, result.bad_line_numbers[:5]))}{more})"
     print(f"wrote {args.output_prefix}.bin/.idx: {result.documents} documents, {result.sequences} sequences, "
           f"{result.tokens} tokens in {result.seconds:.1f} s ({result.documents_per_second:.0f} docs/s, "
           f"{result.bytes_read / max(result.seconds, 1e-9) / 1e6:.2f} MB/s); "
-          f"skipped {result.empty_documents} empty documents and {result.bad_lines} bad lines")
+          f"skipped {result.empty_documents} empty documents and {bad_lines}")
     return 0
 
 

@@ -39,8 +39,7 @@ class ReadStats:
 
     bad_lines: int = 0
     bytes_read: int = 0
-    first_bad_line: int | None = None
-    bad_line_numbers: list[int] = field(default_factory=list)
+    bad_line_numbers: list[int] = field(default_factory=list)  # the first 20 skipped lines
 
 
 def input_format(path: str | Path) -> str:
@@ -110,8 +109,6 @@ def _jsonl_documents(stream, path, json_key: str, skip_bad_lines: bool, stats: R
         if not skip_bad_lines:
             raise UserError(f"{path} line {line_number} {problem}; fix it or pass --skip-bad-lines")
         stats.bad_lines += 1
-        if stats.first_bad_line is None:
-            stats.first_bad_line = line_number
         if len(stats.bad_line_numbers) < 20:
             stats.bad_line_numbers.append(line_number)
 

@@ -23,10 +23,11 @@ from typing import Protocol
 
 import numpy as np
 
-from shardlm.data.blending import BlendedDataset, samples_per_dataset
+from shardlm.data.blending import BlendedDataset
+from shardlm.data.builders import build_split_datasets
 from shardlm.data.index_cache import cached_arrays, file_signature
 from shardlm.data.indexed import IndexedDataset, idx_path
-from shardlm.data.splits import SPLIT_NAMES, parse_data_prefixes, parse_split, split_document_ranges
+from shardlm.data.splits import SPLIT_NAMES
 from shardlm.errors import UserError
 
 INDEX_VERSION = 1  # bump when the index construction changes, to invalidate caches
@@ -198,41 +199,3 @@ def build_gpt_datasets(
                           name=f"gpt_{SPLIT_NAMES[split_id]}")
 
     return build_split_datasets(data_prefixes, split, num_samples, cache_dir, make)
-
-
-def build_split_datasets(data_prefixes, split, num_samples, cache_dir, make) -> tuple:
-    """Shared by the GPT and BERT builders: split each file by documents, blend across files.
-
-    `make(source, document_range, split_id, num_samples, cache_dir)` builds one dataset.
-    """
-    pairs = parse_data_prefixes(data_prefixes)
-    weights = parse_split(split)
-    if len(num_samples) != 3:
-        raise UserError(f"num_samples={num_samples} must give (train, valid, test) sample counts")
-    sources = [IndexedDataset(prefix) for _, prefix in pairs]
-    blend_weights = [weight for weight, _ in pairs]
-    datasets: list = []
-    for split_id, split_name in enumerate(SPLIT_NAMES):
-        if weights[split_id] == 0:
-            datasets.append(None)
-            continue
-        parts_args = []
-        for source in sources:
-            document_range = split_document_ranges(source.num_documents, weights)[split_id]
-            if document_range[1] <= document_range[0]:
-                raise UserError(f"the {split_name} split of {source.prefix} gets 0 of {source.num_documents} "
-                                f"documents with data.split={split!r}; use more documents or change data.split")
-            directory = Path(cache_dir) if cache_dir is not None else Path(source.prefix).parent / "index-cache"
-            parts_args.append((source, document_range, directory))
-        requested = int(num_samples[split_id])
-        if len(sources) == 1:
-            source, document_range, directory = parts_args[0]
-            datasets.append(make(source, document_range, split_id, requested, directory))
-            continue
-        if requested <= 0:  # one epoch of every file
-            requested = sum(len(make(s, r, split_id, 0, d)) for s, r, d in parts_args)
-        counts = samples_per_dataset(blend_weights, requested)
-        parts = [make(s, r, split_id, max(count, 1), d) for (s, r, d), count in zip(parts_args, counts)]
-        blend_cache = Path(cache_dir) if cache_dir is not None else parts_args[0][2]
-        datasets.append(BlendedDataset(parts, blend_weights, requested, blend_cache, name=f"blend_{split_name}"))
-    return tuple(datasets)

@@ -65,7 +65,7 @@ class IndexedDatasetWriter:
         suffix = f".tmp-{os.getpid()}"
         self._bin_tmp = Path(f"{bin_path(prefix)}{suffix}")
         self._idx_tmp = Path(f"{idx_path(prefix)}{suffix}")
-        self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize/abort
+        self._bin_file = open(self._bin_tmp, "wb")  # closed in finalize() or abort()
         self.sequence_lengths: list[int] = []
         self.document_index: list[int] = [0]
         self.num_tokens = 0

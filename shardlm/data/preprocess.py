@@ -15,7 +15,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,7 @@ class PreprocessResult:
     bad_lines: int
     bytes_read: int
     seconds: float
+    bad_line_numbers: list[int] = field(default_factory=list)  # the first 20 skipped lines
 
     @property
     def documents_per_second(self) -> float:
@@ -161,7 +162,7 @@ def preprocess(config: PreprocessConfig, progress: bool = True) -> PreprocessRes
     return PreprocessResult(
         documents=writer.num_documents, sequences=len(writer.sequence_lengths), tokens=writer.num_tokens,
         empty_documents=empty, bad_lines=stats.bad_lines, bytes_read=stats.bytes_read,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, bad_line_numbers=stats.bad_line_numbers,
     )
 
 
