@@ -149,3 +149,26 @@ def test_benchmark_reports_medians(tmp_path, data_dir):
     assert report["documents"] > 10_000 and report["tokens"] > 500_000
     assert stats["documents_per_second"]["min"] <= stats["documents_per_second"]["median"] > 0
     assert stats["tokens_per_second"]["median"] > stats["documents_per_second"]["median"]
+
+
+def test_unreadable_inputs_are_user_errors(tmp_path, gpt2_flags, capsys):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with gzip.open(tmp_path / "cut.jsonl.gz", "wb") as f:
+        f.write(("".join(json.dumps({"text": f"doc {k} " * 50}) + "\n" for k in range(2000))).encode())
+    data = (tmp_path / "cut.jsonl.gz").read_bytes()
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    for name, message in (("latin1.txt", "not valid UTF-8"), ("cut.jsonl.gz", "check the file is complete")):
+        assert main(["preprocess", "--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "out"),
+                     *gpt2_flags]) == 2
+        error = capsys.readouterr().err
+        assert message in error and error.count("\n") == 1
+    assert not (tmp_path / "out.idx").exists() and not (tmp_path / "out.bin").exists()
+
+
+def test_rerun_replaces_previous_output(tmp_path, gpt2_flags, gpt2):
+    source = write_jsonl(tmp_path / "in.jsonl", TEXTS)
+    for texts in (TEXTS, TEXTS[:1]):
+        write_jsonl(source, texts)
+        assert main(["preprocess", "--input", str(source), "--output-prefix", str(tmp_path / "out"),
+                     *gpt2_flags]) == 0
+    assert documents_of(tmp_path / "out") == [gpt2.encode(TEXTS[0])]

@@ -51,9 +51,9 @@ class IndexedDatasetWriter:
     """Streams documents into `PREFIX.bin` / `PREFIX.idx`, atomically.
 
     Tokens go to `PREFIX.bin.tmp-<pid>` as they come; `finalize()` writes the index to a temporary
-    name and then renames both, `.bin` first and `.idx` last, so an interrupted run never leaves an
-    `.idx` (which readers require) beside a partial `.bin`. Use as a context manager: an exception
-    removes the temporary files.
+    name, removes any old `PREFIX.idx`, then renames `.bin` and finally `.idx` into place, so an
+    interrupted run never leaves an `.idx` (which readers require) beside a partial or newer `.bin`.
+    Use as a context manager: an exception removes the temporary files.
     """
 
     def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
@@ -99,6 +99,8 @@ class IndexedDatasetWriter:
             index_file.write(lengths.astype("<i4").tobytes())
             index_file.write(pointers.astype("<i8").tobytes())
             index_file.write(np.asarray(self.document_index, dtype="<i8").tobytes())
+        # An old .idx goes first: at no moment does a new .bin sit beside an old, complete-looking .idx.
+        idx_path(self.prefix).unlink(missing_ok=True)
         os.replace(self._bin_tmp, bin_path(self.prefix))
         os.replace(self._idx_tmp, idx_path(self.prefix))
 
