@@ -138,3 +138,21 @@ def test_bad_dataset_settings_are_user_errors(tmp_path):
         build_gpt_datasets(["x", str(tmp_path / "d"), "1"], "1", 4, 0, (10, 0, 0))
     with pytest.raises(UserError, match="not found"):
         build_gpt_datasets([str(tmp_path / "missing")], "1", 4, 0, (10, 0, 0))
+
+
+def test_end_to_end_from_preprocessed_text(tmp_path, data_dir):
+    from shardlm.cli import main
+    from shardlm.data.tokenizers import build_tokenizer
+
+    gpt2 = build_tokenizer("gpt2", data_dir / "vocab/gpt2/encoder.json", data_dir / "vocab/gpt2/vocab.bpe")
+    assert main(["preprocess", "--input", str(data_dir / "corpus/tinyshakespeare.txt"), "--output-prefix",
+                 str(tmp_path / "shakespeare"), "--tokenizer", "gpt2", "--vocab-file",
+                 str(data_dir / "vocab/gpt2/encoder.json"), "--merges-file", str(data_dir / "vocab/gpt2/vocab.bpe"),
+                 "--append-eod", "--no-progress"]) == 0
+    train, valid, test = build_gpt_datasets([str(tmp_path / "shakespeare")], "949,50,1", 128, 1234,
+                                            (1000, 0, 0))
+    assert len(train) == 1000 and len(valid) > 0 and len(test) > 0
+    text = gpt2.decode(train[0])
+    assert len(text) > 100 and train[0].max() <= gpt2.eod
+    eods = sum(int((train[i] == gpt2.eod).sum()) for i in range(len(train)))
+    assert eods > 0  # samples cross document boundaries

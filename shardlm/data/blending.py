@@ -3,6 +3,9 @@
 Sample i of the blend comes from the dataset whose count lags its target the most:
 `argmax_d(weight_d * (i + 1) - count_d)`, ties to the lowest index. After any prefix of n samples
 every dataset has supplied within one sample of `weight_d * n`.
+
+The index is built by a plain Python loop (about 1 microsecond per sample with a few datasets:
+the paper's 300k iterations x 512 samples take a few minutes) and cached by `BlendedDataset`.
 """
 
 from __future__ import annotations
