@@ -1,0 +1,98 @@
+"""`shardlm plan`: memory per GPU and predicted step time of every TP x DP layout, and a recommendation.
+
+    shardlm plan --model gpt2-8.3b --gpus 512 --gpu h100 --global-batch 512
+    shardlm plan --model configs/tiny.toml --gpus 8 --gpu-memory 24 --flops 165 --gpus-per-node 8 \
+        --intra-node-bw 64 --inter-node-bw 25 --global-batch 64 --json
+    shardlm plan --validate-paper
+
+Imports stay light here: the model code loads only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="which TP x DP layout fits, and how fast it runs",
+        description="Per-GPU memory and predicted step time of every valid tensor x data parallel layout. "
+                    "Bandwidths: intra-node per GPU with both directions summed (as NVLink is quoted), "
+                    "inter-node per node and direction.",
+    )
+    parser.add_argument("--model", help="model preset (gpt2-355m, gpt2-2.5b, gpt2-8.3b, bert-336m, bert-1.3b, "
+                                        "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b) or a shardlm TOML config")
+    parser.add_argument("--gpus", type=int, help="total GPUs")
+    parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per server (preset: its server)")
+    parser.add_argument("--gpu-memory", type=float, metavar="GB", help="GPU memory, overrides the preset")
+    parser.add_argument("--flops", type=float, metavar="TFLOPS", help="peak half-precision TFLOP/s per GPU")
+    parser.add_argument("--hbm-bw", type=float, metavar="GB/s", help="GPU memory bandwidth")
+    parser.add_argument("--intra-node-bw", type=float, metavar="GB/s", help="NVLink/NVSwitch per GPU, bidirectional")
+    parser.add_argument("--inter-node-bw", type=float, metavar="GB/s", help="network per node, per direction")
+    parser.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: planner picks)")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--implementation", default="shardlm", choices=("shardlm", "megatron"),
+                        help="shardlm: fp32 weights+grads+Adam (4+4+8 B/param), autocast activations; "
+                             "megatron: half weights+grads, fp32 master+Adam (2+2+12), half activations")
+    parser.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept for CUDA context and workspaces")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="fraction of peak FLOP/s reached (default: calibrated on the paper's V100, ~0.32)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--validate-paper", action="store_true",
+                        help="print the paper's Table 1 weak-scaling efficiencies beside the predictions")
+    parser.set_defaults(func=run)
+
+
+def _gpu(args: argparse.Namespace):
+    from shardlm.plan.hardware import custom_gpu, gpu_preset
+
+    base = gpu_preset(args.gpu) if args.gpu else None
+    return custom_gpu(base, memory_gb=args.gpu_memory, peak_tflops=args.flops, hbm_gbps=args.hbm_bw,
+                      gpus_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_bw,
+                      inter_node_gbps=args.inter_node_bw)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from rich.console import Console
+
+    from shardlm.errors import UserError
+    from shardlm.plan import report
+
+    console = Console(width=None if Console().is_terminal else 140)
+    if args.validate_paper:
+        from shardlm.plan.paper import compare_table1
+
+        rows = compare_table1()
+        if args.json:
+            print(json.dumps(report.comparison_dict(rows), indent=2))
+        else:
+            report.render_comparison(rows, console)
+        return 0
+    if not args.model or not args.gpus:
+        raise UserError("give --model and --gpus (or --validate-paper)")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise UserError(f"--efficiency={args.efficiency} must be in (0, 1]")
+
+    from shardlm.plan.models import resolve_model
+    from shardlm.plan.planner import PlanRequest, plan
+    from shardlm.plan.timing import PAPER_CALIBRATION
+
+    calibration = PAPER_CALIBRATION
+    if args.efficiency is not None:
+        calibration = dataclasses.replace(calibration, compute_efficiency=args.efficiency)
+    request = PlanRequest(model=resolve_model(args.model), gpu=_gpu(args), gpus=args.gpus,
+                          global_batch=args.global_batch, precision=args.precision,
+                          implementation=args.implementation, micro_batch=args.micro_batch,
+                          checkpointing=args.checkpointing, reserve_gb=args.reserve_gb, calibration=calibration)
+    result = plan(request)
+    if args.json:
+        print(json.dumps(report.plan_dict(result), indent=2))
+    else:
+        report.render_plan(result, console)
+    return 0
