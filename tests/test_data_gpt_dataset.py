@@ -118,6 +118,20 @@ def test_blending_index_is_exact_at_every_prefix():
     assert counts.tolist() == [500, 300, 200]
 
 
+def test_splits_without_documents_are_none_with_a_warning(tmp_path):
+    write_unique_tokens(tmp_path / "small", [10] * 5)
+    write_unique_tokens(tmp_path / "large", [10] * 100, first_token=1000)
+    with pytest.warns(UserWarning) as record:
+        train, valid, test = build_gpt_datasets([str(tmp_path / "small")], "949,50,1", 4, 0, (10, 10, 10))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2 and all("small gets 0 of 5 documents" in m for m in messages)
+    assert len(train) == 10 and valid is None and test is None
+    with pytest.warns(UserWarning, match="left out"):
+        _, valid, _ = build_gpt_datasets(["1", str(tmp_path / "small"), "1", str(tmp_path / "large")], "95,5,0",
+                                         4, 0, (10, 20, 0))
+    assert len(valid) == 20 and all(valid[i].min() >= 1000 for i in range(20))  # only the large file
+
+
 def test_blended_datasets_draw_in_proportion(tmp_path):
     write_unique_tokens(tmp_path / "a", [20] * 30, first_token=0)
     write_unique_tokens(tmp_path / "b", [20] * 30, first_token=10_000)
@@ -130,8 +144,8 @@ def test_blended_datasets_draw_in_proportion(tmp_path):
 
 def test_bad_dataset_settings_are_user_errors(tmp_path):
     write_unique_tokens(tmp_path / "d", [10] * 5)
-    with pytest.raises(UserError, match="valid split of .* gets 0 of 5 documents"):
-        build_gpt_datasets([str(tmp_path / "d")], "949,50,1", 4, 0, (10, 10, 10))
+    with pytest.raises(UserError, match="train split of .* gets 0 of 5 documents"):
+        build_gpt_datasets([str(tmp_path / "d")], "1,100,100", 4, 0, (10, 10, 10))
     with pytest.raises(UserError, match="data.split"):
         build_gpt_datasets([str(tmp_path / "d")], "a,b", 4, 0, (10, 0, 0))
     with pytest.raises(UserError, match="weight"):
