@@ -132,3 +132,21 @@ def test_bad_files_give_one_line_user_errors(tmp_path):
     (tmp_path / "version.idx").write_bytes(idx[:9] + struct.pack("<Q", 2) + idx[17:])
     (tmp_path / "version.bin").write_bytes(bin_)
     _single_line_user_error(tmp_path / "version", "version 2")
+
+
+def test_interoperates_with_megatron_core_when_installed(tmp_path):
+    """Optional: with `megatron-core` importable (not a dependency), each side reads the other's files."""
+    megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    torch = pytest.importorskip("torch")
+    with IndexedDatasetWriter(tmp_path / "ours", np.uint16) as writer:
+        for doc in DOCUMENTS:
+            writer.add_document(doc)
+    theirs = megatron.IndexedDataset(str(tmp_path / "ours"))
+    assert [theirs[i].tolist() for i in range(len(theirs))] == [s for d in DOCUMENTS for s in d]
+    assert theirs.document_indices.tolist() == [0, 2, 3, 6]
+    builder = megatron.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.int32)
+    for doc in DOCUMENTS:
+        builder.add_document(torch.tensor([t for s in doc for t in s]), [len(s) for s in doc])
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    ours = IndexedDataset(tmp_path / "theirs")
+    assert [[s.tolist() for s in ours.document_sentences(k)] for k in range(3)] == DOCUMENTS
