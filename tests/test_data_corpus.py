@@ -101,6 +101,14 @@ def test_overlap_counts_repeated_eval_ngrams(tmp_path):
     assert report.percent == pytest.approx(200 / 3) and report.percent_unique == pytest.approx(50.0)
 
 
+def test_tokenizer_train_rejects_a_tiny_vocabulary(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("some text\n", encoding="utf-8")
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--kind", "bpe", "--vocab-size", "100",
+                 "--output", str(tmp_path / "tok"), "--no-progress"]) == 2
+    assert "at least 257" in capsys.readouterr().err
+    assert not (tmp_path / "tok").exists()
+
+
 def test_corpus_errors_exit_2(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
     assert main(["corpus", "dedup", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"),

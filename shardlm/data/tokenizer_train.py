@@ -49,8 +49,9 @@ def train_tokenizer(
 
     if kind not in TRAIN_KINDS:
         raise UserError(f"unknown tokenizer kind {kind!r} to train; choose one of {', '.join(TRAIN_KINDS)}")
-    if vocab_size < 300 and kind == "bpe" or vocab_size < 10:
-        raise UserError(f"--vocab-size {vocab_size} is too small; byte-level BPE needs at least 300")
+    smallest = 257 if kind == "bpe" else len(WORDPIECE_SPECIAL_TOKENS) + 1  # bytes + <|endoftext|>
+    if vocab_size < smallest:
+        raise UserError(f"--vocab-size {vocab_size} is too small for {kind}; use at least {smallest}")
     inputs = [Path(p) for p in inputs]
     for path in inputs:
         if not path.is_file():
