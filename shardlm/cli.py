@@ -20,6 +20,8 @@ COMMANDS = {
     "tokenizer": "shardlm.data.cli",
     "corpus": "shardlm.data.cli",
     "plan": "shardlm.plan.cli",
+    "checkpoint": "shardlm.checkpoint.cli",
+    "convert": "shardlm.checkpoint.cli",
 }
 
 

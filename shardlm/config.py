@@ -109,11 +109,15 @@ class CheckpointConfig:
     """The `[checkpoint]` section."""
 
     save_interval: int = 0
-    """Save every N steps; 0 disables periodic saves."""
+    """Save every N steps (and always at the end and on SIGTERM); 0: only at the end and on SIGTERM."""
     keep_last: int = 2
-    """Checkpoints kept in the run directory."""
+    """Checkpoints kept; older ones are deleted after a successful save."""
+    dir: str = ""
+    """Where checkpoints go; empty: RUN_DIR/checkpoints. A run finding one there resumes from it."""
     load: str = ""
-    """Checkpoint directory to resume from."""
+    """Start from this checkpoint (any TP x DP layout) instead; its step, optimizer and data position continue."""
+    save: bool = True
+    """Save checkpoints at all."""
 
 
 @dataclass
@@ -196,7 +200,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
-PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load")
+PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir")
 
 
 def expand_path(value: str) -> str:

@@ -89,5 +89,18 @@ class Communicator:
         if self.size == 1:
             return tensor
         self.stats.record("broadcast", self.name, tensor)
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank_in_group), group=self.group)
+        src = src_rank_in_group if self.group is None else dist.get_global_rank(self.group, src_rank_in_group)
+        dist.broadcast(tensor, src=src, group=self.group)
         return tensor
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj) -> list:
+        """Gather a picklable object from every rank (small metadata only; not counted)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

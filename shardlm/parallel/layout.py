@@ -59,8 +59,8 @@ def data_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
 class ParallelContext:
     """Sizes, ranks, process groups and device of one rank, passed explicitly to every layer.
 
-    `tp` and `dp` are `Communicator`s over the tensor- and data-parallel groups; both record into
-    the shared `comm` statistics.
+    `tp` and `dp` are `Communicator`s over the tensor- and data-parallel groups, `world` over all
+    ranks (barriers, run-wide flags); all record into the shared `comm` statistics.
     """
 
     rank: int
@@ -68,6 +68,7 @@ class ParallelContext:
     tp: Communicator
     dp: Communicator
     device: torch.device
+    world: Communicator | None = None
     pp_size: int = 1
     comm: CommStats = field(default_factory=CommStats)
     rng: RNGStatesTracker | None = None
@@ -107,6 +108,7 @@ class ParallelContext:
             tp=Communicator("tp", None, 1, 0, stats),
             dp=Communicator("dp", None, 1, 0, stats),
             device=torch.device(device), comm=stats,
+            world=Communicator("world", None, 1, 0, stats),
         )
 
     @classmethod
@@ -130,8 +132,8 @@ class ParallelContext:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 dp = Communicator("dp", group, len(ranks), ranks.index(rank), stats)
-        return cls(rank=rank, world_size=world, tp=tp, dp=dp,
-                   device=device or default_device(), comm=stats)
+        return cls(rank=rank, world_size=world, tp=tp, dp=dp, device=device or default_device(), comm=stats,
+                   world=Communicator("world", None, world, rank, stats))
 
 
 def default_device() -> torch.device:

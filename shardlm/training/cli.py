@@ -22,6 +22,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="start this many local worker processes (elastic launcher)")
     parser.add_argument("--run-dir", default=None, help="where logs and plots go (default runs/<config>-<time>)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --nproc-per-node: restart failed workers this many times (they resume from "
+                             "the latest checkpoint in the run directory)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.set_defaults(func=run)
 
@@ -79,7 +82,8 @@ def launch_local(args: argparse.Namespace, nproc: int) -> int:
     from torch.distributed.run import run as torchrun
 
     run_dir = args.run_dir or str(Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    argv = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", "shardlm", "train",
+    argv = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts",
+            str(args.max_restarts), "-m", "shardlm", "train",
             args.config, *args.overrides, "--run-dir", run_dir]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:

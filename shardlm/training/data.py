@@ -61,11 +61,12 @@ def build_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, trai
     return train, valid
 
 
-def micro_batches(dataset, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+def micro_batches(dataset, first_sample: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                   device: torch.device) -> list[torch.Tensor]:
-    """This DP rank's micro-batches of step `step`, each (micro_batch, seq_length + 1) int64."""
+    """This DP rank's micro-batches of the global batch that starts at sample `first_sample`,
+    each (micro_batch, seq_length + 1) int64."""
     per_rank = global_batch // dp_size
-    first = step * global_batch + dp_rank * per_rank
+    first = first_sample + dp_rank * per_rank
     samples = np.stack([dataset[first + j] for j in range(per_rank)])
     tensor = torch.from_numpy(samples).to(device)
     return list(tensor.split(micro_batch))

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.config import RunConfig, validate
 from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
@@ -51,6 +52,36 @@ class TrainResult:
     trainer: Trainer
 
 
+class TerminationFlag:
+    """SIGTERM sets a flag; `flag()` tells every rank whether any rank got one (an all-reduce MAX of
+    one value over the world per call), so that all ranks save and stop at the same step."""
+
+    def __init__(self, ctx):
+        self.ctx, self.received, self.previous = ctx, False, None
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def __call__(self) -> bool:
+        flag = torch.tensor(float(self.received), device=self.ctx.device)
+        self.ctx.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
 def train(config: RunConfig, run_dir: Path | None = None, config_path: str | None = None) -> TrainResult:
     """Train on this rank (under torchrun or alone); every rank returns the same metrics."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,18 +100,45 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
     train_data, valid_data = build_datasets(config.data, tokenizer, config.model.seq_length, t.seed,
                                             t.steps * t.global_batch_size, valid_samples)
     trainer = Trainer(config, ctx, train_data, valid_data)
+    checkpoints = Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
+    if resume_from:
+        meta = load_checkpoint(trainer, resume_from)
+        logger.print(f"resumed from {resume_from} at step {meta['step']} (saved at TP={meta['tensor_parallel']} x "
+                     f"DP={meta['data_parallel']})")
     logger.print(f"shardlm: {trainer.model.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x "
                  f"DP={ctx.dp_size} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
                  f"run directory {run_dir}")
+    save = config.checkpoint.save
+    last_saved = trainer.step if resume_from else -1
+
+    def checkpoint_now():
+        nonlocal last_saved
+        path = save_checkpoint(trainer, checkpoints, config.checkpoint.keep_last)
+        last_saved = trainer.step
+        logger.print(f"saved checkpoint {path}")
+
     metrics: dict = {}
-    for _ in range(trainer.step, t.steps):
-        metrics = trainer.train_step()
-        logger.step(metrics, t.steps)
-        if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:
-            val = trainer.evaluate()
-            if val is not None:
-                logger.validation(trainer.step, val)
+    with TerminationFlag(ctx) as terminated:
+        while trainer.step < t.steps:
+            metrics = trainer.train_step()
+            logger.step(metrics, t.steps)
+            if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:
+                val = trainer.evaluate()
+                if val is not None:
+                    logger.validation(trainer.step, val)
+            interval = config.checkpoint.save_interval
+            if save and interval and trainer.step % interval == 0 and trainer.step != t.steps:
+                checkpoint_now()
+            if terminated():
+                logger.print(f"SIGTERM: saving at step {trainer.step} and stopping")
+                if save:
+                    checkpoint_now()
+                logger.close(plot=False)
+                raise SystemExit(143)
+    if save and trainer.step != last_saved:
+        checkpoint_now()
     val = trainer.evaluate()
     if val is not None:
         logger.validation(trainer.step, val)

@@ -77,6 +77,7 @@ class Trainer:
         self.decay_steps = t.decay_steps or max(1, t.steps - t.warmup_steps)
         self.step = 0
         self.skipped_steps = 0
+        self.consumed_samples = 0
         self.flops_per_step = flops_per_step(config.model, t.global_batch_size)
 
     def autocast(self):
@@ -95,7 +96,7 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         forward = self.ddp or self.model
-        batches = micro_batches(self.train_data, self.step, t.global_batch_size, t.micro_batch_size,
+        batches = micro_batches(self.train_data, self.consumed_samples, t.global_batch_size, t.micro_batch_size,
                                 ctx.dp_rank, ctx.dp_size, ctx.device)
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = torch.zeros((), device=ctx.device)
@@ -124,6 +125,7 @@ class Trainer:
             self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.consumed_samples += t.global_batch_size
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * self.config.model.seq_length
         tflops = self.flops_per_step / elapsed / 1e12
@@ -149,8 +151,8 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=ctx.device)
         for it in range(iters):
-            batch = micro_batches(self.valid_data, it, per_iter, t.micro_batch_size, ctx.dp_rank, ctx.dp_size,
-                                  ctx.device)[0]
+            batch = micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size, ctx.dp_rank,
+                                  ctx.dp_size, ctx.device)[0]
             with self.autocast():
                 total += self.model(batch[:, :-1], batch[:, 1:]).mean().float()
         ctx.dp.all_reduce(total)

@@ -1,0 +1,89 @@
+"""`shardlm checkpoint inspect|convert` and `shardlm convert --from-hf/--to-hf`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    checkpoint = subparsers.add_parser("checkpoint", help="inspect or consolidate checkpoints")
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    inspect = actions.add_parser("inspect", help="print what a checkpoint holds and verify its files")
+    inspect.add_argument("path", help="checkpoint step directory, the folder holding `latest`, or a .safetensors")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.set_defaults(func=run_inspect)
+    convert = actions.add_parser("convert", help="write a consolidated single-file (TP=1) checkpoint")
+    convert.add_argument("path", help="checkpoint step directory or the folder holding `latest`")
+    convert.add_argument("--output", required=True, help="output .safetensors file")
+    convert.set_defaults(func=run_consolidate)
+
+    hf = subparsers.add_parser("convert", help="convert GPT-2 weights to or from HuggingFace transformers")
+    direction = hf.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="HF GPT2LMHeadModel directory (config.json + safetensors)")
+    direction.add_argument("--to-hf", metavar="DIR", help="write a HF GPT2LMHeadModel directory here")
+    hf.add_argument("--checkpoint", help="with --to-hf: the shardlm checkpoint (directory or consolidated file)")
+    hf.add_argument("--output", help="with --from-hf: the consolidated shardlm checkpoint file to write")
+    hf.set_defaults(func=run_hf)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from shardlm.checkpoint import files
+    from shardlm.checkpoint.state import consolidated_config
+
+    path = Path(args.path)
+    if path.is_file():
+        from safetensors import safe_open
+
+        config = consolidated_config(path)
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        info = {"kind": "consolidated", "path": str(path), "model": vars(config.model), "tensors": tensors}
+    else:
+        checkpoint = files.resolve(path)
+        meta = files.read_meta(checkpoint)
+        files.verify(checkpoint, meta, list(meta["files"]))
+        keys = ("step", "consumed_samples", "skipped_steps", "tensor_parallel", "data_parallel", "world_size",
+                "padded_vocab_size", "scaler")
+        info = {"kind": "sharded", "path": str(checkpoint), **{k: meta[k] for k in keys},
+                "model": meta["config"]["model"], "files_verified": len(meta["files"]),
+                "bytes": sum(f["bytes"] for f in meta["files"].values()),
+                "tensors": {n: t["shape"] for n, t in meta["tensors"].items()}}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['kind']} checkpoint {info['path']}")
+    for key, value in info.items():
+        if key not in ("kind", "path", "tensors", "model"):
+            print(f"  {key}: {value}")
+    m = info["model"]
+    print(f"  model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, "
+          f"sequence {m['seq_length']}, vocabulary {m['vocab_size']}")
+    print(f"  tensors ({len(info['tensors'])}, shapes per TP shard for sharded checkpoints):")
+    for name, shape in info["tensors"].items():
+        print(f"    {name}: {shape}")
+    return 0
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    from shardlm.checkpoint import consolidate
+
+    print(f"wrote {consolidate(args.path, args.output)}")
+    return 0
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    from shardlm.checkpoint.hf import from_hf, to_hf
+    from shardlm.errors import UserError
+
+    if args.from_hf:
+        if not args.output:
+            raise UserError("--from-hf needs --output FILE.safetensors (the shardlm checkpoint to write)")
+        print(f"wrote {from_hf(args.from_hf, args.output)}")
+    else:
+        if not args.checkpoint:
+            raise UserError("--to-hf needs --checkpoint PATH (a shardlm checkpoint directory or file)")
+        print(f"wrote {to_hf(args.checkpoint, args.to_hf)}")
+    return 0

@@ -1,0 +1,127 @@
+"""Checkpoint directories on disk: atomic publication, manifests with checksums, `latest`, retention.
+
+    CHECKPOINT_DIR/
+      latest                      "step_00000100" (replaced atomically, after the directory is complete)
+      step_00000100/
+        meta.json                 step, layout, config, trainer counters, tensor table, file manifest
+        model_tp00.safetensors    TP rank 0's parameters and Adam moments (written by its DP rank 0)
+        rng_rank00000.safetensors every rank's generator states
+
+A save writes into `.tmp-step_00000100/`, flushes every file to disk, then renames the directory and
+finally updates `latest`: a crash at any point leaves the previous checkpoint and `latest` intact.
+Each file's size and sha256 are in the manifest; a load verifies them and names the bad file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from shardlm.errors import UserError
+
+LATEST = "latest"
+META = "meta.json"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_record(path: Path) -> dict:
+    """Size and sha256 of a written file, after flushing it to disk."""
+    fsync_file(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def write_json_atomic(path: Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    fsync_file(tmp)
+    tmp.replace(path)
+
+
+def publish(tmp_dir: Path, final_dir: Path, keep_last: int) -> None:
+    """Rename a complete temporary checkpoint into place, point `latest` at it, prune old ones."""
+    fsync_dir(tmp_dir)
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    tmp_dir.replace(final_dir)
+    fsync_dir(final_dir.parent)
+    latest = final_dir.parent / LATEST
+    tmp = final_dir.parent / f".{LATEST}.tmp"
+    tmp.write_text(final_dir.name + "\n")
+    fsync_file(tmp)
+    tmp.replace(latest)
+    fsync_dir(final_dir.parent)
+    steps = sorted(p for p in final_dir.parent.glob("step_*") if p.is_dir())
+    for old in steps[: max(0, len(steps) - keep_last)]:
+        if old != final_dir:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory from itself or from its parent holding `latest`."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / META).is_file():
+        raise UserError(f"{path} is not a shardlm checkpoint ({META} missing); pass a step_* directory "
+                        "or the folder holding `latest`")
+    return path
+
+
+def latest_in(directory: Path) -> Path | None:
+    """The checkpoint `latest` points to in `directory`, or None when there is none."""
+    if not (directory / LATEST).is_file():
+        return None
+    return resolve(directory)
+
+
+def read_meta(checkpoint: Path) -> dict:
+    try:
+        return json.loads((checkpoint / META).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"checkpoint metadata {checkpoint / META} is unreadable ({exc}); "
+                        "use an earlier checkpoint") from None
+
+
+def verify(checkpoint: Path, meta: dict, names: list[str]) -> None:
+    """Check size and sha256 of the named files against the manifest; UserError names a bad file."""
+    manifest = meta["files"]
+    for name in names:
+        path = checkpoint / name
+        expected = manifest.get(name)
+        if expected is None:
+            raise UserError(f"checkpoint {checkpoint} has no file {name} in its manifest")
+        if not path.is_file():
+            raise UserError(f"checkpoint file {path} is missing; use an earlier checkpoint")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise UserError(f"checkpoint file {path} is truncated or altered: {size} bytes, expected "
+                            f"{expected['bytes']}; use an earlier checkpoint")
+        if sha256_of(path) != expected["sha256"]:
+            raise UserError(f"checkpoint file {path} is corrupt (sha256 mismatch); use an earlier checkpoint")

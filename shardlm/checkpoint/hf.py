@@ -1,0 +1,162 @@
+"""HuggingFace GPT-2 interop: `GPT2LMHeadModel` safetensors <-> shardlm's consolidated checkpoint.
+
+HF stores GPT-2's linears as `Conv1D` with weights (in, out), and its fused attention input as
+columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linear, and its fused QKV
+rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
+together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
+No network: the HF directory must be local (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardlm.checkpoint import files
+from shardlm.config import RunConfig
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def qkv_from_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF c_attn (h, 3h) [q|k|v] columns -> shardlm (3h, h) rows ordered (heads, 3, head_dim).
+    Also works on the bias (3h,)."""
+    if weight.ndim == 1:
+        return weight.view(3, heads, -1).transpose(0, 1).reshape(-1).contiguous()
+    hidden = weight.shape[0]
+    return weight.t().reshape(3, heads, -1, hidden).transpose(0, 1).reshape(-1, hidden).contiguous()
+
+
+def qkv_to_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of `qkv_from_hf`."""
+    if weight.ndim == 1:
+        return weight.view(heads, 3, -1).transpose(0, 1).reshape(-1).contiguous()
+    hidden = weight.shape[1]
+    return weight.reshape(heads, 3, -1, hidden).transpose(0, 1).reshape(-1, hidden).t().contiguous()
+
+
+def _layer_map(i: int) -> list[tuple[str, str, str]]:
+    """(shardlm name, HF name, kind) for layer i; kind: copy, linear (transpose) or qkv."""
+    s, h = f"layers.{i}", f"transformer.h.{i}"
+    return [
+        (f"{s}.ln_1.weight", f"{h}.ln_1.weight", "copy"), (f"{s}.ln_1.bias", f"{h}.ln_1.bias", "copy"),
+        (f"{s}.attn.qkv.weight", f"{h}.attn.c_attn.weight", "qkv"),
+        (f"{s}.attn.qkv.bias", f"{h}.attn.c_attn.bias", "qkv"),
+        (f"{s}.attn.proj.weight", f"{h}.attn.c_proj.weight", "linear"),
+        (f"{s}.attn.proj.bias", f"{h}.attn.c_proj.bias", "copy"),
+        (f"{s}.ln_2.weight", f"{h}.ln_2.weight", "copy"), (f"{s}.ln_2.bias", f"{h}.ln_2.bias", "copy"),
+        (f"{s}.mlp.fc.weight", f"{h}.mlp.c_fc.weight", "linear"), (f"{s}.mlp.fc.bias", f"{h}.mlp.c_fc.bias", "copy"),
+        (f"{s}.mlp.proj.weight", f"{h}.mlp.c_proj.weight", "linear"),
+        (f"{s}.mlp.proj.bias", f"{h}.mlp.c_proj.bias", "copy"),
+    ]
+
+
+def name_map(num_layers: int) -> list[tuple[str, str, str]]:
+    top = [("wte.weight", "transformer.wte.weight", "copy"), ("wpe", "transformer.wpe.weight", "copy"),
+           ("ln_f.weight", "transformer.ln_f.weight", "copy"), ("ln_f.bias", "transformer.ln_f.bias", "copy")]
+    return top + [m for i in range(num_layers) for m in _layer_map(i)]
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ACTIVATIONS:
+        raise UserError(f"HF activation_function={activation!r} is not supported; use gelu or gelu_new")
+    return ModelConfig(arch="gpt", num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
+                       seq_length=hf["n_positions"], vocab_size=hf["vocab_size"],
+                       ffn_hidden_size=hf.get("n_inner") or 0,
+                       dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+                       layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=ACTIVATIONS[activation])
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_length, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+        "n_inner": cfg.ffn_hidden_size or None,
+        "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+        "layer_norm_epsilon": cfg.layernorm_epsilon, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.attention_dropout_p, "initializer_range": cfg.init_std, "tie_word_embeddings": True,
+        "scale_attn_weights": True, "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
+    }
+
+
+def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
+    """Convert a local HF GPT-2 directory into a consolidated shardlm checkpoint file."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    weights = hf_dir / "model.safetensors"
+    if not (hf_dir / "config.json").is_file() or not weights.is_file():
+        raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
+                        "safe_serialization=True)")
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    if hf_config.get("model_type") != "gpt2":
+        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 converts")
+    config = RunConfig(model=model_config_from_hf(hf_config))
+    if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
+        config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
+    tensors = {}
+    with safe_open(str(weights), framework="pt") as f:
+        available = set(f.keys())
+        for ours, theirs, kind in name_map(config.model.num_layers):
+            if theirs not in available and theirs.startswith("transformer.") and theirs[12:] in available:
+                theirs = theirs[12:]  # GPT2Model checkpoints have no "transformer." prefix
+            if theirs not in available:
+                raise UserError(f"{weights} has no tensor {theirs}")
+            value = f.get_tensor(theirs).float()
+            if kind == "linear":
+                value = value.t().contiguous()
+            elif kind == "qkv":
+                value = qkv_from_hf(value, config.model.num_heads)
+            tensors[f"model/{ours}"] = value
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "shardlm-consolidated-v1", "step": "0",
+                                           "config": json.dumps(dataclasses.asdict(config))})
+    files.fsync_file(tmp)
+    tmp.replace(out)
+    return out
+
+
+def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a shardlm checkpoint (directory or consolidated file) as a HF GPT2LMHeadModel directory."""
+    from shardlm.checkpoint.state import consolidate, load_consolidated
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if checkpoint.is_dir():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
+    config, tensors = load_consolidated(checkpoint)
+    cfg = config.model
+    hf = {}
+    for ours, theirs, kind in name_map(cfg.num_layers):
+        value = tensors[f"model/{ours}"]
+        if ours == "wte.weight":
+            value = value[: cfg.vocab_size]
+        if kind == "linear":
+            value = value.t()
+        elif kind == "qkv":
+            value = qkv_to_hf(value, cfg.num_heads)
+        hf[theirs] = value.contiguous()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
+    if config.data.tokenizer == "gpt2":  # encoder.json / vocab.bpe are HF's vocab.json / merges.txt
+        from shardlm.paths import shared_data_dir
+
+        vocab = Path(config.data.vocab_file or shared_data_dir() / "vocab" / "gpt2" / "encoder.json")
+        merges = Path(config.data.merges_file or shared_data_dir() / "vocab" / "gpt2" / "vocab.bpe")
+        if vocab.is_file() and merges.is_file():
+            shutil.copy(vocab, tmp / "vocab.json")
+            shutil.copy(merges, tmp / "merges.txt")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.replace(out_dir)
+    return out_dir

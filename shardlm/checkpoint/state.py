@@ -1,0 +1,230 @@
+"""Save and load a Trainer's whole state, at any TP x DP layout.
+
+What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), the loss
+scaler, step, skipped steps and consumed samples (the data position), every rank's generator states
+(Python, numpy, torch CPU and CUDA, the model-parallel tracker), the config and a manifest of files
+with sizes and sha256. Loading at another layout reshards the tensors (see `sharded.py`); generator
+states are restored only on the same layout, where they make the resumed run bitwise identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardlm.checkpoint import files
+from shardlm.checkpoint.sharded import ShardedReader, model_file
+from shardlm.config import RunConfig, from_dict
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+
+SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation")
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.safetensors"
+
+
+def split_dim(param: torch.Tensor) -> int | None:
+    return getattr(param, "tensor_parallel_dim", None)
+
+
+# ------------------------------------------------------------------------------------------- save
+
+def _model_tensors(trainer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in trainer.model.named_parameters():
+        out[f"model/{name}"] = param.detach().cpu().contiguous()
+        state = trainer.optimizer.state.get(param, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[f"{key}/{name}"] = state[key].detach().cpu().contiguous()
+    return out
+
+
+def _rng_tensors(ctx: ParallelContext) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        tensors["torch_cuda"] = torch.cuda.get_rng_state(ctx.device)
+    for name, state in (ctx.rng.get_states() if ctx.rng else {}).items():
+        tensors[f"tracker/{name}"] = state.cpu()
+    np_state = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np_state[1].astype(np.int64))
+    metadata = {"python": json.dumps(random.getstate()), "numpy": json.dumps([np_state[0], *np_state[2:]])}
+    return tensors, metadata
+
+
+def _optimizer_step(trainer) -> int:
+    for state in trainer.optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
+    """Write the trainer's state as `directory/step_XXXXXXXX` on every rank (collective)."""
+    ctx = trainer.ctx
+    directory = Path(directory)
+    final = directory / files.step_name(trainer.step)
+    tmp = directory / f".tmp-{final.name}"
+    if ctx.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir()
+    ctx.world.barrier()
+    records = {}
+    if ctx.dp_rank == 0:
+        name = model_file(ctx.tp_rank)
+        save_file(_model_tensors(trainer), str(tmp / name))
+        records[name] = files.file_record(tmp / name)
+    tensors, metadata = _rng_tensors(ctx)
+    save_file(tensors, str(tmp / rng_file(ctx.rank)), metadata=metadata)
+    records[rng_file(ctx.rank)] = files.file_record(tmp / rng_file(ctx.rank))
+    manifest = {k: v for part in ctx.world.all_gather_object(records) for k, v in part.items()}
+    if ctx.is_main:
+        tensors_table = {name: {"shape": list(p.shape), "split_dim": split_dim(p)}
+                         for name, p in trainer.model.named_parameters()}
+        meta = {
+            "format": "shardlm-checkpoint-v1", "step": trainer.step, "consumed_samples": trainer.consumed_samples,
+            "skipped_steps": trainer.skipped_steps, "optimizer_step": _optimizer_step(trainer),
+            "tensor_parallel": ctx.tp_size, "data_parallel": ctx.dp_size, "world_size": ctx.world_size,
+            "padded_vocab_size": trainer.model.padded_vocab_size,
+            "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+            "config": dataclasses.asdict(trainer.config), "tensors": tensors_table, "files": manifest,
+        }
+        files.write_json_atomic(tmp / files.META, meta)
+        files.publish(tmp, final, keep_last)
+    ctx.world.barrier()
+    return final
+
+
+# ------------------------------------------------------------------------------------------- load
+
+def check_compatible(saved: dict, config: RunConfig) -> None:
+    model = dataclasses.asdict(config.model)
+    for key in SHAPE_KEYS:
+        if saved["config"]["model"].get(key) != model[key]:
+            raise UserError(f"checkpoint has model.{key}={saved['config']['model'].get(key)!r} but the run has "
+                            f"{model[key]!r}; use the checkpoint's model settings")
+
+
+def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=None, optimizer_step: int = 0) -> None:
+    """Copy this rank's slice of every parameter (and Adam moments) from `reader` into place."""
+    keys = reader.keys()
+    for name, param in model.named_parameters():
+        if f"model/{name}" not in keys:
+            raise UserError(f"checkpoint has no tensor for parameter {name}")
+        dim = split_dim(param)
+        start = 0 if dim is None else ctx.tp_rank * param.shape[dim]
+        end = None if dim is None else start + param.shape[dim]
+        wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
+        local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
+                 for prefix in wanted if f"{prefix}/{name}" in keys}
+        with torch.no_grad():
+            param.copy_(local["model"])
+        if optimizer is not None and optimizer_step > 0 and "exp_avg" in local:
+            optimizer.state[param] = {"step": torch.tensor(float(optimizer_step)), "exp_avg": local["exp_avg"],
+                                      "exp_avg_sq": local["exp_avg_sq"]}
+
+
+def _restore_rng(ctx: ParallelContext, path: Path) -> None:
+    from safetensors import safe_open
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    torch.set_rng_state(tensors["torch_cpu"])
+    if ctx.device.type == "cuda" and "torch_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["torch_cuda"], ctx.device)
+    if ctx.rng is not None:
+        ctx.rng.set_states({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("tracker/")})
+    python = json.loads(metadata["python"])
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    kind, pos, has_gauss, cached = json.loads(metadata["numpy"])
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def load_checkpoint(trainer, path: str | Path) -> dict:
+    """Restore a trainer from a checkpoint saved at any layout; returns its metadata."""
+    ctx = trainer.ctx
+    checkpoint = files.resolve(path)
+    meta = files.read_meta(checkpoint)
+    check_compatible(meta, trainer.config)
+    shard_names = [model_file(r) for r in range(meta["tensor_parallel"])]
+    same_layout = meta["world_size"] == ctx.world_size and meta["tensor_parallel"] == ctx.tp_size
+    files.verify(checkpoint, meta, shard_names + ([rng_file(ctx.rank)] if same_layout else []))
+    load_weights(trainer.model, ShardedReader([checkpoint / n for n in shard_names]), ctx, trainer.optimizer,
+                 meta["optimizer_step"])
+    trainer.step, trainer.consumed_samples = meta["step"], meta["consumed_samples"]
+    trainer.skipped_steps = meta["skipped_steps"]
+    if trainer.scaler and meta["scaler"]:
+        trainer.scaler.load_state_dict(meta["scaler"])
+    if same_layout:
+        _restore_rng(ctx, checkpoint / rng_file(ctx.rank))
+    return meta
+
+
+def consolidated_config(path: Path) -> RunConfig:
+    """The config stored in a consolidated single-file checkpoint's metadata."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file ({exc})") from None
+    if "config" not in metadata:
+        raise UserError(f"{path} is not a consolidated shardlm checkpoint (no config in its metadata)")
+    return from_dict(json.loads(metadata["config"]))
+
+
+def load_consolidated(path: Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
+    """(config, tensors) of a consolidated single-file checkpoint."""
+    return consolidated_config(path), load_file(str(path))
+
+
+def load_model(path: str | Path, ctx: ParallelContext):
+    """(model, config) from a checkpoint directory or a consolidated file, sharded for `ctx`, in eval mode."""
+    from shardlm.models.gpt import GPT
+
+    path = Path(path)
+    if path.is_file():
+        config, paths = consolidated_config(path), [path]
+    else:
+        checkpoint = files.resolve(path)
+        meta = files.read_meta(checkpoint)
+        paths = [checkpoint / model_file(r) for r in range(meta["tensor_parallel"])]
+        files.verify(checkpoint, meta, [p.name for p in paths])
+        config = from_dict(meta["config"])
+    config.parallel.tensor = ctx.tp_size
+    model = GPT(config.model, ctx, seed=config.train.seed)
+    load_weights(model, ShardedReader(paths), ctx)
+    return model.eval(), config
+
+
+def consolidate(path: str | Path, out: str | Path) -> Path:
+    """Write a checkpoint's model as one TP=1 safetensors file (vocabulary padding removed)."""
+    checkpoint = files.resolve(path)
+    meta = files.read_meta(checkpoint)
+    names = [model_file(r) for r in range(meta["tensor_parallel"])]
+    files.verify(checkpoint, meta, names)
+    reader = ShardedReader([checkpoint / n for n in names])
+    vocab = meta["config"]["model"]["vocab_size"]
+    tensors = {}
+    for name, info in meta["tensors"].items():
+        full = reader.read(f"model/{name}", info["split_dim"])
+        tensors[f"model/{name}"] = (full[:vocab] if name == "wte.weight" else full).contiguous()
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "shardlm-consolidated-v1", "step": str(meta["step"]),
+                                           "config": json.dumps(meta["config"])})
+    files.fsync_file(tmp)
+    tmp.replace(out)
+    return out
