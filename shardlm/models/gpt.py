@@ -10,6 +10,10 @@ The model receives the `ParallelContext`; it never builds groups or reads global
 transformer layer: 2 all-reduces forward (attention and MLP outputs, `g`) and 2 backward (their
 inputs, `f`). Outside the layers: the embedding's all-reduce forward, the LM head's all-reduce
 backward, and the cross-entropy's MAX and SUM all-reduces forward.
+
+For generation, `hidden_states` and `forward` accept an optional `KVCache`: every layer keeps the
+keys and values of the positions already processed, so a new token costs one forward over one
+position (its position embedding is offset by the number of cached positions).
 """
 
 from __future__ import annotations
@@ -34,6 +38,55 @@ from shardlm.parallel import (
 from shardlm.parallel.init import normal_shard, param_seed
 
 
+class LayerKVCache:
+    """One layer's keys and values of the positions processed so far, each (B, heads/tp, T_past, head_dim).
+
+    Storage is allocated on the first `append` for `capacity` positions, so appending a token copies
+    only that token's keys and values.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, heads/tp, T_new, head_dim); return all cached keys and values, T_past + T_new."""
+        B, H, T, D = k.shape
+        if self.keys is None:
+            self.keys = k.new_empty(B, H, self.capacity, D)
+            self.values = v.new_empty(B, H, self.capacity, D)
+        if self.length + T > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot take {self.length} + {T}")
+        self.keys[:, :, self.length:self.length + T] = k
+        self.values[:, :, self.length:self.length + T] = v
+        self.length += T
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding (`GPT.new_kv_cache()` makes one).
+
+    `length` is the number of positions already processed; the next tokens given to the model take
+    positions `length, length + 1, ...`. Each TP rank caches only its own heads.
+    """
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.layers = [LayerKVCache(capacity) for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+
+def causal_mask_with_past(past: int, new: int, device) -> torch.Tensor:
+    """(new, past + new) bool mask: query i (at position past + i) sees keys 0 .. past + i."""
+    keys = torch.arange(past + new, device=device)
+    queries = torch.arange(past, past + new, device=device)
+    return keys.unsqueeze(0) <= queries.unsqueeze(1)
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split over the TP group. x: (B, T, h) -> (B, T, h)."""
 
@@ -49,10 +102,20 @@ class ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, std=out_std,
                                       seed=param_seed(seed, f"{prefix}.proj"), device=ctx.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones,
+        which attend to the cached keys and values as well (and are appended to the cache)."""
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, heads/tp, T, head_dim)
+        if cache is not None and cache.length > 0:
+            past = cache.length
+            k, v = cache.append(k, v)  # (B, heads/tp, past + T, head_dim)
+            mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.proj(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        if cache is not None:
+            cache.append(k, v)
         if self.training and self.dropout > 0:
             with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
@@ -89,8 +152,8 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(cfg, ctx, seed, f"layers.{index}.mlp")
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), cache))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -99,7 +162,8 @@ class GPT(nn.Module):
 
     tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary slice of the logits,
     (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses (B, T) through
-    the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0).
+    the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0). With
+    `cache=model.new_kv_cache()`, tokens continue the cached positions (incremental decoding).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
@@ -119,12 +183,22 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, ctx, seed, i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids -> (B, T, h) final-LayerNorm output, replicated over the TP group."""
+    def new_kv_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
+        return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) final-LayerNorm output, replicated over the TP group.
+        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
         T = tokens.shape[1]
-        if T > self.cfg.seq_length:
-            raise ValueError(f"sequence of {T} tokens is longer than model.seq_length={self.cfg.seq_length}")
-        x = self.drop(self.wte(tokens) + self.wpe[:T])
+        past = 0 if cache is None else cache.length
+        if past + T > self.cfg.seq_length:
+            raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
+        x = self.drop(self.wte(tokens) + self.wpe[past:past + T])
+        if cache is not None:
+            for layer, layer_cache in zip(self.layers, cache.layers):
+                x = layer(x, layer_cache)
+            return self.ln_f(x)
         for layer in self.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
@@ -133,8 +207,8 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                ignore_index: int = -100) -> torch.Tensor:
-        h = copy_to_tensor_parallel(self.hidden_states(tokens), self.ctx.tp)
+                ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
+        h = copy_to_tensor_parallel(self.hidden_states(tokens, cache), self.ctx.tp)
         logits = F.linear(h, self.wte.weight)  # (B, T, V_padded / tp): the tied output layer
         if targets is None:
             return logits
