@@ -248,8 +248,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key}={value} must be at least 1")
-    if m.arch != "gpt":
-        raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt"')
+    if m.arch not in ("gpt", "bert"):
+        raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt" or "bert"')
+    if m.layernorm_order not in ("pre", "post"):
+        raise UserError(f'model.layernorm_order="{m.layernorm_order}" must be "pre" or "post"')
     if m.activation not in ("gelu", "gelu_tanh"):
         raise UserError(f'model.activation="{m.activation}" must be "gelu" or "gelu_tanh"')
     if m.hidden_size % m.num_heads:

@@ -192,7 +192,7 @@ def load_consolidated(path: Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
 
 def load_model(path: str | Path, ctx: ParallelContext):
     """(model, config) from a checkpoint directory or a consolidated file, sharded for `ctx`, in eval mode."""
-    from shardlm.models.gpt import GPT
+    from shardlm.models import build_model
 
     path = Path(path)
     if path.is_file():
@@ -204,7 +204,7 @@ def load_model(path: str | Path, ctx: ParallelContext):
         files.verify(checkpoint, meta, [p.name for p in paths])
         config = from_dict(meta["config"])
     config.parallel.tensor = ctx.tp_size
-    model = GPT(config.model, ctx, seed=config.train.seed)
+    model = build_model(config.model, ctx, seed=config.train.seed)
     load_weights(model, ShardedReader(paths), ctx)
     return model.eval(), config
 

@@ -1,0 +1,43 @@
+"""The networks, built from the tensor-parallel layers, and how the trainer computes their loss.
+
+`build_model(cfg, ctx, ...)` picks the class by `cfg.arch`; `training_loss(arch)` returns the function
+`loss(forward, batch) -> scalar` the trainer calls once per micro-batch, where `forward` is the model
+(or its DDP wrapper, which must be called for gradient reduction to happen) and `batch` is a
+micro-batch as `shardlm.training.data.micro_batches` stacks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardlm.models.config import ModelConfig
+
+ARCHITECTURES = ("gpt", "bert")
+
+
+def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointing: bool = False) -> torch.nn.Module:
+    """The model `cfg.arch` names, sharded over `ctx`'s tensor-parallel group."""
+    if cfg.arch == "gpt":
+        from shardlm.models.gpt import GPT
+
+        return GPT(cfg, ctx, seed=seed, activation_checkpointing=activation_checkpointing)
+    if cfg.arch == "bert":
+        from shardlm.models.bert import BERT
+
+        return BERT(cfg, ctx, seed=seed, activation_checkpointing=activation_checkpointing)
+    raise ValueError(f"unknown model.arch {cfg.arch!r}")
+
+
+def gpt_loss(forward, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (B, T + 1) token batch."""
+    return forward(batch[:, :-1], batch[:, 1:]).mean()
+
+
+def training_loss(arch: str) -> Callable:
+    if arch == "bert":
+        from shardlm.models.bert import bert_loss
+
+        return bert_loss
+    return gpt_loss

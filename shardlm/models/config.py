@@ -10,7 +10,7 @@ class ModelConfig:
     """The `[model]` section of a run config."""
 
     arch: str = "gpt"
-    """Architecture: "gpt" (causal LM)."""
+    """Architecture: "gpt" (causal LM) or "bert" (masked LM + sentence order)."""
     num_layers: int = 2
     """Transformer layers (l)."""
     hidden_size: int = 64
@@ -33,6 +33,8 @@ class ModelConfig:
     """LayerNorm epsilon."""
     init_std: float = 0.02
     """Std of the normal initialization; the two residual projections use init_std / sqrt(2 l)."""
+    layernorm_order: str = "pre"
+    """BERT only: "pre" (the paper's rearranged order, as GPT-2) or "post" (original BERT)."""
     make_vocab_size_divisible_by: int = 128
     """The embedding is padded to a multiple of this times parallel.tensor (padding is masked out)."""
 

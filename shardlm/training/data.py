@@ -50,8 +50,19 @@ def text_file_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, 
 
 
 def build_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int,
-                   valid_samples: int):
-    """(train, valid) datasets for a run; valid may be None when the split leaves no validation data."""
+                   valid_samples: int, arch: str = "gpt"):
+    """(train, valid) datasets for a run; valid may be None when the split leaves no validation data.
+    BERT reads sentence-split indexed datasets (`shardlm preprocess --split-sentences`)."""
+    if arch == "bert":
+        if data.text_file:
+            raise UserError("model.arch=\"bert\" reads data.prefixes made by `shardlm preprocess --split-sentences`, "
+                            "not data.text_file")
+        from shardlm.data.bert_dataset import build_bert_datasets
+
+        train, valid, _ = build_bert_datasets(list(data.prefixes), data.split, seq_length, seed,
+                                              (train_samples, valid_samples, 0), tokenizer,
+                                              cache_dir=data.cache_dir or None)
+        return train, valid
     if data.text_file:
         return text_file_datasets(data, tokenizer, seq_length, seed, train_samples)
     from shardlm.data.gpt_dataset import build_gpt_datasets
@@ -63,10 +74,13 @@ def build_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, trai
 
 def micro_batches(dataset, first_sample: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                   device: torch.device) -> list[torch.Tensor]:
-    """This DP rank's micro-batches of the global batch that starts at sample `first_sample`,
-    each (micro_batch, seq_length + 1) int64."""
+    """This DP rank's micro-batches of the global batch that starts at sample `first_sample`: each
+    (micro_batch, seq_length + 1) int64, or a dict of such stacked fields for dict samples."""
     per_rank = global_batch // dp_size
     first = first_sample + dp_rank * per_rank
-    samples = np.stack([dataset[first + j] for j in range(per_rank)])
-    tensor = torch.from_numpy(samples).to(device)
+    samples = [dataset[first + j] for j in range(per_rank)]
+    if isinstance(samples[0], dict):  # e.g. BERT: one tensor per field
+        fields = {k: torch.from_numpy(np.stack([s[k] for s in samples])).to(device) for k in samples[0]}
+        return [{k: v[i:i + micro_batch] for k, v in fields.items()} for i in range(0, per_rank, micro_batch)]
+    tensor = torch.from_numpy(np.stack(samples)).to(device)
     return list(tensor.split(micro_batch))

@@ -98,7 +98,7 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     valid_samples = (t.steps // max(1, t.eval_interval) + 1) * t.eval_iters * t.micro_batch_size * ctx.dp_size
     train_data, valid_data = build_datasets(config.data, tokenizer, config.model.seq_length, t.seed,
-                                            t.steps * t.global_batch_size, valid_samples)
+                                            t.steps * t.global_batch_size, valid_samples, config.model.arch)
     trainer = Trainer(config, ctx, train_data, valid_data)
     checkpoints = Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import RunConfig
+from shardlm.models import build_model, training_loss
 from shardlm.models.config import flops_per_step
-from shardlm.models.gpt import GPT
 from shardlm.parallel import ParallelContext
 from shardlm.training.data import micro_batches
 from shardlm.training.loss_scaler import DynamicLossScaler
@@ -60,7 +60,8 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
         t = config.train
         ctx.seed(t.seed)
-        self.model = GPT(config.model, ctx, seed=t.seed, activation_checkpointing=t.activation_checkpointing)
+        self.model = build_model(config.model, ctx, seed=t.seed, activation_checkpointing=t.activation_checkpointing)
+        self.loss = training_loss(config.model.arch)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ddp = None
         if ctx.dp_size > 1:
@@ -105,7 +106,7 @@ class Trainer:
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
                 with self.autocast():
-                    loss = forward(batch[:, :-1], batch[:, 1:]).mean()
+                    loss = self.loss(forward, batch)
                 loss_sum += loss.detach()
                 (loss * (scale / len(batches))).backward()
         ctx.dp.all_reduce(loss_sum)
@@ -154,7 +155,7 @@ class Trainer:
             batch = micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size, ctx.dp_rank,
                                   ctx.dp_size, ctx.device)[0]
             with self.autocast():
-                total += self.model(batch[:, :-1], batch[:, 1:]).mean().float()
+                total += self.loss(self.model, batch).float()
         ctx.dp.all_reduce(total)
         self.model.train()
         return total.item() / (iters * ctx.dp_size)
