@@ -4,11 +4,12 @@ TP and DP change nothing, LAMBADA strict vs non-strict, and the WikiText detoken
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from evalmodels import BigramModel, SuccessorModel
+from torch import nn
 
 from shardlm.config import DataConfig
 from shardlm.errors import UserError
@@ -19,13 +20,66 @@ from shardlm.eval.wikitext import evaluate_wikitext, read_text
 from shardlm.eval.windows import evaluation_windows, num_windows
 from shardlm.models.config import ModelConfig
 from shardlm.models.gpt import GPT
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import ParallelContext, vocab_parallel_cross_entropy
 from shardlm.training.data import build_tokenizer_for
 
 from multiproc import run_workers
 
 WIKI_LINES, LAMBADA_LINES, SEQ, STRIDE = 12, 24, 64, 16
 TOL = 1e-5
+
+
+# ---------------------------------------------------------------- models with known predictions
+
+PADDING_LOGIT = 50.0  # far above every real logit: counting or predicting padding would show
+
+
+class BigramModel(nn.Module):
+    """A single-rank stand-in for GPT whose logits at a position depend only on that position's token:
+    `table[token]` over the real vocabulary, then `padded - vocab` padding entries set to PADDING_LOGIT.
+    Implements what the evaluators use: cfg, ctx, forward(tokens[, targets]), full_logits."""
+
+    def __init__(self, table: torch.Tensor, padded_vocab_size: int, seq_length: int = 64):
+        super().__init__()
+        vocab = table.shape[1]
+        self.cfg = SimpleNamespace(seq_length=seq_length, vocab_size=vocab)
+        self.ctx = ParallelContext.single()
+        padding = torch.full((table.shape[0], padded_vocab_size - vocab), PADDING_LOGIT)
+        self.register_buffer("table", torch.cat([table.float(), padding], dim=1))
+        self.calls: list[tuple[int, ...]] = []
+
+    def forward(self, tokens, targets=None, ignore_index=-100, cache=None):
+        self.calls.append(tuple(tokens.shape))
+        logits = self.table[tokens]  # (B, T, V_padded)
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
+                                            ignore_index=ignore_index)
+
+    def full_logits(self, local_logits):
+        return local_logits[..., :self.cfg.vocab_size]
+
+
+class SuccessorModel(BigramModel):
+    """Predicts `successor[token]` with logit 10 (others 0), over a vocabulary of `vocab_size` ids."""
+
+    def __init__(self, successor: dict[int, int], vocab_size: int, padded_vocab_size: int, default: int = 0,
+                 seq_length: int = 64):
+        nn.Module.__init__(self)
+        self.cfg = SimpleNamespace(seq_length=seq_length, vocab_size=vocab_size)
+        self.ctx = ParallelContext.single()
+        self.padded = padded_vocab_size
+        self.successor = successor
+        self.default = default
+        self.calls = []
+
+    def forward(self, tokens, targets=None, ignore_index=-100, cache=None):
+        self.calls.append(tuple(tokens.shape))
+        predicted = tokens.clone().apply_(lambda t: self.successor.get(t, self.default))
+        logits = torch.zeros(*tokens.shape, self.padded)
+        logits.scatter_(-1, predicted.unsqueeze(-1), 10.0)
+        logits[..., self.cfg.vocab_size:] = PADDING_LOGIT
+        return logits
 
 
 def wiki_file(data_dir):
