@@ -22,6 +22,8 @@ COMMANDS = {
     "plan": "shardlm.plan.cli",
     "checkpoint": "shardlm.checkpoint.cli",
     "convert": "shardlm.checkpoint.cli",
+    "eval": "shardlm.eval.cli",
+    "generate": "shardlm.eval.cli",
 }
 
 
