@@ -1,0 +1,98 @@
+"""Stopping and failing mid-run: SIGTERM saves and stops; a killed worker restarts from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cli_train import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory, data_dir):
+    folder = tmp_path_factory.mktemp("fault")
+    text = folder / "corpus.txt"
+    text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:40_000])
+    path = folder / "tiny.toml"
+    path.write_text(TINY.format(text=text, plot="false"))
+    return path
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start(*args) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "shardlm", "train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float = 120.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise TimeoutError("condition not reached")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(config_file, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(str(config_file), "parallel.tensor=1", "train.steps=100000", "--run-dir", str(run_dir))
+    wait_for(lambda: len(records(run_dir)) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    step = json.loads((run_dir / "checkpoints" / latest / "meta.json").read_text())["step"]
+    assert step >= 2 and "SIGTERM: saving" in out + err
+    resumed = start(str(config_file), "parallel.tensor=1", f"train.steps={step + 2}", "--run-dir", str(run_dir))
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-2000:]
+    assert f"at step {step}" in out + err
+    assert records(run_dir)[-2]["step"] == step + 2  # last train record, then the validation record
+
+
+def test_killed_worker_restarts_from_checkpoint_and_finishes_like_an_uninterrupted_run(config_file, tmp_path):
+    """torchrun --max-restarts 1: SIGKILL one of 2 workers mid-run; the job resumes and ends identically."""
+    common = [str(config_file), "train.steps=120", "checkpoint.save_interval=5", "--nproc-per-node", "2"]
+    reference = start(*common, "--run-dir", str(tmp_path / "reference"))
+    faulty_dir = tmp_path / "faulty"
+    faulty = start(*common, "--max-restarts", "1", "--run-dir", str(faulty_dir))
+    wait_for(lambda: (faulty_dir / "checkpoints" / "latest").is_file() and len(records(faulty_dir)) >= 12)
+    workers = children(faulty.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    out, err = faulty.communicate(timeout=300)
+    assert faulty.returncode == 0, err[-3000:]
+    assert "resumed from" in out + err
+    ref_out, ref_err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, ref_err[-3000:]
+    final = [r for r in records(faulty_dir) if "loss" in r][-1]
+    expected = [r for r in records(tmp_path / "reference") if "loss" in r][-1]
+    assert final["step"] == expected["step"] == 120
+    assert final["loss"] == pytest.approx(expected["loss"], rel=1e-6)
