@@ -94,8 +94,9 @@ def autocast_context(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def time_steps(step, repeats: int = 5, warmup: int = 1) -> float:
-    """Median seconds of `step()` over `repeats` calls after `warmup` untimed ones."""
+def time_steps(step, repeats: int = 5, warmup: int = 1, statistic=statistics.median) -> float:
+    """`statistic` (median, or min on a shared machine) of the seconds of `repeats` calls of `step()`
+    after `warmup` untimed ones."""
     for _ in range(warmup):
         step()
     times = []
@@ -103,4 +104,62 @@ def time_steps(step, repeats: int = 5, warmup: int = 1) -> float:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistic(times)
+
+
+def measure_trainer_memory(trainer, tokens: torch.Tensor, targets: torch.Tensor) -> dict:
+    """What a `shardlm.training.trainer.Trainer` allocates on this rank, beside what it saves.
+
+    Takes one optimizer step (so AdamW has created its state), then one forward pass on
+    `tokens`/`targets` (B, T) with the saved-tensor hooks, and its backward (so gradients exist, as
+    DDP bucket views when DP > 1). Returns parameter elements, state bytes and saved bytes.
+    """
+    trainer.train_step()
+    model = trainer.model
+    forward_module = trainer.ddp or model
+
+    def forward():
+        with autocast_context(trainer.config.train.precision, trainer.ctx.device):
+            loss = forward_module(tokens, targets).mean()
+        loss.backward()
+        return loss
+
+    saved = saved_activation_bytes(model, forward, list(model.layers))
+    return {"parameter_elements": sum(p.numel() for p in model.parameters()),
+            **state_bytes(trainer.params, trainer.optimizer),
+            "saved_by_layer": saved.by_layer, "saved_outside": saved.outside_layers, "saved_total": saved.total}
+
+
+@dataclass(frozen=True)
+class CPUHardware:
+    """This machine's speeds as seen by one process of a world (all processes busy at once)."""
+
+    matmul_flops: float
+    """fp32 GEMM FLOP/s of one process."""
+    memory_bytes_per_s: float
+    """Streaming bandwidth of one process (read + write bytes of an in-place add)."""
+    allreduce_bytes_per_s: float
+    """Per-direction bandwidth of a ring all-reduce over the given communicator (0 if it has one rank)."""
+    allreduce_latency_s: float
+    """Per ring step, from a one-element all-reduce."""
+
+
+def measure_cpu_hardware(comm=None, size: int = 512, stream_elements: int = 1 << 22,
+                         message_elements: int = 1 << 20) -> CPUHardware:
+    """Micro-benchmarks behind the CPU "GPU preset": a square GEMM, an in-place add, and (with a
+    communicator of p > 1 ranks) a large and a tiny all-reduce, converted with the ring formula."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    gemm = time_steps(lambda: torch.mm(a, b), repeats=7)
+    x, y = torch.randn(stream_elements), torch.randn(stream_elements)
+    stream = time_steps(lambda: x.add_(y), repeats=7)
+    bandwidth = latency = 0.0
+    if comm is not None and comm.size > 1:
+        p = comm.size
+        message = torch.ones(message_elements)
+        big = time_steps(lambda: comm.all_reduce(message), repeats=5)
+        tiny = torch.ones(1)
+        small = time_steps(lambda: comm.all_reduce(tiny), repeats=20, warmup=3)
+        latency = small / (2 * (p - 1))
+        bandwidth = 2 * (p - 1) / p * message.numel() * 4 / max(big - small, 1e-9)
+    return CPUHardware(matmul_flops=2 * size**3 / gemm, memory_bytes_per_s=3 * x.numel() * 4 / stream,
+                       allreduce_bytes_per_s=bandwidth, allreduce_latency_s=latency)
