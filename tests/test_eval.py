@@ -176,6 +176,20 @@ def test_stream_loss_sums_each_target_once(n, context, stride, batch):
     assert all(t <= context for _, t in model.calls)
 
 
+def test_gpt_stream_loss_equals_full_forward_of_each_window():
+    """The evaluator runs the output layer on scored positions only; GPT.forward on whole windows,
+    keeping each window's scored losses, must give the same total."""
+    model = tiny_gpt(ParallelContext.single(), vocab_size=300)
+    tokens = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(1))
+    expected = 0.0
+    for w in evaluation_windows(len(tokens), 32, 8):
+        with torch.no_grad():
+            losses = model(tokens[None, w.start:w.end], tokens[None, w.start + 1:w.end + 1])[0]
+        expected += losses[w.first_scored:].double().sum().item()
+    result = evaluate_stream(model, tokens.tolist(), stride=8, context=32, batch_size=3)
+    assert result.total_loss == pytest.approx(expected, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------ perplexity
 
 def test_uniform_logits_give_the_vocabulary_size(reference, data_dir):

@@ -3,7 +3,9 @@
 The windows (`shardlm.eval.windows`) are dealt round-robin over the data-parallel ranks; each rank
 runs its windows in batches (the last window may be shorter: it is padded and its padding ignored)
 and computes per-token losses with the vocabulary-parallel cross-entropy on its TP slice of the
-logits, so logits are never gathered and padding vocabulary entries never count. The summed loss
+logits, so logits are never gathered and padding vocabulary entries never count. Only the scored
+positions go through the output layer: with stride s of context L, a window needs s of its L rows of
+logits, which for a small model is most of the work saved. The summed loss
 and the number of scored tokens are then all-reduced over DP (in float64); every rank returns the
 same totals, and the token count is checked against the N - 1 targets of the stream.
 """
@@ -15,8 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from shardlm.eval.windows import Window, evaluation_windows
+from shardlm.models.gpt import GPT
+from shardlm.parallel import copy_to_tensor_parallel, vocab_parallel_cross_entropy
 
 IGNORE = -100
 
@@ -73,9 +78,9 @@ def evaluate_stream(model, tokens: Sequence[int], *, stride: int = 32, context: 
     for first in range(0, len(mine), batch_size):
         batch = mine[first:first + batch_size]
         inputs, targets = window_batch(stream, batch, context, pad_id=0)
-        losses = model(inputs, targets, ignore_index=IGNORE)  # (B, T) fp32, 0 where ignored
+        losses = scored_losses(model, inputs, targets)
         totals[0] += losses.double().sum()
-        totals[1] += (targets != IGNORE).sum()
+        totals[1] += losses.numel()
         if bar is not None:
             bar.update(len(batch))
     if bar is not None:
@@ -86,6 +91,20 @@ def evaluate_stream(model, tokens: Sequence[int], *, stride: int = 32, context: 
     if scored != max(len(tokens) - 1, 0):
         raise RuntimeError(f"windows scored {scored} tokens, expected {len(tokens) - 1}")
     return StreamLoss(totals[0].item(), scored, len(windows))
+
+
+def scored_losses(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(M,) fp32 losses of the M positions whose target is not IGNORE. inputs, targets: (B, T).
+
+    For a `GPT` the output layer (the tied, vocabulary-parallel embedding) runs on those M hidden
+    states only; any other model is called as `model(inputs, targets, ignore_index=IGNORE)`.
+    """
+    keep = targets != IGNORE
+    if not isinstance(model, GPT):
+        return model(inputs, targets, ignore_index=IGNORE)[keep]
+    hidden = model.hidden_states(inputs)[keep]  # (M, h), replicated over TP
+    logits = F.linear(copy_to_tensor_parallel(hidden, model.ctx.tp), model.wte.weight)  # (M, V_padded / tp)
+    return vocab_parallel_cross_entropy(logits, targets[keep], model.ctx.tp, vocab_size=model.cfg.vocab_size)
 
 
 def _progress(total: int, desc: str, enabled: bool):
