@@ -15,7 +15,8 @@ from shardlm.config import DataConfig
 from shardlm.errors import UserError
 from shardlm.eval.detokenize import count_original_tokens, wikitext_detokenize
 from shardlm.eval.lambada import evaluate_lambada, lambada_example, read_lambada
-from shardlm.eval.perplexity import evaluate_stream
+from shardlm.eval.perplexity import evaluate_stream, scored_local_logits
+from shardlm.eval.vocab_parallel import vocab_parallel_argmax
 from shardlm.eval.wikitext import evaluate_wikitext, read_text
 from shardlm.eval.windows import evaluation_windows, num_windows
 from shardlm.models.config import ModelConfig
@@ -107,6 +108,13 @@ def all_evaluations(ctx, data_dir) -> dict:
         "lambada_strict": evaluate_lambada(model, tokenizer, texts, strict=True, batch_size=8).to_dict(),
         "lambada": evaluate_lambada(model, tokenizer, texts, strict=False, batch_size=8).to_dict(),
     }
+    inputs = torch.randint(0, tokenizer.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        local = model(inputs)
+        out["argmax"] = vocab_parallel_argmax(local, ctx.tp, tokenizer.vocab_size).tolist()
+        out["full_argmax"] = model.full_logits(local).argmax(dim=-1).tolist()
+        keep = inputs % 3 == 0
+        out["scored_logits_match"] = torch.allclose(scored_local_logits(model, inputs, keep), local[keep])
     with torch.no_grad():
         model.wte.weight.zero_()  # every logit (padding included) is 0: a uniform model
     out["uniform"] = evaluate_wikitext(model, tokenizer, text, stride=STRIDE, batch_size=4).to_dict()
@@ -228,6 +236,15 @@ def test_parallel_layouts_give_the_same_numbers(world2, reference, layout, task)
                 assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), f"{task} {key} on rank {rank}"
             else:
                 assert got[key] == value, f"{task} {key} on rank {rank}"
+
+
+def test_vocab_parallel_argmax_and_scored_logits(world2, reference):
+    """The argmax over vocabulary shards equals the argmax of the gathered logits, at TP=1 and TP=2;
+    the output layer applied to selected positions gives those positions' logits."""
+    for run in (reference, world2[0]["tp2"], world2[1]["tp2"], world2[0]["tp1"]):
+        assert run["argmax"] == run["full_argmax"]
+        assert run["scored_logits_match"]
+    assert world2[0]["tp2"]["argmax"] == reference["argmax"]
 
 
 def test_wikitext_result_is_consistent(reference):
