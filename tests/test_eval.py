@@ -166,6 +166,9 @@ def test_window_errors_name_the_fix():
         evaluation_windows(100, 8, 0)
     with pytest.raises(UserError, match="stride=9 must be between 1 and the context length 8"):
         evaluation_windows(100, 8, 9)
+    model = BigramModel(torch.zeros(4, 4), padded_vocab_size=8, seq_length=16)
+    with pytest.raises(UserError, match="context=17 is longer than the model's seq_length=16"):
+        evaluate_stream(model, [1, 2, 3], context=17)
 
 
 @pytest.mark.parametrize("n", [2, 17, 63, 64, 65, 66, 100, 131])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardlm.errors import UserError
 from shardlm.eval.windows import Window, evaluation_windows
 from shardlm.models.gpt import GPT
 from shardlm.parallel import copy_to_tensor_parallel, vocab_parallel_cross_entropy
@@ -68,6 +69,9 @@ def evaluate_stream(model, tokens: Sequence[int], *, stride: int = 32, context: 
     """
     ctx = model.ctx
     context = context or model.cfg.seq_length
+    if context > model.cfg.seq_length:
+        raise UserError(f"context={context} is longer than the model's seq_length={model.cfg.seq_length}; "
+                        "pass a smaller --context")
     windows = evaluation_windows(len(tokens), context, stride)
     mine = windows[ctx.dp_rank::ctx.dp_size]
     stream = torch.as_tensor(list(tokens), dtype=torch.long, device=ctx.device)
