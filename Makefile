@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench bench-gpu clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# Writes BENCHMARKS.md and benchmarks.json (about 10 minutes on 2 CPU cores).
 bench: $(STAMP)
 	$(PY) -m shardlm.bench
+
+# One CUDA GPU: bf16 throughput, TFLOP/s and MFU of GPT-2 shapes up to 1.5B (not run in CI).
+bench-gpu: $(STAMP)
+	$(PY) -m shardlm.bench.gpu --compile
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -52,11 +52,21 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
+    """Matmul FLOPs of training on one token (forward + backward = 3 x forward) of a GPT.
+
+    Forward per token: 24 l h^2 (QKV, projection and the 4h MLP) + 4 l s h (QK^T and AV over the
+    full sequence) + 2 h V (LM head), so training is 72 l h^2 (1 + s/6h + V/12lh). The paper's
+    later formula writes V/16lh, which leaves out part of the LM head's backward; we count all of it.
+    With activation recomputation the layers' forward runs twice: + 24 l h^2 + 4 l s h (hardware
+    FLOPs; throughput figures use the model FLOPs, recompute=False)."""
+    s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    ffn_ratio = cfg.ffn_size / h
+    layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)
+    forward = layer_forward + 2 * h * v
+    return 3 * forward + (layer_forward if recompute else 0.0)
+
+
 def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False) -> float:
-    """Model FLOPs of one training step (forward + backward) for a GPT, as the paper's later
-    formula writes it: 72 B s l h^2 (1 + s / 6h + V / 16 l h); with activation recomputation the
-    factor is 96 because the forward runs twice. B global batch, s sequence, l layers, h hidden,
-    V (padded-free) vocabulary. Assumes the 4h MLP."""
-    b, s, layers, h, v = global_batch, cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
-    factor = 96 if recompute else 72
-    return factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    """Matmul FLOPs of one optimizer step: `flops_per_token` x global batch x sequence length."""
+    return flops_per_token(cfg, recompute) * global_batch * cfg.seq_length

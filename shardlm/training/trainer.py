@@ -65,8 +65,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ddp = None
         if ctx.dp_size > 1:
-            self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group, broadcast_buffers=False,
-                                               gradient_as_bucket_view=True)
+            self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group, gradient_as_bucket_view=True)
             self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2),
                                          t.adam_eps, ctx.device)

@@ -1,0 +1,1 @@
+"""Benchmarks: speed, memory and communication measured side by side (`make bench`)."""

@@ -1,0 +1,111 @@
+"""`make bench` (`python -m shardlm.bench`): every benchmark, then BENCHMARKS.md and benchmarks.json.
+
+Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficiency vs PyTorch's TP,
+communication vs the formula, memory per rank, checkpoint I/O, preprocessing, evaluation and
+generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from shardlm.bench.common import BENCH, QUICK, machine, matmul_ceiling
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardlm.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: check the harness, not the numbers")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (default 5)")
+    parser.add_argument("--out", default=".", help="folder for BENCHMARKS.md and benchmarks.json")
+    parser.add_argument("--only", nargs="*", help="run only these sections")
+    args = parser.parse_args(argv)
+    shape = QUICK if args.quick else BENCH
+    repeats = 2 if args.quick else args.repeats
+    results: dict = {"machine": machine(), "repeats": repeats, "quick": args.quick, "errors": {},
+                     "gpu_note": "The GPU benchmark is `make bench-gpu` (one CUDA GPU; not part of `make bench`); "
+                                 "see docs/benchmarks-gpu.md for its last recorded result."}
+    sections = {
+        "train_vs_hf": lambda: _train(shape, repeats, results),
+        "tp2_efficiency": lambda: _tensor_parallel(shape, repeats),
+        "memory": lambda: _memory(args.quick),
+        "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
+        "preprocess": lambda: _preprocess(1 if args.quick else 3),
+        "eval": lambda: _eval(),
+    }
+    started = time.time()
+    for name, run in sections.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        section_start = time.time()
+        try:
+            value = run()
+        except Exception as exc:  # noqa: BLE001 - a failed section is reported, the others still run
+            traceback.print_exc()
+            results["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            continue
+        if value is not None:
+            results[name] = value
+        print(f"bench: {name} done in {time.time() - section_start:.0f} s", file=sys.stderr, flush=True)
+    results["total_seconds"] = time.time() - started
+    from shardlm.bench.report import write_reports
+
+    write_reports(results, Path(args.out))
+    print(f"bench: wrote {Path(args.out) / 'BENCHMARKS.md'} and benchmarks.json in {results['total_seconds']:.0f} s",
+          file=sys.stderr)
+    return 1 if results["errors"] else 0
+
+
+def _train(shape, repeats, results):
+    from shardlm.bench.training import train_vs_hf
+
+    figures = train_vs_hf(shape, repeats, threads=2)
+    ceiling = matmul_ceiling(threads=2)
+    achieved = figures["shardlm_tokens_per_sec"]["median"] * shape.flops_per_token
+    results["mfu"] = {"flops_per_token": shape.flops_per_token, "achieved_gflops": achieved / 1e9,
+                      "gemm_ceiling_gflops": ceiling / 1e9, "fraction": achieved / ceiling}
+    return figures
+
+
+def _tensor_parallel(shape, repeats):
+    from shardlm.bench.tensor_parallel import tensor_parallel_efficiency
+
+    return tensor_parallel_efficiency(shape, repeats)
+
+
+def _memory(quick):
+    from shardlm.bench.memory import memory_per_rank
+
+    return memory_per_rank(quick)
+
+
+def _checkpoint(shape, repeats):
+    from shardlm.bench.storage import checkpoint_io
+
+    return checkpoint_io(shape, repeats)
+
+
+def _preprocess(repeats):
+    from shardlm.data.bench import benchmark_preprocess
+
+    with tempfile.TemporaryDirectory() as folder:
+        return benchmark_preprocess(folder, workers=(1, 2), repeats=repeats)
+
+
+def _eval():
+    from shardlm.eval import bench
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return {"wikitext": bench.eval_throughput(), "generation": bench.generation_latency()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

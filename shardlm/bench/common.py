@@ -1,0 +1,95 @@
+"""What every benchmark shares: the BENCH shape, timing with statistics, the machine's description."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.models.config import ModelConfig, flops_per_token
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """Model and batch of a throughput benchmark."""
+
+    num_layers: int = 8
+    hidden_size: int = 512
+    num_heads: int = 8
+    seq_length: int = 512
+    micro_batch: int = 4
+    vocab_size: int = 8192
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+                           seq_length=self.seq_length, vocab_size=self.vocab_size, dropout=0.0)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_length
+
+    @property
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.model_config())
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads, sequence "
+                f"{self.seq_length}, micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, fp32, dropout 0")
+
+
+BENCH = BenchShape()
+QUICK = BenchShape(num_layers=2, hidden_size=128, num_heads=4, seq_length=128, micro_batch=2, vocab_size=1024)
+
+
+def summary(values: list[float]) -> dict:
+    """Median, min, max and the raw values (rounded for the report)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": [round(v, 6) for v in values]}
+
+
+def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time each zero-argument program `repeats` times, alternating A B A B, after `warmup` rounds.
+    Returns seconds per call for each program."""
+    for _ in range(warmup):
+        for run in programs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, run in programs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def matmul_ceiling(threads: int, size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 GEMM FLOP/s on this CPU with `threads` threads (square size x size matrices)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
+    torch.set_num_threads(previous)
+    return best
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

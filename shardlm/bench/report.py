@@ -1,0 +1,133 @@
+"""Writing `benchmarks.json` and `BENCHMARKS.md` from the collected figures (atomically)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _median(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    if not fig:
+        return "n/a"
+    low, high = fig["min"] * scale, fig["max"] * scale
+    return f"{fig['median'] * scale:.{digits}f} (min {low:.{digits}f}, max {high:.{digits}f})"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_reports(results: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write(out_dir / "benchmarks.json", json.dumps(results, indent=2, default=float) + "\n")
+    _write(out_dir / "BENCHMARKS.md", markdown(results))
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [
+        "# shardlm benchmarks",
+        "",
+        f"Measured by `make bench` on {m['date']}: {m['cpu']}, {m['cores']} cores, Python {m['python']}, "
+        f"torch {m['torch']}. Every figure is the median (min, max) over {r['repeats']} repeats; programs "
+        "that are compared ran alternately (A B A B) in the same run, so the ratios are what to read on a "
+        "noisy machine. The same figures are in `benchmarks.json` (keys below in `code`).",
+        "",
+    ]
+    t = r.get("train_vs_hf")
+    if t:
+        lines += [
+            "## Training throughput: shardlm vs HuggingFace transformers (`train_vs_hf`)",
+            "",
+            f"Config: {t['config']}. One step = forward + backward + clipping + AdamW.",
+            "",
+            "| program | tokens/s |", "|---|---|",
+            f"| shardlm (TP=1) | {_median(t['shardlm_tokens_per_sec'], digits=0)} |",
+            f"| transformers GPT2LMHeadModel (SDPA) | {_median(t['hf_tokens_per_sec'], digits=0)} |",
+            "",
+            f"**`train_vs_hf.ratio` = {_median(t['ratio'])}** (shardlm / transformers; goal >= 1.1).",
+            "",
+        ]
+    if "mfu" in r:
+        u = r["mfu"]
+        lines += [
+            "## CPU model-FLOPs utilization (`mfu`)",
+            "",
+            f"Achieved matmul FLOP/s of the shardlm step above ({u['flops_per_token'] / 1e6:.1f} MFLOP per token, "
+            "`shardlm.models.config.flops_per_token`) over the best fp32 GEMM rate of this CPU with the same "
+            f"threads ({u['gemm_ceiling_gflops']:.0f} GFLOP/s, 1024x1024 matmuls): "
+            f"**{u['achieved_gflops']:.0f} GFLOP/s = {u['fraction'] * 100:.0f}%**.",
+            "",
+        ]
+    p = r.get("tp2_efficiency")
+    if p:
+        tok = p["tokens_per_sec"]
+        lines += [
+            "## Tensor-parallel efficiency on this CPU (`tp2_efficiency`)",
+            "",
+            f"Config: {p['config']}. Efficiency = tokens/s at TP=2 / tokens/s at TP=1 of the same code.",
+            "",
+            "| program | TP=1 tokens/s | TP=2 tokens/s | efficiency |", "|---|---|---|---|",
+            f"| shardlm (`tp2_efficiency.shardlm`) | {_median(tok['shardlm_tp1'], digits=0)} | "
+            f"{_median(tok['shardlm_tp2'], digits=0)} | **{_median(p['shardlm'])}** |",
+            f"| PyTorch `tensor.parallel` (`tp2_efficiency.torch_tp`) | {_median(tok['torch_tp1'], digits=0)} | "
+            f"{_median(tok['torch_tp2'], digits=0)} | {_median(p['torch_tp'])} |",
+            "",
+            "PyTorch's layout (written inside the benchmark, `shardlm/bench/torch_tp.py`) projects q, k, v "
+            "separately (three backward all-reduces per layer where shardlm's fused QKV needs one) and runs the "
+            "embedding, LM head and loss replicated on both ranks; shardlm's vocabulary-parallel LM head and "
+            "cross-entropy split that work.",
+            "",
+        ]
+        c = p["comm"]
+        lines += [
+            "## Communication per training step vs the formula (`comm.matches_formula`)",
+            "",
+            "Counted by shardlm's accounting layer (`ctx.comm`) over one step of the BENCH shape with one "
+            "micro-batch per rank, against the documented formula (`shardlm/bench/tensor_parallel.py:expected_comm`): "
+            "TP: 4 all-reduces of b*s*h per layer, 1 for the embedding, 1 for the LM head, 1 SUM of 2*b*s and 1 MAX "
+            "of b*s for the cross-entropy, 1 scalar for the gradient norm; DP: every gradient element once plus the "
+            "logged loss.",
+            "",
+            "| layout | collective | measured (calls, elements) | formula | match |", "|---|---|---|---|---|",
+        ]
+        for label in ("tp2", "dp2"):
+            for key, row in c[label]["rows"].items():
+                lines.append(f"| {label} | {key} | {row['measured']} | {row['expected']} | {row['match']} |")
+        lines += ["", f"**`comm.matches_formula` = {c['matches_formula']}**", ""]
+    mem = r.get("memory")
+    if mem:
+        lines += ["## Memory per rank (`memory`)", "", mem.get("config", ""), "",
+                  "| TP | parameters+gradients+optimizer bytes | analytic ideal | match | activations saved for "
+                  "backward (no checkpointing) | with checkpointing |", "|---|---|---|---|---|---|"]
+        for row in mem["rows"]:
+            lines.append(f"| {row['tp']} | {row['state_bytes']:,} | {row['ideal_state_bytes']:,} | "
+                         f"{row['state_bytes'] == row['ideal_state_bytes']} | {row['activation_bytes']:,} | "
+                         f"{row['activation_bytes_checkpointed']:,} |")
+        lines.append("")
+    ck = r.get("checkpoint")
+    if ck:
+        lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",
+                  f"Size {ck['bytes'] / 1e6:.1f} MB; save {_median(ck['save_s'])} s "
+                  f"(~{ck['save_mb_per_s']:.0f} MB/s, including fsync and sha256); "
+                  f"load and verify {_median(ck['load_s'])} s.", ""]
+    pre = r.get("preprocess")
+    if pre:
+        lines += ["## Preprocessing (`preprocess`)", "",
+                  f"GPT-2 BPE over {pre['input_bytes'] / 1e6:.1f} MB of the shared corpora ({pre['documents']} "
+                  f"documents, {pre['tokens']} tokens), `shardlm preprocess --workers N`.", "",
+                  "| workers | documents/s | tokens/s |", "|---|---|---|"]
+        for workers, fig in pre["by_workers"].items():
+            lines.append(f"| {workers} | {_median(fig['documents_per_second'], digits=0)} | "
+                         f"{_median(fig['tokens_per_second'], digits=0)} |")
+        lines.append("")
+    ev = r.get("eval")
+    if ev:
+        lines += ["## Evaluation and generation (`eval`)", "", "```json", json.dumps(ev, indent=2, default=float),
+                  "```", ""]
+    for key, error in r.get("errors", {}).items():
+        lines += [f"**{key}: not measured** ({error})", ""]
+    lines += ["## GPU", "", r.get("gpu_note", ""), ""]
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""Run a function on N local processes that form one gloo world, and collect what each returns.
+
+For tests and benchmarks on one machine: `run_workers(2, fn, *args)` spawns 2 processes with the
+torchrun environment set, initializes the default process group (unless `init=False`), calls
+`fn(*args)` on each and returns the per-rank results (pickled bytes, so tensors survive the exit of
+their process). A worker's exception travels back as text and is raised here.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from datetime import timedelta
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue, init, threads):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS=str(threads))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if init:
+            # A short collective timeout turns a hang (one rank failed mid-check) into an error.
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(world_size: int, fn, *args, timeout: float = 300.0, init: bool = True, threads: int = 1) -> list:
+    """Run `fn(*args)` on ranks 0..world_size-1 (gloo, `threads` threads each); return per-rank results.
+    With init=False the workers get the torchrun environment but no process group yet."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init, threads), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
