@@ -1,0 +1,7 @@
+"""Fine-tuning BERT on the paper's downstream tasks: RACE (multiple choice), MNLI and QQP (sentence pairs).
+
+`race.py` and `glue.py` read the tasks' own file layouts into examples, `inputs.py` turns examples
+into `[CLS] A [SEP] B [SEP]` arrays, `heads.py` puts a multiple-choice or classification head on
+the pretrained encoder, `loop.py` trains and evaluates under tensor x data parallelism, and
+`cli.py` is `shardlm finetune race|mnli|qqp`.
+"""
