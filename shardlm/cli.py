@@ -24,6 +24,7 @@ COMMANDS = {
     "convert": "shardlm.checkpoint.cli",
     "eval": "shardlm.eval.cli",
     "generate": "shardlm.eval.cli",
+    "finetune": "shardlm.finetune.cli",
 }
 
 
