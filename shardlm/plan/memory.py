@@ -101,8 +101,9 @@ def parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     and MLP output projections (h x h, h x f) split by rows with their h biases replicated, two
     LayerNorms (2h each) replicated. Outside: the vocabulary embedding (V_padded x h, V_padded a
     multiple of 128 x tp) split by rows and tied to the LM head, positions (s x h) and the final
-    LayerNorm replicated. arch="bert" adds Megatron's BERT heads (token types, pooler, LM-head
-    transform, output bias, binary head).
+    LayerNorm replicated. arch="bert" counts `shardlm.models.bert.BERT`: the same layers and
+    embeddings plus token types (2 x h), pooler and LM-head transform (h x h + h each), the LM-head
+    LayerNorm, the sentence head (2 x h + 2) and the output bias, split like the vocabulary.
     """
     h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
     h_local, f_local = _split(h, tp, "hidden_size"), _split(f, tp, "ffn size")

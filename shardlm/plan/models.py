@@ -1,8 +1,9 @@
 """Model presets for the planner: the paper's GPT-2 and BERT models and its weak-scaling configs.
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
-the same transformer layer as GPT (bidirectional attention costs what causal attention costs in the
-FLOP formula) plus Megatron's BERT heads, counted in `memory.parameter_count`.
+the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
+time model charges bidirectional attention what the FLOP formula charges causal attention) plus the
+BERT heads, counted exactly in `memory.parameter_count`; activations are those of the GPT layer stack.
 """
 
 from __future__ import annotations
