@@ -14,8 +14,9 @@ from torch import nn
 from shardlm.config import DataConfig
 from shardlm.errors import UserError
 from shardlm.eval.detokenize import count_original_tokens, wikitext_detokenize
+from shardlm.eval.head import logits_at
 from shardlm.eval.lambada import evaluate_lambada, lambada_example, read_lambada
-from shardlm.eval.perplexity import evaluate_stream, scored_local_logits
+from shardlm.eval.perplexity import evaluate_stream
 from shardlm.eval.vocab_parallel import vocab_parallel_argmax
 from shardlm.eval.wikitext import evaluate_wikitext, read_text
 from shardlm.eval.windows import evaluation_windows, num_windows
@@ -114,7 +115,7 @@ def all_evaluations(ctx, data_dir) -> dict:
         out["argmax"] = vocab_parallel_argmax(local, ctx.tp, tokenizer.vocab_size).tolist()
         out["full_argmax"] = model.full_logits(local).argmax(dim=-1).tolist()
         keep = inputs % 3 == 0
-        out["scored_logits_match"] = torch.allclose(scored_local_logits(model, inputs, keep), local[keep])
+        out["scored_logits_match"] = torch.allclose(logits_at(model, inputs, keep), local[keep])
     with torch.no_grad():
         model.wte.weight.zero_()  # every logit (padding included) is 0: a uniform model
     out["uniform"] = evaluate_wikitext(model, tokenizer, text, stride=STRIDE, batch_size=4).to_dict()

@@ -76,7 +76,7 @@ def eval_throughput(device: str = "cpu", num_tokens: int = 2048, stride: int = 3
             "window_tokens_per_second": window_tokens / median}
 
 
-def generation_latency(device: str = "cpu", prompt_tokens: int = 16, new_tokens: int = 96, batch: int = 1,
+def generation_latency(device: str = "cpu", prompt_tokens: int = 32, new_tokens: int = 128, batch: int = 1,
                        repeats: int = 3) -> dict:
     """Greedy generation time per new token, with and without the key/value cache (medians)."""
     from shardlm.eval.generate import SamplingConfig, generate_tokens

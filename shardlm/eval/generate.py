@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shardlm.errors import UserError
+from shardlm.eval.head import last_logits
 
 
 @dataclass
@@ -124,11 +125,11 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
 
     cache = model.new_kv_cache(total) if config.use_cache else None
     position = min(lengths)
-    logits = model(tokens[:, :position], cache=cache)
+    logits = last_logits(model, tokens[:, :position], cache)  # (B, V_padded / tp)
     new: list[list[int]] = [[] for _ in prompts]
     reason: list[str | None] = [None] * batch
     while position < total:
-        full = model.full_logits(logits[:, -1])  # (B, V): gathered, padding dropped
+        full = model.full_logits(logits)  # (B, V): gathered, padding dropped
         uniform = torch.rand(batch, generator=generator, dtype=torch.float64)
         chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
         in_prompt = position < prompt_length
@@ -146,7 +147,7 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
         position += 1
         if all(r is not None for r in reason) or position == total:
             break
-        logits = model(tokens[:, position - 1:position], cache=cache) if cache else model(tokens[:, :position])
+        logits = last_logits(model, tokens[:, position - 1:position] if cache else tokens[:, :position], cache)
     model.train(was_training)
     return [Generation(p, n, r or "context") for p, n, r in zip(prompts, new, reason)]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from shardlm.errors import UserError
-from shardlm.eval.perplexity import scored_local_logits
+from shardlm.eval.head import logits_at
 from shardlm.eval.vocab_parallel import vocab_parallel_argmax
 
 
@@ -105,7 +105,7 @@ def evaluate_lambada(model, tokenizer, texts: list[str], *, strict: bool = True,
             labels[row, :n] = torch.tensor(sequence[1:])
             scored[row, n - len(target):n] = True
         inputs, labels, scored = inputs.to(ctx.device), labels.to(ctx.device), scored.to(ctx.device)
-        logits = scored_local_logits(model, inputs, scored)  # (M, V_padded / tp): target positions only
+        logits = logits_at(model, inputs, scored)  # (M, V_padded / tp): target positions only
         wrong = vocab_parallel_argmax(logits, ctx.tp, model.cfg.vocab_size) != labels[scored]  # (M,)
         rows = scored.nonzero()[:, 0]  # the example each scored position belongs to
         wrong_per_row = torch.zeros(len(batch), device=ctx.device).index_add_(0, rows, wrong.float())

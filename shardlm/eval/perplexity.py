@@ -17,12 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shardlm.errors import UserError
+from shardlm.eval.head import logits_at
 from shardlm.eval.windows import Window, evaluation_windows
-from shardlm.models.gpt import GPT
-from shardlm.parallel import copy_to_tensor_parallel, vocab_parallel_cross_entropy
+from shardlm.parallel import vocab_parallel_cross_entropy
 
 IGNORE = -100
 
@@ -97,23 +96,11 @@ def evaluate_stream(model, tokens: Sequence[int], *, stride: int = 32, context: 
     return StreamLoss(totals[0].item(), scored, len(windows))
 
 
-def scored_local_logits(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(M, V_padded / tp) this rank's logits at the M positions where `keep` (B, T) is True.
-
-    For a `GPT` the output layer (the tied, vocabulary-parallel embedding) runs on those M hidden
-    states only; any other model is called as `model(inputs)` and its logits are indexed.
-    """
-    if not isinstance(model, GPT):
-        return model(inputs)[keep]
-    hidden = model.hidden_states(inputs)[keep]  # (M, h), replicated over TP
-    return F.linear(copy_to_tensor_parallel(hidden, model.ctx.tp), model.wte.weight)
-
-
 def scored_losses(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(M,) fp32 losses of the M positions whose target is not IGNORE. inputs, targets: (B, T).
     Vocabulary-parallel cross-entropy over the TP group; padding entries never count."""
     keep = targets != IGNORE
-    logits = scored_local_logits(model, inputs, keep)
+    logits = logits_at(model, inputs, keep)
     return vocab_parallel_cross_entropy(logits, targets[keep], model.ctx.tp, vocab_size=model.cfg.vocab_size)
 
 

@@ -1,0 +1,35 @@
+"""The GPT output layer applied to selected hidden states only.
+
+Evaluation and generation need logits at a few positions (the scored targets of a window, the last
+position of a prompt), while `GPT.forward` computes them at every position. Running the tied,
+vocabulary-parallel output layer on just those rows gives the same values at a fraction of the cost.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardlm.models.gpt import GPT, KVCache
+from shardlm.parallel import copy_to_tensor_parallel
+
+
+def output_layer(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
+    """(..., h) final-LayerNorm states, replicated over TP -> (..., V_padded / tp) this rank's logits."""
+    return F.linear(copy_to_tensor_parallel(hidden, model.ctx.tp), model.wte.weight)
+
+
+def logits_at(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(M, V_padded / tp) this rank's logits at the M positions where `keep` (B, T) is True.
+    A model that is not a `GPT` (a test stand-in) is called as `model(inputs)` and indexed."""
+    if not isinstance(model, GPT):
+        return model(inputs)[keep]
+    return output_layer(model, model.hidden_states(inputs)[keep])
+
+
+def last_logits(model, inputs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    """(B, V_padded / tp) this rank's logits at the last position of `inputs` (B, T), continuing
+    `cache` when given."""
+    if not isinstance(model, GPT):
+        return model(inputs, cache=cache)[:, -1]
+    return output_layer(model, model.hidden_states(inputs, cache)[:, -1])
