@@ -77,7 +77,8 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"bytes/parameter)")
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU; act = peak saved activations of one micro-batch without / with "
-                  "checkpointing; time in s per step; TF = model TFLOP/s per GPU")
+                  "checkpointing; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting "
+                  "recomputation when checkpointing, as the paper does)")
     for name in ("TP", "DP", "micro x acc", "ckpt", "param", "grad", "optim", "act", "act ckpt", "total", "fits",
                  "step", "TP comm", "DP exp", "TF"):
         table.add_column(name, justify="right", no_wrap=True)
