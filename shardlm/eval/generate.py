@@ -107,6 +107,8 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
     of the last position's logits and one broadcast of B ids per step).
     """
     config.validate()
+    if not prompts:
+        raise UserError("no prompts to continue; pass at least one")
     ctx, seq_length = model.ctx, model.cfg.seq_length
     prompts = [list(p) if len(p) else [eod if eod is not None else 0] for p in prompts]
     lengths = [len(p) for p in prompts]
@@ -147,7 +149,8 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
         position += 1
         if all(r is not None for r in reason) or position == total:
             break
-        logits = last_logits(model, tokens[:, position - 1:position] if cache else tokens[:, :position], cache)
+        logits = last_logits(model, tokens[:, position - 1:position] if cache is not None else tokens[:, :position],
+                             cache)
     model.train(was_training)
     return [Generation(p, n, r or "context") for p, n, r in zip(prompts, new, reason)]
 
