@@ -6,7 +6,10 @@
   pass, through `torch.autograd.graph.saved_tensors_hooks`. Each storage counts once (views such as
   q, k, v of the fused QKV output share one), parameters are excluded, and every saved tensor is
   attributed to the transformer layer that was running when it was saved. Exact and deterministic.
-- `time_steps`: median wall time of training steps (for the CPU step-time comparison).
+- `measure_trainer_memory`: both of the above for a real `Trainer` after an optimizer step;
+- `measure_cpu_hardware`: GEMM FLOP/s, streaming bandwidth and all-reduce bandwidth/latency of one
+  process, to describe this CPU to the time model as if it were a GPU;
+- `time_steps`: wall time of training steps (for the CPU step-time comparison).
 """
 
 from __future__ import annotations
@@ -37,10 +40,9 @@ class SavedBytes:
 
 
 def saved_activation_bytes(model: nn.Module, forward, layers: list[nn.Module]) -> SavedBytes:
-    """Run `forward()` (which calls `model`) and sum the bytes of every tensor it saves for backward.
-
-    `layers` are the transformer blocks to attribute saved tensors to. Returns the forward's result
-    in `result.value` is not needed by callers, so the output is discarded after measuring.
+    """Run `forward()` (which calls `model`, and may run the backward too) and sum the bytes of every
+    tensor saved for backward while it runs. `layers` are the transformer blocks to attribute saved
+    tensors to; anything saved outside them counts as `outside_layers`. `forward`'s result is dropped.
     """
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
