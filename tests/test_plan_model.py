@@ -241,3 +241,11 @@ def test_weak_scaling_ideal_without_communication_or_replicated_work():
 
 def test_model_config_has_the_fields_the_planner_reads():
     assert ModelConfig().ffn_size == 4 * ModelConfig().hidden_size
+
+
+def test_cli_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, shardlm.plan.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
