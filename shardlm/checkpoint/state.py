@@ -130,8 +130,10 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         with torch.no_grad():
             param.copy_(local["model"])
         if optimizer is not None and optimizer_step > 0 and "exp_avg" in local:
-            optimizer.state[param] = {"step": torch.tensor(float(optimizer_step)), "exp_avg": local["exp_avg"],
-                                      "exp_avg_sq": local["exp_avg_sq"]}
+            # the fused kernel keeps `step` beside the parameter, the others on the CPU
+            step_device = param.device if optimizer.defaults.get("fused") else "cpu"
+            optimizer.state[param] = {"step": torch.tensor(float(optimizer_step), device=step_device),
+                                      "exp_avg": local["exp_avg"], "exp_avg_sq": local["exp_avg_sq"]}
 
 
 def _restore_rng(ctx: ParallelContext, path: Path) -> None:

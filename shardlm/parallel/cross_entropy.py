@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from shardlm.parallel.comm import Communicator
 
@@ -99,4 +100,9 @@ def vocab_parallel_cross_entropy(
     """
     if vocab_size is None:
         vocab_size = logits.shape[-1] * tp.size
+    if tp.size == 1:  # one rank holds the whole vocabulary: PyTorch's fused kernel computes the same
+        real = logits[..., :vocab_size].float()
+        losses = F.cross_entropy(real.reshape(-1, vocab_size), target.reshape(-1), reduction="none",
+                                 ignore_index=ignore_index, label_smoothing=label_smoothing)
+        return losses.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index, label_smoothing)

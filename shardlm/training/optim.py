@@ -17,15 +17,14 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (never on biases and LayerNorm parameters).
-    Uses the fused kernel on CUDA and the multi-tensor (foreach) one elsewhere."""
+    """AdamW with weight decay on matrices only (never on biases and LayerNorm parameters), with
+    PyTorch's fused kernel (one pass over each tensor; on CPU several times faster than foreach)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **fast)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
 def learning_rate(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
