@@ -4,12 +4,14 @@
 2. vocabulary: a 4096-entry byte-level BPE trained on it (`shardlm tokenizer train`);
 3. training: configs/demo.toml, a 4-layer GPT with 2-way tensor parallelism on 2 local processes
    (`shardlm train --nproc-per-node 2`), with a progress bar, validation loss and perplexity;
-4. outputs: runs/demo/run/metrics.jsonl and loss_curve.png.
+4. a sample: `shardlm generate` continues a prompt from the saved checkpoint (KV cache, top-k);
+5. outputs: runs/demo/run/metrics.jsonl, loss_curve.png and checkpoints/.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -53,10 +55,17 @@ def main() -> int:
         if code:
             return code
     overrides = [f"train.steps={args.steps}"] if args.steps else []
-    code = shardlm(["train", str(ROOT / "configs" / "demo.toml"), "--nproc-per-node", "2",
-                    "--run-dir", str(DEMO / "run"), *overrides])
-    if code == 0:
-        print(f"demo: done. Loss curve: {DEMO / 'run' / 'loss_curve.png'}; metrics: {DEMO / 'run' / 'metrics.jsonl'}")
+    run = DEMO / "run"
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run each time (the corpus and vocabulary are reused)
+    code = shardlm(["train", str(ROOT / "configs" / "demo.toml"), "--nproc-per-node", "2", "--run-dir", str(run),
+                    *overrides])
+    if code:
+        return code
+    print("demo: a sample from the trained model (shardlm generate, top-k 40, temperature 0.8):")
+    code = shardlm(["generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "def ", "--max-new-tokens",
+                    "80", "--top-k", "40", "--temperature", "0.8", "--seed", "1"])
+    print(f"demo: done. Loss curve: {run / 'loss_curve.png'}; metrics: {run / 'metrics.jsonl'}; "
+          f"checkpoint: {run / 'checkpoints'}")
     return code
 
 
