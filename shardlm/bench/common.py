@@ -36,6 +36,26 @@ class BenchShape:
     def flops_per_token(self) -> float:
         return flops_per_token(self.model_config())
 
+    def trainer(self, ctx, tp: int = 1, global_batch: int | None = None, **train):
+        """A real shardlm Trainer of this shape on random tokens, for `ctx` (TP=`tp`)."""
+        import numpy as np
+
+        from shardlm.config import from_dict
+        from shardlm.data.gpt_dataset import TokenArrayDataset
+        from shardlm.training.trainer import Trainer
+
+        global_batch = global_batch or self.micro_batch * (ctx.world_size // tp)
+        config = from_dict({
+            "model": {"num_layers": self.num_layers, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
+                      "seq_length": self.seq_length, "vocab_size": self.vocab_size, "dropout": 0.0},
+            "parallel": {"tensor": tp}, "data": {"text_file": "in-memory"},
+            "train": {"micro_batch_size": self.micro_batch, "global_batch_size": global_batch, "steps": 1000,
+                      "lr": 1e-4, **train},
+        })
+        tokens = np.random.default_rng(0).integers(0, self.vocab_size, 200 * self.tokens)
+        data = TokenArrayDataset(tokens, self.seq_length, seed=0, num_samples=1000 * global_batch)
+        return Trainer(config, ctx, data)
+
     def describe(self) -> str:
         return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads, sequence "
                 f"{self.seq_length}, micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, fp32, dropout 0")

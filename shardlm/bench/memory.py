@@ -3,31 +3,12 @@ without checkpointing (measured exactly with saved-tensor hooks, see `shardlm.pl
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from shardlm.bench.common import BenchShape
 
 MEMORY_SHAPE = BenchShape(num_layers=4, hidden_size=256, num_heads=8, seq_length=256, micro_batch=2,
                           vocab_size=8000)
-
-
-def _trainer(shape: BenchShape, ctx, tp: int, checkpointing: bool):
-    from shardlm.config import from_dict
-    from shardlm.data.gpt_dataset import TokenArrayDataset
-    from shardlm.training.trainer import Trainer
-
-    dp = ctx.world_size // tp
-    config = from_dict({
-        "model": {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
-                  "seq_length": shape.seq_length, "vocab_size": shape.vocab_size, "dropout": 0.0},
-        "parallel": {"tensor": tp}, "data": {"text_file": "in-memory"},
-        "train": {"micro_batch_size": shape.micro_batch, "global_batch_size": shape.micro_batch * dp, "steps": 10,
-                  "activation_checkpointing": checkpointing},
-    })
-    tokens = np.random.default_rng(0).integers(0, shape.vocab_size, 50 * shape.tokens)
-    data = TokenArrayDataset(tokens, shape.seq_length, seed=0, num_samples=10 * shape.micro_batch * dp)
-    return Trainer(config, ctx, data)
 
 
 def measure(shape: BenchShape, tps: list[int]) -> dict:
@@ -43,7 +24,7 @@ def measure(shape: BenchShape, tps: list[int]) -> dict:
         runs = {}
         for checkpointing in (False, True):
             ctx.rng = None
-            trainer = _trainer(shape, ctx, tp, checkpointing)
+            trainer = shape.trainer(ctx, tp=tp, activation_checkpointing=checkpointing)
             runs[checkpointing] = measure_trainer_memory(trainer, batch[:, :-1], batch[:, 1:])
         out[tp] = runs
     return out if ctx.rank == ctx.world_size - 1 else None  # the last rank holds the vocabulary padding

@@ -11,28 +11,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from shardlm.bench.common import BenchShape, summary
-
-
-def _shardlm_trainer(shape: BenchShape, ctx, tp: int, global_batch: int):
-    from shardlm.config import from_dict
-    from shardlm.data.gpt_dataset import TokenArrayDataset
-    from shardlm.training.trainer import Trainer
-
-    config = from_dict({
-        "model": {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
-                  "seq_length": shape.seq_length, "vocab_size": shape.vocab_size, "dropout": 0.0},
-        "parallel": {"tensor": tp}, "data": {"text_file": "in-memory"},
-        "train": {"micro_batch_size": shape.micro_batch, "global_batch_size": global_batch, "steps": 1000,
-                  "lr": 1e-4},
-    })
-    tokens = np.random.default_rng(0).integers(0, shape.vocab_size, 200 * shape.tokens)
-    data = TokenArrayDataset(tokens, shape.seq_length, seed=0, num_samples=1000 * global_batch)
-    return Trainer(config, ctx, data)
 
 
 def _timed(run, rank: int, runs_here: bool, threads: int) -> float:
@@ -52,9 +34,9 @@ def worker(shape: BenchShape, repeats: int) -> dict:
     from shardlm.parallel import ParallelContext
 
     rank = dist.get_rank()
-    tp2 = _shardlm_trainer(shape, ParallelContext.from_process_group(2), 2, shape.micro_batch)
-    dp2 = _shardlm_trainer(shape, ParallelContext.from_process_group(1), 1, 2 * shape.micro_batch)
-    tp1 = _shardlm_trainer(shape, ParallelContext.single(), 1, shape.micro_batch) if rank == 0 else None
+    tp2 = shape.trainer(ParallelContext.from_process_group(2), tp=2)
+    dp2 = shape.trainer(ParallelContext.from_process_group(1), tp=1)
+    tp1 = shape.trainer(ParallelContext.single()) if rank == 0 else None
     batch = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_length + 1),
                           generator=torch.Generator().manual_seed(0))
     dims = (shape.num_layers, shape.hidden_size, shape.num_heads, shape.seq_length, shape.vocab_size)

@@ -6,29 +6,16 @@ the same number of threads, alternated A B A B so machine noise hits both alike.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from shardlm.bench.common import BenchShape, interleaved, summary
 
 
-def shardlm_step(shape: BenchShape, seed: int = 0):
+def shardlm_step(shape: BenchShape):
     """A zero-argument function running one real shardlm training step (the Trainer's), and the trainer."""
-    from shardlm.config import from_dict
-    from shardlm.data.gpt_dataset import TokenArrayDataset
     from shardlm.parallel import ParallelContext
-    from shardlm.training.trainer import Trainer
 
-    config = from_dict({
-        "model": {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
-                  "seq_length": shape.seq_length, "vocab_size": shape.vocab_size, "dropout": 0.0},
-        "data": {"text_file": "in-memory"},
-        "train": {"micro_batch_size": shape.micro_batch, "global_batch_size": shape.micro_batch, "steps": 1000,
-                  "lr": 1e-4, "seed": seed},
-    })
-    tokens = np.random.default_rng(seed).integers(0, shape.vocab_size, 200 * shape.tokens)
-    data = TokenArrayDataset(tokens, shape.seq_length, seed=seed, num_samples=1000 * shape.micro_batch)
-    trainer = Trainer(config, ParallelContext.single(), data)
+    trainer = shape.trainer(ParallelContext.single())
     return trainer.train_step, trainer
 
 
