@@ -112,6 +112,7 @@ def worker_layouts(layouts):
     forward = ctx.comm.snapshot()
     loss.backward()
     out["comm"] = {"forward": forward, "total": ctx.comm.snapshot()}
+    out["predicted_tokens"] = int((batch["labels"] != -100).sum())
     return out if dist.get_rank() == 0 else None
 
 
@@ -165,7 +166,9 @@ def test_tensor_parallel_collectives_per_pass(world2):
     assert forward["all_reduce_max/tp"]["calls"] == 1
     assert total["all_reduce/tp"]["calls"] - forward["all_reduce/tp"]["calls"] == 2 * LAYERS + 1
     layer_bytes = 4 * SEQ * HIDDEN * 4
-    assert forward["all_reduce/tp"]["bytes"] == (2 * LAYERS + 1) * layer_bytes + 2 * 4 * SEQ * 4
+    predicted = world2["predicted_tokens"]  # only predicted tokens reach the LM head and its cross-entropy
+    assert forward["all_reduce/tp"]["bytes"] == (2 * LAYERS + 1) * layer_bytes + 2 * predicted * 4
+    assert forward["all_reduce_max/tp"]["bytes"] == predicted * 4
 
 
 # ------------------------------------------------------------------------------- single process
