@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 install: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardlm tests scripts

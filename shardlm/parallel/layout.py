@@ -160,5 +160,21 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        rank = int(os.environ["RANK"])
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, store=_attempt_store(rank, world, timeout), rank=rank,
+                                world_size=world, timeout=timeout)
     return ParallelContext.from_process_group(tensor_parallel, device, timeout_s)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta):
+    """The torchrun rendezvous store, namespaced by restart attempt.
+
+    After `torchrun --max-restarts` restarts a group, the store can still hold the addresses the
+    previous workers published; new workers reading them connect to dead ports. A prefix per
+    attempt (TORCHELASTIC_RESTART_COUNT) keeps every attempt's keys apart.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return dist.PrefixStore(f"shardlm/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -209,7 +209,8 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
     vocabulary-parallel lookup), the embedding dropout mask, the final LayerNorm's input and stats,
     its output as saved by the LM-head GEMM (plus autocast's half copy of this rank's embedding), and
     the cross-entropy's fp32 softmax b s V/t, local targets (int64) and two bool masks, plus a bool
-    padding mask on ranks whose vocabulary slice holds padding.
+    padding mask on ranks whose vocabulary slice holds padding (at TP=1, PyTorch's kernel: the fp32
+    log-softmax over the real vocabulary and the targets).
     """
     rank = tp - 1 if rank is None else rank
     h, b, s = cfg.hidden_size, micro_batch, cfg.seq_length
@@ -220,7 +221,10 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
     final_norm = tokens * h * fmt.residual_bytes + 2 * tokens * 4
     lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * vocab_local * h
     holds_padding = (rank + 1) * vocab_local > cfg.vocab_size
-    cross_entropy = tokens * vocab_local * 4 + tokens * 8 + 2 * tokens + (vocab_local if holds_padding else 0)
+    if tp == 1:  # PyTorch's cross-entropy on the real vocabulary: fp32 log-softmax and int64 targets
+        cross_entropy = tokens * cfg.vocab_size * 4 + tokens * 8
+    else:
+        cross_entropy = tokens * vocab_local * 4 + tokens * 8 + 2 * tokens + (vocab_local if holds_padding else 0)
     return ActivationMemory(
         per_layer=layer_activation_bytes(cfg, tp, micro_batch, fmt, backend),
         layer_input=tokens * h * fmt.residual_bytes,
