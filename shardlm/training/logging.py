@@ -17,7 +17,7 @@ class RunLogger:
     """Writes a run's metrics. Every method is a no-op on ranks other than the main one."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool, interval: int = 10,
-                 progress: bool = True, tensorboard: bool = True, first_step: int = 0):
+                 progress: bool = True, tensorboard: bool = True):
         self.enabled, self.interval, self.run_dir = enabled, max(1, interval), run_dir
         self.history: list[dict] = []
         self.bar = self.writer = self.file = None
@@ -26,7 +26,7 @@ class RunLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if progress:
-            self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -34,6 +34,11 @@ class RunLogger:
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def resumed_at(self, step: int) -> None:
+        """Move the progress bar to a resumed run's step."""
+        if self.bar:
+            self.bar.update(step - self.bar.n)
 
     def print(self, message: str) -> None:
         if self.enabled:

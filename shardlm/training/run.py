@@ -104,6 +104,7 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
     if resume_from:
         meta = load_checkpoint(trainer, resume_from)
+        logger.resumed_at(trainer.step)
         logger.print(f"resumed from {resume_from} at step {meta['step']} (saved at TP={meta['tensor_parallel']} x "
                      f"DP={meta['data_parallel']})")
     logger.print(f"shardlm: {trainer.model.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x "
