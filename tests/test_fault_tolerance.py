@@ -79,8 +79,8 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(config_file, tmp_path):
 
 def test_killed_worker_restarts_from_checkpoint_and_finishes_like_an_uninterrupted_run(config_file, tmp_path):
     """torchrun --max-restarts 1: SIGKILL one of 2 workers mid-run; the job resumes and ends identically."""
-    common = [str(config_file), "train.steps=60", "checkpoint.save_interval=5", "train.timeout_s=60", "--nproc-per-node",
-              "2"]
+    common = [str(config_file), "train.steps=60", "checkpoint.save_interval=5", "train.timeout_s=60",
+              "--nproc-per-node", "2"]
     reference = start(*common, "--run-dir", str(tmp_path / "reference"))
     faulty_dir = tmp_path / "faulty"
     faulty = start(*common, "--max-restarts", "1", "--run-dir", str(faulty_dir))
