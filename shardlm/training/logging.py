@@ -110,7 +110,7 @@ def plot_loss_curve(metrics_file: Path, out: Path) -> Path:
         ax.plot(*zip(*valid), "o-", label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"shardlm: {metrics_file.parent.name}")
+    ax.set_title(f"shardlm: {metrics_file.parent}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
