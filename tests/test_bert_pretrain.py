@@ -65,3 +65,18 @@ def test_shipped_bert_configs_have_the_paper_recipe(name, world, accumulation):
         assert (t.global_batch_size, t.lr, t.warmup_steps, t.steps, t.decay_style) == (1024, 1e-4, 10_000,
                                                                                         2_000_000, "linear")
         assert config.model.vocab_size == 30522 and config.model.layernorm_order == "pre"
+
+
+def test_ln_order_script_trains_both_orders_and_plots(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ln_order_experiment", ROOT / "scripts/ln_order_experiment.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    output = tmp_path / "curves.png"
+    assert script.main(["--layers", "2", "--hidden", "32", "--steps", "4", "--batch", "4", "--seq-length", "32",
+                        "--work-dir", str(tmp_path / "work"), "--output", str(output)]) == 0
+    assert output.stat().st_size > 1000
+    summary = json.loads(output.with_suffix(".json").read_text())
+    assert len(summary["post"]["losses"]) == len(summary["pre"]["losses"]) == 4
+    assert summary["post"]["first_train_loss"] != summary["pre"]["first_train_loss"]  # the orders differ
