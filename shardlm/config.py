@@ -48,6 +48,10 @@ class DataConfig:
     """BPE merges file for "gpt2"; empty uses $SHARDLM_DATA/vocab/gpt2/vocab.bpe."""
     cache_dir: str = ""
     """Where sample indices are cached; empty: beside the data."""
+    next_sentence_prediction: bool = False
+    """BERT: next-sentence prediction instead of the paper's sentence-order prediction."""
+    whole_word_masking: bool = True
+    """BERT: mask every WordPiece of a word together, in n-grams of up to 3 words (else single tokens)."""
 
 
 @dataclass

@@ -80,3 +80,18 @@ def test_ln_order_script_trains_both_orders_and_plots(tmp_path):
     summary = json.loads(output.with_suffix(".json").read_text())
     assert len(summary["post"]["losses"]) == len(summary["pre"]["losses"]) == 4
     assert summary["post"]["first_train_loss"] != summary["pre"]["first_train_loss"]  # the orders differ
+
+
+@pytest.mark.parametrize("nsp,whole_word", [(True, False), (False, True)])
+def test_bert_data_options_reach_the_dataset(pretrained, nsp, whole_word):
+    from shardlm.config import load_config
+    from shardlm.training.data import build_datasets, build_tokenizer_for
+
+    prefix = pretrained.parent / "novel"
+    config = load_config(ROOT / "configs/bert-tiny.toml", [f'data.prefixes=["{prefix}"]', "model.seq_length=64",
+                                                            f"data.next_sentence_prediction={str(nsp).lower()}",
+                                                            f"data.whole_word_masking={str(whole_word).lower()}"])
+    train, _ = build_datasets(config.data, build_tokenizer_for(config.data), 64, 1, 16, 0, arch="bert")
+    assert train.next_sentence_prediction is nsp
+    assert train.masking.whole_word is whole_word and train.masking.max_ngram == (3 if whole_word else 1)
+    assert set(int(train[i]["is_random"]) for i in range(16)) <= {0, 1}

@@ -58,10 +58,14 @@ def build_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, trai
             raise UserError("model.arch=\"bert\" reads data.prefixes made by `shardlm preprocess --split-sentences`, "
                             "not data.text_file")
         from shardlm.data.bert_dataset import build_bert_datasets
+        from shardlm.data.masking import MaskingConfig
 
+        masking = MaskingConfig(whole_word=data.whole_word_masking,
+                                max_ngram=3 if data.whole_word_masking else 1)
         train, valid, _ = build_bert_datasets(list(data.prefixes), data.split, seq_length, seed,
                                               (train_samples, valid_samples, 0), tokenizer,
-                                              cache_dir=data.cache_dir or None)
+                                              cache_dir=data.cache_dir or None, masking=masking,
+                                              next_sentence_prediction=data.next_sentence_prediction)
         return train, valid
     if data.text_file:
         return text_file_datasets(data, tokenizer, seq_length, seed, train_samples)
