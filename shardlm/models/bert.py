@@ -25,19 +25,15 @@ cross-entropy (of 2 scalars per predicted token); backward: 2 per layer and 1 fo
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.gpt import ParallelMLP
+from shardlm.models.gpt import ParallelAttention, ParallelMLP
 from shardlm.parallel import (
-    ColumnParallelLinear,
     ParallelContext,
-    RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -63,26 +59,14 @@ def attention_mask_from_padding(padding_mask: torch.Tensor) -> torch.Tensor:
     return padding_mask.bool()[:, None, None, :]
 
 
-class BertSelfAttention(nn.Module):
+class BertSelfAttention(ParallelAttention):
     """Bidirectional self-attention with heads split over the TP group. x: (B, T, h) -> (B, T, h).
 
-    The fused QKV weight is laid out per head, `(heads, 3, head_dim)` rows, as in GPT, so a contiguous
-    column split gives each rank the q, k, v of its heads. Keys masked out by `attention_mask`
+    The same weights, initialization and fused per-head QKV as GPT's `ParallelAttention`; only the
+    masking differs. Keys masked out by `attention_mask`
     (B, 1, 1, T) get no weight from any query. Talks to the TP group: `f` on the input (backward),
     `g` on the output projection (forward).
     """
-
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
-        super().__init__()
-        self.ctx = ctx
-        self.heads = cfg.num_heads // ctx.tp_size
-        self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.dropout = cfg.attention_dropout_p
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ctx.tp, std=cfg.init_std,
-                                        seed=param_seed(seed, f"{prefix}.qkv"), device=ctx.device)
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, std=out_std,
-                                      seed=param_seed(seed, f"{prefix}.proj"), device=ctx.device)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
