@@ -12,7 +12,8 @@ from shardlm.plan.paper import BASELINE_TFLOPS, Comparison
 from shardlm.plan.planner import Plan, PlanRow
 
 ASSUMPTIONS = [
-    "compute = FLOP formula (x96 with recomputation, x72 without) / (GPUs x peak x compute efficiency)",
+    "compute = matmul FLOPs (72 B s l h^2 (1 + s/6h + V/12lh), + the layers' forward again when recomputing) "
+    "/ (GPUs x peak x compute efficiency)",
     "TP all-reduces (4 per layer per micro-batch, +2 recomputed) are not overlapped with compute",
     "DP gradient all-reduce overlaps the last micro-batch's backward; the dp_overlap fraction of it hides",
     "ring all-reduce: 2(p-1)/p x bytes / (achieved per-direction bandwidth) + 2(p-1) x latency",

@@ -2,8 +2,9 @@
 
     step = compute + elementwise + tp_comm + optimizer + exposed dp_comm
 
-- compute: the FLOP formula (`shardlm.models.config.flops_per_step`, factor 96 with activation
-  recomputation, 72 without, padded vocabulary) divided over all GPUs, at `compute_efficiency` of
+- compute: the matmul FLOP count (`shardlm.models.config.flops_per_step`: 72 B s l h^2 (1 + s/6h +
+  V/12lh), plus the layers' forward again with activation recomputation, padded vocabulary) divided
+  over all GPUs, at `compute_efficiency` of
   the GPU's peak. It covers everything that splits over TP (GEMMs, attention, GeLU).
 - elementwise: the work every TP rank repeats on the full b x s x h activations (LayerNorms,
   dropouts, residual adds, row-parallel bias adds: `ELEMENTWISE_PASSES` reads/writes of b s h
@@ -97,7 +98,7 @@ class StepTime:
     dp_exposed_s: float
     """The part of the DP all-reduce not hidden behind the backward pass."""
     model_flops: float
-    """FLOPs of the step by the paper's formula (factor 96 with recomputation, 72 without)."""
+    """Matmul FLOPs of the step (`flops_per_step`, recomputed forwards included when checkpointing)."""
 
     @property
     def total_s(self) -> float:
