@@ -47,14 +47,18 @@ plot = {plot}
 """
 
 
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory, data_dir):
-    folder = tmp_path_factory.mktemp("cli")
+def write_tiny_config(folder: Path, data_dir: Path, plot: bool) -> Path:
+    """TINY (TP=2) on the first 40 kB of the shared Shakespeare corpus, written into `folder`."""
     text = folder / "corpus.txt"
     text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:40_000])
     path = folder / "tiny.toml"
-    path.write_text(TINY.format(text=text, plot="true"))
+    path.write_text(TINY.format(text=text, plot=str(plot).lower()))
     return path
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory, data_dir):
+    return write_tiny_config(tmp_path_factory.mktemp("cli"), data_dir, plot=True)
 
 
 ERRORS = [

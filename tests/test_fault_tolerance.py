@@ -11,19 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli_train import TINY
+from test_cli_train import write_tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory, data_dir):
-    folder = tmp_path_factory.mktemp("fault")
-    text = folder / "corpus.txt"
-    text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:40_000])
-    path = folder / "tiny.toml"
-    path.write_text(TINY.format(text=text, plot="false"))
-    return path
+    return write_tiny_config(tmp_path_factory.mktemp("fault"), data_dir, plot=False)
 
 
 def records(run_dir: Path) -> list[dict]:
