@@ -27,7 +27,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Writes BENCHMARKS.md and benchmarks.json (about 10 minutes on 2 CPU cores).
+# Writes BENCHMARKS.md and benchmarks.json (about 4 minutes on a quiet 2-core CPU).
 bench: $(STAMP)
 	$(PY) -m shardlm.bench
 

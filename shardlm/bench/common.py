@@ -23,10 +23,13 @@ class BenchShape:
     seq_length: int = 512
     micro_batch: int = 4
     vocab_size: int = 8192
+    activation: str = "gelu_tanh"
+    """GPT-2's tanh-approximated GeLU, the function transformers' GPT2Config computes by default."""
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
-                           seq_length=self.seq_length, vocab_size=self.vocab_size, dropout=0.0)
+                           seq_length=self.seq_length, vocab_size=self.vocab_size, dropout=0.0,
+                           activation=self.activation)
 
     @property
     def tokens(self) -> int:
@@ -47,7 +50,8 @@ class BenchShape:
         global_batch = global_batch or self.micro_batch * (ctx.world_size // tp)
         config = from_dict({
             "model": {"num_layers": self.num_layers, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
-                      "seq_length": self.seq_length, "vocab_size": self.vocab_size, "dropout": 0.0},
+                      "seq_length": self.seq_length, "vocab_size": self.vocab_size, "dropout": 0.0,
+                      "activation": self.activation},
             "parallel": {"tensor": tp}, "data": {"text_file": "in-memory"},
             "train": {"micro_batch_size": self.micro_batch, "global_batch_size": global_batch, "steps": 1000,
                       "lr": 1e-4, **train},
@@ -57,8 +61,10 @@ class BenchShape:
         return Trainer(config, ctx, data)
 
     def describe(self) -> str:
+        gelu = "tanh GeLU" if self.activation == "gelu_tanh" else "erf GeLU"
         return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads, sequence "
-                f"{self.seq_length}, micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, fp32, dropout 0")
+                f"{self.seq_length}, micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, {gelu}, fp32, "
+                "dropout 0")
 
 
 BENCH = BenchShape()

@@ -37,7 +37,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
 
 
 class PlainGPT(nn.Module):

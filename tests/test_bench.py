@@ -1,0 +1,60 @@
+"""`make bench`'s harness end to end on tiny shapes (`--quick`): every section runs, the documented
+keys of benchmarks.json are there, and BENCHMARKS.md is written from them. Speed itself is never
+asserted here: figures are measured by `make bench`, not by tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# the keys README.md and BENCHMARKS.md promise to users, as dotted paths into benchmarks.json
+STABLE_KEYS = [
+    "machine.cpu", "machine.torch", "machine.date",
+    "train_vs_hf.ratio.median", "train_vs_hf.ratio_same_kernels.median",
+    "train_vs_hf.shardlm_tokens_per_sec.median", "train_vs_hf.hf_tokens_per_sec.median",
+    "train_vs_hf.hf_fused_gelu_tokens_per_sec.median",
+    "mfu.fraction", "mfu.gemm_ceiling_gflops",
+    "tp2_efficiency.shardlm.median", "tp2_efficiency.torch_tp.median",
+    "comm.matches_formula", "comm.tp2.rows", "comm.dp2.rows",
+    "memory.rows", "checkpoint.save_s.median", "checkpoint.load_s.median",
+    "preprocess.by_workers", "eval.wikitext", "eval.generation",
+]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    return proc, out
+
+
+def test_every_section_runs(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "benchmarks.json").read_text())
+    assert results["errors"] == {}
+    assert results["quick"] is True
+
+
+@pytest.mark.parametrize("key", STABLE_KEYS)
+def test_documented_key_present(quick_run, key):
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    value = results
+    for part in key.split("."):
+        assert part in value, f"benchmarks.json lacks {key}"
+        value = value[part]
+
+
+def test_markdown_names_the_headline_figures(quick_run):
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    for figure in ("`train_vs_hf.ratio`", "`train_vs_hf.ratio_same_kernels`", "`tp2_efficiency.shardlm`",
+                   "`comm.matches_formula`", "(`memory`)", "(`mfu`)"):
+        assert figure in text
+    assert "not measured" not in text
+    assert not list(quick_run[1].glob(".*.tmp")), "a temporary report file was left behind"
