@@ -81,7 +81,45 @@ def worker_layouts(world: int, folders: dict) -> dict:
         save_checkpoint(trainer, folders["4x1"])
         out["4x1->2x2"] = continue_from(ctx(2), 2, folders["4x1"])
         out["exact 2x2"] = exact_resume(ctx(2), 2, folders["exact"])
+        out["verification"] = distributed_verification(ctx(4), folders["4x1"], folders["exact"] + "-damaged")
     return out if ctx(1).rank == 0 else None
+
+
+def distributed_verification(ctx: ParallelContext, checkpoint: str, damaged: str) -> dict:
+    """Load a 4-shard checkpoint on 4 ranks counting sha256 passes, then damage one shard of a copy:
+    every rank must refuse it, naming the same file."""
+    import shutil
+    from pathlib import Path
+
+    from shardlm.checkpoint import files
+
+    hashed = []
+    real_sha = files.sha256_of
+    files.sha256_of = lambda path: hashed.append(Path(path).name) or real_sha(path)
+    load_checkpoint(trainer_for(ctx, 4), checkpoint)
+    files.sha256_of = real_sha
+    if ctx.rank == 0:
+        shutil.copytree(files.resolve(checkpoint), damaged)
+        shard = Path(damaged) / "model_tp02.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-10] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    ctx.world.barrier()
+    try:
+        load_checkpoint(trainer_for(ctx, 4), damaged)
+        error = None
+    except UserError as exc:
+        error = str(exc)
+    return {"hashed": _gather_names(ctx, hashed), "errors": _gather_names(ctx, [error or ""])}
+
+
+def _gather_names(ctx: ParallelContext, names: list[str]) -> list[list[str]]:
+    """Every rank's list, on every rank."""
+    import torch.distributed as dist
+
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, names)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +193,18 @@ def test_resume_on_another_layout_world2(world2, reference, key):
 @pytest.mark.parametrize("key", ["1x1->4x1", "4x1->2x2"])
 def test_resume_on_another_layout_world4(world4, reference, key):
     assert_close(world4[key], reference)
+
+
+def test_each_shard_is_hashed_once_across_ranks(world4):
+    hashed = world4["verification"]["hashed"]
+    # 4 shards, 4 ranks: each rank hashes its own shard file and its RNG file, nothing else
+    assert [sorted(h) for h in hashed] == [sorted([f"model_tp{r:02d}.safetensors", f"rng_rank{r:05d}.safetensors"])
+                                           for r in range(4)]
+
+
+def test_corrupt_shard_is_named_on_every_rank(world4):
+    errors = [e[0] for e in world4["verification"]["errors"]]
+    assert all("model_tp02.safetensors" in e and "sha256" in e for e in errors), errors
 
 
 def test_hf_logits_match_transformers_at_tp1_and_tp2(hf_model, folders, world2):

@@ -9,7 +9,8 @@
 
 A save writes into `.tmp-step_00000100/`, flushes every file to disk, then renames the directory and
 finally updates `latest`: a crash at any point leaves the previous checkpoint and `latest` intact.
-Each file's size and sha256 are in the manifest; a load verifies them and names the bad file.
+Each file's size and sha256 are in the manifest; a load verifies them (hashing each file on one rank
+only) and names the bad file.
 """
 
 from __future__ import annotations
@@ -109,8 +110,15 @@ def read_meta(checkpoint: Path) -> dict:
                         "use an earlier checkpoint") from None
 
 
-def verify(checkpoint: Path, meta: dict, names: list[str]) -> None:
-    """Check size and sha256 of the named files against the manifest; UserError names a bad file."""
+def verify(checkpoint: Path, meta: dict, names: list[str], world=None, device="cpu") -> None:
+    """Check presence, size and sha256 of the named files against the manifest; UserError names a bad file.
+
+    With `world` (a `Communicator` over all ranks loading together, every one passing the same `names`),
+    every rank checks sizes, but each file's sha256 is computed by one rank only (file i by rank i mod
+    world size) and one all-reduce tells every rank the first bad file, so a checkpoint on a shared
+    filesystem is read for hashing once in all, not once per rank. `device`: where that collective's
+    tensor lives (the rank's device, for NCCL).
+    """
     manifest = meta["files"]
     for name in names:
         path = checkpoint / name
@@ -123,5 +131,19 @@ def verify(checkpoint: Path, meta: dict, names: list[str]) -> None:
         if size != expected["bytes"]:
             raise UserError(f"checkpoint file {path} is truncated or altered: {size} bytes, expected "
                             f"{expected['bytes']}; use an earlier checkpoint")
-        if sha256_of(path) != expected["sha256"]:
-            raise UserError(f"checkpoint file {path} is corrupt (sha256 mismatch); use an earlier checkpoint")
+    rank, size = (world.rank, world.size) if world is not None else (0, 1)
+    bad = len(names)
+    for i, name in enumerate(names):
+        if i % size == rank and sha256_of(checkpoint / name) != manifest[name]["sha256"]:
+            bad = i
+            break
+    if size > 1:
+        import torch
+        import torch.distributed as dist
+
+        first_bad = torch.tensor([bad], dtype=torch.int64, device=device)
+        world.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+        bad = int(first_bad.item())
+    if bad < len(names):
+        raise UserError(f"checkpoint file {checkpoint / names[bad]} is corrupt (sha256 mismatch); "
+                        "use an earlier checkpoint")

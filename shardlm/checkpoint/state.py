@@ -161,7 +161,9 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     check_compatible(meta, trainer.config)
     shard_names = [model_file(r) for r in range(meta["tensor_parallel"])]
     same_layout = meta["world_size"] == ctx.world_size and meta["tensor_parallel"] == ctx.tp_size
-    files.verify(checkpoint, meta, shard_names + ([rng_file(ctx.rank)] if same_layout else []))
+    files.verify(checkpoint, meta, shard_names, world=ctx.world, device=ctx.device)  # each shard hashed once
+    if same_layout:
+        files.verify(checkpoint, meta, [rng_file(ctx.rank)])
     load_weights(trainer.model, ShardedReader([checkpoint / n for n in shard_names]), ctx, trainer.optimizer,
                  meta["optimizer_step"])
     trainer.step, trainer.consumed_samples = meta["step"], meta["consumed_samples"]
@@ -203,7 +205,7 @@ def load_model(path: str | Path, ctx: ParallelContext):
         checkpoint = files.resolve(path)
         meta = files.read_meta(checkpoint)
         paths = [checkpoint / model_file(r) for r in range(meta["tensor_parallel"])]
-        files.verify(checkpoint, meta, [p.name for p in paths])
+        files.verify(checkpoint, meta, [p.name for p in paths], world=ctx.world, device=ctx.device)
         config = from_dict(meta["config"])
     config.parallel.tensor = ctx.tp_size
     model = build_model(config.model, ctx, seed=config.train.seed)
