@@ -58,3 +58,22 @@ def test_markdown_names_the_headline_figures(quick_run):
         assert figure in text
     assert "not measured" not in text
     assert not list(quick_run[1].glob(".*.tmp")), "a temporary report file was left behind"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_benchmark_harness_runs_on_cpu(compiled):
+    """`make bench-gpu`'s code path (real trainer step, bf16 autocast, per-layer torch.compile) on the
+    smoke shape, so the GPU benchmark cannot rot on machines without a GPU."""
+    import shutil
+
+    if compiled and not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    args = ["--device", "cpu", "--shapes", "smoke", "--steps", "1", "--micro-batch", "2"]
+    proc = subprocess.run([sys.executable, "-m", "shardlm.bench.gpu", *args, *(["--compile"] if compiled else [])],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["shape"] == "smoke" and result["compile"] is compiled
+    # wte 512x64 + wpe 128x64 + 2 layers x (12h^2 + 13h) + final LayerNorm 2h, h = 64
+    assert result["parameters"] == 512 * 64 + 128 * 64 + 2 * (12 * 64**2 + 13 * 64) + 128
+    assert result["tokens_per_sec"] > 0
