@@ -23,7 +23,7 @@ from shardlm.bench.common import BENCH, QUICK, machine, matmul_ceiling
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardlm.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: check the harness, not the numbers")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (default 5)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (default 7)")
     parser.add_argument("--out", default=".", help="folder for BENCHMARKS.md and benchmarks.json")
     parser.add_argument("--only", nargs="*", help="run only these sections")
     args = parser.parse_args(argv)

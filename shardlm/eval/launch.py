@@ -37,7 +37,9 @@ def run_command(fn, args) -> int:
         return fn(args)
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    from shardlm.parallel.spawn import free_port
+
+    port = free_port()
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     context = mp.start_processes(_worker, args=(nproc, port, threads, fn, args), nprocs=nproc,
                                  start_method="spawn", join=False)
@@ -53,9 +55,9 @@ def run_command(fn, args) -> int:
 
 
 def _worker(local_rank: int, nproc: int, port: int, threads: str, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nproc),
-                      OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+    from shardlm.parallel.spawn import set_local_rank_env
+
+    set_local_rank_env(local_rank, nproc, port, os.environ.get("OMP_NUM_THREADS", threads))
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -73,10 +75,3 @@ def _worker(local_rank: int, nproc: int, port: int, threads: str, fn, args) -> N
     if code:
         sys.exit(code)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -21,10 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, init, threads):
+def set_local_rank_env(rank: int, world_size: int, port: int, threads: int | str) -> None:
+    """The environment torchrun gives rank `rank` of a one-machine world listening on `port`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS=str(threads))
+
+
+def _worker(rank, world_size, port, fn, args, queue, init, threads):
+    set_local_rank_env(rank, world_size, port, threads)
     import torch
     import torch.distributed as dist
 
