@@ -5,6 +5,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The keys of benchmarks.json users may rely on (dotted paths), with what each holds. Every figure
+# with a median also has min, max and the raw values.
+KEYS = {
+    "machine": "cpu, cores, python, torch, platform, date of the run",
+    "train_vs_hf.ratio": "shardlm tokens/s / transformers GPT2LMHeadModel as shipped, per interleaved repeat",
+    "train_vs_hf.ratio_same_kernels": "shardlm tokens/s / transformers with PyTorch's tanh-GeLU kernel (the control)",
+    "train_vs_hf.shardlm_tokens_per_sec": "shardlm TP=1 training tokens/s",
+    "train_vs_hf.hf_tokens_per_sec": "transformers (as shipped) training tokens/s",
+    "train_vs_hf.hf_fused_gelu_tokens_per_sec": "transformers with `gelu_pytorch_tanh` training tokens/s",
+    "mfu.fraction": "shardlm's achieved matmul FLOP/s / the CPU's measured fp32 GEMM ceiling",
+    "mfu.gemm_ceiling_gflops": "best 1024x1024 fp32 matmul rate with the same threads",
+    "tp2_efficiency.shardlm": "shardlm tokens/s at TP=2 (2 x 1 thread) / TP=1 (1 x 2 threads)",
+    "tp2_efficiency.torch_tp": "the same ratio for PyTorch's `tensor.parallel` on an equivalent model",
+    "comm.matches_formula": "true when every collective's calls and elements equal the formula",
+    "comm.tp2.rows": "per collective at TP=2: measured, expected, match",
+    "comm.dp2.rows": "per collective at DP=2: measured, expected, match",
+    "memory.rows": "per TP size: state bytes, analytic ideal, activation bytes with and without checkpointing",
+    "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
+    "checkpoint.load_s": "seconds to verify and load them",
+    "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
+    "eval.wikitext": "scored tokens/s of the WikiText perplexity evaluation",
+    "eval.generation": "milliseconds per generated token with and without the KV cache",
+}
+
 
 def _median(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
     if not fig:
@@ -142,6 +166,9 @@ def markdown(r: dict) -> str:
     if ev:
         lines += ["## Evaluation and generation (`eval`)", "", "```json", json.dumps(ev, indent=2, default=float),
                   "```", ""]
+    lines += ["## Keys of `benchmarks.json`", "", "| key | meaning |", "|---|---|"]
+    lines += [f"| `{key}` | {meaning} |" for key, meaning in KEYS.items()]
+    lines.append("")
     for key, error in r.get("errors", {}).items():
         lines += [f"**{key}: not measured** ({error})", ""]
     lines += ["## GPU", "", r.get("gpu_note", ""), ""]
