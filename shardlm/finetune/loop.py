@@ -5,8 +5,9 @@ Parallelism is the pretraining one: every TP rank of a group reads the same exam
 split across them), and DP rank d takes the d-th contiguous slice of each global batch, cut into
 micro-batches; DDP averages gradients over the DP group during the last micro-batch's backward.
 The order of examples depends only on the seed and the epoch, so any layout trains on the same
-batches. Evaluation splits each set over DP ranks (rank d takes examples d, d + DP, ...) and sums
-the counts with one all-reduce.
+batches. Evaluation and prediction split each set over DP ranks (rank d takes examples d, d + DP,
+...) and put the predicted classes back in example order with one all-gather, so every rank holds
+all predictions; metrics are computed from them.
 """
 
 from __future__ import annotations
@@ -88,25 +89,43 @@ def train_step(forward, data: TaskData, indices: np.ndarray, micro: int, ctx: Pa
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size: int, f1: bool = False) -> dict:
-    """Accuracy (and F1 of class 1) of `model` on `data`, examples shared out over the DP group."""
+def predict(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size: int) -> np.ndarray:
+    """(N,) int64 argmax class (or option) of every example of `data`, in example order, on every rank.
+
+    DP rank d runs examples d, d + DP, ... in batches of `batch_size`; one all-gather over the DP group
+    of (ceil(N / DP),) ids interleaves them back. TP ranks compute identical (replicated) logits.
+    The model's train/eval mode is restored afterwards."""
+    if len(data) == 0:
+        return np.zeros(0, dtype=np.int64)
+    was_training = model.training
     model.eval()
-    counts = torch.zeros(5, device=ctx.device, dtype=torch.float64)  # correct, total, tp, fp, fn
     mine = np.arange(ctx.dp_rank, len(data), ctx.dp_size)
+    per_rank = -(-len(data) // ctx.dp_size)
+    local = torch.full((per_rank,), -1, dtype=torch.int64, device=ctx.device)
     for start in range(0, len(mine), batch_size):
         batch = data.batch(mine[start:start + batch_size], ctx.device)
-        predicted = model(batch["tokens"], batch["token_types"], batch["padding_mask"]).argmax(-1)
-        labels = batch["labels"]
-        counts += torch.stack([(predicted == labels).sum(), torch.tensor(len(labels), device=ctx.device),
-                               ((predicted == 1) & (labels == 1)).sum(), ((predicted == 1) & (labels != 1)).sum(),
-                               ((predicted != 1) & (labels == 1)).sum()]).double()
-    ctx.dp.all_reduce(counts)
-    correct, total, tp, fp, fn = counts.tolist()
-    result = {"accuracy": correct / max(total, 1.0), "examples": int(total)}
+        logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"])  # (B, K)
+        local[start:start + len(logits)] = logits.argmax(-1)
+    gathered = torch.stack(ctx.dp.all_gather(local), dim=1)  # (per_rank, DP): [j, d] is example j * DP + d
+    model.train(was_training)
+    return gathered.reshape(-1)[:len(data)].cpu().numpy()
+
+
+def task_metrics(predicted: np.ndarray, labels: np.ndarray, f1: bool = False) -> dict:
+    """{"accuracy", "examples"[, "f1" of class 1]} of (N,) predictions against (N,) labels."""
+    correct = int((predicted == labels).sum())
+    result = {"accuracy": correct / max(len(labels), 1), "examples": len(labels)}
     if f1:
-        result["f1"] = 2 * tp / max(2 * tp + fp + fn, 1.0)
-    model.train()
+        tp = int(((predicted == 1) & (labels == 1)).sum())
+        fp = int(((predicted == 1) & (labels != 1)).sum())
+        fn = int(((predicted != 1) & (labels == 1)).sum())
+        result["f1"] = 2 * tp / max(2 * tp + fp + fn, 1)
     return result
+
+
+def evaluate(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size: int, f1: bool = False) -> dict:
+    """Accuracy (and F1 of class 1) of `model` on `data`, examples shared out over the DP group."""
+    return task_metrics(predict(model, data, ctx, batch_size), data.labels, f1)
 
 
 def finetune(model: nn.Module, ctx: ParallelContext, train: TaskData, evals: dict[str, TaskData],
