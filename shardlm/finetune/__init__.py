@@ -2,6 +2,8 @@
 
 `race.py` and `glue.py` read the tasks' own file layouts into examples, `inputs.py` turns examples
 into `[CLS] A [SEP] B [SEP]` arrays, `heads.py` puts a multiple-choice or classification head on
-the pretrained encoder, `loop.py` trains and evaluates under tensor x data parallelism, and
-`cli.py` is `shardlm finetune race|mnli|qqp`.
+the pretrained encoder, `loop.py` trains, evaluates and predicts under tensor x data parallelism,
+`saved.py` keeps the fine-tuned model as one file and loads it back at any TP size,
+`predictions.py` writes the prediction files of dev and test sets, and `cli.py` is
+`shardlm finetune race|mnli|qqp`.
 """

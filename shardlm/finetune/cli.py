@@ -5,6 +5,11 @@ process (bad files fail with one line before any worker starts), then each rank 
 checkpoint sharded for `--tensor-parallel`, tokenizes, trains and evaluates; rank 0 prints one table
 row per epoch and writes `OUTPUT_DIR/metrics.json` after every epoch. `--nproc-per-node M` starts M
 local workers (M / tensor-parallel data-parallel ranks); under torchrun each process is one rank.
+
+After the last epoch, `--save` writes the fine-tuned model as one TP=1 file (`saved.py`) and
+`--predict` writes a prediction file per dev and test set (`predictions.py`). Such a file given back
+as `--checkpoint` (of the same task) carries its head; with `--epochs 0` nothing is trained: the
+model is evaluated on the dev sets (and predicts) at any `--tensor-parallel` size.
 """
 
 from __future__ import annotations
@@ -24,11 +29,22 @@ def add_parser(subparsers) -> None:
         "finetune", help="fine-tune a BERT checkpoint on RACE, MNLI or QQP",
         description="Fine-tune a pretrained BERT checkpoint; reports dev accuracy (and QQP F1) after every epoch.")
     parser.add_argument("task", choices=TASKS, help="race (4-way multiple choice), mnli (3 classes), qqp (2 classes)")
-    parser.add_argument("--checkpoint", required=True, help="BERT checkpoint directory or consolidated file")
+    parser.add_argument("--checkpoint", required=True,
+                        help="BERT checkpoint directory or consolidated file, or a model fine-tuned on this task "
+                             "(OUTPUT_DIR/model.safetensors of --save)")
     parser.add_argument("--data", required=True,
                         help="RACE: the folder with {train,dev}/{high,middle}/*.txt; MNLI/QQP: the GLUE task folder")
-    parser.add_argument("--output-dir", default=None, help="where metrics.json goes (default runs/finetune-TASK-TIME)")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--output-dir", default=None,
+                        help="where metrics.json, model.safetensors and predictions/ go "
+                             "(default runs/finetune-TASK-TIME)")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="passes over train; 0: no training, evaluate (and --predict) a fine-tuned --checkpoint")
+    parser.add_argument("--save", action="store_true",
+                        help="after the last epoch write the model (encoder + head) to OUTPUT_DIR/model.safetensors, "
+                             "one TP=1 file")
+    parser.add_argument("--predict", action="store_true",
+                        help="after the last epoch write OUTPUT_DIR/predictions/SET.tsv for each dev set and each "
+                             "test file in --data (GLUE submission format; RACE: id, answer)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch (all data-parallel ranks)")
     parser.add_argument("--micro-batch-size", type=int, default=0, help="per rank per pass; 0: no accumulation")
     parser.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
@@ -37,12 +53,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 disables")
     parser.add_argument("--dropout", type=float, default=None, help="dropout everywhere (default: the checkpoint's)")
     parser.add_argument("--seq-length", type=int, default=None,
-                        help="input length (default: min(512, the model's sequence length))")
-    parser.add_argument("--max-qa-length", type=int, default=128, help="RACE: tokens kept of question+option")
+                        help="input length (default: a fine-tuned model's, else min(512, the model's sequence length))")
+    parser.add_argument("--max-qa-length", type=int, default=None,
+                        help="RACE: tokens kept of question+option (default: a fine-tuned model's, else 128)")
     parser.add_argument("--eval-batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--limit-train", type=int, default=None, help="use only the first N training examples")
-    parser.add_argument("--limit-eval", type=int, default=None, help="use only the first N examples of each dev set")
+    parser.add_argument("--limit-eval", type=int, default=None,
+                        help="use only the first N examples of each dev set (test sets are always whole)")
     parser.add_argument("--vocab-file", default=None, help="BERT vocab.txt (default: the checkpoint's data.vocab_file)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel size (ranks per model)")
     parser.add_argument("--nproc-per-node", type=int, default=None,
@@ -56,78 +74,101 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).exists():
         raise UserError(f"checkpoint not found: {args.checkpoint}; pass a BERT checkpoint with --checkpoint")
     from shardlm.eval.launch import run_command, world_size_for
+    from shardlm.finetune.predictions import read_test_sets
 
     world_size_for(args)
-    args.examples = load_examples(args.task, args.data, args.limit_train, args.limit_eval)
+    args.finetuned = check_finetuned(args.checkpoint, args.task, args.epochs)
+    args.examples = load_examples(args.task, args.data, args.limit_train, args.limit_eval, train=args.epochs > 0)
+    args.tests, args.missing_tests = read_test_sets(args.task, args.data) if args.predict else ({}, [])
     args.output_dir = args.output_dir or str(Path("runs") / f"finetune-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     return run_command(_rank, args)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    checks = [(args.epochs >= 1, f"--epochs={args.epochs} must be at least 1"),
+    checks = [(args.epochs >= 0, f"--epochs={args.epochs} must be at least 0 (0: evaluate without training)"),
               (args.batch_size >= 1, f"--batch-size={args.batch_size} must be at least 1"),
               (args.micro_batch_size >= 0, f"--micro-batch-size={args.micro_batch_size} must be >= 0"),
               (args.lr > 0, f"--lr={args.lr} must be > 0"),
               (0 <= args.warmup < 1, f"--warmup={args.warmup} is a fraction of the steps; use a value in [0, 1)"),
               (args.dropout is None or 0 <= args.dropout < 1, f"--dropout={args.dropout} must be in [0, 1)"),
               (args.eval_batch_size >= 1, f"--eval-batch-size={args.eval_batch_size} must be at least 1"),
-              (args.max_qa_length >= 1, f"--max-qa-length={args.max_qa_length} must be at least 1")]
+              (args.max_qa_length is None or args.max_qa_length >= 1,
+               f"--max-qa-length={args.max_qa_length} must be at least 1")]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
 
 
-def load_examples(task: str, data_dir: str, limit_train: int | None, limit_eval: int | None):
-    """(training examples, {evaluation set name: examples}) read from the task's file layout."""
+def num_classes(task: str) -> int:
+    """Classes (MNLI 3, QQP 2) or choices per question (RACE 4) of the task's head."""
+    if task == "race":
+        from shardlm.finetune.race import NUM_CHOICES
+
+        return NUM_CHOICES
+    from shardlm.finetune.glue import GLUE_TASKS
+
+    return len(GLUE_TASKS[task].labels)
+
+
+def check_finetuned(checkpoint: str, task: str, epochs: int):
+    """The `FinetunedInfo` of a fine-tuned `checkpoint` file (None for a pretrained BERT), after checking
+    that it was fine-tuned on `task`; `epochs` 0 needs a fine-tuned model."""
+    from shardlm.finetune.saved import finetuned_info
+
+    info = finetuned_info(checkpoint)
+    if info is not None and info.task != task:
+        raise UserError(f"{checkpoint} is a model fine-tuned on {info.task}, not {task}; run `shardlm finetune "
+                        f"{info.task}` with it, or fine-tune {task} from a pretrained BERT checkpoint")
+    if info is not None and info.num_classes != num_classes(task):
+        raise UserError(f"{checkpoint} has a {info.num_classes}-way head but {task} has {num_classes(task)} "
+                        "classes; use a model saved by `shardlm finetune --save`")
+    if info is None and epochs == 0:
+        raise UserError(f"--epochs 0 evaluates a fine-tuned model, but {checkpoint} is a pretrained BERT; pass the "
+                        f"OUTPUT_DIR/model.safetensors of `shardlm finetune {task} --save`, or train (--epochs >= 1)")
+    return info
+
+
+def load_examples(task: str, data_dir: str, limit_train: int | None, limit_eval: int | None, train: bool = True):
+    """(training examples, {evaluation set name: examples}) read from the task's file layout;
+    no training examples (and no training file needed) when `train` is False."""
     if not Path(data_dir).is_dir():
         raise UserError(f"--data {data_dir} is not a directory")
     if task == "race":
         from shardlm.finetune.race import read_race
 
-        return read_race(data_dir, "train", limit_train), {"dev": read_race(data_dir, "dev", limit_eval)}
+        return (read_race(data_dir, "train", limit_train) if train else [],
+                {"dev": read_race(data_dir, "dev", limit_eval)})
     from shardlm.finetune.glue import GLUE_TASKS, glue_file, read_glue
 
     spec = GLUE_TASKS[task]
-    train = read_glue(glue_file(data_dir, spec, spec.train_file), spec, limit_train)
+    examples = read_glue(glue_file(data_dir, spec, spec.train_file), spec, limit_train) if train else []
     evals = {Path(name).stem: read_glue(glue_file(data_dir, spec, name), spec, limit_eval) for name in spec.eval_files}
-    return train, evals
+    return examples, evals
 
 
 # --------------------------------------------------------------------------------- on every rank
 
 def _rank(args: argparse.Namespace) -> int:
-    import dataclasses
+    import functools
 
     from shardlm.finetune.glue import GLUE_TASKS
-    from shardlm.finetune.heads import ClassificationModel, MultipleChoiceModel, set_dropout
     from shardlm.finetune.loop import FinetuneSettings, finetune
 
-    ctx, bert, config, tokenizer = _load(args)
-    seq_length = args.seq_length or min(512, config.model.seq_length)
-    if seq_length > config.model.seq_length or seq_length < 8:
-        raise UserError(f"--seq-length={seq_length} must be in [8, the model's seq_length={config.model.seq_length}]")
+    ctx, model, config, tokenizer = _load(args)
+    seq_length, max_qa_length = _input_lengths(args, config)
     train_examples, eval_examples = args.examples
-    train = encode_task(args.task, train_examples, tokenizer, seq_length, args.max_qa_length)
-    evals = {name: encode_task(args.task, examples, tokenizer, seq_length, args.max_qa_length)
-             for name, examples in eval_examples.items()}
+    encode = functools.partial(encode_task, args.task, tokenizer=tokenizer, seq_length=seq_length,
+                               max_qa_length=max_qa_length)  # examples -> TaskData
+    train = encode(train_examples) if args.epochs else None
+    evals = {name: encode(examples) for name, examples in eval_examples.items()}
     f1 = args.task != "race" and GLUE_TASKS[args.task].f1
-    ctx.seed(args.seed)
-    if args.task == "race":
-        model = MultipleChoiceModel(bert, args.seed)
-    else:
-        model = ClassificationModel(bert, len(GLUE_TASKS[args.task].labels), args.seed)
-    if args.dropout is not None:
-        set_dropout(model, args.dropout)
     settings = FinetuneSettings(args.epochs, args.batch_size, args.micro_batch_size, args.lr, args.warmup,
                                 args.weight_decay, args.clip_grad, args.seed, args.eval_batch_size)
     output = Path(args.output_dir)
-    summary = {"task": args.task, "checkpoint": str(args.checkpoint), "data": str(args.data),
-               "seq_length": seq_length, "tensor_parallel": ctx.tp_size, "data_parallel": ctx.dp_size,
-               "train_examples": len(train), "eval_examples": {name: len(d) for name, d in evals.items()},
-               "settings": dataclasses.asdict(settings), "epochs": []}
+    summary = _summary(args, ctx, settings, seq_length, len(train_examples), evals)
     if ctx.is_main:
         output.mkdir(parents=True, exist_ok=True)
-        print(f"finetune {args.task}: {len(train)} training examples, "
+        print(f"finetune {args.task}: {len(train_examples)} training examples, "
               + ", ".join(f"{name} {len(d)}" for name, d in evals.items())
               + f" | length {seq_length} | TP={ctx.tp_size} x DP={ctx.dp_size} | {output / 'metrics.json'}")
         print(_table_header(evals, f1))
@@ -138,8 +179,103 @@ def _rank(args: argparse.Namespace) -> int:
             (output / "metrics.json").write_text(json.dumps(summary, indent=2))
             print(_table_row(record, evals, f1), flush=True)
 
-    finetune(model, ctx, train, evals, settings, f1, report)
+    if args.epochs:
+        finetune(model, ctx, train, evals, settings, f1, report)
+    else:
+        report(_evaluate_only(model, ctx, evals, args.eval_batch_size, f1))
+    if args.save:
+        _save(args, ctx, model, config, seq_length, max_qa_length, summary)
+    if args.predict:
+        _predict(args, ctx, model, eval_examples, evals, encode, summary)
     return 0
+
+
+def task_model(task: str, bert, seed: int):
+    """The task's head model on `bert`: `MultipleChoiceModel` (RACE) or a `ClassificationModel`."""
+    from shardlm.finetune.heads import ClassificationModel, MultipleChoiceModel
+
+    if task == "race":
+        return MultipleChoiceModel(bert, seed)
+    return ClassificationModel(bert, num_classes(task), seed)
+
+
+def _input_lengths(args: argparse.Namespace, config) -> tuple[int, int]:
+    """(seq_length, max_qa_length): the flags, else a fine-tuned model's, else the defaults; checked."""
+    saved = args.finetuned
+    seq_length = args.seq_length or (saved.seq_length if saved else min(512, config.model.seq_length))
+    if seq_length > config.model.seq_length or seq_length < 8:
+        raise UserError(f"--seq-length={seq_length} must be in [8, the model's seq_length={config.model.seq_length}]")
+    return seq_length, args.max_qa_length or (saved.max_qa_length if saved else 128)
+
+
+def _summary(args, ctx, settings, seq_length: int, train_examples: int, evals: dict) -> dict:
+    """The head of metrics.json: the run's inputs and layout; per-epoch records go to "epochs"."""
+    import dataclasses
+
+    return {"task": args.task, "checkpoint": str(args.checkpoint), "data": str(args.data),
+            "seq_length": seq_length, "tensor_parallel": ctx.tp_size, "data_parallel": ctx.dp_size,
+            "train_examples": train_examples, "eval_examples": {name: len(d) for name, d in evals.items()},
+            "settings": dataclasses.asdict(settings), "epochs": []}
+
+
+def _evaluate_only(model, ctx, evals: dict, batch_size: int, f1: bool) -> dict:
+    """The record of `--epochs 0`: epoch 0, no steps, each dev set's metrics."""
+    from shardlm.finetune.loop import evaluate
+
+    record = {"epoch": 0, "steps": 0, "train_loss": None, "lr": None}
+    for name, data in evals.items():
+        record[name] = evaluate(model, data, ctx, batch_size, f1)
+    return record
+
+
+def _save(args, ctx, model, config, seq_length: int, max_qa_length: int, summary: dict) -> None:
+    """`--save`: the model to OUTPUT_DIR/model.safetensors (collective); rank 0 notes it in metrics.json."""
+    import copy
+
+    from shardlm.finetune.saved import FinetunedInfo, save_finetuned
+
+    saved_config = copy.deepcopy(config)
+    saved_config.parallel.tensor = 1
+    if args.dropout is not None:
+        saved_config.model.dropout = args.dropout
+    if args.vocab_file:
+        saved_config.data.tokenizer, saved_config.data.vocab_file = "bert", str(args.vocab_file)
+    info = FinetunedInfo(args.task, num_classes(args.task), seq_length, max_qa_length)
+    path = save_finetuned(model, ctx, Path(args.output_dir) / "model.safetensors", saved_config, info,
+                          {"checkpoint": str(args.checkpoint), "settings": summary["settings"]})
+    if ctx.is_main:
+        summary["model"] = str(path)
+        (path.parent / "metrics.json").write_text(json.dumps(summary, indent=2))
+        print(f"saved the fine-tuned model to {path}")
+
+
+def _predict(args, ctx, model, eval_examples: dict, evals: dict, encode, summary: dict) -> None:
+    """`--predict`: OUTPUT_DIR/predictions/SET.tsv for every dev and test set; rank 0 writes them and
+    lists them (with accuracy where the labels are known) under "predictions" in metrics.json."""
+    from shardlm.finetune.loop import predict, task_metrics
+    from shardlm.finetune.predictions import example_ids, race_level_accuracy, write_predictions
+
+    sets = {name: (eval_examples[name], data) for name, data in evals.items()}
+    sets.update({name: (examples, encode(examples)) for name, examples in args.tests.items()})
+    if ctx.is_main and args.missing_tests:
+        print(f"note: no test file {', '.join(args.missing_tests)} in {args.data}; "
+              + ("no predictions for it" if args.tests else "writing dev predictions only"))
+    summary["predictions"] = {}
+    for name, (examples, data) in sets.items():
+        predicted = predict(model, data, ctx, args.eval_batch_size)  # collective: every rank
+        if not ctx.is_main:
+            continue
+        ids = example_ids(args.task, examples)
+        path = write_predictions(Path(args.output_dir) / "predictions" / f"{name}.tsv", args.task, ids, predicted)
+        entry = {"file": str(path), "examples": len(examples)}
+        if (data.labels >= 0).all():
+            entry.update(task_metrics(predicted, data.labels))
+            if args.task == "race":
+                entry["levels"] = race_level_accuracy(ids, predicted, data.labels)
+        summary["predictions"][name] = entry
+        print(f"predictions: {path} ({len(examples)} rows)")
+    if ctx.is_main:
+        (Path(args.output_dir) / "metrics.json").write_text(json.dumps(summary, indent=2))
 
 
 def encode_task(task: str, examples: list, tokenizer, seq_length: int, max_qa_length: int):
@@ -154,20 +290,32 @@ def encode_task(task: str, examples: list, tokenizer, seq_length: int, max_qa_le
 
 
 def _load(args: argparse.Namespace):
-    """(ctx, BERT model in train mode, its RunConfig, tokenizer) on this rank."""
+    """(ctx, head model in train mode, its RunConfig, tokenizer) on this rank. A pretrained BERT gets a new
+    head drawn from --seed; a fine-tuned model file (`args.finetuned`) comes with its own."""
     import torch
 
     from shardlm.checkpoint import load_model
     from shardlm.data.tokenizers import build_tokenizer
+    from shardlm.finetune.heads import set_dropout
+    from shardlm.finetune.saved import load_finetuned
     from shardlm.parallel import init_distributed
     from shardlm.training.data import build_tokenizer_for
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA device is available; use --device cpu")
     ctx = init_distributed(args.tensor_parallel, device=torch.device("cpu") if args.device == "cpu" else None)
-    model, config = load_model(args.checkpoint, ctx)
-    if config.model.arch != "bert":
-        raise UserError(f'{args.checkpoint} holds a model.arch="{config.model.arch}" model; fine-tuning needs a BERT')
+    if args.finetuned is not None:
+        model, config = load_finetuned(args.checkpoint, ctx, lambda bert: task_model(args.task, bert, args.seed))
+        ctx.seed(args.seed)
+    else:
+        bert, config = load_model(args.checkpoint, ctx)
+        if config.model.arch != "bert":
+            raise UserError(f'{args.checkpoint} holds a model.arch="{config.model.arch}" model; '
+                            "fine-tuning needs a BERT")
+        ctx.seed(args.seed)
+        model = task_model(args.task, bert, args.seed)
+    if args.dropout is not None:
+        set_dropout(model, args.dropout)
     if args.vocab_file:
         tokenizer = build_tokenizer("bert", vocab_file=args.vocab_file)
     else:
@@ -185,7 +333,8 @@ def _table_header(evals: dict, f1: bool) -> str:
 
 
 def _table_row(record: dict, evals: dict, f1: bool) -> str:
-    cells = [f"{record['epoch']:>12d}", f"{record['steps']:>12d}", f"{record['train_loss']:>12.4f}"]
+    loss = "-" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
+    cells = [f"{record['epoch']:>12d}", f"{record['steps']:>12d}", f"{loss:>12}"]
     cells += [f"{100 * record[name]['accuracy']:>11.2f}%" for name in evals]
     cells += [f"{100 * record[name]['f1']:>11.2f}%" for name in evals] if f1 else []
     return " | ".join(cells)

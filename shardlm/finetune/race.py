@@ -2,7 +2,9 @@
 
 Layout (as distributed): `RACE/{train,dev,test}/{high,middle}/*.txt`, each file one JSON object
 with `article` (the passage), `questions`, `options` (4 per question), `answers` (letters A-D) and
-`id`. Every question becomes one example.
+`id`. Every question becomes one example, named `level/file#number` (e.g. `high/132.txt#1`, the
+first question of `high/132.txt`), which is also its id in prediction files. Test files may leave
+out `answers` (a hidden test set): their questions get label -1.
 
 Input per option, as in the paper: `[CLS] question+option [SEP] passage [SEP]`: the option replaces
 `_` in the question when it has one (cloze questions), else follows it after a space; the
@@ -26,7 +28,8 @@ NUM_CHOICES = 4
 
 @dataclass
 class MultipleChoiceExample:
-    """One question: its passage, the 4 options, and the index (0-3) of the right one."""
+    """One question: its passage, the 4 options, the index (0-3) of the right one (-1: unknown) and its
+    name `level/file#number`."""
 
     article: str
     question: str
@@ -45,18 +48,21 @@ def race_root(data_dir: str | Path) -> Path:
                     "(with {train,dev,test}/{high,middle}/*.txt) as --data")
 
 
-def read_race_file(path: Path) -> list[MultipleChoiceExample]:
-    """The questions of one RACE file, checked: every key present, 4 options each, answers A-D."""
+def read_race_file(path: Path, require_answers: bool = True) -> list[MultipleChoiceExample]:
+    """The questions of one RACE file, checked: every key present, 4 options each, answers A-D.
+    With `require_answers=False` a file without `answers` is read with every label -1."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not a RACE JSON file ({exc}); each file must hold one JSON object") from None
     if not isinstance(record, dict):
         raise UserError(f"{path} is not a RACE JSON object; expected keys article, questions, options, answers")
-    missing = [k for k in ("article", "questions", "options", "answers") if k not in record]
+    needed = ("article", "questions", "options", "answers") if require_answers else ("article", "questions", "options")
+    missing = [k for k in needed if k not in record]
     if missing:
         raise UserError(f"{path} has no {', '.join(missing)}; a RACE file needs article, questions, options, answers")
-    questions, options, answers = record["questions"], record["options"], record["answers"]
+    questions, options = record["questions"], record["options"]
+    answers = record["answers"] if "answers" in record else [""] * len(questions)  # "": no answer given
     if not len(questions) == len(options) == len(answers):
         raise UserError(f"{path} has {len(questions)} questions, {len(options)} option lists and {len(answers)} "
                         "answers; they must be equally many")
@@ -64,15 +70,25 @@ def read_race_file(path: Path) -> list[MultipleChoiceExample]:
     for number, (question, choices, answer) in enumerate(zip(questions, options, answers), 1):
         if not isinstance(choices, list) or len(choices) != NUM_CHOICES:
             raise UserError(f"{path}: question {number} has {len(choices)} options; RACE questions have exactly 4")
-        if not isinstance(answer, str) or answer.strip() not in LETTERS or len(answer.strip()) != 1:
-            raise UserError(f"{path}: answer {answer!r} of question {number} is not one of A, B, C, D")
         examples.append(MultipleChoiceExample(record["article"], question, list(choices),
-                                              LETTERS.index(answer.strip()), f"{path.name}#{number}"))
+                                              _answer_index(path, number, answer, "answers" in record),
+                                              f"{path.parent.name}/{path.name}#{number}"))
     return examples
 
 
-def read_race(data_dir: str | Path, split: str, limit: int | None = None) -> list[MultipleChoiceExample]:
-    """Questions of `split` (train, dev or test), high-school files first, files in numeric order."""
+def _answer_index(path: Path, number: int, answer, answered: bool) -> int:
+    """0-3 for an answer letter A-D; -1 in a file without `answers` (`answered` False)."""
+    if not answered:
+        return -1
+    if not isinstance(answer, str) or answer.strip() not in LETTERS or len(answer.strip()) != 1:
+        raise UserError(f"{path}: answer {answer!r} of question {number} is not one of A, B, C, D")
+    return LETTERS.index(answer.strip())
+
+
+def read_race(data_dir: str | Path, split: str, limit: int | None = None,
+              require_answers: bool = True) -> list[MultipleChoiceExample]:
+    """Questions of `split` (train, dev or test), high-school files first, files in numeric order.
+    `require_answers=False` accepts files without answers (label -1)."""
     folder = race_root(data_dir) / split
     if not folder.is_dir():
         raise UserError(f"RACE split folder {folder} not found; --data must hold {split}/high and {split}/middle")
@@ -81,7 +97,7 @@ def read_race(data_dir: str | Path, split: str, limit: int | None = None) -> lis
         raise UserError(f"no RACE files in {folder}/high or {folder}/middle")
     examples: list[MultipleChoiceExample] = []
     for path in files:
-        examples += read_race_file(path)
+        examples += read_race_file(path, require_answers)
         if limit is not None and len(examples) >= limit:
             return examples[:limit]
     return examples
