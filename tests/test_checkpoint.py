@@ -300,3 +300,18 @@ def test_incompatible_model_is_refused(tmp_path):
     other.config.model.hidden_size = 64
     with pytest.raises(UserError, match="model.hidden_size=32"):
         load_checkpoint(other, tmp_path)
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    """safetensors creates its files 0600; checkpoints must be readable by a team sharing the filesystem."""
+    import os
+
+    previous = os.umask(0o022)
+    try:
+        saved(tmp_path)
+        out = tmp_path / "model.safetensors"
+        assert main(["checkpoint", "convert", str(tmp_path), "--output", str(out)]) == 0
+    finally:
+        os.umask(previous)
+    written = list((tmp_path / "step_00000001").glob("*.safetensors")) + [out]
+    assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(0o644)}

@@ -448,7 +448,9 @@ def test_saving_at_tp2_and_dp2_gives_back_the_same_tensors_from_rank_0_only(mnli
         assert all(torch.equal(resaved[k], original[k]) for k in original), f"TP={tp}"
     names = ["model.safetensors"] + [f"predictions/{n}.tsv" for n in
                                      ("dev_matched", "dev_mismatched", "test_matched", "test_mismatched")]
-    assert sorted(results[0]["renamed"]) == sorted(f"tp{tp}/{n}" for tp in (2, 1) for n in names)
+    files = [f for f in results[0]["renamed"] if not f.endswith("metrics.json")]  # rewritten after each stage
+    assert sorted(files) == sorted(f"tp{tp}/{n}" for tp in (2, 1) for n in names)
+    assert {f"tp{tp}/metrics.json" for tp in (2, 1)} <= set(results[0]["renamed"])
     assert results[1]["renamed"] == []  # rank 1 writes nothing
 
 

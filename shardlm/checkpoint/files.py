@@ -52,8 +52,32 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def ordinary_permissions(path: Path) -> None:
+    """Give `path` the permissions of a newly created file under the current umask (safetensors creates its
+    files 0600, which would hide checkpoints from the rest of a team sharing a filesystem)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def write_atomically(path: Path, write) -> Path:
+    """`write(tmp)` into a hidden temporary file beside `path`, give it ordinary permissions, flush it to
+    disk and rename it over `path`: a crash leaves the old file or none, never half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        ordinary_permissions(tmp)
+        fsync_file(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return path
+
+
 def file_record(path: Path) -> dict:
-    """Size and sha256 of a written file, after flushing it to disk."""
+    """Size and sha256 of a written checkpoint file, after giving it ordinary permissions and flushing it."""
+    ordinary_permissions(path)
     fsync_file(path)
     return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
 

@@ -115,12 +115,8 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
             elif kind == "qkv":
                 value = qkv_from_hf(value, config.model.num_heads)
             tensors[f"model/{ours}"] = value
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "shardlm-consolidated-v1", "step": "0",
-                                           "config": json.dumps(dataclasses.asdict(config))})
-    files.fsync_file(tmp)
-    tmp.replace(out)
-    return out
+    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
+    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -147,6 +143,7 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    files.ordinary_permissions(tmp / "model.safetensors")
     (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
     if config.data.tokenizer == "gpt2":  # encoder.json / vocab.bpe are HF's vocab.json / merges.txt
         from shardlm.paths import shared_data_dir

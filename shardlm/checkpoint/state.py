@@ -225,10 +225,5 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     for name, info in meta["tensors"].items():
         full = reader.read(f"model/{name}", info["split_dim"])
         tensors[f"model/{name}"] = (full[:vocab] if name == "wte.weight" else full).contiguous()
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "shardlm-consolidated-v1", "step": str(meta["step"]),
-                                           "config": json.dumps(meta["config"])})
-    files.fsync_file(tmp)
-    tmp.replace(out)
-    return out
+    metadata = {"format": "shardlm-consolidated-v1", "step": str(meta["step"]), "config": json.dumps(meta["config"])}
+    return files.write_atomically(Path(out), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

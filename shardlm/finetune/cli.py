@@ -15,7 +15,6 @@ model is evaluated on the dev sets (and predicts) at any `--tensor-parallel` siz
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -176,7 +175,7 @@ def _rank(args: argparse.Namespace) -> int:
     def report(record: dict) -> None:
         if ctx.is_main:
             summary["epochs"].append(record)
-            (output / "metrics.json").write_text(json.dumps(summary, indent=2))
+            _write_metrics(output / "metrics.json", summary)
             print(_table_row(record, evals, f1), flush=True)
 
     if args.epochs:
@@ -245,7 +244,7 @@ def _save(args, ctx, model, config, seq_length: int, max_qa_length: int, summary
                           {"checkpoint": str(args.checkpoint), "settings": summary["settings"]})
     if ctx.is_main:
         summary["model"] = str(path)
-        (path.parent / "metrics.json").write_text(json.dumps(summary, indent=2))
+        _write_metrics(path.parent / "metrics.json", summary)
         print(f"saved the fine-tuned model to {path}")
 
 
@@ -275,7 +274,7 @@ def _predict(args, ctx, model, eval_examples: dict, evals: dict, encode, summary
         summary["predictions"][name] = entry
         print(f"predictions: {path} ({len(examples)} rows)")
     if ctx.is_main:
-        (Path(args.output_dir) / "metrics.json").write_text(json.dumps(summary, indent=2))
+        _write_metrics(Path(args.output_dir) / "metrics.json", summary)
 
 
 def encode_task(task: str, examples: list, tokenizer, seq_length: int, max_qa_length: int):
@@ -338,3 +337,10 @@ def _table_row(record: dict, evals: dict, f1: bool) -> str:
     cells += [f"{100 * record[name]['accuracy']:>11.2f}%" for name in evals]
     cells += [f"{100 * record[name]['f1']:>11.2f}%" for name in evals] if f1 else []
     return " | ".join(cells)
+
+
+def _write_metrics(path: Path, summary: dict) -> None:
+    """metrics.json through a temporary file and a rename, so a reader never sees half of it."""
+    from shardlm.checkpoint.files import write_json_atomic
+
+    write_json_atomic(path, summary)

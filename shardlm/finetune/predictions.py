@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlm.finetune.saved import write_atomically
+from shardlm.checkpoint.files import write_atomically
 
 
 def read_test_sets(task: str, data_dir: str | Path) -> tuple[dict[str, list], list[str]]:

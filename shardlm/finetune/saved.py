@@ -21,7 +21,6 @@ then renamed over the destination, so a crash never leaves a half-written model.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,22 +52,6 @@ class FinetunedInfo:
     """Input length the model was fine-tuned with."""
     max_qa_length: int
     """RACE: tokens kept of question+option when fine-tuning."""
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` into a hidden temporary file beside `path`, flush it to disk, rename it over `path`.
-    The file gets the permissions of a newly created one (safetensors creates its files 0600)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)
-        files.fsync_file(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    files.fsync_dir(path.parent)
 
 
 def _metadata(path: Path) -> dict[str, str]:
@@ -126,7 +109,7 @@ def save_finetuned(model: nn.Module, ctx: ParallelContext, path: str | Path, con
                     "finetune": json.dumps({"seq_length": info.seq_length, "max_qa_length": info.max_qa_length,
                                             **details})}
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        files.write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     ctx.world.barrier()
     return path
 
