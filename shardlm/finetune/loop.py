@@ -142,7 +142,7 @@ def finetune(model: nn.Module, ctx: ParallelContext, train: TaskData, evals: dic
     model.train()
     ddp = None
     if ctx.dp_size > 1:
-        ddp = DistributedDataParallel(model, process_group=ctx.dp.group, broadcast_buffers=False)
+        ddp = DistributedDataParallel(model, process_group=ctx.dp.group)  # the models register no buffers
     forward = ddp or model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, settings.lr, settings.weight_decay, (0.9, 0.999), 1e-8, ctx.device)
