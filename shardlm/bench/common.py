@@ -78,16 +78,18 @@ def summary(values: list[float]) -> dict:
 
 
 def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Time each zero-argument program `repeats` times, alternating A B A B, after `warmup` rounds.
-    Returns seconds per call for each program."""
+    """Time each zero-argument program `repeats` times, alternating A B C, B C A, C A B, ... after
+    `warmup` rounds. Rotating the order keeps one program from always running right after the same
+    other one (whose leftover heap and caches would favour or penalize it). Returns seconds per call."""
     for _ in range(warmup):
         for run in programs.values():
             run()
+    names = list(programs)
     times: dict[str, list[float]] = {name: [] for name in programs}
-    for _ in range(repeats):
-        for name, run in programs.items():
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             start = time.perf_counter()
-            run()
+            programs[name]()
             times[name].append(time.perf_counter() - start)
     return times
 
