@@ -22,7 +22,7 @@ from shardlm.models.bert import BERT
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
 from shardlm.plan.hardware import GPUSpec
-from shardlm.plan.measure import measure_cpu_hardware, measure_trainer_memory, time_steps
+from shardlm.plan.measure import PeakMemory, measure_cpu_hardware, measure_trainer_memory, time_steps
 from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
 from shardlm.plan.timing import Calibration, Layout, step_time
 from shardlm.training.trainer import Trainer
@@ -179,6 +179,37 @@ def test_checkpointing_peak_within_10_percent(single, world4):
             - layer_input
         predicted = _predicted_activations(tp, measured["tp_rank"], "bf16").peak(True)
         assert abs(peak - predicted) <= 0.10 * peak
+
+
+def test_peak_memory_tracks_live_storages_by_hand():
+    with PeakMemory() as memory:
+        a = torch.empty(1000)  # 4,000 bytes
+        b = torch.empty(2000)  # 8,000
+        assert (memory.live, memory.peak) == (12_000, 12_000)
+        del a
+        c = torch.empty(500)
+        view = b[:10]  # shares b's storage: not counted again
+        assert (memory.live, memory.peak) == (10_000, 12_000)
+        x = torch.randn(64, 128, requires_grad=True)  # 32,768
+        w = torch.randn(256, 128, requires_grad=True)  # 131,072
+        before = memory.live
+        (x @ w.t()).relu().sum().backward()
+        # left alive: the two gradients (the loss died with the statement). At the peak the backward
+        # held both of them and the 64x256 gradient of the product, and at most the relu's saved output
+        # too (autograd frees saved tensors as each node finishes), plus scalars
+        assert memory.live - before == 32_768 + 131_072
+        product = 64 * 256 * 4
+        assert before + 32_768 + 131_072 + product <= memory.peak <= before + 32_768 + 131_072 + 2 * product + 64
+    del b, c, view
+
+
+def test_step_peak_covers_saved_activations_and_checkpointing_lowers_it(single, world4):
+    for tp, measured in per_rank_memory(single, world4):
+        cases = measured["cases"]
+        for (precision, checkpointing), case in cases.items():
+            # everything saved is alive at the end of the forward, inside the tracked pass
+            assert case["peak_step"] >= case["saved_total"], (tp, precision, checkpointing)
+        assert cases[("bf16", True)]["peak_step"] < cases[("bf16", False)]["peak_step"], tp
 
 
 def cpu_gpu(hardware) -> GPUSpec:

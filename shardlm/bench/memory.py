@@ -52,9 +52,13 @@ def memory_per_rank(quick: bool = False) -> dict:
             "parameters": plain["parameters"], "gradients": plain["gradients"], "optimizer": plain["optimizer"],
             "activation_bytes": plain["saved_total"], "predicted_activation_bytes": predicted.stored(False),
             "activation_bytes_checkpointed": checkpointed["saved_total"],
+            "peak_step_bytes": plain["peak_step"], "peak_step_bytes_checkpointed": checkpointed["peak_step"],
             "predicted_activation_bytes_checkpointed": predicted.stored(True),
         })
     return {"config": shape.describe() + "; per rank of TP=1 (1 process) and TP=2, TP=4 (world of 4). State = "
             "fp32 parameters + gradients + AdamW moments and step scalars; ideal = sharded part / TP + replicated "
             "part (`shardlm.plan.memory`); activations = bytes autograd saves for backward in one forward "
-            "(saved-tensor hooks), the planner's prediction beside them in benchmarks.json.", "rows": rows}
+            "(saved-tensor hooks), the planner's prediction beside them in benchmarks.json; peak = the most "
+            "bytes alive at once during a forward + backward beyond parameters and optimizer state "
+            "(activations, temporaries such as the logits, and gradients as they appear), tracked per storage "
+            "by a dispatch mode.", "rows": rows}

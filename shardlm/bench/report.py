@@ -21,7 +21,8 @@ KEYS = {
     "comm.matches_formula": "true when every collective's calls and elements equal the formula",
     "comm.tp2.rows": "per collective at TP=2: measured, expected, match",
     "comm.dp2.rows": "per collective at DP=2: measured, expected, match",
-    "memory.rows": "per TP size: state bytes, analytic ideal, activation bytes with and without checkpointing",
+    "memory.rows": "per TP size: state bytes, analytic ideal, activation bytes saved for backward and peak "
+    "forward+backward bytes, each with and without checkpointing",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
     "checkpoint.load_s": "seconds to verify and load them",
     "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
@@ -142,12 +143,14 @@ def markdown(r: dict) -> str:
     mem = r.get("memory")
     if mem:
         lines += ["## Memory per rank (`memory`)", "", mem.get("config", ""), "",
-                  "| TP | parameters+gradients+optimizer bytes | analytic ideal | match | activations saved for "
-                  "backward (no checkpointing) | with checkpointing |", "|---|---|---|---|---|---|"]
+                  "| TP | parameters+gradients+optimizer bytes | analytic ideal | match | saved for backward | "
+                  "saved, checkpointing | peak in forward+backward | peak, checkpointing |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in mem["rows"]:
             lines.append(f"| {row['tp']} | {row['state_bytes']:,} | {row['ideal_state_bytes']:,} | "
                          f"{row['state_bytes'] == row['ideal_state_bytes']} | {row['activation_bytes']:,} | "
-                         f"{row['activation_bytes_checkpointed']:,} |")
+                         f"{row['activation_bytes_checkpointed']:,} | {row['peak_step_bytes']:,} | "
+                         f"{row['peak_step_bytes_checkpointed']:,} |")
         lines.append("")
     ck = r.get("checkpoint")
     if ck:

@@ -6,7 +6,9 @@
   pass, through `torch.autograd.graph.saved_tensors_hooks`. Each storage counts once (views such as
   q, k, v of the fused QKV output share one), parameters are excluded, and every saved tensor is
   attributed to the transformer layer that was running when it was saved. Exact and deterministic.
-- `measure_trainer_memory`: both of the above for a real `Trainer` after an optimizer step;
+- `PeakMemory`: live bytes of the tensors created while it is active, and their peak, tracked per
+  storage through a dispatch mode (so it works on the CPU, where PyTorch keeps no allocator stats);
+- `measure_trainer_memory`: all of the above for a real `Trainer` after an optimizer step;
 - `measure_cpu_hardware`: GEMM FLOP/s, streaming bandwidth and all-reduce bandwidth/latency of one
   process, to describe this CPU to the time model as if it were a GPU;
 - `time_steps`: wall time of training steps (for the CPU step-time comparison).
@@ -17,10 +19,13 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 OUTSIDE = "outside"
 
@@ -74,6 +79,36 @@ def saved_activation_bytes(model: nn.Module, forward, layers: list[nn.Module]) -
     return result
 
 
+class PeakMemory(TorchDispatchMode):
+    """`with PeakMemory() as m:` tracks every tensor storage an operator creates inside the block:
+    `m.live` is the bytes of those still alive, `m.peak` the most alive at once. Tensors that existed
+    before (parameters, optimizer state) are not counted; views and in-place results share a storage
+    and count once. Autograd's backward runs inside the same context, so a forward + backward gives
+    the peak of activations, temporaries and newly created gradients together."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, pointer: int) -> None:
+        self.live -= self._sizes.pop(pointer)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                pointer = storage.data_ptr()
+                if storage.nbytes() and pointer not in self._sizes:
+                    self._sizes[pointer] = storage.nbytes()
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, pointer)
+        return out
+
+
 def state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, of their gradients (unique storages) and of the optimizer's state."""
     grad_storages = {}
@@ -114,7 +149,10 @@ def measure_trainer_memory(trainer, tokens: torch.Tensor, targets: torch.Tensor)
 
     Takes one optimizer step (so AdamW has created its state), then one forward pass on
     `tokens`/`targets` (B, T) with the saved-tensor hooks, and its backward (so gradients exist, as
-    DDP bucket views when DP > 1). Returns parameter elements, state bytes and saved bytes.
+    DDP bucket views when DP > 1); then, gradients cleared, the same forward + backward under
+    `PeakMemory`. Returns parameter elements, state bytes, saved bytes and `peak_step`: the most bytes
+    alive at once during that forward + backward beyond parameters and optimizer state (activations,
+    temporaries such as the logits, and the gradients as they appear).
     """
     trainer.train_step()
     model = trainer.model
@@ -127,9 +165,13 @@ def measure_trainer_memory(trainer, tokens: torch.Tensor, targets: torch.Tensor)
         return loss
 
     saved = saved_activation_bytes(model, forward, list(model.layers))
-    return {"parameter_elements": sum(p.numel() for p in model.parameters()),
-            **state_bytes(trainer.params, trainer.optimizer),
-            "saved_by_layer": saved.by_layer, "saved_outside": saved.outside_layers, "saved_total": saved.total}
+    state = state_bytes(trainer.params, trainer.optimizer)
+    trainer.optimizer.zero_grad(set_to_none=True)  # gradients are created again inside the peak pass
+    with PeakMemory() as memory:
+        forward()
+    return {"parameter_elements": sum(p.numel() for p in model.parameters()), **state,
+            "saved_by_layer": saved.by_layer, "saved_outside": saved.outside_layers, "saved_total": saved.total,
+            "peak_step": memory.peak}
 
 
 @dataclass(frozen=True)
