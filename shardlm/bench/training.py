@@ -1,7 +1,7 @@
 """Single-process training throughput: shardlm at TP=1 vs HuggingFace GPT2LMHeadModel (SDPA).
 
 Every program runs forward + backward + global-norm clipping + fused AdamW on the same shape and
-batch, fp32, with the same threads, alternated A B C A B C so machine noise hits all alike. All compute
+batch, fp32, with the same threads, alternated in a rotating order so machine noise hits all alike. All compute
 the same function: GPT-2's tanh-approximated GeLU, SDPA attention, tied LM head, mean cross-entropy.
 
 - `shardlm`: a real shardlm Trainer step (`model.activation = "gelu_tanh"`).
