@@ -1,0 +1,41 @@
+"""The CUDA path, for sessions with a GPU (skipped without one): the same tiny GPT trained on the
+GPU and on the CPU gives the same losses in fp32 (TF32 off), and bf16 autocast trains. Run with
+`pytest tests/test_cuda.py` on a GPU machine. (Collectives of a one-GPU world are no-ops, so
+checking NCCL itself needs a machine with two or more GPUs.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_training import synthetic_data, tiny_config
+
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+STEPS = 6
+
+
+def losses(device: str, precision: str = "fp32") -> list[float]:
+    ctx = ParallelContext.single(torch.device(device))
+    trainer = Trainer(tiny_config(precision=precision), ctx, synthetic_data())
+    return [trainer.train_step()["loss"] for _ in range(STEPS)]
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def test_fp32_training_on_the_gpu_matches_the_cpu():
+    gpu, cpu = losses("cuda"), losses("cpu")
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(gpu, cpu)), (gpu, cpu)
+
+
+def test_bf16_training_learns():
+    bf16 = losses("cuda", "bf16")
+    assert bf16[-1] < bf16[0], bf16
