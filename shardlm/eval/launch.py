@@ -74,4 +74,3 @@ def _worker(local_rank: int, nproc: int, port: int, threads: str, fn, args) -> N
             dist.destroy_process_group()
     if code:
         sys.exit(code)
-
