@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_training import assert_same_run
 
 from shardlm.config import RunConfig, from_dict
 from shardlm.models.bert import BERT, bert_loss, bert_loss_terms
@@ -23,7 +24,6 @@ from multiproc import run_workers
 
 VOCAB, SEQ, STEPS, LAYERS, HIDDEN = 100, 16, 8, 2, 32
 MASK_ID, PAD_ID, CLS_ID, SEP_ID = 4, 0, 2, 3
-TOL = 1e-5
 ADAM_EPS = 1e-6  # see test_training.py: keeps round-off-level gradients (key bias) from being amplified
 
 
@@ -90,10 +90,6 @@ def train_run(ctx: ParallelContext, config: RunConfig):
     return curve, full_parameters(trainer)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
 # -------------------------------------------------------------------------------------- in workers
 
 def worker_layouts(layouts):
@@ -134,28 +130,16 @@ def world4():
     return run_workers(4, worker_layouts, [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")])[0]
 
 
-def assert_same_run(run, ref):
-    (curve, params), (ref_curve, ref_params) = run, ref
-    assert len(curve) == STEPS
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curve, ref_curve), 1):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
-        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"step {step}: grad norm {norm} vs {ref_norm}"
-    assert params.keys() == ref_params.keys()
-    errors = {name: rel(params[name], ref_params[name]) for name in params}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"final parameter {worst} differs by {errors[worst]:.2e}"
-
-
 @pytest.mark.parametrize("tp,micro,order", [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre")],
                          ids=["2x1", "2x1-post", "1x2"])
 def test_world2_layouts_match_single_process(world2, reference, tp, micro, order):
-    assert_same_run(world2[(tp, micro, order)], reference[(micro, order)])
+    assert_same_run(world2[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
 
 
 @pytest.mark.parametrize("tp,micro,order", [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")],
                          ids=["2x2", "2x2-accum", "4x1-post"])
 def test_world4_layouts_match_single_process(world4, reference, tp, micro, order):
-    assert_same_run(world4[(tp, micro, order)], reference[(micro, order)])
+    assert_same_run(world4[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
 
 
 def test_tensor_parallel_collectives_per_pass(world2):

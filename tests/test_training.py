@@ -137,10 +137,11 @@ def world4_dropout():
     return run_workers(4, worker_dropout_and_comm)[0]
 
 
-def assert_matches_reference(run, reference):
-    ref_curve, ref_params = reference[8]
-    curve, params = run
-    assert len(curve) == STEPS
+def assert_same_run(run, ref, steps: int = STEPS):
+    """A run's (curve, final parameters) equals a reference's: loss and gradient norm at each of `steps`
+    steps and every final parameter within TOL (relative)."""
+    (curve, params), (ref_curve, ref_params) = run, ref
+    assert len(curve) == steps
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curve, ref_curve), 1):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
         assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"step {step}: grad norm {norm} vs {ref_norm}"
@@ -148,6 +149,10 @@ def assert_matches_reference(run, reference):
     param_err = {name: rel(params[name], ref_params[name]) for name in params}
     worst = max(param_err, key=param_err.get)
     assert param_err[worst] <= TOL, f"final parameter {worst} differs by {param_err[worst]:.2e}"
+
+
+def assert_matches_reference(run, reference):
+    assert_same_run(run, reference[8])
 
 
 def test_gradient_accumulation_equals_full_batch_single_process(reference):
