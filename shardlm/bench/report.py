@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardlm.checkpoint.files import write_atomically
+
 # The keys of benchmarks.json users may rely on (dotted paths), with what each holds. Every figure
 # with a median also has min, max and the raw values.
 KEYS = {
@@ -38,16 +40,11 @@ def _median(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
     return f"{fig['median'] * scale:.{digits}f} (min {low:.{digits}f}, max {high:.{digits}f})"
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_reports(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write(out_dir / "benchmarks.json", json.dumps(results, indent=2, default=float) + "\n")
-    _write(out_dir / "BENCHMARKS.md", markdown(results))
+    report = json.dumps(results, indent=2, default=float) + "\n"
+    write_atomically(out_dir / "benchmarks.json", lambda tmp: tmp.write_text(report))
+    write_atomically(out_dir / "BENCHMARKS.md", lambda tmp: tmp.write_text(markdown(results)))
 
 
 def markdown(r: dict) -> str:

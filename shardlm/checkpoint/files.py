@@ -83,10 +83,7 @@ def file_record(path: Path) -> dict:
 
 
 def write_json_atomic(path: Path, value) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2))
-    fsync_file(tmp)
-    tmp.replace(path)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(value, indent=2)))
 
 
 def publish(tmp_dir: Path, final_dir: Path, keep_last: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlm.data.corpus import atomic_write_text
 from shardlm.errors import UserError
 
 
@@ -45,7 +46,7 @@ def cached_arrays(
     arrays = build()
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(cache_dir / f"{stem}_{key}.json", json.dumps(description, indent=1, default=str))
+        atomic_write_text(cache_dir / f"{stem}_{key}.json", json.dumps(description, indent=1, default=str))
         for name, path in paths.items():
             _atomic_save(path, arrays[name])
     except OSError as exc:
@@ -58,10 +59,4 @@ def _atomic_save(path: Path, array: np.ndarray) -> None:
     temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(temporary, "wb") as stream:
         np.save(stream, np.ascontiguousarray(array))
-    os.replace(temporary, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)

@@ -114,8 +114,8 @@ def plot_loss_curve(metrics_file: Path, out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    from shardlm.checkpoint.files import write_atomically
+
+    write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    tmp.replace(out)
     return out
