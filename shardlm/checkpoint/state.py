@@ -175,15 +175,20 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     return meta
 
 
-def consolidated_config(path: Path) -> RunConfig:
-    """The config stored in a consolidated single-file checkpoint's metadata."""
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The string metadata of a safetensors file; UserError when it cannot be read as one."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
+            return f.metadata() or {}
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+def consolidated_config(path: Path) -> RunConfig:
+    """The config stored in a consolidated single-file checkpoint's metadata."""
+    metadata = safetensors_metadata(path)
     if "config" not in metadata:
         raise UserError(f"{path} is not a consolidated shardlm checkpoint (no config in its metadata)")
     return from_dict(json.loads(metadata["config"]))

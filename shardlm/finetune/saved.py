@@ -31,9 +31,8 @@ from torch import nn
 
 from shardlm.checkpoint import files
 from shardlm.checkpoint.sharded import ShardedReader
-from shardlm.checkpoint.state import consolidated_config, load_weights, split_dim
+from shardlm.checkpoint.state import consolidated_config, load_weights, safetensors_metadata, split_dim
 from shardlm.config import RunConfig
-from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 
 FORMAT = "shardlm-finetuned-v1"
@@ -54,23 +53,13 @@ class FinetunedInfo:
     """RACE: tokens kept of question+option when fine-tuning."""
 
 
-def _metadata(path: Path) -> dict[str, str]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"{path} is not a readable safetensors file ({exc})") from None
-
-
 def finetuned_info(path: str | Path) -> FinetunedInfo | None:
     """The `FinetunedInfo` of a fine-tuned model file; None for a pretraining checkpoint (a directory
     or a consolidated file)."""
     path = Path(path)
     if not path.is_file():
         return None
-    metadata = _metadata(path)
+    metadata = safetensors_metadata(path)
     if metadata.get("format") != FORMAT:
         return None
     details = json.loads(metadata["finetune"])
