@@ -113,7 +113,7 @@ def test_scaled_init_of_residual_projections():
     trainer = Trainer(tiny_config(), ParallelContext.single(), synthetic_data())
     model = trainer.model
     layers = model.cfg.num_layers
-    for layer in model.layers:
+    for layer in model.layers.values():
         assert layer.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
         assert layer.attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * layers), rel=0.1)
         assert layer.mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * layers), rel=0.1)

@@ -49,7 +49,7 @@ def run_shape(name: str, micro_batch: int, steps: int, compile_model: bool, chec
     data = TokenArrayDataset(tokens, seq, seed=0, num_samples=(steps + 3) * micro_batch)
     trainer = Trainer(config, ParallelContext.single(device), data)
     if compile_model:
-        for layer in trainer.model.layers:
+        for layer in trainer.model.layers.values():
             layer.compile()
     for _ in range(2):
         trainer.train_step()

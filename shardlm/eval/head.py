@@ -8,15 +8,8 @@ vocabulary-parallel output layer on just those rows gives the same values at a f
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from shardlm.models.gpt import GPT, KVCache
-from shardlm.parallel import copy_to_tensor_parallel
-
-
-def output_layer(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
-    """(..., h) final-LayerNorm states, replicated over TP -> (..., V_padded / tp) this rank's logits."""
-    return F.linear(copy_to_tensor_parallel(hidden, model.ctx.tp), model.wte.weight)
 
 
 def logits_at(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -24,7 +17,7 @@ def logits_at(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     A model that is not a `GPT` (a test stand-in) is called as `model(inputs)` and indexed."""
     if not isinstance(model, GPT):
         return model(inputs)[keep]
-    return output_layer(model, model.hidden_states(inputs)[keep])
+    return model.output_layer(model.hidden_states(inputs)[keep])
 
 
 def last_logits(model, inputs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -32,4 +25,4 @@ def last_logits(model, inputs: torch.Tensor, cache: KVCache | None = None) -> to
     `cache` when given."""
     if not isinstance(model, GPT):
         return model(inputs, cache=cache)[:, -1]
-    return output_layer(model, model.hidden_states(inputs, cache)[:, -1])
+    return model.output_layer(model.hidden_states(inputs, cache)[:, -1])

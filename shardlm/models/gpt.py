@@ -180,40 +180,60 @@ class GPT(nn.Module):
         self.wpe = nn.Parameter(normal_shard((cfg.seq_length, cfg.hidden_size), cfg.init_std,
                                              param_seed(seed, "wpe"), device=ctx.device))
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, ctx, seed, i) for i in range(cfg.num_layers))
+        # A dict keyed "0".."l-1" (parameter names as a ModuleList gives them), so that a pipeline stage can
+        # drop the layers it does not own and keep the names of the unsplit model.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, seed, i) for i in range(cfg.num_layers)})
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
 
     def new_kv_cache(self, capacity: int | None = None) -> KVCache:
         """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
         return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """(B, T) ids -> (B, T, h) final-LayerNorm output, replicated over the TP group.
-        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
+    def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h): token + position embeddings (positions past .. past + T - 1), dropout."""
         T = tokens.shape[1]
-        past = 0 if cache is None else cache.length
         if past + T > self.cfg.seq_length:
             raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
-        x = self.drop(self.wte(tokens) + self.wpe[past:past + T])
-        if cache is not None:
-            for layer, layer_cache in zip(self.layers, cache.layers):
-                x = layer(x, layer_cache)
-            return self.ln_f(x)
-        for layer in self.layers:
+        return self.drop(self.wte(tokens) + self.wpe[past:past + T])
+
+    def run_layers(self, x: torch.Tensor, layers) -> torch.Tensor:
+        """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation
+        checkpointing is on (and gradients are being recorded)."""
+        for layer in layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
             else:
                 x = layer(x)
+        return x
+
+    def output_layer(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) final-LayerNorm output -> (B, T, V_padded / tp) this rank's logits, through the output
+        layer tied to the embedding (its input gradient is all-reduced over TP, `f`)."""
+        return F.linear(copy_to_tensor_parallel(h, self.ctx.tp), self.wte.weight)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final LayerNorm and output layer."""
+        return self.output_layer(self.ln_f(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Per-token fp32 losses (B, T) of vocabulary-parallel logits; `ignore_index` targets give 0."""
+        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
+                                            ignore_index=ignore_index)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) final-LayerNorm output, replicated over the TP group.
+        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
+        x = self.embed(tokens, 0 if cache is None else cache.length)
+        if cache is None:
+            return self.ln_f(self.run_layers(x, self.layers.values()))
+        for layer, layer_cache in zip(self.layers.values(), cache.layers):
+            x = layer(x, layer_cache)
         return self.ln_f(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
-        h = copy_to_tensor_parallel(self.hidden_states(tokens, cache), self.ctx.tp)
-        logits = F.linear(h, self.wte.weight)  # (B, T, V_padded / tp): the tied output layer
-        if targets is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
-                                            ignore_index=ignore_index)
+        logits = self.output_layer(self.hidden_states(tokens, cache))
+        return logits if targets is None else self.loss(logits, targets, ignore_index)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """(..., V_padded / tp) -> (..., vocab_size): gather the slices and drop the padding.

@@ -164,7 +164,7 @@ def measure_trainer_memory(trainer, tokens: torch.Tensor, targets: torch.Tensor)
         loss.backward()
         return loss
 
-    saved = saved_activation_bytes(model, forward, list(model.layers))
+    saved = saved_activation_bytes(model, forward, list(model.layers.values()))
     state = state_bytes(trainer.params, trainer.optimizer)
     trainer.optimizer.zero_grad(set_to_none=True)  # gradients are created again inside the peak pass
     with PeakMemory() as memory:
