@@ -1,4 +1,4 @@
-"""`shardlm finetune race|mnli|qqp --checkpoint CKPT --data DIR`: fine-tune a pretrained BERT.
+"""`shardlm finetune race|mnli|qqp|squad --checkpoint CKPT --data DIR`: fine-tune a pretrained BERT.
 
 Module-level imports stay light (argparse only). The data is read and checked in the launching
 process (bad files fail with one line before any worker starts), then each rank loads the
@@ -9,7 +9,8 @@ local workers (M / tensor-parallel data-parallel ranks); under torchrun each pro
 After the last epoch, `--save` writes the fine-tuned model as one TP=1 file (`saved.py`) and
 `--predict` writes a prediction file per dev and test set (`predictions.py`). Such a file given back
 as `--checkpoint` (of the same task) carries its head; with `--epochs 0` nothing is trained: the
-model is evaluated on the dev sets (and predicts) at any `--tensor-parallel` size.
+model is evaluated on the dev sets (and predicts) at any `--tensor-parallel` size. SQuAD's own
+options, files, evaluation and predictions are in `squad.py`; it shares the loop and everything else.
 """
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ from pathlib import Path
 
 from shardlm.errors import UserError
 
-TASKS = ("race", "mnli", "qqp")
+TASKS = ("race", "mnli", "qqp", "squad")
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "finetune", help="fine-tune a BERT checkpoint on RACE, MNLI or QQP",
-        description="Fine-tune a pretrained BERT checkpoint; reports dev accuracy (and QQP F1) after every epoch.")
-    parser.add_argument("task", choices=TASKS, help="race (4-way multiple choice), mnli (3 classes), qqp (2 classes)")
+        "finetune", help="fine-tune a BERT checkpoint on RACE, MNLI, QQP or SQuAD",
+        description="Fine-tune a pretrained BERT checkpoint; reports dev accuracy (QQP: and F1; SQuAD: exact match "
+                    "and F1) after every epoch.")
+    parser.add_argument("task", choices=TASKS,
+                        help="race (4-way multiple choice), mnli (3 classes), qqp (2 classes), squad (answer spans)")
     parser.add_argument("--checkpoint", required=True,
                         help="BERT checkpoint directory or consolidated file, or a model fine-tuned on this task "
                              "(OUTPUT_DIR/model.safetensors of --save)")
     parser.add_argument("--data", required=True,
-                        help="RACE: the folder with {train,dev}/{high,middle}/*.txt; MNLI/QQP: the GLUE task folder")
+                        help="RACE: the folder with {train,dev}/{high,middle}/*.txt; MNLI/QQP: the GLUE task folder; "
+                             "SQuAD: the train JSON file, or a folder with train-vVERSION.json and dev-vVERSION.json")
     parser.add_argument("--output-dir", default=None,
                         help="where metrics.json, model.safetensors and predictions/ go "
                              "(default runs/finetune-TASK-TIME)")
@@ -54,7 +58,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seq-length", type=int, default=None,
                         help="input length (default: a fine-tuned model's, else min(512, the model's sequence length))")
     parser.add_argument("--max-qa-length", type=int, default=None,
-                        help="RACE: tokens kept of question+option (default: a fine-tuned model's, else 128)")
+                        help="RACE: tokens kept of question+option; SQuAD: of the question (default: a fine-tuned "
+                             "model's, else 128; SQuAD 64)")
     parser.add_argument("--eval-batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--limit-train", type=int, default=None, help="use only the first N training examples")
@@ -65,6 +70,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="local worker processes (default: the tensor-parallel size)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    from shardlm.finetune import squad
+
+    squad.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -77,7 +85,13 @@ def run(args: argparse.Namespace) -> int:
 
     world_size_for(args)
     args.finetuned = check_finetuned(args.checkpoint, args.task, args.epochs)
-    args.examples = load_examples(args.task, args.data, args.limit_train, args.limit_eval, train=args.epochs > 0)
+    if args.task == "squad":
+        from shardlm.finetune import squad
+
+        squad.check_arguments(args)
+        args.examples = squad.load_examples(args, train=args.epochs > 0)
+    else:
+        args.examples = load_examples(args.task, args.data, args.limit_train, args.limit_eval, train=args.epochs > 0)
     args.tests, args.missing_tests = read_test_sets(args.task, args.data) if args.predict else ({}, [])
     args.output_dir = args.output_dir or str(Path("runs") / f"finetune-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     return run_command(_rank, args)
@@ -99,7 +113,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def num_classes(task: str) -> int:
-    """Classes (MNLI 3, QQP 2) or choices per question (RACE 4) of the task's head."""
+    """Classes (MNLI 3, QQP 2), choices per question (RACE 4) or scores per token (SQuAD 2: start
+    and end) of the task's head."""
+    if task == "squad":
+        return 2
     if task == "race":
         from shardlm.finetune.race import NUM_CHOICES
 
@@ -151,16 +168,23 @@ def _rank(args: argparse.Namespace) -> int:
     import functools
 
     from shardlm.finetune.glue import GLUE_TASKS
+    from shardlm.finetune.heads import span_loss
     from shardlm.finetune.loop import FinetuneSettings, finetune
 
     ctx, model, config, tokenizer = _load(args)
     seq_length, max_qa_length = _input_lengths(args, config)
     train_examples, eval_examples = args.examples
-    encode = functools.partial(encode_task, args.task, tokenizer=tokenizer, seq_length=seq_length,
-                               max_qa_length=max_qa_length)  # examples -> TaskData
-    train = encode(train_examples) if args.epochs else None
-    evals = {name: encode(examples) for name, examples in eval_examples.items()}
-    f1 = args.task != "race" and GLUE_TASKS[args.task].f1
+    squad_run = _squad_run(args, ctx, tokenizer, seq_length, max_qa_length) if args.task == "squad" else None
+    if squad_run is not None:  # windows of the questions; dev sets keep their questions for decoding
+        train = squad_run.features(train_examples, training=True).data if args.epochs else None
+        evals = {name: squad_run.evaluation_set(examples) for name, examples in eval_examples.items()}
+    else:
+        encode = functools.partial(encode_task, args.task, tokenizer=tokenizer, seq_length=seq_length,
+                                   max_qa_length=max_qa_length)  # examples -> TaskData
+        train = encode(train_examples) if args.epochs else None
+        evals = {name: encode(examples) for name, examples in eval_examples.items()}
+    f1 = args.task in GLUE_TASKS and GLUE_TASKS[args.task].f1
+    columns = _metric_columns(args, f1)
     settings = FinetuneSettings(args.epochs, args.batch_size, args.micro_batch_size, args.lr, args.warmup,
                                 args.weight_decay, args.clip_grad, args.seed, args.eval_batch_size)
     output = Path(args.output_dir)
@@ -170,29 +194,55 @@ def _rank(args: argparse.Namespace) -> int:
         print(f"finetune {args.task}: {len(train_examples)} training examples, "
               + ", ".join(f"{name} {len(d)}" for name, d in evals.items())
               + f" | length {seq_length} | TP={ctx.tp_size} x DP={ctx.dp_size} | {output / 'metrics.json'}")
-        print(_table_header(evals, f1))
+        print(_table_header(evals, columns))
 
     def report(record: dict) -> None:
         if ctx.is_main:
             summary["epochs"].append(record)
             _write_metrics(output / "metrics.json", summary)
-            print(_table_row(record, evals, f1), flush=True)
+            print(_table_row(record, evals, columns), flush=True)
 
+    hooks = {} if squad_run is None else {"loss_fn": span_loss, "evaluate_fn": squad_run.evaluate}
     if args.epochs:
-        finetune(model, ctx, train, evals, settings, f1, report)
+        finetune(model, ctx, train, evals, settings, f1, report, **hooks)
     else:
-        report(_evaluate_only(model, ctx, evals, args.eval_batch_size, f1))
+        report(_evaluate_only(model, ctx, evals, args.eval_batch_size, f1, hooks.get("evaluate_fn")))
     if args.save:
         _save(args, ctx, model, config, seq_length, max_qa_length, summary)
-    if args.predict:
+    if args.predict and squad_run is not None:
+        squad_run.write_predictions(model, evals, output, summary)
+        if ctx.is_main:
+            _write_metrics(output / "metrics.json", summary)
+    elif args.predict:
         _predict(args, ctx, model, eval_examples, evals, encode, summary)
     return 0
 
 
-def task_model(task: str, bert, seed: int):
-    """The task's head model on `bert`: `MultipleChoiceModel` (RACE) or a `ClassificationModel`."""
-    from shardlm.finetune.heads import ClassificationModel, MultipleChoiceModel
+def _squad_run(args: argparse.Namespace, ctx, tokenizer, seq_length: int, max_qa_length: int):
+    """SQuAD's inputs, decoding and evaluation on this rank (`squad.SquadRun`) from the flags."""
+    from shardlm.finetune.squad import SquadRun
+    from shardlm.finetune.squad_decode import DecodeSettings
 
+    decode = DecodeSettings(args.version, args.n_best, args.max_answer_length, args.null_threshold)
+    return SquadRun(tokenizer, ctx, seq_length, max_qa_length, args.doc_stride, decode, args.eval_batch_size)
+
+
+def _metric_columns(args: argparse.Namespace, f1: bool) -> list[tuple[str, str, float]]:
+    """(metric key, label, scale to percent) of each evaluation set's table columns."""
+    if args.task == "squad":
+        from shardlm.finetune.squad import metric_columns
+
+        return metric_columns(args.version)
+    return [("accuracy", "acc", 100.0)] + ([("f1", "F1", 100.0)] if f1 else [])
+
+
+def task_model(task: str, bert, seed: int):
+    """The task's head model on `bert`: `MultipleChoiceModel` (RACE), `SpanModel` (SQuAD) or a
+    `ClassificationModel`."""
+    from shardlm.finetune.heads import ClassificationModel, MultipleChoiceModel, SpanModel
+
+    if task == "squad":
+        return SpanModel(bert, seed)
     if task == "race":
         return MultipleChoiceModel(bert, seed)
     return ClassificationModel(bert, num_classes(task), seed)
@@ -200,11 +250,14 @@ def task_model(task: str, bert, seed: int):
 
 def _input_lengths(args: argparse.Namespace, config) -> tuple[int, int]:
     """(seq_length, max_qa_length): the flags, else a fine-tuned model's, else the defaults; checked."""
+    from shardlm.finetune.squad import DEFAULT_MAX_QUERY_LENGTH
+
     saved = args.finetuned
     seq_length = args.seq_length or (saved.seq_length if saved else min(512, config.model.seq_length))
     if seq_length > config.model.seq_length or seq_length < 8:
         raise UserError(f"--seq-length={seq_length} must be in [8, the model's seq_length={config.model.seq_length}]")
-    return seq_length, args.max_qa_length or (saved.max_qa_length if saved else 128)
+    default_qa_length = DEFAULT_MAX_QUERY_LENGTH if args.task == "squad" else 128
+    return seq_length, args.max_qa_length or (saved.max_qa_length if saved else default_qa_length)
 
 
 def _summary(args, ctx, settings, seq_length: int, train_examples: int, evals: dict) -> dict:
@@ -217,13 +270,15 @@ def _summary(args, ctx, settings, seq_length: int, train_examples: int, evals: d
             "settings": dataclasses.asdict(settings), "epochs": []}
 
 
-def _evaluate_only(model, ctx, evals: dict, batch_size: int, f1: bool) -> dict:
-    """The record of `--epochs 0`: epoch 0, no steps, each dev set's metrics."""
+def _evaluate_only(model, ctx, evals: dict, batch_size: int, f1: bool, evaluate_fn=None) -> dict:
+    """The record of `--epochs 0`: epoch 0, no steps, each dev set's metrics (`evaluate_fn(model, name,
+    set)` when given, as in `loop.finetune`)."""
     from shardlm.finetune.loop import evaluate
 
     record = {"epoch": 0, "steps": 0, "train_loss": None, "lr": None}
     for name, data in evals.items():
-        record[name] = evaluate(model, data, ctx, batch_size, f1)
+        record[name] = (evaluate_fn(model, name, data) if evaluate_fn is not None
+                        else evaluate(model, data, ctx, batch_size, f1))
     return record
 
 
@@ -240,8 +295,10 @@ def _save(args, ctx, model, config, seq_length: int, max_qa_length: int, summary
     if args.vocab_file:
         saved_config.data.tokenizer, saved_config.data.vocab_file = "bert", str(args.vocab_file)
     info = FinetunedInfo(args.task, num_classes(args.task), seq_length, max_qa_length)
-    path = save_finetuned(model, ctx, Path(args.output_dir) / "model.safetensors", saved_config, info,
-                          {"checkpoint": str(args.checkpoint), "settings": summary["settings"]})
+    details = {"checkpoint": str(args.checkpoint), "settings": summary["settings"]}
+    if args.task == "squad":
+        details["squad_version"] = args.version  # the default --version when the model is loaded again
+    path = save_finetuned(model, ctx, Path(args.output_dir) / "model.safetensors", saved_config, info, details)
     if ctx.is_main:
         summary["model"] = str(path)
         _write_metrics(path.parent / "metrics.json", summary)
@@ -325,17 +382,16 @@ def _load(args: argparse.Namespace):
     return ctx, model.train(), config, tokenizer
 
 
-def _table_header(evals: dict, f1: bool) -> str:
-    columns = ["epoch", "steps", "train loss"] + [f"{name} acc" for name in evals]
-    columns += [f"{name} F1" for name in evals] if f1 else []
-    return " | ".join(f"{c:>12}" for c in columns)
+def _table_header(evals: dict, columns: list[tuple[str, str, float]]) -> str:
+    """Table columns: epoch, steps, train loss, then each metric of `columns` for every evaluation set."""
+    names = ["epoch", "steps", "train loss"] + [f"{name} {label}" for _, label, _ in columns for name in evals]
+    return " | ".join(f"{c:>12}" for c in names)
 
 
-def _table_row(record: dict, evals: dict, f1: bool) -> str:
+def _table_row(record: dict, evals: dict, columns: list[tuple[str, str, float]]) -> str:
     loss = "-" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
     cells = [f"{record['epoch']:>12d}", f"{record['steps']:>12d}", f"{loss:>12}"]
-    cells += [f"{100 * record[name]['accuracy']:>11.2f}%" for name in evals]
-    cells += [f"{100 * record[name]['f1']:>11.2f}%" for name in evals] if f1 else []
+    cells += [f"{scale * record[name][key]:>11.2f}%" for key, _, scale in columns for name in evals]
     return " | ".join(cells)
 
 

@@ -72,8 +72,9 @@ def batch_order(num_examples: int, batch_size: int, seed: int, epoch: int) -> np
 
 
 def train_step(forward, data: TaskData, indices: np.ndarray, micro: int, ctx: ParallelContext,
-               ddp: DistributedDataParallel | None) -> torch.Tensor:
-    """Forward/backward of this DP rank's slice of one global batch; returns its mean loss (detached)."""
+               ddp: DistributedDataParallel | None, loss_fn: Callable = choice_loss) -> torch.Tensor:
+    """Forward/backward of this DP rank's slice of one global batch; returns its mean loss (detached).
+    `loss_fn(outputs, labels)` is the head's loss (`choice_loss`, or `span_loss` for SQuAD)."""
     per_rank = len(indices) // ctx.dp_size
     mine = indices[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
     chunks = [mine[i:i + micro] for i in range(0, per_rank, micro)]
@@ -82,33 +83,41 @@ def train_step(forward, data: TaskData, indices: np.ndarray, micro: int, ctx: Pa
         batch = data.batch(chunk, ctx.device)
         last = i == len(chunks) - 1
         with contextlib.nullcontext() if ddp is None or last else ddp.no_sync():
-            loss = choice_loss(forward(batch["tokens"], batch["token_types"], batch["padding_mask"]), batch["labels"])
+            loss = loss_fn(forward(batch["tokens"], batch["token_types"], batch["padding_mask"]), batch["labels"])
             (loss / len(chunks)).backward()
         total += loss.detach() / len(chunks)
     return total
 
 
 @torch.no_grad()
-def predict(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size: int) -> np.ndarray:
-    """(N,) int64 argmax class (or option) of every example of `data`, in example order, on every rank.
+def model_outputs(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size: int,
+                  output: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...] = (),
+                  dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """(N, *shape) `output(logits)` of every example of `data`, in example order, on every rank.
 
     DP rank d runs examples d, d + DP, ... in batches of `batch_size`; one all-gather over the DP group
-    of (ceil(N / DP),) ids interleaves them back. TP ranks compute identical (replicated) logits.
-    The model's train/eval mode is restored afterwards."""
+    of (ceil(N / DP), *shape) outputs interleaves them back. TP ranks compute identical (replicated)
+    logits. The model's train/eval mode is restored afterwards."""
     if len(data) == 0:
-        return np.zeros(0, dtype=np.int64)
+        return torch.zeros((0, *shape), dtype=dtype)
     was_training = model.training
     model.eval()
     mine = np.arange(ctx.dp_rank, len(data), ctx.dp_size)
     per_rank = -(-len(data) // ctx.dp_size)
-    local = torch.full((per_rank,), -1, dtype=torch.int64, device=ctx.device)
+    local = torch.zeros((per_rank, *shape), dtype=dtype, device=ctx.device)
     for start in range(0, len(mine), batch_size):
         batch = data.batch(mine[start:start + batch_size], ctx.device)
-        logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"])  # (B, K)
-        local[start:start + len(logits)] = logits.argmax(-1)
-    gathered = torch.stack(ctx.dp.all_gather(local), dim=1)  # (per_rank, DP): [j, d] is example j * DP + d
+        result = output(model(batch["tokens"], batch["token_types"], batch["padding_mask"]))
+        local[start:start + len(result)] = result
+    gathered = torch.stack(ctx.dp.all_gather(local), dim=1)  # (per_rank, DP, ...): [j, d] is example j * DP + d
     model.train(was_training)
-    return gathered.reshape(-1)[:len(data)].cpu().numpy()
+    return gathered.reshape(-1, *shape)[:len(data)].cpu()
+
+
+def predict(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size: int) -> np.ndarray:
+    """(N,) int64 argmax class (or option) of every example of `data`, in example order, on every rank
+    (`model_outputs` of (B, K) logits)."""
+    return model_outputs(model, data, ctx, batch_size, lambda logits: logits.argmax(-1)).numpy()
 
 
 def task_metrics(predicted: np.ndarray, labels: np.ndarray, f1: bool = False) -> dict:
@@ -128,11 +137,14 @@ def evaluate(model: nn.Module, data: TaskData, ctx: ParallelContext, batch_size:
     return task_metrics(predict(model, data, ctx, batch_size), data.labels, f1)
 
 
-def finetune(model: nn.Module, ctx: ParallelContext, train: TaskData, evals: dict[str, TaskData],
-             settings: FinetuneSettings, f1: bool = False, report: Callable[[dict], None] | None = None) -> list[dict]:
+def finetune(model: nn.Module, ctx: ParallelContext, train: TaskData, evals: dict,
+             settings: FinetuneSettings, f1: bool = False, report: Callable[[dict], None] | None = None,
+             loss_fn: Callable = choice_loss, evaluate_fn: Callable | None = None) -> list[dict]:
     """Train `model` (a head model from `heads.py`) on `train`; after every epoch evaluate each set of
     `evals`. Returns one dict per epoch: epoch, steps, train_loss (mean over the epoch), lr and, per
-    evaluation set, {"accuracy", "examples"[, "f1"]}. `report` is called with each epoch's dict."""
+    evaluation set, {"accuracy", "examples"[, "f1"]}. `report` is called with each epoch's dict.
+    `loss_fn(outputs, labels)` is the head's loss; `evaluate_fn(model, name, set)`, when given, gives
+    an evaluation set's metrics instead of `evaluate` (SQuAD decodes answers and scores them)."""
     micro = settings.per_rank_micro_batch(ctx.dp_size)
     steps_per_epoch = len(train) // settings.batch_size
     if steps_per_epoch == 0:
@@ -150,7 +162,7 @@ def finetune(model: nn.Module, ctx: ParallelContext, train: TaskData, evals: dic
     for epoch in range(1, settings.epochs + 1):
         losses = []
         for indices in batch_order(len(train), settings.batch_size, settings.seed, epoch):
-            loss = train_step(forward, train, indices, micro, ctx, ddp)
+            loss = train_step(forward, train, indices, micro, ctx, ddp, loss_fn)
             lr = learning_rate(step, settings.lr, 0.0, warmup_steps, max(1, total_steps - warmup_steps), "linear")
             clip_grad_norm(params, settings.clip_grad, ctx)
             for group in optimizer.param_groups:
@@ -163,7 +175,8 @@ def finetune(model: nn.Module, ctx: ParallelContext, train: TaskData, evals: dic
         ctx.dp.all_reduce(mean_loss)
         record = {"epoch": epoch, "steps": step, "train_loss": mean_loss.item() / ctx.dp_size, "lr": lr}
         for name, data in evals.items():
-            record[name] = evaluate(model, data, ctx, settings.eval_batch_size, f1)
+            record[name] = (evaluate_fn(model, name, data) if evaluate_fn is not None
+                            else evaluate(model, data, ctx, settings.eval_batch_size, f1))
         history.append(record)
         if report is not None:
             report(record)
