@@ -252,8 +252,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key}={value} must be at least 1")
-    if m.arch not in ("gpt", "bert"):
-        raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt" or "bert"')
+    if m.arch not in ("gpt", "bert", "llama"):
+        raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt", "bert" or "llama"')
     if m.layernorm_order not in ("pre", "post"):
         raise UserError(f'model.layernorm_order="{m.layernorm_order}" must be "pre" or "post"')
     if m.activation not in ("gelu", "gelu_tanh"):
@@ -264,6 +264,7 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if m.num_heads % p.tensor:
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
                         "use a tensor-parallel size that divides the heads")
+    _validate_attention_heads(m)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
     if world_size % p.tensor:
@@ -294,6 +295,24 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if check_paths:
         check_files(config)
     return t.global_batch_size // per_step
+
+
+def _validate_attention_heads(m: ModelConfig) -> None:
+    """Grouped-query attention and RoPE shapes (llama). Query heads split over TP (checked by the caller);
+    KV heads are split when num_kv_heads is a multiple of TP, else replicated, so any TP dividing num_heads works."""
+    if m.arch != "llama":
+        if m.num_kv_heads or m.tie_embeddings:
+            raise UserError(f'model.num_kv_heads and model.tie_embeddings are llama settings; model.arch="{m.arch}" '
+                            "has neither (remove them)")
+        return
+    if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
+        raise UserError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+                        "every key/value head must serve the same number of query heads")
+    if (m.hidden_size // m.num_heads) % 2:
+        raise UserError(f"head size {m.hidden_size // m.num_heads} (hidden_size / num_heads) is odd; rotary "
+                        "embeddings need an even head size")
+    if m.rope_theta <= 0:
+        raise UserError(f"model.rope_theta={m.rope_theta} must be > 0")
 
 
 def check_files(config: RunConfig) -> None:

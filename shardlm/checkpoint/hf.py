@@ -5,6 +5,7 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
+`LlamaForCausalLM` directories (model_type "llama") convert through `shardlm.checkpoint.hf_llama`.
 """
 
 from __future__ import annotations
@@ -89,15 +90,20 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
 
 
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF GPT-2 directory into a consolidated shardlm checkpoint file."""
+    """Convert a local HF GPT-2 (or Llama) directory into a consolidated shardlm checkpoint file."""
     hf_dir, out = Path(hf_dir), Path(out)
+    config_file = hf_dir / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == "llama":
+        from shardlm.checkpoint import hf_llama
+
+        return hf_llama.from_hf(hf_dir, out)
     weights = hf_dir / "model.safetensors"
     if not (hf_dir / "config.json").is_file() or not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
                         "safe_serialization=True)")
     hf_config = json.loads((hf_dir / "config.json").read_text())
     if hf_config.get("model_type") != "gpt2":
-        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 converts")
+        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 and llama convert")
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
@@ -120,7 +126,8 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write a shardlm checkpoint (directory or consolidated file) as a HF GPT2LMHeadModel directory."""
+    """Write a shardlm checkpoint (directory or consolidated file) as a HF GPT2LMHeadModel directory
+    (LlamaForCausalLM for a llama checkpoint)."""
     from shardlm.checkpoint.state import consolidate, load_consolidated
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
@@ -128,6 +135,10 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
     config, tensors = load_consolidated(checkpoint)
+    if config.model.arch == "llama":
+        from shardlm.checkpoint import hf_llama
+
+        return hf_llama.to_hf(config, tensors, out_dir)
     cfg = config.model
     hf = {}
     for ours, theirs, kind in name_map(cfg.num_layers):

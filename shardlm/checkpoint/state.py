@@ -25,7 +25,8 @@ from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 
-SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation")
+SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation",
+              "num_kv_heads", "tie_embeddings")
 
 
 def rng_file(rank: int) -> str:
@@ -109,8 +110,9 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
 
 def check_compatible(saved: dict, config: RunConfig) -> None:
     model = dataclasses.asdict(config.model)
+    defaults = dataclasses.asdict(type(config.model)())  # keys older checkpoints do not have
     for key in SHAPE_KEYS:
-        if saved["config"]["model"].get(key) != model[key]:
+        if saved["config"]["model"].get(key, defaults[key]) != model[key]:
             raise UserError(f"checkpoint has model.{key}={saved['config']['model'].get(key)!r} but the run has "
                             f"{model[key]!r}; use the checkpoint's model settings")
 
@@ -124,6 +126,8 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         dim = split_dim(param)
         start = 0 if dim is None else ctx.tp_rank * param.shape[dim]
         end = None if dim is None else start + param.shape[dim]
+        if dim is None and list(reader.files[0].get_slice(f"model/{name}").get_shape()) != list(param.shape):
+            dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
         wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
         local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
                  for prefix in wanted if f"{prefix}/{name}" in keys}
@@ -229,6 +233,6 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     tensors = {}
     for name, info in meta["tensors"].items():
         full = reader.read(f"model/{name}", info["split_dim"])
-        tensors[f"model/{name}"] = (full[:vocab] if name == "wte.weight" else full).contiguous()
+        tensors[f"model/{name}"] = (full[:vocab] if name in ("wte.weight", "lm_head.weight") else full).contiguous()
     metadata = {"format": "shardlm-consolidated-v1", "step": str(meta["step"]), "config": json.dumps(meta["config"])}
     return files.write_atomically(Path(out), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

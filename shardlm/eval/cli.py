@@ -173,9 +173,9 @@ def load_for_evaluation(args: argparse.Namespace):
     device = torch.device("cpu") if args.device == "cpu" else None
     ctx = init_distributed(args.tensor_parallel, device=device)
     model, config = load_model(args.checkpoint, ctx)
-    if config.model.arch != "gpt":
+    if config.model.arch not in ("gpt", "llama"):
         raise UserError(f"the checkpoint holds a model.arch={config.model.arch!r} model; eval and generate need "
-                        "a GPT (causal language model) checkpoint")
+                        "a causal language model (gpt or llama) checkpoint")
     tokenizer = build_tokenizer_for(config.data)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -1,4 +1,4 @@
-"""The GPT output layer applied to selected hidden states only.
+"""The output layer of a causal language model (GPT or Llama) applied to selected hidden states only.
 
 Evaluation and generation need logits at a few positions (the scored targets of a window, the last
 position of a prompt), while `GPT.forward` computes them at every position. Running the tied,
@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 
 from shardlm.models.gpt import GPT, KVCache
+from shardlm.models.llama import Llama
+
+CAUSAL_MODELS = (GPT, Llama)
 
 
 def logits_at(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """(M, V_padded / tp) this rank's logits at the M positions where `keep` (B, T) is True.
-    A model that is not a `GPT` (a test stand-in) is called as `model(inputs)` and indexed."""
-    if not isinstance(model, GPT):
+    A model that is not a `GPT` or `Llama` (a test stand-in) is called as `model(inputs)` and indexed."""
+    if not isinstance(model, CAUSAL_MODELS):
         return model(inputs)[keep]
     return model.output_layer(model.hidden_states(inputs)[keep])
 
@@ -23,6 +26,6 @@ def logits_at(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def last_logits(model, inputs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
     """(B, V_padded / tp) this rank's logits at the last position of `inputs` (B, T), continuing
     `cache` when given."""
-    if not isinstance(model, GPT):
+    if not isinstance(model, CAUSAL_MODELS):
         return model(inputs, cache=cache)[:, -1]
     return model.output_layer(model.hidden_states(inputs, cache)[:, -1])

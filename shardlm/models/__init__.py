@@ -14,7 +14,7 @@ import torch
 
 from shardlm.models.config import ModelConfig
 
-ARCHITECTURES = ("gpt", "bert")
+ARCHITECTURES = ("gpt", "bert", "llama")
 
 
 def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointing: bool = False) -> torch.nn.Module:
@@ -27,6 +27,10 @@ def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointin
         from shardlm.models.bert import BERT
 
         return BERT(cfg, ctx, seed=seed, activation_checkpointing=activation_checkpointing)
+    if cfg.arch == "llama":
+        from shardlm.models.llama import Llama
+
+        return Llama(cfg, ctx, seed=seed, activation_checkpointing=activation_checkpointing)
     raise ValueError(f"unknown model.arch {cfg.arch!r}")
 
 

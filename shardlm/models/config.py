@@ -1,4 +1,4 @@
-"""Model shape and regularization, shared by GPT and BERT."""
+"""Model shape and regularization, shared by GPT, BERT and Llama."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ class ModelConfig:
     """The `[model]` section of a run config."""
 
     arch: str = "gpt"
-    """Architecture: "gpt" (causal LM) or "bert" (masked LM + sentence order)."""
+    """Architecture: "gpt" (causal LM), "bert" (masked LM + sentence order) or "llama" (RoPE, RMSNorm, SwiGLU, GQA)."""
     num_layers: int = 2
     """Transformer layers (l)."""
     hidden_size: int = 64
     """Hidden size (h); must divide by num_heads."""
     num_heads: int = 4
     """Attention heads; must divide by parallel.tensor."""
+    num_kv_heads: int = 0
+    """Llama: key/value heads of grouped-query attention (must divide num_heads); 0 means num_heads."""
     seq_length: int = 64
     """Sequence length (s): positions the model learns, and the training window."""
     vocab_size: int = 0
     """Real vocabulary size; 0 takes it from the tokenizer."""
     ffn_hidden_size: int = 0
-    """MLP width; 0 means 4 x hidden_size."""
+    """MLP width; 0 means 4 x hidden_size (llama: 8h/3 rounded up to a multiple of 256)."""
     activation: str = "gelu"
     """MLP activation: "gelu" (exact erf) or "gelu_tanh" (the tanh approximation of OpenAI's GPT-2)."""
     dropout: float = 0.1
@@ -30,17 +32,28 @@ class ModelConfig:
     attention_dropout: float = -1.0
     """Dropout on attention probabilities; negative means the same as dropout."""
     layernorm_epsilon: float = 1e-5
-    """LayerNorm epsilon."""
+    """LayerNorm epsilon (llama: RMSNorm epsilon)."""
     init_std: float = 0.02
     """Std of the normal initialization; the two residual projections use init_std / sqrt(2 l)."""
     layernorm_order: str = "pre"
     """BERT only: "pre" (the paper's rearranged order, as GPT-2) or "post" (original BERT)."""
     make_vocab_size_divisible_by: int = 128
     """The embedding is padded to a multiple of this times parallel.tensor (padding is masked out)."""
+    rope_theta: float = 10000.0
+    """Llama: base of the rotary position embedding's frequencies."""
+    tie_embeddings: bool = False
+    """Llama: use the input embedding as the output layer (GPT and BERT always tie it)."""
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size or self.arch != "llama":
+            return self.ffn_hidden_size or 4 * self.hidden_size
+        return -(-8 * self.hidden_size // (3 * 256)) * 256  # SwiGLU's 2/3 of 4h, rounded up as Llama does
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads when it is 0 (plain multi-head attention)."""
+        return self.num_kv_heads or self.num_heads
 
     @property
     def attention_dropout_p(self) -> float:
@@ -59,10 +72,17 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     full sequence) + 2 h V (LM head), so training is 72 l h^2 (1 + s/6h + V/12lh). The paper's
     later formula writes V/16lh, which leaves out part of the LM head's backward; we count all of it.
     With activation recomputation the layers' forward runs twice: + 24 l h^2 + 4 l s h (hardware
-    FLOPs; throughput figures use the model FLOPs, recompute=False)."""
+    FLOPs; throughput figures use the model FLOPs, recompute=False).
+
+    arch="llama" counts its own matrices: q and o (h x h each), k and v (h x num_kv_heads x head_dim each,
+    smaller under grouped-query attention) and SwiGLU's three h x f matrices, so a layer's forward is
+    2 (2 h^2 + 2 h kv + 3 h f) + 4 s h per token (kv = num_kv_heads x head_dim)."""
     s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     ffn_ratio = cfg.ffn_size / h
     layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)
+    if cfg.arch == "llama":
+        kv = cfg.kv_heads * (h // cfg.num_heads)
+        layer_forward = layers * (2 * (2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * h)
     forward = layer_forward + 2 * h * v
     return 3 * forward + (layer_forward if recompute else 0.0)
 

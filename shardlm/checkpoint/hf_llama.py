@@ -1,0 +1,149 @@
+"""Hugging Face Llama interop: `LlamaForCausalLM` directories <-> shardlm's consolidated checkpoint.
+
+HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
+embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
+alone: no transpose and no permutation of q/k rows (a round trip is bitwise lossless, and the tests
+compare logits with transformers to catch any layout slip). Names:
+
+    model.embed_tokens                   wte            model.norm          ln_f
+    model.layers.i.input_layernorm       layers.i.ln_1  lm_head             lm_head (absent when tied)
+    model.layers.i.self_attn.{q,k,v,o}_proj          layers.i.attn.{q,k,v,o}
+    model.layers.i.post_attention_layernorm          layers.i.ln_2
+    model.layers.i.mlp.{gate,up,down}_proj           layers.i.mlp.{gate,up,down}
+
+Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. Only the default
+rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases and a head
+size other than hidden_size / num_heads are refused with a one-line error. No network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardlm.checkpoint import files
+from shardlm.config import RunConfig
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+INDEX = "model.safetensors.index.json"
+
+
+def name_map(num_layers: int, tied: bool) -> list[tuple[str, str]]:
+    """(shardlm name, HF name) of every tensor."""
+    top = [("wte.weight", "model.embed_tokens.weight"), ("ln_f.weight", "model.norm.weight")]
+    if not tied:
+        top.append(("lm_head.weight", "lm_head.weight"))
+    layers = []
+    for i in range(num_layers):
+        s, h = f"layers.{i}", f"model.layers.{i}"
+        layers += [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
+                   (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
+        layers += [(f"{s}.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
+        layers += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
+    return top + layers
+
+
+def _rope(hf: dict) -> tuple[float, str]:
+    """(theta, rope type) from either config style (transformers 5's rope_parameters, or rope_theta + rope_scaling)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(theta), kind
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """shardlm's [model] section for a HF LlamaConfig dict; UserError for what shardlm's Llama does not compute."""
+    heads = hf["num_attention_heads"]
+    theta, rope_type = _rope(hf)
+    refusals = [
+        (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
+        (not hf.get("attention_bias") and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
+        (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
+        (hf.get("head_dim") in (None, hf["hidden_size"] // heads),
+         f"head_dim={hf.get('head_dim')} other than hidden_size / num_attention_heads"),
+    ]
+    for ok, what in refusals:
+        if not ok:
+            raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
+    return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                       seq_length=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+                       ffn_hidden_size=hf["intermediate_size"], dropout=0.0,
+                       attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                       layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+                       rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.hidden_size // cfg.num_heads, "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
+        "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout_p,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+    }
+
+
+def _weight_files(hf_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    if (hf_dir / INDEX).is_file():
+        weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
+    """Convert a local HF LlamaForCausalLM directory into a consolidated shardlm checkpoint file."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
+        raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
+    config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
+    if (hf_dir / "tokenizer.json").is_file():
+        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    located = _weight_files(hf_dir)
+    if config.model.tie_embeddings is False and "lm_head.weight" not in located:
+        config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
+    tensors, handles = {}, {}
+    for ours, theirs in name_map(config.model.num_layers, config.model.tie_embeddings):
+        if theirs not in located:
+            raise UserError(f"{hf_dir} has no tensor {theirs}")
+        path = located[theirs]
+        handles.setdefault(path, safe_open(str(path), framework="pt"))
+        tensors[f"model/{ours}"] = handles[path].get_tensor(theirs).float().contiguous()
+    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
+    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """Write a consolidated Llama checkpoint's (config, tensors) as a HF LlamaForCausalLM directory."""
+    cfg = config.model
+    hf = {}
+    for ours, theirs in name_map(cfg.num_layers, cfg.tie_embeddings):
+        value = tensors[f"model/{ours}"]
+        hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    files.ordinary_permissions(tmp / "model.safetensors")
+    (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
+    if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
+        shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.replace(out_dir)
+    return out_dir

@@ -1,0 +1,277 @@
+"""Llama-family decoder built from the tensor-parallel layers (Llama, Mistral, Qwen and OLMo share it).
+
+Pre-norm blocks with RMSNorm, rotary position embeddings on q and k (`shardlm.models.rotary`, Hugging
+Face's rotate-half layout), a SwiGLU MLP `down(silu(gate(x)) * up(x))`, no biases, grouped-query
+attention (`num_kv_heads` key/value heads shared by `num_heads / num_kv_heads` query heads each) and
+an output layer that is untied by default (`tie_embeddings`).
+
+Tensor parallelism follows GPT's column -> row pairs: q, k, v, gate and up are column-parallel (one
+`f` on the block input serves all of them), the attention output and down projections are
+row-parallel (`g`), so a layer does 2 all-reduces forward and 2 backward. Query heads are split over
+the TP group. Key/value heads are split too when `num_kv_heads` is a multiple of TP; otherwise (TP
+larger than the KV head count, or not a multiple of it) the k and v weights are replicated on every
+TP rank, each rank computes only the KV heads its query heads read, and the weights' gradients are
+summed over TP in the backward (`f` applied to the weight), so the replicas stay equal, are counted
+once in the gradient norm and are saved once, like any replicated parameter (checkpoints stay
+layout-free). The untied output layer is a column-parallel linear over the padded vocabulary that
+feeds the vocabulary-parallel cross-entropy; training never gathers logits.
+
+The interface is GPT's (`embed`, `run_layers`, `head`, `output_layer`, `hidden_states`, `loss`,
+`forward`, `full_logits`, `new_kv_cache`): each attention layer computes its rotary angles from its
+own positions (offset by its KV cache), so pipeline stages need nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardlm.models.config import ModelConfig
+from shardlm.models.gpt import KVCache, LayerKVCache, causal_mask_with_past
+from shardlm.models.rotary import apply_rotary, rotary_angles
+from shardlm.parallel import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+from shardlm.parallel.init import normal_shard, param_seed
+
+
+def kv_heads_are_split(num_kv_heads: int, tensor_parallel: int) -> bool:
+    """True when each TP rank holds its own num_kv_heads / TP key/value heads; False when replicated."""
+    return num_kv_heads % tensor_parallel == 0
+
+
+def kv_head_range(num_heads: int, num_kv_heads: int, tensor_parallel: int, tp_rank: int) -> tuple[int, int]:
+    """[first, last) key/value heads read by the query heads of `tp_rank` (query head i reads KV head
+    i // (num_heads / num_kv_heads)); ranges of different ranks are disjoint exactly when the KV heads are split."""
+    local, group = num_heads // tensor_parallel, num_heads // num_kv_heads
+    first_query = tp_rank * local
+    return first_query // group, (first_query + local - 1) // group + 1
+
+
+class KeyValueProjection(nn.Module):
+    """k or v projection h -> (KV heads of this rank) x head_dim, without bias; input already past `f`.
+
+    Split (num_kv_heads a multiple of TP): weight rows of this rank's KV heads, `tensor_parallel_dim` 0.
+    Replicated: the full (num_kv_heads x head_dim, h) weight on every rank; the forward uses the rows of
+    the heads this rank reads, and its gradient is all-reduced over TP in the backward.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int):
+        super().__init__()
+        self.tp = ctx.tp
+        head_dim = cfg.hidden_size // cfg.num_heads
+        first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, ctx.tp_size, ctx.tp_rank)
+        self.rows = (first * head_dim, last * head_dim)
+        self.split = kv_heads_are_split(cfg.kv_heads, ctx.tp_size)
+        full = (cfg.kv_heads * head_dim, cfg.hidden_size)
+        if self.split:
+            self.weight = nn.Parameter(normal_shard(full, cfg.init_std, seed, 0, *self.rows, device=ctx.device))
+            self.weight.tensor_parallel_dim = 0
+        else:
+            self.weight = nn.Parameter(normal_shard(full, cfg.init_std, seed, device=ctx.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, h) -> (B, T, local KV heads x head_dim)."""
+        if self.split:
+            return F.linear(x, self.weight)
+        weight = copy_to_tensor_parallel(self.weight, self.tp)  # every rank's share of the gradient, summed
+        return F.linear(x, weight[self.rows[0]:self.rows[1]])
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention with RoPE; query heads split over TP. (B, T, h) -> (B, T, h)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
+        super().__init__()
+        self.ctx, self.tp = ctx, ctx.tp
+        self.heads = cfg.num_heads // ctx.tp_size
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.theta = cfg.rope_theta
+        self.dropout = cfg.attention_dropout_p
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.q = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, bias=False, std=cfg.init_std,
+                                      seed=param_seed(seed, f"{prefix}.q"), device=ctx.device)
+        self.k = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.k"))
+        self.v = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.v"))
+        self.o = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
+                                   seed=param_seed(seed, f"{prefix}.o"), device=ctx.device)
+        first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, ctx.tp_size, ctx.tp_rank)
+        self.kv_heads = last - first
+        group = cfg.num_heads // cfg.kv_heads
+        first_query = ctx.tp_rank * self.heads
+        reads = [(first_query + j) // group - first for j in range(self.heads)]  # local KV head of each query head
+        uniform = self.heads % self.kv_heads == 0 and reads == [j // (self.heads // self.kv_heads)
+                                                                for j in range(self.heads)]
+        # SDPA's grouped-query mode covers the usual case; otherwise (KV groups straddling ranks unevenly)
+        # each query head gets a copy of its KV head. A plain attribute, not a buffer: DDP broadcasts buffers.
+        self.kv_index = None if uniform else torch.tensor(reads, device=ctx.device)
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones: they are
+        rotated for positions cache.length .. cache.length + T - 1 and attend to the cached keys too.
+        The cache holds only this rank's KV heads (B, kv_heads, T, head_dim), never per-query copies."""
+        B, T, _ = x.shape
+        past = 0 if cache is None else cache.length
+        x = copy_to_tensor_parallel(x, self.tp)  # one `f` for the q, k and v projections
+        q = F.linear(x, self.q.weight).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_angles(torch.arange(past, past + T, device=x.device), self.head_dim, self.theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, kv_heads, past + T, head_dim)
+        if self.kv_index is not None:
+            k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
+        gqa = k.shape[1] != self.heads
+        if past > 0:
+            mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.training and self.dropout > 0:
+            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), (B, T, h) -> (B, T, h): gate and up column-parallel (h -> f/tp),
+    down row-parallel (f/tp -> h, all-reduced)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
+        super().__init__()
+        self.tp = ctx.tp
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx.tp, bias=False, std=cfg.init_std,
+                                         seed=param_seed(seed, f"{prefix}.gate"), device=ctx.device)
+        self.up = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx.tp, bias=False, std=cfg.init_std,
+                                       seed=param_seed(seed, f"{prefix}.up"), device=ctx.device)
+        self.down = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
+                                      seed=param_seed(seed, f"{prefix}.down"), device=ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel(x, self.tp)  # one `f` for gate and up
+        return self.down(F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight))
+
+
+class LlamaBlock(nn.Module):
+    """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(SwiGLU(RMSNorm(x))). (B, T, h) -> (B, T, h)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int):
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.attn = LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn")
+        self.ln_2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.mlp = SwiGLU(cfg, ctx, seed, f"layers.{index}.mlp")
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), cache))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class Llama(nn.Module):
+    """Llama-family causal language model over a TP group; the same interface as `shardlm.models.gpt.GPT`.
+
+    tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary slice of the logits,
+    (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses (B, T) through the
+    vocabulary-parallel cross-entropy. With `cache=model.new_kv_cache()`, tokens continue the cached positions.
+    """
+
+    FIRST_STAGE = ("wte",)  # what the first pipeline stage keeps besides its layers
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        if ctx.rng is None:
+            ctx.seed(seed)
+        self.cfg, self.ctx = cfg, ctx
+        self.activation_checkpointing = activation_checkpointing
+        self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
+        self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
+                                          vocab_size=cfg.vocab_size, std=cfg.init_std,
+                                          seed=param_seed(seed, "wte"), device=ctx.device)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i) for i in range(cfg.num_layers)})
+        self.ln_f = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.lm_head = None
+        if not cfg.tie_embeddings:
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, ctx.tp, bias=False,
+                                                std=cfg.init_std, seed=param_seed(seed, "lm_head"), device=ctx.device)
+            with torch.no_grad():  # rows of the vocabulary padding start at zero, as the embedding's do
+                first_row = ctx.tp_rank * self.lm_head.weight.shape[0]
+                self.lm_head.weight[max(0, cfg.vocab_size - first_row):].zero_()
+        # what the last pipeline stage keeps besides its layers
+        self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
+
+    def new_kv_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
+        return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
+
+    def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) token embeddings and dropout (positions enter in the attention, as RoPE)."""
+        T = tokens.shape[1]
+        if past + T > self.cfg.seq_length:
+            raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
+        return self.drop(self.wte(tokens))
+
+    def run_layers(self, x: torch.Tensor, layers) -> torch.Tensor:
+        """(B, T, h) -> (B, T, h) through `layers` in order (positions 0 .. T - 1), each checkpointed when
+        activation checkpointing is on (and gradients are being recorded)."""
+        for layer in layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+            else:
+                x = layer(x)
+        return x
+
+    def output_layer(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) final-RMSNorm output -> (B, T, V_padded / tp) this rank's logits: the column-parallel
+        `lm_head`, or the embedding when tied (its input gradient is all-reduced over TP, `f`)."""
+        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(copy_to_tensor_parallel(h, self.ctx.tp), weight)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final RMSNorm and output layer."""
+        return self.output_layer(self.ln_f(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Per-token fp32 losses (B, T) of vocabulary-parallel logits; `ignore_index` targets give 0."""
+        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
+                                            ignore_index=ignore_index)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) final-RMSNorm output, replicated over the TP group.
+        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
+        x = self.embed(tokens, 0 if cache is None else cache.length)
+        if cache is None:
+            return self.ln_f(self.run_layers(x, self.layers.values()))
+        for layer, layer_cache in zip(self.layers.values(), cache.layers):
+            x = layer(x, layer_cache)
+        return self.ln_f(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
+        logits = self.output_layer(self.hidden_states(tokens, cache))
+        return logits if targets is None else self.loss(logits, targets, ignore_index)
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_padded / tp) -> (..., vocab_size): gather the slices and drop the padding.
+        For evaluation and generation only; training never gathers logits."""
+        return gather_from_tensor_parallel(local_logits, self.ctx.tp)[..., : self.cfg.vocab_size]
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (summing the TP shards of split weights), padding included."""
+        sharded = sum(p.numel() for p in self.parameters() if hasattr(p, "tensor_parallel_dim"))
+        replicated = sum(p.numel() for p in self.parameters() if not hasattr(p, "tensor_parallel_dim"))
+        return sharded * self.ctx.tp_size + replicated

@@ -1,0 +1,320 @@
+"""Llama: exact Hugging Face interop and every TP x DP layout equal to one process.
+
+A random `LlamaForCausalLM` (2 layers, hidden 96, 6 query heads, 2 KV heads, vocabulary 1000, which
+128 does not divide), built offline from a `LlamaConfig`, is converted with `shardlm convert`'s code;
+its q and k weights are scaled up so attention is sharp and a rotary-layout slip would show in the
+logits. shardlm's logits equal transformers' within 1e-4 at TP=1, 2 and 3 (3 > 2 KV heads: KV weights
+replicated), greedy generation with the KV cache gives transformers' tokens, and the round trip back to
+HF is bitwise lossless. A tiny Llama with grouped-query attention trains for 10 steps equal to one
+process at TP x DP 2x1, 1x2, 2x2 and 4x1 (TP=4 > 2 KV heads); a checkpoint saved at TP=4 loads at
+TP=1 and TP=2, one saved at TP=2 loads at TP=4. Worlds: one of 2 processes, one of 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_training import ADAM_EPS, STEPS, VOCAB, assert_same_run, synthetic_data
+
+from shardlm.checkpoint import load_model, save_checkpoint
+from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.config import RunConfig, from_dict, validate
+from shardlm.errors import UserError
+from shardlm.eval.generate import SamplingConfig, generate_tokens
+from shardlm.models import build_model
+from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.llama import kv_head_range
+from shardlm.parallel import CommStats, Communicator, ParallelContext
+from shardlm.training.trainer import Trainer
+
+from multiproc import run_workers
+
+HF_VOCAB, PROMPT, NEW_TOKENS = 1000, 6, 12
+LOGIT_TOL = 1e-4
+
+
+def hf_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=HF_VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                       rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """The HF model, its saved directory, the converted shardlm file, and reference logits and tokens."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config()).eval()
+    with torch.no_grad():  # sharp attention: positions (RoPE) then change the logits visibly
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    root = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(root / "hf")
+    converted = from_hf(root / "hf", root / "llama.safetensors")
+    tokens = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
+                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return {"model": model, "root": root, "converted": converted, "tokens": tokens, "logits": logits,
+            "greedy": greedy[:, PROMPT:].tolist()}
+
+
+def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
+    """(full logits of `tokens`, greedy continuations of their first PROMPT tokens) of the file at `path`."""
+    model, _ = load_model(path, ctx)
+    with torch.no_grad():
+        logits = model.full_logits(model(tokens))
+    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_at_eod=False)
+    generated = generate_tokens(model, tokens[:, :PROMPT].tolist(), config)
+    return logits, [g.tokens for g in generated]
+
+
+def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False) -> RunConfig:
+    return from_dict({
+        "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+                  "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
+                  "tie_embeddings": tie},
+        "parallel": {"tensor": tp},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7},
+    })
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter in the TP=1 layout: shards gathered over TP, vocabulary padding removed."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.detach()
+        if hasattr(param, "tensor_parallel_dim"):
+            value = torch.cat(model.ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
+        out[name] = value[:VOCAB].clone() if name in ("wte.weight", "lm_head.weight") else value.clone()
+    return out
+
+
+def train_run(ctx: ParallelContext, config: RunConfig):
+    trainer = Trainer(config, ctx, synthetic_data())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return (curve, full_parameters(trainer.model)), trainer
+
+
+PROBE = torch.arange(30).view(2, 15) % VOCAB  # tokens whose logits compare checkpoints
+
+
+def probe_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.full_logits(model.eval()(PROBE))
+
+
+# -------------------------------------------------------------------------------------- in workers
+
+def worker_world2(hf: dict):
+    """Layouts 2x1 (untied and tied) and 1x2; TP=2 logits, greedy tokens and the KV cache of the HF model."""
+    out = {}
+    for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
+        out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
+    ctx = ParallelContext.from_process_group(2)
+    out["hf_tp2"] = logits_and_greedy(hf["converted"], ctx, hf["tokens"])
+    model, _ = load_model(hf["converted"], ctx)
+    cache = model.new_kv_cache()
+    with torch.no_grad():
+        model(hf["tokens"][:, :10], cache=cache)
+    out["cache_shape_tp2"] = tuple(cache.layers[0].keys.shape)
+    return out if dist.get_rank() == 0 else None
+
+
+def sub_context(ranks: list[int]) -> ParallelContext | None:
+    """A TP group of `ranks` (DP=1) inside the running world, for a TP size the world size is not a
+    multiple of; None on the other ranks. Collective: every rank calls it."""
+    group = dist.new_group(ranks)
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    stats = CommStats()
+    tp = Communicator("tp", group, len(ranks), ranks.index(rank), stats)
+    return ParallelContext(rank=ranks.index(rank), world_size=len(ranks), tp=tp, device=torch.device("cpu"),
+                           dp=Communicator("dp", None, 1, 0, stats), comm=stats,
+                           world=Communicator("world", group, len(ranks), ranks.index(rank), stats))
+
+
+def worker_world4(hf: dict, checkpoints: str):
+    """Layouts 2x2 and 4x1 (KV replicated); checkpoints across TP 4 <-> 2; TP=3 logits and greedy tokens."""
+    out = {}
+    out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
+    out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
+    out["kv_replicated_tp4"] = not hasattr(trainer_4x1.model.layers["0"].attn.k.weight, "tensor_parallel_dim")
+    out["logits_4x1"] = probe_logits(trainer_4x1.model)
+    out["logits_2x2"] = probe_logits(trainer_2x2.model)
+    save_checkpoint(trainer_4x1, f"{checkpoints}/tp4")
+    save_checkpoint(trainer_2x2, f"{checkpoints}/tp2")
+    out["tp4_loaded_at_tp2"] = probe_logits(load_model(f"{checkpoints}/tp4", ParallelContext.from_process_group(2))[0])
+    out["tp2_loaded_at_tp4"] = probe_logits(load_model(f"{checkpoints}/tp2", ParallelContext.from_process_group(4))[0])
+    ctx3 = sub_context([0, 1, 2])
+    if ctx3 is not None:
+        out["hf_tp3"] = logits_and_greedy(hf["converted"], ctx3, hf["tokens"])
+    dist.barrier()
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ctx = ParallelContext.single()
+    return {tie: train_run(ctx, tiny_config(tie=tie))[0] for tie in (False, True)}
+
+
+def shared(hf_model) -> dict:
+    return {k: hf_model[k] for k in ("converted", "tokens")}
+
+
+@pytest.fixture(scope="module")
+def world2(hf_model):
+    return run_workers(2, worker_world2, shared(hf_model))[0]
+
+
+@pytest.fixture(scope="module")
+def world4(hf_model, tmp_path_factory):
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    return {**run_workers(4, worker_world4, shared(hf_model), str(checkpoints))[0], "checkpoints": checkpoints}
+
+
+# -------------------------------------------------------------------------------------- HF interop
+
+def test_tp1_logits_match_transformers(hf_model):
+    logits, tokens = logits_and_greedy(hf_model["converted"], ParallelContext.single(), hf_model["tokens"])
+    assert hf_model["logits"].std() > 0.1, "reference logits too flat to tell layouts apart"
+    assert (logits - hf_model["logits"]).abs().max() < LOGIT_TOL
+    assert tokens == hf_model["greedy"]
+
+
+def test_a_rotary_permutation_bug_would_be_caught(hf_model):
+    """Meta's interleaved pairing of channels instead of HF's rotate-half halves (the classic conversion
+    bug) moves the logits far beyond the tolerance, so the comparisons with transformers test the layout."""
+    model, _ = load_model(hf_model["converted"], ParallelContext.single())
+    with torch.no_grad():
+        for layer in model.layers.values():
+            for weight in (layer.attn.q.weight, layer.attn.k.weight):  # rows (heads, 2 halves, 8) -> (heads, 8, 2)
+                weight.copy_(weight.view(-1, 2, 8, 96).transpose(1, 2).reshape(weight.shape))
+        logits = model.full_logits(model(hf_model["tokens"]))
+    assert (logits - hf_model["logits"]).abs().max() > 100 * LOGIT_TOL
+
+
+def test_round_trip_to_hf_is_lossless(hf_model, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    back = to_hf(hf_model["converted"], tmp_path / "back")
+    reloaded = LlamaForCausalLM.from_pretrained(back)
+    original = hf_model["model"].state_dict()
+    assert reloaded.state_dict().keys() == original.keys()
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, original[name]), name
+    assert reloaded.config.num_key_value_heads == 2 and reloaded.config.tie_word_embeddings is False
+    again = from_hf(back, tmp_path / "again.safetensors")
+    from safetensors.torch import load_file
+
+    first, second = load_file(str(hf_model["converted"])), load_file(str(again))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.slow
+def test_tp2_and_tp3_logits_and_greedy_tokens_match_transformers(hf_model, world2, world4):
+    for logits, tokens in (world2["hf_tp2"], world4["hf_tp3"]):
+        assert (logits - hf_model["logits"]).abs().max() < LOGIT_TOL
+        assert tokens == hf_model["greedy"]
+
+
+# -------------------------------------------------------------------------------------- KV cache
+
+def test_rope_positions_under_the_kv_cache_equal_the_uncached_forward(hf_model):
+    model, _ = load_model(hf_model["converted"], ParallelContext.single())
+    tokens = hf_model["tokens"]
+    cache = model.new_kv_cache()
+    with torch.no_grad():
+        full = model(tokens)
+        pieces = [model(tokens[:, :9], cache=cache)]
+        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(9, 14)]
+        pieces.append(model(tokens[:, 14:], cache=cache))
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5
+    assert tuple(cache.layers[0].keys.shape)[:2] == (2, 2)  # the KV heads only, not one copy per query head
+
+
+@pytest.mark.slow
+def test_gqa_cache_holds_only_this_ranks_kv_heads(world2):
+    assert world2["cache_shape_tp2"][:3] == (2, 1, 64)  # 2 KV heads over TP=2: one each
+
+
+# -------------------------------------------------------------------------------------- training
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x1-tied"])
+def test_world2_layouts_train_like_one_process(world2, reference, layout):
+    assert_same_run(world2[layout], reference[layout.endswith("tied")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2x2", "4x1"])
+def test_world4_layouts_train_like_one_process(world4, reference, layout):
+    assert_same_run(world4[layout], reference[False])
+
+
+@pytest.mark.slow
+def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
+    assert world4["kv_replicated_tp4"]
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_between_replicated_and_split_kv_heads(world4):
+    """Saved at TP=4 (KV weights replicated) and loaded at TP=2 and TP=1 (split / whole); saved at TP=2
+    (split) and loaded at TP=4 (replicated): the same logits."""
+    assert (world4["tp4_loaded_at_tp2"] - world4["logits_4x1"]).abs().max() < 1e-5
+    assert (world4["tp2_loaded_at_tp4"] - world4["logits_2x2"]).abs().max() < 1e-5
+    single, _ = load_model(world4["checkpoints"] / "tp4", ParallelContext.single())
+    assert (probe_logits(single) - world4["logits_4x1"]).abs().max() < 1e-5
+
+
+def test_training_reduces_loss(reference):
+    losses = [loss for loss, _ in reference[False][0]]
+    assert losses[-1] < losses[0] - 0.1
+
+
+# -------------------------------------------------------------------------------------- shapes and rules
+
+def test_kv_heads_split_or_replicated_by_tensor_parallel_size():
+    assert [kv_head_range(6, 2, 2, r) for r in range(2)] == [(0, 1), (1, 2)]  # split
+    assert [kv_head_range(6, 2, 3, r) for r in range(3)] == [(0, 1), (0, 2), (1, 2)]  # rank 1 reads both
+    assert [kv_head_range(4, 2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+
+
+def test_config_errors_name_the_sizes():
+    def check(**model):
+        config = tiny_config()
+        for key, value in model.items():
+            setattr(config.model, key, value)
+        validate(config, world_size=config.parallel.tensor, check_paths=False)
+
+    with pytest.raises(UserError, match="num_heads=4 is not divisible by model.num_kv_heads=3"):
+        check(num_kv_heads=3)
+    with pytest.raises(UserError, match="num_heads=4 is not divisible by parallel.tensor=3"):
+        config = tiny_config(tp=3)
+        validate(config, world_size=3, check_paths=False)
+    with pytest.raises(UserError, match="llama settings"):
+        check(arch="gpt", num_kv_heads=2)
+    with pytest.raises(UserError, match="head size 5"):
+        check(hidden_size=20)
+
+
+def test_flop_formula_counts_swiglu_and_gqa():
+    """Forward matmul FLOPs per token derived from the built model's own weight shapes: 2 per weight of
+    every layer matrix and of the output layer, plus 4 s h per layer for QK^T and AV."""
+    cfg = tiny_config().model
+    model = build_model(cfg, ParallelContext.single(), seed=0)
+    layer_weights = sum(p.numel() for n, p in model.layers.named_parameters() if p.ndim == 2)
+    forward = 2 * layer_weights + cfg.num_layers * 4 * cfg.seq_length * cfg.hidden_size + 2 * cfg.hidden_size * VOCAB
+    assert flops_per_token(cfg) == pytest.approx(3 * forward)
+    gpt = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=VOCAB)
+    assert flops_per_token(gpt) == pytest.approx(72 * 2 * 32 * 32 * (1 + 16 / (6 * 32) + VOCAB / (12 * 2 * 32)))
