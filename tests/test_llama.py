@@ -75,7 +75,7 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
     return logits, [g.tokens for g in generated]
 
 
-def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False) -> RunConfig:
+def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False) -> RunConfig:
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
                   "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
@@ -83,7 +83,8 @@ def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False) -> RunConfig:
         "parallel": {"tensor": tp},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
-                  "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7},
+                  "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7,
+                  "activation_checkpointing": checkpointing},
     })
 
 
@@ -107,6 +108,17 @@ def train_run(ctx: ParallelContext, config: RunConfig):
 PROBE = torch.arange(30).view(2, 15) % VOCAB  # tokens whose logits compare checkpoints
 
 
+def tensor_parallel_all_reduces(ctx: ParallelContext, config: RunConfig) -> tuple[int, int]:
+    """(forward, backward) sum all-reduces over TP of one training forward and backward of a fresh model."""
+    model = build_model(config.model, ctx, seed=7)
+    batch = torch.stack([torch.as_tensor(synthetic_data()[i]) for i in range(4)])
+    ctx.comm.reset()
+    loss = model(batch[:, :-1], batch[:, 1:]).mean()
+    forward = ctx.comm.count("all_reduce", "tp")
+    loss.backward()
+    return forward, ctx.comm.count("all_reduce", "tp") - forward
+
+
 def probe_logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model.full_logits(model.eval()(PROBE))
@@ -119,7 +131,10 @@ def worker_world2(hf: dict):
     out = {}
     for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
         out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
+    checkpointed = train_run(ParallelContext.from_process_group(2), tiny_config(2, 8, checkpointing=True))[0]
+    out["checkpointing_same_curve"] = checkpointed[0] == out["2x1"][0]
     ctx = ParallelContext.from_process_group(2)
+    out["all_reduces_tp2"] = tensor_parallel_all_reduces(ctx, tiny_config(2))
     out["hf_tp2"] = logits_and_greedy(hf["converted"], ctx, hf["tokens"])
     model, _ = load_model(hf["converted"], ctx)
     cache = model.new_kv_cache()
@@ -149,6 +164,7 @@ def worker_world4(hf: dict, checkpoints: str):
     out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
     out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
     out["kv_replicated_tp4"] = not hasattr(trainer_4x1.model.layers["0"].attn.k.weight, "tensor_parallel_dim")
+    out["all_reduces_tp4"] = tensor_parallel_all_reduces(trainer_4x1.ctx, tiny_config(4))
     out["logits_4x1"] = probe_logits(trainer_4x1.model)
     out["logits_2x2"] = probe_logits(trainer_2x2.model)
     save_checkpoint(trainer_4x1, f"{checkpoints}/tp4")
@@ -268,6 +284,21 @@ def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
 
 
 @pytest.mark.slow
+def test_activation_checkpointing_gives_the_same_losses(world2):
+    assert world2["checkpointing_same_curve"]
+
+
+@pytest.mark.slow
+def test_a_layer_does_two_all_reduces_forward_and_backward(world2, world4):
+    """Per layer 2 forward (attention and SwiGLU outputs) and 2 backward (their inputs, one `f` each), plus the
+    embedding's forward, the cross-entropy's sum and the output layer's backward; replicated KV heads
+    (TP=4 > 2 KV heads) add the k and v weight-gradient sums, 2 per layer."""
+    layers = tiny_config().model.num_layers
+    assert world2["all_reduces_tp2"] == (2 * layers + 2, 2 * layers + 1)
+    assert world4["all_reduces_tp4"] == (2 * layers + 2, 4 * layers + 1)
+
+
+@pytest.mark.slow
 def test_checkpoints_reshard_between_replicated_and_split_kv_heads(world4):
     """Saved at TP=4 (KV weights replicated) and loaded at TP=2 and TP=1 (split / whole); saved at TP=2
     (split) and loaded at TP=4 (replicated): the same logits."""
@@ -318,3 +349,32 @@ def test_flop_formula_counts_swiglu_and_gqa():
     assert flops_per_token(cfg) == pytest.approx(3 * forward)
     gpt = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=VOCAB)
     assert flops_per_token(gpt) == pytest.approx(72 * 2 * 32 * 32 * (1 + 16 / (6 * 32) + VOCAB / (12 * 2 * 32)))
+
+
+def rank_model(cfg: ModelConfig, tp: int, rank: int):
+    """TP rank `rank`'s Llama of a TP=`tp` layout, built without a process group (construction communicates nothing)."""
+    stats = CommStats()
+    ctx = ParallelContext(rank=rank, world_size=tp, tp=Communicator("tp", None, tp, rank, stats),
+                          dp=Communicator("dp", None, 1, 0, stats), device=torch.device("cpu"), comm=stats)
+    return build_model(cfg, ctx, seed=0)
+
+
+@pytest.mark.parametrize("tp,tie", [(1, False), (2, False), (4, False), (4, True)])
+def test_planner_counts_the_parameters_each_rank_holds(tp, tie):
+    from shardlm.plan.memory import parameter_count
+
+    cfg = tiny_config(tie=tie).model
+    model = rank_model(cfg, tp, 0)
+    sharded = sum(p.numel() for p in model.parameters() if hasattr(p, "tensor_parallel_dim"))
+    replicated = sum(p.numel() for p in model.parameters() if not hasattr(p, "tensor_parallel_dim"))
+    counted = parameter_count(cfg, tp)
+    tensors = len(list(model.parameters()))
+    assert (counted.sharded, counted.replicated, counted.tensors) == (sharded, replicated, tensors)
+
+
+def test_llama3_presets_have_the_published_parameter_counts():
+    from shardlm.plan.memory import parameter_count
+    from shardlm.plan.models import MODEL_PRESETS
+
+    assert parameter_count(MODEL_PRESETS["llama3-8b"], 1).total == 8_030_261_248
+    assert parameter_count(MODEL_PRESETS["llama3-70b"], 1).total == 70_553_706_496

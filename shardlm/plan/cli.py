@@ -21,7 +21,8 @@ def add_parser(subparsers) -> None:
                     "inter-node per node and direction.",
     )
     parser.add_argument("--model", help="model preset (gpt2-355m, gpt2-2.5b, gpt2-8.3b, bert-336m, bert-1.3b, "
-                                        "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b) or a shardlm TOML config")
+                                        "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b, llama3-8b, llama3-70b) or a "
+                                        "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")
     parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per server (preset: its server)")

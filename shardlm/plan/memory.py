@@ -105,6 +105,8 @@ def parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     embeddings plus token types (2 x h), pooler and LM-head transform (h x h + h each), the LM-head
     LayerNorm, the sentence head (2 x h + 2) and the output bias, split like the vocabulary.
     """
+    if cfg.arch == "llama":
+        return _llama_parameter_count(cfg, tp)
     h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
     h_local, f_local = _split(h, tp, "hidden_size"), _split(f, tp, "ffn size")
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
@@ -119,6 +121,36 @@ def parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
         replicated += 2 * h + (h * h + h) + (h * h + h) + 2 * h + (2 * h + 2)
         tensors += 10
     return ParameterCount(sharded, replicated, tensors, layers * matrix)
+
+
+def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(rows of the k (or v) weight a rank holds, rows its GEMM uses) of `shardlm.models.llama`: num_kv_heads x
+    head_dim split over TP when TP divides num_kv_heads, else held whole and only the heads of the rank's
+    query heads used (rank 0's count)."""
+    from shardlm.models.llama import kv_head_range, kv_heads_are_split
+
+    head_dim = cfg.hidden_size // cfg.num_heads
+    first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, tp, 0)
+    used = (last - first) * head_dim
+    return (used, used) if kv_heads_are_split(cfg.kv_heads, tp) else (cfg.kv_heads * head_dim, used)
+
+
+def _llama_parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.llama.Llama`: q (h x h) and SwiGLU's gate and up (f x h each) split
+    by rows, o (h x h) and down (h x f) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
+    (see `_kv_rows`), two RMSNorm weights per layer and the final one replicated, the embedding and the untied
+    output layer (V_padded x h each) split by vocabulary rows; no biases."""
+    h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
+    h_local, f_local = _split(h, tp, "hidden_size"), _split(f, tp, "ffn size")
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    kv_held, kv_used = _kv_rows(cfg, tp)
+    kv_split = kv_held == kv_used and cfg.kv_heads % tp == 0
+    layer_sharded = 2 * h_local * h + 3 * f_local * h + (2 * kv_held * h if kv_split else 0)
+    layer_replicated = 2 * h + (0 if kv_split else 2 * kv_held * h)
+    outputs = 1 if cfg.tie_embeddings else 2
+    return ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
+                          replicated=layers * layer_replicated + h, tensors=9 * layers + 1 + outputs,
+                          matrix=layers * (2 * h_local * h + 3 * f_local * h + 2 * kv_used * h))
 
 
 @dataclass(frozen=True)
@@ -195,6 +227,14 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     h, f, b, s = cfg.hidden_size, cfg.ffn_size, micro_batch, cfg.seq_length
     tokens = b * s
     replicated = tokens * h * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + 2 * _mask_bytes(cfg, fmt, backend))
+    if cfg.arch == "llama":
+        # RoPE keeps q and k before rotation and rotate_half's output (4 (h/t + kv)), SDPA q, k, v and its
+        # output (2 h/t + 2 kv); SwiGLU gate, silu(gate), up and their product (4 f/t); one RMSNorm stat per token
+        kv = _kv_rows(cfg, tp)[1]
+        split = tokens * (6 * h // tp + 6 * kv + 4 * f // tp) * fmt.matmul_bytes
+        small = 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
+        weights = fmt.weight_cast_bytes * (2 * h * h // tp + 2 * kv * h + 3 * f * h // tp)
+        return replicated + split + small + weights
     split = tokens * (4 * h // tp + 2 * f // tp) * fmt.matmul_bytes
     small = 2 * 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
     weights = fmt.weight_cast_bytes * (4 * h * h + 2 * f * h) // tp

@@ -1,4 +1,4 @@
-"""Model presets for the planner: the paper's GPT-2 and BERT models and its weak-scaling configs.
+"""Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3.
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
@@ -16,12 +16,20 @@ from shardlm.models.config import ModelConfig
 
 GPT2_VOCAB = 50257
 BERT_VOCAB = 30522
+LLAMA3_VOCAB = 128256
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
 def _gpt(layers: int, hidden: int, heads: int, vocab: int = GPT2_VOCAB, seq: int = 1024) -> ModelConfig:
     return ModelConfig(arch="gpt", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=seq,
                        vocab_size=vocab)
+
+
+def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> ModelConfig:
+    """Llama 3's shape: 8 KV heads, 128,256-token vocabulary, sequence 8192, untied output layer, theta 500,000."""
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=8,
+                       seq_length=8192, vocab_size=LLAMA3_VOCAB, ffn_hidden_size=ffn, rope_theta=500000.0,
+                       layernorm_epsilon=1e-5, dropout=0.0)
 
 
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
@@ -41,6 +49,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "scaling-2.5b": _gpt(54, 1920, 20, SCALING_VOCAB),
     "scaling-4.2b": _gpt(64, 2304, 24, SCALING_VOCAB),
     "scaling-8.3b": _gpt(72, 3072, 32, SCALING_VOCAB),
+    "llama3-8b": _llama3(32, 4096, 32, 14336),
+    "llama3-70b": _llama3(80, 8192, 64, 28672),
 }
 
 TOKENIZER_VOCAB = {"gpt2": GPT2_VOCAB, "bert": BERT_VOCAB}
