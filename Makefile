@@ -13,7 +13,7 @@ $(VENV)/bin/python:
 # The stamp depends on pyproject.toml, so dependencies are installed again only when they change.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,eval]"
 	touch $(STAMP)
 
 install: $(STAMP)

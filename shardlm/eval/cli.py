@@ -50,6 +50,10 @@ def add_parser(subparsers) -> None:
     lambada.add_argument("--no-progress", action="store_true", help="no progress bar")
     lambada.set_defaults(func=run_lambada)
 
+    from shardlm.eval.harness_cli import add_harness_parser
+
+    add_harness_parser(tasks, _add_common)
+
     generate = subparsers.add_parser("generate", help="sample text from a checkpoint",
                                      description="Continue prompts with greedy or top-k / top-p sampling.")
     _add_common(generate)

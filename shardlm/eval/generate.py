@@ -15,6 +15,7 @@ distribution, so TP=1 and TP=2 pick the same tokens unless two choices differ by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -55,7 +56,7 @@ class SamplingConfig:
 
 @dataclass
 class Generation:
-    """One prompt's result: its ids, the new ids, why it stopped ("eod", "length" or "context"),
+    """One prompt's result: its ids, the new ids, why it stopped ("eod", "length", "stop" or "context"),
     and the new text when a tokenizer was given."""
 
     prompt_tokens: list[int]
@@ -99,12 +100,15 @@ def choose_next(logits: torch.Tensor, uniform: torch.Tensor, config: SamplingCon
 
 @torch.no_grad()
 def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
-                    eod: int | None = None) -> list[Generation]:
+                    eod: int | None = None, stop: Callable[[list[int]], bool] | None = None) -> list[Generation]:
     """Continue each prompt (a list of ids) with `model` (a `GPT` on its `ctx`); see the module docstring.
 
     Every TP rank must call this with the same prompts and config; all return the same tokens.
-    An empty prompt starts from `eod`. Talks to the TP group (the model's collectives, one all-gather
-    of the last position's logits and one broadcast of B ids per step).
+    An empty prompt starts from `eod`. `stop(new_ids)`, when given, is asked after each new token
+    of a row; True ends that row (finish reason "stop"; the ids that completed the stop are kept).
+    It sees the same ids on every rank, so every rank stops the same rows. Talks to the TP group
+    (the model's collectives, one all-gather of the last position's logits and one broadcast of
+    B ids per step).
     """
     config.validate()
     if not prompts:
@@ -144,7 +148,9 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
                 reason[row] = "eod"
                 continue
             new[row].append(token)
-            if len(new[row]) == config.max_new_tokens:
+            if stop is not None and stop(new[row]):
+                reason[row] = "stop"
+            elif len(new[row]) == config.max_new_tokens:
                 reason[row] = "length"
         position += 1
         if all(r is not None for r in reason) or position == total:
