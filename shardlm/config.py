@@ -24,10 +24,20 @@ except ModuleNotFoundError:  # Python 3.10
 
 @dataclass
 class ParallelConfig:
-    """The `[parallel]` section. Data-parallel size = world size / tensor."""
+    """The `[parallel]` section. Data-parallel size = world size / (tensor x pipeline)."""
 
     tensor: int = 1
     """Tensor-parallel size: ranks that split every layer (consecutive ranks, inside one node)."""
+    pipeline: int = 1
+    """Pipeline stages: ranks that each hold a contiguous block of layers (the outermost rank dimension)."""
+    pipeline_schedule: str = "1f1b"
+    """"gpipe", "1f1b" or "interleaved-1f1b" (PyTorch's schedules); micro-batches per step = accumulation steps."""
+    virtual_stages: int = 1
+    """Layer blocks per pipeline rank; > 1 only with "interleaved-1f1b" (which needs at least 2)."""
+    first_stage_layers: int = 0
+    """Layers on the first pipeline stage (it also runs the embeddings); 0: balanced."""
+    last_stage_layers: int = 0
+    """Layers on the last pipeline stage (it also runs the output layer and loss); 0: balanced."""
 
 
 @dataclass
@@ -247,6 +257,7 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     m, p, t = config.model, config.parallel, config.train
     positive = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
                 "model.num_heads": m.num_heads, "model.seq_length": m.seq_length, "parallel.tensor": p.tensor,
+                "parallel.pipeline": p.pipeline, "parallel.virtual_stages": p.virtual_stages,
                 "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
                 "train.steps": t.steps}
     for key, value in positive.items():
@@ -267,15 +278,17 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     _validate_attention_heads(m)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
-    if world_size % p.tensor:
-        raise UserError(f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; "
-                        f"launch a multiple of {p.tensor} processes")
-    dp = world_size // p.tensor
+    model_parallel = p.tensor * p.pipeline
+    if world_size % model_parallel:
+        raise UserError(f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
+                        f"{p.tensor} x {p.pipeline}; launch a multiple of {model_parallel} processes")
+    dp = world_size // model_parallel
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                         f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}; "
                         f"use a multiple of {per_step}")
+    validate_pipeline(config, t.global_batch_size // per_step)
     checks = [
         (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
         (t.decay_style in ("cosine", "linear", "constant"),
@@ -295,6 +308,38 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if check_paths:
         check_files(config)
     return t.global_batch_size // per_step
+
+
+def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
+    """The pipeline keys: sizes, schedule, enough layers and micro-batches (UserError naming the key)."""
+    from shardlm.parallel.pipeline import SCHEDULES, stage_layers
+
+    m, p = config.model, config.parallel
+    if p.pipeline < 1 or p.virtual_stages < 1:
+        raise UserError(f"parallel.pipeline={p.pipeline} and parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    if p.pipeline_schedule not in SCHEDULES:
+        raise UserError(f'parallel.pipeline_schedule="{p.pipeline_schedule}" must be one of '
+                        + ", ".join(f'"{s}"' for s in SCHEDULES))
+    interleaved = p.pipeline_schedule == "interleaved-1f1b"
+    if p.pipeline > 1 and interleaved and p.virtual_stages < 2:
+        raise UserError('parallel.pipeline_schedule="interleaved-1f1b" needs parallel.virtual_stages >= 2; '
+                        'use "1f1b" for one block of layers per rank')
+    if p.virtual_stages > 1 and not interleaved:
+        raise UserError(f"parallel.virtual_stages={p.virtual_stages} needs "
+                        'parallel.pipeline_schedule="interleaved-1f1b"')
+    if p.pipeline == 1:
+        return
+    if m.arch != "gpt":
+        raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" only; use parallel.pipeline=1 '
+                        f'for "{m.arch}"')
+    stage_layers(m.num_layers, p.pipeline * p.virtual_stages, p.first_stage_layers, p.last_stage_layers)
+    if p.pipeline_schedule != "gpipe" and micro_batches < p.pipeline:
+        raise UserError(f"{micro_batches} micro-batches per step is fewer than parallel.pipeline={p.pipeline}, "
+                        f'which "{p.pipeline_schedule}" needs; raise train.global_batch_size to at least '
+                        f"{p.pipeline} x micro_batch_size x data-parallel size, or use \"gpipe\"")
+    if interleaved and micro_batches % max(1, micro_batches // p.pipeline):
+        raise UserError(f"{micro_batches} micro-batches per step must be a multiple of "
+                        f"{micro_batches // p.pipeline} for interleaved-1f1b at parallel.pipeline={p.pipeline}")
 
 
 def _validate_attention_heads(m: ModelConfig) -> None:

@@ -49,7 +49,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         files.verify(checkpoint, meta, list(meta["files"]))
         keys = ("step", "consumed_samples", "skipped_steps", "tensor_parallel", "data_parallel", "world_size",
                 "padded_vocab_size", "scaler")
-        info = {"kind": "sharded", "path": str(checkpoint), **{k: meta[k] for k in keys},
+        parallel = meta["config"]["parallel"]
+        pipeline = {"pipeline_parallel": meta.get("pipeline_parallel", 1),
+                    "pipeline_schedule": parallel.get("pipeline_schedule", "1f1b"),
+                    "virtual_stages": parallel.get("virtual_stages", 1)}
+        info = {"kind": "sharded", "path": str(checkpoint), **{k: meta[k] for k in keys}, **pipeline,
                 "model": meta["config"]["model"], "files_verified": len(meta["files"]),
                 "bytes": sum(f["bytes"] for f in meta["files"].values()),
                 "tensors": {n: t["shape"] for n, t in meta["tensors"].items()}}

@@ -1,7 +1,9 @@
 """Reading a tensor-parallel tensor back at any TP size (resharding).
 
 A checkpoint saved at TP=a holds, for each split tensor, a files `model_tpXX.safetensors` with
-consecutive slices of the full tensor along its split dimension. Loading at TP=c, a rank asks for
+consecutive slices of the full tensor along its split dimension; saved with pipeline stages, each
+stage writes its own parameters (under the unsplit model's names) to `model_ppYY_tpXX.safetensors`,
+and a tensor is read from whichever stage's file holds it. Loading at TP=c, a rank asks for
 its own range of the full tensor; the reader takes the overlapping parts of the saved slices
 (safetensors reads slices lazily, so no rank materializes the full tensor) and fills rows past the
 saved padded vocabulary with zeros (the padding of a larger TP size).
@@ -15,17 +17,48 @@ import torch
 from safetensors import safe_open
 
 
-def model_file(tp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}.safetensors"
+def model_file(tp_rank: int, pp_rank: int | None = None) -> str:
+    """The shard file of a TP rank (of pipeline stage `pp_rank` when the checkpoint has stages)."""
+    stage = "" if pp_rank is None else f"pp{pp_rank:02d}_"
+    return f"model_{stage}tp{tp_rank:02d}.safetensors"
+
+
+def model_files(meta: dict) -> list[list[str]]:
+    """File names of a checkpoint's model shards from its metadata: for each TP rank, one per stage."""
+    stages = meta.get("pipeline_parallel", 1)
+    return [[model_file(tp) if stages == 1 else model_file(tp, pp) for pp in range(stages)]
+            for tp in range(meta["tensor_parallel"])]
+
+
+class _StageFiles:
+    """The files of one TP rank's shards over all pipeline stages, read as one: a key's tensor comes from
+    the first file that has it (the tied embedding is in two)."""
+
+    def __init__(self, paths: list[Path]):
+        self.handles = [safe_open(str(p), framework="pt") for p in paths]
+        self.where = {}
+        for handle in self.handles:
+            for key in handle.keys():
+                self.where.setdefault(key, handle)
+
+    def keys(self):
+        return self.where.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.where[key].get_tensor(key)
+
+    def get_slice(self, key: str):
+        return self.where[key].get_slice(key)
 
 
 class ShardedReader:
     """Open shard files of one checkpoint and read global slices of its tensors."""
 
-    def __init__(self, paths: list[Path]):
-        """`paths`: the shard files in TP rank order (one file for a consolidated checkpoint)."""
+    def __init__(self, paths: list):
+        """`paths`: the shard files in TP rank order (one file for a consolidated checkpoint); each entry
+        may be a list of files, the stages of a pipeline-parallel checkpoint."""
         self.tensor_parallel = len(paths)
-        self.files = [safe_open(str(p), framework="pt") for p in paths]
+        self.files = [_StageFiles(p if isinstance(p, list | tuple) else [p]) for p in paths]
 
     def keys(self) -> set[str]:
         return set(self.files[0].keys())

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardlm.checkpoint import files
-from shardlm.checkpoint.sharded import ShardedReader, model_file
+from shardlm.checkpoint.sharded import ShardedReader, model_file, model_files
 from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
@@ -82,20 +82,23 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     ctx.world.barrier()
     records = {}
     if ctx.dp_rank == 0:
-        name = model_file(ctx.tp_rank)
+        name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None)
         save_file(_model_tensors(trainer), str(tmp / name))
         records[name] = files.file_record(tmp / name)
     tensors, metadata = _rng_tensors(ctx)
     save_file(tensors, str(tmp / rng_file(ctx.rank)), metadata=metadata)
     records[rng_file(ctx.rank)] = files.file_record(tmp / rng_file(ctx.rank))
-    manifest = {k: v for part in ctx.world.all_gather_object(records) for k, v in part.items()}
+    tensors_table = {name: {"shape": list(p.shape), "split_dim": split_dim(p)}
+                     for name, p in trainer.model.named_parameters()}  # this stage's; all stages' on rank 0
+    gathered = ctx.world.all_gather_object((records, tensors_table if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {}))
+    manifest = {k: v for part, _ in gathered for k, v in part.items()}
+    tensors_table = {k: v for _, table in gathered for k, v in table.items()}
     if ctx.is_main:
-        tensors_table = {name: {"shape": list(p.shape), "split_dim": split_dim(p)}
-                         for name, p in trainer.model.named_parameters()}
         meta = {
             "format": "shardlm-checkpoint-v1", "step": trainer.step, "consumed_samples": trainer.consumed_samples,
             "skipped_steps": trainer.skipped_steps, "optimizer_step": _optimizer_step(trainer),
-            "tensor_parallel": ctx.tp_size, "data_parallel": ctx.dp_size, "world_size": ctx.world_size,
+            "tensor_parallel": ctx.tp_size, "pipeline_parallel": ctx.pp_size, "data_parallel": ctx.dp_size,
+            "world_size": ctx.world_size,
             "padded_vocab_size": trainer.model.padded_vocab_size,
             "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
             "config": dataclasses.asdict(trainer.config), "tensors": tensors_table, "files": manifest,
@@ -107,6 +110,11 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- load
+
+def reader_of(checkpoint: Path, meta: dict) -> ShardedReader:
+    """A reader of every model shard of a checkpoint directory (all TP ranks and pipeline stages)."""
+    return ShardedReader([[checkpoint / name for name in row] for row in model_files(meta)])
+
 
 def check_compatible(saved: dict, config: RunConfig) -> None:
     model = dataclasses.asdict(config.model)
@@ -163,13 +171,13 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     checkpoint = files.resolve(path)
     meta = files.read_meta(checkpoint)
     check_compatible(meta, trainer.config)
-    shard_names = [model_file(r) for r in range(meta["tensor_parallel"])]
-    same_layout = meta["world_size"] == ctx.world_size and meta["tensor_parallel"] == ctx.tp_size
+    shard_names = [name for row in model_files(meta) for name in row]
+    same_layout = (meta["world_size"], meta["tensor_parallel"], meta.get("pipeline_parallel", 1)) == (
+        ctx.world_size, ctx.tp_size, ctx.pp_size)
     files.verify(checkpoint, meta, shard_names, world=ctx.world, device=ctx.device)  # each shard hashed once
     if same_layout:
         files.verify(checkpoint, meta, [rng_file(ctx.rank)])
-    load_weights(trainer.model, ShardedReader([checkpoint / n for n in shard_names]), ctx, trainer.optimizer,
-                 meta["optimizer_step"])
+    load_weights(trainer.model, reader_of(checkpoint, meta), ctx, trainer.optimizer, meta["optimizer_step"])
     trainer.step, trainer.consumed_samples = meta["step"], meta["consumed_samples"]
     trainer.skipped_steps = meta["skipped_steps"]
     if trainer.scaler and meta["scaler"]:
@@ -213,12 +221,12 @@ def load_model(path: str | Path, ctx: ParallelContext):
     else:
         checkpoint = files.resolve(path)
         meta = files.read_meta(checkpoint)
-        paths = [checkpoint / model_file(r) for r in range(meta["tensor_parallel"])]
-        files.verify(checkpoint, meta, [p.name for p in paths], world=ctx.world, device=ctx.device)
+        files.verify(checkpoint, meta, [n for row in model_files(meta) for n in row], world=ctx.world,
+                     device=ctx.device)
         config = from_dict(meta["config"])
-    config.parallel.tensor = ctx.tp_size
+    config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
     model = build_model(config.model, ctx, seed=config.train.seed)
-    load_weights(model, ShardedReader(paths), ctx)
+    load_weights(model, ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta), ctx)
     return model.eval(), config
 
 
@@ -226,9 +234,8 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     """Write a checkpoint's model as one TP=1 safetensors file (vocabulary padding removed)."""
     checkpoint = files.resolve(path)
     meta = files.read_meta(checkpoint)
-    names = [model_file(r) for r in range(meta["tensor_parallel"])]
-    files.verify(checkpoint, meta, names)
-    reader = ShardedReader([checkpoint / n for n in names])
+    files.verify(checkpoint, meta, [n for row in model_files(meta) for n in row])
+    reader = reader_of(checkpoint, meta)
     vocab = meta["config"]["model"]["vocab_size"]
     tensors = {}
     for name, info in meta["tensors"].items():

@@ -166,6 +166,10 @@ class GPT(nn.Module):
     `cache=model.new_kv_cache()`, tokens continue the cached positions (incremental decoding).
     """
 
+    # What the first and the last pipeline stage keep besides their layers (`shardlm.parallel.pipeline`).
+    FIRST_STAGE = ("wte", "wpe")
+    LAST_STAGE = ("ln_f", "wte")
+
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False):
         super().__init__()

@@ -1,10 +1,12 @@
-"""The parallel layout: which ranks form tensor-parallel and data-parallel groups.
+"""The parallel layout: which ranks form tensor-, data- and pipeline-parallel groups.
 
 Ranks are arranged in a grid `arange(world).view(pipeline, data, tensor)` with the tensor dimension
 innermost, so a tensor-parallel group is a run of consecutive ranks (inside one server, where the
-fast links are) and a data-parallel group takes the ranks at the same position of every
-tensor-parallel group. The pipeline dimension is always 1 today; it is in the grid so that adding
-pipeline parallelism later changes no rank arithmetic.
+fast links are), a data-parallel group takes the ranks at the same position of every
+tensor-parallel group of one pipeline stage, and a pipeline group takes the ranks at the same
+(data, tensor) position of every stage (the outermost dimension, so stages span servers). The first
+and last rank of each pipeline group also form an "embedding" group, which sums the gradients of the
+word embedding that both stages hold (input embedding and tied output layer).
 
 Everything is held by an explicit `ParallelContext` that is passed to layers and the trainer; there
 are no module-level globals.
@@ -55,12 +57,24 @@ def data_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
     return grid.permute(0, 2, 1).reshape(-1, grid.shape[1]).tolist()
 
 
+def pipeline_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
+    """Ranks of every pipeline group, in stage order (strided by data x tensor)."""
+    return grid.permute(1, 2, 0).reshape(-1, grid.shape[0]).tolist()
+
+
+def embedding_groups(grid: torch.Tensor) -> list[list[int]]:
+    """First and last stage of every pipeline group (one rank when there is one stage)."""
+    return [sorted({ranks[0], ranks[-1]}) for ranks in pipeline_parallel_groups(grid)]
+
+
 @dataclass
 class ParallelContext:
     """Sizes, ranks, process groups and device of one rank, passed explicitly to every layer.
 
-    `tp` and `dp` are `Communicator`s over the tensor- and data-parallel groups, `world` over all
-    ranks (barriers, run-wide flags); all record into the shared `comm` statistics.
+    `tp`, `dp` and `pp` are `Communicator`s over the tensor-, data- and pipeline-parallel groups,
+    `embedding` over the first and last pipeline stage (see the module docstring), `world` over all
+    ranks (barriers, run-wide flags); all record into the shared `comm` statistics. `pp.group` is
+    also the group the pipeline's point-to-point transfers use (ranks of neighbouring stages).
     """
 
     rank: int
@@ -69,13 +83,22 @@ class ParallelContext:
     dp: Communicator
     device: torch.device
     world: Communicator | None = None
-    pp_size: int = 1
+    pp: Communicator | None = None
+    embedding: Communicator | None = None
     comm: CommStats = field(default_factory=CommStats)
     rng: RNGStatesTracker | None = None
 
+    def __post_init__(self):
+        if self.pp is None:
+            self.pp = Communicator("pp", None, 1, 0, self.comm)
+        if self.embedding is None:
+            self.embedding = Communicator("embedding", None, 1, 0, self.comm)
+
     def seed(self, seed: int) -> RNGStatesTracker:
-        """Seed this rank's generators (see `shardlm.parallel.random`) and keep the tracker."""
-        self.rng = seed_model_parallel(seed, self.tp_rank, self.device)
+        """Seed this rank's generators (see `shardlm.parallel.random`) and keep the tracker. Pipeline
+        stages seed their default generators differently (seed + 100 x stage), so their dropout masks are
+        independent; stage 0 uses `seed` itself, as a run without pipeline parallelism does."""
+        self.rng = seed_model_parallel(seed + 100 * self.pp_rank, self.tp_rank, self.device)
         return self.rng
 
     @property
@@ -93,6 +116,29 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.dp.rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (its first one, with virtual stages)."""
+        return self.pp.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` at this rank's (data, tensor) position; stages out of
+        range wrap around (the neighbours of interleaved virtual stages)."""
+        stage %= self.pp.size
+        return stage if self.pp.group is None else dist.get_global_rank(self.pp.group, stage)
 
     @property
     def is_main(self) -> bool:
@@ -113,27 +159,28 @@ class ParallelContext:
 
     @classmethod
     def from_process_group(cls, tensor_parallel: int, device: torch.device | None = None,
-                           timeout_s: float | None = None) -> ParallelContext:
-        """Build the TP and DP groups on an initialized default process group.
+                           timeout_s: float | None = None, pipeline_parallel: int = 1) -> ParallelContext:
+        """Build the TP, DP, PP and embedding groups on an initialized default process group.
 
-        Every rank must call this with the same `tensor_parallel`, since `new_group` is collective.
+        Every rank must call this with the same sizes, since `new_group` is collective.
         `timeout_s` bounds each collective on the new groups (default: torch's).
         """
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         world, rank = dist.get_world_size(), dist.get_rank()
-        grid = rank_grid(world, tensor_parallel)
+        grid = rank_grid(world, tensor_parallel, pipeline_parallel)
         stats = CommStats()
-        tp = dp = None
-        for ranks in tensor_parallel_groups(grid):
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                tp = Communicator("tp", group, len(ranks), ranks.index(rank), stats)
-        for ranks in data_parallel_groups(grid):
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                dp = Communicator("dp", group, len(ranks), ranks.index(rank), stats)
-        return cls(rank=rank, world_size=world, tp=tp, dp=dp, device=device or default_device(), comm=stats,
-                   world=Communicator("world", None, world, rank, stats))
+        mine = {}
+        kinds = (("tp", tensor_parallel_groups), ("dp", data_parallel_groups), ("pp", pipeline_parallel_groups),
+                 ("embedding", embedding_groups))
+        for name, groups in kinds:
+            if name in ("pp", "embedding") and pipeline_parallel == 1:
+                continue  # no pipeline: no groups to create (the defaults are size-1 communicators)
+            for ranks in groups(grid):
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[name] = Communicator(name, group, len(ranks), ranks.index(rank), stats)
+        return cls(rank=rank, world_size=world, device=device or default_device(), comm=stats,
+                   world=Communicator("world", None, world, rank, stats), **mine)
 
 
 def default_device() -> torch.device:
@@ -144,7 +191,7 @@ def default_device() -> torch.device:
 
 
 def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
-                     device: torch.device | None = None) -> ParallelContext:
+                     device: torch.device | None = None, pipeline_parallel: int = 1) -> ParallelContext:
     """Initialize torch.distributed from the torchrun environment and return this rank's context.
 
     The backend follows the device: NCCL for CUDA, gloo for CPU. Without torchrun variables (a
@@ -153,7 +200,7 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
     """
     device = device or default_device()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(world, tensor_parallel)
+    check_layout(world, tensor_parallel, pipeline_parallel)
     if world == 1 and not dist.is_initialized():
         return ParallelContext.single(device)
     if device.type == "cuda":
@@ -164,7 +211,7 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, store=_attempt_store(rank, world, timeout), rank=rank,
                                 world_size=world, timeout=timeout)
-    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s)
+    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s, pipeline_parallel)
 
 
 def _attempt_store(rank: int, world: int, timeout: timedelta):

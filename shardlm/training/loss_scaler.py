@@ -2,9 +2,9 @@
 
 The loss is multiplied by `scale` before backward so small gradients survive fp16. After backward
 the gradients are unscaled and checked for inf/NaN on every rank of the model (an all-reduce MAX
-over the TP group; DP ranks already share reduced gradients). An overflow skips the optimizer step;
-after `hysteresis` consecutive-ish overflows the scale halves (never below `min_scale`); after
-`window` clean steps it doubles.
+over the TP group, then over the pipeline stages; DP ranks already share reduced gradients). An
+overflow skips the optimizer step; after `hysteresis` consecutive-ish overflows the scale halves
+(never below `min_scale`); after `window` clean steps it doubles.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class DynamicLossScaler:
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         ctx.tp.all_reduce(found, op=dist.ReduceOp.MAX)
+        ctx.pp.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item())
 
     def update(self, overflow: bool) -> None:

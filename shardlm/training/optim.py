@@ -45,12 +45,15 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext) -> torch.
     """L2 norm of all gradients of the whole model, equal to the single-process norm.
 
     Squared norms of tensor-parallel shards are summed over the TP group (one all-reduce of one
-    scalar); replicated parameters are identical on every TP rank and are counted once. Gradients
-    are already averaged over DP, so DP needs no communication.
+    scalar); replicated parameters are identical on every TP rank and are counted once. Each pipeline
+    stage adds its parameters' share over the PP group (one more scalar all-reduce); the tied embedding's
+    copy on the last stage (`pipeline_tied_copy`) is left out, so it counts once. Gradients are already
+    averaged over DP, so DP needs no communication.
     """
     device = ctx.device
-    sharded = [p.grad for p in params if p.grad is not None and is_tensor_parallel(p)]
-    replicated = [p.grad for p in params if p.grad is not None and not is_tensor_parallel(p)]
+    params = [p for p in params if p.grad is not None and not getattr(p, "pipeline_tied_copy", False)]
+    sharded = [p.grad for p in params if is_tensor_parallel(p)]
+    replicated = [p.grad for p in params if not is_tensor_parallel(p)]
 
     def squared(grads):
         if not grads:
@@ -59,7 +62,7 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext) -> torch.
 
     sharded_sq = squared(sharded)
     ctx.tp.all_reduce(sharded_sq)
-    return (sharded_sq + squared(replicated)).sqrt()
+    return ctx.pp.all_reduce(sharded_sq + squared(replicated)).sqrt()
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ctx: ParallelContext) -> torch.Tensor:

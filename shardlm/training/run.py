@@ -90,7 +90,7 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
     if config.model.vocab_size == 0:
         config.model.vocab_size = tokenizer.vocab_size
     t = config.train
-    ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device))
+    ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline)
     run_dir = _agree_on_run_dir(run_dir, config_path)
     logger = RunLogger(run_dir, t.steps, ctx.is_main, config.log.interval, config.log.progress,
                        config.log.tensorboard)
@@ -106,8 +106,10 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
         meta = load_checkpoint(trainer, resume_from)
         logger.resumed_at(trainer.step)
         logger.print(f"resumed from {resume_from} at step {meta['step']} (saved at TP={meta['tensor_parallel']} x "
+                     f"PP={meta.get('pipeline_parallel', 1)} x "
                      f"DP={meta['data_parallel']})")
-    logger.print(f"shardlm: {trainer.model.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x "
+    pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
+    logger.print(f"shardlm: {trainer.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x {pipeline}"
                  f"DP={ctx.dp_size} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
                  f"run directory {run_dir}")

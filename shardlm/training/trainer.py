@@ -3,9 +3,11 @@
 Order of one step on every rank:
   1. for each micro-batch: forward under autocast (bf16/fp16) or fp32, loss / accumulation steps,
      backward; DDP all-reduces gradient buckets over the DP group during the last micro-batch's
-     backward (overlapped with it), `no_sync` before that;
-  2. fp16: unscale and check for inf/NaN (all-reduce MAX over TP); an overflow skips 3-4;
-  3. clip the global gradient norm (one all-reduce of a scalar over TP);
+     backward (overlapped with it), `no_sync` before that. With pipeline stages, the micro-batches go
+     through the pipeline schedule instead (`shardlm.training.pipeline`), which then sums the tied
+     embedding's gradients over the first and last stage and all-reduces gradients over DP;
+  2. fp16: unscale and check for inf/NaN (all-reduce MAX over TP and PP); an overflow skips 3-4;
+  3. clip the global gradient norm (one all-reduce of a scalar over TP, and one over PP);
   4. set the scheduled LR and step AdamW on this rank's parameter shards.
 Parameters are fp32 master weights in every precision; autocast runs the matmuls in half precision.
 """
@@ -62,9 +64,15 @@ class Trainer:
         ctx.seed(t.seed)
         self.model = build_model(config.model, ctx, seed=t.seed, activation_checkpointing=t.activation_checkpointing)
         self.loss = training_loss(config.model.arch)
+        self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
+        self.pipeline = None
+        if ctx.pp_size > 1:  # prunes the model to this rank's stages first, so the optimizer sees only those
+            from shardlm.training.pipeline import PipelineRunner
+
+            self.pipeline = PipelineRunner(self.model, config, ctx, self.accumulation)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ddp = None
-        if ctx.dp_size > 1:
+        if ctx.dp_size > 1 and self.pipeline is None:
             self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group, gradient_as_bucket_view=True)
             self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2),
@@ -73,12 +81,20 @@ class Trainer:
         if t.precision == "fp16":
             self.scaler = DynamicLossScaler(t.initial_loss_scale, t.loss_scale_window, t.hysteresis,
                                             t.min_loss_scale)
-        self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         self.decay_steps = t.decay_steps or max(1, t.steps - t.warmup_steps)
         self.step = 0
         self.skipped_steps = 0
         self.consumed_samples = 0
         self.flops_per_step = flops_per_step(config.model, t.global_batch_size)
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (all TP shards and pipeline stages; the tied embedding once)."""
+        count = torch.tensor(float(self.model.num_parameters()), dtype=torch.float64)
+        if self.pipeline is not None:
+            tied = sum(p.numel() for p in self.params if getattr(p, "pipeline_tied_copy", False))
+            count -= tied * self.ctx.tp_size
+            self.ctx.pp.all_reduce(count)
+        return int(count.item())
 
     def autocast(self):
         precision = self.config.train.precision
@@ -100,7 +116,10 @@ class Trainer:
                                 ctx.dp_rank, ctx.dp_size, ctx.device)
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = torch.zeros((), device=ctx.device)
-        for i, batch in enumerate(batches):
+        if self.pipeline is not None:
+            with self.autocast():
+                loss_sum = self.pipeline.forward_backward(batches, scale)
+        for i, batch in enumerate(batches if self.pipeline is None else ()):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
@@ -150,11 +169,14 @@ class Trainer:
             return None
         self.model.eval()
         total = torch.zeros((), device=ctx.device)
-        for it in range(iters):
-            batch = micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size, ctx.dp_rank,
-                                  ctx.dp_size, ctx.device)[0]
-            with self.autocast():
-                total += self.loss(self.model, batch).float()
+        batches = [micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size, ctx.dp_rank,
+                                 ctx.dp_size, ctx.device)[0] for it in range(iters)]
+        with self.autocast():
+            if self.pipeline is not None:
+                total += self.pipeline.evaluate(batches).float()
+            else:
+                for batch in batches:
+                    total += self.loss(self.model, batch).float()
         ctx.dp.all_reduce(total)
         self.model.train()
         return total.item() / (iters * ctx.dp_size)

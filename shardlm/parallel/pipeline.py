@@ -1,0 +1,168 @@
+"""Pipeline parallelism: split a built model into stages and run them with `torch.distributed.pipelining`.
+
+A model with `P x V` pipeline stages (P ranks in a pipeline group, V virtual stages each) is cut into
+contiguous blocks of layers: stage `s` holds block `s` and lives on pipeline rank `s % P`, so with
+V > 1 each rank holds V blocks spaced P apart (the interleaved schedule of Narayanan et al. 2021).
+Stage 0 also runs the embeddings, the last stage the final LayerNorm, the output layer and the loss.
+
+The model itself is unaware of stages (it only offers `embed`, `run_layers`, `head` and `loss`, and
+keeps its layers in a dict keyed by layer index): `keep_stages` builds the whole model's structure,
+then drops the layers and end pieces this rank does not own, so parameter names stay those of the
+unsplit model and checkpoints stay layout-free. A tied word embedding lives on the first and the last
+stage; `sum_tied_gradients` adds the two copies' gradients over the embedding group every step, so
+both copies see the single-process gradient and stay bitwise equal.
+
+Schedules (GPipe, 1F1B, interleaved 1F1B) are PyTorch's; `CountingStage` only records the
+point-to-point transfers they issue into the communication statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from shardlm.errors import UserError
+from shardlm.parallel.layout import ParallelContext
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def stage_layers(num_layers: int, num_stages: int, first: int = 0, last: int = 0) -> list[list[int]]:
+    """Layer indices of each of `num_stages` stages, contiguous and in order.
+
+    `first` / `last` > 0 fix the layer count of the first / last stage (to take load off the stages that
+    also run the embedding or the output layer and loss); the other stages share the remaining layers
+    evenly, the later ones taking one more when they do not divide. Raises UserError when a stage would
+    get no layer.
+    """
+    if num_stages == 1:
+        return [list(range(num_layers))]
+    fixed = {0: first, num_stages - 1: last}
+    free = [s for s in range(num_stages) if not fixed.get(s)]
+    remaining = num_layers - sum(fixed.values())
+    if remaining < len(free) or (not free and remaining != 0) or min(first, last) < 0:
+        raise UserError(f"model.num_layers={num_layers} cannot fill {num_stages} pipeline stages with "
+                        f"first_stage_layers={first} and last_stage_layers={last}; every stage needs at least "
+                        "one layer: use fewer stages or change those keys")
+    counts = {s: n for s, n in fixed.items() if n}
+    for i, s in enumerate(free):
+        counts[s] = remaining // len(free) + (1 if i >= len(free) - remaining % len(free) else 0)
+    out, start = [], 0
+    for s in range(num_stages):
+        out.append(list(range(start, start + counts[s])))
+        start += counts[s]
+    return out
+
+
+def local_stages(ctx: ParallelContext, virtual_stages: int) -> list[int]:
+    """Indices of the stages this rank runs: its pipeline rank, plus P, 2P, ... with virtual stages."""
+    return [ctx.pp_rank + v * ctx.pp_size for v in range(virtual_stages)]
+
+
+def keep_stages(model: nn.Module, layers: list[list[int]], stages: list[int]) -> nn.Module:
+    """Drop from `model` (in place) every layer and end piece that `stages` do not need; returns it.
+
+    `model.FIRST_STAGE` / `model.LAST_STAGE` name the attributes the first / last stage need (for GPT:
+    the embeddings; the final LayerNorm and the tied output layer's `wte`). A parameter kept by the last
+    stage that belongs to the first stage's pieces too is the tied copy: it is marked
+    `pipeline_tied_copy` (counted once in the gradient norm, on the first stage).
+    """
+    num_stages = len(layers)
+    owned = {str(i) for s in stages for i in layers[s]}
+    for key in list(model.layers.keys()):
+        if key not in owned:
+            del model.layers[key]
+    first, last = 0 in stages, num_stages - 1 in stages
+    needed = (set(model.FIRST_STAGE) if first else set()) | (set(model.LAST_STAGE) if last else set())
+    for name in set(model.FIRST_STAGE) | set(model.LAST_STAGE):
+        if name not in needed:
+            setattr(model, name, None)
+    if last and not first:
+        for name in set(model.FIRST_STAGE) & set(model.LAST_STAGE):
+            for param in getattr(model, name).parameters():
+                param.pipeline_tied_copy = True
+    return model
+
+
+def tied_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that both the first and the last stage hold (GPT's word embedding)."""
+    tied = []
+    for name in set(model.FIRST_STAGE) & set(model.LAST_STAGE):
+        module = getattr(model, name)
+        if module is not None:
+            tied.extend(module.parameters())
+    return tied
+
+
+def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
+    """Add the gradients of the tied embedding's two copies (first and last stage) over the embedding
+    group: one all-reduce per tied tensor, on those two stages only."""
+    if ctx.pp_size == 1 or not (ctx.is_first_stage or ctx.is_last_stage):
+        return
+    for param in tied_parameters(model):
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        ctx.embedding.all_reduce(param.grad)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of `model`: (B, T) ids on the first stage, (B, T, h) hidden states elsewhere
+    -> (B, T, h), or (B, T, V_padded / tp) this rank's logits on the last stage."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(model.layers[str(i)] for i in layer_ids)
+        self.is_first, self.is_last = is_first, is_last
+        object.__setattr__(self, "model", model)  # not a submodule: the stage owns only its layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.model.embed(x)
+        x = self.model.run_layers(x, self.layers)
+        return self.model.head(x) if self.is_last else x
+
+
+class CountingStage(PipelineStage):
+    """A `PipelineStage` that records each point-to-point send and receive the schedule posts
+    (kinds "send" / "recv" in the "pp" group of `ctx.comm`, with the tensor's bytes)."""
+
+    def __init__(self, *args, ctx: ParallelContext, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stats = ctx.comm
+
+    def _count(self, ops: list, kind: str) -> list:
+        for op in ops:
+            self.stats.record(kind, "pp", op.tensor)
+        return ops
+
+    def get_fwd_send_ops(self, *args, **kwargs):
+        return self._count(super().get_fwd_send_ops(*args, **kwargs), "send")
+
+    def get_bwd_send_ops(self, *args, **kwargs):
+        return self._count(super().get_bwd_send_ops(*args, **kwargs), "send")
+
+    def get_fwd_recv_ops(self, *args, **kwargs):
+        return self._count(super().get_fwd_recv_ops(*args, **kwargs), "recv")
+
+    def get_bwd_recv_ops(self, *args, **kwargs):
+        return self._count(super().get_bwd_recv_ops(*args, **kwargs), "recv")
+
+
+def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int]], schedule: str,
+                   num_micro_batches: int, loss_fn):
+    """The stages this rank runs, wrapped for PyTorch's pipelining, and the schedule that drives them.
+
+    `loss_fn(logits, targets) -> scalar` runs on the last stage once per micro-batch; its gradient is
+    what backward propagates (the schedule does not rescale gradients).
+    """
+    num_stages = len(layers)
+    virtual = num_stages // ctx.pp_size
+    stages = []
+    for s in local_stages(ctx, virtual):
+        module = StageModule(model, layers[s], s == 0, s == num_stages - 1)
+        stages.append(CountingStage(module, s, num_stages, ctx.device, group=ctx.pp.group, ctx=ctx))
+    if schedule == "interleaved-1f1b":
+        return stages, ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return stages, kind(stages[0], num_micro_batches, loss_fn=loss_fn, scale_grads=False)

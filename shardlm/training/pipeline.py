@@ -1,0 +1,95 @@
+"""The trainer's forward and backward under pipeline parallelism (`parallel.pipeline` > 1).
+
+`PipelineRunner` turns a built model into this rank's stages (`shardlm.parallel.pipeline`) and runs
+one optimizer step's micro-batches through PyTorch's schedule. Every rank of a pipeline group reads
+the same micro-batches of its data-parallel rank; the first stage feeds the tokens, the last stage
+the targets. After the schedule:
+  1. the tied word embedding's two copies add their gradients (embedding group, first + last stage);
+  2. gradients are averaged over the data-parallel group, one all-reduce of all of them at once;
+  3. the last stage's mean loss is broadcast over the pipeline group, so every rank reports it.
+The loss of each micro-batch is divided by the micro-batch count (and multiplied by the fp16 loss
+scale) before its backward, as the trainer does without pipelining, so gradients are the same sums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shardlm.config import RunConfig
+from shardlm.parallel import ParallelContext
+from shardlm.parallel.pipeline import build_schedule, keep_stages, local_stages, stage_layers, sum_tied_gradients
+
+
+def all_reduce_gradients(params: list[torch.Tensor], ctx: ParallelContext) -> None:
+    """Average gradients over the data-parallel group: flattened into one buffer, one all-reduce."""
+    if ctx.dp_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    buffer = _flatten_dense_tensors(grads)
+    ctx.dp.all_reduce(buffer)
+    buffer.div_(ctx.dp_size)
+    for grad, reduced in zip(grads, _unflatten_dense_tensors(buffer, grads)):
+        grad.copy_(reduced)
+
+
+class PipelineRunner:
+    """This rank's pipeline stages of `model` (pruned in place) and the schedule of one step."""
+
+    def __init__(self, model: torch.nn.Module, config: RunConfig, ctx: ParallelContext, num_micro_batches: int):
+        p = config.parallel
+        self.model, self.ctx = model, ctx
+        self.num_micro_batches = num_micro_batches
+        self.layers = stage_layers(config.model.num_layers, ctx.pp_size * p.virtual_stages, p.first_stage_layers,
+                                   p.last_stage_layers)
+        self.stage_ids = local_stages(ctx, p.virtual_stages)
+        keep_stages(model, self.layers, self.stage_ids)
+        self.schedule_name = p.pipeline_schedule
+        self.loss_factor = 1.0
+        self._losses: list[torch.Tensor] = []
+        self.stages, self.schedule = build_schedule(model, ctx, self.layers, self.schedule_name, num_micro_batches,
+                                                    self._loss)
+        self._eval = None
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.model.loss(logits, targets).mean()
+        self._losses.append(loss.detach())
+        return loss * self.loss_factor
+
+    def _run(self, schedule, batches: list[torch.Tensor], train: bool) -> torch.Tensor:
+        """Run `schedule` over `batches` (each (b, T + 1)); the sum of the micro-batch mean losses on
+        the last stage (zero elsewhere)."""
+        batch = torch.cat(batches)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        self._losses.clear()
+        args = (inputs,) if self.ctx.is_first_stage else ()
+        target = targets if self.ctx.is_last_stage else None
+        (schedule.step if train else schedule.eval)(*args, target=target, return_outputs=False)
+        if not self.ctx.is_last_stage:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack(self._losses[-len(batches):]).sum()  # the schedule may call the loss once more first
+
+    def forward_backward(self, batches: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches; gradients summed over stages' tied copies and
+        averaged over DP. Returns the sum of the micro-batch losses, the same on every rank of the step's
+        pipeline group (before the DP average)."""
+        if len(batches) != self.num_micro_batches:
+            raise ValueError(f"{len(batches)} micro-batches, but the schedule was built for {self.num_micro_batches}")
+        self.loss_factor = scale / len(batches)
+        loss_sum = self._run(self.schedule, batches, train=True)
+        sum_tied_gradients(self.model, self.ctx)
+        all_reduce_gradients([p for p in self.model.parameters()], self.ctx)
+        return self.broadcast_from_last_stage(loss_sum)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of the mean losses of `batches` (forward only, GPipe over all of them at once), on every rank."""
+        if self._eval is None or self._eval[0] != len(batches):
+            _, schedule = build_schedule(self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1
+                                         else "interleaved-1f1b", len(batches), self._loss)
+            self._eval = (len(batches), schedule)
+        self.loss_factor = 1.0
+        return self.broadcast_from_last_stage(self._run(self._eval[1], batches, train=False))
+
+    def broadcast_from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        return self.ctx.pp.broadcast(value.reshape(1).clone(), self.ctx.pp_size - 1)[0]

@@ -1,0 +1,325 @@
+"""Pipeline parallelism: every PP x TP x DP layout trains exactly as one process does.
+
+A tiny 8-layer GPT trains for 8 steps on the synthetic stream of `test_training` at the 1x1x1
+reference and at PP x TP x DP = 2x1x1 (world 2), 4x1x1, 2x2x1, 2x1x2 (world 4) and 2x2x2 (world 8),
+with GPipe, 1F1B and interleaved 1F1B, with several micro-batch counts and with activation
+checkpointing. Losses and gradient norms at every step and the final parameters must agree within
+1e-5 (fp32, dropout 0). The same worlds also check the tied embedding's copies (bitwise equal),
+the point-to-point traffic against the schedule's formula, an fp16 overflow on one stage, and
+checkpoints that move between pipeline layouts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_training import TOL, assert_same_run, synthetic_data
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.checkpoint.state import load_model
+from shardlm.config import RunConfig, from_dict, validate
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+from shardlm.parallel.pipeline import stage_layers
+from shardlm.training.trainer import Trainer
+
+from multiproc import run_workers
+
+VOCAB, STEPS, LAYERS, SEQ, HIDDEN, GLOBAL = 100, 8, 8, 16, 32, 8
+
+
+def pp_config(tp: int = 1, pp: int = 1, micro: int = 4, schedule: str = "1f1b", virtual: int = 1,
+              checkpointing: bool = False, precision: str = "fp32", **parallel) -> RunConfig:
+    """The tiny GPT's run at TP=tp x PP=pp (fp16 starts at a loss scale of 2^10, which does not overflow)."""
+    return from_dict({
+        "model": {"num_layers": LAYERS, "hidden_size": HIDDEN, "num_heads": 4, "seq_length": SEQ,
+                  "vocab_size": VOCAB, "dropout": 0.0},
+        "parallel": {"tensor": tp, "pipeline": pp, "pipeline_schedule": schedule, "virtual_stages": virtual,
+                     **parallel},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": micro, "global_batch_size": GLOBAL, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4, "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7,
+                  "precision": precision, "activation_checkpointing": checkpointing, "initial_loss_scale": 1024.0},
+    })
+
+
+def stage_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This stage's parameters in the TP=1 layout (shards gathered over TP, vocabulary padding removed)."""
+    out = {}
+    for name, param in trainer.model.named_parameters():
+        value = param.detach()
+        if hasattr(param, "tensor_parallel_dim"):
+            value = torch.cat(trainer.ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
+        out[name] = value[:VOCAB].clone() if name == "wte.weight" else value.clone()
+    return out
+
+
+def whole_model(ctx: ParallelContext, trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every stage's parameters, gathered on every rank (the tied embedding from the first stage)."""
+    merged = {}
+    for part in ctx.world.all_gather_object(stage_parameters(trainer)):
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
+
+
+def train(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
+    trainer = Trainer(config, ctx, synthetic_data())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
+    return curve, trainer
+
+
+def layout_runs(tp: int, pp: int, cases: list[tuple]) -> dict:
+    """Train each (micro, schedule, virtual, checkpointing) case at TP=tp x PP=pp on the whole world."""
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp)
+    out = {}
+    for micro, schedule, virtual, checkpointing in cases:
+        ctx.rng = None
+        curve, trainer = train(ctx, pp_config(tp, pp, micro, schedule, virtual, checkpointing))
+        out[(micro, schedule, virtual, checkpointing)] = (curve, whole_model(ctx, trainer))
+    return out
+
+
+# -------------------------------------------------------------------------------------- in workers
+
+def world2_checks(tmp: str) -> dict:
+    """PP=2: the layouts, tied copies, traffic, fp16 overflow and a checkpoint round trip."""
+    cases = [(4, "gpipe", 1, False), (1, "gpipe", 1, False), (2, "1f1b", 1, False), (1, "1f1b", 1, False),
+             (1, "interleaved-1f1b", 2, False), (2, "interleaved-1f1b", 2, False), (1, "1f1b", 1, True)]
+    out = {"layouts": layout_runs(1, 2, cases)}
+    ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
+
+    ctx.rng = None
+    _, trainer = train(ctx, pp_config(pp=2, micro=2), steps=3)
+    out["tied"] = trainer.model.wte.weight.detach().clone()
+    ctx.comm.reset()
+    trainer.train_step()
+    out["traffic"] = ctx.comm.snapshot()
+
+    # fp16: an inf gradient on the last stage only must skip the step on both stages
+    ctx.rng = None
+    trainer = Trainer(pp_config(pp=2, micro=2, precision="fp16"), ctx, synthetic_data())
+    trainer.train_step()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    hook = None
+    if ctx.is_last_stage:
+        hook = trainer.model.ln_f.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    metrics = trainer.train_step()
+    if hook:
+        hook.remove()
+    unchanged = all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    out["overflow"] = (metrics["skipped"], unchanged, trainer.train_step()["skipped"])
+
+    # exact resume: 4 steps, save, a new trainer loads and runs 4 more == 8 uninterrupted (layouts["1f1b"])
+    ctx.rng = None
+    _, trainer = train(ctx, pp_config(pp=2, micro=1), steps=4)
+    path = save_checkpoint(trainer, f"{tmp}/pp2")
+    ctx.rng = None
+    resumed = Trainer(pp_config(pp=2, micro=1), ctx, synthetic_data())
+    load_checkpoint(resumed, path)
+    out["resumed"] = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(4))]
+    out["resumed_params"] = whole_model(ctx, resumed)
+    out["checkpoint"] = str(path)
+    return out
+
+
+def world4_checks(tmp: str) -> dict:
+    """PP=4 x TP=1, PP=2 x TP=2 and PP=2 x DP=2, and checkpoints moved between pipeline layouts."""
+    out = {
+        (4, 1): layout_runs(1, 4, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (2, "interleaved-1f1b", 2, False)]),
+        (2, 2): layout_runs(2, 2, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, True)]),
+        (2, 1): layout_runs(1, 2, [(2, "gpipe", 1, False), (2, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)]),
+    }
+    # a PP=2 x TP=2 checkpoint, then it loaded at PP=4 x TP=1 and trained on: equals the uninterrupted run
+    ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
+    _, trainer = train(ctx, pp_config(2, 2, micro=1), steps=4)
+    saved = save_checkpoint(trainer, f"{tmp}/pp2tp2")
+    out["saved_pp2tp2"] = (str(saved), whole_model(ctx, trainer))
+    ctx = ParallelContext.from_process_group(1, pipeline_parallel=4)
+    resumed = Trainer(pp_config(1, 4, micro=1), ctx, synthetic_data())
+    load_checkpoint(resumed, saved)
+    out["pp2tp2_to_pp4"] = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(4))]
+    out["pp2tp2_to_pp4_params"] = whole_model(ctx, resumed)
+    # a checkpoint of one process (PP=1) loaded at PP=4
+    resumed = Trainer(pp_config(1, 4, micro=1), ctx, synthetic_data())
+    load_checkpoint(resumed, f"{tmp}/single")
+    out["single_to_pp4"] = whole_model(ctx, resumed)
+    return out if dist.get_rank() == 0 else None
+
+
+def world8_checks() -> dict:
+    return layout_runs(2, 2, [(1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)])
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+@pytest.fixture(scope="module")
+def reference():
+    """1x1x1 runs at every micro-batch size used below."""
+    ctx = ParallelContext.single()
+    out = {}
+    for micro in (4, 2, 1):
+        ctx.rng = None
+        curve, trainer = train(ctx, pp_config(micro=micro))
+        out[micro] = (curve, {n: p for n, p in whole_model(ctx, trainer).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def world2(workdir):
+    return run_workers(2, world2_checks, str(workdir), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def world4(workdir):
+    ctx = ParallelContext.single()
+    _, trainer = train(ctx, pp_config(micro=1), steps=4)
+    save_checkpoint(trainer, workdir / "single")
+    out = run_workers(4, world4_checks, str(workdir), timeout=500)[0]
+    out["single"] = whole_model(ctx, trainer)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [(4, "gpipe", 1, False), (1, "gpipe", 1, False), (2, "1f1b", 1, False),
+                                  (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False),
+                                  (2, "interleaved-1f1b", 2, False), (1, "1f1b", 1, True)],
+                         ids=["gpipe-m2", "gpipe-m8", "1f1b-m4", "1f1b-m8", "interleaved-m8", "interleaved-m4",
+                              "1f1b-checkpointing"])
+def test_pp2_matches_single_process(world2, reference, case):
+    for rank in world2:
+        assert_same_run(rank["layouts"][case], reference[case[0]], STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,case", [
+    ((4, 1), (2, "gpipe", 1, False)), ((4, 1), (1, "1f1b", 1, False)), ((4, 1), (2, "interleaved-1f1b", 2, False)),
+    ((2, 2), (2, "gpipe", 1, False)), ((2, 2), (1, "1f1b", 1, False)), ((2, 2), (1, "interleaved-1f1b", 2, True)),
+    ((2, 1), (2, "gpipe", 1, False)), ((2, 1), (2, "1f1b", 1, False)), ((2, 1), (1, "interleaved-1f1b", 2, False)),
+], ids=["pp4-gpipe", "pp4-1f1b", "pp4-interleaved", "pp2tp2-gpipe", "pp2tp2-1f1b", "pp2tp2-interleaved-ckpt",
+        "pp2dp2-gpipe", "pp2dp2-1f1b", "pp2dp2-interleaved"])
+def test_world4_layouts_match_single_process(world4, reference, layout, case):
+    """(pp, tp) in a world of 4: PP=4 x TP=1, PP=2 x TP=2, PP=2 x TP=1 x DP=2."""
+    assert_same_run(world4[layout][case], reference[case[0]], STEPS)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dp2_matches_single_process(reference):
+    runs = run_workers(8, world8_checks, timeout=500)[0]
+    for case, run in runs.items():
+        assert_same_run(run, reference[case[0]], STEPS)
+
+
+@pytest.mark.slow
+def test_tied_embedding_copies_stay_bitwise_equal(world2):
+    first, last = world2[0]["tied"], world2[1]["tied"]
+    assert torch.equal(first, last)
+
+
+@pytest.mark.slow
+def test_point_to_point_traffic_follows_the_schedule(world2):
+    """1F1B, 2 stages, m = 8 / 2 = 4 micro-batches of 2 x 16 x 32 fp32 activations: stage 0 sends m
+    activations forward and receives m gradients; stage 1 the reverse. The tied embedding adds one
+    all-reduce of the (padded) table over the embedding group on both stages; the gradient norm and
+    the loss one scalar each over PP."""
+    m, activation = 4, 2 * SEQ * HIDDEN * 4
+    for rank in world2:
+        traffic = rank["traffic"]
+        assert traffic["send/pp"] == {"calls": m, "bytes": m * activation, "elements": m * activation // 4}
+        assert traffic["recv/pp"] == traffic["send/pp"]
+        assert traffic["all_reduce/embedding"]["calls"] == 1
+        assert traffic["all_reduce/embedding"]["elements"] == 128 * HIDDEN
+        assert traffic["all_reduce/pp"]["calls"] == 1 and traffic["broadcast/pp"]["calls"] == 1
+
+
+@pytest.mark.slow
+def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(world2):
+    for rank in world2:
+        skipped, unchanged, next_skipped = rank["overflow"]
+        assert skipped and unchanged and not next_skipped
+
+
+@pytest.mark.slow
+def test_resume_on_the_same_pipeline_layout_is_bitwise(world2):
+    uninterrupted = world2[0]["layouts"][(1, "1f1b", 1, False)][0]
+    assert world2[0]["resumed"] == uninterrupted[4:]
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_pipeline_layouts(world4, reference):
+    """PP=2 x TP=2 -> PP=4 x TP=1 continues the single-process curve; PP=1 -> PP=4 loads every tensor."""
+    ref_curve = reference[1][0]
+    for (loss, norm), (ref_loss, ref_norm) in zip(world4["pp2tp2_to_pp4"], ref_curve[4:]):
+        assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
+    for name, value in world4["single"].items():
+        assert torch.equal(world4["single_to_pp4"][name], value), name
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_serves_one_process_tools(world4, world2, tmp_path):
+    """A PP=2 x TP=2 checkpoint loads as a plain model (eval, generation, export), consolidates, and
+    `shardlm checkpoint inspect` shows its layout."""
+    from shardlm.checkpoint import consolidate
+    from shardlm.cli import main
+
+    path, params = world4["saved_pp2tp2"]
+    model, _ = load_model(path, ParallelContext.single())
+    for name, value in model.named_parameters():
+        expected = params[name]
+        assert torch.equal(value.detach()[: expected.shape[0]], expected), name
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    assert model(tokens).shape == (2, SEQ, 128)
+    out = consolidate(path, tmp_path / "model.safetensors")
+    assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
+    assert out.is_file()
+
+
+@pytest.mark.slow
+def test_inspect_reports_the_pipeline_layout(world4, capsys):
+    from shardlm.cli import main
+
+    main(["checkpoint", "inspect", world4["saved_pp2tp2"][0], "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert (info["pipeline_parallel"], info["tensor_parallel"], info["data_parallel"]) == (2, 2, 1)
+    assert any(name.startswith("layers.7.") for name in info["tensors"]) and "wpe" in info["tensors"]
+
+
+def test_stage_layers_are_balanced_contiguous_and_adjustable():
+    assert stage_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stage_layers(7, 3) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert stage_layers(8, 4, first=1) == [[0], [1, 2], [3, 4], [5, 6, 7]]
+    assert stage_layers(8, 3, first=2, last=2) == [[0, 1], [2, 3, 4, 5], [6, 7]]
+    with pytest.raises(UserError, match="every stage needs at least one layer"):
+        stage_layers(3, 4)
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (6, {"pipeline": 4}, "not divisible by parallel.tensor x parallel.pipeline"),
+    (8, {"pipeline": 4, "pipeline_schedule": "interleaved-1f1b", "virtual_stages": 4}, "cannot fill 16"),
+    (8, {"pipeline": 4}, "fewer than parallel.pipeline=4"),
+    (2, {"pipeline": 2, "pipeline_schedule": "interleaved-1f1b"}, "needs parallel.virtual_stages >= 2"),
+    (2, {"pipeline": 2, "virtual_stages": 2}, 'needs parallel.pipeline_schedule="interleaved-1f1b"'),
+    (2, {"pipeline": 2, "pipeline_schedule": "zero-bubble"}, "must be one of"),
+])
+def test_bad_pipeline_layouts_get_one_line_errors(world, overrides, message):
+    config = pp_config(micro=2)
+    for key, value in overrides.items():
+        setattr(config.parallel, key, value)
+    with pytest.raises(UserError, match=message) as error:
+        validate(config, world, check_paths=False)
+    assert "\n" not in str(error.value)
+
+
+def test_bert_under_pipeline_is_refused():
+    config = pp_config(micro=2)
+    config.model.arch, config.parallel.pipeline = "bert", 2
+    with pytest.raises(UserError, match='supports model.arch="gpt" only'):
+        validate(config, 2, check_paths=False)
