@@ -356,7 +356,7 @@ def squad_cli(checkpoint, squad_file, out, *extra) -> int:
     """`shardlm finetune squad` on the shared sample: the Normans article trains, Victoria evaluates."""
     return main(["finetune", "squad", "--checkpoint", str(checkpoint), "--data", str(squad_file), "--dev",
                  str(squad_file), "--dev-articles", DEV_ARTICLES, "--limit-eval", "40", "--seq-length", "64",
-                 "--max-qa-length", "16", "--doc-stride", "24", "--output-dir", str(out), *extra])
+                 "--output-dir", str(out), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -364,7 +364,8 @@ def squad_finetuned(checkpoint, squad_file, tmp_path_factory):
     """SQuAD 2.0 fine-tuned by the command (TP=1), saved and predicting: OUTPUT_DIR."""
     out = tmp_path_factory.mktemp("squad_finetuned")
     assert squad_cli(checkpoint, squad_file, out, "--version", "2.0", "--train-articles", "0:1", "--limit-train",
-                     "96", "--epochs", "2", "--batch-size", "16", "--lr", "1e-3", "--save", "--predict") == 0
+                     "96", "--max-qa-length", "16", "--doc-stride", "24", "--epochs", "2", "--batch-size", "16",
+                     "--lr", "1e-3", "--save", "--predict") == 0
     return out
 
 
@@ -387,11 +388,15 @@ def test_cli_writes_official_prediction_files_and_their_scores(squad_finetuned, 
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "model.safetensors", "predictions"]
 
 
-def test_saved_model_reloads_with_its_version_and_predicts_the_same(squad_finetuned, squad_file, tmp_path):
+def test_saved_model_reloads_with_its_input_settings_and_predicts_the_same(squad_finetuned, squad_file, tmp_path):
+    from shardlm.checkpoint.state import safetensors_metadata
     from shardlm.finetune.saved import finetuned_info
 
     info = finetuned_info(squad_finetuned / "model.safetensors")
     assert (info.task, info.num_classes, info.seq_length, info.max_qa_length) == ("squad", 2, 64, 16)
+    details = json.loads(safetensors_metadata(squad_finetuned / "model.safetensors")["finetune"])
+    assert (details["squad_version"], details["doc_stride"]) == ("2.0", 24)
+    # reloaded without --version, --max-qa-length, --doc-stride: the saved model's are the defaults
     assert squad_cli(squad_finetuned / "model.safetensors", squad_file, tmp_path, "--epochs", "0", "--predict") == 0
     reloaded = json.loads((tmp_path / "metrics.json").read_text())
     trained = json.loads((squad_finetuned / "metrics.json").read_text())

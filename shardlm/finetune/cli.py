@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "squad":
         from shardlm.finetune import squad
 
-        squad.check_arguments(args)
+        squad.prepare_arguments(args)
         args.examples = squad.load_examples(args, train=args.epochs > 0)
     else:
         args.examples = load_examples(args.task, args.data, args.limit_train, args.limit_eval, train=args.epochs > 0)
@@ -297,7 +297,7 @@ def _save(args, ctx, model, config, seq_length: int, max_qa_length: int, summary
     info = FinetunedInfo(args.task, num_classes(args.task), seq_length, max_qa_length)
     details = {"checkpoint": str(args.checkpoint), "settings": summary["settings"]}
     if args.task == "squad":
-        details["squad_version"] = args.version  # the default --version when the model is loaded again
+        details.update(squad_version=args.version, doc_stride=args.doc_stride)  # defaults when loaded again
     path = save_finetuned(model, ctx, Path(args.output_dir) / "model.safetensors", saved_config, info, details)
     if ctx.is_main:
         summary["model"] = str(path)

@@ -40,36 +40,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="SQuAD: train on articles START:END of the train file only (e.g. 0:4)")
     group.add_argument("--dev-articles", default=None,
                        help="SQuAD: evaluate on articles START:END of the dev file only (e.g. 4:)")
-    group.add_argument("--doc-stride", type=int, default=128,
-                       help="SQuAD: tokens between the starts of a long context's windows")
+    group.add_argument("--doc-stride", type=int, default=None,
+                       help="SQuAD: tokens between the starts of a long context's windows (default: a fine-tuned "
+                            "model's, else 128)")
     group.add_argument("--max-answer-length", type=int, default=30, help="SQuAD: longest answer in tokens")
     group.add_argument("--n-best", type=int, default=20, help="SQuAD: start and end positions tried per window")
     group.add_argument("--null-threshold", type=float, default=0.0,
                        help="SQuAD 2.0: answer nothing when null score - best span score exceeds this")
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """One-line errors for bad SQuAD numbers."""
+def prepare_arguments(args: argparse.Namespace) -> None:
+    """`--version` and `--doc-stride` default to a fine-tuned model's (so that reloading it gives the
+    same inputs), else 1.1 and 128; bad numbers are one-line errors."""
+    saved = saved_settings(args.checkpoint)
+    args.version = args.version or saved.get("squad_version") or "1.1"
+    args.doc_stride = args.doc_stride or saved.get("doc_stride") or 128
     for flag, value in (("--doc-stride", args.doc_stride), ("--max-answer-length", args.max_answer_length),
                         ("--n-best", args.n_best)):
         if value < 1:
             raise UserError(f"{flag}={value} must be at least 1")
 
 
-def saved_version(checkpoint: str) -> str | None:
-    """The SQuAD version a fine-tuned model file was trained for (None for another file)."""
+def saved_settings(checkpoint: str) -> dict:
+    """The SQuAD settings a fine-tuned model file keeps (`squad_version`, `doc_stride`; {} for another file)."""
     from shardlm.checkpoint.state import safetensors_metadata
 
     path = Path(checkpoint)
     if not path.is_file():
-        return None
+        return {}
     details = safetensors_metadata(path).get("finetune")
-    return json.loads(details).get("squad_version") if details else None
+    return json.loads(details) if details else {}
 
 
 def load_examples(args: argparse.Namespace, train: bool) -> tuple[list[SquadExample], dict[str, list[SquadExample]]]:
-    """(training questions, {"dev": dev questions}) from --data / --dev; sets `args.version`."""
-    args.version = args.version or saved_version(args.checkpoint) or "1.1"
+    """(training questions, {"dev": dev questions}) from --data / --dev (after `prepare_arguments`)."""
     train_file, dev_file = squad_files(args.data, args.dev, args.version)
     examples = read_squad(train_file, args.version, args.train_articles) if train else []
     dev = read_squad(dev_file, args.version, args.dev_articles, flags=("--dev", "--dev-articles"))
