@@ -6,8 +6,10 @@ split across them), and DP rank d takes the d-th contiguous slice of each global
 micro-batches; DDP averages gradients over the DP group during the last micro-batch's backward.
 The order of examples depends only on the seed and the epoch, so any layout trains on the same
 batches. Evaluation and prediction split each set over DP ranks (rank d takes examples d, d + DP,
-...) and put the predicted classes back in example order with one all-gather, so every rank holds
-all predictions; metrics are computed from them.
+...) and put the predicted classes (SQuAD: the start/end logits) back in example order with one
+all-gather, so every rank holds all predictions; metrics are computed from them. The head's loss and
+an evaluation set's metrics are arguments (`loss_fn`, `evaluate_fn`), so SQuAD's span head and its
+decoded answers use the same loop.
 """
 
 from __future__ import annotations
