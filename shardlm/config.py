@@ -280,8 +280,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
     model_parallel = p.tensor * p.pipeline
     if world_size % model_parallel:
-        raise UserError(f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
-                        f"{p.tensor} x {p.pipeline}; launch a multiple of {model_parallel} processes")
+        sizes = f"parallel.tensor={p.tensor}" if p.pipeline == 1 else \
+            f"parallel.tensor x parallel.pipeline = {p.tensor} x {p.pipeline}"
+        raise UserError(f"world size {world_size} is not divisible by {sizes}; "
+                        f"launch a multiple of {model_parallel} processes")
     dp = world_size // model_parallel
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:

@@ -123,6 +123,17 @@ def world2_checks(tmp: str) -> dict:
     out["resumed"] = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(4))]
     out["resumed_params"] = whole_model(ctx, resumed)
     out["checkpoint"] = str(path)
+
+    # dropout under the pipeline: each stage draws its own masks, reproducibly from the seed
+    runs = []
+    for _ in range(2):
+        ctx.rng = None
+        config = pp_config(pp=2, micro=2)
+        config.model.dropout = 0.1
+        curve, trainer = train(ctx, config, steps=3)
+        runs.append(curve)
+    out["dropout"] = runs
+    out["parameters"] = trainer.num_parameters()
     return out
 
 
@@ -225,6 +236,21 @@ def test_tied_embedding_copies_stay_bitwise_equal(world2):
 
 
 @pytest.mark.slow
+def test_dropout_under_the_pipeline_is_reproducible(world2, reference):
+    for rank in world2:
+        first, second = rank["dropout"]
+        assert first == second
+        no_dropout = reference[2][0][:3]
+        assert any(norm != pytest.approx(ref, rel=1e-3) for (_, norm), (_, ref) in zip(first, no_dropout))
+
+
+@pytest.mark.slow
+def test_parameter_count_sums_the_stages_and_counts_the_tied_embedding_once(world2):
+    single = Trainer(pp_config(micro=2), ParallelContext.single(), synthetic_data())
+    assert all(rank["parameters"] == single.num_parameters() == single.model.num_parameters() for rank in world2)
+
+
+@pytest.mark.slow
 def test_point_to_point_traffic_follows_the_schedule(world2):
     """1F1B, 2 stages, m = 8 / 2 = 4 micro-batches of 2 x 16 x 32 fp32 activations: stage 0 sends m
     activations forward and receives m gradients; stage 1 the reverse. The tied embedding adds one
@@ -302,7 +328,7 @@ def test_stage_layers_are_balanced_contiguous_and_adjustable():
 
 
 @pytest.mark.parametrize("world,overrides,message", [
-    (6, {"pipeline": 4}, "not divisible by parallel.tensor x parallel.pipeline"),
+    (6, {"pipeline": 4}, "world size 6 is not divisible by parallel.tensor x parallel.pipeline = 1 x 4"),
     (8, {"pipeline": 4, "pipeline_schedule": "interleaved-1f1b", "virtual_stages": 4}, "cannot fill 16"),
     (8, {"pipeline": 4}, "fewer than parallel.pipeline=4"),
     (2, {"pipeline": 2, "pipeline_schedule": "interleaved-1f1b"}, "needs parallel.virtual_stages >= 2"),

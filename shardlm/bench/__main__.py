@@ -1,8 +1,9 @@
 """`make bench` (`python -m shardlm.bench`): every benchmark, then BENCHMARKS.md and benchmarks.json.
 
 Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficiency vs PyTorch's TP,
-communication vs the formula, memory per rank, checkpoint I/O, preprocessing, evaluation and
-generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
+communication vs the formula, memory per rank, the pipeline's bubble and memory per stage,
+checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke test of
+the harness, not figures to quote).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_vs_hf": lambda: _train(shape, repeats, results),
         "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results),
         "memory": lambda: _memory(args.quick),
+        "pipeline": lambda: _pipeline(args.quick, repeats),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
         "eval": lambda: _eval(),
@@ -87,6 +89,12 @@ def _memory(quick):
     from shardlm.bench.memory import memory_per_rank
 
     return memory_per_rank(quick)
+
+
+def _pipeline(quick, repeats):
+    from shardlm.bench.pipeline import pipeline_bubble
+
+    return pipeline_bubble(quick, repeats)
 
 
 def _checkpoint(shape, repeats):

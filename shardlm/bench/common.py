@@ -39,8 +39,9 @@ class BenchShape:
     def flops_per_token(self) -> float:
         return flops_per_token(self.model_config())
 
-    def trainer(self, ctx, tp: int = 1, global_batch: int | None = None, **train):
-        """A real shardlm Trainer of this shape on random tokens, for `ctx` (TP=`tp`)."""
+    def trainer(self, ctx, tp: int = 1, global_batch: int | None = None, parallel: dict | None = None, **train):
+        """A real shardlm Trainer of this shape on random tokens, for `ctx` (TP=`tp`; other `[parallel]`
+        keys, such as the pipeline's, from `parallel`)."""
         import numpy as np
 
         from shardlm.config import from_dict
@@ -52,7 +53,7 @@ class BenchShape:
             "model": {"num_layers": self.num_layers, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
                       "seq_length": self.seq_length, "vocab_size": self.vocab_size, "dropout": 0.0,
                       "activation": self.activation},
-            "parallel": {"tensor": tp}, "data": {"text_file": "in-memory"},
+            "parallel": {"tensor": tp, **(parallel or {})}, "data": {"text_file": "in-memory"},
             "train": {"micro_batch_size": self.micro_batch, "global_batch_size": global_batch, "steps": 1000,
                       "lr": 1e-4, **train},
         })

@@ -25,6 +25,8 @@ KEYS = {
     "comm.dp2.rows": "per collective at DP=2: measured, expected, match",
     "memory.rows": "per TP size: state bytes, analytic ideal, activation bytes saved for backward and peak "
     "forward+backward bytes, each with and without checkpointing",
+    "pipeline.rows": "PP=2 per schedule and micro-batch count: measured step seconds, the ideal (one process / 2), "
+    "the predicted bubble (P-1)/(V m) and peak bytes per stage",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
     "checkpoint.load_s": "seconds to verify and load them",
     "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
@@ -148,6 +150,18 @@ def markdown(r: dict) -> str:
                          f"{row['state_bytes'] == row['ideal_state_bytes']} | {row['activation_bytes']:,} | "
                          f"{row['activation_bytes_checkpointed']:,} | {row['peak_step_bytes']:,} | "
                          f"{row['peak_step_bytes_checkpointed']:,} |")
+        lines.append("")
+    pp = r.get("pipeline")
+    if pp:
+        lines += ["## Pipeline parallelism (`pipeline`)", "", pp.get("config", ""), "",
+                  "| schedule | V | m | one process s | PP=2 measured s | ideal s | predicted bubble | predicted s | "
+                  "measured overhead | peak MB per stage |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in pp["rows"]:
+            peaks = " / ".join(f"{b / 1e6:.1f}" for b in row["peak_bytes_per_stage"])
+            lines.append(f"| {row['schedule']} | {row['virtual_stages']} | {row['micro_batches']} | "
+                         f"{row['one_process_s']:.3f} | {row['measured_s']:.3f} | {row['ideal_s']:.3f} | "
+                         f"{row['predicted_bubble']:.0%} | {row['predicted_s']:.3f} | {row['measured_overhead']:.0%} | "
+                         f"{peaks} |")
         lines.append("")
     ck = r.get("checkpoint")
     if ck:
