@@ -378,3 +378,15 @@ def test_llama3_presets_have_the_published_parameter_counts():
 
     assert parameter_count(MODEL_PRESETS["llama3-8b"], 1).total == 8_030_261_248
     assert parameter_count(MODEL_PRESETS["llama3-70b"], 1).total == 70_553_706_496
+
+
+@pytest.mark.parametrize("name,tp", [("llama-tiny", 1), ("llama-tiny", 2), ("llama-tiny", 4), ("llama3-8b", 8),
+                                     ("llama3-70b", 8)])
+def test_shipped_llama_configs_are_valid(name, tp):
+    from pathlib import Path
+
+    from shardlm.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml", [f"parallel.tensor={tp}"])
+    assert config.model.arch == "llama" and config.model.kv_heads < config.model.num_heads
+    validate(config, world_size=tp * 2, check_paths=False)
