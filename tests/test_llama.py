@@ -75,9 +75,10 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
     return logits, [g.tokens for g in generated]
 
 
-def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False) -> RunConfig:
+def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False,
+                kv_heads: int = 2) -> RunConfig:
     return from_dict({
-        "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+        "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": kv_heads,
                   "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
                   "tie_embeddings": tie},
         "parallel": {"tensor": tp},
@@ -163,6 +164,7 @@ def worker_world4(hf: dict, checkpoints: str):
     out = {}
     out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
     out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
+    out["2x2-one-kv-head"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4, kv_heads=1))[0]
     out["kv_replicated_tp4"] = not hasattr(trainer_4x1.model.layers["0"].attn.k.weight, "tensor_parallel_dim")
     out["all_reduces_tp4"] = tensor_parallel_all_reduces(trainer_4x1.ctx, tiny_config(4))
     out["logits_4x1"] = probe_logits(trainer_4x1.model)
@@ -181,7 +183,8 @@ def worker_world4(hf: dict, checkpoints: str):
 @pytest.fixture(scope="module")
 def reference():
     ctx = ParallelContext.single()
-    return {tie: train_run(ctx, tiny_config(tie=tie))[0] for tie in (False, True)}
+    runs = {tie: train_run(ctx, tiny_config(tie=tie))[0] for tie in (False, True)}
+    return {**runs, "one-kv-head": train_run(ctx, tiny_config(kv_heads=1))[0]}
 
 
 def shared(hf_model) -> dict:
@@ -281,6 +284,12 @@ def test_world4_layouts_train_like_one_process(world4, reference, layout):
 @pytest.mark.slow
 def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
     assert world4["kv_replicated_tp4"]
+
+
+@pytest.mark.slow
+def test_replicated_kv_heads_with_data_parallelism_train_like_one_process(world4, reference):
+    """One KV head at TP=2 x DP=2: the replicated k/v gradients are summed over TP, then averaged over DP."""
+    assert_same_run(world4["2x2-one-kv-head"], reference["one-kv-head"])
 
 
 @pytest.mark.slow
@@ -390,3 +399,16 @@ def test_shipped_llama_configs_are_valid(name, tp):
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml", [f"parallel.tensor={tp}"])
     assert config.model.arch == "llama" and config.model.kv_heads < config.model.num_heads
     validate(config, world_size=tp * 2, check_paths=False)
+
+
+def test_stage_pieces_compose_to_the_forward():
+    """embed, run_layers over consecutive blocks of layers, head: what a pipeline stage runs, with every layer
+    rotating its own positions; the composition is the model's forward."""
+    model = build_model(tiny_config().model, ParallelContext.single(), seed=0).eval()
+    tokens = PROBE
+    with torch.no_grad():
+        x = model.embed(tokens)
+        for name in model.layers:
+            x = model.run_layers(x, [model.layers[name]])
+        assert torch.equal(model.head(x), model(tokens))
+    assert model.FIRST_STAGE == ("wte",) and model.LAST_STAGE == ("ln_f", "lm_head")
