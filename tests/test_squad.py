@@ -176,6 +176,19 @@ def test_bad_files_are_one_line_errors_naming_the_question(tmp_path):
         read_squad(write_squad(tmp_path / "e.json", lambda qa: None), "2.0", "7:")
 
 
+def test_data_is_a_train_file_with_dev_or_a_folder_of_the_official_names(tmp_path):
+    from shardlm.finetune.squad_data import squad_files
+
+    (tmp_path / "train-v2.0.json").write_text("{}")
+    assert squad_files(tmp_path, None, "2.0") == (tmp_path / "train-v2.0.json", tmp_path / "dev-v2.0.json")
+    other = tmp_path / "other.json"
+    assert squad_files(tmp_path, str(other), "1.1") == (tmp_path / "train-v1.1.json", other)
+    train = tmp_path / "train-v2.0.json"
+    assert squad_files(train, str(tmp_path / "dev.json"), "2.0") == (train, tmp_path / "dev.json")
+    with pytest.raises(UserError, match="pass the dev file with --dev"):
+        squad_files(train, None, "2.0")
+
+
 def test_cli_refuses_a_bad_file_in_one_line(checkpoint, tmp_path, capsys):
     def shifted(qa):
         qa["answers"][0]["answer_start"] = 3

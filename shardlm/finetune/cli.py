@@ -174,7 +174,11 @@ def _rank(args: argparse.Namespace) -> int:
     ctx, model, config, tokenizer = _load(args)
     seq_length, max_qa_length = _input_lengths(args, config)
     train_examples, eval_examples = args.examples
-    squad_run = _squad_run(args, ctx, tokenizer, seq_length, max_qa_length) if args.task == "squad" else None
+    squad_run = None
+    if args.task == "squad":
+        from shardlm.finetune.squad import SquadRun
+
+        squad_run = SquadRun.from_args(args, ctx, tokenizer, seq_length, max_qa_length)
     if squad_run is not None:  # windows of the questions; dev sets keep their questions for decoding
         train = squad_run.features(train_examples, training=True).data if args.epochs else None
         evals = {name: squad_run.evaluation_set(examples) for name, examples in eval_examples.items()}
@@ -216,15 +220,6 @@ def _rank(args: argparse.Namespace) -> int:
     elif args.predict:
         _predict(args, ctx, model, eval_examples, evals, encode, summary)
     return 0
-
-
-def _squad_run(args: argparse.Namespace, ctx, tokenizer, seq_length: int, max_qa_length: int):
-    """SQuAD's inputs, decoding and evaluation on this rank (`squad.SquadRun`) from the flags."""
-    from shardlm.finetune.squad import SquadRun
-    from shardlm.finetune.squad_decode import DecodeSettings
-
-    decode = DecodeSettings(args.version, args.n_best, args.max_answer_length, args.null_threshold)
-    return SquadRun(tokenizer, ctx, seq_length, max_qa_length, args.doc_stride, decode, args.eval_batch_size)
 
 
 def _metric_columns(args: argparse.Namespace, f1: bool) -> list[tuple[str, str, float]]:

@@ -109,6 +109,12 @@ class SquadRun:
         self.seq_length, self.max_query_length, self.doc_stride = seq_length, max_query_length, doc_stride
         self.decode, self.batch_size = decode, batch_size
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, ctx, tokenizer, seq_length: int, max_query_length: int) -> SquadRun:
+        """The run of `shardlm finetune squad`'s flags (after `prepare_arguments`)."""
+        decode = DecodeSettings(args.version, args.n_best, args.max_answer_length, args.null_threshold)
+        return cls(tokenizer, ctx, seq_length, max_query_length, args.doc_stride, decode, args.eval_batch_size)
+
     def features(self, examples: list[SquadExample], training: bool) -> SquadFeatures:
         return encode_squad(examples, self.tokenizer, self.seq_length, self.doc_stride, self.max_query_length,
                             training)
