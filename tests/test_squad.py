@@ -200,6 +200,8 @@ def test_cli_refuses_a_bad_file_in_one_line(checkpoint, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "question q1: answer_start=3" in err
     assert main(["finetune", "squad", "--checkpoint", str(checkpoint), "--data", bad]) == 2
     assert "pass the dev file with --dev" in capsys.readouterr().err
+    assert main(["finetune", "squad", "--checkpoint", str(checkpoint), "--data", bad, "--doc-stride", "0"]) == 2
+    assert "--doc-stride=0 must be at least 1" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ alignment

@@ -54,7 +54,8 @@ def prepare_arguments(args: argparse.Namespace) -> None:
     same inputs), else 1.1 and 128; bad numbers are one-line errors."""
     saved = saved_settings(args.checkpoint)
     args.version = args.version or saved.get("squad_version") or "1.1"
-    args.doc_stride = args.doc_stride or saved.get("doc_stride") or 128
+    if args.doc_stride is None:
+        args.doc_stride = saved.get("doc_stride", 128)
     for flag, value in (("--doc-stride", args.doc_stride), ("--max-answer-length", args.max_answer_length),
                         ("--n-best", args.n_best)):
         if value < 1:
