@@ -27,6 +27,7 @@ from shardlm.finetune.squad_features import (
     char_span_to_tokens,
     context_windows,
     encode_squad,
+    max_context_windows,
     tokenize_with_offsets,
 )
 from shardlm.finetune.squad_metrics import (
@@ -233,6 +234,9 @@ def test_gold_spans_map_to_tokens_and_back_to_the_gold_text(squad_file, tokenize
 def test_windows_cover_every_context_token_with_the_stride(squad_file, tokenizer):
     assert context_windows(10, 4, 3) == [(0, 4), (3, 4), (6, 4)]
     assert context_windows(3, 4, 2) == [(0, 3)]
+    # most context: min(left, right) + 0.01 x length; token 2 of [(0, 4), (2, 4)]: 1.04 in window 0, 0.04 in 1
+    assert max_context_windows([(0, 4), (2, 4)], 6).tolist() == [0, 0, 0, 1, 1, 1]
+    assert max_context_windows([(0, 5), (2, 3)], 5).tolist() == [0, 0, 0, 0, 0]  # token 3: 1.05 beats 1.03
     examples = read_squad(squad_file, "2.0")
     seq, stride, max_query = 64, 16, 24
     features = encode_squad(examples, tokenizer, seq, stride, max_query, training=True)

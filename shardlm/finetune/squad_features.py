@@ -75,17 +75,14 @@ def context_windows(num_tokens: int, room: int, doc_stride: int) -> list[tuple[i
         start += min(length, doc_stride)
 
 
-def is_max_context(windows: list[tuple[int, int]], window: int, position: int) -> bool:
-    """Whether context token `position` has its most context (the smaller of the tokens left and right
-    of it, plus 0.01 x window length as a tie-break) in window number `window`."""
-    best, best_score = None, None
-    for index, (start, length) in enumerate(windows):
-        if not start <= position < start + length:
-            continue
-        score = min(position - start, start + length - 1 - position) + 0.01 * length
-        if best_score is None or score > best_score:
-            best, best_score = index, score
-    return best == window
+def max_context_windows(windows: list[tuple[int, int]], num_tokens: int) -> np.ndarray:
+    """(num_tokens,) the window in which each context token has its most context: the largest
+    min(tokens left of it, tokens right of it) + 0.01 x window length, the first such window on ties."""
+    starts, lengths = (np.asarray(v)[:, None] for v in zip(*windows))  # (W, 1) each
+    position = np.arange(num_tokens)[None, :]  # (1, n)
+    score = np.minimum(position - starts, starts + lengths - 1 - position) + 0.01 * lengths
+    inside = (position >= starts) & (position < starts + lengths)
+    return np.where(inside, score, -np.inf).argmax(0)
 
 
 def encode_squad(examples: list[SquadExample], tokenizer, seq_length: int, doc_stride: int = 128,
@@ -111,6 +108,7 @@ def encode_squad(examples: list[SquadExample], tokenizer, seq_length: int, doc_s
             answer = char_span_to_tokens(char_offsets, first.start, first.start + len(first.text))
         windows = context_windows(len(ids), seq_length - 3 - len(question), doc_stride)
         shift = len(question) + 2  # [CLS] question [SEP] come before the window
+        best_window = max_context_windows(windows, len(ids))
         for number, (start, length) in enumerate(windows):
             rows.append(pair_row(question, ids[start:start + length], seq_length, tokenizer.cls, tokenizer.sep,
                                  tokenizer.pad))
@@ -123,7 +121,7 @@ def encode_squad(examples: list[SquadExample], tokenizer, seq_length: int, doc_s
             window_offsets[shift:shift + length] = char_offsets[start:start + length] if length else NO_OFFSET
             offsets.append(window_offsets)
             scored = np.zeros(seq_length, dtype=bool)
-            scored[shift:shift + length] = [is_max_context(windows, number, start + i) for i in range(length)]
+            scored[shift:shift + length] = best_window[start:start + length] == number
             max_context.append(scored)
     data = _stack(rows, labels, seq_length)
     return SquadFeatures(data, np.asarray(owners, dtype=np.int64),
