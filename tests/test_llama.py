@@ -412,3 +412,28 @@ def test_stage_pieces_compose_to_the_forward():
             x = model.run_layers(x, [model.layers[name]])
         assert torch.equal(model.head(x), model(tokens))
     assert model.FIRST_STAGE == ("wte",) and model.LAST_STAGE == ("ln_f", "lm_head")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_trained_at_tp4_exports_to_transformers(world4, tmp_path):
+    """Sharded TP=4 checkpoint (KV heads replicated) -> `convert --to-hf` -> LlamaForCausalLM: same logits."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(to_hf(world4["checkpoints"] / "tp4", tmp_path / "hf")).eval()
+    with torch.no_grad():
+        assert (hf(PROBE).logits - world4["logits_4x1"]).abs().max() < LOGIT_TOL
+
+
+def test_evaluation_scores_selected_positions_of_a_llama(hf_model):
+    """`logits_at` / `last_logits` (what wikitext, lambada and generate call) run Llama's output layer on the
+    selected positions only, equal to the full forward there."""
+    from shardlm.eval.head import last_logits, logits_at
+
+    model, _ = load_model(hf_model["converted"], ParallelContext.single())
+    tokens = hf_model["tokens"]
+    keep = torch.zeros_like(tokens, dtype=torch.bool)
+    keep[:, 5::7] = True
+    with torch.no_grad():
+        full = model(tokens)
+        assert torch.allclose(logits_at(model, tokens, keep), full[keep], atol=1e-6)
+        assert torch.allclose(last_logits(model, tokens), full[:, -1], atol=1e-6)
