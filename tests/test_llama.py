@@ -437,3 +437,16 @@ def test_evaluation_scores_selected_positions_of_a_llama(hf_model):
         full = model(tokens)
         assert torch.allclose(logits_at(model, tokens, keep), full[keep], atol=1e-6)
         assert torch.allclose(last_logits(model, tokens), full[:, -1], atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_planner_activation_bytes_equal_what_autograd_saves(kv_heads):
+    from shardlm.plan.measure import saved_activation_bytes
+    from shardlm.plan.memory import layer_activation_bytes, numeric_format
+
+    cfg = tiny_config(kv_heads=kv_heads).model
+    model = build_model(cfg, ParallelContext.single(), seed=0)
+    tokens = torch.randint(0, VOCAB, (3, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    saved = saved_activation_bytes(model, lambda: model(tokens, tokens).mean(), list(model.layers.values()))
+    predicted = layer_activation_bytes(cfg, 1, 3, numeric_format("fp32"), backend="cpu")
+    assert set(saved.by_layer.values()) == {predicted}

@@ -228,11 +228,15 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     tokens = b * s
     replicated = tokens * h * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + 2 * _mask_bytes(cfg, fmt, backend))
     if cfg.arch == "llama":
-        # RoPE keeps q and k before rotation and rotate_half's output (4 (h/t + kv)), SDPA q, k, v and its
-        # output (2 h/t + 2 kv); SwiGLU gate, silu(gate), up and their product (4 f/t); one RMSNorm stat per token
+        # SDPA's rotated q and k, v and its output (2 h/t + 2 kv, kv = the rank's KV heads x head_dim); SwiGLU's
+        # gate, silu(gate), up and their product (4 f/t); RoPE's cos and sin (s x head_dim each; the rotation's
+        # inputs are not saved, the angles need no gradient); one fp32 RMSNorm stat per token and norm, and on
+        # the CPU, whose rms_norm is not fused, each norm's normalized input too.
         kv = _kv_rows(cfg, tp)[1]
-        split = tokens * (6 * h // tp + 6 * kv + 4 * f // tp) * fmt.matmul_bytes
-        small = 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
+        split = tokens * (2 * h // tp + 2 * kv + 4 * f // tp) * fmt.matmul_bytes
+        rope = 2 * s * (h // cfg.num_heads) * fmt.matmul_bytes
+        unfused_norms = 0 if backend == "cuda" else 2 * tokens * h * fmt.residual_bytes
+        small = 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4 + rope + unfused_norms
         weights = fmt.weight_cast_bytes * (2 * h * h // tp + 2 * kv * h + 3 * f * h // tp)
         return replicated + split + small + weights
     split = tokens * (4 * h // tp + 2 * f // tp) * fmt.matmul_bytes
