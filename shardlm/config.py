@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,8 @@ class ParallelConfig:
     """Layers on the first pipeline stage (it also runs the embeddings); 0: balanced."""
     last_stage_layers: int = 0
     """Layers on the last pipeline stage (it also runs the output layer and loss); 0: balanced."""
+    sequence_parallel: bool = False
+    """Split LayerNorm, dropout and residual activations along the sequence over the TP group (needs tensor > 1)."""
 
 
 @dataclass
@@ -98,8 +102,14 @@ class TrainConfig:
     """Global gradient-norm clipping threshold; 0 disables."""
     precision: str = "fp32"
     """"fp32", "bf16" or "fp16" (fp32 master weights; fp16 uses dynamic loss scaling)."""
+    recompute: str = "none"
+    """Activation recomputation: "none", "selective" (the attention core) or "full" (whole layers)."""
     activation_checkpointing: bool = False
-    """Recompute each transformer layer's activations in the backward pass."""
+    """Deprecated: true means recompute = "full"."""
+    param_dtype: str = "fp32"
+    """Parameter storage: "fp32", or "half" (train.precision's bf16/fp16, with fp32 gradients and master weights)."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and AdamW moments over the data-parallel group (ZeRO-1)."""
     initial_loss_scale: float = 4294967296.0
     """fp16: starting loss scale (2^32)."""
     loss_scale_window: int = 1000
@@ -198,6 +208,8 @@ def from_dict(raw: dict) -> RunConfig:
             if key not in types:
                 raise UserError(f"unknown config key {section}.{key}; known keys: {', '.join(types)}")
             setattr(target, key, _coerce(value, types[key], f"{section}.{key}"))
+    if config.train.activation_checkpointing and config.train.recompute == "none":
+        config.train.recompute = "full"  # the deprecated boolean's meaning
     return config
 
 
@@ -219,8 +231,6 @@ PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir
 
 def expand_path(value: str) -> str:
     """Expand `~`, environment variables, and `$SHARDLM_DATA` (defaulting to ../shared/data)."""
-    import os
-
     from shardlm.paths import DATA_ENV, shared_data_dir
 
     for token in ("${" + DATA_ENV + "}", "$" + DATA_ENV):
@@ -248,6 +258,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             if hasattr(section, key) and getattr(section, key):
                 setattr(section, key, expand_path(getattr(section, key)))
     config.data.prefixes = [expand_path(p) if isinstance(p, str) else p for p in config.data.prefixes]
+    if "activation_checkpointing" in raw.get("train", {}) and os.environ.get("RANK", "0") == "0":
+        print('shardlm: train.activation_checkpointing is deprecated; use train.recompute = "full" '
+              '(or "selective")', file=sys.stderr)
     return config
 
 
@@ -293,6 +306,19 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     validate_pipeline(config, t.global_batch_size // per_step)
     checks = [
         (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
+        (t.param_dtype == "fp32" and not t.distributed_optimizer,
+         "train.param_dtype and train.distributed_optimizer are not available yet; leave them at their defaults"),
+        (t.recompute in ("none", "selective", "full"),
+         f'train.recompute="{t.recompute}" must be "none", "selective" or "full"'),
+        (t.recompute != "selective" or m.arch == "gpt",
+         f'train.recompute="selective" supports model.arch="gpt"; use "full" for "{m.arch}"'),
+        (not p.sequence_parallel or p.tensor > 1,
+         "parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence over the TP group)"),
+        (not p.sequence_parallel or m.arch == "gpt",
+         f'parallel.sequence_parallel=true supports model.arch="gpt"; turn it off for "{m.arch}"'),
+        (not p.sequence_parallel or m.seq_length % p.tensor == 0,
+         f"model.seq_length={m.seq_length} is not divisible by parallel.tensor={p.tensor}, which sequence "
+         "parallelism needs; choose a sequence length that divides"),
         (t.decay_style in ("cosine", "linear", "constant"),
          f'train.decay_style="{t.decay_style}" must be "cosine", "linear" or "constant"'),
         (t.device in ("auto", "cpu", "cuda"), f'train.device="{t.device}" must be "auto", "cpu" or "cuda"'),

@@ -85,6 +85,17 @@ class Communicator:
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
 
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum `tensor` over the group and return this rank's chunk of the sum along `dim` (equal chunks,
+        in rank order). Recorded with the bytes of the whole input, as an all-reduce of it would be."""
+        if self.size == 1:
+            return tensor
+        self.stats.record("reduce_scatter", self.name, tensor)
+        chunks = [c.contiguous() for c in tensor.chunk(self.size, dim=dim)]
+        out = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(out, chunks, group=self.group)
+        return out
+
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0) -> torch.Tensor:
         if self.size == 1:
             return tensor

@@ -5,9 +5,18 @@
          scatter_to_tensor_parallel   forward: keep my slice  backward: all-gather
          gather_from_tensor_parallel  forward: all-gather     backward: keep my slice
 
+Sequence parallelism (Korthikanti et al. 2022) splits the regions that TP replicates (LayerNorms,
+dropouts, residual adds) along the sequence instead, and replaces `f` and `g` by their sequence
+twins, with the same communication volume (an all-reduce is a reduce-scatter plus an all-gather):
+
+    f_sp = gather_from_sequence_parallel        forward: all-gather seq  backward: reduce-scatter seq
+    g_sp = reduce_scatter_to_sequence_parallel  forward: reduce-scatter  backward: all-gather seq
+           scatter_to_sequence_parallel         forward: keep my chunk   backward: all-gather seq
+
 `f` enters a parallel region (its input is replicated, its users are split), `g` leaves one.
-Scatter and gather split or join the last dimension in tensor-parallel rank order. All four talk
-only to the tensor-parallel group of `ctx` and are identities at TP=1.
+Scatter and gather split or join the last dimension in tensor-parallel rank order (the sequence
+operators: dimension 1 of a (B, T, h) activation, in chunks of T / tp). All talk only to the
+tensor-parallel group they are given and are identities at TP=1.
 """
 
 from __future__ import annotations
@@ -90,3 +99,67 @@ def scatter_to_tensor_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tenso
 def gather_from_tensor_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
     """(..., n / tp) -> (..., n): all-gather along the last dimension; backward keeps the slice."""
     return x if tp.size == 1 else _GatherFromTensorParallel.apply(x, tp)
+
+
+SEQUENCE_DIM = 1  # activations are (B, T, h)
+
+
+def _split_sequence(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    size = x.shape[SEQUENCE_DIM]
+    if size % tp.size != 0:
+        raise ValueError(f"sequence length {size} is not divisible by tensor parallel size {tp.size}")
+    return x.chunk(tp.size, dim=SEQUENCE_DIM)[tp.rank].contiguous()
+
+
+def _gather_sequence(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    return torch.cat(tp.all_gather(x.contiguous()), dim=SEQUENCE_DIM)
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _split_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.tp), None
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.reduce_scatter(grad.contiguous(), dim=SEQUENCE_DIM), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.reduce_scatter(x.contiguous(), dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.tp), None
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """(B, T, h) -> (B, T / tp, h): this rank's chunk of the sequence; backward all-gathers."""
+    return x if tp.size == 1 else _ScatterToSequenceParallel.apply(x, tp)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """`f` of sequence parallelism: (B, T / tp, h) -> (B, T, h) all-gathered; backward reduce-scatters the
+    gradient (the sum of the column-parallel layer's partial input gradients) back to the chunks."""
+    return x if tp.size == 1 else _GatherFromSequenceParallel.apply(x, tp)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
+    """`g` of sequence parallelism: (B, T, h) partial sums -> (B, T / tp, h) this rank's chunk of their
+    sum over the TP group; backward all-gathers."""
+    return x if tp.size == 1 else _ReduceScatterToSequenceParallel.apply(x, tp)

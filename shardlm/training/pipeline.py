@@ -14,23 +14,11 @@ scale) before its backward, as the trainer does without pipelining, so gradients
 from __future__ import annotations
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardlm.config import RunConfig
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.pipeline import build_schedule, keep_stages, local_stages, stage_layers, sum_tied_gradients
-
-
-def all_reduce_gradients(params: list[torch.Tensor], ctx: ParallelContext) -> None:
-    """Average gradients over the data-parallel group: flattened into one buffer, one all-reduce."""
-    if ctx.dp_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    buffer = _flatten_dense_tensors(grads)
-    ctx.dp.all_reduce(buffer)
-    buffer.div_(ctx.dp_size)
-    for grad, reduced in zip(grads, _unflatten_dense_tensors(buffer, grads)):
-        grad.copy_(reduced)
+from shardlm.training.gradients import all_reduce_gradients
 
 
 class PipelineRunner:
@@ -78,7 +66,7 @@ class PipelineRunner:
         self.loss_factor = scale / len(batches)
         loss_sum = self._run(self.schedule, batches, train=True)
         sum_tied_gradients(self.model, self.ctx)
-        all_reduce_gradients([p for p in self.model.parameters()], self.ctx)
+        all_reduce_gradients([p.grad for p in self.model.parameters() if p.grad is not None], self.ctx)
         return self.broadcast_from_last_stage(loss_sum)
 
     @torch.no_grad()

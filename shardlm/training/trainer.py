@@ -27,6 +27,7 @@ from shardlm.models import build_model, training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
 from shardlm.training.data import micro_batches
+from shardlm.training.gradients import sum_sequence_parallel_gradients
 from shardlm.training.loss_scaler import DynamicLossScaler
 from shardlm.training.optim import build_optimizer, clip_grad_norm, learning_rate
 
@@ -62,7 +63,8 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
         t = config.train
         ctx.seed(t.seed)
-        self.model = build_model(config.model, ctx, seed=t.seed, activation_checkpointing=t.activation_checkpointing)
+        self.model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute,
+                                 sequence_parallel=config.parallel.sequence_parallel)
         self.loss = training_loss(config.model.arch)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         self.pipeline = None
@@ -127,6 +129,7 @@ class Trainer:
                     loss = self.loss(forward, batch)
                 loss_sum += loss.detach()
                 (loss * (scale / len(batches))).backward()
+        sum_sequence_parallel_gradients(self.params, ctx)
         ctx.dp.all_reduce(loss_sum)
         loss_value = loss_sum.item() / (len(batches) * ctx.dp_size)
 

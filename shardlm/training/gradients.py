@@ -1,0 +1,42 @@
+"""Gradient reductions the trainer makes by hand (outside DDP), each one coalesced collective.
+
+- `all_reduce_gradients`: average over the data-parallel group (used where DDP is not: pipeline
+  stages, half-precision parameters with fp32 gradient buffers).
+- `sum_sequence_parallel_gradients`: under sequence parallelism, parameters applied to sequence chunks
+  (LayerNorms, row-parallel biases, position embeddings; marked `sequence_parallel`) hold the
+  gradient of their chunk only; summing over the tensor-parallel group gives every rank the full one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shardlm.parallel import Communicator, ParallelContext
+
+
+def _reduce_in_place(grads: list[torch.Tensor], comm: Communicator, divide: int = 1) -> None:
+    """All-reduce `grads` over `comm` as one flat buffer (per dtype), then divide by `divide`."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        buffer = _flatten_dense_tensors(same)
+        comm.all_reduce(buffer)
+        if divide != 1:
+            buffer.div_(divide)
+        for grad, reduced in zip(same, _unflatten_dense_tensors(buffer, same)):
+            grad.copy_(reduced)
+
+
+def all_reduce_gradients(grads: list[torch.Tensor], ctx: ParallelContext) -> None:
+    """Average gradients over the data-parallel group (one all-reduce per dtype)."""
+    if ctx.dp_size > 1 and grads:
+        _reduce_in_place(grads, ctx.dp, divide=ctx.dp_size)
+
+
+def sum_sequence_parallel_gradients(params: list[torch.Tensor], ctx: ParallelContext) -> None:
+    """Sum the gradients of parameters marked `sequence_parallel` over the TP group (one all-reduce)."""
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if ctx.tp_size > 1 and grads:
+        _reduce_in_place(grads, ctx.tp)
