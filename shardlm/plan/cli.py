@@ -1,9 +1,11 @@
-"""`shardlm plan`: memory per GPU and predicted step time of every TP x DP layout, and a recommendation.
+"""`shardlm plan`: memory per GPU and predicted step time of every PP x TP x DP layout, and a recommendation.
 
     shardlm plan --model gpt2-8.3b --gpus 512 --gpu h100 --global-batch 512
+    shardlm plan --model sc21-145.6b --gpus 1536 --gpu a100 --global-batch 2304 --implementation megatron
     shardlm plan --model configs/tiny.toml --gpus 8 --gpu-memory 24 --flops 165 --gpus-per-node 8 \
         --intra-node-bw 64 --inter-node-bw 25 --global-batch 64 --json
-    shardlm plan --validate-paper
+    shardlm plan --validate-paper                  # Shoeybi et al. 2019, Table 1
+    shardlm plan --validate-paper narayanan2021    # Narayanan et al. 2021 (SC21), Table 1
 
 Imports stay light here: the model code loads only when the command runs.
 """
@@ -15,13 +17,16 @@ import argparse
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "plan", help="which TP x DP layout fits, and how fast it runs",
-        description="Per-GPU memory and predicted step time of every valid tensor x data parallel layout. "
+        "plan", help="which PP x TP x DP layout fits, and how fast it runs",
+        description="Per-GPU memory and predicted step time of every valid pipeline x tensor x data parallel "
+                    "layout, with micro-batch, interleaving, sequence parallelism, recomputation and the "
+                    "distributed optimizer chosen per layout. "
                     "Bandwidths: intra-node per GPU with both directions summed (as NVLink is quoted), "
                     "inter-node per node and direction.",
     )
     parser.add_argument("--model", help="model preset (gpt2-355m, gpt2-2.5b, gpt2-8.3b, bert-336m, bert-1.3b, "
-                                        "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b, llama3-8b, llama3-70b) or a "
+                                        "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b, llama3-8b, llama3-70b, "
+                                        "the SC21 models sc21-1.7b ... sc21-1008b) or a "
                                         "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")
     parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200")
@@ -37,13 +42,30 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--implementation", default="shardlm", choices=("shardlm", "megatron"),
                         help="shardlm: fp32 weights+grads+Adam (4+4+8 B/param), autocast activations; "
                              "megatron: half weights+grads, fp32 master+Adam (2+2+12), half activations")
-    parser.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"),
+                        help="older switch: on = --recompute full, off = --recompute none")
+    parser.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+                        help="activation recomputation (default: the fastest that fits)")
+    parser.add_argument("--sequence-parallel", default="auto", choices=("auto", "on", "off"),
+                        help="split LayerNorm/dropout activations along the sequence over TP")
+    parser.add_argument("--distributed-optimizer", default="auto", choices=("auto", "on", "off"),
+                        help="shard optimizer state over DP (ZeRO-1)")
+    parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "half"),
+                        help="shardlm: half parameters with fp32 gradients and master weights (2+4+12 B/param)")
+    parser.add_argument("--pipeline", type=int, default=None, help="fix the pipeline size (default: search)")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="fix the virtual stages per pipeline rank (default: search)")
+    parser.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved-1f1b"),
+                        help="fix the pipeline schedule (default: 1f1b, interleaved with virtual stages)")
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept for CUDA context and workspaces")
     parser.add_argument("--efficiency", type=float, default=None,
-                        help="fraction of peak FLOP/s reached (default: calibrated on the paper's V100, ~0.32)")
+                        help="fraction of peak FLOP/s reached (default: calibrated on Megatron's published runs: "
+                             "0.32 on the 2019 V100s, 0.71 on the SC21 A100s for any other GPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--validate-paper", action="store_true",
-                        help="print the paper's Table 1 weak-scaling efficiencies beside the predictions")
+    parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019", choices=("shoeybi2019", "narayanan2021"),
+                        help="print a paper's weak-scaling table beside the predictions: shoeybi2019 (the "
+                             "default: Megatron-LM's V100 efficiencies) or narayanan2021 (SC21: 1.7B to 1T on "
+                             "A100s, TFLOP/s and %% of peak)")
     parser.set_defaults(func=run)
 
 
@@ -66,6 +88,15 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.plan import report
 
     console = Console(width=None if Console().is_terminal else 140)
+    if args.validate_paper == "narayanan2021":
+        from shardlm.plan.sc21 import compare
+
+        rows = compare()
+        if args.json:
+            print(json.dumps(report.sc21_dict(rows), indent=2))
+        else:
+            report.render_sc21(rows, console)
+        return 0
     if args.validate_paper:
         from shardlm.plan.paper import compare_table1
 
@@ -82,15 +113,20 @@ def run(args: argparse.Namespace) -> int:
 
     from shardlm.plan.models import resolve_model
     from shardlm.plan.planner import PlanRequest, plan
+    from shardlm.plan.sc21 import SC21_CALIBRATION
     from shardlm.plan.timing import PAPER_CALIBRATION
 
-    calibration = PAPER_CALIBRATION
+    gpu = _gpu(args)
+    calibration = PAPER_CALIBRATION if gpu.name.startswith("v100") else SC21_CALIBRATION
     if args.efficiency is not None:
         calibration = dataclasses.replace(calibration, compute_efficiency=args.efficiency)
-    request = PlanRequest(model=resolve_model(args.model), gpu=_gpu(args), gpus=args.gpus,
+    request = PlanRequest(model=resolve_model(args.model), gpu=gpu, gpus=args.gpus,
                           global_batch=args.global_batch, precision=args.precision,
                           implementation=args.implementation, micro_batch=args.micro_batch,
-                          checkpointing=args.checkpointing, reserve_gb=args.reserve_gb, calibration=calibration)
+                          checkpointing=args.checkpointing, recompute=args.recompute,
+                          sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
+                          param_dtype=args.param_dtype, pipeline=args.pipeline, virtual_stages=args.virtual_stages,
+                          schedule=args.schedule, reserve_gb=args.reserve_gb, calibration=calibration)
     result = plan(request)
     if args.json:
         print(json.dumps(report.plan_dict(result), indent=2))

@@ -6,6 +6,8 @@
   pass, through `torch.autograd.graph.saved_tensors_hooks`. Each storage counts once (views such as
   q, k, v of the fused QKV output share one), parameters are excluded, and every saved tensor is
   attributed to the transformer layer that was running when it was saved. Exact and deterministic.
+- `SavedPeak`: the most bytes saved for backward alive at once (the in-flight micro-batches of a
+  pipeline schedule);
 - `PeakMemory`: live bytes of the tensors created while it is active, and their peak, tracked per
   storage through a dispatch mode (so it works on the CPU, where PyTorch keeps no allocator stats);
 - `measure_trainer_memory`: all of the above for a real `Trainer` after an optimizer step;
@@ -77,6 +79,39 @@ def saved_activation_bytes(model: nn.Module, forward, layers: list[nn.Module]) -
             handle.remove()
     del output
     return result
+
+
+class SavedPeak:
+    """`with SavedPeak(model) as m:` tracks the storages autograd saves for backward inside the block (each
+    storage once, parameters excluded) for as long as they stay alive: `m.live` bytes now, `m.peak` the
+    most at once. Under a pipeline schedule that is the activations of the micro-batches in flight."""
+
+    def __init__(self, model: nn.Module):
+        self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _free(self, pointer: int) -> None:
+        self.live -= self._sizes.pop(pointer)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self._parameters and pointer not in self._sizes and storage.nbytes() > 0:
+            self._sizes[pointer] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, pointer)
+        return tensor
+
+    def __enter__(self) -> SavedPeak:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
 
 class PeakMemory(TorchDispatchMode):

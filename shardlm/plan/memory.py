@@ -56,13 +56,26 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 IMPLEMENTATIONS = ("shardlm", "megatron")
 
 
-def numeric_format(precision: str, implementation: str = "shardlm") -> NumericFormat:
-    """The byte sizes of `implementation` ("shardlm" or "megatron") running in `precision`."""
+PARAM_DTYPES = ("fp32", "half")
+
+
+def numeric_format(precision: str, implementation: str = "shardlm", param_dtype: str = "fp32") -> NumericFormat:
+    """The byte sizes of `implementation` ("shardlm" or "megatron") running in `precision`.
+
+    `param_dtype="half"` (shardlm's `train.param_dtype`): bf16/fp16 parameters and activations, fp32
+    gradient buffers (`main_grad`), fp32 master weights and moments: 2 + 4 + 12 bytes per parameter.
+    """
+    if param_dtype not in PARAM_DTYPES:
+        raise UserError(f"--param-dtype {param_dtype!r} must be one of {', '.join(PARAM_DTYPES)}")
+    if param_dtype == "half" and (precision == "fp32" or implementation != "shardlm"):
+        raise UserError("--param-dtype half needs --precision bf16 or fp16 and --implementation shardlm")
     if precision not in PRECISIONS:
         raise UserError(f"--precision {precision!r} must be one of {', '.join(PRECISIONS)}")
     if implementation not in IMPLEMENTATIONS:
         raise UserError(f"--implementation {implementation!r} must be one of {', '.join(IMPLEMENTATIONS)}")
     name = f"{implementation}-{precision}"
+    if param_dtype == "half":
+        return NumericFormat(name + "-half", 2, 4, 12, 2, 2, 0, 2, 2, True)
     if precision == "fp32":
         return NumericFormat(name, 4, 4, 8, 4, 4, 0, 4, 4, implementation == "shardlm")
     if implementation == "shardlm":  # fp32 masters and grads, autocast GEMMs, fp32 residual stream
@@ -166,11 +179,16 @@ class StateMemory:
         return self.parameters + self.gradients + self.optimizer
 
 
-def state_memory(params: ParameterCount, fmt: NumericFormat) -> StateMemory:
-    """Per-rank bytes of weights, gradients and optimizer state (AdamW, no sharding of the state)."""
+def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1,
+                 distributed_optimizer: bool = False) -> StateMemory:
+    """Per-rank bytes of weights, gradients and optimizer state (AdamW). With the distributed optimizer
+    (ZeRO-1) a rank keeps the optimizer state (moments, and fp32 masters where the weights are half) of
+    only its 1/dp slice of the flattened parameters, padded to a multiple of dp: 18 -> 6 + 12/dp bytes
+    per parameter with half weights and fp32 gradients."""
     step_scalars = 4 * params.tensors if fmt.adam_step_scalar else 0
+    optimizer_elements = -(-params.total // dp) if distributed_optimizer else params.total
     return StateMemory(parameters=params.total * fmt.weight_bytes, gradients=params.total * fmt.grad_bytes,
-                       optimizer=params.total * fmt.optimizer_bytes + step_scalars)
+                       optimizer=optimizer_elements * fmt.optimizer_bytes + step_scalars)
 
 
 @dataclass(frozen=True)
@@ -186,6 +204,9 @@ class ActivationMemory:
     transient: int
     """Not saved but alive at the end of the forward pass: the logits and the loss's fp32 copy."""
     num_layers: int
+    embedding: int = 0
+    """The part of `outside_layers` the first pipeline stage saves (token ids, embedding dropout mask);
+    the rest (final LayerNorm, LM head, loss) is the last stage's."""
 
     def stored(self, checkpointing: bool) -> int:
         """Saved bytes held between the forward and the backward pass."""
@@ -275,4 +296,5 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
         outside_layers=embedding + final_norm + lm_head + cross_entropy,
         transient=tokens * vocab_local * (fmt.matmul_bytes + 4),
         num_layers=cfg.num_layers,
+        embedding=embedding,
     )

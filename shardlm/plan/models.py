@@ -52,6 +52,12 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": _llama3(32, 4096, 32, 14336),
     "llama3-70b": _llama3(80, 8192, 64, 28672),
 }
+# Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
+SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),
+               "39.1b": (48, 8192, 64), "76.1b": (60, 10240, 80), "145.6b": (80, 12288, 96),
+               "310.1b": (96, 16384, 128), "529.6b": (105, 20480, 128), "1008b": (128, 25600, 160)}
+MODEL_PRESETS.update({f"sc21-{name}": _gpt(*shape, vocab=SCALING_VOCAB, seq=2048)
+                      for name, shape in SC21_SHAPES.items()})
 
 TOKENIZER_VOCAB = {"gpt2": GPT2_VOCAB, "bert": BERT_VOCAB}
 

@@ -1,17 +1,23 @@
-"""Every valid TP x DP layout of a model on a cluster: memory per GPU, fit, step time, recommendation.
+"""Every valid PP x TP x DP layout of a model on a cluster: memory per GPU, fit, step time, recommendation.
 
-A layout is valid when TP divides the GPUs, stays inside a node (divides `gpus_per_node`), divides
-the attention heads and the MLP width, and the resulting DP size divides the global batch. For each
-valid layout the planner tries every micro-batch size that divides the per-replica batch (up to
-`max_micro_batch`), with and without activation checkpointing, and keeps the fastest choice that
-fits in GPU memory (or, when none fits, the smallest one, marked as not fitting).
+A layout is valid when TP stays inside a server (divides `gpus_per_node`) and divides the attention
+heads and the MLP width, PP (across servers) is at most the layer count, and DP = GPUs / (TP x PP)
+divides the global batch. For each valid layout the planner tries every micro-batch size that divides
+the per-replica batch (up to `max_micro_batch`; a pipeline needs at least P micro-batches), every
+virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches),
+sequence parallelism on and off (TP > 1), no / selective / full recomputation and the distributed
+optimizer on and off (DP > 1), and keeps the fastest choice whose busiest GPU (the first or the last
+pipeline stage) fits in memory, or, when none fits, the smallest one, marked as not fitting.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from shardlm.errors import UserError
+from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import (
     GB,
@@ -19,13 +25,15 @@ from shardlm.plan.memory import (
     NumericFormat,
     ParameterCount,
     StateMemory,
-    activation_memory,
     numeric_format,
-    parameter_count,
     state_memory,
 )
 from shardlm.plan.models import PlannedModel, check_model
+from shardlm.plan.stages import SCHEDULES, pipeline_layers, rank_parameter_count, rank_stages, schedule_name
 from shardlm.plan.timing import PAPER_CALIBRATION, Calibration, Layout, StepTime, step_time
+
+SWITCH = ("auto", "on", "off")
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -35,19 +43,34 @@ class PlanRequest:
     model: PlannedModel
     gpu: GPUSpec
     gpus: int
-    """Total GPUs (TP x DP)."""
+    """Total GPUs (PP x TP x DP)."""
     global_batch: int
     """Sequences per optimizer step."""
     precision: str = "bf16"
     """"fp32", "bf16" or "fp16"."""
     implementation: str = "shardlm"
-    """Whose memory layout and communication dtypes: "shardlm" (fp32 masters, autocast) or "megatron"."""
+    """Whose memory layout and kernels: "shardlm" (this repository) or "megatron" (Korthikanti et al.'s
+    activation formulas, unfused softmax, scatter/gather pipeline transfers)."""
     micro_batch: int | None = None
     """Fixed micro-batch size; None lets the planner choose (up to `max_micro_batch`)."""
     max_micro_batch: int = 8
     """Largest micro-batch the planner tries when choosing."""
     checkpointing: str = "auto"
-    """"auto" (fastest that fits), "on" or "off"."""
+    """Older switch for full recomputation: "on" = recompute "full", "off" = "none", "auto" defers to `recompute`."""
+    recompute: str = "auto"
+    """"auto" (fastest that fits), "none", "selective" or "full"."""
+    sequence_parallel: str = "auto"
+    """"auto", "on" (every TP > 1 layout) or "off"."""
+    distributed_optimizer: str = "auto"
+    """"auto", "on" (every DP > 1 layout) or "off"."""
+    param_dtype: str = "fp32"
+    """"fp32" or "half" (shardlm's half parameters with fp32 gradients and master weights)."""
+    pipeline: int | None = None
+    """Fixed pipeline size; None searches every size."""
+    virtual_stages: int | None = None
+    """Fixed virtual stages per pipeline rank; None searches."""
+    schedule: str | None = None
+    """Fixed pipeline schedule; None: 1F1B, interleaved 1F1B with virtual stages."""
     reserve_gb: float = 2.0
     """Memory not available to the model: CUDA context, library workspaces, fragmentation."""
     calibration: Calibration = PAPER_CALIBRATION
@@ -55,37 +78,54 @@ class PlanRequest:
 
     @property
     def format(self) -> NumericFormat:
-        return numeric_format(self.precision, self.implementation)
+        return numeric_format(self.precision, self.implementation, self.param_dtype)
+
+    def recompute_options(self) -> tuple[str, ...]:
+        if self.checkpointing != "auto":
+            return ("full",) if self.checkpointing == "on" else ("none",)
+        return ("none", "selective", "full") if self.recompute == "auto" else (self.recompute,)
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One (micro-batch, checkpointing) option of a layout, with its memory and time."""
+    """One option of a layout (micro-batch, virtual stages, SP, recomputation, ZeRO) with its memory and time."""
 
     layout: Layout
     accumulation: int
     """Micro-batches per DP rank per step."""
     activations: ActivationMemory
+    """Per micro-batch, as the first stage's TP rank saves them."""
     total_bytes: int
-    """State + peak activations + transient + reserve, per GPU."""
+    """State + peak activations (in-flight micro-batches) + reserve, on the busiest GPU."""
     fits: bool
     time: StepTime
+    state: StateMemory
+    """Parameters, gradients, optimizer state on the busiest GPU."""
+    activation_peak: int
+    """Peak activation bytes on the busiest GPU."""
+    busiest_stage: int = 0
+    """Pipeline rank whose GPU needs the most memory."""
 
 
 @dataclass(frozen=True)
 class PlanRow:
-    """The planner's verdict on one TP x DP layout."""
+    """The planner's verdict on one PP x TP x DP layout."""
 
     tp: int
     dp: int
     params: ParameterCount
-    state: StateMemory
+    """The first pipeline rank's (all of the model's without a pipeline)."""
     choice: Choice
-    """The chosen micro-batch and checkpointing."""
+    """The chosen option."""
+    pp: int = 1
 
     @property
     def fits(self) -> bool:
         return self.choice.fits
+
+    @property
+    def state(self) -> StateMemory:
+        return self.choice.state
 
 
 @dataclass
@@ -95,13 +135,13 @@ class Plan:
     request: PlanRequest
     rows: list[PlanRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-    """"TPxDP" -> why it is not a valid layout."""
+    """"PPxTPxDP" -> why it is not a valid layout."""
 
     @property
     def recommended(self) -> PlanRow | None:
-        """The fitting layout with the lowest predicted step time (ties: smaller TP)."""
+        """The fitting layout with the lowest predicted step time (ties: smaller PP, then smaller TP)."""
         fitting = [row for row in self.rows if row.fits]
-        return min(fitting, key=lambda row: (row.choice.time.total_s, row.tp)) if fitting else None
+        return min(fitting, key=lambda row: (row.choice.time.total_s, row.pp, row.tp)) if fitting else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -116,22 +156,36 @@ def _check_request(request: PlanRequest) -> None:
     if gpus > per_node and gpus % per_node:
         raise UserError(f"--gpus={gpus} is not a whole number of {per_node}-GPU nodes; "
                         f"use a multiple of --gpus-per-node={per_node}")
-    if request.checkpointing not in ("auto", "on", "off"):
-        raise UserError(f"--checkpointing {request.checkpointing!r} must be auto, on or off")
+    for name, value, allowed in (("--checkpointing", request.checkpointing, SWITCH),
+                                 ("--recompute", request.recompute, RECOMPUTE_CHOICES),
+                                 ("--sequence-parallel", request.sequence_parallel, SWITCH),
+                                 ("--distributed-optimizer", request.distributed_optimizer, SWITCH)):
+        if value not in allowed:
+            raise UserError(f"{name} {value!r} must be one of {', '.join(allowed)}")
     if request.micro_batch is not None and request.micro_batch < 1:
         raise UserError(f"--micro-batch={request.micro_batch} must be at least 1")
+    if request.schedule is not None and request.schedule not in SCHEDULES:
+        raise UserError(f"--schedule {request.schedule!r} must be one of {', '.join(SCHEDULES)}")
+    for name, value in (("--pipeline", request.pipeline), ("--virtual-stages", request.virtual_stages)):
+        if value is not None and value < 1:
+            raise UserError(f"{name}={value} must be at least 1")
+    numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
 
 
-def invalid_reason(request: PlanRequest, tp: int) -> str | None:
-    """Why TP size `tp` is not a valid layout for this request, or None."""
+def invalid_reason(request: PlanRequest, tp: int, pp: int = 1) -> str | None:
+    """Why TP size `tp` with PP size `pp` is not a valid layout for this request, or None."""
     cfg, gpu = request.model.config, request.gpu
-    dp = request.gpus // tp
+    dp = request.gpus // (tp * pp)
     if tp > gpu.gpus_per_node or gpu.gpus_per_node % tp:
         return f"TP={tp} does not divide a {gpu.gpus_per_node}-GPU node"
     if cfg.num_heads % tp:
         return f"{cfg.num_heads} heads are not divisible by TP={tp}"
     if cfg.ffn_size % tp:
         return f"MLP width {cfg.ffn_size} is not divisible by TP={tp}"
+    if pp > cfg.num_layers:
+        return f"PP={pp} exceeds the {cfg.num_layers} layers"
+    if pp > 1 and cfg.arch == "bert":
+        return "pipeline parallelism is planned for GPT and Llama only"
     if request.global_batch % dp:
         return f"global batch {request.global_batch} is not divisible by DP={dp}"
     if request.micro_batch is not None and (request.global_batch // dp) % request.micro_batch:
@@ -139,41 +193,109 @@ def invalid_reason(request: PlanRequest, tp: int) -> str | None:
     return None
 
 
-def _choices(request: PlanRequest, tp: int, params: ParameterCount, state: StateMemory) -> list[Choice]:
-    cfg, fmt = request.model.config, request.format
-    dp = request.gpus // tp
+def _switch(value: str, possible: bool) -> tuple[bool, ...]:
+    if not possible:
+        return (False,)
+    return {"auto": (False, True), "on": (True,), "off": (False,)}[value]
+
+
+def _virtual_options(request: PlanRequest, pp: int, micro_batches: int) -> list[int]:
+    """Virtual stages per rank to try: those splitting the layers evenly (interleaving needs P | m)."""
+    if pp == 1:
+        return [1]
+    if request.virtual_stages is not None:
+        return [request.virtual_stages]
+    layers = request.model.config.num_layers
+    interleave = [v for v in range(2, 9) if layers % (pp * v) == 0 and micro_batches % pp == 0]
+    return [1] + interleave if request.schedule in (None, "interleaved-1f1b") else [1]
+
+
+class _Evaluator:
+    """Memory and time of the options of one request, with the per-shape pieces cached."""
+
+    def __init__(self, request: PlanRequest):
+        self.request, self.cfg, self.fmt = request, request.model.config, request.format
+        self.megatron = request.implementation == "megatron"
+        self.activations = lru_cache(maxsize=None)(self._activations)
+        self.rank_params = lru_cache(maxsize=None)(self._rank_params)
+
+    def _activations(self, tp: int, micro: int, setting: LayerSetting) -> ActivationMemory:
+        if self.megatron:
+            return korthikanti_memory(self.cfg, tp, micro, setting)
+        return shardlm_memory(self.cfg, tp, micro, self.fmt, setting)
+
+    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int):
+        stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
+        return stages, rank_parameter_count(self.cfg, tp, stages)
+
+    def choice(self, layout: Layout) -> Choice:
+        request, tp, pp = self.request, layout.tp, layout.pp
+        accumulation = request.global_batch // (layout.dp * layout.micro_batch)
+        setting = LayerSetting(layout.sequence_parallel, layout.recompute)
+        acts = self.activations(tp, layout.micro_batch, setting)
+        reserve = int(request.reserve_gb * GB)
+        worst = None
+        for rank in sorted({0, pp - 1}):
+            stages, params = self.rank_params(pp, layout.virtual, tp, rank)
+            state = state_memory(params, self.fmt, layout.dp, layout.distributed_optimizer)
+            peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute)
+            if worst is None or state.total + peak > worst[0].total + worst[1]:
+                worst = (state, peak, rank)
+        state, peak, rank = worst
+        params = self.rank_params(pp, layout.virtual, tp, 0)[1]
+        time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
+                         attention_scores=self.megatron, scatter_gather=self.megatron)
+        total = state.total + peak + reserve
+        return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank)
+
+
+def _layouts(request: PlanRequest, tp: int, pp: int):
+    """Every option of the (PP, TP) layout the request allows."""
+    cfg = request.model.config
+    dp = request.gpus // (tp * pp)
     per_replica = request.global_batch // dp
     micro_batches = ([request.micro_batch] if request.micro_batch is not None else
                      [m for m in _divisors(per_replica) if m <= request.max_micro_batch])
-    checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[request.checkpointing]
-    capacity = request.gpu.memory_gb * GB
-    out = []
+    sp_options = _switch(request.sequence_parallel, tp > 1 and cfg.seq_length % tp == 0)
+    zero_options = _switch(request.distributed_optimizer, dp > 1)
     for micro in micro_batches:
-        activations = activation_memory(cfg, tp, micro, fmt)
-        for ckpt in checkpointing:
-            layout = Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=ckpt)
-            total = state.total + activations.peak(ckpt) + activations.transient + int(request.reserve_gb * GB)
-            time = step_time(cfg, layout, request.global_batch, request.gpu, fmt, params, request.calibration)
-            out.append(Choice(layout, per_replica // micro, activations, total, total <= capacity, time))
-    return out
+        m = per_replica // micro
+        if pp > 1 and m < pp and request.schedule != "gpipe":
+            continue  # 1F1B needs at least P micro-batches in flight
+        for virtual in _virtual_options(request, pp, m):
+            schedule = request.schedule or schedule_name(pp, virtual)
+            for sp, recompute, zero in itertools.product(sp_options, request.recompute_options(), zero_options):
+                yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
+                             virtual=virtual, schedule=schedule, sequence_parallel=sp,
+                             selective=recompute == "selective", distributed_optimizer=zero)
 
 
 def plan(request: PlanRequest) -> Plan:
-    """Evaluate every TP size that divides the GPUs."""
+    """Evaluate every PP x TP size whose product divides the GPUs."""
     _check_request(request)
     result = Plan(request)
-    for tp in _divisors(request.gpus):
-        reason = invalid_reason(request, tp)
-        if reason:
-            result.skipped[f"{tp}x{request.gpus // tp}"] = reason
-            continue
-        params = parameter_count(request.model.config, tp)
-        state = state_memory(params, request.format)
-        choices = _choices(request, tp, params, state)
-        fitting = [c for c in choices if c.fits]
-        best = (min(fitting, key=lambda c: c.time.total_s) if fitting
-                else min(choices, key=lambda c: c.total_bytes))
-        result.rows.append(PlanRow(tp, request.gpus // tp, params, state, best))
+    evaluator = _Evaluator(request)
+    pipelines = [request.pipeline] if request.pipeline is not None else _divisors(request.gpus)
+    for pp in pipelines:
+        if request.gpus % pp:
+            raise UserError(f"--pipeline={pp} does not divide --gpus={request.gpus}")
+        for tp in _divisors(request.gpus // pp):
+            key = f"{pp}x{tp}x{request.gpus // (pp * tp)}"
+            reason = invalid_reason(request, tp, pp)
+            if reason:
+                per_node = request.gpu.gpus_per_node
+                if pp == 1 or (pp <= request.model.config.num_layers and per_node % tp == 0):
+                    result.skipped[key] = reason  # beyond one pipeline size, list only the instructive ones
+                continue
+            choices = [evaluator.choice(layout) for layout in _layouts(request, tp, pp)]
+            if not choices:
+                result.skipped[key] = f"fewer micro-batches than PP={pp} stages at every micro-batch size"
+                continue
+            fitting = [c for c in choices if c.fits]
+            best = (min(fitting, key=lambda c: (c.time.total_s, c.total_bytes)) if fitting
+                    else min(choices, key=lambda c: c.total_bytes))
+            params = evaluator.rank_params(pp, best.layout.virtual, tp, 0)[1]
+            result.rows.append(PlanRow(tp, request.gpus // (tp * pp), params, best, pp))
     if not result.rows:
-        raise UserError("no valid TP x DP layout: " + "; ".join(result.skipped.values()))
+        raise UserError("no valid PP x TP x DP layout: " + "; ".join(sorted(set(result.skipped.values()))))
     return result

@@ -15,9 +15,13 @@ ASSUMPTIONS = [
     "compute = matmul FLOPs (72 B s l h^2 (1 + s/6h + V/12lh), + the layers' forward again when recomputing) "
     "/ (GPUs x peak x compute efficiency)",
     "TP all-reduces (4 per layer per micro-batch, +2 recomputed) are not overlapped with compute",
-    "DP gradient all-reduce overlaps the last micro-batch's backward; the dp_overlap fraction of it hides",
+    "DP gradient all-reduce overlaps the last micro-batch's backward; the dp_overlap fraction of it hides "
+    "(with a pipeline it runs after the flush: nothing hides)",
+    "pipeline: bubble (P-1)/(V m) of the rank's work; each micro-batch crosses the rank's V stage boundaries "
+    "forward and backward, not overlapped; the first stage keeps the schedule's in-flight micro-batches",
     "ring all-reduce: 2(p-1)/p x bytes / (achieved per-direction bandwidth) + 2(p-1) x latency",
-    "memory = parameters + gradients + optimizer + peak saved activations + logits + reserve",
+    "memory = parameters + gradients + optimizer (1/DP of it with the distributed optimizer) + peak saved "
+    "activations of the in-flight micro-batches + logits + reserve, on the busiest pipeline stage",
 ]
 
 
@@ -29,22 +33,26 @@ def row_dict(row: PlanRow) -> dict:
     """One layout as plain numbers (bytes and seconds)."""
     choice, time = row.choice, row.choice.time
     acts = choice.activations
+    layout = choice.layout
     return {
-        "tp": row.tp, "dp": row.dp, "micro_batch": choice.layout.micro_batch,
-        "accumulation": choice.accumulation, "checkpointing": choice.layout.checkpointing,
+        "pp": row.pp, "tp": row.tp, "dp": row.dp, "micro_batch": layout.micro_batch,
+        "accumulation": choice.accumulation, "checkpointing": layout.checkpointing,
+        "virtual_stages": layout.virtual, "schedule": layout.schedule if row.pp > 1 else None,
+        "sequence_parallel": layout.sequence_parallel, "recompute": layout.recompute,
+        "distributed_optimizer": layout.distributed_optimizer, "busiest_stage": choice.busiest_stage,
         "parameters_per_rank": row.params.total, "sharded_parameters": row.params.sharded,
         "replicated_parameters": row.params.replicated,
         "memory_bytes": {
             "parameters": row.state.parameters, "gradients": row.state.gradients, "optimizer": row.state.optimizer,
             "activations_peak_no_checkpointing": acts.peak(False),
             "activations_peak_checkpointing": acts.peak(True),
-            "transient": acts.transient, "total": choice.total_bytes,
+            "transient": acts.transient, "activations_peak": choice.activation_peak, "total": choice.total_bytes,
         },
         "fits": row.fits,
         "time_s": {"step": time.total_s, "compute": time.compute_s, "elementwise": time.elementwise_s,
                    "tp_comm": time.tp_comm_s, "dp_comm": time.dp_comm_s, "dp_exposed": time.dp_exposed_s,
-                   "optimizer": time.optimizer_s},
-        "tflops_per_gpu": time.tflops_per_gpu(row.tp * row.dp),
+                   "optimizer": time.optimizer_s, "bubble": time.bubble_s, "p2p": time.p2p_s},
+        "tflops_per_gpu": time.tflops_per_gpu(layout.gpus),
     }
 
 
@@ -59,7 +67,7 @@ def plan_dict(result: Plan) -> dict:
         "format": dataclasses.asdict(request.format), "reserve_gb": request.reserve_gb,
         "calibration": dataclasses.asdict(request.calibration), "assumptions": ASSUMPTIONS,
         "layouts": [row_dict(row) for row in result.rows], "skipped": result.skipped,
-        "recommended": None if best is None else {"tp": best.tp, "dp": best.dp},
+        "recommended": None if best is None else row_dict(best),
     }
 
 
@@ -77,22 +85,23 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"({request.format.weight_bytes}+{request.format.grad_bytes}+{request.format.optimizer_bytes} "
                   f"bytes/parameter)")
     table = Table(header_style="bold")
-    console.print("Memory in GB per GPU; act = peak saved activations of one micro-batch without / with "
-                  "checkpointing; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting "
-                  "recomputation when checkpointing, as the paper does)")
-    for name in ("TP", "DP", "micro x acc", "ckpt", "param", "grad", "optim", "act", "act ckpt", "total", "fits",
-                 "step", "TP comm", "DP exp", "TF"):
+    console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
+                  "micro-batches; SP = sequence parallel; recomp = recomputation; ZeRO = distributed optimizer; time "
+                  "in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)")
+    for name in ("PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "ZeRO", "param", "grad", "optim", "act",
+                 "total", "fits", "step", "bubble", "TP comm", "DP exp", "TF"):
         table.add_column(name, justify="right", no_wrap=True)
     for row in result.rows:
-        choice, time, acts = row.choice, row.choice.time, row.choice.activations
+        choice, time, layout = row.choice, row.choice.time, row.choice.layout
         mark = "[green]yes[/green]" if row.fits else "[red]no[/red]"
         style = "bold" if row is best else None
-        table.add_row(str(row.tp), str(row.dp), f"{choice.layout.micro_batch} x {choice.accumulation}",
-                      "on" if choice.layout.checkpointing else "off", _gb(row.state.parameters),
-                      _gb(row.state.gradients), _gb(row.state.optimizer), _gb(acts.peak(False)),
-                      _gb(acts.peak(True)), _gb(choice.total_bytes), mark, f"{time.total_s:.3f}",
+        table.add_row(str(row.pp), str(row.tp), str(row.dp), str(layout.virtual),
+                      f"{layout.micro_batch} x {choice.accumulation}", "on" if layout.sequence_parallel else "off",
+                      layout.recompute, "on" if layout.distributed_optimizer else "off", _gb(row.state.parameters),
+                      _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak),
+                      _gb(choice.total_bytes), mark, f"{time.total_s:.3f}", f"{time.bubble_s:.3f}",
                       f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}",
-                      f"{time.tflops_per_gpu(row.tp * row.dp):.1f}", style=style)
+                      f"{time.tflops_per_gpu(layout.gpus):.1f}", style=style)
     console.print(table)
     for line in ASSUMPTIONS:
         console.print(f"  - {line}")
@@ -100,13 +109,17 @@ def render_plan(result: Plan, console: Console) -> None:
     console.print(f"  - calibration: compute efficiency {c.compute_efficiency:.3f}, link efficiency "
                   f"{c.link_efficiency:.3f}, DP overlap {c.dp_overlap:.3f} (fitted on the paper's V100 runs)")
     for key, reason in result.skipped.items():
-        console.print(f"  [dim]skipped {key}: {reason}[/dim]")
+        console.print(f"  [dim]skipped PPxTPxDP {key}: {reason}[/dim]")
     if best is None:
         console.print("[red]No layout fits: use more GPUs, a smaller micro-batch or a smaller model.[/red]")
     else:
-        console.print(f"[bold]Recommended: TP={best.tp} x DP={best.dp}[/bold], micro-batch "
-                      f"{best.choice.layout.micro_batch}, checkpointing "
-                      f"{'on' if best.choice.layout.checkpointing else 'off'}: "
+        layout = best.choice.layout
+        pipeline = f"PP={best.pp} x " if best.pp > 1 else ""
+        schedule = f", {layout.schedule} with {layout.virtual} virtual stages" if best.pp > 1 else ""
+        console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x DP={best.dp}[/bold], micro-batch "
+                      f"{layout.micro_batch}{schedule}, sequence parallel "
+                      f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, distributed "
+                      f"optimizer {'on' if layout.distributed_optimizer else 'off'}: "
                       f"{best.choice.time.total_s:.3f} s/step, {_gb(best.choice.total_bytes)} GB per GPU")
 
 
@@ -124,4 +137,30 @@ def render_comparison(rows: list[Comparison], console: Console) -> None:
     for row in rows:
         table.add_row(row.model, str(row.tp), str(row.gpus), f"{row.paper:.0f}", f"{row.predicted:.1f}",
                       f"{row.difference:+.1f}", "fitted" if row.fitted else "predicted")
+    console.print(table)
+
+
+def sc21_dict(rows) -> list[dict]:
+    """`shardlm.plan.sc21.compare`'s rows as JSON-ready data."""
+    return [{**dataclasses.asdict(c.row), "dp": c.row.dp, "virtual_stages": c.row.virtual,
+             "predicted_tflops": c.predicted_tflops, "predicted_percent": c.predicted_percent,
+             "difference_points": c.difference, "fitted": c.fitted,
+             "time_s": {"step": c.time.total_s, "compute": c.time.compute_s, "elementwise": c.time.elementwise_s,
+                        "tp_comm": c.time.tp_comm_s, "bubble": c.time.bubble_s, "p2p": c.time.p2p_s,
+                        "dp_exposed": c.time.dp_exposed_s}} for c in rows]
+
+
+def render_sc21(rows, console: Console) -> None:
+    """Narayanan et al. 2021, Table 1, beside the planner's predictions."""
+    console.print("[bold]Weak scaling on Selene (A100 80GB, 8 per server, 8 x 200 Gb/s HDR per server): "
+                  "Narayanan et al. 2021, Table 1[/bold]")
+    table = Table(header_style="bold")
+    for name in ("model", "TP", "PP", "V", "GPUs", "batch", "micro", "paper TF", "predicted TF", "paper %",
+                 "predicted %", "difference", "note"):
+        table.add_column(name, justify="right")
+    for c in rows:
+        r = c.row
+        table.add_row(r.name, str(r.tp), str(r.pp), str(r.virtual), str(r.gpus), str(r.global_batch),
+                      str(r.micro_batch), f"{r.paper_tflops:g}", f"{c.predicted_tflops:.1f}", f"{r.paper_percent:g}",
+                      f"{c.predicted_percent:.1f}", f"{c.difference:+.1f}", "fitted" if c.fitted else "predicted")
     console.print(table)

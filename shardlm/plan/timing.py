@@ -1,6 +1,6 @@
-"""Predicted time of one training step for a TP x DP layout.
+"""Predicted time of one training step for a PP x TP x DP layout.
 
-    step = compute + elementwise + tp_comm + optimizer + exposed dp_comm
+    step = compute + elementwise + tp_comm + bubble + p2p + optimizer + exposed dp_comm
 
 - compute: the matmul FLOP count (`shardlm.models.config.flops_per_step`: 72 B s l h^2 (1 + s/6h +
   V/12lh), plus the layers' forward again with activation recomputation, padded vocabulary) divided
@@ -21,7 +21,18 @@
   groups. shardlm's DDP starts bucket all-reduces during the last micro-batch's backward: a fraction
   `dp_overlap` of the all-reduce hides behind that backward (capped by its length), the rest is
   exposed.
-- optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound).
+- optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound;
+  1/DP of it with the distributed optimizer).
+- pipeline (P > 1): a rank runs the layers of its stages, so compute, elementwise and TP work divide
+  by P; the flush adds the bubble (P - 1) / (V m) of that work; every micro-batch crosses each of the
+  rank's V stage boundaries forward and backward (`p2p_seconds`), not overlapped. The DP all-reduce
+  runs after the flush (shardlm's pipeline runner and Megatron's local DDP): nothing hides it.
+- sequence parallelism: the same TP volume (all-gather + reduce-scatter instead of all-reduce), the
+  elementwise work split over TP. Selective recomputation repeats the attention core's forward
+  (4 b s^2 h FLOPs per layer, and the softmax passes where scores are materialized).
+- `attention_scores` (Megatron 2021's unfused softmax): the s x s scores are written and read by the
+  softmax and dropout kernels, 11 bytes per score forward and 11 backward (again when recomputing),
+  at the HBM bandwidth.
 
 The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`.
 """
@@ -34,6 +45,13 @@ from dataclasses import dataclass, replace
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import NumericFormat, ParameterCount
+from shardlm.plan.stages import bubble_fraction
+
+# Bytes per attention score of the unfused softmax + dropout: forward reads the fp16 scores and
+# writes the probabilities (4), dropout reads them, writes the result and a 1-byte mask (5), the
+# next GEMM reads them... (2); backward the mirror image (11).
+SCORE_BYTES_FORWARD = 11
+SCORE_BYTES_BACKWARD = 11
 
 # Reads + writes of b x s x h elements per layer that every TP rank repeats (derived from the layer,
 # not fitted): forward LN1 2, bias add 2, dropout 2, residual add 3, the same again after the MLP
@@ -57,6 +75,9 @@ class Calibration:
     """Per ring step on NVLink/NVSwitch (assumed, not fitted)."""
     inter_node_latency_s: float = 10e-6
     """Per ring step across InfiniBand (assumed, not fitted)."""
+    memory_efficiency: float = 1.0
+    """Achieved fraction of the HBM bandwidth in memory-bound kernels (elementwise passes, optimizer);
+    1.0 in the 2019 fit, fitted on the SC21 table (`shardlm.plan.sc21`)."""
 
 
 # Fitted in this order by `shardlm.plan.paper.fit_calibration` (a test keeps them in sync):
@@ -78,11 +99,27 @@ class Layout:
     micro_batch: int
     """Sequences per forward/backward on one DP rank."""
     checkpointing: bool
-    """Activation checkpointing of every transformer layer."""
+    """Activation checkpointing of every transformer layer (recompute = "full")."""
+    pp: int = 1
+    """Pipeline-parallel size (stages across servers)."""
+    virtual: int = 1
+    """Virtual stages per pipeline rank (interleaved 1F1B when > 1)."""
+    schedule: str = "1f1b"
+    """"gpipe", "1f1b" or "interleaved-1f1b"."""
+    sequence_parallel: bool = False
+    """LayerNorm, dropout and residual activations split along the sequence over TP."""
+    selective: bool = False
+    """Selective recomputation of the attention core (ignored when `checkpointing`)."""
+    distributed_optimizer: bool = False
+    """Optimizer state sharded over DP (ZeRO-1): reduce-scatter gradients, all-gather parameters."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
+
+    @property
+    def recompute(self) -> str:
+        return "full" if self.checkpointing else "selective" if self.selective else "none"
 
 
 @dataclass(frozen=True)
@@ -99,10 +136,15 @@ class StepTime:
     """The part of the DP all-reduce not hidden behind the backward pass."""
     model_flops: float
     """Matmul FLOPs of the step (`flops_per_step`, recomputed forwards included when checkpointing)."""
+    bubble_s: float = 0.0
+    """Pipeline flush: (P - 1) / (V m) of the rank's compute, elementwise and TP time."""
+    p2p_s: float = 0.0
+    """Point-to-point transfers between pipeline stages on the critical path."""
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.elementwise_s + self.tp_comm_s + self.optimizer_s + self.dp_exposed_s
+        return (self.compute_s + self.elementwise_s + self.tp_comm_s + self.bubble_s + self.p2p_s
+                + self.optimizer_s + self.dp_exposed_s)
 
     def tflops_per_gpu(self, gpus: int) -> float:
         return self.model_flops / self.total_s / gpus / 1e12
@@ -129,7 +171,7 @@ def tp_comm_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Numeric
         return 0.0
     intra, _ = _direction_bandwidth(gpu, calibration)
     tokens = layout.micro_batch * cfg.seq_length
-    layers = cfg.num_layers
+    layers = -(-cfg.num_layers // layout.pp)
     forward_calls = 2 * layers * (2 if layout.checkpointing else 1)
     sizes = ([tokens * cfg.hidden_size * fmt.tp_forward_bytes] * forward_calls
              + [tokens * cfg.hidden_size * fmt.tp_backward_bytes] * (2 * layers + 1)  # layers + LM head
@@ -138,13 +180,38 @@ def tp_comm_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Numeric
     return sum(ring_allreduce_seconds(n, layout.tp, intra, calibration.intra_node_latency_s) for n in sizes)
 
 
+def p2p_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat, calibration: Calibration,
+                scatter_gather: bool = False) -> float:
+    """Point-to-point time of one micro-batch on one pipeline rank: b s h activations (forward dtype)
+    sent forward and their gradients backward across each of its V stage boundaries. Stages are
+    TP x DP ranks apart, so they sit on different servers once that fills a server: then every GPU
+    sends over its share of the node's network (the SC21 servers have one 200 Gb/s adapter per GPU).
+    `scatter_gather` (Megatron): each TP rank sends 1/t of the tensor and the receivers all-gather it
+    over NVLink; shardlm's TP ranks each send the whole tensor."""
+    if layout.pp == 1:
+        return 0.0
+    intra, inter = _direction_bandwidth(gpu, calibration)
+    nbytes = layout.micro_batch * cfg.seq_length * cfg.hidden_size * fmt.tp_forward_bytes
+    across = layout.tp * layout.dp >= gpu.gpus_per_node
+    bandwidth = inter / gpu.gpus_per_node if across else intra
+    latency = calibration.inter_node_latency_s if across else calibration.intra_node_latency_s
+    one = (nbytes / layout.tp if scatter_gather else nbytes) / bandwidth + latency
+    if scatter_gather and layout.tp > 1:
+        one += (layout.tp - 1) / layout.tp * nbytes / intra + (layout.tp - 1) * calibration.intra_node_latency_s
+    return 2 * layout.virtual * one
+
+
 def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
                     calibration: Calibration) -> float:
-    """Gradient all-reduce over the DP group (ring), limited by NVLink or by the node's network."""
+    """Gradient all-reduce over the DP group (ring), limited by NVLink or by the node's network. With
+    the distributed optimizer: a reduce-scatter of the gradients and an all-gather of the parameters,
+    each half a ring all-reduce's traffic."""
     if layout.dp == 1:
         return 0.0
     intra, inter = _direction_bandwidth(gpu, calibration)
     grad_bytes = params.total * fmt.grad_bytes
+    if layout.distributed_optimizer:
+        grad_bytes = params.total * (fmt.grad_bytes + fmt.weight_bytes) / 2
     ranks_per_node = max(1, gpu.gpus_per_node // layout.tp)
     nodes = math.ceil(layout.dp / ranks_per_node)
     on_nvlink = ring_allreduce_seconds(grad_bytes, layout.dp, intra, calibration.intra_node_latency_s)
@@ -156,33 +223,50 @@ def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: N
     return max(on_nvlink, on_network)
 
 
-def optimizer_bytes_per_parameter(fmt: NumericFormat) -> int:
+def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> float:
     """Bytes streamed per parameter per step: AdamW reads weight, gradient and both moments and
     writes weight and moments (7 x 4); clipping reads the gradient for the norm and scales it
-    (3 x grad); mixed precision also writes the half weight copy."""
+    (3 x grad); mixed precision also writes the half weight copy. With the optimizer sharded over
+    `dp_shards` ranks, AdamW touches 1/dp_shards of the parameters."""
     half_copy = fmt.weight_bytes if fmt.weight_bytes != 4 else 0
-    return 7 * 4 + 3 * fmt.grad_bytes + half_copy
+    return (7 * 4 + half_copy) / dp_shards + 3 * fmt.grad_bytes
 
 
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
-              params: ParameterCount, calibration: Calibration) -> StepTime:
-    """Predicted time of one optimizer step of `global_batch` sequences on `layout`."""
+              params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
+              scatter_gather: bool = False) -> StepTime:
+    """Predicted time of one optimizer step of `global_batch` sequences on `layout`; `params` are the
+    busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
+    the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers."""
     accumulation = global_batch // (layout.dp * layout.micro_batch)
     padded = replace(cfg, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
+    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
+        flops += 4 * global_batch * cfg.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
     compute = flops / layout.gpus / (gpu.peak_tflops * 1e12 * calibration.compute_efficiency)
 
+    layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank
     passes = ELEMENTWISE_PASSES_FORWARD * (2 if layout.checkpointing else 1) + ELEMENTWISE_PASSES_BACKWARD
     tokens = layout.micro_batch * cfg.seq_length
-    elementwise_bytes = passes * cfg.num_layers * tokens * cfg.hidden_size * fmt.residual_bytes
-    elementwise = accumulation * elementwise_bytes / (gpu.hbm_gbps * 1e9)
+    split = layout.tp if layout.sequence_parallel else 1
+    elementwise_bytes = passes * layers * tokens * cfg.hidden_size * fmt.residual_bytes / split
+    if attention_scores:
+        scores = layout.micro_batch * cfg.num_heads // layout.tp * cfg.seq_length ** 2
+        recomputed = layout.recompute != "none"
+        elementwise_bytes += layers * scores * (SCORE_BYTES_FORWARD * (2 if recomputed else 1) + SCORE_BYTES_BACKWARD)
+    hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
+    elementwise = accumulation * elementwise_bytes / hbm
 
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
-    optimizer = params.total * optimizer_bytes_per_parameter(fmt) / (gpu.hbm_gbps * 1e9)
+    bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm)
+    p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
+    shards = layout.dp if layout.distributed_optimizer else 1
+    optimizer = params.total * optimizer_bytes_per_parameter(fmt, shards) / hbm
 
     dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
     backward_share = 3 / 4 if layout.checkpointing else 2 / 3  # (recompute +) backward of fwd+bwd FLOPs
     last_backward = backward_share * (compute + elementwise + tp_comm) / accumulation
-    hidden = min(calibration.dp_overlap * dp_comm, last_backward)
+    hidden = 0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward)
     return StepTime(compute_s=compute, elementwise_s=elementwise, tp_comm_s=tp_comm, optimizer_s=optimizer,
-                    dp_comm_s=dp_comm, dp_exposed_s=dp_comm - hidden, model_flops=flops)
+                    dp_comm_s=dp_comm, dp_exposed_s=dp_comm - hidden, model_flops=flops, bubble_s=bubble,
+                    p2p_s=p2p)

@@ -1,0 +1,113 @@
+"""Activation memory per GPU under sequence parallelism, recomputation and pipeline schedules.
+
+Two accountings of one transformer layer's saved activations for one micro-batch (b sequences of
+s tokens, hidden h, a heads, TP size t):
+
+- "shardlm": exactly what autograd saves in shardlm's layer (`memory.layer_activation_bytes`, fused
+  SDPA, shardlm's dtypes). Sequence parallelism divides the part that TP replicates (LayerNorm
+  inputs and outputs, dropout masks, LayerNorm statistics) by t; selective recomputation drops what
+  the attention core saves beyond its input and output (with the fused kernel only the log-sum-exp:
+  the s x s scores are never stored, so it buys little here);
+- "megatron": Korthikanti et al. 2022 (Megatron's fp16 layer with the unfused softmax, 2-byte
+  activations, 1-byte masks), per layer:
+      no parallelism            s b h (34 + 5 a s / h)
+      TP                        s b h (10 + 24/t + 5 a s / (h t))
+      TP + SP                   s b h / t (34 + 5 a s / h)
+      TP + selective            s b h (10 + 24/t)
+      TP + SP + selective       34 s b h / t
+      full recomputation        2 s b h (/ t with SP) kept per layer.
+  Outside the layers: the embedding's dropout mask s b h (/t with SP) on the first stage; the final
+  LayerNorm and output layer 4 s b h (/t with SP) and the fp32 logits 4 s b V / t on the last.
+
+`rank_activation_peak` multiplies them by the micro-batches a pipeline rank keeps in flight
+(`stages.forwards_in_flight`): the first stage of 1F1B holds P micro-batches of L/P layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardlm.models.config import ModelConfig
+from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory
+from shardlm.plan.stages import RankStages, forwards_in_flight
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class LayerSetting:
+    """How the layers run: the memory-relevant switches of a layout."""
+
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    """"none", "selective" (the attention core) or "full" (whole layers)."""
+
+
+def korthikanti_layer_bytes(cfg: ModelConfig, tp: int, micro_batch: int, setting: LayerSetting) -> int:
+    """Bytes one layer saves for one micro-batch in Megatron's fp16 layer (Korthikanti et al. 2022)."""
+    s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_heads
+    sbh = s * b * h
+    scores = 5 * a * s / h
+    if setting.recompute == "full":
+        return round(2 * sbh / (tp if setting.sequence_parallel else 1))
+    if setting.sequence_parallel:
+        return round(sbh / tp * (34 + (0 if setting.recompute == "selective" else scores)))
+    return round(sbh * (10 + 24 / tp + (0 if setting.recompute == "selective" else scores / tp)))
+
+
+def korthikanti_memory(cfg: ModelConfig, tp: int, micro_batch: int, setting: LayerSetting) -> ActivationMemory:
+    """`ActivationMemory` of Megatron's fp16 GPT by Korthikanti et al.'s formulas (see the module doc)."""
+    s, b, h = cfg.seq_length, micro_batch, cfg.hidden_size
+    sbh = s * b * h
+    split = tp if setting.sequence_parallel else 1
+    saved = korthikanti_layer_bytes(cfg, tp, micro_batch, replace(setting, recompute="none"))
+    if setting.recompute == "selective":
+        saved = korthikanti_layer_bytes(cfg, tp, micro_batch, setting)
+    embedding = sbh // split
+    head = 4 * sbh // split + 4 * s * b * cfg.padded_vocab_size(tp) // tp
+    return ActivationMemory(per_layer=saved, layer_input=2 * sbh // split, outside_layers=embedding + head,
+                            transient=0, num_layers=cfg.num_layers, embedding=embedding)
+
+
+def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
+                   backend: str = "cuda", rank: int | None = None) -> ActivationMemory:
+    """`memory.activation_memory` (what shardlm's layer saves) with sequence parallelism and selective
+    recomputation applied (see the module doc)."""
+    base = activation_memory(cfg, tp, micro_batch, fmt, backend, rank)
+    tokens = micro_batch * cfg.seq_length
+    per_layer, layer_input, embedding = base.per_layer, base.layer_input, base.embedding
+    if setting.sequence_parallel and tp > 1:
+        masks = 2 if cfg.dropout > 0 else 0
+        mask_bytes = (1 if backend == "cuda" else fmt.residual_bytes) if masks else 0
+        replicated = tokens * cfg.hidden_size * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + masks * mask_bytes)
+        replicated += 2 * 2 * tokens * 4  # LayerNorm mean and rstd
+        per_layer -= replicated - replicated // tp
+        layer_input //= tp
+        embedding -= tokens * cfg.hidden_size * mask_bytes - tokens * cfg.hidden_size * mask_bytes // tp
+    if setting.recompute == "selective":
+        per_layer -= micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4  # SDPA's log-sum-exp
+    head = base.outside_layers - base.embedding
+    return replace(base, per_layer=per_layer, layer_input=layer_input, outside_layers=embedding + head,
+                   embedding=embedding)
+
+
+def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: str, pp: int,
+                         micro_batches: int, recompute: str, transient: bool = True) -> int:
+    """Most activation bytes alive at once on pipeline rank `stages.rank`: every in-flight micro-batch's
+    saved layers (only layer inputs under full recomputation, plus one layer being rebuilt), its
+    embedding pieces on the first stage and its head and loss on the last (with the logits of the
+    latest micro-batch; `transient=False` counts only what autograd saves). Without a pipeline:
+    `acts.peak(recompute == "full") + acts.transient`."""
+    virtual = len(stages.layers_per_chunk)
+    chunks = forwards_in_flight(schedule, pp, virtual, micro_batches, stages.rank)
+    full = recompute == "full"
+    per_layer_kept = acts.layer_input if full else acts.per_layer
+    total = sum(stages.layers_per_chunk[c] for c in chunks) * per_layer_kept
+    if full:
+        total += acts.per_layer - acts.layer_input
+    if stages.first:
+        total += chunks.count(0) * acts.embedding
+    if stages.last:
+        total += chunks.count(virtual - 1) * (acts.outside_layers - acts.embedding)
+        total += acts.transient if transient else 0
+    return total

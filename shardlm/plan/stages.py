@@ -1,0 +1,127 @@
+"""Pipeline arithmetic of the planner: the layers and parameters each pipeline rank holds, the
+micro-batches it keeps in flight under each schedule, and the bubble.
+
+A run with P pipeline ranks and V virtual stages per rank cuts the layers into P x V contiguous
+stages with `shardlm.parallel.pipeline.stage_layers` (the same split shardlm trains with); stage `s`
+lives on rank `s % P`. Stage 0 also holds the embeddings, the last stage the final norm and the
+output layer (GPT: the tied copy of the word embedding).
+
+In-flight micro-batches are those of PyTorch's schedules, which shardlm runs (and which match
+Megatron's when the micro-batch count is a multiple of P): GPipe runs all m forwards first; 1F1B
+lets rank r run P - r forwards before its first backward; interleaved 1F1B lets rank r run
+(V - 1) x m_round + 2 (P - 1 - r) forwards (m_round = micro-batches per round, P when P divides m),
+then one more forward before each backward. The bubble is (P - 1) / (V m) of the ideal time
+(Narayanan et al. 2021, eqs. 1 and 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+from shardlm.plan.memory import ParameterCount, parameter_count
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def bubble_fraction(pp: int, virtual: int, micro_batches: int) -> float:
+    """Idle time of a pipeline flush over the ideal time: (P - 1) / (V m)."""
+    return (pp - 1) / (virtual * micro_batches)
+
+
+def schedule_name(pp: int, virtual: int) -> str:
+    """The schedule the planner pairs with a layout: 1F1B, interleaved with V > 1 (GPipe only on request)."""
+    return "interleaved-1f1b" if pp > 1 and virtual > 1 else "1f1b"
+
+
+def forwards_in_flight(schedule: str, pp: int, virtual: int, micro_batches: int, rank: int) -> list[int]:
+    """The local chunk (0 .. V-1) of every micro-batch forward whose activations pipeline rank `rank`
+    holds at its peak, i.e. just before its first backward starts freeing them."""
+    m = micro_batches
+    if pp == 1:
+        return [0]
+    if schedule == "gpipe":
+        return [0] * m
+    if schedule == "1f1b":
+        return [0] * min(m, pp - rank)
+    per_round = m // max(1, m // pp)
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), m * virtual)
+    return [(i // per_round) % virtual for i in range(min(warmup + 1, m * virtual))]
+
+
+def pipeline_layers(num_layers: int, pp: int, virtual: int, first: int = 0, last: int = 0) -> list[list[int]]:
+    """Layer indices of each of the P x V stages, as shardlm splits them."""
+    from shardlm.parallel.pipeline import stage_layers  # imports torch: only when a pipeline is planned
+
+    return stage_layers(num_layers, pp * virtual, first, last)
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """What one pipeline rank holds."""
+
+    rank: int
+    layers_per_chunk: list[int]
+    """Layers of each of its V stages (chunk v is stage rank + v P)."""
+    first: bool
+    """Holds stage 0 (the embeddings)."""
+    last: bool
+    """Holds the last stage (final norm, output layer, loss)."""
+
+    @property
+    def layers(self) -> int:
+        return sum(self.layers_per_chunk)
+
+
+def rank_stages(layers: list[list[int]], pp: int, rank: int) -> RankStages:
+    """Rank `rank`'s chunks of the stage split `layers` (P x V stages)."""
+    chunks = [len(layers[s]) for s in range(rank, len(layers), pp)]
+    return RankStages(rank, chunks, rank == 0, rank == pp - 1)
+
+
+def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
+    """(first stage's, last stage's, both share) parameters outside the layers, per TP rank."""
+    if cfg.arch == "bert":
+        raise UserError('pipeline parallelism is planned for model.arch "gpt" and "llama"; use --pipeline 1 for BERT')
+    h = cfg.hidden_size
+    vocab_local = cfg.padded_vocab_size(tp) // tp
+    embedding = ParameterCount(vocab_local * h, 0, 1, 0)
+    if cfg.arch == "llama":
+        output = embedding if cfg.tie_embeddings else ParameterCount(vocab_local * h, 0, 1, 0)
+        first, norm = embedding, ParameterCount(0, h, 1, 0)
+    else:  # GPT: word + learned positions first; final LayerNorm and the tied word embedding last
+        first, output, norm = ParameterCount(vocab_local * h, cfg.seq_length * h, 2, 0), embedding, \
+            ParameterCount(0, 2 * h, 2, 0)
+    last = _add(norm, output)
+    shared = output if output is embedding else ParameterCount(0, 0, 0, 0)
+    return first, last, shared
+
+
+def _add(a: ParameterCount, b: ParameterCount, sign: int = 1) -> ParameterCount:
+    return ParameterCount(a.sharded + sign * b.sharded, a.replicated + sign * b.replicated,
+                          a.tensors + sign * b.tensors, a.matrix + sign * b.matrix)
+
+
+def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages) -> ParameterCount:
+    """Parameters one (pipeline rank, TP rank) holds: its layers, plus the end pieces of the first and
+    last stage (both, the tied embedding once, when one rank holds both). Equal to
+    `memory.parameter_count` without a pipeline."""
+    no_layers = parameter_count(_with_layers(cfg, 0), tp)
+    per_layer = _add(parameter_count(_with_layers(cfg, 1), tp), no_layers, sign=-1)
+    total = ParameterCount(per_layer.sharded * stages.layers, per_layer.replicated * stages.layers,
+                           per_layer.tensors * stages.layers, per_layer.matrix * stages.layers)
+    first, last, shared = _end_pieces(cfg, tp)
+    if stages.first:
+        total = _add(total, first)
+    if stages.last:
+        total = _add(total, last)
+    if stages.first and stages.last:
+        total = _add(total, shared, sign=-1)
+    return total
+
+
+def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, num_layers=layers)

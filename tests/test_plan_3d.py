@@ -1,0 +1,344 @@
+"""The planner in three dimensions: the pipeline arithmetic (bubble, interleaving, in-flight
+micro-batches), sequence parallelism, recomputation and the distributed optimizer in the memory and
+time models, Narayanan et al. 2021's Table 1, and the per-rank memory shardlm really allocates under
+PP=2 and PP=2 x TP=2 x DP=2 (one world of 8 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardlm.cli import main
+from shardlm.config import RunConfig, from_dict
+from shardlm.plan.activations import (
+    LayerSetting,
+    korthikanti_layer_bytes,
+    rank_activation_peak,
+    shardlm_memory,
+)
+from shardlm.plan.hardware import GPU_PRESETS, gpu_preset
+from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
+from shardlm.plan.models import MODEL_PRESETS, PlannedModel
+from shardlm.plan.planner import PlanRequest, plan
+from shardlm.plan.sc21 import CALIBRATION_ROWS, SC21_CALIBRATION, TABLE1, compare, fit_calibration, paper_flops
+from shardlm.plan.stages import (
+    bubble_fraction,
+    forwards_in_flight,
+    pipeline_layers,
+    rank_parameter_count,
+    rank_stages,
+)
+from shardlm.plan.timing import Calibration, Layout, p2p_seconds, step_time
+
+from multiproc import run_workers
+
+A100 = GPU_PRESETS["a100-80gb"]
+NO_LATENCY = Calibration(compute_efficiency=0.5, link_efficiency=1.0, dp_overlap=0.0, intra_node_latency_s=0.0,
+                         inter_node_latency_s=0.0)
+
+
+# ----------------------------------------------------------------------------------- pipeline arithmetic
+
+def test_bubble_is_p_minus_1_over_v_m():
+    assert bubble_fraction(1, 1, 8) == 0.0
+    assert bubble_fraction(4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction(4, 2, 8) == pytest.approx(3 / 16)  # interleaving divides it by V
+    assert bubble_fraction(64, 1, 512) == pytest.approx(63 / 512)
+
+
+def test_in_flight_micro_batches_of_each_schedule():
+    assert forwards_in_flight("gpipe", 4, 1, 8, 0) == [0] * 8  # all forwards before any backward
+    assert [len(forwards_in_flight("1f1b", 4, 1, 8, r)) for r in range(4)] == [4, 3, 2, 1]
+    assert len(forwards_in_flight("1f1b", 4, 1, 2, 0)) == 2  # fewer micro-batches than stages
+    # interleaved, P = 2, V = 2, m = 4: rank 0 runs micro-batches 0, 1 on chunk 0, then on chunk 1, then 2 on chunk 0
+    assert forwards_in_flight("interleaved-1f1b", 2, 2, 4, 0) == [0, 0, 1, 1, 0]
+    assert forwards_in_flight("interleaved-1f1b", 2, 2, 4, 1) == [0, 0, 1]
+
+
+@pytest.mark.parametrize("pp,virtual", [(2, 2), (4, 2), (4, 4), (8, 3)])
+def test_interleaving_holds_1_plus_p_minus_1_over_p_v_times_the_1f1b_activations(pp, virtual):
+    """Korthikanti et al. 2022: the first stage of interleaved 1F1B keeps (1 + (P-1)/(P V)) x the layers'
+    activations that 1F1B keeps (L layers' worth: P micro-batches of L/P layers)."""
+    layers, m = pp * virtual * 2, 4 * pp
+    cfg = replace(MODEL_PRESETS["gpt2-355m"], num_layers=layers, dropout=0.0)
+    acts = activation_memory(cfg, 1, 1, numeric_format("fp32"))
+    acts = replace(acts, outside_layers=0, embedding=0, transient=0)  # layers only
+    plain = rank_activation_peak(acts, rank_stages(pipeline_layers(layers, pp, 1), pp, 0), "1f1b", pp, m, "none")
+    interleaved = rank_activation_peak(acts, rank_stages(pipeline_layers(layers, pp, virtual), pp, 0),
+                                       "interleaved-1f1b", pp, m, "none")
+    assert plain == layers * acts.per_layer
+    assert interleaved / plain == pytest.approx(1 + (pp - 1) / (pp * virtual))
+
+
+def test_full_recomputation_keeps_layer_inputs_of_every_in_flight_micro_batch_plus_one_rebuilt_layer():
+    cfg = replace(MODEL_PRESETS["gpt2-355m"], num_layers=8)
+    acts = activation_memory(cfg, 2, 2, numeric_format("bf16"))
+    stages = rank_stages(pipeline_layers(8, 4, 1), 4, 0)
+    peak = rank_activation_peak(acts, stages, "1f1b", 4, 8, "full")
+    assert peak == 4 * 2 * acts.layer_input + acts.per_layer - acts.layer_input + 4 * acts.embedding
+
+
+def test_without_a_pipeline_the_peak_is_the_one_micro_batch_model():
+    cfg = MODEL_PRESETS["gpt2-355m"]
+    acts = activation_memory(cfg, 2, 4, numeric_format("bf16"))
+    stages = rank_stages(pipeline_layers(cfg.num_layers, 1, 1), 1, 0)
+    for recompute in ("none", "full"):
+        assert rank_activation_peak(acts, stages, "1f1b", 1, 16, recompute) == \
+            acts.peak(recompute == "full") + acts.transient
+
+
+@pytest.mark.parametrize("pp,virtual", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 3)])
+def test_stage_parameters_add_up_to_the_model_plus_the_tied_copy(pp, virtual):
+    cfg = MODEL_PRESETS["scaling-8.3b"]  # 72 layers
+    whole = parameter_count(cfg, 4)
+    layers = pipeline_layers(cfg.num_layers, pp, virtual)
+    ranks = [rank_parameter_count(cfg, 4, rank_stages(layers, pp, r)) for r in range(pp)]
+    tied = cfg.padded_vocab_size(4) // 4 * cfg.hidden_size if pp > 1 else 0  # the last stage's word-embedding copy
+    assert sum(r.total for r in ranks) == whole.total + tied
+    assert sum(r.tensors for r in ranks) == whole.tensors + (1 if pp > 1 else 0)
+    assert sum(r.matrix for r in ranks) == whole.matrix
+
+
+def test_llama_stages_hold_the_untied_output_layer_on_the_last_stage():
+    cfg = MODEL_PRESETS["llama3-8b"]
+    layers = pipeline_layers(cfg.num_layers, 4, 1)
+    ranks = [rank_parameter_count(cfg, 8, rank_stages(layers, 4, r)) for r in range(4)]
+    assert sum(r.total for r in ranks) == parameter_count(cfg, 8).total  # untied: nothing held twice
+
+
+# --------------------------------------------------------------------------- memory: SP, recompute, ZeRO
+
+def test_korthikanti_formulas():
+    cfg = MODEL_PRESETS["gpt2-8.3b"]  # s 1024, h 3072, a 24
+    s, b, h, a, t = cfg.seq_length, 2, cfg.hidden_size, cfg.num_heads, 8
+    sbh = s * b * h
+    assert korthikanti_layer_bytes(cfg, 1, b, LayerSetting()) == round(sbh * (34 + 5 * a * s / h))
+    assert korthikanti_layer_bytes(cfg, t, b, LayerSetting()) == round(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert korthikanti_layer_bytes(cfg, t, b, LayerSetting(True)) == round(sbh / t * (34 + 5 * a * s / h))
+    assert korthikanti_layer_bytes(cfg, t, b, LayerSetting(True, "selective")) == round(34 * sbh / t)
+    assert korthikanti_layer_bytes(cfg, t, b, LayerSetting(False, "selective")) == round(sbh * (10 + 24 / t))
+    assert korthikanti_layer_bytes(cfg, t, b, LayerSetting(True, "full")) == 2 * sbh // t
+    # sequence parallelism + selective recomputation: 5x less than TP alone for this shape, as the paper reports
+    ratio = korthikanti_layer_bytes(cfg, t, b, LayerSetting()) / korthikanti_layer_bytes(cfg, t, b, LayerSetting(
+        True, "selective"))
+    assert 4 < ratio < 6
+
+
+def test_sequence_parallel_splits_what_tp_replicates_in_shardlms_layer():
+    cfg = replace(MODEL_PRESETS["gpt2-355m"], dropout=0.0)
+    fmt, b, t = numeric_format("bf16"), 2, 4
+    tokens, h = b * cfg.seq_length, cfg.hidden_size
+    plain = shardlm_memory(cfg, t, b, fmt, LayerSetting())
+    split = shardlm_memory(cfg, t, b, fmt, LayerSetting(sequence_parallel=True))
+    replicated = tokens * h * (2 * 4 + 2 * 2) + 16 * tokens  # LN inputs (fp32), LN outputs (bf16), LN stats
+    assert plain.per_layer - split.per_layer == replicated - replicated // t
+    assert split.layer_input == plain.layer_input // t
+    selective = shardlm_memory(cfg, t, b, fmt, LayerSetting(recompute="selective"))
+    assert plain.per_layer - selective.per_layer == b * cfg.num_heads // t * cfg.seq_length * 4  # fused SDPA's lse
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_state_bytes_18_per_parameter_and_6_plus_12_over_d_with_the_distributed_optimizer(dp):
+    params = parameter_count(MODEL_PRESETS["gpt2-355m"], 2)
+    half = numeric_format("bf16", "shardlm", "half")
+    full = state_memory(params, half)
+    assert (full.parameters, full.gradients) == (2 * params.total, 4 * params.total)
+    assert full.optimizer == 12 * params.total + 4 * params.tensors
+    sharded = state_memory(params, half, dp, distributed_optimizer=True)
+    assert sharded.optimizer == 12 * -(-params.total // dp) + 4 * params.tensors
+    per_parameter = (sharded.total - 4 * params.tensors) / params.total
+    assert per_parameter == pytest.approx(6 + 12 / dp, rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- time
+
+def test_step_time_adds_the_bubble_and_point_to_point_transfers():
+    cfg = MODEL_PRESETS["sc21-145.6b"]
+    fmt = numeric_format("fp16", "megatron")
+    params = parameter_count(cfg, 8)
+    for virtual in (1, 2):
+        layout = Layout(tp=8, dp=24, micro_batch=2, checkpointing=True, pp=8, virtual=virtual,
+                        schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
+        t = step_time(cfg, layout, 2304, A100, fmt, params, NO_LATENCY)
+        m = 2304 // (24 * 2)
+        assert t.bubble_s == pytest.approx(7 / (virtual * m) * (t.compute_s + t.elementwise_s + t.tp_comm_s))
+        assert t.dp_exposed_s == t.dp_comm_s  # after the flush: nothing hides it
+        # every micro-batch crosses the rank's V boundaries forward and backward; stages sit on different
+        # servers, each GPU sends over its own 25 GB/s adapter
+        nbytes = 2 * cfg.seq_length * cfg.hidden_size * 2
+        assert t.p2p_s == pytest.approx(m * 2 * virtual * nbytes / (A100.inter_node_gbps * 1e9 / 8))
+    gathered = p2p_seconds(cfg, layout, A100, fmt, NO_LATENCY, scatter_gather=True)
+    assert gathered < p2p_seconds(cfg, layout, A100, fmt, NO_LATENCY) / 4  # each TP rank sends 1/8
+
+
+def test_sequence_parallel_and_selective_recompute_in_the_time_model():
+    cfg = MODEL_PRESETS["gpt2-8.3b"]
+    fmt = numeric_format("bf16", "shardlm", "half")
+    params = parameter_count(cfg, 8)
+    base = Layout(tp=8, dp=1, micro_batch=4, checkpointing=False)
+    plain = step_time(cfg, base, 8, A100, fmt, params, NO_LATENCY)
+    sp = step_time(cfg, replace(base, sequence_parallel=True), 8, A100, fmt, params, NO_LATENCY)
+    assert sp.elementwise_s == pytest.approx(plain.elementwise_s / 8) and sp.tp_comm_s == plain.tp_comm_s
+    selective = step_time(cfg, replace(base, selective=True), 8, A100, fmt, params, NO_LATENCY)
+    assert selective.model_flops - plain.model_flops == 4 * 8 * cfg.seq_length ** 2 * cfg.hidden_size * \
+        cfg.num_layers
+
+
+# --------------------------------------------------------------------------------------- SC21 (2021)
+
+def test_sc21_every_row_within_5_points_of_peak_with_two_rows_fitted():
+    rows = compare()
+    assert [c.row.name for c in rows if c.fitted] == list(CALIBRATION_ROWS)
+    assert len(rows) == 10
+    for c in rows:
+        assert abs(c.difference) <= 5.0, (c.row.name, c.predicted_percent, c.row.paper_percent)
+    # the paper's % of peak is its TFLOP/s over 312
+    assert all(abs(c.row.paper_tflops / 3.12 - c.row.paper_percent) < 0.6 for c in rows)
+
+
+def test_sc21_calibration_is_the_fitted_one():
+    fitted = fit_calibration()
+    assert SC21_CALIBRATION.compute_efficiency == pytest.approx(fitted.compute_efficiency, abs=5e-4)
+    assert SC21_CALIBRATION.memory_efficiency == pytest.approx(fitted.memory_efficiency, abs=5e-4)
+
+
+def test_sc21_rows_follow_the_run_script():
+    rows = {row.name: row for row in TABLE1}
+    assert [row.gpus // 8 for row in TABLE1] == [4, 8, 16, 32, 64, 128, 192, 240, 315, 384]  # NNODES
+    assert (rows["76.1B"].virtual, rows["145.6B"].virtual, rows["310.1B"].virtual, rows["529.6B"].virtual) == \
+        (3, 2, 2, 3)
+    for row in TABLE1:
+        total = parameter_count(row.model(), 1).total / 1e9
+        assert abs(total - row.billions) <= max(0.05, 0.01 * row.billions), row.name  # Table 1 rounds
+    # 1T: 96 B s l h^2 (...) / (3,072 GPUs x 163 TFLOP/s) is the paper's iteration time
+    assert paper_flops(rows["1008B"]) / (3072 * 163e12) == pytest.approx(102.6, rel=0.01)
+
+
+# -------------------------------------------------------------------------------------------- planner
+
+def request(**changes) -> PlanRequest:
+    base = PlanRequest(model=PlannedModel("sc21-145.6b", MODEL_PRESETS["sc21-145.6b"]), gpu=gpu_preset("a100"),
+                       gpus=1536, global_batch=2304, precision="fp16", implementation="megatron",
+                       calibration=SC21_CALIBRATION)
+    return replace(base, **changes)
+
+
+def test_planner_searches_pipeline_and_finds_sc21_like_layouts():
+    result = plan(request())
+    best = result.recommended
+    assert best.pp > 1 and best.fits
+    # without the distributed optimizer 145.6B (16 bytes a parameter over at most 8 TP ranks) needs pipeline stages
+    assert all(not row.fits for row in plan(request(distributed_optimizer="off", pipeline=1)).rows)
+    assert best.choice.layout.sequence_parallel and best.choice.layout.distributed_optimizer
+    paper = plan(request(pipeline=8, virtual_stages=2, sequence_parallel="off", recompute="full",
+                         distributed_optimizer="off", micro_batch=2))
+    row = next(r for r in paper.rows if r.tp == 8)
+    assert row.fits and row.choice.time.total_s > best.choice.time.total_s
+
+
+def test_planner_options_are_honoured():
+    result = plan(request(pipeline=8, sequence_parallel="off", recompute="selective", distributed_optimizer="on"))
+    for row in result.rows:
+        layout = row.choice.layout
+        assert row.pp == 8 and not layout.sequence_parallel and layout.recompute == "selective"
+        assert layout.distributed_optimizer == (row.dp > 1)
+
+
+def test_cli_validate_both_papers_and_plan_json(capsys):
+    assert main(["plan", "--validate-paper", "narayanan2021", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 10 and all(abs(row["difference_points"]) <= 5 for row in rows)
+    assert main(["plan", "--validate-paper"]) == 0
+    assert "scaling-8.3b" in capsys.readouterr().out
+    assert main(["plan", "--model", "sc21-39.1b", "--gpus", "512", "--gpu", "a100", "--global-batch", "1536",
+                 "--pipeline", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {layout["pp"] for layout in data["layouts"]} == {2} and data["recommended"]["pp"] == 2
+    assert main(["plan", "--model", "sc21-1.7b", "--gpus", "8", "--gpu", "a100", "--param-dtype", "half",
+                 "--precision", "fp32"]) == 2
+    assert "--param-dtype" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ against shardlm on this CPU (PP = 2)
+
+VOCAB, MICRO, MICRO_BATCHES, SEQ = 100, 2, 4, 16
+# (tensor, pipeline, schedule, virtual stages) in one world of 8: DP = 8 / (TP x PP)
+MEASURED = [(1, 2, "1f1b", 1), (1, 2, "gpipe", 1), (1, 2, "interleaved-1f1b", 2), (2, 2, "1f1b", 1)]
+
+
+def pipeline_config(tp: int, pp: int, schedule: str, virtual: int) -> RunConfig:
+    dp = 8 // (tp * pp)
+    return from_dict({
+        "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ, "vocab_size": VOCAB,
+                  "dropout": 0.1, "attention_dropout": 0.0},
+        "parallel": {"tensor": tp, "pipeline": pp, "pipeline_schedule": schedule, "virtual_stages": virtual},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * MICRO_BATCHES * dp, "steps": 4, "seed": 3},
+    })
+
+
+def pipeline_memory_worker() -> dict:
+    import numpy as np
+
+    from shardlm.data.gpt_dataset import TokenArrayDataset
+    from shardlm.parallel import ParallelContext
+    from shardlm.plan.measure import SavedPeak, state_bytes
+    from shardlm.training.trainer import Trainer
+
+    out = {}
+    for tp, pp, schedule, virtual in MEASURED:
+        ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp)
+        ctx.rng = None
+        config = pipeline_config(tp, pp, schedule, virtual)
+        data = TokenArrayDataset(np.random.default_rng(0).integers(0, VOCAB, 5000), SEQ, seed=1, num_samples=400)
+        trainer = Trainer(config, ctx, data)
+        trainer.train_step()  # AdamW creates its state
+        generator = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator) for _ in range(MICRO_BATCHES)]
+        with SavedPeak(trainer.model) as saved:
+            trainer.pipeline.forward_backward(batches)
+        out[(tp, pp, schedule, virtual)] = {
+            "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "saved_peak": saved.peak,
+            "parameter_elements": sum(p.numel() for p in trainer.params),
+            **state_bytes(trainer.params, trainer.optimizer)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_workers(8, pipeline_memory_worker)
+
+
+def _predicted(case: tuple, pp_rank: int, tp_rank: int):
+    tp, pp, schedule, virtual = case
+    cfg = pipeline_config(*case).model
+    stages = rank_stages(pipeline_layers(cfg.num_layers, pp, virtual), pp, pp_rank)
+    params = rank_parameter_count(cfg, tp, stages)
+    fmt = numeric_format("fp32")
+    acts = shardlm_memory(cfg, tp, MICRO, fmt, LayerSetting(), backend="cpu", rank=tp_rank)
+    peak = rank_activation_peak(acts, stages, schedule, pp, MICRO_BATCHES, "none", transient=False)
+    return params, state_memory(params, fmt), peak
+
+
+@pytest.mark.slow
+def test_pipeline_state_bytes_per_rank_are_exact(world8):
+    for rank in world8:
+        for case, measured in rank.items():
+            params, state, _ = _predicted(case, measured["pp_rank"], measured["tp_rank"])
+            got = (measured["parameter_elements"], measured["parameters"], measured["gradients"],
+                   measured["optimizer"])
+            assert got == (params.total, state.parameters, state.gradients, state.optimizer), (case, measured)
+
+
+@pytest.mark.slow
+def test_pipeline_peak_activations_within_10_percent(world8):
+    report = []
+    for rank in world8:
+        for case, measured in rank.items():
+            predicted = _predicted(case, measured["pp_rank"], measured["tp_rank"])[2]
+            report.append((case, measured["pp_rank"], measured["tp_rank"], measured["saved_peak"], predicted))
+            assert abs(measured["saved_peak"] - predicted) <= 0.10 * measured["saved_peak"], report[-1]
+    print("\n".join(map(str, sorted(set(report)))))
