@@ -76,12 +76,12 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
 
 
 def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False,
-                kv_heads: int = 2) -> RunConfig:
+                kv_heads: int = 2, pp: int = 1) -> RunConfig:
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": kv_heads,
                   "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
                   "tie_embeddings": tie},
-        "parallel": {"tensor": tp},
+        "parallel": {"tensor": tp, "pipeline": pp},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7,
@@ -100,10 +100,20 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def whole_parameters(model) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's parameters in the TP=1 layout, on every rank (a tied embedding from the first stage)."""
+    merged = {}
+    for part in model.ctx.world.all_gather_object(full_parameters(model)):
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
+
+
 def train_run(ctx: ParallelContext, config: RunConfig):
     trainer = Trainer(config, ctx, synthetic_data())
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
-    return (curve, full_parameters(trainer.model)), trainer
+    params = whole_parameters(trainer.model) if ctx.pp_size > 1 else full_parameters(trainer.model)
+    return (curve, params), trainer
 
 
 PROBE = torch.arange(30).view(2, 15) % VOCAB  # tokens whose logits compare checkpoints
@@ -133,6 +143,9 @@ def worker_world2(hf: dict):
     for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
         out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
     checkpointed = train_run(ParallelContext.from_process_group(2), tiny_config(2, 8, checkpointing=True))[0]
+    for label, tie in (("pp2", False), ("pp2-tied", True)):
+        ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
+        out[label] = train_run(ctx, tiny_config(1, 2, tie, pp=2))[0]
     out["checkpointing_same_curve"] = checkpointed[0] == out["2x1"][0]
     ctx = ParallelContext.from_process_group(2)
     out["all_reduces_tp2"] = tensor_parallel_all_reduces(ctx, tiny_config(2))
@@ -165,6 +178,8 @@ def worker_world4(hf: dict, checkpoints: str):
     out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
     out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
     out["2x2-one-kv-head"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4, kv_heads=1))[0]
+    ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
+    out["tp2-pp2-one-kv-head"] = train_run(ctx, tiny_config(2, 2, kv_heads=1, pp=2))[0]
     out["kv_replicated_tp4"] = not hasattr(trainer_4x1.model.layers["0"].attn.k.weight, "tensor_parallel_dim")
     out["all_reduces_tp4"] = tensor_parallel_all_reduces(trainer_4x1.ctx, tiny_config(4))
     out["logits_4x1"] = probe_logits(trainer_4x1.model)
@@ -290,6 +305,18 @@ def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
 def test_replicated_kv_heads_with_data_parallelism_train_like_one_process(world4, reference):
     """One KV head at TP=2 x DP=2: the replicated k/v gradients are summed over TP, then averaged over DP."""
     assert_same_run(world4["2x2-one-kv-head"], reference["one-kv-head"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "pp2-tied"])
+def test_pipeline_stages_train_like_one_process(world2, reference, layout):
+    """PP=2: each stage holds one layer (rotating its own positions); the tied embedding's two copies add up."""
+    assert_same_run(world2[layout], reference[layout.endswith("tied")])
+
+
+@pytest.mark.slow
+def test_pipeline_with_replicated_kv_heads_trains_like_one_process(world4, reference):
+    assert_same_run(world4["tp2-pp2-one-kv-head"], reference["one-kv-head"])
 
 
 @pytest.mark.slow
