@@ -4,8 +4,9 @@ Two accountings of one transformer layer's saved activations for one micro-batch
 s tokens, hidden h, a heads, TP size t):
 
 - "shardlm": exactly what autograd saves in shardlm's layer (`memory.layer_activation_bytes`, fused
-  SDPA, shardlm's dtypes). Sequence parallelism divides the part that TP replicates (LayerNorm
-  inputs and outputs, dropout masks, LayerNorm statistics) by t; selective recomputation drops what
+  SDPA, shardlm's dtypes). Sequence parallelism divides LayerNorm inputs and statistics and the
+  dropout masks by t (the QKV and fc GEMMs save the all-gathered LayerNorm outputs, so those stay
+  whole: 2 b s h e_m per layer more than Korthikanti's 34/t); selective recomputation drops what
   the attention core saves beyond its input and output (with the fused kernel only the log-sum-exp:
   the s x s scores are never stored, so it buys little here);
 - "megatron": Korthikanti et al. 2022 (Megatron's fp16 layer with the unfused softmax, 2-byte
@@ -76,28 +77,39 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
     base = activation_memory(cfg, tp, micro_batch, fmt, backend, rank)
     tokens = micro_batch * cfg.seq_length
     per_layer, layer_input, embedding = base.per_layer, base.layer_input, base.embedding
+    head = base.outside_layers - base.embedding
     if setting.sequence_parallel and tp > 1:
-        masks = 2 if cfg.dropout > 0 else 0
-        mask_bytes = (1 if backend == "cuda" else fmt.residual_bytes) if masks else 0
-        replicated = tokens * cfg.hidden_size * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + masks * mask_bytes)
-        replicated += 2 * 2 * tokens * 4  # LayerNorm mean and rstd
-        per_layer -= replicated - replicated // tp
+        h = cfg.hidden_size
+        mask_bytes = 0 if cfg.dropout <= 0 else 1 if backend == "cuda" else fmt.residual_bytes
+
+        def unsplit(nbytes: int) -> int:  # what splitting `nbytes` over the sequence saves
+            return nbytes - nbytes // tp
+
+        # per layer: the two LayerNorm inputs, their statistics and the two dropout masks are split; the
+        # GEMMs save the all-gathered LayerNorm outputs (full sequence), as shardlm's f-twin returns them
+        per_layer -= unsplit(tokens * h * (2 * fmt.residual_bytes + 2 * mask_bytes) + 2 * 2 * tokens * 4)
         layer_input //= tp
-        embedding -= tokens * cfg.hidden_size * mask_bytes - tokens * cfg.hidden_size * mask_bytes // tp
+        embedding -= unsplit(tokens * h * mask_bytes)
+        head -= unsplit(tokens * h * fmt.residual_bytes + 2 * tokens * 4)  # final LayerNorm input and statistics
     if setting.recompute == "selective":
         per_layer -= micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4  # SDPA's log-sum-exp
-    head = base.outside_layers - base.embedding
     return replace(base, per_layer=per_layer, layer_input=layer_input, outside_layers=embedding + head,
                    embedding=embedding)
 
 
 def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: str, pp: int,
-                         micro_batches: int, recompute: str, transient: bool = True) -> int:
+                         micro_batches: int, recompute: str, transient: bool = True,
+                         keeps_received: bool = False) -> int:
     """Most activation bytes alive at once on pipeline rank `stages.rank`: every in-flight micro-batch's
     saved layers (only layer inputs under full recomputation, plus one layer being rebuilt), its
     embedding pieces on the first stage and its head and loss on the last (with the logits of the
     latest micro-batch; `transient=False` counts only what autograd saves). Without a pipeline:
-    `acts.peak(recompute == "full") + acts.transient`."""
+    `acts.peak(recompute == "full") + acts.transient`.
+
+    `keeps_received` (shardlm, on PyTorch's schedules): a stage other than the first keeps each
+    micro-batch's received activation (its first layer's input, b s h in the residual dtype, split
+    with SP) until the step ends, not just until that micro-batch's backward; at the peak those of
+    the micro-batches already finished are alive too: m per such stage, less the ones in flight."""
     virtual = len(stages.layers_per_chunk)
     chunks = forwards_in_flight(schedule, pp, virtual, micro_batches, stages.rank)
     full = recompute == "full"
@@ -110,4 +122,8 @@ def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: s
     if stages.last:
         total += chunks.count(virtual - 1) * (acts.outside_layers - acts.embedding)
         total += acts.transient if transient else 0
+    if keeps_received and pp > 1:
+        receiving = [c for c in range(virtual) if not (stages.first and c == 0)]
+        finished = len(receiving) * micro_batches - sum(chunks.count(c) for c in receiving)
+        total += finished * acts.layer_input
     return total

@@ -238,7 +238,8 @@ class _Evaluator:
         for rank in sorted({0, pp - 1}):
             stages, params = self.rank_params(pp, layout.virtual, tp, rank)
             state = state_memory(params, self.fmt, layout.dp, layout.distributed_optimizer)
-            peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute)
+            peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
+                                        keeps_received=not self.megatron)
             if worst is None or state.total + peak > worst[0].total + worst[1]:
                 worst = (state, peak, rank)
         state, peak, rank = worst
