@@ -310,12 +310,12 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
          "train.param_dtype and train.distributed_optimizer are not available yet; leave them at their defaults"),
         (t.recompute in ("none", "selective", "full"),
          f'train.recompute="{t.recompute}" must be "none", "selective" or "full"'),
-        (t.recompute != "selective" or m.arch == "gpt",
-         f'train.recompute="selective" supports model.arch="gpt"; use "full" for "{m.arch}"'),
+        (t.recompute != "selective" or m.arch in ("gpt", "llama"),
+         f'train.recompute="selective" supports model.arch="gpt" and "llama"; use "full" for "{m.arch}"'),
         (not p.sequence_parallel or p.tensor > 1,
          "parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence over the TP group)"),
-        (not p.sequence_parallel or m.arch == "gpt",
-         f'parallel.sequence_parallel=true supports model.arch="gpt"; turn it off for "{m.arch}"'),
+        (not p.sequence_parallel or m.arch in ("gpt", "llama"),
+         f'parallel.sequence_parallel=true supports model.arch="gpt" and "llama"; turn it off for "{m.arch}"'),
         (not p.sequence_parallel or m.seq_length % p.tensor == 0,
          f"model.seq_length={m.seq_length} is not divisible by parallel.tensor={p.tensor}, which sequence "
          "parallelism needs; choose a sequence length that divides"),
@@ -357,9 +357,9 @@ def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
                         'parallel.pipeline_schedule="interleaved-1f1b"')
     if p.pipeline == 1:
         return
-    if m.arch != "gpt":
-        raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" only; use parallel.pipeline=1 '
-                        f'for "{m.arch}"')
+    if m.arch not in ("gpt", "llama"):
+        raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" and "llama"; use '
+                        f'parallel.pipeline=1 for "{m.arch}"')
     stage_layers(m.num_layers, p.pipeline * p.virtual_stages, p.first_stage_layers, p.last_stage_layers)
     if p.pipeline_schedule != "gpipe" and micro_batches < p.pipeline:
         raise UserError(f"{micro_batches} micro-batches per step is fewer than parallel.pipeline={p.pipeline}, "

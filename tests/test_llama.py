@@ -76,16 +76,16 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
 
 
 def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False,
-                kv_heads: int = 2, pp: int = 1) -> RunConfig:
+                kv_heads: int = 2, pp: int = 1, sp: bool = False, recompute: str = "none") -> RunConfig:
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": kv_heads,
                   "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
                   "tie_embeddings": tie},
-        "parallel": {"tensor": tp, "pipeline": pp},
+        "parallel": {"tensor": tp, "pipeline": pp, "sequence_parallel": sp},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7,
-                  "activation_checkpointing": checkpointing},
+                  "recompute": "full" if checkpointing else recompute},
     })
 
 
@@ -143,6 +143,9 @@ def worker_world2(hf: dict):
     for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
         out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
     checkpointed = train_run(ParallelContext.from_process_group(2), tiny_config(2, 8, checkpointing=True))[0]
+    ctx = ParallelContext.from_process_group(2)
+    out["2x1-sp-selective"], trainer = train_run(ctx, tiny_config(2, 4, sp=True, recompute="selective"))
+    out["sp_engaged"] = trainer.model.sequence_parallel and trainer.model.layers["0"].attn.selective_recompute
     for label, tie in (("pp2", False), ("pp2-tied", True)):
         ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
         out[label] = train_run(ctx, tiny_config(1, 2, tie, pp=2))[0]
@@ -178,6 +181,7 @@ def worker_world4(hf: dict, checkpoints: str):
     out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
     out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
     out["2x2-one-kv-head"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4, kv_heads=1))[0]
+    out["4x1-sp"] = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8, sp=True))[0]
     ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
     out["tp2-pp2-one-kv-head"] = train_run(ctx, tiny_config(2, 2, kv_heads=1, pp=2))[0]
     out["kv_replicated_tp4"] = not hasattr(trainer_4x1.model.layers["0"].attn.k.weight, "tensor_parallel_dim")
@@ -317,6 +321,15 @@ def test_pipeline_stages_train_like_one_process(world2, reference, layout):
 @pytest.mark.slow
 def test_pipeline_with_replicated_kv_heads_trains_like_one_process(world4, reference):
     assert_same_run(world4["tp2-pp2-one-kv-head"], reference["one-kv-head"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", [("world2", "2x1-sp-selective"), ("world4", "4x1-sp")])
+def test_sequence_parallelism_trains_like_one_process(request, reference, world, layout):
+    """Norms, dropouts and residuals on sequence chunks (RoPE after the all-gather sees every position), at
+    TP=2 with selective recomputation and at TP=4 with replicated KV heads."""
+    assert_same_run(request.getfixturevalue(world)[layout], reference[False])
+    assert request.getfixturevalue("world2")["sp_engaged"]
 
 
 @pytest.mark.slow

@@ -347,5 +347,5 @@ def test_bad_pipeline_layouts_get_one_line_errors(world, overrides, message):
 def test_bert_under_pipeline_is_refused():
     config = pp_config(micro=2)
     config.model.arch, config.parallel.pipeline = "bert", 2
-    with pytest.raises(UserError, match='supports model.arch="gpt" only'):
+    with pytest.raises(UserError, match='supports model.arch="gpt" and "llama"'):
         validate(config, 2, check_paths=False)

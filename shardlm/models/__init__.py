@@ -23,23 +23,23 @@ def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointin
 
     `recompute` is "none", "selective" (the attention core) or "full" (whole layers; what
     `activation_checkpointing=True` means); `sequence_parallel` splits the replicated activations
-    along the sequence. Selective recomputation and sequence parallelism are GPT's (the config refuses
-    them for the other architectures)."""
+    along the sequence. Selective recomputation and sequence parallelism are GPT's and Llama's (the
+    config refuses them for BERT)."""
     recompute = recompute or ("full" if activation_checkpointing else "none")
     if cfg.arch == "gpt":
         from shardlm.models.gpt import GPT
 
         return GPT(cfg, ctx, seed=seed, recompute=recompute, sequence_parallel=sequence_parallel)
+    if cfg.arch == "llama":
+        from shardlm.models.llama import Llama
+
+        return Llama(cfg, ctx, seed=seed, recompute=recompute, sequence_parallel=sequence_parallel)
     if recompute == "selective" or sequence_parallel:
         raise ValueError(f"model.arch={cfg.arch!r} has no selective recomputation or sequence parallelism")
     if cfg.arch == "bert":
         from shardlm.models.bert import BERT
 
         return BERT(cfg, ctx, seed=seed, activation_checkpointing=recompute == "full")
-    if cfg.arch == "llama":
-        from shardlm.models.llama import Llama
-
-        return Llama(cfg, ctx, seed=seed, activation_checkpointing=recompute == "full")
     raise ValueError(f"unknown model.arch {cfg.arch!r}")
 
 

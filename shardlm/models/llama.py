@@ -18,7 +18,11 @@ feeds the vocabulary-parallel cross-entropy; training never gathers logits.
 
 The interface is GPT's (`embed`, `run_layers`, `head`, `output_layer`, `hidden_states`, `loss`,
 `forward`, `full_logits`, `new_kv_cache`): each attention layer computes its rotary angles from its
-own positions (offset by its KV cache), so pipeline stages need nothing else.
+own positions (offset by its KV cache), so pipeline stages need nothing else. Sequence parallelism and
+selective recomputation work as in GPT: with `sequence_parallel` the norms, dropouts and residuals act
+on (B, T / tp, h) chunks, the one `f` of each block becomes the sequence all-gather `f_sp` (RoPE then
+sees the whole sequence's positions), the row-parallel layers reduce-scatter, and the output layer
+gathers the final norm's chunks; `recompute="selective"` recomputes only the attention core.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.gpt import KVCache, LayerKVCache, causal_mask_with_past
+from shardlm.models.gpt import KVCache, LayerKVCache, SequenceDropout, causal_mask_with_past, mark_sequence_parallel
 from shardlm.models.rotary import apply_rotary, rotary_angles
 from shardlm.parallel import (
     ColumnParallelLinear,
@@ -39,6 +43,7 @@ from shardlm.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
     gather_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
@@ -56,6 +61,12 @@ def kv_head_range(num_heads: int, num_kv_heads: int, tensor_parallel: int, tp_ra
     local, group = num_heads // tensor_parallel, num_heads // num_kv_heads
     first_query = tp_rank * local
     return first_query // group, (first_query + local - 1) // group + 1
+
+
+def enter_parallel_region(x: torch.Tensor, tp, sequence_parallel: bool) -> torch.Tensor:
+    """The one `f` in front of a block's column-parallel layers: identity forward and all-reduce backward, or
+    under sequence parallelism `f_sp`, (B, T / tp, h) chunks all-gathered to (B, T, h) (reduce-scattered back)."""
+    return gather_from_sequence_parallel(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
 
 
 class KeyValueProjection(nn.Module):
@@ -91,9 +102,11 @@ class KeyValueProjection(nn.Module):
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with RoPE; query heads split over TP. (B, T, h) -> (B, T, h)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
+                 sequence_parallel: bool = False, selective_recompute: bool = False):
         super().__init__()
         self.ctx, self.tp = ctx, ctx.tp
+        self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
         self.heads = cfg.num_heads // ctx.tp_size
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.theta = cfg.rope_theta
@@ -104,7 +117,8 @@ class LlamaAttention(nn.Module):
         self.k = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.k"))
         self.v = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.v"))
         self.o = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
-                                   seed=param_seed(seed, f"{prefix}.o"), device=ctx.device)
+                                   seed=param_seed(seed, f"{prefix}.o"), device=ctx.device,
+                                   sequence_parallel=sequence_parallel)
         first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, ctx.tp_size, ctx.tp_rank)
         self.kv_heads = last - first
         group = cfg.num_heads // cfg.kv_heads
@@ -120,9 +134,9 @@ class LlamaAttention(nn.Module):
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones: they are
         rotated for positions cache.length .. cache.length + T - 1 and attend to the cached keys too.
         The cache holds only this rank's KV heads (B, kv_heads, T, head_dim), never per-query copies."""
+        x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
-        x = copy_to_tensor_parallel(x, self.tp)  # one `f` for the q, k and v projections
         q = F.linear(x, self.q.weight).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -132,48 +146,60 @@ class LlamaAttention(nn.Module):
             k, v = cache.append(k, v)  # (B, kv_heads, past + T, head_dim)
         if self.kv_index is not None:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        gqa = k.shape[1] != self.heads
         if past > 0:
             mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif self.training and self.dropout > 0:
-            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != self.heads)
+        elif self.selective_recompute and self.training and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v with attention dropout when training; q (B, heads/tp, T, d),
+        k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d)."""
+        gqa = k.shape[1] != self.heads
+        if self.training and self.dropout > 0:
+            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), (B, T, h) -> (B, T, h): gate and up column-parallel (h -> f/tp),
     down row-parallel (f/tp -> h, all-reduced)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool = False):
         super().__init__()
-        self.tp = ctx.tp
+        self.tp, self.sequence_parallel = ctx.tp, sequence_parallel
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx.tp, bias=False, std=cfg.init_std,
                                          seed=param_seed(seed, f"{prefix}.gate"), device=ctx.device)
         self.up = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx.tp, bias=False, std=cfg.init_std,
                                        seed=param_seed(seed, f"{prefix}.up"), device=ctx.device)
         self.down = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
-                                      seed=param_seed(seed, f"{prefix}.down"), device=ctx.device)
+                                      seed=param_seed(seed, f"{prefix}.down"), device=ctx.device,
+                                      sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel(x, self.tp)  # one `f` for gate and up
+        x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for gate and up
         return self.down(F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight))
 
 
 class LlamaBlock(nn.Module):
     """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(SwiGLU(RMSNorm(x))). (B, T, h) -> (B, T, h)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
+                 sequence_parallel: bool = False, selective_recompute: bool = False):
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.attn = LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn")
+        self.attn = LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel, selective_recompute)
         self.ln_2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.mlp = SwiGLU(cfg, ctx, seed, f"layers.{index}.mlp")
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.mlp = SwiGLU(cfg, ctx, seed, f"layers.{index}.mlp", sequence_parallel)
+        self.dropout = SequenceDropout(cfg.dropout, ctx, sequence_parallel)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln_1)
+            mark_sequence_parallel(self.ln_2)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.ln_1(x), cache))
@@ -191,19 +217,25 @@ class Llama(nn.Module):
     FIRST_STAGE = ("wte",)  # what the first pipeline stage keeps besides its layers
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, recompute: str | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         if ctx.rng is None:
             ctx.seed(seed)
         self.cfg, self.ctx = cfg, ctx
-        self.activation_checkpointing = activation_checkpointing
+        self.recompute = recompute or ("full" if activation_checkpointing else "none")
+        self.activation_checkpointing = self.recompute == "full"
+        self.sequence_parallel = sp = sequence_parallel and ctx.tp_size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
-                                          seed=param_seed(seed, "wte"), device=ctx.device)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i) for i in range(cfg.num_layers)})
+                                          seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)
+        self.drop = SequenceDropout(cfg.dropout, ctx, sp)
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i, sp, self.recompute == "selective")
+                                     for i in range(cfg.num_layers)})
         self.ln_f = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        if sp:
+            mark_sequence_parallel(self.ln_f)
         self.lm_head = None
         if not cfg.tie_embeddings:
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, ctx.tp, bias=False,
@@ -219,7 +251,8 @@ class Llama(nn.Module):
         return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
 
     def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
-        """(B, T) ids -> (B, T, h) token embeddings and dropout (positions enter in the attention, as RoPE)."""
+        """(B, T) ids -> (B, T, h) token embeddings and dropout (positions enter in the attention, as RoPE);
+        under sequence parallelism this rank's chunk (B, T / tp, h)."""
         T = tokens.shape[1]
         if past + T > self.cfg.seq_length:
             raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
@@ -239,7 +272,7 @@ class Llama(nn.Module):
         """(B, T, h) final-RMSNorm output -> (B, T, V_padded / tp) this rank's logits: the column-parallel
         `lm_head`, or the embedding when tied (its input gradient is all-reduced over TP, `f`)."""
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(copy_to_tensor_parallel(h, self.ctx.tp), weight)
+        return F.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), weight)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final RMSNorm and output layer."""
@@ -253,6 +286,9 @@ class Llama(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """(B, T) ids -> (B, T, h) final-RMSNorm output, replicated over the TP group.
         With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("the KV cache works without sequence parallelism; build the model for generation "
+                             "with sequence_parallel=False")
         x = self.embed(tokens, 0 if cache is None else cache.length)
         if cache is None:
             return self.ln_f(self.run_layers(x, self.layers.values()))
