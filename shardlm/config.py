@@ -306,8 +306,9 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     validate_pipeline(config, t.global_batch_size // per_step)
     checks = [
         (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
-        (t.param_dtype == "fp32" and not t.distributed_optimizer,
-         "train.param_dtype and train.distributed_optimizer are not available yet; leave them at their defaults"),
+        (t.param_dtype in ("fp32", "half"), f'train.param_dtype="{t.param_dtype}" must be "fp32" or "half"'),
+        (t.param_dtype == "fp32" or t.precision in ("bf16", "fp16"),
+         'train.param_dtype="half" stores parameters in train.precision; set train.precision to "bf16" or "fp16"'),
         (t.recompute in ("none", "selective", "full"),
          f'train.recompute="{t.recompute}" must be "none", "selective" or "full"'),
         (t.recompute != "selective" or m.arch in ("gpt", "llama"),

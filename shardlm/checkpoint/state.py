@@ -39,7 +39,12 @@ def split_dim(param: torch.Tensor) -> int | None:
 
 # ------------------------------------------------------------------------------------------- save
 
-def _model_tensors(trainer) -> dict[str, torch.Tensor]:
+def _model_tensors(trainer, full: dict | None = None) -> dict[str, torch.Tensor]:
+    """"model/NAME", "exp_avg/NAME", "exp_avg_sq/NAME" of this rank's TP shard. `full`: the master-weight
+    optimizer's layout-free state (fp32 master weights, moments gathered over DP), used when given."""
+    if full is not None:
+        return {f"{key}/{name}": value.detach().cpu().contiguous()
+                for name, state in full.items() for key, value in state.items()}
     out = {}
     for name, param in trainer.model.named_parameters():
         out[f"model/{name}"] = param.detach().cpu().contiguous()
@@ -81,9 +86,11 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
         tmp.mkdir()
     ctx.world.barrier()
     records = {}
+    optimizer = trainer.optimizer
+    full = optimizer.full_state() if hasattr(optimizer, "full_state") else None  # collective over DP
     if ctx.dp_rank == 0:
         name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None)
-        save_file(_model_tensors(trainer), str(tmp / name))
+        save_file(_model_tensors(trainer, full), str(tmp / name))
         records[name] = files.file_record(tmp / name)
     tensors, metadata = _rng_tensors(ctx)
     save_file(tensors, str(tmp / rng_file(ctx.rank)), metadata=metadata)
@@ -126,8 +133,10 @@ def check_compatible(saved: dict, config: RunConfig) -> None:
 
 
 def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=None, optimizer_step: int = 0) -> None:
-    """Copy this rank's slice of every parameter (and Adam moments) from `reader` into place."""
+    """Copy this rank's slice of every parameter (and Adam moments) from `reader` into place (through the
+    master-weight optimizer's `load_full_state` when it has one)."""
     keys = reader.keys()
+    full = {}
     for name, param in model.named_parameters():
         if f"model/{name}" not in keys:
             raise UserError(f"checkpoint has no tensor for parameter {name}")
@@ -139,6 +148,9 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
         local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
                  for prefix in wanted if f"{prefix}/{name}" in keys}
+        if hasattr(optimizer, "load_full_state"):
+            full[name] = local
+            continue
         with torch.no_grad():
             param.copy_(local["model"])
         if optimizer is not None and optimizer_step > 0 and "exp_avg" in local:
@@ -146,6 +158,8 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
             step_device = param.device if optimizer.defaults.get("fused") else "cpu"
             optimizer.state[param] = {"step": torch.tensor(float(optimizer_step), device=step_device),
                                       "exp_avg": local["exp_avg"], "exp_avg_sq": local["exp_avg_sq"]}
+    if full:
+        optimizer.load_full_state(full, optimizer_step)
 
 
 def _restore_rng(ctx: ParallelContext, path: Path) -> None:

@@ -101,6 +101,9 @@ def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
     if ctx.pp_size == 1 or not (ctx.is_first_stage or ctx.is_last_stage):
         return
     for param in tied_parameters(model):
+        if hasattr(param, "main_grad"):  # fp32 gradient buffer of the master-weight optimizer
+            ctx.embedding.all_reduce(param.main_grad)
+            continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         ctx.embedding.all_reduce(param.grad)

@@ -37,6 +37,7 @@ def all_reduce_gradients(grads: list[torch.Tensor], ctx: ParallelContext) -> Non
 
 def sum_sequence_parallel_gradients(params: list[torch.Tensor], ctx: ParallelContext) -> None:
     """Sum the gradients of parameters marked `sequence_parallel` over the TP group (one all-reduce)."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [getattr(p, "main_grad", p.grad) for p in params if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
     if ctx.tp_size > 1 and grads:
         _reduce_in_place(grads, ctx.tp)

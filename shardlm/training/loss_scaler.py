@@ -25,8 +25,10 @@ class DynamicLossScaler:
         self.clean_steps = 0
         self.hysteresis_left = hysteresis
 
-    def unscale_and_check(self, params: list[torch.Tensor], ctx: ParallelContext) -> bool:
-        """Divide every gradient by the scale; True when any gradient anywhere is inf or NaN."""
+    def unscale_and_check(self, params: list[torch.Tensor], ctx: ParallelContext,
+                          sharded_over_dp: bool = False) -> bool:
+        """Divide every gradient by the scale; True when any gradient anywhere is inf or NaN (checked over
+        DP too when each DP rank holds only its range of the gradients)."""
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / self.scale)
         found = torch.zeros((), device=ctx.device)
@@ -34,6 +36,8 @@ class DynamicLossScaler:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         ctx.tp.all_reduce(found, op=dist.ReduceOp.MAX)
         ctx.pp.all_reduce(found, op=dist.ReduceOp.MAX)
+        if sharded_over_dp:
+            ctx.dp.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item())
 
     def update(self, overflow: bool) -> None:

@@ -41,14 +41,15 @@ def learning_rate(step: int, lr: float, min_lr: float, warmup_steps: int, decay_
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
+def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_over_dp: bool = False) -> torch.Tensor:
     """L2 norm of all gradients of the whole model, equal to the single-process norm.
 
     Squared norms of tensor-parallel shards are summed over the TP group (one all-reduce of one
     scalar); replicated parameters are identical on every TP rank and are counted once. Each pipeline
     stage adds its parameters' share over the PP group (one more scalar all-reduce); the tied embedding's
     copy on the last stage (`pipeline_tied_copy`) is left out, so it counts once. Gradients are already
-    averaged over DP, so DP needs no communication.
+    averaged over DP, so DP needs no communication, unless each DP rank holds only its range of them
+    (`sharded_over_dp`, the distributed optimizer): then the ranges' shares are summed over DP.
     """
     device = ctx.device
     params = [p for p in params if p.grad is not None and not getattr(p, "pipeline_tied_copy", False)]
@@ -62,13 +63,17 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext) -> torch.
 
     sharded_sq = squared(sharded)
     ctx.tp.all_reduce(sharded_sq)
-    return ctx.pp.all_reduce(sharded_sq + squared(replicated)).sqrt()
+    total = sharded_sq + squared(replicated)
+    if sharded_over_dp:
+        ctx.dp.all_reduce(total)
+    return ctx.pp.all_reduce(total).sqrt()
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ctx: ParallelContext) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ctx: ParallelContext,
+                   sharded_over_dp: bool = False) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (same rule as
     `torch.nn.utils.clip_grad_norm_`); returns the norm before clipping."""
-    norm = global_grad_norm(params, ctx)
+    norm = global_grad_norm(params, ctx, sharded_over_dp)
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)

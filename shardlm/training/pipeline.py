@@ -5,8 +5,9 @@ one optimizer step's micro-batches through PyTorch's schedule. Every rank of a p
 the same micro-batches of its data-parallel rank; the first stage feeds the tokens, the last stage
 the targets. After the schedule:
   1. the tied word embedding's two copies add their gradients (embedding group, first + last stage);
-  2. gradients are averaged over the data-parallel group, one all-reduce of all of them at once;
-  3. the last stage's mean loss is broadcast over the pipeline group, so every rank reports it.
+  2. the last stage's mean loss is broadcast over the pipeline group, so every rank reports it.
+The trainer then averages gradients over the data-parallel group (one coalesced all-reduce, or the
+distributed optimizer's reduce-scatter): DDP is not used under pipelining.
 The loss of each micro-batch is divided by the micro-batch count (and multiplied by the fp16 loss
 scale) before its backward, as the trainer does without pipelining, so gradients are the same sums.
 """
@@ -18,7 +19,6 @@ import torch
 from shardlm.config import RunConfig
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.pipeline import build_schedule, keep_stages, local_stages, stage_layers, sum_tied_gradients
-from shardlm.training.gradients import all_reduce_gradients
 
 
 class PipelineRunner:
@@ -58,15 +58,14 @@ class PipelineRunner:
         return torch.stack(self._losses[-len(batches):]).sum()  # the schedule may call the loss once more first
 
     def forward_backward(self, batches: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward of one step's micro-batches; gradients summed over stages' tied copies and
-        averaged over DP. Returns the sum of the micro-batch losses, the same on every rank of the step's
-        pipeline group (before the DP average)."""
+        """Forward and backward of one step's micro-batches; the tied embedding's gradients summed over its
+        two stages (the trainer then averages gradients over DP). Returns the sum of the micro-batch
+        losses, the same on every rank of the step's pipeline group (before the DP average)."""
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"{len(batches)} micro-batches, but the schedule was built for {self.num_micro_batches}")
         self.loss_factor = scale / len(batches)
         loss_sum = self._run(self.schedule, batches, train=True)
         sum_tied_gradients(self.model, self.ctx)
-        all_reduce_gradients([p.grad for p in self.model.parameters() if p.grad is not None], self.ctx)
         return self.broadcast_from_last_stage(loss_sum)
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from shardlm.models import build_model, training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
 from shardlm.training.data import micro_batches
-from shardlm.training.gradients import sum_sequence_parallel_gradients
+from shardlm.training.gradients import all_reduce_gradients, sum_sequence_parallel_gradients
 from shardlm.training.loss_scaler import DynamicLossScaler
 from shardlm.training.optim import build_optimizer, clip_grad_norm, learning_rate
 
@@ -73,12 +73,24 @@ class Trainer:
 
             self.pipeline = PipelineRunner(self.model, config, ctx, self.accumulation)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.ddp = None
-        if ctx.dp_size > 1 and self.pipeline is None:
-            self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group, gradient_as_bucket_view=True)
-            self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
-        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2),
-                                         t.adam_eps, ctx.device)
+        self.ddp = self.master = None
+        betas = (t.adam_beta1, t.adam_beta2)
+        if t.param_dtype == "half" or t.distributed_optimizer:
+            from shardlm.training.master_weights import MasterWeightOptimizer
+
+            dtype = HALF[t.precision] if t.param_dtype == "half" else torch.float32
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            self.optimizer = self.master = MasterWeightOptimizer(named, ctx, t.lr, t.weight_decay, betas, t.adam_eps,
+                                                                 dtype, shard=t.distributed_optimizer)
+        else:
+            if ctx.dp_size > 1 and self.pipeline is None:
+                self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group,
+                                                   gradient_as_bucket_view=True)
+                self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
+            self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, betas, t.adam_eps, ctx.device)
+        # what the optimizer updates: the parameters, or the master weights' segments
+        self.update_params = self.master.segments if self.master else self.params
+        self.sharded_over_dp = bool(self.master and self.master.shard)
         self.scaler = None
         if t.precision == "fp16":
             self.scaler = DynamicLossScaler(t.initial_loss_scale, t.loss_scale_window, t.hysteresis,
@@ -97,6 +109,15 @@ class Trainer:
             count -= tied * self.ctx.tp_size
             self.ctx.pp.all_reduce(count)
         return int(count.item())
+
+    def reduce_gradients(self) -> None:
+        """After the backward of every micro-batch: sequence-parallel gradients summed over TP, then
+        gradients averaged over DP where DDP did not already (pipeline stages, master weights)."""
+        sum_sequence_parallel_gradients(self.params, self.ctx)
+        if self.master is not None:
+            self.master.reduce_gradients()
+        elif self.ddp is None:
+            all_reduce_gradients([p.grad for p in self.params if p.grad is not None], self.ctx)
 
     def autocast(self):
         precision = self.config.train.precision
@@ -129,15 +150,16 @@ class Trainer:
                     loss = self.loss(forward, batch)
                 loss_sum += loss.detach()
                 (loss * (scale / len(batches))).backward()
-        sum_sequence_parallel_gradients(self.params, ctx)
+        self.reduce_gradients()
         ctx.dp.all_reduce(loss_sum)
         loss_value = loss_sum.item() / (len(batches) * ctx.dp_size)
 
-        overflow = self.scaler.unscale_and_check(self.params, ctx) if self.scaler else False
+        updated, over_dp = self.update_params, self.sharded_over_dp
+        overflow = self.scaler.unscale_and_check(updated, ctx, over_dp) if self.scaler else False
         grad_norm = float("nan")
         lr = self.lr(self.step)
         if not overflow:
-            grad_norm = clip_grad_norm(self.params, t.clip_grad, ctx).item()
+            grad_norm = clip_grad_norm(updated, t.clip_grad, ctx, over_dp).item()
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()

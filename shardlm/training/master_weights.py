@@ -1,0 +1,170 @@
+"""fp32 master weights for half-precision parameters, and the distributed optimizer (ZeRO-1).
+
+`MasterWeightOptimizer` takes over a model's parameters when `train.param_dtype = "half"` or
+`train.distributed_optimizer = true` (Megatron's mixed-precision and distributed optimizers):
+
+- The parameters become views into one flat buffer (bf16/fp16 with "half", else fp32), and every
+  parameter gets `main_grad`, a view into one flat fp32 gradient buffer: a hook adds each backward's
+  gradient to it (in fp32) and frees the half-precision one, so micro-batches accumulate in fp32.
+- Both buffers are padded to a multiple of the data-parallel size d. With the distributed optimizer,
+  DP rank r owns elements [r N/d, (r + 1) N/d) of the flattened parameters, whatever parameters they
+  belong to: gradients are reduce-scattered over DP (each rank receives the averaged gradient of its
+  range), the rank updates the fp32 master weights and AdamW moments of its range only, and the
+  updated parameters are all-gathered. Without it, gradients are all-reduced and every rank updates all.
+- AdamW runs on "segments": for each parameter, the part of it inside this rank's range, a 1-D view of
+  the master buffer whose `.grad` is a view of the reduced gradient. Segments carry their parameter's
+  attributes (tensor-parallel split, tied pipeline copy), so the global gradient norm, clipping, weight
+  decay (matrices only) and fp16 loss scaling behave exactly as without sharding.
+
+Bytes per parameter: half params 2 + gradients 4 + master 4 + moments 8 = 18, or 2 + 4 + 12 / d with
+the distributed optimizer; fp32 params are their own master: 4 + 4 + 8 / d.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardlm.parallel import ParallelContext
+
+SEGMENT_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel")
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as the trainer reduces it: the fp32 `main_grad` when there is one."""
+    return getattr(param, "main_grad", param.grad)
+
+
+class MasterWeightOptimizer:
+    """AdamW over fp32 master weights of this rank's (optionally DP-sharded) range of `named_params`.
+
+    Exposes what the trainer and checkpoints use of `torch.optim.AdamW`: `param_groups`, `state`,
+    `step()`, `zero_grad()`, plus the gradient reduction (`reduce_gradients`) and the layout-free state
+    (`full_state`, `load_full_state`).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext, lr: float,
+                 weight_decay: float, betas: tuple[float, float], eps: float, param_dtype: torch.dtype,
+                 shard: bool):
+        self.ctx, self.names = ctx, [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shard = shard and ctx.dp_size > 1
+        d = ctx.dp_size if self.shard else 1
+        numel = sum(p.numel() for p in self.params)
+        self.padded = -(-numel // d) * d
+        self.shard_size = self.padded // d
+        self.lo = (ctx.dp_rank if self.shard else 0) * self.shard_size
+        device = ctx.device
+        initial = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        self.param_buffer = torch.zeros(self.padded, dtype=param_dtype, device=device)
+        self.grad_buffer = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        self.ranges = []
+        offset = 0
+        for p in self.params:
+            a, b = offset, offset + p.numel()
+            initial[a:b] = p.detach().reshape(-1).float()
+            self.param_buffer[a:b] = p.detach().reshape(-1)
+            p.data = self.param_buffer[a:b].view_as(p)
+            p.main_grad = self.grad_buffer[a:b].view_as(p)
+            p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            self.ranges.append((a, b))
+            offset = b
+        hi = self.lo + self.shard_size
+        # fp32 parameters are their own master weights; half ones get an fp32 copy of this rank's range
+        self.separate_master = param_dtype != torch.float32
+        self.master = initial[self.lo:hi].clone() if self.separate_master else self.param_buffer[self.lo:hi]
+        self.grad_shard = self.grad_buffer[self.lo:hi]  # the reduce-scatter lands in the buffer's own range
+        self.segments = []
+        decay, no_decay = [], []
+        for p, (a, b) in zip(self.params, self.ranges):
+            s, e = max(a, self.lo), min(b, hi)
+            if s >= e:
+                continue
+            segment = self.master[s - self.lo:e - self.lo]
+            segment.grad = self.grad_shard[s - self.lo:e - self.lo]
+            segment.shard_offset = s - self.lo
+            for attribute in SEGMENT_ATTRIBUTES:
+                if hasattr(p, attribute):
+                    setattr(segment, attribute, getattr(p, attribute))
+            self.segments.append(segment)
+            (decay if p.ndim >= 2 else no_decay).append(segment)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def reduce_gradients(self) -> None:
+        """Average the fp32 gradients over DP: reduce-scatter (each rank gets its range) when sharded,
+        else one all-reduce of the whole buffer."""
+        dp = self.ctx.dp
+        if dp.size == 1:
+            return
+        if self.shard:
+            self.grad_shard.copy_(dp.reduce_scatter(self.grad_buffer)).div_(dp.size)
+        else:
+            dp.all_reduce(self.grad_buffer).div_(dp.size)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's master range, then the updated weights back into the parameters
+        (cast to their dtype; all-gathered over DP when sharded)."""
+        self.optimizer.step()
+        hi = self.lo + self.shard_size
+        if self.separate_master:
+            self.param_buffer[self.lo:hi].copy_(self.master)
+        if self.shard:
+            gathered = self.ctx.dp.all_gather(self.param_buffer[self.lo:hi].clone())
+            self.param_buffer.copy_(torch.cat(gathered))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the fp32 gradient buffer (its views stay attached; `set_to_none` is ignored)."""
+        self.grad_buffer.zero_()
+
+    # ------------------------------------------------------------------ layout-free state (checkpoints)
+
+    def _flat_state(self, key: str) -> torch.Tensor:
+        """This rank's range of AdamW state `key` as one flat tensor (zeros where a segment has none)."""
+        flat = torch.zeros(self.shard_size, dtype=torch.float32, device=self.ctx.device)
+        for segment in self.segments:
+            if key in self.state.get(segment, {}):
+                flat[segment.shard_offset:segment.shard_offset + segment.numel()] = self.state[segment][key]
+        return flat
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{parameter name: {"model", "exp_avg", "exp_avg_sq"}} in fp32 for this rank's TP shard, every
+        DP range gathered (collective over DP when sharded)."""
+        flats = {"model": self.master.float(), "exp_avg": self._flat_state("exp_avg"),
+                 "exp_avg_sq": self._flat_state("exp_avg_sq")}
+        if self.shard:
+            flats = {key: torch.cat(self.ctx.dp.all_gather(flat)) for key, flat in flats.items()}
+        has_moments = any("exp_avg" in state for state in self.state.values())
+        out = {}
+        for name, p, (a, b) in zip(self.names, self.params, self.ranges):
+            out[name] = {key: flat[a:b].view_as(p).clone() for key, flat in flats.items()
+                         if key == "model" or has_moments}
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, tensors: dict[str, dict[str, torch.Tensor]], optimizer_step: int) -> None:
+        """Set parameters, master weights and (when given) moments from `full_state`-shaped tensors."""
+        flats = {key: torch.zeros(self.padded, dtype=torch.float32, device=self.ctx.device)
+                 for key in ("model", "exp_avg", "exp_avg_sq")}
+        for name, (a, b) in zip(self.names, self.ranges):
+            for key, value in tensors[name].items():
+                flats[key][a:b] = value.reshape(-1).to(flats[key].device, torch.float32)
+        hi = self.lo + self.shard_size
+        self.param_buffer.copy_(flats["model"])
+        self.master.copy_(flats["model"][self.lo:hi])
+        if optimizer_step == 0 or not all("exp_avg" in t for t in tensors.values()):
+            return
+        for segment in self.segments:
+            start = self.lo + segment.shard_offset
+            self.state[segment] = {
+                "step": torch.tensor(float(optimizer_step), device=segment.device),
+                "exp_avg": flats["exp_avg"][start:start + segment.numel()].clone(),
+                "exp_avg_sq": flats["exp_avg_sq"][start:start + segment.numel()].clone()}
+
+
+def _accumulate_into_main_grad(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: add the fresh gradient to the fp32 `main_grad` and free it."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
