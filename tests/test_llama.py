@@ -130,6 +130,20 @@ def tensor_parallel_all_reduces(ctx: ParallelContext, config: RunConfig) -> tupl
     return forward, ctx.comm.count("all_reduce", "tp") - forward
 
 
+# At TP=2, rank 0's 6 query heads read KV heads 0, 0, 0, 0, 1, 1 (not SDPA's even grouping).
+UNEVEN = ModelConfig(arch="llama", num_layers=2, hidden_size=96, num_heads=12, num_kv_heads=3, ffn_hidden_size=64,
+                     seq_length=16, vocab_size=VOCAB, dropout=0.0)
+
+
+def uneven_logits(ctx: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of PROBE, the same logits decoded through the KV cache in three pieces) of the UNEVEN model."""
+    model = build_model(UNEVEN, ctx, seed=3).eval()
+    cache = model.new_kv_cache()
+    with torch.no_grad():
+        cached = [model(PROBE[:, :7], cache=cache), model(PROBE[:, 7:8], cache=cache), model(PROBE[:, 8:], cache=cache)]
+        return model.full_logits(model(PROBE)), model.full_logits(torch.cat(cached, dim=1))
+
+
 def probe_logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model.full_logits(model.eval()(PROBE))
@@ -152,6 +166,8 @@ def worker_world2(hf: dict):
     out["checkpointing_same_curve"] = checkpointed[0] == out["2x1"][0]
     ctx = ParallelContext.from_process_group(2)
     out["all_reduces_tp2"] = tensor_parallel_all_reduces(ctx, tiny_config(2))
+    ctx.rng = None
+    out["uneven_tp2"] = uneven_logits(ctx)
     out["hf_tp2"] = logits_and_greedy(hf["converted"], ctx, hf["tokens"])
     model, _ = load_model(hf["converted"], ctx)
     cache = model.new_kv_cache()
@@ -309,6 +325,17 @@ def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
 def test_replicated_kv_heads_with_data_parallelism_train_like_one_process(world4, reference):
     """One KV head at TP=2 x DP=2: the replicated k/v gradients are summed over TP, then averaged over DP."""
     assert_same_run(world4["2x2-one-kv-head"], reference["one-kv-head"])
+
+
+@pytest.mark.slow
+def test_kv_groups_straddling_ranks_unevenly(world2):
+    """12 query heads on 3 KV heads at TP=2: each rank reads two KV heads for 4 and 2 of its query heads (one
+    KV copy per query head); logits, with and without the KV cache, equal one process's."""
+    reference, _ = uneven_logits(ParallelContext.single())
+    logits, cached = world2["uneven_tp2"]
+    assert (logits - reference).abs().max() < 1e-5 and (cached - reference).abs().max() < 1e-5
+    assert build_model(UNEVEN, ParallelContext.single(), seed=3).layers["0"].attn.kv_index is None
+    assert rank_model(UNEVEN, 2, 0).layers["0"].attn.kv_index.tolist() == [0, 0, 0, 0, 1, 1]
 
 
 @pytest.mark.slow
