@@ -9,10 +9,9 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 
+from shardlm.bench.plan3d import MEMORY_CASES, Shape, measure_pipeline_memory, predict_pipeline_memory
 from shardlm.cli import main
-from shardlm.config import RunConfig, from_dict
 from shardlm.plan.activations import (
     LayerSetting,
     korthikanti_layer_bytes,
@@ -36,6 +35,7 @@ from shardlm.plan.timing import Calibration, Layout, p2p_seconds, step_time
 from multiproc import run_workers
 
 A100 = GPU_PRESETS["a100-80gb"]
+SHAPE = Shape()  # GPT 4 x 32, 4 heads, s 16, vocabulary 100, micro-batch 2 x 4 per DP rank, residual dropout 0.1
 NO_LATENCY = Calibration(compute_efficiency=0.5, link_efficiency=1.0, dp_overlap=0.0, intra_node_latency_s=0.0,
                          inter_node_latency_s=0.0)
 
@@ -264,81 +264,22 @@ def test_cli_validate_both_papers_and_plan_json(capsys):
 
 # ------------------------------------------------------------------ against shardlm on this CPU (PP = 2)
 
-VOCAB, MICRO, MICRO_BATCHES, SEQ = 100, 2, 4, 16
-# (tensor, pipeline, schedule, virtual stages, sequence parallel, recompute) in one world of 8:
-# DP = 8 / (TP x PP)
-MEASURED = [(1, 2, "1f1b", 1, False, "none"), (1, 2, "gpipe", 1, False, "none"),
-            (1, 2, "interleaved-1f1b", 2, False, "none"), (2, 2, "1f1b", 1, False, "none"),
-            (2, 2, "1f1b", 1, True, "none"), (2, 2, "interleaved-1f1b", 2, True, "selective")]
-
-
-def pipeline_config(tp: int, pp: int, schedule: str, virtual: int, sp: bool = False,
-                    recompute: str = "none") -> RunConfig:
-    dp = 8 // (tp * pp)
-    return from_dict({
-        "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ, "vocab_size": VOCAB,
-                  "dropout": 0.1, "attention_dropout": 0.0},
-        "parallel": {"tensor": tp, "pipeline": pp, "pipeline_schedule": schedule, "virtual_stages": virtual,
-                     "sequence_parallel": sp},
-        "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * MICRO_BATCHES * dp, "steps": 4, "seed": 3,
-                  "recompute": recompute},
-    })
-
-
-def pipeline_memory_worker() -> dict:
-    import numpy as np
-
-    from shardlm.data.gpt_dataset import TokenArrayDataset
-    from shardlm.parallel import ParallelContext
-    from shardlm.plan.measure import SavedPeak, state_bytes
-    from shardlm.training.trainer import Trainer
-
-    out = {}
-    for case in MEASURED:
-        tp, pp = case[:2]
-        ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp)
-        ctx.rng = None
-        config = pipeline_config(*case)
-        data = TokenArrayDataset(np.random.default_rng(0).integers(0, VOCAB, 5000), SEQ, seed=1, num_samples=400)
-        trainer = Trainer(config, ctx, data)
-        trainer.train_step()  # AdamW creates its state
-        generator = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator) for _ in range(MICRO_BATCHES)]
-        with SavedPeak(trainer.model) as saved:
-            trainer.pipeline.forward_backward(batches)
-        out[case] = {
-            "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "saved_peak": saved.peak, "saved_left": saved.live,
-            "parameter_elements": sum(p.numel() for p in trainer.params),
-            **state_bytes(trainer.params, trainer.optimizer)}
-    return out
-
-
 @pytest.fixture(scope="module")
 def world8():
-    return run_workers(8, pipeline_memory_worker)
-
-
-def _predicted(case: tuple, pp_rank: int, tp_rank: int):
-    tp, pp, schedule, virtual, sp, recompute = case
-    cfg = pipeline_config(*case).model
-    stages = rank_stages(pipeline_layers(cfg.num_layers, pp, virtual), pp, pp_rank)
-    params = rank_parameter_count(cfg, tp, stages)
-    fmt = numeric_format("fp32")
-    acts = shardlm_memory(cfg, tp, MICRO, fmt, LayerSetting(sp, recompute), backend="cpu", rank=tp_rank)
-    peak = rank_activation_peak(acts, stages, schedule, pp, MICRO_BATCHES, recompute, transient=False,
-                                keeps_received=True)
-    return params, state_memory(params, fmt), peak
+    """Per rank of one world of 8: what shardlm allocates in `MEMORY_CASES` (PP=2 x DP=4 under 1F1B, GPipe
+    and interleaved 1F1B; PP=2 x TP=2 x DP=2 with SP, and with SP + selective recompute under interleaved
+    1F1B; `make bench` adds PP=2 x TP=2 x DP=2 without SP)."""
+    cases = [case for case in MEMORY_CASES if case != (2, 2, "1f1b", 1, False, "none")]
+    return run_workers(8, measure_pipeline_memory, SHAPE, cases)
 
 
 @pytest.mark.slow
 def test_pipeline_state_bytes_per_rank_are_exact(world8):
     for rank in world8:
         for case, measured in rank.items():
-            params, state, _ = _predicted(case, measured["pp_rank"], measured["tp_rank"])
-            got = (measured["parameter_elements"], measured["parameters"], measured["gradients"],
-                   measured["optimizer"])
-            assert got == (params.total, state.parameters, state.gradients, state.optimizer), (case, measured)
+            predicted = predict_pipeline_memory(SHAPE, case, measured["pp_rank"], measured["tp_rank"])
+            for key in ("parameter_elements", "parameters", "gradients", "optimizer"):
+                assert measured[key] == predicted[key], (case, key, measured, predicted)
 
 
 @pytest.mark.slow
@@ -346,7 +287,7 @@ def test_pipeline_peak_activations_within_10_percent(world8):
     report = []
     for rank in world8:
         for case, measured in rank.items():
-            predicted = _predicted(case, measured["pp_rank"], measured["tp_rank"])[2]
+            predicted = predict_pipeline_memory(SHAPE, case, measured["pp_rank"], measured["tp_rank"])["saved_peak"]
             report.append((case, measured["pp_rank"], measured["tp_rank"], measured["saved_peak"], predicted,
                            measured["saved_left"]))
             assert abs(measured["saved_peak"] - predicted) <= 0.10 * measured["saved_peak"], report[-1]

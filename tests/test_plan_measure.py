@@ -21,8 +21,7 @@ from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.models.bert import BERT
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
-from shardlm.plan.hardware import GPUSpec
-from shardlm.plan.measure import PeakMemory, measure_cpu_hardware, measure_trainer_memory, time_steps
+from shardlm.plan.measure import PeakMemory, cpu_as_gpu, measure_cpu_hardware, measure_trainer_memory, time_steps
 from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
 from shardlm.plan.timing import Calibration, Layout, step_time
 from shardlm.training.trainer import Trainer
@@ -212,18 +211,10 @@ def test_step_peak_covers_saved_activations_and_checkpointing_lowers_it(single, 
         assert cases[("bf16", True)]["peak_step"] < cases[("bf16", False)]["peak_step"], tp
 
 
-def cpu_gpu(hardware) -> GPUSpec:
-    """This CPU described as a 'GPU' preset: one process = one device, all in one 'node'."""
-    return GPUSpec(name="cpu", memory_gb=1e3, peak_tflops=hardware.matmul_flops / 1e12,
-                   hbm_gbps=hardware.memory_bytes_per_s / 1e9, gpus_per_node=2,
-                   intra_node_gbps=2 * hardware.allreduce_bytes_per_s / 1e9,
-                   inter_node_gbps=hardware.allreduce_bytes_per_s / 1e9)
-
-
 def predicted_cpu_times(hardware, measured_base: float) -> dict:
     """Step time per layout, with the compute efficiency fitted on the first layout only; no overlap
     of the DP all-reduce (there are no idle cores to hide it on)."""
-    gpu = cpu_gpu(hardware)
+    gpu = cpu_as_gpu(hardware)
     fmt = numeric_format("fp32")
     calibration = Calibration(compute_efficiency=1.0, link_efficiency=1.0, dp_overlap=0.0,
                               intra_node_latency_s=hardware.allreduce_latency_s,

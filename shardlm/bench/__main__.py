@@ -1,7 +1,8 @@
 """`make bench` (`python -m shardlm.bench`): every benchmark, then BENCHMARKS.md and benchmarks.json.
 
 Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficiency vs PyTorch's TP,
-communication vs the formula, memory per rank, the pipeline's bubble and memory per stage,
+communication vs the formula, memory per rank, the pipeline's bubble and memory per stage, the
+planner's memory and step-time ratios for PP x TP x DP layouts against measurements,
 checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke test of
 the harness, not figures to quote).
 """
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results),
         "memory": lambda: _memory(args.quick),
         "pipeline": lambda: _pipeline(args.quick, repeats),
+        "plan3d": lambda: _plan3d(args.quick, repeats),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
         "eval": lambda: _eval(),
@@ -95,6 +97,12 @@ def _pipeline(quick, repeats):
     from shardlm.bench.pipeline import pipeline_bubble
 
     return pipeline_bubble(quick, repeats)
+
+
+def _plan3d(quick, repeats):
+    from shardlm.bench.plan3d import plan_against_cpu
+
+    return plan_against_cpu(quick, repeats)
 
 
 def _checkpoint(shape, repeats):

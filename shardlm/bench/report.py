@@ -25,6 +25,9 @@ KEYS = {
     "comm.dp2.rows": "per collective at DP=2: measured, expected, match",
     "memory.rows": "per TP size: state bytes, analytic ideal, activation bytes saved for backward and peak "
     "forward+backward bytes, each with and without checkpointing",
+    "plan3d.memory": "per (PP rank, TP rank) of PP=2 layouts in a world of 8: measured and predicted parameter "
+                     "elements, state bytes and the peak of bytes saved for backward during one step",
+    "plan3d.time": "per layout in a world of 2: measured and predicted step seconds and their ratios to DP=2",
     "pipeline.rows": "PP=2 per schedule and micro-batch count: measured step seconds, the ideal (one process / 2), "
     "the predicted bubble (P-1)/(V m) and peak bytes per stage",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
@@ -163,6 +166,10 @@ def markdown(r: dict) -> str:
                          f"{row['predicted_bubble']:.0%} | {row['predicted_s']:.3f} | {row['measured_overhead']:.0%} | "
                          f"{peaks} |")
         lines.append("")
+    if r.get("plan3d"):
+        from shardlm.bench.plan3d import markdown_lines
+
+        lines += markdown_lines(r["plan3d"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",

@@ -209,6 +209,17 @@ def measure_trainer_memory(trainer, tokens: torch.Tensor, targets: torch.Tensor)
             "peak_step": memory.peak}
 
 
+def cpu_as_gpu(hardware: CPUHardware, gpus_per_node: int = 2):
+    """This CPU described as a GPU preset: one process = one device, `gpus_per_node` of them per "node",
+    the gloo all-reduce bandwidth as both the intra- and the inter-node link."""
+    from shardlm.plan.hardware import GPUSpec
+
+    return GPUSpec(name="cpu", memory_gb=1e3, peak_tflops=hardware.matmul_flops / 1e12,
+                   hbm_gbps=hardware.memory_bytes_per_s / 1e9, gpus_per_node=gpus_per_node,
+                   intra_node_gbps=2 * hardware.allreduce_bytes_per_s / 1e9,
+                   inter_node_gbps=hardware.allreduce_bytes_per_s / 1e9)
+
+
 @dataclass(frozen=True)
 class CPUHardware:
     """This machine's speeds as seen by one process of a world (all processes busy at once)."""
