@@ -109,12 +109,12 @@ def predict_pipeline_memory(shape: Shape, case: tuple, pp_rank: int, tp_rank: in
             "optimizer": state.optimizer, "saved_peak": peak}
 
 
-def memory_rows(shape: Shape, measured: list[dict]) -> list[dict]:
+def memory_rows(shape: Shape, measured: list[dict], world: int = 8) -> list[dict]:
     rows = []
     for rank in measured:
         for case, got in rank.items():
             predicted = predict_pipeline_memory(shape, case, got["pp_rank"], got["tp_rank"])
-            rows.append({"case": _name(case), "pp_rank": got["pp_rank"], "tp_rank": got["tp_rank"],
+            rows.append({"case": _name(case, world), "pp_rank": got["pp_rank"], "tp_rank": got["tp_rank"],
                          "measured": {k: got[k] for k in predicted}, "predicted": predicted,
                          "state_equal": all(got[k] == predicted[k] for k in predicted if k != "saved_peak"),
                          "activation_error": predicted["saved_peak"] / got["saved_peak"] - 1})
@@ -186,14 +186,24 @@ def predicted_times(shape: Shape, hardware, measured_base: float) -> dict:
     return {case: predict(case, calibration) for case in TIME_CASES}
 
 
+def _quick_worker(memory_shape: Shape, time_shape: Shape, time_cases: list) -> tuple:
+    return measure_pipeline_memory(memory_shape, MEMORY_CASES[:1]), time_worker(time_shape, time_cases, 1)
+
+
 def plan_against_cpu(quick: bool = False, repeats: int = 5) -> dict:
     from shardlm.parallel.spawn import run_workers
 
     memory_shape = Shape()
-    measured = run_workers(8, measure_pipeline_memory, memory_shape, MEMORY_CASES, timeout=1800)
     time_shape = replace(TIME_SHAPE, hidden_size=64, seq_length=32) if quick else TIME_SHAPE
-    timed = run_workers(2, time_worker, time_shape, TIME_CASES, 1 if quick else repeats, timeout=1800)[0]
-    base = timed["times"][TIME_CASES[0]]
+    if quick:  # PP=2 alone and two timed layouts in one world of 2: checks the harness, not the figures
+        memory_world, time_cases = 2, [TIME_CASES[0], TIME_CASES[3]]
+        both = run_workers(2, _quick_worker, memory_shape, time_shape, time_cases, timeout=1800)
+        measured, timed = [rank[0] for rank in both], both[0][1]
+    else:
+        memory_world, time_cases = 8, TIME_CASES
+        measured = run_workers(8, measure_pipeline_memory, memory_shape, MEMORY_CASES, timeout=1800)
+        timed = run_workers(2, time_worker, time_shape, time_cases, repeats, timeout=1800)[0]
+    base = timed["times"][time_cases[0]]
     predicted = predicted_times(time_shape, timed["hardware"], base)
     time_rows = [{"layout": _name(case, 2),
                   "measured_s": timed["times"][case], "predicted_s": predicted[case].total_s,
@@ -204,13 +214,13 @@ def plan_against_cpu(quick: bool = False, repeats: int = 5) -> dict:
                                         "optimizer": predicted[case].optimizer_s},
                   "measured_ratio": timed["times"][case] / base,
                   "predicted_ratio": predicted[case].total_s / predicted[TIME_CASES[0]].total_s}
-                 for case in TIME_CASES]
+                 for case in time_cases]
     return {"memory_config": f"GPT {memory_shape.num_layers} layers, hidden {memory_shape.hidden_size}, "
                              f"{memory_shape.num_heads} heads, sequence {memory_shape.seq_length}, vocabulary "
                              f"{memory_shape.vocab_size}, micro-batch {memory_shape.micro_batch}, "
                              f"{memory_shape.micro_batches} micro-batches per step, fp32, residual dropout 0.1; one "
-                             "world of 8 gloo processes",
-            "memory": memory_rows(memory_shape, measured),
+                             f"world of {memory_world} gloo processes",
+            "memory": memory_rows(memory_shape, measured, memory_world),
             "time_config": f"GPT {time_shape.num_layers} layers, hidden {time_shape.hidden_size}, sequence "
                            f"{time_shape.seq_length}, global batch {time_global_batch(time_shape)} in micro-batches "
                            f"of {time_shape.micro_batch}, fp32; one world of 2 processes x 1 thread; "
