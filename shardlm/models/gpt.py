@@ -213,6 +213,7 @@ class GPT(nn.Module):
     (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses (B, T) through
     the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0). With
     `cache=model.new_kv_cache()`, tokens continue the cached positions (incremental decoding).
+    `layer_ids` builds only those layers (a pipeline stage's; they keep their indices as names).
     """
 
     # What the first and the last pipeline stage keep besides their layers (`shardlm.parallel.pipeline`).
@@ -221,7 +222,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layer_ids: list[int] | None = None):
         super().__init__()
         if ctx.rng is None:
             ctx.seed(seed)
@@ -239,7 +240,7 @@ class GPT(nn.Module):
         # A dict keyed "0".."l-1" (parameter names as a ModuleList gives them), so that a pipeline stage can
         # drop the layers it does not own and keep the names of the unsplit model.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, seed, i, sp, self.recompute == "selective")
-                                     for i in range(cfg.num_layers)})
+                                     for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:  # position rows and the final LayerNorm act on sequence chunks
             self.wpe.sequence_parallel = True

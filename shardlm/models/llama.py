@@ -218,7 +218,7 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layer_ids: list[int] | None = None):
         super().__init__()
         if ctx.rng is None:
             ctx.seed(seed)
@@ -232,7 +232,7 @@ class Llama(nn.Module):
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i, sp, self.recompute == "selective")
-                                     for i in range(cfg.num_layers)})
+                                     for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:
             mark_sequence_parallel(self.ln_f)

@@ -21,18 +21,26 @@ from shardlm.parallel import ParallelContext
 from shardlm.parallel.pipeline import build_schedule, keep_stages, local_stages, stage_layers, sum_tied_gradients
 
 
-class PipelineRunner:
-    """This rank's pipeline stages of `model` (pruned in place) and the schedule of one step."""
+def pipeline_layout(config: RunConfig, ctx: ParallelContext) -> tuple[list[list[int]], list[int]]:
+    """(layer indices of every stage, the stages this rank runs) for the run's pipeline keys."""
+    p = config.parallel
+    layers = stage_layers(config.model.num_layers, ctx.pp_size * p.virtual_stages, p.first_stage_layers,
+                          p.last_stage_layers)
+    return layers, local_stages(ctx, p.virtual_stages)
 
-    def __init__(self, model: torch.nn.Module, config: RunConfig, ctx: ParallelContext, num_micro_batches: int):
-        p = config.parallel
+
+class PipelineRunner:
+    """This rank's pipeline stages of `model` (pruned in place) and the schedule of one step.
+
+    `layers`: layer indices of every stage; `stage_ids`: the stages this rank runs (`pipeline_layout`)."""
+
+    def __init__(self, model: torch.nn.Module, ctx: ParallelContext, layers: list[list[int]], stage_ids: list[int],
+                 schedule: str, num_micro_batches: int):
         self.model, self.ctx = model, ctx
         self.num_micro_batches = num_micro_batches
-        self.layers = stage_layers(config.model.num_layers, ctx.pp_size * p.virtual_stages, p.first_stage_layers,
-                                   p.last_stage_layers)
-        self.stage_ids = local_stages(ctx, p.virtual_stages)
+        self.layers, self.stage_ids = layers, stage_ids
         keep_stages(model, self.layers, self.stage_ids)
-        self.schedule_name = p.pipeline_schedule
+        self.schedule_name = schedule
         self.loss_factor = 1.0
         self._losses: list[torch.Tensor] = []
         self.stages, self.schedule = build_schedule(model, ctx, self.layers, self.schedule_name, num_micro_batches,

@@ -63,15 +63,20 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
         t = config.train
         ctx.seed(t.seed)
-        self.model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute,
-                                 sequence_parallel=config.parallel.sequence_parallel)
-        self.loss = training_loss(config.model.arch)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-        self.pipeline = None
-        if ctx.pp_size > 1:  # prunes the model to this rank's stages first, so the optimizer sees only those
-            from shardlm.training.pipeline import PipelineRunner
+        layers, stage_ids = None, None
+        if ctx.pp_size > 1:  # this rank builds only the layers of its pipeline stages
+            from shardlm.training.pipeline import PipelineRunner, pipeline_layout
 
-            self.pipeline = PipelineRunner(self.model, config, ctx, self.accumulation)
+            layers, stage_ids = pipeline_layout(config, ctx)
+        self.model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute,
+                                 sequence_parallel=config.parallel.sequence_parallel,
+                                 layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]])
+        self.loss = training_loss(config.model.arch)
+        self.pipeline = None
+        if ctx.pp_size > 1:  # drops the ends this rank's stages do not need, before the optimizer sees them
+            self.pipeline = PipelineRunner(self.model, ctx, layers, stage_ids, config.parallel.pipeline_schedule,
+                                           self.accumulation)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ddp = self.master = None
         betas = (t.adam_beta1, t.adam_beta2)
