@@ -87,7 +87,8 @@ def layout_runs(tp: int, pp: int, cases: list[tuple]) -> dict:
 
 def world2_checks(tmp: str) -> dict:
     """PP=2: the layouts, tied copies, traffic, fp16 overflow and a checkpoint round trip."""
-    cases = [(4, "gpipe", 1, False), (1, "gpipe", 1, False), (2, "1f1b", 1, False), (1, "1f1b", 1, False),
+    cases = [(8, "gpipe", 1, False), (4, "gpipe", 1, False), (1, "gpipe", 1, False), (2, "1f1b", 1, False),
+             (1, "1f1b", 1, False),
              (1, "interleaved-1f1b", 2, False), (2, "interleaved-1f1b", 2, False), (1, "1f1b", 1, True)]
     out = {"layouts": layout_runs(1, 2, cases)}
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
@@ -172,7 +173,7 @@ def reference():
     """1x1x1 runs at every micro-batch size used below."""
     ctx = ParallelContext.single()
     out = {}
-    for micro in (4, 2, 1):
+    for micro in (8, 4, 2, 1):
         ctx.rng = None
         curve, trainer = train(ctx, pp_config(micro=micro))
         out[micro] = (curve, {n: p for n, p in whole_model(ctx, trainer).items()})
@@ -200,11 +201,12 @@ def world4(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [(4, "gpipe", 1, False), (1, "gpipe", 1, False), (2, "1f1b", 1, False),
+@pytest.mark.parametrize("case", [(8, "gpipe", 1, False), (4, "gpipe", 1, False), (1, "gpipe", 1, False),
+                                  (2, "1f1b", 1, False),
                                   (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False),
                                   (2, "interleaved-1f1b", 2, False), (1, "1f1b", 1, True)],
-                         ids=["gpipe-m2", "gpipe-m8", "1f1b-m4", "1f1b-m8", "interleaved-m8", "interleaved-m4",
-                              "1f1b-checkpointing"])
+                         ids=["gpipe-m1", "gpipe-m2", "gpipe-m8", "1f1b-m4", "1f1b-m8", "interleaved-m8",
+                              "interleaved-m4", "1f1b-checkpointing"])
 def test_pp2_matches_single_process(world2, reference, case):
     for rank in world2:
         assert_same_run(rank["layouts"][case], reference[case[0]], STEPS)
