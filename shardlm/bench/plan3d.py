@@ -37,11 +37,11 @@ class Shape:
     dropout: float = 0.1
 
     def config(self, case: tuple, world: int, global_batch: int | None = None):
-        """The RunConfig of `case` = (tensor, pipeline, schedule, virtual stages, sequence parallel, recompute);
-        `global_batch` defaults to `micro_batches` per data-parallel rank."""
+        """The RunConfig of `case` = (tensor, pipeline, schedule, virtual stages, sequence parallel, recompute,
+        half parameters, distributed optimizer); `global_batch` defaults to `micro_batches` per DP rank."""
         from shardlm.config import from_dict
 
-        tp, pp, schedule, virtual, sp, recompute = case
+        tp, pp, schedule, virtual, sp, recompute, half, zero = case
         dp = world // (tp * pp)
         global_batch = global_batch or self.micro_batch * self.micro_batches * dp
         return from_dict({
@@ -52,7 +52,8 @@ class Shape:
                          "sequence_parallel": sp},
             "data": {"text_file": "unused"},
             "train": {"micro_batch_size": self.micro_batch, "steps": 1000, "seed": 3, "recompute": recompute,
-                      "global_batch_size": global_batch},
+                      "global_batch_size": global_batch, "precision": "bf16" if half else "fp32",
+                      "param_dtype": "half" if half else "fp32", "distributed_optimizer": zero},
         })
 
     def trainer(self, ctx, case: tuple, global_batch: int | None = None):
@@ -66,10 +67,13 @@ class Shape:
         return Trainer(self.config(case, ctx.world_size, global_batch), ctx, data)
 
 
-# (tensor, pipeline, schedule, virtual stages, sequence parallel, recompute) in a world of 8
-MEMORY_CASES = [(1, 2, "1f1b", 1, False, "none"), (1, 2, "gpipe", 1, False, "none"),
-                (1, 2, "interleaved-1f1b", 2, False, "none"), (2, 2, "1f1b", 1, False, "none"),
-                (2, 2, "1f1b", 1, True, "none"), (2, 2, "interleaved-1f1b", 2, True, "selective")]
+# (tensor, pipeline, schedule, virtual stages, sequence parallel, recompute, half parameters, distributed
+# optimizer) in a world of 8
+MEMORY_CASES = [(1, 2, "1f1b", 1, False, "none", False, False), (1, 2, "gpipe", 1, False, "none", False, False),
+                (1, 2, "interleaved-1f1b", 2, False, "none", False, False),
+                (2, 2, "1f1b", 1, False, "none", False, False), (2, 2, "1f1b", 1, True, "none", False, False),
+                (2, 2, "interleaved-1f1b", 2, True, "selective", False, False),
+                (1, 2, "1f1b", 1, False, "none", False, True), (2, 2, "1f1b", 1, True, "selective", True, True)]
 
 
 def measure_pipeline_memory(shape: Shape, cases: list) -> dict:
@@ -88,20 +92,24 @@ def measure_pipeline_memory(shape: Shape, cases: list) -> dict:
                    for _ in range(shape.micro_batches)]
         with SavedPeak(trainer.model) as saved:
             trainer.pipeline.forward_backward(batches)
-        out[case] = {"pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "saved_peak": saved.peak,
+        out[case] = {"pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "saved_peak": saved.peak,
+                     "sizes": [p.numel() for p in trainer.params],
                      "saved_left": saved.live, "parameter_elements": sum(p.numel() for p in trainer.params),
                      **state_bytes(trainer.params, trainer.optimizer)}
     return out
 
 
-def predict_pipeline_memory(shape: Shape, case: tuple, pp_rank: int, tp_rank: int) -> dict:
-    """The planner's parameter elements, state bytes and saved-activation peak for one rank of `case`."""
-    tp, pp, schedule, virtual, sp, recompute = case
-    cfg = shape.config(case, 8).model
+def predict_pipeline_memory(shape: Shape, case: tuple, measured: dict, world: int = 8) -> dict:
+    """The planner's parameter elements, state bytes and saved-activation peak for the rank of `case` that
+    `measured` describes (its pipeline, TP and DP ranks, and the order of its parameter tensors, which
+    decides how many of them the distributed optimizer's range cuts)."""
+    tp, pp, schedule, virtual, sp, recompute, half, zero = case
+    pp_rank, tp_rank = measured["pp_rank"], measured["tp_rank"]
+    cfg = shape.config(case, world).model
     stages = rank_stages(pipeline_layers(cfg.num_layers, pp, virtual), pp, pp_rank)
     params = rank_parameter_count(cfg, tp, stages)
-    fmt = numeric_format("fp32")
-    state = state_memory(params, fmt)
+    fmt = numeric_format("bf16", "shardlm", "half") if half else numeric_format("fp32")
+    state = state_memory(params, fmt, world // (tp * pp), zero, measured["dp_rank"], measured["sizes"])
     acts = shardlm_memory(cfg, tp, shape.micro_batch, fmt, LayerSetting(sp, recompute), backend="cpu", rank=tp_rank)
     peak = rank_activation_peak(acts, stages, schedule, pp, shape.micro_batches, recompute, transient=False,
                                 keeps_received=True)
@@ -113,27 +121,32 @@ def memory_rows(shape: Shape, measured: list[dict], world: int = 8) -> list[dict
     rows = []
     for rank in measured:
         for case, got in rank.items():
-            predicted = predict_pipeline_memory(shape, case, got["pp_rank"], got["tp_rank"])
+            predicted = predict_pipeline_memory(shape, case, got, world)
             rows.append({"case": _name(case, world), "pp_rank": got["pp_rank"], "tp_rank": got["tp_rank"],
+                         "dp_rank": got["dp_rank"],
                          "measured": {k: got[k] for k in predicted}, "predicted": predicted,
                          "state_equal": all(got[k] == predicted[k] for k in predicted if k != "saved_peak"),
                          "activation_error": predicted["saved_peak"] / got["saved_peak"] - 1})
-    unique = {(row["case"], row["pp_rank"], row["tp_rank"]): row for row in rows}  # DP replicas are identical
+    # DP replicas are identical unless the distributed optimizer gives each its own range
+    unique = {(row["case"], row["pp_rank"], row["tp_rank"], row["dp_rank"] if "distributed" in row["case"] else 0): row
+              for row in rows}
     return [unique[key] for key in sorted(unique)]
 
 
 def _name(case: tuple, world: int = 8) -> str:
-    tp, pp, schedule, virtual, sp, recompute = case
+    tp, pp, schedule, virtual, sp, recompute, half, zero = case
     extras = ([schedule + (f" V={virtual}" if virtual > 1 else "")] if pp > 1 else []) + (["SP"] if sp else []) + \
-        ([recompute] if recompute != "none" else [])
+        ([recompute] if recompute != "none" else []) + (["bf16 parameters"] if half else []) + \
+        (["distributed optimizer"] if zero else [])
     return ", ".join([f"PP={pp} x TP={tp} x DP={world // (tp * pp)}", *extras])
 
 
-# (tensor, pipeline, schedule, virtual stages, sequence parallel, recompute) in a world of 2, all with the
-# global batch of DP=2 x `micro_batches` micro-batches (PP=2 runs 2 x micro_batches through its pipeline)
-TIME_CASES = [(1, 1, "1f1b", 1, False, "none"), (2, 1, "1f1b", 1, False, "none"), (2, 1, "1f1b", 1, True, "none"),
-              (1, 2, "1f1b", 1, False, "none"), (1, 2, "gpipe", 1, False, "none"),
-              (1, 2, "interleaved-1f1b", 2, False, "none")]
+# the same fields, in a world of 2, all with the global batch of DP=2 x `micro_batches` micro-batches
+# (PP=2 runs 2 x micro_batches through its pipeline)
+TIME_CASES = [(1, 1, "1f1b", 1, False, "none", False, False), (2, 1, "1f1b", 1, False, "none", False, False),
+              (2, 1, "1f1b", 1, True, "none", False, False), (1, 2, "1f1b", 1, False, "none", False, False),
+              (1, 2, "gpipe", 1, False, "none", False, False),
+              (1, 2, "interleaved-1f1b", 2, False, "none", False, False)]
 TIME_SHAPE = Shape(num_layers=4, hidden_size=256, num_heads=4, seq_length=128, vocab_size=512, micro_batch=2,
                    micro_batches=4, dropout=0.0)
 
@@ -172,7 +185,7 @@ def predicted_times(shape: Shape, hardware, measured_base: float) -> dict:
                               inter_node_latency_s=hardware.allreduce_latency_s)
 
     def predict(case, calib):
-        tp, pp, schedule, virtual, sp, recompute = case
+        tp, pp, schedule, virtual, sp, recompute, _, _ = case
         cfg = shape.config(case, 2, time_global_batch(shape)).model
         dp = 2 // (tp * pp)
         layout = Layout(tp=tp, dp=dp, micro_batch=shape.micro_batch, checkpointing=recompute == "full", pp=pp,
@@ -231,11 +244,11 @@ def plan_against_cpu(quick: bool = False, repeats: int = 5) -> dict:
 def markdown_lines(result: dict) -> list[str]:
     """The section of BENCHMARKS.md."""
     lines = ["## `shardlm plan` in three dimensions against this CPU (`plan3d`)", "", result["memory_config"] + ".",
-             "", "| layout | PP rank | TP rank | state bytes (measured = predicted) | saved peak measured | "
-             "predicted | error |", "|---|---|---|---|---|---|---|"]
+             "", "| layout | PP, TP, DP rank | state bytes (measured = predicted) | saved peak measured | "
+             "predicted | error |", "|---|---|---|---|---|---|"]
     for row in result["memory"]:
         state = row["measured"]["parameters"] + row["measured"]["gradients"] + row["measured"]["optimizer"]
-        lines.append(f"| {row['case']} | {row['pp_rank']} | {row['tp_rank']} | {state:,} "
+        lines.append(f"| {row['case']} | {row['pp_rank']}, {row['tp_rank']}, {row['dp_rank']} | {state:,} "
                      f"({'equal' if row['state_equal'] else 'DIFFERENT'}) | {row['measured']['saved_peak']:,} | "
                      f"{row['predicted']['saved_peak']:,} | {row['activation_error']:+.1%} |")
     lines += ["", result["time_config"] + ".", "", "| layout | measured s | predicted s | measured ratio to DP=2 | "

@@ -144,18 +144,25 @@ class PeakMemory(TorchDispatchMode):
         return out
 
 
-def state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of parameters, of their gradients (unique storages) and of the optimizer's state."""
-    grad_storages = {}
-    for p in params:
-        if p.grad is not None:
-            storage = p.grad.untyped_storage()
-            grad_storages[storage.data_ptr()] = storage.nbytes()
-    optimizer_bytes = sum(value.numel() * value.element_size()
-                          for state in optimizer.state.values() for value in state.values()
-                          if isinstance(value, torch.Tensor))
-    return {"parameters": sum(p.numel() * p.element_size() for p in params),
-            "gradients": sum(grad_storages.values()), "optimizer": optimizer_bytes}
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None skipped): views of one buffer count once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def state_bytes(params: list[torch.Tensor], optimizer) -> dict[str, int]:
+    """Bytes of the storages behind parameters, their gradients (DDP bucket views, or the master-weight
+    optimizer's fp32 `main_grad` buffer, count once) and the optimizer's state (with
+    `training.master_weights`: its fp32 master range where it is not the parameters themselves, and the
+    AdamW moments and steps of its segments)."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in params}
+    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in params]
+    masters = [segment for segment in getattr(optimizer, "segments", [])
+               if segment.untyped_storage().data_ptr() not in parameter_storages]
+    state = [value for per_param in optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    return {"parameters": _storage_bytes(params), "gradients": _storage_bytes(grads),
+            "optimizer": _storage_bytes(masters) + _storage_bytes(state)}
 
 
 def autocast_context(precision: str, device: torch.device):

@@ -179,16 +179,36 @@ class StateMemory:
         return self.parameters + self.gradients + self.optimizer
 
 
-def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1,
-                 distributed_optimizer: bool = False) -> StateMemory:
-    """Per-rank bytes of weights, gradients and optimizer state (AdamW). With the distributed optimizer
-    (ZeRO-1) a rank keeps the optimizer state (moments, and fp32 masters where the weights are half) of
-    only its 1/dp slice of the flattened parameters, padded to a multiple of dp: 18 -> 6 + 12/dp bytes
-    per parameter with half weights and fp32 gradients."""
+def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1, distributed_optimizer: bool = False,
+                 dp_rank: int | None = None, sizes: list[int] | None = None) -> StateMemory:
+    """Per-rank bytes of weights, gradients and optimizer state (AdamW).
+
+    shardlm with half parameters or the distributed optimizer (`training.master_weights`) keeps flat
+    parameter and fp32 gradient buffers of all N elements padded to a multiple of d (d = dp with the
+    distributed optimizer, else 1); a rank's optimizer covers its N/d range: fp32 master weights (half
+    parameters only), AdamW's two moments of the real elements in the range and one 4-byte step per
+    parameter segment in it. So 18 -> 6 + 12/d bytes per parameter with half weights. `sizes` (the
+    parameter tensors' element counts in order) and `dp_rank` make the segment count exact; without
+    them the rank is the first and the segments are estimated as tensors / d + 1.
+    """
     step_scalars = 4 * params.tensors if fmt.adam_step_scalar else 0
-    optimizer_elements = -(-params.total // dp) if distributed_optimizer else params.total
-    return StateMemory(parameters=params.total * fmt.weight_bytes, gradients=params.total * fmt.grad_bytes,
-                       optimizer=optimizer_elements * fmt.optimizer_bytes + step_scalars)
+    if not (fmt.name.startswith("shardlm") and (fmt.weight_bytes == 2 or distributed_optimizer)):
+        optimizer_elements = -(-params.total // dp) if distributed_optimizer else params.total
+        return StateMemory(parameters=params.total * fmt.weight_bytes, gradients=params.total * fmt.grad_bytes,
+                           optimizer=optimizer_elements * fmt.optimizer_bytes + step_scalars)
+    d = dp if distributed_optimizer else 1
+    n = params.total
+    padded = -(-n // d) * d
+    lo = (dp_rank or 0) * padded // d
+    hi = lo + padded // d
+    if sizes is not None:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        segments = sum(1 for start, size in zip(starts, sizes) if max(start, lo) < min(start + size, hi))
+    else:
+        segments = min(params.tensors, params.tensors // d + 1)
+    master = 4 * padded // d if fmt.weight_bytes == 2 else 0
+    return StateMemory(parameters=fmt.weight_bytes * padded, gradients=4 * padded,
+                       optimizer=master + 8 * (min(hi, n) - lo) + 4 * segments)
 
 
 @dataclass(frozen=True)
