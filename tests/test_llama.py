@@ -76,7 +76,7 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
 
 
 def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False,
-                kv_heads: int = 2, pp: int = 1, sp: bool = False, recompute: str = "none") -> RunConfig:
+                kv_heads: int = 2, pp: int = 1, sp: bool = False, recompute: str = "none", **train) -> RunConfig:
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": kv_heads,
                   "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
@@ -85,7 +85,7 @@ def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: b
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7,
-                  "recompute": "full" if checkpointing else recompute},
+                  "recompute": "full" if checkpointing else recompute, **train},
     })
 
 
@@ -157,6 +157,8 @@ def worker_world2(hf: dict):
     for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
         out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
     checkpointed = train_run(ParallelContext.from_process_group(2), tiny_config(2, 8, checkpointing=True))[0]
+    zero = tiny_config(1, 4, distributed_optimizer=True)
+    out["1x2-zero"] = train_run(ParallelContext.from_process_group(1), zero)[0]
     ctx = ParallelContext.from_process_group(2)
     out["2x1-sp-selective"], trainer = train_run(ctx, tiny_config(2, 4, sp=True, recompute="selective"))
     out["sp_engaged"] = trainer.model.sequence_parallel and trainer.model.layers["0"].attn.selective_recompute
@@ -197,6 +199,8 @@ def worker_world4(hf: dict, checkpoints: str):
     out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
     out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
     out["2x2-one-kv-head"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4, kv_heads=1))[0]
+    zero = tiny_config(2, 4, kv_heads=1, distributed_optimizer=True)
+    out["2x2-one-kv-head-zero"] = train_run(ParallelContext.from_process_group(2), zero)[0]
     out["4x1-sp"] = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8, sp=True))[0]
     ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
     out["tp2-pp2-one-kv-head"] = train_run(ctx, tiny_config(2, 2, kv_heads=1, pp=2))[0]
@@ -325,6 +329,21 @@ def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
 def test_replicated_kv_heads_with_data_parallelism_train_like_one_process(world4, reference):
     """One KV head at TP=2 x DP=2: the replicated k/v gradients are summed over TP, then averaged over DP."""
     assert_same_run(world4["2x2-one-kv-head"], reference["one-kv-head"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout,ref", [("world2", "1x2-zero", False),
+                                              ("world4", "2x2-one-kv-head-zero", "one-kv-head")])
+def test_distributed_optimizer_trains_like_one_process(request, reference, world, layout, ref):
+    """ZeRO-1 over DP=2, also with a replicated KV head (summed over TP before the DP reduce-scatter)."""
+    assert_same_run(request.getfixturevalue(world)[layout], reference[ref])
+
+
+def test_half_parameters_train(reference):
+    """bf16 parameters with fp32 master weights: the tiny Llama learns (one process)."""
+    (curve, _), trainer = train_run(ParallelContext.single(), tiny_config(precision="bf16", param_dtype="half"))
+    assert trainer.model.layers["0"].attn.k.weight.dtype == torch.bfloat16
+    assert curve[-1][0] < curve[0][0] - 0.1 and abs(curve[-1][0] - reference[False][0][-1][0]) < 0.1
 
 
 @pytest.mark.slow
