@@ -106,8 +106,11 @@ def render_plan(result: Plan, console: Console) -> None:
     for line in ASSUMPTIONS:
         console.print(f"  - {line}")
     c = request.calibration
-    console.print(f"  - calibration: compute efficiency {c.compute_efficiency:.3f}, link efficiency "
-                  f"{c.link_efficiency:.3f}, DP overlap {c.dp_overlap:.3f} (fitted on the paper's V100 runs)")
+    source = "Megatron-LM's 2019 V100 runs" if c.memory_efficiency == 1.0 else \
+        "the SC21 A100 runs (compute, memory) and the 2019 V100 runs (link, overlap)"
+    console.print(f"  - calibration: compute efficiency {c.compute_efficiency:.3f}, HBM efficiency "
+                  f"{c.memory_efficiency:.3f}, link efficiency {c.link_efficiency:.3f}, DP overlap "
+                  f"{c.dp_overlap:.3f} (fitted on {source})")
     for key, reason in result.skipped.items():
         console.print(f"  [dim]skipped PPxTPxDP {key}: {reason}[/dim]")
     if best is None:
@@ -115,7 +118,8 @@ def render_plan(result: Plan, console: Console) -> None:
     else:
         layout = best.choice.layout
         pipeline = f"PP={best.pp} x " if best.pp > 1 else ""
-        schedule = f", {layout.schedule} with {layout.virtual} virtual stages" if best.pp > 1 else ""
+        schedule = (f", {layout.schedule}" + (f" with {layout.virtual} virtual stages" if layout.virtual > 1 else "")
+                    if best.pp > 1 else "")
         console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x DP={best.dp}[/bold], micro-batch "
                       f"{layout.micro_batch}{schedule}, sequence parallel "
                       f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, distributed "
