@@ -250,6 +250,13 @@ def test_planner_options_are_honoured():
         assert layout.distributed_optimizer == (row.dp > 1)
 
 
+def test_bert_plans_without_what_shardlm_cannot_run_for_it():
+    bert = plan(request(model=PlannedModel("bert-1.3b", MODEL_PRESETS["bert-1.3b"]), implementation="shardlm",
+                        precision="bf16", gpus=16, global_batch=64))
+    assert {row.pp for row in bert.rows} == {1}
+    assert not any(row.choice.layout.sequence_parallel or row.choice.layout.selective for row in bert.rows)
+
+
 def test_cli_validate_both_papers_and_plan_json(capsys):
     assert main(["plan", "--validate-paper", "narayanan2021", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

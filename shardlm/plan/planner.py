@@ -257,7 +257,10 @@ def _layouts(request: PlanRequest, tp: int, pp: int):
     per_replica = request.global_batch // dp
     micro_batches = ([request.micro_batch] if request.micro_batch is not None else
                      [m for m in _divisors(per_replica) if m <= request.max_micro_batch])
-    sp_options = _switch(request.sequence_parallel, tp > 1 and cfg.seq_length % tp == 0)
+    # shardlm runs sequence parallelism and selective recomputation for GPT and Llama (not BERT)
+    supported = request.implementation == "megatron" or cfg.arch in ("gpt", "llama")
+    sp_options = _switch(request.sequence_parallel, tp > 1 and cfg.seq_length % tp == 0 and supported)
+    recompute_options = [r for r in request.recompute_options() if r != "selective" or supported] or ["full"]
     zero_options = _switch(request.distributed_optimizer, dp > 1)
     for micro in micro_batches:
         m = per_replica // micro
@@ -265,7 +268,7 @@ def _layouts(request: PlanRequest, tp: int, pp: int):
             continue  # 1F1B needs at least P micro-batches in flight
         for virtual in _virtual_options(request, pp, m):
             schedule = request.schedule or schedule_name(pp, virtual)
-            for sp, recompute, zero in itertools.product(sp_options, request.recompute_options(), zero_options):
+            for sp, recompute, zero in itertools.product(sp_options, recompute_options, zero_options):
                 yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
                              virtual=virtual, schedule=schedule, sequence_parallel=sp,
                              selective=recompute == "selective", distributed_optimizer=zero)

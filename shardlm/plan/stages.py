@@ -107,6 +107,8 @@ def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages) -> Param
     """Parameters one (pipeline rank, TP rank) holds: its layers, plus the end pieces of the first and
     last stage (both, the tied embedding once, when one rank holds both). Equal to
     `memory.parameter_count` without a pipeline."""
+    if stages.first and stages.last and len(stages.layers_per_chunk) == 1:
+        return parameter_count(_with_layers(cfg, stages.layers), tp)  # the whole model (also BERT's)
     no_layers = parameter_count(_with_layers(cfg, 0), tp)
     per_layer = _add(parameter_count(_with_layers(cfg, 1), tp), no_layers, sign=-1)
     total = ParameterCount(per_layer.sharded * stages.layers, per_layer.replicated * stages.layers,
