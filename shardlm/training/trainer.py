@@ -5,11 +5,18 @@ Order of one step on every rank:
      backward; DDP all-reduces gradient buckets over the DP group during the last micro-batch's
      backward (overlapped with it), `no_sync` before that. With pipeline stages, the micro-batches go
      through the pipeline schedule instead (`shardlm.training.pipeline`), which then sums the tied
-     embedding's gradients over the first and last stage and all-reduces gradients over DP;
-  2. fp16: unscale and check for inf/NaN (all-reduce MAX over TP and PP); an overflow skips 3-4;
-  3. clip the global gradient norm (one all-reduce of a scalar over TP, and one over PP);
-  4. set the scheduled LR and step AdamW on this rank's parameter shards.
-Parameters are fp32 master weights in every precision; autocast runs the matmuls in half precision.
+     embedding's gradients over the first and last stage;
+  2. `reduce_gradients`: sequence-parallel parameters' gradients summed over TP; where DDP is not
+     used (pipeline stages, the master-weight optimizer) gradients averaged over DP, by one
+     all-reduce or the distributed optimizer's reduce-scatter;
+  3. fp16: unscale and check for inf/NaN (all-reduce MAX over TP and PP, and DP when sharded); an
+     overflow skips 4-5;
+  4. clip the global gradient norm (one all-reduce of a scalar over TP, and over DP / PP when needed);
+  5. set the scheduled LR and step AdamW on this rank's parameter shards (or its range of the fp32
+     master weights, then copy them back into the parameters).
+With `train.param_dtype = "fp32"` the parameters are the fp32 master weights and autocast runs the
+matmuls in half precision; with "half" they are bf16/fp16 and `shardlm.training.master_weights`
+keeps fp32 gradients, master weights and moments.
 """
 
 from __future__ import annotations
