@@ -1,17 +1,25 @@
-"""`shardlm plan`: which tensor x data parallel layout fits, and how fast it will run.
+"""`shardlm plan`: which pipeline x tensor x data parallel layout fits, and how fast it will run.
 
-An analytic model of one training step of shardlm's GPT on a cluster of GPUs:
+An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a cluster of GPUs:
 
-- `hardware`  GPU and node presets (the paper's DGX-2H, today's A100 / H100 / H200 nodes);
-- `models`    model presets (the paper's GPT-2, BERT and weak-scaling models) and TOML configs;
-- `memory`    per-rank parameters, gradients, optimizer state and activations, derived from
-              what shardlm allocates and what autograd saves in its transformer layer;
-- `timing`    compute from the FLOP formula, TP all-reduces and the DP gradient all-reduce on ring
-              cost models, with the calibration constants and what they were fitted on;
-- `planner`   every valid TP x DP layout, whether it fits, its step time, the recommendation;
-- `paper`     the paper's Table 1 weak-scaling efficiencies against the model's predictions;
-- `measure`   the same quantities measured on this CPU (for the validation tests and docs);
-- `report`    the table and the JSON; `cli` the subcommand.
+- `hardware`     GPU and node presets (the 2019 paper's DGX-2H, SC21's DGX A100, H100 / H200 nodes);
+- `models`       model presets (the papers' GPT-2, BERT, weak-scaling and SC21 models, Llama 3) and
+                 TOML configs;
+- `memory`       per-rank parameters, gradients, optimizer state and activations, derived from
+                 what shardlm allocates and what autograd saves in its transformer layer;
+- `activations`  the same under sequence parallelism and recomputation, Korthikanti et al.'s formulas
+                 for Megatron, and the peak of a pipeline rank's in-flight micro-batches;
+- `stages`       the pipeline arithmetic: layers and parameters per rank, in-flight micro-batches of
+                 each schedule, the bubble;
+- `timing`       compute from the FLOP formula, TP all-reduces, pipeline bubble and transfers, the DP
+                 gradient all-reduce on ring cost models, with the calibration constants;
+- `planner`      every valid PP x TP x DP layout and option, whether it fits, its step time, the
+                 recommendation;
+- `paper`, `sc21`  Shoeybi et al. 2019's and Narayanan et al. 2021's weak-scaling tables against the
+                 model's predictions (and the fits of the calibration constants);
+- `measure`      the same quantities measured on this CPU (for the validation tests and docs);
+- `report`       the table and the JSON; `cli` the subcommand.
 
-Nothing here imports torch at module level except `measure`.
+Nothing here imports torch at module level except `measure`; `stages` imports shardlm's stage split
+(and with it torch) when a pipeline is planned.
 """

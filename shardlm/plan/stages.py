@@ -16,7 +16,7 @@ then one more forward before each backward. The bubble is (P - 1) / (V m) of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -124,6 +124,4 @@ def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages) -> Param
 
 
 def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
-    from dataclasses import replace
-
     return replace(cfg, num_layers=layers)
