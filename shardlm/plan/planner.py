@@ -283,6 +283,9 @@ def plan(request: PlanRequest) -> Plan:
     for pp in pipelines:
         if request.gpus % pp:
             raise UserError(f"--pipeline={pp} does not divide --gpus={request.gpus}")
+        if pp > 1 and request.model.config.arch == "bert":
+            result.skipped["PP>1"] = "pipeline parallelism is planned for GPT and Llama only"
+            continue
         for tp in _divisors(request.gpus // pp):
             key = f"{pp}x{tp}x{request.gpus // (pp * tp)}"
             reason = invalid_reason(request, tp, pp)
