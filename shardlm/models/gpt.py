@@ -43,6 +43,7 @@ from shardlm.parallel import (
     gather_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from shardlm.parallel.cross_entropy import linear_cross_entropy
 from shardlm.parallel.init import normal_shard, param_seed
 
 
@@ -150,7 +151,9 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # (B, T, 3h/tp): under sequence parallelism the chunks are gathered here
         B, T, _ = qkv.shape
         qkv = qkv.view(B, T, self.heads, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, heads/tp, T, head_dim)
+        # each (B, heads/tp, T, head_dim); split's backward writes the three gradients into one
+        # contiguous (B, T, heads/tp, 3, head_dim) tensor (unbind's would stack them, then copy again)
+        q, k, v = (part.squeeze(3).transpose(1, 2) for part in qkv.split(1, dim=3))
         if cache is not None and cache.length > 0:
             past = cache.length
             k, v = cache.append(k, v)  # (B, heads/tp, past + T, head_dim)
@@ -211,7 +214,8 @@ class GPT(nn.Module):
 
     tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary slice of the logits,
     (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses (B, T) through
-    the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0). With
+    the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0; at TP=1 the output
+    layer and the loss are one function, `linear_cross_entropy`, that never copies the logits). With
     `cache=model.new_kv_cache()`, tokens continue the cached positions (incremental decoding).
     `layer_ids` builds only those layers (a pipeline stage's; they keep their indices as names).
     """
@@ -303,7 +307,10 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
-        logits = self.output_layer(self.hidden_states(tokens, cache))
+        hidden = self.hidden_states(tokens, cache)
+        if targets is not None and self.ctx.tp_size == 1:  # the whole vocabulary here: the fused head and loss
+            return linear_cross_entropy(hidden, self.wte.weight, targets, self.cfg.vocab_size, ignore_index)
+        logits = self.output_layer(hidden)
         return logits if targets is None else self.loss(logits, targets, ignore_index)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from shardlm.parallel import (
     gather_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from shardlm.parallel.cross_entropy import linear_cross_entropy
 from shardlm.parallel.init import normal_shard, param_seed
 
 
@@ -298,7 +299,11 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
-        logits = self.output_layer(self.hidden_states(tokens, cache))
+        hidden = self.hidden_states(tokens, cache)
+        if targets is not None and self.ctx.tp_size == 1:  # the whole vocabulary here: the fused head and loss
+            weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
+            return linear_cross_entropy(hidden, weight, targets, self.cfg.vocab_size, ignore_index)
+        logits = self.output_layer(hidden)
         return logits if targets is None else self.loss(logits, targets, ignore_index)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:

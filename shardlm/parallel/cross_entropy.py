@@ -106,3 +106,81 @@ def vocab_parallel_cross_entropy(
                                  ignore_index=ignore_index, label_smoothing=label_smoothing)
         return losses.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index, label_smoothing)
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    """Rows of fp32 logits per chunk, about 16 MiB: large enough that the few elementwise calls per
+    chunk cost nothing next to their work (smaller chunks measured no faster on one thread, and slower
+    on two threads of a busy machine, where every parallel region waits for both)."""
+    return max(1, (1 << 22) // vocab)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The output layer and the cross-entropy in one function (one rank holds the whole vocabulary).
+
+    Forward: one GEMM writes the logits (N, V) in the compute dtype; then, a few rows at a time in
+    fp32, each row's log-sum-exp and loss are taken and the row is overwritten by its gradient
+    `softmax - onehot`, so the logits are never copied, sliced or held in fp32 as a whole. Backward:
+    the per-row loss gradients g scale the (N, h) side of each GEMM, dL/dh = g (G W) and
+    dL/dW = G^T (g h), never the (N, V) buffer G.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, vocab_size, ignore_index):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(dtype), weight[:vocab_size].to(dtype)  # padding rows are never multiplied
+            grad = h @ w.t()  # (N, V): the logits, overwritten below by their gradient
+            ignored = target == ignore_index
+            safe_target = target.masked_fill(ignored, 0)
+            losses = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
+            rows = _rows_per_chunk(vocab_size)
+            for start in range(0, h.shape[0], rows):
+                block = grad[start:start + rows]
+                x = block.float()  # `block` itself in fp32; an fp32 copy of these rows otherwise
+                t = safe_target[start:start + rows].unsqueeze(-1)
+                x -= x.max(dim=-1, keepdim=True).values
+                target_logit = x.gather(-1, t).squeeze(-1)
+                sum_exp = x.exp_().sum(dim=-1, keepdim=True)
+                losses[start:start + rows] = sum_exp.squeeze(-1).log() - target_logit
+                x.div_(sum_exp).scatter_add_(-1, t, torch.full_like(t, -1.0, dtype=x.dtype))
+                if x.data_ptr() != block.data_ptr():
+                    block.copy_(x)
+        ctx.save_for_backward(grad, h, w, ignored)
+        ctx.hidden_dtype, ctx.weight_shape, ctx.weight_dtype = hidden.dtype, weight.shape, weight.dtype
+        return losses.masked_fill_(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        grad, h, w, ignored = ctx.saved_tensors
+        scale = grad_losses.float().masked_fill(ignored, 0.0).unsqueeze(-1)  # (N, 1)
+        grad_hidden = grad_weight = None
+        with torch.autocast(h.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad @ w).float().mul_(scale).to(ctx.hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.empty(ctx.weight_shape, dtype=ctx.weight_dtype, device=h.device)
+                real, padding = grad_weight[:grad.shape[1]], grad_weight[grad.shape[1]:]  # contiguous row ranges
+                scaled_hidden = (h.float() * scale).to(h.dtype)
+                if h.dtype == ctx.weight_dtype:
+                    torch.mm(grad.t(), scaled_hidden, out=real)  # (V, h), written in place
+                else:
+                    real.copy_(grad.t() @ scaled_hidden)
+                padding.zero_()  # padding rows get zero gradient
+        return grad_hidden, grad_weight, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Per-token fp32 cross-entropy of the output layer `hidden @ weight.T`, fused (one TP rank only).
+
+    hidden: (..., h); weight: (V_padded, h), rows >= `vocab_size` being padding; target: (...) int64.
+    Returns (...) float32 losses, 0 at `ignore_index`, equal to
+    `F.cross_entropy(F.linear(hidden, weight)[..., :vocab_size], target, reduction="none")`, computed in
+    the autocast dtype when autocast is on (as `F.linear` would be) with the softmax in fp32. The full
+    logits exist once, in the compute dtype, and become their own gradient; no communication.
+    """
+    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1),
+                                       vocab_size, ignore_index)
+    return losses.view(target.shape)

@@ -103,6 +103,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp)
+        if self.tp.size == 1 and not self.skip_bias_add:  # nothing to reduce: the bias goes into the GEMM (addmm)
+            return F.linear(x, self.weight, self.bias)
         reduce = reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
         y = reduce(F.linear(x, self.weight), self.tp)
         if self.skip_bias_add:

@@ -294,8 +294,9 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
     vocabulary-parallel lookup), the embedding dropout mask, the final LayerNorm's input and stats,
     its output as saved by the LM-head GEMM (plus autocast's half copy of this rank's embedding), and
     the cross-entropy's fp32 softmax b s V/t, local targets (int64) and two bool masks, plus a bool
-    padding mask on ranks whose vocabulary slice holds padding (at TP=1, PyTorch's kernel: the fp32
-    log-softmax over the real vocabulary and the targets).
+    padding mask on ranks whose vocabulary slice holds padding. At TP=1 the output layer and the loss are
+    one function (`linear_cross_entropy`): it saves the logits' gradient over the real vocabulary in the
+    GEMM dtype, the real rows of the weight's half copy and a bool mask, and nothing else stays alive.
     """
     rank = tp - 1 if rank is None else rank
     h, b, s = cfg.hidden_size, micro_batch, cfg.seq_length
@@ -306,15 +307,18 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
     final_norm = tokens * h * fmt.residual_bytes + 2 * tokens * 4
     lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * vocab_local * h
     holds_padding = (rank + 1) * vocab_local > cfg.vocab_size
-    if tp == 1:  # PyTorch's cross-entropy on the real vocabulary: fp32 log-softmax and int64 targets
-        cross_entropy = tokens * cfg.vocab_size * 4 + tokens * 8
+    transient = tokens * vocab_local * (fmt.matmul_bytes + 4)
+    if tp == 1:  # the fused output layer and loss
+        lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * cfg.vocab_size * h
+        cross_entropy = tokens * cfg.vocab_size * fmt.matmul_bytes + tokens
+        transient = 0
     else:
         cross_entropy = tokens * vocab_local * 4 + tokens * 8 + 2 * tokens + (vocab_local if holds_padding else 0)
     return ActivationMemory(
         per_layer=layer_activation_bytes(cfg, tp, micro_batch, fmt, backend),
         layer_input=tokens * h * fmt.residual_bytes,
         outside_layers=embedding + final_norm + lm_head + cross_entropy,
-        transient=tokens * vocab_local * (fmt.matmul_bytes + 4),
+        transient=transient,
         num_layers=cfg.num_layers,
         embedding=embedding,
     )
