@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.bench.common import BENCH, QUICK, machine, matmul_ceiling
+from shardlm.bench.common import BENCH, QUICK, machine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                      "gpu_note": "The GPU benchmark is `make bench-gpu` (one CUDA GPU; not part of `make bench`); "
                                  "see docs/benchmarks-gpu.md for its last recorded result."}
     sections = {
-        "train_vs_hf": lambda: _train(shape, repeats, results),
+        "train_vs_hf": lambda: _train(shape, repeats, results, args.quick),
         "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results),
         "memory": lambda: _memory(args.quick),
         "pipeline": lambda: _pipeline(args.quick, repeats),
@@ -68,14 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if results["errors"] else 0
 
 
-def _train(shape, repeats, results):
-    from shardlm.bench.training import train_vs_hf
+def _train(shape, repeats, results, quick):
+    from shardlm.bench.training import QUICK_VOCABULARIES, VOCABULARIES, cpu_mfu, train_vs_hf
 
-    figures = train_vs_hf(shape, repeats, threads=2)
-    ceiling = matmul_ceiling(threads=2)
-    achieved = figures["shardlm_tokens_per_sec"]["median"] * shape.flops_per_token
-    results["mfu"] = {"flops_per_token": shape.flops_per_token, "achieved_gflops": achieved / 1e9,
-                      "gemm_ceiling_gflops": ceiling / 1e9, "fraction": achieved / ceiling}
+    figures = train_vs_hf(shape, repeats, threads=2, vocab_sizes=QUICK_VOCABULARIES if quick else VOCABULARIES)
+    results["mfu"] = cpu_mfu(figures, shape, threads=2, quick=quick)
     return figures
 
 

@@ -61,11 +61,11 @@ class BenchShape:
         data = TokenArrayDataset(tokens, self.seq_length, seed=0, num_samples=1000 * global_batch)
         return Trainer(config, ctx, data)
 
-    def describe(self) -> str:
+    def describe(self, precision: str = "fp32", vocabulary: bool = True) -> str:
         gelu = "tanh GeLU" if self.activation == "gelu_tanh" else "erf GeLU"
+        vocab = f", vocabulary {self.vocab_size}" if vocabulary else ""
         return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads, sequence "
-                f"{self.seq_length}, micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, {gelu}, fp32, "
-                "dropout 0")
+                f"{self.seq_length}, micro-batch {self.micro_batch}{vocab}, {gelu}, {precision}, dropout 0")
 
 
 BENCH = BenchShape()
@@ -95,11 +95,11 @@ def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list
     return times
 
 
-def matmul_ceiling(threads: int, size: int = 1024, repeats: int = 5) -> float:
-    """Best fp32 GEMM FLOP/s on this CPU with `threads` threads (square size x size matrices)."""
+def matmul_ceiling(threads: int, size: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best GEMM FLOP/s on this CPU with `threads` threads (square size x size matrices of `dtype`)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = 0.0
     for _ in range(repeats):
@@ -109,6 +109,36 @@ def matmul_ceiling(threads: int, size: int = 1024, repeats: int = 5) -> float:
         best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
     torch.set_num_threads(previous)
     return best
+
+
+def cpu_features() -> dict:
+    """The CPU's matrix features, from /proc/cpuinfo's flags and PyTorch/oneDNN.
+
+    `matrix` is the best of "AMX" (AMX-BF16 tiles), "AVX-512-BF16", "AVX-512", "AVX2" or "other";
+    `native_bf16` is true with AMX or AVX-512-BF16, the instructions that multiply bf16 in hardware (without
+    them oneDNN emulates bf16 and its GEMMs run slower than fp32); `bf16_note` says why bf16 is skipped."""
+    flags: set[str] = set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    amx = "amx_bf16" in flags
+    if not amx and hasattr(torch._C, "_cpu") and hasattr(torch._C._cpu, "_init_amx"):
+        amx = bool(torch._C._cpu._init_amx())  # asks the kernel for AMX state; false where there is none
+    avx512_bf16 = "avx512_bf16" in flags
+    matrix = next((name for name, present in (("AMX", amx), ("AVX-512-BF16", avx512_bf16),
+                                              ("AVX-512", "avx512f" in flags), ("AVX2", "avx2" in flags))
+                   if present), "other")
+    onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    native = (amx or avx512_bf16) and onednn_bf16
+    note = None if native else (f"bf16 skipped: this CPU's best matrix instructions are {matrix} (no AMX or "
+                                "AVX-512-BF16), so bf16 matmuls are emulated and slower than fp32")
+    return {"matrix": matrix, "amx": amx, "avx512_bf16": avx512_bf16, "avx512": "avx512f" in flags,
+            "avx2": "avx2" in flags, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_bf16": onednn_bf16, "native_bf16": native, "bf16_note": note}
 
 
 def machine() -> dict:

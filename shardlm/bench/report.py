@@ -11,13 +11,22 @@ from shardlm.checkpoint.files import write_atomically
 # with a median also has min, max and the raw values.
 KEYS = {
     "machine": "cpu, cores, python, torch, platform, date of the run",
-    "train_vs_hf.ratio": "shardlm tokens/s / transformers GPT2LMHeadModel as shipped, per interleaved repeat",
+    "train_vs_hf.ratio": "shardlm tokens/s / transformers GPT2LMHeadModel as shipped, per interleaved repeat "
+                         "(fp32, BENCH's vocabulary)",
     "train_vs_hf.ratio_same_kernels": "shardlm tokens/s / transformers with PyTorch's tanh-GeLU kernel (the control)",
     "train_vs_hf.shardlm_tokens_per_sec": "shardlm TP=1 training tokens/s",
     "train_vs_hf.hf_tokens_per_sec": "transformers (as shipped) training tokens/s",
     "train_vs_hf.hf_fused_gelu_tokens_per_sec": "transformers with `gelu_pytorch_tanh` training tokens/s",
+    "train_vs_hf.cpu_features": "the CPU's matrix features (matrix: AMX, AVX-512-BF16, AVX-512 or AVX2; native_bf16; "
+                                "bf16_note when bf16 is skipped)",
+    "train_vs_hf.by_vocabulary": "per vocabulary (8192, 50257) and precision (fp32; bf16 on a CPU with native bf16): "
+                                 "tokens/s of shardlm, shardlm_train (the `shardlm train` loop), shardlm_half, hf, "
+                                 "hf_fused_gelu and the ratios ratio[_train|_half][_same_kernels], "
+                                 "train_command_over_step",
     "mfu.fraction": "shardlm's achieved matmul FLOP/s / the CPU's measured fp32 GEMM ceiling",
-    "mfu.gemm_ceiling_gflops": "best 1024x1024 fp32 matmul rate with the same threads",
+    "mfu.gemm_ceiling_gflops": "best fp32 matmul rate with the same threads (1024 and 2048 square)",
+    "mfu.gemm_ceilings_gflops": "best matmul rate per dtype (fp32; bf16 on a CPU with native bf16)",
+    "mfu.by_vocabulary": "per vocabulary and program (fp32, bf16, bf16_half): achieved GFLOP/s, ceiling, fraction",
     "tp2_efficiency.shardlm": "shardlm tokens/s at TP=2 (2 x 1 thread) / TP=1 (1 x 2 threads)",
     "tp2_efficiency.torch_tp": "the same ratio for PyTorch's `tensor.parallel` on an equivalent model",
     "comm.matches_formula": "true when every collective's calls and elements equal the formula",
@@ -63,48 +72,12 @@ def markdown(r: dict) -> str:
         "noisy machine. The same figures are in `benchmarks.json` (keys below in `code`).",
         "",
     ]
-    t = r.get("train_vs_hf")
-    if t:
-        lines += [
-            "## Training throughput: shardlm vs HuggingFace transformers (`train_vs_hf`)",
-            "",
-            f"Config: {t['config']}. One step = forward + backward + clipping + fused AdamW. All three programs "
-            "compute the same function (GPT-2's tanh GeLU, SDPA attention, tied LM head) and ran alternately.",
-            "",
-            "| program | tokens/s |", "|---|---|",
-            f"| shardlm (TP=1) | {_median(t['shardlm_tokens_per_sec'], digits=0)} |",
-            "| transformers GPT2LMHeadModel as shipped (`gelu_new`: GeLU as eight Python tensor ops) | "
-            f"{_median(t['hf_tokens_per_sec'], digits=0)} |",
-            "| transformers GPT2LMHeadModel with PyTorch's GeLU kernel (`gelu_pytorch_tanh`, the control) | "
-            f"{_median(t['hf_fused_gelu_tokens_per_sec'], digits=0)} |",
-            "",
-            f"**`train_vs_hf.ratio` = {_median(t['ratio'])}** (shardlm / transformers as shipped; goal >= 1.1).",
-            "",
-            f"`train_vs_hf.ratio_same_kernels` = {_median(t['ratio_same_kernels'])} (shardlm / the control).",
-            "",
-            "Where the ratio comes from: both programs spend about three quarters of the step in matmuls and "
-            "about a sixth in SDPA, at the same rates, so the difference is the work around them. transformers' "
-            "default GPT-2 GeLU (`gelu_new`) runs as eight elementwise ops that each read and write the 4h-wide "
-            "activation, forward and again backward; shardlm calls PyTorch's one tanh-GeLU kernel. With that "
-            "kernel swapped into transformers (the control), shardlm runs at "
-            f"{t['ratio_same_kernels']['median']:.2f}x the control's speed: the margin over transformers as "
-            "shipped is the GeLU kernel, and a single-process fp32 step on this CPU has no other 10% to find, "
-            f"since its matmuls already run at {r['mfu']['fraction'] * 100 if 'mfu' in r else float('nan'):.0f}% of "
-            "the GEMM ceiling (`mfu`). `torch.compile` of shardlm's layers changed its step time by about 2% here, "
-            "so it is not used.",
-            "",
-        ]
+    from shardlm.bench.training_report import mfu_lines, train_lines
+
+    if r.get("train_vs_hf"):
+        lines += train_lines(r["train_vs_hf"])
     if "mfu" in r:
-        u = r["mfu"]
-        lines += [
-            "## CPU model-FLOPs utilization (`mfu`)",
-            "",
-            f"Achieved matmul FLOP/s of the shardlm step above ({u['flops_per_token'] / 1e6:.1f} MFLOP per token, "
-            "`shardlm.models.config.flops_per_token`) over the best fp32 GEMM rate of this CPU with the same "
-            f"threads ({u['gemm_ceiling_gflops']:.0f} GFLOP/s, 1024x1024 matmuls): "
-            f"**{u['achieved_gflops']:.0f} GFLOP/s = {u['fraction'] * 100:.0f}%**.",
-            "",
-        ]
+        lines += mfu_lines(r)
     p = r.get("tp2_efficiency")
     if p:
         tok = p["tokens_per_sec"]

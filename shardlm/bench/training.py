@@ -1,13 +1,21 @@
 """Single-process training throughput: shardlm at TP=1 vs HuggingFace GPT2LMHeadModel (SDPA).
 
-Every program runs forward + backward + global-norm clipping + fused AdamW on the same shape and
-batch, fp32, with the same threads, alternated in a rotating order so machine noise hits all alike. All compute
-the same function: GPT-2's tanh-approximated GeLU, SDPA attention, tied LM head, mean cross-entropy.
+Measured at the BENCH shape with two vocabularies, BENCH's 8,192 and GPT-2's 50,257 (where the LM
+head and the loss are a large part of the step), in fp32 and, on a CPU with native bf16 (AMX or
+AVX-512-BF16), in bf16 autocast too. Every program runs forward + backward + global-norm clipping +
+fused AdamW on the same shape and batch, with the same threads, alternated in a rotating order so
+machine noise hits all alike. All compute the same function: GPT-2's tanh-approximated GeLU, SDPA
+attention, tied LM head, mean cross-entropy.
 
 - `shardlm`: a real shardlm Trainer step (`model.activation = "gelu_tanh"`).
+- `shardlm_train`: `shardlm train` itself (`shardlm.training.run.train`, the CLI's loop with its
+  progress bar, metrics.jsonl and TensorBoard logging, on an indexed dataset), one loop iteration
+  per call: what the step costs with everything around it.
+- `shardlm_half` (bf16 only): the Trainer step with half-precision parameters
+  (`train.param_dtype = "half"`: bf16 weights, fp32 gradient buffers and master weights).
 - `hf`: transformers as shipped: `GPT2Config` defaults (`activation_function="gelu_new"`, GPT-2's
   GeLU written as eight tensor ops in Python) and fused AdamW, the Trainer's default optimizer on
-  torch >= 2.8. This is the headline ratio.
+  torch >= 2.8; in bf16 its forward and loss under autocast, as transformers' Trainer runs `bf16=True`.
 - `hf_fused_gelu`: the control: the same transformers model told to use PyTorch's one-kernel tanh
   GeLU (`activation_function="gelu_pytorch_tanh"`). It shows what is left of the ratio when both
   programs use the same kernels everywhere.
@@ -15,22 +23,38 @@ the same function: GPT-2's tanh-approximated GeLU, SDPA attention, tied LM head,
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
 import torch
 
-from shardlm.bench.common import BenchShape, interleaved, summary
+from shardlm.bench.common import BenchShape, cpu_features, interleaved, matmul_ceiling, summary
 
 HF_VARIANTS = {"hf": "gelu_new", "hf_fused_gelu": "gelu_pytorch_tanh"}
+VOCABULARIES = (8192, 50257)
+"""BENCH's vocabulary and GPT-2's real one."""
+QUICK_VOCABULARIES = (1024, 3000)
+"""--quick: a multiple of 128 and one that needs padding."""
+WARMUP = 1
 
 
-def shardlm_step(shape: BenchShape):
+def autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+
+def shardlm_step(shape: BenchShape, precision: str = "fp32", **train):
     """A zero-argument function running one real shardlm training step (the Trainer's), and the trainer."""
     from shardlm.parallel import ParallelContext
 
-    trainer = shape.trainer(ParallelContext.single())
+    trainer = shape.trainer(ParallelContext.single(), precision=precision, **train)
     return trainer.train_step, trainer
 
 
-def hf_step(shape: BenchShape, activation: str = "gelu_new", seed: int = 0):
+def hf_step(shape: BenchShape, activation: str = "gelu_new", seed: int = 0, precision: str = "fp32"):
     """One training step of transformers' GPT2LMHeadModel (SDPA attention) on the shape."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -45,7 +69,8 @@ def hf_step(shape: BenchShape, activation: str = "gelu_new", seed: int = 0):
                           generator=torch.Generator().manual_seed(seed))
 
     def step():
-        loss = model(input_ids=batch, labels=batch).loss
+        with autocast(precision):
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
@@ -54,19 +79,145 @@ def hf_step(shape: BenchShape, activation: str = "gelu_new", seed: int = 0):
     return step
 
 
-def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2) -> dict:
-    """tokens/s of every program and the ratios shardlm / each, medians over interleaved repeats."""
+class TrainCommand:
+    """`shardlm train` (`shardlm.training.run.train`) running in a thread, one loop iteration per call.
+
+    The thread waits at the start of every Trainer step; a call lets it go and returns when it reaches
+    the next one, so a call times one whole iteration of the CLI's loop: the step, the progress bar
+    and metrics logging, the validation and checkpoint checks and the SIGTERM agreement. `calls` is how
+    many calls will be made; `close()` lets the last step and the run's end go (untimed).
+    """
+
+    def __init__(self, shape: BenchShape, precision: str, calls: int, folder: Path, threads: int, **train):
+        from shardlm.config import from_dict
+        from shardlm.data.indexed import IndexedDatasetWriter, token_dtype_for_vocab
+        from shardlm.training.trainer import Trainer
+
+        prefix = folder / f"tokens-{shape.vocab_size}"
+        if not prefix.with_suffix(".idx").exists():
+            tokens = np.random.default_rng(0).integers(0, shape.vocab_size, 64 * (shape.seq_length + 1))
+            with IndexedDatasetWriter(prefix, token_dtype_for_vocab(shape.vocab_size)) as writer:
+                writer.add_document([tokens])
+        self.config = from_dict({
+            "model": {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
+                      "seq_length": shape.seq_length, "vocab_size": shape.vocab_size, "dropout": 0.0,
+                      "activation": shape.activation},
+            "data": {"prefixes": [str(prefix)], "split": "1,0,0"},
+            "train": {"micro_batch_size": shape.micro_batch, "global_batch_size": shape.micro_batch,
+                      "steps": calls + 1, "lr": 1e-4, "precision": precision, **train},
+            "checkpoint": {"save": False}, "log": {"plot": False},
+        })
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"train-{shape.vocab_size}-{precision}-", dir=folder))
+        self.threads, self.error = threads, None
+        self._go, self._arrived = threading.Semaphore(0), threading.Semaphore(0)
+        self._trainer_class, self._original = Trainer, Trainer.train_step
+        command = self
+
+        def gated_step(trainer):
+            if threading.current_thread() is command.thread:
+                command._arrived.release()
+                command._go.acquire()
+            return command._original(trainer)
+
+        Trainer.train_step = gated_step
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self._wait()
+
+    def _run(self):
+        from shardlm.training.run import train
+
+        torch.set_num_threads(self.threads)  # OpenMP's thread count is per thread
+        try:
+            train(self.config, self.run_dir)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self.error = exc
+        self._arrived.release()
+
+    def _wait(self):
+        self._arrived.acquire()
+        if self.error is not None:
+            self.close()
+            raise RuntimeError(f"shardlm train failed in the benchmark: {self.error}") from self.error
+
+    def __call__(self):
+        self._go.release()
+        self._wait()
+
+    def close(self):
+        self._go.release()
+        self.thread.join()
+        self._trainer_class.train_step = self._original
+
+
+def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folder: Path) -> dict:
+    """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats."""
+    programs = {"shardlm": shardlm_step(shape, precision)[0]}
+    if precision != "fp32":
+        programs["shardlm_half"] = shardlm_step(shape, precision, param_dtype="half")[0]
+    programs.update({name: hf_step(shape, activation, precision=precision) for name, activation in HF_VARIANTS.items()})
+    command = TrainCommand(shape, precision, WARMUP + repeats, folder, threads)
+    try:
+        times = interleaved({"shardlm_train": command, **programs}, repeats, warmup=WARMUP)
+    finally:
+        command.close()
+    tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
+    result = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
+
+    def ratio(a, b):
+        return summary([x / y for x, y in zip(tokens[a], tokens[b])])
+
+    for name in [p for p in tokens if p.startswith("shardlm")]:
+        suffix = name.removeprefix("shardlm")
+        result[f"ratio{suffix}"] = ratio(name, "hf")
+        result[f"ratio{suffix}_same_kernels"] = ratio(name, "hf_fused_gelu")
+    result["train_command_over_step"] = ratio("shardlm_train", "shardlm")
+    return result
+
+
+def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=VOCABULARIES) -> dict:
+    """Every (vocabulary, precision) comparison, the CPU's features and GEMM ceilings, and the CPU MFU.
+
+    Top-level `ratio`, `ratio_same_kernels` and `*_tokens_per_sec` are the fp32 figures at the first
+    vocabulary (BENCH's), as before; `by_vocabulary[V][precision]` holds all of them."""
+    features = cpu_features()
+    precisions = ["fp32"] + (["bf16"] if features["native_bf16"] else [])
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    programs = {"shardlm": shardlm_step(shape)[0]}
-    programs.update({name: hf_step(shape, activation) for name, activation in HF_VARIANTS.items()})
-    times = interleaved(programs, repeats)
+    by_vocabulary: dict = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for vocab in vocab_sizes:
+            for precision in precisions:
+                figures = compare(replace(shape, vocab_size=vocab), precision, repeats, threads, Path(folder))
+                by_vocabulary.setdefault(str(vocab), {})[precision] = figures
     torch.set_num_threads(previous)
-    tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
-    result = {"config": shape.describe() + f", {threads} threads", "threads": threads,
-              "hf_activation": HF_VARIANTS}
-    for name, values in tokens.items():
-        result[f"{name}_tokens_per_sec"] = summary(values)
-    result["ratio"] = summary([a / b for a, b in zip(tokens["shardlm"], tokens["hf"])])
-    result["ratio_same_kernels"] = summary([a / b for a, b in zip(tokens["shardlm"], tokens["hf_fused_gelu"])])
+    result = {"config": shape.describe("fp32 and bf16 autocast" if "bf16" in precisions else "fp32",
+                                       vocabulary=False) + f", {threads} threads",
+              "threads": threads, "hf_activation": HF_VARIANTS, "cpu_features": features, "precisions": precisions,
+              "vocabularies": [int(v) for v in vocab_sizes], "by_vocabulary": by_vocabulary}
+    result.update(by_vocabulary[str(vocab_sizes[0])]["fp32"])
     return result
+
+
+def cpu_mfu(figures: dict, shape: BenchShape, threads: int, quick: bool = False) -> dict:
+    """Achieved matmul FLOP/s of the shardlm Trainer step over this CPU's best GEMM rate in the same
+    dtype and threads, per vocabulary and precision. Top-level keys: fp32 at BENCH's vocabulary."""
+    sizes = (256,) if quick else (1024, 2048)
+    repeats = 2 if quick else 3
+    ceilings = {"fp32": max(matmul_ceiling(threads, n, repeats) for n in sizes)}
+    if "bf16" in figures["precisions"]:
+        ceilings["bf16"] = max(matmul_ceiling(threads, n, repeats, torch.bfloat16) for n in sizes)
+    rows: dict = {}
+    for vocab, by_precision in figures["by_vocabulary"].items():
+        flops = replace(shape, vocab_size=int(vocab)).flops_per_token
+        for precision, fig in by_precision.items():
+            for program in ("shardlm", "shardlm_half"):
+                if f"{program}_tokens_per_sec" not in fig:
+                    continue
+                achieved = fig[f"{program}_tokens_per_sec"]["median"] * flops
+                rows.setdefault(vocab, {})[f"{precision}{program.removeprefix('shardlm')}"] = {
+                    "flops_per_token": flops, "achieved_gflops": achieved / 1e9,
+                    "gemm_ceiling_gflops": ceilings[precision] / 1e9, "fraction": achieved / ceilings[precision]}
+    first = rows[str(figures["vocabularies"][0])]["fp32"]
+    return {**first, "gemm_ceilings_gflops": {k: v / 1e9 for k, v in ceilings.items()},
+            "ceiling_sizes": list(sizes), "by_vocabulary": rows}

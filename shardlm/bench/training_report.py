@@ -1,0 +1,136 @@
+"""BENCHMARKS.md's training sections: shardlm vs transformers per vocabulary and precision, and the CPU MFU."""
+
+from __future__ import annotations
+
+GOAL_SAME_KERNELS, GOAL_AS_SHIPPED, GOAL_FP32_MFU = 1.0, 1.2, 0.80
+
+PROGRAMS = (("shardlm", "shardlm Trainer step"), ("shardlm_train", "`shardlm train` loop"),
+            ("shardlm_half", "shardlm, half-precision parameters"), ("hf", "transformers as shipped"),
+            ("hf_fused_gelu", "transformers, same kernels"))
+
+# What was tried to cut the time outside the GEMMs, and what it gave (paired measurements while developing;
+# the figures above are this run's).
+TRIED = [
+    "**Fused output layer + cross-entropy at TP=1 (kept).** The step used to compute the padded logits, "
+    "copy the real vocabulary out of them (`[..., :V]` is not contiguous once V is padded), take PyTorch's "
+    "fp32 log-softmax, and in the backward fill zeros for the NLL gradient, for the slice's gradient and "
+    "compute the log-softmax backward: about six passes over the (tokens x V) logits besides the GEMMs, "
+    "and under bf16 autocast one more fp32 copy. `shardlm.parallel.cross_entropy.linear_cross_entropy` "
+    "multiplies by the real rows of the weight only, then turns each chunk of rows (about 16 MiB in fp32) "
+    "into its own gradient `softmax - onehot` in place; the backward scales the (tokens x h) side of its two "
+    "GEMMs by the loss gradient instead of the logits. Output layer + loss, forward and backward, at 2,048 "
+    "tokens x 50,257 on one thread (CPU time, 3 paired repeats): fp32 4.72 s -> 3.45 s (-27%), bf16 "
+    "autocast 6.38 s -> 5.45 s (-15%). Chunks of 256 KiB to 16 MiB took the same CPU time on one thread; "
+    "on two threads of a busy machine small chunks were 1.5-2.5x slower (every parallel region waits for "
+    "both threads), hence 16 MiB. At TP > 1 the vocabulary-parallel cross-entropy is unchanged (it never "
+    "gathers the logits and already works in place).",
+    "**Autocast's weight casts per micro-batch (not needed).** Autocast caches the bf16 copy of each weight "
+    "only inside one `autocast` region; the trainer enters one per micro-batch, so with accumulation each "
+    "weight is cast once per micro-batch. The BENCH step has one micro-batch, and the casts are about 1% of "
+    "a bf16 step's time; `train.param_dtype = \"half\"` (the `shardlm_half` rows) removes them altogether.",
+    "**SDPA kernel choice (nothing to change).** On the CPU both programs run "
+    "`_scaled_dot_product_flash_attention_for_cpu` forward and backward, in fp32 and in bf16 (PyTorch's "
+    "CPU flash kernel takes bf16); the math kernel would materialize the T x T scores.",
+    "**`torch.compile` of shardlm's layers (not used).** It changed the fp32 step time by about 2% on the "
+    "AVX2 machine where it was tried.",
+    "**LayerNorm / GeLU / residual and the optimizer (nothing to change).** The profiles show the same "
+    "kernels, calls and times in shardlm and transformers (`native_layer_norm`, one `gelu` kernel in the "
+    "control, fused AdamW); transformers' Conv1D layers run `addmm` where shardlm runs `mm` + bias add in "
+    "the forward, within noise of each other.",
+]
+
+
+def _median(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    if not fig:
+        return "n/a"
+    low, high = fig["min"] * scale, fig["max"] * scale
+    return f"{fig['median'] * scale:.{digits}f} (min {low:.{digits}f}, max {high:.{digits}f})"
+
+
+def _features(f: dict) -> str:
+    yes = {True: "yes", False: "no"}
+    return (f"CPU matrix features (`train_vs_hf.cpu_features`): **{f['matrix']}** (AMX {yes[f['amx']]}, "
+            f"AVX-512-BF16 {yes[f['avx512_bf16']]}, AVX-512 {yes[f['avx512']]}, AVX2 {yes[f['avx2']]}; PyTorch "
+            f"CPU capability {f['torch_cpu_capability']}, oneDNN bf16 {yes[f['onednn_bf16']]}).")
+
+
+def train_lines(t: dict) -> list[str]:
+    lines = [
+        "## Training throughput: shardlm vs HuggingFace transformers (`train_vs_hf`)",
+        "",
+        f"Config: {t['config']}; vocabularies {', '.join(str(v) for v in t['vocabularies'])}. One step = forward + "
+        "backward + clipping + fused AdamW. All programs compute the same function (GPT-2's tanh GeLU, SDPA "
+        "attention, tied LM head) and ran alternately, one (vocabulary, precision) at a time. The `shardlm "
+        "train` loop is the CLI's own loop (progress bar, metrics.jsonl, TensorBoard) on an indexed dataset, "
+        "timed from one step's start to the next's. bf16 = autocast around the forward and loss in both "
+        "libraries; half-precision parameters = `train.param_dtype = \"half\"`.",
+        "",
+        _features(t["cpu_features"]),
+        "",
+    ]
+    if t["cpu_features"].get("bf16_note"):
+        lines += [t["cpu_features"]["bf16_note"] + ".", ""]
+    lines += ["| V | precision | " + " | ".join(label for _, label in PROGRAMS) + " |",
+              "|---" * (2 + len(PROGRAMS)) + "|"]
+    for vocab, by_precision in t["by_vocabulary"].items():
+        for precision, fig in by_precision.items():
+            cells = [_median(fig.get(f"{name}_tokens_per_sec"), digits=0) for name, _ in PROGRAMS]
+            lines.append(f"| {vocab} | {precision} | " + " | ".join(cells) + " |")
+    lines += ["", "Ratios (tokens/s over tokens/s, per interleaved repeat; `train_vs_hf.by_vocabulary.V.precision.*`; "
+              f"goals: >= {GOAL_SAME_KERNELS} against the same kernels, >= {GOAL_AS_SHIPPED} against transformers "
+              "as shipped):", "",
+              "| V | precision | step / same kernels (`ratio_same_kernels`) | step / as shipped (`ratio`) | "
+              "`shardlm train` / same kernels (`ratio_train_same_kernels`) | `shardlm train` / as shipped "
+              "(`ratio_train`) | half parameters / same kernels (`ratio_half_same_kernels`) | half parameters / as "
+              "shipped (`ratio_half`) | `shardlm train` / step (`train_command_over_step`) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for vocab, by_precision in t["by_vocabulary"].items():
+        for precision, fig in by_precision.items():
+            keys = ("ratio_same_kernels", "ratio", "ratio_train_same_kernels", "ratio_train",
+                    "ratio_half_same_kernels", "ratio_half", "train_command_over_step")
+            lines.append(f"| {vocab} | {precision} | " + " | ".join(_median(fig.get(k)) for k in keys) + " |")
+    goals = []
+    for vocab, by_precision in t["by_vocabulary"].items():
+        for precision, fig in by_precision.items():
+            for key, goal in (("ratio_same_kernels", GOAL_SAME_KERNELS), ("ratio", GOAL_AS_SHIPPED),
+                              ("ratio_train_same_kernels", GOAL_SAME_KERNELS), ("ratio_train", GOAL_AS_SHIPPED)):
+                if fig[key]["median"] < goal:
+                    goals.append(f"`{key}` at V={vocab} {precision} ({fig[key]['median']:.2f} < {goal})")
+    lines += ["", f"**`train_vs_hf.ratio` = {_median(t['ratio'])}** (shardlm / transformers as shipped, fp32, "
+              f"V={t['vocabularies'][0]}).", "",
+              f"`train_vs_hf.ratio_same_kernels` = {_median(t['ratio_same_kernels'])} (shardlm / the control, fp32, "
+              f"V={t['vocabularies'][0]}).", "",
+              ("Goals missed in this run: " + "; ".join(goals) + ".") if goals
+              else "Every ratio goal is met in this run.",
+              "", "### What was tried to cut the time outside the GEMMs", ""]
+    lines += [f"- {item}" for item in TRIED]
+    return lines + [""]
+
+
+def mfu_lines(r: dict) -> list[str]:
+    u = r["mfu"]
+    ceilings = u.get("gemm_ceilings_gflops", {"fp32": u["gemm_ceiling_gflops"]})
+    sizes = "x".join(str(n) for n in u.get("ceiling_sizes", [1024]))
+    lines = [
+        "## CPU model-FLOPs utilization (`mfu`)",
+        "",
+        "Achieved matmul FLOP/s of the shardlm Trainer step above (`shardlm.models.config.flops_per_token`) over "
+        "the best GEMM rate of this CPU in the same dtype with the same threads (square matmuls of size "
+        f"{sizes}): fp32 {ceilings['fp32']:.0f} GFLOP/s"
+        + (f", bf16 {ceilings['bf16']:.0f} GFLOP/s" if "bf16" in ceilings else "") + f". Goal for fp32: >= "
+        f"{GOAL_FP32_MFU:.0%}.",
+        "",
+        "| V | program | MFLOP per token | achieved GFLOP/s | GEMM ceiling GFLOP/s | fraction |",
+        "|---|---|---|---|---|---|",
+    ]
+    for vocab, rows in u.get("by_vocabulary", {}).items():
+        for program, row in rows.items():
+            lines.append(f"| {vocab} | {program} | {row['flops_per_token'] / 1e6:.1f} | {row['achieved_gflops']:.0f} | "
+                         f"{row['gemm_ceiling_gflops']:.0f} | {row['fraction'] * 100:.0f}% |")
+    lines += ["", f"**`mfu.fraction` = {u['fraction'] * 100:.0f}%** (fp32, first vocabulary: "
+              f"{u['achieved_gflops']:.0f} of {u['gemm_ceiling_gflops']:.0f} GFLOP/s).", ""]
+    if "bf16" in ceilings and ceilings["bf16"] < ceilings["fp32"]:
+        lines += ["On this CPU the bf16 GEMM ceiling is below the fp32 one: AVX-512-BF16 without AMX gives bf16 "
+                  "dot products but oneDNN's bf16 GEMMs do not outrun MKL's fp32 ones here, so bf16 is a memory "
+                  "saving, not a speed-up; the roofline a bf16 step hits is that GEMM ceiling.", ""]
+    return lines
