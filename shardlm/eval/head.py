@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.models.gpt import GPT, KVCache
-from shardlm.models.llama import Llama
+from shardlm.models.decoder import DecoderLM, KVCache
 
-CAUSAL_MODELS = (GPT, Llama)
+CAUSAL_MODELS = (DecoderLM,)  # GPT and Llama
 
 
 def logits_at(model, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

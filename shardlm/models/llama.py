@@ -16,13 +16,14 @@ once in the gradient norm and are saved once, like any replicated parameter (che
 layout-free). The untied output layer is a column-parallel linear over the padded vocabulary that
 feeds the vocabulary-parallel cross-entropy; training never gathers logits.
 
-The interface is GPT's (`embed`, `run_layers`, `head`, `output_layer`, `hidden_states`, `loss`,
-`forward`, `full_logits`, `new_kv_cache`): each attention layer computes its rotary angles from its
-own positions (offset by its KV cache), so pipeline stages need nothing else. Sequence parallelism and
-selective recomputation work as in GPT: with `sequence_parallel` the norms, dropouts and residuals act
-on (B, T / tp, h) chunks, the one `f` of each block becomes the sequence all-gather `f_sp` (RoPE then
-sees the whole sequence's positions), the row-parallel layers reduce-scatter, and the output layer
-gathers the final norm's chunks; `recompute="selective"` recomputes only the attention core.
+`DecoderLM` (`shardlm.models.decoder`) runs the pieces, as it runs GPT (`embed`, `run_layers`,
+`head`, `output_layer`, `hidden_states`, `loss`, `forward`, `full_logits`, `new_kv_cache`): each
+attention layer computes its rotary angles from its own positions (offset by its KV cache), so
+pipeline stages need nothing else. Sequence parallelism and selective recomputation work as in GPT:
+with `sequence_parallel` the norms, dropouts and residuals act on (B, T / tp, h) chunks, the one `f`
+of each block becomes the sequence all-gather `f_sp` (RoPE then sees the whole sequence's
+positions), the row-parallel layers reduce-scatter, and the output layer gathers the final norm's
+chunks; `recompute="selective"` recomputes only the attention core.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.gpt import KVCache, LayerKVCache, SequenceDropout, causal_mask_with_past, mark_sequence_parallel
+from shardlm.models.decoder import (
+    DecoderLM,
+    LayerKVCache,
+    SequenceDropout,
+    causal_mask_with_past,
+    enter_parallel_region,
+    mark_sequence_parallel,
+)
 from shardlm.models.rotary import apply_rotary, rotary_angles
 from shardlm.parallel import (
     ColumnParallelLinear,
@@ -43,11 +51,7 @@ from shardlm.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
-    gather_from_tensor_parallel,
-    vocab_parallel_cross_entropy,
 )
-from shardlm.parallel.cross_entropy import linear_cross_entropy
 from shardlm.parallel.init import normal_shard, param_seed
 
 
@@ -62,12 +66,6 @@ def kv_head_range(num_heads: int, num_kv_heads: int, tensor_parallel: int, tp_ra
     local, group = num_heads // tensor_parallel, num_heads // num_kv_heads
     first_query = tp_rank * local
     return first_query // group, (first_query + local - 1) // group + 1
-
-
-def enter_parallel_region(x: torch.Tensor, tp, sequence_parallel: bool) -> torch.Tensor:
-    """The one `f` in front of a block's column-parallel layers: identity forward and all-reduce backward, or
-    under sequence parallelism `f_sp`, (B, T / tp, h) chunks all-gathered to (B, T, h) (reduce-scattered back)."""
-    return gather_from_sequence_parallel(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
 
 
 class KeyValueProjection(nn.Module):
@@ -207,8 +205,8 @@ class LlamaBlock(nn.Module):
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
-class Llama(nn.Module):
-    """Llama-family causal language model over a TP group; the same interface as `shardlm.models.gpt.GPT`.
+class Llama(DecoderLM):
+    """Llama-family causal language model over a TP group; `DecoderLM` runs it, as it runs GPT.
 
     tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary slice of the logits,
     (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses (B, T) through the
@@ -221,13 +219,7 @@ class Llama(nn.Module):
                  activation_checkpointing: bool = False, recompute: str | None = None,
                  sequence_parallel: bool = False, layer_ids: list[int] | None = None):
         super().__init__()
-        if ctx.rng is None:
-            ctx.seed(seed)
-        self.cfg, self.ctx = cfg, ctx
-        self.recompute = recompute or ("full" if activation_checkpointing else "none")
-        self.activation_checkpointing = self.recompute == "full"
-        self.sequence_parallel = sp = sequence_parallel and ctx.tp_size > 1
-        self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
+        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)
@@ -247,9 +239,10 @@ class Llama(nn.Module):
         # what the last pipeline stage keeps besides its layers
         self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
 
-    def new_kv_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
-        return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The column-parallel `lm_head`, or the embedding when tied."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
         """(B, T) ids -> (B, T, h) token embeddings and dropout (positions enter in the attention, as RoPE);
@@ -258,61 +251,3 @@ class Llama(nn.Module):
         if past + T > self.cfg.seq_length:
             raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
         return self.drop(self.wte(tokens))
-
-    def run_layers(self, x: torch.Tensor, layers) -> torch.Tensor:
-        """(B, T, h) -> (B, T, h) through `layers` in order (positions 0 .. T - 1), each checkpointed when
-        activation checkpointing is on (and gradients are being recorded)."""
-        for layer in layers:
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
-            else:
-                x = layer(x)
-        return x
-
-    def output_layer(self, h: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) final-RMSNorm output -> (B, T, V_padded / tp) this rank's logits: the column-parallel
-        `lm_head`, or the embedding when tied (its input gradient is all-reduced over TP, `f`)."""
-        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), weight)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final RMSNorm and output layer."""
-        return self.output_layer(self.ln_f(x))
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Per-token fp32 losses (B, T) of vocabulary-parallel logits; `ignore_index` targets give 0."""
-        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
-                                            ignore_index=ignore_index)
-
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """(B, T) ids -> (B, T, h) final-RMSNorm output, replicated over the TP group.
-        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
-        if cache is not None and self.sequence_parallel:
-            raise ValueError("the KV cache works without sequence parallelism; build the model for generation "
-                             "with sequence_parallel=False")
-        x = self.embed(tokens, 0 if cache is None else cache.length)
-        if cache is None:
-            return self.ln_f(self.run_layers(x, self.layers.values()))
-        for layer, layer_cache in zip(self.layers.values(), cache.layers):
-            x = layer(x, layer_cache)
-        return self.ln_f(x)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
-        hidden = self.hidden_states(tokens, cache)
-        if targets is not None and self.ctx.tp_size == 1:  # the whole vocabulary here: the fused head and loss
-            weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-            return linear_cross_entropy(hidden, weight, targets, self.cfg.vocab_size, ignore_index)
-        logits = self.output_layer(hidden)
-        return logits if targets is None else self.loss(logits, targets, ignore_index)
-
-    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
-        """(..., V_padded / tp) -> (..., vocab_size): gather the slices and drop the padding.
-        For evaluation and generation only; training never gathers logits."""
-        return gather_from_tensor_parallel(local_logits, self.ctx.tp)[..., : self.cfg.vocab_size]
-
-    def num_parameters(self) -> int:
-        """Parameters of the whole model (summing the TP shards of split weights), padding included."""
-        sharded = sum(p.numel() for p in self.parameters() if hasattr(p, "tensor_parallel_dim"))
-        replicated = sum(p.numel() for p in self.parameters() if not hasattr(p, "tensor_parallel_dim"))
-        return sharded * self.ctx.tp_size + replicated

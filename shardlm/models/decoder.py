@@ -1,0 +1,188 @@
+"""What GPT and Llama share: a decoder-only language model run as embed -> layers -> final norm ->
+output layer -> loss, plus the key/value cache and the sequence-parallel helpers of their blocks.
+
+`DecoderLM` holds the run of the pieces; a model class builds `wte` (the vocabulary-parallel
+embedding), `layers` (a ModuleDict keyed "0".."l-1", so a pipeline stage keeps only its layers under
+the unsplit names), `ln_f`, and defines `embed(tokens, past)` and `output_weight` (the tied embedding
+or an untied output layer). Every method talks only to the tensor-parallel group of `ctx`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardlm.models.config import ModelConfig
+from shardlm.parallel import (
+    ParallelContext,
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+from shardlm.parallel.cross_entropy import linear_cross_entropy
+
+
+class LayerKVCache:
+    """One layer's keys and values of the positions processed so far, each (B, heads/tp, T_past, head_dim).
+
+    Storage is allocated on the first `append` for `capacity` positions, so appending a token copies
+    only that token's keys and values.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, heads/tp, T_new, head_dim); return all cached keys and values, T_past + T_new."""
+        B, H, T, D = k.shape
+        if self.keys is None:
+            self.keys = k.new_empty(B, H, self.capacity, D)
+            self.values = v.new_empty(B, H, self.capacity, D)
+        if self.length + T > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot take {self.length} + {T}")
+        self.keys[:, :, self.length:self.length + T] = k
+        self.values[:, :, self.length:self.length + T] = v
+        self.length += T
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding (`GPT.new_kv_cache()` makes one).
+
+    `length` is the number of positions already processed; the next tokens given to the model take
+    positions `length, length + 1, ...`. Each TP rank caches only its own heads.
+    """
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.layers = [LayerKVCache(capacity) for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+
+def causal_mask_with_past(past: int, new: int, device) -> torch.Tensor:
+    """(new, past + new) bool mask: query i (at position past + i) sees keys 0 .. past + i."""
+    keys = torch.arange(past + new, device=device)
+    queries = torch.arange(past, past + new, device=device)
+    return keys.unsqueeze(0) <= queries.unsqueeze(1)
+
+
+def mark_sequence_parallel(module: nn.Module) -> None:
+    """Mark the parameters of a module applied to sequence chunks (a LayerNorm): their gradients are
+    partial sums over the TP group, which the trainer adds up (`sum_sequence_parallel_gradients`)."""
+    for param in module.parameters():
+        param.sequence_parallel = True
+
+
+class SequenceDropout(nn.Dropout):
+    """Dropout that draws from the model-parallel generator when activations are sequence chunks (each
+    TP rank holds other tokens, so their masks must differ); the default generator otherwise."""
+
+    def __init__(self, p: float, ctx: ParallelContext, sequence_parallel: bool):
+        super().__init__(p)
+        self.ctx, self.sequence_parallel = ctx, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.training and self.p > 0:
+            with self.ctx.rng.fork():
+                return super().forward(x)
+        return super().forward(x)
+
+
+def enter_parallel_region(x: torch.Tensor, tp, sequence_parallel: bool) -> torch.Tensor:
+    """The one `f` in front of column-parallel layers: identity forward and all-reduce backward, or under
+    sequence parallelism `f_sp`, (B, T / tp, h) chunks all-gathered to (B, T, h) (reduce-scattered back)."""
+    return gather_from_sequence_parallel(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
+
+
+class DecoderLM(nn.Module):
+    """A causal LM over a TP group. tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary
+    slice of the logits, (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses
+    (B, T) through the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0; at TP=1
+    the output layer and the loss are one function, `linear_cross_entropy`, that never copies the
+    logits). With `cache=model.new_kv_cache()`, tokens continue the cached positions."""
+
+    def _init_run(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, activation_checkpointing: bool,
+                  recompute: str | None, sequence_parallel: bool) -> bool:
+        """Seed `ctx` when it has no generators yet and record the run settings; returns whether sequence
+        parallelism is on (it needs TP > 1)."""
+        if ctx.rng is None:
+            ctx.seed(seed)
+        self.cfg, self.ctx = cfg, ctx
+        self.recompute = recompute or ("full" if activation_checkpointing else "none")
+        self.activation_checkpointing = self.recompute == "full"
+        self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
+        self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
+        return self.sequence_parallel
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V_padded / tp, h) weight of the output layer."""
+        raise NotImplementedError
+
+    def new_kv_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
+        return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
+
+    def run_layers(self, x: torch.Tensor, layers) -> torch.Tensor:
+        """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation
+        checkpointing is on (and gradients are being recorded)."""
+        for layer in layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+            else:
+                x = layer(x)
+        return x
+
+    def output_layer(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) final-norm output -> (B, T, V_padded / tp) this rank's logits (the input gradient is
+        all-reduced over TP, `f`; sequence chunks are all-gathered first under sequence parallelism, `f_sp`)."""
+        return F.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final norm and output layer."""
+        return self.output_layer(self.ln_f(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Per-token fp32 losses (B, T) of vocabulary-parallel logits; `ignore_index` targets give 0."""
+        return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
+                                            ignore_index=ignore_index)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) final-norm output, replicated over the TP group.
+        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("the KV cache works without sequence parallelism; build the model for generation "
+                             "with sequence_parallel=False")
+        x = self.embed(tokens, 0 if cache is None else cache.length)
+        if cache is None:
+            return self.ln_f(self.run_layers(x, self.layers.values()))
+        for layer, layer_cache in zip(self.layers.values(), cache.layers):
+            x = layer(x, layer_cache)
+        return self.ln_f(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(tokens, cache)
+        if targets is not None and self.ctx.tp_size == 1:  # the whole vocabulary here: the fused head and loss
+            return linear_cross_entropy(hidden, self.output_weight, targets, self.cfg.vocab_size, ignore_index)
+        logits = self.output_layer(hidden)
+        return logits if targets is None else self.loss(logits, targets, ignore_index)
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_padded / tp) -> (..., vocab_size): gather the slices and drop the padding.
+        For evaluation and generation only; training never gathers logits."""
+        return gather_from_tensor_parallel(local_logits, self.ctx.tp)[..., : self.cfg.vocab_size]
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (summing the TP shards of split weights), padding included."""
+        sharded = sum(p.numel() for p in self.parameters() if hasattr(p, "tensor_parallel_dim"))
+        replicated = sum(p.numel() for p in self.parameters() if not hasattr(p, "tensor_parallel_dim"))
+        return sharded * self.ctx.tp_size + replicated
