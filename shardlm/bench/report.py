@@ -24,9 +24,11 @@ KEYS = {
                                  "hf_fused_gelu and the ratios ratio[_train|_half][_same_kernels], "
                                  "train_command_over_step",
     "mfu.fraction": "shardlm's achieved matmul FLOP/s / the CPU's measured fp32 GEMM ceiling",
-    "mfu.gemm_ceiling_gflops": "best fp32 matmul rate with the same threads (1024 and 2048 square)",
-    "mfu.gemm_ceilings_gflops": "best matmul rate per dtype (fp32; bf16 on a CPU with native bf16)",
-    "mfu.by_vocabulary": "per vocabulary and program (fp32, bf16, bf16_half): achieved GFLOP/s, ceiling, fraction",
+    "mfu.gemm_ceiling_gflops": "best 1024x1024 fp32 matmul rate with the same threads",
+    "mfu.gemm_ceilings_gflops": "best matmul rate per dtype (fp32; bf16 on a CPU with native bf16) and square size "
+                                "(1024, 2048)",
+    "mfu.by_vocabulary": "per vocabulary and program (fp32, bf16, bf16_half): achieved GFLOP/s, fraction of the "
+                         "1024x1024 ceiling and fraction_of_best",
     "tp2_efficiency.shardlm": "shardlm tokens/s at TP=2 (2 x 1 thread) / TP=1 (1 x 2 threads)",
     "tp2_efficiency.torch_tp": "the same ratio for PyTorch's `tensor.parallel` on an equivalent model",
     "comm.matches_formula": "true when every collective's calls and elements equal the formula",
