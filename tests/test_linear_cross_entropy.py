@@ -1,10 +1,13 @@
-"""The fused output layer + cross-entropy (`linear_cross_entropy`, TP=1) equals the unfused computation.
+"""The fused output layer + cross-entropy (`linear_cross_entropy`) equals the unfused computation.
 
-Reference: `F.linear` over the padded weight, the padding sliced off, `F.cross_entropy` in fp32, as
-the vocabulary-parallel path computes at TP=1. Checked: per-token losses and the gradients of the
-hidden states and of the weight (padding rows included), with ignored targets, a loss gradient that
-differs per token, chunk boundaries inside the batch, fp32 and bf16 autocast; and a GPT at TP=1
-trains through it to the same losses and gradients as through the unfused head.
+Reference at TP=1: `F.linear` over the padded weight, the padding sliced off, `F.cross_entropy` in
+fp32. Checked: per-token losses and the gradients of the hidden states and of the weight (padding
+rows included), with ignored targets, a loss gradient that differs per token, chunk boundaries
+inside the batch, fp32, bf16 autocast and bf16 parameters; a GPT trains through it to the same
+losses and gradients as through the unfused head. At TP=2 and TP=4 (gloo workers): each rank's
+losses and gradients equal the unfused vocabulary-parallel path's (`F.linear` on this rank's rows,
+then `vocab_parallel_cross_entropy`), shards holding padding and shards of padding only included,
+with the same communication (one all-reduce MAX and one SUM of O(tokens) values, never the logits).
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import shardlm.parallel.cross_entropy as cross_entropy
-from shardlm.parallel.cross_entropy import linear_cross_entropy
+import shardlm.parallel.linear_cross_entropy as fused_module
+from shardlm.parallel import ParallelContext
+from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
+
+from multiproc import run_checks, run_workers
 
 V, V_PADDED, H = 300, 384, 32
 
@@ -37,7 +43,7 @@ def _run(fused: bool, hidden, weight, target, upstream, precision: str):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with autocast:
         if fused:
-            losses = linear_cross_entropy(hidden, weight, target, V)
+            losses = linear_cross_entropy(hidden, weight, target, ParallelContext.single().tp, V)
         else:
             logits = F.linear(hidden, weight)[..., :V].float()
             losses = F.cross_entropy(logits, target, reduction="none")
@@ -47,7 +53,7 @@ def _run(fused: bool, hidden, weight, target, upstream, precision: str):
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 5, 1000])
 def test_fp32_equals_unfused(monkeypatch, rows_per_chunk):
-    monkeypatch.setattr(cross_entropy, "_rows_per_chunk", lambda vocab: rows_per_chunk)
+    monkeypatch.setattr(fused_module, "_rows_per_chunk", lambda vocab: rows_per_chunk)
     inputs = _inputs()
     fused, reference = _run(True, *inputs, "fp32"), _run(False, *inputs, "fp32")
     for name, a, b in zip(("losses", "hidden grad", "weight grad"), fused, reference):
@@ -82,7 +88,6 @@ def test_bf16_parameters_without_autocast():
 def test_gpt_at_tp1_trains_like_the_unfused_head():
     from shardlm.models.config import ModelConfig
     from shardlm.models.gpt import GPT
-    from shardlm.parallel import ParallelContext
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=V, dropout=0.0)
     tokens = torch.randint(0, V, (3, 17), generator=torch.Generator().manual_seed(1))
@@ -100,3 +105,58 @@ def test_gpt_at_tp1_trains_like_the_unfused_head():
     torch.testing.assert_close(fused_losses, losses, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _tensor_parallel_checks():
+    """Per TP rank: fused vs unfused losses, input and weight gradients (relative errors), and the
+    collectives each made, for vocabularies without padding, with padding in the last shard, and with
+    shards of padding only (V=100 at TP=4: 512 rows padded, ranks 1-3 hold none of the real ones)."""
+    import torch.distributed as dist
+
+    from shardlm.parallel import copy_to_tensor_parallel, vocab_parallel_cross_entropy
+
+    ctx = ParallelContext.from_process_group(dist.get_world_size())
+    out = {}
+    for vocab in (128 * ctx.tp_size, 300, 100):
+        padded = -(-vocab // (128 * ctx.tp_size)) * 128 * ctx.tp_size
+        hidden, weight, target, upstream = _inputs(seed=vocab)
+        weight = torch.randn(padded, H, generator=torch.Generator().manual_seed(7)) * 0.3
+        weight[vocab:] = 0.0
+        target = target % vocab
+        target[3] = -100
+        shard = weight.chunk(ctx.tp_size)[ctx.tp_rank]
+        for precision in ("fp32", "bf16"):
+            grads, losses, comm = [], [], []
+            for use_fused in (True, False):
+                h, w = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+                ctx.comm.reset()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    x = copy_to_tensor_parallel(h, ctx.tp)
+                    if use_fused:
+                        loss = linear_cross_entropy(x, w, target, ctx.tp, vocab)
+                    else:
+                        loss = vocab_parallel_cross_entropy(F.linear(x, w), target, ctx.tp, vocab_size=vocab)
+                comm.append(ctx.comm.snapshot())
+                (loss * upstream).sum().backward()
+                losses.append(loss.detach())
+                grads.append((h.grad, w.grad))
+            rel = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+                   for a, b in zip((losses[0], *grads[0]), (losses[1], *grads[1]))]
+            out[(vocab, precision)] = {"errors": rel, "same_comm": comm[0] == comm[1], "comm": comm[0]}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"tp{w}")
+def tensor_parallel(request):
+    return run_workers(request.param, run_checks, {"fused": _tensor_parallel_checks})
+
+
+@pytest.mark.slow
+def test_tensor_parallel_equals_unfused_vocab_parallel_path(tensor_parallel):
+    for rank, per_rank in enumerate(tensor_parallel):
+        status, cases = per_rank["fused"]
+        assert status == "ok", f"rank {rank}: {cases}"
+        for (vocab, precision), case in cases.items():
+            tolerance = 1e-5 if precision == "fp32" else 2e-2
+            assert max(case["errors"]) <= tolerance, (rank, vocab, precision, case["errors"])
+            assert case["same_comm"], (rank, vocab, precision, case["comm"])

@@ -22,7 +22,7 @@ from shardlm.parallel import (
     gather_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from shardlm.parallel.cross_entropy import linear_cross_entropy
+from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
 
 
 class LayerKVCache:
@@ -105,8 +105,8 @@ def enter_parallel_region(x: torch.Tensor, tp, sequence_parallel: bool) -> torch
 class DecoderLM(nn.Module):
     """A causal LM over a TP group. tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary
     slice of the logits, (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses
-    (B, T) through the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0; at TP=1
-    the output layer and the loss are one function, `linear_cross_entropy`, that never copies the
+    (B, T) through the vocabulary-parallel cross-entropy (targets equal to `ignore_index` give 0; the
+    output layer and the loss are one function, `linear_cross_entropy`, that never copies or gathers the
     logits). With `cache=model.new_kv_cache()`, tokens continue the cached positions."""
 
     def _init_run(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, activation_checkpointing: bool,
@@ -155,6 +155,14 @@ class DecoderLM(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.ctx.tp, vocab_size=self.cfg.vocab_size,
                                             ignore_index=ignore_index)
 
+    def output_loss(self, h: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """(B, T, h) final-norm output (or its sequence chunks) -> per-token fp32 losses (B, T): the output
+        layer and the vocabulary-parallel loss as one function, `linear_cross_entropy` (this rank's logits
+        become their own gradient; never gathered, never copied). Training's path; `loss(output_layer(h))`
+        computes the same."""
+        return linear_cross_entropy(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight,
+                                    targets, self.ctx.tp, self.cfg.vocab_size, ignore_index)
+
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """(B, T) ids -> (B, T, h) final-norm output, replicated over the TP group.
         With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
@@ -171,8 +179,8 @@ class DecoderLM(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
         hidden = self.hidden_states(tokens, cache)
-        if targets is not None and self.ctx.tp_size == 1:  # the whole vocabulary here: the fused head and loss
-            return linear_cross_entropy(hidden, self.output_weight, targets, self.cfg.vocab_size, ignore_index)
+        if targets is not None:
+            return self.output_loss(hidden, targets, ignore_index)
         logits = self.output_layer(hidden)
         return logits if targets is None else self.loss(logits, targets, ignore_index)
 

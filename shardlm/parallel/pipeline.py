@@ -111,7 +111,8 @@ def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
 
 class StageModule(nn.Module):
     """One pipeline stage of `model`: (B, T) ids on the first stage, (B, T, h) hidden states elsewhere
-    -> (B, T, h), or (B, T, V_padded / tp) this rank's logits on the last stage."""
+    -> (B, T, h); on the last stage the final norm's output, which the loss function takes through the
+    fused output layer and loss (`model.output_loss`)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
         super().__init__()
@@ -123,7 +124,7 @@ class StageModule(nn.Module):
         if self.is_first:
             x = self.model.embed(x)
         x = self.model.run_layers(x, self.layers)
-        return self.model.head(x) if self.is_last else x
+        return self.model.ln_f(x) if self.is_last else x
 
 
 class CountingStage(PipelineStage):
@@ -156,7 +157,7 @@ def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int
                    num_micro_batches: int, loss_fn):
     """The stages this rank runs, wrapped for PyTorch's pipelining, and the schedule that drives them.
 
-    `loss_fn(logits, targets) -> scalar` runs on the last stage once per micro-batch; its gradient is
+    `loss_fn(hidden, targets) -> scalar` runs on the last stage once per micro-batch; its gradient is
     what backward propagates (the schedule does not rescale gradients).
     """
     num_stages = len(layers)

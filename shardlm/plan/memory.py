@@ -222,7 +222,8 @@ class ActivationMemory:
     outside_layers: int
     """Embedding, final LayerNorm, LM head and cross-entropy."""
     transient: int
-    """Not saved but alive at the end of the forward pass: the logits and the loss's fp32 copy."""
+    """Not saved but alive at the end of the forward pass (0: the fused loss turns the logits into their
+    gradient, which it saves)."""
     num_layers: int
     embedding: int = 0
     """The part of `outside_layers` the first pipeline stage saves (token ids, embedding dropout mask);
@@ -292,11 +293,9 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
 
     Outside the layers: token ids (int64; at TP > 1 the local ids and the out-of-range mask of the
     vocabulary-parallel lookup), the embedding dropout mask, the final LayerNorm's input and stats,
-    its output as saved by the LM-head GEMM (plus autocast's half copy of this rank's embedding), and
-    the cross-entropy's fp32 softmax b s V/t, local targets (int64) and two bool masks, plus a bool
-    padding mask on ranks whose vocabulary slice holds padding. At TP=1 the output layer and the loss are
-    one function (`linear_cross_entropy`): it saves the logits' gradient over the real vocabulary in the
-    GEMM dtype, the real rows of the weight's half copy and a bool mask, and nothing else stays alive.
+    and the output layer fused with the loss (`linear_cross_entropy`): its input in the GEMM dtype, the
+    half copy of this rank's real vocabulary rows under autocast, the logits' gradient over those rows
+    in the GEMM dtype and a bool mask; nothing else of the loss stays alive.
     """
     rank = tp - 1 if rank is None else rank
     h, b, s = cfg.hidden_size, micro_batch, cfg.seq_length
@@ -305,20 +304,14 @@ def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericF
     ids = tokens * 8 + (tokens if tp > 1 else 0)
     embedding = ids + tokens * h * _mask_bytes(cfg, fmt, backend)
     final_norm = tokens * h * fmt.residual_bytes + 2 * tokens * 4
-    lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * vocab_local * h
-    holds_padding = (rank + 1) * vocab_local > cfg.vocab_size
-    transient = tokens * vocab_local * (fmt.matmul_bytes + 4)
-    if tp == 1:  # the fused output layer and loss
-        lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * cfg.vocab_size * h
-        cross_entropy = tokens * cfg.vocab_size * fmt.matmul_bytes + tokens
-        transient = 0
-    else:
-        cross_entropy = tokens * vocab_local * 4 + tokens * 8 + 2 * tokens + (vocab_local if holds_padding else 0)
+    real_rows = max(0, min(vocab_local, cfg.vocab_size - rank * vocab_local))
+    lm_head = tokens * h * fmt.matmul_bytes + fmt.weight_cast_bytes * real_rows * h
+    cross_entropy = tokens * real_rows * fmt.matmul_bytes + tokens
     return ActivationMemory(
         per_layer=layer_activation_bytes(cfg, tp, micro_batch, fmt, backend),
         layer_input=tokens * h * fmt.residual_bytes,
         outside_layers=embedding + final_norm + lm_head + cross_entropy,
-        transient=transient,
+        transient=0,
         num_layers=cfg.num_layers,
         embedding=embedding,
     )

@@ -47,8 +47,8 @@ class PipelineRunner:
                                                     self._loss)
         self._eval = None
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.model.loss(logits, targets).mean()
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.model.output_loss(hidden, targets).mean()
         self._losses.append(loss.detach())
         return loss * self.loss_factor
 

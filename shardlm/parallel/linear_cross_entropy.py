@@ -1,0 +1,111 @@
+"""The output layer and the vocabulary-parallel cross-entropy as one function, for training.
+
+Unfused, the output layer writes the logits (N, V/p) and the loss then reads and writes them again
+and again: a max, a shifted copy, an exponential, a sum, a division, and in the backward the one-hot
+subtraction and the scaling by the loss gradient (at TP=1, PyTorch's log-softmax, an NLL gradient
+filled with zeros and, with a padded vocabulary, a copy of the real columns and a zero-filled
+gradient for the slice). Here one GEMM writes this rank's logits over its *real* vocabulary rows in
+the compute dtype, and a few passes turn that buffer into its own gradient `softmax - onehot`, a
+chunk of rows at a time in fp32, so the logits are never copied, sliced or held in fp32 as a whole.
+The backward scales the (N, h) side of its two GEMMs by the per-token loss gradients g:
+dL/dh = g (G W) and dL/dW = G^T (g h).
+
+The vocabulary-parallel semantics are those of `vocab_parallel_cross_entropy`: each TP rank holds
+its slice of the vocabulary and the logits are never gathered; the ranks agree on each row's max
+(one all-reduce MAX of N values) and on the target logit and the sum of exponentials (one all-reduce
+SUM of 2 x N values). The input gradient is all-reduced by `f` (the caller's
+`copy_to_tensor_parallel` or sequence-parallel all-gather), as for the unfused output layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardlm.parallel.comm import Communicator
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    """Rows of fp32 logits per chunk, about 16 MiB: large enough that the few elementwise calls per
+    chunk cost nothing next to their work (smaller chunks measured no faster on one thread, and slower
+    on two threads of a busy machine, where every parallel region waits for both)."""
+    return max(1, (1 << 22) // max(1, vocab))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, tp, vocab_size, ignore_index):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        local, start = weight.shape[0], tp.rank * weight.shape[0]
+        real = max(0, min(local, vocab_size - start))  # this shard's rows of the real vocabulary
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(dtype), weight[:real].to(dtype)  # padding rows are never multiplied
+            grad = h @ w.t()  # (N, real): the logits, turned into their gradient below
+            ignored = target == ignore_index
+            outside = (target < start) | (target >= start + real) | ignored
+            local_target = (target - start).masked_fill(outside, 0).unsqueeze(-1)
+            n = h.shape[0]
+            row_max = grad.amax(dim=-1).float() if real else torch.full((n,), float("-inf"), device=hidden.device)
+            tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
+            rows = _rows_per_chunk(real)
+            in_place = grad.dtype == torch.float32  # fp32 logits hold exp() between the passes
+            sums = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)  # target logit, sum of exp
+            for first in range(0, n if real else 0, rows):
+                x = grad[first:first + rows].float()  # the rows themselves in fp32, else an fp32 copy of them
+                x -= row_max[first:first + rows].unsqueeze(-1)
+                sums[0, first:first + rows] = x.gather(-1, local_target[first:first + rows]).squeeze(-1)
+                sums[1, first:first + rows] = x.exp_().sum(dim=-1)
+            sums[0].masked_fill_(outside, 0.0)
+            tp.all_reduce(sums)
+            target_logit, sum_exp = sums[0], sums[1]
+            for first in range(0, n if real else 0, rows):
+                block = grad[first:first + rows]
+                if in_place:
+                    x = block
+                else:  # recompute exp from the half-precision logits rather than round it twice
+                    x = block.float().sub_(row_max[first:first + rows].unsqueeze(-1)).exp_()
+                x.div_(sum_exp[first:first + rows].unsqueeze(-1))
+                owned = (~outside[first:first + rows]).to(x.dtype).neg_().unsqueeze(-1)
+                x.scatter_add_(-1, local_target[first:first + rows], owned)
+                if not in_place:
+                    block.copy_(x)
+            losses = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(grad, h, w, ignored)
+        ctx.hidden_dtype, ctx.weight_shape, ctx.weight_dtype = hidden.dtype, weight.shape, weight.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        grad, h, w, ignored = ctx.saved_tensors
+        scale = grad_losses.float().masked_fill(ignored, 0.0).unsqueeze(-1)  # (N, 1)
+        grad_hidden = grad_weight = None
+        with torch.autocast(h.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad @ w).float().mul_(scale).to(ctx.hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.empty(ctx.weight_shape, dtype=ctx.weight_dtype, device=h.device)
+                real, padding = grad_weight[:grad.shape[1]], grad_weight[grad.shape[1]:]  # contiguous row ranges
+                scaled_hidden = (h.float() * scale).to(h.dtype)
+                if h.dtype == ctx.weight_dtype:
+                    torch.mm(grad.t(), scaled_hidden, out=real)  # (real, h), written in place
+                else:
+                    real.copy_(grad.t() @ scaled_hidden)
+                padding.zero_()  # padding rows get zero gradient
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp: Communicator,
+                         vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token fp32 cross-entropy of the vocabulary-parallel output layer `hidden @ weight.T`, fused.
+
+    hidden: (..., h), replicated over the TP group (after `f`); weight: (V_padded / tp, h), this rank's
+    rows of the (tied) output layer, global rows >= `vocab_size` being padding; target: (...) int64
+    global token ids. Returns (...) float32 losses, 0 at `ignore_index`, equal to
+    `vocab_parallel_cross_entropy(F.linear(hidden, weight), target, tp, vocab_size, ignore_index)`,
+    computed in the autocast dtype when autocast is on (as `F.linear` would be), the softmax in fp32.
+    Talks to the TP group: one all-reduce MAX of N values and one all-reduce SUM of 2 x N values.
+    """
+    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), tp,
+                                       vocab_size, ignore_index)
+    return losses.view(target.shape)
