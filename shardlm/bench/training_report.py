@@ -11,32 +11,45 @@ PROGRAMS = (("shardlm", "shardlm Trainer step"), ("shardlm_train", "`shardlm tra
 # What was tried to cut the time outside the GEMMs, and what it gave (paired measurements while developing;
 # the figures above are this run's).
 TRIED = [
-    "**Fused output layer + cross-entropy at TP=1 (kept).** The step used to compute the padded logits, "
-    "copy the real vocabulary out of them (`[..., :V]` is not contiguous once V is padded), take PyTorch's "
-    "fp32 log-softmax, and in the backward fill zeros for the NLL gradient, for the slice's gradient and "
-    "compute the log-softmax backward: about six passes over the (tokens x V) logits besides the GEMMs, "
-    "and under bf16 autocast one more fp32 copy. `shardlm.parallel.cross_entropy.linear_cross_entropy` "
-    "multiplies by the real rows of the weight only, then turns each chunk of rows (about 16 MiB in fp32) "
-    "into its own gradient `softmax - onehot` in place; the backward scales the (tokens x h) side of its two "
-    "GEMMs by the loss gradient instead of the logits. Output layer + loss, forward and backward, at 2,048 "
-    "tokens x 50,257 on one thread (CPU time, 3 paired repeats): fp32 4.72 s -> 3.45 s (-27%), bf16 "
-    "autocast 6.38 s -> 5.45 s (-15%). Chunks of 256 KiB to 16 MiB took the same CPU time on one thread; "
-    "on two threads of a busy machine small chunks were 1.5-2.5x slower (every parallel region waits for "
-    "both threads), hence 16 MiB. At TP > 1 the vocabulary-parallel cross-entropy is unchanged (it never "
-    "gathers the logits and already works in place).",
-    "**Autocast's weight casts per micro-batch (not needed).** Autocast caches the bf16 copy of each weight "
-    "only inside one `autocast` region; the trainer enters one per micro-batch, so with accumulation each "
-    "weight is cast once per micro-batch. The BENCH step has one micro-batch, and the casts are about 1% of "
-    "a bf16 step's time; `train.param_dtype = \"half\"` (the `shardlm_half` rows) removes them altogether.",
-    "**SDPA kernel choice (nothing to change).** On the CPU both programs run "
+    "**Output layer + cross-entropy fused (kept; every TP size).** At TP=1 the step used to compute the padded "
+    "logits, copy the real vocabulary out of them (`[..., :V]` is not contiguous once V is padded), write "
+    "PyTorch's fp32 log-softmax, and in the backward fill zeros for the NLL gradient and for the slice's "
+    "gradient and run the log-softmax backward: about six passes over the (tokens x V) logits besides the "
+    "GEMMs, one more fp32 copy under bf16 autocast. At TP > 1 the vocabulary-parallel loss made about seven "
+    "passes over its (tokens x V/p) slice and kept an fp32 softmax. `shardlm.parallel.linear_cross_entropy` "
+    "multiplies by this rank's real vocabulary rows only and turns the logits into their own gradient "
+    "`softmax - onehot` in three passes, chunk by chunk (about 16 MiB of fp32 rows), with the same two "
+    "all-reduces (MAX, SUM) of O(tokens) values; the backward scales the (tokens x h) side of its two GEMMs "
+    "by the loss gradient instead of the logits. Output layer + loss, forward and backward, 2,048 tokens x "
+    "50,257, one thread, CPU time, 3 paired repeats: fp32 4.72 s -> 3.45 s (-27%), bf16 autocast 6.38 s -> "
+    "5.45 s (-15%). Whole Trainer step against transformers with the same kernels, one thread, CPU time, 5 "
+    "paired repeats: 1.17x at V=50,257, 0.97x at V=8,192 (where the head is 12% of the FLOPs). Chunks of "
+    "256 KiB to 16 MiB took the same CPU time on one thread; on two threads of a busy machine small chunks "
+    "were 1.5-2.5x slower (every parallel region waits for both threads), hence 16 MiB.",
+    "**Row-parallel bias inside the GEMM at TP=1, and one copy for the QKV gradient (kept).** With nothing "
+    "to reduce, the row-parallel layer now calls `F.linear` with its bias (one `addmm`, like transformers' "
+    "Conv1D) instead of `mm` and a separate add; splitting the fused QKV output with `split` instead of "
+    "`permute` + `unbind` makes its backward write the three gradients into one contiguous tensor (unbind's "
+    "stacks them, then the view copies again). Per layer, forward + backward, one thread, 9 paired repeats: "
+    "row linear 28.9 -> 27.4 ms, attention input split + SDPA 93.8 -> 92.1 ms: small, kept because they cost "
+    "nothing. A whole shardlm block then runs forward + backward in 287 ms against 306 ms for transformers' "
+    "GPT2Block with the same kernels (2 threads, 15 paired repeats).",
+    "**The Trainer around the step (nothing to change).** A Trainer step and a hand-written loop on the same "
+    "model (forward, backward, clipping, fused AdamW) showed the same operators, calls and times in "
+    "`torch.profiler` op totals, within the run-to-run noise of a shared machine (about 5% per operator).",
+    "**Autocast's casts (measured; kept as they are).** In the bf16 step at V=8,192 the copies (autocast's casts "
+    "of weights and of activations in and out of the GEMMs, and of their gradients) took 570 ms of 7.1 s of "
+    "operator time in shardlm and 723 ms in transformers. Autocast caches a weight's bf16 copy only inside one "
+    "`autocast` region, so with accumulation each weight is cast once per micro-batch; the BENCH step has one. "
+    "`train.param_dtype = \"half\"` (the `shardlm_half` rows) keeps bf16 weights and removes those casts.",
+    "**SDPA kernel choice (nothing to change).** On the CPU both libraries run "
     "`_scaled_dot_product_flash_attention_for_cpu` forward and backward, in fp32 and in bf16 (PyTorch's "
     "CPU flash kernel takes bf16); the math kernel would materialize the T x T scores.",
-    "**`torch.compile` of shardlm's layers (not used).** It changed the fp32 step time by about 2% on the "
-    "AVX2 machine where it was tried.",
-    "**LayerNorm / GeLU / residual and the optimizer (nothing to change).** The profiles show the same "
+    "**LayerNorm, GeLU, residual adds and the optimizer (nothing to change).** The profiles show the same "
     "kernels, calls and times in shardlm and transformers (`native_layer_norm`, one `gelu` kernel in the "
-    "control, fused AdamW); transformers' Conv1D layers run `addmm` where shardlm runs `mm` + bias add in "
-    "the forward, within noise of each other.",
+    "control, fused AdamW).",
+    "**`torch.compile` of shardlm's layers (not used).** It changed the fp32 step time by about 2% on the AVX2 "
+    "machine where it was tried.",
 ]
 
 

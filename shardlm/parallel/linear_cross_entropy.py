@@ -32,6 +32,16 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, (1 << 22) // max(1, vocab))
 
 
+def _exp_to_gradient(x: torch.Tensor, block: torch.Tensor, sum_exp: torch.Tensor, outside: torch.Tensor,
+                     local_target: torch.Tensor) -> None:
+    """Rows x = exp(logit - max) (fp32) -> softmax - onehot, written into `block` (x itself, or the
+    half-precision rows x was copied from). Targets outside this rank's vocabulary get no -1."""
+    x.div_(sum_exp.unsqueeze(-1))
+    x.scatter_add_(-1, local_target, (~outside).to(x.dtype).neg_().unsqueeze(-1))
+    if x.data_ptr() != block.data_ptr():
+        block.copy_(x)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, tp, vocab_size, ignore_index):
@@ -45,31 +55,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ignored = target == ignore_index
             outside = (target < start) | (target >= start + real) | ignored
             local_target = (target - start).masked_fill(outside, 0).unsqueeze(-1)
-            n = h.shape[0]
-            row_max = grad.amax(dim=-1).float() if real else torch.full((n,), float("-inf"), device=hidden.device)
+            n, rows = h.shape[0], _rows_per_chunk(real)
+            whole = tp.size == 1  # every row is complete here: one pass per chunk, nothing to agree on in between
+            in_place = grad.dtype == torch.float32  # fp32 logits are worked on where they are
+            row_max = torch.full((n,), float("-inf"), device=hidden.device)
+            if real and not whole:
+                row_max = grad.amax(dim=-1).float()
             tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
-            rows = _rows_per_chunk(real)
-            in_place = grad.dtype == torch.float32  # fp32 logits hold exp() between the passes
             sums = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)  # target logit, sum of exp
             for first in range(0, n if real else 0, rows):
-                x = grad[first:first + rows].float()  # the rows themselves in fp32, else an fp32 copy of them
-                x -= row_max[first:first + rows].unsqueeze(-1)
-                sums[0, first:first + rows] = x.gather(-1, local_target[first:first + rows]).squeeze(-1)
-                sums[1, first:first + rows] = x.exp_().sum(dim=-1)
+                chunk = slice(first, first + rows)
+                x = grad[chunk].float()  # the rows themselves in fp32, else an fp32 copy of them
+                x -= (x.amax(dim=-1) if whole else row_max[chunk]).unsqueeze(-1)
+                sums[0, chunk] = x.gather(-1, local_target[chunk]).squeeze(-1)
+                sums[1, chunk] = x.exp_().sum(dim=-1)
+                if whole:
+                    _exp_to_gradient(x, grad[chunk], sums[1, chunk], outside[chunk], local_target[chunk])
             sums[0].masked_fill_(outside, 0.0)
             tp.all_reduce(sums)
             target_logit, sum_exp = sums[0], sums[1]
-            for first in range(0, n if real else 0, rows):
-                block = grad[first:first + rows]
-                if in_place:
-                    x = block
-                else:  # recompute exp from the half-precision logits rather than round it twice
-                    x = block.float().sub_(row_max[first:first + rows].unsqueeze(-1)).exp_()
-                x.div_(sum_exp[first:first + rows].unsqueeze(-1))
-                owned = (~outside[first:first + rows]).to(x.dtype).neg_().unsqueeze(-1)
-                x.scatter_add_(-1, local_target[first:first + rows], owned)
-                if not in_place:
-                    block.copy_(x)
+            for first in range(0, 0 if whole or not real else n, rows):
+                chunk = slice(first, first + rows)
+                block = grad[chunk]  # fp32: holds exp() from the pass above; else recompute it, not round it twice
+                x = block if in_place else block.float().sub_(row_max[chunk].unsqueeze(-1)).exp_()
+                _exp_to_gradient(x, block, sum_exp[chunk], outside[chunk], local_target[chunk])
             losses = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
         ctx.save_for_backward(grad, h, w, ignored)
         ctx.hidden_dtype, ctx.weight_shape, ctx.weight_dtype = hidden.dtype, weight.shape, weight.dtype
