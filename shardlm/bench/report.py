@@ -69,7 +69,9 @@ def markdown(r: dict) -> str:
         "# shardlm benchmarks",
         "",
         f"Measured by `make bench` on {m['date']}: {m['cpu']}, {m['cores']} cores, Python {m['python']}, "
-        f"torch {m['torch']}. Every figure is the median (min, max) over {r['repeats']} repeats; programs "
+        f"torch {m['torch']}"
+        + (f", 1-minute load average {m['load_average'][0]} when it started" if m.get("load_average") else "")
+        + f". Every figure is the median (min, max) over {r['repeats']} repeats; programs "
         "that are compared ran alternately (A B A B) in the same run, so the ratios are what to read on a "
         "noisy machine. The same figures are in `benchmarks.json` (keys below in `code`).",
         "",
