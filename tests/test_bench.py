@@ -13,13 +13,16 @@ import pytest
 
 from shardlm.bench.report import KEYS
 
+# The quick run starts a world of 2 or 4 processes for several sections: minutes on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(700)
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env)
+                          capture_output=True, text=True, timeout=600, env=env)
     return proc, out
 
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan3d": lambda: _plan3d(args.quick, repeats),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
-        "eval": lambda: _eval(),
+        "eval": lambda: _eval(args.quick),
     }
     started = time.time()
     for name, run in sections.items():
@@ -115,10 +115,12 @@ def _preprocess(repeats):
         return benchmark_preprocess(folder, workers=(1, 2), repeats=repeats)
 
 
-def _eval():
+def _eval(quick: bool = False):
     from shardlm.eval import bench
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if quick:  # a few windows and tokens: the harness, not the figures
+        return {"wikitext": bench.eval_throughput(num_tokens=512), "generation": bench.generation_latency(new_tokens=8)}
     return {"wikitext": bench.eval_throughput(), "generation": bench.generation_latency()}
 
 
