@@ -20,6 +20,24 @@ from shardlm.eval.vocab_parallel import vocab_parallel_argmax
 from shardlm.parallel import vocab_parallel_cross_entropy
 
 
+def pack_continuations(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], limit: int,
+                       device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A right-padded batch of (context, continuation) pairs, each cut to its last `limit` tokens:
+    inputs (B, T) ids, labels (B, T) next ids, scored (B, T) True at the continuation's positions;
+    T = the longest pair minus one."""
+    sequences = [(list(context) + list(continuation))[-limit:] for context, continuation in pairs]
+    length = max(len(s) for s in sequences) - 1
+    inputs = torch.zeros(len(pairs), length, dtype=torch.long)
+    labels = torch.zeros_like(inputs)
+    scored = torch.zeros(len(pairs), length, dtype=torch.bool)
+    for row, (sequence, (_, continuation)) in enumerate(zip(sequences, pairs)):
+        n = len(sequence) - 1
+        inputs[row, :n] = torch.tensor(sequence[:-1])
+        labels[row, :n] = torch.tensor(sequence[1:])
+        scored[row, n - len(continuation):n] = True
+    return inputs.to(device), labels.to(device), scored.to(device)
+
+
 @torch.no_grad()
 def continuation_logprobs(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
     """(sum of log p(continuation token | preceding tokens), all tokens greedy) for each pair.
@@ -41,17 +59,7 @@ def continuation_logprobs(model, pairs: Sequence[tuple[Sequence[int], Sequence[i
         if len(continuation) > seq_length:
             raise UserError(f"a continuation of {len(continuation)} tokens is longer than the model's "
                             f"seq_length={seq_length}; shorten it")
-    sequences = [(list(context) + list(continuation))[-(seq_length + 1):] for context, continuation in pairs]
-    length = max(len(s) for s in sequences) - 1
-    inputs = torch.zeros(len(pairs), length, dtype=torch.long)
-    labels = torch.zeros_like(inputs)
-    scored = torch.zeros(len(pairs), length, dtype=torch.bool)
-    for row, (sequence, (_, continuation)) in enumerate(zip(sequences, pairs)):
-        n = len(sequence) - 1
-        inputs[row, :n] = torch.tensor(sequence[:-1])
-        labels[row, :n] = torch.tensor(sequence[1:])
-        scored[row, n - len(continuation):n] = True
-    inputs, labels, scored = inputs.to(ctx.device), labels.to(ctx.device), scored.to(ctx.device)
+    inputs, labels, scored = pack_continuations(pairs, seq_length + 1, ctx.device)
     was_training = model.training
     model.eval()
     logits = logits_at(model, inputs, scored)  # (M, V_padded / tp): continuation positions only

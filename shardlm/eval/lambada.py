@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from shardlm.errors import UserError
+from shardlm.eval.continuation import pack_continuations
 from shardlm.eval.head import logits_at
 from shardlm.eval.vocab_parallel import vocab_parallel_argmax
 
@@ -93,18 +94,8 @@ def evaluate_lambada(model, tokenizer, texts: list[str], *, strict: bool = True,
         bar = tqdm(total=len(mine), desc="lambada", unit="example", dynamic_ncols=True)
     for first in range(0, len(mine), batch_size):
         batch = mine[first:first + batch_size]
-        sequences = [(context + target)[-limit:] for context, target in batch]
         counts[2] += sum(len(c) + len(t) > limit for c, t in batch)
-        length = max(len(s) for s in sequences) - 1
-        inputs = torch.zeros(len(batch), length, dtype=torch.long)
-        labels = torch.zeros_like(inputs)
-        scored = torch.zeros(len(batch), length, dtype=torch.bool)
-        for row, (sequence, (_, target)) in enumerate(zip(sequences, batch)):
-            n = len(sequence) - 1
-            inputs[row, :n] = torch.tensor(sequence[:-1])
-            labels[row, :n] = torch.tensor(sequence[1:])
-            scored[row, n - len(target):n] = True
-        inputs, labels, scored = inputs.to(ctx.device), labels.to(ctx.device), scored.to(ctx.device)
+        inputs, labels, scored = pack_continuations(batch, limit, ctx.device)
         logits = logits_at(model, inputs, scored)  # (M, V_padded / tp): target positions only
         wrong = vocab_parallel_argmax(logits, ctx.tp, model.cfg.vocab_size) != labels[scored]  # (M,)
         rows = scored.nonzero()[:, 0]  # the example each scored position belongs to

@@ -102,6 +102,28 @@ def enter_parallel_region(x: torch.Tensor, tp, sequence_parallel: bool) -> torch
     return gather_from_sequence_parallel(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
 
 
+class PreNormBlock(nn.Module):
+    """x + Dropout(attn(ln_1(x))), then x + Dropout(mlp(ln_2(x))). (B, T, h) -> (B, T, h), or (B, T / tp, h)
+    chunks under sequence parallelism (the norms are then marked `sequence_parallel`). A model's block
+    class passes its norm type and its attention and MLP modules."""
+
+    def __init__(self, norm: type[nn.Module], attn: nn.Module, mlp: nn.Module, cfg: ModelConfig,
+                 ctx: ParallelContext, sequence_parallel: bool):
+        super().__init__()
+        self.ln_1 = norm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.attn = attn
+        self.ln_2 = norm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.mlp = mlp
+        self.dropout = SequenceDropout(cfg.dropout, ctx, sequence_parallel)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln_1)
+            mark_sequence_parallel(self.ln_2)
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), cache))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
 class DecoderLM(nn.Module):
     """A causal LM over a TP group. tokens: (B, T) int64. `forward(tokens)` returns this rank's vocabulary
     slice of the logits, (B, T, V_padded / tp); `forward(tokens, targets)` returns per-token fp32 losses

@@ -39,6 +39,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
     DecoderLM,
     KVCache,
     LayerKVCache,
+    PreNormBlock,
     SequenceDropout,
     causal_mask_with_past,
     mark_sequence_parallel,
@@ -118,24 +119,16 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-LN block: x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x))). (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
                  sequence_parallel: bool = False, selective_recompute: bool = False):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.attn = ParallelAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel, selective_recompute)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.mlp = ParallelMLP(cfg, ctx, seed, f"layers.{index}.mlp", sequence_parallel)
-        self.dropout = SequenceDropout(cfg.dropout, ctx, sequence_parallel)
-        if sequence_parallel:
-            mark_sequence_parallel(self.ln_1)
-            mark_sequence_parallel(self.ln_2)
-
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x), cache))
-        return x + self.dropout(self.mlp(self.ln_2(x)))
+        super().__init__(nn.LayerNorm,
+                         ParallelAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
+                                           selective_recompute),
+                         ParallelMLP(cfg, ctx, seed, f"layers.{index}.mlp", sequence_parallel),
+                         cfg, ctx, sequence_parallel)
 
 
 class GPT(DecoderLM):

@@ -39,6 +39,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (
     DecoderLM,
     LayerKVCache,
+    PreNormBlock,
     SequenceDropout,
     causal_mask_with_past,
     enter_parallel_region,
@@ -185,24 +186,16 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight))
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(PreNormBlock):
     """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(SwiGLU(RMSNorm(x))). (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
                  sequence_parallel: bool = False, selective_recompute: bool = False):
-        super().__init__()
-        self.ln_1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.attn = LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel, selective_recompute)
-        self.ln_2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.mlp = SwiGLU(cfg, ctx, seed, f"layers.{index}.mlp", sequence_parallel)
-        self.dropout = SequenceDropout(cfg.dropout, ctx, sequence_parallel)
-        if sequence_parallel:
-            mark_sequence_parallel(self.ln_1)
-            mark_sequence_parallel(self.ln_2)
-
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x), cache))
-        return x + self.dropout(self.mlp(self.ln_2(x)))
+        super().__init__(nn.RMSNorm,
+                         LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
+                                        selective_recompute),
+                         SwiGLU(cfg, ctx, seed, f"layers.{index}.mlp", sequence_parallel),
+                         cfg, ctx, sequence_parallel)
 
 
 class Llama(DecoderLM):
