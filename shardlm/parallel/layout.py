@@ -24,6 +24,7 @@ import torch.distributed as dist
 from shardlm.errors import UserError
 from shardlm.parallel.comm import CommStats, Communicator
 from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
+from shardlm.parallel.shm import shared_memory_wanted
 
 
 def check_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1) -> int:
@@ -166,6 +167,8 @@ class ParallelContext:
         `timeout_s` bounds each collective on the new groups (default: torch's).
         """
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        device = device or default_device()
+        shared_memory = shared_memory_wanted(device)
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = rank_grid(world, tensor_parallel, pipeline_parallel)
         stats = CommStats()
@@ -178,8 +181,9 @@ class ParallelContext:
             for ranks in groups(grid):
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
-                    mine[name] = Communicator(name, group, len(ranks), ranks.index(rank), stats)
-        return cls(rank=rank, world_size=world, device=device or default_device(), comm=stats,
+                    mine[name] = Communicator(name, group, len(ranks), ranks.index(rank), stats,
+                                              shared_memory=shared_memory, timeout_s=timeout_s)
+        return cls(rank=rank, world_size=world, device=device, comm=stats,
                    world=Communicator("world", None, world, rank, stats), **mine)
 
 

@@ -117,8 +117,8 @@ class SavedPeak:
 class PeakMemory(TorchDispatchMode):
     """`with PeakMemory() as m:` tracks every tensor storage an operator creates inside the block:
     `m.live` is the bytes of those still alive, `m.peak` the most alive at once. Tensors that existed
-    before (parameters, optimizer state) are not counted; views and in-place results share a storage
-    and count once. Autograd's backward runs inside the same context, so a forward + backward gives
+    before (parameters, optimizer state) are not counted, nor their views; views and in-place results
+    of new tensors share their storage and count once. Autograd's backward runs inside the same context, so a forward + backward gives
     the peak of activations, temporaries and newly created gradients together."""
 
     def __init__(self):
@@ -132,11 +132,14 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
                 pointer = storage.data_ptr()
-                if storage.nbytes() and pointer not in self._sizes:
+                # a view or in-place result of an input allocates nothing (e.g. a slice of a parameter, or
+                # of the shared-memory segment the collectives write into)
+                if storage.nbytes() and pointer not in self._sizes and pointer not in inputs:
                     self._sizes[pointer] = storage.nbytes()
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)

@@ -53,11 +53,19 @@ def device_peak_tflops(device: torch.device) -> float | None:
 
 
 def _counting_allreduce_hook(state, bucket):
-    """DDP communication hook: the default averaging all-reduce, recorded in the comm stats."""
+    """DDP communication hook: the default averaging all-reduce, recorded in the comm stats.
+
+    Where the DP group's ranks share a machine and the tensors are on the CPU, the bucket goes through
+    shared memory (`shardlm.parallel.shm`): synchronous, so it no longer overlaps the rest of the
+    backward as gloo's asynchronous all-reduce does, but several times faster."""
     dp = state
     buffer = bucket.buffer()
     dp.stats.record("all_reduce", dp.name, buffer)
     buffer.div_(dp.size)
+    if buffer.device.type == "cpu" and dp.shm is not None:
+        future = torch.futures.Future()
+        future.set_result(dp.shm.all_reduce(buffer))
+        return future
     future = dist.all_reduce(buffer, group=dp.group, async_op=True).get_future()
     return future.then(lambda fut: fut.value()[0])
 
