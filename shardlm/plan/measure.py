@@ -118,8 +118,9 @@ class PeakMemory(TorchDispatchMode):
     """`with PeakMemory() as m:` tracks every tensor storage an operator creates inside the block:
     `m.live` is the bytes of those still alive, `m.peak` the most alive at once. Tensors that existed
     before (parameters, optimizer state) are not counted, nor their views; views and in-place results
-    of new tensors share their storage and count once. Autograd's backward runs inside the same context, so a forward + backward gives
-    the peak of activations, temporaries and newly created gradients together."""
+    of new tensors share their storage and count once. Autograd's backward runs inside the same
+    context, so a forward + backward gives the peak of activations, temporaries and newly created
+    gradients together."""
 
     def __init__(self):
         super().__init__()
