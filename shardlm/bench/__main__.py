@@ -69,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(shape, repeats, results, quick):
-    from shardlm.bench.training import QUICK_VOCABULARIES, VOCABULARIES, cpu_mfu, train_vs_hf
+    from shardlm.bench.training import GEMM_SIZES, QUICK_VOCABULARIES, VOCABULARIES, cpu_mfu, train_vs_hf
 
-    figures = train_vs_hf(shape, repeats, threads=2, vocab_sizes=QUICK_VOCABULARIES if quick else VOCABULARIES)
-    results["mfu"] = cpu_mfu(figures, shape, threads=2, quick=quick)
+    figures = train_vs_hf(shape, repeats, threads=2, vocab_sizes=QUICK_VOCABULARIES if quick else VOCABULARIES,
+                          gemm_sizes=(256,) if quick else GEMM_SIZES)
+    results["mfu"] = cpu_mfu(figures, shape)
     return figures
 
 

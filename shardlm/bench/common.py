@@ -95,22 +95,6 @@ def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list
     return times
 
 
-def matmul_ceiling(threads: int, size: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Best GEMM FLOP/s on this CPU with `threads` threads (square size x size matrices of `dtype`)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
-    torch.set_num_threads(previous)
-    return best
-
-
 def cpu_features() -> dict:
     """The CPU's matrix features, from /proc/cpuinfo's flags and PyTorch/oneDNN.
 

@@ -22,10 +22,11 @@ KEYS = {
     "train_vs_hf.by_vocabulary": "per vocabulary (8192, 50257) and precision (fp32; bf16 on a CPU with native bf16): "
                                  "tokens/s of shardlm, shardlm_train (the `shardlm train` loop), shardlm_half, hf, "
                                  "hf_fused_gelu and the ratios ratio[_train|_half][_same_kernels], "
-                                 "train_command_over_step",
-    "mfu.fraction": "shardlm's achieved matmul FLOP/s / the CPU's measured fp32 GEMM ceiling",
-    "mfu.gemm_ceiling_gflops": "best 1024x1024 fp32 matmul rate with the same threads",
-    "mfu.gemm_ceilings_gflops": "best matmul rate per dtype (fp32; bf16 on a CPU with native bf16) and square size "
+                                 "train_command_over_step, gemm_gflops (the GEMM probes) and mfu[_half] (paired)",
+    "mfu.fraction": "median over repeats of shardlm's achieved matmul FLOP/s / the fp32 GEMM rate probed in the "
+                    "same repeat",
+    "mfu.gemm_ceiling_gflops": "median 1024x1024 fp32 matmul rate with the same threads, probed between the steps",
+    "mfu.gemm_ceilings_gflops": "median matmul rate per dtype (fp32; bf16 on a CPU with native bf16) and square size "
                                 "(1024, 2048)",
     "mfu.by_vocabulary": "per vocabulary and program (fp32, bf16, bf16_half): achieved GFLOP/s, fraction of the "
                          "1024x1024 ceiling and fraction_of_best",

@@ -24,6 +24,7 @@ attention, tied LM head, mean cross-entropy.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import tempfile
 import threading
 from dataclasses import replace
@@ -32,12 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardlm.bench.common import BenchShape, cpu_features, interleaved, matmul_ceiling, summary
+from shardlm.bench.common import BenchShape, cpu_features, interleaved, summary
 
 HF_VARIANTS = {"hf": "gelu_new", "hf_fused_gelu": "gelu_pytorch_tanh"}
 VOCABULARIES = (8192, 50257)
 """BENCH's vocabulary and GPT-2's real one."""
 QUICK_VOCABULARIES = (1024, 3000)
+GEMM_SIZES = (1024, 2048)
+"""Square GEMM probes: 1024 (the ceiling `make bench` has always used) and 2048 (faster on some CPUs)."""
 """--quick: a multiple of 128 and one that needs padding."""
 WARMUP = 1
 
@@ -150,17 +153,37 @@ class TrainCommand:
         self._trainer_class.train_step = self._original
 
 
-def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folder: Path) -> dict:
-    """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats."""
+def gemm_probe(size: int, precision: str, calls: int):
+    """A zero-argument program of `calls` square size x size matmuls in the precision's dtype, and its FLOPs."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+
+    def run():
+        for _ in range(calls):
+            a @ b
+
+    return run, calls * 2 * size**3
+
+
+def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folder: Path,
+            gemm_sizes=GEMM_SIZES) -> dict:
+    """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats.
+
+    GEMM probes (square matmuls of each size in `gemm_sizes`, in the precision's dtype) run in the same
+    rotation, so each repeat's MFU divides the step's FLOP rate by the GEMM rate measured seconds
+    apart, under the same machine load."""
+    probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, (2048 // n) ** 3 // 2)) for n in gemm_sizes}
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
     if precision != "fp32":
         programs["shardlm_half"] = shardlm_step(shape, precision, param_dtype="half")[0]
     programs.update({name: hf_step(shape, activation, precision=precision) for name, activation in HF_VARIANTS.items()})
+    programs.update({name: run for name, (run, _) in probes.items()})
     command = TrainCommand(shape, precision, WARMUP + repeats, folder, threads)
     try:
         times = interleaved({"shardlm_train": command, **programs}, repeats, warmup=WARMUP)
     finally:
         command.close()
+    gemm = {name.removeprefix("gemm_"): [flops / t for t in times.pop(name)] for name, (_, flops) in probes.items()}
     tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
     result = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
 
@@ -172,10 +195,19 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
         result[f"ratio{suffix}"] = ratio(name, "hf")
         result[f"ratio{suffix}_same_kernels"] = ratio(name, "hf_fused_gelu")
     result["train_command_over_step"] = ratio("shardlm_train", "shardlm")
+    result["gemm_gflops"] = {n: summary([r / 1e9 for r in rates]) for n, rates in gemm.items()}
+    first, best = gemm[str(gemm_sizes[0])], [max(rs) for rs in zip(*gemm.values())]
+    for name in ("shardlm", "shardlm_half"):
+        if name in tokens:  # achieved matmul FLOP/s over the GEMM rate of the same repeat
+            achieved = [t * shape.flops_per_token for t in tokens[name]]
+            result[f"mfu{name.removeprefix('shardlm')}"] = {
+                "fraction": summary([a / g for a, g in zip(achieved, first)]),
+                "fraction_of_best": summary([a / g for a, g in zip(achieved, best)])}
     return result
 
 
-def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=VOCABULARIES) -> dict:
+def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=VOCABULARIES,
+                gemm_sizes=GEMM_SIZES) -> dict:
     """Every (vocabulary, precision) comparison, the CPU's features and GEMM ceilings, and the CPU MFU.
 
     Top-level `ratio`, `ratio_same_kernels` and `*_tokens_per_sec` are the fp32 figures at the first
@@ -188,7 +220,8 @@ def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=V
     with tempfile.TemporaryDirectory() as folder:
         for vocab in vocab_sizes:
             for precision in precisions:
-                figures = compare(replace(shape, vocab_size=vocab), precision, repeats, threads, Path(folder))
+                figures = compare(replace(shape, vocab_size=vocab), precision, repeats, threads, Path(folder),
+                                  gemm_sizes)
                 by_vocabulary.setdefault(str(vocab), {})[precision] = figures
     torch.set_num_threads(previous)
     result = {"config": shape.describe("fp32 and bf16 autocast" if "bf16" in precisions else "fp32",
@@ -199,30 +232,32 @@ def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=V
     return result
 
 
-def cpu_mfu(figures: dict, shape: BenchShape, threads: int, quick: bool = False) -> dict:
-    """Achieved matmul FLOP/s of the shardlm Trainer step over this CPU's GEMM rate in the same dtype and
-    threads, per vocabulary and precision: `fraction` against square 1024 x 1024 matmuls (the ceiling
-    `make bench` has always used), `fraction_of_best` against the best of 1024 and 2048 (larger GEMMs
-    run faster on some CPUs). Top-level keys: fp32 at BENCH's vocabulary."""
-    sizes = (256,) if quick else (1024, 2048)
-    repeats = 2 if quick else 3
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    ceilings = {name: {str(n): matmul_ceiling(threads, n, repeats, dtypes[name]) for n in sizes}
-                for name in figures["precisions"]}
+def cpu_mfu(figures: dict, shape: BenchShape) -> dict:
+    """CPU model-FLOPs utilization per vocabulary and precision, from the GEMM probes `compare` ran
+    between the steps: achieved matmul FLOP/s of the shardlm Trainer step (model FLOPs) over the GEMM
+    rate in the same dtype and threads, as the median of per-repeat ratios. `fraction` divides by
+    the first probe size's rate, `fraction_of_best` by the best size's. Top-level keys: fp32 at
+    BENCH's vocabulary."""
     rows: dict = {}
+    ceilings: dict = {}
     for vocab, by_precision in figures["by_vocabulary"].items():
         flops = replace(shape, vocab_size=int(vocab)).flops_per_token
         for precision, fig in by_precision.items():
-            base, best = ceilings[precision][str(sizes[0])], max(ceilings[precision].values())
+            gemm = {n: s["median"] for n, s in fig["gemm_gflops"].items()}
+            for n, rate in gemm.items():
+                ceilings.setdefault(precision, {}).setdefault(n, []).append(rate)
             for program in ("shardlm", "shardlm_half"):
                 if f"{program}_tokens_per_sec" not in fig:
                     continue
-                achieved = fig[f"{program}_tokens_per_sec"]["median"] * flops
+                paired = fig[f"mfu{program.removeprefix('shardlm')}"]
                 rows.setdefault(vocab, {})[f"{precision}{program.removeprefix('shardlm')}"] = {
-                    "flops_per_token": flops, "achieved_gflops": achieved / 1e9, "gemm_ceiling_gflops": base / 1e9,
-                    "fraction": achieved / base, "best_gemm_ceiling_gflops": best / 1e9,
-                    "fraction_of_best": achieved / best}
+                    "flops_per_token": flops,
+                    "achieved_gflops": fig[f"{program}_tokens_per_sec"]["median"] * flops / 1e9,
+                    "gemm_ceiling_gflops": next(iter(gemm.values())), "fraction": paired["fraction"]["median"],
+                    "fraction_range": [paired["fraction"]["min"], paired["fraction"]["max"]],
+                    "best_gemm_ceiling_gflops": max(gemm.values()),
+                    "fraction_of_best": paired["fraction_of_best"]["median"]}
     first = rows[str(figures["vocabularies"][0])]["fp32"]
-    return {**first, "gemm_ceilings_gflops": {name: {n: v / 1e9 for n, v in by_size.items()}
-                                              for name, by_size in ceilings.items()},
+    return {**first, "gemm_ceilings_gflops": {p: {n: statistics.median(v) for n, v in by_size.items()}
+                                              for p, by_size in ceilings.items()},
             "by_vocabulary": rows}

@@ -50,6 +50,30 @@ TRIED = [
     "control, fused AdamW).",
     "**`torch.compile` of shardlm's layers (not used).** It changed the fp32 step time by about 2% on the AVX2 "
     "machine where it was tried.",
+    "**Where the fp32 step goes (measured, Xeon with AVX-512-BF16, V=8,192, `torch.profiler` op totals over "
+    "two steps).** GEMMs (`mm`, `addmm`) 67% of the operator time, running at about 236 GFLOP/s, the rate of "
+    "a square 1024 x 1024 GEMM on the same threads; the CPU flash-attention kernel 18% (forward and backward "
+    "together run at about half the GEMM rate counted in model FLOPs, which count the whole s x s score "
+    "matrix, so at a quarter of it in the FLOPs a causal kernel does); GeLU and its backward 5%; everything "
+    "else (copies, LayerNorm, bias sums, AdamW, the gradient norm) 10%. In bf16 the GEMMs are 69%, attention "
+    "19%, the rest 11%. So the fp32 MFU is bounded by the attention kernel, not by work around the GEMMs.",
+    "**A block-causal attention of batched GEMMs (not kept).** Queries in 4 blocks, each block multiplying "
+    "only the keys it may see (10/16 of the full score matrix), `baddbmm` with the causal mask, the fused "
+    "softmax and `bmm`, with a hand-written backward; equal to SDPA within 6e-6 (fp32). Keeping the "
+    "probabilities for the backward, (B, heads, 512, 64) forward + backward took 38-42 ms against 52-60 ms "
+    "for SDPA's flash kernel in fp32 and 44 against 75-92 ms in bf16 (2 threads, medians of 7): about 5% of "
+    "the fp32 step and 7% of the bf16 one, but the saved probabilities add 21 MB per layer at this shape "
+    "(B x heads x 10/16 x s^2 x 4 bytes), which is the memory flash attention exists to avoid, and the "
+    "planner's activation formulas would no longer hold. Recomputing the probabilities in the backward "
+    "instead (saving only q, k, v and the output) was slower than flash in fp32 (67-77 ms) and faster only "
+    "in bf16 (66 ms).",
+    "**Collectives through shared memory (kept; TP and DP on one machine).** gloo sends every byte over "
+    "loopback TCP: 5.6-6.4 ms for a 4 MiB all-reduce between 2 processes and 0.35 ms for one element, 34 "
+    "of the former per TP=2 step at this shape. `shardlm.parallel.shm` has the ranks of a group on one "
+    "machine write into a shared segment, each reduce 1/n of it and copy the rest back: 1.3 ms and 80 us. "
+    "TP=2 efficiency on a quiet machine went from 0.88 (min 0.83, max 0.95) to 0.97 (min 0.78, max 1.07) "
+    "in the `tp2_efficiency` section. DDP's gradient buckets use it too (synchronously, so they no longer "
+    "overlap the backward as gloo's do): DP=2 step 4.45-4.49 s against 4.55-4.63 s with gloo, 2-4%.",
 ]
 
 
@@ -128,18 +152,22 @@ def mfu_lines(r: dict) -> list[str]:
     lines = [
         "## CPU model-FLOPs utilization (`mfu`)",
         "",
-        "Achieved matmul FLOP/s of the shardlm Trainer step above (`shardlm.models.config.flops_per_token`) over "
-        f"this CPU's GEMM rate in the same dtype with the same threads ({rates}). `fraction` divides by the "
-        "first size (the ceiling of earlier runs), `fraction_of_best` by the best size. Goal for fp32: "
-        f"`fraction` >= {GOAL_FP32_MFU:.0%}.",
+        "Achieved matmul FLOP/s of the shardlm Trainer step above (`shardlm.models.config.flops_per_token`, "
+        "model FLOPs) over this CPU's GEMM rate in the same dtype with the same threads (medians: "
+        f"{rates}). The GEMM probes ran in the same rotation as the steps, so each repeat divides by a GEMM "
+        "rate measured seconds apart under the same load; the fraction is the median of those per-repeat "
+        "ratios (their min-max in brackets). `fraction` divides by the first size (the ceiling of earlier runs), "
+        f"`fraction_of_best` by the best size. Goal for fp32: `fraction` >= {GOAL_FP32_MFU:.0%}.",
         "",
         "| V | program | MFLOP per token | achieved GFLOP/s | ceiling GFLOP/s | fraction | best ceiling | "
         "fraction of best |", "|---|---|---|---|---|---|---|---|",
     ]
     for vocab, rows in u.get("by_vocabulary", {}).items():
         for program, row in rows.items():
+            spread = (f" ({row['fraction_range'][0] * 100:.0f}-{row['fraction_range'][1] * 100:.0f}%)"
+                      if "fraction_range" in row else "")
             lines.append(f"| {vocab} | {program} | {row['flops_per_token'] / 1e6:.1f} | {row['achieved_gflops']:.0f} | "
-                         f"{row['gemm_ceiling_gflops']:.0f} | {row['fraction'] * 100:.0f}% | "
+                         f"{row['gemm_ceiling_gflops']:.0f} | {row['fraction'] * 100:.0f}%{spread} | "
                          f"{row['best_gemm_ceiling_gflops']:.0f} | {row['fraction_of_best'] * 100:.0f}% |")
     lines += ["", f"**`mfu.fraction` = {u['fraction'] * 100:.0f}%** (fp32, first vocabulary: "
               f"{u['achieved_gflops']:.0f} of {u['gemm_ceiling_gflops']:.0f} GFLOP/s).", ""]
