@@ -172,7 +172,8 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
     GEMM probes (square matmuls of each size in `gemm_sizes`, in the precision's dtype) run in the same
     rotation, so each repeat's MFU divides the step's FLOP rate by the GEMM rate measured seconds
     apart, under the same machine load."""
-    probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, (2048 // n) ** 3 // 2)) for n in gemm_sizes}
+    # about 34 GFLOP per probe (0.15-0.3 s here): long enough that a scheduling hiccup does not decide it
+    probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, 2 * (2048 // n) ** 3)) for n in gemm_sizes}
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
     if precision != "fp32":
         programs["shardlm_half"] = shardlm_step(shape, precision, param_dtype="half")[0]
