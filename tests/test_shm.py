@@ -127,8 +127,35 @@ def check_missing_peer_raises():
     return {"message": message, "seconds": elapsed}
 
 
+def check_exited_peer_raises_at_once():
+    """A peer whose process has exited (its header names a process that ran and was reaped) ends the
+    wait within a second, long before the timeout."""
+    import subprocess
+
+    comm = communicator(timeout_s=60.0)
+    comm.all_reduce(torch.ones(1))
+    if dist.get_rank() == 1:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        comm.shm.pids[1] = gone.pid  # what rank 0 would see had this process died
+    dist.barrier()
+    if dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1))
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    return {"message": message, "seconds": elapsed}
+
+
 CHECKS = {f.__name__: f for f in (check_all_reduce, check_gather_and_scatter, check_no_file_left_behind,
-                                  check_disabled_by_environment, check_missing_peer_raises)}
+                                  check_disabled_by_environment, check_missing_peer_raises,
+                                  check_exited_peer_raises_at_once)}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
@@ -179,3 +206,9 @@ def test_missing_peer_fails_within_timeout_instead_of_hanging(results):
     outcome = result(results, "check_missing_peer_raises")[0]
     assert outcome["message"] is not None and "did not arrive within 1 s" in outcome["message"], outcome
     assert outcome["seconds"] < 10, outcome
+
+
+def test_exited_peer_fails_at_once(results):
+    outcome = result(results, "check_exited_peer_raises_at_once")[0]
+    assert outcome["message"] is not None and "rank 1" in outcome["message"] and "exited" in outcome["message"], outcome
+    assert outcome["seconds"] < 5, outcome

@@ -8,13 +8,13 @@ its 1/n share of the elements across the slots and, after a second wait, copies 
 of the others out: three passes over the tensor and two waits on spinning flags (microseconds).
 
 Layout of the segment (a file in /dev/shm, unlinked as soon as every rank has mapped it, so nothing
-is left behind even if a process dies): one int64 flag per rank (the header), then two banks (alternated per
-collective, so a rank can start writing the next one while a slower rank still reads this one) of
-one `SLOT_BYTES` slot per rank. Tensors larger than a slot go through in slot-sized pieces.
+is left behind even if a process dies): one int64 flag and the process id of each rank (the
+header), then two banks (alternated per collective, so a rank can start writing the next one while
+a slower rank still reads this one) of one `SLOT_BYTES` slot per rank. Tensors larger than a slot go through in slot-sized pieces.
 
 A rank's flag counts the waits it has arrived at; every rank of the group makes the same calls in
 the same order (as with any collective), so "every flag >= mine" means every rank has arrived. A
-wait that outlasts the group's timeout raises instead of hanging.
+wait raises instead of hanging when a late rank's process has exited or the group's timeout passes.
 
 Only on x86-64, whose memory model orders a rank's data stores before its flag store as other
 cores see them; elsewhere, and where the environment sets SHARDLM_SHM_COLLECTIVES=0, shardlm uses
@@ -35,6 +35,8 @@ SLOT_BYTES = 4 << 20
 """Bytes per rank and bank: one (4, 512, 512) fp32 activation in one piece."""
 SPIN_YIELDS = 2000
 """Waits first yield the core this many times (the peer is usually microseconds away), then sleep."""
+DEFAULT_TIMEOUT_S = 600.0
+"""How long a wait may last when the group has no timeout of its own (`train.timeout_s`'s default)."""
 
 
 def shared_memory_wanted(device: torch.device) -> bool:
@@ -44,17 +46,31 @@ def shared_memory_wanted(device: torch.device) -> bool:
 
 
 def header_bytes(size: int) -> int:
-    """Bytes before the slots: one int64 flag per rank, rounded up to a 64-byte cache line."""
-    return -(-8 * size // 64) * 64
+    """Bytes before the slots: one int64 flag and one int64 process id per rank, in whole 64-byte lines."""
+    return -(-16 * size // 64) * 64
 
 
 def machine_id() -> str:
-    """What identifies this machine (and boot) to its peers: equal ids share /dev/shm."""
+    """What must be equal for two processes to share a segment: the boot (the machine), the /dev/shm
+    mount (containers on one machine usually have their own) and the PID namespace (so a peer's process
+    id means the same process to both)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/dev/shm').st_dev}:{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
-        return f"{platform.node()}-no-boot-id"
+        return f"{platform.node()}:{os.getpid()}"  # unknown: never equal, so gloo
+
+
+def process_alive(pid: int) -> bool:
+    """True while process `pid` exists and has not exited (a zombie, exited but not yet reaped, counts as
+    exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class SharedMemoryGroup:
@@ -68,9 +84,10 @@ class SharedMemoryGroup:
     def __init__(self, segment: torch.Tensor, size: int, rank: int, timeout_s: float):
         self.size, self.rank, self.timeout_s = size, rank, timeout_s
         self._segment = segment  # keeps the mapping alive
-        header = header_bytes(size)
-        self._flags = segment[:header].view(torch.int64)[:size].numpy()  # numpy: cheap reads in the wait loop
-        self.banks = segment[header:].view(2, size, SLOT_BYTES)
+        header = segment[:header_bytes(size)].view(torch.int64).numpy()  # numpy: cheap reads in the wait loop
+        self._flags, self.pids = header[:size], header[size:2 * size]
+        self.pids[rank] = os.getpid()
+        self.banks = segment[header_bytes(size):].view(2, size, SLOT_BYTES)
         self.arrivals = 0
         self.collectives = 0
 
@@ -107,27 +124,36 @@ class SharedMemoryGroup:
                 pass
         if not all(mapped):
             return None
-        return cls(segment, size, rank, timeout_s or 1800.0)
+        shared = cls(segment, size, rank, timeout_s or DEFAULT_TIMEOUT_S)
+        dist.barrier(group=group)  # every rank's process id is in the header
+        return shared
 
     # --- waiting -----------------------------------------------------------------------------
     def _arrive_and_wait(self, what: str) -> None:
-        """Barrier over the group on the flags: mark this rank arrived, wait for all the others."""
+        """Barrier over the group on the flags: mark this rank arrived, wait for all the others. Raises when
+        a late rank's process has exited (checked every 0.5 s) or the timeout passes."""
         self.arrivals += 1
         flags, target = self._flags, self.arrivals
         flags[self.rank] = target
         spins = 0
-        deadline = None
+        deadline = next_check = None
         while flags.min() < target:
             spins += 1
             if spins < SPIN_YIELDS:
                 os.sched_yield()
                 continue
+            now = time.monotonic()
             if deadline is None:
-                deadline = time.monotonic() + self.timeout_s
-            elif time.monotonic() > deadline:
+                deadline, next_check = now + self.timeout_s, now + 0.5
+            elif now > next_check or now > deadline:
+                next_check = now + 0.5
                 late = [r for r in range(self.size) if flags[r] < target]
-                raise RuntimeError(f"shared-memory {what}: ranks {late} of the group did not arrive within "
-                                   f"{self.timeout_s:.0f} s (a peer failed or stopped calling collectives)")
+                exited = [r for r in late if not process_alive(int(self.pids[r]))]
+                if exited or now > deadline:
+                    reason = (f"the process of rank {exited[0]} (pid {int(self.pids[exited[0]])}) has exited"
+                              if exited else f"ranks {late} did not arrive within {self.timeout_s:.0f} s")
+                    raise RuntimeError(f"shared-memory {what} over a group of {self.size}: {reason} (a peer "
+                                       "failed or stopped calling collectives)")
             time.sleep(50e-6)
 
     def _slots(self, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
