@@ -10,7 +10,8 @@ of the others out: three passes over the tensor and two waits on spinning flags 
 Layout of the segment (a file in /dev/shm, unlinked as soon as every rank has mapped it, so nothing
 is left behind even if a process dies): one int64 flag and the process id of each rank (the
 header), then two banks (alternated per collective, so a rank can start writing the next one while
-a slower rank still reads this one) of one `SLOT_BYTES` slot per rank. Tensors larger than a slot go through in slot-sized pieces.
+a slower rank still reads this one) of one `SLOT_BYTES` slot per rank. Tensors larger than a slot
+go through in slot-sized pieces.
 
 A rank's flag counts the waits it has arrived at; every rank of the group makes the same calls in
 the same order (as with any collective), so "every flag >= mine" means every rank has arrived. A
