@@ -61,12 +61,12 @@ TRIED = [
     "only the keys it may see (10/16 of the full score matrix), `baddbmm` with the causal mask, the fused "
     "softmax and `bmm`, with a hand-written backward; equal to SDPA within 6e-6 (fp32). Keeping the "
     "probabilities for the backward, (B, heads, 512, 64) forward + backward took 38-42 ms against 52-60 ms "
-    "for SDPA's flash kernel in fp32 and 44 against 75-92 ms in bf16 (2 threads, medians of 7): about 5% of "
-    "the fp32 step and 7% of the bf16 one, but the saved probabilities add 21 MB per layer at this shape "
-    "(B x heads x 10/16 x s^2 x 4 bytes), which is the memory flash attention exists to avoid, and the "
-    "planner's activation formulas would no longer hold. Recomputing the probabilities in the backward "
-    "instead (saving only q, k, v and the output) was slower than flash in fp32 (67-77 ms) and faster only "
-    "in bf16 (66 ms).",
+    "for SDPA's flash kernel in fp32 and 44 against 75-92 ms in bf16 (2 threads, medians of 7) alone. Inside "
+    "the whole BENCH Trainer step (7 paired repeats) it was 7% slower in fp32 (2.28 against 2.14 s: the "
+    "copies of q, k, v and the 21 MB of probabilities per layer it keeps, B x heads x 10/16 x s^2 x 4 "
+    "bytes, cost more than the kernel saved) and 6% faster in bf16 (min 0.84x, max 1.10x), while keeping "
+    "the memory flash attention exists to avoid. Recomputing the probabilities in the backward instead "
+    "(saving only q, k, v) was slower than flash in fp32 (67-77 ms) and faster only in bf16 (66 ms).",
     "**Collectives through shared memory (kept; TP and DP on one machine).** gloo sends every byte over "
     "loopback TCP: 5.6-6.4 ms for a 4 MiB all-reduce between 2 processes and 0.35 ms for one element, 34 "
     "of the former per TP=2 step at this shape. `shardlm.parallel.shm` has the ranks of a group on one "
