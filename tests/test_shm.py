@@ -204,7 +204,10 @@ def test_environment_switches_to_gloo(results):
 
 def test_missing_peer_fails_within_timeout_instead_of_hanging(results):
     outcome = result(results, "check_missing_peer_raises")[0]
-    assert outcome["message"] is not None and "did not arrive within 1 s" in outcome["message"], outcome
+    assert outcome["message"] is not None and "timed out after 1 s" in outcome["message"], outcome
+    from shardlm.training.cli import is_timeout
+
+    assert is_timeout(RuntimeError(outcome["message"]))  # so `shardlm train` reports it in one line
     assert outcome["seconds"] < 10, outcome
 
 
@@ -212,3 +215,6 @@ def test_exited_peer_fails_at_once(results):
     outcome = result(results, "check_exited_peer_raises_at_once")[0]
     assert outcome["message"] is not None and "rank 1" in outcome["message"] and "exited" in outcome["message"], outcome
     assert outcome["seconds"] < 5, outcome
+    from shardlm.training.cli import peer_exited
+
+    assert peer_exited(RuntimeError(outcome["message"]))

@@ -150,11 +150,13 @@ class SharedMemoryGroup:
                 next_check = now + 0.5
                 late = [r for r in range(self.size) if flags[r] < target]
                 exited = [r for r in late if not process_alive(int(self.pids[r]))]
-                if exited or now > deadline:
-                    reason = (f"the process of rank {exited[0]} (pid {int(self.pids[exited[0]])}) has exited"
-                              if exited else f"ranks {late} did not arrive within {self.timeout_s:.0f} s")
-                    raise RuntimeError(f"shared-memory {what} over a group of {self.size}: {reason} (a peer "
-                                       "failed or stopped calling collectives)")
+                if exited:
+                    raise RuntimeError(f"shared-memory {what} over a group of {self.size} failed: the process of "
+                                       f"rank {exited[0]} (pid {int(self.pids[exited[0]])}) has exited")
+                if now > deadline:
+                    raise RuntimeError(f"shared-memory {what} over a group of {self.size} timed out after "
+                                       f"{self.timeout_s:g} s: ranks {late} did not arrive (a peer failed or "
+                                       "stopped calling collectives)")
             time.sleep(50e-6)
 
     def _slots(self, dtype: torch.dtype, count: int) -> list[torch.Tensor]:

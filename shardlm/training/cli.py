@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         if is_timeout(exc):
             raise UserError(f"a collective timed out after train.timeout_s={config.train.timeout_s:g}s: "
                             "a peer stopped responding (check the other ranks' logs)") from None
+        if peer_exited(exc):
+            raise UserError(f"a peer process exited during a collective ({exc}); its own log says why") from None
         raise
     metrics = result.metrics
     if "val_loss" in metrics and int(os.environ.get("RANK", "0")) == 0:
@@ -67,9 +69,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def is_timeout(exc: BaseException) -> bool:
-    """True for the errors torch.distributed raises when a collective outlives its timeout."""
+    """True for the errors torch.distributed (and shardlm's shared-memory collectives) raise when a
+    collective outlives its timeout."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
+
+
+def peer_exited(exc: BaseException) -> bool:
+    """True for the error of a shared-memory collective whose peer process has exited."""
+    text = str(exc)
+    return text.startswith("shared-memory") and "has exited" in text
 
 
 def launch_local(args: argparse.Namespace, nproc: int) -> int:
