@@ -39,9 +39,9 @@ HF_VARIANTS = {"hf": "gelu_new", "hf_fused_gelu": "gelu_pytorch_tanh"}
 VOCABULARIES = (8192, 50257)
 """BENCH's vocabulary and GPT-2's real one."""
 QUICK_VOCABULARIES = (1024, 3000)
+"""--quick: a multiple of 128 and one that needs padding."""
 GEMM_SIZES = (1024, 2048)
 """Square GEMM probes: 1024 (the ceiling `make bench` has always used) and 2048 (faster on some CPUs)."""
-"""--quick: a multiple of 128 and one that needs padding."""
 WARMUP = 1
 
 
