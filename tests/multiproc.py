@@ -11,7 +11,7 @@ import traceback
 
 from shardlm.parallel.spawn import free_port, run_workers
 
-__all__ = ["free_port", "run_checks", "run_workers"]
+__all__ = ["check_result", "free_port", "run_checks", "run_workers"]
 
 
 def run_checks(checks: dict) -> dict:
@@ -23,3 +23,14 @@ def run_checks(checks: dict) -> dict:
         except Exception:  # noqa: BLE001
             out[name] = ("error", traceback.format_exc())
     return out
+
+
+def check_result(results: list, name: str) -> list:
+    """Every rank's value of check `name` from `run_workers(..., run_checks, ...)`, failing with the
+    worker's traceback if the check raised on any rank."""
+    values = []
+    for rank, per_rank in enumerate(results):
+        status, value = per_rank[name]
+        assert status == "ok", f"rank {rank}: {value}"
+        values.append(value)
+    return values

@@ -25,6 +25,7 @@ from shardlm.parallel import (
 )
 from shardlm.parallel.layout import data_parallel_groups, rank_grid, tensor_parallel_groups
 
+from multiproc import check_result as result
 from multiproc import run_checks, run_workers
 
 TOL = 1e-5
@@ -257,16 +258,6 @@ CHECKS = {f.__name__: f for f in (check_operators, check_column_linear, check_ro
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"world{w}")
 def results(request):
     return run_workers(request.param, run_checks, CHECKS)
-
-
-def result(results, name):
-    """Every rank's result of one check, failing with the worker's traceback if it raised."""
-    values = []
-    for rank, per_rank in enumerate(results):
-        status, value = per_rank[name]
-        assert status == "ok", f"rank {rank}: {value}"
-        values.append(value)
-    return values
 
 
 def assert_small(results, name):

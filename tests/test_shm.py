@@ -20,6 +20,7 @@ import torch.distributed as dist
 from shardlm.parallel.comm import CommStats, Communicator
 from shardlm.parallel.shm import SLOT_BYTES
 
+from multiproc import check_result as result
 from multiproc import run_checks, run_workers
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -109,10 +110,9 @@ def check_disabled_by_environment():
         del os.environ["SHARDLM_SHM_COLLECTIVES"]
 
 
-def check_missing_peer_raises():
-    """Rank 0 calls an all-reduce that no other rank joins: it must raise within the timeout."""
-    comm = communicator(timeout_s=1.0)
-    comm.all_reduce(torch.ones(1))  # sets the segment up on every rank
+def all_reduce_alone(comm: Communicator) -> dict | None:
+    """Rank 0 calls an all-reduce that no other rank joins (they wait at a gloo barrier): what it raised
+    and after how long. None on the other ranks."""
     if dist.get_rank() != 0:
         dist.barrier()
         return None
@@ -125,6 +125,13 @@ def check_missing_peer_raises():
     elapsed = time.monotonic() - start
     dist.barrier()
     return {"message": message, "seconds": elapsed}
+
+
+def check_missing_peer_raises():
+    """A peer that never joins: rank 0 must raise within the timeout."""
+    comm = communicator(timeout_s=1.0)
+    comm.all_reduce(torch.ones(1))  # sets the segment up on every rank
+    return all_reduce_alone(comm)
 
 
 def check_exited_peer_raises_at_once():
@@ -139,18 +146,7 @@ def check_exited_peer_raises_at_once():
         gone.wait()
         comm.shm.pids[1] = gone.pid  # what rank 0 would see had this process died
     dist.barrier()
-    if dist.get_rank() != 0:
-        dist.barrier()
-        return None
-    start = time.monotonic()
-    try:
-        comm.all_reduce(torch.ones(1))
-        message = None
-    except RuntimeError as exc:
-        message = str(exc)
-    elapsed = time.monotonic() - start
-    dist.barrier()
-    return {"message": message, "seconds": elapsed}
+    return all_reduce_alone(comm)
 
 
 CHECKS = {f.__name__: f for f in (check_all_reduce, check_gather_and_scatter, check_no_file_left_behind,
@@ -161,15 +157,6 @@ CHECKS = {f.__name__: f for f in (check_all_reduce, check_gather_and_scatter, ch
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
 def results(request):
     return run_workers(request.param, run_checks, CHECKS, timeout=240)
-
-
-def result(results, name):
-    values = []
-    for rank, per_rank in enumerate(results):
-        status, value = per_rank[name]
-        assert status == "ok", f"rank {rank}: {value}"
-        values.append(value)
-    return values
 
 
 def test_all_reduce_equals_gloo_on_every_rank(results):

@@ -85,10 +85,11 @@ class SharedMemoryGroup:
     def __init__(self, segment: torch.Tensor, size: int, rank: int, timeout_s: float):
         self.size, self.rank, self.timeout_s = size, rank, timeout_s
         self._segment = segment  # keeps the mapping alive
-        header = segment[:header_bytes(size)].view(torch.int64).numpy()  # numpy: cheap reads in the wait loop
-        self._flags, self.pids = header[:size], header[size:2 * size]
+        header = header_bytes(size)
+        ids = segment[:header].view(torch.int64).numpy()  # numpy: cheap reads in the wait loop
+        self._flags, self.pids = ids[:size], ids[size:2 * size]
         self.pids[rank] = os.getpid()
-        self.banks = segment[header_bytes(size):].view(2, size, SLOT_BYTES)
+        self.banks = segment[header:].view(2, size, SLOT_BYTES)
         self.arrivals = 0
         self.collectives = 0
 
@@ -163,8 +164,7 @@ class SharedMemoryGroup:
         """This collective's bank, each rank's slot viewed as `count` elements of `dtype`."""
         bank = self.banks[self.collectives % 2]
         self.collectives += 1
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        return [bank[r, :nbytes].view(dtype) for r in range(self.size)]
+        return [bank[r, :count * dtype.itemsize].view(dtype) for r in range(self.size)]
 
     def _share(self, count: int, rank: int) -> tuple[int, int]:
         """[start, end) of rank's share of `count` elements (the first `count % size` get one more)."""
@@ -173,7 +173,8 @@ class SharedMemoryGroup:
         return start, start + base + (rank < extra)
 
     def _piece(self, dtype: torch.dtype) -> int:
-        return SLOT_BYTES // torch.empty(0, dtype=dtype).element_size()
+        """Elements of `dtype` in one slot."""
+        return SLOT_BYTES // dtype.itemsize
 
     # --- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -62,7 +62,7 @@ def _counting_allreduce_hook(state, bucket):
     buffer = bucket.buffer()
     dp.stats.record("all_reduce", dp.name, buffer)
     buffer.div_(dp.size)
-    if buffer.device.type == "cpu" and dp.shm is not None:
+    if dp.shm is not None:  # only CPU communicators have one
         future = torch.futures.Future()
         future.set_result(dp.shm.all_reduce(buffer))
         return future
