@@ -1,5 +1,6 @@
 """The CUDA path, for sessions with a GPU (skipped without one): the same tiny GPT trained on the
-GPU and on the CPU gives the same losses in fp32 (TF32 off), and bf16 autocast trains. Run with
+GPU and on the CPU gives the same losses in fp32 (TF32 off), bf16 autocast trains, and the fused output
+layer + cross-entropy equals the unfused computation on the GPU, in one chunk and in several. Run with
 `pytest tests/test_cuda.py` on a GPU machine. (Collectives of a one-GPU world are no-ops, so
 checking NCCL itself needs a machine with two or more GPUs.)"""
 
@@ -7,9 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from test_linear_cross_entropy import V, _inputs
 from test_training import synthetic_data, tiny_config
 
+import shardlm.parallel.linear_cross_entropy as fused_module
 from shardlm.parallel import ParallelContext
+from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
 from shardlm.training.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,3 +44,22 @@ def test_fp32_training_on_the_gpu_matches_the_cpu():
 def test_bf16_training_learns():
     bf16 = losses("cuda", "bf16")
     assert bf16[-1] < bf16[0], bf16
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 5])
+def test_fused_linear_cross_entropy_on_the_gpu_equals_unfused(monkeypatch, rows_per_chunk):
+    if rows_per_chunk:
+        monkeypatch.setattr(fused_module, "_rows_per_chunk", lambda vocab, device: rows_per_chunk)
+    hidden, weight, target, upstream = (x.cuda() for x in _inputs(rows=64))
+    tp = ParallelContext.single(torch.device("cuda")).tp
+    results = []
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            losses = linear_cross_entropy(h, w, target, tp, V)
+        else:
+            losses = F.cross_entropy(F.linear(h, w)[..., :V], target, reduction="none")
+        (losses * upstream).sum().backward()
+        results.append((losses.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

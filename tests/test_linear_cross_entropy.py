@@ -53,7 +53,7 @@ def _run(fused: bool, hidden, weight, target, upstream, precision: str):
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 5, 1000])
 def test_fp32_equals_unfused(monkeypatch, rows_per_chunk):
-    monkeypatch.setattr(fused_module, "_rows_per_chunk", lambda vocab: rows_per_chunk)
+    monkeypatch.setattr(fused_module, "_rows_per_chunk", lambda vocab, device: rows_per_chunk)
     inputs = _inputs()
     fused, reference = _run(True, *inputs, "fp32"), _run(False, *inputs, "fp32")
     for name, a, b in zip(("losses", "hidden grad", "weight grad"), fused, reference):

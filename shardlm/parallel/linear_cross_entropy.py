@@ -7,6 +7,8 @@ filled with zeros and, with a padded vocabulary, a copy of the real columns and 
 gradient for the slice). Here one GEMM writes this rank's logits over its *real* vocabulary rows in
 the compute dtype, and a few passes turn that buffer into its own gradient `softmax - onehot`, a
 chunk of rows at a time in fp32, so the logits are never copied, sliced or held in fp32 as a whole.
+On a GPU and in half precision, the GEMMs' width is the real rows rounded up to a multiple of 64
+(`_gemm_width`; the padding columns take no part in the softmax and get zero gradient).
 The backward scales the (N, h) side of its two GEMMs by the per-token loss gradients g:
 dL/dh = g (G W) and dL/dW = G^T (g h).
 
@@ -25,11 +27,25 @@ import torch.distributed as dist
 from shardlm.parallel.comm import Communicator
 
 
-def _rows_per_chunk(vocab: int) -> int:
-    """Rows of fp32 logits per chunk, about 16 MiB: large enough that the few elementwise calls per
-    chunk cost nothing next to their work (smaller chunks measured no faster on one thread, and slower
-    on two threads of a busy machine, where every parallel region waits for both)."""
-    return max(1, (1 << 22) // max(1, vocab))
+def _rows_per_chunk(vocab: int, device: torch.device) -> int:
+    """Rows of fp32 logits per chunk: about 16 MiB on the CPU, large enough that the few elementwise
+    calls per chunk cost nothing next to their work (smaller chunks measured no faster on one thread,
+    and slower on two threads of a busy machine, where every parallel region waits for both); 512 MiB
+    on a GPU, where each call is a kernel launch: 16 MiB chunks would be about 600 launches per
+    micro-batch of 8,192 tokens at GPT-2's vocabulary."""
+    budget = 1 << 22 if device.type == "cpu" else 1 << 27
+    return max(1, budget // max(1, vocab))
+
+
+def _gemm_width(real: int, local: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Rows of this rank's weight that the GEMMs multiply: the `real` ones, rounded up to a multiple of
+    64 (never past the `local` rows) except for fp32 on the CPU. At an odd width such as GPT-2's
+    50,257, cuBLAS falls back to unaligned kernels, which ran the three head GEMMs 5-7x slower on an
+    H200, and oneDNN's bf16 head + loss ran 11% slower on the CPU (paired, 2 threads, 2,048 tokens,
+    hidden 512). MKL's fp32 GEMM showed no difference, so fp32 on the CPU keeps the exact width."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return real
+    return min(local, -(-real // 64) * 64)
 
 
 def _exp_to_gradient(x: torch.Tensor, block: torch.Tensor, sum_exp: torch.Tensor, outside: torch.Tensor,
@@ -49,13 +65,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         local, start = weight.shape[0], tp.rank * weight.shape[0]
         real = max(0, min(local, vocab_size - start))  # this shard's rows of the real vocabulary
+        width = _gemm_width(real, local, dtype, hidden.device)
         with torch.autocast(device, enabled=False):
-            h, w = hidden.to(dtype), weight[:real].to(dtype)  # padding rows are never multiplied
-            grad = h @ w.t()  # (N, real): the logits, turned into their gradient below
+            h, w = hidden.to(dtype), weight[:width].to(dtype)
+            logits = h @ w.t()  # (N, width)
+            grad = logits[:, :real]  # the real logits, turned into their gradient below
             ignored = target == ignore_index
             outside = (target < start) | (target >= start + real) | ignored
             local_target = (target - start).masked_fill(outside, 0).unsqueeze(-1)
-            n, rows = h.shape[0], _rows_per_chunk(real)
+            n, rows = h.shape[0], _rows_per_chunk(real, h.device)
             whole = tp.size == 1  # every row is complete here: one pass per chunk, nothing to agree on in between
             in_place = grad.dtype == torch.float32  # fp32 logits are worked on where they are
             row_max = torch.full((n,), float("-inf"), device=hidden.device)
@@ -80,7 +98,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 x = block if in_place else block.float().sub_(row_max[chunk].unsqueeze(-1)).exp_()
                 _exp_to_gradient(x, block, sum_exp[chunk], outside[chunk], local_target[chunk])
             losses = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
-        ctx.save_for_backward(grad, h, w, ignored)
+            logits[:, real:].zero_()  # padding columns: no gradient
+        ctx.save_for_backward(logits, h, w, ignored)
         ctx.hidden_dtype, ctx.weight_shape, ctx.weight_dtype = hidden.dtype, weight.shape, weight.dtype
         return losses
 
@@ -94,13 +113,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_hidden = (grad @ w).float().mul_(scale).to(ctx.hidden_dtype)
             if ctx.needs_input_grad[1]:
                 grad_weight = torch.empty(ctx.weight_shape, dtype=ctx.weight_dtype, device=h.device)
-                real, padding = grad_weight[:grad.shape[1]], grad_weight[grad.shape[1]:]  # contiguous row ranges
+                rows, padding = grad_weight[:grad.shape[1]], grad_weight[grad.shape[1]:]  # contiguous row ranges
                 scaled_hidden = (h.float() * scale).to(h.dtype)
                 if h.dtype == ctx.weight_dtype:
-                    torch.mm(grad.t(), scaled_hidden, out=real)  # (real, h), written in place
+                    torch.mm(grad.t(), scaled_hidden, out=rows)  # (width, h), written in place
                 else:
-                    real.copy_(grad.t() @ scaled_hidden)
-                padding.zero_()  # padding rows get zero gradient
+                    rows.copy_(grad.t() @ scaled_hidden)
+                padding.zero_()  # padding rows beyond the GEMM's width get zero gradient
         return grad_hidden, grad_weight, None, None, None, None
 
 
