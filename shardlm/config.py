@@ -126,6 +126,8 @@ class TrainConfig:
     """Collective timeout: a peer that stops responding ends the run with an error after this long."""
     device: str = "auto"
     """"auto" (CUDA when available), "cpu" or "cuda"."""
+    compile: bool = False
+    """Each transformer layer under `torch.compile` (on the CPU it needs a C++ compiler); a slower first step."""
 
 
 @dataclass

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.gpt import ParallelAttention, ParallelMLP
@@ -40,6 +39,7 @@ from shardlm.parallel import (
     vocab_parallel_cross_entropy,
 )
 from shardlm.parallel.init import normal_shard, param_seed
+from shardlm.parallel.random import recompute
 
 IGNORE_INDEX = -100
 NUM_TOKEN_TYPES = 2
@@ -156,7 +156,7 @@ class BERT(nn.Module):
         mask = None if padding_mask is None else attention_mask_from_padding(padding_mask)
         for layer in self.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, mask, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+                x = recompute(layer, x, mask, rng=self.ctx.rng)
             else:
                 x = layer(x, mask)
         if self.ln_f is not None:

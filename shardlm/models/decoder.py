@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import (
@@ -23,6 +22,7 @@ from shardlm.parallel import (
     vocab_parallel_cross_entropy,
 )
 from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
+from shardlm.parallel.random import recompute
 
 
 class LayerKVCache:
@@ -158,7 +158,7 @@ class DecoderLM(nn.Module):
         checkpointing is on (and gradients are being recorded)."""
         for layer in layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+                x = recompute(layer, x, rng=self.ctx.rng)
             else:
                 x = layer(x)
         return x

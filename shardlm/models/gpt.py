@@ -32,7 +32,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-exported for callers)
@@ -46,6 +45,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
 )
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
 from shardlm.parallel.init import normal_shard, param_seed
+from shardlm.parallel.random import recompute
 
 
 class ParallelAttention(nn.Module):
@@ -93,7 +93,7 @@ class ParallelAttention(nn.Module):
         if cache is not None:
             cache.append(k, v)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+            y = recompute(self.core, q, k, v, rng=self.ctx.rng)
         else:
             y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # (B, T, h/tp)

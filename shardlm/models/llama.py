@@ -33,7 +33,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (
@@ -54,6 +53,7 @@ from shardlm.parallel import (
     copy_to_tensor_parallel,
 )
 from shardlm.parallel.init import normal_shard, param_seed
+from shardlm.parallel.random import recompute
 
 
 def kv_heads_are_split(num_kv_heads: int, tensor_parallel: int) -> bool:
@@ -150,7 +150,7 @@ class LlamaAttention(nn.Module):
             mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != self.heads)
         elif self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_context_fn)
+            y = recompute(self.core, q, k, v, rng=self.ctx.rng)
         else:
             y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))

@@ -61,7 +61,8 @@ class Communicator:
     all-gather and reduce-scatter go through a shared-memory segment when every rank of the group is
     on this machine (`shardlm.parallel.shm`, several times faster than gloo's loopback TCP);
     otherwise, and for everything else, through the process group. Building such a communicator is
-    collective over its group (the ranks agree on the segment).
+    collective over its group (the ranks agree on the segment). Under `torch.compile` (`train.compile`)
+    each collective is a graph break: the compiler runs it as it is rather than tracing into it.
     """
 
     def __init__(self, name: str, group, size: int, rank: int, stats: CommStats,
@@ -79,6 +80,7 @@ class Communicator:
 
             self.shm = SharedMemoryGroup.connect(group, size, rank, timeout_s)
 
+    @torch.compiler.disable
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of `tensor` over this group; returns it."""
         if self.size == 1:
@@ -90,6 +92,7 @@ class Communicator:
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    @torch.compiler.disable
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather equal-shaped tensors from every rank of the group, in rank order."""
         if self.size == 1:
@@ -101,6 +104,7 @@ class Communicator:
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
 
+    @torch.compiler.disable
     def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum `tensor` over the group and return this rank's chunk of the sum along `dim` (equal chunks,
         in rank order). Recorded with the bytes of the whole input, as an all-reduce of it would be."""
@@ -114,6 +118,7 @@ class Communicator:
         dist.reduce_scatter(out, chunks, group=self.group)
         return out
 
+    @torch.compiler.disable
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0) -> torch.Tensor:
         if self.size == 1:
             return tensor

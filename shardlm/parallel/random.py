@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 MODEL_PARALLEL_RNG = "model-parallel"
 MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -78,6 +79,15 @@ class RNGStatesTracker:
                 self.set_states(current)
 
         return contextlib.nullcontext(), recompute()
+
+
+@torch.compiler.disable
+def recompute(fn, *args, rng: RNGStatesTracker):
+    """`fn(*args)` under `torch.utils.checkpoint` (non-reentrant): its activations are recomputed in
+    the backward, which sees the tracker's RNG states as they were at the forward (so dropout draws
+    the same masks). A graph break under `torch.compile`, whose tracing of checkpoint does not take
+    this `context_fn`."""
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=rng.checkpoint_context_fn)
 
 
 def seed_model_parallel(seed: int, tp_rank: int, device: torch.device | str = "cpu") -> RNGStatesTracker:

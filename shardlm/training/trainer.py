@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import RunConfig
+from shardlm.errors import UserError
 from shardlm.models import build_model, training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
@@ -70,6 +72,17 @@ def _counting_allreduce_hook(state, bucket):
     return future.then(lambda fut: fut.value()[0])
 
 
+def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
+    """`train.compile`: each transformer layer under `torch.compile` (one compiled graph serves every
+    layer of the same shape); the embedding, the final norm and the fused output layer + loss stay eager."""
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise UserError("train.compile=true on the CPU needs a C++ compiler (install g++), "
+                        "or set train.compile=false")
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+    for layer in layers:
+        layer.compile()
+
+
 class Trainer:
     """Owns the model, optimizer, scaler and step counter of one rank."""
 
@@ -88,6 +101,8 @@ class Trainer:
                                  sequence_parallel=config.parallel.sequence_parallel,
                                  layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]])
         self.loss = training_loss(config.model.arch)
+        if t.compile:
+            compile_layers(self.model, ctx.device)
         self.pipeline = None
         if ctx.pp_size > 1:  # drops the ends this rank's stages do not need, before the optimizer sees them
             self.pipeline = PipelineRunner(self.model, ctx, layers, stage_ids, config.parallel.pipeline_schedule,
