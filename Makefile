@@ -33,7 +33,7 @@ bench: $(STAMP)
 
 # One CUDA GPU: bf16 throughput, TFLOP/s and MFU of GPT-2 shapes up to 1.5B (not run in CI).
 bench-gpu: $(STAMP)
-	$(PY) -m shardlm.bench.gpu --compile
+	$(PY) -m shardlm.bench.gpu --compile --micro-batch 16 --global-batch 64 --param-dtype half
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

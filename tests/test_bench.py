@@ -69,3 +69,19 @@ def test_gpu_benchmark_harness_runs_on_cpu(compiled):
     # wte 512x64 + wpe 128x64 + 2 layers x (12h^2 + 13h) + final LayerNorm 2h, h = 64
     assert result["parameters"] == 512 * 64 + 128 * 64 + 2 * (12 * 64**2 + 13 * 64) + 128
     assert result["tokens_per_sec"] > 0
+
+
+def test_gpu_benchmark_accumulation_half_parameters_and_profile_on_cpu():
+    """`--global-batch`, `--param-dtype half` and `--profile` of the GPU benchmark, on the smoke shape."""
+    args = ["--device", "cpu", "--shapes", "smoke", "--steps", "1", "--micro-batch", "2", "--global-batch", "4",
+            "--param-dtype", "half", "--profile", "3"]
+    proc = subprocess.run([sys.executable, "-m", "shardlm.bench.gpu", *args], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    result, total, *ops = lines
+    assert result["global_batch"] == 4 and result["param_dtype"] == "half"
+    assert result["tokens_per_sec"] == pytest.approx(4 * 128 / result["step_s"])
+    assert total["profile"] == "total" and 0.0 <= total["outside_gemm_attention"] <= 1.0
+    assert len(ops) == 3 and all(op["ms"] > 0 and op["calls"] >= 1 for op in ops)
+    assert sorted((op["ms"] for op in ops), reverse=True) == [op["ms"] for op in ops]
