@@ -72,7 +72,7 @@ def _train(shape, repeats, results, quick):
     from shardlm.bench.training import GEMM_SIZES, QUICK_VOCABULARIES, VOCABULARIES, cpu_mfu, train_vs_hf
 
     figures = train_vs_hf(shape, repeats, threads=2, vocab_sizes=QUICK_VOCABULARIES if quick else VOCABULARIES,
-                          gemm_sizes=(256,) if quick else GEMM_SIZES)
+                          gemm_sizes=(256,) if quick else GEMM_SIZES, compiled=not quick)
     results["mfu"] = cpu_mfu(figures, shape)
     return figures
 

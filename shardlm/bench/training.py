@@ -24,6 +24,7 @@ attention, tied LM head, mean cross-entropy.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import statistics
 import tempfile
 import threading
@@ -166,17 +167,20 @@ def gemm_probe(size: int, precision: str, calls: int):
 
 
 def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folder: Path,
-            gemm_sizes=GEMM_SIZES) -> dict:
+            gemm_sizes=GEMM_SIZES, compiled: bool = True) -> dict:
     """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats.
 
     GEMM probes (square matmuls of each size in `gemm_sizes`, in the precision's dtype) run in the same
     rotation, so each repeat's MFU divides the step's FLOP rate by the GEMM rate measured seconds
-    apart, under the same machine load."""
+    apart, under the same machine load. With `compiled` (and a C++ compiler), shardlm's step with
+    `train.compile` runs in the rotation too; its compilation happens in the warm-up round."""
     # about 34 GFLOP per probe (0.15-0.3 s here): long enough that a scheduling hiccup does not decide it
     probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, 2 * (2048 // n) ** 3)) for n in gemm_sizes}
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
     if precision != "fp32":
         programs["shardlm_half"] = shardlm_step(shape, precision, param_dtype="half")[0]
+    if compiled and (shutil.which("c++") or shutil.which("g++")):
+        programs["shardlm_compiled"] = shardlm_step(shape, precision, compile=True)[0]
     programs.update({name: hf_step(shape, activation, precision=precision) for name, activation in HF_VARIANTS.items()})
     programs.update({name: run for name, (run, _) in probes.items()})
     command = TrainCommand(shape, precision, WARMUP + repeats, folder, threads)
@@ -208,7 +212,7 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
 
 
 def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=VOCABULARIES,
-                gemm_sizes=GEMM_SIZES) -> dict:
+                gemm_sizes=GEMM_SIZES, compiled: bool = True) -> dict:
     """Every (vocabulary, precision) comparison, the CPU's features and GEMM ceilings, and the CPU MFU.
 
     Top-level `ratio`, `ratio_same_kernels` and `*_tokens_per_sec` are the fp32 figures at the first
@@ -222,7 +226,7 @@ def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=V
         for vocab in vocab_sizes:
             for precision in precisions:
                 figures = compare(replace(shape, vocab_size=vocab), precision, repeats, threads, Path(folder),
-                                  gemm_sizes)
+                                  gemm_sizes, compiled)
                 by_vocabulary.setdefault(str(vocab), {})[precision] = figures
     torch.set_num_threads(previous)
     result = {"config": shape.describe("fp32 and bf16 autocast" if "bf16" in precisions else "fp32",

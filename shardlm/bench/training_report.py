@@ -5,7 +5,8 @@ from __future__ import annotations
 GOAL_SAME_KERNELS, GOAL_AS_SHIPPED, GOAL_FP32_MFU = 1.0, 1.2, 0.80
 
 PROGRAMS = (("shardlm", "shardlm Trainer step"), ("shardlm_train", "`shardlm train` loop"),
-            ("shardlm_half", "shardlm, half-precision parameters"), ("hf", "transformers as shipped"),
+            ("shardlm_half", "shardlm, half-precision parameters"),
+            ("shardlm_compiled", "shardlm, `train.compile`"), ("hf", "transformers as shipped"),
             ("hf_fused_gelu", "transformers, same kernels"))
 
 # What was tried to cut the time outside the GEMMs, and what it gave (paired measurements while developing;
@@ -48,8 +49,17 @@ TRIED = [
     "**LayerNorm, GeLU, residual adds and the optimizer (nothing to change).** The profiles show the same "
     "kernels, calls and times in shardlm and transformers (`native_layer_norm`, one `gelu` kernel in the "
     "control, fused AdamW).",
-    "**`torch.compile` of shardlm's layers (not used).** It changed the fp32 step time by about 2% on the AVX2 "
-    "machine where it was tried.",
+    "**`torch.compile` of shardlm's layers (an option: `train.compile`, the `shardlm_compiled` rows).** It "
+    "changed the fp32 step time by about 2% on the AVX2 machine where it was first tried. On the Xeon with "
+    "AVX-512-BF16 (BENCH shape, V=8,192, 2 threads, 7 paired repeats) the fp32 step was unchanged (eager / "
+    "compiled 0.98) and the bf16 step 12% faster (1.12: Inductor fuses autocast's casts with LayerNorm, "
+    "GeLU and the residual adds). Not the default: the first step compiles for about 15 s, and on the CPU "
+    "Inductor needs a C++ compiler. On an H200 (GPT-2 1.5B) it gave +8%.",
+    "**The output layer's GEMM width (kept for bf16 and GPUs).** The fused output layer + loss multiplied by "
+    "the 50,257 real vocabulary rows, an odd width. On an H200 that sent cuBLAS to unaligned kernels (16% of "
+    "a GPT-2 1.5B step). Rounding the width up to a multiple of 64 (the extra columns take no part in the "
+    "softmax) made the bf16 head + loss 11% faster here too (2,048 tokens, hidden 512, 2 threads, 25 paired "
+    "repeats); fp32 showed no difference, so fp32 on the CPU keeps the exact width.",
     "**Where the fp32 step goes (measured, Xeon with AVX-512-BF16, V=8,192, `torch.profiler` op totals over "
     "two steps).** GEMMs (`mm`, `addmm`) 67% of the operator time, running at about 236 GFLOP/s, the rate of "
     "a square 1024 x 1024 GEMM on the same threads; the CPU flash-attention kernel 18% (forward and backward "
@@ -100,7 +110,8 @@ def train_lines(t: dict) -> list[str]:
         "attention, tied LM head) and ran alternately, one (vocabulary, precision) at a time. The `shardlm "
         "train` loop is the CLI's own loop (progress bar, metrics.jsonl, TensorBoard) on an indexed dataset, "
         "timed from one step's start to the next's. bf16 = autocast around the forward and loss in both "
-        "libraries; half-precision parameters = `train.param_dtype = \"half\"`.",
+        "libraries; half-precision parameters = `train.param_dtype = \"half\"`; compiled = `train.compile = true` "
+        "(each transformer layer under `torch.compile`; transformers runs eager).",
         "",
         _features(t["cpu_features"]),
         "",
@@ -119,12 +130,14 @@ def train_lines(t: dict) -> list[str]:
               "| V | precision | step / same kernels (`ratio_same_kernels`) | step / as shipped (`ratio`) | "
               "`shardlm train` / same kernels (`ratio_train_same_kernels`) | `shardlm train` / as shipped "
               "(`ratio_train`) | half parameters / same kernels (`ratio_half_same_kernels`) | half parameters / as "
-              "shipped (`ratio_half`) | `shardlm train` / step (`train_command_over_step`) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "shipped (`ratio_half`) | compiled / same kernels (`ratio_compiled_same_kernels`) | compiled / as "
+              "shipped (`ratio_compiled`) | `shardlm train` / step (`train_command_over_step`) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for vocab, by_precision in t["by_vocabulary"].items():
         for precision, fig in by_precision.items():
             keys = ("ratio_same_kernels", "ratio", "ratio_train_same_kernels", "ratio_train",
-                    "ratio_half_same_kernels", "ratio_half", "train_command_over_step")
+                    "ratio_half_same_kernels", "ratio_half", "ratio_compiled_same_kernels", "ratio_compiled",
+                    "train_command_over_step")
             lines.append(f"| {vocab} | {precision} | " + " | ".join(_median(fig.get(k)) for k in keys) + " |")
     goals = []
     for vocab, by_precision in t["by_vocabulary"].items():
