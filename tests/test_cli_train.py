@@ -93,6 +93,18 @@ def test_config_error_is_one_line_exit_2(config_file, capsys, extra, message):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_compile_without_a_cpp_compiler_stops_before_any_output(config_file, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    run_dir = tmp_path / "run"
+    code = main(["train", str(config_file), "parallel.tensor=1", "train.compile=true", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.compile=true on the CPU needs a C++ compiler" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not run_dir.exists()
+
+
 def test_missing_and_invalid_config_files(tmp_path, capsys):
     assert main(["train", str(tmp_path / "none.toml")]) == 2
     assert "none.toml not found" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
 from shardlm.training.data import build_datasets, build_tokenizer_for
 from shardlm.training.logging import RunLogger
-from shardlm.training.trainer import Trainer, perplexity
+from shardlm.training.trainer import Trainer, check_can_compile, perplexity
 
 
 def resolve_device(name: str) -> torch.device | None:
@@ -91,6 +91,8 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
         config.model.vocab_size = tokenizer.vocab_size
     t = config.train
     ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline)
+    if t.compile:  # before the run directory and the datasets exist
+        check_can_compile(ctx.device)
     run_dir = _agree_on_run_dir(run_dir, config_path)
     logger = RunLogger(run_dir, t.steps, ctx.is_main, config.log.interval, config.log.progress,
                        config.log.tensorboard)

@@ -72,12 +72,17 @@ def _counting_allreduce_hook(state, bucket):
     return future.then(lambda fut: fut.value()[0])
 
 
-def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
-    """`train.compile`: each transformer layer under `torch.compile` (one compiled graph serves every
-    layer of the same shape); the embedding, the final norm and the fused output layer + loss stay eager."""
+def check_can_compile(device: torch.device) -> None:
+    """`train.compile` on the CPU: Inductor builds C++ kernels, so a missing compiler is a one-line error."""
     if device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         raise UserError("train.compile=true on the CPU needs a C++ compiler (install g++), "
                         "or set train.compile=false")
+
+
+def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
+    """`train.compile`: each transformer layer under `torch.compile`; the embedding, the final norm
+    and the fused output layer + loss stay eager."""
+    check_can_compile(device)
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
     for layer in layers:
         layer.compile()
