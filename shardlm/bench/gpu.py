@@ -6,9 +6,11 @@ real training step (bf16 autocast over fp32 master weights, fused AdamW, flash S
 steps, optionally under `torch.compile`, and prints one JSON line per figure. MFU = model FLOPs
 (`flops_per_token`, no recompute) / step time / the GPU's dense bf16 peak.
 
-`--profile` adds one profiled step per shape: the operators that took the most device time, one JSON
-line each, and the share of the step spent outside matrix multiplications and attention. `--param-dtype
-half` keeps bf16 parameters with fp32 master weights in the optimizer (the memory issue's half params).
+`--global-batch` accumulates micro-batches into each optimizer step, as real training does.
+`--param-dtype half` keeps bf16 parameters with fp32 master weights in the optimizer.
+`--profile N` adds one profiled step per shape: the N kernels (operators on the CPU) that took the most
+time, one JSON line each, after a line with the share of the step outside GEMMs and attention
+(`outside_gemm_attention`, matched by kernel name).
 
 `--device cpu --shapes smoke` runs the same code on a tiny model on the CPU: a check of the harness
 (the test suite runs it), not a figure.
