@@ -56,9 +56,11 @@ def test_markdown_names_the_headline_figures(quick_run):
 def test_gpu_benchmark_harness_runs_on_cpu(compiled):
     """`make bench-gpu`'s code path (real trainer step, bf16 autocast, per-layer torch.compile) on the
     smoke shape, so the GPU benchmark cannot rot on machines without a GPU."""
-    import shutil
+    import torch
 
-    if compiled and not (shutil.which("c++") or shutil.which("g++")):
+    from shardlm.training.trainer import can_compile
+
+    if compiled and not can_compile(torch.device("cpu")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     args = ["--device", "cpu", "--shapes", "smoke", "--steps", "1", "--micro-batch", "2"]
     proc = subprocess.run([sys.executable, "-m", "shardlm.bench.gpu", *args, *(["--compile"] if compiled else [])],

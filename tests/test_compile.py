@@ -9,16 +9,17 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 import torch.distributed as dist
 from test_training import TOL, rel, synthetic_data, tiny_config, train_run
 
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.training.trainer import Trainer
+from shardlm.training.trainer import Trainer, can_compile
 
 from multiproc import check_result, run_checks, run_workers
 
-pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+pytestmark = pytest.mark.skipif(not can_compile(torch.device("cpu")),
                                 reason="torch.compile on the CPU needs a C++ compiler")
 
 LAYOUTS = {  # name: (tensor-parallel size, extra config)

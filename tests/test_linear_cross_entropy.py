@@ -39,11 +39,13 @@ def _inputs(rows: int = 37, seed: int = 0):
 
 
 def _run(fused: bool, hidden, weight, target, upstream, precision: str):
+    """Losses, hidden and weight gradients of one pass, on the inputs' device (the CPU, or a GPU in test_cuda)."""
+    device = hidden.device
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with autocast:
         if fused:
-            losses = linear_cross_entropy(hidden, weight, target, ParallelContext.single().tp, V)
+            losses = linear_cross_entropy(hidden, weight, target, ParallelContext.single(device).tp, V)
         else:
             logits = F.linear(hidden, weight)[..., :V].float()
             losses = F.cross_entropy(logits, target, reduction="none")

@@ -24,7 +24,6 @@ attention, tied LM head, mean cross-entropy.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import statistics
 import tempfile
 import threading
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from shardlm.bench.common import BenchShape, cpu_features, interleaved, summary
+from shardlm.training.trainer import can_compile
 
 HF_VARIANTS = {"hf": "gelu_new", "hf_fused_gelu": "gelu_pytorch_tanh"}
 VOCABULARIES = (8192, 50257)
@@ -179,7 +179,7 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
     if precision != "fp32":
         programs["shardlm_half"] = shardlm_step(shape, precision, param_dtype="half")[0]
-    if compiled and (shutil.which("c++") or shutil.which("g++")):
+    if compiled and can_compile(torch.device("cpu")):
         programs["shardlm_compiled"] = shardlm_step(shape, precision, compile=True)[0]
     programs.update({name: hf_step(shape, activation, precision=precision) for name, activation in HF_VARIANTS.items()})
     programs.update({name: run for name, (run, _) in probes.items()})

@@ -72,9 +72,14 @@ def _counting_allreduce_hook(state, bucket):
     return future.then(lambda fut: fut.value()[0])
 
 
+def can_compile(device: torch.device) -> bool:
+    """Whether `torch.compile` can build kernels for `device`: on the CPU Inductor needs a C++ compiler."""
+    return device.type != "cpu" or any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
 def check_can_compile(device: torch.device) -> None:
-    """`train.compile` on the CPU: Inductor builds C++ kernels, so a missing compiler is a one-line error."""
-    if device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+    """`train.compile` where `can_compile` says no: a one-line error."""
+    if not can_compile(device):
         raise UserError("train.compile=true on the CPU needs a C++ compiler (install g++), "
                         "or set train.compile=false")
 
