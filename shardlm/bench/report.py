@@ -20,8 +20,9 @@ KEYS = {
     "train_vs_hf.cpu_features": "the CPU's matrix features (matrix: AMX, AVX-512-BF16, AVX-512 or AVX2; native_bf16; "
                                 "bf16_note when bf16 is skipped)",
     "train_vs_hf.by_vocabulary": "per vocabulary (8192, 50257) and precision (fp32; bf16 on a CPU with native bf16): "
-                                 "tokens/s of shardlm, shardlm_train (the `shardlm train` loop), shardlm_half, hf, "
-                                 "hf_fused_gelu and the ratios ratio[_train|_half][_same_kernels], "
+                                 "tokens/s of shardlm, shardlm_train (the `shardlm train` loop), shardlm_half, "
+                                 "shardlm_compiled (`train.compile`), hf, hf_fused_gelu and the ratios "
+                                 "ratio[_train|_half|_compiled][_same_kernels], "
                                  "train_command_over_step, gemm_gflops (the GEMM probes) and mfu[_half] (paired)",
     "mfu.fraction": "median over repeats of shardlm's achieved matmul FLOP/s / the fp32 GEMM rate probed in the "
                     "same repeat",
