@@ -87,3 +87,20 @@ def test_gpu_benchmark_accumulation_half_parameters_and_profile_on_cpu():
     assert total["profile"] == "total" and 0.0 <= total["outside_gemm_attention"] <= 1.0
     assert len(ops) == 3 and all(op["ms"] > 0 and op["calls"] >= 1 for op in ops)
     assert sorted((op["ms"] for op in ops), reverse=True) == [op["ms"] for op in ops]
+
+
+def test_interleaved_changes_which_program_runs_before_which():
+    """Every program runs once per round, and not always right after the same other one."""
+    from shardlm.bench.common import interleaved
+
+    calls: list[str] = []
+    programs = {name: (lambda name=name: calls.append(name)) for name in "abcde"}
+    times = interleaved(programs, repeats=7, warmup=1)
+    assert {name: len(ts) for name, ts in times.items()} == {name: 7 for name in "abcde"}
+    rounds = [calls[i:i + 5] for i in range(0, len(calls), 5)]
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    timed = calls[4:]  # the last warm-up call precedes the first timed one
+    for name in "abcde":
+        before = [timed[i - 1] for i in range(1, len(timed)) if timed[i] == name]
+        most = max(before.count(other) for other in set(before))
+        assert most <= len(before) // 2, f"{name} ran right after the same program in {most} of {len(before)} rounds"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,17 +79,21 @@ def summary(values: list[float]) -> dict:
             "values": [round(v, 6) for v in values]}
 
 
-def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Time each zero-argument program `repeats` times, alternating A B C, B C A, C A B, ... after
-    `warmup` rounds. Rotating the order keeps one program from always running right after the same
-    other one (whose leftover heap and caches would favour or penalize it). Returns seconds per call."""
+def interleaved(programs: dict, repeats: int, warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
+    """Time each zero-argument program `repeats` times, one round of all of them per repeat, after
+    `warmup` rounds. Every round runs them in a new order (a seeded shuffle), so no program always runs
+    right after the same other one, whose leftover heap, caches and idle threads would favour or
+    penalize it. (Rotating one order, A B C then B C A, would not do: A would still always follow C.)
+    Returns seconds per call; the i-th times of two programs come from the same round."""
     for _ in range(warmup):
         for run in programs.values():
             run()
+    rng = random.Random(seed)
     names = list(programs)
     times: dict[str, list[float]] = {name: [] for name in programs}
-    for i in range(repeats):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+    for _ in range(repeats):
+        rng.shuffle(names)
+        for name in names:
             start = time.perf_counter()
             programs[name]()
             times[name].append(time.perf_counter() - start)
