@@ -7,6 +7,7 @@ import platform
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -79,21 +80,37 @@ def summary(values: list[float]) -> dict:
             "values": [round(v, 6) for v in values]}
 
 
-def interleaved(programs: dict, repeats: int, warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
-    """Time each zero-argument program `repeats` times, one round of all of them per repeat, after
-    `warmup` rounds. Every round runs them in a new order (a seeded shuffle), so no program always runs
-    right after the same other one, whose leftover heap, caches and idle threads would favour or
-    penalize it. (Rotating one order, A B C then B C A, would not do: A would still always follow C.)
-    Returns seconds per call; the i-th times of two programs come from the same round."""
+def round_orders(names, repeats: int, seed: int = 0) -> list[list]:
+    """`repeats` orders of `names`, one per timing round, so that no program keeps running right after
+    the same other one, whose leftover heap, caches and idle threads would favour or penalize it.
+    (Rotating one order, A B C then B C A, would not do: A would follow C in every round but one.)
+    Each round takes, of 32 seeded shuffles, the one whose neighbour pairs (the previous round's last
+    program included) ran together least so far. The same seed gives every rank the same orders."""
+    rng, names = random.Random(seed), list(names)
+    together: Counter = Counter()
+    orders: list[list] = []
+    for _ in range(repeats):
+        def pairs(order):
+            run = (orders[-1][-1:] if orders else []) + order
+            return list(zip(run, run[1:]))
+
+        best = min((rng.sample(names, len(names)) for _ in range(32)),
+                   key=lambda order: sum(together[pair] ** 2 for pair in pairs(order)))
+        together.update(pairs(best))
+        orders.append(best)
+    return orders
+
+
+def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time each zero-argument program `repeats` times, one round of all of them per repeat in the
+    orders of `round_orders`, after `warmup` rounds. Returns seconds per call; the i-th times of two
+    programs come from the same round."""
     for _ in range(warmup):
         for run in programs.values():
             run()
-    rng = random.Random(seed)
-    names = list(programs)
     times: dict[str, list[float]] = {name: [] for name in programs}
-    for _ in range(repeats):
-        rng.shuffle(names)
-        for name in names:
+    for order in round_orders(programs, repeats):
+        for name in order:
             start = time.perf_counter()
             programs[name]()
             times[name].append(time.perf_counter() - start)

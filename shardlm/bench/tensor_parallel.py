@@ -2,8 +2,8 @@
 
 Efficiency = tokens/s at TP=2 (2 processes x 1 thread) / tokens/s at TP=1 (1 process x 2 threads),
 for shardlm and for PyTorch's own tensor parallelism (`torch_tp.py`). Both layouts live in one world
-of 2 processes and are alternated A B A B: for a TP=1 turn rank 0 computes with 2 threads while
-rank 1 waits at a barrier. Two 1-thread processes get about the GEMM throughput of one 2-thread
+of 2 processes and take turns, in a new order every round (`common.round_orders`): for a TP=1 turn
+rank 0 computes with 2 threads while rank 1 waits at a barrier. Two 1-thread processes get about the GEMM throughput of one 2-thread
 process here, so what separates the two codes is communication and replicated work.
 """
 
@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import BenchShape, summary
+from shardlm.bench.common import BenchShape, round_orders, summary
 
 
 def _timed(run, rank: int, runs_here: bool, threads: int) -> float:
@@ -53,8 +53,9 @@ def worker(shape: BenchShape, repeats: int) -> dict:
     for run, here, threads in programs.values():  # warm-up round
         _timed(run, rank, here, threads)
     times = {name: [] for name in programs}
-    for _ in range(repeats):
-        for name, (run, here, threads) in programs.items():
+    for order in round_orders(programs, repeats):  # the same orders on both ranks
+        for name in order:
+            run, here, threads = programs[name]
             times[name].append(_timed(run, rank, here, threads))
 
     torch.set_num_threads(1)
