@@ -3,8 +3,8 @@
 Efficiency = tokens/s at TP=2 (2 processes x 1 thread) / tokens/s at TP=1 (1 process x 2 threads),
 for shardlm and for PyTorch's own tensor parallelism (`torch_tp.py`). Both layouts live in one world
 of 2 processes and take turns, in a new order every round (`common.round_orders`): for a TP=1 turn
-rank 0 computes with 2 threads while rank 1 waits at a barrier. Two 1-thread processes get about the GEMM throughput of one 2-thread
-process here, so what separates the two codes is communication and replicated work.
+rank 0 computes with 2 threads while rank 1 waits at a barrier. Two 1-thread processes get about
+the GEMM throughput of one 2-thread process here, so what separates the two codes is communication and replicated work.
 """
 
 from __future__ import annotations
