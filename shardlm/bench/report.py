@@ -74,8 +74,10 @@ def markdown(r: dict) -> str:
         f"torch {m['torch']}"
         + (f", 1-minute load average {m['load_average'][0]} when it started" if m.get("load_average") else "")
         + f". Every figure is the median (min, max) over {r['repeats']} repeats; programs "
-        "that are compared ran alternately (A B A B) in the same run, so the ratios are what to read on a "
-        "noisy machine. The same figures are in `benchmarks.json` (keys below in `code`).",
+        "that are compared took turns in the same run, one round of all of them per repeat, in a new order "
+        "every round so that no program keeps running right after the same other one; the ratios, taken "
+        "within a round, are what to read on a noisy machine. The same figures are in `benchmarks.json` "
+        "(keys below in `code`).",
         "",
     ]
     from shardlm.bench.training_report import mfu_lines, train_lines

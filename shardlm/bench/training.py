@@ -3,9 +3,9 @@
 Measured at the BENCH shape with two vocabularies, BENCH's 8,192 and GPT-2's 50,257 (where the LM
 head and the loss are a large part of the step), in fp32 and, on a CPU with native bf16 (AMX or
 AVX-512-BF16), in bf16 autocast too. Every program runs forward + backward + global-norm clipping +
-fused AdamW on the same shape and batch, with the same threads, alternated in a rotating order so
-machine noise hits all alike. All compute the same function: GPT-2's tanh-approximated GeLU, SDPA
-attention, tied LM head, mean cross-entropy.
+fused AdamW on the same shape and batch, with the same threads, taking turns in a new order every
+round (`common.round_orders`) so machine noise hits all alike. All compute the same function:
+GPT-2's tanh-approximated GeLU, SDPA attention, tied LM head, mean cross-entropy.
 
 - `shardlm`: a real shardlm Trainer step (`model.activation = "gelu_tanh"`).
 - `shardlm_train`: `shardlm train` itself (`shardlm.training.run.train`, the CLI's loop with its
@@ -171,9 +171,9 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
     """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats.
 
     GEMM probes (square matmuls of each size in `gemm_sizes`, in the precision's dtype) run in the same
-    rotation, so each repeat's MFU divides the step's FLOP rate by the GEMM rate measured seconds
+    rounds, so each repeat's MFU divides the step's FLOP rate by the GEMM rate measured seconds
     apart, under the same machine load. With `compiled` (and a C++ compiler), shardlm's step with
-    `train.compile` runs in the rotation too; its compilation happens in the warm-up round."""
+    `train.compile` runs in the rounds too; its compilation happens in the warm-up round."""
     # about 34 GFLOP per probe (0.15-0.3 s here): long enough that a scheduling hiccup does not decide it
     probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, 2 * (2048 // n) ** 3)) for n in gemm_sizes}
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
