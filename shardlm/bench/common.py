@@ -86,18 +86,19 @@ def round_orders(names, repeats: int, seed: int = 0) -> list[list]:
     (Rotating one order, A B C then B C A, would not do: A would follow C in every round but one.)
     Each round takes, of 32 seeded shuffles, the one whose neighbour pairs (the previous round's last
     program included) ran together least so far. The same seed gives every rank the same orders."""
+    def neighbours(run):
+        return list(zip(run, run[1:]))
+
     rng, names = random.Random(seed), list(names)
     together: Counter = Counter()
     orders: list[list] = []
+    last: list = []  # the previous round's last program
     for _ in range(repeats):
-        def pairs(order):
-            run = (orders[-1][-1:] if orders else []) + order
-            return list(zip(run, run[1:]))
-
         best = min((rng.sample(names, len(names)) for _ in range(32)),
-                   key=lambda order: sum(together[pair] ** 2 for pair in pairs(order)))
-        together.update(pairs(best))
+                   key=lambda order: sum(together[pair] ** 2 for pair in neighbours(last + order)))
+        together.update(neighbours(last + best))
         orders.append(best)
+        last = best[-1:]
     return orders
 
 
