@@ -4,9 +4,10 @@ A tiny 8-layer GPT trains for 8 steps on the synthetic stream of `test_training`
 reference and at PP x TP x DP = 2x1x1 (world 2), 4x1x1, 2x2x1, 2x1x2 (world 4) and 2x2x2 (world 8),
 with GPipe, 1F1B and interleaved 1F1B, with several micro-batch counts and with activation
 checkpointing. Losses and gradient norms at every step and the final parameters must agree within
-1e-5 (fp32, dropout 0). The same worlds also check the tied embedding's copies (bitwise equal),
-the point-to-point traffic against the schedule's formula, an fp16 overflow on one stage, and
-checkpoints that move between pipeline layouts.
+1e-5 (fp32, dropout 0). Parameters are gathered from every rank: data-parallel replicas and the tied
+embedding's two copies must be bitwise equal wherever they are compared. The same worlds also check
+the point-to-point traffic against the schedule's formula, an fp16 overflow on one stage, bitwise
+resume with dropout on under every schedule, and checkpoints that move between pipeline layouts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from test_training import TOL, assert_same_run, synthetic_data
+from test_training import TOL, assert_same_run, rel, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.checkpoint.state import load_model
@@ -58,12 +59,41 @@ def stage_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def whole_model(ctx: ParallelContext, trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every stage's parameters, gathered on every rank (the tied embedding from the first stage)."""
+    """Every stage's parameters, gathered on every rank. Each name is held by several ranks (its
+    data-parallel replicas, its TP ranks after the gather, the tied embedding's first- and last-stage
+    copies): every copy must be bitwise equal to the first, else this raises naming the tensor."""
     merged = {}
-    for part in ctx.world.all_gather_object(stage_parameters(trainer)):
+    for rank, part in enumerate(ctx.world.all_gather_object(stage_parameters(trainer))):
         for name, value in part.items():
-            merged.setdefault(name, value)
+            first = merged.setdefault(name, value)
+            if not torch.equal(first, value):
+                raise AssertionError(f"{name}: rank {rank}'s copy differs from an earlier rank's")
     return merged
+
+
+def resume_run(ctx: ParallelContext, config: RunConfig, path: str, stop: int = 3) -> dict:
+    """Train `config` for STEPS steps uninterrupted; then again for `stop` steps, save, load the
+    checkpoint into a new trainer and train the remaining steps. The curves and final parameters of
+    both, for the test to compare bitwise."""
+    ctx.rng = None
+    uninterrupted, trainer = train(ctx, config)
+    final = whole_model(ctx, trainer)
+    ctx.rng = None
+    first, trainer = train(ctx, config, steps=stop)
+    saved = save_checkpoint(trainer, path)
+    ctx.rng = None
+    resumed = Trainer(config, ctx, synthetic_data())
+    load_checkpoint(resumed, saved)
+    rest = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(STEPS - stop))]
+    return {"uninterrupted": uninterrupted, "final": final, "interrupted": first + rest,
+            "resumed_final": whole_model(ctx, resumed)}
+
+
+def with_dropout(config: RunConfig, dropout: float = 0.1, **train_keys) -> RunConfig:
+    config.model.dropout = dropout
+    for key, value in train_keys.items():
+        setattr(config.train, key, value)
+    return config
 
 
 def train(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
@@ -114,27 +144,15 @@ def world2_checks(tmp: str) -> dict:
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     out["overflow"] = (metrics["skipped"], unchanged, trainer.train_step()["skipped"])
 
-    # exact resume: 4 steps, save, a new trainer loads and runs 4 more == 8 uninterrupted (layouts["1f1b"])
+    # exact resume with dropout on, one case per schedule and recomputation mode
+    out["resume"] = {
+        name: resume_run(ctx, with_dropout(pp_config(pp=2, micro=micro, schedule=schedule, virtual=virtual),
+                                           recompute=recompute), f"{tmp}/resume-{name}")
+        for name, micro, schedule, virtual, recompute in [
+            ("1f1b", 2, "1f1b", 1, "none"), ("interleaved", 1, "interleaved-1f1b", 2, "none"),
+            ("gpipe-full-recompute", 2, "gpipe", 1, "full"), ("1f1b-selective-recompute", 2, "1f1b", 1, "selective")]}
     ctx.rng = None
-    _, trainer = train(ctx, pp_config(pp=2, micro=1), steps=4)
-    path = save_checkpoint(trainer, f"{tmp}/pp2")
-    ctx.rng = None
-    resumed = Trainer(pp_config(pp=2, micro=1), ctx, synthetic_data())
-    load_checkpoint(resumed, path)
-    out["resumed"] = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(4))]
-    out["resumed_params"] = whole_model(ctx, resumed)
-    out["checkpoint"] = str(path)
-
-    # dropout under the pipeline: each stage draws its own masks, reproducibly from the seed
-    runs = []
-    for _ in range(2):
-        ctx.rng = None
-        config = pp_config(pp=2, micro=2)
-        config.model.dropout = 0.1
-        curve, trainer = train(ctx, config, steps=3)
-        runs.append(curve)
-    out["dropout"] = runs
-    out["parameters"] = trainer.num_parameters()
+    out["parameters"] = Trainer(pp_config(pp=2, micro=2), ctx, synthetic_data()).num_parameters()
     return out
 
 
@@ -145,6 +163,10 @@ def world4_checks(tmp: str) -> dict:
         (2, 2): layout_runs(2, 2, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, True)]),
         (2, 1): layout_runs(1, 2, [(2, "gpipe", 1, False), (2, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)]),
     }
+    # PP=2 x DP=2 with the distributed optimizer and dropout: resume is bitwise
+    ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
+    out["resume_pp2dp2_distributed_optimizer"] = resume_run(
+        ctx, with_dropout(pp_config(1, 2, micro=2), distributed_optimizer=True), f"{tmp}/resume-pp2dp2")
     # a PP=2 x TP=2 checkpoint, then it loaded at PP=4 x TP=1 and trained on: equals the uninterrupted run
     ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
     _, trainer = train(ctx, pp_config(2, 2, micro=1), steps=4)
@@ -239,11 +261,12 @@ def test_tied_embedding_copies_stay_bitwise_equal(world2):
 
 @pytest.mark.slow
 def test_dropout_under_the_pipeline_is_reproducible(world2, reference):
-    for rank in world2:
-        first, second = rank["dropout"]
-        assert first == second
-        no_dropout = reference[2][0][:3]
-        assert any(norm != pytest.approx(ref, rel=1e-3) for (_, norm), (_, ref) in zip(first, no_dropout))
+    """Two runs from the same seed draw the same masks (the first steps of the interrupted run equal
+    the uninterrupted run's), and the masks act: the gradient norms differ from the dropout-0 run's."""
+    run = world2[0]["resume"]["1f1b"]
+    assert run["interrupted"][:3] == run["uninterrupted"][:3]
+    no_dropout = reference[2][0]
+    assert any(norm != pytest.approx(ref, rel=1e-3) for (_, norm), (_, ref) in zip(run["uninterrupted"], no_dropout))
 
 
 @pytest.mark.slow
@@ -275,39 +298,79 @@ def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(world2):
         assert skipped and unchanged and not next_skipped
 
 
+def assert_resume_is_bitwise(run: dict) -> None:
+    """Losses and gradient norms of the resumed steps, and every final parameter, bitwise equal to the
+    uninterrupted run's."""
+    assert run["interrupted"] == run["uninterrupted"]
+    assert run["final"].keys() == run["resumed_final"].keys()
+    for name, value in run["final"].items():
+        assert torch.equal(run["resumed_final"][name], value), name
+
+
 @pytest.mark.slow
-def test_resume_on_the_same_pipeline_layout_is_bitwise(world2):
-    uninterrupted = world2[0]["layouts"][(1, "1f1b", 1, False)][0]
-    assert world2[0]["resumed"] == uninterrupted[4:]
+@pytest.mark.parametrize("case", ["1f1b", "interleaved", "gpipe-full-recompute", "1f1b-selective-recompute"])
+def test_resume_with_dropout_on_the_same_pipeline_layout_is_bitwise(world2, case):
+    """PP=2, dropout 0.1, 3 steps, save, a new trainer loads and runs 5 more == 8 uninterrupted steps.
+    The schedule's shape inference in the resumed trainer's first step must not move the RNG."""
+    for rank in world2:
+        assert_resume_is_bitwise(rank["resume"][case])
+
+
+@pytest.mark.slow
+def test_resume_with_dropout_at_pp2_dp2_with_the_distributed_optimizer_is_bitwise(world4):
+    assert_resume_is_bitwise(world4["resume_pp2dp2_distributed_optimizer"])
 
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_pipeline_layouts(world4, reference):
-    """PP=2 x TP=2 -> PP=4 x TP=1 continues the single-process curve; PP=1 -> PP=4 loads every tensor."""
-    ref_curve = reference[1][0]
+    """PP=2 x TP=2 -> PP=4 x TP=1 continues the single-process curve to the same final parameters;
+    PP=1 -> PP=4 loads every tensor."""
+    ref_curve, ref_params = reference[1]
+    assert len(world4["pp2tp2_to_pp4"]) == 4
     for (loss, norm), (ref_loss, ref_norm) in zip(world4["pp2tp2_to_pp4"], ref_curve[4:]):
         assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
+    params = world4["pp2tp2_to_pp4_params"]
+    assert params.keys() == ref_params.keys()
+    for name, value in params.items():
+        assert rel(value, ref_params[name]) <= TOL, name
     for name, value in world4["single"].items():
         assert torch.equal(world4["single_to_pp4"][name], value), name
 
 
 @pytest.mark.slow
-def test_pipeline_checkpoint_serves_one_process_tools(world4, world2, tmp_path):
-    """A PP=2 x TP=2 checkpoint loads as a plain model (eval, generation, export), consolidates, and
-    `shardlm checkpoint inspect` shows its layout."""
+def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path):
+    """A PP=2 x TP=2 checkpoint (4 steps) loads as a plain one-process model with the trained tensors,
+    whose logits and greedy tokens equal those of the one-process run's checkpoint after the same 4
+    steps; it consolidates to one file holding exactly the trained tensors, and `shardlm checkpoint
+    inspect` reads it."""
+    from safetensors.torch import load_file
+
     from shardlm.checkpoint import consolidate
     from shardlm.cli import main
+    from shardlm.eval.generate import SamplingConfig, generate_tokens
 
     path, params = world4["saved_pp2tp2"]
     model, _ = load_model(path, ParallelContext.single())
     for name, value in model.named_parameters():
         expected = params[name]
         assert torch.equal(value.detach()[: expected.shape[0]], expected), name
-    tokens = torch.randint(0, VOCAB, (2, SEQ))
-    assert model(tokens).shape == (2, SEQ, 128)
+    single, _ = load_model(workdir / "single", ParallelContext.single())
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, ref_logits = model(tokens)[..., :VOCAB], single(tokens)[..., :VOCAB]
+    assert logits.shape == (2, SEQ, VOCAB)
+    assert rel(logits, ref_logits) <= TOL
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    assert ([g.tokens for g in generate_tokens(model, prompts, greedy)]
+            == [g.tokens for g in generate_tokens(single, prompts, greedy)])
+
     out = consolidate(path, tmp_path / "model.safetensors")
+    stored = load_file(str(out))
+    assert stored.keys() == {f"model/{name}" for name in params}
+    for name, value in params.items():
+        assert torch.equal(stored[f"model/{name}"], value), name
     assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
-    assert out.is_file()
 
 
 @pytest.mark.slow

@@ -12,11 +12,14 @@ unsplit model and checkpoints stay layout-free. A tied word embedding lives on t
 stage; `sum_tied_gradients` adds the two copies' gradients over the embedding group every step, so
 both copies see the single-process gradient and stay bitwise equal.
 
-Schedules (GPipe, 1F1B, interleaved 1F1B) are PyTorch's; `CountingStage` only records the
-point-to-point transfers they issue into the communication statistics.
+Schedules (GPipe, 1F1B, interleaved 1F1B) are PyTorch's. `ShardlmStage` records the point-to-point
+transfers they issue into the communication statistics, and keeps the model-parallel RNG tracker out of
+the schedule's one-off metadata inference (see its docstring).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -127,13 +130,39 @@ class StageModule(nn.Module):
         return self.model.ln_f(x) if self.is_last else x
 
 
-class CountingStage(PipelineStage):
-    """A `PipelineStage` that records each point-to-point send and receive the schedule posts
-    (kinds "send" / "recv" in the "pp" group of `ctx.comm`, with the tensor's bytes)."""
+class ShardlmStage(PipelineStage):
+    """A `PipelineStage` that records each point-to-point send and receive the schedule posts (kinds
+    "send" / "recv" in the "pp" group of `ctx.comm`, with the tensor's bytes) and leaves the RNG
+    tracker as it found it when the schedule infers shapes.
+
+    On its first step a schedule runs each stage's forward and backward once on stand-in tensors to
+    learn the shapes it will send. PyTorch forks the default generators around that, but not
+    `ctx.rng`, whose model-parallel generator draws the attention-dropout masks: without the fork
+    below, that state would advance once more in every run's first step, so a run resumed from a
+    checkpoint (whose first step infers again) would draw other masks than the uninterrupted run."""
 
     def __init__(self, *args, ctx: ParallelContext, **kwargs):
         super().__init__(*args, **kwargs)
+        self.ctx = ctx
         self.stats = ctx.comm
+
+    @contextlib.contextmanager
+    def _tracker_untouched(self):
+        tracker = self.ctx.rng
+        saved = tracker.get_states() if tracker is not None else None
+        try:
+            yield
+        finally:
+            if tracker is not None:
+                tracker.set_states(saved)
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with self._tracker_untouched():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        with self._tracker_untouched():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
     def _count(self, ops: list, kind: str) -> list:
         for op in ops:
@@ -165,7 +194,7 @@ def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int
     stages = []
     for s in local_stages(ctx, virtual):
         module = StageModule(model, layers[s], s == 0, s == num_stages - 1)
-        stages.append(CountingStage(module, s, num_stages, ctx.device, group=ctx.pp.group, ctx=ctx))
+        stages.append(ShardlmStage(module, s, num_stages, ctx.device, group=ctx.pp.group, ctx=ctx))
     if schedule == "interleaved-1f1b":
         return stages, ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
