@@ -1,11 +1,15 @@
 """`make bench`'s harness end to end on tiny shapes (`--quick`): every section runs, the documented
-keys of benchmarks.json are there, and BENCHMARKS.md is written from them. Speed itself is never
-asserted here: figures are measured by `make bench`, not by tests."""
+keys of benchmarks.json are there with consistent values (each ratio the quotient of the throughputs
+it names, per repeat, in a sane range; the communication counts equal the formula; state bytes the
+ideal), and BENCHMARKS.md states those values. Speed itself is never asserted here: figures are
+measured by `make bench`, not by tests."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -43,11 +47,90 @@ def test_documented_key_present(quick_run, key):
         value = value[part]
 
 
-def test_markdown_names_the_headline_figures(quick_run):
+def _figure(fig: dict, low: float, high: float) -> list[float]:
+    """A median figure of benchmarks.json: finite repeats inside (low, high), and its median, min and max
+    those of the repeats (which are stored rounded to 6 decimals). Returns the repeats."""
+    values = fig["values"]
+    assert values and all(math.isfinite(v) and low < v < high for v in values), fig
+    rounded = {"rel": 1e-5, "abs": 1e-6}
+    assert (fig["min"], fig["max"]) == pytest.approx((min(values), max(values)), **rounded), fig
+    assert fig["median"] == pytest.approx(statistics.median(values), **rounded), fig
+    return values
+
+
+def _per_repeat_ratio(ratio: dict, numerator: dict, denominator: dict) -> None:
+    """Each repeat's ratio is the two programs' tokens/s of that repeat (a sane range: 0.1 to 10)."""
+    values = _figure(ratio, 0.1, 10.0)
+    top, bottom = _figure(numerator, 0.0, math.inf), _figure(denominator, 0.0, math.inf)
+    assert len(values) == len(top) == len(bottom)
+    assert values == pytest.approx([a / b for a, b in zip(top, bottom)], rel=1e-5, abs=1e-6)
+
+
+def _as_reported(fig: dict) -> str:
+    """How BENCHMARKS.md writes a median figure: median (min, max) with 2 decimals."""
+    return f"{fig['median']:.2f} (min {fig['min']:.2f}, max {fig['max']:.2f})"
+
+
+def test_ratios_are_the_measured_throughputs_in_a_sane_range(quick_run):
+    """train_vs_hf ratios and TP=2 efficiencies: finite, between 0.1 and 10, and per repeat the quotient of
+    the two tokens/s figures they name (so a swapped or stale ratio fails)."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    train = results["train_vs_hf"]
+    _per_repeat_ratio(train["ratio"], train["shardlm_tokens_per_sec"], train["hf_tokens_per_sec"])
+    _per_repeat_ratio(train["ratio_same_kernels"], train["shardlm_tokens_per_sec"],
+                      train["hf_fused_gelu_tokens_per_sec"])
+    for by_precision in train["by_vocabulary"].values():
+        for figures in by_precision.values():
+            for hf, suffix in (("hf", ""), ("hf_fused_gelu", "_same_kernels")):
+                _per_repeat_ratio(figures[f"ratio{suffix}"], figures["shardlm_tokens_per_sec"],
+                                  figures[f"{hf}_tokens_per_sec"])
+    tp = results["tp2_efficiency"]
+    for program, prefix in (("shardlm", "shardlm"), ("torch_tp", "torch")):
+        tokens = tp["tokens_per_sec"]
+        _per_repeat_ratio(tp[program], tokens[f"{prefix}_tp2"], tokens[f"{prefix}_tp1"])
+    assert 0.0 < results["mfu"]["fraction"] < 2.0  # the ceiling is probed between steps: noise may pass 1
+    for label in ("save_s", "load_s"):
+        _figure(results["checkpoint"][label], 0.0, 600.0)
+
+
+def test_communication_matches_the_formula_row_by_row(quick_run):
+    """`comm.matches_formula` is true, and every collective's measured calls and elements equal the formula's."""
+    comm = json.loads((quick_run[1] / "benchmarks.json").read_text())["comm"]
+    assert comm["matches_formula"] is True
+    for label in ("tp2", "dp2"):
+        rows = comm[label]["rows"]
+        assert rows, label
+        for key, row in rows.items():
+            assert row["measured"] == row["expected"] and row["match"] is True, (label, key, row)
+    assert comm["tp2"]["rows"]["all_reduce/tp"]["measured"]["calls"] > 0
+
+
+def test_memory_rows_equal_the_ideal_and_checkpointing_saves(quick_run):
+    rows = json.loads((quick_run[1] / "benchmarks.json").read_text())["memory"]["rows"]
+    assert [row["tp"] for row in rows] == [1, 2, 4]
+    for row in rows:
+        assert row["state_bytes"] == row["ideal_state_bytes"] > 0, row
+        assert 0 < row["activation_bytes_checkpointed"] < row["activation_bytes"], row
+    assert rows[0]["state_bytes"] > rows[1]["state_bytes"] > rows[2]["state_bytes"]
+
+
+def test_markdown_states_the_figures_of_the_json(quick_run):
+    """BENCHMARKS.md writes the headline figures' values as benchmarks.json holds them, not just their names."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
     text = (quick_run[1] / "BENCHMARKS.md").read_text()
-    for figure in ("`train_vs_hf.ratio`", "`train_vs_hf.ratio_same_kernels`", "`tp2_efficiency.shardlm`",
-                   "`comm.matches_formula`", "(`memory`)", "(`mfu`)", "## Keys of `benchmarks.json`"):
-        assert figure in text
+    train, tp = results["train_vs_hf"], results["tp2_efficiency"]
+    assert f"**`train_vs_hf.ratio` = {_as_reported(train['ratio'])}**" in text
+    assert f"`train_vs_hf.ratio_same_kernels` = {_as_reported(train['ratio_same_kernels'])}" in text
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if "`tp2_efficiency." in line}
+    assert rows["| shardlm (`tp2_efficiency.shardlm`)"].endswith(f"| **{_as_reported(tp['shardlm'])}** |")
+    assert rows["| PyTorch `tensor.parallel` (`tp2_efficiency.torch_tp`)"].endswith(
+        f"| {_as_reported(tp['torch_tp'])} |")
+    assert f"**`comm.matches_formula` = {results['comm']['matches_formula']}**" in text
+    assert f"**`mfu.fraction` = {results['mfu']['fraction'] * 100:.0f}%**" in text
+    for row in results["memory"]["rows"]:
+        assert f"| {row['tp']} | {row['state_bytes']:,} | {row['ideal_state_bytes']:,} | True |" in text
+    for header in ("(`memory`)", "(`mfu`)", "## Keys of `benchmarks.json`"):
+        assert header in text
     assert "not measured" not in text
     assert not list(quick_run[1].glob(".*.tmp")), "a temporary report file was left behind"
 

@@ -171,6 +171,7 @@ def _assert_same_scores(ours: dict, reference: dict) -> None:
         mine, theirs = _responses(ours, task), _responses(reference, task)
         assert sorted(mine) == sorted(theirs) and len(mine) > 0
         for doc, answers in theirs.items():
+            assert len(mine[doc]) == len(answers), (task, doc, len(mine[doc]), len(answers))
             for got, want in zip(mine[doc], answers):
                 if task == "wikitext_local":  # rolling: the summed log-likelihood
                     assert float(got) == pytest.approx(float(want), rel=1e-4)
