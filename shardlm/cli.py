@@ -58,12 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    from shardlm import signals
+
     try:
-        result = args.func(args)
+        with signals.stop_signals():
+            result = args.func(args)
     except UserError as exc:
         print(f"shardlm: error: {exc}", file=sys.stderr)
         return UserError.exit_code
+    except signals.Terminated:
+        signals.report_stop("shardlm: stopped by SIGTERM")
+        return signals.TERMINATED_EXIT_CODE
     except KeyboardInterrupt:
-        print("shardlm: interrupted", file=sys.stderr)
-        return 130
+        signals.report_stop("shardlm: interrupted")
+        return signals.INTERRUPTED_EXIT_CODE
     return int(result or 0)

@@ -105,6 +105,14 @@ def publish(tmp_dir: Path, final_dir: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def remove_unfinished(directory: Path) -> None:
+    """Delete what an interrupted save left in `directory`: `.tmp-step_*` folders and a `.latest.tmp`.
+    Published checkpoints and `latest` stay. Only call it when no rank can still be writing."""
+    for tmp in Path(directory).glob(".tmp-step_*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    (Path(directory) / f".{LATEST}.tmp").unlink(missing_ok=True)
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory from itself or from its parent holding `latest`."""
     path = Path(path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def add_parser(subparsers) -> None:
@@ -25,6 +24,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="with --nproc-per-node: restart failed workers this many times (they resume from "
                              "the latest checkpoint in the run directory)")
+    parser.add_argument("--shutdown-timeout", type=int, default=None, metavar="SECONDS",
+                        help="with --nproc-per-node: how long the workers get after SIGTERM to finish their step "
+                             "and save before they are killed (default 300)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.set_defaults(func=run)
 
@@ -46,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
     validate(config, world)
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc-per-node={nproc} must be at least 1")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout={args.shutdown_timeout} must be at least 0 (seconds)")
     if nproc and not under_launcher:
-        return launch_local(args, nproc)
+        return launch_local(args, nproc, config)
 
     from pathlib import Path
 
@@ -81,26 +85,19 @@ def peer_exited(exc: BaseException) -> bool:
     return text.startswith("shared-memory") and "has exited" in text
 
 
-def launch_local(args: argparse.Namespace, nproc: int) -> int:
-    """Re-run this command on `nproc` local workers via torch.distributed.run (torchrun)."""
+def launch_local(args: argparse.Namespace, nproc: int, config) -> int:
+    """Re-run this command on `nproc` local workers via torch.distributed.run (torchrun); SIGTERM and
+    Ctrl-C end it with exit code 143 / 130 and no traceback (`shardlm.training.launcher`)."""
     import time
     from pathlib import Path
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
+    from shardlm.training.launcher import DEFAULT_SHUTDOWN_TIMEOUT_S, launch
 
     run_dir = args.run_dir or str(Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     argv = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts",
             str(args.max_restarts), "-m", "shardlm", "train",
             args.config, *args.overrides, "--run-dir", run_dir]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    try:
-        torchrun(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        failures = exc.failures
-        first = min(failures) if failures else None
-        code = failures[first].exitcode if first is not None else 1
-        print(f"shardlm: training failed on {len(failures)} worker(s); see the messages above", file=sys.stderr)
-        return code if code and code > 0 else 1
-    return 0
+    checkpoints = Path(config.checkpoint.dir) if config.checkpoint.dir else Path(run_dir) / "checkpoints"
+    grace = DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout
+    return launch(argv, grace, checkpoints)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,9 +16,12 @@ import torch
 import torch.distributed as dist
 
 from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
+from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.config import RunConfig, validate
 from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
+from shardlm.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, is_main_process, report_stop
+from shardlm.training.cpu_precision import precision_warning
 from shardlm.training.data import build_datasets, build_tokenizer_for
 from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, check_can_compile, perplexity
@@ -52,38 +58,89 @@ class TrainResult:
     trainer: Trainer
 
 
-class TerminationFlag:
-    """SIGTERM sets a flag; `flag()` tells every rank whether any rank got one (an all-reduce MAX of
-    one value over the world per call), so that all ranks save and stop at the same step."""
+class StopSignals:
+    """SIGTERM and Ctrl-C inside `train` (main thread only; the previous handlers return afterwards).
 
-    def __init__(self, ctx):
-        self.ctx, self.received, self.previous = ctx, False, None
+    SIGTERM only sets a flag; `agree_to_stop(ctx)` tells every rank whether any rank got one (an
+    all-reduce MAX of one value over the world per call), so that all ranks finish the same step, save
+    and stop together. The first SIGINT raises KeyboardInterrupt at once (later ones are ignored) and is
+    remembered, so that the errors a peer's exit then causes in collectives read as the interruption."""
+
+    def __init__(self):
+        self.terminate_requested = self.interrupted = False
+        self.previous: dict = {}
 
     def __enter__(self):
-        import signal
-        import threading
-
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
+            self.previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._terminate),
+                             signal.SIGINT: signal.signal(signal.SIGINT, self._interrupt)}
         return self
 
-    def _handle(self, signum, frame):
-        self.received = True
+    def _terminate(self, signum, frame):
+        self.terminate_requested = True
 
-    def __call__(self) -> bool:
-        flag = torch.tensor(float(self.received), device=self.ctx.device)
-        self.ctx.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+    def _interrupt(self, signum, frame):
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt()
+
+    def agree_to_stop(self, ctx) -> bool:
+        flag = torch.tensor(float(self.terminate_requested), device=ctx.device)
+        ctx.world.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def __exit__(self, *exc):
-        import signal
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+
+@dataclasses.dataclass
+class Progress:
+    """Where a run stands, for the line a Ctrl-C prints: the last finished step, the checkpoint folder
+    and the logger (None until they exist)."""
+
+    step: int = 0
+    checkpoints: Path | None = None
+    logger: RunLogger | None = None
 
 
 def train(config: RunConfig, run_dir: Path | None = None, config_path: str | None = None) -> TrainResult:
-    """Train on this rank (under torchrun or alone); every rank returns the same metrics."""
+    """Train on this rank (under torchrun or alone); every rank returns the same metrics.
+
+    SIGTERM: every rank finishes its current step, they save, the main rank prints one line naming the
+    checkpoint, and all raise SystemExit(143). Ctrl-C: every rank stops at once, an unfinished save is
+    removed (`latest` still names the last complete checkpoint), the main rank prints
+    `interrupted at step N; last checkpoint: ...`, and all raise SystemExit(130)."""
+    progress = Progress()
+    with StopSignals() as signals:
+        try:
+            return _train(config, run_dir, config_path, signals, progress)
+        except BaseException as exc:
+            if isinstance(exc, SystemExit) or not signals.interrupted:
+                raise
+            report_interrupt(progress)
+            raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+
+
+def report_interrupt(progress: Progress) -> None:
+    """After a Ctrl-C, on the main rank: remove an unfinished save, print where the run stopped."""
+    if not is_main_process():
+        return
+    last = "none"
+    if progress.checkpoints is not None:
+        with contextlib.suppress(OSError, UserError):
+            remove_unfinished(progress.checkpoints)
+            latest = latest_in(progress.checkpoints)
+            if latest is not None:
+                last = f"step {read_meta(latest)['step']} ({latest})"
+    if progress.logger is not None:
+        with contextlib.suppress(Exception):
+            progress.logger.close(plot=False)  # ends a progress bar's line
+    report_stop(f"shardlm: interrupted at step {progress.step}; last checkpoint: {last}")
+
+
+def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,
+           progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(config, world)
     tokenizer = build_tokenizer_for(config.data)
@@ -93,16 +150,21 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
     ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline)
     if t.compile:  # before the run directory and the datasets exist
         check_can_compile(ctx.device)
+    if ctx.is_main:
+        warning = precision_warning(t.precision, ctx.device)
+        if warning:
+            print(f"shardlm: {warning}", file=sys.stderr)
     run_dir = _agree_on_run_dir(run_dir, config_path)
-    logger = RunLogger(run_dir, t.steps, ctx.is_main, config.log.interval, config.log.progress,
-                       config.log.tensorboard)
+    logger = progress.logger = RunLogger(run_dir, t.steps, ctx.is_main, config.log.interval, config.log.progress,
+                                         config.log.tensorboard)
     if ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     valid_samples = (t.steps // max(1, t.eval_interval) + 1) * t.eval_iters * t.micro_batch_size * ctx.dp_size
     train_data, valid_data = build_datasets(config.data, tokenizer, config.model.seq_length, t.seed,
                                             t.steps * t.global_batch_size, valid_samples, config.model.arch)
     trainer = Trainer(config, ctx, train_data, valid_data)
-    checkpoints = Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    checkpoints = progress.checkpoints = (Path(config.checkpoint.dir) if config.checkpoint.dir
+                                          else run_dir / "checkpoints")
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
     if resume_from:
         meta = load_checkpoint(trainer, resume_from)
@@ -110,40 +172,48 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
         logger.print(f"resumed from {resume_from} at step {meta['step']} (saved at TP={meta['tensor_parallel']} x "
                      f"PP={meta.get('pipeline_parallel', 1)} x "
                      f"DP={meta['data_parallel']})")
+    progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     logger.print(f"shardlm: {trainer.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x {pipeline}"
                  f"DP={ctx.dp_size} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
                  f"run directory {run_dir}")
     save = config.checkpoint.save
-    last_saved = trainer.step if resume_from else -1
+    last_saved = (trainer.step, Path(resume_from)) if resume_from else (-1, None)
 
-    def checkpoint_now():
+    def checkpoint_now() -> Path:
         nonlocal last_saved
-        path = save_checkpoint(trainer, checkpoints, config.checkpoint.keep_last)
-        last_saved = trainer.step
-        logger.print(f"saved checkpoint {path}")
+        if trainer.step != last_saved[0]:
+            last_saved = (trainer.step, save_checkpoint(trainer, checkpoints, config.checkpoint.keep_last))
+        return last_saved[1]
+
+    def stop_on_sigterm():
+        if not save:
+            message = f"SIGTERM: stopping at step {trainer.step} without saving (checkpoint.save=false)"
+        elif trainer.step == 0:
+            message = "SIGTERM: stopping before the first step; nothing to save"
+        else:
+            message = f"SIGTERM: saving at step {trainer.step} and stopping; saved checkpoint {checkpoint_now()}"
+        logger.close(plot=False)
+        report_stop(message)
+        raise SystemExit(TERMINATED_EXIT_CODE)
 
     metrics: dict = {}
-    with TerminationFlag(ctx) as terminated:
-        while trainer.step < t.steps:
-            metrics = trainer.train_step()
-            logger.step(metrics, t.steps)
-            if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:
-                val = trainer.evaluate()
-                if val is not None:
-                    logger.validation(trainer.step, val)
-            interval = config.checkpoint.save_interval
-            if save and interval and trainer.step % interval == 0 and trainer.step != t.steps:
-                checkpoint_now()
-            if terminated():
-                logger.print(f"SIGTERM: saving at step {trainer.step} and stopping")
-                if save:
-                    checkpoint_now()
-                logger.close(plot=False)
-                raise SystemExit(143)
-    if save and trainer.step != last_saved:
-        checkpoint_now()
+    while trainer.step < t.steps:
+        if signals.agree_to_stop(ctx):  # checked before each step: a SIGTERM during setup stops here
+            stop_on_sigterm()
+        metrics = trainer.train_step()
+        progress.step = trainer.step
+        logger.step(metrics, t.steps)
+        if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:
+            val = trainer.evaluate()
+            if val is not None:
+                logger.validation(trainer.step, val)
+        interval = config.checkpoint.save_interval
+        if save and interval and trainer.step % interval == 0 and trainer.step != t.steps:
+            logger.print(f"saved checkpoint {checkpoint_now()}")
+    if save and trainer.step != last_saved[0]:
+        logger.print(f"saved checkpoint {checkpoint_now()}")
     val = trainer.evaluate()
     if val is not None:
         logger.validation(trainer.step, val)
