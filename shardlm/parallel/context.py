@@ -1,0 +1,302 @@
+"""Context parallelism: each sequence split over the CP ranks, and causal attention over the split.
+
+**The split.** A sequence of T tokens is cut into 2C chunks of L = T / 2C tokens, and CP rank r holds
+chunks r and 2C-1-r (the zigzag split of Megatron-Core): under a causal mask a late chunk attends to
+more keys than an early one, and pairing chunk r with its mirror gives every rank the same work. A
+rank's tokens keep their original positions (`zigzag_positions`) for position embeddings and RoPE.
+
+**The ring.** Each rank attends with its queries (two chunks) to the keys and values of every rank.
+The K/V of the C ranks travel around the CP ring (rank r sends to r+1 and receives from r-1, point to
+point), so at step s rank r holds those of rank r-s; the next block's transfer is posted before the
+current one is computed, so they overlap where the backend allows. A (query chunk i, key chunk j)
+block is *causal* when i = j, *full* when j < i and *empty* when j > i; empty blocks are skipped. Under
+the zigzag split each rank computes 2C+1 blocks of L x L (3 at its own K/V, 2 at every other's) and
+skips 2C-1. Partial outputs merge with the log-sum-exp rule. The backward pass sends K/V around the
+ring again and recomputes each block from the saved output and log-sum-exp; dK/dV accumulators
+travel with the blocks and reach their owner after C-1 hops. Per call and rank: forward C-1 sends of
+(K, V), backward C-1 of (K, V) and C-1 of (dK, dV) in fp32. Grouped-query attention sends only the
+KV heads and expands them locally. `exchange="allgather"` all-gathers K/V instead (and
+reduce-scatters dK/dV): the same blocks, no overlap. Attention dropout is not supported under CP.
+
+Blocks use PyTorch's CPU flash-attention kernel, which returns the log-sum-exp and takes it back in
+its backward op, on CPU tensors, and exact fp32 math (`kernel="math"`) elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from shardlm.errors import UserError
+from shardlm.parallel.comm import Communicator
+
+EMPTY, CAUSAL, FULL = "empty", "causal", "full"
+
+
+# --------------------------------------------------------------------------------------------------
+# the zigzag split (which tokens a CP rank holds)
+
+def check_context_parallel(seq_length: int, context_parallel: int, tensor_parallel: int = 1,
+                           sequence_parallel: bool = False, attention_dropout: float = 0.0) -> None:
+    """Raise a one-line UserError if `seq_length` cannot be split over `context_parallel` ranks (it must be
+    a multiple of 2C, times TP under sequence parallelism) or attention dropout is on under CP."""
+    if context_parallel < 1:
+        raise UserError(f"parallel.context={context_parallel} must be >= 1")
+    multiple = 2 * context_parallel * (tensor_parallel if sequence_parallel else 1)
+    if context_parallel > 1 and seq_length % multiple:
+        what = "2 x parallel.context" + (" x parallel.tensor (sequence parallelism)" if multiple > 2 * context_parallel
+                                         else "")
+        raise UserError(f"model.seq_length={seq_length} is not a multiple of {what} = {multiple}; "
+                        f"use a multiple of {multiple}")
+    if context_parallel > 1 and attention_dropout > 0:
+        raise UserError(f"model.attention_dropout={attention_dropout} is not supported with parallel.context="
+                        f"{context_parallel}; set model.attention_dropout = 0")
+
+
+def zigzag_chunks(context_parallel: int, cp_rank: int) -> tuple[int, int]:
+    """The two chunks (of 2C) CP rank r holds: r and 2C-1-r."""
+    return cp_rank, 2 * context_parallel - 1 - cp_rank
+
+
+def zigzag_positions(seq_length: int, context_parallel: int, cp_rank: int, device=None) -> torch.Tensor:
+    """(2L,) int64: the original positions of the tokens CP rank r holds, in the order it holds them."""
+    chunk = seq_length // (2 * context_parallel)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in zigzag_chunks(context_parallel, cp_rank)])
+
+
+def zigzag_split(x: torch.Tensor, context_parallel: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """x: (..., T, ...) with the sequence along `dim` -> (..., 2T/2C, ...), chunks r and 2C-1-r of 2C."""
+    chunks = x.chunk(2 * context_parallel, dim=dim)
+    return torch.cat([chunks[c] for c in zigzag_chunks(context_parallel, cp_rank)], dim=dim)
+
+
+def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The inverse of `zigzag_split`: every CP rank's part, in rank order -> the full sequence along `dim`."""
+    C = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * C)
+    for r, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        chunks[r], chunks[2 * C - 1 - r] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def block_kind(query_chunk: int, key_chunk: int) -> str:
+    """What the causal mask leaves of a (query chunk, key chunk) block of equal-length chunks."""
+    return FULL if key_chunk < query_chunk else CAUSAL if key_chunk == query_chunk else EMPTY
+
+
+@dataclass
+class BlockCounts:
+    """Attention blocks (L x L) computed and skipped, per pass ("forward", "backward"); `pairs[pass]`
+    lists the computed (query chunk, key chunk) pairs in global chunk numbers."""
+
+    computed: dict = field(default_factory=lambda: defaultdict(int))
+    skipped: dict = field(default_factory=lambda: defaultdict(int))
+    pairs: dict = field(default_factory=lambda: defaultdict(list))
+
+
+# --------------------------------------------------------------------------------------------------
+# one block: a query chunk against a key chunk, with its log-sum-exp
+
+def _expand_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, kv_heads, L, d) -> (B, heads, L, d): query head i uses KV head i // (heads / kv_heads)."""
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _reduce_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, heads, L, d) gradient of expanded K or V -> (B, kv_heads, L, d), summed over each group."""
+    B, heads, L, d = grad.shape
+    return grad if heads == kv_heads else grad.view(B, kv_heads, heads // kv_heads, L, d).sum(2)
+
+
+def _use_flash(q: torch.Tensor, kernel: str) -> bool:
+    return kernel == "flash" or (kernel == "auto" and q.device.type == "cpu")
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, kernel: str):
+    """q: (B, H, L, d), k, v: (B, Hkv, L, d) -> (out (B, H, L, d) fp32, lse (B, H, L) fp32)."""
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    if _use_flash(q, kernel):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse.float()
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v.float(), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str):
+    """This block's share of (dq, dk, dv), given the *merged* output and log-sum-exp of q's rows."""
+    kv_heads = k.shape[1]
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    if _use_flash(q, kernel):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    else:
+        dout, out = dout.float(), out.float()
+        probs = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()  # (B, H, L, L)
+        dv = probs.transpose(-2, -1) @ dout
+        dscores = probs * (dout @ v.float().transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
+        dq, dk = dscores @ k.float() * scale, dscores.transpose(-2, -1) @ q.float() * scale
+    return dq.float(), _reduce_heads(dk.float(), kv_heads), _reduce_heads(dv.float(), kv_heads)
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        L = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Log-sum-exp merge of two partial attentions over disjoint keys; (None, None) is the empty one."""
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    return (out * (lse - new_lse).exp().unsqueeze(-1) + block_out * (block_lse - new_lse).exp().unsqueeze(-1),
+            new_lse)
+
+
+def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name: str):
+    """The non-empty blocks of this rank's queries against `source`'s keys: (query half, key half, causal)."""
+    mine, theirs = zigzag_chunks(cp.size, cp.rank), zigzag_chunks(cp.size, source)
+    for (qi, qc), (ki, kc) in itertools.product(enumerate(mine), enumerate(theirs)):
+        kind = block_kind(qc, kc)
+        if counts is not None:
+            if kind == EMPTY:
+                counts.skipped[pass_name] += 1
+            else:
+                counts.computed[pass_name] += 1
+                counts.pairs[pass_name].append((qc, kc))
+        if kind != EMPTY:
+            yield qi, ki, kind == CAUSAL
+
+
+# --------------------------------------------------------------------------------------------------
+# moving K/V between CP ranks
+
+def _shift(tensor: torch.Tensor, cp: Communicator, kind: str, tag: int):
+    """Post the send of `tensor` to the next CP rank and the receive of the previous rank's tensor of the
+    same shape (point to point on `cp.group`); return a function that waits for both and returns the
+    received tensor. Recorded in `cp.stats` as `kind` on the CP group."""
+    import torch.distributed as dist
+
+    received = torch.empty_like(tensor)
+    cp.stats.record(kind, cp.name, tensor)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, tensor, group=cp.group, tag=tag, group_peer=(cp.rank + 1) % cp.size),
+        dist.P2POp(dist.irecv, received, group=cp.group, tag=tag, group_peer=(cp.rank - 1) % cp.size),
+    ])
+
+    def wait() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        return received
+
+    return wait
+
+
+def _kv_sources(kv: torch.Tensor, cp: Communicator, exchange: str):
+    """Yield (source CP rank, its stacked K/V (2, B, Hkv, 2L, d)) for every rank, starting with this one's
+    and going backwards around the ring. "ring": each step's transfer is posted before the current
+    block is yielded, so the caller's compute overlaps it. "allgather": one all-gather up front."""
+    sources = [(cp.rank - step) % cp.size for step in range(cp.size)]
+    if exchange == "allgather":
+        parts = cp.all_gather(kv)
+        yield from ((source, parts[source]) for source in sources)
+        return
+    for step, source in enumerate(sources):
+        pending = _shift(kv, cp, "ring_kv", tag=0) if step + 1 < cp.size else None
+        yield source, kv
+        if pending is not None:
+            kv = pending()
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    """Causal attention of this CP rank's queries against every rank's keys and values (see the module
+    docstring). `setup` = (cp, exchange, scale, kernel, counts)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, setup):
+        cp, exchange, scale, kernel, counts = setup
+        queries = q.chunk(2, dim=2)
+        outs, lses = [None, None], [None, None]
+        for source, kv in _kv_sources(torch.stack((k, v)), cp, exchange):
+            keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for qi, ki, causal in _blocks(cp, source, counts, "forward"):
+                block = _block_forward(queries[qi], keys[ki], values[ki], causal, scale, kernel)
+                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
+        out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.setup = setup
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, exchange, scale, kernel, counts = ctx.setup
+        halves = lambda t: t.chunk(2, dim=2)
+        queries, douts, outs, lses = halves(q), halves(dout.contiguous()), halves(out), halves(lse)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+        def share_of(source: int, kv: torch.Tensor) -> torch.Tensor:
+            """This rank's part of dK/dV of `source`'s K/V, (2, B, Hkv, 2L, d) fp32; adds to dq."""
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            keys, values, dks, dvs = halves(kv[0]), halves(kv[1]), halves(dkv[0]), halves(dkv[1])
+            for qi, ki, causal in _blocks(cp, source, counts, "backward"):
+                dq_b, dk_b, dv_b = _block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
+                                                   lses[qi], causal, scale, kernel)
+                halves(dq)[qi].add_(dq_b)
+                dks[ki].add_(dk_b)
+                dvs[ki].add_(dv_b)
+            return dkv
+
+        sources = _kv_sources(torch.stack((k, v)), cp, exchange)
+        if exchange == "allgather":
+            # every rank's share of every source's dK/dV, summed over the ranks and scattered to the owners
+            shares = {source: share_of(source, kv) for source, kv in sources}
+            dkv = cp.reduce_scatter(torch.stack([shares[s] for s in range(cp.size)]), dim=0)[0]
+        else:
+            # The dK/dV of source s's block start at rank s+1 and travel with its K/V, each rank adding its
+            # share, until they reach s after C-1 hops; a rank's share of its own block stays home.
+            dkv, pending = None, None
+            for step, (source, kv) in enumerate(sources):
+                share = share_of(source, kv)
+                if step == 0:
+                    dkv = share
+                    continue
+                if pending is not None:
+                    share += pending()
+                pending = _shift(share, cp, "ring_dkv", tag=1)
+            if pending is not None:
+                dkv += pending()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+@torch.compiler.disable
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Communicator, *,
+                               scale: float | None = None, exchange: str = "ring", kernel: str = "auto",
+                               dropout_p: float = 0.0, counts: BlockCounts | None = None) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v over a zigzag-split sequence, talking to the CP group `cp`.
+
+    q: (B, H, 2L, d), k and v: (B, Hkv, 2L, d) with H a multiple of Hkv (grouped-query attention): this
+    rank's two chunks (`zigzag_split` of the (B, heads, T, d) tensors along dim 2) -> (B, H, 2L, d), this
+    rank's rows of the full causal attention. `exchange`: "ring" (point to point, overlapped) or
+    "allgather". `kernel`: "auto" (the CPU flash kernel on CPU, else math), "flash" or "math". `scale`
+    defaults to 1/sqrt(d). `counts`, if given, receives the blocks computed and skipped. With C = 1
+    (`cp.size` 1) this is plain causal attention.
+    """
+    if dropout_p > 0:
+        raise UserError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
+                        "set model.attention_dropout = 0")
+    if exchange not in ("ring", "allgather") or kernel not in ("auto", "flash", "math"):
+        raise ValueError(f"exchange={exchange!r} must be ring or allgather, kernel={kernel!r} auto, flash or math")
+    if q.shape[2] % 2 or k.shape != v.shape or q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need (B, H, 2L, d) queries "
+                         "and (B, Hkv, 2L, d) keys and values with H a multiple of Hkv")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _ContextParallelAttention.apply(q, k, v, (cp, exchange, scale, kernel, counts))
