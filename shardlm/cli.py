@@ -51,17 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # Dotted overrides may come after options (`train c.toml --run-dir d train.lr=1`): collect them.
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
     from shardlm import signals
 
     try:
-        with signals.stop_signals():
+        with signals.stop_signals():  # from the start: building the parser imports torch, which takes seconds
+            parser = build_parser()
+            # Dotted overrides may come after options (`train c.toml --run-dir d train.lr=1`): collect them.
+            args, extra = parser.parse_known_args(argv)
+            if extra:
+                if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
+                    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+                args.overrides = [*args.overrides, *extra]
             result = args.func(args)
     except UserError as exc:
         print(f"shardlm: error: {exc}", file=sys.stderr)

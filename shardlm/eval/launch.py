@@ -4,15 +4,18 @@
 (started by torchrun, or a plain single process). With `--nproc-per-node N` (default: the
 tensor-parallel size) it spawns N local workers with the torchrun environment variables set, each
 of which calls `fn(args)`; rank 0 prints. A `UserError` in a worker is printed once and the command
-exits 2, like the single-process CLI.
+exits 2, like the single-process CLI. SIGTERM or Ctrl-C to the command stops the workers (they hold no
+state to save) and `shardlm.cli.main` says so in one line, exiting 143 / 130.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 from shardlm.errors import UserError
+from shardlm.signals import Terminated
 
 
 def under_launcher() -> bool:
@@ -46,6 +49,9 @@ def run_command(fn, args) -> int:
     try:
         while not context.join():
             pass
+    except (Terminated, KeyboardInterrupt):
+        stop_workers(context.processes)
+        raise  # shardlm.cli.main prints the one line and exits 143 / 130
     except mp.ProcessExitedException as exc:
         return exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1
     except mp.ProcessRaisedException as exc:
@@ -54,8 +60,27 @@ def run_command(fn, args) -> int:
     return 0
 
 
+def stop_workers(processes, grace_s: float = 10.0) -> None:
+    """SIGTERM to every live worker (they hold no state worth saving), SIGKILL to those still alive after
+    `grace_s`."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def _worker(local_rank: int, nproc: int, port: int, threads: str, fn, args) -> None:
+    import signal
+
     from shardlm.parallel.spawn import set_local_rank_env
+
+    # Ctrl-C reaches the whole process group; the parent alone handles it and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     set_local_rank_env(local_rank, nproc, port, os.environ.get("OMP_NUM_THREADS", threads))
     import torch

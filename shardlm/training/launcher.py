@@ -126,7 +126,6 @@ def stopped(stop: LauncherSignals, shutdown_timeout: int, checkpoints: Path, rep
         what = "save" if stop.signum == signal.SIGTERM else "stop"
         print(f"shardlm: {name}: the workers did not {what} within --shutdown-timeout={shutdown_timeout}s and "
               f"were killed; last checkpoint: {describe_latest(checkpoints)}", file=sys.stderr)
-    else:  # they exited without a word: the signal came during their start-up
-        print(f"shardlm: {name}: stopped while the workers were starting; last checkpoint: "
-              f"{describe_latest(checkpoints)}", file=sys.stderr)
+    else:  # they exited without a word (the signal came while they were starting, or after their last step)
+        print(f"shardlm: stopped by {name}; last checkpoint: {describe_latest(checkpoints)}", file=sys.stderr)
     return 128 + stop.signum
