@@ -284,7 +284,7 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f'model.layernorm_order="{m.layernorm_order}" must be "pre" or "post"')
     if m.activation not in ("gelu", "gelu_tanh"):
         raise UserError(f'model.activation="{m.activation}" must be "gelu" or "gelu_tanh"')
-    if m.hidden_size % m.num_heads:
+    if m.hidden_size % m.num_heads and not (m.arch == "llama" and m.head_dim):
         raise UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
                         "choose sizes with hidden_size = num_heads x head_dim")
     if m.num_heads % p.tensor:
@@ -377,16 +377,18 @@ def _validate_attention_heads(m: ModelConfig) -> None:
     """Grouped-query attention and RoPE shapes (llama). Query heads split over TP (checked by the caller);
     KV heads are split when num_kv_heads is a multiple of TP, else replicated, so any TP dividing num_heads works."""
     if m.arch != "llama":
-        if m.num_kv_heads or m.tie_embeddings:
-            raise UserError(f'model.num_kv_heads and model.tie_embeddings are llama settings; model.arch="{m.arch}" '
-                            "has neither (remove them)")
+        if m.num_kv_heads or m.tie_embeddings or m.head_dim or m.qk_norm:
+            raise UserError("model.num_kv_heads, tie_embeddings, head_dim and qk_norm are llama settings; "
+                            f'model.arch="{m.arch}" has none of them (remove them)')
         return
+    if m.head_dim < 0:
+        raise UserError(f"model.head_dim={m.head_dim} must be >= 0 (0: hidden_size / num_heads)")
     if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
                         "every key/value head must serve the same number of query heads")
-    if (m.hidden_size // m.num_heads) % 2:
-        raise UserError(f"head size {m.hidden_size // m.num_heads} (hidden_size / num_heads) is odd; rotary "
-                        "embeddings need an even head size")
+    if m.attention_head_dim % 2:
+        raise UserError(f"head size {m.attention_head_dim} (model.head_dim, or hidden_size / num_heads) is odd; "
+                        "rotary embeddings need an even head size")
     if m.rope_theta <= 0:
         raise UserError(f"model.rope_theta={m.rope_theta} must be > 0")
 

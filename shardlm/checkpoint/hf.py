@@ -5,7 +5,8 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-`LlamaForCausalLM` directories (model_type "llama") convert through `shardlm.checkpoint.hf_llama`.
+`LlamaForCausalLM` and `Qwen3ForCausalLM` directories (model_type "llama", "qwen3") convert through
+`shardlm.checkpoint.hf_llama`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from shardlm.checkpoint import files
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
+
+LLAMA_FAMILY = ("llama", "qwen3")  # HF model types that `shardlm.checkpoint.hf_llama` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -90,10 +93,10 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
 
 
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF GPT-2 (or Llama) directory into a consolidated shardlm checkpoint file."""
+    """Convert a local HF GPT-2 (or Llama-family) directory into a consolidated shardlm checkpoint file."""
     hf_dir, out = Path(hf_dir), Path(out)
     config_file = hf_dir / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == "llama":
+    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in LLAMA_FAMILY:
         from shardlm.checkpoint import hf_llama
 
         return hf_llama.from_hf(hf_dir, out)
@@ -103,7 +106,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
                         "safe_serialization=True)")
     hf_config = json.loads((hf_dir / "config.json").read_text())
     if hf_config.get("model_type") != "gpt2":
-        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 and llama convert")
+        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2, llama and qwen3 convert")
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
@@ -127,7 +130,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a shardlm checkpoint (directory or consolidated file) as a HF GPT2LMHeadModel directory
-    (LlamaForCausalLM for a llama checkpoint)."""
+    (LlamaForCausalLM or Qwen3ForCausalLM for a llama checkpoint)."""
     from shardlm.checkpoint.state import consolidate, load_consolidated
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)

@@ -1,4 +1,5 @@
-"""Hugging Face Llama interop: `LlamaForCausalLM` directories <-> shardlm's consolidated checkpoint.
+"""Hugging Face Llama-family interop: `LlamaForCausalLM` and `Qwen3ForCausalLM` directories <-> shardlm's
+consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -10,10 +11,12 @@ compare logits with transformers to catch any layout slip). Names:
     model.layers.i.self_attn.{q,k,v,o}_proj          layers.i.attn.{q,k,v,o}
     model.layers.i.post_attention_layernorm          layers.i.ln_2
     model.layers.i.mlp.{gate,up,down}_proj           layers.i.mlp.{gate,up,down}
+    model.layers.i.self_attn.{q,k}_norm              layers.i.attn.{q,k}_norm    (Qwen3)
 
+Qwen3 is Llama with `qk_norm` (an RMSNorm over each head's q and k) and an explicit `head_dim`.
 Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. Only the default
-rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases and a head
-size other than hidden_size / num_heads are refused with a one-line error. No network.
+rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases and sliding-window
+attention are refused with a one-line error. No network.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from shardlm.models.config import ModelConfig
 INDEX = "model.safetensors.index.json"
 
 
-def name_map(num_layers: int, tied: bool) -> list[tuple[str, str]]:
+def name_map(num_layers: int, tied: bool, qk_norm: bool = False) -> list[tuple[str, str]]:
     """(shardlm name, HF name) of every tensor."""
     top = [("wte.weight", "model.embed_tokens.weight"), ("ln_f.weight", "model.norm.weight")]
     if not tied:
@@ -47,6 +50,8 @@ def name_map(num_layers: int, tied: bool) -> list[tuple[str, str]]:
                    (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
         layers += [(f"{s}.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
         layers += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
+        if qk_norm:
+            layers += [(f"{s}.attn.{p}_norm.weight", f"{h}.self_attn.{p}_norm.weight") for p in "qk"]
     return top + layers
 
 
@@ -60,15 +65,16 @@ def _rope(hf: dict) -> tuple[float, str]:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """shardlm's [model] section for a HF LlamaConfig dict; UserError for what shardlm's Llama does not compute."""
+    """shardlm's [model] section for a HF LlamaConfig or Qwen3Config dict; UserError for what shardlm's Llama
+    does not compute."""
     heads = hf["num_attention_heads"]
+    qwen3 = hf.get("model_type") == "qwen3"
     theta, rope_type = _rope(hf)
     refusals = [
         (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
         (not hf.get("attention_bias") and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
-        (hf.get("head_dim") in (None, hf["hidden_size"] // heads),
-         f"head_dim={hf.get('head_dim')} other than hidden_size / num_attention_heads"),
+        (not hf.get("use_sliding_window"), "sliding-window attention (use_sliding_window)"),
     ]
     for ok, what in refusals:
         if not ok:
@@ -79,15 +85,19 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        ffn_hidden_size=hf["intermediate_size"], dropout=0.0,
                        attention_dropout=float(hf.get("attention_dropout", 0.0)),
                        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
-                       rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                       rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                       head_dim=0 if hf.get("head_dim") in (None, hf["hidden_size"] // heads) else hf["head_dim"],
+                       qk_norm=qwen3)
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
+    """The HF config.json of a Llama-family model: Qwen3ForCausalLM when it has qk_norm, else LlamaForCausalLM."""
+    kind = ("Qwen3ForCausalLM", "qwen3") if cfg.qk_norm else ("LlamaForCausalLM", "llama")
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [kind[0]], "model_type": kind[1], "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.hidden_size // cfg.num_heads, "hidden_act": "silu",
+        "head_dim": cfg.attention_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
@@ -107,7 +117,7 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
 
 
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF LlamaForCausalLM directory into a consolidated shardlm checkpoint file."""
+    """Convert a local HF LlamaForCausalLM or Qwen3ForCausalLM directory into a consolidated shardlm checkpoint file."""
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
         raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
@@ -118,7 +128,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     tensors, handles = {}, {}
-    for ours, theirs in name_map(config.model.num_layers, config.model.tie_embeddings):
+    for ours, theirs in name_map(config.model.num_layers, config.model.tie_embeddings, config.model.qk_norm):
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
         path = located[theirs]
@@ -129,10 +139,10 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
-    """Write a consolidated Llama checkpoint's (config, tensors) as a HF LlamaForCausalLM directory."""
+    """Write a consolidated Llama-family checkpoint's (config, tensors) as a HF directory (`hf_config_from_model`)."""
     cfg = config.model
     hf = {}
-    for ours, theirs in name_map(cfg.num_layers, cfg.tie_embeddings):
+    for ours, theirs in name_map(cfg.num_layers, cfg.tie_embeddings, cfg.qk_norm):
         value = tensors[f"model/{ours}"]
         hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")

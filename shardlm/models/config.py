@@ -43,12 +43,21 @@ class ModelConfig:
     """Llama: base of the rotary position embedding's frequencies."""
     tie_embeddings: bool = False
     """Llama: use the input embedding as the output layer (GPT and BERT always tie it)."""
+    head_dim: int = 0
+    """Llama: channels per attention head; 0 means hidden_size / num_heads (Qwen3 sets it, e.g. 128 at h = 2048)."""
+    qk_norm: bool = False
+    """Llama: RMSNorm over each head's query and key before RoPE (Qwen3's q_norm and k_norm)."""
 
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size or self.arch != "llama":
             return self.ffn_hidden_size or 4 * self.hidden_size
         return -(-8 * self.hidden_size // (3 * 256)) * 256  # SwiGLU's 2/3 of 4h, rounded up as Llama does
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Channels per attention head: head_dim, or hidden_size / num_heads when it is 0."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -74,15 +83,17 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     With activation recomputation the layers' forward runs twice: + 24 l h^2 + 4 l s h (hardware
     FLOPs; throughput figures use the model FLOPs, recompute=False).
 
-    arch="llama" counts its own matrices: q and o (h x h each), k and v (h x num_kv_heads x head_dim each,
-    smaller under grouped-query attention) and SwiGLU's three h x f matrices, so a layer's forward is
-    2 (2 h^2 + 2 h kv + 3 h f) + 4 s h per token (kv = num_kv_heads x head_dim)."""
+    arch="llama" counts its own matrices: q and o (h x a each, a = num_heads x head_dim, which is h unless
+    head_dim is set), k and v (h x num_kv_heads x head_dim each, smaller under grouped-query attention)
+    and SwiGLU's three h x f matrices, so a layer's forward is 2 (2 h a + 2 h kv + 3 h f) + 4 s a per
+    token (kv = num_kv_heads x head_dim)."""
     s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     ffn_ratio = cfg.ffn_size / h
     layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)
     if cfg.arch == "llama":
-        kv = cfg.kv_heads * (h // cfg.num_heads)
-        layer_forward = layers * (2 * (2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * h)
+        a = cfg.num_heads * cfg.attention_head_dim
+        kv = cfg.kv_heads * cfg.attention_head_dim
+        layer_forward = layers * (2 * (2 * h * a + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * a)
     forward = layer_forward + 2 * h * v
     return 3 * forward + (layer_forward if recompute else 0.0)
 

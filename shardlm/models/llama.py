@@ -3,7 +3,8 @@
 Pre-norm blocks with RMSNorm, rotary position embeddings on q and k (`shardlm.models.rotary`, Hugging
 Face's rotate-half layout), a SwiGLU MLP `down(silu(gate(x)) * up(x))`, no biases, grouped-query
 attention (`num_kv_heads` key/value heads shared by `num_heads / num_kv_heads` query heads each) and
-an output layer that is untied by default (`tie_embeddings`).
+an output layer that is untied by default (`tie_embeddings`). Qwen3's options: `head_dim` other than
+hidden_size / num_heads, and `qk_norm` (an RMSNorm over each head's q and k before RoPE).
 
 Tensor parallelism follows GPT's column -> row pairs: q, k, v, gate and up are column-parallel (one
 `f` on the block input serves all of them), the attention output and down projections are
@@ -80,7 +81,7 @@ class KeyValueProjection(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
         self.tp = ctx.tp
-        head_dim = cfg.hidden_size // cfg.num_heads
+        head_dim = cfg.attention_head_dim
         first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, ctx.tp_size, ctx.tp_rank)
         self.rows = (first * head_dim, last * head_dim)
         self.split = kv_heads_are_split(cfg.kv_heads, ctx.tp_size)
@@ -108,17 +109,24 @@ class LlamaAttention(nn.Module):
         self.ctx, self.tp = ctx, ctx.tp
         self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
         self.heads = cfg.num_heads // ctx.tp_size
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.attention_head_dim
         self.theta = cfg.rope_theta
         self.dropout = cfg.attention_dropout_p
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.q = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, bias=False, std=cfg.init_std,
+        width = cfg.num_heads * self.head_dim  # hidden_size unless head_dim is set
+        self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=False, std=cfg.init_std,
                                       seed=param_seed(seed, f"{prefix}.q"), device=ctx.device)
         self.k = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.k"))
         self.v = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.v"))
-        self.o = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
+        self.o = RowParallelLinear(width, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
                                    seed=param_seed(seed, f"{prefix}.o"), device=ctx.device,
                                    sequence_parallel=sequence_parallel)
+        # Qwen3: RMSNorm over each head's channels of q and k, weights (head_dim,) shared by every head and
+        # replicated on TP ranks, which hold different heads: their gradients are summed over TP (`f`)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
         first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, ctx.tp_size, ctx.tp_rank)
         self.kv_heads = last - first
         group = cfg.num_heads // cfg.kv_heads
@@ -137,8 +145,11 @@ class LlamaAttention(nn.Module):
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
-        q = F.linear(x, self.q.weight).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = F.linear(x, self.q.weight).view(B, T, self.heads, self.head_dim)
+        k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary_angles(torch.arange(past, past + T, device=x.device), self.head_dim, self.theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -154,6 +165,10 @@ class LlamaAttention(nn.Module):
         else:
             y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+    def head_norm(self, norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each head's channels, x (B, T, local heads, head_dim); the weight's gradient summed over TP."""
+        return F.rms_norm(x, (self.head_dim,), copy_to_tensor_parallel(norm.weight, self.tp), norm.eps)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v with attention dropout when training; q (B, heads/tp, T, d),

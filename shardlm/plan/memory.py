@@ -142,28 +142,30 @@ def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     query heads used (rank 0's count)."""
     from shardlm.models.llama import kv_head_range, kv_heads_are_split
 
-    head_dim = cfg.hidden_size // cfg.num_heads
+    head_dim = cfg.attention_head_dim
     first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, tp, 0)
     used = (last - first) * head_dim
     return (used, used) if kv_heads_are_split(cfg.kv_heads, tp) else (cfg.kv_heads * head_dim, used)
 
 
 def _llama_parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
-    """Per-rank parameters of `shardlm.models.llama.Llama`: q (h x h) and SwiGLU's gate and up (f x h each) split
-    by rows, o (h x h) and down (h x f) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
-    (see `_kv_rows`), two RMSNorm weights per layer and the final one replicated, the embedding and the untied
+    """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
+    is set) and SwiGLU's gate and up (f x h each) split by rows, o (h x a) and down (h x f) by columns, k and v
+    (num_kv_heads x head_dim x h each) split or replicated (see `_kv_rows`), two RMSNorm weights per layer (and
+    the q and k norms of head_dim each with qk_norm) and the final one replicated, the embedding and the untied
     output layer (V_padded x h each) split by vocabulary rows; no biases."""
     h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
-    h_local, f_local = _split(h, tp, "hidden_size"), _split(f, tp, "ffn size")
+    a_local, f_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width"), _split(f, tp, "ffn size")
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     kv_held, kv_used = _kv_rows(cfg, tp)
     kv_split = kv_held == kv_used and cfg.kv_heads % tp == 0
-    layer_sharded = 2 * h_local * h + 3 * f_local * h + (2 * kv_held * h if kv_split else 0)
-    layer_replicated = 2 * h + (0 if kv_split else 2 * kv_held * h)
+    layer_sharded = 2 * a_local * h + 3 * f_local * h + (2 * kv_held * h if kv_split else 0)
+    norms = 2 if cfg.qk_norm else 0
+    layer_replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
     outputs = 1 if cfg.tie_embeddings else 2
     return ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
-                          replicated=layers * layer_replicated + h, tensors=9 * layers + 1 + outputs,
-                          matrix=layers * (2 * h_local * h + 3 * f_local * h + 2 * kv_used * h))
+                          replicated=layers * layer_replicated + h, tensors=(9 + norms) * layers + 1 + outputs,
+                          matrix=layers * (2 * a_local * h + 3 * f_local * h + 2 * kv_used * h))
 
 
 @dataclass(frozen=True)
