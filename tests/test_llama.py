@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_memory import count_forwards
 from test_training import ADAM_EPS, STEPS, VOCAB, assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
@@ -76,10 +77,11 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
 
 
 def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False,
-                kv_heads: int = 2, pp: int = 1, sp: bool = False, recompute: str = "none", **train) -> RunConfig:
+                kv_heads: int = 2, pp: int = 1, sp: bool = False, recompute: str = "none", dropout: float = 0.0,
+                **train) -> RunConfig:
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": kv_heads,
-                  "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": 0.0,
+                  "ffn_hidden_size": 64, "seq_length": 16, "vocab_size": VOCAB, "dropout": dropout,
                   "tie_embeddings": tie},
         "parallel": {"tensor": tp, "pipeline": pp, "sequence_parallel": sp},
         "data": {"text_file": "unused"},
@@ -144,6 +146,36 @@ def uneven_logits(ctx: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
         return model.full_logits(model(PROBE)), model.full_logits(torch.cat(cached, dim=1))
 
 
+def sequence_parallel_forward(model) -> dict:
+    """One training forward of a batch of 4: the embedding output's shape (a sequence chunk per rank under
+    sequence parallelism), then the reduce-scatters and all-gathers over TP of the whole forward."""
+    batch = torch.stack([torch.as_tensor(synthetic_data()[i]) for i in range(4)])
+    with torch.no_grad():
+        embedded = tuple(model.embed(batch[:, :-1]).shape)
+        model.ctx.comm.reset()
+        model(batch[:, :-1], batch[:, 1:])
+    comm = model.ctx.comm
+    return {"flag": model.sequence_parallel, "embedded": embedded,
+            "reduce_scatter": comm.count("reduce_scatter", "tp"), "all_gather": comm.count("all_gather", "tp")}
+
+
+RECOMPUTE_STEPS = 3
+
+
+def recompute_runs() -> dict:
+    """TP=2 with sequence parallelism and dropout 0.1 (embedding, attention, residuals), the same seed, in each
+    recompute mode: the curve, the final parameters and the forward calls of layers and attention cores."""
+    ctx = ParallelContext.from_process_group(2)
+    out = {}
+    for mode in ("none", "selective", "full"):
+        ctx.rng = None
+        trainer = Trainer(tiny_config(2, 8, sp=True, recompute=mode, dropout=0.1), ctx, synthetic_data())
+        counts = count_forwards(trainer.model)
+        curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(RECOMPUTE_STEPS))]
+        out[mode] = {"curve": curve, "params": full_parameters(trainer.model), "counts": dict(counts)}
+    return out
+
+
 def probe_logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model.full_logits(model.eval()(PROBE))
@@ -156,16 +188,16 @@ def worker_world2(hf: dict):
     out = {}
     for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
         out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
-    checkpointed = train_run(ParallelContext.from_process_group(2), tiny_config(2, 8, checkpointing=True))[0]
     zero = tiny_config(1, 4, distributed_optimizer=True)
     out["1x2-zero"] = train_run(ParallelContext.from_process_group(1), zero)[0]
     ctx = ParallelContext.from_process_group(2)
     out["2x1-sp-selective"], trainer = train_run(ctx, tiny_config(2, 4, sp=True, recompute="selective"))
     out["sp_engaged"] = trainer.model.sequence_parallel and trainer.model.layers["0"].attn.selective_recompute
+    out["sp_forward_tp2"] = sequence_parallel_forward(trainer.model)
     for label, tie in (("pp2", False), ("pp2-tied", True)):
         ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
         out[label] = train_run(ctx, tiny_config(1, 2, tie, pp=2))[0]
-    out["checkpointing_same_curve"] = checkpointed[0] == out["2x1"][0]
+    out["recompute"] = recompute_runs()
     ctx = ParallelContext.from_process_group(2)
     out["all_reduces_tp2"] = tensor_parallel_all_reduces(ctx, tiny_config(2))
     ctx.rng = None
@@ -201,7 +233,8 @@ def worker_world4(hf: dict, checkpoints: str):
     out["2x2-one-kv-head"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4, kv_heads=1))[0]
     zero = tiny_config(2, 4, kv_heads=1, distributed_optimizer=True)
     out["2x2-one-kv-head-zero"] = train_run(ParallelContext.from_process_group(2), zero)[0]
-    out["4x1-sp"] = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8, sp=True))[0]
+    out["4x1-sp"], trainer_4x1_sp = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8, sp=True))
+    out["sp_forward_tp4"] = sequence_parallel_forward(trainer_4x1_sp.model)
     ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
     out["tp2-pp2-one-kv-head"] = train_run(ctx, tiny_config(2, 2, kv_heads=1, pp=2))[0]
     out["kv_replicated_tp4"] = not hasattr(trainer_4x1.model.layers["0"].attn.k.weight, "tensor_parallel_dim")
@@ -370,17 +403,42 @@ def test_pipeline_with_replicated_kv_heads_trains_like_one_process(world4, refer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,layout", [("world2", "2x1-sp-selective"), ("world4", "4x1-sp")])
-def test_sequence_parallelism_trains_like_one_process(request, reference, world, layout):
+@pytest.mark.parametrize("world,layout,tp", [("world2", "2x1-sp-selective", 2), ("world4", "4x1-sp", 4)])
+def test_sequence_parallelism_trains_like_one_process(request, reference, world, layout, tp):
     """Norms, dropouts and residuals on sequence chunks (RoPE after the all-gather sees every position), at
-    TP=2 with selective recomputation and at TP=4 with replicated KV heads."""
-    assert_same_run(request.getfixturevalue(world)[layout], reference[False])
+    TP=2 with selective recomputation and at TP=4 with replicated KV heads. Sequence parallelism is engaged
+    at both sizes: the embedding hands each rank (4, 16 / tp, 32) of a (4, 16) batch, and a forward makes
+    2 reduce-scatters per layer plus the embedding's and 2 all-gathers per layer plus the output layer's
+    (where TP alone all-reduces)."""
+    results = request.getfixturevalue(world)
+    assert_same_run(results[layout], reference[False])
+    layers = tiny_config().model.num_layers
+    assert results[f"sp_forward_tp{tp}"] == {"flag": True, "embedded": (4, 16 // tp, 32),
+                                             "reduce_scatter": 2 * layers + 1, "all_gather": 2 * layers + 1}
     assert request.getfixturevalue("world2")["sp_engaged"]
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_gives_the_same_losses(world2):
-    assert world2["checkpointing_same_curve"]
+def test_recomputation_with_dropout_gives_the_same_run_bitwise(world2):
+    """Dropout 0.1 at TP=2 with sequence parallelism: selective and full recomputation give the losses,
+    gradient norms and final parameters of no recomputation, to the bit, which holds only when the
+    recomputed dropout masks equal the original ones."""
+    runs = world2["recompute"]
+    for mode in ("selective", "full"):
+        assert runs[mode]["curve"] == runs["none"]["curve"], mode
+        for name, value in runs["none"]["params"].items():
+            assert torch.equal(runs[mode]["params"][name], value), (mode, name)
+
+
+@pytest.mark.slow
+def test_recomputation_runs_the_forward_again_in_the_backward(world2):
+    """Forward calls over 3 steps of one micro-batch through 2 layers: once per micro-batch without
+    recomputation; selective recomputation runs every attention core again in the backward, full
+    recomputation every layer (and so its core)."""
+    once = RECOMPUTE_STEPS * tiny_config().model.num_layers
+    counts = {mode: run["counts"] for mode, run in world2["recompute"].items()}
+    assert counts == {"none": {"layer": once, "core": once}, "selective": {"layer": once, "core": 2 * once},
+                      "full": {"layer": 2 * once, "core": 2 * once}}
 
 
 @pytest.mark.slow
