@@ -6,8 +6,10 @@ its q and k weights are scaled up so attention is sharp and a rotary-layout slip
 logits. shardlm's logits equal transformers' within 1e-4 at TP=1, 2 and 3 (3 > 2 KV heads: KV weights
 replicated), greedy generation with the KV cache gives transformers' tokens, and the round trip back to
 HF is bitwise lossless. A tiny Llama with grouped-query attention trains for 10 steps equal to one
-process at TP x DP 2x1, 1x2, 2x2 and 4x1 (TP=4 > 2 KV heads); a checkpoint saved at TP=4 loads at
-TP=1 and TP=2, one saved at TP=2 loads at TP=4. Worlds: one of 2 processes, one of 4.
+process at TP x DP 2x1, 1x2, 2x2 and 4x1 (TP=4 > 2 KV heads), with sequence parallelism at TP=2 and
+TP=4; with dropout on, selective and full recomputation run the forward again in the backward and give
+the run without recomputation, bitwise; a checkpoint saved at TP=4 loads at TP=1 and TP=2, one saved at
+TP=2 loads at TP=4. Worlds: one of 2 processes, one of 4.
 """
 
 from __future__ import annotations
