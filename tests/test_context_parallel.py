@@ -229,11 +229,12 @@ def test_ring_attention_equals_one_process(world4):
 
 
 def test_allgather_exchange_equals_ring(world4):
-    """The all-gather exchange gives the ring's outputs and gradients within 1e-6."""
+    """The all-gather exchange gives the ring's outputs bitwise (same blocks, same merge order) and its
+    gradients within 1e-6 (dK/dV summed in another order)."""
     for rank_errors in result(world4, "attention"):
         gathered = {label: e for label, e in rank_errors.items() if "allgather-vs-ring" in label}
-        assert gathered
-        bad = {label: e for label, e in gathered.items() if not e < TOL}
+        assert len(gathered) in (2 * 2 * 4 * 2, 2 * 2 * 4 * 3)
+        bad = {label: e for label, e in gathered.items() if not e < TOL or (label.endswith(" out") and e != 0)}
         assert not bad, bad
 
 
