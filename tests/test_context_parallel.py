@@ -162,7 +162,7 @@ def world4():
 @pytest.mark.parametrize("C", [1, 2, 3, 4])
 def test_zigzag_split_holds_chunks_r_and_mirror_and_merge_inverts_it(C):
     """Rank r holds chunks r and 2C-1-r with their original positions; merging every rank's part gives
-    back the sequence; every position is held by exactly one rank."""
+    back the sequence; every position is held by exactly one rank; a length not a multiple of 2C is refused."""
     T = 2 * C * 3
     x = torch.arange(2 * T).view(2, T) * 10  # (B, T)
     parts = [zigzag_split(x, C, r, dim=1) for r in range(C)]
@@ -173,6 +173,8 @@ def test_zigzag_split_holds_chunks_r_and_mirror_and_merge_inverts_it(C):
         assert torch.equal(part, x[:, positions])
     assert torch.equal(zigzag_merge(parts, dim=1), x)
     assert sorted(torch.cat([zigzag_positions(T, C, r) for r in range(C)]).tolist()) == list(range(T))
+    with pytest.raises(ValueError, match="not a multiple"):
+        zigzag_split(x[:, :-1], C, 0, dim=1)
 
 
 def test_zigzag_split_balances_causal_work_and_a_contiguous_split_does_not():

@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from shardlm.errors import UserError
 from shardlm.parallel.comm import Communicator
@@ -45,10 +46,10 @@ def check_context_parallel(seq_length: int, context_parallel: int, tensor_parall
     a multiple of 2C, times TP under sequence parallelism) or attention dropout is on under CP."""
     if context_parallel < 1:
         raise UserError(f"parallel.context={context_parallel} must be >= 1")
-    multiple = 2 * context_parallel * (tensor_parallel if sequence_parallel else 1)
+    sp = sequence_parallel and tensor_parallel > 1
+    multiple = 2 * context_parallel * (tensor_parallel if sp else 1)
     if context_parallel > 1 and seq_length % multiple:
-        what = "2 x parallel.context" + (" x parallel.tensor (sequence parallelism)" if multiple > 2 * context_parallel
-                                         else "")
+        what = "2 x parallel.context" + (" x parallel.tensor (sequence parallelism)" if sp else "")
         raise UserError(f"model.seq_length={seq_length} is not a multiple of {what} = {multiple}; "
                         f"use a multiple of {multiple}")
     if context_parallel > 1 and attention_dropout > 0:
@@ -61,16 +62,23 @@ def zigzag_chunks(context_parallel: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * context_parallel - 1 - cp_rank
 
 
+def _chunk_length(seq_length: int, context_parallel: int) -> int:
+    """L = T / 2C; T not a multiple of 2C is a bug here (`check_context_parallel` rejects it up front)."""
+    if seq_length % (2 * context_parallel):
+        raise ValueError(f"sequence length {seq_length} is not a multiple of 2 x {context_parallel} CP ranks")
+    return seq_length // (2 * context_parallel)
+
+
 def zigzag_positions(seq_length: int, context_parallel: int, cp_rank: int, device=None) -> torch.Tensor:
-    """(2L,) int64: the original positions of the tokens CP rank r holds, in the order it holds them."""
-    chunk = seq_length // (2 * context_parallel)
+    """(T/C,) int64: the original positions of the tokens CP rank r holds, in the order it holds them."""
+    chunk = _chunk_length(seq_length, context_parallel)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
                       for c in zigzag_chunks(context_parallel, cp_rank)])
 
 
 def zigzag_split(x: torch.Tensor, context_parallel: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """x: (..., T, ...) with the sequence along `dim` -> (..., 2T/2C, ...), chunks r and 2C-1-r of 2C."""
-    chunks = x.chunk(2 * context_parallel, dim=dim)
+    """x: (..., T, ...) with the sequence along `dim` -> (..., T/C, ...): chunks r and 2C-1-r of 2C."""
+    chunks = x.split(_chunk_length(x.shape[dim], context_parallel), dim=dim)
     return torch.cat([chunks[c] for c in zigzag_chunks(context_parallel, cp_rank)], dim=dim)
 
 
@@ -183,8 +191,6 @@ def _shift(tensor: torch.Tensor, cp: Communicator, kind: str, tag: int):
     """Post the send of `tensor` to the next CP rank and the receive of the previous rank's tensor of the
     same shape (point to point on `cp.group`); return a function that waits for both and returns the
     received tensor. Recorded in `cp.stats` as `kind` on the CP group."""
-    import torch.distributed as dist
-
     received = torch.empty_like(tensor)
     cp.stats.record(kind, cp.name, tensor)
     works = dist.batch_isend_irecv([
@@ -242,6 +248,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         halves = lambda t: t.chunk(2, dim=2)
         queries, douts, outs, lses = halves(q), halves(dout.contiguous()), halves(out), halves(lse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqs = halves(dq)
 
         def share_of(source: int, kv: torch.Tensor) -> torch.Tensor:
             """This rank's part of dK/dV of `source`'s K/V, (2, B, Hkv, 2L, d) fp32; adds to dq."""
@@ -250,7 +257,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             for qi, ki, causal in _blocks(cp, source, counts, "backward"):
                 dq_b, dk_b, dv_b = _block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
                                                    lses[qi], causal, scale, kernel)
-                halves(dq)[qi].add_(dq_b)
+                dqs[qi].add_(dq_b)
                 dks[ki].add_(dk_b)
                 dvs[ki].add_(dv_b)
             return dkv
