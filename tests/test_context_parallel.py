@@ -217,6 +217,22 @@ def test_one_rank_equals_causal_attention(kernel):
         assert rel(a, b) < TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["auto", "math"])
+def test_half_precision_is_within_a_few_roundings(kernel, dtype):
+    """C = 1 with bf16 or fp16 inputs (GQA, T = 32, the second chunk merging two blocks): outputs and
+    gradients keep the input dtype and are within 4 units of its rounding (eps) of fp64 attention of
+    the same inputs, relative to the largest entry."""
+    q, k, v, dout = (randn(2, heads, 32, HEAD_DIM, seed=20 + i).to(dtype) for i, heads in enumerate((4, 2, 2, 4)))
+    cp = Communicator("cp", None, 1, 0, CommStats())
+    local = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, cp, kernel=kernel)
+    got = (out.detach(), *torch.autograd.grad(out, local, dout))
+    assert all(t.dtype == dtype for t in got)
+    for a, b in zip(got, reference(*(t.float() for t in (q, k, v, dout)))):
+        assert rel(a.float(), b) < 4 * torch.finfo(dtype).eps
+
+
 # --------------------------------------------------------------------------------------------------
 # the ring, in a world of 4
 
