@@ -42,6 +42,10 @@ class ParallelConfig:
     """Layers on the last pipeline stage (it also runs the output layer and loss); 0: balanced."""
     sequence_parallel: bool = False
     """Split LayerNorm, dropout and residual activations along the sequence over the TP group (needs tensor > 1)."""
+    expert: int = 1
+    """Expert-parallel size E: each MoE layer's experts split over E data-parallel ranks (must divide DP)."""
+    expert_dispatcher: str = "all_to_all"
+    """How tokens reach their experts' ranks: "all_to_all" (uneven splits) or "all_gather" (small E)."""
 
 
 @dataclass
@@ -291,6 +295,7 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
                         "use a tensor-parallel size that divides the heads")
     _validate_attention_heads(m)
+    _validate_moe(m, p)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
     model_parallel = p.tensor * p.pipeline
@@ -305,6 +310,9 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                         f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}; "
                         f"use a multiple of {per_step}")
+    if p.expert > 1 and dp % p.expert:
+        raise UserError(f"parallel.expert={p.expert} does not divide the data-parallel size {dp}; experts are "
+                        "split over data-parallel ranks, so use an expert size that divides it")
     validate_pipeline(config, t.global_batch_size // per_step)
     checks = [
         (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
@@ -391,6 +399,44 @@ def _validate_attention_heads(m: ModelConfig) -> None:
                         "rotary embeddings need an even head size")
     if m.rope_theta <= 0:
         raise UserError(f"model.rope_theta={m.rope_theta} must be > 0")
+
+
+def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """The MoE keys (`model.moe_*`) and `parallel.expert`: one-line errors naming the key."""
+    e = m.moe_num_experts
+    if e == 0:
+        if p.expert != 1:
+            raise UserError(f"parallel.expert={p.expert} needs an MoE model; set model.moe_num_experts or "
+                            "parallel.expert=1")
+        return
+    groups = m.moe_groups
+    checks = [
+        (m.arch in ("gpt", "llama"), f'model.moe_num_experts needs model.arch="gpt" or "llama", not "{m.arch}"'),
+        (e > 0, f"model.moe_num_experts={e} must be >= 0"),
+        (1 <= m.moe_top_k <= e, f"model.moe_top_k={m.moe_top_k} must be between 1 and "
+                                f"model.moe_num_experts={e}"),
+        (p.expert >= 1 and e % p.expert == 0, f"model.moe_num_experts={e} is not divisible by "
+                                              f"parallel.expert={p.expert}; use an expert size that divides it"),
+        (m.moe_ffn_size % p.tensor == 0, f"model.moe_ffn_hidden_size={m.moe_ffn_size} is not divisible by "
+                                         f"parallel.tensor={p.tensor} (experts are split over TP)"),
+        (m.moe_shared_experts >= 0 and m.moe_first_dense_layers >= 0 and m.moe_layer_interval >= 1,
+         "model.moe_shared_experts and model.moe_first_dense_layers must be >= 0, model.moe_layer_interval >= 1"),
+        (m.moe_score in ("softmax", "sigmoid"), f'model.moe_score="{m.moe_score}" must be "softmax" or "sigmoid"'),
+        (m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0 and m.moe_expert_bias_rate >= 0,
+         "model.moe_aux_loss_coeff, model.moe_z_loss_coeff and model.moe_expert_bias_rate must be >= 0"),
+        (groups >= 0 and (groups == 0 or e % groups == 0),
+         f"model.moe_groups={groups} must divide model.moe_num_experts={e}"),
+        (groups == 0 or 1 <= m.moe_topk_groups <= groups,
+         f"model.moe_topk_groups={m.moe_topk_groups} must be between 1 and model.moe_groups={groups}"),
+        (groups == 0 or m.moe_topk_groups * (e // max(groups, 1)) >= m.moe_top_k,
+         f"model.moe_topk_groups={m.moe_topk_groups} groups of {e // max(groups, 1)} experts cannot hold "
+         f"model.moe_top_k={m.moe_top_k} experts; raise moe_topk_groups"),
+        (p.expert_dispatcher in ("all_to_all", "all_gather"),
+         f'parallel.expert_dispatcher="{p.expert_dispatcher}" must be "all_to_all" or "all_gather"'),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
 
 
 def check_files(config: RunConfig) -> None:

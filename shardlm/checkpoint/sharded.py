@@ -17,17 +17,26 @@ import torch
 from safetensors import safe_open
 
 
-def model_file(tp_rank: int, pp_rank: int | None = None) -> str:
-    """The shard file of a TP rank (of pipeline stage `pp_rank` when the checkpoint has stages)."""
+def model_file(tp_rank: int, pp_rank: int | None = None, ep_rank: int = 0) -> str:
+    """The shard file of a TP rank (of pipeline stage `pp_rank` when the checkpoint has stages); EP
+    ranks above 0 write their experts to files of their own (`_epZZ`)."""
     stage = "" if pp_rank is None else f"pp{pp_rank:02d}_"
-    return f"model_{stage}tp{tp_rank:02d}.safetensors"
+    experts = f"_ep{ep_rank:02d}" if ep_rank else ""
+    return f"model_{stage}tp{tp_rank:02d}{experts}.safetensors"
 
 
 def model_files(meta: dict) -> list[list[str]]:
-    """File names of a checkpoint's model shards from its metadata: for each TP rank, one per stage."""
-    stages = meta.get("pipeline_parallel", 1)
-    return [[model_file(tp) if stages == 1 else model_file(tp, pp) for pp in range(stages)]
+    """File names of a checkpoint's model shards from its metadata: for each TP rank, one per stage
+    (and per expert-parallel rank)."""
+    stages, experts = meta.get("pipeline_parallel", 1), meta.get("expert_parallel", 1)
+    return [[model_file(tp, None if stages == 1 else pp, ep) for ep in range(experts) for pp in range(stages)]
             for tp in range(meta["tensor_parallel"])]
+
+
+def expert_key(name: str, expert: int) -> str:
+    """Checkpoint key of expert `expert` (global index) of a stacked expert parameter `name`: experts are
+    stored one tensor each, so a checkpoint loads at any expert-parallel size."""
+    return f"{name}.{expert}"
 
 
 class _StageFiles:

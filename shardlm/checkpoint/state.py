@@ -20,13 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardlm.checkpoint import files
-from shardlm.checkpoint.sharded import ShardedReader, model_file, model_files
+from shardlm.checkpoint.sharded import ShardedReader, expert_key, model_file, model_files
 from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation",
-              "num_kv_heads", "tie_embeddings")
+              "num_kv_heads", "tie_embeddings", "moe_num_experts", "moe_ffn_hidden_size", "moe_shared_experts",
+              "moe_first_dense_layers", "moe_layer_interval")
 
 
 def rng_file(rank: int) -> str:
@@ -37,21 +38,48 @@ def split_dim(param: torch.Tensor) -> int | None:
     return getattr(param, "tensor_parallel_dim", None)
 
 
+def is_expert(param: torch.Tensor) -> bool:
+    """A stack of MoE experts (E / ep, ...), stored as one tensor per expert under its global index."""
+    return getattr(param, "expert_parallel", False)
+
+
+def _stored(name: str, param: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{checkpoint name: tensor} of a parameter's value: itself, or one tensor per expert of a stack."""
+    if not is_expert(param):
+        return {name: value}
+    return {expert_key(name, param.first_expert + i): v.contiguous() for i, v in enumerate(value)}
+
+
+def _tensor_table(model, dense: bool) -> dict[str, dict]:
+    """{checkpoint name: shape and split dim} of the tensors this rank writes (experts one by one)."""
+    table = {}
+    for name, p in model.named_parameters():
+        if is_expert(p):
+            for key in _stored(name, p, p.detach()):
+                table[key] = {"shape": list(p.shape[1:]), "split_dim": split_dim(p) - 1}
+        elif dense:
+            table[name] = {"shape": list(p.shape), "split_dim": split_dim(p)}
+    return table
+
+
 # ------------------------------------------------------------------------------------------- save
 
-def _model_tensors(trainer, full: dict | None = None) -> dict[str, torch.Tensor]:
+def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dict[str, torch.Tensor]:
     """"model/NAME", "exp_avg/NAME", "exp_avg_sq/NAME" of this rank's TP shard. `full`: the master-weight
-    optimizer's layout-free state (fp32 master weights, moments gathered over DP), used when given."""
-    if full is not None:
-        return {f"{key}/{name}": value.detach().cpu().contiguous()
-                for name, state in full.items() for key, value in state.items()}
+    optimizer's layout-free state (fp32 master weights, moments gathered over DP), used when given.
+    `dense=False` (ranks that write only their experts): expert stacks only, one tensor per expert."""
     out = {}
     for name, param in trainer.model.named_parameters():
-        out[f"model/{name}"] = param.detach().cpu().contiguous()
+        if not (dense or is_expert(param)):
+            continue
         state = trainer.optimizer.state.get(param, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                out[f"{key}/{name}"] = state[key].detach().cpu().contiguous()
+        if full is not None:  # parameters without gradient (expert biases) are not the optimizer's
+            state = full.get(name, {"model": param})
+        else:
+            state = {"model": param, **{key: state[key] for key in ("exp_avg", "exp_avg_sq") if key in state}}
+        for key, value in state.items():
+            for stored, tensor in _stored(name, param, value.detach()).items():
+                out[f"{key}/{stored}"] = tensor.cpu().contiguous()
     return out
 
 
@@ -88,16 +116,16 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     records = {}
     optimizer = trainer.optimizer
     full = optimizer.full_state() if hasattr(optimizer, "full_state") else None  # collective over DP
-    if ctx.dp_rank == 0:
-        name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None)
-        save_file(_model_tensors(trainer, full), str(tmp / name))
+    writes = ctx.expert_dp.rank == 0  # DP rank 0, and under expert parallelism the other EP ranks' experts
+    if writes:
+        name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None, ctx.ep_rank)
+        save_file(_model_tensors(trainer, full, dense=ctx.dp_rank == 0), str(tmp / name))
         records[name] = files.file_record(tmp / name)
     tensors, metadata = _rng_tensors(ctx)
     save_file(tensors, str(tmp / rng_file(ctx.rank)), metadata=metadata)
     records[rng_file(ctx.rank)] = files.file_record(tmp / rng_file(ctx.rank))
-    tensors_table = {name: {"shape": list(p.shape), "split_dim": split_dim(p)}
-                     for name, p in trainer.model.named_parameters()}  # this stage's; all stages' on rank 0
-    gathered = ctx.world.all_gather_object((records, tensors_table if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {}))
+    tensors_table = _tensor_table(trainer.model, dense=ctx.dp_rank == 0)  # this stage's; all stages' on rank 0
+    gathered = ctx.world.all_gather_object((records, tensors_table if writes and ctx.tp_rank == 0 else {}))
     manifest = {k: v for part, _ in gathered for k, v in part.items()}
     tensors_table = {k: v for _, table in gathered for k, v in table.items()}
     if ctx.is_main:
@@ -105,6 +133,7 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
             "format": "shardlm-checkpoint-v1", "step": trainer.step, "consumed_samples": trainer.consumed_samples,
             "skipped_steps": trainer.skipped_steps, "optimizer_step": _optimizer_step(trainer),
             "tensor_parallel": ctx.tp_size, "pipeline_parallel": ctx.pp_size, "data_parallel": ctx.dp_size,
+            "expert_parallel": ctx.ep_size,
             "world_size": ctx.world_size,
             "padded_vocab_size": trainer.model.padded_vocab_size,
             "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
@@ -138,17 +167,22 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
     keys = reader.keys()
     full = {}
     for name, param in model.named_parameters():
-        if f"model/{name}" not in keys:
-            raise UserError(f"checkpoint has no tensor for parameter {name}")
+        stored = list(_stored(name, param, param))
+        if f"model/{stored[0]}" not in keys:
+            raise UserError(f"checkpoint has no tensor for parameter {stored[0]}")
         dim = split_dim(param)
         start = 0 if dim is None else ctx.tp_rank * param.shape[dim]
         end = None if dim is None else start + param.shape[dim]
         if dim is None and list(reader.files[0].get_slice(f"model/{name}").get_shape()) != list(param.shape):
             dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
         wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
-        local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
-                 for prefix in wanted if f"{prefix}/{name}" in keys}
-        if hasattr(optimizer, "load_full_state"):
+        if is_expert(param):  # this rank's experts, each read by its global index
+            local = {prefix: torch.stack([reader.read(f"{prefix}/{key}", dim - 1, start, end) for key in stored])
+                     .to(param.device) for prefix in wanted if f"{prefix}/{stored[0]}" in keys}
+        else:
+            local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
+                     for prefix in wanted if f"{prefix}/{name}" in keys}
+        if hasattr(optimizer, "load_full_state") and param.requires_grad:
             full[name] = local
             continue
         with torch.no_grad():
@@ -186,8 +220,8 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     meta = files.read_meta(checkpoint)
     check_compatible(meta, trainer.config)
     shard_names = [name for row in model_files(meta) for name in row]
-    same_layout = (meta["world_size"], meta["tensor_parallel"], meta.get("pipeline_parallel", 1)) == (
-        ctx.world_size, ctx.tp_size, ctx.pp_size)
+    same_layout = (meta["world_size"], meta["tensor_parallel"], meta.get("pipeline_parallel", 1),
+                   meta.get("expert_parallel", 1)) == (ctx.world_size, ctx.tp_size, ctx.pp_size, ctx.ep_size)
     files.verify(checkpoint, meta, shard_names, world=ctx.world, device=ctx.device)  # each shard hashed once
     if same_layout:
         files.verify(checkpoint, meta, [rng_file(ctx.rank)])

@@ -47,12 +47,50 @@ class ModelConfig:
     """Llama: channels per attention head; 0 means hidden_size / num_heads (Qwen3 sets it, e.g. 128 at h = 2048)."""
     qk_norm: bool = False
     """Llama: RMSNorm over each head's query and key before RoPE (Qwen3's q_norm and k_norm)."""
+    moe_num_experts: int = 0
+    """Mixture-of-Experts (GPT and Llama): routed experts per MoE layer; 0 keeps every MLP dense (docs/moe.md)."""
+    moe_top_k: int = 2
+    """MoE: experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """MoE: width of each expert's MLP; 0 means ffn_hidden_size (as computed for the dense MLP)."""
+    moe_shared_experts: int = 0
+    """MoE: always-on experts (DeepSeek), run as one dense MLP of width moe_shared_experts x the expert width."""
+    moe_first_dense_layers: int = 0
+    """MoE: the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)."""
+    moe_layer_interval: int = 1
+    """MoE: after the first dense layers, every k-th layer is an MoE layer (1: all of them)."""
+    moe_score: str = "softmax"
+    """MoE router score: "softmax" (Mixtral, Qwen3) or "sigmoid" (DeepSeek-V3) of the fp32 gate logits."""
+    moe_norm_topk_prob: bool = True
+    """MoE: divide the top-k scores of a token by their sum (Mixtral and Qwen3 do; norm_topk_prob)."""
+    moe_routed_scaling: float = 1.0
+    """MoE: factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor)."""
+    moe_groups: int = 0
+    """MoE group-limited routing (DeepSeek-V3 n_group): experts in this many groups; 0 turns it off."""
+    moe_topk_groups: int = 0
+    """MoE group-limited routing: a token picks its experts from its best topk_group groups only."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: coefficient of the switch load-balancing loss E x sum_e f_e P_e over each micro-batch's tokens."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE: coefficient of the router z-loss, the mean of logsumexp(gate logits)^2."""
+    moe_expert_bias_rate: float = 0.0
+    """MoE aux-loss-free balancing (DeepSeek-V3): expert bias step per optimizer step; 0 uses no bias."""
 
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size or self.arch != "llama":
             return self.ffn_hidden_size or 4 * self.hidden_size
         return -(-8 * self.hidden_size // (3 * 256)) * 256  # SwiGLU's 2/3 of 4h, rounded up as Llama does
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Width of one routed expert's MLP."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) has an MoE layer in place of its dense MLP."""
+        first = self.moe_first_dense_layers
+        return self.moe_num_experts > 0 and index >= first and (index - first) % self.moe_layer_interval == 0
 
     @property
     def attention_head_dim(self) -> int:

@@ -30,6 +30,7 @@ chunks; `recompute="selective"` recomputes only the attention core.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from shardlm.models.decoder import (
     enter_parallel_region,
     mark_sequence_parallel,
 )
+from shardlm.models.moe import MoELayer
 from shardlm.models.rotary import apply_rotary, rotary_angles
 from shardlm.parallel import (
     ColumnParallelLinear,
@@ -201,15 +203,29 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight))
 
 
+def build_mlp(cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int, sequence_parallel: bool) -> nn.Module:
+    """Layer `index`'s MLP: the dense `SwiGLU`, or an `MoELayer` of SwiGLU experts where
+    `cfg.is_moe_layer(index)` (its shared experts a `SwiGLU` of their total width)."""
+    prefix = f"layers.{index}.mlp"
+    if not cfg.is_moe_layer(index):
+        return SwiGLU(cfg, ctx, seed, prefix, sequence_parallel)
+    shared = None
+    if cfg.moe_shared_experts:
+        width = cfg.moe_shared_experts * cfg.moe_ffn_size
+        shared = SwiGLU(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
+    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=True, shared=shared)
+
+
 class LlamaBlock(PreNormBlock):
-    """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(SwiGLU(RMSNorm(x))). (B, T, h) -> (B, T, h)."""
+    """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(MLP(RMSNorm(x))), the MLP a SwiGLU or an MoE layer.
+    (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
                  sequence_parallel: bool = False, selective_recompute: bool = False):
         super().__init__(nn.RMSNorm,
                          LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
                                         selective_recompute),
-                         SwiGLU(cfg, ctx, seed, f"layers.{index}.mlp", sequence_parallel),
+                         build_mlp(cfg, ctx, seed, index, sequence_parallel),
                          cfg, ctx, sequence_parallel)
 
 

@@ -63,6 +63,21 @@ def pipeline_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
     return grid.permute(1, 2, 0).reshape(-1, grid.shape[0]).tolist()
 
 
+def expert_parallel_groups(grid: torch.Tensor, expert_parallel: int) -> list[list[int]]:
+    """Ranks of every expert-parallel group: E consecutive data-parallel ranks of one (stage, TP rank)."""
+    pp, dp, tp = grid.shape
+    return grid.view(pp, dp // expert_parallel, expert_parallel, tp).permute(0, 1, 3, 2).reshape(
+        -1, expert_parallel).tolist()
+
+
+def expert_data_parallel_groups(grid: torch.Tensor, expert_parallel: int) -> list[list[int]]:
+    """Ranks of every expert-data-parallel group: the DP / E data-parallel ranks of one (stage, TP rank)
+    that hold the same experts (the same position in their expert-parallel groups)."""
+    pp, dp, tp = grid.shape
+    return grid.view(pp, dp // expert_parallel, expert_parallel, tp).permute(0, 2, 3, 1).reshape(
+        -1, dp // expert_parallel).tolist()
+
+
 def embedding_groups(grid: torch.Tensor) -> list[list[int]]:
     """First and last stage of every pipeline group (one rank when there is one stage)."""
     return [sorted({ranks[0], ranks[-1]}) for ranks in pipeline_parallel_groups(grid)]
@@ -76,6 +91,11 @@ class ParallelContext:
     `embedding` over the first and last pipeline stage (see the module docstring), `world` over all
     ranks (barriers, run-wide flags); all record into the shared `comm` statistics. `pp.group` is
     also the group the pipeline's point-to-point transfers use (ranks of neighbouring stages).
+
+    Expert parallelism (`parallel.expert` = E) folds into data parallelism: `ep` is a run of E
+    consecutive ranks of the DP group (DP rank d has EP rank d % E), which split each MoE layer's
+    experts; `expert_dp` the DP / E ranks of the DP group holding the same experts (DP ranks d, d + E,
+    ...), over which expert gradients are reduced. With E = 1, `ep` has one rank and `expert_dp` is `dp`.
     """
 
     rank: int
@@ -88,12 +108,20 @@ class ParallelContext:
     embedding: Communicator | None = None
     comm: CommStats = field(default_factory=CommStats)
     rng: RNGStatesTracker | None = None
+    ep: Communicator | None = None
+    expert_dp: Communicator | None = None
+    expert_dispatcher: str = "all_to_all"
+    """How MoE layers move tokens over `ep`: "all_to_all" or "all_gather" (`shardlm.parallel.experts`)."""
 
     def __post_init__(self):
         if self.pp is None:
             self.pp = Communicator("pp", None, 1, 0, self.comm)
         if self.embedding is None:
             self.embedding = Communicator("embedding", None, 1, 0, self.comm)
+        if self.ep is None:
+            self.ep = Communicator("ep", None, 1, 0, self.comm)
+        if self.expert_dp is None:
+            self.expert_dp = self.dp
 
     def seed(self, seed: int) -> RNGStatesTracker:
         """Seed this rank's generators (see `shardlm.parallel.random`) and keep the tracker. Pipeline
@@ -117,6 +145,14 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.dp.rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep.rank
 
     @property
     def pp_size(self) -> int:
@@ -160,8 +196,10 @@ class ParallelContext:
 
     @classmethod
     def from_process_group(cls, tensor_parallel: int, device: torch.device | None = None,
-                           timeout_s: float | None = None, pipeline_parallel: int = 1) -> ParallelContext:
-        """Build the TP, DP, PP and embedding groups on an initialized default process group.
+                           timeout_s: float | None = None, pipeline_parallel: int = 1,
+                           expert_parallel: int = 1) -> ParallelContext:
+        """Build the TP, DP, PP, embedding and (with `expert_parallel` > 1) expert-parallel and
+        expert-data-parallel groups on an initialized default process group.
 
         Every rank must call this with the same sizes, since `new_group` is collective.
         `timeout_s` bounds each collective on the new groups (default: torch's).
@@ -173,11 +211,17 @@ class ParallelContext:
         grid = rank_grid(world, tensor_parallel, pipeline_parallel)
         stats = CommStats()
         mine = {}
+        if grid.shape[1] % expert_parallel:
+            raise UserError(f"parallel.expert={expert_parallel} does not divide the data-parallel size {grid.shape[1]}")
         kinds = (("tp", tensor_parallel_groups), ("dp", data_parallel_groups), ("pp", pipeline_parallel_groups),
-                 ("embedding", embedding_groups))
+                 ("embedding", embedding_groups),
+                 ("ep", lambda g: expert_parallel_groups(g, expert_parallel)),
+                 ("expert_dp", lambda g: expert_data_parallel_groups(g, expert_parallel)))
         for name, groups in kinds:
             if name in ("pp", "embedding") and pipeline_parallel == 1:
                 continue  # no pipeline: no groups to create (the defaults are size-1 communicators)
+            if name in ("ep", "expert_dp") and expert_parallel == 1:
+                continue  # no expert parallelism: `ep` has one rank and `expert_dp` is `dp`
             for ranks in groups(grid):
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
@@ -195,7 +239,8 @@ def default_device() -> torch.device:
 
 
 def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
-                     device: torch.device | None = None, pipeline_parallel: int = 1) -> ParallelContext:
+                     device: torch.device | None = None, pipeline_parallel: int = 1,
+                     expert_parallel: int = 1) -> ParallelContext:
     """Initialize torch.distributed from the torchrun environment and return this rank's context.
 
     The backend follows the device: NCCL for CUDA, gloo for CPU. Without torchrun variables (a
@@ -215,7 +260,7 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, store=_attempt_store(rank, world, timeout), rank=rank,
                                 world_size=world, timeout=timeout)
-    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s, pipeline_parallel)
+    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s, pipeline_parallel, expert_parallel)
 
 
 def _attempt_store(rank: int, world: int, timeout: timedelta):

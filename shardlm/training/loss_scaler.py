@@ -36,7 +36,7 @@ class DynamicLossScaler:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         ctx.tp.all_reduce(found, op=dist.ReduceOp.MAX)
         ctx.pp.all_reduce(found, op=dist.ReduceOp.MAX)
-        if sharded_over_dp:
+        if sharded_over_dp or ctx.ep_size > 1:  # experts split over EP ranks differ inside the DP group
             ctx.dp.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item())
 

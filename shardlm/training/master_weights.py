@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import Communicator, ParallelContext
 
-SEGMENT_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel")
+SEGMENT_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel", "expert_parallel")
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -45,15 +45,20 @@ class MasterWeightOptimizer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext, lr: float,
                  weight_decay: float, betas: tuple[float, float], eps: float, param_dtype: torch.dtype,
-                 shard: bool):
+                 shard: bool, dp: Communicator | None = None, grad_divisor: int | None = None):
+        """`dp`: the group that reduces (and shards) these parameters' gradients, `ctx.dp` by default
+        (expert parameters: `ctx.expert_dp`); `grad_divisor`: what the reduced sum is divided by
+        (default its size; expert parameters: the whole data-parallel size)."""
         self.ctx, self.names = ctx, [name for name, _ in named_params]
+        self.dp = dp or ctx.dp
+        self.grad_divisor = grad_divisor or self.dp.size
         self.params = [p for _, p in named_params]
-        self.shard = shard and ctx.dp_size > 1
-        d = ctx.dp_size if self.shard else 1
+        self.shard = shard and self.dp.size > 1
+        d = self.dp.size if self.shard else 1
         numel = sum(p.numel() for p in self.params)
         self.padded = -(-numel // d) * d
         self.shard_size = self.padded // d
-        self.lo = (ctx.dp_rank if self.shard else 0) * self.shard_size
+        self.lo = (self.dp.rank if self.shard else 0) * self.shard_size
         device = ctx.device
         initial = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self.param_buffer = torch.zeros(self.padded, dtype=param_dtype, device=device)
@@ -94,14 +99,16 @@ class MasterWeightOptimizer:
 
     def reduce_gradients(self) -> None:
         """Average the fp32 gradients over DP: reduce-scatter (each rank gets its range) when sharded,
-        else one all-reduce of the whole buffer."""
-        dp = self.ctx.dp
+        else one all-reduce of the whole buffer; the sum is divided by `grad_divisor`."""
+        dp = self.dp
         if dp.size == 1:
+            if self.grad_divisor != 1:
+                self.grad_buffer.div_(self.grad_divisor)
             return
         if self.shard:
-            self.grad_shard.copy_(dp.reduce_scatter(self.grad_buffer)).div_(dp.size)
+            self.grad_shard.copy_(dp.reduce_scatter(self.grad_buffer)).div_(self.grad_divisor)
         else:
-            dp.all_reduce(self.grad_buffer).div_(dp.size)
+            dp.all_reduce(self.grad_buffer).div_(self.grad_divisor)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -112,7 +119,7 @@ class MasterWeightOptimizer:
         if self.separate_master:
             self.param_buffer[self.lo:hi].copy_(self.master)
         if self.shard:
-            gathered = self.ctx.dp.all_gather(self.param_buffer[self.lo:hi].clone())
+            gathered = self.dp.all_gather(self.param_buffer[self.lo:hi].clone())
             self.param_buffer.copy_(torch.cat(gathered))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -135,7 +142,7 @@ class MasterWeightOptimizer:
         flats = {"model": self.master.float(), "exp_avg": self._flat_state("exp_avg"),
                  "exp_avg_sq": self._flat_state("exp_avg_sq")}
         if self.shard:
-            flats = {key: torch.cat(self.ctx.dp.all_gather(flat)) for key, flat in flats.items()}
+            flats = {key: torch.cat(self.dp.all_gather(flat)) for key, flat in flats.items()}
         has_moments = any("exp_avg" in state for state in self.state.values())
         out = {}
         for name, p, (a, b) in zip(self.names, self.params, self.ranges):
@@ -162,6 +169,41 @@ class MasterWeightOptimizer:
                 "step": torch.tensor(float(optimizer_step), device=segment.device),
                 "exp_avg": flats["exp_avg"][start:start + segment.numel()].clone(),
                 "exp_avg_sq": flats["exp_avg_sq"][start:start + segment.numel()].clone()}
+
+
+class DenseAndExpertOptimizer:
+    """Two `MasterWeightOptimizer`s used as one under expert parallelism: the dense parameters reduced
+    (and sharded) over `ctx.dp`, the expert parameters over `ctx.expert_dp` with their sum divided by
+    the whole DP size (`shardlm.training.gradients.reduce_expert_gradients` says why)."""
+
+    def __init__(self, dense: MasterWeightOptimizer, experts: MasterWeightOptimizer):
+        self.parts = (dense, experts)
+        self.shard = dense.shard
+        self.segments = dense.segments + experts.segments
+        self.param_groups = dense.param_groups + experts.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.parts[0].state, **self.parts[1].state}
+
+    def reduce_gradients(self) -> None:
+        for part in self.parts:
+            part.reduce_gradients()
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {**self.parts[0].full_state(), **self.parts[1].full_state()}
+
+    def load_full_state(self, tensors: dict[str, dict[str, torch.Tensor]], optimizer_step: int) -> None:
+        for part in self.parts:
+            part.load_full_state({name: tensors[name] for name in part.names}, optimizer_step)
 
 
 def _accumulate_into_main_grad(param: torch.Tensor) -> None:

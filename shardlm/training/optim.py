@@ -50,9 +50,14 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     copy on the last stage (`pipeline_tied_copy`) is left out, so it counts once. Gradients are already
     averaged over DP, so DP needs no communication, unless each DP rank holds only its range of them
     (`sharded_over_dp`, the distributed optimizer): then the ranges' shares are summed over DP.
+    Experts split over expert-parallel ranks (`expert_parallel`, all of them TP-split) differ between
+    the ranks of the EP group: their share is summed over EP (over DP, which contains EP, when sharded).
     """
     device = ctx.device
     params = [p for p in params if p.grad is not None and not getattr(p, "pipeline_tied_copy", False)]
+    split_experts = ctx.ep_size > 1
+    experts = [p.grad for p in params if split_experts and getattr(p, "expert_parallel", False)]
+    params = [p for p in params if not (split_experts and getattr(p, "expert_parallel", False))]
     sharded = [p.grad for p in params if is_tensor_parallel(p)]
     replicated = [p.grad for p in params if not is_tensor_parallel(p)]
 
@@ -62,6 +67,11 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
         return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
     sharded_sq = squared(sharded)
+    if split_experts:
+        experts_sq = squared(experts)
+        if not sharded_over_dp:
+            ctx.ep.all_reduce(experts_sq)
+        sharded_sq = sharded_sq + experts_sq
     ctx.tp.all_reduce(sharded_sq)
     total = sharded_sq + squared(replicated)
     if sharded_over_dp:

@@ -147,7 +147,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if config.model.vocab_size == 0:
         config.model.vocab_size = tokenizer.vocab_size
     t = config.train
-    ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline)
+    ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline,
+                           config.parallel.expert)
     if t.compile:  # before the run directory and the datasets exist
         check_can_compile(ctx.device)
     if ctx.is_main:
@@ -165,6 +166,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     trainer = Trainer(config, ctx, train_data, valid_data)
     checkpoints = progress.checkpoints = (Path(config.checkpoint.dir) if config.checkpoint.dir
                                           else run_dir / "checkpoints")
+    if ctx.is_main:  # what a killed run's unfinished save left; no rank saves before the next barrier
+        remove_unfinished(checkpoints)
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
     if resume_from:
         meta = load_checkpoint(trainer, resume_from)

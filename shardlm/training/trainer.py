@@ -34,9 +34,15 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models import build_model, training_loss
 from shardlm.models.config import flops_per_step
+from shardlm.models.moe import finish_step, set_aux_loss_scale
 from shardlm.parallel import ParallelContext
 from shardlm.training.data import micro_batches
-from shardlm.training.gradients import all_reduce_gradients, sum_sequence_parallel_gradients
+from shardlm.training.gradients import (
+    all_reduce_gradients,
+    is_split_expert,
+    reduce_expert_gradients,
+    sum_sequence_parallel_gradients,
+)
 from shardlm.training.loss_scaler import DynamicLossScaler
 from shardlm.training.optim import build_optimizer, clip_grad_norm, learning_rate
 
@@ -102,6 +108,8 @@ class Trainer:
         t = config.train
         ctx.seed(t.seed)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
+        ctx.expert_dispatcher = config.parallel.expert_dispatcher
+        self.moe = config.model.moe_num_experts > 0
         layers, stage_ids = None, None
         if ctx.pp_size > 1:  # this rank builds only the layers of its pipeline stages
             from shardlm.training.pipeline import PipelineRunner, pipeline_layout
@@ -121,14 +129,21 @@ class Trainer:
         self.ddp = self.master = None
         betas = (t.adam_beta1, t.adam_beta2)
         if t.param_dtype == "half" or t.distributed_optimizer:
-            from shardlm.training.master_weights import MasterWeightOptimizer
+            from shardlm.training.master_weights import DenseAndExpertOptimizer, MasterWeightOptimizer
 
             dtype = HALF[t.precision] if t.param_dtype == "half" else torch.float32
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            self.optimizer = self.master = MasterWeightOptimizer(named, ctx, t.lr, t.weight_decay, betas, t.adam_eps,
-                                                                 dtype, shard=t.distributed_optimizer)
+            experts = [(n, p) for n, p in named if is_split_expert(p, ctx)]
+            args = (ctx, t.lr, t.weight_decay, betas, t.adam_eps, dtype)
+            self.optimizer = self.master = MasterWeightOptimizer(
+                [(n, p) for n, p in named if not is_split_expert(p, ctx)], *args, shard=t.distributed_optimizer)
+            if experts:  # reduced and sharded over expert-DP, divided by DP
+                self.optimizer = self.master = DenseAndExpertOptimizer(self.master, MasterWeightOptimizer(
+                    experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp, grad_divisor=ctx.dp_size))
         else:
             if ctx.dp_size > 1 and self.pipeline is None:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # experts: reduce_gradients
+                    self.model, [n for n, p in self.model.named_parameters() if is_split_expert(p, ctx)])
                 self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group,
                                                    gradient_as_bucket_view=True)
                 self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
@@ -161,8 +176,11 @@ class Trainer:
         sum_sequence_parallel_gradients(self.params, self.ctx)
         if self.master is not None:
             self.master.reduce_gradients()
-        elif self.ddp is None:
-            all_reduce_gradients([p.grad for p in self.params if p.grad is not None], self.ctx)
+            return
+        if self.ddp is None:
+            all_reduce_gradients([p.grad for p in self.params if p.grad is not None
+                                  and not is_split_expert(p, self.ctx)], self.ctx)
+        reduce_expert_gradients(self.params, self.ctx)
 
     def autocast(self):
         precision = self.config.train.precision
@@ -184,6 +202,8 @@ class Trainer:
                                 ctx.dp_rank, ctx.dp_size, ctx.device)
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = torch.zeros((), device=ctx.device)
+        if self.moe:  # the MoE losses' gradients get the micro-batch loss's factor
+            set_aux_loss_scale(self.model, scale / len(batches))
         if self.pipeline is not None:
             with self.autocast():
                 loss_sum = self.pipeline.forward_backward(batches, scale)
@@ -212,6 +232,10 @@ class Trainer:
             self.skipped_steps += 1
         if self.scaler:
             self.scaler.update(overflow)
+        moe_metrics = {}
+        if self.moe:  # aux loss and expert loads of the step; expert biases move after the step
+            moe_metrics = finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
+                                      update_bias=not overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += t.global_batch_size
@@ -224,7 +248,7 @@ class Trainer:
             "loss_scale": scale, "skipped": overflow, "step_time_s": elapsed,
             "tokens_per_sec": tokens / elapsed, "tflops": tflops,
             "tflops_per_device": tflops / ctx.world_size,
-            "mfu": (tflops / ctx.world_size / peak) if peak else None,
+            "mfu": (tflops / ctx.world_size / peak) if peak else None, **moe_metrics,
         }
 
     @torch.no_grad()

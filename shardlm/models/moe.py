@@ -1,0 +1,312 @@
+"""Mixture-of-Experts: a router picks k of E expert MLPs per token; the MLP of chosen layers becomes this.
+
+    y = sum_j w_j expert_{i_j}(x)  (+ shared(x))      i_1..i_k = top-k experts of x, w their weights
+
+Routing (`Router`, `route`): fp32 gate logits `x W_g^T` (even under autocast or half parameters), scores
+softmax or sigmoid, top-k over the scores plus an optional expert bias that only steers the selection
+(DeepSeek-V3's aux-loss-free balancing: after each optimizer step the bias moves by `rate` towards the
+under-loaded experts, from the step's token counts over every rank), optionally limited to the best
+`topk_groups` of `groups` expert groups; the chosen weights are the scores without the bias, divided by
+their sum when `norm_topk_prob`, times `routed_scaling`. Dropless: every token reaches its k experts.
+
+Losses (`balance_losses`), over each micro-batch's whole token set (summed over the TP ranks that hold
+its sequence chunks under sequence parallelism, so they do not depend on the layout):
+  aux = coeff x E x sum_e f_e P_e,  f_e = tokens routed to e / (N k),  P_e = mean over tokens of p_e
+  (p = the softmax scores, or the sigmoid scores divided by their sum), equal to coeff at uniform routing;
+  z = coeff x mean over tokens of logsumexp(logits)^2.
+They enter the objective through `_AttachLoss`: the layer's output carries them, and their gradient
+(scaled as the trainer scales the micro-batch loss, `loss_scale`) starts when the output's does, so
+they work under pipeline stages and activation recomputation without the model returning them.
+
+Experts (`GroupedExperts`): the E / ep experts of this expert-parallel rank as stacked weights, an MLP
+like the family's dense one (GPT: fc -> GeLU -> proj; Llama: SwiGLU), without biases. Expert tensor
+parallelism equals TP: every expert's first matrices are column-split and its last row-split over the
+TP group exactly like the dense MLP, so TP ranks run the same tokens and the partial sums are reduced
+once per layer (`g`). Compute is `torch._grouped_mm` (one GEMM over all experts) when the shapes allow
+it, else a plain loop over experts (`grouped=False`); both give the same result.
+
+Token movement over expert-parallel ranks is `shardlm.parallel.experts`; which group reduces expert
+gradients is `shardlm.training.gradients.reduce_expert_gradients`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.models.config import ModelConfig
+from shardlm.parallel import (
+    ParallelContext,
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
+from shardlm.parallel.experts import build_dispatcher
+from shardlm.parallel.init import normal_shard, param_seed
+
+# ------------------------------------------------------------------------------------------- routing
+
+
+def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, groups: int = 0,
+          topk_groups: int = 0, norm_topk_prob: bool = True, scaling: float = 1.0):
+    """(N, E) fp32 scores -> (indices (N, k) int64, weights (N, k) fp32).
+
+    Selection uses scores + bias (the bias steers which experts are chosen, never their weights); with
+    `groups`, only experts of each token's best `topk_groups` groups are eligible, a group's score being
+    the sum of its two best experts' (DeepSeek-V3)."""
+    select = scores if bias is None else scores + bias
+    if groups:
+        N, E = select.shape
+        grouped = select.view(N, groups, E // groups)
+        group_score = grouped.topk(min(2, E // groups), dim=-1).values.sum(-1)  # (N, groups)
+        best = group_score.topk(topk_groups, dim=-1).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        select = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(N, E)
+    indices = select.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return indices, weights * scaling
+
+
+def balance_losses(logits: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, aux_coeff: float,
+                   z_coeff: float, sequence_parallel: bool = False, tp=None) -> torch.Tensor:
+    """aux + z losses (fp32 scalar, see the module docstring) of this micro-batch's tokens.
+
+    logits, probs: (N, E) fp32 of this rank's tokens (probs summing to 1 per token); indices: (N, k).
+    Under sequence parallelism each TP rank holds a chunk: token counts, probability sums and N are
+    summed over TP (the probability sums by `g`, whose backward keeps each rank's gradient on its own tokens)."""
+    N, E = probs.shape
+    k = indices.shape[1]
+    counts = torch.bincount(indices.reshape(-1), minlength=E).to(probs.dtype)
+    prob_sum = probs.sum(0)
+    z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum().reshape(1)
+    tokens = torch.tensor([float(N)], device=probs.device)
+    if sequence_parallel:
+        tp.all_reduce(counts)
+        tp.all_reduce(tokens)
+        prob_sum = reduce_from_tensor_parallel(prob_sum, tp)
+        z_sum = reduce_from_tensor_parallel(z_sum, tp)
+    aux = aux_coeff * E * (counts / (tokens * k) * prob_sum / tokens).sum()
+    return aux + z_coeff * (z_sum / tokens).sum()
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `y`; in the backward, the scalar `loss` receives gradient `scale` (how the trainer
+    scales the micro-batch loss), so the loss joins the objective wherever `y` is used."""
+
+    @staticmethod
+    def forward(ctx, y, loss, scale):
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+class Router(nn.Module):
+    """Gate (E, h) in fp32, replicated on every rank (its gradient summed over TP under sequence
+    parallelism). x: (N, h) -> (indices (N, k), weights (N, k) fp32, scores (N, E), logits (N, E)).
+    `expert_bias` (E,) is a parameter without gradient (saved in checkpoints, never in the optimizer)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(normal_shard((cfg.moe_num_experts, cfg.hidden_size), cfg.init_std,
+                                                param_seed(seed, f"{prefix}.weight"), device=ctx.device))
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+        self.expert_bias = None
+        if cfg.moe_expert_bias_rate > 0:
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.moe_num_experts, device=ctx.device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor):
+        cfg = self.cfg
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if cfg.moe_score == "softmax" else logits.sigmoid()
+        bias = None if self.expert_bias is None else self.expert_bias.float()
+        indices, weights = route(scores, cfg.moe_top_k, bias, cfg.moe_groups, cfg.moe_topk_groups,
+                                 cfg.moe_norm_topk_prob, cfg.moe_routed_scaling)
+        return indices, weights, scores, logits
+
+
+# ------------------------------------------------------------------------------------------- experts
+
+
+def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """`torch._grouped_mm` needs matching dtypes and 16-byte aligned rows (row lengths a multiple of
+    16 / element size); on CUDA only bf16 kernels are assumed."""
+    if any(w.dtype != x.dtype for w in weights) or (x.is_cuda and x.dtype != torch.bfloat16):
+        return False
+    elements = 16 // x.element_size()
+    return all(d % elements == 0 for w in weights for d in w.shape[1:])
+
+
+def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
+    """Rows of each expert times that expert's weight transposed: x (M, in), weight (E_l, out, in),
+    counts rows per expert (summing to M) -> (M, out)."""
+    if grouped:
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight)])
+
+
+class GroupedExperts(nn.Module):
+    """This rank's E / ep experts, each split over TP like the dense MLP (no biases).
+
+    gated (Llama): `gate`, `up` (E_l, f / tp, h) column-split, `down` (E_l, h, f / tp) row-split,
+    y = down(silu(gate x) * up x). Else (GPT): `fc` (E_l, f / tp, h), `proj` (E_l, h, f / tp),
+    y = proj(gelu(fc x)). Expert e's weights are drawn from seeds of its global index, so they do not
+    depend on the layout. forward(x (M, h) grouped by expert, counts (E_l,)) -> (M, h) partial sums over TP.
+    Weights carry `expert_parallel` and `first_expert` (global index of row 0 of the stack)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, gated: bool):
+        super().__init__()
+        self.gated = gated
+        self.grouped = True
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        local = cfg.moe_num_experts // ctx.ep_size
+        first = ctx.ep_rank * local
+        width = cfg.moe_ffn_size // ctx.tp_size
+        lo, hi = ctx.tp_rank * width, (ctx.tp_rank + 1) * width
+        h, f = cfg.hidden_size, cfg.moe_ffn_size
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+        def stack(name: str, shape: tuple[int, int], dim: int, std: float) -> nn.Parameter:
+            weight = nn.Parameter(torch.stack([
+                normal_shard(shape, std, param_seed(seed, f"{prefix}.experts.{e}.{name}"), dim, lo, hi,
+                             device=ctx.device) for e in range(first, first + local)]))
+            weight.tensor_parallel_dim = dim + 1
+            weight.expert_parallel, weight.first_expert = True, first
+            return weight
+
+        names = ("gate", "up", "down") if gated else ("fc", "proj")
+        for name in names[:-1]:
+            setattr(self, name, stack(name, (f, h), 0, cfg.init_std))
+        setattr(self, names[-1], stack(names[-1], (h, f), 1, out_std))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = [self.gate, self.up, self.down] if self.gated else [self.fc, self.proj]
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        else:
+            x = x.to(weights[0].dtype)
+        counts = counts.tolist()
+        grouped = self.grouped and grouped_mm_applies(x, *weights)
+        if self.gated:
+            gate, up, down = weights
+            hidden = F.silu(expert_matmul(x, gate, counts, grouped)) * expert_matmul(x, up, counts, grouped)
+        else:
+            fc, down = weights
+            hidden = F.gelu(expert_matmul(x, fc, counts, grouped), approximate=self.approximate)
+        return expert_matmul(hidden, down, counts, grouped)
+
+
+# ------------------------------------------------------------------------------------------- the layer
+
+
+class MoELayer(nn.Module):
+    """Router + routed experts (+ shared experts): (B, T, h) -> (B, T, h), or (B, T / tp, h) chunks
+    under sequence parallelism. `shared`: the block's dense MLP of the shared experts' width, or None.
+
+    Per layer: TP sees one `f` (tokens and their routing weights enter the TP region; the chunks are
+    all-gathered under sequence parallelism) and one `g` on the combined expert output; the dispatcher
+    talks to the expert-parallel group. Each training forward appends its routed-slot counts per expert
+    and its aux + z loss (detached) to `recorded`, for the bias update and the metrics (`finish_step`),
+    except a recomputation in the backward."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
+                 gated: bool, shared: nn.Module | None = None):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
+        self.router = Router(cfg, ctx, seed, f"{prefix}.router", self.sequence_parallel)
+        self.experts = GroupedExperts(cfg, ctx, seed, prefix, gated)
+        self.shared = shared
+        self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, ctx.expert_dispatcher)
+        self.loss_scale = 1.0
+        """Factor of the micro-batch loss in the backward (the trainer's loss scale / micro-batches)."""
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, h = x.shape
+        tp, k = self.ctx.tp, self.cfg.moe_top_k
+        indices, weights, scores, logits = self.router(x.reshape(-1, h))
+        loss = None
+        if self.training and torch.is_grad_enabled():
+            probs = scores if self.cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+            loss = balance_losses(logits, probs, indices, self.cfg.moe_aux_loss_coeff, self.cfg.moe_z_loss_coeff,
+                                  self.sequence_parallel, tp)
+            if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
+                self.recorded.append((torch.bincount(indices.reshape(-1), minlength=scores.shape[1]), loss.detach()))
+        if self.sequence_parallel:  # every TP rank runs the experts on the whole sequence
+            tokens = gather_from_sequence_parallel(x, tp).reshape(-1, h)
+            weights = gather_from_sequence_parallel(weights.view(B, T, k), tp).reshape(-1, k)
+            indices = torch.cat(tp.all_gather(indices.view(B, T, k)), dim=1).reshape(-1, k)
+        else:
+            tokens, weights = copy_to_tensor_parallel(x.reshape(-1, h), tp), copy_to_tensor_parallel(weights, tp)
+        expert_tokens, counts, plan = self.dispatcher.dispatch(tokens, indices)
+        out = self.dispatcher.combine(self.experts(expert_tokens, counts), plan)  # (N k, h) per slot
+        y = (out.view(-1, k, h) * weights.unsqueeze(-1).to(out.dtype)).sum(1).view(B, -1, h)
+        y = reduce_scatter_to_sequence_parallel(y, tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, tp)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
+
+
+# ------------------------------------------------------------------------------------------- the trainer's
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The MoE layers of a model (of this rank's pipeline stages), in order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Tell every MoE layer the factor of the micro-batch loss in the backward (scale / micro-batches)."""
+    for layer in moe_layers(model):
+        layer.loss_scale = scale
+
+
+@torch.no_grad()
+def finish_step(model: nn.Module, ctx: ParallelContext, micro_batches: int, sequence_parallel: bool,
+                update_bias: bool = True) -> dict:
+    """After an optimizer step: the step's MoE metrics, and the expert-bias update.
+
+    Each layer's last `micro_batches` recorded forwards are the step's (a pipeline schedule's first step
+    also runs each stage once on stand-in tensors to learn shapes: that one comes first and is left
+    out). Token counts are summed over the data-parallel group (and TP under sequence parallelism, whose
+    ranks hold different tokens), so every rank sees the global counts and moves its biases alike:
+    bias += rate x sign(mean count - count). Returns {"moe_aux_loss": mean per micro-batch summed over
+    layers (averaged over DP, summed over pipeline stages), "expert_load_min"/"max": the least and most
+    loaded expert's share of its layer's slots relative to uniform}. Collective over DP, TP and PP;
+    every rank of a model with MoE layers anywhere must call it."""
+    layers = moe_layers(model)
+    aux = torch.tensor([0.0, -float("inf"), -float("inf")], dtype=torch.float64, device=ctx.device)  # aux,-min,max
+    recorded = [layer.recorded[-micro_batches:] for layer in layers]
+    for layer in layers:
+        layer.recorded = []
+    if layers:
+        aux[0] = sum(loss.double() for step in recorded for _, loss in step)
+        counts = torch.stack([sum(c for c, _ in step).double() for step in recorded])  # (layers, E)
+        ctx.dp.all_reduce(counts)
+        if sequence_parallel:
+            ctx.tp.all_reduce(counts)
+        share = counts / counts.mean(1, keepdim=True).clamp_min(1)
+        aux[1], aux[2] = -share.min(), share.max()
+        for layer, count in zip(layers, counts):
+            bias = layer.router.expert_bias
+            if bias is not None and update_bias:
+                bias += layer.cfg.moe_expert_bias_rate * torch.sign(count.mean() - count).to(bias.dtype)
+    ctx.dp.all_reduce(aux[:1])
+    ctx.pp.all_reduce(aux[:1])
+    ctx.pp.all_reduce(aux[1:], op=torch.distributed.ReduceOp.MAX)
+    return {"moe_aux_loss": aux[0].item() / (micro_batches * ctx.dp_size),
+            "expert_load_min": -aux[1].item(), "expert_load_max": aux[2].item()}

@@ -1,0 +1,297 @@
+"""Expert parallelism gives the one-process answer (gloo; fp32, dropout 0).
+
+Each layout trains a tiny MoE model for 8 steps; loss, gradient norm and the reported aux loss at every
+step and every final parameter (experts gathered over EP and TP, expert biases included) must be within
+1e-5 (relative) of one process running the same micro-batches. World of 2: EP=2 (DP=2) with
+Mixtral-style routing, both dispatchers, DeepSeek-style routing (sigmoid, expert bias, shared experts,
+group-limited top-k, first layer dense), PP=2 with MoE on the second stage only, a checkpoint saved
+at EP=2 with the distributed optimizer and loaded in one process, and the dispatchers' own checks.
+World of 4: EP=2 x DP=4 (expert-DP 2), EP=4, EP=2 x TP=2, EP=2 x TP=2 with sequence parallelism,
+the distributed optimizer sharding expert state over expert-DP, EP=2 x PP=2, and two deliberately
+wrong expert-gradient reductions (over the dense DP group; divided by expert-DP instead of DP),
+which must not match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_training import ADAM_EPS, VOCAB, rel, synthetic_data
+
+from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
+from shardlm.config import from_dict, validate
+from shardlm.parallel import ParallelContext
+from shardlm.parallel.experts import AllGatherDispatcher, AllToAllDispatcher
+from shardlm.training import trainer as trainer_module
+from shardlm.training.gradients import _reduce_in_place
+from shardlm.training.trainer import Trainer
+
+from multiproc import check_result, run_checks, run_workers
+
+STEPS, TOL = 8, 1e-5
+MIXTRAL = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+DEEPSEEK = {"moe_num_experts": 8, "moe_score": "sigmoid", "moe_expert_bias_rate": 0.01, "moe_shared_experts": 1,
+            "moe_first_dense_layers": 1, "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scaling": 2.0,
+            "moe_aux_loss_coeff": 0.001}
+ROUTING = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK, "mixtral_first_dense": MIXTRAL | {"moe_first_dense_layers": 1}}
+
+
+def moe_config(arch: str, routing: str, micro: int, tp: int = 1, ep: int = 1, sp: bool = False,
+               dispatcher: str = "all_to_all", pp: int = 1, **train):
+    return from_dict({
+        "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+                  "vocab_size": VOCAB, "dropout": 0.0, "moe_num_experts": 4, "moe_top_k": 2,
+                  "moe_ffn_hidden_size": 32} | ROUTING[routing],
+        "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "expert_dispatcher": dispatcher,
+                     "pipeline": pp},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, **train},
+    })
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter in the one-process layout: TP shards concatenated, expert stacks gathered over EP."""
+    ctx, out = trainer.ctx, {}
+    for name, param in trainer.model.named_parameters():
+        value = param.detach()
+        if hasattr(param, "tensor_parallel_dim"):
+            value = torch.cat(ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
+        if getattr(param, "expert_parallel", False):
+            value = torch.cat(ctx.ep.all_gather(value.contiguous()))
+        out[name] = value[:VOCAB].clone() if name in ("wte.weight", "lm_head.weight") else value.clone()
+    return out
+
+
+def curve_of(metrics: list[dict]) -> list[tuple[float, float, float]]:
+    return [(m["loss"], m["grad_norm"], m["moe_aux_loss"]) for m in metrics]
+
+
+def train_layout(ctx: ParallelContext, config, steps: int = STEPS):
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, synthetic_data())
+    return curve_of([trainer.train_step() for _ in range(steps)]), full_parameters(trainer), trainer
+
+
+def run(config, tp: int = 1, ep: int = 1, pp: int = 1):
+    """A check: train `config` on the whole world as PP x DP x TP with expert size `ep` (rank 0 returns
+    the parameters of every pipeline stage)."""
+    def check():
+        ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, expert_parallel=ep)
+        curve, params, _ = train_layout(ctx, config)
+        if pp > 1:
+            params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
+        return curve, params
+    return check
+
+
+# ------------------------------------------------------------------------------------------- dispatch
+
+def dispatch_checks():
+    """On EP = world: round trips of random tokens through each dispatcher (identity experts; the
+    all-to-all with a different token count on every rank), and the two dispatchers' outputs and input
+    gradients with a nonlinear function of each expert's global index."""
+    ctx = ParallelContext.from_process_group(1, expert_parallel=torch.distributed.get_world_size())
+    g = torch.Generator().manual_seed(10 + ctx.rank)
+    E, k, h = 4, 2, 8
+
+    def inputs(n: int):
+        return torch.randn(n, h, generator=g), torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+
+    dispatchers = {"all_to_all": AllToAllDispatcher(E, ctx.ep), "all_gather": AllGatherDispatcher(E, ctx.ep)}
+    out = {}
+    for kind, n in (("all_to_all", 12 + 3 * ctx.rank), ("all_gather", 12)):
+        x, indices = inputs(n)
+        x.requires_grad_()
+        rows, _, plan = dispatchers[kind].dispatch(x, indices)
+        back = dispatchers[kind].combine(rows, plan)
+        upstream = torch.randn(n * k, h, generator=g)
+        back.backward(upstream)
+        out[f"{kind}_round_trip_exact"] = (torch.equal(back, x.detach().repeat_interleave(k, 0))
+                                           and torch.equal(x.grad, upstream.view(n, k, h).sum(1)))
+    x, indices = inputs(12)
+    upstream = torch.randn(12 * k, h, generator=g)
+    expected = torch.tanh(x.repeat_interleave(k, 0) * (indices.reshape(-1, 1) + 1))
+    for kind, dispatcher in dispatchers.items():
+        xi = x.clone().requires_grad_()
+        rows, counts, plan = dispatcher.dispatch(xi, indices)
+        expert_of_row = torch.arange(len(counts)).repeat_interleave(counts) + ctx.ep.rank * len(counts)
+        result = dispatcher.combine(torch.tanh(rows * (expert_of_row + 1).unsqueeze(1)), plan)
+        result.backward(upstream)
+        out[f"{kind}_expert_function"] = (result.detach(), xi.grad, torch.equal(result.detach(), expected))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- worlds
+
+def checkpoint_check(directory: str):
+    """EP=2 DeepSeek-style with the distributed optimizer: 8 steps, save, then one more step."""
+    ctx = ParallelContext.from_process_group(1, expert_parallel=2)
+    config = moe_config("llama", "deepseek", 4, ep=2, distributed_optimizer=True)
+    curve, params, trainer = train_layout(ctx, config)
+    save_checkpoint(trainer, directory)
+    after = trainer.train_step()
+    return {"curve": curve, "params": params, "step9": curve_of([after])[0],
+            "params9": full_parameters(trainer)}
+
+
+def world2_checks(directory: str):
+    checks = {
+        "ep2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4, ep=2), ep=2),
+        "ep2_gpt_mixtral_all_gather": run(moe_config("gpt", "mixtral", 4, ep=2, dispatcher="all_gather"), ep=2),
+        "ep2_llama_deepseek": run(moe_config("llama", "deepseek", 4, ep=2), ep=2),
+        "checkpoint": lambda: checkpoint_check(directory),
+        "pp2_gpt_mixtral_first_dense": run(moe_config("gpt", "mixtral_first_dense", 4, pp=2), pp=2),
+        "dispatch": dispatch_checks,
+    }
+    return run_checks(checks)
+
+
+def reduce_over_dense_dp(params, ctx):
+    """Wrong on purpose (Megatron-LM #1628): expert gradients averaged over the dense DP group."""
+    grads = [p.grad for p in params if getattr(p, "expert_parallel", False) and p.grad is not None]
+    _reduce_in_place(grads, ctx.dp, divide=ctx.dp_size)
+
+
+def reduce_not_scaled_by_dp(params, ctx):
+    """Wrong on purpose (Megatron-LM PR #5956): the expert-DP sum divided by expert-DP, not DP."""
+    grads = [p.grad for p in params if getattr(p, "expert_parallel", False) and p.grad is not None]
+    _reduce_in_place(grads, ctx.expert_dp, divide=ctx.expert_dp.size)
+
+
+def broken(reduction):
+    """A check: EP=2 x DP=4 with `reduction` in place of the trainer's expert-gradient reduction."""
+    def check():
+        original = trainer_module.reduce_expert_gradients
+        trainer_module.reduce_expert_gradients = reduction
+        try:
+            return run(moe_config("gpt", "mixtral", 2, ep=2), ep=2)()
+        finally:
+            trainer_module.reduce_expert_gradients = original
+    return check
+
+
+def world4_checks():
+    checks = {
+        "ep2_dp4_gpt_mixtral": run(moe_config("gpt", "mixtral", 2, ep=2), ep=2),
+        "ep4_dp4_gpt_mixtral": run(moe_config("gpt", "mixtral", 2, ep=4), ep=4),
+        "ep2_tp2_llama_deepseek": run(moe_config("llama", "deepseek", 4, tp=2, ep=2), tp=2, ep=2),
+        "ep2_tp2_sp_llama_mixtral": run(moe_config("llama", "mixtral", 4, tp=2, ep=2, sp=True), tp=2, ep=2),
+        "ep2_dp4_llama_deepseek_zero": run(moe_config("llama", "deepseek", 2, ep=2, distributed_optimizer=True),
+                                           ep=2),
+        "ep2_pp2_llama_deepseek": run(moe_config("llama", "deepseek", 2, ep=2, pp=2), ep=2, pp=2),
+        "wrong_group": broken(reduce_over_dense_dp),
+        "wrong_scale": broken(reduce_not_scaled_by_dp),
+    }
+    return run_checks(checks)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir):
+    return run_workers(2, world2_checks, str(checkpoint_dir), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world4_checks, timeout=600)
+
+
+_REFERENCES = {}
+
+
+def reference(arch: str, routing: str, micro: int):
+    """One process, the same micro-batches (cached per module)."""
+    key = (arch, routing, micro)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_layout(ParallelContext.single(), moe_config(arch, routing, micro))[:2]
+    return _REFERENCES[key]
+
+
+def assert_same_run(run_result, ref):
+    (curve, params), (ref_curve, ref_params) = run_result, ref
+    assert len(curve) == STEPS
+    for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
+        for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
+            assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
+    assert params.keys() == ref_params.keys()
+    errors = {name: rel(params[name], ref_params[name]) for name in params}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"final parameter {worst} differs by {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("name,arch,routing,micro", [
+    ("ep2_gpt_mixtral", "gpt", "mixtral", 4),
+    ("ep2_gpt_mixtral_all_gather", "gpt", "mixtral", 4),
+    ("ep2_llama_deepseek", "llama", "deepseek", 4),
+    ("pp2_gpt_mixtral_first_dense", "gpt", "mixtral_first_dense", 4),  # stage 0 holds no MoE layer
+])
+def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, micro):
+    assert_same_run(check_result(world2, name)[0], reference(arch, routing, micro))
+
+
+@pytest.mark.parametrize("name,arch,routing,micro", [
+    ("ep2_dp4_gpt_mixtral", "gpt", "mixtral", 2),
+    ("ep4_dp4_gpt_mixtral", "gpt", "mixtral", 2),
+    ("ep2_tp2_llama_deepseek", "llama", "deepseek", 4),
+    ("ep2_tp2_sp_llama_mixtral", "llama", "mixtral", 4),
+    ("ep2_dp4_llama_deepseek_zero", "llama", "deepseek", 2),
+    ("ep2_pp2_llama_deepseek", "llama", "deepseek", 2),  # stage 0 holds no MoE layer
+])
+def test_world4_expert_parallel_equals_one_process(world4, name, arch, routing, micro):
+    assert_same_run(check_result(world4, name)[0], reference(arch, routing, micro))
+
+
+def test_deepseek_reference_moves_the_expert_biases_and_has_an_aux_loss():
+    """What the DeepSeek-style comparisons cover: biases that moved, a non-zero aux loss, a dense first layer."""
+    curve, params = reference("llama", "deepseek", 4)
+    assert params["layers.1.mlp.router.expert_bias"].abs().max() > 0
+    assert "layers.0.mlp.router.weight" not in params and "layers.1.mlp.shared.up.weight" in params
+    assert all(aux > 0 for _, _, aux in curve)
+
+
+@pytest.mark.parametrize("name", ["wrong_group", "wrong_scale"])
+def test_wrong_expert_gradient_reductions_do_not_match(world4, name):
+    """The comparison catches both Megatron-LM bugs: a run with either wrong reduction is off by far more than 1e-5."""
+    with pytest.raises(AssertionError):
+        assert_same_run(check_result(world4, name)[0], reference("gpt", "mixtral", 2))
+
+
+def test_dispatch_round_trip_is_exact(world2):
+    for result in check_result(world2, "dispatch"):
+        assert result["all_to_all_round_trip_exact"] and result["all_gather_round_trip_exact"]
+
+
+def test_all_to_all_and_all_gather_dispatchers_agree(world2):
+    """Same outputs and input gradients, both equal to the per-expert function applied token by token."""
+    for result in check_result(world2, "dispatch"):
+        (a2a, a2a_grad, a2a_ok), (ag, ag_grad, ag_ok) = result["all_to_all_expert_function"], \
+            result["all_gather_expert_function"]
+        assert a2a_ok and ag_ok
+        torch.testing.assert_close(a2a, ag, rtol=0, atol=0)
+        torch.testing.assert_close(a2a_grad, ag_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpoint_saved_at_ep2_loads_in_one_process(world2, checkpoint_dir):
+    """Experts stored per global index: one process loads the EP=2 checkpoint (weights, expert biases, sharded
+    Adam moments) and its next step equals the EP=2 run's next step."""
+    result = check_result(world2, "checkpoint")[0]
+    assert_same_run((result["curve"], result["params"]), reference("llama", "deepseek", 4))
+    config = moe_config("llama", "deepseek", 4)
+    model, _ = load_model(checkpoint_dir, ParallelContext.single())
+    loaded = dict(model.named_parameters())
+    for name, value in result["params"].items():
+        mine = loaded[name].detach()
+        torch.testing.assert_close(mine[:VOCAB] if name in ("wte.weight", "lm_head.weight") else mine, value,
+                                   rtol=0, atol=0)
+    trainer = Trainer(config, ParallelContext.single(), synthetic_data())
+    load_checkpoint(trainer, checkpoint_dir)
+    after = curve_of([trainer.train_step()])[0]
+    for a, b in zip(after, result["step9"]):
+        assert abs(a - b) <= TOL * abs(b)
+    params9 = full_parameters(trainer)
+    assert max(rel(params9[n], result["params9"][n]) for n in params9) <= TOL
