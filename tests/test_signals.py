@@ -71,23 +71,35 @@ def runs(config_file, tmp_path_factory):
     after 2 steps; then `resumed` from its checkpoint (saving every step), Ctrl-C'd 2 steps after resuming."""
     folder = tmp_path_factory.mktemp("signals")
     common = ["train", str(config_file), f"train.steps={STEPS}", *TWO_WORKERS]
-    reference = start(folder / "reference.log", *common, "--run-dir", str(folder / "reference"))
     run_dir, checkpoints = folder / "run", folder / "run" / "checkpoints"
-    stopped = start(folder / "stopped.log", *common, "--run-dir", str(run_dir))
-    wait_for(lambda: len(losses(run_dir)) >= 2)
-    stopped.send_signal(signal.SIGTERM)
-    stopped.wait(timeout=120)
-    after_sigterm = {"code": stopped.returncode, "latest": files.latest_in(checkpoints),
-                     "folders": checkpoint_folders(checkpoints) if checkpoints.is_dir() else []}
-    step = files.read_meta(after_sigterm["latest"])["step"] if after_sigterm["latest"] else 0
-    resumed = start(folder / "resumed.log", *common, "checkpoint.save_interval=1", "checkpoint.keep_last=100",
-                    "--run-dir", str(run_dir))
-    wait_for(lambda: max(losses(run_dir), default=0) >= step + 2 or resumed.poll() is not None)
-    resumed.send_signal(signal.SIGINT)
-    resumed.wait(timeout=120)
-    assert reference.wait(timeout=180) == 0, (folder / "reference.log").read_text()[-3000:]
-    return {"folder": folder, "run_dir": run_dir, "checkpoints": checkpoints, "step": step,
-            "after_sigterm": after_sigterm, "resumed_code": resumed.returncode}
+    launched = []
+    try:
+        reference = start(folder / "reference.log", *common, "--run-dir", str(folder / "reference"))
+        stopped = start(folder / "stopped.log", *common, "--run-dir", str(run_dir))
+        launched += [reference, stopped]
+        wait_for(lambda: len(losses(run_dir)) >= 2 or stopped.poll() is not None)
+        stopped.send_signal(signal.SIGTERM)
+        stopped.wait(timeout=120)
+        after_sigterm = {"code": stopped.returncode, "latest": files.latest_in(checkpoints),
+                         "folders": checkpoint_folders(checkpoints) if checkpoints.is_dir() else []}
+        step = files.read_meta(after_sigterm["latest"])["step"] if after_sigterm["latest"] else 0
+        resumed = start(folder / "resumed.log", *common, "checkpoint.save_interval=1", "checkpoint.keep_last=100",
+                        "--run-dir", str(run_dir))
+        launched.append(resumed)
+        wait_for(lambda: max(losses(run_dir), default=0) >= step + 2 or resumed.poll() is not None)
+        resumed.send_signal(signal.SIGINT)
+        resumed.wait(timeout=120)
+        assert reference.wait(timeout=180) == 0, (folder / "reference.log").read_text()[-3000:]
+    finally:  # a failed wait leaves no launcher behind (Ctrl-C makes it stop its workers)
+        for proc in launched:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    yield {"folder": folder, "run_dir": run_dir, "checkpoints": checkpoints, "step": step,
+           "after_sigterm": after_sigterm, "resumed_code": resumed.returncode}
 
 
 def test_sigterm_to_the_launcher_saves_and_exits_143_with_one_line(runs):
@@ -191,9 +203,13 @@ def test_sigterm_to_a_one_worker_generate_exits_143_with_one_line(runs, tmp_path
     log = tmp_path / "generate.log"
     proc = start(log, "generate", "--checkpoint", str(checkpoint), "--tensor-parallel", "1", "--prompt", "To be",
                  "--max-new-tokens", "100000", "--ignore-eod")
-    wait_for(lambda: proc.poll() is not None or handles_sigterm(proc.pid), timeout=60)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    try:
+        wait_for(lambda: proc.poll() is not None or handles_sigterm(proc.pid), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert log.read_text().splitlines() == ["shardlm: stopped by SIGTERM"]
 
 
