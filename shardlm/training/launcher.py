@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from shardlm.checkpoint.files import latest_in, read_meta, remove_unfinished
-from shardlm.signals import STOP_REPORT_ENV
+from shardlm.signals import INTERRUPTED_EXIT_CODE, STOP_REPORT_ENV, TERMINATED_EXIT_CODE
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 """Seconds the workers get after SIGTERM to finish their step and save: a step of a large model on a CPU
@@ -108,6 +108,8 @@ def launch(argv: list[str], shutdown_timeout: int, checkpoints: Path) -> int:
             failures = exc.failures
             first = min(failures) if failures else None
             code = failures[first].exitcode if first is not None else 1
+            if code in (TERMINATED_EXIT_CODE, INTERRUPTED_EXIT_CODE) and report.read_text().strip():
+                return code  # a worker, not this process, got the signal; the workers said where they stopped
             print(f"shardlm: training failed on {len(failures)} worker(s); see the messages above", file=sys.stderr)
             return code if code and code > 0 else 1
         finally:
