@@ -251,3 +251,40 @@ def test_cli_module_does_not_import_torch():
 
     code = "import sys, shardlm.plan.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+MOE_SHAPES = {
+    "gpt-shared-first-dense": ModelConfig(arch="gpt", num_layers=3, hidden_size=32, num_heads=4, seq_length=16,
+                                          vocab_size=100, moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=24,
+                                          moe_shared_experts=1, moe_first_dense_layers=1),
+    "llama-sigmoid-bias": ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                      seq_length=16, vocab_size=100, moe_num_experts=4, moe_top_k=2,
+                                      moe_ffn_hidden_size=24, moe_score="sigmoid", moe_expert_bias_rate=1e-3,
+                                      moe_shared_experts=2),
+    "qwen3-moe": ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=12,
+                             qk_norm=True, seq_length=16, vocab_size=100, moe_num_experts=4, moe_top_k=2,
+                             moe_ffn_hidden_size=24),
+}
+
+
+@pytest.mark.parametrize("name", MOE_SHAPES)
+def test_moe_parameter_count_is_the_built_models(name):
+    """Router, expert stacks, shared experts, dense first layers and expert biases, as `build_model` makes
+    them: elements and tensors at TP=1, and at EP=2 each rank holds half of the experts' elements."""
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+
+    cfg = MOE_SHAPES[name]
+    params = list(build_model(cfg, ParallelContext.single(), seed=1).parameters())
+    count = parameter_count(cfg, 1)
+    assert count.total == sum(p.numel() for p in params) and count.tensors == len(params)
+    experts = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+    assert count.total - parameter_count(cfg, 1, ep=2).total == experts // 2
+
+
+def test_the_planner_refuses_moe_models_in_one_line():
+    from shardlm.errors import UserError
+    from shardlm.plan.models import check_model
+
+    with pytest.raises(UserError, match="does not model Mixture-of-Experts"):
+        check_model(MOE_SHAPES["qwen3-moe"])

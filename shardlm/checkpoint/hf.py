@@ -5,7 +5,7 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-`LlamaForCausalLM` and `Qwen3ForCausalLM` directories (model_type "llama", "qwen3") convert through
+Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe") convert through
 `shardlm.checkpoint.hf_llama`.
 """
 
@@ -25,7 +25,7 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-LLAMA_FAMILY = ("llama", "qwen3")  # HF model types that `shardlm.checkpoint.hf_llama` converts
+LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe")  # HF model types that `shardlm.checkpoint.hf_llama` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -106,7 +106,8 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
                         "safe_serialization=True)")
     hf_config = json.loads((hf_dir / "config.json").read_text())
     if hf_config.get("model_type") != "gpt2":
-        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2, llama and qwen3 convert")
+        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 and "
+                        f"{', '.join(LLAMA_FAMILY)} convert")
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
@@ -130,7 +131,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a shardlm checkpoint (directory or consolidated file) as a HF GPT2LMHeadModel directory
-    (LlamaForCausalLM or Qwen3ForCausalLM for a llama checkpoint)."""
+    (a Llama-family directory for a llama checkpoint: Llama, Qwen3, Mixtral or Qwen3-MoE)."""
     from shardlm.checkpoint.state import consolidate, load_consolidated
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)

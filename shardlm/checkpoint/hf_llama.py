@@ -1,5 +1,5 @@
-"""Hugging Face Llama-family interop: `LlamaForCausalLM` and `Qwen3ForCausalLM` directories <-> shardlm's
-consolidated checkpoint.
+"""Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM` and
+`Qwen3MoeForCausalLM` directories <-> shardlm's consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -12,8 +12,15 @@ compare logits with transformers to catch any layout slip). Names:
     model.layers.i.post_attention_layernorm          layers.i.ln_2
     model.layers.i.mlp.{gate,up,down}_proj           layers.i.mlp.{gate,up,down}
     model.layers.i.self_attn.{q,k}_norm              layers.i.attn.{q,k}_norm    (Qwen3)
+    Mixtral: model.layers.i.block_sparse_moe.gate    layers.i.mlp.router
+             ....block_sparse_moe.experts.e.w1/w3/w2 layers.i.mlp.experts.gate/up/down.e
+    Qwen3-MoE: model.layers.i.mlp.gate               layers.i.mlp.router
+             ....mlp.experts.e.{gate,up,down}_proj   layers.i.mlp.experts.{gate,up,down}.e
 
 Qwen3 is Llama with `qk_norm` (an RMSNorm over each head's q and k) and an explicit `head_dim`.
+Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
+renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
+expert under its global index, as HF does, so experts map one to one too.
 Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. Only the default
 rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases and sliding-window
 attention are refused with a one-line error. No network.
@@ -38,21 +45,67 @@ from shardlm.models.config import ModelConfig
 INDEX = "model.safetensors.index.json"
 
 
-def name_map(num_layers: int, tied: bool, qk_norm: bool = False) -> list[tuple[str, str]]:
-    """(shardlm name, HF name) of every tensor."""
+def hf_kind(cfg: ModelConfig) -> str:
+    """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral" or "qwen3_moe"."""
+    if cfg.moe_num_experts:
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
+def _moe_names(kind: str, s: str, h: str, experts: int) -> list[tuple[str, str]]:
+    """(shardlm, HF) names of one MoE layer's router and experts (`s`, `h`: the layer's prefixes)."""
+    if kind == "mixtral":
+        block, projections = f"{h}.block_sparse_moe", (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+        names = [(f"{s}.mlp.router.weight", f"{block}.gate.weight")]
+        return names + [(f"{s}.mlp.experts.{ours}.{e}", f"{block}.experts.{e}.{theirs}.weight")
+                        for e in range(experts) for ours, theirs in projections]
+    names = [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight")]
+    return names + [(f"{s}.mlp.experts.{p}.{e}", f"{h}.mlp.experts.{e}.{p}_proj.weight")
+                    for e in range(experts) for p in ("gate", "up", "down")]
+
+
+def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(shardlm name, HF name) of every tensor of a Llama-family model."""
+    kind = hf_kind(cfg)
     top = [("wte.weight", "model.embed_tokens.weight"), ("ln_f.weight", "model.norm.weight")]
-    if not tied:
+    if not cfg.tie_embeddings:
         top.append(("lm_head.weight", "lm_head.weight"))
     layers = []
-    for i in range(num_layers):
+    for i in range(cfg.num_layers):
         s, h = f"layers.{i}", f"model.layers.{i}"
         layers += [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
                    (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
         layers += [(f"{s}.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
-        layers += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
-        if qk_norm:
+        if cfg.is_moe_layer(i):
+            layers += _moe_names(kind, s, h, cfg.moe_num_experts)
+        else:
+            layers += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
+        if cfg.qk_norm:
             layers += [(f"{s}.attn.{p}_norm.weight", f"{h}.self_attn.{p}_norm.weight") for p in "qk"]
     return top + layers
+
+
+def _moe_from_hf(hf: dict) -> dict:
+    """The `model.moe_*` keys of a Mixtral or Qwen3-MoE config ({} for a dense model); UserError for
+    routing shardlm does not compute."""
+    kind = hf.get("model_type")
+    if kind == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise UserError("the HF model has router_jitter_noise, which shardlm's router does not compute")
+        return {"moe_num_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
+                "moe_ffn_hidden_size": hf["intermediate_size"], "moe_norm_topk_prob": True,
+                "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+    if kind != "qwen3_moe":
+        return {}
+    dense = list(hf.get("mlp_only_layers") or [])
+    if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+        raise UserError("the HF model's MoE layers (decoder_sparse_step / mlp_only_layers) are not "
+                        "'every layer after the first k', the pattern shardlm computes")
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers 5 writes the second name
+    return {"moe_num_experts": experts, "moe_top_k": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_first_dense_layers": len(dense),
+            "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
 
 
 def _rope(hf: dict) -> tuple[float, str]:
@@ -68,13 +121,14 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     """shardlm's [model] section for a HF LlamaConfig or Qwen3Config dict; UserError for what shardlm's Llama
     does not compute."""
     heads = hf["num_attention_heads"]
-    qwen3 = hf.get("model_type") == "qwen3"
+    qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe")
     theta, rope_type = _rope(hf)
     refusals = [
         (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
         (not hf.get("attention_bias") and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
-        (not hf.get("use_sliding_window"), "sliding-window attention (use_sliding_window)"),
+        (not hf.get("use_sliding_window") and (hf.get("model_type") != "mixtral" or not hf.get("sliding_window")),
+         "sliding-window attention (use_sliding_window / sliding_window)"),
     ]
     for ok, what in refusals:
         if not ok:
@@ -87,14 +141,41 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
                        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        head_dim=0 if hf.get("head_dim") in (None, hf["hidden_size"] // heads) else hf["head_dim"],
-                       qk_norm=qwen3)
+                       qk_norm=qwen3, **_moe_from_hf(hf))
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
+    """The HF MoE keys of a Mixtral or Qwen3-MoE model; UserError for routing neither computes."""
+    unsupported = [(cfg.moe_score != "softmax", f'moe_score="{cfg.moe_score}"'),
+                   (cfg.moe_shared_experts > 0, "shared experts"), (cfg.moe_groups > 0, "group-limited routing"),
+                   (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_layer_interval != 1,
+                                                                           "moe_layer_interval > 1"),
+                   (cfg.moe_expert_bias_rate > 0, "an expert bias (moe_expert_bias_rate)"),
+                   (kind == "mixtral" and not cfg.moe_norm_topk_prob, "moe_norm_topk_prob = false"),
+                   (kind == "mixtral" and cfg.moe_first_dense_layers > 0, "dense first layers")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"{ARCHITECTURES[kind]} has no {what}; this MoE model does not convert to it")
+    common = {"num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+              "output_router_logits": False}
+    if kind == "mixtral":
+        return {**common, "num_local_experts": cfg.moe_num_experts, "intermediate_size": cfg.moe_ffn_size,
+                "sliding_window": None, "router_jitter_noise": 0.0}
+    return {**common, "num_experts": cfg.moe_num_experts, "moe_intermediate_size": cfg.moe_ffn_size,
+            "norm_topk_prob": cfg.moe_norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(cfg.moe_first_dense_layers))}
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """The HF config.json of a Llama-family model: Qwen3ForCausalLM when it has qk_norm, else LlamaForCausalLM."""
-    kind = ("Qwen3ForCausalLM", "qwen3") if cfg.qk_norm else ("LlamaForCausalLM", "llama")
+    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral or Qwen3-MoE)."""
+    kind = hf_kind(cfg)
+    moe = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else {}
     return {
-        "architectures": [kind[0]], "model_type": kind[1], "vocab_size": cfg.vocab_size,
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.attention_head_dim, "hidden_act": "silu",
@@ -102,7 +183,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout_p,
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **moe,
     }
 
 
@@ -117,7 +198,8 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
 
 
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF LlamaForCausalLM or Qwen3ForCausalLM directory into a consolidated shardlm checkpoint file."""
+    """Convert a local HF Llama-family directory (Llama, Qwen3, Mixtral, Qwen3-MoE) into a consolidated shardlm
+    checkpoint file."""
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
         raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
@@ -128,7 +210,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     tensors, handles = {}, {}
-    for ours, theirs in name_map(config.model.num_layers, config.model.tie_embeddings, config.model.qk_norm):
+    for ours, theirs in name_map(config.model):
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
         path = located[theirs]
@@ -142,7 +224,7 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     """Write a consolidated Llama-family checkpoint's (config, tensors) as a HF directory (`hf_config_from_model`)."""
     cfg = config.model
     hf = {}
-    for ours, theirs in name_map(cfg.num_layers, cfg.tie_embeddings, cfg.qk_norm):
+    for ours, theirs in name_map(cfg):
         value = tensors[f"model/{ours}"]
         hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")

@@ -107,33 +107,75 @@ def _split(size: int, tp: int, what: str) -> int:
     return size // tp
 
 
-def parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
-    """Per-rank parameters of `shardlm.models.gpt.GPT` at tensor-parallel size `tp`.
+def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> ParameterCount:
+    """Parameters of layer `index`'s MLP on one rank. Dense: gated (Llama) gate and up (f x h) split by
+    rows and down (h x f) by columns, no biases; GPT fc (f x h + f) by rows, proj (h x f) by columns
+    with its h bias replicated. MoE (`cfg.is_moe_layer`): the router (E x h, and E expert biases with
+    aux-loss-free balancing) replicated; E / ep experts of width f_e, split over TP like a dense MLP
+    without biases; shared experts one dense MLP of width shared x f_e."""
+    h = cfg.hidden_size
 
-    Per layer: QKV (3h x h weight + 3h bias) and MLP fc (f x h + f) split by columns, the attention
-    and MLP output projections (h x h, h x f) split by rows with their h biases replicated, two
-    LayerNorms (2h each) replicated. Outside: the vocabulary embedding (V_padded x h, V_padded a
-    multiple of 128 x tp) split by rows and tied to the LM head, positions (s x h) and the final
-    LayerNorm replicated. arch="bert" counts `shardlm.models.bert.BERT`: the same layers and
-    embeddings plus token types (2 x h), pooler and LM-head transform (h x h + h each), the LM-head
-    LayerNorm, the sentence head (2 x h + 2) and the output bias, split like the vocabulary.
+    def dense(width: int) -> ParameterCount:
+        f_local = _split(width, tp, "ffn size")
+        if gated:
+            return ParameterCount(3 * f_local * h, 0, 3, 3 * f_local * h)
+        return ParameterCount(2 * f_local * h + f_local, h, 4, 2 * f_local * h)
+
+    if not cfg.is_moe_layer(index):
+        return dense(cfg.ffn_size)
+    experts = cfg.moe_num_experts
+    if experts % ep:
+        raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
+    matrices = (3 if gated else 2) * (experts // ep) * _split(cfg.moe_ffn_size, tp, "expert ffn size") * h
+    bias = experts if cfg.moe_expert_bias_rate > 0 else 0
+    count = ParameterCount(matrices, experts * h + bias, 1 + (bias > 0) + (3 if gated else 2), matrices)
+    if cfg.moe_shared_experts:
+        count = _add(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
+    return count
+
+
+def _add(a: ParameterCount, b: ParameterCount) -> ParameterCount:
+    return ParameterCount(a.sharded + b.sharded, a.replicated + b.replicated, a.tensors + b.tensors,
+                          a.matrix + b.matrix)
+
+
+def _mlps(cfg: ModelConfig, tp: int, ep: int, gated: bool) -> ParameterCount:
+    """Every layer's MLP (`_mlp_count`) on one rank, summed."""
+    total = ParameterCount(0, 0, 0, 0)
+    for index in range(cfg.num_layers):
+        total = _add(total, _mlp_count(cfg, index, tp, ep, gated))
+    return total
+
+
+def parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.gpt.GPT` at tensor-parallel size `tp` (and expert-parallel
+    size `ep`, which splits the experts of MoE layers).
+
+    Per layer: QKV (3h x h weight + 3h bias) split by columns, the attention output projection (h x h)
+    split by rows with its h bias replicated, two LayerNorms (2h each) replicated, and the MLP
+    (`_mlp_count`: fc f x h + f by columns, proj h x f by rows with its bias replicated; or an MoE
+    layer). Outside: the vocabulary embedding (V_padded x h, V_padded a multiple of 128 x tp) split
+    by rows and tied to the LM head, positions (s x h) and the final LayerNorm replicated. arch="bert"
+    counts `shardlm.models.bert.BERT`: the same layers and embeddings plus token types (2 x h), pooler
+    and LM-head transform (h x h + h each), the LM-head LayerNorm, the sentence head (2 x h + 2) and
+    the output bias, split like the vocabulary.
     """
     if cfg.arch == "llama":
-        return _llama_parameter_count(cfg, tp)
-    h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
-    h_local, f_local = _split(h, tp, "hidden_size"), _split(f, tp, "ffn size")
+        return _llama_parameter_count(cfg, tp, ep)
+    h, layers = cfg.hidden_size, cfg.num_layers
+    h_local = _split(h, tp, "hidden_size")
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
-    matrix = 3 * h_local * h + h * h_local + f_local * h + h * f_local
-    layer_sharded = matrix + 3 * h_local + f_local
-    layer_replicated = 2 * h + 2 * h + h + h  # ln_1, ln_2, attention and MLP output biases
+    matrix = 3 * h_local * h + h * h_local
+    layer_sharded = matrix + 3 * h_local
+    layer_replicated = 2 * h + 2 * h + h  # ln_1, ln_2, attention output bias
     sharded = layers * layer_sharded + vocab_local * h
     replicated = layers * layer_replicated + cfg.seq_length * h + 2 * h
-    tensors = 12 * layers + 4
+    tensors = 8 * layers + 4
     if cfg.arch == "bert":
         sharded += vocab_local  # output-layer bias, split like the vocabulary
         replicated += 2 * h + (h * h + h) + (h * h + h) + 2 * h + (2 * h + 2)
         tensors += 10
-    return ParameterCount(sharded, replicated, tensors, layers * matrix)
+    return _add(ParameterCount(sharded, replicated, tensors, layers * matrix), _mlps(cfg, tp, ep, gated=False))
 
 
 def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
@@ -148,24 +190,25 @@ def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return (used, used) if kv_heads_are_split(cfg.kv_heads, tp) else (cfg.kv_heads * head_dim, used)
 
 
-def _llama_parameter_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
-    is set) and SwiGLU's gate and up (f x h each) split by rows, o (h x a) and down (h x f) by columns, k and v
-    (num_kv_heads x head_dim x h each) split or replicated (see `_kv_rows`), two RMSNorm weights per layer (and
-    the q and k norms of head_dim each with qk_norm) and the final one replicated, the embedding and the untied
-    output layer (V_padded x h each) split by vocabulary rows; no biases."""
-    h, f, layers = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
-    a_local, f_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width"), _split(f, tp, "ffn size")
+    is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
+    (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
+    the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
+    layer (V_padded x h each) split by vocabulary rows; no biases."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    a_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width")
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     kv_held, kv_used = _kv_rows(cfg, tp)
     kv_split = kv_held == kv_used and cfg.kv_heads % tp == 0
-    layer_sharded = 2 * a_local * h + 3 * f_local * h + (2 * kv_held * h if kv_split else 0)
+    layer_sharded = 2 * a_local * h + (2 * kv_held * h if kv_split else 0)
     norms = 2 if cfg.qk_norm else 0
     layer_replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
     outputs = 1 if cfg.tie_embeddings else 2
-    return ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
-                          replicated=layers * layer_replicated + h, tensors=(9 + norms) * layers + 1 + outputs,
-                          matrix=layers * (2 * a_local * h + 3 * f_local * h + 2 * kv_used * h))
+    attention = ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
+                               replicated=layers * layer_replicated + h, tensors=(6 + norms) * layers + 1 + outputs,
+                               matrix=layers * (2 * a_local * h + 2 * kv_used * h))
+    return _add(attention, _mlps(cfg, tp, ep, gated=True))
 
 
 @dataclass(frozen=True)

@@ -96,5 +96,8 @@ def check_model(cfg: ModelConfig) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size"):
         if getattr(cfg, key) < 1:
             raise UserError(f"model.{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.moe_num_experts:
+        raise UserError("shardlm plan does not model Mixture-of-Experts layers yet (expert FLOPs, expert "
+                        "parallelism, all-to-all); plan a dense model of the same attention shape")
     if cfg.hidden_size % cfg.num_heads:
         raise UserError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
