@@ -15,8 +15,8 @@ from test_training import ADAM_EPS, VOCAB, synthetic_data
 from shardlm.config import from_dict, validate
 from shardlm.errors import UserError
 from shardlm.models import build_model
-from shardlm.models.config import ModelConfig
-from shardlm.models.moe import GroupedExperts, MoELayer, balance_losses, moe_layers, route
+from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.moe import GroupedExperts, MoELayer, balance_losses, grouped_mm_applies, moe_layers, route
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
@@ -96,14 +96,18 @@ def test_router_runs_in_fp32_under_autocast():
 
 # ------------------------------------------------------------------------------------------- experts
 
-@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
-def test_grouped_mm_experts_equal_the_per_expert_loop(gated):
-    """Outputs and the gradients of the input and every expert weight, with an expert that gets no token."""
+@pytest.mark.parametrize("gated,dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+                         ids=["gelu", "swiglu", "swiglu-bf16"])
+def test_grouped_mm_experts_equal_the_per_expert_loop(gated, dtype):
+    """Outputs and the gradients of the input and every expert weight, with an expert that gets no token
+    (bf16: same kernels' rounding aside, within bf16's resolution)."""
     ctx = ParallelContext.single()
-    experts = GroupedExperts(moe_model_config(moe_num_experts=4), ctx, 5, "layers.0.mlp", gated)
+    experts = GroupedExperts(moe_model_config(moe_num_experts=4), ctx, 5, "layers.0.mlp", gated).to(dtype)
     counts = torch.tensor([7, 0, 5, 4])
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
-    grad = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    grad = torch.randn(16, 32, generator=torch.Generator().manual_seed(4)).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    assert grouped_mm_applies(x, *experts.parameters())
     results = []
     for grouped in (True, False):
         experts.grouped = grouped
@@ -113,10 +117,10 @@ def test_grouped_mm_experts_equal_the_per_expert_loop(gated):
         out.backward(grad)
         results.append((out.detach(), xi.grad, [p.grad.clone() for p in experts.parameters()]))
     (out_g, dx_g, dw_g), (out_l, dx_l, dw_l) = results
-    torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx_g, dx_l, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_g, out_l, **tol)
+    torch.testing.assert_close(dx_g, dx_l, **tol)
     for a, b in zip(dw_g, dw_l):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, **tol)
     assert all(w[1].abs().max() == 0 for w in dw_g)  # expert 1 had no token
 
 
@@ -166,6 +170,20 @@ def test_dense_layers_and_interval_choose_the_moe_layers():
     assert [type(b.mlp).__name__ for b in model.layers.values()] == ["ParallelMLP", "MoELayer"]
 
 
+def test_flops_count_the_activated_experts_not_all_of_them():
+    """Llama with 2 layers, the second MoE (8 experts of width 48, top-2, 1 shared): its MLP counts 3 experts'
+    SwiGLU matrices and the router; the first layer's dense MLP is unchanged."""
+    dense = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=VOCAB,
+                        ffn_hidden_size=64)
+    moe = ModelConfig(**{**vars(dense), "moe_num_experts": 8, "moe_top_k": 2, "moe_shared_experts": 1,
+                         "moe_ffn_hidden_size": 48, "moe_first_dense_layers": 1})
+    h = 32
+    dense_mlp, moe_mlp = 2 * 3 * h * 64, 2 * (3 * h * 48 * 3 + h * 8)
+    assert flops_per_token(moe) == pytest.approx(flops_per_token(dense) + 3 * (moe_mlp - dense_mlp))
+    with_all = ModelConfig(**{**vars(moe), "moe_top_k": 8})
+    assert flops_per_token(with_all) > flops_per_token(moe)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 def moe_run_config(arch: str, **moe):
@@ -201,6 +219,34 @@ def test_tiny_moe_model_trains(arch, moe):
     if moe.get("moe_expert_bias_rate"):
         assert all(r.expert_bias.abs().max() > 0 for r in routers)
         assert not any(r.expert_bias is p for r in routers for p in trainer.params)  # never in the optimizer
+
+
+def run_curve(config, steps: int = STEPS):
+    trainer = Trainer(config, ParallelContext.single(), synthetic_data())
+    curve = [(m["loss"], m["grad_norm"], m["moe_aux_loss"]) for m in (trainer.train_step() for _ in range(steps))]
+    return curve, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recomputation_trains_bitwise_like_none(recompute):
+    """Recomputed MoE layers (DeepSeek-style: aux loss, expert bias) give the same losses, gradient norms,
+    aux losses and final parameters, biases included, as no recomputation."""
+    base = run_curve(moe_run_config("llama", **DEEPSEEK, moe_aux_loss_coeff=0.01), steps=4)
+    config = moe_run_config("llama", **DEEPSEEK, moe_aux_loss_coeff=0.01)
+    config.train.recompute = recompute
+    curve, params = run_curve(config, steps=4)
+    assert curve == base[0]
+    assert all(torch.equal(params[name], base[1][name]) for name in params)
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "half"])
+def test_bf16_moe_training_runs_with_an_fp32_router(param_dtype):
+    """bf16 autocast (grouped bf16 GEMMs) with fp32 or bf16-stored parameters: 8 steps, the loss falls."""
+    config = moe_run_config("llama", **MIXTRAL)
+    config.train.precision, config.train.param_dtype = "bf16", param_dtype
+    curve, _ = run_curve(config)
+    assert all(torch.isfinite(torch.tensor(c)).all() for c in curve)
+    assert curve[-1][0] < curve[0][0] - 0.3
 
 
 # ------------------------------------------------------------------------------------------- bad configs

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_training import ADAM_EPS, VOCAB, rel, synthetic_data
 
-from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
+from shardlm.checkpoint import consolidate, load_checkpoint, load_model, save_checkpoint
 from shardlm.config import from_dict, validate
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.experts import AllGatherDispatcher, AllToAllDispatcher
@@ -50,10 +50,11 @@ def moe_config(arch: str, routing: str, micro: int, tp: int = 1, ep: int = 1, sp
     })
 
 
-def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter in the one-process layout: TP shards concatenated, expert stacks gathered over EP."""
-    ctx, out = trainer.ctx, {}
-    for name, param in trainer.model.named_parameters():
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter in the one-process layout: TP shards concatenated, expert stacks gathered over EP,
+    vocabulary padding removed."""
+    ctx, out = model.ctx, {}
+    for name, param in model.named_parameters():
         value = param.detach()
         if hasattr(param, "tensor_parallel_dim"):
             value = torch.cat(ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
@@ -70,7 +71,7 @@ def curve_of(metrics: list[dict]) -> list[tuple[float, float, float]]:
 def train_layout(ctx: ParallelContext, config, steps: int = STEPS):
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, synthetic_data())
-    return curve_of([trainer.train_step() for _ in range(steps)]), full_parameters(trainer), trainer
+    return curve_of([trainer.train_step() for _ in range(steps)]), full_parameters(trainer.model), trainer
 
 
 def run(config, tp: int = 1, ep: int = 1, pp: int = 1):
@@ -132,7 +133,7 @@ def checkpoint_check(directory: str):
     save_checkpoint(trainer, directory)
     after = trainer.train_step()
     return {"curve": curve, "params": params, "step9": curve_of([after])[0],
-            "params9": full_parameters(trainer)}
+            "params9": full_parameters(trainer.model), "num_parameters": trainer.num_parameters()}
 
 
 def world2_checks(directory: str):
@@ -171,8 +172,14 @@ def broken(reduction):
     return check
 
 
-def world4_checks():
+def load_at_ep4(directory: str):
+    """The EP=2 checkpoint's model read at EP=4 (two of the 8 experts per rank), in one process's layout."""
+    return full_parameters(load_model(directory, ParallelContext.from_process_group(1, expert_parallel=4))[0])
+
+
+def world4_checks(directory: str):
     checks = {
+        "ep4_loads_ep2_checkpoint": lambda: load_at_ep4(directory),
         "ep2_dp4_gpt_mixtral": run(moe_config("gpt", "mixtral", 2, ep=2), ep=2),
         "ep4_dp4_gpt_mixtral": run(moe_config("gpt", "mixtral", 2, ep=4), ep=4),
         "ep2_tp2_llama_deepseek": run(moe_config("llama", "deepseek", 4, tp=2, ep=2), tp=2, ep=2),
@@ -197,8 +204,8 @@ def world2(checkpoint_dir):
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_workers(4, world4_checks, timeout=600)
+def world4(world2, checkpoint_dir):  # after world2, which writes the checkpoint
+    return run_workers(4, world4_checks, str(checkpoint_dir), timeout=600)
 
 
 _REFERENCES = {}
@@ -276,22 +283,32 @@ def test_all_to_all_and_all_gather_dispatchers_agree(world2):
         torch.testing.assert_close(a2a_grad, ag_grad, rtol=1e-6, atol=1e-7)
 
 
-def test_checkpoint_saved_at_ep2_loads_in_one_process(world2, checkpoint_dir):
+def test_checkpoint_saved_at_ep2_loads_in_one_process(world2, checkpoint_dir, tmp_path):
     """Experts stored per global index: one process loads the EP=2 checkpoint (weights, expert biases, sharded
-    Adam moments) and its next step equals the EP=2 run's next step."""
+    Adam moments; also consolidated into one file) and its next step equals the EP=2 run's next step."""
     result = check_result(world2, "checkpoint")[0]
     assert_same_run((result["curve"], result["params"]), reference("llama", "deepseek", 4))
     config = moe_config("llama", "deepseek", 4)
-    model, _ = load_model(checkpoint_dir, ParallelContext.single())
-    loaded = dict(model.named_parameters())
-    for name, value in result["params"].items():
-        mine = loaded[name].detach()
-        torch.testing.assert_close(mine[:VOCAB] if name in ("wte.weight", "lm_head.weight") else mine, value,
-                                   rtol=0, atol=0)
+    consolidated = consolidate(checkpoint_dir, tmp_path / "moe.safetensors")
+    for path in (checkpoint_dir, consolidated):
+        loaded = full_parameters(load_model(path, ParallelContext.single())[0])
+        assert loaded.keys() == result["params"].keys()
+        for name, value in result["params"].items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
     trainer = Trainer(config, ParallelContext.single(), synthetic_data())
+    assert trainer.num_parameters() == result["num_parameters"]  # every EP rank's experts counted
     load_checkpoint(trainer, checkpoint_dir)
     after = curve_of([trainer.train_step()])[0]
     for a, b in zip(after, result["step9"]):
         assert abs(a - b) <= TOL * abs(b)
-    params9 = full_parameters(trainer)
+    params9 = full_parameters(trainer.model)
     assert max(rel(params9[n], result["params9"][n]) for n in params9) <= TOL
+
+
+def test_checkpoint_saved_at_ep2_loads_at_ep4(world2, world4):
+    """Each EP=4 rank reads its two experts by global index: gathered, they are the EP=2 run's weights."""
+    saved = check_result(world2, "checkpoint")[0]["params"]
+    loaded = check_result(world4, "ep4_loads_ep2_checkpoint")[0]
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)

@@ -51,6 +51,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                 "padded_vocab_size", "scaler")
         parallel = meta["config"]["parallel"]
         pipeline = {"pipeline_parallel": meta.get("pipeline_parallel", 1),
+                    "expert_parallel": meta.get("expert_parallel", 1),
                     "pipeline_schedule": parallel.get("pipeline_schedule", "1f1b"),
                     "virtual_stages": parallel.get("virtual_stages", 1)}
         info = {"kind": "sharded", "path": str(checkpoint), **{k: meta[k] for k in keys}, **pipeline,
@@ -67,6 +68,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     m = info["model"]
     print(f"  model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, "
           f"sequence {m['seq_length']}, vocabulary {m['vocab_size']}")
+    if m.get("moe_num_experts"):
+        first, every = m.get("moe_first_dense_layers", 0), m.get("moe_layer_interval", 1)
+        moe_layers = [i for i in range(first, m["num_layers"]) if (i - first) % every == 0]
+        print(f"  experts: {m['moe_num_experts']} per MoE layer (top-{m['moe_top_k']}, {m['moe_score']} router, "
+              f"{m.get('moe_shared_experts', 0)} shared) on layers {moe_layers}; stored one tensor per expert "
+              "under its global index")
     print(f"  tensors ({len(info['tensors'])}, shapes per TP shard for sharded checkpoints):")
     for name, shape in info["tensors"].items():
         print(f"    {name}: {shape}")

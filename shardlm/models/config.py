@@ -124,7 +124,10 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     arch="llama" counts its own matrices: q and o (h x a each, a = num_heads x head_dim, which is h unless
     head_dim is set), k and v (h x num_kv_heads x head_dim each, smaller under grouped-query attention)
     and SwiGLU's three h x f matrices, so a layer's forward is 2 (2 h a + 2 h kv + 3 h f) + 4 s a per
-    token (kv = num_kv_heads x head_dim)."""
+    token (kv = num_kv_heads x head_dim).
+
+    An MoE layer counts what a token activates: its top-k and shared experts' MLPs (2 or 3 h x f_e
+    matrices each, f_e = the expert width) and the router's h x E gate, instead of the dense MLP."""
     s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     ffn_ratio = cfg.ffn_size / h
     layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)
@@ -132,6 +135,11 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         a = cfg.num_heads * cfg.attention_head_dim
         kv = cfg.kv_heads * cfg.attention_head_dim
         layer_forward = layers * (2 * (2 * h * a + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * a)
+    if cfg.moe_num_experts:
+        matrices = 3 if cfg.arch == "llama" else 2
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
+        active = (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.moe_ffn_size
+        layer_forward += moe_layers * 2 * h * (matrices * (active - cfg.ffn_size) + cfg.moe_num_experts)
     forward = layer_forward + 2 * h * v
     return 3 * forward + (layer_forward if recompute else 0.0)
 

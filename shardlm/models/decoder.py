@@ -212,7 +212,9 @@ class DecoderLM(nn.Module):
         return gather_from_tensor_parallel(local_logits, self.ctx.tp)[..., : self.cfg.vocab_size]
 
     def num_parameters(self) -> int:
-        """Parameters of the whole model (summing the TP shards of split weights), padding included."""
+        """Parameters of the whole model (summing the TP shards of split weights and the experts of every
+        expert-parallel rank), padding included."""
         sharded = sum(p.numel() for p in self.parameters() if hasattr(p, "tensor_parallel_dim"))
         replicated = sum(p.numel() for p in self.parameters() if not hasattr(p, "tensor_parallel_dim"))
-        return sharded * self.ctx.tp_size + replicated
+        experts = sum(p.numel() for p in self.parameters() if getattr(p, "expert_parallel", False))
+        return (sharded + experts * (self.ctx.ep_size - 1)) * self.ctx.tp_size + replicated

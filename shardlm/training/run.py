@@ -177,8 +177,9 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
                      f"DP={meta['data_parallel']})")
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
+    experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""
     logger.print(f"shardlm: {trainer.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x {pipeline}"
-                 f"DP={ctx.dp_size} on {ctx.world_size} {ctx.device.type} rank(s) | "
+                 f"DP={ctx.dp_size}{experts} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
                  f"run directory {run_dir}")
     save = config.checkpoint.save
