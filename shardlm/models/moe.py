@@ -148,12 +148,18 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(d % elements == 0 for w in weights for d in w.shape[1:])
 
 
+@torch.compiler.disable
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(x, weight^T)`, run eagerly under `train.compile` (in torch 2.13 its fake-tensor
+    kernel accepts only bf16, while the CPU kernel also runs fp32)."""
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of each expert times that expert's weight transposed: x (M, in), weight (E_l, out, in),
     counts rows per expert (summing to M) -> (M, out)."""
     if grouped:
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return grouped_mm(x, weight, torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32))
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight)])
 
 

@@ -57,11 +57,16 @@ class RunLogger:
         mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if metrics.get("mfu") else ""
         skipped = " | step skipped (fp16 overflow)" if metrics.get("skipped") else ""
         scale = f" | loss scale {metrics['loss_scale']:.0f}" if metrics["loss_scale"] != 1.0 else ""
+        moe = ""
+        if "moe_aux_loss" in metrics:  # MoE: balancing losses and the least / most loaded expert vs uniform
+            moe = (f" | aux loss {metrics['moe_aux_loss']:.4g} | expert load {metrics['expert_load_min']:.2f}"
+                   f"-{metrics['expert_load_max']:.2f}")
         self.print(f"step {step:>6}/{total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
-                   f"grad norm {metrics['grad_norm']:.3f}{scale} | {metrics['tokens_per_sec']:.0f} tokens/s | "
+                   f"grad norm {metrics['grad_norm']:.3f}{scale}{moe} | {metrics['tokens_per_sec']:.0f} tokens/s | "
                    f"{metrics['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skipped}")
         if self.writer:
-            for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device"):
+            for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
+                        "moe_aux_loss", "expert_load_min", "expert_load_max"):
                 value = metrics.get(key)
                 if value is not None and math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
