@@ -74,12 +74,14 @@ def train_layout(ctx: ParallelContext, config, steps: int = STEPS):
     return curve_of([trainer.train_step() for _ in range(steps)]), full_parameters(trainer.model), trainer
 
 
-def run(config, tp: int = 1, ep: int = 1, pp: int = 1):
+def run(config, tp: int = 1, ep: int = 1, pp: int = 1, save: str | None = None):
     """A check: train `config` on the whole world as PP x DP x TP with expert size `ep` (rank 0 returns
-    the parameters of every pipeline stage)."""
+    the parameters of every pipeline stage), then save a checkpoint to `save` when given."""
     def check():
         ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, expert_parallel=ep)
-        curve, params, _ = train_layout(ctx, config)
+        curve, params, trainer = train_layout(ctx, config)
+        if save:
+            save_checkpoint(trainer, save)
         if pp > 1:
             params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
         return curve, params
@@ -115,7 +117,9 @@ def dispatch_checks():
     expected = torch.tanh(x.repeat_interleave(k, 0) * (indices.reshape(-1, 1) + 1))
     for kind, dispatcher in dispatchers.items():
         xi = x.clone().requires_grad_()
+        ctx.comm.reset()
         rows, counts, plan = dispatcher.dispatch(xi, indices)
+        out[f"{kind}_dispatch_bytes"] = ctx.comm.snapshot()
         expert_of_row = torch.arange(len(counts)).repeat_interleave(counts) + ctx.ep.rank * len(counts)
         result = dispatcher.combine(torch.tanh(rows * (expert_of_row + 1).unsqueeze(1)), plan)
         result.backward(upstream)
@@ -186,7 +190,8 @@ def world4_checks(directory: str):
         "ep2_tp2_sp_llama_mixtral": run(moe_config("llama", "mixtral", 4, tp=2, ep=2, sp=True), tp=2, ep=2),
         "ep2_dp4_llama_deepseek_zero": run(moe_config("llama", "deepseek", 2, ep=2, distributed_optimizer=True),
                                            ep=2),
-        "ep2_pp2_llama_deepseek": run(moe_config("llama", "deepseek", 2, ep=2, pp=2), ep=2, pp=2),
+        "ep2_pp2_llama_deepseek": run(moe_config("llama", "deepseek", 2, ep=2, pp=2), ep=2, pp=2,
+                                      save=f"{directory}/ep2_pp2"),
         "wrong_group": broken(reduce_over_dense_dp),
         "wrong_scale": broken(reduce_not_scaled_by_dp),
     }
@@ -273,6 +278,14 @@ def test_dispatch_round_trip_is_exact(world2):
         assert result["all_to_all_round_trip_exact"] and result["all_gather_round_trip_exact"]
 
 
+def test_all_to_all_sends_each_rank_exactly_its_rows(world2):
+    """Dispatch bytes of the all-to-all = the E per-expert counts (int64) + N k rows of h fp32 values
+    (12 tokens, k = 2, h = 8 here; own rows included, as all_to_all_single takes them)."""
+    for result in check_result(world2, "dispatch"):
+        stats = result["all_to_all_dispatch_bytes"]["all_to_all/ep"]
+        assert stats["calls"] == 2 and stats["bytes"] == 4 * 8 + 12 * 2 * 8 * 4
+
+
 def test_all_to_all_and_all_gather_dispatchers_agree(world2):
     """Same outputs and input gradients, both equal to the per-expert function applied token by token."""
     for result in check_result(world2, "dispatch"):
@@ -309,6 +322,15 @@ def test_checkpoint_saved_at_ep2_loads_at_ep4(world2, world4):
     """Each EP=4 rank reads its two experts by global index: gathered, they are the EP=2 run's weights."""
     saved = check_result(world2, "checkpoint")[0]["params"]
     loaded = check_result(world4, "ep4_loads_ep2_checkpoint")[0]
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
+
+
+def test_checkpoint_saved_at_ep2_pp2_loads_in_one_process(world4, checkpoint_dir):
+    """Files per (stage, TP rank, EP rank): one process reads every stage's dense weights and every expert."""
+    saved = check_result(world4, "ep2_pp2_llama_deepseek")[0][1]
+    loaded = full_parameters(load_model(checkpoint_dir / "ep2_pp2", ParallelContext.single())[0])
     assert loaded.keys() == saved.keys()
     for name, value in saved.items():
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
