@@ -4,8 +4,9 @@ Each layout trains a tiny MoE model for 8 steps; loss, gradient norm and the rep
 step and every final parameter (experts gathered over EP and TP, expert biases included) must be within
 1e-5 (relative) of one process running the same micro-batches. World of 2: EP=2 (DP=2) with
 Mixtral-style routing, both dispatchers, DeepSeek-style routing (sigmoid, expert bias, shared experts,
-group-limited top-k, first layer dense), PP=2 with MoE on the second stage only, a checkpoint saved
-at EP=2 with the distributed optimizer and loaded in one process, and the dispatchers' own checks.
+group-limited top-k, first layer dense), PP=2 with MoE on the second stage only, a run saved and
+resumed at EP=2, a checkpoint saved at EP=2 with the distributed optimizer and loaded in one process
+(and at EP=4), and the dispatchers' own checks.
 World of 4: EP=2 x DP=4 (expert-DP 2), EP=4, EP=2 x TP=2, EP=2 x TP=2 with sequence parallelism,
 the distributed optimizer sharding expert state over expert-DP, EP=2 x PP=2, and two deliberately
 wrong expert-gradient reductions (over the dense DP group; divided by expert-DP instead of DP),
@@ -140,12 +141,26 @@ def checkpoint_check(directory: str):
             "params9": full_parameters(trainer.model), "num_parameters": trainer.num_parameters()}
 
 
+def resume_check(directory: str):
+    """EP=2 with plain AdamW under DDP: 4 steps, save, a fresh trainer loads and runs 4 more."""
+    config = moe_config("gpt", "mixtral", 4, ep=2)
+    ctx = ParallelContext.from_process_group(1, expert_parallel=2)
+    first, _, trainer = train_layout(ctx, config, steps=4)
+    save_checkpoint(trainer, directory)
+    ctx.rng = None
+    trainer = Trainer(config, ctx, synthetic_data())
+    load_checkpoint(trainer, directory)
+    rest = curve_of([trainer.train_step() for _ in range(4)])
+    return first + rest, full_parameters(trainer.model)
+
+
 def world2_checks(directory: str):
     checks = {
         "ep2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4, ep=2), ep=2),
         "ep2_gpt_mixtral_all_gather": run(moe_config("gpt", "mixtral", 4, ep=2, dispatcher="all_gather"), ep=2),
         "ep2_llama_deepseek": run(moe_config("llama", "deepseek", 4, ep=2), ep=2),
         "checkpoint": lambda: checkpoint_check(directory),
+        "resume_ep2_gpt_mixtral": lambda: resume_check(f"{directory}/resume"),
         "pp2_gpt_mixtral_first_dense": run(moe_config("gpt", "mixtral_first_dense", 4, pp=2), pp=2),
         "dispatch": dispatch_checks,
     }
@@ -241,6 +256,7 @@ def assert_same_run(run_result, ref):
     ("ep2_gpt_mixtral_all_gather", "gpt", "mixtral", 4),
     ("ep2_llama_deepseek", "llama", "deepseek", 4),
     ("pp2_gpt_mixtral_first_dense", "gpt", "mixtral_first_dense", 4),  # stage 0 holds no MoE layer
+    ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after 4 steps, resumed by a fresh trainer
 ])
 def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, micro):
     assert_same_run(check_result(world2, name)[0], reference(arch, routing, micro))
