@@ -2,7 +2,7 @@
 
 Each layout trains a tiny MoE model for 8 steps; loss, gradient norm and the reported aux loss at every
 step and every final parameter (experts gathered over EP and TP, expert biases included) must be within
-1e-5 (relative) of one process running the same micro-batches. World of 2: EP=2 (DP=2) with
+1e-5 (relative) of one process running the same micro-batches. World of 2: DP=2 (EP=1), EP=2 (DP=2) with
 Mixtral-style routing, both dispatchers, DeepSeek-style routing (sigmoid, expert bias, shared experts,
 group-limited top-k, first layer dense), PP=2 with MoE on the second stage only, a run saved and
 resumed at EP=2, a checkpoint saved at EP=2 with the distributed optimizer and loaded in one process
@@ -156,6 +156,7 @@ def resume_check(directory: str):
 
 def world2_checks(directory: str):
     checks = {
+        "dp2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4)),  # EP=1: experts are plain DDP parameters
         "ep2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4, ep=2), ep=2),
         "ep2_gpt_mixtral_all_gather": run(moe_config("gpt", "mixtral", 4, ep=2, dispatcher="all_gather"), ep=2),
         "ep2_llama_deepseek": run(moe_config("llama", "deepseek", 4, ep=2), ep=2),
@@ -252,6 +253,7 @@ def assert_same_run(run_result, ref):
 
 
 @pytest.mark.parametrize("name,arch,routing,micro", [
+    ("dp2_gpt_mixtral", "gpt", "mixtral", 4),
     ("ep2_gpt_mixtral", "gpt", "mixtral", 4),
     ("ep2_gpt_mixtral_all_gather", "gpt", "mixtral", 4),
     ("ep2_llama_deepseek", "llama", "deepseek", 4),
