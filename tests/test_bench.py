@@ -195,3 +195,20 @@ def test_interleaved_changes_which_program_runs_before_which():
         before = [timed[i - 1] for i in range(1, len(timed)) if timed[i] == name]
         most = max(before.count(other) for other in set(before))
         assert most <= len(before) // 2, f"{name} ran right after the same program in {most} of {len(before)} rounds"
+
+
+def test_moe_figures_are_the_measured_throughputs_and_the_all_to_all_the_formula(quick_run):
+    """moe: each ratio is per repeat the quotient of the tokens/s it names; the EP=2 all-to-all bytes
+    equal the formula; BENCHMARKS.md states both."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    single, ep = results["moe"]["single_process"], results["moe"]["expert_parallel"]
+    for precision in single["precisions"]:
+        f = single[precision]
+        _per_repeat_ratio(f["ratio"], f["shardlm_tokens_per_sec"], f["hf_tokens_per_sec"])
+        _per_repeat_ratio(f["ratio_eager"], f["shardlm_tokens_per_sec"], f["hf_eager_tokens_per_sec"])
+        assert f"**{_as_reported(f['ratio'])}**" in text
+    _per_repeat_ratio(ep["ep2_efficiency"], ep["ep2_tokens_per_sec"], ep["one_process_tokens_per_sec"])
+    a2a = ep["all_to_all"]
+    assert a2a["matches_formula"] is True and a2a["measured"]["bytes"] == a2a["formula"]["bytes"] > 0
+    assert "**`moe.expert_parallel.all_to_all.matches_formula` = True**" in text

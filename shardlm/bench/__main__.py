@@ -2,7 +2,8 @@
 
 Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficiency vs PyTorch's TP,
 communication vs the formula, memory per rank, the pipeline's bubble and memory per stage, the
-planner's memory and step-time ratios for PP x TP x DP layouts against measurements,
+planner's memory and step-time ratios for PP x TP x DP layouts against measurements, Mixture-of-Experts
+training against transformers' Mixtral and expert parallelism,
 checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke test of
 the harness, not figures to quote).
 """
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": lambda: _memory(args.quick),
         "pipeline": lambda: _pipeline(args.quick, repeats),
         "plan3d": lambda: _plan3d(args.quick, repeats),
+        "moe": lambda: _moe(args.quick, repeats),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
         "eval": lambda: _eval(args.quick),
@@ -101,6 +103,12 @@ def _plan3d(quick, repeats):
     from shardlm.bench.plan3d import plan_against_cpu
 
     return plan_against_cpu(quick, repeats)
+
+
+def _moe(quick, repeats):
+    from shardlm.bench.moe import moe_bench
+
+    return moe_bench(quick, repeats)
 
 
 def _checkpoint(shape, repeats):

@@ -43,6 +43,12 @@ KEYS = {
     "plan3d.time": "per layout in a world of 2: measured and predicted step seconds and their ratios to DP=2",
     "pipeline.rows": "PP=2 per schedule and micro-batch count: measured step seconds, the ideal (one process / 2), "
     "the predicted bubble (P-1)/(V m) and peak bytes per stage",
+    "moe.single_process": "per precision: tokens/s of shardlm's MoE step, transformers' Mixtral as shipped (hf) and "
+                          "with its per-expert loop (hf_eager), ratio and ratio_eager, hf_experts_implementation",
+    "moe.single_process.fp32.ratio": "shardlm MoE tokens/s / transformers' Mixtral as shipped, per repeat (fp32)",
+    "moe.expert_parallel.ep2_efficiency": "tokens/s at EP=2 (2 x 1 thread) / one process x 2 threads, same batch",
+    "moe.expert_parallel.all_to_all.matches_formula": "true when one EP=2 step's all-to-all bytes (summed over the "
+                                                      "group) and calls per rank equal the formula",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
     "checkpoint.load_s": "seconds to verify and load them",
     "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
@@ -151,6 +157,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.plan3d import markdown_lines
 
         lines += markdown_lines(r["plan3d"])
+    if r.get("moe"):
+        from shardlm.bench.moe import markdown_lines as moe_lines
+
+        lines += moe_lines(r["moe"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",
