@@ -2,15 +2,15 @@
 
 Each layout trains a tiny MoE model for 8 steps; loss, gradient norm and the reported aux loss at every
 step and every final parameter (experts gathered over EP and TP, expert biases included) must be within
-1e-5 (relative) of one process running the same micro-batches. World of 2: DP=2 (EP=1), EP=2 (DP=2) with
-Mixtral-style routing, both dispatchers, DeepSeek-style routing (sigmoid, expert bias, shared experts,
-group-limited top-k, first layer dense), PP=2 with MoE on the second stage only, a run saved and
-resumed at EP=2, a checkpoint saved at EP=2 with the distributed optimizer and loaded in one process
-(and at EP=4), and the dispatchers' own checks.
-World of 4: EP=2 x DP=4 (expert-DP 2), EP=4, EP=2 x TP=2, EP=2 x TP=2 with sequence parallelism,
-the distributed optimizer sharding expert state over expert-DP, EP=2 x PP=2, and two deliberately
-wrong expert-gradient reductions (over the dense DP group; divided by expert-DP instead of DP),
-which must not match.
+1e-5 (relative) of one process running the same micro-batches. World of 2: DP=2 (EP=1); EP=2 (DP=2)
+with Mixtral-style routing, both dispatchers, full recomputation, DeepSeek-style routing (sigmoid,
+expert bias, shared experts, group-limited top-k, first layer dense); PP=2 with MoE on the second stage
+only; a run saved and resumed at EP=2; a checkpoint saved at EP=2 with the distributed optimizer and
+loaded in one process (and at EP=4); the dispatchers' own checks. World of 4: EP=2 x DP=4 (expert-DP
+2), EP=4, EP=2 x TP=2, EP=2 x TP=2 with sequence parallelism, the distributed optimizer sharding
+expert state over expert-DP, EP=2 x PP=2 (and its checkpoint), and two deliberately wrong
+expert-gradient reductions (over the dense DP group; divided by expert-DP instead of DP), which must
+not match.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def world2_checks(directory: str):
         "dp2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4)),  # EP=1: experts are plain DDP parameters
         "ep2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4, ep=2), ep=2),
         "ep2_gpt_mixtral_all_gather": run(moe_config("gpt", "mixtral", 4, ep=2, dispatcher="all_gather"), ep=2),
+        "ep2_gpt_mixtral_full_recompute": run(moe_config("gpt", "mixtral", 4, ep=2, recompute="full"), ep=2),
         "ep2_llama_deepseek": run(moe_config("llama", "deepseek", 4, ep=2), ep=2),
         "checkpoint": lambda: checkpoint_check(directory),
         "resume_ep2_gpt_mixtral": lambda: resume_check(f"{directory}/resume"),
@@ -256,6 +257,7 @@ def assert_same_run(run_result, ref):
     ("dp2_gpt_mixtral", "gpt", "mixtral", 4),
     ("ep2_gpt_mixtral", "gpt", "mixtral", 4),
     ("ep2_gpt_mixtral_all_gather", "gpt", "mixtral", 4),
+    ("ep2_gpt_mixtral_full_recompute", "gpt", "mixtral", 4),  # all-to-alls rerun in the backward
     ("ep2_llama_deepseek", "llama", "deepseek", 4),
     ("pp2_gpt_mixtral_first_dense", "gpt", "mixtral_first_dense", 4),  # stage 0 holds no MoE layer
     ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after 4 steps, resumed by a fresh trainer
