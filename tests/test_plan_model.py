@@ -282,9 +282,12 @@ def test_moe_parameter_count_is_the_built_models(name):
     assert count.total - parameter_count(cfg, 1, ep=2).total == experts // 2
 
 
-def test_the_planner_refuses_moe_models_in_one_line():
+def test_the_planner_refuses_a_top_k_above_the_expert_count_in_one_line():
+    from dataclasses import replace
+
     from shardlm.errors import UserError
     from shardlm.plan.models import check_model
 
-    with pytest.raises(UserError, match="does not model Mixture-of-Experts"):
-        check_model(MOE_SHAPES["qwen3-moe"])
+    check_model(MOE_SHAPES["qwen3-moe"])  # MoE models are planned (tests/test_plan_moe.py)
+    with pytest.raises(UserError, match="model.moe_top_k=5 must be between 1 and model.moe_num_experts=4"):
+        check_model(replace(MOE_SHAPES["qwen3-moe"], moe_top_k=5))

@@ -20,6 +20,9 @@ s tokens, hidden h, a heads, TP size t):
   Outside the layers: the embedding's dropout mask s b h (/t with SP) on the first stage; the final
   LayerNorm and output layer 4 s b h (/t with SP) and the fp32 logits 4 s b V / t on the last.
 
+MoE layers (shardlm only): `experts.moe_layer_activation_bytes` replaces the dense MLP's share; in a
+model that mixes dense and MoE layers every layer is charged the larger of the two.
+
 `rank_activation_peak` multiplies them by the micro-batches a pipeline rank keeps in flight
 (`stages.forwards_in_flight`): the first stage of 1F1B holds P micro-batches of L/P layers.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig
+from shardlm.plan.experts import moe_layer_activation_bytes, moe_layer_count
 from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory
 from shardlm.plan.stages import RankStages, forwards_in_flight
 
@@ -71,9 +75,9 @@ def korthikanti_memory(cfg: ModelConfig, tp: int, micro_batch: int, setting: Lay
 
 
 def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
-                   backend: str = "cuda", rank: int | None = None) -> ActivationMemory:
+                   backend: str = "cuda", rank: int | None = None, ep: int = 1) -> ActivationMemory:
     """`memory.activation_memory` (what shardlm's layer saves) with sequence parallelism and selective
-    recomputation applied (see the module doc)."""
+    recomputation applied, and MoE layers at expert-parallel size `ep` (see the module doc)."""
     base = activation_memory(cfg, tp, micro_batch, fmt, backend, rank)
     tokens = micro_batch * cfg.seq_length
     per_layer, layer_input, embedding = base.per_layer, base.layer_input, base.embedding
@@ -93,6 +97,10 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
         head -= unsplit(tokens * h * fmt.residual_bytes + 2 * tokens * 4)  # final LayerNorm input and statistics
     if setting.recompute == "selective":
         per_layer -= micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4  # SDPA's log-sum-exp
+    if cfg.moe_num_experts:
+        moe = per_layer - base.per_layer + moe_layer_activation_bytes(
+            cfg, tp, ep, micro_batch, fmt, setting.sequence_parallel, backend)
+        per_layer = moe if moe_layer_count(cfg) == cfg.num_layers else max(per_layer, moe)
     return replace(base, per_layer=per_layer, layer_input=layer_input, outside_layers=embedding + head,
                    embedding=embedding)
 

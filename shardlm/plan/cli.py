@@ -1,6 +1,7 @@
 """`shardlm plan`: memory per GPU and predicted step time of every PP x TP x DP layout, and a recommendation.
 
     shardlm plan --model gpt2-8.3b --gpus 512 --gpu h100 --global-batch 512
+    shardlm plan --model qwen3-235b-a22b --gpus 64 --gpu h100 --param-dtype half --pipeline 8
     shardlm plan --model sc21-145.6b --gpus 1536 --gpu a100 --global-batch 2304 --implementation megatron
     shardlm plan --model configs/tiny.toml --gpus 8 --gpu-memory 24 --flops 165 --gpus-per-node 8 \
         --intra-node-bw 64 --inter-node-bw 25 --global-batch 64 --json
@@ -17,15 +18,17 @@ import argparse
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "plan", help="which PP x TP x DP layout fits, and how fast it runs",
+        "plan", help="which PP x TP x DP (x EP) layout fits, and how fast it runs",
         description="Per-GPU memory and predicted step time of every valid pipeline x tensor x data parallel "
-                    "layout, with micro-batch, interleaving, sequence parallelism, recomputation and the "
-                    "distributed optimizer chosen per layout. "
+                    "layout (and, for Mixture-of-Experts models, expert parallel size), with micro-batch, "
+                    "interleaving, sequence parallelism, recomputation and the distributed optimizer chosen per "
+                    "layout. "
                     "Bandwidths: intra-node per GPU with both directions summed (as NVLink is quoted), "
                     "inter-node per node and direction.",
     )
     parser.add_argument("--model", help="model preset (gpt2-355m, gpt2-2.5b, gpt2-8.3b, bert-336m, bert-1.3b, "
                                         "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b, llama3-8b, llama3-70b, "
+                                        "the MoE models mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b, "
                                         "the SC21 models sc21-1.7b ... sc21-1008b) or a "
                                         "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")
@@ -53,6 +56,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "half"),
                         help="shardlm: half parameters with fp32 gradients and master weights (2+4+12 B/param)")
     parser.add_argument("--pipeline", type=int, default=None, help="fix the pipeline size (default: search)")
+    parser.add_argument("--expert", type=int, default=None,
+                        help="fix the expert-parallel size of an MoE model (default: search the sizes dividing DP "
+                             "and the expert count)")
     parser.add_argument("--virtual-stages", type=int, default=None,
                         help="fix the virtual stages per pipeline rank (default: search)")
     parser.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved-1f1b"),
@@ -125,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                           implementation=args.implementation, micro_batch=args.micro_batch,
                           checkpointing=args.checkpointing, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
-                          param_dtype=args.param_dtype, pipeline=args.pipeline, virtual_stages=args.virtual_stages,
+                          param_dtype=args.param_dtype, pipeline=args.pipeline, expert=args.expert,
+                          virtual_stages=args.virtual_stages,
                           schedule=args.schedule, reserve_gb=args.reserve_gb, calibration=calibration)
     result = plan(request)
     if args.json:

@@ -95,10 +95,18 @@ class ParameterCount:
     """Number of parameter tensors (the optimizer keeps one `step` scalar per tensor)."""
     matrix: int
     """Elements of this rank's GEMM weights inside the layers (autocast saves half copies of them)."""
+    expert: int = 0
+    """Elements of routed-expert weights among `sharded` (split over TP and EP; their gradients are reduced,
+    and with the distributed optimizer their state sharded, over expert-DP = DP / EP ranks, not DP)."""
 
     @property
     def total(self) -> int:
         return self.sharded + self.replicated
+
+    @property
+    def dense(self) -> int:
+        """Elements of every weight that is not a routed expert's (reduced and sharded over DP)."""
+        return self.total - self.expert
 
 
 def _split(size: int, tp: int, what: str) -> int:
@@ -128,22 +136,23 @@ def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> P
         raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
     matrices = (3 if gated else 2) * (experts // ep) * _split(cfg.moe_ffn_size, tp, "expert ffn size") * h
     bias = experts if cfg.moe_expert_bias_rate > 0 else 0
-    count = ParameterCount(matrices, experts * h + bias, 1 + (bias > 0) + (3 if gated else 2), matrices)
+    count = ParameterCount(matrices, experts * h + bias, 1 + (bias > 0) + (3 if gated else 2), matrices, matrices)
     if cfg.moe_shared_experts:
-        count = _add(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
+        count = add_counts(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
     return count
 
 
-def _add(a: ParameterCount, b: ParameterCount) -> ParameterCount:
-    return ParameterCount(a.sharded + b.sharded, a.replicated + b.replicated, a.tensors + b.tensors,
-                          a.matrix + b.matrix)
+def add_counts(a: ParameterCount, b: ParameterCount, sign: int = 1) -> ParameterCount:
+    """a + sign x b, field by field."""
+    return ParameterCount(a.sharded + sign * b.sharded, a.replicated + sign * b.replicated,
+                          a.tensors + sign * b.tensors, a.matrix + sign * b.matrix, a.expert + sign * b.expert)
 
 
 def _mlps(cfg: ModelConfig, tp: int, ep: int, gated: bool) -> ParameterCount:
     """Every layer's MLP (`_mlp_count`) on one rank, summed."""
     total = ParameterCount(0, 0, 0, 0)
     for index in range(cfg.num_layers):
-        total = _add(total, _mlp_count(cfg, index, tp, ep, gated))
+        total = add_counts(total, _mlp_count(cfg, index, tp, ep, gated))
     return total
 
 
@@ -175,7 +184,7 @@ def parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
         sharded += vocab_local  # output-layer bias, split like the vocabulary
         replicated += 2 * h + (h * h + h) + (h * h + h) + 2 * h + (2 * h + 2)
         tensors += 10
-    return _add(ParameterCount(sharded, replicated, tensors, layers * matrix), _mlps(cfg, tp, ep, gated=False))
+    return add_counts(ParameterCount(sharded, replicated, tensors, layers * matrix), _mlps(cfg, tp, ep, gated=False))
 
 
 def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
@@ -208,7 +217,7 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     attention = ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
                                replicated=layers * layer_replicated + h, tensors=(6 + norms) * layers + 1 + outputs,
                                matrix=layers * (2 * a_local * h + 2 * kv_used * h))
-    return _add(attention, _mlps(cfg, tp, ep, gated=True))
+    return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
 
 
 @dataclass(frozen=True)
@@ -225,7 +234,7 @@ class StateMemory:
 
 
 def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1, distributed_optimizer: bool = False,
-                 dp_rank: int | None = None, sizes: list[int] | None = None) -> StateMemory:
+                 dp_rank: int | None = None, sizes: list[int] | None = None, ep: int = 1) -> StateMemory:
     """Per-rank bytes of weights, gradients and optimizer state (AdamW).
 
     shardlm with half parameters or the distributed optimizer (`training.master_weights`) keeps flat
@@ -235,14 +244,31 @@ def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1, distri
     parameter segment in it. So 18 -> 6 + 12/d bytes per parameter with half weights. `sizes` (the
     parameter tensors' element counts in order) and `dp_rank` make the segment count exact; without
     them the rank is the first and the segments are estimated as tensors / d + 1.
+
+    Expert parallelism (`ep` = E > 1): the routed experts' `params.expert` elements (already 1/E of
+    them, see `parameter_count`) form a second set of buffers (`DenseAndExpertOptimizer`) whose
+    optimizer state the distributed optimizer shards over the DP / E expert-DP ranks instead of DP;
+    `sizes` then describe the dense buffer. Without the distributed optimizer nothing is sharded.
     """
-    step_scalars = 4 * params.tensors if fmt.adam_step_scalar else 0
+    expert_dp = dp // ep
+    if not params.expert or ep == 1:  # one set of buffers (shardlm splits the experts' off only at EP > 1)
+        return _state_part(params.total, params.tensors, fmt, dp, distributed_optimizer, dp_rank, sizes)
+    dense_tensors = params.tensors if sizes is None else len(sizes)
+    dense = _state_part(params.dense, dense_tensors, fmt, dp, distributed_optimizer, dp_rank, sizes)
+    experts = _state_part(params.expert, 1, fmt, expert_dp, distributed_optimizer, None, None)
+    return StateMemory(dense.parameters + experts.parameters, dense.gradients + experts.gradients,
+                       dense.optimizer + experts.optimizer)
+
+
+def _state_part(n: int, tensors: int, fmt: NumericFormat, dp: int, distributed_optimizer: bool,
+                dp_rank: int | None, sizes: list[int] | None) -> StateMemory:
+    """`state_memory` of n elements in `tensors` tensors whose state is sharded over `dp` ranks."""
+    step_scalars = 4 * tensors if fmt.adam_step_scalar else 0
     if not (fmt.name.startswith("shardlm") and (fmt.weight_bytes == 2 or distributed_optimizer)):
-        optimizer_elements = -(-params.total // dp) if distributed_optimizer else params.total
-        return StateMemory(parameters=params.total * fmt.weight_bytes, gradients=params.total * fmt.grad_bytes,
+        optimizer_elements = -(-n // dp) if distributed_optimizer else n
+        return StateMemory(parameters=n * fmt.weight_bytes, gradients=n * fmt.grad_bytes,
                            optimizer=optimizer_elements * fmt.optimizer_bytes + step_scalars)
     d = dp if distributed_optimizer else 1
-    n = params.total
     padded = -(-n // d) * d
     lo = (dp_rank or 0) * padded // d
     hi = lo + padded // d
@@ -250,7 +276,7 @@ def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1, distri
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         segments = sum(1 for start, size in zip(starts, sizes) if max(start, lo) < min(start + size, hi))
     else:
-        segments = min(params.tensors, params.tensors // d + 1)
+        segments = min(tensors, tensors // d + 1)
     master = 4 * padded // d if fmt.weight_bytes == 2 else 0
     return StateMemory(parameters=fmt.weight_bytes * padded, gradients=4 * padded,
                        optimizer=master + 8 * (min(hi, n) - lo) + 4 * segments)

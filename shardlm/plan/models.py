@@ -1,9 +1,12 @@
-"""Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3.
+"""Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3,
+and the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B.
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
 time model charges bidirectional attention what the FLOP formula charges causal attention) plus the
 BERT heads, counted exactly in `memory.parameter_count`; activations are those of the GPT layer stack.
+The MoE presets take the published shapes (their Hugging Face configs; a test counts the same totals
+with transformers) and a training sequence of 4096 tokens (not their longer context windows).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from shardlm.models.config import ModelConfig
 GPT2_VOCAB = 50257
 BERT_VOCAB = 30522
 LLAMA3_VOCAB = 128256
+MIXTRAL_VOCAB = 32000
+QWEN3_VOCAB = 151936
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -30,6 +35,25 @@ def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> ModelConfig:
     return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=8,
                        seq_length=8192, vocab_size=LLAMA3_VOCAB, ffn_hidden_size=ffn, rope_theta=500000.0,
                        layernorm_epsilon=1e-5, dropout=0.0)
+
+
+def _mixtral_8x7b() -> ModelConfig:
+    """Mixtral 8x7B: Mistral's 7B attention (32 layers, h 4096, 32 heads, 8 KV heads) with 8 SwiGLU experts
+    of width 14,336 in every layer, top-2 with the two weights renormalised, untied, theta 1e6."""
+    return ModelConfig(arch="llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                       seq_length=4096, vocab_size=MIXTRAL_VOCAB, ffn_hidden_size=14336, rope_theta=1e6,
+                       layernorm_epsilon=1e-5, dropout=0.0, moe_num_experts=8, moe_top_k=2,
+                       moe_ffn_hidden_size=14336, moe_norm_topk_prob=True)
+
+
+def _qwen3_moe(layers: int, hidden: int, heads: int, dense_ffn: int, expert_ffn: int) -> ModelConfig:
+    """Qwen3-MoE: 4 KV heads of 128 channels with q/k RMSNorm, 128 experts top-8 (norm_topk_prob) in every
+    layer, no shared experts, 151,936-token vocabulary, untied, theta 1e6. `dense_ffn` (intermediate_size)
+    is the width a dense layer would have; all layers are MoE."""
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=4,
+                       head_dim=128, qk_norm=True, seq_length=4096, vocab_size=QWEN3_VOCAB,
+                       ffn_hidden_size=dense_ffn, rope_theta=1e6, layernorm_epsilon=1e-6, dropout=0.0,
+                       moe_num_experts=128, moe_top_k=8, moe_ffn_hidden_size=expert_ffn, moe_norm_topk_prob=True)
 
 
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
@@ -51,6 +75,9 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "scaling-8.3b": _gpt(72, 3072, 32, SCALING_VOCAB),
     "llama3-8b": _llama3(32, 4096, 32, 14336),
     "llama3-70b": _llama3(80, 8192, 64, 28672),
+    "mixtral-8x7b": _mixtral_8x7b(),
+    "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 6144, 768),
+    "qwen3-235b-a22b": _qwen3_moe(94, 4096, 64, 12288, 1536),
 }
 # Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
 SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),
@@ -97,7 +124,13 @@ def check_model(cfg: ModelConfig) -> None:
         if getattr(cfg, key) < 1:
             raise UserError(f"model.{key}={getattr(cfg, key)} must be at least 1")
     if cfg.moe_num_experts:
-        raise UserError("shardlm plan does not model Mixture-of-Experts layers yet (expert FLOPs, expert "
-                        "parallelism, all-to-all); plan a dense model of the same attention shape")
+        if cfg.arch not in ("gpt", "llama"):
+            raise UserError(f'model.moe_num_experts needs model.arch="gpt" or "llama", not "{cfg.arch}"')
+        if not 1 <= cfg.moe_top_k <= cfg.moe_num_experts:
+            raise UserError(f"model.moe_top_k={cfg.moe_top_k} must be between 1 and "
+                            f"model.moe_num_experts={cfg.moe_num_experts}")
+        if cfg.moe_layer_interval < 1 or cfg.moe_first_dense_layers < 0 or cfg.moe_shared_experts < 0:
+            raise UserError("model.moe_layer_interval must be >= 1, model.moe_first_dense_layers and "
+                            "model.moe_shared_experts >= 0")
     if cfg.hidden_size % cfg.num_heads:
         raise UserError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")

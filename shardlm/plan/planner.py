@@ -1,4 +1,4 @@
-"""Every valid PP x TP x DP layout of a model on a cluster: memory per GPU, fit, step time, recommendation.
+"""Every valid PP x TP x DP (x EP) layout of a model on a cluster: memory per GPU, fit, step time, recommendation.
 
 A layout is valid when TP stays inside a server (divides `gpus_per_node`) and divides the attention
 heads and the MLP width, PP (across servers) is at most the layer count, and DP = GPUs / (TP x PP)
@@ -7,7 +7,9 @@ the per-replica batch (up to `max_micro_batch`; a pipeline needs at least P micr
 virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches),
 sequence parallelism on and off (TP > 1), no / selective / full recomputation and the distributed
 optimizer on and off (DP > 1), and keeps the fastest choice whose busiest GPU (the first or the last
-pipeline stage) fits in memory, or, when none fits, the smallest one, marked as not fitting.
+pipeline stage; any stage when an MoE model mixes dense and MoE layers) fits in memory, or, when none
+fits, the smallest one, marked as not fitting. An MoE model gets one row per expert-parallel size E
+that divides both DP and its expert count (E = 1 for dense models).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from functools import lru_cache
 
 from shardlm.errors import UserError
 from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
+from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import (
     GB,
@@ -67,6 +70,8 @@ class PlanRequest:
     """"fp32" or "half" (shardlm's half parameters with fp32 gradients and master weights)."""
     pipeline: int | None = None
     """Fixed pipeline size; None searches every size."""
+    expert: int | None = None
+    """Fixed expert-parallel size (MoE models); None searches every size dividing DP and the experts."""
     virtual_stages: int | None = None
     """Fixed virtual stages per pipeline rank; None searches."""
     schedule: str | None = None
@@ -118,6 +123,8 @@ class PlanRow:
     choice: Choice
     """The chosen option."""
     pp: int = 1
+    ep: int = 1
+    """Expert-parallel size (1 for dense models)."""
 
     @property
     def fits(self) -> bool:
@@ -135,13 +142,13 @@ class Plan:
     request: PlanRequest
     rows: list[PlanRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-    """"PPxTPxDP" -> why it is not a valid layout."""
+    """"PPxTPxDP" (MoE models: "PPxTPxDPxEP") -> why it is not a valid layout."""
 
     @property
     def recommended(self) -> PlanRow | None:
-        """The fitting layout with the lowest predicted step time (ties: smaller PP, then smaller TP)."""
+        """The fitting layout with the lowest predicted step time (ties: smaller PP, then TP, then EP)."""
         fitting = [row for row in self.rows if row.fits]
-        return min(fitting, key=lambda row: (row.choice.time.total_s, row.pp, row.tp)) if fitting else None
+        return min(fitting, key=lambda row: (row.choice.time.total_s, row.pp, row.tp, row.ep)) if fitting else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -166,22 +173,37 @@ def _check_request(request: PlanRequest) -> None:
         raise UserError(f"--micro-batch={request.micro_batch} must be at least 1")
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise UserError(f"--schedule {request.schedule!r} must be one of {', '.join(SCHEDULES)}")
-    for name, value in (("--pipeline", request.pipeline), ("--virtual-stages", request.virtual_stages)):
+    for name, value in (("--pipeline", request.pipeline), ("--virtual-stages", request.virtual_stages),
+                        ("--expert", request.expert)):
         if value is not None and value < 1:
             raise UserError(f"{name}={value} must be at least 1")
+    experts = request.model.config.moe_num_experts
+    if experts and request.implementation == "megatron":
+        raise UserError("--implementation megatron has no activation model for MoE layers; use --implementation "
+                        "shardlm for a Mixture-of-Experts model")
+    if request.expert not in (None, 1) and not experts:
+        raise UserError(f"--expert={request.expert} needs a Mixture-of-Experts model (model.moe_num_experts > 0); "
+                        "drop --expert or use --expert 1")
+    if experts and request.expert is not None and experts % request.expert:
+        raise UserError(f"--expert={request.expert} does not divide the model's {experts} experts; use a divisor "
+                        f"of {experts}")
     numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
 
 
-def invalid_reason(request: PlanRequest, tp: int, pp: int = 1) -> str | None:
-    """Why TP size `tp` with PP size `pp` is not a valid layout for this request, or None."""
+def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1) -> str | None:
+    """Why TP size `tp` with PP size `pp` (and EP size `ep`) is not a valid layout for this request, or None."""
     cfg, gpu = request.model.config, request.gpu
     dp = request.gpus // (tp * pp)
     if tp > gpu.gpus_per_node or gpu.gpus_per_node % tp:
         return f"TP={tp} does not divide a {gpu.gpus_per_node}-GPU node"
     if cfg.num_heads % tp:
         return f"{cfg.num_heads} heads are not divisible by TP={tp}"
-    if cfg.ffn_size % tp:
+    if cfg.ffn_size % tp and moe_layer_count(cfg) < cfg.num_layers:
         return f"MLP width {cfg.ffn_size} is not divisible by TP={tp}"
+    if cfg.moe_num_experts and cfg.moe_ffn_size % tp:
+        return f"expert MLP width {cfg.moe_ffn_size} is not divisible by TP={tp}"
+    if dp % ep:
+        return f"DP={dp} is not divisible by EP={ep}"
     if pp > cfg.num_layers:
         return f"PP={pp} exceeds the {cfg.num_layers} layers"
     if pp > 1 and cfg.arch == "bert":
@@ -218,40 +240,51 @@ class _Evaluator:
         self.megatron = request.implementation == "megatron"
         self.activations = lru_cache(maxsize=None)(self._activations)
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
+        # a stage without the first dense layers can be the busiest: check every stage of such models
+        self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
-    def _activations(self, tp: int, micro: int, setting: LayerSetting) -> ActivationMemory:
+    def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int) -> ActivationMemory:
         if self.megatron:
             return korthikanti_memory(self.cfg, tp, micro, setting)
-        return shardlm_memory(self.cfg, tp, micro, self.fmt, setting)
+        return shardlm_memory(self.cfg, tp, micro, self.fmt, setting, ep=ep)
 
-    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int):
+    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1):
         stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
-        return stages, rank_parameter_count(self.cfg, tp, stages)
+        return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
     def choice(self, layout: Layout) -> Choice:
-        request, tp, pp = self.request, layout.tp, layout.pp
+        request, tp, pp, ep = self.request, layout.tp, layout.pp, layout.ep
         accumulation = request.global_batch // (layout.dp * layout.micro_batch)
         setting = LayerSetting(layout.sequence_parallel, layout.recompute)
-        acts = self.activations(tp, layout.micro_batch, setting)
+        acts = self.activations(tp, layout.micro_batch, setting, ep)
         reserve = int(request.reserve_gb * GB)
         worst = None
-        for rank in sorted({0, pp - 1}):
-            stages, params = self.rank_params(pp, layout.virtual, tp, rank)
-            state = state_memory(params, self.fmt, layout.dp, layout.distributed_optimizer)
+        for rank in range(pp) if self.mixed else sorted({0, pp - 1}):
+            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep)
+            state = state_memory(params, self.fmt, layout.dp, layout.distributed_optimizer, ep=ep)
             peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
                                         keeps_received=not self.megatron)
             if worst is None or state.total + peak > worst[0].total + worst[1]:
                 worst = (state, peak, rank)
         state, peak, rank = worst
-        params = self.rank_params(pp, layout.virtual, tp, 0)[1]
+        params = self.rank_params(pp, layout.virtual, tp, 0, ep)[1]
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
                          attention_scores=self.megatron, scatter_gather=self.megatron)
         total = state.total + peak + reserve
         return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank)
 
 
-def _layouts(request: PlanRequest, tp: int, pp: int):
-    """Every option of the (PP, TP) layout the request allows."""
+def expert_options(request: PlanRequest, dp: int) -> list[int]:
+    """Expert-parallel sizes to try at data-parallel size `dp`: the fixed one, else every E dividing DP
+    and the model's expert count (1 for a dense model)."""
+    experts = request.model.config.moe_num_experts
+    if request.expert is not None:
+        return [request.expert]
+    return [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
+
+
+def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1):
+    """Every option of the (PP, TP, EP) layout the request allows."""
     cfg = request.model.config
     dp = request.gpus // (tp * pp)
     per_replica = request.global_batch // dp
@@ -271,7 +304,7 @@ def _layouts(request: PlanRequest, tp: int, pp: int):
             for sp, recompute, zero in itertools.product(sp_options, recompute_options, zero_options):
                 yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
                              virtual=virtual, schedule=schedule, sequence_parallel=sp,
-                             selective=recompute == "selective", distributed_optimizer=zero)
+                             selective=recompute == "selective", distributed_optimizer=zero, ep=ep)
 
 
 def plan(request: PlanRequest) -> Plan:
@@ -287,22 +320,28 @@ def plan(request: PlanRequest) -> Plan:
             result.skipped["PP>1"] = "pipeline parallelism is planned for GPT and Llama only"
             continue
         for tp in _divisors(request.gpus // pp):
-            key = f"{pp}x{tp}x{request.gpus // (pp * tp)}"
+            dp = request.gpus // (pp * tp)
             reason = invalid_reason(request, tp, pp)
             if reason:
                 per_node = request.gpu.gpus_per_node
                 if pp == 1 or (pp <= request.model.config.num_layers and per_node % tp == 0):
-                    result.skipped[key] = reason  # beyond one pipeline size, list only the instructive ones
+                    result.skipped[f"{pp}x{tp}x{dp}"] = reason  # beyond one pipeline size, the instructive ones
                 continue
-            choices = [evaluator.choice(layout) for layout in _layouts(request, tp, pp)]
-            if not choices:
-                result.skipped[key] = f"fewer micro-batches than PP={pp} stages at every micro-batch size"
-                continue
-            fitting = [c for c in choices if c.fits]
-            best = (min(fitting, key=lambda c: (c.time.total_s, c.total_bytes)) if fitting
-                    else min(choices, key=lambda c: c.total_bytes))
-            params = evaluator.rank_params(pp, best.layout.virtual, tp, 0)[1]
-            result.rows.append(PlanRow(tp, request.gpus // (tp * pp), params, best, pp))
+            for ep in expert_options(request, dp):
+                key = f"{pp}x{tp}x{dp}" + (f"x{ep}" if request.model.config.moe_num_experts else "")
+                reason = invalid_reason(request, tp, pp, ep)
+                if reason:
+                    result.skipped[key] = reason
+                    continue
+                choices = [evaluator.choice(layout) for layout in _layouts(request, tp, pp, ep)]
+                if not choices:
+                    result.skipped[key] = f"fewer micro-batches than PP={pp} stages at every micro-batch size"
+                    continue
+                fitting = [c for c in choices if c.fits]
+                best = (min(fitting, key=lambda c: (c.time.total_s, c.total_bytes)) if fitting
+                        else min(choices, key=lambda c: c.total_bytes))
+                params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep)[1]
+                result.rows.append(PlanRow(tp, dp, params, best, pp, ep))
     if not result.rows:
         raise UserError("no valid PP x TP x DP layout: " + "; ".join(sorted(set(result.skipped.values()))))
     return result

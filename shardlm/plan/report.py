@@ -7,6 +7,7 @@ import dataclasses
 from rich.console import Console
 from rich.table import Table
 
+from shardlm.plan.experts import activated_parameter_count
 from shardlm.plan.memory import GB, parameter_count
 from shardlm.plan.paper import BASELINE_TFLOPS, Comparison
 from shardlm.plan.planner import Plan, PlanRow
@@ -22,6 +23,10 @@ ASSUMPTIONS = [
     "ring all-reduce: 2(p-1)/p x bytes / (achieved per-direction bandwidth) + 2(p-1) x latency",
     "memory = parameters + gradients + optimizer (1/DP of it with the distributed optimizer) + peak saved "
     "activations of the in-flight micro-batches + logits + reserve, on the busiest pipeline stage",
+    "MoE: FLOPs count the activated experts (top-k + shared + router); a rank holds 1/EP of the experts, whose "
+    "gradients are reduced (and, with the distributed optimizer, state sharded) over DP/EP ranks; routing is "
+    "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
+    "forward and backward, again when recomputing) is not overlapped",
 ]
 
 
@@ -35,13 +40,13 @@ def row_dict(row: PlanRow) -> dict:
     acts = choice.activations
     layout = choice.layout
     return {
-        "pp": row.pp, "tp": row.tp, "dp": row.dp, "micro_batch": layout.micro_batch,
+        "pp": row.pp, "tp": row.tp, "dp": row.dp, "ep": row.ep, "micro_batch": layout.micro_batch,
         "accumulation": choice.accumulation, "checkpointing": layout.checkpointing,
         "virtual_stages": layout.virtual, "schedule": layout.schedule if row.pp > 1 else None,
         "sequence_parallel": layout.sequence_parallel, "recompute": layout.recompute,
         "distributed_optimizer": layout.distributed_optimizer, "busiest_stage": choice.busiest_stage,
         "parameters_per_rank": row.params.total, "sharded_parameters": row.params.sharded,
-        "replicated_parameters": row.params.replicated,
+        "replicated_parameters": row.params.replicated, "expert_parameters": row.params.expert,
         "memory_bytes": {
             "parameters": row.state.parameters, "gradients": row.state.gradients, "optimizer": row.state.optimizer,
             "activations_peak_no_checkpointing": acts.peak(False),
@@ -51,7 +56,8 @@ def row_dict(row: PlanRow) -> dict:
         "fits": row.fits,
         "time_s": {"step": time.total_s, "compute": time.compute_s, "elementwise": time.elementwise_s,
                    "tp_comm": time.tp_comm_s, "dp_comm": time.dp_comm_s, "dp_exposed": time.dp_exposed_s,
-                   "optimizer": time.optimizer_s, "bubble": time.bubble_s, "p2p": time.p2p_s},
+                   "optimizer": time.optimizer_s, "bubble": time.bubble_s, "p2p": time.p2p_s,
+                   "ep_comm": time.ep_comm_s},
         "tflops_per_gpu": time.tflops_per_gpu(layout.gpus),
     }
 
@@ -78,6 +84,10 @@ def render_plan(result: Plan, console: Console) -> None:
     total_params = parameter_count(cfg, 1).total
     title = (f"{request.model.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
              f"seq {cfg.seq_length}, vocab {cfg.vocab_size}, {total_params / 1e9:.3g}B parameters")
+    moe = bool(cfg.moe_num_experts)
+    if moe:
+        title += (f" ({activated_parameter_count(cfg) / 1e9:.3g}B activated: {cfg.moe_num_experts} experts of width "
+                  f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k})")
     console.print(f"[bold]{title}[/bold]")
     console.print(f"{request.gpus} x {gpu.name} ({gpu.memory_gb:g} GB, {gpu.peak_tflops:g} TFLOP/s, "
                   f"{gpu.gpus_per_node}/node, intra {gpu.intra_node_gbps:g} GB/s, inter {gpu.inter_node_gbps:g} "
@@ -87,21 +97,27 @@ def render_plan(result: Plan, console: Console) -> None:
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
                   "micro-batches; SP = sequence parallel; recomp = recomputation; ZeRO = distributed optimizer; time "
-                  "in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)")
-    for name in ("PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "ZeRO", "param", "grad", "optim", "act",
-                 "total", "fits", "step", "bubble", "TP comm", "DP exp", "TF"):
+                  "in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)"
+                  + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else ""))
+    columns = ["PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "ZeRO", "param", "grad", "optim", "act",
+               "total", "fits", "step", "bubble", "TP comm", "DP exp", "TF"]
+    if moe:
+        columns[3:3], columns[-2:-2] = ["EP"], ["A2A"]
+    for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     for row in result.rows:
         choice, time, layout = row.choice, row.choice.time, row.choice.layout
         mark = "[green]yes[/green]" if row.fits else "[red]no[/red]"
         style = "bold" if row is best else None
-        table.add_row(str(row.pp), str(row.tp), str(row.dp), str(layout.virtual),
-                      f"{layout.micro_batch} x {choice.accumulation}", "on" if layout.sequence_parallel else "off",
-                      layout.recompute, "on" if layout.distributed_optimizer else "off", _gb(row.state.parameters),
-                      _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak),
-                      _gb(choice.total_bytes), mark, f"{time.total_s:.3f}", f"{time.bubble_s:.3f}",
-                      f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}",
-                      f"{time.tflops_per_gpu(layout.gpus):.1f}", style=style)
+        cells = [str(row.pp), str(row.tp), str(row.dp), str(layout.virtual),
+                 f"{layout.micro_batch} x {choice.accumulation}", "on" if layout.sequence_parallel else "off",
+                 layout.recompute, "on" if layout.distributed_optimizer else "off", _gb(row.state.parameters),
+                 _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak),
+                 _gb(choice.total_bytes), mark, f"{time.total_s:.3f}", f"{time.bubble_s:.3f}",
+                 f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}", f"{time.tflops_per_gpu(layout.gpus):.1f}"]
+        if moe:
+            cells[3:3], cells[-2:-2] = [str(row.ep)], [f"{time.ep_comm_s:.3f}"]
+        table.add_row(*cells, style=style)
     console.print(table)
     for line in ASSUMPTIONS:
         console.print(f"  - {line}")
@@ -112,7 +128,7 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"{c.memory_efficiency:.3f}, link efficiency {c.link_efficiency:.3f}, DP overlap "
                   f"{c.dp_overlap:.3f} (fitted on {source})")
     for key, reason in result.skipped.items():
-        console.print(f"  [dim]skipped PPxTPxDP {key}: {reason}[/dim]")
+        console.print(f"  [dim]skipped PPxTPxDP{'xEP' if moe else ''} {key}: {reason}[/dim]")
     if best is None:
         console.print("[red]No layout fits: use more GPUs, a smaller micro-batch or a smaller model.[/red]")
     else:
@@ -120,7 +136,8 @@ def render_plan(result: Plan, console: Console) -> None:
         pipeline = f"PP={best.pp} x " if best.pp > 1 else ""
         schedule = (f", {layout.schedule}" + (f" with {layout.virtual} virtual stages" if layout.virtual > 1 else "")
                     if best.pp > 1 else "")
-        console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x DP={best.dp}[/bold], micro-batch "
+        experts = f" (EP={best.ep})" if moe else ""
+        console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x DP={best.dp}{experts}[/bold], micro-batch "
                       f"{layout.micro_batch}{schedule}, sequence parallel "
                       f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, distributed "
                       f"optimizer {'on' if layout.distributed_optimizer else 'off'}: "

@@ -4,7 +4,9 @@ micro-batches it keeps in flight under each schedule, and the bubble.
 A run with P pipeline ranks and V virtual stages per rank cuts the layers into P x V contiguous
 stages with `shardlm.parallel.pipeline.stage_layers` (the same split shardlm trains with); stage `s`
 lives on rank `s % P`. Stage 0 also holds the embeddings, the last stage the final norm and the
-output layer (GPT: the tied copy of the word embedding).
+output layer (GPT: the tied copy of the word embedding). In an MoE model a rank's parameters depend on
+which layers it holds: dense layers (DeepSeek's first k, or between every k-th MoE layer) are counted
+as dense, the others with their router and 1/E of the experts.
 
 In-flight micro-batches are those of PyTorch's schedules, which shardlm runs (and which match
 Megatron's when the micro-batch count is a multiple of P): GPipe runs all m forwards first; 1F1B
@@ -20,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.plan.memory import ParameterCount, parameter_count
+from shardlm.plan.memory import ParameterCount, add_counts, parameter_count
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -68,6 +70,9 @@ class RankStages:
     """Holds stage 0 (the embeddings)."""
     last: bool
     """Holds the last stage (final norm, output layer, loss)."""
+    layer_indices: tuple[int, ...] = ()
+    """Global indices of its layers, which say which of them are MoE layers (empty when built by hand:
+    then every layer of an MoE model counts as an MoE layer)."""
 
     @property
     def layers(self) -> int:
@@ -77,7 +82,8 @@ class RankStages:
 def rank_stages(layers: list[list[int]], pp: int, rank: int) -> RankStages:
     """Rank `rank`'s chunks of the stage split `layers` (P x V stages)."""
     chunks = [len(layers[s]) for s in range(rank, len(layers), pp)]
-    return RankStages(rank, chunks, rank == 0, rank == pp - 1)
+    indices = tuple(i for s in range(rank, len(layers), pp) for i in layers[s])
+    return RankStages(rank, chunks, rank == 0, rank == pp - 1, indices)
 
 
 def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
@@ -93,33 +99,43 @@ def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCou
     else:  # GPT: word + learned positions first; final LayerNorm and the tied word embedding last
         first, output, norm = ParameterCount(vocab_local * h, cfg.seq_length * h, 2, 0), embedding, \
             ParameterCount(0, 2 * h, 2, 0)
-    last = _add(norm, output)
+    last = add_counts(norm, output)
     shared = output if output is embedding else ParameterCount(0, 0, 0, 0)
     return first, last, shared
 
 
-def _add(a: ParameterCount, b: ParameterCount, sign: int = 1) -> ParameterCount:
-    return ParameterCount(a.sharded + sign * b.sharded, a.replicated + sign * b.replicated,
-                          a.tensors + sign * b.tensors, a.matrix + sign * b.matrix)
+def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
+    """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank: one-layer models less the
+    model without layers (equal for a dense model)."""
+    no_layers = parameter_count(_with_layers(cfg, 0), tp, ep)
+    dense = add_counts(parameter_count(replace(cfg, num_layers=1, moe_num_experts=0), tp), no_layers, sign=-1)
+    if not cfg.moe_num_experts:
+        return dense, dense
+    moe_cfg = replace(cfg, num_layers=1, moe_first_dense_layers=0, moe_layer_interval=1)
+    return dense, add_counts(parameter_count(moe_cfg, tp, ep), no_layers, sign=-1)
 
 
-def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages) -> ParameterCount:
-    """Parameters one (pipeline rank, TP rank) holds: its layers, plus the end pieces of the first and
-    last stage (both, the tied embedding once, when one rank holds both). Equal to
-    `memory.parameter_count` without a pipeline."""
+def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages, ep: int = 1) -> ParameterCount:
+    """Parameters one (pipeline rank, TP rank, EP rank) holds: its layers (dense or MoE, by index), plus
+    the end pieces of the first and last stage (both, the tied embedding once, when one rank holds both).
+    Equal to `memory.parameter_count` without a pipeline."""
     if stages.first and stages.last and len(stages.layers_per_chunk) == 1:
-        return parameter_count(_with_layers(cfg, stages.layers), tp)  # the whole model (also BERT's)
-    no_layers = parameter_count(_with_layers(cfg, 0), tp)
-    per_layer = _add(parameter_count(_with_layers(cfg, 1), tp), no_layers, sign=-1)
-    total = ParameterCount(per_layer.sharded * stages.layers, per_layer.replicated * stages.layers,
-                           per_layer.tensors * stages.layers, per_layer.matrix * stages.layers)
+        return parameter_count(_with_layers(cfg, stages.layers), tp, ep)  # the whole model (also BERT's)
+    dense, moe = layer_parameter_counts(cfg, tp, ep)
+    indices = stages.layer_indices
+    moe_layers = (sum(cfg.is_moe_layer(i) for i in indices) if indices
+                  else stages.layers if cfg.moe_num_experts else 0)
+    total = ParameterCount(0, 0, 0, 0)
+    for count, layers in ((dense, stages.layers - moe_layers), (moe, moe_layers)):
+        total = add_counts(total, ParameterCount(*(layers * getattr(count, f) for f in
+                                                   ("sharded", "replicated", "tensors", "matrix", "expert"))))
     first, last, shared = _end_pieces(cfg, tp)
     if stages.first:
-        total = _add(total, first)
+        total = add_counts(total, first)
     if stages.last:
-        total = _add(total, last)
+        total = add_counts(total, last)
     if stages.first and stages.last:
-        total = _add(total, shared, sign=-1)
+        total = add_counts(total, shared, sign=-1)
     return total
 
 

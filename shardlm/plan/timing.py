@@ -1,6 +1,6 @@
-"""Predicted time of one training step for a PP x TP x DP layout.
+"""Predicted time of one training step for a PP x TP x DP (x EP) layout.
 
-    step = compute + elementwise + tp_comm + bubble + p2p + optimizer + exposed dp_comm
+    step = compute + elementwise + tp_comm + ep_comm + bubble + p2p + optimizer + exposed dp_comm
 
 - compute: the matmul FLOP count (`shardlm.models.config.flops_per_step`: 72 B s l h^2 (1 + s/6h +
   V/12lh), plus the layers' forward again with activation recomputation, padded vocabulary) divided
@@ -21,6 +21,10 @@
   groups. shardlm's DDP starts bucket all-reduces during the last micro-batch's backward: a fraction
   `dp_overlap` of the all-reduce hides behind that backward (capped by its length), the rest is
   exposed.
+- expert parallelism (MoE models, E = `Layout.ep`): the expert FLOPs are in the FLOP count (top-k and
+  shared experts, router); each MoE layer adds its all-to-all (`all_to_all_seconds`), and the DP
+  all-reduce splits into the dense gradients over DP and the expert gradients over the DP / E
+  expert-DP ranks (`dp_comm_seconds`).
 - optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound;
   1/DP of it with the distributed optimizer).
 - pipeline (P > 1): a rank runs the layers of its stages, so compute, elementwise and TP work divide
@@ -43,6 +47,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
+from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.stages import bubble_fraction
@@ -112,6 +117,8 @@ class Layout:
     """Selective recomputation of the attention core (ignored when `checkpointing`)."""
     distributed_optimizer: bool = False
     """Optimizer state sharded over DP (ZeRO-1): reduce-scatter gradients, all-gather parameters."""
+    ep: int = 1
+    """Expert-parallel size E: each MoE layer's experts split over E consecutive DP ranks (divides DP)."""
 
     @property
     def gpus(self) -> int:
@@ -140,10 +147,12 @@ class StepTime:
     """Pipeline flush: (P - 1) / (V m) of the rank's compute, elementwise and TP time."""
     p2p_s: float = 0.0
     """Point-to-point transfers between pipeline stages on the critical path."""
+    ep_comm_s: float = 0.0
+    """All-to-all of the MoE layers (dispatch and combine), not overlapped."""
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.elementwise_s + self.tp_comm_s + self.bubble_s + self.p2p_s
+        return (self.compute_s + self.elementwise_s + self.tp_comm_s + self.ep_comm_s + self.bubble_s + self.p2p_s
                 + self.optimizer_s + self.dp_exposed_s)
 
     def tflops_per_gpu(self, gpus: int) -> float:
@@ -201,26 +210,66 @@ def p2p_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericForm
     return 2 * layout.virtual * one
 
 
-def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                    calibration: Calibration) -> float:
-    """Gradient all-reduce over the DP group (ring), limited by NVLink or by the node's network. With
-    the distributed optimizer: a reduce-scatter of the gradients and an all-gather of the parameters,
-    each half a ring all-reduce's traffic."""
-    if layout.dp == 1:
+def all_to_all_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
+                       calibration: Calibration) -> float:
+    """All-to-all time of one micro-batch on one pipeline rank (ceil(MoE layers / P) layers): each MoE
+    layer dispatches and combines forward, sends both gradients back in the backward, and dispatches and
+    combines again when recomputing (full); bytes from `experts.all_to_all_bytes`. An EP group is E ranks
+    TP apart: on NVLink while TP x E GPUs fit in a node. Beyond, the rows bound for other nodes travel on
+    this GPU's share (1 / gpus_per_node) of the node's network, since every GPU of the node exchanges at
+    once, and the rest on NVLink; the slower bounds each exchange, plus (E - 1) latencies."""
+    if layout.ep == 1 or not cfg.moe_num_experts:
         return 0.0
     intra, inter = _direction_bandwidth(gpu, calibration)
-    grad_bytes = params.total * fmt.grad_bytes
+    ep = layout.ep
+    local = min(ep, max(1, gpu.gpus_per_node // layout.tp))  # EP ranks of the group in this rank's node
+    remote = (ep - local) / (ep - 1)
+
+    def seconds(nbytes: float) -> float:
+        if remote == 0:
+            return nbytes / intra + (ep - 1) * calibration.intra_node_latency_s
+        network = nbytes * remote / (inter / gpu.gpus_per_node)
+        return max(nbytes * (1 - remote) / intra, network) + (ep - 1) * calibration.inter_node_latency_s
+
+    dispatch, combine = all_to_all_bytes(cfg, layout.micro_batch, ep, fmt)
+    passes = 3 if layout.checkpointing else 2  # forward, backward (+ recomputed forward)
+    layers = -(-moe_layer_count(cfg) // layout.pp)
+    return layers * passes * (seconds(dispatch) + seconds(combine))
+
+
+def _reduction_seconds(elements: int, ranks: int, stride: int, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
+                       calibration: Calibration) -> float:
+    """Ring all-reduce of `elements` gradients over `ranks` ranks `stride` apart (a node hosts
+    gpus_per_node / stride of them and `stride` such groups at once; a group that spans nodes puts
+    each group's 2 (p-1)/p x bytes on the node's network). With the distributed optimizer: a
+    reduce-scatter of the gradients and an all-gather of the parameters, each half the traffic."""
+    if ranks == 1:
+        return 0.0
+    intra, inter = _direction_bandwidth(gpu, calibration)
+    grad_bytes = elements * fmt.grad_bytes
     if layout.distributed_optimizer:
-        grad_bytes = params.total * (fmt.grad_bytes + fmt.weight_bytes) / 2
-    ranks_per_node = max(1, gpu.gpus_per_node // layout.tp)
-    nodes = math.ceil(layout.dp / ranks_per_node)
-    on_nvlink = ring_allreduce_seconds(grad_bytes, layout.dp, intra, calibration.intra_node_latency_s)
+        grad_bytes = elements * (fmt.grad_bytes + fmt.weight_bytes) / 2
+    ranks_per_node = max(1, gpu.gpus_per_node // stride)
+    nodes = math.ceil(ranks / ranks_per_node)
+    on_nvlink = ring_allreduce_seconds(grad_bytes, ranks, intra, calibration.intra_node_latency_s)
     if nodes == 1:
         return on_nvlink
-    groups_per_node = min(layout.tp, gpu.gpus_per_node)
+    groups_per_node = min(stride, gpu.gpus_per_node)
     network_bytes = groups_per_node * grad_bytes
-    on_network = ring_allreduce_seconds(network_bytes, layout.dp, inter, calibration.inter_node_latency_s)
+    on_network = ring_allreduce_seconds(network_bytes, ranks, inter, calibration.inter_node_latency_s)
     return max(on_nvlink, on_network)
+
+
+def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
+                    calibration: Calibration) -> float:
+    """Gradient all-reduce over the DP group (ring, its ranks TP apart), limited by NVLink or by the
+    node's network (`_reduction_seconds`). Under expert parallelism the routed experts' gradients
+    (`params.expert`) are reduced over their DP / E expert-DP ranks (TP x E apart) after the dense ones."""
+    if layout.ep == 1 or not params.expert:
+        return _reduction_seconds(params.total, layout.dp, layout.tp, layout, gpu, fmt, calibration)
+    return (_reduction_seconds(params.dense, layout.dp, layout.tp, layout, gpu, fmt, calibration)
+            + _reduction_seconds(params.expert, layout.dp // layout.ep, layout.tp * layout.ep, layout, gpu, fmt,
+                                 calibration))
 
 
 def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> float:
@@ -258,15 +307,18 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     elementwise = accumulation * elementwise_bytes / hbm
 
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
-    bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm)
+    ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration)
+    bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm)
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
     shards = layout.dp if layout.distributed_optimizer else 1
-    optimizer = params.total * optimizer_bytes_per_parameter(fmt, shards) / hbm
+    expert_shards = layout.dp // layout.ep if layout.distributed_optimizer and params.expert else shards
+    optimizer = (params.dense * optimizer_bytes_per_parameter(fmt, shards)
+                 + params.expert * optimizer_bytes_per_parameter(fmt, expert_shards)) / hbm
 
     dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
     backward_share = 3 / 4 if layout.checkpointing else 2 / 3  # (recompute +) backward of fwd+bwd FLOPs
-    last_backward = backward_share * (compute + elementwise + tp_comm) / accumulation
+    last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm) / accumulation
     hidden = 0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward)
     return StepTime(compute_s=compute, elementwise_s=elementwise, tp_comm_s=tp_comm, optimizer_s=optimizer,
                     dp_comm_s=dp_comm, dp_exposed_s=dp_comm - hidden, model_flops=flops, bubble_s=bubble,
-                    p2p_s=p2p)
+                    p2p_s=p2p, ep_comm_s=ep_comm)
