@@ -22,7 +22,7 @@ from shardlm.plan.memory import numeric_format, parameter_count, state_memory
 from shardlm.plan.models import MODEL_PRESETS, PlannedModel
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages
-from shardlm.plan.timing import Calibration, Layout, all_to_all_seconds, step_time
+from shardlm.plan.timing import Calibration, Layout, all_to_all_seconds, dp_comm_seconds, step_time
 
 NO_LATENCY = Calibration(compute_efficiency=0.5, link_efficiency=1.0, dp_overlap=0.0, intra_node_latency_s=0.0,
                          inter_node_latency_s=0.0)
@@ -186,6 +186,25 @@ def test_all_to_all_time_uses_nvlink_inside_a_node_and_the_network_across():
     time = step_time(cfg, inside, 64, gpu, fmt, params, NO_LATENCY)
     assert time.ep_comm_s == pytest.approx(64 // 4 * all_to_all_seconds(cfg, inside, gpu, fmt, NO_LATENCY))
     assert time.total_s > time.ep_comm_s > 0
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_ranks():
+    """Inside one node (TP=1, DP=8, no latency): at EP=2 the gradient all-reduce is a ring over the 8 DP
+    ranks for the dense gradients plus a ring over the 4 expert-DP ranks for this rank's half of the
+    expert gradients (2 (p-1)/p x bytes / bandwidth each); at EP=1 one ring over DP carries everything."""
+    cfg, gpu, fmt = MODEL_PRESETS["qwen3-30b-a3b"], gpu_preset("h100"), numeric_format("bf16", "shardlm")
+    bandwidth = gpu.intra_node_gbps / 2 * 1e9
+
+    def ring(elements: int, ranks: int) -> float:
+        return 2 * (ranks - 1) / ranks * elements * fmt.grad_bytes / bandwidth
+
+    layout = Layout(tp=1, dp=8, micro_batch=1, checkpointing=False, ep=2)
+    params = parameter_count(cfg, 1, ep=2)
+    assert dp_comm_seconds(params, layout, gpu, fmt, NO_LATENCY) == pytest.approx(
+        ring(params.dense, 8) + ring(params.expert, 4))
+    whole = parameter_count(cfg, 1)
+    assert dp_comm_seconds(whole, dataclasses.replace(layout, ep=1), gpu, fmt, NO_LATENCY) == pytest.approx(
+        ring(whole.total, 8))
 
 
 def _request(name: str, gpus: int, **kwargs) -> PlanRequest:

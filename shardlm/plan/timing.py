@@ -28,7 +28,8 @@
 - optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound;
   1/DP of it with the distributed optimizer).
 - pipeline (P > 1): a rank runs the layers of its stages, so compute, elementwise and TP work divide
-  by P; the flush adds the bubble (P - 1) / (V m) of that work; every micro-batch crosses each of the
+  by P (the busiest rank's ceil(L / P) layers set the pace when P does not divide L); the flush adds
+  the bubble (P - 1) / (V m) of that work; every micro-batch crosses each of the
   rank's V stage boundaries forward and backward (`p2p_seconds`), not overlapped. The DP all-reduce
   runs after the flush (shardlm's pipeline runner and Megatron's local DDP): nothing hides it.
 - sequence parallelism: the same TP volume (all-gather + reduce-scatter instead of all-reduce), the
@@ -292,9 +293,10 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
         flops += 4 * global_batch * cfg.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
-    compute = flops / layout.gpus / (gpu.peak_tflops * 1e12 * calibration.compute_efficiency)
+    layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
+    imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
+    compute = flops * imbalance / layout.gpus / (gpu.peak_tflops * 1e12 * calibration.compute_efficiency)
 
-    layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank
     passes = ELEMENTWISE_PASSES_FORWARD * (2 if layout.checkpointing else 1) + ELEMENTWISE_PASSES_BACKWARD
     tokens = layout.micro_batch * cfg.seq_length
     split = layout.tp if layout.sequence_parallel else 1
