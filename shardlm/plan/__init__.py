@@ -1,19 +1,20 @@
-"""`shardlm plan`: which pipeline x tensor x data parallel layout fits, and how fast it will run.
+"""`shardlm plan`: which pipeline x tensor x data (x expert) parallel layout fits, and how fast it will run.
 
 An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a cluster of GPUs:
 
 - `hardware`     GPU and node presets (the 2019 paper's DGX-2H, SC21's DGX A100, H100 / H200 nodes);
-- `models`       model presets (the papers' GPT-2, BERT, weak-scaling and SC21 models, Llama 3) and
-                 TOML configs;
+- `models`       model presets (the papers' GPT-2, BERT, weak-scaling and SC21 models, Llama 3, the MoE
+                 models Mixtral 8x7B and Qwen3-30B-A3B / 235B-A22B) and TOML configs;
 - `memory`       per-rank parameters, gradients, optimizer state and activations, derived from
                  what shardlm allocates and what autograd saves in its transformer layer;
 - `activations`  the same under sequence parallelism and recomputation, Korthikanti et al.'s formulas
                  for Megatron, and the peak of a pipeline rank's in-flight micro-batches;
+- `experts`      what MoE layers add: activated parameters, the MoE layer's activations, all-to-all bytes;
 - `stages`       the pipeline arithmetic: layers and parameters per rank, in-flight micro-batches of
                  each schedule, the bubble;
 - `timing`       compute from the FLOP formula, TP all-reduces, pipeline bubble and transfers, the DP
                  gradient all-reduce on ring cost models, with the calibration constants;
-- `planner`      every valid PP x TP x DP layout and option, whether it fits, its step time, the
+- `planner`      every valid PP x TP x DP (x EP) layout and option, whether it fits, its step time, the
                  recommendation;
 - `paper`, `sc21`  Shoeybi et al. 2019's and Narayanan et al. 2021's weak-scaling tables against the
                  model's predictions (and the fits of the calibration constants);

@@ -5,7 +5,8 @@ Everything is derived from the code, not from rules of thumb:
 - parameters: which weights `shardlm.models.gpt` splits over the TP group (fused QKV and the first
   MLP GEMM by columns, with their biases; the two residual projections by rows; the vocabulary
   embedding, tied to the LM head, by rows of the padded vocabulary) and which it replicates
-  (LayerNorms, the row-parallel biases, learned positions);
+  (LayerNorms, the row-parallel biases, learned positions); MoE layers' routers, experts (1/EP of
+  them, split over TP) and shared experts (`_mlp_count`);
 - state bytes per parameter: shardlm keeps fp32 parameters, fp32 gradients (DDP buckets are the
   gradients) and AdamW's two fp32 moments plus one fp32 `step` scalar per tensor, in every
   precision (autocast only changes activations): 4 + 4 + 8 bytes. Megatron's mixed precision
@@ -13,7 +14,8 @@ Everything is derived from the code, not from rules of thumb:
   the two moments: 2 + 2 + 12 bytes;
 - activations: exactly what autograd saves in shardlm's transformer layer for one micro-batch
   (listed in `layer_activation_bytes`), assuming a fused SDPA kernel (flash / memory-efficient:
-  q, k, v, the output and the fp32 log-sum-exp; dropout masks regenerated from the RNG).
+  q, k, v, the output and the fp32 log-sum-exp; dropout masks regenerated from the RNG) of a dense
+  layer; `experts.moe_layer_activation_bytes` has the MoE layer's.
 """
 
 from __future__ import annotations

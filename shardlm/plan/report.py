@@ -128,7 +128,7 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"{c.memory_efficiency:.3f}, link efficiency {c.link_efficiency:.3f}, DP overlap "
                   f"{c.dp_overlap:.3f} (fitted on {source})")
     for key, reason in result.skipped.items():
-        console.print(f"  [dim]skipped PPxTPxDP{'xEP' if moe else ''} {key}: {reason}[/dim]")
+        console.print(f"  [dim]skipped PPxTPxDP{'(xEP)' if moe else ''} {key}: {reason}[/dim]")
     if best is None:
         console.print("[red]No layout fits: use more GPUs, a smaller micro-batch or a smaller model.[/red]")
     else:
