@@ -92,6 +92,17 @@ def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
+def local_positions(length: int, cp: Communicator, past: int = 0, device=None) -> torch.Tensor:
+    """(length,) int64: the original positions of the `length` tokens this rank holds of each sequence:
+    past .. past + length - 1 without context parallelism (`cp.size` 1), else the zigzag positions of CP
+    rank `cp.rank` in a sequence of length x C tokens (no past: a KV cache does not run under CP)."""
+    if cp.size == 1:
+        return torch.arange(past, past + length, device=device)
+    if past:
+        raise ValueError("context parallelism has no key/value cache; generate with parallel.context=1")
+    return zigzag_positions(length * cp.size, cp.size, cp.rank, device=device)
+
+
 def block_kind(query_chunk: int, key_chunk: int) -> str:
     """What the causal mask leaves of a (query chunk, key chunk) block of equal-length chunks."""
     return FULL if key_chunk < query_chunk else CAUSAL if key_chunk == query_chunk else EMPTY

@@ -8,6 +8,13 @@ tensor-parallel group of one pipeline stage, and a pipeline group takes the rank
 and last rank of each pipeline group also form an "embedding" group, which sums the gradients of the
 word embedding that both stages hold (input embedding and tied output layer).
 
+Context parallelism (`parallel.context` = C) adds a dimension next to the tensor one, Megatron's order
+`arange(world).view(pipeline, data, context, tensor)`: a context-parallel group takes the ranks at the
+same tensor position of C consecutive TP groups, and every group above is then built within one
+context position (for C = 1 they are exactly the groups of the three-dimensional grid). Parameters are
+the same on every CP rank, so their gradients are reduced, and the distributed optimizer shards, over
+the data x context group (`dp_cp`: the DP x C ranks of one (stage, tensor rank)).
+
 Everything is held by an explicit `ParallelContext` that is passed to layers and the trainer; there
 are no module-level globals.
 """
@@ -15,6 +22,7 @@ are no module-level globals.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,17 +35,22 @@ from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
 from shardlm.parallel.shm import shared_memory_wanted
 
 
-def check_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1) -> int:
+def check_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> int:
     """Validate the sizes and return the data-parallel size; raises UserError naming the numbers."""
-    if tensor_parallel < 1 or pipeline_parallel < 1:
+    if tensor_parallel < 1 or pipeline_parallel < 1 or context_parallel < 1:
         raise UserError(
-            f"parallel sizes must be >= 1 (tensor={tensor_parallel}, pipeline={pipeline_parallel})"
+            f"parallel sizes must be >= 1 (tensor={tensor_parallel}, pipeline={pipeline_parallel}, "
+            f"context={context_parallel})"
         )
-    model_parallel = tensor_parallel * pipeline_parallel
+    model_parallel = tensor_parallel * pipeline_parallel * context_parallel
     if world_size % model_parallel != 0:
+        names, sizes = "tensor x pipeline", f"{tensor_parallel} x {pipeline_parallel}"
+        if context_parallel > 1:
+            names = "tensor x context x pipeline"
+            sizes = f"{tensor_parallel} x {context_parallel} x {pipeline_parallel}"
         raise UserError(
-            f"world size {world_size} is not divisible by tensor x pipeline = {tensor_parallel} x "
-            f"{pipeline_parallel}; use a world size that is a multiple of {model_parallel}"
+            f"world size {world_size} is not divisible by {names} = {sizes}; use a world size that is a "
+            f"multiple of {model_parallel}"
         )
     return world_size // model_parallel
 
@@ -46,6 +59,32 @@ def rank_grid(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1)
     """Global ranks as a (pipeline, data, tensor) grid; TP groups are rows of consecutive ranks."""
     data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel)
     return torch.arange(world_size).view(pipeline_parallel, data_parallel, tensor_parallel)
+
+
+def context_grid(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1,
+                 context_parallel: int = 1) -> torch.Tensor:
+    """Global ranks as a (pipeline, data, context, tensor) grid; `grid[:, :, c, :]` is the three-dimensional
+    grid of context position c (for C = 1, `rank_grid`'s)."""
+    data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel, context_parallel)
+    return torch.arange(world_size).view(pipeline_parallel, data_parallel, context_parallel, tensor_parallel)
+
+
+def context_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
+    """Ranks of every context-parallel group of a (pipeline, data, context, tensor) grid (strided by TP)."""
+    return grid.permute(0, 1, 3, 2).reshape(-1, grid.shape[2]).tolist()
+
+
+def data_context_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
+    """Ranks of every data x context group of a (pipeline, data, context, tensor) grid: the DP x C ranks of one
+    (stage, tensor rank), which hold the same parameters."""
+    pp, dp, cp, tp = grid.shape
+    return grid.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
+
+
+def per_context_position(groups: Callable) -> Callable:
+    """A group function of the (pipeline, data, tensor) grid applied to every context position of a
+    (pipeline, data, context, tensor) grid."""
+    return lambda grid: [ranks for c in range(grid.shape[2]) for ranks in groups(grid[:, :, c, :])]
 
 
 def tensor_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
@@ -96,6 +135,11 @@ class ParallelContext:
     consecutive ranks of the DP group (DP rank d has EP rank d % E), which split each MoE layer's
     experts; `expert_dp` the DP / E ranks of the DP group holding the same experts (DP ranks d, d + E,
     ...), over which expert gradients are reduced. With E = 1, `ep` has one rank and `expert_dp` is `dp`.
+
+    Context parallelism (`parallel.context` = C): `cp` is the group of C ranks that hold the zigzag parts
+    of the same sequences (`shardlm.parallel.context`), `dp_cp` the data x context group over which
+    parameter gradients are reduced and the distributed optimizer shards. With C = 1, `cp` has one rank
+    and `dp_cp` is `dp`.
     """
 
     rank: int
@@ -112,6 +156,10 @@ class ParallelContext:
     expert_dp: Communicator | None = None
     expert_dispatcher: str = "all_to_all"
     """How MoE layers move tokens over `ep`: "all_to_all" or "all_gather" (`shardlm.parallel.experts`)."""
+    cp: Communicator | None = None
+    dp_cp: Communicator | None = None
+    context_exchange: str = "ring"
+    """How attention moves keys and values over `cp`: "ring" or "allgather" (`shardlm.parallel.context`)."""
 
     def __post_init__(self):
         if self.pp is None:
@@ -122,12 +170,17 @@ class ParallelContext:
             self.ep = Communicator("ep", None, 1, 0, self.comm)
         if self.expert_dp is None:
             self.expert_dp = self.dp
+        if self.cp is None:
+            self.cp = Communicator("cp", None, 1, 0, self.comm)
+        if self.dp_cp is None:
+            self.dp_cp = self.dp
 
     def seed(self, seed: int) -> RNGStatesTracker:
         """Seed this rank's generators (see `shardlm.parallel.random`) and keep the tracker. Pipeline
         stages seed their default generators differently (seed + 100 x stage), so their dropout masks are
-        independent; stage 0 uses `seed` itself, as a run without pipeline parallelism does."""
-        self.rng = seed_model_parallel(seed + 100 * self.pp_rank, self.tp_rank, self.device)
+        independent; stage 0 uses `seed` itself, as a run without pipeline parallelism does. Context-parallel
+        ranks (other tokens of the same sequences) add 1000 x CP rank, for the same reason."""
+        self.rng = seed_model_parallel(seed + 100 * self.pp_rank + 1000 * self.cp_rank, self.tp_rank, self.device)
         return self.rng
 
     @property
@@ -145,6 +198,14 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.dp.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.rank
 
     @property
     def ep_size(self) -> int:
@@ -197,9 +258,10 @@ class ParallelContext:
     @classmethod
     def from_process_group(cls, tensor_parallel: int, device: torch.device | None = None,
                            timeout_s: float | None = None, pipeline_parallel: int = 1,
-                           expert_parallel: int = 1) -> ParallelContext:
-        """Build the TP, DP, PP, embedding and (with `expert_parallel` > 1) expert-parallel and
-        expert-data-parallel groups on an initialized default process group.
+                           expert_parallel: int = 1, context_parallel: int = 1) -> ParallelContext:
+        """Build the TP, DP, PP, embedding, (with `expert_parallel` > 1) expert-parallel and
+        expert-data-parallel, and (with `context_parallel` > 1) context and data x context groups on an
+        initialized default process group.
 
         Every rank must call this with the same sizes, since `new_group` is collective.
         `timeout_s` bounds each collective on the new groups (default: torch's).
@@ -208,20 +270,27 @@ class ParallelContext:
         device = device or default_device()
         shared_memory = shared_memory_wanted(device)
         world, rank = dist.get_world_size(), dist.get_rank()
-        grid = rank_grid(world, tensor_parallel, pipeline_parallel)
+        grid = context_grid(world, tensor_parallel, pipeline_parallel, context_parallel)
         stats = CommStats()
         mine = {}
         if grid.shape[1] % expert_parallel:
             raise UserError(f"parallel.expert={expert_parallel} does not divide the data-parallel size {grid.shape[1]}")
+        if expert_parallel > 1 and context_parallel > 1:
+            raise UserError(f"parallel.expert={expert_parallel} with parallel.context={context_parallel} is not "
+                            "supported yet; set one of them to 1")
         kinds = (("tp", tensor_parallel_groups), ("dp", data_parallel_groups), ("pp", pipeline_parallel_groups),
                  ("embedding", embedding_groups),
                  ("ep", lambda g: expert_parallel_groups(g, expert_parallel)),
                  ("expert_dp", lambda g: expert_data_parallel_groups(g, expert_parallel)))
+        kinds = tuple((name, per_context_position(groups)) for name, groups in kinds) + (
+            ("cp", context_parallel_groups), ("dp_cp", data_context_parallel_groups))
         for name, groups in kinds:
             if name in ("pp", "embedding") and pipeline_parallel == 1:
                 continue  # no pipeline: no groups to create (the defaults are size-1 communicators)
             if name in ("ep", "expert_dp") and expert_parallel == 1:
                 continue  # no expert parallelism: `ep` has one rank and `expert_dp` is `dp`
+            if name in ("cp", "dp_cp") and context_parallel == 1:
+                continue  # no context parallelism: `cp` has one rank and `dp_cp` is `dp`
             for ranks in groups(grid):
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
@@ -240,7 +309,7 @@ def default_device() -> torch.device:
 
 def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
                      device: torch.device | None = None, pipeline_parallel: int = 1,
-                     expert_parallel: int = 1) -> ParallelContext:
+                     expert_parallel: int = 1, context_parallel: int = 1) -> ParallelContext:
     """Initialize torch.distributed from the torchrun environment and return this rank's context.
 
     The backend follows the device: NCCL for CUDA, gloo for CPU. Without torchrun variables (a
@@ -249,7 +318,7 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
     """
     device = device or default_device()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(world, tensor_parallel, pipeline_parallel)
+    check_layout(world, tensor_parallel, pipeline_parallel, context_parallel)
     if world == 1 and not dist.is_initialized():
         return ParallelContext.single(device)
     if device.type == "cuda":
@@ -260,7 +329,8 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, store=_attempt_store(rank, world, timeout), rank=rank,
                                 world_size=world, timeout=timeout)
-    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s, pipeline_parallel, expert_parallel)
+    return ParallelContext.from_process_group(tensor_parallel, device, timeout_s, pipeline_parallel, expert_parallel,
+                                              context_parallel)
 
 
 def _attempt_store(rank: int, world: int, timeout: timedelta):
