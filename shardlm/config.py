@@ -26,7 +26,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 @dataclass
 class ParallelConfig:
-    """The `[parallel]` section. Data-parallel size = world size / (tensor x pipeline)."""
+    """The `[parallel]` section. Data-parallel size = world size / (tensor x context x pipeline)."""
 
     tensor: int = 1
     """Tensor-parallel size: ranks that split every layer (consecutive ranks, inside one node)."""
@@ -46,6 +46,10 @@ class ParallelConfig:
     """Expert-parallel size E: each MoE layer's experts split over E data-parallel ranks (must divide DP)."""
     expert_dispatcher: str = "all_to_all"
     """How tokens reach their experts' ranks: "all_to_all" (uneven splits) or "all_gather" (small E)."""
+    context: int = 1
+    """Context-parallel size C: every sequence split over C ranks (zigzag chunks), attention as a ring (next to TP)."""
+    cp_comm: str = "ring"
+    """How keys and values reach the other context-parallel ranks: "ring" (point to point) or "allgather"."""
 
 
 @dataclass
@@ -276,7 +280,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     m, p, t = config.model, config.parallel, config.train
     positive = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
                 "model.num_heads": m.num_heads, "model.seq_length": m.seq_length, "parallel.tensor": p.tensor,
-                "parallel.pipeline": p.pipeline, "parallel.virtual_stages": p.virtual_stages,
+                "parallel.pipeline": p.pipeline, "parallel.context": p.context,
+                "parallel.virtual_stages": p.virtual_stages,
                 "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
                 "train.steps": t.steps}
     for key, value in positive.items():
@@ -298,10 +303,12 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     _validate_moe(m, p)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
-    model_parallel = p.tensor * p.pipeline
+    _validate_context(m, p)
+    model_parallel = p.tensor * p.context * p.pipeline
     if world_size % model_parallel:
-        sizes = f"parallel.tensor={p.tensor}" if p.pipeline == 1 else \
-            f"parallel.tensor x parallel.pipeline = {p.tensor} x {p.pipeline}"
+        dims = [("tensor", p.tensor)] + [(k, v) for k, v in (("context", p.context), ("pipeline", p.pipeline)) if v > 1]
+        sizes = f"parallel.tensor={p.tensor}" if len(dims) == 1 else \
+            " x ".join(f"parallel.{k}" for k, _ in dims) + " = " + " x ".join(str(v) for _, v in dims)
         raise UserError(f"world size {world_size} is not divisible by {sizes}; "
                         f"launch a multiple of {model_parallel} processes")
     dp = world_size // model_parallel
@@ -399,6 +406,24 @@ def _validate_attention_heads(m: ModelConfig) -> None:
                         "rotary embeddings need an even head size")
     if m.rope_theta <= 0:
         raise UserError(f"model.rope_theta={m.rope_theta} must be > 0")
+
+
+def _validate_context(m: ModelConfig, p: ParallelConfig) -> None:
+    """`parallel.context` and `parallel.cp_comm`: the zigzag split's sequence multiple, no attention dropout,
+    decoder models only, no MoE yet (one-line errors naming the key)."""
+    from shardlm.parallel.context import check_context_parallel
+
+    if p.cp_comm not in ("ring", "allgather"):
+        raise UserError(f'parallel.cp_comm="{p.cp_comm}" must be "ring" or "allgather"')
+    if p.context == 1:
+        return
+    if m.arch not in ("gpt", "llama"):
+        raise UserError(f'parallel.context={p.context} supports model.arch="gpt" and "llama"; use '
+                        f'parallel.context=1 for "{m.arch}"')
+    if m.moe_num_experts:
+        raise UserError(f"parallel.context={p.context} does not support MoE models yet (the routing losses span "
+                        "a micro-batch's whole sequence); set parallel.context=1")
+    check_context_parallel(m.seq_length, p.context, p.tensor, p.sequence_parallel, m.attention_dropout_p)
 
 
 def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:

@@ -116,7 +116,8 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     records = {}
     optimizer = trainer.optimizer
     full = optimizer.full_state() if hasattr(optimizer, "full_state") else None  # collective over DP
-    writes = ctx.expert_dp.rank == 0  # DP rank 0, and under expert parallelism the other EP ranks' experts
+    # DP rank 0 (CP rank 0: CP ranks hold the same parameters), and under expert parallelism the other EP ranks' experts
+    writes = ctx.expert_dp.rank == 0 and ctx.cp_rank == 0
     if writes:
         name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None, ctx.ep_rank)
         save_file(_model_tensors(trainer, full, dense=ctx.dp_rank == 0), str(tmp / name))
@@ -133,7 +134,7 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
             "format": "shardlm-checkpoint-v1", "step": trainer.step, "consumed_samples": trainer.consumed_samples,
             "skipped_steps": trainer.skipped_steps, "optimizer_step": _optimizer_step(trainer),
             "tensor_parallel": ctx.tp_size, "pipeline_parallel": ctx.pp_size, "data_parallel": ctx.dp_size,
-            "expert_parallel": ctx.ep_size,
+            "expert_parallel": ctx.ep_size, "context_parallel": ctx.cp_size,
             "world_size": ctx.world_size,
             "padded_vocab_size": trainer.model.padded_vocab_size,
             "scaler": trainer.scaler.state_dict() if trainer.scaler else None,

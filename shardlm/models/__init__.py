@@ -46,9 +46,11 @@ def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointin
     raise ValueError(f"unknown model.arch {cfg.arch!r}")
 
 
-def gpt_loss(forward, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (B, T + 1) token batch."""
-    return forward(batch[:, :-1], batch[:, 1:]).mean()
+def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (B, T + 1) token batch, or of an (inputs, targets) pair of (B, T')
+    (a context-parallel rank's part, `shardlm.training.data.context_parallel_part`)."""
+    inputs, targets = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
+    return forward(inputs, targets).mean()
 
 
 def training_loss(arch: str) -> Callable:

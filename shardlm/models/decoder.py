@@ -191,6 +191,8 @@ class DecoderLM(nn.Module):
         if cache is not None and self.sequence_parallel:
             raise ValueError("the KV cache works without sequence parallelism; build the model for generation "
                              "with sequence_parallel=False")
+        if cache is not None and self.ctx.cp_size > 1:
+            raise ValueError("the KV cache works without context parallelism; generate with parallel.context=1")
         x = self.embed(tokens, 0 if cache is None else cache.length)
         if cache is None:
             return self.ln_f(self.run_layers(x, self.layers.values()))

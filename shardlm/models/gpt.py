@@ -46,6 +46,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
 )
 from shardlm.models.moe import MoELayer
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
+from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
@@ -71,7 +72,12 @@ class ParallelAttention(nn.Module):
                                       sequence_parallel=sequence_parallel)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal, with attention dropout when training. Each (B, heads/tp, T, d)."""
+        """softmax(q k^T / sqrt(d)) v, causal, with attention dropout when training. Each (B, heads/tp, T, d).
+        Under context parallelism T is this rank's zigzag part, and the keys and values of the other CP
+        ranks come around the ring (`context_parallel_attention`)."""
+        if self.ctx.cp_size > 1:
+            return context_parallel_attention(q, k, v, self.ctx.cp, exchange=self.ctx.context_exchange,
+                                              dropout_p=self.dropout if self.training else 0.0)
         if self.training and self.dropout > 0:
             with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
@@ -179,11 +185,16 @@ class GPT(DecoderLM):
 
     def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
         """(B, T) ids -> (B, T, h): token + position embeddings (positions past .. past + T - 1), dropout.
-        Under sequence parallelism: this rank's chunk (B, T / tp, h)."""
+        Under sequence parallelism: this rank's chunk (B, T / tp, h). Under context parallelism the tokens
+        are this CP rank's zigzag part of T x C and take their original positions (`local_positions`)."""
         T = tokens.shape[1]
-        if past + T > self.cfg.seq_length:
-            raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
-        positions = self.wpe[past:past + T]
+        if past + T * self.ctx.cp_size > self.cfg.seq_length:
+            raise ValueError(f"sequence of {past + T * self.ctx.cp_size} tokens is longer than "
+                             f"model.seq_length={self.cfg.seq_length}")
+        if self.ctx.cp_size == 1:
+            positions = self.wpe[past:past + T]
+        else:
+            positions = self.wpe[local_positions(T, self.ctx.cp, past, tokens.device)]
         if self.sequence_parallel:
             positions = positions.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
         return self.drop(self.wte(tokens) + positions)

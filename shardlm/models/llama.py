@@ -55,6 +55,7 @@ from shardlm.parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
 )
+from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
@@ -153,7 +154,8 @@ class LlamaAttention(nn.Module):
             q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_angles(torch.arange(past, past + T, device=x.device), self.head_dim, self.theta)
+        # the tokens' original positions (this CP rank's zigzag part under context parallelism)
+        cos, sin = rotary_angles(local_positions(T, self.ctx.cp, past, x.device), self.head_dim, self.theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv_heads, past + T, head_dim)
@@ -174,7 +176,11 @@ class LlamaAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v with attention dropout when training; q (B, heads/tp, T, d),
-        k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d)."""
+        k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d). Under context parallelism T is
+        this rank's zigzag part, and only the KV heads travel around the ring (`context_parallel_attention`)."""
+        if self.ctx.cp_size > 1:
+            return context_parallel_attention(q, k, v, self.ctx.cp, exchange=self.ctx.context_exchange,
+                                              dropout_p=self.dropout if self.training else 0.0)
         gqa = k.shape[1] != self.heads
         if self.training and self.dropout > 0:
             with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
@@ -271,7 +277,7 @@ class Llama(DecoderLM):
     def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
         """(B, T) ids -> (B, T, h) token embeddings and dropout (positions enter in the attention, as RoPE);
         under sequence parallelism this rank's chunk (B, T / tp, h)."""
-        T = tokens.shape[1]
+        T = tokens.shape[1] * self.ctx.cp_size  # under context parallelism, this rank's part of T x C tokens
         if past + T > self.cfg.seq_length:
             raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")
         return self.drop(self.wte(tokens))

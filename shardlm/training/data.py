@@ -4,8 +4,10 @@ A dataset here is anything with `__len__` and `__getitem__(i) -> int64 array of 
 tokens, already shuffled and long enough for the run (`shardlm.data.gpt_dataset`). The trainer reads
 the global batch of step `k` as samples `[k * G, (k + 1) * G)` (G = global batch size); DP rank d
 takes the d-th contiguous
-slice of it, cut into micro-batches; TP ranks of one group read the same samples. The position in
-the data is therefore a pure function of the step, so a resumed run reads the exact next sample.
+slice of it, cut into micro-batches; TP ranks of one group read the same samples, and so do the CP
+ranks of one DP replica, each keeping its zigzag part of every sequence (`context_parallel_part`).
+The position in the data is therefore a pure function of the step, so a resumed run reads the exact
+next sample.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from shardlm.config import DataConfig
 from shardlm.errors import UserError
+from shardlm.parallel.context import zigzag_split
 from shardlm.paths import shared_data_dir
 
 
@@ -88,3 +91,10 @@ def micro_batches(dataset, first_sample: int, global_batch: int, micro_batch: in
         return [{k: v[i:i + micro_batch] for k, v in fields.items()} for i in range(0, per_rank, micro_batch)]
     tensor = torch.from_numpy(np.stack(samples)).to(device)
     return list(tensor.split(micro_batch))
+
+
+def context_parallel_part(batch: torch.Tensor, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (b, T + 1) token micro-batch -> context-parallel rank r's (inputs, targets), each (b, T / C): the
+    next-token pairs of chunks r and 2C-1-r of 2C (`shardlm.parallel.context.zigzag_split`). Positions are
+    the model's business (`zigzag_positions`)."""
+    return zigzag_split(batch[:, :-1], cp_size, cp_rank), zigzag_split(batch[:, 1:], cp_size, cp_rank)

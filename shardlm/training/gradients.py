@@ -1,7 +1,8 @@
 """Gradient reductions the trainer makes by hand (outside DDP), each one coalesced collective.
 
-- `all_reduce_gradients`: average over the data-parallel group (used where DDP is not: pipeline
-  stages, half-precision parameters with fp32 gradient buffers).
+- `all_reduce_gradients`: average over the data-parallel group, data x context under context
+  parallelism (used where DDP is not: pipeline stages, half-precision parameters with fp32 gradient
+  buffers).
 - `sum_sequence_parallel_gradients`: under sequence parallelism, parameters applied to sequence chunks
   (LayerNorms, row-parallel biases, position embeddings; marked `sequence_parallel`) hold the
   gradient of their chunk only; summing over the tensor-parallel group gives every rank the full one.
@@ -32,9 +33,11 @@ def _reduce_in_place(grads: list[torch.Tensor], comm: Communicator, divide: int 
 
 
 def all_reduce_gradients(grads: list[torch.Tensor], ctx: ParallelContext) -> None:
-    """Average gradients over the data-parallel group (one all-reduce per dtype)."""
-    if ctx.dp_size > 1 and grads:
-        _reduce_in_place(grads, ctx.dp, divide=ctx.dp_size)
+    """Average gradients over the data x context group `ctx.dp_cp` (the data-parallel group when C = 1;
+    one all-reduce per dtype). Each CP rank's gradient is that of its tokens' mean loss, the CP ranks
+    hold equally many tokens, so the mean over CP is the gradient of the mean over all the tokens."""
+    if ctx.dp_cp.size > 1 and grads:
+        _reduce_in_place(grads, ctx.dp_cp, divide=ctx.dp_cp.size)
 
 
 def sum_sequence_parallel_gradients(params: list[torch.Tensor], ctx: ParallelContext) -> None:

@@ -37,7 +37,7 @@ class DynamicLossScaler:
         ctx.tp.all_reduce(found, op=dist.ReduceOp.MAX)
         ctx.pp.all_reduce(found, op=dist.ReduceOp.MAX)
         if sharded_over_dp or ctx.ep_size > 1:  # experts split over EP ranks differ inside the DP group
-            ctx.dp.all_reduce(found, op=dist.ReduceOp.MAX)
+            ctx.dp_cp.all_reduce(found, op=dist.ReduceOp.MAX)  # `dp` itself without context parallelism
         return bool(found.item())
 
     def update(self, overflow: bool) -> None:

@@ -46,11 +46,12 @@ class MasterWeightOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext, lr: float,
                  weight_decay: float, betas: tuple[float, float], eps: float, param_dtype: torch.dtype,
                  shard: bool, dp: Communicator | None = None, grad_divisor: int | None = None):
-        """`dp`: the group that reduces (and shards) these parameters' gradients, `ctx.dp` by default
-        (expert parameters: `ctx.expert_dp`); `grad_divisor`: what the reduced sum is divided by
+        """`dp`: the group that reduces (and shards) these parameters' gradients, `ctx.dp_cp` by default
+        (data x context; `ctx.dp` without context parallelism; expert parameters: `ctx.expert_dp`);
+        `grad_divisor`: what the reduced sum is divided by
         (default its size; expert parameters: the whole data-parallel size)."""
         self.ctx, self.names = ctx, [name for name, _ in named_params]
-        self.dp = dp or ctx.dp
+        self.dp = dp or ctx.dp_cp
         self.grad_divisor = grad_divisor or self.dp.size
         self.params = [p for _, p in named_params]
         self.shard = shard and self.dp.size > 1

@@ -49,7 +49,8 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     stage adds its parameters' share over the PP group (one more scalar all-reduce); the tied embedding's
     copy on the last stage (`pipeline_tied_copy`) is left out, so it counts once. Gradients are already
     averaged over DP, so DP needs no communication, unless each DP rank holds only its range of them
-    (`sharded_over_dp`, the distributed optimizer): then the ranges' shares are summed over DP.
+    (`sharded_over_dp`, the distributed optimizer): then the ranges' shares are summed over DP (over
+    DP x CP, `ctx.dp_cp`, under context parallelism, where the optimizer shards over it).
     Experts split over expert-parallel ranks (`expert_parallel`, all of them TP-split) differ between
     the ranks of the EP group: their share is summed over EP (over DP, which contains EP, when sharded).
     """
@@ -75,7 +76,7 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     ctx.tp.all_reduce(sharded_sq)
     total = sharded_sq + squared(replicated)
     if sharded_over_dp:
-        ctx.dp.all_reduce(total)
+        ctx.dp_cp.all_reduce(total)
     return ctx.pp.all_reduce(total).sqrt()
 
 

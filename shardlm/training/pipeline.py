@@ -52,11 +52,14 @@ class PipelineRunner:
         self._losses.append(loss.detach())
         return loss * self.loss_factor
 
-    def _run(self, schedule, batches: list[torch.Tensor], train: bool) -> torch.Tensor:
-        """Run `schedule` over `batches` (each (b, T + 1)); the sum of the micro-batch mean losses on
-        the last stage (zero elsewhere)."""
-        batch = torch.cat(batches)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def _run(self, schedule, batches: list, train: bool) -> torch.Tensor:
+        """Run `schedule` over `batches` (each (b, T + 1), or a context-parallel rank's (inputs, targets));
+        the sum of the micro-batch mean losses on the last stage (zero elsewhere)."""
+        if isinstance(batches[0], tuple):
+            inputs, targets = (torch.cat(parts) for parts in zip(*batches))
+        else:
+            batch = torch.cat(batches)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
         self._losses.clear()
         args = (inputs,) if self.ctx.is_first_stage else ()
         target = targets if self.ctx.is_last_stage else None

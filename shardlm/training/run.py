@@ -148,7 +148,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         config.model.vocab_size = tokenizer.vocab_size
     t = config.train
     ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline,
-                           config.parallel.expert)
+                           config.parallel.expert, config.parallel.context)
     if t.compile:  # before the run directory and the datasets exist
         check_can_compile(ctx.device)
     if ctx.is_main:
@@ -178,7 +178,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""
-    logger.print(f"shardlm: {trainer.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x {pipeline}"
+    context = f"CP={ctx.cp_size} ({config.parallel.cp_comm}) x " if ctx.cp_size > 1 else ""
+    logger.print(f"shardlm: {trainer.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x {context}{pipeline}"
                  f"DP={ctx.dp_size}{experts} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
                  f"run directory {run_dir}")

@@ -36,7 +36,7 @@ from shardlm.models import build_model, training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.models.moe import finish_step, set_aux_loss_scale
 from shardlm.parallel import ParallelContext
-from shardlm.training.data import micro_batches
+from shardlm.training.data import context_parallel_part, micro_batches
 from shardlm.training.gradients import (
     all_reduce_gradients,
     is_split_expert,
@@ -109,6 +109,11 @@ class Trainer:
         ctx.seed(t.seed)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         ctx.expert_dispatcher = config.parallel.expert_dispatcher
+        ctx.context_exchange = config.parallel.cp_comm
+        if config.parallel.context != ctx.cp_size:  # a setting silently dropped would train another layout
+            raise UserError(f"parallel.context={config.parallel.context} but the process groups have "
+                            f"{ctx.cp_size} context-parallel rank(s); build them with context_parallel="
+                            f"{config.parallel.context}")
         self.moe = config.model.moe_num_experts > 0
         layers, stage_ids = None, None
         if ctx.pp_size > 1:  # this rank builds only the layers of its pipeline stages
@@ -141,12 +146,12 @@ class Trainer:
                 self.optimizer = self.master = DenseAndExpertOptimizer(self.master, MasterWeightOptimizer(
                     experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp, grad_divisor=ctx.dp_size))
         else:
-            if ctx.dp_size > 1 and self.pipeline is None:
+            if ctx.dp_cp.size > 1 and self.pipeline is None:  # over DP x CP (`dp_cp` is `dp` when C = 1)
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # experts: reduce_gradients
                     self.model, [n for n, p in self.model.named_parameters() if is_split_expert(p, ctx)])
-                self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp.group,
+                self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp_cp.group,
                                                    gradient_as_bucket_view=True)
-                self.ddp.register_comm_hook(ctx.dp, _counting_allreduce_hook)
+                self.ddp.register_comm_hook(ctx.dp_cp, _counting_allreduce_hook)
             self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, betas, t.adam_eps, ctx.device)
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.params
@@ -198,8 +203,8 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         forward = self.ddp or self.model
-        batches = micro_batches(self.train_data, self.consumed_samples, t.global_batch_size, t.micro_batch_size,
-                                ctx.dp_rank, ctx.dp_size, ctx.device)
+        batches = self.local_part(micro_batches(self.train_data, self.consumed_samples, t.global_batch_size,
+                                                t.micro_batch_size, ctx.dp_rank, ctx.dp_size, ctx.device))
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = torch.zeros((), device=ctx.device)
         if self.moe:  # the MoE losses' gradients get the micro-batch loss's factor
@@ -216,8 +221,8 @@ class Trainer:
                 loss_sum += loss.detach()
                 (loss * (scale / len(batches))).backward()
         self.reduce_gradients()
-        ctx.dp.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / (len(batches) * ctx.dp_size)
+        ctx.dp_cp.all_reduce(loss_sum)  # CP ranks' mean losses over equally many tokens: their mean is the batch's
+        loss_value = loss_sum.item() / (len(batches) * ctx.dp_cp.size)
 
         updated, over_dp = self.update_params, self.sharded_over_dp
         overflow = self.scaler.unscale_and_check(updated, ctx, over_dp) if self.scaler else False
@@ -263,17 +268,24 @@ class Trainer:
             return None
         self.model.eval()
         total = torch.zeros((), device=ctx.device)
-        batches = [micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size, ctx.dp_rank,
-                                 ctx.dp_size, ctx.device)[0] for it in range(iters)]
+        batches = self.local_part([micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size,
+                                                 ctx.dp_rank, ctx.dp_size, ctx.device)[0] for it in range(iters)])
         with self.autocast():
             if self.pipeline is not None:
                 total += self.pipeline.evaluate(batches).float()
             else:
                 for batch in batches:
                     total += self.loss(self.model, batch).float()
-        ctx.dp.all_reduce(total)
+        ctx.dp_cp.all_reduce(total)
         self.model.train()
-        return total.item() / (iters * ctx.dp_size)
+        return total.item() / (iters * ctx.dp_cp.size)
+
+    def local_part(self, batches: list) -> list:
+        """This rank's share of each micro-batch: the batch itself, or under context parallelism the
+        (inputs, targets) of its zigzag chunks (`context_parallel_part`)."""
+        if self.ctx.cp_size == 1:
+            return batches
+        return [context_parallel_part(batch, self.ctx.cp_size, self.ctx.cp_rank) for batch in batches]
 
 
 def perplexity(loss: float) -> float:

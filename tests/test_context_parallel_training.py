@@ -1,0 +1,265 @@
+"""Context-parallel training gives the one-process answer (gloo; fp32, dropout 0).
+
+Each layout trains a tiny GPT or Llama (grouped-query attention: 4 query heads, 2 KV heads) on
+sequences of 32 tokens for 8 steps; the loss and gradient norm at every step and every final
+parameter, and the validation loss after training (evaluation runs split over CP too), must be within
+1e-5 (relative) of one process running the same micro-batches. The loss compared is the one the
+trainer reports (and logs), so a missing reduction over the CP group, which would report one CP
+rank's share of the tokens, fails it.
+World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
+selective and with full recomputation, and a run saved after 4 steps at CP=2 that one process (CP=1) resumes.
+World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism, CP=2 x DP=2 (and with the
+distributed optimizer), CP=2 x PP=2. One-line config errors run in this process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_training import ADAM_EPS, VOCAB, rel
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.config import from_dict, validate
+from shardlm.data.gpt_dataset import TokenArrayDataset
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+
+from multiproc import check_result, run_checks, run_workers
+
+STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
+
+
+def cp_config(arch: str, micro: int, cp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
+              exchange: str = "ring", **train):
+    model = {"arch": arch, "num_layers": LAYERS, "hidden_size": HIDDEN, "num_heads": HEADS, "seq_length": SEQ,
+             "vocab_size": VOCAB, "dropout": 0.0}
+    if arch == "llama":
+        model["num_kv_heads"] = KV_HEADS
+    return from_dict({
+        "model": model,
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, "cp_comm": exchange},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "eval_iters": 8, **train},
+    })
+
+
+def synthetic_data(seed: int = 0, samples: int = STEPS * 8) -> TokenArrayDataset:
+    """A learnable stream of sequences of SEQ tokens: each token a fixed function of the previous one, 10% noise."""
+    rng = np.random.default_rng(seed)
+    successor, tokens = rng.permutation(VOCAB), [0]
+    for noise, noisy in zip(rng.random(4000), rng.integers(0, VOCAB, 4000)):
+        tokens.append(noisy if noise < 0.1 else successor[tokens[-1]])
+    return TokenArrayDataset(np.asarray(tokens), SEQ, seed=3, num_samples=samples)
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter in the one-process layout: TP shards concatenated, vocabulary padding removed."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.detach()
+        if hasattr(param, "tensor_parallel_dim"):
+            value = torch.cat(model.ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
+        out[name] = value[:VOCAB].clone() if name in ("wte.weight", "lm_head.weight") else value.clone()
+    return out
+
+
+def train_layout(ctx: ParallelContext, config, steps: int = STEPS, trainer: Trainer | None = None):
+    """(loss and gradient norm of each step, final parameters, trainer) of `steps` steps of `config`."""
+    validate(config, ctx.world_size, check_paths=False)
+    # 8 validation samples, all of them read (eval_iters 8) whatever the micro-batch and DP sizes
+    trainer = trainer or Trainer(config, ctx, synthetic_data(), valid_data=synthetic_data(seed=1, samples=8))
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
+    return curve, full_parameters(trainer.model), trainer
+
+
+def run(config, cp: int, tp: int = 1, pp: int = 1):
+    """A check: train `config` on the whole world as PP x DP x CP x TP; returns the curve, the parameters
+    (every pipeline stage's), the communication statistics of training and the validation loss after it."""
+    def check():
+        ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
+        curve, params, trainer = train_layout(ctx, config)
+        stats = ctx.comm.snapshot()
+        if pp > 1:
+            params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
+        return curve, params, stats, trainer.evaluate()
+    return check
+
+
+def save_after_4_steps(directory: str):
+    """CP=2 GPT: 4 steps, then a checkpoint (resumed at CP=1 by the test)."""
+    ctx = ParallelContext.from_process_group(1, context_parallel=2)
+    curve, _, trainer = train_layout(ctx, cp_config("gpt", 4, cp=2), steps=4)
+    save_checkpoint(trainer, directory)
+    return curve
+
+
+def world2_checks(directory: str):
+    return run_checks({
+        "cp2_gpt": run(cp_config("gpt", 4, cp=2), cp=2),
+        "cp2_llama": run(cp_config("llama", 4, cp=2), cp=2),
+        "cp2_gpt_allgather": run(cp_config("gpt", 4, cp=2, exchange="allgather"), cp=2),
+        "cp2_gpt_zero": run(cp_config("gpt", 4, cp=2, distributed_optimizer=True), cp=2),
+        "cp2_llama_zero": run(cp_config("llama", 4, cp=2, distributed_optimizer=True), cp=2),
+        "cp2_llama_selective": run(cp_config("llama", 4, cp=2, recompute="selective"), cp=2),
+        "cp2_gpt_full_recompute": run(cp_config("gpt", 4, cp=2, recompute="full"), cp=2),
+        "save_cp2": lambda: save_after_4_steps(directory),
+    })
+
+
+def world4_checks():
+    return run_checks({
+        "cp4_gpt": run(cp_config("gpt", 4, cp=4), cp=4),
+        "cp4_llama": run(cp_config("llama", 4, cp=4), cp=4),
+        "cp2_tp2_gpt": run(cp_config("gpt", 4, cp=2, tp=2), cp=2, tp=2),
+        "cp2_tp2_sp_gpt": run(cp_config("gpt", 4, cp=2, tp=2, sp=True), cp=2, tp=2),
+        "cp2_tp2_llama": run(cp_config("llama", 4, cp=2, tp=2), cp=2, tp=2),
+        "cp2_tp2_sp_llama": run(cp_config("llama", 4, cp=2, tp=2, sp=True), cp=2, tp=2),
+        "cp2_dp2_gpt": run(cp_config("gpt", 2, cp=2), cp=2),
+        "cp2_dp2_llama_zero": run(cp_config("llama", 2, cp=2, distributed_optimizer=True), cp=2),
+        "cp2_pp2_gpt": run(cp_config("gpt", 2, cp=2, pp=2), cp=2, pp=2),
+        "cp2_pp2_llama": run(cp_config("llama", 2, cp=2, pp=2), cp=2, pp=2),
+    })
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cp_ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir):
+    return run_workers(2, world2_checks, str(checkpoint_dir), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world4_checks, timeout=600)
+
+
+_REFERENCES = {}
+
+
+def reference(arch: str, micro: int):
+    """One process, the same micro-batches: (curve, parameters, validation loss), cached per module."""
+    if (arch, micro) not in _REFERENCES:
+        curve, params, trainer = train_layout(ParallelContext.single(), cp_config(arch, micro))
+        _REFERENCES[arch, micro] = curve, params, trainer.evaluate()
+    return _REFERENCES[arch, micro]
+
+
+def assert_same_run(curve, params, ref):
+    ref_curve, ref_params = ref[:2]
+    assert len(curve) == len(ref_curve)
+    for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
+        for what, a, b in zip(("loss", "grad norm"), got, want):
+            assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
+    assert params.keys() == ref_params.keys()
+    errors = {name: rel(params[name], ref_params[name]) for name in params}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"final parameter {worst} differs by {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("name,arch,micro", [
+    ("cp2_gpt", "gpt", 4),
+    ("cp2_llama", "llama", 4),
+    ("cp2_gpt_allgather", "gpt", 4),
+    ("cp2_gpt_zero", "gpt", 4),
+    ("cp2_llama_zero", "llama", 4),
+    ("cp2_llama_selective", "llama", 4),
+    ("cp2_gpt_full_recompute", "gpt", 4),
+])
+def test_world2_context_parallel_equals_one_process(world2, name, arch, micro):
+    """Loss and gradient norm of every step, final parameters and the validation loss after training."""
+    curve, params, _, valid_loss = check_result(world2, name)[0]
+    assert_same_run(curve, params, reference(arch, micro))
+    assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
+
+
+@pytest.mark.parametrize("name,arch,micro", [
+    ("cp4_gpt", "gpt", 4),
+    ("cp4_llama", "llama", 4),
+    ("cp2_tp2_gpt", "gpt", 4),
+    ("cp2_tp2_sp_gpt", "gpt", 4),
+    ("cp2_tp2_llama", "llama", 4),
+    ("cp2_tp2_sp_llama", "llama", 4),
+    ("cp2_dp2_gpt", "gpt", 2),
+    ("cp2_dp2_llama_zero", "llama", 2),
+    ("cp2_pp2_gpt", "gpt", 2),
+    ("cp2_pp2_llama", "llama", 2),
+])
+def test_world4_context_parallel_equals_one_process(world4, name, arch, micro):
+    """Loss and gradient norm of every step, final parameters and the validation loss after training."""
+    curve, params, _, valid_loss = check_result(world4, name)[0]
+    assert_same_run(curve, params, reference(arch, micro))
+    assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
+
+
+@pytest.mark.parametrize("world_name,name", [("world2", "cp2_gpt"), ("world4", "cp4_gpt")])
+def test_reported_loss_is_the_same_on_every_rank_and_equals_one_process(request, world_name, name):
+    """The loss every rank reports (rank 0 logs it) is the whole batch's, not one CP rank's tokens' loss."""
+    results = check_result(request.getfixturevalue(world_name), name)
+    ref_losses = [loss for loss, _ in reference("gpt", 4)[0]]
+    for curve, _, _, _ in results:
+        losses = [loss for loss, _ in curve]
+        assert all(abs(a - b) <= TOL * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+
+
+def test_ring_sends_the_formula_of_kv_bytes_per_layer_and_micro_batch(world2):
+    """Per layer and micro-batch at C = 2: K and V of this rank's 2L = T / C tokens (b samples, 4 heads of 8
+    channels, fp32) go once around the ring forward and once backward (C - 1 = 1 hop each), and the dK/dV
+    accumulators once backward. GPT: K/V have all 4 heads; Llama (GQA): only its 2 KV heads travel."""
+    micro_batches = 8 // 4
+    for name, kv_heads in (("cp2_gpt", HEADS), ("cp2_llama", KV_HEADS)):
+        stats = check_result(world2, name)[0][2]
+        block = 2 * 4 * kv_heads * (SEQ // 2) * (HIDDEN // HEADS) * 4  # (K, V) x b x Hkv x 2L x d x fp32
+        per_pass = STEPS * micro_batches * LAYERS
+        assert stats["ring_kv/cp"] == {"calls": 2 * per_pass, "bytes": 2 * per_pass * block,
+                                       "elements": 2 * per_pass * block // 4}
+        assert stats["ring_dkv/cp"]["calls"] == per_pass and stats["ring_dkv/cp"]["bytes"] == per_pass * block
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkpoint_dir):
+    """A run saved after 4 of 8 steps at CP=2 and resumed by one process (CP=1) gives the one-process run's
+    steps 5-8 and final parameters; the saved steps 1-4 are the one-process run's too."""
+    saved_curve = check_result(world2, "save_cp2")[0]
+    ref_curve, ref_params, _ = reference("gpt", 4)
+    for (a, b), (ra, rb) in zip(saved_curve, ref_curve[:4]):
+        assert abs(a - ra) <= TOL * ra and abs(b - rb) <= TOL * rb
+    config = cp_config("gpt", 4)
+    trainer = Trainer(config, ParallelContext.single(), synthetic_data())
+    load_checkpoint(trainer, checkpoint_dir)
+    assert trainer.step == 4
+    curve, params, _ = train_layout(ParallelContext.single(), config, steps=4, trainer=trainer)
+    assert_same_run(curve, params, (ref_curve[4:], ref_params))
+
+
+@pytest.mark.parametrize("parallel,model,world,message", [
+    ({"context": 3}, {}, 3, "model.seq_length=32 is not a multiple of 2 x parallel.context = 6"),
+    ({"context": 2, "tensor": 4, "sequence_parallel": True}, {"seq_length": 36}, 8,
+     "model.seq_length=36 is not a multiple of 2 x parallel.context x parallel.tensor (sequence parallelism) = 16"),
+    ({"context": 2}, {}, 3, "world size 3 is not divisible by parallel.tensor x parallel.context = 1 x 2"),
+    ({"context": 2, "tensor": 2, "pipeline": 2}, {}, 12,
+     "world size 12 is not divisible by parallel.tensor x parallel.context x parallel.pipeline = 2 x 2 x 2"),
+    ({"context": 2}, {"dropout": 0.1}, 2, "model.attention_dropout=0.1 is not supported with parallel.context=2"),
+    ({"context": 2, "cp_comm": "p2p"}, {}, 2, 'parallel.cp_comm="p2p" must be "ring" or "allgather"'),
+    ({"context": 2}, {"moe_num_experts": 4}, 2, "parallel.context=2 does not support MoE models yet"),
+    ({"context": 0}, {}, 2, "parallel.context=0 must be at least 1"),
+])
+def test_bad_context_parallel_settings_are_one_line_errors(parallel, model, world, message):
+    config = cp_config("gpt", 4)
+    for key, value in parallel.items():
+        setattr(config.parallel, key, value)
+    for key, value in model.items():
+        setattr(config.model, key, value)
+    with pytest.raises(UserError) as error:
+        validate(config, world, check_paths=False)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_trainer_refuses_a_context_setting_its_process_groups_do_not_have():
+    """parallel.context=2 on a context without a CP group is an error, not a silent CP=1 run."""
+    with pytest.raises(UserError, match="parallel.context=2 but the process groups have 1"):
+        Trainer(cp_config("gpt", 4, cp=2), ParallelContext.single(), synthetic_data())
