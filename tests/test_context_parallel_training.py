@@ -7,9 +7,10 @@ parameter, and the validation loss after training (evaluation runs split over CP
 trainer reports (and logs), so a missing reduction over the CP group, which would report one CP
 rank's share of the tokens, fails it.
 World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
-selective and with full recomputation, and a run saved after 4 steps at CP=2 that one process (CP=1) resumes.
+selective and with full recomputation, CP=2 in bf16 (near, not equal), and a run saved after 4 steps
+at CP=2 that one process (CP=1) resumes.
 World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism, CP=2 x DP=2 (and with the
-distributed optimizer), CP=2 x PP=2. One-line config errors run in this process.
+distributed optimizer), CP=2 x PP=2. One-line config errors and the MFU check run in this process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from shardlm.config import from_dict, validate
 from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.training.trainer import Trainer
+from shardlm.training.logging import RunLogger
+from shardlm.training.trainer import Trainer, model_flops_utilization
 
 from multiproc import check_result, run_checks, run_workers
 
@@ -105,6 +107,7 @@ def world2_checks(directory: str):
         "cp2_llama_zero": run(cp_config("llama", 4, cp=2, distributed_optimizer=True), cp=2),
         "cp2_llama_selective": run(cp_config("llama", 4, cp=2, recompute="selective"), cp=2),
         "cp2_gpt_full_recompute": run(cp_config("gpt", 4, cp=2, recompute="full"), cp=2),
+        "cp2_llama_bf16": run(cp_config("llama", 4, cp=2, precision="bf16"), cp=2),
         "save_cp2": lambda: save_after_4_steps(directory),
     })
 
@@ -142,12 +145,13 @@ def world4():
 _REFERENCES = {}
 
 
-def reference(arch: str, micro: int):
+def reference(arch: str, micro: int, **train):
     """One process, the same micro-batches: (curve, parameters, validation loss), cached per module."""
-    if (arch, micro) not in _REFERENCES:
-        curve, params, trainer = train_layout(ParallelContext.single(), cp_config(arch, micro))
-        _REFERENCES[arch, micro] = curve, params, trainer.evaluate()
-    return _REFERENCES[arch, micro]
+    key = (arch, micro, *sorted(train.items()))
+    if key not in _REFERENCES:
+        curve, params, trainer = train_layout(ParallelContext.single(), cp_config(arch, micro, **train))
+        _REFERENCES[key] = curve, params, trainer.evaluate()
+    return _REFERENCES[key]
 
 
 def assert_same_run(curve, params, ref):
@@ -195,6 +199,16 @@ def test_world4_context_parallel_equals_one_process(world4, name, arch, micro):
     curve, params, _, valid_loss = check_result(world4, name)[0]
     assert_same_run(curve, params, reference(arch, micro))
     assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
+
+
+def test_bf16_context_parallel_stays_near_one_process_bf16(world2):
+    """bf16 autocast (the ring's blocks in bf16, merged in fp32): CP=2's losses and gradient norms stay within
+    1e-3 of one process's bf16 run (not bitwise: the blocks round differently from one whole attention)."""
+    curve = check_result(world2, "cp2_llama_bf16")[0][0]
+    ref_curve = reference("llama", 4, precision="bf16")[0]
+    for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
+        for what, a, b in zip(("loss", "grad norm"), got, want):
+            assert abs(a - b) <= 1e-3 * abs(b), f"step {step}: {what} {a} vs {b}"
 
 
 @pytest.mark.parametrize("world_name,name", [("world2", "cp2_gpt"), ("world4", "cp4_gpt")])
@@ -263,3 +277,18 @@ def test_trainer_refuses_a_context_setting_its_process_groups_do_not_have():
     """parallel.context=2 on a context without a CP group is an error, not a silent CP=1 run."""
     with pytest.raises(UserError, match="parallel.context=2 but the process groups have 1"):
         Trainer(cp_config("gpt", 4, cp=2), ParallelContext.single(), synthetic_data())
+
+
+def test_mfu_above_100_percent_is_named_not_logged(tmp_path, capsys):
+    """An MFU measured above 100% (a FLOP count or peak that is wrong, e.g. a parallel setting silently off)
+    is reported as an error in metrics.jsonl and on the console, never as a number; below 100% it is the ratio."""
+    assert model_flops_utilization(494.5, 989.0) == (0.5, None)
+    assert model_flops_utilization(1.0, None) == (None, None)
+    mfu, error = model_flops_utilization(1978.0, 989.0)
+    assert mfu is None and "measured MFU 200% is above 100%" in error
+    logger = RunLogger(tmp_path, 1, True, progress=False, tensorboard=False)
+    logger.step({"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "tokens_per_sec": 1.0,
+                 "tflops_per_device": 1978.0, "mfu": mfu, "mfu_error": error}, total_steps=1)
+    logger.close()
+    assert "measured MFU 200% is above 100%" in capsys.readouterr().out
+    assert '"mfu": null' in (tmp_path / "metrics.jsonl").read_text()

@@ -55,6 +55,8 @@ class RunLogger:
             return
         self._write(metrics)
         mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if metrics.get("mfu") else ""
+        if metrics.get("mfu_error"):  # an impossible MFU is named, not printed as a number
+            mfu = f" | {metrics['mfu_error']}"
         skipped = " | step skipped (fp16 overflow)" if metrics.get("skipped") else ""
         scale = f" | loss scale {metrics['loss_scale']:.0f}" if metrics["loss_scale"] != 1.0 else ""
         moe = ""

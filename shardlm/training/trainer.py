@@ -60,6 +60,19 @@ def device_peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
+def model_flops_utilization(tflops_per_device: float, peak: float | None) -> tuple[float | None, str | None]:
+    """(MFU, None) against this device's `peak` TFLOP/s (None without a known peak), or (None, why) when the
+    measurement is above 100%: then the FLOP count or the peak is wrong (a parallel setting silently off,
+    a token counted twice), and a number would mislead, so the run says so instead of logging it."""
+    if not peak:
+        return None, None
+    mfu = tflops_per_device / peak
+    if mfu > 1:
+        return None, (f"measured MFU {mfu:.0%} is above 100% of the {peak:g} TFLOP/s peak: the FLOP count or "
+                      "the peak is wrong")
+    return mfu, None
+
+
 def _counting_allreduce_hook(state, bucket):
     """DDP communication hook: the default averaging all-reduce, recorded in the comm stats.
 
@@ -246,14 +259,14 @@ class Trainer:
         self.consumed_samples += t.global_batch_size
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * self.config.model.seq_length
-        tflops = self.flops_per_step / elapsed / 1e12
-        peak = device_peak_tflops(ctx.device)
+        tflops = self.flops_per_step / elapsed / 1e12  # every token once: the global batch's FLOPs
+        mfu, mfu_error = model_flops_utilization(tflops / ctx.world_size, device_peak_tflops(ctx.device))
         return {
             "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
             "loss_scale": scale, "skipped": overflow, "step_time_s": elapsed,
             "tokens_per_sec": tokens / elapsed, "tflops": tflops,
             "tflops_per_device": tflops / ctx.world_size,
-            "mfu": (tflops / ctx.world_size / peak) if peak else None, **moe_metrics,
+            "mfu": mfu, **({"mfu_error": mfu_error} if mfu_error else {}), **moe_metrics,
         }
 
     @torch.no_grad()
