@@ -59,6 +59,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--expert", type=int, default=None,
                         help="fix the expert-parallel size of an MoE model (default: search the sizes dividing DP "
                              "and the expert count)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="fix the context-parallel size (default: 1, and every size for sequences of 8192+ "
+                             "tokens of GPT and Llama)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="train at this sequence length instead of the model's (e.g. a long-context run)")
     parser.add_argument("--virtual-stages", type=int, default=None,
                         help="fix the virtual stages per pipeline rank (default: search)")
     parser.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved-1f1b"),
@@ -126,12 +131,18 @@ def run(args: argparse.Namespace) -> int:
     calibration = PAPER_CALIBRATION if gpu.name.startswith("v100") else SC21_CALIBRATION
     if args.efficiency is not None:
         calibration = dataclasses.replace(calibration, compute_efficiency=args.efficiency)
-    request = PlanRequest(model=resolve_model(args.model), gpu=gpu, gpus=args.gpus,
+    model = resolve_model(args.model)
+    if args.seq_length is not None:
+        if args.seq_length < 1:
+            raise UserError(f"--seq-length={args.seq_length} must be at least 1")
+        model = dataclasses.replace(model, config=dataclasses.replace(model.config, seq_length=args.seq_length))
+    request = PlanRequest(model=model, gpu=gpu, gpus=args.gpus,
                           global_batch=args.global_batch, precision=args.precision,
                           implementation=args.implementation, micro_batch=args.micro_batch,
                           checkpointing=args.checkpointing, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
                           param_dtype=args.param_dtype, pipeline=args.pipeline, expert=args.expert,
+                          context=args.context,
                           virtual_stages=args.virtual_stages,
                           schedule=args.schedule, reserve_gb=args.reserve_gb, calibration=calibration)
     result = plan(request)

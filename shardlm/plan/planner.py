@@ -9,17 +9,21 @@ sequence parallelism on and off (TP > 1), no / selective / full recomputation an
 optimizer on and off (DP > 1), and keeps the fastest choice whose busiest GPU (the first or the last
 pipeline stage; any stage when an MoE model mixes dense and MoE layers) fits in memory, or, when none
 fits, the smallest one, marked as not fitting. An MoE model gets one row per expert-parallel size E
-that divides both DP and its expert count (E = 1 for dense models).
+that divides both DP and its expert count (E = 1 for dense models). GPT and Llama at sequences of
+`context.LONG_CONTEXT` tokens or more also get one row per context-parallel size C (dividing
+GPUs / (PP x TP), the sequence a multiple of 2C): a CP rank saves the activations of T / C tokens and
+pays the ring (`shardlm.plan.context`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from shardlm.errors import UserError
 from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
+from shardlm.plan.context import context_invalid_reason, context_options
 from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import (
@@ -72,6 +76,8 @@ class PlanRequest:
     """Fixed pipeline size; None searches every size."""
     expert: int | None = None
     """Fixed expert-parallel size (MoE models); None searches every size dividing DP and the experts."""
+    context: int | None = None
+    """Fixed context-parallel size; None searches C > 1 for long sequences (`context.LONG_CONTEXT`), else 1."""
     virtual_stages: int | None = None
     """Fixed virtual stages per pipeline rank; None searches."""
     schedule: str | None = None
@@ -125,6 +131,8 @@ class PlanRow:
     pp: int = 1
     ep: int = 1
     """Expert-parallel size (1 for dense models)."""
+    cp: int = 1
+    """Context-parallel size."""
 
     @property
     def fits(self) -> bool:
@@ -146,9 +154,10 @@ class Plan:
 
     @property
     def recommended(self) -> PlanRow | None:
-        """The fitting layout with the lowest predicted step time (ties: smaller PP, then TP, then EP)."""
+        """The fitting layout with the lowest predicted step time (ties: smaller PP, then TP, then EP, then CP)."""
         fitting = [row for row in self.rows if row.fits]
-        return min(fitting, key=lambda row: (row.choice.time.total_s, row.pp, row.tp, row.ep)) if fitting else None
+        return min(fitting, key=lambda row: (row.choice.time.total_s, row.pp, row.tp, row.ep, row.cp)) \
+            if fitting else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -174,7 +183,7 @@ def _check_request(request: PlanRequest) -> None:
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise UserError(f"--schedule {request.schedule!r} must be one of {', '.join(SCHEDULES)}")
     for name, value in (("--pipeline", request.pipeline), ("--virtual-stages", request.virtual_stages),
-                        ("--expert", request.expert)):
+                        ("--expert", request.expert), ("--context", request.context)):
         if value is not None and value < 1:
             raise UserError(f"{name}={value} must be at least 1")
     experts = request.model.config.moe_num_experts
@@ -187,13 +196,20 @@ def _check_request(request: PlanRequest) -> None:
     if experts and request.expert is not None and experts % request.expert:
         raise UserError(f"--expert={request.expert} does not divide the model's {experts} experts; use a divisor "
                         f"of {experts}")
+    if request.context not in (None, 1):
+        reason = context_invalid_reason(request.model.config, request.context)
+        if reason or request.implementation != "shardlm":
+            raise UserError(f"--context={request.context}: {reason or 'planned for --implementation shardlm only'}")
     numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
 
 
-def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1) -> str | None:
-    """Why TP size `tp` with PP size `pp` (and EP size `ep`) is not a valid layout for this request, or None."""
+def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: int = 1) -> str | None:
+    """Why TP size `tp` with PP size `pp` (and EP size `ep`, CP size `cp`) is not a valid layout for this
+    request, or None."""
     cfg, gpu = request.model.config, request.gpu
-    dp = request.gpus // (tp * pp)
+    if (request.gpus // (tp * pp)) % cp:
+        return f"{request.gpus // (tp * pp)} GPUs per TP x PP position are not divisible by CP={cp}"
+    dp = request.gpus // (tp * pp * cp)
     if tp > gpu.gpus_per_node or gpu.gpus_per_node % tp:
         return f"TP={tp} does not divide a {gpu.gpus_per_node}-GPU node"
     if cfg.num_heads % tp:
@@ -208,6 +224,8 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1) -> s
         return f"PP={pp} exceeds the {cfg.num_layers} layers"
     if pp > 1 and cfg.arch == "bert":
         return "pipeline parallelism is planned for GPT and Llama only"
+    if context_invalid_reason(cfg, cp):
+        return context_invalid_reason(cfg, cp)
     if request.global_batch % dp:
         return f"global batch {request.global_batch} is not divisible by DP={dp}"
     if request.micro_batch is not None and (request.global_batch // dp) % request.micro_batch:
@@ -243,10 +261,11 @@ class _Evaluator:
         # a stage without the first dense layers can be the busiest: check every stage of such models
         self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
-    def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int) -> ActivationMemory:
+    def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int, cp: int = 1) -> ActivationMemory:
+        cfg = replace(self.cfg, seq_length=self.cfg.seq_length // cp)  # a CP rank saves T / C tokens' activations
         if self.megatron:
-            return korthikanti_memory(self.cfg, tp, micro, setting)
-        return shardlm_memory(self.cfg, tp, micro, self.fmt, setting, ep=ep)
+            return korthikanti_memory(cfg, tp, micro, setting)
+        return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
 
     def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1):
         stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
@@ -256,12 +275,12 @@ class _Evaluator:
         request, tp, pp, ep = self.request, layout.tp, layout.pp, layout.ep
         accumulation = request.global_batch // (layout.dp * layout.micro_batch)
         setting = LayerSetting(layout.sequence_parallel, layout.recompute)
-        acts = self.activations(tp, layout.micro_batch, setting, ep)
+        acts = self.activations(tp, layout.micro_batch, setting, ep, layout.cp)
         reserve = int(request.reserve_gb * GB)
         worst = None
         for rank in range(pp) if self.mixed else sorted({0, pp - 1}):
             stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep)
-            state = state_memory(params, self.fmt, layout.dp, layout.distributed_optimizer, ep=ep)
+            state = state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer, ep=ep)
             peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
                                         keeps_received=not self.megatron)
             if worst is None or state.total + peak > worst[0].total + worst[1]:
@@ -283,18 +302,19 @@ def expert_options(request: PlanRequest, dp: int) -> list[int]:
     return [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
 
 
-def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1):
-    """Every option of the (PP, TP, EP) layout the request allows."""
+def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1, cp: int = 1):
+    """Every option of the (PP, TP, EP, CP) layout the request allows."""
     cfg = request.model.config
-    dp = request.gpus // (tp * pp)
+    dp = request.gpus // (tp * pp * cp)
     per_replica = request.global_batch // dp
     micro_batches = ([request.micro_batch] if request.micro_batch is not None else
                      [m for m in _divisors(per_replica) if m <= request.max_micro_batch])
     # shardlm runs sequence parallelism and selective recomputation for GPT and Llama (not BERT)
     supported = request.implementation == "megatron" or cfg.arch in ("gpt", "llama")
-    sp_options = _switch(request.sequence_parallel, tp > 1 and cfg.seq_length % tp == 0 and supported)
+    sp_multiple = tp * (2 * cp if cp > 1 else 1)  # a CP rank's 2L tokens split over TP
+    sp_options = _switch(request.sequence_parallel, tp > 1 and cfg.seq_length % sp_multiple == 0 and supported)
     recompute_options = [r for r in request.recompute_options() if r != "selective" or supported] or ["full"]
-    zero_options = _switch(request.distributed_optimizer, dp > 1)
+    zero_options = _switch(request.distributed_optimizer, dp * cp > 1)
     for micro in micro_batches:
         m = per_replica // micro
         if pp > 1 and m < pp and request.schedule != "gpipe":
@@ -304,7 +324,7 @@ def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1):
             for sp, recompute, zero in itertools.product(sp_options, recompute_options, zero_options):
                 yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
                              virtual=virtual, schedule=schedule, sequence_parallel=sp,
-                             selective=recompute == "selective", distributed_optimizer=zero, ep=ep)
+                             selective=recompute == "selective", distributed_optimizer=zero, ep=ep, cp=cp)
 
 
 def plan(request: PlanRequest) -> Plan:
@@ -319,21 +339,25 @@ def plan(request: PlanRequest) -> Plan:
         if pp > 1 and request.model.config.arch == "bert":
             result.skipped["PP>1"] = "pipeline parallelism is planned for GPT and Llama only"
             continue
-        for tp in _divisors(request.gpus // pp):
-            dp = request.gpus // (pp * tp)
-            reason = invalid_reason(request, tp, pp)
+        for tp, cp in ((t, c) for t in _divisors(request.gpus // pp)
+                       for c in context_options(request.model.config, request.gpus // (pp * t), request.context,
+                                                request.implementation)):
+            dp = request.gpus // (pp * tp * cp)
+            context = f"-cp{cp}" if cp > 1 else ""
+            reason = invalid_reason(request, tp, pp, cp=cp)
             if reason:
                 per_node = request.gpu.gpus_per_node
-                if pp == 1 or (pp <= request.model.config.num_layers and per_node % tp == 0):
-                    result.skipped[f"{pp}x{tp}x{dp}"] = reason  # beyond one pipeline size, the instructive ones
+                repeated = cp > 1 and invalid_reason(request, tp, pp) is not None  # said once, at CP = 1
+                if not repeated and (pp == 1 or (pp <= request.model.config.num_layers and per_node % tp == 0)):
+                    result.skipped[f"{pp}x{tp}x{dp}{context}"] = reason  # beyond one pipeline size, the instructive
                 continue
             for ep in expert_options(request, dp):
-                key = f"{pp}x{tp}x{dp}" + (f"x{ep}" if request.model.config.moe_num_experts else "")
-                reason = invalid_reason(request, tp, pp, ep)
+                key = f"{pp}x{tp}x{dp}" + (f"x{ep}" if request.model.config.moe_num_experts else "") + context
+                reason = invalid_reason(request, tp, pp, ep, cp)
                 if reason:
                     result.skipped[key] = reason
                     continue
-                choices = [evaluator.choice(layout) for layout in _layouts(request, tp, pp, ep)]
+                choices = [evaluator.choice(layout) for layout in _layouts(request, tp, pp, ep, cp)]
                 if not choices:
                     result.skipped[key] = f"fewer micro-batches than PP={pp} stages at every micro-batch size"
                     continue
@@ -341,7 +365,7 @@ def plan(request: PlanRequest) -> Plan:
                 best = (min(fitting, key=lambda c: (c.time.total_s, c.total_bytes)) if fitting
                         else min(choices, key=lambda c: c.total_bytes))
                 params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep)[1]
-                result.rows.append(PlanRow(tp, dp, params, best, pp, ep))
+                result.rows.append(PlanRow(tp, dp, params, best, pp, ep, cp))
     if not result.rows:
         raise UserError("no valid PP x TP x DP layout: " + "; ".join(sorted(set(result.skipped.values()))))
     return result

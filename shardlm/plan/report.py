@@ -23,6 +23,9 @@ ASSUMPTIONS = [
     "ring all-reduce: 2(p-1)/p x bytes / (achieved per-direction bandwidth) + 2(p-1) x latency",
     "memory = parameters + gradients + optimizer (1/DP of it with the distributed optimizer) + peak saved "
     "activations of the in-flight micro-batches + logits + reserve, on the busiest pipeline stage",
+    "CP: a rank keeps the activations and per-token work of T/C tokens; the K/V ring (C-1 hops forward, K/V and "
+    "fp32 dK/dV backward, per layer and micro-batch) overlaps the two attention blocks computed per hop, only "
+    "the rest is exposed; gradients and the distributed optimizer span DP x CP",
     "MoE: FLOPs count the activated experts (top-k + shared + router); a rank holds 1/EP of the experts, whose "
     "gradients are reduced (and, with the distributed optimizer, state sharded) over DP/EP ranks; routing is "
     "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
@@ -40,7 +43,7 @@ def row_dict(row: PlanRow) -> dict:
     acts = choice.activations
     layout = choice.layout
     return {
-        "pp": row.pp, "tp": row.tp, "dp": row.dp, "ep": row.ep, "micro_batch": layout.micro_batch,
+        "pp": row.pp, "tp": row.tp, "dp": row.dp, "ep": row.ep, "cp": row.cp, "micro_batch": layout.micro_batch,
         "accumulation": choice.accumulation, "checkpointing": layout.checkpointing,
         "virtual_stages": layout.virtual, "schedule": layout.schedule if row.pp > 1 else None,
         "sequence_parallel": layout.sequence_parallel, "recompute": layout.recompute,
@@ -57,7 +60,7 @@ def row_dict(row: PlanRow) -> dict:
         "time_s": {"step": time.total_s, "compute": time.compute_s, "elementwise": time.elementwise_s,
                    "tp_comm": time.tp_comm_s, "dp_comm": time.dp_comm_s, "dp_exposed": time.dp_exposed_s,
                    "optimizer": time.optimizer_s, "bubble": time.bubble_s, "p2p": time.p2p_s,
-                   "ep_comm": time.ep_comm_s},
+                   "ep_comm": time.ep_comm_s, "cp_comm": time.cp_comm_s, "cp_ring": time.cp_ring_s},
         "tflops_per_gpu": time.tflops_per_gpu(layout.gpus),
     }
 
@@ -85,6 +88,7 @@ def render_plan(result: Plan, console: Console) -> None:
     title = (f"{request.model.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
              f"seq {cfg.seq_length}, vocab {cfg.vocab_size}, {total_params / 1e9:.3g}B parameters")
     moe = bool(cfg.moe_num_experts)
+    context = any(row.cp > 1 for row in result.rows)
     if moe:
         title += (f" ({activated_parameter_count(cfg) / 1e9:.3g}B activated: {cfg.moe_num_experts} experts of width "
                   f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k})")
@@ -98,11 +102,14 @@ def render_plan(result: Plan, console: Console) -> None:
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
                   "micro-batches; SP = sequence parallel; recomp = recomputation; ZeRO = distributed optimizer; time "
                   "in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)"
-                  + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else ""))
+                  + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else "")
+                  + ("; CP = context parallel, ring = its exposed K/V transfers" if context else ""))
     columns = ["PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "ZeRO", "param", "grad", "optim", "act",
                "total", "fits", "step", "bubble", "TP comm", "DP exp", "TF"]
     if moe:
         columns[3:3], columns[-2:-2] = ["EP"], ["A2A"]
+    if context:
+        columns[2:2], columns[-2:-2] = ["CP"], ["ring"]
     for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     for row in result.rows:
@@ -117,6 +124,8 @@ def render_plan(result: Plan, console: Console) -> None:
                  f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}", f"{time.tflops_per_gpu(layout.gpus):.1f}"]
         if moe:
             cells[3:3], cells[-2:-2] = [str(row.ep)], [f"{time.ep_comm_s:.3f}"]
+        if context:
+            cells[2:2], cells[-2:-2] = [str(row.cp)], [f"{time.cp_comm_s:.3f}"]
         table.add_row(*cells, style=style)
     console.print(table)
     for line in ASSUMPTIONS:
@@ -128,7 +137,8 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"{c.memory_efficiency:.3f}, link efficiency {c.link_efficiency:.3f}, DP overlap "
                   f"{c.dp_overlap:.3f} (fitted on {source})")
     for key, reason in result.skipped.items():
-        console.print(f"  [dim]skipped PPxTPxDP{'(xEP)' if moe else ''} {key}: {reason}[/dim]")
+        console.print(f"  [dim]skipped PPxTPxDP{'(xEP)' if moe else ''}{'(-cpC)' if '-cp' in key else ''} {key}: "
+                      f"{reason}[/dim]")
     if best is None:
         console.print("[red]No layout fits: use more GPUs, a smaller micro-batch or a smaller model.[/red]")
     else:
@@ -137,7 +147,9 @@ def render_plan(result: Plan, console: Console) -> None:
         schedule = (f", {layout.schedule}" + (f" with {layout.virtual} virtual stages" if layout.virtual > 1 else "")
                     if best.pp > 1 else "")
         experts = f" (EP={best.ep})" if moe else ""
-        console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x DP={best.dp}{experts}[/bold], micro-batch "
+        context_size = f"CP={best.cp} x " if best.cp > 1 else ""
+        console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x {context_size}DP={best.dp}{experts}[/bold], "
+                      "micro-batch "
                       f"{layout.micro_batch}{schedule}, sequence parallel "
                       f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, distributed "
                       f"optimizer {'on' if layout.distributed_optimizer else 'off'}: "

@@ -1,6 +1,6 @@
-"""Predicted time of one training step for a PP x TP x DP (x EP) layout.
+"""Predicted time of one training step for a PP x TP x DP (x EP, x CP) layout.
 
-    step = compute + elementwise + tp_comm + ep_comm + bubble + p2p + optimizer + exposed dp_comm
+    step = compute + elementwise + tp_comm + ep_comm + cp_comm + bubble + p2p + optimizer + exposed dp_comm
 
 - compute: the matmul FLOP count (`shardlm.models.config.flops_per_step`: 72 B s l h^2 (1 + s/6h +
   V/12lh), plus the layers' forward again with activation recomputation, padded vocabulary) divided
@@ -25,6 +25,10 @@
   shared experts, router); each MoE layer adds its all-to-all (`all_to_all_seconds`), and the DP
   all-reduce splits into the dense gradients over DP and the expert gradients over the DP / E
   expert-DP ranks (`dp_comm_seconds`).
+- context parallelism (C = `Layout.cp`): the per-token work (elementwise, TP collectives, pipeline
+  transfers) is that of T / C tokens, the FLOPs split over all GPUs as before, the gradient all-reduce
+  and the distributed optimizer span DP x C ranks, and each layer adds the ring's exposed K/V
+  transfers (`shardlm.plan.context.ring_seconds`).
 - optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound;
   1/DP of it with the distributed optimizer).
 - pipeline (P > 1): a rank runs the layers of its stages, so compute, elementwise and TP work divide
@@ -48,6 +52,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
+from shardlm.plan.context import ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import NumericFormat, ParameterCount
@@ -120,10 +125,12 @@ class Layout:
     """Optimizer state sharded over DP (ZeRO-1): reduce-scatter gradients, all-gather parameters."""
     ep: int = 1
     """Expert-parallel size E: each MoE layer's experts split over E consecutive DP ranks (divides DP)."""
+    cp: int = 1
+    """Context-parallel size C: every sequence split over C ranks (next to TP; DP is the data replicas)."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.dp * self.pp * self.cp
 
     @property
     def recompute(self) -> str:
@@ -150,11 +157,15 @@ class StepTime:
     """Point-to-point transfers between pipeline stages on the critical path."""
     ep_comm_s: float = 0.0
     """All-to-all of the MoE layers (dispatch and combine), not overlapped."""
+    cp_comm_s: float = 0.0
+    """The context-parallel ring's K/V transfers not hidden behind the attention blocks."""
+    cp_ring_s: float = 0.0
+    """The whole ring transfer time, before overlap."""
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.elementwise_s + self.tp_comm_s + self.ep_comm_s + self.bubble_s + self.p2p_s
-                + self.optimizer_s + self.dp_exposed_s)
+        return (self.compute_s + self.elementwise_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s + self.bubble_s
+                + self.p2p_s + self.optimizer_s + self.dp_exposed_s)
 
     def tflops_per_gpu(self, gpus: int) -> float:
         return self.model_flops / self.total_s / gpus / 1e12
@@ -266,11 +277,27 @@ def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: N
     """Gradient all-reduce over the DP group (ring, its ranks TP apart), limited by NVLink or by the
     node's network (`_reduction_seconds`). Under expert parallelism the routed experts' gradients
     (`params.expert`) are reduced over their DP / E expert-DP ranks (TP x E apart) after the dense ones."""
-    if layout.ep == 1 or not params.expert:
-        return _reduction_seconds(params.total, layout.dp, layout.tp, layout, gpu, fmt, calibration)
+    if layout.ep == 1 or not params.expert:  # over DP x CP (ranks TP apart) with context parallelism
+        return _reduction_seconds(params.total, layout.dp * layout.cp, layout.tp, layout, gpu, fmt, calibration)
     return (_reduction_seconds(params.dense, layout.dp, layout.tp, layout, gpu, fmt, calibration)
             + _reduction_seconds(params.expert, layout.dp // layout.ep, layout.tp * layout.ep, layout, gpu, fmt,
                                  calibration))
+
+
+def context_ring_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
+                         calibration: Calibration) -> tuple[float, float]:
+    """(exposed, total) ring seconds of one layer and micro-batch (`shardlm.plan.context.ring_seconds`) on
+    `cfg`'s full sequence: NVLink while the CP group's TP x C GPUs fit in a server, else this GPU's share of
+    the node's network."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    intra, inter = _direction_bandwidth(gpu, calibration)
+    across = layout.tp * layout.cp > gpu.gpus_per_node
+    bandwidth = inter / gpu.gpus_per_node if across else intra
+    latency = calibration.inter_node_latency_s if across else calibration.intra_node_latency_s
+    flops_per_s = gpu.peak_tflops * 1e12 * calibration.compute_efficiency
+    return ring_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes, layout.checkpointing,
+                        bandwidth, latency, flops_per_s)
 
 
 def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> float:
@@ -289,10 +316,11 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
     the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers."""
     accumulation = global_batch // (layout.dp * layout.micro_batch)
-    padded = replace(cfg, vocab_size=cfg.padded_vocab_size(layout.tp))
+    full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
+    padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
-        flops += 4 * global_batch * cfg.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
+        flops += 4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
     layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
     imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
     compute = flops * imbalance / layout.gpus / (gpu.peak_tflops * 1e12 * calibration.compute_efficiency)
@@ -302,7 +330,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     split = layout.tp if layout.sequence_parallel else 1
     elementwise_bytes = passes * layers * tokens * cfg.hidden_size * fmt.residual_bytes / split
     if attention_scores:
-        scores = layout.micro_batch * cfg.num_heads // layout.tp * cfg.seq_length ** 2
+        scores = layout.micro_batch * cfg.num_heads // layout.tp * full_sequence.seq_length * cfg.seq_length
         recomputed = layout.recompute != "none"
         elementwise_bytes += layers * scores * (SCORE_BYTES_FORWARD * (2 if recomputed else 1) + SCORE_BYTES_BACKWARD)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
@@ -310,17 +338,20 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
 
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
     ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration)
-    bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm)
+    cp_exposed, cp_ring = (accumulation * layers * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
+                                                                                   calibration))
+    bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm
+                                                                           + cp_exposed)
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
-    shards = layout.dp if layout.distributed_optimizer else 1
+    shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
     expert_shards = layout.dp // layout.ep if layout.distributed_optimizer and params.expert else shards
     optimizer = (params.dense * optimizer_bytes_per_parameter(fmt, shards)
                  + params.expert * optimizer_bytes_per_parameter(fmt, expert_shards)) / hbm
 
     dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
     backward_share = 3 / 4 if layout.checkpointing else 2 / 3  # (recompute +) backward of fwd+bwd FLOPs
-    last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm) / accumulation
+    last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm + cp_exposed) / accumulation
     hidden = 0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward)
     return StepTime(compute_s=compute, elementwise_s=elementwise, tp_comm_s=tp_comm, optimizer_s=optimizer,
                     dp_comm_s=dp_comm, dp_exposed_s=dp_comm - hidden, model_flops=flops, bubble_s=bubble,
-                    p2p_s=p2p, ep_comm_s=ep_comm)
+                    p2p_s=p2p, ep_comm_s=ep_comm, cp_comm_s=cp_exposed, cp_ring_s=cp_ring)

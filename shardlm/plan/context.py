@@ -1,0 +1,75 @@
+"""Context parallelism in the planner: which C to try, and the ring's time (`shardlm.parallel.context`).
+
+A CP rank holds T / C tokens of every sequence, so everything a layer saves and every per-token cost
+(elementwise passes, TP collectives, pipeline transfers) is that of a T / C sequence; the matmul
+FLOPs split evenly over the C ranks (the zigzag split balances causal attention). What CP adds is the
+ring: per layer and micro-batch, with L = T / 2C, Hkv the KV heads of a TP rank, d the head size,
+
+    forward   C - 1 hops of K and V        2 b Hkv 2L d x (activation bytes) each
+    backward  C - 1 hops of K and V, and C - 1 hops of dK and dV (fp32)
+    (full recomputation: the forward's hops again)
+
+and each hop overlaps the two full L x L blocks the rank computes meanwhile (4 b H 2L L d FLOPs
+forward per block pair for QK^T and PV over its H query heads of the TP rank, twice that backward):
+only the part of a transfer longer than its blocks is exposed, plus one latency per hop. A CP group
+is C ranks TP apart: on NVLink while TP x C GPUs fit in a server; beyond, the ring crosses servers and
+each GPU gets its share of the node's network.
+"""
+
+from __future__ import annotations
+
+from shardlm.models.config import ModelConfig
+
+LONG_CONTEXT = 8192
+"""Sequences from this length on are searched with C > 1 (shorter ones keep C = 1 unless --context
+fixes it): below it, chunks are too short for the ring to hide behind attention."""
+
+
+def context_options(cfg: ModelConfig, ranks: int, fixed: int | None, implementation: str) -> list[int]:
+    """Context-parallel sizes to try with `ranks` = GPUs / (PP x TP) left for DP x CP: the fixed one, else
+    C = 1 and, for long sequences of GPT and Llama (dense, shardlm's implementation), every C dividing
+    `ranks` whose 2C chunks split the sequence."""
+    if fixed is not None:
+        return [fixed]
+    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or cfg.moe_num_experts \
+            or implementation != "shardlm":
+        return [1]
+    return [c for c in range(1, ranks + 1) if ranks % c == 0 and cfg.seq_length % (2 * c) == 0]
+
+
+def context_invalid_reason(cfg: ModelConfig, cp: int) -> str | None:
+    """Why C = `cp` cannot run this model (the training config's rules), or None."""
+    if cp == 1:
+        return None
+    if cfg.arch not in ("gpt", "llama"):
+        return "context parallelism is planned for GPT and Llama only"
+    if cfg.moe_num_experts:
+        return "context parallelism does not support MoE models yet"
+    if cfg.seq_length % (2 * cp):
+        return f"sequence {cfg.seq_length} is not a multiple of 2 x CP = {2 * cp}"
+    return None
+
+
+def ring_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, activation_bytes: int, recompute_full: bool,
+                 bandwidth: float, latency_s: float, flops_per_s: float) -> tuple[float, float]:
+    """(exposed, total) seconds of one micro-batch's K/V ring on one rank, per layer (see the module doc);
+    `bandwidth` in bytes/s per direction, `flops_per_s` what the rank's attention blocks achieve."""
+    if cp == 1:
+        return 0.0, 0.0
+    head_dim = cfg.hidden_size // cfg.num_heads if cfg.arch != "llama" else cfg.attention_head_dim
+    kv_heads = cfg.num_heads if cfg.arch != "llama" else cfg.kv_heads
+    local_kv = max(1, kv_heads // tp)
+    local_heads = cfg.num_heads // tp
+    chunk = cfg.seq_length // (2 * cp)  # L
+    kv = 2 * micro_batch * local_kv * 2 * chunk * head_dim
+    blocks = 2 * 2 * micro_batch * local_heads * 2 * chunk * chunk * head_dim  # two L x L blocks, QK^T and PV
+    hops = cp - 1
+
+    def hop(nbytes: float, flops: float) -> tuple[float, float]:
+        transfer = nbytes / bandwidth
+        return max(0.0, transfer - flops / flops_per_s) + latency_s, transfer + latency_s
+
+    forward = hop(kv * activation_bytes, blocks)
+    backward = hop(kv * activation_bytes + kv * 4, 2 * blocks)  # K/V and the fp32 dK/dV on the same link
+    passes = [forward, backward] + ([forward] if recompute_full else [])
+    return hops * sum(p[0] for p in passes), hops * sum(p[1] for p in passes)
