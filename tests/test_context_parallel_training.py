@@ -9,8 +9,9 @@ rank's share of the tokens, fails it.
 World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
 selective and with full recomputation, CP=2 in bf16 (near, not equal), and a run saved after 4 steps
 at CP=2 that one process (CP=1) resumes.
-World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism, CP=2 x DP=2 (and with the
-distributed optimizer), CP=2 x PP=2. One-line config errors and the MFU check run in this process.
+World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism (and with Llama's one KV head
+replicated over TP), CP=2 x DP=2 (and with the distributed optimizer), CP=2 x PP=2 (and interleaved).
+One-line config errors and the MFU check run in this process.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
 
 
 def cp_config(arch: str, micro: int, cp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
-              exchange: str = "ring", **train):
-    model = {"arch": arch, "num_layers": LAYERS, "hidden_size": HIDDEN, "num_heads": HEADS, "seq_length": SEQ,
+              exchange: str = "ring", kv_heads: int = KV_HEADS, layers: int = LAYERS, virtual: int = 1, **train):
+    model = {"arch": arch, "num_layers": layers, "hidden_size": HIDDEN, "num_heads": HEADS, "seq_length": SEQ,
              "vocab_size": VOCAB, "dropout": 0.0}
     if arch == "llama":
-        model["num_kv_heads"] = KV_HEADS
+        model["num_kv_heads"] = kv_heads
+    schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
     return from_dict({
         "model": model,
-        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, "cp_comm": exchange},
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, "cp_comm": exchange,
+                     **schedule},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "eval_iters": 8, **train},
@@ -124,6 +127,9 @@ def world4_checks():
         "cp2_dp2_llama_zero": run(cp_config("llama", 2, cp=2, distributed_optimizer=True), cp=2),
         "cp2_pp2_gpt": run(cp_config("gpt", 2, cp=2, pp=2), cp=2, pp=2),
         "cp2_pp2_llama": run(cp_config("llama", 2, cp=2, pp=2), cp=2, pp=2),
+        # one KV head, replicated on both TP ranks (only it travels around the ring)
+        "cp2_tp2_llama_one_kv_head": run(cp_config("llama", 2, cp=2, tp=2, kv_heads=1), cp=2, tp=2),
+        "cp2_pp2_gpt_interleaved": run(cp_config("gpt", 2, cp=2, pp=2, layers=4, virtual=2), cp=2, pp=2),
     })
 
 
@@ -182,23 +188,25 @@ def test_world2_context_parallel_equals_one_process(world2, name, arch, micro):
     assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
 
 
-@pytest.mark.parametrize("name,arch,micro", [
-    ("cp4_gpt", "gpt", 4),
-    ("cp4_llama", "llama", 4),
-    ("cp2_tp2_gpt", "gpt", 4),
-    ("cp2_tp2_sp_gpt", "gpt", 4),
-    ("cp2_tp2_llama", "llama", 4),
-    ("cp2_tp2_sp_llama", "llama", 4),
-    ("cp2_dp2_gpt", "gpt", 2),
-    ("cp2_dp2_llama_zero", "llama", 2),
-    ("cp2_pp2_gpt", "gpt", 2),
-    ("cp2_pp2_llama", "llama", 2),
+@pytest.mark.parametrize("name,arch,micro,shape", [
+    ("cp4_gpt", "gpt", 4, {}),
+    ("cp4_llama", "llama", 4, {}),
+    ("cp2_tp2_gpt", "gpt", 4, {}),
+    ("cp2_tp2_sp_gpt", "gpt", 4, {}),
+    ("cp2_tp2_llama", "llama", 4, {}),
+    ("cp2_tp2_sp_llama", "llama", 4, {}),
+    ("cp2_dp2_gpt", "gpt", 2, {}),
+    ("cp2_dp2_llama_zero", "llama", 2, {}),
+    ("cp2_pp2_gpt", "gpt", 2, {}),
+    ("cp2_pp2_llama", "llama", 2, {}),
+    ("cp2_tp2_llama_one_kv_head", "llama", 2, {"kv_heads": 1}),
+    ("cp2_pp2_gpt_interleaved", "gpt", 2, {"layers": 4}),
 ])
-def test_world4_context_parallel_equals_one_process(world4, name, arch, micro):
+def test_world4_context_parallel_equals_one_process(world4, name, arch, micro, shape):
     """Loss and gradient norm of every step, final parameters and the validation loss after training."""
     curve, params, _, valid_loss = check_result(world4, name)[0]
-    assert_same_run(curve, params, reference(arch, micro))
-    assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
+    assert_same_run(curve, params, reference(arch, micro, **shape))
+    assert abs(valid_loss - reference(arch, micro, **shape)[2]) <= TOL * valid_loss
 
 
 def test_bf16_context_parallel_stays_near_one_process_bf16(world2):
