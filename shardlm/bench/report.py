@@ -49,6 +49,11 @@ KEYS = {
     "moe.expert_parallel.ep2_efficiency": "tokens/s at EP=2 (2 x 1 thread) / one process x 2 threads, same batch",
     "moe.expert_parallel.all_to_all.matches_formula": "true when one EP=2 step's all-to-all bytes (summed over the "
                                                       "group) and calls per rank equal the formula",
+    "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
+                                    "forward + backward of one long sequence, C = 1's / C and their ratio",
+    "context_parallel.cp2_efficiency": "tokens/s at CP = 2 (2 x 1 thread) / one process x 2 threads, same sequence",
+    "context_parallel.balance": "per split (zigzag, contiguous) at C = 4: per-rank causal attention seconds and the "
+                                "spread max / min - 1",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
     "checkpoint.load_s": "seconds to verify and load them",
     "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
@@ -161,6 +166,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.moe import markdown_lines as moe_lines
 
         lines += moe_lines(r["moe"])
+    if r.get("context_parallel"):
+        from shardlm.bench.context_parallel import markdown_lines as context_lines
+
+        lines += context_lines(r["context_parallel"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",
