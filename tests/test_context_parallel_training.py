@@ -7,8 +7,8 @@ parameter, and the validation loss after training (evaluation runs split over CP
 trainer reports (and logs), so a missing reduction over the CP group, which would report one CP
 rank's share of the tokens, fails it.
 World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
-selective and with full recomputation, CP=2 in bf16 (near, not equal), and a run saved after 4 steps
-at CP=2 that one process (CP=1) resumes.
+selective and with full recomputation, CP=2 in bf16 (near, not equal), a run saved after 4 steps at
+CP=2 that one process (CP=1) resumes, and the activation bytes each layer saves per rank.
 World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism (and with Llama's one KV head
 replicated over TP), CP=2 x DP=2 (and with the distributed optimizer), CP=2 x PP=2 (and interleaved).
 One-line config errors and the MFU check run in this process.
@@ -101,6 +101,25 @@ def save_after_4_steps(directory: str):
     return curve
 
 
+def saved_per_layer(ctx: ParallelContext) -> dict:
+    """Bytes each layer saves for backward in one forward + backward of this rank's part of 4 sequences, per arch."""
+    from shardlm.models import build_model
+    from shardlm.plan.measure import saved_activation_bytes
+    from shardlm.training.data import context_parallel_part
+
+    batch = torch.from_numpy(np.stack([synthetic_data()[i] for i in range(4)]))
+    out = {}
+    for arch in ("gpt", "llama"):
+        ctx.rng = None
+        model = build_model(cp_config(arch, 4, cp=ctx.cp_size).model, ctx)
+        inputs, targets = context_parallel_part(batch, ctx.cp_size, ctx.cp_rank)
+        def step(model=model, inputs=inputs, targets=targets):
+            model(inputs, targets).mean().backward()
+
+        out[arch] = saved_activation_bytes(model, step, list(model.layers.values())).by_layer
+    return out
+
+
 def world2_checks(directory: str):
     return run_checks({
         "cp2_gpt": run(cp_config("gpt", 4, cp=2), cp=2),
@@ -112,6 +131,7 @@ def world2_checks(directory: str):
         "cp2_gpt_full_recompute": run(cp_config("gpt", 4, cp=2, recompute="full"), cp=2),
         "cp2_llama_bf16": run(cp_config("llama", 4, cp=2, precision="bf16"), cp=2),
         "save_cp2": lambda: save_after_4_steps(directory),
+        "saved_per_layer": lambda: saved_per_layer(ParallelContext.from_process_group(1, context_parallel=2)),
     })
 
 
@@ -241,6 +261,15 @@ def test_ring_sends_the_formula_of_kv_bytes_per_layer_and_micro_batch(world2):
         assert stats["ring_kv/cp"] == {"calls": 2 * per_pass, "bytes": 2 * per_pass * block,
                                        "elements": 2 * per_pass * block // 4}
         assert stats["ring_dkv/cp"]["calls"] == per_pass and stats["ring_dkv/cp"]["bytes"] == per_pass * block
+
+
+def test_a_cp2_rank_saves_half_of_each_layers_activations(world2):
+    """Each layer of a CP=2 rank keeps for backward exactly half the bytes one process keeps (everything it
+    saves is per token; the ring's output is laid out so the output projection's input is a view of it)."""
+    whole = saved_per_layer(ParallelContext.single())
+    for rank_result in check_result(world2, "saved_per_layer"):
+        for arch in ("gpt", "llama"):
+            assert {i: 2 * n for i, n in rank_result[arch].items()} == whole[arch], arch
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkpoint_dir):

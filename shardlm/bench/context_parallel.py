@@ -128,7 +128,7 @@ def speed_worker(shape: CPShape, repeats: int) -> dict | None:
 
 def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
     """Per-rank seconds of the causal attention blocks (forward) its queries need at C = `context`, zigzag
-    and contiguous splits, one thread; the spread max / min - 1 of each."""
+    and contiguous splits, one thread, the least of `repeats` rounds; the spread max / min - 1 of each."""
     from shardlm.parallel.context import CAUSAL, EMPTY, _block_forward, block_kind, zigzag_chunks
 
     previous = torch.get_num_threads()
@@ -140,22 +140,21 @@ def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
     q = torch.randn(1, shape.num_heads, length, head_dim, generator=g)
     kv = torch.randn(1, shape.num_kv_heads, length, head_dim, generator=g)
     splits = {"zigzag": lambda r: zigzag_chunks(context, r), "contiguous": lambda r: (2 * r, 2 * r + 1)}
-    out = {}
+    blocks = {(name, rank): [block_kind(i, j) for i in held(rank) for j in range(chunks)]
+              for name, held in splits.items() for rank in range(context)}
+    runs: dict = {key: [] for key in blocks}
     try:
-        for name, held in splits.items():
-            seconds = []
-            for rank in range(context):
-                blocks = [block_kind(i, j) for i in held(rank) for j in range(chunks)]
-                runs = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    for kind in blocks:
-                        if kind != EMPTY:
-                            _block_forward(q, kv, kv, kind == CAUSAL, head_dim ** -0.5, "auto")
-                    runs.append(time.perf_counter() - start)
-                seconds.append(min(runs))
-            out[name] = {"seconds_per_rank": [round(s, 6) for s in seconds],
-                         "spread": max(seconds) / min(seconds) - 1}
+        for _ in range(repeats):  # rounds over every (split, rank), so that a busy moment hits them all alike
+            for key, kinds in blocks.items():
+                start = time.perf_counter()
+                for kind in kinds:
+                    if kind != EMPTY:
+                        _block_forward(q, kv, kv, kind == CAUSAL, head_dim ** -0.5, "auto")
+                runs[key].append(time.perf_counter() - start)
+        out = {}
+        for name in splits:
+            seconds = [min(runs[name, rank]) for rank in range(context)]
+            out[name] = {"seconds_per_rank": [round(t, 6) for t in seconds], "spread": max(seconds) / min(seconds) - 1}
     finally:
         torch.set_num_threads(previous)
     return out
@@ -181,7 +180,7 @@ def context_parallel_bench(quick: bool, repeats: int) -> dict:
         "cp2_tokens_per_sec": summary(rates["cp2"]),
         "one_process_tokens_per_sec": summary(rates["one_process"]),
         "cp2_efficiency": summary([a / b for a, b in zip(rates["cp2"], rates["one_process"])]),
-        "balance": attention_balance(shape, 4, max(2, repeats // 2)),
+        "balance": attention_balance(shape, 4, max(3, repeats)),
     }
 
 

@@ -248,6 +248,10 @@ class _ContextParallelAttention(torch.autograd.Function):
                 block = _block_forward(queries[qi], keys[ki], values[ki], causal, scale, kernel)
                 outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+        # laid out as (B, 2L, H, d) in memory, as SDPA's flash kernel returns it: the caller's
+        # transpose(1, 2).reshape(B, 2L, H d) for the output projection is then a view of the tensor saved
+        # here, not a second copy kept for backward
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = setup
         return out
