@@ -25,6 +25,7 @@ from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.config import from_dict, validate
 from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.errors import UserError
+from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
 from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, model_flops_utilization
@@ -120,6 +121,12 @@ def saved_per_layer(ctx: ParallelContext) -> dict:
     return out
 
 
+def one_step_metrics():
+    """The metrics of one CP=2 GPT step (what the trainer logs)."""
+    ctx = ParallelContext.from_process_group(1, context_parallel=2)
+    return Trainer(cp_config("gpt", 4, cp=2), ctx, synthetic_data()).train_step()
+
+
 def world2_checks(directory: str):
     return run_checks({
         "cp2_gpt": run(cp_config("gpt", 4, cp=2), cp=2),
@@ -132,6 +139,7 @@ def world2_checks(directory: str):
         "cp2_llama_bf16": run(cp_config("llama", 4, cp=2, precision="bf16"), cp=2),
         "save_cp2": lambda: save_after_4_steps(directory),
         "saved_per_layer": lambda: saved_per_layer(ParallelContext.from_process_group(1, context_parallel=2)),
+        "metrics_cp2": one_step_metrics,
     })
 
 
@@ -261,6 +269,18 @@ def test_ring_sends_the_formula_of_kv_bytes_per_layer_and_micro_batch(world2):
         assert stats["ring_kv/cp"] == {"calls": 2 * per_pass, "bytes": 2 * per_pass * block,
                                        "elements": 2 * per_pass * block // 4}
         assert stats["ring_dkv/cp"]["calls"] == per_pass and stats["ring_dkv/cp"]["bytes"] == per_pass * block
+
+
+def test_throughput_metrics_count_every_token_once(world2):
+    """At CP=2 each rank holds half of every sequence, yet tokens/s x step time is the global batch's
+    8 x 32 tokens and TFLOP/s x step time the FLOPs of the whole step (not halved, not doubled), on both ranks;
+    TFLOP/s per device divides by the 2 ranks."""
+    flops = flops_per_step(cp_config("gpt", 4).model, 8)
+    for metrics in check_result(world2, "metrics_cp2"):
+        seconds = metrics["step_time_s"]
+        assert metrics["tokens_per_sec"] * seconds == pytest.approx(8 * SEQ, rel=1e-9)
+        assert metrics["tflops"] * 1e12 * seconds == pytest.approx(flops, rel=1e-9)
+        assert metrics["tflops_per_device"] == pytest.approx(metrics["tflops"] / 2, rel=1e-12)
 
 
 def test_a_cp2_rank_saves_half_of_each_layers_activations(world2):
