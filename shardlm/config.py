@@ -117,7 +117,14 @@ class TrainConfig:
     param_dtype: str = "fp32"
     """Parameter storage: "fp32", or "half" (train.precision's bf16/fp16, with fp32 gradients and master weights)."""
     distributed_optimizer: bool = False
-    """Shard fp32 master weights and AdamW moments over the data-parallel group (ZeRO-1)."""
+    """Shard fp32 master weights and AdamW moments over the data-parallel group (ZeRO-1); the older
+    spelling of data_sharding = "optimizer" (either one sets the other)."""
+    data_sharding: str = "none"
+    """What is sharded over the data-parallel group: "none" (DDP), "optimizer" (the distributed
+    optimizer: master weights and AdamW moments) or "full" (FSDP2: parameters, gradients and moments)."""
+    fsdp_reshard_after_forward: bool = True
+    """data_sharding = "full": free each layer's gathered parameters after its forward (all-gather them
+    again for the backward); false keeps them until the backward, more memory and one all-gather less."""
     initial_loss_scale: float = 4294967296.0
     """fp16: starting loss scale (2^32)."""
     loss_scale_window: int = 1000
@@ -220,6 +227,10 @@ def from_dict(raw: dict) -> RunConfig:
             setattr(target, key, _coerce(value, types[key], f"{section}.{key}"))
     if config.train.activation_checkpointing and config.train.recompute == "none":
         config.train.recompute = "full"  # the deprecated boolean's meaning
+    if config.train.distributed_optimizer and config.train.data_sharding == "none":
+        config.train.data_sharding = "optimizer"  # the older key's meaning
+    if config.train.data_sharding == "optimizer":
+        config.train.distributed_optimizer = True  # what the trainer reads
     return config
 
 
@@ -321,6 +332,7 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f"parallel.expert={p.expert} does not divide the data-parallel size {dp}; experts are "
                         "split over data-parallel ranks, so use an expert size that divides it")
     validate_pipeline(config, t.global_batch_size // per_step)
+    _validate_data_sharding(config, dp)
     checks = [
         (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
         (t.param_dtype in ("fp32", "half"), f'train.param_dtype="{t.param_dtype}" must be "fp32" or "half"'),
@@ -354,6 +366,34 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if check_paths:
         check_files(config)
     return t.global_batch_size // per_step
+
+
+def _validate_data_sharding(config: RunConfig, dp: int) -> None:
+    """train.data_sharding: a known value, and for "full" (FSDP2) only the layouts it is tested with."""
+    m, p, t = config.model, config.parallel, config.train
+    if t.data_sharding not in ("none", "optimizer", "full"):
+        raise UserError(f'train.data_sharding="{t.data_sharding}" must be "none", "optimizer" or "full"')
+    if t.data_sharding != "full":
+        return
+    checks = [
+        (not t.distributed_optimizer, 'train.data_sharding="full" already shards the optimizer state; '
+                                      "set train.distributed_optimizer=false"),
+        (dp * p.context > 1, 'train.data_sharding="full" needs a data-parallel size above 1 (it shards over DP); '
+                             'use "none" on one data-parallel rank'),
+        (p.pipeline == 1, 'train.data_sharding="full" does not support parallel.pipeline > 1 yet; '
+                          'use "optimizer" with pipeline stages'),
+        (p.expert == 1 and m.moe_num_experts == 0,
+         'train.data_sharding="full" does not support MoE models yet; use "optimizer"'),
+        (p.context == 1, 'train.data_sharding="full" does not support parallel.context > 1 yet; use "optimizer"'),
+        (t.precision != "fp16", 'train.data_sharding="full" does not support train.precision="fp16" yet '
+                                '(untested with the loss scaler); use "bf16"'),
+        (m.arch in ("gpt", "llama"), f'train.data_sharding="full" supports model.arch="gpt" and "llama"; '
+                                     f'use "optimizer" for "{m.arch}"'),
+        (not t.compile, 'train.data_sharding="full" does not support train.compile=true yet; turn one off'),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
 
 
 def validate_pipeline(config: RunConfig, micro_batches: int) -> None:

@@ -8,7 +8,9 @@ Order of one step on every rank:
      embedding's gradients over the first and last stage;
   2. `reduce_gradients`: sequence-parallel parameters' gradients summed over TP; where DDP is not
      used (pipeline stages, the master-weight optimizer) gradients averaged over DP, by one
-     all-reduce or the distributed optimizer's reduce-scatter;
+     all-reduce or the distributed optimizer's reduce-scatter; with `train.data_sharding = "full"`
+     (`shardlm.training.fsdp`) FSDP2 gathers each layer's parameters and reduce-scatters its gradients
+     inside forward and backward, and the norm and the update run on this rank's shards;
   3. fp16: unscale and check for inf/NaN (all-reduce MAX over TP and PP, and DP when sharded); an
      overflow skips 4-5;
   4. clip the global gradient norm (one all-reduce of a scalar over TP, and over DP / PP when needed);
@@ -144,9 +146,16 @@ class Trainer:
             self.pipeline = PipelineRunner(self.model, ctx, layers, stage_ids, config.parallel.pipeline_schedule,
                                            self.accumulation)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.ddp = self.master = None
+        self.ddp = self.master = self.fsdp = None
         betas = (t.adam_beta1, t.adam_beta2)
-        if t.param_dtype == "half" or t.distributed_optimizer:
+        if t.data_sharding == "full":  # FSDP2: parameters, gradients and moments sharded over DP
+            from shardlm.training.fsdp import FullyShardedAdamW, shard_model
+
+            shard_model(self.model, ctx, t.fsdp_reshard_after_forward,
+                        HALF[t.precision] if t.param_dtype == "half" else None)
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = self.fsdp = FullyShardedAdamW(self.model, ctx, t.lr, t.weight_decay, betas, t.adam_eps)
+        elif t.param_dtype == "half" or t.distributed_optimizer:
             from shardlm.training.master_weights import DenseAndExpertOptimizer, MasterWeightOptimizer
 
             dtype = HALF[t.precision] if t.param_dtype == "half" else torch.float32
@@ -167,8 +176,8 @@ class Trainer:
                 self.ddp.register_comm_hook(ctx.dp_cp, _counting_allreduce_hook)
             self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, betas, t.adam_eps, ctx.device)
         # what the optimizer updates: the parameters, or the master weights' segments
-        self.update_params = self.master.segments if self.master else self.params
-        self.sharded_over_dp = bool(self.master and self.master.shard)
+        self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
+        self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
         self.scaler = None
         if t.precision == "fp16":
             self.scaler = DynamicLossScaler(t.initial_loss_scale, t.loss_scale_window, t.hysteresis,
@@ -191,7 +200,9 @@ class Trainer:
     def reduce_gradients(self) -> None:
         """After the backward of every micro-batch: sequence-parallel gradients summed over TP, then
         gradients averaged over DP where DDP did not already (pipeline stages, master weights)."""
-        sum_sequence_parallel_gradients(self.params, self.ctx)
+        sum_sequence_parallel_gradients(self.update_params if self.fsdp else self.params, self.ctx)
+        if self.fsdp is not None:  # already reduce-scattered over DP by FSDP in the backward
+            return
         if self.master is not None:
             self.master.reduce_gradients()
             return
@@ -228,6 +239,8 @@ class Trainer:
         for i, batch in enumerate(batches if self.pipeline is None else ()):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            if self.fsdp is not None:
+                self.fsdp.set_micro_batch(last)
             with sync:
                 with self.autocast():
                     loss = self.loss(forward, batch)

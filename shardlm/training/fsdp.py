@@ -1,0 +1,142 @@
+"""Fully sharded data parallelism (`train.data_sharding = "full"`) on PyTorch's FSDP2 (`fully_shard`).
+
+Each transformer layer, then the model root (embedding, final norm, output layer), becomes one FSDP unit
+over the data-parallel group (`ctx.dp_cp`: data x context). Every parameter is stored as a DTensor
+sharded on dim 0 over that group (rank r keeps rows `torch.chunk(p, DP)[r]`), and so are its gradient
+and its AdamW moments. A tensor-parallel weight is already this TP rank's plain local shard; FSDP shards
+that shard over DP, so the parameter is split TP-wise by shardlm's layers and DP-wise by FSDP, the 2-D
+layout torchtitan builds with FSDP + TP (there from DTensor TP shards; here from local ones). Each TP
+rank has its own DP group, hence its own one-dimensional device mesh.
+
+One step per FSDP unit: an all-gather of its parameters before the forward, another before the
+backward (unless `train.fsdp_reshard_after_forward = false` kept them), a reduce-scatter of its
+gradients (averaged over DP) after the backward. With `param_dtype = "half"` a `MixedPrecisionPolicy`
+gathers bf16/fp16 copies of the fp32 shards and reduces gradients in fp32.
+
+What the trainer sees of this rank's shards is `LocalShard`s: the local part of each parameter's
+gradient, carrying the parameter's shardlm attributes, so the global gradient norm, clipping and the
+sequence-parallel gradient sum work on them as on the distributed optimizer's segments (sum of squares
+over the local shards, then over DP, TP and PP). Checkpoints stay layout-free: `full_state` gathers
+every parameter and moment over DP into this TP rank's unsplit-over-DP tensor, `load_full_state` keeps
+this DP rank's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from shardlm.parallel import ParallelContext
+from shardlm.training.optim import build_optimizer
+
+PARAM_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel", "expert_parallel")
+"""shardlm's marks on parameters, which FSDP's new DTensor parameters do not inherit."""
+
+
+def data_parallel_mesh(ctx: ParallelContext) -> DeviceMesh:
+    """A one-dimensional device mesh over this rank's data-parallel group (data x context, `ctx.dp_cp`)."""
+    return DeviceMesh.from_group(ctx.dp_cp.group, device_type=ctx.device.type)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
+
+
+def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: bool = True,
+                param_dtype: torch.dtype | None = None) -> DeviceMesh:
+    """`fully_shard` each transformer layer, then the root, over the DP group; in place. The parameters
+    become DTensors (their shardlm attributes copied over) of the same global shape as before, which is
+    this TP rank's shard shape. `param_dtype`: the dtype the gathered parameters compute in (gradients are
+    reduced in fp32); None keeps the fp32 parameters as they are. Returns the mesh."""
+    marks = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
+             for name, p in model.named_parameters()}
+    mesh = data_parallel_mesh(ctx)
+    policy = MixedPrecisionPolicy() if param_dtype is None else \
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # the root's own parameters (embedding, final norm, output layer) are gathered for the whole step
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    for name, param in model.named_parameters():
+        for attribute, value in marks[name].items():
+            setattr(param, attribute, value)
+    return mesh
+
+
+class LocalShard:
+    """This rank's rows of one sharded parameter as the norm, clipping and gradient-sum code reads it:
+    `.grad` is the local tensor of the parameter's DTensor gradient (a view: scaling it scales the
+    gradient), and the parameter's shardlm attributes are copied."""
+
+    def __init__(self, param: nn.Parameter):
+        self.param = param
+        for attribute in PARAM_ATTRIBUTES:
+            if hasattr(param, attribute):
+                setattr(self, attribute, getattr(param, attribute))
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        grad = self.param.grad
+        return None if grad is None else grad.to_local()
+
+
+def _rows(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Rows of `tensor` that DP rank `index` of `parts` holds: FSDP2's dim-0 `torch.chunk` split
+    (an empty tensor for ranks past the last chunk)."""
+    chunks = torch.chunk(tensor, parts, dim=0)
+    return chunks[index] if index < len(chunks) else tensor[:0]
+
+
+class FullyShardedAdamW:
+    """AdamW over the DTensor shards of a `shard_model`-ed model, with the same hyperparameters and
+    decay groups as `build_optimizer`; exposes what the trainer and checkpoints use of an optimizer
+    (`param_groups`, `state`, `step`, `zero_grad`, `full_state`, `load_full_state`) and `shards`, the
+    `LocalShard`s the trainer clips and sums."""
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, lr: float, weight_decay: float,
+                 betas: tuple[float, float], eps: float):
+        self.model, self.ctx = model, ctx
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.inner = build_optimizer(model, lr, weight_decay, betas, eps, ctx.device)
+        self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
+        self.shards = [LocalShard(p) for _, p in self.named]
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def set_micro_batch(self, last: bool) -> None:
+        """Before a micro-batch's forward: only the last one reduce-scatters the gradients (the others
+        accumulate the unsharded gradient locally) and reshards the parameters after the backward (the
+        others keep them gathered for the next forward)."""
+        self.model.set_requires_gradient_sync(last)
+        self.model.set_reshard_after_backward(last)
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{name: {"model", "exp_avg", "exp_avg_sq"}}: each parameter and moment gathered over DP (this
+        TP rank's shard, unsplit over DP), for checkpoints. Collective over the DP group."""
+        out = {}
+        for name, param in self.named:
+            state = self.inner.state.get(param, {})
+            out[name] = {"model": param.detach().full_tensor(),
+                         **{k: state[k].full_tensor() for k in ("exp_avg", "exp_avg_sq") if k in state}}
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], optimizer_step: int) -> None:
+        """Inverse of `full_state`: this DP rank's rows of each parameter (and, when `optimizer_step` > 0
+        and they are given, of its moments)."""
+        dp = self.ctx.dp_cp
+        for name, param in self.named:
+            local = {k: _rows(v, dp.size, dp.rank) for k, v in full[name].items()}
+            param.to_local().copy_(local["model"])
+            if optimizer_step > 0 and "exp_avg" in local:
+                state = {"step": torch.tensor(float(optimizer_step), device=param.device)}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = torch.zeros_like(param.detach())
+                    state[key].to_local().copy_(local[key])
+                self.inner.state[param] = state

@@ -1,0 +1,323 @@
+"""Fully sharded data parallelism (`train.data_sharding = "full"`, FSDP2) gives the single-process run.
+
+Tiny GPT and Llama models (2 layers, fp32, dropout 0) train 8 steps in this process and, sharded by FSDP,
+in one world of 2 processes (DP=2) and one of 4 (DP=4, DP=2 x TP=2 with sequence parallelism); losses and
+gradient norms at every step and the final parameters (gathered over DP and TP) agree within 1e-5, with
+and without gradient accumulation and recomputation. bf16 parameters under FSDP's mixed precision are
+compared with the master-weight optimizer's bf16 parameters. Checkpoints written under FSDP load at one
+process and the other way round, and resume bitwise on the same layout; each rank's parameter, gradient
+and AdamW bytes equal the stage's parameters x bytes / DP.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_llama import tiny_config as llama_config
+from test_training import VOCAB, assert_same_run, rel, synthetic_data, tiny_config
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.config import validate
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+
+from multiproc import check_result, run_checks, run_workers
+
+STEPS = 8
+# bf16 parameters, FSDP (fp32 shards, bf16 gathered copies) against the master-weight optimizer (fp32 master
+# weights, bf16 parameters): measured worst relative errors over 8 steps 3.5e-5 (loss), 1.6e-3 (gradient norm),
+# 2.0e-2 (final parameters: QKV and LayerNorm biases; bf16 rounds by 2^-9); the tolerances are about 3x that.
+HALF_TOL = {"loss": 1.5e-4, "grad_norm": 5e-3, "parameters": 6e-2}
+
+
+def config(arch: str = "gpt", tp: int = 1, micro: int = 8, sp: bool = False, full: bool = True, **train):
+    make = llama_config if arch == "llama" else tiny_config
+    cfg = make(tp=tp, micro=micro, **train)
+    cfg.parallel.sequence_parallel = sp
+    cfg.train.data_sharding = "full" if full else "none"
+    return cfg
+
+
+def gathered_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter in the one-process layout: FSDP shards gathered over DP, then TP; padding removed."""
+    out = {}
+    for name, param in trainer.model.named_parameters():
+        value = param.detach()
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if hasattr(param, "tensor_parallel_dim"):
+            value = torch.cat(trainer.ctx.tp.all_gather(value.contiguous()), dim=param.tensor_parallel_dim)
+        out[name] = value[:VOCAB].clone() if name in ("wte.weight", "lm_head.weight") else value.clone()
+    return out
+
+
+def run(ctx: ParallelContext, cfg, steps: int = STEPS, trainer: Trainer | None = None):
+    """(curve, parameters, trainer): losses and gradient norms of `steps` steps and the final parameters."""
+    trainer = trainer or Trainer(cfg, ctx, synthetic_data())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
+    return curve, gathered_parameters(trainer), trainer
+
+
+def state_bytes(trainer: Trainer) -> dict[str, int]:
+    """Bytes of this rank's parameter shards, gradient shards (after a backward) and AdamW state, each
+    distinct storage counted once."""
+    def total(tensors):
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+
+    batch = torch.stack([torch.as_tensor(trainer.train_data[i]) for i in range(2)])
+    trainer.loss(trainer.model, batch).backward()
+    return {"parameters": total(trainer.params), "gradients": total(p.grad for p in trainer.params),
+            "optimizer": total(v for s in trainer.optimizer.state.values() for v in s.values())}
+
+
+def expected_bytes(trainer: Trainer) -> dict[str, int]:
+    """The formula: this stage's (TP shard's) parameters x 4 bytes / DP for parameters and gradients,
+    x 8 / DP for the two moments, plus AdamW's 4-byte step per parameter; exact when DP divides every
+    first dimension (asserted)."""
+    d = trainer.ctx.dp_size
+    shapes = [p.shape for p in trainer.params]
+    assert all(s[0] % d == 0 for s in shapes), "the formula is exact only when DP divides every first dimension"
+    n = sum(s.numel() for s in shapes)
+    return {"parameters": 4 * n // d, "gradients": 4 * n // d, "optimizer": 8 * n // d + 4 * len(shapes)}
+
+
+# -------------------------------------------------------------------------------------- in workers
+
+def layouts(cases: dict) -> dict:
+    """Each named (tp, config kwargs) case trained on the whole world: its curve and gathered parameters."""
+    out = {}
+    for name, (tp, kwargs) in cases.items():
+        ctx = ParallelContext.from_process_group(tp)
+        curve, params, _ = run(ctx, config(tp=tp, **kwargs))
+        out[name] = (curve, params)
+    return out
+
+
+def measured_bytes(tp: int) -> dict:
+    ctx = ParallelContext.from_process_group(tp)
+    trainer = Trainer(config(tp=tp, micro=2), ctx, synthetic_data())
+    trainer.train_step()
+    return {"measured": state_bytes(trainer), "expected": expected_bytes(trainer),
+            "marks_kept": all(hasattr(p, "tensor_parallel_dim") for n, p in trainer.model.named_parameters()
+                              if n.endswith("attn.qkv.weight"))}
+
+
+def collectives_of_a_step(micro: int, reshard_after_forward: bool) -> dict:
+    """FSDP DP=2: the all-gathers and reduce-scatters of one step (after a first one), as (calls, elements
+    gathered or reduced), counted by wrapping the two `torch.distributed` calls FSDP2 makes."""
+    ctx = ParallelContext.from_process_group(1)
+    trainer = Trainer(config(micro=micro, fsdp_reshard_after_forward=reshard_after_forward), ctx, synthetic_data())
+    trainer.train_step()
+    counts = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
+    originals = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+
+    def counted(kind):
+        def call(*args, **kwargs):
+            counts[kind][0] += 1
+            counts[kind][1] += (args[0] if kind == "all_gather" else kwargs["input"]).numel()
+            return originals[kind](*args, **kwargs)
+        return call
+
+    dist.all_gather_single = counted("all_gather")
+    dist.reduce_scatter_single = counted("reduce_scatter")
+    try:
+        trainer.train_step()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
+    layer_elements = sum(p.numel() for p in trainer.model.layers.parameters())
+    return {"counts": counts, "elements": trainer.model.num_parameters(), "layer_elements": layer_elements,
+            "layers": len(trainer.model.layers), "micro_batches": trainer.accumulation}
+
+
+def save_at(folder: str, tp: int, steps: int) -> None:
+    """FSDP at this world's DP x `tp`: train `steps` steps and save."""
+    ctx = ParallelContext.from_process_group(tp)
+    _, _, trainer = run(ctx, config(tp=tp, micro=2, sp=tp > 1), steps=steps)
+    save_checkpoint(trainer, folder)
+
+
+def resume_from(folder: str) -> tuple:
+    """FSDP DP=2: load a checkpoint saved elsewhere (one process), train the remaining steps."""
+    ctx = ParallelContext.from_process_group(1)
+    trainer = Trainer(config(micro=2), ctx, synthetic_data())
+    load_checkpoint(trainer, folder)
+    return run(ctx, None, steps=STEPS - trainer.step, trainer=trainer)[:2]
+
+
+def bitwise_resume(folder: str) -> dict:
+    """FSDP DP=2: 4 steps, save, 4 more; a fresh trainer loads the save and runs the same 4 steps."""
+    ctx = ParallelContext.from_process_group(1)
+    _, _, trainer = run(ctx, config(micro=2), steps=4)
+    save_checkpoint(trainer, folder)
+    straight = run(ctx, None, steps=4, trainer=trainer)[:2]
+    fresh = Trainer(config(micro=2), ctx, synthetic_data())
+    load_checkpoint(fresh, folder)
+    resumed = run(ctx, None, steps=4, trainer=fresh)[:2]
+    return {"straight": straight, "resumed": resumed}
+
+
+def world2_checks(one_process_checkpoint: str, folder: str) -> dict:
+    checks = {
+        "layouts": lambda: layouts({
+            "gpt dp2": (1, {"micro": 4}),
+            "gpt dp2 accumulation": (1, {"micro": 2}),
+            "gpt dp2 keep gathered": (1, {"micro": 2, "fsdp_reshard_after_forward": False}),
+            "llama dp2 accumulation": (1, {"arch": "llama", "micro": 2}),
+            "gpt dp2 bf16 params": (1, {"micro": 2, "precision": "bf16", "param_dtype": "half"}),
+        }),
+        "bytes": lambda: measured_bytes(1),
+        "collectives": lambda: {(m, r): collectives_of_a_step(m, r) for m, r in ((4, True), (2, True), (2, False))},
+        "resume from one process": lambda: resume_from(one_process_checkpoint),
+        "bitwise": lambda: bitwise_resume(folder),
+    }
+    return run_checks(checks)
+
+
+def world4_checks(folder: str) -> dict:
+    checks = {
+        "layouts": lambda: layouts({
+            "gpt dp4": (1, {"micro": 2}),
+            "gpt dp2 x tp2 sp": (2, {"micro": 4, "sp": True}),
+            "gpt dp2 x tp2 sp accumulation full recompute": (2, {"micro": 2, "sp": True, "recompute": "full"}),
+            "llama dp2 x tp2 sp selective recompute": (2, {"arch": "llama", "micro": 4, "sp": True,
+                                                           "recompute": "selective"}),
+        }),
+        "bytes dp4": lambda: measured_bytes(1),
+        "bytes dp2 x tp2": lambda: measured_bytes(2),
+        "save": lambda: save_at(folder, tp=2, steps=4),
+    }
+    return run_checks(checks)
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, no FSDP: 8-step runs of GPT, Llama and bf16-parameter GPT, and a checkpoint at step 4."""
+    ctx = ParallelContext.single()
+    out = {name: run(ctx, config(full=False, **kwargs))[:2] for name, kwargs in (
+        ("gpt", {}), ("llama", {"arch": "llama"}),
+        ("gpt bf16 params", {"micro": 4, "precision": "bf16", "param_dtype": "half"}))}
+    folder = tmp_path_factory.mktemp("one_process")
+    _, _, trainer = run(ctx, config(full=False, micro=2), steps=4)
+    save_checkpoint(trainer, folder)
+    out["checkpoint"] = str(folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(reference, tmp_path_factory):
+    return run_workers(2, world2_checks, reference["checkpoint"], str(tmp_path_factory.mktemp("bitwise")))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp_2x2")
+    return run_workers(4, world4_checks, str(folder)), str(folder)
+
+
+@pytest.mark.parametrize("name", ["gpt dp2", "gpt dp2 accumulation", "gpt dp2 keep gathered",
+                                  "llama dp2 accumulation"])
+def test_fsdp_dp2_equals_one_process(world2, reference, name):
+    """FSDP DP=2 (with 2 micro-batches per rank, with parameters kept gathered after the forward):
+    loss and gradient norm of every step and the final parameters within 1e-5 of one process."""
+    run_ = check_result(world2, "layouts")[0][name]
+    assert_same_run(run_, reference[name.split()[0]], steps=STEPS)
+
+
+@pytest.mark.parametrize("name", ["gpt dp4", "gpt dp2 x tp2 sp", "gpt dp2 x tp2 sp accumulation full recompute",
+                                  "llama dp2 x tp2 sp selective recompute"])
+def test_fsdp_dp4_and_dp2_tp2_equal_one_process(world4, reference, name):
+    """FSDP DP=4, and FSDP DP=2 x TP=2 with sequence parallelism (with accumulation and recomputation):
+    within 1e-5 of one process at every step and in the final parameters."""
+    run_ = check_result(world4[0], "layouts")[0][name]
+    assert_same_run(run_, reference[name.split()[0]], steps=STEPS)
+
+
+def test_fsdp_bf16_parameters_match_master_weight_bf16(world2, reference):
+    """bf16 parameters: FSDP DP=2 (fp32 shards, bf16 gathered copies, fp32 reduction) against one process
+    with the master-weight optimizer's bf16 parameters, both accumulating 2 micro-batches' gradients in
+    fp32: loss, gradient norm and final parameters within HALF_TOL (relative, measured x 3)."""
+    (curve, params), (ref_curve, ref_params) = check_result(world2, "layouts")[0]["gpt dp2 bf16 params"], \
+        reference["gpt bf16 params"]
+    for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
+        assert abs(loss - ref_loss) <= HALF_TOL["loss"] * ref_loss
+        assert abs(norm - ref_norm) <= HALF_TOL["grad_norm"] * ref_norm
+    assert max(rel(params[n].float(), ref_params[n].float()) for n in params) <= HALF_TOL["parameters"]
+
+
+def test_fsdp_state_bytes_equal_parameters_times_bytes_over_dp(world2, world4):
+    """Every rank's parameter, gradient and AdamW bytes equal the stage's parameters x (4, 4, 8) / DP
+    (+ AdamW's step scalars), at DP=2, DP=4 and DP=2 x TP=2; shardlm's marks survive on the parameters."""
+    for results, name in ((world2, "bytes"), (world4[0], "bytes dp4"), (world4[0], "bytes dp2 x tp2")):
+        for rank, value in enumerate(check_result(results, name)):
+            assert value["measured"] == value["expected"], (name, rank, value)
+            assert value["marks_kept"]
+
+
+def test_fsdp_step_gathers_twice_and_reduce_scatters_once_without_regathering_per_micro_batch(world2):
+    """One FSDP DP=2 step: the root (embedding, final norm, output layer) and every layer all-gathered for
+    the first forward, each layer again for each micro-batch's backward (resharded after its forward),
+    never for a later micro-batch's forward (kept gathered after a non-last backward); one reduce-scatter
+    of every unit, after the last micro-batch. Kept gathered after the forward: one all-gather per unit.
+    Elements: the model's parameters (DP divides every first dimension here, so no padding)."""
+    for (micro, reshard), value in check_result(world2, "collectives")[0].items():
+        layers, n, per_layers, m = value["layers"], value["elements"], value["layer_elements"], value["micro_batches"]
+        assert m == 8 // (2 * micro)
+        backward_gathers = m if reshard else 0
+        gathers = [1 + layers + backward_gathers * layers, n + backward_gathers * per_layers]
+        assert value["counts"]["all_gather"] == gathers, (micro, reshard)
+        assert value["counts"]["reduce_scatter"] == [1 + layers, n]
+
+
+def test_fsdp_checkpoint_loads_at_one_process_and_back(world2, world4, reference):
+    """FSDP DP=2 x TP=2 (with SP) saved at step 4 and resumed by one process, and one process's step-4
+    checkpoint resumed by FSDP DP=2: steps 5-8 and the final parameters within 1e-5 of one process."""
+    check_result(world4[0], "save")
+    ctx = ParallelContext.single()
+    trainer = Trainer(config(full=False, micro=2), ctx, synthetic_data())
+    load_checkpoint(trainer, world4[1])
+    curve, params = run(ctx, None, steps=STEPS - 4, trainer=trainer)[:2]
+    ref_curve, ref_params = reference["gpt"]
+    assert_same_run((curve, params), (ref_curve[4:], ref_params), steps=STEPS - 4)
+    assert_same_run(check_result(world2, "resume from one process")[0], (ref_curve[4:], ref_params), steps=STEPS - 4)
+
+
+def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
+    """FSDP DP=2: steps 5-8 after loading a step-4 checkpoint equal the uninterrupted steps 5-8, bitwise."""
+    value = check_result(world2, "bitwise")[0]
+    (curve, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
+    assert curve == ref_curve
+    assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"parallel.pipeline": 2}, "parallel.pipeline"),
+    ({"parallel.context": 2}, "parallel.context"),
+    ({"train.precision": "fp16"}, "fp16"),
+    ({"train.distributed_optimizer": True}, "distributed_optimizer"),
+    ({"model.moe_num_experts": 4}, "MoE"),
+])
+def test_fsdp_unsupported_combinations_are_one_line_errors(change, key):
+    """data_sharding="full" with pipeline stages, context parallelism, fp16, the distributed optimizer or
+    MoE: a one-line UserError naming it, from `validate` (before any process starts)."""
+    cfg = config(micro=1)
+    for dotted, value in change.items():
+        section, name = dotted.split(".")
+        setattr(getattr(cfg, section), name, value)
+    with pytest.raises(UserError, match=key) as err:
+        validate(cfg, world_size=4, check_paths=False)
+    assert "\n" not in str(err.value)
+
+
+def test_data_sharding_optimizer_is_the_distributed_optimizer():
+    """train.data_sharding="optimizer" sets train.distributed_optimizer, and the old key sets the new one."""
+    from shardlm.config import from_dict
+
+    assert from_dict({"train": {"data_sharding": "optimizer"}}).train.distributed_optimizer
+    assert from_dict({"train": {"distributed_optimizer": True}}).train.data_sharding == "optimizer"
+    with pytest.raises(UserError, match="data_sharding"):
+        validate(from_dict({"train": {"data_sharding": "zero3"}, "data": {"text_file": "x"}}), 1, check_paths=False)
+
