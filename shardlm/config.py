@@ -117,14 +117,11 @@ class TrainConfig:
     param_dtype: str = "fp32"
     """Parameter storage: "fp32", or "half" (train.precision's bf16/fp16, with fp32 gradients and master weights)."""
     distributed_optimizer: bool = False
-    """Shard fp32 master weights and AdamW moments over the data-parallel group (ZeRO-1); the older
-    spelling of data_sharding = "optimizer" (either one sets the other)."""
+    """Shard master weights and AdamW moments over DP (ZeRO-1); older name of data_sharding = "optimizer"."""
     data_sharding: str = "none"
-    """What is sharded over the data-parallel group: "none" (DDP), "optimizer" (the distributed
-    optimizer: master weights and AdamW moments) or "full" (FSDP2: parameters, gradients and moments)."""
+    """Sharded over DP: "none" (DDP), "optimizer" (master weights, moments) or "full" (FSDP2: all state)."""
     fsdp_reshard_after_forward: bool = True
-    """data_sharding = "full": free each layer's gathered parameters after its forward (all-gather them
-    again for the backward); false keeps them until the backward, more memory and one all-gather less."""
+    """data_sharding="full": free gathered layers after the forward (false: keep them, 1 all-gather less)."""
     initial_loss_scale: float = 4294967296.0
     """fp16: starting loss scale (2^32)."""
     loss_scale_window: int = 1000
