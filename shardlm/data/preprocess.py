@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -78,6 +79,11 @@ _worker_options: tuple[bool, bool] = (False, False)
 
 def _init_worker(config: PreprocessConfig) -> None:
     global _worker_tokenizer, _worker_options
+    # A forked worker inherits the command's SIGTERM / Ctrl-C handlers (`shardlm.signals`), under which
+    # `pool.terminate()`'s SIGTERM raised inside the pool's own loop instead of ending the worker, and
+    # the join could hang. Workers die on SIGTERM and leave Ctrl-C to the parent, which stops the pool.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _worker_tokenizer = _build(config)
     _worker_options = (config.split_sentences, config.append_eod)
