@@ -104,6 +104,13 @@ def measured_bytes(tp: int) -> dict:
                               if n.endswith("attn.qkv.weight"))}
 
 
+def validation_loss(ctx: ParallelContext, cfg) -> float:
+    """The validation loss after 2 training steps (4 iterations of micro x DP samples of another stream)."""
+    trainer = Trainer(cfg, ctx, synthetic_data(), valid_data=synthetic_data(seed=1))
+    trainer.train_step(), trainer.train_step()
+    return trainer.evaluate()
+
+
 def collectives_of_a_step(micro: int, reshard_after_forward: bool) -> dict:
     """FSDP DP=2: the all-gathers and reduce-scatters of one step (after a first one), as (calls, elements
     gathered or reduced), counted by wrapping the two `torch.distributed` calls FSDP2 makes."""
@@ -168,6 +175,7 @@ def world2_checks(one_process_checkpoint: str, folder: str) -> dict:
             "gpt dp2 bf16 params": (1, {"micro": 2, "precision": "bf16", "param_dtype": "half"}),
         }),
         "bytes": lambda: measured_bytes(1),
+        "validation": lambda: validation_loss(ParallelContext.from_process_group(1), config(micro=2, eval_iters=4)),
         "collectives": lambda: {(m, r): collectives_of_a_step(m, r) for m, r in ((4, True), (2, True), (2, False))},
         "resume from one process": lambda: resume_from(one_process_checkpoint),
         "bitwise": lambda: bitwise_resume(folder),
@@ -200,6 +208,7 @@ def reference(tmp_path_factory):
     out = {name: run(ctx, config(full=False, **kwargs))[:2] for name, kwargs in (
         ("gpt", {}), ("llama", {"arch": "llama"}),
         ("gpt bf16 params", {"micro": 4, "precision": "bf16", "param_dtype": "half"}))}
+    out["validation"] = validation_loss(ctx, config(full=False, micro=4, eval_iters=4))  # the same 16 samples
     folder = tmp_path_factory.mktemp("one_process")
     _, _, trainer = run(ctx, config(full=False, micro=2), steps=4)
     save_checkpoint(trainer, folder)
@@ -234,6 +243,13 @@ def test_fsdp_dp4_and_dp2_tp2_equal_one_process(world4, reference, name):
     within 1e-5 of one process at every step and in the final parameters."""
     run_ = check_result(world4[0], "layouts")[0][name]
     assert_same_run(run_, reference[name.split()[0]], steps=STEPS)
+
+
+def test_fsdp_validation_loss_equals_one_process(world2, reference):
+    """Validation under FSDP DP=2 (sharded parameters gathered for the no-grad forward) after 2 steps:
+    within 1e-5 of one process."""
+    for value in check_result(world2, "validation"):
+        assert abs(value - reference["validation"]) <= 1e-5 * reference["validation"]
 
 
 def test_fsdp_bf16_parameters_match_master_weight_bf16(world2, reference):

@@ -23,6 +23,8 @@ this DP rank's rows.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,6 +57,9 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     mesh = data_parallel_mesh(ctx)
     policy = MixedPrecisionPolicy() if param_dtype is None else \
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # The model returns its per-token losses as a view; FSDP warns that an in-place op on it would skip the
+    # backward's all-gather. The losses (`shardlm.models.training_loss`) reduce it out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     for layer in _layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # the root's own parameters (embedding, final norm, output layer) are gathered for the whole step
