@@ -382,8 +382,6 @@ def _validate_data_sharding(config: RunConfig, dp: int) -> None:
         (p.expert == 1 and m.moe_num_experts == 0,
          'train.data_sharding="full" does not support MoE models yet; use "optimizer"'),
         (p.context == 1, 'train.data_sharding="full" does not support parallel.context > 1 yet; use "optimizer"'),
-        (t.precision != "fp16", 'train.data_sharding="full" does not support train.precision="fp16" yet '
-                                '(untested with the loss scaler); use "bf16"'),
         (m.arch in ("gpt", "llama"), f'train.data_sharding="full" supports model.arch="gpt" and "llama"; '
                                      f'use "optimizer" for "{m.arch}"'),
         (not t.compile, 'train.data_sharding="full" does not support train.compile=true yet; turn one off'),

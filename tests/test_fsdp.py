@@ -30,6 +30,7 @@ STEPS = 8
 # weights, bf16 parameters): measured worst relative errors over 8 steps 3.5e-5 (loss), 1.6e-3 (gradient norm),
 # 2.0e-2 (final parameters: QKV and LayerNorm biases; bf16 rounds by 2^-9); the tolerances are about 3x that.
 HALF_TOL = {"loss": 1.5e-4, "grad_norm": 5e-3, "parameters": 6e-2}
+FP16_TOL = 3e-4  # fp16 autocast, FSDP DP=2 against one process: measured worst 2.9e-6 (loss), 9.1e-5 (grad norm)
 
 
 def config(arch: str = "gpt", tp: int = 1, micro: int = 8, sp: bool = False, full: bool = True, **train):
@@ -111,6 +112,26 @@ def validation_loss(ctx: ParallelContext, cfg) -> float:
     return trainer.evaluate()
 
 
+def fp16_runs() -> dict:
+    """FSDP DP=2 in fp16 (dynamic loss scaling from 2^16): the curve and skipped steps of 8 steps, and one
+    step where only DP rank 1 finds an inf in its gradient shard (after the reduce-scatter)."""
+    ctx = ParallelContext.from_process_group(1)
+    cfg = config(micro=2, precision="fp16", initial_loss_scale=2.0**16)
+    trainer = Trainer(cfg, ctx, synthetic_data())
+    metrics = [trainer.train_step() for _ in range(STEPS)]
+    if ctx.dp_rank == 1:
+        reduce = trainer.reduce_gradients
+
+        def reduce_then_overflow():
+            reduce()
+            trainer.fsdp.shards[0].grad.view(-1)[0] = float("inf")
+        trainer.reduce_gradients = reduce_then_overflow
+    before = gathered_parameters(trainer)
+    step = trainer.train_step()
+    return {"curve": [(m["loss"], m["grad_norm"], m["skipped"]) for m in metrics], "parameters": before,
+            "overflow step": (step["skipped"], trainer.scaler.scale), "after": gathered_parameters(trainer)}
+
+
 def collectives_of_a_step(micro: int, reshard_after_forward: bool) -> dict:
     """FSDP DP=2: the all-gathers and reduce-scatters of one step (after a first one), as (calls, elements
     gathered or reduced), counted by wrapping the two `torch.distributed` calls FSDP2 makes."""
@@ -175,6 +196,7 @@ def world2_checks(one_process_checkpoint: str, folder: str) -> dict:
             "gpt dp2 bf16 params": (1, {"micro": 2, "precision": "bf16", "param_dtype": "half"}),
         }),
         "bytes": lambda: measured_bytes(1),
+        "fp16": fp16_runs,
         "validation": lambda: validation_loss(ParallelContext.from_process_group(1), config(micro=2, eval_iters=4)),
         "collectives": lambda: {(m, r): collectives_of_a_step(m, r) for m, r in ((4, True), (2, True), (2, False))},
         "resume from one process": lambda: resume_from(one_process_checkpoint),
@@ -208,6 +230,8 @@ def reference(tmp_path_factory):
     out = {name: run(ctx, config(full=False, **kwargs))[:2] for name, kwargs in (
         ("gpt", {}), ("llama", {"arch": "llama"}),
         ("gpt bf16 params", {"micro": 4, "precision": "bf16", "param_dtype": "half"}))}
+    fp16 = Trainer(config(full=False, micro=4, precision="fp16", initial_loss_scale=2.0**16), ctx, synthetic_data())
+    out["fp16"] = [(m["loss"], m["grad_norm"], m["skipped"]) for m in (fp16.train_step() for _ in range(STEPS))]
     out["validation"] = validation_loss(ctx, config(full=False, micro=4, eval_iters=4))  # the same 16 samples
     folder = tmp_path_factory.mktemp("one_process")
     _, _, trainer = run(ctx, config(full=False, micro=2), steps=4)
@@ -264,6 +288,22 @@ def test_fsdp_bf16_parameters_match_master_weight_bf16(world2, reference):
     assert max(rel(params[n].float(), ref_params[n].float()) for n in params) <= HALF_TOL["parameters"]
 
 
+def test_fsdp_fp16_matches_one_process_and_skips_an_overflow_on_any_rank(world2, reference):
+    """fp16 (autocast, dynamic loss scaling) under FSDP DP=2: the same skipped steps as one process and
+    losses / gradient norms within FP16_TOL; an inf in DP rank 1's gradient shard only makes both ranks
+    skip the step (the overflow check spans DP) and leaves the parameters unchanged."""
+    runs = check_result(world2, "fp16")
+    curve, ref_curve = runs[0]["curve"], reference["fp16"]
+    assert [s for _, _, s in curve] == [s for _, _, s in ref_curve]
+    for (loss, norm, skipped), (ref_loss, ref_norm, _) in zip(curve, ref_curve):
+        assert abs(loss - ref_loss) <= FP16_TOL * ref_loss
+        assert skipped or abs(norm - ref_norm) <= FP16_TOL * ref_norm
+    for run_ in runs:
+        skipped, scale = run_["overflow step"]
+        assert skipped and scale == runs[0]["overflow step"][1]
+        assert all(torch.equal(run_["after"][n], run_["parameters"][n]) for n in run_["parameters"])
+
+
 def test_fsdp_state_bytes_equal_parameters_times_bytes_over_dp(world2, world4):
     """Every rank's parameter, gradient and AdamW bytes equal the stage's parameters x (4, 4, 8) / DP
     (+ AdamW's step scalars), at DP=2, DP=4 and DP=2 x TP=2; shardlm's marks survive on the parameters."""
@@ -312,12 +352,11 @@ def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
 @pytest.mark.parametrize("change, key", [
     ({"parallel.pipeline": 2}, "parallel.pipeline"),
     ({"parallel.context": 2}, "parallel.context"),
-    ({"train.precision": "fp16"}, "fp16"),
     ({"train.distributed_optimizer": True}, "distributed_optimizer"),
     ({"model.moe_num_experts": 4}, "MoE"),
 ])
 def test_fsdp_unsupported_combinations_are_one_line_errors(change, key):
-    """data_sharding="full" with pipeline stages, context parallelism, fp16, the distributed optimizer or
+    """data_sharding="full" with pipeline stages, context parallelism, the distributed optimizer or
     MoE: a one-line UserError naming it, from `validate` (before any process starts)."""
     cfg = config(micro=1)
     for dotted, value in change.items():
