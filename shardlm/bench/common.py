@@ -161,3 +161,17 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "load_average": load}
+
+
+def timed_between_barriers(run, runs_here: bool, threads: int) -> float:
+    """In a multi-process benchmark: barrier, `run()` (on the ranks that take part, with `threads` threads),
+    barrier; the seconds in between, the same span on every rank."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.barrier()
+    start = time.perf_counter()
+    if runs_here:
+        run()
+    dist.barrier()
+    return time.perf_counter() - start

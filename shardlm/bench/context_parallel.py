@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import round_orders, summary
+from shardlm.bench.common import round_orders, summary, timed_between_barriers
 
 
 @dataclass(frozen=True)
@@ -95,17 +95,6 @@ def memory_worker(shape: CPShape) -> dict | None:
     return out if dist.get_rank() == 0 else None
 
 
-def _timed(run, runs_here: bool, threads: int) -> float:
-    """Barrier, run (on the ranks that take part) with `threads` threads, barrier; seconds."""
-    torch.set_num_threads(threads)
-    dist.barrier()
-    start = time.perf_counter()
-    if runs_here:
-        run()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def speed_worker(shape: CPShape, repeats: int) -> dict | None:
     """In a world of 2: seconds per training step at CP = 2 (1 thread per rank) and of one process x 2
     threads (rank 0; rank 1 waits), in alternating rounds."""
@@ -117,12 +106,12 @@ def speed_worker(shape: CPShape, repeats: int) -> dict | None:
     one = Trainer(shape.config(1), ParallelContext.single(), _Tokens(shape)) if rank == 0 else None
     programs = {"cp2": (cp2.train_step, True, 1), "one_process": (lambda: one.train_step(), rank == 0, 2)}
     for run, here, threads in programs.values():  # warm-up
-        _timed(run, here, threads)
+        timed_between_barriers(run, here, threads)
     times = {name: [] for name in programs}
     for order in round_orders(programs, repeats):
         for name in order:
             run, here, threads = programs[name]
-            times[name].append(_timed(run, here, threads))
+            times[name].append(timed_between_barriers(run, here, threads))
     return times if rank == 0 else None
 
 

@@ -22,14 +22,13 @@ all-to-all bytes of one EP=2 step, summed over the EP group, are checked against
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import cpu_features, interleaved, round_orders, summary
+from shardlm.bench.common import cpu_features, interleaved, round_orders, summary, timed_between_barriers
 from shardlm.models.config import ModelConfig, flops_per_token
 
 
@@ -147,17 +146,6 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
     return out
 
 
-def _timed(run, runs_here: bool, threads: int) -> float:
-    """Barrier, run (on the ranks that take part) with `threads` threads, barrier; seconds."""
-    torch.set_num_threads(threads)
-    dist.barrier()
-    start = time.perf_counter()
-    if runs_here:
-        run()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def expert_parallel_worker(shape: MoEShape, repeats: int) -> dict:
     """On both ranks of a world of 2: EP=2, DP=2 and one process x 2 threads (rank 0; rank 1 waits)
     on the same global batch of 2 micro-batches; the all-to-all bytes of one EP=2 step."""
@@ -170,16 +158,16 @@ def expert_parallel_worker(shape: MoEShape, repeats: int) -> dict:
     programs = {"ep2": (ep2.train_step, True, 1), "dp2": (dp2.train_step, True, 1),
                 "one_process": (lambda: one.train_step(), rank == 0, 2)}
     for run, here, threads in programs.values():  # warm-up
-        _timed(run, here, threads)
+        timed_between_barriers(run, here, threads)
     ep2.ctx.comm.reset()
-    _timed(ep2.train_step, True, 1)
+    timed_between_barriers(ep2.train_step, True, 1)
     mine = ep2.ctx.comm.snapshot().get("all_to_all/ep", {"calls": 0, "bytes": 0})
     traffic = ep2.ctx.world.all_gather_object({"calls": mine["calls"], "bytes": mine["bytes"]})
     times = {name: [] for name in programs}
     for order in round_orders(programs, repeats):
         for name in order:
             run, here, threads = programs[name]
-            times[name].append(_timed(run, here, threads))
+            times[name].append(timed_between_barriers(run, here, threads))
     return {"times": times, "traffic": traffic} if rank == 0 else None
 
 

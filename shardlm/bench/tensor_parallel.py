@@ -9,23 +9,10 @@ the GEMM throughput of one 2-thread process here, so what separates the two code
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import BenchShape, round_orders, summary
-
-
-def _timed(run, rank: int, runs_here: bool, threads: int) -> float:
-    """Barrier, run (on the ranks that take part) with `threads` threads, barrier; seconds on rank 0."""
-    torch.set_num_threads(threads)
-    dist.barrier()
-    start = time.perf_counter()
-    if runs_here:
-        run()
-    dist.barrier()
-    return time.perf_counter() - start
+from shardlm.bench.common import BenchShape, round_orders, summary, timed_between_barriers
 
 
 def worker(shape: BenchShape, repeats: int) -> dict:
@@ -51,12 +38,12 @@ def worker(shape: BenchShape, repeats: int) -> dict:
         "torch_tp2": (plain_tp2, True, 1),
     }
     for run, here, threads in programs.values():  # warm-up round
-        _timed(run, rank, here, threads)
+        timed_between_barriers(run, here, threads)
     times = {name: [] for name in programs}
     for order in round_orders(programs, repeats):  # the same orders on both ranks
         for name in order:
             run, here, threads = programs[name]
-            times[name].append(_timed(run, rank, here, threads))
+            times[name].append(timed_between_barriers(run, here, threads))
 
     torch.set_num_threads(1)
     comm = {}

@@ -28,7 +28,6 @@ position (its position embedding is offset by the number of cached positions).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +43,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
     causal_mask_with_past,
     mark_sequence_parallel,
 )
-from shardlm.models.moe import MoELayer
+from shardlm.models.moe import mlp_or_moe
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
 from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
@@ -127,19 +126,6 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
-def build_mlp(cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int, sequence_parallel: bool) -> nn.Module:
-    """Layer `index`'s MLP: the dense `ParallelMLP`, or an `MoELayer` of GeLU experts where
-    `cfg.is_moe_layer(index)` (its shared experts a `ParallelMLP` of their total width)."""
-    prefix = f"layers.{index}.mlp"
-    if not cfg.is_moe_layer(index):
-        return ParallelMLP(cfg, ctx, seed, prefix, sequence_parallel)
-    shared = None
-    if cfg.moe_shared_experts:
-        width = cfg.moe_shared_experts * cfg.moe_ffn_size
-        shared = ParallelMLP(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
-    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=False, shared=shared)
-
-
 class TransformerBlock(PreNormBlock):
     """Pre-LN block: x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x))). (B, T, h) -> (B, T, h)."""
 
@@ -148,7 +134,7 @@ class TransformerBlock(PreNormBlock):
         super().__init__(nn.LayerNorm,
                          ParallelAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
                                            selective_recompute),
-                         build_mlp(cfg, ctx, seed, index, sequence_parallel),
+                         mlp_or_moe(ParallelMLP, cfg, ctx, seed, index, sequence_parallel, gated=False),
                          cfg, ctx, sequence_parallel)
 
 

@@ -30,7 +30,6 @@ chunks; `recompute="selective"` recomputes only the attention core.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,7 @@ from shardlm.models.decoder import (
     enter_parallel_region,
     mark_sequence_parallel,
 )
-from shardlm.models.moe import MoELayer
+from shardlm.models.moe import mlp_or_moe
 from shardlm.models.rotary import apply_rotary, rotary_angles
 from shardlm.parallel import (
     ColumnParallelLinear,
@@ -209,19 +208,6 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight))
 
 
-def build_mlp(cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int, sequence_parallel: bool) -> nn.Module:
-    """Layer `index`'s MLP: the dense `SwiGLU`, or an `MoELayer` of SwiGLU experts where
-    `cfg.is_moe_layer(index)` (its shared experts a `SwiGLU` of their total width)."""
-    prefix = f"layers.{index}.mlp"
-    if not cfg.is_moe_layer(index):
-        return SwiGLU(cfg, ctx, seed, prefix, sequence_parallel)
-    shared = None
-    if cfg.moe_shared_experts:
-        width = cfg.moe_shared_experts * cfg.moe_ffn_size
-        shared = SwiGLU(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
-    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=True, shared=shared)
-
-
 class LlamaBlock(PreNormBlock):
     """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(MLP(RMSNorm(x))), the MLP a SwiGLU or an MoE layer.
     (B, T, h) -> (B, T, h)."""
@@ -231,7 +217,7 @@ class LlamaBlock(PreNormBlock):
         super().__init__(nn.RMSNorm,
                          LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
                                         selective_recompute),
-                         build_mlp(cfg, ctx, seed, index, sequence_parallel),
+                         mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True),
                          cfg, ctx, sequence_parallel)
 
 

@@ -32,6 +32,7 @@ gradients is `shardlm.training.gradients.reduce_expert_gradients`.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -265,6 +266,21 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
+
+
+def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
+               sequence_parallel: bool, gated: bool) -> nn.Module:
+    """Layer `index`'s MLP: the family's dense `dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)` (GPT's
+    `ParallelMLP`, Llama's `SwiGLU`), or where `cfg.is_moe_layer(index)` an `MoELayer` of experts of that
+    kind (`gated`: SwiGLU), its shared experts one dense MLP of their total width."""
+    prefix = f"layers.{index}.mlp"
+    if not cfg.is_moe_layer(index):
+        return dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)
+    shared = None
+    if cfg.moe_shared_experts:
+        width = cfg.moe_shared_experts * cfg.moe_ffn_size
+        shared = dense_mlp(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
+    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=gated, shared=shared)
 
 
 # ------------------------------------------------------------------------------------------- the trainer's
