@@ -55,7 +55,8 @@ def test_finetune_race_from_the_pretrained_checkpoint(pretrained, data_dir, tmp_
 @pytest.mark.parametrize("name,world,accumulation", [("bert-336m", 128, 1), ("bert-1.3b", 256, 1),
                                                      ("bert-3.9b", 512, 2), ("bert-tiny", 1, 2)])
 def test_shipped_bert_configs_have_the_paper_recipe(name, world, accumulation):
-    from shardlm.config import load_config, validate
+    from shardlm.config import load_config
+    from shardlm.validation import validate
 
     config = load_config(ROOT / "configs" / f"{name}.toml")
     assert validate(config, world, check_paths=False) == accumulation

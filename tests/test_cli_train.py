@@ -193,7 +193,8 @@ def test_collective_timeout_ends_a_hung_run():
 @pytest.mark.parametrize("name,world,accumulation", [("gpt2-355m", 64, 1), ("gpt2-2.5b", 128, 1),
                                                      ("gpt2-8.3b", 512, 1), ("tiny", 1, 2)])
 def test_shipped_configs_are_valid_for_their_layout(name, world, accumulation):
-    from shardlm.config import load_config, validate
+    from shardlm.config import load_config
+    from shardlm.validation import validate
 
     config = load_config(ROOT / "configs" / f"{name}.toml")
     assert validate(config, world, check_paths=False) == accumulation

@@ -22,13 +22,14 @@ import torch
 from test_training import ADAM_EPS, VOCAB, rel
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
-from shardlm.config import from_dict, validate
+from shardlm.config import from_dict
 from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.errors import UserError
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
 from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, model_flops_utilization
+from shardlm.validation import validate
 
 from multiproc import check_result, run_checks, run_workers
 

@@ -18,10 +18,10 @@ from test_llama import tiny_config as llama_config
 from test_training import VOCAB, assert_same_run, rel, synthetic_data, tiny_config
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
-from shardlm.config import validate
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from multiproc import check_result, run_checks, run_workers
 

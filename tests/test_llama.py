@@ -22,7 +22,7 @@ from test_training import ADAM_EPS, STEPS, VOCAB, assert_same_run, synthetic_dat
 
 from shardlm.checkpoint import load_model, save_checkpoint
 from shardlm.checkpoint.hf import from_hf, to_hf
-from shardlm.config import RunConfig, from_dict, validate
+from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig, generate_tokens
 from shardlm.models import build_model
@@ -30,6 +30,7 @@ from shardlm.models.config import ModelConfig, flops_per_token
 from shardlm.models.llama import kv_head_range
 from shardlm.parallel import CommStats, Communicator, ParallelContext
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from multiproc import run_workers
 

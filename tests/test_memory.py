@@ -18,10 +18,10 @@ import torch.distributed as dist
 from test_pipeline import whole_model
 from test_training import LAYERS, assert_same_run, full_parameters, rel, synthetic_data, tiny_config, train_run
 
-from shardlm.config import validate
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from multiproc import run_workers
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from test_training import ADAM_EPS, VOCAB, synthetic_data
 
-from shardlm.config import from_dict, validate
+from shardlm.config import from_dict
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.config import ModelConfig, flops_per_token
 from shardlm.models.moe import GroupedExperts, MoELayer, balance_losses, grouped_mm_applies, moe_layers, route
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 STEPS = 8
 

@@ -20,12 +20,13 @@ import torch
 from test_training import ADAM_EPS, VOCAB, rel, synthetic_data
 
 from shardlm.checkpoint import consolidate, load_checkpoint, load_model, save_checkpoint
-from shardlm.config import from_dict, validate
+from shardlm.config import from_dict
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.experts import AllGatherDispatcher, AllToAllDispatcher
 from shardlm.training import trainer as trainer_module
 from shardlm.training.gradients import _reduce_in_place
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from multiproc import check_result, run_checks, run_workers
 

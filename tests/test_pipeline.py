@@ -21,11 +21,12 @@ from test_training import TOL, assert_same_run, rel, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.checkpoint.state import load_model
-from shardlm.config import RunConfig, from_dict, validate
+from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.pipeline import stage_layers
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from multiproc import run_workers
 

@@ -32,8 +32,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlm.config import load_config, validate
+    from shardlm.config import load_config
     from shardlm.errors import UserError
+    from shardlm.validation import validate
 
     config = load_config(args.config, args.overrides)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
-from shardlm.config import RunConfig, validate
+from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
 from shardlm.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, is_main_process, report_stop
@@ -25,6 +25,7 @@ from shardlm.training.cpu_precision import precision_warning
 from shardlm.training.data import build_datasets, build_tokenizer_for
 from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, check_can_compile, perplexity
+from shardlm.validation import validate
 
 
 def resolve_device(name: str) -> torch.device | None:

@@ -1,0 +1,251 @@
+"""Checks of a loaded run config before any process starts: the layout's and the batch's arithmetic
+(`validate`), each parallel dimension's own rules (pipeline, attention heads, context, MoE, data
+sharding) and that every input file exists (`check_files`). Each raises `UserError` with one line
+naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardlm.config import ParallelConfig, RunConfig
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+
+def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> int:
+    """Check the layout and batch arithmetic for `world_size` ranks (and, with `check_paths`, that
+    every input file exists); return the gradient-accumulation steps."""
+    m, p, t = config.model, config.parallel, config.train
+    positive = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+                "model.num_heads": m.num_heads, "model.seq_length": m.seq_length, "parallel.tensor": p.tensor,
+                "parallel.pipeline": p.pipeline, "parallel.context": p.context,
+                "parallel.virtual_stages": p.virtual_stages,
+                "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+                "train.steps": t.steps}
+    for key, value in positive.items():
+        if value < 1:
+            raise UserError(f"{key}={value} must be at least 1")
+    if m.arch not in ("gpt", "bert", "llama"):
+        raise UserError(f'model.arch="{m.arch}" is not supported; use "gpt", "bert" or "llama"')
+    if m.layernorm_order not in ("pre", "post"):
+        raise UserError(f'model.layernorm_order="{m.layernorm_order}" must be "pre" or "post"')
+    if m.activation not in ("gelu", "gelu_tanh"):
+        raise UserError(f'model.activation="{m.activation}" must be "gelu" or "gelu_tanh"')
+    if m.hidden_size % m.num_heads and not (m.arch == "llama" and m.head_dim):
+        raise UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                        "choose sizes with hidden_size = num_heads x head_dim")
+    if m.num_heads % p.tensor:
+        raise UserError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
+                        "use a tensor-parallel size that divides the heads")
+    _validate_attention_heads(m)
+    _validate_moe(m, p)
+    if m.ffn_size % p.tensor:
+        raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
+    _validate_context(m, p)
+    model_parallel = p.tensor * p.context * p.pipeline
+    if world_size % model_parallel:
+        dims = [("tensor", p.tensor)] + [(k, v) for k, v in (("context", p.context), ("pipeline", p.pipeline)) if v > 1]
+        sizes = f"parallel.tensor={p.tensor}" if len(dims) == 1 else \
+            " x ".join(f"parallel.{k}" for k, _ in dims) + " = " + " x ".join(str(v) for _, v in dims)
+        raise UserError(f"world size {world_size} is not divisible by {sizes}; "
+                        f"launch a multiple of {model_parallel} processes")
+    dp = world_size // model_parallel
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                        f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}; "
+                        f"use a multiple of {per_step}")
+    if p.expert > 1 and dp % p.expert:
+        raise UserError(f"parallel.expert={p.expert} does not divide the data-parallel size {dp}; experts are "
+                        "split over data-parallel ranks, so use an expert size that divides it")
+    validate_pipeline(config, t.global_batch_size // per_step)
+    _validate_data_sharding(config, dp)
+    checks = [
+        (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
+        (t.param_dtype in ("fp32", "half"), f'train.param_dtype="{t.param_dtype}" must be "fp32" or "half"'),
+        (t.param_dtype == "fp32" or t.precision in ("bf16", "fp16"),
+         'train.param_dtype="half" stores parameters in train.precision; set train.precision to "bf16" or "fp16"'),
+        (t.recompute in ("none", "selective", "full"),
+         f'train.recompute="{t.recompute}" must be "none", "selective" or "full"'),
+        (t.recompute != "selective" or m.arch in ("gpt", "llama"),
+         f'train.recompute="selective" supports model.arch="gpt" and "llama"; use "full" for "{m.arch}"'),
+        (not p.sequence_parallel or p.tensor > 1,
+         "parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence over the TP group)"),
+        (not p.sequence_parallel or m.arch in ("gpt", "llama"),
+         f'parallel.sequence_parallel=true supports model.arch="gpt" and "llama"; turn it off for "{m.arch}"'),
+        (not p.sequence_parallel or m.seq_length % p.tensor == 0,
+         f"model.seq_length={m.seq_length} is not divisible by parallel.tensor={p.tensor}, which sequence "
+         "parallelism needs; choose a sequence length that divides"),
+        (t.decay_style in ("cosine", "linear", "constant"),
+         f'train.decay_style="{t.decay_style}" must be "cosine", "linear" or "constant"'),
+        (t.device in ("auto", "cpu", "cuda"), f'train.device="{t.device}" must be "auto", "cpu" or "cuda"'),
+        (t.warmup_steps >= 0 and t.lr > 0, "train.lr must be > 0 and train.warmup_steps >= 0"),
+        (0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)"),
+        (m.attention_dropout < 1, f"model.attention_dropout={m.attention_dropout} must be < 1"),
+        (config.data.tokenizer in ("gpt2", "bert", "json"),
+         f'data.tokenizer="{config.data.tokenizer}" must be "gpt2", "bert" or "json"'),
+        (bool(config.data.text_file) != bool(config.data.prefixes),
+         "set exactly one of data.text_file and data.prefixes"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    if check_paths:
+        check_files(config)
+    return t.global_batch_size // per_step
+
+
+def _validate_data_sharding(config: RunConfig, dp: int) -> None:
+    """train.data_sharding: a known value, and for "full" (FSDP2) only the layouts it is tested with."""
+    m, p, t = config.model, config.parallel, config.train
+    if t.data_sharding not in ("none", "optimizer", "full"):
+        raise UserError(f'train.data_sharding="{t.data_sharding}" must be "none", "optimizer" or "full"')
+    if t.data_sharding != "full":
+        return
+    checks = [
+        (not t.distributed_optimizer, 'train.data_sharding="full" already shards the optimizer state; '
+                                      "set train.distributed_optimizer=false"),
+        (dp * p.context > 1, 'train.data_sharding="full" needs a data-parallel size above 1 (it shards over DP); '
+                             'use "none" on one data-parallel rank'),
+        (p.pipeline == 1, 'train.data_sharding="full" does not support parallel.pipeline > 1 yet; '
+                          'use "optimizer" with pipeline stages'),
+        (p.expert == 1 and m.moe_num_experts == 0,
+         'train.data_sharding="full" does not support MoE models yet; use "optimizer"'),
+        (p.context == 1, 'train.data_sharding="full" does not support parallel.context > 1 yet; use "optimizer"'),
+        (m.arch in ("gpt", "llama"), f'train.data_sharding="full" supports model.arch="gpt" and "llama"; '
+                                     f'use "optimizer" for "{m.arch}"'),
+        (not t.compile, 'train.data_sharding="full" does not support train.compile=true yet; turn one off'),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
+    """The pipeline keys: sizes, schedule, enough layers and micro-batches (UserError naming the key)."""
+    from shardlm.parallel.pipeline import SCHEDULES, stage_layers
+
+    m, p = config.model, config.parallel
+    if p.pipeline < 1 or p.virtual_stages < 1:
+        raise UserError(f"parallel.pipeline={p.pipeline} and parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    if p.pipeline_schedule not in SCHEDULES:
+        raise UserError(f'parallel.pipeline_schedule="{p.pipeline_schedule}" must be one of '
+                        + ", ".join(f'"{s}"' for s in SCHEDULES))
+    interleaved = p.pipeline_schedule == "interleaved-1f1b"
+    if p.pipeline > 1 and interleaved and p.virtual_stages < 2:
+        raise UserError('parallel.pipeline_schedule="interleaved-1f1b" needs parallel.virtual_stages >= 2; '
+                        'use "1f1b" for one block of layers per rank')
+    if p.virtual_stages > 1 and not interleaved:
+        raise UserError(f"parallel.virtual_stages={p.virtual_stages} needs "
+                        'parallel.pipeline_schedule="interleaved-1f1b"')
+    if p.pipeline == 1:
+        return
+    if m.arch not in ("gpt", "llama"):
+        raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" and "llama"; use '
+                        f'parallel.pipeline=1 for "{m.arch}"')
+    stage_layers(m.num_layers, p.pipeline * p.virtual_stages, p.first_stage_layers, p.last_stage_layers)
+    if p.pipeline_schedule != "gpipe" and micro_batches < p.pipeline:
+        raise UserError(f"{micro_batches} micro-batches per step is fewer than parallel.pipeline={p.pipeline}, "
+                        f'which "{p.pipeline_schedule}" needs; raise train.global_batch_size to at least '
+                        f"{p.pipeline} x micro_batch_size x data-parallel size, or use \"gpipe\"")
+    if interleaved and micro_batches % max(1, micro_batches // p.pipeline):
+        raise UserError(f"{micro_batches} micro-batches per step must be a multiple of "
+                        f"{micro_batches // p.pipeline} for interleaved-1f1b at parallel.pipeline={p.pipeline}")
+
+
+def _validate_attention_heads(m: ModelConfig) -> None:
+    """Grouped-query attention and RoPE shapes (llama). Query heads split over TP (checked by the caller);
+    KV heads are split when num_kv_heads is a multiple of TP, else replicated, so any TP dividing num_heads works."""
+    if m.arch != "llama":
+        if m.num_kv_heads or m.tie_embeddings or m.head_dim or m.qk_norm:
+            raise UserError("model.num_kv_heads, tie_embeddings, head_dim and qk_norm are llama settings; "
+                            f'model.arch="{m.arch}" has none of them (remove them)')
+        return
+    if m.head_dim < 0:
+        raise UserError(f"model.head_dim={m.head_dim} must be >= 0 (0: hidden_size / num_heads)")
+    if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
+        raise UserError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+                        "every key/value head must serve the same number of query heads")
+    if m.attention_head_dim % 2:
+        raise UserError(f"head size {m.attention_head_dim} (model.head_dim, or hidden_size / num_heads) is odd; "
+                        "rotary embeddings need an even head size")
+    if m.rope_theta <= 0:
+        raise UserError(f"model.rope_theta={m.rope_theta} must be > 0")
+
+
+def _validate_context(m: ModelConfig, p: ParallelConfig) -> None:
+    """`parallel.context` and `parallel.cp_comm`: the zigzag split's sequence multiple, no attention dropout,
+    decoder models only, no MoE yet (one-line errors naming the key)."""
+    from shardlm.parallel.context import check_context_parallel
+
+    if p.cp_comm not in ("ring", "allgather"):
+        raise UserError(f'parallel.cp_comm="{p.cp_comm}" must be "ring" or "allgather"')
+    if p.context == 1:
+        return
+    if m.arch not in ("gpt", "llama"):
+        raise UserError(f'parallel.context={p.context} supports model.arch="gpt" and "llama"; use '
+                        f'parallel.context=1 for "{m.arch}"')
+    if m.moe_num_experts:
+        raise UserError(f"parallel.context={p.context} does not support MoE models yet (the routing losses span "
+                        "a micro-batch's whole sequence); set parallel.context=1")
+    check_context_parallel(m.seq_length, p.context, p.tensor, p.sequence_parallel, m.attention_dropout_p)
+
+
+def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """The MoE keys (`model.moe_*`) and `parallel.expert`: one-line errors naming the key."""
+    e = m.moe_num_experts
+    if e == 0:
+        if p.expert != 1:
+            raise UserError(f"parallel.expert={p.expert} needs an MoE model; set model.moe_num_experts or "
+                            "parallel.expert=1")
+        return
+    groups = m.moe_groups
+    checks = [
+        (m.arch in ("gpt", "llama"), f'model.moe_num_experts needs model.arch="gpt" or "llama", not "{m.arch}"'),
+        (e > 0, f"model.moe_num_experts={e} must be >= 0"),
+        (1 <= m.moe_top_k <= e, f"model.moe_top_k={m.moe_top_k} must be between 1 and "
+                                f"model.moe_num_experts={e}"),
+        (p.expert >= 1 and e % p.expert == 0, f"model.moe_num_experts={e} is not divisible by "
+                                              f"parallel.expert={p.expert}; use an expert size that divides it"),
+        (m.moe_ffn_size % p.tensor == 0, f"model.moe_ffn_hidden_size={m.moe_ffn_size} is not divisible by "
+                                         f"parallel.tensor={p.tensor} (experts are split over TP)"),
+        (m.moe_shared_experts >= 0 and m.moe_first_dense_layers >= 0 and m.moe_layer_interval >= 1,
+         "model.moe_shared_experts and model.moe_first_dense_layers must be >= 0, model.moe_layer_interval >= 1"),
+        (m.moe_score in ("softmax", "sigmoid"), f'model.moe_score="{m.moe_score}" must be "softmax" or "sigmoid"'),
+        (m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0 and m.moe_expert_bias_rate >= 0,
+         "model.moe_aux_loss_coeff, model.moe_z_loss_coeff and model.moe_expert_bias_rate must be >= 0"),
+        (groups >= 0 and (groups == 0 or e % groups == 0),
+         f"model.moe_groups={groups} must divide model.moe_num_experts={e}"),
+        (groups == 0 or 1 <= m.moe_topk_groups <= groups,
+         f"model.moe_topk_groups={m.moe_topk_groups} must be between 1 and model.moe_groups={groups}"),
+        (groups == 0 or m.moe_topk_groups * (e // max(groups, 1)) >= m.moe_top_k,
+         f"model.moe_topk_groups={m.moe_topk_groups} groups of {e // max(groups, 1)} experts cannot hold "
+         f"model.moe_top_k={m.moe_top_k} experts; raise moe_topk_groups"),
+        (p.expert_dispatcher in ("all_to_all", "all_gather"),
+         f'parallel.expert_dispatcher="{p.expert_dispatcher}" must be "all_to_all" or "all_gather"'),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def check_files(config: RunConfig) -> None:
+    """Every file the run will read exists (cheap; done before any process starts)."""
+    from shardlm.paths import shared_data_dir
+
+    d = config.data
+    if d.text_file and not Path(d.text_file).is_file():
+        raise UserError(f"data.text_file={d.text_file} not found; point it at a UTF-8 text file")
+    for prefix in d.prefixes[1::2] if len(d.prefixes) > 1 else d.prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(f"{prefix}{suffix}").is_file():
+                raise UserError(f"data.prefixes: {prefix}{suffix} not found; create it with `shardlm preprocess`")
+    gpt2 = shared_data_dir() / "vocab" / "gpt2"
+    vocab = d.vocab_file or (str(gpt2 / "encoder.json") if d.tokenizer == "gpt2" else "")
+    merges = d.merges_file or (str(gpt2 / "vocab.bpe") if d.tokenizer == "gpt2" else "")
+    if not vocab:
+        raise UserError(f'data.vocab_file must be set for data.tokenizer="{d.tokenizer}"')
+    for key, path in (("data.vocab_file", vocab), ("data.merges_file", merges)):
+        if path and not Path(path).is_file():
+            raise UserError(f"{key}: {path} not found; set {key} (or SHARDLM_DATA for the shared GPT-2 files)")
