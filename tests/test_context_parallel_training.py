@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_llama import full_parameters
 from test_training import ADAM_EPS, VOCAB, rel
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -60,17 +61,6 @@ def synthetic_data(seed: int = 0, samples: int = STEPS * 8) -> TokenArrayDataset
     for noise, noisy in zip(rng.random(4000), rng.integers(0, VOCAB, 4000)):
         tokens.append(noisy if noise < 0.1 else successor[tokens[-1]])
     return TokenArrayDataset(np.asarray(tokens), SEQ, seed=3, num_samples=samples)
-
-
-def full_parameters(model) -> dict[str, torch.Tensor]:
-    """Every parameter in the one-process layout: TP shards concatenated, vocabulary padding removed."""
-    out = {}
-    for name, param in model.named_parameters():
-        value = param.detach()
-        if hasattr(param, "tensor_parallel_dim"):
-            value = torch.cat(model.ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
-        out[name] = value[:VOCAB].clone() if name in ("wte.weight", "lm_head.weight") else value.clone()
-    return out
 
 
 def train_layout(ctx: ParallelContext, config, steps: int = STEPS, trainer: Trainer | None = None):

@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_llama import NEW_TOKENS, PROMPT, logits_and_greedy
 
 from shardlm.checkpoint.hf import from_hf, to_hf
-from shardlm.checkpoint.state import load_consolidated, load_model
-from shardlm.eval.generate import SamplingConfig, generate_tokens
+from shardlm.checkpoint.state import load_consolidated
 from shardlm.parallel import ParallelContext
 
 from multiproc import run_workers
 
-VOCAB, PROMPT, NEW_TOKENS, LOGIT_TOL = 300, 5, 8, 1e-4
+VOCAB, LOGIT_TOL = 300, 1e-4
 KINDS = ("mixtral", "qwen3_moe")
 
 
@@ -61,14 +61,6 @@ def hf_models(tmp_path_factory):
                      "logits": logits, "greedy": greedy[:, PROMPT:].tolist()}
     out["tokens"] = tokens
     return out
-
-
-def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
-    model, _ = load_model(path, ctx)
-    with torch.no_grad():
-        logits = model.full_logits(model(tokens))
-    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_at_eod=False)
-    return logits, [g.tokens for g in generate_tokens(model, tokens[:, :PROMPT].tolist(), config)]
 
 
 def worker_world2(paths: dict, tokens: torch.Tensor) -> dict:

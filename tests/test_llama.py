@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_memory import count_forwards
+from test_memory import assert_recomputation_is_bitwise, count_forwards
 from test_training import ADAM_EPS, STEPS, VOCAB, assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
@@ -426,11 +426,7 @@ def test_recomputation_with_dropout_gives_the_same_run_bitwise(world2):
     """Dropout 0.1 at TP=2 with sequence parallelism: selective and full recomputation give the losses,
     gradient norms and final parameters of no recomputation, to the bit, which holds only when the
     recomputed dropout masks equal the original ones."""
-    runs = world2["recompute"]
-    for mode in ("selective", "full"):
-        assert runs[mode]["curve"] == runs["none"]["curve"], mode
-        for name, value in runs["none"]["params"].items():
-            assert torch.equal(runs[mode]["params"][name], value), (mode, name)
+    assert_recomputation_is_bitwise(world2["recompute"])
 
 
 @pytest.mark.slow

@@ -364,7 +364,12 @@ def test_recomputation_restores_dropout_masks_bitwise(world2):
     """Dropout 0.2 (embedding, attention, residuals) at TP=2 with sequence parallelism: selective and full
     recomputation give the curve (losses and gradient norms) and final parameters of no recomputation, to
     the bit, which holds only when the recomputed dropout masks equal the original ones."""
-    runs = world2["recompute"]
+    assert_recomputation_is_bitwise(world2["recompute"])
+
+
+def assert_recomputation_is_bitwise(runs: dict) -> None:
+    """`runs[mode]` = {"curve", "params"} for mode none, selective, full: the curves and every final parameter
+    of selective and full recomputation equal those of none, to the bit."""
     for mode in ("selective", "full"):
         assert runs[mode]["curve"] == runs["none"]["curve"], mode
         for name, value in runs["none"]["params"].items():
