@@ -21,7 +21,8 @@ def add_parser(subparsers) -> None:
         "plan", help="which PP x TP x DP (x EP) layout fits, and how fast it runs",
         description="Per-GPU memory and predicted step time of every valid pipeline x tensor x data parallel "
                     "layout (and, for Mixture-of-Experts models, expert parallel size), with micro-batch, "
-                    "interleaving, sequence parallelism, recomputation and the distributed optimizer chosen per "
+                    "interleaving, sequence parallelism, recomputation and the data sharding (none, distributed "
+                    "optimizer, FSDP) chosen per "
                     "layout. "
                     "Bandwidths: intra-node per GPU with both directions summed (as NVLink is quoted), "
                     "inter-node per node and direction.",
@@ -52,7 +53,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--sequence-parallel", default="auto", choices=("auto", "on", "off"),
                         help="split LayerNorm/dropout activations along the sequence over TP")
     parser.add_argument("--distributed-optimizer", default="auto", choices=("auto", "on", "off"),
-                        help="shard optimizer state over DP (ZeRO-1)")
+                        help="older switch: on = --data-sharding optimizer, off = --data-sharding none")
+    parser.add_argument("--data-sharding", default="auto", choices=("auto", "none", "optimizer", "full"),
+                        help="train.data_sharding: none, optimizer (ZeRO-1: optimizer state over DP) or full "
+                             "(FSDP: parameters, gradients and optimizer state over DP; default: the fastest "
+                             "that fits)")
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "half"),
                         help="shardlm: half parameters with fp32 gradients and master weights (2+4+12 B/param)")
     parser.add_argument("--pipeline", type=int, default=None, help="fix the pipeline size (default: search)")
@@ -141,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                           implementation=args.implementation, micro_batch=args.micro_batch,
                           checkpointing=args.checkpointing, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
+                          data_sharding=args.data_sharding,
                           param_dtype=args.param_dtype, pipeline=args.pipeline, expert=args.expert,
                           context=args.context,
                           virtual_stages=args.virtual_stages,

@@ -5,8 +5,8 @@ heads and the MLP width, PP (across servers) is at most the layer count, and DP 
 divides the global batch. For each valid layout the planner tries every micro-batch size that divides
 the per-replica batch (up to `max_micro_batch`; a pipeline needs at least P micro-batches), every
 virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches),
-sequence parallelism on and off (TP > 1), no / selective / full recomputation and the distributed
-optimizer on and off (DP > 1), and keeps the fastest choice whose busiest GPU (the first or the last
+sequence parallelism on and off (TP > 1), no / selective / full recomputation and the data sharding
+(none; the distributed optimizer at DP > 1; FSDP where shardlm runs it: `shardlm.plan.fsdp`), and keeps the fastest choice whose busiest GPU (the first or the last
 pipeline stage; any stage when an MoE model mixes dense and MoE layers) fits in memory, or, when none
 fits, the smallest one, marked as not fitting. An MoE model gets one row per expert-parallel size E
 that divides both DP and its expert count (E = 1 for dense models). GPT and Llama at sequences of
@@ -25,6 +25,7 @@ from shardlm.errors import UserError
 from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
 from shardlm.plan.context import context_invalid_reason, context_options
 from shardlm.plan.experts import moe_layer_count
+from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_invalid_reason, fsdp_state_memory, fsdp_units
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import (
     GB,
@@ -41,6 +42,7 @@ from shardlm.plan.timing import PAPER_CALIBRATION, Calibration, Layout, StepTime
 
 SWITCH = ("auto", "on", "off")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+DATA_SHARDING = ("none", "optimizer", "full")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,10 @@ class PlanRequest:
     sequence_parallel: str = "auto"
     """"auto", "on" (every TP > 1 layout) or "off"."""
     distributed_optimizer: str = "auto"
-    """"auto", "on" (every DP > 1 layout) or "off"."""
+    """Older switch for the data sharding: "on" = data_sharding "optimizer", "off" = "none", "auto" defers to it."""
+    data_sharding: str = "auto"
+    """"auto" (fastest that fits), "none", "optimizer" (ZeRO-1, every DP > 1 layout) or "full" (FSDP: only the
+    layouts shardlm runs it on, `fsdp.fsdp_invalid_reason`)."""
     param_dtype: str = "fp32"
     """"fp32" or "half" (shardlm's half parameters with fp32 gradients and master weights)."""
     pipeline: int | None = None
@@ -96,6 +101,11 @@ class PlanRequest:
             return ("full",) if self.checkpointing == "on" else ("none",)
         return ("none", "selective", "full") if self.recompute == "auto" else (self.recompute,)
 
+    def sharding_options(self) -> tuple[str, ...]:
+        if self.distributed_optimizer != "auto":
+            return ("optimizer",) if self.distributed_optimizer == "on" else ("none",)
+        return DATA_SHARDING if self.data_sharding == "auto" else (self.data_sharding,)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -116,6 +126,8 @@ class Choice:
     """Peak activation bytes on the busiest GPU."""
     busiest_stage: int = 0
     """Pipeline rank whose GPU needs the most memory."""
+    gathered: int = 0
+    """FSDP's transient gathered parameters and unsharded gradients at the peak (`fsdp.fsdp_gathered_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,12 @@ def _check_request(request: PlanRequest) -> None:
                                  ("--distributed-optimizer", request.distributed_optimizer, SWITCH)):
         if value not in allowed:
             raise UserError(f"{name} {value!r} must be one of {', '.join(allowed)}")
+    if request.data_sharding not in ("auto", *DATA_SHARDING):
+        raise UserError(f"--data-sharding {request.data_sharding!r} must be one of auto, {', '.join(DATA_SHARDING)}")
+    if request.distributed_optimizer != "auto" and request.data_sharding != "auto" and \
+            request.sharding_options() != (request.data_sharding,):
+        raise UserError(f"--distributed-optimizer {request.distributed_optimizer} contradicts --data-sharding "
+                        f"{request.data_sharding}; give --data-sharding alone")
     if request.micro_batch is not None and request.micro_batch < 1:
         raise UserError(f"--micro-batch={request.micro_batch} must be at least 1")
     if request.schedule is not None and request.schedule not in SCHEDULES:
@@ -230,6 +248,8 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
         return f"global batch {request.global_batch} is not divisible by DP={dp}"
     if request.micro_batch is not None and (request.global_batch // dp) % request.micro_batch:
         return f"per-replica batch {request.global_batch // dp} is not divisible by micro-batch {request.micro_batch}"
+    if request.sharding_options() == ("full",):
+        return fsdp_invalid_reason(cfg, dp, pp, cp, request.implementation)
     return None
 
 
@@ -258,6 +278,7 @@ class _Evaluator:
         self.megatron = request.implementation == "megatron"
         self.activations = lru_cache(maxsize=None)(self._activations)
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
+        self.units = lru_cache(maxsize=None)(lambda tp: fsdp_units(self.cfg, tp))
         # a stage without the first dense layers can be the busiest: check every stage of such models
         self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
@@ -287,10 +308,15 @@ class _Evaluator:
                 worst = (state, peak, rank)
         state, peak, rank = worst
         params = self.rank_params(pp, layout.virtual, tp, 0, ep)[1]
+        gathered = 0
+        if layout.full_sharding:  # pp = 1: rank 0 holds everything
+            state = fsdp_state_memory(params, layout.dp * layout.cp)
+            gathered = fsdp_gathered_bytes(self.units(tp), self.fmt.weight_bytes, accumulation)
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
                          attention_scores=self.megatron, scatter_gather=self.megatron)
-        total = state.total + peak + reserve
-        return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank)
+        total = state.total + peak + gathered + reserve
+        return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
+                      gathered)
 
 
 def expert_options(request: PlanRequest, dp: int) -> list[int]:
@@ -314,17 +340,21 @@ def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1, cp: int = 1):
     sp_multiple = tp * (2 * cp if cp > 1 else 1)  # a CP rank's 2L tokens split over TP
     sp_options = _switch(request.sequence_parallel, tp > 1 and cfg.seq_length % sp_multiple == 0 and supported)
     recompute_options = [r for r in request.recompute_options() if r != "selective" or supported] or ["full"]
-    zero_options = _switch(request.distributed_optimizer, dp * cp > 1)
+    full_possible = fsdp_invalid_reason(cfg, dp, pp, cp, request.implementation) is None
+    sharding_options = [s for s in request.sharding_options()
+                        if s == "none" or (s == "optimizer" and dp * cp > 1) or (s == "full" and full_possible)]
+    sharding_options = sharding_options or ["none"]  # "optimizer" at DP = 1: nothing to shard
     for micro in micro_batches:
         m = per_replica // micro
         if pp > 1 and m < pp and request.schedule != "gpipe":
             continue  # 1F1B needs at least P micro-batches in flight
         for virtual in _virtual_options(request, pp, m):
             schedule = request.schedule or schedule_name(pp, virtual)
-            for sp, recompute, zero in itertools.product(sp_options, recompute_options, zero_options):
+            for sp, recompute, sharding in itertools.product(sp_options, recompute_options, sharding_options):
                 yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
                              virtual=virtual, schedule=schedule, sequence_parallel=sp,
-                             selective=recompute == "selective", distributed_optimizer=zero, ep=ep, cp=cp)
+                             selective=recompute == "selective", distributed_optimizer=sharding == "optimizer",
+                             ep=ep, cp=cp, full_sharding=sharding == "full")
 
 
 def plan(request: PlanRequest) -> Plan:

@@ -26,11 +26,18 @@ ASSUMPTIONS = [
     "CP: a rank keeps the activations and per-token work of T/C tokens; the K/V ring (C-1 hops forward, K/V and "
     "fp32 dK/dV backward, per layer and micro-batch) overlaps the two attention blocks computed per hop, only "
     "the rest is exposed; gradients and the distributed optimizer span DP x CP",
+    "FSDP (data sharding full): parameters, gradients and optimizer state / DP on every rank, plus the root and two "
+    "layers gathered and the unsharded gradients awaiting their reduce-scatter (all of them under accumulation); "
+    "per layer an all-gather before the forward and before each backward and one reduce-scatter, on the DP "
+    "group's link, the dp_overlap fraction hidden behind the layer's forward or backward",
     "MoE: FLOPs count the activated experts (top-k + shared + router); a rank holds 1/EP of the experts, whose "
     "gradients are reduced (and, with the distributed optimizer, state sharded) over DP/EP ranks; routing is "
     "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
     "forward and backward, again when recomputing) is not overlapped",
 ]
+
+
+SHARDING_CELL = {"none": "none", "optimizer": "optim", "full": "full"}
 
 
 def _gb(nbytes: float) -> str:
@@ -47,14 +54,16 @@ def row_dict(row: PlanRow) -> dict:
         "accumulation": choice.accumulation, "checkpointing": layout.checkpointing,
         "virtual_stages": layout.virtual, "schedule": layout.schedule if row.pp > 1 else None,
         "sequence_parallel": layout.sequence_parallel, "recompute": layout.recompute,
-        "distributed_optimizer": layout.distributed_optimizer, "busiest_stage": choice.busiest_stage,
+        "distributed_optimizer": layout.distributed_optimizer, "data_sharding": layout.data_sharding,
+        "busiest_stage": choice.busiest_stage,
         "parameters_per_rank": row.params.total, "sharded_parameters": row.params.sharded,
         "replicated_parameters": row.params.replicated, "expert_parameters": row.params.expert,
         "memory_bytes": {
             "parameters": row.state.parameters, "gradients": row.state.gradients, "optimizer": row.state.optimizer,
             "activations_peak_no_checkpointing": acts.peak(False),
             "activations_peak_checkpointing": acts.peak(True),
-            "transient": acts.transient, "activations_peak": choice.activation_peak, "total": choice.total_bytes,
+            "transient": acts.transient, "activations_peak": choice.activation_peak,
+            "fsdp_gathered": choice.gathered, "total": choice.total_bytes,
         },
         "fits": row.fits,
         "time_s": {"step": time.total_s, "compute": time.compute_s, "elementwise": time.elementwise_s,
@@ -100,11 +109,12 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"bytes/parameter)")
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
-                  "micro-batches; SP = sequence parallel; recomp = recomputation; ZeRO = distributed optimizer; time "
-                  "in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)"
+                  "micro-batches (+ FSDP's gathered layers); SP = sequence parallel; recomp = recomputation; shard = data "
+                  "sharding (none, optim = distributed optimizer, full = FSDP); DP exp = exposed DP all-reduce or "
+                  "FSDP collectives; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)"
                   + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else "")
                   + ("; CP = context parallel, ring = its exposed K/V transfers" if context else ""))
-    columns = ["PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "ZeRO", "param", "grad", "optim", "act",
+    columns = ["PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "shard", "param", "grad", "optim", "act",
                "total", "fits", "step", "bubble", "TP comm", "DP exp", "TF"]
     if moe:
         columns[3:3], columns[-2:-2] = ["EP"], ["A2A"]
@@ -118,8 +128,8 @@ def render_plan(result: Plan, console: Console) -> None:
         style = "bold" if row is best else None
         cells = [str(row.pp), str(row.tp), str(row.dp), str(layout.virtual),
                  f"{layout.micro_batch} x {choice.accumulation}", "on" if layout.sequence_parallel else "off",
-                 layout.recompute, "on" if layout.distributed_optimizer else "off", _gb(row.state.parameters),
-                 _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak),
+                 layout.recompute, SHARDING_CELL[layout.data_sharding], _gb(row.state.parameters),
+                 _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak + choice.gathered),
                  _gb(choice.total_bytes), mark, f"{time.total_s:.3f}", f"{time.bubble_s:.3f}",
                  f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}", f"{time.tflops_per_gpu(layout.gpus):.1f}"]
         if moe:
@@ -151,8 +161,8 @@ def render_plan(result: Plan, console: Console) -> None:
         console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x {context_size}DP={best.dp}{experts}[/bold], "
                       "micro-batch "
                       f"{layout.micro_batch}{schedule}, sequence parallel "
-                      f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, distributed "
-                      f"optimizer {'on' if layout.distributed_optimizer else 'off'}: "
+                      f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, data sharding "
+                      f"{layout.data_sharding}: "
                       f"{best.choice.time.total_s:.3f} s/step, {_gb(best.choice.total_bytes)} GB per GPU")
 
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan.context import ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
+from shardlm.plan.fsdp import REDUCE_BYTES, fsdp_seconds, fsdp_units, ring_gather_seconds
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.stages import bubble_fraction
@@ -127,10 +128,18 @@ class Layout:
     """Expert-parallel size E: each MoE layer's experts split over E consecutive DP ranks (divides DP)."""
     cp: int = 1
     """Context-parallel size C: every sequence split over C ranks (next to TP; DP is the data replicas)."""
+    full_sharding: bool = False
+    """FSDP (`train.data_sharding = "full"`): parameters, gradients and optimizer state sharded over DP,
+    each layer gathered for its forward and backward (`shardlm.plan.fsdp`); excludes `distributed_optimizer`."""
 
     @property
     def gpus(self) -> int:
         return self.tp * self.dp * self.pp * self.cp
+
+    @property
+    def data_sharding(self) -> str:
+        """shardlm's `train.data_sharding`: "none", "optimizer" (ZeRO-1) or "full" (FSDP)."""
+        return "full" if self.full_sharding else "optimizer" if self.distributed_optimizer else "none"
 
     @property
     def recompute(self) -> str:
@@ -146,9 +155,9 @@ class StepTime:
     tp_comm_s: float
     optimizer_s: float
     dp_comm_s: float
-    """The whole DP all-reduce, before overlap."""
+    """The whole DP all-reduce (with FSDP: every all-gather and reduce-scatter), before overlap."""
     dp_exposed_s: float
-    """The part of the DP all-reduce not hidden behind the backward pass."""
+    """The part of the DP all-reduce (FSDP's collectives) not hidden behind the compute."""
     model_flops: float
     """Matmul FLOPs of the step (`flops_per_step`, recomputed forwards included when checkpointing)."""
     bubble_s: float = 0.0
@@ -257,18 +266,22 @@ def _reduction_seconds(elements: int, ranks: int, stride: int, layout: Layout, g
     reduce-scatter of the gradients and an all-gather of the parameters, each half the traffic."""
     if ranks == 1:
         return 0.0
-    intra, inter = _direction_bandwidth(gpu, calibration)
     grad_bytes = elements * fmt.grad_bytes
     if layout.distributed_optimizer:
         grad_bytes = elements * (fmt.grad_bytes + fmt.weight_bytes) / 2
-    ranks_per_node = max(1, gpu.gpus_per_node // stride)
-    nodes = math.ceil(ranks / ranks_per_node)
-    on_nvlink = ring_allreduce_seconds(grad_bytes, ranks, intra, calibration.intra_node_latency_s)
+    return _over_dp_group(ring_allreduce_seconds, grad_bytes, ranks, stride, gpu, calibration)
+
+
+def _over_dp_group(ring, nbytes: float, ranks: int, stride: int, gpu: GPUSpec, calibration: Calibration) -> float:
+    """`ring(nbytes, ranks, bandwidth, latency)` (an all-reduce, all-gather or reduce-scatter) over `ranks`
+    ranks `stride` apart: on NVLink while they fit in a node; across nodes, each node's network carries it
+    for each of its `stride` groups at once, and the slower of the two links sets the time."""
+    intra, inter = _direction_bandwidth(gpu, calibration)
+    nodes = math.ceil(ranks / max(1, gpu.gpus_per_node // stride))
+    on_nvlink = ring(nbytes, ranks, intra, calibration.intra_node_latency_s)
     if nodes == 1:
         return on_nvlink
-    groups_per_node = min(stride, gpu.gpus_per_node)
-    network_bytes = groups_per_node * grad_bytes
-    on_network = ring_allreduce_seconds(network_bytes, ranks, inter, calibration.inter_node_latency_s)
+    on_network = ring(min(stride, gpu.gpus_per_node) * nbytes, ranks, inter, calibration.inter_node_latency_s)
     return max(on_nvlink, on_network)
 
 
@@ -348,10 +361,20 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     optimizer = (params.dense * optimizer_bytes_per_parameter(fmt, shards)
                  + params.expert * optimizer_bytes_per_parameter(fmt, expert_shards)) / hbm
 
-    dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
     backward_share = 3 / 4 if layout.checkpointing else 2 / 3  # (recompute +) backward of fwd+bwd FLOPs
-    last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm + cp_exposed) / accumulation
-    hidden = 0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward)
+    if layout.full_sharding:  # FSDP: per-layer gathers and reduce-scatters instead of the gradient all-reduce
+        optimizer = params.total * (7 * 4 + 3 * REDUCE_BYTES) / (layout.dp * layout.cp) / hbm
+        head_flops = 6 * global_batch * full_sequence.seq_length * cfg.hidden_size * padded.vocab_size
+        layer_s = (compute * (1 - head_flops / flops) + elementwise + tp_comm) / (accumulation * layers)
+        dp_exposed, dp_comm = fsdp_seconds(
+            fsdp_units(full_sequence, layout.tp), accumulation, fmt.weight_bytes,
+            lambda nbytes: _over_dp_group(ring_gather_seconds, nbytes, layout.dp * layout.cp, layout.tp, gpu,
+                                          calibration),
+            (1 - backward_share) * layer_s, backward_share * layer_s, calibration.dp_overlap)
+    else:
+        dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
+        last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm + cp_exposed) / accumulation
+        dp_exposed = dp_comm - (0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward))
     return StepTime(compute_s=compute, elementwise_s=elementwise, tp_comm_s=tp_comm, optimizer_s=optimizer,
-                    dp_comm_s=dp_comm, dp_exposed_s=dp_comm - hidden, model_flops=flops, bubble_s=bubble,
+                    dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, model_flops=flops, bubble_s=bubble,
                     p2p_s=p2p, ep_comm_s=ep_comm, cp_comm_s=cp_exposed, cp_ring_s=cp_ring)

@@ -1,0 +1,148 @@
+"""Fully sharded data parallelism in the planner (`train.data_sharding = "full"`, `shardlm.training.fsdp`).
+
+shardlm's FSDP makes every transformer layer one unit and the model root (embedding, positions, final
+norm, output layer) another, each sharded on dim 0 over the d = DP ranks of the data-parallel group
+(ranks TP apart). Per rank, with N this TP rank's parameter elements, w the bytes of a gathered
+parameter (4, or 2 with `param_dtype = "half"`) and m the micro-batches per step:
+
+- state: fp32 parameter and gradient shards, 4 N / d each, AdamW's two fp32 moments 8 N / d and one
+  4-byte step per parameter tensor (every rank holds a step for each tensor, even an empty shard), in
+  every precision: the fp32 shard is the master weight (`fsdp_state_memory`);
+- gathered (transient, `fsdp_gathered_bytes`): the root is gathered for the whole step (w per element)
+  and its unsharded gradient lives from the output layer's backward to the end (w); at most two layers
+  are gathered at once (the one computing and the one prefetched, w each) and one layer's unsharded
+  gradient waits for its reduce-scatter (fp32). With m > 1 shardlm skips the reduce-scatter of the
+  first m - 1 micro-batches (`set_requires_gradient_sync(False)`): every unit's unsharded gradient is
+  accumulated in fp32 until the last one, 4 N bytes on top;
+- communication per step (`fsdp_collectives`, reshard after forward, shardlm's default): the root
+  gathered once; each layer gathered before the first micro-batch's forward and again before every
+  micro-batch's backward (later forwards find it still gathered: the non-last backwards do not
+  reshard), 1 + m all-gathers; one reduce-scatter of every unit's fp32 gradients after the last
+  backward. At m = 1: 2 all-gathers and 1 reduce-scatter of the layers' parameters, as measured in
+  `tests/test_fsdp.py` and `make bench` section `fsdp`;
+- time (`fsdp_seconds`): a ring all-gather or reduce-scatter of B bytes over d ranks moves
+  (d - 1) / d x B per rank; the planner prices it on the DP group's link as the gradient all-reduce
+  (`timing._over_dp_group`: NVLink inside a server, the node's network shared by its TP groups
+  across servers). Each layer's collective overlaps the compute of its neighbour (prefetch), as the DP
+  all-reduce overlaps the backward: a fraction `dp_overlap` of it hides, at most the layer's forward
+  (gathers) or backward (gather + reduce-scatter) time; the root's gather before the first layer and
+  its reduce-scatter after the last have nothing to hide behind.
+
+Which layouts may use it are the training config's rules (`fsdp_invalid_reason`): DP > 1, no pipeline,
+no context parallelism, no MoE, GPT or Llama, shardlm's implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from shardlm.models.config import ModelConfig
+from shardlm.plan.memory import ParameterCount, StateMemory, parameter_count
+
+REDUCE_BYTES = 4
+"""Gradients are reduce-scattered (and accumulated unsharded between micro-batches) in fp32."""
+
+
+@dataclass(frozen=True)
+class FSDPUnits:
+    """The FSDP units of one TP rank's model: its layers (all the same size) and the root."""
+
+    layer: int
+    """Parameter elements of one transformer layer."""
+    root: int
+    """Elements outside the layers: embeddings, final norm, output layer."""
+    layers: int
+
+    @property
+    def total(self) -> int:
+        return self.root + self.layers * self.layer
+
+
+def fsdp_units(cfg: ModelConfig, tp: int) -> FSDPUnits:
+    """Layer and root elements of TP rank 0 (`memory.parameter_count` of one layer and of none)."""
+    none, one = parameter_count(replace(cfg, num_layers=0), tp).total, parameter_count(replace(cfg, num_layers=1), tp)
+    return FSDPUnits(layer=one.total - none, root=none, layers=cfg.num_layers)
+
+
+def fsdp_invalid_reason(cfg: ModelConfig, dp: int, pp: int, cp: int, implementation: str) -> str | None:
+    """Why data_sharding="full" cannot run this layout (shardlm's config validation), or None."""
+    if implementation != "shardlm":
+        return "FSDP is planned for --implementation shardlm only"
+    if dp * cp == 1:
+        return "FSDP needs DP > 1"
+    if pp > 1:
+        return "FSDP does not support pipeline parallelism yet"
+    if cp > 1:
+        return "FSDP does not support context parallelism yet"
+    if cfg.moe_num_experts:
+        return "FSDP does not support MoE models yet"
+    if cfg.arch not in ("gpt", "llama"):
+        return "FSDP supports GPT and Llama only"
+    return None
+
+
+def fsdp_state_memory(params: ParameterCount, shards: int) -> StateMemory:
+    """Per-rank fp32 parameter and gradient shards (4 N / d each), AdamW moments (8 N / d) and its 4-byte
+    step per tensor. N / d rounded up (FSDP pads each tensor's rows to a multiple of d: exact when d
+    divides every first dimension)."""
+    share = -(-params.total // shards)
+    return StateMemory(parameters=4 * share, gradients=4 * share, optimizer=8 * share + 4 * params.tensors)
+
+
+def fsdp_gathered_bytes(units: FSDPUnits, gathered_bytes: int, accumulation: int) -> int:
+    """Transient bytes on a rank at the activation peak (start of the backward): the root gathered and its
+    gradient, two layers gathered and one layer's fp32 gradient; with accumulation (m > 1) every unit's
+    fp32 gradient instead of the one layer's and the root's (see the module doc)."""
+    w = gathered_bytes
+    gathered = units.root * w + 2 * units.layer * w
+    if accumulation > 1:
+        return gathered + REDUCE_BYTES * units.total
+    return gathered + units.root * w + units.layer * REDUCE_BYTES
+
+
+@dataclass(frozen=True)
+class FSDPCollectives:
+    """Calls and elements (summed over calls, whole unsharded tensors) of one step's FSDP collectives."""
+
+    all_gather_calls: int
+    all_gather_elements: int
+    reduce_scatter_calls: int
+    reduce_scatter_elements: int
+
+
+def fsdp_collectives(units: FSDPUnits, accumulation: int, reshard_after_forward: bool = True) -> FSDPCollectives:
+    """One step: the root gathered once and each layer before the first forward, again before each of the m
+    backwards when resharded after the forward; one reduce-scatter of every unit."""
+    layer_gathers = 1 + (accumulation if reshard_after_forward else 0)
+    return FSDPCollectives(all_gather_calls=1 + layer_gathers * units.layers,
+                           all_gather_elements=units.root + layer_gathers * units.layers * units.layer,
+                           reduce_scatter_calls=1 + units.layers, reduce_scatter_elements=units.total)
+
+
+def ring_gather_seconds(nbytes: float, ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Ring all-gather (or reduce-scatter) of a tensor of `nbytes` in all: each rank sends and receives
+    (p-1)/p of it, in p - 1 steps."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s + (ranks - 1) * latency_s
+
+
+def fsdp_seconds(units: FSDPUnits, accumulation: int, gathered_bytes: int, collective: Callable[[float], float],
+                 forward_window: float, backward_window: float, overlap: float) -> tuple[float, float]:
+    """(exposed, total) seconds of one step's FSDP collectives on one rank. `collective(nbytes)` prices one
+    all-gather or reduce-scatter of a whole unit of `nbytes` over the DP group; `forward_window` and
+    `backward_window` are one layer's forward and backward (recomputation included) seconds for one
+    micro-batch, behind which a fraction `overlap` of each layer's collectives can hide."""
+    m, layers = accumulation, units.layers
+    gather = collective(units.layer * gathered_bytes)
+    reduce = collective(units.layer * REDUCE_BYTES)
+    root = collective(units.root * gathered_bytes) + collective(units.root * REDUCE_BYTES)
+
+    def exposed(seconds: float, window: float) -> float:
+        return seconds - min(overlap * seconds, window)
+
+    forward = layers * exposed(gather, forward_window)  # the first micro-batch's forward only
+    backward = layers * ((m - 1) * exposed(gather, backward_window) + exposed(gather + reduce, backward_window))
+    total = root + layers * ((1 + m) * gather + reduce)
+    return root + forward + backward, total
