@@ -56,9 +56,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                         f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}; "
                         f"use a multiple of {per_step}")
-    if p.expert > 1 and dp % p.expert:
-        raise UserError(f"parallel.expert={p.expert} does not divide the data-parallel size {dp}; experts are "
-                        "split over data-parallel ranks, so use an expert size that divides it")
+    if p.expert > 1:  # experts are split over the data x context ranks
+        from shardlm.parallel.layout import check_expert_layout
+
+        check_expert_layout(p.expert, dp, p.context)
     validate_pipeline(config, t.global_batch_size // per_step)
     _validate_data_sharding(config, dp)
     checks = [
@@ -176,7 +177,8 @@ def _validate_attention_heads(m: ModelConfig) -> None:
 
 def _validate_context(m: ModelConfig, p: ParallelConfig) -> None:
     """`parallel.context` and `parallel.cp_comm`: the zigzag split's sequence multiple, no attention dropout,
-    decoder models only, no MoE yet (one-line errors naming the key)."""
+    decoder models only (one-line errors naming the key). MoE models are fine: their routing statistics are
+    summed over CP (`shardlm.models.moe`), experts split over DP x CP (`parallel.expert`, checked by the caller)."""
     from shardlm.parallel.context import check_context_parallel
 
     if p.cp_comm not in ("ring", "allgather"):
@@ -186,9 +188,6 @@ def _validate_context(m: ModelConfig, p: ParallelConfig) -> None:
     if m.arch not in ("gpt", "llama"):
         raise UserError(f'parallel.context={p.context} supports model.arch="gpt" and "llama"; use '
                         f'parallel.context=1 for "{m.arch}"')
-    if m.moe_num_experts:
-        raise UserError(f"parallel.context={p.context} does not support MoE models yet (the routing losses span "
-                        "a micro-batch's whole sequence); set parallel.context=1")
     check_context_parallel(m.seq_length, p.context, p.tensor, p.sequence_parallel, m.attention_dropout_p)
 
 

@@ -307,7 +307,6 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkp
      "world size 12 is not divisible by parallel.tensor x parallel.context x parallel.pipeline = 2 x 2 x 2"),
     ({"context": 2}, {"dropout": 0.1}, 2, "model.attention_dropout=0.1 is not supported with parallel.context=2"),
     ({"context": 2, "cp_comm": "p2p"}, {}, 2, 'parallel.cp_comm="p2p" must be "ring" or "allgather"'),
-    ({"context": 2}, {"moe_num_experts": 4}, 2, "parallel.context=2 does not support MoE models yet"),
     ({"context": 0}, {}, 2, "parallel.context=0 must be at least 1"),
 ])
 def test_bad_context_parallel_settings_are_one_line_errors(parallel, model, world, message):

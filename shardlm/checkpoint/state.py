@@ -116,16 +116,18 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     records = {}
     optimizer = trainer.optimizer
     full = optimizer.full_state() if hasattr(optimizer, "full_state") else None  # collective over DP
-    # DP rank 0 (CP rank 0: CP ranks hold the same parameters), and under expert parallelism the other EP ranks' experts
-    writes = ctx.expert_dp.rank == 0 and ctx.cp_rank == 0
+    # data x context rank 0 (CP ranks hold the same parameters), and under expert parallelism (EP carved out of
+    # DP x CP) the other ranks of its EP group, their experts only; `expert_dp` is `dp_cp` without EP
+    writes = ctx.expert_dp.rank == 0
+    first = ctx.dp_cp.rank == 0
     if writes:
         name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None, ctx.ep_rank)
-        save_file(_model_tensors(trainer, full, dense=ctx.dp_rank == 0), str(tmp / name))
+        save_file(_model_tensors(trainer, full, dense=first), str(tmp / name))
         records[name] = files.file_record(tmp / name)
     tensors, metadata = _rng_tensors(ctx)
     save_file(tensors, str(tmp / rng_file(ctx.rank)), metadata=metadata)
     records[rng_file(ctx.rank)] = files.file_record(tmp / rng_file(ctx.rank))
-    tensors_table = _tensor_table(trainer.model, dense=ctx.dp_rank == 0)  # this stage's; all stages' on rank 0
+    tensors_table = _tensor_table(trainer.model, dense=first)  # this stage's; all stages' on rank 0
     gathered = ctx.world.all_gather_object((records, tensors_table if writes and ctx.tp_rank == 0 else {}))
     manifest = {k: v for part, _ in gathered for k, v in part.items()}
     tensors_table = {k: v for _, table in gathered for k, v in table.items()}

@@ -10,13 +10,16 @@ under-loaded experts, from the step's token counts over every rank), optionally 
 their sum when `norm_topk_prob`, times `routed_scaling`. Dropless: every token reaches its k experts.
 
 Losses (`balance_losses`), over each micro-batch's whole token set (summed over the TP ranks that hold
-its sequence chunks under sequence parallelism, so they do not depend on the layout):
+its sequence chunks under sequence parallelism and over the CP ranks that hold its zigzag parts under
+context parallelism, so they do not depend on the layout):
   aux = coeff x E x sum_e f_e P_e,  f_e = tokens routed to e / (N k),  P_e = mean over tokens of p_e
   (p = the softmax scores, or the sigmoid scores divided by their sum), equal to coeff at uniform routing;
   z = coeff x mean over tokens of logsumexp(logits)^2.
 They enter the objective through `_AttachLoss`: the layer's output carries them, and their gradient
 (scaled as the trainer scales the micro-batch loss, `loss_scale`) starts when the output's does, so
-they work under pipeline stages and activation recomputation without the model returning them.
+they work under pipeline stages and activation recomputation without the model returning them. Under
+context parallelism every CP rank holds the whole loss but back-propagates only through its own tokens,
+and the trainer averages gradients over CP, so the loss's gradient there is C times `loss_scale`.
 
 Experts (`GroupedExperts`): the E / ep experts of this expert-parallel rank as stacked weights, an MLP
 like the family's dense one (GPT: fc -> GeLU -> proj; Llama: SwiGLU), without biases. Expert tensor
@@ -75,23 +78,25 @@ def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, gr
 
 
 def balance_losses(logits: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, aux_coeff: float,
-                   z_coeff: float, sequence_parallel: bool = False, tp=None) -> torch.Tensor:
+                   z_coeff: float, token_groups: tuple = ()) -> torch.Tensor:
     """aux + z losses (fp32 scalar, see the module docstring) of this micro-batch's tokens.
 
     logits, probs: (N, E) fp32 of this rank's tokens (probs summing to 1 per token); indices: (N, k).
-    Under sequence parallelism each TP rank holds a chunk: token counts, probability sums and N are
-    summed over TP (the probability sums by `g`, whose backward keeps each rank's gradient on its own tokens)."""
+    `token_groups`: the `Communicator`s whose ranks hold the micro-batch's other tokens (TP under sequence
+    parallelism, CP under context parallelism): token counts, probability and z sums and N are summed over
+    each (the sums by `g`, whose backward keeps each rank's gradient on its own tokens), so every rank gets
+    the loss of the whole token set."""
     N, E = probs.shape
     k = indices.shape[1]
     counts = torch.bincount(indices.reshape(-1), minlength=E).to(probs.dtype)
     prob_sum = probs.sum(0)
     z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum().reshape(1)
     tokens = torch.tensor([float(N)], device=probs.device)
-    if sequence_parallel:
-        tp.all_reduce(counts)
-        tp.all_reduce(tokens)
-        prob_sum = reduce_from_tensor_parallel(prob_sum, tp)
-        z_sum = reduce_from_tensor_parallel(z_sum, tp)
+    for group in token_groups:
+        group.all_reduce(counts)
+        group.all_reduce(tokens)
+        prob_sum = reduce_from_tensor_parallel(prob_sum, group)
+        z_sum = reduce_from_tensor_parallel(z_sum, group)
     aux = aux_coeff * E * (counts / (tokens * k) * prob_sum / tokens).sum()
     return aux + z_coeff * (z_sum / tokens).sum()
 
@@ -225,9 +230,10 @@ class MoELayer(nn.Module):
 
     Per layer: TP sees one `f` (tokens and their routing weights enter the TP region; the chunks are
     all-gathered under sequence parallelism) and one `g` on the combined expert output; the dispatcher
-    talks to the expert-parallel group. Each training forward appends its routed-slot counts per expert
-    and its aux + z loss (detached) to `recorded`, for the bias update and the metrics (`finish_step`),
-    except a recomputation in the backward."""
+    talks to the expert-parallel group; in training, the routing statistics are summed over `token_groups`
+    (TP under sequence parallelism, CP: small all-reduces). Each training forward appends its routed-slot
+    counts per expert and its aux + z loss (detached) to `recorded`, for the bias update and the metrics
+    (`finish_step`), except a recomputation in the backward."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
                  gated: bool, shared: nn.Module | None = None):
@@ -238,6 +244,9 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(cfg, ctx, seed, prefix, gated)
         self.shared = shared
         self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, ctx.expert_dispatcher)
+        self.token_groups = tuple(group for group, holds_chunks in ((ctx.tp, self.sequence_parallel),
+                                                                    (ctx.cp, ctx.cp_size > 1)) if holds_chunks)
+        """The groups over which the routing statistics are summed: their ranks hold the micro-batch's other tokens."""
         self.loss_scale = 1.0
         """Factor of the micro-batch loss in the backward (the trainer's loss scale / micro-batches)."""
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -250,7 +259,7 @@ class MoELayer(nn.Module):
         if self.training and torch.is_grad_enabled():
             probs = scores if self.cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)
             loss = balance_losses(logits, probs, indices, self.cfg.moe_aux_loss_coeff, self.cfg.moe_z_loss_coeff,
-                                  self.sequence_parallel, tp)
+                                  self.token_groups)
             if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
                 self.recorded.append((torch.bincount(indices.reshape(-1), minlength=scores.shape[1]), loss.detach()))
         if self.sequence_parallel:  # every TP rank runs the experts on the whole sequence
@@ -265,7 +274,9 @@ class MoELayer(nn.Module):
         y = reduce_scatter_to_sequence_parallel(y, tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, tp)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
+        # every CP rank holds the whole token set's loss, its gradient reaches only this rank's tokens, and the
+        # trainer averages gradients over CP: C times the scale makes that average the whole loss's gradient
+        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale * self.ctx.cp_size)
 
 
 def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
@@ -304,12 +315,13 @@ def finish_step(model: nn.Module, ctx: ParallelContext, micro_batches: int, sequ
 
     Each layer's last `micro_batches` recorded forwards are the step's (a pipeline schedule's first step
     also runs each stage once on stand-in tensors to learn shapes: that one comes first and is left
-    out). Token counts are summed over the data-parallel group (and TP under sequence parallelism, whose
-    ranks hold different tokens), so every rank sees the global counts and moves its biases alike:
-    bias += rate x sign(mean count - count). Returns {"moe_aux_loss": mean per micro-batch summed over
-    layers (averaged over DP, summed over pipeline stages), "expert_load_min"/"max": the least and most
-    loaded expert's share of its layer's slots relative to uniform}. Collective over DP, TP and PP;
-    every rank of a model with MoE layers anywhere must call it."""
+    out). Token counts are summed over the data x context group (and TP under sequence parallelism: the
+    CP and SP ranks hold different tokens), so every rank sees the global counts and moves its biases
+    alike: bias += rate x sign(mean count - count). Returns {"moe_aux_loss": mean per micro-batch summed
+    over layers (averaged over DP, summed over pipeline stages; every CP rank already holds its whole
+    micro-batch's), "expert_load_min"/"max": the least and most loaded expert's share of its layer's slots
+    relative to uniform}. Collective over DP x CP, TP and PP; every rank of a model with MoE layers
+    anywhere must call it."""
     layers = moe_layers(model)
     aux = torch.tensor([0.0, -float("inf"), -float("inf")], dtype=torch.float64, device=ctx.device)  # aux,-min,max
     recorded = [layer.recorded[-micro_batches:] for layer in layers]
@@ -318,7 +330,7 @@ def finish_step(model: nn.Module, ctx: ParallelContext, micro_batches: int, sequ
     if layers:
         aux[0] = sum(loss.double() for step in recorded for _, loss in step)
         counts = torch.stack([sum(c for c, _ in step).double() for step in recorded])  # (layers, E)
-        ctx.dp.all_reduce(counts)
+        ctx.dp_cp.all_reduce(counts)  # `dp` without context parallelism
         if sequence_parallel:
             ctx.tp.all_reduce(counts)
         share = counts / counts.mean(1, keepdim=True).clamp_min(1)

@@ -1,9 +1,10 @@
 """Expert parallelism: moving each token to the ranks that hold its experts, and back.
 
 An MoE layer's E experts are split over the expert-parallel group (`ctx.ep`, carved out of the
-data-parallel ranks, see `shardlm.parallel.layout`): EP rank r holds experts [r E/ep, (r + 1) E/ep).
-Every rank routes its own tokens; a dispatcher then hands each rank's experts the (token, slot) pairs
-routed to them and brings the expert outputs back:
+data x context-parallel ranks, see `shardlm.parallel.layout`): EP rank r holds experts [r E/ep, (r + 1) E/ep).
+Every rank routes its own tokens (under context parallelism its zigzag part of the sequences: routing is
+per token, so which positions a rank holds does not matter); a dispatcher then hands each rank's experts
+the (token, slot) pairs routed to them and brings the expert outputs back:
 
     dispatch(tokens (N, h), indices (N, k)) -> (expert_tokens (M, h) grouped by local expert,
                                                counts (E / ep,) rows per local expert, plan)

@@ -13,7 +13,8 @@ Context parallelism (`parallel.context` = C) adds a dimension next to the tensor
 same tensor position of C consecutive TP groups, and every group above is then built within one
 context position (for C = 1 they are exactly the groups of the three-dimensional grid). Parameters are
 the same on every CP rank, so their gradients are reduced, and the distributed optimizer shards, over
-the data x context group (`dp_cp`: the DP x C ranks of one (stage, tensor rank)).
+the data x context group (`dp_cp`: the DP x C ranks of one (stage, tensor rank)). Expert parallelism
+(`parallel.expert` = E) is carved out of those DP x C ranks, CP ranks first (see `ParallelContext`).
 
 Everything is held by an explicit `ParallelContext` that is passed to layers and the trainer; there
 are no module-level globals.
@@ -53,6 +54,16 @@ def check_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int =
             f"multiple of {model_parallel}"
         )
     return world_size // model_parallel
+
+
+def check_expert_layout(expert_parallel: int, data_parallel: int, context_parallel: int = 1) -> None:
+    """Experts split over E ranks carved out of the data x context ranks: E must divide DP x C (UserError)."""
+    ranks = data_parallel * context_parallel
+    if expert_parallel < 1 or ranks % expert_parallel:
+        where = f"data-parallel size {data_parallel}" if context_parallel == 1 else \
+            f"data-parallel x context-parallel size {data_parallel} x {context_parallel} = {ranks}"
+        raise UserError(f"parallel.expert={expert_parallel} does not divide the {where}; experts are split over "
+                        "those ranks, so use an expert size that divides it")
 
 
 def rank_grid(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1) -> torch.Tensor:
@@ -103,18 +114,21 @@ def pipeline_parallel_groups(grid: torch.Tensor) -> list[list[int]]:
 
 
 def expert_parallel_groups(grid: torch.Tensor, expert_parallel: int) -> list[list[int]]:
-    """Ranks of every expert-parallel group: E consecutive data-parallel ranks of one (stage, TP rank)."""
-    pp, dp, tp = grid.shape
-    return grid.view(pp, dp // expert_parallel, expert_parallel, tp).permute(0, 1, 3, 2).reshape(
+    """Ranks of every expert-parallel group of a (pipeline, data, context, tensor) grid: E consecutive ranks
+    of one (stage, tensor rank)'s data x context ranks taken in (data, context) order, so EP runs over the
+    CP ranks first, then over DP (Megatron's folding of EP over DP x CP)."""
+    pp, dp, cp, tp = grid.shape
+    return grid.permute(0, 3, 1, 2).reshape(pp, tp, dp * cp // expert_parallel, expert_parallel).reshape(
         -1, expert_parallel).tolist()
 
 
 def expert_data_parallel_groups(grid: torch.Tensor, expert_parallel: int) -> list[list[int]]:
-    """Ranks of every expert-data-parallel group: the DP / E data-parallel ranks of one (stage, TP rank)
-    that hold the same experts (the same position in their expert-parallel groups)."""
-    pp, dp, tp = grid.shape
-    return grid.view(pp, dp // expert_parallel, expert_parallel, tp).permute(0, 2, 3, 1).reshape(
-        -1, dp // expert_parallel).tolist()
+    """Ranks of every expert-data-parallel group of a (pipeline, data, context, tensor) grid: the DP x C / E
+    data x context ranks of one (stage, tensor rank) that hold the same experts (the same position in their
+    expert-parallel groups)."""
+    pp, dp, cp, tp = grid.shape
+    return grid.permute(0, 3, 1, 2).reshape(pp, tp, dp * cp // expert_parallel, expert_parallel).transpose(
+        2, 3).reshape(-1, dp * cp // expert_parallel).tolist()
 
 
 def embedding_groups(grid: torch.Tensor) -> list[list[int]]:
@@ -131,10 +145,11 @@ class ParallelContext:
     ranks (barriers, run-wide flags); all record into the shared `comm` statistics. `pp.group` is
     also the group the pipeline's point-to-point transfers use (ranks of neighbouring stages).
 
-    Expert parallelism (`parallel.expert` = E) folds into data parallelism: `ep` is a run of E
-    consecutive ranks of the DP group (DP rank d has EP rank d % E), which split each MoE layer's
-    experts; `expert_dp` the DP / E ranks of the DP group holding the same experts (DP ranks d, d + E,
-    ...), over which expert gradients are reduced. With E = 1, `ep` has one rank and `expert_dp` is `dp`.
+    Expert parallelism (`parallel.expert` = E) folds into data x context parallelism (Megatron's
+    folding): number the DP x C ranks of `dp_cp` d C + c (DP rank d, CP rank c); `ep` is a run of E
+    consecutive ones (rank i has EP rank i % E: the CP ranks first, then DP), which split each MoE
+    layer's experts; `expert_dp` the DP x C / E ranks holding the same experts (i, i + E, ...), over
+    which expert gradients are reduced. With E = 1, `ep` has one rank and `expert_dp` is `dp_cp`.
 
     Context parallelism (`parallel.context` = C): `cp` is the group of C ranks that hold the zigzag parts
     of the same sequences (`shardlm.parallel.context`), `dp_cp` the data x context group over which
@@ -168,12 +183,12 @@ class ParallelContext:
             self.embedding = Communicator("embedding", None, 1, 0, self.comm)
         if self.ep is None:
             self.ep = Communicator("ep", None, 1, 0, self.comm)
-        if self.expert_dp is None:
-            self.expert_dp = self.dp
         if self.cp is None:
             self.cp = Communicator("cp", None, 1, 0, self.comm)
         if self.dp_cp is None:
             self.dp_cp = self.dp
+        if self.expert_dp is None:
+            self.expert_dp = self.dp_cp
 
     def seed(self, seed: int) -> RNGStatesTracker:
         """Seed this rank's generators (see `shardlm.parallel.random`) and keep the tracker. Pipeline
@@ -273,22 +288,18 @@ class ParallelContext:
         grid = context_grid(world, tensor_parallel, pipeline_parallel, context_parallel)
         stats = CommStats()
         mine = {}
-        if grid.shape[1] % expert_parallel:
-            raise UserError(f"parallel.expert={expert_parallel} does not divide the data-parallel size {grid.shape[1]}")
-        if expert_parallel > 1 and context_parallel > 1:
-            raise UserError(f"parallel.expert={expert_parallel} with parallel.context={context_parallel} is not "
-                            "supported yet; set one of them to 1")
+        check_expert_layout(expert_parallel, grid.shape[1], context_parallel)
         kinds = (("tp", tensor_parallel_groups), ("dp", data_parallel_groups), ("pp", pipeline_parallel_groups),
-                 ("embedding", embedding_groups),
-                 ("ep", lambda g: expert_parallel_groups(g, expert_parallel)),
-                 ("expert_dp", lambda g: expert_data_parallel_groups(g, expert_parallel)))
+                 ("embedding", embedding_groups))
         kinds = tuple((name, per_context_position(groups)) for name, groups in kinds) + (
-            ("cp", context_parallel_groups), ("dp_cp", data_context_parallel_groups))
+            ("cp", context_parallel_groups), ("dp_cp", data_context_parallel_groups),
+            ("ep", lambda g: expert_parallel_groups(g, expert_parallel)),
+            ("expert_dp", lambda g: expert_data_parallel_groups(g, expert_parallel)))
         for name, groups in kinds:
             if name in ("pp", "embedding") and pipeline_parallel == 1:
                 continue  # no pipeline: no groups to create (the defaults are size-1 communicators)
             if name in ("ep", "expert_dp") and expert_parallel == 1:
-                continue  # no expert parallelism: `ep` has one rank and `expert_dp` is `dp`
+                continue  # no expert parallelism: `ep` has one rank and `expert_dp` is `dp_cp`
             if name in ("cp", "dp_cp") and context_parallel == 1:
                 continue  # no context parallelism: `cp` has one rank and `dp_cp` is `dp`
             for ranks in groups(grid):

@@ -7,7 +7,7 @@
   (LayerNorms, row-parallel biases, position embeddings; marked `sequence_parallel`) hold the
   gradient of their chunk only; summing over the tensor-parallel group gives every rank the full one.
 - `reduce_expert_gradients`: with experts split over expert-parallel ranks, the one place that says
-  which group reduces expert gradients (expert-data-parallel) and what the sum is divided by (DP).
+  which group reduces expert gradients (expert-data-parallel) and what the sum is divided by (DP x C).
 """
 
 from __future__ import annotations
@@ -50,21 +50,27 @@ def sum_sequence_parallel_gradients(params: list[torch.Tensor], ctx: ParallelCon
 
 def is_split_expert(param: torch.Tensor, ctx: ParallelContext) -> bool:
     """An MoE expert weight whose experts are split over expert-parallel ranks (`parallel.expert` > 1):
-    it differs between the ranks of the DP group, so the dense data-parallel reduction must skip it."""
+    it differs between the ranks of the data x context group, so the dense reduction must skip it."""
     return ctx.ep_size > 1 and getattr(param, "expert_parallel", False)
 
 
+def expert_gradient_divisor(ctx: ParallelContext) -> int:
+    """What the expert-DP sum of an expert gradient is divided by: the whole data x context size DP x C,
+    the count the dense gradients are averaged over (`reduce_expert_gradients` says why)."""
+    return ctx.dp_cp.size
+
+
 def reduce_expert_gradients(params: list[torch.Tensor], ctx: ParallelContext) -> None:
-    """Expert gradients under expert parallelism: summed over the expert-data-parallel group, divided by
-    the whole data-parallel size.
+    """Expert gradients under expert parallelism: summed over the expert-data-parallel group `ctx.expert_dp`,
+    divided by the whole data x context size (`expert_gradient_divisor`: DP x C, DP without CP).
 
     An expert's gradient on its rank already sums what the tokens of every rank of its EP group sent it
-    (the all-to-all's backward brings them back); summing over the DP / E ranks that hold the same expert
-    adds the other EP groups' tokens, so every DP rank's micro-batch counts once; dividing by DP (not
-    DP / E) gives the same mean over DP ranks that dense parameters get. Over the dense DP group the
-    sum would mix different experts' gradients (Megatron-LM #1628); divided by DP / E it would be E
-    times too large."""
+    (the all-to-all's backward brings them back); summing over the DP x C / E ranks that hold the same
+    expert adds the other EP groups' tokens, so every (DP, CP) rank's tokens count once; dividing by
+    DP x C (not DP x C / E) gives the same mean over those ranks that dense parameters get. Over the dense
+    DP group the sum would mix different experts' gradients (Megatron-LM #1628); divided by DP x C / E it
+    would be E times too large."""
     grads = [getattr(p, "main_grad", p.grad) for p in params if is_split_expert(p, ctx)]
     grads = [g for g in grads if g is not None]
     if grads:
-        _reduce_in_place(grads, ctx.expert_dp, divide=ctx.dp_size)
+        _reduce_in_place(grads, ctx.expert_dp, divide=expert_gradient_divisor(ctx))

@@ -49,7 +49,7 @@ class MasterWeightOptimizer:
         """`dp`: the group that reduces (and shards) these parameters' gradients, `ctx.dp_cp` by default
         (data x context; `ctx.dp` without context parallelism; expert parameters: `ctx.expert_dp`);
         `grad_divisor`: what the reduced sum is divided by
-        (default its size; expert parameters: the whole data-parallel size)."""
+        (default its size; expert parameters: the whole data x context size, `expert_gradient_divisor`)."""
         self.ctx, self.names = ctx, [name for name, _ in named_params]
         self.dp = dp or ctx.dp_cp
         self.grad_divisor = grad_divisor or self.dp.size
@@ -174,8 +174,8 @@ class MasterWeightOptimizer:
 
 class DenseAndExpertOptimizer:
     """Two `MasterWeightOptimizer`s used as one under expert parallelism: the dense parameters reduced
-    (and sharded) over `ctx.dp`, the expert parameters over `ctx.expert_dp` with their sum divided by
-    the whole DP size (`shardlm.training.gradients.reduce_expert_gradients` says why)."""
+    (and sharded) over `ctx.dp_cp` (data x context), the expert parameters over `ctx.expert_dp` with their
+    sum divided by the whole DP x C size (`shardlm.training.gradients.reduce_expert_gradients` says why)."""
 
     def __init__(self, dense: MasterWeightOptimizer, experts: MasterWeightOptimizer):
         self.parts = (dense, experts)

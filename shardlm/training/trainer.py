@@ -41,6 +41,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.data import context_parallel_part, micro_batches
 from shardlm.training.gradients import (
     all_reduce_gradients,
+    expert_gradient_divisor,
     is_split_expert,
     reduce_expert_gradients,
     sum_sequence_parallel_gradients,
@@ -164,9 +165,10 @@ class Trainer:
             args = (ctx, t.lr, t.weight_decay, betas, t.adam_eps, dtype)
             self.optimizer = self.master = MasterWeightOptimizer(
                 [(n, p) for n, p in named if not is_split_expert(p, ctx)], *args, shard=t.distributed_optimizer)
-            if experts:  # reduced and sharded over expert-DP, divided by DP
+            if experts:  # reduced and sharded over expert-DP, divided by DP x C
                 self.optimizer = self.master = DenseAndExpertOptimizer(self.master, MasterWeightOptimizer(
-                    experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp, grad_divisor=ctx.dp_size))
+                    experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp,
+                    grad_divisor=expert_gradient_divisor(ctx)))
         else:
             if ctx.dp_cp.size > 1 and self.pipeline is None:  # over DP x CP (`dp_cp` is `dp` when C = 1)
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # experts: reduce_gradients
