@@ -109,14 +109,8 @@ def _validate_data_sharding(config: RunConfig, dp: int) -> None:
                                       "set train.distributed_optimizer=false"),
         (dp * p.context > 1, 'train.data_sharding="full" needs a data-parallel size above 1 (it shards over DP); '
                              'use "none" on one data-parallel rank'),
-        (p.pipeline == 1, 'train.data_sharding="full" does not support parallel.pipeline > 1 yet; '
-                          'use "optimizer" with pipeline stages'),
-        (p.expert == 1 and m.moe_num_experts == 0,
-         'train.data_sharding="full" does not support MoE models yet; use "optimizer"'),
-        (p.context == 1, 'train.data_sharding="full" does not support parallel.context > 1 yet; use "optimizer"'),
         (m.arch in ("gpt", "llama"), f'train.data_sharding="full" supports model.arch="gpt" and "llama"; '
                                      f'use "optimizer" for "{m.arch}"'),
-        (not t.compile, 'train.data_sharding="full" does not support train.compile=true yet; turn one off'),
     ]
     for ok, message in checks:
         if not ok:

@@ -351,13 +351,11 @@ def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
 
 @pytest.mark.parametrize("change, key", [
     ({"parallel.pipeline": 2}, "parallel.pipeline"),
-    ({"parallel.context": 2}, "parallel.context"),
     ({"train.distributed_optimizer": True}, "distributed_optimizer"),
-    ({"model.moe_num_experts": 4}, "MoE"),
 ])
 def test_fsdp_unsupported_combinations_are_one_line_errors(change, key):
-    """data_sharding="full" with pipeline stages, context parallelism, the distributed optimizer or
-    MoE: a one-line UserError naming it, from `validate` (before any process starts)."""
+    """data_sharding="full" with pipeline stages or the distributed optimizer: a one-line UserError
+    naming it, from `validate` (before any process starts)."""
     cfg = config(micro=1)
     for dotted, value in change.items():
         section, name = dotted.split(".")

@@ -58,8 +58,9 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     ctx, out = model.ctx, {}
     for name, param in model.named_parameters():
         value = param.detach()
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP: gathered over DP
         if hasattr(param, "tensor_parallel_dim"):
-            value = torch.cat(ctx.tp.all_gather(value), dim=param.tensor_parallel_dim)
+            value = torch.cat(ctx.tp.all_gather(value.contiguous()), dim=param.tensor_parallel_dim)
         if getattr(param, "expert_parallel", False):
             value = torch.cat(ctx.ep.all_gather(value.contiguous()))
         out[name] = value[:VOCAB].clone() if name in ("wte.weight", "lm_head.weight") else value.clone()

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from shardlm.parallel import ParallelContext
 from shardlm.training.optim import build_optimizer
 
-PARAM_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel", "expert_parallel")
+PARAM_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel", "expert_parallel", "first_expert")
 """shardlm's marks on parameters, which FSDP's new DTensor parameters do not inherit."""
 
 
@@ -42,16 +42,29 @@ def data_parallel_mesh(ctx: ParallelContext) -> DeviceMesh:
     return DeviceMesh.from_group(ctx.dp_cp.group, device_type=ctx.device.type)
 
 
+def expert_data_parallel_mesh(ctx: ParallelContext) -> DeviceMesh:
+    """A one-dimensional device mesh over this rank's expert-data-parallel group (`ctx.expert_dp`): the DP
+    ranks holding the same experts."""
+    return DeviceMesh.from_group(ctx.expert_dp.group, device_type=ctx.device.type)
+
+
 def _layers(model: nn.Module) -> list[nn.Module]:
     return list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
 
 
 def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None) -> DeviceMesh:
+                param_dtype: torch.dtype | None = None, stages: list[nn.Module] | None = None) -> DeviceMesh:
     """`fully_shard` each transformer layer, then the root, over the DP group; in place. The parameters
     become DTensors (their shardlm attributes copied over) of the same global shape as before, which is
     this TP rank's shard shape. `param_dtype`: the dtype the gathered parameters compute in (gradients are
-    reduced in fp32); None keeps the fp32 parameters as they are. Returns the mesh."""
+    reduced in fp32); None keeps the fp32 parameters as they are. `stages`: this rank's pipeline stage
+    modules, each then a root in the model's place (`shardlm.parallel.pipeline.shard_stage`). Returns the mesh.
+
+    MoE layers: experts split over expert-parallel ranks (`parallel.expert` > 1) differ between the ranks
+    of the DP group, so each layer's expert stacks are their own FSDP unit over the expert-data-parallel
+    group (`ctx.expert_dp`), their gradients summed over it and divided by DP x CP, the reduction
+    `reduce_expert_gradients` makes without FSDP. Parameters without gradient (the routers' expert biases,
+    which `finish_step` moves alike on every rank) stay whole, outside FSDP."""
     marks = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
     mesh = data_parallel_mesh(ctx)
@@ -60,10 +73,25 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     # The model returns its per-token losses as a view; FSDP warns that an in-place op on it would skip the
     # backward's all-gather. The losses (`shardlm.models.training_loss`) reduce it out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+    frozen = {p for p in model.parameters() if not p.requires_grad}
     for layer in _layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None and ctx.ep_size > 1:
+            fully_shard(experts, mesh=expert_data_parallel_mesh(ctx), reshard_after_forward=reshard_after_forward,
+                        mp_policy=policy)
+            experts.set_gradient_divide_factor(float(ctx.dp_cp.size))
+            # a sum, then the division: gloo has no PREMUL_SUM. Not on one rank, where torch 2.13 would
+            # divide twice (its copy for a group of one already divides).
+            experts.set_force_sum_reduction_for_comms(ctx.expert_dp.size > 1)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    ignored_params=frozen & set(layer.parameters()))
     # the root's own parameters (embedding, final norm, output layer) are gathered for the whole step
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    if stages is None:
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=frozen)
+    for stage in stages or ():
+        from shardlm.parallel.pipeline import shard_stage
+
+        shard_stage(stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=frozen)
     for name, param in model.named_parameters():
         for attribute, value in marks[name].items():
             setattr(param, attribute, value)
@@ -123,7 +151,8 @@ class FullyShardedAdamW:
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {"model", "exp_avg", "exp_avg_sq"}}: each parameter and moment gathered over DP (this
-        TP rank's shard, unsplit over DP), for checkpoints. Collective over the DP group."""
+        TP rank's shard, unsplit over DP; split experts over expert-DP: this EP rank's stack), for
+        checkpoints. Collective over the DP group."""
         out = {}
         for name, param in self.named:
             state = self.inner.state.get(param, {})
@@ -134,10 +163,10 @@ class FullyShardedAdamW:
     @torch.no_grad()
     def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], optimizer_step: int) -> None:
         """Inverse of `full_state`: this DP rank's rows of each parameter (and, when `optimizer_step` > 0
-        and they are given, of its moments)."""
-        dp = self.ctx.dp_cp
+        and they are given, of its moments), over the group the parameter is sharded on."""
         for name, param in self.named:
-            local = {k: _rows(v, dp.size, dp.rank) for k, v in full[name].items()}
+            mesh = param.device_mesh  # DP x CP, or expert-DP for split experts
+            local = {k: _rows(v, mesh.size(), mesh.get_local_rank()) for k, v in full[name].items()}
             param.to_local().copy_(local["model"])
             if optimizer_step > 0 and "exp_avg" in local:
                 state = {"step": torch.tensor(float(optimizer_step), device=param.device)}
