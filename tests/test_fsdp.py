@@ -350,12 +350,11 @@ def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
 
 
 @pytest.mark.parametrize("change, key", [
-    ({"parallel.pipeline": 2}, "parallel.pipeline"),
     ({"train.distributed_optimizer": True}, "distributed_optimizer"),
 ])
 def test_fsdp_unsupported_combinations_are_one_line_errors(change, key):
-    """data_sharding="full" with pipeline stages or the distributed optimizer: a one-line UserError
-    naming it, from `validate` (before any process starts)."""
+    """data_sharding="full" with the distributed optimizer: a one-line UserError naming it, from `validate`
+    (before any process starts). Pipeline stages are supported (tests/test_fsdp_pipeline.py)."""
     cfg = config(micro=1)
     for dotted, value in change.items():
         section, name = dotted.split(".")

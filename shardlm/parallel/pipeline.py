@@ -100,7 +100,9 @@ def tied_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
     """Add the gradients of the tied embedding's two copies (first and last stage) over the embedding
-    group: one all-reduce per tied tensor, on those two stages only."""
+    group: one all-reduce per tied tensor, on those two stages only. Under FSDP each copy's gradient is
+    already reduce-scattered over DP, and DP rank r of both stages holds the same rows: the sum of
+    the two local shards is that rank's rows of the summed gradient."""
     if ctx.pp_size == 1 or not (ctx.is_first_stage or ctx.is_last_stage):
         return
     for param in tied_parameters(model):
@@ -109,7 +111,8 @@ def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        ctx.embedding.all_reduce(param.grad)
+        # under FSDP a DTensor: both copies are sharded alike over DP, so their local rows add up
+        ctx.embedding.all_reduce(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
 
 
 class StageModule(nn.Module):
@@ -182,18 +185,53 @@ class ShardlmStage(PipelineStage):
         return self._count(super().get_bwd_recv_ops(*args, **kwargs), "recv")
 
 
+def end_parameters(model: nn.Module, is_first: bool, is_last: bool) -> list[nn.Parameter]:
+    """The parameters of the end pieces (`model.FIRST_STAGE` / `LAST_STAGE`: modules or bare parameters)
+    that a stage runs besides its layers."""
+    names = (model.FIRST_STAGE if is_first else ()) + (model.LAST_STAGE if is_last else ())
+    pieces = [getattr(model, name) for name in dict.fromkeys(names)]
+    return [p for piece in pieces for p in ([piece] if isinstance(piece, nn.Parameter) else piece.parameters())]
+
+
+def shard_stage(stage: StageModule, **fsdp_kwargs) -> None:
+    """`fully_shard` one pipeline stage as an FSDP root (its layers already each a unit of their own; the
+    keyword arguments are `fully_shard`'s). The root's own group is the end pieces the stage runs (first
+    stage: the embeddings; last stage: the final norm and the output layer, the tied embedding's copy),
+    gathered before the stage's first forward of a step (`ignored_params` stay outside FSDP). PyTorch's schedules see an FSDP stage and keep
+    gradients unreduced until the stage's last backward of the step, then reduce-scatter each unit once.
+
+    FSDP swaps a parameter on the modules it finds it in, and some end pieces are the model's bare
+    parameters (GPT's `wpe`): the model is shown to `fully_shard` as a child of the stage for this call only,
+    every parameter but this stage's end pieces ignored, so the stage still owns only its layers."""
+    from torch.distributed.fsdp import fully_shard
+
+    ends = end_parameters(stage.model, stage.is_first, stage.is_last)
+    ignored = set(fsdp_kwargs.pop("ignored_params", None) or ())
+    if not ends:
+        fully_shard(stage, ignored_params=ignored, **fsdp_kwargs)
+        return
+    ignored |= set(stage.model.parameters()) - set(ends)
+    stage._modules["owner"] = stage.model
+    try:
+        fully_shard(stage, ignored_params=ignored, **fsdp_kwargs)
+    finally:
+        del stage._modules["owner"]
+
+
 def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int]], schedule: str,
-                   num_micro_batches: int, loss_fn):
+                   num_micro_batches: int, loss_fn, modules: list[StageModule] | None = None):
     """The stages this rank runs, wrapped for PyTorch's pipelining, and the schedule that drives them.
 
     `loss_fn(hidden, targets) -> scalar` runs on the last stage once per micro-batch; its gradient is
-    what backward propagates (the schedule does not rescale gradients).
+    what backward propagates (the schedule does not rescale gradients). `modules`: this rank's
+    `StageModule`s to reuse (another schedule over the same, possibly FSDP-sharded, stages); built anew
+    when None.
     """
     num_stages = len(layers)
     virtual = num_stages // ctx.pp_size
     stages = []
-    for s in local_stages(ctx, virtual):
-        module = StageModule(model, layers[s], s == 0, s == num_stages - 1)
+    for i, s in enumerate(local_stages(ctx, virtual)):
+        module = StageModule(model, layers[s], s == 0, s == num_stages - 1) if modules is None else modules[i]
         stages.append(ShardlmStage(module, s, num_stages, ctx.device, group=ctx.pp.group, ctx=ctx))
     if schedule == "interleaved-1f1b":
         return stages, ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)

@@ -47,6 +47,11 @@ class PipelineRunner:
                                                     self._loss)
         self._eval = None
 
+    @property
+    def stage_modules(self) -> list[torch.nn.Module]:
+        """This rank's `StageModule`s, in stage order (what FSDP shards as roots, `shard_stage`)."""
+        return [stage.submod for stage in self.stages]
+
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.model.output_loss(hidden, targets).mean()
         self._losses.append(loss.detach())
@@ -84,7 +89,7 @@ class PipelineRunner:
         """Sum of the mean losses of `batches` (forward only, GPipe over all of them at once), on every rank."""
         if self._eval is None or self._eval[0] != len(batches):
             _, schedule = build_schedule(self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1
-                                         else "interleaved-1f1b", len(batches), self._loss)
+                                         else "interleaved-1f1b", len(batches), self._loss, self.stage_modules)
             self._eval = (len(batches), schedule)
         self.loss_factor = 1.0
         return self.broadcast_from_last_stage(self._run(self._eval[1], batches, train=False))

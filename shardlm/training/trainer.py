@@ -153,7 +153,8 @@ class Trainer:
             from shardlm.training.fsdp import FullyShardedAdamW, shard_model
 
             shard_model(self.model, ctx, t.fsdp_reshard_after_forward,
-                        HALF[t.precision] if t.param_dtype == "half" else None)
+                        HALF[t.precision] if t.param_dtype == "half" else None,
+                        stages=None if self.pipeline is None else self.pipeline.stage_modules)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = self.fsdp = FullyShardedAdamW(self.model, ctx, t.lr, t.weight_decay, betas, t.adam_eps)
         elif t.param_dtype == "half" or t.distributed_optimizer:
