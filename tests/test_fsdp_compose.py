@@ -9,7 +9,8 @@ the aux loss) at every step and the final parameters (gathered over DP, TP and E
 - FSDP x MoE: experts replicated (EP=1, sharded with their layer over DP=4); EP=2 x DP=4 (each layer's
   expert stacks their own FSDP unit over expert-DP = 2, gradients divided by DP); EP=4 (expert-DP = 1) with
   DeepSeek routing's expert biases left outside FSDP; EP=2 x TP=2 with SP; and an EP=2 x DP=4 checkpoint that
-  one process resumes (per-expert tensors and Adam moments, layout-free);
+  one process resumes (per-expert tensors and Adam moments, layout-free); with context parallelism, experts
+  folded over DP x CP (CP=2 x DP=2 with EP=2, CP=4 with EP=4);
 - FSDP x compile: every layer compiled, then sharded, at DP=4.
 """
 
@@ -17,6 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_context_parallel_moe import assert_same_run as assert_same_cp_moe_run
+from test_context_parallel_moe import cp_moe_config
+from test_context_parallel_moe import reference as cp_moe_reference
+from test_context_parallel_moe import run as cp_moe_run
 from test_context_parallel_training import cp_config
 from test_context_parallel_training import train_layout as cp_train
 from test_fsdp import config as fsdp_config
@@ -42,6 +47,10 @@ MOE_LAYOUTS = {  # name: (arch, routing, micro-batch size, TP, EP, SP)
     "ep2 x dp4 gpt accumulation": ("gpt", "mixtral", 1, 1, 2, False),
     "ep4 llama deepseek": ("llama", "deepseek", 2, 1, 4, False),
     "ep2 x tp2 sp gpt": ("gpt", "mixtral", 4, 2, 2, True),
+}
+CP_MOE_LAYOUTS = {  # name: (arch, routing, CP, EP); DP = 4 / CP, experts folded over DP x CP
+    "cp2 x dp2 ep2 gpt": ("gpt", "mixtral", 2, 2),
+    "cp4 ep4 llama deepseek": ("llama", "deepseek", 4, 4),
 }
 
 
@@ -80,6 +89,8 @@ def compiled_layout():
 def world4_checks(folder: str) -> dict:
     checks = {f"cp {name}": (lambda case=case: cp_layout(*case)) for name, case in CP_LAYOUTS.items()}
     checks |= {f"moe {name}": (lambda case=case: moe_layout(*case)) for name, case in MOE_LAYOUTS.items()}
+    checks |= {f"cp moe {name}": cp_moe_run(cp_moe_config(arch, routing, cp=cp, ep=ep, **FSDP))
+               for name, (arch, routing, cp, ep) in CP_MOE_LAYOUTS.items()}
     checks["moe save"] = lambda: moe_layout(*MOE_LAYOUTS["ep2 x dp4 gpt accumulation"], save=folder)
     if can_compile(torch.device("cpu")):
         checks["compile"] = compiled_layout
@@ -112,6 +123,16 @@ def test_fsdp_with_experts_equals_one_process(world4, name):
     arch, routing, micro, *_ = MOE_LAYOUTS[name]
     reference = moe_train(ParallelContext.single(), _moe_config(arch, routing, micro, 1, 1, False, full=False))[:2]
     assert_same_moe_run(check_result(world4[0], f"moe {name}")[0], reference)
+
+
+@pytest.mark.parametrize("name", list(CP_MOE_LAYOUTS))
+def test_fsdp_with_experts_and_context_parallelism_equals_one_process(world4, name):
+    """FSDP with MoE under context parallelism, experts split over the data x context ranks (CP=2 x DP=2 with
+    EP=2: expert-DP 2; CP=4 with EP=4 and DeepSeek's expert biases: expert-DP 1): loss, gradient norm, aux
+    loss and expert loads at every step and the final parameters within 1e-5 of one process."""
+    arch, routing, _, _ = CP_MOE_LAYOUTS[name]
+    curve, params, _ = check_result(world4[0], f"cp moe {name}")[0]
+    assert_same_cp_moe_run(curve, params, cp_moe_reference(arch, routing))
 
 
 def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
