@@ -23,6 +23,7 @@ from test_context_parallel_moe import cp_moe_config
 from test_context_parallel_moe import reference as cp_moe_reference
 from test_context_parallel_moe import run as cp_moe_run
 from test_context_parallel_training import cp_config
+from test_context_parallel_training import synthetic_data as cp_synthetic_data
 from test_context_parallel_training import train_layout as cp_train
 from test_fsdp import config as fsdp_config
 from test_fsdp import run as fsdp_run
@@ -32,8 +33,10 @@ from test_moe_parallel import train_layout as moe_train
 from test_training import assert_same_run, rel, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer, can_compile
+from shardlm.validation import validate
 
 from multiproc import check_result, run_checks, run_workers
 
@@ -47,6 +50,10 @@ MOE_LAYOUTS = {  # name: (arch, routing, micro-batch size, TP, EP, SP)
     "ep2 x dp4 gpt accumulation": ("gpt", "mixtral", 1, 1, 2, False),
     "ep4 llama deepseek": ("llama", "deepseek", 2, 1, 4, False),
     "ep2 x tp2 sp gpt": ("gpt", "mixtral", 4, 2, 2, True),
+}
+HYBRID_LAYOUTS = {  # name: (arch, micro-batch size, CP); hybrid sharding over pairs of the 4 data x context ranks
+    "dp4 shard2 gpt accumulation": ("gpt", 1, 1),
+    "cp2 x dp2 shard2 llama": ("llama", 2, 2),  # shard over each DP rank's CP pair, replicate across DP
 }
 CP_MOE_LAYOUTS = {  # name: (arch, routing, CP, EP); DP = 4 / CP, experts folded over DP x CP
     "cp2 x dp2 ep2 gpt": ("gpt", "mixtral", 2, 2),
@@ -86,11 +93,30 @@ def compiled_layout():
     return curve, params, (compiled, counters["stats"]["unique_graphs"])
 
 
-def world4_checks(folder: str) -> dict:
+def hybrid_layout(arch: str, micro: int, cp: int, save: str | None = None):
+    """Hybrid sharding (train.fsdp_shard_size = 2) on 4 ranks: the curve, parameters, the shard and replicate
+    sizes of the parameters' mesh, and the state bytes after the run."""
+    from test_fsdp import expected_bytes, state_bytes
+
+    ctx = ParallelContext.from_process_group(1, context_parallel=cp)
+    config = cp_config(arch, micro, cp=cp, fsdp_shard_size=2, **FSDP)
+    curve, params, trainer = cp_train(ctx, config, steps=4 if save else STEPS)
+    if save:
+        save_checkpoint(trainer, save)
+        return curve
+    mesh = trainer.params[0].device_mesh
+    # (`state_bytes` runs whole sequences: at C = 1 only)
+    state = {"measured": state_bytes(trainer), "expected": expected_bytes(trainer)} if cp == 1 else None
+    return curve, params, tuple(mesh.shape), state
+
+
+def world4_checks(folder: str, hybrid_folder: str) -> dict:
     checks = {f"cp {name}": (lambda case=case: cp_layout(*case)) for name, case in CP_LAYOUTS.items()}
     checks |= {f"moe {name}": (lambda case=case: moe_layout(*case)) for name, case in MOE_LAYOUTS.items()}
     checks |= {f"cp moe {name}": cp_moe_run(cp_moe_config(arch, routing, cp=cp, ep=ep, **FSDP))
                for name, (arch, routing, cp, ep) in CP_MOE_LAYOUTS.items()}
+    checks |= {f"hybrid {name}": (lambda case=case: hybrid_layout(*case)) for name, case in HYBRID_LAYOUTS.items()}
+    checks["hybrid save"] = lambda: hybrid_layout("gpt", 1, 1, save=hybrid_folder)
     checks["moe save"] = lambda: moe_layout(*MOE_LAYOUTS["ep2 x dp4 gpt accumulation"], save=folder)
     if can_compile(torch.device("cpu")):
         checks["compile"] = compiled_layout
@@ -101,8 +127,8 @@ def world4_checks(folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fsdp_ep2")
-    return run_workers(4, world4_checks, str(folder)), str(folder)
+    folders = [str(tmp_path_factory.mktemp(name)) for name in ("fsdp_ep2", "hybrid")]
+    return run_workers(4, world4_checks, *folders), *folders
 
 
 @pytest.mark.parametrize("name", list(CP_LAYOUTS))
@@ -161,3 +187,51 @@ def test_fsdp_with_compiled_layers_equals_one_process(world4):
     assert compiled == 2 and graphs > 0
     reference = fsdp_run(ParallelContext.single(), fsdp_config(micro=2, full=False))[:2]
     assert_same_run((curve, params), reference, steps=STEPS)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_LAYOUTS))
+def test_hybrid_sharding_equals_one_process_and_holds_state_over_the_shard_group(world4, name):
+    """Hybrid sharding (train.fsdp_shard_size = 2 of 4 data x context ranks: sharded within pairs, replicated
+    across them): a (2, 2) replicate x shard mesh, within 1e-5 of one process at every step and in the final
+    parameters, and (DP=4) each rank's parameter, gradient and AdamW bytes = the parameters x bytes / 2."""
+    arch, micro, _ = HYBRID_LAYOUTS[name]
+    reference = cp_train(ParallelContext.single(), cp_config(arch, micro))[:2]
+    for curve, params, mesh_shape, state in check_result(world4[0], f"hybrid {name}"):
+        assert mesh_shape == (2, 2)
+        assert state is None or state["measured"] == state["expected"]
+    assert_same_run((curve, params), reference, steps=STEPS)
+
+
+def test_hybrid_sharded_checkpoint_resumes_in_one_process(world4):
+    """Hybrid sharding saved after 4 steps (gathered over the shard group, written once): one process loads it
+    and steps 5-8 equal one process's uninterrupted run within 1e-5."""
+    check_result(world4[0], "hybrid save")
+    config = cp_config("gpt", 1)
+    ref_curve, ref_params, _ = cp_train(ParallelContext.single(), config)
+    trainer = Trainer(config, ParallelContext.single(), cp_synthetic_data(), valid_data=cp_synthetic_data(seed=1, samples=8))
+    load_checkpoint(trainer, world4[2])
+    assert trainer.step == 4
+    assert_same_run(cp_train(ParallelContext.single(), config, steps=STEPS - 4, trainer=trainer)[:2],
+                    (ref_curve[4:], ref_params), steps=STEPS - 4)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"fsdp_shard_size": 3}, "does not divide the data x context size 4"),
+    ({"fsdp_shard_size": 2, "data_sharding": "optimizer"}, 'needs train.data_sharding="full"'),
+])
+def test_hybrid_shard_sizes_that_do_not_fit_are_one_line_errors(changes, message):
+    """A shard size that does not divide DP x CP, or one without full sharding: one line from `validate`."""
+    config = fsdp_config(micro=1)
+    for key, value in changes.items():
+        setattr(config.train, key, value)
+    with pytest.raises(UserError, match=message) as error:
+        validate(config, world_size=4, check_paths=False)
+    assert "\n" not in str(error.value)
+
+
+def test_hybrid_sharding_with_split_experts_is_a_one_line_error():
+    config = _moe_config("gpt", "mixtral", 1, 1, 2, False)
+    config.train.fsdp_shard_size = 2
+    with pytest.raises(UserError, match="hybrid sharding") as error:
+        validate(config, world_size=4, check_paths=False)
+    assert "\n" not in str(error.value)

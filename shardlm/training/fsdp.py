@@ -24,22 +24,54 @@ this DP rank's rows.
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import Communicator, ParallelContext
+from shardlm.parallel.layout import context_grid, data_context_parallel_groups
 from shardlm.training.optim import build_optimizer
 
 PARAM_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel", "expert_parallel", "first_expert")
 """shardlm's marks on parameters, which FSDP's new DTensor parameters do not inherit."""
 
 
-def data_parallel_mesh(ctx: ParallelContext) -> DeviceMesh:
-    """A one-dimensional device mesh over this rank's data-parallel group (data x context, `ctx.dp_cp`)."""
-    return DeviceMesh.from_group(ctx.dp_cp.group, device_type=ctx.device.type)
+def data_parallel_mesh(ctx: ParallelContext, shard_size: int = 0) -> tuple[DeviceMesh, Communicator]:
+    """(the device mesh FSDP shards over, the communicator of the ranks one shard spans): a one-dimensional
+    mesh over this rank's data x context group `ctx.dp_cp`, or for `0 < shard_size < DP x CP` hybrid
+    sharding's two-dimensional (replicate, shard) mesh (`hybrid_mesh`)."""
+    if shard_size in (0, ctx.dp_cp.size):
+        return DeviceMesh.from_group(ctx.dp_cp.group, device_type=ctx.device.type), ctx.dp_cp
+    return hybrid_mesh(ctx, shard_size)
+
+
+def hybrid_mesh(ctx: ParallelContext, shard_size: int) -> tuple[DeviceMesh, Communicator]:
+    """Hybrid sharding: each data x context group of DP x CP ranks (one per stage and TP rank) as a
+    (DP x CP / shard_size, shard_size) table. A row is a shard group of consecutive DP x CP ranks, global
+    ranks TP apart, so `shard_size` x TP consecutive ranks: one node's when it divides the GPUs of a node;
+    a column is a replicate group across rows. Builds both kinds of process group (collective over the
+    world) and returns (the (replicate, shard) mesh, the shard group's communicator)."""
+    timeout = timedelta(seconds=ctx.dp_cp.timeout_s) if ctx.dp_cp.timeout_s else None
+    grid = context_grid(ctx.world_size, ctx.tp_size, ctx.pp_size, ctx.cp_size)
+    mine = {}
+    for ranks in data_context_parallel_groups(grid):
+        table = torch.tensor(ranks).view(-1, shard_size)
+        if ctx.rank in ranks:
+            mine["table"] = table
+        for kind, rows in (("shard", table.tolist()), ("replicate", table.t().tolist())):
+            for row in rows:  # every rank creates every group, in the same order
+                group = dist.new_group(row, timeout=timeout)
+                if ctx.rank in row:
+                    mine[kind] = (group, row)
+    (replicate, _), (shard, row) = mine["replicate"], mine["shard"]
+    mesh = DeviceMesh.from_group([replicate, shard], ctx.device.type, mesh=mine["table"],
+                                 mesh_dim_names=("replicate", "shard"))
+    return mesh, Communicator("fsdp_shard", shard, len(row), row.index(ctx.rank), ctx.comm,
+                              timeout_s=ctx.dp_cp.timeout_s)
 
 
 def expert_data_parallel_mesh(ctx: ParallelContext) -> DeviceMesh:
@@ -53,12 +85,15 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None, stages: list[nn.Module] | None = None) -> DeviceMesh:
+                param_dtype: torch.dtype | None = None, stages: list[nn.Module] | None = None,
+                shard_size: int = 0) -> Communicator:
     """`fully_shard` each transformer layer, then the root, over the DP group; in place. The parameters
     become DTensors (their shardlm attributes copied over) of the same global shape as before, which is
     this TP rank's shard shape. `param_dtype`: the dtype the gathered parameters compute in (gradients are
     reduced in fp32); None keeps the fp32 parameters as they are. `stages`: this rank's pipeline stage
-    modules, each then a root in the model's place (`shardlm.parallel.pipeline.shard_stage`). Returns the mesh.
+    modules, each then a root in the model's place (`shardlm.parallel.pipeline.shard_stage`). `shard_size`:
+    hybrid sharding over groups of that many DP x CP ranks (`data_parallel_mesh`), gradients reduce-scattered
+    within a group and all-reduced across groups. Returns the communicator of the ranks one shard spans.
 
     MoE layers: experts split over expert-parallel ranks (`parallel.expert` > 1) differ between the ranks
     of the DP group, so each layer's expert stacks are their own FSDP unit over the expert-data-parallel
@@ -67,7 +102,7 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     which `finish_step` moves alike on every rank) stay whole, outside FSDP."""
     marks = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
-    mesh = data_parallel_mesh(ctx)
+    mesh, shard_group = data_parallel_mesh(ctx, shard_size)
     policy = MixedPrecisionPolicy() if param_dtype is None else \
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # The model returns its per-token losses as a view; FSDP warns that an in-place op on it would skip the
@@ -92,10 +127,13 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
         from shardlm.parallel.pipeline import shard_stage
 
         shard_stage(stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=frozen)
+    if mesh.ndim == 2:  # hybrid: the all-reduce across shard groups sums, then divides (gloo has no AVG)
+        for unit in [*_layers(model), *(stages or [model])]:
+            unit.set_force_sum_reduction_for_comms(True)
     for name, param in model.named_parameters():
         for attribute, value in marks[name].items():
             setattr(param, attribute, value)
-    return mesh
+    return shard_group
 
 
 class LocalShard:
@@ -129,8 +167,10 @@ class FullyShardedAdamW:
     `LocalShard`s the trainer clips and sums."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, lr: float, weight_decay: float,
-                 betas: tuple[float, float], eps: float):
+                 betas: tuple[float, float], eps: float, shard_group: Communicator | None = None):
         self.model, self.ctx = model, ctx
+        self.shard_group = shard_group or ctx.dp_cp
+        """The ranks one shard spans (`shard_model`'s return): the gradient norm sums the local shares over it."""
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.inner = build_optimizer(model, lr, weight_decay, betas, eps, ctx.device)
         self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
@@ -165,8 +205,8 @@ class FullyShardedAdamW:
         """Inverse of `full_state`: this DP rank's rows of each parameter (and, when `optimizer_step` > 0
         and they are given, of its moments), over the group the parameter is sharded on."""
         for name, param in self.named:
-            mesh = param.device_mesh  # DP x CP, or expert-DP for split experts
-            local = {k: _rows(v, mesh.size(), mesh.get_local_rank()) for k, v in full[name].items()}
+            mesh, dim = param.device_mesh, param.device_mesh.ndim - 1  # DP x CP, expert-DP, or hybrid's shard dim
+            local = {k: _rows(v, mesh.size(dim), mesh.get_local_rank(dim)) for k, v in full[name].items()}
             param.to_local().copy_(local["model"])
             if optimizer_step > 0 and "exp_avg" in local:
                 state = {"step": torch.tensor(float(optimizer_step), device=param.device)}

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import Communicator, ParallelContext
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
@@ -41,7 +41,8 @@ def learning_rate(step: int, lr: float, min_lr: float, warmup_steps: int, decay_
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_over_dp: bool = False) -> torch.Tensor:
+def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_over_dp: bool = False,
+                     shard_group: Communicator | None = None) -> torch.Tensor:
     """L2 norm of all gradients of the whole model, equal to the single-process norm.
 
     Squared norms of tensor-parallel shards are summed over the TP group (one all-reduce of one
@@ -50,7 +51,9 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     copy on the last stage (`pipeline_tied_copy`) is left out, so it counts once. Gradients are already
     averaged over DP, so DP needs no communication, unless each DP rank holds only its range of them
     (`sharded_over_dp`, the distributed optimizer): then the ranges' shares are summed over DP (over
-    DP x CP, `ctx.dp_cp`, under context parallelism, where the optimizer shards over it).
+    DP x CP, `ctx.dp_cp`, under context parallelism, where the optimizer shards over it; over
+    `shard_group` when the ranges are sharded over part of it and replicated across the parts, as
+    hybrid-sharded FSDP does).
     Experts split over expert-parallel ranks (`expert_parallel`, all of them TP-split) differ between
     the ranks of the EP group: their share is summed over EP (over DP, which contains EP, when sharded).
     """
@@ -76,15 +79,15 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     ctx.tp.all_reduce(sharded_sq)
     total = sharded_sq + squared(replicated)
     if sharded_over_dp:
-        ctx.dp_cp.all_reduce(total)
+        (shard_group or ctx.dp_cp).all_reduce(total)
     return ctx.pp.all_reduce(total).sqrt()
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ctx: ParallelContext,
-                   sharded_over_dp: bool = False) -> torch.Tensor:
+                   sharded_over_dp: bool = False, shard_group: Communicator | None = None) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (same rule as
     `torch.nn.utils.clip_grad_norm_`); returns the norm before clipping."""
-    norm = global_grad_norm(params, ctx, sharded_over_dp)
+    norm = global_grad_norm(params, ctx, sharded_over_dp, shard_group)
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)

@@ -152,11 +152,13 @@ class Trainer:
         if t.data_sharding == "full":  # FSDP2: parameters, gradients and moments sharded over DP
             from shardlm.training.fsdp import FullyShardedAdamW, shard_model
 
-            shard_model(self.model, ctx, t.fsdp_reshard_after_forward,
-                        HALF[t.precision] if t.param_dtype == "half" else None,
-                        stages=None if self.pipeline is None else self.pipeline.stage_modules)
+            shard_group = shard_model(self.model, ctx, t.fsdp_reshard_after_forward,
+                                      HALF[t.precision] if t.param_dtype == "half" else None,
+                                      stages=None if self.pipeline is None else self.pipeline.stage_modules,
+                                      shard_size=t.fsdp_shard_size)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = self.fsdp = FullyShardedAdamW(self.model, ctx, t.lr, t.weight_decay, betas, t.adam_eps)
+            self.optimizer = self.fsdp = FullyShardedAdamW(self.model, ctx, t.lr, t.weight_decay, betas, t.adam_eps,
+                                                           shard_group)
         elif t.param_dtype == "half" or t.distributed_optimizer:
             from shardlm.training.master_weights import DenseAndExpertOptimizer, MasterWeightOptimizer
 
@@ -258,7 +260,8 @@ class Trainer:
         grad_norm = float("nan")
         lr = self.lr(self.step)
         if not overflow:
-            grad_norm = clip_grad_norm(updated, t.clip_grad, ctx, over_dp).item()
+            grad_norm = clip_grad_norm(updated, t.clip_grad, ctx, over_dp,
+                                       self.fsdp.shard_group if self.fsdp else None).item()
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
