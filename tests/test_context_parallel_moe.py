@@ -9,8 +9,8 @@ One world of 4: CP=2 x TP=2 with and without sequence parallelism (DP=1); CP=2 x
 experts split over the two CP ranks (DP=1); CP=4 x EP=4; CP=2 x DP=2 x EP=2 (EP inside each CP group,
 expert-DP over DP) with the distributed optimizer, and its checkpoint read back by one process;
 CP=2 x DP=2 x EP=4 (EP over DP x CP, expert-DP of one rank); DeepSeek-style routing (sigmoid, expert
-bias, shared experts, group-limited top-k) at CP=2 x DP=2 x EP=2 with the distributed optimizer; and a
-CP=2 run whose routing statistics are deliberately not summed over CP, which must not match.
+bias, shared experts, group-limited top-k) at CP=2 x DP=2 x EP=2 with the distributed optimizer; CP=2 x
+PP=2; CP=2 x DP=2 x EP=2 with full recomputation (the routing and its CP sums rerun); and a CP=2 run whose routing statistics are deliberately not summed over CP, which must not match.
 The references and the one-line errors run in this process.
 """
 
@@ -35,12 +35,13 @@ from multiproc import check_result, run_checks, run_workers
 STEPS, TOL, MICRO = 8, 1e-5, 2
 
 
-def cp_moe_config(arch: str, routing: str, cp: int = 1, tp: int = 1, ep: int = 1, sp: bool = False, **train):
+def cp_moe_config(arch: str, routing: str, cp: int = 1, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1,
+                  **train):
     return from_dict({
         "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
                   "vocab_size": VOCAB, "dropout": 0.0, "moe_num_experts": 4, "moe_top_k": 2,
                   "moe_ffn_hidden_size": 32} | ROUTING[routing],
-        "parallel": {"tensor": tp, "context": cp, "expert": ep, "sequence_parallel": sp},
+        "parallel": {"tensor": tp, "context": cp, "expert": ep, "sequence_parallel": sp, "pipeline": pp},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": MICRO, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, **train},
@@ -66,10 +67,13 @@ def run(config, tamper=None, save: str | None = None):
     """A check: train `config` on the whole world (its parallel sizes), then save a checkpoint to `save`."""
     def check():
         p = config.parallel
-        ctx = ParallelContext.from_process_group(p.tensor, context_parallel=p.context, expert_parallel=p.expert)
+        ctx = ParallelContext.from_process_group(p.tensor, context_parallel=p.context, expert_parallel=p.expert,
+                                                 pipeline_parallel=p.pipeline)
         curve, params, trainer = train_layout(ctx, config, tamper)
         if save:
             save_checkpoint(trainer, save)
+        if p.pipeline > 1:  # every stage's parameters
+            params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
         return curve, params, (ctx.ep.size, ctx.expert_dp.size, ctx.dp_cp.size)
     return check
 
@@ -91,6 +95,8 @@ def world4_checks(directory: str):
         "cp2_dp2_ep4_llama": run(cp_moe_config("llama", "mixtral", cp=2, ep=4)),
         "cp2_dp2_ep2_llama_deepseek_zero": run(cp_moe_config("llama", "deepseek", cp=2, ep=2,
                                                              distributed_optimizer=True)),
+        "cp2_pp2_gpt": run(cp_moe_config("gpt", "mixtral", cp=2, pp=2)),
+        "cp2_dp2_ep2_llama_full_recompute": run(cp_moe_config("llama", "mixtral", cp=2, ep=2, recompute="full")),
         "cp2_tp2_gpt_no_cp_sums": run(cp_moe_config("gpt", "mixtral", cp=2, tp=2), tamper=without_cp_routing_sums),
     })
 
@@ -136,6 +142,8 @@ def assert_same_run(curve, params, ref):
     ("cp2_dp2_ep2_gpt_zero", "gpt", "mixtral", (2, 2, 4)),  # EP inside each CP group, expert-DP over DP
     ("cp2_dp2_ep4_llama", "llama", "mixtral", (4, 1, 4)),  # EP over DP x CP
     ("cp2_dp2_ep2_llama_deepseek_zero", "llama", "deepseek", (2, 2, 4)),  # expert biases from the global counts
+    ("cp2_pp2_gpt", "gpt", "mixtral", (1, 2, 2)),  # two pipeline stages, each CP=2
+    ("cp2_dp2_ep2_llama_full_recompute", "llama", "mixtral", (2, 2, 4)),  # routing reruns in the backward
 ])
 def test_moe_with_context_parallelism_equals_one_process(world4, name, arch, routing, groups):
     """Every rank reports the one-process losses, aux loss and expert loads, and ends on its parameters;

@@ -7,8 +7,9 @@ parameter, and the validation loss after training (evaluation runs split over CP
 trainer reports (and logs), so a missing reduction over the CP group, which would report one CP
 rank's share of the tokens, fails it.
 World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
-selective and with full recomputation, CP=2 in bf16 (near, not equal), a run saved after 4 steps at
-CP=2 that one process (CP=1) resumes, and the activation bytes each layer saves per rank.
+selective and with full recomputation, CP=2 in bf16, in fp16 and with bf16 parameters (near, not
+equal), a run saved after 4 steps at CP=2 that one process (CP=1) resumes, and the activation bytes
+each layer saves per rank.
 World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism (and with Llama's one KV head
 replicated over TP), CP=2 x DP=2 (and with the distributed optimizer), CP=2 x PP=2 (and interleaved).
 One-line config errors and the MFU check run in this process.
@@ -35,6 +36,13 @@ from shardlm.validation import validate
 from multiproc import check_result, run_checks, run_workers
 
 STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
+# name: (arch, train keys, tolerance of losses and gradient norms against one process, relative); measured worst
+# over 8 steps: 1.5e-4 (bf16), 1.8e-4 (fp16), 1.7e-4 (bf16 parameters)
+HALF_RUNS = {
+    "cp2_llama_bf16": ("llama", {"precision": "bf16"}, 1e-3),
+    "cp2_gpt_fp16": ("gpt", {"precision": "fp16", "initial_loss_scale": 2.0**16}, 1e-3),
+    "cp2_llama_bf16_params": ("llama", {"precision": "bf16", "param_dtype": "half"}, 1e-3),
+}
 
 
 def cp_config(arch: str, micro: int, cp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
@@ -128,6 +136,8 @@ def world2_checks(directory: str):
         "cp2_llama_selective": run(cp_config("llama", 4, cp=2, recompute="selective"), cp=2),
         "cp2_gpt_full_recompute": run(cp_config("gpt", 4, cp=2, recompute="full"), cp=2),
         "cp2_llama_bf16": run(cp_config("llama", 4, cp=2, precision="bf16"), cp=2),
+        "cp2_gpt_fp16": run(cp_config("gpt", 4, cp=2, **HALF_RUNS["cp2_gpt_fp16"][1]), cp=2),
+        "cp2_llama_bf16_params": run(cp_config("llama", 4, cp=2, **HALF_RUNS["cp2_llama_bf16_params"][1]), cp=2),
         "save_cp2": lambda: save_after_4_steps(directory),
         "saved_per_layer": lambda: saved_per_layer(ParallelContext.from_process_group(1, context_parallel=2)),
         "metrics_cp2": one_step_metrics,
@@ -228,14 +238,19 @@ def test_world4_context_parallel_equals_one_process(world4, name, arch, micro, s
     assert abs(valid_loss - reference(arch, micro, **shape)[2]) <= TOL * valid_loss
 
 
-def test_bf16_context_parallel_stays_near_one_process_bf16(world2):
-    """bf16 autocast (the ring's blocks in bf16, merged in fp32): CP=2's losses and gradient norms stay within
-    1e-3 of one process's bf16 run (not bitwise: the blocks round differently from one whole attention)."""
-    curve = check_result(world2, "cp2_llama_bf16")[0][0]
-    ref_curve = reference("llama", 4, precision="bf16")[0]
+@pytest.mark.parametrize("name", list(HALF_RUNS))
+def test_half_precision_context_parallel_stays_near_one_process(world2, name):
+    """bf16 autocast, fp16 autocast with dynamic loss scaling, bf16 parameters with fp32 master weights (the
+    ring's blocks in half precision, merged in fp32): CP=2's losses and gradient norms stay within the stated
+    tolerance of one process's run in the same precision (not bitwise: the blocks round differently from one
+    whole attention), and skip the same fp16 steps."""
+    arch, train, tol = HALF_RUNS[name]
+    curve = check_result(world2, name)[0][0]
+    ref_curve = reference(arch, 4, **train)[0]
     for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
+        assert (got[1] != got[1]) == (want[1] != want[1]), f"step {step}: skipped differently"  # NaN: skipped
         for what, a, b in zip(("loss", "grad norm"), got, want):
-            assert abs(a - b) <= 1e-3 * abs(b), f"step {step}: {what} {a} vs {b}"
+            assert a != a or abs(a - b) <= tol * abs(b), f"step {step}: {what} {a} vs {b}"
 
 
 @pytest.mark.parametrize("world_name,name", [("world2", "cp2_gpt"), ("world4", "cp4_gpt")])
