@@ -51,6 +51,9 @@ KEYS = {
                                                       "group) and calls per rank equal the formula",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
+    "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
+                                   "run's out_of_memory step, the C = 4 run's losses and per-rank peak resident "
+                                   "bytes, the uncapped C = 1 reference, max_relative_difference, demonstrated",
     "context_parallel.cp2_efficiency": "tokens/s at CP = 2 (2 x 1 thread) / one process x 2 threads, same sequence",
     "context_parallel.balance": "per split (zigzag, contiguous) at C = 4: per-rank causal attention seconds and the "
                                 "spread max / min - 1",
