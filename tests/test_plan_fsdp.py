@@ -5,6 +5,7 @@
 - time: per layer 1 + m all-gathers and one reduce-scatter priced as ring collectives over the DP group's
   link (NVLink in a server, the node's network across servers), the dp_overlap fraction hidden behind
   the layer's forward or backward; the root's collectives exposed;
+- with context parallelism, shards over DP x CP; not planned with pipeline stages or MoE layers;
 - Llama 3 70B on 64 H100s at 8,192 tokens: full wins (TP 1 x DP 64, nothing else fits without TP or a
   pipeline); GPT-2 355M on one 8-GPU server: it does not (the unsharded state fits and FSDP moves 1.5x the
   all-reduce's bytes);
@@ -182,12 +183,15 @@ def test_gpt2_355m_on_one_server_does_not_pick_full_sharding():
 
 # ---------------------------------------------------------------------------------------- requests
 
-def test_full_sharding_only_where_shardlm_runs_it():
-    """Fixed --data-sharding full skips the layouts shardlm's FSDP refuses (pipeline, CP), with the reason;
-    --distributed-optimizer on/off still mean optimizer/none, and a contradiction is a one-line error."""
+def test_full_sharding_where_planned_and_over_dp_x_cp():
+    """Fixed --data-sharding full skips the layouts the planner does not model it on (pipeline stages, MoE),
+    with the reason; with context parallelism it shards over DP x CP; --distributed-optimizer on/off still
+    mean optimizer/none, and a contradiction is a one-line error."""
     result = plan(llama70b_request(data_sharding="full"))
-    assert result.rows and all(r.choice.layout.data_sharding == "full" and r.pp == r.cp == 1 for r in result.rows)
-    assert "pipeline" in result.skipped["2x8x4"] and "context" in result.skipped["1x8x4-cp2"]
+    assert result.rows and all(r.choice.layout.data_sharding == "full" and r.pp == 1 for r in result.rows)
+    assert "pipeline" in result.skipped["2x8x4"]
+    context = next(r for r in result.rows if r.tp == 8 and r.cp == 2)
+    assert context.state == fsdp_state_memory(parameter_count(resolve_model("llama3-70b").config, 8), 4 * 2)
     for switch, sharding in (("on", "optimizer"), ("off", "none")):
         rows = plan(llama70b_request(distributed_optimizer=switch, pipeline=1)).rows
         assert {r.choice.layout.data_sharding for r in rows} == {sharding}

@@ -4,6 +4,7 @@ Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficien
 communication vs the formula, memory per rank, the pipeline's bubble and memory per stage, the
 planner's memory and step-time ratios for PP x TP x DP layouts against measurements, Mixture-of-Experts
 training against transformers' Mixtral and expert parallelism, context parallelism at a long sequence,
+data sharding (none, distributed optimizer, FSDP) at DP=2,
 checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke test of
 the harness, not figures to quote).
 """
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan3d": lambda: _plan3d(args.quick, repeats),
         "moe": lambda: _moe(args.quick, repeats),
         "context_parallel": lambda: _context_parallel(args.quick, repeats),
+        "fsdp": lambda: _fsdp(args.quick, repeats),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
         "eval": lambda: _eval(args.quick),
@@ -116,6 +118,12 @@ def _context_parallel(quick, repeats):
     from shardlm.bench.context_parallel import context_parallel_bench
 
     return context_parallel_bench(quick, repeats)
+
+
+def _fsdp(quick, repeats):
+    from shardlm.bench.fsdp import fsdp_bench
+
+    return fsdp_bench(quick, repeats)
 
 
 def _checkpoint(shape, repeats):

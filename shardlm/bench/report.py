@@ -57,6 +57,12 @@ KEYS = {
     "context_parallel.cp2_efficiency": "tokens/s at CP = 2 (2 x 1 thread) / one process x 2 threads, same sequence",
     "context_parallel.balance": "per split (zigzag, contiguous) at C = 4: per-rank causal attention seconds and the "
                                 "spread max / min - 1",
+    "fsdp.step_ms": "per data_sharding (none, optimizer, full) at DP=2 (2 x 1 thread): milliseconds per training step",
+    "fsdp.step_ratio_to_none": "per data_sharding: step time / data_sharding none's, per round",
+    "fsdp.memory": "per data_sharding: bytes rank 0 allocated that stay alive between steps (resident_bytes) and the "
+                   "most alive at once during a step (peak_bytes), and peak_ratio_to_none",
+    "fsdp.comm.matches_formula": "true when one FSDP step's all-gathers and reduce-scatters (calls, unsharded "
+                                 "elements) equal the formula, resharded after the forward and kept gathered",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
     "checkpoint.load_s": "seconds to verify and load them",
     "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
@@ -173,6 +179,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.context_parallel import markdown_lines as context_lines
 
         lines += context_lines(r["context_parallel"])
+    if r.get("fsdp"):
+        from shardlm.bench.fsdp import markdown_lines as fsdp_lines
+
+        lines += fsdp_lines(r["fsdp"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",

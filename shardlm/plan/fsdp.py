@@ -2,7 +2,7 @@
 
 shardlm's FSDP makes every transformer layer one unit and the model root (embedding, positions, final
 norm, output layer) another, each sharded on dim 0 over the d = DP ranks of the data-parallel group
-(ranks TP apart). Per rank, with N this TP rank's parameter elements, w the bytes of a gathered
+(ranks TP apart; DP x CP ranks with context parallelism). Per rank, with N this TP rank's parameter elements, w the bytes of a gathered
 parameter (4, or 2 with `param_dtype = "half"`) and m the micro-batches per step:
 
 - state: fp32 parameter and gradient shards, 4 N / d each, AdamW's two fp32 moments 8 N / d and one
@@ -28,8 +28,11 @@ parameter (4, or 2 with `param_dtype = "half"`) and m the micro-batches per step
   (gathers) or backward (gather + reduce-scatter) time; the root's gather before the first layer and
   its reduce-scatter after the last have nothing to hide behind.
 
-Which layouts may use it are the training config's rules (`fsdp_invalid_reason`): DP > 1, no pipeline,
-no context parallelism, no MoE, GPT or Llama, shardlm's implementation.
+With context parallelism the units are sharded over the DP x CP ranks (`ctx.dp_cp`), and d = DP x CP.
+Which layouts it plans (`fsdp_invalid_reason`): DP x CP > 1, GPT or Llama, shardlm's implementation, and,
+although shardlm's FSDP also runs them, not yet pipeline stages (each stage is an FSDP root whose
+gathers per micro-batch follow the schedule) nor MoE layers (experts sharded over expert-DP); hybrid
+sharding (`train.fsdp_shard_size`) is not planned either.
 """
 
 from __future__ import annotations
@@ -70,15 +73,13 @@ def fsdp_invalid_reason(cfg: ModelConfig, dp: int, pp: int, cp: int, implementat
     if implementation != "shardlm":
         return "FSDP is planned for --implementation shardlm only"
     if dp * cp == 1:
-        return "FSDP needs DP > 1"
-    if pp > 1:
-        return "FSDP does not support pipeline parallelism yet"
-    if cp > 1:
-        return "FSDP does not support context parallelism yet"
-    if cfg.moe_num_experts:
-        return "FSDP does not support MoE models yet"
+        return "FSDP needs DP x CP > 1"
     if cfg.arch not in ("gpt", "llama"):
         return "FSDP supports GPT and Llama only"
+    if pp > 1:  # shardlm runs it (each stage an FSDP root); its per-micro-batch gathers are not modelled here
+        return "the planner does not model FSDP with pipeline stages yet"
+    if cfg.moe_num_experts:  # shardlm runs it (experts as units over expert-DP); not modelled here
+        return "the planner does not model FSDP with MoE layers yet"
     return None
 
 
