@@ -229,3 +229,35 @@ def test_context_parallel_memory_cap_is_measured_and_stated(quick_run):
     assert m["max_relative_difference"] <= 1e-5 and m["demonstrated"] is True
     assert f"Memory cap {m['cap_bytes'] / 2**30:.2f} GiB per process" in text
     assert "C = 1 out of memory at step 1" in text and "split over C = 4: demonstrated." in text
+
+
+def test_fsdp_figures_are_the_measured_step_times_memory_and_the_collectives_the_formula(quick_run):
+    """fsdp: each step ratio is per repeat the quotient of the step times it names; each peak ratio the
+    quotient of the peaks; the measured FSDP all-gathers and reduce-scatters equal the formula (root once,
+    layers twice when resharded, once when kept, one reduce-scatter per unit), their bytes 4 x elements;
+    every sharding keeps less between steps than none (state / DP); BENCHMARKS.md states the figures."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    fsdp = results["fsdp"]
+    steps, memory = fsdp["step_ms"], fsdp["memory"]
+    assert list(steps) == list(memory) == ["none", "optimizer", "full"]
+    for name in steps:
+        _per_repeat_ratio(fsdp["step_ratio_to_none"][name], steps[name], steps["none"])
+        assert memory[name]["peak_ratio_to_none"] == pytest.approx(memory[name]["peak_bytes"]
+                                                                   / memory["none"]["peak_bytes"], rel=1e-12)
+        assert 0 < memory[name]["resident_bytes"] < memory[name]["peak_bytes"]
+        m = memory[name]
+        assert (f"| {name} | {steps[name]['median']:.1f} (min {steps[name]['min']:.1f}, max {steps[name]['max']:.1f}) "
+                f"| {fsdp['step_ratio_to_none'][name]['median']:.2f} | {m['resident_bytes'] / 1e6:.1f} | "
+                f"{m['peak_bytes'] / 1e6:.1f} | {m['peak_ratio_to_none']:.2f} |") in text
+    assert memory["full"]["resident_bytes"] < memory["optimizer"]["resident_bytes"] < memory["none"]["resident_bytes"]
+    comm = fsdp["comm"]
+    layers, layer, root = comm["layers"], comm["layer_parameters"], comm["root_parameters"]
+    assert comm["parameters"] == root + layers * layer
+    for name, gathers in (("reshard", 2), ("keep_gathered", 1)):
+        measured = comm[name]["measured"]
+        assert measured == comm[name]["formula"]
+        assert measured["all_gather"] == {"calls": 1 + gathers * layers, "elements": root + gathers * layers * layer}
+        assert measured["reduce_scatter"] == {"calls": 1 + layers, "elements": root + layers * layer}
+        assert comm[name]["bytes"] == 4 * (measured["all_gather"]["elements"] + measured["reduce_scatter"]["elements"])
+    assert comm["matches_formula"] is True and "**`fsdp.comm.matches_formula` = True**" in text
