@@ -10,12 +10,13 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 - `activations`  the same under sequence parallelism and recomputation, Korthikanti et al.'s formulas
                  for Megatron, and the peak of a pipeline rank's in-flight micro-batches;
 - `experts`      what MoE layers add: activated parameters, the MoE layer's activations, all-to-all bytes;
+- `fsdp`         FSDP (`train.data_sharding = "full"`): sharded state, gathered units, per-layer collectives;
 - `stages`       the pipeline arithmetic: layers and parameters per rank, in-flight micro-batches of
                  each schedule, the bubble;
 - `timing`       compute from the FLOP formula, TP all-reduces, pipeline bubble and transfers, the DP
                  gradient all-reduce on ring cost models, with the calibration constants;
-- `planner`      every valid PP x TP x DP (x EP) layout and option, whether it fits, its step time, the
-                 recommendation;
+- `planner`      every valid PP x TP x DP (x EP) layout and option (data sharding included), whether it
+                 fits, its step time, the recommendation;
 - `paper`, `sc21`  Shoeybi et al. 2019's and Narayanan et al. 2021's weak-scaling tables against the
                  model's predictions (and the fits of the calibration constants);
 - `measure`      the same quantities measured on this CPU (for the validation tests and docs);

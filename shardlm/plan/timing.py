@@ -31,6 +31,9 @@
   transfers (`shardlm.plan.context.ring_seconds`).
 - optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound;
   1/DP of it with the distributed optimizer).
+- FSDP (`Layout.full_sharding`): per layer 1 + m all-gathers and one reduce-scatter on the DP group's
+  link instead of the gradient all-reduce, each overlapping the layer's forward or backward as the
+  all-reduce overlaps the backward (`shardlm.plan.fsdp.fsdp_seconds`); the optimizer streams 1/DP.
 - pipeline (P > 1): a rank runs the layers of its stages, so compute, elementwise and TP work divide
   by P (the busiest rank's ceil(L / P) layers set the pace when P does not divide L); the flush adds
   the bubble (P - 1) / (V m) of that work; every micro-batch crosses each of the
