@@ -24,7 +24,7 @@ from shardlm.cli import main
 from shardlm.errors import UserError
 from shardlm.plan.fsdp import fsdp_collectives, fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.hardware import gpu_preset
-from shardlm.plan.memory import numeric_format, parameter_count
+from shardlm.plan.memory import parameter_count
 from shardlm.plan.models import resolve_model
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.sc21 import SC21_CALIBRATION
@@ -99,7 +99,8 @@ def _ring_over_dp(nbytes: float, dp: int, tp: int, calibration) -> float:
     nvlink = steps / dp * nbytes / (450e9 * calibration.link_efficiency) + steps * calibration.intra_node_latency_s
     if dp <= 8 // tp:
         return nvlink
-    network = steps / dp * tp * nbytes / (400e9 * calibration.link_efficiency) + steps * calibration.inter_node_latency_s
+    network = (steps / dp * tp * nbytes / (400e9 * calibration.link_efficiency)
+               + steps * calibration.inter_node_latency_s)
     return max(nvlink, network)
 
 

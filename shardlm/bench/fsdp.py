@@ -171,7 +171,8 @@ def fsdp_bench(quick: bool, repeats: int) -> dict:
         "config": shape.describe(vocabulary=True) + "; DP = 2 (2 processes x 1 thread, gloo), one micro-batch per "
                   "rank per step",
         "step_ms": {name: summary(ts) for name, ts in times.items()},
-        "step_ratio_to_none": {name: summary([a / b for a, b in zip(times[name], times["none"])]) for name in SHARDINGS},
+        "step_ratio_to_none": {name: summary([a / b for a, b in zip(times[name], times["none"])])
+                               for name in SHARDINGS},
         "memory": {name: {**memory[name], "peak_ratio_to_none": memory[name]["peak_bytes"]
                           / memory["none"]["peak_bytes"]} for name in SHARDINGS},
         "predicted_full_state_bytes": full.total,
@@ -187,7 +188,8 @@ def markdown_lines(r: dict) -> list[str]:
              "Step time (median over the repeats, alternating rounds) and memory per rank (rank 0: every storage "
              "an operator allocated, from before the trainer was built; resident = alive between steps, peak = the "
              "most alive at once during a step):", "",
-             "| data_sharding | step ms | step / none | resident MB | peak MB | peak / none |", "|---|---|---|---|---|---|"]
+             "| data_sharding | step ms | step / none | resident MB | peak MB | peak / none |",
+             "|---|---|---|---|---|---|"]
     for name, fig in r["step_ms"].items():
         m = r["memory"][name]
         lines.append(f"| {name} | {fig['median']:.1f} (min {fig['min']:.1f}, max {fig['max']:.1f}) | "

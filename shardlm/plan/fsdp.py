@@ -2,8 +2,9 @@
 
 shardlm's FSDP makes every transformer layer one unit and the model root (embedding, positions, final
 norm, output layer) another, each sharded on dim 0 over the d = DP ranks of the data-parallel group
-(ranks TP apart; DP x CP ranks with context parallelism). Per rank, with N this TP rank's parameter elements, w the bytes of a gathered
-parameter (4, or 2 with `param_dtype = "half"`) and m the micro-batches per step:
+(ranks TP apart; DP x CP ranks with context parallelism). Per rank, with N this TP rank's parameter
+elements, w the bytes of a gathered parameter (4, or 2 with `param_dtype = "half"`) and m the
+micro-batches per step:
 
 - state: fp32 parameter and gradient shards, 4 N / d each, AdamW's two fp32 moments 8 N / d and one
   4-byte step per parameter tensor (every rank holds a step for each tensor, even an empty shard), in
@@ -37,8 +38,8 @@ sharding (`train.fsdp_shard_size`) is not planned either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from shardlm.models.config import ModelConfig
 from shardlm.plan.memory import ParameterCount, StateMemory, parameter_count

@@ -6,8 +6,9 @@ divides the global batch. For each valid layout the planner tries every micro-ba
 the per-replica batch (up to `max_micro_batch`; a pipeline needs at least P micro-batches), every
 virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches),
 sequence parallelism on and off (TP > 1), no / selective / full recomputation and the data sharding
-(none; the distributed optimizer at DP > 1; FSDP where shardlm runs it: `shardlm.plan.fsdp`), and keeps the fastest choice whose busiest GPU (the first or the last
-pipeline stage; any stage when an MoE model mixes dense and MoE layers) fits in memory, or, when none
+(none; the distributed optimizer at DP > 1; FSDP where `shardlm.plan.fsdp` models it), and keeps the
+fastest choice whose busiest GPU (the first or the last pipeline stage; any stage when an MoE model
+mixes dense and MoE layers) fits in memory, or, when none
 fits, the smallest one, marked as not fitting. An MoE model gets one row per expert-parallel size E
 that divides both DP and its expert count (E = 1 for dense models). GPT and Llama at sequences of
 `context.LONG_CONTEXT` tokens or more also get one row per context-parallel size C (dividing

@@ -109,9 +109,10 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"bytes/parameter)")
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
-                  "micro-batches (+ FSDP's gathered layers); SP = sequence parallel; recomp = recomputation; shard = data "
-                  "sharding (none, optim = distributed optimizer, full = FSDP); DP exp = exposed DP all-reduce or "
-                  "FSDP collectives; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting recomputation)"
+                  "micro-batches (+ FSDP's gathered layers); SP = sequence parallel; recomp = recomputation; shard = "
+                  "data sharding (none, optim = distributed optimizer, full = FSDP); DP exp = exposed DP all-reduce "
+                  "or FSDP collectives; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting "
+                  "recomputation)"
                   + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else "")
                   + ("; CP = context parallel, ring = its exposed K/V transfers" if context else ""))
     columns = ["PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "shard", "param", "grad", "optim", "act",
