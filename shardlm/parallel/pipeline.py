@@ -197,7 +197,9 @@ def shard_stage(stage: StageModule, **fsdp_kwargs) -> None:
     """`fully_shard` one pipeline stage as an FSDP root (its layers already each a unit of their own; the
     keyword arguments are `fully_shard`'s). The root's own group is the end pieces the stage runs (first
     stage: the embeddings; last stage: the final norm and the output layer, the tied embedding's copy),
-    gathered before the stage's first forward of a step (`ignored_params` stay outside FSDP). PyTorch's schedules see an FSDP stage and keep
+    gathered before the stage's first forward of a step and kept so until the reduce-scatter
+    (`reshard_after_forward=False`: the loss runs the output layer outside the stage's forward;
+    `ignored_params` stay outside FSDP). PyTorch's schedules see an FSDP stage and keep
     gradients unreduced until the stage's last backward of the step, then reduce-scatter each unit once.
 
     FSDP swaps a parameter on the modules it finds it in, and some end pieces are the model's bare

@@ -7,7 +7,11 @@ the targets. After the schedule:
   1. the tied word embedding's two copies add their gradients (embedding group, first + last stage);
   2. the last stage's mean loss is broadcast over the pipeline group, so every rank reports it.
 The trainer then averages gradients over the data-parallel group (one coalesced all-reduce, or the
-distributed optimizer's reduce-scatter): DDP is not used under pipelining.
+distributed optimizer's reduce-scatter): DDP is not used under pipelining. Under FSDP
+(`train.data_sharding = "full"`) each stage module is an FSDP root (`stage_modules`, sharded by
+`shardlm.training.fsdp.shard_model`): the schedule runs every micro-batch's backward without gradient
+sync or resharding, then reduce-scatters each unit once after the stage's last backward, so step 1 sums
+the tied embedding's already-reduced gradient shards, and the trainer has nothing left to average.
 The loss of each micro-batch is divided by the micro-batch count (and multiplied by the fp16 loss
 scale) before its backward, as the trainer does without pipelining, so gradients are the same sums.
 """
