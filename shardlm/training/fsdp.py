@@ -6,7 +6,9 @@ sharded on dim 0 over that group (rank r keeps rows `torch.chunk(p, DP)[r]`), an
 and its AdamW moments. A tensor-parallel weight is already this TP rank's plain local shard; FSDP shards
 that shard over DP, so the parameter is split TP-wise by shardlm's layers and DP-wise by FSDP, the 2-D
 layout torchtitan builds with FSDP + TP (there from DTensor TP shards; here from local ones). Each TP
-rank has its own DP group, hence its own one-dimensional device mesh.
+rank has its own DP group, hence its own one-dimensional device mesh. With pipeline stages each of this
+rank's stages is a root in the model's place, over its layers and the end pieces it runs
+(`shardlm.parallel.pipeline.shard_stage`); PyTorch's schedules then decide when its gradients are reduced.
 
 One step per FSDP unit: an all-gather of its parameters before the forward, another before the
 backward (unless `train.fsdp_reshard_after_forward = false` kept them), a reduce-scatter of its
