@@ -9,6 +9,8 @@ layout torchtitan builds with FSDP + TP (there from DTensor TP shards; here from
 rank has its own DP group, hence its own one-dimensional device mesh. With pipeline stages each of this
 rank's stages is a root in the model's place, over its layers and the end pieces it runs
 (`shardlm.parallel.pipeline.shard_stage`); PyTorch's schedules then decide when its gradients are reduced.
+Split experts (`parallel.expert` > 1) are their own units over expert-DP (`shard_model`). Hybrid sharding
+(`train.fsdp_shard_size`) shards within rows of the DP group and replicates across them (`hybrid_mesh`).
 
 One step per FSDP unit: an all-gather of its parameters before the forward, another before the
 backward (unless `train.fsdp_reshard_after_forward = false` kept them), a reduce-scatter of its
@@ -18,7 +20,7 @@ gathers bf16/fp16 copies of the fp32 shards and reduces gradients in fp32.
 What the trainer sees of this rank's shards is `LocalShard`s: the local part of each parameter's
 gradient, carrying the parameter's shardlm attributes, so the global gradient norm, clipping and the
 sequence-parallel gradient sum work on them as on the distributed optimizer's segments (sum of squares
-over the local shards, then over DP, TP and PP). Checkpoints stay layout-free: `full_state` gathers
+over the local shards, then over DP (hybrid: the shard row), TP and PP). Checkpoints stay layout-free: `full_state` gathers
 every parameter and moment over DP into this TP rank's unsplit-over-DP tensor, `load_full_state` keeps
 this DP rank's rows.
 """
