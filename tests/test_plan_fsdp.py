@@ -185,12 +185,14 @@ def test_gpt2_355m_on_one_server_does_not_pick_full_sharding():
 # ---------------------------------------------------------------------------------------- requests
 
 def test_full_sharding_where_planned_and_over_dp_x_cp():
-    """Fixed --data-sharding full skips the layouts the planner does not model it on (pipeline stages, MoE),
-    with the reason; with context parallelism it shards over DP x CP; --distributed-optimizer on/off still
-    mean optimizer/none, and a contradiction is a one-line error."""
+    """Fixed --data-sharding full plans every layout shardlm runs it on, pipeline stages included (their terms:
+    tests/test_plan_compose.py), and skips DP x CP = 1 with the reason; with context parallelism it shards
+    over DP x CP; --distributed-optimizer on/off still mean optimizer/none, and a contradiction is a one-line
+    error; MoE models get FSDP rows."""
     result = plan(llama70b_request(data_sharding="full"))
-    assert result.rows and all(r.choice.layout.data_sharding == "full" and r.pp == 1 for r in result.rows)
-    assert "pipeline" in result.skipped["2x8x4"]
+    assert result.rows and all(r.choice.layout.data_sharding == "full" for r in result.rows)
+    assert any(r.pp > 1 for r in result.rows) and "2x8x4" not in result.skipped
+    assert result.skipped["8x8x1"] == "FSDP needs DP x CP > 1"
     context = next(r for r in result.rows if r.tp == 8 and r.cp == 2)
     assert context.state == fsdp_state_memory(parameter_count(resolve_model("llama3-70b").config, 8), 4 * 2)
     for switch, sharding in (("on", "optimizer"), ("off", "none")):
@@ -199,8 +201,8 @@ def test_full_sharding_where_planned_and_over_dp_x_cp():
     with pytest.raises(UserError, match="--distributed-optimizer on contradicts --data-sharding full"):
         plan(llama70b_request(distributed_optimizer="on", data_sharding="full"))
     moe = plan(PlanRequest(model=resolve_model("mixtral-8x7b"), gpu=H100, gpus=16, global_batch=64,
-                           param_dtype="half"))
-    assert not any(r.choice.layout.full_sharding for r in moe.rows)
+                           param_dtype="half", data_sharding="full"))
+    assert moe.rows and all(r.choice.layout.full_sharding for r in moe.rows)
 
 
 def test_cli_data_sharding_column_and_json(capsys):

@@ -58,12 +58,15 @@ def add_parser(subparsers) -> None:
                         help="train.data_sharding: none, optimizer (ZeRO-1: optimizer state over DP) or full "
                              "(FSDP: parameters, gradients and optimizer state over DP; default: the fastest "
                              "that fits)")
+    parser.add_argument("--fsdp-shard-size", type=int, default=None,
+                        help="train.fsdp_shard_size for FSDP layouts: hybrid sharding within groups of S DP x CP "
+                             "ranks (0: over all of them; default: try 0 and GPUs per node / TP)")
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "half"),
                         help="shardlm: half parameters with fp32 gradients and master weights (2+4+12 B/param)")
     parser.add_argument("--pipeline", type=int, default=None, help="fix the pipeline size (default: search)")
     parser.add_argument("--expert", type=int, default=None,
                         help="fix the expert-parallel size of an MoE model (default: search the sizes dividing DP "
-                             "and the expert count)")
+                             "x CP and the expert count)")
     parser.add_argument("--context", type=int, default=None,
                         help="fix the context-parallel size (default: 1, and every size for sequences of 8192+ "
                              "tokens of GPT and Llama)")
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                           implementation=args.implementation, micro_batch=args.micro_batch,
                           checkpointing=args.checkpointing, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
-                          data_sharding=args.data_sharding,
+                          data_sharding=args.data_sharding, fsdp_shard_size=args.fsdp_shard_size,
                           param_dtype=args.param_dtype, pipeline=args.pipeline, expert=args.expert,
                           context=args.context,
                           virtual_stages=args.virtual_stages,

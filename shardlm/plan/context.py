@@ -14,6 +14,12 @@ forward per block pair for QK^T and PV over its H query heads of the TP rank, tw
 only the part of a transfer longer than its blocks is exposed, plus one latency per hop. A CP group
 is C ranks TP apart: on NVLink while TP x C GPUs fit in a server; beyond, the ring crosses servers and
 each GPU gets its share of the node's network.
+
+MoE models: expert parallelism folds over the DP x C ranks (`shardlm.parallel.layout.expert_parallel_groups`,
+CP ranks first): E divides DP x C, the expert-DP group is the DP x C / E ranks holding the same experts.
+Each CP rank routes only its own T / C tokens, so the MoE layer's saved activations and its all-to-all
+are those of a T / C sequence (the planner hands `experts` the shortened model), and the expert gradients
+are reduced over expert-DP (`timing.dp_comm_seconds`).
 """
 
 from __future__ import annotations
@@ -27,12 +33,11 @@ fixes it): below it, chunks are too short for the ring to hide behind attention.
 
 def context_options(cfg: ModelConfig, ranks: int, fixed: int | None, implementation: str) -> list[int]:
     """Context-parallel sizes to try with `ranks` = GPUs / (PP x TP) left for DP x CP: the fixed one, else
-    C = 1 and, for long sequences of GPT and Llama (dense, shardlm's implementation), every C dividing
+    C = 1 and, for long sequences of GPT and Llama (dense or MoE, shardlm's implementation), every C dividing
     `ranks` whose 2C chunks split the sequence."""
     if fixed is not None:
         return [fixed]
-    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or cfg.moe_num_experts \
-            or implementation != "shardlm":
+    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or implementation != "shardlm":
         return [1]
     return [c for c in range(1, ranks + 1) if ranks % c == 0 and cfg.seq_length % (2 * c) == 0]
 
@@ -43,8 +48,6 @@ def context_invalid_reason(cfg: ModelConfig, cp: int) -> str | None:
         return None
     if cfg.arch not in ("gpt", "llama"):
         return "context parallelism is planned for GPT and Llama only"
-    if cfg.moe_num_experts:
-        return "context parallelism does not support MoE models yet"
     if cfg.seq_length % (2 * cp):
         return f"sequence {cfg.seq_length} is not a multiple of 2 x CP = {2 * cp}"
     return None

@@ -39,10 +39,11 @@ sharding (`train.fsdp_shard_size`) is not planned either.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
 from shardlm.plan.memory import ParameterCount, StateMemory, parameter_count
+from shardlm.plan.stages import RankStages, layer_parameter_counts, rank_parameter_count
 
 REDUCE_BYTES = 4
 """Gradients are reduce-scattered (and accumulated unsharded between micro-batches) in fp32."""
@@ -50,23 +51,39 @@ REDUCE_BYTES = 4
 
 @dataclass(frozen=True)
 class FSDPUnits:
-    """The FSDP units of one TP rank's model: its layers (all the same size) and the root."""
+    """The FSDP units of one (pipeline rank, TP rank, EP rank)'s model: its layers and the root."""
 
     layer: int
-    """Parameter elements of one transformer layer."""
+    """Parameter elements of its largest transformer layer (an MoE layer's include its E / EP experts)."""
     root: int
-    """Elements outside the layers: embeddings, final norm, output layer."""
+    """Elements outside the layers: embeddings, final norm, output layer (a pipeline rank's end pieces)."""
     layers: int
+    all_layers: int | None = None
+    """Elements of all its layers (None: `layers` x `layer`, every layer the same size)."""
+    expert: int = 0
+    """Routed-expert elements among `all_layers`: with EP > 1 each layer's expert stacks are their own unit over
+    the DP x CP / EP expert-DP ranks (`shardlm.training.fsdp.shard_model`)."""
+
+    @property
+    def layer_elements(self) -> int:
+        return self.layers * self.layer if self.all_layers is None else self.all_layers
 
     @property
     def total(self) -> int:
-        return self.root + self.layers * self.layer
+        return self.root + self.layer_elements
 
 
-def fsdp_units(cfg: ModelConfig, tp: int) -> FSDPUnits:
-    """Layer and root elements of TP rank 0 (`memory.parameter_count` of one layer and of none)."""
-    none, one = parameter_count(replace(cfg, num_layers=0), tp).total, parameter_count(replace(cfg, num_layers=1), tp)
-    return FSDPUnits(layer=one.total - none, root=none, layers=cfg.num_layers)
+def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: int = 1) -> FSDPUnits:
+    """Layer and root elements of TP rank 0 at expert-parallel size `ep`: the whole model, or pipeline rank
+    `stages.rank`'s layers and end pieces (`stages.rank_parameter_count`). Dense and MoE layers are
+    `stages.layer_parameter_counts`; the root is the rest."""
+    dense, moe = layer_parameter_counts(cfg, tp, ep)
+    indices = range(cfg.num_layers) if stages is None else stages.layer_indices
+    moe_layers = sum(cfg.is_moe_layer(i) for i in indices)
+    all_layers = (len(indices) - moe_layers) * dense.total + moe_layers * moe.total
+    held = parameter_count(cfg, tp, ep) if stages is None else rank_parameter_count(cfg, tp, stages, ep)
+    return FSDPUnits(layer=moe.total if moe_layers else dense.total, root=held.total - all_layers,
+                     layers=len(indices), all_layers=all_layers, expert=moe_layers * moe.expert)
 
 
 def fsdp_invalid_reason(cfg: ModelConfig, dp: int, pp: int, cp: int, implementation: str) -> str | None:
@@ -77,26 +94,40 @@ def fsdp_invalid_reason(cfg: ModelConfig, dp: int, pp: int, cp: int, implementat
         return "FSDP needs DP x CP > 1"
     if cfg.arch not in ("gpt", "llama"):
         return "FSDP supports GPT and Llama only"
-    if pp > 1:  # shardlm runs it (each stage an FSDP root); its per-micro-batch gathers are not modelled here
-        return "the planner does not model FSDP with pipeline stages yet"
-    if cfg.moe_num_experts:  # shardlm runs it (experts as units over expert-DP); not modelled here
-        return "the planner does not model FSDP with MoE layers yet"
     return None
 
 
-def fsdp_state_memory(params: ParameterCount, shards: int) -> StateMemory:
+def hybrid_invalid_reason(shard_size: int, dp: int, cp: int, ep: int) -> str | None:
+    """Why hybrid sharding over groups of `shard_size` DP x CP ranks cannot run (shardlm's validation), or None."""
+    if shard_size < 1 or (dp * cp) % shard_size:
+        return f"fsdp_shard_size={shard_size} does not divide DP x CP = {dp * cp}"
+    if shard_size < dp * cp and ep > 1:
+        return "hybrid sharding does not support EP > 1 (experts split over expert-DP)"
+    return None
+
+
+def fsdp_state_memory(params: ParameterCount, shards: int, expert_shards: int | None = None) -> StateMemory:
     """Per-rank fp32 parameter and gradient shards (4 N / d each), AdamW moments (8 N / d) and its 4-byte
     step per tensor. N / d rounded up (FSDP pads each tensor's rows to a multiple of d: exact when d
-    divides every first dimension)."""
-    share = -(-params.total // shards)
+    divides every first dimension). `shards`: DP x CP, or hybrid sharding's shard size S. `expert_shards`
+    (EP > 1): the routed experts' `params.expert` elements are their own units over the DP x CP / EP
+    expert-DP ranks, the rest over `shards`."""
+    experts = params.expert if expert_shards else 0
+    share = -(-(params.total - experts) // shards) + (-(-experts // expert_shards) if experts else 0)
     return StateMemory(parameters=4 * share, gradients=4 * share, optimizer=8 * share + 4 * params.tensors)
 
 
-def fsdp_gathered_bytes(units: FSDPUnits, gathered_bytes: int, accumulation: int) -> int:
+def fsdp_gathered_bytes(units: FSDPUnits, gathered_bytes: int, accumulation: int, pipeline: bool = False) -> int:
     """Transient bytes on a rank at the activation peak (start of the backward): the root gathered and its
     gradient, two layers gathered and one layer's fp32 gradient; with accumulation (m > 1) every unit's
-    fp32 gradient instead of the one layer's and the root's (see the module doc)."""
+    fp32 gradient instead of the one layer's and the root's (see the module doc). `pipeline`: PyTorch's
+    schedules run every backward without gradient sync or reshard, so after a stage's first backward all its
+    layers stay gathered and every unit's fp32 gradient unsharded until the step's reduce-scatter: the rank's
+    units in full, w + 4 bytes per element (charged on top of the activation peak: an upper bound, since the
+    first backward frees a micro-batch's activations while it gathers)."""
     w = gathered_bytes
+    if pipeline:
+        return units.total * (w + REDUCE_BYTES)
     gathered = units.root * w + 2 * units.layer * w
     if accumulation > 1:
         return gathered + REDUCE_BYTES * units.total
@@ -130,21 +161,52 @@ def ring_gather_seconds(nbytes: float, ranks: int, bandwidth_bytes_per_s: float,
     return (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s + (ranks - 1) * latency_s
 
 
-def fsdp_seconds(units: FSDPUnits, accumulation: int, gathered_bytes: int, collective: Callable[[float], float],
-                 forward_window: float, backward_window: float, overlap: float) -> tuple[float, float]:
-    """(exposed, total) seconds of one step's FSDP collectives on one rank. `collective(nbytes)` prices one
-    all-gather or reduce-scatter of a whole unit of `nbytes` over the DP group; `forward_window` and
+@dataclass(frozen=True)
+class FSDPGroups:
+    """How one rank prices a collective of a whole unit of `nbytes` bytes on each group FSDP uses."""
+
+    shard: Callable[[float], float]
+    """All-gather or reduce-scatter over the ranks one shard spans (DP x CP, or hybrid's S ranks)."""
+    expert: Callable[[float], float] | None = None
+    """All-gather or reduce-scatter of split experts over expert-DP (None: the experts are in `shard`'s units)."""
+    replicate: Callable[[float], float] | None = None
+    """Hybrid sharding: all-reduce of a unit's reduce-scattered gradient shard across the shard groups (called
+    with the whole unit's gradient bytes, it prices the shard's)."""
+
+
+def fsdp_seconds(units: FSDPUnits, accumulation: int, gathered_bytes: int, groups: FSDPGroups,
+                 forward_window: float, backward_window: float, overlap: float,
+                 reduce_after_flush: bool = False) -> tuple[float, float]:
+    """(exposed, total) seconds of one step's FSDP collectives on one rank. `groups` prices the all-gathers
+    and reduce-scatters (and hybrid's all-reduce) of one unit (`FSDPGroups`); `forward_window` and
     `backward_window` are one layer's forward and backward (recomputation included) seconds for one
-    micro-batch, behind which a fraction `overlap` of each layer's collectives can hide."""
+    micro-batch, behind which a fraction `overlap` of each layer's collectives can hide. A layer's collective
+    is that of its average size (its dense part on `groups.shard`, its experts on `groups.expert`).
+    `reduce_after_flush` (pipeline stages): the schedule reduce-scatters every unit after its last backward,
+    with nothing left to hide behind."""
     m, layers = accumulation, units.layers
-    gather = collective(units.layer * gathered_bytes)
-    reduce = collective(units.layer * REDUCE_BYTES)
-    root = collective(units.root * gathered_bytes) + collective(units.root * REDUCE_BYTES)
+    expert = units.expert if groups.expert else 0
+    dense_layer, expert_layer = (units.layer_elements - expert) / layers, expert / layers
+
+    def per_layer(nbytes_per_element: int, on_expert: bool = True) -> float:
+        seconds = groups.shard(dense_layer * nbytes_per_element)
+        return seconds + (groups.expert(expert_layer * nbytes_per_element) if expert and on_expert else 0.0)
+
+    gather = per_layer(gathered_bytes)
+    reduce = per_layer(REDUCE_BYTES)
+    if groups.replicate:  # hybrid (no split experts): the gradient shard all-reduced across shard groups
+        reduce += groups.replicate(dense_layer * REDUCE_BYTES)
+    root = groups.shard(units.root * gathered_bytes) + groups.shard(units.root * REDUCE_BYTES)
+    if groups.replicate:
+        root += groups.replicate(units.root * REDUCE_BYTES)
 
     def exposed(seconds: float, window: float) -> float:
         return seconds - min(overlap * seconds, window)
 
     forward = layers * exposed(gather, forward_window)  # the first micro-batch's forward only
-    backward = layers * ((m - 1) * exposed(gather, backward_window) + exposed(gather + reduce, backward_window))
+    if reduce_after_flush:
+        backward = layers * (m * exposed(gather, backward_window) + reduce)
+    else:
+        backward = layers * ((m - 1) * exposed(gather, backward_window) + exposed(gather + reduce, backward_window))
     total = root + layers * ((1 + m) * gather + reduce)
     return root + forward + backward, total

@@ -26,7 +26,13 @@ from shardlm.errors import UserError
 from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
 from shardlm.plan.context import context_invalid_reason, context_options
 from shardlm.plan.experts import moe_layer_count
-from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_invalid_reason, fsdp_state_memory, fsdp_units
+from shardlm.plan.fsdp import (
+    fsdp_gathered_bytes,
+    fsdp_invalid_reason,
+    fsdp_state_memory,
+    fsdp_units,
+    hybrid_invalid_reason,
+)
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import (
     GB,
@@ -84,6 +90,9 @@ class PlanRequest:
     """Fixed expert-parallel size (MoE models); None searches every size dividing DP and the experts."""
     context: int | None = None
     """Fixed context-parallel size; None searches C > 1 for long sequences (`context.LONG_CONTEXT`), else 1."""
+    fsdp_shard_size: int | None = None
+    """Hybrid sharding of FSDP layouts (`train.fsdp_shard_size`): fixed S (0: shard over all DP x CP ranks);
+    None tries 0 and S = GPUs per node / TP (`shard_size_options`)."""
     virtual_stages: int | None = None
     """Fixed virtual stages per pipeline rank; None searches."""
     schedule: str | None = None
@@ -215,6 +224,8 @@ def _check_request(request: PlanRequest) -> None:
     if experts and request.expert is not None and experts % request.expert:
         raise UserError(f"--expert={request.expert} does not divide the model's {experts} experts; use a divisor "
                         f"of {experts}")
+    if request.fsdp_shard_size is not None and request.fsdp_shard_size < 0:
+        raise UserError(f"--fsdp-shard-size={request.fsdp_shard_size} must be 0 (no hybrid sharding) or more")
     if request.context not in (None, 1):
         reason = context_invalid_reason(request.model.config, request.context)
         if reason or request.implementation != "shardlm":
@@ -237,8 +248,8 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
         return f"MLP width {cfg.ffn_size} is not divisible by TP={tp}"
     if cfg.moe_num_experts and cfg.moe_ffn_size % tp:
         return f"expert MLP width {cfg.moe_ffn_size} is not divisible by TP={tp}"
-    if dp % ep:
-        return f"DP={dp} is not divisible by EP={ep}"
+    if (dp * cp) % ep:  # experts fold over the DP x CP ranks (`parallel.layout.check_expert_layout`)
+        return f"DP={dp}" + (f" x CP={cp}" if cp > 1 else "") + f" is not divisible by EP={ep}"
     if pp > cfg.num_layers:
         return f"PP={pp} exceeds the {cfg.num_layers} layers"
     if pp > 1 and cfg.arch == "bert":
@@ -250,8 +261,22 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
     if request.micro_batch is not None and (request.global_batch // dp) % request.micro_batch:
         return f"per-replica batch {request.global_batch // dp} is not divisible by micro-batch {request.micro_batch}"
     if request.sharding_options() == ("full",):
-        return fsdp_invalid_reason(cfg, dp, pp, cp, request.implementation)
+        fixed = request.fsdp_shard_size
+        return fsdp_invalid_reason(cfg, dp, pp, cp, request.implementation) or \
+            (hybrid_invalid_reason(fixed, dp, cp, ep) if fixed else None)
     return None
+
+
+def shard_size_options(request: PlanRequest, tp: int, dp: int, cp: int, ep: int) -> list[int]:
+    """FSDP shard sizes to try (`Layout.fsdp_shard_size`): the fixed one (DP x CP itself is plain FSDP, 0),
+    else 0 and hybrid sharding over S = GPUs per node / TP ranks, a node's TP groups, when 1 < S < DP x CP
+    divides DP x CP and experts are not split (`fsdp.hybrid_invalid_reason`)."""
+    ranks = dp * cp
+    if request.fsdp_shard_size is not None:
+        size = 0 if request.fsdp_shard_size in (0, ranks) else request.fsdp_shard_size
+        return [size] if not size or hybrid_invalid_reason(size, dp, cp, ep) is None else []
+    node = request.gpu.gpus_per_node // tp
+    return [0] + ([node] if 1 < node < ranks and hybrid_invalid_reason(node, dp, cp, ep) is None else [])
 
 
 def _switch(value: str, possible: bool) -> tuple[bool, ...]:
@@ -279,7 +304,7 @@ class _Evaluator:
         self.megatron = request.implementation == "megatron"
         self.activations = lru_cache(maxsize=None)(self._activations)
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
-        self.units = lru_cache(maxsize=None)(lambda tp: fsdp_units(self.cfg, tp))
+        self.units = lru_cache(maxsize=None)(self._units)
         # a stage without the first dense layers can be the busiest: check every stage of such models
         self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
@@ -293,6 +318,19 @@ class _Evaluator:
         stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
         return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
+    def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
+        stages = self.rank_params(pp, virtual, tp, rank, ep)[0] if pp > 1 else None
+        return fsdp_units(self.cfg, tp, stages, ep)
+
+    def _fsdp_memory(self, layout: Layout, rank: int, accumulation: int):
+        """(state, gathered) of pipeline rank `rank` under FSDP (`fsdp.fsdp_state_memory`, `fsdp_gathered_bytes`):
+        dense units sharded over DP x CP (hybrid: over S), split experts over DP x CP / EP."""
+        tp, ep, ranks = layout.tp, layout.ep, layout.dp * layout.cp
+        params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep)[1]
+        state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None)
+        units = self.units(layout.pp, layout.virtual, tp, rank, ep)
+        return state, fsdp_gathered_bytes(units, self.fmt.weight_bytes, accumulation, pipeline=layout.pp > 1)
+
     def choice(self, layout: Layout) -> Choice:
         request, tp, pp, ep = self.request, layout.tp, layout.pp, layout.ep
         accumulation = request.global_batch // (layout.dp * layout.micro_batch)
@@ -302,31 +340,31 @@ class _Evaluator:
         worst = None
         for rank in range(pp) if self.mixed else sorted({0, pp - 1}):
             stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep)
-            state = state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer, ep=ep)
+            state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
+                               (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
+                                             ep=ep), 0))
             peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
                                         keeps_received=not self.megatron)
-            if worst is None or state.total + peak > worst[0].total + worst[1]:
-                worst = (state, peak, rank)
-        state, peak, rank = worst
+            if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
+                worst = (state, peak, rank, gathered)
+        state, peak, rank, gathered = worst
         params = self.rank_params(pp, layout.virtual, tp, 0, ep)[1]
-        gathered = 0
-        if layout.full_sharding:  # pp = 1: rank 0 holds everything
-            state = fsdp_state_memory(params, layout.dp * layout.cp)
-            gathered = fsdp_gathered_bytes(self.units(tp), self.fmt.weight_bytes, accumulation)
+        units = self.units(pp, layout.virtual, tp, 0, ep) if layout.full_sharding else None
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
-                         attention_scores=self.megatron, scatter_gather=self.megatron)
+                         attention_scores=self.megatron, scatter_gather=self.megatron, units=units)
         total = state.total + peak + gathered + reserve
         return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
                       gathered)
 
 
-def expert_options(request: PlanRequest, dp: int) -> list[int]:
-    """Expert-parallel sizes to try at data-parallel size `dp`: the fixed one, else every E dividing DP
-    and the model's expert count (1 for a dense model)."""
+def expert_options(request: PlanRequest, dp: int, cp: int = 1) -> list[int]:
+    """Expert-parallel sizes to try at data-parallel size `dp` and context-parallel size `cp`: the fixed one,
+    else every E dividing DP x CP (experts fold over the data x context ranks) and the model's expert count
+    (1 for a dense model)."""
     experts = request.model.config.moe_num_experts
     if request.expert is not None:
         return [request.expert]
-    return [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
+    return [e for e in _divisors(dp * cp) if experts % e == 0] if experts else [1]
 
 
 def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1, cp: int = 1):
@@ -344,18 +382,20 @@ def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1, cp: int = 1):
     full_possible = fsdp_invalid_reason(cfg, dp, pp, cp, request.implementation) is None
     sharding_options = [s for s in request.sharding_options()
                         if s == "none" or (s == "optimizer" and dp * cp > 1) or (s == "full" and full_possible)]
-    sharding_options = sharding_options or ["none"]  # "optimizer" at DP = 1: nothing to shard
+    shardings = [(s, size) for s in sharding_options
+                 for size in (shard_size_options(request, tp, dp, cp, ep) if s == "full" else [0])]
+    shardings = shardings or [("none", 0)]  # "optimizer" at DP = 1: nothing to shard
     for micro in micro_batches:
         m = per_replica // micro
         if pp > 1 and m < pp and request.schedule != "gpipe":
             continue  # 1F1B needs at least P micro-batches in flight
         for virtual in _virtual_options(request, pp, m):
             schedule = request.schedule or schedule_name(pp, virtual)
-            for sp, recompute, sharding in itertools.product(sp_options, recompute_options, sharding_options):
+            for sp, recompute, (sharding, size) in itertools.product(sp_options, recompute_options, shardings):
                 yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
                              virtual=virtual, schedule=schedule, sequence_parallel=sp,
                              selective=recompute == "selective", distributed_optimizer=sharding == "optimizer",
-                             ep=ep, cp=cp, full_sharding=sharding == "full")
+                             ep=ep, cp=cp, full_sharding=sharding == "full", fsdp_shard_size=size)
 
 
 def plan(request: PlanRequest) -> Plan:
@@ -382,7 +422,7 @@ def plan(request: PlanRequest) -> Plan:
                 if not repeated and (pp == 1 or (pp <= request.model.config.num_layers and per_node % tp == 0)):
                     result.skipped[f"{pp}x{tp}x{dp}{context}"] = reason  # beyond one pipeline size, the instructive
                 continue
-            for ep in expert_options(request, dp):
+            for ep in expert_options(request, dp, cp):
                 key = f"{pp}x{tp}x{dp}" + (f"x{ep}" if request.model.config.moe_num_experts else "") + context
                 reason = invalid_reason(request, tp, pp, ep, cp)
                 if reason:

@@ -30,14 +30,25 @@ ASSUMPTIONS = [
     "layers gathered and the unsharded gradients awaiting their reduce-scatter (all of them under accumulation); "
     "per layer an all-gather before the forward and before each backward and one reduce-scatter, on the DP "
     "group's link, the dp_overlap fraction hidden behind the layer's forward or backward",
+    "FSDP with pipeline stages: each stage an FSDP root; every backward keeps its layers gathered and gradients "
+    "unsharded (all of the rank's units at the peak), one reduce-scatter per unit after the flush, not hidden; "
+    "with MoE: split experts are their own units over DP x CP / EP ranks; hybrid (full/S): state / S, gathers "
+    "on the S x TP consecutive GPUs' link, plus an all-reduce of each gradient shard across the shard groups",
     "MoE: FLOPs count the activated experts (top-k + shared + router); a rank holds 1/EP of the experts, whose "
-    "gradients are reduced (and, with the distributed optimizer, state sharded) over DP/EP ranks; routing is "
+    "gradients are reduced (and, with the distributed optimizer, state sharded) over DP x CP/EP ranks "
+    "(EP folds over DP x CP, each CP rank routing its T/C tokens); routing is "
     "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
     "forward and backward, again when recomputing) is not overlapped",
 ]
 
 
 SHARDING_CELL = {"none": "none", "optimizer": "optim", "full": "full"}
+
+
+def _sharding_cell(layout) -> str:
+    """The shard column: none, optim, full, or hybrid sharding as "full/S"."""
+    cell = SHARDING_CELL[layout.data_sharding]
+    return f"{cell}/{layout.fsdp_shard_size}" if layout.full_sharding and layout.fsdp_shard_size else cell
 
 
 def _gb(nbytes: float) -> str:
@@ -55,6 +66,7 @@ def row_dict(row: PlanRow) -> dict:
         "virtual_stages": layout.virtual, "schedule": layout.schedule if row.pp > 1 else None,
         "sequence_parallel": layout.sequence_parallel, "recompute": layout.recompute,
         "distributed_optimizer": layout.distributed_optimizer, "data_sharding": layout.data_sharding,
+        "fsdp_shard_size": layout.fsdp_shard_size,
         "busiest_stage": choice.busiest_stage,
         "parameters_per_rank": row.params.total, "sharded_parameters": row.params.sharded,
         "replicated_parameters": row.params.replicated, "expert_parameters": row.params.expert,
@@ -110,7 +122,8 @@ def render_plan(result: Plan, console: Console) -> None:
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
                   "micro-batches (+ FSDP's gathered layers); SP = sequence parallel; recomp = recomputation; shard = "
-                  "data sharding (none, optim = distributed optimizer, full = FSDP); DP exp = exposed DP all-reduce "
+                  "data sharding (none, optim = distributed optimizer, full = FSDP, full/S = hybrid over S ranks); "
+                  "DP exp = exposed DP all-reduce "
                   "or FSDP collectives; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting "
                   "recomputation)"
                   + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else "")
@@ -129,7 +142,7 @@ def render_plan(result: Plan, console: Console) -> None:
         style = "bold" if row is best else None
         cells = [str(row.pp), str(row.tp), str(row.dp), str(layout.virtual),
                  f"{layout.micro_batch} x {choice.accumulation}", "on" if layout.sequence_parallel else "off",
-                 layout.recompute, SHARDING_CELL[layout.data_sharding], _gb(row.state.parameters),
+                 layout.recompute, _sharding_cell(layout), _gb(row.state.parameters),
                  _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak + choice.gathered),
                  _gb(choice.total_bytes), mark, f"{time.total_s:.3f}", f"{time.bubble_s:.3f}",
                  f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}", f"{time.tflops_per_gpu(layout.gpus):.1f}"]
@@ -163,7 +176,8 @@ def render_plan(result: Plan, console: Console) -> None:
                       "micro-batch "
                       f"{layout.micro_batch}{schedule}, sequence parallel "
                       f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, data sharding "
-                      f"{layout.data_sharding}: "
+                      f"{layout.data_sharding}"
+                      + (f" (fsdp_shard_size {layout.fsdp_shard_size})" if layout.fsdp_shard_size else "") + ": "
                       f"{best.choice.time.total_s:.3f} s/step, {_gb(best.choice.total_bytes)} GB per GPU")
 
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan.context import ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
-from shardlm.plan.fsdp import REDUCE_BYTES, fsdp_seconds, fsdp_units, ring_gather_seconds
+from shardlm.plan.fsdp import REDUCE_BYTES, FSDPGroups, FSDPUnits, fsdp_seconds, fsdp_units, ring_gather_seconds
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.stages import bubble_fraction
@@ -128,12 +128,16 @@ class Layout:
     distributed_optimizer: bool = False
     """Optimizer state sharded over DP (ZeRO-1): reduce-scatter gradients, all-gather parameters."""
     ep: int = 1
-    """Expert-parallel size E: each MoE layer's experts split over E consecutive DP ranks (divides DP)."""
+    """Expert-parallel size E: each MoE layer's experts split over E consecutive DP x CP ranks, CP ranks first
+    (divides DP x CP)."""
     cp: int = 1
     """Context-parallel size C: every sequence split over C ranks (next to TP; DP is the data replicas)."""
     full_sharding: bool = False
     """FSDP (`train.data_sharding = "full"`): parameters, gradients and optimizer state sharded over DP,
     each layer gathered for its forward and backward (`shardlm.plan.fsdp`); excludes `distributed_optimizer`."""
+    fsdp_shard_size: int = 0
+    """Hybrid sharding (`train.fsdp_shard_size` = S, with `full_sharding`): units sharded within groups of S
+    consecutive DP x CP ranks and replicated across the groups; 0 shards over all DP x CP ranks."""
 
     @property
     def gpus(self) -> int:
@@ -288,15 +292,43 @@ def _over_dp_group(ring, nbytes: float, ranks: int, stride: int, gpu: GPUSpec, c
     return max(on_nvlink, on_network)
 
 
+def fsdp_groups(layout: Layout, gpu: GPUSpec, calibration: Calibration) -> FSDPGroups:
+    """Where FSDP's collectives run (`fsdp.FSDPGroups`): units over the d = DP x CP ranks TP apart, or hybrid
+    sharding's S consecutive ones (S x TP consecutive GPUs: NVLink while they fit in a node) with the
+    gradient shard (1/S of a unit) all-reduced over the d / S shard groups (ranks TP x S apart); split
+    experts (EP > 1) over their d / E expert-DP ranks, TP x E apart."""
+    ranks = layout.dp * layout.cp
+    shard = layout.fsdp_shard_size or ranks
+
+    def over(ring, ranks_: int, stride: int, divide: int = 1):
+        return lambda nbytes: _over_dp_group(ring, nbytes / divide, ranks_, stride, gpu, calibration)
+
+    return FSDPGroups(shard=over(ring_gather_seconds, shard, layout.tp),
+                      expert=over(ring_gather_seconds, ranks // layout.ep, layout.tp * layout.ep)
+                      if layout.ep > 1 else None,
+                      replicate=over(ring_allreduce_seconds, ranks // shard, layout.tp * shard, shard)
+                      if shard < ranks else None)
+
+
+def fsdp_optimizer_seconds(units: FSDPUnits, layout: Layout, fmt: NumericFormat, hbm: float) -> float:
+    """AdamW and clipping over FSDP's shards: 40 bytes streamed per element of the rank's shares (the dense
+    units' 1 / S, S = DP x CP or hybrid's shard size; split experts' DP x CP / E), at `hbm` bytes/s."""
+    shard = layout.fsdp_shard_size or layout.dp * layout.cp
+    expert = units.expert if layout.ep > 1 else 0
+    elements = (units.total - expert) / shard + expert * layout.ep / (layout.dp * layout.cp)
+    return elements * (7 * 4 + 3 * REDUCE_BYTES) / hbm
+
+
 def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
                     calibration: Calibration) -> float:
     """Gradient all-reduce over the DP group (ring, its ranks TP apart), limited by NVLink or by the
     node's network (`_reduction_seconds`). Under expert parallelism the routed experts' gradients
-    (`params.expert`) are reduced over their DP / E expert-DP ranks (TP x E apart) after the dense ones."""
+    (`params.expert`) are reduced over their DP x CP / E expert-DP ranks (TP x E apart) after the dense ones."""
     if layout.ep == 1 or not params.expert:  # over DP x CP (ranks TP apart) with context parallelism
         return _reduction_seconds(params.total, layout.dp * layout.cp, layout.tp, layout, gpu, fmt, calibration)
-    return (_reduction_seconds(params.dense, layout.dp, layout.tp, layout, gpu, fmt, calibration)
-            + _reduction_seconds(params.expert, layout.dp // layout.ep, layout.tp * layout.ep, layout, gpu, fmt,
+    ranks = layout.dp * layout.cp  # EP folds over DP x CP: expert-DP is DP x CP / E ranks, TP x E apart
+    return (_reduction_seconds(params.dense, ranks, layout.tp, layout, gpu, fmt, calibration)
+            + _reduction_seconds(params.expert, ranks // layout.ep, layout.tp * layout.ep, layout, gpu, fmt,
                                  calibration))
 
 
@@ -327,10 +359,11 @@ def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> flo
 
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
               params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
-              scatter_gather: bool = False) -> StepTime:
+              scatter_gather: bool = False, units: FSDPUnits | None = None) -> StepTime:
     """Predicted time of one optimizer step of `global_batch` sequences on `layout`; `params` are the
     busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
-    the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers."""
+    the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers. `units`: with
+    FSDP, the FSDP units of the rank `params` describe (None: the whole model's, `fsdp.fsdp_units`)."""
     accumulation = global_batch // (layout.dp * layout.micro_batch)
     full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
@@ -360,20 +393,20 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
                                                                            + cp_exposed)
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
     shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
-    expert_shards = layout.dp // layout.ep if layout.distributed_optimizer and params.expert else shards
+    expert_shards = layout.dp * layout.cp // layout.ep if layout.distributed_optimizer and params.expert else shards
     optimizer = (params.dense * optimizer_bytes_per_parameter(fmt, shards)
                  + params.expert * optimizer_bytes_per_parameter(fmt, expert_shards)) / hbm
 
     backward_share = 3 / 4 if layout.checkpointing else 2 / 3  # (recompute +) backward of fwd+bwd FLOPs
     if layout.full_sharding:  # FSDP: per-layer gathers and reduce-scatters instead of the gradient all-reduce
-        optimizer = params.total * (7 * 4 + 3 * REDUCE_BYTES) / (layout.dp * layout.cp) / hbm
+        units = units or fsdp_units(full_sequence, layout.tp, ep=layout.ep)
+        optimizer = fsdp_optimizer_seconds(units, layout, fmt, hbm)
         head_flops = 6 * global_batch * full_sequence.seq_length * cfg.hidden_size * padded.vocab_size
         layer_s = (compute * (1 - head_flops / flops) + elementwise + tp_comm) / (accumulation * layers)
         dp_exposed, dp_comm = fsdp_seconds(
-            fsdp_units(full_sequence, layout.tp), accumulation, fmt.weight_bytes,
-            lambda nbytes: _over_dp_group(ring_gather_seconds, nbytes, layout.dp * layout.cp, layout.tp, gpu,
-                                          calibration),
-            (1 - backward_share) * layer_s, backward_share * layer_s, calibration.dp_overlap)
+            units, accumulation, fmt.weight_bytes, fsdp_groups(layout, gpu, calibration),
+            (1 - backward_share) * layer_s, backward_share * layer_s, calibration.dp_overlap,
+            reduce_after_flush=layout.pp > 1)
     else:
         dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
         last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm + cp_exposed) / accumulation
