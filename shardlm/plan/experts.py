@@ -9,7 +9,9 @@
   of the experts held elsewhere, (E - 1) / E of its b s k rows, at dispatch and again at combine.
 
 Parameters and their state per rank are `memory.parameter_count` (experts / E) and `memory.state_memory`
-(expert state sharded over DP / E); the all-to-all time is `timing.all_to_all_seconds`.
+(expert state sharded over the DP x CP / E expert-DP ranks: EP folds over DP x CP); the all-to-all time is
+`timing.all_to_all_seconds`. Under context parallelism the planner passes the model at a CP rank's T / C
+tokens, so the activations and all-to-all bytes here are those of the tokens the rank routes.
 """
 
 from __future__ import annotations

@@ -23,27 +23,49 @@ micro-batches per step:
   `tests/test_fsdp.py` and `make bench` section `fsdp`;
 - time (`fsdp_seconds`): a ring all-gather or reduce-scatter of B bytes over d ranks moves
   (d - 1) / d x B per rank; the planner prices it on the DP group's link as the gradient all-reduce
-  (`timing._over_dp_group`: NVLink inside a server, the node's network shared by its TP groups
+  (`links.over_dp_group`: NVLink inside a server, the node's network shared by its TP groups
   across servers). Each layer's collective overlaps the compute of its neighbour (prefetch), as the DP
   all-reduce overlaps the backward: a fraction `dp_overlap` of it hides, at most the layer's forward
   (gathers) or backward (gather + reduce-scatter) time; the root's gather before the first layer and
   its reduce-scatter after the last have nothing to hide behind.
 
 With context parallelism the units are sharded over the DP x CP ranks (`ctx.dp_cp`), and d = DP x CP.
-Which layouts it plans (`fsdp_invalid_reason`): DP x CP > 1, GPT or Llama, shardlm's implementation, and,
-although shardlm's FSDP also runs them, not yet pipeline stages (each stage is an FSDP root whose
-gathers per micro-batch follow the schedule) nor MoE layers (experts sharded over expert-DP); hybrid
-sharding (`train.fsdp_shard_size`) is not planned either.
+Which layouts it plans (`fsdp_invalid_reason`): DP x CP > 1, GPT or Llama, shardlm's implementation. What
+the compositions change:
+
+- pipeline stages (`parallel.pipeline.shard_stage`: each of a rank's stages an FSDP root over its layers
+  and the end pieces it runs): the units are the rank's (`fsdp_units` with its `RankStages`). PyTorch's
+  schedules run every backward without gradient sync or reshard and reduce-scatter every unit once after
+  the flush (`perform_reduce_grad`): a layer is gathered by a forward that follows a forward (the forward
+  reshards it) and by a backward that follows a forward, 1 + m times in any order of m forwards and m
+  backwards; after its first backward it stays gathered with its fp32 gradient unsharded until the end, so
+  the rank holds all its units, w + 4 bytes per element (`fsdp_gathered_bytes(pipeline=True)`), and the
+  reduce-scatters are exposed (`fsdp_seconds(reduce_after_flush=True)`);
+- MoE layers at EP > 1 (`training.fsdp.shard_model`): each layer's expert stacks are their own unit over the
+  d / EP expert-DP ranks (TP x EP apart), the rest of the layer over d: state 16 bytes per dense element / d
+  and per expert element / (d / EP); a layer's gather and reduce-scatter are one collective on each group
+  (`FSDPGroups`). At EP = 1 the experts are part of their layer's unit;
+- hybrid sharding (`train.fsdp_shard_size` = S): units sharded within groups of S consecutive DP x CP ranks
+  (S x TP consecutive GPUs) and replicated across the d / S groups: state / S, gathers and reduce-scatters on
+  the shard group's link, and after each reduce-scatter an all-reduce of the unit's 4 / S bytes per element
+  gradient shard over the d / S ranks TP x S apart (`fsdp_groups`), overlapped with the backward like the
+  reduce-scatter. Training refuses it with split experts (`hybrid_invalid_reason`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardlm.models.config import ModelConfig
+from shardlm.plan.hardware import GPUSpec
+from shardlm.plan.links import over_dp_group, ring_allreduce_seconds, ring_gather_seconds
 from shardlm.plan.memory import ParameterCount, StateMemory, parameter_count
 from shardlm.plan.stages import RankStages, layer_parameter_counts, rank_parameter_count
+
+if TYPE_CHECKING:
+    from shardlm.plan.timing import Calibration, Layout
 
 REDUCE_BYTES = 4
 """Gradients are reduce-scattered (and accumulated unsharded between micro-batches) in fp32."""
@@ -153,14 +175,6 @@ def fsdp_collectives(units: FSDPUnits, accumulation: int, reshard_after_forward:
                            reduce_scatter_calls=1 + units.layers, reduce_scatter_elements=units.total)
 
 
-def ring_gather_seconds(nbytes: float, ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
-    """Ring all-gather (or reduce-scatter) of a tensor of `nbytes` in all: each rank sends and receives
-    (p-1)/p of it, in p - 1 steps."""
-    if ranks <= 1:
-        return 0.0
-    return (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s + (ranks - 1) * latency_s
-
-
 @dataclass(frozen=True)
 class FSDPGroups:
     """How one rank prices a collective of a whole unit of `nbytes` bytes on each group FSDP uses."""
@@ -210,3 +224,30 @@ def fsdp_seconds(units: FSDPUnits, accumulation: int, gathered_bytes: int, group
         backward = layers * ((m - 1) * exposed(gather, backward_window) + exposed(gather + reduce, backward_window))
     total = root + layers * ((1 + m) * gather + reduce)
     return root + forward + backward, total
+
+
+def fsdp_groups(layout: Layout, gpu: GPUSpec, calibration: Calibration) -> FSDPGroups:
+    """Where FSDP's collectives run (`FSDPGroups`): units over the d = DP x CP ranks TP apart, or hybrid
+    sharding's S consecutive ones (S x TP consecutive GPUs: NVLink while they fit in a node) with the
+    gradient shard (1/S of a unit) all-reduced over the d / S shard groups (ranks TP x S apart); split
+    experts (EP > 1) over their d / E expert-DP ranks, TP x E apart."""
+    ranks = layout.dp * layout.cp
+    shard = layout.fsdp_shard_size or ranks
+
+    def over(ring, ranks_: int, stride: int, divide: int = 1):
+        return lambda nbytes: over_dp_group(ring, nbytes / divide, ranks_, stride, gpu, calibration)
+
+    return FSDPGroups(shard=over(ring_gather_seconds, shard, layout.tp),
+                      expert=over(ring_gather_seconds, ranks // layout.ep, layout.tp * layout.ep)
+                      if layout.ep > 1 else None,
+                      replicate=over(ring_allreduce_seconds, ranks // shard, layout.tp * shard, shard)
+                      if shard < ranks else None)
+
+
+def fsdp_optimizer_seconds(units: FSDPUnits, layout: Layout, hbm: float) -> float:
+    """AdamW and clipping over FSDP's shards: 40 bytes streamed per element of the rank's shares (the dense
+    units' 1 / S, S = DP x CP or hybrid's shard size; split experts' DP x CP / E), at `hbm` bytes/s."""
+    shard = layout.fsdp_shard_size or layout.dp * layout.cp
+    expert = units.expert if layout.ep > 1 else 0
+    elements = (units.total - expert) / shard + expert * layout.ep / (layout.dp * layout.cp)
+    return elements * (7 * 4 + 3 * REDUCE_BYTES) / hbm

@@ -10,42 +10,29 @@ sequence parallelism on and off (TP > 1), no / selective / full recomputation an
 fastest choice whose busiest GPU (the first or the last pipeline stage; any stage when an MoE model
 mixes dense and MoE layers) fits in memory, or, when none
 fits, the smallest one, marked as not fitting. An MoE model gets one row per expert-parallel size E
-that divides both DP and its expert count (E = 1 for dense models). GPT and Llama at sequences of
-`context.LONG_CONTEXT` tokens or more also get one row per context-parallel size C (dividing
-GPUs / (PP x TP), the sequence a multiple of 2C): a CP rank saves the activations of T / C tokens and
-pays the ring (`shardlm.plan.context`).
+that divides both DP x CP (experts fold over the data x context ranks, CP ranks first) and its expert
+count (E = 1 for dense models). GPT and Llama (MoE included) at sequences of `context.LONG_CONTEXT`
+tokens or more also get one row per context-parallel size C (dividing GPUs / (PP x TP), the sequence a
+multiple of 2C): a CP rank saves the activations of T / C tokens, routes T / C tokens to the experts and
+pays the ring (`shardlm.plan.context`). FSDP options include hybrid sharding over a node's DP x CP ranks
+(`shard_size_options`); a layout's memory and time are `shardlm.plan.evaluate`'s.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 from shardlm.errors import UserError
-from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
 from shardlm.plan.context import context_invalid_reason, context_options
+from shardlm.plan.evaluate import Choice, Evaluator
 from shardlm.plan.experts import moe_layer_count
-from shardlm.plan.fsdp import (
-    fsdp_gathered_bytes,
-    fsdp_invalid_reason,
-    fsdp_state_memory,
-    fsdp_units,
-    hybrid_invalid_reason,
-)
+from shardlm.plan.fsdp import fsdp_invalid_reason, hybrid_invalid_reason
 from shardlm.plan.hardware import GPUSpec
-from shardlm.plan.memory import (
-    GB,
-    ActivationMemory,
-    NumericFormat,
-    ParameterCount,
-    StateMemory,
-    numeric_format,
-    state_memory,
-)
+from shardlm.plan.memory import NumericFormat, ParameterCount, StateMemory, numeric_format
 from shardlm.plan.models import PlannedModel, check_model
-from shardlm.plan.stages import SCHEDULES, pipeline_layers, rank_parameter_count, rank_stages, schedule_name
-from shardlm.plan.timing import PAPER_CALIBRATION, Calibration, Layout, StepTime, step_time
+from shardlm.plan.stages import SCHEDULES, schedule_name
+from shardlm.plan.timing import PAPER_CALIBRATION, Calibration, Layout
 
 SWITCH = ("auto", "on", "off")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
@@ -115,29 +102,6 @@ class PlanRequest:
         if self.distributed_optimizer != "auto":
             return ("optimizer",) if self.distributed_optimizer == "on" else ("none",)
         return DATA_SHARDING if self.data_sharding == "auto" else (self.data_sharding,)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One option of a layout (micro-batch, virtual stages, SP, recomputation, ZeRO) with its memory and time."""
-
-    layout: Layout
-    accumulation: int
-    """Micro-batches per DP rank per step."""
-    activations: ActivationMemory
-    """Per micro-batch, as the first stage's TP rank saves them."""
-    total_bytes: int
-    """State + peak activations (in-flight micro-batches) + reserve, on the busiest GPU."""
-    fits: bool
-    time: StepTime
-    state: StateMemory
-    """Parameters, gradients, optimizer state on the busiest GPU."""
-    activation_peak: int
-    """Peak activation bytes on the busiest GPU."""
-    busiest_stage: int = 0
-    """Pipeline rank whose GPU needs the most memory."""
-    gathered: int = 0
-    """FSDP's transient gathered parameters and unsharded gradients at the peak (`fsdp.fsdp_gathered_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -296,67 +260,6 @@ def _virtual_options(request: PlanRequest, pp: int, micro_batches: int) -> list[
     return [1] + interleave if request.schedule in (None, "interleaved-1f1b") else [1]
 
 
-class _Evaluator:
-    """Memory and time of the options of one request, with the per-shape pieces cached."""
-
-    def __init__(self, request: PlanRequest):
-        self.request, self.cfg, self.fmt = request, request.model.config, request.format
-        self.megatron = request.implementation == "megatron"
-        self.activations = lru_cache(maxsize=None)(self._activations)
-        self.rank_params = lru_cache(maxsize=None)(self._rank_params)
-        self.units = lru_cache(maxsize=None)(self._units)
-        # a stage without the first dense layers can be the busiest: check every stage of such models
-        self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
-
-    def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int, cp: int = 1) -> ActivationMemory:
-        cfg = replace(self.cfg, seq_length=self.cfg.seq_length // cp)  # a CP rank saves T / C tokens' activations
-        if self.megatron:
-            return korthikanti_memory(cfg, tp, micro, setting)
-        return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
-
-    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1):
-        stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
-        return stages, rank_parameter_count(self.cfg, tp, stages, ep)
-
-    def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
-        stages = self.rank_params(pp, virtual, tp, rank, ep)[0] if pp > 1 else None
-        return fsdp_units(self.cfg, tp, stages, ep)
-
-    def _fsdp_memory(self, layout: Layout, rank: int, accumulation: int):
-        """(state, gathered) of pipeline rank `rank` under FSDP (`fsdp.fsdp_state_memory`, `fsdp_gathered_bytes`):
-        dense units sharded over DP x CP (hybrid: over S), split experts over DP x CP / EP."""
-        tp, ep, ranks = layout.tp, layout.ep, layout.dp * layout.cp
-        params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep)[1]
-        state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None)
-        units = self.units(layout.pp, layout.virtual, tp, rank, ep)
-        return state, fsdp_gathered_bytes(units, self.fmt.weight_bytes, accumulation, pipeline=layout.pp > 1)
-
-    def choice(self, layout: Layout) -> Choice:
-        request, tp, pp, ep = self.request, layout.tp, layout.pp, layout.ep
-        accumulation = request.global_batch // (layout.dp * layout.micro_batch)
-        setting = LayerSetting(layout.sequence_parallel, layout.recompute)
-        acts = self.activations(tp, layout.micro_batch, setting, ep, layout.cp)
-        reserve = int(request.reserve_gb * GB)
-        worst = None
-        for rank in range(pp) if self.mixed else sorted({0, pp - 1}):
-            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep)
-            state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
-                               (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
-                                             ep=ep), 0))
-            peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
-                                        keeps_received=not self.megatron)
-            if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
-                worst = (state, peak, rank, gathered)
-        state, peak, rank, gathered = worst
-        params = self.rank_params(pp, layout.virtual, tp, 0, ep)[1]
-        units = self.units(pp, layout.virtual, tp, 0, ep) if layout.full_sharding else None
-        time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
-                         attention_scores=self.megatron, scatter_gather=self.megatron, units=units)
-        total = state.total + peak + gathered + reserve
-        return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
-                      gathered)
-
-
 def expert_options(request: PlanRequest, dp: int, cp: int = 1) -> list[int]:
     """Expert-parallel sizes to try at data-parallel size `dp` and context-parallel size `cp`: the fixed one,
     else every E dividing DP x CP (experts fold over the data x context ranks) and the model's expert count
@@ -402,7 +305,7 @@ def plan(request: PlanRequest) -> Plan:
     """Evaluate every PP x TP size whose product divides the GPUs."""
     _check_request(request)
     result = Plan(request)
-    evaluator = _Evaluator(request)
+    evaluator = Evaluator(request)
     pipelines = [request.pipeline] if request.pipeline is not None else _divisors(request.gpus)
     for pp in pipelines:
         if request.gpus % pp:

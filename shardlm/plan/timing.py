@@ -22,9 +22,9 @@
   `dp_overlap` of the all-reduce hides behind that backward (capped by its length), the rest is
   exposed.
 - expert parallelism (MoE models, E = `Layout.ep`): the expert FLOPs are in the FLOP count (top-k and
-  shared experts, router); each MoE layer adds its all-to-all (`all_to_all_seconds`), and the DP
-  all-reduce splits into the dense gradients over DP and the expert gradients over the DP / E
-  expert-DP ranks (`dp_comm_seconds`).
+  shared experts, router); each MoE layer adds its all-to-all (`all_to_all_seconds`, of a CP rank's
+  T / C tokens), and the DP all-reduce splits into the dense gradients over DP x CP and the expert
+  gradients over the DP x CP / E expert-DP ranks (`dp_comm_seconds`).
 - context parallelism (C = `Layout.cp`): the per-token work (elementwise, TP collectives, pipeline
   transfers) is that of T / C tokens, the FLOPs split over all GPUs as before, the gradient all-reduce
   and the distributed optimizer span DP x C ranks, and each layer adds the ring's exposed K/V
@@ -33,7 +33,10 @@
   1/DP of it with the distributed optimizer).
 - FSDP (`Layout.full_sharding`): per layer 1 + m all-gathers and one reduce-scatter on the DP group's
   link instead of the gradient all-reduce, each overlapping the layer's forward or backward as the
-  all-reduce overlaps the backward (`shardlm.plan.fsdp.fsdp_seconds`); the optimizer streams 1/DP.
+  all-reduce overlaps the backward (`shardlm.plan.fsdp.fsdp_seconds`); the optimizer streams 1/DP. With
+  a pipeline the units are the rank's and the reduce-scatters come after the flush (exposed); split
+  experts gather over expert-DP; hybrid sharding (`Layout.fsdp_shard_size`) gathers over its S ranks and
+  all-reduces the gradient shards across the groups (`fsdp.fsdp_groups`).
 - pipeline (P > 1): a rank runs the layers of its stages, so compute, elementwise and TP work divide
   by P (the busiest rank's ceil(L / P) layers set the pace when P does not divide L); the flush adds
   the bubble (P - 1) / (V m) of that work; every micro-batch crosses each of the
@@ -51,14 +54,16 @@ The three calibrated constants and what they were fitted on are in `PAPER_CALIBR
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan.context import ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
-from shardlm.plan.fsdp import REDUCE_BYTES, FSDPGroups, FSDPUnits, fsdp_seconds, fsdp_units, ring_gather_seconds
+from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec
+from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
+from shardlm.plan.links import over_dp_group as _over_dp_group
+from shardlm.plan.links import ring_allreduce_seconds
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.stages import bubble_fraction
 
@@ -187,20 +192,6 @@ class StepTime:
         return self.model_flops / self.total_s / gpus / 1e12
 
 
-def ring_allreduce_seconds(nbytes: float, ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
-    """Ring all-reduce: each rank sends and receives 2 (p-1)/p of the buffer, in 2 (p-1) steps."""
-    if ranks <= 1:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s + 2 * (ranks - 1) * latency_s
-
-
-def _direction_bandwidth(gpu: GPUSpec, calibration: Calibration) -> tuple[float, float]:
-    """Achieved per-direction bytes/s of the intra-node link (per GPU) and the inter-node network (per node)."""
-    intra = gpu.intra_node_gbps / 2 * 1e9 * calibration.link_efficiency
-    inter = gpu.inter_node_gbps * 1e9 * calibration.link_efficiency
-    return intra, inter
-
-
 def tp_comm_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
                     calibration: Calibration) -> float:
     """TP all-reduce time of one micro-batch (forward + backward [+ recomputation])."""
@@ -277,46 +268,6 @@ def _reduction_seconds(elements: int, ranks: int, stride: int, layout: Layout, g
     if layout.distributed_optimizer:
         grad_bytes = elements * (fmt.grad_bytes + fmt.weight_bytes) / 2
     return _over_dp_group(ring_allreduce_seconds, grad_bytes, ranks, stride, gpu, calibration)
-
-
-def _over_dp_group(ring, nbytes: float, ranks: int, stride: int, gpu: GPUSpec, calibration: Calibration) -> float:
-    """`ring(nbytes, ranks, bandwidth, latency)` (an all-reduce, all-gather or reduce-scatter) over `ranks`
-    ranks `stride` apart: on NVLink while they fit in a node; across nodes, each node's network carries it
-    for each of its `stride` groups at once, and the slower of the two links sets the time."""
-    intra, inter = _direction_bandwidth(gpu, calibration)
-    nodes = math.ceil(ranks / max(1, gpu.gpus_per_node // stride))
-    on_nvlink = ring(nbytes, ranks, intra, calibration.intra_node_latency_s)
-    if nodes == 1:
-        return on_nvlink
-    on_network = ring(min(stride, gpu.gpus_per_node) * nbytes, ranks, inter, calibration.inter_node_latency_s)
-    return max(on_nvlink, on_network)
-
-
-def fsdp_groups(layout: Layout, gpu: GPUSpec, calibration: Calibration) -> FSDPGroups:
-    """Where FSDP's collectives run (`fsdp.FSDPGroups`): units over the d = DP x CP ranks TP apart, or hybrid
-    sharding's S consecutive ones (S x TP consecutive GPUs: NVLink while they fit in a node) with the
-    gradient shard (1/S of a unit) all-reduced over the d / S shard groups (ranks TP x S apart); split
-    experts (EP > 1) over their d / E expert-DP ranks, TP x E apart."""
-    ranks = layout.dp * layout.cp
-    shard = layout.fsdp_shard_size or ranks
-
-    def over(ring, ranks_: int, stride: int, divide: int = 1):
-        return lambda nbytes: _over_dp_group(ring, nbytes / divide, ranks_, stride, gpu, calibration)
-
-    return FSDPGroups(shard=over(ring_gather_seconds, shard, layout.tp),
-                      expert=over(ring_gather_seconds, ranks // layout.ep, layout.tp * layout.ep)
-                      if layout.ep > 1 else None,
-                      replicate=over(ring_allreduce_seconds, ranks // shard, layout.tp * shard, shard)
-                      if shard < ranks else None)
-
-
-def fsdp_optimizer_seconds(units: FSDPUnits, layout: Layout, fmt: NumericFormat, hbm: float) -> float:
-    """AdamW and clipping over FSDP's shards: 40 bytes streamed per element of the rank's shares (the dense
-    units' 1 / S, S = DP x CP or hybrid's shard size; split experts' DP x CP / E), at `hbm` bytes/s."""
-    shard = layout.fsdp_shard_size or layout.dp * layout.cp
-    expert = units.expert if layout.ep > 1 else 0
-    elements = (units.total - expert) / shard + expert * layout.ep / (layout.dp * layout.cp)
-    return elements * (7 * 4 + 3 * REDUCE_BYTES) / hbm
 
 
 def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
@@ -400,7 +351,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     backward_share = 3 / 4 if layout.checkpointing else 2 / 3  # (recompute +) backward of fwd+bwd FLOPs
     if layout.full_sharding:  # FSDP: per-layer gathers and reduce-scatters instead of the gradient all-reduce
         units = units or fsdp_units(full_sequence, layout.tp, ep=layout.ep)
-        optimizer = fsdp_optimizer_seconds(units, layout, fmt, hbm)
+        optimizer = fsdp_optimizer_seconds(units, layout, hbm)
         head_flops = 6 * global_batch * full_sequence.seq_length * cfg.hidden_size * padded.vocab_size
         layer_s = (compute * (1 - head_flops / flops) + elementwise + tp_comm) / (accumulation * layers)
         dp_exposed, dp_comm = fsdp_seconds(

@@ -1,0 +1,107 @@
+"""Memory and time of one layout's options (`Choice`): the planner's evaluation of a `timing.Layout`.
+
+`Evaluator.choice` charges the busiest pipeline rank its state (`memory.state_memory`, or under FSDP
+`fsdp.fsdp_state_memory` and the gathered units `fsdp.fsdp_gathered_bytes`), the activation peak of its
+in-flight micro-batches (`activations.rank_activation_peak`) and the reserve, and prices the step
+(`timing.step_time`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
+from shardlm.plan.experts import moe_layer_count
+from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
+from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
+from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages
+from shardlm.plan.timing import Layout, StepTime, step_time
+
+if TYPE_CHECKING:
+    from shardlm.plan.planner import PlanRequest
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One option of a layout (micro-batch, virtual stages, SP, recomputation, ZeRO) with its memory and time."""
+
+    layout: Layout
+    accumulation: int
+    """Micro-batches per DP rank per step."""
+    activations: ActivationMemory
+    """Per micro-batch, as the first stage's TP rank saves them."""
+    total_bytes: int
+    """State + peak activations (in-flight micro-batches) + reserve, on the busiest GPU."""
+    fits: bool
+    time: StepTime
+    state: StateMemory
+    """Parameters, gradients, optimizer state on the busiest GPU."""
+    activation_peak: int
+    """Peak activation bytes on the busiest GPU."""
+    busiest_stage: int = 0
+    """Pipeline rank whose GPU needs the most memory."""
+    gathered: int = 0
+    """FSDP's transient gathered parameters and unsharded gradients at the peak (`fsdp.fsdp_gathered_bytes`)."""
+
+
+class Evaluator:
+    """Memory and time of the options of one request, with the per-shape pieces cached."""
+
+    def __init__(self, request: PlanRequest):
+        self.request, self.cfg, self.fmt = request, request.model.config, request.format
+        self.megatron = request.implementation == "megatron"
+        self.activations = lru_cache(maxsize=None)(self._activations)
+        self.rank_params = lru_cache(maxsize=None)(self._rank_params)
+        self.units = lru_cache(maxsize=None)(self._units)
+        # a stage without the first dense layers can be the busiest: check every stage of such models
+        self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
+
+    def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int, cp: int = 1) -> ActivationMemory:
+        cfg = replace(self.cfg, seq_length=self.cfg.seq_length // cp)  # a CP rank saves T / C tokens' activations
+        if self.megatron:
+            return korthikanti_memory(cfg, tp, micro, setting)
+        return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+
+    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1):
+        stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
+        return stages, rank_parameter_count(self.cfg, tp, stages, ep)
+
+    def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
+        stages = self.rank_params(pp, virtual, tp, rank, ep)[0] if pp > 1 else None
+        return fsdp_units(self.cfg, tp, stages, ep)
+
+    def _fsdp_memory(self, layout: Layout, rank: int, accumulation: int):
+        """(state, gathered) of pipeline rank `rank` under FSDP (`fsdp.fsdp_state_memory`, `fsdp_gathered_bytes`):
+        dense units sharded over DP x CP (hybrid: over S), split experts over DP x CP / EP."""
+        tp, ep, ranks = layout.tp, layout.ep, layout.dp * layout.cp
+        params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep)[1]
+        state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None)
+        units = self.units(layout.pp, layout.virtual, tp, rank, ep)
+        return state, fsdp_gathered_bytes(units, self.fmt.weight_bytes, accumulation, pipeline=layout.pp > 1)
+
+    def choice(self, layout: Layout) -> Choice:
+        request, tp, pp, ep = self.request, layout.tp, layout.pp, layout.ep
+        accumulation = request.global_batch // (layout.dp * layout.micro_batch)
+        setting = LayerSetting(layout.sequence_parallel, layout.recompute)
+        acts = self.activations(tp, layout.micro_batch, setting, ep, layout.cp)
+        reserve = int(request.reserve_gb * GB)
+        worst = None
+        for rank in range(pp) if self.mixed else sorted({0, pp - 1}):
+            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep)
+            state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
+                               (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
+                                             ep=ep), 0))
+            peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
+                                        keeps_received=not self.megatron)
+            if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
+                worst = (state, peak, rank, gathered)
+        state, peak, rank, gathered = worst
+        params = self.rank_params(pp, layout.virtual, tp, 0, ep)[1]
+        units = self.units(pp, layout.virtual, tp, 0, ep) if layout.full_sharding else None
+        time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
+                         attention_scores=self.megatron, scatter_gather=self.megatron, units=units)
+        total = state.total + peak + gathered + reserve
+        return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
+                      gathered)
