@@ -124,7 +124,7 @@ class TrainConfig:
     fsdp_reshard_after_forward: bool = True
     """data_sharding="full": free gathered layers after the forward (false: keep them, 1 all-gather less)."""
     fsdp_shard_size: int = 0
-    """data_sharding="full": shard within groups of this many DP x CP ranks (e.g. a node's), replicate across; 0: all."""
+    """data_sharding="full": shard within groups of this many DP x CP ranks (a node's), replicate across; 0: all."""
     initial_loss_scale: float = 4294967296.0
     """fp16: starting loss scale (2^32)."""
     loss_scale_window: int = 1000

@@ -10,7 +10,8 @@ experts split over the two CP ranks (DP=1); CP=4 x EP=4; CP=2 x DP=2 x EP=2 (EP 
 expert-DP over DP) with the distributed optimizer, and its checkpoint read back by one process;
 CP=2 x DP=2 x EP=4 (EP over DP x CP, expert-DP of one rank); DeepSeek-style routing (sigmoid, expert
 bias, shared experts, group-limited top-k) at CP=2 x DP=2 x EP=2 with the distributed optimizer; CP=2 x
-PP=2; CP=2 x DP=2 x EP=2 with full recomputation (the routing and its CP sums rerun); and a CP=2 run whose routing statistics are deliberately not summed over CP, which must not match.
+PP=2; CP=2 x DP=2 x EP=2 with full recomputation (the routing and its CP sums rerun); and a CP=2 run
+whose routing statistics are deliberately not summed over CP, which must not match.
 The references and the one-line errors run in this process.
 """
 

@@ -75,8 +75,8 @@ def state_bytes(trainer: Trainer) -> dict[str, int]:
 
 def expected_bytes(trainer: Trainer) -> dict[str, int]:
     """The formula: this stage's (TP shard's) parameters x 4 bytes / DP (the ranks one shard spans) for
-    parameters and gradients, x 8 / DP for the two moments, plus AdamW's 4-byte step per parameter; exact when DP divides every
-    first dimension (asserted)."""
+    parameters and gradients, x 8 / DP for the two moments, plus AdamW's 4-byte step per parameter; exact when DP
+    divides every first dimension (asserted)."""
     d = trainer.fsdp.shard_group.size  # DP, or hybrid sharding's shard size
     shapes = [p.shape for p in trainer.params]
     assert all(s[0] % d == 0 for s in shapes), "the formula is exact only when DP divides every first dimension"

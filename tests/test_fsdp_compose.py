@@ -196,10 +196,10 @@ def test_hybrid_sharding_equals_one_process_and_holds_state_over_the_shard_group
     parameters, and (DP=4) each rank's parameter, gradient and AdamW bytes = the parameters x bytes / 2."""
     arch, micro, _ = HYBRID_LAYOUTS[name]
     reference = cp_train(ParallelContext.single(), cp_config(arch, micro))[:2]
-    for curve, params, mesh_shape, state in check_result(world4[0], f"hybrid {name}"):
+    for curve, params, mesh_shape, state in check_result(world4[0], f"hybrid {name}"):  # every rank's
         assert mesh_shape == (2, 2)
         assert state is None or state["measured"] == state["expected"]
-    assert_same_run((curve, params), reference, steps=STEPS)
+        assert_same_run((curve, params), reference, steps=STEPS)
 
 
 def test_hybrid_sharded_checkpoint_resumes_in_one_process(world4):
@@ -208,7 +208,8 @@ def test_hybrid_sharded_checkpoint_resumes_in_one_process(world4):
     check_result(world4[0], "hybrid save")
     config = cp_config("gpt", 1)
     ref_curve, ref_params, _ = cp_train(ParallelContext.single(), config)
-    trainer = Trainer(config, ParallelContext.single(), cp_synthetic_data(), valid_data=cp_synthetic_data(seed=1, samples=8))
+    trainer = Trainer(config, ParallelContext.single(), cp_synthetic_data(),
+                      valid_data=cp_synthetic_data(seed=1, samples=8))
     load_checkpoint(trainer, world4[2])
     assert trainer.step == 4
     assert_same_run(cp_train(ParallelContext.single(), config, steps=STEPS - 4, trainer=trainer)[:2],

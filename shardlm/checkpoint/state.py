@@ -56,7 +56,8 @@ def _tensor_table(model, dense: bool) -> dict[str, dict]:
     for name, p in model.named_parameters():
         if is_expert(p):  # (the keys only: under FSDP `p` is a DTensor sharded over the expert rows)
             for i in range(p.shape[0]):
-                table[expert_key(name, p.first_expert + i)] = {"shape": list(p.shape[1:]), "split_dim": split_dim(p) - 1}
+                table[expert_key(name, p.first_expert + i)] = {"shape": list(p.shape[1:]),
+                                                               "split_dim": split_dim(p) - 1}
         elif dense:
             table[name] = {"shape": list(p.shape), "split_dim": split_dim(p)}
     return table

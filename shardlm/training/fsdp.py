@@ -20,9 +20,9 @@ gathers bf16/fp16 copies of the fp32 shards and reduces gradients in fp32.
 What the trainer sees of this rank's shards is `LocalShard`s: the local part of each parameter's
 gradient, carrying the parameter's shardlm attributes, so the global gradient norm, clipping and the
 sequence-parallel gradient sum work on them as on the distributed optimizer's segments (sum of squares
-over the local shards, then over DP (hybrid: the shard row), TP and PP). Checkpoints stay layout-free: `full_state` gathers
-every parameter and moment over DP into this TP rank's unsplit-over-DP tensor, `load_full_state` keeps
-this DP rank's rows.
+over the local shards, then over DP (hybrid: the shard row), TP and PP). Checkpoints stay layout-free:
+`full_state` gathers every parameter and moment over DP into this TP rank's unsplit-over-DP tensor,
+`load_full_state` keeps this DP rank's rows.
 """
 
 from __future__ import annotations
