@@ -6,7 +6,8 @@ accumulating 2 or 4 micro-batches; losses and gradient norms at each of 8 steps 
 (gathered over DP and from every stage) agree within 1e-5 with one process run in this test process, and
 the tied embedding's two copies stay bitwise equal. The same world counts FSDP's collectives of a step,
 evaluates, skips an fp16 step that overflows on one rank only, runs a checkpoint chain FSDP DP=2 x TP=2
--> one process -> PP=2 x FSDP DP=2 against one process's curve, and resumes bitwise on PP=2 x FSDP DP=2.
+-> one process -> PP=2 x FSDP DP=2 against one process's curve, and resumes bitwise on PP=2 x FSDP DP=2;
+bf16 parameters and MoE with EP=2 train there too, near / equal to one process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import config, gathered_parameters, run, save_at, validation_loss
+from test_fsdp import HALF_TOL, config, gathered_parameters, run, save_at, validation_loss
+from test_moe_parallel import assert_same_run as assert_same_moe_run
+from test_moe_parallel import moe_config
+from test_moe_parallel import reference as moe_reference
+from test_moe_parallel import run as moe_run
+from test_training import rel
 from test_training import assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -26,6 +32,7 @@ from multiproc import check_result, run_checks, run_workers
 
 STEPS = 8
 INTERLEAVED = {"layers": 4, "micro": 1, "schedule": "interleaved-1f1b", "virtual": 2}  # 4 micro-batches per DP rank
+BF16_PARAMS = {"precision": "bf16", "param_dtype": "half"}
 
 
 def pp_config(arch: str = "gpt", layers: int = 2, micro: int = 2, schedule: str = "1f1b", virtual: int = 1,
@@ -146,6 +153,8 @@ def world4_checks(folder: str) -> dict:
         "validation": lambda: validation_loss(ParallelContext.from_process_group(1, pipeline_parallel=2),
                                               pp_config(eval_iters=4)),
         "fp16": fp16_overflow_on_one_rank,
+        "gpt 1f1b bf16 params": lambda: pipeline_run(pp_config(**BF16_PARAMS)),
+        "moe ep2 1f1b": moe_run(moe_config("gpt", "mixtral", 2, ep=2, pp=2, data_sharding="full"), ep=2, pp=2),
         "chain": lambda: checkpoint_chain(folder),
         "bitwise": lambda: bitwise_resume(f"{folder}/bitwise"),
     }
@@ -162,6 +171,7 @@ def reference():
     out = {name: run(ctx, pp_config(arch, layers, micro=8, pp=1, full=False))[:2]
            for name, arch, layers in (("gpt 1f1b", "gpt", 2), ("gpt interleaved", "gpt", 4),
                                       ("llama interleaved", "llama", 4))}
+    out["gpt 1f1b bf16 params"] = run(ctx, pp_config(micro=8, pp=1, full=False, **BF16_PARAMS))[:2]
     out["validation"] = validation_loss(ctx, config(full=False, micro=4, eval_iters=4))  # the same 16 samples
     return out
 
@@ -179,6 +189,25 @@ def test_fsdp_with_pipeline_stages_equals_one_process(world4, reference, name):
     every rank (`whole_model` raises otherwise)."""
     for run_ in check_result(world4, name):
         assert_same_run(run_, reference[name], steps=STEPS)
+
+
+def test_fsdp_with_pipeline_stages_and_bf16_parameters_match_the_master_weight_run(world4, reference):
+    """bf16 parameters (FSDP's mixed precision: fp32 shards, bf16 gathered copies, fp32 reduction) at PP=2 x
+    FSDP DP=2 against one process with the master-weight optimizer's bf16 parameters: losses, gradient norms
+    and final parameters within `test_fsdp.HALF_TOL` (relative)."""
+    ref_curve, ref_params = reference["gpt 1f1b bf16 params"]
+    for curve, params in check_result(world4, "gpt 1f1b bf16 params"):
+        for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
+            assert abs(loss - ref_loss) <= HALF_TOL["loss"] * ref_loss
+            assert abs(norm - ref_norm) <= HALF_TOL["grad_norm"] * ref_norm
+        assert max(rel(params[n].float(), ref_params[n].float()) for n in params) <= HALF_TOL["parameters"]
+
+
+def test_fsdp_with_pipeline_stages_and_split_experts_equals_one_process(world4):
+    """MoE at PP=2 x FSDP DP=2 with EP=2 (each stage's expert stacks their own FSDP unit over expert-DP of one
+    rank, the rest of the stage over DP): loss, gradient norm and aux loss at every step and the final
+    parameters within 1e-5 of one process."""
+    assert_same_moe_run(check_result(world4, "moe ep2 1f1b")[0], moe_reference("gpt", "mixtral", 2))
 
 
 def test_fsdp_with_pipeline_stages_gathers_without_regathering_per_micro_batch(world4):
