@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_llama import tiny_config as llama_config
 from test_training import VOCAB, assert_same_run, rel, synthetic_data, tiny_config
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
+from shardlm.training.fsdp import counting_collectives
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -134,26 +134,12 @@ def fp16_runs() -> dict:
 
 def collectives_of_a_step(micro: int, reshard_after_forward: bool) -> dict:
     """FSDP DP=2: the all-gathers and reduce-scatters of one step (after a first one), as (calls, elements
-    gathered or reduced), counted by wrapping the two `torch.distributed` calls FSDP2 makes."""
+    gathered or reduced), counted by `counting_collectives`."""
     ctx = ParallelContext.from_process_group(1)
     trainer = Trainer(config(micro=micro, fsdp_reshard_after_forward=reshard_after_forward), ctx, synthetic_data())
     trainer.train_step()
-    counts = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
-    originals = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
-
-    def counted(kind):
-        def call(*args, **kwargs):
-            counts[kind][0] += 1
-            counts[kind][1] += (args[0] if kind == "all_gather" else kwargs["input"]).numel()
-            return originals[kind](*args, **kwargs)
-        return call
-
-    dist.all_gather_single = counted("all_gather")
-    dist.reduce_scatter_single = counted("reduce_scatter")
-    try:
+    with counting_collectives() as counts:
         trainer.train_step()
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
     layer_elements = sum(p.numel() for p in trainer.model.layers.parameters())
     return {"counts": counts, "elements": trainer.model.num_parameters(), "layer_elements": layer_elements,
             "layers": len(trainer.model.layers), "micro_batches": trainer.accumulation}

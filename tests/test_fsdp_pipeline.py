@@ -20,11 +20,11 @@ from test_moe_parallel import assert_same_run as assert_same_moe_run
 from test_moe_parallel import moe_config
 from test_moe_parallel import reference as moe_reference
 from test_moe_parallel import run as moe_run
-from test_training import rel
-from test_training import assert_same_run, synthetic_data
+from test_training import assert_same_run, rel, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.parallel import ParallelContext
+from shardlm.training.fsdp import counting_collectives
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -68,25 +68,12 @@ def pipeline_run(cfg, steps: int = STEPS) -> tuple:
 
 def collectives_of_a_step(reshard_after_forward: bool) -> dict:
     """PP=2 x FSDP DP=2, GPT with 1F1B over 2 micro-batches: the all-gathers and reduce-scatters of one
-    step (after a first one) as (calls, elements), counted by wrapping the two calls FSDP2 makes."""
+    step (after a first one) as (calls, elements), counted by `counting_collectives`."""
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
     trainer = Trainer(pp_config(fsdp_reshard_after_forward=reshard_after_forward), ctx, synthetic_data())
     trainer.train_step()
-    counts = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
-    originals = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
-
-    def counted(kind):
-        def call(*args, **kwargs):
-            counts[kind][0] += 1
-            counts[kind][1] += (args[0] if kind == "all_gather" else kwargs["input"]).numel()
-            return originals[kind](*args, **kwargs)
-        return call
-
-    dist.all_gather_single, dist.reduce_scatter_single = counted("all_gather"), counted("reduce_scatter")
-    try:
+    with counting_collectives() as counts:
         trainer.train_step()
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
     layers = trainer.model.layers
     return {"counts": counts, "layers": len(layers), "layer_elements": sum(p.numel() for p in layers.parameters()),
             "elements": sum(p.numel() for p in trainer.params), "micro_batches": trainer.accumulation}

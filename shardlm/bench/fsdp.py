@@ -101,21 +101,10 @@ def memory_worker(shape: BenchShape) -> dict | None:
 
 def fsdp_collectives_of_a_step(trainer) -> dict:
     """Calls and elements of the all-gathers and reduce-scatters of one `train_step` (on this rank)."""
-    counts = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
-    originals = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+    from shardlm.training.fsdp import counting_collectives
 
-    def counted(kind):
-        def call(output, input, *args, **kwargs):
-            counts[kind][0] += 1
-            counts[kind][1] += (output if kind == "all_gather" else input).numel()  # the unsharded side
-            return originals[kind](output, input, *args, **kwargs)
-        return call
-
-    dist.all_gather_single, dist.reduce_scatter_single = counted("all_gather"), counted("reduce_scatter")
-    try:
+    with counting_collectives() as counts:
         trainer.train_step()
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
     return {kind: {"calls": calls, "elements": elements} for kind, (calls, elements) in counts.items()}
 
 

@@ -27,6 +27,7 @@ over the local shards, then over DP (hybrid: the shard row), TP and PP). Checkpo
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from datetime import timedelta
 
@@ -218,3 +219,26 @@ class FullyShardedAdamW:
                     state[key] = torch.zeros_like(param.detach())
                     state[key].to_local().copy_(local[key])
                 self.inner.state[param] = state
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """`with counting_collectives() as counts:` counts the all-gathers and reduce-scatters FSDP2 makes in the
+    block (it calls `torch.distributed.all_gather_single` / `reduce_scatter_single`, around shardlm's
+    `ctx.comm` statistics), on this rank: {"all_gather": [calls, elements], "reduce_scatter": [...]}, the
+    elements of the unsharded side (gathered output, reduced input). For tests and benchmarks."""
+    counts = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
+    originals = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+
+    def counted(kind):
+        def call(output, input, *args, **kwargs):
+            counts[kind][0] += 1
+            counts[kind][1] += (output if kind == "all_gather" else input).numel()
+            return originals[kind](output, input, *args, **kwargs)
+        return call
+
+    dist.all_gather_single, dist.reduce_scatter_single = counted("all_gather"), counted("reduce_scatter")
+    try:
+        yield counts
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
