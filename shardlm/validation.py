@@ -111,9 +111,6 @@ def _validate_data_sharding(config: RunConfig, dp: int) -> None:
     if t.fsdp_shard_size < 0 or (t.fsdp_shard_size and sharded % t.fsdp_shard_size):
         raise UserError(f"train.fsdp_shard_size={t.fsdp_shard_size} does not divide the data x context size "
                         f"{sharded}; use a divisor of it (or 0 to shard over all {sharded} ranks)")
-    if 0 < t.fsdp_shard_size < sharded and p.expert > 1:
-        raise UserError(f"train.fsdp_shard_size={t.fsdp_shard_size} (hybrid sharding) does not support "
-                        "parallel.expert > 1 yet; use train.fsdp_shard_size=0")
     checks = [
         (not t.distributed_optimizer, 'train.data_sharding="full" already shards the optimizer state; '
                                       "set train.distributed_optimizer=false"),

@@ -226,7 +226,7 @@ def test_fsdp_with_moe_shards_split_experts_over_expert_dp():
     rank holds 16 bytes per element of its dense N_d / 8 and expert N_e / 2 (+ 4 per tensor); gathered: the root
     and two whole layers (experts included) in bf16, and every unit's fp32 gradient (m > 1)."""
     req = request("mixtral-8x7b", gpus=16, data_sharding="full", expert=4, pipeline=1, micro_batch=1,
-                  param_dtype="half", recompute="full")
+                  param_dtype="half", recompute="full", fsdp_shard_size=0)
     dense, experts, root, tensors = mixtral_elements(2, 4)
     layer, n = dense + experts, root + 32 * (dense + experts)
     cfg = req.model.config
@@ -241,6 +241,11 @@ def test_fsdp_with_moe_shards_split_experts_over_expert_dp():
     assert (choice.state.parameters, choice.state.gradients, choice.state.optimizer) == \
         (4 * share, 4 * share, 8 * share + 4 * tensors)
     assert choice.gathered == root * 2 + 2 * layer * 2 + 4 * n
+    # hybrid sharding over S = 4 of the 8 DP ranks: the dense units / 4, the split experts still / 2
+    hybrid = next(r for r in plan(dataclasses.replace(req, fsdp_shard_size=4)).rows if r.tp == 2).choice
+    share = -(-(n - 32 * experts) // 4) + -(-(32 * experts) // 2)
+    assert hybrid.layout.fsdp_shard_size == 4
+    assert (hybrid.state.parameters, hybrid.state.gradients) == (4 * share, 4 * share)
 
 
 def test_fsdp_with_moe_time_terms_gather_experts_over_expert_dp():
@@ -341,19 +346,19 @@ def test_hybrid_sharding_wins_on_a_slow_network_and_loses_on_h100_servers():
 
 
 def test_hybrid_sizes_searched_and_refused():
-    """Searched: 0 and GPUs per node / TP when it is between 1 and DP x CP and divides it; never with split
-    experts (training refuses hybrid sharding at EP > 1); a fixed S = DP x CP is plain full sharding."""
+    """Searched: 0 and GPUs per node / TP when it is between 1 and DP x CP and divides it, with split experts
+    too (their units stay sharded over expert-DP); a fixed S = DP x CP is plain full sharding."""
     req = request("llama3-8b")
     assert shard_size_options(req, 1, 64, 1, 1) == [0, 8]
     assert shard_size_options(req, 2, 16, 2, 1) == [0, 4]
     assert shard_size_options(req, 8, 8, 1, 1) == [0]
     assert shard_size_options(req, 1, 4, 1, 1) == [0]  # 8 does not divide DP x CP = 4
-    assert shard_size_options(req, 1, 64, 1, 2) == [0]
+    assert shard_size_options(req, 1, 64, 1, 2) == [0, 8]
     fixed = dataclasses.replace(req, fsdp_shard_size=4)
     assert shard_size_options(fixed, 1, 64, 1, 1) == [4] and shard_size_options(fixed, 1, 4, 1, 1) == [0]
-    assert shard_size_options(fixed, 1, 64, 1, 2) == [] and shard_size_options(fixed, 1, 6, 1, 1) == []
+    assert shard_size_options(fixed, 1, 64, 1, 2) == [4] and shard_size_options(fixed, 1, 6, 1, 1) == []
     moe = request("mixtral-8x7b", gpus=16, data_sharding="full", fsdp_shard_size=4, expert=2, pipeline=1)
-    assert "hybrid sharding does not support EP > 1" in invalid_reason(moe, 1, 1, ep=2)
+    assert invalid_reason(moe, 1, 1, ep=2) is None
 
 
 def test_cli_shows_the_shard_size(capsys):

@@ -49,7 +49,7 @@ the compositions change:
   (S x TP consecutive GPUs) and replicated across the d / S groups: state / S, gathers and reduce-scatters on
   the shard group's link, and after each reduce-scatter an all-reduce of the unit's 4 / S bytes per element
   gradient shard over the d / S ranks TP x S apart (`fsdp_groups`), overlapped with the backward like the
-  reduce-scatter. Training refuses it with split experts (`hybrid_invalid_reason`).
+  reduce-scatter. Split experts keep their own units over expert-DP, not hybrid.
 """
 
 from __future__ import annotations
@@ -123,8 +123,6 @@ def hybrid_invalid_reason(shard_size: int, dp: int, cp: int, ep: int) -> str | N
     """Why hybrid sharding over groups of `shard_size` DP x CP ranks cannot run (shardlm's validation), or None."""
     if shard_size < 1 or (dp * cp) % shard_size:
         return f"fsdp_shard_size={shard_size} does not divide DP x CP = {dp * cp}"
-    if shard_size < dp * cp and ep > 1:
-        return "hybrid sharding does not support EP > 1 (experts split over expert-DP)"
     return None
 
 
@@ -208,7 +206,7 @@ def fsdp_seconds(units: FSDPUnits, accumulation: int, gathered_bytes: int, group
 
     gather = per_layer(gathered_bytes)
     reduce = per_layer(REDUCE_BYTES)
-    if groups.replicate:  # hybrid (no split experts): the gradient shard all-reduced across shard groups
+    if groups.replicate:  # hybrid: the dense gradient shard all-reduced across shard groups (experts are not hybrid)
         reduce += groups.replicate(dense_layer * REDUCE_BYTES)
     root = groups.shard(units.root * gathered_bytes) + groups.shard(units.root * REDUCE_BYTES)
     if groups.replicate:

@@ -234,7 +234,7 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
 def shard_size_options(request: PlanRequest, tp: int, dp: int, cp: int, ep: int) -> list[int]:
     """FSDP shard sizes to try (`Layout.fsdp_shard_size`): the fixed one (DP x CP itself is plain FSDP, 0),
     else 0 and hybrid sharding over S = GPUs per node / TP ranks, a node's TP groups, when 1 < S < DP x CP
-    divides DP x CP and experts are not split (`fsdp.hybrid_invalid_reason`)."""
+    divides DP x CP (`fsdp.hybrid_invalid_reason`)."""
     ranks = dp * cp
     if request.fsdp_shard_size is not None:
         size = 0 if request.fsdp_shard_size in (0, ranks) else request.fsdp_shard_size

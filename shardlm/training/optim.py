@@ -55,7 +55,8 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     `shard_group` when the ranges are sharded over part of it and replicated across the parts, as
     hybrid-sharded FSDP does).
     Experts split over expert-parallel ranks (`expert_parallel`, all of them TP-split) differ between
-    the ranks of the EP group: their share is summed over EP (over DP, which contains EP, when sharded).
+    the ranks of the EP group: their share is summed over EP (over DP, which contains EP, when sharded;
+    still over all of DP x CP under hybrid sharding, whose experts are sharded over expert-DP, not hybrid).
     """
     device = ctx.device
     params = [p for p in params if p.grad is not None and not getattr(p, "pipeline_tied_copy", False)]
@@ -71,8 +72,9 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
         return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
     sharded_sq = squared(sharded)
-    if split_experts:
-        experts_sq = squared(experts)
+    hybrid = sharded_over_dp and shard_group is not None and shard_group is not ctx.dp_cp
+    experts_sq = squared(experts)
+    if split_experts and not hybrid:
         if not sharded_over_dp:
             ctx.ep.all_reduce(experts_sq)
         sharded_sq = sharded_sq + experts_sq
@@ -80,6 +82,8 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     total = sharded_sq + squared(replicated)
     if sharded_over_dp:
         (shard_group or ctx.dp_cp).all_reduce(total)
+    if split_experts and hybrid:  # each expert shard lives on one rank of DP x CP
+        total = total + ctx.dp_cp.all_reduce(ctx.tp.all_reduce(experts_sq))
     return ctx.pp.all_reduce(total).sqrt()
 
 
