@@ -39,6 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardlm.parallel import Communicator, ParallelContext
 from shardlm.parallel.layout import context_grid, data_context_parallel_groups
+from shardlm.training.gradients import expert_gradient_divisor
 from shardlm.training.optim import build_optimizer
 
 PARAM_ATTRIBUTES = ("tensor_parallel_dim", "pipeline_tied_copy", "sequence_parallel", "expert_parallel", "first_expert")
@@ -114,12 +115,12 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     # backward's all-gather. The losses (`shardlm.models.training_loss`) reduce it out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     frozen = {p for p in model.parameters() if not p.requires_grad}
+    expert_mesh = expert_data_parallel_mesh(ctx) if ctx.ep_size > 1 else None
     for layer in _layers(model):
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
-        if experts is not None and ctx.ep_size > 1:
-            fully_shard(experts, mesh=expert_data_parallel_mesh(ctx), reshard_after_forward=reshard_after_forward,
-                        mp_policy=policy)
-            experts.set_gradient_divide_factor(float(ctx.dp_cp.size))
+        if experts is not None and expert_mesh is not None:
+            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+            experts.set_gradient_divide_factor(float(expert_gradient_divisor(ctx)))
             # a sum, then the division: gloo has no PREMUL_SUM. Not on one rank, where torch 2.13 would
             # divide twice (its copy for a group of one already divides).
             experts.set_force_sum_reduction_for_comms(ctx.expert_dp.size > 1)
