@@ -51,6 +51,19 @@ def report_stop(message: str, printer=None) -> None:
             Path(report).write_text(message + "\n")
 
 
+def exit_interrupted() -> None:
+    """End an interrupted process with exit code 130. A worker of a launched job (`LOCAL_RANK` set, as
+    torchrun sets it) leaves through `os._exit` once its output is flushed: Ctrl-C may have cut a step in
+    the middle of an asynchronous collective (FSDP's all-gathers and reduce-scatters), and PyTorch's
+    process-group destructors would then print warnings at exit, or wait on peers already gone. Any other
+    process raises SystemExit(130)."""
+    if "LOCAL_RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_EXIT_CODE)
+    raise SystemExit(INTERRUPTED_EXIT_CODE)
+
+
 def raise_terminated(signum, frame) -> None:
     raise Terminated()
 

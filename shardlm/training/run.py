@@ -20,7 +20,7 @@ from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
-from shardlm.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, is_main_process, report_stop
+from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
 from shardlm.training.cpu_precision import precision_warning
 from shardlm.training.data import build_datasets, build_tokenizer_for
 from shardlm.training.logging import RunLogger
@@ -111,7 +111,7 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
     SIGTERM: every rank finishes its current step, they save, the main rank prints one line naming the
     checkpoint, and all raise SystemExit(143). Ctrl-C: every rank stops at once, an unfinished save is
     removed (`latest` still names the last complete checkpoint), the main rank prints
-    `interrupted at step N; last checkpoint: ...`, and all raise SystemExit(130)."""
+    `interrupted at step N; last checkpoint: ...`, and all exit with 130 (`exit_interrupted`)."""
     progress = Progress()
     with StopSignals() as signals:
         try:
@@ -120,7 +120,7 @@ def train(config: RunConfig, run_dir: Path | None = None, config_path: str | Non
             if isinstance(exc, SystemExit) or not signals.interrupted:
                 raise
             report_interrupt(progress)
-            raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+            exit_interrupted()
 
 
 def report_interrupt(progress: Progress) -> None:
