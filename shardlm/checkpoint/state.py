@@ -43,21 +43,29 @@ def is_expert(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel", False)
 
 
+def _stored_names(name: str, param: torch.Tensor) -> list[str]:
+    """The checkpoint names of a parameter: its own, or one per expert of a stack under its global index.
+    Read from the shape alone: under FSDP an expert stack is a DTensor sharded over its expert rows, which
+    cannot be iterated without gathering it."""
+    if not is_expert(param):
+        return [name]
+    return [expert_key(name, param.first_expert + i) for i in range(param.shape[0])]
+
+
 def _stored(name: str, param: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{checkpoint name: tensor} of a parameter's value: itself, or one tensor per expert of a stack."""
+    """{checkpoint name: tensor} of a parameter's value (a plain tensor): itself, or one tensor per expert."""
     if not is_expert(param):
         return {name: value}
-    return {expert_key(name, param.first_expert + i): v.contiguous() for i, v in enumerate(value)}
+    return {key: v.contiguous() for key, v in zip(_stored_names(name, param), value, strict=True)}
 
 
 def _tensor_table(model, dense: bool) -> dict[str, dict]:
     """{checkpoint name: shape and split dim} of the tensors this rank writes (experts one by one)."""
     table = {}
     for name, p in model.named_parameters():
-        if is_expert(p):  # (the keys only: under FSDP `p` is a DTensor sharded over the expert rows)
-            for i in range(p.shape[0]):
-                table[expert_key(name, p.first_expert + i)] = {"shape": list(p.shape[1:]),
-                                                               "split_dim": split_dim(p) - 1}
+        if is_expert(p):
+            for key in _stored_names(name, p):
+                table[key] = {"shape": list(p.shape[1:]), "split_dim": split_dim(p) - 1}
         elif dense:
             table[name] = {"shape": list(p.shape), "split_dim": split_dim(p)}
     return table
@@ -171,7 +179,7 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
     keys = reader.keys()
     full = {}
     for name, param in model.named_parameters():
-        stored = list(_stored(name, param, param))
+        stored = _stored_names(name, param)
         if f"model/{stored[0]}" not in keys:
             raise UserError(f"checkpoint has no tensor for parameter {stored[0]}")
         dim = split_dim(param)

@@ -1,0 +1,239 @@
+"""Checkpoints of the layouts added with expert, context and fully sharded parallelism resume bitwise on
+the same layout with dropout on, and move between layouts.
+
+Bitwise (dropout 0.1 on the embedding and the residuals; attention dropout too where the layout allows it):
+a run trains 4 steps, saves, trains 4 more; a fresh trainer, its generators disturbed, loads the checkpoint
+and trains the same 4 steps. Losses, gradient norms (and the MoE aux loss) of steps 5-8 and every final
+parameter (gathered over DP, TP and EP) must be equal to the bit. Layouts: FSDP DP=2 (GPT, Llama), EP=2
+(Mixtral-style MoE), CP=2 (GPT and Llama; residual dropout only, attention dropout is refused under CP),
+FSDP x EP=2 at DP=2 and DP=4, FSDP x EP=2 x TP=2 with SP, FSDP x EP=4, and the distributed optimizer at
+TP=2 x DP=2 with sequence parallelism.
+
+Between layouts (dropout 0, within 1e-5 of one process's uninterrupted 8 steps): FSDP x EP=2 saved at step 4
+and resumed by FSDP x EP=2, by EP=2 without FSDP, by FSDP x EP=4 and by one process; EP=2 without FSDP and one
+process saved and resumed by FSDP x EP=2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_context_parallel_training import cp_config
+from test_context_parallel_training import synthetic_data as cp_data
+from test_moe_parallel import full_parameters, moe_config
+from test_moe_parallel import reference as moe_reference
+from test_training import rel, synthetic_data, tiny_config
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from multiproc import check_result, run_checks, run_workers
+
+HALF, DROPOUT, TOL = 4, 0.1, 1e-5
+
+
+def dense(arch: str = "gpt", micro: int = 2, tp: int = 1, sp: bool = False, dropout: float = DROPOUT, **train):
+    """The tiny GPT (or Llama, with grouped-query attention) of test_training."""
+    cfg = tiny_config(tp=tp, micro=micro, dropout=dropout, **train)
+    cfg.model.arch = arch
+    if arch == "llama":
+        cfg.model.num_kv_heads = 2
+    cfg.parallel.sequence_parallel = sp
+    return cfg
+
+
+def moe(micro: int = 2, tp: int = 1, ep: int = 1, sp: bool = False, dropout: float = DROPOUT, **train):
+    """The tiny Mixtral-style GPT of test_moe_parallel (4 experts, top-2, aux and z losses)."""
+    cfg = moe_config("gpt", "mixtral", micro, tp=tp, ep=ep, sp=sp, **train)
+    cfg.model.dropout = dropout
+    return cfg
+
+
+def context(arch: str, dropout: float = DROPOUT, **train):
+    """The tiny CP model of test_context_parallel_training (32 tokens) with residual dropout only."""
+    cfg = cp_config(arch, 4, cp=2, **train)
+    cfg.model.dropout, cfg.model.attention_dropout = dropout, 0.0
+    return cfg
+
+
+# (tp, ep, cp, config factory, dataset factory) of each bitwise case; every case uses the whole world
+WORLD2_BITWISE = {
+    "fsdp dp2 gpt": (1, 1, 1, lambda: dense(data_sharding="full"), synthetic_data),
+    "fsdp dp2 llama accumulation": (1, 1, 1, lambda: dense("llama", micro=1, data_sharding="full"), synthetic_data),
+    "ep2 gpt mixtral": (1, 2, 1, lambda: moe(ep=2), synthetic_data),
+    "fsdp ep2 gpt mixtral": (1, 2, 1, lambda: moe(ep=2, data_sharding="full"), synthetic_data),
+    "cp2 gpt": (1, 1, 2, lambda: context("gpt"), cp_data),
+    "cp2 llama": (1, 1, 2, lambda: context("llama"), cp_data),
+}
+WORLD4_BITWISE = {
+    "zero tp2 dp2 sp": (2, 1, 1, lambda: dense(tp=2, sp=True, distributed_optimizer=True), synthetic_data),
+    "fsdp ep2 dp4 gpt mixtral": (1, 2, 1, lambda: moe(ep=2, data_sharding="full"), synthetic_data),
+    "fsdp ep2 tp2 sp gpt mixtral": (2, 2, 1, lambda: moe(tp=2, ep=2, sp=True, data_sharding="full"),
+                                    synthetic_data),
+    "fsdp ep4 gpt mixtral": (1, 4, 1, lambda: moe(ep=4, data_sharding="full"), synthetic_data),
+}
+
+
+def curve(trainer: Trainer, steps: int) -> list[tuple]:
+    """(loss, gradient norm, MoE aux loss or None) of each of `steps` steps."""
+    return [(m["loss"], m["grad_norm"], m.get("moe_aux_loss")) for m in (trainer.train_step() for _ in range(steps))]
+
+
+def fresh_trainer(ctx: ParallelContext, config, data) -> Trainer:
+    validate(config, ctx.world_size, check_paths=False)
+    ctx.rng = None  # seeded again by the trainer, as in a new process
+    return Trainer(config, ctx, data())
+
+
+def straight_and_resumed(tp: int, ep: int, cp: int, make_config, data, folder: str) -> dict:
+    """4 steps, save, 4 more (straight); a fresh trainer with disturbed generators loads the save and
+    runs the same 4 steps (resumed). Each: the curve of steps 5-8 and the final parameters."""
+    ctx = ParallelContext.from_process_group(tp, expert_parallel=ep, context_parallel=cp)
+    trainer = fresh_trainer(ctx, make_config(), data)
+    curve(trainer, HALF)
+    save_checkpoint(trainer, folder)
+    straight = curve(trainer, HALF), full_parameters(trainer.model)
+    resumed_trainer = fresh_trainer(ctx, make_config(), data)
+    torch.rand(100)  # the default and the model-parallel generators both move: the checkpoint must restore them
+    with ctx.rng.fork():
+        torch.rand(100)
+    load_checkpoint(resumed_trainer, folder)
+    resumed = curve(resumed_trainer, HALF), full_parameters(resumed_trainer.model)
+    return {"straight": straight, "resumed": resumed}
+
+
+def save_after_half(tp: int, ep: int, make_config, folder: str) -> list[tuple]:
+    """Train 4 steps and save; returns the curve."""
+    ctx = ParallelContext.from_process_group(tp, expert_parallel=ep)
+    trainer = fresh_trainer(ctx, make_config(), synthetic_data)
+    first = curve(trainer, HALF)
+    save_checkpoint(trainer, folder)
+    return first
+
+
+def finish_from(tp: int, ep: int, make_config, folder: str) -> tuple:
+    """Load a step-4 checkpoint saved at another layout, train steps 5-8: (curve, final parameters)."""
+    ctx = ParallelContext.from_process_group(tp, expert_parallel=ep) if tp * ep > 1 or \
+        torch.distributed.is_initialized() else ParallelContext.single()
+    trainer = fresh_trainer(ctx, make_config(), synthetic_data)
+    load_checkpoint(trainer, folder)
+    assert trainer.step == HALF
+    return curve(trainer, HALF), full_parameters(trainer.model)
+
+
+def bitwise_checks(cases: dict, folder: str) -> dict:
+    return {f"bitwise {name}": (lambda case=case, name=name: straight_and_resumed(*case, f"{folder}/{name}"))
+            for name, case in cases.items()}
+
+
+def world2_checks(folder: str) -> dict:
+    return run_checks(bitwise_checks(WORLD2_BITWISE, folder))
+
+
+def world4_checks(folder: str, one_process: str) -> dict:
+    no_dropout = {"dropout": 0.0}
+    checks = bitwise_checks(WORLD4_BITWISE, folder)
+    checks |= {
+        "save fsdp ep2": lambda: save_after_half(1, 2, lambda: moe(ep=2, data_sharding="full", **no_dropout),
+                                                 f"{folder}/fsdp_ep2"),
+        "save ep2": lambda: save_after_half(1, 2, lambda: moe(ep=2, **no_dropout), f"{folder}/ep2"),
+        "fsdp ep2 -> fsdp ep2": lambda: finish_from(1, 2, lambda: moe(ep=2, data_sharding="full", **no_dropout),
+                                                    f"{folder}/fsdp_ep2"),
+        "fsdp ep2 -> ep2": lambda: finish_from(1, 2, lambda: moe(ep=2, **no_dropout), f"{folder}/fsdp_ep2"),
+        "fsdp ep2 -> fsdp ep4": lambda: finish_from(1, 4, lambda: moe(ep=4, data_sharding="full", **no_dropout),
+                                                    f"{folder}/fsdp_ep2"),
+        "ep2 -> fsdp ep2": lambda: finish_from(1, 2, lambda: moe(ep=2, data_sharding="full", **no_dropout),
+                                               f"{folder}/ep2"),
+        "one process -> fsdp ep2": lambda: finish_from(1, 2, lambda: moe(ep=2, data_sharding="full", **no_dropout),
+                                                       one_process),
+    }
+    return run_checks(checks)
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module")
+def one_process_checkpoint(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("one_process"))
+    trainer = fresh_trainer(ParallelContext.single(), moe(dropout=0.0), synthetic_data)
+    curve(trainer, HALF)
+    save_checkpoint(trainer, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_workers(2, world2_checks, str(tmp_path_factory.mktemp("resume2")), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, one_process_checkpoint):
+    folder = str(tmp_path_factory.mktemp("resume4"))
+    return run_workers(4, world4_checks, folder, one_process_checkpoint, timeout=600), folder
+
+
+def assert_bitwise(values: list[dict]) -> None:
+    """Every rank: the resumed steps 5-8 and final parameters equal the straight run's, to the bit; and every
+    data (context, expert) replica holds the same final parameters."""
+    for rank, value in enumerate(values):
+        (curve_, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
+        assert curve_ == ref_curve, f"rank {rank}: {curve_} vs {ref_curve}"
+        assert params.keys() == ref_params.keys()
+        for name, tensor in ref_params.items():
+            assert torch.equal(params[name], tensor), f"rank {rank}: {name}"
+            assert torch.equal(tensor, values[0]["straight"][1][name]), f"rank {rank} and rank 0 differ: {name}"
+
+
+@pytest.mark.parametrize("name", list(WORLD2_BITWISE))
+def test_resume_is_bitwise_with_dropout_world2(world2, name):
+    assert_bitwise(check_result(world2, f"bitwise {name}"))
+
+
+@pytest.mark.parametrize("name", list(WORLD4_BITWISE))
+def test_resume_is_bitwise_with_dropout_world4(world4, name):
+    assert_bitwise(check_result(world4[0], f"bitwise {name}"))
+
+
+def test_dropout_is_on_in_the_bitwise_cases(world2):
+    """The bitwise cases would prove little if dropout drew nothing: with dropout 0.1 the straight run's
+    curve differs from the same run at dropout 0 (one process, for FSDP's GPT)."""
+    straight = check_result(world2, "bitwise fsdp dp2 gpt")[0]["straight"][0]
+    trainer = fresh_trainer(ParallelContext.single(), dense(dropout=0.0), synthetic_data)
+    curve(trainer, HALF)
+    assert [loss for loss, _, _ in straight] != [loss for loss, _, _ in curve(trainer, HALF)]
+
+
+def one_process_moe_run() -> tuple:
+    """One process, no dropout, the same micro-batches: steps 5-8 and the final parameters."""
+    ref_curve, ref_params = moe_reference("gpt", "mixtral", 2)
+    return [(loss, norm, aux) for loss, norm, aux in ref_curve[HALF:]], ref_params
+
+
+def assert_continues_one_process(value: tuple) -> None:
+    (curve_, params), (ref_curve, ref_params) = value, one_process_moe_run()
+    assert len(curve_) == len(ref_curve)
+    for step, (got, want) in enumerate(zip(curve_, ref_curve), HALF + 1):
+        for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
+            assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
+    assert params.keys() == ref_params.keys()
+    worst = max(params, key=lambda n: rel(params[n], ref_params[n]))
+    assert rel(params[worst], ref_params[worst]) <= TOL, worst
+
+
+@pytest.mark.parametrize("name", ["fsdp ep2 -> fsdp ep2", "fsdp ep2 -> ep2", "fsdp ep2 -> fsdp ep4",
+                                  "ep2 -> fsdp ep2", "one process -> fsdp ep2"])
+def test_fsdp_expert_checkpoints_move_between_layouts(world4, name):
+    """A step-4 checkpoint of FSDP x EP=2 (DP=4) loads into FSDP x EP=2, EP=2 without FSDP and FSDP x EP=4, and
+    FSDP x EP=2 loads EP=2's and one process's: steps 5-8 and the final parameters continue one process's
+    uninterrupted run within 1e-5, on every rank."""
+    check_result(world4[0], "save fsdp ep2"), check_result(world4[0], "save ep2")
+    for value in check_result(world4[0], name):
+        assert_continues_one_process(value)
+
+
+def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
+    """FSDP x EP=2 (DP=4) saved at step 4, resumed by one process: steps 5-8 within 1e-5 of one process."""
+    check_result(world4[0], "save fsdp ep2")
+    assert_continues_one_process(finish_from(1, 1, lambda: moe(dropout=0.0), f"{world4[1]}/fsdp_ep2"))
