@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.overrides = [*args.overrides, *extra]
             result = args.func(args)
     except UserError as exc:
-        print(f"shardlm: error: {exc}", file=sys.stderr)
+        if not exc.every_rank or signals.is_main_process():  # the same error on every rank: one line
+            print(f"shardlm: error: {exc}", file=sys.stderr)
         return UserError.exit_code
     except signals.Terminated:
         signals.report_stop("shardlm: stopped by SIGTERM")

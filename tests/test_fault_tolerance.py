@@ -114,3 +114,33 @@ def test_killed_worker_restarts_from_checkpoint_and_finishes_like_an_uninterrupt
     assert final.keys() == ref_final.keys()
     for name, value in ref_final.items():
         assert torch.equal(final[name], value), name
+
+
+def test_a_failed_save_ends_the_run_with_one_line_and_publishes_nothing(config_file, tmp_path):
+    """TP=2 saves step 2, then resumes with a 2 MB file-size limit (`RLIMIT_FSIZE`, as `ulimit -f 2000` sets;
+    the model shards are ~10 MB) and trains to step 4, whose save fails on both ranks: the command exits 2 with
+    one line on stderr naming the file, the OS error and the last good checkpoint; step 2 and `latest` are
+    intact and nothing of step 4 (not even its unfinished folder) is left."""
+    import resource
+
+    common = [str(config_file), "checkpoint.save_interval=2", "--nproc-per-node", "2", "--run-dir",
+              str(tmp_path / "run")]
+    first = start(*common, "train.steps=2")
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    second = subprocess.run([sys.executable, "-m", "shardlm", "train", *common, "train.steps=4"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert second.returncode == 2, second.stderr[-3000:]
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    assert lines[0].startswith("shardlm: error: could not save the checkpoint of step 4: ")
+    assert f"{checkpoints}/.tmp-step_00000004/model_tp0" in lines[0] and "[Errno 27] File too large" in lines[0]
+    assert f"the last good checkpoint is step 2 ({checkpoints / 'step_00000002'})" in lines[0]
+    assert (checkpoints / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]

@@ -52,7 +52,9 @@ def test_one_process_runs_out_of_memory_and_four_train_under_the_same_cap():
     assert one.get("out_of_memory") == "step 1", one
     assert "can't allocate memory" in one["error"]
     assert len(split.get("losses", [])) == 2, split
-    assert len(reference["losses"]) == 2
-    assert result["max_relative_difference"] <= CAP_TOLERANCE, result
+    assert len(reference["losses"]) == 2 and len(split["grad_norms"]) == len(reference["grad_norms"]) == 2
+    for what in ("losses", "grad_norms"):  # recomputed here from the two curves, not taken from the bench
+        for got, want in zip(split[what], reference[what]):
+            assert abs(got - want) <= CAP_TOLERANCE * abs(want), (what, got, want)
     assert result["demonstrated"] is True
     assert reference["peak_resident_bytes"][0] > max(split["peak_resident_bytes"])  # each rank held less

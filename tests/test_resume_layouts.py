@@ -16,6 +16,8 @@ process saved and resumed by FSDP x EP=2.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_context_parallel_training import cp_config
@@ -128,8 +130,34 @@ def bitwise_checks(cases: dict, folder: str) -> dict:
             for name, case in cases.items()}
 
 
+def failed_save_on_one_rank(folder: str) -> dict:
+    """FSDP DP=2: a save at step 1, then one at step 2 where only rank 1 cannot write (a 4 kB file-size limit:
+    its generator file is larger); every rank must raise the same error instead of waiting for rank 1."""
+    import resource
+
+    from shardlm.errors import CheckpointWriteError
+
+    ctx = ParallelContext.from_process_group(1)
+    trainer = fresh_trainer(ctx, dense(data_sharding="full"), synthetic_data)
+    curve(trainer, 1)
+    save_checkpoint(trainer, folder)
+    curve(trainer, 1)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if ctx.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        save_checkpoint(trainer, folder)
+    except CheckpointWriteError as error:
+        return {"error": str(error), "files": sorted(p.name for p in Path(folder).iterdir())}
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    return {"error": None}
+
+
 def world2_checks(folder: str) -> dict:
-    return run_checks(bitwise_checks(WORLD2_BITWISE, folder))
+    checks = bitwise_checks(WORLD2_BITWISE, folder)
+    checks["failed save on one rank"] = lambda: failed_save_on_one_rank(f"{folder}/failed_save")
+    return run_checks(checks)
 
 
 def world4_checks(folder: str, one_process: str) -> dict:
@@ -237,3 +265,15 @@ def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
     """FSDP x EP=2 (DP=4) saved at step 4, resumed by one process: steps 5-8 within 1e-5 of one process."""
     check_result(world4[0], "save fsdp ep2")
     assert_continues_one_process(finish_from(1, 1, lambda: moe(dropout=0.0), f"{world4[1]}/fsdp_ep2"))
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_publishes_nothing(world2):
+    """Only rank 1's write fails (file too large): both ranks raise the one-line error naming rank 1's file and
+    the last good checkpoint (step 1), the unfinished folder is gone and `latest` still names step 1."""
+    for value in check_result(world2, "failed save on one rank"):
+        error = value["error"]
+        assert error is not None and "\n" not in error
+        assert error.startswith("could not save the checkpoint of step 2: ")
+        assert "/.tmp-step_00000002/rng_rank00001.safetensors: [Errno 27] File too large" in error
+        assert "the last good checkpoint is step 1 (" in error
+        assert value["files"] == ["latest", "step_00000001"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from shardlm.checkpoint import files
 from shardlm.checkpoint.sharded import ShardedReader, expert_key, model_file, model_files
 from shardlm.config import RunConfig, from_dict
-from shardlm.errors import UserError
+from shardlm.errors import CheckpointWriteError, UserError
 from shardlm.parallel import ParallelContext
 
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation",
@@ -111,17 +112,55 @@ def _optimizer_step(trainer) -> int:
     return 0
 
 
+def _write_failure(path: Path, exc: Exception) -> str:
+    """"PATH: OS error" of a failed write; safetensors reports the OS error inside its own message."""
+    found = re.search(r"(?:I/O error: )?([^:]+) \(os error (\d+)\)", str(exc))
+    if found:
+        reason = f"[Errno {found[2]}] {found[1]}"
+    else:
+        reason = f"[Errno {exc.errno}] {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{path}: {reason}"
+
+
+def _agree_on_failures(ctx: ParallelContext, failure: str | None, tmp: Path, step: int, directory: Path) -> None:
+    """Collective: when any rank failed to write, remove the unfinished folder and raise the first failure on
+    every rank, naming the last checkpoint that is intact."""
+    failures = [f for f in ctx.world.all_gather_object(failure) if f]
+    if not failures:
+        return
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ctx.world.barrier()
+    latest = None
+    try:
+        latest = files.latest_in(directory)
+    except (OSError, UserError):
+        pass
+    last = f"step {files.read_meta(latest)['step']} ({latest})" if latest else "none"
+    raise CheckpointWriteError(f"could not save the checkpoint of step {step}: {failures[0]}; nothing was "
+                               f"published; the last good checkpoint is {last}: free space or fix the folder, "
+                               "then run again to resume from it")
+
+
 def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
-    """Write the trainer's state as `directory/step_XXXXXXXX` on every rank (collective)."""
+    """Write the trainer's state as `directory/step_XXXXXXXX` on every rank (collective). A write that fails on
+    any rank (disk full, file too large, permission denied) removes the unfinished folder and raises
+    `CheckpointWriteError` on every rank; `latest` still names the previous checkpoint."""
+    from safetensors import SafetensorError
+
     ctx = trainer.ctx
     directory = Path(directory)
     final = directory / files.step_name(trainer.step)
     tmp = directory / f".tmp-{final.name}"
+    failure = None
     if ctx.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        tmp.mkdir()
-    ctx.world.barrier()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            tmp.mkdir()
+        except OSError as exc:
+            failure = _write_failure(tmp, exc)
+    _agree_on_failures(ctx, failure, tmp, trainer.step, directory)
     records = {}
     optimizer = trainer.optimizer
     full = optimizer.full_state() if hasattr(optimizer, "full_state") else None  # collective over DP
@@ -129,13 +168,20 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     # DP x CP) the other ranks of its EP group, their experts only; `expert_dp` is `dp_cp` without EP
     writes = ctx.expert_dp.rank == 0
     first = ctx.dp_cp.rank == 0
-    if writes:
-        name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None, ctx.ep_rank)
-        save_file(_model_tensors(trainer, full, dense=first), str(tmp / name))
-        records[name] = files.file_record(tmp / name)
-    tensors, metadata = _rng_tensors(ctx)
-    save_file(tensors, str(tmp / rng_file(ctx.rank)), metadata=metadata)
-    records[rng_file(ctx.rank)] = files.file_record(tmp / rng_file(ctx.rank))
+    path = tmp
+    try:
+        if writes:
+            name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None, ctx.ep_rank)
+            path = tmp / name
+            save_file(_model_tensors(trainer, full, dense=first), str(path))
+            records[name] = files.file_record(path)
+        tensors, metadata = _rng_tensors(ctx)
+        path = tmp / rng_file(ctx.rank)
+        save_file(tensors, str(path), metadata=metadata)
+        records[rng_file(ctx.rank)] = files.file_record(path)
+    except (OSError, SafetensorError) as exc:
+        failure = _write_failure(path, exc)
+    _agree_on_failures(ctx, failure, tmp, trainer.step, directory)
     tensors_table = _tensor_table(trainer.model, dense=first)  # this stage's; all stages' on rank 0
     gathered = ctx.world.all_gather_object((records, tensors_table if writes and ctx.tp_rank == 0 else {}))
     manifest = {k: v for part, _ in gathered for k, v in part.items()}
@@ -151,9 +197,14 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
             "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
             "config": dataclasses.asdict(trainer.config), "tensors": tensors_table, "files": manifest,
         }
-        files.write_json_atomic(tmp / files.META, meta)
-        files.publish(tmp, final, keep_last)
-    ctx.world.barrier()
+        try:
+            path = tmp / files.META
+            files.write_json_atomic(path, meta)
+            path = final
+            files.publish(tmp, final, keep_last)
+        except OSError as exc:
+            failure = _write_failure(path, exc)
+    _agree_on_failures(ctx, failure, tmp, trainer.step, directory)
     return final
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from shardlm.checkpoint.files import latest_in, read_meta, remove_unfinished
+from shardlm.errors import UserError
 from shardlm.signals import INTERRUPTED_EXIT_CODE, STOP_REPORT_ENV, TERMINATED_EXIT_CODE
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
@@ -93,6 +94,9 @@ def launch(argv: list[str], shutdown_timeout: int, checkpoints: Path) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    # a failed worker printed why (a user error's one line, or its traceback); the lines torch elastic logs per
+    # worker it stops ("closing signal", "failed (exitcode: 2)") add nothing. Restarts are still logged.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     handle, name = tempfile.mkstemp(prefix="shardlm-stop-", suffix=".txt")
     os.close(handle)
     report = Path(name)
@@ -110,6 +114,8 @@ def launch(argv: list[str], shutdown_timeout: int, checkpoints: Path) -> int:
             code = failures[first].exitcode if first is not None else 1
             if code in (TERMINATED_EXIT_CODE, INTERRUPTED_EXIT_CODE) and report.read_text().strip():
                 return code  # a worker, not this process, got the signal; the workers said where they stopped
+            if code == UserError.exit_code:  # a user error: the workers printed its line
+                return code
             print(f"shardlm: training failed on {len(failures)} worker(s); see the messages above", file=sys.stderr)
             return code if code and code > 0 else 1
         finally:
