@@ -7,11 +7,12 @@ the tests that read it.
 
 from __future__ import annotations
 
+import os
 import traceback
 
 from shardlm.parallel.spawn import free_port, run_workers
 
-__all__ = ["check_result", "free_port", "run_checks", "run_workers"]
+__all__ = ["check_result", "free_port", "merge_copies", "needs", "run_checks", "run_workers"]
 
 
 def run_checks(checks: dict) -> dict:
@@ -34,3 +35,26 @@ def check_result(results: list, name: str) -> list:
         assert status == "ok", f"rank {rank}: {value}"
         values.append(value)
     return values
+
+
+def merge_copies(parts: list[dict]) -> dict:
+    """One {name: tensor} from every rank's `parts` (e.g. `all_gather_object` of each pipeline stage's
+    parameters). A name several ranks hold (data and context replicas, the tied embedding's first- and
+    last-stage copies) must be bitwise equal on all of them, else AssertionError naming it: no copy is dropped
+    unread."""
+    import torch
+
+    merged = {}
+    for rank, part in enumerate(parts):
+        for name, value in part.items():
+            if not torch.equal(merged.setdefault(name, value), value):
+                raise AssertionError(f"{name}: rank {rank}'s copy differs from an earlier rank's")
+    return merged
+
+
+def needs(available: bool, what: str):
+    """A mark for tests that need `what` (a C++ compiler, an optional package): skipped where it is missing,
+    except under CI (`CI` set), where the project installs it and a missing one must fail, not skip."""
+    import pytest
+
+    return pytest.mark.skipif(not available and not os.environ.get("CI"), reason=f"needs {what}")

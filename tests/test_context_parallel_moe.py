@@ -31,7 +31,7 @@ from shardlm.parallel.layout import context_grid, expert_data_parallel_groups, e
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL, MICRO = 8, 1e-5, 2
 
@@ -74,7 +74,7 @@ def run(config, tamper=None, save: str | None = None):
         if save:
             save_checkpoint(trainer, save)
         if p.pipeline > 1:  # every stage's parameters
-            params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
+            params = merge_copies(ctx.world.all_gather_object(params))
         return curve, params, (ctx.ep.size, ctx.expert_dp.size, ctx.dp_cp.size)
     return check
 

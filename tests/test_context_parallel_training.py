@@ -33,7 +33,7 @@ from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, model_flops_utilization
 from shardlm.validation import validate
 
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
 # name: (arch, train keys, tolerance of losses and gradient norms against one process, relative); measured worst
@@ -88,7 +88,7 @@ def run(config, cp: int, tp: int = 1, pp: int = 1):
         curve, params, trainer = train_layout(ctx, config)
         stats = ctx.comm.snapshot()
         if pp > 1:
-            params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
+            params = merge_copies(ctx.world.all_gather_object(params))
         return curve, params, stats, trainer.evaluate()
     return check
 
@@ -212,9 +212,9 @@ def assert_same_run(curve, params, ref):
 ])
 def test_world2_context_parallel_equals_one_process(world2, name, arch, micro):
     """Loss and gradient norm of every step, final parameters and the validation loss after training."""
-    curve, params, _, valid_loss = check_result(world2, name)[0]
-    assert_same_run(curve, params, reference(arch, micro))
-    assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
+    for curve, params, _, valid_loss in check_result(world2, name):  # every data and context replica
+        assert_same_run(curve, params, reference(arch, micro))
+        assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
 
 
 @pytest.mark.parametrize("name,arch,micro,shape", [
@@ -233,9 +233,9 @@ def test_world2_context_parallel_equals_one_process(world2, name, arch, micro):
 ])
 def test_world4_context_parallel_equals_one_process(world4, name, arch, micro, shape):
     """Loss and gradient norm of every step, final parameters and the validation loss after training."""
-    curve, params, _, valid_loss = check_result(world4, name)[0]
-    assert_same_run(curve, params, reference(arch, micro, **shape))
-    assert abs(valid_loss - reference(arch, micro, **shape)[2]) <= TOL * valid_loss
+    for curve, params, _, valid_loss in check_result(world4, name):  # every data and context replica
+        assert_same_run(curve, params, reference(arch, micro, **shape))
+        assert abs(valid_loss - reference(arch, micro, **shape)[2]) <= TOL * valid_loss
 
 
 @pytest.mark.parametrize("name", list(HALF_RUNS))

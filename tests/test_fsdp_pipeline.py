@@ -28,7 +28,7 @@ from shardlm.training.fsdp import counting_collectives
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS = 8
 INTERLEAVED = {"layers": 4, "micro": 1, "schedule": "interleaved-1f1b", "virtual": 2}  # 4 micro-batches per DP rank
@@ -49,12 +49,7 @@ def whole_model(ctx: ParallelContext, trainer: Trainer) -> dict[str, torch.Tenso
     """Every stage's parameters (`gathered_parameters`: over DP and TP) on every rank. A name several ranks
     hold (its DP replicas after the gather, the tied embedding's first- and last-stage copies) must be
     bitwise equal on all of them, else this raises naming it."""
-    merged = {}
-    for rank, part in enumerate(ctx.world.all_gather_object(gathered_parameters(trainer))):
-        for name, value in part.items():
-            if not torch.equal(merged.setdefault(name, value), value):
-                raise AssertionError(f"{name}: rank {rank}'s copy differs from an earlier rank's")
-    return merged
+    return merge_copies(ctx.world.all_gather_object(gathered_parameters(trainer)))
 
 
 def pipeline_run(cfg, steps: int = STEPS) -> tuple:
@@ -194,7 +189,8 @@ def test_fsdp_with_pipeline_stages_and_split_experts_equals_one_process(world4):
     """MoE at PP=2 x FSDP DP=2 with EP=2 (each stage's expert stacks their own FSDP unit over expert-DP of one
     rank, the rest of the stage over DP): loss, gradient norm and aux loss at every step and the final
     parameters within 1e-5 of one process."""
-    assert_same_moe_run(check_result(world4, "moe ep2 1f1b")[0], moe_reference("gpt", "mixtral", 2))
+    for run_ in check_result(world4, "moe ep2 1f1b"):
+        assert_same_moe_run(run_, moe_reference("gpt", "mixtral", 2))
 
 
 def test_fsdp_with_pipeline_stages_gathers_without_regathering_per_micro_batch(world4):
@@ -234,7 +230,9 @@ def test_checkpoint_chain_fsdp_tp_to_one_process_to_fsdp_pipeline(world4, refere
     uninterrupted one-process run (AdamW moments travel with the layout-free checkpoints)."""
     values = check_result(world4, "chain")
     ref_curve, ref_params = reference["gpt 1f1b"]
-    assert_same_run((values[0]["one process"], ref_params), (ref_curve[3:5], ref_params), steps=2)
+    assert len(values[0]["one process"]) == 2  # steps 4-5 (the model at step 5 is not compared: not a final state)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(values[0]["one process"], ref_curve[3:5]), 4):
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss and abs(norm - ref_norm) <= 1e-5 * ref_norm, step
     for value in values:
         assert_same_run(value["pipeline"], (ref_curve[5:], ref_params), steps=STEPS - 5)
 

@@ -28,7 +28,7 @@ from shardlm.training.gradients import _reduce_in_place
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL = 8, 1e-5
 MIXTRAL = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
@@ -86,7 +86,7 @@ def run(config, tp: int = 1, ep: int = 1, pp: int = 1, save: str | None = None):
         if save:
             save_checkpoint(trainer, save)
         if pp > 1:
-            params = {name: value for part in ctx.world.all_gather_object(params) for name, value in part.items()}
+            params = merge_copies(ctx.world.all_gather_object(params))
         return curve, params
     return check
 
@@ -265,7 +265,8 @@ def assert_same_run(run_result, ref):
     ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after 4 steps, resumed by a fresh trainer
 ])
 def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, micro):
-    assert_same_run(check_result(world2, name)[0], reference(arch, routing, micro))
+    for run_ in check_result(world2, name):  # every rank: its data replicas and pipeline stages
+        assert_same_run(run_, reference(arch, routing, micro))
 
 
 @pytest.mark.parametrize("name,arch,routing,micro", [
@@ -277,7 +278,8 @@ def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, 
     ("ep2_pp2_llama_deepseek", "llama", "deepseek", 2),  # stage 0 holds no MoE layer
 ])
 def test_world4_expert_parallel_equals_one_process(world4, name, arch, routing, micro):
-    assert_same_run(check_result(world4, name)[0], reference(arch, routing, micro))
+    for run_ in check_result(world4, name):
+        assert_same_run(run_, reference(arch, routing, micro))
 
 
 def test_deepseek_reference_moves_the_expert_biases_and_has_an_aux_loss():
@@ -291,8 +293,9 @@ def test_deepseek_reference_moves_the_expert_biases_and_has_an_aux_loss():
 @pytest.mark.parametrize("name", ["wrong_group", "wrong_scale"])
 def test_wrong_expert_gradient_reductions_do_not_match(world4, name):
     """The comparison catches both Megatron-LM bugs: a run with either wrong reduction is off by far more than 1e-5."""
+    run_ = check_result(world4, name)[0]  # the broken run trained (a crash is not the mismatch we look for)
     with pytest.raises(AssertionError):
-        assert_same_run(check_result(world4, name)[0], reference("gpt", "mixtral", 2))
+        assert_same_run(run_, reference("gpt", "mixtral", 2))
 
 
 def test_dispatch_round_trip_is_exact(world2):

@@ -28,7 +28,7 @@ from shardlm.parallel.pipeline import stage_layers
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from multiproc import run_workers
+from multiproc import merge_copies, run_workers
 
 VOCAB, STEPS, LAYERS, SEQ, HIDDEN, GLOBAL = 100, 8, 8, 16, 32, 8
 
@@ -63,13 +63,7 @@ def whole_model(ctx: ParallelContext, trainer: Trainer) -> dict[str, torch.Tenso
     """Every stage's parameters, gathered on every rank. Each name is held by several ranks (its
     data-parallel replicas, its TP ranks after the gather, the tied embedding's first- and last-stage
     copies): every copy must be bitwise equal to the first, else this raises naming the tensor."""
-    merged = {}
-    for rank, part in enumerate(ctx.world.all_gather_object(stage_parameters(trainer))):
-        for name, value in part.items():
-            first = merged.setdefault(name, value)
-            if not torch.equal(first, value):
-                raise AssertionError(f"{name}: rank {rank}'s copy differs from an earlier rank's")
-    return merged
+    return merge_copies(ctx.world.all_gather_object(stage_parameters(trainer)))
 
 
 def resume_run(ctx: ParallelContext, config: RunConfig, path: str, stop: int = 3) -> dict:
@@ -186,7 +180,7 @@ def world4_checks(tmp: str) -> dict:
 
 
 def world8_checks() -> dict:
-    return layout_runs(2, 2, [(1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)])
+    return layout_runs(2, 2, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)])
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -249,9 +243,12 @@ def test_world4_layouts_match_single_process(world4, reference, layout, case):
 
 @pytest.mark.slow
 def test_pp2_tp2_dp2_matches_single_process(reference):
-    runs = run_workers(8, world8_checks, timeout=500)[0]
-    for case, run in runs.items():
-        assert_same_run(run, reference[case[0]], STEPS)
+    """PP=2 x TP=2 x DP=2 under each schedule (GPipe, 1F1B, interleaved 1F1B), on every rank."""
+    results = run_workers(8, world8_checks, timeout=500)
+    assert {case[1] for case in results[0]} == {"gpipe", "1f1b", "interleaved-1f1b"}
+    for runs in results:
+        for case, run in runs.items():
+            assert_same_run(run, reference[case[0]], STEPS)
 
 
 @pytest.mark.slow
