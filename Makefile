@@ -11,9 +11,12 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The stamp depends on pyproject.toml, so dependencies are installed again only when they change.
-$(STAMP): pyproject.toml | $(VENV)/bin/python
+$(STAMP): pyproject.toml Makefile | $(VENV)/bin/python
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,eval]"
+	# megatron-core for the indexed-dataset interop test only: its own dependencies (Transformer Engine, ...) are
+	# not needed to read and write .bin/.idx files, and would replace the CPU torch
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "megatron-core==0.16.1"
 	touch $(STAMP)
 
 install: $(STAMP)

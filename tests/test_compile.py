@@ -19,10 +19,9 @@ from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer, can_compile
 
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, needs, run_checks, run_workers
 
-needs_cpp = pytest.mark.skipif(not can_compile(torch.device("cpu")),
-                               reason="torch.compile on the CPU needs a C++ compiler")
+needs_cpp = needs(can_compile(torch.device("cpu")), "a C++ compiler (torch.compile on the CPU)")
 
 LAYOUTS = {  # name: (tensor-parallel size, extra config)
     "tp2": (2, {}),

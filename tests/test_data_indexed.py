@@ -10,6 +10,8 @@ import pytest
 from shardlm.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype_for_vocab
 from shardlm.errors import UserError
 
+from multiproc import needs
+
 # Megatron's dtype codes, restated independently of shardlm.
 CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
 DTYPES = {8: np.dtype("<u2"), 4: np.dtype("<i4")}
@@ -134,10 +136,17 @@ def test_bad_files_give_one_line_user_errors(tmp_path):
     _single_line_user_error(tmp_path / "version", "version 2")
 
 
-def test_interoperates_with_megatron_core_when_installed(tmp_path):
-    """Optional: with `megatron-core` importable (not a dependency), each side reads the other's files."""
-    megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-    torch = pytest.importorskip("torch")
+def megatron_core_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+@needs(megatron_core_installed(), "megatron-core (`make install` installs it)")
+def test_interoperates_with_megatron_core(tmp_path):
+    """With megatron-core (a test-only install, without its dependencies), each side reads the other's files."""
+    import torch
+    from megatron.core.datasets import indexed_dataset as megatron
     with IndexedDatasetWriter(tmp_path / "ours", np.uint16) as writer:
         for doc in DOCUMENTS:
             writer.add_document(doc)
