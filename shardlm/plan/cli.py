@@ -43,9 +43,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
     parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: planner picks)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--implementation", default="shardlm", choices=("shardlm", "megatron"),
+    parser.add_argument("--implementation", default="shardlm", choices=("shardlm", "megatron", "megatron-core"),
                         help="shardlm: fp32 weights+grads+Adam (4+4+8 B/param), autocast activations; "
-                             "megatron: half weights+grads, fp32 master+Adam (2+2+12), half activations")
+                             "megatron: SC21's Megatron, half weights+grads, fp32 master+Adam (2+2+12), unfused "
+                             "softmax; megatron-core: today's Megatron-Core / Llama 3 stack, flash attention, "
+                             "fp32 gradients (2+4+12), ZeRO-2 with the distributed optimizer")
     parser.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"),
                         help="older switch: on = --recompute full, off = --recompute none")
     parser.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
@@ -79,7 +81,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept for CUDA context and workspaces")
     parser.add_argument("--efficiency", type=float, default=None,
                         help="fraction of peak FLOP/s reached (default: calibrated on Megatron's published runs: "
-                             "0.32 on the 2019 V100s, 0.71 on the SC21 A100s for any other GPU)")
+                             "0.32 on the 2019 V100s, 0.71 on the SC21 A100s, 0.66 on H100/H200 (A100's scaled "
+                             "by measured GEMM efficiency), 0.71 for any other GPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019", choices=("shoeybi2019", "narayanan2021"),
                         help="print a paper's weak-scaling table beside the predictions: shoeybi2019 (the "
@@ -130,13 +133,12 @@ def run(args: argparse.Namespace) -> int:
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency={args.efficiency} must be in (0, 1]")
 
+    from shardlm.plan.generations import default_calibration
     from shardlm.plan.models import resolve_model
     from shardlm.plan.planner import PlanRequest, plan
-    from shardlm.plan.sc21 import SC21_CALIBRATION
-    from shardlm.plan.timing import PAPER_CALIBRATION
 
     gpu = _gpu(args)
-    calibration = PAPER_CALIBRATION if gpu.name.startswith("v100") else SC21_CALIBRATION
+    calibration = default_calibration(gpu)
     if args.efficiency is not None:
         calibration = dataclasses.replace(calibration, compute_efficiency=args.efficiency)
     model = resolve_model(args.model)

@@ -33,11 +33,11 @@ fixes it): below it, chunks are too short for the ring to hide behind attention.
 
 def context_options(cfg: ModelConfig, ranks: int, fixed: int | None, implementation: str) -> list[int]:
     """Context-parallel sizes to try with `ranks` = GPUs / (PP x TP) left for DP x CP: the fixed one, else
-    C = 1 and, for long sequences of GPT and Llama (dense or MoE, shardlm's implementation), every C dividing
-    `ranks` whose 2C chunks split the sequence."""
+    C = 1 and, for long sequences of GPT and Llama (dense or MoE; not under SC21's Megatron, whose softmax stores
+    the s x s scores), every C dividing `ranks` whose 2C chunks split the sequence."""
     if fixed is not None:
         return [fixed]
-    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or implementation != "shardlm":
+    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or implementation == "megatron":
         return [1]
     return [c for c in range(1, ranks + 1) if ranks % c == 0 and cfg.seq_length % (2 * c) == 0]
 

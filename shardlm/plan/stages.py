@@ -59,6 +59,20 @@ def pipeline_layers(num_layers: int, pp: int, virtual: int, first: int = 0, last
     return stage_layers(num_layers, pp * virtual, first, last)
 
 
+def end_stage_layers(num_layers: int, pp: int, virtual: int) -> int:
+    """Layers of the first and of the last stage when they hold one layer fewer than the P x V - 2 others,
+    whose share is (L + 2) / (P V) (Llama 3's split: the embedding and the output layer take a layer's
+    place; `trimmed_split` says when it applies)."""
+    return (num_layers + 2) // (pp * virtual) - 1
+
+
+def trimmed_split(num_layers: int, pp: int, virtual: int) -> bool:
+    """Whether the layers split as `end_stage_layers` says: (L + 2) a multiple of P x V, every stage at least
+    one layer, and P > 1."""
+    stages = pp * virtual
+    return pp > 1 and (num_layers + 2) % stages == 0 and (num_layers + 2) // stages >= 2
+
+
 @dataclass(frozen=True)
 class RankStages:
     """What one pipeline rank holds."""

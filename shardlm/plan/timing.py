@@ -61,6 +61,7 @@ from shardlm.plan.context import ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec
+from shardlm.plan.kernels import SC21_KERNELS, Kernels
 from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
 from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
@@ -98,6 +99,9 @@ class Calibration:
     memory_efficiency: float = 1.0
     """Achieved fraction of the HBM bandwidth in memory-bound kernels (elementwise passes, optimizer);
     1.0 in the 2019 fit, fitted on the SC21 table (`shardlm.plan.sc21`)."""
+    attention_efficiency: float = 0.0
+    """Fraction of peak FLOP/s a flash-attention kernel reaches on the attention core (QK^T, PV), used with
+    `kernels.CORE_KERNELS`; 0: at `compute_efficiency` like the GEMMs (`generations.HOPPER_CALIBRATION`)."""
 
 
 # Fitted in this order by `shardlm.plan.paper.fit_calibration` (a test keeps them in sync):
@@ -140,6 +144,9 @@ class Layout:
     full_sharding: bool = False
     """FSDP (`train.data_sharding = "full"`): parameters, gradients and optimizer state sharded over DP,
     each layer gathered for its forward and backward (`shardlm.plan.fsdp`); excludes `distributed_optimizer`."""
+    end_trim: bool = False
+    """The first and the last pipeline stage hold one layer fewer than the others (their embedding and output
+    layer take its place: Llama 3's stage split, `first_stage_layers` / `last_stage_layers`)."""
     fsdp_shard_size: int = 0
     """Hybrid sharding (`train.fsdp_shard_size` = S, with `full_sharding`): units sharded within groups of S
     consecutive DP x CP ranks and replicated across the groups; 0 shards over all DP x CP ranks."""
@@ -310,7 +317,8 @@ def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> flo
 
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
               params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
-              scatter_gather: bool = False, units: FSDPUnits | None = None) -> StepTime:
+              scatter_gather: bool = False, units: FSDPUnits | None = None, kernels: Kernels = SC21_KERNELS
+              ) -> StepTime:
     """Predicted time of one optimizer step of `global_batch` sequences on `layout`; `params` are the
     busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
     the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers. `units`: with
@@ -322,8 +330,17 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
         flops += 4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
     layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
+    if layout.end_trim:  # first and last stage one layer short: the other ranks hold (L + 2) / P
+        layers = -(-(cfg.num_layers + 2) // layout.pp)
     imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
-    compute = flops * imbalance / layout.gpus / (gpu.peak_tflops * 1e12 * calibration.compute_efficiency)
+    executed = flops - kernels.skipped_attention_flops(full_sequence, global_batch, layout.checkpointing)
+    peak = gpu.peak_tflops * 1e12
+    compute = executed / (peak * calibration.compute_efficiency)
+    if kernels.causal_skip and calibration.attention_efficiency:  # the flash kernel at its own measured rate
+        attention = kernels.attention_flops(full_sequence, global_batch, layout.checkpointing)
+        compute += attention / (peak * calibration.attention_efficiency) - attention / (peak *
+                                                                                          calibration.compute_efficiency)
+    compute *= imbalance / layout.gpus
 
     passes = ELEMENTWISE_PASSES_FORWARD * (2 if layout.checkpointing else 1) + ELEMENTWISE_PASSES_BACKWARD
     tokens = layout.micro_batch * cfg.seq_length
@@ -361,7 +378,9 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     else:
         dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
         last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm + cp_exposed) / accumulation
-        dp_exposed = dp_comm - (0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward))
+        hidden = 0.0 if layout.pp > 1 and not kernels.dp_overlap_pipeline else min(calibration.dp_overlap * dp_comm,
+                                                                                      last_backward)
+        dp_exposed = dp_comm - hidden
     return StepTime(compute_s=compute, elementwise_s=elementwise, tp_comm_s=tp_comm, optimizer_s=optimizer,
                     dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, model_flops=flops, bubble_s=bubble,
                     p2p_s=p2p, ep_comm_s=ep_comm, cp_comm_s=cp_exposed, cp_ring_s=cp_ring)
