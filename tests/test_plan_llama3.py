@@ -21,7 +21,7 @@ from shardlm.plan.hardware import GPU_PRESETS
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.llama3 import LLAMA3_405B, TABLE4, compare, request
 from shardlm.plan.sc21 import SC21_CALIBRATION
-from shardlm.plan.stages import end_stage_layers, pipeline_layers, trimmed_split
+from shardlm.plan.stages import trimmed_layers, trimmed_split
 from shardlm.plan.timing import PAPER_CALIBRATION, Layout
 
 ROWS = {(row.gpus, row.sequence): row for row in TABLE4}
@@ -55,29 +55,33 @@ def test_405b_counts_match_published_size():
 
 
 def test_llama3_8192_gpus_at_8k_tokens(comparisons):
-    """Table 4: 8,192 H100s, TP 8 x PP 16 x DP 64, 8,192 tokens: 430 TFLOP/s per GPU (43% MFU)."""
+    """Table 4: 8,192 H100s, TP 8 x PP 16 x DP 64, 8,192 tokens: 430 TFLOP/s per GPU (43% MFU). As run, within
+    10%; the planner's memory model puts that option 4 GB over 80 GB (docs/plan.md), so among the options it
+    plans for the layout it keeps the non-interleaved one, far slower."""
     found = comparisons[(8192, 8192)]
     assert found.row.paper_tflops == 430
-    assert found.layout.fits
-    assert abs(found.error) < 0.25  # see docs/plan.md: the interleaved options of this layout do not fit
+    assert abs(found.error) < 0.10
+    assert not found.as_run.fits and found.as_run.total_bytes < 85e9
+    assert found.layout.fits and found.layout.choice.layout.virtual == 1
 
 
 def test_llama3_16384_gpus_at_8k_tokens(comparisons):
-    """Table 4: 16,384 H100s, TP 8 x PP 16 x DP 128, 8,192 tokens: 400 TFLOP/s per GPU (41% MFU)."""
+    """Table 4: 16,384 H100s, TP 8 x PP 16 x DP 128, 8,192 tokens: 400 TFLOP/s per GPU (41% MFU); as run it fits
+    and is the planner's own option for that layout."""
     found = comparisons[(16384, 8192)]
     assert found.row.paper_tflops == 400
-    assert found.layout.fits and found.layout.choice.layout.recompute == "none"
     assert abs(found.error) < 0.10
+    assert found.as_run.fits and found.layout.choice.layout == found.as_run.layout
+    assert found.rank is not None and found.rank < 10
 
 
 def test_llama3_16384_gpus_at_131k_tokens(comparisons):
-    """Table 4: 16,384 H100s, TP 8 x CP 16 x PP 16 x DP 8, 131,072 tokens: 380 TFLOP/s per GPU (38% MFU);
-    planned with context parallelism under --implementation megatron-core, among the top two layouts."""
+    """Table 4: 16,384 H100s, TP 8 x CP 16 x PP 16 x DP 8, 131,072 tokens: 380 TFLOP/s per GPU (38% MFU); planned
+    with context parallelism under --implementation megatron-core, it is the recommendation."""
     found = comparisons[(16384, 131072)]
     assert found.row.paper_tflops == 380
-    assert found.layout.fits and found.layout.cp == 16
-    assert found.rank is not None and found.rank <= 1
-    assert abs(found.error) < 0.25  # see docs/plan.md: predicted above the published figure
+    assert found.as_run.fits and found.rank == 0
+    assert abs(found.error) < 0.20  # +16%: docs/plan.md says what the model may miss at 128K tokens
 
 
 def test_older_tables_keep_their_calibrations():
@@ -90,24 +94,30 @@ def test_older_tables_keep_their_calibrations():
     assert 0.65 < scaled < 0.67
 
 
-def test_causal_flash_attention_halves_attention_time():
-    """megatron-core's kernels execute half of the attention core's FLOPs; SC21's kernels all of it."""
+def test_causal_flash_attention_time():
+    """megatron-core's flash kernel executes half of the attention core's forward FLOPs and 2.5x that backward,
+    at its own rates; SC21's kernels run the full square (3 x 4 s^2 a per layer and sequence) at the GEMMs'."""
     cfg = replace(LLAMA3_405B, seq_length=131072)
-    full = 3 * 4 * cfg.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
-    assert SC21_KERNELS.skipped_attention_flops(cfg, 1, False) == 0
-    assert CORE_KERNELS.skipped_attention_flops(cfg, 1, False) == full / 2
-    assert CORE_KERNELS.attention_flops(cfg, 1, True) == 4 / 3 * full / 2
+    counted = 3 * 4 * cfg.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
+    assert SC21_KERNELS.counted_attention_flops(cfg, 1, False) == counted
+    assert CORE_KERNELS.counted_attention_flops(cfg, 1, True) == 4 / 3 * counted
+    forward = counted / 3 / 2
+    assert CORE_KERNELS.attention_seconds(cfg, 1, False, 1.0, 0.5, 0.25) == pytest.approx(
+        forward / 0.5 + 2.5 * forward / 0.25)
+    assert CORE_KERNELS.attention_seconds(cfg, 1, True, 1.0, 0.5, 0.25) == pytest.approx(
+        2 * forward / 0.5 + 2.5 * forward / 0.25)
 
 
 def test_llama3_stage_split():
-    """126 layers on 16 stages: the first and last hold 7, the others 8 (Llama 3's split), also interleaved."""
-    assert trimmed_split(126, 16, 1) and trimmed_split(126, 16, 4) and not trimmed_split(126, 16, 8)
-    for virtual in (1, 2, 4):
-        stages = pipeline_layers(126, 16, virtual, end_stage_layers(126, 16, virtual),
-                                 end_stage_layers(126, 16, virtual))
-        sizes = [len(s) for s in stages]
+    """126 layers on 16 x V stages: the first and last stage one layer short (Llama 3's split); at V = 8 the
+    first stage holds only the embedding and the last only the output layer, as the paper describes."""
+    assert all(trimmed_split(126, 16, v) for v in (1, 2, 4, 8)) and not trimmed_split(126, 16, 3)
+    for virtual in (1, 2, 4, 8):
+        sizes = [len(s) for s in trimmed_layers(126, 16, virtual)]
         assert sum(sizes) == 126 and sizes[0] == sizes[-1] == 8 // virtual - 1
         assert set(sizes[1:-1]) == {8 // virtual}
+    stages = trimmed_layers(126, 16, 8)
+    assert [i for s in stages for i in s] == list(range(126))
 
 
 def test_context_is_planned_for_megatron_core_not_sc21_megatron():

@@ -23,7 +23,7 @@ from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
-from shardlm.plan.stages import end_stage_layers, pipeline_layers, rank_parameter_count, rank_stages
+from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages, trimmed_layers
 from shardlm.plan.timing import Layout, StepTime, step_time
 
 if TYPE_CHECKING:
@@ -76,8 +76,8 @@ class Evaluator:
         return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
 
     def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False):
-        ends = end_stage_layers(self.cfg.num_layers, pp, virtual) if trim else 0
-        stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual, ends, ends), pp, rank)
+        split = trimmed_layers if trim else pipeline_layers
+        stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank)
         return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
     def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):

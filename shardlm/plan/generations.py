@@ -9,7 +9,8 @@
   `mamf-finder.py`, CUDA 12.1): H100 SXM 792.1 of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%). No
   Llama 3 or DeepSeek figure enters it. H200 runs H100's GEMMs (same SMs and clocks), so it shares it.
   The attention core (with `--implementation megatron-core`'s flash kernel) runs at FlashAttention-2's
-  measured fraction of an H100's peak (`H100_FLASH_ATTENTION_EFFICIENCY`).
+  measured fractions of an H100's peak, forward and backward (`H100_FLASH_ATTENTION_EFFICIENCY`,
+  `H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ H100_FLASH_ATTENTION_EFFICIENCY = 335 / 989
 """FlashAttention-2's causal forward at head size 128 and 16k tokens on an H100 SXM5, 335 TFLOP/s (counting the
 executed half): Shah et al. 2024 (FlashAttention-3), "Attention forward speed, head dim 128 (H100 80GB SXM5)"."""
 
+H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY = 322 / 989
+"""FlashAttention-2's backward at head size 128 and 16k tokens on an H100 SXM5, 322 TFLOP/s: the same paper,
+"Attention backward speed, head dim 128 (H100 80GB SXM5)"."""
+
 HOPPER_CALIBRATION = replace(SC21_CALIBRATION, compute_efficiency=SC21_CALIBRATION.compute_efficiency
                              * H100_MATMUL_EFFICIENCY / A100_MATMUL_EFFICIENCY,
-                             attention_efficiency=H100_FLASH_ATTENTION_EFFICIENCY)
+                             attention_efficiency=H100_FLASH_ATTENTION_EFFICIENCY,
+                             attention_backward_efficiency=H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY)
 """SC21's constants with the GEMM efficiency of a Hopper GPU, 0.7068 x 0.801 / 0.859 = 0.659, and
-FlashAttention-2's measured 0.339 for the attention core."""
+FlashAttention-2's measured 0.339 (forward) and 0.326 (backward) for the attention core."""
 
 
 def default_calibration(gpu: GPUSpec) -> Calibration:

@@ -18,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
+from shardlm.plan.evaluate import Choice, Evaluator
 from shardlm.plan.generations import HOPPER_CALIBRATION
 from shardlm.plan.hardware import GPU_PRESETS
 from shardlm.plan.models import PlannedModel
 from shardlm.plan.planner import Plan, PlanRequest, PlanRow, plan
+from shardlm.plan.timing import Layout
 
 LLAMA3_405B = ModelConfig(arch="llama", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
                           seq_length=8192, vocab_size=128256, ffn_hidden_size=53248, rope_theta=500000.0,
@@ -68,14 +70,34 @@ def request(row: Llama3Row) -> PlanRequest:
                        pipeline=row.pp, calibration=HOPPER_CALIBRATION)
 
 
+AS_RUN_VIRTUAL = 8
+"""Virtual stages per pipeline rank as Meta ran them: with 126 layers, one layer fewer on the first and last
+stage and "the first model chunk on the first stage has only the embedding" (section 3.3.2), every chunk holds
+one layer: (126 + 2) / (16 x 8)."""
+
+
+def as_run(row: Llama3Row) -> Layout:
+    """The row's layout with the settings the paper states: micro-batch 1 (batch per DP rank = micro-batches),
+    no activation checkpointing at 8K tokens (section 3.3.2; at 128K the planner's memory model fits it too),
+    sequence parallelism, the optimizer state and gradients sharded over DP (FSDP without resharding the
+    parameters), the interleaved schedule with Llama 3's stage split."""
+    return Layout(tp=row.tp, dp=row.dp, cp=row.cp, micro_batch=1, checkpointing=False, pp=row.pp,
+                  virtual=AS_RUN_VIRTUAL, schedule="interleaved-1f1b", sequence_parallel=True,
+                  distributed_optimizer=True, end_trim=True)
+
+
 @dataclass(frozen=True)
 class Llama3Comparison:
     row: Llama3Row
     predicted_tflops: float
-    """The planner's best option of the published layout, in Meta's count."""
+    """The planner's prediction of the published layout run as Meta ran it (`as_run`), in Meta's count."""
+    as_run: Choice
+    """That option's memory and time."""
     rank: int | None
-    """Place of the published layout among the fitting layouts (0: recommended; None: does not fit)."""
+    """Place of the published layout among the fitting layouts the planner ranks (0: recommended; None: it
+    fits no option)."""
     layout: PlanRow
+    """The planner's best fitting option of the published layout (or its smallest, when none fits)."""
     plan: Plan
 
     @property
@@ -83,18 +105,24 @@ class Llama3Comparison:
         """Predicted over published TFLOP/s, minus 1."""
         return self.predicted_tflops / self.row.paper_tflops - 1
 
+    @property
+    def planned_tflops(self) -> float:
+        """TFLOP/s of the planner's own option for the published layout."""
+        return tflops(self.plan.request.model.config, self.row, self.layout.choice.time.total_s)
+
 
 def tflops(cfg: ModelConfig, row: Llama3Row, step_s: float) -> float:
-    """Meta's count (torchtitan's) of TFLOP/s per GPU at `step_s` seconds per step."""
+    """Meta's count of TFLOP/s per GPU at `step_s` seconds per step."""
     return flops_per_step(cfg, row.global_batch) / step_s / row.gpus / 1e12
 
 
 def compare(row: Llama3Row) -> Llama3Comparison:
-    """The planner's verdict on the row's request: its published layout's speed and place."""
+    """The planner's verdict on the row: the published layout as run, and its place in the plan."""
     req = request(row)
     result = plan(req)
     [published] = [r for r in result.rows if (r.tp, r.cp, r.pp, r.dp) == (row.tp, row.cp, row.pp, row.dp)]
     fitting = sorted((r for r in result.rows if r.fits), key=lambda r: r.choice.time.total_s)
     rank = next((i for i, r in enumerate(fitting) if r is published), None)
-    return Llama3Comparison(row, tflops(req.model.config, row, published.choice.time.total_s), rank, published,
+    choice = Evaluator(req).choice(as_run(row))
+    return Llama3Comparison(row, tflops(req.model.config, row, choice.time.total_s), choice, rank, published,
                             result)

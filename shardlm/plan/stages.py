@@ -59,18 +59,20 @@ def pipeline_layers(num_layers: int, pp: int, virtual: int, first: int = 0, last
     return stage_layers(num_layers, pp * virtual, first, last)
 
 
-def end_stage_layers(num_layers: int, pp: int, virtual: int) -> int:
-    """Layers of the first and of the last stage when they hold one layer fewer than the P x V - 2 others,
-    whose share is (L + 2) / (P V) (Llama 3's split: the embedding and the output layer take a layer's
-    place; `trimmed_split` says when it applies)."""
-    return (num_layers + 2) // (pp * virtual) - 1
-
-
 def trimmed_split(num_layers: int, pp: int, virtual: int) -> bool:
-    """Whether the layers split as `end_stage_layers` says: (L + 2) a multiple of P x V, every stage at least
-    one layer, and P > 1."""
-    stages = pp * virtual
-    return pp > 1 and (num_layers + 2) % stages == 0 and (num_layers + 2) // stages >= 2
+    """Whether Llama 3's split applies (`trimmed_layers`): P > 1 and L + 2 a multiple of the P x V stages."""
+    return pp > 1 and (num_layers + 2) % (pp * virtual) == 0
+
+
+def trimmed_layers(num_layers: int, pp: int, virtual: int) -> list[list[int]]:
+    """Layer indices of the P x V stages of Llama 3's split (its paper, section 3.3.2): the first and the last
+    stage hold one layer fewer than the others, n = (L + 2) / (P V) each, so that the embedding and the output
+    layer with the loss take a layer's place; at n = 1 the first stage holds only the embedding and the last
+    only the output layer."""
+    per_stage = (num_layers + 2) // (pp * virtual)
+    counts = [per_stage - 1] + [per_stage] * (pp * virtual - 2) + [per_stage - 1]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [list(range(start, start + n)) for start, n in zip(starts, counts)]
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
-from shardlm.plan.context import ring_seconds
+from shardlm.plan.context import allgather_seconds, ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec
@@ -100,8 +100,10 @@ class Calibration:
     """Achieved fraction of the HBM bandwidth in memory-bound kernels (elementwise passes, optimizer);
     1.0 in the 2019 fit, fitted on the SC21 table (`shardlm.plan.sc21`)."""
     attention_efficiency: float = 0.0
-    """Fraction of peak FLOP/s a flash-attention kernel reaches on the attention core (QK^T, PV), used with
-    `kernels.CORE_KERNELS`; 0: at `compute_efficiency` like the GEMMs (`generations.HOPPER_CALIBRATION`)."""
+    """Fraction of peak FLOP/s a flash-attention kernel's forward reaches on the attention core (QK^T, PV), used
+    with `kernels.CORE_KERNELS`; 0: at `compute_efficiency` like the GEMMs (`generations.HOPPER_CALIBRATION`)."""
+    attention_backward_efficiency: float = 0.0
+    """The same for the flash kernel's backward (0: `compute_efficiency`)."""
 
 
 # Fitted in this order by `shardlm.plan.paper.fit_calibration` (a test keeps them in sync):
@@ -291,16 +293,20 @@ def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: N
 
 
 def context_ring_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                         calibration: Calibration) -> tuple[float, float]:
+                         calibration: Calibration, kernels: Kernels = SC21_KERNELS) -> tuple[float, float]:
     """(exposed, total) ring seconds of one layer and micro-batch (`shardlm.plan.context.ring_seconds`) on
     `cfg`'s full sequence: NVLink while the CP group's TP x C GPUs fit in a server, else this GPU's share of
-    the node's network."""
+    the node's network. With `kernels.cp_allgather`: Llama 3's exposed all-gather (`context.allgather_seconds`)."""
     if layout.cp == 1:
         return 0.0, 0.0
     intra, inter = _direction_bandwidth(gpu, calibration)
     across = layout.tp * layout.cp > gpu.gpus_per_node
     bandwidth = inter / gpu.gpus_per_node if across else intra
     latency = calibration.inter_node_latency_s if across else calibration.intra_node_latency_s
+    if kernels.cp_allgather:
+        exposed = allgather_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes,
+                                    layout.checkpointing, bandwidth, latency)
+        return exposed, exposed
     flops_per_s = gpu.peak_tflops * 1e12 * calibration.compute_efficiency
     return ring_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes, layout.checkpointing,
                         bandwidth, latency, flops_per_s)
@@ -333,13 +339,15 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     if layout.end_trim:  # first and last stage one layer short: the other ranks hold (L + 2) / P
         layers = -(-(cfg.num_layers + 2) // layout.pp)
     imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
-    executed = flops - kernels.skipped_attention_flops(full_sequence, global_batch, layout.checkpointing)
     peak = gpu.peak_tflops * 1e12
-    compute = executed / (peak * calibration.compute_efficiency)
-    if kernels.causal_skip and calibration.attention_efficiency:  # the flash kernel at its own measured rate
-        attention = kernels.attention_flops(full_sequence, global_batch, layout.checkpointing)
-        compute += attention / (peak * calibration.attention_efficiency) - attention / (peak *
-                                                                                          calibration.compute_efficiency)
+    compute = flops / (peak * calibration.compute_efficiency)
+    if kernels.causal_skip:  # the attention core by the flash kernel's own FLOPs and rates
+        gemm = calibration.compute_efficiency
+        counted = kernels.counted_attention_flops(full_sequence, global_batch, layout.checkpointing)
+        compute -= counted / (peak * gemm)
+        compute += kernels.attention_seconds(full_sequence, global_batch, layout.checkpointing, peak,
+                                             calibration.attention_efficiency or gemm,
+                                             calibration.attention_backward_efficiency or gemm)
     compute *= imbalance / layout.gpus
 
     passes = ELEMENTWISE_PASSES_FORWARD * (2 if layout.checkpointing else 1) + ELEMENTWISE_PASSES_BACKWARD
@@ -356,7 +364,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
     ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration)
     cp_exposed, cp_ring = (accumulation * layers * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
-                                                                                   calibration))
+                                                                                   calibration, kernels))
     bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm
                                                                            + cp_exposed)
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
