@@ -40,6 +40,12 @@ ASSUMPTIONS = [
     "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
     "forward and backward, again when recomputing) is not overlapped",
 ]
+CORE_ASSUMPTIONS = [
+    "megatron-core (today's Megatron-Core / the Llama 3 stack): causal flash attention executes half of the s x s "
+    "blocks, 2.5x the forward's FLOPs backward, at its own measured efficiency; bf16 weights, fp32 gradients "
+    "sharded with the optimizer state (ZeRO-2); the gradient reduce-scatter overlaps the backward also with "
+    "stages; CP all-gathers K/V (exposed); pipelines may put one layer fewer on the first and last stage",
+]
 
 
 SHARDING_CELL = {"none": "none", "optimizer": "optim", "full": "full"}
@@ -95,7 +101,8 @@ def plan_dict(result: Plan) -> dict:
         "gpu": dataclasses.asdict(request.gpu), "gpus": request.gpus, "global_batch": request.global_batch,
         "precision": request.precision, "implementation": request.implementation,
         "format": dataclasses.asdict(request.format), "reserve_gb": request.reserve_gb,
-        "calibration": dataclasses.asdict(request.calibration), "assumptions": ASSUMPTIONS,
+        "calibration": dataclasses.asdict(request.calibration),
+        "assumptions": ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else []),
         "layouts": [row_dict(row) for row in result.rows], "skipped": result.skipped,
         "recommended": None if best is None else row_dict(best),
     }
@@ -152,11 +159,14 @@ def render_plan(result: Plan, console: Console) -> None:
             cells[2:2], cells[-2:-2] = [str(row.cp)], [f"{time.cp_comm_s:.3f}"]
         table.add_row(*cells, style=style)
     console.print(table)
-    for line in ASSUMPTIONS:
+    for line in ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else []):
         console.print(f"  - {line}")
     c = request.calibration
     source = "Megatron-LM's 2019 V100 runs" if c.memory_efficiency == 1.0 else \
         "the SC21 A100 runs (compute, memory) and the 2019 V100 runs (link, overlap)"
+    if c.attention_efficiency:
+        source += "; compute scaled by H100's measured GEMM efficiency over A100's, flash attention " \
+            f"{c.attention_efficiency:.3f} / {c.attention_backward_efficiency:.3f} of peak (measured)"
     console.print(f"  - calibration: compute efficiency {c.compute_efficiency:.3f}, HBM efficiency "
                   f"{c.memory_efficiency:.3f}, link efficiency {c.link_efficiency:.3f}, DP overlap "
                   f"{c.dp_overlap:.3f} (fitted on {source})")
