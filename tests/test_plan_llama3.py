@@ -141,3 +141,14 @@ def test_megatron_core_shards_gradients_with_the_optimizer():
     plain = evaluator.choice(base).state.gradients
     sharded = evaluator.choice(replace(base, distributed_optimizer=True)).state.gradients
     assert sharded == -(-plain // 128)
+
+
+def test_megatron_core_refuses_moe_models():
+    """No activation model for MoE layers under megatron-core: one clear line, as for SC21's Megatron."""
+    from shardlm.errors import UserError
+    from shardlm.plan.models import MODEL_PRESETS, PlannedModel
+    from shardlm.plan.planner import PlanRequest, plan
+
+    model = PlannedModel("mixtral-8x7b", MODEL_PRESETS["mixtral-8x7b"])
+    with pytest.raises(UserError, match="megatron-core has no activation model for MoE"):
+        plan(PlanRequest(model, GPU_PRESETS["h100-80gb"], 64, 512, implementation="megatron-core"))

@@ -179,9 +179,9 @@ def _check_request(request: PlanRequest) -> None:
         if value is not None and value < 1:
             raise UserError(f"{name}={value} must be at least 1")
     experts = request.model.config.moe_num_experts
-    if experts and request.implementation == "megatron":
-        raise UserError("--implementation megatron has no activation model for MoE layers; use --implementation "
-                        "shardlm for a Mixture-of-Experts model")
+    if experts and request.implementation != "shardlm":
+        raise UserError(f"--implementation {request.implementation} has no activation model for MoE layers; use "
+                        "--implementation shardlm for a Mixture-of-Experts model")
     if request.expert not in (None, 1) and not experts:
         raise UserError(f"--expert={request.expert} needs a Mixture-of-Experts model (model.moe_num_experts > 0); "
                         "drop --expert or use --expert 1")
