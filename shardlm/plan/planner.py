@@ -4,7 +4,8 @@ A layout is valid when TP stays inside a server (divides `gpus_per_node`) and di
 heads and the MLP width, PP (across servers) is at most the layer count, and DP = GPUs / (TP x PP)
 divides the global batch. For each valid layout the planner tries every micro-batch size that divides
 the per-replica batch (up to `max_micro_batch`; a pipeline needs at least P micro-batches), every
-virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches),
+virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches; with
+`--implementation megatron-core` also Llama 3's split, the first and last stage one layer short),
 sequence parallelism on and off (TP > 1), no / selective / full recomputation and the data sharding
 (none; the distributed optimizer at DP > 1; FSDP where `shardlm.plan.fsdp` models it), and keeps the
 fastest choice whose busiest GPU (the first or the last pipeline stage; any stage when an MoE model

@@ -49,7 +49,12 @@
   softmax and dropout kernels, 11 bytes per score forward and 11 backward (again when recomputing),
   at the HBM bandwidth.
 
-The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`.
+- `kernels` (`--implementation megatron-core`, `kernels.CORE_KERNELS`): the attention core by a causal flash
+  kernel's executed FLOPs at its own measured rates, context parallelism by an exposed K/V all-gather, and
+  the distributed optimizer's reduce-scatter overlapped with the backward also under a pipeline.
+
+The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`; the Hopper constants
+in `generations.HOPPER_CALIBRATION`.
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ class Layout:
     each layer gathered for its forward and backward (`shardlm.plan.fsdp`); excludes `distributed_optimizer`."""
     end_trim: bool = False
     """The first and the last pipeline stage hold one layer fewer than the others (their embedding and output
-    layer take its place: Llama 3's stage split, `first_stage_layers` / `last_stage_layers`)."""
+    layer take its place: Llama 3's stage split, `stages.trimmed_layers`; planned for megatron-core)."""
     fsdp_shard_size: int = 0
     """Hybrid sharding (`train.fsdp_shard_size` = S, with `full_sharding`): units sharded within groups of S
     consecutive DP x CP ranks and replicated across the groups; 0 shards over all DP x CP ranks."""
