@@ -152,3 +152,15 @@ def test_megatron_core_refuses_moe_models():
     model = PlannedModel("mixtral-8x7b", MODEL_PRESETS["mixtral-8x7b"])
     with pytest.raises(UserError, match="megatron-core has no activation model for MoE"):
         plan(PlanRequest(model, GPU_PRESETS["h100-80gb"], 64, 512, implementation="megatron-core"))
+
+
+def test_cli_validates_against_table4(capsys):
+    """`shardlm plan --validate-paper llama3 --json`: the three rows with Meta's figures and the predictions."""
+    import json
+
+    from shardlm.cli import main
+
+    assert main(["plan", "--validate-paper", "llama3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["paper_tflops"] for r in rows] == [430, 400, 380]
+    assert all(abs(r["error"]) < 0.20 for r in rows) and rows[2]["rank"] == 0

@@ -7,6 +7,7 @@
         --intra-node-bw 64 --inter-node-bw 25 --global-batch 64 --json
     shardlm plan --validate-paper                  # Shoeybi et al. 2019, Table 1
     shardlm plan --validate-paper narayanan2021    # Narayanan et al. 2021 (SC21), Table 1
+    shardlm plan --validate-paper llama3           # Llama 3 405B on H100s (Meta 2024), Table 4
 
 Imports stay light here: the model code loads only when the command runs.
 """
@@ -84,10 +85,11 @@ def add_parser(subparsers) -> None:
                              "0.32 on the 2019 V100s, 0.71 on the SC21 A100s, 0.66 on H100/H200 (A100's scaled "
                              "by measured GEMM efficiency), 0.71 for any other GPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019", choices=("shoeybi2019", "narayanan2021"),
-                        help="print a paper's weak-scaling table beside the predictions: shoeybi2019 (the "
-                             "default: Megatron-LM's V100 efficiencies) or narayanan2021 (SC21: 1.7B to 1T on "
-                             "A100s, TFLOP/s and %% of peak)")
+    parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019",
+                        choices=("shoeybi2019", "narayanan2021", "llama3"),
+                        help="print a paper's table beside the predictions: shoeybi2019 (the default: Megatron-LM's "
+                             "V100 efficiencies), narayanan2021 (SC21: 1.7B to 1T on A100s, TFLOP/s and %% of peak) "
+                             "or llama3 (Llama 3 405B on up to 16,384 H100s, Meta 2024, Table 4)")
     parser.set_defaults(func=run)
 
 
@@ -110,6 +112,16 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.plan import report
 
     console = Console(width=None if Console().is_terminal else 140)
+    if args.validate_paper == "llama3":
+        from shardlm.plan.llama3 import TABLE4
+        from shardlm.plan.llama3 import compare as compare_llama3
+
+        verdicts = [compare_llama3(row) for row in TABLE4]
+        if args.json:
+            print(json.dumps(report.llama3_dict(verdicts), indent=2))
+        else:
+            report.render_llama3(verdicts, console)
+        return 0
     if args.validate_paper == "narayanan2021":
         from shardlm.plan.sc21 import compare
 

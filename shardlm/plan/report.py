@@ -232,3 +232,38 @@ def render_sc21(rows, console: Console) -> None:
                       str(r.micro_batch), f"{r.paper_tflops:g}", f"{c.predicted_tflops:.1f}", f"{r.paper_percent:g}",
                       f"{c.predicted_percent:.1f}", f"{c.difference:+.1f}", "fitted" if c.fitted else "predicted")
     console.print(table)
+
+
+def llama3_dict(comparisons) -> list[dict]:
+    """`shardlm.plan.llama3.compare`'s verdicts as JSON-ready data."""
+    out = []
+    for c in comparisons:
+        t = c.as_run.time
+        out.append({**dataclasses.asdict(c.row), "predicted_tflops": c.predicted_tflops, "error": c.error,
+                    "as_run_bytes": c.as_run.total_bytes, "as_run_fits": c.as_run.fits, "rank": c.rank,
+                    "planned_tflops": c.planned_tflops,
+                    "time_s": {"step": t.total_s, "compute": t.compute_s, "tp_comm": t.tp_comm_s,
+                               "bubble": t.bubble_s, "p2p": t.p2p_s, "cp_comm": t.cp_comm_s,
+                               "dp_exposed": t.dp_exposed_s}})
+    return out
+
+
+def render_llama3(comparisons, console: Console) -> None:
+    """Llama 3 405B's Table 4 (Meta 2024) beside the planner's predictions."""
+    console.print("[bold]Llama 3 405B on H100s (8 per server, RoCE 400 Gb/s per GPU), --implementation "
+                  "megatron-core: Meta 2024, Table 4[/bold]")
+    table = Table(header_style="bold")
+    for name in ("GPUs", "TP", "CP", "PP", "DP", "tokens", "batch", "paper TF", "predicted TF", "error",
+                 "as run GB", "fits", "rank", "planner's TF"):
+        table.add_column(name, justify="right")
+    for c in comparisons:
+        r = c.row
+        table.add_row(str(r.gpus), str(r.tp), str(r.cp), str(r.pp), str(r.dp), str(r.sequence), str(r.global_batch),
+                      f"{r.paper_tflops:g}", f"{c.predicted_tflops:.1f}", f"{100 * c.error:+.1f}%",
+                      _gb(c.as_run.total_bytes), "yes" if c.as_run.fits else "no",
+                      "-" if c.rank is None else str(c.rank + 1), f"{c.planned_tflops:.1f}")
+    console.print(table)
+    console.print("  predicted = the published layout as the paper ran it (micro-batch 1, no recomputation, SP, "
+                  "gradients and optimizer state sharded, interleaved with V = 8 and the short end stages); rank = "
+                  "its place among the fitting layouts the planner finds with --pipeline 16; planner's TF = the "
+                  "planner's own best option for that layout; TFLOP/s in PaLM's MFU count (the paper's)")
