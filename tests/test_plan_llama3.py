@@ -164,3 +164,31 @@ def test_cli_validates_against_table4(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["paper_tflops"] for r in rows] == [430, 400, 380]
     assert all(abs(r["error"]) < 0.20 for r in rows) and rows[2]["rank"] == 0
+
+
+def test_flash_layer_bytes_of_llama3_405b():
+    """One layer, one 8,192-token micro-batch at TP 8 with SP, bf16: the four norm and GEMM inputs (2 h each, /t),
+    q, k, v and the attention output (2 (2 a + 2 kv), /t), SwiGLU's three f-wide tensors (6 f, /t) per token,
+    and the fp32 log-sum-exp of the rank's 16 heads: 533,200,896 bytes."""
+    from shardlm.plan.activations import LayerSetting, flash_layer_bytes
+
+    s, h, a, kv, f, t = 8192, 16384, 16384, 1024, 53248, 8
+    expected = s * (8 * h + 2 * (2 * a + 2 * kv + 3 * f)) // t + 4 * s * 128 // t
+    assert expected == 533_200_896
+    assert flash_layer_bytes(LLAMA3_405B, t, 1, LayerSetting(sequence_parallel=True)) == expected
+    unsplit = flash_layer_bytes(LLAMA3_405B, t, 1, LayerSetting(sequence_parallel=False))
+    assert unsplit - expected == s * 8 * h - s * 8 * h // t  # without SP the norm and GEMM inputs stay whole
+
+
+def test_context_allgather_seconds():
+    """Llama 3's CP at 131,072 tokens, TP 8 x CP 16 (one KV head a TP rank): per layer and micro-batch a ring
+    all-gather of K and V (2 x 131,072 x 128 x 2 bytes) forward and a reduce-scatter of their gradients backward,
+    (C - 1) / C of it through the link plus C - 1 latencies each; once more with full recomputation."""
+    from shardlm.plan.context import allgather_seconds
+
+    cfg = replace(LLAMA3_405B, seq_length=131072)
+    nbytes = 2 * 131072 * 128 * 2
+    one = 15 / 16 * nbytes / 1e10 + 15 * 1e-5
+    assert allgather_seconds(cfg, 16, 8, 1, 2, False, 1e10, 1e-5) == pytest.approx(2 * one)
+    assert allgather_seconds(cfg, 16, 8, 1, 2, True, 1e10, 1e-5) == pytest.approx(3 * one)
+    assert allgather_seconds(cfg, 1, 8, 1, 2, False, 1e10, 1e-5) == 0
