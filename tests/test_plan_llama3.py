@@ -192,3 +192,15 @@ def test_context_allgather_seconds():
     assert allgather_seconds(cfg, 16, 8, 1, 2, False, 1e10, 1e-5) == pytest.approx(2 * one)
     assert allgather_seconds(cfg, 16, 8, 1, 2, True, 1e10, 1e-5) == pytest.approx(3 * one)
     assert allgather_seconds(cfg, 1, 8, 1, 2, False, 1e10, 1e-5) == 0
+
+
+def test_without_context_parallelism_at_8k_tokens():
+    """Asked as Meta used CP (only for long sequences: --context 1 at 8K tokens), the planner recommends Table 4's
+    16,384-GPU layout and ranks the 8,192-GPU one second (its as-run option does not fit, docs/plan.md)."""
+    from shardlm.plan.planner import plan
+
+    for (gpus, sequence), place in (((16384, 8192), 0), ((8192, 8192), 1)):
+        row = ROWS[(gpus, sequence)]
+        result = plan(replace(request(row), context=1))
+        fitting = sorted((r for r in result.rows if r.fits), key=lambda r: r.choice.time.total_s)
+        assert [(r.tp, r.dp) for r in fitting].index((row.tp, row.dp)) == place
