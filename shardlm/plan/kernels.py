@@ -59,5 +59,6 @@ class Kernels:
 SC21_KERNELS = Kernels()
 """Megatron-LM 2019 / 2021 (and shardlm's planning today): full-square attention FLOPs, DP after the flush."""
 CORE_KERNELS = Kernels(causal_skip=True, cp_allgather=True, dp_overlap_pipeline=True)
-"""Megatron-Core (2024) and Meta's Llama 3 stack: causal flash attention, the gradient reduce-scatter overlapped."""
+"""Megatron-Core (2024) and Meta's Llama 3 stack: causal flash attention, CP by an exposed K/V all-gather, the
+gradient reduce-scatter overlapped."""
 

@@ -8,9 +8,9 @@ gradients reduce-scattered in fp32 and sharded with the optimizer state, the int
 first and last stage one layer short: section 3.3.2), and the Hopper calibration
 (`generations.HOPPER_CALIBRATION`: nothing in it comes from this table).
 
-TFLOP/s per GPU are counted as Meta's torchtitan counts them (`get_num_flop_per_token`): 6 x the parameters
-outside the input embedding + 12 l a s per token (the whole s x s square), which is `flops_per_step` without
-recomputation. Batch sizes are sequences per step (the paper's 16M tokens).
+TFLOP/s per GPU are counted as the paper's MFU counts them, PaLM's definition (Chowdhery et al. 2023, appendix
+B, which the paper cites): 6 x the matrix parameters + 12 l a s per token (the whole s x s square), which is
+`flops_per_step` without recomputation. Batch sizes are sequences per step (the paper's 16M tokens).
 """
 
 from __future__ import annotations
