@@ -17,8 +17,12 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
                  gradient all-reduce on ring cost models, with the calibration constants;
 - `planner`      every valid PP x TP x DP (x EP) layout and option (data sharding included), whether it
                  fits, its step time, the recommendation;
+- `kernels`      what `--implementation megatron-core` (today's Megatron-Core, Meta's Llama 3 stack) changes in
+                 the time: causal flash attention, the K/V all-gather of context parallelism, DP overlap;
+- `generations`  which calibration each GPU generation gets (V100, A100, Hopper) and where it comes from;
 - `paper`, `sc21`  Shoeybi et al. 2019's and Narayanan et al. 2021's weak-scaling tables against the
                  model's predictions (and the fits of the calibration constants);
+- `llama3`       Llama 3 405B's published H100 runs (Meta 2024, Table 4) against the predictions;
 - `measure`      the same quantities measured on this CPU (for the validation tests and docs);
 - `report`       the table and the JSON; `cli` the subcommand.
 

@@ -74,6 +74,30 @@ def korthikanti_memory(cfg: ModelConfig, tp: int, micro_batch: int, setting: Lay
                             transient=0, num_layers=cfg.num_layers, embedding=embedding)
 
 
+def flash_layer_bytes(cfg: ModelConfig, tp: int, micro_batch: int, setting: LayerSetting) -> int:
+    """Bytes one layer saves for one micro-batch in Megatron-Core's half-precision layer with flash attention:
+    Korthikanti et al.'s accounting without the s x s scores (the flash kernel keeps its output and the
+    log-sum-exp, 4 bytes per query head and token). GPT: their TP + selective formula, s b h (10 + 24/t) (SP:
+    34 s b h / t). Llama, no dropout: the two RMSNorm inputs and the two GEMM inputs they feed, 8 s b h,
+    unsplit without SP; split over t: q, k, v (2 (a + 2 kv)), the attention output (2 a), SwiGLU's gate and
+    up outputs and their product (3 x 2 f) per token. Full recomputation keeps the layer input."""
+    s, b, h = cfg.seq_length, micro_batch, cfg.hidden_size
+    split = tp if setting.sequence_parallel else 1
+    if setting.recompute == "full":
+        return round(2 * s * b * h / split)
+    lse = 4 * s * b * cfg.num_heads // tp
+    if cfg.arch != "llama":
+        return korthikanti_layer_bytes(cfg, tp, micro_batch, replace(setting, recompute="selective")) + lse
+    a, kv = cfg.num_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+    return round(s * b * (8 * h / split + 2 * (2 * a + 2 * kv + 3 * cfg.ffn_size) / tp)) + lse
+
+
+def flash_memory(cfg: ModelConfig, tp: int, micro_batch: int, setting: LayerSetting) -> ActivationMemory:
+    """`korthikanti_memory` with `flash_layer_bytes` per layer (`--implementation megatron-core`)."""
+    acts = korthikanti_memory(cfg, tp, micro_batch, setting)
+    return replace(acts, per_layer=flash_layer_bytes(cfg, tp, micro_batch, replace(setting, recompute="none")))
+
+
 def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
                    backend: str = "cuda", rank: int | None = None, ep: int = 1) -> ActivationMemory:
     """`memory.activation_memory` (what shardlm's layer saves) with sequence parallelism and selective

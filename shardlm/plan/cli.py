@@ -7,6 +7,7 @@
         --intra-node-bw 64 --inter-node-bw 25 --global-batch 64 --json
     shardlm plan --validate-paper                  # Shoeybi et al. 2019, Table 1
     shardlm plan --validate-paper narayanan2021    # Narayanan et al. 2021 (SC21), Table 1
+    shardlm plan --validate-paper llama3           # Llama 3 405B on H100s (Meta 2024), Table 4
 
 Imports stay light here: the model code loads only when the command runs.
 """
@@ -43,9 +44,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
     parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: planner picks)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--implementation", default="shardlm", choices=("shardlm", "megatron"),
+    parser.add_argument("--implementation", default="shardlm", choices=("shardlm", "megatron", "megatron-core"),
                         help="shardlm: fp32 weights+grads+Adam (4+4+8 B/param), autocast activations; "
-                             "megatron: half weights+grads, fp32 master+Adam (2+2+12), half activations")
+                             "megatron: SC21's Megatron, half weights+grads, fp32 master+Adam (2+2+12), unfused "
+                             "softmax; megatron-core: today's Megatron-Core / Llama 3 stack, flash attention, "
+                             "fp32 gradients (2+4+12), ZeRO-2 with the distributed optimizer")
     parser.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"),
                         help="older switch: on = --recompute full, off = --recompute none")
     parser.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
@@ -79,12 +82,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept for CUDA context and workspaces")
     parser.add_argument("--efficiency", type=float, default=None,
                         help="fraction of peak FLOP/s reached (default: calibrated on Megatron's published runs: "
-                             "0.32 on the 2019 V100s, 0.71 on the SC21 A100s for any other GPU)")
+                             "0.32 on the 2019 V100s, 0.71 on the SC21 A100s, 0.66 on H100/H200 (A100's scaled "
+                             "by measured GEMM efficiency), 0.71 for any other GPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019", choices=("shoeybi2019", "narayanan2021"),
-                        help="print a paper's weak-scaling table beside the predictions: shoeybi2019 (the "
-                             "default: Megatron-LM's V100 efficiencies) or narayanan2021 (SC21: 1.7B to 1T on "
-                             "A100s, TFLOP/s and %% of peak)")
+    parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019",
+                        choices=("shoeybi2019", "narayanan2021", "llama3"),
+                        help="print a paper's table beside the predictions: shoeybi2019 (the default: Megatron-LM's "
+                             "V100 efficiencies), narayanan2021 (SC21: 1.7B to 1T on A100s, TFLOP/s and %% of peak) "
+                             "or llama3 (Llama 3 405B on up to 16,384 H100s, Meta 2024, Table 4)")
     parser.set_defaults(func=run)
 
 
@@ -107,6 +112,16 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.plan import report
 
     console = Console(width=None if Console().is_terminal else 140)
+    if args.validate_paper == "llama3":
+        from shardlm.plan.llama3 import TABLE4
+        from shardlm.plan.llama3 import compare as compare_llama3
+
+        verdicts = [compare_llama3(row) for row in TABLE4]
+        if args.json:
+            print(json.dumps(report.llama3_dict(verdicts), indent=2))
+        else:
+            report.render_llama3(verdicts, console)
+        return 0
     if args.validate_paper == "narayanan2021":
         from shardlm.plan.sc21 import compare
 
@@ -130,13 +145,12 @@ def run(args: argparse.Namespace) -> int:
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency={args.efficiency} must be in (0, 1]")
 
+    from shardlm.plan.generations import default_calibration
     from shardlm.plan.models import resolve_model
     from shardlm.plan.planner import PlanRequest, plan
-    from shardlm.plan.sc21 import SC21_CALIBRATION
-    from shardlm.plan.timing import PAPER_CALIBRATION
 
     gpu = _gpu(args)
-    calibration = PAPER_CALIBRATION if gpu.name.startswith("v100") else SC21_CALIBRATION
+    calibration = default_calibration(gpu)
     if args.efficiency is not None:
         calibration = dataclasses.replace(calibration, compute_efficiency=args.efficiency)
     model = resolve_model(args.model)

@@ -33,11 +33,11 @@ fixes it): below it, chunks are too short for the ring to hide behind attention.
 
 def context_options(cfg: ModelConfig, ranks: int, fixed: int | None, implementation: str) -> list[int]:
     """Context-parallel sizes to try with `ranks` = GPUs / (PP x TP) left for DP x CP: the fixed one, else
-    C = 1 and, for long sequences of GPT and Llama (dense or MoE, shardlm's implementation), every C dividing
-    `ranks` whose 2C chunks split the sequence."""
+    C = 1 and, for long sequences of GPT and Llama (dense or MoE; not under SC21's Megatron, whose softmax stores
+    the s x s scores), every C dividing `ranks` whose 2C chunks split the sequence."""
     if fixed is not None:
         return [fixed]
-    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or implementation != "shardlm":
+    if cfg.seq_length < LONG_CONTEXT or cfg.arch not in ("gpt", "llama") or implementation == "megatron":
         return [1]
     return [c for c in range(1, ranks + 1) if ranks % c == 0 and cfg.seq_length % (2 * c) == 0]
 
@@ -76,3 +76,19 @@ def ring_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, activatio
     backward = hop(kv * activation_bytes + kv * 4, 2 * blocks)  # K/V and the fp32 dK/dV on the same link
     passes = [forward, backward] + ([forward] if recompute_full else [])
     return hops * sum(p[0] for p in passes), hops * sum(p[1] for p in passes)
+
+
+def allgather_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, activation_bytes: int,
+                      recompute_full: bool, bandwidth: float, latency_s: float) -> float:
+    """Seconds of one micro-batch's K/V all-gather on one rank, per layer, all on the critical path (Llama 3's
+    context parallelism, section 3.3.2 of its paper: all-gather K and V, then attend with the local queries):
+    forward a ring all-gather of the sequence's K and V over the C ranks (2 b T Hkv d x activation bytes, the
+    rank's KV heads), backward a reduce-scatter of dK and dV of the same size, and the forward's again under
+    full recomputation. `bandwidth` in bytes/s per direction."""
+    if cp == 1:
+        return 0.0
+    head_dim = cfg.hidden_size // cfg.num_heads if cfg.arch != "llama" else cfg.attention_head_dim
+    kv_heads = cfg.num_heads if cfg.arch != "llama" else cfg.kv_heads
+    nbytes = 2 * micro_batch * cfg.seq_length * max(1, kv_heads // tp) * head_dim * activation_bytes
+    one = (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency_s
+    return one * (3 if recompute_full else 2)

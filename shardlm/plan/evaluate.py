@@ -12,11 +12,18 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from shardlm.plan.activations import LayerSetting, korthikanti_memory, rank_activation_peak, shardlm_memory
+from shardlm.plan.activations import (
+    LayerSetting,
+    flash_memory,
+    korthikanti_memory,
+    rank_activation_peak,
+    shardlm_memory,
+)
 from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
+from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
-from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages
+from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages, trimmed_layers
 from shardlm.plan.timing import Layout, StepTime, step_time
 
 if TYPE_CHECKING:
@@ -52,6 +59,8 @@ class Evaluator:
     def __init__(self, request: PlanRequest):
         self.request, self.cfg, self.fmt = request, request.model.config, request.format
         self.megatron = request.implementation == "megatron"
+        self.core = request.implementation == "megatron-core"
+        self.kernels = CORE_KERNELS if self.core else SC21_KERNELS
         self.activations = lru_cache(maxsize=None)(self._activations)
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
         self.units = lru_cache(maxsize=None)(self._units)
@@ -62,10 +71,13 @@ class Evaluator:
         cfg = replace(self.cfg, seq_length=self.cfg.seq_length // cp)  # a CP rank saves T / C tokens' activations
         if self.megatron:
             return korthikanti_memory(cfg, tp, micro, setting)
+        if self.core:
+            return flash_memory(cfg, tp, micro, setting)
         return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
 
-    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1):
-        stages = rank_stages(pipeline_layers(self.cfg.num_layers, pp, virtual), pp, rank)
+    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False):
+        split = trimmed_layers if trim else pipeline_layers
+        stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank)
         return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
     def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
@@ -88,20 +100,24 @@ class Evaluator:
         acts = self.activations(tp, layout.micro_batch, setting, ep, layout.cp)
         reserve = int(request.reserve_gb * GB)
         worst = None
-        for rank in range(pp) if self.mixed else sorted({0, pp - 1}):
-            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep)
+        ranks = range(pp) if self.mixed else sorted({0, pp - 1} | ({min(1, pp - 1)} if layout.end_trim else set()))
+        for rank in ranks:  # with trimmed ends the second rank holds a full first chunk
+            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim)
             state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
                                (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
                                              ep=ep), 0))
+            if self.core and layout.distributed_optimizer:  # ZeRO-2: the fp32 gradients sharded with the state
+                state = replace(state, gradients=-(-state.gradients // (layout.dp * layout.cp)))
             peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
-                                        keeps_received=not self.megatron)
+                                        keeps_received=not (self.megatron or self.core))
             if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
                 worst = (state, peak, rank, gathered)
         state, peak, rank, gathered = worst
-        params = self.rank_params(pp, layout.virtual, tp, 0, ep)[1]
+        params = self.rank_params(pp, layout.virtual, tp, 0, ep, layout.end_trim)[1]
         units = self.units(pp, layout.virtual, tp, 0, ep) if layout.full_sharding else None
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
-                         attention_scores=self.megatron, scatter_gather=self.megatron, units=units)
+                         attention_scores=self.megatron, scatter_gather=self.megatron or self.core, units=units,
+                         kernels=self.kernels)
         total = state.total + peak + gathered + reserve
         return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
                       gathered)

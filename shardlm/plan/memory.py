@@ -55,14 +55,18 @@ class NumericFormat:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-IMPLEMENTATIONS = ("shardlm", "megatron")
+IMPLEMENTATIONS = ("shardlm", "megatron", "megatron-core")
 
 
 PARAM_DTYPES = ("fp32", "half")
 
 
 def numeric_format(precision: str, implementation: str = "shardlm", param_dtype: str = "fp32") -> NumericFormat:
-    """The byte sizes of `implementation` ("shardlm" or "megatron") running in `precision`.
+    """The byte sizes of `implementation` ("shardlm", "megatron" or "megatron-core") running in `precision`.
+
+    "megatron-core" (today's Megatron-Core, and Meta's Llama 3 stack): half weights, gradients accumulated and
+    reduced in fp32 (Megatron-Core's fp32 `main_grad`; the Llama 3 paper reduce-scatters gradients in fp32),
+    fp32 master weights and moments: 2 + 4 + 12 bytes per parameter.
 
     `param_dtype="half"` (shardlm's `train.param_dtype`): bf16/fp16 parameters and activations, fp32
     gradient buffers (`main_grad`), fp32 master weights and moments: 2 + 4 + 12 bytes per parameter.
@@ -82,6 +86,8 @@ def numeric_format(precision: str, implementation: str = "shardlm", param_dtype:
         return NumericFormat(name, 4, 4, 8, 4, 4, 0, 4, 4, implementation == "shardlm")
     if implementation == "shardlm":  # fp32 masters and grads, autocast GEMMs, fp32 residual stream
         return NumericFormat(name, 4, 4, 8, 2, 4, 2, 2, 4, True)
+    if implementation == "megatron-core":  # half weights, fp32 main_grad buffers, fp32 master + moments
+        return NumericFormat(name, 2, 4, 12, 2, 2, 0, 2, 2, False)
     return NumericFormat(name, 2, 2, 12, 2, 2, 0, 2, 2, False)
 
 

@@ -4,7 +4,8 @@ A layout is valid when TP stays inside a server (divides `gpus_per_node`) and di
 heads and the MLP width, PP (across servers) is at most the layer count, and DP = GPUs / (TP x PP)
 divides the global batch. For each valid layout the planner tries every micro-batch size that divides
 the per-replica batch (up to `max_micro_batch`; a pipeline needs at least P micro-batches), every
-virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches),
+virtual-stage count V that splits the layers evenly (interleaved 1F1B, P dividing the micro-batches; with
+`--implementation megatron-core` also Llama 3's split, the first and last stage one layer short),
 sequence parallelism on and off (TP > 1), no / selective / full recomputation and the data sharding
 (none; the distributed optimizer at DP > 1; FSDP where `shardlm.plan.fsdp` models it), and keeps the
 fastest choice whose busiest GPU (the first or the last pipeline stage; any stage when an MoE model
@@ -31,7 +32,7 @@ from shardlm.plan.fsdp import fsdp_invalid_reason, hybrid_invalid_reason
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.memory import NumericFormat, ParameterCount, StateMemory, numeric_format
 from shardlm.plan.models import PlannedModel, check_model
-from shardlm.plan.stages import SCHEDULES, schedule_name
+from shardlm.plan.stages import SCHEDULES, schedule_name, trimmed_split
 from shardlm.plan.timing import PAPER_CALIBRATION, Calibration, Layout
 
 SWITCH = ("auto", "on", "off")
@@ -179,9 +180,9 @@ def _check_request(request: PlanRequest) -> None:
         if value is not None and value < 1:
             raise UserError(f"{name}={value} must be at least 1")
     experts = request.model.config.moe_num_experts
-    if experts and request.implementation == "megatron":
-        raise UserError("--implementation megatron has no activation model for MoE layers; use --implementation "
-                        "shardlm for a Mixture-of-Experts model")
+    if experts and request.implementation != "shardlm":
+        raise UserError(f"--implementation {request.implementation} has no activation model for MoE layers; use "
+                        "--implementation shardlm for a Mixture-of-Experts model")
     if request.expert not in (None, 1) and not experts:
         raise UserError(f"--expert={request.expert} needs a Mixture-of-Experts model (model.moe_num_experts > 0); "
                         "drop --expert or use --expert 1")
@@ -192,8 +193,11 @@ def _check_request(request: PlanRequest) -> None:
         raise UserError(f"--fsdp-shard-size={request.fsdp_shard_size} must be 0 (no hybrid sharding) or more")
     if request.context not in (None, 1):
         reason = context_invalid_reason(request.model.config, request.context)
-        if reason or request.implementation != "shardlm":
-            raise UserError(f"--context={request.context}: {reason or 'planned for --implementation shardlm only'}")
+        if not reason and request.implementation == "megatron":
+            reason = ("not planned for --implementation megatron (SC21's unfused softmax); use --implementation "
+                      "megatron-core or shardlm")
+        if reason:
+            raise UserError(f"--context={request.context}: {reason}")
     numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
 
 
@@ -249,15 +253,25 @@ def _switch(value: str, possible: bool) -> tuple[bool, ...]:
     return {"auto": (False, True), "on": (True,), "off": (False,)}[value]
 
 
-def _virtual_options(request: PlanRequest, pp: int, micro_batches: int) -> list[int]:
-    """Virtual stages per rank to try: those splitting the layers evenly (interleaving needs P | m)."""
+def _virtual_options(request: PlanRequest, pp: int, micro_batches: int) -> list[tuple[int, bool]]:
+    """(virtual stages per rank, trimmed ends) to try: V splitting the layers evenly (interleaving needs P | m);
+    with `--implementation megatron-core`, where L is not a multiple of P x V but L + 2 is, also Llama 3's split
+    with the first and last stage one layer short (`stages.trimmed_split`)."""
     if pp == 1:
-        return [1]
-    if request.virtual_stages is not None:
-        return [request.virtual_stages]
+        return [(1, False)]
     layers = request.model.config.num_layers
-    interleave = [v for v in range(2, 9) if layers % (pp * v) == 0 and micro_batches % pp == 0]
-    return [1] + interleave if request.schedule in (None, "interleaved-1f1b") else [1]
+    core = request.implementation == "megatron-core"
+
+    def option(v: int) -> list[tuple[int, bool]]:
+        if layers % (pp * v) == 0:
+            return [(v, False)]
+        return [(v, True)] if core and trimmed_split(layers, pp, v) else []
+
+    if request.virtual_stages is not None:
+        return option(request.virtual_stages) or [(request.virtual_stages, False)]
+    interleave = [o for v in range(2, 9) if micro_batches % pp == 0 for o in option(v)]
+    first = option(1) or [(1, False)]
+    return first + interleave if request.schedule in (None, "interleaved-1f1b") else first
 
 
 def expert_options(request: PlanRequest, dp: int, cp: int = 1) -> list[int]:
@@ -292,13 +306,13 @@ def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1, cp: int = 1):
         m = per_replica // micro
         if pp > 1 and m < pp and request.schedule != "gpipe":
             continue  # 1F1B needs at least P micro-batches in flight
-        for virtual in _virtual_options(request, pp, m):
+        for virtual, trim in _virtual_options(request, pp, m):
             schedule = request.schedule or schedule_name(pp, virtual)
             for sp, recompute, (sharding, size) in itertools.product(sp_options, recompute_options, shardings):
                 yield Layout(tp=tp, dp=dp, micro_batch=micro, checkpointing=recompute == "full", pp=pp,
                              virtual=virtual, schedule=schedule, sequence_parallel=sp,
                              selective=recompute == "selective", distributed_optimizer=sharding == "optimizer",
-                             ep=ep, cp=cp, full_sharding=sharding == "full", fsdp_shard_size=size)
+                             ep=ep, cp=cp, full_sharding=sharding == "full", fsdp_shard_size=size, end_trim=trim)
 
 
 def plan(request: PlanRequest) -> Plan:
@@ -338,7 +352,7 @@ def plan(request: PlanRequest) -> Plan:
                 fitting = [c for c in choices if c.fits]
                 best = (min(fitting, key=lambda c: (c.time.total_s, c.total_bytes)) if fitting
                         else min(choices, key=lambda c: c.total_bytes))
-                params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep)[1]
+                params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep, best.layout.end_trim)[1]
                 result.rows.append(PlanRow(tp, dp, params, best, pp, ep, cp))
     if not result.rows:
         raise UserError("no valid PP x TP x DP layout: " + "; ".join(sorted(set(result.skipped.values()))))

@@ -40,6 +40,12 @@ ASSUMPTIONS = [
     "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
     "forward and backward, again when recomputing) is not overlapped",
 ]
+CORE_ASSUMPTIONS = [
+    "megatron-core (today's Megatron-Core / the Llama 3 stack): causal flash attention executes half of the s x s "
+    "blocks, 2.5x the forward's FLOPs backward, at its own measured efficiency; bf16 weights, fp32 gradients "
+    "sharded with the optimizer state (ZeRO-2); the gradient reduce-scatter overlaps the backward also with "
+    "stages; CP all-gathers K/V (exposed); pipelines may put one layer fewer on the first and last stage",
+]
 
 
 SHARDING_CELL = {"none": "none", "optimizer": "optim", "full": "full"}
@@ -95,7 +101,8 @@ def plan_dict(result: Plan) -> dict:
         "gpu": dataclasses.asdict(request.gpu), "gpus": request.gpus, "global_batch": request.global_batch,
         "precision": request.precision, "implementation": request.implementation,
         "format": dataclasses.asdict(request.format), "reserve_gb": request.reserve_gb,
-        "calibration": dataclasses.asdict(request.calibration), "assumptions": ASSUMPTIONS,
+        "calibration": dataclasses.asdict(request.calibration),
+        "assumptions": ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else []),
         "layouts": [row_dict(row) for row in result.rows], "skipped": result.skipped,
         "recommended": None if best is None else row_dict(best),
     }
@@ -152,11 +159,14 @@ def render_plan(result: Plan, console: Console) -> None:
             cells[2:2], cells[-2:-2] = [str(row.cp)], [f"{time.cp_comm_s:.3f}"]
         table.add_row(*cells, style=style)
     console.print(table)
-    for line in ASSUMPTIONS:
+    for line in ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else []):
         console.print(f"  - {line}")
     c = request.calibration
     source = "Megatron-LM's 2019 V100 runs" if c.memory_efficiency == 1.0 else \
         "the SC21 A100 runs (compute, memory) and the 2019 V100 runs (link, overlap)"
+    if c.attention_efficiency:
+        source += "; compute scaled by H100's measured GEMM efficiency over A100's, flash attention " \
+            f"{c.attention_efficiency:.3f} / {c.attention_backward_efficiency:.3f} of peak (measured)"
     console.print(f"  - calibration: compute efficiency {c.compute_efficiency:.3f}, HBM efficiency "
                   f"{c.memory_efficiency:.3f}, link efficiency {c.link_efficiency:.3f}, DP overlap "
                   f"{c.dp_overlap:.3f} (fitted on {source})")
@@ -222,3 +232,38 @@ def render_sc21(rows, console: Console) -> None:
                       str(r.micro_batch), f"{r.paper_tflops:g}", f"{c.predicted_tflops:.1f}", f"{r.paper_percent:g}",
                       f"{c.predicted_percent:.1f}", f"{c.difference:+.1f}", "fitted" if c.fitted else "predicted")
     console.print(table)
+
+
+def llama3_dict(comparisons) -> list[dict]:
+    """`shardlm.plan.llama3.compare`'s verdicts as JSON-ready data."""
+    out = []
+    for c in comparisons:
+        t = c.as_run.time
+        out.append({**dataclasses.asdict(c.row), "predicted_tflops": c.predicted_tflops, "error": c.error,
+                    "as_run_bytes": c.as_run.total_bytes, "as_run_fits": c.as_run.fits, "rank": c.rank,
+                    "planned_tflops": c.planned_tflops,
+                    "time_s": {"step": t.total_s, "compute": t.compute_s, "tp_comm": t.tp_comm_s,
+                               "bubble": t.bubble_s, "p2p": t.p2p_s, "cp_comm": t.cp_comm_s,
+                               "dp_exposed": t.dp_exposed_s}})
+    return out
+
+
+def render_llama3(comparisons, console: Console) -> None:
+    """Llama 3 405B's Table 4 (Meta 2024) beside the planner's predictions."""
+    console.print("[bold]Llama 3 405B on H100s (8 per server, RoCE 400 Gb/s per GPU), --implementation "
+                  "megatron-core: Meta 2024, Table 4[/bold]")
+    table = Table(header_style="bold")
+    for name in ("GPUs", "TP", "CP", "PP", "DP", "tokens", "batch", "paper TF", "predicted TF", "error",
+                 "as run GB", "fits", "rank", "planner's TF"):
+        table.add_column(name, justify="right")
+    for c in comparisons:
+        r = c.row
+        table.add_row(str(r.gpus), str(r.tp), str(r.cp), str(r.pp), str(r.dp), str(r.sequence), str(r.global_batch),
+                      f"{r.paper_tflops:g}", f"{c.predicted_tflops:.1f}", f"{100 * c.error:+.1f}%",
+                      _gb(c.as_run.total_bytes), "yes" if c.as_run.fits else "no",
+                      "-" if c.rank is None else str(c.rank + 1), f"{c.planned_tflops:.1f}")
+    console.print(table)
+    console.print("  predicted = the published layout as the paper ran it (micro-batch 1, no recomputation, SP, "
+                  "gradients and optimizer state sharded, interleaved with V = 8 and the short end stages); rank = "
+                  "its place among the fitting layouts the planner finds with --pipeline 16; planner's TF = the "
+                  "planner's own best option for that layout; TFLOP/s in PaLM's MFU count (the paper's)")

@@ -59,6 +59,22 @@ def pipeline_layers(num_layers: int, pp: int, virtual: int, first: int = 0, last
     return stage_layers(num_layers, pp * virtual, first, last)
 
 
+def trimmed_split(num_layers: int, pp: int, virtual: int) -> bool:
+    """Whether Llama 3's split applies (`trimmed_layers`): P > 1 and L + 2 a multiple of the P x V stages."""
+    return pp > 1 and (num_layers + 2) % (pp * virtual) == 0
+
+
+def trimmed_layers(num_layers: int, pp: int, virtual: int) -> list[list[int]]:
+    """Layer indices of the P x V stages of Llama 3's split (its paper, section 3.3.2): the first and the last
+    stage hold one layer fewer than the others, n = (L + 2) / (P V) each, so that the embedding and the output
+    layer with the loss take a layer's place; at n = 1 the first stage holds only the embedding and the last
+    only the output layer."""
+    per_stage = (num_layers + 2) // (pp * virtual)
+    counts = [per_stage - 1] + [per_stage] * (pp * virtual - 2) + [per_stage - 1]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [list(range(start, start + n)) for start, n in zip(starts, counts)]
+
+
 @dataclass(frozen=True)
 class RankStages:
     """What one pipeline rank holds."""

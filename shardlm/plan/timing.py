@@ -49,7 +49,12 @@
   softmax and dropout kernels, 11 bytes per score forward and 11 backward (again when recomputing),
   at the HBM bandwidth.
 
-The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`.
+- `kernels` (`--implementation megatron-core`, `kernels.CORE_KERNELS`): the attention core by a causal flash
+  kernel's executed FLOPs at its own measured rates, context parallelism by an exposed K/V all-gather, and
+  the distributed optimizer's reduce-scatter overlapped with the backward also under a pipeline.
+
+The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`; the Hopper constants
+in `generations.HOPPER_CALIBRATION`.
 """
 
 from __future__ import annotations
@@ -57,10 +62,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
-from shardlm.plan.context import ring_seconds
+from shardlm.plan.context import allgather_seconds, ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec
+from shardlm.plan.kernels import SC21_KERNELS, Kernels
 from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
 from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
@@ -98,6 +104,11 @@ class Calibration:
     memory_efficiency: float = 1.0
     """Achieved fraction of the HBM bandwidth in memory-bound kernels (elementwise passes, optimizer);
     1.0 in the 2019 fit, fitted on the SC21 table (`shardlm.plan.sc21`)."""
+    attention_efficiency: float = 0.0
+    """Fraction of peak FLOP/s a flash-attention kernel's forward reaches on the attention core (QK^T, PV), used
+    with `kernels.CORE_KERNELS`; 0: at `compute_efficiency` like the GEMMs (`generations.HOPPER_CALIBRATION`)."""
+    attention_backward_efficiency: float = 0.0
+    """The same for the flash kernel's backward (0: `compute_efficiency`)."""
 
 
 # Fitted in this order by `shardlm.plan.paper.fit_calibration` (a test keeps them in sync):
@@ -140,6 +151,9 @@ class Layout:
     full_sharding: bool = False
     """FSDP (`train.data_sharding = "full"`): parameters, gradients and optimizer state sharded over DP,
     each layer gathered for its forward and backward (`shardlm.plan.fsdp`); excludes `distributed_optimizer`."""
+    end_trim: bool = False
+    """The first and the last pipeline stage hold one layer fewer than the others (their embedding and output
+    layer take its place: Llama 3's stage split, `stages.trimmed_layers`; planned for megatron-core)."""
     fsdp_shard_size: int = 0
     """Hybrid sharding (`train.fsdp_shard_size` = S, with `full_sharding`): units sharded within groups of S
     consecutive DP x CP ranks and replicated across the groups; 0 shards over all DP x CP ranks."""
@@ -284,16 +298,20 @@ def dp_comm_seconds(params: ParameterCount, layout: Layout, gpu: GPUSpec, fmt: N
 
 
 def context_ring_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                         calibration: Calibration) -> tuple[float, float]:
+                         calibration: Calibration, kernels: Kernels = SC21_KERNELS) -> tuple[float, float]:
     """(exposed, total) ring seconds of one layer and micro-batch (`shardlm.plan.context.ring_seconds`) on
     `cfg`'s full sequence: NVLink while the CP group's TP x C GPUs fit in a server, else this GPU's share of
-    the node's network."""
+    the node's network. With `kernels.cp_allgather`: Llama 3's exposed all-gather (`context.allgather_seconds`)."""
     if layout.cp == 1:
         return 0.0, 0.0
     intra, inter = _direction_bandwidth(gpu, calibration)
     across = layout.tp * layout.cp > gpu.gpus_per_node
     bandwidth = inter / gpu.gpus_per_node if across else intra
     latency = calibration.inter_node_latency_s if across else calibration.intra_node_latency_s
+    if kernels.cp_allgather:
+        exposed = allgather_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes,
+                                    layout.checkpointing, bandwidth, latency)
+        return exposed, exposed
     flops_per_s = gpu.peak_tflops * 1e12 * calibration.compute_efficiency
     return ring_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes, layout.checkpointing,
                         bandwidth, latency, flops_per_s)
@@ -310,7 +328,8 @@ def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> flo
 
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
               params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
-              scatter_gather: bool = False, units: FSDPUnits | None = None) -> StepTime:
+              scatter_gather: bool = False, units: FSDPUnits | None = None, kernels: Kernels = SC21_KERNELS
+              ) -> StepTime:
     """Predicted time of one optimizer step of `global_batch` sequences on `layout`; `params` are the
     busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
     the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers. `units`: with
@@ -322,8 +341,19 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
         flops += 4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
     layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
+    if layout.end_trim:  # first and last stage one layer short: the other ranks hold (L + 2) / P
+        layers = -(-(cfg.num_layers + 2) // layout.pp)
     imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
-    compute = flops * imbalance / layout.gpus / (gpu.peak_tflops * 1e12 * calibration.compute_efficiency)
+    peak = gpu.peak_tflops * 1e12
+    compute = flops / (peak * calibration.compute_efficiency)
+    if kernels.causal_skip:  # the attention core by the flash kernel's own FLOPs and rates
+        gemm = calibration.compute_efficiency
+        counted = kernels.counted_attention_flops(full_sequence, global_batch, layout.checkpointing)
+        compute -= counted / (peak * gemm)
+        compute += kernels.attention_seconds(full_sequence, global_batch, layout.checkpointing, peak,
+                                             calibration.attention_efficiency or gemm,
+                                             calibration.attention_backward_efficiency or gemm)
+    compute *= imbalance / layout.gpus
 
     passes = ELEMENTWISE_PASSES_FORWARD * (2 if layout.checkpointing else 1) + ELEMENTWISE_PASSES_BACKWARD
     tokens = layout.micro_batch * cfg.seq_length
@@ -339,7 +369,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
     ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration)
     cp_exposed, cp_ring = (accumulation * layers * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
-                                                                                   calibration))
+                                                                                   calibration, kernels))
     bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm
                                                                            + cp_exposed)
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
@@ -361,7 +391,9 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     else:
         dp_comm = dp_comm_seconds(params, layout, gpu, fmt, calibration)
         last_backward = backward_share * (compute + elementwise + tp_comm + ep_comm + cp_exposed) / accumulation
-        dp_exposed = dp_comm - (0.0 if layout.pp > 1 else min(calibration.dp_overlap * dp_comm, last_backward))
+        hidden = 0.0 if layout.pp > 1 and not kernels.dp_overlap_pipeline else min(calibration.dp_overlap * dp_comm,
+                                                                                      last_backward)
+        dp_exposed = dp_comm - hidden
     return StepTime(compute_s=compute, elementwise_s=elementwise, tp_comm_s=tp_comm, optimizer_s=optimizer,
                     dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, model_flops=flops, bubble_s=bubble,
                     p2p_s=p2p, ep_comm_s=ep_comm, cp_comm_s=cp_exposed, cp_ring_s=cp_ring)

@@ -1,0 +1,64 @@
+"""What an implementation's kernels and runtime change in the step time without changing the FLOP count.
+
+The 2019 and SC21 runs (`SC21_KERNELS`) computed attention over the full s x s scores and ran every TP
+collective between two GEMMs. Today's Megatron-Core and Meta's Llama 3 stack (`CORE_KERNELS`,
+`--implementation megatron-core`) differ in three ways, each from a published description:
+
+- causal flash attention (Dao 2023, FlashAttention-2, section 3.1.1 "causal masking": blocks whose
+  keys all follow their queries are skipped, about half of them at long sequences) executes half of
+  the attention core's 4 s^2 a FLOPs per layer and sequence (QK^T and PV) forward, and 2.5x that
+  backward (it recomputes QK^T), at the kernel's own measured rates (`Calibration.attention_efficiency`,
+  `attention_backward_efficiency`); the reported TFLOP/s still count the full square, 12 l a s per
+  token, as PaLM's MFU (Chowdhery et al. 2023, appendix B) that the Llama 3 paper cites does;
+- context parallelism by all-gathering K and V before attention and reduce-scattering their gradients,
+  exposed (the Llama 3 paper, section 3.3.2, chose it over the ring for document masks; GQA keeps K and V
+  small), instead of shardlm's ring hidden behind the attention blocks (`context.allgather_seconds`);
+- the distributed optimizer's reduce-scatter overlapped with the backward also under a pipeline
+  (Megatron-Core's `--overlap-grad-reduce` with interleaving; Meta's FSDP overlaps it too): the
+  calibrated `dp_overlap` fraction hides behind the last micro-batch's backward, as without a pipeline.
+
+The TP collectives stay on the critical path in both: Megatron-Core overlaps them only with
+`--tp-comm-overlap` (off by default), and the Llama 3 paper describes no such overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Time-relevant behaviour of one implementation's kernels and runtime."""
+
+    causal_skip: bool = False
+    """Attention skips the masked half of the s x s blocks (flash attention with a causal mask)."""
+    cp_allgather: bool = False
+    """Context parallelism all-gathers K and V before attention (exposed) instead of a ring hidden behind it."""
+    dp_overlap_pipeline: bool = False
+    """The gradient reduce-scatter overlaps the backward also with pipeline stages."""
+
+    def counted_attention_flops(self, cfg: ModelConfig, global_batch: int, recompute: bool) -> float:
+        """The attention core's FLOPs in `flops_per_step`: 4 s^2 a per layer and sequence forward (QK^T and PV,
+        a = heads x head size), 3x with the backward, 4x when the layers' forward is recomputed."""
+        width = cfg.num_heads * cfg.attention_head_dim if cfg.arch == "llama" else cfg.hidden_size
+        return (4 if recompute else 3) * 4 * global_batch * cfg.seq_length ** 2 * width * cfg.num_layers
+
+    def attention_seconds(self, cfg: ModelConfig, global_batch: int, recompute: bool, peak_flops: float,
+                          forward_efficiency: float, backward_efficiency: float) -> float:
+        """GPU-seconds of the step's attention core under a causal flash kernel (`causal_skip`): the forward
+        executes half of 4 s^2 a per layer and sequence (again when recomputing), at `forward_efficiency` x
+        `peak_flops`; the backward 2.5x the forward's FLOPs (it recomputes QK^T: five GEMMs to the forward's
+        two, Dao 2023, FlashAttention-2, section 3.1.2), at `backward_efficiency` x `peak_flops`."""
+        forward = self.counted_attention_flops(cfg, global_batch, False) / 3 / 2
+        passes = 2 if recompute else 1
+        return passes * forward / (forward_efficiency * peak_flops) + 2.5 * forward / (backward_efficiency * peak_flops)
+
+
+SC21_KERNELS = Kernels()
+"""Megatron-LM 2019 / 2021 (and shardlm's planning today): full-square attention FLOPs, DP after the flush."""
+CORE_KERNELS = Kernels(causal_skip=True, cp_allgather=True, dp_overlap_pipeline=True)
+"""Megatron-Core (2024) and Meta's Llama 3 stack: causal flash attention, CP by an exposed K/V all-gather, the
+gradient reduce-scatter overlapped."""
+
