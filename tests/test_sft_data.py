@@ -1,4 +1,4 @@
-"""SFT data: records, chat-template rendering and loss masks.
+"""SFT data: records, chat-template rendering and loss masks, packing, per-document attention.
 
 The reference renderer is transformers' `apply_chat_template` with the same tokenizer directory (the real
 Qwen3 tokenizer in shared data); expected masks are derived from the records' own text.
@@ -10,10 +10,13 @@ import json
 import unicodedata
 
 import pytest
+import torch
 
 from shardlm.errors import UserError
+from shardlm.sft.attention import block_causal_mask, document_causal_attention, reference_document_attention
+from shardlm.sft.packing import IGNORE_INDEX, PackedRows, check_targets, collate, plan_bins, shift_labels
 from shardlm.sft.records import ALPACA, Conversation, InstructionFields, load_conversations, to_conversation
-from shardlm.sft.template import ChatTemplate, tokenize_conversations
+from shardlm.sft.template import ChatTemplate, TokenizedConversation, tokenize_conversations
 
 THINK = "<think>\n\n</think>\n\n"
 END = "<|im_end|>"
@@ -249,3 +252,133 @@ def test_template_errors_are_one_line(chat_dir, template, tmp_path):
     silent = with_source("{% for m in messages %}{% if m.role == 'user' %}{% generation %}"
                                    "{% endgeneration %}{{ m.content }}{% endif %}{% endfor %}")
     _one_line_error(lambda: silent.tokenize(Conversation(messages, "f.jsonl:2")), "f.jsonl:2", "no assistant token")
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_shift_labels_by_hand():
+    assert shift_labels([10, 11, 12, 13, 14], [0, 0, 1, 1, 0]) == [-100, 12, 13, -100, -100]
+    assert shift_labels([7], [1]) == [-100]
+
+
+def test_bfd_plan_by_hand():
+    # lengths 4, 2, 3, 1 in rows of 4: 4 alone; 3 opens a row; 2 opens a row; 1 fits best beside 3 (room 1)
+    assert plan_bins([4, 2, 3, 1], 4, "bfd") == [[0], [2, 3], [1]]
+    assert plan_bins([2, 2, 3, 1, 2], 4, "bfd") == [[2, 3], [0, 1], [4]]
+    assert plan_bins([4, 2, 3, 1], 4, "greedy") == [[0], [1], [2, 3]]
+    assert plan_bins([4, 2, 3, 1], 4, "pad") == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "greedy", "pad"])
+def test_packed_rows_keep_each_document_intact(docs, strategy):
+    seq_length, pad_id = 512, 151643
+    packed = PackedRows(docs, seq_length, strategy, pad_id=pad_id, seed=7)
+    rows = packed.rows(0)
+    seen = []
+    for row in rows:
+        offsets = row.cu_seqlens.tolist()
+        assert row.cu_seqlens.dtype == torch.int32 and offsets[0] == 0 and offsets[-1] == seq_length
+        assert row.input_ids.shape == row.labels.shape == row.position_ids.shape == (seq_length,)
+        assert row.labels.dtype == torch.long
+        for j, (a, e) in enumerate(zip(offsets, offsets[1:])):
+            assert row.position_ids[a:e].tolist() == list(range(e - a))
+            if j == len(row.documents):  # the padding tail
+                assert set(row.input_ids[a:e].tolist()) == {pad_id} and set(row.labels[a:e].tolist()) == {-100}
+                continue
+            doc = docs[row.documents[j]]
+            ids, mask = doc.input_ids[:seq_length], doc.loss_mask[:seq_length]
+            assert row.input_ids[a:e].tolist() == ids
+            expected = [ids[t + 1] if mask[t + 1] else -100 for t in range(len(ids) - 1)] + [-100]
+            assert row.labels[a:e].tolist() == expected
+        seen += row.documents
+    too_long = [i for i, d in enumerate(docs) if len(d.input_ids) > seq_length]
+    lost = [i for i in too_long if not any(docs[i].loss_mask[1:seq_length])]
+    assert sorted(seen) == [i for i in range(len(docs)) if i not in lost]
+    stats = packed.stats
+    assert (stats.rows, stats.dropped, stats.truncated) == (len(rows), len(lost), len(too_long) - len(lost))
+    real = sum(min(len(d.input_ids), seq_length) for i, d in enumerate(docs) if i not in lost)
+    assert stats.efficiency == pytest.approx(real / (len(rows) * seq_length))
+    assert stats.targets == sum(int((r.labels != -100).sum()) for r in rows)
+    if strategy == "pad":
+        assert len(rows) == len(seen)
+
+
+def test_bfd_is_denser_than_greedy_and_drop_counts(docs):
+    bfd = PackedRows(docs, 512, "bfd", seed=0).stats
+    greedy = PackedRows(docs, 512, "greedy", seed=0).stats
+    assert bfd.rows < greedy.rows and bfd.efficiency > 0.95 > greedy.efficiency
+    dropped = PackedRows(docs, 512, "bfd", overflow="drop", seed=0).stats
+    assert dropped.dropped == sum(len(d.input_ids) > 512 for d in docs) and dropped.truncated == 0
+    assert "rows" in bfd.summary() and "dropped" in bfd.summary()
+
+
+def test_packing_order_is_seeded_and_resumable(docs):
+    subset = docs[:60]
+    first = PackedRows(subset, 256, "bfd", seed=1)
+    again = PackedRows(subset, 256, "bfd", seed=1)
+    other = PackedRows(subset, 256, "bfd", seed=2)
+    assert first.plan(0) == again.plan(0) and first.plan(0) != other.plan(0) and first.plan(0) != first.plan(1)
+    per_epoch = len(first.plan(0))
+    stream = iter(first)
+    seen = [next(stream) for _ in range(per_epoch + 3)]
+    assert first.state_dict() == {"epoch": 1, "index": 3}
+    assert [r.documents for r in seen[:per_epoch]] == first.plan(0)
+    state = first.state_dict()
+    expected = [next(stream).documents for _ in range(per_epoch)]  # runs into epoch 2
+    resumed = PackedRows(subset, 256, "bfd", seed=1)
+    resumed.load_state_dict(state)
+    got = iter(resumed)
+    assert [next(got).documents for _ in range(per_epoch)] == expected
+    in_order = PackedRows(subset, 4096, "greedy", seed=None)
+    assert [i for b in in_order.plan(0) for i in b] == list(range(60)) == [i for b in in_order.plan(3) for i in b]
+
+
+def test_collate_and_empty_batch_is_an_error(docs):
+    rows = PackedRows(docs[:20], 256, "bfd", seed=0).rows()
+    batch = collate(rows[:2])
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, 256)
+    assert len(batch["cu_seqlens"]) == 2 and check_targets(batch["labels"]) > 0
+    _one_line_error(lambda: check_targets(torch.full((2, 8), IGNORE_INDEX), "micro-batch 3"), "micro-batch 3",
+                    "no assistant token")
+    _one_line_error(lambda: PackedRows([TokenizedConversation([1, 2, 3], [0, 0, 1])], 2), "no conversation")
+    _one_line_error(lambda: PackedRows(docs[:2], 64, "best"), "strategy 'best'")
+
+
+# ---------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_document_attention_matches_dense_block_causal(kv_heads):
+    torch.manual_seed(0)
+    batch, heads, length, dim = 3, 4, 48, 8
+    q = torch.randn(batch, heads, length, dim, requires_grad=True)
+    k = torch.randn(batch, kv_heads, length, dim, requires_grad=True)
+    v = torch.randn(batch, kv_heads, length, dim, requires_grad=True)
+    cu = [torch.tensor(x, dtype=torch.int32) for x in ([0, 5, 20, 48], [0, 48], [0, 5, 20, 48])]
+    out = document_causal_attention(q, k, v, cu)
+    ref = reference_document_attention(q, k, v, cu)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # one document's output depends on its own keys only, and a row with one document is plain causal attention
+    k2 = k.detach().clone()
+    k2[:, :, :5] += torch.randn_like(k2[:, :, :5])
+    changed = document_causal_attention(q, k2, v, cu)
+    torch.testing.assert_close(changed[::2, :, 5:], out[::2, :, 5:])  # rows 0 and 2: documents from 5 on
+    assert not torch.allclose(changed[0, :, :5], out[0, :, :5]) and not torch.allclose(changed[1], out[1])
+    rep = heads // kv_heads
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q[1:2], k[1:2].repeat_interleave(rep, 1), v[1:2].repeat_interleave(rep, 1), is_causal=True)
+    torch.testing.assert_close(out[1:2], plain, atol=1e-6, rtol=1e-6)
+    shared = document_causal_attention(q, k, v, cu[0])
+    torch.testing.assert_close(shared[0], out[0])
+
+
+def test_block_causal_mask_by_hand():
+    mask = block_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32), 1, 3)[0, 0]
+    assert mask.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+    with pytest.raises(ValueError):
+        document_causal_attention(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2),
+                                  torch.tensor([0, 2]))
