@@ -202,6 +202,11 @@ def test_multi_turn_mask_and_what_qwen3_does_with_earlier_reasoning(template, hf
     pieces = [_decode(hf_tokenizer, doc.input_ids[s:e]) for s, e in _runs(doc.loss_mask)]
     assert pieces == [a["response"] + END, b["response"] + END,
                       "<think>\nLAST-REASONING\n</think>\n\n" + c["response"] + END]
+    # enable_thinking=False puts the empty think block into the prompt, so it is not trained; in a multi-turn
+    # conversation that prompt is not a prefix of the earlier turns (rendered without it): a one-line error
+    single = template.tokenize([*messages[:2], {"role": "assistant", "content": a["response"]}], enable_thinking=False)
+    assert [_decode(hf_tokenizer, single.input_ids[s:e]) for s, e in _runs(single.loss_mask)] == [a["response"] + END]
+    _one_line_error(lambda: template.tokenize(messages, enable_thinking=False), "differently", "generation")
     # as prompt/completion only the completion is trained
     completion = template.tokenize(Conversation(messages, "pc", train_from=6))
     assert completion.input_ids == doc.input_ids
