@@ -213,6 +213,37 @@ def test_multi_turn_mask_and_what_qwen3_does_with_earlier_reasoning(template, hf
     assert [_decode(hf_tokenizer, completion.input_ids[s:e]) for s, e in _runs(completion.loss_mask)] == pieces[2:]
 
 
+def test_a_token_across_the_prompt_boundary_is_trained(template, hf_tokenizer):
+    """A reply that starts with a newline (kept by Qwen3 in turns before the last user turn) merges with the
+    prompt's last newline into one token: the ids of the prompt alone are then no prefix of the conversation's,
+    but its text is, and the merged token is trained."""
+    messages = [{"role": "user", "content": "Name a fish."}, {"role": "assistant", "content": "\nTope"},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Cod"}]
+    doc = template.tokenize(messages)
+    reference = hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert doc.input_ids == list(reference)
+    prompt = hf_tokenizer.apply_chat_template(messages[:1], tokenize=True, return_dict=True, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"])
+    assert doc.input_ids[:len(prompt)] != prompt  # token prefix comparison would fail here
+    (s1, e1), (s2, e2) = _runs(doc.loss_mask)
+    assert s1 == len(prompt) - 1 and _decode(hf_tokenizer, doc.input_ids[s1:e1]) == "\n\nTope" + END
+    assert _decode(hf_tokenizer, doc.input_ids[s2:e2]) == THINK + "Cod" + END
+
+
+def test_template_from_chat_template_jinja(chat_dir, tmp_path, hf_tokenizer):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").symlink_to(chat_dir / "qwen3" / "tokenizer.json")
+    config = json.loads((chat_dir / "qwen3" / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(TAGGED)
+    loaded = ChatTemplate.from_dir(folder)
+    assert loaded.source == TAGGED and loaded.mask_method == "generation-tags"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert loaded.render(messages) == hf_tokenizer.apply_chat_template(messages, chat_template=TAGGED, tokenize=False)
+
+
 def test_generation_tags_mask_matches_transformers(chat_dir, hf_tokenizer, conversations):
     tagged = ChatTemplate.from_dir(chat_dir / "qwen3", template=TAGGED)
     assert tagged.mask_method == "generation-tags"

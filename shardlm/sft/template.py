@@ -14,10 +14,14 @@ The loss mask (1 = the token is a training target) is found in one of two ways:
 - `generation-tags`: the template marks assistant output with `{% generation %}...{% endgeneration %}`;
   every token overlapping a marked span is trained (what `return_assistant_tokens_mask=True` gives).
 - `prefix` (templates without tags, Qwen3's among them): for each trained assistant turn i, the
-  conversation before it is rendered with `add_generation_prompt=True` and tokenized; those ids must be a
-  prefix of the full conversation's ids (else one-line error). The turn's tokens run from there up to and
-  including the first end-of-turn token (`eos_token` of `tokenizer_config.json`, e.g. `<|im_end|>`); the
-  newline the template writes after it, and everything up to the next assistant turn, is not trained.
+  conversation before it is rendered with `add_generation_prompt=True`; that text must be a prefix of the
+  whole conversation's text (else one-line error: the template renders earlier turns differently once the
+  conversation goes on). The turn's tokens run from the first token that reaches past that prefix up to
+  and including the first end-of-turn token (`eos_token` of `tokenizer_config.json`, e.g. `<|im_end|>`);
+  the newline the template writes after it, and everything up to the next assistant turn, is not trained.
+  Comparing text and then token offsets gives the same start as comparing the prompt's token ids with the
+  conversation's, and still works when a token spans the boundary (a reply that starts with a newline
+  joins the prompt's last newline into one token, which is then trained, as TRL and generation tags do).
 """
 
 from __future__ import annotations
@@ -246,10 +250,13 @@ class ChatTemplate:
         messages, where = conversation.messages, conversation.where
         if self.mask_method == "generation-tags":
             text, spans = self.render_with_spans(messages, **template_kwargs)
-            encoding = self.tokenizer.encode(text, add_special_tokens=False)
-            ids, mask = encoding.ids, [0] * len(encoding.ids)
+        else:
+            text, spans = self.render(messages, **template_kwargs), []
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids, offsets, mask = encoding.ids, encoding.offsets, [0] * len(encoding.ids)
+        if self.mask_method == "generation-tags":
             span = 0
-            for t, (start, end) in enumerate(encoding.offsets):
+            for t, (start, end) in enumerate(offsets):
                 while span < len(spans) and start >= spans[span][1]:
                     span += 1
                 if span == len(spans):
@@ -257,15 +264,13 @@ class ChatTemplate:
                 if end > spans[span][0]:
                     mask[t] = 1
             if conversation.train_from > 0:
-                cut = self._prompt_length(messages, conversation.train_from, ids, where, template_kwargs)
+                cut = self._turn_start(messages, conversation.train_from, text, offsets, where, template_kwargs)
                 mask[:cut] = [0] * cut
         else:
-            ids = self.encode(self.render(messages, **template_kwargs))
-            mask = [0] * len(ids)
             for i, message in enumerate(messages):
                 if i < conversation.train_from or message.get("role") != "assistant":
                     continue
-                start = self._prompt_length(messages, i, ids, where, template_kwargs)
+                start = self._turn_start(messages, i, text, offsets, where, template_kwargs)
                 try:
                     end = ids.index(self.end_of_turn_id, start)
                 except ValueError:
@@ -276,13 +281,14 @@ class ChatTemplate:
             raise UserError(f"{where}: no assistant token to train on after applying the {self.name}")
         return TokenizedConversation(ids, mask, where)
 
-    def _prompt_length(self, messages, i: int, ids: list[int], where: str, template_kwargs) -> int:
-        prompt = self.encode(self.render(messages[:i], add_generation_prompt=True, **template_kwargs))
-        if ids[:len(prompt)] != prompt:
+    def _turn_start(self, messages, i: int, text: str, offsets, where: str, template_kwargs) -> int:
+        """Index of the first token past the rendering of `messages[:i]` plus the generation prompt."""
+        prompt = self.render(messages[:i], add_generation_prompt=True, **template_kwargs)
+        if not text.startswith(prompt):
             raise UserError(f"{where}: the {self.name} renders the conversation before message {i} differently "
                             "when it continues, so the assistant turn cannot be found by prefix; add "
                             "{% generation %} tags to the template")
-        return len(prompt)
+        return next((t for t, (_, end) in enumerate(offsets) if end > len(prompt)), len(offsets))
 
 
 def tokenize_conversations(template: ChatTemplate, conversations: list[Conversation],
