@@ -20,18 +20,6 @@ import torch
 from shardlm.config import DataConfig
 from shardlm.errors import UserError
 from shardlm.parallel.context import zigzag_split
-from shardlm.paths import shared_data_dir
-
-
-def build_tokenizer_for(data: DataConfig):
-    """The tokenizer a data config names (GPT-2 files default to the shared vocabulary)."""
-    from shardlm.data.tokenizers import build_tokenizer
-
-    vocab, merges = data.vocab_file, data.merges_file
-    if data.tokenizer == "gpt2":
-        vocab = vocab or str(shared_data_dir() / "vocab" / "gpt2" / "encoder.json")
-        merges = merges or str(shared_data_dir() / "vocab" / "gpt2" / "vocab.bpe")
-    return build_tokenizer(data.tokenizer, vocab_file=vocab or None, merges_file=merges or None)
 
 
 def text_file_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int):
