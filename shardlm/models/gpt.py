@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.data.zigzag import local_positions
+from shardlm.models.attention import causal_attention
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-exported for callers)
     DecoderLM,
@@ -45,7 +47,6 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
 )
 from shardlm.models.moe import mlp_or_moe
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
-from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
@@ -62,6 +63,7 @@ class ParallelAttention(nn.Module):
         self.heads = cfg.num_heads // ctx.tp_size
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.dropout = cfg.attention_dropout_p
+        self.context_exchange = ctx.context_exchange
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ctx.tp, std=cfg.init_std,
                                         seed=param_seed(seed, f"{prefix}.qkv"), device=ctx.device,
@@ -72,15 +74,9 @@ class ParallelAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal, with attention dropout when training. Each (B, heads/tp, T, d).
-        Under context parallelism T is this rank's zigzag part, and the keys and values of the other CP
-        ranks come around the ring (`context_parallel_attention`)."""
-        if self.ctx.cp_size > 1:
-            return context_parallel_attention(q, k, v, self.ctx.cp, exchange=self.ctx.context_exchange,
-                                              dropout_p=self.dropout if self.training else 0.0)
-        if self.training and self.dropout > 0:
-            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        Under context parallelism T is this rank's zigzag part (`causal_attention`)."""
+        return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones,

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.data.zigzag import local_positions
+from shardlm.models.attention import causal_attention
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (
     DecoderLM,
@@ -54,7 +56,6 @@ from shardlm.parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
 )
-from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
@@ -114,6 +115,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.attention_head_dim
         self.theta = cfg.rope_theta
         self.dropout = cfg.attention_dropout_p
+        self.context_exchange = ctx.context_exchange
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         width = cfg.num_heads * self.head_dim  # hidden_size unless head_dim is set
         self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=False, std=cfg.init_std,
@@ -176,15 +178,9 @@ class LlamaAttention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v with attention dropout when training; q (B, heads/tp, T, d),
         k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d). Under context parallelism T is
-        this rank's zigzag part, and only the KV heads travel around the ring (`context_parallel_attention`)."""
-        if self.ctx.cp_size > 1:
-            return context_parallel_attention(q, k, v, self.ctx.cp, exchange=self.ctx.context_exchange,
-                                              dropout_p=self.dropout if self.training else 0.0)
-        gqa = k.shape[1] != self.heads
-        if self.training and self.dropout > 0:
-            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        this rank's zigzag part, and only the KV heads travel around the ring (`causal_attention`)."""
+        return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng)
 
 
 class SwiGLU(nn.Module):

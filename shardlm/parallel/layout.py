@@ -152,7 +152,7 @@ class ParallelContext:
     which expert gradients are reduced. With E = 1, `ep` has one rank and `expert_dp` is `dp_cp`.
 
     Context parallelism (`parallel.context` = C): `cp` is the group of C ranks that hold the zigzag parts
-    of the same sequences (`shardlm.parallel.context`), `dp_cp` the data x context group over which
+    of the same sequences (`shardlm.data.zigzag`), `dp_cp` the data x context group over which
     parameter gradients are reduced and the distributed optimizer shards. With C = 1, `cp` has one rank
     and `dp_cp` is `dp`.
     """
@@ -174,7 +174,7 @@ class ParallelContext:
     cp: Communicator | None = None
     dp_cp: Communicator | None = None
     context_exchange: str = "ring"
-    """How attention moves keys and values over `cp`: "ring" or "allgather" (`shardlm.parallel.context`)."""
+    """How attention moves keys and values over `cp`: "ring" or "allgather" (`shardlm.parallel.ring_attention`)."""
 
     def __post_init__(self):
         if self.pp is None:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from shardlm.config import DataConfig
+from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
-from shardlm.parallel.context import zigzag_split
 
 
 def text_file_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int):
@@ -83,6 +83,6 @@ def micro_batches(dataset, first_sample: int, global_batch: int, micro_batch: in
 
 def context_parallel_part(batch: torch.Tensor, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A (b, T + 1) token micro-batch -> context-parallel rank r's (inputs, targets), each (b, T / C): the
-    next-token pairs of chunks r and 2C-1-r of 2C (`shardlm.parallel.context.zigzag_split`). Positions are
+    next-token pairs of chunks r and 2C-1-r of 2C (`shardlm.data.zigzag.zigzag_split`). Positions are
     the model's business (`zigzag_positions`)."""
     return zigzag_split(batch[:, :-1], cp_size, cp_rank), zigzag_split(batch[:, 1:], cp_size, cp_rank)
