@@ -25,7 +25,8 @@ from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_proc
 from shardlm.training.cpu_precision import precision_warning
 from shardlm.training.data import build_datasets
 from shardlm.training.logging import RunLogger
-from shardlm.training.trainer import Trainer, check_can_compile, perplexity
+from shardlm.training.parallelize import check_can_compile
+from shardlm.training.trainer import Trainer, perplexity
 from shardlm.validation import validate
 
 
