@@ -236,14 +236,14 @@ class MoELayer(nn.Module):
     (`finish_step`), except a recomputation in the backward."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
-                 gated: bool, shared: nn.Module | None = None):
+                 gated: bool, shared: nn.Module | None = None, dispatcher: str = "all_to_all"):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
         self.router = Router(cfg, ctx, seed, f"{prefix}.router", self.sequence_parallel)
         self.experts = GroupedExperts(cfg, ctx, seed, prefix, gated)
         self.shared = shared
-        self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, ctx.expert_dispatcher)
+        self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, dispatcher)
         self.token_groups = tuple(group for group, holds_chunks in ((ctx.tp, self.sequence_parallel),
                                                                     (ctx.cp, ctx.cp_size > 1)) if holds_chunks)
         """The groups over which the routing statistics are summed: their ranks hold the micro-batch's other tokens."""
@@ -280,10 +280,11 @@ class MoELayer(nn.Module):
 
 
 def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
-               sequence_parallel: bool, gated: bool) -> nn.Module:
+               sequence_parallel: bool, gated: bool, dispatcher: str = "all_to_all") -> nn.Module:
     """Layer `index`'s MLP: the family's dense `dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)` (GPT's
     `ParallelMLP`, Llama's `SwiGLU`), or where `cfg.is_moe_layer(index)` an `MoELayer` of experts of that
-    kind (`gated`: SwiGLU), its shared experts one dense MLP of their total width."""
+    kind (`gated`: SwiGLU), its shared experts one dense MLP of their total width, its tokens moved over the
+    expert-parallel group by `dispatcher` ("all_to_all" or "all_gather")."""
     prefix = f"layers.{index}.mlp"
     if not cfg.is_moe_layer(index):
         return dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)
@@ -291,7 +292,7 @@ def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, ind
     if cfg.moe_shared_experts:
         width = cfg.moe_shared_experts * cfg.moe_ffn_size
         shared = dense_mlp(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
-    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=gated, shared=shared)
+    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=gated, shared=shared, dispatcher=dispatcher)
 
 
 # ------------------------------------------------------------------------------------------- the trainer's

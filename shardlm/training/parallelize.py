@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models import build_model
+from shardlm.models.config import ParallelOptions
 from shardlm.parallel import ParallelContext
 from shardlm.training.gradients import expert_gradient_divisor, is_split_expert
 from shardlm.training.optim import build_optimizer
@@ -108,8 +109,10 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
         from shardlm.training.pipeline import PipelineRunner, pipeline_layout
 
         layers, stage_ids = pipeline_layout(config, ctx)
+    options = ParallelOptions(expert_dispatcher=p.expert_dispatcher, context_exchange=p.cp_comm)
     model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
-                        layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]])
+                        layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]],
+                        options=options)
     if t.compile:  # 2.
         compile_layers(model, ctx.device)
     pipeline = None

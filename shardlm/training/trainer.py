@@ -81,8 +81,6 @@ class Trainer:
         t = config.train
         ctx.seed(t.seed)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-        ctx.expert_dispatcher = config.parallel.expert_dispatcher
-        ctx.context_exchange = config.parallel.cp_comm
         if config.parallel.context != ctx.cp_size:  # a setting silently dropped would train another layout
             raise UserError(f"parallel.context={config.parallel.context} but the process groups have "
                             f"{ctx.cp_size} context-parallel rank(s); build them with context_parallel="
