@@ -33,7 +33,6 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models import training_loss
 from shardlm.models.config import flops_per_step
-from shardlm.models.moe import finish_step, set_aux_loss_scale
 from shardlm.parallel import ParallelContext
 from shardlm.training.data import context_parallel_part, micro_batches
 from shardlm.training.gradients import (
@@ -43,6 +42,7 @@ from shardlm.training.gradients import (
     sum_sequence_parallel_gradients,
 )
 from shardlm.training.loss_scaler import DynamicLossScaler
+from shardlm.training.moe import finish_step, set_aux_loss_scale
 from shardlm.training.optim import clip_grad_norm, learning_rate
 from shardlm.training.parallelize import HALF, parallelize
 
@@ -148,7 +148,7 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = torch.zeros((), device=ctx.device)
         if self.moe:  # the MoE losses' gradients get the micro-batch loss's factor
-            set_aux_loss_scale(self.model, scale / len(batches))
+            set_aux_loss_scale(self.model, ctx, scale, len(batches))
         if self.pipeline is not None:
             with self.autocast():
                 loss_sum = self.pipeline.forward_backward(batches, scale)
