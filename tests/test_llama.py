@@ -9,6 +9,7 @@ recomputation run the forward again in the backward and give the run without rec
 checkpoint saved at TP=4 loads at TP=1 and TP=2, one saved at TP=2 loads at TP=4. Worlds: one of 2
 processes, one of 4.
 """
+
 from __future__ import annotations
 
 import pytest
