@@ -180,7 +180,7 @@ def _validate_context(m: ModelConfig, p: ParallelConfig) -> None:
     """`parallel.context` and `parallel.cp_comm`: the zigzag split's sequence multiple, no attention dropout,
     decoder models only (one-line errors naming the key). MoE models are fine: their routing statistics are
     summed over CP (`shardlm.models.moe`), experts split over DP x CP (`parallel.expert`, checked by the caller)."""
-    from shardlm.parallel.context import check_context_parallel
+    from shardlm.data.zigzag import check_context_parallel
 
     if p.cp_comm not in ("ring", "allgather"):
         raise UserError(f'parallel.cp_comm="{p.cp_comm}" must be "ring" or "allgather"')

@@ -149,7 +149,7 @@ def test_gpu_benchmark_harness_runs_on_cpu(compiled):
     smoke shape, so the GPU benchmark cannot rot on machines without a GPU."""
     import torch
 
-    from shardlm.training.trainer import can_compile
+    from shardlm.training.parallelize import can_compile
 
     if compiled and not can_compile(torch.device("cpu")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")

@@ -86,7 +86,8 @@ def test_ln_order_script_trains_both_orders_and_plots(tmp_path):
 @pytest.mark.parametrize("nsp,whole_word", [(True, False), (False, True)])
 def test_bert_data_options_reach_the_dataset(pretrained, nsp, whole_word):
     from shardlm.config import load_config
-    from shardlm.training.data import build_datasets, build_tokenizer_for
+    from shardlm.data.tokenizers import build_tokenizer_for
+    from shardlm.training.data import build_datasets
 
     prefix = pretrained.parent / "novel"
     config = load_config(ROOT / "configs/bert-tiny.toml", [f'data.prefixes=["{prefix}"]', "model.seq_length=64",

@@ -17,7 +17,8 @@ from torch._dynamo.utils import counters
 
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.training.trainer import Trainer, can_compile
+from shardlm.training.parallelize import can_compile
+from shardlm.training.trainer import Trainer
 
 from multiproc import check_result, needs, run_checks, run_workers
 

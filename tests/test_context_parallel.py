@@ -15,16 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardlm.data.zigzag import check_context_parallel, zigzag_merge, zigzag_positions, zigzag_split
 from shardlm.errors import UserError
 from shardlm.parallel.comm import CommStats, Communicator
-from shardlm.parallel.context import (
-    BlockCounts,
-    check_context_parallel,
-    context_parallel_attention,
-    zigzag_merge,
-    zigzag_positions,
-    zigzag_split,
-)
+from shardlm.parallel.ring_attention import BlockCounts, context_parallel_attention
 
 from multiproc import check_result as result
 from multiproc import run_checks, run_workers

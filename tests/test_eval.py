@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import DataConfig
+from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.eval.detokenize import count_original_tokens, wikitext_detokenize
 from shardlm.eval.head import logits_at
@@ -23,7 +24,6 @@ from shardlm.eval.windows import evaluation_windows, num_windows
 from shardlm.models.config import ModelConfig
 from shardlm.models.gpt import GPT
 from shardlm.parallel import ParallelContext, vocab_parallel_cross_entropy
-from shardlm.training.data import build_tokenizer_for
 
 from multiproc import run_workers
 

@@ -35,7 +35,8 @@ from test_training import assert_same_run, rel, synthetic_data
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.training.trainer import Trainer, can_compile
+from shardlm.training.parallelize import can_compile
+from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from multiproc import check_result, needs, run_checks, run_workers

@@ -8,12 +8,12 @@ import torch
 from test_eval import SuccessorModel
 
 from shardlm.config import DataConfig
+from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig, choose_next, filter_logits, generate, generate_tokens
 from shardlm.models.config import ModelConfig
 from shardlm.models.gpt import GPT
 from shardlm.parallel import ParallelContext
-from shardlm.training.data import build_tokenizer_for
 
 from multiproc import run_workers
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llama_reference import NEW_TOKENS, PROMPT, logits_and_greedy
 from safetensors.torch import load_file
-from test_llama import NEW_TOKENS, PROMPT, logits_and_greedy
 
 from shardlm.checkpoint.hf import from_hf, to_hf
 from shardlm.checkpoint.state import load_consolidated

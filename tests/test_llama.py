@@ -1,15 +1,13 @@
-"""Llama: exact Hugging Face interop and every TP x DP layout equal to one process.
+"""Llama: every TP x DP layout equal to one process, and transformers' logits at TP=2 and 3.
 
-A random `LlamaForCausalLM` (2 layers, hidden 96, 6 query heads, 2 KV heads, vocabulary 1000, which
-128 does not divide), built offline from a `LlamaConfig`, is converted with `shardlm convert`'s code;
-its q and k weights are scaled up so attention is sharp and a rotary-layout slip would show in the
-logits. shardlm's logits equal transformers' within 1e-4 at TP=1, 2 and 3 (3 > 2 KV heads: KV weights
-replicated), greedy generation with the KV cache gives transformers' tokens, and the round trip back to
-HF is bitwise lossless. A tiny Llama with grouped-query attention trains for 10 steps equal to one
-process at TP x DP 2x1, 1x2, 2x2 and 4x1 (TP=4 > 2 KV heads), with sequence parallelism at TP=2 and
-TP=4; with dropout on, selective and full recomputation run the forward again in the backward and give
-the run without recomputation, bitwise; a checkpoint saved at TP=4 loads at TP=1 and TP=2, one saved at
-TP=2 loads at TP=4. Worlds: one of 2 processes, one of 4.
+The reference `LlamaForCausalLM` is `llama_reference`'s (single-process interop: `test_llama_hf.py`).
+shardlm's logits equal transformers' within 1e-4 at TP=2 and 3 (3 > 2 KV heads: KV weights
+replicated) and greedy generation with the KV cache gives transformers' tokens. A tiny Llama with
+grouped-query attention trains for 10 steps equal to one process at TP x DP 2x1, 1x2, 2x2 and 4x1
+(TP=4 > 2 KV heads), with sequence parallelism at TP=2 and TP=4; with dropout on, selective and full
+recomputation run the forward again in the backward and give the run without recomputation, bitwise; a
+checkpoint saved at TP=4 loads at TP=1 and TP=2, one saved at TP=2 loads at TP=4. Worlds: one of 2
+processes, one of 4.
 """
 
 from __future__ import annotations
@@ -17,66 +15,25 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from llama_reference import LOGIT_TOL, hf_llama, logits_and_greedy
 from test_memory import assert_recomputation_is_bitwise, count_forwards
 from test_training import ADAM_EPS, STEPS, VOCAB, assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
-from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.checkpoint.hf import to_hf
 from shardlm.config import RunConfig, from_dict
-from shardlm.errors import UserError
-from shardlm.eval.generate import SamplingConfig, generate_tokens
 from shardlm.models import build_model
-from shardlm.models.config import ModelConfig, flops_per_token
-from shardlm.models.llama import kv_head_range
+from shardlm.models.config import ModelConfig
 from shardlm.parallel import CommStats, Communicator, ParallelContext
 from shardlm.training.trainer import Trainer
-from shardlm.validation import validate
 
 from multiproc import run_workers
-
-HF_VOCAB, PROMPT, NEW_TOKENS = 1000, 6, 12
-LOGIT_TOL = 1e-4
-
-
-def hf_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=HF_VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-                       rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     """The HF model, its saved directory, the converted shardlm file, and reference logits and tokens."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(hf_config()).eval()
-    with torch.no_grad():  # sharp attention: positions (RoPE) then change the logits visibly
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    root = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(root / "hf")
-    converted = from_hf(root / "hf", root / "llama.safetensors")
-    tokens = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(tokens).logits
-        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return {"model": model, "root": root, "converted": converted, "tokens": tokens, "logits": logits,
-            "greedy": greedy[:, PROMPT:].tolist()}
-
-
-def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
-    """(full logits of `tokens`, greedy continuations of their first PROMPT tokens) of the file at `path`."""
-    model, _ = load_model(path, ctx)
-    with torch.no_grad():
-        logits = model.full_logits(model(tokens))
-    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_at_eod=False)
-    generated = generate_tokens(model, tokens[:, :PROMPT].tolist(), config)
-    return logits, [g.tokens for g in generated]
+    return hf_llama(tmp_path_factory.mktemp("llama"))
 
 
 def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: bool = False,
@@ -180,6 +137,14 @@ def recompute_runs() -> dict:
     return out
 
 
+def rank_model(cfg: ModelConfig, tp: int, rank: int):
+    """TP rank `rank`'s Llama of a TP=`tp` layout, built without a process group (construction communicates nothing)."""
+    stats = CommStats()
+    ctx = ParallelContext(rank=rank, world_size=tp, tp=Communicator("tp", None, tp, rank, stats),
+                          dp=Communicator("dp", None, 1, 0, stats), device=torch.device("cpu"), comm=stats)
+    return build_model(cfg, ctx, seed=0)
+
+
 def probe_logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model.full_logits(model.eval()(PROBE))
@@ -278,64 +243,11 @@ def world4(hf_model, tmp_path_factory):
     return {**run_workers(4, worker_world4, shared(hf_model), str(checkpoints))[0], "checkpoints": checkpoints}
 
 
-# -------------------------------------------------------------------------------------- HF interop
-
-def test_tp1_logits_match_transformers(hf_model):
-    logits, tokens = logits_and_greedy(hf_model["converted"], ParallelContext.single(), hf_model["tokens"])
-    assert hf_model["logits"].std() > 0.1, "reference logits too flat to tell layouts apart"
-    assert (logits - hf_model["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == hf_model["greedy"]
-
-
-def test_a_rotary_permutation_bug_would_be_caught(hf_model):
-    """Meta's interleaved pairing of channels instead of HF's rotate-half halves (the classic conversion
-    bug) moves the logits far beyond the tolerance, so the comparisons with transformers test the layout."""
-    model, _ = load_model(hf_model["converted"], ParallelContext.single())
-    with torch.no_grad():
-        for layer in model.layers.values():
-            for weight in (layer.attn.q.weight, layer.attn.k.weight):  # rows (heads, 2 halves, 8) -> (heads, 8, 2)
-                weight.copy_(weight.view(-1, 2, 8, 96).transpose(1, 2).reshape(weight.shape))
-        logits = model.full_logits(model(hf_model["tokens"]))
-    assert (logits - hf_model["logits"]).abs().max() > 100 * LOGIT_TOL
-
-
-def test_round_trip_to_hf_is_lossless(hf_model, tmp_path):
-    from transformers import LlamaForCausalLM
-
-    back = to_hf(hf_model["converted"], tmp_path / "back")
-    reloaded = LlamaForCausalLM.from_pretrained(back)
-    original = hf_model["model"].state_dict()
-    assert reloaded.state_dict().keys() == original.keys()
-    for name, value in reloaded.state_dict().items():
-        assert torch.equal(value, original[name]), name
-    assert reloaded.config.num_key_value_heads == 2 and reloaded.config.tie_word_embeddings is False
-    again = from_hf(back, tmp_path / "again.safetensors")
-    from safetensors.torch import load_file
-
-    first, second = load_file(str(hf_model["converted"])), load_file(str(again))
-    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-
-
 @pytest.mark.slow
 def test_tp2_and_tp3_logits_and_greedy_tokens_match_transformers(hf_model, world2, world4):
     for logits, tokens in (world2["hf_tp2"], world4["hf_tp3"]):
         assert (logits - hf_model["logits"]).abs().max() < LOGIT_TOL
         assert tokens == hf_model["greedy"]
-
-
-# -------------------------------------------------------------------------------------- KV cache
-
-def test_rope_positions_under_the_kv_cache_equal_the_uncached_forward(hf_model):
-    model, _ = load_model(hf_model["converted"], ParallelContext.single())
-    tokens = hf_model["tokens"]
-    cache = model.new_kv_cache()
-    with torch.no_grad():
-        full = model(tokens)
-        pieces = [model(tokens[:, :9], cache=cache)]
-        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(9, 14)]
-        pieces.append(model(tokens[:, 14:], cache=cache))
-    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5
-    assert tuple(cache.layers[0].keys.shape)[:2] == (2, 2)  # the KV heads only, not one copy per query head
 
 
 @pytest.mark.slow
@@ -466,98 +378,6 @@ def test_training_reduces_loss(reference):
     assert losses[-1] < losses[0] - 0.1
 
 
-# -------------------------------------------------------------------------------------- shapes and rules
-
-def test_kv_heads_split_or_replicated_by_tensor_parallel_size():
-    assert [kv_head_range(6, 2, 2, r) for r in range(2)] == [(0, 1), (1, 2)]  # split
-    assert [kv_head_range(6, 2, 3, r) for r in range(3)] == [(0, 1), (0, 2), (1, 2)]  # rank 1 reads both
-    assert [kv_head_range(4, 2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
-
-
-def test_config_errors_name_the_sizes():
-    def check(**model):
-        config = tiny_config()
-        for key, value in model.items():
-            setattr(config.model, key, value)
-        validate(config, world_size=config.parallel.tensor, check_paths=False)
-
-    with pytest.raises(UserError, match="num_heads=4 is not divisible by model.num_kv_heads=3"):
-        check(num_kv_heads=3)
-    with pytest.raises(UserError, match="num_heads=4 is not divisible by parallel.tensor=3"):
-        config = tiny_config(tp=3)
-        validate(config, world_size=3, check_paths=False)
-    with pytest.raises(UserError, match="llama settings"):
-        check(arch="gpt", num_kv_heads=2)
-    with pytest.raises(UserError, match="head size 5"):
-        check(hidden_size=20)
-
-
-def test_flop_formula_counts_swiglu_and_gqa():
-    """Forward matmul FLOPs per token derived from the built model's own weight shapes: 2 per weight of
-    every layer matrix and of the output layer, plus 4 s h per layer for QK^T and AV."""
-    cfg = tiny_config().model
-    model = build_model(cfg, ParallelContext.single(), seed=0)
-    layer_weights = sum(p.numel() for n, p in model.layers.named_parameters() if p.ndim == 2)
-    forward = 2 * layer_weights + cfg.num_layers * 4 * cfg.seq_length * cfg.hidden_size + 2 * cfg.hidden_size * VOCAB
-    assert flops_per_token(cfg) == pytest.approx(3 * forward)
-    gpt = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=VOCAB)
-    assert flops_per_token(gpt) == pytest.approx(72 * 2 * 32 * 32 * (1 + 16 / (6 * 32) + VOCAB / (12 * 2 * 32)))
-
-
-def rank_model(cfg: ModelConfig, tp: int, rank: int):
-    """TP rank `rank`'s Llama of a TP=`tp` layout, built without a process group (construction communicates nothing)."""
-    stats = CommStats()
-    ctx = ParallelContext(rank=rank, world_size=tp, tp=Communicator("tp", None, tp, rank, stats),
-                          dp=Communicator("dp", None, 1, 0, stats), device=torch.device("cpu"), comm=stats)
-    return build_model(cfg, ctx, seed=0)
-
-
-@pytest.mark.parametrize("tp,tie", [(1, False), (2, False), (4, False), (4, True)])
-def test_planner_counts_the_parameters_each_rank_holds(tp, tie):
-    from shardlm.plan.memory import parameter_count
-
-    cfg = tiny_config(tie=tie).model
-    model = rank_model(cfg, tp, 0)
-    sharded = sum(p.numel() for p in model.parameters() if hasattr(p, "tensor_parallel_dim"))
-    replicated = sum(p.numel() for p in model.parameters() if not hasattr(p, "tensor_parallel_dim"))
-    counted = parameter_count(cfg, tp)
-    tensors = len(list(model.parameters()))
-    assert (counted.sharded, counted.replicated, counted.tensors) == (sharded, replicated, tensors)
-
-
-def test_llama3_presets_have_the_published_parameter_counts():
-    from shardlm.plan.memory import parameter_count
-    from shardlm.plan.models import MODEL_PRESETS
-
-    assert parameter_count(MODEL_PRESETS["llama3-8b"], 1).total == 8_030_261_248
-    assert parameter_count(MODEL_PRESETS["llama3-70b"], 1).total == 70_553_706_496
-
-
-@pytest.mark.parametrize("name,tp", [("llama-tiny", 1), ("llama-tiny", 2), ("llama-tiny", 4), ("llama3-8b", 8),
-                                     ("llama3-70b", 8)])
-def test_shipped_llama_configs_are_valid(name, tp):
-    from pathlib import Path
-
-    from shardlm.config import load_config
-
-    config = load_config(Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml", [f"parallel.tensor={tp}"])
-    assert config.model.arch == "llama" and config.model.kv_heads < config.model.num_heads
-    validate(config, world_size=tp * 2, check_paths=False)
-
-
-def test_stage_pieces_compose_to_the_forward():
-    """embed, run_layers over consecutive blocks of layers, head: what a pipeline stage runs, with every layer
-    rotating its own positions; the composition is the model's forward."""
-    model = build_model(tiny_config().model, ParallelContext.single(), seed=0).eval()
-    tokens = PROBE
-    with torch.no_grad():
-        x = model.embed(tokens)
-        for name in model.layers:
-            x = model.run_layers(x, [model.layers[name]])
-        assert torch.equal(model.head(x), model(tokens))
-    assert model.FIRST_STAGE == ("wte",) and model.LAST_STAGE == ("ln_f", "lm_head")
-
-
 @pytest.mark.slow
 def test_a_checkpoint_trained_at_tp4_exports_to_transformers(world4, tmp_path):
     """Sharded TP=4 checkpoint (KV heads replicated) -> `convert --to-hf` -> LlamaForCausalLM: same logits."""
@@ -566,31 +386,3 @@ def test_a_checkpoint_trained_at_tp4_exports_to_transformers(world4, tmp_path):
     hf = LlamaForCausalLM.from_pretrained(to_hf(world4["checkpoints"] / "tp4", tmp_path / "hf")).eval()
     with torch.no_grad():
         assert (hf(PROBE).logits - world4["logits_4x1"]).abs().max() < LOGIT_TOL
-
-
-def test_evaluation_scores_selected_positions_of_a_llama(hf_model):
-    """`logits_at` / `last_logits` (what wikitext, lambada and generate call) run Llama's output layer on the
-    selected positions only, equal to the full forward there."""
-    from shardlm.eval.head import last_logits, logits_at
-
-    model, _ = load_model(hf_model["converted"], ParallelContext.single())
-    tokens = hf_model["tokens"]
-    keep = torch.zeros_like(tokens, dtype=torch.bool)
-    keep[:, 5::7] = True
-    with torch.no_grad():
-        full = model(tokens)
-        assert torch.allclose(logits_at(model, tokens, keep), full[keep], atol=1e-6)
-        assert torch.allclose(last_logits(model, tokens), full[:, -1], atol=1e-6)
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_planner_activation_bytes_equal_what_autograd_saves(kv_heads):
-    from shardlm.plan.measure import saved_activation_bytes
-    from shardlm.plan.memory import layer_activation_bytes, numeric_format
-
-    cfg = tiny_config(kv_heads=kv_heads).model
-    model = build_model(cfg, ParallelContext.single(), seed=0)
-    tokens = torch.randint(0, VOCAB, (3, cfg.seq_length), generator=torch.Generator().manual_seed(0))
-    saved = saved_activation_bytes(model, lambda: model(tokens, tokens).mean(), list(model.layers.values()))
-    predicted = layer_activation_bytes(cfg, 1, 3, numeric_format("fp32"), backend="cpu")
-    assert set(saved.by_layer.values()) == {predicted}

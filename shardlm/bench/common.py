@@ -80,6 +80,14 @@ def summary(values: list[float]) -> dict:
             "values": [round(v, 6) for v in values]}
 
 
+def median_cell(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    """A `summary` as one report cell: "median (min low, max high)", each times `scale`; "n/a" when absent."""
+    if not fig:
+        return "n/a"
+    low, high = fig["min"] * scale, fig["max"] * scale
+    return f"{fig['median'] * scale:.{digits}f} (min {low:.{digits}f}, max {high:.{digits}f})"
+
+
 def round_orders(names, repeats: int, seed: int = 0) -> list[list]:
     """`repeats` orders of `names`, one per timing round, so that no program keeps running right after
     the same other one, whose leftover heap, caches and idle threads would favour or penalize it.

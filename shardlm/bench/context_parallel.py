@@ -127,7 +127,8 @@ def speed_worker(shape: CPShape, repeats: int) -> dict | None:
 def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
     """Per-rank seconds of the causal attention blocks (forward) its queries need at C = `context`, zigzag
     and contiguous splits, one thread, the least of `repeats` rounds; the spread max / min - 1 of each."""
-    from shardlm.parallel.context import CAUSAL, EMPTY, _block_forward, block_kind, zigzag_chunks
+    from shardlm.data.zigzag import zigzag_chunks
+    from shardlm.parallel.ring_attention import CAUSAL, EMPTY, attention_block, block_kind
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -147,7 +148,7 @@ def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
                 start = time.perf_counter()
                 for kind in kinds:
                     if kind != EMPTY:
-                        _block_forward(q, kv, kv, kind == CAUSAL, head_dim ** -0.5, "auto")
+                        attention_block(q, kv, kv, kind == CAUSAL, head_dim ** -0.5, "auto")
                 runs[key].append(time.perf_counter() - start)
         out = {}
         for name in splits:

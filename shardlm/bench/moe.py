@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import cpu_features, interleaved, round_orders, summary, timed_between_barriers
+from shardlm.bench.common import cpu_features, interleaved, median_cell, round_orders, summary, timed_between_barriers
 from shardlm.models.config import ModelConfig, flops_per_token
 
 
@@ -209,8 +209,6 @@ def moe_bench(quick: bool, repeats: int) -> dict:
 
 def markdown_lines(m: dict) -> list[str]:
     """The `moe` section of BENCHMARKS.md."""
-    from shardlm.bench.report import _median
-
     single, ep = m["single_process"], m["expert_parallel"]
     lines = ["## Mixture-of-Experts (`moe`)", "", f"Config: {single['config']}. One process: shardlm against "
              "transformers' `MixtralForCausalLM` (SDPA attention) computing the same function; `hf` is transformers "
@@ -219,19 +217,20 @@ def markdown_lines(m: dict) -> list[str]:
              "<p>.ratio`) | shardlm / hf_eager | hf's experts_implementation |", "|---|---|---|---|---|---|---|"]
     for precision in single["precisions"]:
         f = single[precision]
-        lines.append(f"| {precision} | {_median(f['shardlm_tokens_per_sec'], digits=0)} | "
-                     f"{_median(f['hf_tokens_per_sec'], digits=0)} | "
-                     f"{_median(f['hf_eager_tokens_per_sec'], digits=0)} | "
-                     f"**{_median(f['ratio'])}** | {_median(f['ratio_eager'])} | {f['hf_experts_implementation']} |")
+        lines.append(f"| {precision} | {median_cell(f['shardlm_tokens_per_sec'], digits=0)} | "
+                     f"{median_cell(f['hf_tokens_per_sec'], digits=0)} | "
+                     f"{median_cell(f['hf_eager_tokens_per_sec'], digits=0)} | "
+                     f"**{median_cell(f['ratio'])}** | {median_cell(f['ratio_eager'])} | "
+                     f"{f['hf_experts_implementation']} |")
     a2a = ep["all_to_all"]
     lines += ["", f"Expert parallelism, {ep['config']}: EP=2 runs 2 processes x 1 thread (each half of the experts and "
               "of the batch), one process runs the whole batch with 2 threads; DP=2 without EP replicates the experts.",
               "", "| layout | tokens/s | / one process x 2 threads |", "|---|---|---|",
-              f"| one process x 2 threads | {_median(ep['one_process_tokens_per_sec'], digits=0)} | 1 |",
-              f"| EP=2 (`moe.expert_parallel.ep2_efficiency`) | {_median(ep['ep2_tokens_per_sec'], digits=0)} | "
-              f"**{_median(ep['ep2_efficiency'])}** |",
-              f"| DP=2, experts replicated | {_median(ep['dp2_tokens_per_sec'], digits=0)} | "
-              f"{_median(ep['dp2_efficiency'])} |", "",
+              f"| one process x 2 threads | {median_cell(ep['one_process_tokens_per_sec'], digits=0)} | 1 |",
+              f"| EP=2 (`moe.expert_parallel.ep2_efficiency`) | {median_cell(ep['ep2_tokens_per_sec'], digits=0)} | "
+              f"**{median_cell(ep['ep2_efficiency'])}** |",
+              f"| DP=2, experts replicated | {median_cell(ep['dp2_tokens_per_sec'], digits=0)} | "
+              f"{median_cell(ep['dp2_efficiency'])} |", "",
               f"All-to-all of one EP=2 step, summed over the group: {a2a['measured']['bytes']:,} bytes in "
               f"{a2a['measured']['calls_per_rank']} calls per rank; formula {a2a['formula']['bytes']:,} bytes "
               f"({a2a['formula']['bytes_per_layer']:,} per MoE layer), {a2a['formula']['calls_per_rank']} calls "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardlm.bench.common import median_cell
 from shardlm.checkpoint.files import write_atomically
 
 # The keys of benchmarks.json users may rely on (dotted paths), with what each holds. Every figure
@@ -71,13 +72,6 @@ KEYS = {
 }
 
 
-def _median(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
-    if not fig:
-        return "n/a"
-    low, high = fig["min"] * scale, fig["max"] * scale
-    return f"{fig['median'] * scale:.{digits}f} (min {low:.{digits}f}, max {high:.{digits}f})"
-
-
 def write_reports(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = json.dumps(results, indent=2, default=float) + "\n"
@@ -115,10 +109,10 @@ def markdown(r: dict) -> str:
             f"Config: {p['config']}. Efficiency = tokens/s at TP=2 / tokens/s at TP=1 of the same code.",
             "",
             "| program | TP=1 tokens/s | TP=2 tokens/s | efficiency |", "|---|---|---|---|",
-            f"| shardlm (`tp2_efficiency.shardlm`) | {_median(tok['shardlm_tp1'], digits=0)} | "
-            f"{_median(tok['shardlm_tp2'], digits=0)} | **{_median(p['shardlm'])}** |",
-            f"| PyTorch `tensor.parallel` (`tp2_efficiency.torch_tp`) | {_median(tok['torch_tp1'], digits=0)} | "
-            f"{_median(tok['torch_tp2'], digits=0)} | {_median(p['torch_tp'])} |",
+            f"| shardlm (`tp2_efficiency.shardlm`) | {median_cell(tok['shardlm_tp1'], digits=0)} | "
+            f"{median_cell(tok['shardlm_tp2'], digits=0)} | **{median_cell(p['shardlm'])}** |",
+            f"| PyTorch `tensor.parallel` (`tp2_efficiency.torch_tp`) | {median_cell(tok['torch_tp1'], digits=0)} | "
+            f"{median_cell(tok['torch_tp2'], digits=0)} | {median_cell(p['torch_tp'])} |",
             "",
             "PyTorch's layout (written inside the benchmark, `shardlm/bench/torch_tp.py`) projects q, k, v "
             "separately (three backward all-reduces per layer where shardlm's fused QKV needs one) and runs the "
@@ -186,9 +180,9 @@ def markdown(r: dict) -> str:
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",
-                  f"Size {ck['bytes'] / 1e6:.1f} MB; save {_median(ck['save_s'])} s "
+                  f"Size {ck['bytes'] / 1e6:.1f} MB; save {median_cell(ck['save_s'])} s "
                   f"(~{ck['save_mb_per_s']:.0f} MB/s, including fsync and sha256); "
-                  f"load and verify {_median(ck['load_s'])} s.", ""]
+                  f"load and verify {median_cell(ck['load_s'])} s.", ""]
     pre = r.get("preprocess")
     if pre:
         lines += ["## Preprocessing (`preprocess`)", "",
@@ -196,8 +190,8 @@ def markdown(r: dict) -> str:
                   f"documents, {pre['tokens']} tokens), `shardlm preprocess --workers N`.", "",
                   "| workers | documents/s | tokens/s |", "|---|---|---|"]
         for workers, fig in pre["by_workers"].items():
-            lines.append(f"| {workers} | {_median(fig['documents_per_second'], digits=0)} | "
-                         f"{_median(fig['tokens_per_second'], digits=0)} |")
+            lines.append(f"| {workers} | {median_cell(fig['documents_per_second'], digits=0)} | "
+                         f"{median_cell(fig['tokens_per_second'], digits=0)} |")
         lines.append("")
     ev = r.get("eval")
     if ev:

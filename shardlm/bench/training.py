@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from shardlm.bench.common import BenchShape, cpu_features, interleaved, summary
-from shardlm.training.trainer import can_compile
+from shardlm.training.parallelize import can_compile
 
 HF_VARIANTS = {"hf": "gelu_new", "hf_fused_gelu": "gelu_pytorch_tanh"}
 VOCABULARIES = (8192, 50257)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shardlm.bench.common import median_cell
+
 GOAL_SAME_KERNELS, GOAL_AS_SHIPPED, GOAL_FP32_MFU = 1.0, 1.2, 0.80
 
 PROGRAMS = (("shardlm", "shardlm Trainer step"), ("shardlm_train", "`shardlm train` loop"),
@@ -97,13 +99,6 @@ TRIED = [
 ]
 
 
-def _median(fig: dict | None, scale: float = 1.0, digits: int = 2) -> str:
-    if not fig:
-        return "n/a"
-    low, high = fig["min"] * scale, fig["max"] * scale
-    return f"{fig['median'] * scale:.{digits}f} (min {low:.{digits}f}, max {high:.{digits}f})"
-
-
 def _features(f: dict) -> str:
     yes = {True: "yes", False: "no"}
     return (f"CPU matrix features (`train_vs_hf.cpu_features`): **{f['matrix']}** (AMX {yes[f['amx']]}, "
@@ -133,7 +128,7 @@ def train_lines(t: dict) -> list[str]:
               "|---" * (2 + len(PROGRAMS)) + "|"]
     for vocab, by_precision in t["by_vocabulary"].items():
         for precision, fig in by_precision.items():
-            cells = [_median(fig.get(f"{name}_tokens_per_sec"), digits=0) for name, _ in PROGRAMS]
+            cells = [median_cell(fig.get(f"{name}_tokens_per_sec"), digits=0) for name, _ in PROGRAMS]
             lines.append(f"| {vocab} | {precision} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios (tokens/s over tokens/s, per interleaved repeat; `train_vs_hf.by_vocabulary.V.precision.*`; "
               f"goals: >= {GOAL_SAME_KERNELS} against the same kernels, >= {GOAL_AS_SHIPPED} against transformers "
@@ -149,7 +144,7 @@ def train_lines(t: dict) -> list[str]:
             keys = ("ratio_same_kernels", "ratio", "ratio_train_same_kernels", "ratio_train",
                     "ratio_half_same_kernels", "ratio_half", "ratio_compiled_same_kernels", "ratio_compiled",
                     "train_command_over_step")
-            lines.append(f"| {vocab} | {precision} | " + " | ".join(_median(fig.get(k)) for k in keys) + " |")
+            lines.append(f"| {vocab} | {precision} | " + " | ".join(median_cell(fig.get(k)) for k in keys) + " |")
     goals = []
     for vocab, by_precision in t["by_vocabulary"].items():
         for precision, fig in by_precision.items():
@@ -157,9 +152,10 @@ def train_lines(t: dict) -> list[str]:
                               ("ratio_train_same_kernels", GOAL_SAME_KERNELS), ("ratio_train", GOAL_AS_SHIPPED)):
                 if fig[key]["median"] < goal:
                     goals.append(f"`{key}` at V={vocab} {precision} ({fig[key]['median']:.2f} < {goal})")
-    lines += ["", f"**`train_vs_hf.ratio` = {_median(t['ratio'])}** (shardlm / transformers as shipped, fp32, "
+    lines += ["", f"**`train_vs_hf.ratio` = {median_cell(t['ratio'])}** (shardlm / transformers as shipped, fp32, "
               f"V={t['vocabularies'][0]}).", "",
-              f"`train_vs_hf.ratio_same_kernels` = {_median(t['ratio_same_kernels'])} (shardlm / the control, fp32, "
+              f"`train_vs_hf.ratio_same_kernels` = {median_cell(t['ratio_same_kernels'])} "
+              "(shardlm / the control, fp32, "
               f"V={t['vocabularies'][0]}).", "",
               ("Goals missed in this run: " + "; ".join(goals) + ".") if goals
               else "Every ratio goal is met in this run.",

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from shardlm.errors import UserError
+from shardlm.paths import shared_data_dir
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
@@ -172,3 +173,13 @@ def build_tokenizer(
         backend, eod_token = _json_backend(tokenizer_path)
         return Tokenizer(backend, "json", eod_token)
     raise UserError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
+
+
+def build_tokenizer_for(data) -> Tokenizer:
+    """The tokenizer a data config names (`shardlm.config.DataConfig`: `tokenizer`, `vocab_file`,
+    `merges_file`); GPT-2 files default to the shared vocabulary."""
+    vocab, merges = data.vocab_file, data.merges_file
+    if data.tokenizer == "gpt2":
+        vocab = vocab or str(shared_data_dir() / "vocab" / "gpt2" / "encoder.json")
+        merges = merges or str(shared_data_dir() / "vocab" / "gpt2" / "vocab.bpe")
+    return build_tokenizer(data.tokenizer, vocab_file=vocab or None, merges_file=merges or None)

@@ -43,8 +43,8 @@ def _wikitext_tokens(count: int) -> list[int]:
     path = shared_data_dir() / "wikitext" / "wikitext-103" / "wiki.test.tokens"
     if path.is_file():
         from shardlm.config import DataConfig
+        from shardlm.data.tokenizers import build_tokenizer_for
         from shardlm.eval.detokenize import wikitext_detokenize
-        from shardlm.training.data import build_tokenizer_for
 
         text = "".join(path.read_text(encoding="utf-8").splitlines(keepends=True)[:400])
         tokens = build_tokenizer_for(DataConfig()).encode(wikitext_detokenize(text))

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from shardlm.errors import UserError
+from shardlm.eval.loading import check_inputs, load_for_evaluation
 
 
 def _add_common(parser: argparse.ArgumentParser, data_help: str | None = None) -> None:
@@ -74,7 +75,7 @@ def add_parser(subparsers) -> None:
 
 def run_wikitext(args: argparse.Namespace) -> int:
     args.data = _data_path(args.data, "wikitext/wikitext-103/wiki.test.tokens")
-    _check_inputs(args)
+    check_inputs(args)
     from shardlm.eval.launch import run_command
 
     return run_command(_wikitext_rank, args)
@@ -82,7 +83,7 @@ def run_wikitext(args: argparse.Namespace) -> int:
 
 def run_lambada(args: argparse.Namespace) -> int:
     args.data = _data_path(args.data, "lambada/lambada_test.jsonl")
-    _check_inputs(args)
+    check_inputs(args)
     from shardlm.eval.launch import run_command
 
     return run_command(_lambada_rank, args)
@@ -99,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("no prompt given; pass --prompt TEXT (repeatable) or --prompt-file FILE")
     args.prompts = prompts
     _sampling_config(args).validate()
-    _check_inputs(args)
+    check_inputs(args)
     from shardlm.eval.launch import run_command
 
     return run_command(_generate_rank, args)
@@ -163,30 +164,6 @@ def _generate_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_for_evaluation(args: argparse.Namespace):
-    """(ctx, model, tokenizer) of this rank: the process group, the checkpoint's model sharded for
-    --tensor-parallel (eval mode), and the tokenizer its config names."""
-    import torch
-
-    from shardlm.checkpoint import load_model
-    from shardlm.parallel import init_distributed
-    from shardlm.training.data import build_tokenizer_for
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is available; use --device cpu")
-    device = torch.device("cpu") if args.device == "cpu" else None
-    ctx = init_distributed(args.tensor_parallel, device=device)
-    model, config = load_model(args.checkpoint, ctx)
-    if config.model.arch not in ("gpt", "llama"):
-        raise UserError(f"the checkpoint holds a model.arch={config.model.arch!r} model; eval and generate need "
-                        "a causal language model (gpt or llama) checkpoint")
-    tokenizer = build_tokenizer_for(config.data)
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise UserError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                        f"{model.cfg.vocab_size}; check the checkpoint's data.tokenizer settings")
-    return ctx, model, tokenizer
-
-
 # -------------------------------------------------------------------------------------- helpers
 
 def _data_path(given: str | None, default_relative: str) -> str:
@@ -195,18 +172,6 @@ def _data_path(given: str | None, default_relative: str) -> str:
     from shardlm.paths import shared_data_dir
 
     return str(shared_data_dir() / default_relative)
-
-
-def _check_inputs(args: argparse.Namespace) -> None:
-    """Fail before any worker starts when a path is missing."""
-    if not Path(args.checkpoint).exists():
-        raise UserError(f"checkpoint not found: {args.checkpoint}; pass a checkpoint directory with --checkpoint")
-    data = getattr(args, "data", None)
-    if data is not None and not Path(data).is_file():
-        raise UserError(f"evaluation data not found: {data}; pass an existing file with --data")
-    from shardlm.eval.launch import world_size_for
-
-    world_size_for(args)
 
 
 def _sampling_config(args: argparse.Namespace):

@@ -50,7 +50,7 @@ def load_calls(checkpoint: str, device: str | None = None) -> TensorParallelCall
     "cuda" falls back to the CPU (with a warning)."""
     import torch
 
-    from shardlm.eval.cli import load_for_evaluation
+    from shardlm.eval.loading import load_for_evaluation
 
     choice = "auto" if device in (None, "", "auto") else "cuda" if str(device).startswith("cuda") else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():

@@ -50,10 +50,10 @@ def run_harness(args: argparse.Namespace) -> int:
         import lm_eval  # noqa: F401
     except ImportError:
         raise UserError("lm-evaluation-harness is not installed; pip install 'shardlm[eval]'") from None
-    from shardlm.eval.cli import _check_inputs
     from shardlm.eval.launch import run_command, world_size_for
+    from shardlm.eval.loading import check_inputs
 
-    _check_inputs(args)
+    check_inputs(args)
     if world_size_for(args) != args.tensor_parallel:
         raise UserError(f"--nproc-per-node={world_size_for(args)} must equal --tensor-parallel="
                         f"{args.tensor_parallel}: the harness runs one model replica")
@@ -98,8 +98,8 @@ def resolve_tasks(names: list[str], include_path: list[str], rendered: str) -> t
 
 
 def _harness_rank(args: argparse.Namespace) -> int:
-    from shardlm.eval.cli import load_for_evaluation
     from shardlm.eval.harness_calls import HarnessScorer, TensorParallelCalls
+    from shardlm.eval.loading import load_for_evaluation
 
     ctx, model, tokenizer = load_for_evaluation(args)
     if ctx.dp_size != 1:

@@ -346,11 +346,10 @@ def _load(args: argparse.Namespace):
     import torch
 
     from shardlm.checkpoint import load_model
-    from shardlm.data.tokenizers import build_tokenizer
+    from shardlm.data.tokenizers import build_tokenizer, build_tokenizer_for
     from shardlm.finetune.heads import set_dropout
     from shardlm.finetune.saved import load_finetuned
     from shardlm.parallel import init_distributed
-    from shardlm.training.data import build_tokenizer_for
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA device is available; use --device cpu")

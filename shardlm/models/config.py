@@ -1,8 +1,21 @@
-"""Model shape and regularization, shared by GPT, BERT and Llama."""
+"""Model shape and regularization, shared by GPT, BERT and Llama, and how a model's layers talk over their groups."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How a model's layers move data over the groups of its `ParallelContext`: build arguments, chosen by
+    the run (`parallel.expert_dispatcher`, `parallel.cp_comm`); the context holds only the groups."""
+
+    expert_dispatcher: str = "all_to_all"
+    """How MoE layers move tokens over the expert-parallel group: "all_to_all" or "all_gather"
+    (`shardlm.parallel.experts`)."""
+    context_exchange: str = "ring"
+    """How attention moves keys and values over the context-parallel group: "ring" or "allgather"
+    (`shardlm.parallel.ring_attention`)."""
 
 
 @dataclass

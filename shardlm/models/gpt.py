@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.models.config import ModelConfig
+from shardlm.data.zigzag import local_positions
+from shardlm.models.attention import causal_attention
+from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-exported for callers)
     DecoderLM,
     KVCache,
@@ -45,7 +47,6 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
 )
 from shardlm.models.moe import mlp_or_moe
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
-from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
@@ -55,13 +56,15 @@ class ParallelAttention(nn.Module):
     (B, T / tp, h) sequence chunks under sequence parallelism."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
-                 sequence_parallel: bool = False, selective_recompute: bool = False):
+                 sequence_parallel: bool = False, selective_recompute: bool = False,
+                 context_exchange: str = "ring"):
         super().__init__()
         self.ctx = ctx
         self.selective_recompute = selective_recompute
         self.heads = cfg.num_heads // ctx.tp_size
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.dropout = cfg.attention_dropout_p
+        self.context_exchange = context_exchange
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ctx.tp, std=cfg.init_std,
                                         seed=param_seed(seed, f"{prefix}.qkv"), device=ctx.device,
@@ -72,15 +75,9 @@ class ParallelAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal, with attention dropout when training. Each (B, heads/tp, T, d).
-        Under context parallelism T is this rank's zigzag part, and the keys and values of the other CP
-        ranks come around the ring (`context_parallel_attention`)."""
-        if self.ctx.cp_size > 1:
-            return context_parallel_attention(q, k, v, self.ctx.cp, exchange=self.ctx.context_exchange,
-                                              dropout_p=self.dropout if self.training else 0.0)
-        if self.training and self.dropout > 0:
-            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        Under context parallelism T is this rank's zigzag part (`causal_attention`)."""
+        return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones,
@@ -130,11 +127,14 @@ class TransformerBlock(PreNormBlock):
     """Pre-LN block: x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x))). (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
-                 sequence_parallel: bool = False, selective_recompute: bool = False):
+                 sequence_parallel: bool = False, selective_recompute: bool = False,
+                 options: ParallelOptions | None = None):
+        options = options or ParallelOptions()
         super().__init__(nn.LayerNorm,
                          ParallelAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
-                                           selective_recompute),
-                         mlp_or_moe(ParallelMLP, cfg, ctx, seed, index, sequence_parallel, gated=False),
+                                           selective_recompute, options.context_exchange),
+                         mlp_or_moe(ParallelMLP, cfg, ctx, seed, index, sequence_parallel, gated=False,
+                                    dispatcher=options.expert_dispatcher),
                          cfg, ctx, sequence_parallel)
 
 
@@ -148,8 +148,10 @@ class GPT(DecoderLM):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False, layer_ids: list[int] | None = None):
+                 sequence_parallel: bool = False, layer_ids: list[int] | None = None,
+                 options: ParallelOptions | None = None):
         super().__init__()
+        options = options or ParallelOptions()
         sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
@@ -157,7 +159,8 @@ class GPT(DecoderLM):
         self.wpe = nn.Parameter(normal_shard((cfg.seq_length, cfg.hidden_size), cfg.init_std,
                                              param_seed(seed, "wpe"), device=ctx.device))
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, seed, i, sp, self.recompute == "selective")
+        selective = self.recompute == "selective"
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, seed, i, sp, selective, options)
                                      for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:  # position rows and the final LayerNorm act on sequence chunks

@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.models.config import ModelConfig
+from shardlm.data.zigzag import local_positions
+from shardlm.models.attention import causal_attention
+from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import (
     DecoderLM,
     LayerKVCache,
@@ -54,7 +56,6 @@ from shardlm.parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
 )
-from shardlm.parallel.context import context_parallel_attention, local_positions
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
@@ -106,7 +107,8 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with RoPE; query heads split over TP. (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
-                 sequence_parallel: bool = False, selective_recompute: bool = False):
+                 sequence_parallel: bool = False, selective_recompute: bool = False,
+                 context_exchange: str = "ring"):
         super().__init__()
         self.ctx, self.tp = ctx, ctx.tp
         self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
@@ -114,6 +116,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.attention_head_dim
         self.theta = cfg.rope_theta
         self.dropout = cfg.attention_dropout_p
+        self.context_exchange = context_exchange
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         width = cfg.num_heads * self.head_dim  # hidden_size unless head_dim is set
         self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=False, std=cfg.init_std,
@@ -176,15 +179,9 @@ class LlamaAttention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v with attention dropout when training; q (B, heads/tp, T, d),
         k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d). Under context parallelism T is
-        this rank's zigzag part, and only the KV heads travel around the ring (`context_parallel_attention`)."""
-        if self.ctx.cp_size > 1:
-            return context_parallel_attention(q, k, v, self.ctx.cp, exchange=self.ctx.context_exchange,
-                                              dropout_p=self.dropout if self.training else 0.0)
-        gqa = k.shape[1] != self.heads
-        if self.training and self.dropout > 0:
-            with self.ctx.rng.fork():  # heads differ per rank, so must their dropout masks
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        this rank's zigzag part, and only the KV heads travel around the ring (`causal_attention`)."""
+        return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng)
 
 
 class SwiGLU(nn.Module):
@@ -213,11 +210,14 @@ class LlamaBlock(PreNormBlock):
     (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
-                 sequence_parallel: bool = False, selective_recompute: bool = False):
+                 sequence_parallel: bool = False, selective_recompute: bool = False,
+                 options: ParallelOptions | None = None):
+        options = options or ParallelOptions()
         super().__init__(nn.RMSNorm,
                          LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
-                                        selective_recompute),
-                         mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True),
+                                        selective_recompute, options.context_exchange),
+                         mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True,
+                                    dispatcher=options.expert_dispatcher),
                          cfg, ctx, sequence_parallel)
 
 
@@ -233,14 +233,16 @@ class Llama(DecoderLM):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False, layer_ids: list[int] | None = None):
+                 sequence_parallel: bool = False, layer_ids: list[int] | None = None,
+                 options: ParallelOptions | None = None):
         super().__init__()
+        options = options or ParallelOptions()
         sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i, sp, self.recompute == "selective")
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i, sp, self.recompute == "selective", options)
                                      for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:

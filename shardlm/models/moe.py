@@ -16,10 +16,11 @@ context parallelism, so they do not depend on the layout):
   (p = the softmax scores, or the sigmoid scores divided by their sum), equal to coeff at uniform routing;
   z = coeff x mean over tokens of logsumexp(logits)^2.
 They enter the objective through `_AttachLoss`: the layer's output carries them, and their gradient
-(scaled as the trainer scales the micro-batch loss, `loss_scale`) starts when the output's does, so
-they work under pipeline stages and activation recomputation without the model returning them. Under
-context parallelism every CP rank holds the whole loss but back-propagates only through its own tokens,
-and the trainer averages gradients over CP, so the loss's gradient there is C times `loss_scale`.
+(`loss_scale`, which the training side sets: `shardlm.training.moe.set_aux_loss_scale`) starts when the
+output's does, so they work under pipeline stages and activation recomputation without the model
+returning them. Each training forward also records what it saw (routed-slot counts per expert, its
+detached loss) in `recorded`; summing those over ranks and steps and moving the expert biases is the
+training side's (`shardlm.training.moe.finish_step`).
 
 Experts (`GroupedExperts`): the E / ep experts of this expert-parallel rank as stacked weights, an MLP
 like the family's dense one (GPT: fc -> GeLU -> proj; Llama: SwiGLU), without biases. Expert tensor
@@ -102,8 +103,8 @@ def balance_losses(logits: torch.Tensor, probs: torch.Tensor, indices: torch.Ten
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Identity on `y`; in the backward, the scalar `loss` receives gradient `scale` (how the trainer
-    scales the micro-batch loss), so the loss joins the objective wherever `y` is used."""
+    """Identity on `y`; in the backward, the scalar `loss` receives gradient `scale` (the layer's
+    `loss_scale`), so the loss joins the objective wherever `y` is used."""
 
     @staticmethod
     def forward(ctx, y, loss, scale):
@@ -232,23 +233,24 @@ class MoELayer(nn.Module):
     all-gathered under sequence parallelism) and one `g` on the combined expert output; the dispatcher
     talks to the expert-parallel group; in training, the routing statistics are summed over `token_groups`
     (TP under sequence parallelism, CP: small all-reduces). Each training forward appends its routed-slot
-    counts per expert and its aux + z loss (detached) to `recorded`, for the bias update and the metrics
-    (`finish_step`), except a recomputation in the backward."""
+    counts per expert and its aux + z loss (detached) to `recorded`, for the training side's bias update and
+    metrics (`shardlm.training.moe.finish_step`), except a recomputation in the backward."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
-                 gated: bool, shared: nn.Module | None = None):
+                 gated: bool, shared: nn.Module | None = None, dispatcher: str = "all_to_all"):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
         self.router = Router(cfg, ctx, seed, f"{prefix}.router", self.sequence_parallel)
         self.experts = GroupedExperts(cfg, ctx, seed, prefix, gated)
         self.shared = shared
-        self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, ctx.expert_dispatcher)
+        self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, dispatcher)
         self.token_groups = tuple(group for group, holds_chunks in ((ctx.tp, self.sequence_parallel),
                                                                     (ctx.cp, ctx.cp_size > 1)) if holds_chunks)
         """The groups over which the routing statistics are summed: their ranks hold the micro-batch's other tokens."""
         self.loss_scale = 1.0
-        """Factor of the micro-batch loss in the backward (the trainer's loss scale / micro-batches)."""
+        """The gradient the attached aux + z loss receives in the backward (set by the training side,
+        `shardlm.training.moe.set_aux_loss_scale`)."""
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,16 +276,15 @@ class MoELayer(nn.Module):
         y = reduce_scatter_to_sequence_parallel(y, tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, tp)
         if self.shared is not None:
             y = y + self.shared(x)
-        # every CP rank holds the whole token set's loss, its gradient reaches only this rank's tokens, and the
-        # trainer averages gradients over CP: C times the scale makes that average the whole loss's gradient
-        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale * self.ctx.cp_size)
+        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
 
 
 def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
-               sequence_parallel: bool, gated: bool) -> nn.Module:
+               sequence_parallel: bool, gated: bool, dispatcher: str = "all_to_all") -> nn.Module:
     """Layer `index`'s MLP: the family's dense `dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)` (GPT's
     `ParallelMLP`, Llama's `SwiGLU`), or where `cfg.is_moe_layer(index)` an `MoELayer` of experts of that
-    kind (`gated`: SwiGLU), its shared experts one dense MLP of their total width."""
+    kind (`gated`: SwiGLU), its shared experts one dense MLP of their total width, its tokens moved over the
+    expert-parallel group by `dispatcher` ("all_to_all" or "all_gather")."""
     prefix = f"layers.{index}.mlp"
     if not cfg.is_moe_layer(index):
         return dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)
@@ -291,56 +292,12 @@ def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, ind
     if cfg.moe_shared_experts:
         width = cfg.moe_shared_experts * cfg.moe_ffn_size
         shared = dense_mlp(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
-    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=gated, shared=shared)
+    return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=gated, shared=shared, dispatcher=dispatcher)
 
 
-# ------------------------------------------------------------------------------------------- the trainer's
+# ------------------------------------------------------------------------------------------- finding the layers
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """The MoE layers of a model (of this rank's pipeline stages), in order."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Tell every MoE layer the factor of the micro-batch loss in the backward (scale / micro-batches)."""
-    for layer in moe_layers(model):
-        layer.loss_scale = scale
-
-
-@torch.no_grad()
-def finish_step(model: nn.Module, ctx: ParallelContext, micro_batches: int, sequence_parallel: bool,
-                update_bias: bool = True) -> dict:
-    """After an optimizer step: the step's MoE metrics, and the expert-bias update.
-
-    Each layer's last `micro_batches` recorded forwards are the step's (a pipeline schedule's first step
-    also runs each stage once on stand-in tensors to learn shapes: that one comes first and is left
-    out). Token counts are summed over the data x context group (and TP under sequence parallelism: the
-    CP and SP ranks hold different tokens), so every rank sees the global counts and moves its biases
-    alike: bias += rate x sign(mean count - count). Returns {"moe_aux_loss": mean per micro-batch summed
-    over layers (averaged over DP, summed over pipeline stages; every CP rank already holds its whole
-    micro-batch's), "expert_load_min"/"max": the least and most loaded expert's share of its layer's slots
-    relative to uniform}. Collective over DP x CP, TP and PP; every rank of a model with MoE layers
-    anywhere must call it."""
-    layers = moe_layers(model)
-    aux = torch.tensor([0.0, -float("inf"), -float("inf")], dtype=torch.float64, device=ctx.device)  # aux,-min,max
-    recorded = [layer.recorded[-micro_batches:] for layer in layers]
-    for layer in layers:
-        layer.recorded = []
-    if layers:
-        aux[0] = sum(loss.double() for step in recorded for _, loss in step)
-        counts = torch.stack([sum(c for c, _ in step).double() for step in recorded])  # (layers, E)
-        ctx.dp_cp.all_reduce(counts)  # `dp` without context parallelism
-        if sequence_parallel:
-            ctx.tp.all_reduce(counts)
-        share = counts / counts.mean(1, keepdim=True).clamp_min(1)
-        aux[1], aux[2] = -share.min(), share.max()
-        for layer, count in zip(layers, counts):
-            bias = layer.router.expert_bias
-            if bias is not None and update_bias:
-                bias += layer.cfg.moe_expert_bias_rate * torch.sign(count.mean() - count).to(bias.dtype)
-    ctx.dp.all_reduce(aux[:1])
-    ctx.pp.all_reduce(aux[:1])
-    ctx.pp.all_reduce(aux[1:], op=torch.distributed.ReduceOp.MAX)
-    return {"moe_aux_loss": aux[0].item() / (micro_batches * ctx.dp_size),
-            "expert_load_min": -aux[1].item(), "expert_load_max": aux[2].item()}

@@ -151,8 +151,11 @@ class ParallelContext:
     layer's experts; `expert_dp` the DP x C / E ranks holding the same experts (i, i + E, ...), over
     which expert gradients are reduced. With E = 1, `ep` has one rank and `expert_dp` is `dp_cp`.
 
+    Only groups, ranks and the device live here: how layers use the groups (the MoE token dispatcher, the
+    context-parallel K/V exchange) is a build argument of the model (`shardlm.models.config.ParallelOptions`).
+
     Context parallelism (`parallel.context` = C): `cp` is the group of C ranks that hold the zigzag parts
-    of the same sequences (`shardlm.parallel.context`), `dp_cp` the data x context group over which
+    of the same sequences (`shardlm.data.zigzag`), `dp_cp` the data x context group over which
     parameter gradients are reduced and the distributed optimizer shards. With C = 1, `cp` has one rank
     and `dp_cp` is `dp`.
     """
@@ -169,12 +172,8 @@ class ParallelContext:
     rng: RNGStatesTracker | None = None
     ep: Communicator | None = None
     expert_dp: Communicator | None = None
-    expert_dispatcher: str = "all_to_all"
-    """How MoE layers move tokens over `ep`: "all_to_all" or "all_gather" (`shardlm.parallel.experts`)."""
     cp: Communicator | None = None
     dp_cp: Communicator | None = None
-    context_exchange: str = "ring"
-    """How attention moves keys and values over `cp`: "ring" or "allgather" (`shardlm.parallel.context`)."""
 
     def __post_init__(self):
         if self.pp is None:

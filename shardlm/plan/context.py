@@ -1,4 +1,4 @@
-"""Context parallelism in the planner: which C to try, and the ring's time (`shardlm.parallel.context`).
+"""Context parallelism in the planner: which C to try, and the ring's time (`shardlm.parallel.ring_attention`).
 
 A CP rank holds T / C tokens of every sequence, so everything a layer saves and every per-token cost
 (elementwise passes, TP collectives, pipeline transfers) is that of a T / C sequence; the matmul

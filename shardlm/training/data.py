@@ -18,20 +18,8 @@ import numpy as np
 import torch
 
 from shardlm.config import DataConfig
+from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
-from shardlm.parallel.context import zigzag_split
-from shardlm.paths import shared_data_dir
-
-
-def build_tokenizer_for(data: DataConfig):
-    """The tokenizer a data config names (GPT-2 files default to the shared vocabulary)."""
-    from shardlm.data.tokenizers import build_tokenizer
-
-    vocab, merges = data.vocab_file, data.merges_file
-    if data.tokenizer == "gpt2":
-        vocab = vocab or str(shared_data_dir() / "vocab" / "gpt2" / "encoder.json")
-        merges = merges or str(shared_data_dir() / "vocab" / "gpt2" / "vocab.bpe")
-    return build_tokenizer(data.tokenizer, vocab_file=vocab or None, merges_file=merges or None)
 
 
 def text_file_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int):
@@ -95,6 +83,6 @@ def micro_batches(dataset, first_sample: int, global_batch: int, micro_batch: in
 
 def context_parallel_part(batch: torch.Tensor, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A (b, T + 1) token micro-batch -> context-parallel rank r's (inputs, targets), each (b, T / C): the
-    next-token pairs of chunks r and 2C-1-r of 2C (`shardlm.parallel.context.zigzag_split`). Positions are
+    next-token pairs of chunks r and 2C-1-r of 2C (`shardlm.data.zigzag.zigzag_split`). Positions are
     the model's business (`zigzag_positions`)."""
     return zigzag_split(batch[:, :-1], cp_size, cp_rank), zigzag_split(batch[:, 1:], cp_size, cp_rank)

@@ -105,7 +105,7 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     of the DP group, so each layer's expert stacks are their own FSDP unit over the expert-data-parallel
     group (`ctx.expert_dp`), their gradients summed over it and divided by DP x CP, the reduction
     `reduce_expert_gradients` makes without FSDP. Parameters without gradient (the routers' expert biases,
-    which `finish_step` moves alike on every rank) stay whole, outside FSDP."""
+    which `shardlm.training.moe.finish_step` moves alike on every rank) stay whole, outside FSDP."""
     marks = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
     mesh, shard_group = data_parallel_mesh(ctx, shard_size)

@@ -18,13 +18,15 @@ import torch.distributed as dist
 from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.config import RunConfig
+from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
 from shardlm.training.cpu_precision import precision_warning
-from shardlm.training.data import build_datasets, build_tokenizer_for
+from shardlm.training.data import build_datasets
 from shardlm.training.logging import RunLogger
-from shardlm.training.trainer import Trainer, check_can_compile, perplexity
+from shardlm.training.parallelize import check_can_compile
+from shardlm.training.trainer import Trainer, perplexity
 from shardlm.validation import validate
 
 

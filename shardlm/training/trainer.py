@@ -25,31 +25,26 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import time
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
-from shardlm.models import build_model, training_loss
+from shardlm.models import training_loss
 from shardlm.models.config import flops_per_step
-from shardlm.models.moe import finish_step, set_aux_loss_scale
 from shardlm.parallel import ParallelContext
 from shardlm.training.data import context_parallel_part, micro_batches
 from shardlm.training.gradients import (
     all_reduce_gradients,
-    expert_gradient_divisor,
     is_split_expert,
     reduce_expert_gradients,
     sum_sequence_parallel_gradients,
 )
 from shardlm.training.loss_scaler import DynamicLossScaler
-from shardlm.training.optim import build_optimizer, clip_grad_norm, learning_rate
-
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from shardlm.training.moe import finish_step, set_aux_loss_scale
+from shardlm.training.optim import clip_grad_norm, learning_rate
+from shardlm.training.parallelize import HALF, parallelize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16 tensor cores; V100: fp16).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "V100": 125.0, "L40S": 362.0, "A10": 125.0}
@@ -76,47 +71,9 @@ def model_flops_utilization(tflops_per_device: float, peak: float | None) -> tup
     return mfu, None
 
 
-def _counting_allreduce_hook(state, bucket):
-    """DDP communication hook: the default averaging all-reduce, recorded in the comm stats.
-
-    Where the DP group's ranks share a machine and the tensors are on the CPU, the bucket goes through
-    shared memory (`shardlm.parallel.shm`): synchronous, so it no longer overlaps the rest of the
-    backward as gloo's asynchronous all-reduce does, but several times faster."""
-    dp = state
-    buffer = bucket.buffer()
-    dp.stats.record("all_reduce", dp.name, buffer)
-    buffer.div_(dp.size)
-    if dp.shm is not None:  # only CPU communicators have one
-        future = torch.futures.Future()
-        future.set_result(dp.shm.all_reduce(buffer))
-        return future
-    future = dist.all_reduce(buffer, group=dp.group, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0])
-
-
-def can_compile(device: torch.device) -> bool:
-    """Whether `torch.compile` can build kernels for `device`: on the CPU Inductor needs a C++ compiler."""
-    return device.type != "cpu" or any(shutil.which(c) for c in ("c++", "g++", "clang++"))
-
-
-def check_can_compile(device: torch.device) -> None:
-    """`train.compile` where `can_compile` says no: a one-line error."""
-    if not can_compile(device):
-        raise UserError("train.compile=true on the CPU needs a C++ compiler (install g++), "
-                        "or set train.compile=false")
-
-
-def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
-    """`train.compile`: each transformer layer under `torch.compile`; the embedding, the final norm
-    and the fused output layer + loss stay eager."""
-    check_can_compile(device)
-    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
-    for layer in layers:
-        layer.compile()
-
-
 class Trainer:
-    """Owns the model, optimizer, scaler and step counter of one rank."""
+    """Owns the model, optimizer, scaler and step counter of one rank. The model, its pipeline stages and
+    its data-parallel wrapper or sharded optimizer come from `shardlm.training.parallelize`."""
 
     def __init__(self, config: RunConfig, ctx: ParallelContext, train_data, valid_data=None):
         self.config, self.ctx = config, ctx
@@ -124,62 +81,16 @@ class Trainer:
         t = config.train
         ctx.seed(t.seed)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-        ctx.expert_dispatcher = config.parallel.expert_dispatcher
-        ctx.context_exchange = config.parallel.cp_comm
         if config.parallel.context != ctx.cp_size:  # a setting silently dropped would train another layout
             raise UserError(f"parallel.context={config.parallel.context} but the process groups have "
                             f"{ctx.cp_size} context-parallel rank(s); build them with context_parallel="
                             f"{config.parallel.context}")
         self.moe = config.model.moe_num_experts > 0
-        layers, stage_ids = None, None
-        if ctx.pp_size > 1:  # this rank builds only the layers of its pipeline stages
-            from shardlm.training.pipeline import PipelineRunner, pipeline_layout
-
-            layers, stage_ids = pipeline_layout(config, ctx)
-        self.model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute,
-                                 sequence_parallel=config.parallel.sequence_parallel,
-                                 layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]])
+        parts = parallelize(config, ctx, self.accumulation)
+        self.model, self.pipeline, self.params = parts.model, parts.pipeline, parts.params
+        self.optimizer = parts.optimizer
+        self.ddp, self.master, self.fsdp = parts.ddp, parts.master, parts.fsdp
         self.loss = training_loss(config.model.arch)
-        if t.compile:
-            compile_layers(self.model, ctx.device)
-        self.pipeline = None
-        if ctx.pp_size > 1:  # drops the ends this rank's stages do not need, before the optimizer sees them
-            self.pipeline = PipelineRunner(self.model, ctx, layers, stage_ids, config.parallel.pipeline_schedule,
-                                           self.accumulation)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.ddp = self.master = self.fsdp = None
-        betas = (t.adam_beta1, t.adam_beta2)
-        if t.data_sharding == "full":  # FSDP2: parameters, gradients and moments sharded over DP
-            from shardlm.training.fsdp import FullyShardedAdamW, shard_model
-
-            shard_group = shard_model(self.model, ctx, t.fsdp_reshard_after_forward,
-                                      HALF[t.precision] if t.param_dtype == "half" else None,
-                                      stages=None if self.pipeline is None else self.pipeline.stage_modules,
-                                      shard_size=t.fsdp_shard_size)
-            self.params = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = self.fsdp = FullyShardedAdamW(self.model, ctx, t.lr, t.weight_decay, betas, t.adam_eps,
-                                                           shard_group)
-        elif t.param_dtype == "half" or t.distributed_optimizer:
-            from shardlm.training.master_weights import DenseAndExpertOptimizer, MasterWeightOptimizer
-
-            dtype = HALF[t.precision] if t.param_dtype == "half" else torch.float32
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            experts = [(n, p) for n, p in named if is_split_expert(p, ctx)]
-            args = (ctx, t.lr, t.weight_decay, betas, t.adam_eps, dtype)
-            self.optimizer = self.master = MasterWeightOptimizer(
-                [(n, p) for n, p in named if not is_split_expert(p, ctx)], *args, shard=t.distributed_optimizer)
-            if experts:  # reduced and sharded over expert-DP, divided by DP x C
-                self.optimizer = self.master = DenseAndExpertOptimizer(self.master, MasterWeightOptimizer(
-                    experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp,
-                    grad_divisor=expert_gradient_divisor(ctx)))
-        else:
-            if ctx.dp_cp.size > 1 and self.pipeline is None:  # over DP x CP (`dp_cp` is `dp` when C = 1)
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # experts: reduce_gradients
-                    self.model, [n for n, p in self.model.named_parameters() if is_split_expert(p, ctx)])
-                self.ddp = DistributedDataParallel(self.model, process_group=ctx.dp_cp.group,
-                                                   gradient_as_bucket_view=True)
-                self.ddp.register_comm_hook(ctx.dp_cp, _counting_allreduce_hook)
-            self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, betas, t.adam_eps, ctx.device)
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
@@ -237,7 +148,7 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = torch.zeros((), device=ctx.device)
         if self.moe:  # the MoE losses' gradients get the micro-batch loss's factor
-            set_aux_loss_scale(self.model, scale / len(batches))
+            set_aux_loss_scale(self.model, ctx, scale, len(batches))
         if self.pipeline is not None:
             with self.autocast():
                 loss_sum = self.pipeline.forward_backward(batches, scale)

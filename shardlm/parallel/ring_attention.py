@@ -1,25 +1,21 @@
-"""Context parallelism: each sequence split over the CP ranks, and causal attention over the split.
+"""Ring attention: causal attention over a sequence split over the CP ranks (context parallelism).
 
-**The split.** A sequence of T tokens is cut into 2C chunks of L = T / 2C tokens, and CP rank r holds
-chunks r and 2C-1-r (the zigzag split of Megatron-Core): under a causal mask a late chunk attends to
-more keys than an early one, and pairing chunk r with its mirror gives every rank the same work. A
-rank's tokens keep their original positions (`zigzag_positions`) for position embeddings and RoPE.
+Each rank holds two chunks of every sequence (the zigzag split, `shardlm.data.zigzag`) and attends
+with its queries to the keys and values of every rank. The K/V of the C ranks travel around the CP ring
+(rank r sends to r+1 and receives from r-1, point to point), so at step s rank r holds those of rank
+r-s; the next block's transfer is posted before the current one is computed, so they overlap where the
+backend allows. A (query chunk i, key chunk j) block is *causal* when i = j, *full* when j < i and
+*empty* when j > i; empty blocks are skipped. Under the zigzag split each rank computes 2C+1 blocks of
+L x L (3 at its own K/V, 2 at every other's) and skips 2C-1. Partial outputs merge with the log-sum-exp
+rule. The backward pass sends K/V around the ring again and recomputes each block from the saved output
+and log-sum-exp; dK/dV accumulators travel with the blocks and reach their owner after C-1 hops. Per
+call and rank: forward C-1 sends of (K, V), backward C-1 of (K, V) and C-1 of (dK, dV) in fp32.
+Grouped-query attention sends only the KV heads and expands them locally. `exchange="allgather"`
+all-gathers K/V instead (and reduce-scatters dK/dV): the same blocks, no overlap. Attention dropout is
+not supported under CP.
 
-**The ring.** Each rank attends with its queries (two chunks) to the keys and values of every rank.
-The K/V of the C ranks travel around the CP ring (rank r sends to r+1 and receives from r-1, point to
-point), so at step s rank r holds those of rank r-s; the next block's transfer is posted before the
-current one is computed, so they overlap where the backend allows. A (query chunk i, key chunk j)
-block is *causal* when i = j, *full* when j < i and *empty* when j > i; empty blocks are skipped. Under
-the zigzag split each rank computes 2C+1 blocks of L x L (3 at its own K/V, 2 at every other's) and
-skips 2C-1. Partial outputs merge with the log-sum-exp rule. The backward pass sends K/V around the
-ring again and recomputes each block from the saved output and log-sum-exp; dK/dV accumulators
-travel with the blocks and reach their owner after C-1 hops. Per call and rank: forward C-1 sends of
-(K, V), backward C-1 of (K, V) and C-1 of (dK, dV) in fp32. Grouped-query attention sends only the
-KV heads and expands them locally. `exchange="allgather"` all-gathers K/V instead (and
-reduce-scatters dK/dV): the same blocks, no overlap. Attention dropout is not supported under CP.
-
-Blocks use PyTorch's CPU flash-attention kernel, which returns the log-sum-exp and takes it back in
-its backward op, on CPU tensors, and exact fp32 math (`kernel="math"`) elsewhere.
+Blocks (`attention_block`) use PyTorch's CPU flash-attention kernel, which returns the log-sum-exp and
+takes it back in its backward op, on CPU tensors, and exact fp32 math (`kernel="math"`) elsewhere.
 """
 
 from __future__ import annotations
@@ -31,76 +27,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardlm.data.zigzag import zigzag_chunks
 from shardlm.errors import UserError
 from shardlm.parallel.comm import Communicator
 
 EMPTY, CAUSAL, FULL = "empty", "causal", "full"
-
-
-# --------------------------------------------------------------------------------------------------
-# the zigzag split (which tokens a CP rank holds)
-
-def check_context_parallel(seq_length: int, context_parallel: int, tensor_parallel: int = 1,
-                           sequence_parallel: bool = False, attention_dropout: float = 0.0) -> None:
-    """Raise a one-line UserError if `seq_length` cannot be split over `context_parallel` ranks (it must be
-    a multiple of 2C, times TP under sequence parallelism) or attention dropout is on under CP."""
-    if context_parallel < 1:
-        raise UserError(f"parallel.context={context_parallel} must be >= 1")
-    sp = sequence_parallel and tensor_parallel > 1
-    multiple = 2 * context_parallel * (tensor_parallel if sp else 1)
-    if context_parallel > 1 and seq_length % multiple:
-        what = "2 x parallel.context" + (" x parallel.tensor (sequence parallelism)" if sp else "")
-        raise UserError(f"model.seq_length={seq_length} is not a multiple of {what} = {multiple}; "
-                        f"use a multiple of {multiple}")
-    if context_parallel > 1 and attention_dropout > 0:
-        raise UserError(f"model.attention_dropout={attention_dropout} is not supported with parallel.context="
-                        f"{context_parallel}; set model.attention_dropout = 0")
-
-
-def zigzag_chunks(context_parallel: int, cp_rank: int) -> tuple[int, int]:
-    """The two chunks (of 2C) CP rank r holds: r and 2C-1-r."""
-    return cp_rank, 2 * context_parallel - 1 - cp_rank
-
-
-def _chunk_length(seq_length: int, context_parallel: int) -> int:
-    """L = T / 2C; T not a multiple of 2C is a bug here (`check_context_parallel` rejects it up front)."""
-    if seq_length % (2 * context_parallel):
-        raise ValueError(f"sequence length {seq_length} is not a multiple of 2 x {context_parallel} CP ranks")
-    return seq_length // (2 * context_parallel)
-
-
-def zigzag_positions(seq_length: int, context_parallel: int, cp_rank: int, device=None) -> torch.Tensor:
-    """(T/C,) int64: the original positions of the tokens CP rank r holds, in the order it holds them."""
-    chunk = _chunk_length(seq_length, context_parallel)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                      for c in zigzag_chunks(context_parallel, cp_rank)])
-
-
-def zigzag_split(x: torch.Tensor, context_parallel: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """x: (..., T, ...) with the sequence along `dim` -> (..., T/C, ...): chunks r and 2C-1-r of 2C."""
-    chunks = x.split(_chunk_length(x.shape[dim], context_parallel), dim=dim)
-    return torch.cat([chunks[c] for c in zigzag_chunks(context_parallel, cp_rank)], dim=dim)
-
-
-def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The inverse of `zigzag_split`: every CP rank's part, in rank order -> the full sequence along `dim`."""
-    C = len(parts)
-    chunks: list[torch.Tensor | None] = [None] * (2 * C)
-    for r, part in enumerate(parts):
-        first, second = part.chunk(2, dim=dim)
-        chunks[r], chunks[2 * C - 1 - r] = first, second
-    return torch.cat(chunks, dim=dim)
-
-
-def local_positions(length: int, cp: Communicator, past: int = 0, device=None) -> torch.Tensor:
-    """(length,) int64: the original positions of the `length` tokens this rank holds of each sequence:
-    past .. past + length - 1 without context parallelism (`cp.size` 1), else the zigzag positions of CP
-    rank `cp.rank` in a sequence of length x C tokens (no past: a KV cache does not run under CP)."""
-    if cp.size == 1:
-        return torch.arange(past, past + length, device=device)
-    if past:
-        raise ValueError("context parallelism has no key/value cache; generate with parallel.context=1")
-    return zigzag_positions(length * cp.size, cp.size, cp.rank, device=device)
 
 
 def block_kind(query_chunk: int, key_chunk: int) -> str:
@@ -136,8 +67,12 @@ def _use_flash(q: torch.Tensor, kernel: str) -> bool:
     return kernel == "flash" or (kernel == "auto" and q.device.type == "cpu")
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, kernel: str):
-    """q: (B, H, L, d), k, v: (B, Hkv, L, d) -> (out (B, H, L, d) fp32, lse (B, H, L) fp32)."""
+def attention_block(q, k, v, causal: bool, scale: float, kernel: str = "auto"):
+    """One block of the ring: a query chunk against a key chunk, fully or causally masked.
+
+    q: (B, H, L, d), k, v: (B, Hkv, L, d) (H a multiple of Hkv) -> (out (B, H, L, d) fp32, lse (B, H, L)
+    fp32), the block's softmax(q k^T * scale) v and the log-sum-exp of each query row, which the ring
+    merges over blocks. `kernel` as in `context_parallel_attention`. Talks to no group."""
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     if _use_flash(q, kernel):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -245,7 +180,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         for source, kv in _kv_sources(torch.stack((k, v)), cp, exchange):
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for qi, ki, causal in _blocks(cp, source, counts, "forward"):
-                block = _block_forward(queries[qi], keys[ki], values[ki], causal, scale, kernel)
+                block = attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel)
                 outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         # laid out as (B, 2L, H, d) in memory, as SDPA's flash kernel returns it: the caller's

@@ -1,0 +1,34 @@
+"""Causal attention, the one function GPT's and Llama's attention layers (and the next kind) call.
+
+`causal_attention(q, k, v, cp, ...)` is softmax(q k^T / sqrt(d)) v under a causal mask, with
+grouped-query attention when k and v have fewer heads than q. Without context parallelism it is
+PyTorch's `scaled_dot_product_attention`; under context parallelism (`cp.size` > 1) the sequence is
+this rank's zigzag part and the keys and values of the other CP ranks come around the ring
+(`shardlm.parallel.ring_attention`). A model picks its projections, positions and head layout; the
+attention math and its CP branch live here once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardlm.parallel.ring_attention import context_parallel_attention
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, exchange: str = "ring",
+                     dropout_p: float = 0.0, rng=None) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v: q (B, H, T, d), k and v (B, Hkv, T, d) with H a multiple of Hkv
+    -> (B, H, T, d).
+
+    `cp`: the context-parallel group (`Communicator`); with more than one rank, T is this rank's zigzag
+    part and `exchange` ("ring" or "allgather", the run's `parallel.cp_comm`) says how K/V move.
+    `dropout_p`: attention dropout (0 in evaluation; refused under CP), drawn under `rng.fork()` (the
+    model-parallel RNG tracker: heads differ per TP rank, so must their dropout masks)."""
+    if cp.size > 1:
+        return context_parallel_attention(q, k, v, cp, exchange=exchange, dropout_p=dropout_p)
+    gqa = k.shape[1] != q.shape[1]
+    if dropout_p > 0:
+        with rng.fork():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

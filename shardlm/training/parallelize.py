@@ -1,0 +1,176 @@
+"""The parallelize step: this rank's part of the model, made trainable in one fixed order.
+
+The model classes know nothing of pipeline stages, compilation or data parallelism (torchtitan's
+lesson). `parallelize(config, ctx, micro_batches)` builds the model and applies, in this order:
+
+  1. **stages** (`parallel.pipeline` > 1): the model is built with only the layers of this rank's
+     pipeline stages (`pipeline_layout`), so a rank never holds another stage's layers;
+  2. **compile** (`train.compile`): each transformer layer under `torch.compile` (`compile_layers`);
+  3. **the pipeline schedule**: the `PipelineRunner` drops the ends (embedding, final norm, output
+     layer) this rank's stages do not need and wraps the stages in PyTorch's schedule
+     (`shardlm.training.pipeline`);
+  4. **data parallelism**, one of:
+     - FSDP2 (`train.data_sharding = "full"`): parameters, gradients and moments sharded over DP x CP
+       (`shardlm.training.fsdp`), each pipeline stage a root;
+     - fp32 master weights (`train.param_dtype = "half"` or `train.distributed_optimizer`): the
+       `MasterWeightOptimizer`, split experts in one of their own over expert-DP
+       (`shardlm.training.master_weights`);
+     - otherwise DDP over DP x CP when there is more than one such rank and no pipeline (split experts
+       left to `reduce_expert_gradients`), and AdamW over the parameters.
+
+Layers are compiled before the schedule wraps them, so the stages run the compiled layers; the ends
+are dropped before step 4, so FSDP and the optimizers see only the parameters this rank keeps.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shardlm.config import RunConfig
+from shardlm.errors import UserError
+from shardlm.models import build_model
+from shardlm.models.config import ParallelOptions
+from shardlm.parallel import ParallelContext
+from shardlm.training.gradients import expert_gradient_divisor, is_split_expert
+from shardlm.training.optim import build_optimizer
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def can_compile(device: torch.device) -> bool:
+    """Whether `torch.compile` can build kernels for `device`: on the CPU Inductor needs a C++ compiler."""
+    return device.type != "cpu" or any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def check_can_compile(device: torch.device) -> None:
+    """`train.compile` where `can_compile` says no: a one-line error."""
+    if not can_compile(device):
+        raise UserError("train.compile=true on the CPU needs a C++ compiler (install g++), "
+                        "or set train.compile=false")
+
+
+def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
+    """`train.compile`: each transformer layer under `torch.compile`; the embedding, the final norm
+    and the fused output layer + loss stay eager."""
+    check_can_compile(device)
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+    for layer in layers:
+        layer.compile()
+
+
+def _counting_allreduce_hook(state, bucket):
+    """DDP communication hook: the default averaging all-reduce, recorded in the comm stats.
+
+    Where the DP group's ranks share a machine and the tensors are on the CPU, the bucket goes through
+    shared memory (`shardlm.parallel.shm`): synchronous, so it no longer overlaps the rest of the
+    backward as gloo's asynchronous all-reduce does, but several times faster."""
+    dp = state
+    buffer = bucket.buffer()
+    dp.stats.record("all_reduce", dp.name, buffer)
+    buffer.div_(dp.size)
+    if dp.shm is not None:  # only CPU communicators have one
+        future = torch.futures.Future()
+        future.set_result(dp.shm.all_reduce(buffer))
+        return future
+    future = dist.all_reduce(buffer, group=dp.group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0])
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` hands the trainer: this rank's model and how its gradients and update run.
+
+    `pipeline` is the `PipelineRunner` under pipeline stages (else None); exactly one of `fsdp` (FSDP2's
+    sharded AdamW), `master` (the fp32 master-weight optimizer) and `ddp` (DDP over DP x CP, when there is
+    more than one such rank and no pipeline) may be set; `optimizer` is the one to step; `params` the
+    trainable parameters this rank holds."""
+
+    model: torch.nn.Module
+    pipeline: object | None
+    params: list[torch.nn.Parameter]
+    optimizer: object
+    ddp: DistributedDataParallel | None = None
+    master: object | None = None
+    fsdp: object | None = None
+
+
+def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> Parallelized:
+    """Build this rank's part of `config.model` over `ctx` and apply stages, compile, the pipeline
+    schedule and data parallelism in the module docstring's order. `micro_batches`: micro-batches per
+    step on this rank (the schedule's length). Collective over the groups the chosen wrappers use."""
+    t, p = config.train, config.parallel
+    layers, stage_ids = None, None
+    if ctx.pp_size > 1:  # 1. this rank builds only the layers of its pipeline stages
+        from shardlm.training.pipeline import PipelineRunner, pipeline_layout
+
+        layers, stage_ids = pipeline_layout(config, ctx)
+    options = ParallelOptions(expert_dispatcher=p.expert_dispatcher, context_exchange=p.cp_comm)
+    model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
+                        layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]],
+                        options=options)
+    if t.compile:  # 2.
+        compile_layers(model, ctx.device)
+    pipeline = None
+    if ctx.pp_size > 1:  # 3. drops the ends this rank's stages do not need, before the optimizer sees them
+        pipeline = PipelineRunner(model, ctx, layers, stage_ids, p.pipeline_schedule, micro_batches)
+    # 4. data parallelism
+    if t.data_sharding == "full":
+        return _fully_sharded(config, ctx, model, pipeline)
+    if t.param_dtype == "half" or t.distributed_optimizer:
+        return _master_weights(config, ctx, model, pipeline)
+    return _replicated(config, ctx, model, pipeline)
+
+
+def _fully_sharded(config: RunConfig, ctx: ParallelContext, model, pipeline) -> Parallelized:
+    """FSDP2: parameters, gradients and moments sharded over DP (`shardlm.training.fsdp`)."""
+    from shardlm.training.fsdp import FullyShardedAdamW, shard_model
+
+    t = config.train
+    shard_group = shard_model(model, ctx, t.fsdp_reshard_after_forward,
+                              HALF[t.precision] if t.param_dtype == "half" else None,
+                              stages=None if pipeline is None else pipeline.stage_modules,
+                              shard_size=t.fsdp_shard_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fsdp = FullyShardedAdamW(model, ctx, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps,
+                             shard_group)
+    return Parallelized(model, pipeline, params, fsdp, fsdp=fsdp)
+
+
+def _master_weights(config: RunConfig, ctx: ParallelContext, model, pipeline) -> Parallelized:
+    """fp32 master weights (and the distributed optimizer): split experts in their own optimizer, reduced
+    and sharded over expert-DP and divided by DP x C (`shardlm.training.master_weights`)."""
+    from shardlm.training.master_weights import DenseAndExpertOptimizer, MasterWeightOptimizer
+
+    t = config.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtype = HALF[t.precision] if t.param_dtype == "half" else torch.float32
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    experts = [(n, p) for n, p in named if is_split_expert(p, ctx)]
+    args = (ctx, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps, dtype)
+    master = MasterWeightOptimizer([(n, p) for n, p in named if not is_split_expert(p, ctx)], *args,
+                                   shard=t.distributed_optimizer)
+    if experts:
+        master = DenseAndExpertOptimizer(master, MasterWeightOptimizer(
+            experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp,
+            grad_divisor=expert_gradient_divisor(ctx)))
+    return Parallelized(model, pipeline, params, master, master=master)
+
+
+def _replicated(config: RunConfig, ctx: ParallelContext, model, pipeline) -> Parallelized:
+    """Replicated parameters: DDP over DP x CP (`dp_cp` is `dp` when C = 1) without pipeline stages, the
+    split experts left out of it (`reduce_expert_gradients` reduces them); AdamW over the parameters."""
+    t = config.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    ddp = None
+    if ctx.dp_cp.size > 1 and pipeline is None:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if is_split_expert(p, ctx)])
+        ddp = DistributedDataParallel(model, process_group=ctx.dp_cp.group, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(ctx.dp_cp, _counting_allreduce_hook)
+    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps, ctx.device)
+    return Parallelized(model, pipeline, params, optimizer, ddp=ddp)
