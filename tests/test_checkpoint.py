@@ -15,7 +15,7 @@ from test_training import synthetic_data, tiny_config
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
 from shardlm.checkpoint import state as checkpoint_state
 from shardlm.cli import main
-from shardlm.errors import UserError
+from shardlm.errors import CheckpointWriteError, UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
@@ -270,11 +270,12 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     real_save = checkpoint_state.save_file
     monkeypatch.setattr(checkpoint_state, "save_file", crash_on_second_file)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointWriteError, match=r"step 2: .*/\.tmp-step_00000002/rng_rank00000\.safetensors: "
+                       r"disk full; nothing was published; the last good checkpoint is step 1"):
         save_checkpoint(trainer, tmp_path)
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
-    assert not (tmp_path / "step_00000002").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]  # the unfinished folder too
     fresh = trainer_for(ParallelContext.single())
     assert load_checkpoint(fresh, tmp_path)["step"] == 1
 
