@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import HALF_TOL, config, gathered_parameters, run, save_at, validation_loss
+from test_fsdp import HALF_TOL, assert_parameters_near, config, gathered_parameters, run, save_at, validation_loss
 from test_moe_parallel import assert_same_run as assert_same_moe_run
 from test_moe_parallel import moe_config
 from test_moe_parallel import reference as moe_reference
 from test_moe_parallel import run as moe_run
-from test_training import assert_same_run, rel, synthetic_data
+from test_training import assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.parallel import ParallelContext
@@ -182,7 +182,7 @@ def test_fsdp_with_pipeline_stages_and_bf16_parameters_match_the_master_weight_r
         for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
             assert abs(loss - ref_loss) <= HALF_TOL["loss"] * ref_loss
             assert abs(norm - ref_norm) <= HALF_TOL["grad_norm"] * ref_norm
-        assert max(rel(params[n].float(), ref_params[n].float()) for n in params) <= HALF_TOL["parameters"]
+        assert_parameters_near(params, ref_params, HALF_TOL)
 
 
 def test_fsdp_with_pipeline_stages_and_split_experts_equals_one_process(world4):
