@@ -144,7 +144,7 @@ def assert_same_run(curve, params, ref):
     ("cp2_dp2_ep4_llama", "llama", "mixtral", (4, 1, 4)),  # EP over DP x CP
     ("cp2_dp2_ep2_llama_deepseek_zero", "llama", "deepseek", (2, 2, 4)),  # expert biases from the global counts
     ("cp2_pp2_gpt", "gpt", "mixtral", (1, 2, 2)),  # two pipeline stages, each CP=2
-    ("cp2_dp2_ep2_llama_full_recompute", "llama", "mixtral", (2, 2, 4)),  # routing reruns in the backward
+    ("cp2_dp2_ep2_llama_full_recompute", "llama", "mixtral", (2, 2, 4)),  # reruns counted: test_recompute_layouts
 ])
 def test_moe_with_context_parallelism_equals_one_process(world4, name, arch, routing, groups):
     """Every rank reports the one-process losses, aux loss and expert loads, and ends on its parameters;

@@ -259,7 +259,7 @@ def assert_same_run(run_result, ref):
     ("dp2_gpt_mixtral", "gpt", "mixtral", 4),
     ("ep2_gpt_mixtral", "gpt", "mixtral", 4),
     ("ep2_gpt_mixtral_all_gather", "gpt", "mixtral", 4),
-    ("ep2_gpt_mixtral_full_recompute", "gpt", "mixtral", 4),  # all-to-alls rerun in the backward
+    ("ep2_gpt_mixtral_full_recompute", "gpt", "mixtral", 4),  # reruns counted: test_recompute_layouts
     ("ep2_llama_deepseek", "llama", "deepseek", 4),
     ("pp2_gpt_mixtral_first_dense", "gpt", "mixtral_first_dense", 4),  # stage 0 holds no MoE layer
     ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after 4 steps, resumed by a fresh trainer
