@@ -27,7 +27,7 @@ from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stag
 from shardlm.plan.timing import Layout, StepTime, step_time
 
 if TYPE_CHECKING:
-    from shardlm.plan.planner import PlanRequest
+    from shardlm.plan.request import PlanRequest
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from shardlm.plan.memory import ParameterCount, StateMemory, parameter_count
 from shardlm.plan.stages import RankStages, layer_parameter_counts, rank_parameter_count
 
 if TYPE_CHECKING:
-    from shardlm.plan.timing import Calibration, Layout
+    from shardlm.plan.layout import Calibration, Layout
 
 REDUCE_BYTES = 4
 """Gradients are reduce-scattered (and accumulated unsharded between micro-batches) in fp32."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from shardlm.plan.hardware import GPUSpec
 
 if TYPE_CHECKING:
-    from shardlm.plan.timing import Calibration
+    from shardlm.plan.layout import Calibration
 
 
 def ring_allreduce_seconds(nbytes: float, ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
