@@ -100,29 +100,55 @@ class RunLogger:
         return plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png") if plot else None
 
 
-def plot_loss_curve(metrics_file: Path, out: Path) -> Path:
-    """Training (and validation) loss against step, from a metrics.jsonl, as a PNG."""
+def run_figure(records: list[dict], title: str):
+    """The run's figure from metrics.jsonl records: training (and validation) loss against step; for MoE runs
+    a second panel below with what shows routing collapse, the least and most loaded expert's share of its
+    layer's routed slots (1 = uniform; the extremes over all layers) and the balancing (aux + z) loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    valid = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    def series(key):
+        return [(r["step"], r[key]) for r in records if key in r and r[key] is not None and math.isfinite(r[key])]
+
+    train, valid = series("loss"), series("val_loss")
+    moe = series("expert_load_min")
+    fig, axes = plt.subplots(2 if moe else 1, 1, figsize=(7, 6.5 if moe else 4), sharex=True, squeeze=False)
+    ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train loss")
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation loss")
-    ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"shardlm: {metrics_file.parent}")
+    ax.set_title(f"shardlm: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
+    if moe:
+        load = axes[1][0]
+        load.plot(*zip(*moe), label="least loaded expert")
+        load.plot(*zip(*series("expert_load_max")), label="most loaded expert")
+        load.axhline(1.0, color="grey", lw=0.8, ls="--")
+        load.set_ylabel("expert load / uniform")
+        load.grid(alpha=0.3)
+        aux = load.twinx()
+        aux.plot(*zip(*series("moe_aux_loss")), color="tab:red", lw=0.8, label="balancing loss (right)")
+        aux.set_ylabel("aux + z loss")
+        lines = load.get_lines()[:2] + aux.get_lines()
+        load.legend(lines, [line.get_label() for line in lines], fontsize="small")
+    axes[-1][0].set_xlabel("step")
     fig.tight_layout()
+    return fig
+
+
+def plot_loss_curve(metrics_file: Path, out: Path) -> Path:
+    """`run_figure` of a metrics.jsonl, written atomically as a PNG."""
+    import matplotlib.pyplot as plt
+
     from shardlm.checkpoint.files import write_atomically
 
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    fig = run_figure(records, str(metrics_file.parent))
     write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return out
