@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The stamp depends on pyproject.toml, so dependencies are installed again only when they change.
+# The stamp depends on pyproject.toml and this file, so dependencies are installed again only when they change.
 $(STAMP): pyproject.toml Makefile | $(VENV)/bin/python
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,eval]"
