@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,41 +93,60 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     }
 
 
-def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF GPT-2 (or Llama-family) directory into a consolidated shardlm checkpoint file."""
-    hf_dir, out = Path(hf_dir), Path(out)
+def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, Callable[[], torch.Tensor]]]:
+    """(config, {shardlm name: a function returning its fp32 tensor in shardlm's layout}) of a local HF
+    GPT-2 or Llama-family directory; each tensor is read only when its function is called. UserError (one
+    line) for a missing directory, config.json or weights, and for an architecture that does not convert."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} does not exist or is not a directory")
     config_file = hf_dir / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in LLAMA_FAMILY:
+    if not config_file.is_file():
+        raise UserError(f"{hf_dir} has no config.json (not a Hugging Face model directory)")
+    hf_config = json.loads(config_file.read_text())
+    kind = hf_config.get("model_type")
+    if kind in LLAMA_FAMILY:
         from shardlm.checkpoint import hf_llama
 
-        return hf_llama.from_hf(hf_dir, out)
+        return hf_llama.open_hf(hf_dir)
+    if kind != "gpt2":
+        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(LLAMA_FAMILY)} convert")
     weights = hf_dir / "model.safetensors"
-    if not (hf_dir / "config.json").is_file() or not weights.is_file():
+    if not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
                         "safe_serialization=True)")
-    hf_config = json.loads((hf_dir / "config.json").read_text())
-    if hf_config.get("model_type") != "gpt2":
-        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 and "
-                        f"{', '.join(LLAMA_FAMILY)} convert")
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
-    tensors = {}
-    with safe_open(str(weights), framework="pt") as f:
-        available = set(f.keys())
-        for ours, theirs, kind in name_map(config.model.num_layers):
-            if theirs not in available and theirs.startswith("transformer.") and theirs[12:] in available:
-                theirs = theirs[12:]  # GPT2Model checkpoints have no "transformer." prefix
-            if theirs not in available:
-                raise UserError(f"{weights} has no tensor {theirs}")
-            value = f.get_tensor(theirs).float()
+    handle = safe_open(str(weights), framework="pt")
+    available = set(handle.keys())
+
+    def reader(theirs: str, kind: str) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            value = handle.get_tensor(theirs).float()
             if kind == "linear":
-                value = value.t().contiguous()
+                value = value.t()
             elif kind == "qkv":
                 value = qkv_from_hf(value, config.model.num_heads)
-            tensors[f"model/{ours}"] = value
+            return value.contiguous()
+        return read
+
+    sources = {}
+    for ours, theirs, kind in name_map(config.model.num_layers):
+        if theirs not in available and theirs.startswith("transformer.") and theirs[12:] in available:
+            theirs = theirs[12:]  # GPT2Model checkpoints have no "transformer." prefix
+        if theirs not in available:
+            raise UserError(f"{weights} has no tensor {theirs}")
+        sources[ours] = reader(theirs, kind)
+    return config, sources
+
+
+def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
+    """Convert a local HF GPT-2 (or Llama-family) directory into a consolidated shardlm checkpoint file."""
+    config, sources = open_hf(hf_dir)
+    tensors = {f"model/{ours}": read() for ours, read in sources.items()}
     metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
-    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return files.write_atomically(Path(out), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:

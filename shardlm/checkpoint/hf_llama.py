@@ -28,9 +28,9 @@ attention are refused with a one-line error. No network.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -197,10 +197,9 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF Llama-family directory (Llama, Qwen3, Mixtral, Qwen3-MoE) into a consolidated shardlm
-    checkpoint file."""
-    hf_dir, out = Path(hf_dir), Path(out)
+def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, Callable[[], torch.Tensor]]]:
+    """(config, {shardlm name: a function returning its fp32 tensor}) of a local HF Llama-family directory
+    (Llama, Qwen3, Mixtral, Qwen3-MoE); each tensor is read only when its function is called."""
     if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
         raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
@@ -209,15 +208,21 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     located = _weight_files(hf_dir)
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
-    tensors, handles = {}, {}
+    handles = {}
+
+    def reader(path: Path, name: str) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="pt")
+            return handles[path].get_tensor(name).float().contiguous()
+        return read
+
+    sources = {}
     for ours, theirs in name_map(config.model):
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
-        path = located[theirs]
-        handles.setdefault(path, safe_open(str(path), framework="pt"))
-        tensors[f"model/{ours}"] = handles[path].get_tensor(theirs).float().contiguous()
-    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
-    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        sources[ours] = reader(located[theirs], theirs)
+    return config, sources
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:

@@ -236,7 +236,7 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         dim = split_dim(param)
         start = 0 if dim is None else ctx.tp_rank * param.shape[dim]
         end = None if dim is None else start + param.shape[dim]
-        if dim is None and list(reader.files[0].get_slice(f"model/{name}").get_shape()) != list(param.shape):
+        if dim is None and not is_expert(param) and reader.shape(f"model/{name}") != list(param.shape):
             dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
         wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
         if is_expert(param):  # this rank's experts, each read by its global index
@@ -245,6 +245,9 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         else:
             local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
                      for prefix in wanted if f"{prefix}/{name}" in keys}
+        if list(local["model"].shape) != list(param.shape):
+            raise UserError(f"checkpoint tensor {stored[0]} has shape {list(local['model'].shape)} where the model's "
+                            f"parameter (this rank's slice) has {list(param.shape)}: another model shape")
         if hasattr(optimizer, "load_full_state") and param.requires_grad:
             full[name] = local
             continue

@@ -32,11 +32,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardlm.checkpoint.init import resolve_init
     from shardlm.config import load_config
     from shardlm.errors import UserError
     from shardlm.validation import validate
 
     config = load_config(args.config, args.overrides)
+    resolve_init(config)  # [model] keys left at their defaults take checkpoint.init_from's values
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
     nproc = args.nproc_per_node
     world = nproc if nproc and not under_launcher else int(os.environ.get("WORLD_SIZE", "1"))

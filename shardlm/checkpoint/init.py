@@ -1,0 +1,150 @@
+"""Start a run from weights only (`checkpoint.init_from`): fresh optimizer, step 0, data from the start.
+
+The source is any of
+  - a consolidated single-file shardlm checkpoint (`shardlm convert --from-hf`, `shardlm checkpoint convert`);
+  - a Hugging Face model directory (config.json + safetensors) of an architecture `shardlm convert --from-hf`
+    supports (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE), read in place: no converted copy is written;
+  - a sharded shardlm checkpoint (a step directory or the folder holding `latest`): its weights only.
+Every rank reads its own slice of each tensor at the run's layout through `state.load_weights`, as a
+resume does; an HF tensor is converted to shardlm's layout one at a time (`hf.open_hf`).
+
+The run's [model] section must describe the checkpoint's model (`resolve_model`): a key left at its
+default takes the checkpoint's value, a key set to another value than the checkpoint's is a one-line
+error naming it; training-only keys (dropout, init, vocabulary padding, MoE loss coefficients, and a
+Llama's seq_length, which has no tensor) keep the run's value when it sets one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shardlm.checkpoint import files
+from shardlm.checkpoint.sharded import ShardedReader
+from shardlm.config import DataConfig, RunConfig, from_dict
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisible_by", "moe_aux_loss_coeff",
+             "moe_z_loss_coeff")
+
+
+class MappedReader:
+    """`ShardedReader`'s reading interface over {name: function returning the full tensor} (an HF directory):
+    `read` slices the full tensor (keeping the last one, which `shape` and `read` of one parameter share) and
+    fills rows past its end with zeros (the padded vocabulary)."""
+
+    def __init__(self, sources: dict[str, Callable[[], torch.Tensor]]):
+        self.sources = sources
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def keys(self) -> set[str]:
+        return set(self.sources)
+
+    def _full(self, key: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self.sources[key]())
+        return self._last[1]
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._full(key).shape)
+
+    def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) along `split_dim` of the full tensor `key` (all of it when split_dim is None)."""
+        full = self._full(key)
+        if split_dim is None:
+            return full
+        size = full.shape[split_dim]
+        end = size if end is None else end
+        part = full.narrow(split_dim, min(start, size), max(0, min(end, size) - start))
+        if end > size:
+            pad = list(full.shape)
+            pad[split_dim] = end - max(start, size)
+            part = torch.cat([part, torch.zeros(pad, dtype=full.dtype)], dim=split_dim)
+        return part
+
+
+@dataclasses.dataclass
+class WeightSource:
+    """What `checkpoint.init_from` names: its config (model shape, tokenizer) and a reader of its tensors."""
+
+    path: Path
+    kind: str  # "huggingface", "consolidated" or "sharded"
+    config: RunConfig
+    reader: object  # ShardedReader or MappedReader
+
+
+def open_source(path: str | Path) -> WeightSource:
+    """The weights `path` names (module docstring); UserError (one line) for anything else."""
+    from shardlm.checkpoint.state import consolidated_config, reader_of
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint.init_from={path} does not exist")
+    if path.is_file():
+        return WeightSource(path, "consolidated", consolidated_config(path), ShardedReader([path]))
+    if (path / "config.json").is_file():
+        from shardlm.checkpoint.hf import open_hf
+
+        config, sources = open_hf(path)
+        return WeightSource(path, "huggingface", config, MappedReader({f"model/{k}": v for k, v in sources.items()}))
+    if (path / files.META).is_file() or (path / files.LATEST).is_file():
+        checkpoint = files.resolve(path)
+        meta = files.read_meta(checkpoint)
+        return WeightSource(checkpoint, "sharded", from_dict(meta["config"]), reader_of(checkpoint, meta))
+    raise UserError(f"checkpoint.init_from={path} is neither a shardlm checkpoint nor a Hugging Face model "
+                    "directory (no config.json)")
+
+
+def resolve_model(config: RunConfig, source: RunConfig, where: Path) -> None:
+    """Give `config.model` the checkpoint's shape (module docstring), in place; UserError naming the first key
+    the run sets to another value than the checkpoint's. The tokenizer is the checkpoint's (an HF directory's
+    tokenizer.json) when the run leaves data.tokenizer and data.vocab_file at their defaults."""
+    defaults, saved = dataclasses.asdict(ModelConfig()), dataclasses.asdict(source.model)
+    free = FREE_KEYS + (("seq_length",) if saved["arch"] == "llama" else ())
+    for key, value in dataclasses.asdict(config.model).items():
+        if value == defaults[key] or value == saved[key]:
+            setattr(config.model, key, saved[key])
+        elif key not in free:
+            raise UserError(f"model.{key}={value!r} but checkpoint.init_from={where} has {saved[key]!r}; leave "
+                            f"model.{key} out (it is taken from the checkpoint) or set it to {saved[key]!r}")
+    data_defaults = DataConfig()
+    if ((config.data.tokenizer, config.data.vocab_file) == (data_defaults.tokenizer, data_defaults.vocab_file)
+            and source.data.vocab_file and Path(source.data.vocab_file).is_file()):
+        config.data.tokenizer, config.data.vocab_file = source.data.tokenizer, source.data.vocab_file
+        config.data.merges_file = source.data.merges_file
+
+
+def resolve_init(config: RunConfig) -> WeightSource | None:
+    """The source of `config.checkpoint.init_from` with `config.model` resolved against it (None when unset).
+    Called before validation, by `shardlm train` and by every rank; repeatable (a resolved config is unchanged)."""
+    load = Path(config.checkpoint.load) if config.checkpoint.load else None
+    if load is not None and (load.is_file() or (load / "config.json").is_file()):
+        raise UserError(f"checkpoint.load={load} resumes a sharded shardlm checkpoint (weights, optimizer, step); "
+                        "start from a consolidated file or a Hugging Face directory with checkpoint.init_from")
+    if not config.checkpoint.init_from:
+        return None
+    if config.checkpoint.load:
+        raise UserError("checkpoint.load (resume a run: weights, optimizer, step, data position) and "
+                        "checkpoint.init_from (weights only, step 0) exclude each other; set one")
+    source = open_source(config.checkpoint.init_from)
+    resolve_model(config, source.config, source.path)
+    return source
+
+
+def init_weights(trainer, source: WeightSource) -> None:
+    """Load `source`'s weights into a fresh trainer at its layout (every rank); the optimizer stays fresh."""
+    from shardlm.checkpoint.state import load_weights
+
+    load_weights(trainer.model, source.reader, trainer.ctx, trainer.optimizer, optimizer_step=0)
+
+
+def describe(source: WeightSource) -> str:
+    """One line for the run's log."""
+    m = source.config.model
+    return (f"initialized from {source.kind} weights {source.path} ({m.arch}, {m.num_layers} layers, hidden "
+            f"{m.hidden_size}, vocabulary {m.vocab_size}); fresh optimizer, step 0, data from the start")
+
