@@ -1,0 +1,112 @@
+"""`shardlm train checkpoint.init_from=HF_DIR` from the command line: start, restart, export, and one-line errors.
+
+A random one-layer Qwen3 with the real Qwen3 vocabulary (151936 rows, tied) is saved with save_pretrained
+beside the shared Qwen3 tokenizer.json. A config with no [model] section and no tokenizer trains 2 steps
+on the first 4 kB of the shared Shakespeare text: the model's shape and the tokenizer come from the HF
+directory. Run again in the same run directory with more steps, it resumes from its own step-2
+checkpoint, not from the HF weights (a restart after a crash). `shardlm convert --to-hf` then writes a
+directory transformers loads, tokenizer included. Each user error is one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlm.cli import main
+
+CONFIG = """
+[data]
+text_file = "{text}"
+
+[train]
+micro_batch_size = 2
+global_batch_size = 2
+steps = 2
+lr = 1e-3
+warmup_steps = 1
+eval_iters = 1
+
+[log]
+interval = 1
+progress = false
+tensorboard = false
+plot = false
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("hf_start_cli")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
+                         tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).save_pretrained(root / "hf")
+    shutil.copy(data_dir / "chat" / "qwen3" / "tokenizer.json", root / "hf" / "tokenizer.json")
+    text = root / "corpus.txt"
+    text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:4000])
+    path = root / "run.toml"
+    path.write_text(CONFIG.format(text=text) + "\n[model]\nseq_length = 16\n")
+    return {"root": root, "hf": root / "hf", "config": path}
+
+
+def test_train_from_hf_then_restart_resumes_its_own_checkpoint_then_export(setup, capsys):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = setup["root"] / "run"
+    args = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", "--run-dir", str(run_dir)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"initialized from huggingface weights {setup['hf']}" in out, out
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["model"]["arch"], saved["model"]["vocab_size"], saved["model"]["qk_norm"]) == ("llama", 151936, True)
+    assert saved["model"]["seq_length"] == 16  # a Llama's seq_length is the run's to choose
+    assert saved["data"]["vocab_file"] == str(setup["hf"] / "tokenizer.json")
+
+    assert main([*args, "train.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2" in out and "initialized from" not in out, out
+
+    exported = setup["root"] / "exported"
+    assert main(["convert", "--to-hf", str(exported), "--checkpoint", str(run_dir / "checkpoints")]) == 0
+    assert (exported / "tokenizer.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 151936
+
+
+def write_dir(root: Path, name: str, config: dict | None) -> Path:
+    path = root / name
+    path.mkdir(exist_ok=True)
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+ERRORS = [
+    ("missing", lambda r, hf: ["checkpoint.init_from=" + str(r / "no-such-model")], "does not exist"),
+    ("bert", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "bert", {"model_type": "bert"}))],
+     "holds a 'bert' model; only gpt2 and llama, qwen3, mixtral, qwen3_moe convert"),
+    ("no_weights", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "empty", json.loads(
+        (hf / "config.json").read_text())))], "must hold model.safetensors"),
+    ("no_config", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "bare", None))],
+     "neither a shardlm checkpoint nor a Hugging Face model directory"),
+    ("shape", lambda r, hf: [f"checkpoint.init_from={hf}", "model.num_layers=3"],
+     "model.num_layers=3 but checkpoint.init_from="),
+    ("load_hf", lambda r, hf: [f"checkpoint.load={hf}"], "start from a consolidated file or a Hugging Face "
+                                                          "directory with checkpoint.init_from"),
+]
+
+
+@pytest.mark.parametrize("name,extra,message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_init_from_errors_are_one_line(setup, tmp_path, capsys, name, extra, message):
+    code = main(["train", str(setup["config"]), *extra(tmp_path, setup["hf"]), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
