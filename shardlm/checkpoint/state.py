@@ -326,10 +326,20 @@ def load_consolidated(path: Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, ctx: ParallelContext):
-    """(model, config) from a checkpoint directory or a consolidated file, sharded for `ctx`, in eval mode."""
+    """(model, config) from a checkpoint directory, a consolidated file or a Hugging Face model directory
+    (read in place, `init.open_source`), sharded for `ctx`, in eval mode."""
     from shardlm.models import build_model
 
     path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        from shardlm.checkpoint.init import open_source
+
+        source = open_source(path)
+        config = source.config
+        config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
+        model = build_model(config.model, ctx, seed=config.train.seed)
+        load_weights(model, source.reader, ctx)
+        return model.eval(), config
     if path.is_file():
         config, paths = consolidated_config(path), [path]
     else:
