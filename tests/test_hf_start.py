@@ -2,9 +2,10 @@
 
 A random `Qwen3ForCausalLM` (head_dim 12 at hidden 32, 4 query heads over 2 KV heads, sharp attention and
 q/k norm weights away from 1) is saved with save_pretrained. Runs whose [model] section is left empty start
-from that directory (and from its converted single file) at TP=1, TP=2 and PP=2: the step-1 loss equals
-transformers' loss on the same batch within 1e-5, and TP=2's three-step curve equals one process's. A
-random `Qwen3MoeForCausalLM` started at EP=2 (experts split over 2 ranks) gives transformers' loss too.
+from that directory (and from its converted single file) at TP=1, TP=2, PP=2, CP=2 and DP=2 with FSDP
+and with a sharded optimizer (ZeRO-1): the step-1 loss equals transformers' loss on the same batch within
+1e-5, and TP=2's three-step curve equals one process's. A random `Qwen3MoeForCausalLM` started at EP=2
+(experts split over 2 ranks) gives transformers' loss too.
 The TP=2 run's checkpoint, exported with `to_hf`, gives transformers logits equal to shardlm's within 1e-5.
 One world of 2 processes.
 """
@@ -62,14 +63,15 @@ def hf_loss(model, batch: torch.Tensor) -> float:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
 
 
-def run_config(init_from, tp: int = 1, pp: int = 1, ep: int = 1, micro: int = BATCH):
+def run_config(init_from, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, micro: int = BATCH,
+               sharding: str = "none"):
     """A user's config that names the weights and leaves [model] at its defaults."""
     return from_dict({
-        "parallel": {"tensor": tp, "pipeline": pp, "expert": ep},
+        "parallel": {"tensor": tp, "pipeline": pp, "expert": ep, "context": cp},
         "data": {"text_file": "unused"},
         "checkpoint": {"init_from": str(init_from)},
         "train": {"micro_batch_size": micro, "global_batch_size": BATCH, "steps": STEPS, "lr": 3e-3,
-                  "min_lr": 3e-4, "warmup_steps": 1, "clip_grad": 1.0, "seed": 7},
+                  "min_lr": 3e-4, "warmup_steps": 1, "clip_grad": 1.0, "seed": 7, "data_sharding": sharding},
     })
 
 
@@ -103,9 +105,13 @@ def worker(paths: dict) -> dict:
             ("tp2", run_config(paths["dense"], tp=2), STEPS, paths["saved"]),
             ("tp2_file", run_config(paths["file"], tp=2), 1, None),
             ("pp2", run_config(paths["dense"], pp=2, micro=BATCH // 2), 1, None),
-            ("ep2", run_config(paths["moe"], ep=2), 1, None)):
+            ("ep2", run_config(paths["moe"], ep=2, micro=BATCH // 2), 1, None),
+            ("fsdp_dp2", run_config(paths["dense"], micro=BATCH // 2, sharding="full"), 1, None),
+            ("zero1_dp2", run_config(paths["dense"], micro=BATCH // 2, sharding="optimizer"), 1, None),
+            ("cp2", run_config(paths["dense"], cp=2), 1, None)):
         p = config.parallel
-        ctx = ParallelContext.from_process_group(p.tensor, pipeline_parallel=p.pipeline, expert_parallel=p.expert)
+        ctx = ParallelContext.from_process_group(p.tensor, pipeline_parallel=p.pipeline, expert_parallel=p.expert,
+                                                 context_parallel=p.context)
         losses, saved = start(ctx, config, steps, save)
         out[name] = (losses, str(saved) if saved else None)
     return out
@@ -133,8 +139,8 @@ def test_one_process_started_from_hf_and_from_its_converted_file_gives_transform
         assert abs(losses[0] - models["dense"]["loss"]) < TOL, path
 
 
-def test_tp2_pp2_and_ep2_starts_give_transformers_loss(world2, models):
-    for name in ("tp2", "tp2_file", "pp2"):
+def test_starts_at_every_layout_give_transformers_loss(world2, models):
+    for name in ("tp2", "tp2_file", "pp2", "fsdp_dp2", "zero1_dp2", "cp2"):
         for rank in world2:
             assert abs(rank[name][0][0] - models["dense"]["loss"]) < TOL, name
     for rank in world2:
