@@ -5,7 +5,7 @@ q/k norm weights away from 1) is saved with save_pretrained. Runs whose [model] 
 from that directory (and from its converted single file) at TP=1, TP=2, PP=2, CP=2 and DP=2 with FSDP
 and with a sharded optimizer (ZeRO-1): the step-1 loss equals transformers' loss on the same batch within
 1e-5, and TP=2's three-step curve equals one process's. A random `Qwen3MoeForCausalLM` started at EP=2
-(experts split over 2 ranks) gives transformers' loss too.
+(experts split over 2 ranks) gives transformers' loss too, and so does a random GPT-2 started in one process.
 The TP=2 run's checkpoint, exported with `to_hf`, gives transformers logits equal to shardlm's within 1e-5.
 One world of 2 processes.
 """
@@ -96,7 +96,24 @@ def models(tmp_path_factory):
         model.save_pretrained(root / name)
         out[name] = {"dir": root / name, "loss": hf_loss(model, batch), "model": model}
     out["file"] = from_hf(root / "dense", root / "dense.safetensors")
+    gpt2 = tiny_gpt2()
+    gpt2.save_pretrained(root / "gpt2")
+    out["gpt2"] = {"dir": root / "gpt2", "loss": hf_loss(gpt2, batch)}
     return out
+
+
+def tiny_gpt2():
+    """A random tiny GPT-2 (Conv1D weights, fused [q|k|v] columns: converted, not only renamed), no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(20.0)  # tied output: logits far from flat
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(4.0)
+    return model.eval()
 
 
 def worker(paths: dict) -> dict:
@@ -137,6 +154,11 @@ def test_one_process_started_from_hf_and_from_its_converted_file_gives_transform
     for path in (models["dense"]["dir"], models["file"]):
         losses, _ = start(ParallelContext.single(), run_config(path), steps=1)
         assert abs(losses[0] - models["dense"]["loss"]) < TOL, path
+
+
+def test_one_process_started_from_hf_gpt2_gives_transformers_loss(models):
+    losses, _ = start(ParallelContext.single(), run_config(models["gpt2"]["dir"]), steps=1)
+    assert abs(losses[0] - models["gpt2"]["loss"]) < TOL
 
 
 def test_starts_at_every_layout_give_transformers_loss(world2, models):
