@@ -6,7 +6,8 @@ from that directory (and from its converted single file) at TP=1, TP=2, PP=2, CP
 and with a sharded optimizer (ZeRO-1): the step-1 loss equals transformers' loss on the same batch within
 1e-5, and TP=2's three-step curve equals one process's. A random `Qwen3MoeForCausalLM` started at EP=2
 (experts split over 2 ranks) gives transformers' loss too, and so does a random GPT-2 started in one process.
-The TP=2 run's checkpoint, exported with `to_hf`, gives transformers logits equal to shardlm's within 1e-5.
+The TP=2 run's checkpoint, exported with `to_hf`, gives transformers logits equal to shardlm's within 1e-5,
+and a run started from that checkpoint's weights (at TP=1) gives the exported model's transformers loss.
 One world of 2 processes.
 """
 
@@ -190,3 +191,14 @@ def test_exported_fine_tuned_model_gives_shardlm_logits_in_transformers(world2, 
         original = models["dense"]["model"](tokens).logits
     assert (theirs - original).abs().max() > 1000 * TOL, "the export should hold the fine-tuned weights"
     assert (ours - theirs).abs().max() < TOL
+
+
+def test_start_from_the_tp2_run_checkpoint_gives_its_exports_transformers_loss(world2, models, tmp_path):
+    """checkpoint.init_from a sharded checkpoint (saved at TP=2, started at TP=1): its weights, not its step."""
+    from transformers import Qwen3ForCausalLM
+
+    checkpoint = world2[0]["tp2"][1]
+    exported = Qwen3ForCausalLM.from_pretrained(to_hf(checkpoint, tmp_path / "exported")).eval()
+    config = run_config(checkpoint)
+    losses, _ = start(ParallelContext.single(), config, steps=1)
+    assert abs(losses[0] - hf_loss(exported, models["batch"])) < TOL

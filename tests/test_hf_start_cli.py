@@ -89,6 +89,14 @@ def write_dir(root: Path, name: str, config: dict | None) -> Path:
     return path
 
 
+def wrong_shapes(root: Path, hf: Path) -> Path:
+    """The HF directory with a config.json that says the MLP is twice as wide as its tensors are."""
+    config = json.loads((hf / "config.json").read_text())
+    path = write_dir(root, "wrong_shapes", {**config, "intermediate_size": 2 * config["intermediate_size"]})
+    shutil.copy(hf / "model.safetensors", path / "model.safetensors")
+    return path
+
+
 ERRORS = [
     ("missing", lambda r, hf: ["checkpoint.init_from=" + str(r / "no-such-model")], "does not exist"),
     ("bert", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "bert", {"model_type": "bert"}))],
@@ -99,6 +107,9 @@ ERRORS = [
      "neither a shardlm checkpoint nor a Hugging Face model directory"),
     ("shape", lambda r, hf: [f"checkpoint.init_from={hf}", "model.num_layers=3"],
      "model.num_layers=3 but checkpoint.init_from="),
+    ("tensor_shape", lambda r, hf: ["checkpoint.init_from=" + str(wrong_shapes(r, hf))],
+     "tensor layers.0.mlp.gate.weight has shape [32, 16] but its config.json describes a model whose tensor "
+     "has [64, 16]"),
     ("load_hf", lambda r, hf: [f"checkpoint.load={hf}"], "start from a consolidated file or a Hugging Face "
                                                           "directory with checkpoint.init_from"),
 ]

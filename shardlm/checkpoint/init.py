@@ -28,6 +28,7 @@ from shardlm.config import DataConfig, RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
+VOCABULARY = ("model/wte.weight", "model/lm_head.weight")  # rows padded to a multiple of the TP size and more
 FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisible_by", "moe_aux_loss_coeff",
              "moe_z_loss_coeff")
 
@@ -37,16 +38,37 @@ class MappedReader:
     `read` slices the full tensor (keeping the last one, which `shape` and `read` of one parameter share) and
     fills rows past its end with zeros (the padded vocabulary)."""
 
-    def __init__(self, sources: dict[str, Callable[[], torch.Tensor]]):
+    def __init__(self, sources: dict[str, Callable[[], torch.Tensor]], where: Path | None = None):
         self.sources = sources
+        self.where = where
+        self.expected: dict[str, list[int]] = {}  # set by `expect`: the full shapes the model wants
         self._last: tuple[str, torch.Tensor] | None = None
+
+    def expect(self, model, tp_size: int) -> None:
+        """Check each tensor, when read, against the full (TP=1) shape of the parameter it fills in `model`
+        (config.json and the weights of an HF directory could disagree; slicing would then hide it)."""
+        from shardlm.checkpoint.state import _stored_names, is_expert, split_dim
+
+        for name, param in model.named_parameters():
+            expert = is_expert(param)
+            shape, dim = list(param.shape[1:] if expert else param.shape), split_dim(param)
+            if dim is not None:
+                shape[dim - 1 if expert else dim] *= tp_size
+            for key in _stored_names(name, param):
+                self.expected[f"model/{key}"] = shape
 
     def keys(self) -> set[str]:
         return set(self.sources)
 
     def _full(self, key: str) -> torch.Tensor:
         if self._last is None or self._last[0] != key:
-            self._last = (key, self.sources[key]())
+            tensor = self.sources[key]()
+            got, want = list(tensor.shape), self.expected.get(key)
+            vocab = key in VOCABULARY and want is not None and got[1:] == want[1:] and got[0] <= want[0]  # padding
+            if want is not None and got != want and not vocab:
+                raise UserError(f"{self.where}: tensor {key.split('/', 1)[1]} has shape {got} but its config.json "
+                                f"describes a model whose tensor has {want}")
+            self._last = (key, tensor)
         return self._last[1]
 
     def shape(self, key: str) -> list[int]:
@@ -75,6 +97,7 @@ class WeightSource:
     kind: str  # "huggingface", "consolidated" or "sharded"
     config: RunConfig
     reader: object  # ShardedReader or MappedReader
+    meta: dict | None = None  # a sharded checkpoint's meta.json (its files are verified before reading)
 
 
 def open_source(path: str | Path) -> WeightSource:
@@ -90,11 +113,12 @@ def open_source(path: str | Path) -> WeightSource:
         from shardlm.checkpoint.hf import open_hf
 
         config, sources = open_hf(path)
-        return WeightSource(path, "huggingface", config, MappedReader({f"model/{k}": v for k, v in sources.items()}))
+        reader = MappedReader({f"model/{k}": v for k, v in sources.items()}, path)
+        return WeightSource(path, "huggingface", config, reader)
     if (path / files.META).is_file() or (path / files.LATEST).is_file():
         checkpoint = files.resolve(path)
         meta = files.read_meta(checkpoint)
-        return WeightSource(checkpoint, "sharded", from_dict(meta["config"]), reader_of(checkpoint, meta))
+        return WeightSource(checkpoint, "sharded", from_dict(meta["config"]), reader_of(checkpoint, meta), meta)
     raise UserError(f"checkpoint.init_from={path} is neither a shardlm checkpoint nor a Hugging Face model "
                     "directory (no config.json)")
 
@@ -137,9 +161,16 @@ def resolve_init(config: RunConfig) -> WeightSource | None:
 
 def init_weights(trainer, source: WeightSource) -> None:
     """Load `source`'s weights into a fresh trainer at its layout (every rank); the optimizer stays fresh."""
+    from shardlm.checkpoint.sharded import model_files
     from shardlm.checkpoint.state import load_weights
 
-    load_weights(trainer.model, source.reader, trainer.ctx, trainer.optimizer, optimizer_step=0)
+    ctx = trainer.ctx
+    if source.meta is not None:  # sizes and sha256 of the shards, each hashed on one rank
+        names = [name for row in model_files(source.meta) for name in row]
+        files.verify(source.path, source.meta, names, world=ctx.world, device=ctx.device)
+    if isinstance(source.reader, MappedReader):
+        source.reader.expect(trainer.model, ctx.tp_size)
+    load_weights(trainer.model, source.reader, ctx, trainer.optimizer, optimizer_step=0)
 
 
 def describe(source: WeightSource) -> str:

@@ -338,6 +338,7 @@ def load_model(path: str | Path, ctx: ParallelContext):
         config = source.config
         config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
         model = build_model(config.model, ctx, seed=config.train.seed)
+        source.reader.expect(model, ctx.tp_size)
         load_weights(model, source.reader, ctx)
         return model.eval(), config
     if path.is_file():
