@@ -1,11 +1,12 @@
 """`shardlm train checkpoint.init_from=HF_DIR` from the command line: start, restart, export, and one-line errors.
 
 A random one-layer Qwen3 with the real Qwen3 vocabulary (151936 rows, tied) is saved with save_pretrained
-beside the shared Qwen3 tokenizer.json. A config with no [model] section and no tokenizer trains 2 steps
+beside the shared Qwen3 tokenizer files. A config with no [model] section and no tokenizer trains 2 steps
 on the first 4 kB of the shared Shakespeare text: the model's shape and the tokenizer come from the HF
 directory. Run again in the same run directory with more steps, it resumes from its own step-2
 checkpoint, not from the HF weights (a restart after a crash). `shardlm convert --to-hf` then writes a
-directory transformers loads, tokenizer included. Each user error is one line, exit code 2.
+directory transformers loads, tokenizer and chat template included, which `shardlm generate --chat` answers
+from. Each user error is one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def setup(tmp_path_factory, data_dir):
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
                          tie_word_embeddings=True)
     Qwen3ForCausalLM(config).save_pretrained(root / "hf")
-    shutil.copy(data_dir / "chat" / "qwen3" / "tokenizer.json", root / "hf" / "tokenizer.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the second holds the chat template
+        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
     text = root / "corpus.txt"
     text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:4000])
     path = root / "run.toml"
@@ -76,9 +78,14 @@ def test_train_from_hf_then_restart_resumes_its_own_checkpoint_then_export(setup
 
     exported = setup["root"] / "exported"
     assert main(["convert", "--to-hf", str(exported), "--checkpoint", str(run_dir / "checkpoints")]) == 0
-    assert (exported / "tokenizer.json").is_file()
+    assert (exported / "tokenizer.json").is_file() and (exported / "tokenizer_config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 151936
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(exported), "--chat", "--prompt", "Hi", "--greedy",
+                 "--max-new-tokens", "3", "--device", "cpu", "--json"]) == 0  # the chat template came along
+    prompt = json.loads(capsys.readouterr().out)["generations"][0]["prompt_tokens"]
+    assert prompt[-3:] == [151644, 77091, 198]  # the generation prompt, "<|im_start|>assistant\n"
 
 
 def write_dir(root: Path, name: str, config: dict | None) -> Path:

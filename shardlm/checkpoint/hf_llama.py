@@ -43,6 +43,7 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def hf_kind(cfg: ModelConfig) -> str:
@@ -240,6 +241,9 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
     if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
         shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
+        for name in TOKENIZER_FILES:  # the chat template and special tokens beside it, when there are any
+            if (Path(config.data.vocab_file).parent / name).is_file():
+                shutil.copy(Path(config.data.vocab_file).parent / name, tmp / name)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
