@@ -137,14 +137,17 @@ def resolve_model(config: RunConfig, source: RunConfig, where: Path) -> None:
                             f"model.{key} out (it is taken from the checkpoint) or set it to {saved[key]!r}")
     data_defaults = DataConfig()
     if ((config.data.tokenizer, config.data.vocab_file) == (data_defaults.tokenizer, data_defaults.vocab_file)
-            and source.data.vocab_file and Path(source.data.vocab_file).is_file()):
+            and source.data.vocab_file):  # a tokenizer file since removed is a one-line error, not another tokenizer
         config.data.tokenizer, config.data.vocab_file = source.data.tokenizer, source.data.vocab_file
         config.data.merges_file = source.data.merges_file
 
 
-def resolve_init(config: RunConfig) -> WeightSource | None:
+def resolve_init(config: RunConfig, run_dir: Path | None = None) -> WeightSource | None:
     """The source of `config.checkpoint.init_from` with `config.model` resolved against it (None when unset).
-    Called before validation, by `shardlm train` and by every rank; repeatable (a resolved config is unchanged)."""
+    Called before validation, by `shardlm train` and by every rank; repeatable (a resolved config is unchanged).
+    When the run's checkpoint folder (checkpoint.dir, else RUN_DIR/checkpoints) already has `latest`, the run
+    resumes from it: [model] is resolved against that checkpoint and None is returned, so a restart neither
+    reads the weights again nor needs them to still be there."""
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
     if load is not None and (load.is_file() or (load / "config.json").is_file()):
         raise UserError(f"checkpoint.load={load} resumes a sharded shardlm checkpoint (weights, optimizer, step); "
@@ -154,6 +157,11 @@ def resolve_init(config: RunConfig) -> WeightSource | None:
     if config.checkpoint.load:
         raise UserError("checkpoint.load (resume a run: weights, optimizer, step, data position) and "
                         "checkpoint.init_from (weights only, step 0) exclude each other; set one")
+    folder = Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints" if run_dir else None
+    latest = files.latest_in(folder) if folder is not None else None
+    if latest is not None:
+        resolve_model(config, from_dict(files.read_meta(latest)["config"]), latest)
+        return None
     source = open_source(config.checkpoint.init_from)
     resolve_model(config, source.config, source.path)
     return source

@@ -146,7 +146,7 @@ def report_interrupt(progress: Progress) -> None:
 def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,
            progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    init_source = resolve_init(config)  # before validation: [model] may take the checkpoint's shape
+    init_source = resolve_init(config, run_dir)  # before validation: [model] may take the checkpoint's shape
     validate(config, world)
     tokenizer = build_tokenizer_for(config.data)
     if config.model.vocab_size == 0:
