@@ -124,6 +124,9 @@ ERRORS = [
     ("tensor_shape", lambda r, hf: ["checkpoint.init_from=" + str(wrong_shapes(r, hf))],
      "tensor layers.0.mlp.gate.weight has shape [32, 16] but its config.json describes a model whose tensor "
      "has [64, 16]"),
+    ("run_dir", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "run", {"model": {}, "train": {},
+                                                                                "checkpoint": {}}))],
+     "is a shardlm run directory, not a Hugging Face model; name its checkpoints folder"),
     ("load_hf", lambda r, hf: [f"checkpoint.load={hf}"], "start from a consolidated file or a Hugging Face "
                                                           "directory with checkpoint.init_from"),
 ]

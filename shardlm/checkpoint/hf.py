@@ -105,6 +105,9 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, Callable[[], torch
         raise UserError(f"{hf_dir} has no config.json (not a Hugging Face model directory)")
     hf_config = json.loads(config_file.read_text())
     kind = hf_config.get("model_type")
+    if kind is None and {"model", "train", "checkpoint"} <= hf_config.keys():  # what `shardlm train` writes
+        raise UserError(f"{hf_dir} is a shardlm run directory, not a Hugging Face model; name its checkpoints "
+                        f"folder ({hf_dir / 'checkpoints'}) or a consolidated file")
     if kind in LLAMA_FAMILY:
         from shardlm.checkpoint import hf_llama
 
