@@ -8,6 +8,7 @@ and with a sharded optimizer (ZeRO-1): the step-1 loss equals transformers' loss
 (experts split over 2 ranks) gives transformers' loss too, and so does a random GPT-2 started in one process.
 The TP=2 run's checkpoint, exported with `to_hf`, gives transformers logits equal to shardlm's within 1e-5,
 and a run started from that checkpoint's weights (at TP=1) gives the exported model's transformers loss.
+A rank reads only its own rows of an HF tensor that needs no conversion.
 One world of 2 processes.
 """
 
@@ -202,3 +203,19 @@ def test_start_from_the_tp2_run_checkpoint_gives_its_exports_transformers_loss(w
     config = run_config(checkpoint)
     losses, _ = start(ParallelContext.single(), config, steps=1)
     assert abs(losses[0] - hf_loss(exported, models["batch"])) < TOL
+
+
+def test_a_rank_reads_only_its_rows_of_an_hf_tensor(models, monkeypatch):
+    """A Llama-family tensor needs no conversion: a TP rank's rows are read alone, never the whole tensor."""
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint.hf import HFTensor
+    from shardlm.checkpoint.init import open_source
+
+    reader = open_source(models["dense"]["dir"]).reader
+    monkeypatch.setattr(HFTensor, "__call__", lambda self: pytest.fail(f"read all of {self.name}"))
+    rows = reader.read("model/layers.1.mlp.up.weight", 0, 32, 64)
+    full = load_file(str(models["dense"]["dir"] / "model.safetensors"))["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(rows, full[32:64])
+    padded = reader.read("model/wte.weight", 0, 64, 128)  # past the 100 rows: zeros (the padded vocabulary)
+    assert torch.equal(padded[:36], models["dense"]["model"].model.embed_tokens.weight[64:]) and not padded[36:].any()

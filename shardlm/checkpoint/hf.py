@@ -31,6 +31,36 @@ LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe")  # HF model types that
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
+class HFTensor:
+    """One tensor of an HF directory in shardlm's layout, read on demand. `convert` (GPT-2's transposes and QKV
+    reordering) needs the whole tensor; without it (Llama-family names map one to one) `shape()` reads only the
+    header and `part(dim, start, end)` only the rows asked for. Calling it returns the whole fp32 tensor."""
+
+    def __init__(self, handles: dict, path: Path, name: str, convert: Callable | None = None):
+        self.handles, self.path, self.name, self.convert = handles, path, name, convert
+
+    def _file(self):
+        if self.path not in self.handles:
+            self.handles[self.path] = safe_open(str(self.path), framework="pt")
+        return self.handles[self.path]
+
+    def __call__(self) -> torch.Tensor:
+        value = self._file().get_tensor(self.name).float()
+        return (value if self.convert is None else self.convert(value)).contiguous()
+
+    def shape(self) -> list[int] | None:
+        """The shape, or None when it is known only after converting the whole tensor."""
+        return None if self.convert is not None else list(self._file().get_slice(self.name).get_shape())
+
+    def part(self, dim: int, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) along `dim`, fp32 (only those are read when there is no conversion)."""
+        if self.convert is not None:
+            return self().narrow(dim, start, end - start).contiguous()
+        index = [slice(None)] * len(self.shape())
+        index[dim] = slice(start, end)
+        return self._file().get_slice(self.name)[tuple(index)].float().contiguous()
+
+
 def qkv_from_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """HF c_attn (h, 3h) [q|k|v] columns -> shardlm (3h, h) rows ordered (heads, 3, head_dim).
     Also works on the bias (3h,)."""
@@ -93,10 +123,10 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     }
 
 
-def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, Callable[[], torch.Tensor]]]:
-    """(config, {shardlm name: a function returning its fp32 tensor in shardlm's layout}) of a local HF
-    GPT-2 or Llama-family directory; each tensor is read only when its function is called. UserError (one
-    line) for a missing directory, config.json or weights, and for an architecture that does not convert."""
+def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
+    """(config, {shardlm name: its `HFTensor`, fp32 in shardlm's layout}) of a local HF GPT-2 or Llama-family
+    directory; nothing is read until a tensor is asked for. UserError (one line) for a missing directory,
+    config.json or weights, and for an architecture that does not convert."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir} does not exist or is not a directory")
@@ -121,26 +151,18 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, Callable[[], torch
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
-    handle = safe_open(str(weights), framework="pt")
-    available = set(handle.keys())
-
-    def reader(theirs: str, kind: str) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            value = handle.get_tensor(theirs).float()
-            if kind == "linear":
-                value = value.t()
-            elif kind == "qkv":
-                value = qkv_from_hf(value, config.model.num_heads)
-            return value.contiguous()
-        return read
-
+    handles: dict = {}
+    with safe_open(str(weights), framework="pt") as f:
+        available = set(f.keys())
+    heads = config.model.num_heads
+    convert = {"copy": None, "linear": lambda v: v.t(), "qkv": lambda v: qkv_from_hf(v, heads)}
     sources = {}
     for ours, theirs, kind in name_map(config.model.num_layers):
         if theirs not in available and theirs.startswith("transformer.") and theirs[12:] in available:
             theirs = theirs[12:]  # GPT2Model checkpoints have no "transformer." prefix
         if theirs not in available:
             raise UserError(f"{weights} has no tensor {theirs}")
-        sources[ours] = reader(theirs, kind)
+        sources[ours] = HFTensor(handles, weights, theirs, convert[kind])
     return config, sources
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files
+from shardlm.checkpoint.hf import HFTensor
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -198,9 +198,9 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, Callable[[], torch.Tensor]]]:
-    """(config, {shardlm name: a function returning its fp32 tensor}) of a local HF Llama-family directory
-    (Llama, Qwen3, Mixtral, Qwen3-MoE); each tensor is read only when its function is called."""
+def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
+    """(config, {shardlm name: its `hf.HFTensor`}) of a local HF Llama-family directory (Llama, Qwen3,
+    Mixtral, Qwen3-MoE); nothing is read until a tensor is asked for, and then only the rows asked for."""
     if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
         raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
@@ -209,20 +209,12 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, Callable[[], torch.Tenso
     located = _weight_files(hf_dir)
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
-    handles = {}
-
-    def reader(path: Path, name: str) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt")
-            return handles[path].get_tensor(name).float().contiguous()
-        return read
-
+    handles: dict = {}
     sources = {}
     for ours, theirs in name_map(config.model):
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
-        sources[ours] = reader(located[theirs], theirs)
+        sources[ours] = HFTensor(handles, located[theirs], theirs)
     return config, sources
 
 

@@ -17,7 +17,6 @@ Llama's seq_length, which has no tensor) keep the run's value when it sets one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,15 +33,15 @@ FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisi
 
 
 class MappedReader:
-    """`ShardedReader`'s reading interface over {name: function returning the full tensor} (an HF directory):
-    `read` slices the full tensor (keeping the last one, which `shape` and `read` of one parameter share) and
-    fills rows past its end with zeros (the padded vocabulary)."""
+    """`ShardedReader`'s reading interface over {key: `hf.HFTensor`} (an HF directory): `read` takes a rank's
+    rows (reading only those when the tensor needs no conversion), fills rows past the end with zeros (the
+    padded vocabulary) and, after `expect`, checks each tensor's shape against the model's."""
 
-    def __init__(self, sources: dict[str, Callable[[], torch.Tensor]], where: Path | None = None):
+    def __init__(self, sources: dict, where: Path | None = None):
         self.sources = sources
         self.where = where
         self.expected: dict[str, list[int]] = {}  # set by `expect`: the full shapes the model wants
-        self._last: tuple[str, torch.Tensor] | None = None
+        self._last: tuple[str, torch.Tensor] | None = None  # the last converted tensor (shape, then read)
 
     def expect(self, model, tp_size: int) -> None:
         """Check each tensor, when read, against the full (TP=1) shape of the parameter it fills in `model`
@@ -60,32 +59,38 @@ class MappedReader:
     def keys(self) -> set[str]:
         return set(self.sources)
 
-    def _full(self, key: str) -> torch.Tensor:
+    def _converted(self, key: str) -> torch.Tensor:
         if self._last is None or self._last[0] != key:
-            tensor = self.sources[key]()
-            got, want = list(tensor.shape), self.expected.get(key)
-            vocab = key in VOCABULARY and want is not None and got[1:] == want[1:] and got[0] <= want[0]  # padding
-            if want is not None and got != want and not vocab:
-                raise UserError(f"{self.where}: tensor {key.split('/', 1)[1]} has shape {got} but its config.json "
-                                f"describes a model whose tensor has {want}")
-            self._last = (key, tensor)
+            self._last = (key, self.sources[key]())
         return self._last[1]
 
     def shape(self, key: str) -> list[int]:
-        return list(self._full(key).shape)
+        """The full shape of `key`, checked against the model's (`expect`)."""
+        got = self.sources[key].shape()
+        got = list(self._converted(key).shape) if got is None else got
+        want = self.expected.get(key)
+        vocab = key in VOCABULARY and want is not None and got[1:] == want[1:] and got[0] <= want[0]  # padding
+        if want is not None and got != want and not vocab:
+            raise UserError(f"{self.where}: tensor {key.split('/', 1)[1]} has shape {got} but its config.json "
+                            f"describes a model whose tensor has {want}")
+        return got
 
     def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows [start, end) along `split_dim` of the full tensor `key` (all of it when split_dim is None)."""
-        full = self._full(key)
+        shape, source = self.shape(key), self.sources[key]
         if split_dim is None:
-            return full
-        size = full.shape[split_dim]
+            return self._converted(key) if source.shape() is None else source()
+        size = shape[split_dim]
         end = size if end is None else end
-        part = full.narrow(split_dim, min(start, size), max(0, min(end, size) - start))
+        lo, hi = min(start, size), min(end, size)
+        if source.shape() is None:
+            part = self._converted(key).narrow(split_dim, lo, hi - lo)
+        else:
+            part = source.part(split_dim, lo, hi)
         if end > size:
-            pad = list(full.shape)
+            pad = list(shape)
             pad[split_dim] = end - max(start, size)
-            part = torch.cat([part, torch.zeros(pad, dtype=full.dtype)], dim=split_dim)
+            part = torch.cat([part, torch.zeros(pad, dtype=part.dtype)], dim=split_dim)
         return part
 
 
