@@ -6,7 +6,8 @@ The source is any of
     supports (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE), read in place: no converted copy is written;
   - a sharded shardlm checkpoint (a step directory or the folder holding `latest`): its weights only.
 Every rank reads its own slice of each tensor at the run's layout through `state.load_weights`, as a
-resume does; an HF tensor is converted to shardlm's layout one at a time (`hf.open_hf`).
+resume does; of an HF tensor only the rank's rows are read (`hf.HFTensor`; GPT-2's, which are transposed
+and reordered, are converted whole, one at a time).
 
 The run's [model] section must describe the checkpoint's model (`resolve_model`): a key left at its
 default takes the checkpoint's value, a key set to another value than the checkpoint's is a one-line
