@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,36 @@ from shardlm.models.config import ModelConfig
 LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe")  # HF model types that `shardlm.checkpoint.hf_llama` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+class HFTensor:
+    """One tensor of an HF directory in shardlm's layout, read on demand. `convert` (GPT-2's transposes and QKV
+    reordering) needs the whole tensor; without it (Llama-family names map one to one) `shape()` reads only the
+    header and `part(dim, start, end)` only the rows asked for. Calling it returns the whole fp32 tensor."""
+
+    def __init__(self, handles: dict, path: Path, name: str, convert: Callable | None = None):
+        self.handles, self.path, self.name, self.convert = handles, path, name, convert
+
+    def _file(self):
+        if self.path not in self.handles:
+            self.handles[self.path] = safe_open(str(self.path), framework="pt")
+        return self.handles[self.path]
+
+    def __call__(self) -> torch.Tensor:
+        value = self._file().get_tensor(self.name).float()
+        return (value if self.convert is None else self.convert(value)).contiguous()
+
+    def shape(self) -> list[int] | None:
+        """The shape, or None when it is known only after converting the whole tensor."""
+        return None if self.convert is not None else list(self._file().get_slice(self.name).get_shape())
+
+    def part(self, dim: int, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) along `dim`, fp32 (only those are read when there is no conversion)."""
+        if self.convert is not None:
+            return self().narrow(dim, start, end - start).contiguous()
+        index = [slice(None)] * len(self.shape())
+        index[dim] = slice(start, end)
+        return self._file().get_slice(self.name)[tuple(index)].float().contiguous()
 
 
 def qkv_from_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -92,41 +123,55 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     }
 
 
-def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF GPT-2 (or Llama-family) directory into a consolidated shardlm checkpoint file."""
-    hf_dir, out = Path(hf_dir), Path(out)
+def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
+    """(config, {shardlm name: its `HFTensor`, fp32 in shardlm's layout}) of a local HF GPT-2 or Llama-family
+    directory; nothing is read until a tensor is asked for. UserError (one line) for a missing directory,
+    config.json or weights, and for an architecture that does not convert."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} does not exist or is not a directory")
     config_file = hf_dir / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in LLAMA_FAMILY:
+    if not config_file.is_file():
+        raise UserError(f"{hf_dir} has no config.json (not a Hugging Face model directory)")
+    hf_config = json.loads(config_file.read_text())
+    kind = hf_config.get("model_type")
+    if kind is None and {"model", "train", "checkpoint"} <= hf_config.keys():  # what `shardlm train` writes
+        raise UserError(f"{hf_dir} is a shardlm run directory, not a Hugging Face model; name its checkpoints "
+                        f"folder ({hf_dir / 'checkpoints'}) or a consolidated file")
+    if kind in LLAMA_FAMILY:
         from shardlm.checkpoint import hf_llama
 
-        return hf_llama.from_hf(hf_dir, out)
+        return hf_llama.open_hf(hf_dir)
+    if kind != "gpt2":
+        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(LLAMA_FAMILY)} convert")
     weights = hf_dir / "model.safetensors"
-    if not (hf_dir / "config.json").is_file() or not weights.is_file():
+    if not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
                         "safe_serialization=True)")
-    hf_config = json.loads((hf_dir / "config.json").read_text())
-    if hf_config.get("model_type") != "gpt2":
-        raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 and "
-                        f"{', '.join(LLAMA_FAMILY)} convert")
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
-    tensors = {}
+    handles: dict = {}
     with safe_open(str(weights), framework="pt") as f:
         available = set(f.keys())
-        for ours, theirs, kind in name_map(config.model.num_layers):
-            if theirs not in available and theirs.startswith("transformer.") and theirs[12:] in available:
-                theirs = theirs[12:]  # GPT2Model checkpoints have no "transformer." prefix
-            if theirs not in available:
-                raise UserError(f"{weights} has no tensor {theirs}")
-            value = f.get_tensor(theirs).float()
-            if kind == "linear":
-                value = value.t().contiguous()
-            elif kind == "qkv":
-                value = qkv_from_hf(value, config.model.num_heads)
-            tensors[f"model/{ours}"] = value
+    heads = config.model.num_heads
+    convert = {"copy": None, "linear": lambda v: v.t(), "qkv": lambda v: qkv_from_hf(v, heads)}
+    sources = {}
+    for ours, theirs, kind in name_map(config.model.num_layers):
+        if theirs not in available and theirs.startswith("transformer.") and theirs[12:] in available:
+            theirs = theirs[12:]  # GPT2Model checkpoints have no "transformer." prefix
+        if theirs not in available:
+            raise UserError(f"{weights} has no tensor {theirs}")
+        sources[ours] = HFTensor(handles, weights, theirs, convert[kind])
+    return config, sources
+
+
+def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
+    """Convert a local HF GPT-2 (or Llama-family) directory into a consolidated shardlm checkpoint file."""
+    config, sources = open_hf(hf_dir)
+    tensors = {f"model/{ours}": read() for ours, read in sources.items()}
     metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
-    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return files.write_atomically(Path(out), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:

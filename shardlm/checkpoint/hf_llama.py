@@ -28,7 +28,6 @@ attention are refused with a one-line error. No network.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -38,11 +37,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files
+from shardlm.checkpoint.hf import HFTensor
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def hf_kind(cfg: ModelConfig) -> str:
@@ -197,10 +198,9 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF Llama-family directory (Llama, Qwen3, Mixtral, Qwen3-MoE) into a consolidated shardlm
-    checkpoint file."""
-    hf_dir, out = Path(hf_dir), Path(out)
+def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
+    """(config, {shardlm name: its `hf.HFTensor`}) of a local HF Llama-family directory (Llama, Qwen3,
+    Mixtral, Qwen3-MoE); nothing is read until a tensor is asked for, and then only the rows asked for."""
     if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
         raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
@@ -209,15 +209,13 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     located = _weight_files(hf_dir)
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
-    tensors, handles = {}, {}
+    handles: dict = {}
+    sources = {}
     for ours, theirs in name_map(config.model):
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
-        path = located[theirs]
-        handles.setdefault(path, safe_open(str(path), framework="pt"))
-        tensors[f"model/{ours}"] = handles[path].get_tensor(theirs).float().contiguous()
-    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
-    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        sources[ours] = HFTensor(handles, located[theirs], theirs)
+    return config, sources
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
@@ -235,6 +233,9 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
     if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
         shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
+        for name in TOKENIZER_FILES:  # the chat template and special tokens beside it, when there are any
+            if (Path(config.data.vocab_file).parent / name).is_file():
+                shutil.copy(Path(config.data.vocab_file).parent / name, tmp / name)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)

@@ -72,6 +72,10 @@ class ShardedReader:
     def keys(self) -> set[str]:
         return set(self.files[0].keys())
 
+    def shape(self, key: str) -> list[int]:
+        """The shape of `key` in the first shard file (the whole tensor's for replicated ones)."""
+        return list(self.files[0].get_slice(key).get_shape())
+
     def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows (or columns) [start, end) along `split_dim` of the full tensor `key`; the whole tensor
         for replicated ones (split_dim None)."""

@@ -236,7 +236,7 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         dim = split_dim(param)
         start = 0 if dim is None else ctx.tp_rank * param.shape[dim]
         end = None if dim is None else start + param.shape[dim]
-        if dim is None and list(reader.files[0].get_slice(f"model/{name}").get_shape()) != list(param.shape):
+        if dim is None and not is_expert(param) and reader.shape(f"model/{name}") != list(param.shape):
             dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
         wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
         if is_expert(param):  # this rank's experts, each read by its global index
@@ -245,6 +245,9 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         else:
             local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)
                      for prefix in wanted if f"{prefix}/{name}" in keys}
+        if list(local["model"].shape) != list(param.shape):
+            raise UserError(f"checkpoint tensor {stored[0]} has shape {list(local['model'].shape)} where the model's "
+                            f"parameter (this rank's slice) has {list(param.shape)}: another model shape")
         if hasattr(optimizer, "load_full_state") and param.requires_grad:
             full[name] = local
             continue
@@ -323,10 +326,21 @@ def load_consolidated(path: Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, ctx: ParallelContext):
-    """(model, config) from a checkpoint directory or a consolidated file, sharded for `ctx`, in eval mode."""
+    """(model, config) from a checkpoint directory, a consolidated file or a Hugging Face model directory
+    (read in place, `init.open_source`), sharded for `ctx`, in eval mode."""
     from shardlm.models import build_model
 
     path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        from shardlm.checkpoint.init import open_source
+
+        source = open_source(path)
+        config = source.config
+        config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
+        model = build_model(config.model, ctx, seed=config.train.seed)
+        source.reader.expect(model, ctx.tp_size)
+        load_weights(model, source.reader, ctx)
+        return model.eval(), config
     if path.is_file():
         config, paths = consolidated_config(path), [path]
     else:

@@ -68,6 +68,14 @@ def add_parser(subparsers) -> None:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
     generate.add_argument("--no-cache", action="store_true", help="recompute the prefix every step")
     generate.add_argument("--ignore-eod", action="store_true", help="keep going after an end-of-document token")
+    generate.add_argument("--chat", action="store_true",
+                          help="each --prompt is a user turn: render it with the chat template, stop at end-of-turn")
+    generate.add_argument("--messages", action="append", default=[], metavar="FILE.json",
+                          help="a conversation to answer (JSON list of {role, content}); implies --chat; repeatable")
+    generate.add_argument("--chat-template", default=None, metavar="DIR",
+                          help="tokenizer directory with the chat template (default: the checkpoint's tokenizer's)")
+    generate.add_argument("--template-var", action="append", default=[], metavar="KEY=VALUE",
+                          help="a chat template variable, VALUE read as JSON if it parses (enable_thinking=false)")
     generate.set_defaults(func=run_generate)
 
 
@@ -90,6 +98,8 @@ def run_lambada(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.chat or args.messages:
+        return run_chat(args)
     prompts = list(args.prompt)
     if args.prompt_file:
         path = Path(args.prompt_file)
@@ -106,7 +116,52 @@ def run_generate(args: argparse.Namespace) -> int:
     return run_command(_generate_rank, args)
 
 
+def run_chat(args: argparse.Namespace) -> int:
+    from shardlm.eval.chat import check_prompt, read_messages
+
+    if args.prompt_file:
+        raise UserError("--prompt-file is not read in chat mode; give --prompt TEXT or --messages FILE.json")
+    args.conversations = [check_prompt([{"role": "user", "content": p}], "--prompt") for p in args.prompt]
+    args.conversations += [read_messages(path) for path in args.messages]
+    if not args.conversations:
+        raise UserError("no conversation given; pass --prompt TEXT (a user turn) or --messages FILE.json")
+    args.template_kwargs = {}
+    for item in args.template_var:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--template-var {item!r} must be KEY=VALUE")
+        try:
+            args.template_kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args.template_kwargs[key] = value
+    _sampling_config(args).validate()
+    check_inputs(args)
+    from shardlm.eval.launch import run_command
+
+    return run_command(_chat_rank, args)
+
+
 # --------------------------------------------------------------------------------- on every rank
+
+def _chat_rank(args: argparse.Namespace) -> int:
+    from shardlm.eval.chat import generate_chat, template_dir
+    from shardlm.sft.template import ChatTemplate
+
+    ctx, model, config = load_for_evaluation(args, with_config=True)
+    template = ChatTemplate.from_dir(template_dir(args.chat_template, args.checkpoint, config))
+    start = time.perf_counter()
+    results = generate_chat(model, template, args.conversations, _sampling_config(args), args.template_kwargs)
+    seconds = time.perf_counter() - start
+    if ctx.is_main:
+        if args.json:
+            print(json.dumps({"conversations": args.conversations, "generations": [r.to_dict() for r in results],
+                              "seconds": seconds}))
+        else:
+            for result in results:
+                print(f"{result.text}\n[{len(result.tokens)} tokens, stopped: {result.finish_reason}]\n")
+    return 0
+
+
 
 def _wikitext_rank(args: argparse.Namespace) -> int:
     from shardlm.eval.wikitext import evaluate_wikitext, read_text

@@ -25,9 +25,10 @@ def check_inputs(args: argparse.Namespace) -> None:
     world_size_for(args)
 
 
-def load_for_evaluation(args: argparse.Namespace):
+def load_for_evaluation(args: argparse.Namespace, with_config: bool = False):
     """(ctx, model, tokenizer) of this rank: the process group, the checkpoint's model sharded for
-    --tensor-parallel (eval mode), and the tokenizer its config names."""
+    --tensor-parallel (eval mode), and the tokenizer its config names. `with_config`: (ctx, model, config)
+    instead, for callers that bring their own tokenizer (chat generation)."""
     import torch
 
     from shardlm.checkpoint import load_model
@@ -42,6 +43,8 @@ def load_for_evaluation(args: argparse.Namespace):
     if config.model.arch not in ("gpt", "llama"):
         raise UserError(f"the checkpoint holds a model.arch={config.model.arch!r} model; eval and generate need "
                         "a causal language model (gpt or llama) checkpoint")
+    if with_config:
+        return ctx, model, config
     tokenizer = build_tokenizer_for(config.data)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens but the model only "

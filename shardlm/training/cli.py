@@ -32,11 +32,16 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardlm.checkpoint.init import resolve_init
     from shardlm.config import load_config
     from shardlm.errors import UserError
     from shardlm.validation import validate
 
     config = load_config(args.config, args.overrides)
+    # [model] keys left at their defaults take checkpoint.init_from's values (the run's own checkpoint's on a restart)
+    resolve_init(config, Path(args.run_dir) if args.run_dir else None)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
     nproc = args.nproc_per_node
     world = nproc if nproc and not under_launcher else int(os.environ.get("WORLD_SIZE", "1"))
@@ -53,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--shutdown-timeout={args.shutdown_timeout} must be at least 0 (seconds)")
     if nproc and not under_launcher:
         return launch_local(args, nproc, config)
-
-    from pathlib import Path
 
     from shardlm.training.run import train
 

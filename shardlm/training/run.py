@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
+from shardlm.checkpoint.init import describe, init_weights, resolve_init
 from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
@@ -145,6 +146,7 @@ def report_interrupt(progress: Progress) -> None:
 def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,
            progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    init_source = resolve_init(config, run_dir)  # before validation: [model] may take the checkpoint's shape
     validate(config, world)
     tokenizer = build_tokenizer_for(config.data)
     if config.model.vocab_size == 0:
@@ -171,6 +173,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
                                           else run_dir / "checkpoints")
     if ctx.is_main:  # what a killed run's unfinished save left; no rank saves before the next barrier
         remove_unfinished(checkpoints)
+    # a checkpoint of this run (a restart after a crash) wins over checkpoint.load and checkpoint.init_from
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
     if resume_from:
         meta = load_checkpoint(trainer, resume_from)
@@ -178,6 +181,9 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(f"resumed from {resume_from} at step {meta['step']} (saved at TP={meta['tensor_parallel']} x "
                      f"PP={meta.get('pipeline_parallel', 1)} x "
                      f"DP={meta['data_parallel']})")
+    elif init_source is not None:
+        init_weights(trainer, init_source)
+        logger.print(describe(init_source))
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""

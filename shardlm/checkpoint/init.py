@@ -1,0 +1,195 @@
+"""Start a run from weights only (`checkpoint.init_from`): fresh optimizer, step 0, data from the start.
+
+The source is any of
+  - a consolidated single-file shardlm checkpoint (`shardlm convert --from-hf`, `shardlm checkpoint convert`);
+  - a Hugging Face model directory (config.json + safetensors) of an architecture `shardlm convert --from-hf`
+    supports (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE), read in place: no converted copy is written;
+  - a sharded shardlm checkpoint (a step directory or the folder holding `latest`): its weights only.
+Every rank reads its own slice of each tensor at the run's layout through `state.load_weights`, as a
+resume does; of an HF tensor only the rank's rows are read (`hf.HFTensor`; GPT-2's, which are transposed
+and reordered, are converted whole, one at a time).
+
+The run's [model] section must describe the checkpoint's model (`resolve_model`): a key left at its
+default takes the checkpoint's value, a key set to another value than the checkpoint's is a one-line
+error naming it; training-only keys (dropout, init, vocabulary padding, MoE loss coefficients, and a
+Llama's seq_length, which has no tensor) keep the run's value when it sets one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from shardlm.checkpoint import files
+from shardlm.checkpoint.sharded import ShardedReader
+from shardlm.config import DataConfig, RunConfig, from_dict
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+VOCABULARY = ("model/wte.weight", "model/lm_head.weight")  # rows padded to a multiple of the TP size and more
+FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisible_by", "moe_aux_loss_coeff",
+             "moe_z_loss_coeff")
+
+
+class MappedReader:
+    """`ShardedReader`'s reading interface over {key: `hf.HFTensor`} (an HF directory): `read` takes a rank's
+    rows (reading only those when the tensor needs no conversion), fills rows past the end with zeros (the
+    padded vocabulary) and, after `expect`, checks each tensor's shape against the model's."""
+
+    def __init__(self, sources: dict, where: Path | None = None):
+        self.sources = sources
+        self.where = where
+        self.expected: dict[str, list[int]] = {}  # set by `expect`: the full shapes the model wants
+        self._last: tuple[str, torch.Tensor] | None = None  # the last converted tensor (shape, then read)
+
+    def expect(self, model, tp_size: int) -> None:
+        """Check each tensor, when read, against the full (TP=1) shape of the parameter it fills in `model`
+        (config.json and the weights of an HF directory could disagree; slicing would then hide it)."""
+        from shardlm.checkpoint.state import _stored_names, is_expert, split_dim
+
+        for name, param in model.named_parameters():
+            expert = is_expert(param)
+            shape, dim = list(param.shape[1:] if expert else param.shape), split_dim(param)
+            if dim is not None:
+                shape[dim - 1 if expert else dim] *= tp_size
+            for key in _stored_names(name, param):
+                self.expected[f"model/{key}"] = shape
+
+    def keys(self) -> set[str]:
+        return set(self.sources)
+
+    def _converted(self, key: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self.sources[key]())
+        return self._last[1]
+
+    def shape(self, key: str) -> list[int]:
+        """The full shape of `key`, checked against the model's (`expect`)."""
+        got = self.sources[key].shape()
+        got = list(self._converted(key).shape) if got is None else got
+        want = self.expected.get(key)
+        vocab = key in VOCABULARY and want is not None and got[1:] == want[1:] and got[0] <= want[0]  # padding
+        if want is not None and got != want and not vocab:
+            raise UserError(f"{self.where}: tensor {key.split('/', 1)[1]} has shape {got} but its config.json "
+                            f"describes a model whose tensor has {want}")
+        return got
+
+    def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) along `split_dim` of the full tensor `key` (all of it when split_dim is None)."""
+        shape, source = self.shape(key), self.sources[key]
+        if split_dim is None:
+            return self._converted(key) if source.shape() is None else source()
+        size = shape[split_dim]
+        end = size if end is None else end
+        lo, hi = min(start, size), min(end, size)
+        if source.shape() is None:
+            part = self._converted(key).narrow(split_dim, lo, hi - lo)
+        else:
+            part = source.part(split_dim, lo, hi)
+        if end > size:
+            pad = list(shape)
+            pad[split_dim] = end - max(start, size)
+            part = torch.cat([part, torch.zeros(pad, dtype=part.dtype)], dim=split_dim)
+        return part
+
+
+@dataclasses.dataclass
+class WeightSource:
+    """What `checkpoint.init_from` names: its config (model shape, tokenizer) and a reader of its tensors."""
+
+    path: Path
+    kind: str  # "huggingface", "consolidated" or "sharded"
+    config: RunConfig
+    reader: object  # ShardedReader or MappedReader
+    meta: dict | None = None  # a sharded checkpoint's meta.json (its files are verified before reading)
+
+
+def open_source(path: str | Path) -> WeightSource:
+    """The weights `path` names (module docstring); UserError (one line) for anything else."""
+    from shardlm.checkpoint.state import consolidated_config, reader_of
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint.init_from={path} does not exist")
+    if path.is_file():
+        return WeightSource(path, "consolidated", consolidated_config(path), ShardedReader([path]))
+    if (path / "config.json").is_file():
+        from shardlm.checkpoint.hf import open_hf
+
+        config, sources = open_hf(path)
+        reader = MappedReader({f"model/{k}": v for k, v in sources.items()}, path)
+        return WeightSource(path, "huggingface", config, reader)
+    if (path / files.META).is_file() or (path / files.LATEST).is_file():
+        checkpoint = files.resolve(path)
+        meta = files.read_meta(checkpoint)
+        return WeightSource(checkpoint, "sharded", from_dict(meta["config"]), reader_of(checkpoint, meta), meta)
+    raise UserError(f"checkpoint.init_from={path} is neither a shardlm checkpoint nor a Hugging Face model "
+                    "directory (no config.json)")
+
+
+def resolve_model(config: RunConfig, source: RunConfig, where: Path) -> None:
+    """Give `config.model` the checkpoint's shape (module docstring), in place; UserError naming the first key
+    the run sets to another value than the checkpoint's. The tokenizer is the checkpoint's (an HF directory's
+    tokenizer.json) when the run leaves data.tokenizer and data.vocab_file at their defaults."""
+    defaults, saved = dataclasses.asdict(ModelConfig()), dataclasses.asdict(source.model)
+    free = FREE_KEYS + (("seq_length",) if saved["arch"] == "llama" else ())
+    for key, value in dataclasses.asdict(config.model).items():
+        if value == defaults[key] or value == saved[key]:
+            setattr(config.model, key, saved[key])
+        elif key not in free:
+            raise UserError(f"model.{key}={value!r} but checkpoint.init_from={where} has {saved[key]!r}; leave "
+                            f"model.{key} out (it is taken from the checkpoint) or set it to {saved[key]!r}")
+    data_defaults = DataConfig()
+    if ((config.data.tokenizer, config.data.vocab_file) == (data_defaults.tokenizer, data_defaults.vocab_file)
+            and source.data.vocab_file):  # a tokenizer file since removed is a one-line error, not another tokenizer
+        config.data.tokenizer, config.data.vocab_file = source.data.tokenizer, source.data.vocab_file
+        config.data.merges_file = source.data.merges_file
+
+
+def resolve_init(config: RunConfig, run_dir: Path | None = None) -> WeightSource | None:
+    """The source of `config.checkpoint.init_from` with `config.model` resolved against it (None when unset).
+    Called before validation, by `shardlm train` and by every rank; repeatable (a resolved config is unchanged).
+    When the run's checkpoint folder (checkpoint.dir, else RUN_DIR/checkpoints) already has `latest`, the run
+    resumes from it: [model] is resolved against that checkpoint and None is returned, so a restart neither
+    reads the weights again nor needs them to still be there."""
+    load = Path(config.checkpoint.load) if config.checkpoint.load else None
+    if load is not None and (load.is_file() or (load / "config.json").is_file()):
+        raise UserError(f"checkpoint.load={load} resumes a sharded shardlm checkpoint (weights, optimizer, step); "
+                        "start from a consolidated file or a Hugging Face directory with checkpoint.init_from")
+    if not config.checkpoint.init_from:
+        return None
+    if config.checkpoint.load:
+        raise UserError("checkpoint.load (resume a run: weights, optimizer, step, data position) and "
+                        "checkpoint.init_from (weights only, step 0) exclude each other; set one")
+    folder = Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints" if run_dir else None
+    latest = files.latest_in(folder) if folder is not None else None
+    if latest is not None:
+        resolve_model(config, from_dict(files.read_meta(latest)["config"]), latest)
+        return None
+    source = open_source(config.checkpoint.init_from)
+    resolve_model(config, source.config, source.path)
+    return source
+
+
+def init_weights(trainer, source: WeightSource) -> None:
+    """Load `source`'s weights into a fresh trainer at its layout (every rank); the optimizer stays fresh."""
+    from shardlm.checkpoint.sharded import model_files
+    from shardlm.checkpoint.state import load_weights
+
+    ctx = trainer.ctx
+    if source.meta is not None:  # sizes and sha256 of the shards, each hashed on one rank
+        names = [name for row in model_files(source.meta) for name in row]
+        files.verify(source.path, source.meta, names, world=ctx.world, device=ctx.device)
+    if isinstance(source.reader, MappedReader):
+        source.reader.expect(trainer.model, ctx.tp_size)
+    load_weights(trainer.model, source.reader, ctx, trainer.optimizer, optimizer_step=0)
+
+
+def describe(source: WeightSource) -> str:
+    """One line for the run's log."""
+    m = source.config.model
+    return (f"initialized from {source.kind} weights {source.path} ({m.arch}, {m.num_layers} layers, hidden "
+            f"{m.hidden_size}, vocabulary {m.vocab_size}); fresh optimizer, step 0, data from the start")
+
