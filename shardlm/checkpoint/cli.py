@@ -20,12 +20,15 @@ def add_parser(subparsers) -> None:
     convert.add_argument("--output", required=True, help="output .safetensors file")
     convert.set_defaults(func=run_consolidate)
 
-    hf = subparsers.add_parser("convert", help="convert GPT-2 or Llama weights to or from HuggingFace transformers")
+    hf = subparsers.add_parser("convert", help="convert GPT-2, Llama-family or DeepSeek-V3 weights to or from "
+                                                   "HuggingFace transformers")
     direction = hf.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR",
-                           help="HF GPT2LMHeadModel or LlamaForCausalLM directory (config.json + safetensors)")
+                           help="HF GPT2LMHeadModel, Llama-family or DeepseekV3ForCausalLM directory "
+                                "(config.json + safetensors)")
     direction.add_argument("--to-hf", metavar="DIR",
-                           help="write a HF GPT2LMHeadModel (LlamaForCausalLM for llama) directory here")
+                           help="write a HF GPT2LMHeadModel (LlamaForCausalLM for llama, DeepseekV3ForCausalLM "
+                                "for MLA) directory here")
     hf.add_argument("--checkpoint", help="with --to-hf: the shardlm checkpoint (directory or consolidated file)")
     hf.add_argument("--output", help="with --from-hf: the consolidated shardlm checkpoint file to write")
     hf.set_defaults(func=run_hf)

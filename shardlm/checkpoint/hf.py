@@ -6,7 +6,7 @@ rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps eac
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
 Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe") convert through
-`shardlm.checkpoint.hf_llama`.
+`shardlm.checkpoint.hf_llama`, DeepSeek-V3 ones ("deepseek_v3", "kimi_k2") through `shardlm.checkpoint.hf_deepseek`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe")  # HF model types that `shardlm.checkpoint.hf_llama` converts
+DEEPSEEK = ("deepseek_v3", "kimi_k2")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -100,6 +101,10 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
         from shardlm.checkpoint import hf_llama
 
         return hf_llama.from_hf(hf_dir, out)
+    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in DEEPSEEK:
+        from shardlm.checkpoint import hf_deepseek
+
+        return hf_deepseek.from_hf(hf_dir, out)
     weights = hf_dir / "model.safetensors"
     if not (hf_dir / "config.json").is_file() or not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
@@ -107,7 +112,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     hf_config = json.loads((hf_dir / "config.json").read_text())
     if hf_config.get("model_type") != "gpt2":
         raise UserError(f"{hf_dir} holds a {hf_config.get('model_type')!r} model; only gpt2 and "
-                        f"{', '.join(LLAMA_FAMILY)} convert")
+                        f"{', '.join(LLAMA_FAMILY + DEEPSEEK)} convert")
     config = RunConfig(model=model_config_from_hf(hf_config))
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         config.data.vocab_file, config.data.merges_file = str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")
@@ -139,6 +144,10 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
     config, tensors = load_consolidated(checkpoint)
+    if config.model.arch == "llama" and config.model.attention == "mla":
+        from shardlm.checkpoint import hf_deepseek
+
+        return hf_deepseek.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama":
         from shardlm.checkpoint import hf_llama
 

@@ -60,6 +60,30 @@ class ModelConfig:
     """Llama: channels per attention head; 0 means hidden_size / num_heads (Qwen3 sets it, e.g. 128 at h = 2048)."""
     qk_norm: bool = False
     """Llama: RMSNorm over each head's query and key before RoPE (Qwen3's q_norm and k_norm)."""
+    attention: str = "mha"
+    """Llama: "mha" (multi-head / grouped-query attention) or "mla" (DeepSeek-V3's multi-head latent attention)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query's low-rank path (q_a -> RMSNorm -> q_b); 0 uses one q projection."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key channels without rotary embedding."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key channels with rotary embedding (the key's are shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value channels."""
+    rope_yarn_factor: float = 0.0
+    """YaRN context extension factor of the rotary embedding (rope_scaling type "yarn"); 0 turns it off."""
+    rope_yarn_original_positions: int = 0
+    """YaRN: the pretraining context length (original_max_position_embeddings)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations bounding the extrapolated (unscaled) frequencies."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations bounding the interpolated (scaled) frequencies."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: mscale of the cos/sin factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: mscale_all_dim; when set, the softmax scale is multiplied by mscale(factor, mscale_all_dim)^2."""
     moe_num_experts: int = 0
     """Mixture-of-Experts (GPT and Llama): routed experts per MoE layer; 0 keeps every MLP dense (docs/moe.md)."""
     moe_top_k: int = 2
@@ -88,6 +112,8 @@ class ModelConfig:
     """MoE: coefficient of the router z-loss, the mean of logsumexp(gate logits)^2."""
     moe_expert_bias_rate: float = 0.0
     """MoE aux-loss-free balancing (DeepSeek-V3): expert bias step per optimizer step; 0 uses no bias."""
+    moe_expert_bias: bool = False
+    """MoE: keep an expert bias at moe_expert_bias_rate = 0 too (a DeepSeek-V3 checkpoint's e_score_correction_bias)."""
 
     @property
     def ffn_size(self) -> int:
