@@ -151,6 +151,15 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+def mla_weights(cfg: ModelConfig) -> int:
+    """Entries of one MLA layer's matrices: q_a and q_b (or q), kv_a, kv_b and o (norms excluded)."""
+    h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (h + heads * qk) * cfg.q_lora_rank if cfg.q_lora_rank else h * heads * qk
+    kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + kv_b
+    return q + kv + heads * cfg.v_head_dim * h
+
+
 def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     """Matmul FLOPs of training on one token (forward + backward = 3 x forward) of a GPT.
 
@@ -163,7 +172,8 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     arch="llama" counts its own matrices: q and o (h x a each, a = num_heads x head_dim, which is h unless
     head_dim is set), k and v (h x num_kv_heads x head_dim each, smaller under grouped-query attention)
     and SwiGLU's three h x f matrices, so a layer's forward is 2 (2 h a + 2 h kv + 3 h f) + 4 s a per
-    token (kv = num_kv_heads x head_dim).
+    token (kv = num_kv_heads x head_dim). With MLA (attention = "mla") the attention matrices are
+    `mla_weights` and the score and value products 2 s H (qk_nope + qk_rope) + 2 s H v_head_dim.
 
     An MoE layer counts what a token activates: its top-k and shared experts' MLPs (2 or 3 h x f_e
     matrices each, f_e = the expert width) and the router's h x E gate, instead of the dense MLP."""
@@ -174,6 +184,9 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         a = cfg.num_heads * cfg.attention_head_dim
         kv = cfg.kv_heads * cfg.attention_head_dim
         layer_forward = layers * (2 * (2 * h * a + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * a)
+    if cfg.arch == "llama" and cfg.attention == "mla":
+        heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        layer_forward = layers * (2 * (mla_weights(cfg) + 3 * h * cfg.ffn_size) + 2 * s * heads * (qk + cfg.v_head_dim))
     if cfg.moe_num_experts:
         matrices = 3 if cfg.arch == "llama" else 2
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
