@@ -39,7 +39,7 @@ def hf_config(kind: str):
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24 if kind == "qlora" else None,
         qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2,
-        first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6,
+        first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-5,
         rope_parameters=rope, tie_word_embeddings=False)
 
 
@@ -154,3 +154,38 @@ def test_unsupported_configs_are_refused_in_one_line(capsys):
         assert "\n" not in str(error.value)
     model_config_from_hf(base | {"num_nextn_predict_layers": 1, "model_type": "kimi_k2"})
     assert "multi-token prediction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("q_lora_rank,groups", [(16, 4), (0, 0)])
+def test_a_trained_shardlm_model_exports_to_transformers(tmp_path, q_lora_rank, groups):
+    """A shardlm-native MLA model (3 training steps, its expert biases moved, then sharpened) saved as a sharded
+    checkpoint and written with --to-hf: transformers' logits equal shardlm's within 1e-4 (with and without
+    q-LoRA and expert groups; without groups, n_group = topk_group = 1)."""
+    from test_mla_parallel import mla_config
+    from test_training import synthetic_data
+    from transformers import DeepseekV3ForCausalLM
+
+    from shardlm.checkpoint import save_checkpoint
+    from shardlm.training.trainer import Trainer
+
+    config = mla_config(q_lora_rank=q_lora_rank, moe_groups=groups, moe_topk_groups=2 if groups else 0)
+    trainer = Trainer(config, ParallelContext.single(), synthetic_data())
+    for _ in range(3):
+        trainer.train_step()
+    model = trainer.model
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("attn.q_b.weight", "attn.q.weight", "attn.kv_a.weight", "attn.kv_b.weight")):
+                param.mul_(8.0)
+            elif name.endswith("router.weight"):
+                param.mul_(30.0)
+    assert model.layers["1"].mlp.router.expert_bias.abs().max() > 0
+    save_checkpoint(trainer, tmp_path / "ckpt")
+    out = to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    model.eval()
+    with torch.no_grad():
+        ours = model.full_logits(model(tokens))
+        theirs = DeepseekV3ForCausalLM.from_pretrained(out).eval()(tokens).logits
+    assert theirs.std() > 0.1
+    assert (ours - theirs).abs().max() < LOGIT_TOL

@@ -1,6 +1,7 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3), as transformers' `DeepseekV3Attention` computes it.
 
     q      = q_b(RMSNorm(q_a(x)))             or q(x) when q_lora_rank is 0    (B, T, H, nope + rope)
+    (the latents' RMSNorms use epsilon 1e-6 whatever model.layernorm_epsilon is, as transformers does)
     c, k_r = split(kv_a(x), [kv_lora_rank, rope])                              latent and shared RoPE key
     k_n, v = split(kv_b(RMSNorm(c)), [nope, v_head_dim])  per head             (B, T, H, nope), (B, T, H, v)
     k      = [k_n | RoPE(k_r) repeated over the heads],  q = [q_n | RoPE(q_r)]
@@ -44,6 +45,10 @@ from shardlm.models.rotary import apply_rotary
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
+
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of the RMSNorms of the query and key/value latents: fixed, not model.layernorm_epsilon, in
+transformers' DeepseekV3Attention (and DeepSeek's reference code)."""
 
 
 def check_latent_attention(m: ModelConfig, context: int) -> str | None:
@@ -146,7 +151,7 @@ class LatentAttention(nn.Module):
                                         seed=param_seed(seed, f"{prefix}.{name}"), device=dev)
 
         def norm(width: int) -> nn.RMSNorm:
-            layer = nn.RMSNorm(width, eps=cfg.layernorm_epsilon, device=dev)
+            layer = nn.RMSNorm(width, eps=LATENT_NORM_EPS, device=dev)
             if sp:
                 mark_sequence_parallel(layer)
             return layer
