@@ -3,8 +3,9 @@
 A tiny DeepSeek-V3-shaped model (Llama with MLA: q-LoRA rank 16, KV latent 16, q/k heads of 8 + 4 channels
 and v heads of 12; a dense first layer, then DeepSeek routing: 8 sigmoid-scored experts in 4 groups, the
 best 2 groups per token, a shared expert, routed scaling 2, a moving expert bias) trains 8 steps at TP=2,
-at TP=2 with sequence parallelism and at EP=2 (DP=2) on a gloo world of 2: loss, gradient norm and aux loss
-at every step and every final parameter within 1e-5 of one process (fp32, dropout 0).
+at TP=2 with sequence parallelism, at EP=2 (DP=2) and at PP=2 on a gloo world of 2: loss, gradient norm and
+aux loss at every step and every final parameter within 1e-5 of one process (fp32, dropout 0). Selective
+and full recomputation train bitwise as without.
 
 The replicated down-projections (q_a, kv_a) and their norms receive only their own heads' share of the
 gradient on each TP rank; `f` on the latents sums the shares. After one backward at TP=2 their gradients
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_moe_parallel import STEPS, assert_same_run, train_layout
+from test_moe_parallel import run as run_layout
 from test_training import ADAM_EPS, VOCAB, rel
 
 from shardlm.config import from_dict
@@ -34,14 +36,14 @@ DEEPSEEK = {"moe_num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32, "mo
 GRADIENT_CHECKED = ("q_a.weight", "q_a_norm.weight", "kv_a.weight", "kv_a_norm.weight")
 
 
-def mla_config(tp: int = 1, ep: int = 1, sp: bool = False, **model):
+def mla_config(tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1, recompute: str = "none", **model):
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
                   "vocab_size": VOCAB, "dropout": 0.0, **MLA, **DEEPSEEK, **model},
-        "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp},
+        "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "pipeline": pp},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
-                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7},
+                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "recompute": recompute},
     })
 
 
@@ -66,17 +68,12 @@ def skipped_all_reduce():
         mla.enter_parallel_region = original
 
 
-def run(config, tp: int = 1, ep: int = 1):
-    def check():
-        return train_layout(ParallelContext.from_process_group(tp, expert_parallel=ep), config)[:2]
-    return check
-
-
 def world2_checks():
     return run_checks({
-        "tp2": run(mla_config(tp=2), tp=2),
-        "tp2_sp": run(mla_config(tp=2, sp=True), tp=2),
-        "ep2": run(mla_config(ep=2), ep=2),
+        "tp2": run_layout(mla_config(tp=2), tp=2),
+        "tp2_sp": run_layout(mla_config(tp=2, sp=True), tp=2),
+        "ep2": run_layout(mla_config(ep=2), ep=2),
+        "pp2": run_layout(mla_config(pp=2), pp=2),  # stage 0: the dense MLA layer, stage 1: the MoE one
         "grads_tp2": lambda: down_projection_gradients(ParallelContext.from_process_group(2)),
         "grads_tp2_without_f": skipped_all_reduce,
     })
@@ -94,10 +91,20 @@ def reference():
     return train_layout(ctx, mla_config())[:2], down_projection_gradients(ParallelContext.single())
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2", "pp2"])
 def test_mla_deepseek_model_trains_as_one_process(world2, reference, name):
     for run_ in check_result(world2, name):
         assert_same_run(run_, reference[0])
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_trains_bitwise_the_same(reference, recompute):
+    """The attention core (selective) or whole layers (full) rerun in the backward: the same curve and
+    parameters, bit for bit."""
+    curve, params = train_layout(ParallelContext.single(), mla_config(recompute=recompute))[:2]
+    (ref_curve, ref_params), _ = reference
+    assert curve == ref_curve
+    assert all(torch.equal(params[name], ref_params[name]) for name in ref_params)
 
 
 def test_reference_covers_mla_and_deepseek_routing(reference):
