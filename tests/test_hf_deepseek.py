@@ -189,3 +189,18 @@ def test_a_trained_shardlm_model_exports_to_transformers(tmp_path, q_lora_rank, 
         theirs = DeepseekV3ForCausalLM.from_pretrained(out).eval()(tokens).logits
     assert theirs.std() > 0.1
     assert (ours - theirs).abs().max() < LOGIT_TOL
+
+
+def test_convert_and_inspect_commands(hf_models, tmp_path, capsys):
+    """`shardlm convert --from-hf` writes the same file as the function; `checkpoint inspect` names MLA."""
+    from shardlm.cli import main
+
+    assert main(["convert", "--from-hf", str(hf_models["qlora"]["root"] / "hf"), "--output",
+                 str(tmp_path / "cli.safetensors")]) == 0
+    assert main(["checkpoint", "inspect", str(tmp_path / "cli.safetensors")]) == 0
+    out = capsys.readouterr()
+    assert "attention: multi-head latent (q_lora_rank 24, kv_lora_rank 16" in out.out
+    assert "multi-token prediction layers are not imported" in out.err  # transformers writes num_nextn 1
+    ours = load_consolidated(tmp_path / "cli.safetensors")[1]
+    theirs = load_consolidated(hf_models["qlora"]["converted"])[1]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -71,6 +71,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     m = info["model"]
     print(f"  model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, "
           f"sequence {m['seq_length']}, vocabulary {m['vocab_size']}")
+    if m.get("attention") == "mla":
+        print(f"  attention: multi-head latent (q_lora_rank {m['q_lora_rank']}, kv_lora_rank {m['kv_lora_rank']}, "
+              f"q/k heads {m['qk_nope_head_dim']} + {m['qk_rope_head_dim']} rotary, v heads {m['v_head_dim']})")
     if m.get("moe_num_experts"):
         first, every = m.get("moe_first_dense_layers", 0), m.get("moe_layer_interval", 1)
         moe_layers = [i for i in range(first, m["num_layers"]) if (i - first) % every == 0]

@@ -125,8 +125,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise UserError(f"the HF model has {what}, which shardlm's DeepSeek-V3 does not compute")
     mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
     if mtp:
-        print(f"note: the HF model's {mtp} multi-token prediction layer(s) (num_nextn_predict_layers) are not "
-              "imported; shardlm trains and runs the next-token head only", file=sys.stderr)
+        print(f"note: num_nextn_predict_layers={mtp}: multi-token prediction layers are not imported; shardlm "
+              "trains and runs the next-token head only", file=sys.stderr)
     first_dense = min(hf.get("first_k_dense_replace", 0) or 0, hf["num_hidden_layers"])
     return ModelConfig(
         arch="llama", attention="mla", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
