@@ -148,12 +148,26 @@ def test_interleaved_rotary_rows_are_permuted(hf_models):
 def test_unsupported_configs_are_refused_in_one_line(capsys):
     base = hf_config("qlora").to_dict()
     for change, words in (({"scoring_func": "softmax"}, "scoring_func"), ({"attention_bias": True}, "bias"),
-                          ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type")):
+                          ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type"),
+                          ({"quantization_config": {"quant_method": "fp8"}}, "quantized")):
         with pytest.raises(UserError, match=words) as error:
             model_config_from_hf(base | change)
         assert "\n" not in str(error.value)
     model_config_from_hf(base | {"num_nextn_predict_layers": 1, "model_type": "kimi_k2"})
     assert "multi-token prediction" in capsys.readouterr().err
+
+
+def test_remote_code_style_config_reads_yarn_from_rope_scaling():
+    """DeepSeek-V3 / Kimi K2 config.json files (written for their own modeling code) keep rope_theta and a
+    rope_scaling dict with "type": "yarn", n_group 1 (Kimi K2) and no rope_interleave key."""
+    hf = {k: v for k, v in hf_config("qlora").to_dict().items() if k not in ("rope_parameters", "rope_interleave")}
+    hf |= {"model_type": "kimi_k2", "rope_theta": 50000.0, "n_group": 1, "topk_group": 1, "scoring_func": "sigmoid",
+           "topk_method": "noaux_tc", "moe_layer_freq": 1,
+           "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}
+    m = model_config_from_hf(hf)
+    assert (m.rope_theta, m.rope_yarn_factor, m.rope_yarn_original_positions) == (50000.0, 32.0, 4096)
+    assert (m.rope_yarn_beta_fast, m.rope_yarn_mscale_all_dim, m.moe_groups, m.moe_topk_groups) == (1.0, 1.0, 0, 0)
 
 
 @pytest.mark.parametrize("q_lora_rank,groups", [(16, 4), (0, 0)])

@@ -110,6 +110,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     heads = hf["num_attention_heads"]
     experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
     groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    quantized = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantized:
+        raise UserError(f"the HF model's weights are quantized ({quantized}, with scale tensors); convert a bf16 copy "
+                        "(DeepSeek's fp8_cast_bf16.py) and read that")
     refusals = [
         (not hf.get("attention_bias"), "attention biases (attention_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
