@@ -32,13 +32,17 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f'model.layernorm_order="{m.layernorm_order}" must be "pre" or "post"')
     if m.activation not in ("gelu", "gelu_tanh"):
         raise UserError(f'model.activation="{m.activation}" must be "gelu" or "gelu_tanh"')
-    if m.hidden_size % m.num_heads and not (m.arch == "llama" and m.head_dim):
+    if m.hidden_size % m.num_heads and not (m.arch == "llama" and (m.head_dim or m.attention == "mla")):
         raise UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
                         "choose sizes with hidden_size = num_heads x head_dim")
     if m.num_heads % p.tensor:
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
                         "use a tensor-parallel size that divides the heads")
     _validate_attention_heads(m)
+    from shardlm.models.mla import check_latent_attention
+
+    if (problem := check_latent_attention(m, p.context)) is not None:
+        raise UserError(problem)
     _validate_moe(m, p)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
@@ -169,7 +173,7 @@ def _validate_attention_heads(m: ModelConfig) -> None:
     if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
                         "every key/value head must serve the same number of query heads")
-    if m.attention_head_dim % 2:
+    if m.attention_head_dim % 2 and m.attention != "mla":
         raise UserError(f"head size {m.attention_head_dim} (model.head_dim, or hidden_size / num_heads) is odd; "
                         "rotary embeddings need an even head size")
     if m.rope_theta <= 0:

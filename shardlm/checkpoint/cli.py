@@ -20,12 +20,15 @@ def add_parser(subparsers) -> None:
     convert.add_argument("--output", required=True, help="output .safetensors file")
     convert.set_defaults(func=run_consolidate)
 
-    hf = subparsers.add_parser("convert", help="convert GPT-2 or Llama weights to or from HuggingFace transformers")
+    hf = subparsers.add_parser("convert", help="convert GPT-2, Llama-family or DeepSeek-V3 weights to or from "
+                                                   "HuggingFace transformers")
     direction = hf.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR",
-                           help="HF GPT2LMHeadModel or LlamaForCausalLM directory (config.json + safetensors)")
+                           help="HF GPT2LMHeadModel, Llama-family or DeepseekV3ForCausalLM directory "
+                                "(config.json + safetensors)")
     direction.add_argument("--to-hf", metavar="DIR",
-                           help="write a HF GPT2LMHeadModel (LlamaForCausalLM for llama) directory here")
+                           help="write a HF GPT2LMHeadModel (LlamaForCausalLM for llama, DeepseekV3ForCausalLM "
+                                "for MLA) directory here")
     hf.add_argument("--checkpoint", help="with --to-hf: the shardlm checkpoint (directory or consolidated file)")
     hf.add_argument("--output", help="with --from-hf: the consolidated shardlm checkpoint file to write")
     hf.set_defaults(func=run_hf)
@@ -68,6 +71,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     m = info["model"]
     print(f"  model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, "
           f"sequence {m['seq_length']}, vocabulary {m['vocab_size']}")
+    if m.get("attention") == "mla":
+        print(f"  attention: multi-head latent (q_lora_rank {m['q_lora_rank']}, kv_lora_rank {m['kv_lora_rank']}, "
+              f"q/k heads {m['qk_nope_head_dim']} + {m['qk_rope_head_dim']} rotary, v heads {m['v_head_dim']})")
     if m.get("moe_num_experts"):
         first, every = m.get("moe_first_dense_layers", 0), m.get("moe_layer_interval", 1)
         moe_layers = [i for i in range(first, m["num_layers"]) if (i - first) % every == 0]

@@ -6,7 +6,7 @@ rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps eac
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
 Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe") convert through
-`shardlm.checkpoint.hf_llama`.
+`shardlm.checkpoint.hf_llama`, DeepSeek-V3 ones ("deepseek_v3", "kimi_k2") through `shardlm.checkpoint.hf_deepseek`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe")  # HF model types that `shardlm.checkpoint.hf_llama` converts
+DEEPSEEK = ("deepseek_v3", "kimi_k2")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -142,8 +143,12 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         from shardlm.checkpoint import hf_llama
 
         return hf_llama.open_hf(hf_dir)
+    if kind in DEEPSEEK:  # converted in one pass (rotary rows reordered), not read lazily
+        raise UserError(f"{hf_dir} holds a {kind!r} model: convert it first (shardlm convert --from-hf {hf_dir} "
+                        "--output FILE.safetensors) and start from that file")
     if kind != "gpt2":
-        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(LLAMA_FAMILY)} convert")
+        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(LLAMA_FAMILY + DEEPSEEK)} "
+                        "convert")
     weights = hf_dir / "model.safetensors"
     if not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
@@ -167,7 +172,13 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
 
 
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert a local HF GPT-2 (or Llama-family) directory into a consolidated shardlm checkpoint file."""
+    """Convert a local HF GPT-2 (or Llama-family, or DeepSeek-V3) directory into a consolidated shardlm
+    checkpoint file."""
+    config_file = Path(hf_dir) / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in DEEPSEEK:
+        from shardlm.checkpoint import hf_deepseek
+
+        return hf_deepseek.from_hf(Path(hf_dir), Path(out))
     config, sources = open_hf(hf_dir)
     tensors = {f"model/{ours}": read() for ours, read in sources.items()}
     metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
@@ -184,6 +195,10 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
     config, tensors = load_consolidated(checkpoint)
+    if config.model.arch == "llama" and config.model.attention == "mla":
+        from shardlm.checkpoint import hf_deepseek
+
+        return hf_deepseek.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama":
         from shardlm.checkpoint import hf_llama
 

@@ -17,18 +17,23 @@ from shardlm.parallel.ring_attention import context_parallel_attention
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, exchange: str = "ring",
-                     dropout_p: float = 0.0, rng=None) -> torch.Tensor:
+                     dropout_p: float = 0.0, rng=None, scale: float | None = None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v: q (B, H, T, d), k and v (B, Hkv, T, d) with H a multiple of Hkv
     -> (B, H, T, d).
 
     `cp`: the context-parallel group (`Communicator`); with more than one rank, T is this rank's zigzag
     part and `exchange` ("ring" or "allgather", the run's `parallel.cp_comm`) says how K/V move.
     `dropout_p`: attention dropout (0 in evaluation; refused under CP), drawn under `rng.fork()` (the
-    model-parallel RNG tracker: heads differ per TP rank, so must their dropout masks)."""
+    model-parallel RNG tracker: heads differ per TP rank, so must their dropout masks).
+    `scale`: the softmax scale in place of 1 / sqrt(d) (MLA: v may have another head size than q and k,
+    (B, H, T, d_v) then; not under CP)."""
     if cp.size > 1:
+        if scale is not None:
+            raise ValueError("context-parallel attention computes the default softmax scale only")
         return context_parallel_attention(q, k, v, cp, exchange=exchange, dropout_p=dropout_p)
     gqa = k.shape[1] != q.shape[1]
     if dropout_p > 0:
         with rng.fork():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa,
+                                                  scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)

@@ -60,6 +60,30 @@ class ModelConfig:
     """Llama: channels per attention head; 0 means hidden_size / num_heads (Qwen3 sets it, e.g. 128 at h = 2048)."""
     qk_norm: bool = False
     """Llama: RMSNorm over each head's query and key before RoPE (Qwen3's q_norm and k_norm)."""
+    attention: str = "mha"
+    """Llama: "mha" (multi-head / grouped-query attention) or "mla" (DeepSeek-V3's multi-head latent attention)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query's low-rank path (q_a -> RMSNorm -> q_b); 0 uses one q projection."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key channels without rotary embedding."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key channels with rotary embedding (the key's are shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value channels."""
+    rope_yarn_factor: float = 0.0
+    """YaRN context extension factor of the rotary embedding (rope_scaling type "yarn"); 0 turns it off."""
+    rope_yarn_original_positions: int = 0
+    """YaRN: the pretraining context length (original_max_position_embeddings)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations bounding the extrapolated (unscaled) frequencies."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations bounding the interpolated (scaled) frequencies."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: mscale of the cos/sin factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: mscale_all_dim; when set, the softmax scale is multiplied by mscale(factor, mscale_all_dim)^2."""
     moe_num_experts: int = 0
     """Mixture-of-Experts (GPT and Llama): routed experts per MoE layer; 0 keeps every MLP dense (docs/moe.md)."""
     moe_top_k: int = 2
@@ -88,6 +112,8 @@ class ModelConfig:
     """MoE: coefficient of the router z-loss, the mean of logsumexp(gate logits)^2."""
     moe_expert_bias_rate: float = 0.0
     """MoE aux-loss-free balancing (DeepSeek-V3): expert bias step per optimizer step; 0 uses no bias."""
+    moe_expert_bias: bool = False
+    """MoE: keep an expert bias at moe_expert_bias_rate = 0 too (a DeepSeek-V3 checkpoint's e_score_correction_bias)."""
 
     @property
     def ffn_size(self) -> int:
@@ -125,6 +151,15 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+def mla_weights(cfg: ModelConfig) -> int:
+    """Entries of one MLA layer's matrices: q_a and q_b (or q), kv_a, kv_b and o (norms excluded)."""
+    h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (h + heads * qk) * cfg.q_lora_rank if cfg.q_lora_rank else h * heads * qk
+    kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + kv_b
+    return q + kv + heads * cfg.v_head_dim * h
+
+
 def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     """Matmul FLOPs of training on one token (forward + backward = 3 x forward) of a GPT.
 
@@ -137,7 +172,8 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     arch="llama" counts its own matrices: q and o (h x a each, a = num_heads x head_dim, which is h unless
     head_dim is set), k and v (h x num_kv_heads x head_dim each, smaller under grouped-query attention)
     and SwiGLU's three h x f matrices, so a layer's forward is 2 (2 h a + 2 h kv + 3 h f) + 4 s a per
-    token (kv = num_kv_heads x head_dim).
+    token (kv = num_kv_heads x head_dim). With MLA (attention = "mla") the attention matrices are
+    `mla_weights` and the score and value products 2 s H (qk_nope + qk_rope) + 2 s H v_head_dim.
 
     An MoE layer counts what a token activates: its top-k and shared experts' MLPs (2 or 3 h x f_e
     matrices each, f_e = the expert width) and the router's h x E gate, instead of the dense MLP."""
@@ -148,6 +184,9 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         a = cfg.num_heads * cfg.attention_head_dim
         kv = cfg.kv_heads * cfg.attention_head_dim
         layer_forward = layers * (2 * (2 * h * a + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * a)
+    if cfg.arch == "llama" and cfg.attention == "mla":
+        heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        layer_forward = layers * (2 * (mla_weights(cfg) + 3 * h * cfg.ffn_size) + 2 * s * heads * (qk + cfg.v_head_dim))
     if cfg.moe_num_experts:
         matrices = 3 if cfg.arch == "llama" else 2
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))

@@ -41,9 +41,9 @@ class LayerKVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, heads/tp, T_new, head_dim); return all cached keys and values, T_past + T_new."""
         B, H, T, D = k.shape
-        if self.keys is None:
+        if self.keys is None:  # values may have their own head size (MLA's v_head_dim)
             self.keys = k.new_empty(B, H, self.capacity, D)
-            self.values = v.new_empty(B, H, self.capacity, D)
+            self.values = v.new_empty(B, H, self.capacity, v.shape[-1])
         if self.length + T > self.capacity:
             raise ValueError(f"KV cache of {self.capacity} positions cannot take {self.length} + {T}")
         self.keys[:, :, self.length:self.length + T] = k

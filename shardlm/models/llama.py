@@ -206,16 +206,19 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(PreNormBlock):
-    """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(MLP(RMSNorm(x))), the MLP a SwiGLU or an MoE layer.
-    (B, T, h) -> (B, T, h)."""
+    """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(MLP(RMSNorm(x))), the attention `LlamaAttention` or
+    MLA (`shardlm.models.mla`, model.attention = "mla"), the MLP a SwiGLU or an MoE layer. (B, T, h) -> (B, T, h)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
                  sequence_parallel: bool = False, selective_recompute: bool = False,
                  options: ParallelOptions | None = None):
         options = options or ParallelOptions()
+        attention = LlamaAttention
+        if cfg.attention == "mla":  # DeepSeek-V3's multi-head latent attention
+            from shardlm.models.mla import LatentAttention as attention
         super().__init__(nn.RMSNorm,
-                         LlamaAttention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
-                                        selective_recompute, options.context_exchange),
+                         attention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
+                                   selective_recompute, options.context_exchange),
                          mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True,
                                     dispatcher=options.expert_dispatcher),
                          cfg, ctx, sequence_parallel)

@@ -129,7 +129,7 @@ class Router(nn.Module):
         if sequence_parallel:
             self.weight.sequence_parallel = True
         self.expert_bias = None
-        if cfg.moe_expert_bias_rate > 0:
+        if cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias:
             self.expert_bias = nn.Parameter(torch.zeros(cfg.moe_num_experts, device=ctx.device), requires_grad=False)
 
     def forward(self, x: torch.Tensor):

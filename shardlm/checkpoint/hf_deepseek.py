@@ -1,0 +1,249 @@
+"""Hugging Face DeepSeek-V3 interop: `DeepseekV3ForCausalLM` directories (model_type "deepseek_v3", and
+"kimi_k2", the same architecture) <-> shardlm's consolidated checkpoint of a Llama with MLA and MoE.
+
+Names (HF -> shardlm; everything else as in `shardlm.checkpoint.hf_llama`):
+
+    model.layers.i.self_attn.q_a_proj / q_a_layernorm / q_b_proj    layers.i.attn.q_a / q_a_norm / q_b
+    model.layers.i.self_attn.q_proj      (q_lora_rank null)         layers.i.attn.q
+    model.layers.i.self_attn.kv_a_proj_with_mqa / kv_a_layernorm    layers.i.attn.kv_a / kv_a_norm
+    model.layers.i.self_attn.kv_b_proj / o_proj                     layers.i.attn.kv_b / o
+    model.layers.i.mlp.gate.weight / .e_score_correction_bias       layers.i.mlp.router.weight / .expert_bias
+    model.layers.i.mlp.experts.e.{gate,up,down}_proj                layers.i.mlp.experts.{gate,up,down}.e
+    model.layers.i.mlp.shared_experts.{gate,up,down}_proj           layers.i.mlp.shared.{gate,up,down}
+
+With `rope_interleave` (DeepSeek's default) the checkpoint stores each rotary pair's channels next to
+each other; shardlm rotates the halves (`shardlm.models.rotary`), so the rotary rows of q_b (or q) and
+kv_a are permuted to [even channels | odd channels] on import and back on export: transformers'
+interleaved rotation is exactly rotate-half on those de-interleaved channels (the same products and
+sums), and a round trip is bitwise. Routing maps to shardlm's DeepSeek options: sigmoid scores, the
+expert bias as a fixed bias (`moe_expert_bias`, moved only if moe_expert_bias_rate is set later),
+group-limited top-k by the sum of each group's two best scores, norm_topk_prob, routed_scaling_factor,
+dense first_k_dense_replace layers, shared experts. Multi-token prediction layers
+(num_nextn_predict_layers) are not imported: one line says so. No network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardlm.checkpoint import files
+from shardlm.config import RunConfig
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+def rope_permutation(rope: int) -> torch.Tensor:
+    """Indices taking interleaved rotary channels (x0, x1, x2, x3, ...) to rotate-half's [x0, x2, ... | x1, x3, ...]."""
+    return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+
+
+def _permute_rope_rows(weight: torch.Tensor, cfg: ModelConfig, name: str, inverse: bool) -> torch.Tensor:
+    """De-interleave (or with `inverse` re-interleave) the rotary rows of a q / q_b weight (per head, the last
+    qk_rope_head_dim rows of each head's nope + rope) or of kv_a (its last qk_rope_head_dim rows)."""
+    rope = cfg.qk_rope_head_dim
+    perm = rope_permutation(rope)
+    perm = torch.argsort(perm) if inverse else perm
+    if name == "kv_a":
+        head = weight[-rope:]
+        return torch.cat((weight[:-rope], head[perm])).contiguous()
+    heads = weight.view(cfg.num_heads, cfg.qk_nope_head_dim + rope, -1)
+    return torch.cat((heads[:, :-rope], heads[:, -rope:][:, perm]), dim=1).reshape(weight.shape).contiguous()
+
+
+def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(shardlm name, HF name) of every tensor of a DeepSeek-V3 model."""
+    top = [("wte.weight", "model.embed_tokens.weight"), ("ln_f.weight", "model.norm.weight")]
+    if not cfg.tie_embeddings:
+        top.append(("lm_head.weight", "lm_head.weight"))
+    out = []
+    for i in range(cfg.num_layers):
+        s, h = f"layers.{i}", f"model.layers.{i}"
+        out += [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
+                (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
+        attn = [("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj")] if cfg.q_lora_rank \
+            else [("q", "q_proj")]
+        attn += [("kv_a", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
+                 ("o", "o_proj")]
+        out += [(f"{s}.attn.{ours}.weight", f"{h}.self_attn.{theirs}.weight") for ours, theirs in attn]
+        mlp = ("gate", "up", "down")
+        if not cfg.is_moe_layer(i):
+            out += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in mlp]
+            continue
+        out += [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight"),
+                (f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
+        out += [(f"{s}.mlp.experts.{p}.{e}", f"{h}.mlp.experts.{e}.{p}_proj.weight")
+                for e in range(cfg.moe_num_experts) for p in mlp]
+        out += [(f"{s}.mlp.shared.{p}.weight", f"{h}.mlp.shared_experts.{p}_proj.weight") for p in mlp]
+    return top + out
+
+
+def _rope_keys(hf: dict) -> dict:
+    """The `model.rope_*` keys of either config style (rope_parameters, or rope_theta + rope_scaling)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "yarn" or params.get("attention_factor") is not None or params.get("truncate") is False:
+        raise UserError(f"the HF model has rope type {kind!r} with options shardlm's MLA does not compute "
+                        "(only default and yarn rotary embeddings convert)")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    return {"rope_theta": theta, "rope_yarn_factor": float(factor), "rope_yarn_original_positions": int(original),
+            "rope_yarn_beta_fast": float(params.get("beta_fast") or 32), "rope_yarn_beta_slow":
+            float(params.get("beta_slow") or 1), "rope_yarn_mscale": float(params.get("mscale") or 0.0),
+            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0)}
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """shardlm's [model] section for a HF DeepseekV3Config dict; UserError for what shardlm does not compute."""
+    heads = hf["num_attention_heads"]
+    experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
+    groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    quantized = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantized:
+        raise UserError(f"the HF model's weights are quantized ({quantized}, with scale tensors); convert a bf16 copy "
+                        "(DeepSeek's fp8_cast_bf16.py) and read that")
+    refusals = [
+        (not hf.get("attention_bias"), "attention biases (attention_bias)"),
+        (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
+        (hf.get("num_key_value_heads") in (None, heads), "num_key_value_heads != num_attention_heads"),
+        (hf.get("scoring_func", "sigmoid") == "sigmoid", f"scoring_func={hf.get('scoring_func')!r}"),
+        (hf.get("topk_method", "noaux_tc") == "noaux_tc", f"topk_method={hf.get('topk_method')!r}"),
+        (hf.get("moe_layer_freq", 1) == 1, "moe_layer_freq != 1"),
+        (bool(experts) and (hf.get("n_shared_experts") or 0) >= 1, "no routed or no shared experts"),
+        (experts // groups >= 2 or groups == 1, "expert groups of one expert (n_group = n_routed_experts)"),
+    ]
+    for ok, what in refusals:
+        if not ok:
+            raise UserError(f"the HF model has {what}, which shardlm's DeepSeek-V3 does not compute")
+    mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+    if mtp:
+        print(f"note: num_nextn_predict_layers={mtp}: multi-token prediction layers are not imported; shardlm "
+              "trains and runs the next-token head only", file=sys.stderr)
+    first_dense = min(hf.get("first_k_dense_replace", 0) or 0, hf["num_hidden_layers"])
+    return ModelConfig(
+        arch="llama", attention="mla", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_heads=heads, seq_length=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+        ffn_hidden_size=hf["intermediate_size"], dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], moe_num_experts=experts,
+        moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_shared_experts=hf["n_shared_experts"], moe_first_dense_layers=first_dense, moe_score="sigmoid",
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0,
+        moe_expert_bias=True, **_rope_keys(hf))
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict:
+    """The HF config.json (DeepseekV3ForCausalLM) of a shardlm Llama with MLA and DeepSeek-style MoE."""
+    unsupported = [(cfg.moe_num_experts == 0, "routed experts (moe_num_experts = 0)"),
+                   (cfg.moe_score != "sigmoid", f'moe_score="{cfg.moe_score}"'),
+                   (cfg.moe_shared_experts < 1, "no shared expert"), (cfg.moe_layer_interval != 1,
+                                                                       "moe_layer_interval > 1"),
+                   (cfg.moe_groups > 0 and cfg.moe_num_experts // cfg.moe_groups < 2, "one-expert groups")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"DeepseekV3ForCausalLM has {what}; this model does not convert to it")
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_yarn_factor:
+        rope = {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
+                "original_max_position_embeddings": cfg.rope_yarn_original_positions,
+                "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+                "mscale": cfg.rope_yarn_mscale, "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads, "hidden_act": "silu",
+        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "rope_interleave": True, "rope_parameters": rope,
+        "n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
+        "moe_intermediate_size": cfg.moe_ffn_size, "n_shared_experts": cfg.moe_shared_experts,
+        "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_groups or 1,
+        "topk_group": cfg.moe_topk_groups or 1, "norm_topk_prob": cfg.moe_norm_topk_prob,
+        "routed_scaling_factor": cfg.moe_routed_scaling, "num_nextn_predict_layers": 0,
+        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
+        "initializer_range": cfg.init_std, "attention_bias": False, "attention_dropout": cfg.attention_dropout_p,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+    }
+
+
+def tensor_from_hf(cfg: ModelConfig, ours: str, value: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """A HF tensor in shardlm's layout (the rotary rows de-interleaved when the checkpoint interleaves them)."""
+    kind = ours.split(".")[-2]
+    if interleaved and ".attn." in ours and kind in ("q", "q_b", "kv_a"):
+        return _permute_rope_rows(value, cfg, kind, inverse=False)
+    return value
+
+
+def tensor_to_hf(cfg: ModelConfig, ours: str, value: torch.Tensor) -> torch.Tensor:
+    """A shardlm tensor in HF's interleaved layout (`rope_interleave` true), vocabulary padding dropped."""
+    kind = ours.split(".")[-2]
+    if ".attn." in ours and kind in ("q", "q_b", "kv_a"):
+        return _permute_rope_rows(value, cfg, kind, inverse=True)
+    return value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value
+
+
+def from_hf(hf_dir: Path, out: Path) -> Path:
+    """Convert a local HF DeepSeek-V3 directory into a consolidated shardlm checkpoint file."""
+    from shardlm.checkpoint.hf_llama import INDEX, _weight_files
+
+    if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
+        raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
+    hf = json.loads((hf_dir / "config.json").read_text())
+    config = RunConfig(model=model_config_from_hf(hf))
+    if (hf_dir / "tokenizer.json").is_file():
+        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    located = _weight_files(hf_dir)
+    if not config.model.tie_embeddings and "lm_head.weight" not in located:
+        config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
+    interleaved = hf.get("rope_interleave", True)
+    tensors, handles = {}, {}
+    for ours, theirs in name_map(config.model):
+        if theirs not in located:
+            raise UserError(f"{hf_dir} has no tensor {theirs}")
+        path = located[theirs]
+        handles.setdefault(path, safe_open(str(path), framework="pt"))
+        value = handles[path].get_tensor(theirs).float().contiguous()
+        tensors[f"model/{ours}"] = tensor_from_hf(config.model, ours, value, interleaved)
+    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
+    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """Write a consolidated shardlm checkpoint of a Llama with MLA as a HF DeepseekV3ForCausalLM directory
+    (a router without an expert bias is written with a zero e_score_correction_bias)."""
+    cfg = config.model
+    hf_config = hf_config_from_model(cfg)
+    hf = {}
+    for ours, theirs in name_map(cfg):
+        value = tensors.get(f"model/{ours}")
+        if value is None and ours.endswith("router.expert_bias"):
+            value = torch.zeros(cfg.moe_num_experts)
+        hf[theirs] = tensor_to_hf(cfg, ours, value).contiguous()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    files.ordinary_permissions(tmp / "model.safetensors")
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
+        shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.replace(out_dir)
+    return out_dir

@@ -1,0 +1,229 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3), as transformers' `DeepseekV3Attention` computes it.
+
+    q      = q_b(RMSNorm(q_a(x)))             or q(x) when q_lora_rank is 0    (B, T, H, nope + rope)
+    (the latents' RMSNorms use epsilon 1e-6 whatever model.layernorm_epsilon is, as transformers does)
+    c, k_r = split(kv_a(x), [kv_lora_rank, rope])                              latent and shared RoPE key
+    k_n, v = split(kv_b(RMSNorm(c)), [nope, v_head_dim])  per head             (B, T, H, nope), (B, T, H, v)
+    k      = [k_n | RoPE(k_r) repeated over the heads],  q = [q_n | RoPE(q_r)]
+    y      = o(softmax(q k^T x scale) v),  scale = (nope + rope)^-1/2 (x YaRN's mscale(factor, mscale_all_dim)^2)
+
+Rotary embeddings use the rotate-half layout of `shardlm.models.rotary` on the last `qk_rope_head_dim`
+channels of q and of the shared key; DeepSeek's checkpoints store those channels interleaved
+(`rope_interleave`), which the converter permutes once (`shardlm.checkpoint.hf_deepseek`), exactly as
+transformers' interleaved rotation equals rotate-half on the de-interleaved channels. With YaRN
+(`rope_yarn_factor`) the frequencies are transformers' yarn ones and cos/sin carry its attention factor.
+
+Tensor parallelism splits the heads: q_b (or q) and kv_b are column-parallel by heads, o row-parallel
+(`g`). The down-projections q_a and kv_a and their RMSNorms are replicated on every TP rank; their
+outputs (the query latent, the key/value latent and the shared RoPE key) are the inputs of the split
+heads, so each rank's backward brings only its own heads' share of their gradient. Those latents pass
+through `f` (all-reduce in the backward) on the way into the heads, so the replicated weights and the
+block input receive the full gradient on every rank. Under sequence parallelism the down-projections
+run on this rank's sequence chunk, `f` is the sequence all-gather `f_sp` of the latents (fewer channels
+than the hidden size), and their weights' partial gradients are summed by the trainer (`sequence_parallel`).
+Context parallelism is not supported with MLA (`check_latent_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.data.zigzag import local_positions
+from shardlm.models.attention import causal_attention
+from shardlm.models.config import ModelConfig
+from shardlm.models.decoder import (
+    LayerKVCache,
+    causal_mask_with_past,
+    enter_parallel_region,
+    mark_sequence_parallel,
+)
+from shardlm.models.rotary import apply_rotary
+from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
+from shardlm.parallel.init import normal_shard, param_seed
+from shardlm.parallel.random import recompute
+
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of the RMSNorms of the query and key/value latents: fixed, not model.layernorm_epsilon, in
+transformers' DeepseekV3Attention (and DeepSeek's reference code)."""
+
+
+def check_latent_attention(m: ModelConfig, context: int) -> str | None:
+    """One line saying what is wrong with the MLA keys of `m` at context-parallel size `context`, or None."""
+    if m.attention not in ("mha", "mla"):
+        return f'model.attention="{m.attention}" must be "mha" or "mla"'
+    if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
+        return "model.rope_yarn_factor must be >= 1 with model.rope_yarn_original_positions >= 1 (0 turns YaRN off)"
+    if m.attention == "mha":
+        return None
+    if m.arch != "llama":
+        return 'model.attention="mla" needs model.arch="llama"'
+    sizes = {"kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+             "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
+    for key, value in sizes.items():
+        if value < 1:
+            return f'model.{key}={value} must be at least 1 with model.attention="mla"'
+    if m.q_lora_rank < 0 or m.qk_rope_head_dim % 2:
+        return "model.q_lora_rank must be >= 0 and model.qk_rope_head_dim even"
+    if m.num_kv_heads or m.head_dim or m.qk_norm:
+        return 'model.num_kv_heads, head_dim and qk_norm do not apply to model.attention="mla" (remove them)'
+    if context > 1:
+        return 'parallel.context > 1 is not supported with model.attention="mla"; use parallel.context=1'
+    return None
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inverse_frequencies(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (rope / 2,) fp32, cos/sin factor) of MLA's rotary channels: the default
+    theta^(-2i / rope), or transformers' YaRN blend of interpolated and extrapolated frequencies."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    factor = cfg.rope_yarn_factor
+    if not factor:
+        return 1.0 / pos_freqs, 1.0
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(cfg.rope_yarn_original_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low if high != low else 0.001))
+    extrapolation = 1 - ramp.clamp(0, 1)
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    if cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+        scale = yarn_mscale(factor, cfg.rope_yarn_mscale) / yarn_mscale(factor, cfg.rope_yarn_mscale_all_dim)
+    else:
+        scale = yarn_mscale(factor)
+    return inv_freq, float(scale)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """(qk_nope_head_dim + qk_rope_head_dim)^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope_yarn_factor and cfg.rope_yarn_mscale_all_dim:
+        scale = scale * yarn_mscale(cfg.rope_yarn_factor, cfg.rope_yarn_mscale_all_dim) ** 2
+    return scale
+
+
+class ReplicatedLinear(nn.Module):
+    """x (..., in) -> (..., out) by a (out, in) weight every TP rank holds whole, without bias (marked
+    `sequence_parallel` when it sees sequence chunks, so the trainer sums its partial gradients over TP)."""
+
+    def __init__(self, shape: tuple[int, int], std: float, seed: int, device, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(normal_shard(shape, std, seed, device=device))
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class LatentAttention(nn.Module):
+    """Causal multi-head latent attention; heads split over TP. (B, T, h) -> (B, T, h), or (B, T / tp, h)
+    chunks under sequence parallelism. Parameters: `q_a`, `q_a_norm`, `q_b` (or `q`), `kv_a`, `kv_a_norm`,
+    `kv_b`, `o` (the names of `DeepseekV3Attention`'s projections without `_proj`)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
+                 sequence_parallel: bool = False, selective_recompute: bool = False,
+                 context_exchange: str = "ring"):
+        super().__init__()
+        self.cfg, self.ctx, self.tp = cfg, ctx, ctx.tp
+        self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
+        self.context_exchange = context_exchange
+        self.heads = cfg.num_heads // ctx.tp_size
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.dropout = cfg.attention_dropout_p
+        self.scale = softmax_scale(cfg)
+        h, std, dev, sp = cfg.hidden_size, cfg.init_std, ctx.device, sequence_parallel
+        qk = self.nope + self.rope
+
+        def column(name: str, rows_per_head: int, width: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(width, cfg.num_heads * rows_per_head, ctx.tp, bias=False, std=std,
+                                        seed=param_seed(seed, f"{prefix}.{name}"), device=dev)
+
+        def norm(width: int) -> nn.RMSNorm:
+            layer = nn.RMSNorm(width, eps=LATENT_NORM_EPS, device=dev)
+            if sp:
+                mark_sequence_parallel(layer)
+            return layer
+
+        self.q_a = self.q_a_norm = self.q_b = self.q = None
+        if cfg.q_lora_rank:
+            self.q_a = ReplicatedLinear((cfg.q_lora_rank, h), std, param_seed(seed, f"{prefix}.q_a"), dev, sp)
+            self.q_a_norm = norm(cfg.q_lora_rank)
+            self.q_b = column("q_b", qk, cfg.q_lora_rank)
+        else:
+            self.q = column("q", qk, h)
+        self.kv_a = ReplicatedLinear((cfg.kv_lora_rank + self.rope, h), std, param_seed(seed, f"{prefix}.kv_a"),
+                                     dev, sp)
+        self.kv_a_norm = norm(cfg.kv_lora_rank)
+        self.kv_b = column("kv_b", self.nope + self.v_dim, cfg.kv_lora_rank)
+        self.o = RowParallelLinear(cfg.num_heads * self.v_dim, h, ctx.tp, bias=False,
+                                   std=std / math.sqrt(2 * cfg.num_layers), seed=param_seed(seed, f"{prefix}.o"),
+                                   device=dev, sequence_parallel=sp)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """`f` (or `f_sp`) in front of the split heads: the backward all-reduces (reduce-scatters) each rank's
+        heads' share of the gradient, so everything before it (replicated) sees the full gradient."""
+        return enter_parallel_region(x, self.tp, self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones; the cache
+        holds this rank's heads' expanded keys (B, H/tp, T, nope + rope) and values (B, H/tp, T, v_head_dim)."""
+        cfg = self.cfg
+        if self.q is not None:
+            q = F.linear(self.enter(x), self.q.weight)
+            latents = self.enter(torch.cat(self.kv_latent(x), dim=-1))
+        else:
+            q_latent = self.q_a_norm(self.q_a(x))
+            latents = self.enter(torch.cat((q_latent, *self.kv_latent(x)), dim=-1))
+            q_latent, latents = latents.split([cfg.q_lora_rank, latents.shape[-1] - cfg.q_lora_rank], dim=-1)
+            q = F.linear(q_latent, self.q_b.weight)
+        c, k_rope = latents.split([cfg.kv_lora_rank, self.rope], dim=-1)
+        B, T = q.shape[:2]
+        past = 0 if cache is None else cache.length
+        q = q.view(B, T, self.heads, self.nope + self.rope).transpose(1, 2)
+        kv = F.linear(c, self.kv_b.weight).view(B, T, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        cos, sin = self.angles(local_positions(T, self.ctx.cp, past, x.device))
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(B, self.heads, T, self.rope)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if past > 0:
+            mask = None if T == 1 else causal_mask_with_past(past, T, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        elif self.selective_recompute and self.training and torch.is_grad_enabled():
+            y = recompute(self.core, q, k, v, rng=self.ctx.rng)
+        else:
+            y = self.core(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
+
+    def kv_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, h) -> (normed latent (B, T, kv_lora_rank), shared RoPE key before rotation (B, T, rope))."""
+        c, k_rope = self.kv_a(x).split([self.cfg.kv_lora_rank, self.rope], dim=-1)
+        return self.kv_a_norm(c), k_rope
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> (cos, sin), each (T, rope) fp32, scaled by YaRN's attention factor."""
+        inv_freq, factor = rope_inverse_frequencies(self.cfg, positions.device)
+        freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * factor, angles.sin() * factor
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T x scale) v with attention dropout when training: q, k (B, H/tp, T, nope + rope),
+        v (B, H/tp, T, v_head_dim) -> (B, H/tp, T, v_head_dim)."""
+        return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng, scale=self.scale)

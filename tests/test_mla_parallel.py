@@ -1,0 +1,147 @@
+"""Multi-head latent attention under tensor, sequence and expert parallelism gives the one-process answer.
+
+A tiny DeepSeek-V3-shaped model (Llama with MLA: q-LoRA rank 16, KV latent 16, q/k heads of 8 + 4 channels
+and v heads of 12; a dense first layer, then DeepSeek routing: 8 sigmoid-scored experts in 4 groups, the
+best 2 groups per token, a shared expert, routed scaling 2, a moving expert bias) trains 8 steps at TP=2,
+at TP=2 with sequence parallelism, at EP=2 (DP=2) and at PP=2 on a gloo world of 2: loss, gradient norm and
+aux loss at every step and every final parameter within 1e-5 of one process (fp32, dropout 0). Selective
+and full recomputation train bitwise as without.
+
+The replicated down-projections (q_a, kv_a) and their norms receive only their own heads' share of the
+gradient on each TP rank; `f` on the latents sums the shares. After one backward at TP=2 their gradients
+equal one process's within 1e-5, and with that all-reduce skipped (`f` replaced by the identity) they do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_parallel import STEPS, assert_same_run, train_layout
+from test_moe_parallel import run as run_layout
+from test_training import ADAM_EPS, VOCAB, rel
+
+from shardlm.config import from_dict
+from shardlm.errors import UserError
+from shardlm.models import build_model, gpt_loss
+from shardlm.parallel import ParallelContext
+from shardlm.validation import validate
+
+from multiproc import check_result, run_checks, run_workers
+
+MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 12}
+DEEPSEEK = {"moe_num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32, "moe_score": "sigmoid",
+            "moe_expert_bias_rate": 0.01, "moe_shared_experts": 1, "moe_first_dense_layers": 1, "moe_groups": 4,
+            "moe_topk_groups": 2, "moe_routed_scaling": 2.0, "moe_aux_loss_coeff": 0.001}
+GRADIENT_CHECKED = ("q_a.weight", "q_a_norm.weight", "kv_a.weight", "kv_a_norm.weight")
+
+
+def mla_config(tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1, recompute: str = "none", **model):
+    return from_dict({
+        "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+                  "vocab_size": VOCAB, "dropout": 0.0, **MLA, **DEEPSEEK, **model},
+        "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "pipeline": pp},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "recompute": recompute},
+    })
+
+
+def down_projection_gradients(ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """Gradients of every layer's replicated q_a, kv_a and their norms after one forward and backward of a
+    fixed batch (no optimizer: the model as built from seed 3)."""
+    model = build_model(mla_config(tp=ctx.tp_size).model, ctx, seed=3)
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(5))
+    gpt_loss(model, tokens).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if name.endswith(GRADIENT_CHECKED)}
+
+
+def skipped_all_reduce():
+    """Wrong on purpose: the latents enter the split heads without `f`, so no rank sums the others' shares."""
+    import shardlm.models.mla as mla
+
+    original = mla.enter_parallel_region
+    mla.enter_parallel_region = lambda x, tp, sequence_parallel: x
+    try:
+        return down_projection_gradients(ParallelContext.from_process_group(2))
+    finally:
+        mla.enter_parallel_region = original
+
+
+def world2_checks():
+    return run_checks({
+        "tp2": run_layout(mla_config(tp=2), tp=2),
+        "tp2_sp": run_layout(mla_config(tp=2, sp=True), tp=2),
+        "ep2": run_layout(mla_config(ep=2), ep=2),
+        "pp2": run_layout(mla_config(pp=2), pp=2),  # stage 0: the dense MLA layer, stage 1: the MoE one
+        "grads_tp2": lambda: down_projection_gradients(ParallelContext.from_process_group(2)),
+        "grads_tp2_without_f": skipped_all_reduce,
+    })
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world2_checks, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the same micro-batches."""
+    ctx = ParallelContext.single()
+    return train_layout(ctx, mla_config())[:2], down_projection_gradients(ParallelContext.single())
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2", "pp2"])
+def test_mla_deepseek_model_trains_as_one_process(world2, reference, name):
+    for run_ in check_result(world2, name):
+        assert_same_run(run_, reference[0])
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_trains_bitwise_the_same(reference, recompute):
+    """The attention core (selective) or whole layers (full) rerun in the backward: the same curve and
+    parameters, bit for bit."""
+    curve, params = train_layout(ParallelContext.single(), mla_config(recompute=recompute))[:2]
+    (ref_curve, ref_params), _ = reference
+    assert curve == ref_curve
+    assert all(torch.equal(params[name], ref_params[name]) for name in ref_params)
+
+
+def test_reference_covers_mla_and_deepseek_routing(reference):
+    (curve, params), _ = reference
+    assert params["layers.1.mlp.router.expert_bias"].abs().max() > 0 and all(aux > 0 for *_, aux in curve)
+    assert params["layers.0.attn.q_b.weight"].shape == (4 * 12, 16)
+    assert params["layers.0.attn.kv_b.weight"].shape == (4 * (8 + 12), 16)
+    assert params["layers.0.attn.o.weight"].shape == (32, 4 * 12)
+    assert "layers.0.mlp.router.weight" not in params
+
+
+def test_replicated_down_projections_get_the_full_gradient_under_tp(world2, reference):
+    expected = reference[1]
+    assert len(expected) == 2 * len(GRADIENT_CHECKED)
+    for grads in check_result(world2, "grads_tp2"):
+        assert grads.keys() == expected.keys()
+        for name, value in expected.items():
+            assert rel(grads[name], value) <= 1e-5, name
+
+
+def test_skipping_the_all_reduce_of_the_latents_gives_wrong_gradients(world2, reference):
+    expected = reference[1]
+    for grads in check_result(world2, "grads_tp2_without_f"):
+        assert max(rel(grads[name], expected[name]) for name in expected) > 1e-2
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"kv_lora_rank": 0}, "kv_lora_rank"), ({"num_kv_heads": 2}, "num_kv_heads"),
+    ({"qk_rope_head_dim": 3}, "qk_rope_head_dim"), ({"attention": "gqa"}, "attention")])
+def test_invalid_mla_configs_fail_in_one_line(change, words):
+    with pytest.raises(UserError, match=words) as error:
+        validate(mla_config(**change), 1, check_paths=False)
+    assert "\n" not in str(error.value)
+
+
+def test_context_parallel_is_refused_with_mla():
+    config = mla_config()
+    config.parallel.context = 2
+    with pytest.raises(UserError, match="parallel.context"):
+        validate(config, 2, check_paths=False)
