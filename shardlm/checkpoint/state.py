@@ -28,7 +28,8 @@ from shardlm.parallel import ParallelContext
 
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation",
               "num_kv_heads", "tie_embeddings", "moe_num_experts", "moe_ffn_hidden_size", "moe_shared_experts",
-              "moe_first_dense_layers", "moe_layer_interval")
+              "moe_first_dense_layers", "moe_layer_interval", "head_dim", "qk_norm", "attention", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def rng_file(rank: int) -> str:
