@@ -5,12 +5,16 @@ softmax routing with the chosen weights renormalised, no aux loss) trains the sa
 program, with forward + backward + global-norm clipping + fused AdamW, taking turns in a new order
 every round (`common.round_orders`):
 
-- `shardlm`: a shardlm Trainer step (grouped-GEMM experts, fp32 router).
+- `shardlm`: a shardlm Trainer step (grouped-GEMM experts, fp32 router; in bf16 each expert's rows are
+  padded to a multiple of `shardlm.models.moe.PAD_ROWS` on the CPU).
 - `hf` (transformers as shipped): `MixtralForCausalLM` with its defaults. In transformers 5 the
   default expert implementation is `grouped_mm`, the kernel shardlm uses: as shipped and same
   kernels are one program there.
 - `hf_eager`: the same model with `experts_implementation="eager"`, the per-expert loop that
   transformers shipped before 5.0 and still falls back to.
+
+Which precision each side's expert GEMMs ran in is measured (`expert_gemm_dtypes`) and reported: under
+bf16 autocast, transformers' `grouped_mm` experts run in the weights' dtype, fp32.
 
 In a second world of 2 processes, expert parallelism: EP=2 (2 processes x 1 thread, each rank half of
 the experts and half of the batch, tokens exchanged by all-to-all) against one process x 2 threads
@@ -115,7 +119,39 @@ def hf_step(shape: MoEShape, experts_implementation: str | None, precision: str 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    step.model = model
     return step, model.config._experts_implementation
+
+
+GEMM_OPS = ("_grouped_mm", "mm", "addmm", "bmm")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def expert_gemm_dtypes(model: torch.nn.Module, experts_class: str, run) -> str:
+    """The dtypes the GEMMs inside the first `experts_class` module of `model` ran in during `run()` (one
+    training step): under autocast they are not always the autocast dtype. transformers' `grouped_mm`
+    experts cast their input to the weights' dtype and `torch._grouped_mm` is not an autocast op, so in a
+    "bf16" step with fp32 weights they run in fp32; its per-expert loop (`F.linear`) runs in bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in GEMM_OPS:
+                seen.add(DTYPE_NAMES.get(args[0].dtype, str(args[0].dtype)))
+            return func(*args, **(kwargs or {}))
+
+    module = next(m for m in model.modules() if type(m).__name__ == experts_class)
+    mode = Record()
+    handles = [module.register_forward_pre_hook(lambda *_: mode.__enter__() and None),  # None: inputs unchanged
+               module.register_forward_hook(lambda *_: mode.__exit__(None, None, None) and None)]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return "+".join(sorted(seen))
 
 
 def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
@@ -131,14 +167,19 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
     try:
         for precision in precisions:
             hf, shipped = hf_step(shape, None, precision)
-            programs = {"shardlm": shape.trainer(ParallelContext.single(), precision=precision).train_step,
-                        "hf": hf, "hf_eager": hf_step(shape, "eager", precision)[0]}
+            hf_eager, trainer = hf_step(shape, "eager", precision)[0], shape.trainer(ParallelContext.single(),
+                                                                                     precision=precision)
+            programs = {"shardlm": trainer.train_step, "hf": hf, "hf_eager": hf_eager}
+            experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
+                             "hf": expert_gemm_dtypes(hf.model, "MixtralExperts", hf),
+                             "hf_eager": expert_gemm_dtypes(hf_eager.model, "MixtralExperts", hf_eager)}
             times = interleaved(programs, repeats, warmup=1)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
             for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
                 figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
             figures["hf_experts_implementation"] = shipped
+            figures["experts_dtype"] = experts_dtype
             figures["shardlm_gflops"] = figures["shardlm_tokens_per_sec"]["median"] * shape.flops_per_token / 1e9
             out[precision] = figures
     finally:
@@ -214,14 +255,21 @@ def markdown_lines(m: dict) -> list[str]:
              "transformers' `MixtralForCausalLM` (SDPA attention) computing the same function; `hf` is transformers "
              "as shipped, whose default expert kernel is reported below, `hf_eager` its per-expert loop.", "",
              "| precision | shardlm tokens/s | hf tokens/s | hf_eager tokens/s | shardlm / hf (`moe.single_process."
-             "<p>.ratio`) | shardlm / hf_eager | hf's experts_implementation |", "|---|---|---|---|---|---|---|"]
+             "<p>.ratio`) | shardlm / hf_eager | hf's experts_implementation | experts' GEMMs ran in (shardlm / hf / "
+             "hf_eager) |", "|---|---|---|---|---|---|---|---|"]
     for precision in single["precisions"]:
         f = single[precision]
+        ran = f.get("experts_dtype", {})
         lines.append(f"| {precision} | {median_cell(f['shardlm_tokens_per_sec'], digits=0)} | "
                      f"{median_cell(f['hf_tokens_per_sec'], digits=0)} | "
                      f"{median_cell(f['hf_eager_tokens_per_sec'], digits=0)} | "
                      f"**{median_cell(f['ratio'])}** | {median_cell(f['ratio_eager'])} | "
-                     f"{f['hf_experts_implementation']} |")
+                     f"{f['hf_experts_implementation']} | "
+                     f"{' / '.join(ran.get(name, '?') for name in ('shardlm', 'hf', 'hf_eager'))} |")
+    lines += ["", "The last column is measured inside one training step (the dtype of the GEMMs in the first "
+              "experts module): transformers' `grouped_mm` experts cast their input to the weights' dtype and "
+              "`torch._grouped_mm` is not autocast-enabled, so its bf16 step runs the experts in fp32; shardlm's "
+              "run in bf16, each expert's rows padded to a multiple of `PAD_ROWS` on the CPU (docs/moe.md)."]
     a2a = ep["all_to_all"]
     lines += ["", f"Expert parallelism, {ep['config']}: EP=2 runs 2 processes x 1 thread (each half of the experts and "
               "of the batch), one process runs the whole batch with 2 threads; DP=2 without EP replicates the experts.",
