@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardlm.bench.moe import MOE_QUICK, expert_gemm_dtypes, hf_step, markdown_lines
+from shardlm.bench.moe import (
+    MOE_QUICK,
+    all_to_all_formula,
+    expert_gemm_dtypes,
+    expert_parallel,
+    hf_step,
+    markdown_lines,
+)
 from shardlm.parallel import ParallelContext
 
 pytest.importorskip("transformers")
@@ -36,3 +43,13 @@ def test_the_report_states_the_experts_precision():
     lines = markdown_lines({"single_process": {"config": "c", "precisions": ["bf16"], "bf16": figures},
                             "expert_parallel": ep})
     assert any(line.startswith("| bf16 |") and line.endswith("| grouped_mm | bf16 / fp32 / bf16 |") for line in lines)
+
+
+def test_bf16_expert_parallel_all_to_all_bytes_equal_the_formula():
+    """Under bf16 autocast an EP=2 step dispatches its tokens in fp32 and combines the experts' outputs in
+    bf16: the bytes summed over the group equal the formula with 4 and 2 bytes a value."""
+    result = expert_parallel(MOE_QUICK, 1, "bf16")
+    a2a = result["all_to_all"]
+    assert result["precision"] == "bf16" and a2a["matches_formula"] is True, a2a
+    assert a2a["measured"]["bytes"] == all_to_all_formula(MOE_QUICK, combine_bytes=2)["bytes"] \
+        < all_to_all_formula(MOE_QUICK)["bytes"]
