@@ -320,6 +320,23 @@ def test_bf16_moe_training_runs_with_an_fp32_router(param_dtype):
     assert curve[-1][0] < curve[0][0] - 0.3
 
 
+def test_bf16_training_with_padded_expert_rows_is_bitwise_the_unpadded_one():
+    """4 bf16 Trainer steps of a small Mixtral-shaped model (experts get 46-90 rows, padded to 64 and 128):
+    every loss and every final parameter equal those of the same run with `pad_rows = 0`."""
+    from shardlm.bench.moe import MOE_QUICK
+
+    runs = []
+    for pad in (PAD_ROWS, 0):
+        trainer = MOE_QUICK.trainer(ParallelContext.single(), precision="bf16")
+        for experts in trainer.model.modules():
+            if isinstance(experts, GroupedExperts):
+                experts.pad_rows = pad
+        runs.append(([trainer.train_step()["loss"] for _ in range(4)], list(trainer.model.parameters())))
+    (padded, params), (unpadded, reference) = runs
+    assert padded == unpadded
+    assert all(torch.equal(a, b) for a, b in zip(params, reference))
+
+
 # ------------------------------------------------------------------------------------------- bad configs
 
 @pytest.mark.parametrize("keys,world,message", [
