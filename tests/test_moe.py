@@ -16,7 +16,16 @@ from shardlm.config import from_dict
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.config import ModelConfig, flops_per_token
-from shardlm.models.moe import GroupedExperts, MoELayer, balance_losses, grouped_mm_applies, moe_layers, route
+from shardlm.models.moe import (
+    PAD_ROWS,
+    GroupedExperts,
+    MoELayer,
+    balance_losses,
+    grouped_mm_applies,
+    moe_layers,
+    pad_expert_rows,
+    route,
+)
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
@@ -123,6 +132,67 @@ def test_grouped_mm_experts_equal_the_per_expert_loop(gated, dtype):
     for a, b in zip(dw_g, dw_l):
         torch.testing.assert_close(a, b, **tol)
     assert all(w[1].abs().max() == 0 for w in dw_g)  # expert 1 had no token
+
+
+def test_pad_expert_rows_puts_each_block_at_a_multiple():
+    x = torch.arange(1, 11, dtype=torch.float32).view(10, 1)
+    padded, counts, keep = pad_expert_rows(x, [3, 0, 4, 3], 4)
+    assert counts == [4, 0, 4, 4] and keep.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10]
+    assert padded.view(-1).tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 9, 10, 0]
+    same, counts, keep = pad_expert_rows(x[:8], [4, 0, 4], 4)  # already at the multiple: untouched
+    assert same is x[:8] or torch.equal(same, x[:8])
+    assert counts == [4, 0, 4] and keep is None
+
+
+def expert_results(experts, x, counts, grad):
+    experts.zero_grad()
+    xi = x.clone().requires_grad_()
+    out = experts(xi, counts)
+    out.backward(grad)
+    return [out.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("counts,multiple", [([70, 0, 64, 3], PAD_ROWS), ([7, 0, 5, 4], 16), ([16, 0, 32, 16], 16)],
+                         ids=["default", "small", "at-the-multiple"])
+def test_padded_expert_rows_change_no_bit(gated, counts, multiple):
+    """bf16 grouped GEMMs on the CPU pad each expert's rows with zero rows (few shapes for oneDNN's
+    kernel cache): outputs and the gradients of the input and every expert weight are bitwise those of the
+    unpadded grouped GEMMs, with an expert that gets no token and blocks already at the multiple, and within
+    bf16's resolution of the per-expert loop."""
+    dtype = torch.bfloat16
+    experts = GroupedExperts(moe_model_config(moe_num_experts=4), ParallelContext.single(), 5, "layers.0.mlp",
+                             gated).to(dtype)
+    M = sum(counts)
+    x = torch.randn(M, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    grad = torch.randn(M, 32, generator=torch.Generator().manual_seed(4)).to(dtype)
+    counts = torch.tensor(counts)
+    assert experts.pad_rows == PAD_ROWS and grouped_mm_applies(x, *experts.parameters())
+    experts.pad_rows = multiple
+    padded = expert_results(experts, x, counts, grad)
+    experts.pad_rows = 0
+    unpadded = expert_results(experts, x, counts, grad)
+    experts.grouped = False
+    loop = expert_results(experts, x, counts, grad)
+    for a, b, c in zip(padded, unpadded, loop):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2)
+    assert all(w[1].abs().max() == 0 for w in padded[2:])  # expert 1 had no token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_only_bf16_pads_expert_rows(dtype, monkeypatch):
+    """fp32 and fp16 grouped GEMMs on the CPU build no kernel per shape: padding would only add rows."""
+    import shardlm.models.moe as moe
+
+    calls, pad = [], moe.pad_expert_rows
+    monkeypatch.setattr(moe, "pad_expert_rows", lambda *args: calls.append(args) or pad(*args))
+    experts = GroupedExperts(moe_model_config(moe_num_experts=4), ParallelContext.single(), 5, "layers.0.mlp",
+                             True)
+    x = torch.randn(16, 32)
+    for dt in (dtype, torch.bfloat16):
+        experts.to(dt)(x.to(dt), torch.tensor([7, 0, 5, 4]))
+    assert len(calls) == 1 and calls[0][0].dtype == torch.bfloat16
 
 
 def test_moe_layer_equals_its_definition():
@@ -248,6 +318,23 @@ def test_bf16_moe_training_runs_with_an_fp32_router(param_dtype):
     curve, _ = run_curve(config)
     assert all(torch.isfinite(torch.tensor(c)).all() for c in curve)
     assert curve[-1][0] < curve[0][0] - 0.3
+
+
+def test_bf16_training_with_padded_expert_rows_is_bitwise_the_unpadded_one():
+    """4 bf16 Trainer steps of a small Mixtral-shaped model (experts get 46-90 rows, padded to 64 and 128):
+    every loss and every final parameter equal those of the same run with `pad_rows = 0`."""
+    from shardlm.bench.moe import MOE_QUICK
+
+    runs = []
+    for pad in (PAD_ROWS, 0):
+        trainer = MOE_QUICK.trainer(ParallelContext.single(), precision="bf16")
+        for experts in trainer.model.modules():
+            if isinstance(experts, GroupedExperts):
+                experts.pad_rows = pad
+        runs.append(([trainer.train_step()["loss"] for _ in range(4)], list(trainer.model.parameters())))
+    (padded, params), (unpadded, reference) = runs
+    assert padded == unpadded
+    assert all(torch.equal(a, b) for a, b in zip(params, reference))
 
 
 # ------------------------------------------------------------------------------------------- bad configs

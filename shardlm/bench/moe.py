@@ -5,14 +5,19 @@ softmax routing with the chosen weights renormalised, no aux loss) trains the sa
 program, with forward + backward + global-norm clipping + fused AdamW, taking turns in a new order
 every round (`common.round_orders`):
 
-- `shardlm`: a shardlm Trainer step (grouped-GEMM experts, fp32 router).
+- `shardlm`: a shardlm Trainer step (grouped-GEMM experts, fp32 router; in bf16 each expert's rows are
+  padded to a multiple of `shardlm.models.moe.PAD_ROWS` on the CPU).
 - `hf` (transformers as shipped): `MixtralForCausalLM` with its defaults. In transformers 5 the
   default expert implementation is `grouped_mm`, the kernel shardlm uses: as shipped and same
   kernels are one program there.
 - `hf_eager`: the same model with `experts_implementation="eager"`, the per-expert loop that
   transformers shipped before 5.0 and still falls back to.
 
-In a second world of 2 processes, expert parallelism: EP=2 (2 processes x 1 thread, each rank half of
+Which precision each side's expert GEMMs ran in is measured (`expert_gemm_dtypes`) and reported: under
+bf16 autocast, transformers' `grouped_mm` experts run in the weights' dtype, fp32.
+
+In a second world of 2 processes (in fp32, and again in bf16 where the CPU has native bf16), expert
+parallelism: EP=2 (2 processes x 1 thread, each rank half of
 the experts and half of the batch, tokens exchanged by all-to-all) against one process x 2 threads
 running the whole batch, and DP=2 without EP (experts replicated) as the dense reference. The
 all-to-all bytes of one EP=2 step, summed over the EP group, are checked against the formula
@@ -115,7 +120,39 @@ def hf_step(shape: MoEShape, experts_implementation: str | None, precision: str 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    step.model = model
     return step, model.config._experts_implementation
+
+
+GEMM_OPS = ("_grouped_mm", "mm", "addmm", "bmm")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def expert_gemm_dtypes(model: torch.nn.Module, experts_class: str, run) -> str:
+    """The dtypes the GEMMs inside the first `experts_class` module of `model` ran in during `run()` (one
+    training step): under autocast they are not always the autocast dtype. transformers' `grouped_mm`
+    experts cast their input to the weights' dtype and `torch._grouped_mm` is not an autocast op, so in a
+    "bf16" step with fp32 weights they run in fp32; its per-expert loop (`F.linear`) runs in bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in GEMM_OPS:
+                seen.add(DTYPE_NAMES.get(args[0].dtype, str(args[0].dtype)))
+            return func(*args, **(kwargs or {}))
+
+    module = next(m for m in model.modules() if type(m).__name__ == experts_class)
+    mode = Record()
+    handles = [module.register_forward_pre_hook(lambda *_: mode.__enter__() and None),  # None: inputs unchanged
+               module.register_forward_hook(lambda *_: mode.__exit__(None, None, None) and None)]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return "+".join(sorted(seen))
 
 
 def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
@@ -131,14 +168,19 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
     try:
         for precision in precisions:
             hf, shipped = hf_step(shape, None, precision)
-            programs = {"shardlm": shape.trainer(ParallelContext.single(), precision=precision).train_step,
-                        "hf": hf, "hf_eager": hf_step(shape, "eager", precision)[0]}
+            hf_eager, trainer = hf_step(shape, "eager", precision)[0], shape.trainer(ParallelContext.single(),
+                                                                                     precision=precision)
+            programs = {"shardlm": trainer.train_step, "hf": hf, "hf_eager": hf_eager}
+            experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
+                             "hf": expert_gemm_dtypes(hf.model, "MixtralExperts", hf),
+                             "hf_eager": expert_gemm_dtypes(hf_eager.model, "MixtralExperts", hf_eager)}
             times = interleaved(programs, repeats, warmup=1)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
             for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
                 figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
             figures["hf_experts_implementation"] = shipped
+            figures["experts_dtype"] = experts_dtype
             figures["shardlm_gflops"] = figures["shardlm_tokens_per_sec"]["median"] * shape.flops_per_token / 1e9
             out[precision] = figures
     finally:
@@ -146,15 +188,16 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
     return out
 
 
-def expert_parallel_worker(shape: MoEShape, repeats: int) -> dict:
+def expert_parallel_worker(shape: MoEShape, repeats: int, precision: str = "fp32") -> dict:
     """On both ranks of a world of 2: EP=2, DP=2 and one process x 2 threads (rank 0; rank 1 waits)
     on the same global batch of 2 micro-batches; the all-to-all bytes of one EP=2 step."""
     from shardlm.parallel import ParallelContext
 
     rank = dist.get_rank()
-    ep2 = shape.trainer(ParallelContext.from_process_group(1, expert_parallel=2), expert=2)
-    dp2 = shape.trainer(ParallelContext.from_process_group(1), expert=1)
-    one = shape.trainer(ParallelContext.single(), global_batch=2 * shape.micro_batch) if rank == 0 else None
+    ep2 = shape.trainer(ParallelContext.from_process_group(1, expert_parallel=2), expert=2, precision=precision)
+    dp2 = shape.trainer(ParallelContext.from_process_group(1), expert=1, precision=precision)
+    one = shape.trainer(ParallelContext.single(), global_batch=2 * shape.micro_batch,
+                        precision=precision) if rank == 0 else None
     programs = {"ep2": (ep2.train_step, True, 1), "dp2": (dp2.train_step, True, 1),
                 "one_process": (lambda: one.train_step(), rank == 0, 2)}
     for run, here, threads in programs.values():  # warm-up
@@ -171,28 +214,33 @@ def expert_parallel_worker(shape: MoEShape, repeats: int) -> dict:
     return {"times": times, "traffic": traffic} if rank == 0 else None
 
 
-def all_to_all_formula(shape: MoEShape, ep: int = 2, bytes_per_value: int = 4) -> dict:
+def all_to_all_formula(shape: MoEShape, ep: int = 2, bytes_per_value: int = 4, combine_bytes: int | None = None
+                       ) -> dict:
     """All-to-all calls per rank and bytes summed over the EP group in a training step (one micro-batch
     per rank). Per MoE layer each rank makes 3 calls forward (the E per-expert counts, int64; dispatch;
     combine) and 2 backward (the two row exchanges' gradients). Dispatch sends a rank's N k (token,
     slot) rows of h values and combine returns the R rows its experts computed, backward the reverse, so
     a rank sends 2 (N k + R) rows (own rows included, as `all_to_all_single` takes them); R depends on
-    the routing, but over the group the R add up to ep N k: 4 ep N k rows per layer."""
-    rows = shape.tokens * shape.top_k * shape.hidden_size * bytes_per_value
-    per_layer = ep * (shape.num_experts * 8 + 4 * rows)
+    the routing, but over the group the R add up to ep N k: 4 ep N k rows per layer. Dispatch and its
+    gradient carry `bytes_per_value` a value, combine and its gradient `combine_bytes` (default the same):
+    under bf16 autocast the tokens leave in fp32 (the residual stream) and the experts' outputs return
+    in bf16 (4 and 2)."""
+    combine_bytes = bytes_per_value if combine_bytes is None else combine_bytes
+    values = shape.tokens * shape.top_k * shape.hidden_size
+    per_layer = ep * (shape.num_experts * 8 + 2 * values * (bytes_per_value + combine_bytes))
     return {"calls_per_rank": 5 * shape.num_layers, "bytes": shape.num_layers * per_layer, "bytes_per_layer": per_layer}
 
 
-def expert_parallel(shape: MoEShape, repeats: int) -> dict:
+def expert_parallel(shape: MoEShape, repeats: int, precision: str = "fp32") -> dict:
     """EP=2 efficiency (tokens/s at EP=2 over one process x 2 threads, same global batch) and traffic."""
     from shardlm.parallel.spawn import run_workers
 
-    result = run_workers(2, expert_parallel_worker, shape, repeats, timeout=1800)[0]
+    result = run_workers(2, expert_parallel_worker, shape, repeats, precision, timeout=1800)[0]
     tokens = 2 * shape.tokens
     rates = {name: [tokens / t for t in ts] for name, ts in result["times"].items()}
-    formula, traffic = all_to_all_formula(shape), result["traffic"]
+    formula, traffic = all_to_all_formula(shape, combine_bytes=2 if precision == "bf16" else 4), result["traffic"]
     measured = {"calls_per_rank": [t["calls"] for t in traffic], "bytes": sum(t["bytes"] for t in traffic)}
-    return {"config": f"{shape.describe()}, global batch {2 * shape.micro_batch}",
+    return {"config": f"{shape.describe()}, global batch {2 * shape.micro_batch}", "precision": precision,
             **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
             "ep2_efficiency": summary([a / b for a, b in zip(rates["ep2"], rates["one_process"])]),
             "dp2_efficiency": summary([a / b for a, b in zip(rates["dp2"], rates["one_process"])]),
@@ -204,7 +252,12 @@ def expert_parallel(shape: MoEShape, repeats: int) -> dict:
 def moe_bench(quick: bool, repeats: int) -> dict:
     """The `moe` section of `make bench`."""
     shape = MOE_QUICK if quick else MOE_BENCH
-    return {"single_process": single_process(shape, repeats), "expert_parallel": expert_parallel(shape, repeats)}
+    out = {"single_process": single_process(shape, repeats), "expert_parallel": expert_parallel(shape, repeats)}
+    native = "bf16" in out["single_process"]["precisions"]  # the CPU multiplies bf16 natively
+    out["expert_parallel_bf16"] = (expert_parallel(shape, repeats, "bf16") if native else
+                                   {"skipped": out["single_process"]["cpu_features"].get("bf16_note")
+                                    or "no native bf16 on this CPU"})
+    return out
 
 
 def markdown_lines(m: dict) -> list[str]:
@@ -214,25 +267,47 @@ def markdown_lines(m: dict) -> list[str]:
              "transformers' `MixtralForCausalLM` (SDPA attention) computing the same function; `hf` is transformers "
              "as shipped, whose default expert kernel is reported below, `hf_eager` its per-expert loop.", "",
              "| precision | shardlm tokens/s | hf tokens/s | hf_eager tokens/s | shardlm / hf (`moe.single_process."
-             "<p>.ratio`) | shardlm / hf_eager | hf's experts_implementation |", "|---|---|---|---|---|---|---|"]
+             "<p>.ratio`) | shardlm / hf_eager | hf's experts_implementation | experts' GEMMs ran in (shardlm / hf / "
+             "hf_eager) |", "|---|---|---|---|---|---|---|---|"]
     for precision in single["precisions"]:
         f = single[precision]
+        ran = f.get("experts_dtype", {})
         lines.append(f"| {precision} | {median_cell(f['shardlm_tokens_per_sec'], digits=0)} | "
                      f"{median_cell(f['hf_tokens_per_sec'], digits=0)} | "
                      f"{median_cell(f['hf_eager_tokens_per_sec'], digits=0)} | "
                      f"**{median_cell(f['ratio'])}** | {median_cell(f['ratio_eager'])} | "
-                     f"{f['hf_experts_implementation']} |")
+                     f"{f['hf_experts_implementation']} | "
+                     f"{' / '.join(ran.get(name, '?') for name in ('shardlm', 'hf', 'hf_eager'))} |")
+    lines += ["", "The last column is measured inside one training step (the dtype of the GEMMs in the first "
+              "experts module): transformers' `grouped_mm` experts cast their input to the weights' dtype and "
+              "`torch._grouped_mm` is not autocast-enabled, so its bf16 step runs the experts in fp32; shardlm's "
+              "run in bf16, each expert's rows padded to a multiple of `PAD_ROWS` on the CPU (docs/moe.md)."]
     a2a = ep["all_to_all"]
     lines += ["", f"Expert parallelism, {ep['config']}: EP=2 runs 2 processes x 1 thread (each half of the experts and "
-              "of the batch), one process runs the whole batch with 2 threads; DP=2 without EP replicates the experts.",
+              "of the batch), one process runs the whole batch with 2 threads; DP=2 without EP replicates the experts. "
+              "fp32, and bf16 (autocast) where the CPU multiplies bf16 natively.",
               "", "| layout | tokens/s | / one process x 2 threads |", "|---|---|---|",
               f"| one process x 2 threads | {median_cell(ep['one_process_tokens_per_sec'], digits=0)} | 1 |",
               f"| EP=2 (`moe.expert_parallel.ep2_efficiency`) | {median_cell(ep['ep2_tokens_per_sec'], digits=0)} | "
               f"**{median_cell(ep['ep2_efficiency'])}** |",
               f"| DP=2, experts replicated | {median_cell(ep['dp2_tokens_per_sec'], digits=0)} | "
-              f"{median_cell(ep['dp2_efficiency'])} |", "",
+              f"{median_cell(ep['dp2_efficiency'])} |"]
+    bf16 = m.get("expert_parallel_bf16") or {}
+    if "ep2_efficiency" in bf16:
+        lines += [f"| bf16: one process x 2 threads | {median_cell(bf16['one_process_tokens_per_sec'], digits=0)} "
+                  "| 1 |",
+                  f"| bf16: EP=2 (`moe.expert_parallel_bf16.ep2_efficiency`) | "
+                  f"{median_cell(bf16['ep2_tokens_per_sec'], digits=0)} | **{median_cell(bf16['ep2_efficiency'])}** |",
+                  f"| bf16: DP=2, experts replicated | {median_cell(bf16['dp2_tokens_per_sec'], digits=0)} | "
+                  f"{median_cell(bf16['dp2_efficiency'])} |"]
+    lines += ["",
               f"All-to-all of one EP=2 step, summed over the group: {a2a['measured']['bytes']:,} bytes in "
               f"{a2a['measured']['calls_per_rank']} calls per rank; formula {a2a['formula']['bytes']:,} bytes "
               f"({a2a['formula']['bytes_per_layer']:,} per MoE layer), {a2a['formula']['calls_per_rank']} calls "
-              f"per rank: **`moe.expert_parallel.all_to_all.matches_formula` = {a2a['matches_formula']}**.", ""]
-    return lines
+              f"per rank: **`moe.expert_parallel.all_to_all.matches_formula` = {a2a['matches_formula']}**."]
+    if "all_to_all" in bf16:
+        b2a = bf16["all_to_all"]
+        lines += ["", f"In bf16 (tokens dispatched in fp32, the residual stream's dtype; expert outputs combined in "
+                  f"bf16): {b2a['measured']['bytes']:,} bytes, formula {b2a['formula']['bytes']:,}: "
+                  f"`moe.expert_parallel_bf16.all_to_all.matches_formula` = {b2a['matches_formula']}."]
+    return lines + [""]

@@ -45,9 +45,12 @@ KEYS = {
     "pipeline.rows": "PP=2 per schedule and micro-batch count: measured step seconds, the ideal (one process / 2), "
     "the predicted bubble (P-1)/(V m) and peak bytes per stage",
     "moe.single_process": "per precision: tokens/s of shardlm's MoE step, transformers' Mixtral as shipped (hf) and "
-                          "with its per-expert loop (hf_eager), ratio and ratio_eager, hf_experts_implementation",
+                          "with its per-expert loop (hf_eager), ratio and ratio_eager, hf_experts_implementation, "
+                          "experts_dtype (the dtype each program's expert GEMMs ran in, measured in one step)",
     "moe.single_process.fp32.ratio": "shardlm MoE tokens/s / transformers' Mixtral as shipped, per repeat (fp32)",
     "moe.expert_parallel.ep2_efficiency": "tokens/s at EP=2 (2 x 1 thread) / one process x 2 threads, same batch",
+    "moe.expert_parallel_bf16": "the same EP=2 / DP=2 / one-process figures in bf16 autocast where the CPU "
+                                "multiplies bf16 natively, else {skipped: why}",
     "moe.expert_parallel.all_to_all.matches_formula": "true when one EP=2 step's all-to-all bytes (summed over the "
                                                       "group) and calls per rank equal the formula",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "

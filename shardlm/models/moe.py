@@ -27,7 +27,9 @@ like the family's dense one (GPT: fc -> GeLU -> proj; Llama: SwiGLU), without bi
 parallelism equals TP: every expert's first matrices are column-split and its last row-split over the
 TP group exactly like the dense MLP, so TP ranks run the same tokens and the partial sums are reduced
 once per layer (`g`). Compute is `torch._grouped_mm` (one GEMM over all experts) when the shapes allow
-it, else a plain loop over experts (`grouped=False`); both give the same result.
+it, else a plain loop over experts (`grouped=False`); both give the same result. On the CPU in bf16
+each expert's rows are first padded with zero rows to a multiple of `PAD_ROWS`, so that oneDNN sees
+few GEMM shapes (`pad_rows`; outputs and gradients unchanged, bitwise).
 
 Token movement over expert-parallel ranks is `shardlm.parallel.experts`; which group reduces expert
 gradients is `shardlm.training.gradients.reduce_expert_gradients`.
@@ -162,6 +164,32 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
 
 
+PAD_ROWS = 64
+"""On the CPU in bf16, each expert's row block is padded with zero rows to a multiple of this
+before the grouped GEMMs (`GroupedExperts.pad_rows`; 0 or 1 turns it off). The CPU `_grouped_mm` runs one
+oneDNN GEMM per expert, and oneDNN builds and caches a kernel per shape: routing changes every expert's
+row count every step, so without padding nearly every expert GEMM pays a new kernel (docs/moe.md,
+"Padding expert rows", has the measurements behind 64). Zero rows add zero to every sum, so outputs and
+gradients are unchanged."""
+
+
+def pad_expert_rows(x: torch.Tensor, counts: list[int], multiple: int
+                    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """x (M, in) grouped by expert with `counts` rows each -> (x with each expert's block followed by zero
+    rows up to a multiple of `multiple`, the padded counts, the real rows' positions in it (None when
+    nothing was padded)). Differentiable: x's gradient is the padded gradient's real rows."""
+    padded = [-(-c // multiple) * multiple for c in counts]
+    if padded == counts:
+        return x, counts, None
+    shifts, shift = [], 0
+    for c, p in zip(counts, padded):
+        shifts.append(shift)
+        shift += p - c
+    keep = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
+        torch.tensor(shifts, device=x.device), torch.tensor(counts, device=x.device), output_size=x.shape[0])
+    return x.new_zeros(sum(padded), x.shape[1]).index_copy(0, keep, x), padded, keep
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of each expert times that expert's weight transposed: x (M, in), weight (E_l, out, in),
     counts rows per expert (summing to M) -> (M, out)."""
@@ -183,6 +211,10 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gated = gated
         self.grouped = True
+        self.pad_rows = PAD_ROWS
+        """Grouped GEMMs on the CPU in bf16 pad each expert's rows to a multiple of this (`PAD_ROWS`); 0 or 1:
+        no padding. fp32 and fp16 (whose CPU grouped GEMM does not build kernels per shape), CUDA and the
+        per-expert loop never pad."""
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         local = cfg.moe_num_experts // ctx.ep_size
         first = ctx.ep_rank * local
@@ -213,13 +245,17 @@ class GroupedExperts(nn.Module):
             x = x.to(weights[0].dtype)
         counts = counts.tolist()
         grouped = self.grouped and grouped_mm_applies(x, *weights)
+        keep = None
+        if grouped and self.pad_rows > 1 and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # zero rows stay zero through the MLP
         if self.gated:
             gate, up, down = weights
             hidden = F.silu(expert_matmul(x, gate, counts, grouped)) * expert_matmul(x, up, counts, grouped)
         else:
             fc, down = weights
             hidden = F.gelu(expert_matmul(x, fc, counts, grouped), approximate=self.approximate)
-        return expert_matmul(hidden, down, counts, grouped)
+        out = expert_matmul(hidden, down, counts, grouped)
+        return out if keep is None else out.index_select(0, keep)
 
 
 # ------------------------------------------------------------------------------------------- the layer
