@@ -207,13 +207,40 @@ def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return (used, used) if kv_heads_are_split(cfg.kv_heads, tp) else (cfg.kv_heads * head_dim, used)
 
 
+def _mla_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One layer's attention and two RMSNorms in `shardlm.models.mla.LatentAttention` on one TP rank (H heads,
+    qk = qk_nope + qk_rope): q_a (q_lora_rank x h) with its RMSNorm (q_lora_rank) and kv_a ((kv_lora_rank +
+    qk_rope) x h) with its RMSNorm (kv_lora_rank) replicated; q_b (H qk x q_lora_rank; or q, H qk x h, without
+    the query's low-rank path) and kv_b (H (qk_nope + v_head_dim) x kv_lora_rank) split by rows over TP, o (h x H
+    v_head_dim) by columns; the layer's two RMSNorms (h each) replicated. Its matrices sum to
+    `models.config.mla_weights` at TP = 1."""
+    h, q_rank, kv_rank = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
+    heads = _split(cfg.num_heads, tp, "num_heads")
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    sharded = heads * qk * (q_rank or h) + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * kv_rank \
+        + h * heads * cfg.v_head_dim
+    replicated_matrices = (q_rank * h if q_rank else 0) + (kv_rank + cfg.qk_rope_head_dim) * h
+    replicated = replicated_matrices + q_rank + kv_rank + 2 * h
+    tensors = (3 if q_rank else 1) + 3 + 1 + 2
+    return ParameterCount(sharded, replicated, tensors, sharded + replicated_matrices)
+
+
 def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
     is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
     (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
     the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
-    layer (V_padded x h each) split by vocabulary rows; no biases."""
+    layer (V_padded x h each) split by vocabulary rows; no biases. With multi-head latent attention the layer's
+    attention is `_mla_count`'s."""
     h, layers = cfg.hidden_size, cfg.num_layers
+    if cfg.attention == "mla":
+        vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+        outputs = 1 if cfg.tie_embeddings else 2
+        attention = _mla_count(cfg, tp)
+        attention = ParameterCount(layers * attention.sharded + outputs * vocab_local * h,
+                                   layers * attention.replicated + h, layers * attention.tensors + 1 + outputs,
+                                   layers * attention.matrix)
+        return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
     a_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width")
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     kv_held, kv_used = _kv_rows(cfg, tp)

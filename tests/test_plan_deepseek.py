@@ -1,0 +1,78 @@
+"""`shardlm plan` with DeepSeek-V3-shaped models: multi-head latent attention (MLA) and DeepSeek routing.
+
+Claims: the deepseek-v3 and moonlight-16b-a3b presets have the parameter totals transformers counts for
+`DeepseekV3ForCausalLM` built from the published configs (which, like the presets, leave out DeepSeek-V3's
+multi-token-prediction module), DeepSeek-V3's is 671B with 37B activated; an MLA layer's parameters split over
+TP as `LatentAttention` splits them and sum to `mla_weights`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardlm.models.config import mla_weights
+from shardlm.plan.experts import activated_parameter_count
+from shardlm.plan.memory import parameter_count
+from shardlm.plan.models import MODEL_PRESETS
+from shardlm.plan.stages import layer_parameter_counts
+
+# deepseek-ai/DeepSeek-V3 and moonshotai/Moonlight-16B-A3B config.json (the fields that shape parameters)
+HF_CONFIGS = {
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        tie_word_embeddings=False),
+    "moonlight-16b-a3b": dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                              num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                              n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False),
+}
+
+
+def _hf_count(name: str) -> int:
+    """Parameters (and the expert-bias buffers, which shardlm holds as parameters) of transformers'
+    DeepseekV3ForCausalLM for the published config, built on the meta device."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**HF_CONFIGS[name]))
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in model.parameters()) + biases
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_deepseek_preset_parameter_total_equals_transformers(name):
+    """TP = 1 (both vocabularies are multiples of 128, so unpadded): the planner's total is transformers' count."""
+    assert parameter_count(MODEL_PRESETS[name], 1).total == _hf_count(name)
+
+
+def test_deepseek_v3_has_671b_parameters_and_37b_activated():
+    """The DeepSeek-V3 report's figures (arXiv 2412.19437): 671B total, 37B activated per token (the released
+    files' 685B add the 14B multi-token-prediction module, which neither count includes)."""
+    cfg = MODEL_PRESETS["deepseek-v3"]
+    assert parameter_count(cfg, 1).total == pytest.approx(671e9, rel=0.002)
+    assert activated_parameter_count(cfg) == pytest.approx(37e9, rel=0.03)
+
+
+def test_moonlight_has_16b_parameters_and_3b_activated():
+    """Moonshot's figures for Moonlight-16B-A3B: 16B total (15.96B), 3B activated (the name's A3B)."""
+    cfg = MODEL_PRESETS["moonlight-16b-a3b"]
+    assert parameter_count(cfg, 1).total == pytest.approx(16e9, rel=0.03)
+    assert activated_parameter_count(cfg) == pytest.approx(3e9, rel=0.1)
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+@pytest.mark.parametrize("tp", [2, 8])
+def test_mla_parameters_split_over_tp_as_the_model_splits_them(name, tp):
+    """A dense one-layer copy: the matrices sum to `mla_weights` + the MLP at TP = 1, and at TP = t the split
+    weights are 1/t of those at TP = 1 while the replicated ones (down-projections, norms) stay whole."""
+    cfg = dataclasses.replace(MODEL_PRESETS[name], moe_num_experts=0)
+    one, split = layer_parameter_counts(cfg, 1)[0], layer_parameter_counts(cfg, tp)[0]
+    assert one.matrix == mla_weights(cfg) + 3 * cfg.ffn_size * cfg.hidden_size
+    assert split.replicated == one.replicated
+    assert split.sharded * tp == one.sharded
