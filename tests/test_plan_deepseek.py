@@ -3,7 +3,8 @@
 Claims: the deepseek-v3 and moonlight-16b-a3b presets have the parameter totals transformers counts for
 `DeepseekV3ForCausalLM` built from the published configs (which, like the presets, leave out DeepSeek-V3's
 multi-token-prediction module), DeepSeek-V3's is 671B with 37B activated; an MLA layer's parameters split over
-TP as `LatentAttention` splits them and sum to `mla_weights`.
+TP as `LatentAttention` splits them and sum to `mla_weights`; what an MLA layer saves for backward is what
+autograd saves on the CPU; the Megatron accountings refuse MLA in one line.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from shardlm.models.config import mla_weights
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig, mla_weights
 from shardlm.plan.experts import activated_parameter_count
-from shardlm.plan.memory import parameter_count
+from shardlm.plan.memory import layer_activation_bytes, numeric_format, parameter_count
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.stages import layer_parameter_counts
 
@@ -76,3 +78,45 @@ def test_mla_parameters_split_over_tp_as_the_model_splits_them(name, tp):
     assert one.matrix == mla_weights(cfg) + 3 * cfg.ffn_size * cfg.hidden_size
     assert split.replicated == one.replicated
     assert split.sharded * tp == one.sharded
+
+
+TINY_MLA = {
+    "q-lora": ModelConfig(arch="llama", attention="mla", num_layers=2, hidden_size=96, num_heads=4, q_lora_rank=48,
+                          kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, seq_length=32,
+                          vocab_size=100, ffn_hidden_size=128, dropout=0.0),
+    "no-q-lora": ModelConfig(arch="llama", attention="mla", num_layers=2, hidden_size=96, num_heads=4,
+                             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, seq_length=32,
+                             vocab_size=100, ffn_hidden_size=128, dropout=0.0),
+}
+
+
+@pytest.mark.parametrize("name", TINY_MLA)
+def test_mla_layer_activation_bytes_equal_what_autograd_saves(name):
+    """One process on the CPU in fp32: the bytes each dense MLA layer saves for backward equal
+    `layer_activation_bytes`."""
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+    from shardlm.plan.measure import autocast_context, saved_activation_bytes
+
+    cfg = TINY_MLA[name]
+    model = build_model(cfg, ParallelContext.single(), seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with autocast_context("fp32", torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    saved = saved_activation_bytes(model, forward, list(model.layers.values()))
+    assert set(saved.by_layer.values()) == {layer_activation_bytes(cfg, 1, 3, numeric_format("fp32"), "cpu")}
+
+
+@pytest.mark.parametrize("implementation", ["megatron", "megatron-core"])
+def test_megatron_accountings_refuse_mla_in_one_line(implementation):
+    from shardlm.plan.hardware import gpu_preset
+    from shardlm.plan.models import PlannedModel
+    from shardlm.plan.planner import PlanRequest, plan
+
+    request = PlanRequest(model=PlannedModel("tiny-mla", TINY_MLA["q-lora"]), gpu=gpu_preset("h100"), gpus=8,
+                          global_batch=8, implementation=implementation)
+    with pytest.raises(UserError, match="multi-head latent attention"):
+        plan(request)

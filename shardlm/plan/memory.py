@@ -375,6 +375,8 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     h, f, b, s = cfg.hidden_size, cfg.ffn_size, micro_batch, cfg.seq_length
     tokens = b * s
     replicated = tokens * h * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + 2 * _mask_bytes(cfg, fmt, backend))
+    if cfg.arch == "llama" and cfg.attention == "mla":
+        return replicated + mla_activation_bytes(cfg, tp, micro_batch, fmt, backend)
     if cfg.arch == "llama":
         # SDPA's rotated q and k, v and its output (2 h/t + 2 kv, kv = the rank's KV heads x head_dim); SwiGLU's
         # gate, silu(gate), up and their product (4 f/t); RoPE's cos and sin (s x head_dim each; the rotation's
@@ -391,6 +393,43 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     small = 2 * 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
     weights = fmt.weight_cast_bytes * (4 * h * h + 2 * f * h) // tp
     return replicated + split + small + weights
+
+
+def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                         backend: str = "cuda") -> int:
+    """What a Llama layer with multi-head latent attention saves beyond its norms' inputs and outputs (the
+    `replicated` part of `layer_activation_bytes`), per token of one micro-batch on one TP rank (H/t local
+    heads, qk = qk_nope + qk_rope, r_q = q_lora_rank, r_kv = kv_lora_rank), in the GEMM dtype unless named:
+
+      replicated (the down-projections run on every rank): q_a's output r_q (q_a_norm's input), kv_a's
+          output r_kv + qk_rope (the latent c, kv_a_norm's input, is a view of it), and the normed latents
+          q_a_norm(.), kv_a_norm(c) with the RoPE key, r_q + r_kv + qk_rope, one tensor that q_b and kv_b
+          save; one fp32 statistic per latent norm;
+      split over TP: kv_b's output H/t (qk_nope + v_head_dim) (its value half is SDPA's v), SDPA's
+          rotated q and k H/t qk each, its output H/t v_head_dim (o's input, a view on CUDA; a copy on the
+          CPU), the log-sum-exp (fp32, one per local head); SwiGLU's four f/t;
+      RoPE's fp32 cos and sin (s x qk_rope each); autocast's half copies of q_a, q_b (or q), kv_a, kv_b, o
+          and the MLP's three matrices; on the CPU the unfused norms' normalized inputs (2 h + r_q + r_kv).
+
+    Without the query's low-rank path (r_q = 0) q's output is not saved (RoPE rebuilds q). Measured against
+    autograd on the CPU in fp32 (`tests/test_plan_deepseek.py`) with v_head_dim = qk_nope + qk_rope: the CPU's
+    fused kernel needs equal head sizes (unequal ones, as DeepSeek-V3's 192 and 128, run the unfused kernel
+    there, which saves the s x s probabilities); on CUDA the memory-efficient kernel takes unequal ones."""
+    b, s, f, h = micro_batch, cfg.seq_length, cfg.ffn_size, cfg.hidden_size
+    tokens = b * s
+    heads = cfg.num_heads // tp
+    q_rank, kv_rank, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk = cfg.qk_nope_head_dim + rope
+    latents = q_rank + (kv_rank + rope) + (q_rank + kv_rank + rope)
+    split = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + 2 * qk + cfg.v_head_dim) + 4 * f // tp
+    norms = (2 if q_rank else 1) * tokens * 4 + 2 * tokens * 4
+    lse = b * heads * s * 4
+    angles = 2 * s * rope * 4
+    unfused = 0 if backend == "cuda" else tokens * (2 * h + q_rank + kv_rank) * fmt.residual_bytes
+    # the CPU kernel's output keeps q's (b, H, s, d) layout (q is a concatenation), so o's input is a copy
+    output_copy = 0 if backend == "cuda" else tokens * heads * cfg.v_head_dim * fmt.matmul_bytes
+    weights = fmt.weight_cast_bytes * (_mla_count(cfg, tp).matrix + 3 * f * h // tp)
+    return tokens * (latents + split) * fmt.matmul_bytes + norms + lse + angles + unfused + output_copy + weights
 
 
 def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, backend: str = "cuda",
