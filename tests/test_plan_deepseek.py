@@ -120,3 +120,25 @@ def test_megatron_accountings_refuse_mla_in_one_line(implementation):
                           global_batch=8, implementation=implementation)
     with pytest.raises(UserError, match="multi-head latent attention"):
         plan(request)
+
+
+def test_deepseek_v3_on_2048_gpus_is_the_documented_plan():
+    """docs/plan.md's example, as the CLI runs it (H100s at the H800's 400 GB/s NVLink, half parameters, PP 16,
+    EP 64, the report's 15,360 sequences): PP 16 x DP 128, EP 64, the distributed optimizer and full
+    recomputation, 32.9 GB per GPU and 60.6 s per step."""
+    import dataclasses as dc
+
+    from shardlm.plan.generations import default_calibration
+    from shardlm.plan.hardware import gpu_preset
+    from shardlm.plan.models import PlannedModel
+    from shardlm.plan.planner import PlanRequest, plan
+
+    gpu = dc.replace(gpu_preset("h100"), intra_node_gbps=400.0)
+    request = PlanRequest(PlannedModel("deepseek-v3", MODEL_PRESETS["deepseek-v3"]), gpu, 2048, 15360,
+                          param_dtype="half", pipeline=16, expert=64, calibration=default_calibration(gpu))
+    best = plan(request).recommended
+    layout = best.choice.layout
+    assert (best.pp, best.tp, best.dp, best.ep) == (16, 1, 128, 64)
+    assert layout.recompute == "full" and layout.distributed_optimizer
+    assert best.choice.total_bytes / 1e9 == pytest.approx(32.9, abs=0.05)
+    assert best.choice.time.total_s == pytest.approx(60.6, abs=0.05)
