@@ -404,7 +404,9 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
       replicated (the down-projections run on every rank): q_a's output r_q (q_a_norm's input), kv_a's
           output r_kv + qk_rope (the latent c, kv_a_norm's input, is a view of it), and the normed latents
           q_a_norm(.), kv_a_norm(c) with the RoPE key, r_q + r_kv + qk_rope, one tensor that q_b and kv_b
-          save; one fp32 statistic per latent norm;
+          save; one fp32 statistic per latent norm; under autocast the norms save fp32 copies of their
+          inputs instead (r_q + r_kv, 4 bytes each), and the two GEMMs that read the first norm's output
+          (q_a or q, and kv_a) each save their own half copy of it (h more);
       split over TP: kv_b's output H/t (qk_nope + v_head_dim) (its value half is SDPA's v), SDPA's
           rotated q and k H/t qk each, its output H/t v_head_dim (o's input, a view on CUDA; a copy on the
           CPU), the log-sum-exp (fp32, one per local head); SwiGLU's four f/t;
@@ -412,15 +414,23 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
           and the MLP's three matrices; on the CPU the unfused norms' normalized inputs (2 h + r_q + r_kv).
 
     Without the query's low-rank path (r_q = 0) q's output is not saved (RoPE rebuilds q). Measured against
-    autograd on the CPU in fp32 (`tests/test_plan_deepseek.py`) with v_head_dim = qk_nope + qk_rope: the CPU's
-    fused kernel needs equal head sizes (unequal ones, as DeepSeek-V3's 192 and 128, run the unfused kernel
-    there, which saves the s x s probabilities); on CUDA the memory-efficient kernel takes unequal ones."""
+    autograd on the CPU in fp32 and under bf16 autocast (`tests/test_plan_deepseek.py`) with v_head_dim =
+    qk_nope + qk_rope: the CPU's fused kernel needs equal head sizes (unequal ones, as DeepSeek-V3's 192 and
+    128, run the unfused kernel there, which saves the s x s probabilities); on CUDA the memory-efficient
+    kernel takes unequal ones."""
     b, s, f, h = micro_batch, cfg.seq_length, cfg.ffn_size, cfg.hidden_size
     tokens = b * s
     heads = cfg.num_heads // tp
     q_rank, kv_rank, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     qk = cfg.qk_nope_head_dim + rope
-    latents = q_rank + (kv_rank + rope) + (q_rank + kv_rank + rope)
+    autocast = fmt.weight_cast_bytes > 0
+    # the latent norms' inputs: kv_a's output (c is a view of it) and q_a's, or under autocast, whose norms run
+    # in fp32, the fp32 copies of c and q_a's output; autocast also casts the first norm's output once for
+    # each of the two GEMMs that read it (q_a or q, and kv_a)
+    norm_inputs = tokens * (q_rank + kv_rank) * 4 if autocast else \
+        tokens * (q_rank + kv_rank + rope) * fmt.matmul_bytes
+    second_cast = tokens * h * fmt.matmul_bytes if autocast else 0
+    latents = q_rank + kv_rank + rope
     split = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + 2 * qk + cfg.v_head_dim) + 4 * f // tp
     norms = (2 if q_rank else 1) * tokens * 4 + 2 * tokens * 4
     lse = b * heads * s * 4
@@ -429,7 +439,8 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
     # the CPU kernel's output keeps q's (b, H, s, d) layout (q is a concatenation), so o's input is a copy
     output_copy = 0 if backend == "cuda" else tokens * heads * cfg.v_head_dim * fmt.matmul_bytes
     weights = fmt.weight_cast_bytes * (_mla_count(cfg, tp).matrix + 3 * f * h // tp)
-    return tokens * (latents + split) * fmt.matmul_bytes + norms + lse + angles + unfused + output_copy + weights
+    return (tokens * (latents + split) * fmt.matmul_bytes + norm_inputs + second_cast + norms + lse + angles
+            + unfused + output_copy + weights)
 
 
 def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, backend: str = "cuda",
