@@ -147,3 +147,16 @@ def test_deepseek_v3_on_2048_gpus_is_the_documented_plan():
     assert layout.recompute == "full" and layout.distributed_optimizer
     assert best.choice.total_bytes / 1e9 == pytest.approx(32.9, abs=0.05)
     assert best.choice.time.total_s == pytest.approx(60.6, abs=0.05)
+
+
+def test_context_parallel_ring_moves_mla_expanded_keys_and_values():
+    """With MLA the ring sends each local head's key (qk_nope + qk_rope = 192 channels) and value (128), as
+    `LatentAttention` hands them to the ring, not 2 x hidden / heads channels: DeepSeek-V3 at TP 8, C 4,
+    T 32768, no latency, attention blocks free: 3 forward hops of K/V in bf16, 3 backward hops with fp32
+    dK/dV."""
+    from shardlm.plan.context import ring_seconds
+
+    cfg = dataclasses.replace(MODEL_PRESETS["deepseek-v3"], seq_length=32768)
+    kv = (32768 // 4) * (128 // 8) * (192 + 128)
+    total = ring_seconds(cfg, 4, 8, 1, 2, False, 1.0, 0.0, flops_per_s=1e30)[1]
+    assert total == pytest.approx(3 * kv * 2 + 3 * (kv * 2 + kv * 4))
