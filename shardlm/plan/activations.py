@@ -20,6 +20,9 @@ s tokens, hidden h, a heads, TP size t):
   Outside the layers: the embedding's dropout mask s b h (/t with SP) on the first stage; the final
   LayerNorm and output layer 4 s b h (/t with SP) and the fp32 logits 4 s b V / t on the last.
 
+Multi-head latent attention (shardlm only): `memory.mla_activation_bytes` replaces the attention's share; under
+sequence parallelism its down-projections run on the rank's 1/t of the sequence, so what they save is split too.
+
 MoE layers (shardlm only): `experts.moe_layer_activation_bytes` replaces the dense MLP's share; in a
 model that mixes dense and MoE layers every layer is charged the larger of the two.
 
@@ -116,6 +119,11 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
         # per layer: the two LayerNorm inputs, their statistics and the two dropout masks are split; the
         # GEMMs save the all-gathered LayerNorm outputs (full sequence), as shardlm's f-twin returns them
         per_layer -= unsplit(tokens * h * (2 * fmt.residual_bytes + 2 * mask_bytes) + 2 * 2 * tokens * 4)
+        if cfg.arch == "llama" and cfg.attention == "mla":  # q_a and kv_a run on the rank's sequence chunk:
+            # the first norm's output they save, their outputs (the latent norms' inputs) and those norms' stats
+            latent_norms = 2 if cfg.q_lora_rank else 1
+            per_layer -= unsplit(tokens * (h + cfg.q_lora_rank + cfg.kv_lora_rank) * fmt.matmul_bytes
+                                 + latent_norms * tokens * 4)
         layer_input //= tp
         embedding -= unsplit(tokens * h * mask_bytes)
         head -= unsplit(tokens * h * fmt.residual_bytes + 2 * tokens * 4)  # final LayerNorm input and statistics

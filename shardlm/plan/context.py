@@ -3,7 +3,8 @@
 A CP rank holds T / C tokens of every sequence, so everything a layer saves and every per-token cost
 (elementwise passes, TP collectives, pipeline transfers) is that of a T / C sequence; the matmul
 FLOPs split evenly over the C ranks (the zigzag split balances causal attention). What CP adds is the
-ring: per layer and micro-batch, with L = T / 2C, Hkv the KV heads of a TP rank, d the head size,
+ring: per layer and micro-batch, with L = T / 2C, Hkv the KV heads of a TP rank, d the head size (with
+multi-head latent attention 2 Hkv d is the H / t local heads' expanded keys and values, H/t (qk + v)),
 
     forward   C - 1 hops of K and V        2 b Hkv 2L d x (activation bytes) each
     backward  C - 1 hops of K and V, and C - 1 hops of dK and dV (fp32)
@@ -53,19 +54,29 @@ def context_invalid_reason(cfg: ModelConfig, cp: int) -> str | None:
     return None
 
 
+def _kv_widths(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(K and V elements per token on a TP rank, q.k plus p.v channels per query head): 2 Hkv d and 2 d; with
+    multi-head latent attention the ring moves each local head's expanded key (qk_nope + qk_rope) and value
+    (v_head_dim), as `shardlm.models.mla.LatentAttention` hands them to the ring: H/t (qk + v) and qk + v."""
+    if cfg.arch == "llama" and cfg.attention == "mla":
+        width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        return cfg.num_heads // tp * width, width
+    head_dim = cfg.hidden_size // cfg.num_heads if cfg.arch != "llama" else cfg.attention_head_dim
+    kv_heads = cfg.num_heads if cfg.arch != "llama" else cfg.kv_heads
+    return 2 * max(1, kv_heads // tp) * head_dim, 2 * head_dim
+
+
 def ring_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, activation_bytes: int, recompute_full: bool,
                  bandwidth: float, latency_s: float, flops_per_s: float) -> tuple[float, float]:
     """(exposed, total) seconds of one micro-batch's K/V ring on one rank, per layer (see the module doc);
     `bandwidth` in bytes/s per direction, `flops_per_s` what the rank's attention blocks achieve."""
     if cp == 1:
         return 0.0, 0.0
-    head_dim = cfg.hidden_size // cfg.num_heads if cfg.arch != "llama" else cfg.attention_head_dim
-    kv_heads = cfg.num_heads if cfg.arch != "llama" else cfg.kv_heads
-    local_kv = max(1, kv_heads // tp)
+    kv_width, head_width = _kv_widths(cfg, tp)
     local_heads = cfg.num_heads // tp
     chunk = cfg.seq_length // (2 * cp)  # L
-    kv = 2 * micro_batch * local_kv * 2 * chunk * head_dim
-    blocks = 2 * 2 * micro_batch * local_heads * 2 * chunk * chunk * head_dim  # two L x L blocks, QK^T and PV
+    kv = micro_batch * 2 * chunk * kv_width
+    blocks = 2 * micro_batch * local_heads * 2 * chunk * chunk * head_width  # two L x L blocks, QK^T and PV
     hops = cp - 1
 
     def hop(nbytes: float, flops: float) -> tuple[float, float]:
@@ -87,8 +98,6 @@ def allgather_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, acti
     full recomputation. `bandwidth` in bytes/s per direction."""
     if cp == 1:
         return 0.0
-    head_dim = cfg.hidden_size // cfg.num_heads if cfg.arch != "llama" else cfg.attention_head_dim
-    kv_heads = cfg.num_heads if cfg.arch != "llama" else cfg.kv_heads
-    nbytes = 2 * micro_batch * cfg.seq_length * max(1, kv_heads // tp) * head_dim * activation_bytes
+    nbytes = micro_batch * cfg.seq_length * _kv_widths(cfg, tp)[0] * activation_bytes
     one = (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency_s
     return one * (3 if recompute_full else 2)

@@ -207,13 +207,40 @@ def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return (used, used) if kv_heads_are_split(cfg.kv_heads, tp) else (cfg.kv_heads * head_dim, used)
 
 
+def _mla_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One layer's attention and two RMSNorms in `shardlm.models.mla.LatentAttention` on one TP rank (H heads,
+    qk = qk_nope + qk_rope): q_a (q_lora_rank x h) with its RMSNorm (q_lora_rank) and kv_a ((kv_lora_rank +
+    qk_rope) x h) with its RMSNorm (kv_lora_rank) replicated; q_b (H qk x q_lora_rank; or q, H qk x h, without
+    the query's low-rank path) and kv_b (H (qk_nope + v_head_dim) x kv_lora_rank) split by rows over TP, o (h x H
+    v_head_dim) by columns; the layer's two RMSNorms (h each) replicated. Its matrices sum to
+    `models.config.mla_weights` at TP = 1."""
+    h, q_rank, kv_rank = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
+    heads = _split(cfg.num_heads, tp, "num_heads")
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    sharded = heads * qk * (q_rank or h) + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * kv_rank \
+        + h * heads * cfg.v_head_dim
+    replicated_matrices = (q_rank * h if q_rank else 0) + (kv_rank + cfg.qk_rope_head_dim) * h
+    replicated = replicated_matrices + q_rank + kv_rank + 2 * h
+    tensors = (3 if q_rank else 1) + 3 + 1 + 2
+    return ParameterCount(sharded, replicated, tensors, sharded + replicated_matrices)
+
+
 def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
     is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
     (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
     the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
-    layer (V_padded x h each) split by vocabulary rows; no biases."""
+    layer (V_padded x h each) split by vocabulary rows; no biases. With multi-head latent attention the layer's
+    attention is `_mla_count`'s."""
     h, layers = cfg.hidden_size, cfg.num_layers
+    if cfg.attention == "mla":
+        vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+        outputs = 1 if cfg.tie_embeddings else 2
+        attention = _mla_count(cfg, tp)
+        attention = ParameterCount(layers * attention.sharded + outputs * vocab_local * h,
+                                   layers * attention.replicated + h, layers * attention.tensors + 1 + outputs,
+                                   layers * attention.matrix)
+        return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
     a_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width")
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     kv_held, kv_used = _kv_rows(cfg, tp)
@@ -348,6 +375,8 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     h, f, b, s = cfg.hidden_size, cfg.ffn_size, micro_batch, cfg.seq_length
     tokens = b * s
     replicated = tokens * h * (2 * fmt.residual_bytes + 2 * fmt.matmul_bytes + 2 * _mask_bytes(cfg, fmt, backend))
+    if cfg.arch == "llama" and cfg.attention == "mla":
+        return replicated + mla_activation_bytes(cfg, tp, micro_batch, fmt, backend)
     if cfg.arch == "llama":
         # SDPA's rotated q and k, v and its output (2 h/t + 2 kv, kv = the rank's KV heads x head_dim); SwiGLU's
         # gate, silu(gate), up and their product (4 f/t); RoPE's cos and sin (s x head_dim each; the rotation's
@@ -364,6 +393,54 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     small = 2 * 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
     weights = fmt.weight_cast_bytes * (4 * h * h + 2 * f * h) // tp
     return replicated + split + small + weights
+
+
+def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                         backend: str = "cuda") -> int:
+    """What a Llama layer with multi-head latent attention saves beyond its norms' inputs and outputs (the
+    `replicated` part of `layer_activation_bytes`), per token of one micro-batch on one TP rank (H/t local
+    heads, qk = qk_nope + qk_rope, r_q = q_lora_rank, r_kv = kv_lora_rank), in the GEMM dtype unless named:
+
+      replicated (the down-projections run on every rank): q_a's output r_q (q_a_norm's input), kv_a's
+          output r_kv + qk_rope (the latent c, kv_a_norm's input, is a view of it), and the normed latents
+          q_a_norm(.), kv_a_norm(c) with the RoPE key, r_q + r_kv + qk_rope, one tensor that q_b and kv_b
+          save; one fp32 statistic per latent norm; under autocast the norms save fp32 copies of their
+          inputs instead (r_q + r_kv, 4 bytes each), and the two GEMMs that read the first norm's output
+          (q_a or q, and kv_a) each save their own half copy of it (h more);
+      split over TP: kv_b's output H/t (qk_nope + v_head_dim) (its value half is SDPA's v), SDPA's
+          rotated q and k H/t qk each, its output H/t v_head_dim (o's input, a view on CUDA; a copy on the
+          CPU), the log-sum-exp (fp32, one per local head); SwiGLU's four f/t;
+      RoPE's fp32 cos and sin (s x qk_rope each); autocast's half copies of q_a, q_b (or q), kv_a, kv_b, o
+          and the MLP's three matrices; on the CPU the unfused norms' normalized inputs (2 h + r_q + r_kv).
+
+    Without the query's low-rank path (r_q = 0) q's output is not saved (RoPE rebuilds q). Measured against
+    autograd on the CPU in fp32 and under bf16 autocast (`tests/test_plan_deepseek.py`) with v_head_dim =
+    qk_nope + qk_rope: the CPU's fused kernel needs equal head sizes (unequal ones, as DeepSeek-V3's 192 and
+    128, run the unfused kernel there, which saves the s x s probabilities); on CUDA the memory-efficient
+    kernel takes unequal ones."""
+    b, s, f, h = micro_batch, cfg.seq_length, cfg.ffn_size, cfg.hidden_size
+    tokens = b * s
+    heads = cfg.num_heads // tp
+    q_rank, kv_rank, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk = cfg.qk_nope_head_dim + rope
+    autocast = fmt.weight_cast_bytes > 0
+    # the latent norms' inputs: kv_a's output (c is a view of it) and q_a's, or under autocast, whose norms run
+    # in fp32, the fp32 copies of c and q_a's output; autocast also casts the first norm's output once for
+    # each of the two GEMMs that read it (q_a or q, and kv_a)
+    norm_inputs = tokens * (q_rank + kv_rank) * 4 if autocast else \
+        tokens * (q_rank + kv_rank + rope) * fmt.matmul_bytes
+    second_cast = tokens * h * fmt.matmul_bytes if autocast else 0
+    latents = q_rank + kv_rank + rope
+    split = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + 2 * qk + cfg.v_head_dim) + 4 * f // tp
+    norms = (2 if q_rank else 1) * tokens * 4 + 2 * tokens * 4
+    lse = b * heads * s * 4
+    angles = 2 * s * rope * 4
+    unfused = 0 if backend == "cuda" else tokens * (2 * h + q_rank + kv_rank) * fmt.residual_bytes
+    # the CPU kernel's output keeps q's (b, H, s, d) layout (q is a concatenation), so o's input is a copy
+    output_copy = 0 if backend == "cuda" else tokens * heads * cfg.v_head_dim * fmt.matmul_bytes
+    weights = fmt.weight_cast_bytes * (_mla_count(cfg, tp).matrix + 3 * f * h // tp)
+    return (tokens * (latents + split) * fmt.matmul_bytes + norm_inputs + second_cast + norms + lse + angles
+            + unfused + output_copy + weights)
 
 
 def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, backend: str = "cuda",

@@ -1,12 +1,15 @@
 """Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3,
-and the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B.
+the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, and the DeepSeek-V3-shaped
+models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B.
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
 time model charges bidirectional attention what the FLOP formula charges causal attention) plus the
 BERT heads, counted exactly in `memory.parameter_count`; activations are those of the GPT layer stack.
 The MoE presets take the published shapes (their Hugging Face configs; a test counts the same totals
-with transformers) and a training sequence of 4096 tokens (not their longer context windows).
+with transformers) and a training sequence of 4096 tokens (not their longer context windows). The DeepSeek
+presets leave out the multi-token-prediction module of DeepSeek-V3's released weights (transformers' model does
+not build it either; docs/plan.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ BERT_VOCAB = 30522
 LLAMA3_VOCAB = 128256
 MIXTRAL_VOCAB = 32000
 QWEN3_VOCAB = 151936
+DEEPSEEK_V3_VOCAB = 129280
+MOONLIGHT_VOCAB = 163840
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -56,6 +61,35 @@ def _qwen3_moe(layers: int, hidden: int, heads: int, dense_ffn: int, expert_ffn:
                        moe_num_experts=128, moe_top_k=8, moe_ffn_hidden_size=expert_ffn, moe_norm_topk_prob=True)
 
 
+def _deepseek_v3() -> ModelConfig:
+    """DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json, DeepseekV3ForCausalLM): 61 layers, h 7168, 128 heads of
+    multi-head latent attention (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128); the first 3
+    layers dense (intermediate_size 18432), the other 58 with 256 routed experts of width 2048 (top-8, sigmoid
+    scores, expert bias, 8 groups of which the best 4, routed_scaling_factor 2.5, norm_topk_prob) and 1 shared
+    expert; vocabulary 129,280, untied; RMSNorm epsilon 1e-6. Sequence 4096 (its pretraining length, before the
+    YaRN extension); the multi-token-prediction module (num_nextn_predict_layers 1) is not counted."""
+    return ModelConfig(arch="llama", attention="mla", num_layers=61, hidden_size=7168, num_heads=128,
+                       q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                       seq_length=4096, vocab_size=DEEPSEEK_V3_VOCAB, ffn_hidden_size=18432, layernorm_epsilon=1e-6,
+                       dropout=0.0, moe_num_experts=256, moe_top_k=8, moe_ffn_hidden_size=2048, moe_shared_experts=1,
+                       moe_first_dense_layers=3, moe_score="sigmoid", moe_norm_topk_prob=True, moe_routed_scaling=2.5,
+                       moe_groups=8, moe_topk_groups=4, moe_expert_bias_rate=0.001)
+
+
+def _moonlight_16b_a3b() -> ModelConfig:
+    """Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, DeepseekV3ForCausalLM): 27 layers, h 2048,
+    16 heads of multi-head latent attention without the query's low-rank path (q_lora_rank null), kv_lora_rank
+    512, qk_nope 128 + qk_rope 64, v 128; the first layer dense (intermediate_size 11264), the other 26 with 64
+    routed experts of width 1408 (top-6, sigmoid scores, expert bias, one group, routed_scaling_factor 2.446,
+    norm_topk_prob) and 2 shared experts; vocabulary 163,840, untied; rope_theta 50,000; sequence 4096."""
+    return ModelConfig(arch="llama", attention="mla", num_layers=27, hidden_size=2048, num_heads=16,
+                       q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                       seq_length=4096, vocab_size=MOONLIGHT_VOCAB, ffn_hidden_size=11264, rope_theta=50000.0,
+                       layernorm_epsilon=1e-5, dropout=0.0, moe_num_experts=64, moe_top_k=6,
+                       moe_ffn_hidden_size=1408, moe_shared_experts=2, moe_first_dense_layers=1, moe_score="sigmoid",
+                       moe_norm_topk_prob=True, moe_routed_scaling=2.446, moe_expert_bias_rate=0.001)
+
+
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(arch="bert", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=512,
                        vocab_size=BERT_VOCAB)
@@ -78,6 +112,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "mixtral-8x7b": _mixtral_8x7b(),
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 6144, 768),
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 64, 12288, 1536),
+    "deepseek-v3": _deepseek_v3(),
+    "moonlight-16b-a3b": _moonlight_16b_a3b(),
 }
 # Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
 SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),

@@ -117,6 +117,9 @@ def _check_request(request: PlanRequest) -> None:
     if experts and request.implementation != "shardlm":
         raise UserError(f"--implementation {request.implementation} has no activation model for MoE layers; use "
                         "--implementation shardlm for a Mixture-of-Experts model")
+    if request.model.config.attention == "mla" and request.implementation != "shardlm":
+        raise UserError(f"--implementation {request.implementation} has no activation model for multi-head latent "
+                        "attention; use --implementation shardlm")
     if request.expert not in (None, 1) and not experts:
         raise UserError(f"--expert={request.expert} needs a Mixture-of-Experts model (model.moe_num_experts > 0); "
                         "drop --expert or use --expert 1")
