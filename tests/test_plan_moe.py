@@ -262,3 +262,17 @@ def test_cli_expert_flag_fixes_e_and_shows_it(capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["layouts"] and {row["ep"] for row in out["layouts"]} == {4}
     assert all(row["time_s"]["ep_comm"] > 0 for row in out["layouts"])
+
+
+@pytest.mark.parametrize("bias", [{"moe_expert_bias_rate": 0.01}, {"moe_expert_bias": True}, {}])
+def test_expert_biases_are_counted_when_the_model_builds_them(bias):
+    """An imported DeepSeek-V3 keeps its expert bias (`moe_expert_bias`) at update rate 0: the planner counts
+    the E biases per MoE layer whenever the model has them, as the built model's parameters show."""
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+
+    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, vocab_size=100, seq_length=16,
+                      moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_score="sigmoid", **bias)
+    model = build_model(cfg, ParallelContext.single())
+    built = sum(p.numel() for p in model.parameters())
+    assert parameter_count(cfg, 1).total == built  # both with the padded vocabulary

@@ -143,7 +143,7 @@ def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> P
     if experts % ep:
         raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
     matrices = (3 if gated else 2) * (experts // ep) * _split(cfg.moe_ffn_size, tp, "expert ffn size") * h
-    bias = experts if cfg.moe_expert_bias_rate > 0 else 0
+    bias = experts if cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias else 0  # as `Router` builds it
     count = ParameterCount(matrices, experts * h + bias, 1 + (bias > 0) + (3 if gated else 2), matrices, matrices)
     if cfg.moe_shared_experts:
         count = add_counts(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
