@@ -15,6 +15,7 @@ import pytest
 import torch
 from llama_reference import NEW_TOKENS, PROMPT, logits_and_greedy
 from safetensors.torch import load_file
+from test_hf_moe import worker_world2  # TP=2 and EP=2 logits and greedy tokens of each converted model
 
 from shardlm.checkpoint.hf import from_hf, to_hf
 from shardlm.checkpoint.hf_deepseek import model_config_from_hf
@@ -71,16 +72,6 @@ def hf_models(tmp_path_factory):
         out[kind] = {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"),
                      "logits": logits, "greedy": greedy[:, PROMPT:].tolist(), "model": model}
     out["tokens"] = tokens
-    return out
-
-
-def worker_world2(paths: dict, tokens: torch.Tensor) -> dict:
-    """TP=2 and EP=2 (DP=2: both ranks see the same tokens and must give the same logits)."""
-    out = {}
-    for name, ctx in (("tp2", ParallelContext.from_process_group(2)),
-                      ("ep2", ParallelContext.from_process_group(1, expert_parallel=2))):
-        for kind, path in paths.items():
-            out[(name, kind)] = logits_and_greedy(path, ctx, tokens)
     return out
 
 
