@@ -1,6 +1,6 @@
 """TRL's `SFTTrainer` as an external oracle for shardlm's SFT training: the same losses, step by step.
 
-A random two-layer Qwen3 with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the
+A random two-layer Qwen3 (and a Qwen3-MoE) with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the
 shared Qwen3 tokenizer. The first 48 Dolly records are tokenized once with shardlm's `ChatTemplate` (that
 these ids and masks are TRL's own is `tests/test_sft_trl.py`'s business) and handed to both trainers:
 
@@ -45,16 +45,25 @@ from shardlm.training.run import train  # noqa: E402
 SEQ, ROWS_PER_STEP, STEPS, LR, RECORDS, TOL = 256, 2, 4, 1e-3, 48, 1e-5
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, data_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def hf_model(kind: str):
+    """A random two-layer Qwen3, or Qwen3-MoE (4 experts, top 2; its load-balancing loss is off on both sides:
+    transformers computes it over all layers' tokens at once, shardlm per layer)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    root = tmp_path_factory.mktemp("sft_trl_training")
+    common = dict(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, tie_word_embeddings=True)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                              norm_topk_prob=True, output_router_logits=False,
+                                              router_aux_loss_coef=0.0, **common))
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def setup(request, tmp_path_factory, data_dir):
+    root = tmp_path_factory.mktemp(f"sft_trl_training_{request.param}")
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
-                         tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).save_pretrained(root / "hf")
+    hf_model(request.param).save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
     lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()[:RECORDS]

@@ -34,6 +34,7 @@ class PackedDataset:
 
     def __init__(self, rows: PackedRows, epochs: int | None = None):
         self.rows, self.epochs = rows, epochs
+        self.pads_past_end = epochs is not None
         self._ends: list[int] = []  # cumulative row counts of epochs 0, 1, ...
 
     def _epoch_of(self, index: int) -> tuple[int, int]:

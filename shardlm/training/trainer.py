@@ -202,15 +202,15 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean validation loss over up to `train.eval_iters` micro-batches per DP rank; None without data.
-        Packed rows (SFT): the mean over the trained tokens of the whole held-out set when `eval_iters` covers
-        it (the last micro-batches filled with empty rows), the same number at every layout."""
+        SFT rows (a dataset with `pads_past_end`): the mean over the trained tokens of the whole held-out set
+        when `eval_iters` covers it (the last micro-batches filled with empty rows), the same at every layout."""
         if self.valid_data is None:
             return None
         t, ctx = self.config.train, self.ctx
         per_iter = t.micro_batch_size * ctx.dp_size
         available = len(self.valid_data)
-        packed = is_packed(self.valid_data[0])
-        if packed:  # whole micro-batches (and rounds of the pipeline's schedule) of rows, empty ones last
+        if getattr(self.valid_data, "pads_past_end", False):  # SFT: whole micro-batches (and rounds of the
+            # pipeline's schedule) of rows, empty ones last
             available = -(-available // (per_iter * ctx.pp_size)) * per_iter * ctx.pp_size
         iters = min(t.eval_iters, available // per_iter)
         if iters == 0:
