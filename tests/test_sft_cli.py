@@ -106,7 +106,8 @@ ERRORS = [
     ("no assistant turn", lambda r, hf: bad_records(r, hf, '{"messages": [{"role": "user", "content": "hi"}]}\n'),
      "assistant"),
     ("roles out of order", lambda r, hf: bad_records(
-        r, hf, '{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}\n'), "bad.jsonl:1"),
+        r, hf, '{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}\n'),
+     "bad.jsonl:1"),
     ("missing file", lambda r, hf: [f'sft.data=["{r / "none.jsonl"}"]'], "none.jsonl not found"),
     ("no chat template", no_template, "has no chat template"),
     ("with text_file", lambda r, hf: ["data.text_file=corpus.txt"], "sft.data replaces data.text_file"),

@@ -1,8 +1,9 @@
 """TRL's `SFTTrainer` as an external oracle for shardlm's SFT training: the same losses, step by step.
 
-A random two-layer Qwen3 (and a Qwen3-MoE) with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the
-shared Qwen3 tokenizer. The first 48 Dolly records are tokenized once with shardlm's `ChatTemplate` (that
-these ids and masks are TRL's own is `tests/test_sft_trl.py`'s business) and handed to both trainers:
+A random two-layer Qwen3 (and a Qwen3-MoE) with the real Qwen3 vocabulary is saved as a Hugging Face
+directory beside the shared Qwen3 tokenizer. The first 48 Dolly records are tokenized once with shardlm's
+`ChatTemplate` (that these ids and masks are TRL's own is `tests/test_sft_trl.py`'s business) and handed to
+both trainers:
 
 - TRL gets them as a processed dataset (`input_ids`, `assistant_masks`) and packs them itself
   (`packing_strategy="bfd"`, padding-free), 2 rows per step, in order (a sequential sampler);
