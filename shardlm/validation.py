@@ -44,6 +44,15 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if (problem := check_latent_attention(m, p.context)) is not None:
         raise UserError(problem)
     _validate_moe(m, p)
+    if m.mtp_layers:
+        mtp_checks = [(m.arch == "llama", 'model.mtp_layers needs model.arch="llama"'),
+                      (p.pipeline == 1, "model.mtp_layers is not supported with parallel.pipeline > 1 yet; use "
+                                        "parallel.pipeline=1 (or model.mtp_layers=0)"),
+                      (0 < m.mtp_layers < m.seq_length and m.mtp_loss_weight >= 0,
+                       "model.mtp_layers must be in 1..seq_length-1 and model.mtp_loss_weight >= 0")]
+        for ok, message in mtp_checks:
+            if not ok:
+                raise UserError(message)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
     _validate_context(m, p)

@@ -12,7 +12,8 @@ held-out rows and every final parameter, on every rank):
   global batch's trained tokens, not per micro-batch);
 - world 2: DP=2, TP=2 with SP (GPT, Llama with grouped-query attention, MLA), PP=2 x 2 virtual stages
   (middle stages need the documents too), CP=2 (GPT, Llama, MLA with values narrower than keys; the ring
-  masks blocks by document), FSDP DP=2;
+  masks blocks by document; MLA with 2 multi-token-prediction depths, rolled within documents on the whole
+  rows before the split), FSDP DP=2;
 - world 4: TP=2 x DP=2 with the distributed optimizer, PP=2 x DP=2, CP=2 x DP=2, CP=2 x TP=2 with SP, and an
   MoE (Mixtral-style, 4 experts) at EP=2 x DP=2 against its own one-process run;
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, for GPT,
@@ -70,13 +71,15 @@ def valid_data() -> PackedDataset:
 
 
 def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-               sp: bool = False, virtual: int = 1, moe: bool = False, **train):
+               sp: bool = False, virtual: int = 1, moe: bool = False, mtp: bool = False, **train):
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
              "vocab_size": VOCAB, "dropout": 0.0}
     if arch == "llama":
         model["num_kv_heads"] = 2
     if arch == "mla":  # DeepSeek-V3's latent attention: keys of 12 channels, values of 8
         model |= {"arch": "llama", **MLA, "v_head_dim": 8}
+    if mtp:  # and its multi-token prediction: 2 depths, rolled within each document
+        model |= {"mtp_layers": 2, "mtp_loss_weight": 0.3}
     if moe:
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
     schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
@@ -119,6 +122,7 @@ WORLD2 = {
     "cp2 llama": layout(cp=2, arch="llama"),
     "cp2 mla": layout(cp=2, arch="mla"),
     "tp2 sp mla": layout(tp=2, sp=True, arch="mla"),
+    "cp2 mla mtp": layout(cp=2, arch="mla", mtp=True),
     "fsdp dp2 llama": layout(arch="llama", data_sharding="full"),
 }
 WORLD4 = {
@@ -151,7 +155,7 @@ def reference():
     ctx = ParallelContext.single()
     return {kind: train_layout(ctx, sft_config(arch, micro=micro, moe=moe)) for kind, (arch, micro, moe) in
             {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "mla": ("mla", 8, False),
-             "moe": ("gpt", 2, True)}.items()}
+             "moe": ("gpt", 2, True)}.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True))}
 
 
 def assert_matches(value: dict, ref: dict, where: str) -> None:
@@ -165,7 +169,7 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "llama", "mla") if kind in name), "gpt")
+    return next((kind for kind in ("moe", "llama", "mtp", "mla") if kind in name), "gpt")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

@@ -114,6 +114,10 @@ class ModelConfig:
     """MoE aux-loss-free balancing (DeepSeek-V3): expert bias step per optimizer step; 0 uses no bias."""
     moe_expert_bias: bool = False
     """MoE: keep an expert bias at moe_expert_bias_rate = 0 too (a DeepSeek-V3 checkpoint's e_score_correction_bias)."""
+    mtp_layers: int = 0
+    """Llama: multi-token prediction depths (DeepSeek-V3's num_nextn_predict_layers); depth k predicts k+1 ahead."""
+    mtp_loss_weight: float = 0.1
+    """Weight of the mean multi-token-prediction loss over the depths, added to the next-token loss."""
 
     @property
     def ffn_size(self) -> int:

@@ -265,6 +265,13 @@ class Llama(DecoderLM):
                 self.lm_head.weight[max(0, cfg.vocab_size - first_row):].zero_()
         # what the last pipeline stage keeps besides its layers
         self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
+        self.mtp = None
+        if cfg.mtp_layers:  # DeepSeek-V3's multi-token prediction depths (`shardlm.models.mtp`)
+            from shardlm.models.mtp import MTPLayer
+
+            self.mtp = nn.ModuleList(
+                MTPLayer(cfg, ctx, seed, k, LlamaBlock(cfg, ctx, seed, cfg.num_layers + k, sp, False, options),
+                         nn.RMSNorm, sp) for k in range(cfg.mtp_layers))
 
     @property
     def output_weight(self) -> torch.Tensor:
