@@ -44,6 +44,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if (problem := check_latent_attention(m, p.context)) is not None:
         raise UserError(problem)
     _validate_moe(m, p)
+    if m.moe_aux_loss_type not in ("micro_batch", "sequence"):
+        raise UserError(f'model.moe_aux_loss_type="{m.moe_aux_loss_type}" must be "micro_batch" or "sequence"')
     if m.mtp_layers:
         mtp_checks = [(m.arch == "llama", 'model.mtp_layers needs model.arch="llama"'),
                       (p.pipeline == 1, "model.mtp_layers is not supported with parallel.pipeline > 1 yet; use "

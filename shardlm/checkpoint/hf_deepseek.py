@@ -41,7 +41,7 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 
 
 def rope_permutation(rope: int) -> torch.Tensor:
@@ -90,8 +90,9 @@ def _layer_names(cfg: ModelConfig, i: int, s: str, h: str) -> list[tuple[str, st
     mlp = ("gate", "up", "down")
     if not cfg.is_moe_layer(i):
         return out + [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in mlp]
-    out += [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight"),
-            (f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
+    out += [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight")]
+    if cfg.moe_score == "sigmoid":  # DeepSeek-V2's softmax router has no score-correction bias
+        out += [(f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
     out += [(f"{s}.mlp.experts.{p}.{e}", f"{h}.mlp.experts.{e}.{p}_proj.weight")
             for e in range(cfg.moe_num_experts) for p in mlp]
     out += [(f"{s}.mlp.shared.{p}.weight", f"{h}.mlp.shared_experts.{p}_proj.weight") for p in mlp]
@@ -119,8 +120,11 @@ def _rope_keys(hf: dict) -> dict:
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """shardlm's [model] section for a HF DeepseekV3Config dict; UserError for what shardlm does not compute."""
     heads = hf["num_attention_heads"]
-    experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
+    v2 = hf.get("model_type") == "deepseek_v2"
+    experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
     groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if v2 and hf.get("topk_method", "greedy") == "greedy":
+        groups = topk_groups = 1  # DeepSeek-V2-Lite: plain top-k over all experts
     quantized = (hf.get("quantization_config") or {}).get("quant_method")
     if quantized:
         raise UserError(f"the HF model's weights are quantized ({quantized}, with scale tensors); convert a bf16 copy "
@@ -129,8 +133,11 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         (not hf.get("attention_bias"), "attention biases (attention_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
         (hf.get("num_key_value_heads") in (None, heads), "num_key_value_heads != num_attention_heads"),
-        (hf.get("scoring_func", "sigmoid") == "sigmoid", f"scoring_func={hf.get('scoring_func')!r}"),
-        (hf.get("topk_method", "noaux_tc") == "noaux_tc", f"topk_method={hf.get('topk_method')!r}"),
+        (hf.get("scoring_func", "softmax" if v2 else "sigmoid") == ("softmax" if v2 else "sigmoid"),
+         f"scoring_func={hf.get('scoring_func')!r}"),
+        (hf.get("topk_method", "greedy" if v2 else "noaux_tc") in (("greedy", "group_limited_greedy") if v2
+                                                                   else ("noaux_tc",)),
+         f"topk_method={hf.get('topk_method')!r}"),
         (hf.get("moe_layer_freq", 1) == 1, "moe_layer_freq != 1"),
         (bool(experts) and (hf.get("n_shared_experts") or 0) >= 1, "no routed or no shared experts"),
         (experts // groups >= 2 or groups == 1, "expert groups of one expert (n_group = n_routed_experts)"),
@@ -148,32 +155,49 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
         qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], moe_num_experts=experts,
         moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
-        moe_shared_experts=hf["n_shared_experts"], moe_first_dense_layers=first_dense, moe_score="sigmoid",
-        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_shared_experts=hf["n_shared_experts"], moe_first_dense_layers=first_dense,
+        moe_score="softmax" if v2 else "sigmoid",  # V2's router never renormalizes its top-k (transformers)
+        moe_norm_topk_prob=False if v2 else bool(hf.get("norm_topk_prob", True)),
         moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
         moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0,
-        moe_expert_bias=True, mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0,
-        **_rope_keys(hf))
+        moe_expert_bias=not v2, **_v2_losses(hf),
+        mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0, **_rope_keys(hf))
+
+
+def _v2_losses(hf: dict) -> dict:
+    """DeepSeek-V2's balance loss (aux_loss_alpha, sequence-wise with seq_aux) as the model's MoE loss keys."""
+    if hf.get("model_type") != "deepseek_v2" or not hf.get("aux_loss_alpha"):
+        return {}
+    return {"moe_aux_loss_coeff": float(hf["aux_loss_alpha"]),
+            "moe_aux_loss_type": "sequence" if hf.get("seq_aux", True) else "micro_batch"}
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """The HF config.json (DeepseekV3ForCausalLM) of a shardlm Llama with MLA and DeepSeek-style MoE."""
+    """The HF config.json of a shardlm Llama with MLA and DeepSeek-style MoE: DeepseekV3ForCausalLM (sigmoid
+    scores), or DeepseekV2ForCausalLM (softmax scores, no top-k renormalization)."""
+    v2 = cfg.moe_score == "softmax"
     unsupported = [(cfg.moe_num_experts == 0, "routed experts (moe_num_experts = 0)"),
-                   (cfg.moe_score != "sigmoid", f'moe_score="{cfg.moe_score}"'),
+                   (v2 and cfg.moe_norm_topk_prob, "moe_norm_topk_prob = true with softmax scores"),
+                   (v2 and cfg.moe_expert_bias_rate > 0, "an expert bias with softmax scores"),
                    (cfg.moe_shared_experts < 1, "no shared expert"), (cfg.moe_layer_interval != 1,
                                                                        "moe_layer_interval > 1"),
                    (cfg.moe_groups > 0 and cfg.moe_num_experts // cfg.moe_groups < 2, "one-expert groups")]
     for bad, what in unsupported:
         if bad:
-            raise UserError(f"DeepseekV3ForCausalLM has {what}; this model does not convert to it")
+            raise UserError(f"{'DeepseekV2' if v2 else 'DeepseekV3'}ForCausalLM has {what}; this model does not "
+                            "convert to it")
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_yarn_factor:
         rope = {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
                 "original_max_position_embeddings": cfg.rope_yarn_original_positions,
                 "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
                 "mscale": cfg.rope_yarn_mscale, "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
+    routing = ({"topk_method": "group_limited_greedy" if cfg.moe_groups else "greedy", "scoring_func": "softmax",
+                "aux_loss_alpha": cfg.moe_aux_loss_coeff, "seq_aux": cfg.moe_aux_loss_type == "sequence"} if v2
+               else {})
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
+        "architectures": ["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v2" if v2 else "deepseek_v3", "vocab_size": cfg.vocab_size, **routing,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads, "hidden_act": "silu",
         "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,

@@ -112,6 +112,10 @@ class ModelConfig:
     """MoE group-limited routing: a token picks its experts from its best topk_group groups only."""
     moe_aux_loss_coeff: float = 0.0
     """MoE: coefficient of the switch load-balancing loss E x sum_e f_e P_e over each micro-batch's tokens."""
+    moe_aux_loss_type: str = "micro_batch"
+    """MoE: the load-balancing loss over each micro-batch's tokens ("micro_batch"), or per sequence averaged over
+    the sequences ("sequence": DeepSeek-V3's complementary sequence-wise loss, counts from the top-k of the
+    unbiased scores)."""
     moe_z_loss_coeff: float = 0.0
     """MoE: coefficient of the router z-loss, the mean of logsumexp(gate logits)^2."""
     moe_expert_bias_rate: float = 0.0

@@ -15,6 +15,10 @@ context parallelism, so they do not depend on the layout):
   aux = coeff x E x sum_e f_e P_e,  f_e = tokens routed to e / (N k),  P_e = mean over tokens of p_e
   (p = the softmax scores, or the sigmoid scores divided by their sum), equal to coeff at uniform routing;
   z = coeff x mean over tokens of logsumexp(logits)^2.
+With `moe_aux_loss_type = "sequence"` the aux term is DeepSeek-V3's sequence-wise loss instead
+(`sequence_balance_loss`: the same product per sequence, counts from the top-k of the unbiased scores).
+Expert groups are ranked by the sum of their two best biased scores with sigmoid scores (DeepSeek-V3,
+GLM-4.5) and by their best score with softmax scores (DeepSeek-V2, `route`'s `group_rule`).
 They enter the objective through `_AttachLoss`: the layer's output carries them, and their gradient
 (`loss_scale`, which the training side sets: `shardlm.training.moe.set_aux_loss_scale`) starts when the
 output's does, so they work under pipeline stages and activation recomputation without the model
@@ -59,17 +63,21 @@ from shardlm.parallel.init import normal_shard, param_seed
 
 
 def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, groups: int = 0,
-          topk_groups: int = 0, norm_topk_prob: bool = True, scaling: float = 1.0):
+          topk_groups: int = 0, norm_topk_prob: bool = True, scaling: float = 1.0, group_rule: str = "top2_sum"):
     """(N, E) fp32 scores -> (indices (N, k) int64, weights (N, k) fp32).
 
     Selection uses scores + bias (the bias steers which experts are chosen, never their weights); with
     `groups`, only experts of each token's best `topk_groups` groups are eligible, a group's score being
-    the sum of its two best experts' (DeepSeek-V3)."""
+    the sum of its two best experts' (`group_rule` "top2_sum", DeepSeek-V3) or its best expert's ("max",
+    DeepSeek-V2's group_limited_greedy over softmax scores, as transformers computes it)."""
     select = scores if bias is None else scores + bias
     if groups:
         N, E = select.shape
         grouped = select.view(N, groups, E // groups)
-        group_score = grouped.topk(min(2, E // groups), dim=-1).values.sum(-1)  # (N, groups)
+        if group_rule == "max":
+            group_score = grouped.max(dim=-1).values  # (N, groups)
+        else:
+            group_score = grouped.topk(min(2, E // groups), dim=-1).values.sum(-1)  # (N, groups)
         best = group_score.topk(topk_groups, dim=-1).indices
         allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
         select = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(N, E)
@@ -102,6 +110,29 @@ def balance_losses(logits: torch.Tensor, probs: torch.Tensor, indices: torch.Ten
         z_sum = reduce_from_tensor_parallel(z_sum, group)
     aux = aux_coeff * E * (counts / (tokens * k) * prob_sum / tokens).sum()
     return aux + z_coeff * (z_sum / tokens).sum()
+
+
+def sequence_balance_loss(probs: torch.Tensor, batch: int, top_k: int, coeff: float,
+                          token_groups: tuple = ()) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (fp32 scalar) of this micro-batch's `batch` rows.
+
+    probs: (B T, E) fp32 normalized scores of this rank's tokens, row-major (B, T); per sequence b,
+      loss_b = E / (k T) sum_e count_{b,e} x (1 / T) sum_t p_{b,t,e}
+    with count_{b,e} the tokens of b whose top-k of the unbiased scores (not the routed, bias-steered choice)
+    hold e, and T the whole sequence's length; the loss is coeff x the mean over the rows. Counts, probability
+    sums and T are summed over `token_groups` (ranks holding other parts of the same rows), as Megatron-Core's
+    seq_aux_loss does."""
+    E = probs.shape[1]
+    per_row = probs.view(batch, -1, E)
+    top = per_row.topk(top_k, dim=-1).indices
+    counts = torch.zeros_like(per_row).scatter_(-1, top, 1.0).sum(1)  # (B, E)
+    prob_sum = per_row.sum(1)  # (B, E)
+    tokens = torch.tensor([float(per_row.shape[1])], device=probs.device)
+    for group in token_groups:
+        group.all_reduce(counts)
+        group.all_reduce(tokens)
+        prob_sum = reduce_from_tensor_parallel(prob_sum, group)
+    return coeff * E * (counts * prob_sum).sum() / (top_k * tokens * tokens * batch).squeeze()
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -141,7 +172,8 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if cfg.moe_score == "softmax" else logits.sigmoid()
         bias = None if self.expert_bias is None else self.expert_bias.float()
         indices, weights = route(scores, cfg.moe_top_k, bias, cfg.moe_groups, cfg.moe_topk_groups,
-                                 cfg.moe_norm_topk_prob, cfg.moe_routed_scaling)
+                                 cfg.moe_norm_topk_prob, cfg.moe_routed_scaling,
+                                 "max" if cfg.moe_score == "softmax" else "top2_sum")
         return indices, weights, scores, logits
 
 
@@ -296,8 +328,11 @@ class MoELayer(nn.Module):
         loss = None
         if self.training and torch.is_grad_enabled():
             probs = scores if self.cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            loss = balance_losses(logits, probs, indices, self.cfg.moe_aux_loss_coeff, self.cfg.moe_z_loss_coeff,
-                                  self.token_groups)
+            per_sequence = self.cfg.moe_aux_loss_type == "sequence"
+            loss = balance_losses(logits, probs, indices, 0.0 if per_sequence else self.cfg.moe_aux_loss_coeff,
+                                  self.cfg.moe_z_loss_coeff, self.token_groups)
+            if per_sequence:
+                loss = loss + sequence_balance_loss(probs, B, k, self.cfg.moe_aux_loss_coeff, self.token_groups)
             if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
                 self.recorded.append((torch.bincount(indices.reshape(-1), minlength=scores.shape[1]), loss.detach()))
         if self.sequence_parallel:  # every TP rank runs the experts on the whole sequence
