@@ -53,7 +53,7 @@ class SFTShape:
     ffn_hidden_size: int = 768
     seq_length: int = 2048
     rows_per_step: int = 1
-    steps: int = 10
+    steps: int = 8
     warmup_steps: int = 2
     rounds: int = 2
     records: int | None = None
@@ -238,60 +238,6 @@ def _shardlm_real_tokens(trainer, shape: SFTShape, steps: list[int], records: li
     return None
 
 
-def trl_run(shape: SFTShape, model_dir: Path, conversations, out_dir: Path, threads: int = 2) -> dict:
-    """Fine-tune with TRL's SFTTrainer; per-step times between `on_step_end` callbacks."""
-    import datasets
-    import transformers
-    import trl
-
-    class StepClock(transformers.TrainerCallback):
-        """Seconds and input tokens of each optimizer step, from one `on_step_end` to the next."""
-
-        def __init__(self):
-            self.times, self.tokens = [], []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.last, self.seen = time.perf_counter(), 0
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            self.times.append(now - self.last)
-            self.tokens.append(state.num_input_tokens_seen - self.seen)
-            self.last, self.seen = now, state.num_input_tokens_seen
-
-    caching, progress = datasets.is_caching_enabled(), datasets.is_progress_bar_enabled()
-    datasets.disable_caching()
-    datasets.disable_progress_bars()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                                  attn_implementation="sdpa")
-        args = trl.SFTConfig(
-            output_dir=str(out_dir), max_steps=shape.steps, per_device_train_batch_size=shape.rows_per_step,
-            gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0,
-            max_length=shape.seq_length, packing=True, packing_strategy="bfd", padding_free=True,
-            assistant_only_loss=True, dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=True,
-            eval_strategy="no", save_strategy="no", report_to=[], logging_steps=10**6, disable_tqdm=True,
-            include_num_input_tokens_seen=True, seed=0, bf16=False, fp16=False)
-        clock = StepClock()
-        dataset = datasets.Dataset.from_dict({"messages": [c.messages for c in conversations]})
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=[clock])
-        output = trainer.train()
-    finally:
-        torch.set_num_threads(previous)
-        if caching:
-            datasets.enable_caching()
-        if progress:
-            datasets.enable_progress_bars()
-    if not any(clock.tokens):
-        raise RuntimeError("TRL counted no input tokens (state.num_input_tokens_seen stayed 0)")
-    return {**steady(clock.times, clock.tokens, shape.warmup_steps), "train_loss": output.training_loss,
-            "padding_free": bool(trainer.args.padding_free), "assistant_only_loss": bool(args.assistant_only_loss)}
-
-
 def throughput(shape: SFTShape, conversations, records_file: Path, tokenizer_dir: Path, threads: int = 2) -> dict:
     """shardlm against TRL, `shape.rounds` runs each in alternating order; tokens/s, step ms and their ratios."""
     import gc
@@ -308,6 +254,8 @@ def throughput(shape: SFTShape, conversations, records_file: Path, tokenizer_dir
                 if name == "shardlm":
                     runs[name].append(shardlm_run(shape, model_dir, records, out, threads))
                 else:
+                    from shardlm.bench.sft_trl import trl_run
+
                     runs[name].append(trl_run(shape, model_dir, conversations, out, threads))
                 gc.collect()
     rates = {name: [run["tokens_per_sec"] for run in done] for name, done in runs.items()}
@@ -319,6 +267,8 @@ def throughput(shape: SFTShape, conversations, records_file: Path, tokenizer_dir
         **{f"{name}_step_ms": summary(values) for name, values in steps.items()},
         **{f"{name}_real_tokens_per_step": summary([x for run in runs[name] for x in run["tokens"]]) for name in runs},
         "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
+        "trl_lm_head_loss_fraction": (summary([run["lm_head_loss_fraction"] for run in runs["trl"]])
+                                      if runs["trl"][0]["lm_head_loss_fraction"] is not None else None),
         "shardlm_losses": runs["shardlm"][0]["losses"], "trl_train_loss": runs["trl"][0]["train_loss"],
     }
 
@@ -365,8 +315,11 @@ def markdown_lines(r: dict) -> list[str]:
             lines.append(f"| {label} | {median_cell(t[f'{name}_tokens_per_sec'], digits=0)} | "
                          f"{median_cell(t[f'{name}_step_ms'], digits=0)} | "
                          f"{median_cell(t[f'{name}_real_tokens_per_step'], digits=0)} |")
-        lines += ["",
-                  f"**shardlm / TRL tokens/s (`sft.throughput.ratio`): {median_cell(t['ratio'])}**", ""]
+        lines += ["", f"**shardlm / TRL tokens/s (`sft.throughput.ratio`): {median_cell(t['ratio'])}**", ""]
+        if t.get("trl_lm_head_loss_fraction"):
+            lines += [f"TRL computes the LM head and the per-token log-probabilities in vocabulary tiles "
+                      f"(`trl.kernels.chunked_logprob`; without Triton, on a CPU, in torch operations): "
+                      f"{t['trl_lm_head_loss_fraction']['median']:.0%} of its step time here.", ""]
     bfd, pad = p["bfd"], p["pad"]
     lines += [f"Packing {p['conversations']} conversations into rows of {p['seq_length']} tokens: bfd "
               f"{bfd['rows']} rows, {bfd['efficiency']:.1%} of row tokens real; one conversation per row (`pad`) "
