@@ -6,7 +6,7 @@ shared Qwen3 tokenizer's chat template (`shardlm.sft.template`), packed into row
 
 - `attention`: forward + backward of attention over `attention_rows` packed rows (B, H, T, D), fp32, spread evenly
   over bfd's rows (which go from a few long documents to dozens of short ones):
-  `shardlm.sft.attention.document_causal_attention` (causal SDPA on each document's slice, `cu_seqlens` from the
+  `document_causal_attention` (`shardlm.models.documents`; causal SDPA on each document's slice, `cu_seqlens` from the
   packed rows) against one dense SDPA call with the (B, 1, T, T) block-causal boolean mask (the kernel of
   `reference_document_attention`; the mask is built once, outside the timing, its build time is reported on its
   own), and, for scale, plain causal SDPA over each whole row (what attention costs when documents are ignored).
@@ -108,7 +108,10 @@ def packing_efficiency(docs, seq_length: int) -> dict:
 
 def attention_speed(shape: SFTShape, docs, repeats: int, threads: int = 2) -> dict:
     """ms per forward + backward of per-document, dense block-causal and whole-row causal attention."""
-    from shardlm.sft.attention import block_causal_mask, document_causal_attention
+    try:  # where the trainer's attention layers call it
+        from shardlm.models.documents import document_causal_attention
+    except ImportError:  # before the SFT trainer wiring: the SFT data package's copy
+        from shardlm.sft.attention import document_causal_attention
     from shardlm.sft.packing import PackedRows
 
     batch, heads, length, dim = shape.attention_rows, shape.attention_heads, shape.seq_length, shape.attention_head_dim
@@ -117,12 +120,12 @@ def attention_speed(shape: SFTShape, docs, repeats: int, threads: int = 2) -> di
     plan = PackedRows(docs, length, "bfd", seed=None)
     count = len(plan.plan(0))
     rows = [plan.row(0, (2 * i + 1) * count // (2 * batch)) for i in range(batch)]
-    cu_seqlens = [row.cu_seqlens for row in rows]
+    cu_seqlens = [row.cu_seqlens.tolist() for row in rows]
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, heads, length, dim, generator=generator).requires_grad_() for _ in range(3))
     grad = torch.randn(batch, heads, length, dim, generator=generator)
     start = time.perf_counter()
-    mask = block_causal_mask(cu_seqlens, batch, length)
+    mask = block_causal_mask(cu_seqlens, length)
     mask_ms = (time.perf_counter() - start) * 1e3
 
     def backward(attention):
@@ -164,6 +167,16 @@ def attention_speed(shape: SFTShape, docs, repeats: int, threads: int = 2) -> di
     }
 
 
+def block_causal_mask(offsets: list[list[int]], length: int) -> torch.Tensor:
+    """(B, 1, T, T) bool from each row's document offsets `[0, ..., T]`: query t may attend to key s when both
+    are in the same document and s <= t (the mask of `reference_document_attention`)."""
+    masks = []
+    for row in offsets:
+        document = torch.repeat_interleave(torch.arange(len(row) - 1), torch.tensor(row[1:]) - torch.tensor(row[:-1]))
+        masks.append(document[:, None] == document[None, :])
+    return (torch.stack(masks) & torch.ones(length, length, dtype=torch.bool).tril()).unsqueeze(1)
+
+
 def make_model_dir(shape: SFTShape, tokenizer_dir: Path, out: Path) -> tuple[Path, int]:
     """A random-init Qwen3 of `shape` saved with the tokenizer's files into `out`; returns (out, vocab size).
 
@@ -201,7 +214,6 @@ def steady(times: list[float], tokens: list[float], warmup: int) -> dict:
 def shardlm_run(shape: SFTShape, model_dir: Path, records_file: Path, run_dir: Path, threads: int = 2) -> dict:
     """Fine-tune with `shardlm.training.run.train` and `[sft]`; per-step times from its metrics.jsonl."""
     from shardlm.config import load_config
-    from shardlm.sft.packing import PackedRows
     from shardlm.training.run import train
 
     overrides = [f"sft.data=[{json.dumps(str(records_file))}]", f"sft.tokenizer={json.dumps(str(model_dir))}",
@@ -219,23 +231,24 @@ def shardlm_run(shape: SFTShape, model_dir: Path, records_file: Path, run_dir: P
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = {r["step"]: r for r in records if "step_time_s" in r}
     times = [steps[s]["step_time_s"] for s in sorted(steps)]
-    tokens = _shardlm_real_tokens(result.trainer, shape, sorted(steps), records)
-    if tokens is None:  # the epoch's mean: rows hold stats.tokens / stats.rows real tokens on average
-        data = getattr(result.trainer, "train_data", None)
-        stats = getattr(data, "stats", None) or getattr(getattr(data, "rows", None), "stats", None)
-        if stats is None:
-            stats = PackedRows(load_documents(shape, records_file, model_dir)[1], shape.seq_length, "bfd").stats
-        tokens = [stats.tokens / stats.rows * shape.rows_per_step] * len(times)
+    tokens = [float(real_tokens_per_step(result.trainer.train_data, step, shape.rows_per_step))
+              for step in sorted(steps)]
     return {**steady(times, tokens, shape.warmup_steps), "losses": [steps[s]["loss"] for s in sorted(steps)]}
 
 
-def _shardlm_real_tokens(trainer, shape: SFTShape, steps: list[int], records: list[dict]) -> list[float] | None:
-    """Real tokens per step when the run logs them (a `real_tokens` / `tokens` count per step), else None."""
-    for key in ("real_tokens", "tokens"):
-        values = {r["step"]: r[key] for r in records if key in r}
-        if len(values) == len(steps) and all(isinstance(x, (int, float)) for x in values.values()):
-            return [float(values[s]) for s in steps]
-    return None
+def real_tokens_per_step(data, step: int, rows_per_step: int) -> int:
+    """Real tokens of the rows that step `step` (1, 2, ...) of one process read: samples (step - 1) x rows_per_step
+    onwards of the packed dataset (`shardlm.sft.dataset.PackedDataset`, dicts of (T,) `input_ids` and
+    `position_ids`). A row's padding tail is its last segment (positions restart at 0) when that segment is all
+    the pad token."""
+    pad_id = data.rows.pad_id
+    total = 0
+    for index in range((step - 1) * rows_per_step, step * rows_per_step):
+        sample = data[index]
+        ids, positions = torch.as_tensor(sample["input_ids"]), torch.as_tensor(sample["position_ids"])
+        start = int((positions == 0).nonzero().max())
+        total += start if start > 0 and bool((ids[start:] == pad_id).all()) else len(ids)
+    return total
 
 
 def throughput(shape: SFTShape, conversations, records_file: Path, tokenizer_dir: Path, threads: int = 2) -> dict:
