@@ -53,7 +53,7 @@ class SFTShape:
     ffn_hidden_size: int = 768
     seq_length: int = 2048
     rows_per_step: int = 1
-    steps: int = 8
+    steps: int = 6
     warmup_steps: int = 2
     rounds: int = 2
     records: int | None = None
