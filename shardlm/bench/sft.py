@@ -251,7 +251,7 @@ def real_tokens_per_step(data, step: int, rows_per_step: int) -> int:
     return total
 
 
-def throughput(shape: SFTShape, conversations, records_file: Path, tokenizer_dir: Path, threads: int = 2) -> dict:
+def throughput(shape: SFTShape, conversations, tokenizer_dir: Path, threads: int = 2) -> dict:
     """shardlm against TRL, `shape.rounds` runs each in alternating order; tokens/s, step ms and their ratios."""
     import gc
 
@@ -295,7 +295,7 @@ def sft_bench(quick: bool, repeats: int, data_dir: Path | None = None) -> dict:
                              **packing_efficiency(docs, shape.seq_length)},
                  "attention": attention_speed(shape, docs, repeats)}
     try:
-        out["throughput"] = throughput(shape, conversations, records_file, tokenizer_dir)
+        out["throughput"] = throughput(shape, conversations, tokenizer_dir)
     except Exception as exc:  # noqa: BLE001 - the attention and packing figures still count
         out["throughput"] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     return out
