@@ -13,14 +13,15 @@ shared Qwen3 tokenizer's chat template (`shardlm.sft.template`), packed into row
   The three take turns in a new order every round (`common.interleaved`); `ratio_dense_over_per_document` is the
   dense call's time over the per-document one's, per round.
 - `throughput`: a tiny random-init Qwen3 (`Qwen3ForCausalLM`, saved with the tokenizer into a temporary folder)
-  fine-tuned on the same records and packing by TRL's `SFTTrainer` (`packing=True, packing_strategy="bfd",
-  padding_free=True, assistant_only_loss=True`, SDPA attention) and by `shardlm.training.run.train` with `[sft]`
-  (`checkpoint.init_from` = that folder). Each run takes `steps` optimizer steps of `rows_per_step` rows; the
-  first `warmup_steps` are not counted. Step time: TRL's, the interval between two `on_step_end` callbacks
-  (data loading included); shardlm's, `step_time_s` of `metrics.jsonl` (data loading included). tokens/s counts
-  real (non-padding) tokens only: TRL's padding-free batches hold only those (`state.num_input_tokens_seen`),
-  shardlm's rows are padded to T and count the tokens of their documents. The runs alternate (`round_orders`);
-  `ratio` is shardlm's tokens/s over TRL's, per round.
+  fine-tuned on the same conversations and packing by TRL's `SFTTrainer` (`packing=True, packing_strategy="bfd",
+  padding_free=True, assistant_only_loss=True`, SDPA attention; `sft_trl.py`) and by shardlm
+  (`shardlm.training.run.train` with `[sft]` and `checkpoint.init_from` = that folder for the first `warmup_steps`
+  steps, then `Trainer.train_step` of the trainer it returns). The two take turns, one optimizer step of
+  `rows_per_step` rows each (a shardlm step right after each TRL step, outside TRL's clock), so that both see the
+  same load on a shared machine; the first `warmup_steps` pairs are not counted. Step time: TRL's, from the end of
+  its previous step to `on_step_end`; shardlm's, around `train_step`; both include data loading. tokens/s counts
+  real (non-padding) tokens: TRL's padding-free batches hold only those (`state.num_input_tokens_seen`), shardlm's
+  rows are padded to T and count their documents' tokens. `ratio`: shardlm's tokens/s over TRL's, per pair.
 - `packing`: real tokens per row token (`PackStats.efficiency`) for bfd and for one conversation per row (`pad`).
 """
 
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardlm.bench.common import interleaved, median_cell, round_orders, summary
+from shardlm.bench.common import interleaved, median_cell, summary
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -53,9 +54,8 @@ class SFTShape:
     ffn_hidden_size: int = 768
     seq_length: int = 2048
     rows_per_step: int = 1
-    steps: int = 6
+    steps: int = 8
     warmup_steps: int = 2
-    rounds: int = 2
     records: int | None = None
     """The first `records` Dolly records (None: all 600)."""
     attention_rows: int = 2
@@ -71,7 +71,7 @@ class SFTShape:
 
 SFT_BENCH = SFTShape()
 SFT_QUICK = SFTShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
-                     seq_length=256, rows_per_step=2, steps=3, warmup_steps=1, rounds=1, records=48,
+                     seq_length=256, rows_per_step=2, steps=3, warmup_steps=1, records=48,
                      attention_rows=1, attention_heads=4, attention_head_dim=32)
 
 
@@ -211,29 +211,43 @@ def steady(times: list[float], tokens: list[float], warmup: int) -> dict:
     return {"step_s": times, "tokens": tokens, "tokens_per_sec": sum(tokens) / sum(times)}
 
 
-def shardlm_run(shape: SFTShape, model_dir: Path, records_file: Path, run_dir: Path, threads: int = 2) -> dict:
-    """Fine-tune with `shardlm.training.run.train` and `[sft]`; per-step times from its metrics.jsonl."""
-    from shardlm.config import load_config
-    from shardlm.training.run import train
+class ShardlmSteps:
+    """shardlm's side: `shardlm.training.run.train` with `[sft]` for the first `warmup_steps` steps (setup, data,
+    `checkpoint.init_from` import, metrics.jsonl in `run_dir`), then one more step of the trainer it returns per
+    `step()` call, timed around `Trainer.train_step` (the loop body of `train`), with the real tokens it read."""
 
-    overrides = [f"sft.data=[{json.dumps(str(records_file))}]", f"sft.tokenizer={json.dumps(str(model_dir))}",
-                 'sft.packing="bfd"', "sft.valid_fraction=0.0", f"checkpoint.init_from={json.dumps(str(model_dir))}",
-                 "checkpoint.save=false", "log.progress=false", "log.plot=false", "log.tensorboard=false",
-                 "log.interval=1", f"train.steps={shape.steps}", f"train.micro_batch_size={shape.rows_per_step}",
-                 f"train.global_batch_size={shape.rows_per_step}", f"model.seq_length={shape.seq_length}",
-                 "train.lr=1e-4", 'train.device="cpu"']
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        result = train(load_config(None, overrides), run_dir=run_dir)
-    finally:
-        torch.set_num_threads(previous)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = {r["step"]: r for r in records if "step_time_s" in r}
-    times = [steps[s]["step_time_s"] for s in sorted(steps)]
-    tokens = [float(real_tokens_per_step(result.trainer.train_data, step, shape.rows_per_step))
-              for step in sorted(steps)]
-    return {**steady(times, tokens, shape.warmup_steps), "losses": [steps[s]["loss"] for s in sorted(steps)]}
+    def __init__(self, shape: SFTShape, model_dir: Path, records_file: Path, run_dir: Path, threads: int = 2):
+        from shardlm.config import load_config
+        from shardlm.training.run import train
+
+        quote = json.dumps
+        overrides = [f"sft.data=[{quote(str(records_file))}]", f"sft.tokenizer={quote(str(model_dir))}",
+                     'sft.packing="bfd"', "sft.valid_fraction=0.0", f"checkpoint.init_from={quote(str(model_dir))}",
+                     "checkpoint.save=false", "log.progress=false", "log.plot=false", "log.tensorboard=false",
+                     "log.interval=1", f"train.steps={shape.warmup_steps}",
+                     f"train.micro_batch_size={shape.rows_per_step}", f"train.global_batch_size={shape.rows_per_step}",
+                     f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"']
+        self.shape, self.threads, self.times, self.tokens, self.losses = shape, threads, [], [], []
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            self.trainer = train(load_config(None, overrides), run_dir=run_dir).trainer
+        finally:
+            torch.set_num_threads(previous)
+        logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        self.warmup_step_s = [r["step_time_s"] for r in logged if "step_time_s" in r]
+
+    def step(self) -> None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            start = time.perf_counter()
+            metrics = self.trainer.train_step()
+            self.times.append(time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(previous)
+        self.tokens.append(real_tokens_per_step(self.trainer.train_data, metrics["step"], self.shape.rows_per_step))
+        self.losses.append(metrics["loss"])
 
 
 def real_tokens_per_step(data, step: int, rows_per_step: int) -> int:
@@ -252,37 +266,31 @@ def real_tokens_per_step(data, step: int, rows_per_step: int) -> int:
 
 
 def throughput(shape: SFTShape, conversations, tokenizer_dir: Path, threads: int = 2) -> dict:
-    """shardlm against TRL, `shape.rounds` runs each in alternating order; tokens/s, step ms and their ratios."""
-    import gc
+    """shardlm against TRL, one step each in turn: tokens/s, step ms and the ratio per pair of steps."""
+    from shardlm.bench.sft_trl import trl_run
 
     with tempfile.TemporaryDirectory(prefix="shardlm-sft-bench-") as folder:
         folder = Path(folder)
         model_dir, vocab = make_model_dir(shape, tokenizer_dir, folder / "model")
         records = folder / "records.jsonl"  # the conversations both sides train on, as `messages` records
         records.write_text("".join(json.dumps({"messages": c.messages}) + "\n" for c in conversations))
-        runs: dict[str, list[dict]] = {"shardlm": [], "trl": []}
-        for index, order in enumerate(round_orders(runs, shape.rounds)):
-            for name in order:
-                out = folder / f"{name}-{index}"
-                if name == "shardlm":
-                    runs[name].append(shardlm_run(shape, model_dir, records, out, threads))
-                else:
-                    from shardlm.bench.sft_trl import trl_run
-
-                    runs[name].append(trl_run(shape, model_dir, conversations, out, threads))
-                gc.collect()
-    rates = {name: [run["tokens_per_sec"] for run in done] for name, done in runs.items()}
-    steps = {name: [t * 1e3 for run in done for t in run["step_s"]] for name, done in runs.items()}
+        ours = ShardlmSteps(shape, model_dir, records, folder / "shardlm", threads)
+        theirs = trl_run(shape, model_dir, conversations, folder / "trl", threads, after_step=ours.step)
+    mine = steady(ours.times, ours.tokens, shape.warmup_steps)
+    rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
+             "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])]}
     return {
         "config": f"{shape.describe(vocab)}, {threads} threads, {len(conversations)} Dolly conversations",
-        "rounds": shape.rounds,
-        **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
-        **{f"{name}_step_ms": summary(values) for name, values in steps.items()},
-        **{f"{name}_real_tokens_per_step": summary([x for run in runs[name] for x in run["tokens"]]) for name in runs},
+        "pairs": len(rates["trl"]),
+        "shardlm_tokens_per_sec": summary(rates["shardlm"]), "trl_tokens_per_sec": summary(rates["trl"]),
+        "shardlm_step_ms": summary([t * 1e3 for t in mine["step_s"]]),
+        "trl_step_ms": summary([t * 1e3 for t in theirs["step_s"]]),
+        "shardlm_real_tokens_per_step": summary(mine["tokens"]), "trl_real_tokens_per_step": summary(theirs["tokens"]),
         "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
-        "trl_lm_head_loss_fraction": (summary([run["lm_head_loss_fraction"] for run in runs["trl"]])
-                                      if runs["trl"][0]["lm_head_loss_fraction"] is not None else None),
-        "shardlm_losses": runs["shardlm"][0]["losses"], "trl_train_loss": runs["trl"][0]["train_loss"],
+        "ratio_of_totals": mine["tokens_per_sec"] / theirs["tokens_per_sec"],
+        "trl_lm_head_loss_fraction": theirs["lm_head_loss_fraction"],
+        "shardlm_warmup_step_ms": [t * 1e3 for t in ours.warmup_step_s],
+        "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
     }
 
 
@@ -322,17 +330,19 @@ def markdown_lines(r: dict) -> list[str]:
         lines += [f"SFT throughput against TRL: **not measured** ({t['error']}).", ""]
     elif t:
         lines += [f"SFT throughput against TRL's `SFTTrainer` (bfd packing, padding-free, assistant-only loss, SDPA): "
-                  f"{t['config']}. tokens/s counts real (non-padding) tokens; {t['rounds']} alternating run(s) "
-                  "each.", "", "| trainer | real tokens/s | step ms | real tokens per step |", "|---|---|---|---|"]
+                  f"{t['config']}. The two trainers take turns, one optimizer step each; tokens/s counts real "
+                  f"(non-padding) tokens; {t['pairs']} pairs of steps after the warm-up.", "",
+                  "| trainer | real tokens/s | step ms | real tokens per step |", "|---|---|---|---|"]
         for name, label in (("shardlm", "shardlm (`train` with `[sft]`)"), ("trl", "TRL `SFTTrainer`")):
             lines.append(f"| {label} | {median_cell(t[f'{name}_tokens_per_sec'], digits=0)} | "
                          f"{median_cell(t[f'{name}_step_ms'], digits=0)} | "
                          f"{median_cell(t[f'{name}_real_tokens_per_step'], digits=0)} |")
-        lines += ["", f"**shardlm / TRL tokens/s (`sft.throughput.ratio`): {median_cell(t['ratio'])}**", ""]
+        lines += ["", f"**shardlm / TRL tokens/s (`sft.throughput.ratio`, per pair of steps): "
+                  f"{median_cell(t['ratio'])}**; total tokens over total seconds: {t['ratio_of_totals']:.2f}.", ""]
         if t.get("trl_lm_head_loss_fraction"):
             lines += [f"TRL computes the LM head and the per-token log-probabilities in vocabulary tiles "
                       f"(`trl.kernels.chunked_logprob`; without Triton, on a CPU, in torch operations): "
-                      f"{t['trl_lm_head_loss_fraction']['median']:.0%} of its step time here.", ""]
+                      f"{t['trl_lm_head_loss_fraction']:.0%} of its step time here.", ""]
     bfd, pad = p["bfd"], p["pad"]
     lines += [f"Packing {p['conversations']} conversations into rows of {p['seq_length']} tokens: bfd "
               f"{bfd['rows']} rows, {bfd['efficiency']:.1%} of row tokens real; one conversation per row (`pad`) "

@@ -4,12 +4,14 @@
 assistant_only_loss=True`, SDPA attention, fp32, no evaluation or saving, no dataloader workers) and records,
 between two `on_step_end` callbacks, each step's seconds (data loading included), its input tokens
 (`state.num_input_tokens_seen`: a padding-free batch is one (1, N) row of the N real tokens of its packed rows)
-and the seconds spent in TRL's fused LM head and log-probabilities (`LogProbClock`).
+and the seconds spent in TRL's fused LM head and log-probabilities (`LogProbClock`). After each step's clock
+stops, `after_step` gives the other trainer its turn.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,8 +19,10 @@ import torch
 from shardlm.bench.sft import SFTShape, steady
 
 
-def trl_run(shape: SFTShape, model_dir: Path, conversations, out_dir: Path, threads: int = 2) -> dict:
-    """Fine-tune with TRL's SFTTrainer; per-step times between `on_step_end` callbacks."""
+def trl_run(shape: SFTShape, model_dir: Path, conversations, out_dir: Path, threads: int = 2,
+            after_step: Callable[[], None] | None = None) -> dict:
+    """Fine-tune with TRL's SFTTrainer; per-step times between `on_step_end` callbacks. `after_step()` runs at
+    the end of every step, outside TRL's timing (the other trainer's turn)."""
     import datasets
     import transformers
     import trl
@@ -39,7 +43,10 @@ def trl_run(shape: SFTShape, model_dir: Path, conversations, out_dir: Path, thre
             self.times.append(now - self.last)
             self.tokens.append(state.num_input_tokens_seen - self.seen)
             self.head.append(head.seconds - self.head_seen)
-            self.last, self.seen, self.head_seen = now, state.num_input_tokens_seen, head.seconds
+            self.seen, self.head_seen = state.num_input_tokens_seen, head.seconds
+            if after_step is not None:
+                after_step()
+            self.last = time.perf_counter()
 
     caching, progress = datasets.is_caching_enabled(), datasets.is_progress_bar_enabled()
     datasets.disable_caching()
