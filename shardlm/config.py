@@ -75,6 +75,35 @@ class DataConfig:
     """BERT: next-sentence prediction instead of the paper's sentence-order prediction."""
     whole_word_masking: bool = True
     """BERT: mask every WordPiece of a word together, in n-grams of up to 3 words (else single tokens)."""
+    document_mask: bool = False
+    """GPT / Llama pretraining: each document of a sample (cut at end-of-document tokens) attends only to
+    itself and its positions restart at 0, as Llama 3 trained."""
+
+
+@dataclass
+class SFTConfig:
+    """The `[sft]` section: instruction fine-tuning on chat records instead of [data] (`docs/sft.md`)."""
+
+    data: list = field(default_factory=list)
+    """JSONL or Parquet files of `messages`, `prompt`/`completion` or instruction records; set: an SFT run."""
+    tokenizer: str = ""
+    """Hugging Face tokenizer directory with the chat template; empty: checkpoint.init_from's directory."""
+    template: str = ""
+    """A .jinja file replacing the tokenizer's chat template (e.g. one with {% generation %} tags)."""
+    end_of_turn: str = ""
+    """The token that ends an assistant turn; empty: the tokenizer's eos_token."""
+    fields: str = "auto"
+    """Instruction records' keys: "auto" (Dolly's, then Alpaca's), "dolly" or "alpaca"."""
+    system_prompt: str = ""
+    """A system turn put first in every conversation that has none."""
+    packing: str = "bfd"
+    """Conversations per row: "bfd" (best-fit-decreasing), "greedy" (in order) or "pad" (one per row)."""
+    overflow: str = "truncate"
+    """A conversation longer than model.seq_length: "truncate" or "drop" (both counted and reported)."""
+    shuffle: bool = True
+    """Reshuffle and repack the conversations every epoch (by train.seed); false keeps the records' order."""
+    valid_fraction: float = 0.05
+    """Share of the conversations held out for the validation loss over assistant tokens (0: none)."""
 
 
 @dataclass
@@ -187,6 +216,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -252,7 +282,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
-PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir")
+PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir", "init_from", "tokenizer", "template")
 
 
 def expand_path(value: str) -> str:
@@ -279,11 +309,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
     config = from_dict(raw)
-    for section in (config.data, config.checkpoint):
+    for section in (config.data, config.checkpoint, config.sft):
         for key in PATH_KEYS:
             if hasattr(section, key) and getattr(section, key):
                 setattr(section, key, expand_path(getattr(section, key)))
     config.data.prefixes = [expand_path(p) if isinstance(p, str) else p for p in config.data.prefixes]
+    config.sft.data = [expand_path(p) for p in config.sft.data]
     if "activation_checkpointing" in raw.get("train", {}) and os.environ.get("RANK", "0") == "0":
         print('shardlm: train.activation_checkpointing is deprecated; use train.recompute = "full" '
               '(or "selective")', file=sys.stderr)

@@ -90,15 +90,38 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         (m.attention_dropout < 1, f"model.attention_dropout={m.attention_dropout} must be < 1"),
         (config.data.tokenizer in ("gpt2", "bert", "json"),
          f'data.tokenizer="{config.data.tokenizer}" must be "gpt2", "bert" or "json"'),
-        (bool(config.data.text_file) != bool(config.data.prefixes),
-         "set exactly one of data.text_file and data.prefixes"),
+        (bool(config.sft.data) or bool(config.data.text_file) != bool(config.data.prefixes),
+         "set exactly one of data.text_file and data.prefixes (or sft.data for fine-tuning on chat records)"),
     ]
+    if config.sft.data or config.data.document_mask:
+        _validate_packed(config)
     for ok, message in checks:
         if not ok:
             raise UserError(message)
     if check_paths:
         check_files(config)
     return t.global_batch_size // per_step
+
+
+def _validate_packed(config: RunConfig) -> None:
+    """[sft] and data.document_mask: rows of packed documents, for the decoder models."""
+    from shardlm.sft.packing import OVERFLOW, STRATEGIES
+
+    d, f, m = config.data, config.sft, config.model
+    what = "sft.data" if f.data else "data.document_mask=true"
+    checks = [
+        (m.arch in ("gpt", "llama"), f'{what} supports model.arch="gpt" and "llama", not "{m.arch}"'),
+        (not (f.data and (d.text_file or d.prefixes)),
+         "sft.data replaces data.text_file and data.prefixes; set only one of them"),
+        (f.packing in STRATEGIES,
+         f'sft.packing="{f.packing}" must be one of ' + ", ".join(f'"{s}"' for s in STRATEGIES)),
+        (f.overflow in OVERFLOW, f'sft.overflow="{f.overflow}" must be "truncate" or "drop"'),
+        (f.fields in ("auto", "dolly", "alpaca"), f'sft.fields="{f.fields}" must be "auto", "dolly" or "alpaca"'),
+        (0 <= f.valid_fraction < 1, f"sft.valid_fraction={f.valid_fraction} must be in [0, 1)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
 
 
 def _validate_data_sharding(config: RunConfig, dp: int) -> None:
@@ -239,6 +262,15 @@ def check_files(config: RunConfig) -> None:
     from shardlm.paths import shared_data_dir
 
     d = config.data
+    if config.sft.data:
+        for path in config.sft.data:
+            if not Path(path).is_file():
+                raise UserError(f"sft.data: {path} not found; point it at a .jsonl or .parquet file of records")
+        for key in ("tokenizer", "template"):
+            value = getattr(config.sft, key)
+            if value and not Path(value).exists():
+                raise UserError(f"sft.{key}={value} not found")
+        return
     if d.text_file and not Path(d.text_file).is_file():
         raise UserError(f"data.text_file={d.text_file} not found; point it at a UTF-8 text file")
     for prefix in d.prefixes[1::2] if len(d.prefixes) > 1 else d.prefixes:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardlm.errors import UserError
-from shardlm.sft.attention import block_causal_mask, document_causal_attention, reference_document_attention
+from shardlm.models.documents import block_causal_mask, document_causal_attention, reference_document_attention
 from shardlm.sft.packing import IGNORE_INDEX, PackedRows, check_targets, collate, plan_bins, shift_labels
 from shardlm.sft.records import ALPACA, Conversation, InstructionFields, load_conversations, to_conversation
 from shardlm.sft.template import ChatTemplate, TokenizedConversation, tokenize_conversations
@@ -408,13 +408,13 @@ def test_document_attention_matches_dense_block_causal(kv_heads):
     plain = torch.nn.functional.scaled_dot_product_attention(
         q[1:2], k[1:2].repeat_interleave(rep, 1), v[1:2].repeat_interleave(rep, 1), is_causal=True)
     torch.testing.assert_close(out[1:2], plain, atol=1e-6, rtol=1e-6)
-    shared = document_causal_attention(q, k, v, cu[0])
+    shared = document_causal_attention(q, k, v, [cu[0]] * batch)
     torch.testing.assert_close(shared[0], out[0])
 
 
 def test_block_causal_mask_by_hand():
-    mask = block_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32), 1, 3)[0, 0]
+    mask = block_causal_mask([[0, 2, 3]], 3)[0, 0]
     assert mask.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
     with pytest.raises(ValueError):
         document_causal_attention(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2),
-                                  torch.tensor([0, 2]))
+                                  [[0, 2]])

@@ -48,9 +48,14 @@ def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointin
     raise ValueError(f"unknown model.arch {cfg.arch!r}")
 
 
-def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | dict) -> torch.Tensor:
     """Mean next-token cross-entropy of a (B, T + 1) token batch, or of an (inputs, targets) pair of (B, T')
-    (a context-parallel rank's part, `shardlm.training.data.context_parallel_part`)."""
+    (a context-parallel rank's part, `shardlm.training.data.context_parallel_part`). Packed rows (a dict
+    of `inputs`, `targets`, `documents`, `divisor`, `shardlm.training.data.packed_parts`): the sum of the
+    trained tokens' losses over `divisor`."""
+    if isinstance(batch, dict):
+        losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"])
+        return losses.sum() / batch["divisor"]
     inputs, targets = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
     return forward(inputs, targets).mean()
 

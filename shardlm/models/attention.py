@@ -4,8 +4,9 @@
 grouped-query attention when k and v have fewer heads than q. Without context parallelism it is
 PyTorch's `scaled_dot_product_attention`; under context parallelism (`cp.size` > 1) the sequence is
 this rank's zigzag part and the keys and values of the other CP ranks come around the ring
-(`shardlm.parallel.ring_attention`). A model picks its projections, positions and head layout; the
-attention math and its CP branch live here once.
+(`shardlm.parallel.ring_attention`). With `documents` (packed rows, `shardlm.models.documents`) a token
+attends only to earlier tokens of its own document, with or without CP. A model picks its projections,
+positions and head layout; the attention math and its CP and document branches live here once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardlm.models.documents import Documents, document_causal_attention
 from shardlm.parallel.ring_attention import context_parallel_attention
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, exchange: str = "ring",
-                     dropout_p: float = 0.0, rng=None, scale: float | None = None) -> torch.Tensor:
+                     dropout_p: float = 0.0, rng=None, scale: float | None = None,
+                     documents: Documents | None = None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v: q (B, H, T, d), k and v (B, Hkv, T, d) with H a multiple of Hkv
     -> (B, H, T, d).
 
@@ -26,11 +29,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
     `dropout_p`: attention dropout (0 in evaluation; refused under CP), drawn under `rng.fork()` (the
     model-parallel RNG tracker: heads differ per TP rank, so must their dropout masks).
     `scale`: the softmax scale in place of 1 / sqrt(d) (MLA: v may have another head size than q and k,
-    (B, H, T, d_v) then; not under CP)."""
+    (B, H, T, d_v) then; not under CP).
+    `documents`: the micro-batch's packed documents; each token then attends within its own document only."""
     if cp.size > 1:
         if scale is not None:
             raise ValueError("context-parallel attention computes the default softmax scale only")
-        return context_parallel_attention(q, k, v, cp, exchange=exchange, dropout_p=dropout_p)
+        return context_parallel_attention(q, k, v, cp, exchange=exchange, dropout_p=dropout_p,
+                                          segments=None if documents is None else documents.segments)
+    if documents is not None:
+        if dropout_p > 0:
+            with rng.fork():
+                return document_causal_attention(q, k, v, documents.offsets, scale=scale, dropout_p=dropout_p)
+        return document_causal_attention(q, k, v, documents.offsets, scale=scale)
     gqa = k.shape[1] != q.shape[1]
     if dropout_p > 0:
         with rng.fork():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.models.config import ModelConfig
+from shardlm.models.documents import Documents
 from shardlm.parallel import (
     ParallelContext,
     copy_to_tensor_parallel,
@@ -119,8 +120,9 @@ class PreNormBlock(nn.Module):
             mark_sequence_parallel(self.ln_1)
             mark_sequence_parallel(self.ln_2)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x), cache))
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), cache, documents))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -153,14 +155,14 @@ class DecoderLM(nn.Module):
         """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
         return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
 
-    def run_layers(self, x: torch.Tensor, layers) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None) -> torch.Tensor:
         """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation
-        checkpointing is on (and gradients are being recorded)."""
+        checkpointing is on (and gradients are being recorded); `documents`: packed rows' documents."""
         for layer in layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = recompute(layer, x, rng=self.ctx.rng)
+                x = recompute(layer, x, None, documents, rng=self.ctx.rng)
             else:
-                x = layer(x)
+                x = layer(x, None, documents)
         return x
 
     def output_layer(self, h: torch.Tensor) -> torch.Tensor:
@@ -185,24 +187,30 @@ class DecoderLM(nn.Module):
         return linear_cross_entropy(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight,
                                     targets, self.ctx.tp, self.cfg.vocab_size, ignore_index)
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                      documents: Documents | None = None) -> torch.Tensor:
         """(B, T) ids -> (B, T, h) final-norm output, replicated over the TP group.
-        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached."""
+        With `cache`, the tokens take positions cache.length .. cache.length + T - 1 and are cached.
+        With `documents` (packed rows, `shardlm.models.documents`), positions restart at every document
+        and attention stays inside each."""
         if cache is not None and self.sequence_parallel:
             raise ValueError("the KV cache works without sequence parallelism; build the model for generation "
                              "with sequence_parallel=False")
         if cache is not None and self.ctx.cp_size > 1:
             raise ValueError("the KV cache works without context parallelism; generate with parallel.context=1")
-        x = self.embed(tokens, 0 if cache is None else cache.length)
+        if cache is not None and documents is not None:
+            raise ValueError("packed documents are for training and evaluation; generate without them")
+        x = self.embed(tokens, 0 if cache is None else cache.length, documents)
         if cache is None:
-            return self.ln_f(self.run_layers(x, self.layers.values()))
+            return self.ln_f(self.run_layers(x, self.layers.values(), documents))
         for layer, layer_cache in zip(self.layers.values(), cache.layers):
             x = layer(x, layer_cache)
         return self.ln_f(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                ignore_index: int = -100, cache: KVCache | None = None) -> torch.Tensor:
-        hidden = self.hidden_states(tokens, cache)
+                ignore_index: int = -100, cache: KVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(tokens, cache, documents)
         if targets is not None:
             return self.output_loss(hidden, targets, ignore_index)
         logits = self.output_layer(hidden)

@@ -45,6 +45,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
     causal_mask_with_past,
     mark_sequence_parallel,
 )
+from shardlm.models.documents import Documents
 from shardlm.models.moe import mlp_or_moe
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
 from shardlm.parallel.init import normal_shard, param_seed
@@ -73,13 +74,17 @@ class ParallelAttention(nn.Module):
                                       seed=param_seed(seed, f"{prefix}.proj"), device=ctx.device,
                                       sequence_parallel=sequence_parallel)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal, with attention dropout when training. Each (B, heads/tp, T, d).
-        Under context parallelism T is this rank's zigzag part (`causal_attention`)."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: Documents | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal (within each document of packed rows), with attention dropout
+        when training. Each (B, heads/tp, T, d). Under context parallelism T is this rank's zigzag part
+        (`causal_attention`)."""
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
-                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng)
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng,
+                                documents=documents)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones,
         which attend to the cached keys and values as well (and are appended to the cache)."""
         qkv = self.qkv(x)  # (B, T, 3h/tp): under sequence parallelism the chunks are gathered here
@@ -97,9 +102,9 @@ class ParallelAttention(nn.Module):
         if cache is not None:
             cache.append(k, v)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = recompute(self.core, q, k, v, rng=self.ctx.rng)
+            y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, documents)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # (B, T, h/tp)
         return self.proj(y)
 
@@ -172,18 +177,21 @@ class GPT(DecoderLM):
         """The output layer is tied to the input embedding."""
         return self.wte.weight
 
-    def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, past: int = 0, documents: Documents | None = None) -> torch.Tensor:
         """(B, T) ids -> (B, T, h): token + position embeddings (positions past .. past + T - 1), dropout.
         Under sequence parallelism: this rank's chunk (B, T / tp, h). Under context parallelism the tokens
-        are this CP rank's zigzag part of T x C and take their original positions (`local_positions`)."""
+        are this CP rank's zigzag part of T x C and take their original positions (`local_positions`).
+        With `documents`, each token's position within its document (`documents.positions`, (B, T))."""
         T = tokens.shape[1]
         if past + T * self.ctx.cp_size > self.cfg.seq_length:
             raise ValueError(f"sequence of {past + T * self.ctx.cp_size} tokens is longer than "
                              f"model.seq_length={self.cfg.seq_length}")
-        if self.ctx.cp_size == 1:
+        if documents is not None:
+            positions = self.wpe[documents.positions]  # (B, T, h)
+        elif self.ctx.cp_size == 1:
             positions = self.wpe[past:past + T]
         else:
             positions = self.wpe[local_positions(T, self.ctx.cp, past, tokens.device)]
         if self.sequence_parallel:
-            positions = positions.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
+            positions = positions.chunk(self.ctx.tp_size, dim=positions.dim() - 2)[self.ctx.tp_rank]
         return self.drop(self.wte(tokens) + positions)

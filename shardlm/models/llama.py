@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.data.zigzag import local_positions
 from shardlm.models.attention import causal_attention
 from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import (
@@ -47,6 +46,7 @@ from shardlm.models.decoder import (
     enter_parallel_region,
     mark_sequence_parallel,
 )
+from shardlm.models.documents import Documents, token_positions
 from shardlm.models.moe import mlp_or_moe
 from shardlm.models.rotary import apply_rotary, rotary_angles
 from shardlm.parallel import (
@@ -143,9 +143,12 @@ class LlamaAttention(nn.Module):
         # each query head gets a copy of its KV head. A plain attribute, not a buffer: DDP broadcasts buffers.
         self.kv_index = None if uniform else torch.tensor(reads, device=ctx.device)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones: they are
         rotated for positions cache.length .. cache.length + T - 1 and attend to the cached keys too.
+        With `documents` (packed rows), each token is rotated for its position within its document and
+        attends within it.
         The cache holds only this rank's KV heads (B, kv_heads, T, head_dim), never per-query copies."""
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
@@ -157,7 +160,7 @@ class LlamaAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         # the tokens' original positions (this CP rank's zigzag part under context parallelism)
-        cos, sin = rotary_angles(local_positions(T, self.ctx.cp, past, x.device), self.head_dim, self.theta)
+        cos, sin = rotary_angles(token_positions(T, self.ctx.cp, past, documents, x.device), self.head_dim, self.theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv_heads, past + T, head_dim)
@@ -167,21 +170,24 @@ class LlamaAttention(nn.Module):
             mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != self.heads)
         elif self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = recompute(self.core, q, k, v, rng=self.ctx.rng)
+            y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, documents)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
     def head_norm(self, norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's channels, x (B, T, local heads, head_dim); the weight's gradient summed over TP."""
         return F.rms_norm(x, (self.head_dim,), copy_to_tensor_parallel(norm.weight, self.tp), norm.eps)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v with attention dropout when training; q (B, heads/tp, T, d),
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: Documents | None = None) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v (within each packed document) with attention dropout when
+        training; q (B, heads/tp, T, d),
         k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d). Under context parallelism T is
         this rank's zigzag part, and only the KV heads travel around the ring (`causal_attention`)."""
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
-                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng)
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng,
+                                documents=documents)
 
 
 class SwiGLU(nn.Module):
@@ -265,9 +271,9 @@ class Llama(DecoderLM):
         """The column-parallel `lm_head`, or the embedding when tied."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def embed(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
-        """(B, T) ids -> (B, T, h) token embeddings and dropout (positions enter in the attention, as RoPE);
-        under sequence parallelism this rank's chunk (B, T / tp, h)."""
+    def embed(self, tokens: torch.Tensor, past: int = 0, documents: Documents | None = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) token embeddings and dropout (positions, also packed documents' own, enter
+        in the attention, as RoPE); under sequence parallelism this rank's chunk (B, T / tp, h)."""
         T = tokens.shape[1] * self.ctx.cp_size  # under context parallelism, this rank's part of T x C tokens
         if past + T > self.cfg.seq_length:
             raise ValueError(f"sequence of {past + T} tokens is longer than model.seq_length={self.cfg.seq_length}")

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.data.zigzag import local_positions
 from shardlm.models.attention import causal_attention
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (
@@ -41,7 +40,8 @@ from shardlm.models.decoder import (
     enter_parallel_region,
     mark_sequence_parallel,
 )
-from shardlm.models.rotary import apply_rotary
+from shardlm.models.documents import Documents, token_positions
+from shardlm.models.rotary import angles_of, apply_rotary
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
@@ -176,9 +176,11 @@ class LatentAttention(nn.Module):
         heads' share of the gradient, so everything before it (replicated) sees the full gradient."""
         return enter_parallel_region(x, self.tp, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones; the cache
-        holds this rank's heads' expanded keys (B, H/tp, T, nope + rope) and values (B, H/tp, T, v_head_dim)."""
+        holds this rank's heads' expanded keys (B, H/tp, T, nope + rope) and values (B, H/tp, T, v_head_dim).
+        `documents`: packed rows' documents (positions restart, attention stays inside each)."""
         cfg = self.cfg
         if self.q is not None:
             q = F.linear(self.enter(x), self.q.weight)
@@ -194,7 +196,7 @@ class LatentAttention(nn.Module):
         q = q.view(B, T, self.heads, self.nope + self.rope).transpose(1, 2)
         kv = F.linear(c, self.kv_b.weight).view(B, T, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        cos, sin = self.angles(local_positions(T, self.ctx.cp, past, x.device))
+        cos, sin = self.angles(token_positions(T, self.ctx.cp, past, documents, x.device))
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(B, self.heads, T, self.rope)
@@ -205,9 +207,9 @@ class LatentAttention(nn.Module):
             mask = None if T == 1 else causal_mask_with_past(past, T, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         elif self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = recompute(self.core, q, k, v, rng=self.ctx.rng)
+            y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, documents)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
 
     def kv_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,14 +218,16 @@ class LatentAttention(nn.Module):
         return self.kv_a_norm(c), k_rope
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> (cos, sin), each (T, rope) fp32, scaled by YaRN's attention factor."""
+        """positions (T,) -> (cos, sin), each (T, rope) fp32, scaled by YaRN's attention factor; (B, T) ->
+        (B, 1, T, rope)."""
         inv_freq, factor = rope_inverse_frequencies(self.cfg, positions.device)
-        freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos() * factor, angles.sin() * factor
+        cos, sin = angles_of(positions, inv_freq)
+        return cos * factor, sin * factor
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T x scale) v with attention dropout when training: q, k (B, H/tp, T, nope + rope),
-        v (B, H/tp, T, v_head_dim) -> (B, H/tp, T, v_head_dim)."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: Documents | None = None) -> torch.Tensor:
+        """Causal softmax(q k^T x scale) v (within each packed document) with attention dropout when training:
+        q, k (B, H/tp, T, nope + rope), v (B, H/tp, T, v_head_dim) -> (B, H/tp, T, v_head_dim)."""
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
-                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng, scale=self.scale)
+                                dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng, scale=self.scale,
+                                documents=documents)

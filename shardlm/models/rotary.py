@@ -17,12 +17,23 @@ import torch
 
 
 def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: (T,) int64 -> (cos, sin), each (T, head_dim) fp32, the halves repeated ([f | f])."""
+    """positions: (T,) int64 -> (cos, sin), each (T, head_dim) fp32, the halves repeated ([f | f]); per-row
+    positions (B, T) (packed documents) -> each (B, 1, T, head_dim), to broadcast over the heads."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
                                 / head_dim))
-    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # (T, head_dim / 2)
+    return angles_of(positions, inv_freq)
+
+
+def angles_of(positions: torch.Tensor, inv_freq: torch.Tensor,
+              factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) x `factor` of positions (T,) -> (T, 2 len(inv_freq)), or (B, T) -> (B, 1, T, 2 len(inv_freq))."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # (..., T, head_dim / 2)
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    if positions.dim() == 2:
+        angles = angles.unsqueeze(1)
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -32,5 +43,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim) queries or keys; cos, sin: (T, head_dim) -> x rotated, in x's dtype."""
+    """x: (B, heads, T, head_dim) queries or keys; cos, sin: (T, head_dim) or (B, 1, T, head_dim) -> x rotated,
+    in x's dtype."""
     return (x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)).to(x.dtype)

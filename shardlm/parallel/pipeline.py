@@ -13,8 +13,9 @@ stage; `sum_tied_gradients` adds the two copies' gradients over the embedding gr
 both copies see the single-process gradient and stay bitwise equal.
 
 Schedules (GPipe, 1F1B, interleaved 1F1B) are PyTorch's. `ShardlmStage` records the point-to-point
-transfers they issue into the communication statistics, and keeps the model-parallel RNG tracker out of
-the schedule's one-off metadata inference (see its docstring).
+transfers they issue into the communication statistics, keeps the model-parallel RNG tracker out of
+the schedule's one-off metadata inference (see its docstring), and hands every stage the packed
+documents of the micro-batch it runs (the first stage's inputs are not the only ones that need them).
 """
 
 from __future__ import annotations
@@ -118,18 +119,20 @@ def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
 class StageModule(nn.Module):
     """One pipeline stage of `model`: (B, T) ids on the first stage, (B, T, h) hidden states elsewhere
     -> (B, T, h); on the last stage the final norm's output, which the loss function takes through the
-    fused output layer and loss (`model.output_loss`)."""
+    fused output layer and loss (`model.output_loss`). `documents` is the packed documents of the
+    micro-batch being run (`shardlm.models.documents`), or None; `ShardlmStage` sets it on every stage."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
         super().__init__()
         self.layers = nn.ModuleList(model.layers[str(i)] for i in layer_ids)
         self.is_first, self.is_last = is_first, is_last
+        self.documents = None
         object.__setattr__(self, "model", model)  # not a submodule: the stage owns only its layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            x = self.model.embed(x)
-        x = self.model.run_layers(x, self.layers)
+            x = self.model.embed(x, 0, self.documents)
+        x = self.model.run_layers(x, self.layers, self.documents)
         return self.model.ln_f(x) if self.is_last else x
 
 
@@ -148,6 +151,16 @@ class ShardlmStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.ctx = ctx
         self.stats = ctx.comm
+        self.documents: list | None = None  # per micro-batch, set by the runner before a step
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        """Run micro-batch `fwd_chunk_id` with its packed documents (when the step has them): every stage,
+        not only the first, gets the boundaries from the runner, never through the activations."""
+        self.submod.documents = None if self.documents is None else self.documents[fwd_chunk_id]
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.submod.documents = None
 
     @contextlib.contextmanager
     def _tracker_untouched(self):

@@ -14,6 +14,12 @@ Grouped-query attention sends only the KV heads and expands them locally. `excha
 all-gathers K/V instead (and reduce-scatters dK/dV): the same blocks, no overlap. Attention dropout is
 not supported under CP.
 
+With packed documents (`segments`, the document number of every token of the whole rows, as
+`shardlm.models.documents.Documents` holds them) each block is also masked by document: a block whose
+tokens all share one document runs as above, a block with no pair in one document is skipped, and the
+others run the exact fp32 math with the block's boolean mask (a query row with no key in the block
+contributes nothing to the merge).
+
 Blocks (`attention_block`) use PyTorch's CPU flash-attention kernel, which returns the log-sum-exp and
 takes it back in its backward op, on CPU tensors, and exact fp32 math (`kernel="math"`) elsewhere.
 """
@@ -67,43 +73,52 @@ def _use_flash(q: torch.Tensor, kernel: str) -> bool:
     return kernel == "flash" or (kernel == "auto" and q.device.type == "cpu")
 
 
-def attention_block(q, k, v, causal: bool, scale: float, kernel: str = "auto"):
+def attention_block(q, k, v, causal: bool, scale: float, kernel: str = "auto", mask: torch.Tensor | None = None):
     """One block of the ring: a query chunk against a key chunk, fully or causally masked.
 
     q: (B, H, L, d), k, v: (B, Hkv, L, d) (H a multiple of Hkv) -> (out (B, H, L, d) fp32, lse (B, H, L)
     fp32), the block's softmax(q k^T * scale) v and the log-sum-exp of each query row, which the ring
-    merges over blocks. `kernel` as in `context_parallel_attention`. Talks to no group."""
+    merges over blocks. `kernel` as in `context_parallel_attention`. `mask` (B, 1, L, L) bool, where given,
+    replaces the causal mask (the exact math then; a query row with no key gets out 0 and lse -inf). Talks
+    to no group."""
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    if _use_flash(q, kernel):
+    if mask is None and _use_flash(q, kernel):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
-    scores = _scores(q, k, causal, scale)
+    scores = _scores(q, k, causal, scale, mask)
     lse = scores.logsumexp(-1)
-    return (scores - lse.unsqueeze(-1)).exp() @ v.float(), lse
+    return (scores - _finite(lse).unsqueeze(-1)).exp() @ v.float(), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str, mask=None):
     """This block's share of (dq, dk, dv), given the *merged* output and log-sum-exp of q's rows."""
     kv_heads = k.shape[1]
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    if _use_flash(q, kernel):
+    if mask is None and _use_flash(q, kernel):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
     else:
         dout, out = dout.float(), out.float()
-        probs = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()  # (B, H, L, L)
+        probs = (_scores(q, k, causal, scale, mask) - lse.unsqueeze(-1)).exp()  # (B, H, L, L)
         dv = probs.transpose(-2, -1) @ dout
         dscores = probs * (dout @ v.float().transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
         dq, dk = dscores @ k.float() * scale, dscores.transpose(-2, -1) @ q.float() * scale
     return dq.float(), _reduce_heads(dk.float(), kv_heads), _reduce_heads(dv.float(), kv_heads)
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        return scores.masked_fill(~mask, float("-inf"))
     if causal:
         L = scores.shape[-1]
         scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a query row that saw no key yet) read as 0, so that exp(-inf - it) is 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -111,15 +126,37 @@ def _merge(out, lse, block_out, block_lse):
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    return (out * (lse - new_lse).exp().unsqueeze(-1) + block_out * (block_lse - new_lse).exp().unsqueeze(-1),
+    base = _finite(new_lse)
+    return (out * (lse - base).exp().unsqueeze(-1) + block_out * (block_lse - base).exp().unsqueeze(-1),
             new_lse)
 
 
-def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name: str):
-    """The non-empty blocks of this rank's queries against `source`'s keys: (query half, key half, causal)."""
+def _document_mask(segments: torch.Tensor, num_chunks: int, query_chunk: int, key_chunk: int, causal: bool):
+    """The documents' mask of a block of `segments` (B, T) cut into `num_chunks` chunks: (B, 1, L, L) bool;
+    None when the causal or full mask alone is right (both chunks inside one document), EMPTY when no query
+    may see any key of the block."""
+    L = segments.shape[1] // num_chunks
+    queries = segments[:, query_chunk * L:(query_chunk + 1) * L]
+    keys = segments[:, key_chunk * L:(key_chunk + 1) * L]
+    if bool((queries[:, :1] == keys[:, -1:]).all()) and bool((queries[:, -1:] == keys[:, :1]).all()):
+        return None  # segments never decrease along a row: first and last token in one document means all
+    same = queries[:, :, None] == keys[:, None, :]
+    if causal:
+        same = same & torch.ones(L, L, dtype=torch.bool, device=same.device).tril()
+    return same.unsqueeze(1) if bool(same.any()) else EMPTY
+
+
+def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name: str,
+            segments: torch.Tensor | None = None):
+    """The non-empty blocks of this rank's queries against `source`'s keys: (query half, key half, causal,
+    the documents' mask or None)."""
     mine, theirs = zigzag_chunks(cp.size, cp.rank), zigzag_chunks(cp.size, source)
     for (qi, qc), (ki, kc) in itertools.product(enumerate(mine), enumerate(theirs)):
         kind = block_kind(qc, kc)
+        mask = None
+        if kind != EMPTY and segments is not None:
+            mask = _document_mask(segments, 2 * cp.size, qc, kc, kind == CAUSAL)
+            kind = EMPTY if mask is EMPTY else kind
         if counts is not None:
             if kind == EMPTY:
                 counts.skipped[pass_name] += 1
@@ -127,7 +164,7 @@ def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name
                 counts.computed[pass_name] += 1
                 counts.pairs[pass_name].append((qc, kc))
         if kind != EMPTY:
-            yield qi, ki, kind == CAUSAL
+            yield qi, ki, kind == CAUSAL, mask
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,17 +207,17 @@ def _kv_sources(kv: torch.Tensor, cp: Communicator, exchange: str):
 
 class _ContextParallelAttention(torch.autograd.Function):
     """Causal attention of this CP rank's queries against every rank's keys and values (see the module
-    docstring). `setup` = (cp, exchange, scale, kernel, counts)."""
+    docstring). `setup` = (cp, exchange, scale, kernel, counts, segments)."""
 
     @staticmethod
     def forward(ctx, q, k, v, setup):
-        cp, exchange, scale, kernel, counts = setup
+        cp, exchange, scale, kernel, counts, segments = setup
         queries = q.chunk(2, dim=2)
         outs, lses = [None, None], [None, None]
         for source, kv in _kv_sources(torch.stack((k, v)), cp, exchange):
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, causal in _blocks(cp, source, counts, "forward"):
-                block = attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel)
+            for qi, ki, causal, mask in _blocks(cp, source, counts, "forward", segments):
+                block = attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel, mask)
                 outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         # laid out as (B, 2L, H, d) in memory, as SDPA's flash kernel returns it: the caller's
@@ -194,7 +231,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, exchange, scale, kernel, counts = ctx.setup
+        cp, exchange, scale, kernel, counts, segments = ctx.setup
         halves = lambda t: t.chunk(2, dim=2)
         queries, douts, outs, lses = halves(q), halves(dout.contiguous()), halves(out), halves(lse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -204,9 +241,9 @@ class _ContextParallelAttention(torch.autograd.Function):
             """This rank's part of dK/dV of `source`'s K/V, (2, B, Hkv, 2L, d) fp32; adds to dq."""
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             keys, values, dks, dvs = halves(kv[0]), halves(kv[1]), halves(dkv[0]), halves(dkv[1])
-            for qi, ki, causal in _blocks(cp, source, counts, "backward"):
+            for qi, ki, causal, mask in _blocks(cp, source, counts, "backward", segments):
                 dq_b, dk_b, dv_b = _block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
-                                                   lses[qi], causal, scale, kernel)
+                                                   lses[qi], causal, scale, kernel, mask)
                 dqs[qi].add_(dq_b)
                 dks[ki].add_(dk_b)
                 dvs[ki].add_(dv_b)
@@ -237,7 +274,8 @@ class _ContextParallelAttention(torch.autograd.Function):
 @torch.compiler.disable
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Communicator, *,
                                scale: float | None = None, exchange: str = "ring", kernel: str = "auto",
-                               dropout_p: float = 0.0, counts: BlockCounts | None = None) -> torch.Tensor:
+                               dropout_p: float = 0.0, counts: BlockCounts | None = None,
+                               segments: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax(q k^T * scale) v over a zigzag-split sequence, talking to the CP group `cp`.
 
     q: (B, H, 2L, d), k and v: (B, Hkv, 2L, d) with H a multiple of Hkv (grouped-query attention): this
@@ -245,7 +283,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     rank's rows of the full causal attention. `exchange`: "ring" (point to point, overlapped) or
     "allgather". `kernel`: "auto" (the CPU flash kernel on CPU, else math), "flash" or "math". `scale`
     defaults to 1/sqrt(d). `counts`, if given, receives the blocks computed and skipped. With C = 1
-    (`cp.size` 1) this is plain causal attention.
+    (`cp.size` 1) this is plain causal attention. `segments` (B, T) int64, the document number of every
+    token of the whole rows (T = 2L x C): a query then sees only keys of its own document.
     """
     if dropout_p > 0:
         raise UserError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
@@ -256,4 +295,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need (B, H, 2L, d) queries "
                          "and (B, Hkv, 2L, d) keys and values with H a multiple of Hkv")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _ContextParallelAttention.apply(q, k, v, (cp, exchange, scale, kernel, counts))
+    if segments is not None and segments.shape != (q.shape[0], q.shape[2] * cp.size):
+        raise ValueError(f"segments {tuple(segments.shape)} must be (B, T) of the whole rows, "
+                         f"({q.shape[0]}, {q.shape[2] * cp.size})")
+    return _ContextParallelAttention.apply(q, k, v, (cp, exchange, scale, kernel, counts, segments))

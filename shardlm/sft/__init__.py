@@ -7,7 +7,7 @@
 - `packing`: `PackedRows` packs tokenized conversations into rows (best-fit-decreasing, greedy or padded) with
   shifted labels, per-document position ids and `cu_seqlens`; `check_targets` refuses a batch with nothing
   to train on.
-- `attention`: per-document causal attention for packed rows (`document_causal_attention`).
+- the attention that keeps packed documents apart is the models' (`shardlm.models.documents`).
 
 Training wiring (`shardlm sft`) is still to come; see docs/sft.md. Submodules are imported on use.
 """

@@ -8,6 +8,13 @@ slice of it, cut into micro-batches; TP ranks of one group read the same samples
 ranks of one DP replica, each keeping its zigzag part of every sequence (`context_parallel_part`).
 The position in the data is therefore a pure function of the step, so a resumed run reads the exact
 next sample.
+
+Packed rows (SFT conversations, `shardlm.sft.dataset`, or pretraining documents with
+`data.document_mask`) are dict samples of `input_ids`, `labels` (already shifted, -100 where nothing is
+trained) and `position_ids` (restarting at every document), each (T,). `packed_parts` turns a step's
+micro-batches of them into what the loss reads: this rank's inputs and targets, the `Documents` every
+attention layer gets, and the divisor that makes the step's loss the sum over every trained token of the
+global batch divided by their count (not a mean of per-micro-batch or per-rank means).
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import torch
 from shardlm.config import DataConfig
 from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
+from shardlm.models.documents import Documents
+
+IGNORE_INDEX = -100
 
 
 def text_file_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int):
@@ -40,10 +50,41 @@ def text_file_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, 
     return train, valid
 
 
+class DocumentSamples:
+    """Pretraining samples as packed rows (`data.document_mask`): sample i of `dataset`, (T + 1,) tokens ->
+    `input_ids` and `labels` (T,) (every next token trained) and `position_ids` (T,) that restart after
+    each end-of-document token `eod`, so each document attends only to itself (the eod closes its own)."""
+
+    def __init__(self, dataset, eod: int):
+        self.dataset, self.eod = dataset, eod
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        tokens = np.asarray(self.dataset[index], dtype=np.int64)
+        inputs = tokens[:-1]
+        starts = np.zeros(len(inputs), dtype=bool)
+        starts[0] = True
+        starts[1:] = inputs[:-1] == self.eod
+        start_of = np.maximum.accumulate(np.where(starts, np.arange(len(inputs)), 0))
+        return {"input_ids": inputs, "labels": tokens[1:], "position_ids": np.arange(len(inputs)) - start_of}
+
+
 def build_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int,
                    valid_samples: int, arch: str = "gpt"):
     """(train, valid) datasets for a run; valid may be None when the split leaves no validation data.
-    BERT reads sentence-split indexed datasets (`shardlm preprocess --split-sentences`)."""
+    BERT reads sentence-split indexed datasets (`shardlm preprocess --split-sentences`). With
+    `data.document_mask`, GPT and Llama samples become packed rows (`DocumentSamples`)."""
+    train, valid = _token_datasets(data, tokenizer, seq_length, seed, train_samples, valid_samples, arch)
+    if data.document_mask:
+        train = DocumentSamples(train, tokenizer.eod)
+        valid = None if valid is None else DocumentSamples(valid, tokenizer.eod)
+    return train, valid
+
+
+def _token_datasets(data: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int,
+                    valid_samples: int, arch: str):
     if arch == "bert":
         if data.text_file:
             raise UserError("model.arch=\"bert\" reads data.prefixes made by `shardlm preprocess --split-sentences`, "
@@ -86,3 +127,34 @@ def context_parallel_part(batch: torch.Tensor, cp_size: int, cp_rank: int) -> tu
     next-token pairs of chunks r and 2C-1-r of 2C (`shardlm.data.zigzag.zigzag_split`). Positions are
     the model's business (`zigzag_positions`)."""
     return zigzag_split(batch[:, :-1], cp_size, cp_rank), zigzag_split(batch[:, 1:], cp_size, cp_rank)
+
+
+def is_packed(batch) -> bool:
+    """Whether a micro-batch is packed rows (a dict with `position_ids`, see the module docstring)."""
+    return isinstance(batch, dict) and "position_ids" in batch
+
+
+def packed_parts(batches: list[dict], ctx) -> list[dict]:
+    """This rank's micro-batches of packed rows (dicts of (b, T) `input_ids`, `labels`, `position_ids`) ->
+    dicts of `inputs` and `targets` (b, T / C), `documents` (`Documents`) and `divisor`.
+
+    The divisor is N / (M x DP x C), N the trained tokens of the global batch (one all-reduce over DP;
+    the CP ranks of a replica read the same rows), M the micro-batches per rank: the trainer divides each
+    micro-batch's loss by M and averages over DP x CP, so `sum of token losses / divisor` makes the step's
+    loss exactly the sum over all trained tokens divided by N. Raises a one-line UserError when N is 0
+    (the mean over no token is NaN)."""
+    count = torch.tensor(float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)),
+                         dtype=torch.float64, device=ctx.device)
+    ctx.dp.all_reduce(count)
+    if count.item() == 0:
+        raise UserError("a global batch has no token to train on (every label is -100): check the records' "
+                        "assistant turns and the chat template's loss mask")
+    divisor = count.item() / (len(batches) * ctx.dp_size * ctx.cp_size)
+    parts = []
+    for batch in batches:
+        inputs, targets = batch["input_ids"], batch["labels"]
+        if ctx.cp_size > 1:
+            inputs, targets = (zigzag_split(x, ctx.cp_size, ctx.cp_rank) for x in (inputs, targets))
+        documents = Documents.from_positions(batch["position_ids"], ctx.cp_size, ctx.cp_rank)
+        parts.append({"inputs": inputs, "targets": targets, "documents": documents, "divisor": divisor})
+    return parts

@@ -46,10 +46,12 @@ class PipelineRunner:
         keep_stages(model, self.layers, self.stage_ids)
         self.schedule_name = schedule
         self.loss_factor = 1.0
+        self.divisor: float | None = None  # packed rows: the step's sum-over-tokens divisor
         self._losses: list[torch.Tensor] = []
         self.stages, self.schedule = build_schedule(model, ctx, self.layers, self.schedule_name, num_micro_batches,
                                                     self._loss)
         self._eval = None
+        self._eval_stages: list = []
 
     @property
     def stage_modules(self) -> list[torch.nn.Module]:
@@ -57,18 +59,27 @@ class PipelineRunner:
         return [stage.submod for stage in self.stages]
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.model.output_loss(hidden, targets).mean()
+        losses = self.model.output_loss(hidden, targets)
+        loss = losses.mean() if self.divisor is None else losses.sum() / self.divisor
         self._losses.append(loss.detach())
         return loss * self.loss_factor
 
     def _run(self, schedule, batches: list, train: bool) -> torch.Tensor:
-        """Run `schedule` over `batches` (each (b, T + 1), or a context-parallel rank's (inputs, targets));
-        the sum of the micro-batch mean losses on the last stage (zero elsewhere)."""
-        if isinstance(batches[0], tuple):
+        """Run `schedule` over `batches` (each (b, T + 1), a context-parallel rank's (inputs, targets), or
+        packed rows' dict, `shardlm.training.data.packed_parts`, whose documents every stage gets); the sum
+        of the micro-batch losses on the last stage (zero elsewhere)."""
+        self.divisor = None
+        documents = None
+        if isinstance(batches[0], dict):
+            inputs, targets = torch.cat([b["inputs"] for b in batches]), torch.cat([b["targets"] for b in batches])
+            documents, self.divisor = [b["documents"] for b in batches], batches[0]["divisor"]
+        elif isinstance(batches[0], tuple):
             inputs, targets = (torch.cat(parts) for parts in zip(*batches))
         else:
             batch = torch.cat(batches)
             inputs, targets = batch[:, :-1], batch[:, 1:]
+        for stage in self.stages if schedule is self.schedule else self._eval_stages:
+            stage.documents = documents
         self._losses.clear()
         args = (inputs,) if self.ctx.is_first_stage else ()
         target = targets if self.ctx.is_last_stage else None
@@ -92,8 +103,9 @@ class PipelineRunner:
     def evaluate(self, batches: list[torch.Tensor]) -> torch.Tensor:
         """Sum of the mean losses of `batches` (forward only, GPipe over all of them at once), on every rank."""
         if self._eval is None or self._eval[0] != len(batches):
-            _, schedule = build_schedule(self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1
-                                         else "interleaved-1f1b", len(batches), self._loss, self.stage_modules)
+            self._eval_stages, schedule = build_schedule(
+                self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1 else "interleaved-1f1b",
+                len(batches), self._loss, self.stage_modules)
             self._eval = (len(batches), schedule)
         self.loss_factor = 1.0
         return self.broadcast_from_last_stage(self._run(self._eval[1], batches, train=False))

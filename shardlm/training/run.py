@@ -22,6 +22,7 @@ from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.parallel import init_distributed
+from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
 from shardlm.training.cpu_precision import precision_warning
 from shardlm.training.data import build_datasets
@@ -29,6 +30,15 @@ from shardlm.training.logging import RunLogger
 from shardlm.training.parallelize import check_can_compile
 from shardlm.training.trainer import Trainer, perplexity
 from shardlm.validation import validate
+
+
+def check_vocabulary(config: RunConfig, tokenizer_size: int, max_token_id: int) -> None:
+    """An SFT run's model vocabulary (the checkpoint's, else the tokenizer's) must hold every token id."""
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = tokenizer_size
+    if max_token_id >= config.model.vocab_size:
+        raise UserError(f"the chat data has token id {max_token_id} but the model's vocabulary has "
+                        f"{config.model.vocab_size} entries; use the model's own tokenizer (sft.tokenizer)")
 
 
 def resolve_device(name: str) -> torch.device | None:
@@ -148,10 +158,15 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_source = resolve_init(config, run_dir)  # before validation: [model] may take the checkpoint's shape
     validate(config, world)
-    tokenizer = build_tokenizer_for(config.data)
-    if config.model.vocab_size == 0:
-        config.model.vocab_size = tokenizer.vocab_size
     t = config.train
+    sft = None
+    if config.sft.data:  # chat records, tokenized and packed before any process group exists
+        sft = build_sft_datasets(config.sft, config.model.seq_length, t.seed, config.checkpoint.init_from)
+        check_vocabulary(config, sft.template.tokenizer.get_vocab_size(), sft.max_token_id)
+    else:
+        tokenizer = build_tokenizer_for(config.data)
+        if config.model.vocab_size == 0:
+            config.model.vocab_size = tokenizer.vocab_size
     ctx = init_distributed(config.parallel.tensor, t.timeout_s, resolve_device(t.device), config.parallel.pipeline,
                            config.parallel.expert, config.parallel.context)
     if t.compile:  # before the run directory and the datasets exist
@@ -166,8 +181,12 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     valid_samples = (t.steps // max(1, t.eval_interval) + 1) * t.eval_iters * t.micro_batch_size * ctx.dp_size
-    train_data, valid_data = build_datasets(config.data, tokenizer, config.model.seq_length, t.seed,
-                                            t.steps * t.global_batch_size, valid_samples, config.model.arch)
+    if sft is not None:
+        train_data, valid_data = sft.train, sft.valid
+        logger.print(sft.summary())
+    else:
+        train_data, valid_data = build_datasets(config.data, tokenizer, config.model.seq_length, t.seed,
+                                                t.steps * t.global_batch_size, valid_samples, config.model.arch)
     trainer = Trainer(config, ctx, train_data, valid_data)
     checkpoints = progress.checkpoints = (Path(config.checkpoint.dir) if config.checkpoint.dir
                                           else run_dir / "checkpoints")

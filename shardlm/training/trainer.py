@@ -34,7 +34,7 @@ from shardlm.errors import UserError
 from shardlm.models import training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
-from shardlm.training.data import context_parallel_part, micro_batches
+from shardlm.training.data import context_parallel_part, is_packed, micro_batches, packed_parts
 from shardlm.training.gradients import (
     all_reduce_gradients,
     is_split_expert,
@@ -201,12 +201,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over up to `train.eval_iters` micro-batches per DP rank; None without data."""
+        """Mean validation loss over up to `train.eval_iters` micro-batches per DP rank; None without data.
+        SFT rows (a dataset with `pads_past_end`): the mean over the trained tokens of the whole held-out set
+        when `eval_iters` covers it (the last micro-batches filled with empty rows), the same at every layout."""
         if self.valid_data is None:
             return None
         t, ctx = self.config.train, self.ctx
         per_iter = t.micro_batch_size * ctx.dp_size
-        iters = min(t.eval_iters, len(self.valid_data) // per_iter)
+        available = len(self.valid_data)
+        if getattr(self.valid_data, "pads_past_end", False):  # SFT: whole micro-batches (and rounds of the
+            # pipeline's schedule) of rows, empty ones last
+            available = -(-available // (per_iter * ctx.pp_size)) * per_iter * ctx.pp_size
+        iters = min(t.eval_iters, available // per_iter)
         if iters == 0:
             return None
         self.model.eval()
@@ -225,7 +231,10 @@ class Trainer:
 
     def local_part(self, batches: list) -> list:
         """This rank's share of each micro-batch: the batch itself, or under context parallelism the
-        (inputs, targets) of its zigzag chunks (`context_parallel_part`)."""
+        (inputs, targets) of its zigzag chunks (`context_parallel_part`); packed rows become `packed_parts`
+        (inputs, targets, documents and the global token count's divisor)."""
+        if is_packed(batches[0]):
+            return packed_parts(batches, self.ctx)
         if self.ctx.cp_size == 1:
             return batches
         return [context_parallel_part(batch, self.ctx.cp_size, self.ctx.cp_rank) for batch in batches]

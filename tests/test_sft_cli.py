@@ -1,0 +1,159 @@
+"""`shardlm train` with an [sft] section from the command line: fine-tune, export, chat, and one-line errors.
+
+A random one-layer Qwen3 with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the
+shared Qwen3 tokenizer and chat template. 3 steps of SFT on the first 40 Dolly records (4 held out for
+validation) from that directory, then `shardlm convert --to-hf` and `shardlm generate --chat` on the export.
+Bad SFT input stops with one line and exit code 2 before any process group or training step.
+Pretraining with `data.document_mask=true` starts and trains too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from shardlm.cli import main
+from shardlm.training.data import DocumentSamples
+
+CONFIG = """
+[model]
+seq_length = 256
+
+[sft]
+data = ["{records}"]
+valid_fraction = 0.1
+
+[train]
+micro_batch_size = 2
+global_batch_size = 2
+steps = 3
+lr = 1e-3
+warmup_steps = 1
+eval_interval = 0
+eval_iters = 8
+
+[log]
+interval = 1
+progress = false
+tensorboard = false
+plot = false
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("sft_cli")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+    lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()[:40]
+    records = root / "records.jsonl"
+    records.write_text("\n".join(lines) + "\n")
+    path = root / "sft.toml"
+    path.write_text(CONFIG.format(records=records))
+    return {"root": root, "hf": root / "hf", "config": path, "records": records}
+
+
+def test_fine_tune_export_and_chat(setup, capsys):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = setup["root"] / "run"
+    assert main(["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "sft: packed 36 conversations into" in out and "loss mask by prefix" in out, out
+    assert "validation: 4 conversations" in out and "final validation loss" in out, out
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m and "val_loss" not in m]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+
+    exported = setup["root"] / "exported"
+    assert main(["convert", "--to-hf", str(exported), "--checkpoint", str(run_dir / "checkpoints")]) == 0
+    assert "chat_template" in json.loads((exported / "tokenizer_config.json").read_text())
+    assert type(AutoModelForCausalLM.from_pretrained(exported)).__name__ == "Qwen3ForCausalLM"
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(exported), "--chat", "--prompt", "Name a colour.", "--greedy",
+                 "--max-new-tokens", "4", "--device", "cpu", "--json"]) == 0
+    prompt = json.loads(capsys.readouterr().out)["generations"][0]["prompt_tokens"]
+    assert prompt[-3:] == [151644, 77091, 198]  # "<|im_start|>assistant\n": the template's generation prompt
+
+
+def bad_records(root, hf, text: str) -> list[str]:
+    path = root / "bad.jsonl"
+    path.write_text(text)
+    return [f'sft.data=["{path}"]']
+
+
+def no_template(root, hf) -> list[str]:
+    folder = root / "plain_tokenizer"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(hf / "tokenizer.json", folder / "tokenizer.json")
+    return [f"sft.tokenizer={folder}"]
+
+
+DOLLY = '{"instruction": "Say hi.", "context": "", "response": "Hi."}\n'
+ERRORS = [
+    ("malformed line", lambda r, hf: bad_records(r, hf, DOLLY + DOLLY + "{not json\n"), "bad.jsonl:3"),
+    ("no assistant turn", lambda r, hf: bad_records(r, hf, '{"messages": [{"role": "user", "content": "hi"}]}\n'),
+     "assistant"),
+    ("roles out of order", lambda r, hf: bad_records(
+        r, hf, '{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}\n'),
+     "bad.jsonl:1"),
+    ("missing file", lambda r, hf: [f'sft.data=["{r / "none.jsonl"}"]'], "none.jsonl not found"),
+    ("no chat template", no_template, "has no chat template"),
+    ("with text_file", lambda r, hf: ["data.text_file=corpus.txt"], "sft.data replaces data.text_file"),
+    ("packing", lambda r, hf: ['sft.packing="best"'], 'sft.packing="best" must be one of'),
+    ("all too long, dropped", lambda r, hf: ["model.seq_length=8", 'sft.overflow="drop"'], "no conversation is left"),
+]
+
+
+@pytest.mark.parametrize("name,extra,message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_sft_errors_are_one_line(setup, tmp_path, capsys, name, extra, message):
+    workdir = tmp_path / "case"
+    workdir.mkdir()
+    code = main(["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", *extra(workdir, setup["hf"]),
+                 "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "run").exists(), "nothing is written before the input is checked"
+
+
+def test_vocabulary_must_hold_the_chat_data(setup, tmp_path, capsys):
+    """A model from scratch with a vocabulary smaller than the tokenizer's ids: one line, nothing written."""
+    code = main(["train", str(setup["config"]), f"sft.tokenizer={setup['hf']}", 'model.arch="llama"',
+                 "model.vocab_size=1000", "model.num_layers=1", "model.hidden_size=16", "model.num_heads=2",
+                 "model.num_kv_heads=1", "model.ffn_hidden_size=32", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "vocabulary has 1000 entries" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_document_samples_restart_positions_after_each_end_of_document():
+    eod = 9
+    samples = DocumentSamples([np.array([1, 2, eod, 3, 4, 5, eod, eod, 6])], eod)
+    row = samples[0]
+    assert row["input_ids"].tolist() == [1, 2, eod, 3, 4, 5, eod, eod]
+    assert row["labels"].tolist() == [2, eod, 3, 4, 5, eod, eod, 6]
+    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+
+
+def test_pretraining_with_document_mask_trains(data_dir, tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:6000])
+    code = main(["train", "configs/llama-tiny.toml", f"data.text_file={text}", "data.document_mask=true",
+                 "model.seq_length=32", "train.steps=2", "train.eval_interval=0", "train.eval_iters=1",
+                 "log.progress=false", "log.plot=false", "log.tensorboard=false", "checkpoint.save=false",
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in m and np.isfinite(m["loss"]) for m in metrics)

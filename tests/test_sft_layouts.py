@@ -1,0 +1,240 @@
+"""Packed SFT rows train the same model at every layout, and packing changes nothing.
+
+Data: synthetic conversations (a learnable token stream; the first ~40% of each one a prompt that is not
+trained), tokenized shapes only, packed best-fit-decreasing by the real `PackedRows` into rows of 32 tokens,
+read through `PackedDataset` as an `[sft]` run reads them. Documents cross the CP chunks and the
+micro-batch boundaries, and rows hold very different numbers of trained tokens, so a mean of per-micro-batch
+or per-rank means would differ from the global mean over trained tokens that the trainer computes.
+
+Checks, each against one process within 1e-5 (fp32: losses, gradient norms, validation loss over the
+held-out rows and every final parameter, on every rank):
+- one process at micro-batch 1 (8 micro-batches) equals micro-batch 8 (the loss is normalized over the
+  global batch's trained tokens, not per micro-batch);
+- world 2: DP=2, TP=2 with SP (GPT, Llama with grouped-query attention), PP=2 x 2 virtual stages (middle
+  stages need the documents too), CP=2 (GPT, Llama; the ring masks blocks by document), FSDP DP=2;
+- world 4: TP=2 x DP=2 with the distributed optimizer, PP=2 x DP=2, CP=2 x DP=2, CP=2 x TP=2 with SP, and an
+  MoE (Mixtral-style, 4 experts) at EP=2 x DP=2 against its own one-process run;
+- one process: the packed forward and its gradients equal the documents run one by one, unpacked, for GPT
+  and Llama (and differ from attention across documents: the control);
+- a run resumed mid-epoch (the epoch ends inside a step) continues bitwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_moe_parallel import ROUTING, full_parameters
+from test_training import VOCAB, rel
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.config import from_dict
+from shardlm.models import build_model
+from shardlm.models.documents import Documents
+from shardlm.parallel import ParallelContext
+from shardlm.sft.dataset import PackedDataset
+from shardlm.sft.packing import PackedRows
+from shardlm.sft.template import TokenizedConversation
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from multiproc import check_result, merge_copies, run_checks, run_workers
+
+SEQ, STEPS, TOL = 32, 4, 1e-5
+
+
+def conversations(seed: int, count: int) -> list[TokenizedConversation]:
+    """`count` conversations of 4-24 tokens: each token a fixed function of the previous one (10% noise),
+    the first ~40% a prompt (loss mask 0), the rest trained."""
+    rng = np.random.default_rng(seed)
+    successor = np.random.default_rng(0).permutation(VOCAB)
+    docs = []
+    for _ in range(count):
+        n = int(rng.integers(4, 25))
+        ids = [int(rng.integers(VOCAB))]
+        for noise in rng.random(n - 1):
+            ids.append(int(rng.integers(VOCAB)) if noise < 0.1 else int(successor[ids[-1]]))
+        prompt = max(1, int(0.4 * n))
+        docs.append(TokenizedConversation(ids, [0] * prompt + [1] * (n - prompt)))
+    return docs
+
+
+def train_data() -> PackedDataset:
+    return PackedDataset(PackedRows(conversations(1, 40), SEQ, "bfd", seed=5))
+
+
+def valid_data() -> PackedDataset:
+    return PackedDataset(PackedRows(conversations(2, 16), SEQ, "bfd", seed=None), epochs=1)
+
+
+def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+               sp: bool = False, virtual: int = 1, moe: bool = False, **train):
+    model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
+             "vocab_size": VOCAB, "dropout": 0.0}
+    if arch == "llama":
+        model["num_kv_heads"] = 2
+    if moe:
+        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+    schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
+    return from_dict({
+        "model": model,
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 64, **train},
+    })
+
+
+def train_layout(ctx: ParallelContext, config) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages)."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, train_data(), valid_data())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    params = full_parameters(trainer.model)
+    if ctx.pp_size > 1:
+        params = merge_copies(ctx.world.all_gather_object(params))
+    return {"curve": curve, "valid": trainer.evaluate(), "params": params}
+
+
+def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
+    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    return train_layout(ctx, sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
+WORLD2 = {
+    "dp2 gpt": layout(),
+    "tp2 sp gpt": layout(tp=2, sp=True),
+    "tp2 sp llama": layout(tp=2, sp=True, arch="llama"),
+    "pp2 virtual2 gpt": layout(pp=2, virtual=2, micro=1),
+    "pp2 virtual2 llama": layout(pp=2, virtual=2, micro=1, arch="llama"),
+    "cp2 gpt": layout(cp=2),
+    "cp2 llama": layout(cp=2, arch="llama"),
+    "fsdp dp2 llama": layout(arch="llama", data_sharding="full"),
+}
+WORLD4 = {
+    "zero tp2 dp2 sp llama": layout(tp=2, sp=True, arch="llama", distributed_optimizer=True),
+    "pp2 dp2 gpt": layout(pp=2, micro=1),
+    "cp2 dp2 llama": layout(cp=2, arch="llama"),
+    "cp2 tp2 sp gpt": layout(cp=2, tp=2, sp=True),
+    "ep2 dp2 moe": layout(ep=2, moe=True),
+}
+
+
+def world_checks(cases: dict) -> dict:
+    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, spec in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world_checks, WORLD2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world_checks, WORLD4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, for each model kind: dense at micro-batch 8 (one micro-batch per step); the MoE at the
+    layouts' micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing."""
+    ctx = ParallelContext.single()
+    return {kind: train_layout(ctx, sft_config(arch, micro=micro, moe=moe)) for kind, (arch, micro, moe) in
+            {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "moe": ("gpt", 2, True)}.items()}
+
+
+def assert_matches(value: dict, ref: dict, where: str) -> None:
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} step {step}: loss {loss} vs {ref_loss}"
+        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{where} step {step}: grad norm {norm} vs {ref_norm}"
+    assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
+    assert value["params"].keys() == ref["params"].keys(), where
+    worst = max(ref["params"], key=lambda n: rel(value["params"][n], ref["params"][n]))
+    assert rel(value["params"][worst], ref["params"][worst]) <= TOL, f"{where}: {worst}"
+
+
+def kind_of(name: str) -> str:
+    return "moe" if "moe" in name else "llama" if "llama" in name else "gpt"
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_packed_rows_at_two_ranks_equal_one_process(world2, reference, name):
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_packed_rows_at_four_ranks_equal_one_process(world4, reference, name):
+    for rank, value in enumerate(check_result(world4, name)):
+        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+
+
+def test_loss_is_the_mean_over_all_trained_tokens_not_a_mean_of_means(reference):
+    """Micro-batch 1 (8 micro-batches of different trained-token counts) equals micro-batch 8; the mean of the
+    per-row means is another number (so the test could tell)."""
+    ctx = ParallelContext.single()
+    assert_matches(train_layout(ctx, sft_config(micro=1)), reference["gpt"], "micro 1")
+    rows = [train_data()[i] for i in range(8)]
+    per_row = [(r["labels"] != -100).sum() for r in rows]
+    assert len(set(per_row)) > 2, per_row
+
+
+# ------------------------------------------------------------------------- packed equals unpacked
+
+def packed_and_unpacked(arch: str, documents: bool = True) -> tuple[dict, dict]:
+    """(loss, gradients) of 4 packed rows in one forward, and of their documents one by one unpacked (each a
+    row of its own length), both the sum of trained-token losses over their count."""
+    ctx = ParallelContext.single()
+    model = build_model(sft_config(arch).model, ctx, seed=3)
+    batch = [train_data()[i] for i in range(4)]
+    inputs, labels, positions = (torch.from_numpy(np.stack([r[k] for r in batch]))
+                                 for k in ("input_ids", "labels", "position_ids"))
+    count = (labels != -100).sum()
+    docs = Documents.from_positions(positions) if documents else None
+    packed = model(inputs, labels, documents=docs).sum() / count
+    packed_grads = torch.autograd.grad(packed, list(model.parameters()))
+    total = 0.0
+    for b, offsets in enumerate(Documents.from_positions(positions).offsets):
+        for start, end in zip(offsets, offsets[1:]):
+            total = total + model(inputs[b:b + 1, start:end], labels[b:b + 1, start:end]).sum()
+    unpacked = total / count
+    unpacked_grads = torch.autograd.grad(unpacked, list(model.parameters()))
+    names = [n for n, _ in model.named_parameters()]
+    return ({"loss": packed.item(), **dict(zip(names, packed_grads))},
+            {"loss": unpacked.item(), **dict(zip(names, unpacked_grads))})
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_packed_rows_equal_documents_one_by_one(arch):
+    packed, unpacked = packed_and_unpacked(arch)
+    assert abs(packed["loss"] - unpacked["loss"]) <= TOL * unpacked["loss"]
+    for name in packed:
+        if name != "loss":
+            assert rel(packed[name], unpacked[name]) <= TOL, name
+    crossed, _ = packed_and_unpacked(arch, documents=False)  # plain causal attention over the whole row
+    assert abs(crossed["loss"] - unpacked["loss"]) > 10 * TOL * unpacked["loss"]
+    assert max(rel(crossed[n], unpacked[n]) for n in unpacked if n != "loss") > 1e-2
+
+
+# ------------------------------------------------------------------------------- resume mid-epoch
+
+def test_resume_mid_epoch_is_bitwise(tmp_path):
+    """The rows of one epoch run out inside step 2 (9 rows, 8 per step): 3 steps, save, 3 more, against a
+    fresh trainer that loads the save and runs the same 3 steps."""
+    ctx = ParallelContext.single()
+    rows = PackedRows(conversations(1, 40), SEQ, "bfd", seed=5)
+    assert len(rows.plan(0)) % 8, "the epoch must end inside a step"
+    config = sft_config(micro=4, steps=6)
+    trainer = Trainer(config, ctx, train_data())
+    for _ in range(3):
+        trainer.train_step()
+    save_checkpoint(trainer, str(tmp_path))
+    straight = [trainer.train_step()["loss"] for _ in range(3)]
+    ctx.rng = None
+    resumed_trainer = Trainer(sft_config(micro=4, steps=6), ctx, train_data())
+    load_checkpoint(resumed_trainer, str(tmp_path))
+    assert [resumed_trainer.train_step()["loss"] for _ in range(3)] == straight
