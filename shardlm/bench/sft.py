@@ -108,10 +108,7 @@ def packing_efficiency(docs, seq_length: int) -> dict:
 
 def attention_speed(shape: SFTShape, docs, repeats: int, threads: int = 2) -> dict:
     """ms per forward + backward of per-document, dense block-causal and whole-row causal attention."""
-    try:  # where the trainer's attention layers call it
-        from shardlm.models.documents import document_causal_attention
-    except ImportError:  # before the SFT trainer wiring: the SFT data package's copy
-        from shardlm.sft.attention import document_causal_attention
+    from shardlm.models.documents import document_causal_attention
     from shardlm.sft.packing import PackedRows
 
     batch, heads, length, dim = shape.attention_rows, shape.attention_heads, shape.seq_length, shape.attention_head_dim
