@@ -71,9 +71,10 @@ KEYS = {
                      "per_document_ms (`document_causal_attention`), dense_mask_ms (one SDPA with the block-causal "
                      "mask), causal_row_ms (causal SDPA over whole rows) and ratio_dense_over_per_document, per round",
     "sft.throughput.ratio": "shardlm SFT real (non-padding) tokens/s / TRL SFTTrainer's on the same tiny Qwen3, "
-                            "records and bfd packing, per alternating run",
+                            "records and bfd packing, per pair of steps (the two take turns, one step each)",
     "sft.throughput": "per trainer (shardlm, trl): tokens_per_sec, step_ms and real_tokens_per_step after the warm-up "
-                      "steps; `error` when it could not run",
+                      "steps; ratio_of_totals, trl_lm_head_loss_fraction (TRL's step share in its chunked LM head and "
+                      "log-probabilities); `error` when it could not run",
     "sft.packing": "per strategy (bfd, pad = one conversation per row): rows, real tokens and efficiency (real tokens "
                    "per row token)",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
