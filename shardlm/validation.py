@@ -44,6 +44,15 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     if (problem := check_latent_attention(m, p.context)) is not None:
         raise UserError(problem)
     _validate_moe(m, p)
+    if m.mtp_layers:
+        mtp_checks = [(m.arch == "llama", 'model.mtp_layers needs model.arch="llama"'),
+                      (p.pipeline == 1, "model.mtp_layers is not supported with parallel.pipeline > 1 yet; use "
+                                        "parallel.pipeline=1 (or model.mtp_layers=0)"),
+                      (0 < m.mtp_layers < m.seq_length and m.mtp_loss_weight >= 0,
+                       "model.mtp_layers must be in 1..seq_length-1 and model.mtp_loss_weight >= 0")]
+        for ok, message in mtp_checks:
+            if not ok:
+                raise UserError(message)
     if m.ffn_size % p.tensor:
         raise UserError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tensor={p.tensor}")
     _validate_context(m, p)
@@ -87,6 +96,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         (t.device in ("auto", "cpu", "cuda"), f'train.device="{t.device}" must be "auto", "cpu" or "cuda"'),
         (t.warmup_steps >= 0 and t.lr > 0, "train.lr must be > 0 and train.warmup_steps >= 0"),
         (0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)"),
+        (m.arch == "llama" or (not m.attention_bias and m.rope_fraction == 1),
+         'model.attention_bias and model.rope_fraction are Llama-family keys; use model.arch="llama"'),
+        (0 < m.rope_fraction <= 1 and int(m.attention_head_dim * m.rope_fraction) % 2 == 0,
+         f"model.rope_fraction={m.rope_fraction} must be in (0, 1] and leave an even number of rotary channels"),
         (m.attention_dropout < 1, f"model.attention_dropout={m.attention_dropout} must be < 1"),
         (config.data.tokenizer in ("gpt2", "bert", "json"),
          f'data.tokenizer="{config.data.tokenizer}" must be "gpt2", "bert" or "json"'),

@@ -3,9 +3,11 @@
 A tiny DeepSeek-V3-shaped model (Llama with MLA: q-LoRA rank 16, KV latent 16, q/k heads of 8 + 4 channels
 and v heads of 12; a dense first layer, then DeepSeek routing: 8 sigmoid-scored experts in 4 groups, the
 best 2 groups per token, a shared expert, routed scaling 2, a moving expert bias) trains 8 steps at TP=2,
-at TP=2 with sequence parallelism, at EP=2 (DP=2) and at PP=2 on a gloo world of 2: loss, gradient norm and
-aux loss at every step and every final parameter within 1e-5 of one process (fp32, dropout 0). Selective
-and full recomputation train bitwise as without.
+at TP=2 with sequence parallelism, at EP=2 (DP=2), at PP=2, at CP=2 (the ring carrying keys of 12 channels
+and values of 12, or values of 8 zero-padded to 12), with FSDP and with ZeRO-1 at DP=2 on a gloo world of 2,
+and at CP=2 x TP=2 with SP and EP=2 x TP=2 on a world of 4: loss, gradient norm and aux loss at every step
+and every final parameter within 1e-5 of one process (fp32, dropout 0). Selective and full recomputation
+train bitwise as without.
 
 The replicated down-projections (q_a, kv_a) and their norms receive only their own heads' share of the
 gradient on each TP rank; `f` on the latents sums the shares. After one backward at TP=2 their gradients
@@ -36,15 +38,25 @@ DEEPSEEK = {"moe_num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32, "mo
 GRADIENT_CHECKED = ("q_a.weight", "q_a_norm.weight", "kv_a.weight", "kv_a_norm.weight")
 
 
-def mla_config(tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1, recompute: str = "none", **model):
+def mla_config(tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1, recompute: str = "none", cp: int = 1,
+               train: dict | None = None, **model):
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
                   "vocab_size": VOCAB, "dropout": 0.0, **MLA, **DEEPSEEK, **model},
-        "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "pipeline": pp},
+        "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "pipeline": pp, "context": cp},
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
-                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "recompute": recompute},
+                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "recompute": recompute,
+                  **(train or {})},
     })
+
+
+def run_context(config, tp: int = 1, cp: int = 1, ep: int = 1):
+    """A check: train `config` on the whole world as DP x CP x TP with expert size `ep`."""
+    def check():
+        ctx = ParallelContext.from_process_group(tp, context_parallel=cp, expert_parallel=ep)
+        return train_layout(ctx, config)[:2]
+    return check
 
 
 def down_projection_gradients(ctx: ParallelContext) -> dict[str, torch.Tensor]:
@@ -74,9 +86,25 @@ def world2_checks():
         "tp2_sp": run_layout(mla_config(tp=2, sp=True), tp=2),
         "ep2": run_layout(mla_config(ep=2), ep=2),
         "pp2": run_layout(mla_config(pp=2), pp=2),  # stage 0: the dense MLA layer, stage 1: the MoE one
+        "cp2": run_context(mla_config(cp=2), cp=2),  # keys of 12 channels, values of 12: no padding needed
+        "cp2_narrow_values": run_context(mla_config(cp=2, v_head_dim=8), cp=2),  # values padded to 12
+        "fsdp_dp2": run_layout(mla_config(train={"data_sharding": "full"})),
+        "zero_dp2": run_layout(mla_config(train={"distributed_optimizer": True})),
         "grads_tp2": lambda: down_projection_gradients(ParallelContext.from_process_group(2)),
         "grads_tp2_without_f": skipped_all_reduce,
     })
+
+
+def world4_checks():
+    return run_checks({
+        "cp2_tp2_sp": run_context(mla_config(tp=2, cp=2, sp=True), tp=2, cp=2),
+        "ep2_tp2": run_layout(mla_config(tp=2, ep=2), tp=2, ep=2),
+    })
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world4_checks, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +119,26 @@ def reference():
     return train_layout(ctx, mla_config())[:2], down_projection_gradients(ParallelContext.single())
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2", "pp2"])
+@pytest.fixture(scope="module")
+def narrow_reference():
+    """One process, values of 8 channels (keys 12)."""
+    return train_layout(ParallelContext.single(), mla_config(v_head_dim=8))[:2]
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2", "pp2", "cp2", "fsdp_dp2", "zero_dp2"])
 def test_mla_deepseek_model_trains_as_one_process(world2, reference, name):
     for run_ in check_result(world2, name):
+        assert_same_run(run_, reference[0])
+
+
+def test_mla_context_parallel_with_values_narrower_than_keys(world2, narrow_reference):
+    for run_ in check_result(world2, "cp2_narrow_values"):
+        assert_same_run(run_, narrow_reference)
+
+
+@pytest.mark.parametrize("name", ["cp2_tp2_sp", "ep2_tp2"])
+def test_mla_deepseek_model_trains_as_one_process_world4(world4, reference, name):
+    for run_ in check_result(world4, name):
         assert_same_run(run_, reference[0])
 
 
@@ -140,8 +185,7 @@ def test_invalid_mla_configs_fail_in_one_line(change, words):
     assert "\n" not in str(error.value)
 
 
-def test_context_parallel_is_refused_with_mla():
-    config = mla_config()
-    config.parallel.context = 2
+def test_context_parallel_refuses_values_wider_than_keys():
+    config = mla_config(cp=2, v_head_dim=16)
     with pytest.raises(UserError, match="parallel.context"):
         validate(config, 2, check_paths=False)

@@ -10,12 +10,14 @@ Checks, each against one process within 1e-5 (fp32: losses, gradient norms, vali
 held-out rows and every final parameter, on every rank):
 - one process at micro-batch 1 (8 micro-batches) equals micro-batch 8 (the loss is normalized over the
   global batch's trained tokens, not per micro-batch);
-- world 2: DP=2, TP=2 with SP (GPT, Llama with grouped-query attention), PP=2 x 2 virtual stages (middle
-  stages need the documents too), CP=2 (GPT, Llama; the ring masks blocks by document), FSDP DP=2;
+- world 2: DP=2, TP=2 with SP (GPT, Llama with grouped-query attention, MLA), PP=2 x 2 virtual stages
+  (middle stages need the documents too), CP=2 (GPT, Llama, MLA with values narrower than keys; the ring
+  masks blocks by document; MLA with 2 multi-token-prediction depths, rolled within documents on the whole
+  rows before the split), FSDP DP=2;
 - world 4: TP=2 x DP=2 with the distributed optimizer, PP=2 x DP=2, CP=2 x DP=2, CP=2 x TP=2 with SP, and an
   MoE (Mixtral-style, 4 experts) at EP=2 x DP=2 against its own one-process run;
-- one process: the packed forward and its gradients equal the documents run one by one, unpacked, for GPT
-  and Llama (and differ from attention across documents: the control);
+- one process: the packed forward and its gradients equal the documents run one by one, unpacked, for GPT,
+  Llama and MLA (and differ from attention across documents: the control);
 - a run resumed mid-epoch (the epoch ends inside a step) continues bitwise.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_mla_parallel import MLA
 from test_moe_parallel import ROUTING, full_parameters
 from test_training import VOCAB, rel
 
@@ -68,11 +71,15 @@ def valid_data() -> PackedDataset:
 
 
 def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-               sp: bool = False, virtual: int = 1, moe: bool = False, **train):
+               sp: bool = False, virtual: int = 1, moe: bool = False, mtp: bool = False, **train):
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
              "vocab_size": VOCAB, "dropout": 0.0}
     if arch == "llama":
         model["num_kv_heads"] = 2
+    if arch == "mla":  # DeepSeek-V3's latent attention: keys of 12 channels, values of 8
+        model |= {"arch": "llama", **MLA, "v_head_dim": 8}
+    if mtp:  # and its multi-token prediction: 2 depths, rolled within each document
+        model |= {"mtp_layers": 2, "mtp_loss_weight": 0.3}
     if moe:
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
     schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
@@ -113,6 +120,9 @@ WORLD2 = {
     "pp2 virtual2 llama": layout(pp=2, virtual=2, micro=1, arch="llama"),
     "cp2 gpt": layout(cp=2),
     "cp2 llama": layout(cp=2, arch="llama"),
+    "cp2 mla": layout(cp=2, arch="mla"),
+    "tp2 sp mla": layout(tp=2, sp=True, arch="mla"),
+    "cp2 mla mtp": layout(cp=2, arch="mla", mtp=True),
     "fsdp dp2 llama": layout(arch="llama", data_sharding="full"),
 }
 WORLD4 = {
@@ -144,7 +154,8 @@ def reference():
     layouts' micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing."""
     ctx = ParallelContext.single()
     return {kind: train_layout(ctx, sft_config(arch, micro=micro, moe=moe)) for kind, (arch, micro, moe) in
-            {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "moe": ("gpt", 2, True)}.items()}
+            {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "mla": ("mla", 8, False),
+             "moe": ("gpt", 2, True)}.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True))}
 
 
 def assert_matches(value: dict, ref: dict, where: str) -> None:
@@ -158,7 +169,7 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
 
 
 def kind_of(name: str) -> str:
-    return "moe" if "moe" in name else "llama" if "llama" in name else "gpt"
+    return next((kind for kind in ("moe", "llama", "mtp", "mla") if kind in name), "gpt")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -208,7 +219,7 @@ def packed_and_unpacked(arch: str, documents: bool = True) -> tuple[dict, dict]:
             {"loss": unpacked.item(), **dict(zip(names, unpacked_grads))})
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "mla"])
 def test_packed_rows_equal_documents_one_by_one(arch):
     packed, unpacked = packed_and_unpacked(arch)
     assert abs(packed["loss"] - unpacked["loss"]) <= TOL * unpacked["loss"]

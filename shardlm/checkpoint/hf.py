@@ -5,7 +5,7 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe") convert through
+Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe") convert through
 `shardlm.checkpoint.hf_llama`, DeepSeek-V3 ones ("deepseek_v3", "kimi_k2") through `shardlm.checkpoint.hf_deepseek`.
 """
 
@@ -26,7 +26,8 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe")  # HF model types that `shardlm.checkpoint.hf_llama` converts
+# HF model types that `shardlm.checkpoint.hf_llama` converts
+LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe")
 DEEPSEEK = ("deepseek_v3", "kimi_k2")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

@@ -18,8 +18,10 @@ interleaved rotation is exactly rotate-half on those de-interleaved channels (th
 sums), and a round trip is bitwise. Routing maps to shardlm's DeepSeek options: sigmoid scores, the
 expert bias as a fixed bias (`moe_expert_bias`, moved only if moe_expert_bias_rate is set later),
 group-limited top-k by the sum of each group's two best scores, norm_topk_prob, routed_scaling_factor,
-dense first_k_dense_replace layers, shared experts. Multi-token prediction layers
-(num_nextn_predict_layers) are not imported: one line says so. No network.
+dense first_k_dense_replace layers, shared experts. Multi-token prediction depths
+(num_nextn_predict_layers; stored as layers num_hidden_layers + k with enorm, hnorm, eh_proj and
+shared_head.norm) map to `mtp.k.*` (`shardlm.models.mtp`); a directory without their weights (what
+transformers' save_pretrained writes) converts without them, with a note. No network.
 """
 
 from __future__ import annotations
@@ -67,24 +69,33 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
         top.append(("lm_head.weight", "lm_head.weight"))
     out = []
     for i in range(cfg.num_layers):
-        s, h = f"layers.{i}", f"model.layers.{i}"
-        out += [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
-                (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
-        attn = [("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj")] if cfg.q_lora_rank \
-            else [("q", "q_proj")]
-        attn += [("kv_a", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
-                 ("o", "o_proj")]
-        out += [(f"{s}.attn.{ours}.weight", f"{h}.self_attn.{theirs}.weight") for ours, theirs in attn]
-        mlp = ("gate", "up", "down")
-        if not cfg.is_moe_layer(i):
-            out += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in mlp]
-            continue
-        out += [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight"),
-                (f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
-        out += [(f"{s}.mlp.experts.{p}.{e}", f"{h}.mlp.experts.{e}.{p}_proj.weight")
-                for e in range(cfg.moe_num_experts) for p in mlp]
-        out += [(f"{s}.mlp.shared.{p}.weight", f"{h}.mlp.shared_experts.{p}_proj.weight") for p in mlp]
+        out += _layer_names(cfg, i, f"layers.{i}", f"model.layers.{i}")
+    for k in range(cfg.mtp_layers):  # DeepSeek stores depth k as layer num_hidden_layers + k
+        s, h = f"mtp.{k}", f"model.layers.{cfg.num_layers + k}"
+        out += [(f"{s}.enorm.weight", f"{h}.enorm.weight"), (f"{s}.hnorm.weight", f"{h}.hnorm.weight"),
+                (f"{s}.eh_proj", f"{h}.eh_proj.weight"), (f"{s}.post_norm.weight", f"{h}.shared_head.norm.weight")]
+        out += _layer_names(cfg, cfg.num_layers + k, f"{s}.block", h)
     return top + out
+
+
+def _layer_names(cfg: ModelConfig, i: int, s: str, h: str) -> list[tuple[str, str]]:
+    """(shardlm, HF) names of transformer layer `i`, under the prefixes `s` and `h`."""
+    out = [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
+           (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
+    attn = [("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj")] if cfg.q_lora_rank \
+        else [("q", "q_proj")]
+    attn += [("kv_a", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
+             ("o", "o_proj")]
+    out += [(f"{s}.attn.{ours}.weight", f"{h}.self_attn.{theirs}.weight") for ours, theirs in attn]
+    mlp = ("gate", "up", "down")
+    if not cfg.is_moe_layer(i):
+        return out + [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in mlp]
+    out += [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight"),
+            (f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
+    out += [(f"{s}.mlp.experts.{p}.{e}", f"{h}.mlp.experts.{e}.{p}_proj.weight")
+            for e in range(cfg.moe_num_experts) for p in mlp]
+    out += [(f"{s}.mlp.shared.{p}.weight", f"{h}.mlp.shared_experts.{p}_proj.weight") for p in mlp]
+    return out
 
 
 def _rope_keys(hf: dict) -> dict:
@@ -127,10 +138,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's DeepSeek-V3 does not compute")
-    mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
-    if mtp:
-        print(f"note: num_nextn_predict_layers={mtp}: multi-token prediction layers are not imported; shardlm "
-              "trains and runs the next-token head only", file=sys.stderr)
     first_dense = min(hf.get("first_k_dense_replace", 0) or 0, hf["num_hidden_layers"])
     return ModelConfig(
         arch="llama", attention="mla", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
@@ -145,7 +152,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
         moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0,
-        moe_expert_bias=True, **_rope_keys(hf))
+        moe_expert_bias=True, mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0,
+        **_rope_keys(hf))
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
@@ -175,7 +183,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "moe_intermediate_size": cfg.moe_ffn_size, "n_shared_experts": cfg.moe_shared_experts,
         "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_groups or 1,
         "topk_group": cfg.moe_topk_groups or 1, "norm_topk_prob": cfg.moe_norm_topk_prob,
-        "routed_scaling_factor": cfg.moe_routed_scaling, "num_nextn_predict_layers": 0,
+        "routed_scaling_factor": cfg.moe_routed_scaling, "num_nextn_predict_layers": cfg.mtp_layers,
         "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "attention_bias": False, "attention_dropout": cfg.attention_dropout_p,
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
@@ -211,6 +219,11 @@ def from_hf(hf_dir: Path, out: Path) -> Path:
     located = _weight_files(hf_dir)
     if not config.model.tie_embeddings and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
+    mtp_probe = f"model.layers.{config.model.num_layers}.eh_proj.weight"
+    if config.model.mtp_layers and mtp_probe not in located:  # transformers saves the main model only
+        print(f"note: num_nextn_predict_layers={config.model.mtp_layers} but {hf_dir} has no multi-token "
+              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
+        config.model.mtp_layers = 0
     interleaved = hf.get("rope_interleave", True)
     tensors, handles = {}, {}
     for ours, theirs in name_map(config.model):

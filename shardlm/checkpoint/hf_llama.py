@@ -1,5 +1,5 @@
-"""Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM` and
-`Qwen3MoeForCausalLM` directories <-> shardlm's consolidated checkpoint.
+"""Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`,
+`Qwen3MoeForCausalLM` and `Glm4MoeForCausalLM` (GLM-4.5) directories <-> shardlm's consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -18,6 +18,10 @@ compare logits with transformers to catch any layout slip). Names:
              ....mlp.experts.e.{gate,up,down}_proj   layers.i.mlp.experts.{gate,up,down}.e
 
 Qwen3 is Llama with `qk_norm` (an RMSNorm over each head's q and k) and an explicit `head_dim`.
+GLM-4.5 (`glm4_moe`) is Llama with q/k/v biases (`attention_bias`), RoPE on the first half of each head
+(`rope_fraction` = partial_rotary_factor, rotate-half as Llama), optional q/k norms (use_qk_norm) and
+DeepSeek-V3's routing: `mlp.gate.e_score_correction_bias` -> `router.expert_bias`,
+`mlp.shared_experts.*` -> `mlp.shared.*`. Its multi-token prediction layers are not read.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
@@ -47,7 +51,10 @@ TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_tem
 
 
 def hf_kind(cfg: ModelConfig) -> str:
-    """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral" or "qwen3_moe"."""
+    """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe" or "glm4_moe"
+    (sigmoid routing, GLM-4.5)."""
+    if cfg.moe_num_experts and cfg.moe_score == "sigmoid":
+        return "glm4_moe"
     if cfg.moe_num_experts:
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
     return "qwen3" if cfg.qk_norm else "llama"
@@ -61,6 +68,10 @@ def _moe_names(kind: str, s: str, h: str, experts: int) -> list[tuple[str, str]]
         return names + [(f"{s}.mlp.experts.{ours}.{e}", f"{block}.experts.{e}.{theirs}.weight")
                         for e in range(experts) for ours, theirs in projections]
     names = [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight")]
+    if kind == "glm4_moe":  # DeepSeek-V3's names: the score-correction bias and the shared expert
+        names += [(f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
+        names += [(f"{s}.mlp.shared.{p}.weight", f"{h}.mlp.shared_experts.{p}_proj.weight")
+                  for p in ("gate", "up", "down")]
     return names + [(f"{s}.mlp.experts.{p}.{e}", f"{h}.mlp.experts.{e}.{p}_proj.weight")
                     for e in range(experts) for p in ("gate", "up", "down")]
 
@@ -77,6 +88,8 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
         layers += [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
                    (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
         layers += [(f"{s}.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
+        if cfg.attention_bias:
+            layers += [(f"{s}.attn.{p}.bias", f"{h}.self_attn.{p}_proj.bias") for p in "qkv"]
         if cfg.is_moe_layer(i):
             layers += _moe_names(kind, s, h, cfg.moe_num_experts)
         else:
@@ -96,6 +109,8 @@ def _moe_from_hf(hf: dict) -> dict:
         return {"moe_num_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
                 "moe_ffn_hidden_size": hf["intermediate_size"], "moe_norm_topk_prob": True,
                 "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+    if kind == "glm4_moe":
+        return _glm4_moe_routing(hf)
     if kind != "qwen3_moe":
         return {}
     dense = list(hf.get("mlp_only_layers") or [])
@@ -107,6 +122,22 @@ def _moe_from_hf(hf: dict) -> dict:
             "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_first_dense_layers": len(dense),
             "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+
+
+def _glm4_moe_routing(hf: dict) -> dict:
+    """GLM-4.5's `model.moe_*` keys: DeepSeek-V3's routing (sigmoid scores with the score-correction bias,
+    group-limited top-k, a shared expert, dense first layers, routed scaling)."""
+    groups = hf.get("n_group") or 1
+    if (hf.get("n_shared_experts") or 0) < 1 or (groups > 1 and hf["n_routed_experts"] // groups < 2):
+        raise UserError("the HF model has no shared expert or one-expert groups, which shardlm's GLM-4.5 does "
+                        "not compute")
+    return {"moe_num_experts": hf["n_routed_experts"], "moe_top_k": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_shared_experts": hf["n_shared_experts"],
+            "moe_first_dense_layers": min(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]),
+            "moe_score": "sigmoid", "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "moe_routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
+            "moe_groups": groups if groups > 1 else 0, "moe_topk_groups": (hf.get("topk_group") or 1) if groups > 1
+            else 0, "moe_expert_bias": True}
 
 
 def _rope(hf: dict) -> tuple[float, str]:
@@ -122,11 +153,13 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     """shardlm's [model] section for a HF LlamaConfig or Qwen3Config dict; UserError for what shardlm's Llama
     does not compute."""
     heads = hf["num_attention_heads"]
-    qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe")
+    glm = hf.get("model_type") == "glm4_moe"
+    qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe") or (glm and bool(hf.get("use_qk_norm")))
     theta, rope_type = _rope(hf)
+    fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     refusals = [
         (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
-        (not hf.get("attention_bias") and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
+        ((glm or not hf.get("attention_bias")) and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
         (not hf.get("use_sliding_window") and (hf.get("model_type") != "mixtral" or not hf.get("sliding_window")),
          "sliding-window attention (use_sliding_window / sliding_window)"),
@@ -142,15 +175,18 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
                        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        head_dim=0 if hf.get("head_dim") in (None, hf["hidden_size"] // heads) else hf["head_dim"],
-                       qk_norm=qwen3, **_moe_from_hf(hf))
+                       qk_norm=qwen3, attention_bias=glm and bool(hf.get("attention_bias")),
+                       rope_fraction=float(fraction or 1.0), **_moe_from_hf(hf))
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
-    """The HF MoE keys of a Mixtral or Qwen3-MoE model; UserError for routing neither computes."""
+    """The HF MoE keys of a Mixtral, Qwen3-MoE or GLM-4.5 model; UserError for routing it does not compute."""
+    if kind == "glm4_moe":
+        return _glm4_moe_to_hf(cfg)
     unsupported = [(cfg.moe_score != "softmax", f'moe_score="{cfg.moe_score}"'),
                    (cfg.moe_shared_experts > 0, "shared experts"), (cfg.moe_groups > 0, "group-limited routing"),
                    (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_layer_interval != 1,
@@ -171,6 +207,21 @@ def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
             "mlp_only_layers": list(range(cfg.moe_first_dense_layers))}
 
 
+def _glm4_moe_to_hf(cfg: ModelConfig) -> dict:
+    """Glm4MoeConfig's routing keys (sigmoid scores, score-correction bias, shared experts)."""
+    unsupported = [(cfg.moe_shared_experts < 1, "no shared expert"), (cfg.moe_layer_interval != 1,
+                                                                      "moe_layer_interval > 1"),
+                   (cfg.moe_groups > 0 and cfg.moe_num_experts // cfg.moe_groups < 2, "one-expert groups")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"Glm4MoeForCausalLM has {what}; this MoE model does not convert to it")
+    return {"n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
+            "moe_intermediate_size": cfg.moe_ffn_size, "n_shared_experts": cfg.moe_shared_experts,
+            "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_groups or 1,
+            "topk_group": cfg.moe_topk_groups or 1, "norm_topk_prob": cfg.moe_norm_topk_prob,
+            "routed_scaling_factor": cfg.moe_routed_scaling, "use_qk_norm": cfg.qk_norm, "num_nextn_predict_layers": 0}
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral or Qwen3-MoE)."""
     kind = hf_kind(cfg)
@@ -182,8 +233,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "head_dim": cfg.attention_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout_p,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
+                            **({"partial_rotary_factor": cfg.rope_fraction} if cfg.rope_fraction != 1 else {})},
+        "attention_bias": cfg.attention_bias, "mlp_bias": False, "attention_dropout": cfg.attention_dropout_p,
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **moe,
     }
 
@@ -223,7 +275,9 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     cfg = config.model
     hf = {}
     for ours, theirs in name_map(cfg):
-        value = tensors[f"model/{ours}"]
+        value = tensors.get(f"model/{ours}")
+        if value is None and ours.endswith("router.expert_bias"):  # a router trained without one: a zero bias
+            value = torch.zeros(cfg.moe_num_experts)
         hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

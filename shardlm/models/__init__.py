@@ -52,10 +52,21 @@ def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | 
     """Mean next-token cross-entropy of a (B, T + 1) token batch, or of an (inputs, targets) pair of (B, T')
     (a context-parallel rank's part, `shardlm.training.data.context_parallel_part`). Packed rows (a dict
     of `inputs`, `targets`, `documents`, `divisor`, `shardlm.training.data.packed_parts`): the sum of the
-    trained tokens' losses over `divisor`."""
+    trained tokens' losses over `divisor` (the mean when it is None). With `mtp` in the dict (DeepSeek-V3's
+    multi-token prediction, `shardlm.training.data.add_multi_token_targets`): the value is the next-token
+    loss, the gradient adds `mtp_weight` x the mean over depths, recorded in `batch["mtp_loss"]`."""
     if isinstance(batch, dict):
-        losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"])
-        return losses.sum() / batch["divisor"]
+        mtp = batch.get("mtp")
+        losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"], mtp=mtp)
+        main = losses[0] if mtp is not None else losses
+        loss = main.mean() if batch["divisor"] is None else main.sum() / batch["divisor"]
+        if mtp is None:
+            return loss
+        # multi-token prediction: each depth's token losses over its global divisor, their mean weighted into
+        # the gradient only (Megatron-Core's MTPLossAutoScaler), so the returned value stays the LM loss
+        mtp_loss = torch.stack([losses[k + 1].sum() / d for k, d in enumerate(batch["mtp_divisors"])]).mean()
+        batch["mtp_loss"] = mtp_loss.detach()
+        return loss + batch["mtp_weight"] * (mtp_loss - mtp_loss.detach())
     inputs, targets = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
     return forward(inputs, targets).mean()
 

@@ -28,14 +28,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
     part and `exchange` ("ring" or "allgather", the run's `parallel.cp_comm`) says how K/V move.
     `dropout_p`: attention dropout (0 in evaluation; refused under CP), drawn under `rng.fork()` (the
     model-parallel RNG tracker: heads differ per TP rank, so must their dropout masks).
-    `scale`: the softmax scale in place of 1 / sqrt(d) (MLA: v may have another head size than q and k,
-    (B, H, T, d_v) then; not under CP).
+    `scale`: the softmax scale in place of 1 / sqrt(d) (MLA: v may have a smaller head size than q and k,
+    (B, H, T, d_v) then; under CP the values are zero-padded to the keys' size for the ring and the
+    output cut back).
     `documents`: the micro-batch's packed documents; each token then attends within its own document only."""
     if cp.size > 1:
-        if scale is not None:
-            raise ValueError("context-parallel attention computes the default softmax scale only")
-        return context_parallel_attention(q, k, v, cp, exchange=exchange, dropout_p=dropout_p,
-                                          segments=None if documents is None else documents.segments)
+        segments = None if documents is None else documents.segments
+        d_v = v.shape[-1]
+        if d_v != k.shape[-1]:  # MLA: values padded with zeros to the key size travel with the keys; P [v | 0]
+            v = F.pad(v, (0, k.shape[-1] - d_v))  # = [P v | 0], so the output's first d_v channels are exact
+        out = context_parallel_attention(q, k, v, cp, scale=scale, exchange=exchange, dropout_p=dropout_p,
+                                         segments=segments)
+        return out if out.shape[-1] == d_v else out[..., :d_v]
     if documents is not None:
         if dropout_p > 0:
             with rng.fork():

@@ -60,6 +60,10 @@ class ModelConfig:
     """Llama: channels per attention head; 0 means hidden_size / num_heads (Qwen3 sets it, e.g. 128 at h = 2048)."""
     qk_norm: bool = False
     """Llama: RMSNorm over each head's query and key before RoPE (Qwen3's q_norm and k_norm)."""
+    attention_bias: bool = False
+    """Llama: biases on the q, k and v projections (GLM-4.5's attention_bias; the output projection has none)."""
+    rope_fraction: float = 1.0
+    """Llama: share of each head's channels that RoPE rotates, the first ones (GLM-4.5's partial_rotary_factor 0.5)."""
     attention: str = "mha"
     """Llama: "mha" (multi-head / grouped-query attention) or "mla" (DeepSeek-V3's multi-head latent attention)."""
     q_lora_rank: int = 0
@@ -114,6 +118,10 @@ class ModelConfig:
     """MoE aux-loss-free balancing (DeepSeek-V3): expert bias step per optimizer step; 0 uses no bias."""
     moe_expert_bias: bool = False
     """MoE: keep an expert bias at moe_expert_bias_rate = 0 too (a DeepSeek-V3 checkpoint's e_score_correction_bias)."""
+    mtp_layers: int = 0
+    """Llama: multi-token prediction depths (DeepSeek-V3's num_nextn_predict_layers); depth k predicts k+1 ahead."""
+    mtp_loss_weight: float = 0.1
+    """Weight of the mean multi-token-prediction loss over the depths, added to the next-token loss."""
 
     @property
     def ffn_size(self) -> int:

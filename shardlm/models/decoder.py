@@ -209,8 +209,17 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None, mtp: tuple | None = None) -> torch.Tensor:
+        """`mtp` = (inputs, targets), each (D, B, T), the rolled tokens of the model's D multi-token-prediction
+        depths (`shardlm.models.mtp.rolled_targets`): the result is then (1 + D, B, T) per-token losses, the
+        next-token loss first."""
         hidden = self.hidden_states(tokens, cache, documents)
+        if targets is not None and mtp is not None:
+            losses = [self.output_loss(hidden, targets, ignore_index)]
+            for layer, inputs, depth_targets in zip(self.mtp, *mtp):
+                hidden = layer(self.embed(inputs, 0, documents), hidden, documents)
+                losses.append(self.output_loss(hidden, depth_targets, ignore_index))
+            return torch.stack(losses)
         if targets is not None:
             return self.output_loss(hidden, targets, ignore_index)
         logits = self.output_layer(hidden)

@@ -89,18 +89,22 @@ class KeyValueProjection(nn.Module):
         self.rows = (first * head_dim, last * head_dim)
         self.split = kv_heads_are_split(cfg.kv_heads, ctx.tp_size)
         full = (cfg.kv_heads * head_dim, cfg.hidden_size)
+        rows = slice(*self.rows) if self.split else slice(None)
+        self.weight = nn.Parameter(normal_shard(full, cfg.init_std, seed, 0, *self.rows, device=ctx.device)
+                                   if self.split else normal_shard(full, cfg.init_std, seed, device=ctx.device))
+        self.bias = nn.Parameter(torch.zeros(full[0], device=ctx.device)[rows]) if cfg.attention_bias else None
         if self.split:
-            self.weight = nn.Parameter(normal_shard(full, cfg.init_std, seed, 0, *self.rows, device=ctx.device))
-            self.weight.tensor_parallel_dim = 0
-        else:
-            self.weight = nn.Parameter(normal_shard(full, cfg.init_std, seed, device=ctx.device))
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.tensor_parallel_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, local KV heads x head_dim)."""
         if self.split:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         weight = copy_to_tensor_parallel(self.weight, self.tp)  # every rank's share of the gradient, summed
-        return F.linear(x, weight[self.rows[0]:self.rows[1]])
+        bias = None if self.bias is None else copy_to_tensor_parallel(self.bias, self.tp)[self.rows[0]:self.rows[1]]
+        return F.linear(x, weight[self.rows[0]:self.rows[1]], bias)
 
 
 class LlamaAttention(nn.Module):
@@ -119,7 +123,8 @@ class LlamaAttention(nn.Module):
         self.context_exchange = context_exchange
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         width = cfg.num_heads * self.head_dim  # hidden_size unless head_dim is set
-        self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=False, std=cfg.init_std,
+        self.rotary_dim = int(self.head_dim * cfg.rope_fraction)  # the first channels of each head rotate
+        self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=cfg.attention_bias, std=cfg.init_std,
                                       seed=param_seed(seed, f"{prefix}.q"), device=ctx.device)
         self.k = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.k"))
         self.v = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.v"))
@@ -153,15 +158,16 @@ class LlamaAttention(nn.Module):
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
-        q = F.linear(x, self.q.weight).view(B, T, self.heads, self.head_dim)
+        q = F.linear(x, self.q.weight, self.q.bias).view(B, T, self.heads, self.head_dim)
         k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         # the tokens' original positions (this CP rank's zigzag part under context parallelism)
-        cos, sin = rotary_angles(token_positions(T, self.ctx.cp, past, documents, x.device), self.head_dim, self.theta)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cos, sin = rotary_angles(token_positions(T, self.ctx.cp, past, documents, x.device), self.rotary_dim,
+                                 self.theta)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv_heads, past + T, head_dim)
         if self.kv_index is not None:
@@ -174,6 +180,12 @@ class LlamaAttention(nn.Module):
         else:
             y = self.core(q, k, v, documents)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first `rotary_dim` channels of each head of x (B, heads, T, head_dim); the rest pass."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        return torch.cat((apply_rotary(x[..., :self.rotary_dim], cos, sin), x[..., self.rotary_dim:]), dim=-1)
 
     def head_norm(self, norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's channels, x (B, T, local heads, head_dim); the weight's gradient summed over TP."""
@@ -265,6 +277,13 @@ class Llama(DecoderLM):
                 self.lm_head.weight[max(0, cfg.vocab_size - first_row):].zero_()
         # what the last pipeline stage keeps besides its layers
         self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
+        self.mtp = None
+        if cfg.mtp_layers:  # DeepSeek-V3's multi-token prediction depths (`shardlm.models.mtp`)
+            from shardlm.models.mtp import MTPLayer
+
+            self.mtp = nn.ModuleList(
+                MTPLayer(cfg, ctx, seed, k, LlamaBlock(cfg, ctx, seed, cfg.num_layers + k, sp, False, options),
+                         nn.RMSNorm, sp) for k in range(cfg.mtp_layers))
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -21,7 +21,9 @@ through `f` (all-reduce in the backward) on the way into the heads, so the repli
 block input receive the full gradient on every rank. Under sequence parallelism the down-projections
 run on this rank's sequence chunk, `f` is the sequence all-gather `f_sp` of the latents (fewer channels
 than the hidden size), and their weights' partial gradients are summed by the trainer (`sequence_parallel`).
-Context parallelism is not supported with MLA (`check_latent_attention`).
+Under context parallelism the expanded keys and values go around the ring (`causal_attention`); values
+narrower than the keys are zero-padded to the keys' size for the ring, which changes no output channel.
+Packed documents (SFT) work as in GPT and Llama: positions restart per document, attention stays inside.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
         return "model.q_lora_rank must be >= 0 and model.qk_rope_head_dim even"
     if m.num_kv_heads or m.head_dim or m.qk_norm:
         return 'model.num_kv_heads, head_dim and qk_norm do not apply to model.attention="mla" (remove them)'
-    if context > 1:
-        return 'parallel.context > 1 is not supported with model.attention="mla"; use parallel.context=1'
+    if m.v_head_dim > m.qk_nope_head_dim + m.qk_rope_head_dim and context > 1:
+        return ("model.v_head_dim larger than qk_nope_head_dim + qk_rope_head_dim is not supported with "
+                "parallel.context > 1; use parallel.context=1")
     return None
 
 

@@ -174,7 +174,8 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
     (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
     the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
-    layer (V_padded x h each) split by vocabulary rows; no biases. With multi-head latent attention the layer's
+    layer (V_padded x h each) split by vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5). With
+    multi-head latent attention the layer's
     attention is `_mla_count`'s."""
     h, layers = cfg.hidden_size, cfg.num_layers
     if cfg.attention == "mla":
@@ -192,9 +193,14 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     layer_sharded = 2 * a_local * h + (2 * kv_held * h if kv_split else 0)
     norms = 2 if cfg.qk_norm else 0
     layer_replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
+    biases = 3 if cfg.attention_bias else 0  # q (split with its heads), k and v (split or replicated as their weights)
+    if biases:
+        layer_sharded += a_local + (2 * kv_held if kv_split else 0)
+        layer_replicated += 0 if kv_split else 2 * kv_held
     outputs = 1 if cfg.tie_embeddings else 2
     attention = ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
-                               replicated=layers * layer_replicated + h, tensors=(6 + norms) * layers + 1 + outputs,
+                               replicated=layers * layer_replicated + h,
+                               tensors=(6 + norms + biases) * layers + 1 + outputs,
                                matrix=layers * (2 * a_local * h + 2 * kv_used * h))
     return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
 

@@ -24,6 +24,7 @@ GPT2_VOCAB = 50257
 BERT_VOCAB = 30522
 LLAMA3_VOCAB = 128256
 MIXTRAL_VOCAB = 32000
+GLM45_VOCAB = 151552
 QWEN3_VOCAB = 151936
 DEEPSEEK_V3_VOCAB = 129280
 MOONLIGHT_VOCAB = 163840
@@ -90,6 +91,21 @@ def _moonlight_16b_a3b() -> ModelConfig:
                        moe_norm_topk_prob=True, moe_routed_scaling=2.446, moe_expert_bias_rate=0.001)
 
 
+def _glm45(layers: int, hidden: int, dense_ffn: int, experts: int, expert_ffn: int, dense_layers: int,
+           qk_norm: bool) -> ModelConfig:
+    """GLM-4.5 (zai-org/GLM-4.5 and GLM-4.5-Air, Glm4MoeForCausalLM): 96 query heads and 8 KV heads of 128
+    channels with q/k/v biases, RoPE on the first half of each head (theta 1e6), the first `dense_layers`
+    dense, the others with `experts` routed experts (top-8, sigmoid scores with the score-correction bias)
+    and one shared expert of the same width; vocabulary 151,552, untied; sequence 4096. The
+    multi-token-prediction layer is not counted."""
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=96, num_kv_heads=8,
+                       head_dim=128, qk_norm=qk_norm, attention_bias=True, rope_fraction=0.5, seq_length=4096,
+                       vocab_size=GLM45_VOCAB, ffn_hidden_size=dense_ffn, rope_theta=1e6, layernorm_epsilon=1e-5,
+                       dropout=0.0, moe_num_experts=experts, moe_top_k=8, moe_ffn_hidden_size=expert_ffn,
+                       moe_shared_experts=1, moe_first_dense_layers=dense_layers, moe_score="sigmoid",
+                       moe_norm_topk_prob=True, moe_routed_scaling=2.5 if qk_norm else 1.0, moe_expert_bias=True)
+
+
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(arch="bert", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=512,
                        vocab_size=BERT_VOCAB)
@@ -114,6 +130,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 64, 12288, 1536),
     "deepseek-v3": _deepseek_v3(),
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
+    "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
+    "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),
 }
 # Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
 SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),

@@ -28,6 +28,7 @@ from shardlm.config import DataConfig
 from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
 from shardlm.models.documents import Documents
+from shardlm.models.mtp import rolled_targets
 
 IGNORE_INDEX = -100
 
@@ -157,4 +158,40 @@ def packed_parts(batches: list[dict], ctx) -> list[dict]:
             inputs, targets = (zigzag_split(x, ctx.cp_size, ctx.cp_rank) for x in (inputs, targets))
         documents = Documents.from_positions(batch["position_ids"], ctx.cp_size, ctx.cp_rank)
         parts.append({"inputs": inputs, "targets": targets, "documents": documents, "divisor": divisor})
+    return parts
+
+
+def token_parts(batches: list, ctx) -> list[dict]:
+    """Plain token micro-batches ((b, T + 1), or a CP rank's (inputs, targets) pair) as the dict packed rows
+    use, with no documents and a mean loss (divisor None): the form multi-token prediction adds to."""
+    parts = []
+    for batch in batches:
+        inputs, targets = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
+        parts.append({"inputs": inputs, "targets": targets, "documents": None, "divisor": None})
+    return parts
+
+
+def add_multi_token_targets(raw: list, parts: list[dict], ctx, depths: int, weight: float) -> list[dict]:
+    """Give each part (`packed_parts` / `token_parts` of the whole-row micro-batches `raw`) its multi-token-
+    prediction inputs and targets, `mtp` = (inputs, targets) each (D, b, T / C), rolled on the whole rows
+    before the context-parallel split and within documents (`shardlm.models.mtp.rolled_targets`), the
+    per-depth divisors (the global count of valid targets / (M x DP x C), one all-reduce of D counts over
+    DP) and the loss weight."""
+    rolled, counts = [], torch.zeros(depths, dtype=torch.float64, device=ctx.device)
+    for batch in raw:
+        if is_packed(batch):
+            ids, labels = batch["input_ids"], batch["labels"]
+            segments = Documents.from_positions(batch["position_ids"]).segments
+        else:
+            ids, labels, segments = batch[:, :-1], batch[:, 1:], None
+        per_depth = [rolled_targets(ids, labels, k + 1, segments) for k in range(depths)]
+        counts += torch.tensor([float((t != IGNORE_INDEX).sum()) for _, t in per_depth], dtype=torch.float64,
+                               device=ctx.device)
+        rolled.append(per_depth)
+    ctx.dp.all_reduce(counts)
+    divisors = (counts.clamp(min=1) / (len(raw) * ctx.dp_size * ctx.cp_size)).tolist()
+    for part, per_depth in zip(parts, rolled):
+        inputs, targets = (torch.stack([x if ctx.cp_size == 1 else zigzag_split(x, ctx.cp_size, ctx.cp_rank)
+                                        for x in column]) for column in zip(*per_depth))
+        part.update(mtp=(inputs, targets), mtp_divisors=divisors, mtp_weight=weight)
     return parts

@@ -34,7 +34,14 @@ from shardlm.errors import UserError
 from shardlm.models import training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
-from shardlm.training.data import context_parallel_part, is_packed, micro_batches, packed_parts
+from shardlm.training.data import (
+    add_multi_token_targets,
+    context_parallel_part,
+    is_packed,
+    micro_batches,
+    packed_parts,
+    token_parts,
+)
 from shardlm.training.gradients import (
     all_reduce_gradients,
     is_split_expert,
@@ -181,8 +188,12 @@ class Trainer:
         if self.scaler:
             self.scaler.update(overflow)
         moe_metrics = {}
+        if self.config.model.mtp_layers:  # the depths' mean loss over the global batch (logged, not in "loss")
+            mtp_sum = torch.stack([b["mtp_loss"] for b in batches]).sum()
+            ctx.dp_cp.all_reduce(mtp_sum)
+            moe_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step
-            moe_metrics = finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
+            moe_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
                                       update_bias=not overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -233,6 +244,12 @@ class Trainer:
         """This rank's share of each micro-batch: the batch itself, or under context parallelism the
         (inputs, targets) of its zigzag chunks (`context_parallel_part`); packed rows become `packed_parts`
         (inputs, targets, documents and the global token count's divisor)."""
+        m = self.config.model
+        if m.mtp_layers:  # the rolled targets of every depth come from the whole rows, before the CP split
+            parts = packed_parts(batches, self.ctx) if is_packed(batches[0]) else token_parts(
+                [context_parallel_part(b, self.ctx.cp_size, self.ctx.cp_rank) if self.ctx.cp_size > 1 else b
+                 for b in batches], self.ctx)
+            return add_multi_token_targets(batches, parts, self.ctx, m.mtp_layers, m.mtp_loss_weight)
         if is_packed(batches[0]):
             return packed_parts(batches, self.ctx)
         if self.ctx.cp_size == 1:
