@@ -67,6 +67,16 @@ KEYS = {
                    "most alive at once during a step (peak_bytes), and peak_ratio_to_none",
     "fsdp.comm.matches_formula": "true when one FSDP step's all-gathers and reduce-scatters (calls, unsharded "
                                  "elements) equal the formula, resharded after the forward and kept gathered",
+    "sft.attention": "forward + backward ms of attention over packed rows of real chat documents: "
+                     "per_document_ms (`document_causal_attention`), dense_mask_ms (one SDPA with the block-causal "
+                     "mask), causal_row_ms (causal SDPA over whole rows) and ratio_dense_over_per_document, per round",
+    "sft.throughput.ratio": "shardlm SFT real (non-padding) tokens/s / TRL SFTTrainer's on the same tiny Qwen3, "
+                            "records and bfd packing, per pair of steps (the two take turns, one step each)",
+    "sft.throughput": "per trainer (shardlm, trl): tokens_per_sec, step_ms and real_tokens_per_step after the warm-up "
+                      "steps; ratio_of_totals, trl_lm_head_loss_fraction (TRL's step share in its chunked LM head and "
+                      "log-probabilities); `error` when it could not run",
+    "sft.packing": "per strategy (bfd, pad = one conversation per row): rows, real tokens and efficiency (real tokens "
+                   "per row token)",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
     "checkpoint.load_s": "seconds to verify and load them",
     "preprocess.by_workers": "documents/s and tokens/s of `shardlm preprocess` per worker count",
@@ -180,6 +190,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.fsdp import markdown_lines as fsdp_lines
 
         lines += fsdp_lines(r["fsdp"])
+    if r.get("sft"):
+        from shardlm.bench.sft import markdown_lines as sft_lines
+
+        lines += sft_lines(r["sft"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",
