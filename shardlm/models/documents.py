@@ -136,9 +136,10 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             index = torch.tensor(members, device=q.device)
             qs, ks, vs = q.index_select(0, index), k.index_select(0, index), v.index_select(0, index)
-        pieces = [F.scaled_dot_product_attention(qs[:, :, a:e], ks[:, :, a:e], vs[:, :, a:e], is_causal=True,
-                                                 scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
-                  for a, e in zip(row, row[1:])]
+        lengths = [e - a for a, e in zip(row, row[1:])]  # split, not slices: its backward is one concatenation
+        pieces = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                                 enable_gqa=gqa)
+                  for qd, kd, vd in zip(*(x.split(lengths, dim=2) for x in (qs, ks, vs)))]
         out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
         if len(members) == batch:
             return out
