@@ -188,7 +188,9 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     `mla_weights` and the score and value products 2 s H (qk_nope + qk_rope) + 2 s H v_head_dim.
 
     An MoE layer counts what a token activates: its top-k and shared experts' MLPs (2 or 3 h x f_e
-    matrices each, f_e = the expert width) and the router's h x E gate, instead of the dense MLP."""
+    matrices each, f_e = the expert width) and the router's h x E gate, instead of the dense MLP.
+    Each multi-token-prediction depth (`mtp_layers`) adds its 2h x h projection, one more layer of its
+    index's kind and the output head."""
     s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     ffn_ratio = cfg.ffn_size / h
     layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)
@@ -199,12 +201,17 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     if cfg.arch == "llama" and cfg.attention == "mla":
         heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         layer_forward = layers * (2 * (mla_weights(cfg) + 3 * h * cfg.ffn_size) + 2 * s * heads * (qk + cfg.v_head_dim))
+    one_layer = layer_forward / layers
+    moe_change = 0.0  # what an MoE layer adds to (or saves from) a dense one
     if cfg.moe_num_experts:
         matrices = 3 if cfg.arch == "llama" else 2
-        moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
         active = (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.moe_ffn_size
-        layer_forward += moe_layers * 2 * h * (matrices * (active - cfg.ffn_size) + cfg.moe_num_experts)
-    forward = layer_forward + 2 * h * v
+        moe_change = 2 * h * (matrices * (active - cfg.ffn_size) + cfg.moe_num_experts)
+        layer_forward += sum(cfg.is_moe_layer(i) for i in range(layers)) * moe_change
+    # multi-token prediction: per depth eh_proj (2h -> h), one more layer of its index's kind, the output head
+    mtp = sum(4 * h * h + one_layer + (moe_change if cfg.is_moe_layer(layers + k) else 0.0) + 2 * h * v
+              for k in range(cfg.mtp_layers))
+    forward = layer_forward + 2 * h * v + mtp
     return 3 * forward + (layer_forward if recompute else 0.0)
 
 
