@@ -56,3 +56,21 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
     config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_at_eod=False)
     generated = generate_tokens(model, tokens[:, :PROMPT].tolist(), config)
     return logits, [g.tokens for g in generated]
+
+
+def assert_round_trip(converted, saved_dir, out_dir, model_class, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """`to_hf` of the converted file gives bitwise the tensors transformers saved in `saved_dir`, under the same
+    names, and `model_class.from_pretrained` of it gives bitwise the reference `logits` of `tokens`."""
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint.hf import to_hf
+
+    out = to_hf(converted, out_dir)
+    original = load_file(str(saved_dir / "model.safetensors"))
+    back = load_file(str(out / "model.safetensors"))
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        assert torch.equal(back[name], value), name
+    reloaded = model_class.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, logits)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, logits_and_greedy
+from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
 from safetensors.torch import load_file
 from test_hf_moe import worker_world2  # TP=2 and EP=2 logits and greedy tokens of each converted model
 
@@ -116,15 +116,8 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, kind, 
     from transformers import DeepseekV3ForCausalLM
 
     ref = hf_models[kind]
-    out = to_hf(ref["converted"], tmp_path / "back")
-    original = load_file(str(ref["root"] / "hf" / "model.safetensors"))
-    back = load_file(str(out / "model.safetensors"))
-    assert back.keys() == original.keys()
-    for name, value in original.items():
-        assert torch.equal(back[name], value), name
-    reloaded = DeepseekV3ForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(hf_models["tokens"]).logits, ref["logits"])
+    assert_round_trip(ref["converted"], ref["root"] / "hf", tmp_path / "back", DeepseekV3ForCausalLM,
+                      hf_models["tokens"], ref["logits"])
 
 
 def test_interleaved_rotary_rows_are_permuted(hf_models):

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, logits_and_greedy
-from safetensors.torch import load_file
+from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
 from test_mla_parallel import mla_config
 from test_moe_parallel import STEPS, assert_same_run, train_layout
 
-from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.models.moe import route, sequence_balance_loss
 from shardlm.parallel import ParallelContext
@@ -122,15 +121,8 @@ def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference,
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, kind, tmp_path):
     ref = reference[kind]
-    out = to_hf(ref["converted"], tmp_path / "back")
-    original = load_file(str(ref["root"] / "hf" / "model.safetensors"))
-    back = load_file(str(out / "model.safetensors"))
-    assert back.keys() == original.keys()
-    for name, value in original.items():
-        assert torch.equal(back[name], value), name
-    reloaded = type(hf_model(kind)).from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(reference["tokens"]).logits, ref["logits"])
+    assert_round_trip(ref["converted"], ref["root"] / "hf", tmp_path / "back", type(hf_model(kind)),
+                      reference["tokens"], ref["logits"])
 
 
 # ------------------------------------------------------------------------- sequence-wise balance loss

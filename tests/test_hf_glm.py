@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, logits_and_greedy
-from safetensors.torch import load_file
+from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
 from test_moe_parallel import STEPS, assert_same_run, train_layout
 
-from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.config import from_dict
 from shardlm.parallel import ParallelContext
@@ -125,15 +124,8 @@ def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference,
 
 
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
-    out = to_hf(reference["converted"], tmp_path / "back")
-    original = load_file(str(reference["root"] / "hf" / "model.safetensors"))
-    back = load_file(str(out / "model.safetensors"))
-    assert back.keys() == original.keys()
-    for name, value in original.items():
-        assert torch.equal(back[name], value), name
-    reloaded = type(hf_model()).from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(reference["tokens"]).logits, reference["logits"])
+    assert_round_trip(reference["converted"], reference["root"] / "hf", tmp_path / "back", type(hf_model()),
+                      reference["tokens"], reference["logits"])
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, logits_and_greedy
-from safetensors.torch import load_file
+from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
 
-from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.parallel import ParallelContext
 
@@ -111,12 +110,5 @@ def test_parallel_logits_and_greedy_tokens_match_transformers(world2, hf_models,
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, kind, tmp_path):
     ref = hf_models[kind]
-    out = to_hf(ref["converted"], tmp_path / "back")
-    original = load_file(str(ref["root"] / "hf" / "model.safetensors"))
-    back = load_file(str(out / "model.safetensors"))
-    assert back.keys() == original.keys()
-    for name, value in original.items():
-        assert torch.equal(back[name], value), name
-    reloaded = type(hf_model_of(kind)).from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(hf_models["tokens"]).logits, ref["logits"])
+    assert_round_trip(ref["converted"], ref["root"] / "hf", tmp_path / "back", type(hf_model_of(kind)),
+                      hf_models["tokens"], ref["logits"])

@@ -114,8 +114,10 @@ def launch(argv: list[str], shutdown_timeout: int, checkpoints: Path) -> int:
             code = failures[first].exitcode if first is not None else 1
             if code in (TERMINATED_EXIT_CODE, INTERRUPTED_EXIT_CODE) and report.read_text().strip():
                 return code  # a worker, not this process, got the signal; the workers said where they stopped
-            if code == UserError.exit_code:  # a user error: the workers printed its line
-                return code
+            if any(f.exitcode == UserError.exit_code for f in failures.values()):
+                # a user error: the workers printed its line (a worker the agent stopped first may report a
+                # signal instead: whichever rank exits first, the run ends the same way)
+                return UserError.exit_code
             print(f"shardlm: training failed on {len(failures)} worker(s); see the messages above", file=sys.stderr)
             return code if code and code > 0 else 1
         finally:

@@ -187,14 +187,14 @@ class Trainer:
             self.skipped_steps += 1
         if self.scaler:
             self.scaler.update(overflow)
-        moe_metrics = {}
+        step_metrics = {}
         if self.config.model.mtp_layers:  # the depths' mean loss over the global batch (logged, not in "loss")
             mtp_sum = torch.stack([b["mtp_loss"] for b in batches]).sum()
             ctx.dp_cp.all_reduce(mtp_sum)
-            moe_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
+            step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step
-            moe_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
-                                      update_bias=not overflow)
+            step_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
+                                        update_bias=not overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += t.global_batch_size
@@ -207,7 +207,7 @@ class Trainer:
             "loss_scale": scale, "skipped": overflow, "step_time_s": elapsed,
             "tokens_per_sec": tokens / elapsed, "tflops": tflops,
             "tflops_per_device": tflops / ctx.world_size,
-            "mfu": mfu, **({"mfu_error": mfu_error} if mfu_error else {}), **moe_metrics,
+            "mfu": mfu, **({"mfu_error": mfu_error} if mfu_error else {}), **step_metrics,
         }
 
     @torch.no_grad()
