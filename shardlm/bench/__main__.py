@@ -3,7 +3,8 @@
 Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficiency vs PyTorch's TP,
 communication vs the formula, memory per rank, the pipeline's bubble and memory per stage, the
 planner's memory and step-time ratios for PP x TP x DP layouts against measurements, Mixture-of-Experts
-training against transformers' Mixtral and expert parallelism, context parallelism at a long sequence,
+training against transformers' Mixtral and expert parallelism, a tiny DeepSeek-V3's training step
+against transformers' DeepseekV3ForCausalLM, context parallelism at a long sequence,
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
 over packed rows, throughput against TRL's SFTTrainer, packing efficiency), checkpoint I/O, preprocessing,
 evaluation and generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline": lambda: _pipeline(args.quick, repeats),
         "plan3d": lambda: _plan3d(args.quick, repeats),
         "moe": lambda: _moe(args.quick, repeats),
+        "deepseek": lambda: _deepseek(args.quick, repeats),
         "context_parallel": lambda: _context_parallel(args.quick, repeats),
         "fsdp": lambda: _fsdp(args.quick, repeats),
         "sft": lambda: _sft(args.quick, repeats, results),
@@ -113,6 +115,12 @@ def _moe(quick, repeats):
     from shardlm.bench.moe import moe_bench
 
     return moe_bench(quick, repeats)
+
+
+def _deepseek(quick, repeats):
+    from shardlm.bench.deepseek import deepseek_bench
+
+    return deepseek_bench(quick, repeats)
 
 
 def _context_parallel(quick, repeats):

@@ -53,6 +53,13 @@ KEYS = {
                                 "multiplies bf16 natively, else {skipped: why}",
     "moe.expert_parallel.all_to_all.matches_formula": "true when one EP=2 step's all-to-all bytes (summed over the "
                                                       "group) and calls per rank equal the formula",
+    "deepseek.fp32.ratio": "shardlm tokens/s / transformers' DeepseekV3ForCausalLM as shipped, per round (fp32; "
+                           "deepseek.bf16.ratio under bf16 autocast where the CPU has native bf16)",
+    "deepseek.fp32": "per precision: step_ms and tokens_per_sec of shardlm, hf (as shipped) and hf_eager (its "
+                     "per-expert loop), ratio, ratio_eager, hf_experts_implementation, experts_dtype",
+    "deepseek.loss_check.match": "true when transformers' losses of steps 1 and 2 (fp32, same weights and batch) are "
+                                 "within 1e-4 of shardlm's",
+    "deepseek.goal.met": "true when the fp32 median of deepseek.fp32.ratio is at least 1.2",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
@@ -182,6 +189,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.moe import markdown_lines as moe_lines
 
         lines += moe_lines(r["moe"])
+    if r.get("deepseek"):
+        from shardlm.bench.deepseek import markdown_lines as deepseek_lines
+
+        lines += deepseek_lines(r["deepseek"])
     if r.get("context_parallel"):
         from shardlm.bench.context_parallel import markdown_lines as context_lines
 
