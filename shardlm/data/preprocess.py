@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -189,10 +190,17 @@ def _start_pool(config: PreprocessConfig):
     # Children inherit the variable: one tokenizer thread each, and no fork-after-threads warning.
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Forked workers must die on SIGTERM from their first instruction: a `pool.terminate()` that reaches a
+    # worker before its initializer resets the handler would otherwise run the command's inherited Python
+    # handler there, and the pool's join would wait for it forever. So they are forked with the default one.
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main_thread else None
     try:
         return multiprocessing.get_context(method).Pool(
             config.workers, initializer=_init_worker, initargs=(config,))
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, handler)
         if previous is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
