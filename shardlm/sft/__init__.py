@@ -7,7 +7,8 @@
 - `packing`: `PackedRows` packs tokenized conversations into rows (best-fit-decreasing, greedy or padded) with
   shifted labels, per-document position ids and `cu_seqlens`; `check_targets` refuses a batch with nothing
   to train on.
-- the attention that keeps packed documents apart is the models' (`shardlm.models.documents`).
-
-Training wiring (`shardlm sft`) is still to come; see docs/sft.md. Submodules are imported on use.
+- `dataset`: what an `[sft]` run of `shardlm train` reads (`build_sft_datasets`, `PackedDataset`).
+The attention that keeps packed documents apart is the models' (`shardlm.models.documents`); the loss over the
+global batch's assistant tokens is the trainer's (`shardlm.training.data.packed_parts`). See docs/sft.md.
+Submodules are imported on use.
 """
