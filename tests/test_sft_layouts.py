@@ -15,7 +15,7 @@ held-out rows and every final parameter, on every rank):
   masks blocks by document; MLA with 2 multi-token-prediction depths, rolled within documents on the whole
   rows before the split), FSDP DP=2;
 - world 4: TP=2 x DP=2 with the distributed optimizer, PP=2 x DP=2, CP=2 x DP=2, CP=2 x TP=2 with SP, and an
-  MoE (Mixtral-style, 4 experts) at EP=2 x DP=2 against its own one-process run;
+  MoE (Mixtral-style, 4 experts) at EP=2 over DP=4 against its own one-process run;
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, for GPT,
   Llama and MLA (and differ from attention across documents: the control);
 - a run resumed mid-epoch (the epoch ends inside a step) continues bitwise.
@@ -130,7 +130,7 @@ WORLD4 = {
     "pp2 dp2 gpt": layout(pp=2, micro=1),
     "cp2 dp2 llama": layout(cp=2, arch="llama"),
     "cp2 tp2 sp gpt": layout(cp=2, tp=2, sp=True),
-    "ep2 dp2 moe": layout(ep=2, moe=True),
+    "ep2 dp4 moe": layout(ep=2, moe=True),
 }
 
 
