@@ -224,8 +224,7 @@ class LatentAttention(nn.Module):
         """positions (T,) -> (cos, sin), each (T, rope) fp32, scaled by YaRN's attention factor; (B, T) ->
         (B, 1, T, rope)."""
         inv_freq, factor = rope_inverse_frequencies(self.cfg, positions.device)
-        cos, sin = angles_of(positions, inv_freq)
-        return cos * factor, sin * factor
+        return angles_of(positions, inv_freq, factor)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:

@@ -178,10 +178,9 @@ def add_multi_token_targets(raw: list, parts: list[dict], ctx, depths: int, weig
     per-depth divisors (the global count of valid targets / (M x DP x C), one all-reduce of D counts over
     DP) and the loss weight."""
     rolled, counts = [], torch.zeros(depths, dtype=torch.float64, device=ctx.device)
-    for batch in raw:
-        if is_packed(batch):
-            ids, labels = batch["input_ids"], batch["labels"]
-            segments = Documents.from_positions(batch["position_ids"]).segments
+    for batch, part in zip(raw, parts):
+        if is_packed(batch):  # the documents of the whole rows, as `packed_parts` read them
+            ids, labels, segments = batch["input_ids"], batch["labels"], part["documents"].segments
         else:
             ids, labels, segments = batch[:, :-1], batch[:, 1:], None
         per_depth = [rolled_targets(ids, labels, k + 1, segments) for k in range(depths)]
