@@ -116,6 +116,13 @@ def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
     assert tokens == reference["greedy"]
 
 
+def test_the_hf_directory_itself_loads_without_converting(reference):
+    """What `checkpoint.init_from=DIR` and `--checkpoint DIR` read: the directory in place gives the same logits."""
+    logits, tokens = logits_and_greedy(reference["root"] / "hf", ParallelContext.single(), reference["tokens"])
+    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
+    assert tokens == reference["greedy"]
+
+
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
     for logits, tokens in check_result(world2, f"logits {layout}"):

@@ -249,3 +249,32 @@ def test_resume_mid_epoch_is_bitwise(tmp_path):
     resumed_trainer = Trainer(sft_config(micro=4, steps=6), ctx, train_data())
     load_checkpoint(resumed_trainer, str(tmp_path))
     assert [resumed_trainer.train_step()["loss"] for _ in range(3)] == straight
+
+
+# ------------------------------------------------------------------------------------ recomputation
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_reruns_attention_with_the_documents(monkeypatch, mode):
+    """Selective (the attention core) and full (whole layers) recomputation on packed rows: every attention
+    core runs twice per micro-batch instead of once (the rerun happened), and the curve and parameters are
+    bitwise those of no recomputation (the rerun saw the same documents)."""
+    from shardlm.models.gpt import ParallelAttention
+
+    original, calls = ParallelAttention.core, []
+
+    def counted(self, q, k, v, documents=None):
+        calls.append(documents is not None)
+        return original(self, q, k, v, documents)
+
+    monkeypatch.setattr(ParallelAttention, "core", counted)
+    runs = {}
+    for recompute in ("none", mode):
+        calls.clear()
+        runs[recompute] = train_layout(ParallelContext.single(), sft_config(micro=4, recompute=recompute))
+        runs[recompute]["calls"] = list(calls)
+    plain, rerun = runs["none"], runs[mode]
+    assert all(rerun["calls"]) and len(rerun["calls"]) > len(plain["calls"])
+    trained_calls = STEPS * 2 * 4  # steps x micro-batches x layers
+    assert len(rerun["calls"]) - len(plain["calls"]) == trained_calls
+    assert rerun["curve"] == plain["curve"] and rerun["valid"] == plain["valid"]
+    assert all(torch.equal(rerun["params"][n], p) for n, p in plain["params"].items())
