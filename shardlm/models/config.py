@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,16 @@ class ModelConfig:
     """Llama: biases on the q, k and v projections (GLM-4.5's attention_bias; the output projection has none)."""
     rope_fraction: float = 1.0
     """Llama: share of each head's channels that RoPE rotates, the first ones (GLM-4.5's partial_rotary_factor 0.5)."""
+    attention_output_bias: bool = False
+    """Llama: a bias on the attention output projection too (gpt-oss; GLM-4.5 has none)."""
+    attention_sinks: bool = False
+    """Llama: a learned logit per head that joins every softmax row as one more key without a value (gpt-oss's
+    sinks): softmax over [scores, sink], the sink's share dropped."""
+    sliding_window: int = 0
+    """Llama: on sliding-window layers a query attends to the last `sliding_window` tokens, itself included; 0: none."""
+    layer_types: list = field(default_factory=list)
+    """Llama: per layer "full_attention" or "sliding_attention" (gpt-oss alternates them, starting with a sliding
+    one); empty: every layer slides when sliding_window is set."""
     attention: str = "mha"
     """Llama: "mha" (multi-head / grouped-query attention) or "mla" (DeepSeek-V3's multi-head latent attention)."""
     q_lora_rank: int = 0
@@ -116,6 +126,17 @@ class ModelConfig:
     """MoE: the load-balancing loss over each micro-batch's tokens ("micro_batch"), or per sequence averaged over
     the sequences ("sequence": DeepSeek-V3's complementary sequence-wise loss, counts from the top-k of the
     unbiased scores)."""
+    moe_router_bias: bool = False
+    """MoE: a bias on the router's gate logits (gpt-oss)."""
+    moe_linear_bias: bool = False
+    """MoE: biases on each expert's gate/up and down projections (gpt-oss)."""
+    swiglu_limit: float = 0.0
+    """MoE experts: when > 0, gpt-oss's clamped SwiGLU: gate clamped above at the limit, up to [-limit, limit],
+    out = (up + 1) x gate x sigmoid(swiglu_alpha x gate)."""
+    swiglu_alpha: float = 1.702
+    """MoE experts: the sigmoid's slope in gpt-oss's clamped SwiGLU."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the correction range to whole channels (transformers' truncate; gpt-oss sets it false)."""
     moe_z_loss_coeff: float = 0.0
     """MoE: coefficient of the router z-loss, the mean of logsumexp(gate logits)^2."""
     moe_expert_bias_rate: float = 0.0
@@ -142,6 +163,12 @@ class ModelConfig:
         """Whether layer `index` (0-based) has an MoE layer in place of its dense MLP."""
         first = self.moe_first_dense_layers
         return self.moe_num_experts > 0 and index >= first and (index - first) % self.moe_layer_interval == 0
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) attends within the sliding window."""
+        if not self.sliding_window:
+            return False
+        return not self.layer_types or self.layer_types[index % len(self.layer_types)] == "sliding_attention"
 
     @property
     def attention_head_dim(self) -> int:
