@@ -103,6 +103,17 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         (0 < m.rope_fraction <= 1 and int(m.attention_head_dim * m.rope_fraction) % 2 == 0,
          f"model.rope_fraction={m.rope_fraction} must be in (0, 1] and leave an even number of rotary channels"),
         (m.attention_dropout < 1, f"model.attention_dropout={m.attention_dropout} must be < 1"),
+        (m.arch == "llama" and m.attention == "mha" or not (m.attention_sinks or m.sliding_window
+                                                            or m.attention_output_bias),
+         'model.attention_sinks, sliding_window and attention_output_bias need model.arch="llama" with '
+         'model.attention="mha"'),
+        (m.sliding_window >= 0, f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)"),
+        (not m.layer_types or (len(m.layer_types) == m.num_layers and set(m.layer_types) <= {
+            "full_attention", "sliding_attention"}), f"model.layer_types must list {m.num_layers} entries, each "
+         '"full_attention" or "sliding_attention"'),
+        (m.attention_dropout_p == 0 or not (m.attention_sinks or m.sliding_window),
+         "attention dropout is not supported with attention sinks or sliding windows; set model.attention_dropout=0"),
+        (m.swiglu_limit >= 0 and m.swiglu_alpha > 0, "model.swiglu_limit must be >= 0 and model.swiglu_alpha > 0"),
         (config.data.tokenizer in ("gpt2", "bert", "json"),
          f'data.tokenizer="{config.data.tokenizer}" must be "gpt2", "bert" or "json"'),
         (bool(config.sft.data) or bool(config.data.text_file) != bool(config.data.prefixes),
@@ -264,6 +275,8 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
         (groups == 0 or m.moe_topk_groups * (e // max(groups, 1)) >= m.moe_top_k,
          f"model.moe_topk_groups={m.moe_topk_groups} groups of {e // max(groups, 1)} experts cannot hold "
          f"model.moe_top_k={m.moe_top_k} experts; raise moe_topk_groups"),
+        (m.arch == "llama" or not (m.moe_linear_bias or m.swiglu_limit),
+         'model.moe_linear_bias and model.swiglu_limit are for SwiGLU experts; use model.arch="llama"'),
         (p.expert_dispatcher in ("all_to_all", "all_gather"),
          f'parallel.expert_dispatcher="{p.expert_dispatcher}" must be "all_to_all" or "all_gather"'),
     ]

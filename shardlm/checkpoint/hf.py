@@ -5,8 +5,9 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe") convert through
-`shardlm.checkpoint.hf_llama`, DeepSeek-V3 ones ("deepseek_v3", "kimi_k2") through `shardlm.checkpoint.hf_deepseek`.
+Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss") convert
+through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through `shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3
+ones ("deepseek_v3", "kimi_k2") through `shardlm.checkpoint.hf_deepseek`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 # HF model types that `shardlm.checkpoint.hf_llama` converts
-LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe")
+LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -36,10 +37,13 @@ ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu"
 class HFTensor:
     """One tensor of an HF directory in shardlm's layout, read on demand. `convert` (GPT-2's transposes and QKV
     reordering) needs the whole tensor; without it (Llama-family names map one to one) `shape()` reads only the
-    header and `part(dim, start, end)` only the rows asked for. Calling it returns the whole fp32 tensor."""
+    header and `part(dim, start, end)` only the rows asked for. Calling it returns the whole fp32 tensor.
+    `select`: read only entry `select` of the first dimension (one expert of a stacked expert tensor) before
+    `convert`."""
 
-    def __init__(self, handles: dict, path: Path, name: str, convert: Callable | None = None):
-        self.handles, self.path, self.name, self.convert = handles, path, name, convert
+    def __init__(self, handles: dict, path: Path, name: str, convert: Callable | None = None,
+                 select: int | None = None):
+        self.handles, self.path, self.name, self.convert, self.select = handles, path, name, convert, select
 
     def _file(self):
         if self.path not in self.handles:
@@ -47,16 +51,21 @@ class HFTensor:
         return self.handles[self.path]
 
     def __call__(self) -> torch.Tensor:
-        value = self._file().get_tensor(self.name).float()
+        if self.select is None:
+            value = self._file().get_tensor(self.name).float()
+        else:
+            value = self._file().get_slice(self.name)[self.select].float()
         return (value if self.convert is None else self.convert(value)).contiguous()
 
     def shape(self) -> list[int] | None:
         """The shape, or None when it is known only after converting the whole tensor."""
-        return None if self.convert is not None else list(self._file().get_slice(self.name).get_shape())
+        if self.convert is not None or self.select is not None:
+            return None
+        return list(self._file().get_slice(self.name).get_shape())
 
     def part(self, dim: int, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) along `dim`, fp32 (only those are read when there is no conversion)."""
-        if self.convert is not None:
+        if self.convert is not None or self.select is not None:
             return self().narrow(dim, start, end - start).contiguous()
         index = [slice(None)] * len(self.shape())
         index[dim] = slice(start, end)

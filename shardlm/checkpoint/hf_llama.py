@@ -1,5 +1,6 @@
 """Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`,
-`Qwen3MoeForCausalLM` and `Glm4MoeForCausalLM` (GLM-4.5) directories <-> shardlm's consolidated checkpoint.
+`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5) and `GptOssForCausalLM` (its names and MXFP4 experts:
+`shardlm.checkpoint.hf_gpt_oss`) directories <-> shardlm's consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -40,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardlm.checkpoint import files
+from shardlm.checkpoint import files, hf_gpt_oss
 from shardlm.checkpoint.hf import HFTensor
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
@@ -51,8 +52,10 @@ TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_tem
 
 
 def hf_kind(cfg: ModelConfig) -> str:
-    """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe" or "glm4_moe"
-    (sigmoid routing, GLM-4.5)."""
+    """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe"
+    (sigmoid routing, GLM-4.5) or "gpt_oss" (attention sinks)."""
+    if cfg.attention_sinks:
+        return "gpt_oss"
     if cfg.moe_num_experts and cfg.moe_score == "sigmoid":
         return "glm4_moe"
     if cfg.moe_num_experts:
@@ -255,10 +258,14 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     Mixtral, Qwen3-MoE); nothing is read until a tensor is asked for, and then only the rows asked for."""
     if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
         raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
-    config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    gpt_oss = hf_config.get("model_type") == "gpt_oss"
+    config = RunConfig(model=(hf_gpt_oss.model_config_from_hf if gpt_oss else model_config_from_hf)(hf_config))
     if (hf_dir / "tokenizer.json").is_file():
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
     located = _weight_files(hf_dir)
+    if gpt_oss:
+        return config, hf_gpt_oss.sources_for(config.model, located, hf_dir)
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     handles: dict = {}
@@ -274,17 +281,20 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     """Write a consolidated Llama-family checkpoint's (config, tensors) as a HF directory (`hf_config_from_model`)."""
     cfg = config.model
     hf = {}
-    for ours, theirs in name_map(cfg):
+    for ours, theirs in ([] if cfg.attention_sinks else name_map(cfg)):
         value = tensors.get(f"model/{ours}")
         if value is None and ours.endswith("router.expert_bias"):  # a router trained without one: a zero bias
             value = torch.zeros(cfg.moe_num_experts)
         hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
+    hf_config = hf_gpt_oss.hf_config_from_model(cfg) if cfg.attention_sinks else hf_config_from_model(cfg)
+    if cfg.attention_sinks:
+        hf = hf_gpt_oss.tensors_to_hf(cfg, tensors)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     files.ordinary_permissions(tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
         shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
         for name in TOKENIZER_FILES:  # the chat template and special tokens beside it, when there are any

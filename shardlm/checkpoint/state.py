@@ -29,7 +29,8 @@ from shardlm.parallel import ParallelContext
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation",
               "num_kv_heads", "tie_embeddings", "moe_num_experts", "moe_ffn_hidden_size", "moe_shared_experts",
               "moe_first_dense_layers", "moe_layer_interval", "head_dim", "qk_norm", "attention", "q_lora_rank",
-              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias",
+              "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias")
 
 
 def rng_file(rank: int) -> str:
@@ -241,7 +242,8 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
             dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
         wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
         if is_expert(param):  # this rank's experts, each read by its global index
-            local = {prefix: torch.stack([reader.read(f"{prefix}/{key}", dim - 1, start, end) for key in stored])
+            split = None if dim is None else dim - 1  # an expert's down bias is whole on every TP rank
+            local = {prefix: torch.stack([reader.read(f"{prefix}/{key}", split, start, end) for key in stored])
                      .to(param.device) for prefix in wanted if f"{prefix}/{stored[0]}" in keys}
         else:
             local = {prefix: reader.read(f"{prefix}/{name}", dim, start, end).to(param.device)

@@ -5,8 +5,10 @@ grouped-query attention when k and v have fewer heads than q. Without context pa
 PyTorch's `scaled_dot_product_attention`; under context parallelism (`cp.size` > 1) the sequence is
 this rank's zigzag part and the keys and values of the other CP ranks come around the ring
 (`shardlm.parallel.ring_attention`). With `documents` (packed rows, `shardlm.models.documents`) a token
-attends only to earlier tokens of its own document, with or without CP. A model picks its projections,
-positions and head layout; the attention math and its CP and document branches live here once.
+attends only to earlier tokens of its own document, with or without CP. gpt-oss's attention sinks and
+sliding windows run in tiles (`shardlm.parallel.tiled_attention`) without CP and in the ring with it.
+`cached_attention` is the KV-cached decoding step. A model picks its projections, positions and head layout;
+the attention math and its CP, document, window and sink branches live here once.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch.nn.functional as F
 
 from shardlm.models.documents import Documents, document_causal_attention
 from shardlm.parallel.ring_attention import context_parallel_attention
+from shardlm.parallel.tiled_attention import tiled_attention
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, exchange: str = "ring",
                      dropout_p: float = 0.0, rng=None, scale: float | None = None,
-                     documents: Documents | None = None) -> torch.Tensor:
+                     documents: Documents | None = None, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v: q (B, H, T, d), k and v (B, Hkv, T, d) with H a multiple of Hkv
     -> (B, H, T, d).
 
@@ -31,15 +35,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
     `scale`: the softmax scale in place of 1 / sqrt(d) (MLA: v may have a smaller head size than q and k,
     (B, H, T, d_v) then; under CP the values are zero-padded to the keys' size for the ring and the
     output cut back).
-    `documents`: the micro-batch's packed documents; each token then attends within its own document only."""
+    `documents`: the micro-batch's packed documents; each token then attends within its own document only.
+    `window` > 0: each query sees the keys less than `window` positions behind it (a sliding-window layer).
+    `sinks` (H,): each head's sink logit, one more softmax entry without a value (gpt-oss); neither takes
+    attention dropout."""
+    segments = None if documents is None else documents.segments
     if cp.size > 1:
-        segments = None if documents is None else documents.segments
         d_v = v.shape[-1]
         if d_v != k.shape[-1]:  # MLA: values padded with zeros to the key size travel with the keys; P [v | 0]
             v = F.pad(v, (0, k.shape[-1] - d_v))  # = [P v | 0], so the output's first d_v channels are exact
         out = context_parallel_attention(q, k, v, cp, scale=scale, exchange=exchange, dropout_p=dropout_p,
-                                         segments=segments)
+                                         segments=segments, window=window, sinks=sinks)
         return out if out.shape[-1] == d_v else out[..., :d_v]
+    if window or sinks is not None:
+        if dropout_p > 0:
+            raise ValueError("attention dropout is not supported with sliding windows or attention sinks")
+        return tiled_attention(q, k, v, scale=scale, window=window, sinks=sinks, segments=segments)
     if documents is not None:
         if dropout_p > 0:
             with rng.fork():
@@ -51,3 +62,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa,
                                                   scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, *, window: int = 0,
+                     sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """One decoding step over a KV cache: q (B, H, T, d) the positions past .. past + T - 1, k and v
+    (B, Hkv, past + T, d) -> (B, H, T, d); causal, within `window` when set, with `sinks` (H,) when given."""
+    T, total = q.shape[2], k.shape[2]
+    query_pos = torch.arange(past, past + T, device=q.device)[:, None]
+    distance = query_pos - torch.arange(total, device=q.device)[None, :]
+    visible = (distance >= 0) & ((distance < window) if window else True)
+    gqa = k.shape[1] != q.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-2, -1) * scale).masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
+

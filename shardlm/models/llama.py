@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.models.attention import causal_attention
+from shardlm.models.attention import cached_attention, causal_attention
 from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import (
     DecoderLM,
@@ -48,7 +48,7 @@ from shardlm.models.decoder import (
 )
 from shardlm.models.documents import Documents, token_positions
 from shardlm.models.moe import mlp_or_moe
-from shardlm.models.rotary import apply_rotary, rotary_angles
+from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -108,17 +108,20 @@ class KeyValueProjection(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Causal grouped-query self-attention with RoPE; query heads split over TP. (B, T, h) -> (B, T, h)."""
+    """Causal grouped-query self-attention with RoPE; query heads split over TP. (B, T, h) -> (B, T, h).
+
+    gpt-oss's pieces: `window` > 0 makes this a sliding-window layer; `cfg.attention_sinks` adds a learned
+    sink logit per head (split over TP with the heads), `cfg.attention_output_bias` a bias on the output
+    projection; YaRN (`cfg.rope_yarn_factor`) changes the rotary frequencies and scales cos and sin."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
                  sequence_parallel: bool = False, selective_recompute: bool = False,
-                 context_exchange: str = "ring"):
+                 context_exchange: str = "ring", window: int = 0):
         super().__init__()
-        self.ctx, self.tp = ctx, ctx.tp
+        self.ctx, self.tp, self.cfg, self.window = ctx, ctx.tp, cfg, window
         self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
         self.heads = cfg.num_heads // ctx.tp_size
         self.head_dim = cfg.attention_head_dim
-        self.theta = cfg.rope_theta
         self.dropout = cfg.attention_dropout_p
         self.context_exchange = context_exchange
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -128,7 +131,7 @@ class LlamaAttention(nn.Module):
                                       seed=param_seed(seed, f"{prefix}.q"), device=ctx.device)
         self.k = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.k"))
         self.v = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.v"))
-        self.o = RowParallelLinear(width, cfg.hidden_size, ctx.tp, bias=False, std=out_std,
+        self.o = RowParallelLinear(width, cfg.hidden_size, ctx.tp, bias=cfg.attention_output_bias, std=out_std,
                                    seed=param_seed(seed, f"{prefix}.o"), device=ctx.device,
                                    sequence_parallel=sequence_parallel)
         # Qwen3: RMSNorm over each head's channels of q and k, weights (head_dim,) shared by every head and
@@ -137,6 +140,13 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.sinks = None
+        if cfg.attention_sinks:  # one logit per head, this rank's heads
+            start = ctx.tp_rank * self.heads
+            sinks = normal_shard((cfg.num_heads, 1), cfg.init_std, param_seed(seed, f"{prefix}.sinks"), 0, start,
+                                 start + self.heads, device=ctx.device)
+            self.sinks = nn.Parameter(sinks.flatten())
+            self.sinks.tensor_parallel_dim = 0
         first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, ctx.tp_size, ctx.tp_rank)
         self.kv_heads = last - first
         group = cfg.num_heads // cfg.kv_heads
@@ -165,14 +175,16 @@ class LlamaAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         # the tokens' original positions (this CP rank's zigzag part under context parallelism)
-        cos, sin = rotary_angles(token_positions(T, self.ctx.cp, past, documents, x.device), self.rotary_dim,
-                                 self.theta)
+        inv_freq, factor = rope_inverse_frequencies(self.cfg, self.rotary_dim, x.device)
+        cos, sin = angles_of(token_positions(T, self.ctx.cp, past, documents, x.device), inv_freq, factor)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv_heads, past + T, head_dim)
         if self.kv_index is not None:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        if past > 0:
+        if past > 0 and (self.window or self.sinks is not None):
+            y = cached_attention(q, k, v, past, window=self.window, sinks=self.sinks)
+        elif past > 0:
             mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != self.heads)
         elif self.selective_recompute and self.training and torch.is_grad_enabled():
@@ -199,7 +211,7 @@ class LlamaAttention(nn.Module):
         this rank's zigzag part, and only the KV heads travel around the ring (`causal_attention`)."""
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
                                 dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng,
-                                documents=documents)
+                                documents=documents, window=self.window, sinks=self.sinks)
 
 
 class SwiGLU(nn.Module):
@@ -231,12 +243,14 @@ class LlamaBlock(PreNormBlock):
                  sequence_parallel: bool = False, selective_recompute: bool = False,
                  options: ParallelOptions | None = None):
         options = options or ParallelOptions()
-        attention = LlamaAttention
+        args = (cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel, selective_recompute,
+                options.context_exchange)
         if cfg.attention == "mla":  # DeepSeek-V3's multi-head latent attention
-            from shardlm.models.mla import LatentAttention as attention
-        super().__init__(nn.RMSNorm,
-                         attention(cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel,
-                                   selective_recompute, options.context_exchange),
+            from shardlm.models.mla import LatentAttention
+            attention = LatentAttention(*args)
+        else:
+            attention = LlamaAttention(*args, window=cfg.sliding_window if cfg.is_sliding_layer(index) else 0)
+        super().__init__(nn.RMSNorm, attention,
                          mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True,
                                     dispatcher=options.expert_dispatcher),
                          cfg, ctx, sequence_parallel)

@@ -43,7 +43,7 @@ from shardlm.models.decoder import (
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents, token_positions
-from shardlm.models.rotary import angles_of, apply_rotary
+from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies, yarn_mscale
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
@@ -76,36 +76,6 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
         return ("model.v_head_dim larger than qk_nope_head_dim + qk_rope_head_dim is not supported with "
                 "parallel.context > 1; use parallel.context=1")
     return None
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_inverse_frequencies(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies (rope / 2,) fp32, cos/sin factor) of MLA's rotary channels: the default
-    theta^(-2i / rope), or transformers' YaRN blend of interpolated and extrapolated frequencies."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    factor = cfg.rope_yarn_factor
-    if not factor:
-        return 1.0 / pos_freqs, 1.0
-    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(cfg.rope_yarn_original_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low if high != low else 0.001))
-    extrapolation = 1 - ramp.clamp(0, 1)
-    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
-    if cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
-        scale = yarn_mscale(factor, cfg.rope_yarn_mscale) / yarn_mscale(factor, cfg.rope_yarn_mscale_all_dim)
-    else:
-        scale = yarn_mscale(factor)
-    return inv_freq, float(scale)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -223,7 +193,7 @@ class LatentAttention(nn.Module):
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) -> (cos, sin), each (T, rope) fp32, scaled by YaRN's attention factor; (B, T) ->
         (B, 1, T, rope)."""
-        inv_freq, factor = rope_inverse_frequencies(self.cfg, positions.device)
+        inv_freq, factor = rope_inverse_frequencies(self.cfg, self.cfg.qk_rope_head_dim, positions.device)
         return angles_of(positions, inv_freq, factor)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

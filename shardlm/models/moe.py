@@ -27,7 +27,8 @@ detached loss) in `recorded`; summing those over ranks and steps and moving the 
 training side's (`shardlm.training.moe.finish_step`).
 
 Experts (`GroupedExperts`): the E / ep experts of this expert-parallel rank as stacked weights, an MLP
-like the family's dense one (GPT: fc -> GeLU -> proj; Llama: SwiGLU), without biases. Expert tensor
+like the family's dense one (GPT: fc -> GeLU -> proj; Llama: SwiGLU), without biases unless
+`moe_linear_bias` (gpt-oss, whose experts also clamp their SwiGLU: `swiglu_limit`). Expert tensor
 parallelism equals TP: every expert's first matrices are column-split and its last row-split over the
 TP group exactly like the dense MLP, so TP ranks run the same tokens and the partial sums are reduced
 once per layer (`g`). Compute is `torch._grouped_mm` (one GEMM over all experts) when the shapes allow
@@ -152,15 +153,22 @@ class _AttachLoss(torch.autograd.Function):
 class Router(nn.Module):
     """Gate (E, h) in fp32, replicated on every rank (its gradient summed over TP under sequence
     parallelism). x: (N, h) -> (indices (N, k), weights (N, k) fp32, scores (N, E), logits (N, E)).
-    `expert_bias` (E,) is a parameter without gradient (saved in checkpoints, never in the optimizer)."""
+    `expert_bias` (E,) is a parameter without gradient (saved in checkpoints, never in the optimizer); `bias`
+    (E,), with `moe_router_bias`, is a trained bias of the logits (gpt-oss: its softmax over the top-k logits
+    is the softmax scores' top-k divided by their sum, `moe_norm_topk_prob`)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(normal_shard((cfg.moe_num_experts, cfg.hidden_size), cfg.init_std,
                                                 param_seed(seed, f"{prefix}.weight"), device=ctx.device))
+        self.bias = None
+        if cfg.moe_router_bias:
+            self.bias = nn.Parameter(torch.zeros(cfg.moe_num_experts, device=ctx.device))
         if sequence_parallel:
-            self.weight.sequence_parallel = True
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.sequence_parallel = True
         self.expert_bias = None
         if cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias:
             self.expert_bias = nn.Parameter(torch.zeros(cfg.moe_num_experts, device=ctx.device), requires_grad=False)
@@ -168,7 +176,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor):
         cfg = self.cfg
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         scores = logits.softmax(-1) if cfg.moe_score == "softmax" else logits.sigmoid()
         bias = None if self.expert_bias is None else self.expert_bias.float()
         indices, weights = route(scores, cfg.moe_top_k, bias, cfg.moe_groups, cfg.moe_topk_groups,
@@ -237,11 +245,18 @@ class GroupedExperts(nn.Module):
     y = down(silu(gate x) * up x). Else (GPT): `fc` (E_l, f / tp, h), `proj` (E_l, h, f / tp),
     y = proj(gelu(fc x)). Expert e's weights are drawn from seeds of its global index, so they do not
     depend on the layout. forward(x (M, h) grouped by expert, counts (E_l,)) -> (M, h) partial sums over TP.
-    Weights carry `expert_parallel` and `first_expert` (global index of row 0 of the stack)."""
+    Weights carry `expert_parallel` and `first_expert` (global index of row 0 of the stack).
+
+    gpt-oss (`moe_linear_bias`, `swiglu_limit`): biases `gate_bias`, `up_bias` (E_l, f / tp), split with their
+    weights, and `down_bias` (E_l, h), added by TP rank 0 only (its gradient summed over TP, like a
+    sequence-parallel parameter's); the SwiGLU clamps gate <= limit and |up| <= limit and computes
+    (up + 1) x gate x sigmoid(alpha x gate)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, gated: bool):
         super().__init__()
         self.gated = gated
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.first_tp_rank = ctx.tp_rank == 0
         self.grouped = True
         self.pad_rows = PAD_ROWS
         """Grouped GEMMs on the CPU in bf16 pad each expert's rows to a multiple of this (`PAD_ROWS`); 0 or 1:
@@ -267,6 +282,16 @@ class GroupedExperts(nn.Module):
         for name in names[:-1]:
             setattr(self, name, stack(name, (f, h), 0, cfg.init_std))
         setattr(self, names[-1], stack(names[-1], (h, f), 1, out_std))
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if cfg.moe_linear_bias:
+            for name, size, split in (("gate_bias", width, True), ("up_bias", width, True), ("down_bias", h, False)):
+                bias = nn.Parameter(torch.zeros(local, size, device=ctx.device))
+                bias.expert_parallel, bias.first_expert = True, first
+                if split:
+                    bias.tensor_parallel_dim = 1
+                else:
+                    bias.sequence_parallel = True  # partial over TP: only rank 0 adds it
+                setattr(self, name, bias)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         weights = [self.gate, self.up, self.down] if self.gated else [self.fc, self.proj]
@@ -282,12 +307,27 @@ class GroupedExperts(nn.Module):
             x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # zero rows stay zero through the MLP
         if self.gated:
             gate, up, down = weights
-            hidden = F.silu(expert_matmul(x, gate, counts, grouped)) * expert_matmul(x, up, counts, grouped)
+            g, u = expert_matmul(x, gate, counts, grouped), expert_matmul(x, up, counts, grouped)
+            if self.gate_bias is not None:
+                g, u = g + self.rows(self.gate_bias, counts, g), u + self.rows(self.up_bias, counts, u)
+            if self.limit > 0:  # gpt-oss's clamped SwiGLU
+                g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+                hidden = (u + 1) * g * torch.sigmoid(self.alpha * g)
+            else:
+                hidden = F.silu(g) * u
         else:
             fc, down = weights
             hidden = F.gelu(expert_matmul(x, fc, counts, grouped), approximate=self.approximate)
         out = expert_matmul(hidden, down, counts, grouped)
+        if self.down_bias is not None:  # once over the TP partial sums: rank 0 adds it, the others add 0 x it
+            out = out + self.rows(self.down_bias, counts, out) * (1.0 if self.first_tp_rank else 0.0)
         return out if keep is None else out.index_select(0, keep)
+
+    @staticmethod
+    def rows(bias: torch.Tensor, counts: list[int], like: torch.Tensor) -> torch.Tensor:
+        """Each expert's bias (E_l, n) repeated for its rows -> (sum(counts), n) in `like`'s dtype."""
+        return torch.repeat_interleave(bias.to(like.dtype), torch.tensor(counts, device=bias.device), dim=0,
+                                       output_size=like.shape[0])
 
 
 # ------------------------------------------------------------------------------------------- the layer

@@ -9,9 +9,15 @@ shardlm reads and writes Hugging Face's q/k weights without any permutation.
 Angles are computed from the positions by whoever applies them (every attention layer), so a layer
 needs nothing from the embedding or any other layer: a pipeline stage that holds only some layers
 rotates exactly as the whole model does, and a KV-cached step passes its offset positions.
+
+YaRN context extension (`rope_inverse_frequencies`, the `rope_yarn_*` keys) blends interpolated and
+extrapolated frequencies as transformers computes them and scales cos and sin by its attention factor; MLA
+(DeepSeek-V3) and grouped-query attention (gpt-oss) both use it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -46,3 +52,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: (B, heads, T, head_dim) queries or keys; cos, sin: (T, head_dim) or (B, 1, T, head_dim) -> x rotated,
     in x's dtype."""
     return (x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inverse_frequencies(cfg, dim: int, device=None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (dim / 2,) fp32, cos/sin factor) of `dim` rotary channels of the model config `cfg`:
+    the default theta^(-2i / dim), or transformers' YaRN blend of interpolated and extrapolated frequencies
+    (`rope_yarn_*`; the correction range rounded to whole channels unless `rope_yarn_truncate` is off)."""
+    base = cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    factor = cfg.rope_yarn_factor
+    if not factor:
+        return 1.0 / pos_freqs, 1.0
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(cfg.rope_yarn_original_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low if high != low else 0.001))
+    extrapolation = 1 - ramp.clamp(0, 1)
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    if cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+        scale = yarn_mscale(factor, cfg.rope_yarn_mscale) / yarn_mscale(factor, cfg.rope_yarn_mscale_all_dim)
+    else:
+        scale = yarn_mscale(factor)
+    return inv_freq, float(scale)

@@ -15,13 +15,17 @@ all-gathers K/V instead (and reduce-scatters dK/dV): the same blocks, no overlap
 not supported under CP.
 
 With packed documents (`segments`, the document number of every token of the whole rows, as
-`shardlm.models.documents.Documents` holds them) each block is also masked by document: a block whose
-tokens all share one document runs as above, a block with no pair in one document is skipped, and the
-others run the exact fp32 math with the block's boolean mask (a query row with no key in the block
-contributes nothing to the merge).
+`shardlm.models.documents.Documents` holds them) each block is also masked by document, and with a sliding
+`window` (a query sees the keys less than `window` positions behind it) by distance: a block that no mask
+cuts runs as above, a block with no visible pair is skipped (counted, so the window's saving is measured),
+and the others run with the block's mask (a query row with no key in the block contributes nothing to the
+merge). Attention sinks (gpt-oss: a learned logit per head that joins every softmax row as one more key
+without a value) are merged once per row after the last block, as one more partial attention with output 0
+and log-sum-exp equal to the sink; the backward gives the sink -sum exp(sink - lse) (dout . out).
 
 Blocks (`attention_block`) use PyTorch's CPU flash-attention kernel, which returns the log-sum-exp and
-takes it back in its backward op, on CPU tensors, and exact fp32 math (`kernel="math"`) elsewhere.
+takes it back in its backward op (with an additive mask where a block needs one), on CPU tensors, and
+exact fp32 math (`kernel="math"`) elsewhere.
 """
 
 from __future__ import annotations
@@ -78,25 +82,30 @@ def attention_block(q, k, v, causal: bool, scale: float, kernel: str = "auto", m
 
     q: (B, H, L, d), k, v: (B, Hkv, L, d) (H a multiple of Hkv) -> (out (B, H, L, d) fp32, lse (B, H, L)
     fp32), the block's softmax(q k^T * scale) v and the log-sum-exp of each query row, which the ring
-    merges over blocks. `kernel` as in `context_parallel_attention`. `mask` (B, 1, L, L) bool, where given,
-    replaces the causal mask (the exact math then; a query row with no key gets out 0 and lse -inf). Talks
-    to no group."""
+    merges over blocks. `kernel` as in `context_parallel_attention`. `mask` (B, 1, Lq, Lk) bool, where given,
+    replaces the causal mask (a query row with no key gets out 0 and lse -inf). Talks to no group."""
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    if mask is None and _use_flash(q, kernel):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out.float(), lse.float()
+    if _use_flash(q, kernel):
+        if mask is None:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return out.float(), lse.float()
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+        seen = mask.any(-1)  # (B, 1, Lq): the kernel gives a row without keys lse 0, the merge needs -inf
+        return out.float(), torch.where(seen, lse.float(), float("-inf"))
     scores = _scores(q, k, causal, scale, mask)
     lse = scores.logsumexp(-1)
     return (scores - _finite(lse).unsqueeze(-1)).exp() @ v.float(), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str, mask=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: str, mask=None):
     """This block's share of (dq, dk, dv), given the *merged* output and log-sum-exp of q's rows."""
     kv_heads = k.shape[1]
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    if mask is None and _use_flash(q, kernel):
+    if _use_flash(q, kernel):
+        extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal and mask is None, scale=scale, **extra)
     else:
         dout, out = dout.float(), out.float()
         probs = (_scores(q, k, causal, scale, mask) - lse.unsqueeze(-1)).exp()  # (B, H, L, L)
@@ -116,12 +125,17 @@ def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) 
     return scores
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask -> 0 where True, -inf where False (what the CPU flash kernel takes)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf (a query row that saw no key yet) read as 0, so that exp(-inf - it) is 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def _merge(out, lse, block_out, block_lse):
+def merge_partial(out, lse, block_out, block_lse):
     """Log-sum-exp merge of two partial attentions over disjoint keys; (None, None) is the empty one."""
     if out is None:
         return block_out, block_lse
@@ -131,31 +145,46 @@ def _merge(out, lse, block_out, block_lse):
             new_lse)
 
 
-def _document_mask(segments: torch.Tensor, num_chunks: int, query_chunk: int, key_chunk: int, causal: bool):
-    """The documents' mask of a block of `segments` (B, T) cut into `num_chunks` chunks: (B, 1, L, L) bool;
-    None when the causal or full mask alone is right (both chunks inside one document), EMPTY when no query
-    may see any key of the block."""
-    L = segments.shape[1] // num_chunks
-    queries = segments[:, query_chunk * L:(query_chunk + 1) * L]
-    keys = segments[:, key_chunk * L:(key_chunk + 1) * L]
-    if bool((queries[:, :1] == keys[:, -1:]).all()) and bool((queries[:, -1:] == keys[:, :1]).all()):
-        return None  # segments never decrease along a row: first and last token in one document means all
-    same = queries[:, :, None] == keys[:, None, :]
-    if causal:
-        same = same & torch.ones(L, L, dtype=torch.bool, device=same.device).tril()
-    return same.unsqueeze(1) if bool(same.any()) else EMPTY
+def block_mask(queries: range, keys: range, causal: bool, window: int = 0, segments: torch.Tensor | None = None,
+               device=None):
+    """The mask of the block of query tokens `queries` against key tokens `keys` (positions in the whole rows):
+    None when the causal or full mask alone is right, EMPTY when no query may see any key, else (B or 1, 1, Lq,
+    Lk) bool. `causal`: the ranges are equal and the block is on the diagonal. `window` > 0: a query sees keys
+    less than `window` positions behind it. `segments` (B, T): the document number of every token; a query sees
+    its own document only."""
+    if window and queries[0] - keys[-1] >= window:
+        return EMPTY  # every key is at least a window behind every query
+    cut = bool(window) and queries[-1] - keys[0] >= window
+    same = None
+    if segments is not None:
+        q_seg, k_seg = segments[:, queries[0]:queries[-1] + 1], segments[:, keys[0]:keys[-1] + 1]
+        # segments never decrease along a row: first and last token in one document means all of them
+        if not (bool((q_seg[:, :1] == k_seg[:, -1:]).all()) and bool((q_seg[:, -1:] == k_seg[:, :1]).all())):
+            same = (q_seg[:, :, None] == k_seg[:, None, :]).unsqueeze(1)
+    if same is None and not cut:
+        return None
+    device = device if segments is None else segments.device
+    distance = (torch.tensor(queries, device=device)[:, None] - torch.tensor(keys, device=device)[None, :])
+    visible = distance >= 0 if causal else torch.ones(distance.shape, dtype=torch.bool, device=device)
+    if cut:
+        visible = visible & (distance < window)
+    visible = visible.view(1, 1, *distance.shape)
+    if same is not None:
+        visible = visible & same
+    return visible if bool(visible.any()) else EMPTY
 
 
 def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name: str,
-            segments: torch.Tensor | None = None):
+            segments: torch.Tensor | None = None, window: int = 0, length: int = 0, device=None):
     """The non-empty blocks of this rank's queries against `source`'s keys: (query half, key half, causal,
-    the documents' mask or None)."""
+    the block's mask or None); `length` is a chunk's L."""
     mine, theirs = zigzag_chunks(cp.size, cp.rank), zigzag_chunks(cp.size, source)
     for (qi, qc), (ki, kc) in itertools.product(enumerate(mine), enumerate(theirs)):
         kind = block_kind(qc, kc)
         mask = None
-        if kind != EMPTY and segments is not None:
-            mask = _document_mask(segments, 2 * cp.size, qc, kc, kind == CAUSAL)
+        if kind != EMPTY and (segments is not None or window):
+            chunk = lambda c: range(c * length, (c + 1) * length)  # noqa: E731
+            mask = block_mask(chunk(qc), chunk(kc), kind == CAUSAL, window, segments, device)
             kind = EMPTY if mask is EMPTY else kind
         if counts is not None:
             if kind == EMPTY:
@@ -207,31 +236,36 @@ def _kv_sources(kv: torch.Tensor, cp: Communicator, exchange: str):
 
 class _ContextParallelAttention(torch.autograd.Function):
     """Causal attention of this CP rank's queries against every rank's keys and values (see the module
-    docstring). `setup` = (cp, exchange, scale, kernel, counts, segments)."""
+    docstring). `sinks` (H,) or None. `setup` = (cp, exchange, scale, kernel, counts, segments, window)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, setup):
-        cp, exchange, scale, kernel, counts, segments = setup
+    def forward(ctx, q, k, v, sinks, setup):
+        cp, exchange, scale, kernel, counts, segments, window = setup
         queries = q.chunk(2, dim=2)
         outs, lses = [None, None], [None, None]
+        where = dict(segments=segments, window=window, length=q.shape[2] // 2, device=q.device)
         for source, kv in _kv_sources(torch.stack((k, v)), cp, exchange):
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, causal, mask in _blocks(cp, source, counts, "forward", segments):
+            for qi, ki, causal, mask in _blocks(cp, source, counts, "forward", **where):
                 block = attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel, mask)
-                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
-        out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+                outs[qi], lses[qi] = merge_partial(outs[qi], lses[qi], *block)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
         # laid out as (B, 2L, H, d) in memory, as SDPA's flash kernel returns it: the caller's
         # transpose(1, 2).reshape(B, 2L, H d) for the output projection is then a view of the tensor saved
         # here, not a second copy kept for backward
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.setup = setup
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, exchange, scale, kernel, counts, segments = ctx.setup
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        cp, exchange, scale, kernel, counts, segments, window = ctx.setup
+        where = dict(segments=segments, window=window, length=q.shape[2] // 2, device=q.device)
         halves = lambda t: t.chunk(2, dim=2)
         queries, douts, outs, lses = halves(q), halves(dout.contiguous()), halves(out), halves(lse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -241,8 +275,8 @@ class _ContextParallelAttention(torch.autograd.Function):
             """This rank's part of dK/dV of `source`'s K/V, (2, B, Hkv, 2L, d) fp32; adds to dq."""
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             keys, values, dks, dvs = halves(kv[0]), halves(kv[1]), halves(dkv[0]), halves(dkv[1])
-            for qi, ki, causal, mask in _blocks(cp, source, counts, "backward", segments):
-                dq_b, dk_b, dv_b = _block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
+            for qi, ki, causal, mask in _blocks(cp, source, counts, "backward", **where):
+                dq_b, dk_b, dv_b = block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
                                                    lses[qi], causal, scale, kernel, mask)
                 dqs[qi].add_(dq_b)
                 dks[ki].add_(dk_b)
@@ -268,14 +302,31 @@ class _ContextParallelAttention(torch.autograd.Function):
                 pending = _shift(share, cp, "ring_dkv", tag=1)
             if pending is not None:
                 dkv += pending()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """Merge each head's sink logit into the rows' attention: out (B, H, T, d) fp32, lse (B, H, T), sinks (H,)
+    -> (out x exp(lse - lse'), lse' = logaddexp(lse, sink)): the softmax over [scores, sink] with the sink's
+    share dropped."""
+    sink = sinks.detach().float().view(1, -1, 1).expand_as(lse)
+    return merge_partial(out, lse, torch.zeros_like(out), sink)
+
+
+def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks (H,) from the merged rows: the sink's probability exp(sink - lse) times its score's
+    gradient 0 - dout . out, summed over the batch and the rows."""
+    weight = (sinks.detach().float().view(1, -1, 1) - lse).exp()
+    return -(weight * (dout.float() * out.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
 
 
 @torch.compiler.disable
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Communicator, *,
                                scale: float | None = None, exchange: str = "ring", kernel: str = "auto",
                                dropout_p: float = 0.0, counts: BlockCounts | None = None,
-                               segments: torch.Tensor | None = None) -> torch.Tensor:
+                               segments: torch.Tensor | None = None, window: int = 0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax(q k^T * scale) v over a zigzag-split sequence, talking to the CP group `cp`.
 
     q: (B, H, 2L, d), k and v: (B, Hkv, 2L, d) with H a multiple of Hkv (grouped-query attention): this
@@ -284,7 +335,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     "allgather". `kernel`: "auto" (the CPU flash kernel on CPU, else math), "flash" or "math". `scale`
     defaults to 1/sqrt(d). `counts`, if given, receives the blocks computed and skipped. With C = 1
     (`cp.size` 1) this is plain causal attention. `segments` (B, T) int64, the document number of every
-    token of the whole rows (T = 2L x C): a query then sees only keys of its own document.
+    token of the whole rows (T = 2L x C): a query then sees only keys of its own document. `window` > 0: a
+    query sees only the keys less than `window` positions behind it (blocks wholly outside are skipped).
+    `sinks` (H,): each head's sink logit (gpt-oss), merged once per row.
     """
     if dropout_p > 0:
         raise UserError(f"attention dropout ({dropout_p}) is not supported with context parallelism; "
@@ -298,4 +351,4 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if segments is not None and segments.shape != (q.shape[0], q.shape[2] * cp.size):
         raise ValueError(f"segments {tuple(segments.shape)} must be (B, T) of the whole rows, "
                          f"({q.shape[0]}, {q.shape[2] * cp.size})")
-    return _ContextParallelAttention.apply(q, k, v, (cp, exchange, scale, kernel, counts, segments))
+    return _ContextParallelAttention.apply(q, k, v, sinks, (cp, exchange, scale, kernel, counts, segments, window))

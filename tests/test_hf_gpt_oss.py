@@ -1,0 +1,223 @@
+"""gpt-oss (`GptOssForCausalLM`) against transformers: conversion both ways (MXFP4 experts too), logits and
+greedy tokens at every layout, and training at every layout equal to one process.
+
+A random gpt-oss-shaped model: grouped-query attention with q/k/v/o biases, a sink logit per head, a sliding
+window of 4 tokens on alternate layers (sliding first, as gpt-oss), YaRN (factor 4 over 16 positions,
+truncate off), 4 experts top-2 with a router bias, biased experts with the clamped SwiGLU (limit 1.5, so
+the clamp binds). Biases, sinks and the router are made visible. shardlm's logits equal transformers' within
+1e-4 at TP=1, TP=2 (heads, sinks and expert widths split) and EP=2 over 20 tokens (past the window), greedy
+generation (KV-cached, windows and sinks in the cached step) gives transformers' tokens, and converting back
+gives bitwise the saved tensors. The same model with its experts in MXFP4 (blocks and scales as the
+released checkpoints store them) reads to transformers' own dequantization. The same shapes train at TP=2
+with SP, CP=2 (the ring with the sink and the window), EP=2, PP=2, DP=2 with FSDP, and with selective and full
+recomputation, within 1e-5 of one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
+from test_moe_parallel import STEPS, assert_same_run, run, train_layout
+
+from shardlm.checkpoint.hf import from_hf
+from shardlm.checkpoint.hf_gpt_oss import dequantize_mxfp4
+from shardlm.checkpoint.state import load_consolidated
+from shardlm.config import from_dict
+from shardlm.parallel import ParallelContext
+
+from multiproc import check_result, run_checks, run_workers
+
+VOCAB, LOGIT_TOL = 300, 1e-4
+ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 16, "rope_theta": 500.0}
+
+
+def hf_model():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64, rope_parameters=ROPE,
+                          swiglu_limit=1.5, tie_word_embeddings=False)
+    return GptOssForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    torch.manual_seed(0)
+    model = hf_model().eval()
+    with torch.no_grad():  # sharp attention and routing, visible biases and sinks
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.q_proj.weight.mul_(6.0)
+            attn.k_proj.weight.mul_(6.0)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.bias.normal_(0, 0.1)
+            attn.sinks.normal_(0, 1.0)
+            mlp.router.weight.mul_(30.0)
+            mlp.router.bias.normal_(0, 0.5)
+            mlp.experts.gate_up_proj.normal_(0, 0.5)
+            for param in (mlp.experts.gate_up_proj_bias, mlp.experts.down_proj_bias):
+                param.normal_(0, 0.1)
+        model.model.embed_tokens.weight.mul_(30.0)  # tokens, not the biases, decide the greedy continuation
+        model.lm_head.weight.mul_(30.0)
+    root = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(root / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
+                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"), "logits": logits,
+            "greedy": greedy[:, PROMPT:].tolist(), "tokens": tokens, "model": model}
+
+
+def gpt_oss_config(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False, pp: int = 1, **train):
+    return from_dict({
+        "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+                  "head_dim": 8, "seq_length": 16, "vocab_size": 100, "dropout": 0.0, "attention_bias": True,
+                  "attention_output_bias": True, "attention_sinks": True, "sliding_window": 3,
+                  "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 500.0,
+                  "rope_yarn_factor": 4.0, "rope_yarn_original_positions": 8, "rope_yarn_truncate": False,
+                  "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16, "moe_router_bias": True,
+                  "moe_linear_bias": True, "swiglu_limit": 1.5, "moe_aux_loss_coeff": 0.01},
+        "parallel": {"tensor": tp, "expert": ep, "context": cp, "sequence_parallel": sp, "pipeline": pp},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, **train},
+    })
+
+
+def training(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False, **train):
+    def check():
+        ctx = ParallelContext.from_process_group(tp, expert_parallel=ep, context_parallel=cp)
+        return train_layout(ctx, gpt_oss_config(tp, ep, cp, sp, **train))[:2]
+    return check
+
+
+def worker_world2(path, tokens: torch.Tensor) -> dict:
+    checks = {f"logits {name}": (lambda make=make: logits_and_greedy(path, make(), tokens)) for name, make in
+              (("tp2", lambda: ParallelContext.from_process_group(2)),
+               ("ep2", lambda: ParallelContext.from_process_group(1, expert_parallel=2)))}
+    checks |= {"train tp2 sp": training(tp=2, sp=True), "train cp2": training(cp=2), "train ep2": training(ep=2),
+               "train fsdp dp2": training(data_sharding="full"), "train pp2": run(gpt_oss_config(pp=2), pp=2)}
+    return run_checks(checks)
+
+
+@pytest.fixture(scope="module")
+def world2(reference):
+    return run_workers(2, worker_world2, reference["converted"], reference["tokens"], timeout=600)
+
+
+def test_conversion_reads_the_gpt_oss_pieces(reference):
+    config, tensors = load_consolidated(reference["converted"])
+    m = config.model
+    assert (m.attention_sinks, m.attention_output_bias, m.sliding_window, m.layer_types) == (
+        True, True, 4, ["sliding_attention", "full_attention"])
+    assert (m.rope_yarn_factor, m.rope_yarn_truncate, m.swiglu_limit, m.moe_router_bias, m.moe_linear_bias) == (
+        4.0, False, 1.5, True, True)
+    hf = reference["model"].model.layers[1]
+    assert torch.equal(tensors["model/layers.1.attn.sinks"], hf.self_attn.sinks)
+    assert torch.equal(tensors["model/layers.1.mlp.experts.up.3"], hf.mlp.experts.gate_up_proj[3][:, 1::2].t())
+    assert torch.equal(tensors["model/layers.1.mlp.experts.down_bias.2"], hf.mlp.experts.down_proj_bias[2])
+
+
+def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
+    logits, tokens = logits_and_greedy(reference["converted"], ParallelContext.single(), reference["tokens"])
+    assert reference["logits"].std() > 1.0, "reference logits too flat to tell layouts apart"
+    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
+    assert tokens == reference["greedy"]
+    assert len({t for row in tokens for t in row}) > 2, "greedy continuation too uniform to check anything"
+
+
+def test_without_the_sinks_or_the_window_the_logits_differ(reference, tmp_path):
+    """Controls: the same weights with the sinks at -inf (no sink) or without the window give other logits."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(reference["converted"]))
+    for change in ("sinks", "window"):
+        config, _ = load_consolidated(reference["converted"])
+        changed = dict(tensors)
+        if change == "sinks":
+            changed |= {k: torch.full_like(v, -1e4) for k, v in tensors.items() if k.endswith("attn.sinks")}
+        else:
+            config.model.sliding_window = 0
+        path = tmp_path / f"{change}.safetensors"
+        import dataclasses
+        import json
+        save_file(changed, str(path), metadata={"format": "shardlm-consolidated-v1", "step": "0",
+                                                "config": json.dumps(dataclasses.asdict(config))})
+        logits, _ = logits_and_greedy(path, ParallelContext.single(), reference["tokens"])
+        assert (logits - reference["logits"]).abs().max() > 100 * LOGIT_TOL, change
+
+
+def test_the_hf_directory_itself_loads_without_converting(reference):
+    logits, tokens = logits_and_greedy(reference["root"] / "hf", ParallelContext.single(), reference["tokens"])
+    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
+    assert tokens == reference["greedy"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
+    for logits, tokens in check_result(world2, f"logits {layout}"):
+        assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
+        assert tokens == reference["greedy"]
+
+
+def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
+    assert_round_trip(reference["converted"], reference["root"] / "hf", tmp_path / "back", type(hf_model()),
+                      reference["tokens"], reference["logits"])
+
+
+def test_mxfp4_experts_read_as_transformers_dequantizes_them(reference, tmp_path):
+    """Random MXFP4 blocks and scales in the released checkpoints' names: shardlm's own dequantization equals
+    transformers' `convert_moe_packed_tensors` bitwise, and a directory holding them reads to those values."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (4, 32, 1, 16), dtype=torch.uint8, generator=gen)  # (E, 2f, h / 32, 16)
+    scales = torch.randint(118, 130, (4, 32, 1), dtype=torch.uint8, generator=gen)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, h, 2f): gate_up_proj's layout
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), theirs)
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks[..., :8], scales)
+
+    # the directory: gate_up_proj in MXFP4 (down_proj's blocks run along f, 16 here, too short for one block)
+    quantized = tmp_path / "mxfp4"
+    shutil.copytree(reference["root"] / "hf", quantized)
+    tensors = load_file(str(quantized / "model.safetensors"))
+    for i in range(2):
+        h = f"model.layers.{i}.mlp.experts"
+        del tensors[f"{h}.gate_up_proj"]
+        tensors |= {f"{h}.gate_up_proj_blocks": blocks.clone(), f"{h}.gate_up_proj_scales": scales.clone()}
+    save_file(tensors, str(quantized / "model.safetensors"))
+    config = json.loads((quantized / "config.json").read_text())
+    assert (config["hidden_size"], 2 * config["intermediate_size"]) == (32, 32)
+    _, ours = load_consolidated(from_hf(quantized, tmp_path / "mxfp4.safetensors"))
+    assert torch.equal(ours["model/layers.1.mlp.experts.gate.2"], theirs[2][:, 0::2].t())
+    assert torch.equal(ours["model/layers.0.mlp.experts.up.1"], theirs[1][:, 1::2].t())
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return train_layout(ParallelContext.single(), gpt_oss_config())[:2]
+
+
+@pytest.mark.parametrize("name", ["train tp2 sp", "train cp2", "train ep2", "train fsdp dp2", "train pp2"])
+def test_gpt_oss_shapes_train_as_one_process(world2, one_process, name):
+    results = check_result(world2, name)
+    assert len(results) == 2
+    for run_result in results:
+        assert_same_run(run_result, one_process)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_trains_bitwise_the_same(one_process, recompute):
+    curve, params = train_layout(ParallelContext.single(), gpt_oss_config(recompute=recompute))[:2]
+    assert curve == one_process[0]
+    assert all(torch.equal(params[name], one_process[1][name]) for name in params)
