@@ -18,12 +18,13 @@ from __future__ import annotations
 import pytest
 import torch
 from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
-from test_moe_parallel import STEPS, assert_same_run, run, train_layout
+from test_moe_parallel import STEPS, assert_same_run, full_parameters, run, train_layout
 
 from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.hf_gpt_oss import dequantize_mxfp4
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.config import from_dict
+from shardlm.checkpoint import load_model
 from shardlm.parallel import ParallelContext
 
 from multiproc import check_result, run_checks, run_workers
@@ -96,18 +97,36 @@ def training(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False, **train):
     return check
 
 
-def worker_world2(path, tokens: torch.Tensor) -> dict:
+def worker_world2(path, tokens: torch.Tensor, checkpoint_dir: str) -> dict:
     checks = {f"logits {name}": (lambda make=make: logits_and_greedy(path, make(), tokens)) for name, make in
               (("tp2", lambda: ParallelContext.from_process_group(2)),
                ("ep2", lambda: ParallelContext.from_process_group(1, expert_parallel=2)))}
     checks |= {"train tp2 sp": training(tp=2, sp=True), "train cp2": training(cp=2), "train ep2": training(ep=2),
-               "train fsdp dp2": training(data_sharding="full"), "train pp2": run(gpt_oss_config(pp=2), pp=2)}
+               "train fsdp dp2": training(data_sharding="full"), "train pp2": run(gpt_oss_config(pp=2), pp=2),
+               "save tp2": run(gpt_oss_config(tp=2), tp=2, save=checkpoint_dir)}
     return run_checks(checks)
 
 
 @pytest.fixture(scope="module")
-def world2(reference):
-    return run_workers(2, worker_world2, reference["converted"], reference["tokens"], timeout=600)
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpt_oss_ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(reference, checkpoint_dir):
+    return run_workers(2, worker_world2, reference["converted"], reference["tokens"], str(checkpoint_dir),
+                       timeout=600)
+
+
+def test_checkpoint_saved_at_tp2_loads_in_one_process(world2, checkpoint_dir):
+    """The sinks and expert widths split over TP, each expert's down bias whole on every TP rank (written once):
+    one process reads back bitwise what the TP=2 run ended with."""
+    saved = check_result(world2, "save tp2")[0][1]
+    loaded = full_parameters(load_model(checkpoint_dir, ParallelContext.single())[0])
+    assert loaded.keys() == saved.keys()
+    assert any(name.endswith("experts.down_bias") for name in saved)
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
 
 
 def test_conversion_reads_the_gpt_oss_pieces(reference):

@@ -68,7 +68,8 @@ def _tensor_table(model, dense: bool) -> dict[str, dict]:
     for name, p in model.named_parameters():
         if is_expert(p):
             for key in _stored_names(name, p):
-                table[key] = {"shape": list(p.shape[1:]), "split_dim": split_dim(p) - 1}
+                dim = split_dim(p)  # None: whole on every TP rank (gpt-oss's expert down bias)
+                table[key] = {"shape": list(p.shape[1:]), "split_dim": None if dim is None else dim - 1}
         elif dense:
             table[name] = {"shape": list(p.shape), "split_dim": split_dim(p)}
     return table
