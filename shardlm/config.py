@@ -188,8 +188,8 @@ class CheckpointConfig:
     """Start from this checkpoint (any TP x DP layout) instead; its step, optimizer and data position continue."""
     init_from: str = ""
     """Start from these weights only (fresh optimizer, step 0, data from the start), at any layout: a
-    consolidated .safetensors file, a Hugging Face model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5)
-    or a sharded checkpoint. [model] keys left at their defaults take the checkpoint's values. A run
+    consolidated .safetensors file, a Hugging Face model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5,
+    gpt-oss) or a sharded checkpoint. [model] keys left at their defaults take the checkpoint's values. A run
     directory that already holds a checkpoint resumes from it instead."""
     save: bool = True
     """Save checkpoints at all."""

@@ -20,11 +20,11 @@ import torch
 from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
 from test_moe_parallel import STEPS, assert_same_run, full_parameters, run, train_layout
 
+from shardlm.checkpoint import load_model
 from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.hf_gpt_oss import dequantize_mxfp4
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.config import from_dict
-from shardlm.checkpoint import load_model
 from shardlm.parallel import ParallelContext
 
 from multiproc import check_result, run_checks, run_workers
@@ -240,3 +240,40 @@ def test_recomputation_trains_bitwise_the_same(one_process, recompute):
     curve, params = train_layout(ParallelContext.single(), gpt_oss_config(recompute=recompute))[:2]
     assert curve == one_process[0]
     assert all(torch.equal(params[name], one_process[1][name]) for name in params)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"layer_types": ["sliding_attention"]}, "model.layer_types must list 2 entries"),
+    ({"layer_types": ["sliding", "full"]}, "model.layer_types must list 2 entries"),
+    ({"sliding_window": -1}, "model.sliding_window=-1 must be >= 0"),
+    ({"attention_dropout": 0.1}, "attention dropout is not supported with attention sinks or sliding windows"),
+    ({"swiglu_limit": -1.0}, "model.swiglu_limit must be >= 0"),
+    ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+      "num_kv_heads": 0, "head_dim": 0}, 'need model.arch="llama" with model.attention="mha"'),
+    ({"arch": "gpt", "attention_sinks": False, "sliding_window": 0, "attention_bias": False, "num_kv_heads": 0,
+      "head_dim": 0, "attention_output_bias": False}, 'model.moe_linear_bias and model.swiglu_limit are for SwiGLU experts'),
+])
+def test_bad_gpt_oss_keys_are_one_line_errors(change, message):
+    from shardlm.errors import UserError
+    from shardlm.validation import validate
+
+    config = gpt_oss_config()
+    for key, value in change.items():
+        setattr(config.model, key, value)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        validate(config, 1, check_paths=False)
+    assert "\n" not in str(error.value)
+
+
+def test_cli_round_trip_says_what_it_writes(reference, tmp_path, capsys):
+    """`shardlm convert --from-hf` then `--to-hf`: the export names the architecture and its format (fp32,
+    experts unquantized), and transformers loads it to the reference logits."""
+    from shardlm.cli import main
+
+    converted = tmp_path / "oss.safetensors"
+    assert main(["convert", "--from-hf", str(reference["root"] / "hf"), "--output", str(converted)]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "back"), "--checkpoint", str(converted)]) == 0
+    assert "(GptOssForCausalLM, fp32 safetensors; experts unquantized (not MXFP4))" in capsys.readouterr().out
+    reloaded = type(hf_model()).from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(reference["tokens"]).logits, reference["logits"])

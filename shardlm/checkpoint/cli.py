@@ -104,5 +104,8 @@ def run_hf(args: argparse.Namespace) -> int:
     else:
         if not args.checkpoint:
             raise UserError("--to-hf needs --checkpoint PATH (a shardlm checkpoint directory or file)")
-        print(f"wrote {to_hf(args.checkpoint, args.to_hf)}")
+        out = to_hf(args.checkpoint, args.to_hf)
+        kind = json.loads((out / "config.json").read_text()).get("architectures", ["?"])[0]
+        note = "; experts unquantized (not MXFP4)" if kind == "GptOssForCausalLM" else ""
+        print(f"wrote {out} ({kind}, fp32 safetensors{note})")
     return 0
