@@ -251,7 +251,7 @@ def test_recomputation_trains_bitwise_the_same(one_process, recompute):
     ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
       "num_kv_heads": 0, "head_dim": 0}, 'need model.arch="llama" with model.attention="mha"'),
     ({"arch": "gpt", "attention_sinks": False, "sliding_window": 0, "attention_bias": False, "num_kv_heads": 0,
-      "head_dim": 0, "attention_output_bias": False}, 'model.moe_linear_bias and model.swiglu_limit are for SwiGLU experts'),
+      "head_dim": 0, "attention_output_bias": False}, "model.moe_linear_bias and model.swiglu_limit are for SwiGLU"),
 ])
 def test_bad_gpt_oss_keys_are_one_line_errors(change, message):
     from shardlm.errors import UserError
