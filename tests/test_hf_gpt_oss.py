@@ -277,3 +277,18 @@ def test_cli_round_trip_says_what_it_writes(reference, tmp_path, capsys):
     reloaded = type(hf_model()).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(reference["tokens"]).logits, reference["logits"])
+
+
+def test_sliding_layers_count_the_window_in_the_flop_count():
+    """MFU's count: a sliding layer's score and value products see min(s, window) keys, not s. Two layers at
+    s = 16, window 3, one sliding: the attention term drops by 4 (16 - 3) a per token, forward, x 3 for
+    training; without the window both layers count 4 s a."""
+    import dataclasses
+
+    from shardlm.models.config import flops_per_token
+
+    m = gpt_oss_config().model
+    a = m.num_heads * m.attention_head_dim
+    full = flops_per_token(dataclasses.replace(m, sliding_window=0))
+    assert full - flops_per_token(m) == 3 * 4 * (16 - 3) * a
+    assert flops_per_token(dataclasses.replace(m, sliding_window=100)) == full  # a window past s changes nothing

@@ -211,7 +211,8 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     arch="llama" counts its own matrices: q and o (h x a each, a = num_heads x head_dim, which is h unless
     head_dim is set), k and v (h x num_kv_heads x head_dim each, smaller under grouped-query attention)
     and SwiGLU's three h x f matrices, so a layer's forward is 2 (2 h a + 2 h kv + 3 h f) + 4 s a per
-    token (kv = num_kv_heads x head_dim). With MLA (attention = "mla") the attention matrices are
+    token (kv = num_kv_heads x head_dim); on a sliding-window layer the keys a query sees are min(s, window),
+    so its score and value products count 4 min(s, window) a. With MLA (attention = "mla") the attention matrices are
     `mla_weights` and the score and value products 2 s H (qk_nope + qk_rope) + 2 s H v_head_dim.
 
     An MoE layer counts what a token activates: its top-k and shared experts' MLPs (2 or 3 h x f_e
@@ -224,7 +225,8 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     if cfg.arch == "llama":
         a = cfg.num_heads * cfg.attention_head_dim
         kv = cfg.kv_heads * cfg.attention_head_dim
-        layer_forward = layers * (2 * (2 * h * a + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * s * a)
+        spans = sum(min(s, cfg.sliding_window) if cfg.is_sliding_layer(i) else s for i in range(layers))
+        layer_forward = layers * 2 * (2 * h * a + 2 * h * kv + 3 * h * cfg.ffn_size) + 4 * spans * a
     if cfg.arch == "llama" and cfg.attention == "mla":
         heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         layer_forward = layers * (2 * (mla_weights(cfg) + 3 * h * cfg.ffn_size) + 2 * s * heads * (qk + cfg.v_head_dim))
