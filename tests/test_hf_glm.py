@@ -175,3 +175,48 @@ def test_planner_presets_count_what_transformers_builds(name):
     expected = sum(p.numel() for p in model.parameters()) + biases
     assert parameter_count(MODEL_PRESETS[name], 1).total == expected
     assert expected == pytest.approx({"glm-4.5": 352e9, "glm-4.5-air": 105e9}[name], rel=0.02)
+
+
+def test_multi_token_prediction_layer_reads_and_writes_under_glm_names(reference, tmp_path, capsys):
+    """GLM-4.5 ships one MTP depth as layer num_hidden_layers (DeepSeek-V3's enorm, hnorm, eh_proj,
+    shared_head.norm, and a decoder layer of its own). A directory holding it converts to `mtp.0.*`, builds a
+    model that reads every tensor, and converts back bitwise under the same names; transformers' own save
+    (no MTP module) converts without it, with a note."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shardlm.checkpoint import load_model
+    from shardlm.checkpoint.hf import to_hf
+
+    plain = tmp_path / "no_mtp"
+    shutil.copytree(reference["root"] / "hf", plain)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    _, without = load_consolidated(from_hf(plain, tmp_path / "no_mtp.safetensors"))
+    assert "has no multi-token prediction weights" in capsys.readouterr().err
+    assert not any(name.startswith("model/mtp.") for name in without)
+
+    with_mtp = tmp_path / "mtp"
+    shutil.copytree(plain, with_mtp)
+    tensors = load_file(str(with_mtp / "model.safetensors"))
+    gen = torch.Generator().manual_seed(4)
+    extra = {name.replace("model.layers.1.", "model.layers.2."): torch.randn(value.shape, generator=gen)
+             for name, value in tensors.items() if name.startswith("model.layers.1.")}
+    extra |= {f"model.layers.2.{name}": torch.randn(shape, generator=gen) for name, shape in
+              (("enorm.weight", (32,)), ("hnorm.weight", (32,)), ("eh_proj.weight", (32, 64)),
+               ("shared_head.norm.weight", (32,)))}
+    save_file(tensors | extra, str(with_mtp / "model.safetensors"))
+    converted = from_hf(with_mtp, tmp_path / "mtp.safetensors")
+    saved_config, ours = load_consolidated(converted)
+    assert saved_config.model.mtp_layers == 1
+    assert torch.equal(ours["model/mtp.0.eh_proj"], extra["model.layers.2.eh_proj.weight"])
+    assert torch.equal(ours["model/mtp.0.block.attn.q.bias"], extra["model.layers.2.self_attn.q_proj.bias"])
+    model, _ = load_model(converted, ParallelContext.single())
+    assert model.mtp is not None and torch.equal(model.mtp[0].post_norm.weight,
+                                                 extra["model.layers.2.shared_head.norm.weight"])
+    back = load_file(str(to_hf(converted, tmp_path / "back") / "model.safetensors"))
+    assert back.keys() == (tensors | extra).keys()
+    assert all(torch.equal(back[name], value) for name, value in (tensors | extra).items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1

@@ -22,7 +22,10 @@ Qwen3 is Llama with `qk_norm` (an RMSNorm over each head's q and k) and an expli
 GLM-4.5 (`glm4_moe`) is Llama with q/k/v biases (`attention_bias`), RoPE on the first half of each head
 (`rope_fraction` = partial_rotary_factor, rotate-half as Llama), optional q/k norms (use_qk_norm) and
 DeepSeek-V3's routing: `mlp.gate.e_score_correction_bias` -> `router.expert_bias`,
-`mlp.shared_experts.*` -> `mlp.shared.*`. Its multi-token prediction layers are not read.
+`mlp.shared_experts.*` -> `mlp.shared.*`. Its multi-token prediction layers (`num_nextn_predict_layers`,
+stored as layer num_hidden_layers + k with DeepSeek-V3's enorm, hnorm, eh_proj and shared_head.norm) map to
+`mtp.k.*`; a directory without their weights (what transformers' save_pretrained writes, since its
+Glm4MoeForCausalLM has no MTP module) converts without them, with a note.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -99,7 +103,26 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
             layers += [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
         if cfg.qk_norm:
             layers += [(f"{s}.attn.{p}_norm.weight", f"{h}.self_attn.{p}_norm.weight") for p in "qk"]
-    return top + layers
+    return top + layers + _mtp_names(cfg, kind)
+
+
+def _mtp_names(cfg: ModelConfig, kind: str) -> list[tuple[str, str]]:
+    """GLM-4.5's multi-token prediction depths: depth k is HF layer num_hidden_layers + k, DeepSeek-V3's names."""
+    names = []
+    for k in range(cfg.mtp_layers if kind == "glm4_moe" else 0):
+        s, h = f"mtp.{k}", f"model.layers.{cfg.num_layers + k}"
+        names += [(f"{s}.enorm.weight", f"{h}.enorm.weight"), (f"{s}.hnorm.weight", f"{h}.hnorm.weight"),
+                  (f"{s}.eh_proj", f"{h}.eh_proj.weight"), (f"{s}.post_norm.weight", f"{h}.shared_head.norm.weight"),
+                  (f"{s}.block.ln_1.weight", f"{h}.input_layernorm.weight"),
+                  (f"{s}.block.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
+        names += [(f"{s}.block.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
+        if cfg.attention_bias:
+            names += [(f"{s}.block.attn.{p}.bias", f"{h}.self_attn.{p}_proj.bias") for p in "qkv"]
+        if cfg.qk_norm:
+            names += [(f"{s}.block.attn.{p}_norm.weight", f"{h}.self_attn.{p}_norm.weight") for p in "qk"]
+        names += [(ours.replace(f"layers.{cfg.num_layers + k}", f"{s}.block", 1), theirs)
+                  for ours, theirs in _moe_names(kind, f"layers.{cfg.num_layers + k}", h, cfg.moe_num_experts)]
+    return names
 
 
 def _moe_from_hf(hf: dict) -> dict:
@@ -140,7 +163,7 @@ def _glm4_moe_routing(hf: dict) -> dict:
             "moe_score": "sigmoid", "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
             "moe_routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
             "moe_groups": groups if groups > 1 else 0, "moe_topk_groups": (hf.get("topk_group") or 1) if groups > 1
-            else 0, "moe_expert_bias": True}
+            else 0, "moe_expert_bias": True, "mtp_layers": hf.get("num_nextn_predict_layers") or 0}
 
 
 def _rope(hf: dict) -> tuple[float, str]:
@@ -222,7 +245,8 @@ def _glm4_moe_to_hf(cfg: ModelConfig) -> dict:
             "moe_intermediate_size": cfg.moe_ffn_size, "n_shared_experts": cfg.moe_shared_experts,
             "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_groups or 1,
             "topk_group": cfg.moe_topk_groups or 1, "norm_topk_prob": cfg.moe_norm_topk_prob,
-            "routed_scaling_factor": cfg.moe_routed_scaling, "use_qk_norm": cfg.qk_norm, "num_nextn_predict_layers": 0}
+            "routed_scaling_factor": cfg.moe_routed_scaling, "use_qk_norm": cfg.qk_norm,
+            "num_nextn_predict_layers": cfg.mtp_layers}
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
@@ -264,6 +288,11 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     if (hf_dir / "tokenizer.json").is_file():
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
     located = _weight_files(hf_dir)
+    mtp_probe = f"model.layers.{config.model.num_layers}.eh_proj.weight"
+    if config.model.mtp_layers and mtp_probe not in located:  # transformers saves the main model only
+        print(f"note: num_nextn_predict_layers={config.model.mtp_layers} but {hf_dir} has no multi-token "
+              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
+        config.model.mtp_layers = 0
     if gpt_oss:
         return config, hf_gpt_oss.sources_for(config.model, located, hf_dir)
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:
