@@ -6,7 +6,8 @@ the sink, joins every row's softmax and its share is dropped. `tiled_attention` 
 `context_parallel_attention` (C = 2 on ranks 0, 2 and 1, 3, C = 4 on a gloo world of 4, ring and all-gather)
 give its output and the gradients of q, k, v and the sinks within 5e-6 (fp32 against fp64; the inputs are scaled
 up so the softmax is sharp) (relative to the largest entry), with
-grouped-query attention, windows shorter and longer than a chunk, and packed documents. Without the sink
+grouped-query attention, windows shorter and longer than a chunk (and chunks of 80 that a window of 20
+cuts into tiles of 64 and 16), and packed documents. Without the sink
 merge, or with the window left out, the same comparisons fail (so they can). The window's saving is
 counted, not assumed: the blocks each rank computes are exactly those with a visible (query, key) pair, and
 their number falls with the window.
@@ -121,9 +122,8 @@ def test_tiles_outside_the_window_are_skipped():
 # --------------------------------------------------------------------------------------------------
 # the ring, on a world of 4
 
-def ring_case(C: int, window: int, docs: bool, exchange: str):
+def ring_case(C: int, window: int, docs: bool, exchange: str, chunk: int = 5):
     cp = cp_group(C)
-    chunk = 5
     T = 2 * C * chunk
     q, k, v, sinks, dout = inputs(T, seed=11 + C + window)
     segments = segments_of(T) if docs else None
@@ -149,6 +149,9 @@ def check_ring():
     for C, window, docs, exchange in itertools.product((2, 4), (0, 3, 7, 100), (False, True), ("ring", "allgather")):
         if cp_group(C) is not None:
             out[(C, window, docs, exchange)] = ring_case(C, window, docs, exchange)
+    for C, docs in itertools.product((2, 4), (False, True)):  # chunks of 80 cut into tiles of 64 and 16
+        if cp_group(C) is not None:
+            out[(C, 20, docs, "ring 80")] = ring_case(C, 20, docs, "ring", chunk=80)
     return out
 
 

@@ -304,7 +304,7 @@ class GroupedExperts(nn.Module):
         grouped = self.grouped and grouped_mm_applies(x, *weights)
         keep = None
         if grouped and self.pad_rows > 1 and x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # zero rows stay zero through the MLP
+            x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # padded rows are dropped at the end
         if self.gated:
             gate, up, down = weights
             g, u = expert_matmul(x, gate, counts, grouped), expert_matmul(x, up, counts, grouped)

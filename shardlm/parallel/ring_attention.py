@@ -18,6 +18,7 @@ With packed documents (`segments`, the document number of every token of the who
 `shardlm.models.documents.Documents` holds them) each block is also masked by document, and with a sliding
 `window` (a query sees the keys less than `window` positions behind it) by distance: a block that no mask
 cuts runs as above, a block with no visible pair is skipped (counted, so the window's saving is measured),
+a block the window cuts runs in tiles of about the window's size (`tiles`), only those the window reaches,
 and the others run with the block's mask (a query row with no key in the block contributes nothing to the
 merge). Attention sinks (gpt-oss: a learned logit per head that joins every softmax row as one more key
 without a value) are merged once per row after the last block, as one more partial attention with output 0
@@ -174,26 +175,49 @@ def block_mask(queries: range, keys: range, causal: bool, window: int = 0, segme
     return visible if bool(visible.any()) else EMPTY
 
 
+def window_tile(window: int, length: int) -> int:
+    """The tile a sliding window cuts blocks of `length` tokens into: the window rounded up to 64 tokens (at
+    most `length`); `length` without a window."""
+    return min(length, -(-window // 64) * 64) if window else length
+
+
+def tiles(queries: range, keys: range, diagonal: bool, window: int, segments: torch.Tensor | None, tile: int,
+          device=None):
+    """The tiles with a visible pair of the block of query tokens `queries` against key tokens `keys`: (query
+    slice, key slice, both relative to the block, causal, mask or None). `diagonal`: queries and keys are the
+    same tokens (tiles above the diagonal are skipped). Tiles wholly outside the window are skipped."""
+    for qs in range(0, len(queries), tile):
+        for ks in range(0, len(keys), tile):
+            if diagonal and ks > qs:
+                break
+            q_tile, k_tile = queries[qs:qs + tile], keys[ks:ks + tile]
+            causal = diagonal and ks == qs
+            mask = block_mask(q_tile, k_tile, causal, window, segments, device)
+            if mask is not EMPTY:
+                yield slice(qs, qs + len(q_tile)), slice(ks, ks + len(k_tile)), causal, mask
+
+
 def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name: str,
             segments: torch.Tensor | None = None, window: int = 0, length: int = 0, device=None):
-    """The non-empty blocks of this rank's queries against `source`'s keys: (query half, key half, causal,
-    the block's mask or None); `length` is a chunk's L."""
+    """The non-empty blocks of this rank's queries against `source`'s keys, each as its visible tiles
+    (`tiles`; one tile, the whole block, without a window): (query half, key half, query slice, key slice,
+    causal, mask or None); `length` is a chunk's L. `counts` counts whole blocks."""
     mine, theirs = zigzag_chunks(cp.size, cp.rank), zigzag_chunks(cp.size, source)
+    tile = window_tile(window, length)
     for (qi, qc), (ki, kc) in itertools.product(enumerate(mine), enumerate(theirs)):
         kind = block_kind(qc, kc)
-        mask = None
-        if kind != EMPTY and (segments is not None or window):
+        found = False
+        if kind != EMPTY:
             chunk = lambda c: range(c * length, (c + 1) * length)  # noqa: E731
-            mask = block_mask(chunk(qc), chunk(kc), kind == CAUSAL, window, segments, device)
-            kind = EMPTY if mask is EMPTY else kind
+            for qs, ks, causal, mask in tiles(chunk(qc), chunk(kc), kind == CAUSAL, window, segments, tile, device):
+                found = True
+                yield qi, ki, qs, ks, causal, mask
         if counts is not None:
-            if kind == EMPTY:
-                counts.skipped[pass_name] += 1
-            else:
+            if found:
                 counts.computed[pass_name] += 1
                 counts.pairs[pass_name].append((qc, kc))
-        if kind != EMPTY:
-            yield qi, ki, kind == CAUSAL, mask
+            else:
+                counts.skipped[pass_name] += 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,14 +266,17 @@ class _ContextParallelAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, setup):
         cp, exchange, scale, kernel, counts, segments, window = setup
         queries = q.chunk(2, dim=2)
-        outs, lses = [None, None], [None, None]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)  # views: the merges write into out and lse
         where = dict(segments=segments, window=window, length=q.shape[2] // 2, device=q.device)
         for source, kv in _kv_sources(torch.stack((k, v)), cp, exchange):
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, causal, mask in _blocks(cp, source, counts, "forward", **where):
-                block = attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel, mask)
-                outs[qi], lses[qi] = merge_partial(outs[qi], lses[qi], *block)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+            for qi, ki, qs, ks, causal, mask in _blocks(cp, source, counts, "forward", **where):
+                block = attention_block(queries[qi][:, :, qs], keys[ki][:, :, ks], values[ki][:, :, ks], causal,
+                                        scale, kernel, mask)
+                outs[qi][:, :, qs], lses[qi][:, :, qs] = merge_partial(outs[qi][:, :, qs], lses[qi][:, :, qs],
+                                                                       *block)
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -275,12 +302,13 @@ class _ContextParallelAttention(torch.autograd.Function):
             """This rank's part of dK/dV of `source`'s K/V, (2, B, Hkv, 2L, d) fp32; adds to dq."""
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             keys, values, dks, dvs = halves(kv[0]), halves(kv[1]), halves(dkv[0]), halves(dkv[1])
-            for qi, ki, causal, mask in _blocks(cp, source, counts, "backward", **where):
-                dq_b, dk_b, dv_b = block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
-                                                   lses[qi], causal, scale, kernel, mask)
-                dqs[qi].add_(dq_b)
-                dks[ki].add_(dk_b)
-                dvs[ki].add_(dv_b)
+            for qi, ki, qs, ks, causal, mask in _blocks(cp, source, counts, "backward", **where):
+                dq_b, dk_b, dv_b = block_backward(douts[qi][:, :, qs], queries[qi][:, :, qs], keys[ki][:, :, ks],
+                                                  values[ki][:, :, ks], outs[qi][:, :, qs], lses[qi][:, :, qs],
+                                                  causal, scale, kernel, mask)
+                dqs[qi][:, :, qs] += dq_b
+                dks[ki][:, :, ks] += dk_b
+                dvs[ki][:, :, ks] += dv_b
             return dkv
 
         sources = _kv_sources(torch.stack((k, v)), cp, exchange)

@@ -16,35 +16,30 @@ from __future__ import annotations
 import torch
 
 from shardlm.parallel.ring_attention import (
-    EMPTY,
     BlockCounts,
     attention_block,
     block_backward,
-    block_mask,
     merge_partial,
     merge_sinks,
     sink_gradient,
+    tiles,
+    window_tile,
 )
 
 
 def tile_blocks(length: int, tile: int, window: int, segments: torch.Tensor | None, device,
                 counts: BlockCounts | None = None, pass_name: str = "forward"):
-    """Yield (query slice, key slice, causal, mask or None) for every block with a visible pair; tiles of
-    `tile` tokens (the last one shorter), key tiles after the query tile or wholly outside its window skipped."""
-    starts = range(0, length, tile)
-    for qs in starts:
-        queries = range(qs, min(qs + tile, length))
-        for ks in starts[:qs // tile + 1]:
-            keys = range(ks, min(ks + tile, length))
-            causal = ks == qs
-            mask = block_mask(queries, keys, causal, window, segments, device)
-            if counts is not None:
-                if mask is EMPTY:
-                    counts.skipped[pass_name] += 1
-                else:
-                    counts.computed[pass_name] += 1
-            if mask is not EMPTY:
-                yield slice(queries.start, queries.stop), slice(keys.start, keys.stop), causal, mask
+    """Yield (query slice, key slice, causal, mask or None) for every tile of the causal triangle of `length`
+    tokens with a visible pair (`ring_attention.tiles`, tiles of `tile` tokens, the last one shorter);
+    `counts` counts the tiles computed and skipped."""
+    yielded = 0
+    for block in tiles(range(length), range(length), True, window, segments, tile, device):
+        yielded += 1
+        yield block
+    if counts is not None:
+        side = -(-length // tile)
+        counts.computed[pass_name] += yielded
+        counts.skipped[pass_name] += side * (side + 1) // 2 - yielded
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -95,6 +90,6 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need (B, H, T, d) queries "
                          "and (B, Hkv, T, d) keys and values with H a multiple of Hkv")
     length = q.shape[2]
-    tile = tile or (min(length, -(-window // 64) * 64) if window else length)
+    tile = tile or window_tile(window, length)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _TiledAttention.apply(q, k, v, sinks, (scale, window, tile, segments, counts))
