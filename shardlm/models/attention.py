@@ -33,20 +33,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
     `dropout_p`: attention dropout (0 in evaluation; refused under CP), drawn under `rng.fork()` (the
     model-parallel RNG tracker: heads differ per TP rank, so must their dropout masks).
     `scale`: the softmax scale in place of 1 / sqrt(d) (MLA: v may have a smaller head size than q and k,
-    (B, H, T, d_v) then; under CP the values are zero-padded to the keys' size for the ring and the
-    output cut back).
+    (B, H, T, d_v) then; the values are zero-padded to the keys' size, which the flash kernels and the ring
+    need, and the output cut back).
     `documents`: the micro-batch's packed documents; each token then attends within its own document only.
     `window` > 0: each query sees the keys less than `window` positions behind it (a sliding-window layer).
     `sinks` (H,): each head's sink logit, one more softmax entry without a value (gpt-oss); neither takes
     attention dropout."""
     segments = None if documents is None else documents.segments
+    d_v = v.shape[-1]
+    if d_v != k.shape[-1]:  # MLA: values padded with zeros to the key size; P [v | 0] = [P v | 0], so the output's
+        v = F.pad(v, (0, k.shape[-1] - d_v))  # first d_v channels are exact, and the flash kernels need equal sizes
+    out = _attention(q, k, v, cp, exchange, dropout_p, rng, scale, documents, segments, window, sinks)
+    return out if out.shape[-1] == d_v else out[..., :d_v]
+
+
+def _attention(q, k, v, cp, exchange, dropout_p, rng, scale, documents, segments, window, sinks) -> torch.Tensor:
+    """`causal_attention` once q, k and v have one head size."""
     if cp.size > 1:
-        d_v = v.shape[-1]
-        if d_v != k.shape[-1]:  # MLA: values padded with zeros to the key size travel with the keys; P [v | 0]
-            v = F.pad(v, (0, k.shape[-1] - d_v))  # = [P v | 0], so the output's first d_v channels are exact
-        out = context_parallel_attention(q, k, v, cp, scale=scale, exchange=exchange, dropout_p=dropout_p,
-                                         segments=segments, window=window, sinks=sinks)
-        return out if out.shape[-1] == d_v else out[..., :d_v]
+        return context_parallel_attention(q, k, v, cp, scale=scale, exchange=exchange, dropout_p=dropout_p,
+                                          segments=segments, window=window, sinks=sinks)
     if window or sinks is not None:
         if dropout_p > 0:
             raise ValueError("attention dropout is not supported with sliding windows or attention sinks")
@@ -62,7 +67,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa,
                                                   scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, *, window: int = 0,
                      sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
