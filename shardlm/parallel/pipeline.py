@@ -138,7 +138,7 @@ class StageModule(nn.Module):
         self.mtp = None
         object.__setattr__(self, "model", model)  # not a submodule: the stage owns only its layers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.is_first:
             x = self.model.embed(x, 0, self.documents)
         x = self.model.run_layers(x, self.layers, self.documents)
@@ -260,8 +260,8 @@ def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int
     """The stages this rank runs, wrapped for PyTorch's pipelining, and the schedule that drives them.
 
     `loss_fn(output, targets) -> scalar` runs on the last stage once per micro-batch (`output`: what the
-    last `StageModule` returns); its gradient is
-    what backward propagates (the schedule does not rescale gradients). `modules`: this rank's
+    last `StageModule` returns); its gradient is what backward propagates (the schedule does not rescale
+    gradients). `modules`: this rank's
     `StageModule`s to reuse (another schedule over the same, possibly FSDP-sharded, stages); built anew
     when None.
     """
