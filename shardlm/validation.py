@@ -48,8 +48,6 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f'model.moe_aux_loss_type="{m.moe_aux_loss_type}" must be "micro_batch" or "sequence"')
     if m.mtp_layers:
         mtp_checks = [(m.arch == "llama", 'model.mtp_layers needs model.arch="llama"'),
-                      (p.pipeline == 1, "model.mtp_layers is not supported with parallel.pipeline > 1 yet; use "
-                                        "parallel.pipeline=1 (or model.mtp_layers=0)"),
                       (0 < m.mtp_layers < m.seq_length and m.mtp_loss_weight >= 0,
                        "model.mtp_layers must be in 1..seq_length-1 and model.mtp_loss_weight >= 0")]
         for ok, message in mtp_checks:

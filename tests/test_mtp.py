@@ -10,6 +10,7 @@
   change the training (the curve differs from the same run without them), and the logged "loss" stays the
   next-token loss (the MTP term enters the gradient only).
 - Export and import keep the MTP layer under DeepSeek's naming (layer num_hidden_layers), bitwise.
+Pipeline parallelism (the depths on the last stage) is tested in `test_mtp_pipeline.py`.
 """
 
 from __future__ import annotations
@@ -195,11 +196,3 @@ def test_mtp_changes_training_but_not_the_logged_loss_of_step_one(reference):
     assert abs(curve[0][0] - plain[0][0]) <= 1e-6 * plain[0][0]  # the same next-token loss at step 1
     assert curve[0][1] != pytest.approx(plain[0][1], rel=1e-4)  # the gradient has the MTP term
     assert all(mtp > 0 for _, _, mtp in curve)
-
-
-def test_mtp_with_pipeline_is_refused_in_one_line():
-    from shardlm.errors import UserError
-
-    config = mla_config(pp=2, mtp_layers=1)
-    with pytest.raises(UserError, match="mtp_layers is not supported with parallel.pipeline"):
-        validate(config, 2, check_paths=False)

@@ -41,7 +41,7 @@ def expert_key(name: str, expert: int) -> str:
 
 class _StageFiles:
     """The files of one TP rank's shards over all pipeline stages, read as one: a key's tensor comes from
-    the first file that has it (the tied embedding is in two)."""
+    the first file that has it (checkpoints of older versions hold the tied embedding in two)."""
 
     def __init__(self, paths: list[Path]):
         self.handles = [safe_open(str(p), framework="pt") for p in paths]

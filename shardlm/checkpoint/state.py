@@ -62,10 +62,18 @@ def _stored(name: str, param: torch.Tensor, value: torch.Tensor) -> dict[str, to
     return {key: v.contiguous() for key, v in zip(_stored_names(name, param), value, strict=True)}
 
 
+def is_stage_copy(param: torch.Tensor) -> bool:
+    """The last pipeline stage's copy of the word embedding (`pipeline_tied_copy`, GPT's tied output layer or
+    the multi-token-prediction depths' input): bitwise the first stage's, so only the first stage saves it."""
+    return getattr(param, "pipeline_tied_copy", False)
+
+
 def _tensor_table(model, dense: bool) -> dict[str, dict]:
     """{checkpoint name: shape and split dim} of the tensors this rank writes (experts one by one)."""
     table = {}
     for name, p in model.named_parameters():
+        if is_stage_copy(p):
+            continue
         if is_expert(p):
             for key in _stored_names(name, p):
                 dim = split_dim(p)  # None: whole on every TP rank (gpt-oss's expert down bias)
@@ -83,7 +91,7 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
     `dense=False` (ranks that write only their experts): expert stacks only, one tensor per expert."""
     out = {}
     for name, param in trainer.model.named_parameters():
-        if not (dense or is_expert(param)):
+        if not (dense or is_expert(param)) or is_stage_copy(param):
             continue
         state = trainer.optimizer.state.get(param, {})
         if full is not None:  # parameters without gradient (expert biases) are not the optimizer's

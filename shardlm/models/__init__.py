@@ -62,11 +62,10 @@ def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | 
         loss = main.mean() if batch["divisor"] is None else main.sum() / batch["divisor"]
         if mtp is None:
             return loss
-        # multi-token prediction: each depth's token losses over its global divisor, their mean weighted into
-        # the gradient only (Megatron-Core's MTPLossAutoScaler), so the returned value stays the LM loss
-        mtp_loss = torch.stack([losses[k + 1].sum() / d for k, d in enumerate(batch["mtp_divisors"])]).mean()
-        batch["mtp_loss"] = mtp_loss.detach()
-        return loss + batch["mtp_weight"] * (mtp_loss - mtp_loss.detach())
+        from shardlm.models.mtp import add_mtp_gradient
+
+        loss, batch["mtp_loss"] = add_mtp_gradient(loss, losses[1:], batch["mtp_divisors"], batch["mtp_weight"])
+        return loss
     inputs, targets = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
     return forward(inputs, targets).mean()
 

@@ -215,15 +215,24 @@ class DecoderLM(nn.Module):
         next-token loss first."""
         hidden = self.hidden_states(tokens, cache, documents)
         if targets is not None and mtp is not None:
-            losses = [self.output_loss(hidden, targets, ignore_index)]
-            for layer, inputs, depth_targets in zip(self.mtp, *mtp):
-                hidden = layer(self.embed(inputs, 0, documents), hidden, documents)
-                losses.append(self.output_loss(hidden, depth_targets, ignore_index))
-            return torch.stack(losses)
+            main = self.output_loss(hidden, targets, ignore_index)
+            return torch.cat((main.unsqueeze(0), self.mtp_losses(hidden, mtp, documents, ignore_index)))
         if targets is not None:
             return self.output_loss(hidden, targets, ignore_index)
         logits = self.output_layer(hidden)
         return logits if targets is None else self.loss(logits, targets, ignore_index)
+
+    def mtp_losses(self, hidden: torch.Tensor, mtp: tuple, documents: Documents | None = None,
+                   ignore_index: int = -100) -> torch.Tensor:
+        """Per-token fp32 losses (D, B, T) of the D multi-token-prediction depths (`shardlm.models.mtp`): depth k
+        takes depth k-1's output (depth 1: `hidden`, the (B, T, h) final-norm output or its sequence chunks)
+        and the embedding of its rolled tokens; `mtp` = (inputs, targets), each (D, B, T). Runs `embed` (so
+        `wte`), `self.mtp` and the output layer: what the last pipeline stage keeps when the model has depths."""
+        losses = []
+        for layer, inputs, targets in zip(self.mtp, *mtp):
+            hidden = layer(self.embed(inputs, 0, documents), hidden, documents)
+            losses.append(self.output_loss(hidden, targets, ignore_index))
+        return torch.stack(losses)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """(..., V_padded / tp) -> (..., vocab_size): gather the slices and drop the padding.

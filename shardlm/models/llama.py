@@ -289,8 +289,10 @@ class Llama(DecoderLM):
             with torch.no_grad():  # rows of the vocabulary padding start at zero, as the embedding's do
                 first_row = ctx.tp_rank * self.lm_head.weight.shape[0]
                 self.lm_head.weight[max(0, cfg.vocab_size - first_row):].zero_()
-        # what the last pipeline stage keeps besides its layers
-        self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
+        # what the last pipeline stage keeps besides its layers: with multi-token prediction also the depths
+        # and a copy of `wte` for their rolled tokens (summed with the first stage's as a tied embedding)
+        last = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head") + (("wte", "mtp") if cfg.mtp_layers else ())
+        self.LAST_STAGE = tuple(dict.fromkeys(last))
         self.mtp = None
         if cfg.mtp_layers:  # DeepSeek-V3's multi-token prediction depths (`shardlm.models.mtp`)
             from shardlm.models.mtp import MTPLayer

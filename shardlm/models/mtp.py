@@ -14,8 +14,14 @@ The loss is main + weight x mean over depths of each depth's mean over its valid
 position i of depth k is valid when i + k is still in the row and in i's document (packed rows) and
 `labels[i + k]` is trained. `rolled_targets` builds depth k's inputs and targets from the whole row before any
 context-parallel split, so a rank's zigzag part rolls across chunk boundaries correctly; the trainer
-divides each depth's token losses by the global count of its valid targets (`shardlm.training.data`).
-Pipeline parallelism is refused with MTP (the last stage would need the first stage's embedding).
+divides each depth's token losses by the global count of its valid targets (`shardlm.training.data`), and
+`add_mtp_gradient` weighs their mean into the gradient only, so the logged loss stays the next-token loss.
+
+Under pipeline parallelism the depths live on the last stage (as Megatron-Core places them by default),
+after the final norm: that stage also keeps a copy of the word embedding `wte` for the rolled tokens, the
+same tied copy GPT's output layer uses, whose gradient the embedding group sums with the first stage's
+(`shardlm.parallel.pipeline.sum_tied_gradients`); the runner hands the last stage each micro-batch's rolled
+tokens beside its documents (`ShardlmStage`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,16 @@ def rolled_targets(input_ids: torch.Tensor, labels: torch.Tensor, depth: int,
     if segments is not None:
         valid = valid & (F.pad(segments[:, depth:], (0, depth), value=-1) == segments)
     return torch.where(valid, inputs, 0), torch.where(valid, targets, IGNORE_INDEX)
+
+
+def add_mtp_gradient(loss: torch.Tensor, depth_losses: torch.Tensor, divisors: list[float],
+                     weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the next-token `loss` with `weight` x the depths' mean loss added to its gradient only, that mean
+    detached). `depth_losses` (D, B, T): per-token losses of the D depths (`DecoderLM.mtp_losses`), depth k's
+    summed over `divisors[k]` (its global valid-target count / (micro-batches x DP x C)). The value stays
+    `loss`, as Megatron-Core's MTPLossAutoScaler keeps the LM loss while the MTP term enters the backward."""
+    mtp_loss = torch.stack([depth_losses[k].sum() / d for k, d in enumerate(divisors)]).mean()
+    return loss + weight * (mtp_loss - mtp_loss.detach()), mtp_loss.detach()
 
 
 class MTPLayer(nn.Module):

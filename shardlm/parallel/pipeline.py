@@ -3,19 +3,22 @@
 A model with `P x V` pipeline stages (P ranks in a pipeline group, V virtual stages each) is cut into
 contiguous blocks of layers: stage `s` holds block `s` and lives on pipeline rank `s % P`, so with
 V > 1 each rank holds V blocks spaced P apart (the interleaved schedule of Narayanan et al. 2021).
-Stage 0 also runs the embeddings, the last stage the final LayerNorm, the output layer and the loss.
+Stage 0 also runs the embeddings, the last stage the final LayerNorm, the output layer and the loss, and
+a model's multi-token-prediction depths (`shardlm.models.mtp`), which read the embedding too.
 
 The model itself is unaware of stages (it only offers `embed`, `run_layers`, `head` and `loss`, and
 keeps its layers in a dict keyed by layer index): `keep_stages` builds the whole model's structure,
 then drops the layers and end pieces this rank does not own, so parameter names stay those of the
-unsplit model and checkpoints stay layout-free. A tied word embedding lives on the first and the last
+unsplit model and checkpoints stay layout-free. A word embedding that the last stage uses too (GPT's
+tied output layer, the multi-token-prediction depths' input embedding) lives on the first and the last
 stage; `sum_tied_gradients` adds the two copies' gradients over the embedding group every step, so
-both copies see the single-process gradient and stay bitwise equal.
+both copies see the single-process gradient and stay bitwise equal (checkpoints save the first copy only).
 
 Schedules (GPipe, 1F1B, interleaved 1F1B) are PyTorch's. `ShardlmStage` records the point-to-point
 transfers they issue into the communication statistics, keeps the model-parallel RNG tracker out of
 the schedule's one-off metadata inference (see its docstring), and hands every stage the packed
-documents of the micro-batch it runs (the first stage's inputs are not the only ones that need them).
+documents of the micro-batch it runs (the first stage's inputs are not the only ones that need them), and
+the last stage its multi-token-prediction inputs and targets.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def keep_stages(model: nn.Module, layers: list[list[int]], stages: list[int]) ->
     """Drop from `model` (in place) every layer and end piece that `stages` do not need; returns it.
 
     `model.FIRST_STAGE` / `model.LAST_STAGE` name the attributes the first / last stage need (for GPT:
-    the embeddings; the final LayerNorm and the tied output layer's `wte`). A parameter kept by the last
+    the embeddings; the final LayerNorm and the tied output layer's `wte`; for Llama with multi-token
+    prediction the last stage adds `mtp` and `wte`). A parameter kept by the last
     stage that belongs to the first stage's pieces too is the tied copy: it is marked
     `pipeline_tied_copy` (counted once in the gradient norm, on the first stage).
     """
@@ -90,7 +94,8 @@ def keep_stages(model: nn.Module, layers: list[list[int]], stages: list[int]) ->
 
 
 def tied_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters that both the first and the last stage hold (GPT's word embedding)."""
+    """Parameters that both the first and the last stage hold (GPT's word embedding, or Llama's under
+    multi-token prediction)."""
     tied = []
     for name in set(model.FIRST_STAGE) & set(model.LAST_STAGE):
         module = getattr(model, name)
@@ -120,20 +125,33 @@ class StageModule(nn.Module):
     """One pipeline stage of `model`: (B, T) ids on the first stage, (B, T, h) hidden states elsewhere
     -> (B, T, h); on the last stage the final norm's output, which the loss function takes through the
     fused output layer and loss (`model.output_loss`). `documents` is the packed documents of the
-    micro-batch being run (`shardlm.models.documents`), or None; `ShardlmStage` sets it on every stage."""
+    micro-batch being run (`shardlm.models.documents`), or None; `ShardlmStage` sets it on every stage.
+    `mtp` is the micro-batch's multi-token-prediction (inputs, targets), each (D, B, T); the last stage of a
+    model with depths returns (final norm's output, the depths' per-token losses (D, B, T),
+    `model.mtp_losses`, or (0,) without `mtp`), and the loss function weighs the second into the gradient."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
         super().__init__()
         self.layers = nn.ModuleList(model.layers[str(i)] for i in layer_ids)
         self.is_first, self.is_last = is_first, is_last
         self.documents = None
+        self.mtp = None
         object.__setattr__(self, "model", model)  # not a submodule: the stage owns only its layers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.is_first:
             x = self.model.embed(x, 0, self.documents)
         x = self.model.run_layers(x, self.layers, self.documents)
-        return self.model.ln_f(x) if self.is_last else x
+        if not self.is_last:
+            return x
+        hidden = self.model.ln_f(x)
+        if getattr(self.model, "mtp", None) is None:
+            return hidden
+        # a model with depths always gives two outputs (the schedule fixes their number on its shape inference,
+        # which runs without a micro-batch: then no depth loss, (0,))
+        if self.mtp is None:
+            return hidden, hidden.new_zeros(0)
+        return hidden, self.model.mtp_losses(hidden, self.mtp, self.documents)
 
 
 class ShardlmStage(PipelineStage):
@@ -152,15 +170,19 @@ class ShardlmStage(PipelineStage):
         self.ctx = ctx
         self.stats = ctx.comm
         self.documents: list | None = None  # per micro-batch, set by the runner before a step
+        self.mtp: list | None = None  # per micro-batch multi-token-prediction (inputs, targets), likewise
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         """Run micro-batch `fwd_chunk_id` with its packed documents (when the step has them): every stage,
-        not only the first, gets the boundaries from the runner, never through the activations."""
+        not only the first, gets the boundaries from the runner, never through the activations. The last
+        stage also gets the micro-batch's multi-token-prediction inputs and targets (when the model has
+        depths); the schedule's shape inference, outside this call, runs without them."""
         self.submod.documents = None if self.documents is None else self.documents[fwd_chunk_id]
+        self.submod.mtp = None if self.mtp is None or not self.is_last else self.mtp[fwd_chunk_id]
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
-            self.submod.documents = None
+            self.submod.documents = self.submod.mtp = None
 
     @contextlib.contextmanager
     def _tracker_untouched(self):
@@ -237,8 +259,9 @@ def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int
                    num_micro_batches: int, loss_fn, modules: list[StageModule] | None = None):
     """The stages this rank runs, wrapped for PyTorch's pipelining, and the schedule that drives them.
 
-    `loss_fn(hidden, targets) -> scalar` runs on the last stage once per micro-batch; its gradient is
-    what backward propagates (the schedule does not rescale gradients). `modules`: this rank's
+    `loss_fn(output, targets) -> scalar` runs on the last stage once per micro-batch (`output`: what the
+    last `StageModule` returns); its gradient is what backward propagates (the schedule does not rescale
+    gradients). `modules`: this rank's
     `StageModule`s to reuse (another schedule over the same, possibly FSDP-sharded, stages); built anew
     when None.
     """

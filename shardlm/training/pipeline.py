@@ -3,9 +3,12 @@
 `PipelineRunner` turns a built model into this rank's stages (`shardlm.parallel.pipeline`) and runs
 one optimizer step's micro-batches through PyTorch's schedule. Every rank of a pipeline group reads
 the same micro-batches of its data-parallel rank; the first stage feeds the tokens, the last stage
-the targets. After the schedule:
-  1. the tied word embedding's two copies add their gradients (embedding group, first + last stage);
-  2. the last stage's mean loss is broadcast over the pipeline group, so every rank reports it.
+the targets (and, with multi-token prediction, runs the depths on each micro-batch's rolled tokens, which
+`ShardlmStage` hands it, and weighs their loss into the gradient as one process does). After the schedule:
+  1. the word embedding's two copies (tied output layer, or the depths' input embedding) add their
+     gradients (embedding group, first + last stage);
+  2. the last stage's mean loss (and multi-token-prediction loss) is broadcast over the pipeline group, so
+     every rank reports it.
 The trainer then averages gradients over the data-parallel group (one coalesced all-reduce, or the
 distributed optimizer's reduce-scatter): DDP is not used under pipelining. Under FSDP
 (`train.data_sharding = "full"`) each stage module is an FSDP root (`stage_modules`, sharded by
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import RunConfig
+from shardlm.models.mtp import add_mtp_gradient
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.pipeline import build_schedule, keep_stages, local_stages, stage_layers, sum_tied_gradients
 
@@ -47,7 +51,11 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.loss_factor = 1.0
         self.divisor: float | None = None  # packed rows: the step's sum-over-tokens divisor
+        self.mtp_divisors: list[float] = []  # multi-token prediction: each depth's divisor, and the loss weight
+        self.mtp_weight = 0.0
+        self.mtp_loss_sum = torch.zeros(())  # the last step's sum of micro-batch MTP losses, on every rank
         self._losses: list[torch.Tensor] = []
+        self._mtp_losses: list[torch.Tensor] = []
         self.stages, self.schedule = build_schedule(model, ctx, self.layers, self.schedule_name, num_micro_batches,
                                                     self._loss)
         self._eval = None
@@ -58,46 +66,62 @@ class PipelineRunner:
         """This rank's `StageModule`s, in stage order (what FSDP shards as roots, `shard_stage`)."""
         return [stage.submod for stage in self.stages]
 
-    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: `output` is the final norm's output (B, T, h), or that and
+        the multi-token-prediction depths' per-token losses (D, B, T) (`StageModule`; empty on the schedule's
+        shape inference); targets (B, T)."""
+        hidden, depth_losses = output if isinstance(output, tuple) else (output, None)
         losses = self.model.output_loss(hidden, targets)
         loss = losses.mean() if self.divisor is None else losses.sum() / self.divisor
         self._losses.append(loss.detach())
+        if depth_losses is not None and depth_losses.numel():
+            loss, mtp_loss = add_mtp_gradient(loss, depth_losses, self.mtp_divisors, self.mtp_weight)
+            self._mtp_losses.append(mtp_loss)
         return loss * self.loss_factor
 
     def _run(self, schedule, batches: list, train: bool) -> torch.Tensor:
         """Run `schedule` over `batches` (each (b, T + 1), a context-parallel rank's (inputs, targets), or
-        packed rows' dict, `shardlm.training.data.packed_parts`, whose documents every stage gets); the sum
-        of the micro-batch losses on the last stage (zero elsewhere)."""
+        packed rows' dict, `shardlm.training.data.packed_parts`, whose documents every stage gets, with
+        multi-token prediction's `mtp` for the last stage, `add_multi_token_targets`); the sums of the
+        micro-batch losses and MTP losses on the last stage (zeros elsewhere), shape (2,)."""
         self.divisor = None
-        documents = None
+        documents = mtp = None
         if isinstance(batches[0], dict):
             inputs, targets = torch.cat([b["inputs"] for b in batches]), torch.cat([b["targets"] for b in batches])
             documents, self.divisor = [b["documents"] for b in batches], batches[0]["divisor"]
+            if "mtp" in batches[0]:
+                mtp = [b["mtp"] for b in batches]
+                self.mtp_divisors, self.mtp_weight = batches[0]["mtp_divisors"], batches[0]["mtp_weight"]
         elif isinstance(batches[0], tuple):
             inputs, targets = (torch.cat(parts) for parts in zip(*batches))
         else:
             batch = torch.cat(batches)
             inputs, targets = batch[:, :-1], batch[:, 1:]
         for stage in self.stages if schedule is self.schedule else self._eval_stages:
-            stage.documents = documents
+            stage.documents, stage.mtp = documents, mtp
         self._losses.clear()
+        self._mtp_losses.clear()
         args = (inputs,) if self.ctx.is_first_stage else ()
         target = targets if self.ctx.is_last_stage else None
         (schedule.step if train else schedule.eval)(*args, target=target, return_outputs=False)
         if not self.ctx.is_last_stage:
-            return torch.zeros((), device=self.ctx.device)
-        return torch.stack(self._losses[-len(batches):]).sum()  # the schedule may call the loss once more first
+            return torch.zeros(2, device=self.ctx.device)
+        # the schedule may call the loss once more first, on its shape inference's stand-ins (without MTP)
+        mtp_sum = torch.stack(self._mtp_losses).sum() if mtp else torch.zeros((), device=self.ctx.device)
+        return torch.stack((torch.stack(self._losses[-len(batches):]).sum(), mtp_sum.to(self._losses[-1].dtype)))
 
     def forward_backward(self, batches: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of one step's micro-batches; the tied embedding's gradients summed over its
         two stages (the trainer then averages gradients over DP). Returns the sum of the micro-batch
-        losses, the same on every rank of the step's pipeline group (before the DP average)."""
+        losses, the same on every rank of the step's pipeline group (before the DP average); with
+        multi-token prediction the sum of their MTP losses is `mtp_loss_sum` likewise."""
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"{len(batches)} micro-batches, but the schedule was built for {self.num_micro_batches}")
         self.loss_factor = scale / len(batches)
-        loss_sum = self._run(self.schedule, batches, train=True)
+        sums = self._run(self.schedule, batches, train=True)
         sum_tied_gradients(self.model, self.ctx)
-        return self.broadcast_from_last_stage(loss_sum)
+        loss_sum, self.mtp_loss_sum = self.broadcast_from_last_stage(sums)
+        return loss_sum
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -108,7 +132,8 @@ class PipelineRunner:
                 len(batches), self._loss, self.stage_modules)
             self._eval = (len(batches), schedule)
         self.loss_factor = 1.0
-        return self.broadcast_from_last_stage(self._run(self._eval[1], batches, train=False))
+        return self.broadcast_from_last_stage(self._run(self._eval[1], batches, train=False))[0]
 
     def broadcast_from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
-        return self.ctx.pp.broadcast(value.reshape(1).clone(), self.ctx.pp_size - 1)[0]
+        """`value` (any shape) as the last pipeline stage holds it, on every rank of the pipeline group."""
+        return self.ctx.pp.broadcast(value.clone(), self.ctx.pp_size - 1)

@@ -189,7 +189,8 @@ class Trainer:
             self.scaler.update(overflow)
         step_metrics = {}
         if self.config.model.mtp_layers:  # the depths' mean loss over the global batch (logged, not in "loss")
-            mtp_sum = torch.stack([b["mtp_loss"] for b in batches]).sum()
+            mtp_sum = (torch.stack([b["mtp_loss"] for b in batches]).sum() if self.pipeline is None
+                       else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
             ctx.dp_cp.all_reduce(mtp_sum)
             step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step
