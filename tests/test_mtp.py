@@ -5,7 +5,7 @@
 - A random DeepSeek-V3 (MLA, q-LoRA) from transformers with one MTP depth: shardlm's main logits and MTP
   logits equal transformers' `DeepseekV3ForCausalLM` and `MtpModel.forward_layer` + shared head on the same
   weights within 1e-5 (transformers' MTP layer takes the main model's final-norm output, as shardlm's does).
-- Training with 2 depths (weight 0.3): TP=2 with SP, DP=2 and CP=2 (the rolls made on whole rows before the
+- Training with 2 depths (weight 0.3): TP=2 with SP, DP=2, EP=2 and CP=2 (the rolls made on whole rows before the
   zigzag split) give one process's losses, MTP losses, gradient norms and parameters within 1e-5; the depths
   change the training (the curve differs from the same run without them), and the logged "loss" stays the
   next-token loss (the MTP term enters the gradient only).
@@ -145,8 +145,8 @@ def test_mtp_layer_round_trips_under_deepseek_names():
 
 # ------------------------------------------------------------------------------------------ layouts
 
-def mtp_config(tp: int = 1, cp: int = 1, sp: bool = False, depths: int = 2):
-    return mla_config(tp=tp, cp=cp, sp=sp, mtp_layers=depths, mtp_loss_weight=0.3)
+def mtp_config(tp: int = 1, cp: int = 1, sp: bool = False, depths: int = 2, ep: int = 1):
+    return mla_config(tp=tp, cp=cp, sp=sp, ep=ep, mtp_layers=depths, mtp_loss_weight=0.3)
 
 
 def train(ctx: ParallelContext, config) -> tuple:
@@ -156,14 +156,16 @@ def train(ctx: ParallelContext, config) -> tuple:
     return [(m["loss"], m["grad_norm"], m.get("mtp_loss", 0.0)) for m in metrics], full_parameters(trainer.model)
 
 
-def layout(tp: int = 1, cp: int = 1, sp: bool = False):
+def layout(tp: int = 1, cp: int = 1, sp: bool = False, ep: int = 1):
     def check():
-        return train(ParallelContext.from_process_group(tp, context_parallel=cp), mtp_config(tp, cp, sp))
+        ctx = ParallelContext.from_process_group(tp, context_parallel=cp, expert_parallel=ep)
+        return train(ctx, mtp_config(tp, cp, sp, ep=ep))
     return check
 
 
 def world2_checks():
-    return run_checks({"tp2_sp": layout(tp=2, sp=True), "dp2": layout(), "cp2": layout(cp=2)})
+    return run_checks({"tp2_sp": layout(tp=2, sp=True), "dp2": layout(), "cp2": layout(cp=2),
+                       "ep2": layout(ep=2)})
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +178,7 @@ def reference():
     return train(ParallelContext.single(), mtp_config())
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "dp2", "cp2"])
+@pytest.mark.parametrize("name", ["tp2_sp", "dp2", "cp2", "ep2"])
 def test_mtp_trains_as_one_process(world2, reference, name):
     for value in check_result(world2, name):
         curve, params = value
