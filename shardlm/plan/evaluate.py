@@ -109,7 +109,7 @@ class Evaluator:
             if self.core and layout.distributed_optimizer:  # ZeRO-2: the fp32 gradients sharded with the state
                 state = replace(state, gradients=-(-state.gradients // (layout.dp * layout.cp)))
             peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
-                                        keeps_received=not (self.megatron or self.core))
+                                        keeps_received=not (self.megatron or self.core), frees_stage_input=self.core)
             if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
                 worst = (state, peak, rank, gathered)
         state, peak, rank, gathered = worst

@@ -17,6 +17,9 @@ collective between two GEMMs. Today's Megatron-Core and Meta's Llama 3 stack (`C
   (Megatron-Core's `--overlap-grad-reduce` with interleaving; Meta's FSDP overlaps it too): the
   calibrated `dp_overlap` fraction hides behind the last micro-batch's backward, as without a pipeline.
 
+- FlashAttention-2's backward under grouped-query attention writes dK and dV per query head and sums them
+  afterwards (`gqa_expanded_bytes`), a memory-bound pass that grows with the keys a rank attends to.
+
 The TP collectives stay on the critical path in both: Megatron-Core overlaps them only with
 `--tp-comm-overlap` (off by default), and the Llama 3 paper describes no such overlap.
 """
@@ -54,6 +57,21 @@ class Kernels:
         forward = self.counted_attention_flops(cfg, global_batch, False) / 3 / 2
         passes = 2 if recompute else 1
         return passes * forward / (forward_efficiency * peak_flops) + 2.5 * forward / (backward_efficiency * peak_flops)
+
+    def gqa_expanded_bytes(self, cfg: ModelConfig, tp: int, micro_batch: int, cp: int, element_bytes: int) -> int:
+        """HBM bytes one layer's flash backward moves for one micro-batch on one rank beyond its FLOPs under
+        grouped-query attention: FlashAttention-2's backward (`mha_bwd` in its `flash_api.cpp`) writes dK and dV per
+        query head (`dk_expanded`, `dv_expanded`, b x keys x H/t x d each) and reads them back to sum the heads
+        that share a KV head: 4 b keys (H/t) d elements. Keys: the sequence; with the all-gather context
+        parallelism the rank's two query chunks attend to T (1 + 1 / 2C) keys in all (chunks r and 2C - 1 - r see
+        r + 1 and 2C - r of the 2C chunks). 0 without the flash kernel (`causal_skip`) or without GQA."""
+        if not self.causal_skip or cfg.arch != "llama" or cfg.attention == "mla":
+            return 0
+        heads = cfg.num_heads // tp
+        if max(1, cfg.kv_heads // tp) >= heads:
+            return 0
+        keys = cfg.seq_length if cp == 1 else cfg.seq_length * (2 * cp + 1) // (2 * cp)
+        return 4 * micro_batch * keys * heads * cfg.attention_head_dim * element_bytes
 
 
 SC21_KERNELS = Kernels()

@@ -279,6 +279,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
         scores = layout.micro_batch * cfg.num_heads // layout.tp * full_sequence.seq_length * cfg.seq_length
         recomputed = layout.recompute != "none"
         elementwise_bytes += layers * scores * (SCORE_BYTES_FORWARD * (2 if recomputed else 1) + SCORE_BYTES_BACKWARD)
+    elementwise_bytes += layers * kernels.gqa_expanded_bytes(full_sequence, layout.tp, layout.micro_batch, layout.cp,
+                                                            fmt.matmul_bytes)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
     elementwise = accumulation * elementwise_bytes / hbm
 
