@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
+from shardlm.plan.windows import causal_share, key_share
 
 
 @dataclass(frozen=True)
@@ -46,15 +47,17 @@ class Kernels:
         """The attention core's FLOPs in `flops_per_step`: 4 s^2 a per layer and sequence forward (QK^T and PV,
         a = heads x head size), 3x with the backward, 4x when the layers' forward is recomputed."""
         width = cfg.num_heads * cfg.attention_head_dim if cfg.arch == "llama" else cfg.hidden_size
-        return (4 if recompute else 3) * 4 * global_batch * cfg.seq_length ** 2 * width * cfg.num_layers
+        full = (4 if recompute else 3) * 4 * global_batch * cfg.seq_length ** 2 * width * cfg.num_layers
+        return full * key_share(cfg)  # a sliding layer counts s x min(s, w) (`windows`)
 
     def attention_seconds(self, cfg: ModelConfig, global_batch: int, recompute: bool, peak_flops: float,
                           forward_efficiency: float, backward_efficiency: float) -> float:
         """GPU-seconds of the step's attention core under a causal flash kernel (`causal_skip`): the forward
-        executes half of 4 s^2 a per layer and sequence (again when recomputing), at `forward_efficiency` x
+        executes half of 4 s^2 a per layer and sequence (w s - w^2 / 2 pairs on a sliding layer, `windows`; again
+        when recomputing), at `forward_efficiency` x
         `peak_flops`; the backward 2.5x the forward's FLOPs (it recomputes QK^T: five GEMMs to the forward's
         two, Dao 2023, FlashAttention-2, section 3.1.2), at `backward_efficiency` x `peak_flops`."""
-        forward = self.counted_attention_flops(cfg, global_batch, False) / 3 / 2
+        forward = self.counted_attention_flops(cfg, global_batch, False) / 3 * causal_share(cfg)
         passes = 2 if recompute else 1
         return passes * forward / (forward_efficiency * peak_flops) + 2.5 * forward / (backward_efficiency * peak_flops)
 

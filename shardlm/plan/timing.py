@@ -73,6 +73,7 @@ from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.stages import bubble_fraction
+from shardlm.plan.windows import key_share, window_saved_flops
 
 # Bytes per attention score of the unfused softmax + dropout: forward reads the fp16 scores and
 # writes the probabilities (4), dropout reads them, writes the result and a 1-byte mask (5), the
@@ -254,8 +255,10 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
-    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
-        flops += 4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
+    flops -= window_saved_flops(full_sequence, global_batch, layout.checkpointing)  # sliding layers: s x w
+    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding)
+        flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
+                  * key_share(full_sequence))
     layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
     if layout.end_trim:  # first and last stage one layer short: the other ranks hold (L + 2) / P
         layers = -(-(cfg.num_layers + 2) // layout.pp)
