@@ -23,6 +23,7 @@ from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
+from shardlm.plan.mtp import with_mtp
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages, trimmed_layers
 from shardlm.plan.timing import Layout, StepTime, step_time
 
@@ -70,10 +71,12 @@ class Evaluator:
     def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int, cp: int = 1) -> ActivationMemory:
         cfg = replace(self.cfg, seq_length=self.cfg.seq_length // cp)  # a CP rank saves T / C tokens' activations
         if self.megatron:
-            return korthikanti_memory(cfg, tp, micro, setting)
-        if self.core:
-            return flash_memory(cfg, tp, micro, setting)
-        return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+            acts = korthikanti_memory(cfg, tp, micro, setting)
+        elif self.core:
+            acts = flash_memory(cfg, tp, micro, setting)
+        else:
+            acts = shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+        return with_mtp(acts, cfg, tp, micro, self.fmt, setting.sequence_parallel)  # the depths: last stage
 
     def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False):
         split = trimmed_layers if trim else pipeline_layers

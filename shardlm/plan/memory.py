@@ -20,7 +20,7 @@ Everything is derived from the code, not from rules of thumb:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -125,8 +125,13 @@ def parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     by rows and tied to the LM head, positions (s x h) and the final LayerNorm replicated. arch="bert"
     counts `shardlm.models.bert.BERT`: the same layers and embeddings plus token types (2 x h), pooler
     and LM-head transform (h x h + h each), the LM-head LayerNorm, the sentence head (2 x h + 2) and
-    the output bias, split like the vocabulary.
+    the output bias, split like the vocabulary. Multi-token-prediction depths (`cfg.mtp_layers`) add
+    `mtp.mtp_parameter_count`.
     """
+    if cfg.mtp_layers:
+        from shardlm.plan.mtp import mtp_parameter_count  # it counts layers through this function
+
+        return add_counts(parameter_count(replace(cfg, mtp_layers=0), tp, ep), mtp_parameter_count(cfg, tp, ep))
     if cfg.arch == "llama":
         return _llama_parameter_count(cfg, tp, ep)
     h, layers = cfg.hidden_size, cfg.num_layers

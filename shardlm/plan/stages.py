@@ -102,8 +102,9 @@ def rank_stages(layers: list[list[int]], pp: int, rank: int) -> RankStages:
     return RankStages(rank, chunks, rank == 0, rank == pp - 1, indices)
 
 
-def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
-    """(first stage's, last stage's, both share) parameters outside the layers, per TP rank."""
+def _end_pieces(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
+    """(first stage's, last stage's, both share) parameters outside the layers, per TP rank; the last stage's
+    include the multi-token-prediction depths (`mtp.mtp_parameter_count`) and their embedding copy."""
     if cfg.arch == "bert":
         raise UserError('pipeline parallelism is planned for model.arch "gpt" and "llama"; use --pipeline 1 for BERT')
     h = cfg.hidden_size
@@ -117,12 +118,19 @@ def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCou
             ParameterCount(0, 2 * h, 2, 0)
     last = add_counts(norm, output)
     shared = output if output is embedding else ParameterCount(0, 0, 0, 0)
+    if cfg.mtp_layers:  # the depths and, when the head is not the embedding, a copy of it to embed their tokens
+        from shardlm.plan.mtp import mtp_parameter_count
+
+        last = add_counts(last, mtp_parameter_count(cfg, tp, ep))
+        if output is not embedding:
+            last, shared = add_counts(last, embedding), add_counts(shared, embedding)
     return first, last, shared
 
 
 def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
     """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank: one-layer models less the
     model without layers (equal for a dense model)."""
+    cfg = replace(cfg, mtp_layers=0)  # one layer of each kind, without the depths
     no_layers = parameter_count(_with_layers(cfg, 0), tp, ep)
     dense = add_counts(parameter_count(replace(cfg, num_layers=1, moe_num_experts=0), tp), no_layers, sign=-1)
     if not cfg.moe_num_experts:
@@ -145,7 +153,7 @@ def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages, ep: int 
     for count, layers in ((dense, stages.layers - moe_layers), (moe, moe_layers)):
         total = add_counts(total, ParameterCount(*(layers * getattr(count, f) for f in
                                                    ("sharded", "replicated", "tensors", "matrix", "expert"))))
-    first, last, shared = _end_pieces(cfg, tp)
+    first, last, shared = _end_pieces(cfg, tp, ep)
     if stages.first:
         total = add_counts(total, first)
     if stages.last:

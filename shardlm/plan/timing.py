@@ -72,6 +72,7 @@ from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
 from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
 from shardlm.plan.memory import NumericFormat, ParameterCount
+from shardlm.plan.mtp import busiest_rank_layers
 from shardlm.plan.stages import bubble_fraction
 from shardlm.plan.windows import key_share, window_saved_flops
 
@@ -124,13 +125,14 @@ class StepTime:
 
 
 def tp_comm_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                    calibration: Calibration) -> float:
-    """TP all-reduce time of one micro-batch (forward + backward [+ recomputation])."""
+                    calibration: Calibration, layers: int | None = None) -> float:
+    """TP all-reduce time of one micro-batch (forward + backward [+ recomputation]) over `layers` layers (default
+    ceil(L / P))."""
     if layout.tp == 1:
         return 0.0
     intra, _ = _direction_bandwidth(gpu, calibration)
     tokens = layout.micro_batch * cfg.seq_length
-    layers = -(-cfg.num_layers // layout.pp)
+    layers = layers or -(-cfg.num_layers // layout.pp)
     forward_calls = 2 * layers * (2 if layout.checkpointing else 1)
     sizes = ([tokens * cfg.hidden_size * fmt.tp_forward_bytes] * forward_calls
              + [tokens * cfg.hidden_size * fmt.tp_backward_bytes] * (2 * layers + 1)  # layers + LM head
@@ -161,7 +163,7 @@ def p2p_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericForm
 
 
 def all_to_all_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                       calibration: Calibration) -> float:
+                       calibration: Calibration, moe_layers: int | None = None) -> float:
     """All-to-all time of one micro-batch on one pipeline rank (ceil(MoE layers / P) layers): each MoE
     layer dispatches and combines forward, sends both gradients back in the backward, and dispatches and
     combines again when recomputing (full); bytes from `experts.all_to_all_bytes`. An EP group is E ranks
@@ -183,7 +185,7 @@ def all_to_all_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Nume
 
     dispatch, combine = all_to_all_bytes(cfg, layout.micro_batch, ep, fmt)
     passes = 3 if layout.checkpointing else 2  # forward, backward (+ recomputed forward)
-    layers = -(-moe_layer_count(cfg) // layout.pp)
+    layers = moe_layers or -(-moe_layer_count(cfg) // layout.pp)
     return layers * passes * (seconds(dispatch) + seconds(combine))
 
 
@@ -259,10 +261,10 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding)
         flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
                   * key_share(full_sequence))
-    layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
-    if layout.end_trim:  # first and last stage one layer short: the other ranks hold (L + 2) / P
-        layers = -(-(cfg.num_layers + 2) // layout.pp)
-    imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
+    # per pipeline rank: the busiest holds ceil(L / P) layers, (L + 2) / P with Llama 3's short end stages, and
+    # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
+    layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim)
+    imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
     peak = gpu.peak_tflops * 1e12
     compute = flops / (peak * calibration.compute_efficiency)
     if kernels.causal_skip:  # the attention core by the flash kernel's own FLOPs and rates
@@ -287,8 +289,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
     elementwise = accumulation * elementwise_bytes / hbm
 
-    tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
-    ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration)
+    tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration, layers)
+    ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration, moe_layers)
     cp_exposed, cp_ring = (accumulation * layers * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
                                                                                    calibration, kernels))
     bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm
