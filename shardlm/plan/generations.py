@@ -7,7 +7,7 @@
   much of its peak a Hopper GPU's best BF16 GEMM reaches against an A100's. The measured ratio is from
   the "Maximum Achievable Matmul FLOPS" table of Stas Bekman's ml-engineering book (compute/accelerator,
   `mamf-finder.py`, CUDA 12.1): H100 SXM 792.1 of 989 TFLOP/s (80.1%), A100 SXM 267.9 of 312 (85.9%). No
-  Llama 3 or DeepSeek figure enters it. H200 runs H100's GEMMs (same SMs and clocks), so it shares it.
+  Llama 3 or DeepSeek figure enters it. H200 and H800 run H100's GEMMs (same SMs and clocks), so they share it.
   The attention core (with `--implementation megatron-core`'s flash kernel) runs at FlashAttention-2's
   measured fractions of an H100's peak, forward and backward (`H100_FLASH_ATTENTION_EFFICIENCY`,
   `H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY`; the backward was measured without a causal mask, so it takes the
@@ -55,6 +55,6 @@ def default_calibration(gpu: GPUSpec) -> Calibration:
     """The calibration of `gpu`'s generation (by preset name; custom GPUs get SC21's)."""
     if gpu.name.startswith("v100"):
         return PAPER_CALIBRATION
-    if gpu.name.startswith(("h100", "h200")):
+    if gpu.name.startswith(("h100", "h200", "h800")):
         return HOPPER_CALIBRATION
     return SC21_CALIBRATION

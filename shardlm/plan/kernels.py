@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
-from shardlm.plan.windows import causal_share, key_share
+from shardlm.plan.windows import attention_flops_per_key, causal_share, key_share
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,28 @@ class Kernels:
     """Context parallelism all-gathers K and V before attention (exposed) instead of a ring hidden behind it."""
     dp_overlap_pipeline: bool = False
     """The gradient reduce-scatter overlaps the backward also with pipeline stages."""
+    fp8_gemms: bool = False
+    """The layers' GEMMs run in FP8 at DeepGEMM's measured rates (`fp8`), the rest at the BF16 rates."""
+    dualpipe: bool = False
+    """DeepSeek-V3's DualPipe schedule: the all-to-all and pipeline transfers hidden behind compute, its bubble
+    (PP/2 - 1)(F&B + B - 3W), two copies of the parameters, PP + 1 micro-batches in flight."""
+    compute_sm_share: float = 1.0
+    """Share of the GPU's SMs left to compute while communication kernels run beside it."""
+    moe_dispatch_bytes: float = 0.0
+    """Bytes per element of the MoE dispatch (0: the residual dtype's); FP8 with its 1 x 128 scales: 1 + 4/128."""
+    recompute_mla_up: bool = False
+    """MLA's up-projections (q_b, kv_b) run again in the backward instead of keeping their outputs (with
+    `fp8_gemms`, at DeepGEMM's rates)."""
+    node_limited_routing: int = 0
+    """Each token's experts lie on at most this many nodes and it crosses the network once per remote target
+    node, then NVLink takes it to the experts there (DeepSeek-V3's node-limited routing); 0: off."""
 
     def counted_attention_flops(self, cfg: ModelConfig, global_batch: int, recompute: bool) -> float:
         """The attention core's FLOPs in `flops_per_step`: 4 s^2 a per layer and sequence forward (QK^T and PV,
-        a = heads x head size), 3x with the backward, 4x when the layers' forward is recomputed."""
-        width = cfg.num_heads * cfg.attention_head_dim if cfg.arch == "llama" else cfg.hidden_size
-        full = (4 if recompute else 3) * 4 * global_batch * cfg.seq_length ** 2 * width * cfg.num_layers
+        a = heads x head size; MLA: 2 s^2 H (qk + v)), 3x with the backward, 4x when the layers' forward is
+        recomputed."""
+        per_key = attention_flops_per_key(cfg)  # 4 a; MLA: 2 H (qk + v)
+        full = (4 if recompute else 3) * global_batch * cfg.seq_length ** 2 * per_key * cfg.num_layers
         return full * key_share(cfg)  # a sliding layer counts s x min(s, w) (`windows`)
 
     def attention_seconds(self, cfg: ModelConfig, global_batch: int, recompute: bool, peak_flops: float,
@@ -82,4 +98,11 @@ SC21_KERNELS = Kernels()
 CORE_KERNELS = Kernels(causal_skip=True, cp_allgather=True, dp_overlap_pipeline=True)
 """Megatron-Core (2024) and Meta's Llama 3 stack: causal flash attention, CP by an exposed K/V all-gather, the
 gradient reduce-scatter overlapped."""
-
+DEEPSEEK_KERNELS = Kernels(causal_skip=True, fp8_gemms=True, dualpipe=True, compute_sm_share=112 / 132,
+                           moe_dispatch_bytes=1 + 4 / 128, node_limited_routing=4, recompute_mla_up=True)
+"""DeepSeek-V3's stack as its report describes it (sections 3.2 and 3.3): FP8 GEMMs (`fp8`); DualPipe; 20 of an
+H800's 132 SMs kept for the all-to-all kernels that run beside the compute (3.2.2); node-limited routing, each
+token to at most 4 nodes, sent once per node over InfiniBand and forwarded over NVLink (3.2.2); the dispatch in
+FP8 with its scales, the combine in BF16 (3.3.4); MLA's up-projections recomputed in the backward (3.3.4). Its
+attention kernel is taken as a causal flash kernel at
+FlashAttention-2's measured rates (the report names none)."""

@@ -37,10 +37,11 @@ def mtp_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCoun
 
 
 def mtp_activation_bytes(cfg: ModelConfig, acts: ActivationMemory, tp: int, micro_batch: int,
-                         fmt: NumericFormat, sequence_parallel: bool) -> int:
+                         fmt: NumericFormat, sequence_parallel: bool, recompute_full: bool = False) -> int:
     """What the depths save for one micro-batch on one TP rank of the last stage (derived from `MTPLayer`, not
     measured): per depth the layer (`acts.per_layer`, the larger of a dense and an MoE layer in a mixed model;
-    charged in full also under recomputation), the embedding lookup's ids, the two input norms' inputs and
+    under full recomputation only its input, `acts.layer_input`, as the model's layers keep; the one layer being
+    rebuilt is already in the peak), the embedding lookup's ids, the two input norms' inputs and
     statistics and eh_proj's 2h input, post_norm's input and statistic, and the head: its input and the logits'
     gradient over the rank's vocabulary rows with its mask, as the main head's fused loss keeps them (each of h
     elements split over TP with sequence parallelism)."""
@@ -52,13 +53,14 @@ def mtp_activation_bytes(cfg: ModelConfig, acts: ActivationMemory, tp: int, micr
     norms = tokens * h * (3 * fmt.residual_bytes) // split + 3 * tokens * 4 // split
     projection = tokens * 2 * h * fmt.matmul_bytes // split
     head = tokens * h * fmt.matmul_bytes + tokens * vocab_local * fmt.matmul_bytes + tokens
-    return cfg.mtp_layers * (acts.per_layer + tokens * 8 + norms + projection + head)
+    layer = acts.layer_input if recompute_full else acts.per_layer
+    return cfg.mtp_layers * (layer + tokens * 8 + norms + projection + head)
 
 
 def with_mtp(acts: ActivationMemory, cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
-             sequence_parallel: bool) -> ActivationMemory:
+             sequence_parallel: bool, recompute_full: bool = False) -> ActivationMemory:
     """`acts` with the depths' activations on the last stage (its part of `outside_layers`)."""
-    extra = mtp_activation_bytes(cfg, acts, tp, micro_batch, fmt, sequence_parallel)
+    extra = mtp_activation_bytes(cfg, acts, tp, micro_batch, fmt, sequence_parallel, recompute_full)
     return replace(acts, outside_layers=acts.outside_layers + extra) if extra else acts
 
 
