@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
                                         "the SC21 models sc21-1.7b ... sc21-1008b) or a "
                                         "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")
-    parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200")
+    parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200, h800")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per server (preset: its server)")
     parser.add_argument("--gpu-memory", type=float, metavar="GB", help="GPU memory, overrides the preset")
     parser.add_argument("--flops", type=float, metavar="TFLOPS", help="peak half-precision TFLOP/s per GPU")

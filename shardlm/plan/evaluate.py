@@ -116,7 +116,8 @@ class Evaluator:
                 state = replace(state, parameters=2 * state.parameters)
             schedule = "dualpipe" if self.kernels.dualpipe else layout.schedule
             peak = rank_activation_peak(acts, stages, schedule, pp, accumulation, layout.recompute,
-                                        keeps_received=not (self.megatron or self.core), frees_stage_input=self.core)
+                                        keeps_received=not (self.megatron or self.core or self.kernels.dualpipe),
+                                        frees_stage_input=self.core)
             if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
                 worst = (state, peak, rank, gathered)
         state, peak, rank, gathered = worst
