@@ -52,6 +52,12 @@
 - `kernels` (`--implementation megatron-core`, `kernels.CORE_KERNELS`): the attention core by a causal flash
   kernel's executed FLOPs at its own measured rates, context parallelism by an exposed K/V all-gather, and
   the distributed optimizer's reduce-scatter overlapped with the backward also under a pipeline.
+  `kernels.DEEPSEEK_KERNELS` (DeepSeek-V3's stack): the layers' GEMMs at DeepGEMM's FP8 rates (`fp8`), compute
+  on the SMs the communication kernels leave, node-limited routing with FP8 dispatch, and DualPipe (the
+  all-to-all and transfers behind the compute as far as it lasts, its own bubble).
+- sliding windows (`windows`): a sliding layer's attention core counts s x min(s, w), not s x s.
+- multi-token prediction (`mtp`): the last pipeline rank runs its layers and the depths; the busiest rank's
+  layers set the pace.
 
 The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`; the Hopper constants
 in `generations.HOPPER_CALIBRATION`.
