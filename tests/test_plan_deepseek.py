@@ -228,3 +228,17 @@ def test_h800_preset_is_an_h100_with_400_gbps_nvlink():
     assert (h800.peak_tflops, h800.memory_gb, h800.hbm_gbps) == (h100.peak_tflops, h100.memory_gb, h100.hbm_gbps)
     assert (h800.intra_node_gbps, h800.inter_node_gbps) == (400, 400)
     assert default_calibration(h800) is HOPPER_CALIBRATION
+
+
+def test_cli_validates_against_the_deepseek_v3_run(capsys):
+    """`shardlm plan --validate-paper deepseek-v3 --json`: the report's 1,543 tokens/s per GPU beside the
+    prediction."""
+    import json
+
+    from shardlm.cli import main
+
+    assert main(["plan", "--validate-paper", "deepseek-v3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert round(out["published_tokens_per_gpu_s"]) == 1543
+    assert out["error"] == pytest.approx(out["predicted_tokens_per_gpu_s"] / out["published_tokens_per_gpu_s"] - 1)
+    assert out["rank"] is None and not out["as_run_fits"]
