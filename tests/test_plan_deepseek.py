@@ -207,14 +207,14 @@ def test_node_limited_all_to_all_and_dualpipe_bubble():
 
 def test_deepseek_v3_run_against_the_planner():
     """The published layout as run (micro-batch 1, no full recomputation) with DeepSeek's stack on H800s predicts
-    1,856 tokens/s per GPU, 20% above the 1,543 the run averaged: not reproduced within 10% (docs/plan.md says
+    1,901 tokens/s per GPU, 23% above the 1,543 the run averaged: not reproduced within 10% (docs/plan.md says
     what is left out). The all-to-all is hidden, the bubble is DualPipe's, and in the planner's memory model
     (shardlm's BF16 activations) no option of the layout fits 80 GB, so it ranks nowhere."""
     from shardlm.plan.deepseek import compare
 
     found = compare()
-    assert found.predicted == pytest.approx(1856, abs=1)
-    assert 0.15 < found.error < 0.25
+    assert found.predicted == pytest.approx(1901, abs=1)
+    assert 0.20 < found.error < 0.25
     assert found.as_run.time.ep_comm_s == 0 and found.as_run.time.p2p_s == 0
     assert found.as_run.time.bubble_s < 0.03 * found.as_run.time.total_s
     assert found.rank is None and not found.layout.fits

@@ -10,8 +10,7 @@
   Llama 3 or DeepSeek figure enters it. H200 and H800 run H100's GEMMs (same SMs and clocks), so they share it.
   The attention core (with `--implementation megatron-core`'s flash kernel) runs at FlashAttention-2's
   measured fractions of an H100's peak, forward and backward (`H100_FLASH_ATTENTION_EFFICIENCY`,
-  `H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY`; the backward was measured without a causal mask, so it takes the
-  forward's measured causal loss).
+  `H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY`).
 """
 
 from __future__ import annotations
@@ -31,24 +30,19 @@ H100_FLASH_ATTENTION_EFFICIENCY = 335 / 989
 """FlashAttention-2's causal forward at head size 128 and 16k tokens on an H100 SXM5, 335 TFLOP/s (counting the
 executed half): Shah et al. 2024 (FlashAttention-3), "Attention forward speed, head dim 128 (H100 80GB SXM5)"."""
 
-H100_FLASH_ATTENTION_NONCAUSAL_EFFICIENCY = 370 / 989
-"""FlashAttention-2's forward without a mask at head size 128 and 16k tokens on an H100 SXM5, 370 TFLOP/s: the same
-paper's forward figure without the causal mask."""
-
-H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY = 322 / 989 * H100_FLASH_ATTENTION_EFFICIENCY \
-    / H100_FLASH_ATTENTION_NONCAUSAL_EFFICIENCY
-"""FlashAttention-2's backward at head size 128 and 16k tokens on an H100 SXM5 with a causal mask: the same paper
-measures the backward only without a mask, 322 TFLOP/s ("Attention backward speed, head dim 128 (H100 80GB
-SXM5)"); its forward loses 335 / 370 of its rate to the causal mask (the masked diagonal blocks and the uneven
-work per query block), and the backward walks the same blocks, so it is charged the same loss: 291.5 TFLOP/s."""
+H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY = 322 / 989
+"""FlashAttention-2's backward at head size 128 and 16k tokens on an H100 SXM5, 322 TFLOP/s: the same paper,
+"Attention backward speed, head dim 128 (H100 80GB SXM5)". Taken for the causal backward too: FlashAttention-2's
+own H100 figure ("Attention forward + backward speed (H100 80GB SXM5)", the repository's
+`assets/flash2_h100_fwd_bwd_benchmark.png`) has forward + backward at head size 128 and 16k tokens at 338 TFLOP/s
+without the mask and 328 with it, which with the causal forward's 335 puts the causal backward at 325."""
 
 HOPPER_CALIBRATION = replace(SC21_CALIBRATION, compute_efficiency=SC21_CALIBRATION.compute_efficiency
                              * H100_MATMUL_EFFICIENCY / A100_MATMUL_EFFICIENCY,
                              attention_efficiency=H100_FLASH_ATTENTION_EFFICIENCY,
                              attention_backward_efficiency=H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY)
 """SC21's constants with the GEMM efficiency of a Hopper GPU, 0.7068 x 0.801 / 0.859 = 0.659, and
-FlashAttention-2's measured 0.339 (causal forward) and 0.295 (backward: 0.326 measured without a mask, times
-the forward's causal loss) for the attention core."""
+FlashAttention-2's measured 0.339 (forward) and 0.326 (backward) for the attention core."""
 
 
 def default_calibration(gpu: GPUSpec) -> Calibration:
