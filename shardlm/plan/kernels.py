@@ -70,9 +70,9 @@ class Kernels:
                           forward_efficiency: float, backward_efficiency: float) -> float:
         """GPU-seconds of the step's attention core under a causal flash kernel (`causal_skip`): the forward
         executes half of 4 s^2 a per layer and sequence (w s - w^2 / 2 pairs on a sliding layer, `windows`; again
-        when recomputing), at `forward_efficiency` x
-        `peak_flops`; the backward 2.5x the forward's FLOPs (it recomputes QK^T: five GEMMs to the forward's
-        two, Dao 2023, FlashAttention-2, section 3.1.2), at `backward_efficiency` x `peak_flops`."""
+        when recomputing), at `forward_efficiency` x `peak_flops`; the backward 2.5x the forward's FLOPs (it
+        recomputes QK^T: five GEMMs to the forward's two, Dao 2023, FlashAttention-2, section 3.1.2), at
+        `backward_efficiency` x `peak_flops`."""
         forward = self.counted_attention_flops(cfg, global_batch, False) / 3 * causal_share(cfg)
         passes = 2 if recompute else 1
         return passes * forward / (forward_efficiency * peak_flops) + 2.5 * forward / (backward_efficiency * peak_flops)
