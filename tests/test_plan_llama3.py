@@ -55,14 +55,36 @@ def test_405b_counts_match_published_size():
 
 
 def test_llama3_8192_gpus_at_8k_tokens(comparisons):
-    """Table 4: 8,192 H100s, TP 8 x PP 16 x DP 64, 8,192 tokens: 430 TFLOP/s per GPU (43% MFU). As run, within
-    10%; the planner's memory model puts that option 4 GB over 80 GB (docs/plan.md), so among the options it
-    plans for the layout it keeps the non-interleaved one, far slower."""
+    """Table 4: 8,192 H100s, TP 8 x PP 16 x DP 64, 8,192 tokens: 430 TFLOP/s per GPU (43% MFU). As run (V = 8, no
+    recomputation), within 10%, and it fits 80 GB once each stage frees its received input (the Llama 3 paper,
+    section 3.3.2): it is the planner's own option for the layout, among its five best."""
     found = comparisons[(8192, 8192)]
     assert found.row.paper_tflops == 430
     assert abs(found.error) < 0.10
-    assert not found.as_run.fits and found.as_run.total_bytes < 85e9
-    assert found.layout.fits and found.layout.choice.layout.virtual == 1
+    assert found.as_run.fits and 79e9 < found.as_run.total_bytes < 80e9
+    assert found.layout.choice.layout == found.as_run.layout
+    assert found.rank is not None and found.rank < 5
+
+
+def test_stage_input_freed_after_the_forward():
+    """Meta frees each stage's received input after its forward: on the second pipeline rank of the 8,192-GPU row
+    (141 in-flight chunks of one layer), 141 layer inputs (8,192 x 16,384 x 2 bytes / TP 8) fewer than the layers
+    save; the first stage's own first chunk (the embedding) receives nothing, and full recomputation keeps them."""
+    from shardlm.plan.activations import rank_activation_peak
+    from shardlm.plan.evaluate import Evaluator
+    from shardlm.plan.llama3 import as_run
+
+    row = ROWS[(8192, 8192)]
+    evaluator = Evaluator(request(row))
+    layout = as_run(row)
+    acts = evaluator.choice(layout).activations
+    stages = evaluator.rank_params(16, 8, 8, 1, 1, True)[0]
+    kept = rank_activation_peak(acts, stages, "interleaved-1f1b", 16, 32, "none")
+    freed = rank_activation_peak(acts, stages, "interleaved-1f1b", 16, 32, "none", frees_stage_input=True)
+    assert acts.layer_input == 8192 * 16384 * 2 // 8
+    assert kept - freed == 141 * acts.layer_input
+    assert rank_activation_peak(acts, stages, "interleaved-1f1b", 16, 32, "full", frees_stage_input=True) == \
+        rank_activation_peak(acts, stages, "interleaved-1f1b", 16, 32, "full")
 
 
 def test_llama3_16384_gpus_at_8k_tokens(comparisons):
@@ -77,11 +99,12 @@ def test_llama3_16384_gpus_at_8k_tokens(comparisons):
 
 def test_llama3_16384_gpus_at_131k_tokens(comparisons):
     """Table 4: 16,384 H100s, TP 8 x CP 16 x PP 16 x DP 8, 131,072 tokens: 380 TFLOP/s per GPU (38% MFU); planned
-    with context parallelism under --implementation megatron-core, it is the recommendation."""
+    with context parallelism under --implementation megatron-core, it is the recommendation; 12.3% high with the K/V
+all-gather again in the backward and GQA's expanded dK/dV (16.0% before them)."""
     found = comparisons[(16384, 131072)]
     assert found.row.paper_tflops == 380
     assert found.as_run.fits and found.rank == 0
-    assert abs(found.error) < 0.20  # +16%: docs/plan.md says what the model may miss at 128K tokens
+    assert 0.10 < found.error < 0.13  # +12.3%: not yet within 10%, docs/plan.md says what the model may miss
 
 
 def test_older_tables_keep_their_calibrations():
@@ -163,7 +186,7 @@ def test_cli_validates_against_table4(capsys):
     assert main(["plan", "--validate-paper", "llama3", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["paper_tflops"] for r in rows] == [430, 400, 380]
-    assert all(abs(r["error"]) < 0.20 for r in rows) and rows[2]["rank"] == 0
+    assert all(abs(r["error"]) < 0.05 for r in rows[:2]) and abs(rows[2]["error"]) < 0.13 and rows[2]["rank"] == 0
 
 
 def test_flash_layer_bytes_of_llama3_405b():
@@ -182,25 +205,49 @@ def test_flash_layer_bytes_of_llama3_405b():
 
 def test_context_allgather_seconds():
     """Llama 3's CP at 131,072 tokens, TP 8 x CP 16 (one KV head a TP rank): per layer and micro-batch a ring
-    all-gather of K and V (2 x 131,072 x 128 x 2 bytes) forward and a reduce-scatter of their gradients backward,
-    (C - 1) / C of it through the link plus C - 1 latencies each; once more with full recomputation."""
+    all-gather of K and V (2 x 131,072 x 128 x 2 bytes) forward, and backward the same all-gather again (Transformer
+    Engine's all-gather CP saves only the local K and V) and a reduce-scatter of their gradients, (C - 1) / C of it
+    through the link plus C - 1 latencies each; the forward's once more with full recomputation."""
     from shardlm.plan.context import allgather_seconds
 
     cfg = replace(LLAMA3_405B, seq_length=131072)
     nbytes = 2 * 131072 * 128 * 2
     one = 15 / 16 * nbytes / 1e10 + 15 * 1e-5
-    assert allgather_seconds(cfg, 16, 8, 1, 2, False, 1e10, 1e-5) == pytest.approx(2 * one)
-    assert allgather_seconds(cfg, 16, 8, 1, 2, True, 1e10, 1e-5) == pytest.approx(3 * one)
+    assert allgather_seconds(cfg, 16, 8, 1, 2, False, 1e10, 1e-5) == pytest.approx(3 * one)
+    assert allgather_seconds(cfg, 16, 8, 1, 2, True, 1e10, 1e-5) == pytest.approx(4 * one)
     assert allgather_seconds(cfg, 1, 8, 1, 2, False, 1e10, 1e-5) == 0
 
 
 def test_without_context_parallelism_at_8k_tokens():
     """Asked as Meta used CP (only for long sequences: --context 1 at 8K tokens), the planner recommends Table 4's
-    16,384-GPU layout and ranks the 8,192-GPU one second (its as-run option does not fit, docs/plan.md)."""
+    layout at both 8,192 and 16,384 GPUs."""
     from shardlm.plan.planner import plan
 
-    for (gpus, sequence), place in (((16384, 8192), 0), ((8192, 8192), 1)):
-        row = ROWS[(gpus, sequence)]
+    for gpus in (8192, 16384):
+        row = ROWS[(gpus, 8192)]
         result = plan(replace(request(row), context=1))
-        fitting = sorted((r for r in result.rows if r.fits), key=lambda r: r.choice.time.total_s)
-        assert [(r.tp, r.dp) for r in fitting].index((row.tp, row.dp)) == place
+        best = result.recommended
+        assert (best.tp, best.pp, best.dp) == (row.tp, row.pp, row.dp)
+
+
+def test_flash_attention_rates_are_the_published_h100_figures():
+    """FlashAttention-2 on an H100 SXM5 at head size 128 and 16k tokens: 335 TFLOP/s causal forward and 322 backward
+    (FlashAttention-3's paper); its own forward + backward figure, 328 with the causal mask, agrees with them
+    within 1% (3.5 / (1 / 335 + 2.5 / 322) = 325)."""
+    from shardlm.plan.generations import H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY, H100_FLASH_ATTENTION_EFFICIENCY
+
+    forward, backward = H100_FLASH_ATTENTION_EFFICIENCY * 989, H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY * 989
+    assert (forward, backward) == (pytest.approx(335), pytest.approx(322))
+    assert 3.5 / (1 / forward + 2.5 / backward) == pytest.approx(328, rel=0.01)
+    assert HOPPER_CALIBRATION.attention_backward_efficiency == H100_FLASH_ATTENTION_BACKWARD_EFFICIENCY
+
+
+def test_gqa_backward_expands_dk_dv_per_query_head():
+    """FlashAttention-2's GQA backward writes dK and dV for each of the rank's 16 query heads and reads them back to
+    sum: 4 b keys (H/t) d bf16 elements a layer; with CP 16 the rank's two chunks see 33 of the 32 chunks' keys;
+    nothing under SC21's kernels or without GQA."""
+    cfg = replace(LLAMA3_405B, seq_length=131072)
+    assert CORE_KERNELS.gqa_expanded_bytes(cfg, 8, 1, 16, 2) == 4 * 131072 * 33 // 32 * 16 * 128 * 2
+    assert CORE_KERNELS.gqa_expanded_bytes(LLAMA3_405B, 8, 1, 1, 2) == 4 * 8192 * 16 * 128 * 2
+    assert SC21_KERNELS.gqa_expanded_bytes(cfg, 8, 1, 16, 2) == 0
+    assert CORE_KERNELS.gqa_expanded_bytes(replace(LLAMA3_405B, num_kv_heads=128), 8, 1, 1, 2) == 0

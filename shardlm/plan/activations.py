@@ -139,7 +139,7 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
 
 def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: str, pp: int,
                          micro_batches: int, recompute: str, transient: bool = True,
-                         keeps_received: bool = False) -> int:
+                         keeps_received: bool = False, frees_stage_input: bool = False) -> int:
     """Most activation bytes alive at once on pipeline rank `stages.rank`: every in-flight micro-batch's
     saved layers (only layer inputs under full recomputation, plus one layer being rebuilt), its
     embedding pieces on the first stage and its head and loss on the last (with the logits of the
@@ -149,7 +149,15 @@ def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: s
     `keeps_received` (shardlm, on PyTorch's schedules): a stage other than the first keeps each
     micro-batch's received activation (its first layer's input, b s h in the residual dtype, split
     with SP) until the step ends, not just until that micro-batch's backward; at the peak those of
-    the micro-batches already finished are alive too: m per such stage, less the ones in flight."""
+    the micro-batches already finished are alive too: m per such stage, less the ones in flight.
+
+    `frees_stage_input` (Meta's Llama 3 stack, `--implementation megatron-core`): a stage frees the activation it
+    received once its forward is done (the Llama 3 paper, section 3.3.2: it "proactively deallocate[s]" the
+    input and output tensors of each pipeline stage, which with its other pipeline changes let the 405B model
+    train on 8K tokens without activation checkpointing), so each in-flight chunk that received its input keeps
+    one `layer_input` less than its layers save (its first norm's input: a norm can take its backward from its
+    output, as Apex's memory-efficient norms do). Not under full recomputation, where that input is the
+    checkpoint."""
     virtual = len(stages.layers_per_chunk)
     chunks = forwards_in_flight(schedule, pp, virtual, micro_batches, stages.rank)
     full = recompute == "full"
@@ -162,6 +170,9 @@ def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: s
     if stages.last:
         total += chunks.count(virtual - 1) * (acts.outside_layers - acts.embedding)
         total += acts.transient if transient else 0
+    if frees_stage_input and pp > 1 and not full:
+        received = [c for c in chunks if not (stages.first and c == 0) and stages.layers_per_chunk[c]]
+        total -= len(received) * acts.layer_input
     if keeps_received and pp > 1:
         receiving = [c for c in range(virtual) if not (stages.first and c == 0)]
         finished = len(receiving) * micro_batches - sum(chunks.count(c) for c in receiving)

@@ -8,6 +8,7 @@
     shardlm plan --validate-paper                  # Shoeybi et al. 2019, Table 1
     shardlm plan --validate-paper narayanan2021    # Narayanan et al. 2021 (SC21), Table 1
     shardlm plan --validate-paper llama3           # Llama 3 405B on H100s (Meta 2024), Table 4
+    shardlm plan --validate-paper deepseek-v3      # DeepSeek-V3 on 2,048 H800s (its technical report)
 
 Imports stay light here: the model code loads only when the command runs.
 """
@@ -35,7 +36,7 @@ def add_parser(subparsers) -> None:
                                         "the SC21 models sc21-1.7b ... sc21-1008b) or a "
                                         "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")
-    parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200")
+    parser.add_argument("--gpu", help="GPU preset: v100 (the paper's DGX-2H), a100, h100, h200, h800")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per server (preset: its server)")
     parser.add_argument("--gpu-memory", type=float, metavar="GB", help="GPU memory, overrides the preset")
     parser.add_argument("--flops", type=float, metavar="TFLOPS", help="peak half-precision TFLOP/s per GPU")
@@ -87,10 +88,11 @@ def add_parser(subparsers) -> None:
                              "by measured GEMM efficiency), 0.71 for any other GPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019",
-                        choices=("shoeybi2019", "narayanan2021", "llama3"),
+                        choices=("shoeybi2019", "narayanan2021", "llama3", "deepseek-v3"),
                         help="print a paper's table beside the predictions: shoeybi2019 (the default: Megatron-LM's "
-                             "V100 efficiencies), narayanan2021 (SC21: 1.7B to 1T on A100s, TFLOP/s and %% of peak) "
-                             "or llama3 (Llama 3 405B on up to 16,384 H100s, Meta 2024, Table 4)")
+                             "V100 efficiencies), narayanan2021 (SC21: 1.7B to 1T on A100s, TFLOP/s and %% of peak), "
+                             "llama3 (Llama 3 405B on up to 16,384 H100s, Meta 2024, Table 4) or deepseek-v3 "
+                             "(DeepSeek-V3 on 2,048 H800s, its technical report)")
     parser.set_defaults(func=run)
 
 
@@ -122,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(report.llama3_dict(verdicts), indent=2))
         else:
             report.render_llama3(verdicts, console)
+        return 0
+    if args.validate_paper == "deepseek-v3":
+        from shardlm.plan.deepseek import compare as compare_deepseek
+
+        verdict = compare_deepseek()
+        if args.json:
+            print(json.dumps(report.deepseek_dict(verdict), indent=2))
+        else:
+            report.render_deepseek(verdict, console)
         return 0
     if args.validate_paper == "narayanan2021":
         from shardlm.plan.sc21 import compare

@@ -94,10 +94,13 @@ def allgather_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, acti
     """Seconds of one micro-batch's K/V all-gather on one rank, per layer, all on the critical path (Llama 3's
     context parallelism, section 3.3.2 of its paper: all-gather K and V, then attend with the local queries):
     forward a ring all-gather of the sequence's K and V over the C ranks (2 b T Hkv d x activation bytes, the
-    rank's KV heads), backward a reduce-scatter of dK and dV of the same size, and the forward's again under
-    full recomputation. `bandwidth` in bytes/s per direction."""
+    rank's KV heads); backward the same all-gather again, since only the rank's own K and V are saved for it, and
+    a reduce-scatter of dK and dV of the same size (Transformer Engine's `AttnFuncWithCPAndKVAllGather`, which
+    Megatron-Core runs for this scheme and whose docstring cites the Llama 3 paper, saves the local k and v and
+    gathers them again in its backward); the forward's gather again under full recomputation. `bandwidth` in
+    bytes/s per direction."""
     if cp == 1:
         return 0.0
     nbytes = micro_batch * cfg.seq_length * _kv_widths(cfg, tp)[0] * activation_bytes
     one = (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency_s
-    return one * (3 if recompute_full else 2)
+    return one * (4 if recompute_full else 3)

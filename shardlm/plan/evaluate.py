@@ -23,6 +23,7 @@ from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
+from shardlm.plan.mtp import with_mtp
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages, trimmed_layers
 from shardlm.plan.timing import Layout, StepTime, step_time
 
@@ -60,7 +61,7 @@ class Evaluator:
         self.request, self.cfg, self.fmt = request, request.model.config, request.format
         self.megatron = request.implementation == "megatron"
         self.core = request.implementation == "megatron-core"
-        self.kernels = CORE_KERNELS if self.core else SC21_KERNELS
+        self.kernels = request.kernels or (CORE_KERNELS if self.core else SC21_KERNELS)
         self.activations = lru_cache(maxsize=None)(self._activations)
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
         self.units = lru_cache(maxsize=None)(self._units)
@@ -70,10 +71,13 @@ class Evaluator:
     def _activations(self, tp: int, micro: int, setting: LayerSetting, ep: int, cp: int = 1) -> ActivationMemory:
         cfg = replace(self.cfg, seq_length=self.cfg.seq_length // cp)  # a CP rank saves T / C tokens' activations
         if self.megatron:
-            return korthikanti_memory(cfg, tp, micro, setting)
-        if self.core:
-            return flash_memory(cfg, tp, micro, setting)
-        return shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+            acts = korthikanti_memory(cfg, tp, micro, setting)
+        elif self.core:
+            acts = flash_memory(cfg, tp, micro, setting)
+        else:
+            acts = shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+        return with_mtp(acts, cfg, tp, micro, self.fmt, setting.sequence_parallel,  # the depths: last stage
+                        setting.recompute == "full")
 
     def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False):
         split = trimmed_layers if trim else pipeline_layers
@@ -108,8 +112,12 @@ class Evaluator:
                                              ep=ep), 0))
             if self.core and layout.distributed_optimizer:  # ZeRO-2: the fp32 gradients sharded with the state
                 state = replace(state, gradients=-(-state.gradients // (layout.dp * layout.cp)))
-            peak = rank_activation_peak(acts, stages, layout.schedule, pp, accumulation, layout.recompute,
-                                        keeps_received=not (self.megatron or self.core))
+            if self.kernels.dualpipe:  # DeepSeek-V3's report, Table 2: two copies of the parameters
+                state = replace(state, parameters=2 * state.parameters)
+            schedule = "dualpipe" if self.kernels.dualpipe else layout.schedule
+            peak = rank_activation_peak(acts, stages, schedule, pp, accumulation, layout.recompute,
+                                        keeps_received=not (self.megatron or self.core or self.kernels.dualpipe),
+                                        frees_stage_input=self.core)
             if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
                 worst = (state, peak, rank, gathered)
         state, peak, rank, gathered = worst

@@ -47,12 +47,17 @@ GPU_PRESETS: dict[str, GPUSpec] = {
                 "DGX H100 (SXM): NVLink 4 900 GB/s, 8x400 Gb/s NDR InfiniBand per node"),
         GPUSpec("h200-141gb", 141, 989, 4800, 8, 900, 400,
                 "HGX H200: H100 compute with 141 GB HBM3e, NVLink 4 900 GB/s, 8x400 Gb/s per node"),
+        # DeepSeek-V3's cluster (its report, 3.1 and 3.2.2): H100 compute and memory, NVLink cut to 400 GB/s,
+        # one 400 Gb/s InfiniBand adapter per GPU (the report measures about 160 GB/s NVLink and 50 GB/s IB)
+        GPUSpec("h800-80gb", 80, 989, 3350, 8, 400, 400,
+                "H800 (SXM): H100 compute, NVLink 400 GB/s, 8x400 Gb/s InfiniBand per node"),
     ]
 }
 # Device-memory bandwidth assumed for a custom GPU without --hbm-bw (an A100's, roughly).
 DEFAULT_HBM_GBPS = 2000.0
 
-GPU_ALIASES = {"v100": "v100-dgx2h", "a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb"}
+GPU_ALIASES = {"v100": "v100-dgx2h", "a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb",
+               "h800": "h800-80gb"}
 
 
 def gpu_preset(name: str) -> GPUSpec:

@@ -20,7 +20,7 @@ Everything is derived from the code, not from rules of thumb:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -86,9 +86,15 @@ def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> P
     experts = cfg.moe_num_experts
     if experts % ep:
         raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
-    matrices = (3 if gated else 2) * (experts // ep) * _split(cfg.moe_ffn_size, tp, "expert ffn size") * h
+    f_local = _split(cfg.moe_ffn_size, tp, "expert ffn size")
+    matrices = (3 if gated else 2) * (experts // ep) * f_local * h
     bias = experts if cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias else 0  # as `Router` builds it
-    count = ParameterCount(matrices, experts * h + bias, 1 + (bias > 0) + (3 if gated else 2), matrices, matrices)
+    bias += experts if cfg.moe_router_bias else 0  # gpt-oss: a bias on the gate logits
+    # gpt-oss: per local expert a gate/up bias split with its columns and a down bias of h
+    linear_bias = (experts // ep) * ((2 if gated else 1) * f_local + h) if cfg.moe_linear_bias else 0
+    tensors = 1 + (cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias) + cfg.moe_router_bias \
+        + (3 if gated else 2) + 2 * cfg.moe_linear_bias
+    count = ParameterCount(matrices + linear_bias, experts * h + bias, tensors, matrices, matrices + linear_bias)
     if cfg.moe_shared_experts:
         count = add_counts(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
     return count
@@ -119,8 +125,13 @@ def parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     by rows and tied to the LM head, positions (s x h) and the final LayerNorm replicated. arch="bert"
     counts `shardlm.models.bert.BERT`: the same layers and embeddings plus token types (2 x h), pooler
     and LM-head transform (h x h + h each), the LM-head LayerNorm, the sentence head (2 x h + 2) and
-    the output bias, split like the vocabulary.
+    the output bias, split like the vocabulary. Multi-token-prediction depths (`cfg.mtp_layers`) add
+    `mtp.mtp_parameter_count`.
     """
+    if cfg.mtp_layers:
+        from shardlm.plan.mtp import mtp_parameter_count  # it counts layers through this function
+
+        return add_counts(parameter_count(replace(cfg, mtp_layers=0), tp, ep), mtp_parameter_count(cfg, tp, ep))
     if cfg.arch == "llama":
         return _llama_parameter_count(cfg, tp, ep)
     h, layers = cfg.hidden_size, cfg.num_layers
@@ -174,7 +185,8 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
     (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
     the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
-    layer (V_padded x h each) split by vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5). With
+    layer (V_padded x h each) split by vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5), o's bias
+    (replicated) and per-head sinks (split) with `attention_output_bias` and `attention_sinks` (gpt-oss). With
     multi-head latent attention the layer's
     attention is `_mla_count`'s."""
     h, layers = cfg.hidden_size, cfg.num_layers
@@ -197,6 +209,12 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     if biases:
         layer_sharded += a_local + (2 * kv_held if kv_split else 0)
         layer_replicated += 0 if kv_split else 2 * kv_held
+    if cfg.attention_output_bias:  # o's bias, added after the row-parallel reduction: replicated
+        layer_replicated += h
+        biases += 1
+    if cfg.attention_sinks:  # one learned logit per query head, split with the heads
+        layer_sharded += _split(cfg.num_heads, tp, "num_heads")
+        biases += 1
     outputs = 1 if cfg.tie_embeddings else 2
     attention = ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
                                replicated=layers * layer_replicated + h,

@@ -1,6 +1,7 @@
 """Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3,
 the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, and the DeepSeek-V3-shaped
-models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B.
+models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, GLM-4.5, and gpt-oss
+(sliding-window layers, attention sinks, biased experts).
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
@@ -28,6 +29,7 @@ GLM45_VOCAB = 151552
 QWEN3_VOCAB = 151936
 DEEPSEEK_V3_VOCAB = 129280
 MOONLIGHT_VOCAB = 163840
+GPT_OSS_VOCAB = 201088
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -106,6 +108,24 @@ def _glm45(layers: int, hidden: int, dense_ffn: int, experts: int, expert_ffn: i
                        moe_norm_topk_prob=True, moe_routed_scaling=2.5 if qk_norm else 1.0, moe_expert_bias=True)
 
 
+def _gpt_oss(layers: int, experts: int) -> ModelConfig:
+    """gpt-oss (openai/gpt-oss-20b and gpt-oss-120b config.json, GptOssForCausalLM; transformers' GptOssConfig
+    defaults are the 120b's): h 2880, 64 query heads and 8 KV heads of 64 channels with q/k/v and output biases
+    and a learned sink per head; layers alternate sliding-window (128 tokens, first) and full attention; every
+    layer an MoE layer of `experts` experts of width 2880, top-4 (softmax over the top-4 logits), with a router
+    bias, gate/up and down biases and the clamped SwiGLU (limit 7, alpha 1.702); vocabulary 201,088, untied;
+    RoPE theta 150,000 with YaRN factor 32 over 4096 positions (no truncation), 131,072 positions. Sequence 4096
+    (YaRN's original length)."""
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                       attention_bias=True, attention_output_bias=True, attention_sinks=True, sliding_window=128,
+                       layer_types=["sliding_attention", "full_attention"] * (layers // 2), seq_length=4096,
+                       vocab_size=GPT_OSS_VOCAB, ffn_hidden_size=2880, rope_theta=150000.0, rope_yarn_factor=32.0,
+                       rope_yarn_original_positions=4096, rope_yarn_truncate=False, layernorm_epsilon=1e-5,
+                       dropout=0.0, moe_num_experts=experts, moe_top_k=4, moe_ffn_hidden_size=2880,
+                       moe_norm_topk_prob=True, moe_router_bias=True, moe_linear_bias=True, swiglu_limit=7.0,
+                       swiglu_alpha=1.702)
+
+
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(arch="bert", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=512,
                        vocab_size=BERT_VOCAB)
@@ -132,6 +152,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
     "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
     "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
 }
 # Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
 SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),

@@ -267,3 +267,33 @@ def render_llama3(comparisons, console: Console) -> None:
                   "gradients and optimizer state sharded, interleaved with V = 8 and the short end stages); rank = "
                   "its place among the fitting layouts the planner finds with --pipeline 16; planner's TF = the "
                   "planner's own best option for that layout; TFLOP/s in PaLM's MFU count (the paper's)")
+
+
+def deepseek_dict(c) -> dict:
+    """`deepseek.compare()` as JSON: the published and predicted tokens/s per GPU, the step's parts, memory, rank."""
+    from shardlm.plan.deepseek import PUBLISHED_TOKENS_PER_GPU_S
+
+    t = c.as_run.time
+    return {"published_tokens_per_gpu_s": PUBLISHED_TOKENS_PER_GPU_S, "predicted_tokens_per_gpu_s": c.predicted,
+            "error": c.error, "as_run_bytes": c.as_run.total_bytes, "as_run_fits": c.as_run.fits,
+            "rank": c.rank, "time_s": {"step": t.total_s, "compute": t.compute_s, "elementwise": t.elementwise_s,
+                                       "ep_exposed": t.ep_comm_s, "bubble": t.bubble_s, "dp_exposed": t.dp_exposed_s}}
+
+
+def render_deepseek(c, console: Console) -> None:
+    """DeepSeek-V3's run on 2,048 H800s (its technical report) beside the planner's prediction."""
+    d = deepseek_dict(c)
+    console.print("[bold]DeepSeek-V3 on 2,048 H800s, PP 16 x DP 128, EP 64, ZeRO-1, MTP 1, DeepSeek's stack "
+                  "(FP8 GEMMs, DualPipe, node-limited routing): DeepSeek-AI 2024[/bold]")
+    table = Table(header_style="bold")
+    for name in ("published tok/s/GPU", "predicted", "error", "step s", "compute", "a2a exposed", "bubble",
+                 "as run GB", "fits", "rank"):
+        table.add_column(name, justify="right")
+    t = d["time_s"]
+    table.add_row(f"{d['published_tokens_per_gpu_s']:.0f}", f"{c.predicted:.0f}", f"{100 * c.error:+.1f}%",
+                  f"{t['step']:.2f}", f"{t['compute']:.2f}", f"{t['ep_exposed']:.2f}", f"{t['bubble']:.2f}",
+                  _gb(c.as_run.total_bytes), "yes" if c.as_run.fits else "no",
+                  "-" if c.rank is None else str(c.rank + 1))
+    console.print(table)
+    console.print("  published = 14.8T tokens in 2.664M H800 GPU hours; predicted = the published layout as run "
+                  "(micro-batch 1, no full recomputation); memory in shardlm's BF16 accounting (docs/plan.md)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.plan.hardware import GPUSpec
+from shardlm.plan.kernels import Kernels
 from shardlm.plan.layout import PAPER_CALIBRATION, Calibration
 from shardlm.plan.memory import NumericFormat, numeric_format
 from shardlm.plan.models import PlannedModel
@@ -61,6 +62,9 @@ class PlanRequest:
     """Memory not available to the model: CUDA context, library workspaces, fragmentation."""
     calibration: Calibration = PAPER_CALIBRATION
     """Time-model constants."""
+    kernels: Kernels | None = None
+    """The stack's time-relevant kernels and runtime (`kernels.Kernels`); None: the implementation's (SC21's for
+    shardlm and megatron, `CORE_KERNELS` for megatron-core). `kernels.DEEPSEEK_KERNELS` plans DeepSeek-V3's."""
 
     @property
     def format(self) -> NumericFormat:

@@ -32,6 +32,14 @@ def bubble_fraction(pp: int, virtual: int, micro_batches: int) -> float:
     return (pp - 1) / (virtual * micro_batches)
 
 
+def dualpipe_bubble_fraction(pp: int, micro_batches: int) -> float:
+    """DualPipe's idle time over the ideal (DeepSeek-V3 report, section 3.2.1, Table 2): (PP/2 - 1)(F&B + B - 3W)
+    with each rank's two chunks of half its layers; counting a chunk's backward B twice its forward F and the
+    weight-gradient part W half of B (by their FLOPs), and F&B, a forward and a backward chunk overlapped, as
+    F + B, that is (PP/2 - 1) F for a rank's F + B = 3F per micro-batch: (PP/2 - 1) / (3 m)."""
+    return max(0, pp // 2 - 1) / (3 * micro_batches)
+
+
 def schedule_name(pp: int, virtual: int) -> str:
     """The schedule the planner pairs with a layout: 1F1B, interleaved with V > 1 (GPipe only on request)."""
     return "interleaved-1f1b" if pp > 1 and virtual > 1 else "1f1b"
@@ -43,6 +51,8 @@ def forwards_in_flight(schedule: str, pp: int, virtual: int, micro_batches: int,
     m = micro_batches
     if pp == 1:
         return [0]
+    if schedule == "dualpipe":  # DeepSeek-V3's report, Table 2: PP + 1 micro-batches' activations on every rank
+        return [0] * min(m, pp + 1)
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":
@@ -102,8 +112,9 @@ def rank_stages(layers: list[list[int]], pp: int, rank: int) -> RankStages:
     return RankStages(rank, chunks, rank == 0, rank == pp - 1, indices)
 
 
-def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
-    """(first stage's, last stage's, both share) parameters outside the layers, per TP rank."""
+def _end_pieces(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
+    """(first stage's, last stage's, both share) parameters outside the layers, per TP rank; the last stage's
+    include the multi-token-prediction depths (`mtp.mtp_parameter_count`) and their embedding copy."""
     if cfg.arch == "bert":
         raise UserError('pipeline parallelism is planned for model.arch "gpt" and "llama"; use --pipeline 1 for BERT')
     h = cfg.hidden_size
@@ -117,12 +128,19 @@ def _end_pieces(cfg: ModelConfig, tp: int) -> tuple[ParameterCount, ParameterCou
             ParameterCount(0, 2 * h, 2, 0)
     last = add_counts(norm, output)
     shared = output if output is embedding else ParameterCount(0, 0, 0, 0)
+    if cfg.mtp_layers:  # the depths and, when the head is not the embedding, a copy of it to embed their tokens
+        from shardlm.plan.mtp import mtp_parameter_count
+
+        last = add_counts(last, mtp_parameter_count(cfg, tp, ep))
+        if output is not embedding:
+            last, shared = add_counts(last, embedding), add_counts(shared, embedding)
     return first, last, shared
 
 
 def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
     """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank: one-layer models less the
     model without layers (equal for a dense model)."""
+    cfg = replace(cfg, mtp_layers=0)  # one layer of each kind, without the depths
     no_layers = parameter_count(_with_layers(cfg, 0), tp, ep)
     dense = add_counts(parameter_count(replace(cfg, num_layers=1, moe_num_experts=0), tp), no_layers, sign=-1)
     if not cfg.moe_num_experts:
@@ -145,7 +163,7 @@ def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages, ep: int 
     for count, layers in ((dense, stages.layers - moe_layers), (moe, moe_layers)):
         total = add_counts(total, ParameterCount(*(layers * getattr(count, f) for f in
                                                    ("sharded", "replicated", "tensors", "matrix", "expert"))))
-    first, last, shared = _end_pieces(cfg, tp)
+    first, last, shared = _end_pieces(cfg, tp, ep)
     if stages.first:
         total = add_counts(total, first)
     if stages.last:

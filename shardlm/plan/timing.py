@@ -52,6 +52,12 @@
 - `kernels` (`--implementation megatron-core`, `kernels.CORE_KERNELS`): the attention core by a causal flash
   kernel's executed FLOPs at its own measured rates, context parallelism by an exposed K/V all-gather, and
   the distributed optimizer's reduce-scatter overlapped with the backward also under a pipeline.
+  `kernels.DEEPSEEK_KERNELS` (DeepSeek-V3's stack): the layers' GEMMs at DeepGEMM's FP8 rates (`fp8`), compute
+  on the SMs the communication kernels leave, node-limited routing with FP8 dispatch, and DualPipe (the
+  all-to-all and transfers behind the compute as far as it lasts, its own bubble).
+- sliding windows (`windows`): a sliding layer's attention core counts s x min(s, w), not s x s.
+- multi-token prediction (`mtp`): the last pipeline rank runs its layers and the depths; the busiest rank's
+  layers set the pace.
 
 The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`; the Hopper constants
 in `generations.HOPPER_CALIBRATION`.
@@ -64,6 +70,7 @@ from dataclasses import dataclass, replace
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan.context import allgather_seconds, ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
+from shardlm.plan.fp8 import fp8_gemm_seconds, mla_up_recompute_seconds
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.kernels import SC21_KERNELS, Kernels
@@ -72,7 +79,9 @@ from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
 from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
 from shardlm.plan.memory import NumericFormat, ParameterCount
-from shardlm.plan.stages import bubble_fraction
+from shardlm.plan.mtp import busiest_rank_layers
+from shardlm.plan.stages import bubble_fraction, dualpipe_bubble_fraction
+from shardlm.plan.windows import key_share, window_saved_flops
 
 # Bytes per attention score of the unfused softmax + dropout: forward reads the fp16 scores and
 # writes the probabilities (4), dropout reads them, writes the result and a 1-byte mask (5), the
@@ -123,13 +132,14 @@ class StepTime:
 
 
 def tp_comm_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                    calibration: Calibration) -> float:
-    """TP all-reduce time of one micro-batch (forward + backward [+ recomputation])."""
+                    calibration: Calibration, layers: int | None = None) -> float:
+    """TP all-reduce time of one micro-batch (forward + backward [+ recomputation]) over `layers` layers (default
+    ceil(L / P))."""
     if layout.tp == 1:
         return 0.0
     intra, _ = _direction_bandwidth(gpu, calibration)
     tokens = layout.micro_batch * cfg.seq_length
-    layers = -(-cfg.num_layers // layout.pp)
+    layers = layers or -(-cfg.num_layers // layout.pp)
     forward_calls = 2 * layers * (2 if layout.checkpointing else 1)
     sizes = ([tokens * cfg.hidden_size * fmt.tp_forward_bytes] * forward_calls
              + [tokens * cfg.hidden_size * fmt.tp_backward_bytes] * (2 * layers + 1)  # layers + LM head
@@ -160,7 +170,8 @@ def p2p_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericForm
 
 
 def all_to_all_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat,
-                       calibration: Calibration) -> float:
+                       calibration: Calibration, moe_layers: int | None = None,
+                       kernels: Kernels = SC21_KERNELS) -> float:
     """All-to-all time of one micro-batch on one pipeline rank (ceil(MoE layers / P) layers): each MoE
     layer dispatches and combines forward, sends both gradients back in the backward, and dispatches and
     combines again when recomputing (full); bytes from `experts.all_to_all_bytes`. An EP group is E ranks
@@ -181,8 +192,33 @@ def all_to_all_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Nume
         return max(nbytes * (1 - remote) / intra, network) + (ep - 1) * calibration.inter_node_latency_s
 
     dispatch, combine = all_to_all_bytes(cfg, layout.micro_batch, ep, fmt)
+    if kernels.moe_dispatch_bytes:
+        dispatch *= kernels.moe_dispatch_bytes / fmt.residual_bytes
+    if kernels.node_limited_routing and remote:
+        return node_limited_seconds(cfg, layout, gpu, calibration, kernels, dispatch, combine, moe_layers)
     passes = 3 if layout.checkpointing else 2  # forward, backward (+ recomputed forward)
-    layers = -(-moe_layer_count(cfg) // layout.pp)
+    layers = moe_layers or -(-moe_layer_count(cfg) // layout.pp)
+    return layers * passes * (seconds(dispatch) + seconds(combine))
+
+
+def node_limited_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, calibration: Calibration, kernels: Kernels,
+                         dispatch: float, combine: float, moe_layers: int | None) -> float:
+    """`all_to_all_seconds` under node-limited routing (`Kernels.node_limited_routing` = M): the EP group spans
+    n = TP x E / gpus_per_node nodes; a token's experts lie on min(M, n) of them, each remote with probability
+    (n - 1) / n, and it crosses this GPU's share of the network once per remote target node; NVLink carries its
+    k copies to the experts (`dispatch` and `combine` are the bytes of those k copies, (E - 1) / E of them remote
+    ranks'). The slower link bounds each exchange."""
+    intra, inter = _direction_bandwidth(gpu, calibration)
+    nodes = -(-layout.tp * layout.ep // gpu.gpus_per_node)
+    copies = cfg.moe_top_k * (layout.ep - 1) / layout.ep
+    network_share = min(kernels.node_limited_routing, nodes) * (nodes - 1) / nodes / copies
+
+    def seconds(nbytes: float) -> float:
+        network = nbytes * network_share / (inter / gpu.gpus_per_node)
+        return max(nbytes / intra, network) + (layout.ep - 1) * calibration.inter_node_latency_s
+
+    passes = 3 if layout.checkpointing else 2
+    layers = moe_layers or -(-moe_layer_count(cfg) // layout.pp)
     return layers * passes * (seconds(dispatch) + seconds(combine))
 
 
@@ -254,12 +290,14 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
-    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer
-        flops += 4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
-    layers = -(-cfg.num_layers // layout.pp)  # per pipeline rank: the busiest holds ceil(L / P) layers
-    if layout.end_trim:  # first and last stage one layer short: the other ranks hold (L + 2) / P
-        layers = -(-(cfg.num_layers + 2) // layout.pp)
-    imbalance = layers * layout.pp / cfg.num_layers  # 1 when P divides the layers
+    flops -= window_saved_flops(full_sequence, global_batch, layout.checkpointing)  # sliding layers: s x w
+    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding)
+        flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
+                  * key_share(full_sequence))
+    # per pipeline rank: the busiest holds ceil(L / P) layers, (L + 2) / P with Llama 3's short end stages, and
+    # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
+    layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim)
+    imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
     peak = gpu.peak_tflops * 1e12
     compute = flops / (peak * calibration.compute_efficiency)
     if kernels.causal_skip:  # the attention core by the flash kernel's own FLOPs and rates
@@ -269,7 +307,13 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
         compute += kernels.attention_seconds(full_sequence, global_batch, layout.checkpointing, peak,
                                              calibration.attention_efficiency or gemm,
                                              calibration.attention_backward_efficiency or gemm)
-    compute *= imbalance / layout.gpus
+    if kernels.fp8_gemms:  # the layers' GEMMs at DeepGEMM's FP8 rates instead of the BF16 GEMM rate (`fp8`)
+        bf16_s, fp8_s = fp8_gemm_seconds(full_sequence, global_batch * full_sequence.seq_length, layout.checkpointing,
+                                         peak * calibration.compute_efficiency)
+        compute += fp8_s - bf16_s
+        if kernels.recompute_mla_up and not layout.checkpointing:  # full recomputation reruns them anyway
+            compute += mla_up_recompute_seconds(full_sequence, global_batch * full_sequence.seq_length)
+    compute *= imbalance / layout.gpus / kernels.compute_sm_share
 
     passes = ELEMENTWISE_PASSES_FORWARD * (2 if layout.checkpointing else 1) + ELEMENTWISE_PASSES_BACKWARD
     tokens = layout.micro_batch * cfg.seq_length
@@ -279,16 +323,21 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
         scores = layout.micro_batch * cfg.num_heads // layout.tp * full_sequence.seq_length * cfg.seq_length
         recomputed = layout.recompute != "none"
         elementwise_bytes += layers * scores * (SCORE_BYTES_FORWARD * (2 if recomputed else 1) + SCORE_BYTES_BACKWARD)
+    elementwise_bytes += layers * kernels.gqa_expanded_bytes(full_sequence, layout.tp, layout.micro_batch, layout.cp,
+                                                            fmt.matmul_bytes)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
     elementwise = accumulation * elementwise_bytes / hbm
 
-    tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration)
-    ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration)
+    tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration, layers)
+    ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration, moe_layers, kernels)
     cp_exposed, cp_ring = (accumulation * layers * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
                                                                                    calibration, kernels))
-    bubble = bubble_fraction(layout.pp, layout.virtual, accumulation) * (compute + elementwise + tp_comm + ep_comm
-                                                                           + cp_exposed)
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
+    fraction = bubble_fraction(layout.pp, layout.virtual, accumulation)
+    if kernels.dualpipe:  # all-to-all and transfers behind the other chunk's compute, as far as it lasts
+        ep_comm, p2p = max(0.0, ep_comm + p2p - compute - elementwise), 0.0
+        fraction = dualpipe_bubble_fraction(layout.pp, accumulation)
+    bubble = fraction * (compute + elementwise + tp_comm + ep_comm + cp_exposed)
     shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
     expert_shards = layout.dp * layout.cp // layout.ep if layout.distributed_optimizer and params.expert else shards
     optimizer = (params.dense * optimizer_bytes_per_parameter(fmt, shards)
