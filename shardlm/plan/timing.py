@@ -81,7 +81,7 @@ from shardlm.plan.links import ring_allreduce_seconds
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.mtp import busiest_rank_layers
 from shardlm.plan.stages import bubble_fraction, dualpipe_bubble_fraction
-from shardlm.plan.windows import key_share, window_saved_flops
+from shardlm.plan.windows import key_share
 
 # Bytes per attention score of the unfused softmax + dropout: forward reads the fp16 scores and
 # writes the probabilities (4), dropout reads them, writes the result and a 1-byte mask (5), the
@@ -289,8 +289,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     accumulation = global_batch // (layout.dp * layout.micro_batch)
     full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
-    flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
-    flops -= window_saved_flops(full_sequence, global_batch, layout.checkpointing)  # sliding layers: s x w
+    flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)  # sliding layers count s x w
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding)
         flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
                   * key_share(full_sequence))

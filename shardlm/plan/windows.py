@@ -50,8 +50,9 @@ def attention_flops_per_key(cfg: ModelConfig) -> float:
 
 
 def window_saved_flops(cfg: ModelConfig, global_batch: int, recompute: bool) -> float:
-    """FLOPs a window takes out of `flops_per_step` (which counts every layer's full square): per sliding layer and
-    token (s - min(s, w)) keys' worth, forward, backward (2x) and the recomputed forward."""
+    """FLOPs a window takes out of the full-square count (`flops_per_step` of the same model without the window;
+    with it, `flops_per_token` already counts a sliding layer's min(s, w) keys): per sliding layer and token
+    (s - min(s, w)) keys' worth, forward, backward (2x) and the recomputed forward."""
     missing = sum(cfg.seq_length - attended_keys(cfg, i) for i in range(cfg.num_layers))
     passes = 4 if recompute else 3
     return passes * global_batch * cfg.seq_length * attention_flops_per_key(cfg) * missing
