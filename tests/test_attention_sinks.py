@@ -6,7 +6,8 @@ the sink, joins every row's softmax and its share is dropped. `tiled_attention` 
 `context_parallel_attention` (C = 2 on ranks 0, 2 and 1, 3, C = 4 on a gloo world of 4, ring and all-gather)
 give its output and the gradients of q, k, v and the sinks within 5e-6 (fp32 against fp64; the inputs are scaled
 up so the softmax is sharp) (relative to the largest entry), with
-grouped-query attention, windows shorter and longer than a chunk, and packed documents. Without the sink
+grouped-query attention, windows shorter and longer than a chunk, chunks longer than the window's tile (the ring
+then runs the blocks the window cuts tile by tile), and packed documents. Without the sink
 merge, or with the window left out, the same comparisons fail (so they can). The window's saving is
 counted, not assumed: the blocks each rank computes are exactly those with a visible (query, key) pair, and
 their number falls with the window.
@@ -21,7 +22,7 @@ import torch
 from test_context_parallel import cp_group, gather, randn, rel
 
 from shardlm.data.zigzag import zigzag_chunks, zigzag_split
-from shardlm.parallel.ring_attention import BlockCounts, context_parallel_attention
+from shardlm.parallel.ring_attention import BlockCounts, context_parallel_attention, window_tile
 from shardlm.parallel.tiled_attention import tiled_attention
 
 from multiproc import check_result, run_checks, run_workers
@@ -121,9 +122,8 @@ def test_tiles_outside_the_window_are_skipped():
 # --------------------------------------------------------------------------------------------------
 # the ring, on a world of 4
 
-def ring_case(C: int, window: int, docs: bool, exchange: str):
+def ring_case(C: int, window: int, docs: bool, exchange: str, chunk: int = 5):
     cp = cp_group(C)
-    chunk = 5
     T = 2 * C * chunk
     q, k, v, sinks, dout = inputs(T, seed=11 + C + window)
     segments = segments_of(T) if docs else None
@@ -149,6 +149,11 @@ def check_ring():
     for C, window, docs, exchange in itertools.product((2, 4), (0, 3, 7, 100), (False, True), ("ring", "allgather")):
         if cp_group(C) is not None:
             out[(C, window, docs, exchange)] = ring_case(C, window, docs, exchange)
+    # chunks of 80 with a window of 20 (tiles of 64): the cut blocks run tile by tile
+    assert window_tile(20, 80) == 64
+    for C, docs in itertools.product((2, 4), (False, True)):
+        if cp_group(C) is not None:
+            out[(C, 20, docs, "ring", 80)] = ring_case(C, 20, docs, "ring", chunk=80)
     return out
 
 

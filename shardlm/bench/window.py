@@ -4,9 +4,9 @@ gpt-oss's alternate layers see only the last `window` tokens. On one long sequen
 tokens, a window of 256, grouped-query heads, a sink logit per head, fp32), forward + backward of:
 
 - the ring at CP = 2 (`context_parallel_attention`, 2 gloo processes x 1 thread, each rank its zigzag half):
-  with the window (key blocks wholly outside it skipped, the others masked) against without it (causal), in
-  alternating rounds, timed between barriers (the slower rank's time); the blocks each rank computed and
-  skipped per pass (`BlockCounts`) with and without the window;
+  with the window (key blocks wholly outside it skipped, the blocks it cuts run tile by tile) against
+  without it (causal), in alternating rounds, timed between barriers (the slower rank's time); the blocks
+  each rank computed and skipped per pass (`BlockCounts`) with and without the window;
 - one process x 1 thread (as each ring rank): `tiled_attention` with the window (tiles of the window rounded
   up to 64, key tiles outside a query tile's window skipped) and without it (one causal block), and PyTorch's
   causal SDPA (no sink, no window: the baseline of plain causal attention), in alternating rounds. (One

@@ -19,8 +19,10 @@ With packed documents (`segments`, the document number of every token of the who
 `window` (a query sees the keys less than `window` positions behind it) by distance: a block that no mask
 cuts runs as above, a block with no visible pair is skipped (counted, so the window's saving is measured),
 and the others run with the block's mask (a query row with no key in the block contributes nothing to the
-merge). Attention sinks (gpt-oss: a learned logit per head that joins every softmax row as one more key
-without a value) are merged once per row after the last block, as one more partial attention with output 0
+merge); a block the window cuts that spans several of its tiles (`window_tile`) runs tile by tile
+(`tiled_block`, what `tiled_attention` runs on one rank), its tiles wholly outside the window skipped.
+Attention sinks (gpt-oss: a learned logit per head that joins every softmax row as one more key without a
+value) are merged once per row after the last block, as one more partial attention with output 0
 and log-sum-exp equal to the sink; the backward gives the sink -sum exp(sink - lse) (dout . out).
 
 Blocks (`attention_block`) use PyTorch's CPU flash-attention kernel, which returns the log-sum-exp and
@@ -174,18 +176,80 @@ def block_mask(queries: range, keys: range, causal: bool, window: int = 0, segme
     return visible if bool(visible.any()) else EMPTY
 
 
+def window_tile(window: int, length: int) -> int:
+    """The tile of a `window`: the window rounded up to a multiple of 64 tokens, at most `length` (no window:
+    `length`, one tile)."""
+    return min(length, -(-window // 64) * 64) if window else length
+
+
+def block_tiles(queries: range, keys: range, causal: bool, tile: int, window: int = 0,
+                segments: torch.Tensor | None = None, device=None, counts: BlockCounts | None = None,
+                pass_name: str = "forward"):
+    """The tiles of the block of query tokens `queries` against key tokens `keys` (as `block_mask` takes them)
+    that hold a visible pair: (query slice, key slice) inside the block, causal, the tile's mask or None. Tiles
+    of `tile` tokens (the last one shorter); on a causal (diagonal) block the tiles above the diagonal are not
+    visited; tiles wholly outside the window (or across documents) are skipped and counted in `counts`."""
+    for qs in range(0, len(queries), tile):
+        q_part = queries[qs:qs + tile]
+        for ks in range(0, qs + 1 if causal else len(keys), tile):
+            k_part = keys[ks:ks + tile]
+            diagonal = causal and ks == qs
+            mask = block_mask(q_part, k_part, diagonal, window, segments, device)
+            if counts is not None:
+                (counts.skipped if mask is EMPTY else counts.computed)[pass_name] += 1
+            if mask is not EMPTY:
+                yield slice(qs, qs + len(q_part)), slice(ks, ks + len(k_part)), diagonal, mask
+
+
+def tiled_block(q, k, v, where: tuple, scale: float, kernel: str = "auto", counts: BlockCounts | None = None):
+    """`attention_block` of a block run tile by tile, tiles without a visible pair skipped: q (B, H, Lq, d),
+    k, v (B, Hkv, Lk, d) -> (out (B, H, Lq, d) fp32, lse (B, H, Lq) fp32; -inf on rows that see no key).
+    `where` = `block_tiles`' (queries, keys, causal, tile, window, segments). Talks to no group."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    for qs, ks, diagonal, mask in block_tiles(*where, device=q.device, counts=counts, pass_name="forward"):
+        part = attention_block(q[:, :, qs], k[:, :, ks], v[:, :, ks], diagonal, scale, kernel, mask)
+        out[:, :, qs], lse[:, :, qs] = merge_partial(out[:, :, qs], lse[:, :, qs], *part)
+    return out, lse
+
+
+def tiled_block_backward(dout, q, k, v, out, lse, where: tuple, scale: float, kernel: str = "auto",
+                         counts: BlockCounts | None = None):
+    """`block_backward` of a block run tile by tile over the tiles `tiled_block` computed: (dq, dk, dv) fp32."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for qs, ks, diagonal, mask in block_tiles(*where, device=q.device, counts=counts, pass_name="backward"):
+        dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                          lse[:, :, qs], diagonal, scale, kernel, mask)
+        dq[:, :, qs] += dq_b
+        dk[:, :, ks] += dk_b
+        dv[:, :, ks] += dv_b
+    return dq, dk, dv
+
+
 def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name: str,
             segments: torch.Tensor | None = None, window: int = 0, length: int = 0, device=None):
     """The non-empty blocks of this rank's queries against `source`'s keys: (query half, key half, causal,
-    the block's mask or None); `length` is a chunk's L."""
+    the block's mask or None, tiles); `length` is a chunk's L. `tiles` is None, or, for a block the window
+    cuts and that spans more than one of its tiles, `tiled_block`'s `where`: such a block runs tile by tile
+    (the tiles wholly outside the window skipped, as one rank's `tiled_attention` does), not as one L x L
+    block with a mask that hides most of it."""
     mine, theirs = zigzag_chunks(cp.size, cp.rank), zigzag_chunks(cp.size, source)
+    tile = window_tile(window, length)
     for (qi, qc), (ki, kc) in itertools.product(enumerate(mine), enumerate(theirs)):
         kind = block_kind(qc, kc)
-        mask = None
-        if kind != EMPTY and (segments is not None or window):
-            chunk = lambda c: range(c * length, (c + 1) * length)  # noqa: E731
-            mask = block_mask(chunk(qc), chunk(kc), kind == CAUSAL, window, segments, device)
+        mask = tiles = None
+        queries, keys = range(qc * length, (qc + 1) * length), range(kc * length, (kc + 1) * length)
+        if kind != EMPTY and segments is None and tile < length:
+            # window < L cuts every block it does not hide: no L x L mask, the tiles get their own
+            kind = EMPTY if queries[0] - keys[-1] >= window else kind
+            tiles = (queries, keys, kind == CAUSAL, tile, window, None)
+        elif kind != EMPTY and (segments is not None or window):
+            mask = block_mask(queries, keys, kind == CAUSAL, window, segments, device)
             kind = EMPTY if mask is EMPTY else kind
+            if mask is not None and mask is not EMPTY and tile < length:
+                mask, tiles = None, (queries, keys, kind == CAUSAL, tile, window, segments)
         if counts is not None:
             if kind == EMPTY:
                 counts.skipped[pass_name] += 1
@@ -193,7 +257,7 @@ def _blocks(cp: Communicator, source: int, counts: BlockCounts | None, pass_name
                 counts.computed[pass_name] += 1
                 counts.pairs[pass_name].append((qc, kc))
         if kind != EMPTY:
-            yield qi, ki, kind == CAUSAL, mask
+            yield qi, ki, kind == CAUSAL, mask, tiles
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,8 +310,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         where = dict(segments=segments, window=window, length=q.shape[2] // 2, device=q.device)
         for source, kv in _kv_sources(torch.stack((k, v)), cp, exchange):
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, causal, mask in _blocks(cp, source, counts, "forward", **where):
-                block = attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel, mask)
+            for qi, ki, causal, mask, tiles in _blocks(cp, source, counts, "forward", **where):
+                block = (attention_block(queries[qi], keys[ki], values[ki], causal, scale, kernel, mask)
+                         if tiles is None else tiled_block(queries[qi], keys[ki], values[ki], tiles, scale, kernel))
                 outs[qi], lses[qi] = merge_partial(outs[qi], lses[qi], *block)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         if sinks is not None:
@@ -275,9 +340,10 @@ class _ContextParallelAttention(torch.autograd.Function):
             """This rank's part of dK/dV of `source`'s K/V, (2, B, Hkv, 2L, d) fp32; adds to dq."""
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             keys, values, dks, dvs = halves(kv[0]), halves(kv[1]), halves(dkv[0]), halves(dkv[1])
-            for qi, ki, causal, mask in _blocks(cp, source, counts, "backward", **where):
-                dq_b, dk_b, dv_b = block_backward(douts[qi], queries[qi], keys[ki], values[ki], outs[qi],
-                                                   lses[qi], causal, scale, kernel, mask)
+            for qi, ki, causal, mask, tiles in _blocks(cp, source, counts, "backward", **where):
+                args = (douts[qi], queries[qi], keys[ki], values[ki], outs[qi], lses[qi])
+                dq_b, dk_b, dv_b = (block_backward(*args, causal, scale, kernel, mask) if tiles is None
+                                    else tiled_block_backward(*args, tiles, scale, kernel))
                 dqs[qi].add_(dq_b)
                 dks[ki].add_(dk_b)
                 dvs[ki].add_(dv_b)

@@ -3,12 +3,13 @@
 gpt-oss adds a learned sink logit per head to every softmax row and lets alternate layers see only the last
 `window` tokens. SDPA returns no log-sum-exp to merge a sink with, and masks a window by computing every
 (T, T) score anyway. Here the rows are cut into tiles of `tile` tokens; a query tile runs only against the
-key tiles its window reaches (the others are skipped, not masked), each block through the ring's block
-function (`shardlm.parallel.ring_attention.attention_block`: CPU flash kernel, an additive mask only where a
-block straddles the window's edge or a document boundary), and the partial results merge by log-sum-exp,
-the sink last. The backward reruns the same blocks from the saved output and log-sum-exp. With packed
+key tiles its window reaches (the others are skipped, not masked), each tile through the ring's block
+function (`shardlm.parallel.ring_attention.tiled_block` over `attention_block`: CPU flash kernel, an additive
+mask only where a tile straddles the window's edge or a document boundary), and the partial results merge by
+log-sum-exp, the sink last. The backward reruns the same blocks from the saved output and log-sum-exp. With packed
 documents (`segments`) a query sees its own document only, inside its window. Under context parallelism the
-ring does the same over the CP ranks (`context_parallel_attention(..., window=, sinks=)`).
+ring does the same over the CP ranks (`context_parallel_attention(..., window=, sinks=)`), running each of its
+blocks that the window cuts through the same tiles.
 """
 
 from __future__ import annotations
@@ -16,35 +17,13 @@ from __future__ import annotations
 import torch
 
 from shardlm.parallel.ring_attention import (
-    EMPTY,
     BlockCounts,
-    attention_block,
-    block_backward,
-    block_mask,
-    merge_partial,
     merge_sinks,
     sink_gradient,
+    tiled_block,
+    tiled_block_backward,
+    window_tile,
 )
-
-
-def tile_blocks(length: int, tile: int, window: int, segments: torch.Tensor | None, device,
-                counts: BlockCounts | None = None, pass_name: str = "forward"):
-    """Yield (query slice, key slice, causal, mask or None) for every block with a visible pair; tiles of
-    `tile` tokens (the last one shorter), key tiles after the query tile or wholly outside its window skipped."""
-    starts = range(0, length, tile)
-    for qs in starts:
-        queries = range(qs, min(qs + tile, length))
-        for ks in starts[:qs // tile + 1]:
-            keys = range(ks, min(ks + tile, length))
-            causal = ks == qs
-            mask = block_mask(queries, keys, causal, window, segments, device)
-            if counts is not None:
-                if mask is EMPTY:
-                    counts.skipped[pass_name] += 1
-                else:
-                    counts.computed[pass_name] += 1
-            if mask is not EMPTY:
-                yield slice(queries.start, queries.stop), slice(keys.start, keys.stop), causal, mask
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -53,11 +32,8 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, setup):
         scale, window, tile, segments, counts = setup
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
-        for qs, ks, causal, mask in tile_blocks(q.shape[2], tile, window, segments, q.device, counts, "forward"):
-            block = attention_block(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal, scale, "auto", mask)
-            out[:, :, qs], lse[:, :, qs] = merge_partial(out[:, :, qs], lse[:, :, qs], *block)
+        rows = range(q.shape[2])
+        out, lse = tiled_block(q, k, v, (rows, rows, True, tile, window, segments), scale, "auto", counts)
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -69,16 +45,9 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         scale, window, tile, segments, counts = ctx.setup
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for qs, ks, causal, mask in tile_blocks(q.shape[2], tile, window, segments, q.device, counts, "backward"):
-            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
-                                              out[:, :, qs], lse[:, :, qs], causal, scale, "auto", mask)
-            dq[:, :, qs] += dq_b
-            dk[:, :, ks] += dk_b
-            dv[:, :, ks] += dv_b
+        rows = range(q.shape[2])
+        dq, dk, dv = tiled_block_backward(dout.contiguous(), q, k, v, out, lse,
+                                          (rows, rows, True, tile, window, segments), scale, "auto", counts)
         dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None
 
@@ -95,6 +64,6 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need (B, H, T, d) queries "
                          "and (B, Hkv, T, d) keys and values with H a multiple of Hkv")
     length = q.shape[2]
-    tile = tile or (min(length, -(-window // 64) * 64) if window else length)
+    tile = tile or window_tile(window, length)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _TiledAttention.apply(q, k, v, sinks, (scale, window, tile, segments, counts))
