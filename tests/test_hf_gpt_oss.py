@@ -20,11 +20,11 @@ import torch
 from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
 from test_moe_parallel import STEPS, assert_same_run, full_parameters, run, train_layout
 
+from shardlm.checkpoint import load_model
 from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.hf_gpt_oss import dequantize_mxfp4
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.config import from_dict
-from shardlm.checkpoint import load_model
 from shardlm.parallel import ParallelContext
 
 from multiproc import check_result, run_checks, run_workers
