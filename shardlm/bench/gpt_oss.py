@@ -126,4 +126,4 @@ def markdown_lines(d: dict) -> list[str]:
     note = (f"transformers' gpt-oss attention does not support SDPA (no sink in SDPA), so as shipped it runs "
             f"`{attention}` attention: the whole (T, T) scores with the sliding window as an additive mask and the "
             "sink as one more column; shardlm computes only the tiles a window reaches (see the `window` section).")
-    return lines[:-1] + [note, ""]
+    return lines + [note, ""]
