@@ -261,3 +261,56 @@ def test_fsdp_figures_are_the_measured_step_times_memory_and_the_collectives_the
         assert measured["reduce_scatter"] == {"calls": 1 + layers, "elements": root + layers * layer}
         assert comm[name]["bytes"] == 4 * (measured["all_gather"]["elements"] + measured["reduce_scatter"]["elements"])
     assert comm["matches_formula"] is True and "**`fsdp.comm.matches_formula` = True**" in text
+
+
+def test_gpt_oss_figures_are_the_measured_throughputs_of_the_same_model(quick_run):
+    """gpt_oss: transformers' losses of steps 1 and 2 equal shardlm's within the tolerance (same weights, same
+    batch); each ratio is per round the quotient of the tokens/s it names; the implementations transformers ran
+    as shipped are recorded; BENCHMARKS.md states the check, the ratios and the attention."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    oss = results["gpt_oss"]
+    check = oss["loss_check"]
+    assert check["match"] is True and check["tolerance"] == 1e-4
+    for name, losses in check["losses"].items():
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), name
+        if name != "shardlm":
+            assert check["max_abs_difference"][name] == pytest.approx(
+                max(abs(a - b) for a, b in zip(losses, check["losses"]["shardlm"])))
+    assert "**`gpt_oss.loss_check.match` = True**" in text
+    for precision in oss["precisions"]:
+        f = oss[precision]
+        _per_repeat_ratio(f["ratio"], f["shardlm_tokens_per_sec"], f["hf_tokens_per_sec"])
+        _per_repeat_ratio(f["ratio_eager"], f["shardlm_tokens_per_sec"], f["hf_eager_tokens_per_sec"])
+        assert f"**{_as_reported(f['ratio'])}**" in text
+        assert f["hf_attn_implementation"] and f["hf_experts_implementation"]
+    assert f"attention as shipped: `{oss['fp32']['hf_attn_implementation']}`" in text
+    assert oss["goal"]["met"] == (oss["fp32"]["ratio"]["median"] >= 1.2)
+
+
+def test_window_saving_is_the_measured_times_and_the_ring_skips_the_blocks_outside_the_window(quick_run):
+    """window: each saving is per round 1 - the time with the window / the time without; at CP = 2 each rank
+    sees 8 chunk blocks per pass, of which the causal ring computes 2C + 1 = 5 and the window fewer; the single
+    process's tiles are the diagonal ones and the one before each (window = tile); BENCHMARKS.md states the
+    savings."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    w = results["window"]
+    for part, with_window, without in (("ring", "window_ms", "full_ms"),
+                                       ("one_process", "tiled_window_ms", "tiled_full_ms"),
+                                       ("one_process", "tiled_window_ms", "sdpa_causal_ms")):
+        figures = w[part]
+        saving = figures["saving" if without != "sdpa_causal_ms" else "saving_vs_sdpa"]
+        times = _figure(figures[with_window], 0.0, 6e5), _figure(figures[without], 0.0, 6e5)
+        assert _figure(saving, -1e2, 1.0) == pytest.approx([1 - a / b for a, b in zip(*times)], rel=1e-4, abs=1e-5)
+    assert f"**{_as_reported(w['ring']['saving'])}** (`window.ring.saving`)" in text
+    assert f"**{_as_reported(w['one_process']['saving'])}** (`window.one_process.saving`)" in text
+    for rank in w["ring"]["blocks_per_rank"]:
+        for name in ("window", "full"):
+            for pass_name in ("forward", "backward"):
+                assert rank[name]["computed"][pass_name] + rank[name]["skipped"][pass_name] == 8, rank
+        assert rank["full"]["computed"]["forward"] == 5 > rank["window"]["computed"]["forward"] >= 3
+    n = 512 // 64  # WINDOW_QUICK's tiles: its window of 32 rounded up to 64
+    tiles = results["window"]["one_process"]["tiles"]
+    assert tiles["computed"]["forward"] == 2 * n - 1 and tiles["skipped"]["forward"] == n * (n + 1) // 2 - (2 * n - 1)
+    assert 0 < w["kept_fraction"] < 1

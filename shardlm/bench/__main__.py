@@ -4,7 +4,8 @@ Sections: training throughput vs transformers, CPU MFU, tensor-parallel efficien
 communication vs the formula, memory per rank, the pipeline's bubble and memory per stage, the
 planner's memory and step-time ratios for PP x TP x DP layouts against measurements, Mixture-of-Experts
 training against transformers' Mixtral and expert parallelism, a tiny DeepSeek-V3's training step
-against transformers' DeepseekV3ForCausalLM, context parallelism at a long sequence,
+against transformers' DeepseekV3ForCausalLM, a tiny gpt-oss's (sinks, sliding windows, biased experts) against
+GptOssForCausalLM, context parallelism at a long sequence (and what a sliding window saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
 over packed rows, throughput against TRL's SFTTrainer, packing efficiency), checkpoint I/O, preprocessing,
 evaluation and generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
@@ -45,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         "plan3d": lambda: _plan3d(args.quick, repeats),
         "moe": lambda: _moe(args.quick, repeats),
         "deepseek": lambda: _deepseek(args.quick, repeats),
+        "gpt_oss": lambda: _gpt_oss(args.quick, repeats),
         "context_parallel": lambda: _context_parallel(args.quick, repeats),
+        "window": lambda: _window(args.quick, repeats),
         "fsdp": lambda: _fsdp(args.quick, repeats),
         "sft": lambda: _sft(args.quick, repeats, results),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
@@ -123,10 +126,22 @@ def _deepseek(quick, repeats):
     return deepseek_bench(quick, repeats)
 
 
+def _gpt_oss(quick, repeats):
+    from shardlm.bench.gpt_oss import gpt_oss_bench
+
+    return gpt_oss_bench(quick, repeats)
+
+
 def _context_parallel(quick, repeats):
     from shardlm.bench.context_parallel import context_parallel_bench
 
     return context_parallel_bench(quick, repeats)
+
+
+def _window(quick, repeats):
+    from shardlm.bench.window import window_bench
+
+    return window_bench(quick, repeats)
 
 
 def _fsdp(quick, repeats):

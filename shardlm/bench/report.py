@@ -60,6 +60,14 @@ KEYS = {
     "deepseek.loss_check.match": "true when transformers' losses of steps 1 and 2 (fp32, same weights and batch) are "
                                  "within 1e-4 of shardlm's",
     "deepseek.goal.met": "true when the fp32 median of deepseek.fp32.ratio is at least 1.2",
+    "gpt_oss.fp32.ratio": "shardlm tokens/s / transformers' GptOssForCausalLM as shipped, per round (fp32; "
+                          "gpt_oss.bf16.ratio under bf16 autocast where the CPU has native bf16)",
+    "gpt_oss.fp32": "per precision: step_ms and tokens_per_sec of shardlm, hf (as shipped) and hf_eager (its "
+                    "per-expert loop), ratio and ratio_eager per round, hf_attn_implementation and "
+                    "hf_experts_implementation (what transformers ran as shipped), experts_dtype",
+    "gpt_oss.loss_check.match": "true when transformers' losses of steps 1 and 2 (fp32, same weights and batch) are "
+                                "within 1e-4 of shardlm's",
+    "gpt_oss.goal.met": "true when the fp32 median of gpt_oss.fp32.ratio is at least 1.2",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
@@ -68,6 +76,15 @@ KEYS = {
     "context_parallel.cp2_efficiency": "tokens/s at CP = 2 (2 x 1 thread) / one process x 2 threads, same sequence",
     "context_parallel.balance": "per split (zigzag, contiguous) at C = 4: per-rank causal attention seconds and the "
                                 "spread max / min - 1",
+    "window.ring.saving": "1 - ms with / ms without the sliding window of context_parallel_attention forward + "
+                          "backward at CP = 2 (2 x 1 thread, one long sequence with sinks), per round",
+    "window.ring.blocks_per_rank": "per CP rank, with (window) and without (full) the window: the chunk blocks "
+                                   "computed and skipped per pass",
+    "window.one_process.saving": "1 - ms with / ms without the window of tiled_attention forward + backward, one "
+                                 "process, per round; saving_vs_sdpa against causal SDPA (no sink)",
+    "window.one_process.tiles": "tiles computed and skipped per pass by tiled_attention with the window",
+    "window.kept_fraction": "(query, key) pairs the window keeps / the causal triangle's: an ideal kernel's saving "
+                            "is 1 minus it",
     "fsdp.step_ms": "per data_sharding (none, optimizer, full) at DP=2 (2 x 1 thread): milliseconds per training step",
     "fsdp.step_ratio_to_none": "per data_sharding: step time / data_sharding none's, per round",
     "fsdp.memory": "per data_sharding: bytes rank 0 allocated that stay alive between steps (resident_bytes) and the "
@@ -193,10 +210,18 @@ def markdown(r: dict) -> str:
         from shardlm.bench.deepseek import markdown_lines as deepseek_lines
 
         lines += deepseek_lines(r["deepseek"])
+    if r.get("gpt_oss"):
+        from shardlm.bench.gpt_oss import markdown_lines as gpt_oss_lines
+
+        lines += gpt_oss_lines(r["gpt_oss"])
     if r.get("context_parallel"):
         from shardlm.bench.context_parallel import markdown_lines as context_lines
 
         lines += context_lines(r["context_parallel"])
+    if r.get("window"):
+        from shardlm.bench.window import markdown_lines as window_lines
+
+        lines += window_lines(r["window"])
     if r.get("fsdp"):
         from shardlm.bench.fsdp import markdown_lines as fsdp_lines
 
