@@ -267,13 +267,16 @@ def test_bad_gpt_oss_keys_are_one_line_errors(change, message):
 
 def test_cli_round_trip_says_what_it_writes(reference, tmp_path, capsys):
     """`shardlm convert --from-hf` then `--to-hf`: the export names the architecture and its format (fp32,
-    experts unquantized), and transformers loads it to the reference logits."""
+    experts unquantized), and transformers loads it to the reference logits; `checkpoint inspect` names the
+    sinks and the sliding layers."""
     from shardlm.cli import main
 
     converted = tmp_path / "oss.safetensors"
     assert main(["convert", "--from-hf", str(reference["root"] / "hf"), "--output", str(converted)]) == 0
     assert main(["convert", "--to-hf", str(tmp_path / "back"), "--checkpoint", str(converted)]) == 0
     assert "(GptOssForCausalLM, fp32 safetensors; experts unquantized (not MXFP4))" in capsys.readouterr().out
+    assert main(["checkpoint", "inspect", str(converted)]) == 0
+    assert "attention: a sink logit per head, sliding window 4 on layers [0]" in capsys.readouterr().out
     reloaded = type(hf_model()).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(reference["tokens"]).logits, reference["logits"])

@@ -74,6 +74,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     if m.get("attention") == "mla":
         print(f"  attention: multi-head latent (q_lora_rank {m['q_lora_rank']}, kv_lora_rank {m['kv_lora_rank']}, "
               f"q/k heads {m['qk_nope_head_dim']} + {m['qk_rope_head_dim']} rotary, v heads {m['v_head_dim']})")
+    if m.get("attention_sinks") or m.get("sliding_window"):
+        types = m.get("layer_types") or ["sliding_attention"] * m["num_layers"]
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"] if m.get("sliding_window") else []
+        print(f"  attention: {'a sink logit per head, ' if m.get('attention_sinks') else ''}"
+              f"sliding window {m.get('sliding_window', 0)} on layers {sliding}")
     if m.get("moe_num_experts"):
         first, every = m.get("moe_first_dense_layers", 0), m.get("moe_layer_interval", 1)
         moe_layers = [i for i in range(first, m["num_layers"]) if (i - first) % every == 0]
