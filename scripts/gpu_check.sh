@@ -45,5 +45,13 @@ step train_nccl 180 "$py" -m shardlm train configs/tiny.toml --nproc-per-node 1 
     train.micro_batch_size=8 train.global_batch_size=16 train.steps=150 train.lr=6e-4 train.min_lr=6e-5 \
     train.warmup_steps=20 train.precision=bf16 train.eval_interval=50 train.eval_iters=8 log.interval=10 \
     log.progress=false checkpoint.dir=/tmp/gpu-check-run/checkpoints
+# The families that landed since the first GPU check, one short bf16 run each on the GPU: MoE with DeepSeek
+# routing, DeepSeek-V3 (MLA and a multi-token-prediction depth) and gpt-oss (attention sinks and sliding
+# windows in tiles, biased experts); each must train, evaluate and save without an error.
+for cfg in tiny-moe-deepseek tiny-deepseek-v3 tiny-gpt-oss; do
+    step "train_$cfg" 150 "$py" -m shardlm train "configs/$cfg.toml" --nproc-per-node 1 \
+        --run-dir "/tmp/gpu-check-$cfg" train.steps=30 train.precision=bf16 train.eval_interval=30 \
+        log.progress=false checkpoint.dir="/tmp/gpu-check-$cfg/checkpoints"
+done
 step bench_other 300 "$py" -m shardlm.bench.gpu --compile $best --shapes gpt2-355m gpt2-774m paper-1.2b
 step bench_xl_eager 120 "$py" -m shardlm.bench.gpu $best --shapes gpt2-1.5b
