@@ -24,6 +24,13 @@ than the hidden size), and their weights' partial gradients are summed by the tr
 Under context parallelism the expanded keys and values go around the ring (`causal_attention`); values
 narrower than the keys are zero-padded to the keys' size for the ring, which changes no output channel.
 Packed documents (SFT) work as in GPT and Llama: positions restart per document, attention stays inside.
+
+Decoding caches the latent, not the expanded keys and values: per token the normed latent c and the rotated
+shared RoPE key, kv_lora_rank + rope channels (576 for DeepSeek-V3, against 128 heads x (192 + 128) = 40,960
+expanded), whole on every TP rank. A cached step absorbs kv_b into the query and the output (DeepSeek-V2's
+decoding): per head, q_n . k_n = (q_n W_UK) . c and p v = (p c) W_UV^T, so the scores are
+[q_n W_UK | RoPE(q_r)] . [c | RoPE(k_r)] against one shared key head and the output (p c) W_UV^T: the same
+function, no per-head keys or values built. The prompt (the first call with a cache) runs the expanded path.
 """
 
 from __future__ import annotations
@@ -152,7 +159,8 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones; the cache
-        holds this rank's heads' expanded keys (B, H/tp, T, nope + rope) and values (B, H/tp, T, v_head_dim).
+        holds the normed latents (B, 1, T, kv_lora_rank) and rotated shared RoPE keys (B, 1, T, rope), and steps
+        after the first attend through `absorbed`.
         `documents`: packed rows' documents (positions restart, attention stays inside each)."""
         cfg = self.cfg
         if self.q is not None:
@@ -172,18 +180,30 @@ class LatentAttention(nn.Module):
         cos, sin = self.angles(token_positions(T, self.ctx.cp, past, documents, x.device))
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
-        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(B, self.heads, T, self.rope)
-        k = torch.cat((k_nope, k_rope), dim=-1)
-        if cache is not None:
-            k, v = cache.append(k, v)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin)  # (B, 1, T, rope): one key head shared by all
+        if cache is not None:  # the latent and the rotated shared key, (B, 1, past + T, kv_lora_rank / rope)
+            latent, shared_key = cache.append(c.unsqueeze(1), k_rope)
+        k = torch.cat((k_nope, k_rope.expand(B, self.heads, T, self.rope)), dim=-1)
         if past > 0:
-            mask = None if T == 1 else causal_mask_with_past(past, T, x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            y = self.absorbed(q, latent, shared_key, past)
         elif self.selective_recompute and self.training and torch.is_grad_enabled():
             y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
             y = self.core(q, k, v, documents)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
+
+    def absorbed(self, q: torch.Tensor, latent: torch.Tensor, shared_key: torch.Tensor, past: int) -> torch.Tensor:
+        """A cached step: q (B, H/tp, T, nope + rope) with RoPE applied, the cached latents (B, 1, S, kv_lora_rank)
+        and rotated shared keys (B, 1, S, rope), S = past + T -> (B, H/tp, T, v_head_dim), kv_b absorbed into
+        the query and the output (the module docstring)."""
+        weight = self.kv_b.weight.view(self.heads, self.nope + self.v_dim, -1)  # (H/tp, nope + v, kv_lora_rank)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        query = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
+        key = torch.cat((latent, shared_key), dim=-1)
+        T = q.shape[2]
+        mask = None if T == 1 else causal_mask_with_past(past, T, q.device)
+        mixed = F.scaled_dot_product_attention(query, key, latent, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, self.nope:])
 
     def kv_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, h) -> (normed latent (B, T, kv_lora_rank), shared RoPE key before rotation (B, T, rope))."""
