@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,46 @@ class HFTensor:
         index = [slice(None)] * len(self.shape())
         index[dim] = slice(start, end)
         return self._file().get_slice(self.name)[tuple(index)].float().contiguous()
+
+
+def rope_parameters(hf: dict) -> dict:
+    """A HF config's rotary settings in either style (transformers 5's rope_parameters, or rope_theta +
+    rope_scaling), merged into one dict."""
+    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def yarn_keys(params: dict, max_positions: int) -> dict:
+    """The `model.rope_yarn_*` keys of a yarn `rope_parameters` dict (factor: max_positions over the original
+    length when it is not given)."""
+    original = params["original_max_position_embeddings"]
+    return {"rope_yarn_factor": float(params.get("factor") or max_positions / original),
+            "rope_yarn_original_positions": int(original),
+            "rope_yarn_beta_fast": float(params.get("beta_fast") or 32),
+            "rope_yarn_beta_slow": float(params.get("beta_slow") or 1),
+            "rope_yarn_truncate": bool(params.get("truncate", True)),
+            "rope_yarn_mscale": float(params.get("mscale") or 0.0),
+            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0)}
+
+
+def rope_parameters_of(cfg: ModelConfig) -> dict:
+    """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key."""
+    if not cfg.rope_yarn_factor:
+        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
+            "original_max_position_embeddings": cfg.rope_yarn_original_positions,
+            "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+            "truncate": cfg.rope_yarn_truncate, "mscale": cfg.rope_yarn_mscale,
+            "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
+
+
+def drop_missing_mtp(model: ModelConfig, located: dict, hf_dir: Path) -> None:
+    """Set `model.mtp_layers` to 0, with a note, when the config asks for multi-token-prediction layers (layer
+    num_hidden_layers + k) that the directory's weights (`located`) do not hold: transformers saves the main
+    model only."""
+    if model.mtp_layers and f"model.layers.{model.num_layers}.eh_proj.weight" not in located:
+        print(f"note: num_nextn_predict_layers={model.mtp_layers} but {hf_dir} has no multi-token "
+              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
+        model.mtp_layers = 0
 
 
 def qkv_from_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:

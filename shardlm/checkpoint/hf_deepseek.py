@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files
+from shardlm.checkpoint.hf import drop_missing_mtp, rope_parameters, rope_parameters_of, yarn_keys
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -101,7 +101,7 @@ def _layer_names(cfg: ModelConfig, i: int, s: str, h: str) -> list[tuple[str, st
 
 def _rope_keys(hf: dict) -> dict:
     """The `model.rope_*` keys of either config style (rope_parameters, or rope_theta + rope_scaling)."""
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    params = rope_parameters(hf)
     kind = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "default":
@@ -109,12 +109,7 @@ def _rope_keys(hf: dict) -> dict:
     if kind != "yarn" or params.get("attention_factor") is not None or params.get("truncate") is False:
         raise UserError(f"the HF model has rope type {kind!r} with options shardlm's MLA does not compute "
                         "(only default and yarn rotary embeddings convert)")
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
-    return {"rope_theta": theta, "rope_yarn_factor": float(factor), "rope_yarn_original_positions": int(original),
-            "rope_yarn_beta_fast": float(params.get("beta_fast") or 32), "rope_yarn_beta_slow":
-            float(params.get("beta_slow") or 1), "rope_yarn_mscale": float(params.get("mscale") or 0.0),
-            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0)}
+    return {"rope_theta": theta, **yarn_keys(params, hf["max_position_embeddings"])}
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -186,12 +181,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         if bad:
             raise UserError(f"{'DeepseekV2' if v2 else 'DeepseekV3'}ForCausalLM has {what}; this model does not "
                             "convert to it")
-    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    if cfg.rope_yarn_factor:
-        rope = {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
-                "original_max_position_embeddings": cfg.rope_yarn_original_positions,
-                "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
-                "mscale": cfg.rope_yarn_mscale, "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
+    rope = rope_parameters_of(cfg)
     routing = ({"topk_method": "group_limited_greedy" if cfg.moe_groups else "greedy", "scoring_func": "softmax",
                 "aux_loss_alpha": cfg.moe_aux_loss_coeff, "seq_aux": cfg.moe_aux_loss_type == "sequence"} if v2
                else {})
@@ -243,11 +233,7 @@ def from_hf(hf_dir: Path, out: Path) -> Path:
     located = _weight_files(hf_dir)
     if not config.model.tie_embeddings and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
-    mtp_probe = f"model.layers.{config.model.num_layers}.eh_proj.weight"
-    if config.model.mtp_layers and mtp_probe not in located:  # transformers saves the main model only
-        print(f"note: num_nextn_predict_layers={config.model.mtp_layers} but {hf_dir} has no multi-token "
-              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
-        config.model.mtp_layers = 0
+    drop_missing_mtp(config.model, located, hf_dir)
     interleaved = hf.get("rope_interleave", True)
     tensors, handles = {}, {}
     for ours, theirs in name_map(config.model):

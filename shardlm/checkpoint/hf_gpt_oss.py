@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf import HFTensor
+from shardlm.checkpoint.hf import HFTensor, rope_parameters, rope_parameters_of, yarn_keys
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
@@ -50,20 +50,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """shardlm's [model] section of a `GptOssConfig` dict; UserError for what shardlm does not compute."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = rope_parameters(hf)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in ("default", "yarn") or rope.get("attention_factor") is not None:
         raise UserError(f"the HF model has rope type {kind!r} with {rope}, which shardlm's gpt-oss does not compute "
                         "(default and yarn without attention_factor convert)")
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
-    yarn = {}
-    if kind == "yarn":
-        yarn = {"rope_yarn_factor": float(rope["factor"]),
-                "rope_yarn_original_positions": int(rope["original_max_position_embeddings"]),
-                "rope_yarn_beta_fast": float(rope.get("beta_fast") or 32), "rope_yarn_beta_slow":
-                float(rope.get("beta_slow") or 1), "rope_yarn_truncate": bool(rope.get("truncate", True)),
-                "rope_yarn_mscale": float(rope.get("mscale") or 0.0),
-                "rope_yarn_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+    yarn = yarn_keys(rope, hf["max_position_embeddings"]) if kind == "yarn" else {}
     bias = bool(hf.get("attention_bias", True))
     return ModelConfig(
         arch="llama", num_layers=layers, hidden_size=hf["hidden_size"], num_heads=heads,
@@ -96,11 +89,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     for bad, what in unsupported:
         if bad:
             raise UserError(f"GptOssForCausalLM has no {what}; this model does not convert to it")
-    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    if cfg.rope_yarn_factor:
-        rope = {**rope, "rope_type": "yarn", "factor": cfg.rope_yarn_factor, "beta_fast": cfg.rope_yarn_beta_fast,
-                "beta_slow": cfg.rope_yarn_beta_slow, "truncate": cfg.rope_yarn_truncate,
-                "original_max_position_embeddings": cfg.rope_yarn_original_positions}
+    rope = rope_parameters_of(cfg)
     layer_types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers
     return {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files, hf_gpt_oss
-from shardlm.checkpoint.hf import HFTensor
+from shardlm.checkpoint.hf import HFTensor, drop_missing_mtp
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -288,11 +287,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     if (hf_dir / "tokenizer.json").is_file():
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
     located = _weight_files(hf_dir)
-    mtp_probe = f"model.layers.{config.model.num_layers}.eh_proj.weight"
-    if config.model.mtp_layers and mtp_probe not in located:  # transformers saves the main model only
-        print(f"note: num_nextn_predict_layers={config.model.mtp_layers} but {hf_dir} has no multi-token "
-              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
-        config.model.mtp_layers = 0
+    drop_missing_mtp(config.model, located, hf_dir)
     if gpt_oss:
         return config, hf_gpt_oss.sources_for(config.model, located, hf_dir)
     if config.model.tie_embeddings is False and "lm_head.weight" not in located:

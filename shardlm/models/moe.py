@@ -305,11 +305,14 @@ class GroupedExperts(nn.Module):
         keep = None
         if grouped and self.pad_rows > 1 and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # padded rows are dropped at the end
+        if self.down_bias is not None:  # gpt-oss's biases: each row's expert (local index)
+            expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                                    torch.tensor(counts, device=x.device), output_size=x.shape[0])
         if self.gated:
             gate, up, down = weights
             g, u = expert_matmul(x, gate, counts, grouped), expert_matmul(x, up, counts, grouped)
             if self.gate_bias is not None:
-                g, u = g + self.rows(self.gate_bias, counts, g), u + self.rows(self.up_bias, counts, u)
+                g, u = g + self.gate_bias[expert_of_row].to(g.dtype), u + self.up_bias[expert_of_row].to(u.dtype)
             if self.limit > 0:  # gpt-oss's clamped SwiGLU
                 g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
                 hidden = (u + 1) * g * torch.sigmoid(self.alpha * g)
@@ -320,14 +323,8 @@ class GroupedExperts(nn.Module):
             hidden = F.gelu(expert_matmul(x, fc, counts, grouped), approximate=self.approximate)
         out = expert_matmul(hidden, down, counts, grouped)
         if self.down_bias is not None:  # once over the TP partial sums: rank 0 adds it, the others add 0 x it
-            out = out + self.rows(self.down_bias, counts, out) * (1.0 if self.first_tp_rank else 0.0)
+            out = out + self.down_bias[expert_of_row].to(out.dtype) * (1.0 if self.first_tp_rank else 0.0)
         return out if keep is None else out.index_select(0, keep)
-
-    @staticmethod
-    def rows(bias: torch.Tensor, counts: list[int], like: torch.Tensor) -> torch.Tensor:
-        """Each expert's bias (E_l, n) repeated for its rows -> (sum(counts), n) in `like`'s dtype."""
-        return torch.repeat_interleave(bias.to(like.dtype), torch.tensor(counts, device=bias.device), dim=0,
-                                       output_size=like.shape[0])
 
 
 # ------------------------------------------------------------------------------------------- the layer
