@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig
+from shardlm.plan import dualpipe
 from shardlm.plan.experts import moe_layer_activation_bytes, moe_layer_count
 from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory
 from shardlm.plan.stages import RankStages, forwards_in_flight
@@ -159,7 +160,8 @@ def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: s
     output, as Apex's memory-efficient norms do). Not under full recomputation, where that input is the
     checkpoint."""
     virtual = len(stages.layers_per_chunk)
-    chunks = forwards_in_flight(schedule, pp, virtual, micro_batches, stages.rank)
+    chunks = (dualpipe.forwards_in_flight(pp, micro_batches, stages.rank) if schedule == "dualpipe" else
+              forwards_in_flight(schedule, pp, virtual, micro_batches, stages.rank))
     full = recompute == "full"
     per_layer_kept = acts.layer_input if full else acts.per_layer
     total = sum(stages.layers_per_chunk[c] for c in chunks) * per_layer_kept

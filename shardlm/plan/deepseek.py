@@ -8,9 +8,10 @@ tokens, 15,360 a step after the batch ramp (section 4.2); one multi-token-predic
 throughput is an average over the whole run: the batch ramp from 3,072 sequences over the first 469B tokens
 and any time lost are in it.
 
-The planner runs the published layout with the shardlm memory model and DeepSeek's stack
-(`kernels.DEEPSEEK_KERNELS`: FP8 GEMMs at DeepGEMM's rates, DualPipe, 20 SMs for communication) on the
-`h800-80gb` preset with the Hopper calibration; nothing in it is fitted to the 1,543.
+The planner runs the published layout with DeepSeek's stack (`kernels.DEEPSEEK_KERNELS`: FP8 GEMMs at DeepGEMM's
+rates and the casts around them, DualPipe with two stages a rank (`dualpipe`), 20 SMs for communication,
+node-limited routing, FP8-cached activations and BF16 moments) on the `h800-80gb` preset with the Hopper
+calibration; nothing in it is fitted to the 1,543.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def request(kernels=DEEPSEEK_KERNELS) -> PlanRequest:
 def as_run() -> Layout:
     """The published layout as the report runs it: no TP, PP 16, DP 128 with EP 64, ZeRO-1 (the distributed
     optimizer), micro-batches of one sequence (the report does not give the size), and no full recomputation
-    (it recomputes only the RMSNorms and MLA's up-projections, which the planner does not model)."""
+    (it recomputes only the RMSNorms and MLA's up-projections: `fp8.fp8_layer_bytes`, `Kernels.recompute_mla_up`)."""
     return Layout(tp=1, dp=DATA, micro_batch=1, checkpointing=False, pp=PIPELINE, ep=EXPERT,
                   distributed_optimizer=True)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from shardlm.plan import dualpipe
 from shardlm.plan.activations import (
     LayerSetting,
     flash_memory,
@@ -20,6 +21,7 @@ from shardlm.plan.activations import (
     shardlm_memory,
 )
 from shardlm.plan.experts import moe_layer_count
+from shardlm.plan.fp8 import fp8_layer_bytes
 from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
@@ -76,12 +78,20 @@ class Evaluator:
             acts = flash_memory(cfg, tp, micro, setting)
         else:
             acts = shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+        if self.kernels.fp8_storage:  # DeepSeek's FP8-cached layers, shardlm's embedding, head and loss
+            tokens = micro * cfg.seq_length * cfg.hidden_size
+            acts = replace(acts, per_layer=fp8_layer_bytes(cfg, tp, micro, setting.sequence_parallel, "none"),
+                           layer_input=2 * tokens // (tp if setting.sequence_parallel else 1))
         return with_mtp(acts, cfg, tp, micro, self.fmt, setting.sequence_parallel,  # the depths: last stage
                         setting.recompute == "full")
 
-    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False):
-        split = trimmed_layers if trim else pipeline_layers
-        stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank)
+    def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False,
+                     dual: bool = False):
+        if dual:  # DualPipe: stage `rank` and its mirror (`dualpipe.rank_stages`)
+            stages = dualpipe.rank_stages(pipeline_layers(self.cfg.num_layers, pp, 1), pp, rank)
+        else:
+            split = trimmed_layers if trim else pipeline_layers
+            stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank)
         return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
     def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
@@ -104,16 +114,19 @@ class Evaluator:
         acts = self.activations(tp, layout.micro_batch, setting, ep, layout.cp)
         reserve = int(request.reserve_gb * GB)
         worst = None
+        dual = self.kernels.dualpipe and pp > 1
         ranks = range(pp) if self.mixed else sorted({0, pp - 1} | ({min(1, pp - 1)} if layout.end_trim else set()))
+        if dual:
+            ranks = dualpipe.mirrored_ranks(pp)
         for rank in ranks:  # with trimmed ends the second rank holds a full first chunk
-            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim)
+            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual)
             state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
                                (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
                                              ep=ep), 0))
             if self.core and layout.distributed_optimizer:  # ZeRO-2: the fp32 gradients sharded with the state
                 state = replace(state, gradients=-(-state.gradients // (layout.dp * layout.cp)))
-            if self.kernels.dualpipe:  # DeepSeek-V3's report, Table 2: two copies of the parameters
-                state = replace(state, parameters=2 * state.parameters)
+            if self.kernels.fp8_storage:  # AdamW's moments in BF16: 4 + 2 x 2 of the 4 + 2 x 4 bytes a parameter
+                state = replace(state, optimizer=state.optimizer * 2 // 3)
             schedule = "dualpipe" if self.kernels.dualpipe else layout.schedule
             peak = rank_activation_peak(acts, stages, schedule, pp, accumulation, layout.recompute,
                                         keeps_received=not (self.megatron or self.core or self.kernels.dualpipe),
@@ -121,7 +134,7 @@ class Evaluator:
             if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
                 worst = (state, peak, rank, gathered)
         state, peak, rank, gathered = worst
-        params = self.rank_params(pp, layout.virtual, tp, 0, ep, layout.end_trim)[1]
+        params = self.rank_params(pp, layout.virtual, tp, 0, ep, layout.end_trim, dual)[1]
         units = self.units(pp, layout.virtual, tp, 0, ep) if layout.full_sharding else None
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
                          attention_scores=self.megatron, scatter_gather=self.megatron or self.core, units=units,

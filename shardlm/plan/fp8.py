@@ -90,3 +90,92 @@ def mla_up_recompute_seconds(cfg: ModelConfig, tokens: float) -> float:
     if cfg.q_lora_rank:
         per_token += 2 * q_n * cfg.q_lora_rank / (_dense_rate(q_n, cfg.q_lora_rank) * 1e12)
     return tokens * (cfg.num_layers + cfg.mtp_layers) * per_token
+
+
+FP8_BYTES = 1 + 4 / 128
+"""An FP8 element with its share of its 1 x 128 tile's fp32 scale (the report, 3.3.2)."""
+E5M6_BYTES = 1.5 + 4 / 128
+"""An element of the attention output, the one activation cached in DeepSeek's 12-bit E5M6 (3.3.4), with its
+tile's scale."""
+
+
+def _gemms(cfg: ModelConfig, index: int) -> list[tuple[int, int, int, int]]:
+    """The FP8 GEMMs of layer `index` (a multi-token-prediction depth past the layers) as (input width K, output
+    width N, rows per token, input rows its forward casts per token): GEMMs that read one tensor count its cast
+    once (q_a with kv_a, gate with up; the routed experts' input, cast once before the dispatch, with the
+    shared experts')."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    if cfg.attention == "mla":
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        first = (h, (cfg.q_lora_rank or heads * qk) + latent, 1, 1)
+        ups = [(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), 1, 1)]
+        if cfg.q_lora_rank:
+            ups.append((cfg.q_lora_rank, heads * qk, 1, 1))
+        gemms = [first, *ups, (heads * cfg.v_head_dim, h, 1, 1)]
+    else:
+        a, kv = cfg.num_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+        gemms = [(h, a + 2 * kv, 1, 1), (a, h, 1, 1)]
+    if index >= cfg.num_layers:
+        gemms.append((2 * h, h, 1, 1))  # eh_proj
+    if cfg.is_moe_layer(index):
+        shared, routed, k = cfg.moe_shared_experts * cfg.moe_ffn_size, cfg.moe_ffn_size, cfg.moe_top_k
+        gemms += [(h, 2 * routed, k, 1), (routed, h, k, k)]
+        if shared:
+            gemms += [(h, 2 * shared, 1, 0), (shared, h, 1, 1)]
+    else:
+        gemms += [(h, 2 * cfg.ffn_size, 1, 1), (cfg.ffn_size, h, 1, 1)]
+    return gemms
+
+
+def cast_bytes_per_token(cfg: ModelConfig) -> float:
+    """HBM bytes per token of the FP8 casts around the GEMMs of every layer and depth, outside the GEMMs
+    (DeepGEMM's rates take FP8 operands): the forward reads each input in BF16 and writes it in FP8 (the routed
+    experts' once, before the dispatch); the backward reads each row's cached FP8 input and writes it again
+    transposed into 128 x 1 tiles for the weight gradient, and casts each output gradient twice from BF16, into
+    1 x 128 tiles for the input gradient and 128 x 1 for the weight gradient (the report, 3.3.2 and 3.5.2); the
+    recomputed up-projections cast their inputs again."""
+    total = 0.0
+    for index in range(cfg.num_layers + cfg.mtp_layers):
+        for k, n, rows, cast_rows in _gemms(cfg, index):
+            total += cast_rows * k * (2 + FP8_BYTES) + rows * (2 * k * FP8_BYTES + 2 * n * (2 + FP8_BYTES))
+        if cfg.attention == "mla":
+            total += (cfg.q_lora_rank + cfg.kv_lora_rank) * (2 + FP8_BYTES)
+    return total
+
+
+def fp8_layer_bytes(cfg: ModelConfig, tp: int, micro_batch: int, sequence_parallel: bool, recompute: str) -> int:
+    """What one layer keeps for its backward in DeepSeek-V3's stack, for one micro-batch on one TP rank (the
+    larger of a dense and an MoE layer in a model that mixes them). Per token (H/t local heads, SP: the sequence
+    split over t):
+
+      BF16, split with SP: the layer input and the residual after attention (the two RMSNorms' inputs: the
+          norms and their outputs are recomputed, 3.2.3), and MLA's latents, q_a's output (r_q) and kv_a's
+          (r_kv + qk_rope), which the recomputed up-projections start from (3.2.3);
+      the attention output H/t v in E5M6 (3.3.4) and its fp32 log-sum-exp per head (q, k and v come back from
+          the recomputed up-projections);
+      MoE: the router's fp32 scores E (split with SP); each of the top-k routed rows' FP8 input h and FP8
+          SwiGLU input 2 f_e / t ("we cache the inputs of the SwiGLU operator and recompute its output", 3.3.4),
+          the shared experts' FP8 SwiGLU input; the gate weight taken as applied to the SwiGLU output inside
+          the expert, so that the recomputed output serves its gradient (where the report does not say; applied
+          after the down projection instead, each row would keep its h-wide BF16 output as well);
+      a dense layer: its FP8 SwiGLU input 2 f / t.
+
+    Under full recomputation a layer keeps its input only."""
+    tokens, h = micro_batch * cfg.seq_length, cfg.hidden_size
+    split = tp if sequence_parallel else 1
+    if recompute == "full":
+        return round(tokens * 2 * h / split)
+    residual = 2 * (2 * h) / split
+    if cfg.attention == "mla":
+        residual += 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) / split
+    heads = cfg.num_heads // tp
+    attention = heads * (cfg.v_head_dim or cfg.attention_head_dim) * E5M6_BYTES + 4 * heads
+    dense = 2 * cfg.ffn_size / tp * FP8_BYTES
+    moe = 0.0
+    if cfg.moe_num_experts:
+        rows = cfg.moe_top_k * (h + 2 * cfg.moe_ffn_size / tp) * FP8_BYTES
+        moe = 4 * cfg.moe_num_experts / split + rows + 2 * cfg.moe_shared_experts * cfg.moe_ffn_size / tp * FP8_BYTES
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    mlp = moe if moe_layers == cfg.num_layers else max(dense, moe) if moe_layers else dense
+    return round(tokens * (residual + attention + mlp))

@@ -57,6 +57,14 @@ class Kernels:
     node_limited_routing: int = 0
     """Each token's experts lie on at most this many nodes and it crosses the network once per remote target
     node, then NVLink takes it to the experts there (DeepSeek-V3's node-limited routing); 0: off."""
+    pad_values: bool = False
+    """The attention kernel needs the values' head size equal to the queries' and keys' (FlashAttention-2's
+    does), so MLA's values run zero-padded to qk_nope + qk_rope: the core executes 2 s^2 H (qk + qk) instead of
+    2 s^2 H (qk + v) per layer and sequence (the counted FLOPs stay the model's)."""
+    fp8_storage: bool = False
+    """DeepSeek-V3's low-precision storage (its report, 3.3.4, and 3.2.3): the layers' saved activations as
+    `fp8.fp8_layer_bytes` counts them, AdamW's moments in BF16, and the FP8 casts around the GEMMs
+    (`fp8.cast_bytes_per_token`) as memory-bound passes of the step."""
 
     def counted_attention_flops(self, cfg: ModelConfig, global_batch: int, recompute: bool) -> float:
         """The attention core's FLOPs in `flops_per_step`: 4 s^2 a per layer and sequence forward (QK^T and PV,
@@ -74,6 +82,9 @@ class Kernels:
         recomputes QK^T: five GEMMs to the forward's two, Dao 2023, FlashAttention-2, section 3.1.2), at
         `backward_efficiency` x `peak_flops`."""
         forward = self.counted_attention_flops(cfg, global_batch, False) / 3 * causal_share(cfg)
+        if self.pad_values and cfg.attention == "mla" and cfg.v_head_dim < cfg.qk_nope_head_dim + cfg.qk_rope_head_dim:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            forward *= 2 * qk / (qk + cfg.v_head_dim)
         passes = 2 if recompute else 1
         return passes * forward / (forward_efficiency * peak_flops) + 2.5 * forward / (backward_efficiency * peak_flops)
 
@@ -99,10 +110,16 @@ CORE_KERNELS = Kernels(causal_skip=True, cp_allgather=True, dp_overlap_pipeline=
 """Megatron-Core (2024) and Meta's Llama 3 stack: causal flash attention, CP by an exposed K/V all-gather, the
 gradient reduce-scatter overlapped."""
 DEEPSEEK_KERNELS = Kernels(causal_skip=True, fp8_gemms=True, dualpipe=True, compute_sm_share=112 / 132,
-                           moe_dispatch_bytes=1 + 4 / 128, node_limited_routing=4, recompute_mla_up=True)
+                           moe_dispatch_bytes=1 + 4 / 128, node_limited_routing=4, recompute_mla_up=True,
+                           pad_values=True, fp8_storage=True)
 """DeepSeek-V3's stack as its report describes it (sections 3.2 and 3.3): FP8 GEMMs (`fp8`); DualPipe; 20 of an
 H800's 132 SMs kept for the all-to-all kernels that run beside the compute (3.2.2); node-limited routing, each
 token to at most 4 nodes, sent once per node over InfiniBand and forwarded over NVLink (3.2.2); the dispatch in
-FP8 with its scales, the combine in BF16 (3.3.4); MLA's up-projections recomputed in the backward (3.3.4). Its
-attention kernel is taken as a causal flash kernel at
-FlashAttention-2's measured rates (the report names none)."""
+FP8 with its scales, the combine in BF16 (3.3.4); MLA's up-projections recomputed in the backward (3.3.4); its
+low-precision storage (3.3.4) and the FP8 casts around the GEMMs as separate passes over HBM (3.5.2 describes
+them: "read 128 BF16 activation values ... for quantization, and the quantized FP8 values are then written back
+to HBM"; in the backward the cached tiles are "read out, dequantized, transposed, re-quantized into 128x1 tiles,
+and stored in HBM"). Its attention kernel is taken as a causal flash kernel at FlashAttention-2's measured rates
+with the values padded to the keys' head size (the report names none; FlashAttention-2, the public kernel of
+2024, takes one head size for q, k and v: Dao-AILab/flash-attention issues 753 and 914, and transformers'
+DeepSeek-V3 pads the values the same way for it)."""

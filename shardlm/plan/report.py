@@ -286,14 +286,16 @@ def render_deepseek(c, console: Console) -> None:
     console.print("[bold]DeepSeek-V3 on 2,048 H800s, PP 16 x DP 128, EP 64, ZeRO-1, MTP 1, DeepSeek's stack "
                   "(FP8 GEMMs, DualPipe, node-limited routing): DeepSeek-AI 2024[/bold]")
     table = Table(header_style="bold")
-    for name in ("published tok/s/GPU", "predicted", "error", "step s", "compute", "a2a exposed", "bubble",
-                 "as run GB", "fits", "rank"):
+    for name in ("published tok/s/GPU", "predicted", "error", "step s", "compute", "HBM passes", "a2a exposed",
+                 "bubble", "as run GB", "fits", "rank"):
         table.add_column(name, justify="right")
     t = d["time_s"]
     table.add_row(f"{d['published_tokens_per_gpu_s']:.0f}", f"{c.predicted:.0f}", f"{100 * c.error:+.1f}%",
-                  f"{t['step']:.2f}", f"{t['compute']:.2f}", f"{t['ep_exposed']:.2f}", f"{t['bubble']:.2f}",
+                  f"{t['step']:.2f}", f"{t['compute']:.2f}", f"{t['elementwise']:.2f}", f"{t['ep_exposed']:.2f}",
+                  f"{t['bubble']:.2f}",
                   _gb(c.as_run.total_bytes), "yes" if c.as_run.fits else "no",
                   "-" if c.rank is None else str(c.rank + 1))
     console.print(table)
     console.print("  published = 14.8T tokens in 2.664M H800 GPU hours; predicted = the published layout as run "
-                  "(micro-batch 1, no full recomputation); memory in shardlm's BF16 accounting (docs/plan.md)")
+                  "(micro-batch 1, no full recomputation); memory as DeepSeek stores it (FP8 activations, BF16 "
+                  "moments, DualPipe's two stages a rank; docs/plan.md)")

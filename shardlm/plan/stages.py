@@ -32,14 +32,6 @@ def bubble_fraction(pp: int, virtual: int, micro_batches: int) -> float:
     return (pp - 1) / (virtual * micro_batches)
 
 
-def dualpipe_bubble_fraction(pp: int, micro_batches: int) -> float:
-    """DualPipe's idle time over the ideal (DeepSeek-V3 report, section 3.2.1, Table 2): (PP/2 - 1)(F&B + B - 3W)
-    with each rank's two chunks of half its layers; counting a chunk's backward B twice its forward F and the
-    weight-gradient part W half of B (by their FLOPs), and F&B, a forward and a backward chunk overlapped, as
-    F + B, that is (PP/2 - 1) F for a rank's F + B = 3F per micro-batch: (PP/2 - 1) / (3 m)."""
-    return max(0, pp // 2 - 1) / (3 * micro_batches)
-
-
 def schedule_name(pp: int, virtual: int) -> str:
     """The schedule the planner pairs with a layout: 1F1B, interleaved with V > 1 (GPipe only on request)."""
     return "interleaved-1f1b" if pp > 1 and virtual > 1 else "1f1b"
@@ -51,8 +43,6 @@ def forwards_in_flight(schedule: str, pp: int, virtual: int, micro_batches: int,
     m = micro_batches
     if pp == 1:
         return [0]
-    if schedule == "dualpipe":  # DeepSeek-V3's report, Table 2: PP + 1 micro-batches' activations on every rank
-        return [0] * min(m, pp + 1)
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":

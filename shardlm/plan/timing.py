@@ -68,9 +68,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
+from shardlm.plan import dualpipe
 from shardlm.plan.context import allgather_seconds, ring_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
-from shardlm.plan.fp8 import fp8_gemm_seconds, mla_up_recompute_seconds
+from shardlm.plan.fp8 import cast_bytes_per_token, fp8_gemm_seconds, mla_up_recompute_seconds
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.kernels import SC21_KERNELS, Kernels
@@ -80,7 +81,7 @@ from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
 from shardlm.plan.memory import NumericFormat, ParameterCount
 from shardlm.plan.mtp import busiest_rank_layers
-from shardlm.plan.stages import bubble_fraction, dualpipe_bubble_fraction
+from shardlm.plan.stages import bubble_fraction
 from shardlm.plan.windows import key_share
 
 # Bytes per attention score of the unfused softmax + dropout: forward reads the fp16 scores and
@@ -297,6 +298,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
     layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim)
     imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
+    if kernels.dualpipe and layout.pp > 1:  # a rank runs half the micro-batches through each of its two stages
+        layers, moe_layers, imbalance = dualpipe.pace(full_sequence, layout.pp)
     peak = gpu.peak_tflops * 1e12
     compute = flops / (peak * calibration.compute_efficiency)
     if kernels.causal_skip:  # the attention core by the flash kernel's own FLOPs and rates
@@ -326,6 +329,9 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
                                                             fmt.matmul_bytes)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
     elementwise = accumulation * elementwise_bytes / hbm
+    if kernels.fp8_storage:  # the casts around the FP8 GEMMs, a rank's share of the step's tokens at its pace
+        cast_tokens = global_batch * full_sequence.seq_length * imbalance / layout.gpus
+        elementwise += cast_tokens * cast_bytes_per_token(full_sequence) / hbm
 
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration, layers)
     ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration, moe_layers, kernels)
@@ -335,7 +341,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     fraction = bubble_fraction(layout.pp, layout.virtual, accumulation)
     if kernels.dualpipe:  # all-to-all and transfers behind the other chunk's compute, as far as it lasts
         ep_comm, p2p = max(0.0, ep_comm + p2p - compute - elementwise), 0.0
-        fraction = dualpipe_bubble_fraction(layout.pp, accumulation)
+        fraction = dualpipe.bubble_fraction(layout.pp, accumulation)
     bubble = fraction * (compute + elementwise + tp_comm + ep_comm + cp_exposed)
     shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
     expert_shards = layout.dp * layout.cp // layout.ep if layout.distributed_optimizer and params.expert else shards
