@@ -1,6 +1,12 @@
 """The reference Llama of the Llama tests: a random `LlamaForCausalLM` (2 layers, hidden 96, 6 query heads,
 2 KV heads, vocabulary 1000, which 128 does not divide), built offline, converted with `shardlm convert`'s
-code, and the logits and greedy tokens that shardlm's loaded copy must give back."""
+code, and the logits and greedy tokens that shardlm's loaded copy must give back.
+
+Also the one home of the test bodies every Hugging Face conversion test (`test_hf_*.py`) shares, on a reference
+from `hf_reference`: the converted file (`assert_converted_matches`) and the HF directory read in place
+(`assert_read_in_place`) give transformers' logits and greedy tokens in one process, so do both at TP=2 and
+EP=2 (`layout_checks` in a world of 2, `assert_layout_matches`), and converting back is bitwise
+(`assert_round_trip`)."""
 
 from __future__ import annotations
 
@@ -13,8 +19,11 @@ from shardlm.checkpoint.hf import from_hf
 from shardlm.eval.generate import SamplingConfig, generate_tokens
 from shardlm.parallel import ParallelContext
 
+from multiproc import check_result, run_checks
+
 HF_VOCAB, PROMPT, NEW_TOKENS = 1000, 6, 12
 LOGIT_TOL = 1e-4
+LAYOUTS = ("tp2", "ep2")
 
 
 def hf_config():
@@ -23,7 +32,6 @@ def hf_config():
     return LlamaConfig(vocab_size=HF_VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
                        rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=False)
-
 
 
 def hf_llama(root: Path) -> dict:
@@ -58,19 +66,82 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
     return logits, [g.tokens for g in generated]
 
 
-def assert_round_trip(converted, saved_dir, out_dir, model_class, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-    """`to_hf` of the converted file gives bitwise the tensors transformers saved in `saved_dir`, under the same
-    names, and `model_class.from_pretrained` of it gives bitwise the reference `logits` of `tokens`."""
+def hf_reference(model, root: Path, tokens: torch.Tensor) -> dict:
+    """`model` (in eval mode) saved under `root / "hf"` and converted to `root / "model.safetensors"`, with
+    `tokens`, transformers' logits of them and its greedy continuations of their first PROMPT tokens."""
+    model.save_pretrained(root / "hf")
+    with torch.no_grad():
+        logits = model(tokens).logits
+        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(len(tokens), PROMPT, dtype=torch.long),
+                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"), "tokens": tokens,
+            "logits": logits, "greedy": greedy[:, PROMPT:].tolist()}
+
+
+def assert_matches_transformers(outputs, ref: dict) -> None:
+    """Every (logits, greedy tokens) in `outputs` (one a rank) is transformers' in `ref`: the logits within
+    LOGIT_TOL, the tokens exactly."""
+    for logits, tokens in outputs:
+        assert (logits - ref["logits"]).abs().max() < LOGIT_TOL
+        assert tokens == ref["greedy"]
+
+
+def assert_converted_matches(ref: dict, min_std: float = 0.1) -> list:
+    """The converted file, loaded in one process, gives transformers' logits and greedy tokens, on reference
+    logits spread enough (std above `min_std`) to tell layouts apart. Returns shardlm's greedy tokens."""
+    logits, tokens = logits_and_greedy(ref["converted"], ParallelContext.single(), ref["tokens"])
+    assert ref["logits"].std() > min_std, "reference logits too flat to tell layouts apart"
+    assert_matches_transformers([(logits, tokens)], ref)
+    return tokens
+
+
+def assert_read_in_place(ref: dict) -> None:
+    """What `checkpoint.init_from=DIR` and `--checkpoint DIR` read: the HF directory itself, not converted,
+    gives transformers' logits and greedy tokens in one process."""
+    outputs = logits_and_greedy(ref["root"] / "hf", ParallelContext.single(), ref["tokens"])
+    assert_matches_transformers([outputs], ref)
+
+
+def layout_context(layout: str) -> ParallelContext:
+    """A world of 2 as TP=2 ("tp2") or as EP=2 ("ep2": DP=2 too, so both ranks see the same tokens and must
+    give the same logits)."""
+    if layout == "tp2":
+        return ParallelContext.from_process_group(2)
+    return ParallelContext.from_process_group(1, expert_parallel=2)
+
+
+def layout_checks(paths: dict, tokens: torch.Tensor) -> dict:
+    """Checks for `run_checks` in a world of 2: "<layout> <kind>", the logits and greedy tokens of `tokens`
+    from `paths[kind]` at each of LAYOUTS."""
+    def check(layout: str, path):
+        return lambda: logits_and_greedy(path, layout_context(layout), tokens)
+
+    return {f"{layout} {kind}": check(layout, path) for layout in LAYOUTS for kind, path in paths.items()}
+
+
+def layout_worker(paths: dict, tokens: torch.Tensor) -> dict:
+    """Worker body for `run_workers(2, ...)`: `run_checks` of `layout_checks(paths, tokens)`."""
+    return run_checks(layout_checks(paths, tokens))
+
+
+def assert_layout_matches(results: list, name: str, ref: dict) -> None:
+    """Check `name` of `layout_checks` gave transformers' logits and greedy tokens on every rank."""
+    assert_matches_transformers(check_result(results, name), ref)
+
+
+def assert_round_trip(ref: dict, out_dir: Path, model_class) -> None:
+    """`to_hf` of the converted file gives bitwise the tensors transformers saved, under the same names, and
+    `model_class.from_pretrained` of it gives bitwise the reference logits."""
     from safetensors.torch import load_file
 
     from shardlm.checkpoint.hf import to_hf
 
-    out = to_hf(converted, out_dir)
-    original = load_file(str(saved_dir / "model.safetensors"))
+    out = to_hf(ref["converted"], out_dir)
+    original = load_file(str(ref["root"] / "hf" / "model.safetensors"))
     back = load_file(str(out / "model.safetensors"))
     assert back.keys() == original.keys()
     for name, value in original.items():
         assert torch.equal(back[name], value), name
     reloaded = model_class.from_pretrained(out).eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, logits)
+        assert torch.equal(reloaded(ref["tokens"]).logits, ref["logits"])

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
+from llama_reference import (
+    LOGIT_TOL,
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_round_trip,
+    hf_reference,
+    layout_worker,
+)
 from safetensors.torch import load_file
-from test_hf_moe import worker_world2  # TP=2 and EP=2 logits and greedy tokens of each converted model
 
-from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.checkpoint.hf import to_hf
 from shardlm.checkpoint.hf_deepseek import model_config_from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.errors import UserError
@@ -25,7 +31,7 @@ from shardlm.parallel import ParallelContext
 
 from multiproc import run_workers
 
-VOCAB, LOGIT_TOL = 300, 1e-4
+VOCAB = 300
 KINDS = ("qlora", "yarn")
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}
@@ -46,7 +52,7 @@ def hf_config(kind: str):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """Per kind: the saved HF directory, the converted file, reference logits and greedy tokens."""
+    """Per kind: the saved HF directory, the converted file, reference logits and greedy tokens (`hf_reference`)."""
     from transformers import DeepseekV3ForCausalLM
 
     out = {}
@@ -63,22 +69,16 @@ def hf_models(tmp_path_factory):
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.normal_(0, 0.6)
                     layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
-        root = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(root / "hf")
-        with torch.no_grad():
-            logits = model(tokens).logits
-            greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out[kind] = {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"),
-                     "logits": logits, "greedy": greedy[:, PROMPT:].tolist(), "model": model}
+        out[kind] = hf_reference(model, tmp_path_factory.mktemp(kind), tokens)
     out["tokens"] = tokens
     return out
 
 
 @pytest.fixture(scope="module")
 def world2(hf_models):
+    """TP=2 and EP=2 logits and greedy tokens of each converted model (`layout_checks`)."""
     paths = {kind: hf_models[kind]["converted"] for kind in KINDS}
-    return run_workers(2, worker_world2, paths, hf_models["tokens"], timeout=300)
+    return run_workers(2, layout_worker, paths, hf_models["tokens"], timeout=300)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -95,29 +95,20 @@ def test_conversion_reads_attention_and_routing(hf_models, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp1_logits_and_greedy_tokens_match_transformers(hf_models, kind):
-    ref = hf_models[kind]
-    logits, tokens = logits_and_greedy(ref["converted"], ParallelContext.single(), hf_models["tokens"])
-    assert ref["logits"].std() > 0.1, "reference logits too flat to tell layouts apart"
-    assert (logits - ref["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == ref["greedy"]
+    assert_converted_matches(hf_models[kind])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, hf_models, layout, kind):
-    for rank in world2:
-        logits, tokens = rank[(layout, kind)]
-        assert (logits - hf_models[kind]["logits"]).abs().max() < LOGIT_TOL
-        assert tokens == hf_models[kind]["greedy"]
+    assert_layout_matches(world2, f"{layout} {kind}", hf_models[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, kind, tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
-    ref = hf_models[kind]
-    assert_round_trip(ref["converted"], ref["root"] / "hf", tmp_path / "back", DeepseekV3ForCausalLM,
-                      hf_models["tokens"], ref["logits"])
+    assert_round_trip(hf_models[kind], tmp_path / "back", DeepseekV3ForCausalLM)
 
 
 def test_interleaved_rotary_rows_are_permuted(hf_models):

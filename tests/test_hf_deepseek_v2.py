@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
+from llama_reference import (
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_round_trip,
+    hf_reference,
+    layout_checks,
+)
 from test_mla_parallel import mla_config
 from test_moe_parallel import STEPS, assert_same_run, train_layout
 
-from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.models.moe import route, sequence_balance_loss
 from shardlm.parallel import ParallelContext
 
 from multiproc import check_result, run_checks, run_workers
 
-VOCAB, LOGIT_TOL = 300, 1e-4
+VOCAB = 300
 KINDS = ("v2", "v2_lite")
 
 
@@ -52,26 +57,17 @@ def reference(tmp_path_factory):
         model = hf_model(kind).eval()
         with torch.no_grad():  # sharp routing, so a wrong group or expert moves the logits
             model.model.layers[1].mlp.gate.weight.mul_(30.0)
-        root = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(root / "hf")
+        out[kind] = hf_reference(model, tmp_path_factory.mktemp(kind), out["tokens"])
         with torch.no_grad():
-            logits = model(out["tokens"]).logits
-            greedy = model.generate(out["tokens"][:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
             hidden = model.model.layers[1].post_attention_layernorm(
                 model(out["tokens"], output_hidden_states=True).hidden_states[1])
-        out[kind] = {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"), "logits": logits,
-                     "greedy": greedy[:, PROMPT:].tolist(), "router_input": hidden.reshape(-1, 32),
-                     "gate": model.model.layers[1].mlp.gate.weight.detach().clone()}
+        out[kind] |= {"router_input": hidden.reshape(-1, 32),
+                      "gate": model.model.layers[1].mlp.gate.weight.detach().clone()}
     return out
 
 
 def worker_world2(paths: dict, tokens: torch.Tensor) -> dict:
-    checks = {}
-    for layout, make in (("tp2", lambda: ParallelContext.from_process_group(2)),
-                         ("ep2", lambda: ParallelContext.from_process_group(1, expert_parallel=2))):
-        for kind, path in paths.items():
-            checks[f"{layout} {kind}"] = lambda make=make, path=path: logits_and_greedy(path, make(), tokens)
+    checks = layout_checks(paths, tokens)
     checks["train tp2 sp"] = lambda: train_layout(ParallelContext.from_process_group(2),
                                                   sequence_config(tp=2, sp=True))[:2]
     checks["train cp2"] = lambda: train_layout(ParallelContext.from_process_group(1, context_parallel=2),
@@ -103,26 +99,18 @@ def test_groups_ranked_by_their_best_expert_route_differently_here(reference):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp1_logits_and_greedy_tokens_match_transformers(reference, kind):
-    ref = reference[kind]
-    logits, tokens = logits_and_greedy(ref["converted"], ParallelContext.single(), reference["tokens"])
-    assert ref["logits"].std() > 0.1
-    assert (logits - ref["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == ref["greedy"]
+    assert_converted_matches(reference[kind])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout, kind):
-    for logits, tokens in check_result(world2, f"{layout} {kind}"):
-        assert (logits - reference[kind]["logits"]).abs().max() < LOGIT_TOL
-        assert tokens == reference[kind]["greedy"]
+    assert_layout_matches(world2, f"{layout} {kind}", reference[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, kind, tmp_path):
-    ref = reference[kind]
-    assert_round_trip(ref["converted"], ref["root"] / "hf", tmp_path / "back", type(hf_model(kind)),
-                      reference["tokens"], ref["logits"])
+    assert_round_trip(reference[kind], tmp_path / "back", type(hf_model(kind)))
 
 
 # ------------------------------------------------------------------------- sequence-wise balance loss

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
+from llama_reference import (
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_read_in_place,
+    assert_round_trip,
+    hf_reference,
+    layout_checks,
+)
 from test_moe_parallel import STEPS, assert_same_run, train_layout
 
 from shardlm.checkpoint.hf import from_hf
@@ -24,7 +31,7 @@ from shardlm.parallel import ParallelContext
 
 from multiproc import check_result, run_checks, run_workers
 
-VOCAB, LOGIT_TOL = 300, 1e-4
+VOCAB = 300
 
 
 def hf_model():
@@ -53,15 +60,8 @@ def reference(tmp_path_factory):
         moe = model.model.layers[1].mlp
         moe.gate.weight.mul_(30.0)
         moe.gate.e_score_correction_bias.normal_(0, 0.3)
-    root = tmp_path_factory.mktemp("glm")
-    model.save_pretrained(root / "hf")
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(tokens).logits
-        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"), "logits": logits,
-            "greedy": greedy[:, PROMPT:].tolist(), "tokens": tokens}
+    return hf_reference(model, tmp_path_factory.mktemp("glm"), tokens)
 
 
 def glm_config(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False):
@@ -87,9 +87,7 @@ def training(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False):
 
 
 def worker_world2(path, tokens: torch.Tensor) -> dict:
-    checks = {f"logits {name}": (lambda make=make: logits_and_greedy(path, make(), tokens)) for name, make in
-              (("tp2", lambda: ParallelContext.from_process_group(2)),
-               ("ep2", lambda: ParallelContext.from_process_group(1, expert_parallel=2)))}
+    checks = layout_checks({"glm": path}, tokens)
     checks |= {"train tp2 sp": training(tp=2, sp=True), "train cp2": training(cp=2), "train ep2": training(ep=2)}
     return run_checks(checks)
 
@@ -110,29 +108,21 @@ def test_conversion_reads_glm_attention_and_routing(reference):
 
 
 def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
-    logits, tokens = logits_and_greedy(reference["converted"], ParallelContext.single(), reference["tokens"])
-    assert reference["logits"].std() > 0.1, "reference logits too flat to tell layouts apart"
-    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == reference["greedy"]
+    assert_converted_matches(reference)
 
 
 def test_the_hf_directory_itself_loads_without_converting(reference):
     """What `checkpoint.init_from=DIR` and `--checkpoint DIR` read: the directory in place gives the same logits."""
-    logits, tokens = logits_and_greedy(reference["root"] / "hf", ParallelContext.single(), reference["tokens"])
-    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == reference["greedy"]
+    assert_read_in_place(reference)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
-    for logits, tokens in check_result(world2, f"logits {layout}"):
-        assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
-        assert tokens == reference["greedy"]
+    assert_layout_matches(world2, f"{layout} glm", reference)
 
 
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
-    assert_round_trip(reference["converted"], reference["root"] / "hf", tmp_path / "back", type(hf_model()),
-                      reference["tokens"], reference["logits"])
+    assert_round_trip(reference, tmp_path / "back", type(hf_model()))
 
 
 @pytest.fixture(scope="module")

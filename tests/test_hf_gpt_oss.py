@@ -17,7 +17,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
+from llama_reference import (
+    LOGIT_TOL,
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_read_in_place,
+    assert_round_trip,
+    hf_reference,
+    layout_checks,
+    logits_and_greedy,
+)
 from test_moe_parallel import STEPS, assert_same_run, full_parameters, run, train_layout
 
 from shardlm.checkpoint import load_model
@@ -29,7 +38,7 @@ from shardlm.parallel import ParallelContext
 
 from multiproc import check_result, run_checks, run_workers
 
-VOCAB, LOGIT_TOL = 300, 1e-4
+VOCAB = 300
 ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 16, "rope_theta": 500.0}
 
@@ -63,15 +72,8 @@ def reference(tmp_path_factory):
                 param.normal_(0, 0.1)
         model.model.embed_tokens.weight.mul_(30.0)  # tokens, not the biases, decide the greedy continuation
         model.lm_head.weight.mul_(30.0)
-    root = tmp_path_factory.mktemp("gpt_oss")
-    model.save_pretrained(root / "hf")
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(tokens).logits
-        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"), "logits": logits,
-            "greedy": greedy[:, PROMPT:].tolist(), "tokens": tokens, "model": model}
+    return hf_reference(model, tmp_path_factory.mktemp("gpt_oss"), tokens) | {"model": model}
 
 
 def gpt_oss_config(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False, pp: int = 1, **train):
@@ -98,9 +100,7 @@ def training(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False, **train):
 
 
 def worker_world2(path, tokens: torch.Tensor, checkpoint_dir: str) -> dict:
-    checks = {f"logits {name}": (lambda make=make: logits_and_greedy(path, make(), tokens)) for name, make in
-              (("tp2", lambda: ParallelContext.from_process_group(2)),
-               ("ep2", lambda: ParallelContext.from_process_group(1, expert_parallel=2)))}
+    checks = layout_checks({"gpt_oss": path}, tokens)
     checks |= {"train tp2 sp": training(tp=2, sp=True), "train cp2": training(cp=2), "train ep2": training(ep=2),
                "train fsdp dp2": training(data_sharding="full"), "train pp2": run(gpt_oss_config(pp=2), pp=2),
                "save tp2": run(gpt_oss_config(tp=2), tp=2, save=checkpoint_dir)}
@@ -143,10 +143,7 @@ def test_conversion_reads_the_gpt_oss_pieces(reference):
 
 
 def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
-    logits, tokens = logits_and_greedy(reference["converted"], ParallelContext.single(), reference["tokens"])
-    assert reference["logits"].std() > 1.0, "reference logits too flat to tell layouts apart"
-    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == reference["greedy"]
+    tokens = assert_converted_matches(reference, min_std=1.0)
     assert len({t for row in tokens for t in row}) > 2, "greedy continuation too uniform to check anything"
 
 
@@ -172,21 +169,16 @@ def test_without_the_sinks_or_the_window_the_logits_differ(reference, tmp_path):
 
 
 def test_the_hf_directory_itself_loads_without_converting(reference):
-    logits, tokens = logits_and_greedy(reference["root"] / "hf", ParallelContext.single(), reference["tokens"])
-    assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == reference["greedy"]
+    assert_read_in_place(reference)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
-    for logits, tokens in check_result(world2, f"logits {layout}"):
-        assert (logits - reference["logits"]).abs().max() < LOGIT_TOL
-        assert tokens == reference["greedy"]
+    assert_layout_matches(world2, f"{layout} gpt_oss", reference)
 
 
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
-    assert_round_trip(reference["converted"], reference["root"] / "hf", tmp_path / "back", type(hf_model()),
-                      reference["tokens"], reference["logits"])
+    assert_round_trip(reference, tmp_path / "back", type(hf_model()))
 
 
 def test_mxfp4_experts_read_as_transformers_dequantizes_them(reference, tmp_path):

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_reference import NEW_TOKENS, PROMPT, assert_round_trip, logits_and_greedy
+from llama_reference import (
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_round_trip,
+    hf_reference,
+    layout_worker,
+)
 
-from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.state import load_consolidated
-from shardlm.parallel import ParallelContext
 
 from multiproc import run_workers
 
-VOCAB, LOGIT_TOL = 300, 1e-4
+VOCAB = 300
 KINDS = ("mixtral", "qwen3_moe")
 
 
@@ -39,7 +43,7 @@ def hf_model_of(kind: str):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """Per kind: the saved HF directory, the converted file, reference logits and greedy tokens."""
+    """Per kind: the saved HF directory, the converted file, reference logits and greedy tokens (`hf_reference`)."""
     out = {}
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     for kind in KINDS:
@@ -50,32 +54,16 @@ def hf_models(tmp_path_factory):
                 layer.self_attn.q_proj.weight.mul_(8.0)
                 layer.self_attn.k_proj.weight.mul_(8.0)
                 layer.mlp.gate.weight.mul_(30.0)  # the router (saved as block_sparse_moe.gate by Mixtral)
-        root = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(root / "hf")
-        with torch.no_grad():
-            logits = model(tokens).logits
-            greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out[kind] = {"root": root, "converted": from_hf(root / "hf", root / "model.safetensors"),
-                     "logits": logits, "greedy": greedy[:, PROMPT:].tolist()}
+        out[kind] = hf_reference(model, tmp_path_factory.mktemp(kind), tokens)
     out["tokens"] = tokens
-    return out
-
-
-def worker_world2(paths: dict, tokens: torch.Tensor) -> dict:
-    """TP=2 and EP=2 (DP=2: both ranks see the same tokens and must give the same logits)."""
-    out = {}
-    for name, ctx in (("tp2", ParallelContext.from_process_group(2)),
-                      ("ep2", ParallelContext.from_process_group(1, expert_parallel=2))):
-        for kind, path in paths.items():
-            out[(name, kind)] = logits_and_greedy(path, ctx, tokens)
     return out
 
 
 @pytest.fixture(scope="module")
 def world2(hf_models):
+    """TP=2 and EP=2 logits and greedy tokens of each converted model (`layout_checks`)."""
     paths = {kind: hf_models[kind]["converted"] for kind in KINDS}
-    return run_workers(2, worker_world2, paths, hf_models["tokens"], timeout=300)
+    return run_workers(2, layout_worker, paths, hf_models["tokens"], timeout=300)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -90,25 +78,16 @@ def test_conversion_reads_the_routing(hf_models, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp1_logits_and_greedy_tokens_match_transformers(hf_models, kind):
-    ref = hf_models[kind]
-    logits, tokens = logits_and_greedy(ref["converted"], ParallelContext.single(), hf_models["tokens"])
-    assert ref["logits"].std() > 0.1, "reference logits too flat to tell layouts apart"
-    assert (logits - ref["logits"]).abs().max() < LOGIT_TOL
-    assert tokens == ref["greedy"]
+    assert_converted_matches(hf_models[kind])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, hf_models, layout, kind):
-    for rank in world2:
-        logits, tokens = rank[(layout, kind)]
-        assert (logits - hf_models[kind]["logits"]).abs().max() < LOGIT_TOL
-        assert tokens == hf_models[kind]["greedy"]
+    assert_layout_matches(world2, f"{layout} {kind}", hf_models[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, kind, tmp_path):
-    ref = hf_models[kind]
-    assert_round_trip(ref["converted"], ref["root"] / "hf", tmp_path / "back", type(hf_model_of(kind)),
-                      hf_models["tokens"], ref["logits"])
+    assert_round_trip(hf_models[kind], tmp_path / "back", type(hf_model_of(kind)))
