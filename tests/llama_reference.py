@@ -88,9 +88,13 @@ def assert_matches_transformers(outputs, ref: dict) -> None:
 
 def assert_converted_matches(ref: dict, min_std: float = 0.1) -> list:
     """The converted file, loaded in one process, gives transformers' logits and greedy tokens, on reference
-    logits spread enough (std above `min_std`) to tell layouts apart. Returns shardlm's greedy tokens."""
+    logits spread enough (std above `min_std`) to tell layouts apart and greedy rows that differ from each other
+    and are not one repeated token. Returns shardlm's greedy tokens."""
     logits, tokens = logits_and_greedy(ref["converted"], ParallelContext.single(), ref["tokens"])
     assert ref["logits"].std() > min_std, "reference logits too flat to tell layouts apart"
+    greedy = ref["greedy"]  # a constant continuation would match a reordered or stalled one
+    assert len({tuple(row) for row in greedy}) == len(greedy) and all(len(set(row)) > 1 for row in greedy), \
+        f"reference greedy continuations too uniform to tell generations apart: {greedy}"
     assert_matches_transformers([(logits, tokens)], ref)
     return tokens
 

@@ -60,6 +60,7 @@ def reference(tmp_path_factory):
         moe = model.model.layers[1].mlp
         moe.gate.weight.mul_(30.0)
         moe.gate.e_score_correction_bias.normal_(0, 0.3)
+        model.model.embed_tokens.weight.mul_(30.0)  # tokens, not the biases, decide the greedy continuation
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     return hf_reference(model, tmp_path_factory.mktemp("glm"), tokens)
 
