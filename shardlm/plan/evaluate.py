@@ -9,7 +9,7 @@ in-flight micro-batches (`activations.rank_activation_peak`) and the reserve, an
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 from shardlm.plan import dualpipe
@@ -79,9 +79,8 @@ class Evaluator:
         else:
             acts = shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
         if self.kernels.fp8_storage:  # DeepSeek's FP8-cached layers, shardlm's embedding, head and loss
-            tokens = micro * cfg.seq_length * cfg.hidden_size
-            acts = replace(acts, per_layer=fp8_layer_bytes(cfg, tp, micro, setting.sequence_parallel, "none"),
-                           layer_input=2 * tokens // (tp if setting.sequence_parallel else 1))
+            layer = partial(fp8_layer_bytes, cfg, tp, micro, setting.sequence_parallel)
+            acts = replace(acts, per_layer=layer("none"), layer_input=layer("full"))
         return with_mtp(acts, cfg, tp, micro, self.fmt, setting.sequence_parallel,  # the depths: last stage
                         setting.recompute == "full")
 

@@ -329,7 +329,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
                                                             fmt.matmul_bytes)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
     elementwise = accumulation * elementwise_bytes / hbm
-    if kernels.fp8_storage:  # the casts around the FP8 GEMMs, a rank's share of the step's tokens at its pace
+    if kernels.fp8_storage:  # the casts around the FP8 GEMMs: the step's tokens split over the GPUs as its FLOPs
+        # are (a TP rank casting whole inputs, or a recomputed forward casting again, is not counted), at the pace
         cast_tokens = global_batch * full_sequence.seq_length * imbalance / layout.gpus
         elementwise += cast_tokens * cast_bytes_per_token(full_sequence) / hbm
 
