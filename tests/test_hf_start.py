@@ -209,7 +209,7 @@ def test_a_rank_reads_only_its_rows_of_an_hf_tensor(models, monkeypatch):
     """A Llama-family tensor needs no conversion: a TP rank's rows are read alone, never the whole tensor."""
     from safetensors.torch import load_file
 
-    from shardlm.checkpoint.hf import HFTensor
+    from shardlm.checkpoint.hf_common import HFTensor
     from shardlm.checkpoint.init import open_source
 
     reader = open_source(models["dense"]["dir"]).reader

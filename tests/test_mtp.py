@@ -87,8 +87,8 @@ def test_mtp_logits_equal_transformers_mtp_module(tmp_path):
     from transformers import DeepseekV3ForCausalLM
     from transformers.modeling_layers import MtpModel
 
+    from shardlm.checkpoint import load_model
     from shardlm.checkpoint.hf_deepseek import from_hf
-    from shardlm.checkpoint.state import load_model
 
     torch.manual_seed(0)
     main = DeepseekV3ForCausalLM(hf_config()).eval()

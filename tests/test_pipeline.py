@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from test_training import TOL, assert_same_run, rel, synthetic_data
 
-from shardlm.checkpoint import load_checkpoint, save_checkpoint
-from shardlm.checkpoint.state import load_model
+from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
 from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext

@@ -113,7 +113,7 @@ def test_tp1_logits_and_greedy_tokens_match_transformers(hf_model):
 
 def test_leaving_out_the_qk_norm_would_be_caught(hf_model):
     """The same model with unit norm weights is far from transformers' logits, so the comparison tests them."""
-    from shardlm.checkpoint.state import load_model
+    from shardlm.checkpoint import load_model
 
     model, _ = load_model(hf_model["converted"], ParallelContext.single())
     with torch.no_grad():

@@ -15,15 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardlm.checkpoint import files
+from shardlm.checkpoint import files, hf_deepseek, hf_llama
+from shardlm.checkpoint.hf_common import HFTensor
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -33,84 +32,6 @@ LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-
-
-class HFTensor:
-    """One tensor of an HF directory in shardlm's layout, read on demand. `convert` (GPT-2's transposes and QKV
-    reordering) needs the whole tensor; without it (Llama-family names map one to one) `shape()` reads only the
-    header and `part(dim, start, end)` only the rows asked for. Calling it returns the whole fp32 tensor.
-    `select`: read only entry `select` of the first dimension (one expert of a stacked expert tensor) before
-    `convert`."""
-
-    def __init__(self, handles: dict, path: Path, name: str, convert: Callable | None = None,
-                 select: int | None = None):
-        self.handles, self.path, self.name, self.convert, self.select = handles, path, name, convert, select
-
-    def _file(self):
-        if self.path not in self.handles:
-            self.handles[self.path] = safe_open(str(self.path), framework="pt")
-        return self.handles[self.path]
-
-    def __call__(self) -> torch.Tensor:
-        if self.select is None:
-            value = self._file().get_tensor(self.name).float()
-        else:
-            value = self._file().get_slice(self.name)[self.select].float()
-        return (value if self.convert is None else self.convert(value)).contiguous()
-
-    def shape(self) -> list[int] | None:
-        """The shape, or None when it is known only after converting the whole tensor."""
-        if self.convert is not None or self.select is not None:
-            return None
-        return list(self._file().get_slice(self.name).get_shape())
-
-    def part(self, dim: int, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) along `dim`, fp32 (only those are read when there is no conversion)."""
-        if self.convert is not None or self.select is not None:
-            return self().narrow(dim, start, end - start).contiguous()
-        index = [slice(None)] * len(self.shape())
-        index[dim] = slice(start, end)
-        return self._file().get_slice(self.name)[tuple(index)].float().contiguous()
-
-
-def rope_parameters(hf: dict) -> dict:
-    """A HF config's rotary settings in either style (transformers 5's rope_parameters, or rope_theta +
-    rope_scaling), merged into one dict."""
-    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-
-
-def yarn_keys(params: dict, max_positions: int) -> dict:
-    """The `model.rope_yarn_*` keys of a yarn `rope_parameters` dict (factor: max_positions over the original
-    length when it is not given)."""
-    original = params["original_max_position_embeddings"]
-    return {"rope_yarn_factor": float(params.get("factor") or max_positions / original),
-            "rope_yarn_original_positions": int(original),
-            "rope_yarn_beta_fast": float(params.get("beta_fast") or 32),
-            "rope_yarn_beta_slow": float(params.get("beta_slow") or 1),
-            "rope_yarn_truncate": bool(params.get("truncate", True)),
-            "rope_yarn_mscale": float(params.get("mscale") or 0.0),
-            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0)}
-
-
-def rope_parameters_of(cfg: ModelConfig) -> dict:
-    """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key."""
-    if not cfg.rope_yarn_factor:
-        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
-            "original_max_position_embeddings": cfg.rope_yarn_original_positions,
-            "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
-            "truncate": cfg.rope_yarn_truncate, "mscale": cfg.rope_yarn_mscale,
-            "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
-
-
-def drop_missing_mtp(model: ModelConfig, located: dict, hf_dir: Path) -> None:
-    """Set `model.mtp_layers` to 0, with a note, when the config asks for multi-token-prediction layers (layer
-    num_hidden_layers + k) that the directory's weights (`located`) do not hold: transformers saves the main
-    model only."""
-    if model.mtp_layers and f"model.layers.{model.num_layers}.eh_proj.weight" not in located:
-        print(f"note: num_nextn_predict_layers={model.mtp_layers} but {hf_dir} has no multi-token "
-              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
-        model.mtp_layers = 0
 
 
 def qkv_from_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -191,8 +112,6 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         raise UserError(f"{hf_dir} is a shardlm run directory, not a Hugging Face model; name its checkpoints "
                         f"folder ({hf_dir / 'checkpoints'}) or a consolidated file")
     if kind in LLAMA_FAMILY:
-        from shardlm.checkpoint import hf_llama
-
         return hf_llama.open_hf(hf_dir)
     if kind in DEEPSEEK:  # converted in one pass (rotary rows reordered), not read lazily
         raise UserError(f"{hf_dir} holds a {kind!r} model: convert it first (shardlm convert --from-hf {hf_dir} "
@@ -227,8 +146,6 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     checkpoint file."""
     config_file = Path(hf_dir) / "config.json"
     if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in DEEPSEEK:
-        from shardlm.checkpoint import hf_deepseek
-
         return hf_deepseek.from_hf(Path(hf_dir), Path(out))
     config, sources = open_hf(hf_dir)
     tensors = {f"model/{ours}": read() for ours, read in sources.items()}
@@ -247,12 +164,8 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
     config, tensors = load_consolidated(checkpoint)
     if config.model.arch == "llama" and config.model.attention == "mla":
-        from shardlm.checkpoint import hf_deepseek
-
         return hf_deepseek.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama":
-        from shardlm.checkpoint import hf_llama
-
         return hf_llama.to_hf(config, tensors, out_dir)
     cfg = config.model
     hf = {}

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files
-from shardlm.checkpoint.hf import drop_missing_mtp, rope_parameters, rope_parameters_of, yarn_keys
+from shardlm.checkpoint.hf_common import drop_missing_mtp, rope_parameters, rope_parameters_of, weight_files, yarn_keys
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -222,15 +222,11 @@ def tensor_to_hf(cfg: ModelConfig, ours: str, value: torch.Tensor) -> torch.Tens
 
 def from_hf(hf_dir: Path, out: Path) -> Path:
     """Convert a local HF DeepSeek-V3 directory into a consolidated shardlm checkpoint file."""
-    from shardlm.checkpoint.hf_llama import INDEX, _weight_files
-
-    if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
-        raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
+    located = weight_files(hf_dir)
     hf = json.loads((hf_dir / "config.json").read_text())
     config = RunConfig(model=model_config_from_hf(hf))
     if (hf_dir / "tokenizer.json").is_file():
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
-    located = _weight_files(hf_dir)
     if not config.model.tie_embeddings and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     drop_missing_mtp(config.model, located, hf_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf import HFTensor, rope_parameters, rope_parameters_of, yarn_keys
+from shardlm.checkpoint.hf_common import HFTensor, rope_parameters, rope_parameters_of, yarn_keys
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 

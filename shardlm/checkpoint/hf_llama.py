@@ -41,16 +41,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files, hf_gpt_oss
-from shardlm.checkpoint.hf import HFTensor, drop_missing_mtp
+from shardlm.checkpoint.hf_common import HFTensor, drop_missing_mtp, weight_files
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -266,27 +264,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     }
 
 
-def _weight_files(hf_dir: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it."""
-    if (hf_dir / INDEX).is_file():
-        weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    single = hf_dir / "model.safetensors"
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
 def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
-    """(config, {shardlm name: its `hf.HFTensor`}) of a local HF Llama-family directory (Llama, Qwen3,
+    """(config, {shardlm name: its `hf_common.HFTensor`}) of a local HF Llama-family directory (Llama, Qwen3,
     Mixtral, Qwen3-MoE); nothing is read until a tensor is asked for, and then only the rows asked for."""
-    if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
-        raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
+    located = weight_files(hf_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
     gpt_oss = hf_config.get("model_type") == "gpt_oss"
     config = RunConfig(model=(hf_gpt_oss.model_config_from_hf if gpt_oss else model_config_from_hf)(hf_config))
     if (hf_dir / "tokenizer.json").is_file():
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
-    located = _weight_files(hf_dir)
     drop_missing_mtp(config.model, located, hf_dir)
     if gpt_oss:
         return config, hf_gpt_oss.sources_for(config.model, located, hf_dir)

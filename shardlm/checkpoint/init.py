@@ -6,7 +6,7 @@ The source is any of
     supports (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE), read in place: no converted copy is written;
   - a sharded shardlm checkpoint (a step directory or the folder holding `latest`): its weights only.
 Every rank reads its own slice of each tensor at the run's layout through `state.load_weights`, as a
-resume does; of an HF tensor only the rank's rows are read (`hf.HFTensor`; GPT-2's, which are transposed
+resume does; of an HF tensor only the rank's rows are read (`hf_common.HFTensor`; GPT-2's, which are transposed
 and reordered, are converted whole, one at a time).
 
 The run's [model] section must describe the checkpoint's model (`resolve_model`): a key left at its
@@ -23,10 +23,20 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint import files
-from shardlm.checkpoint.sharded import ShardedReader
+from shardlm.checkpoint.hf import open_hf
+from shardlm.checkpoint.sharded import ShardedReader, model_files
+from shardlm.checkpoint.state import (
+    _stored_names,
+    consolidated_config,
+    is_expert,
+    load_weights,
+    reader_of,
+    split_dim,
+)
 from shardlm.config import DataConfig, RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
+from shardlm.parallel import ParallelContext
 
 VOCABULARY = ("model/wte.weight", "model/lm_head.weight")  # rows padded to a multiple of the TP size and more
 FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisible_by", "moe_aux_loss_coeff",
@@ -34,7 +44,7 @@ FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisi
 
 
 class MappedReader:
-    """`ShardedReader`'s reading interface over {key: `hf.HFTensor`} (an HF directory): `read` takes a rank's
+    """`ShardedReader`'s reading interface over {key: `hf_common.HFTensor`} (an HF directory): `read` takes a rank's
     rows (reading only those when the tensor needs no conversion), fills rows past the end with zeros (the
     padded vocabulary) and, after `expect`, checks each tensor's shape against the model's."""
 
@@ -47,8 +57,6 @@ class MappedReader:
     def expect(self, model, tp_size: int) -> None:
         """Check each tensor, when read, against the full (TP=1) shape of the parameter it fills in `model`
         (config.json and the weights of an HF directory could disagree; slicing would then hide it)."""
-        from shardlm.checkpoint.state import _stored_names, is_expert, split_dim
-
         for name, param in model.named_parameters():
             expert = is_expert(param)
             shape, dim = list(param.shape[1:] if expert else param.shape), split_dim(param)
@@ -108,16 +116,12 @@ class WeightSource:
 
 def open_source(path: str | Path) -> WeightSource:
     """The weights `path` names (module docstring); UserError (one line) for anything else."""
-    from shardlm.checkpoint.state import consolidated_config, reader_of
-
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint.init_from={path} does not exist")
     if path.is_file():
         return WeightSource(path, "consolidated", consolidated_config(path), ShardedReader([path]))
     if (path / "config.json").is_file():
-        from shardlm.checkpoint.hf import open_hf
-
         config, sources = open_hf(path)
         reader = MappedReader({f"model/{k}": v for k, v in sources.items()}, path)
         return WeightSource(path, "huggingface", config, reader)
@@ -175,9 +179,6 @@ def resolve_init(config: RunConfig, run_dir: Path | None = None) -> WeightSource
 
 def init_weights(trainer, source: WeightSource) -> None:
     """Load `source`'s weights into a fresh trainer at its layout (every rank); the optimizer stays fresh."""
-    from shardlm.checkpoint.sharded import model_files
-    from shardlm.checkpoint.state import load_weights
-
     ctx = trainer.ctx
     if source.meta is not None:  # sizes and sha256 of the shards, each hashed on one rank
         names = [name for row in model_files(source.meta) for name in row]
@@ -193,3 +194,30 @@ def describe(source: WeightSource) -> str:
     return (f"initialized from {source.kind} weights {source.path} ({m.arch}, {m.num_layers} layers, hidden "
             f"{m.hidden_size}, vocabulary {m.vocab_size}); fresh optimizer, step 0, data from the start")
 
+
+def load_model(path: str | Path, ctx: ParallelContext):
+    """(model, config) from a checkpoint directory, a consolidated file or a Hugging Face model directory
+    (read in place, `open_source`), sharded for `ctx`, in eval mode."""
+    from shardlm.models import build_model
+
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        source = open_source(path)
+        config = source.config
+        config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
+        model = build_model(config.model, ctx, seed=config.train.seed)
+        source.reader.expect(model, ctx.tp_size)
+        load_weights(model, source.reader, ctx)
+        return model.eval(), config
+    if path.is_file():
+        config, paths = consolidated_config(path), [path]
+    else:
+        checkpoint = files.resolve(path)
+        meta = files.read_meta(checkpoint)
+        files.verify(checkpoint, meta, [n for row in model_files(meta) for n in row], world=ctx.world,
+                     device=ctx.device)
+        config = from_dict(meta["config"])
+    config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
+    model = build_model(config.model, ctx, seed=config.train.seed)
+    load_weights(model, ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta), ctx)
+    return model.eval(), config

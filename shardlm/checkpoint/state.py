@@ -337,36 +337,6 @@ def load_consolidated(path: Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
     return consolidated_config(path), load_file(str(path))
 
 
-def load_model(path: str | Path, ctx: ParallelContext):
-    """(model, config) from a checkpoint directory, a consolidated file or a Hugging Face model directory
-    (read in place, `init.open_source`), sharded for `ctx`, in eval mode."""
-    from shardlm.models import build_model
-
-    path = Path(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        from shardlm.checkpoint.init import open_source
-
-        source = open_source(path)
-        config = source.config
-        config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
-        model = build_model(config.model, ctx, seed=config.train.seed)
-        source.reader.expect(model, ctx.tp_size)
-        load_weights(model, source.reader, ctx)
-        return model.eval(), config
-    if path.is_file():
-        config, paths = consolidated_config(path), [path]
-    else:
-        checkpoint = files.resolve(path)
-        meta = files.read_meta(checkpoint)
-        files.verify(checkpoint, meta, [n for row in model_files(meta) for n in row], world=ctx.world,
-                     device=ctx.device)
-        config = from_dict(meta["config"])
-    config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
-    model = build_model(config.model, ctx, seed=config.train.seed)
-    load_weights(model, ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta), ctx)
-    return model.eval(), config
-
-
 def consolidate(path: str | Path, out: str | Path) -> Path:
     """Write a checkpoint's model as one TP=1 safetensors file (vocabulary padding removed)."""
     checkpoint = files.resolve(path)

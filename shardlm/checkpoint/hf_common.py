@@ -1,0 +1,111 @@
+"""What every Hugging Face converter of shardlm shares: the tensors of an HF directory read on demand
+(`HFTensor`), which file holds each (`weight_files`), the rotary and YaRN settings both ways, and dropping the
+multi-token-prediction layers a directory does not hold. The converters themselves: `hf` (GPT-2, and the entry
+points that pick a family), `hf_llama` (Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss with `hf_gpt_oss`),
+`hf_deepseek` (DeepSeek-V2/V3, Kimi K2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+INDEX = "model.safetensors.index.json"
+
+
+class HFTensor:
+    """One tensor of an HF directory in shardlm's layout, read on demand. `convert` (GPT-2's transposes and QKV
+    reordering) needs the whole tensor; without it (Llama-family names map one to one) `shape()` reads only the
+    header and `part(dim, start, end)` only the rows asked for. Calling it returns the whole fp32 tensor.
+    `select`: read only entry `select` of the first dimension (one expert of a stacked expert tensor) before
+    `convert`."""
+
+    def __init__(self, handles: dict, path: Path, name: str, convert: Callable | None = None,
+                 select: int | None = None):
+        self.handles, self.path, self.name, self.convert, self.select = handles, path, name, convert, select
+
+    def _file(self):
+        if self.path not in self.handles:
+            self.handles[self.path] = safe_open(str(self.path), framework="pt")
+        return self.handles[self.path]
+
+    def __call__(self) -> torch.Tensor:
+        if self.select is None:
+            value = self._file().get_tensor(self.name).float()
+        else:
+            value = self._file().get_slice(self.name)[self.select].float()
+        return (value if self.convert is None else self.convert(value)).contiguous()
+
+    def shape(self) -> list[int] | None:
+        """The shape, or None when it is known only after converting the whole tensor."""
+        if self.convert is not None or self.select is not None:
+            return None
+        return list(self._file().get_slice(self.name).get_shape())
+
+    def part(self, dim: int, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) along `dim`, fp32 (only those are read when there is no conversion)."""
+        if self.convert is not None or self.select is not None:
+            return self().narrow(dim, start, end - start).contiguous()
+        index = [slice(None)] * len(self.shape())
+        index[dim] = slice(start, end)
+        return self._file().get_slice(self.name)[tuple(index)].float().contiguous()
+
+
+def rope_parameters(hf: dict) -> dict:
+    """A HF config's rotary settings in either style (transformers 5's rope_parameters, or rope_theta +
+    rope_scaling), merged into one dict."""
+    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def yarn_keys(params: dict, max_positions: int) -> dict:
+    """The `model.rope_yarn_*` keys of a yarn `rope_parameters` dict (factor: max_positions over the original
+    length when it is not given)."""
+    original = params["original_max_position_embeddings"]
+    return {"rope_yarn_factor": float(params.get("factor") or max_positions / original),
+            "rope_yarn_original_positions": int(original),
+            "rope_yarn_beta_fast": float(params.get("beta_fast") or 32),
+            "rope_yarn_beta_slow": float(params.get("beta_slow") or 1),
+            "rope_yarn_truncate": bool(params.get("truncate", True)),
+            "rope_yarn_mscale": float(params.get("mscale") or 0.0),
+            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0)}
+
+
+def rope_parameters_of(cfg: ModelConfig) -> dict:
+    """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key."""
+    if not cfg.rope_yarn_factor:
+        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
+            "original_max_position_embeddings": cfg.rope_yarn_original_positions,
+            "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+            "truncate": cfg.rope_yarn_truncate, "mscale": cfg.rope_yarn_mscale,
+            "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
+
+
+def drop_missing_mtp(model: ModelConfig, located: dict, hf_dir: Path) -> None:
+    """Set `model.mtp_layers` to 0, with a note, when the config asks for multi-token-prediction layers (layer
+    num_hidden_layers + k) that the directory's weights (`located`) do not hold: transformers saves the main
+    model only."""
+    if model.mtp_layers and f"model.layers.{model.num_layers}.eh_proj.weight" not in located:
+        print(f"note: num_nextn_predict_layers={model.mtp_layers} but {hf_dir} has no multi-token "
+              "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
+        model.mtp_layers = 0
+
+
+def weight_files(hf_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (model.safetensors or the files its index names); a
+    directory with neither is refused."""
+    if not (hf_dir / "model.safetensors").is_file() and not (hf_dir / INDEX).is_file():
+        raise UserError(f"{hf_dir} must hold model.safetensors or {INDEX} (save_pretrained with safetensors)")
+    if (hf_dir / INDEX).is_file():
+        weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
