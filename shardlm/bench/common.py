@@ -183,3 +183,11 @@ def timed_between_barriers(run, runs_here: bool, threads: int) -> float:
         run()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def steady(times: list[float], tokens: list[float], warmup: int) -> dict:
+    """Step times (s) and real tokens per step after the first `warmup` steps: tokens/s over those steps."""
+    times, tokens = times[warmup:], tokens[warmup:]
+    if not times:
+        raise RuntimeError("no step left after the warm-up steps")
+    return {"step_s": times, "tokens": tokens, "tokens_per_sec": sum(tokens) / sum(times)}

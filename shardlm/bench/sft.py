@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardlm.bench.common import interleaved, median_cell, summary
+from shardlm.bench.common import interleaved, median_cell, steady, summary
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -198,14 +198,6 @@ def make_model_dir(shape: SFTShape, tokenizer_dir: Path, out: Path) -> tuple[Pat
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
     return out, vocab
-
-
-def steady(times: list[float], tokens: list[float], warmup: int) -> dict:
-    """Step times (s) and real tokens per step after the first `warmup` steps: tokens/s over those steps."""
-    times, tokens = times[warmup:], tokens[warmup:]
-    if not times:
-        raise RuntimeError("no step left after the warm-up steps")
-    return {"step_s": times, "tokens": tokens, "tokens_per_sec": sum(tokens) / sum(times)}
 
 
 class ShardlmSteps:

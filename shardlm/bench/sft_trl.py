@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from shardlm.bench.sft import SFTShape, steady
+from shardlm.bench.common import steady
+
+if TYPE_CHECKING:
+    from shardlm.bench.sft import SFTShape
 
 
 def trl_run(shape: SFTShape, model_dir: Path, conversations, out_dir: Path, threads: int = 2,
