@@ -145,7 +145,7 @@ def fsdp_bench(quick: bool, repeats: int) -> dict:
     """The `fsdp` section of `make bench`."""
     from shardlm.parallel.spawn import run_workers
     from shardlm.plan.fsdp import fsdp_state_memory
-    from shardlm.plan.memory import parameter_count
+    from shardlm.plan.parameters import parameter_count
 
     shape = FSDP_QUICK if quick else FSDP_BENCH
     memory = run_workers(2, memory_worker, shape, timeout=1800)[0]

@@ -32,7 +32,8 @@ def measure(shape: BenchShape, tps: list[int]) -> dict:
 
 def memory_per_rank(quick: bool = False) -> dict:
     from shardlm.parallel.spawn import run_workers
-    from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
+    from shardlm.plan.memory import activation_memory, numeric_format, state_memory
+    from shardlm.plan.parameters import parameter_count
 
     shape = BenchShape(num_layers=2, hidden_size=64, num_heads=4, seq_length=64, micro_batch=2, vocab_size=500) \
         if quick else MEMORY_SHAPE

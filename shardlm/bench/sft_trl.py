@@ -13,20 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from shardlm.bench.common import steady
 
-if TYPE_CHECKING:
-    from shardlm.bench.sft import SFTShape
 
-
-def trl_run(shape: SFTShape, model_dir: Path, conversations, out_dir: Path, threads: int = 2,
+def trl_run(shape, model_dir: Path, conversations, out_dir: Path, threads: int = 2,
             after_step: Callable[[], None] | None = None) -> dict:
-    """Fine-tune with TRL's SFTTrainer; per-step times between `on_step_end` callbacks. `after_step()` runs at
-    the end of every step, outside TRL's timing (the other trainer's turn)."""
+    """Fine-tune with TRL's SFTTrainer at `shape` (an `sft.SFTShape`: its steps, rows per step, row length and
+    warm-up steps); per-step times between `on_step_end` callbacks. `after_step()` runs at the end of every step,
+    outside TRL's timing (the other trainer's turn)."""
     import datasets
     import transformers
     import trl
