@@ -11,8 +11,9 @@ from shardlm.errors import UserError
 from shardlm.plan.activations import LayerSetting, shardlm_memory
 from shardlm.plan.context import LONG_CONTEXT, ring_seconds
 from shardlm.plan.hardware import gpu_preset
-from shardlm.plan.memory import ParameterCount, numeric_format
+from shardlm.plan.memory import numeric_format
 from shardlm.plan.models import PlannedModel, resolve_model
+from shardlm.plan.parameters import ParameterCount
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.sc21 import SC21_CALIBRATION
 from shardlm.plan.timing import Layout, dp_comm_seconds

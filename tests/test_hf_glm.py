@@ -157,8 +157,8 @@ def test_planner_presets_count_what_transformers_builds(name):
     the multi-token-prediction layer. The published totals (355B, 106B) include it."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from shardlm.plan.memory import parameter_count
     from shardlm.plan.models import MODEL_PRESETS
+    from shardlm.plan.parameters import parameter_count
 
     with torch.device("meta"):
         model = Glm4MoeForCausalLM(Glm4MoeConfig(**GLM45_CONFIGS[name]))

@@ -55,7 +55,7 @@ def test_flop_formula_counts_swiglu_and_gqa():
 
 @pytest.mark.parametrize("tp,tie", [(1, False), (2, False), (4, False), (4, True)])
 def test_planner_counts_the_parameters_each_rank_holds(tp, tie):
-    from shardlm.plan.memory import parameter_count
+    from shardlm.plan.parameters import parameter_count
 
     cfg = tiny_config(tie=tie).model
     model = rank_model(cfg, tp, 0)
@@ -67,8 +67,8 @@ def test_planner_counts_the_parameters_each_rank_holds(tp, tie):
 
 
 def test_llama3_presets_have_the_published_parameter_counts():
-    from shardlm.plan.memory import parameter_count
     from shardlm.plan.models import MODEL_PRESETS
+    from shardlm.plan.parameters import parameter_count
 
     assert parameter_count(MODEL_PRESETS["llama3-8b"], 1).total == 8_030_261_248
     assert parameter_count(MODEL_PRESETS["llama3-70b"], 1).total == 70_553_706_496

@@ -19,8 +19,9 @@ from shardlm.plan.activations import (
     shardlm_memory,
 )
 from shardlm.plan.hardware import GPU_PRESETS, gpu_preset
-from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
+from shardlm.plan.memory import activation_memory, numeric_format, state_memory
 from shardlm.plan.models import MODEL_PRESETS, PlannedModel
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.sc21 import CALIBRATION_ROWS, SC21_CALIBRATION, TABLE1, compare, fit_calibration, paper_flops
 from shardlm.plan.stages import (

@@ -23,8 +23,9 @@ from shardlm.plan.context import context_invalid_reason, context_options
 from shardlm.plan.experts import all_to_all_bytes
 from shardlm.plan.fsdp import FSDPUnits, fsdp_units
 from shardlm.plan.hardware import gpu_preset
-from shardlm.plan.memory import numeric_format, parameter_count
+from shardlm.plan.memory import numeric_format
 from shardlm.plan.models import PlannedModel, resolve_model
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import PlanRequest, expert_options, invalid_reason, plan, shard_size_options
 from shardlm.plan.sc21 import SC21_CALIBRATION
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages

@@ -17,9 +17,9 @@ import torch
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig, mla_weights
 from shardlm.plan.experts import activated_parameter_count
-from shardlm.plan.memory import layer_activation_bytes, numeric_format, parameter_count
+from shardlm.plan.memory import layer_activation_bytes, numeric_format
 from shardlm.plan.models import MODEL_PRESETS
-from shardlm.plan.stages import layer_parameter_counts
+from shardlm.plan.parameters import layer_parameter_counts, parameter_count
 
 # deepseek-ai/DeepSeek-V3 and moonshotai/Moonlight-16B-A3B config.json (the fields that shape parameters)
 HF_CONFIGS = {

@@ -12,7 +12,8 @@ from shardlm.plan.deepseek import DEEPSEEK_V3_TRAINED, as_run, request
 from shardlm.plan.evaluate import Evaluator
 from shardlm.plan.fp8 import E5M6_BYTES, FP8_BYTES, cast_bytes_per_token, fp8_layer_bytes
 from shardlm.plan.kernels import DEEPSEEK_KERNELS
-from shardlm.plan.memory import parameter_count, state_memory
+from shardlm.plan.memory import state_memory
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,8 +24,8 @@ from shardlm.cli import main
 from shardlm.errors import UserError
 from shardlm.plan.fsdp import fsdp_collectives, fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.hardware import gpu_preset
-from shardlm.plan.memory import parameter_count
 from shardlm.plan.models import resolve_model
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.sc21 import SC21_CALIBRATION
 from shardlm.plan.timing import Layout, step_time

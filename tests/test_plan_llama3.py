@@ -43,7 +43,7 @@ def test_table4_is_consistent():
 
 def test_405b_counts_match_published_size():
     """405B parameters; the FLOP count per token is torchtitan's 6 N (without the input embedding) + 12 l a s."""
-    from shardlm.plan.memory import parameter_count
+    from shardlm.plan.parameters import parameter_count
 
     total = parameter_count(LLAMA3_405B, 1).total
     assert 405e9 < total < 406e9

@@ -22,7 +22,8 @@ from shardlm.models.bert import BERT
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
 from shardlm.plan.measure import PeakMemory, cpu_as_gpu, measure_cpu_hardware, measure_trainer_memory, time_steps
-from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
+from shardlm.plan.memory import activation_memory, numeric_format, state_memory
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.timing import Calibration, Layout, step_time
 from shardlm.training.trainer import Trainer
 

@@ -12,9 +12,10 @@ import pytest
 from shardlm.cli import main
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan.hardware import GPU_PRESETS, custom_gpu, gpu_preset
-from shardlm.plan.memory import activation_memory, numeric_format, parameter_count, state_memory
+from shardlm.plan.memory import activation_memory, numeric_format, state_memory
 from shardlm.plan.models import MODEL_PRESETS, PlannedModel
 from shardlm.plan.paper import TABLE1, compare_table1, fit_calibration
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.timing import (
     PAPER_CALIBRATION,

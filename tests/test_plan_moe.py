@@ -18,8 +18,9 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig, flops_per_token
 from shardlm.plan.experts import activated_parameter_count, all_to_all_bytes, moe_layer_activation_bytes
 from shardlm.plan.hardware import gpu_preset
-from shardlm.plan.memory import numeric_format, parameter_count, state_memory
+from shardlm.plan.memory import numeric_format, state_memory
 from shardlm.plan.models import MODEL_PRESETS, PlannedModel
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import PlanRequest, plan
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages
 from shardlm.plan.timing import Calibration, Layout, all_to_all_seconds, dp_comm_seconds, step_time

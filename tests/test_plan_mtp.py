@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from shardlm.plan.memory import parameter_count
 from shardlm.plan.models import MODEL_PRESETS
-from shardlm.plan.stages import layer_parameter_counts, pipeline_layers, rank_parameter_count, rank_stages
+from shardlm.plan.parameters import layer_parameter_counts, parameter_count
+from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages
 
 DEEPSEEK = MODEL_PRESETS["deepseek-v3"]
 WITH_MTP = dataclasses.replace(DEEPSEEK, mtp_layers=1)

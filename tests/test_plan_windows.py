@@ -17,8 +17,8 @@ import torch
 
 from shardlm.models.config import flops_per_step
 from shardlm.plan.experts import activated_parameter_count
-from shardlm.plan.memory import parameter_count
 from shardlm.plan.models import MODEL_PRESETS
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.windows import attended_keys, executed_pairs, window_saved_flops
 
 # openai/gpt-oss-20b and gpt-oss-120b config.json: what differs from transformers' GptOssConfig defaults

@@ -24,7 +24,7 @@ from shardlm.checkpoint.state import load_consolidated
 from shardlm.config import RunConfig, from_dict
 from shardlm.models import build_model
 from shardlm.parallel import ParallelContext
-from shardlm.plan.memory import parameter_count
+from shardlm.plan.parameters import parameter_count
 from shardlm.training.trainer import Trainer
 
 from multiproc import run_workers

@@ -8,7 +8,7 @@
 - the all-to-all bytes of one MoE layer (`all_to_all_bytes`): each rank sends the (token, slot) rows
   of the experts held elsewhere, (E - 1) / E of its b s k rows, at dispatch and again at combine.
 
-Parameters and their state per rank are `memory.parameter_count` (experts / E) and `memory.state_memory`
+Parameters and their state per rank are `parameters.parameter_count` (experts / E) and `memory.state_memory`
 (expert state sharded over the DP x CP / E expert-DP ranks: EP folds over DP x CP); the all-to-all time is
 `timing.all_to_all_seconds`. Under context parallelism the planner passes the model at a CP rank's T / C
 tokens, so the activations and all-to-all bytes here are those of the tokens the rank routes.
@@ -17,7 +17,8 @@ tokens, so the activations and all-to-all bytes here are those of the tokens the
 from __future__ import annotations
 
 from shardlm.models.config import ModelConfig
-from shardlm.plan.memory import NumericFormat, layer_activation_bytes, parameter_count
+from shardlm.plan.memory import NumericFormat, layer_activation_bytes
+from shardlm.plan.parameters import parameter_count
 
 
 def moe_layer_count(cfg: ModelConfig) -> int:

@@ -61,8 +61,9 @@ from typing import TYPE_CHECKING
 from shardlm.models.config import ModelConfig
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.links import over_dp_group, ring_allreduce_seconds, ring_gather_seconds
-from shardlm.plan.memory import ParameterCount, StateMemory, parameter_count
-from shardlm.plan.stages import RankStages, layer_parameter_counts, rank_parameter_count
+from shardlm.plan.memory import StateMemory
+from shardlm.plan.parameters import ParameterCount, layer_parameter_counts, parameter_count
+from shardlm.plan.stages import RankStages, rank_parameter_count
 
 if TYPE_CHECKING:
     from shardlm.plan.layout import Calibration, Layout
@@ -98,7 +99,7 @@ class FSDPUnits:
 def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: int = 1) -> FSDPUnits:
     """Layer and root elements of TP rank 0 at expert-parallel size `ep`: the whole model, or pipeline rank
     `stages.rank`'s layers and end pieces (`stages.rank_parameter_count`). Dense and MoE layers are
-    `stages.layer_parameter_counts`; the root is the rest."""
+    `parameters.layer_parameter_counts`; the root is the rest."""
     dense, moe = layer_parameter_counts(cfg, tp, ep)
     indices = range(cfg.num_layers) if stages is None else stages.layer_indices
     moe_layers = sum(cfg.is_moe_layer(i) for i in indices)

@@ -6,7 +6,7 @@ models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
 time model charges bidirectional attention what the FLOP formula charges causal attention) plus the
-BERT heads, counted exactly in `memory.parameter_count`; activations are those of the GPT layer stack.
+BERT heads, counted exactly in `parameters.parameter_count`; activations are those of the GPT layer stack.
 The MoE presets take the published shapes (their Hugging Face configs; a test counts the same totals
 with transformers) and a training sequence of 4096 tokens (not their longer context windows). The DeepSeek
 presets leave out the multi-token-prediction module of DeepSeek-V3's released weights (transformers' model does

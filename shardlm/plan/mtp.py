@@ -19,21 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardlm.models.config import ModelConfig
-from shardlm.plan.memory import ActivationMemory, NumericFormat, ParameterCount, add_counts
-
-
-def mtp_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
-    """Per-rank parameters of the `cfg.mtp_layers` depths (without the shared embedding and head): per depth the
-    layer of index L + k as `stages.layer_parameter_counts` counts it, eh_proj (h x 2h) and three norms of h."""
-    from shardlm.plan.stages import layer_parameter_counts  # stages imports memory, which imports this lazily
-
-    dense, moe = layer_parameter_counts(replace(cfg, mtp_layers=0), tp, ep)
-    h = cfg.hidden_size
-    own = ParameterCount(0, 2 * h * h + 3 * h, 4, 2 * h * h)
-    total = ParameterCount(0, 0, 0, 0)
-    for k in range(cfg.mtp_layers):
-        total = add_counts(total, add_counts(moe if cfg.is_moe_layer(cfg.num_layers + k) else dense, own))
-    return total
+from shardlm.plan.memory import ActivationMemory, NumericFormat
 
 
 def mtp_activation_bytes(cfg: ModelConfig, acts: ActivationMemory, tp: int, micro_batch: int,

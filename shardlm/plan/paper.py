@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.plan.hardware import GPU_PRESETS, GPUSpec
-from shardlm.plan.memory import numeric_format, parameter_count
+from shardlm.plan.memory import numeric_format
 from shardlm.plan.models import MODEL_PRESETS
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.timing import PAPER_CALIBRATION, Calibration, Layout, StepTime, step_time
 
 PAPER_GPU: GPUSpec = GPU_PRESETS["v100-dgx2h"]

@@ -30,8 +30,9 @@ from shardlm.plan.evaluate import Choice, Evaluator
 from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_invalid_reason, hybrid_invalid_reason
 from shardlm.plan.layout import Layout
-from shardlm.plan.memory import ParameterCount, StateMemory, numeric_format
+from shardlm.plan.memory import StateMemory, numeric_format
 from shardlm.plan.models import check_model
+from shardlm.plan.parameters import ParameterCount
 from shardlm.plan.request import DATA_SHARDING, PlanRequest  # noqa: F401 (PlanRequest re-exported)
 from shardlm.plan.stages import SCHEDULES, schedule_name, trimmed_split
 

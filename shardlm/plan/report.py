@@ -8,8 +8,9 @@ from rich.console import Console
 from rich.table import Table
 
 from shardlm.plan.experts import activated_parameter_count
-from shardlm.plan.memory import GB, parameter_count
+from shardlm.plan.memory import GB
 from shardlm.plan.paper import BASELINE_TFLOPS, Comparison
+from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import Plan, PlanRow
 
 ASSUMPTIONS = [

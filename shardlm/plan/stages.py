@@ -18,11 +18,18 @@ then one more forward before each backward. The bubble is (P - 1) / (V m) of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.plan.memory import ParameterCount, add_counts, parameter_count
+from shardlm.plan.parameters import (
+    ParameterCount,
+    _with_layers,
+    add_counts,
+    layer_parameter_counts,
+    mtp_parameter_count,
+    parameter_count,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -104,7 +111,7 @@ def rank_stages(layers: list[list[int]], pp: int, rank: int) -> RankStages:
 
 def _end_pieces(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount, ParameterCount]:
     """(first stage's, last stage's, both share) parameters outside the layers, per TP rank; the last stage's
-    include the multi-token-prediction depths (`mtp.mtp_parameter_count`) and their embedding copy."""
+    include the multi-token-prediction depths (`parameters.mtp_parameter_count`) and their embedding copy."""
     if cfg.arch == "bert":
         raise UserError('pipeline parallelism is planned for model.arch "gpt" and "llama"; use --pipeline 1 for BERT')
     h = cfg.hidden_size
@@ -119,30 +126,16 @@ def _end_pieces(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount,
     last = add_counts(norm, output)
     shared = output if output is embedding else ParameterCount(0, 0, 0, 0)
     if cfg.mtp_layers:  # the depths and, when the head is not the embedding, a copy of it to embed their tokens
-        from shardlm.plan.mtp import mtp_parameter_count
-
         last = add_counts(last, mtp_parameter_count(cfg, tp, ep))
         if output is not embedding:
             last, shared = add_counts(last, embedding), add_counts(shared, embedding)
     return first, last, shared
 
 
-def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
-    """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank: one-layer models less the
-    model without layers (equal for a dense model)."""
-    cfg = replace(cfg, mtp_layers=0)  # one layer of each kind, without the depths
-    no_layers = parameter_count(_with_layers(cfg, 0), tp, ep)
-    dense = add_counts(parameter_count(replace(cfg, num_layers=1, moe_num_experts=0), tp), no_layers, sign=-1)
-    if not cfg.moe_num_experts:
-        return dense, dense
-    moe_cfg = replace(cfg, num_layers=1, moe_first_dense_layers=0, moe_layer_interval=1)
-    return dense, add_counts(parameter_count(moe_cfg, tp, ep), no_layers, sign=-1)
-
-
 def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages, ep: int = 1) -> ParameterCount:
     """Parameters one (pipeline rank, TP rank, EP rank) holds: its layers (dense or MoE, by index), plus
     the end pieces of the first and last stage (both, the tied embedding once, when one rank holds both).
-    Equal to `memory.parameter_count` without a pipeline."""
+    Equal to `parameters.parameter_count` without a pipeline."""
     if stages.first and stages.last and len(stages.layers_per_chunk) == 1:
         return parameter_count(_with_layers(cfg, stages.layers), tp, ep)  # the whole model (also BERT's)
     dense, moe = layer_parameter_counts(cfg, tp, ep)
@@ -161,7 +154,3 @@ def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages, ep: int 
     if stages.first and stages.last:
         total = add_counts(total, shared, sign=-1)
     return total
-
-
-def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
-    return replace(cfg, num_layers=layers)

@@ -79,8 +79,9 @@ from shardlm.plan.layout import PAPER_CALIBRATION, Calibration, Layout  # noqa: 
 from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
 from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
-from shardlm.plan.memory import NumericFormat, ParameterCount
+from shardlm.plan.memory import NumericFormat
 from shardlm.plan.mtp import busiest_rank_layers
+from shardlm.plan.parameters import ParameterCount
 from shardlm.plan.stages import bubble_fraction
 from shardlm.plan.windows import key_share
 

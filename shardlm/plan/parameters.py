@@ -1,0 +1,227 @@
+"""The parameters one rank of shardlm's models holds, derived from the code: which weights `shardlm.models.gpt`,
+`shardlm.models.llama` and `shardlm.models.mla` split over the TP group (fused QKV and the first MLP GEMM by
+columns, with their biases; the residual projections by rows; the vocabulary embedding and the output layer by
+rows of the padded vocabulary) and which they replicate (norms, the row-parallel biases, learned positions); MoE
+layers' routers, experts (1/EP of them, split over TP) and shared experts (`_mlp_count`); one layer of each kind
+(`layer_parameter_counts`) and the multi-token-prediction depths (`mtp_parameter_count`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Parameter elements held by one TP rank."""
+
+    sharded: int
+    """Elements of split weights (this rank's shard)."""
+    replicated: int
+    """Elements of weights every TP rank holds in full."""
+    tensors: int
+    """Number of parameter tensors (the optimizer keeps one `step` scalar per tensor)."""
+    matrix: int
+    """Elements of this rank's GEMM weights inside the layers (autocast saves half copies of them)."""
+    expert: int = 0
+    """Elements of routed-expert weights among `sharded` (split over TP and EP; their gradients are reduced,
+    and with the distributed optimizer their state sharded, over expert-DP = DP / EP ranks, not DP)."""
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+    @property
+    def dense(self) -> int:
+        """Elements of every weight that is not a routed expert's (reduced and sharded over DP)."""
+        return self.total - self.expert
+
+
+def _split(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise UserError(f"{what}={size} is not divisible by tensor parallel size {tp}")
+    return size // tp
+
+
+def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> ParameterCount:
+    """Parameters of layer `index`'s MLP on one rank. Dense: gated (Llama) gate and up (f x h) split by
+    rows and down (h x f) by columns, no biases; GPT fc (f x h + f) by rows, proj (h x f) by columns
+    with its h bias replicated. MoE (`cfg.is_moe_layer`): the router (E x h, and E expert biases with
+    aux-loss-free balancing) replicated; E / ep experts of width f_e, split over TP like a dense MLP
+    without biases; shared experts one dense MLP of width shared x f_e."""
+    h = cfg.hidden_size
+
+    def dense(width: int) -> ParameterCount:
+        f_local = _split(width, tp, "ffn size")
+        if gated:
+            return ParameterCount(3 * f_local * h, 0, 3, 3 * f_local * h)
+        return ParameterCount(2 * f_local * h + f_local, h, 4, 2 * f_local * h)
+
+    if not cfg.is_moe_layer(index):
+        return dense(cfg.ffn_size)
+    experts = cfg.moe_num_experts
+    if experts % ep:
+        raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
+    f_local = _split(cfg.moe_ffn_size, tp, "expert ffn size")
+    matrices = (3 if gated else 2) * (experts // ep) * f_local * h
+    bias = experts if cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias else 0  # as `Router` builds it
+    bias += experts if cfg.moe_router_bias else 0  # gpt-oss: a bias on the gate logits
+    # gpt-oss: per local expert a gate/up bias split with its columns and a down bias of h
+    linear_bias = (experts // ep) * ((2 if gated else 1) * f_local + h) if cfg.moe_linear_bias else 0
+    tensors = 1 + (cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias) + cfg.moe_router_bias \
+        + (3 if gated else 2) + 2 * cfg.moe_linear_bias
+    count = ParameterCount(matrices + linear_bias, experts * h + bias, tensors, matrices, matrices + linear_bias)
+    if cfg.moe_shared_experts:
+        count = add_counts(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
+    return count
+
+
+def add_counts(a: ParameterCount, b: ParameterCount, sign: int = 1) -> ParameterCount:
+    """a + sign x b, field by field."""
+    return ParameterCount(a.sharded + sign * b.sharded, a.replicated + sign * b.replicated,
+                          a.tensors + sign * b.tensors, a.matrix + sign * b.matrix, a.expert + sign * b.expert)
+
+
+def _mlps(cfg: ModelConfig, tp: int, ep: int, gated: bool) -> ParameterCount:
+    """Every layer's MLP (`_mlp_count`) on one rank, summed."""
+    total = ParameterCount(0, 0, 0, 0)
+    for index in range(cfg.num_layers):
+        total = add_counts(total, _mlp_count(cfg, index, tp, ep, gated))
+    return total
+
+
+def parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.gpt.GPT` at tensor-parallel size `tp` (and expert-parallel
+    size `ep`, which splits the experts of MoE layers).
+
+    Per layer: QKV (3h x h weight + 3h bias) split by columns, the attention output projection (h x h)
+    split by rows with its h bias replicated, two LayerNorms (2h each) replicated, and the MLP
+    (`_mlp_count`: fc f x h + f by columns, proj h x f by rows with its bias replicated; or an MoE
+    layer). Outside: the vocabulary embedding (V_padded x h, V_padded a multiple of 128 x tp) split
+    by rows and tied to the LM head, positions (s x h) and the final LayerNorm replicated. arch="bert"
+    counts `shardlm.models.bert.BERT`: the same layers and embeddings plus token types (2 x h), pooler
+    and LM-head transform (h x h + h each), the LM-head LayerNorm, the sentence head (2 x h + 2) and
+    the output bias, split like the vocabulary. Multi-token-prediction depths (`cfg.mtp_layers`) add
+    `mtp_parameter_count`.
+    """
+    if cfg.mtp_layers:
+        return add_counts(parameter_count(replace(cfg, mtp_layers=0), tp, ep), mtp_parameter_count(cfg, tp, ep))
+    if cfg.arch == "llama":
+        return _llama_parameter_count(cfg, tp, ep)
+    h, layers = cfg.hidden_size, cfg.num_layers
+    h_local = _split(h, tp, "hidden_size")
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    matrix = 3 * h_local * h + h * h_local
+    layer_sharded = matrix + 3 * h_local
+    layer_replicated = 2 * h + 2 * h + h  # ln_1, ln_2, attention output bias
+    sharded = layers * layer_sharded + vocab_local * h
+    replicated = layers * layer_replicated + cfg.seq_length * h + 2 * h
+    tensors = 8 * layers + 4
+    if cfg.arch == "bert":
+        sharded += vocab_local  # output-layer bias, split like the vocabulary
+        replicated += 2 * h + (h * h + h) + (h * h + h) + 2 * h + (2 * h + 2)
+        tensors += 10
+    return add_counts(ParameterCount(sharded, replicated, tensors, layers * matrix), _mlps(cfg, tp, ep, gated=False))
+
+
+def _kv_rows(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(rows of the k (or v) weight a rank holds, rows its GEMM uses) of `shardlm.models.llama`: num_kv_heads x
+    head_dim split over TP when TP divides num_kv_heads, else held whole and only the heads of the rank's
+    query heads used (rank 0's count)."""
+    from shardlm.models.llama import kv_head_range, kv_heads_are_split
+
+    head_dim = cfg.attention_head_dim
+    first, last = kv_head_range(cfg.num_heads, cfg.kv_heads, tp, 0)
+    used = (last - first) * head_dim
+    return (used, used) if kv_heads_are_split(cfg.kv_heads, tp) else (cfg.kv_heads * head_dim, used)
+
+
+def _mla_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One layer's attention and two RMSNorms in `shardlm.models.mla.LatentAttention` on one TP rank (H heads,
+    qk = qk_nope + qk_rope): q_a (q_lora_rank x h) with its RMSNorm (q_lora_rank) and kv_a ((kv_lora_rank +
+    qk_rope) x h) with its RMSNorm (kv_lora_rank) replicated; q_b (H qk x q_lora_rank; or q, H qk x h, without
+    the query's low-rank path) and kv_b (H (qk_nope + v_head_dim) x kv_lora_rank) split by rows over TP, o (h x H
+    v_head_dim) by columns; the layer's two RMSNorms (h each) replicated. Its matrices sum to
+    `models.config.mla_weights` at TP = 1."""
+    h, q_rank, kv_rank = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
+    heads = _split(cfg.num_heads, tp, "num_heads")
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    sharded = heads * qk * (q_rank or h) + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * kv_rank \
+        + h * heads * cfg.v_head_dim
+    replicated_matrices = (q_rank * h if q_rank else 0) + (kv_rank + cfg.qk_rope_head_dim) * h
+    replicated = replicated_matrices + q_rank + kv_rank + 2 * h
+    tensors = (3 if q_rank else 1) + 3 + 1 + 2
+    return ParameterCount(sharded, replicated, tensors, sharded + replicated_matrices)
+
+
+def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
+    is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
+    (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
+    the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
+    layer (V_padded x h each) split by vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5), o's bias
+    (replicated) and per-head sinks (split) with `attention_output_bias` and `attention_sinks` (gpt-oss). With
+    multi-head latent attention the layer's
+    attention is `_mla_count`'s."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    if cfg.attention == "mla":
+        vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+        outputs = 1 if cfg.tie_embeddings else 2
+        attention = _mla_count(cfg, tp)
+        attention = ParameterCount(layers * attention.sharded + outputs * vocab_local * h,
+                                   layers * attention.replicated + h, layers * attention.tensors + 1 + outputs,
+                                   layers * attention.matrix)
+        return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
+    a_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width")
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    kv_held, kv_used = _kv_rows(cfg, tp)
+    kv_split = kv_held == kv_used and cfg.kv_heads % tp == 0
+    layer_sharded = 2 * a_local * h + (2 * kv_held * h if kv_split else 0)
+    norms = 2 if cfg.qk_norm else 0
+    layer_replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
+    biases = 3 if cfg.attention_bias else 0  # q (split with its heads), k and v (split or replicated as their weights)
+    if biases:
+        layer_sharded += a_local + (2 * kv_held if kv_split else 0)
+        layer_replicated += 0 if kv_split else 2 * kv_held
+    if cfg.attention_output_bias:  # o's bias, added after the row-parallel reduction: replicated
+        layer_replicated += h
+        biases += 1
+    if cfg.attention_sinks:  # one learned logit per query head, split with the heads
+        layer_sharded += _split(cfg.num_heads, tp, "num_heads")
+        biases += 1
+    outputs = 1 if cfg.tie_embeddings else 2
+    attention = ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
+                               replicated=layers * layer_replicated + h,
+                               tensors=(6 + norms + biases) * layers + 1 + outputs,
+                               matrix=layers * (2 * a_local * h + 2 * kv_used * h))
+    return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
+
+
+def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
+    """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank: one-layer models less the
+    model without layers (equal for a dense model)."""
+    cfg = replace(cfg, mtp_layers=0)  # one layer of each kind, without the depths
+    no_layers = parameter_count(_with_layers(cfg, 0), tp, ep)
+    dense = add_counts(parameter_count(replace(cfg, num_layers=1, moe_num_experts=0), tp), no_layers, sign=-1)
+    if not cfg.moe_num_experts:
+        return dense, dense
+    moe_cfg = replace(cfg, num_layers=1, moe_first_dense_layers=0, moe_layer_interval=1)
+    return dense, add_counts(parameter_count(moe_cfg, tp, ep), no_layers, sign=-1)
+
+
+def mtp_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of the `cfg.mtp_layers` depths (without the shared embedding and head): per depth the
+    layer of index L + k as `layer_parameter_counts` counts it, eh_proj (h x 2h) and three norms of h."""
+    dense, moe = layer_parameter_counts(replace(cfg, mtp_layers=0), tp, ep)
+    h = cfg.hidden_size
+    own = ParameterCount(0, 2 * h * h + 3 * h, 4, 2 * h * h)
+    total = ParameterCount(0, 0, 0, 0)
+    for k in range(cfg.mtp_layers):
+        total = add_counts(total, add_counts(moe if cfg.is_moe_layer(cfg.num_layers + k) else dense, own))
+    return total
+
+
+def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    return replace(cfg, num_layers=layers)
