@@ -45,15 +45,8 @@ def hf_llama(root: Path) -> dict:
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
-    model.save_pretrained(root / "hf")
-    converted = from_hf(root / "hf", root / "llama.safetensors")
     tokens = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(tokens).logits
-        greedy = model.generate(tokens[:, :PROMPT], attention_mask=torch.ones(2, PROMPT, dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return {"model": model, "root": root, "converted": converted, "tokens": tokens, "logits": logits,
-            "greedy": greedy[:, PROMPT:].tolist()}
+    return {"model": model, **hf_reference(model, root, tokens)}
 
 
 def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
