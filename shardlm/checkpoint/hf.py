@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files, hf_deepseek, hf_llama
-from shardlm.checkpoint.hf_common import HFTensor
+from shardlm.checkpoint.hf_common import HFTensor, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -178,21 +177,4 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         elif kind == "qkv":
             value = qkv_to_hf(value, cfg.num_heads)
         hf[theirs] = value.contiguous()
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    files.ordinary_permissions(tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
-    if config.data.tokenizer == "gpt2":  # encoder.json / vocab.bpe are HF's vocab.json / merges.txt
-        from shardlm.paths import shared_data_dir
-
-        vocab = Path(config.data.vocab_file or shared_data_dir() / "vocab" / "gpt2" / "encoder.json")
-        merges = Path(config.data.merges_file or shared_data_dir() / "vocab" / "gpt2" / "vocab.bpe")
-        if vocab.is_file() and merges.is_file():
-            shutil.copy(vocab, tmp / "vocab.json")
-            shutil.copy(merges, tmp / "merges.txt")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.replace(out_dir)
-    return out_dir
+    return write_directory(out_dir, hf, hf_config_from_model(cfg), config.data)

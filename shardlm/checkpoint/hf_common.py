@@ -7,17 +7,23 @@ points that pick a family), `hf_llama` (Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
+from shardlm.checkpoint import files
+from shardlm.config import DataConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+"""What travels with a `tokenizer.json`: its settings, special tokens, chat template and generation defaults."""
 
 
 class HFTensor:
@@ -109,3 +115,33 @@ def weight_files(hf_dir: Path) -> dict[str, Path]:
     single = hf_dir / "model.safetensors"
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}
+
+
+def write_directory(out_dir: Path, tensors: dict[str, torch.Tensor], hf_config: dict, data: DataConfig) -> Path:
+    """Write an HF model directory: `tensors` as model.safetensors, `hf_config` as config.json, and the run's
+    tokenizer (a `tokenizer.json` with the `TOKENIZER_FILES` beside it; GPT-2's encoder.json / vocab.bpe as
+    vocab.json / merges.txt). Built in a temporary sibling and renamed into place, so a failed write leaves
+    no half directory."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    files.ordinary_permissions(tmp / "model.safetensors")
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if data.tokenizer == "json" and Path(data.vocab_file).is_file():
+        shutil.copy(data.vocab_file, tmp / "tokenizer.json")
+        for name in TOKENIZER_FILES:  # the chat template and special tokens beside it, when there are any
+            if (Path(data.vocab_file).parent / name).is_file():
+                shutil.copy(Path(data.vocab_file).parent / name, tmp / name)
+    if data.tokenizer == "gpt2":  # encoder.json / vocab.bpe are HF's vocab.json / merges.txt
+        from shardlm.paths import shared_data_dir
+
+        vocab = Path(data.vocab_file or shared_data_dir() / "vocab" / "gpt2" / "encoder.json")
+        merges = Path(data.merges_file or shared_data_dir() / "vocab" / "gpt2" / "vocab.bpe")
+        if vocab.is_file() and merges.is_file():
+            shutil.copy(vocab, tmp / "vocab.json")
+            shutil.copy(merges, tmp / "merges.txt")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.replace(out_dir)
+    return out_dir

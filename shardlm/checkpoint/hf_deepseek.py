@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -36,7 +35,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardlm.checkpoint import files
-from shardlm.checkpoint.hf_common import drop_missing_mtp, rope_parameters, rope_parameters_of, weight_files, yarn_keys
+from shardlm.checkpoint.hf_common import (
+    drop_missing_mtp,
+    rope_parameters,
+    rope_parameters_of,
+    weight_files,
+    write_directory,
+    yarn_keys,
+)
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -254,15 +260,4 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
         if value is None and ours.endswith("router.expert_bias"):
             value = torch.zeros(cfg.moe_num_experts)
         hf[theirs] = tensor_to_hf(cfg, ours, value).contiguous()
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    files.ordinary_permissions(tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
-        shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.replace(out_dir)
-    return out_dir
+    return write_directory(out_dir, hf, hf_config, config.data)

@@ -37,19 +37,15 @@ attention are refused with a one-line error. No network.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from shardlm.checkpoint import files, hf_gpt_oss
-from shardlm.checkpoint.hf_common import HFTensor, drop_missing_mtp, weight_files
+from shardlm.checkpoint import hf_gpt_oss
+from shardlm.checkpoint.hf_common import HFTensor, drop_missing_mtp, weight_files, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def hf_kind(cfg: ModelConfig) -> str:
@@ -299,18 +295,4 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     hf_config = hf_gpt_oss.hf_config_from_model(cfg) if cfg.attention_sinks else hf_config_from_model(cfg)
     if cfg.attention_sinks:
         hf = hf_gpt_oss.tensors_to_hf(cfg, tensors)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    files.ordinary_permissions(tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    if config.data.tokenizer == "json" and Path(config.data.vocab_file).is_file():
-        shutil.copy(config.data.vocab_file, tmp / "tokenizer.json")
-        for name in TOKENIZER_FILES:  # the chat template and special tokens beside it, when there are any
-            if (Path(config.data.vocab_file).parent / name).is_file():
-                shutil.copy(Path(config.data.vocab_file).parent / name, tmp / name)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.replace(out_dir)
-    return out_dir
+    return write_directory(out_dir, hf, hf_config, config.data)
