@@ -142,3 +142,21 @@ def assert_round_trip(ref: dict, out_dir: Path, model_class) -> None:
     reloaded = model_class.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(ref["tokens"]).logits, ref["logits"])
+
+
+def tiny_qwen3_chat(folder: Path, data_dir: Path, max_positions: int) -> Path:
+    """A random one-layer Qwen3 (tied embeddings, the real 151,936-token vocabulary) saved in `folder` with the
+    shared chat tokenizer beside it (its tokenizer_config.json holds the chat template): a chat model's HF
+    directory for the CLI tests."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / "chat" / "qwen3" / name, folder / name)
+    return folder

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from llama_reference import tiny_qwen3_chat
 
 from shardlm.cli import main
 
@@ -42,16 +42,8 @@ plot = false
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     root = tmp_path_factory.mktemp("hf_start_cli")
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
-                         tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).save_pretrained(root / "hf")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the second holds the chat template
-        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+    tiny_qwen3_chat(root / "hf", data_dir, max_positions=32)
     text = root / "corpus.txt"
     text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:4000])
     path = root / "run.toml"

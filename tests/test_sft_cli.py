@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
+from llama_reference import tiny_qwen3_chat
 
 from shardlm.cli import main
 from shardlm.training.data import DocumentSamples
@@ -46,16 +46,8 @@ plot = false
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     root = tmp_path_factory.mktemp("sft_cli")
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).save_pretrained(root / "hf")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+    tiny_qwen3_chat(root / "hf", data_dir, max_positions=256)
     lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()[:40]
     records = root / "records.jsonl"
     records.write_text("\n".join(lines) + "\n")
