@@ -1,8 +1,8 @@
 """What every Hugging Face converter of shardlm shares: the tensors of an HF directory read on demand
-(`HFTensor`), which file holds each (`weight_files`), the rotary and YaRN settings both ways, and dropping the
-multi-token-prediction layers a directory does not hold. The converters themselves: `hf` (GPT-2, and the entry
-points that pick a family), `hf_llama` (Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss with `hf_gpt_oss`),
-`hf_deepseek` (DeepSeek-V2/V3, Kimi K2)."""
+(`HFTensor`), which file holds each (`weight_files`), the rotary and YaRN settings both ways, dropping the
+multi-token-prediction layers a directory does not hold, and writing a directory (`write_directory`). The
+converters themselves: `hf` (GPT-2, and the entry points that pick a family), `hf_llama` (Llama, Qwen3, Mixtral,
+Qwen3-MoE, GLM-4.5, gpt-oss with `hf_gpt_oss`), `hf_deepseek` (DeepSeek-V2/V3, Kimi K2)."""
 
 from __future__ import annotations
 
