@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
@@ -191,3 +192,19 @@ def steady(times: list[float], tokens: list[float], warmup: int) -> dict:
     if not times:
         raise RuntimeError("no step left after the warm-up steps")
     return {"step_s": times, "tokens": tokens, "tokens_per_sec": sum(tokens) / sum(times)}
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Run the block with `threads` intra-op threads, then restore the number before it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def native_precisions(features: dict) -> list[str]:
+    """The precisions a CPU comparison runs (`cpu_features`): fp32, and bf16 where the CPU multiplies it natively."""
+    return ["fp32"] + (["bf16"] if features["native_bf16"] else [])

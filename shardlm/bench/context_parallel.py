@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import round_orders, summary, timed_between_barriers
+from shardlm.bench.common import round_orders, summary, timed_between_barriers, torch_threads
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,6 @@ def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
     from shardlm.data.zigzag import zigzag_chunks
     from shardlm.parallel.ring_attention import CAUSAL, EMPTY, attention_block, block_kind
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
     chunks = 2 * context
     length = shape.seq_length // chunks
     head_dim = shape.hidden_size // shape.num_heads
@@ -142,7 +140,7 @@ def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
     blocks = {(name, rank): [block_kind(i, j) for i in held(rank) for j in range(chunks)]
               for name, held in splits.items() for rank in range(context)}
     runs: dict = {key: [] for key in blocks}
-    try:
+    with torch_threads(1):
         for _ in range(repeats):  # rounds over every (split, rank), so that a busy moment hits them all alike
             for key, kinds in blocks.items():
                 start = time.perf_counter()
@@ -154,8 +152,6 @@ def attention_balance(shape: CPShape, context: int, repeats: int) -> dict:
         for name in splits:
             seconds = [min(runs[name, rank]) for rank in range(context)]
             out[name] = {"seconds_per_rank": [round(t, 6) for t in seconds], "spread": max(seconds) / min(seconds) - 1}
-    finally:
-        torch.set_num_threads(previous)
     return out
 
 

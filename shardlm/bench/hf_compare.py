@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardlm.bench.common import cpu_features, interleaved, median_cell, summary
+from shardlm.bench.common import cpu_features, interleaved, median_cell, native_precisions, summary, torch_threads
 from shardlm.bench.moe import expert_gemm_dtypes
 
 GOAL = 1.2  # shardlm tokens/s / transformers' as shipped, fp32
@@ -143,41 +143,36 @@ def single_process(shape, family: HFModel, repeats: int, threads: int = 2) -> di
     hf_eager per round, the expert GEMMs' dtypes, the implementations transformers ran; the fp32 loss check;
     the CPU's features; whether the fp32 median ratio meets GOAL."""
     features = cpu_features()
-    precisions = ["fp32"] + (["bf16"] if features["native_bf16"] else [])
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    precisions = native_precisions(features)
     out: dict = {"config": f"{shape.describe()}, {threads} threads", "cpu_features": features,
                  "precisions": precisions}
     rows = random_rows(shape)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            from shardlm.checkpoint.hf import from_hf
+    with torch_threads(threads), tempfile.TemporaryDirectory() as tmp:
+        from shardlm.checkpoint.hf import from_hf
 
-            folder = family.save(shape, Path(tmp) / "hf")
-            checkpoint = from_hf(folder, Path(tmp) / "model.safetensors")
-            for precision in precisions:
-                hf, (attention, shipped) = hf_step(family, folder, rows, None, precision)
-                hf_eager = hf_step(family, folder, rows, "eager", precision)[0]
-                trainer = shardlm_trainer(checkpoint, shape, rows, precision, family.model_overrides)
-                programs = {"shardlm": trainer.train_step, "hf": hf, "hf_eager": hf_eager}
-                if precision == "fp32":  # fresh models: their first step is the check
-                    out["loss_check"] = loss_check(programs)
-                experts = family.experts_class
-                experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
-                                 "hf": expert_gemm_dtypes(hf.model, experts, hf),
-                                 "hf_eager": expert_gemm_dtypes(hf_eager.model, experts, hf_eager)}
-                times = interleaved(programs, repeats, warmup=1)
-                tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
-                figures = {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
-                figures |= {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
-                for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
-                    figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
-                figures["hf_experts_implementation"] = shipped
-                figures["hf_attn_implementation"] = attention
-                figures["experts_dtype"] = experts_dtype
-                out[precision] = figures
-    finally:
-        torch.set_num_threads(previous)
+        folder = family.save(shape, Path(tmp) / "hf")
+        checkpoint = from_hf(folder, Path(tmp) / "model.safetensors")
+        for precision in precisions:
+            hf, (attention, shipped) = hf_step(family, folder, rows, None, precision)
+            hf_eager = hf_step(family, folder, rows, "eager", precision)[0]
+            trainer = shardlm_trainer(checkpoint, shape, rows, precision, family.model_overrides)
+            programs = {"shardlm": trainer.train_step, "hf": hf, "hf_eager": hf_eager}
+            if precision == "fp32":  # fresh models: their first step is the check
+                out["loss_check"] = loss_check(programs)
+            experts = family.experts_class
+            experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
+                             "hf": expert_gemm_dtypes(hf.model, experts, hf),
+                             "hf_eager": expert_gemm_dtypes(hf_eager.model, experts, hf_eager)}
+            times = interleaved(programs, repeats, warmup=1)
+            tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
+            figures = {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
+            figures |= {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
+            for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
+                figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
+            figures["hf_experts_implementation"] = shipped
+            figures["hf_attn_implementation"] = attention
+            figures["experts_dtype"] = experts_dtype
+            out[precision] = figures
     fp32 = out["fp32"]["ratio"]
     out["goal"] = {"ratio_at_least": GOAL, "fp32_ratio": fp32["median"], "met": fp32["median"] >= GOAL,
                    "rounds_at_goal": sum(r >= GOAL for r in fp32["values"]), "rounds": len(fp32["values"])}

@@ -33,7 +33,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.bench.common import cpu_features, interleaved, median_cell, round_orders, summary, timed_between_barriers
+from shardlm.bench.common import (
+    cpu_features,
+    interleaved,
+    median_cell,
+    native_precisions,
+    round_orders,
+    summary,
+    timed_between_barriers,
+    torch_threads,
+)
 from shardlm.models.config import ModelConfig, flops_per_token
 
 
@@ -160,12 +169,10 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
     from shardlm.parallel import ParallelContext
 
     features = cpu_features()
-    precisions = ["fp32"] + (["bf16"] if features["native_bf16"] else [])
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    precisions = native_precisions(features)
     out: dict = {"config": f"{shape.describe()}, {threads} threads", "cpu_features": features,
                  "precisions": precisions}
-    try:
+    with torch_threads(threads):
         for precision in precisions:
             hf, shipped = hf_step(shape, None, precision)
             hf_eager, trainer = hf_step(shape, "eager", precision)[0], shape.trainer(ParallelContext.single(),
@@ -183,8 +190,6 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
             figures["experts_dtype"] = experts_dtype
             figures["shardlm_gflops"] = figures["shardlm_tokens_per_sec"]["median"] * shape.flops_per_token / 1e9
             out[precision] = figures
-    finally:
-        torch.set_num_threads(previous)
     return out
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardlm.bench.common import interleaved, median_cell, steady, summary
+from shardlm.bench.common import interleaved, median_cell, steady, summary, torch_threads
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -137,15 +137,11 @@ def attention_speed(shape: SFTShape, docs, repeats: int, threads: int = 2) -> di
         "dense_mask": backward(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
         "causal_row": backward(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     }
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         with torch.no_grad():
             difference = (document_causal_attention(q, k, v, cu_seqlens)
                           - F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).abs().max().item()
         times = interleaved(programs, repeats, warmup=1)
-    finally:
-        torch.set_num_threads(previous)
     lengths = [(row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist() for row in rows]
     # causal (query, key) pairs of the documents (the padding tail is a segment too) over the whole row's
     work = sum(n * (n + 1) // 2 for row in lengths for n in row) / (batch * length * (length + 1) // 2)
@@ -217,24 +213,16 @@ class ShardlmSteps:
                      f"train.micro_batch_size={shape.rows_per_step}", f"train.global_batch_size={shape.rows_per_step}",
                      f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"']
         self.shape, self.threads, self.times, self.tokens, self.losses = shape, threads, [], [], []
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             self.trainer = train(load_config(None, overrides), run_dir=run_dir).trainer
-        finally:
-            torch.set_num_threads(previous)
         logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         self.warmup_step_s = [r["step_time_s"] for r in logged if "step_time_s" in r]
 
     def step(self) -> None:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
+        with torch_threads(self.threads):
             start = time.perf_counter()
             metrics = self.trainer.train_step()
             self.times.append(time.perf_counter() - start)
-        finally:
-            torch.set_num_threads(previous)
         self.tokens.append(real_tokens_per_step(self.trainer.train_data, metrics["step"], self.shape.rows_per_step))
         self.losses.append(metrics["loss"])
 

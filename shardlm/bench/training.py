@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardlm.bench.common import BenchShape, cpu_features, interleaved, summary
+from shardlm.bench.common import BenchShape, cpu_features, interleaved, native_precisions, summary, torch_threads
 from shardlm.training.parallelize import can_compile
 
 HF_VARIANTS = {"hf": "gelu_new", "hf_fused_gelu": "gelu_pytorch_tanh"}
@@ -218,17 +218,14 @@ def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=V
     Top-level `ratio`, `ratio_same_kernels` and `*_tokens_per_sec` are the fp32 figures at the first
     vocabulary (BENCH's), as before; `by_vocabulary[V][precision]` holds all of them."""
     features = cpu_features()
-    precisions = ["fp32"] + (["bf16"] if features["native_bf16"] else [])
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    precisions = native_precisions(features)
     by_vocabulary: dict = {}
-    with tempfile.TemporaryDirectory() as folder:
+    with torch_threads(threads), tempfile.TemporaryDirectory() as folder:
         for vocab in vocab_sizes:
             for precision in precisions:
                 figures = compare(replace(shape, vocab_size=vocab), precision, repeats, threads, Path(folder),
                                   gemm_sizes, compiled)
                 by_vocabulary.setdefault(str(vocab), {})[precision] = figures
-    torch.set_num_threads(previous)
     result = {"config": shape.describe("fp32 and bf16 autocast" if "bf16" in precisions else "fp32",
                                        vocabulary=False) + f", {threads} threads",
               "threads": threads, "hf_activation": HF_VARIANTS, "cpu_features": features, "precisions": precisions,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlm.bench.common import interleaved, median_cell, round_orders, summary, timed_between_barriers
+from shardlm.bench.common import interleaved, median_cell, round_orders, summary, timed_between_barriers, torch_threads
 
 
 @dataclass(frozen=True)
@@ -118,14 +118,10 @@ def one_process(shape: WindowShape, repeats: int, threads: int = 1) -> dict:
                                                               v.repeat_interleave(groups, 1), is_causal=True),
             q, k, v, None, dout),
     }
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         programs["tiled_window"]()  # the counts of one call
         tiles = {"computed": dict(counts.computed), "skipped": dict(counts.skipped)}
         seconds = interleaved(programs, repeats, warmup=1)
-    finally:
-        torch.set_num_threads(previous)
     return {"seconds": seconds, "tiles": tiles, "threads": threads}
 
 
