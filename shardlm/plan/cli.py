@@ -88,7 +88,7 @@ def add_parser(subparsers) -> None:
                              "by measured GEMM efficiency), 0.71 for any other GPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--validate-paper", nargs="?", const="shoeybi2019",
-                        choices=("shoeybi2019", "narayanan2021", "llama3", "deepseek-v3"),
+                        choices=tuple(_PAPERS),
                         help="print a paper's table beside the predictions: shoeybi2019 (the default: Megatron-LM's "
                              "V100 efficiencies), narayanan2021 (SC21: 1.7B to 1T on A100s, TFLOP/s and %% of peak), "
                              "llama3 (Llama 3 405B on up to 16,384 H100s, Meta 2024, Table 4) or deepseek-v3 "
@@ -105,6 +105,34 @@ def _gpu(args: argparse.Namespace):
                       inter_node_gbps=args.inter_node_bw)
 
 
+def _llama3():
+    from shardlm.plan import llama3, report
+
+    return lambda: [llama3.compare(row) for row in llama3.TABLE4], report.llama3_dict, report.render_llama3
+
+
+def _deepseek():
+    from shardlm.plan import deepseek, report
+
+    return deepseek.compare, report.deepseek_dict, report.render_deepseek
+
+
+def _sc21():
+    from shardlm.plan import report, sc21
+
+    return sc21.compare, report.sc21_dict, report.render_sc21
+
+
+def _shoeybi2019():
+    from shardlm.plan import paper, report
+
+    return paper.compare_table1, report.comparison_dict, report.render_comparison
+
+
+_PAPERS = {"shoeybi2019": _shoeybi2019, "narayanan2021": _sc21, "llama3": _llama3, "deepseek-v3": _deepseek}
+"""`--validate-paper NAME`: (the comparison, its JSON form, its table), imported only when asked for."""
+
+
 def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -115,42 +143,13 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.plan import report
 
     console = Console(width=None if Console().is_terminal else 140)
-    if args.validate_paper == "llama3":
-        from shardlm.plan.llama3 import TABLE4
-        from shardlm.plan.llama3 import compare as compare_llama3
-
-        verdicts = [compare_llama3(row) for row in TABLE4]
-        if args.json:
-            print(json.dumps(report.llama3_dict(verdicts), indent=2))
-        else:
-            report.render_llama3(verdicts, console)
-        return 0
-    if args.validate_paper == "deepseek-v3":
-        from shardlm.plan.deepseek import compare as compare_deepseek
-
-        verdict = compare_deepseek()
-        if args.json:
-            print(json.dumps(report.deepseek_dict(verdict), indent=2))
-        else:
-            report.render_deepseek(verdict, console)
-        return 0
-    if args.validate_paper == "narayanan2021":
-        from shardlm.plan.sc21 import compare
-
-        rows = compare()
-        if args.json:
-            print(json.dumps(report.sc21_dict(rows), indent=2))
-        else:
-            report.render_sc21(rows, console)
-        return 0
     if args.validate_paper:
-        from shardlm.plan.paper import compare_table1
-
-        rows = compare_table1()
+        compare, as_dict, render = _PAPERS[args.validate_paper]()
+        verdict = compare()
         if args.json:
-            print(json.dumps(report.comparison_dict(rows), indent=2))
+            print(json.dumps(as_dict(verdict), indent=2))
         else:
-            report.render_comparison(rows, console)
+            render(verdict, console)
         return 0
     if not args.model or not args.gpus:
         raise UserError("give --model and --gpus (or --validate-paper)")

@@ -114,9 +114,10 @@ class Evaluator:
         reserve = int(request.reserve_gb * GB)
         worst = None
         dual = self.kernels.dualpipe and pp > 1
-        ranks = range(pp) if self.mixed else sorted({0, pp - 1} | ({min(1, pp - 1)} if layout.end_trim else set()))
         if dual:
             ranks = dualpipe.mirrored_ranks(pp)
+        else:
+            ranks = range(pp) if self.mixed else sorted({0, pp - 1} | ({min(1, pp - 1)} if layout.end_trim else set()))
         for rank in ranks:  # with trimmed ends the second rank holds a full first chunk
             stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual)
             state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else

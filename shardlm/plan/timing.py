@@ -297,10 +297,11 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
                   * key_share(full_sequence))
     # per pipeline rank: the busiest holds ceil(L / P) layers, (L + 2) / P with Llama 3's short end stages, and
     # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
-    layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim)
-    imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
     if kernels.dualpipe and layout.pp > 1:  # a rank runs half the micro-batches through each of its two stages
         layers, moe_layers, imbalance = dualpipe.pace(full_sequence, layout.pp)
+    else:
+        layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim)
+        imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
     peak = gpu.peak_tflops * 1e12
     compute = flops / (peak * calibration.compute_efficiency)
     if kernels.causal_skip:  # the attention core by the flash kernel's own FLOPs and rates
