@@ -95,11 +95,25 @@ def test_gradients_are_reduced_over_data_times_context_ranks():
     assert with_cp == plain > 0
 
 
-@pytest.mark.parametrize("model,context,message", [
-    ("bert-336m", 2, "--context=2: context parallelism is planned for GPT and Llama only"),
-    ("llama3-8b", 0, "--context=0 must be at least 1"),
+@pytest.mark.parametrize("model,context,implementation,message", [
+    ("bert-336m", 2, "shardlm", "--context=2: context parallelism is planned for GPT and Llama only"),
+    ("llama3-8b", 0, "shardlm", "--context=0 must be at least 1"),
+    ("llama3-8b", 2, "megatron", "--context=2: not planned for --implementation megatron .*use --implementation "
+                                 "megatron-core"),
 ])
-def test_bad_context_requests_are_one_line_errors(model, context, message):
+def test_bad_context_requests_are_one_line_errors(model, context, implementation, message):
     with pytest.raises(UserError, match=message):
         plan(PlanRequest(model=resolve_model(model), gpu=gpu_preset("h100"), gpus=16, global_batch=64,
-                         context=context))
+                         context=context, implementation=implementation))
+
+
+@pytest.mark.parametrize("implementation,hinted", [("megatron", True), ("megatron-core", False)])
+def test_no_layout_at_a_long_sequence_under_sc21s_megatron_names_the_implementations_with_cp(implementation,
+                                                                                             hinted):
+    """One sequence a step cannot fill two pipeline stages at any TP x DP: SC21's Megatron (no CP) says where
+    context parallelism is planned; megatron-core, which searched CP already, does not."""
+    with pytest.raises(UserError, match="no valid PP x TP x DP layout") as error:
+        plan(PlanRequest(model=llama3_8b(LONG), gpu=gpu_preset("h100"), gpus=16, global_batch=1, pipeline=2,
+                         implementation=implementation))
+    assert ("context parallelism, which splits a long sequence over GPUs, is planned with --implementation "
+            "megatron-core or shardlm" in str(error.value)) == hinted

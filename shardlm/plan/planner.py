@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from shardlm.errors import UserError
-from shardlm.plan.context import context_invalid_reason, context_options
+from shardlm.plan.context import LONG_CONTEXT, context_invalid_reason, context_options
 from shardlm.plan.evaluate import Choice, Evaluator
 from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_invalid_reason, hybrid_invalid_reason
@@ -293,5 +293,10 @@ def plan(request: PlanRequest) -> Plan:
                 params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep, best.layout.end_trim)[1]
                 result.rows.append(PlanRow(tp, dp, params, best, pp, ep, cp))
     if not result.rows:
-        raise UserError("no valid PP x TP x DP layout: " + "; ".join(sorted(set(result.skipped.values()))))
+        hint = ""
+        cfg = request.model.config
+        if request.implementation == "megatron" and cfg.seq_length >= LONG_CONTEXT and cfg.arch in ("gpt", "llama"):
+            hint = ("; context parallelism, which splits a long sequence over GPUs, is planned with "
+                    "--implementation megatron-core or shardlm")
+        raise UserError("no valid PP x TP x DP layout: " + "; ".join(sorted(set(result.skipped.values()))) + hint)
     return result
