@@ -31,7 +31,8 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardlm",
-        description="Tensor x data parallel training of GPT and BERT models (Megatron-LM style).",
+        description="Megatron-style training of GPT, BERT, Llama-family and Mixture-of-Experts models: "
+                    "tensor, pipeline, context, expert and data parallelism.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -20,15 +20,16 @@ def add_parser(subparsers) -> None:
     convert.add_argument("--output", required=True, help="output .safetensors file")
     convert.set_defaults(func=run_consolidate)
 
-    hf = subparsers.add_parser("convert", help="convert GPT-2, Llama-family or DeepSeek-V3 weights to or from "
-                                                   "HuggingFace transformers")
+    hf = subparsers.add_parser("convert", help="convert GPT-2, Llama-family (Qwen3, Mixtral, GLM-4.5, gpt-oss) "
+                                                   "or DeepSeek V2/V3 weights to or from HuggingFace transformers")
     direction = hf.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR",
-                           help="HF GPT2LMHeadModel, Llama-family or DeepseekV3ForCausalLM directory "
+                           help="HF GPT2LMHeadModel, Llama-family or DeepSeek V2/V3 (Kimi K2) directory "
                                 "(config.json + safetensors)")
     direction.add_argument("--to-hf", metavar="DIR",
-                           help="write a HF GPT2LMHeadModel (LlamaForCausalLM for llama, DeepseekV3ForCausalLM "
-                                "for MLA) directory here")
+                           help="write a HF directory here: GPT2LMHeadModel for gpt, the Llama family's own class "
+                                "for llama (LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, ...), "
+                                "DeepseekV3ForCausalLM (or V2) for MLA")
     hf.add_argument("--checkpoint", help="with --to-hf: the shardlm checkpoint (directory or consolidated file)")
     hf.add_argument("--output", help="with --from-hf: the consolidated shardlm checkpoint file to write")
     hf.set_defaults(func=run_hf)

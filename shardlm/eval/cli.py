@@ -29,8 +29,10 @@ def _add_common(parser: argparse.ArgumentParser, data_help: str | None = None) -
 
 
 def add_parser(subparsers) -> None:
-    evaluate = subparsers.add_parser("eval", help="WikiText-103 perplexity or LAMBADA accuracy of a checkpoint",
-                                     description="Zero-shot evaluations of the Megatron-LM paper.")
+    evaluate = subparsers.add_parser("eval", help="WikiText-103 perplexity, LAMBADA accuracy or lm-evaluation-harness "
+                                                              "tasks of a checkpoint",
+                                     description="Zero-shot evaluations of the Megatron-LM paper, and "
+                                                 "lm-evaluation-harness tasks.")
     tasks = evaluate.add_subparsers(dest="task", metavar="TASK")
     tasks.required = True
 

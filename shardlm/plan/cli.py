@@ -20,9 +20,10 @@ import argparse
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "plan", help="which PP x TP x DP (x EP) layout fits, and how fast it runs",
+        "plan", help="which PP x TP x CP x DP (x EP) layout fits, and how fast it runs",
         description="Per-GPU memory and predicted step time of every valid pipeline x tensor x data parallel "
-                    "layout (and, for Mixture-of-Experts models, expert parallel size), with micro-batch, "
+                    "layout (and, for long sequences, context parallel size; for Mixture-of-Experts models, "
+                    "expert parallel size), with micro-batch, "
                     "interleaving, sequence parallelism, recomputation and the data sharding (none, distributed "
                     "optimizer, FSDP) chosen per "
                     "layout. "

@@ -13,7 +13,7 @@ import os
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="train a GPT with tensor x data parallelism",
+        "train", help="pretrain or fine-tune (SFT) a model from a TOML config, on any parallel layout",
         description="Train a model from a TOML config. Overrides: section.key=value (e.g. train.lr=3e-4).",
     )
     parser.add_argument("config", help="TOML config file (see configs/)")
