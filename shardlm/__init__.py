@@ -1,3 +1,4 @@
-"""shardlm: Megatron-style tensor x data parallel training of GPT and BERT in native PyTorch."""
+"""shardlm: Megatron-style tensor, pipeline, context, expert and data parallel training of GPT, BERT, Llama-family
+and Mixture-of-Experts models in native PyTorch."""
 
 __version__ = "0.1.0"
