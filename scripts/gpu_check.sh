@@ -53,5 +53,10 @@ for cfg in tiny-moe-deepseek tiny-deepseek-v3 tiny-gpt-oss; do
         --run-dir "/tmp/gpu-check-$cfg" train.steps=30 train.precision=bf16 train.eval_interval=30 \
         log.progress=false checkpoint.dir="/tmp/gpu-check-$cfg/checkpoints"
 done
+# Multi-rank CUDA code on one GPU: 2 and 4 ranks share GPU 0 over the staged gloo group (NCCL refuses two
+# ranks on one GPU) and must give one process's numbers: TP with SP, PP with virtual stages, CP (MLA with MTP
+# depths, gpt-oss's attention), FSDP, DDP, the distributed optimizer and EP (`tests/test_staged_backend.py`).
+step layouts_one_gpu 300 env SHARDLM_BACKEND=gloo_staged "$py" -m pytest -q -p no:cacheprovider \
+    tests/test_staged_backend.py
 step bench_other 300 "$py" -m shardlm.bench.gpu --compile $best --shapes gpt2-355m gpt2-774m paper-1.2b
 step bench_xl_eager 120 "$py" -m shardlm.bench.gpu $best --shapes gpt2-1.5b

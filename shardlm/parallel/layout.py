@@ -34,6 +34,7 @@ from shardlm.errors import UserError
 from shardlm.parallel.comm import CommStats, Communicator
 from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
 from shardlm.parallel.shm import shared_memory_wanted
+from shardlm.parallel.staged import STAGED, backend_for, backend_name
 
 
 def check_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> int:
@@ -311,9 +312,11 @@ class ParallelContext:
 
 
 def default_device() -> torch.device:
-    """This process's accelerator (cuda:LOCAL_RANK) when there is one, else the CPU."""
+    """This process's accelerator (cuda:LOCAL_RANK) when there is one, else the CPU. Under
+    `SHARDLM_BACKEND=gloo_staged` (`shardlm.parallel.staged`) ranks share the GPUs: cuda:(LOCAL_RANK mod GPUs)."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        return torch.device("cuda", local % torch.cuda.device_count() if backend_name() == STAGED else local)
     return torch.device("cpu")
 
 
@@ -322,8 +325,9 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
                      expert_parallel: int = 1, context_parallel: int = 1) -> ParallelContext:
     """Initialize torch.distributed from the torchrun environment and return this rank's context.
 
-    The backend follows the device: NCCL for CUDA, gloo for CPU. Without torchrun variables (a
-    plain `python` process) this is a world of one. `timeout_s` bounds every collective, so a dead
+    The backend follows the device: NCCL for CUDA, gloo for CPU; `SHARDLM_BACKEND=gloo_staged` runs gloo on CPU
+    copies of CUDA tensors, so that several ranks can share one GPU (`shardlm.parallel.staged`). Without torchrun
+    variables (a plain `python` process) this is a world of one. `timeout_s` bounds every collective, so a dead
     peer ends the run with an error instead of a hang.
     """
     device = device or default_device()
@@ -334,7 +338,7 @@ def init_distributed(tensor_parallel: int, timeout_s: float = 600.0,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend_for(device)
         rank = int(os.environ["RANK"])
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, store=_attempt_store(rank, world, timeout), rank=rank,

@@ -48,7 +48,11 @@ def _worker(rank, world_size, port, fn, args, queue, init, threads, environment)
     try:
         if init:
             # A short collective timeout turns a hang (one rank failed mid-check) into an error.
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+            from shardlm.parallel.staged import backend_for
+
+            # gloo, or the staged gloo group under SHARDLM_BACKEND=gloo_staged (several ranks on one GPU)
+            backend = backend_for(torch.device("cpu"))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))

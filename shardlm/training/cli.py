@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.init import resolve_init
     from shardlm.config import load_config
     from shardlm.errors import UserError
+    from shardlm.parallel.staged import backend_name
     from shardlm.validation import validate
 
     config = load_config(args.config, args.overrides)
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(config), indent=2))
         return 0
     validate(config, world)
+    backend_name()  # a bad SHARDLM_BACKEND is one line here, not one per worker
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc-per-node={nproc} must be at least 1")
     if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
