@@ -8,9 +8,10 @@ GPU 0 (`scripts/gpu_check.sh`), against one process on the GPU.
 
 Layouts (`test_sft_layouts`'s packed SFT rows and models), chosen so that every kind of communication goes
 through the group: world 2: TP=2 with SP (all-reduce, all-gather, reduce-scatter), PP=2 x 2 virtual stages
-(PyTorch's pipeline sends and receives), CP=2 on MLA with two MTP depths (the ring's batched sends), FSDP DP=2
-(FSDP2's all-gathers and reduce-scatters), gpt-oss's attention at CP=2; world 4: TP=2 x DP=2 with SP and the
-distributed optimizer, PP=2 x DP=2 (DDP's all-reduces, issued from C++), EP=2 over DP=4 (all-to-all).
+(PyTorch's pipeline sends and receives), CP=2 on MLA with two MTP depths (the ring's batched sends; DDP over the
+CP ranks: its parameter check and broadcast issued from C++, its all-reduce hook), FSDP DP=2 (FSDP2's
+all-gathers and reduce-scatters), gpt-oss's attention at CP=2; world 4: TP=2 x DP=2 with SP and the distributed
+optimizer, PP=2 x DP=2, EP=2 over DP=4 (all-to-all, DDP).
 """
 
 from __future__ import annotations
