@@ -128,6 +128,12 @@ class StagedGroup(dist.ProcessGroup):
         _copy_back(args[0], staged[0])
         return _done(args[0])
 
+    def _each(self, name: str, outputs, inputs, opts):
+        """A coalesced call: the one-tensor collective `name` on each (output, input) pair in turn."""
+        for output, input in zip(outputs, inputs):
+            self._run(name, output, input, opts)
+        return _done(outputs)
+
     def allreduce(self, tensors, opts):
         return self._run("allreduce", tensors, opts)
 
@@ -144,9 +150,7 @@ class StagedGroup(dist.ProcessGroup):
         return self._run("all_gather_single", output, input, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        for output, input in zip(outputs, inputs):
-            self._run("all_gather_single", output, input, opts)
-        return _done(outputs)
+        return self._each("all_gather_single", outputs, inputs, opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
         return self._run("reduce_scatter", outputs, inputs, opts)
@@ -155,9 +159,7 @@ class StagedGroup(dist.ProcessGroup):
         return self._run("reduce_scatter_single", output, input, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        for output, input in zip(outputs, inputs):
-            self._run("reduce_scatter_single", output, input, opts)
-        return _done(outputs)
+        return self._each("reduce_scatter_single", outputs, inputs, opts)
 
     def alltoall(self, outputs, inputs, opts):
         return self._run("alltoall", outputs, inputs, opts)
@@ -186,7 +188,7 @@ class StagedGroup(dist.ProcessGroup):
         return _Pending(self.gloo.send(staged, dst, tag), staged)
 
     def recv(self, tensors, src: int, tag: int):
-        staged = _to_cpu(tensors)
+        staged = [torch.empty_like(t, device="cpu") for t in tensors]  # gloo writes them: nothing to copy in
         return _Pending(self.gloo.recv(staged, src, tag), staged, lambda: _copy_back(tensors, staged))
 
 
