@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_moe_parallel import ROUTING, curve_of, full_parameters
-from test_training import ADAM_EPS, VOCAB, rel, synthetic_data
+from test_training import ADAM_EPS, VOCAB, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
 from shardlm.config import from_dict
@@ -31,6 +31,7 @@ from shardlm.parallel.layout import context_grid, expert_data_parallel_groups, e
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL, MICRO = 8, 1e-5, 2
@@ -129,10 +130,7 @@ def assert_same_run(curve, params, ref):
     for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
         for what, a, b in zip(names, got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert params.keys() == ref_params.keys()
-    errors = {name: rel(params[name], ref_params[name]) for name in params}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"final parameter {worst} differs by {errors[worst]:.2e}"
+    assert_trained_parameters(params, ref_params, STEPS, TOL)
 
 
 @pytest.mark.parametrize("name,arch,routing,groups", [

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from test_llama import full_parameters
-from test_training import ADAM_EPS, VOCAB, rel
+from test_training import ADAM_EPS, VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.config import from_dict
@@ -33,6 +33,7 @@ from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, model_flops_utilization
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
@@ -201,10 +202,7 @@ def assert_same_run(curve, params, ref):
     for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
         for what, a, b in zip(("loss", "grad norm"), got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert params.keys() == ref_params.keys()
-    errors = {name: rel(params[name], ref_params[name]) for name in params}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"final parameter {worst} differs by {errors[worst]:.2e}"
+    assert_trained_parameters(params, ref_params, STEPS, TOL)
 
 
 @pytest.mark.parametrize("name,arch,micro", [

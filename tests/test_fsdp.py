@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_llama import tiny_config as llama_config
-from test_training import VOCAB, assert_same_run, rel, synthetic_data, tiny_config
+from test_training import VOCAB, assert_same_run, synthetic_data, tiny_config
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.errors import UserError
@@ -23,6 +23,7 @@ from shardlm.training.fsdp import counting_collectives
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import rel
 from multiproc import check_result, run_checks, run_workers
 
 STEPS = 8

@@ -30,7 +30,7 @@ from test_fsdp import run as fsdp_run
 from test_moe_parallel import STEPS, TOL, curve_of, full_parameters, moe_config
 from test_moe_parallel import assert_same_run as assert_same_moe_run
 from test_moe_parallel import train_layout as moe_train
-from test_training import assert_same_run, rel, synthetic_data
+from test_training import assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.errors import UserError
@@ -39,6 +39,7 @@ from shardlm.training.parallelize import can_compile
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters
 from multiproc import check_result, needs, run_checks, run_workers
 
 FSDP = {"data_sharding": "full"}
@@ -177,8 +178,7 @@ def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
     for step, (got, want) in enumerate(zip(curve, ref_curve[4:]), 5):
         for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    params = full_parameters(trainer.model)
-    assert max(rel(params[n], ref_params[n]) for n in params) <= TOL
+    assert_trained_parameters(full_parameters(trainer.model), ref_params, STEPS, TOL)
 
 
 @needs(can_compile(torch.device("cpu")), "a C++ compiler (torch.compile on the CPU)")

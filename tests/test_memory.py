@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_pipeline import whole_model
-from test_training import LAYERS, assert_same_run, full_parameters, rel, synthetic_data, tiny_config, train_run
+from test_training import LAYERS, assert_same_run, full_parameters, synthetic_data, tiny_config, train_run
 
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import rel
 from multiproc import run_workers
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_moe_parallel import STEPS, assert_same_run, train_layout
 from test_moe_parallel import run as run_layout
-from test_training import ADAM_EPS, VOCAB, rel
+from test_training import ADAM_EPS, VOCAB
 
 from shardlm.config import from_dict
 from shardlm.errors import UserError
@@ -28,6 +28,7 @@ from shardlm.models import build_model, gpt_loss
 from shardlm.parallel import ParallelContext
 from shardlm.validation import validate
 
+from agreement import rel
 from multiproc import check_result, run_checks, run_workers
 
 MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,

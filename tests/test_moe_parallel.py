@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_training import ADAM_EPS, VOCAB, rel, synthetic_data
+from test_training import ADAM_EPS, VOCAB, synthetic_data
 
 from shardlm.checkpoint import consolidate, load_checkpoint, load_model, save_checkpoint
 from shardlm.config import from_dict
@@ -28,6 +28,7 @@ from shardlm.training.gradients import _reduce_in_place
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL = 8, 1e-5
@@ -249,10 +250,7 @@ def assert_same_run(run_result, ref):
     for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
         for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert params.keys() == ref_params.keys()
-    errors = {name: rel(params[name], ref_params[name]) for name in params}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"final parameter {worst} differs by {errors[worst]:.2e}"
+    assert_trained_parameters(params, ref_params, STEPS, TOL)
 
 
 @pytest.mark.parametrize("name,arch,routing,micro", [
@@ -340,7 +338,7 @@ def test_checkpoint_saved_at_ep2_loads_in_one_process(world2, checkpoint_dir, tm
     for a, b in zip(after, result["step9"]):
         assert abs(a - b) <= TOL * abs(b)
     params9 = full_parameters(trainer.model)
-    assert max(rel(params9[n], result["params9"][n]) for n in params9) <= TOL
+    assert_trained_parameters(params9, result["params9"], 9, TOL)
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep4(world2, world4):

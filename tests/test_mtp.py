@@ -20,7 +20,6 @@ import torch
 from test_mla_parallel import mla_config
 from test_moe_parallel import full_parameters
 from test_moe_parallel import synthetic_data as moe_data
-from test_training import rel
 
 from shardlm.checkpoint.hf_deepseek import (
     hf_config_from_model,
@@ -35,6 +34,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters
 from multiproc import check_result, run_checks, run_workers
 
 STEPS, TOL = 6, 1e-5
@@ -187,9 +187,7 @@ def test_mtp_trains_as_one_process(world2, reference, name):
         for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
             for what, a, b in zip(("loss", "grad norm", "mtp loss"), got, want):
                 assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-        assert params.keys() == ref_params.keys()
-        worst = max(params, key=lambda n: rel(params[n], ref_params[n]))
-        assert rel(params[worst], ref_params[worst]) <= TOL, worst
+        assert_trained_parameters(params, ref_params, STEPS, TOL)
 
 
 def test_mtp_changes_training_but_not_the_logged_loss_of_step_one(reference):

@@ -31,13 +31,14 @@ from test_moe_parallel import full_parameters
 from test_sft_layouts import sft_config
 from test_sft_layouts import train_data as sft_rows
 from test_sft_layouts import valid_data as sft_valid_rows
-from test_training import rel, synthetic_data
+from test_training import synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters, rel
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, SAVED_AT, TOL = 6, 3, 1e-5
@@ -153,9 +154,7 @@ def assert_same_run(value: dict, ref: dict, where: str, first_step: int = 1) -> 
             assert abs(a - b) <= TOL * abs(b), f"{where} step {step}: {what} {a} vs {b}"
     if ref["valid"] is not None:
         assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert value["params"].keys() == ref["params"].keys(), where
-    worst = max(ref["params"], key=lambda n: rel(value["params"][n], ref["params"][n]))
-    assert rel(value["params"][worst], ref["params"][worst]) <= TOL, f"{where}: {worst}"
+    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
 
 
 # ------------------------------------------------------------------------------------------ tests

@@ -30,7 +30,7 @@ import pytest
 import torch
 from test_mla_parallel import MLA
 from test_moe_parallel import ROUTING, full_parameters
-from test_training import VOCAB, rel
+from test_training import VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.config import from_dict
@@ -43,6 +43,7 @@ from shardlm.sft.template import TokenizedConversation
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from agreement import assert_trained_parameters, rel
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
@@ -172,9 +173,7 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} step {step}: loss {loss} vs {ref_loss}"
         assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{where} step {step}: grad norm {norm} vs {ref_norm}"
     assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert value["params"].keys() == ref["params"].keys(), where
-    worst = max(ref["params"], key=lambda n: rel(value["params"][n], ref["params"][n]))
-    assert rel(value["params"][worst], ref["params"][worst]) <= TOL, f"{where}: {worst}"
+    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
 
 
 def kind_of(name: str) -> str:

@@ -17,6 +17,7 @@ from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
+from agreement import assert_trained_parameters
 from multiproc import run_workers
 
 VOCAB, STEPS, LAYERS = 100, 10, 2
@@ -67,11 +68,6 @@ def train_run(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
     # the loss and the global gradient norm (before clipping) of every step
     curve = [(m["loss"], m["grad_norm"]) for m in metrics]
     return curve, full_parameters(trainer), trainer
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error of a tensor: ||a - b|| / ||b|| (L2 over all its elements)."""
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 # -------------------------------------------------------------------------------------- in workers
@@ -139,16 +135,13 @@ def world4_dropout():
 
 def assert_same_run(run, ref, steps: int = STEPS):
     """A run's (curve, final parameters) equals a reference's: loss and gradient norm at each of `steps`
-    steps and every final parameter within TOL (relative)."""
+    steps and every final parameter within TOL (`trained_rel`)."""
     (curve, params), (ref_curve, ref_params) = run, ref
     assert len(curve) == steps
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curve, ref_curve), 1):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
         assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"step {step}: grad norm {norm} vs {ref_norm}"
-    assert params.keys() == ref_params.keys()
-    param_err = {name: rel(params[name], ref_params[name]) for name in params}
-    worst = max(param_err, key=param_err.get)
-    assert param_err[worst] <= TOL, f"final parameter {worst} differs by {param_err[worst]:.2e}"
+    assert_trained_parameters(params, ref_params, steps, TOL)
 
 
 def assert_matches_reference(run, reference):

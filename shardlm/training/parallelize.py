@@ -24,6 +24,7 @@ are dropped before step 4, so FSDP and the optimizers see only the parameters th
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 
@@ -54,10 +55,26 @@ def check_can_compile(device: torch.device) -> None:
                         "or set train.compile=false")
 
 
+def inductor_cache_per_cpu_kind() -> None:
+    """A run that picks its CPU kernels (`ATEN_CPU_CAPABILITY=avx2`, `default`, ...) gets Inductor caches
+    of its own, `<Inductor's folder>-<capability>`, unless `TORCHINDUCTOR_CACHE_DIR` names another folder.
+    Inductor vectorizes for that capability, but its on-disk caches are shared with runs of another one, and a
+    kernel cached by one fails to build under the other (`'at::vec' has not been declared` under `default`).
+    (Importing TorchDynamo already wrote Inductor's default folder into the variable: that one is replaced.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    default = os.path.abspath(default_cache_dir())
+    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{capability}"
+
+
 def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
     """`train.compile`: each transformer layer under `torch.compile`; the embedding, the final norm
     and the fused output layer + loss stay eager."""
     check_can_compile(device)
+    if device.type == "cpu":
+        inductor_cache_per_cpu_kind()
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
     for layer in layers:
         layer.compile()
