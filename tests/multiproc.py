@@ -12,7 +12,7 @@ import traceback
 
 from shardlm.parallel.spawn import free_port, run_workers
 
-__all__ = ["check_result", "free_port", "merge_copies", "needs", "run_checks", "run_workers"]
+__all__ = ["check_result", "free_port", "import_or_skip", "merge_copies", "needs", "run_checks", "run_workers"]
 
 
 def run_checks(checks: dict) -> dict:
@@ -58,3 +58,15 @@ def needs(available: bool, what: str):
     import pytest
 
     return pytest.mark.skipif(not available and not os.environ.get("CI"), reason=f"needs {what}")
+
+
+def import_or_skip(module: str, reason: str | None = None):
+    """`pytest.importorskip(module)`, except under CI (`CI` set), where the project installs it: there a missing
+    module fails the test with its ImportError instead of skipping it unseen."""
+    import importlib
+
+    import pytest
+
+    if os.environ.get("CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
