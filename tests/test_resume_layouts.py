@@ -7,7 +7,8 @@ and trains the same 4 steps. Losses, gradient norms (and the MoE aux loss) of st
 parameter (gathered over DP, TP and EP) must be equal to the bit. Layouts: FSDP DP=2 (GPT, Llama), EP=2
 (Mixtral-style MoE), CP=2 (GPT and Llama; residual dropout only, attention dropout is refused under CP),
 FSDP x EP=2 at DP=2 and DP=4, FSDP x EP=2 x TP=2 with SP, FSDP x EP=4, and the distributed optimizer at
-TP=2 x DP=2 with sequence parallelism.
+TP=2 x DP=2 with sequence parallelism. That dropout draws in them: FSDP DP=2, EP=2 and CP=2 each train at
+dropout 0.1 and at 0, and the losses must differ by more than 1e-3.
 
 Between layouts (dropout 0, within 1e-5 of one process's uninterrupted 8 steps): FSDP x EP=2 saved at step 4
 and resumed by FSDP x EP=2, by EP=2 without FSDP, by FSDP x EP=4 and by one process; EP=2 without FSDP and one
@@ -126,6 +127,19 @@ def finish_from(tp: int, ep: int, make_config, folder: str) -> tuple:
     return curve(trainer, HALF), full_parameters(trainer.model)
 
 
+def dropout_moves_the_run(tp: int, ep: int, cp: int, make_config, data) -> dict:
+    """The losses of HALF steps of the same layout at its dropout (0.1) and at 0: the bitwise cases would
+    prove little if dropout drew nothing."""
+    ctx = ParallelContext.from_process_group(tp, expert_parallel=ep, context_parallel=cp)
+    without = make_config()
+    without.model.dropout = 0.0
+    return {"dropout": [loss for loss, _, _ in curve(fresh_trainer(ctx, make_config(), data), HALF)],
+            "none": [loss for loss, _, _ in curve(fresh_trainer(ctx, without, data), HALF)]}
+
+
+DROPOUT_CONTROLS = ["fsdp dp2 gpt", "ep2 gpt mixtral", "cp2 llama"]
+
+
 def bitwise_checks(cases: dict, folder: str) -> dict:
     return {f"bitwise {name}": (lambda case=case, name=name: straight_and_resumed(*case, f"{folder}/{name}"))
             for name, case in cases.items()}
@@ -157,6 +171,8 @@ def failed_save_on_one_rank(folder: str) -> dict:
 
 def world2_checks(folder: str) -> dict:
     checks = bitwise_checks(WORLD2_BITWISE, folder)
+    checks |= {f"dropout {name}": (lambda case=WORLD2_BITWISE[name]: dropout_moves_the_run(*case))
+               for name in DROPOUT_CONTROLS}
     checks["failed save on one rank"] = lambda: failed_save_on_one_rank(f"{folder}/failed_save")
     return run_checks(checks)
 
@@ -225,13 +241,13 @@ def test_resume_is_bitwise_with_dropout_world4(world4, name):
     assert_bitwise(check_result(world4[0], f"bitwise {name}"))
 
 
-def test_dropout_is_on_in_the_bitwise_cases(world2):
-    """The bitwise cases would prove little if dropout drew nothing: with dropout 0.1 the straight run's
-    curve differs from the same run at dropout 0 (one process, for FSDP's GPT)."""
-    straight = check_result(world2, "bitwise fsdp dp2 gpt")[0]["straight"][0]
-    trainer = fresh_trainer(ParallelContext.single(), dense(dropout=0.0), synthetic_data)
-    curve(trainer, HALF)
-    assert [loss for loss, _, _ in straight] != [loss for loss, _, _ in curve(trainer, HALF)]
+@pytest.mark.parametrize("name", DROPOUT_CONTROLS)
+def test_dropout_is_on_in_the_bitwise_cases(world2, name):
+    """The bitwise cases would prove little if dropout drew nothing: on the same layout (FSDP, EP, CP), the
+    losses at dropout 0.1 differ from those at dropout 0 by more than 1e-3 (relative), on every rank."""
+    for runs in check_result(world2, f"dropout {name}"):
+        moved = max(abs(a - b) / abs(b) for a, b in zip(runs["dropout"], runs["none"]))
+        assert moved > 1e-3, (name, runs)
 
 
 def one_process_moe_run() -> tuple:
