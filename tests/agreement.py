@@ -39,11 +39,16 @@ def trained_rel(a: torch.Tensor, b: torch.Tensor, steps: int, lr: float = LR) ->
     return (a - b).norm().item() / scale
 
 
+def trained_errors(params: dict, ref_params: dict, steps: int) -> dict[str, float]:
+    """`trained_rel` of every parameter of the reference, by name."""
+    return {name: trained_rel(params[name], ref_params[name], steps) for name in ref_params}
+
+
 def assert_trained_parameters(params: dict, ref_params: dict, steps: int, tol: float = 1e-5,
                               where: str = "") -> None:
     """The same parameter names, and every one within `tol` of the reference by `trained_rel`; the
     message names the worst."""
     assert params.keys() == ref_params.keys(), f"{where}: {sorted(params.keys() ^ ref_params.keys())}"
-    errors = {name: trained_rel(params[name], ref_params[name], steps) for name in ref_params}
+    errors = trained_errors(params, ref_params, steps)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= tol, f"{where} final parameter {worst} differs by {errors[worst]:.2e}"

@@ -20,11 +20,11 @@ from llama_reference import (
     assert_round_trip,
     hf_reference,
     layout_worker,
+    variant_logits,
 )
-from safetensors.torch import load_file
 
 from shardlm.checkpoint.hf import to_hf
-from shardlm.checkpoint.hf_deepseek import model_config_from_hf
+from shardlm.checkpoint.hf_deepseek import _permute_rope_rows, model_config_from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
@@ -111,13 +111,22 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, kind, 
     assert_round_trip(hf_models[kind], tmp_path / "back", DeepseekV3ForCausalLM)
 
 
-def test_interleaved_rotary_rows_are_permuted(hf_models):
-    """A converter that kept DeepSeek's interleaved rotary rows as they are would give other logits."""
+def test_interleaved_rotary_rows_are_permuted(hf_models, tmp_path):
+    """Control: a converter that kept DeepSeek's interleaved rotary rows as the checkpoint stores them (q_b's and
+    kv_a's rows put back in their HF order) moves the logits by more than 100 times the tolerance."""
     ref = hf_models["qlora"]
-    config, tensors = load_consolidated(ref["converted"])
-    original = load_file(str(ref["root"] / "hf" / "model.safetensors"))
-    assert not torch.equal(tensors["model/layers.0.attn.kv_a.weight"],
-                           original["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
+    config, _ = load_consolidated(ref["converted"])
+
+    def interleaved(tensors):
+        for name, value in tensors.items():
+            kind = name.rsplit(".", 2)[-2]
+            if ".attn." in name and kind in ("q", "q_b", "kv_a"):
+                tensors[name] = _permute_rope_rows(value, config.model, kind, inverse=True)
+        return tensors
+
+    logits = variant_logits(ref, tmp_path / "interleaved.safetensors", change_tensors=interleaved)
+    moved = (logits - ref["logits"]).abs().max().item()
+    assert moved > 100 * LOGIT_TOL, moved
 
 
 def test_unsupported_configs_are_refused_in_one_line():

@@ -143,7 +143,7 @@ def test_first_batch_forward_equals_transformers_on_trls_padding_free_batch(trl_
     ours, theirs = shardlm_run[0]["loss"], trl_run["forward_loss"]
     assert abs(ours - theirs) <= TOL * theirs, (ours, theirs)
     # the control: with a cache, transformers lets packed documents attend to each other, and the loss moves
-    assert abs(trl_run["leaking_loss"] - theirs) > 1e-6 * theirs, trl_run
+    assert abs(trl_run["leaking_loss"] - theirs) > 10 * TOL * theirs, trl_run  # 10 times the check's bound
 
 
 def test_losses_follow_trl_step_by_step(trl_run, shardlm_run):

@@ -75,6 +75,15 @@ def write_atomically(path: Path, write) -> Path:
     return path
 
 
+def write_consolidated(path: Path, tensors: dict, config: dict, step: int = 0) -> Path:
+    """A consolidated checkpoint file: every tensor at TP=1 under its `model/` name, and the run's config (as
+    a plain dict) and step in the safetensors metadata; written atomically."""
+    from safetensors.torch import save_file
+
+    metadata = {"format": "shardlm-consolidated-v1", "step": str(step), "config": json.dumps(config)}
+    return write_atomically(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
 def file_record(path: Path) -> dict:
     """Size and sha256 of a written checkpoint file, after giving it ordinary permissions and flushing it."""
     ordinary_permissions(path)

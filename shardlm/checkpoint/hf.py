@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from shardlm.checkpoint import files, hf_deepseek, hf_llama
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
@@ -148,8 +147,7 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
         return hf_deepseek.from_hf(Path(hf_dir), Path(out))
     config, sources = open_hf(hf_dir)
     tensors = {f"model/{ours}": read() for ours, read in sources.items()}
-    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
-    return files.write_atomically(Path(out), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return files.write_consolidated(Path(out), tensors, dataclasses.asdict(config))
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from shardlm.checkpoint import files
 from shardlm.checkpoint.hf_common import (
@@ -245,8 +244,7 @@ def from_hf(hf_dir: Path, out: Path) -> Path:
         handles.setdefault(path, safe_open(str(path), framework="pt"))
         value = handles[path].get_tensor(theirs).float().contiguous()
         tensors[f"model/{ours}"] = tensor_from_hf(config.model, ours, value, interleaved)
-    metadata = {"format": "shardlm-consolidated-v1", "step": "0", "config": json.dumps(dataclasses.asdict(config))}
-    return files.write_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return files.write_consolidated(out, tensors, dataclasses.asdict(config))
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:

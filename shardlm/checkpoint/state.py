@@ -348,5 +348,4 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     for name, info in meta["tensors"].items():
         full = reader.read(f"model/{name}", info["split_dim"])
         tensors[f"model/{name}"] = (full[:vocab] if name in ("wte.weight", "lm_head.weight") else full).contiguous()
-    metadata = {"format": "shardlm-consolidated-v1", "step": str(meta["step"]), "config": json.dumps(meta["config"])}
-    return files.write_atomically(Path(out), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return files.write_consolidated(Path(out), tensors, meta["config"], meta["step"])
