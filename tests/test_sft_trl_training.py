@@ -23,7 +23,7 @@ forward turns the cache off, but a plain `model(input_ids, position_ids=...)` wi
 `use_cache=True` builds one, and the sdpa and eager attentions then let every packed document attend to
 the ones before it in the row (the first step's loss moves by 2e-4 and the first layer's q-projection
 gradient norm by a third on this model). The forward check below therefore runs with the cache off, and
-asserts that with it on the loss does move.
+asserts that with it on the loss moves beyond the check's bound and that gradient by more than 10 times it.
 """
 
 from __future__ import annotations
@@ -116,11 +116,21 @@ def trl_run(setup):
     trainer = InOrder(model=model, args=args, train_dataset=dataset, callbacks=[Record()])
     first_batch = next(iter(trainer.get_train_dataloader()))
     inputs = {k: v for k, v in first_batch.items() if k in ("input_ids", "position_ids", "labels")}
-    with torch.no_grad():
-        forward_loss = model(**inputs).loss.item()
-        leaking_loss = model(**inputs, use_cache=True).loss.item()
+    forward_loss, q_grad = loss_and_first_q_grad(model, inputs, use_cache=False)
+    leaking_loss, leaking_q_grad = loss_and_first_q_grad(model, inputs, use_cache=True)
     trainer.train()
-    return {"logs": logs, "forward_loss": forward_loss, "leaking_loss": leaking_loss}
+    return {"logs": logs, "forward_loss": forward_loss, "leaking_loss": leaking_loss, "q_grad": q_grad,
+            "leaking_q_grad": leaking_q_grad}
+
+
+def loss_and_first_q_grad(model, inputs: dict, use_cache: bool) -> tuple[float, float]:
+    """The loss of `inputs` and the norm of its gradient of the first layer's q-projection (gradients cleared
+    after)."""
+    loss = model(**inputs, use_cache=use_cache).loss
+    loss.backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad.norm().item()
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grad
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +152,10 @@ def shardlm_run(setup):
 def test_first_batch_forward_equals_transformers_on_trls_padding_free_batch(trl_run, shardlm_run):
     ours, theirs = shardlm_run[0]["loss"], trl_run["forward_loss"]
     assert abs(ours - theirs) <= TOL * theirs, (ours, theirs)
-    # the control: with a cache, transformers lets packed documents attend to each other, and the loss moves
-    assert abs(trl_run["leaking_loss"] - theirs) > 10 * TOL * theirs, trl_run  # 10 times the check's bound
+    # the control: with a cache, transformers lets packed documents attend to each other: the loss moves beyond
+    # the check's bound, and the first layer's q-projection gradient by more than 10 times it
+    assert abs(trl_run["leaking_loss"] - theirs) > TOL * theirs, trl_run
+    assert abs(trl_run["leaking_q_grad"] - trl_run["q_grad"]) > 10 * TOL * trl_run["q_grad"], trl_run
 
 
 def test_losses_follow_trl_step_by_step(trl_run, shardlm_run):
