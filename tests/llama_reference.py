@@ -76,9 +76,32 @@ def variant_logits(ref: dict, path: Path, change_config=None, change_tensors=Non
     return logits_and_greedy(path, ParallelContext.single(), ref["tokens"])[0]
 
 
-def hf_reference(model, root: Path, tokens: torch.Tensor) -> dict:
-    """`model` (in eval mode) saved under `root / "hf"` and converted to `root / "model.safetensors"`, with
-    `tokens`, transformers' logits of them and its greedy continuations of their first PROMPT tokens."""
+def is_norm_weight(name: str, param: torch.Tensor) -> bool:
+    """A norm's scale, in transformers' names (`input_layernorm`, `q_norm`, `kv_a_layernorm`, `enorm`,
+    `shared_head.norm`, ...) or shardlm's (`ln_1`, `ln_f`, `q_norm`, ...)."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    return param.dim() == 1 and name.endswith("weight") and ("norm" in module or module.startswith("ln_"))
+
+
+def spread_norm_weights(model: torch.nn.Module, seed: int = 0, prefix: str = "") -> list[str]:
+    """Every norm weight of `model` (under `prefix`) drawn from U(0.5, 2), in place; returns their names. At
+    their initial 1.0 two norms swapped by a name map (`input_layernorm` for `post_attention_layernorm`,
+    `q_norm` for `k_norm`, `enorm` for `hnorm`) would give the same logits, and the round trip would pass."""
+    generator = torch.Generator().manual_seed(seed)
+    names = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(prefix) and is_norm_weight(name, param):
+                param.copy_(torch.rand(param.shape, generator=generator) * 1.5 + 0.5)
+                names.append(name)
+    return names
+
+
+def hf_reference(model, root: Path, tokens: torch.Tensor, norm_seed: int = 0) -> dict:
+    """`model` (in eval mode), its norm weights spread (`spread_norm_weights(model, norm_seed)`), saved under
+    `root / "hf"` and converted to `root / "model.safetensors"`, with `tokens`, transformers' logits of them and
+    its greedy continuations of their first PROMPT tokens."""
+    assert spread_norm_weights(model, norm_seed), "a reference model without norm weights"
     model.save_pretrained(root / "hf")
     with torch.no_grad():
         logits = model(tokens).logits

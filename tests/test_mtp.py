@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llama_reference import spread_norm_weights
 from test_mla_parallel import mla_config
 from test_moe_parallel import full_parameters
 from test_moe_parallel import synthetic_data as moe_data
@@ -92,6 +93,7 @@ def test_mtp_logits_equal_transformers_mtp_module(tmp_path):
 
     torch.manual_seed(0)
     main = DeepseekV3ForCausalLM(hf_config()).eval()
+    spread_norm_weights(main)  # norms away from 1, so a swapped pair shows
     with torch.no_grad():  # a visible expert bias, as a trained checkpoint has
         for layer in main.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
@@ -103,6 +105,7 @@ def test_mtp_logits_equal_transformers_mtp_module(tmp_path):
     model = build_model(cfg, ParallelContext.single(), seed=5).eval()
     missing, _ = model.load_state_dict(converted.state_dict(), strict=False)
     assert missing and all(name.startswith("mtp.") for name in missing)
+    assert {"mtp.0.enorm.weight", "mtp.0.hnorm.weight"} <= set(spread_norm_weights(model, seed=1, prefix="mtp."))
     with torch.no_grad():
         model.mtp[0].block.mlp.router.expert_bias.normal_(0, 0.1)
     missing, unexpected = mtp.layers[0].load_state_dict(mtp_state_for_transformers(cfg, dict(model.named_parameters()))
