@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from test_training import assert_same_run
 
@@ -109,7 +108,7 @@ def worker_layouts(layouts):
     loss.backward()
     out["comm"] = {"forward": forward, "total": ctx.comm.snapshot()}
     out["predicted_tokens"] = int((batch["labels"] != -100).sum())
-    return out if dist.get_rank() == 0 else None
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -122,35 +121,37 @@ def reference():
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, worker_layouts, [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre")])[0]
+    return run_workers(2, worker_layouts, [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre")])
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, worker_layouts, [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")])[0]
+    return run_workers(4, worker_layouts, [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")])
 
 
 @pytest.mark.parametrize("tp,micro,order", [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre")],
                          ids=["2x1", "2x1-post", "1x2"])
 def test_world2_layouts_match_single_process(world2, reference, tp, micro, order):
-    assert_same_run(world2[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
+    for rank in world2:  # every rank's copy: TP shards gathered, each DP replica on its own
+        assert_same_run(rank[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
 
 
 @pytest.mark.parametrize("tp,micro,order", [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")],
                          ids=["2x2", "2x2-accum", "4x1-post"])
 def test_world4_layouts_match_single_process(world4, reference, tp, micro, order):
-    assert_same_run(world4[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
+    for rank in world4:  # every rank's copy: TP shards gathered, each DP replica on its own
+        assert_same_run(rank[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
 
 
 def test_tensor_parallel_collectives_per_pass(world2):
     """Forward: 2 all-reduces per layer + the embedding's + the cross-entropy's SUM, and one MAX.
     Backward: 2 per layer + the tied output layer's input gradient."""
-    forward, total = world2["comm"]["forward"], world2["comm"]["total"]
+    forward, total = world2[0]["comm"]["forward"], world2[0]["comm"]["total"]
     assert forward["all_reduce/tp"]["calls"] == 2 * LAYERS + 2
     assert forward["all_reduce_max/tp"]["calls"] == 1
     assert total["all_reduce/tp"]["calls"] - forward["all_reduce/tp"]["calls"] == 2 * LAYERS + 1
     layer_bytes = 4 * SEQ * HIDDEN * 4
-    predicted = world2["predicted_tokens"]  # only predicted tokens reach the LM head and its cross-entropy
+    predicted = world2[0]["predicted_tokens"]  # only predicted tokens reach the LM head and its cross-entropy
     assert forward["all_reduce/tp"]["bytes"] == (2 * LAYERS + 1) * layer_bytes + 2 * predicted * 4
     assert forward["all_reduce_max/tp"]["bytes"] == predicted * 4
 

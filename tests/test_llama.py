@@ -27,7 +27,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.parallel import CommStats, Communicator, ParallelContext
 from shardlm.training.trainer import Trainer
 
-from multiproc import run_workers
+from multiproc import merge_copies, run_workers
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,9 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def whole_parameters(model) -> dict[str, torch.Tensor]:
-    """Every pipeline stage's parameters in the TP=1 layout, on every rank (a tied embedding from the first stage)."""
-    merged = {}
-    for part in model.ctx.world.all_gather_object(full_parameters(model)):
-        for name, value in part.items():
-            merged.setdefault(name, value)
-    return merged
+    """Every pipeline stage's parameters in the TP=1 layout, on every rank; a name several ranks hold (the tied
+    embedding's first- and last-stage copies, data replicas) must be bitwise equal on all (`merge_copies`)."""
+    return merge_copies(model.ctx.world.all_gather_object(full_parameters(model)))
 
 
 def train_run(ctx: ParallelContext, config: RunConfig):
@@ -177,7 +174,7 @@ def worker_world2(hf: dict):
     with torch.no_grad():
         model(hf["tokens"][:, :10], cache=cache)
     out["cache_shape_tp2"] = tuple(cache.layers[0].keys.shape)
-    return out if dist.get_rank() == 0 else None
+    return out
 
 
 def sub_context(ranks: list[int]) -> ParallelContext | None:
@@ -218,7 +215,7 @@ def worker_world4(hf: dict, checkpoints: str):
     if ctx3 is not None:
         out["hf_tp3"] = logits_and_greedy(hf["converted"], ctx3, hf["tokens"])
     dist.barrier()
-    return out if dist.get_rank() == 0 else None
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -228,19 +225,30 @@ def reference():
     return {**runs, "one-kv-head": train_run(ctx, tiny_config(kv_heads=1))[0]}
 
 
+def assert_every_rank(world: dict, layout: str, ref) -> None:
+    """`layout`'s run equals `ref` on every rank of `world` (TP shards gathered, each DP replica on its own)."""
+    for rank, results in enumerate(world["ranks"]):
+        try:
+            assert_same_run(results[layout], ref)
+        except AssertionError as error:
+            raise AssertionError(f"rank {rank}: {error}") from None
+
+
 def shared(hf_model) -> dict:
     return {k: hf_model[k] for k in ("converted", "tokens")}
 
 
 @pytest.fixture(scope="module")
 def world2(hf_model):
-    return run_workers(2, worker_world2, shared(hf_model))[0]
+    results = run_workers(2, worker_world2, shared(hf_model))
+    return {**results[0], "ranks": results}
 
 
 @pytest.fixture(scope="module")
 def world4(hf_model, tmp_path_factory):
     checkpoints = tmp_path_factory.mktemp("checkpoints")
-    return {**run_workers(4, worker_world4, shared(hf_model), str(checkpoints))[0], "checkpoints": checkpoints}
+    results = run_workers(4, worker_world4, shared(hf_model), str(checkpoints))
+    return {**results[0], "ranks": results, "checkpoints": checkpoints}
 
 
 @pytest.mark.slow
@@ -260,13 +268,13 @@ def test_gqa_cache_holds_only_this_ranks_kv_heads(world2):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["2x1", "1x2", "2x1-tied"])
 def test_world2_layouts_train_like_one_process(world2, reference, layout):
-    assert_same_run(world2[layout], reference[layout.endswith("tied")])
+    assert_every_rank(world2, layout, reference[layout.endswith("tied")])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["2x2", "4x1"])
 def test_world4_layouts_train_like_one_process(world4, reference, layout):
-    assert_same_run(world4[layout], reference[False])
+    assert_every_rank(world4, layout, reference[False])
 
 
 @pytest.mark.slow
@@ -277,7 +285,7 @@ def test_tp4_replicates_the_two_kv_heads_and_still_matches(world4):
 @pytest.mark.slow
 def test_replicated_kv_heads_with_data_parallelism_train_like_one_process(world4, reference):
     """One KV head at TP=2 x DP=2: the replicated k/v gradients are summed over TP, then averaged over DP."""
-    assert_same_run(world4["2x2-one-kv-head"], reference["one-kv-head"])
+    assert_every_rank(world4, "2x2-one-kv-head", reference["one-kv-head"])
 
 
 @pytest.mark.slow
@@ -285,7 +293,7 @@ def test_replicated_kv_heads_with_data_parallelism_train_like_one_process(world4
                                               ("world4", "2x2-one-kv-head-zero", "one-kv-head")])
 def test_distributed_optimizer_trains_like_one_process(request, reference, world, layout, ref):
     """ZeRO-1 over DP=2, also with a replicated KV head (summed over TP before the DP reduce-scatter)."""
-    assert_same_run(request.getfixturevalue(world)[layout], reference[ref])
+    assert_every_rank(request.getfixturevalue(world), layout, reference[ref])
 
 
 def test_half_parameters_train(reference):
@@ -310,12 +318,12 @@ def test_kv_groups_straddling_ranks_unevenly(world2):
 @pytest.mark.parametrize("layout", ["pp2", "pp2-tied"])
 def test_pipeline_stages_train_like_one_process(world2, reference, layout):
     """PP=2: each stage holds one layer (rotating its own positions); the tied embedding's two copies add up."""
-    assert_same_run(world2[layout], reference[layout.endswith("tied")])
+    assert_every_rank(world2, layout, reference[layout.endswith("tied")])
 
 
 @pytest.mark.slow
 def test_pipeline_with_replicated_kv_heads_trains_like_one_process(world4, reference):
-    assert_same_run(world4["tp2-pp2-one-kv-head"], reference["one-kv-head"])
+    assert_every_rank(world4, "tp2-pp2-one-kv-head", reference["one-kv-head"])
 
 
 @pytest.mark.slow
@@ -327,7 +335,7 @@ def test_sequence_parallelism_trains_like_one_process(request, reference, world,
     2 reduce-scatters per layer plus the embedding's and 2 all-gathers per layer plus the output layer's
     (where TP alone all-reduces)."""
     results = request.getfixturevalue(world)
-    assert_same_run(results[layout], reference[False])
+    assert_every_rank(results, layout, reference[False])
     layers = tiny_config().model.num_layers
     assert results[f"sp_forward_tp{tp}"] == {"flag": True, "embedded": (4, 16 // tp, 32),
                                              "reduce_scatter": 2 * layers + 1, "all_gather": 2 * layers + 1}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardlm.config import RunConfig, from_dict
 from shardlm.data.gpt_dataset import TokenArrayDataset
@@ -73,13 +72,14 @@ def train_run(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
 # -------------------------------------------------------------------------------------- in workers
 
 def worker_layouts(layouts):
-    """Train each (tp, micro) layout on the whole world; rank 0 returns losses and parameters."""
+    """Train each (tp, micro) layout on the whole world; every rank returns its curve and the parameters it
+    gathers (its data-parallel replica's, TP shards gathered)."""
     out = {}
     for tp, micro in layouts:
         ctx = ParallelContext.from_process_group(tp)
         losses, params, _ = train_run(ctx, tiny_config(tp=tp, micro=micro))
         out[(tp, micro)] = (losses, params)
-    return out if dist.get_rank() == 0 else None
+    return out
 
 
 def worker_dropout_and_comm():
@@ -120,12 +120,12 @@ def reference():
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, worker_layouts, [(2, 8), (2, 2), (1, 4), (1, 2)])[0]
+    return run_workers(2, worker_layouts, [(2, 8), (2, 2), (1, 4), (1, 2)])
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, worker_layouts, [(2, 4), (2, 2), (4, 8), (4, 4)])[0]
+    return run_workers(4, worker_layouts, [(2, 4), (2, 2), (4, 8), (4, 4)])
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +154,14 @@ def test_gradient_accumulation_equals_full_batch_single_process(reference):
 
 @pytest.mark.parametrize("tp,micro", [(2, 8), (2, 2), (1, 4), (1, 2)], ids=["2x1", "2x1-accum", "1x2", "1x2-accum"])
 def test_world2_layouts_match_single_process(world2, reference, tp, micro):
-    assert_matches_reference(world2[(tp, micro)], reference)
+    for rank in world2:  # every rank's copy: TP shards gathered, each DP replica on its own
+        assert_matches_reference(rank[(tp, micro)], reference)
 
 
 @pytest.mark.parametrize("tp,micro", [(2, 4), (2, 2), (4, 8), (4, 4)], ids=["2x2", "2x2-accum", "4x1", "4x1-accum"])
 def test_world4_layouts_match_single_process(world4, reference, tp, micro):
-    assert_matches_reference(world4[(tp, micro)], reference)
+    for rank in world4:  # every rank's copy: TP shards gathered, each DP replica on its own
+        assert_matches_reference(rank[(tp, micro)], reference)
 
 
 def test_training_reduces_loss(reference):
