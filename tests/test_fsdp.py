@@ -258,8 +258,8 @@ def world4(tmp_path_factory):
 def test_fsdp_dp2_equals_one_process(world2, reference, name):
     """FSDP DP=2 (with 2 micro-batches per rank, with parameters kept gathered after the forward):
     loss and gradient norm of every step and the final parameters within 1e-5 of one process."""
-    run_ = check_result(world2, "layouts")[0][name]
-    assert_same_run(run_, reference[name.split()[0]], steps=STEPS)
+    for rank in check_result(world2, "layouts"):  # every rank's gathered copy
+        assert_same_run(rank[name], reference[name.split()[0]], steps=STEPS)
 
 
 @pytest.mark.parametrize("name", ["gpt dp4", "gpt dp2 x tp2 sp", "gpt dp2 x tp2 sp accumulation full recompute",
@@ -267,8 +267,8 @@ def test_fsdp_dp2_equals_one_process(world2, reference, name):
 def test_fsdp_dp4_and_dp2_tp2_equal_one_process(world4, reference, name):
     """FSDP DP=4, and FSDP DP=2 x TP=2 with sequence parallelism (with accumulation and recomputation):
     within 1e-5 of one process at every step and in the final parameters."""
-    run_ = check_result(world4[0], "layouts")[0][name]
-    assert_same_run(run_, reference[name.split()[0]], steps=STEPS)
+    for rank in check_result(world4[0], "layouts"):  # every rank's gathered copy
+        assert_same_run(rank[name], reference[name.split()[0]], steps=STEPS)
 
 
 def test_fsdp_validation_loss_equals_one_process(world2, reference):
@@ -282,12 +282,13 @@ def test_fsdp_bf16_parameters_match_master_weight_bf16(world2, reference):
     """bf16 parameters: FSDP DP=2 (fp32 shards, bf16 gathered copies, fp32 reduction) against one process
     with the master-weight optimizer's bf16 parameters, both accumulating 2 micro-batches' gradients in
     fp32: loss, gradient norm and final parameters within HALF_TOL (relative, measured x 3)."""
-    (curve, params), (ref_curve, ref_params) = check_result(world2, "layouts")[0]["gpt dp2 bf16 params"], \
-        reference["gpt bf16 params"]
-    for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
-        assert abs(loss - ref_loss) <= HALF_TOL["loss"] * ref_loss
-        assert abs(norm - ref_norm) <= HALF_TOL["grad_norm"] * ref_norm
-    assert_parameters_near(params, ref_params, HALF_TOL)
+    ref_curve, ref_params = reference["gpt bf16 params"]
+    for rank in check_result(world2, "layouts"):
+        curve, params = rank["gpt dp2 bf16 params"]
+        for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
+            assert abs(loss - ref_loss) <= HALF_TOL["loss"] * ref_loss
+            assert abs(norm - ref_norm) <= HALF_TOL["grad_norm"] * ref_norm
+        assert_parameters_near(params, ref_params, HALF_TOL)
 
 
 def test_fsdp_fp16_matches_one_process_and_skips_an_overflow_on_any_rank(world2, reference):
@@ -341,15 +342,16 @@ def test_fsdp_checkpoint_loads_at_one_process_and_back(world2, world4, reference
     curve, params = run(ctx, None, steps=STEPS - 4, trainer=trainer)[:2]
     ref_curve, ref_params = reference["gpt"]
     assert_same_run((curve, params), (ref_curve[4:], ref_params), steps=STEPS - 4)
-    assert_same_run(check_result(world2, "resume from one process")[0], (ref_curve[4:], ref_params), steps=STEPS - 4)
+    for rank in check_result(world2, "resume from one process"):
+        assert_same_run(rank, (ref_curve[4:], ref_params), steps=STEPS - 4)
 
 
 def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
     """FSDP DP=2: steps 5-8 after loading a step-4 checkpoint equal the uninterrupted steps 5-8, bitwise."""
-    value = check_result(world2, "bitwise")[0]
-    (curve, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
-    assert curve == ref_curve
-    assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
+    for value in check_result(world2, "bitwise"):
+        (curve, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
+        assert curve == ref_curve
+        assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
 
 
 @pytest.mark.parametrize("change, key", [
