@@ -59,7 +59,8 @@ def inductor_cache_per_cpu_kind() -> None:
     """A run that picks its CPU kernels (`ATEN_CPU_CAPABILITY=avx2`, `default`, ...) gets Inductor caches
     of its own, `<Inductor's folder>-<capability>`, unless `TORCHINDUCTOR_CACHE_DIR` names another folder.
     Inductor vectorizes for that capability, but its on-disk caches are shared with runs of another one, and a
-    kernel cached by one fails to build under the other (`'at::vec' has not been declared` under `default`).
+    kernel cached by one fails to build under the other (`'at::vec' has not been declared` under `default`;
+    in a multi-rank run the other ranks then wait in a collective until its timeout).
     (Importing TorchDynamo already wrote Inductor's default folder into the variable: that one is replaced.)"""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
