@@ -4,7 +4,8 @@ A random `Qwen3ForCausalLM` (head_dim 12 at hidden 32, 4 query heads over 2 KV h
 q/k norm weights away from 1) is saved with save_pretrained. Runs whose [model] section is left empty start
 from that directory (and from its converted single file) at TP=1, TP=2, PP=2, CP=2 and DP=2 with FSDP
 and with a sharded optimizer (ZeRO-1): the step-1 loss equals transformers' loss on the same batch within
-1e-5, and TP=2's three-step curve equals one process's. A random `Qwen3MoeForCausalLM` started at EP=2
+1e-5, and each layout's three-step curve (losses, gradient norms) and final parameters on every rank equal
+one process's start from the same weights. A random `Qwen3MoeForCausalLM` started at EP=2
 (experts split over 2 ranks) gives transformers' loss too, and so does a random GPT-2 started in one process.
 The TP=2 run's checkpoint, exported with `to_hf`, gives transformers logits equal to shardlm's within 1e-5,
 and a run started from that checkpoint's weights (at TP=1) gives the exported model's transformers loss.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_moe_parallel import full_parameters
 from test_training import VOCAB, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
@@ -27,7 +29,8 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.data import micro_batches
 from shardlm.training.trainer import Trainer
 
-from multiproc import run_workers
+from agreement import assert_trained_parameters
+from multiproc import merge_copies, run_workers
 
 TOL, STEPS, BATCH = 1e-5, 3, 8
 
@@ -79,13 +82,24 @@ def run_config(init_from, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, mi
 
 def start(ctx: ParallelContext, config, steps: int = STEPS, save_to=None):
     """Losses of `steps` steps of a run started from config.checkpoint.init_from (saved when `save_to`)."""
+    run = started_run(ctx, config, steps, save_to)
+    return [loss for loss, _ in run["curve"]], run["saved"]
+
+
+def started_run(ctx: ParallelContext, config, steps: int = STEPS, save_to=None) -> dict:
+    """`steps` steps of a run started from config.checkpoint.init_from: its curve [(loss, gradient norm)], every
+    final parameter in the one-process layout (merged over pipeline stages) and the checkpoint it saved to
+    `save_to` (or None)."""
     ctx.rng = None
     source = resolve_init(config)
     trainer = Trainer(config, ctx, synthetic_data())
     init_weights(trainer, source)
-    losses = [trainer.train_step()["loss"] for _ in range(steps)]
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
     saved = save_checkpoint(trainer, save_to) if save_to is not None else None
-    return losses, saved
+    params = full_parameters(trainer.model)
+    if ctx.pp_size > 1:
+        params = merge_copies(ctx.world.all_gather_object(params))
+    return {"curve": curve, "params": params, "saved": saved}
 
 
 @pytest.fixture(scope="module")
@@ -119,20 +133,21 @@ def tiny_gpt2():
 
 
 def worker(paths: dict) -> dict:
+    """Every layout starts from the HF weights and trains STEPS steps: (curve, parameters, saved checkpoint)."""
     out = {}
-    for name, config, steps, save in (
-            ("tp2", run_config(paths["dense"], tp=2), STEPS, paths["saved"]),
-            ("tp2_file", run_config(paths["file"], tp=2), 1, None),
-            ("pp2", run_config(paths["dense"], pp=2, micro=BATCH // 2), 1, None),
-            ("ep2", run_config(paths["moe"], ep=2, micro=BATCH // 2), 1, None),
-            ("fsdp_dp2", run_config(paths["dense"], micro=BATCH // 2, sharding="full"), 1, None),
-            ("zero1_dp2", run_config(paths["dense"], micro=BATCH // 2, sharding="optimizer"), 1, None),
-            ("cp2", run_config(paths["dense"], cp=2), 1, None)):
+    for name, config, save in (
+            ("tp2", run_config(paths["dense"], tp=2), paths["saved"]),
+            ("tp2_file", run_config(paths["file"], tp=2), None),
+            ("pp2", run_config(paths["dense"], pp=2, micro=BATCH // 2), None),
+            ("ep2", run_config(paths["moe"], ep=2, micro=BATCH // 2), None),
+            ("fsdp_dp2", run_config(paths["dense"], micro=BATCH // 2, sharding="full"), None),
+            ("zero1_dp2", run_config(paths["dense"], micro=BATCH // 2, sharding="optimizer"), None),
+            ("cp2", run_config(paths["dense"], cp=2), None)):
         p = config.parallel
         ctx = ParallelContext.from_process_group(p.tensor, pipeline_parallel=p.pipeline, expert_parallel=p.expert,
                                                  context_parallel=p.context)
-        losses, saved = start(ctx, config, steps, save)
-        out[name] = (losses, str(saved) if saved else None)
+        run = started_run(ctx, config, STEPS, save)
+        out[name] = (run["curve"], run["params"], str(run["saved"]) if save else None)
     return out
 
 
@@ -163,25 +178,49 @@ def test_one_process_started_from_hf_gpt2_gives_transformers_loss(models):
     assert abs(losses[0] - models["gpt2"]["loss"]) < TOL
 
 
+@pytest.fixture(scope="module")
+def one_process(models):
+    """One process started from the same weights, STEPS steps: the dense model at the layouts' whole batch, the
+    MoE at their micro-batch (its load-balancing loss is a function of each micro-batch's routing)."""
+    runs = {"dense": started_run(ParallelContext.single(), run_config(models["dense"]["dir"])),
+            "moe": started_run(ParallelContext.single(), run_config(models["moe"]["dir"], micro=BATCH // 2))}
+    return {kind: (run["curve"], run["params"]) for kind, run in runs.items()}
+
+
+LAYOUTS = ("tp2", "tp2_file", "pp2", "ep2", "fsdp_dp2", "zero1_dp2", "cp2")
+
+
 def test_starts_at_every_layout_give_transformers_loss(world2, models):
-    for name in ("tp2", "tp2_file", "pp2", "fsdp_dp2", "zero1_dp2", "cp2"):
+    for name in LAYOUTS:
+        kind = "moe" if name == "ep2" else "dense"
         for rank in world2:
-            assert abs(rank[name][0][0] - models["dense"]["loss"]) < TOL, name
-    for rank in world2:
-        assert abs(rank["ep2"][0][0] - models["moe"]["loss"]) < TOL
+            assert abs(rank[name][0][0][0] - models[kind]["loss"]) < TOL, name
 
 
-def test_tp2_run_from_hf_equals_one_process(world2, models):
-    single, _ = start(ParallelContext.single(), run_config(models["dense"]["dir"]))
-    assert single[-1] < single[0] - 0.01, "the run should learn"
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_starts_at_every_layout_train_like_one_process(world2, one_process, name):
+    """Three steps from the HF weights: every step's loss and gradient norm and every final parameter on every
+    rank equal one process's start, so a layout that loaded the weights but not its optimizer's copy of them
+    (a ZeRO-1 master copy, an FSDP shard) fails at step 2."""
+    ref_curve, ref_params = one_process["moe" if name == "ep2" else "dense"]
     for rank in world2:
-        assert max(abs(a - b) for a, b in zip(rank["tp2"][0], single, strict=True)) < TOL
+        curve, params, _ = rank[name]
+        assert len(curve) == len(ref_curve) == STEPS
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curve, ref_curve), 1):
+            assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{name} step {step}: loss {loss} vs {ref_loss}"
+            assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{name} step {step}: grad norm {norm} vs {ref_norm}"
+        assert_trained_parameters(params, ref_params, STEPS, TOL, name)
+
+
+def test_the_one_process_start_learns(one_process):
+    curve = one_process["dense"][0]
+    assert curve[-1][0] < curve[0][0] - 0.01, "the run should learn"
 
 
 def test_exported_fine_tuned_model_gives_shardlm_logits_in_transformers(world2, models, tmp_path):
     from transformers import Qwen3ForCausalLM
 
-    checkpoint = world2[0]["tp2"][1]
+    checkpoint = world2[0]["tp2"][2]
     out = to_hf(checkpoint, tmp_path / "exported")
     exported = Qwen3ForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     model, _ = load_model(checkpoint, ParallelContext.single())
@@ -198,7 +237,7 @@ def test_start_from_the_tp2_run_checkpoint_gives_its_exports_transformers_loss(w
     """checkpoint.init_from a sharded checkpoint (saved at TP=2, started at TP=1): its weights, not its step."""
     from transformers import Qwen3ForCausalLM
 
-    checkpoint = world2[0]["tp2"][1]
+    checkpoint = world2[0]["tp2"][2]
     exported = Qwen3ForCausalLM.from_pretrained(to_hf(checkpoint, tmp_path / "exported")).eval()
     config = run_config(checkpoint)
     losses, _ = start(ParallelContext.single(), config, steps=1)
