@@ -176,12 +176,17 @@ def resume_from(folder: str) -> tuple:
 
 
 def bitwise_resume(folder: str) -> dict:
-    """FSDP DP=2: 4 steps, save, 4 more; a fresh trainer loads the save and runs the same 4 steps."""
+    """FSDP DP=2 with dropout 0.1: 4 steps, save, 4 more; a fresh trainer, both its generators disturbed, loads
+    the save and runs the same 4 steps (the checkpoint must restore the dropout streams too)."""
     ctx = ParallelContext.from_process_group(1)
-    _, _, trainer = run(ctx, config(micro=2), steps=4)
+    _, _, trainer = run(ctx, config(micro=2, dropout=0.1), steps=4)
     save_checkpoint(trainer, folder)
     straight = run(ctx, None, steps=4, trainer=trainer)[:2]
-    fresh = Trainer(config(micro=2), ctx, synthetic_data())
+    ctx.rng = None  # seeded again by the trainer, as in a new process
+    fresh = Trainer(config(micro=2, dropout=0.1), ctx, synthetic_data())
+    torch.rand(100)  # the default and the model-parallel generators both move
+    with ctx.rng.fork():
+        torch.rand(100)
     load_checkpoint(fresh, folder)
     resumed = run(ctx, None, steps=4, trainer=fresh)[:2]
     return {"straight": straight, "resumed": resumed}
@@ -347,7 +352,8 @@ def test_fsdp_checkpoint_loads_at_one_process_and_back(world2, world4, reference
 
 
 def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
-    """FSDP DP=2: steps 5-8 after loading a step-4 checkpoint equal the uninterrupted steps 5-8, bitwise."""
+    """FSDP DP=2 with dropout 0.1: steps 5-8 after loading a step-4 checkpoint into a trainer whose generators
+    moved equal the uninterrupted steps 5-8 (losses, gradient norms, every parameter on every rank), bitwise."""
     for value in check_result(world2, "bitwise"):
         (curve, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
         assert curve == ref_curve

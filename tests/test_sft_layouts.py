@@ -76,9 +76,10 @@ def valid_data() -> PackedDataset:
 
 
 def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-               sp: bool = False, virtual: int = 1, moe: bool = False, mtp: bool = False, **train):
+               sp: bool = False, virtual: int = 1, moe: bool = False, mtp: bool = False, dropout: float = 0.0,
+               **train):
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
-             "vocab_size": VOCAB, "dropout": 0.0}
+             "vocab_size": VOCAB, "dropout": dropout}
     if arch == "llama":
         model["num_kv_heads"] = 2
     if arch == "mla":  # DeepSeek-V3's latent attention: keys of 12 channels, values of 8
@@ -242,21 +243,26 @@ def test_packed_rows_equal_documents_one_by_one(arch):
 # ------------------------------------------------------------------------------- resume mid-epoch
 
 def test_resume_mid_epoch_is_bitwise(tmp_path):
-    """The rows of one epoch run out inside step 2 (9 rows, 8 per step): 3 steps, save, 3 more, against a
-    fresh trainer that loads the save and runs the same 3 steps."""
+    """The rows of one epoch run out inside step 2 (9 rows, 8 per step): 3 steps at dropout 0.1, save, 3 more,
+    against a fresh trainer, both its generators disturbed, that loads the save and runs the same 3 steps:
+    losses, gradient norms and every parameter bitwise."""
     ctx = ParallelContext.single()
     rows = PackedRows(conversations(1, 40), SEQ, "bfd", seed=5)
     assert len(rows.plan(0)) % 8, "the epoch must end inside a step"
-    config = sft_config(micro=4, steps=6)
-    trainer = Trainer(config, ctx, train_data())
+    trainer = Trainer(sft_config(micro=4, steps=6, dropout=0.1), ctx, train_data())
     for _ in range(3):
         trainer.train_step()
     save_checkpoint(trainer, str(tmp_path))
-    straight = [trainer.train_step()["loss"] for _ in range(3)]
+    straight = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
     ctx.rng = None
-    resumed_trainer = Trainer(sft_config(micro=4, steps=6), ctx, train_data())
+    resumed_trainer = Trainer(sft_config(micro=4, steps=6, dropout=0.1), ctx, train_data())
+    torch.rand(100)  # the default and the model-parallel generators both move
+    with ctx.rng.fork():
+        torch.rand(100)
     load_checkpoint(resumed_trainer, str(tmp_path))
-    assert [resumed_trainer.train_step()["loss"] for _ in range(3)] == straight
+    assert [(m["loss"], m["grad_norm"]) for m in (resumed_trainer.train_step() for _ in range(3))] == straight
+    resumed, uninterrupted = full_parameters(resumed_trainer.model), full_parameters(trainer.model)
+    assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
 
 
 # ------------------------------------------------------------------------------------ recomputation
