@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, resume on other layouts, crash safety, verification, HF interop.
+"""Checkpoints: exact resume (dropout on, both generators disturbed; losses, gradient norms and every parameter
+on every rank bitwise), resume on other layouts, crash safety, verification, HF interop.
 
 Reference runs are 1x1 in this process; layouts 2x1 and 1x2 run in one world of 2 processes, 4x1 and
 2x2 in one world of 4. Checkpoints travel between them through a temporary folder.
@@ -35,16 +36,26 @@ def losses(trainer: Trainer, steps: int) -> list[float]:
     return [trainer.train_step()["loss"] for _ in range(steps)]
 
 
+def curve(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
+    return [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
+
+
 def exact_resume(ctx: ParallelContext, tp: int, folder: str) -> dict:
-    """Uninterrupted vs save at HALF + fresh trainer + load, with dropout on: losses must be bitwise equal."""
-    full = losses(trainer_for(ctx, tp, dropout=0.2), 2 * HALF)
+    """Uninterrupted vs save at HALF + fresh trainer (both generators disturbed) + load, with dropout on: this
+    rank's losses and gradient norms after HALF, and whether each of its parameters ends bitwise equal."""
+    straight = trainer_for(ctx, tp, dropout=0.2)
+    full = curve(straight, 2 * HALF)
     first = trainer_for(ctx, tp, dropout=0.2)
     losses(first, HALF)
     save_checkpoint(first, folder)
     resumed = trainer_for(ctx, tp, dropout=0.2)
-    torch.rand(100)  # disturb the generators: the checkpoint must restore them
+    torch.rand(100)  # disturb the default and the model-parallel generators: the checkpoint must restore them
+    with ctx.rng.fork():
+        torch.rand(100)
     load_checkpoint(resumed, folder)
-    return {"full": full[HALF:], "resumed": losses(resumed, HALF)}
+    resumed_curve = curve(resumed, HALF)
+    same = all(torch.equal(a, b) for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True))
+    return {"full": full[HALF:], "resumed": resumed_curve, "same_parameters": same}
 
 
 def continue_from(ctx: ParallelContext, tp: int, folder: str) -> list[float]:
@@ -69,7 +80,7 @@ def worker_layouts(world: int, folders: dict) -> dict:
         losses(trainer, HALF)
         save_checkpoint(trainer, folders["2x1"])
         out["2x1->1x2"] = continue_from(ctx(1), 1, folders["2x1"])
-        out["exact 2x1"] = exact_resume(ctx(2), 2, folders["exact"])
+        out["exact 2x1"] = ctx(2).world.all_gather_object(exact_resume(ctx(2), 2, folders["exact"]))
         model, _ = load_model(folders["hf_file"], ctx(2))
         x = torch.load(folders["hf_input"])
         with torch.no_grad():
@@ -80,7 +91,7 @@ def worker_layouts(world: int, folders: dict) -> dict:
         losses(trainer, HALF)
         save_checkpoint(trainer, folders["4x1"])
         out["4x1->2x2"] = continue_from(ctx(2), 2, folders["4x1"])
-        out["exact 2x2"] = exact_resume(ctx(2), 2, folders["exact"])
+        out["exact 2x2"] = ctx(2).world.all_gather_object(exact_resume(ctx(2), 2, folders["exact"]))
         out["verification"] = distributed_verification(ctx(4), folders["4x1"], folders["exact"] + "-damaged")
     return out if ctx(1).rank == 0 else None
 
@@ -171,18 +182,25 @@ def assert_close(values, expected):
         assert abs(a - b) <= TOL * abs(b), f"{values} vs {expected}"
 
 
+def assert_exact(per_rank: list[dict]) -> None:
+    """On every rank: the resumed losses and gradient norms equal the uninterrupted ones, and every parameter,
+    bitwise."""
+    for rank, result in enumerate(per_rank):
+        assert result["resumed"] == result["full"], f"rank {rank}"
+        assert result["same_parameters"], f"rank {rank}"
+
+
 def test_exact_resume_single_process_is_bitwise(tmp_path):
-    result = exact_resume(ParallelContext.single(), 1, str(tmp_path))
-    assert result["resumed"] == result["full"]
+    assert_exact([exact_resume(ParallelContext.single(), 1, str(tmp_path))])
 
 
 @pytest.mark.parametrize("key", ["exact 2x1"])
 def test_exact_resume_tensor_parallel_is_bitwise(world2, key):
-    assert world2[key]["resumed"] == world2[key]["full"]
+    assert_exact(world2[key])
 
 
 def test_exact_resume_tp_and_dp_is_bitwise(world4):
-    assert world4["exact 2x2"]["resumed"] == world4["exact 2x2"]["full"]
+    assert_exact(world4["exact 2x2"])
 
 
 @pytest.mark.parametrize("key", ["1x1->2x1", "2x1->1x2"])
