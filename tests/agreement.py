@@ -44,6 +44,17 @@ def trained_errors(params: dict, ref_params: dict, steps: int) -> dict[str, floa
     return {name: trained_rel(params[name], ref_params[name], steps) for name in ref_params}
 
 
+def assert_trained_but_off(curve: list, params: dict, ref_params: dict, steps: int, part: str,
+                           bound: float = 1e-3) -> None:
+    """A control's broken run: it trained all `steps` steps to finite losses (a crash is not the mismatch looked
+    for), and the parameters whose names contain `part` end more than `bound` (`trained_rel`) from the reference."""
+    import math
+
+    assert len(curve) == steps and all(math.isfinite(step[0]) for step in curve), curve
+    errors = trained_errors(params, ref_params, steps)
+    assert max(error for name, error in errors.items() if part in name) > bound, errors
+
+
 def assert_trained_parameters(params: dict, ref_params: dict, steps: int, tol: float = 1e-5,
                               where: str = "") -> None:
     """The same parameter names, and every one within `tol` of the reference by `trained_rel`; the

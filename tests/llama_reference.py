@@ -59,18 +59,17 @@ def logits_and_greedy(path, ctx: ParallelContext, tokens: torch.Tensor):
     return logits, [g.tokens for g in generated]
 
 
-def variant_logits(ref: dict, path: Path, change_config=None, change_tensors=None) -> torch.Tensor:
-    """One process's logits of `ref["tokens"]` from a variant of the converted file: its config and tensors
-    passed through `change_config(config)` and `change_tensors(tensors)` (each may change them in place or
-    return new ones), saved at `path`. The controls: a variant that a converter or a router could have
-    produced by mistake must move the logits far beyond LOGIT_TOL."""
+def variant_logits(ref: dict, path: Path, change_tensors=None) -> torch.Tensor:
+    """One process's logits of `ref["tokens"]` from a variant of the converted file: its tensors passed through
+    `change_tensors(tensors)` (a dict it may change in place or replace), saved at `path`. The controls: a
+    variant that a converter or a router could have produced by mistake must move the logits far beyond
+    LOGIT_TOL."""
     import dataclasses
 
     from shardlm.checkpoint.files import write_consolidated
     from shardlm.checkpoint.state import load_consolidated
 
     config, tensors = load_consolidated(ref["converted"])
-    config = (change_config(config) or config) if change_config else config
     tensors = (change_tensors(dict(tensors)) or tensors) if change_tensors else tensors
     write_consolidated(path, {k: v.contiguous() for k, v in tensors.items()}, dataclasses.asdict(config))
     return logits_and_greedy(path, ParallelContext.single(), ref["tokens"])[0]

@@ -12,7 +12,8 @@ import traceback
 
 from shardlm.parallel.spawn import free_port, run_workers
 
-__all__ = ["check_result", "free_port", "import_or_skip", "merge_copies", "needs", "run_checks", "run_workers"]
+__all__ = ["check_result", "disturb_generators", "free_port", "import_or_skip", "merge_copies", "needs", "run_checks",
+           "run_workers"]
 
 
 def run_checks(checks: dict) -> dict:
@@ -50,6 +51,16 @@ def merge_copies(parts: list[dict]) -> dict:
             if not torch.equal(merged.setdefault(name, value), value):
                 raise AssertionError(f"{name}: rank {rank}'s copy differs from an earlier rank's")
     return merged
+
+
+def disturb_generators(ctx) -> None:
+    """Move the default and the model-parallel (`ctx.rng`) generators, as a new process's would differ: a
+    checkpoint that failed to restore either would then draw other dropout masks."""
+    import torch
+
+    torch.rand(100)
+    with ctx.rng.fork():
+        torch.rand(100)
 
 
 def needs(available: bool, what: str):

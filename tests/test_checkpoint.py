@@ -20,7 +20,7 @@ from shardlm.errors import CheckpointWriteError, UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
-from multiproc import run_workers
+from multiproc import disturb_generators, run_workers
 
 TOL = 1e-5
 HALF = 3  # steps before the checkpoint; as many after
@@ -49,9 +49,7 @@ def exact_resume(ctx: ParallelContext, tp: int, folder: str) -> dict:
     losses(first, HALF)
     save_checkpoint(first, folder)
     resumed = trainer_for(ctx, tp, dropout=0.2)
-    torch.rand(100)  # disturb the default and the model-parallel generators: the checkpoint must restore them
-    with ctx.rng.fork():
-        torch.rand(100)
+    disturb_generators(ctx)
     load_checkpoint(resumed, folder)
     resumed_curve = curve(resumed, HALF)
     same = all(torch.equal(a, b) for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True))

@@ -24,7 +24,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import rel
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, disturb_generators, run_checks, run_workers
 
 STEPS = 8
 # Tolerances, relative, about 3x the worst error measured over 8 steps on a 2-core Xeon with AMX and a 2-core
@@ -184,9 +184,7 @@ def bitwise_resume(folder: str) -> dict:
     straight = run(ctx, None, steps=4, trainer=trainer)[:2]
     ctx.rng = None  # seeded again by the trainer, as in a new process
     fresh = Trainer(config(micro=2, dropout=0.1), ctx, synthetic_data())
-    torch.rand(100)  # the default and the model-parallel generators both move
-    with ctx.rng.fork():
-        torch.rand(100)
+    disturb_generators(ctx)
     load_checkpoint(fresh, folder)
     resumed = run(ctx, None, steps=4, trainer=fresh)[:2]
     return {"straight": straight, "resumed": resumed}

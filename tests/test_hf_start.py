@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_moe_parallel import full_parameters
+from test_moe_parallel import stage_parameters
 from test_training import VOCAB, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
@@ -30,7 +30,7 @@ from shardlm.training.data import micro_batches
 from shardlm.training.trainer import Trainer
 
 from agreement import assert_trained_parameters
-from multiproc import merge_copies, run_workers
+from multiproc import run_workers
 
 TOL, STEPS, BATCH = 1e-5, 3, 8
 
@@ -96,10 +96,7 @@ def started_run(ctx: ParallelContext, config, steps: int = STEPS, save_to=None) 
     init_weights(trainer, source)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
     saved = save_checkpoint(trainer, save_to) if save_to is not None else None
-    params = full_parameters(trainer.model)
-    if ctx.pp_size > 1:
-        params = merge_copies(ctx.world.all_gather_object(params))
-    return {"curve": curve, "params": params, "saved": saved}
+    return {"curve": curve, "params": stage_parameters(trainer.model), "saved": saved}
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_trained_parameters
-from multiproc import check_result, run_checks, run_workers
+from multiproc import check_result, disturb_generators, run_checks, run_workers
 
 HALF, DROPOUT, TOL = 4, 0.1, 1e-5
 
@@ -100,9 +100,7 @@ def straight_and_resumed(tp: int, ep: int, cp: int, make_config, data, folder: s
     save_checkpoint(trainer, folder)
     straight = curve(trainer, HALF), full_parameters(trainer.model)
     resumed_trainer = fresh_trainer(ctx, make_config(), data)
-    torch.rand(100)  # the default and the model-parallel generators both move: the checkpoint must restore them
-    with ctx.rng.fork():
-        torch.rand(100)
+    disturb_generators(ctx)
     load_checkpoint(resumed_trainer, folder)
     resumed = curve(resumed_trainer, HALF), full_parameters(resumed_trainer.model)
     return {"straight": straight, "resumed": resumed}

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 from test_mla_parallel import MLA
-from test_moe_parallel import ROUTING, full_parameters
+from test_moe_parallel import ROUTING, full_parameters, stage_parameters
 from test_training import VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -44,7 +44,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_trained_parameters, rel
-from multiproc import check_result, merge_copies, run_checks, run_workers
+from multiproc import check_result, disturb_generators, run_checks, run_workers
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
 OSS = {"attention_sinks": True, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -105,10 +105,7 @@ def train_layout(ctx: ParallelContext, config) -> dict:
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
-    params = full_parameters(trainer.model)
-    if ctx.pp_size > 1:
-        params = merge_copies(ctx.world.all_gather_object(params))
-    return {"curve": curve, "valid": trainer.evaluate(), "params": params}
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
 
 
 def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
@@ -256,9 +253,7 @@ def test_resume_mid_epoch_is_bitwise(tmp_path):
     straight = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
     ctx.rng = None
     resumed_trainer = Trainer(sft_config(micro=4, steps=6, dropout=0.1), ctx, train_data())
-    torch.rand(100)  # the default and the model-parallel generators both move
-    with ctx.rng.fork():
-        torch.rand(100)
+    disturb_generators(ctx)
     load_checkpoint(resumed_trainer, str(tmp_path))
     assert [(m["loss"], m["grad_norm"]) for m in (resumed_trainer.train_step() for _ in range(3))] == straight
     resumed, uninterrupted = full_parameters(resumed_trainer.model), full_parameters(trainer.model)
