@@ -1,8 +1,9 @@
 """`shardlm train` with an [sft] section from the command line: fine-tune, export, chat, and one-line errors.
 
 A random one-layer Qwen3 with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the
-shared Qwen3 tokenizer and chat template. 3 steps of SFT on the first 40 Dolly records (4 held out for
-validation) from that directory, then `shardlm convert --to-hf` and `shardlm generate --chat` on the export.
+shared Qwen3 tokenizer and chat template. 4 steps of SFT on the first 40 Dolly records (4 held out for
+validation) from that directory, then `shardlm convert --to-hf` (transformers' logits of the export equal shardlm's of the run's checkpoint,
+not the starting model's) and `shardlm generate --chat` on the export.
 Bad SFT input stops with one line and exit code 2 before any process group or training step.
 Pretraining with `data.document_mask=true` starts and trains too.
 """
@@ -14,10 +15,15 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from llama_reference import tiny_qwen3_chat
 
+from shardlm.checkpoint import load_model
 from shardlm.cli import main
+from shardlm.parallel import ParallelContext
 from shardlm.training.data import DocumentSamples
+
+from agreement import rel
 
 CONFIG = """
 [model]
@@ -30,8 +36,8 @@ valid_fraction = 0.1
 [train]
 micro_batch_size = 2
 global_batch_size = 2
-steps = 3
-lr = 1e-3
+steps = 4
+lr = 2e-2
 warmup_steps = 1
 eval_interval = 0
 eval_iters = 8
@@ -66,12 +72,21 @@ def test_fine_tune_export_and_chat(setup, capsys):
     assert "validation: 4 conversations" in out and "final validation loss" in out, out
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m and "val_loss" not in m]
-    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
 
     exported = setup["root"] / "exported"
     assert main(["convert", "--to-hf", str(exported), "--checkpoint", str(run_dir / "checkpoints")]) == 0
     assert "chat_template" in json.loads((exported / "tokenizer_config.json").read_text())
-    assert type(AutoModelForCausalLM.from_pretrained(exported)).__name__ == "Qwen3ForCausalLM"
+    hf = AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    # the export holds the fine-tuned weights: transformers' logits equal shardlm's from the run's checkpoint,
+    # and differ from the starting model's
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 151936, size=(2, 24)))
+    trained, _ = load_model(run_dir / "checkpoints", ParallelContext.single())
+    with torch.no_grad():
+        ours, theirs = trained(ids), hf(ids).logits
+        start = AutoModelForCausalLM.from_pretrained(setup["hf"]).eval()(ids).logits
+    assert rel(theirs, ours) <= 1e-5 and rel(start, ours) > 1e-3, (rel(theirs, ours), rel(start, ours))
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(exported), "--chat", "--prompt", "Name a colour.", "--greedy",
                  "--max-new-tokens", "4", "--device", "cpu", "--json"]) == 0

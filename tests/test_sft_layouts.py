@@ -25,6 +25,7 @@ held-out rows and every final parameter, on every rank):
 
 from __future__ import annotations
 
+import contextlib
 import numpy as np
 import pytest
 import torch
@@ -40,10 +41,11 @@ from shardlm.parallel import ParallelContext
 from shardlm.sft.dataset import PackedDataset
 from shardlm.sft.packing import PackedRows
 from shardlm.sft.template import TokenizedConversation
+from shardlm.training.data import DocumentSamples
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters, rel
+from agreement import assert_trained_but_off, assert_trained_parameters, rel
 from multiproc import check_result, disturb_generators, run_checks, run_workers
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
@@ -112,9 +114,42 @@ def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict
     return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, **config) -> dict:
+@contextlib.contextmanager
+def broken(control: str | None):
+    """Break what a control case shows is needed: "ring mask" gives the CP ring no documents (its blocks then
+    attend across them), "first stage" gives the documents to the first pipeline stage only."""
+    from shardlm.models import attention
+    from shardlm.parallel.pipeline import ShardlmStage
+
+    ring, run_chunk = attention.context_parallel_attention, ShardlmStage.forward_one_chunk
+
+    def maskless_ring(*args, segments=None, **kwargs):
+        return ring(*args, **kwargs)
+
+    def first_stage_only(self, *args, **kwargs):
+        saved = self.documents
+        self.documents = saved if self.is_first else None
+        try:
+            return run_chunk(self, *args, **kwargs)
+        finally:
+            self.documents = saved
+
+    patches = {"ring mask": (attention, "context_parallel_attention", maskless_ring),
+               "first stage": (ShardlmStage, "forward_one_chunk", first_stage_only)}
+    target = patches.get(control)
+    if target:
+        setattr(*target)
+    try:
+        yield
+    finally:
+        if target:
+            setattr(target[0], target[1], ring if control == "ring mask" else run_chunk)
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
     ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
-    return train_layout(ctx, sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+    with broken(control):
+        return train_layout(ctx, sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
 
 
 WORLD2 = {
@@ -133,6 +168,12 @@ WORLD2 = {
     "tp2 sp oss": layout(tp=2, sp=True, arch="oss"),
     "pp2 virtual2 oss": layout(pp=2, virtual=2, micro=1, arch="oss"),
 }
+CONTROLS = {  # the same layouts broken (see `broken`): each must train and end off
+    "control cp2 gpt ring mask": layout(cp=2, control="ring mask"),
+    "control cp2 llama ring mask": layout(cp=2, arch="llama", control="ring mask"),
+    "control pp2 virtual2 gpt first stage": layout(pp=2, virtual=2, micro=1, control="first stage"),
+    "control pp2 virtual2 llama first stage": layout(pp=2, virtual=2, micro=1, arch="llama", control="first stage"),
+}
 WORLD4 = {
     "zero tp2 dp2 sp llama": layout(tp=2, sp=True, arch="llama", distributed_optimizer=True),
     "pp2 dp2 gpt": layout(pp=2, micro=1),
@@ -148,7 +189,7 @@ def world_checks(cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2, timeout=600)
+    return run_workers(2, world_checks, WORLD2 | CONTROLS, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +231,16 @@ def test_packed_rows_at_four_ranks_equal_one_process(world4, reference, name):
         assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
 
 
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_controls_without_the_documents_fail(world2, reference, name):
+    """The CP cases need the ring's document mask and the PP cases need the documents on every stage: broken,
+    they train to finite losses and end more than 1e-3 away from one process (attention weights included)."""
+    ref = reference[kind_of(name)]
+    for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
+        assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"][1:], ref["curve"][1:])) > 1e-3
+
+
 def test_loss_is_the_mean_over_all_trained_tokens_not_a_mean_of_means(reference):
     """Micro-batch 1 (8 micro-batches of different trained-token counts) equals micro-batch 8; the mean of the
     per-row means is another number (so the test could tell)."""
@@ -202,12 +253,12 @@ def test_loss_is_the_mean_over_all_trained_tokens_not_a_mean_of_means(reference)
 
 # ------------------------------------------------------------------------- packed equals unpacked
 
-def packed_and_unpacked(arch: str, documents: bool = True) -> tuple[dict, dict]:
-    """(loss, gradients) of 4 packed rows in one forward, and of their documents one by one unpacked (each a
-    row of its own length), both the sum of trained-token losses over their count."""
+def packed_and_unpacked(arch: str, documents: bool = True, batch: list[dict] | None = None) -> tuple[dict, dict]:
+    """(loss, gradients) of 4 packed rows (`batch`, by default SFT rows) in one forward, and of their documents
+    one by one unpacked (each a row of its own length), both the sum of trained-token losses over their count."""
     ctx = ParallelContext.single()
     model = build_model(sft_config(arch).model, ctx, seed=3)
-    batch = [train_data()[i] for i in range(4)]
+    batch = batch or [train_data()[i] for i in range(4)]
     inputs, labels, positions = (torch.from_numpy(np.stack([r[k] for r in batch]))
                                  for k in ("input_ids", "labels", "position_ids"))
     count = (labels != -100).sum()
@@ -234,6 +285,35 @@ def test_packed_rows_equal_documents_one_by_one(arch):
             assert rel(packed[name], unpacked[name]) <= TOL, name
     crossed, _ = packed_and_unpacked(arch, documents=False)  # plain causal attention over the whole row
     assert abs(crossed["loss"] - unpacked["loss"]) > 2 * TOL * unpacked["loss"]
+    assert max(rel(crossed[n], unpacked[n]) for n in unpacked if n != "loss") > 1e-2
+
+
+def pretraining_rows() -> list[dict]:
+    """4 samples of `data.document_mask` pretraining (`DocumentSamples`): a token stream cut into documents of
+    1-14 tokens by an end-of-document token (runs of two included), every next token trained."""
+    rng, eod = np.random.default_rng(11), VOCAB - 1
+    stream = rng.integers(0, eod, size=4 * (SEQ + 1))
+    cuts = np.cumsum(rng.integers(1, 15, size=4 * SEQ))
+    stream[cuts[cuts < len(stream)]] = eod
+    stream[[9, 10]] = eod
+    samples = DocumentSamples([stream[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(4)], eod)
+    rows = [samples[i] for i in range(4)]
+    positions = torch.from_numpy(np.stack([r["position_ids"] for r in rows]))
+    for row, offsets in zip(rows, Documents.from_positions(positions).offsets):  # each document ends at its eod
+        ends = [i + 1 for i, token in enumerate(row["input_ids"][:-1]) if token == eod]
+        assert list(offsets) == [0, *ends, SEQ] and len(ends) > 2, (offsets, ends)
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_pretraining_document_mask_equals_documents_one_by_one(arch):
+    """`data.document_mask=true`: each sample's documents (each ending with its end-of-document token, whose
+    label is the next document's first token) train as if each ran alone; without the documents they do not."""
+    rows = pretraining_rows()
+    packed, unpacked = packed_and_unpacked(arch, batch=rows)
+    assert abs(packed["loss"] - unpacked["loss"]) <= TOL * unpacked["loss"]
+    assert max(rel(packed[n], unpacked[n]) for n in unpacked if n != "loss") <= TOL
+    crossed, _ = packed_and_unpacked(arch, documents=False, batch=rows)
     assert max(rel(crossed[n], unpacked[n]) for n in unpacked if n != "loss") > 1e-2
 
 
