@@ -2,8 +2,9 @@
 
 A random one-layer Qwen3 with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the
 shared Qwen3 tokenizer and chat template. 4 steps of SFT on the first 40 Dolly records (4 held out for
-validation) from that directory, then `shardlm convert --to-hf` (transformers' logits of the export equal shardlm's of the run's checkpoint,
-not the starting model's) and `shardlm generate --chat` on the export.
+validation) from that directory (the loss falls), then `shardlm convert --to-hf` (transformers' logits of
+the export equal shardlm's of the run's checkpoint, not the starting model's) and `shardlm generate --chat`
+on the export.
 Bad SFT input stops with one line and exit code 2 before any process group or training step.
 Pretraining with `data.document_mask=true` starts and trains too.
 """

@@ -26,6 +26,7 @@ held-out rows and every final parameter, on every rank):
 from __future__ import annotations
 
 import contextlib
+
 import numpy as np
 import pytest
 import torch
