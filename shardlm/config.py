@@ -107,6 +107,26 @@ class SFTConfig:
 
 
 @dataclass
+class LoraConfig:
+    """The `[lora]` section: train low-rank adapters on a frozen base instead of every weight (`docs/lora.md`)."""
+
+    rank: int = 0
+    """Adapter rank r (8-64 are usual); 0: no adapters, every weight trains."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / r (alpha / sqrt(r) with rslora)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input, as peft's lora_dropout."""
+    targets: list = field(default_factory=lambda: ["all-linear"])
+    """Projections that get adapters, by shardlm or Hugging Face name (q/q_proj, k, v, o, qkv, proj, fc, gate,
+    up, down): "all-linear" is every attention and MLP projection (never the router or the output layer)."""
+    rslora: bool = False
+    """rsLoRA: scale by alpha / sqrt(r) instead of alpha / r."""
+    modules_to_save: list = field(default_factory=list)
+    """Whole modules trained in full beside the adapters, by name: "embedding" (wte / embed_tokens),
+    "output" (lm_head), "norm" (the final norm)."""
+
+
+@dataclass
 class TrainConfig:
     """The `[train]` section: batch, schedule, optimizer, precision."""
 
@@ -191,6 +211,9 @@ class CheckpointConfig:
     consolidated .safetensors file, a Hugging Face model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5,
     gpt-oss) or a sharded checkpoint. [model] keys left at their defaults take the checkpoint's values. A run
     directory that already holds a checkpoint resumes from it instead."""
+    init_adapter: str = ""
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors) whose adapters start a [lora]
+    run on checkpoint.init_from's base, at any layout."""
     save: bool = True
     """Save checkpoints at all."""
 
@@ -217,6 +240,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -282,7 +306,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
-PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir", "init_from", "tokenizer", "template")
+PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir", "init_from", "init_adapter",
+             "tokenizer", "template")
 
 
 def expand_path(value: str) -> str:

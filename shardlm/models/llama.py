@@ -97,14 +97,17 @@ class KeyValueProjection(nn.Module):
             for param in (self.weight, self.bias):
                 if param is not None:
                     param.tensor_parallel_dim = 0
+        self.lora = None  # a low-rank adapter (`shardlm.lora`): "column" when split, "replicated rows" otherwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, local KV heads x head_dim)."""
         if self.split:
-            return F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.lora is None else y + self.lora(x)
         weight = copy_to_tensor_parallel(self.weight, self.tp)  # every rank's share of the gradient, summed
         bias = None if self.bias is None else copy_to_tensor_parallel(self.bias, self.tp)[self.rows[0]:self.rows[1]]
-        return F.linear(x, weight[self.rows[0]:self.rows[1]], bias)
+        y = F.linear(x, weight[self.rows[0]:self.rows[1]], bias)
+        return y if self.lora is None else y + self.lora(x, rows=slice(*self.rows))
 
 
 class LlamaAttention(nn.Module):
@@ -168,7 +171,7 @@ class LlamaAttention(nn.Module):
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
-        q = F.linear(x, self.q.weight, self.q.bias).view(B, T, self.heads, self.head_dim)
+        q = self.q.local(x).view(B, T, self.heads, self.head_dim)
         k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
@@ -232,7 +235,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for gate and up
-        return self.down(F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight))
+        return self.down(F.silu(self.gate.local(x)) * self.up.local(x))
 
 
 class LlamaBlock(PreNormBlock):

@@ -164,18 +164,18 @@ class LatentAttention(nn.Module):
         `documents`: packed rows' documents (positions restart, attention stays inside each)."""
         cfg = self.cfg
         if self.q is not None:
-            q = F.linear(self.enter(x), self.q.weight)
+            q = self.q.local(self.enter(x))
             latents = self.enter(torch.cat(self.kv_latent(x), dim=-1))
         else:
             q_latent = self.q_a_norm(self.q_a(x))
             latents = self.enter(torch.cat((q_latent, *self.kv_latent(x)), dim=-1))
             q_latent, latents = latents.split([cfg.q_lora_rank, latents.shape[-1] - cfg.q_lora_rank], dim=-1)
-            q = F.linear(q_latent, self.q_b.weight)
+            q = self.q_b.local(q_latent)
         c, k_rope = latents.split([cfg.kv_lora_rank, self.rope], dim=-1)
         B, T = q.shape[:2]
         past = 0 if cache is None else cache.length
         q = q.view(B, T, self.heads, self.nope + self.rope).transpose(1, 2)
-        kv = F.linear(c, self.kv_b.weight).view(B, T, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        kv = self.kv_b.local(c).view(B, T, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         cos, sin = self.angles(token_positions(T, self.ctx.cp, past, documents, x.device))
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)

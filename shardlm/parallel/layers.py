@@ -64,10 +64,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight.tensor_parallel_dim = 0
         if self.bias is not None:
             self.bias.tensor_parallel_dim = 0
+        self.lora = None  # a low-rank adapter (`shardlm.lora`), added to the GEMM's output when set
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output columns for an input already past the layer's `f` (replicated or sequence-gathered,
+        as when one `f` serves several layers): the GEMM, the bias unless `skip_bias_add`, the adapter's update."""
+        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        return y if self.lora is None else y + self.lora(x)
 
     def forward(self, x: torch.Tensor):
         x = gather_from_sequence_parallel(x, self.tp) if self.sequence_parallel else copy_to_tensor_parallel(x, self.tp)
-        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        y = self.local(x)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.tp)
         return (y, self.bias) if self.skip_bias_add else y
@@ -99,14 +106,17 @@ class RowParallelLinear(nn.Module):
         self.weight.tensor_parallel_dim = 1
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
+        self.lora = None  # a low-rank adapter (`shardlm.lora`): its update joins the partial product, then reduced
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp)
         if self.tp.size == 1 and not self.skip_bias_add:  # nothing to reduce: the bias goes into the GEMM (addmm)
-            return F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.lora is None else y + self.lora(x)
         reduce = reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
-        y = reduce(F.linear(x, self.weight), self.tp)
+        partial = F.linear(x, self.weight)
+        y = reduce(partial if self.lora is None else partial + self.lora(x), self.tp)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias

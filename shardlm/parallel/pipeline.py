@@ -112,6 +112,8 @@ def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
     if ctx.pp_size == 1 or not (ctx.is_first_stage or ctx.is_last_stage):
         return
     for param in tied_parameters(model):
+        if not param.requires_grad:  # frozen (a LoRA run's base): nothing to add
+            continue
         if hasattr(param, "main_grad"):  # fp32 gradient buffer of the master-weight optimizer
             ctx.embedding.all_reduce(param.main_grad)
             continue

@@ -114,7 +114,8 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     # The model returns its per-token losses as a view; FSDP warns that an in-place op on it would skip the
     # backward's all-gather. The losses (`shardlm.models.training_loss`) reduce it out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
-    frozen = {p for p in model.parameters() if not p.requires_grad}
+    # parameters without gradient that move alike on every rank stay whole; a LoRA run's frozen base is sharded
+    frozen = {p for p in model.parameters() if not p.requires_grad and not getattr(p, "frozen_base", False)}
     expert_mesh = expert_data_parallel_mesh(ctx) if ctx.ep_size > 1 else None
     for layer in _layers(model):
         experts = getattr(getattr(layer, "mlp", None), "experts", None)

@@ -131,6 +131,10 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
     model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                         layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]],
                         options=options)
+    if config.lora.rank:  # adapters on the targeted projections, the rest frozen (`shardlm.lora`)
+        from shardlm.lora import add_adapters
+
+        add_adapters(model, config.lora, ctx, t.seed)
     if t.compile:  # 2.
         compile_layers(model, ctx.device)
     pipeline = None

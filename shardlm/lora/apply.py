@@ -1,0 +1,156 @@
+"""Put adapters on a model and freeze its base: `add_adapters(model, config, ctx, seed)`.
+
+Targets are the attention and MLP projections of the transformer layers, named by shardlm's module name or by
+Hugging Face's (`ALIASES`); "all-linear" is every one of them. The router, the embedding and the output layer
+never get an adapter; `modules_to_save` trains whole modules (the embedding, the output layer, the final norm)
+beside the adapters, as peft's option of that name does. Everything else is frozen: no gradient, so no optimizer
+state, no master copy and no gradient reduction for it. Bad targets are one-line `UserError`s, raised before any
+adapter is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardlm.config import LoraConfig
+from shardlm.errors import UserError
+from shardlm.lora.adapter import LoRA
+from shardlm.models.llama import KeyValueProjection
+from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
+from shardlm.parallel.init import param_seed
+
+# Hugging Face (and peft's usual target) names -> shardlm's module names
+ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+           "down_proj": "down", "c_attn": "qkv", "c_proj": "proj", "c_fc": "fc"}
+PROJECTIONS = ("q", "k", "v", "o", "qkv", "proj", "fc", "gate", "up", "down")
+SAVED_MODULES = {"embedding": ("wte",), "embed_tokens": ("wte",), "output": ("lm_head",), "lm_head": ("lm_head",),
+                 "norm": ("ln_f",)}
+
+
+@dataclass
+class AdapterCount:
+    """What a LoRA run trains, over the whole model (every TP shard and stage counted once): `trainable` and
+    `total` parameters, and the bytes of AdamW state (two fp32 moments) the frozen base does not need."""
+
+    trainable: int
+    total: int
+
+    @property
+    def saved_optimizer_bytes(self) -> int:
+        return 8 * (self.total - self.trainable)
+
+    def describe(self) -> str:
+        return (f"lora: training {self.trainable:,} of {self.total:,} parameters ({self.trainable / self.total:.3%}); "
+                f"the frozen base needs no optimizer state ({self.saved_optimizer_bytes / 2**20:,.1f} MiB of AdamW "
+                "moments not kept)")
+
+
+def target_names(config: LoraConfig) -> set[str]:
+    """shardlm's projection names that `config.targets` asks for; UserError for a name that is no projection."""
+    names = set()
+    for target in config.targets:
+        if target in ("all-linear", "all_linear"):
+            names |= set(PROJECTIONS)
+            continue
+        name = ALIASES.get(target, target)
+        if name not in PROJECTIONS:
+            raise UserError(f"lora.targets names {target!r}, which is no projection; use \"all-linear\" or some of "
+                            f"{', '.join(PROJECTIONS)} (or their Hugging Face names {', '.join(ALIASES)})")
+        names.add(name)
+    return names
+
+
+def check_lora(config: LoraConfig) -> None:
+    """The [lora] keys' own values (one line each); the model's modules are checked by `add_adapters`."""
+    if config.rank < 0:
+        raise UserError(f"lora.rank={config.rank} must be at least 1 (or 0: no adapters)")
+    if not 0 <= config.dropout < 1:
+        raise UserError(f"lora.dropout={config.dropout} must be in [0, 1)")
+    if config.alpha <= 0:
+        raise UserError(f"lora.alpha={config.alpha} must be positive")
+    if not config.targets:
+        raise UserError('lora.targets is empty; name the projections to adapt, e.g. ["all-linear"]')
+    target_names(config)
+    for name in config.modules_to_save:
+        if name not in SAVED_MODULES:
+            raise UserError(f"lora.modules_to_save names {name!r}; use some of {', '.join(SAVED_MODULES)}")
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    if isinstance(module, KeyValueProjection) and not module.split:
+        return "replicated rows"
+    return "column"
+
+
+def _shape(module: nn.Module, ctx: ParallelContext) -> tuple[int, int]:
+    """(in, out) full sizes of a projection."""
+    if isinstance(module, KeyValueProjection):
+        full_rows = module.weight.shape[0] * (ctx.tp_size if module.split else 1)
+        return module.weight.shape[1], full_rows
+    return module.in_features, module.out_features
+
+
+def adaptable(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: projection} of every module of the transformer layers an adapter can go on."""
+    kinds = (ColumnParallelLinear, RowParallelLinear, KeyValueProjection)
+    return {name: module for name, module in model.named_modules()
+            if name.startswith("layers.") and isinstance(module, kinds) and name.rsplit(".", 1)[-1] in PROJECTIONS}
+
+
+def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, seed: int) -> dict[str, LoRA]:
+    """Give every targeted projection of `model` (this rank's layers) an adapter seeded from its full name, and
+    freeze every other parameter except `modules_to_save`'s. Returns {projection name: adapter}."""
+    check_lora(config)
+    wanted = target_names(config)
+    candidates = adaptable(model)
+    found = {name.rsplit(".", 1)[-1] for name in candidates}
+    missing = sorted(wanted - found) if not {"all-linear", "all_linear"} & set(config.targets) else []
+    if missing and candidates:  # a rank without layers (none on this stage) cannot tell
+        raise UserError(f"lora.targets names {', '.join(missing)}, which this model does not have; its projections "
+                        f"are {', '.join(sorted(found))}")
+    adapters = {}
+    for name, module in candidates.items():
+        if name.rsplit(".", 1)[-1] not in wanted:
+            continue
+        features = _shape(module, ctx)
+        module.lora = LoRA(_kind(module), *features, config.rank, config.alpha, config.dropout, config.rslora, ctx,
+                           param_seed(seed, f"{name}.lora"), dtype=module.weight.dtype)
+        adapters[name] = module.lora
+    trained = {id(p) for a in adapters.values() for p in a.parameters()}
+    for saved in config.modules_to_save:
+        for attribute in SAVED_MODULES[saved]:
+            module = getattr(model, attribute, None)
+            if isinstance(module, nn.Module):
+                trained |= {id(p) for p in module.parameters()}
+    for param in model.parameters():
+        if id(param) not in trained:
+            param.requires_grad_(False)
+            param.frozen_base = True  # FSDP still shards it (`shardlm.training.fsdp`)
+    return adapters
+
+
+def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
+    """`AdapterCount` of the whole model (the vocabulary's padding left out), before any FSDP sharding: each rank
+    counts what it holds, TP shards whole and replicated parameters on TP rank 0 only, each stage's on DP x CP rank 0 (split experts on
+    expert-DP rank 0, i.e. every EP rank once), the last stage's copy of a tied embedding not at all (one
+    all-reduce over the world)."""
+    local = torch.zeros(2, dtype=torch.float64)
+    vocab = model.cfg.vocab_size
+    for name, param in model.named_parameters():
+        if getattr(param, "pipeline_tied_copy", False) or not (hasattr(param, "tensor_parallel_dim") or ctx.tp_rank == 0):
+            continue
+        split_expert = ctx.ep_size > 1 and getattr(param, "expert_parallel", False)
+        if (ctx.expert_dp if split_expert else ctx.dp_cp).rank == 0:
+            count = param.numel()
+            if name in ("wte.weight", "lm_head.weight"):  # the real vocabulary's rows, not the padding's
+                rows = param.shape[0]
+                count = max(0, min(rows, vocab - ctx.tp_rank * rows)) * param.shape[1]
+            local += torch.tensor([count if param.requires_grad else 0, count], dtype=torch.float64)
+    local = local.to(ctx.device)
+    ctx.world.all_reduce(local)
+    return AdapterCount(int(local[0]), int(local[1]))

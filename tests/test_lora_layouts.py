@@ -1,0 +1,161 @@
+"""LoRA adapters train the same adapters at every layout as on one process.
+
+Data and model: the packed SFT rows of `test_sft_layouts` (conversations of 4-24 tokens in rows of 32,
+prompts not trained), a 4-layer GPT (fused qkv, tied embedding) or Llama (grouped-query attention); adapters
+of rank 4 on every attention and MLP projection (`lora.targets = ["all-linear"]`), alpha 8, dropout 0. The base
+is random (seeded), the adapters' A drawn as peft draws it and B zero, so step 1 moves B only and later steps both.
+
+Checks, each against one process within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, and
+every parameter on every rank - adapters trained, the base bitwise unchanged from its start):
+- world 2: TP=2 with SP (GPT; Llama with its 2 KV heads split; Llama with 1 KV head, replicated on both ranks,
+  whose k/v adapters are "replicated rows"; Llama with the output layer and final norm trained in full,
+  `modules_to_save`), PP=2 x 2 virtual stages (Llama; GPT with its tied embedding trained in full, so both
+  stages' copies get the summed gradient), CP=2 (Llama), DP=2 (GPT), FSDP DP=2 (Llama: frozen and trainable
+  parameters sharded in one module);
+- world 4: TP=2 x DP=2 with SP and the distributed optimizer (ZeRO-1), PP=2 x DP=2 (GPT), CP=2 x TP=2 with SP;
+- the control: TP=2 with SP with the adapters' replicated factors no longer summed over TP (column layers' A,
+  row layers' B) trains, and ends more than 1e-3 away;
+- one process: selective and full recomputation are bitwise the plain run; the frozen base has no gradient and
+  no optimizer state, and the run counts what it trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_parallel import stage_parameters
+from test_sft_layouts import SEQ, train_data, valid_data
+from test_training import VOCAB
+
+from shardlm.config import from_dict
+from shardlm.lora import LoRA, count_parameters
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_trained_but_off, assert_trained_parameters
+from multiproc import check_result, run_checks, run_workers
+
+STEPS, TOL = 4, 1e-5
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
+
+
+def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False,
+                virtual: int = 1, kv_heads: int = 2, save: tuple = (), lora: dict | None = None, **train):
+    model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
+             "vocab_size": VOCAB, "dropout": 0.0}
+    if arch == "llama":
+        model["num_kv_heads"] = kv_heads
+    schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
+    return from_dict({
+        "model": model,
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, **schedule},
+        "data": {"text_file": "unused"},
+        "lora": {**LORA, "modules_to_save": list(save), **(lora or {})},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 64, **train},
+    })
+
+
+def unsum_replicated_factors(model) -> None:
+    """The control's bug: the adapters' replicated factors keep each rank's partial gradient."""
+    for module in model.modules():
+        if isinstance(module, LoRA):
+            for param in (module.A, module.B):
+                if getattr(param, "sequence_parallel", False):
+                    del param.sequence_parallel
+
+
+def train_layout(ctx: ParallelContext, config, broken: bool = False) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss, every parameter (all stages) before and
+    after, and which of them trained."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, train_data(), valid_data())
+    if broken:
+        unsum_replicated_factors(trainer.model)
+    start = stage_parameters(trainer.model)
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    trained = sorted({n for n, p in trainer.model.named_parameters() if p.requires_grad})
+    return {"curve": curve, "valid": trainer.evaluate(), "start": start, "params": stage_parameters(trainer.model),
+            "trained": ctx.world.all_gather_object(trained), "count": count_parameters(trainer.model, ctx)}
+
+
+def layout(tp: int = 1, pp: int = 1, cp: int = 1, **config) -> dict:
+    return {"tp": tp, "pp": pp, "cp": cp, **config}
+
+
+def run_layout(tp: int, pp: int, cp: int, broken: bool = False, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
+    return train_layout(ctx, lora_config(tp=tp, pp=pp, cp=cp, **config), broken)
+
+
+WORLD2 = {  # name: (the one-process reference it equals, the layout)
+    "tp2 sp gpt": ("gpt", layout(tp=2, sp=True)),
+    "tp2 sp llama": ("llama", layout(tp=2, sp=True, arch="llama")),
+    "tp2 sp llama kv1": ("llama kv1", layout(tp=2, sp=True, arch="llama", kv_heads=1)),
+    "tp2 sp llama save output norm": ("llama save", layout(tp=2, sp=True, arch="llama", save=("output", "norm"))),
+    "pp2 virtual2 llama": ("llama", layout(pp=2, virtual=2, micro=1, arch="llama")),
+    "pp2 virtual2 gpt save embedding": ("gpt save", layout(pp=2, virtual=2, micro=1, save=("embedding",))),
+    "cp2 llama": ("llama", layout(cp=2, arch="llama")),
+    "dp2 gpt": ("gpt", layout()),
+    "fsdp dp2 llama": ("llama", layout(arch="llama", data_sharding="full")),
+}
+CONTROL = {"control tp2 sp llama unsummed": ("llama", layout(tp=2, sp=True, arch="llama", broken=True))}
+WORLD4 = {
+    "zero tp2 dp2 sp llama": ("llama", layout(tp=2, sp=True, arch="llama", distributed_optimizer=True)),
+    "pp2 dp2 gpt": ("gpt", layout(pp=2, micro=1)),
+    "cp2 tp2 sp llama": ("llama", layout(cp=2, tp=2, sp=True, arch="llama")),
+}
+REFERENCES = {"gpt": {}, "llama": {"arch": "llama"}, "llama kv1": {"arch": "llama", "kv_heads": 1},
+              "llama save": {"arch": "llama", "save": ("output", "norm")}, "gpt save": {"save": ("embedding",)}}
+
+
+def world_checks(cases: dict) -> dict:
+    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, (_, spec) in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world_checks, WORLD2 | CONTROL, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world_checks, WORLD4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process at micro-batch 8 (one micro-batch per step) for each model kind."""
+    ctx = ParallelContext.single()
+    return {kind: train_layout(ctx, lora_config(micro=8, **spec)) for kind, spec in REFERENCES.items()}
+
+
+def assert_matches(value: dict, ref: dict, where: str) -> None:
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} step {step}: loss {loss} vs {ref_loss}"
+        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{where} step {step}: grad norm {norm} vs {ref_norm}"
+    assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
+    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+    assert (value["count"].trainable, value["count"].total) == (ref["count"].trainable, ref["count"].total), where
+    frozen = [n for n in value["params"] if ".lora." not in n and not any(n in t for t in value["trained"])]
+    assert frozen and all(torch.equal(value["params"][n], value["start"][n]) for n in frozen), f"{where}: base moved"
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_lora_at_two_ranks_equals_one_process(world2, reference, name):
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_matches(value, reference[WORLD2[name][0]], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_lora_at_four_ranks_equals_one_process(world4, reference, name):
+    for rank, value in enumerate(check_result(world4, name)):
+        assert_matches(value, reference[WORLD4[name][0]], f"{name} rank {rank}")
+
+
+def test_unsummed_replicated_factors_fail(world2, reference):
+    """Without the TP sum of the replicated factors' gradients the run trains, and ends off one process."""
+    ref = reference["llama"]
+    for value in check_result(world2, "control tp2 sp llama unsummed"):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".lora.")
