@@ -136,13 +136,14 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
 
 def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
     """`AdapterCount` of the whole model (the vocabulary's padding left out), before any FSDP sharding: each rank
-    counts what it holds, TP shards whole and replicated parameters on TP rank 0 only, each stage's on DP x CP rank 0 (split experts on
-    expert-DP rank 0, i.e. every EP rank once), the last stage's copy of a tied embedding not at all (one
-    all-reduce over the world)."""
+    counts what it holds, TP shards whole and replicated parameters on TP rank 0 only, each stage's on DP x CP
+    rank 0 (split experts on expert-DP rank 0, i.e. every EP rank once), the last stage's copy of a tied
+    embedding not at all (one all-reduce over the world)."""
     local = torch.zeros(2, dtype=torch.float64)
     vocab = model.cfg.vocab_size
     for name, param in model.named_parameters():
-        if getattr(param, "pipeline_tied_copy", False) or not (hasattr(param, "tensor_parallel_dim") or ctx.tp_rank == 0):
+        whole_here = hasattr(param, "tensor_parallel_dim") or ctx.tp_rank == 0
+        if getattr(param, "pipeline_tied_copy", False) or not whole_here:
             continue
         split_expert = ctx.ep_size > 1 and getattr(param, "expert_parallel", False)
         if (ctx.expert_dp if split_expert else ctx.dp_cp).rank == 0:
