@@ -159,3 +159,32 @@ def test_unsummed_replicated_factors_fail(world2, reference):
     ref = reference["llama"]
     for value in check_result(world2, "control tp2 sp llama unsummed"):
         assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".lora.")
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_is_bitwise(mode):
+    """Recomputed layers (adapter dropout 0.1 on) give the plain run's curve and parameters bitwise: the rerun
+    draws the same adapter dropout masks."""
+    runs = {r: train_layout(ParallelContext.single(), lora_config(arch="llama", micro=4, recompute=r,
+                                                                  lora={"dropout": 0.1}))
+            for r in ("none", mode)}
+    assert runs[mode]["curve"] == runs["none"]["curve"] and runs[mode]["valid"] == runs["none"]["valid"]
+    assert all(torch.equal(runs[mode]["params"][n], p) for n, p in runs["none"]["params"].items())
+
+
+def test_the_base_has_no_gradient_and_no_optimizer_state():
+    """Only the adapters require gradients and own AdamW moments; the run counts them (the vocabulary's padding
+    left out): 4 layers x (q, k, v, o, gate, up, down) adapters of rank 4."""
+    trainer = Trainer(lora_config(arch="llama", micro=8), ParallelContext.single(), train_data())
+    trainer.train_step()
+    named = dict(trainer.model.named_parameters())
+    adapters = {n for n, p in named.items() if p.requires_grad}
+    assert adapters == {n for n in named if ".lora." in n}
+    assert {id(p) for p in trainer.optimizer.state} == {id(named[n]) for n in adapters}
+    cfg = trainer.config.model
+    h, f, kv = cfg.hidden_size, cfg.ffn_size, cfg.kv_heads * cfg.attention_head_dim
+    per_layer = 4 * sum(i + o for i, o in [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)])
+    count = count_parameters(trainer.model, ParallelContext.single())
+    assert count.trainable == cfg.num_layers * per_layer
+    assert count.total == count.trainable + sum(p.numel() for n, p in named.items() if n not in adapters) - (
+        trainer.model.padded_vocab_size - cfg.vocab_size) * h * (1 + (not cfg.tie_embeddings))

@@ -183,9 +183,14 @@ def init_weights(trainer, source: WeightSource) -> None:
     if source.meta is not None:  # sizes and sha256 of the shards, each hashed on one rank
         names = [name for row in model_files(source.meta) for name in row]
         files.verify(source.path, source.meta, names, world=ctx.world, device=ctx.device)
+    base = None
+    if trainer.config.lora.rank:  # the base under the adapters: every parameter but the adapters themselves
+        from shardlm.lora import is_adapter
+
+        base = {name for name, _ in trainer.model.named_parameters() if not is_adapter(name)}
     if isinstance(source.reader, MappedReader):
         source.reader.expect(trainer.model, ctx.tp_size)
-    load_weights(trainer.model, source.reader, ctx, trainer.optimizer, optimizer_step=0)
+    load_weights(trainer.model, source.reader, ctx, trainer.optimizer, optimizer_step=0, names=base)
 
 
 def describe(source: WeightSource) -> str:

@@ -68,11 +68,17 @@ def is_stage_copy(param: torch.Tensor) -> bool:
     return getattr(param, "pipeline_tied_copy", False)
 
 
-def _tensor_table(model, dense: bool) -> dict[str, dict]:
+def is_saved(param: torch.Tensor, lora: bool) -> bool:
+    """Whether a checkpoint holds a parameter: all but the last stage's tied copy; in a LoRA run (`lora`) only
+    what trains (adapters, `modules_to_save`), never the frozen base (`shardlm.lora.base`)."""
+    return not is_stage_copy(param) and (not lora or param.requires_grad)
+
+
+def _tensor_table(model, dense: bool, lora: bool = False) -> dict[str, dict]:
     """{checkpoint name: shape and split dim} of the tensors this rank writes (experts one by one)."""
     table = {}
     for name, p in model.named_parameters():
-        if is_stage_copy(p):
+        if not is_saved(p, lora):
             continue
         if is_expert(p):
             for key in _stored_names(name, p):
@@ -90,8 +96,9 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
     optimizer's layout-free state (fp32 master weights, moments gathered over DP), used when given.
     `dense=False` (ranks that write only their experts): expert stacks only, one tensor per expert."""
     out = {}
+    lora = bool(trainer.config.lora.rank)
     for name, param in trainer.model.named_parameters():
-        if not (dense or is_expert(param)) or is_stage_copy(param):
+        if not (dense or is_expert(param)) or not is_saved(param, lora):
             continue
         state = trainer.optimizer.state.get(param, {})
         if full is not None:  # parameters without gradient (expert biases) are not the optimizer's
@@ -193,7 +200,8 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     except (OSError, SafetensorError) as exc:
         failure = _write_failure(path, exc)
     _agree_on_failures(ctx, failure, tmp, trainer.step, directory)
-    tensors_table = _tensor_table(trainer.model, dense=first)  # this stage's; all stages' on rank 0
+    tensors_table = _tensor_table(trainer.model, dense=first, lora=bool(trainer.config.lora.rank))
+    base = lora_base(trainer)  # collective
     gathered = ctx.world.all_gather_object((records, tensors_table if writes and ctx.tp_rank == 0 else {}))
     manifest = {k: v for part, _ in gathered for k, v in part.items()}
     tensors_table = {k: v for _, table in gathered for k, v in table.items()}
@@ -207,6 +215,7 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
             "padded_vocab_size": trainer.model.padded_vocab_size,
             "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
             "config": dataclasses.asdict(trainer.config), "tensors": tensors_table, "files": manifest,
+            **({"lora": base} if base else {}),
         }
         try:
             path = tmp / files.META
@@ -235,12 +244,28 @@ def check_compatible(saved: dict, config: RunConfig) -> None:
                             f"{model[key]!r}; use the checkpoint's model settings")
 
 
-def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=None, optimizer_step: int = 0) -> None:
-    """Copy this rank's slice of every parameter (and Adam moments) from `reader` into place (through the
-    master-weight optimizer's `load_full_state` when it has one)."""
+def lora_base(trainer) -> dict | None:
+    """The LoRA run's base (`shardlm.lora.base.fingerprint`, hashed once on the main rank and cached on the
+    trainer); None without LoRA. Collective the first time."""
+    if not trainer.config.lora.rank:
+        return None
+    if getattr(trainer, "lora_base", None) is None:
+        from shardlm.lora.base import fingerprint
+
+        ctx = trainer.ctx
+        trainer.lora_base = ctx.world.all_gather_object(fingerprint(trainer.config) if ctx.is_main else None)[0]
+    return trainer.lora_base
+
+
+def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=None, optimizer_step: int = 0,
+                 names: set[str] | None = None) -> None:
+    """Copy this rank's slice of every parameter (of `names` only, when given) and its Adam moments from `reader`
+    into place (through the master-weight optimizer's `load_full_state` when it has one)."""
     keys = reader.keys()
     full = {}
     for name, param in model.named_parameters():
+        if names is not None and name not in names:
+            continue
         stored = _stored_names(name, param)
         if f"model/{stored[0]}" not in keys:
             raise UserError(f"checkpoint has no tensor for parameter {stored[0]}")
@@ -264,7 +289,12 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
             full[name] = local
             continue
         with torch.no_grad():
-            param.copy_(local["model"])
+            if hasattr(param, "to_local"):  # an FSDP shard outside the optimizer (a LoRA run's frozen base)
+                from shardlm.training.fsdp import copy_to_shard
+
+                copy_to_shard(param, local["model"])
+            else:
+                param.copy_(local["model"])
         if optimizer is not None and optimizer_step > 0 and "exp_avg" in local:
             # the fused kernel keeps `step` beside the parameter, the others on the CPU
             step_device = param.device if optimizer.defaults.get("fused") else "cpu"
@@ -303,7 +333,10 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     files.verify(checkpoint, meta, shard_names, world=ctx.world, device=ctx.device)  # each shard hashed once
     if same_layout:
         files.verify(checkpoint, meta, [rng_file(ctx.rank)])
-    load_weights(trainer.model, reader_of(checkpoint, meta), ctx, trainer.optimizer, meta["optimizer_step"])
+    names = None
+    if meta.get("lora") or trainer.config.lora.rank:  # the base from checkpoint.init_from, then what trained
+        names = _load_lora_base(trainer, meta)
+    load_weights(trainer.model, reader_of(checkpoint, meta), ctx, trainer.optimizer, meta["optimizer_step"], names)
     trainer.step, trainer.consumed_samples = meta["step"], meta["consumed_samples"]
     trainer.skipped_steps = meta["skipped_steps"]
     if trainer.scaler and meta["scaler"]:
@@ -311,6 +344,24 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     if same_layout:
         _restore_rng(ctx, checkpoint / rng_file(ctx.rank))
     return meta
+
+
+def _load_lora_base(trainer, meta: dict) -> set[str]:
+    """A LoRA checkpoint's frozen base: the run's own (`checkpoint.init_from`, or its seeded start), checked
+    against the base the checkpoint names and loaded; returns the names the checkpoint itself restores."""
+    from shardlm.lora.base import check_base
+
+    if not (meta.get("lora") and trainer.config.lora.rank):
+        saved, now = ("adapters" if meta.get("lora") else "every weight"), ("adapters" if trainer.config.lora.rank
+                                                                            else "every weight")
+        raise UserError(f"the checkpoint trained {saved} but this run trains {now}; set [lora] as the checkpoint's "
+                        "run did, or start a new run directory")
+    check_base(meta["lora"], trainer.config, lora_base(trainer))
+    if trainer.config.checkpoint.init_from:
+        from shardlm.checkpoint.init import init_weights, open_source
+
+        init_weights(trainer, open_source(trainer.config.checkpoint.init_from))
+    return {name for name, param in trainer.model.named_parameters() if param.requires_grad}
 
 
 def safetensors_metadata(path: Path) -> dict[str, str]:

@@ -6,6 +6,6 @@ into the base.
 """
 
 from shardlm.lora.adapter import LoRA
-from shardlm.lora.apply import AdapterCount, add_adapters, check_lora, count_parameters
+from shardlm.lora.apply import AdapterCount, add_adapters, check_lora, count_parameters, is_adapter
 
-__all__ = ["AdapterCount", "LoRA", "add_adapters", "check_lora", "count_parameters"]
+__all__ = ["AdapterCount", "LoRA", "add_adapters", "check_lora", "count_parameters", "is_adapter"]

@@ -48,6 +48,11 @@ class AdapterCount:
                 "moments not kept)")
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's factor (`...q.lora.A`), not the base's."""
+    return ".lora." in name
+
+
 def target_names(config: LoraConfig) -> set[str]:
     """shardlm's projection names that `config.targets` asks for; UserError for a name that is no projection."""
     names = set()

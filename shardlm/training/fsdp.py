@@ -167,6 +167,13 @@ def _rows(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
     return chunks[index] if index < len(chunks) else tensor[:0]
 
 
+def copy_to_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's rows of `full` (the parameter's whole TP shard) into an FSDP-sharded parameter."""
+    mesh = param.device_mesh
+    dim = mesh.ndim - 1
+    param.to_local().copy_(_rows(full, mesh.size(dim), mesh.get_local_rank(dim)))
+
+
 class FullyShardedAdamW:
     """AdamW over the DTensor shards of a `shard_model`-ed model, with the same hyperparameters and
     decay groups as `build_optimizer`; exposes what the trainer and checkpoints use of an optimizer

@@ -1,0 +1,52 @@
+"""Which frozen base a LoRA checkpoint's adapters belong to, and the check that a resumed run has that base.
+
+A LoRA run saves its adapters (and whatever `modules_to_save` trains) with their optimizer, never the base: the
+base comes back from `checkpoint.init_from` on every resume. So the checkpoint names it: the path it was read
+from and a fingerprint, the sha256 of the list of its weight files' names, sizes and sha256 (a run started from
+random weights: of the model shape and seed that drew them). Hashing reads the base once per run start (about
+1 GB/s on one core); loading adapters on a base whose fingerprint differs is a one-line error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from shardlm.config import RunConfig
+from shardlm.errors import UserError
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a base: a consolidated file itself; a directory's .safetensors files (a Hugging Face
+    model, a sharded checkpoint's step folder or its `latest`), sorted by name."""
+    from shardlm.checkpoint import files
+
+    if path.is_file():
+        return [path]
+    if not (path / "config.json").is_file() and ((path / files.META).is_file() or (path / files.LATEST).is_file()):
+        path = files.resolve(path)
+    return sorted(path.glob("*.safetensors"))
+
+
+def fingerprint(config: RunConfig) -> dict:
+    """{"base": what it is, "sha256": its fingerprint} of the run's frozen base (module docstring)."""
+    from shardlm.checkpoint import files
+
+    source = config.checkpoint.init_from
+    if not source:
+        shape = json.dumps({"model": dataclasses.asdict(config.model), "seed": config.train.seed}, sort_keys=True)
+        return {"base": f"random initialization (train.seed={config.train.seed})",
+                "sha256": hashlib.sha256(shape.encode()).hexdigest()}
+    listing = [(p.name, p.stat().st_size, files.sha256_of(p)) for p in weight_files(Path(source))]
+    return {"base": str(source), "sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest()}
+
+
+def check_base(saved: dict, config: RunConfig, current: dict) -> None:
+    """UserError (one line) when the checkpoint's adapters (`saved`, its meta's "lora") were trained on another
+    base than the run's (`current`, this run's `fingerprint`)."""
+    if saved["sha256"] != current["sha256"]:
+        raise UserError(f"the checkpoint's adapters were trained on the base {saved['base']} (sha256 "
+                        f"{saved['sha256'][:12]}), but this run's base is {current['base']} (sha256 "
+                        f"{current['sha256'][:12]}); set checkpoint.init_from to the base the adapters were trained on")
