@@ -119,12 +119,39 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     ]
     if config.sft.data or config.data.document_mask:
         _validate_packed(config)
+    if config.lora.rank or config.checkpoint.init_adapter:
+        _validate_lora(config)
     for ok, message in checks:
         if not ok:
             raise UserError(message)
     if check_paths:
         check_files(config)
     return t.global_batch_size // per_step
+
+
+def _validate_lora(config: RunConfig) -> None:
+    """[lora]: its values, and that this model has what it names (one line each)."""
+    from shardlm.lora.apply import check_lora, target_names
+
+    m, lora = config.model, config.lora
+    check_lora(lora)
+    if not lora.rank:
+        raise UserError("checkpoint.init_adapter needs lora.rank (or an adapter_config.json that gives r)")
+    if m.arch == "bert" or m.attention == "mla":
+        raise UserError("[lora] adapts GPT and Llama-family models with multi-head attention; "
+                        f"this model is {'BERT' if m.arch == 'bert' else 'one with latent attention (MLA)'}")
+    projections = {"qkv", "proj", "fc"} if m.arch == "gpt" else {"q", "k", "v", "o", "gate", "up", "down"}
+    if m.arch == "llama" and m.moe_num_experts and not (m.moe_first_dense_layers or m.moe_shared_experts):
+        projections -= {"gate", "up", "down"}  # experts take no adapter (yet): only dense or shared MLPs do
+    if missing := sorted(target_names(lora) - projections) if "all-linear" not in lora.targets else []:
+        raise UserError(f"lora.targets names {', '.join(missing)}, which this {m.arch} model does not have; its "
+                        f"projections are {', '.join(sorted(projections))} (or \"all-linear\")")
+    if "output" in lora.modules_to_save and (m.arch == "gpt" or m.tie_embeddings):
+        raise UserError('lora.modules_to_save names "output", but this model ties its output layer to the '
+                        'embedding; name "embedding"')
+    if config.checkpoint.init_adapter and not config.checkpoint.init_from:
+        raise UserError("checkpoint.init_adapter needs checkpoint.init_from: the base model the adapter was "
+                        "trained on")
 
 
 def _validate_packed(config: RunConfig) -> None:

@@ -30,7 +30,13 @@ def add_parser(subparsers) -> None:
                            help="write a HF directory here: GPT2LMHeadModel for gpt, the Llama family's own class "
                                 "for llama (LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, ...), "
                                 "DeepseekV3ForCausalLM (or V2) for MLA")
-    hf.add_argument("--checkpoint", help="with --to-hf: the shardlm checkpoint (directory or consolidated file)")
+    direction.add_argument("--to-peft", metavar="DIR",
+                           help="write a LoRA run's adapters here as a peft adapter directory (adapter_model."
+                                "safetensors, adapter_config.json); with --merge, the base with the adapters folded "
+                                "in as a plain HF directory")
+    hf.add_argument("--checkpoint", help="with --to-hf / --to-peft: the shardlm checkpoint (directory or consolidated "
+                                         "file); --to-hf of a LoRA run's checkpoint merges its adapters into the base")
+    hf.add_argument("--merge", action="store_true", help="with --to-peft: fold the adapters into the base")
     hf.add_argument("--output", help="with --from-hf: the consolidated shardlm checkpoint file to write")
     hf.set_defaults(func=run_hf)
 
@@ -99,19 +105,42 @@ def run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_lora_checkpoint(path: str) -> bool:
+    """Whether `path` is a sharded checkpoint of a LoRA run (its adapters only, `shardlm.lora.base`)."""
+    from shardlm.checkpoint import files
+
+    return not Path(path).is_file() and bool(files.read_meta(files.resolve(path)).get("lora"))
+
+
 def run_hf(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.hf import from_hf, to_hf
     from shardlm.errors import UserError
 
+    if args.merge and not args.to_peft:
+        raise UserError("--merge goes with --to-peft (a LoRA run's checkpoint)")
     if args.from_hf:
         if not args.output:
             raise UserError("--from-hf needs --output FILE.safetensors (the shardlm checkpoint to write)")
         print(f"wrote {from_hf(args.from_hf, args.output)}")
+        return 0
+    if not args.checkpoint:
+        raise UserError(f"--to-{'hf' if args.to_hf else 'peft'} needs --checkpoint PATH (a shardlm checkpoint)")
+    if args.to_peft and not args.merge:
+        from shardlm.lora.peft import write_peft
+
+        out = write_peft(args.checkpoint, args.to_peft)
+        settings = json.loads((out / "adapter_config.json").read_text())
+        print(f"wrote {out} (peft LoRA adapter, r={settings['r']}, targets {', '.join(settings['target_modules'])})")
+        return 0
+    lora = args.merge or is_lora_checkpoint(args.checkpoint)
+    if lora:
+        from shardlm.lora.peft import write_merged
+
+        out = write_merged(args.checkpoint, args.to_peft or args.to_hf)
     else:
-        if not args.checkpoint:
-            raise UserError("--to-hf needs --checkpoint PATH (a shardlm checkpoint directory or file)")
         out = to_hf(args.checkpoint, args.to_hf)
-        kind = json.loads((out / "config.json").read_text()).get("architectures", ["?"])[0]
-        note = "; experts unquantized (not MXFP4)" if kind == "GptOssForCausalLM" else ""
-        print(f"wrote {out} ({kind}, fp32 safetensors{note})")
+    kind = json.loads((out / "config.json").read_text()).get("architectures", ["?"])[0]
+    note = "; experts unquantized (not MXFP4)" if kind == "GptOssForCausalLM" else ""
+    merged = "; LoRA adapters merged into the base" if lora else ""
+    print(f"wrote {out} ({kind}, fp32 safetensors{note}{merged})")
     return 0

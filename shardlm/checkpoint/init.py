@@ -224,5 +224,25 @@ def load_model(path: str | Path, ctx: ParallelContext):
         config = from_dict(meta["config"])
     config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
     model = build_model(config.model, ctx, seed=config.train.seed)
-    load_weights(model, ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta), ctx)
+    names = None
+    if not path.is_file() and meta.get("lora"):  # the base from its source, checked, then the adapters
+        names = load_lora_base(model, config, meta["lora"], ctx)
+    load_weights(model, ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta), ctx, names=names)
     return model.eval(), config
+
+
+def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) -> set[str]:
+    """A LoRA checkpoint's model for evaluation, generation or export: adapters put on `model` as the run put them,
+    the base (`checkpoint.init_from`, or the seeded start) checked against the checkpoint's fingerprint and loaded;
+    returns the names the checkpoint restores (adapters, `modules_to_save`)."""
+    from shardlm.lora import add_adapters, is_adapter
+    from shardlm.lora.base import check_base, fingerprint
+
+    add_adapters(model, config.lora, ctx, config.train.seed)
+    check_base(saved, config, ctx.world.all_gather_object(fingerprint(config) if ctx.is_main else None)[0])
+    if config.checkpoint.init_from:
+        source = open_source(config.checkpoint.init_from)
+        if isinstance(source.reader, MappedReader):
+            source.reader.expect(model, ctx.tp_size)
+        load_weights(model, source.reader, ctx, names={n for n, _ in model.named_parameters() if not is_adapter(n)})
+    return {name for name, param in model.named_parameters() if param.requires_grad}

@@ -98,3 +98,30 @@ class ShardedReader:
             pad_shape[split_dim] = end - max(start, saved_total)
             pieces.append(torch.zeros(pad_shape, dtype=pieces[0].dtype if pieces else torch.float32))
         return torch.cat(pieces, dim=split_dim)
+
+
+class TensorReader:
+    """`ShardedReader`'s reading interface over whole tensors in memory ({key: tensor}, e.g. a peft adapter's
+    converted to shardlm's names): rows past a tensor's end (the padded vocabulary) read as zeros."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def keys(self) -> set[str]:
+        return set(self.tensors)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.tensors[key].shape)
+
+    def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        value = self.tensors[key]
+        if split_dim is None:
+            return value
+        size = value.shape[split_dim]
+        end = size if end is None else end
+        part = value.narrow(split_dim, min(start, size), max(0, min(end, size) - min(start, size)))
+        if end > size:
+            pad = list(value.shape)
+            pad[split_dim] = end - max(start, size)
+            part = torch.cat([part, torch.zeros(pad, dtype=value.dtype)], dim=split_dim)
+        return part

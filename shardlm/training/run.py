@@ -21,6 +21,8 @@ from shardlm.checkpoint.init import describe, init_weights, resolve_init
 from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
+from shardlm.lora import count_parameters
+from shardlm.lora.peft import load_adapter, resolve_adapter
 from shardlm.parallel import init_distributed
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
@@ -157,6 +159,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
            progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_source = resolve_init(config, run_dir)  # before validation: [model] may take the checkpoint's shape
+    resolve_adapter(config)  # and [lora] the peft adapter's settings
     validate(config, world)
     t = config.train
     sft = None
@@ -203,6 +206,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     elif init_source is not None:
         init_weights(trainer, init_source)
         logger.print(describe(init_source))
+    if config.checkpoint.init_adapter and not resume_from:
+        logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""
@@ -211,6 +216,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
                  f"DP={ctx.dp_size}{experts} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
                  f"run directory {run_dir}")
+    if config.lora.rank:
+        logger.print(count_parameters(trainer.model, ctx).describe())
     save = config.checkpoint.save
     last_saved = (trainer.step, Path(resume_from)) if resume_from else (-1, None)
 

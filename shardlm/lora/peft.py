@@ -1,0 +1,245 @@
+"""peft's adapter directories both ways, and adapters merged into the base.
+
+- `write_peft(checkpoint, out)`: a LoRA run's checkpoint (any layout) -> `adapter_model.safetensors` and
+  `adapter_config.json`, which `peft.PeftModel.from_pretrained(base, out)` loads onto the Hugging Face base.
+- `read_peft(folder, cfg)`: such a directory -> {shardlm name: tensor} of the adapters (and modules_to_save),
+  whole (TP=1), which `checkpoint.init_adapter` loads into a run at its layout.
+- `write_merged(checkpoint, out)`: the base with every adapter folded in, W + scale B A, as a plain Hugging
+  Face directory (`shardlm convert --to-peft OUT --merge`, or `--to-hf` of a LoRA checkpoint).
+
+Names: peft calls the adapter of HF module M `base_model.model.M.lora_A.weight` (r, in) and `...lora_B.weight`
+(out, r), a module trained in full `base_model.model.M.weight`. shardlm's adapters are `X.lora.A` and `X.lora.B`
+beside projection X, whose HF name the converters give (`shardlm.checkpoint.hf_llama.name_map`, GPT-2's
+`shardlm.checkpoint.hf.name_map`). Llama-family tensors map as they are; GPT-2's fused c_attn has its q|k|v
+rows where shardlm keeps (heads, 3, head_dim), so the B of `attn.qkv` is reordered as the weight is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardlm.config import LoraConfig, RunConfig
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+PREFIX = "base_model.model."
+ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+WHOLE = {"wte", "lm_head", "ln_f"}  # modules_to_save's modules
+
+
+def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
+    """{shardlm module: (HF module, conversion)} of every projection an adapter can go on and of the modules
+    `modules_to_save` trains; conversion "qkv" for GPT-2's fused c_attn, "copy" otherwise."""
+    if cfg.arch == "gpt":
+        from shardlm.checkpoint.hf import name_map
+
+        pairs = [(ours, theirs, "qkv" if kind == "qkv" else "copy") for ours, theirs, kind in name_map(cfg.num_layers)]
+    elif cfg.arch == "llama" and cfg.attention != "mla":
+        from shardlm.checkpoint.hf_llama import name_map
+
+        pairs = [(ours, theirs, "copy") for ours, theirs in name_map(cfg)]
+    else:
+        raise UserError(f"peft adapters convert for GPT and Llama-family models; this checkpoint's model is "
+                        f"{cfg.arch}{' with latent attention' if cfg.attention == 'mla' else ''}")
+    return {ours.rsplit(".", 1)[0]: (theirs.rsplit(".", 1)[0], kind)
+            for ours, theirs, kind in pairs if ours.endswith(".weight")}
+
+
+def _to_hf(value: torch.Tensor, kind: str, cfg: ModelConfig) -> torch.Tensor:
+    from shardlm.checkpoint.hf import qkv_to_hf
+
+    return qkv_to_hf(value, cfg.num_heads).t().contiguous() if kind == "qkv" else value.contiguous()
+
+
+def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig) -> torch.Tensor:
+    from shardlm.checkpoint.hf import qkv_from_hf
+
+    return qkv_from_hf(value.t(), cfg.num_heads) if kind == "qkv" else value.contiguous()
+
+
+def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """shardlm's whole adapter (and modules_to_save) tensors {name: tensor} -> peft's names and layout."""
+    modules, out = module_names(cfg), {}
+    for name, value in tensors.items():
+        module, _, leaf = name.rpartition(".lora.")
+        if module:  # an adapter factor: A is (r, in) as is; B has the projection's output rows
+            hf, kind = modules[module]
+            out[f"{PREFIX}{hf}.lora_{leaf}.weight"] = _to_hf(value, kind, cfg) if leaf == "B" else value.contiguous()
+            continue
+        module, _, leaf = name.rpartition(".")
+        hf, _ = modules.get(module, (None, None))
+        if hf is None or module not in WHOLE:
+            raise UserError(f"tensor {name} of the checkpoint has no peft name")
+        out[f"{PREFIX}{hf}.{leaf}"] = (value[:cfg.vocab_size] if module in ("wte", "lm_head") else value).contiguous()
+    return out
+
+
+def adapter_config(config: RunConfig, base: str) -> dict:
+    """peft's adapter_config.json for the run's [lora] on `base` (the HF model path the adapters were trained on)."""
+    from shardlm.lora.apply import target_names
+
+    modules, wanted = module_names(config.model), target_names(config.lora)
+    targets = sorted({hf.rsplit(".", 1)[-1] for ours, (hf, _) in modules.items()
+                      if ours.startswith("layers.") and ours.rsplit(".", 1)[-1] in wanted})
+    saved = sorted({modules[name][0] for name in _saved_modules(config.lora)})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": config.lora.rank,
+            "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout, "use_rslora": config.lora.rslora,
+            "target_modules": targets, "modules_to_save": saved or None, "bias": "none",
+            "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True}
+
+
+def _saved_modules(lora: LoraConfig) -> list[str]:
+    from shardlm.lora.apply import SAVED_MODULES
+
+    return [module for name in lora.modules_to_save for module in SAVED_MODULES[name]]
+
+
+def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict]:
+    from shardlm.checkpoint import files
+    from shardlm.checkpoint.sharded import model_files
+
+    path = files.resolve(checkpoint)
+    meta = files.read_meta(path)
+    if not meta.get("lora"):
+        raise UserError(f"{checkpoint} holds every weight of its run, not LoRA adapters; write it with --to-hf")
+    files.verify(path, meta, [n for row in model_files(meta) for n in row])
+    return path, meta
+
+
+def write_peft(checkpoint: str | Path, out: str | Path) -> Path:
+    """A LoRA checkpoint's adapters as a peft directory `out` (module docstring); returns `out`."""
+    from shardlm.checkpoint import files
+    from shardlm.checkpoint.state import reader_of
+    from shardlm.config import from_dict
+
+    path, meta = _lora_checkpoint(checkpoint)
+    config, reader = from_dict(meta["config"]), reader_of(path, meta)
+    tensors = {name: reader.read(f"model/{name}", info["split_dim"]) for name, info in meta["tensors"].items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files.write_atomically(out / ADAPTER_FILE, lambda tmp: save_file(peft_tensors(tensors, config.model), str(tmp),
+                                                                      metadata={"format": "pt"}))
+    files.write_json_atomic(out / CONFIG_FILE, adapter_config(config, meta["lora"]["base"]))
+    return out
+
+
+def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, {shardlm name: whole tensor}) of a peft adapter directory; UserError (one line) for
+    a missing file, another kind of adapter, or a tensor this model has no place for."""
+    folder = Path(folder)
+    for name in (CONFIG_FILE, ADAPTER_FILE):
+        if not (folder / name).is_file():
+            raise UserError(f"checkpoint.init_adapter={folder} has no {name}; point it at a peft adapter directory")
+    settings = json.loads((folder / CONFIG_FILE).read_text())
+    if settings.get("peft_type") != "LORA" or settings.get("use_dora"):
+        raise UserError(f"checkpoint.init_adapter={folder} is a {settings.get('peft_type')}"
+                        f"{' (DoRA)' if settings.get('use_dora') else ''} adapter; shardlm reads LoRA adapters")
+    theirs = {}
+    for ours, (hf, kind) in module_names(cfg).items():
+        theirs[f"{PREFIX}{hf}.lora_A.weight"] = (f"{ours}.lora.A", None)
+        theirs[f"{PREFIX}{hf}.lora_B.weight"] = (f"{ours}.lora.B", kind)
+        if ours in WHOLE:
+            theirs[f"{PREFIX}{hf}.weight"] = (f"{ours}.weight", None)
+            theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
+    tensors = {}
+    with safe_open(str(folder / ADAPTER_FILE), framework="pt") as f:
+        for key in f.keys():
+            if key not in theirs:
+                raise UserError(f"{folder / ADAPTER_FILE} holds {key}, which this model has no place for; "
+                                "was the adapter trained on another model?")
+            name, kind = theirs[key]
+            value = f.get_tensor(key).float()
+            tensors[name] = _from_hf(value, kind, cfg) if kind else value
+    return settings, tensors
+
+
+SAVED_NAMES = {"embed_tokens": "embedding", "wte": "embedding", "lm_head": "output", "norm": "norm", "ln_f": "norm"}
+
+
+def resolve_adapter(config: RunConfig) -> None:
+    """With `checkpoint.init_adapter`: [lora] keys left at their defaults take the adapter's values (r, lora_alpha,
+    lora_dropout, use_rslora, target_modules, modules_to_save), in place; a key set to another value is a one-line
+    error. Reads adapter_config.json only; called before validation on every rank."""
+    from shardlm.lora.apply import target_names
+
+    folder = config.checkpoint.init_adapter
+    if not folder:
+        return
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"checkpoint.init_adapter={folder} has no {CONFIG_FILE}; point it at a peft adapter directory")
+    settings = json.loads(path.read_text())
+    saved = sorted({SAVED_NAMES.get(m.rsplit(".", 1)[-1], m) for m in settings.get("modules_to_save") or []})
+    targets = settings.get("target_modules") or []
+    theirs = {"rank": settings.get("r", 8), "alpha": float(settings.get("lora_alpha", 8)),
+              "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
+              "targets": sorted(targets) if isinstance(targets, list) else [targets], "modules_to_save": saved}
+    defaults = LoraConfig()
+    for key, value in theirs.items():
+        ours = getattr(config.lora, key)
+        same = (target_names(LoraConfig(targets=ours)) == target_names(LoraConfig(targets=value)) if key == "targets"
+                else sorted(ours) == value if key == "modules_to_save" else ours == value)
+        if ours == getattr(defaults, key):
+            setattr(config.lora, key, value)
+        elif not same:
+            raise UserError(f"lora.{key}={ours!r} but checkpoint.init_adapter={folder} has {value!r}; leave lora.{key} "
+                            f"out (it is taken from the adapter) or set it to {value!r}")
+
+
+def load_adapter(trainer, folder: str | Path) -> str:
+    """Load a peft adapter directory's adapters (and modules_to_save) into a LoRA trainer at its layout, after
+    the base; returns a line for the run's log."""
+    from shardlm.checkpoint.sharded import TensorReader
+    from shardlm.checkpoint.state import load_weights
+
+    settings, tensors = read_peft(folder, trainer.config.model)
+    trained = {name for name, param in trainer.model.named_parameters() if param.requires_grad}
+    missing = sorted(trained - tensors.keys())
+    local_missing = trainer.ctx.world.all_gather_object(missing)
+    if any(local_missing):
+        raise UserError(f"checkpoint.init_adapter={folder} has no tensor for {next(m for m in local_missing if m)[0]}; "
+                        "was it trained with other target modules?")
+    load_weights(trainer.model, TensorReader({f"model/{k}": v for k, v in tensors.items()}), trainer.ctx,
+                 trainer.optimizer, names=trained)
+    return (f"adapters from peft directory {folder} (r={settings.get('r')}, targets "
+            f"{', '.join(sorted(settings.get('target_modules') or []))})")
+
+
+@torch.no_grad()
+def merge_adapters(model: torch.nn.Module) -> None:
+    """Fold every adapter of a TP=1 model into its projection, W += scale B A, and remove the adapter."""
+    from shardlm.lora.adapter import LoRA
+
+    for module in list(model.modules()):
+        adapter = getattr(module, "lora", None)
+        if isinstance(adapter, LoRA):
+            module.weight += (adapter.B @ adapter.A * adapter.scale).to(module.weight.dtype)
+            module.lora = None
+
+
+def write_merged(checkpoint: str | Path, out: str | Path) -> Path:
+    """A LoRA checkpoint with its adapters folded into the base, as a plain Hugging Face directory `out`."""
+    from shardlm.checkpoint import files
+    from shardlm.checkpoint.hf import to_hf
+    from shardlm.checkpoint.init import load_model
+    from shardlm.parallel import ParallelContext
+
+    path, meta = _lora_checkpoint(checkpoint)
+    model, config = load_model(path, ParallelContext.single())
+    merge_adapters(model)
+    config.lora.rank = 0
+    vocab = config.model.vocab_size
+    tensors = {f"model/{name}": (p[:vocab] if name in ("wte.weight", "lm_head.weight") else p).detach().contiguous()
+               for name, p in model.named_parameters()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    merged = files.write_consolidated(out / ".merged.tmp.safetensors", tensors, config.to_dict(), meta["step"])
+    try:
+        return to_hf(merged, out)
+    finally:
+        merged.unlink(missing_ok=True)
