@@ -76,7 +76,14 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         if hf is None or module not in WHOLE:
             raise UserError(f"tensor {name} of the checkpoint has no peft name")
         out[f"{PREFIX}{hf}.{leaf}"] = (value[:cfg.vocab_size] if module in ("wte", "lm_head") else value).contiguous()
+        if module == "wte" and tied(cfg):  # peft's tied copy (`ensure_weight_tying`) is saved as well
+            out[f"{PREFIX}lm_head.weight"] = out[f"{PREFIX}{hf}.{leaf}"].clone()
     return out
+
+
+def tied(cfg: ModelConfig) -> bool:
+    """Whether the output layer is the embedding (GPT always; Llama-family with `tie_embeddings`)."""
+    return cfg.arch == "gpt" or cfg.tie_embeddings
 
 
 def adapter_config(config: RunConfig, base: str) -> dict:
@@ -90,7 +97,9 @@ def adapter_config(config: RunConfig, base: str) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": config.lora.rank,
             "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout, "use_rslora": config.lora.rslora,
             "target_modules": targets, "modules_to_save": saved or None, "bias": "none",
-            "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True}
+            "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True,
+            # a tied embedding trained in full stays tied to the output layer, as in shardlm
+            "ensure_weight_tying": tied(config.model) and "embedding" in config.lora.modules_to_save}
 
 
 def _saved_modules(lora: LoraConfig) -> list[str]:
@@ -149,6 +158,8 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
     tensors = {}
     with safe_open(str(folder / ADAPTER_FILE), framework="pt") as f:
         for key in f.keys():
+            if key == f"{PREFIX}lm_head.weight" and tied(cfg):  # the tied embedding's copy: the embedding is read
+                continue
             if key not in theirs:
                 raise UserError(f"{folder / ADAPTER_FILE} holds {key}, which this model has no place for; "
                                 "was the adapter trained on another model?")

@@ -37,12 +37,14 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.init import resolve_init
     from shardlm.config import load_config
     from shardlm.errors import UserError
+    from shardlm.lora.peft import resolve_adapter
     from shardlm.parallel.staged import backend_name
     from shardlm.validation import validate
 
     config = load_config(args.config, args.overrides)
     # [model] keys left at their defaults take checkpoint.init_from's values (the run's own checkpoint's on a restart)
     resolve_init(config, Path(args.run_dir) if args.run_dir else None)
+    resolve_adapter(config)  # and [lora] keys the peft adapter's settings
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
     nproc = args.nproc_per_node
     world = nproc if nproc and not under_launcher else int(os.environ.get("WORLD_SIZE", "1"))
