@@ -96,11 +96,11 @@ def test_fine_tune_export_and_chat(setup, capsys):
 
 
 def test_lora_fine_tune_export_and_chat(setup, capsys):
-    """configs/sft-lora-qwen3.toml on the Dolly records from the chat model's directory, the tied embedding trained
-    in full beside the adapters (a random one-layer model's loss barely moves through adapters alone): the run
-    counts what it trains and its loss falls; the peft export loads onto the transformers base to the logits of shardlm's
-    LoRA checkpoint; `generate --chat` from the LoRA checkpoint (adapters applied) and from the merged export
-    give the same greedy tokens."""
+    """configs/sft-lora-qwen3.toml on the Dolly records from the chat model's directory, the tied embedding
+    trained in full beside the adapters (a random one-layer model's loss barely moves through adapters alone):
+    the run counts what it trains and its loss falls; the peft export loads onto the transformers base to the
+    logits of shardlm's LoRA checkpoint; `generate --chat` from the LoRA checkpoint (adapters applied) and from
+    the merged export give the same greedy tokens."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
