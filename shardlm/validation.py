@@ -141,8 +141,10 @@ def _validate_lora(config: RunConfig) -> None:
         raise UserError("[lora] adapts GPT and Llama-family models with multi-head attention; "
                         f"this model is {'BERT' if m.arch == 'bert' else 'one with latent attention (MLA)'}")
     projections = {"qkv", "proj", "fc"} if m.arch == "gpt" else {"q", "k", "v", "o", "gate", "up", "down"}
-    if m.arch == "llama" and m.moe_num_experts and not (m.moe_first_dense_layers or m.moe_shared_experts):
-        projections -= {"gate", "up", "down"}  # experts take no adapter (yet): only dense or shared MLPs do
+    if m.moe_num_experts:  # the experts take "experts"; gate/up/down name dense or shared MLPs only
+        projections.add("experts")
+        if not (m.moe_first_dense_layers or m.moe_shared_experts or m.moe_layer_interval > 1):
+            projections -= {"gate", "up", "down", "fc"}
     if missing := sorted(target_names(lora) - projections) if "all-linear" not in lora.targets else []:
         raise UserError(f"lora.targets names {', '.join(missing)}, which this {m.arch} model does not have; its "
                         f"projections are {', '.join(sorted(projections))} (or \"all-linear\")")

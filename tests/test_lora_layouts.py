@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_parallel import stage_parameters
+from test_moe_parallel import ROUTING, stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
 from test_training import VOCAB
 
@@ -40,16 +40,21 @@ STEPS, TOL = 4, 1e-5
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
 
 
-def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False,
-                virtual: int = 1, kv_heads: int = 2, save: tuple = (), lora: dict | None = None, **train):
+def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                sp: bool = False, virtual: int = 1, kv_heads: int = 2, save: tuple = (), moe: bool = False,
+                lora: dict | None = None, **train):
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
              "vocab_size": VOCAB, "dropout": 0.0}
     if arch == "llama":
         model["num_kv_heads"] = kv_heads
+    if moe:  # a Qwen3-MoE-shaped model: q/k norms, 4 experts top-2 on every layer, adapters on the experts too
+        model |= {"num_layers": 2, "qk_norm": True, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
+                  **ROUTING["mixtral"]}
+        lora = {"targets": ["all-linear", "experts"], **(lora or {})}
     schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
     return from_dict({
         "model": model,
-        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, **schedule},
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
         "data": {"text_file": "unused"},
         "lora": {**LORA, "modules_to_save": list(save), **(lora or {})},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
@@ -80,13 +85,13 @@ def train_layout(ctx: ParallelContext, config, broken: bool = False) -> dict:
             "trained": ctx.world.all_gather_object(trained), "count": count_parameters(trainer.model, ctx)}
 
 
-def layout(tp: int = 1, pp: int = 1, cp: int = 1, **config) -> dict:
-    return {"tp": tp, "pp": pp, "cp": cp, **config}
+def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
+    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
 
 
-def run_layout(tp: int, pp: int, cp: int, broken: bool = False, **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
-    return train_layout(ctx, lora_config(tp=tp, pp=pp, cp=cp, **config), broken)
+def run_layout(tp: int, pp: int, cp: int, ep: int, broken: bool = False, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    return train_layout(ctx, lora_config(tp=tp, pp=pp, cp=cp, ep=ep, **config), broken)
 
 
 WORLD2 = {  # name: (the one-process reference it equals, the layout)
@@ -99,15 +104,20 @@ WORLD2 = {  # name: (the one-process reference it equals, the layout)
     "cp2 llama": ("llama", layout(cp=2, arch="llama")),
     "dp2 gpt": ("gpt", layout()),
     "fsdp dp2 llama": ("llama", layout(arch="llama", data_sharding="full")),
+    "ep2 moe": ("moe", layout(arch="llama", moe=True, ep=2)),
+    "tp2 sp moe": ("moe", layout(arch="llama", moe=True, tp=2, sp=True)),
 }
 CONTROL = {"control tp2 sp llama unsummed": ("llama", layout(tp=2, sp=True, arch="llama", broken=True))}
 WORLD4 = {
     "zero tp2 dp2 sp llama": ("llama", layout(tp=2, sp=True, arch="llama", distributed_optimizer=True)),
     "pp2 dp2 gpt": ("gpt", layout(pp=2, micro=1)),
     "cp2 tp2 sp llama": ("llama", layout(cp=2, tp=2, sp=True, arch="llama")),
+    "ep2 tp2 sp moe": ("moe", layout(arch="llama", moe=True, ep=2, tp=2, sp=True)),
+    "fsdp ep2 dp4 moe": ("moe", layout(arch="llama", moe=True, ep=2, data_sharding="full")),
 }
 REFERENCES = {"gpt": {}, "llama": {"arch": "llama"}, "llama kv1": {"arch": "llama", "kv_heads": 1},
-              "llama save": {"arch": "llama", "save": ("output", "norm")}, "gpt save": {"save": ("embedding",)}}
+              "llama save": {"arch": "llama", "save": ("output", "norm")}, "gpt save": {"save": ("embedding",)},
+              "moe": {"arch": "llama", "moe": True, "micro": 2}}
 
 
 def world_checks(cases: dict) -> dict:
@@ -126,9 +136,10 @@ def world4():
 
 @pytest.fixture(scope="module")
 def reference():
-    """One process at micro-batch 8 (one micro-batch per step) for each model kind."""
+    """One process for each model kind, at micro-batch 8 (one micro-batch per step); the MoE at the layouts'
+    micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing."""
     ctx = ParallelContext.single()
-    return {kind: train_layout(ctx, lora_config(micro=8, **spec)) for kind, spec in REFERENCES.items()}
+    return {kind: train_layout(ctx, lora_config(**({"micro": 8} | spec))) for kind, spec in REFERENCES.items()}
 
 
 def assert_matches(value: dict, ref: dict, where: str) -> None:

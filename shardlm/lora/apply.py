@@ -54,16 +54,20 @@ def is_adapter(name: str) -> bool:
 
 
 def target_names(config: LoraConfig) -> set[str]:
-    """shardlm's projection names that `config.targets` asks for; UserError for a name that is no projection."""
+    """shardlm's projection names that `config.targets` asks for ("experts" for a MoE layer's experts); UserError
+    for a name that is no projection."""
     names = set()
     for target in config.targets:
         if target in ("all-linear", "all_linear"):
             names |= set(PROJECTIONS)
             continue
         name = ALIASES.get(target, target)
+        if name == "experts":
+            names.add(name)
+            continue
         if name not in PROJECTIONS:
-            raise UserError(f"lora.targets names {target!r}, which is no projection; use \"all-linear\" or some of "
-                            f"{', '.join(PROJECTIONS)} (or their Hugging Face names {', '.join(ALIASES)})")
+            raise UserError(f"lora.targets names {target!r}, which is no projection; use \"all-linear\", \"experts\" "
+                            f"or some of {', '.join(PROJECTIONS)} (or their Hugging Face names {', '.join(ALIASES)})")
         names.add(name)
     return names
 
@@ -114,11 +118,22 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
     wanted = target_names(config)
     candidates = adaptable(model)
     found = {name.rsplit(".", 1)[-1] for name in candidates}
-    missing = sorted(wanted - found) if not {"all-linear", "all_linear"} & set(config.targets) else []
+    missing = sorted(wanted - found - {"experts"}) if not {"all-linear", "all_linear"} & set(config.targets) else []
     if missing and candidates:  # a rank without layers (none on this stage) cannot tell
         raise UserError(f"lora.targets names {', '.join(missing)}, which this model does not have; its projections "
                         f"are {', '.join(sorted(found))}")
     adapters = {}
+    if "experts" in wanted:  # a MoE layer's experts: one adapter per expert and projection (`shardlm.lora.experts`)
+        from shardlm.lora.experts import ExpertLoRA
+        from shardlm.models.moe import GroupedExperts
+
+        cfg = model.cfg
+        for name, module in model.named_modules():
+            if name.startswith("layers.") and isinstance(module, GroupedExperts):
+                module.lora = ExpertLoRA(module.gated, cfg.hidden_size, cfg.moe_ffn_size, cfg.moe_num_experts,
+                                         config.rank, config.alpha, config.dropout, config.rslora, ctx, seed,
+                                         name.rsplit(".experts", 1)[0], dtype=next(module.parameters()).dtype)
+                adapters[name] = module.lora
     for name, module in candidates.items():
         if name.rsplit(".", 1)[-1] not in wanted:
             continue

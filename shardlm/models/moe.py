@@ -292,6 +292,7 @@ class GroupedExperts(nn.Module):
                 else:
                     bias.sequence_parallel = True  # partial over TP: only rank 0 adds it
                 setattr(self, name, bias)
+        self.lora = None  # the experts' low-rank adapters (`shardlm.lora.experts`), when a LoRA run targets them
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         weights = [self.gate, self.up, self.down] if self.gated else [self.fc, self.proj]
@@ -311,6 +312,9 @@ class GroupedExperts(nn.Module):
         if self.gated:
             gate, up, down = weights
             g, u = expert_matmul(x, gate, counts, grouped), expert_matmul(x, up, counts, grouped)
+            if self.lora is not None:
+                dg, du = self.lora.inputs(x, counts, grouped)
+                g, u = g + dg, u + du
             if self.gate_bias is not None:
                 g, u = g + self.gate_bias[expert_of_row].to(g.dtype), u + self.up_bias[expert_of_row].to(u.dtype)
             if self.limit > 0:  # gpt-oss's clamped SwiGLU
@@ -320,8 +324,13 @@ class GroupedExperts(nn.Module):
                 hidden = F.silu(g) * u
         else:
             fc, down = weights
-            hidden = F.gelu(expert_matmul(x, fc, counts, grouped), approximate=self.approximate)
+            pre = expert_matmul(x, fc, counts, grouped)
+            if self.lora is not None:
+                pre = pre + self.lora.inputs(x, counts, grouped)[0]
+            hidden = F.gelu(pre, approximate=self.approximate)
         out = expert_matmul(hidden, down, counts, grouped)
+        if self.lora is not None:
+            out = out + self.lora.outputs(hidden, counts, grouped)
         if self.down_bias is not None:  # once over the TP partial sums: rank 0 adds it, the others add 0 x it
             out = out + self.down_bias[expert_of_row].to(out.dtype) * (1.0 if self.first_tp_rank else 0.0)
         return out if keep is None else out.index_select(0, keep)

@@ -54,14 +54,18 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
     DP x CP, `ctx.dp_cp`, under context parallelism, where the optimizer shards over it; over
     `shard_group` when the ranges are sharded over part of it and replicated across the parts, as
     hybrid-sharded FSDP does).
-    Experts split over expert-parallel ranks (`expert_parallel`, all of them TP-split) differ between
-    the ranks of the EP group: their share is summed over EP (over DP, which contains EP, when sharded;
-    still over all of DP x CP under hybrid sharding, whose experts are sharded over expert-DP, not hybrid).
+    Experts split over expert-parallel ranks (`expert_parallel`) differ between the ranks of the EP group:
+    their share is summed over EP (over DP, which contains EP, when sharded; still over all of DP x CP under
+    hybrid sharding, whose experts are sharded over expert-DP, not hybrid), and over TP for the TP-split ones
+    only (a split expert parameter whole on every TP rank counts once).
     """
     device = ctx.device
     params = [p for p in params if p.grad is not None and not getattr(p, "pipeline_tied_copy", False)]
     split_experts = ctx.ep_size > 1
-    experts = [p.grad for p in params if split_experts and getattr(p, "expert_parallel", False)]
+    split = [p for p in params if split_experts and getattr(p, "expert_parallel", False)]
+    experts = [p.grad for p in split if is_tensor_parallel(p)]
+    # split experts' parameters whole on every TP rank (gpt-oss's down bias, expert adapters' whole factors): once
+    whole_experts = [p.grad for p in split if not is_tensor_parallel(p)]
     params = [p for p in params if not (split_experts and getattr(p, "expert_parallel", False))]
     sharded = [p.grad for p in params if is_tensor_parallel(p)]
     replicated = [p.grad for p in params if not is_tensor_parallel(p)]
@@ -73,17 +77,18 @@ def global_grad_norm(params: list[torch.Tensor], ctx: ParallelContext, sharded_o
 
     sharded_sq = squared(sharded)
     hybrid = sharded_over_dp and shard_group is not None and shard_group is not ctx.dp_cp
-    experts_sq = squared(experts)
+    experts_sq, whole_sq = squared(experts), squared(whole_experts)
     if split_experts and not hybrid:
         if not sharded_over_dp:
             ctx.ep.all_reduce(experts_sq)
+            ctx.ep.all_reduce(whole_sq)
         sharded_sq = sharded_sq + experts_sq
     ctx.tp.all_reduce(sharded_sq)
-    total = sharded_sq + squared(replicated)
+    total = sharded_sq + squared(replicated) + (0 if hybrid else whole_sq)
     if sharded_over_dp:
         (shard_group or ctx.dp_cp).all_reduce(total)
     if split_experts and hybrid:  # each expert shard lives on one rank of DP x CP
-        total = total + ctx.dp_cp.all_reduce(ctx.tp.all_reduce(experts_sq))
+        total = total + ctx.dp_cp.all_reduce(ctx.tp.all_reduce(experts_sq)) + ctx.dp_cp.all_reduce(whole_sq)
     return ctx.pp.all_reduce(total).sqrt()
 
 

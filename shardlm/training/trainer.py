@@ -193,9 +193,10 @@ class Trainer:
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
             ctx.dp_cp.all_reduce(mtp_sum)
             step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
-        if self.moe:  # aux loss and expert loads of the step; expert biases move after the step
+        if self.moe:  # aux loss and expert loads of the step; expert biases move after the step (not in a LoRA
+            # run, whose router, biases included, is the frozen base's)
             step_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
-                                        update_bias=not overflow)
+                                        update_bias=not overflow and not self.config.lora.rank)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += t.global_batch_size
