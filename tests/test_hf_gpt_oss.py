@@ -9,8 +9,8 @@ the clamp binds). Biases, sinks and the router are made visible. shardlm's logit
 generation (KV-cached, windows and sinks in the cached step) gives transformers' tokens, and converting back
 gives bitwise the saved tensors. The same model with its experts in MXFP4 (blocks and scales as the
 released checkpoints store them) reads to transformers' own dequantization. The same shapes train at TP=2
-with SP, CP=2 (the ring with the sink and the window), EP=2, PP=2, DP=2 with FSDP, and with selective and full
-recomputation, within 1e-5 of one process.
+with SP, CP=2 (the ring with the sink and the window), EP=2, EP=2 x TP=2 with SP, PP=2, DP=2 with FSDP, and with
+selective and full recomputation, within 1e-5 of one process.
 """
 
 from __future__ import annotations
@@ -223,6 +223,18 @@ def one_process():
 def test_gpt_oss_shapes_train_as_one_process(world2, one_process, name):
     results = check_result(world2, name)
     assert len(results) == 2
+    for run_result in results:
+        assert_same_run(run_result, one_process)
+
+
+def worker_world4() -> dict:
+    return run_checks({"train ep2 tp2 sp": training(tp=2, ep=2, sp=True)})
+
+
+def test_gpt_oss_at_ep2_x_tp2_trains_as_one_process(one_process):
+    """EP=2 x TP=2 with SP (4 ranks): each expert's down bias is whole on every TP rank of a split expert, so the
+    gradient norm must count it once, not once per TP rank (the clipped steps would differ)."""
+    results = check_result(run_workers(4, worker_world4, timeout=300), "train ep2 tp2 sp")
     for run_result in results:
         assert_same_run(run_result, one_process)
 
