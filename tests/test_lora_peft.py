@@ -10,6 +10,9 @@ on the transformers model.
 - Training: shardlm's trainer (constant learning rate, no clipping, weight decay 0.01) and a plain
   `torch.optim.AdamW` loop over peft's trainable parameters, from the same adapters, give the same losses
   within 1e-5 for 5 steps.
+- Qwen3-MoE (4 experts, top-2, 2 layers): adapters on q/k/v/o and on every expert (peft's `target_parameters`
+  on transformers' fused gate_up_proj and down_proj) give peft's logits, and 5 training steps peft's losses; its
+  trained checkpoint goes through `--to-peft` and back (`checkpoint.init_adapter`) to the same logits.
 - Round trip: the trained run's checkpoint, written by `shardlm convert --to-peft`, loads with
   `PeftModel.from_pretrained` to shardlm's logits; `--to-peft --merge` writes a plain Qwen3 directory whose
   transformers logits are the same; that adapter directory starts a run (`checkpoint.init_adapter`) at TP=2
@@ -24,13 +27,14 @@ import numpy as np
 import pytest
 import torch
 from llama_reference import spread_norm_weights
+from test_moe_parallel import full_parameters
 
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
 from shardlm.checkpoint.init import init_weights, open_source, resolve_init
 from shardlm.cli import main
 from shardlm.config import from_dict
 from shardlm.lora import LoRA
-from shardlm.lora.peft import load_adapter, peft_tensors, resolve_adapter
+from shardlm.lora.peft import load_adapter, peft_tensors, read_peft, resolve_adapter, stacked
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
@@ -54,6 +58,26 @@ def base(tmp_path_factory):
                          tie_word_embeddings=False)
     model = Qwen3ForCausalLM(config)
     spread_norm_weights(model)
+    model.save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def moe_base(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("lora_peft_moe") / "qwen3_moe"
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+                            tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config)
+    spread_norm_weights(model)
+    with torch.no_grad():  # a router that routes: std 0.02 logits would tie
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
     model.save_pretrained(root)
     return root
 
@@ -93,12 +117,14 @@ def trained(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None):
+def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None, experts: bool = False):
     from transformers import AutoModelForCausalLM
+
+    from shardlm.lora.peft import EXPERT_PARAMETERS
 
     model = AutoModelForCausalLM.from_pretrained(root)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=rslora,
-                             modules_to_save=save)
+                             modules_to_save=save, target_parameters=EXPERT_PARAMETERS if experts else None)
     model = peft.get_peft_model(model, config)
     loaded = peft.set_peft_model_state_dict(model, peft_tensors(trained(trainer), trainer.config.model))
     assert not loaded.unexpected_keys, loaded.unexpected_keys
@@ -131,11 +157,27 @@ def test_logits_equal_peft(base, case):
     assert rel(plain, theirs) > 1e-2  # the adapters changed the logits
 
 
-def test_training_equals_a_plain_adamw_loop_over_peft(base):
-    trainer = shardlm_trainer(base)
-    model = peft_model(base, trainer, ALL).train()
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def test_moe_logits_and_training_equal_peft(moe_base, tmp_path):
+    trainer = shardlm_trainer(moe_base, targets=MOE_TARGETS + ["experts"])
+    assert any(".experts.lora." in n for n in trained(trainer))
+    ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
+    model = peft_model(moe_base, trainer, MOE_TARGETS, experts=True)
+    assert rel(model.eval()(TOKENS).logits, ours) <= TOL
+    save_checkpoint(trainer, tmp_path / "run")
+    assert main(["convert", "--to-peft", str(tmp_path / "adapter"), "--checkpoint", str(tmp_path / "run")]) == 0
+    _, back = read_peft(tmp_path / "adapter", trainer.config.model)
+    saved = {n: p for n, p in full_parameters(trainer.model).items() if ".lora." in n}
+    assert all(torch.equal(stacked(back)[n], p) for n, p in saved.items())
+    assert_trains_as_peft(trainer, model.train())
+
+
+def assert_trains_as_peft(trainer: Trainer, model) -> None:
+    """5 steps of `trainer` and of a plain AdamW loop over the peft model's trainable parameters: same losses."""
     params = [p for p in model.parameters() if p.requires_grad]
-    assert len(params) == len(trained(trainer))
+    assert sum(p.numel() for p in params) == sum(p.numel() for p in trained(trainer).values())
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-8)
     data = torch.from_numpy(np.stack(batches(5)))
     for step in range(5):
@@ -146,6 +188,12 @@ def test_training_equals_a_plain_adamw_loop_over_peft(base):
         loss.backward()
         optimizer.step()
         assert abs(ours - loss.item()) <= TOL * loss.item(), (step, ours, loss.item())
+
+
+def test_training_equals_a_plain_adamw_loop_over_peft(base):
+    trainer = shardlm_trainer(base)
+    model = peft_model(base, trainer, ALL).train()
+    assert_trains_as_peft(trainer, model)
 
 
 def start_from_adapter(root: str, adapter: str) -> float:

@@ -62,10 +62,84 @@ def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig) -> torch.Tensor:
     return qkv_from_hf(value.t(), cfg.num_heads) if kind == "qkv" else value.contiguous()
 
 
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""peft's `target_parameters` for the experts: transformers' fused expert tensors of Qwen3-MoE and Mixtral. peft
+nests one wrapper per parameter, the first listed innermost: `experts.base_layer.lora_*` adapts gate_up_proj,
+`experts.lora_*` down_proj."""
+
+
+def _expert_keys(layer: int) -> dict[str, str]:
+    """peft's names of the expert adapters of layer `layer` (`EXPERT_PARAMETERS`' nesting)."""
+    module = f"{PREFIX}model.layers.{layer}.mlp.experts"
+    return {"A_gate_up": f"{module}.base_layer.lora_A.weight", "B_gate_up": f"{module}.base_layer.lora_B.weight",
+            "A_down": f"{module}.lora_A.weight", "B_down": f"{module}.lora_B.weight"}
+
+
+def _check_expert_family(cfg: ModelConfig) -> None:
+    from shardlm.checkpoint.hf_llama import hf_kind
+
+    if cfg.arch != "llama" or hf_kind(cfg) not in ("qwen3_moe", "mixtral"):
+        raise UserError("peft expert adapters convert for Qwen3-MoE and Mixtral (transformers' gate_up_proj and "
+                        "down_proj); this checkpoint's experts are another kind")
+
+
+def experts_to_peft(layer: int, stacks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's expert adapters ({"A_in": (E, r, h), "B_gate", "B_up": (E, f, r), "A_down": (E, r, f),
+    "B_down": (E, h, r)}) -> peft's (lora_A (r E, in) with expert e's rows e r .. e r + r - 1, lora_B (out, r E)
+    with expert e's columns e, E + e, ...; gate and up share A, their B rows gate first)."""
+    keys = _expert_keys(layer)
+
+    def flat_b(b: torch.Tensor) -> torch.Tensor:  # (E, out, r) -> (out, r E), column k E + e
+        return b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+
+    return {keys["A_gate_up"]: stacks["A_in"].reshape(-1, stacks["A_in"].shape[-1]).contiguous(),
+            keys["B_gate_up"]: flat_b(torch.cat([stacks["B_gate"], stacks["B_up"]], dim=1)),
+            keys["A_down"]: stacks["A_down"].reshape(-1, stacks["A_down"].shape[-1]).contiguous(),
+            keys["B_down"]: flat_b(stacks["B_down"])}
+
+
+def experts_from_peft(layer: int, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of `experts_to_peft`, as shardlm's per-expert tensors {"layers.i.mlp.experts.lora.X.e": tensor}."""
+    keys, experts, f = _expert_keys(layer), cfg.moe_num_experts, cfg.moe_ffn_size
+
+    def stack_b(b: torch.Tensor) -> torch.Tensor:  # (out, r E) -> (E, out, r)
+        return b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+
+    a_in = tensors[keys["A_gate_up"]].reshape(experts, -1, cfg.hidden_size)
+    b_gate_up = stack_b(tensors[keys["B_gate_up"]])
+    stacks = {"A_in": a_in, "B_gate": b_gate_up[:, :f], "B_up": b_gate_up[:, f:],
+              "A_down": tensors[keys["A_down"]].reshape(experts, -1, f), "B_down": stack_b(tensors[keys["B_down"]])}
+    return {f"layers.{layer}.mlp.experts.lora.{name}.{e}": value[e].contiguous()
+            for name, value in stacks.items() for e in range(experts)}
+
+
+def stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Expert adapters stored one tensor per expert (`X.e`, as checkpoints hold them) stacked back into (E, ...)."""
+    import re
+
+    out, experts = {}, {}
+    for name, value in tensors.items():
+        found = re.fullmatch(r"(.*\.experts\.lora\.\w+)\.(\d+)", name)
+        if found:
+            experts.setdefault(found[1], {})[int(found[2])] = value
+        else:
+            out[name] = value
+    return out | {name: torch.stack([per[e] for e in sorted(per)]) for name, per in experts.items()}
+
+
 def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """shardlm's whole adapter (and modules_to_save) tensors {name: tensor} -> peft's names and layout."""
     modules, out = module_names(cfg), {}
+    tensors = stacked(tensors)
+    layers = sorted({int(n.split(".")[1]) for n in tensors if ".experts.lora." in n})
+    if layers:
+        _check_expert_family(cfg)
+    for layer in layers:
+        prefix = f"layers.{layer}.mlp.experts.lora."
+        out |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in tensors.items() if n.startswith(prefix)})
     for name, value in tensors.items():
+        if ".experts.lora." in name:
+            continue
         module, _, leaf = name.rpartition(".lora.")
         if module:  # an adapter factor: A is (r, in) as is; B has the projection's output rows
             hf, kind = modules[module]
@@ -94,7 +168,9 @@ def adapter_config(config: RunConfig, base: str) -> dict:
     targets = sorted({hf.rsplit(".", 1)[-1] for ours, (hf, _) in modules.items()
                       if ours.startswith("layers.") and ours.rsplit(".", 1)[-1] in wanted})
     saved = sorted({modules[name][0] for name in _saved_modules(config.lora)})
+    experts = "experts" in wanted and config.model.moe_num_experts > 0
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": config.lora.rank,
+            "target_parameters": EXPERT_PARAMETERS if experts else None,
             "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout, "use_rslora": config.lora.rslora,
             "target_modules": targets, "modules_to_save": saved or None, "bias": "none",
             "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True,
@@ -155,10 +231,20 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
         if ours in WHOLE:
             theirs[f"{PREFIX}{hf}.weight"] = (f"{ours}.weight", None)
             theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
-    tensors = {}
+    tensors, expert_layers = {}, {}
+    if settings.get("target_parameters"):
+        if list(settings["target_parameters"]) != EXPERT_PARAMETERS:
+            raise UserError(f"checkpoint.init_adapter={folder} adapts the parameters {settings['target_parameters']}; "
+                            f"shardlm reads expert adapters on {EXPERT_PARAMETERS}, in that order")
+        _check_expert_family(cfg)
+        expert_layers = {key: layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)
+                         for key in _expert_keys(layer).values()}
     with safe_open(str(folder / ADAPTER_FILE), framework="pt") as f:
         for key in f.keys():
             if key == f"{PREFIX}lm_head.weight" and tied(cfg):  # the tied embedding's copy: the embedding is read
+                continue
+            if key in expert_layers:
+                tensors[key] = f.get_tensor(key).float()
                 continue
             if key not in theirs:
                 raise UserError(f"{folder / ADAPTER_FILE} holds {key}, which this model has no place for; "
@@ -166,6 +252,8 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
             name, kind = theirs[key]
             value = f.get_tensor(key).float()
             tensors[name] = _from_hf(value, kind, cfg) if kind else value
+    for layer in sorted(set(expert_layers.values())):
+        tensors |= experts_from_peft(layer, {k: tensors.pop(k) for k in _expert_keys(layer).values()}, cfg)
     return settings, tensors
 
 
@@ -187,9 +275,11 @@ def resolve_adapter(config: RunConfig) -> None:
     settings = json.loads(path.read_text())
     saved = sorted({SAVED_NAMES.get(m.rsplit(".", 1)[-1], m) for m in settings.get("modules_to_save") or []})
     targets = settings.get("target_modules") or []
+    targets = (sorted(targets) if isinstance(targets, list) else [targets]) + (
+        ["experts"] if settings.get("target_parameters") else [])
     theirs = {"rank": settings.get("r", 8), "alpha": float(settings.get("lora_alpha", 8)),
               "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
-              "targets": sorted(targets) if isinstance(targets, list) else [targets], "modules_to_save": saved}
+              "targets": targets, "modules_to_save": saved}
     defaults = LoraConfig()
     for key, value in theirs.items():
         ours = getattr(config.lora, key)
