@@ -137,10 +137,11 @@ def _validate_lora(config: RunConfig) -> None:
     check_lora(lora)
     if not lora.rank:
         raise UserError("checkpoint.init_adapter needs lora.rank (or an adapter_config.json that gives r)")
-    if m.arch == "bert" or m.attention == "mla":
-        raise UserError("[lora] adapts GPT and Llama-family models with multi-head attention; "
-                        f"this model is {'BERT' if m.arch == 'bert' else 'one with latent attention (MLA)'}")
+    if m.arch == "bert":
+        raise UserError("[lora] adapts GPT and Llama-family (MLA included) models; this model is BERT")
     projections = {"qkv", "proj", "fc"} if m.arch == "gpt" else {"q", "k", "v", "o", "gate", "up", "down"}
+    if m.attention == "mla":
+        projections = projections - {"k", "v"} | ({"q_a", "q_b"} if m.q_lora_rank else {"q"}) | {"kv_a", "kv_b"}
     if m.moe_num_experts:  # the experts take "experts"; gate/up/down name dense or shared MLPs only
         projections.add("experts")
         if not (m.moe_first_dense_layers or m.moe_shared_experts or m.moe_layer_interval > 1):

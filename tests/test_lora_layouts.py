@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_mla_parallel import MLA
 from test_moe_parallel import ROUTING, stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
 from test_training import VOCAB
@@ -42,11 +43,14 @@ LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
 
 def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                 sp: bool = False, virtual: int = 1, kv_heads: int = 2, save: tuple = (), moe: bool = False,
-                lora: dict | None = None, **train):
+                mla: bool = False, lora: dict | None = None, **train):
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
              "vocab_size": VOCAB, "dropout": 0.0}
     if arch == "llama":
         model["num_kv_heads"] = kv_heads
+    if mla:  # DeepSeek-V3's latent attention: adapters on q_a, q_b, kv_a, kv_b and o
+        model |= MLA
+        del model["num_kv_heads"]
     if moe:  # a Qwen3-MoE-shaped model: q/k norms, 4 experts top-2 on every layer, adapters on the experts too
         model |= {"num_layers": 2, "qk_norm": True, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
                   **ROUTING["mixtral"]}
@@ -106,6 +110,9 @@ WORLD2 = {  # name: (the one-process reference it equals, the layout)
     "fsdp dp2 llama": ("llama", layout(arch="llama", data_sharding="full")),
     "ep2 moe": ("moe", layout(arch="llama", moe=True, ep=2)),
     "tp2 sp moe": ("moe", layout(arch="llama", moe=True, tp=2, sp=True)),
+    "tp2 sp mla": ("mla", layout(arch="llama", mla=True, tp=2, sp=True)),
+    "tp2 mla": ("mla", layout(arch="llama", mla=True, tp=2)),
+    "cp2 mla": ("mla", layout(arch="llama", mla=True, cp=2)),
 }
 CONTROL = {"control tp2 sp llama unsummed": ("llama", layout(tp=2, sp=True, arch="llama", broken=True))}
 WORLD4 = {
@@ -117,7 +124,7 @@ WORLD4 = {
 }
 REFERENCES = {"gpt": {}, "llama": {"arch": "llama"}, "llama kv1": {"arch": "llama", "kv_heads": 1},
               "llama save": {"arch": "llama", "save": ("output", "norm")}, "gpt save": {"save": ("embedding",)},
-              "moe": {"arch": "llama", "moe": True, "micro": 2}}
+              "moe": {"arch": "llama", "moe": True, "micro": 2}, "mla": {"arch": "llama", "mla": True}}
 
 
 def world_checks(cases: dict) -> dict:

@@ -13,6 +13,9 @@ on the transformers model.
 - Qwen3-MoE (4 experts, top-2, 2 layers): adapters on q/k/v/o and on every expert (peft's `target_parameters`
   on transformers' fused gate_up_proj and down_proj) give peft's logits, and 5 training steps peft's losses; its
   trained checkpoint goes through `--to-peft` and back (`checkpoint.init_adapter`) to the same logits.
+- DeepSeek-V3's latent attention (q_a, q_b, kv_a with its rotary rows interleaved in transformers, kv_b, o):
+  peft's logits, and greedy generation through the KV cache (kv_b folded into the query and the
+  output) gives the tokens of generating without it.
 - Round trip: the trained run's checkpoint, written by `shardlm convert --to-peft`, loads with
   `PeftModel.from_pretrained` to shardlm's logits; `--to-peft --merge` writes a plain Qwen3 directory whose
   transformers logits are the same; that adapter directory starts a run (`checkpoint.init_adapter`) at TP=2
@@ -30,6 +33,7 @@ from llama_reference import spread_norm_weights
 from test_moe_parallel import full_parameters
 
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
+from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.init import init_weights, open_source, resolve_init
 from shardlm.cli import main
 from shardlm.config import from_dict
@@ -80,6 +84,24 @@ def moe_base(tmp_path_factory):
             layer.mlp.gate.weight.normal_(0, 0.5)
     model.save_pretrained(root)
     return root
+
+
+@pytest.fixture(scope="module")
+def mla_base(tmp_path_factory):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    root = tmp_path_factory.mktemp("lora_peft_mla") / "deepseek"
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                              num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4,
+                              num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2, kv_lora_rank=16,
+                              q_lora_rank=24,
+                              qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, max_position_embeddings=64,
+                              rope_parameters={"rope_type": "default", "rope_theta": 500.0}, tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(config)
+    spread_norm_weights(model)
+    model.save_pretrained(root)
+    return {"hf": root, "file": from_hf(root, root.parent / "deepseek.safetensors")}  # shardlm reads it converted
 
 
 def run_config(root, steps: int = 5, **lora):
@@ -172,6 +194,28 @@ def test_moe_logits_and_training_equal_peft(moe_base, tmp_path):
     saved = {n: p for n, p in full_parameters(trainer.model).items() if ".lora." in n}
     assert all(torch.equal(stacked(back)[n], p) for n, p in saved.items())
     assert_trains_as_peft(trainer, model.train())
+
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]  # peft 0.21 leaves DeepSeek-V3's
+# dense MLP out even when named
+
+
+def test_mla_logits_equal_peft_and_cached_generation(mla_base):
+    from shardlm.eval.generate import SamplingConfig, generate_tokens
+
+    trainer = shardlm_trainer(mla_base["file"], targets=MLA_TARGETS)
+    assert {n.split(".")[3] for n in trained(trainer)} == {"q_a", "q_b", "kv_a", "kv_b", "o"}
+    ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
+    assert rel(peft_model(mla_base["hf"], trainer, MLA_TARGETS).eval()(TOKENS).logits, ours) <= TOL
+    model = trainer.model.eval()
+    prompt = TOKENS[:, :6]
+    cached = generate_tokens(model, prompt.tolist(), SamplingConfig(max_new_tokens=6, temperature=0.0,
+                                                                    stop_at_eod=False))
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(6):  # no cache: the whole sequence again each step
+            ids = torch.cat((ids, model.full_logits(model(ids))[:, -1, :VOCAB].argmax(-1, keepdim=True)), dim=1)
+    assert [g.tokens for g in cached] == ids[:, 6:].tolist()
 
 
 def assert_trains_as_peft(trainer: Trainer, model) -> None:

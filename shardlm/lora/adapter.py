@@ -15,6 +15,9 @@ zero, scale alpha / r (rsLoRA: alpha / sqrt(r)). Under tensor parallelism the ad
 - **replicated rows** (Llama's k/v when the KV heads are fewer than TP, or not a multiple: the weight whole on
   every rank, each rank using its heads' rows): A and B whole, applied through `copy_to_tensor_parallel`, whose
   backward sums the ranks' gradient shares, as the projection's weight does.
+- **replicated** (MLA's q_a and kv_a, whole on every rank in front of the heads' `f`): A and B whole; under
+  sequence parallelism they see this rank's sequence chunk, so their gradients are partial and summed over TP
+  (`partial`), exactly as the projection's weight is.
 
 Parameters are drawn from the full (TP=1) tensor's seed, so every layout starts from the same adapter.
 Dropout on replicated inputs draws from the default generator (the same mask on every TP rank); on a row
@@ -31,7 +34,7 @@ from torch import nn
 
 from shardlm.parallel import ParallelContext, copy_to_tensor_parallel
 
-KINDS = ("column", "row", "replicated rows")
+KINDS = ("column", "row", "replicated rows", "replicated")
 
 
 def kaiming_uniform(shape: tuple[int, int], seed: int, device=None) -> torch.Tensor:
@@ -47,11 +50,11 @@ class LoRA(nn.Module):
     reduction). `rows`: the replicated-rows kind's slice of output rows this rank computes."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float, dropout: float,
-                 rslora: bool, ctx: ParallelContext, seed: int, dtype=torch.float32):
+                 rslora: bool, ctx: ParallelContext, seed: int, dtype=torch.float32, partial: bool = False):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"adapter kind {kind!r} must be one of {KINDS}")
-        self.kind, self.ctx, self.rank_r = kind, ctx, rank
+        self.kind, self.ctx, self.rank_r, self.partial = kind, ctx, rank, partial
         self.scale = alpha / (math.sqrt(rank) if rslora else rank)
         self.dropout = dropout
         tp, device = ctx.tp_size, ctx.device
@@ -63,7 +66,9 @@ class LoRA(nn.Module):
         self.A = nn.Parameter(a.contiguous())
         self.B = nn.Parameter(torch.zeros(b_rows, rank, dtype=dtype, device=device))
         split, whole = (self.B, self.A) if kind == "column" else (self.A, self.B)
-        if kind != "replicated rows":
+        if kind == "replicated" and partial:
+            self.A.sequence_parallel = self.B.sequence_parallel = True  # sequence chunks: summed over TP
+        if kind in ("column", "row"):
             split.tensor_parallel_dim = 0 if kind == "column" else 1
             if tp > 1:
                 whole.sequence_parallel = True  # partial over TP: summed by the trainer
@@ -74,10 +79,15 @@ class LoRA(nn.Module):
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout > 0):
             return x
-        if self.kind == "row" and self.ctx.rng is not None:
+        if (self.kind == "row" or self.partial) and self.ctx.rng is not None:  # inputs that differ per TP rank
             with self.ctx.rng.fork():
                 return F.dropout(x, self.dropout, True)
         return F.dropout(x, self.dropout, True)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale B A, this rank's (out_local, in_local) update of the projection's weight (for merging, and for
+        MLA's cached step, which multiplies by kv_b's weight directly)."""
+        return (self.B @ self.A) * self.scale
 
     def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
         a, b = self.A, self.B

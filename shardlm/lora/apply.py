@@ -19,13 +19,15 @@ from shardlm.config import LoraConfig
 from shardlm.errors import UserError
 from shardlm.lora.adapter import LoRA
 from shardlm.models.llama import KeyValueProjection
+from shardlm.models.mla import ReplicatedLinear
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
 from shardlm.parallel.init import param_seed
 
 # Hugging Face (and peft's usual target) names -> shardlm's module names
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-           "down_proj": "down", "c_attn": "qkv", "c_proj": "proj", "c_fc": "fc"}
-PROJECTIONS = ("q", "k", "v", "o", "qkv", "proj", "fc", "gate", "up", "down")
+           "down_proj": "down", "c_attn": "qkv", "c_proj": "proj", "c_fc": "fc", "q_a_proj": "q_a", "q_b_proj": "q_b",
+           "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}
+PROJECTIONS = ("q", "k", "v", "o", "qkv", "proj", "fc", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")
 SAVED_MODULES = {"embedding": ("wte",), "embed_tokens": ("wte",), "output": ("lm_head",), "lm_head": ("lm_head",),
                  "norm": ("ln_f",)}
 
@@ -91,6 +93,8 @@ def check_lora(config: LoraConfig) -> None:
 def _kind(module: nn.Module) -> str:
     if isinstance(module, RowParallelLinear):
         return "row"
+    if isinstance(module, ReplicatedLinear):
+        return "replicated"
     if isinstance(module, KeyValueProjection) and not module.split:
         return "replicated rows"
     return "column"
@@ -101,12 +105,14 @@ def _shape(module: nn.Module, ctx: ParallelContext) -> tuple[int, int]:
     if isinstance(module, KeyValueProjection):
         full_rows = module.weight.shape[0] * (ctx.tp_size if module.split else 1)
         return module.weight.shape[1], full_rows
+    if isinstance(module, ReplicatedLinear):
+        return module.weight.shape[1], module.weight.shape[0]
     return module.in_features, module.out_features
 
 
 def adaptable(model: nn.Module) -> dict[str, nn.Module]:
     """{name: projection} of every module of the transformer layers an adapter can go on."""
-    kinds = (ColumnParallelLinear, RowParallelLinear, KeyValueProjection)
+    kinds = (ColumnParallelLinear, RowParallelLinear, KeyValueProjection, ReplicatedLinear)
     return {name: module for name, module in model.named_modules()
             if name.startswith("layers.") and isinstance(module, kinds) and name.rsplit(".", 1)[-1] in PROJECTIONS}
 
@@ -139,7 +145,8 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
             continue
         features = _shape(module, ctx)
         module.lora = LoRA(_kind(module), *features, config.rank, config.alpha, config.dropout, config.rslora, ctx,
-                           param_seed(seed, f"{name}.lora"), dtype=module.weight.dtype)
+                           param_seed(seed, f"{name}.lora"), dtype=module.weight.dtype,
+                           partial=getattr(module.weight, "sequence_parallel", False))
         adapters[name] = module.lora
     trained = {id(p) for a in adapters.values() for p in a.parameters()}
     for saved in config.modules_to_save:

@@ -39,27 +39,39 @@ def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
         from shardlm.checkpoint.hf import name_map
 
         pairs = [(ours, theirs, "qkv" if kind == "qkv" else "copy") for ours, theirs, kind in name_map(cfg.num_layers)]
-    elif cfg.arch == "llama" and cfg.attention != "mla":
+    elif cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek: the rotary rows of q (q_b) and kv_a interleave
+        from shardlm.checkpoint.hf_deepseek import name_map
+
+        pairs = [(ours, theirs, "rope" if ours.split(".")[-2] in ("q", "q_b", "kv_a") and ".attn." in ours else "copy")
+                 for ours, theirs in name_map(cfg)]
+    elif cfg.arch == "llama":
         from shardlm.checkpoint.hf_llama import name_map
 
         pairs = [(ours, theirs, "copy") for ours, theirs in name_map(cfg)]
     else:
-        raise UserError(f"peft adapters convert for GPT and Llama-family models; this checkpoint's model is "
-                        f"{cfg.arch}{' with latent attention' if cfg.attention == 'mla' else ''}")
+        raise UserError(f"peft adapters convert for GPT and Llama-family models; this checkpoint's model is {cfg.arch}")
     return {ours.rsplit(".", 1)[0]: (theirs.rsplit(".", 1)[0], kind)
             for ours, theirs, kind in pairs if ours.endswith(".weight")}
 
 
-def _to_hf(value: torch.Tensor, kind: str, cfg: ModelConfig) -> torch.Tensor:
+def _to_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> torch.Tensor:
+    """A B factor (the projection's output rows) in HF's row order: GPT-2's q|k|v, DeepSeek's interleaved rotary
+    rows (`rope_interleave`, as shardlm's DeepSeek export writes it)."""
     from shardlm.checkpoint.hf import qkv_to_hf
+    from shardlm.checkpoint.hf_deepseek import tensor_to_hf
 
-    return qkv_to_hf(value, cfg.num_heads).t().contiguous() if kind == "qkv" else value.contiguous()
+    if kind == "qkv":
+        return qkv_to_hf(value, cfg.num_heads).t().contiguous()
+    return tensor_to_hf(cfg, f"{module}.weight", value).contiguous() if kind == "rope" else value.contiguous()
 
 
-def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig) -> torch.Tensor:
+def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> torch.Tensor:
     from shardlm.checkpoint.hf import qkv_from_hf
+    from shardlm.checkpoint.hf_deepseek import tensor_from_hf
 
-    return qkv_from_hf(value.t(), cfg.num_heads) if kind == "qkv" else value.contiguous()
+    if kind == "qkv":
+        return qkv_from_hf(value.t(), cfg.num_heads)
+    return tensor_from_hf(cfg, f"{module}.weight", value, True) if kind == "rope" else value.contiguous()
 
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -143,7 +155,8 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         module, _, leaf = name.rpartition(".lora.")
         if module:  # an adapter factor: A is (r, in) as is; B has the projection's output rows
             hf, kind = modules[module]
-            out[f"{PREFIX}{hf}.lora_{leaf}.weight"] = _to_hf(value, kind, cfg) if leaf == "B" else value.contiguous()
+            out[f"{PREFIX}{hf}.lora_{leaf}.weight"] = (_to_hf(value, kind, cfg, module) if leaf == "B"
+                                                       else value.contiguous())
             continue
         module, _, leaf = name.rpartition(".")
         hf, _ = modules.get(module, (None, None))
@@ -227,7 +240,7 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
     theirs = {}
     for ours, (hf, kind) in module_names(cfg).items():
         theirs[f"{PREFIX}{hf}.lora_A.weight"] = (f"{ours}.lora.A", None)
-        theirs[f"{PREFIX}{hf}.lora_B.weight"] = (f"{ours}.lora.B", kind)
+        theirs[f"{PREFIX}{hf}.lora_B.weight"] = (f"{ours}.lora.B", kind if kind != "copy" else None)
         if ours in WHOLE:
             theirs[f"{PREFIX}{hf}.weight"] = (f"{ours}.weight", None)
             theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
@@ -251,7 +264,7 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
                                 "was the adapter trained on another model?")
             name, kind = theirs[key]
             value = f.get_tensor(key).float()
-            tensors[name] = _from_hf(value, kind, cfg) if kind else value
+            tensors[name] = _from_hf(value, kind, cfg, name.rsplit(".lora.", 1)[0]) if kind else value
     for layer in sorted(set(expert_layers.values())):
         tensors |= experts_from_peft(layer, {k: tensors.pop(k) for k in _expert_keys(layer).values()}, cfg)
     return settings, tensors

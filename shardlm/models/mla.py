@@ -102,9 +102,11 @@ class ReplicatedLinear(nn.Module):
         self.weight = nn.Parameter(normal_shard(shape, std, seed, device=device))
         if sequence_parallel:
             self.weight.sequence_parallel = True
+        self.lora = None  # a low-rank adapter (`shardlm.lora`, kind "replicated"), added when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        y = F.linear(x, self.weight)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class LatentAttention(nn.Module):
@@ -196,7 +198,8 @@ class LatentAttention(nn.Module):
         """A cached step: q (B, H/tp, T, nope + rope) with RoPE applied, the cached latents (B, 1, S, kv_lora_rank)
         and rotated shared keys (B, 1, S, rope), S = past + T -> (B, H/tp, T, v_head_dim), kv_b absorbed into
         the query and the output (the module docstring)."""
-        weight = self.kv_b.weight.view(self.heads, self.nope + self.v_dim, -1)  # (H/tp, nope + v, kv_lora_rank)
+        weight = self.kv_b.weight if self.kv_b.lora is None else self.kv_b.weight + self.kv_b.lora.delta_weight()
+        weight = weight.view(self.heads, self.nope + self.v_dim, -1)  # (H/tp, nope + v, kv_lora_rank)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         query = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
         key = torch.cat((latent, shared_key), dim=-1)
