@@ -1,8 +1,9 @@
 """BERT trains the same at every TP x DP layout, masks what it should, and communicates as the paper says.
 
 The references run in this process; layouts 2x1 and 1x2 run in one world of 2 processes, 2x2 and 4x1
-in one world of 4. Each run trains a tiny BERT for 8 steps on the same synthetic masked-LM samples.
-The MLM loss is a mean over the predicted tokens of each micro-batch (as in Megatron-LM), so a
+in one world of 4, each with and without gradient accumulation (pre-LN; 2x1 also post-LN, and 4x1 without
+accumulation is post-LN only). Each run trains a tiny BERT for 8 steps on the same synthetic masked-LM
+samples. The MLM loss is a mean over the predicted tokens of each micro-batch (as in Megatron-LM), so a
 layout is compared with the single-process run that cuts the global batch into the same micro-batches.
 """
 
@@ -92,8 +93,9 @@ def train_run(ctx: ParallelContext, config: RunConfig):
 # -------------------------------------------------------------------------------------- in workers
 
 def worker_layouts(layouts):
-    """Train each (tp, micro, order) layout on the whole world; rank 0 returns curves and parameters.
-    Also counts one forward/backward's TP collectives at the first layout's TP size."""
+    """Train each (tp, micro, order) layout on the whole world; every rank returns its curve and its copy of
+    the parameters (TP shards gathered, its data-parallel replica's). Also counts one forward/backward's TP
+    collectives at the first layout's TP size."""
     out = {}
     for tp, micro, order in layouts:
         ctx = ParallelContext.from_process_group(tp)
@@ -121,23 +123,24 @@ def reference():
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, worker_layouts, [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre")])
+    return run_workers(2, worker_layouts, [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre"), (2, 4, "pre"), (1, 2, "pre")])
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, worker_layouts, [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")])
+    return run_workers(4, worker_layouts, [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post"), (4, 4, "pre")])
 
 
-@pytest.mark.parametrize("tp,micro,order", [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre")],
-                         ids=["2x1", "2x1-post", "1x2"])
+@pytest.mark.parametrize("tp,micro,order", [(2, 8, "pre"), (2, 8, "post"), (1, 4, "pre"), (2, 4, "pre"),
+                                            (1, 2, "pre")],
+                         ids=["2x1", "2x1-post", "1x2", "2x1-accum", "1x2-accum"])
 def test_world2_layouts_match_single_process(world2, reference, tp, micro, order):
     for rank in world2:  # every rank's copy: TP shards gathered, each DP replica on its own
         assert_same_run(rank[(tp, micro, order)], reference[(micro, order)], steps=STEPS)
 
 
-@pytest.mark.parametrize("tp,micro,order", [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post")],
-                         ids=["2x2", "2x2-accum", "4x1-post"])
+@pytest.mark.parametrize("tp,micro,order", [(2, 4, "pre"), (2, 2, "pre"), (4, 8, "post"), (4, 4, "pre")],
+                         ids=["2x2", "2x2-accum", "4x1-post", "4x1-accum"])
 def test_world4_layouts_match_single_process(world4, reference, tp, micro, order):
     for rank in world4:  # every rank's copy: TP shards gathered, each DP replica on its own
         assert_same_run(rank[(tp, micro, order)], reference[(micro, order)], steps=STEPS)

@@ -8,8 +8,8 @@ trainer reports (and logs), so a missing reduction over the CP group, which woul
 rank's share of the tokens, fails it.
 World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
 selective and with full recomputation, CP=2 in bf16, in fp16 and with bf16 parameters (near, not
-equal), a run saved after 4 steps at CP=2 that one process (CP=1) resumes, and the activation bytes
-each layer saves per rank.
+equal), a run saved after 4 steps at CP=2 that one process (CP=1) resumes, the activation bytes
+each layer saves per rank, and the KV cache's refusal at CP=2.
 World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism (and with Llama's one KV head
 replicated over TP), CP=2 x DP=2 (and with the distributed optimizer), CP=2 x PP=2 (and interleaved).
 One-line config errors and the MFU check run in this process.
@@ -133,6 +133,23 @@ def one_step_metrics():
     return Trainer(cp_config("gpt", 4, cp=2), ctx, synthetic_data()).train_step()
 
 
+def kv_cache_errors() -> dict:
+    """At CP=2: the error GPT and Llama raise when a forward is handed a KV cache, per arch."""
+    from shardlm.models import build_model
+
+    ctx = ParallelContext.from_process_group(1, context_parallel=2)
+    out = {}
+    for arch in ("gpt", "llama"):
+        ctx.rng = None
+        model = build_model(cp_config(arch, 4, cp=2).model, ctx)
+        try:
+            model.hidden_states(torch.zeros(1, 4, dtype=torch.long), cache=model.new_kv_cache())
+            out[arch] = None
+        except ValueError as error:
+            out[arch] = str(error)
+    return out
+
+
 def world2_checks(directory: str):
     return run_checks({
         "cp2_gpt": run(cp_config("gpt", 4, cp=2), cp=2),
@@ -148,6 +165,7 @@ def world2_checks(directory: str):
         "save_cp2": lambda: save_after_4_steps(directory),
         "saved_per_layer": lambda: saved_per_layer(ParallelContext.from_process_group(1, context_parallel=2)),
         "metrics_cp2": one_step_metrics,
+        "kv_cache_cp2": kv_cache_errors,
     })
 
 
@@ -307,6 +325,14 @@ def test_a_cp2_rank_saves_half_of_each_layers_activations(world2):
             assert {i: 2 * n for i, n in rank_result[arch].items()} == whole[arch], arch
 
 
+def test_the_kv_cache_is_refused_under_context_parallelism(world2):
+    """A forward given a KV cache at CP=2 raises on both ranks, GPT and Llama, instead of caching half of
+    each sequence's keys (generation builds its own C = 1 context)."""
+    for errors in check_result(world2, "kv_cache_cp2"):
+        assert errors == {arch: "the KV cache works without context parallelism; generate with parallel.context=1"
+                          for arch in ("gpt", "llama")}
+
+
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkpoint_dir):
     """A run saved after 4 of 8 steps at CP=2 and resumed by one process (CP=1) gives the one-process run's
     steps 5-8 and final parameters; the saved steps 1-4 are the one-process run's too."""
@@ -332,6 +358,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkp
     ({"context": 2}, {"dropout": 0.1}, 2, "model.attention_dropout=0.1 is not supported with parallel.context=2"),
     ({"context": 2, "cp_comm": "p2p"}, {}, 2, 'parallel.cp_comm="p2p" must be "ring" or "allgather"'),
     ({"context": 0}, {}, 2, "parallel.context=0 must be at least 1"),
+    ({"context": 2}, {"arch": "bert"}, 2, 'parallel.context=2 supports model.arch="gpt" and "llama"'),
 ])
 def test_bad_context_parallel_settings_are_one_line_errors(parallel, model, world, message):
     config = cp_config("gpt", 4)

@@ -1,4 +1,4 @@
-"""The layout tests' bounds hold on every kind of CPU, not only on the one they were written on.
+"""The layout tests' bounds hold on the AVX2 kernels too, not only on the AVX-512 ones most of them were written on.
 
 PyTorch picks its vector kernels by the CPU (`ATEN_CPU_CAPABILITY`: `default`, `avx2`, `avx512`) and MKL
 its BLAS kernels (`MKL_ENABLE_INSTRUCTIONS`); each sums in its own order, so an fp32 bound that holds with

@@ -112,6 +112,9 @@ def _single_line_user_error(prefix, match: str) -> None:
 
 
 def test_bad_files_give_one_line_user_errors(tmp_path):
+    """Each invariant the reader checks, broken in turn (a missing file, the magic, the version, the dtype
+    code, a truncated header or body, the sequence pointers, the document index, a short .bin): a one-line
+    UserError that names it."""
     write_by_hand(tmp_path / "good", DOCUMENTS, np.uint16)
     idx = (tmp_path / "good.idx").read_bytes()
     bin_ = (tmp_path / "good.bin").read_bytes()
@@ -134,6 +137,24 @@ def test_bad_files_give_one_line_user_errors(tmp_path):
     (tmp_path / "version.idx").write_bytes(idx[:9] + struct.pack("<Q", 2) + idx[17:])
     (tmp_path / "version.bin").write_bytes(bin_)
     _single_line_user_error(tmp_path / "version", "version 2")
+
+    # the arrays: S = 6 lengths (int32) from byte 34, 6 pointers (int64) from 58, D + 1 = 4 document ends from 106
+    pointers, documents = 34 + 4 * 6, 34 + 12 * 6
+    assert struct.unpack_from("<6q", idx, pointers) == (0, 6, 8, 18, 20, 24)
+    assert struct.unpack_from("<4q", idx, documents) == (0, 2, 3, 6)
+    for name, offset, fmt, value, match in [
+        ("dtype", 17, "<B", 99, "unknown token dtype code 99"),
+        ("first_pointer", pointers, "<q", 2, "inconsistent sequence pointers"),  # pointer[0] = 0
+        ("gap", pointers + 8 * 3, "<q", 20, "inconsistent sequence pointers"),  # pointer[3] = pointer[2] + 5 x 2
+        ("documents_start", documents, "<q", 1, "invalid document index"),
+        ("documents_decrease", documents + 8, "<q", 4, "invalid document index"),  # 0, 4, 3, 6
+        ("documents_end", documents + 8 * 3, "<q", 5, "invalid document index"),  # ends at 5, not S = 6
+    ]:
+        bad = bytearray(idx)
+        struct.pack_into(fmt, bad, offset, value)
+        (tmp_path / f"{name}.idx").write_bytes(bytes(bad))
+        (tmp_path / f"{name}.bin").write_bytes(bin_)
+        _single_line_user_error(tmp_path / name, match)
 
 
 def megatron_core_installed() -> bool:

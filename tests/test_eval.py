@@ -98,6 +98,19 @@ def tiny_gpt(ctx: ParallelContext, vocab_size: int, seed: int = 11) -> GPT:
     return GPT(cfg, ctx, seed=seed).eval()
 
 
+def tied_logits(vocab: int, padded: int) -> torch.Tensor:
+    """(4, padded) logits whose maximum is tied: between ids 5 and padded / 2 + 5 (in the two halves, so on
+    two ranks at TP=2), between padded / 2 + 9 and padded / 2 + 7 (one rank), between vocab - 1 and 40 with a
+    larger logit on every padding id, and everywhere (all zero)."""
+    half = padded // 2
+    logits = torch.zeros(4, padded)
+    logits[0, [5, half + 5]] = 2.0
+    logits[1, [half + 9, half + 7]] = 2.0
+    logits[2, [vocab - 1, 40]] = 2.0
+    logits[2, vocab:] = 3.0
+    return logits
+
+
 def all_evaluations(ctx, data_dir) -> dict:
     """Every evaluation of the tiny GPT (same seed) on this context, plus the uniform-logit model."""
     tokenizer = build_tokenizer_for(DataConfig())
@@ -116,6 +129,9 @@ def all_evaluations(ctx, data_dir) -> dict:
         out["full_argmax"] = model.full_logits(local).argmax(dim=-1).tolist()
         keep = inputs % 3 == 0
         out["scored_logits_match"] = torch.allclose(logits_at(model, inputs, keep), local[keep])
+        tied = tied_logits(tokenizer.vocab_size, model.padded_vocab_size)
+        out["tied_argmax"] = vocab_parallel_argmax(tied.chunk(ctx.tp_size, dim=-1)[ctx.tp_rank], ctx.tp,
+                                                   tokenizer.vocab_size).tolist()
     with torch.no_grad():
         model.wte.weight.zero_()  # every logit (padding included) is 0: a uniform model
     out["uniform"] = evaluate_wikitext(model, tokenizer, text, stride=STRIDE, batch_size=4).to_dict()
@@ -249,6 +265,18 @@ def test_vocab_parallel_argmax_and_scored_logits(world2, reference):
         assert run["argmax"] == run["full_argmax"]
         assert run["scored_logits_match"]
     assert world2[0]["tp2"]["argmax"] == reference["argmax"]
+
+
+def test_vocab_parallel_argmax_breaks_ties_to_the_smallest_id(world2, reference):
+    """Tied maxima on two TP ranks, on one rank, and everywhere: the smallest tied id wins, as `torch.argmax`
+    of the gathered real logits gives, and a padding id is never chosen even where its logit is the largest;
+    at TP=1 and on both ranks of TP=2."""
+    vocab = 50257
+    for run in (reference, world2[0]["tp2"], world2[1]["tp2"], world2[0]["tp1"]):
+        padded = run["padded_vocab_size"]  # a multiple of 128 x TP
+        expected = [5, padded // 2 + 7, 40, 0]
+        assert tied_logits(vocab, padded)[:, :vocab].argmax(dim=-1).tolist() == expected
+        assert run["tied_argmax"] == expected
 
 
 def test_wikitext_result_is_consistent(reference):

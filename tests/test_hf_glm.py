@@ -154,18 +154,29 @@ GLM45_CONFIGS = {
 def test_planner_presets_count_what_transformers_builds(name):
     """The planner's total at TP=1 equals transformers' Glm4MoeForCausalLM built on the meta device from the
     published shape (its expert-bias buffers counted, as shardlm holds them as parameters); both leave out
-    the multi-token-prediction layer. The published totals (355B, 106B) include it."""
+    the multi-token-prediction layer. The published totals (355B, 106B) include it. So do the activated
+    parameters (33.6B and 13.4B): transformers' total less, in each MoE layer, the routed experts a token
+    does not visit (its experts' elements over the expert count, times experts less top-k)."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
+    from shardlm.plan.experts import activated_parameter_count
     from shardlm.plan.models import MODEL_PRESETS
     from shardlm.plan.parameters import parameter_count
 
+    hf = GLM45_CONFIGS[name]
     with torch.device("meta"):
-        model = Glm4MoeForCausalLM(Glm4MoeConfig(**GLM45_CONFIGS[name]))
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(**hf))
     biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     expected = sum(p.numel() for p in model.parameters()) + biases
     assert parameter_count(MODEL_PRESETS[name], 1).total == expected
     assert expected == pytest.approx({"glm-4.5": 352e9, "glm-4.5-air": 105e9}[name], rel=0.02)
+    moe_layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(moe_layers) == hf["num_hidden_layers"] - hf["first_k_dense_replace"]
+    per_expert = sum(p.numel() for p in moe_layers[0].experts.parameters()) // hf["n_routed_experts"]
+    skipped = hf["n_routed_experts"] - hf["num_experts_per_tok"]
+    activated = expected - len(moe_layers) * skipped * per_expert
+    assert activated_parameter_count(MODEL_PRESETS[name]) == activated
+    assert activated == pytest.approx({"glm-4.5": 33.6e9, "glm-4.5-air": 13.4e9}[name], rel=2e-3)
 
 
 def test_multi_token_prediction_layer_reads_and_writes_under_glm_names(reference, tmp_path, capsys):

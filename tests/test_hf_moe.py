@@ -4,7 +4,8 @@ A random `MixtralForCausalLM` and a random `Qwen3MoeForCausalLM` (4 experts, top
 head_dim 12 at hidden 32, q/k norms, norm_topk_prob) are saved and converted. shardlm's logits equal
 transformers' within 1e-4 at TP=1, TP=2 and EP=2 (experts split over 2 ranks, tokens dispatched by
 all-to-all), greedy generation with the KV cache gives transformers' tokens, and converting back gives
-bitwise the saved tensors under the same names, with a config transformers reads.
+bitwise the saved tensors under the same names, with a config transformers reads. Routing either model
+lacks is refused in one line, converting either way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from llama_reference import (
     layout_worker,
 )
 
+from shardlm.checkpoint.hf_llama import ARCHITECTURES, hf_config_from_model, model_config_from_hf
 from shardlm.checkpoint.state import load_consolidated
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
 
 from multiproc import run_workers
 
@@ -91,3 +95,43 @@ def test_parallel_logits_and_greedy_tokens_match_transformers(world2, hf_models,
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, kind, tmp_path):
     assert_round_trip(hf_models[kind], tmp_path / "back", type(hf_model_of(kind)))
+
+
+def moe_model(kind: str, **routing):
+    """shardlm's [model] of a small Mixtral (kind "mixtral") or Qwen3-MoE ("qwen3_moe": q/k norms), with `routing`."""
+    return ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, seq_length=64,
+                       vocab_size=VOCAB, ffn_hidden_size=48, dropout=0.0, moe_num_experts=4, moe_top_k=2,
+                       moe_norm_topk_prob=True, qk_norm=kind == "qwen3_moe", **routing)
+
+
+@pytest.mark.parametrize("routing,words", [
+    ({"moe_shared_experts": 1}, "shared experts"),
+    ({"moe_groups": 2, "moe_topk_groups": 1}, "group-limited routing"),
+    ({"moe_expert_bias_rate": 1e-3}, "expert bias"),
+    ({"moe_routed_scaling": 2.5}, "moe_routed_scaling"),
+    ({"moe_layer_interval": 2}, "moe_layer_interval > 1"),
+])
+@pytest.mark.parametrize("kind", KINDS)
+def test_routing_neither_model_has_does_not_export(kind, routing, words):
+    """A shardlm MoE model whose routing Mixtral and Qwen3-MoE do not compute (shared experts, groups, an expert
+    bias, routed scaling, MoE layers at an interval) is refused in one line naming it, instead of an export that
+    transformers would run differently; the same model without it exports as its kind."""
+    assert hf_config_from_model(moe_model(kind))["model_type"] == kind
+    with pytest.raises(UserError, match=f"{ARCHITECTURES[kind]} has no .*{words}") as error:
+        hf_config_from_model(moe_model(kind, **routing))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind,change,words", [
+    ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+])
+def test_routing_neither_model_has_does_not_import(kind, change, words):
+    """A Mixtral config with router jitter noise, a Qwen3-MoE config whose MoE layers are not "every layer after
+    the first k": a one-line UserError naming the key (the config without the change converts)."""
+    hf = hf_config_from_model(moe_model(kind))
+    assert model_config_from_hf(hf).moe_num_experts == 4
+    with pytest.raises(UserError, match=words) as error:
+        model_config_from_hf(hf | change)
+    assert "\n" not in str(error.value)

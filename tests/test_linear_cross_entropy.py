@@ -3,8 +3,9 @@
 Reference at TP=1: `F.linear` over the padded weight, the padding sliced off, `F.cross_entropy` in
 fp32. Checked: per-token losses and the gradients of the hidden states and of the weight (padding
 rows included), with ignored targets, a loss gradient that differs per token, chunk boundaries
-inside the batch, fp32, bf16 autocast and bf16 parameters; a GPT trains through it to the same
-losses and gradients as through the unfused head. At TP=2 and TP=4 (gloo workers): each rank's
+inside the batch, fp32, bf16 autocast and bf16 parameters, and the GEMM width a GPU or half precision
+rounds up to (forced on the CPU in fp32, padding rows that are not zero); a GPT trains through it to the
+same losses and gradients as through the unfused head. At TP=2 and TP=4 (gloo workers): each rank's
 losses and gradients equal the unfused vocabulary-parallel path's (`F.linear` on this rank's rows,
 then `vocab_parallel_cross_entropy`), shards holding padding and shards of padding only included,
 with the same communication (one all-reduce MAX and one SUM of O(tokens) values, never the logits).
@@ -63,6 +64,32 @@ def test_fp32_equals_unfused(monkeypatch, rows_per_chunk):
     assert fused[0][3] == 0.0 and fused[0][17] == 0.0
     assert fused[2][V:].abs().max() == 0.0  # padding rows: zero gradient
     assert fused[1][3].abs().max() == 0.0  # an ignored token sends no gradient back
+
+
+@pytest.mark.parametrize("rows_per_chunk", [5, 1000])
+def test_rounded_gemm_width_keeps_padding_out_of_the_softmax(monkeypatch, rows_per_chunk):
+    """The width `_gemm_width` gives on a GPU or in half precision (the 300 real rows rounded up to 320 of the
+    384), forced in fp32 on the CPU, with padding rows that are not zero, so that a padding logit taking part
+    in the softmax would change every loss: losses and gradients equal the unfused ones (which slice the
+    padding off before the softmax), and every padding row, inside the GEMM's width or past it, gets zero
+    gradient."""
+    widths = []
+
+    def gpu_width(real, local, dtype, device):
+        widths.append(gemm_width(real, local, dtype, torch.device("cuda")))
+        return widths[-1]
+
+    gemm_width = fused_module._gemm_width
+    monkeypatch.setattr(fused_module, "_gemm_width", gpu_width)
+    monkeypatch.setattr(fused_module, "_rows_per_chunk", lambda vocab, device: rows_per_chunk)
+    hidden, weight, target, upstream = _inputs()
+    weight[V:] = torch.randn(V_PADDED - V, H, generator=torch.Generator().manual_seed(1))
+    fused, reference = _run(True, hidden, weight, target, upstream, "fp32"), _run(False, hidden, weight, target,
+                                                                                   upstream, "fp32")
+    assert widths == [320]
+    for name, a, b in zip(("losses", "hidden grad", "weight grad"), fused, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert fused[2][V:].abs().max() == 0.0
 
 
 def test_bf16_autocast_matches_unfused_within_bf16_rounding():

@@ -4,10 +4,10 @@ The reference `LlamaForCausalLM` is `llama_reference`'s (single-process interop:
 shardlm's logits equal transformers' within 1e-4 at TP=2 and 3 (3 > 2 KV heads: KV weights
 replicated) and greedy generation with the KV cache gives transformers' tokens. A tiny Llama with
 grouped-query attention trains for 10 steps equal to one process at TP x DP 2x1, 1x2, 2x2 and 4x1
-(TP=4 > 2 KV heads), with sequence parallelism at TP=2 and TP=4; with dropout on, selective and full
-recomputation run the forward again in the backward and give the run without recomputation, bitwise; a
-checkpoint saved at TP=4 loads at TP=1 and TP=2, one saved at TP=2 loads at TP=4. Worlds: one of 2
-processes, one of 4.
+(TP=4 > 2 KV heads), each with and without gradient accumulation, and with sequence parallelism at TP=2
+and TP=4; with dropout on, selective and full recomputation run the forward again in the backward and
+give the run without recomputation, bitwise; a checkpoint saved at TP=4 loads at TP=1 and TP=2, one
+saved at TP=2 loads at TP=4. Worlds: one of 2 processes, one of 4.
 """
 
 from __future__ import annotations
@@ -150,9 +150,11 @@ def probe_logits(model) -> torch.Tensor:
 # -------------------------------------------------------------------------------------- in workers
 
 def worker_world2(hf: dict):
-    """Layouts 2x1 (untied and tied) and 1x2; TP=2 logits, greedy tokens and the KV cache of the HF model."""
+    """Layouts 2x1 (untied and tied) and 1x2, with and without accumulation; TP=2 logits, greedy tokens and the
+    KV cache of the HF model."""
     out = {}
-    for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True)):
+    for label, tp, micro, tie in (("2x1", 2, 8, False), ("1x2", 1, 4, False), ("2x1-tied", 2, 8, True),
+                                  ("2x1-accum", 2, 4, False), ("1x2-accum", 1, 2, False)):
         out[label] = train_run(ParallelContext.from_process_group(tp), tiny_config(tp, micro, tie))[0]
     zero = tiny_config(1, 4, distributed_optimizer=True)
     out["1x2-zero"] = train_run(ParallelContext.from_process_group(1), zero)[0]
@@ -192,10 +194,13 @@ def sub_context(ranks: list[int]) -> ParallelContext | None:
 
 
 def worker_world4(hf: dict, checkpoints: str):
-    """Layouts 2x2 and 4x1 (KV replicated); checkpoints across TP 4 <-> 2; TP=3 logits and greedy tokens."""
+    """Layouts 2x2 and 4x1 (KV replicated), with and without accumulation; checkpoints across TP 4 <-> 2; TP=3
+    logits and greedy tokens."""
     out = {}
     out["2x2"], trainer_2x2 = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4))
     out["4x1"], trainer_4x1 = train_run(ParallelContext.from_process_group(4), tiny_config(4, 8))
+    out["2x2-accum"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 2))[0]
+    out["4x1-accum"] = train_run(ParallelContext.from_process_group(4), tiny_config(4, 4))[0]
     out["2x2-one-kv-head"] = train_run(ParallelContext.from_process_group(2), tiny_config(2, 4, kv_heads=1))[0]
     zero = tiny_config(2, 4, kv_heads=1, distributed_optimizer=True)
     out["2x2-one-kv-head-zero"] = train_run(ParallelContext.from_process_group(2), zero)[0]
@@ -266,13 +271,13 @@ def test_gqa_cache_holds_only_this_ranks_kv_heads(world2):
 # -------------------------------------------------------------------------------------- training
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x1-tied"])
+@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x1-tied", "2x1-accum", "1x2-accum"])
 def test_world2_layouts_train_like_one_process(world2, reference, layout):
     assert_every_rank(world2, layout, reference[layout.endswith("tied")])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["2x2", "4x1"])
+@pytest.mark.parametrize("layout", ["2x2", "4x1", "2x2-accum", "4x1-accum"])
 def test_world4_layouts_train_like_one_process(world4, reference, layout):
     assert_every_rank(world4, layout, reference[False])
 

@@ -1,5 +1,6 @@
 """Llama and transformers in one process: exact logits and greedy tokens, a rotary-layout slip caught, a
-bitwise lossless round trip, RoPE positions under the KV cache, and scoring selected positions.
+bitwise lossless round trip, RoPE positions under the KV cache, scoring selected positions, and one-line
+refusals of HF configs shardlm's llama does not compute.
 
 The reference is `llama_reference`'s random `LlamaForCausalLM`, whose q and k weights are scaled up so
 attention is sharp and a rotary-layout slip shows in the logits.
@@ -13,6 +14,8 @@ from llama_reference import LOGIT_TOL, hf_llama, logits_and_greedy
 
 from shardlm.checkpoint import load_model
 from shardlm.checkpoint.hf import from_hf, to_hf
+from shardlm.checkpoint.hf_llama import model_config_from_hf
+from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 
 
@@ -88,3 +91,34 @@ def test_evaluation_scores_selected_positions_of_a_llama(hf_model):
         full = model(tokens)
         assert torch.allclose(logits_at(model, tokens, keep), full[keep], atol=1e-6)
         assert torch.allclose(last_logits(model, tokens), full[:, -1], atol=1e-6)
+
+
+# A Llama 3 config.json as Meta's checkpoints ship it (rope_theta and rope_scaling at the top level), made small.
+LLAMA3_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+                 "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "hidden_act": "silu", "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                 "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"rope_scaling": LLAMA31_ROPE}, "rope type 'llama3'"),
+    ({"rope_parameters": {"rope_theta": 500000.0, **LLAMA31_ROPE}}, "rope type 'llama3'"),  # transformers 5
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"attention_bias": True}, "biases"),
+    ({"mlp_bias": True}, "biases"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32}, "sliding-window"),
+    ({"model_type": "mixtral", "sliding_window": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+     "sliding-window"),
+], ids=["llama3-rope", "llama3-rope-parameters", "yarn", "attention-bias", "mlp-bias", "gelu", "qwen3-window",
+        "mixtral-window"])
+def test_configs_llama_does_not_compute_are_refused_in_one_line(change, words):
+    """Rope scaling (Llama 3.1's "llama3" type, YaRN), attention or MLP biases, an activation other than silu and
+    sliding-window attention: a one-line UserError naming it, not a model that computes something else. The
+    config without the change converts."""
+    assert model_config_from_hf(LLAMA3_CONFIG).rope_theta == 500000.0
+    with pytest.raises(UserError) as error:
+        model_config_from_hf(LLAMA3_CONFIG | change)
+    assert words in str(error.value) and "\n" not in str(error.value)

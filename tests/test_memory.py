@@ -2,12 +2,14 @@
 recomputation, half-precision parameters with fp32 master weights, and the distributed optimizer.
 
 The tiny GPT of `test_training` (2 layers, 10 steps, fp32, dropout 0 where layouts are compared) trains
-at 1x1 in this process and at each layout in one world of 2 and one world of 4 processes; losses and
-gradient norms at every step and the final parameters must agree within 1e-5. Half-precision (bf16)
-parameters are compared with fp32 at a bf16 tolerance, with the distributed optimizer against one
-process at measured bf16 tolerances, and their master weights with a hand-written AdamW. With dropout
-on, selective and full recomputation run the forward again in the backward (counted) and give the run
-without recomputation, bitwise. State bytes per rank are checked against the formula to the byte.
+at 1x1 in this process and at each layout in one world of 2 and one world of 4 processes; every rank's
+losses and gradient norms at every step and its copy of the final parameters (its data-parallel replica,
+TP shards gathered) must agree within 1e-5. Half-precision (bf16) parameters are compared with fp32 at a
+bf16 tolerance, with the distributed optimizer against one process at measured bf16 tolerances, and their
+master weights with a hand-written AdamW. With dropout on, selective and full recomputation run the
+forward again in the backward (counted) and give the run without recomputation, bitwise. State bytes of
+every rank are checked against the formula to the byte, and an fp16 overflow on one DP rank of the
+distributed optimizer skips the step on all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import rel
+from agreement import assert_trained_parameters, rel
 from multiproc import run_workers
 
 
@@ -35,7 +37,9 @@ def config(tp: int = 1, micro: int = 8, pp: int = 1, sp: bool = False, recompute
 
 
 def layouts(cases: dict) -> dict:
-    """Train each named (tp, pp, config kwargs) case on the whole world; rank 0 returns curves and parameters."""
+    """Train each named (tp, pp, config kwargs) case on the whole world; every rank returns its curve and its
+    copy of the parameters (its data-parallel replica, TP shards gathered; under PP every stage's, gathered
+    with each copy compared bitwise)."""
     out = {}
     for name, (tp, pp, kwargs) in cases.items():
         ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp)
@@ -100,9 +104,9 @@ def recompute_runs() -> dict:
 
 
 def state_bytes(trainer: Trainer) -> int:
-    """Bytes of every distinct storage behind parameters, fp32 gradient buffers, master weights and
-    optimizer state of this rank (each storage counted once)."""
-    tensors = [*trainer.params, *(getattr(p, "main_grad", None) for p in trainer.params),
+    """Bytes of every distinct storage behind parameters, gradients (the fp32 `main_grad` buffers, or plain
+    AdamW's `.grad`), master weights and optimizer state of this rank (each storage counted once)."""
+    tensors = [*trainer.params, *(getattr(p, "main_grad", p.grad) for p in trainer.params),
                *getattr(trainer.optimizer, "segments", []),
                *(v for state in trainer.optimizer.state.values() for v in state.values())]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
@@ -125,18 +129,51 @@ def expected_state_bytes(sizes: list[int], d: int, r: int, half: bool, zero: boo
 
 
 def measured_state(tp: int, half: bool, zero: bool) -> tuple[int, int]:
-    """(measured, expected) state bytes of this rank after one step with the master-weight optimizer."""
+    """(measured, expected) state bytes of this rank, measured at the end of the optimizer's first step (plain
+    AdamW frees its gradients after the step; the master-weight optimizer keeps its fp32 buffers)."""
     ctx = ParallelContext.from_process_group(tp) if dist.is_initialized() else ParallelContext.single()
     precision = "bf16" if half else "fp32"
     trainer = Trainer(config(tp=tp, micro=2, zero=zero, precision=precision, param_dtype="half" if half else "fp32"),
                       ctx, synthetic_data())
+    measured, step = [], trainer.optimizer.step
+
+    def measuring_step():
+        step()
+        measured.append(state_bytes(trainer))
+    trainer.optimizer.step = measuring_step
     trainer.train_step()
     sizes = [p.numel() for p in trainer.params]
-    return state_bytes(trainer), expected_state_bytes(sizes, ctx.dp_size, ctx.dp_rank, half, zero)
+    return measured[0], expected_state_bytes(sizes, ctx.dp_size, ctx.dp_rank, half, zero)
 
 
 def memory_table(tp: int = 1) -> dict:
-    return {(half, zero): measured_state(tp, half, zero) for half, zero in ((False, True), (True, False), (True, True))}
+    """(measured, expected) state bytes for each (half parameters, distributed optimizer) setting."""
+    return {(half, zero): measured_state(tp, half, zero) for half in (False, True) for zero in (False, True)}
+
+
+def fp16_overflow_on_dp_rank_1() -> dict:
+    """fp16 parameters with the distributed optimizer over DP=2: one clean step, then a step where only DP
+    rank 1 finds an inf in its range of the reduced gradients. Whether that step was skipped, whether this
+    rank's parameters are unchanged, the loss scale after it, and whether the next step was skipped."""
+    ctx = ParallelContext.from_process_group(1)
+    ctx.rng = None
+    trainer = Trainer(config(micro=4, zero=True, precision="fp16", param_dtype="half", initial_loss_scale=1024.0),
+                      ctx, synthetic_data())
+    trainer.train_step()
+    if ctx.dp_rank == 1:
+        reduce = trainer.reduce_gradients
+
+        def reduce_then_overflow():
+            reduce()
+            trainer.update_params[0].grad.view(-1)[0] = float("inf")
+        trainer.reduce_gradients = reduce_then_overflow
+    before = full_parameters(trainer)
+    skipped = trainer.train_step()["skipped"]
+    unchanged = all(torch.equal(value, before[name]) for name, value in full_parameters(trainer).items())
+    scale = trainer.scaler.scale
+    if ctx.dp_rank == 1:
+        trainer.reduce_gradients = reduce
+    return {"skipped": skipped, "unchanged": unchanged, "scale": scale, "next skipped": trainer.train_step()["skipped"]}
 
 
 def zero_resume(tmp: str, tp: int, sp: bool) -> dict:
@@ -155,14 +192,15 @@ def zero_resume(tmp: str, tp: int, sp: bool) -> dict:
     return {"curve": first + second, "path": str(path)}
 
 
-def load_and_finish(tmp: str, source: str, tp: int, sp: bool, zero: bool) -> list:
-    """Load a 5-step checkpoint saved at another layout and train the remaining 5 steps."""
+def load_and_finish(tmp: str, source: str, tp: int, sp: bool, zero: bool) -> tuple[list, dict]:
+    """Load a 5-step checkpoint saved at another layout and train the remaining 5 steps: their curve and
+    the final parameters (this rank's replica, TP shards gathered)."""
     from shardlm.checkpoint import load_checkpoint
 
     ctx = ParallelContext.from_process_group(tp) if dist.is_initialized() else ParallelContext.single()
     trainer = Trainer(config(tp=tp, micro=2, sp=sp, zero=zero), ctx, synthetic_data())
     load_checkpoint(trainer, source)
-    return [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(5))]
+    return [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(5))], full_parameters(trainer)
 
 
 def world2_checks(tmp: str) -> dict:
@@ -181,7 +219,8 @@ def world2_checks(tmp: str) -> dict:
     out["recompute"] = recompute_runs()
     out["memory"] = memory_table()
     out["resume"] = zero_resume(tmp, 1, False)
-    return out if dist.get_rank() == 0 else None
+    out["fp16 overflow"] = fp16_overflow_on_dp_rank_1()
+    return out
 
 
 def world4_checks(tmp: str) -> dict:
@@ -198,7 +237,7 @@ def world4_checks(tmp: str) -> dict:
     out["memory"] = memory_table()
     out["resume"] = zero_resume(tmp, 2, True)  # SP + ZeRO at TP=2 x DP=2
     out["from single"] = load_and_finish(tmp, f"{tmp}/single", 2, True, True)
-    return out if dist.get_rank() == 0 else None
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -221,12 +260,14 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(workdir):
-    return run_workers(2, world2_checks, str(workdir))[0]
+    """Every rank's results of `world2_checks`."""
+    return run_workers(2, world2_checks, str(workdir))
 
 
 @pytest.fixture(scope="module")
 def world4(workdir):
-    return run_workers(4, world4_checks, str(workdir))[0]
+    """Every rank's results of `world4_checks`."""
+    return run_workers(4, world4_checks, str(workdir))
 
 
 @pytest.fixture(scope="module")
@@ -240,55 +281,69 @@ def half_single():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sp tp2", "sp tp2 accum", "sp tp2 selective", "sp tp2 full"])
 def test_sequence_parallel_tp2_matches_single_process(world2, reference, name):
-    assert_same_run(world2[name], reference[8])
+    for rank in world2:
+        assert_same_run(rank[name], reference[8])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sp tp4", "sp tp2 dp2", "sp tp2 dp2 accum", "sp tp2 pp2"])
 def test_sequence_parallel_world4_matches_single_process(world4, reference, name):
-    assert_same_run(world4[name], reference[8])
+    for rank in world4:
+        assert_same_run(rank[name], reference[8])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero dp2", "zero dp2 accum"])
 def test_distributed_optimizer_dp2_matches_single_process(world2, reference, name):
-    assert_same_run(world2[name], reference[8])
+    for rank in world2:
+        assert_same_run(rank[name], reference[8])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero dp4", "zero tp2 dp2", "sp zero tp2 dp2 accum", "zero pp2 dp2"])
 def test_distributed_optimizer_world4_matches_single_process(world4, reference, name):
-    assert_same_run(world4[name], reference[8])
+    for rank in world4:
+        assert_same_run(rank[name], reference[8])
 
 
 @pytest.mark.slow
 def test_distributed_optimizer_resumes_bitwise_on_the_same_layout(world2, world4, reference):
-    """5 steps, save, reload, 5 more: the same curve as 10 uninterrupted steps, to the bit (DP=2), and
-    within 1e-5 of one process (its own curve, SP + ZeRO at TP=2 x DP=2, too)."""
-    assert world2["resume"]["curve"] == world2["zero dp2 accum"][0]
-    for (loss, norm), (ref_loss, ref_norm) in zip(world4["resume"]["curve"], reference[2][0]):
-        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
-
-
-@pytest.mark.slow
-def test_sharded_optimizer_state_moves_between_layouts(world4, workdir, reference):
-    """SP + ZeRO at TP=2 x DP=2 -> one process, and one process -> SP + ZeRO at TP=2 x DP=2: the
-    remaining 5 steps continue the single-process curve within 1e-5."""
-    to_single = load_and_finish(str(workdir), world4["resume"]["path"], 1, False, False)
-    for curve in (to_single, world4["from single"]):
-        for (loss, norm), (ref_loss, ref_norm) in zip(curve, reference[2][0][5:]):
+    """5 steps, save, reload, 5 more: on every rank the same curve as 10 uninterrupted steps, to the bit
+    (DP=2), and within 1e-5 of one process (its own curve, SP + ZeRO at TP=2 x DP=2, too)."""
+    for rank in world2:
+        assert rank["resume"]["curve"] == rank["zero dp2 accum"][0]
+    for rank in world4:
+        assert len(rank["resume"]["curve"]) == len(reference[2][0])
+        for (loss, norm), (ref_loss, ref_norm) in zip(rank["resume"]["curve"], reference[2][0]):
             assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
 
 
 @pytest.mark.slow
+def test_sharded_optimizer_state_moves_between_layouts(world4, workdir, reference):
+    """SP + ZeRO at TP=2 x DP=2 -> one process, and one process -> SP + ZeRO at TP=2 x DP=2 (every rank):
+    the remaining 5 steps continue the single-process curve within 1e-5 and end at its final parameters."""
+    ref_curve, ref_params = reference[2]
+    to_single = load_and_finish(str(workdir), world4[0]["resume"]["path"], 1, False, False)
+    for curve, params in (to_single, *(rank["from single"] for rank in world4)):
+        assert len(curve) == 5
+        for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve[5:]):
+            assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+        assert_trained_parameters(params, ref_params, len(ref_curve), 1e-5)
+
+
+@pytest.mark.slow
 def test_state_bytes_equal_the_formula_to_the_byte(world2, world4):
-    """Per rank: bf16 parameters 2 + fp32 gradients 4 + master 4 + moments 8 bytes per parameter (18),
-    and with the distributed optimizer 2 + 4 + 12 / d (fp32 parameters: 4 + 4 + 8 / d), for d = 1, 2, 4."""
+    """On every rank: fp32 parameters with AdamW 4 + 4 + 8 bytes per parameter (16), bf16 parameters
+    2 + fp32 gradients 4 + master 4 + moments 8 (18), and with the distributed optimizer 2 + 4 + 12 / d
+    (fp32 parameters: 4 + 4 + 8 / d), for d = 1, 2, 4."""
     single = memory_table()
-    for table in (single, world2["memory"], world4["memory"]):
-        for (half, zero), (measured, expected) in table.items():
-            assert measured == expected, (half, zero)
-    half_zero = {d: t[(True, True)][0] for d, t in ((1, single), (2, world2["memory"]), (4, world4["memory"]))}
+    tables = {1: [single], 2: [rank["memory"] for rank in world2], 4: [rank["memory"] for rank in world4]}
+    for d, per_rank in tables.items():
+        for rank, table in enumerate(per_rank):
+            assert table.keys() == {(False, False), (False, True), (True, False), (True, True)}
+            for (half, zero), (measured, expected) in table.items():
+                assert measured == expected, (d, rank, half, zero)
+    half_zero = {d: max(t[(True, True)][0] for t in per_rank) for d, per_rank in tables.items()}
     assert half_zero[1] > half_zero[2] > half_zero[4]
 
 
@@ -311,16 +366,17 @@ def test_half_parameters_with_distributed_optimizer_track_one_process(world2, ha
     rounds the other way; one such flip moves a parameter by 2^-8 = 0.4% and the runs then drift at bf16's
     scale. Measured: bitwise equal losses for 4 steps, then at most 2.4e-5 (losses), 1.3e-3 (norms) and
     5.4e-3 (parameters); the tolerances are about 3x that."""
-    curve, params = world2["half zero dp2"]
     ref_curve, ref_params = half_single[0], half_single[1]
-    assert len(curve) == len(ref_curve)
-    for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
-        assert loss == pytest.approx(ref_loss, rel=1e-4)
-        assert norm == pytest.approx(ref_norm, rel=5e-3)
-    assert params.keys() == ref_params.keys()
-    for name, value in params.items():
-        assert value.dtype == torch.bfloat16, name
-        assert rel(value.float(), ref_params[name].float()) < 1.5e-2, name
+    for rank in world2:
+        curve, params = rank["half zero dp2"]
+        assert len(curve) == len(ref_curve)
+        for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
+            assert loss == pytest.approx(ref_loss, rel=1e-4)
+            assert norm == pytest.approx(ref_norm, rel=5e-3)
+        assert params.keys() == ref_params.keys()
+        for name, value in params.items():
+            assert value.dtype == torch.bfloat16, name
+            assert rel(value.float(), ref_params[name].float()) < 1.5e-2, name
 
 
 def test_master_weights_follow_a_hand_written_adamw(half_single):
@@ -361,11 +417,23 @@ def test_master_weights_follow_a_hand_written_adamw(half_single):
 
 
 @pytest.mark.slow
+def test_fp16_overflow_on_one_dp_rank_skips_the_step_everywhere(world2):
+    """fp16 parameters, the distributed optimizer over DP=2: an inf in DP rank 1's range of the gradients
+    only makes both ranks skip the step (the overflow check spans DP, since each rank unscales only its
+    range) with their parameters unchanged and the same loss scale; the next step trains."""
+    results = [rank["fp16 overflow"] for rank in world2]
+    for result in results:
+        assert result["skipped"] and result["unchanged"] and not result["next skipped"]
+    assert results[0]["scale"] == results[1]["scale"]
+
+
+@pytest.mark.slow
 def test_recomputation_restores_dropout_masks_bitwise(world2):
     """Dropout 0.2 (embedding, attention, residuals) at TP=2 with sequence parallelism: selective and full
     recomputation give the curve (losses and gradient norms) and final parameters of no recomputation, to
-    the bit, which holds only when the recomputed dropout masks equal the original ones."""
-    assert_recomputation_is_bitwise(world2["recompute"])
+    the bit, which holds only when the recomputed dropout masks equal the original ones (every rank)."""
+    for rank in world2:
+        assert_recomputation_is_bitwise(rank["recompute"])
 
 
 def assert_recomputation_is_bitwise(runs: dict) -> None:
@@ -383,7 +451,8 @@ def test_recomputation_runs_the_forward_again_in_the_backward(world2):
     layer and attention core runs once per micro-batch; selective recomputation runs every core twice
     (forward, then backward), full recomputation every layer (and so its core) twice."""
     once = RECOMPUTE_STEPS * 2 * LAYERS
-    counts = {mode: run["counts"] for mode, run in world2["recompute"].items()}
+    counts = {mode: run["counts"] for mode, run in world2[0]["recompute"].items()}
+    assert all({mode: run["counts"] for mode, run in rank["recompute"].items()} == counts for rank in world2)
     assert counts == {"none": {"layer": once, "core": once}, "selective": {"layer": once, "core": 2 * once},
                       "full": {"layer": 2 * once, "core": 2 * once}}
 
@@ -398,7 +467,8 @@ def test_sequence_parallel_communication_volume_equals_tensor_parallel(world2):
     all-reduce of the sequence-parallel parameters' gradients and the gradient-norm scalar."""
     b, s, h, t = 4, 16, 32, 2
     full, chunk = b * s * h * 4, b * s * h * 4 // t
-    comm = world2["comm"]
+    comm = world2[0]["comm"]
+    assert world2[1]["comm"] == comm
     forward, total = comm["forward"], comm["total"]
     assert forward["all_gather/tp"] == {"calls": 2 * LAYERS + 1, "bytes": (2 * LAYERS + 1) * chunk,
                                         "elements": (2 * LAYERS + 1) * chunk // 4}

@@ -6,7 +6,8 @@ step and every final parameter (experts gathered over EP and TP, expert biases i
 with Mixtral-style routing, both dispatchers, full recomputation, DeepSeek-style routing (sigmoid,
 expert bias, shared experts, group-limited top-k, first layer dense); PP=2 with MoE on the second stage
 only; a run saved and resumed at EP=2; a checkpoint saved at EP=2 with the distributed optimizer and
-loaded in one process (and at EP=4); the dispatchers' own checks. World of 4: EP=2 x DP=4 (expert-DP
+loaded in one process (and at EP=4); an fp16 overflow in EP rank 1's experts only; the dispatchers' own
+checks. World of 4: EP=2 x DP=4 (expert-DP
 2), EP=4, EP=2 x TP=2, EP=2 x TP=2 with sequence parallelism, the distributed optimizer sharding
 expert state over expert-DP, EP=2 x PP=2 (and its checkpoint), and two deliberately wrong
 expert-gradient reductions (over the dense DP group; divided by expert-DP instead of DP), which must
@@ -164,6 +165,28 @@ def resume_check(directory: str):
     return first + rest, full_parameters(trainer.model)
 
 
+def fp16_overflow_in_one_ranks_experts():
+    """EP=2 (DP=2) in fp16 with plain AdamW: one clean step, then a step where only EP rank 1 finds an inf in
+    the gradient of its experts (which no other rank holds). Whether that step was skipped, whether this
+    rank's parameters are unchanged, and the loss scale after it."""
+    ctx = ParallelContext.from_process_group(1, expert_parallel=2)
+    config = moe_config("gpt", "mixtral", 4, ep=2, precision="fp16", initial_loss_scale=1024.0)
+    trainer = Trainer(config, ctx, synthetic_data())
+    trainer.train_step()
+    if ctx.ep.rank == 1:
+        reduce = trainer.reduce_gradients
+
+        def reduce_then_overflow():
+            reduce()
+            expert = next(p for p in trainer.params if getattr(p, "expert_parallel", False))
+            expert.grad.view(-1)[0] = float("inf")
+        trainer.reduce_gradients = reduce_then_overflow
+    before = full_parameters(trainer.model)
+    skipped = trainer.train_step()["skipped"]
+    unchanged = all(torch.equal(value, before[name]) for name, value in full_parameters(trainer.model).items())
+    return skipped, unchanged, trainer.scaler.scale
+
+
 def world2_checks(directory: str):
     checks = {
         "dp2_gpt_mixtral": run(moe_config("gpt", "mixtral", 4)),  # EP=1: experts are plain DDP parameters
@@ -175,6 +198,7 @@ def world2_checks(directory: str):
         "resume_ep2_gpt_mixtral": lambda: resume_check(f"{directory}/resume"),
         "pp2_gpt_mixtral_first_dense": run(moe_config("gpt", "mixtral_first_dense", 4, pp=2), pp=2),
         "dispatch": dispatch_checks,
+        "fp16_overflow_ep2": fp16_overflow_in_one_ranks_experts,
     }
     return run_checks(checks)
 
@@ -303,6 +327,16 @@ def test_wrong_expert_gradient_reductions_do_not_match(world4, name):
     ref_params = reference("gpt", "mixtral", 2)[1]
     for curve, params in check_result(world4, name):
         assert_trained_but_off(curve, params, ref_params, STEPS, ".mlp.experts.")
+
+
+def test_fp16_overflow_in_one_ranks_experts_skips_the_step_everywhere(world2):
+    """Split experts differ between the ranks of a DP group, so an inf in EP rank 1's expert gradients only
+    must reach the overflow check of every rank: both skip the step, keep their parameters and halve nothing
+    differently (the same loss scale)."""
+    results = check_result(world2, "fp16_overflow_ep2")
+    for skipped, unchanged, _ in results:
+        assert skipped and unchanged
+    assert results[0][2] == results[1][2]
 
 
 def test_dispatch_round_trip_is_exact(world2):

@@ -6,7 +6,8 @@ with GPipe, 1F1B and interleaved 1F1B, with several micro-batch counts and with 
 checkpointing. Losses and gradient norms at every step and the final parameters must agree within
 1e-5 (fp32, dropout 0). Parameters are gathered from every rank: data-parallel replicas and the tied
 embedding's two copies must be bitwise equal wherever they are compared. The same worlds also check
-the point-to-point traffic against the schedule's formula, an fp16 overflow on one stage, bitwise
+the point-to-point traffic against the schedule's formula (2 and 4 stages, 1F1B and interleaved), an fp16
+overflow on one stage, bitwise
 resume with dropout on under every schedule, and checkpoints that move between pipeline layouts.
 """
 
@@ -16,7 +17,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_training import TOL, assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
@@ -108,6 +108,16 @@ def layout_runs(tp: int, pp: int, cases: list[tuple]) -> dict:
     return out
 
 
+def traffic_of_a_step(ctx: ParallelContext, config: RunConfig) -> dict:
+    """The collectives and point-to-point transfers of one train step (after a first one), from `ctx.comm`."""
+    ctx.rng = None
+    trainer = Trainer(config, ctx, synthetic_data())
+    trainer.train_step()
+    ctx.comm.reset()
+    trainer.train_step()
+    return ctx.comm.snapshot()
+
+
 # -------------------------------------------------------------------------------------- in workers
 
 def world2_checks(tmp: str) -> dict:
@@ -152,12 +162,18 @@ def world2_checks(tmp: str) -> dict:
 
 
 def world4_checks(tmp: str) -> dict:
-    """PP=4 x TP=1, PP=2 x TP=2 and PP=2 x DP=2, and checkpoints moved between pipeline layouts."""
+    """PP=4 x TP=1, PP=2 x TP=2 and PP=2 x DP=2, the traffic of 4 stages, and checkpoints moved between
+    pipeline layouts."""
     out = {
         (4, 1): layout_runs(1, 4, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (2, "interleaved-1f1b", 2, False)]),
         (2, 2): layout_runs(2, 2, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, True)]),
         (2, 1): layout_runs(1, 2, [(2, "gpipe", 1, False), (2, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)]),
     }
+    # PP=4, m = 8 / 2 = 4: the middle stages send both ways; interleaved, each rank runs 2 of 8 stages
+    ctx = ParallelContext.from_process_group(1, pipeline_parallel=4)
+    out["traffic"] = {virtual: traffic_of_a_step(ctx, pp_config(1, 4, micro=2, schedule=schedule, virtual=virtual))
+                      for schedule, virtual in (("1f1b", 1), ("interleaved-1f1b", 2))}
+    out["pp_rank"] = ctx.pp_rank
     # PP=2 x DP=2 with the distributed optimizer and dropout: resume is bitwise
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
     out["resume_pp2dp2_distributed_optimizer"] = resume_run(
@@ -176,7 +192,7 @@ def world4_checks(tmp: str) -> dict:
     resumed = Trainer(pp_config(1, 4, micro=1), ctx, synthetic_data())
     load_checkpoint(resumed, f"{tmp}/single")
     out["single_to_pp4"] = whole_model(ctx, resumed)
-    return out if dist.get_rank() == 0 else None
+    return out
 
 
 def world8_checks() -> dict:
@@ -209,12 +225,12 @@ def world2(workdir):
 
 @pytest.fixture(scope="module")
 def world4(workdir):
+    """{"ranks": every rank's results of `world4_checks`, "single": the parameters of the one-process
+    checkpoint (4 steps) that the world loaded at PP=4}."""
     ctx = ParallelContext.single()
     _, trainer = train(ctx, pp_config(micro=1), steps=4)
     save_checkpoint(trainer, workdir / "single")
-    out = run_workers(4, world4_checks, str(workdir), timeout=500)[0]
-    out["single"] = whole_model(ctx, trainer)
-    return out
+    return {"ranks": run_workers(4, world4_checks, str(workdir), timeout=500), "single": whole_model(ctx, trainer)}
 
 
 @pytest.mark.slow
@@ -237,8 +253,9 @@ def test_pp2_matches_single_process(world2, reference, case):
 ], ids=["pp4-gpipe", "pp4-1f1b", "pp4-interleaved", "pp2tp2-gpipe", "pp2tp2-1f1b", "pp2tp2-interleaved-ckpt",
         "pp2dp2-gpipe", "pp2dp2-1f1b", "pp2dp2-interleaved"])
 def test_world4_layouts_match_single_process(world4, reference, layout, case):
-    """(pp, tp) in a world of 4: PP=4 x TP=1, PP=2 x TP=2, PP=2 x TP=1 x DP=2."""
-    assert_same_run(world4[layout][case], reference[case[0]], STEPS)
+    """(pp, tp) in a world of 4: PP=4 x TP=1, PP=2 x TP=2, PP=2 x TP=1 x DP=2; every rank's curve."""
+    for rank in world4["ranks"]:
+        assert_same_run(rank[layout][case], reference[case[0]], STEPS)
 
 
 @pytest.mark.slow
@@ -290,6 +307,22 @@ def test_point_to_point_traffic_follows_the_schedule(world2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
+def test_point_to_point_traffic_of_every_stage_follows_the_formula(world4, virtual):
+    """PP=4, m = 4 micro-batches of 2 x 16 x 32 fp32 activations, S = 4 V stages, rank p running stages
+    p, p + 4, ...: each local stage s sends m x ([s < S-1] + [s > 0]) tensors and receives as many, so a
+    middle stage sends both ways (1F1B: 4, 8, 8, 4 per rank; interleaved with V = 2: 12, 16, 16, 12)."""
+    m, pp, activation = 4, 4, 2 * SEQ * HIDDEN * 4
+    stages = pp * virtual
+    for rank in world4["ranks"]:
+        local = range(rank["pp_rank"], stages, pp)
+        sends = m * sum((s < stages - 1) + (s > 0) for s in local)
+        traffic = rank["traffic"][virtual]
+        assert traffic["send/pp"] == {"calls": sends, "bytes": sends * activation, "elements": sends * activation // 4}
+        assert traffic["recv/pp"] == traffic["send/pp"]
+
+
+@pytest.mark.slow
 def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(world2):
     for rank in world2:
         skipped, unchanged, next_skipped = rank["overflow"]
@@ -316,35 +349,38 @@ def test_resume_with_dropout_on_the_same_pipeline_layout_is_bitwise(world2, case
 
 @pytest.mark.slow
 def test_resume_with_dropout_at_pp2_dp2_with_the_distributed_optimizer_is_bitwise(world4):
-    assert_resume_is_bitwise(world4["resume_pp2dp2_distributed_optimizer"])
+    for rank in world4["ranks"]:
+        assert_resume_is_bitwise(rank["resume_pp2dp2_distributed_optimizer"])
 
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_pipeline_layouts(world4, reference):
-    """PP=2 x TP=2 -> PP=4 x TP=1 continues the single-process curve to the same final parameters;
-    PP=1 -> PP=4 loads every tensor."""
+    """PP=2 x TP=2 -> PP=4 x TP=1 continues the single-process curve (every rank's) to the same final
+    parameters; PP=1 -> PP=4 loads every tensor."""
     ref_curve, ref_params = reference[1]
-    assert len(world4["pp2tp2_to_pp4"]) == 4
-    for (loss, norm), (ref_loss, ref_norm) in zip(world4["pp2tp2_to_pp4"], ref_curve[4:]):
-        assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
-    assert_trained_parameters(world4["pp2tp2_to_pp4_params"], ref_params, STEPS, TOL)
-    for name, value in world4["single"].items():
-        assert torch.equal(world4["single_to_pp4"][name], value), name
+    for rank in world4["ranks"]:
+        assert len(rank["pp2tp2_to_pp4"]) == 4
+        for (loss, norm), (ref_loss, ref_norm) in zip(rank["pp2tp2_to_pp4"], ref_curve[4:]):
+            assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
+        assert_trained_parameters(rank["pp2tp2_to_pp4_params"], ref_params, STEPS, TOL)
+        for name, value in world4["single"].items():
+            assert torch.equal(rank["single_to_pp4"][name], value), name
 
 
 @pytest.mark.slow
 def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path):
-    """A PP=2 x TP=2 checkpoint (4 steps) loads as a plain one-process model with the trained tensors,
-    whose logits and greedy tokens equal those of the one-process run's checkpoint after the same 4
-    steps; it consolidates to one file holding exactly the trained tensors, and `shardlm checkpoint
-    inspect` reads it."""
+    """A PP=2 x TP=2 checkpoint (4 steps) loads as a plain one-process model (`load_model`, as `shardlm eval`
+    and `generate` load it) with the trained tensors, whose logits and greedy tokens equal those of the
+    one-process run's checkpoint after the same 4 steps; `shardlm checkpoint convert` consolidates it to
+    one file holding exactly the trained tensors, `shardlm convert --to-hf` exports them (read back with
+    `from_hf`, bitwise), and `shardlm checkpoint inspect` reads it."""
     from safetensors.torch import load_file
 
-    from shardlm.checkpoint import consolidate
+    from shardlm.checkpoint.hf import from_hf
     from shardlm.cli import main
     from shardlm.eval.generate import SamplingConfig, generate_tokens
 
-    path, params = world4["saved_pp2tp2"]
+    path, params = world4["ranks"][0]["saved_pp2tp2"]
     model, _ = load_model(path, ParallelContext.single())
     for name, value in model.named_parameters():
         expected = params[name]
@@ -360,11 +396,16 @@ def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path)
     assert ([g.tokens for g in generate_tokens(model, prompts, greedy)]
             == [g.tokens for g in generate_tokens(single, prompts, greedy)])
 
-    out = consolidate(path, tmp_path / "model.safetensors")
-    stored = load_file(str(out))
+    assert main(["checkpoint", "convert", str(path), "--output", str(tmp_path / "model.safetensors")]) == 0
+    stored = load_file(str(tmp_path / "model.safetensors"))
     assert stored.keys() == {f"model/{name}" for name in params}
     for name, value in params.items():
         assert torch.equal(stored[f"model/{name}"], value), name
+    assert main(["convert", "--to-hf", str(tmp_path / "hf"), "--checkpoint", str(path)]) == 0
+    back = load_file(str(from_hf(tmp_path / "hf", tmp_path / "back.safetensors")))
+    assert back.keys() == stored.keys()
+    for name, value in params.items():
+        assert torch.equal(back[f"model/{name}"][: value.shape[0]], value), name
     assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
 
 
@@ -372,7 +413,7 @@ def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path)
 def test_inspect_reports_the_pipeline_layout(world4, capsys):
     from shardlm.cli import main
 
-    main(["checkpoint", "inspect", world4["saved_pp2tp2"][0], "--json"])
+    main(["checkpoint", "inspect", world4["ranks"][0]["saved_pp2tp2"][0], "--json"])
     info = json.loads(capsys.readouterr().out)
     assert (info["pipeline_parallel"], info["tensor_parallel"], info["data_parallel"]) == (2, 2, 1)
     assert any(name.startswith("layers.7.") for name in info["tensors"]) and "wpe" in info["tensors"]
@@ -407,5 +448,6 @@ def test_bad_pipeline_layouts_get_one_line_errors(world, overrides, message):
 def test_bert_under_pipeline_is_refused():
     config = pp_config(micro=2)
     config.model.arch, config.parallel.pipeline = "bert", 2
-    with pytest.raises(UserError, match='supports model.arch="gpt" and "llama"'):
+    with pytest.raises(UserError, match='supports model.arch="gpt" and "llama"') as error:
         validate(config, 2, check_paths=False)
+    assert "\n" not in str(error.value)

@@ -2,10 +2,11 @@
 
 Memory: per-rank parameter, gradient and optimizer bytes equal the prediction exactly at TP = 1, 2
 and 4, and the activations autograd saves (measured with saved-tensor hooks) are within 10% of the
-prediction (in fact equal). Time: step-time ratios between TP x DP layouts of one 4-process world,
-predicted from this machine's measured GEMM, memory and all-reduce speeds with the compute efficiency
-calibrated on the TP=1 x DP=4 layout alone, are compared with the measured ratios.
-TP=1 runs in this process; TP=2 (x DP=2) and TP=4 run in one world of 4 gloo processes.
+prediction (in fact equal). TP=1 runs in this process; TP=2 (x DP=2) and TP=4 run in one world of 4
+gloo processes. Time: the step-time ratio of TP=2 x DP=1 to TP=1 x DP=2, both timed in one world of 2
+gloo processes (one per core), predicted from this machine's measured GEMM, memory and all-reduce speeds
+with the compute efficiency calibrated on the TP=1 x DP=2 layout alone, must be within a factor 1.5 of
+the measured ratio.
 """
 
 from __future__ import annotations
