@@ -124,6 +124,9 @@ class LoraConfig:
     modules_to_save: list = field(default_factory=list)
     """Whole modules trained in full beside the adapters, by name: "embedding" (wte / embed_tokens),
     "output" (lm_head), "norm" (the final norm)."""
+    quantize: str = ""
+    """QLoRA: "nf4" stores the frozen projections of the transformer layers in 4-bit NormalFloat with double
+    quantization, dequantized in the forward; empty: the base stays in train.param_dtype."""
 
 
 @dataclass

@@ -53,9 +53,13 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
+    return qwen3_directory(tmp_path_factory.mktemp("lora_peft") / "qwen3")
+
+
+def qwen3_directory(root):
+    """A random two-layer Qwen3 (norm weights spread, untied output layer) saved as a Hugging Face directory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("lora_peft") / "qwen3"
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,

@@ -239,6 +239,10 @@ def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) 
     from shardlm.lora.base import check_base, fingerprint
 
     add_adapters(model, config.lora, ctx, config.train.seed)
+    if config.lora.quantize:  # the base the adapters trained on: NF4 as in the run
+        from shardlm.lora.apply import quantize_base
+
+        quantize_base(model)
     check_base(saved, config, ctx.world.all_gather_object(fingerprint(config) if ctx.is_main else None)[0])
     if config.checkpoint.init_from:
         source = open_source(config.checkpoint.init_from)

@@ -261,10 +261,17 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
                  names: set[str] | None = None) -> None:
     """Copy this rank's slice of every parameter (of `names` only, when given) and its Adam moments from `reader`
     into place (through the master-weight optimizer's `load_full_state` when it has one)."""
+    from shardlm.lora.nf4 import quantized, stored_name
+
     keys = reader.keys()
     full = {}
+    nf4 = quantized(model)
     for name, param in model.named_parameters():
         if names is not None and name not in names:
+            continue
+        if name != stored_name(name):  # a QLoRA weight stored in NF4: read whole, quantized again on assignment
+            if stored_name(name) is not None:
+                _load_quantized(model, stored_name(name), nf4[stored_name(name)], reader, ctx)
             continue
         stored = _stored_names(name, param)
         if f"model/{stored[0]}" not in keys:
@@ -302,6 +309,24 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
                                       "exp_avg": local["exp_avg"], "exp_avg_sq": local["exp_avg_sq"]}
     if full:
         optimizer.load_full_state(full, optimizer_step)
+
+
+@torch.no_grad()
+def _load_quantized(model, name: str, weight, reader, ctx: ParallelContext) -> None:
+    """This rank's slice of weight `name` (full shape `weight.shape`, split as `weight.marks` say) from `reader`,
+    assigned to its NF4 parametrization (which quantizes it)."""
+    if f"model/{name}" not in reader.keys():
+        raise UserError(f"checkpoint has no tensor for parameter {name}")
+    dim = weight.marks.get("tensor_parallel_dim")
+    start = 0 if dim is None else ctx.tp_rank * weight.shape[dim]
+    end = None if dim is None else start + weight.shape[dim]
+    if dim is None and reader.shape(f"model/{name}") != list(weight.shape):
+        dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
+    local = reader.read(f"model/{name}", dim, start, end)
+    if list(local.shape) != list(weight.shape):
+        raise UserError(f"checkpoint tensor {name} has shape {list(local.shape)} where the model's parameter (this "
+                        f"rank's slice) has {list(weight.shape)}: another model shape")
+    model.get_submodule(name.rsplit(".", 1)[0]).weight = local.to(ctx.device, weight.dtype)
 
 
 def _restore_rng(ctx: ParallelContext, path: Path) -> None:

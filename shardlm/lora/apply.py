@@ -84,6 +84,8 @@ def check_lora(config: LoraConfig) -> None:
         raise UserError(f"lora.alpha={config.alpha} must be positive")
     if not config.targets:
         raise UserError('lora.targets is empty; name the projections to adapt, e.g. ["all-linear"]')
+    if config.quantize not in ("", "nf4"):
+        raise UserError(f'lora.quantize="{config.quantize}" must be "nf4" (QLoRA) or empty')
     target_names(config)
     for name in config.modules_to_save:
         if name not in SAVED_MODULES:
@@ -166,9 +168,19 @@ def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
     counts what it holds, TP shards whole and replicated parameters on TP rank 0 only, each stage's on DP x CP
     rank 0 (split experts on expert-DP rank 0, i.e. every EP rank once), the last stage's copy of a tied
     embedding not at all (one all-reduce over the world)."""
+    from shardlm.lora.nf4 import quantized, stored_name
+
     local = torch.zeros(2, dtype=torch.float64)
     vocab = model.cfg.vocab_size
+    nf4 = quantized(model)
     for name, param in model.named_parameters():
+        if name != stored_name(name):  # an NF4 weight: its logical shape and marks, once
+            if stored_name(name) is None:
+                continue
+            weight = nf4[stored_name(name)]
+            param = torch.nn.Parameter(torch.empty(weight.shape, device="meta"), requires_grad=False)
+            for mark, value in weight.marks.items():
+                setattr(param, mark, value)
         whole_here = hasattr(param, "tensor_parallel_dim") or ctx.tp_rank == 0
         if getattr(param, "pipeline_tied_copy", False) or not whole_here:
             continue
@@ -182,3 +194,11 @@ def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
     local = local.to(ctx.device)
     ctx.world.all_reduce(local)
     return AdapterCount(int(local[0]), int(local[1]))
+
+
+def quantize_base(model: nn.Module) -> int:
+    """QLoRA: store the weight of every projection of the transformer layers (targeted or not; not the
+    embedding, the output layer or MoE experts) in NF4 (`shardlm.lora.nf4`); returns the bytes they take now."""
+    from shardlm.lora.nf4 import quantize_weight
+
+    return sum(quantize_weight(module) for module in adaptable(model).values())

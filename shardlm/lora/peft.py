@@ -326,9 +326,18 @@ def load_adapter(trainer, folder: str | Path) -> str:
 
 @torch.no_grad()
 def merge_adapters(model: torch.nn.Module) -> None:
-    """Fold every adapter of a TP=1 model into its projection, W += scale B A, and remove the adapter."""
+    """Fold every adapter of a TP=1 model into its projection, W += scale B A, and remove the adapter (a QLoRA
+    base's NF4 weights are dequantized first: the merged weights are full precision)."""
+    from torch.nn.utils import parametrize
+
     from shardlm.lora.adapter import LoRA
 
+    for module in list(model.modules()):
+        if parametrize.is_parametrized(module, "weight"):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+            weight = module.weight  # left as a plain tensor: a parameter again, as the model's other weights
+            del module.weight
+            module.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
     for module in list(model.modules()):
         adapter = getattr(module, "lora", None)
         if isinstance(adapter, LoRA):

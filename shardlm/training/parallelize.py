@@ -133,8 +133,11 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
                         options=options)
     if config.lora.rank:  # adapters on the targeted projections, the rest frozen (`shardlm.lora`)
         from shardlm.lora import add_adapters
+        from shardlm.lora.apply import quantize_base
 
         add_adapters(model, config.lora, ctx, t.seed)
+        if config.lora.quantize:  # QLoRA: the frozen projections in NF4; loading a base re-quantizes each
+            quantize_base(model)
     if t.compile:  # 2.
         compile_layers(model, ctx.device)
     pipeline = None

@@ -22,6 +22,7 @@ from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.lora import count_parameters
+from shardlm.lora.nf4 import describe_base
 from shardlm.lora.peft import load_adapter, resolve_adapter
 from shardlm.parallel import init_distributed
 from shardlm.sft.dataset import build_sft_datasets
@@ -218,6 +219,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
                  f"run directory {run_dir}")
     if config.lora.rank:
         logger.print(count_parameters(trainer.model, ctx).describe())
+    if config.lora.quantize:
+        logger.print(describe_base(trainer.model))
     save = config.checkpoint.save
     last_saved = (trainer.step, Path(resume_from)) if resume_from else (-1, None)
 

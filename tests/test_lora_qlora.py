@@ -1,0 +1,175 @@
+"""QLoRA: the frozen base in NF4 with double quantization (`shardlm.lora.nf4`), against bitsandbytes and at layouts.
+
+- bitsandbytes 0.48+ on the CPU (the dev extra) as the oracle: the NF4 table and the 8-bit dynamic map of the
+  statistics are its values; the packed codes, the absmax codes, their block maxima and offset are bitwise
+  `quantize_4bit(w, quant_type="nf4", compress_statistics=True)`'s for several shapes (rows of 32, 96, 100 and
+  128 values: blocks cross rows); the dequantized weight is bitwise its PyTorch reference dequantization's, and
+  `dequantize_4bit`'s where bitsandbytes 0.50's CPU kernel agrees with that reference (on 48 x 96, 32 x 96 and
+  16 x 32 it does not).
+- A base read from a Hugging Face directory is stored as bitsandbytes stores those weights (bitwise); trained and
+  merged (`convert --to-peft --merge`), the plain directory's transformers logits equal the QLoRA checkpoint's.
+- At TP=2 with SP, a QLoRA run (each rank quantizes its shard) equals one process training LoRA on the weights
+  the TP=2 run dequantizes, gathered, within 1e-5 (4 steps' losses, gradient norms, every adapter); at EP=2
+  (MoE, the attention projections in NF4, experts in fp32) it equals one process's QLoRA run.
+- The base's bytes: 4.127 bits a value (packed codes, 8-bit statistics, their block maxima); a resume is
+  bitwise (the base quantized again from the same weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_lora_layouts import lora_config, train_layout
+from test_lora_peft import batches, qwen3_directory, run_config
+from test_moe_parallel import full_parameters
+from test_sft_layouts import train_data
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.checkpoint.init import init_weights, open_source
+from shardlm.lora import nf4
+from shardlm.lora.apply import adaptable
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+
+from agreement import rel
+from multiproc import check_result, import_or_skip, run_checks, run_workers
+
+bnb = import_or_skip("bitsandbytes.functional", "bitsandbytes is the NF4 oracle (the dev extra installs it)")
+
+STEPS, TOL = 4, 1e-5
+QLORA = {"quantize": "nf4"}
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (48, 96), (3, 100), (32, 96), (16, 32)])
+def test_quantization_is_bitsandbytes(shape):
+    torch.manual_seed(0)
+    weight = torch.randn(shape) * 0.05
+    theirs, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+    packed, codes, stats_max, offset = nf4.quantize(weight)
+    assert torch.equal(packed, theirs.view(-1)) and torch.equal(codes, state.absmax)
+    assert torch.equal(stats_max, state.state2.absmax) and torch.equal(offset, state.offset)
+    ours = nf4.dequantize(packed, codes, stats_max, offset, weight.shape, weight.dtype)
+    assert (ours - weight).abs().max() <= 0.6 * weight.abs().max() / 2  # within the widest NF4 gap of a block
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute as reference
+
+    absmax = bnb.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    assert torch.equal(ours, reference(theirs.view(-1), absmax, state.code, 64, weight.shape, torch.float32))
+    if shape in ((64, 128), (3, 100)):  # where the CPU kernel agrees with that reference
+        assert torch.equal(ours, bnb.dequantize_4bit(theirs, state))
+
+
+def test_tables_are_bitsandbytes():
+    assert torch.equal(nf4.NF4, bnb.get_4bit_type("nf4", device="cpu"))
+    assert torch.equal(nf4.dynamic_map(), bnb.create_dynamic_map(signed=True))
+
+
+def test_a_hugging_face_base_is_stored_as_bitsandbytes_stores_it(tmp_path):
+    from safetensors import safe_open
+
+    base = qwen3_directory(tmp_path / "qwen3")
+    trainer = Trainer(run_config(base, **QLORA), ParallelContext.single(), batches(5))
+    init_weights(trainer, open_source(base))
+    with safe_open(str(base / "model.safetensors"), framework="pt") as f:
+        hf = f.get_tensor("model.layers.1.self_attn.q_proj.weight").float()
+    module = trainer.model.get_submodule("layers.1.attn.q")
+    theirs, state = bnb.quantize_4bit(hf, blocksize=64, quant_type="nf4", compress_statistics=True)
+    stored = list(module.parametrizations.weight.parameters())
+    assert torch.equal(stored[0], theirs.view(-1)) and torch.equal(stored[1], state.absmax)
+    assert not any(p.requires_grad for p in stored)
+
+    # trained, saved and merged: the plain HF directory holds dequantized base + scale B A
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.checkpoint import load_model
+    from shardlm.cli import main
+
+    for _ in range(2):
+        trainer.train_step()
+    save_checkpoint(trainer, tmp_path / "run")
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = load_model(tmp_path / "run", ParallelContext.single())[0](tokens)[..., :96]
+    assert main(["convert", "--to-peft", str(tmp_path / "merged"), "--checkpoint", str(tmp_path / "run"),
+                 "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert rel(merged(tokens).logits, ours) <= TOL
+
+
+def dequantized_base(model, ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """Every NF4 weight of `model` as this layout computes it, whole: TP shards gathered."""
+    out = {}
+    for name, weight in nf4.quantized(model).items():
+        value = model.get_submodule(name.rsplit(".", 1)[0]).weight.detach()
+        dim = weight.marks.get("tensor_parallel_dim")
+        out[name] = value if dim is None else torch.cat(ctx.tp.all_gather(value.contiguous()), dim=dim)
+    return out
+
+
+def qlora_tp2() -> dict:
+    ctx = ParallelContext.from_process_group(2)
+    config = lora_config(arch="llama", tp=2, sp=True, lora=QLORA)
+    trainer = Trainer(config, ctx, train_data())
+    weights = dequantized_base(trainer.model, ctx)
+    return {"base": weights, **train_layout(ctx, config)}
+
+
+def qlora_ep2() -> dict:
+    ctx = ParallelContext.from_process_group(1, expert_parallel=2)
+    return train_layout(ctx, lora_config(arch="llama", moe=True, ep=2, lora=QLORA))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, run_checks, {"tp2 sp": qlora_tp2, "ep2 moe": qlora_ep2}, timeout=300)
+
+
+def assert_same(value: dict, ref: dict, where: str) -> None:
+    for (loss, norm), (ref_loss, ref_norm) in zip(value["curve"], ref["curve"]):
+        assert abs(loss - ref_loss) <= TOL * ref_loss and abs(norm - ref_norm) <= TOL * ref_norm, where
+    adapters = [n for n in ref["params"] if ".lora." in n]
+    assert adapters and all(torch.allclose(value["params"][n], ref["params"][n], rtol=0, atol=TOL) for n in adapters)
+
+
+def test_qlora_at_tp2_equals_lora_on_its_dequantized_weights(world2):
+    """One process, plain LoRA, its base replaced by the TP=2 run's dequantized weights: the same run."""
+    results = check_result(world2, "tp2 sp")
+    ctx = ParallelContext.single()
+    config = lora_config(arch="llama", micro=8)
+    trainer = Trainer(config, ctx, train_data())
+    with torch.no_grad():
+        for name, value in results[0]["base"].items():
+            trainer.model.get_parameter(name).copy_(value)
+    ref = {"curve": [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))],
+           "params": full_parameters(trainer.model)}
+    for rank, value in enumerate(results):
+        assert_same(value, ref, f"tp2 rank {rank}")
+    plain = train_layout(ctx, lora_config(arch="llama", micro=8))  # the quantization changed the run
+    assert abs(plain["curve"][0][0] - ref["curve"][0][0]) > 1e-4
+
+
+def test_qlora_at_ep2_equals_one_process(world2):
+    ref = train_layout(ParallelContext.single(), lora_config(arch="llama", moe=True, lora=QLORA))
+    for rank, value in enumerate(check_result(world2, "ep2 moe")):
+        assert_same(value, ref, f"ep2 rank {rank}")
+
+
+def test_base_bytes_and_bitwise_resume(tmp_path):
+    ctx = ParallelContext.single()
+    config = lora_config(arch="llama", micro=4, lora={**QLORA, "dropout": 0.1}, steps=6)
+    trainer = Trainer(config, ctx, train_data())
+    weights = nf4.quantized(trainer.model)
+    assert set(weights) == {f"{name}.weight" for name in adaptable(trainer.model)}
+    stored = sum(p.numel() * p.element_size() for name, p in trainer.model.named_parameters()
+                 if ".parametrizations.weight." in name)
+    assert stored == sum(nf4.quantized_bytes(w.shape) for w in weights.values())
+    values = sum(w.shape.numel() for w in weights.values())
+    assert 4.12 < 8 * stored / values < 4.6, 8 * stored / values  # small weights pay their offsets
+    for _ in range(3):
+        trainer.train_step()
+    save_checkpoint(trainer, tmp_path)
+    straight = [trainer.train_step()["loss"] for _ in range(3)]
+    ctx.rng = None
+    resumed = Trainer(config, ctx, train_data())
+    load_checkpoint(resumed, tmp_path)
+    assert [resumed.train_step()["loss"] for _ in range(3)] == straight
