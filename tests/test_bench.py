@@ -314,3 +314,20 @@ def test_window_saving_is_the_measured_times_and_the_ring_skips_the_blocks_outsi
     tiles = results["window"]["one_process"]["tiles"]
     assert tiles["computed"]["forward"] == 2 * n - 1 and tiles["skipped"]["forward"] == n * (n + 1) // 2 - (2 * n - 1)
     assert 0 < w["kept_fraction"] < 1
+
+
+def test_lora_figures_are_the_measured_throughputs_and_memory(quick_run):
+    """lora: each ratio is per round the quotient of the tokens/s it names; the adapters train a small fraction of
+    the parameters, need a fraction of the AdamW moments, and the three runs trained; BENCHMARKS.md states them."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    lora = results["lora"]
+    _per_repeat_ratio(lora["ratio_lora_over_trl_peft"], lora["lora_tokens_per_sec"], lora["trl_peft_tokens_per_sec"])
+    _per_repeat_ratio(lora["ratio_lora_over_full"], lora["lora_tokens_per_sec"], lora["full_tokens_per_sec"])
+    adapters, full = lora["memory"]["lora"], lora["memory"]["full"]
+    assert adapters["trainable_parameters"] < full["trainable_parameters"] / 100
+    assert adapters["adam_moment_bytes"] == 8 * adapters["trainable_parameters"]
+    assert full["adam_moment_bytes"] == 8 * full["trainable_parameters"]
+    assert all(math.isfinite(x) for x in lora["lora_losses"] + lora["full_losses"])
+    assert f"{_as_reported(lora['ratio_lora_over_trl_peft'])}**" in text
+    assert "LoRA fine-tuning (`lora`)" in text and f"{adapters['trainable_parameters']:,}" in text

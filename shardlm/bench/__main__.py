@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         "window": lambda: _window(args.quick, repeats),
         "fsdp": lambda: _fsdp(args.quick, repeats),
         "sft": lambda: _sft(args.quick, repeats, results),
+        "lora": lambda: _lora(args.quick),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
         "eval": lambda: _eval(args.quick),
@@ -157,6 +158,12 @@ def _sft(quick, repeats, results):
     if "error" in figures["throughput"]:  # the attention and packing figures stay; the run still fails
         results["errors"]["sft.throughput"] = figures["throughput"]["error"]
     return figures
+
+
+def _lora(quick):
+    from shardlm.bench.lora import lora_bench
+
+    return lora_bench(quick)
 
 
 def _checkpoint(shape, repeats):

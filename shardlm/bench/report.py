@@ -99,6 +99,12 @@ KEYS = {
     "sft.throughput": "per trainer (shardlm, trl): tokens_per_sec, step_ms and real_tokens_per_step after the warm-up "
                       "steps; ratio_of_totals, trl_lm_head_loss_fraction (TRL's step share in its chunked LM head and "
                       "log-probabilities); `error` when it could not run",
+    "lora.ratio_lora_over_trl_peft": "shardlm LoRA real tokens/s / TRL SFTTrainer + peft LoraConfig's on the sft "
+                                     "section's tiny Qwen3 and records (r=16 on all-linear), per round of steps (the "
+                                     "trainers take turns); goal 1.2",
+    "lora.ratio_lora_over_full": "shardlm LoRA tokens/s / shardlm fine-tuning every weight, per round",
+    "lora.memory": "per shardlm run (lora, full): parameter_bytes (frozen base included), adam_moment_bytes, "
+                   "step_peak_bytes (the most one step allocates beyond them), total_bytes, trainable_parameters",
     "sft.packing": "per strategy (bfd, pad = one conversation per row): rows, real tokens and efficiency (real tokens "
                    "per row token)",
     "checkpoint.save_s": "seconds to save parameters and Adam moments (fsync and sha256 included)",
@@ -230,6 +236,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.sft import markdown_lines as sft_lines
 
         lines += sft_lines(r["sft"])
+    if r.get("lora"):
+        from shardlm.bench.lora import markdown_lines as lora_lines
+
+        lines += lora_lines(r["lora"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",

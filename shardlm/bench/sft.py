@@ -199,9 +199,11 @@ def make_model_dir(shape: SFTShape, tokenizer_dir: Path, out: Path) -> tuple[Pat
 class ShardlmSteps:
     """shardlm's side: `shardlm.training.run.train` with `[sft]` for the first `warmup_steps` steps (setup, data,
     `checkpoint.init_from` import, metrics.jsonl in `run_dir`), then one more step of the trainer it returns per
-    `step()` call, timed around `Trainer.train_step` (the loop body of `train`), with the real tokens it read."""
+    `step()` call, timed around `Trainer.train_step` (the loop body of `train`), with the real tokens it read.
+    `extra`: more config overrides (the `lora` section's `[lora]`)."""
 
-    def __init__(self, shape: SFTShape, model_dir: Path, records_file: Path, run_dir: Path, threads: int = 2):
+    def __init__(self, shape: SFTShape, model_dir: Path, records_file: Path, run_dir: Path, threads: int = 2,
+                 extra: list[str] = ()):
         from shardlm.config import load_config
         from shardlm.training.run import train
 
@@ -211,7 +213,7 @@ class ShardlmSteps:
                      "checkpoint.save=false", "log.progress=false", "log.plot=false", "log.tensorboard=false",
                      "log.interval=1", f"train.steps={shape.warmup_steps}",
                      f"train.micro_batch_size={shape.rows_per_step}", f"train.global_batch_size={shape.rows_per_step}",
-                     f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"']
+                     f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"', *extra]
         self.shape, self.threads, self.times, self.tokens, self.losses = shape, threads, [], [], []
         with torch_threads(threads):
             self.trainer = train(load_config(None, overrides), run_dir=run_dir).trainer

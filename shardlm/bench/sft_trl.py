@@ -20,10 +20,11 @@ from shardlm.bench.common import steady, torch_threads
 
 
 def trl_run(shape, model_dir: Path, conversations, out_dir: Path, threads: int = 2,
-            after_step: Callable[[], None] | None = None) -> dict:
+            after_step: Callable[[], None] | None = None, peft_config=None) -> dict:
     """Fine-tune with TRL's SFTTrainer at `shape` (an `sft.SFTShape`: its steps, rows per step, row length and
     warm-up steps); per-step times between `on_step_end` callbacks. `after_step()` runs at the end of every step,
-    outside TRL's timing (the other trainer's turn)."""
+    outside TRL's timing (the other trainer's turn). `peft_config`: a peft `LoraConfig` (TRL + peft trains
+    adapters)."""
     import datasets
     import transformers
     import trl
@@ -67,7 +68,7 @@ def trl_run(shape, model_dir: Path, conversations, out_dir: Path, threads: int =
             clock = StepClock()
             dataset = datasets.Dataset.from_dict({"messages": [c.messages for c in conversations]})
             trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                     callbacks=[clock])
+                                     callbacks=[clock], peft_config=peft_config)
             with head:
                 output = trainer.train()
     finally:
