@@ -3,8 +3,8 @@
 A LoRA run saves its adapters (and whatever `modules_to_save` trains) with their optimizer, never the base: the
 base comes back from `checkpoint.init_from` on every resume. So the checkpoint names it: the path it was read
 from and a fingerprint, the sha256 of the list of its weight files' names, sizes and sha256 (a run started from
-random weights: of the model shape and seed that drew them). Hashing reads the base once per run start (about
-1 GB/s on one core); loading adapters on a base whose fingerprint differs is a one-line error.
+random weights: of the model shape, init scale and seed that drew them). Hashing reads the base once per run
+(about 1 GB/s on one core); loading adapters on a base whose fingerprint differs is a one-line error.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ def weight_files(path: Path) -> list[Path]:
 def fingerprint(config: RunConfig) -> dict:
     """{"base": what it is, "sha256": its fingerprint} of the run's frozen base (module docstring)."""
     from shardlm.checkpoint import files
+    from shardlm.checkpoint.state import SHAPE_KEYS
 
     source = config.checkpoint.init_from
-    if not source:
-        shape = json.dumps({"model": dataclasses.asdict(config.model), "seed": config.train.seed}, sort_keys=True)
+    if not source:  # what draws the weights: the shape, the init scale and the seed (not dropout or the length)
+        model = dataclasses.asdict(config.model)
+        drawn = {key: model[key] for key in (*SHAPE_KEYS, "init_std", "num_layers")}
+        shape = json.dumps({"model": drawn, "seed": config.train.seed}, sort_keys=True)
         return {"base": f"random initialization (train.seed={config.train.seed})",
                 "sha256": hashlib.sha256(shape.encode()).hexdigest()}
     listing = [(p.name, p.stat().st_size, files.sha256_of(p)) for p in weight_files(Path(source))]
