@@ -195,6 +195,21 @@ class TrainConfig:
     """"auto" (CUDA when available), "cpu" or "cuda"."""
     compile: bool = False
     """Each transformer layer under `torch.compile` (on the CPU it needs a C++ compiler); a slower first step."""
+    optimizer: str = "adamw"
+    """"adamw", or "muon": Muon for the transformer layers' weight matrices, AdamW for the rest (docs/muon.md)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum m."""
+    muon_nesterov: bool = True
+    """Muon's Nesterov update."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalization."""
+    muon_adjust_lr: str = "original"
+    """Muon's learning-rate scale per matrix: "original" (sqrt(max(1, rows / cols))) or "match_rms_adamw"
+    (0.2 sqrt(max(rows, cols)), Moonlight's, so AdamW's learning rate and weight decay carry over)."""
+    muon_ns_dtype: str = "bf16"
+    """Newton-Schulz in "bf16" (as torch.optim.Muon) or "fp32"."""
+    muon_split: str = "parts"
+    """What of GPT's fused qkv is orthogonalized as one: "parts" (q, k and v), "heads" (each head's), "whole"."""
 
 
 @dataclass

@@ -121,12 +121,35 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         _validate_packed(config)
     if config.lora.rank or config.checkpoint.init_adapter:
         _validate_lora(config)
+    _validate_optimizer(t)
     for ok, message in checks:
         if not ok:
             raise UserError(message)
     if check_paths:
         check_files(config)
     return t.global_batch_size // per_step
+
+
+def _validate_optimizer(t) -> None:
+    """train.optimizer and Muon's keys (one line each)."""
+    if t.optimizer not in ("adamw", "muon"):
+        raise UserError(f'train.optimizer="{t.optimizer}" must be "adamw" or "muon"')
+    if t.optimizer != "muon":
+        return
+    checks = [(t.muon_adjust_lr in ("original", "match_rms_adamw"),
+               f'train.muon_adjust_lr="{t.muon_adjust_lr}" must be "original" or "match_rms_adamw"'),
+              (t.muon_ns_dtype in ("bf16", "fp32"),
+               f'train.muon_ns_dtype="{t.muon_ns_dtype}" must be "bf16" or "fp32"'),
+              (t.muon_split in ("parts", "heads", "whole"),
+               f'train.muon_split="{t.muon_split}" must be "parts", "heads" or "whole"'),
+              (0 <= t.muon_momentum < 1 and t.muon_ns_steps >= 1,
+               "train.muon_momentum must be in [0, 1) and train.muon_ns_steps >= 1"),
+              (t.data_sharding == "none" and t.param_dtype == "fp32",
+               'train.optimizer="muon" runs on replicated fp32 parameters for now: set train.data_sharding="none" '
+               'and train.param_dtype="fp32" (ZeRO-1, FSDP and half-precision parameters come later)')]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
 
 
 def _validate_lora(config: RunConfig) -> None:

@@ -33,6 +33,10 @@ SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "f
               "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias")
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""The optimizer state a checkpoint keeps beside each parameter: AdamW's two moments, Muon's momentum."""
+
+
 def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.safetensors"
 
@@ -104,7 +108,7 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
         if full is not None:  # parameters without gradient (expert biases) are not the optimizer's
             state = full.get(name, {"model": param})
         else:
-            state = {"model": param, **{key: state[key] for key in ("exp_avg", "exp_avg_sq") if key in state}}
+            state = {"model": param, **{key: state[key] for key in MOMENTS if key in state}}
         for key, value in state.items():
             for stored, tensor in _stored(name, param, value.detach()).items():
                 out[f"{key}/{stored}"] = tensor.cpu().contiguous()
@@ -281,7 +285,7 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
         end = None if dim is None else start + param.shape[dim]
         if dim is None and not is_expert(param) and reader.shape(f"model/{name}") != list(param.shape):
             dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
-        wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", "exp_avg", "exp_avg_sq")
+        wanted = ("model",) if optimizer is None or optimizer_step == 0 else ("model", *MOMENTS)
         if is_expert(param):  # this rank's experts, each read by its global index
             split = None if dim is None else dim - 1  # an expert's down bias is whole on every TP rank
             local = {prefix: torch.stack([reader.read(f"{prefix}/{key}", split, start, end) for key in stored])
@@ -307,6 +311,8 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
             step_device = param.device if optimizer.defaults.get("fused") else "cpu"
             optimizer.state[param] = {"step": torch.tensor(float(optimizer_step), device=step_device),
                                       "exp_avg": local["exp_avg"], "exp_avg_sq": local["exp_avg_sq"]}
+        elif optimizer is not None and optimizer_step > 0 and "momentum_buffer" in local:  # Muon's matrices
+            optimizer.state[param] = {"momentum_buffer": local["momentum_buffer"]}
     if full:
         optimizer.load_full_state(full, optimizer_step)
 

@@ -19,12 +19,15 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
                     eps: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (never on biases and LayerNorm parameters), with
     PyTorch's fused kernel (one pass over each tensor; on CPU several times faster than foreach)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = adamw_groups([p for p in model.parameters() if p.requires_grad], weight_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def adamw_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
+    """AdamW's two parameter groups: matrices with weight decay, vectors (biases, norms) without."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def learning_rate(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int,

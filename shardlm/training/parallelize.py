@@ -197,5 +197,11 @@ def _replicated(config: RunConfig, ctx: ParallelContext, model, pipeline) -> Par
             model, [n for n, p in model.named_parameters() if is_split_expert(p, ctx)])
         ddp = DistributedDataParallel(model, process_group=ctx.dp_cp.group, gradient_as_bucket_view=True)
         ddp.register_comm_hook(ctx.dp_cp, _counting_allreduce_hook)
-    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps, ctx.device)
+    if t.optimizer == "muon":  # Muon for the layers' matrices (orthogonalized whole over TP), AdamW for the rest
+        from shardlm.training.muon import build_muon
+
+        optimizer = build_muon(model, ctx, config)
+    else:
+        optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps,
+                                    ctx.device)
     return Parallelized(model, pipeline, params, optimizer, ddp=ddp)

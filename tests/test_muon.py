@@ -1,0 +1,182 @@
+"""Muon (`train.optimizer = "muon"`): equal to torch.optim.Muon on one process, and every layout equal to one process.
+
+- The Newton-Schulz iteration in bf16 is bitwise `torch.optim.Muon`'s, wide and tall matrices.
+- One process: a 4-layer Llama and a DeepSeek-V3-shaped MLA model, 4 steps of shardlm's trainer with Muon
+  (bf16 Newton-Schulz, "original" and "match_rms_adamw" scales) against the same trainer stepping
+  `torch.optim.Muon` over the same matrices and `torch.optim.AdamW` over the rest: losses and every parameter
+  within 1e-6 (no clipping, constant learning rate, weight decay 0.01 on both).
+- Layouts (fp32 Newton-Schulz, so only the layout's fp32 rounding differs): TP=2 with SP (GPT, whose fused qkv is
+  orthogonalized as its q, k and v parts; Llama with grouped-query attention), PP=2, CP=2 and DP=2 equal one
+  process within 1e-5 (4 steps' losses and gradient norms, every parameter on every rank). Control: at TP=2
+  orthogonalizing each rank's shard alone trains and ends more than 1e-3 off.
+- A resumed run continues bitwise (Muon's momentum is in the checkpoint); Muon with ZeRO-1 is one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_parallel import stage_parameters
+from test_training import VOCAB
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.config import from_dict
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+from shardlm.training.muon import Muon, is_muon_matrix, newton_schulz
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_trained_but_off, assert_trained_parameters
+from multiproc import check_result, disturb_generators, run_checks, run_workers
+
+SEQ, STEPS, TOL = 16, 4, 1e-5
+MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 8}
+
+
+def muon_config(arch: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False, micro: int = 2,
+                mla: bool = False, **train):
+    model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ, "vocab_size": VOCAB,
+             "dropout": 0.0}
+    if arch == "llama" and not mla:
+        model["num_kv_heads"] = 2
+    if mla:
+        model |= MLA
+    return from_dict({
+        "model": model,
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp},
+        "data": {"text_file": "unused"},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 2e-2, "warmup_steps": 0,
+                  "decay_style": "constant", "clip_grad": 0.0, "weight_decay": 0.01, "adam_eps": 1e-6, "seed": 5,
+                  "optimizer": "muon", "eval_iters": 4, **train},
+    })
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (SEQ + 1,), generator=generator).numpy() for _ in range(8 * 8)]
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (64, 64)])
+def test_newton_schulz_is_torch_muons(shape):
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
+
+    update = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    theirs = _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, EPS)
+    assert torch.equal(newton_schulz(update), theirs)
+
+
+class TorchMuonAndAdamW:
+    """The reference optimizer: torch.optim.Muon over shardlm's Muon matrices, torch.optim.AdamW over the rest."""
+
+    def __init__(self, trainer: Trainer, adjust: str):
+        t = trainer.config.train
+        named = list(trainer.model.named_parameters())
+        matrices = [p for n, p in named if is_muon_matrix(n, p)]
+        rest = [p for n, p in named if p.requires_grad and not is_muon_matrix(n, p)]
+        self.muon = torch.optim.Muon(matrices, lr=t.lr, weight_decay=t.weight_decay, momentum=t.muon_momentum,
+                                     adjust_lr_fn=adjust)
+        self.adamw = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": t.weight_decay},
+                                        {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
+                                       lr=t.lr, eps=t.adam_eps, betas=(t.adam_beta1, t.adam_beta2), fused=True)
+        self.param_groups, self.state, self.defaults = self.muon.param_groups + self.adamw.param_groups, {}, {}
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("kind,adjust", [("llama", "original"), ("llama", "match_rms_adamw"), ("mla", "original")])
+def test_one_process_equals_torch_muon(kind, adjust):
+    config = muon_config(mla=kind == "mla", muon_adjust_lr=adjust)
+    ours = Trainer(config, ParallelContext.single(), batches())
+    theirs = Trainer(muon_config(mla=kind == "mla", muon_adjust_lr=adjust), ParallelContext.single(), batches())
+    theirs.optimizer = TorchMuonAndAdamW(theirs, adjust)
+    names = {n for n, p in ours.model.named_parameters() if is_muon_matrix(n, p)}
+    expected = {"q_a", "q_b", "kv_a", "kv_b", "o"} if kind == "mla" else {"q", "k", "v", "o"}
+    assert {n.split(".")[3] for n in names if ".attn." in n} == expected
+    assert {n.split(".")[3] for n in names if ".mlp." in n} == {"gate", "up", "down"}
+    for step in range(STEPS):
+        a, b = ours.train_step()["loss"], theirs.train_step()["loss"]
+        assert abs(a - b) <= 1e-6 * b, (step, a, b)
+    ref = dict(theirs.model.named_parameters())
+    for name, param in ours.model.named_parameters():
+        assert torch.allclose(param, ref[name], rtol=1e-6, atol=1e-7), name
+
+
+def train_layout(ctx: ParallelContext, config, per_shard: bool = False) -> dict:
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, batches())
+    if per_shard:  # the control's bug: each TP rank orthogonalizes its shard alone
+        muon = trainer.optimizer.muon
+        muon._orthogonalized = lambda name, update, dim: Muon._orthogonalized(muon, name, update, None)
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "params": stage_parameters(trainer.model)}
+
+
+def run_layout(tp: int = 1, pp: int = 1, cp: int = 1, per_shard: bool = False, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
+    return train_layout(ctx, muon_config(tp=tp, pp=pp, cp=cp, muon_ns_dtype="fp32", **config), per_shard)
+
+
+WORLD2 = {  # name: (reference kind, layout)
+    "tp2 sp gpt": ("gpt", {"tp": 2, "sp": True, "arch": "gpt"}),
+    "tp2 sp llama": ("llama", {"tp": 2, "sp": True}),
+    "pp2 llama": ("llama", {"pp": 2, "micro": 1}),
+    "cp2 llama": ("llama", {"cp": 2}),
+    "dp2 llama": ("llama", {}),
+    "control tp2 sp llama per shard": ("llama", {"tp": 2, "sp": True, "per_shard": True}),
+}
+
+
+def world_checks(cases: dict) -> dict:
+    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, (_, spec) in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world_checks, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ctx = ParallelContext.single()
+    return {kind: train_layout(ctx, muon_config(arch=kind, micro=8, muon_ns_dtype="fp32")) for kind in ("gpt", "llama")}
+
+
+@pytest.mark.parametrize("name", [n for n in WORLD2 if not n.startswith("control")])
+def test_muon_at_two_ranks_equals_one_process(world2, reference, name):
+    ref = reference[WORLD2[name][0]]
+    for rank, value in enumerate(check_result(world2, name)):
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
+            assert abs(loss - ref_loss) <= TOL * ref_loss, f"{name} rank {rank} step {step}: {loss} vs {ref_loss}"
+            assert abs(norm - ref_norm) <= TOL * ref_norm, f"{name} rank {rank} step {step}: norm {norm}"
+        assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
+
+
+def test_orthogonalizing_each_shard_alone_fails(world2, reference):
+    for value in check_result(world2, "control tp2 sp llama per shard"):
+        assert_trained_but_off(value["curve"], value["params"], reference["llama"]["params"], STEPS, ".attn.q.")
+
+
+def test_resume_is_bitwise_and_zero1_is_one_line(tmp_path):
+    ctx = ParallelContext.single()
+    config = muon_config(steps=6)
+    trainer = Trainer(config, ctx, batches())
+    for _ in range(3):
+        trainer.train_step()
+    save_checkpoint(trainer, tmp_path)
+    straight = [trainer.train_step()["loss"] for _ in range(3)]
+    ctx.rng = None
+    resumed = Trainer(muon_config(steps=6), ctx, batches())
+    disturb_generators(ctx)
+    load_checkpoint(resumed, tmp_path)
+    assert [resumed.train_step()["loss"] for _ in range(3)] == straight
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), trainer.model.parameters()))
+    with pytest.raises(UserError, match="Muon.*replicated fp32|muon.*replicated fp32"):
+        validate(muon_config(data_sharding="optimizer"), 2, check_paths=False)
