@@ -196,7 +196,7 @@ class TrainConfig:
     compile: bool = False
     """Each transformer layer under `torch.compile` (on the CPU it needs a C++ compiler); a slower first step."""
     optimizer: str = "adamw"
-    """"adamw", or "muon": Muon for the transformer layers' weight matrices, AdamW for the rest (docs/muon.md)."""
+    """"adamw", or "muon": Muon for the transformer layers' weight matrices, AdamW for the rest (docs/optimizers.md)."""
     muon_momentum: float = 0.95
     """Muon's momentum m."""
     muon_nesterov: bool = True

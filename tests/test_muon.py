@@ -9,14 +9,17 @@
   orthogonalized as its q, k and v parts; Llama with grouped-query attention), PP=2, CP=2 and DP=2 equal one
   process within 1e-5 (4 steps' losses and gradient norms, every parameter on every rank). Control: at TP=2
   orthogonalizing each rank's shard alone trains and ends more than 1e-3 off.
-- A resumed run continues bitwise (Muon's momentum is in the checkpoint); Muon with ZeRO-1 is one line.
+- EP=2 and EP=2 x TP=2 with SP (each expert's matrices on their own), and LoRA runs whose adapters' A and B Muon
+  trains (TP=2 with SP; EP=2 x TP=2 with expert adapters), equal one process within 1e-5 too.
+- A resumed run continues bitwise (Muon's momentum is in the checkpoint); resuming it with AdamW, and Muon with
+  ZeRO-1, are one line each.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_parallel import stage_parameters
+from test_moe_parallel import ROUTING, stage_parameters
 from test_training import VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -35,18 +38,22 @@ MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_
        "v_head_dim": 8}
 
 
-def muon_config(arch: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False, micro: int = 2,
-                mla: bool = False, **train):
+def muon_config(arch: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
+                micro: int = 2, mla: bool = False, moe: bool = False, lora: bool = False, **train):
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ, "vocab_size": VOCAB,
              "dropout": 0.0}
     if arch == "llama" and not mla:
         model["num_kv_heads"] = 2
     if mla:
         model |= MLA
+    if moe:  # Mixtral-shaped: 4 experts top-2 on both layers, each expert's matrices orthogonalized on their own
+        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
+                  **ROUTING["mixtral"]}
     return from_dict({
         "model": model,
-        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp},
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp},
         "data": {"text_file": "unused"},
+        "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear", *(["experts"] if moe else [])]} if lora else {},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 2e-2, "warmup_steps": 0,
                   "decay_style": "constant", "clip_grad": 0.0, "weight_decay": 0.01, "adam_eps": 1e-6, "seed": 5,
                   "optimizer": "muon", "eval_iters": 4, **train},
@@ -119,9 +126,9 @@ def train_layout(ctx: ParallelContext, config, per_shard: bool = False) -> dict:
     return {"curve": curve, "params": stage_parameters(trainer.model)}
 
 
-def run_layout(tp: int = 1, pp: int = 1, cp: int = 1, per_shard: bool = False, **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
-    return train_layout(ctx, muon_config(tp=tp, pp=pp, cp=cp, muon_ns_dtype="fp32", **config), per_shard)
+def run_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, per_shard: bool = False, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    return train_layout(ctx, muon_config(tp=tp, pp=pp, cp=cp, ep=ep, muon_ns_dtype="fp32", **config), per_shard)
 
 
 WORLD2 = {  # name: (reference kind, layout)
@@ -130,8 +137,14 @@ WORLD2 = {  # name: (reference kind, layout)
     "pp2 llama": ("llama", {"pp": 2, "micro": 1}),
     "cp2 llama": ("llama", {"cp": 2}),
     "dp2 llama": ("llama", {}),
+    "ep2 moe": ("moe", {"ep": 2, "moe": True}),
+    "tp2 sp llama lora": ("lora", {"tp": 2, "sp": True, "lora": True}),
     "control tp2 sp llama per shard": ("llama", {"tp": 2, "sp": True, "per_shard": True}),
 }
+WORLD4 = {"ep2 tp2 sp moe": ("moe", {"ep": 2, "tp": 2, "sp": True, "moe": True}),
+          "ep2 tp2 sp moe lora": ("moe lora", {"ep": 2, "tp": 2, "sp": True, "moe": True, "lora": True})}
+REFERENCES = {"gpt": {"arch": "gpt", "micro": 8}, "llama": {"micro": 8}, "moe": {"moe": True},
+              "lora": {"lora": True, "micro": 8}, "moe lora": {"moe": True, "lora": True}}
 
 
 def world_checks(cases: dict) -> dict:
@@ -144,15 +157,30 @@ def world2():
 
 
 @pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world_checks, WORLD4, timeout=300)
+
+
+@pytest.fixture(scope="module")
 def reference():
+    """One process per model kind: dense at micro-batch 8, the MoE at the layouts' micro-batch 2 (its balancing
+    loss is a function of each micro-batch's routing)."""
     ctx = ParallelContext.single()
-    return {kind: train_layout(ctx, muon_config(arch=kind, micro=8, muon_ns_dtype="fp32")) for kind in ("gpt", "llama")}
+    return {kind: train_layout(ctx, muon_config(muon_ns_dtype="fp32", **spec)) for kind, spec in REFERENCES.items()}
 
 
 @pytest.mark.parametrize("name", [n for n in WORLD2 if not n.startswith("control")])
 def test_muon_at_two_ranks_equals_one_process(world2, reference, name):
-    ref = reference[WORLD2[name][0]]
-    for rank, value in enumerate(check_result(world2, name)):
+    assert_same_run(check_result(world2, name), reference[WORLD2[name][0]], name)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_muon_at_four_ranks_equals_one_process(world4, reference, name):
+    assert_same_run(check_result(world4, name), reference[WORLD4[name][0]], name)
+
+
+def assert_same_run(values: list, ref: dict, name: str) -> None:
+    for rank, value in enumerate(values):
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
             assert abs(loss - ref_loss) <= TOL * ref_loss, f"{name} rank {rank} step {step}: {loss} vs {ref_loss}"
             assert abs(norm - ref_norm) <= TOL * ref_norm, f"{name} rank {rank} step {step}: norm {norm}"
@@ -178,5 +206,8 @@ def test_resume_is_bitwise_and_zero1_is_one_line(tmp_path):
     load_checkpoint(resumed, tmp_path)
     assert [resumed.train_step()["loss"] for _ in range(3)] == straight
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), trainer.model.parameters()))
+    adamw = Trainer(muon_config(steps=6, optimizer="adamw"), ctx, batches())
+    with pytest.raises(UserError, match='trained with train.optimizer="muon" but this run asks for "adamw"'):
+        load_checkpoint(adamw, tmp_path)
     with pytest.raises(UserError, match="Muon.*replicated fp32|muon.*replicated fp32"):
         validate(muon_config(data_sharding="optimizer"), 2, check_paths=False)

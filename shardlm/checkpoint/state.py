@@ -358,6 +358,11 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     checkpoint = files.resolve(path)
     meta = files.read_meta(checkpoint)
     check_compatible(meta, trainer.config)
+    saved_optimizer = meta["config"]["train"].get("optimizer", "adamw")
+    if saved_optimizer != trainer.config.train.optimizer:
+        raise UserError(f'the checkpoint was trained with train.optimizer="{saved_optimizer}" but this run asks for '
+                        f'"{trainer.config.train.optimizer}"; resume with "{saved_optimizer}", or start a new run '
+                        "directory from its weights with checkpoint.init_from (fresh optimizer state)")
     shard_names = [name for row in model_files(meta) for name in row]
     same_layout = (meta["world_size"], meta["tensor_parallel"], meta.get("pipeline_parallel", 1),
                    meta.get("expert_parallel", 1)) == (ctx.world_size, ctx.tp_size, ctx.pp_size, ctx.ep_size)

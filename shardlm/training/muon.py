@@ -7,7 +7,8 @@ norm, transposed when it has more rows than columns), then decoupled weight deca
 W <- W - lr' O, lr' = lr sqrt(max(1, rows / cols)) ("original") or 0.2 lr sqrt(max(rows, cols))
 ("match_rms_adamw", Moonlight's). As Moonlight and Kimi K2 split them, Muon takes the 2-D weights of the
 transformer layers' projections (and each MoE expert's matrices, one by one); AdamW (`build_optimizer`'s groups)
-takes the embeddings, the output layer, norms, biases, routers and sinks.
+takes the embeddings, the output layer, norms, biases, routers and sinks. In a LoRA run Muon takes the
+adapters' A and B (the base is frozen).
 
 O depends on the whole matrix, so under tensor parallelism each rank gathers its matrices' momentum updates over
 TP (`tensor_parallel_dim`), orthogonalizes the whole matrix (every TP rank the same one) and keeps its shard of O;
@@ -54,9 +55,13 @@ def adjusted_lr(lr: float, mode: str, shape: tuple[int, int]) -> float:
 
 def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
     """A hidden weight matrix Muon updates: a 2-D projection weight of a transformer layer (or a stack of MoE
-    experts' matrices), not a norm, a router, a bias, a sink, the embedding or the output layer."""
-    if not (name.startswith("layers.") and param.requires_grad and name.endswith((".weight", ".gate", ".up", ".down",
-                                                                                   ".fc", ".proj"))):
+    experts' matrices), a LoRA adapter's A or B (or an expert adapter's stack); not a norm, a router, a bias, a
+    sink, the embedding or the output layer."""
+    if not (name.startswith("layers.") and param.requires_grad):
+        return False
+    if ".lora." in name:  # LoRA's factors, whole over TP like any matrix; experts' adapters one expert at a time
+        return param.ndim == (3 if ".experts.lora." in name else 2)
+    if not name.endswith((".weight", ".gate", ".up", ".down", ".fc", ".proj")):
         return False
     if ".router." in name or "norm" in name.rsplit(".", 2)[-2]:
         return False
