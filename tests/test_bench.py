@@ -331,3 +331,21 @@ def test_lora_figures_are_the_measured_throughputs_and_memory(quick_run):
     assert all(math.isfinite(x) for x in lora["lora_losses"] + lora["full_losses"])
     assert f"{_as_reported(lora['ratio_lora_over_trl_peft'])}**" in text
     assert "LoRA fine-tuning (`lora`)" in text and f"{adapters['trainable_parameters']:,}" in text
+
+
+def test_optimizer_comparison_states_what_the_runs_measured(quick_run):
+    """optimizers: the best run of each optimizer is the lowest final validation loss of its sweep, the difference
+    and the step-time ratio are those runs', the verdict follows the sign, and the plot was written."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    r = results["optimizers"]
+    best = {name: min(runs.values(), key=lambda x: x["valid_loss"]) for name, runs in r["runs"].items()}
+    assert {name: b["valid_loss"] for name, b in best.items()} == {n: r["best"][n]["valid_loss"] for n in best}
+    difference = best["muon"]["valid_loss"] - best["adamw"]["valid_loss"]
+    assert r["muon_minus_adamw_best_valid_loss"] == pytest.approx(difference)
+    assert r["step_ms_ratio_muon_over_adamw"] == pytest.approx(
+        best["muon"]["step_ms"]["median"] / best["adamw"]["step_ms"]["median"])
+    verdict = "Muon trained better" if r["muon_minus_adamw_best_valid_loss"] < 0 else "Muon did not beat AdamW"
+    assert f"**{verdict} at this scale**" in text
+    assert all(math.isfinite(loss) for runs in r["runs"].values() for x in runs.values() for _, loss in x["curve"])
+    assert (quick_run[1] / r["plot"]).is_file()

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp": lambda: _fsdp(args.quick, repeats),
         "sft": lambda: _sft(args.quick, repeats, results),
         "lora": lambda: _lora(args.quick),
+        "optimizers": lambda: _optimizers(args.quick, args.out),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
         "eval": lambda: _eval(args.quick),
@@ -164,6 +165,12 @@ def _lora(quick):
     from shardlm.bench.lora import lora_bench
 
     return lora_bench(quick)
+
+
+def _optimizers(quick, out):
+    from shardlm.bench.optimizers import optimizers_bench
+
+    return optimizers_bench(quick, out)
 
 
 def _checkpoint(shape, repeats):

@@ -103,6 +103,9 @@ KEYS = {
                                      "section's tiny Qwen3 and records (r=16 on all-linear), per round of steps (the "
                                      "trainers take turns); goal 1.2",
     "lora.ratio_lora_over_full": "shardlm LoRA tokens/s / shardlm fine-tuning every weight, per round",
+    "optimizers.muon_minus_adamw_best_valid_loss": "best final validation loss of Muon minus AdamW's over the "
+                                                    "learning-rate sweep (same steps and tokens; < 0: Muon better)",
+    "optimizers.step_ms_ratio_muon_over_adamw": "median step ms of Muon's best run over AdamW's best run",
     "lora.memory": "per shardlm run (lora, full): parameter_bytes (frozen base included), adam_moment_bytes, "
                    "step_peak_bytes (the most one step allocates beyond them), total_bytes, trainable_parameters",
     "sft.packing": "per strategy (bfd, pad = one conversation per row): rows, real tokens and efficiency (real tokens "
@@ -240,6 +243,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.lora import markdown_lines as lora_lines
 
         lines += lora_lines(r["lora"])
+    if r.get("optimizers"):
+        from shardlm.bench.optimizers import markdown_lines as optimizer_lines
+
+        lines += optimizer_lines(r["optimizers"])
     ck = r.get("checkpoint")
     if ck:
         lines += ["## Checkpoint save and load (`checkpoint`)", "", f"Config: {ck['config']}.", "",
