@@ -210,7 +210,7 @@ def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
                    (cfg.moe_shared_experts > 0, "shared experts"), (cfg.moe_groups > 0, "group-limited routing"),
                    (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_layer_interval != 1,
                                                                            "moe_layer_interval > 1"),
-                   (cfg.moe_expert_bias_rate > 0, "an expert bias (moe_expert_bias_rate)"),
+                   (cfg.moe_expert_bias_rate > 0, "expert bias (moe_expert_bias_rate)"),
                    (kind == "mixtral" and not cfg.moe_norm_topk_prob, "moe_norm_topk_prob = false"),
                    (kind == "mixtral" and cfg.moe_first_dense_layers > 0, "dense first layers")]
     for bad, what in unsupported:
