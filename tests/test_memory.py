@@ -5,9 +5,10 @@ The tiny GPT of `test_training` (2 layers, 10 steps, fp32, dropout 0 where layou
 at 1x1 in this process and at each layout in one world of 2 and one world of 4 processes; every rank's
 losses and gradient norms at every step and its copy of the final parameters (its data-parallel replica,
 TP shards gathered) must agree within 1e-5. Half-precision (bf16) parameters are compared with fp32 at a
-bf16 tolerance, with the distributed optimizer against one process at measured bf16 tolerances, and their
-master weights with a hand-written AdamW. With dropout on, selective and full recomputation run the
-forward again in the backward (counted) and give the run without recomputation, bitwise. State bytes of
+bf16 tolerance and, with the distributed optimizer, against one process at measured bf16 tolerances (their
+master weights against a hand-written AdamW, and the settings' one-line errors: `test_memory_settings.py`).
+With dropout on, selective and full recomputation run the forward again in the backward (counted) and give the
+run without recomputation, bitwise. State bytes of
 every rank are checked against the formula to the byte, and an fp16 overflow on one DP rank of the
 distributed optimizer skips the step on all.
 """
@@ -20,10 +21,8 @@ import torch.distributed as dist
 from test_pipeline import whole_model
 from test_training import LAYERS, assert_same_run, full_parameters, synthetic_data, tiny_config, train_run
 
-from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
-from shardlm.validation import validate
 
 from agreement import assert_trained_parameters, rel
 from multiproc import run_workers
@@ -379,43 +378,6 @@ def test_half_parameters_with_distributed_optimizer_track_one_process(world2, ha
             assert rel(value.float(), ref_params[name].float()) < 1.5e-2, name
 
 
-def test_master_weights_follow_a_hand_written_adamw(half_single):
-    """One more step of the bf16 model: the fp32 master weights after it equal AdamW written out by hand
-    on the same (clipped, fp32) gradients; the bf16 parameters are the master weights rounded."""
-    _, _, trainer = half_single
-    inner = trainer.optimizer.optimizer
-    captured = {}
-    real_step = inner.step
-
-    def capturing_step(*args, **kwargs):
-        for group in inner.param_groups:
-            for seg in group["params"]:
-                state = inner.state[seg]
-                captured[id(seg)] = (seg.detach().clone(), seg.grad.clone(), state["exp_avg"].clone(),
-                                     state["exp_avg_sq"].clone(), float(state["step"]), group["lr"],
-                                     group["weight_decay"])
-        return real_step(*args, **kwargs)
-
-    inner.step = capturing_step
-    trainer.consumed_samples = 0  # the data of step 1 again: the synthetic set has 10 steps' worth
-    trainer.train_step()
-    inner.step = real_step
-    t = trainer.config.train
-    for group in inner.param_groups:
-        for seg in group["params"]:
-            p, g, m, v, step, lr, wd = captured[id(seg)]
-            step += 1
-            m = t.adam_beta1 * m + (1 - t.adam_beta1) * g
-            v = t.adam_beta2 * v + (1 - t.adam_beta2) * g * g
-            p = p * (1 - lr * wd)
-            denom = (v / (1 - t.adam_beta2 ** step)).sqrt() + t.adam_eps
-            p = p - lr / (1 - t.adam_beta1 ** step) * m / denom
-            assert torch.allclose(seg, p, rtol=1e-6, atol=1e-9)
-    master = torch.cat([seg.detach() for seg in trainer.optimizer.segments])
-    params = torch.cat([p.detach().reshape(-1) for p in trainer.params])
-    assert torch.equal(params, master[: params.numel()].to(torch.bfloat16))
-
-
 @pytest.mark.slow
 def test_fp16_overflow_on_one_dp_rank_skips_the_step_everywhere(world2):
     """fp16 parameters, the distributed optimizer over DP=2: an inf in DP rank 1's range of the gradients
@@ -484,22 +446,3 @@ def test_sequence_parallel_communication_volume_equals_tensor_parallel(world2):
     # per layer and direction, all-gathered + reduce-scattered bytes equal TP's two all-reduces
     layer_bytes = (forward["all_gather/tp"]["bytes"] + forward["reduce_scatter/tp"]["bytes"]) / (2 * LAYERS + 1)
     assert layer_bytes == full + chunk
-
-
-@pytest.mark.parametrize("overrides,message", [
-    ({"sp": True}, "needs parallel.tensor > 1"),
-    ({"tp": 4, "sp": True, "seq": 18}, "model.seq_length=18 is not divisible by parallel.tensor=4"),
-    ({"recompute": "some"}, 'train.recompute="some" must be'),
-    ({"param_dtype": "half"}, 'set train.precision to "bf16" or "fp16"'),
-    ({"param_dtype": "fp8", "precision": "bf16"}, 'train.param_dtype="fp8" must be'),
-])
-def test_bad_memory_settings_get_one_line_errors(overrides, message):
-    seq = overrides.pop("seq", None)
-    cfg = config(**overrides)
-    cfg.model.seq_length = seq or cfg.model.seq_length
-    with pytest.raises(UserError, match=message):
-        validate(cfg, cfg.parallel.tensor, check_paths=False)
-
-
-def test_activation_checkpointing_key_means_full_recompute():
-    assert tiny_config(checkpointing=True).train.recompute == "full"

@@ -21,11 +21,8 @@ from test_training import TOL, assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
 from shardlm.config import RunConfig, from_dict
-from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.parallel.pipeline import stage_layers
 from shardlm.training.trainer import Trainer
-from shardlm.validation import validate
 
 from agreement import assert_trained_parameters, rel
 from multiproc import merge_copies, run_workers
@@ -417,37 +414,3 @@ def test_inspect_reports_the_pipeline_layout(world4, capsys):
     info = json.loads(capsys.readouterr().out)
     assert (info["pipeline_parallel"], info["tensor_parallel"], info["data_parallel"]) == (2, 2, 1)
     assert any(name.startswith("layers.7.") for name in info["tensors"]) and "wpe" in info["tensors"]
-
-
-def test_stage_layers_are_balanced_contiguous_and_adjustable():
-    assert stage_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert stage_layers(7, 3) == [[0, 1], [2, 3], [4, 5, 6]]
-    assert stage_layers(8, 4, first=1) == [[0], [1, 2], [3, 4], [5, 6, 7]]
-    assert stage_layers(8, 3, first=2, last=2) == [[0, 1], [2, 3, 4, 5], [6, 7]]
-    with pytest.raises(UserError, match="every stage needs at least one layer"):
-        stage_layers(3, 4)
-
-
-@pytest.mark.parametrize("world,overrides,message", [
-    (6, {"pipeline": 4}, "world size 6 is not divisible by parallel.tensor x parallel.pipeline = 1 x 4"),
-    (8, {"pipeline": 4, "pipeline_schedule": "interleaved-1f1b", "virtual_stages": 4}, "cannot fill 16"),
-    (8, {"pipeline": 4}, "fewer than parallel.pipeline=4"),
-    (2, {"pipeline": 2, "pipeline_schedule": "interleaved-1f1b"}, "needs parallel.virtual_stages >= 2"),
-    (2, {"pipeline": 2, "virtual_stages": 2}, 'needs parallel.pipeline_schedule="interleaved-1f1b"'),
-    (2, {"pipeline": 2, "pipeline_schedule": "zero-bubble"}, "must be one of"),
-])
-def test_bad_pipeline_layouts_get_one_line_errors(world, overrides, message):
-    config = pp_config(micro=2)
-    for key, value in overrides.items():
-        setattr(config.parallel, key, value)
-    with pytest.raises(UserError, match=message) as error:
-        validate(config, world, check_paths=False)
-    assert "\n" not in str(error.value)
-
-
-def test_bert_under_pipeline_is_refused():
-    config = pp_config(micro=2)
-    config.model.arch, config.parallel.pipeline = "bert", 2
-    with pytest.raises(UserError, match='supports model.arch="gpt" and "llama"') as error:
-        validate(config, 2, check_paths=False)
-    assert "\n" not in str(error.value)
