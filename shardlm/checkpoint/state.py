@@ -100,11 +100,11 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
     optimizer's layout-free state (fp32 master weights, moments gathered over DP), used when given.
     `dense=False` (ranks that write only their experts): expert stacks only, one tensor per expert."""
     out = {}
-    lora = bool(trainer.config.lora.rank)
+    lora, states = bool(trainer.config.lora.rank), trainer.optimizer.state
     for name, param in trainer.model.named_parameters():
         if not (dense or is_expert(param)) or not is_saved(param, lora):
             continue
-        state = trainer.optimizer.state.get(param, {})
+        state = states.get(param, {})
         if full is not None:  # parameters without gradient (expert biases) are not the optimizer's
             state = full.get(name, {"model": param})
         else:

@@ -21,6 +21,7 @@ in `ns_dtype`: bf16 as `torch.optim.Muon` does, or fp32 (every layout then equal
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -133,16 +134,31 @@ class Muon(torch.optim.Optimizer):
                     param.add_(out, alpha=-adjusted_lr(lr, self.adjust, shape))
 
 
-class _States(dict):
-    """Both optimizers' per-parameter state as one mapping; a parameter's state is written where it belongs."""
+class _States(MutableMapping):
+    """Both optimizers' per-parameter state seen as one mapping (a view: nothing is copied); a parameter's state is
+    read from and written to the optimizer that owns it."""
 
     def __init__(self, muon: Muon, adamw: torch.optim.Optimizer):
-        super().__init__({**adamw.state, **muon.state})
         self.muon, self.adamw = muon, adamw
 
+    def _owner(self, param) -> dict:
+        return (self.muon if id(param) in self.muon.names else self.adamw).state
+
+    def __getitem__(self, param):
+        return self._owner(param)[param]
+
     def __setitem__(self, param, value) -> None:
-        super().__setitem__(param, value)
-        (self.muon if id(param) in self.muon.names else self.adamw).state[param] = value
+        self._owner(param)[param] = value
+
+    def __delitem__(self, param) -> None:
+        del self._owner(param)[param]
+
+    def __iter__(self):
+        yield from self.adamw.state
+        yield from self.muon.state
+
+    def __len__(self) -> int:
+        return len(self.adamw.state) + len(self.muon.state)
 
 
 class MuonWithAdamW:
