@@ -182,12 +182,32 @@ def test_unsummed_replicated_factors_fail(world2, reference):
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recomputation_is_bitwise(mode):
+def test_recomputation_is_bitwise(monkeypatch, mode):
     """Recomputed layers (adapter dropout 0.1 on) give the plain run's curve and parameters bitwise: the rerun
-    draws the same adapter dropout masks."""
-    runs = {r: train_layout(ParallelContext.single(), lora_config(arch="llama", micro=4, recompute=r,
-                                                                  lora={"dropout": 0.1}))
-            for r in ("none", mode)}
+    draws the same adapter dropout masks. The rerun happened: every attention core runs once more per layer and
+    micro-batch, and with full recomputation every adapter too."""
+    from shardlm.models.llama import LlamaAttention
+
+    calls = {"core": 0, "adapter": 0}
+    core, adapter = LlamaAttention.core, LoRA.forward
+
+    def counted(kind, run):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return run(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(LlamaAttention, "core", counted("core", core))
+    monkeypatch.setattr(LoRA, "forward", counted("adapter", adapter))
+    runs, counts = {}, {}
+    for r in ("none", mode):
+        calls.update(core=0, adapter=0)
+        runs[r] = train_layout(ParallelContext.single(), lora_config(arch="llama", micro=4, recompute=r,
+                                                                     lora={"dropout": 0.1}))
+        counts[r] = dict(calls)
+    reruns = STEPS * 2 * 4  # steps x micro-batches x layers
+    assert counts[mode]["core"] - counts["none"]["core"] == reruns
+    assert counts[mode]["adapter"] - counts["none"]["adapter"] == (reruns * 7 if mode == "full" else 0)
     assert runs[mode]["curve"] == runs["none"]["curve"] and runs[mode]["valid"] == runs["none"]["valid"]
     assert all(torch.equal(runs[mode]["params"][n], p) for n, p in runs["none"]["params"].items())
 

@@ -32,7 +32,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
 from agreement import rel
-from multiproc import check_result, import_or_skip, run_checks, run_workers
+from multiproc import check_result, disturb_generators, import_or_skip, run_checks, run_workers
 
 bnb = import_or_skip("bitsandbytes.functional", "bitsandbytes is the NF4 oracle (the dev extra installs it)")
 
@@ -157,6 +157,7 @@ def test_qlora_at_ep2_equals_one_process(world2):
 def test_base_bytes_and_bitwise_resume(tmp_path):
     ctx = ParallelContext.single()
     config = lora_config(arch="llama", micro=4, lora={**QLORA, "dropout": 0.1}, steps=6)
+    config.model.dropout = 0.1
     trainer = Trainer(config, ctx, train_data())
     weights = nf4.quantized(trainer.model)
     assert set(weights) == {f"{name}.weight" for name in adaptable(trainer.model)}
@@ -171,5 +172,6 @@ def test_base_bytes_and_bitwise_resume(tmp_path):
     straight = [trainer.train_step()["loss"] for _ in range(3)]
     ctx.rng = None
     resumed = Trainer(config, ctx, train_data())
+    disturb_generators(ctx)
     load_checkpoint(resumed, tmp_path)
     assert [resumed.train_step()["loss"] for _ in range(3)] == straight

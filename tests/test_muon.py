@@ -192,21 +192,27 @@ def test_orthogonalizing_each_shard_alone_fails(world2, reference):
         assert_trained_but_off(value["curve"], value["params"], reference["llama"]["params"], STEPS, ".attn.q.")
 
 
+def dropout_config(**train):
+    config = muon_config(steps=6, **train)
+    config.model.dropout = 0.1
+    return config
+
+
 def test_resume_is_bitwise_and_zero1_is_one_line(tmp_path):
+    """Dropout 0.1 on: 3 steps, save, 3 more, against a fresh trainer (both generators disturbed) loading the save."""
     ctx = ParallelContext.single()
-    config = muon_config(steps=6)
-    trainer = Trainer(config, ctx, batches())
+    trainer = Trainer(dropout_config(), ctx, batches())
     for _ in range(3):
         trainer.train_step()
     save_checkpoint(trainer, tmp_path)
     straight = [trainer.train_step()["loss"] for _ in range(3)]
     ctx.rng = None
-    resumed = Trainer(muon_config(steps=6), ctx, batches())
+    resumed = Trainer(dropout_config(), ctx, batches())
     disturb_generators(ctx)
     load_checkpoint(resumed, tmp_path)
     assert [resumed.train_step()["loss"] for _ in range(3)] == straight
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), trainer.model.parameters()))
-    adamw = Trainer(muon_config(steps=6, optimizer="adamw"), ctx, batches())
+    adamw = Trainer(dropout_config(optimizer="adamw"), ctx, batches())
     with pytest.raises(UserError, match='trained with train.optimizer="muon" but this run asks for "adamw"'):
         load_checkpoint(adamw, tmp_path)
     with pytest.raises(UserError, match="Muon.*replicated fp32|muon.*replicated fp32"):
