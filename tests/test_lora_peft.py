@@ -60,12 +60,21 @@ def qwen3_directory(root):
     """A random two-layer Qwen3 (norm weights spread, untied output layer) saved as a Hugging Face directory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                          tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config)
+    return save_random(Qwen3ForCausalLM, config, root)
+
+
+def save_random(model_class, config, root, prepare=None):
+    """A random transformers `model_class` of `config` (seed 0), every norm weight drawn from U(0.5, 2) and then
+    `prepare(model)` applied, saved as a Hugging Face directory in `root`; returns `root`."""
+    torch.manual_seed(0)
+    model = model_class(config)
     spread_norm_weights(model)
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(model)
     model.save_pretrained(root)
     return root
 
@@ -74,37 +83,31 @@ def qwen3_directory(root):
 def moe_base(tmp_path_factory):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    root = tmp_path_factory.mktemp("lora_peft_moe") / "qwen3_moe"
-    torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
                             tie_word_embeddings=False)
-    model = Qwen3MoeForCausalLM(config)
-    spread_norm_weights(model)
-    with torch.no_grad():  # a router that routes: std 0.02 logits would tie
+
+    def sharp_routers(model):  # a router that routes: std 0.02 logits would tie
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 0.5)
-    model.save_pretrained(root)
-    return root
+
+    return save_random(Qwen3MoeForCausalLM, config, tmp_path_factory.mktemp("lora_peft_moe") / "qwen3_moe",
+                       sharp_routers)
 
 
 @pytest.fixture(scope="module")
 def mla_base(tmp_path_factory):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    root = tmp_path_factory.mktemp("lora_peft_mla") / "deepseek"
-    torch.manual_seed(0)
     config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                               num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4,
                               num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2, kv_lora_rank=16,
                               q_lora_rank=24,
                               qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, max_position_embeddings=64,
                               rope_parameters={"rope_type": "default", "rope_theta": 500.0}, tie_word_embeddings=False)
-    model = DeepseekV3ForCausalLM(config)
-    spread_norm_weights(model)
-    model.save_pretrained(root)
+    root = save_random(DeepseekV3ForCausalLM, config, tmp_path_factory.mktemp("lora_peft_mla") / "deepseek")
     return {"hf": root, "file": from_hf(root, root.parent / "deepseek.safetensors")}  # shardlm reads it converted
 
 

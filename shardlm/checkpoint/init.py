@@ -236,14 +236,14 @@ def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) 
     the base (`checkpoint.init_from`, or the seeded start) checked against the checkpoint's fingerprint and loaded;
     returns the names the checkpoint restores (adapters, `modules_to_save`)."""
     from shardlm.lora import add_adapters, is_adapter
-    from shardlm.lora.base import check_base, fingerprint
+    from shardlm.lora.base import check_base, shared_fingerprint
 
     add_adapters(model, config.lora, ctx, config.train.seed)
     if config.lora.quantize:  # the base the adapters trained on: NF4 as in the run
         from shardlm.lora.apply import quantize_base
 
         quantize_base(model)
-    check_base(saved, config, ctx.world.all_gather_object(fingerprint(config) if ctx.is_main else None)[0])
+    check_base(saved, config, shared_fingerprint(config, ctx))
     if config.checkpoint.init_from:
         source = open_source(config.checkpoint.init_from)
         if isinstance(source.reader, MappedReader):

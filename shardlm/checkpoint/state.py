@@ -254,10 +254,9 @@ def lora_base(trainer) -> dict | None:
     if not trainer.config.lora.rank:
         return None
     if getattr(trainer, "lora_base", None) is None:
-        from shardlm.lora.base import fingerprint
+        from shardlm.lora.base import shared_fingerprint
 
-        ctx = trainer.ctx
-        trainer.lora_base = ctx.world.all_gather_object(fingerprint(trainer.config) if ctx.is_main else None)[0]
+        trainer.lora_base = shared_fingerprint(trainer.config, trainer.ctx)
     return trainer.lora_base
 
 

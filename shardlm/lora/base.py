@@ -46,6 +46,11 @@ def fingerprint(config: RunConfig) -> dict:
     return {"base": str(source), "sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest()}
 
 
+def shared_fingerprint(config: RunConfig, ctx) -> dict:
+    """`fingerprint` hashed on the main rank only and given to every rank (collective over the world)."""
+    return ctx.world.all_gather_object(fingerprint(config) if ctx.is_main else None)[0]
+
+
 def check_base(saved: dict, config: RunConfig, current: dict) -> None:
     """UserError (one line) when the checkpoint's adapters (`saved`, its meta's "lora") were trained on another
     base than the run's (`current`, this run's `fingerprint`)."""
