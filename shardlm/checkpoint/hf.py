@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardlm.checkpoint import files, hf_deepseek, hf_llama
+from shardlm.checkpoint import files, hf_deepseek, hf_llama, hf_qwen3_next
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
@@ -111,11 +111,14 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
                         f"folder ({hf_dir / 'checkpoints'}) or a consolidated file")
     if kind in LLAMA_FAMILY:
         return hf_llama.open_hf(hf_dir)
+    if kind in hf_qwen3_next.KINDS:
+        return hf_qwen3_next.open_hf(hf_dir)
     if kind in DEEPSEEK:  # converted in one pass (rotary rows reordered), not read lazily
         raise UserError(f"{hf_dir} holds a {kind!r} model: convert it first (shardlm convert --from-hf {hf_dir} "
                         "--output FILE.safetensors) and start from that file")
     if kind != "gpt2":
-        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(LLAMA_FAMILY + DEEPSEEK)} "
+        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and "
+                        f"{', '.join(LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK)} "
                         "convert")
     weights = hf_dir / "model.safetensors"
     if not weights.is_file():
@@ -162,6 +165,9 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     config, tensors = load_consolidated(checkpoint)
     if config.model.arch == "llama" and config.model.attention == "mla":
         return hf_deepseek.to_hf(config, tensors, out_dir)
+    if config.model.arch == "llama" and (config.model.attention_output_gate or config.model.layer_types and any(
+            config.model.is_linear_layer(i) for i in range(config.model.num_layers))):
+        return hf_qwen3_next.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama":
         return hf_llama.to_hf(config, tensors, out_dir)
     cfg = config.model

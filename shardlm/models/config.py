@@ -72,8 +72,27 @@ class ModelConfig:
     sliding_window: int = 0
     """Llama: on sliding-window layers a query attends to the last `sliding_window` tokens, itself included; 0: none."""
     layer_types: list = field(default_factory=list)
-    """Llama: per layer "full_attention" or "sliding_attention" (gpt-oss alternates them, starting with a sliding
-    one); empty: every layer slides when sliding_window is set."""
+    """Llama: per layer "full_attention", "sliding_attention" (gpt-oss alternates them, starting with a sliding
+    one) or "linear_attention" (Gated DeltaNet: Qwen3-Next and Qwen3.5 have three before each full one); repeats
+    when shorter than num_layers; empty: every layer slides when sliding_window is set."""
+    linear_num_key_heads: int = 0
+    """Linear attention (Gated DeltaNet): query/key heads."""
+    linear_num_value_heads: int = 0
+    """Linear attention: value heads (a multiple of the key heads; each key head serves that many in turn)."""
+    linear_key_head_dim: int = 0
+    """Linear attention: channels per query/key head (the state is key x value channels per value head)."""
+    linear_value_head_dim: int = 0
+    """Linear attention: channels per value head."""
+    linear_conv_kernel: int = 4
+    """Linear attention: width of the short causal convolution over q, k and v."""
+    hf_linear_projections: str = "separate"
+    """Linear attention: how Hugging Face stores its input projections, for export: "separate" (Qwen3.5's
+    in_proj_qkv, _z, _b, _a) or "grouped" (Qwen3-Next's in_proj_qkvz and in_proj_ba, per key head)."""
+    attention_output_gate: bool = False
+    """Llama: a sigmoid gate on each attention head's output, from a second half of the q projection (Qwen3-Next)."""
+    norm_zero_centered: bool = False
+    """Llama: RMSNorms scale by 1 + weight, the weight starting at 0 (Qwen3-Next and Qwen3.5's block, final
+    and q/k norms)."""
     attention: str = "mha"
     """Llama: "mha" (multi-head / grouped-query attention) or "mla" (DeepSeek-V3's multi-head latent attention)."""
     q_lora_rank: int = 0
@@ -106,6 +125,10 @@ class ModelConfig:
     """MoE: width of each expert's MLP; 0 means ffn_hidden_size (as computed for the dense MLP)."""
     moe_shared_experts: int = 0
     """MoE: always-on experts (DeepSeek), run as one dense MLP of width moe_shared_experts x the expert width."""
+    moe_shared_ffn_hidden_size: int = 0
+    """MoE: total width of the shared experts' MLP; 0 means moe_shared_experts x the expert width."""
+    moe_shared_expert_gate: bool = False
+    """MoE: scale the shared experts' output by sigmoid(w . x), a learned gate per token (Qwen3-Next, Qwen3.5)."""
     moe_first_dense_layers: int = 0
     """MoE: the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)."""
     moe_layer_interval: int = 1
@@ -169,6 +192,18 @@ class ModelConfig:
         if not self.sliding_window:
             return False
         return not self.layer_types or self.layer_types[index % len(self.layer_types)] == "sliding_attention"
+
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) is a linear-attention (Gated DeltaNet) layer (never a multi-token
+        prediction depth's, index >= num_layers: Qwen3-Next's is a full-attention layer)."""
+        if index >= self.num_layers or not self.layer_types:
+            return False
+        return self.layer_types[index % len(self.layer_types)] == "linear_attention"
+
+    @property
+    def shared_ffn_size(self) -> int:
+        """Width of the MoE layers' shared-expert MLP."""
+        return self.moe_shared_ffn_hidden_size or self.moe_shared_experts * self.moe_ffn_size
 
     @property
     def attention_head_dim(self) -> int:

@@ -53,15 +53,26 @@ class LayerKVCache:
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
 
+class LayerStateCache:
+    """What decoding keeps of one linear-attention layer: the recurrent state (B, H_v / tp, d_k, d_v), the
+    convolution's last kernel - 1 inputs (B, K - 1, channels / tp), and how many positions it has seen."""
+
+    def __init__(self):
+        self.length = 0
+        self.state: torch.Tensor | None = None
+        self.conv: torch.Tensor | None = None
+
+
 class KVCache:
-    """Keys and values of every layer for incremental decoding (`GPT.new_kv_cache()` makes one).
+    """Keys and values of every layer for incremental decoding (`GPT.new_kv_cache()` makes one); a
+    linear-attention layer's (`linear`: their indices) recurrent state instead.
 
     `length` is the number of positions already processed; the next tokens given to the model take
     positions `length, length + 1, ...`. Each TP rank caches only its own heads.
     """
 
-    def __init__(self, num_layers: int, capacity: int):
-        self.layers = [LayerKVCache(capacity) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, capacity: int, linear: tuple[int, ...] = ()):
+        self.layers = [LayerStateCache() if i in linear else LayerKVCache(capacity) for i in range(num_layers)]
 
     @property
     def length(self) -> int:
@@ -153,7 +164,8 @@ class DecoderLM(nn.Module):
 
     def new_kv_cache(self, capacity: int | None = None) -> KVCache:
         """An empty key/value cache for up to `capacity` positions (default model.seq_length)."""
-        return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length)
+        linear = tuple(i for i in range(self.cfg.num_layers) if self.cfg.is_linear_layer(i))
+        return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length, linear)
 
     def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None) -> torch.Tensor:
         """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation

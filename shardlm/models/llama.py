@@ -110,12 +110,33 @@ class KeyValueProjection(nn.Module):
         return y if self.lora is None else y + self.lora(x, rows=slice(*self.rows))
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm that scales by 1 + weight, the weight starting at zero (Qwen3-Next and Qwen3.5: weight decay pulls
+    the scale toward 1, not 0); computed in fp32 as transformers does. (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+def norm_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The RMSNorm of a Llama-family model: zero-centred (`norm_zero_centered`) or PyTorch's."""
+    return ZeroCenteredRMSNorm if cfg.norm_zero_centered else nn.RMSNorm
+
+
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with RoPE; query heads split over TP. (B, T, h) -> (B, T, h).
 
     gpt-oss's pieces: `window` > 0 makes this a sliding-window layer; `cfg.attention_sinks` adds a learned
     sink logit per head (split over TP with the heads), `cfg.attention_output_bias` a bias on the output
-    projection; YaRN (`cfg.rope_yarn_factor`) changes the rotary frequencies and scales cos and sin."""
+    projection; YaRN (`cfg.rope_yarn_factor`) changes the rotary frequencies and scales cos and sin.
+    Qwen3-Next's `cfg.attention_output_gate`: the q projection gives each head its queries and then as many gate
+    channels (rows per head [q, gate], so the TP split keeps them together), and the attention output is
+    multiplied by sigmoid(gate) before the output projection."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
                  sequence_parallel: bool = False, selective_recompute: bool = False,
@@ -130,7 +151,9 @@ class LlamaAttention(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         width = cfg.num_heads * self.head_dim  # hidden_size unless head_dim is set
         self.rotary_dim = int(self.head_dim * cfg.rope_fraction)  # the first channels of each head rotate
-        self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=cfg.attention_bias, std=cfg.init_std,
+        self.gated = cfg.attention_output_gate
+        self.q = ColumnParallelLinear(cfg.hidden_size, width * (2 if self.gated else 1), ctx.tp,
+                                      bias=cfg.attention_bias, std=cfg.init_std,
                                       seed=param_seed(seed, f"{prefix}.q"), device=ctx.device)
         self.k = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.k"))
         self.v = KeyValueProjection(cfg, ctx, param_seed(seed, f"{prefix}.v"))
@@ -141,8 +164,8 @@ class LlamaAttention(nn.Module):
         # replicated on TP ranks, which hold different heads: their gradients are summed over TP (`f`)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
+            self.q_norm = norm_class(cfg)(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
+            self.k_norm = norm_class(cfg)(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
         self.sinks = None
         if cfg.attention_sinks:  # one logit per head, this rank's heads
             start = ctx.tp_rank * self.heads
@@ -171,7 +194,11 @@ class LlamaAttention(nn.Module):
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
-        q = self.q.local(x).view(B, T, self.heads, self.head_dim)
+        q = self.q.local(x)
+        gate = None
+        if self.gated:  # each head's rows: its queries, then its gate channels
+            q, gate = q.view(B, T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(B, T, self.heads, self.head_dim)
         k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
@@ -194,7 +221,10 @@ class LlamaAttention(nn.Module):
             y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
             y = self.core(q, k, v, documents)
-        return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        if gate is not None:
+            y = y * torch.sigmoid(gate.reshape(B, T, self.heads * self.head_dim))
+        return self.o(y)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first `rotary_dim` channels of each head of x (B, heads, T, head_dim); the rest pass."""
@@ -202,9 +232,12 @@ class LlamaAttention(nn.Module):
             return apply_rotary(x, cos, sin)
         return torch.cat((apply_rotary(x[..., :self.rotary_dim], cos, sin), x[..., self.rotary_dim:]), dim=-1)
 
-    def head_norm(self, norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    def head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's channels, x (B, T, local heads, head_dim); the weight's gradient summed over TP."""
-        return F.rms_norm(x, (self.head_dim,), copy_to_tensor_parallel(norm.weight, self.tp), norm.eps)
+        weight = copy_to_tensor_parallel(norm.weight, self.tp)
+        if isinstance(norm, ZeroCenteredRMSNorm):
+            return (F.rms_norm(x.float(), (self.head_dim,), None, norm.eps) * (1.0 + weight.float())).type_as(x)
+        return F.rms_norm(x, (self.head_dim,), weight, norm.eps)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:
@@ -251,9 +284,12 @@ class LlamaBlock(PreNormBlock):
         if cfg.attention == "mla":  # DeepSeek-V3's multi-head latent attention
             from shardlm.models.mla import LatentAttention
             attention = LatentAttention(*args)
+        elif cfg.is_linear_layer(index):  # Qwen3-Next / Qwen3.5's Gated DeltaNet
+            from shardlm.models.linear_attention import GatedDeltaNet
+            attention = GatedDeltaNet(*args[:-1])
         else:
             attention = LlamaAttention(*args, window=cfg.sliding_window if cfg.is_sliding_layer(index) else 0)
-        super().__init__(nn.RMSNorm, attention,
+        super().__init__(norm_class(cfg), attention,
                          mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True,
                                     dispatcher=options.expert_dispatcher),
                          cfg, ctx, sequence_parallel)
@@ -282,7 +318,7 @@ class Llama(DecoderLM):
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i, sp, self.recompute == "selective", options)
                                      for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
-        self.ln_f = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.ln_f = norm_class(cfg)(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:
             mark_sequence_parallel(self.ln_f)
         self.lm_head = None
@@ -302,7 +338,7 @@ class Llama(DecoderLM):
 
             self.mtp = nn.ModuleList(
                 MTPLayer(cfg, ctx, seed, k, LlamaBlock(cfg, ctx, seed, cfg.num_layers + k, sp, False, options),
-                         nn.RMSNorm, sp) for k in range(cfg.mtp_layers))
+                         norm_class(cfg), sp) for k in range(cfg.mtp_layers))
 
     @property
     def output_weight(self) -> torch.Tensor:

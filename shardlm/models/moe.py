@@ -341,7 +341,8 @@ class GroupedExperts(nn.Module):
 
 class MoELayer(nn.Module):
     """Router + routed experts (+ shared experts): (B, T, h) -> (B, T, h), or (B, T / tp, h) chunks
-    under sequence parallelism. `shared`: the block's dense MLP of the shared experts' width, or None.
+    under sequence parallelism. `shared`: the block's dense MLP of the shared experts' width, or None; with
+    `moe_shared_expert_gate` its output is scaled by a per-token sigmoid gate (`shared_gate`, (1, h) replicated).
 
     Per layer: TP sees one `f` (tokens and their routing weights enter the TP region; the chunks are
     all-gathered under sequence parallelism) and one `g` on the combined expert output; the dispatcher
@@ -358,6 +359,12 @@ class MoELayer(nn.Module):
         self.router = Router(cfg, ctx, seed, f"{prefix}.router", self.sequence_parallel)
         self.experts = GroupedExperts(cfg, ctx, seed, prefix, gated)
         self.shared = shared
+        self.shared_gate = None
+        if shared is not None and cfg.moe_shared_expert_gate:  # Qwen3-Next: sigmoid(w . x) scales shared(x)
+            self.shared_gate = nn.Parameter(normal_shard((1, cfg.hidden_size), cfg.init_std,
+                                                         param_seed(seed, f"{prefix}.shared_gate"), device=ctx.device))
+            if self.sequence_parallel:  # applied to sequence chunks: its gradient is a partial sum over TP
+                self.shared_gate.sequence_parallel = True
         self.dispatcher = build_dispatcher(cfg.moe_num_experts, ctx.ep, dispatcher)
         self.token_groups = tuple(group for group, holds_chunks in ((ctx.tp, self.sequence_parallel),
                                                                     (ctx.cp, ctx.cp_size > 1)) if holds_chunks)
@@ -391,7 +398,9 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(self.experts(expert_tokens, counts), plan)  # (N k, h) per slot
         y = (out.view(-1, k, h) * weights.unsqueeze(-1).to(out.dtype)).sum(1).view(B, -1, h)
         y = reduce_scatter_to_sequence_parallel(y, tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, tp)
-        if self.shared is not None:
+        if self.shared_gate is not None:
+            y = y + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        elif self.shared is not None:
             y = y + self.shared(x)
         return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
 
@@ -407,8 +416,8 @@ def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, ind
         return dense_mlp(cfg, ctx, seed, prefix, sequence_parallel)
     shared = None
     if cfg.moe_shared_experts:
-        width = cfg.moe_shared_experts * cfg.moe_ffn_size
-        shared = dense_mlp(replace(cfg, ffn_hidden_size=width), ctx, seed, f"{prefix}.shared", sequence_parallel)
+        shared = dense_mlp(replace(cfg, ffn_hidden_size=cfg.shared_ffn_size), ctx, seed, f"{prefix}.shared",
+                           sequence_parallel)
     return MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=gated, shared=shared, dispatcher=dispatcher)
 
 

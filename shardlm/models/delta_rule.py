@@ -1,0 +1,151 @@
+"""The gated delta rule (Gated DeltaNet, Yang et al. 2024), in plain PyTorch, and the short causal convolution
+in front of it: what Qwen3-Next's and Qwen3.5's linear-attention layers compute (`shardlm.models.linear_attention`).
+
+Per value head, a state S (d_k x d_v) runs along the sequence; token t decays it by exp(g_t), removes what it
+predicts for the token's key and writes the token's value in its place, with strength beta_t:
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,        o_t = S_t^T q_t
+
+(q and k L2-normalized, q scaled by d_k^-1/2). `chunk_gated_delta_rule` computes it chunk by chunk: inside a
+chunk of C tokens the updates are condensed by the WY representation (one triangular solve for the chunk), and
+the state passes from chunk to chunk, so the work is linear in T with matmuls of C x C; `recurrent_gated_delta_rule`
+is the token-by-token definition it is tested against, and what decoding one token uses.
+
+Two properties make every parallel layout exact:
+- The recurrence is linear in (S, v) column by column, so a span's end state is P S_in + S_local and its outputs
+  o_local + q~ S_in, where S_local and o_local start from a zero state and P (d_k x d_k) and q~ come from the
+  same run with identity columns appended to the state and zero columns to v (`span_summary`). Context-parallel
+  ranks each run their spans at once and then combine the small summaries in sequence order (`carry_states`).
+- The convolution sees only the last kernel - 1 inputs, so it needs only those from the previous span
+  (`causal_conv`, with the earlier tokens and a mask of which of them belong to each token's document).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+"""Tokens per chunk of the chunked rule (transformers' torch path and FLA use 64)."""
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dimension (FLA's and transformers' l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, earlier: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution and SiLU: x (B, T, C), weight (C, K) -> (B, T, C),
+    out_t = silu(sum_j weight[:, j] x_{t-K+1+j}).
+
+    earlier: (B, K-1, C) the K-1 inputs before x (a previous span's or a decoding cache's); zeros when None.
+    valid: (B, T, K) bool, whether the input `K-1-j` steps back from token t may be read (it is in t's document);
+    None reads every one. The taps are summed one by one, so a document boundary is a mask, not a split."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    before = x.new_zeros(B, K - 1, C) if earlier is None else earlier.to(x.dtype)
+    padded = torch.cat((before, x), dim=1)  # (B, K-1+T, C)
+    out = None
+    for j in range(K):
+        tap = padded[:, j:j + T] * weight[:, j].to(x.dtype)
+        if valid is not None:
+            tap = tap * valid[:, :, j:j + 1].to(x.dtype)
+        out = tap if out is None else out + tap
+    return F.silu(out)
+
+
+def conv_validity(segments: torch.Tensor | None, positions: torch.Tensor, kernel: int) -> torch.Tensor | None:
+    """(B, T, K) bool for `causal_conv`: token t may read the input `K-1-j` steps back when that position is >= 0
+    and in t's document. positions: (T,) the tokens' positions in the whole row (the zigzag ones under context
+    parallelism), segments: (B, T_row) the whole row's document numbers, or None (one document per row, and
+    then only positions before the row's start are invalid; None when there are none)."""
+    back = torch.arange(kernel - 1, -1, -1, device=positions.device)  # steps back of tap j
+    source = positions.unsqueeze(1) - back  # (T, K)
+    inside = source >= 0
+    if segments is None:
+        return None if bool(inside.all()) else inside.unsqueeze(0)
+    clamped = source.clamp(min=0)
+    same = segments[:, clamped] == segments[:, positions].unsqueeze(-1)  # (B, T, K)
+    return same & inside
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: torch.Tensor | None = None,
+                           chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a sequence, by chunks; fp32 inside.
+
+    q, k: (B, H, T, d_k) normalized (q scaled), already one per value head; v: (B, H, T, d_v);
+    g (log decay, <= 0) and beta: (B, H, T); initial_state: (B, H, d_k, d_v) or None (zeros).
+    Returns (outputs (B, H, T, d_v), final state (B, H, d_k, d_v)), fp32."""
+    B, H, T, dk = k.shape
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    pad = (-T) % chunk  # zero keys, values and decays at the end leave the state as it is
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+    decay = g.cumsum(-1)  # log of the decay from the chunk's start to each token
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()  # i >= j
+    k_beta = k * beta.unsqueeze(-1)
+    # the WY form: (I + L) U = V beta and (I + L) W = K beta exp(decay), L the strictly lower part of the chunk's
+    # beta_i k_i.k_j exp(decay_i - decay_j); the unit diagonal is implied
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    inside = (q @ k.transpose(-1, -2)) * pair  # attention within the chunk, decayed
+    q_read = q * decay.exp().unsqueeze(-1)  # what each token reads of the state at the chunk's start
+    k_write = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)  # how each token's write decays to the chunk's end
+    end_decay = decay[..., -1].exp()[..., None, None]
+    state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+    outputs = []
+    for i in range(n):
+        new = u[:, :, i] - w[:, :, i] @ state  # the values minus what the state already predicts
+        outputs.append(q_read[:, :, i] @ state + inside[:, :, i] @ new)
+        state = state * end_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ new
+    out = torch.stack(outputs, dim=2).reshape(B, H, n * chunk, -1)[:, :, :T]
+    return out, state
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, token by token; same arguments and results as `chunk_gated_delta_rule`."""
+    B, H, T, dk = k.shape
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+    outputs = []
+    for t in range(T):
+        state = state * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        delta = (v[:, :, t] - (state * kt.unsqueeze(-1)).sum(-2)) * beta[:, :, t].unsqueeze(-1)
+        state = state + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
+    return torch.stack(outputs, dim=2), state
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked rule, or the recurrent one for a single token (decoding)."""
+    rule = recurrent_gated_delta_rule if q.shape[2] == 1 else chunk_gated_delta_rule
+    return rule(q, k, v, g, beta, initial_state)
+
+
+def span_summary(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A span of a sequence whose incoming state is not known yet: (o_local (B, H, T, d_v), q~ (B, H, T, d_k),
+    S_local (B, H, d_k, d_v), P (B, H, d_k, d_k)), one run of the rule with zero value columns and an identity
+    state appended. With the incoming state S_in the span's outputs are o_local + q~ S_in and its
+    end state P S_in + S_local (`carry`)."""
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    values = torch.cat((v.float(), v.new_zeros(B, H, T, dk, dtype=torch.float32)), dim=-1)
+    start = torch.cat((q.new_zeros(B, H, dk, dv, dtype=torch.float32),
+                       torch.eye(dk, device=q.device).expand(B, H, dk, dk)), dim=-1)
+    out, state = gated_delta_rule(q, k, values, g, beta, start)
+    return out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:]
+
+
+def carry(state_in: torch.Tensor, transition: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A span's end state from its incoming one: P S_in + S_local, each (B, H, d_k, .)."""
+    return transition @ state_in + local
