@@ -43,6 +43,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
 
     if (problem := check_latent_attention(m, p.context)) is not None:
         raise UserError(problem)
+    from shardlm.models.linear_attention import check_linear_attention
+
+    if (problem := check_linear_attention(m, p.tensor, p.context)) is not None:
+        raise UserError(problem)
     _validate_moe(m, p)
     if m.moe_aux_loss_type not in ("micro_batch", "sequence"):
         raise UserError(f'model.moe_aux_loss_type="{m.moe_aux_loss_type}" must be "micro_batch" or "sequence"')
@@ -107,8 +111,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
          'model.attention="mha"'),
         (m.sliding_window >= 0, f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)"),
         (not m.layer_types or (len(m.layer_types) == m.num_layers and set(m.layer_types) <= {
-            "full_attention", "sliding_attention"}), f"model.layer_types must list {m.num_layers} entries, each "
-         '"full_attention" or "sliding_attention"'),
+            "full_attention", "sliding_attention", "linear_attention"}), f"model.layer_types must list "
+         f'{m.num_layers} entries, each "full_attention", "sliding_attention" or "linear_attention"'),
         (m.attention_dropout_p == 0 or not (m.attention_sinks or m.sliding_window),
          "attention dropout is not supported with attention sinks or sliding windows; set model.attention_dropout=0"),
         (m.swiglu_limit >= 0 and m.swiglu_alpha > 0, "model.swiglu_limit must be >= 0 and model.swiglu_alpha > 0"),

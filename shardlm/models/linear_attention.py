@@ -241,6 +241,33 @@ class GatedDeltaNet(nn.Module):
         return torch.cat(outputs, dim=1)
 
 
+def check_linear_attention(cfg: ModelConfig, tensor: int, context: int) -> str | None:
+    """A one-line problem with a model's linear-attention settings at this TP and CP size, or None."""
+    if not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
+        return None
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    chunk = cfg.seq_length // (2 * context)
+    checks = [
+        (cfg.arch == "llama" and cfg.attention == "mha", 'linear_attention layers need model.arch="llama" with '
+         'model.attention="mha"'),
+        (min(nk, nv, cfg.linear_key_head_dim, cfg.linear_value_head_dim) > 0,
+         "linear_attention layers need model.linear_num_key_heads, linear_num_value_heads, linear_key_head_dim "
+         "and linear_value_head_dim > 0"),
+        (nk > 0 and nv % nk == 0, f"model.linear_num_value_heads={nv} is not a multiple of "
+         f"model.linear_num_key_heads={nk}"),
+        (nk % tensor == 0 and nv % tensor == 0, f"model.linear_num_key_heads={nk} and linear_num_value_heads={nv} "
+         f"must both divide by parallel.tensor={tensor}; use a tensor-parallel size that divides them"),
+        (cfg.linear_conv_kernel >= 1, f"model.linear_conv_kernel={cfg.linear_conv_kernel} must be at least 1"),
+        (context == 1 or chunk >= cfg.linear_conv_kernel - 1,
+         f"model.seq_length={cfg.seq_length} leaves context-parallel chunks of {chunk} tokens, fewer than the "
+         f"convolution's {cfg.linear_conv_kernel - 1} earlier inputs; use a longer sequence or a smaller "
+         "parallel.context"),
+        (cfg.hf_linear_projections in ("separate", "grouped"),
+         f'model.hf_linear_projections="{cfg.hf_linear_projections}" must be "separate" or "grouped"'),
+    ]
+    return next((message for ok, message in checks if not ok), None)
+
+
 def starts(positions: torch.Tensor) -> list[int]:
     """Indices > 0 of a row's tokens (positions within their documents, (L,)) where a document starts."""
     return (positions[1:] == 0).nonzero().flatten().add(1).tolist()

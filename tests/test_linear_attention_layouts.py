@@ -1,0 +1,127 @@
+"""The hybrid linear-attention model (Gated DeltaNet and gated full attention, `test_linear_attention.HYBRID`) trains
+on packed SFT rows at every layout as one process does (fp32, within 1e-5: losses, gradient norms, the validation
+loss and every final parameter on every rank; `test_sft_layouts`' data, documents crossing the CP chunks and the
+micro-batches).
+
+- world 2: DP=2, TP=2 with SP (heads and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
+  rank's two zigzag chunks run at once; their state summaries and convolution inputs are handed over), DP=2 with
+  the distributed optimizer (ZeRO-1), FSDP, and the MoE variant (gated shared expert) at EP=2;
+- world 4: CP=4, CP=2 x TP=2 with SP, CP=2 x EP=2 (MoE), TP=2 x DP=2 with ZeRO-1;
+- controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk starts from
+  zero), and the convolution reset at the chunk edge (its earlier inputs not read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from test_linear_attention import HYBRID, HYBRID_MOE
+from test_sft_layouts import STEPS, TOL, assert_matches, layout, sft_config, train_layout
+
+from shardlm.models import linear_attention
+from shardlm.parallel import ParallelContext
+
+from agreement import assert_trained_but_off
+from multiproc import check_result, run_checks, run_workers
+
+
+def hybrid_sft_config(moe: bool = False, **kwargs):
+    config = sft_config("llama", moe=moe, **kwargs)
+    for key, value in (HYBRID | (HYBRID_MOE if moe else {})).items():
+        if key != "num_layers" or not moe:
+            setattr(config.model, key, value)
+    if moe:  # 2 layers: one of each kind
+        config.model.layer_types = ["linear_attention", "full_attention"]
+    return config
+
+
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"hand-over": each CP chunk's outputs and end state ignore the state before it; "conv edge": each chunk's
+    convolution reads zeros instead of the previous chunk's last inputs."""
+    carry, conv = linear_attention.carry, linear_attention.causal_conv
+    if control == "hand-over":  # every chunk's incoming state zero
+        linear_attention.carry = lambda state, transition, local: torch.zeros_like(local)
+    if control == "conv edge":
+        linear_attention.causal_conv = lambda x, weight, earlier=None, valid=None: conv(x, weight, None, valid)
+    try:
+        yield
+    finally:
+        linear_attention.carry, linear_attention.causal_conv = carry, conv
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    with broken(control):
+        return train_layout(ctx, hybrid_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
+WORLD2 = {
+    "dp2": layout(),
+    "tp2 sp": layout(tp=2, sp=True),
+    "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
+    "cp2": layout(cp=2),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "ep2 moe": layout(ep=2, moe=True),
+}
+CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
+            "control cp2 conv edge": layout(cp=2, control="conv edge")}
+WORLD4 = {
+    "cp4": layout(cp=4),
+    "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
+    "cp2 ep2 moe": layout(cp=2, ep=2, moe=True),
+    "zero tp2 dp2 sp": layout(tp=2, sp=True, distributed_optimizer=True),
+}
+
+
+def world_checks(cases: dict) -> dict:
+    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, spec in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world_checks, WORLD2 | CONTROLS, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world_checks, WORLD4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process: the dense hybrid at micro-batch 8; the MoE at the layouts' micro-batch 2 (its load-balancing
+    loss is a function of each micro-batch's routing)."""
+    ctx = ParallelContext.single()
+    return {"dense": train_layout(ctx, hybrid_sft_config(micro=8)),
+            "moe": train_layout(ctx, hybrid_sft_config(moe=True))}
+
+
+def kind_of(name: str) -> str:
+    return "moe" if "moe" in name else "dense"
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_hybrid_at_two_ranks_equals_one_process(world2, reference, name):
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_hybrid_at_four_ranks_equals_one_process(world4, reference, name):
+    for rank, value in enumerate(check_result(world4, name)):
+        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_context_parallel_controls_fail(world2, reference, name):
+    """Without the state hand-over, or with the convolution reset at each chunk's edge, CP=2 trains to finite
+    losses and ends more than 1e-3 away from one process (the linear layers' weights included), its losses more
+    than 10 x the tolerance away (only the documents that cross the chunk boundary are hit)."""
+    ref = reference["dense"]
+    for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
+        assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL
