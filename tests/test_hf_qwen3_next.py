@@ -172,3 +172,20 @@ def test_a_multimodal_qwen35_directory_gives_its_language_model(references, tmp_
     save_file(renamed | {"model.visual.patch_embed.proj.weight": torch.zeros(4, 3)}, str(folder / "model.safetensors"))
     logits, tokens = logits_and_greedy(folder, ParallelContext.single(), ref["tokens"])
     assert (logits - ref["logits"]).abs().max() < 1e-4 and tokens == ref["greedy"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_a_run_started_from_the_directory_gives_transformers_loss_and_learns(references, family):
+    """`checkpoint.init_from=DIR` with [model] left empty: the first step's loss is transformers' on the same batch
+    (within 1e-5), and three steps lower it."""
+    from test_hf_start import BATCH, hf_loss, run_config, started_run
+    from test_training import synthetic_data
+
+    from shardlm.training.data import micro_batches
+
+    ref = references[family]
+    batch = micro_batches(synthetic_data(), 0, BATCH, BATCH, 0, 1, torch.device("cpu"))[0]
+    model = hf_classes(family)[1].from_pretrained(ref["root"] / "hf").eval()
+    run = started_run(ParallelContext.single(), run_config(ref["root"] / "hf"))
+    losses = [loss for loss, _ in run["curve"]]
+    assert abs(losses[0] - hf_loss(model, batch)) <= 1e-5 * losses[0] and losses[-1] < losses[0]

@@ -196,3 +196,20 @@ def test_context_parallel_chunks_shorter_than_the_convolution_are_refused():
     config = hybrid_config(seq=16, context=4)
     with pytest.raises(UserError, match="chunks of 2 tokens, fewer than the convolution's 3 earlier inputs"):
         validate(config, 4, check_paths=False)
+
+
+def test_the_tiny_qwen35_moe_config_trains(data_dir, tmp_path, capsys):
+    """`configs/tiny-qwen3.5-moe.toml` (packed documents) runs two steps from the CLI to finite losses."""
+    import json
+
+    from shardlm.cli import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:20000])
+    code = main(["train", "configs/tiny-qwen3.5-moe.toml", f"data.text_file={text}", "model.seq_length=96",
+                 "train.steps=2", "train.eval_interval=0", "train.eval_iters=1", "log.progress=false",
+                 "log.plot=false", "log.tensorboard=false", "checkpoint.save=false",
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("loss" in m and np.isfinite(m["loss"]) for m in metrics) == 2

@@ -5,7 +5,8 @@ micro-batches).
 
 - world 2: DP=2, TP=2 with SP (heads and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
   rank's two zigzag chunks run at once; their state summaries and convolution inputs are handed over), DP=2 with
-  the distributed optimizer (ZeRO-1), FSDP, and the MoE variant (gated shared expert) at EP=2;
+  the distributed optimizer (ZeRO-1), FSDP, the MoE variant (gated shared expert) at EP=2, and TP=2 with SP
+  with LoRA adapters (v, o and the MLP of both kinds of layer) and with Muon (each whole matrix orthogonalized);
 - world 4: CP=4, CP=2 x TP=2 with SP, CP=2 x EP=2 (MoE), TP=2 x DP=2 with ZeRO-1;
 - controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk starts from
   zero), and the convolution reset at the chunk edge (its earlier inputs not read).
@@ -27,8 +28,11 @@ from agreement import assert_trained_but_off
 from multiproc import check_result, run_checks, run_workers
 
 
-def hybrid_sft_config(moe: bool = False, **kwargs):
+def hybrid_sft_config(moe: bool = False, lora: int = 0, **kwargs):
     config = sft_config("llama", moe=moe, **kwargs)
+    # adapters on v and o of both kinds of layer and on the MLP (q and k feed L2 or RMS norms, which cancel part of
+    # their adapters' gradients to rounding noise: 1e-5 would then measure the kernels' summation order)
+    config.lora.rank, config.lora.targets = lora, ["v", "o", "gate", "up", "down"]
     for key, value in (HYBRID | (HYBRID_MOE if moe else {})).items():
         if key != "num_layers" or not moe:
             setattr(config.model, key, value)
@@ -66,6 +70,8 @@ WORLD2 = {
     "zero dp2": layout(distributed_optimizer=True),
     "fsdp dp2": layout(data_sharding="full"),
     "ep2 moe": layout(ep=2, moe=True),
+    "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "tp2 sp muon": layout(tp=2, sp=True, optimizer="muon", muon_ns_dtype="fp32"),
 }
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
@@ -97,11 +103,13 @@ def reference():
     loss is a function of each micro-batch's routing)."""
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, hybrid_sft_config(micro=8)),
-            "moe": train_layout(ctx, hybrid_sft_config(moe=True))}
+            "moe": train_layout(ctx, hybrid_sft_config(moe=True)),
+            "lora": train_layout(ctx, hybrid_sft_config(micro=8, lora=4)),
+            "muon": train_layout(ctx, hybrid_sft_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"))}
 
 
 def kind_of(name: str) -> str:
-    return "moe" if "moe" in name else "dense"
+    return next((kind for kind in ("moe", "lora", "muon") if kind in name), "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

@@ -44,6 +44,10 @@ def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 
         pairs = [(ours, theirs, "rope" if ours.split(".")[-2] in ("q", "q_b", "kv_a") and ".attn." in ours else "copy")
                  for ours, theirs in name_map(cfg)]
+    elif cfg.arch == "llama" and any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
+        from shardlm.checkpoint import hf_qwen3_next  # rows of a fused HF matrix (in_proj_qkv) have no peft module
+
+        pairs = [(ours, theirs, "copy") for ours, theirs, rows in hf_qwen3_next.name_map(cfg) if rows is None]
     elif cfg.arch == "llama":
         from shardlm.checkpoint.hf_llama import name_map
 
@@ -154,6 +158,10 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             continue
         module, _, leaf = name.rpartition(".lora.")
         if module:  # an adapter factor: A is (r, in) as is; B has the projection's output rows
+            if module not in modules:
+                raise UserError(f"the adapter on {module} has no peft equivalent: Hugging Face stores that projection "
+                                "inside a fused matrix (a linear-attention layer's in_proj_qkv); train without it "
+                                "(lora.targets) to export to peft")
             hf, kind = modules[module]
             out[f"{PREFIX}{hf}.lora_{leaf}.weight"] = (_to_hf(value, kind, cfg, module) if leaf == "B"
                                                        else value.contiguous())

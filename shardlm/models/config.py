@@ -73,8 +73,8 @@ class ModelConfig:
     """Llama: on sliding-window layers a query attends to the last `sliding_window` tokens, itself included; 0: none."""
     layer_types: list = field(default_factory=list)
     """Llama: per layer "full_attention", "sliding_attention" (gpt-oss alternates them, starting with a sliding
-    one) or "linear_attention" (Gated DeltaNet: Qwen3-Next and Qwen3.5 have three before each full one); repeats
-    when shorter than num_layers; empty: every layer slides when sliding_window is set."""
+    one) or "linear_attention" (Gated DeltaNet: Qwen3-Next and Qwen3.5 have three before each full one), one entry
+    per layer; empty: every layer slides when sliding_window is set."""
     linear_num_key_heads: int = 0
     """Linear attention (Gated DeltaNet): query/key heads."""
     linear_num_value_heads: int = 0
