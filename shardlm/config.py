@@ -227,7 +227,7 @@ class CheckpointConfig:
     init_from: str = ""
     """Start from these weights only (fresh optimizer, step 0, data from the start), at any layout: a
     consolidated .safetensors file, a Hugging Face model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5,
-    gpt-oss) or a sharded checkpoint. [model] keys left at their defaults take the checkpoint's values. A run
+    gpt-oss, Qwen3-Next, Qwen3.5) or a sharded checkpoint. [model] keys left at their defaults take the checkpoint's values. A run
     directory that already holds a checkpoint resumes from it instead."""
     init_adapter: str = ""
     """A peft adapter directory (adapter_config.json, adapter_model.safetensors) whose adapters start a [lora]

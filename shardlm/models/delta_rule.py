@@ -12,9 +12,9 @@ the state passes from chunk to chunk, so the work is linear in T with matmuls of
 is the token-by-token definition it is tested against, and what decoding one token uses.
 
 Two properties make every parallel layout exact:
-- The recurrence is linear in (S, v) column by column, so a span's end state is P S_in + S_local and its outputs
-  o_local + q~ S_in, where S_local and o_local start from a zero state and P (d_k x d_k) and q~ come from the
-  same run with identity columns appended to the state and zero columns to v (`span_summary`). Context-parallel
+- The recurrence is linear in (S, v), so a span's end state is P S_in + S_local and its outputs o_local + q~ S_in,
+  where S_local and o_local start from a zero state and P (d_k x d_k, the span's transition) and q~ = P_t^T q_t
+  come from a second run from an identity state with zero values (`span_summary`). Context-parallel
   ranks each run their spans at once and then combine the small summaries in sequence order (`carry_states`).
 - The convolution sees only the last kernel - 1 inputs, so it needs only those from the previous span
   (`causal_conv`, with the earlier tokens and a mask of which of them belong to each token's document).
@@ -134,16 +134,20 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[torch.Tensor
 
 def span_summary(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A span of a sequence whose incoming state is not known yet: (o_local (B, H, T, d_v), q~ (B, H, T, d_k),
-    S_local (B, H, d_k, d_v), P (B, H, d_k, d_k)), one run of the rule with zero value columns and an identity
-    state appended. With the incoming state S_in the span's outputs are o_local + q~ S_in and its
-    end state P S_in + S_local (`carry`)."""
+    S_local (B, H, d_k, d_v), P (B, H, d_k, d_k)). With the incoming state S_in the span's outputs are
+    o_local + q~ S_in and its end state P S_in + S_local (`carry`).
+
+    o_local and S_local are the rule from a zero state. The state's transition over tokens 1..t is
+    P_t = exp(g_1 + ... + g_t) (I - b_t k_t k_t^T) ... (I - b_1 k_1 k_1^T): the decays are scalars, so they come
+    out as one factor, and the product of the rest is the rule run from an identity state with zero values and no
+    decay (its outputs are that product's transpose times q). Run with the decays inside, the identity columns
+    would only shrink, into subnormal floats that slow a CPU several times over on long spans."""
     B, H, T, dk = k.shape
-    dv = v.shape[-1]
-    values = torch.cat((v.float(), v.new_zeros(B, H, T, dk, dtype=torch.float32)), dim=-1)
-    start = torch.cat((q.new_zeros(B, H, dk, dv, dtype=torch.float32),
-                       torch.eye(dk, device=q.device).expand(B, H, dk, dk)), dim=-1)
-    out, state = gated_delta_rule(q, k, values, g, beta, start)
-    return out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:]
+    local, local_state = chunk_gated_delta_rule(q, k, v, g, beta)
+    identity = torch.eye(dk, device=q.device).expand(B, H, dk, dk)
+    q_hat, p_hat = chunk_gated_delta_rule(q, k, q.new_zeros(B, H, T, dk), torch.zeros_like(g), beta, identity)
+    decay = g.float().cumsum(-1)
+    return local, q_hat * decay.exp().unsqueeze(-1), local_state, p_hat * decay[..., -1:].exp().unsqueeze(-1)
 
 
 def carry(state_in: torch.Tensor, transition: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
