@@ -107,6 +107,25 @@ class SFTConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """The `[preference]` section: preference optimization (DPO and its relatives) on the preference records of
+    [sft]'s data (`prompt`, `chosen`, `rejected`), with [sft]'s tokenizer and template (`docs/preference.md`)."""
+
+    loss: str = ""
+    """"sigmoid" (DPO), "ipo", "hinge", or the reference-free "simpo" and "orpo"; empty: no preference run."""
+    beta: float = 0.1
+    """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
+    label_smoothing: float = 0.0
+    """sigmoid: the share of pairs assumed flipped (conservative DPO), in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target margin gamma of the length-normalized rewards."""
+    reference: str = "auto"
+    """The reference model's log-probabilities: "precomputed" (one pass of the starting weights over the data
+    before the first step, saved in the run directory), "adapters" (a LoRA run's base: the same forward with the
+    adapters off, no extra memory), "auto" (adapters with LoRA, else precomputed)."""
+
+
+@dataclass
 class LoraConfig:
     """The `[lora]` section: train low-rank adapters on a frozen base instead of every weight (`docs/lora.md`)."""
 
@@ -227,8 +246,8 @@ class CheckpointConfig:
     init_from: str = ""
     """Start from these weights only (fresh optimizer, step 0, data from the start), at any layout: a
     consolidated .safetensors file, a Hugging Face model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5,
-    gpt-oss, Qwen3-Next, Qwen3.5) or a sharded checkpoint. [model] keys left at their defaults take the checkpoint's values. A run
-    directory that already holds a checkpoint resumes from it instead."""
+    gpt-oss, Qwen3-Next, Qwen3.5) or a sharded checkpoint. [model] keys left at their defaults take the
+    checkpoint's values. A run directory that already holds a checkpoint resumes from it instead."""
     init_adapter: str = ""
     """A peft adapter directory (adapter_config.json, adapter_model.safetensors) whose adapters start a [lora]
     run on checkpoint.init_from's base, at any layout."""
@@ -258,6 +277,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -125,6 +125,11 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         _validate_packed(config)
     if config.lora.rank or config.checkpoint.init_adapter:
         _validate_lora(config)
+    if config.preference.loss:
+        from shardlm.preference import check_preference
+
+        if (problem := check_preference(config)) is not None:
+            raise UserError(problem)
     _validate_optimizer(t)
     for ok, message in checks:
         if not ok:

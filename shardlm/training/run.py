@@ -156,6 +156,26 @@ def report_interrupt(progress: Progress) -> None:
     report_stop(f"shardlm: interrupted at step {progress.step}; last checkpoint: {last}")
 
 
+def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
+    """Give a preference run's loss its reference: precomputed by the starting weights (saved in the run directory,
+    read back on a resume), or the LoRA base; returns the line that says which."""
+    from shardlm.preference import reference_mode
+    from shardlm.preference.reference import load_reference, precompute_reference, save_reference
+
+    config, mode = trainer.config, reference_mode(trainer.config)
+    line = f"preference: {config.preference.loss} loss, beta {config.preference.beta:g}, reference: "
+    if mode != "precomputed":
+        return line + {"none": "none (reference-free)", "adapters": "the base (adapters off)"}[mode]
+    pairs = trainer.train_data.num_pairs
+    if resumed:
+        trainer.loss.reference = load_reference(run_dir, pairs)
+        return line + f"read from {run_dir}"
+    trainer.loss.reference = precompute_reference(trainer, trainer.train_data)
+    if trainer.ctx.is_main:
+        save_reference(trainer.loss.reference, run_dir)
+    return line + f"precomputed for {pairs} pairs by the starting weights"
+
+
 def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,
            progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -164,8 +184,11 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     validate(config, world)
     t = config.train
     sft = None
-    if config.sft.data:  # chat records, tokenized and packed before any process group exists
-        sft = build_sft_datasets(config.sft, config.model.seq_length, t.seed, config.checkpoint.init_from)
+    if config.sft.data:  # chat (or preference) records, tokenized and packed before any process group exists
+        build = build_sft_datasets
+        if config.preference.loss:
+            from shardlm.preference.dataset import build_preference_datasets as build
+        sft = build(config.sft, config.model.seq_length, t.seed, config.checkpoint.init_from)
         check_vocabulary(config, sft.template.tokenizer.get_vocab_size(), sft.max_token_id)
     else:
         tokenizer = build_tokenizer_for(config.data)
@@ -209,6 +232,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(describe(init_source))
     if config.checkpoint.init_adapter and not resume_from:
         logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
+    if trainer.preference:
+        logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""

@@ -98,6 +98,11 @@ class Trainer:
         self.optimizer = parts.optimizer
         self.ddp, self.master, self.fsdp = parts.ddp, parts.master, parts.fsdp
         self.loss = training_loss(config.model.arch)
+        self.preference = bool(config.preference.loss)
+        if self.preference:  # DPO and relatives: a loss of whole pairs (`shardlm.preference.loss`)
+            from shardlm.preference.loss import PreferenceLoss
+
+            self.loss = PreferenceLoss(config.preference, ctx, self.model)
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
@@ -193,6 +198,8 @@ class Trainer:
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
             ctx.dp_cp.all_reduce(mtp_sum)
             step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
+        if self.preference:  # rewards, margin and accuracy: means over the global batch's pairs
+            step_metrics |= self.loss.take_metrics()
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step (not in a LoRA
             # run, whose router, biases included, is the frozen base's)
             step_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
@@ -247,6 +254,10 @@ class Trainer:
         (inputs, targets) of its zigzag chunks (`context_parallel_part`); packed rows become `packed_parts`
         (inputs, targets, documents and the global token count's divisor)."""
         m = self.config.model
+        if self.preference:
+            from shardlm.preference.loss import preference_parts
+
+            return preference_parts(batches, self.ctx)
         if m.mtp_layers:  # the rolled targets of every depth come from the whole rows, before the CP split
             parts = packed_parts(batches, self.ctx) if is_packed(batches[0]) else token_parts(
                 [context_parallel_part(b, self.ctx.cp_size, self.ctx.cp_rank) if self.ctx.cp_size > 1 else b

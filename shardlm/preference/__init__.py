@@ -1,0 +1,46 @@
+"""Preference optimization (DPO, IPO, hinge, SimPO, ORPO) on packed pairs: records and their tokens (`pairs`),
+rows of pairs (`data`), the losses and the reference (`loss`, `reference`), the run's data sets (`dataset`).
+`docs/preference.md`."""
+
+from __future__ import annotations
+
+
+def reference_mode(config) -> str:
+    """"none" (a reference-free loss), "adapters" or "precomputed": where a run's reference log-probabilities
+    come from (`preference.reference`, "auto" resolved)."""
+    from shardlm.preference.loss import REFERENCE_FREE
+
+    p = config.preference
+    if p.loss in REFERENCE_FREE:
+        return "none"
+    if p.reference == "auto":
+        return "adapters" if config.lora.rank else "precomputed"
+    return p.reference
+
+
+def check_preference(config) -> str | None:
+    """A one-line problem with a run's [preference] settings, or None."""
+    from shardlm.preference.loss import LOSSES, REFERENCE_FREE
+
+    p = config.preference
+    checks = [
+        (p.loss in LOSSES, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}'),
+        (p.beta > 0, f"preference.beta={p.beta} must be > 0"),
+        (0 <= p.label_smoothing < 0.5, f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)"),
+        (p.reference in ("auto", "precomputed", "adapters"),
+         f'preference.reference="{p.reference}" must be "auto", "precomputed" or "adapters"'),
+        (p.loss not in REFERENCE_FREE or p.reference == "auto",
+         f'preference.loss="{p.loss}" uses no reference model; leave preference.reference at "auto"'),
+        (p.reference != "adapters" or config.lora.rank > 0,
+         'preference.reference="adapters" is the base of a LoRA run; set lora.rank or use "precomputed"'),
+        (reference_mode(config) != "adapters" or not config.lora.modules_to_save,
+         'lora.modules_to_save trains modules the adapters-off reference would keep; use preference.reference='
+         '"precomputed"'),
+        (bool(config.sft.data), "preference optimization reads sft.data (records with prompt, chosen, rejected); "
+         "set it"),
+        (config.parallel.pipeline == 1, "preference optimization runs without pipeline stages for now; use "
+         "parallel.pipeline=1 (tensor, context, data, expert parallelism and FSDP work)"),
+        (not config.model.mtp_layers, "preference optimization trains without multi-token prediction; set "
+         "model.mtp_layers=0"),
+    ]
+    return next((message for ok, message in checks if not ok), None)

@@ -1,0 +1,189 @@
+"""Preference losses on packed pairs, exact at every layout.
+
+A sequence's log-probability is the sum over its answer's tokens of log p(token | everything before it) (the
+prompt masked, as in SFT), from the model's per-token losses through the vocabulary-parallel cross-entropy,
+so tensor parallelism never gathers logits. Per micro-batch: the token losses are summed per (pair, side)
+(`sequence_logps`); under context parallelism each rank holds part of each sequence, so the sums are
+all-reduced over CP, and their gradient too (every CP rank computes the same pair losses, each rank's tokens
+receive their share from every copy: `_SumOverGroup`). The loss of the global batch is the mean over its pairs:
+each micro-batch returns its pairs' summed losses over `divisor` = pairs of the global batch / (micro-batches x
+DP), which the trainer's mean over micro-batches and DP x CP turns into exactly that mean.
+
+Losses (`preference.loss`), with r = log pi(y | x) - log pi_ref(y | x) per answer and d = r_chosen - r_rejected:
+
+    sigmoid   -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d)    DPO (eps = label_smoothing: cDPO)
+    ipo       (d / n - 1 / (2 beta))^2 with each answer's r divided by its token count, as TRL computes IPO
+    hinge     max(0, 1 - beta d)                                            (SLiC)
+    simpo     -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma)      reference-free
+    orpo      -logp_c / n_c - beta log sigmoid(log odds_c - log odds_r),    reference-free; odds = p / (1 - p) of
+              the length-normalized probability (ORPO's lambda is beta)
+
+Logged as TRL logs them: rewards of chosen and rejected (beta r; SimPO and ORPO: beta times the normalized
+log-probability), their margin and the accuracy (chosen reward above rejected), each a mean over the pairs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shardlm.config import PreferenceConfig
+from shardlm.data.zigzag import zigzag_split
+from shardlm.errors import UserError
+from shardlm.models.documents import Documents
+
+REFERENCE_FREE = ("simpo", "orpo")
+LOSSES = ("sigmoid", "ipo", "hinge") + REFERENCE_FREE
+METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce forward and backward: the sum of every rank's partial sums, for a loss every rank computes."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.clone()), None
+
+
+def sum_over(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group.size == 1 else _SumOverGroup.apply(x, group)
+
+
+def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
+    """This rank's micro-batches of pair rows (dicts of (b, T) arrays, `shardlm.preference.data`) -> dicts of
+    `inputs`, `targets`, `pair`, `side` (b, T / C: the zigzag part under CP), `documents`, `pairs` (the pair
+    indices of the micro-batch, sorted) and `divisor` (module docstring: one all-reduce over DP; None without
+    `count_pairs`)."""
+    counts = [torch.unique(b["pair"][b["pair"] >= 0]) for b in batches]
+    divisor = None
+    if count_pairs:
+        total = torch.tensor(float(sum(len(c) for c in counts)), dtype=torch.float64, device=ctx.device)
+        ctx.dp.all_reduce(total)
+        if total.item() == 0:
+            raise UserError("a global batch holds no preference pair: check the records")
+        divisor = total.item() / (len(batches) * ctx.dp_size)
+    parts = []
+    for batch, pairs in zip(batches, counts):
+        local = {k: batch[k] for k in ("input_ids", "labels", "pair", "side")}
+        if ctx.cp_size > 1:
+            local = {k: zigzag_split(v, ctx.cp_size, ctx.cp_rank) for k, v in local.items()}
+        documents = Documents.from_positions(batch["position_ids"], ctx.cp_size, ctx.cp_rank)
+        parts.append({"inputs": local["input_ids"], "targets": local["labels"], "pair": local["pair"],
+                      "side": local["side"], "documents": documents, "pairs": pairs, "divisor": divisor})
+    return parts
+
+
+def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities (pairs, 2), answer token counts (pairs, 2)) of the micro-batch's pairs, chosen first,
+    from per-token losses (b, T_local) (0 where the target is ignored), summed over the CP group."""
+    pairs, owner, side = batch["pairs"], batch["pair"], batch["side"]
+    trained = (owner >= 0) & (batch["targets"] != -100)
+    slot = torch.searchsorted(pairs, owner.clamp(min=0)) * 2 + side.clamp(min=0)
+    slot, values = slot[trained], -token_losses[trained].double()
+    logps = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(0, slot, values)
+    counts = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(
+        0, slot, torch.ones_like(values))
+    if cp.size > 1:
+        logps = sum_over(logps, cp)
+        counts = cp.all_reduce(counts)
+    return logps.view(-1, 2), counts.view(-1, 2)
+
+
+def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor,
+                reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-pair losses (P,), per-pair metrics {name: (P,)}) of sequence log-probabilities (P, 2), their token
+    counts (P, 2) and the reference's (P, 2) (None for the reference-free losses); fp64."""
+    beta = cfg.beta
+    if cfg.loss in REFERENCE_FREE:
+        mean = logps / counts
+        if cfg.loss == "simpo":
+            losses = -F.logsigmoid(beta * (mean[:, 0] - mean[:, 1]) - cfg.simpo_gamma)
+        else:  # ORPO: log odds of the length-normalized probabilities
+            odds = mean - torch.log1p(-torch.exp(mean).clamp(max=1 - 1e-12))
+            losses = -mean[:, 0] - beta * F.logsigmoid(odds[:, 0] - odds[:, 1])
+        rewards = beta * mean.detach()
+    else:
+        ratio = logps - reference
+        if cfg.loss == "ipo":
+            ratio = ratio / counts
+        delta = ratio[:, 0] - ratio[:, 1]
+        if cfg.loss == "sigmoid":
+            eps = cfg.label_smoothing
+            losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+        elif cfg.loss == "ipo":
+            losses = (delta - 1 / (2 * beta)) ** 2
+        else:
+            losses = torch.relu(1 - beta * delta)
+        rewards = beta * (logps - reference).detach()
+    margin = rewards[:, 0] - rewards[:, 1]
+    return losses, {"rewards_chosen": rewards[:, 0], "rewards_rejected": rewards[:, 1], "reward_margin": margin,
+                    "reward_accuracy": (margin > 0).double()}
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model: every LoRA adapter's scale 0 for the block (the reference of a LoRA run)."""
+    from shardlm.lora.adapter import LoRA
+    from shardlm.lora.experts import ExpertLoRA
+
+    adapters = [m for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
+    scales = [m.scale for m in adapters]
+    for m in adapters:
+        m.scale = 0.0
+    try:
+        yield
+    finally:
+        for m, scale in zip(adapters, scales):
+            m.scale = scale
+
+
+class PreferenceLoss:
+    """The trainer's loss for a preference run: `loss(forward, batch)` of a `preference_parts` micro-batch. The
+    reference log-probabilities come from `reference` ((pairs, 2), precomputed over the data set), or, in a LoRA
+    run, from the same forward with the adapters off, without gradient. Each call adds its pairs' loss and metric
+    sums to `sums` (read and reset by the trainer's step: `take_metrics`)."""
+
+    def __init__(self, cfg: PreferenceConfig, ctx, model, reference: torch.Tensor | None = None):
+        self.cfg, self.ctx, self.model, self.reference = cfg, ctx, model, reference
+        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+        self.pairs = 0.0
+
+    def reference_logps(self, forward, batch: dict) -> torch.Tensor | None:
+        if self.cfg.loss in REFERENCE_FREE:
+            return None
+        if self.reference is not None:
+            return self.reference.to(batch["pairs"].device)[batch["pairs"]]
+        with torch.no_grad(), adapters_off(self.model):
+            losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"])
+        return sequence_logps(losses.detach(), batch, self.ctx.cp)[0]
+
+    def __call__(self, forward, batch: dict) -> torch.Tensor:
+        reference = self.reference_logps(forward, batch)
+        token_losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"])
+        logps, counts = sequence_logps(token_losses, batch, self.ctx.cp)
+        losses, metrics = pair_losses(self.cfg, logps, counts, reference)
+        if self.model.training:  # a training step's, not an evaluation's
+            self.sums += torch.stack([losses.detach().sum()] + [metrics[k].sum() for k in METRICS]).cpu()
+            self.pairs += len(batch["pairs"])
+        return (losses.sum() / batch["divisor"]).float()
+
+    def take_metrics(self) -> dict[str, float]:
+        """The step's mean over the global batch's pairs of each metric (one all-reduce over DP), then reset."""
+        sums = torch.cat([self.sums, torch.tensor([self.pairs], dtype=torch.float64)]).to(self.ctx.device)
+        self.ctx.dp.all_reduce(sums)
+        self.sums.zero_()
+        self.pairs = 0.0
+        pairs = max(sums[-1].item(), 1.0)
+        return {name: sums[i + 1].item() / pairs for i, name in enumerate(METRICS)}
+
+
+LN2 = math.log(2.0)
+"""The sigmoid DPO loss at step 0, where the policy is the reference: -log sigmoid(0)."""

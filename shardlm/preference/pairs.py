@@ -1,0 +1,125 @@
+"""Preference records -> tokenized pairs: a prompt with a preferred (chosen) and a dispreferred (rejected) answer.
+
+Record shapes (TRL's preference formats):
+
+- `{"prompt": str, "chosen": str, "rejected": str}`: plain text; the answers end with the tokenizer's end token
+  (added when missing), nothing is rendered;
+- `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`: conversational; the prompt is rendered
+  with the chat template and its generation prompt, each answer as the template renders prompt + answer;
+- `{"chosen": [messages], "rejected": [messages]}`: conversational with the prompt implicit, the messages both
+  share before their last turn.
+
+Tokenized as TRL does: the prompt, prompt + chosen and prompt + rejected are tokenized whole, and each answer
+starts where its tokens leave the prompt's (the common prefix), so a template that renders the prompt alone
+differently, or a token merging across the boundary, cannot misplace the answer. Every problem is a one-line
+`UserError` starting with the record's `file:line`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardlm.errors import UserError
+from shardlm.sft.records import check_messages, read_records
+from shardlm.sft.template import ChatTemplate
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One record: `prompt` (str or messages), `chosen` and `rejected` (str or messages), `where` (file:line)."""
+
+    prompt: Any
+    chosen: Any
+    rejected: Any
+    where: str
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """`prompt` ids, then each answer's ids (trained); a sequence is prompt + answer."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    where: str
+
+    def __len__(self) -> int:
+        """Tokens of both sequences."""
+        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
+def _implicit_prompt(chosen: list, rejected: list, where: str) -> tuple[list, list, list]:
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise UserError(f"{where}: 'chosen' and 'rejected' share no prompt; give a 'prompt' key")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def to_pair(record: dict[str, Any], where: str) -> PreferencePair:
+    """A checked `PreferencePair` of one record (module docstring)."""
+    for key in ("chosen", "rejected"):
+        if key not in record or record[key] in (None, "", []):
+            raise UserError(f"{where}: the record has no {key!r} answer; preference records need 'chosen' and "
+                            "'rejected' (and a 'prompt')")
+    chosen, rejected, prompt = record["chosen"], record["rejected"], record.get("prompt")
+    if isinstance(chosen, str) != isinstance(rejected, str) or not isinstance(chosen, (str, list)):
+        raise UserError(f"{where}: 'chosen' and 'rejected' must both be strings or both message lists")
+    if isinstance(chosen, list):
+        if prompt is None:
+            prompt, chosen, rejected = _implicit_prompt(chosen, rejected, where)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        for answer in (chosen, rejected):
+            check_messages(list(prompt) + list(answer), where)
+    elif not isinstance(prompt, str):
+        raise UserError(f"{where}: a text record needs a string 'prompt' beside its string answers")
+    if chosen == rejected:
+        raise UserError(f"{where}: 'chosen' and 'rejected' are identical, so the pair prefers nothing; drop it")
+    return PreferencePair(prompt, chosen, rejected, where)
+
+
+def load_pairs(paths: str | Path | Sequence[str | Path]) -> list[PreferencePair]:
+    """Every record of one or more JSONL / Parquet files, checked."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    pairs = [to_pair(record, where) for path in paths for record, where in read_records(path)]
+    if not pairs:
+        raise UserError(f"{', '.join(str(p) for p in paths)}: no records; the file is empty")
+    return pairs
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def tokenize_pair(template: ChatTemplate, pair: PreferencePair, eos: str | None) -> TokenizedPair:
+    """Token ids of a pair (module docstring): conversational records through the chat template, text records
+    as they are, each answer ended by `eos` when it does not end with it."""
+    if pair.conversational:
+        prompt = template.encode(template.render(pair.prompt, add_generation_prompt=True))
+        with_chosen = template.encode(template.render(pair.prompt + pair.chosen))
+        with_rejected = template.encode(template.render(pair.prompt + pair.rejected))
+    else:
+        def ended(text: str) -> str:
+            return text if eos is None or text.endswith(eos) else text + eos
+        prompt = template.encode(pair.prompt)
+        with_chosen = template.encode(pair.prompt + ended(pair.chosen))
+        with_rejected = template.encode(pair.prompt + ended(pair.rejected))
+    start = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
+    tokenized = TokenizedPair(prompt[:start], with_chosen[start:], with_rejected[start:], pair.where)
+    if not tokenized.chosen or not tokenized.rejected:
+        raise UserError(f"{pair.where}: an answer renders to no token after the prompt; check the record")
+    if tokenized.chosen == tokenized.rejected:
+        raise UserError(f"{pair.where}: 'chosen' and 'rejected' tokenize the same, so the pair prefers nothing")
+    return tokenized

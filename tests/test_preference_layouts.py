@@ -1,0 +1,216 @@
+"""Preference optimization on packed pairs gives the one-process answer at every layout, and packing changes nothing.
+
+Data: 40 synthetic pairs (a learnable token stream as prompt, a 3-12-token chosen answer that continues it and a
+rejected one that does not), packed best-fit-decreasing into rows of 48 tokens, so rows hold different numbers
+of pairs and a mean of per-micro-batch means would differ from the mean over the global batch's pairs.
+
+Checks, each against one process within 1e-5 (fp32: losses, gradient norms, the rewards, margin and accuracy,
+every final parameter on every rank), for sigmoid DPO with the reference precomputed by the starting weights:
+- the first step's loss is exactly ln 2 (the policy is the reference) at every layout;
+- world 2: DP=2, TP=2 with SP, CP=2 (each sequence's log-probability summed over the CP ranks' chunks), DP=2 with
+  ZeRO-1, FSDP, an MoE at EP=2, and a LoRA run whose reference is its base (adapters off), against its own
+  one-process run;
+- world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
+- one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
+  SimPO, ORPO, IPO and hinge train to finite losses; a summed-over-CP control without the backward all-reduce is
+  off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_moe_parallel import ROUTING, stage_parameters
+from test_training import VOCAB
+
+from shardlm.config import from_dict
+from shardlm.models import build_model
+from shardlm.parallel import ParallelContext
+from shardlm.preference.data import PairDataset, PairRows
+from shardlm.preference.loss import METRICS, PreferenceLoss, preference_parts, sequence_logps
+from shardlm.preference.pairs import TokenizedPair
+from shardlm.preference.reference import precompute_reference
+from shardlm.training.data import micro_batches
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_trained_parameters, rel
+from multiproc import check_result, run_checks, run_workers
+
+SEQ, STEPS, TOL = 48, 4, 1e-5
+
+
+def synthetic_pairs(count: int = 40, seed: int = 1) -> list[TokenizedPair]:
+    rng = np.random.default_rng(seed)
+    successor = np.random.default_rng(0).permutation(VOCAB)
+    pairs = []
+    for i in range(count):
+        prompt = [int(rng.integers(VOCAB))]
+        for _ in range(int(rng.integers(2, 8)) - 1):
+            prompt.append(int(successor[prompt[-1]]))
+        chosen = [int(successor[prompt[-1]])]
+        for _ in range(int(rng.integers(3, 13)) - 1):
+            chosen.append(int(successor[chosen[-1]]))
+        rejected = [int(x) for x in rng.integers(0, VOCAB, size=int(rng.integers(3, 13)))]
+        pairs.append(TokenizedPair(prompt, chosen, rejected, f"pair {i}"))
+    return pairs
+
+
+def train_data() -> PairDataset:
+    return PairDataset(PairRows(synthetic_pairs(), SEQ, seed=5))
+
+
+def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
+                      loss: str = "sigmoid", lora: int = 0, **train):
+    model = {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+             "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
+    if moe:
+        model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+    return from_dict({
+        "model": model,
+        "parallel": {"tensor": tp, "context": cp, "expert": ep, "sequence_parallel": sp},
+        "sft": {"data": ["unused.jsonl"]},
+        "preference": {"loss": loss, "beta": 0.5},
+        "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]},
+        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, **train},
+    })
+
+
+def train_layout(ctx: ParallelContext, config) -> dict:
+    """STEPS steps from the same starting weights: the curve (loss, gradient norm, metrics) and every parameter."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, train_data())
+    if config.preference.loss in ("sigmoid", "ipo", "hinge") and not config.lora.rank:
+        trainer.loss.reference = precompute_reference(trainer, trainer.train_data)
+    curve = []
+    for _ in range(STEPS):
+        m = trainer.train_step()
+        curve.append((m["loss"], m["grad_norm"], *(m[k] for k in METRICS)))
+    return {"curve": curve, "params": stage_parameters(trainer.model)}
+
+
+def layout(tp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
+    return {"tp": tp, "cp": cp, "ep": ep, **config}
+
+
+def run_layout(tp: int, cp: int, ep: int, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, context_parallel=cp, expert_parallel=ep)
+    return train_layout(ctx, preference_config(tp=tp, cp=cp, ep=ep, **config))
+
+
+WORLD2 = {
+    "dp2": layout(),
+    "tp2 sp": layout(tp=2, sp=True),
+    "cp2": layout(cp=2),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "ep2 moe": layout(ep=2, moe=True),
+    "dp2 lora": layout(lora=4),
+}
+WORLD4 = {
+    "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
+    "tp2 dp2": layout(tp=2),
+}
+
+
+def world_checks(cases: dict) -> dict:
+    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, spec in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world_checks, WORLD2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_workers(4, world_checks, WORLD4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process at the layouts' micro-batch 2 (the MoE's load-balancing loss is per micro-batch)."""
+    ctx = ParallelContext.single()
+    return {"dense": train_layout(ctx, preference_config()), "moe": train_layout(ctx, preference_config(moe=True)),
+            "lora": train_layout(ctx, preference_config(lora=4))}
+
+
+def assert_matches(value: dict, ref: dict, where: str) -> None:
+    """Losses and gradient norms within TOL relative; rewards, margin and accuracy within TOL absolute (rewards are
+    beta x differences of log-probabilities of tens of nats: near 0 a relative bound would measure rounding)."""
+    names = ("loss", "grad norm") + METRICS
+    for step, (got, want) in enumerate(zip(value["curve"], ref["curve"]), 1):
+        for i, (name, a, b) in enumerate(zip(names, got, want)):
+            assert abs(a - b) <= TOL * (abs(b) if i < 2 else 1.0), f"{where} step {step}: {name} {a} vs {b}"
+    assert abs(value["curve"][0][0] - math.log(2)) <= 1e-6, f"{where}: step 1 loss {value['curve'][0][0]} is not ln 2"
+    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind in ("moe", "lora") if kind in name), "dense")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_preference_at_two_ranks_equals_one_process(world2, reference, name):
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_preference_at_four_ranks_equals_one_process(world4, reference, name):
+    for rank, value in enumerate(check_result(world4, name)):
+        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+
+
+def test_the_one_process_run_starts_at_ln2_and_learns_the_preference(reference):
+    curve = reference["dense"]["curve"]
+    assert abs(curve[0][0] - math.log(2)) < 1e-7 and curve[0][2:] == (0.0, 0.0, 0.0, 0.0)
+    assert curve[-1][0] < curve[0][0] - 0.01 and curve[-1][4] > 0 and curve[-1][5] > 0.5
+
+
+def test_micro_batch_one_equals_micro_batch_eight(reference):
+    """Eight micro-batches of different pair counts equal one micro-batch of the 8 rows: the loss is the mean over
+    the global batch's pairs, not a mean of micro-batch means."""
+    ones = train_layout(ParallelContext.single(), preference_config(micro=1))
+    assert_matches(ones, train_layout(ParallelContext.single(), preference_config(micro=8)), "micro 1")
+    counts = [len(set(train_data()[i]["pair"].tolist()) - {-1}) for i in range(8)]
+    assert len(set(counts)) > 1, counts
+
+
+def test_packed_pairs_equal_each_pair_alone():
+    """The log-probabilities and their gradients of 8 packed rows equal each pair's two sequences run alone."""
+    ctx = ParallelContext.single()
+    config = preference_config()
+    model = build_model(config.model, ctx, seed=3)
+    data = train_data()
+    batch = micro_batches(data, 0, 8, 8, 0, 1, torch.device("cpu"))[0]
+    part = preference_parts([batch], ctx)[0]
+    logps, _ = sequence_logps(model(part["inputs"], part["targets"], documents=part["documents"]), part, ctx.cp)
+    packed = torch.autograd.grad(logps.sum(), list(model.parameters()))
+    alone = []
+    for index in part["pairs"].tolist():
+        pair = data.rows.pairs[index]
+        for answer in (pair.chosen, pair.rejected):
+            ids = torch.tensor([pair.prompt + answer])
+            targets = ids[:, 1:].clone()
+            targets[:, :len(pair.prompt) - 1] = -100
+            alone.append(-model(ids[:, :-1], targets).sum())
+    alone = torch.stack(alone).view(-1, 2)
+    assert rel(logps.float(), alone) < 1e-6
+    alone_grads = torch.autograd.grad(alone.sum(), list(model.parameters()))
+    assert max(rel(a, b) for a, b in zip(packed, alone_grads)) < 1e-5
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo", "ipo", "hinge"])
+def test_the_other_losses_train(loss):
+    curve = train_layout(ParallelContext.single(), preference_config(loss=loss))["curve"]
+    assert all(math.isfinite(c[0]) for c in curve) and curve[-1][0] < curve[0][0]
+
+
+def test_preference_loss_is_the_trainers_loss():
+    trainer = Trainer(preference_config(), ParallelContext.single(), train_data())
+    assert isinstance(trainer.loss, PreferenceLoss)
