@@ -4,12 +4,15 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 
 - `hardware`     GPU and node presets (the 2019 paper's DGX-2H, SC21's DGX A100, H100 / H200 nodes);
 - `models`       model presets (the papers' GPT-2, BERT, weak-scaling and SC21 models, Llama 3, the MoE
-                 models Mixtral 8x7B and Qwen3-30B-A3B / 235B-A22B) and TOML configs;
+                 models Mixtral 8x7B and Qwen3-30B-A3B / 235B-A22B, DeepSeek-V3, GLM-4.5, gpt-oss, the hybrid
+                 linear-attention Qwen3-Next and Qwen3.5) and TOML configs;
 - `memory`       per-rank parameters, gradients, optimizer state and activations, derived from
                  what shardlm allocates and what autograd saves in its transformer layer;
 - `activations`  the same under sequence parallelism and recomputation, Korthikanti et al.'s formulas
                  for Megatron, and the peak of a pipeline rank's in-flight micro-batches;
 - `experts`      what MoE layers add: activated parameters, the MoE layer's activations, all-to-all bytes;
+- `linear_attention`  Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: their recurrence's FLOPs, what they save,
+                 their recurrent state;
 - `fsdp`         FSDP (`train.data_sharding = "full"`): sharded state, gathered units, per-layer collectives;
 - `stages`       the pipeline arithmetic: layers and parameters per rank, in-flight micro-batches of
                  each schedule, the bubble;

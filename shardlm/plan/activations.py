@@ -26,6 +26,10 @@ sequence parallelism its down-projections run on the rank's 1/t of the sequence,
 MoE layers (shardlm only): `experts.moe_layer_activation_bytes` replaces the dense MLP's share; in a
 model that mixes dense and MoE layers every layer is charged the larger of the two.
 
+Linear-attention layers (shardlm only; Qwen3-Next, Qwen3.5): `linear_attention.linear_activation_bytes` replaces
+the attention's share (`memory.attention_activation_bytes`), under selective recomputation what the recomputed core
+keeps; in a hybrid model every layer is charged the larger of the two kinds, as for dense and MoE layers.
+
 `rank_activation_peak` multiplies them by the micro-batches a pipeline rank keeps in flight
 (`stages.forwards_in_flight`): the first stage of 1F1B holds P micro-batches of L/P layers.
 """
@@ -37,7 +41,8 @@ from dataclasses import dataclass, replace
 from shardlm.models.config import ModelConfig
 from shardlm.plan import dualpipe
 from shardlm.plan.experts import moe_layer_activation_bytes, moe_layer_count
-from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory
+from shardlm.plan.linear_attention import linear_activation_bytes, linear_layer_count
+from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory, attention_activation_bytes
 from shardlm.plan.stages import RankStages, forwards_in_flight
 
 RECOMPUTE = ("none", "selective", "full")
@@ -128,12 +133,22 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
         layer_input //= tp
         embedding -= unsplit(tokens * h * mask_bytes)
         head -= unsplit(tokens * h * fmt.residual_bytes + 2 * tokens * 4)  # final LayerNorm input and statistics
+    recomputed = 0  # what selective recomputation drops of a full-attention layer
     if setting.recompute == "selective":
-        per_layer -= micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4  # SDPA's log-sum-exp
+        recomputed = micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4  # SDPA's log-sum-exp
+        if cfg.arch == "llama" and cfg.attention == "mha" and cfg.rope_fraction < 1 and backend != "cuda":
+            # and the CPU kernel's output, of which o keeps the copy its (b, heads, s, d) layout makes (`memory`)
+            recomputed += tokens * cfg.num_heads * cfg.attention_head_dim // tp * fmt.matmul_bytes
+        per_layer -= recomputed
     if cfg.moe_num_experts:
         moe = per_layer - base.per_layer + moe_layer_activation_bytes(
             cfg, tp, ep, micro_batch, fmt, setting.sequence_parallel, backend)
         per_layer = moe if moe_layer_count(cfg) == cfg.num_layers else max(per_layer, moe)
+    if linear_layer_count(cfg):  # a Gated DeltaNet layer in place of the attention
+        attention = attention_activation_bytes(cfg, tp, micro_batch, fmt, backend) - recomputed
+        linear = per_layer - attention + linear_activation_bytes(cfg, tp, micro_batch, fmt,
+                                                                  setting.recompute == "selective")
+        per_layer = linear if linear_layer_count(cfg) == cfg.num_layers else max(per_layer, linear)
     return replace(base, per_layer=per_layer, layer_input=layer_input, outside_layers=embedding + head,
                    embedding=embedding)
 

@@ -24,7 +24,8 @@ Bubble (the report's Table 2): (PP/2 - 1)(F&B + B - 3W) (`bubble_fraction`).
 
 from __future__ import annotations
 
-from shardlm.models.config import ModelConfig, mla_weights
+from shardlm.models.config import ModelConfig
+from shardlm.plan.linear_attention import attention_weights, rule_flops_per_token
 from shardlm.plan.stages import RankStages, pipeline_layers
 from shardlm.plan.windows import attended_keys, attention_flops_per_key
 
@@ -59,21 +60,21 @@ def forwards_in_flight(pp: int, micro_batches: int, rank: int) -> list[int]:
 
 def layer_flops(cfg: ModelConfig, index: int) -> float:
     """Forward FLOPs per token of layer `index` (MTP depths past the layers included), counted as
-    `flops_per_token` counts them: its attention matrices (MLA's or q, k, v, o), its MLP (dense, or the top-k
-    routed and the shared experts with the router), the score and value products over its keys."""
+    `flops_per_token` counts them: its attention matrices (MLA's, a linear-attention layer's or q, k, v, o:
+    `linear_attention.attention_weights`), its MLP (dense, or the top-k routed and the shared experts with the
+    router and the shared experts' gate), the score and value products over its keys, or a linear layer's
+    recurrence (`linear_attention.rule_flops_per_token`)."""
     h = cfg.hidden_size
-    if cfg.attention == "mla":
-        attention = mla_weights(cfg)
-    else:
-        a, kv = cfg.num_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
-        attention = 2 * h * a + 2 * h * kv
     matrices = 3 if cfg.arch == "llama" else 2
     if cfg.is_moe_layer(index):
-        mlp = matrices * (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.moe_ffn_size * h + h * cfg.moe_num_experts
+        shared = cfg.shared_ffn_size if cfg.moe_shared_experts else 0
+        gate = h if cfg.moe_shared_experts and cfg.moe_shared_expert_gate else 0
+        mlp = matrices * (cfg.moe_top_k * cfg.moe_ffn_size + shared) * h + h * cfg.moe_num_experts + gate
     else:
         mlp = matrices * cfg.ffn_size * h
-    keys = attended_keys(cfg, min(index, cfg.num_layers - 1))
-    return 2 * (attention + mlp) + attention_flops_per_key(cfg) * keys
+    recurrence = rule_flops_per_token(cfg) if cfg.is_linear_layer(index) else 0
+    return 2 * (attention_weights(cfg, index) + mlp) + attention_flops_per_key(cfg) * attended_keys(cfg, index) \
+        + recurrence
 
 
 def stage_flops(cfg: ModelConfig, layers: list[int], last: bool) -> float:

@@ -65,7 +65,9 @@ def moe_layer_activation_bytes(cfg: ModelConfig, tp: int, ep: int, micro_batch: 
       experts, per (token, slot) row: the received row and the expert output the combine weighs (2 h,
           GEMM dtype), the hidden activations (k f_e / t per token), the dispatch and combine
           permutations (2 int64), the row's weight; and the half copies of the E / ep local experts;
-      shared experts: a dense MLP of width shared x f_e (its input is the router's unless autocast casts it);
+      shared experts: a dense MLP of their width (`shared_ffn_size`; its input is the router's unless autocast
+          casts it); with `moe_shared_expert_gate` (Qwen3-Next) its output and the gate's sigmoid (h + 1), and under
+          autocast the gate's own cast of the input and of its (1, h) weight;
       per layer: the aux loss's expert counts and token count (E + 1 fp32), each grouped GEMM's offsets
           (E / ep int32).
     Under sequence parallelism the router sees the rank's N / t tokens; the experts see all N (the MoE
@@ -80,8 +82,11 @@ def moe_layer_activation_bytes(cfg: ModelConfig, tp: int, ep: int, micro_batch: 
     rows = tokens * k
     experts = (_mlp_activation_bytes(cfg, cfg.moe_ffn_size, tp, rows, cfg.moe_num_experts // ep, fmt)
                + rows * (h * fmt.matmul_bytes + 2 * 8 + fmt.matmul_bytes))
-    shared = (_mlp_activation_bytes(cfg, cfg.moe_shared_experts * cfg.moe_ffn_size, tp, tokens, 1, fmt,
+    shared = (_mlp_activation_bytes(cfg, cfg.shared_ffn_size, tp, tokens, 1, fmt,
                                     saves_input=fmt.matmul_bytes != 4) if cfg.moe_shared_experts else 0)
+    if cfg.moe_shared_experts and cfg.moe_shared_expert_gate:
+        cast = tokens * h * fmt.matmul_bytes if fmt.matmul_bytes != 4 else 0
+        shared += tokens * (h + 1) * fmt.matmul_bytes + cast + fmt.weight_cast_bytes * h
     gemms = 3 if cfg.arch == "llama" else 2
     small = 4 * (cfg.moe_num_experts + 1) + gemms * 4 * (cfg.moe_num_experts // ep)
     return attention + router + experts + shared + small

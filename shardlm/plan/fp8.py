@@ -19,7 +19,8 @@ later, without a table). The library was published in 2025, after the run; it is
 
 from __future__ import annotations
 
-from shardlm.models.config import ModelConfig, mla_weights
+from shardlm.models.config import ModelConfig
+from shardlm.plan.linear_attention import attention_weights
 
 # (M, N, K, TFLOP/s): DeepGEMM README, "Normal GEMMs for dense models", the M = 4096 rows
 DEEPGEMM_DENSE_ROWS = ((4096, 2112, 7168, 1058), (4096, 24576, 1536, 990), (4096, 32768, 512, 590),
@@ -42,22 +43,17 @@ DEEPGEMM_GROUPED_TFLOPS = _harmonic([(2 * g * m * n * k, rate) for g, m, n, k, r
 
 def fp8_gemm_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
     """(dense, expert) forward FLOPs per token of the GEMMs DeepSeek-V3 runs in FP8: every layer's attention
-    projections (MLA's matrices, or q, k, v and o) and dense MLP (3 h f) or, in an MoE layer, its top-k routed
-    experts (expert) and shared experts (dense), not the router; each multi-token-prediction depth's layer and
-    its 2h x h eh_proj. 2 FLOPs per multiply-add."""
+    projections (`linear_attention.attention_weights`: MLA's matrices, a linear layer's, or q, k, v and o) and dense
+    MLP (3 h f) or, in an MoE layer, its top-k routed experts (expert) and shared experts (dense), not the router;
+    each multi-token-prediction depth's layer and its 2h x h eh_proj. 2 FLOPs per multiply-add."""
     h = cfg.hidden_size
-    if cfg.arch == "llama" and cfg.attention == "mla":
-        attention = mla_weights(cfg)
-    else:
-        a, kv = cfg.num_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
-        attention = 2 * h * a + 2 * h * kv
     matrices = 3 if cfg.arch == "llama" else 2
     dense = expert = 0.0
     for index in range(cfg.num_layers + cfg.mtp_layers):
-        dense += 2 * attention + (4 * h * h if index >= cfg.num_layers else 0)
+        dense += 2 * attention_weights(cfg, index) + (4 * h * h if index >= cfg.num_layers else 0)
         if cfg.is_moe_layer(index):
             expert += 2 * matrices * cfg.moe_top_k * cfg.moe_ffn_size * h
-            dense += 2 * matrices * cfg.moe_shared_experts * cfg.moe_ffn_size * h
+            dense += 2 * matrices * (cfg.shared_ffn_size if cfg.moe_shared_experts else 0) * h
         else:
             dense += 2 * matrices * cfg.ffn_size * h
     return dense, expert
@@ -119,7 +115,7 @@ def _gemms(cfg: ModelConfig, index: int) -> list[tuple[int, int, int, int]]:
     if index >= cfg.num_layers:
         gemms.append((2 * h, h, 1, 1))  # eh_proj
     if cfg.is_moe_layer(index):
-        shared, routed, k = cfg.moe_shared_experts * cfg.moe_ffn_size, cfg.moe_ffn_size, cfg.moe_top_k
+        shared, routed, k = cfg.shared_ffn_size if cfg.moe_shared_experts else 0, cfg.moe_ffn_size, cfg.moe_top_k
         gemms += [(h, 2 * routed, k, 1), (routed, h, k, k)]
         if shared:
             gemms += [(h, 2 * shared, 1, 0), (shared, h, 1, 1)]
@@ -175,7 +171,8 @@ def fp8_layer_bytes(cfg: ModelConfig, tp: int, micro_batch: int, sequence_parall
     moe = 0.0
     if cfg.moe_num_experts:
         rows = cfg.moe_top_k * (h + 2 * cfg.moe_ffn_size / tp) * FP8_BYTES
-        moe = 4 * cfg.moe_num_experts / split + rows + 2 * cfg.moe_shared_experts * cfg.moe_ffn_size / tp * FP8_BYTES
+        shared = cfg.shared_ffn_size if cfg.moe_shared_experts else 0
+        moe = 4 * cfg.moe_num_experts / split + rows + 2 * shared / tp * FP8_BYTES
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     mlp = moe if moe_layers == cfg.num_layers else max(dense, moe) if moe_layers else dense
     return round(tokens * (residual + attention + mlp))

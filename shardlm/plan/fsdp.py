@@ -62,7 +62,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.links import over_dp_group, ring_allreduce_seconds, ring_gather_seconds
 from shardlm.plan.memory import StateMemory
-from shardlm.plan.parameters import ParameterCount, layer_parameter_counts, parameter_count
+from shardlm.plan.parameters import ParameterCount, layer_parameter_count, layers_parameter_count, parameter_count
 from shardlm.plan.stages import RankStages, rank_parameter_count
 
 if TYPE_CHECKING:
@@ -98,15 +98,19 @@ class FSDPUnits:
 
 def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: int = 1) -> FSDPUnits:
     """Layer and root elements of TP rank 0 at expert-parallel size `ep`: the whole model, or pipeline rank
-    `stages.rank`'s layers and end pieces (`stages.rank_parameter_count`). Dense and MoE layers are
-    `parameters.layer_parameter_counts`; the root is the rest."""
-    dense, moe = layer_parameter_counts(cfg, tp, ep)
+    `stages.rank`'s layers and end pieces (`stages.rank_parameter_count`). Each layer is
+    `parameters.layer_parameter_count` (dense or MoE, linear or full attention); the gathered unit is an MoE
+    layer's when the rank holds one, else a dense layer's (of a hybrid model the larger attention kind's); the root
+    is the rest."""
     indices = range(cfg.num_layers) if stages is None else stages.layer_indices
-    moe_layers = sum(cfg.is_moe_layer(i) for i in indices)
-    all_layers = (len(indices) - moe_layers) * dense.total + moe_layers * moe.total
+    layers = layers_parameter_count(cfg, indices, tp, ep)
+    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i)): i for i in indices}
+    moe = any(key[0] for key in kinds)
+    largest = max((layer_parameter_count(cfg, i, tp, ep).total for key, i in kinds.items() if key[0] == moe),
+                  default=layer_parameter_count(cfg, 0, tp, ep).total)
     held = parameter_count(cfg, tp, ep) if stages is None else rank_parameter_count(cfg, tp, stages, ep)
-    return FSDPUnits(layer=moe.total if moe_layers else dense.total, root=held.total - all_layers,
-                     layers=len(indices), all_layers=all_layers, expert=moe_layers * moe.expert)
+    return FSDPUnits(layer=largest, root=held.total - layers.total, layers=len(indices), all_layers=layers.total,
+                     expert=layers.expert)
 
 
 def fsdp_invalid_reason(cfg: ModelConfig, dp: int, pp: int, cp: int, implementation: str) -> str | None:

@@ -154,21 +154,54 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     if cfg.arch == "llama" and cfg.attention == "mla":
         return replicated + mla_activation_bytes(cfg, tp, micro_batch, fmt, backend)
     if cfg.arch == "llama":
-        # SDPA's rotated q and k, v and its output (2 h/t + 2 kv, kv = the rank's KV heads x head_dim); SwiGLU's
-        # gate, silu(gate), up and their product (4 f/t); RoPE's cos and sin (s x head_dim each; the rotation's
-        # inputs are not saved, the angles need no gradient); one fp32 RMSNorm stat per token and norm, and on
-        # the CPU, whose rms_norm is not fused, each norm's normalized input too.
-        kv = _kv_rows(cfg, tp)[1]
-        split = tokens * (2 * h // tp + 2 * kv + 4 * f // tp) * fmt.matmul_bytes
-        rope = 2 * s * (h // cfg.num_heads) * fmt.matmul_bytes
-        unfused_norms = 0 if backend == "cuda" else 2 * tokens * h * fmt.residual_bytes
-        small = 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4 + rope + unfused_norms
-        weights = fmt.weight_cast_bytes * (2 * h * h // tp + 2 * kv * h + 3 * f * h // tp)
-        return replicated + split + small + weights
+        # SwiGLU's gate, silu(gate), up and their product (4 f/t); one fp32 RMSNorm stat per token and norm, and on
+        # the CPU, whose rms_norm is not fused, each norm's normalized input too; zero-centred norms (Qwen3-Next)
+        # multiply the normalized input by 1 + weight outside the norm, which saves both (on CUDA too); the
+        # attention's share is `attention_activation_bytes` (a linear-attention layer's:
+        # `linear_attention.linear_activation_bytes`, `activations.shardlm_memory`)
+        mlp = tokens * 4 * f // tp * fmt.matmul_bytes + fmt.weight_cast_bytes * 3 * f * h // tp
+        norms = 2 * tokens * 4 + (0 if backend == "cuda" else 2 * tokens * h * fmt.residual_bytes)
+        if cfg.norm_zero_centered:
+            norms += 2 * h * 4 + (2 * tokens * h * 4 if backend == "cuda" else 0)
+        return replicated + norms + mlp + attention_activation_bytes(cfg, tp, micro_batch, fmt, backend)
     split = tokens * (4 * h // tp + 2 * f // tp) * fmt.matmul_bytes
     small = 2 * 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
     weights = fmt.weight_cast_bytes * (4 * h * h + 2 * f * h) // tp
     return replicated + split + small + weights
+
+
+def attention_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                               backend: str = "cuda") -> int:
+    """What a Llama layer's grouped-query attention saves for one micro-batch on one TP rank beyond its input norm's
+    output (a = the rank's heads x head_dim, kv = its KV heads' rows, GEMM dtype unless named): SDPA's rotated q
+    and k, v and its output (2 a + 2 kv per token; the kernel's (b, s, heads, d) layout makes the output projection's
+    input a view), its fp32 log-sum-exp (one per head), RoPE's cos and sin (s x the rotated channels each, cast for
+    q and for k under autocast; the rotation's inputs are not saved, the angles need no gradient) and autocast's
+    copies of q, k, v and o.
+    Qwen3-Next's output gate (`attention_output_gate`): sigmoid(gate) and the gated output o reads (2 a). q/k
+    RMSNorm (`qk_norm`): the norms' inputs (q's projection output, gate rows included, and k's; under autocast, and
+    zero-centred in half precision, their fp32 copies of q and k), an fp32 statistic per head and token, and their
+    normalized outputs on the CPU (unfused) or, zero-centred, everywhere (fp32 but with plain norms in fp32 or half
+    parameters), with the 1 + weight vectors."""
+    b, s, h, e = micro_batch, cfg.seq_length, cfg.hidden_size, fmt.matmul_bytes
+    tokens = b * s
+    heads, head_dim = cfg.num_heads // tp, cfg.attention_head_dim
+    a, kv = heads * head_dim, _kv_rows(cfg, tp)[1]
+    q_rows = 2 * a if cfg.attention_output_gate else a
+    rope = (2 if e == 4 else 4) * s * int(head_dim * cfg.rope_fraction) * e  # q's and k's own casts under autocast
+    saved = tokens * (2 * a + 2 * kv) * e + b * heads * s * 4 + rope
+    if cfg.rope_fraction < 1 and backend != "cuda":  # q is a concatenation: the CPU kernel's output keeps its
+        saved += tokens * a * e  # (b, heads, s, d) layout, so o's input (or the gate's operand) is a copy
+    saved += fmt.weight_cast_bytes * ((q_rows + a) * h + 2 * kv * h)
+    if cfg.attention_output_gate:
+        saved += tokens * 2 * a * e
+    if cfg.qk_norm:  # zero-centred norms and autocast's run in fp32, on fp32 copies of half q and k
+        in_fp32 = cfg.norm_zero_centered or fmt.weight_cast_bytes > 0
+        inputs = (a + kv) * 4 if in_fp32 and e != 4 else (q_rows + kv) * e  # else the projections' outputs
+        normalized = (a + kv) * (4 if in_fp32 else e) if cfg.norm_zero_centered or backend != "cuda" else 0
+        saved += tokens * (inputs + normalized + (heads + kv // head_dim) * 4)
+        saved += 2 * head_dim * 4 if cfg.norm_zero_centered else 0  # the 1 + weight vectors
+    return saved
 
 
 def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,

@@ -1,7 +1,8 @@
 """Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3,
 the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, and the DeepSeek-V3-shaped
-models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, GLM-4.5, and gpt-oss
-(sliding-window layers, attention sinks, biased experts).
+models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, GLM-4.5, gpt-oss
+(sliding-window layers, attention sinks, biased experts), and the hybrid linear-attention models Qwen3-Next-80B-A3B
+and Qwen3.5 (27B dense, 35B-A3B and 397B-A17B: three Gated DeltaNet layers before each gated full-attention one).
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
@@ -10,7 +11,8 @@ BERT heads, counted exactly in `parameters.parameter_count`; activations are tho
 The MoE presets take the published shapes (their Hugging Face configs; a test counts the same totals
 with transformers) and a training sequence of 4096 tokens (not their longer context windows). The DeepSeek
 presets leave out the multi-token-prediction module of DeepSeek-V3's released weights (transformers' model does
-not build it either; docs/plan.md).
+not build it either; docs/plan.md), and so do the GLM-4.5, Qwen3-Next and Qwen3.5 presets (`mtp_layers=1` in a TOML
+config counts it: `parameters.mtp_parameter_count`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ QWEN3_VOCAB = 151936
 DEEPSEEK_V3_VOCAB = 129280
 MOONLIGHT_VOCAB = 163840
 GPT_OSS_VOCAB = 201088
+QWEN35_VOCAB = 248320
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -126,6 +129,30 @@ def _gpt_oss(layers: int, experts: int) -> ModelConfig:
                        swiglu_alpha=1.702)
 
 
+def _qwen3_hybrid(layers: int, hidden: int, heads: int, kv_heads: int, value_heads: int, vocab: int,
+                  dense_ffn: int = 0, experts: int = 0, top_k: int = 0, expert_ffn: int = 0) -> ModelConfig:
+    """Qwen3-Next / Qwen3.5 (their config.json; transformers' Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM): of every four layers three Gated DeltaNet layers (16 key heads and `value_heads` value
+    heads of 128 channels, a 4-tap convolution) and one gated full-attention layer (`heads` query heads and
+    `kv_heads` KV heads of 256 channels, q/k RMSNorm, RoPE on the first quarter of each head, theta 1e7);
+    zero-centred RMSNorms (epsilon 1e-6); untied embeddings. MoE models: every layer routes to `top_k` of
+    `experts` experts of width `expert_ffn` (softmax, norm_topk_prob) plus one shared expert of the same width
+    behind a sigmoid gate; dense ones a SwiGLU of width `dense_ffn` (intermediate_size, which Qwen3-Next's MoE
+    config also states without a dense layer using it). Sequence 4096 (not their 262,144-token
+    window). The multi-token-prediction layer (mtp_num_hidden_layers 1) and Qwen3.5's vision tower are not
+    counted."""
+    moe = {}
+    if experts:
+        moe = dict(moe_num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=expert_ffn, moe_norm_topk_prob=True,
+                   moe_shared_experts=1, moe_shared_ffn_hidden_size=expert_ffn, moe_shared_expert_gate=True)
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=256, qk_norm=True, rope_fraction=0.25, seq_length=4096, vocab_size=vocab,
+                       ffn_hidden_size=dense_ffn or expert_ffn, rope_theta=1e7, layernorm_epsilon=1e-6, dropout=0.0,
+                       layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=16,
+                       linear_num_value_heads=value_heads, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel=4, attention_output_gate=True, norm_zero_centered=True, **moe)
+
+
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(arch="bert", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=512,
                        vocab_size=BERT_VOCAB)
@@ -154,6 +181,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (transformers' Qwen3NextConfig defaults are its shape; THUDM/slime
+    # scripts/models/qwen3-next-80B-A3B.sh): 48 layers, h 2048, 16 heads / 2 KV, 32 value heads, 512 experts top-10
+    "qwen3-next-80b-a3b": _qwen3_hybrid(48, 2048, 16, 2, 32, QWEN3_VOCAB, dense_ffn=5120, experts=512, top_k=10,
+                                        expert_ffn=512),
+    # Qwen/Qwen3.5-27B config.json text_config (THUDM/slime scripts/models/qwen3.5-27B.sh): dense, SwiGLU 17408
+    "qwen3.5-27b": _qwen3_hybrid(64, 5120, 24, 4, 48, QWEN35_VOCAB, dense_ffn=17408),
+    # Qwen/Qwen3.5-35B-A3B text_config (transformers' Qwen3_5MoeTextConfig defaults; slime qwen3.5-35B-A3B.sh)
+    "qwen3.5-35b-a3b": _qwen3_hybrid(40, 2048, 16, 2, 32, QWEN35_VOCAB, experts=256, top_k=8, expert_ffn=512),
+    # Qwen/Qwen3.5-397B-A17B text_config (slime scripts/models/qwen3.5-397B-A17B.sh): 64 value heads, 512 experts
+    "qwen3.5-397b-a17b": _qwen3_hybrid(60, 4096, 32, 2, 64, QWEN35_VOCAB, experts=512, top_k=10, expert_ffn=1024),
 }
 # Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
 SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),
@@ -208,5 +245,5 @@ def check_model(cfg: ModelConfig) -> None:
         if cfg.moe_layer_interval < 1 or cfg.moe_first_dense_layers < 0 or cfg.moe_shared_experts < 0:
             raise UserError("model.moe_layer_interval must be >= 1, model.moe_first_dense_layers and "
                             "model.moe_shared_experts >= 0")
-    if cfg.hidden_size % cfg.num_heads:
+    if cfg.hidden_size % cfg.num_heads and not (cfg.arch == "llama" and (cfg.head_dim or cfg.attention == "mla")):
         raise UserError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")

@@ -2,8 +2,9 @@
 `shardlm.models.llama` and `shardlm.models.mla` split over the TP group (fused QKV and the first MLP GEMM by
 columns, with their biases; the residual projections by rows; the vocabulary embedding and the output layer by
 rows of the padded vocabulary) and which they replicate (norms, the row-parallel biases, learned positions); MoE
-layers' routers, experts (1/EP of them, split over TP) and shared experts (`_mlp_count`); one layer of each kind
-(`layer_parameter_counts`) and the multi-token-prediction depths (`mtp_parameter_count`)."""
+layers' routers, experts (1/EP of them, split over TP) and shared experts (`_mlp_count`); Qwen3-Next's and Qwen3.5's
+Gated DeltaNet layers (`_linear_attention_count`, `shardlm.models.linear_attention`) and gated full attention; one
+layer of each kind (`layer_parameter_count`) and the multi-token-prediction depths (`mtp_parameter_count`)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> P
     rows and down (h x f) by columns, no biases; GPT fc (f x h + f) by rows, proj (h x f) by columns
     with its h bias replicated. MoE (`cfg.is_moe_layer`): the router (E x h, and E expert biases with
     aux-loss-free balancing) replicated; E / ep experts of width f_e, split over TP like a dense MLP
-    without biases; shared experts one dense MLP of width shared x f_e."""
+    without biases; shared experts one dense MLP of their width (`cfg.shared_ffn_size`), with
+    `moe_shared_expert_gate` its (1, h) sigmoid gate replicated (Qwen3-Next, Qwen3.5)."""
     h = cfg.hidden_size
 
     def dense(width: int) -> ParameterCount:
@@ -74,7 +76,9 @@ def _mlp_count(cfg: ModelConfig, index: int, tp: int, ep: int, gated: bool) -> P
         + (3 if gated else 2) + 2 * cfg.moe_linear_bias
     count = ParameterCount(matrices + linear_bias, experts * h + bias, tensors, matrices, matrices + linear_bias)
     if cfg.moe_shared_experts:
-        count = add_counts(count, dense(cfg.moe_shared_experts * cfg.moe_ffn_size))
+        count = add_counts(count, dense(cfg.shared_ffn_size))
+        if cfg.moe_shared_expert_gate:
+            count = add_counts(count, ParameterCount(0, h, 1, 0))
     return count
 
 
@@ -156,70 +160,116 @@ def _mla_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     return ParameterCount(sharded, replicated, tensors, sharded + replicated_matrices)
 
 
-def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
-    """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
-    is set) split by rows, o (h x a) by columns, k and v (num_kv_heads x head_dim x h each) split or replicated
-    (see `_kv_rows`), two RMSNorm weights per layer (and the q and k norms of head_dim each with qk_norm) and
-    the final one replicated, the SwiGLU MLP or MoE layer (`_mlp_count`), the embedding and the untied output
-    layer (V_padded x h each) split by vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5), o's bias
-    (replicated) and per-head sinks (split) with `attention_output_bias` and `attention_sinks` (gpt-oss). With
-    multi-head latent attention the layer's
-    attention is `_mla_count`'s."""
-    h, layers = cfg.hidden_size, cfg.num_layers
-    if cfg.attention == "mla":
-        vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
-        outputs = 1 if cfg.tie_embeddings else 2
-        attention = _mla_count(cfg, tp)
-        attention = ParameterCount(layers * attention.sharded + outputs * vocab_local * h,
-                                   layers * attention.replicated + h, layers * attention.tensors + 1 + outputs,
-                                   layers * attention.matrix)
-        return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
+def _linear_attention_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One Gated DeltaNet layer (`shardlm.models.linear_attention.GatedDeltaNet`) and its two RMSNorms on one TP
+    rank (n_k, n_v key and value heads of d_k, d_v channels, both head counts split over TP): q and k (n_k d_k x h
+    each), v and z (n_v d_v x h each), b and a (n_v x h each) split by rows, o (h x n_v d_v) by columns; the
+    depthwise convolutions of q, k and v ((2 n_k d_k + n_v d_v) x kernel), A_log and dt_bias (n_v each) split with
+    their heads; the gated norm's weight (d_v) and the block's two RMSNorms (h each) replicated."""
+    h, dk, dv = cfg.hidden_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_heads = _split(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
+    value_heads = _split(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
+    matrices = (2 * key_heads * dk + 2 * value_heads * dv + 2 * value_heads) * h + h * value_heads * dv
+    conv = (2 * key_heads * dk + value_heads * dv) * cfg.linear_conv_kernel
+    return ParameterCount(matrices + conv + 2 * value_heads, dv + 2 * h, 7 + 3 + 2 + 1 + 2, matrices)
+
+
+def _full_attention_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One layer's grouped-query attention and two RMSNorms on one TP rank (`_llama_parameter_count`)."""
+    h = cfg.hidden_size
     a_local = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width")
-    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    q_local = a_local * (2 if cfg.attention_output_gate else 1)  # Qwen3-Next: each head's queries, then its gate
     kv_held, kv_used = _kv_rows(cfg, tp)
     kv_split = kv_held == kv_used and cfg.kv_heads % tp == 0
-    layer_sharded = 2 * a_local * h + (2 * kv_held * h if kv_split else 0)
+    sharded = (q_local + a_local) * h + (2 * kv_held * h if kv_split else 0)
     norms = 2 if cfg.qk_norm else 0
-    layer_replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
+    replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
     biases = 3 if cfg.attention_bias else 0  # q (split with its heads), k and v (split or replicated as their weights)
     if biases:
-        layer_sharded += a_local + (2 * kv_held if kv_split else 0)
-        layer_replicated += 0 if kv_split else 2 * kv_held
+        sharded += q_local + (2 * kv_held if kv_split else 0)
+        replicated += 0 if kv_split else 2 * kv_held
     if cfg.attention_output_bias:  # o's bias, added after the row-parallel reduction: replicated
-        layer_replicated += h
+        replicated += h
         biases += 1
     if cfg.attention_sinks:  # one learned logit per query head, split with the heads
-        layer_sharded += _split(cfg.num_heads, tp, "num_heads")
+        sharded += _split(cfg.num_heads, tp, "num_heads")
         biases += 1
+    return ParameterCount(sharded, replicated, 6 + norms + biases, (q_local + a_local) * h + 2 * kv_used * h)
+
+
+def _times(count: ParameterCount, n: int) -> ParameterCount:
+    """n x count, field by field."""
+    return ParameterCount(*(n * getattr(count, f) for f in ("sharded", "replicated", "tensors", "matrix", "expert")))
+
+
+def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.llama.Llama`: q (a x h, a = num_heads x head_dim, h unless head_dim
+    is set; 2a x h with `attention_output_gate`, each head's queries then its gate) split by rows, o (h x a) by
+    columns, k and v (num_kv_heads x head_dim x h each) split or replicated (see `_kv_rows`), two RMSNorm weights
+    per layer (and the q and k norms of head_dim each with qk_norm) and the final one replicated, the SwiGLU MLP
+    or MoE layer (`_mlp_count`), the embedding and the untied output layer (V_padded x h each) split by
+    vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5), o's bias (replicated) and per-head sinks
+    (split) with `attention_output_bias` and `attention_sinks` (gpt-oss). With multi-head latent attention the
+    layer's attention is `_mla_count`'s; a linear-attention layer's (`cfg.is_linear_layer`) is
+    `_linear_attention_count`'s."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     outputs = 1 if cfg.tie_embeddings else 2
-    attention = ParameterCount(sharded=layers * layer_sharded + outputs * vocab_local * h,
-                               replicated=layers * layer_replicated + h,
-                               tensors=(6 + norms + biases) * layers + 1 + outputs,
-                               matrix=layers * (2 * a_local * h + 2 * kv_used * h))
-    return add_counts(attention, _mlps(cfg, tp, ep, gated=True))
+    ends = ParameterCount(outputs * vocab_local * h, h, 1 + outputs, 0)  # embedding, output layer, final norm
+    if cfg.attention == "mla":
+        attention = _times(_mla_count(cfg, tp), layers)
+    else:
+        linear = sum(cfg.is_linear_layer(i) for i in range(layers))
+        attention = _times(_full_attention_count(cfg, tp), layers - linear)
+        if linear:
+            attention = add_counts(attention, _times(_linear_attention_count(cfg, tp), linear))
+    return add_counts(add_counts(attention, ends), _mlps(cfg, tp, ep, gated=True))
+
+
+def layer_parameter_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) -> ParameterCount:
+    """Layer `index`'s parameters on one (TP, EP) rank: dense or MoE (`cfg.is_moe_layer`), linear or full
+    attention (`cfg.is_linear_layer`; a multi-token-prediction depth, index >= num_layers, has full attention).
+    A one-layer model of its kind less the model without layers."""
+    base = replace(cfg, mtp_layers=0)
+    kind = replace(base, num_layers=1, layer_types=["linear_attention"] if cfg.is_linear_layer(index) else [])
+    if cfg.is_moe_layer(index):
+        kind = replace(kind, moe_first_dense_layers=0, moe_layer_interval=1)
+    else:
+        kind, ep = replace(kind, moe_num_experts=0), 1
+    return add_counts(parameter_count(kind, tp, ep), parameter_count(_with_layers(base, 0), tp, ep), sign=-1)
+
+
+def layers_parameter_count(cfg: ModelConfig, indices, tp: int, ep: int = 1) -> ParameterCount:
+    """The layers `indices` together on one (TP, EP) rank (`layer_parameter_count`, one per kind)."""
+    kinds: dict[tuple[bool, bool], ParameterCount] = {}
+    total = ParameterCount(0, 0, 0, 0)
+    for index in indices:
+        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index))
+        if key not in kinds:
+            kinds[key] = layer_parameter_count(cfg, index, tp, ep)
+        total = add_counts(total, kinds[key])
+    return total
 
 
 def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
-    """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank: one-layer models less the
-    model without layers (equal for a dense model)."""
-    cfg = replace(cfg, mtp_layers=0)  # one layer of each kind, without the depths
-    no_layers = parameter_count(_with_layers(cfg, 0), tp, ep)
-    dense = add_counts(parameter_count(replace(cfg, num_layers=1, moe_num_experts=0), tp), no_layers, sign=-1)
+    """(a dense layer's, an MoE layer's) parameters on one (TP, EP) rank, both with full attention (equal for a
+    dense model); a given layer's, linear attention included: `layer_parameter_count`."""
+    dense = layer_parameter_count(replace(cfg, moe_num_experts=0), cfg.num_layers, tp)
     if not cfg.moe_num_experts:
         return dense, dense
-    moe_cfg = replace(cfg, num_layers=1, moe_first_dense_layers=0, moe_layer_interval=1)
-    return dense, add_counts(parameter_count(moe_cfg, tp, ep), no_layers, sign=-1)
+    return dense, layer_parameter_count(replace(cfg, moe_first_dense_layers=0, moe_layer_interval=1), cfg.num_layers,
+                                        tp, ep)
 
 
 def mtp_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     """Per-rank parameters of the `cfg.mtp_layers` depths (without the shared embedding and head): per depth the
-    layer of index L + k as `layer_parameter_counts` counts it, eh_proj (h x 2h) and three norms of h."""
-    dense, moe = layer_parameter_counts(replace(cfg, mtp_layers=0), tp, ep)
+    layer of index L + k as `layer_parameter_count` counts it (full attention, also in a hybrid model: Qwen3-Next's
+    and Qwen3.5's depth is a gated full-attention layer), eh_proj (h x 2h) and three norms of h."""
     h = cfg.hidden_size
     own = ParameterCount(0, 2 * h * h + 3 * h, 4, 2 * h * h)
     total = ParameterCount(0, 0, 0, 0)
     for k in range(cfg.mtp_layers):
-        total = add_counts(total, add_counts(moe if cfg.is_moe_layer(cfg.num_layers + k) else dense, own))
+        total = add_counts(total, add_counts(layer_parameter_count(cfg, cfg.num_layers + k, tp, ep), own))
     return total
 
 

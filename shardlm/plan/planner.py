@@ -121,6 +121,10 @@ def _check_request(request: PlanRequest) -> None:
     if request.model.config.attention == "mla" and request.implementation != "shardlm":
         raise UserError(f"--implementation {request.implementation} has no activation model for multi-head latent "
                         "attention; use --implementation shardlm")
+    if any(request.model.config.is_linear_layer(i) for i in range(request.model.config.num_layers)) and \
+            request.implementation != "shardlm":
+        raise UserError(f"--implementation {request.implementation} has no activation model for linear-attention "
+                        "(Gated DeltaNet) layers; use --implementation shardlm")
     if request.expert not in (None, 1) and not experts:
         raise UserError(f"--expert={request.expert} needs a Mixture-of-Experts model (model.moe_num_experts > 0); "
                         "drop --expert or use --expert 1")
@@ -150,6 +154,10 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
         return f"TP={tp} does not divide a {gpu.gpus_per_node}-GPU node"
     if cfg.num_heads % tp:
         return f"{cfg.num_heads} heads are not divisible by TP={tp}"
+    if any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)) and \
+            (cfg.linear_num_key_heads % tp or cfg.linear_num_value_heads % tp):
+        return (f"linear-attention heads ({cfg.linear_num_key_heads} key, {cfg.linear_num_value_heads} value) are "
+                f"not divisible by TP={tp}")
     if cfg.ffn_size % tp and moe_layer_count(cfg) < cfg.num_layers:
         return f"MLP width {cfg.ffn_size} is not divisible by TP={tp}"
     if cfg.moe_num_experts and cfg.moe_ffn_size % tp:

@@ -27,6 +27,7 @@ from shardlm.plan.parameters import (
     _with_layers,
     add_counts,
     layer_parameter_counts,
+    layers_parameter_count,
     mtp_parameter_count,
     parameter_count,
 )
@@ -133,19 +134,17 @@ def _end_pieces(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount,
 
 
 def rank_parameter_count(cfg: ModelConfig, tp: int, stages: RankStages, ep: int = 1) -> ParameterCount:
-    """Parameters one (pipeline rank, TP rank, EP rank) holds: its layers (dense or MoE, by index), plus
-    the end pieces of the first and last stage (both, the tied embedding once, when one rank holds both).
-    Equal to `parameters.parameter_count` without a pipeline."""
+    """Parameters one (pipeline rank, TP rank, EP rank) holds: its layers (dense or MoE, linear or full attention,
+    by index: `parameters.layers_parameter_count`), plus the end pieces of the first and last stage (both, the tied
+    embedding once, when one rank holds both). Equal to `parameters.parameter_count` without a pipeline."""
     if stages.first and stages.last and len(stages.layers_per_chunk) == 1:
         return parameter_count(_with_layers(cfg, stages.layers), tp, ep)  # the whole model (also BERT's)
-    dense, moe = layer_parameter_counts(cfg, tp, ep)
-    indices = stages.layer_indices
-    moe_layers = (sum(cfg.is_moe_layer(i) for i in indices) if indices
-                  else stages.layers if cfg.moe_num_experts else 0)
-    total = ParameterCount(0, 0, 0, 0)
-    for count, layers in ((dense, stages.layers - moe_layers), (moe, moe_layers)):
-        total = add_counts(total, ParameterCount(*(layers * getattr(count, f) for f in
-                                                   ("sharded", "replicated", "tensors", "matrix", "expert"))))
+    if stages.layer_indices:
+        total = layers_parameter_count(cfg, stages.layer_indices, tp, ep)
+    else:  # built by hand: every layer of an MoE model an MoE layer
+        count = layer_parameter_counts(cfg, tp, ep)[1 if cfg.moe_num_experts else 0]
+        total = ParameterCount(*(stages.layers * getattr(count, f) for f in
+                                 ("sharded", "replicated", "tensors", "matrix", "expert")))
     first, last, shared = _end_pieces(cfg, tp, ep)
     if stages.first:
         total = add_counts(total, first)

@@ -56,6 +56,10 @@
   on the SMs the communication kernels leave, node-limited routing with FP8 dispatch, and DualPipe (the
   all-to-all and transfers behind the compute as far as it lasts, its own bubble).
 - sliding windows (`windows`): a sliding layer's attention core counts s x min(s, w), not s x s.
+- linear attention (`linear_attention`, Qwen3-Next and Qwen3.5's Gated DeltaNet layers): no attention core; the
+  FLOP count has their recurrence instead (selective recomputation runs it again), and the K/V ring of context
+  parallelism and the flash kernel's GQA passes are those of the full-attention layers only (the linear layers'
+  state summaries they exchange under CP are small and not counted).
 - multi-token prediction (`mtp`): the last pipeline rank runs its layers and the depths; the busiest rank's
   layers set the pace.
 
@@ -76,6 +80,7 @@ from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fs
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.kernels import SC21_KERNELS, Kernels
 from shardlm.plan.layout import PAPER_CALIBRATION, Calibration, Layout  # noqa: F401 (re-exported)
+from shardlm.plan.linear_attention import attention_layer_share, linear_layer_count, rule_flops_per_token
 from shardlm.plan.links import direction_bandwidth as _direction_bandwidth
 from shardlm.plan.links import over_dp_group as _over_dp_group
 from shardlm.plan.links import ring_allreduce_seconds
@@ -292,9 +297,11 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)  # sliding layers count s x w
-    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding)
+    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding;
+        # none on a linear-attention layer, which runs its recurrence again)
         flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
                   * key_share(full_sequence))
+        flops += global_batch * full_sequence.seq_length * rule_flops_per_token(cfg) * linear_layer_count(cfg)
     # per pipeline rank: the busiest holds ceil(L / P) layers, (L + 2) / P with Llama 3's short end stages, and
     # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
     if kernels.dualpipe and layout.pp > 1:  # a rank runs half the micro-batches through each of its two stages
@@ -327,8 +334,9 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
         scores = layout.micro_batch * cfg.num_heads // layout.tp * full_sequence.seq_length * cfg.seq_length
         recomputed = layout.recompute != "none"
         elementwise_bytes += layers * scores * (SCORE_BYTES_FORWARD * (2 if recomputed else 1) + SCORE_BYTES_BACKWARD)
-    elementwise_bytes += layers * kernels.gqa_expanded_bytes(full_sequence, layout.tp, layout.micro_batch, layout.cp,
-                                                            fmt.matmul_bytes)
+    attending = layers * attention_layer_share(cfg)  # the rank's layers that attend over keys (not linear ones)
+    elementwise_bytes += attending * kernels.gqa_expanded_bytes(full_sequence, layout.tp, layout.micro_batch,
+                                                               layout.cp, fmt.matmul_bytes)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
     elementwise = accumulation * elementwise_bytes / hbm
     if kernels.fp8_storage:  # the casts around the FP8 GEMMs: the step's tokens split over the GPUs as its FLOPs
@@ -338,8 +346,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
 
     tp_comm = accumulation * tp_comm_seconds(cfg, layout, gpu, fmt, calibration, layers)
     ep_comm = accumulation * all_to_all_seconds(cfg, layout, gpu, fmt, calibration, moe_layers, kernels)
-    cp_exposed, cp_ring = (accumulation * layers * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
-                                                                                   calibration, kernels))
+    cp_exposed, cp_ring = (accumulation * attending * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
+                                                                                      calibration, kernels))
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
     fraction = bubble_fraction(layout.pp, layout.virtual, accumulation)
     if kernels.dualpipe:  # all-to-all and transfers behind the other chunk's compute, as far as it lasts

@@ -10,6 +10,9 @@ instead of s^2 (of which a causal kernel executes about s^2 / 2 on a full layer 
 Memory: the fused attention kernels the planner assumes (shardlm's SDPA, Megatron-Core's flash) save q, k, v, the
 output and the log-sum-exp per token, nothing per score, so a window changes no saved activation: what it bounds is
 the work, not the bytes (`tests/test_plan_windows.py` checks both).
+
+A linear-attention layer (`ModelConfig.is_linear_layer`, Qwen3-Next's Gated DeltaNet) attends over no keys: its
+recurrence is linear in s (`models.config.flops_per_token`, `plan.linear_attention`), so it counts 0 keys here.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from shardlm.models.config import ModelConfig
 
 
 def attended_keys(cfg: ModelConfig, index: int) -> int:
-    """Keys each query of layer `index` is counted against: the sequence, or min(s, w) on a sliding layer."""
+    """Keys each query of layer `index` is counted against: the sequence, min(s, w) on a sliding layer, 0 on a
+    linear-attention layer."""
     s = cfg.seq_length
+    if cfg.is_linear_layer(index):
+        return 0
     return min(s, cfg.sliding_window) if cfg.arch == "llama" and cfg.is_sliding_layer(index) else s
 
 
@@ -38,6 +44,8 @@ def executed_pairs(cfg: ModelConfig, index: int) -> float:
 def causal_share(cfg: ModelConfig) -> float:
     """Executed pairs over the counted ones (s x keys per layer), over all layers: 1/2 without a window."""
     counted = sum(cfg.seq_length * attended_keys(cfg, i) for i in range(cfg.num_layers))
+    if not counted:  # every layer a linear-attention layer: no pairs at all
+        return 0.5
     return sum(executed_pairs(cfg, i) for i in range(cfg.num_layers)) / counted
 
 
@@ -53,6 +61,6 @@ def window_saved_flops(cfg: ModelConfig, global_batch: int, recompute: bool) -> 
     """FLOPs a window takes out of the full-square count (`flops_per_step` of the same model without the window;
     with it, `flops_per_token` already counts a sliding layer's min(s, w) keys): per sliding layer and token
     (s - min(s, w)) keys' worth, forward, backward (2x) and the recomputed forward."""
-    missing = sum(cfg.seq_length - attended_keys(cfg, i) for i in range(cfg.num_layers))
+    missing = sum(cfg.seq_length - attended_keys(cfg, i) for i in range(cfg.num_layers) if not cfg.is_linear_layer(i))
     passes = 4 if recompute else 3
     return passes * global_batch * cfg.seq_length * attention_flops_per_key(cfg) * missing
