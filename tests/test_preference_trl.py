@@ -1,0 +1,133 @@
+"""TRL's `DPOTrainer` as an external oracle for shardlm's DPO: the same losses, rewards and gradient norm.
+
+A random two-layer Qwen3 with the real Qwen3 vocabulary is saved as a Hugging Face directory beside the shared
+Qwen3 tokenizer. The shared data has no preference set, so the pairs are built from the first Dolly records: the
+instruction (and its context) as the user's prompt, the record's own response as the chosen answer and the next
+record's response as the rejected one (conversational records, rendered with the chat template on both sides).
+
+TRL (1.16) gets the records as a dataset and tokenizes them itself; its reference model is a frozen copy of the
+starting weights, run in each step. shardlm trains with `shardlm.training.run.train` from the same directory
+(`checkpoint.init_from`), the records through `[sft]` with one pair a row (`sft.packing="pad"`) in order
+(`sft.shuffle=false`), so both read the same 2 pairs a step, and its reference log-probabilities precomputed by
+the same starting weights. Matched: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay), a constant learning
+rate, clipping at 1.0, beta 0.1, fp32 (`bf16=False`: DPOConfig would turn bf16 autocast on where the CPU has it).
+Each of 4 steps' loss, chosen and rejected rewards and margin, and the first step's gradient norm agree within
+1e-5 relative (the rewards within 1e-5 absolute); the first loss is ln 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from multiproc import import_or_skip
+
+trl = import_or_skip("trl", reason="trl is not installed (make install installs it with the dev extra)")
+datasets = import_or_skip("datasets")
+transformers = import_or_skip("transformers")
+
+from shardlm.config import load_config  # noqa: E402
+from shardlm.sft.template import ChatTemplate  # noqa: E402
+from shardlm.training.run import train  # noqa: E402
+
+SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 640, 2, 4, 1e-3, 0.1, 1e-5
+
+
+def dolly_pairs(lines: list[str], count: int) -> list[dict]:
+    """Conversational preference records from Dolly records: own response chosen, the next record's rejected."""
+    records = [json.loads(line) for line in lines[:count + 1]]
+    pairs = []
+    for record, other in zip(records, records[1:]):
+        prompt = record["instruction"] + (f"\n\n{record['context']}" if record.get("context") else "")
+        pairs.append({"prompt": [{"role": "user", "content": prompt}],
+                      "chosen": [{"role": "assistant", "content": record["response"]}],
+                      "rejected": [{"role": "assistant", "content": other["response"]}]})
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("preference_trl")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=SEQ, tie_word_embeddings=True)).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+    template = ChatTemplate.from_dir(root / "hf")
+    lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()
+    pairs = [pair for pair in dolly_pairs(lines, 60)  # pairs whose two sequences fit one row
+             if sum(len(template.encode(template.render(pair["prompt"] + pair[side])))
+                    for side in ("chosen", "rejected")) <= SEQ]
+    pairs = pairs[:PAIRS_PER_STEP * STEPS]
+    assert len(pairs) == PAIRS_PER_STEP * STEPS
+    (root / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
+    return {"root": root, "hf": root / "hf", "records": root / "pairs.jsonl", "pairs": pairs}
+
+
+class InOrder(trl.DPOTrainer):
+    """DPOTrainer reading its pairs in order, as `sft.shuffle=false` does."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+
+@pytest.fixture(scope="module")
+def trl_run(setup):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
+    args = trl.DPOConfig(output_dir=str(setup["root"] / "trl"), max_length=None, beta=BETA, loss_type=["sigmoid"],
+                         per_device_train_batch_size=PAIRS_PER_STEP, max_steps=STEPS, learning_rate=LR,
+                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+                         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
+                         save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                         bf16=False)
+    logs: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                records.append(dict(logs))
+
+    records = logs
+    trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(setup["pairs"]),
+                      processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()])
+    trainer.train()
+    return logs
+
+
+@pytest.fixture(scope="module")
+def shardlm_run(setup):
+    overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
+                 f"sft.data=[\"{setup['records']}\"]", "sft.shuffle=false", "sft.valid_fraction=0.0",
+                 "sft.packing=\"pad\"", "preference.loss=\"sigmoid\"", f"preference.beta={BETA}",
+                 f"model.seq_length={SEQ}", f"train.micro_batch_size={PAIRS_PER_STEP}",
+                 f"train.global_batch_size={PAIRS_PER_STEP}", f"train.steps={STEPS}", f"train.lr={LR}",
+                 f"train.min_lr={LR}", "train.decay_style=\"constant\"", "train.warmup_steps=0",
+                 "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8", "train.clip_grad=1.0",
+                 "train.device=\"cpu\"", "log.interval=1", "log.progress=false", "log.plot=false",
+                 "log.tensorboard=false"]
+    run_dir = setup["root"] / "shardlm"
+    train(load_config(None, overrides), run_dir=run_dir)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"val_loss"' not in line]
+
+
+def test_dpo_follows_trl_step_by_step(trl_run, shardlm_run):
+    assert len(trl_run) == len(shardlm_run) == STEPS, (trl_run, shardlm_run)
+    assert abs(shardlm_run[0]["loss"] - math.log(2)) < 1e-6
+    for step, (ours, theirs) in enumerate(zip(shardlm_run, trl_run), 1):
+        assert abs(ours["loss"] - theirs["loss"]) <= TOL * theirs["loss"], f"step {step}: {ours} vs {theirs}"
+        for mine, trls in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
+                           ("reward_margin", "rewards/margins")):
+            assert abs(ours[mine] - theirs[trls]) <= TOL, f"step {step}: {mine} {ours[mine]} vs {theirs[trls]}"
+    assert abs(shardlm_run[0]["grad_norm"] - trl_run[0]["grad_norm"]) <= TOL * trl_run[0]["grad_norm"]
+    # the run learns the preference (a margin a hundred times the bound), so the later steps check the updates
+    assert shardlm_run[-1]["reward_margin"] > 100 * TOL
