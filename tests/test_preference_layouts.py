@@ -214,3 +214,12 @@ def test_the_other_losses_train(loss):
 def test_preference_loss_is_the_trainers_loss():
     trainer = Trainer(preference_config(), ParallelContext.single(), train_data())
     assert isinstance(trainer.loss, PreferenceLoss)
+
+
+def test_pipeline_stages_are_refused_in_one_line():
+    from shardlm.errors import UserError
+
+    config = preference_config()
+    config.parallel.pipeline = 2
+    with pytest.raises(UserError, match="preference optimization runs without pipeline stages for now"):
+        validate(config, 2, check_paths=False)

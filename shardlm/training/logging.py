@@ -63,12 +63,15 @@ class RunLogger:
         if "moe_aux_loss" in metrics:  # MoE: balancing losses and the least / most loaded expert vs uniform
             moe = (f" | aux loss {metrics['moe_aux_loss']:.4g} | expert load {metrics['expert_load_min']:.2f}"
                    f"-{metrics['expert_load_max']:.2f}")
+        if "reward_margin" in metrics:  # preference optimization: the rewards' margin and accuracy over the pairs
+            moe += f" | reward margin {metrics['reward_margin']:.4g} | accuracy {metrics['reward_accuracy']:.2f}"
         self.print(f"step {step:>6}/{total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
                    f"grad norm {metrics['grad_norm']:.3f}{scale}{moe} | {metrics['tokens_per_sec']:.0f} tokens/s | "
                    f"{metrics['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skipped}")
         if self.writer:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
-                        "moe_aux_loss", "expert_load_min", "expert_load_max"):
+                        "moe_aux_loss", "expert_load_min", "expert_load_max", "rewards_chosen", "rewards_rejected",
+                        "reward_margin", "reward_accuracy"):
                 value = metrics.get(key)
                 if value is not None and math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
@@ -103,7 +106,8 @@ class RunLogger:
 def run_figure(records: list[dict], title: str):
     """The run's figure from metrics.jsonl records: training (and validation) loss against step; for MoE runs
     a second panel below with what shows routing collapse, the least and most loaded expert's share of its
-    layer's routed slots (1 = uniform; the extremes over all layers) and the balancing (aux + z) loss."""
+    layer's routed slots (1 = uniform; the extremes over all layers) and the balancing (aux + z) loss; for
+    preference runs a panel with the reward margin and the accuracy (chosen rewarded above rejected)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,14 +117,15 @@ def run_figure(records: list[dict], title: str):
         return [(r["step"], r[key]) for r in records if key in r and r[key] is not None and math.isfinite(r[key])]
 
     train, valid = series("loss"), series("val_loss")
-    moe = series("expert_load_min")
-    fig, axes = plt.subplots(2 if moe else 1, 1, figsize=(7, 6.5 if moe else 4), sharex=True, squeeze=False)
+    moe, margin = series("expert_load_min"), series("reward_margin")
+    panels = 1 + bool(moe) + bool(margin)
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 4 + 2.5 * (panels - 1)), sharex=True, squeeze=False)
     ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train loss")
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation loss")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("preference loss (per pair)" if margin else "cross-entropy (nats/token)")
     ax.set_title(f"shardlm: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -136,6 +141,18 @@ def run_figure(records: list[dict], title: str):
         aux.set_ylabel("aux + z loss")
         lines = load.get_lines()[:2] + aux.get_lines()
         load.legend(lines, [line.get_label() for line in lines], fontsize="small")
+    if margin:
+        rewards = axes[-1][0]
+        rewards.plot(*zip(*margin), label="reward margin (chosen - rejected)")
+        rewards.axhline(0.0, color="grey", lw=0.8, ls="--")
+        rewards.set_ylabel("reward margin")
+        rewards.grid(alpha=0.3)
+        accuracy = rewards.twinx()
+        accuracy.plot(*zip(*series("reward_accuracy")), color="tab:green", lw=0.8, label="accuracy (right)")
+        accuracy.set_ylim(-0.05, 1.05)
+        accuracy.set_ylabel("accuracy")
+        lines = rewards.get_lines()[:1] + accuracy.get_lines()
+        rewards.legend(lines, [line.get_label() for line in lines], fontsize="small")
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     return fig
