@@ -4,7 +4,10 @@ Pre-norm blocks with RMSNorm, rotary position embeddings on q and k (`shardlm.mo
 Face's rotate-half layout), a SwiGLU MLP `down(silu(gate(x)) * up(x))`, no biases, grouped-query
 attention (`num_kv_heads` key/value heads shared by `num_heads / num_kv_heads` query heads each) and
 an output layer that is untied by default (`tie_embeddings`). Qwen3's options: `head_dim` other than
-hidden_size / num_heads, and `qk_norm` (an RMSNorm over each head's q and k before RoPE).
+hidden_size / num_heads, and `qk_norm` (an RMSNorm over each head's q and k before RoPE). Qwen3-Next's and
+Qwen3.5's: `layer_types` entries "linear_attention" build Gated DeltaNet layers (`shardlm.models.linear_attention`),
+`attention_output_gate` a sigmoid gate on each attention head's output, `norm_zero_centered` RMSNorms that scale
+by 1 + weight (`ZeroCenteredRMSNorm`).
 
 Tensor parallelism follows GPT's column -> row pairs: q, k, v, gate and up are column-parallel (one
 `f` on the block input serves all of them), the attention output and down projections are
