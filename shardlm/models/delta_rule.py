@@ -102,10 +102,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     end_decay = decay[..., -1].exp()[..., None, None]
     state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.float()
     outputs = []
-    for i in range(n):
-        new = u[:, :, i] - w[:, :, i] @ state  # the values minus what the state already predicts
-        outputs.append(q_read[:, :, i] @ state + inside[:, :, i] @ new)
-        state = state * end_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ new
+    # unbound once: indexing chunk i inside the loop would make each index's backward fill and add a zero tensor
+    # of the whole sequence, quadratic in its length
+    for u_i, w_i, q_i, inside_i, k_i, decay_i in zip(*(x.unbind(2) for x in (u, w, q_read, inside, k_write,
+                                                                             end_decay))):
+        new = u_i - w_i @ state  # the values minus what the state already predicts
+        outputs.append(q_i @ state + inside_i @ new)
+        state = state * decay_i + k_i.transpose(-1, -2) @ new
     out = torch.stack(outputs, dim=2).reshape(B, H, n * chunk, -1)[:, :, :T]
     return out, state
 
