@@ -349,3 +349,34 @@ def test_optimizer_comparison_states_what_the_runs_measured(quick_run):
     assert f"**{verdict} at this scale**" in text
     assert all(math.isfinite(loss) for runs in r["runs"].values() for x in runs.values() for _, loss in x["curve"])
     assert (quick_run[1] / r["plot"]).is_file()
+
+
+def test_linear_attention_figures_are_the_measured_times_of_the_same_model(quick_run):
+    """linear_attention: transformers' Qwen3.5-MoE losses of steps 1 and 2 equal shardlm's (same weights, same
+    batch); each training ratio is per round the quotient of the tokens/s it names, each stack speedup the
+    quotient of the full-attention and hybrid ms; every quick length was measured (no budget in --quick); the
+    hybrid stack mixes both layer kinds; BENCHMARKS.md states the figures and the plot was written."""
+    from shardlm.bench.linear_attention import QUICK_LENGTHS
+
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    train, stacks = results["linear_attention"]["train_vs_hf"], results["linear_attention"]["scaling"]
+    check = train["loss_check"]
+    assert check["match"] is True and check["tolerance"] == 1e-4
+    assert all(len(losses) == 2 and all(math.isfinite(x) for x in losses) for losses in check["losses"].values())
+    assert "**`linear_attention.train_vs_hf.loss_check.match` = True**" in text
+    for precision in train["precisions"]:
+        f = train[precision]
+        _per_repeat_ratio(f["ratio"], f["shardlm_tokens_per_sec"], f["hf_tokens_per_sec"])
+        _per_repeat_ratio(f["ratio_eager"], f["shardlm_tokens_per_sec"], f["hf_eager_tokens_per_sec"])
+        assert f"**{_as_reported(f['ratio'])}**" in text
+    assert train["goal"]["met"] == (train["fp32"]["ratio"]["median"] >= 1.2)
+    assert set(stacks["hybrid_layer_types"]) == {"linear_attention", "full_attention"}
+    assert [row["tokens"] for row in stacks["rows"]] == list(QUICK_LENGTHS)
+    for row in stacks["rows"]:
+        _per_repeat_ratio(row["speedup"], row["attention_ms"], row["hybrid_ms"])
+        assert row["rounds"] == len(row["speedup"]["values"]) == stacks["rounds"]
+        assert row["hybrid_us_per_token"] == pytest.approx(1000 * row["hybrid_ms"]["median"] / row["tokens"])
+        assert f"| {row['tokens']:,} | {row['hybrid_ms']['median']:.1f} (min" in text
+        assert f"**{_as_reported(row['speedup'])}**" in text
+    assert (quick_run[1] / stacks["plot"]).is_file()

@@ -5,7 +5,9 @@ communication vs the formula, memory per rank, the pipeline's bubble and memory 
 planner's memory and step-time ratios for PP x TP x DP layouts against measurements, Mixture-of-Experts
 training against transformers' Mixtral and expert parallelism, a tiny DeepSeek-V3's training step
 against transformers' DeepseekV3ForCausalLM, a tiny gpt-oss's (sinks, sliding windows, biased experts) against
-GptOssForCausalLM, context parallelism at a long sequence (and what a sliding window saves in the ring),
+GptOssForCausalLM, a tiny Qwen3.5-MoE's (Gated DeltaNet) against Qwen3_5MoeForCausalLM and a hybrid layer stack
+against full attention as the sequence grows, context parallelism at a long sequence (and what a sliding window
+saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
 over packed rows, throughput against TRL's SFTTrainer, packing efficiency), checkpoint I/O, preprocessing,
 evaluation and generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe": lambda: _moe(args.quick, repeats),
         "deepseek": lambda: _deepseek(args.quick, repeats),
         "gpt_oss": lambda: _gpt_oss(args.quick, repeats),
+        "linear_attention": lambda: _linear_attention(args.quick, repeats, args.out),
         "context_parallel": lambda: _context_parallel(args.quick, repeats),
         "window": lambda: _window(args.quick, repeats),
         "fsdp": lambda: _fsdp(args.quick, repeats),
@@ -132,6 +135,12 @@ def _gpt_oss(quick, repeats):
     from shardlm.bench.gpt_oss import gpt_oss_bench
 
     return gpt_oss_bench(quick, repeats)
+
+
+def _linear_attention(quick, repeats, out):
+    from shardlm.bench.linear_attention import linear_attention_bench
+
+    return linear_attention_bench(quick, repeats, out)
 
 
 def _context_parallel(quick, repeats):

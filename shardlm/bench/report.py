@@ -68,6 +68,18 @@ KEYS = {
     "gpt_oss.loss_check.match": "true when transformers' losses of steps 1 and 2 (fp32, same weights and batch) are "
                                 "within 1e-4 of shardlm's",
     "gpt_oss.goal.met": "true when the fp32 median of gpt_oss.fp32.ratio is at least 1.2",
+    "linear_attention.train_vs_hf.fp32.ratio": "shardlm tokens/s / transformers' Qwen3_5MoeForCausalLM as shipped "
+                                               "(its PyTorch Gated DeltaNet on a CPU), per round (fp32; "
+                                               "...bf16.ratio under bf16 autocast where the CPU has native bf16)",
+    "linear_attention.train_vs_hf.loss_check.match": "true when transformers' Qwen3.5-MoE losses of steps 1 and 2 "
+                                                     "(fp32, same weights and batch) are within 1e-4 of shardlm's",
+    "linear_attention.train_vs_hf.goal.met": "true when the fp32 median of linear_attention.train_vs_hf.fp32.ratio "
+                                             "is at least 1.2",
+    "linear_attention.scaling.rows": "per sequence length (batch 1, fp32): forward + backward ms of the hybrid "
+                                     "stack (3 Gated DeltaNet + 1 full attention) and of as many full-attention "
+                                     "layers (hybrid_ms, attention_ms), speedup = attention / hybrid per round, "
+                                     "us per token, rounds run (fewer, or `skipped` with the projection, past "
+                                     "the section's time budget)",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
@@ -223,6 +235,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.gpt_oss import markdown_lines as gpt_oss_lines
 
         lines += gpt_oss_lines(r["gpt_oss"])
+    if r.get("linear_attention"):
+        from shardlm.bench.linear_attention import markdown_lines as linear_attention_lines
+
+        lines += linear_attention_lines(r["linear_attention"])
     if r.get("context_parallel"):
         from shardlm.bench.context_parallel import markdown_lines as context_lines
 

@@ -1,0 +1,308 @@
+"""Hybrid linear attention on one CPU (`make bench` section `linear_attention`).
+
+- `train_vs_hf`: a tiny Qwen3.5-MoE (`QWEN35_BENCH`: three Gated DeltaNet layers before each full-attention
+  layer, the full ones with an output gate and partial RoPE, zero-centred RMSNorms, MoE MLPs of SwiGLU experts
+  plus a shared expert behind a sigmoid gate) trains as `shardlm.bench.hf_compare` describes: shardlm's Trainer
+  on the converted checkpoint against transformers' `Qwen3_5MoeForCausalLM` as shipped (`hf`) and with its
+  per-expert loop (`hf_eager`), same saved weights, same batch, fp32 loss check of steps 1 and 2 first, in fp32
+  and (where the CPU has native bf16) bf16 autocast. transformers' Gated DeltaNet runs its PyTorch fallback
+  (`torch_chunk_gated_delta_rule`; flash-linear-attention and causal-conv1d are GPU kernels), the same chunked
+  algorithm as `shardlm.models.delta_rule`. The random model's norms, `dt_bias` and router are drawn away from
+  their initial values so that every piece takes part in the loss.
+- `scaling`: forward + backward of one layer stack on one sequence (batch 1, fp32, dense SwiGLU MLPs), the
+  hybrid stack (the shape's layer types: 3 linear + 1 full) against a stack of full-attention layers of the same
+  width and depth, at each sequence length of `LENGTHS`, taking turns in a new order every round
+  (`common.round_orders`; one warm-up round at the shortest length). `speedup` is attention ms / hybrid ms per
+  round. The stacks have a time budget (`SCALING_BUDGET_S`, so that the section takes about 4 minutes on a quiet
+  2-core CPU): a length runs fewer rounds when the next would end past it (at least one), and is skipped, with
+  its projection, when even one round would (the last length's round time grown as it grew from the length
+  before, quadratically after the first). The plot `linear_attention.png` goes next to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardlm.bench import hf_compare
+from shardlm.bench.common import median_cell, round_orders, summary, torch_threads
+from shardlm.bench.hf_compare import HFModel
+
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (128, 256)
+SCALING_BUDGET_S = 180.0
+"""Seconds for the `scaling` stacks: past it a length runs fewer rounds, or none (skipped)."""
+
+
+@dataclass(frozen=True)
+class Qwen35Shape:
+    """A Qwen3.5-MoE-shaped model and batch. Full attention: `num_heads` query heads over `num_kv_heads` KV heads
+    of `head_dim`, RoPE on the first `rope_fraction` of each head's channels. Gated DeltaNet: `linear_key_heads`
+    query/key heads of `linear_key_dim`, `linear_value_heads` value heads of `linear_value_dim`, a causal
+    convolution of `conv_kernel`. Every `full_attention_interval`-th layer is full attention, the rest linear.
+    MLPs: `num_experts` experts of width `expert_ffn`, top-`top_k`, plus a gated shared expert of `shared_ffn`;
+    `dense_ffn` is the width of the dense SwiGLU of the `scaling` stacks."""
+
+    num_layers: int = 4
+    full_attention_interval: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_fraction: float = 0.25
+    linear_key_heads: int = 4
+    linear_value_heads: int = 8
+    linear_key_dim: int = 64
+    linear_value_dim: int = 64
+    conv_kernel: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = 256
+    shared_ffn: int = 256
+    dense_ffn: int = 512
+    seq_length: int = 512
+    micro_batch: int = 2
+    vocab_size: int = 8192
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_length
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                for i in range(self.num_layers)]
+
+    def hf_config(self):
+        """transformers' Qwen3_5MoeTextConfig of this shape (fp32, untied embeddings, no aux loss, no MTP)."""
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
+            linear_key_head_dim=self.linear_key_dim, linear_value_head_dim=self.linear_value_dim,
+            linear_conv_kernel_dim=self.conv_kernel, layer_types=self.layer_types, num_experts=self.num_experts,
+            num_experts_per_tok=self.top_k, moe_intermediate_size=self.expert_ffn,
+            shared_expert_intermediate_size=self.shared_ffn, max_position_embeddings=max(self.seq_length, 128),
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": self.rope_fraction},
+            router_aux_loss_coef=0.0, output_router_logits=False, tie_word_embeddings=False, torch_dtype="float32")
+
+    def stack_config(self, layer_types: list[str], seq_length: int):
+        """shardlm's ModelConfig of a `scaling` stack: this shape's widths with `layer_types`, dense SwiGLU MLPs."""
+        from shardlm.models.config import ModelConfig
+
+        return ModelConfig(
+            arch="llama", num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, ffn_hidden_size=self.dense_ffn,
+            seq_length=seq_length, vocab_size=256, dropout=0.0, rope_theta=1e6, rope_fraction=self.rope_fraction,
+            qk_norm=True, layer_types=layer_types, linear_num_key_heads=self.linear_key_heads,
+            linear_num_value_heads=self.linear_value_heads, linear_key_head_dim=self.linear_key_dim,
+            linear_value_head_dim=self.linear_value_dim, linear_conv_kernel=self.conv_kernel,
+            attention_output_gate=True, norm_zero_centered=True)
+
+    def describe_layers(self) -> str:
+        linear = self.layer_types.count("linear_attention")
+        return (f"{self.num_layers} layers ({linear} Gated DeltaNet, {self.num_layers - linear} full attention), "
+                f"hidden {self.hidden_size}; full attention {self.num_heads} heads ({self.num_kv_heads} KV) of "
+                f"{self.head_dim}, output gate, RoPE on {self.rope_fraction:g} of each head; Gated DeltaNet "
+                f"{self.linear_key_heads} key heads of {self.linear_key_dim}, {self.linear_value_heads} value heads "
+                f"of {self.linear_value_dim}, convolution {self.conv_kernel}")
+
+    def describe(self) -> str:
+        return (f"{self.describe_layers()}; {self.num_experts} SwiGLU experts of width {self.expert_ffn} "
+                f"top-{self.top_k} + a gated shared expert of {self.shared_ffn}; sequence {self.seq_length}, "
+                f"micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, no aux loss, no MTP")
+
+
+QWEN35_BENCH = Qwen35Shape()
+QWEN35_QUICK = Qwen35Shape(num_layers=2, full_attention_interval=2, hidden_size=64, num_heads=2, num_kv_heads=1,
+                           head_dim=32, linear_key_heads=2, linear_value_heads=4, linear_key_dim=16,
+                           linear_value_dim=16, num_experts=4, expert_ffn=64, shared_ffn=64, dense_ffn=128,
+                           seq_length=128, micro_batch=2, vocab_size=512)
+
+
+def save_hf_model(shape: Qwen35Shape, folder: Path, seed: int = 0) -> Path:
+    """A random fp32 Qwen3_5MoeForCausalLM of `shape` saved in `folder`: every norm weight and `dt_bias` moved by
+    N(0, 0.1) off its constant initial value (0 for the zero-centred norms, 1 for the rest), and the routers
+    sharpened (std 0.1), so that a norm or gate converted wrongly changes the loss."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM(shape.hf_config()).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                param.add_(torch.randn_like(param), alpha=0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+QWEN35 = HFModel("Qwen3_5MoeForCausalLM", "Qwen3_5MoeExperts", save_hf_model, attn_implementation=None,
+                 model_overrides={"moe_aux_loss_coeff": 0.0})
+"""The comparison's transformers side (its default attention, as shipped) and shardlm's keys: no aux loss, as
+transformers trains without `output_router_logits`."""
+
+
+def hf_linear_kernels() -> str:
+    """Which Gated DeltaNet kernels transformers can use here: its PyTorch fallback unless flash-linear-attention
+    (`fla`) and causal-conv1d are installed (GPU kernels)."""
+    found = [name for name in ("fla", "causal_conv1d") if importlib.util.find_spec(name) is not None]
+    return f"kernels installed: {', '.join(found)}" if found else "its PyTorch fallback; fla and causal_conv1d absent"
+
+
+def stack_program(shape: Qwen35Shape, layer_types: list[str], seq_length: int, seed: int = 0):
+    """A program: forward + backward of a one-process shardlm stack of `layer_types` on one random sequence
+    (1, seq_length, hidden), from a fixed random output gradient."""
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+
+    model = build_model(shape.stack_config(layer_types, seq_length), ParallelContext.single(), seed=1234).train()
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, seq_length, shape.hidden_size, generator=generator)
+    grad = torch.randn(1, seq_length, shape.hidden_size, generator=generator)
+
+    def run():
+        inputs = x.detach().requires_grad_()
+        model.run_layers(inputs, model.layers.values()).backward(grad)
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def projected_seconds(done: list[tuple[int, float]], seq_length: int) -> float | None:
+    """One round's seconds at `seq_length` grown from the last measured (length, round seconds) as it grew from
+    the length before (quadratically when only one was measured); None before any."""
+    if not done:
+        return None
+    (length, seconds), before = done[-1], done[-2] if len(done) > 1 else None
+    exponent = 2.0 if before is None else max(1.0, math.log(seconds / before[1]) / math.log(length / before[0]))
+    return seconds * (seq_length / length) ** exponent
+
+
+def timed_rounds(programs: dict, rounds: int, deadline: float, warmup: int = 0) -> dict[str, list[float]]:
+    """`common.interleaved` (seconds per call, one round of every program per repeat, in `round_orders`) that
+    stops before a round when the last one, taken again, would end after `deadline` (time.perf_counter()); at
+    least one round."""
+    for _ in range(warmup):
+        for run in programs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    last = 0.0
+    for order in round_orders(programs, rounds):
+        start = time.perf_counter()
+        if last and start + last > deadline:
+            break
+        for name in order:
+            begin = time.perf_counter()
+            programs[name]()
+            times[name].append(time.perf_counter() - begin)
+        last = time.perf_counter() - start
+    return times
+
+
+def scaling(shape: Qwen35Shape, lengths: tuple[int, ...], rounds: int, deadline: float, threads: int = 2) -> dict:
+    """Per length: ms of the hybrid and the all-attention stack per forward + backward, their quotient per round,
+    microseconds per token, the rounds run (up to `rounds`: fewer when the `deadline`, time.perf_counter(), comes
+    first); a length whose projected round would not end before the deadline is skipped with its projection."""
+    hybrid_types, attention_types = shape.layer_types, ["full_attention"] * shape.num_layers
+    rows: list[dict] = []
+    done: list[tuple[int, float]] = []
+    with torch_threads(threads):
+        for seq_length in lengths:
+            projection = projected_seconds(done, seq_length)
+            left = deadline - time.perf_counter()
+            if projection is not None and projection > left:
+                rows.append({"tokens": seq_length, "skipped": f"projected {projection:.0f} s a round, "
+                                                              f"{max(left, 0):.0f} s left of the budget"})
+                continue
+            programs = {"hybrid": stack_program(shape, hybrid_types, seq_length),
+                        "attention": stack_program(shape, attention_types, seq_length)}
+            times = timed_rounds(programs, rounds, deadline, warmup=0 if rows else 1)
+            ms = {name: [1000 * t for t in ts] for name, ts in times.items()}
+            hybrid, attention = summary(ms["hybrid"]), summary(ms["attention"])
+            rows.append({"tokens": seq_length, "rounds": len(ms["hybrid"]), "hybrid_ms": hybrid,
+                         "attention_ms": attention,
+                         "speedup": summary([a / h for a, h in zip(ms["attention"], ms["hybrid"])]),
+                         "hybrid_us_per_token": 1000 * hybrid["median"] / seq_length,
+                         "attention_us_per_token": 1000 * attention["median"] / seq_length})
+            done.append((seq_length, (hybrid["median"] + attention["median"]) / 1000))
+    faster = [row["tokens"] for row in rows if "skipped" not in row and row["speedup"]["median"] > 1.0]
+    return {"config": f"{shape.describe_layers()}; dense SwiGLU of {shape.dense_ffn}; batch 1, fp32, forward + "
+                      f"backward, {threads} threads, up to {rounds} rounds", "rows": rows,
+            "hybrid_layer_types": hybrid_types, "rounds": rounds,
+            "first_length_hybrid_faster": faster[0] if faster else None}
+
+
+def linear_attention_bench(quick: bool, repeats: int, out_dir: Path | None = None) -> dict:
+    """The `linear_attention` section of `make bench`."""
+    shape = QWEN35_QUICK if quick else QWEN35_BENCH
+    train = hf_compare.single_process(shape, QWEN35, repeats)
+    train["hf_linear_kernels"] = hf_linear_kernels()
+    deadline = time.perf_counter() + (math.inf if quick else SCALING_BUDGET_S)
+    stacks = scaling(shape, QUICK_LENGTHS if quick else LENGTHS, min(repeats, 3), deadline)
+    if out_dir is not None:
+        stacks["plot"] = plot(stacks["rows"], Path(out_dir) / "linear_attention.png")
+    return {"train_vs_hf": train, "scaling": stacks}
+
+
+def plot(rows: list[dict], path: Path) -> str | None:
+    """ms per forward + backward against tokens (log-log) of both stacks; the file's name, or None without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    measured = [row for row in rows if "skipped" not in row]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(7, 4))
+    tokens = [row["tokens"] for row in measured]
+    for name, label, style in (("hybrid", "hybrid (linear + full attention)", "o-"),
+                               ("attention", "full attention only", "s--")):
+        axes.plot(tokens, [row[f"{name}_ms"]["median"] for row in measured], style, label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("sequence length (tokens, batch 1)")
+    axes.set_ylabel("forward + backward ms (median)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path.name
+
+
+def markdown_lines(d: dict) -> list[str]:
+    """The `linear_attention` section of BENCHMARKS.md."""
+    train, stacks = d["train_vs_hf"], d["scaling"]
+    lines = hf_compare.markdown_lines(train, "linear_attention.train_vs_hf", "Qwen3.5-MoE training step",
+                                      "`Qwen3_5MoeForCausalLM` (Gated DeltaNet: "
+                                      f"{train.get('hf_linear_kernels', 'as shipped')})")
+    lines += ["## Hybrid layer stack against full attention (`linear_attention.scaling`)", "",
+              f"Config: {stacks['config']}. Forward + backward of one sequence through the hybrid stack (layer "
+              f"types {', '.join(stacks['hybrid_layer_types'])}) and through as many full-attention layers of the "
+              "same width; the two take turns every round.", "",
+              "| tokens | hybrid ms | full attention ms | full / hybrid (`linear_attention.scaling.rows[].speedup`) | "
+              "hybrid us/token | full attention us/token | rounds |", "|---|---|---|---|---|---|---|"]
+    for row in stacks["rows"]:
+        if "skipped" in row:
+            lines.append(f"| {row['tokens']:,} | skipped: {row['skipped']} | | | | | 0 |")
+            continue
+        lines.append(f"| {row['tokens']:,} | {median_cell(row['hybrid_ms'], digits=1)} | "
+                     f"{median_cell(row['attention_ms'], digits=1)} | **{median_cell(row['speedup'])}** | "
+                     f"{row['hybrid_us_per_token']:.1f} | {row['attention_us_per_token']:.1f} | {row['rounds']} |")
+    first = stacks.get("first_length_hybrid_faster")
+    lines += ["", f"The shortest length at which the hybrid stack was faster (median): **{first:,} tokens**." if first
+              else "The hybrid stack was not faster than full attention at any length measured on this CPU."]
+    if stacks.get("plot"):
+        lines += ["", f"![forward + backward ms against sequence length]({stacks['plot']})"]
+    return lines + [""]
