@@ -106,8 +106,8 @@ def wrong_shapes(root: Path, hf: Path) -> Path:
 ERRORS = [
     ("missing", lambda r, hf: ["checkpoint.init_from=" + str(r / "no-such-model")], "does not exist"),
     ("bert", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "bert", {"model_type": "bert"}))],
-     "holds a 'bert' model; only gpt2 and llama, qwen3, mixtral, qwen3_moe, glm4_moe, gpt_oss, deepseek_v3, kimi_k2, "
-     "deepseek_v2 convert"),
+     "holds a 'bert' model; only gpt2 and llama, qwen3, mixtral, qwen3_moe, glm4_moe, gpt_oss, qwen3_next, qwen3_5, "
+     "qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, deepseek_v3, kimi_k2, deepseek_v2 convert"),
     ("deepseek", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "dsv3", {"model_type": "deepseek_v3"}))],
      "holds a 'deepseek_v3' model: convert it first (shardlm convert --from-hf"),
     ("no_weights", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "empty", json.loads(

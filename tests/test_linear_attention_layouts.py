@@ -3,7 +3,7 @@ on packed SFT rows at every layout as one process does (fp32, within 1e-5: losse
 loss and every final parameter on every rank; `test_sft_layouts`' data, documents crossing the CP chunks and the
 micro-batches).
 
-- world 2: DP=2, TP=2 with SP (heads and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
+- world 2: TP=2 with SP (heads and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
   rank's two zigzag chunks run at once; their state summaries and convolution inputs are handed over), DP=2 with
   the distributed optimizer (ZeRO-1), FSDP, the MoE variant (gated shared expert) at EP=2, and TP=2 with SP
   with LoRA adapters (v, o and the MLP of both kinds of layer) and with Muon (each whole matrix orthogonalized);
@@ -63,7 +63,6 @@ def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, *
 
 
 WORLD2 = {
-    "dp2": layout(),
     "tp2 sp": layout(tp=2, sp=True),
     "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
     "cp2": layout(cp=2),

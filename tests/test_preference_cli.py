@@ -90,9 +90,9 @@ def test_dpo_from_a_hf_directory_restarts_and_exports(setup, capsys):
 
 
 def test_the_tiny_dpo_config_trains(setup, tmp_path, capsys):
-    """`configs/dpo-tiny-qwen3.toml` on the pairs `scripts/dolly_pairs.py` writes (two steps, shorter rows)."""
+    """`configs/dpo-tiny-qwen3.toml` on the pairs `scripts/dolly_pairs.py` writes (one step, shorter rows)."""
     code = main(["train", "configs/dpo-tiny-qwen3.toml", f"sft.data=[\"{setup['records']}\"]", "model.seq_length=512",
-                 "train.steps=2", "train.eval_interval=0", "train.eval_iters=1", "log.progress=false",
+                 "train.steps=1", "train.eval_interval=0", "train.eval_iters=1", "log.progress=false",
                  "log.plot=false", "log.tensorboard=false", "checkpoint.save=false",
                  "--run-dir", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
