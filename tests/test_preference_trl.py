@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import runpy
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,19 +36,13 @@ from shardlm.config import load_config  # noqa: E402
 from shardlm.sft.template import ChatTemplate  # noqa: E402
 from shardlm.training.run import train  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 640, 2, 4, 1e-3, 0.1, 1e-5
 
 
 def dolly_pairs(lines: list[str], count: int) -> list[dict]:
-    """Conversational preference records from Dolly records: own response chosen, the next record's rejected."""
-    records = [json.loads(line) for line in lines[:count + 1]]
-    pairs = []
-    for record, other in zip(records, records[1:]):
-        prompt = record["instruction"] + (f"\n\n{record['context']}" if record.get("context") else "")
-        pairs.append({"prompt": [{"role": "user", "content": prompt}],
-                      "chosen": [{"role": "assistant", "content": record["response"]}],
-                      "rejected": [{"role": "assistant", "content": other["response"]}]})
-    return pairs
+    """The first `count` pairs `scripts/dolly_pairs.py` builds (own response chosen, the next record's rejected)."""
+    return runpy.run_path(str(ROOT / "scripts" / "dolly_pairs.py"))["dolly_pairs"](lines[:count + 1])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ prompt masked, as in SFT), from the model's per-token losses through the vocabul
 so tensor parallelism never gathers logits. Per micro-batch: the token losses are summed per (pair, side)
 (`sequence_logps`); under context parallelism each rank holds part of each sequence, so the sums are
 all-reduced over CP, and their gradient too (every CP rank computes the same pair losses, each rank's tokens
-receive their share from every copy: `_SumOverGroup`). The loss of the global batch is the mean over its pairs:
+receive their share from every copy: `sum_over`). The loss of the global batch is the mean over its pairs:
 each micro-batch returns its pairs' summed losses over `divisor` = pairs of the global batch / (micro-batches x
 DP), which the trainer's mean over micro-batches and DP x CP turns into exactly that mean.
 
@@ -34,27 +34,17 @@ from shardlm.config import PreferenceConfig
 from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
 from shardlm.models.documents import Documents
+from shardlm.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 REFERENCE_FREE = ("simpo", "orpo")
 LOSSES = ("sigmoid", "ipo", "hinge") + REFERENCE_FREE
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce forward and backward: the sum of every rank's partial sums, for a loss every rank computes."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return group.all_reduce(x.clone())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_reduce(grad.clone()), None
-
-
 def sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group.size == 1 else _SumOverGroup.apply(x, group)
+    """The sum of every rank's partial sums, for a loss every rank of `group` computes: all-reduced forward (`g`)
+    and backward (`f`), so each rank's tokens receive the gradient of every rank's copy of the loss."""
+    return copy_to_tensor_parallel(reduce_from_tensor_parallel(x, group), group)
 
 
 def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
