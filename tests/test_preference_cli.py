@@ -69,7 +69,8 @@ def test_dpo_from_a_hf_directory_restarts_and_exports(setup, capsys):
     args = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", "--run-dir", str(run_dir)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "preference: sigmoid loss, beta 0.1, reference: precomputed for 27 pairs" in out, out
+    assert ("preference: sigmoid loss, beta 0.1, reference: precomputed by the starting weights for 27 train and 3 "
+            "valid pairs") in out, out
     assert "reward margin" in out and (run_dir / "reference_logps.safetensors").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward_margin" in m]

@@ -5,11 +5,14 @@ rejected one that does not), packed best-fit-decreasing into rows of 48 tokens, 
 of pairs and a mean of per-micro-batch means would differ from the mean over the global batch's pairs.
 
 Checks, each against one process within 1e-5 (fp32: losses, gradient norms, the rewards, margin and accuracy,
-every final parameter on every rank), for sigmoid DPO with the reference precomputed by the starting weights:
-- the first step's loss is exactly ln 2 (the policy is the reference) at every layout;
-- world 2: DP=2, TP=2 with SP, CP=2 (each sequence's log-probability summed over the CP ranks' chunks), DP=2 with
-  ZeRO-1, FSDP, an MoE at EP=2, and a LoRA run whose reference is its base (adapters off), against its own
-  one-process run;
+the validation loss on 12 held-out pairs before and after training, every final parameter on every rank), for
+sigmoid DPO with the reference precomputed by the starting weights (for the training and the held-out pairs):
+- the first step's loss and the first validation loss are exactly ln 2 (the policy is the reference) at every
+  layout;
+- world 2: DP=2, TP=2 with SP, CP=2 (each sequence's log-probability summed over the CP ranks' chunks), PP=2 (the
+  last stage's sequence losses, the reference precomputed through the stages), DP=2 with ZeRO-1, FSDP, an MoE at
+  EP=2, and a LoRA run whose reference is its base (adapters off), against its own one-process run, at DP=2 and
+  at PP=2 (the base's forward pass through the stages before each step);
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   SimPO, ORPO, IPO and hinge train to finite losses; a summed-over-CP control without the backward all-reduce is
@@ -63,53 +66,63 @@ def train_data() -> PairDataset:
     return PairDataset(PairRows(synthetic_pairs(), SEQ, seed=5))
 
 
-def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
-                      loss: str = "sigmoid", lora: int = 0, **train):
+def valid_data() -> PairDataset:
+    return PairDataset(PairRows(synthetic_pairs(12, seed=2), SEQ, seed=None), epochs=1)
+
+
+def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
+                      moe: bool = False, loss: str = "sigmoid", lora: int = 0, **train):
     model = {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
              "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
     if moe:
         model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
     return from_dict({
         "model": model,
-        "parallel": {"tensor": tp, "context": cp, "expert": ep, "sequence_parallel": sp},
+        "parallel": {"tensor": tp, "context": cp, "expert": ep, "pipeline": pp, "sequence_parallel": sp},
         "sft": {"data": ["unused.jsonl"]},
         "preference": {"loss": loss, "beta": 0.5},
         "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]},
         "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
-                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, **train},
+                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 8, **train},
     })
 
 
 def train_layout(ctx: ParallelContext, config) -> dict:
-    """STEPS steps from the same starting weights: the curve (loss, gradient norm, metrics) and every parameter."""
+    """STEPS steps from the same starting weights: the curve (loss, gradient norm, metrics), the validation loss
+    before and after, and every parameter."""
     validate(config, ctx.world_size, check_paths=False)
-    trainer = Trainer(config, ctx, train_data())
+    trainer = Trainer(config, ctx, train_data(), valid_data())
     if config.preference.loss in ("sigmoid", "ipo", "hinge") and not config.lora.rank:
-        trainer.loss.reference = precompute_reference(trainer, trainer.train_data)
+        trainer.loss.tables = {"train": precompute_reference(trainer, trainer.train_data),
+                               "valid": precompute_reference(trainer, trainer.valid_data)}
+    valid = [trainer.evaluate()]
     curve = []
     for _ in range(STEPS):
         m = trainer.train_step()
         curve.append((m["loss"], m["grad_norm"], *(m[k] for k in METRICS)))
-    return {"curve": curve, "params": stage_parameters(trainer.model)}
+    valid.append(trainer.evaluate())
+    return {"curve": curve, "valid": valid, "params": stage_parameters(trainer.model)}
 
 
-def layout(tp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
-    return {"tp": tp, "cp": cp, "ep": ep, **config}
+def layout(tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, **config) -> dict:
+    return {"tp": tp, "cp": cp, "ep": ep, "pp": pp, **config}
 
 
-def run_layout(tp: int, cp: int, ep: int, **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, context_parallel=cp, expert_parallel=ep)
-    return train_layout(ctx, preference_config(tp=tp, cp=cp, ep=ep, **config))
+def run_layout(tp: int, cp: int, ep: int, pp: int, **config) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    return train_layout(ctx, preference_config(tp=tp, cp=cp, ep=ep, pp=pp, **config))
 
 
 WORLD2 = {
     "dp2": layout(),
     "tp2 sp": layout(tp=2, sp=True),
     "cp2": layout(cp=2),
+    "pp2": layout(pp=2),
     "zero dp2": layout(distributed_optimizer=True),
     "fsdp dp2": layout(data_sharding="full"),
     "ep2 moe": layout(ep=2, moe=True),
     "dp2 lora": layout(lora=4),
+    "pp2 lora": layout(pp=2, lora=4),
 }
 WORLD4 = {
     "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
@@ -146,7 +159,10 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
     for step, (got, want) in enumerate(zip(value["curve"], ref["curve"]), 1):
         for i, (name, a, b) in enumerate(zip(names, got, want)):
             assert abs(a - b) <= TOL * (abs(b) if i < 2 else 1.0), f"{where} step {step}: {name} {a} vs {b}"
+    for when, (a, b) in enumerate(zip(value["valid"], ref["valid"])):
+        assert abs(a - b) <= TOL * abs(b), f"{where}: validation loss {'after' if when else 'before'} {a} vs {b}"
     assert abs(value["curve"][0][0] - math.log(2)) <= 1e-6, f"{where}: step 1 loss {value['curve'][0][0]} is not ln 2"
+    assert abs(value["valid"][0] - math.log(2)) <= 1e-6, f"{where}: first validation loss {value['valid'][0]}"
     assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
 
 
@@ -167,8 +183,11 @@ def test_preference_at_four_ranks_equals_one_process(world4, reference, name):
 
 
 def test_the_one_process_run_starts_at_ln2_and_learns_the_preference(reference):
-    curve = reference["dense"]["curve"]
+    """ln 2 at step 1 and on the held-out pairs before training (their own reference table: the training pairs'
+    would give another number), and the preference learned, held-out pairs included."""
+    curve, valid = reference["dense"]["curve"], reference["dense"]["valid"]
     assert abs(curve[0][0] - math.log(2)) < 1e-7 and curve[0][2:] == (0.0, 0.0, 0.0, 0.0)
+    assert abs(valid[0] - math.log(2)) < 1e-7 and valid[1] < valid[0]
     assert curve[-1][0] < curve[0][0] - 0.01 and curve[-1][4] > 0 and curve[-1][5] > 0.5
 
 
@@ -214,12 +233,3 @@ def test_the_other_losses_train(loss):
 def test_preference_loss_is_the_trainers_loss():
     trainer = Trainer(preference_config(), ParallelContext.single(), train_data())
     assert isinstance(trainer.loss, PreferenceLoss)
-
-
-def test_pipeline_stages_are_refused_in_one_line():
-    from shardlm.errors import UserError
-
-    config = preference_config()
-    config.parallel.pipeline = 2
-    with pytest.raises(UserError, match="preference optimization runs without pipeline stages for now"):
-        validate(config, 2, check_paths=False)

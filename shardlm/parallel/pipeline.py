@@ -173,12 +173,15 @@ class ShardlmStage(PipelineStage):
         self.stats = ctx.comm
         self.documents: list | None = None  # per micro-batch, set by the runner before a step
         self.mtp: list | None = None  # per micro-batch multi-token-prediction (inputs, targets), likewise
+        self.chunk_id: int | None = None  # the micro-batch last run (None before a step's first: shape inference)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         """Run micro-batch `fwd_chunk_id` with its packed documents (when the step has them): every stage,
         not only the first, gets the boundaries from the runner, never through the activations. The last
         stage also gets the micro-batch's multi-token-prediction inputs and targets (when the model has
-        depths); the schedule's shape inference, outside this call, runs without them."""
+        depths); the schedule's shape inference, outside this call, runs without them. `chunk_id` keeps the
+        index, so the loss that follows knows its micro-batch."""
+        self.chunk_id = fwd_chunk_id
         self.submod.documents = None if self.documents is None else self.documents[fwd_chunk_id]
         self.submod.mtp = None if self.mtp is None or not self.is_last else self.mtp[fwd_chunk_id]
         try:

@@ -38,8 +38,6 @@ def check_preference(config) -> str | None:
          '"precomputed"'),
         (bool(config.sft.data), "preference optimization reads sft.data (records with prompt, chosen, rejected); "
          "set it"),
-        (config.parallel.pipeline == 1, "preference optimization runs without pipeline stages for now; use "
-         "parallel.pipeline=1 (tensor, context, data, expert parallelism and FSDP work)"),
         (not config.model.mtp_layers, "preference optimization trains without multi-token prediction; set "
          "model.mtp_layers=0"),
     ]

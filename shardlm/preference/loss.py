@@ -136,28 +136,54 @@ def adapters_off(model):
 
 
 class PreferenceLoss:
-    """The trainer's loss for a preference run: `loss(forward, batch)` of a `preference_parts` micro-batch. The
-    reference log-probabilities come from `reference` ((pairs, 2), precomputed over the data set), or, in a LoRA
-    run, from the same forward with the adapters off, without gradient. Each call adds its pairs' loss and metric
-    sums to `sums` (read and reset by the trainer's step: `take_metrics`)."""
+    """The trainer's loss for a preference run: `loss(forward, batch)` of a `preference_parts` micro-batch, or
+    `of_token_losses(token_losses, batch)` where the pipeline's last stage computed the token losses. The reference
+    log-probabilities are the batch's `reference` ((pairs, 2): `attach_reference` copies them from the tables
+    precomputed over the training and validation sets, `tables`), or, in a LoRA run, come from the same forward
+    with the adapters off, without gradient (`record_reference` under pipeline stages). Each training call adds
+    its pairs' loss and metric sums to `sums` (read and reset by the trainer's step: `take_metrics`)."""
 
-    def __init__(self, cfg: PreferenceConfig, ctx, model, reference: torch.Tensor | None = None):
-        self.cfg, self.ctx, self.model, self.reference = cfg, ctx, model, reference
+    def __init__(self, cfg: PreferenceConfig, ctx, model):
+        self.cfg, self.ctx, self.model = cfg, ctx, model
+        self.tables: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs, 2) precomputed reference
         self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
         self.pairs = 0.0
+
+    def attach_reference(self, parts: list[dict], split: str) -> list[dict]:
+        """Give each micro-batch of `split` ("train" or "valid") its pairs' precomputed reference, when there is a
+        table of that split."""
+        table = self.tables.get(split)
+        if table is not None:
+            for part in parts:
+                part["reference"] = table.to(part["pairs"].device)[part["pairs"]]
+        return parts
+
+    def record_reference(self, token_losses: torch.Tensor, batch: dict) -> None:
+        """Store the batch's reference log-probabilities from the reference model's token losses."""
+        batch["reference"] = sequence_logps(token_losses.detach(), batch, self.ctx.cp)[0]
+
+    def needs_reference_pass(self, batches: list[dict]) -> bool:
+        """Whether these micro-batches still need the reference model's forward (a LoRA run's base)."""
+        return self.cfg.loss not in REFERENCE_FREE and any("reference" not in b for b in batches)
 
     def reference_logps(self, forward, batch: dict) -> torch.Tensor | None:
         if self.cfg.loss in REFERENCE_FREE:
             return None
-        if self.reference is not None:
-            return self.reference.to(batch["pairs"].device)[batch["pairs"]]
-        with torch.no_grad(), adapters_off(self.model):
-            losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"])
-        return sequence_logps(losses.detach(), batch, self.ctx.cp)[0]
+        if "reference" not in batch:  # the base of a LoRA run, in the same step
+            with torch.no_grad(), adapters_off(self.model):
+                self.record_reference(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
+        return batch["reference"]
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
         reference = self.reference_logps(forward, batch)
-        token_losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"])
+        return self.of_token_losses(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch,
+                                    reference)
+
+    def of_token_losses(self, token_losses: torch.Tensor, batch: dict, reference: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """The micro-batch's share of the global batch's mean pair loss, from the policy's token losses (b, T)."""
+        if reference is None and self.cfg.loss not in REFERENCE_FREE:
+            reference = batch["reference"]
         logps, counts = sequence_logps(token_losses, batch, self.ctx.cp)
         losses, metrics = pair_losses(self.cfg, logps, counts, reference)
         if self.model.training:  # a training step's, not an evaluation's
@@ -166,9 +192,12 @@ class PreferenceLoss:
         return (losses.sum() / batch["divisor"]).float()
 
     def take_metrics(self) -> dict[str, float]:
-        """The step's mean over the global batch's pairs of each metric (one all-reduce over DP), then reset."""
+        """The step's mean over the global batch's pairs of each metric (one all-reduce over DP, and over the
+        pipeline group, whose last stage alone computed them), then reset."""
         sums = torch.cat([self.sums, torch.tensor([self.pairs], dtype=torch.float64)]).to(self.ctx.device)
         self.ctx.dp.all_reduce(sums)
+        if self.ctx.pp_size > 1:
+            self.ctx.pp.all_reduce(sums)
         self.sums.zero_()
         self.pairs = 0.0
         pairs = max(sums[-1].item(), 1.0)

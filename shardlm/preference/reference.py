@@ -5,6 +5,7 @@ longer has."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -21,23 +22,35 @@ FILE = "reference_logps.safetensors"
 @torch.no_grad()
 def precompute_reference(trainer, dataset) -> torch.Tensor:
     """(pairs, 2) fp64 log-probabilities of every pair of `dataset` (a `PairDataset`) under `trainer.model` as it
-    is now: epoch 0's rows (which hold every kept pair once) in micro-batches over the DP ranks, summed over DP.
-    Every rank runs as many forwards (the last ones on empty rows where the rows run out): FSDP's gathers and the
-    experts' all-to-all need every rank of their groups."""
+    is now: epoch 0's rows (which hold every kept pair once) in micro-batches over the DP ranks, summed over DP
+    (and over the pipeline group, whose last stage alone computes them: the micro-batches go through the stages
+    a step's worth at a time). Every rank runs as many forwards (the last ones on empty rows where the rows run
+    out): FSDP's gathers and the experts' all-to-all need every rank of their groups."""
     ctx, t = trainer.ctx, trainer.config.train
     table = torch.zeros(dataset.num_pairs, 2, dtype=torch.float64, device=ctx.device)
     rows = len(dataset.rows.plan(0))
     per_step = t.micro_batch_size * ctx.dp_size
+    epoch0 = _Epoch0(dataset, rows)
+    parts = [preference_parts([micro_batches(epoch0, start, per_step, t.micro_batch_size, ctx.dp_rank, ctx.dp_size,
+                                             ctx.device)[0]], ctx, count_pairs=False)[0]
+             for start in range(0, -(-rows // per_step) * per_step, per_step)]
+
+    def record(token_losses: torch.Tensor, part: dict) -> None:
+        table[part["pairs"]] = sequence_logps(token_losses, part, ctx.cp)[0]
+
     trainer.model.eval()
     with trainer.autocast():
-        for start in range(0, -(-rows // per_step) * per_step, per_step):
-            batch = micro_batches(_Epoch0(dataset, rows), start, per_step, t.micro_batch_size, ctx.dp_rank,
-                                  ctx.dp_size, ctx.device)[0]
-            part = preference_parts([batch], ctx, count_pairs=False)[0]
-            losses = trainer.model(part["inputs"], part["targets"], documents=part["documents"])
-            table[part["pairs"]] = sequence_logps(losses, part, ctx.cp)[0]
+        if trainer.pipeline is None:
+            for part in parts:
+                record(trainer.model(part["inputs"], part["targets"], documents=part["documents"]), part)
+        else:
+            group = trainer.accumulation
+            for i in range(0, len(parts), group):
+                trainer.pipeline.reference_pass(parts[i:i + group], record, contextlib.nullcontext())
     trainer.model.train()
     ctx.dp.all_reduce(table)
+    if ctx.pp_size > 1:
+        ctx.pp.all_reduce(table)
     return table
 
 
@@ -58,20 +71,28 @@ class _Epoch0:
                 "position_ids": np.arange(length), "pair": np.full(length, -1), "side": np.full(length, -1)}
 
 
-def save_reference(table: torch.Tensor, run_dir: Path) -> Path:
+def save_reference(tables: dict[str, torch.Tensor], run_dir: Path) -> Path:
+    """Write the tables ({"train": (pairs, 2), "valid": ...}) to the run directory's FILE (atomically)."""
     path = Path(run_dir) / FILE
     tmp = path.with_name(f".{FILE}.tmp")
-    save_file({"reference_logps": table.cpu().contiguous()}, str(tmp))
+    save_file({f"{split}_reference_logps": table.cpu().contiguous() for split, table in tables.items()}, str(tmp))
     tmp.replace(path)
     return path
 
 
-def load_reference(run_dir: Path, pairs: int) -> torch.Tensor:
+def load_reference(run_dir: Path, pairs: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The tables `save_reference` wrote, each checked against its split's pair count (`pairs`)."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: a preference run resumed with preference.reference=\"precomputed\" reads "
                         "the reference log-probabilities its first start saved there")
-    table = load_file(str(path))["reference_logps"]
-    if table.shape != (pairs, 2):
-        raise UserError(f"{path} holds {table.shape[0]} pairs' reference log-probabilities; the data has {pairs}")
-    return table
+    tensors = load_file(str(path))
+    tables = {}
+    for split, count in pairs.items():
+        table = tensors.get(f"{split}_reference_logps")
+        if table is None or table.shape != (count, 2):
+            held = "none" if table is None else table.shape[0]
+            raise UserError(f"{path} holds {held} {split} pairs' reference log-probabilities; the data has {count}: "
+                            "the run's data or sft.valid_fraction changed since its first start")
+        tables[split] = table
+    return tables

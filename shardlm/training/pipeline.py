@@ -17,6 +17,11 @@ sync or resharding, then reduce-scatters each unit once after the stage's last b
 the tied embedding's already-reduced gradient shards, and the trainer has nothing left to average.
 The loss of each micro-batch is divided by the micro-batch count (and multiplied by the fp16 loss
 scale) before its backward, as the trainer does without pipelining, so gradients are the same sums.
+
+A loss of whole sequences (preference pairs, `shardlm.preference.loss`) is `sequence_loss(token_losses,
+micro-batch)`: the last stage hands it the output layer's per-token losses with the dict of the micro-batch it
+belongs to (the stage records which one it ran), and `reference_pass` runs the micro-batches forward once more
+under a context (the base with adapters off) to record their reference log-probabilities.
 """
 
 from __future__ import annotations
@@ -58,8 +63,10 @@ class PipelineRunner:
         self._mtp_losses: list[torch.Tensor] = []
         self.stages, self.schedule = build_schedule(model, ctx, self.layers, self.schedule_name, num_micro_batches,
                                                     self._loss)
-        self._eval = None
-        self._eval_stages: list = []
+        self._evals: dict[int, tuple] = {}  # micro-batch count -> (stages, forward-only schedule)
+        self._running: list = self.stages  # the stages of the schedule being run
+        self._batches: list = []  # the dicts of the micro-batches being run
+        self.sequence_loss = None  # (token losses (b, T), micro-batch dict) -> loss, for a loss of sequences
 
     @property
     def stage_modules(self) -> list[torch.nn.Module]:
@@ -72,7 +79,13 @@ class PipelineRunner:
         shape inference); targets (B, T)."""
         hidden, depth_losses = output if isinstance(output, tuple) else (output, None)
         losses = self.model.output_loss(hidden, targets)
-        loss = losses.mean() if self.divisor is None else losses.sum() / self.divisor
+        if self.sequence_loss is not None:
+            chunk = self._running[-1].chunk_id
+            if chunk is None:  # the schedule's shape inference: no micro-batch of its own, nothing recorded
+                return losses.sum() * 0.0
+            loss = self.sequence_loss(losses, self._batches[chunk])
+        else:
+            loss = losses.mean() if self.divisor is None else losses.sum() / self.divisor
         self._losses.append(loss.detach())
         if depth_losses is not None and depth_losses.numel():
             loss, mtp_loss = add_mtp_gradient(loss, depth_losses, self.mtp_divisors, self.mtp_weight)
@@ -97,8 +110,10 @@ class PipelineRunner:
         else:
             batch = torch.cat(batches)
             inputs, targets = batch[:, :-1], batch[:, 1:]
-        for stage in self.stages if schedule is self.schedule else self._eval_stages:
-            stage.documents, stage.mtp = documents, mtp
+        self._running = self.stages if schedule is self.schedule else self._evals[len(batches)][0]
+        self._batches = batches
+        for stage in self._running:
+            stage.documents, stage.mtp, stage.chunk_id = documents, mtp, None
         self._losses.clear()
         self._mtp_losses.clear()
         args = (inputs,) if self.ctx.is_first_stage else ()
@@ -123,16 +138,31 @@ class PipelineRunner:
         loss_sum, self.mtp_loss_sum = self.broadcast_from_last_stage(sums)
         return loss_sum
 
+    def _forward_only(self, count: int):
+        """The forward-only schedule of `count` micro-batches (GPipe, or interleaved with virtual stages)."""
+        if count not in self._evals:
+            self._evals[count] = build_schedule(
+                self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1 else "interleaved-1f1b",
+                count, self._loss, self.stage_modules)
+        return self._evals[count][1]
+
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> torch.Tensor:
         """Sum of the mean losses of `batches` (forward only, GPipe over all of them at once), on every rank."""
-        if self._eval is None or self._eval[0] != len(batches):
-            self._eval_stages, schedule = build_schedule(
-                self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1 else "interleaved-1f1b",
-                len(batches), self._loss, self.stage_modules)
-            self._eval = (len(batches), schedule)
         self.loss_factor = 1.0
-        return self.broadcast_from_last_stage(self._run(self._eval[1], batches, train=False))[0]
+        return self.broadcast_from_last_stage(self._run(self._forward_only(len(batches)), batches, train=False))[0]
+
+    @torch.no_grad()
+    def reference_pass(self, batches: list[dict], record, context) -> None:
+        """Run `batches` (dicts) forward under `context` (entered on every rank), calling `record(token_losses,
+        micro-batch dict)` on the last stage for each: how a preference run's reference log-probabilities are
+        taken from the same stages (the base with adapters off, or the starting weights)."""
+        loss, self.sequence_loss = self.sequence_loss, lambda losses, batch: record(losses, batch) or losses.sum() * 0.0
+        try:
+            with context:
+                self._run(self._forward_only(len(batches)), batches, train=False)
+        finally:
+            self.sequence_loss = loss
 
     def broadcast_from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (any shape) as the last pipeline stage holds it, on every rank of the pipeline group."""

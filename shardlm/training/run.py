@@ -166,14 +166,15 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     line = f"preference: {config.preference.loss} loss, beta {config.preference.beta:g}, reference: "
     if mode != "precomputed":
         return line + {"none": "none (reference-free)", "adapters": "the base (adapters off)"}[mode]
-    pairs = trainer.train_data.num_pairs
+    data = {"train": trainer.train_data, "valid": trainer.valid_data}
+    pairs = {split: d.num_pairs for split, d in data.items() if d is not None}
     if resumed:
-        trainer.loss.reference = load_reference(run_dir, pairs)
+        trainer.loss.tables = load_reference(run_dir, pairs)
         return line + f"read from {run_dir}"
-    trainer.loss.reference = precompute_reference(trainer, trainer.train_data)
+    trainer.loss.tables = {split: precompute_reference(trainer, data[split]) for split in pairs}
     if trainer.ctx.is_main:
-        save_reference(trainer.loss.reference, run_dir)
-    return line + f"precomputed for {pairs} pairs by the starting weights"
+        save_reference(trainer.loss.tables, run_dir)
+    return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} pairs"
 
 
 def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,

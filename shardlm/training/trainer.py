@@ -103,6 +103,8 @@ class Trainer:
             from shardlm.preference.loss import PreferenceLoss
 
             self.loss = PreferenceLoss(config.preference, ctx, self.model)
+            if self.pipeline is not None:
+                self.pipeline.sequence_loss = self.loss.of_token_losses
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
@@ -163,6 +165,7 @@ class Trainer:
             set_aux_loss_scale(self.model, ctx, scale, len(batches))
         if self.pipeline is not None:
             with self.autocast():
+                self.pipeline_reference(batches)
                 loss_sum = self.pipeline.forward_backward(batches, scale)
         for i, batch in enumerate(batches if self.pipeline is None else ()):
             last = i == len(batches) - 1
@@ -238,9 +241,11 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=ctx.device)
         batches = self.local_part([micro_batches(self.valid_data, it * per_iter, per_iter, t.micro_batch_size,
-                                                 ctx.dp_rank, ctx.dp_size, ctx.device)[0] for it in range(iters)])
+                                                 ctx.dp_rank, ctx.dp_size, ctx.device)[0] for it in range(iters)],
+                                  "valid")
         with self.autocast():
             if self.pipeline is not None:
+                self.pipeline_reference(batches)
                 total += self.pipeline.evaluate(batches).float()
             else:
                 for batch in batches:
@@ -249,15 +254,24 @@ class Trainer:
         self.model.train()
         return total.item() / (iters * ctx.dp_cp.size)
 
-    def local_part(self, batches: list) -> list:
+    def pipeline_reference(self, batches: list) -> None:
+        """Under pipeline stages, a LoRA preference run's reference log-probabilities (the base, adapters off):
+        one forward pass of the micro-batches through the stages before their step or evaluation."""
+        if self.preference and self.loss.needs_reference_pass(batches):
+            from shardlm.preference.loss import adapters_off
+
+            self.pipeline.reference_pass(batches, self.loss.record_reference, adapters_off(self.model))
+
+    def local_part(self, batches: list, split: str = "train") -> list:
         """This rank's share of each micro-batch: the batch itself, or under context parallelism the
         (inputs, targets) of its zigzag chunks (`context_parallel_part`); packed rows become `packed_parts`
-        (inputs, targets, documents and the global token count's divisor)."""
+        (inputs, targets, documents and the global token count's divisor); preference pairs `preference_parts`
+        with the `split`'s precomputed reference."""
         m = self.config.model
         if self.preference:
             from shardlm.preference.loss import preference_parts
 
-            return preference_parts(batches, self.ctx)
+            return self.loss.attach_reference(preference_parts(batches, self.ctx), split)
         if m.mtp_layers:  # the rolled targets of every depth come from the whole rows, before the CP split
             parts = packed_parts(batches, self.ctx) if is_packed(batches[0]) else token_parts(
                 [context_parallel_part(b, self.ctx.cp_size, self.ctx.cp_rank) if self.ctx.cp_size > 1 else b
