@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml Makefile | $(VENV)/bin/python
 
 install: $(STAMP)
 
+# Two pytest workers (pytest-xdist), a whole test file each at a time so a file's spawned worlds start once:
+# most tests run one single-threaded process, so two of them fill two cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardlm tests scripts

@@ -15,17 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def dolly_pairs(lines: list[str]) -> list[dict]:
-    """One pair per record but the last: its own response chosen, the next record's rejected."""
-    records = [json.loads(line) for line in lines if line.strip()]
-    pairs = []
-    for record, other in zip(records, records[1:]):
-        prompt = record["instruction"] + (f"\n\n{record['context']}" if record.get("context") else "")
-        pairs.append({"prompt": [{"role": "user", "content": prompt}],
-                      "chosen": [{"role": "assistant", "content": record["response"]}],
-                      "rejected": [{"role": "assistant", "content": other["response"]}]})
-    return pairs
+from shardlm.preference.dolly import dolly_pairs
 
 
 def main(argv: list[str]) -> int:

@@ -333,6 +333,22 @@ def test_lora_figures_are_the_measured_throughputs_and_memory(quick_run):
     assert "LoRA fine-tuning (`lora`)" in text and f"{adapters['trainable_parameters']:,}" in text
 
 
+def test_preference_figures_are_the_measured_throughputs_and_the_reference_shares(quick_run):
+    """preference: each ratio is per pair of steps the quotient of the tokens/s it names (TRL's without its reference
+    forward faster than with it), the shares are fractions, both runs trained; BENCHMARKS.md states the ratio."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    r = results["preference"]
+    _per_repeat_ratio(r["ratio"], r["shardlm_tokens_per_sec"], r["trl_tokens_per_sec"])
+    _per_repeat_ratio(r["ratio_without_trl_reference"], r["shardlm_tokens_per_sec"],
+                      r["trl_without_reference_tokens_per_sec"])
+    assert all(a > b for a, b in zip(r["trl_without_reference_tokens_per_sec"]["values"],
+                                     r["trl_tokens_per_sec"]["values"]))
+    assert all(0 < x < 1 for x in _figure(r["trl_reference_share"], 0.0, 1.0) + [r["shardlm_reference_share"]])
+    assert all(math.isfinite(x) for x in r["shardlm_losses"] + [r["trl_train_loss"]])
+    assert f"{_as_reported(r['ratio'])}**" in text and "Preference optimization (`preference`)" in text
+
+
 def test_optimizer_comparison_states_what_the_runs_measured(quick_run):
     """optimizers: the best run of each optimizer is the lowest final validation loss of its sweep, the difference
     and the step-time ratio are those runs', the verdict follows the sign, and the plot was written."""

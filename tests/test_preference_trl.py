@@ -11,8 +11,13 @@ starting weights, run in each step. shardlm trains with `shardlm.training.run.tr
 (`sft.shuffle=false`), so both read the same 2 pairs a step, and its reference log-probabilities precomputed by
 the same starting weights. Matched: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay), a constant learning
 rate, clipping at 1.0, beta 0.1, fp32 (`bf16=False`: DPOConfig would turn bf16 autocast on where the CPU has it).
-Each of 4 steps' loss, chosen and rejected rewards and margin, and the first step's gradient norm agree within
+Each of 3 steps' loss, chosen and rejected rewards and margin, and the first step's gradient norm agree within
 1e-5 relative (the rewards within 1e-5 absolute); the first loss is ln 2.
+
+The reference-free SimPO against TRL's `CPOTrainer` with `loss_type="simpo"` and `cpo_alpha=0` (TRL's SimPO, in
+`trl.experimental.cpo`): the same pairs as plain text (the prompt rendered by the chat template with its generation
+prompt, the answers' text, which both sides end with the end-of-turn token), beta 2, gamma 0.5: the same losses,
+rewards (beta times the length-normalized log-probability) and margin at each step, and the first gradient norm.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ trl = import_or_skip("trl", reason="trl is not installed (make install installs 
 datasets = import_or_skip("datasets")
 transformers = import_or_skip("transformers")
 
+from shardlm.bench.common import uncached_datasets  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
 from shardlm.sft.template import ChatTemplate  # noqa: E402
 from shardlm.training.run import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 640, 2, 4, 1e-3, 0.1, 1e-5
+SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 320, 2, 3, 1e-3, 0.1, 1e-5
 
 
 def dolly_pairs(lines: list[str], count: int) -> list[dict]:
@@ -58,7 +64,7 @@ def setup(tmp_path_factory, data_dir):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
     template = ChatTemplate.from_dir(root / "hf")
     lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()
-    pairs = [pair for pair in dolly_pairs(lines, 60)  # pairs whose two sequences fit one row
+    pairs = [pair for pair in dolly_pairs(lines, 120)  # pairs whose two sequences fit one row
              if sum(len(template.encode(template.render(pair["prompt"] + pair[side])))
                     for side in ("chosen", "rejected")) <= SEQ]
     pairs = pairs[:PAIRS_PER_STEP * STEPS]
@@ -93,9 +99,9 @@ def trl_run(setup):
                 records.append(dict(logs))
 
     records = logs
-    trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(setup["pairs"]),
-                      processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()])
-    trainer.train()
+    with uncached_datasets():
+        InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(setup["pairs"]),
+                processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()]).train()
     return logs
 
 
@@ -116,14 +122,86 @@ def shardlm_run(setup):
             if '"loss"' in line and '"val_loss"' not in line]
 
 
-def test_dpo_follows_trl_step_by_step(trl_run, shardlm_run):
-    assert len(trl_run) == len(shardlm_run) == STEPS, (trl_run, shardlm_run)
-    assert abs(shardlm_run[0]["loss"] - math.log(2)) < 1e-6
-    for step, (ours, theirs) in enumerate(zip(shardlm_run, trl_run), 1):
+SIMPO_BETA, SIMPO_GAMMA = 2.0, 0.5
+
+
+@pytest.fixture(scope="module")
+def text_pairs(setup):
+    """The pairs as text records: the prompt rendered with the generation prompt, each answer's content."""
+    template = ChatTemplate.from_dir(setup["hf"])
+    records = [{"prompt": template.render(p["prompt"], add_generation_prompt=True),
+                "chosen": p["chosen"][0]["content"], "rejected": p["rejected"][0]["content"]} for p in setup["pairs"]]
+    path = setup["root"] / "text_pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return {"records": records, "path": path}
+
+
+@pytest.fixture(scope="module")
+def trl_simpo_run(setup, text_pairs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    class InOrderCPO(CPOTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    logs: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                records.append(dict(logs))
+
+    records = logs
+    args = CPOConfig(output_dir=str(setup["root"] / "cpo"), max_length=SEQ, loss_type="simpo", cpo_alpha=0.0,
+                     beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA, per_device_train_batch_size=PAIRS_PER_STEP,
+                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
+                     report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+                     disable_tqdm=True, bf16=False)
+    model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
+    with uncached_datasets():
+        InOrderCPO(model=model, args=args, train_dataset=datasets.Dataset.from_list(text_pairs["records"]),
+                   processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()]).train()
+    return logs
+
+
+@pytest.fixture(scope="module")
+def shardlm_simpo_run(setup, text_pairs):
+    overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
+                 f"sft.data=[\"{text_pairs['path']}\"]", "sft.shuffle=false", "sft.valid_fraction=0.0",
+                 "sft.packing=\"pad\"", "preference.loss=\"simpo\"", f"preference.beta={SIMPO_BETA}",
+                 f"preference.simpo_gamma={SIMPO_GAMMA}", f"model.seq_length={SEQ}",
+                 f"train.micro_batch_size={PAIRS_PER_STEP}", f"train.global_batch_size={PAIRS_PER_STEP}",
+                 f"train.steps={STEPS}", f"train.lr={LR}", f"train.min_lr={LR}", "train.decay_style=\"constant\"",
+                 "train.warmup_steps=0", "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8",
+                 "train.clip_grad=1.0", "train.device=\"cpu\"", "log.interval=1", "log.progress=false",
+                 "log.plot=false", "log.tensorboard=false"]
+    run_dir = setup["root"] / "shardlm_simpo"
+    train(load_config(None, overrides), run_dir=run_dir)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"val_loss"' not in line]
+
+
+def assert_follows(ours_runs: list[dict], trl_runs: list[dict]) -> None:
+    """Each step's loss, rewards and margin, and the first gradient norm, within TOL."""
+    assert len(trl_runs) == len(ours_runs) == STEPS, (trl_runs, ours_runs)
+    for step, (ours, theirs) in enumerate(zip(ours_runs, trl_runs), 1):
         assert abs(ours["loss"] - theirs["loss"]) <= TOL * theirs["loss"], f"step {step}: {ours} vs {theirs}"
         for mine, trls in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
                            ("reward_margin", "rewards/margins")):
             assert abs(ours[mine] - theirs[trls]) <= TOL, f"step {step}: {mine} {ours[mine]} vs {theirs[trls]}"
-    assert abs(shardlm_run[0]["grad_norm"] - trl_run[0]["grad_norm"]) <= TOL * trl_run[0]["grad_norm"]
+    assert abs(ours_runs[0]["grad_norm"] - trl_runs[0]["grad_norm"]) <= TOL * trl_runs[0]["grad_norm"]
+
+
+def test_simpo_follows_trls_cpo_trainer_step_by_step(trl_simpo_run, shardlm_simpo_run):
+    assert_follows(shardlm_simpo_run, trl_simpo_run)
+    # the margin moves by far more than the bound, so the later steps check the updates
+    assert abs(shardlm_simpo_run[-1]["reward_margin"] - shardlm_simpo_run[0]["reward_margin"]) > 100 * TOL
+
+
+def test_dpo_follows_trl_step_by_step(trl_run, shardlm_run):
+    assert abs(shardlm_run[0]["loss"] - math.log(2)) < 1e-6
+    assert_follows(shardlm_run, trl_run)
     # the run learns the preference (a margin a hundred times the bound), so the later steps check the updates
     assert shardlm_run[-1]["reward_margin"] > 100 * TOL

@@ -30,6 +30,7 @@ import json
 import pytest
 import torch
 
+from shardlm.bench.common import uncached_datasets
 from shardlm.sft.packing import PackedRows
 from shardlm.sft.records import load_conversations, to_conversation
 from shardlm.sft.template import ChatTemplate, tokenize_conversations
@@ -75,9 +76,6 @@ def docs(template, conversations):
 @pytest.fixture(scope="module")
 def trl_prepare(qwen_dir, tmp_path_factory):
     """Run TRL's SFTTrainer dataset preparation on a dataset; returns the prepared dataset and the trainer."""
-    caching, progress = datasets.is_caching_enabled(), datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    datasets.disable_caching()  # map would otherwise hash the 11 MB tokenizer for every call
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(qwen_dir))
     config = transformers.Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -91,11 +89,8 @@ def trl_prepare(qwen_dir, tmp_path_factory):
         prepared = trainer.train_dataset
         return [dict(zip(prepared.column_names, values)) for values in zip(*prepared.to_dict().values())], trainer
 
-    yield prepare
-    if caching:
-        datasets.enable_caching()
-    if progress:
-        datasets.enable_progress_bars()
+    with uncached_datasets():  # map would otherwise hash the 11 MB tokenizer for every call
+        yield prepare
 
 
 def _trained(labels):

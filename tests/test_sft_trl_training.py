@@ -41,6 +41,7 @@ trl = import_or_skip("trl", reason="trl is not installed (make install installs 
 datasets = import_or_skip("datasets")
 transformers = import_or_skip("transformers")
 
+from shardlm.bench.common import uncached_datasets  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
 from shardlm.sft.records import load_conversations  # noqa: E402
 from shardlm.sft.template import ChatTemplate, tokenize_conversations  # noqa: E402
@@ -113,12 +114,13 @@ def trl_run(setup):
                 records.append(logs_copy)
 
     records = logs
-    trainer = InOrder(model=model, args=args, train_dataset=dataset, callbacks=[Record()])
-    first_batch = next(iter(trainer.get_train_dataloader()))
-    inputs = {k: v for k, v in first_batch.items() if k in ("input_ids", "position_ids", "labels")}
-    forward_loss, q_grad = loss_and_first_q_grad(model, inputs, use_cache=False)
-    leaking_loss, leaking_q_grad = loss_and_first_q_grad(model, inputs, use_cache=True)
-    trainer.train()
+    with uncached_datasets():
+        trainer = InOrder(model=model, args=args, train_dataset=dataset, callbacks=[Record()])
+        first_batch = next(iter(trainer.get_train_dataloader()))
+        inputs = {k: v for k, v in first_batch.items() if k in ("input_ids", "position_ids", "labels")}
+        forward_loss, q_grad = loss_and_first_q_grad(model, inputs, use_cache=False)
+        leaking_loss, leaking_q_grad = loss_and_first_q_grad(model, inputs, use_cache=True)
+        trainer.train()
     return {"logs": logs, "forward_loss": forward_loss, "leaking_loss": leaking_loss, "q_grad": q_grad,
             "leaking_q_grad": leaking_q_grad}
 

@@ -9,7 +9,8 @@ GptOssForCausalLM, a tiny Qwen3.5-MoE's (Gated DeltaNet) against Qwen3_5MoeForCa
 against full attention as the sequence grows, context parallelism at a long sequence (and what a sliding window
 saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
-over packed rows, throughput against TRL's SFTTrainer, packing efficiency), checkpoint I/O, preprocessing,
+over packed rows, throughput against TRL's SFTTrainer, packing efficiency), LoRA against TRL + peft, DPO against
+TRL's DPOTrainer, Muon against AdamW, checkpoint I/O, preprocessing,
 evaluation and generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
 """
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp": lambda: _fsdp(args.quick, repeats),
         "sft": lambda: _sft(args.quick, repeats, results),
         "lora": lambda: _lora(args.quick),
+        "preference": lambda: _preference(args.quick),
         "optimizers": lambda: _optimizers(args.quick, args.out),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(1 if args.quick else 3),
@@ -174,6 +176,12 @@ def _lora(quick):
     from shardlm.bench.lora import lora_bench
 
     return lora_bench(quick)
+
+
+def _preference(quick):
+    from shardlm.bench.preference import preference_bench
+
+    return preference_bench(quick)
 
 
 def _optimizers(quick, out):

@@ -208,3 +208,31 @@ def torch_threads(threads: int):
 def native_precisions(features: dict) -> list[str]:
     """The precisions a CPU comparison runs (`cpu_features`): fp32, and bf16 where the CPU multiplies it natively."""
     return ["fp32"] + (["bf16"] if features["native_bf16"] else [])
+
+
+@contextlib.contextmanager
+def uncached_datasets():
+    """Run the block with Hugging Face `datasets`' cache and progress bars off and a random fingerprint for every
+    transform: TRL's trainers tokenize through `Dataset.map`, whose fingerprint pickles the whole tokenizer (about
+    13 s for Qwen3's 151,936 tokens on a 2-core CPU), worth nothing when nothing is cached. A random fingerprint is
+    what `datasets` itself falls back to when a transform cannot be hashed."""
+    import datasets
+    from datasets import arrow_dataset, fingerprint
+
+    caching, progress = datasets.is_caching_enabled(), datasets.is_progress_bar_enabled()
+    saved = fingerprint.update_fingerprint, arrow_dataset.update_fingerprint
+
+    def random_fingerprint(*args, **kwargs) -> str:
+        return fingerprint.generate_random_fingerprint()
+
+    datasets.disable_caching()
+    datasets.disable_progress_bars()
+    fingerprint.update_fingerprint = arrow_dataset.update_fingerprint = random_fingerprint
+    try:
+        yield
+    finally:
+        fingerprint.update_fingerprint, arrow_dataset.update_fingerprint = saved
+        if caching:
+            datasets.enable_caching()
+        if progress:
+            datasets.enable_progress_bars()

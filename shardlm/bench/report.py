@@ -114,6 +114,13 @@ KEYS = {
     "lora.ratio_lora_over_trl_peft": "shardlm LoRA real tokens/s / TRL SFTTrainer + peft LoraConfig's on the sft "
                                      "section's tiny Qwen3 and records (r=16 on all-linear), per round of steps (the "
                                      "trainers take turns); goal 1.2",
+    "preference.ratio": "shardlm DPO real tokens/s / TRL DPOTrainer's as shipped (its reference run each step) on "
+                        "the sft section's tiny Qwen3 and Dolly pairs, per pair of steps (the two take turns); goal "
+                        "1.2",
+    "preference.ratio_without_trl_reference": "the same against TRL's step minus its reference model's forward",
+    "preference.trl_reference_share": "seconds in TRL's reference forward / its step seconds, per step; "
+                                      "shardlm_reference_share: its precomputed pass per pair / (that + the training "
+                                      "step's seconds per pair)",
     "lora.ratio_lora_over_full": "shardlm LoRA tokens/s / shardlm fine-tuning every weight, per round",
     "optimizers.muon_minus_adamw_best_valid_loss": "best final validation loss of Muon minus AdamW's over the "
                                                     "learning-rate sweep (same steps and tokens; < 0: Muon better)",
@@ -259,6 +266,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.lora import markdown_lines as lora_lines
 
         lines += lora_lines(r["lora"])
+    if r.get("preference"):
+        from shardlm.bench.preference import markdown_lines as preference_lines
+
+        lines += preference_lines(r["preference"])
     if r.get("optimizers"):
         from shardlm.bench.optimizers import markdown_lines as optimizer_lines
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.bench.common import steady, torch_threads
+from shardlm.bench.common import steady, torch_threads, uncached_datasets
 
 
 def trl_run(shape, model_dir: Path, conversations, out_dir: Path, threads: int = 2,
@@ -50,32 +50,23 @@ def trl_run(shape, model_dir: Path, conversations, out_dir: Path, threads: int =
                 after_step()
             self.last = time.perf_counter()
 
-    caching, progress = datasets.is_caching_enabled(), datasets.is_progress_bar_enabled()
-    datasets.disable_caching()
-    datasets.disable_progress_bars()
-    try:
-        with torch_threads(threads):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                                      attn_implementation="sdpa")
-            args = trl.SFTConfig(
-                output_dir=str(out_dir), max_steps=shape.steps, per_device_train_batch_size=shape.rows_per_step,
-                gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0,
-                max_length=shape.seq_length, packing=True, packing_strategy="bfd", padding_free=True,
-                assistant_only_loss=True, dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=True,
-                eval_strategy="no", save_strategy="no", report_to=[], logging_steps=10**6, disable_tqdm=True,
-                include_num_input_tokens_seen=True, seed=0, bf16=False, fp16=False)
-            clock = StepClock()
-            dataset = datasets.Dataset.from_dict({"messages": [c.messages for c in conversations]})
-            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                     callbacks=[clock], peft_config=peft_config)
-            with head:
-                output = trainer.train()
-    finally:
-        if caching:
-            datasets.enable_caching()
-        if progress:
-            datasets.enable_progress_bars()
+    with uncached_datasets(), torch_threads(threads):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+        args = trl.SFTConfig(
+            output_dir=str(out_dir), max_steps=shape.steps, per_device_train_batch_size=shape.rows_per_step,
+            gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0,
+            max_length=shape.seq_length, packing=True, packing_strategy="bfd", padding_free=True,
+            assistant_only_loss=True, dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=True,
+            eval_strategy="no", save_strategy="no", report_to=[], logging_steps=10**6, disable_tqdm=True,
+            include_num_input_tokens_seen=True, seed=0, bf16=False, fp16=False)
+        clock = StepClock()
+        dataset = datasets.Dataset.from_dict({"messages": [c.messages for c in conversations]})
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=[clock], peft_config=peft_config)
+        with head:
+            output = trainer.train()
     if not any(clock.tokens):
         raise RuntimeError("TRL counted no input tokens (state.num_input_tokens_seen stayed 0)")
     measured = steady(clock.times, clock.tokens, shape.warmup_steps)

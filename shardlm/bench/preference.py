@@ -1,0 +1,202 @@
+"""Preference optimization on one CPU (`make bench` section `preference`): shardlm's DPO against TRL's
+`DPOTrainer` as shipped.
+
+Model: the `sft` section's tiny Qwen3 (the real 151,936-token vocabulary, tied embeddings, random init, fp32).
+Data: pairs built from the shared Dolly records (`shardlm.preference.dolly`: a record's own response chosen, the
+next record's rejected, conversational, under the Qwen3 chat template), the first `PAIRS` whose two sequences fit
+a row, in order on both sides. Sigmoid DPO, beta 0.1, AdamW at a constant 1e-4, clipping at 1.0.
+
+- TRL as shipped: `DPOTrainer` with its defaults: the reference a frozen copy of the starting weights run in every
+  step (`precompute_ref_log_probs=False`), `pairs_per_step` pairs a step padded to the longest sequence
+  (padding-free DPO is disabled in this TRL), its chunked LM head.
+- shardlm: `train` with `[sft]` and `[preference]`, the pairs packed best-fit-decreasing into rows of
+  `seq_length` tokens (`rows_per_step` a step), the reference precomputed once by the starting weights before the
+  first step (`preference.reference = "precomputed"`, the default without LoRA).
+
+The two take turns, one optimizer step each (a shardlm step right after each TRL step, outside TRL's clock); the
+first `warmup_steps` are not counted. tokens/s counts real tokens: both sequences of each pair the step trains on,
+prompt included on both sides (what both forwards run; TRL's padding and shardlm's row tails are not counted).
+The reference's share: TRL's, the seconds in its reference model's forward over its step time; shardlm's, its
+one pass over the pairs before training (timed again after the run, the same work), per pair, against the
+training step's seconds per pair. `ratio`: shardlm's tokens/s over TRL's per pair of steps (goal 1.2);
+`ratio_without_trl_reference`: against TRL's step with its reference forward taken out, so the comparison of the
+training work alone.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from shardlm.bench.common import median_cell, steady, summary, torch_threads, uncached_datasets
+from shardlm.bench.sft import SFT_BENCH, SFT_QUICK, SFTShape, ShardlmSteps, chat_data, make_model_dir
+
+BETA, LR = 0.1, 1e-4
+
+
+@dataclass(frozen=True)
+class PreferenceShape:
+    """The model (an `SFTShape`), the pairs and the steps of both trainers."""
+
+    model: SFTShape
+    pairs: int
+    pairs_per_step: int
+
+
+PREFERENCE_BENCH = PreferenceShape(replace(SFT_BENCH, steps=5, warmup_steps=1), pairs=40, pairs_per_step=4)
+PREFERENCE_QUICK = PreferenceShape(replace(SFT_QUICK, seq_length=512, rows_per_step=1, steps=2), pairs=6,
+                                   pairs_per_step=1)
+
+
+def load_pairs(shape: PreferenceShape, records_file: Path, tokenizer_dir: Path):
+    """The first `shape.pairs` Dolly pairs whose two sequences fit a row, as records and tokenized."""
+    from shardlm.preference.dolly import dolly_pairs
+    from shardlm.preference.pairs import PreferencePair, tokenize_pair
+    from shardlm.sft.template import ChatTemplate
+
+    template = ChatTemplate.from_dir(tokenizer_dir)
+    eos = template.special_tokens.get("eos_token") or template.end_of_turn
+    records, tokenized = [], []
+    for i, record in enumerate(dolly_pairs(records_file.read_text(encoding="utf-8").splitlines())):
+        pair = tokenize_pair(template, PreferencePair(record["prompt"], record["chosen"], record["rejected"],
+                                                      f"pair {i}"), eos)
+        if 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected) <= shape.model.seq_length:
+            records.append(record)
+            tokenized.append(pair)
+        if len(records) == shape.pairs:
+            break
+    return records, tokenized
+
+
+def pair_tokens(pair) -> int:
+    """Real tokens of a pair's two sequences (prompt + chosen, prompt + rejected)."""
+    return 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)
+
+
+def trl_dpo_run(shape: PreferenceShape, model_dir: Path, records: list[dict], tokenized, out_dir: Path,
+                threads: int, after_step) -> dict:
+    """TRL's DPOTrainer as shipped on the pairs in order: per-step seconds (from one `on_step_end` to the next),
+    real tokens and the seconds in its reference model's forward; `after_step()` runs outside its clock."""
+    import datasets
+    import transformers
+    import trl
+
+    class InOrder(trl.DPOTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    reference = {"seconds": 0.0}
+
+    class StepClock(transformers.TrainerCallback):
+        def __init__(self):
+            self.times, self.reference = [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last, self.reference_seen = time.perf_counter(), reference["seconds"]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.last)
+            self.reference.append(reference["seconds"] - self.reference_seen)
+            self.reference_seen = reference["seconds"]
+            after_step()
+            self.last = time.perf_counter()
+
+    with uncached_datasets(), torch_threads(threads):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+        args = trl.DPOConfig(
+            output_dir=str(out_dir), max_length=None, beta=BETA, loss_type=["sigmoid"],
+            per_device_train_batch_size=shape.pairs_per_step, max_steps=shape.model.steps, learning_rate=LR,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+            logging_steps=10**6, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+            dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True, bf16=False, fp16=False)
+        clock = StepClock()
+        trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                          processing_class=transformers.AutoTokenizer.from_pretrained(str(model_dir)),
+                          callbacks=[clock])
+        started = {}
+        trainer.ref_model.register_forward_pre_hook(lambda *_: started.update(t=time.perf_counter()))
+        trainer.ref_model.register_forward_hook(
+            lambda *_: reference.update(seconds=reference["seconds"] + time.perf_counter() - started["t"]))
+        output = trainer.train()
+    per_step = shape.pairs_per_step
+    tokens = [sum(pair_tokens(p) for p in tokenized[i * per_step:(i + 1) * per_step]) for i in range(len(clock.times))]
+    measured = steady(clock.times, tokens, shape.model.warmup_steps)
+    return {**measured, "reference_s": clock.reference[shape.model.warmup_steps:], "train_loss": output.training_loss}
+
+
+def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2) -> dict:
+    """The `preference` section of `make bench`."""
+    from shardlm.preference.reference import precompute_reference
+
+    shape = PREFERENCE_QUICK if quick else PREFERENCE_BENCH
+    m = shape.model
+    records_file, tokenizer_dir = chat_data(data_dir)
+    records, tokenized = load_pairs(shape, records_file, tokenizer_dir)
+    with tempfile.TemporaryDirectory(prefix="shardlm-preference-bench-") as folder:
+        folder = Path(folder)
+        model_dir, vocab = make_model_dir(m, tokenizer_dir, folder / "model")
+        pairs_file = folder / "pairs.jsonl"
+        pairs_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        ours = ShardlmSteps(m, model_dir, pairs_file, folder / "shardlm", threads,
+                            extra=['preference.loss="sigmoid"', f"preference.beta={BETA}", "sft.shuffle=false",
+                                   f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
+                                   "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
+        theirs = trl_dpo_run(shape, model_dir, records, tokenized, folder / "trl", threads, after_step=ours.step)
+        trainer = ours.trainer
+        with torch_threads(threads):
+            start = time.perf_counter()
+            precompute_reference(trainer, trainer.train_data)
+            reference_s = time.perf_counter() - start
+    data = trainer.train_data
+    ours_tokens = [int(sum((data[i]["pair"] >= 0).sum() for i in range((step - 1) * m.rows_per_step,
+                                                                       step * m.rows_per_step)))
+                   for step in range(1, len(ours.times) + 1)]
+    mine = steady(ours.times, ours_tokens, m.warmup_steps)
+    rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
+             "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])],
+             "trl_without_reference": [n / (t - r) for n, t, r in zip(theirs["tokens"], theirs["step_s"],
+                                                                      theirs["reference_s"])]}
+    pairs_per_row = data.num_pairs / len(data.rows.plan(0))
+    train_s_per_pair = sum(mine["step_s"]) / (len(mine["step_s"]) * m.rows_per_step * pairs_per_row)
+    reference_s_per_pair = reference_s / data.num_pairs
+    return {
+        "config": f"{m.describe(vocab)}; {len(records)} Dolly pairs, sigmoid DPO beta {BETA:g}, {threads} threads; "
+                  f"TRL {shape.pairs_per_step} pairs a step, shardlm {m.rows_per_step} bfd row(s) of "
+                  f"{m.seq_length} tokens a step ({pairs_per_row:.1f} pairs a row)",
+        "pairs": len(rates["trl"]),
+        **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
+        "shardlm_step_ms": summary([t * 1e3 for t in mine["step_s"]]),
+        "trl_step_ms": summary([t * 1e3 for t in theirs["step_s"]]),
+        "trl_reference_share": summary([r / t for r, t in zip(theirs["reference_s"], theirs["step_s"])]),
+        "shardlm_reference_s": reference_s,
+        "shardlm_reference_share": reference_s_per_pair / (reference_s_per_pair + train_s_per_pair),
+        "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
+        "ratio_without_trl_reference": summary([a / b for a, b in zip(rates["shardlm"],
+                                                                      rates["trl_without_reference"])]),
+        "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
+    }
+
+
+def markdown_lines(r: dict) -> list[str]:
+    """The `preference` section of BENCHMARKS.md."""
+    lines = ["## Preference optimization (`preference`)", "",
+             f"{r['config']}. The two trainers take turns, one optimizer step each; {r['pairs']} pairs of steps "
+             "after the warm-up; tokens/s counts the real tokens of both sequences of each pair.", "",
+             "| trainer | real tokens/s | step ms |", "|---|---|---|",
+             f"| shardlm (`[preference]`, reference precomputed) | "
+             f"{median_cell(r['shardlm_tokens_per_sec'], digits=0)} | {median_cell(r['shardlm_step_ms'], digits=0)} |",
+             f"| TRL `DPOTrainer` as shipped (reference run each step) | "
+             f"{median_cell(r['trl_tokens_per_sec'], digits=0)} | {median_cell(r['trl_step_ms'], digits=0)} |",
+             "", f"**shardlm / TRL tokens/s (`preference.ratio`, per pair of steps): {median_cell(r['ratio'])}** "
+             f"(goal 1.2); against TRL's step without its reference forward: "
+             f"{median_cell(r['ratio_without_trl_reference'])}.", "",
+             f"The reference's share: TRL's reference forward is {median_cell(r['trl_reference_share'])} of its "
+             f"step; shardlm's one pass over the pairs before training took {r['shardlm_reference_s']:.1f} s, "
+             f"{r['shardlm_reference_share']:.0%} of the time per pair of one epoch (reference + training).", ""]
+    return lines
