@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-import runpy
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,16 +37,12 @@ transformers = import_or_skip("transformers")
 
 from shardlm.bench.common import uncached_datasets  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
+from shardlm.preference.dolly import dolly_pairs  # noqa: E402
 from shardlm.sft.template import ChatTemplate  # noqa: E402
 from shardlm.training.run import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 320, 2, 3, 1e-3, 0.1, 1e-5
 
-
-def dolly_pairs(lines: list[str], count: int) -> list[dict]:
-    """The first `count` pairs `scripts/dolly_pairs.py` builds (own response chosen, the next record's rejected)."""
-    return runpy.run_path(str(ROOT / "scripts" / "dolly_pairs.py"))["dolly_pairs"](lines[:count + 1])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +58,7 @@ def setup(tmp_path_factory, data_dir):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
     template = ChatTemplate.from_dir(root / "hf")
     lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()
-    pairs = [pair for pair in dolly_pairs(lines, 120)  # pairs whose two sequences fit one row
+    pairs = [pair for pair in dolly_pairs(lines[:121])  # pairs whose two sequences fit one row
              if sum(len(template.encode(template.render(pair["prompt"] + pair[side])))
                     for side in ("chosen", "rejected")) <= SEQ]
     pairs = pairs[:PAIRS_PER_STEP * STEPS]
@@ -73,53 +67,61 @@ def setup(tmp_path_factory, data_dir):
     return {"root": root, "hf": root / "hf", "records": root / "pairs.jsonl", "pairs": pairs}
 
 
-class InOrder(trl.DPOTrainer):
-    """DPOTrainer reading its pairs in order, as `sft.shuffle=false` does."""
-
-    def _get_train_sampler(self, train_dataset=None):
-        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
-
-
-@pytest.fixture(scope="module")
-def trl_run(setup):
+def trl_logs(trainer_class, args, records: list[dict], hf) -> list[dict]:
+    """Train `trainer_class` (a TRL trainer) on `records` in order, as `sft.shuffle=false` reads them, from the
+    directory `hf`; its logged steps."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
-    args = trl.DPOConfig(output_dir=str(setup["root"] / "trl"), max_length=None, beta=BETA, loss_type=["sigmoid"],
-                         per_device_train_batch_size=PAIRS_PER_STEP, max_steps=STEPS, learning_rate=LR,
-                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-                         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
-                         save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                         bf16=False)
-    logs: list[dict] = []
+    class InOrder(trainer_class):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    collected: list[dict] = []
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                records.append(dict(logs))
+                collected.append(dict(logs))
 
-    records = logs
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     with uncached_datasets():
-        InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(setup["pairs"]),
-                processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()]).train()
-    return logs
+        InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                processing_class=AutoTokenizer.from_pretrained(hf), callbacks=[Record()]).train()
+    return collected
 
 
-@pytest.fixture(scope="module")
-def shardlm_run(setup):
-    overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
-                 f"sft.data=[\"{setup['records']}\"]", "sft.shuffle=false", "sft.valid_fraction=0.0",
-                 "sft.packing=\"pad\"", "preference.loss=\"sigmoid\"", f"preference.beta={BETA}",
+def shardlm_metrics(setup, records, name: str, loss: list[str]) -> list[dict]:
+    """shardlm's logged steps from the same directory on `records` (one pair a row, in order), with the matched
+    optimizer settings and the `loss` overrides."""
+    overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false", f"sft.data=[\"{records}\"]",
+                 "sft.shuffle=false", "sft.valid_fraction=0.0", "sft.packing=\"pad\"", *loss,
                  f"model.seq_length={SEQ}", f"train.micro_batch_size={PAIRS_PER_STEP}",
                  f"train.global_batch_size={PAIRS_PER_STEP}", f"train.steps={STEPS}", f"train.lr={LR}",
                  f"train.min_lr={LR}", "train.decay_style=\"constant\"", "train.warmup_steps=0",
                  "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8", "train.clip_grad=1.0",
                  "train.device=\"cpu\"", "log.interval=1", "log.progress=false", "log.plot=false",
                  "log.tensorboard=false"]
-    run_dir = setup["root"] / "shardlm"
+    run_dir = setup["root"] / name
     train(load_config(None, overrides), run_dir=run_dir)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line and '"val_loss"' not in line]
+
+
+@pytest.fixture(scope="module")
+def trl_run(setup):
+    args = trl.DPOConfig(output_dir=str(setup["root"] / "trl"), max_length=None, beta=BETA, loss_type=["sigmoid"],
+                         per_device_train_batch_size=PAIRS_PER_STEP, max_steps=STEPS, learning_rate=LR,
+                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+                         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
+                         save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                         bf16=False)
+    return trl_logs(trl.DPOTrainer, args, setup["pairs"], setup["hf"])
+
+
+@pytest.fixture(scope="module")
+def shardlm_run(setup):
+    return shardlm_metrics(setup, setup["records"], "shardlm", ["preference.loss=\"sigmoid\"",
+                                                                f"preference.beta={BETA}"])
 
 
 SIMPO_BETA, SIMPO_GAMMA = 2.0, 0.5
@@ -138,49 +140,22 @@ def text_pairs(setup):
 
 @pytest.fixture(scope="module")
 def trl_simpo_run(setup, text_pairs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    class InOrderCPO(CPOTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
-
-    logs: list[dict] = []
-
-    class Record(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                records.append(dict(logs))
-
-    records = logs
     args = CPOConfig(output_dir=str(setup["root"] / "cpo"), max_length=SEQ, loss_type="simpo", cpo_alpha=0.0,
                      beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA, per_device_train_batch_size=PAIRS_PER_STEP,
                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                      adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
                      report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
                      disable_tqdm=True, bf16=False)
-    model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
-    with uncached_datasets():
-        InOrderCPO(model=model, args=args, train_dataset=datasets.Dataset.from_list(text_pairs["records"]),
-                   processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()]).train()
-    return logs
+    return trl_logs(CPOTrainer, args, text_pairs["records"], setup["hf"])
 
 
 @pytest.fixture(scope="module")
 def shardlm_simpo_run(setup, text_pairs):
-    overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
-                 f"sft.data=[\"{text_pairs['path']}\"]", "sft.shuffle=false", "sft.valid_fraction=0.0",
-                 "sft.packing=\"pad\"", "preference.loss=\"simpo\"", f"preference.beta={SIMPO_BETA}",
-                 f"preference.simpo_gamma={SIMPO_GAMMA}", f"model.seq_length={SEQ}",
-                 f"train.micro_batch_size={PAIRS_PER_STEP}", f"train.global_batch_size={PAIRS_PER_STEP}",
-                 f"train.steps={STEPS}", f"train.lr={LR}", f"train.min_lr={LR}", "train.decay_style=\"constant\"",
-                 "train.warmup_steps=0", "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8",
-                 "train.clip_grad=1.0", "train.device=\"cpu\"", "log.interval=1", "log.progress=false",
-                 "log.plot=false", "log.tensorboard=false"]
-    run_dir = setup["root"] / "shardlm_simpo"
-    train(load_config(None, overrides), run_dir=run_dir)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in line and '"val_loss"' not in line]
+    return shardlm_metrics(setup, text_pairs["path"], "shardlm_simpo",
+                           ["preference.loss=\"simpo\"", f"preference.beta={SIMPO_BETA}",
+                            f"preference.simpo_gamma={SIMPO_GAMMA}"])
 
 
 def assert_follows(ours_runs: list[dict], trl_runs: list[dict]) -> None:
