@@ -108,7 +108,7 @@ def run_config(args: argparse.Namespace, order: str, prefix: Path, kind: str, vo
                  "whole_word_masking": args.whole_word_masking},
         "train": {"micro_batch_size": args.batch, "global_batch_size": args.batch, "steps": args.steps,
                   "lr": args.lr, "min_lr": args.lr, "warmup_steps": args.warmup, "decay_style": "constant",
-                  "seed": args.seed, "eval_iters": 8, "clip_grad": 1.0},
+                  "seed": args.seed, "eval_iters": 8, "clip_grad": 1.0, "precision": "fp32"},
     })
 
 

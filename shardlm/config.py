@@ -180,8 +180,9 @@ class TrainConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables."""
-    precision: str = "fp32"
-    """"fp32", "bf16" or "fp16" (fp32 master weights; fp16 uses dynamic loss scaling)."""
+    precision: str = "auto"
+    """"auto" (bf16 where the GPU or CPU multiplies bf16 natively, else fp32), "fp32", "bf16" or "fp16" (fp32 master
+    weights; fp16 uses dynamic loss scaling)."""
     recompute: str = "none"
     """Activation recomputation: "none", "selective" (the attention core) or "full" (whole layers)."""
     activation_checkpointing: bool = False
@@ -405,5 +406,6 @@ def _field_docs(cls) -> dict[str, str]:
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).replace("|", "\\|")
+            # one line: a docstring's line breaks would end the Markdown table's row
+            docs[node.target.id] = " ".join(str(nxt.value.value).split()).replace("|", "\\|")
     return docs

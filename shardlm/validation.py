@@ -80,7 +80,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     validate_pipeline(config, t.global_batch_size // per_step)
     _validate_data_sharding(config, dp)
     checks = [
-        (t.precision in ("fp32", "bf16", "fp16"), f'train.precision="{t.precision}" must be "fp32", "bf16" or "fp16"'),
+        (t.precision in ("auto", "fp32", "bf16", "fp16"),
+         f'train.precision="{t.precision}" must be "auto", "fp32", "bf16" or "fp16"'),
         (t.param_dtype in ("fp32", "half"), f'train.param_dtype="{t.param_dtype}" must be "fp32" or "half"'),
         (t.param_dtype == "fp32" or t.precision in ("bf16", "fp16"),
          'train.param_dtype="half" stores parameters in train.precision; set train.precision to "bf16" or "fp16"'),

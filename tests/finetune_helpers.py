@@ -28,7 +28,7 @@ def untrained_bert_checkpoint(directory: Path, vocab: Path, hidden_size: int, se
         "model": {"arch": "bert", "num_layers": 2, "hidden_size": hidden_size, "num_heads": 4,
                   "seq_length": seq_length, "vocab_size": 30522, "dropout": 0.0},
         "data": {"prefixes": ["unused"], "tokenizer": "bert", "vocab_file": str(vocab)},
-        "train": {"seed": 3},
+        "train": {"precision": "fp32", "seed": 3},
     })
     trainer = Trainer(config, ParallelContext.single(), None)
     return save_checkpoint(trainer, directory)

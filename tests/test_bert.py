@@ -67,7 +67,8 @@ def tiny_config(tp: int = 1, micro: int = 8, order: str = "pre", dropout: float 
                   "vocab_size": VOCAB, "dropout": dropout, "layernorm_order": order},
         "parallel": {"tensor": tp},
         "data": {"prefixes": ["unused"], "tokenizer": "bert"},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 5, **train},
     })
 

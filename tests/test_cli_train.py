@@ -32,6 +32,7 @@ tensor = 2
 text_file = "{text}"
 
 [train]
+precision = "fp32"
 micro_batch_size = 2
 global_batch_size = 8
 steps = 4

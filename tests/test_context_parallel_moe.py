@@ -45,7 +45,8 @@ def cp_moe_config(arch: str, routing: str, cp: int = 1, tp: int = 1, ep: int = 1
                   "moe_ffn_hidden_size": 32} | ROUTING[routing],
         "parallel": {"tensor": tp, "context": cp, "expert": ep, "sequence_parallel": sp, "pipeline": pp},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": MICRO, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": MICRO, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, **train},
     })
 

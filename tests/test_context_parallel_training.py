@@ -64,7 +64,8 @@ def cp_config(arch: str, micro: int, cp: int = 1, tp: int = 1, pp: int = 1, sp: 
         "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, "cp_comm": exchange,
                      **schedule},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "eval_iters": 8, **train},
     })
 

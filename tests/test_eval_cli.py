@@ -21,6 +21,7 @@ dropout = 0.0
 text_file = "{text}"
 
 [train]
+precision = "fp32"
 micro_batch_size = 2
 global_batch_size = 2
 steps = 2

@@ -87,7 +87,8 @@ def gpt_oss_config(tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False, pp: 
                   "moe_linear_bias": True, "swiglu_limit": 1.5, "moe_aux_loss_coeff": 0.01},
         "parallel": {"tensor": tp, "expert": ep, "context": cp, "sequence_parallel": sp, "pipeline": pp},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, **train},
     })
 

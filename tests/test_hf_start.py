@@ -75,7 +75,8 @@ def run_config(init_from, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, mi
         "parallel": {"tensor": tp, "pipeline": pp, "expert": ep, "context": cp},
         "data": {"text_file": "unused"},
         "checkpoint": {"init_from": str(init_from)},
-        "train": {"micro_batch_size": micro, "global_batch_size": BATCH, "steps": STEPS, "lr": 3e-3,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": BATCH, "steps": STEPS,
+                  "lr": 3e-3,
                   "min_lr": 3e-4, "warmup_steps": 1, "clip_grad": 1.0, "seed": 7, "data_sharding": sharding},
     })
 

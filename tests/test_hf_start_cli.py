@@ -25,6 +25,7 @@ CONFIG = """
 text_file = "{text}"
 
 [train]
+precision = "fp32"
 micro_batch_size = 2
 global_batch_size = 2
 steps = 2

@@ -44,7 +44,7 @@ HYBRID_MOE = {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16, "
 def hybrid_config(seq: int = 32, dropout: float = 0.0, moe: bool = False, **parallel):
     model = HYBRID | {"seq_length": seq, "vocab_size": VOCAB, "dropout": dropout} | (HYBRID_MOE if moe else {})
     return from_dict({"model": model, "parallel": parallel, "data": {"text_file": "unused"},
-                      "train": {"micro_batch_size": 2, "global_batch_size": 2, "steps": 1}})
+                      "train": {"precision": "fp32", "micro_batch_size": 2, "global_batch_size": 2, "steps": 1}})
 
 
 def rule_inputs(B=2, H=4, T=150, dk=16, dv=24, seed=0):
@@ -207,7 +207,8 @@ def test_the_tiny_qwen35_moe_config_trains(data_dir, tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text((data_dir / "corpus" / "tinyshakespeare.txt").read_text()[:20000])
     code = main(["train", "configs/tiny-qwen3.5-moe.toml", f"data.text_file={text}", "model.seq_length=96",
-                 "train.steps=2", "train.eval_interval=0", "train.eval_iters=1", "log.progress=false",
+                 "train.steps=2", 'train.precision="fp32"', "train.eval_interval=0", "train.eval_iters=1",
+                 "log.progress=false",
                  "log.plot=false", "log.tensorboard=false", "checkpoint.save=false",
                  "--run-dir", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err

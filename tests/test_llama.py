@@ -45,7 +45,8 @@ def tiny_config(tp: int = 1, micro: int = 8, tie: bool = False, checkpointing: b
                   "tie_embeddings": tie},
         "parallel": {"tensor": tp, "pipeline": pp, "sequence_parallel": sp},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7,
                   "recompute": "full" if checkpointing else recompute, **train},
     })

@@ -63,7 +63,8 @@ def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp:
         "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
         "data": {"text_file": "unused"},
         "lora": {**LORA, "modules_to_save": list(save), **(lora or {})},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 64, **train},
     })
 

@@ -117,7 +117,8 @@ def run_config(root, steps: int = 5, **lora):
         "data": {"text_file": "unused"},
         "checkpoint": {"init_from": str(root)},
         "lora": {"rank": 4, "alpha": 8.0, **lora},
-        "train": {"micro_batch_size": 4, "global_batch_size": 4, "steps": steps, "lr": 1e-2, "warmup_steps": 0,
+        "train": {"precision": "fp32", "micro_batch_size": 4, "global_batch_size": 4, "steps": steps, "lr": 1e-2,
+                  "warmup_steps": 0,
                   "decay_style": "constant", "clip_grad": 0.0, "weight_decay": 0.01, "seed": 3},
     })
     resolve_init(config)

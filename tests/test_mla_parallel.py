@@ -46,7 +46,8 @@ def mla_config(tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1, recomput
                   "vocab_size": VOCAB, "dropout": 0.0, **MLA, **DEEPSEEK, **model},
         "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "pipeline": pp, "context": cp},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "recompute": recompute,
                   **(train or {})},
     })

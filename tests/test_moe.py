@@ -263,7 +263,8 @@ def moe_run_config(arch: str, **moe):
                   "vocab_size": VOCAB, "dropout": 0.0, "moe_num_experts": 4, "moe_top_k": 2,
                   "moe_ffn_hidden_size": 32, **moe},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7},
     })
 

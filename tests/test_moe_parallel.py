@@ -49,7 +49,8 @@ def moe_config(arch: str, routing: str, micro: int, tp: int = 1, ep: int = 1, sp
         "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "expert_dispatcher": dispatcher,
                      "pipeline": pp},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, **train},
     })
 

@@ -54,7 +54,8 @@ def muon_config(arch: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, ep: 
         "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp},
         "data": {"text_file": "unused"},
         "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear", *(["experts"] if moe else [])]} if lora else {},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 2e-2, "warmup_steps": 0,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 2e-2,
+                  "warmup_steps": 0,
                   "decay_style": "constant", "clip_grad": 0.0, "weight_decay": 0.01, "adam_eps": 1e-6, "seed": 5,
                   "optimizer": "muon", "eval_iters": 4, **train},
     })

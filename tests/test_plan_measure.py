@@ -57,7 +57,7 @@ def timing_config(tp: int, dp: int) -> RunConfig:
         "model": {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_length": 128, "vocab_size": 512,
                   "dropout": 0.0},
         "parallel": {"tensor": tp}, "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 8 // dp, "global_batch_size": 8, "steps": 10, "seed": 3},
+        "train": {"micro_batch_size": 8 // dp, "global_batch_size": 8, "steps": 10, "seed": 3, "precision": "fp32"},
     })
 
 

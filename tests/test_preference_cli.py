@@ -32,6 +32,7 @@ loss = "sigmoid"
 beta = 0.1
 
 [train]
+precision = "fp32"
 micro_batch_size = 2
 global_batch_size = 4
 steps = 3

@@ -82,7 +82,8 @@ def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp:
         "sft": {"data": ["unused.jsonl"]},
         "preference": {"loss": loss, "beta": 0.5},
         "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]},
-        "train": {"micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 8, **train},
     })
 

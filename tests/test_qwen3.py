@@ -72,7 +72,8 @@ def tiny_config(tp: int = 1, sp: bool = False) -> RunConfig:
                   "dropout": 0.0},
         "parallel": {"tensor": tp, "sequence_parallel": sp},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 8, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+        "train": {"precision": "fp32", "micro_batch_size": 8, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+                  "min_lr": 3e-4,
                   "warmup_steps": 3, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7},
     })
 

@@ -35,6 +35,7 @@ data = ["{records}"]
 valid_fraction = 0.1
 
 [train]
+precision = "fp32"
 micro_batch_size = 2
 global_batch_size = 2
 steps = 4
@@ -108,7 +109,8 @@ def test_lora_fine_tune_export_and_chat(setup, capsys):
     assert main(["train", "configs/sft-lora-qwen3.toml", f"checkpoint.init_from={setup['hf']}",
                  f'sft.data=["{setup["records"]}"]', "model.seq_length=256", "lora.dropout=0.0",
                  'lora.modules_to_save=["embedding"]', "train.steps=4",
-                 "train.micro_batch_size=2", "train.global_batch_size=2", "train.lr=2e-2", "train.warmup_steps=1",
+                 'train.precision="fp32"', "train.micro_batch_size=2", "train.global_batch_size=2", "train.lr=2e-2",
+                 "train.warmup_steps=1",
                  "train.eval_interval=0", "checkpoint.save_interval=0", "log.interval=1", "log.progress=false",
                  "log.tensorboard=false", "log.plot=false", "--run-dir", str(run_dir)]) == 0
     assert "lora: training " in capsys.readouterr().out

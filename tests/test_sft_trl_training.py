@@ -143,7 +143,8 @@ def shardlm_run(setup):
                  f"train.global_batch_size={ROWS_PER_STEP}", f"train.steps={STEPS}", f"train.lr={LR}",
                  f"train.min_lr={LR}", "train.decay_style=\"constant\"", "train.warmup_steps=0",
                  "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8", "train.clip_grad=1.0",
-                 "train.device=\"cpu\"", "log.interval=1", "log.progress=false", "log.plot=false",
+                 "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1", "log.progress=false",
+                 "log.plot=false",
                  "log.tensorboard=false"]
     run_dir = setup["root"] / "shardlm"
     train(load_config(None, overrides), run_dir=run_dir)

@@ -234,6 +234,59 @@ def test_precision_warning_names_the_missing_feature_and_the_faster_precision(mo
     assert cpu_precision.precision_warning("fp16", cpu) is None
 
 
+# the CPU kinds shardlm runs on, by their /proc/cpuinfo flags (whatever this machine is)
+CPU_KINDS = {
+    "AVX2 only (EPYC Zen 2/3, older Xeons)": ({"sse4_2", "avx", "avx2", "fma"}, "fp32"),
+    "AVX-512 without BF16 (Skylake-SP)": ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "fp32"),
+    "AVX-512-BF16 (Zen 4, Cooper Lake)": ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
+    "AMX (Sapphire Rapids and later)": ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "bf16"),
+    "AMX-BF16 without the AVX-512-BF16 flag": ({"avx2", "avx512f", "amx_bf16"}, "bf16"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CPU_KINDS))
+def test_auto_precision_is_bf16_exactly_where_the_cpu_multiplies_it_natively(kind):
+    flags, expected = CPU_KINDS[kind]
+    precision, why = cpu_precision.auto_precision(torch.device("cpu"), flags=flags)
+    assert precision == expected, (kind, why)
+    assert ("natively" in why) == (expected == "bf16") and ("emulated" in why) == (expected == "fp32"), why
+
+
+def test_auto_precision_on_gpus_and_unreadable_cpus(monkeypatch):
+    cuda = torch.device("cuda")
+    assert cpu_precision.auto_precision(cuda, cuda_bf16=True)[0] == "bf16"
+    assert cpu_precision.auto_precision(cuda, cuda_bf16=False)[0] == "fp32"
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: None)
+    precision, why = cpu_precision.auto_precision(torch.device("cpu"))
+    assert precision == "fp32" and "could not be read" in why
+
+
+def test_resolve_precision_keeps_a_named_precision_and_fills_in_auto(monkeypatch):
+    from shardlm.config import TrainConfig
+
+    assert TrainConfig().precision == "auto"
+    named = TrainConfig(precision="bf16")
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})
+    assert cpu_precision.resolve_precision(named, torch.device("cpu")) is None and named.precision == "bf16"
+    auto = TrainConfig()
+    line = cpu_precision.resolve_precision(auto, torch.device("cpu"))
+    assert auto.precision == "fp32" and line.startswith('train.precision="auto": fp32: this CPU has no AVX-512-BF16')
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    auto = TrainConfig()
+    assert "natively (amx_bf16)" in cpu_precision.resolve_precision(auto, torch.device("cpu"))
+    assert auto.precision == "bf16"
+
+
+def test_a_run_with_auto_precision_says_its_choice_first_and_records_it(config_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU: fp32
+    run_dir = tmp_path / "run"
+    assert main(["train", str(config_file), "parallel.tensor=1", "train.precision=auto", "train.steps=1",
+                 "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith('shardlm: train.precision="auto": fp32: this CPU has no'), out
+    assert json.loads((run_dir / "config.json").read_text())["train"]["precision"] == "fp32"
+
+
 def test_train_in_fp16_on_a_cpu_without_fp16_matmuls_says_so_once_and_keeps_fp16(config_file, tmp_path, capsys,
                                                                                   monkeypatch):
     monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})  # a CPU without the feature

@@ -58,7 +58,7 @@ class BenchShape:
                       "activation": self.activation},
             "parallel": {"tensor": tp, **(parallel or {})}, "data": {"text_file": "in-memory"},
             "train": {"micro_batch_size": self.micro_batch, "global_batch_size": global_batch, "steps": 1000,
-                      "lr": 1e-4, **train},
+                      "lr": 1e-4, "precision": "fp32", **train},
         })
         tokens = np.random.default_rng(0).integers(0, self.vocab_size, 200 * self.tokens)
         data = TokenArrayDataset(tokens, self.seq_length, seed=0, num_samples=1000 * global_batch)

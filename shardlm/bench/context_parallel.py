@@ -47,7 +47,7 @@ class CPShape:
                       "ffn_hidden_size": self.ffn_hidden_size, "seq_length": self.seq_length,
                       "vocab_size": self.vocab_size, "dropout": 0.0},
             "parallel": {"context": context}, "data": {"text_file": "unused"},
-            "train": {"micro_batch_size": 1, "global_batch_size": 1, "steps": 1000, "lr": 1e-3}})
+            "train": {"micro_batch_size": 1, "global_batch_size": 1, "steps": 1000, "lr": 1e-3, "precision": "fp32"}})
 
     def describe(self) -> str:
         return (f"Llama {self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads "

@@ -93,7 +93,7 @@ class MoEShape:
         config = from_dict({
             "model": self.model(), "parallel": {"expert": expert}, "data": {"text_file": "in-memory"},
             "train": {"micro_batch_size": self.micro_batch, "global_batch_size": global_batch, "steps": 1000,
-                      "lr": 1e-4, "clip_grad": 1.0, **train}})
+                      "lr": 1e-4, "clip_grad": 1.0, "precision": "fp32", **train}})
         tokens = np.random.default_rng(0).integers(0, self.vocab_size, 100 * self.tokens)
         return Trainer(config, ctx, TokenArrayDataset(tokens, self.seq_length, seed=0, num_samples=1000 * global_batch))
 

@@ -33,7 +33,8 @@ def run(optimizer: str, lr: float, steps: int, eval_every: int, data, threads: i
         "data": {"text_file": "unused"},
         "train": {"micro_batch_size": 8, "global_batch_size": 8, "steps": steps, "lr": lr, "min_lr": lr / 10,
                   "warmup_steps": max(1, steps // 10), "weight_decay": 0.01, "clip_grad": 1.0, "seed": 1,
-                  "eval_iters": 8, "optimizer": optimizer, "muon_adjust_lr": "match_rms_adamw"},
+                  "eval_iters": 8, "optimizer": optimizer, "muon_adjust_lr": "match_rms_adamw",
+                  "precision": "fp32"},
     })
     with torch_threads(threads):
         trainer = Trainer(config, ParallelContext.single(), train, valid)

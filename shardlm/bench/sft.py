@@ -213,7 +213,8 @@ class ShardlmSteps:
                      "checkpoint.save=false", "log.progress=false", "log.plot=false", "log.tensorboard=false",
                      "log.interval=1", f"train.steps={shape.warmup_steps}",
                      f"train.micro_batch_size={shape.rows_per_step}", f"train.global_batch_size={shape.rows_per_step}",
-                     f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"', *extra]
+                     f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"',
+                     'train.precision="fp32"', *extra]
         self.shape, self.threads, self.times, self.tokens, self.losses = shape, threads, [], [], []
         with torch_threads(threads):
             self.trainer = train(load_config(None, overrides), run_dir=run_dir).trainer

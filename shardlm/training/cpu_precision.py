@@ -6,6 +6,10 @@ the matmuls that dominate a training step run many times slower than in fp32: on
 a 512 x 1024 x 1024 matmul took 0.07 s in fp32 and 3.5 s in bf16 or fp16, and a GPT-2 355M step
 326 s in fp16 against 11-16 s in fp32. `precision_warning` says so at the start of a run; it never
 changes the precision the user chose. GPUs are not concerned.
+
+`train.precision = "auto"` (the default) chooses instead (`auto_precision`): bf16 where the matmuls are native
+(a CUDA GPU that supports bf16, an x86 CPU with AVX-512-BF16 or AMX-BF16), else fp32; `resolve_precision` writes
+the choice into the config before anything reads it and returns the line the run starts with.
 """
 
 from __future__ import annotations
@@ -54,6 +58,36 @@ def matmul_slowdown(precision: str, size: int = 128, repeats: int = 3) -> float:
         return min(times)
 
     return best(DTYPES[precision]) / max(best(torch.float32), 1e-9)
+
+
+def auto_precision(device: torch.device, flags: set[str] | None = None,
+                   cuda_bf16: bool | None = None) -> tuple[str, str]:
+    """(precision, why) that `train.precision = "auto"` picks on `device`: "bf16" where its matmuls multiply bf16
+    natively, else "fp32". `flags`: the CPU's (`cpu_flags()` when None); `cuda_bf16`: whether the GPU supports
+    bf16 (`torch.cuda.is_bf16_supported()` when None)."""
+    if device.type == "cuda":
+        supported = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
+        return ("bf16", "this GPU multiplies bf16 natively") if supported else (
+            "fp32", "this GPU does not support bf16")
+    if device.type != "cpu":
+        return "fp32", f"no bf16 rule for {device.type} devices"
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return "fp32", "this CPU's features could not be read from /proc/cpuinfo"
+    native = [flag for flag in NATIVE_FLAGS["bf16"][0] if flag in flags]
+    if native:
+        return "bf16", f"this CPU multiplies bf16 natively ({', '.join(native)})"
+    return "fp32", ("this CPU has no AVX-512-BF16 or AMX-BF16, so bf16 matmuls would be emulated, many times slower; "
+                    'set train.precision="bf16" to force it')
+
+
+def resolve_precision(train, device: torch.device) -> str | None:
+    """Replace `train.precision = "auto"` (a `TrainConfig`) with `auto_precision`'s choice on `device`; the line
+    that says which and why, or None when the config named a precision."""
+    if train.precision != "auto":
+        return None
+    train.precision, why = auto_precision(device)
+    return f'train.precision="auto": {train.precision}: {why}'
 
 
 def precision_warning(precision: str, device: torch.device) -> str | None:

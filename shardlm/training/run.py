@@ -27,7 +27,7 @@ from shardlm.lora.peft import load_adapter, resolve_adapter
 from shardlm.parallel import init_distributed
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
-from shardlm.training.cpu_precision import precision_warning
+from shardlm.training.cpu_precision import precision_warning, resolve_precision
 from shardlm.training.data import build_datasets
 from shardlm.training.logging import RunLogger
 from shardlm.training.parallelize import check_can_compile
@@ -199,7 +199,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
                            config.parallel.expert, config.parallel.context)
     if t.compile:  # before the run directory and the datasets exist
         check_can_compile(ctx.device)
+    chosen = resolve_precision(t, ctx.device)  # "auto": before anything reads the precision
     if ctx.is_main:
+        if chosen:
+            print(f"shardlm: {chosen}", flush=True)
         warning = precision_warning(t.precision, ctx.device)
         if warning:
             print(f"shardlm: {warning}", file=sys.stderr)

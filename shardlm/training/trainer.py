@@ -34,6 +34,7 @@ from shardlm.errors import UserError
 from shardlm.models import training_loss
 from shardlm.models.config import flops_per_step
 from shardlm.parallel import ParallelContext
+from shardlm.training.cpu_precision import resolve_precision
 from shardlm.training.data import (
     add_multi_token_targets,
     context_parallel_part,
@@ -86,6 +87,7 @@ class Trainer:
         self.config, self.ctx = config, ctx
         self.train_data, self.valid_data = train_data, valid_data
         t = config.train
+        resolve_precision(t, ctx.device)  # "auto" -> bf16 or fp32 for this device (run.py has said which)
         ctx.seed(t.seed)
         self.accumulation = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         if config.parallel.context != ctx.cp_size:  # a setting silently dropped would train another layout
