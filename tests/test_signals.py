@@ -65,13 +65,14 @@ def checkpoint_folders(checkpoints: Path) -> list[str]:
     return sorted(p.name for p in checkpoints.iterdir())
 
 
-@pytest.fixture(scope="module", params=["tp2", "fsdp dp2"])
-def runs(request, config_file, tmp_path_factory):
+@pytest.fixture(scope="module")
+def runs(config_file, tmp_path_factory):
     """Three 2-worker runs of the same STEPS-step schedule: `reference` uninterrupted; `stopped` SIGTERMed
     after 2 steps; then `resumed` from its checkpoint (saving every step), Ctrl-C'd 2 steps after resuming.
-    Once at the tiny config's TP=2, once with FSDP at DP=2 (the SIGTERM save gathers the sharded state)."""
+    With FSDP at DP=2, whose SIGTERM save gathers the sharded state (a TP=2 run's save is the same call on
+    unsharded state; its bitwise resume is tests/test_resume_layouts.py's)."""
     folder = tmp_path_factory.mktemp("signals")
-    layout = ["parallel.tensor=1", "train.data_sharding=full"] if request.param == "fsdp dp2" else []
+    layout = ["parallel.tensor=1", "train.data_sharding=full"]
     common = ["train", str(config_file), f"train.steps={STEPS}", *layout, *TWO_WORKERS]
     run_dir, checkpoints = folder / "run", folder / "run" / "checkpoints"
     launched = []

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "preference": lambda: _preference(args.quick),
         "optimizers": lambda: _optimizers(args.quick, args.out),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
-        "preprocess": lambda: _preprocess(1 if args.quick else 3),
+        "preprocess": lambda: _preprocess(args.quick),
         "eval": lambda: _eval(args.quick),
     }
     started = time.time()
@@ -196,11 +196,12 @@ def _checkpoint(shape, repeats):
     return checkpoint_io(shape, repeats)
 
 
-def _preprocess(repeats):
-    from shardlm.data.bench import benchmark_preprocess
+def _preprocess(quick: bool):
+    from shardlm.data.bench import CORPUS_FILES, benchmark_preprocess
 
-    with tempfile.TemporaryDirectory() as folder:
-        return benchmark_preprocess(folder, workers=(1, 2), repeats=repeats)
+    with tempfile.TemporaryDirectory() as folder:  # --quick: Tiny Shakespeare alone, once
+        return benchmark_preprocess(folder, workers=(1, 2), repeats=1 if quick else 3,
+                                    files=CORPUS_FILES[-1:] if quick else CORPUS_FILES)
 
 
 def _eval(quick: bool = False):

@@ -68,8 +68,8 @@ def corpus(steps: int, characters: int | None = None):
 
 def optimizers_bench(quick: bool, out_dir: Path | None = None) -> dict:
     """The `optimizers` section of `make bench`."""
-    steps, rates = (6, QUICK_LEARNING_RATES) if quick else (200, LEARNING_RATES)
-    eval_every = max(1, steps // 10)
+    steps, rates = (4, QUICK_LEARNING_RATES) if quick else (200, LEARNING_RATES)
+    eval_every = steps // 2 if quick else steps // 10
     data = corpus(steps, 40_000 if quick else None)
     runs: dict[str, dict[str, dict]] = {"adamw": {}, "muon": {}}
     for lr in rates:

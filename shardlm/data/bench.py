@@ -20,10 +20,10 @@ from shardlm.paths import shared_data_dir
 CORPUS_FILES = ("moby_dick_pg2701.txt", "pride_and_prejudice_pg1342.txt", "tinyshakespeare.txt")
 
 
-def _write_corpus(workdir: Path, data_dir: Path) -> Path:
+def _write_corpus(workdir: Path, data_dir: Path, files: Sequence[str]) -> Path:
     path = workdir / "bench_corpus.jsonl"
     with open(path, "w", encoding="utf-8") as stream:
-        for name in CORPUS_FILES:
+        for name in files:
             text = (data_dir / "corpus" / name).read_text(encoding="utf-8")
             for paragraph in text.split("\n\n"):
                 if paragraph.strip():
@@ -37,8 +37,9 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def benchmark_preprocess(
     workdir: str | Path, workers: Sequence[int] = (1, 2), repeats: int = 3, data_dir: str | Path | None = None,
+    files: Sequence[str] = CORPUS_FILES,
 ) -> dict:
-    """Throughput of GPT-2 preprocessing; returns a JSON-serialisable dict.
+    """Throughput of GPT-2 preprocessing of the shared corpora `files`; returns a JSON-serialisable dict.
 
     Result: `{"input_bytes", "documents", "tokens", "repeats", "by_workers": {"1": {"documents_per_second":
     {"median", "min", "max"}, "tokens_per_second": {...}, "seconds": {...}}, ...}}`.
@@ -49,7 +50,7 @@ def benchmark_preprocess(
         raise UserError(f"shared data not found at {data_dir}; set SHARDLM_DATA")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    corpus = _write_corpus(workdir, data_dir)
+    corpus = _write_corpus(workdir, data_dir, files)
     report: dict = {"input_bytes": corpus.stat().st_size, "repeats": repeats, "by_workers": {}}
     for count in workers:
         runs = []
