@@ -298,3 +298,31 @@ def test_train_in_fp16_on_a_cpu_without_fp16_matmuls_says_so_once_and_keeps_fp16
     warnings = [line for line in err.splitlines() if "no native matrix support" in line]
     assert warnings == [warnings[0]] and warnings[0].startswith('shardlm: train.precision="fp16"'), err
     assert json.loads((run_dir / "config.json").read_text())["train"]["precision"] == "fp16"
+
+
+def _auto_precision_on_rank(flags_by_rank: list[set[str]]) -> tuple[str, str]:
+    """Worker: this rank's CPU has `flags_by_rank[rank]`; the agreed (precision, line) of an "auto" config."""
+    from shardlm.config import TrainConfig
+
+    rank = torch.distributed.get_rank()
+    cpu_precision.cpu_flags = lambda: flags_by_rank[rank]
+    train = TrainConfig()
+    line = cpu_precision.resolve_precision(train, torch.device("cpu"), all_ranks=True)
+    return train.precision, line
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_different_cpu_kinds_agree_on_auto_precision():
+    """A job across machines of different CPU kinds trains in one precision: bf16 only where every rank multiplies
+    it natively; a rank that could have used bf16 says why it did not."""
+    from shardlm.parallel.spawn import run_workers
+
+    amx, avx2 = {"avx2", "avx512_bf16", "amx_bf16"}, {"avx2", "fma"}
+    for flags, expected in (([amx, amx, amx], "bf16"), ([amx, avx2, amx], "fp32"), ([avx2, amx, amx], "fp32")):
+        results = run_workers(3, _auto_precision_on_rank, flags)
+        assert [precision for precision, _ in results] == [expected] * 3, (flags, results)
+        for (_, line), rank_flags in zip(results, flags):
+            if expected == "fp32" and rank_flags is amx:
+                assert "another rank's device would emulate bf16" in line, line
+            else:
+                assert line.startswith(f'train.precision="auto": {expected}: this CPU'), line

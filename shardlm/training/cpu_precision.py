@@ -81,12 +81,21 @@ def auto_precision(device: torch.device, flags: set[str] | None = None,
                     'set train.precision="bf16" to force it')
 
 
-def resolve_precision(train, device: torch.device) -> str | None:
+def resolve_precision(train, device: torch.device, all_ranks: bool = False) -> str | None:
     """Replace `train.precision = "auto"` (a `TrainConfig`) with `auto_precision`'s choice on `device`; the line
-    that says which and why, or None when the config named a precision."""
+    that says which and why, or None when the config named a precision.
+
+    `all_ranks`: a collective over the default process group (every rank must call it) so that the ranks agree:
+    bf16 only where every rank multiplies it natively. Ranks of one job on machines of different CPU kinds would
+    otherwise train in different precisions and send each other tensors of different dtypes."""
     if train.precision != "auto":
         return None
     train.precision, why = auto_precision(device)
+    if all_ranks and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        native = torch.tensor([int(train.precision == "bf16")], device=device)
+        torch.distributed.all_reduce(native, op=torch.distributed.ReduceOp.MIN)
+        if train.precision == "bf16" and not native.item():
+            train.precision, why = "fp32", "another rank's device would emulate bf16 (this one multiplies it natively)"
     return f'train.precision="auto": {train.precision}: {why}'
 
 

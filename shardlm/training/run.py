@@ -199,7 +199,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
                            config.parallel.expert, config.parallel.context)
     if t.compile:  # before the run directory and the datasets exist
         check_can_compile(ctx.device)
-    chosen = resolve_precision(t, ctx.device)  # "auto": before anything reads the precision
+    chosen = resolve_precision(t, ctx.device, all_ranks=True)  # "auto": before anything reads the precision
     if ctx.is_main:
         if chosen:
             print(f"shardlm: {chosen}", flush=True)
