@@ -52,9 +52,14 @@ def setup(tmp_path_factory, data_dir):
 
     root = tmp_path_factory.mktemp("preference_trl")
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                 max_position_embeddings=SEQ, tie_word_embeddings=True)).save_pretrained(root / "hf")
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         max_position_embeddings=SEQ, tie_word_embeddings=True))
+    with torch.no_grad():  # every RMSNorm weight away from its initial 1.0, so a swapped or dropped norm shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
     template = ChatTemplate.from_dir(root / "hf")
