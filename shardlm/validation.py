@@ -84,7 +84,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
          f'train.precision="{t.precision}" must be "auto", "fp32", "bf16" or "fp16"'),
         (t.param_dtype in ("fp32", "half"), f'train.param_dtype="{t.param_dtype}" must be "fp32" or "half"'),
         (t.param_dtype == "fp32" or t.precision in ("bf16", "fp16"),
-         'train.param_dtype="half" stores parameters in train.precision; set train.precision to "bf16" or "fp16"'),
+         f'train.param_dtype="half" stores parameters in train.precision (here "{t.precision}"); set '
+         'train.precision to "bf16" or "fp16"'),
         (t.recompute in ("none", "selective", "full"),
          f'train.recompute="{t.recompute}" must be "none", "selective" or "full"'),
         (t.recompute != "selective" or m.arch in ("gpt", "llama"),

@@ -326,3 +326,16 @@ def test_ranks_on_different_cpu_kinds_agree_on_auto_precision():
                 assert "another rank's device would emulate bf16" in line, line
             else:
                 assert line.startswith(f'train.precision="auto": {expected}: this CPU'), line
+
+
+def test_half_parameters_need_a_named_half_precision_not_auto():
+    """Half parameter storage is in the run's half precision, which "auto" leaves open until the device is known."""
+    from shardlm.config import from_dict
+    from shardlm.errors import UserError
+    from shardlm.validation import validate
+
+    with pytest.raises(UserError, match=r'train.param_dtype="half" stores parameters in train.precision \(here '
+                                        r'"auto"\); set train.precision to "bf16" or "fp16"'):
+        validate(from_dict({"train": {"param_dtype": "half"}, "data": {"text_file": "x"}}), 1, check_paths=False)
+    validate(from_dict({"train": {"param_dtype": "half", "precision": "bf16"}, "data": {"text_file": "x"}}), 1,
+             check_paths=False)
