@@ -73,6 +73,12 @@ def load_pairs(shape: PreferenceShape, records_file: Path, tokenizer_dir: Path):
     return records, tokenized
 
 
+def pair_row_tokens(data, step: int, rows_per_step: int) -> int:
+    """Real tokens of the packed pair rows that step `step` (1, 2, ...) read: those of a pair (`pair` >= 0)."""
+    rows = range((step - 1) * rows_per_step, step * rows_per_step)
+    return int(sum((data[i]["pair"] >= 0).sum() for i in rows))
+
+
 def pair_tokens(pair) -> int:
     """Real tokens of a pair's two sequences (prompt + chosen, prompt + rejected)."""
     return 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)
@@ -143,7 +149,7 @@ def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2
         model_dir, vocab = make_model_dir(m, tokenizer_dir, folder / "model")
         pairs_file = folder / "pairs.jsonl"
         pairs_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        ours = ShardlmSteps(m, model_dir, pairs_file, folder / "shardlm", threads,
+        ours = ShardlmSteps(m, model_dir, pairs_file, folder / "shardlm", threads, count_tokens=pair_row_tokens,
                             extra=['preference.loss="sigmoid"', f"preference.beta={BETA}", "sft.shuffle=false",
                                    f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
                                    "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
@@ -154,10 +160,7 @@ def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2
             precompute_reference(trainer, trainer.train_data)
             reference_s = time.perf_counter() - start
     data = trainer.train_data
-    ours_tokens = [int(sum((data[i]["pair"] >= 0).sum() for i in range((step - 1) * m.rows_per_step,
-                                                                       step * m.rows_per_step)))
-                   for step in range(1, len(ours.times) + 1)]
-    mine = steady(ours.times, ours_tokens, m.warmup_steps)
+    mine = steady(ours.times, ours.tokens, m.warmup_steps)
     rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
              "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])],
              "trl_without_reference": [n / (t - r) for n, t, r in zip(theirs["tokens"], theirs["step_s"],

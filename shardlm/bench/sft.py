@@ -200,10 +200,11 @@ class ShardlmSteps:
     """shardlm's side: `shardlm.training.run.train` with `[sft]` for the first `warmup_steps` steps (setup, data,
     `checkpoint.init_from` import, metrics.jsonl in `run_dir`), then one more step of the trainer it returns per
     `step()` call, timed around `Trainer.train_step` (the loop body of `train`), with the real tokens it read.
-    `extra`: more config overrides (the `lora` section's `[lora]`)."""
+    `extra`: more config overrides (the `lora` section's `[lora]`); `count_tokens(data, step, rows_per_step)`: the
+    real tokens a step read (`real_tokens_per_step` by default)."""
 
     def __init__(self, shape: SFTShape, model_dir: Path, records_file: Path, run_dir: Path, threads: int = 2,
-                 extra: list[str] = ()):
+                 extra: list[str] = (), count_tokens=None):
         from shardlm.config import load_config
         from shardlm.training.run import train
 
@@ -216,6 +217,7 @@ class ShardlmSteps:
                      f"model.seq_length={shape.seq_length}", "train.lr=1e-4", 'train.device="cpu"',
                      'train.precision="fp32"', *extra]
         self.shape, self.threads, self.times, self.tokens, self.losses = shape, threads, [], [], []
+        self.count_tokens = count_tokens or real_tokens_per_step
         with torch_threads(threads):
             self.trainer = train(load_config(None, overrides), run_dir=run_dir).trainer
         logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -226,7 +228,7 @@ class ShardlmSteps:
             start = time.perf_counter()
             metrics = self.trainer.train_step()
             self.times.append(time.perf_counter() - start)
-        self.tokens.append(real_tokens_per_step(self.trainer.train_data, metrics["step"], self.shape.rows_per_step))
+        self.tokens.append(self.count_tokens(self.trainer.train_data, metrics["step"], self.shape.rows_per_step))
         self.losses.append(metrics["loss"])
 
 
