@@ -127,6 +127,7 @@ class SharedMemoryGroup:
         if not all(mapped):
             return None
         shared = cls(segment, size, rank, timeout_s or DEFAULT_TIMEOUT_S)
+        shared.path = path  # unlinked above: the mapping lives on, the file does not
         dist.barrier(group=group)  # every rank's process id is in the header
         return shared
 
