@@ -154,10 +154,7 @@ def _validate_optimizer(t) -> None:
               (t.muon_split in ("parts", "heads", "whole"),
                f'train.muon_split="{t.muon_split}" must be "parts", "heads" or "whole"'),
               (0 <= t.muon_momentum < 1 and t.muon_ns_steps >= 1,
-               "train.muon_momentum must be in [0, 1) and train.muon_ns_steps >= 1"),
-              (t.data_sharding == "none" and t.param_dtype == "fp32",
-               'train.optimizer="muon" runs on replicated fp32 parameters for now: set train.data_sharding="none" '
-               'and train.param_dtype="fp32" (ZeRO-1, FSDP and half-precision parameters come later)')]
+               "train.muon_momentum must be in [0, 1) and train.muon_ns_steps >= 1")]
     for ok, message in checks:
         if not ok:
             raise UserError(message)

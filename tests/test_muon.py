@@ -26,7 +26,7 @@ from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.config import from_dict
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.training.muon import Muon, is_muon_matrix, newton_schulz
+from shardlm.training.muon import Muon, MuonWithAdamW, is_muon_matrix, newton_schulz
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -117,19 +117,63 @@ def test_one_process_equals_torch_muon(kind, adjust):
         assert torch.allclose(param, ref[name], rtol=1e-6, atol=1e-7), name
 
 
-def train_layout(ctx: ParallelContext, config, per_shard: bool = False) -> dict:
+def muons_of(trainer: Trainer) -> list[Muon]:
+    """The Muon optimizers of a trainer: MuonWithAdamW's (replicated, FSDP) or the master-weight parts' (ZeRO-1)."""
+    optimizer = trainer.fsdp.inner if trainer.fsdp else trainer.optimizer
+    if isinstance(optimizer, MuonWithAdamW):
+        return optimizer.muons
+    return [part.optimizer for part in getattr(optimizer, "parts", [optimizer]) if isinstance(part.optimizer, Muon)]
+
+
+def watch_muons(trainer: Trainer) -> dict:
+    """Counts, on this rank, the matrices it orthogonalizes and the bytes of each Muon step's collectives over its
+    exchange group (the trainer's other collectives are not counted)."""
+    seen = {"owned": 0, "owned_expected": 0, "matrices": 0, "bytes": 0, "bytes_expected": 0}
+    stats = trainer.ctx.comm
+    for muon in muons_of(trainer):
+        d, rank = (1, 0) if muon.group is None else (muon.group.size, muon.group.rank)
+        seen["matrices"] += len(muon.matrices)
+        seen["owned_expected"] += STEPS * len(range(rank, len(muon.matrices), d))
+        # one all-gather of this rank's pieces (width values) and one reduce-scatter of d x width values
+        seen["bytes_expected"] += STEPS * 4 * (muon.width + muon.elements) if muon.group is not None else 0
+
+        def orthogonalized(m, update, original=muon._orthogonalized_matrix):
+            seen["owned"] += 1
+            return original(m, update)
+
+        def step(original=muon.step, group=None if muon.group is None else muon.group.name):
+            before = stats.total_bytes(group=group) if group else 0
+            original()
+            seen["bytes"] += stats.total_bytes(group=group) - before if group else 0
+
+        muon._orthogonalized_matrix, muon.step = orthogonalized, step
+    return seen
+
+
+def train_layout(ctx: ParallelContext, config, per_shard: bool = False, resume: str | None = None) -> dict:
+    """4 steps of `config` (`resume`: a checkpoint directory, saved after 2 steps by a ZeRO-1 run and resumed by
+    this one for the last 2)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, batches())
     if per_shard:  # the control's bug: each TP rank orthogonalizes its shard alone
-        muon = trainer.optimizer.muon
+        muon = muons_of(trainer)[0]
         muon._orthogonalized = lambda name, update, dim: Muon._orthogonalized(muon, name, update, None)
-    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
-    return {"curve": curve, "params": stage_parameters(trainer.model)}
+    curve = []
+    if resume:
+        first = Trainer(muon_config(muon_ns_dtype="fp32", data_sharding="optimizer"), ctx, batches())
+        curve = [(m["loss"], m["grad_norm"]) for m in (first.train_step() for _ in range(STEPS // 2))]
+        save_checkpoint(first, resume)
+        load_checkpoint(trainer, resume)
+    seen = watch_muons(trainer)
+    curve += [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS - len(curve)))]
+    return {"curve": curve, "params": stage_parameters(trainer.model), "muon": seen}
 
 
-def run_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, per_shard: bool = False, **config) -> dict:
+def run_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, per_shard: bool = False, resume: str | None = None,
+               **config) -> dict:
     ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
-    return train_layout(ctx, muon_config(tp=tp, pp=pp, cp=cp, ep=ep, muon_ns_dtype="fp32", **config), per_shard)
+    return train_layout(ctx, muon_config(tp=tp, pp=pp, cp=cp, ep=ep, muon_ns_dtype="fp32", **config), per_shard,
+                        resume)
 
 
 WORLD2 = {  # name: (reference kind, layout)
@@ -140,9 +184,17 @@ WORLD2 = {  # name: (reference kind, layout)
     "dp2 llama": ("llama", {}),
     "ep2 moe": ("moe", {"ep": 2, "moe": True}),
     "tp2 sp llama lora": ("lora", {"tp": 2, "sp": True, "lora": True}),
+    "dp2 zero1 llama": ("llama", {"data_sharding": "optimizer"}),
+    "dp2 fsdp llama": ("llama", {"data_sharding": "full"}),
+    "dp2 fsdp llama lora": ("lora", {"data_sharding": "full", "lora": True}),
+    "ep2 zero1 moe": ("moe", {"ep": 2, "moe": True, "data_sharding": "optimizer"}),
+    "ep2 fsdp moe": ("moe", {"ep": 2, "moe": True, "data_sharding": "full"}),
+    "dp2 zero1 saved, fsdp resumed llama": ("llama", {"data_sharding": "full", "resume": "RESUME"}),
     "control tp2 sp llama per shard": ("llama", {"tp": 2, "sp": True, "per_shard": True}),
 }
 WORLD4 = {"ep2 tp2 sp moe": ("moe", {"ep": 2, "tp": 2, "sp": True, "moe": True}),
+          "dp2 tp2 sp zero1 gpt": ("gpt", {"tp": 2, "sp": True, "arch": "gpt", "data_sharding": "optimizer"}),
+          "dp2 tp2 sp fsdp llama": ("llama", {"tp": 2, "sp": True, "data_sharding": "full"}),
           "ep2 tp2 sp moe lora": ("moe lora", {"ep": 2, "tp": 2, "sp": True, "moe": True, "lora": True})}
 REFERENCES = {"gpt": {"arch": "gpt", "micro": 8}, "llama": {"micro": 8}, "moe": {"moe": True},
               "lora": {"lora": True, "micro": 8}, "moe lora": {"moe": True, "lora": True}}
@@ -153,8 +205,11 @@ def world_checks(cases: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_workers(2, world_checks, WORLD2, timeout=300)
+def world2(tmp_path_factory):
+    resume = str(tmp_path_factory.mktemp("muon-resume"))
+    cases = {name: (kind, {k: resume if v == "RESUME" else v for k, v in spec.items()})
+             for name, (kind, spec) in WORLD2.items()}
+    return run_workers(2, world_checks, cases, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +243,24 @@ def assert_same_run(values: list, ref: dict, name: str) -> None:
         assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
 
 
+SHARDED = [("world2", n) for n in WORLD2 if ("zero1" in n or "fsdp" in n) and "resumed" not in n] + \
+    [("world4", n) for n in WORLD4 if "zero1" in n or "fsdp" in n]
+
+
+@pytest.mark.parametrize("world,name", SHARDED)
+def test_sharded_muon_spreads_the_matrices_and_counts_its_traffic(request, world, name):
+    """ZeRO-1 and FSDP: each DP rank orthogonalizes the matrices i with i mod d its rank (every matrix by
+    exactly one rank of the group), and a Muon step's collectives over DP are its one all-gather and one
+    reduce-scatter of the sizes `Muon.elements` states."""
+    values = check_result(request.getfixturevalue(world), name)
+    for rank, value in enumerate(values):
+        seen = value["muon"]
+        assert seen["owned"] == seen["owned_expected"] > 0, (name, rank, seen)
+        assert seen["bytes"] == seen["bytes_expected"] > 0, (name, rank, seen)
+    if "tp2" not in name and "ep2" not in name:  # the DP ranks together orthogonalize each matrix once per step
+        assert sum(v["muon"]["owned"] for v in values) == STEPS * values[0]["muon"]["matrices"]
+
+
 def test_orthogonalizing_each_shard_alone_fails(world2, reference):
     for value in check_result(world2, "control tp2 sp llama per shard"):
         assert_trained_but_off(value["curve"], value["params"], reference["llama"]["params"], STEPS, ".attn.q.")
@@ -199,7 +272,7 @@ def dropout_config(**train):
     return config
 
 
-def test_resume_is_bitwise_and_zero1_is_one_line(tmp_path):
+def test_resume_is_bitwise_and_another_optimizer_is_one_line(tmp_path):
     """Dropout 0.1 on: 3 steps, save, 3 more, against a fresh trainer (both generators disturbed) loading the save."""
     ctx = ParallelContext.single()
     trainer = Trainer(dropout_config(), ctx, batches())
@@ -216,5 +289,29 @@ def test_resume_is_bitwise_and_zero1_is_one_line(tmp_path):
     adamw = Trainer(dropout_config(optimizer="adamw"), ctx, batches())
     with pytest.raises(UserError, match='trained with train.optimizer="muon" but this run asks for "adamw"'):
         load_checkpoint(adamw, tmp_path)
-    with pytest.raises(UserError, match="Muon.*replicated fp32|muon.*replicated fp32"):
-        validate(muon_config(data_sharding="optimizer"), 2, check_paths=False)
+
+
+def test_half_parameters_update_their_fp32_master_weights_as_torch_muon():
+    """bf16 parameters (`param_dtype = "half"`): Muon steps the fp32 master weights from the fp32 gradients
+    bitwise as torch.optim.Muon steps an fp32 copy of them given the same gradients (3 steps, momentum carried)."""
+    trainer = Trainer(muon_config(precision="bf16", param_dtype="half", steps=3), ParallelContext.single(), batches())
+    (muon,) = muons_of(trainer)
+    pieces = [m.piece for m in muon.matrices]
+    copies = [torch.nn.Parameter(p.detach().clone().view(m.shape)) for p, m in zip(pieces, muon.matrices)]
+    t = trainer.config.train
+    theirs = torch.optim.Muon(copies, lr=t.lr, weight_decay=t.weight_decay, momentum=t.muon_momentum)
+    step = muon.step
+
+    def checked():
+        for copy, piece in zip(copies, pieces):
+            assert torch.equal(copy.detach().view(-1), piece.detach())  # bitwise the same before each step
+            copy.grad = piece.grad.view_as(copy).clone()
+        step()
+        theirs.step()
+
+    muon.step = checked
+    for _ in range(3):
+        trainer.train_step()
+    assert pieces[0].dtype == torch.float32 and next(trainer.model.parameters()).dtype == torch.bfloat16
+    for copy, piece in zip(copies, pieces):
+        assert torch.equal(copy.detach().view(-1), piece)

@@ -181,12 +181,14 @@ class FullyShardedAdamW:
     `LocalShard`s the trainer clips and sums."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, lr: float, weight_decay: float,
-                 betas: tuple[float, float], eps: float, shard_group: Communicator | None = None):
+                 betas: tuple[float, float], eps: float, shard_group: Communicator | None = None, inner=None):
+        """`inner`: the optimizer over the DTensor parameters (`shardlm.training.muon.build_muon`'s Muon and
+        AdamW); by default AdamW as `build_optimizer` makes it."""
         self.model, self.ctx = model, ctx
         self.shard_group = shard_group or ctx.dp_cp
         """The ranks one shard spans (`shard_model`'s return): the gradient norm sums the local shares over it."""
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.inner = build_optimizer(model, lr, weight_decay, betas, eps, ctx.device)
+        self.inner = inner or build_optimizer(model, lr, weight_decay, betas, eps, ctx.device)
         self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
         self.shards = [LocalShard(p) for _, p in self.named]
 
@@ -204,14 +206,16 @@ class FullyShardedAdamW:
         self.model.set_reshard_after_backward(last)
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{name: {"model", "exp_avg", "exp_avg_sq"}}: each parameter and moment gathered over DP (this
+        """{name: {"model", "exp_avg", "exp_avg_sq"}} (Muon's matrices: "momentum_buffer" for the moments): each
+        parameter and moment gathered over DP (this
         TP rank's shard, unsplit over DP; split experts over expert-DP: this EP rank's stack), for
         checkpoints. Collective over the DP group."""
         out = {}
         for name, param in self.named:
             state = self.inner.state.get(param, {})
             out[name] = {"model": param.detach().full_tensor(),
-                         **{k: state[k].full_tensor() for k in ("exp_avg", "exp_avg_sq") if k in state}}
+                         **{k: state[k].full_tensor() for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
+                            if k in state}}
         return out
 
     @torch.no_grad()
@@ -222,9 +226,10 @@ class FullyShardedAdamW:
             mesh, dim = param.device_mesh, param.device_mesh.ndim - 1  # DP x CP, expert-DP, or hybrid's shard dim
             local = {k: _rows(v, mesh.size(dim), mesh.get_local_rank(dim)) for k, v in full[name].items()}
             param.to_local().copy_(local["model"])
-            if optimizer_step > 0 and "exp_avg" in local:
-                state = {"step": torch.tensor(float(optimizer_step), device=param.device)}
-                for key in ("exp_avg", "exp_avg_sq"):
+            keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if k in local]
+            if optimizer_step > 0 and keys:
+                state = {"step": torch.tensor(float(optimizer_step), device=param.device)} if "exp_avg" in local else {}
+                for key in keys:
                     state[key] = torch.zeros_like(param.detach())
                     state[key].to_local().copy_(local[key])
                 self.inner.state[param] = state

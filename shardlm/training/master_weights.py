@@ -45,8 +45,9 @@ class MasterWeightOptimizer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext, lr: float,
                  weight_decay: float, betas: tuple[float, float], eps: float, param_dtype: torch.dtype,
-                 shard: bool, dp: Communicator | None = None, grad_divisor: int | None = None):
-        """`dp`: the group that reduces (and shards) these parameters' gradients, `ctx.dp_cp` by default
+                 shard: bool, dp: Communicator | None = None, grad_divisor: int | None = None, muon=None):
+        """`muon`: `MuonSettings` to update these parameters (all Muon matrices) with Muon instead of AdamW;
+        `dp`: the group that reduces (and shards) these parameters' gradients, `ctx.dp_cp` by default
         (data x context; `ctx.dp` without context parallelism; expert parameters: `ctx.expert_dp`);
         `grad_divisor`: what the reduced sum is divided by
         (default its size; expert parameters: the whole data x context size, `expert_gradient_divisor`)."""
@@ -80,9 +81,9 @@ class MasterWeightOptimizer:
         self.separate_master = param_dtype != torch.float32
         self.master = initial[self.lo:hi].clone() if self.separate_master else self.param_buffer[self.lo:hi]
         self.grad_shard = self.grad_buffer[self.lo:hi]  # the reduce-scatter lands in the buffer's own range
-        self.segments = []
+        self.segments, pieces = [], {}
         decay, no_decay = [], []
-        for p, (a, b) in zip(self.params, self.ranges):
+        for i, (p, (a, b)) in enumerate(zip(self.params, self.ranges)):
             s, e = max(a, self.lo), min(b, hi)
             if s >= e:
                 continue
@@ -93,10 +94,30 @@ class MasterWeightOptimizer:
                 if hasattr(p, attribute):
                     setattr(segment, attribute, getattr(p, attribute))
             self.segments.append(segment)
+            pieces[i] = segment
             (decay if p.ndim >= 2 else no_decay).append(segment)
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        if muon is not None:  # each matrix gathered whole over DP for its orthogonalization (`Muon`)
+            self.optimizer, self.moments = self._muon(muon, pieces), ("momentum_buffer",)
+        else:
+            groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+            self.moments = ("exp_avg", "exp_avg_sq")
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def _muon(self, settings, pieces: dict[int, torch.Tensor]):
+        """Muon over this optimizer's parameters (each a Muon matrix), the segments its pieces: DP rank r holds
+        the part of each matrix inside its range [r N/d, (r + 1) N/d) of the flat buffer."""
+        from shardlm.training.muon import Muon, MuonMatrix
+
+        d = self.dp.size if self.shard else 1
+        matrices = []
+        for i, (name, p, (a, b)) in enumerate(zip(self.names, self.params, self.ranges)):
+            n = b - a
+            spans = [(min(max(r * self.shard_size - a, 0), n), min(max((r + 1) * self.shard_size - a, 0), n))
+                     for r in range(d)]
+            matrices.append(MuonMatrix(name, tuple(p.shape), getattr(p, "tensor_parallel_dim", None),
+                                       pieces.get(i), spans))
+        return Muon(matrices, self.ctx, settings, self.dp if self.shard else None)
 
     def reduce_gradients(self) -> None:
         """Average the fp32 gradients over DP: reduce-scatter (each rank gets its range) when sharded,
@@ -138,13 +159,12 @@ class MasterWeightOptimizer:
         return flat
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{parameter name: {"model", "exp_avg", "exp_avg_sq"}} in fp32 for this rank's TP shard, every
-        DP range gathered (collective over DP when sharded)."""
-        flats = {"model": self.master.float(), "exp_avg": self._flat_state("exp_avg"),
-                 "exp_avg_sq": self._flat_state("exp_avg_sq")}
+        """{parameter name: {"model", "exp_avg", "exp_avg_sq"}} (Muon's: "model", "momentum_buffer") in fp32 for
+        this rank's TP shard, every DP range gathered (collective over DP when sharded)."""
+        flats = {"model": self.master.float(), **{key: self._flat_state(key) for key in self.moments}}
         if self.shard:
             flats = {key: torch.cat(self.dp.all_gather(flat)) for key, flat in flats.items()}
-        has_moments = any("exp_avg" in state for state in self.state.values())
+        has_moments = any(self.moments[0] in state for state in self.state.values())
         out = {}
         for name, p, (a, b) in zip(self.names, self.params, self.ranges):
             out[name] = {key: flat[a:b].view_as(p).clone() for key, flat in flats.items()
@@ -155,37 +175,39 @@ class MasterWeightOptimizer:
     def load_full_state(self, tensors: dict[str, dict[str, torch.Tensor]], optimizer_step: int) -> None:
         """Set parameters, master weights and (when given) moments from `full_state`-shaped tensors."""
         flats = {key: torch.zeros(self.padded, dtype=torch.float32, device=self.ctx.device)
-                 for key in ("model", "exp_avg", "exp_avg_sq")}
+                 for key in ("model", *self.moments)}
         for name, (a, b) in zip(self.names, self.ranges):
             for key, value in tensors[name].items():
-                flats[key][a:b] = value.reshape(-1).to(flats[key].device, torch.float32)
+                if key in flats:
+                    flats[key][a:b] = value.reshape(-1).to(flats[key].device, torch.float32)
         hi = self.lo + self.shard_size
         self.param_buffer.copy_(flats["model"])
         self.master.copy_(flats["model"][self.lo:hi])
-        if optimizer_step == 0 or not all("exp_avg" in t for t in tensors.values()):
+        if optimizer_step == 0 or not all(self.moments[0] in t for t in tensors.values()):
             return
         for segment in self.segments:
             start = self.lo + segment.shard_offset
-            self.state[segment] = {
-                "step": torch.tensor(float(optimizer_step), device=segment.device),
-                "exp_avg": flats["exp_avg"][start:start + segment.numel()].clone(),
-                "exp_avg_sq": flats["exp_avg_sq"][start:start + segment.numel()].clone()}
+            state = {key: flats[key][start:start + segment.numel()].clone() for key in self.moments}
+            if "exp_avg" in state:  # AdamW's step count beside its moments
+                state["step"] = torch.tensor(float(optimizer_step), device=segment.device)
+            self.state[segment] = state
 
 
-class DenseAndExpertOptimizer:
-    """Two `MasterWeightOptimizer`s used as one under expert parallelism: the dense parameters reduced
-    (and sharded) over `ctx.dp_cp` (data x context), the expert parameters over `ctx.expert_dp` with their
-    sum divided by the whole DP x C size (`shardlm.training.gradients.reduce_expert_gradients` says why)."""
+class JointMasterOptimizer:
+    """Several `MasterWeightOptimizer`s used as one: under expert parallelism the dense parameters reduced (and
+    sharded) over `ctx.dp_cp` (data x context), the expert parameters over `ctx.expert_dp` with their sum divided
+    by the whole DP x C size (`shardlm.training.gradients.reduce_expert_gradients` says why); with Muon, each of
+    those split again into Muon's matrices and AdamW's rest (`master_weight_optimizer`)."""
 
-    def __init__(self, dense: MasterWeightOptimizer, experts: MasterWeightOptimizer):
-        self.parts = (dense, experts)
-        self.shard = dense.shard
-        self.segments = dense.segments + experts.segments
-        self.param_groups = dense.param_groups + experts.param_groups
+    def __init__(self, parts: list[MasterWeightOptimizer]):
+        self.parts = parts
+        self.shard = parts[0].shard
+        self.segments = [s for part in parts for s in part.segments]
+        self.param_groups = [g for part in parts for g in part.param_groups]
 
     @property
     def state(self) -> dict:
-        return {**self.parts[0].state, **self.parts[1].state}
+        return {k: v for part in self.parts for k, v in part.state.items()}
 
     def reduce_gradients(self) -> None:
         for part in self.parts:
@@ -200,7 +222,7 @@ class DenseAndExpertOptimizer:
             part.zero_grad()
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {**self.parts[0].full_state(), **self.parts[1].full_state()}
+        return {k: v for part in self.parts for k, v in part.full_state().items()}
 
     def load_full_state(self, tensors: dict[str, dict[str, torch.Tensor]], optimizer_step: int) -> None:
         for part in self.parts:

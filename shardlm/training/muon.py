@@ -16,17 +16,26 @@ orthogonalizing each shard alone would be another optimizer (the layout test's c
 orthogonalized as one (`split`): GPT's fused qkv as its q, k and v parts ("parts", the default), each head's rows
 of them ("heads"), or the fused matrix whole ("whole"); other matrices are whole. The Newton-Schulz iteration runs
 in `ns_dtype`: bf16 as `torch.optim.Muon` does, or fp32 (every layout then equals one process to fp32 rounding).
+
+Under data sharding each DP rank holds a piece of every matrix (ZeRO-1: the part of the flat fp32 buffer in its
+range, `shardlm.training.master_weights`, which also serves half-precision parameters' fp32 masters; FSDP: its rows
+of the DTensor). The momentum stays with the piece; the update is whole only for the iteration, spread as
+Moonlight's distributed Muon spreads it: one all-gather of every rank's pieces, matrix i orthogonalized by DP rank
+i mod d (its TP peers, which share its DP rank, gather over TP with it), one reduce-scatter handing each rank its
+pieces of O. Per step that is 2 x 4 bytes per Muon element of a rank's share on the wire (`Muon.elements`), and each
+rank runs Newton-Schulz on about 1/d of the matrices. Split experts exchange over expert-DP, the rest over DP x CP.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import Communicator, ParallelContext
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-7
@@ -81,68 +90,170 @@ def row_groups(name: str, full_rows: int, heads: int, split: str) -> list[torch.
     return [rows[:, part].reshape(-1) for part in range(3)]
 
 
+@dataclass(frozen=True)
+class MuonSettings:
+    """Muon's hyperparameters as `train` names them (`torch.optim.Muon`'s names); `heads` splits GPT's qkv."""
+
+    lr: float
+    weight_decay: float
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    adjust_lr: str = "original"
+    ns_dtype: str = "bf16"
+    split: str = "parts"
+    heads: int = 1
+
+    @classmethod
+    def of(cls, config) -> MuonSettings:
+        t = config.train
+        return cls(t.lr, t.weight_decay, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_adjust_lr,
+                   t.muon_ns_dtype, t.muon_split, config.model.num_heads)
+
+
+@dataclass
+class MuonMatrix:
+    """One matrix (or stack of experts' matrices) Muon updates. `shape`: this TP rank's matrix, whole over DP;
+    `tp_dim`: its TP split dimension (None: whole on every TP rank); `piece`: the tensor this rank updates and keys
+    the state by (the parameter; ZeRO-1's 1-D segment of the master weights; FSDP's DTensor parameter), None when
+    this rank holds none of it; `spans`: the flat (start, end) of the matrix each rank of the exchange group holds."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    piece: torch.Tensor | None
+    spans: list[tuple[int, int]]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a piece or gradient (an FSDP DTensor's local rows), flattened."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).view(-1)
+
+
 class Muon(torch.optim.Optimizer):
-    """Muon over `named` ((name, parameter) of this rank, `is_muon_matrix`), each matrix orthogonalized whole over
-    TP. `heads`: the model's attention heads (for splitting GPT's qkv)."""
+    """Muon over `matrices`, each orthogonalized whole over TP and DP (module docstring). `group`: the
+    communicator whose ranks each hold a piece of every matrix (ZeRO-1, FSDP), None when every rank holds them
+    whole. Sharded, a step is: momentum and update on this rank's pieces; one all-gather of every piece (each rank
+    sends its pieces once); the owner of matrix i, rank i mod d, orthogonalizes it (with its TP peers, who own it
+    too); one reduce-scatter hands each rank its pieces of O (exactly one rank adds a non-zero value to each
+    element, so the sum is exact). Each of the two moves `elements` fp32 values (`communicated`)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], ctx: ParallelContext, lr: float, weight_decay: float,
-                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, adjust_lr: str = "original",
-                 ns_dtype: str = "bf16", split: str = "parts", heads: int = 1):
-        super().__init__([p for _, p in named], {"lr": lr, "weight_decay": weight_decay})
-        self.names = {id(p): n for n, p in named}
-        self.ctx, self.momentum, self.nesterov, self.ns_steps = ctx, momentum, nesterov, ns_steps
-        self.adjust, self.split, self.heads = adjust_lr, split, heads
-        self.ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[ns_dtype]
+    def __init__(self, matrices: list[MuonMatrix], ctx: ParallelContext, settings: MuonSettings,
+                 group: Communicator | None = None):
+        pieces = [m.piece for m in matrices if m.piece is not None]
+        super().__init__([{"params": pieces}], {"lr": settings.lr, "weight_decay": settings.weight_decay})
+        self.matrices, self.ctx, self.settings = matrices, ctx, settings
+        self.group = group if group is not None and group.size > 1 else None
+        self.names = {id(m.piece): m.name for m in matrices if m.piece is not None}
+        self.ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[settings.ns_dtype]
+        d = 1 if self.group is None else self.group.size
+        self.width = max([sum(e - s for s, e in (m.spans[r] for m in matrices)) for r in range(d)], default=0)
+        self.elements = d * self.width
+        """fp32 values of the step's all-gather output and of its reduce-scatter input (0 when not sharded)."""
+        if self.group is None:
+            self.elements = 0
 
-    def _orthogonalized(self, name: str, update: torch.Tensor, param_dim: int | None) -> tuple[torch.Tensor, tuple]:
-        """(O, the shape of the matrices orthogonalized as one) of one matrix's local update (rows, cols) whose TP
-        split dimension is `param_dim` (or None): O is this rank's shard, in the Newton-Schulz dtype."""
-        tp, rank = self.ctx.tp_size, self.ctx.tp_rank
+    def _orthogonalized(self, name: str, update: torch.Tensor, param_dim: int | None) -> torch.Tensor:
+        """O of one matrix's update (this TP rank's (rows, cols)) whose TP split dimension is `param_dim` (or
+        None): gathered over TP, orthogonalized by row groups (`row_groups`), this rank's shard kept; ns dtype."""
+        tp, rank, s = self.ctx.tp_size, self.ctx.tp_rank, self.settings
         whole = update if param_dim is None or tp == 1 else torch.cat(self.ctx.tp.all_gather(update.contiguous()),
                                                                         dim=param_dim)
-        groups = row_groups(name, whole.shape[0], self.heads, self.split)
+        groups = row_groups(name, whole.shape[0], s.heads, s.split)
         if len(groups) == 1:
-            out = newton_schulz(whole, steps=self.ns_steps, dtype=self.ns_dtype)
+            out = newton_schulz(whole, steps=s.ns_steps, dtype=self.ns_dtype)
         else:
             out = torch.empty_like(whole, dtype=self.ns_dtype)
             for rows in groups:
-                out[rows] = newton_schulz(whole[rows], steps=self.ns_steps, dtype=self.ns_dtype)
-        shape = (len(groups[0]), whole.shape[1])
-        return (out if param_dim is None or tp == 1 else out.chunk(tp, dim=param_dim)[rank]), shape
+                out[rows] = newton_schulz(whole[rows], steps=s.ns_steps, dtype=self.ns_dtype)
+        return out if param_dim is None or tp == 1 else out.chunk(tp, dim=param_dim)[rank]
+
+    def _orthogonalized_matrix(self, m: MuonMatrix, update: torch.Tensor) -> torch.Tensor:
+        """O of a whole (over DP) matrix's flat update, flat; a stack of experts one expert at a time."""
+        update = update.view(m.shape)
+        if len(m.shape) == 3:
+            dim = None if m.tp_dim is None else m.tp_dim - 1
+            return torch.stack([self._orthogonalized(m.name, u, dim) for u in update]).reshape(-1)
+        return self._orthogonalized(m.name, update, m.tp_dim).reshape(-1)
+
+    def adjusted_lr(self, lr: float, m: MuonMatrix) -> float:
+        """lr' of a matrix: from the shape of the matrices orthogonalized as one (whole over TP)."""
+        shape = list(m.shape[-2:])
+        dim = None if m.tp_dim is None else m.tp_dim - (len(m.shape) - 2)
+        if dim is not None:
+            shape[dim] *= self.ctx.tp_size
+        rows = len(row_groups(m.name, shape[0], self.settings.heads, self.settings.split)[0])
+        return adjusted_lr(lr, self.settings.adjust_lr, (rows, shape[1]))
+
+    def _exchange(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{matrix index: this rank's piece of O} from {index: this rank's piece of the update}."""
+        if self.group is None:
+            return {i: self._orthogonalized_matrix(self.matrices[i], u) for i, u in updates.items()}
+        group, d, w = self.group, self.group.size, self.width
+        sent = torch.zeros(w, device=self.ctx.device)
+        offset = 0
+        for i, m in enumerate(self.matrices):
+            s, e = m.spans[group.rank]
+            if e > s:
+                sent[offset:offset + e - s] = updates[i]
+            offset += e - s
+        pieces = group.all_gather(sent)
+        offsets = [0] * d
+        scattered = torch.zeros(d * w, device=self.ctx.device)
+        for i, m in enumerate(self.matrices):
+            lengths = [e - s for s, e in m.spans]
+            if i % d == group.rank:  # this rank's matrix: whole from every rank's piece, orthogonalized, handed out
+                whole = torch.cat([pieces[r][offsets[r]:offsets[r] + lengths[r]] for r in range(d)])
+                out = self._orthogonalized_matrix(m, whole)
+                for r, (s, e) in enumerate(m.spans):
+                    scattered[r * w + offsets[r]:r * w + offsets[r] + e - s] = out[s:e]
+            offsets = [o + n for o, n in zip(offsets, lengths)]
+        mine = group.reduce_scatter(scattered)
+        out, offset = {}, 0
+        for i, m in enumerate(self.matrices):
+            s, e = m.spans[group.rank]
+            if i in updates:
+                out[i] = mine[offset:offset + e - s]
+            offset += e - s
+        return out
 
     @torch.no_grad()
     def step(self) -> None:
-        for group in self.param_groups:
-            lr, decay = group["lr"], group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param.grad)
-                buffer = state["momentum_buffer"]
-                buffer.lerp_(param.grad, 1 - self.momentum)
-                update = param.grad.lerp(buffer, self.momentum) if self.nesterov else buffer
-                name, dim = self.names[id(param)], getattr(param, "tensor_parallel_dim", None)
-                param.mul_(1 - lr * decay)
-                if param.ndim == 3:  # a stack of experts: each expert's matrix on its own
-                    for weight, expert_update in zip(param, update):
-                        out, shape = self._orthogonalized(name, expert_update, None if dim is None else dim - 1)
-                        weight.add_(out, alpha=-adjusted_lr(lr, self.adjust, shape))
-                else:
-                    out, shape = self._orthogonalized(name, update, dim)
-                    param.add_(out, alpha=-adjusted_lr(lr, self.adjust, shape))
+        group = self.param_groups[0]
+        lr, decay, s = group["lr"], group["weight_decay"], self.settings
+        updates = {}
+        for i, m in enumerate(self.matrices):
+            grad = None if m.piece is None else m.piece.grad
+            if grad is None:
+                if self.group is not None and m.spans[self.group.rank][1] > m.spans[self.group.rank][0]:
+                    updates[i] = torch.zeros(m.spans[self.group.rank][1] - m.spans[self.group.rank][0],
+                                             device=self.ctx.device)
+                continue
+            grad = _local(grad)
+            state = self.state[m.piece]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(m.piece.grad)
+            buffer = _local(state["momentum_buffer"])
+            buffer.lerp_(grad, 1 - s.momentum)
+            updates[i] = grad.lerp(buffer, s.momentum) if s.nesterov else buffer
+        outs = self._exchange(updates)
+        for i, m in enumerate(self.matrices):
+            if m.piece is None or m.piece.grad is None:
+                continue
+            piece = _local(m.piece)
+            piece.mul_(1 - lr * decay)
+            piece.add_(outs[i], alpha=-self.adjusted_lr(lr, m))
 
 
 class _States(MutableMapping):
-    """Both optimizers' per-parameter state seen as one mapping (a view: nothing is copied); a parameter's state is
-    read from and written to the optimizer that owns it."""
+    """The optimizers' per-parameter states seen as one mapping (a view: nothing is copied); a parameter's state is
+    read from and written to the optimizer that owns it (the first Muon that has it, else AdamW)."""
 
-    def __init__(self, muon: Muon, adamw: torch.optim.Optimizer):
-        self.muon, self.adamw = muon, adamw
+    def __init__(self, muons: list[Muon], adamw: torch.optim.Optimizer):
+        self.muons, self.adamw = muons, adamw
 
     def _owner(self, param) -> dict:
-        return (self.muon if id(param) in self.muon.names else self.adamw).state
+        return next((m.state for m in self.muons if id(param) in m.names), self.adamw.state)
 
     def __getitem__(self, param):
         return self._owner(param)[param]
@@ -155,45 +266,67 @@ class _States(MutableMapping):
 
     def __iter__(self):
         yield from self.adamw.state
-        yield from self.muon.state
+        for muon in self.muons:
+            yield from muon.state
 
     def __len__(self) -> int:
-        return len(self.adamw.state) + len(self.muon.state)
+        return len(self.adamw.state) + sum(len(m.state) for m in self.muons)
 
 
 class MuonWithAdamW:
-    """The optimizer the trainer steps when `train.optimizer = "muon"`: `Muon` for the hidden matrices and AdamW
-    for the rest, seen as one (`param_groups`, `state`, `defaults`, `step`, `zero_grad`)."""
+    """The optimizer the trainer steps when `train.optimizer = "muon"`: `Muon` for the hidden matrices (one per
+    exchange group: the dense matrices and, under FSDP with expert parallelism, the split experts) and AdamW for the
+    rest, seen as one (`param_groups`, `state`, `defaults`, `step`, `zero_grad`)."""
 
-    def __init__(self, muon: Muon, adamw: torch.optim.Optimizer):
-        self.muon, self.adamw = muon, adamw
-        self.param_groups = adamw.param_groups + muon.param_groups
+    def __init__(self, muons: list[Muon], adamw: torch.optim.Optimizer):
+        self.muons, self.adamw = muons, adamw
+        self.param_groups = adamw.param_groups + [g for m in muons for g in m.param_groups]
         self.defaults = adamw.defaults
 
     @property
     def state(self) -> _States:
-        return _States(self.muon, self.adamw)
+        return _States(self.muons, self.adamw)
 
     def step(self) -> None:
         self.adamw.step()
-        self.muon.step()
+        for muon in self.muons:
+            muon.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.adamw.zero_grad(set_to_none=set_to_none)
-        self.muon.zero_grad(set_to_none=set_to_none)
+        for muon in self.muons:
+            muon.zero_grad(set_to_none=set_to_none)
 
 
-def build_muon(model: nn.Module, ctx: ParallelContext, config) -> MuonWithAdamW:
-    """Muon and AdamW for `model`'s trainable parameters as `config.train` says (module docstring)."""
+def whole_spans(shape: tuple[int, ...], parts: int) -> list[tuple[int, int]]:
+    """The flat (start, end) each of `parts` ranks holds of a tensor sharded on dim 0 by `torch.chunk` (FSDP2's
+    split; ranks past the last chunk hold nothing)."""
+    rows, per_row = shape[0], math.prod(shape[1:])
+    chunk = -(-rows // parts)
+    return [(min(r * chunk, rows) * per_row, min((r + 1) * chunk, rows) * per_row) for r in range(parts)]
+
+
+def build_muon(model: nn.Module, ctx: ParallelContext, config, shard_group: Communicator | None = None
+               ) -> MuonWithAdamW:
+    """Muon and AdamW for `model`'s trainable parameters as `config.train` says (module docstring): replicated
+    parameters, or FSDP's DTensor shards (`shard_group`: the ranks a dense shard spans; split experts span
+    `ctx.expert_dp`)."""
     from shardlm.training.optim import adamw_groups
 
-    t = config.train
+    t, settings = config.train, MuonSettings.of(config)
     named = [(n, p) for n, p in model.named_parameters() if is_muon_matrix(n, p)]
     matrices = {id(p) for _, p in named}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in matrices]
     adamw = torch.optim.AdamW(adamw_groups(rest, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                               eps=t.adam_eps, fused=True)
-    heads = config.model.num_heads
-    muon = Muon(named, ctx, t.lr, t.weight_decay, t.muon_momentum, t.muon_nesterov, t.muon_ns_steps,
-                t.muon_adjust_lr, t.muon_ns_dtype, t.muon_split, heads)
-    return MuonWithAdamW(muon, adamw)
+    if shard_group is None:
+        whole = [MuonMatrix(n, tuple(p.shape), getattr(p, "tensor_parallel_dim", None), p, [(0, p.numel())])
+                 for n, p in named]
+        return MuonWithAdamW([Muon(whole, ctx, settings)], adamw)
+    groups = {}  # FSDP: each parameter's rows over the group its mesh shards it on
+    for n, p in named:
+        group = ctx.expert_dp if getattr(p, "expert_parallel", False) and ctx.ep_size > 1 else shard_group
+        matrix = MuonMatrix(n, tuple(p.shape), getattr(p, "tensor_parallel_dim", None), p,
+                            whole_spans(tuple(p.shape), group.size))
+        groups.setdefault(group.name, (group, []))[1].append(matrix)
+    return MuonWithAdamW([Muon(ms, ctx, settings, group) for group, ms in groups.values()], adamw)

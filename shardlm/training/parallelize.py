@@ -161,28 +161,40 @@ def _fully_sharded(config: RunConfig, ctx: ParallelContext, model, pipeline) -> 
                               stages=None if pipeline is None else pipeline.stage_modules,
                               shard_size=t.fsdp_shard_size)
     params = [p for p in model.parameters() if p.requires_grad]
+    inner = None
+    if t.optimizer == "muon":  # each matrix's rows gathered over DP for its orthogonalization (`shardlm.training.muon`)
+        from shardlm.training.muon import build_muon
+
+        inner = build_muon(model, ctx, config, shard_group)
     fsdp = FullyShardedAdamW(model, ctx, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps,
-                             shard_group)
+                             shard_group, inner)
     return Parallelized(model, pipeline, params, fsdp, fsdp=fsdp)
 
 
 def _master_weights(config: RunConfig, ctx: ParallelContext, model, pipeline) -> Parallelized:
     """fp32 master weights (and the distributed optimizer): split experts in their own optimizer, reduced
-    and sharded over expert-DP and divided by DP x C (`shardlm.training.master_weights`)."""
-    from shardlm.training.master_weights import DenseAndExpertOptimizer, MasterWeightOptimizer
+    and sharded over expert-DP and divided by DP x C; with Muon, its matrices in their own optimizers too
+    (`shardlm.training.master_weights`, `shardlm.training.muon`)."""
+    from shardlm.training.master_weights import JointMasterOptimizer, MasterWeightOptimizer
+    from shardlm.training.muon import MuonSettings, is_muon_matrix
 
     t = config.train
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = HALF[t.precision] if t.param_dtype == "half" else torch.float32
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    experts = [(n, p) for n, p in named if is_split_expert(p, ctx)]
     args = (ctx, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps, dtype)
-    master = MasterWeightOptimizer([(n, p) for n, p in named if not is_split_expert(p, ctx)], *args,
-                                   shard=t.distributed_optimizer)
-    if experts:
-        master = DenseAndExpertOptimizer(master, MasterWeightOptimizer(
-            experts, *args, shard=t.distributed_optimizer, dp=ctx.expert_dp,
-            grad_divisor=expert_gradient_divisor(ctx)))
+    muon = MuonSettings.of(config) if t.optimizer == "muon" else None
+    parts = []
+    for expert in (False, True):
+        mine = [(n, p) for n, p in named if is_split_expert(p, ctx) == expert]
+        split = {"dp": ctx.expert_dp, "grad_divisor": expert_gradient_divisor(ctx)} if expert else {}
+        matrices = [(n, p) for n, p in mine if muon is not None and is_muon_matrix(n, p)]
+        rest = [(n, p) for n, p in mine if not (muon is not None and is_muon_matrix(n, p))]
+        if rest or not expert:  # the dense AdamW part always (its groups carry the step's learning rate)
+            parts.append(MasterWeightOptimizer(rest, *args, shard=t.distributed_optimizer, **split))
+        if matrices:
+            parts.append(MasterWeightOptimizer(matrices, *args, shard=t.distributed_optimizer, muon=muon, **split))
+    master = parts[0] if len(parts) == 1 else JointMasterOptimizer(parts)
     return Parallelized(model, pipeline, params, master, master=master)
 
 
