@@ -230,6 +230,9 @@ class TrainConfig:
     """Newton-Schulz in "bf16" (as torch.optim.Muon) or "fp32"."""
     muon_split: str = "parts"
     """What of GPT's fused qkv is orthogonalized as one: "parts" (q, k and v), "heads" (each head's), "whole"."""
+    qk_clip: float = 0.0
+    """QK-clip's threshold tau (Kimi K2's MuonClip): after each step, the query and key weights of every head whose
+    largest attention logit exceeded tau are scaled so it would be tau; 0: off (docs/optimizers.md)."""
 
 
 @dataclass

@@ -133,6 +133,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         if (problem := check_preference(config)) is not None:
             raise UserError(problem)
     _validate_optimizer(t)
+    if t.qk_clip > 0:
+        _validate_qk_clip(config)
     for ok, message in checks:
         if not ok:
             raise UserError(message)
@@ -142,7 +144,9 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
 
 
 def _validate_optimizer(t) -> None:
-    """train.optimizer and Muon's keys (one line each)."""
+    """train.optimizer, Muon's keys and train.qk_clip's value (one line each)."""
+    if t.qk_clip < 0:
+        raise UserError(f"train.qk_clip={t.qk_clip} must be > 0 (the logit threshold tau; Kimi K2 used 100) or 0 (off)")
     if t.optimizer not in ("adamw", "muon"):
         raise UserError(f'train.optimizer="{t.optimizer}" must be "adamw" or "muon"')
     if t.optimizer != "muon":
@@ -158,6 +162,22 @@ def _validate_optimizer(t) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+
+
+def _validate_qk_clip(config: RunConfig) -> None:
+    """What QK-clip (`train.qk_clip` > 0) cannot scale: one line each."""
+    m, t = config.model, config.train
+    problems = [
+        (m.arch == "bert", "a BERT encoder (it clips GPT's and the Llama families' causal attention)"),
+        (m.qk_norm, "model.qk_norm: a per-head RMSNorm undoes any scale of the query and key weights, and already "
+                    "bounds the logits"),
+        (bool(config.lora.rank), "[lora]: the frozen base's query and key weights cannot be scaled"),
+        (t.data_sharding == "full" or t.param_dtype == "half",
+         'train.data_sharding="full" or train.param_dtype="half" (it scales replicated or ZeRO-1 fp32 parameters)'),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise UserError(f"train.qk_clip={t.qk_clip} cannot run with {what}: set train.qk_clip = 0")
 
 
 def _validate_lora(config: RunConfig) -> None:

@@ -46,6 +46,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents
+from shardlm.models.max_logits import record_max_logits
 from shardlm.models.moe import mlp_or_moe
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, VocabParallelEmbedding
 from shardlm.parallel.init import normal_shard, param_seed
@@ -79,6 +80,7 @@ class ParallelAttention(nn.Module):
         """softmax(q k^T / sqrt(d)) v, causal (within each document of packed rows), with attention dropout
         when training. Each (B, heads/tp, T, d). Under context parallelism T is this rank's zigzag part
         (`causal_attention`)."""
+        record_max_logits(self, q, k, documents=documents)  # QK-clip's statistic, when tracked
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
                                 dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng,
                                 documents=documents)

@@ -50,6 +50,7 @@ from shardlm.models.decoder import (
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents, token_positions
+from shardlm.models.max_logits import record_max_logits
 from shardlm.models.moe import mlp_or_moe
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies
 from shardlm.parallel import (
@@ -248,6 +249,7 @@ class LlamaAttention(nn.Module):
         training; q (B, heads/tp, T, d),
         k and v (B, heads/tp or fewer KV heads, T, d) -> (B, heads/tp, T, d). Under context parallelism T is
         this rank's zigzag part, and only the KV heads travel around the ring (`causal_attention`)."""
+        record_max_logits(self, q, k, documents=documents, window=self.window)  # QK-clip's statistic, when tracked
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
                                 dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng,
                                 documents=documents, window=self.window, sinks=self.sinks)

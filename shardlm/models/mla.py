@@ -50,6 +50,7 @@ from shardlm.models.decoder import (
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents, token_positions
+from shardlm.models.max_logits import record_max_logits
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies, yarn_mscale
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
 from shardlm.parallel.init import normal_shard, param_seed
@@ -223,6 +224,7 @@ class LatentAttention(nn.Module):
              documents: Documents | None = None) -> torch.Tensor:
         """Causal softmax(q k^T x scale) v (within each packed document) with attention dropout when training:
         q, k (B, H/tp, T, nope + rope), v (B, H/tp, T, v_head_dim) -> (B, H/tp, T, v_head_dim)."""
+        record_max_logits(self, q, k, scale=self.scale, documents=documents)  # QK-clip's statistic, when tracked
         return causal_attention(q, k, v, self.ctx.cp, exchange=self.context_exchange,
                                 dropout_p=self.dropout if self.training else 0.0, rng=self.ctx.rng, scale=self.scale,
                                 documents=documents)

@@ -182,6 +182,10 @@ class ShardlmStage(PipelineStage):
         depths); the schedule's shape inference, outside this call, runs without them. `chunk_id` keeps the
         index, so the loss that follows knows its micro-batch."""
         self.chunk_id = fwd_chunk_id
+        if fwd_chunk_id == 0:  # the shape inference ran this stage on stand-in inputs first: QK-clip's per-head
+            for module in self.submod.modules():  # maxima (`shardlm.models.max_logits`) start from the real ones
+                if getattr(module, "max_logits", None) is not None:
+                    module.max_logits.fill_(float("-inf"))
         self.submod.documents = None if self.documents is None else self.documents[fwd_chunk_id]
         self.submod.mtp = None if self.mtp is None or not self.is_last else self.mtp[fwd_chunk_id]
         try:

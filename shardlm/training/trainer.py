@@ -53,6 +53,7 @@ from shardlm.training.loss_scaler import DynamicLossScaler
 from shardlm.training.moe import finish_step, set_aux_loss_scale
 from shardlm.training.optim import clip_grad_norm, learning_rate
 from shardlm.training.parallelize import HALF, parallelize
+from shardlm.training.qk_clip import clip_qk, track_max_logits
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16 tensor cores; V100: fp16).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "V100": 125.0, "L40S": 362.0, "A10": 125.0}
@@ -110,6 +111,8 @@ class Trainer:
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
+        if t.qk_clip > 0:  # MuonClip: each head's largest logit tracked, its q and k scaled after the step
+            track_max_logits(self.model)
         self.scaler = None
         if t.precision == "fp16":
             self.scaler = DynamicLossScaler(t.initial_loss_scale, t.loss_scale_window, t.hysteresis,
@@ -198,6 +201,8 @@ class Trainer:
         if self.scaler:
             self.scaler.update(overflow)
         step_metrics = {}
+        if t.qk_clip > 0:
+            step_metrics["max_logit"] = clip_qk(self.model, ctx, t.qk_clip)
         if self.config.model.mtp_layers:  # the depths' mean loss over the global batch (logged, not in "loss")
             mtp_sum = (torch.stack([b["mtp_loss"] for b in batches]).sum() if self.pipeline is None
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank

@@ -1,0 +1,53 @@
+"""The largest attention logit of each head, QK-clip's statistic (`shardlm.training.qk_clip`).
+
+An attention layer whose `max_logits` is a tensor (set by `shardlm.training.qk_clip.track_max_logits`) raises it,
+in training forwards, to the largest q . k x scale each of its heads computed in the micro-batch: over the batch,
+the queries and the keys each query sees (earlier or equal positions, its own packed document, its sliding
+window). The logits are computed again here, in fp32, one head at a time, because the fused attention kernels
+never show them. Under context parallelism the keys of every CP rank are all-gathered for it (the ring's blocks
+all count), and a query's place in the whole row is its zigzag position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm.data.zigzag import zigzag_positions
+
+
+@torch.no_grad()
+@torch.compiler.disable
+def max_attention_logits(q: torch.Tensor, k: torch.Tensor, cp, scale: float | None = None, documents=None,
+                         window: int = 0) -> torch.Tensor:
+    """(H,) fp32: each head's largest visible logit. q (B, H, T, d), k (B, Hkv, T, d) with H a multiple of Hkv (or
+    this rank's zigzag parts of T under context parallelism, `cp` the CP `Communicator`); `scale`: the softmax
+    scale (1 / sqrt(d) by default); `documents`: packed rows' `Documents`; `window` > 0: a sliding window."""
+    B, H, T, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    queries = torch.arange(T, device=q.device)
+    keys, key_positions = k, queries
+    if cp.size > 1:
+        length = T * cp.size
+        keys = torch.cat(cp.all_gather(k.contiguous()), dim=2)  # (B, Hkv, T x C, d), rank by rank
+        key_positions = torch.cat([zigzag_positions(length, cp.size, r, q.device) for r in range(cp.size)])
+        queries = zigzag_positions(length, cp.size, cp.rank, q.device)
+    distance = queries[:, None] - key_positions[None, :]
+    visible = (distance >= 0) & ((distance < window) if window else True)
+    visible = visible.expand(B, *visible.shape)  # (B, T, S)
+    if documents is not None:
+        segments = documents.segments
+        visible = visible & (segments[:, queries, None] == segments[:, None, key_positions])
+    group = H // keys.shape[1]
+    out = torch.empty(H, device=q.device)
+    for h in range(H):
+        scores = (q[:, h].float() @ keys[:, h // group].float().transpose(-1, -2)) * scale  # (B, T, S)
+        out[h] = scores.masked_fill(~visible, float("-inf")).amax()
+    return out
+
+
+def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | None = None, documents=None,
+                      window: int = 0) -> None:
+    """Raise `module.max_logits` (this rank's heads) to this micro-batch's, when it tracks them and trains."""
+    if getattr(module, "max_logits", None) is not None and module.training:
+        logits = max_attention_logits(q, k, module.ctx.cp, scale, documents, window)
+        torch.maximum(module.max_logits, logits, out=module.max_logits)

@@ -1,0 +1,220 @@
+"""QK-clip (`train.qk_clip`, Kimi K2's MuonClip): the tracked maxima are the logits' maxima, the clip brings each
+head's logits to tau, and every layout equals one process.
+
+- The tracked per-head maximum equals a direct computation: the full (B, H, T, T) logits of the q and k the
+  attention core received, masked causally (and by packed document, and by sliding window), in float64. GPT
+  (multi-head), Llama with grouped-query attention and sliding-window layers, multi-query Llama, gated attention,
+  and MLA; plain and packed rows.
+- After `clip_qk`, the same attention layer on the same input has each clipped head's largest logit equal to tau
+  and every other head's unchanged (within 1e-5), layer by layer: the rule is exact for multi-head, grouped and
+  latent attention.
+- Under context parallelism (CP=2, zigzag parts, packed rows, a sliding window) the maxima over the CP ranks equal
+  one process's.
+- Training with Muon and QK-clip (tau low enough that heads clip every step, checked on the reference): TP=2 with SP
+  (split key heads), TP=2 with one key head for four query heads (replicated), TP=2 MLA, CP=2, PP=2, DP=2 and ZeRO-1
+  at DP=2 equal one process within 1e-5 (4 steps' losses, gradient norms and step maxima; every parameter).
+- One-line errors: tau < 0, QK-norm, LoRA, FSDP.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_parallel import stage_parameters
+from test_muon import MLA, STEPS, TOL, batches, muon_config
+from test_training import VOCAB
+
+from shardlm.config import from_dict
+from shardlm.data.zigzag import zigzag_split
+from shardlm.errors import UserError
+from shardlm.models import build_model
+from shardlm.models.documents import Documents, block_causal_mask
+from shardlm.parallel import ParallelContext
+from shardlm.training.qk_clip import attention_layers, clip_qk, track_max_logits
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_trained_parameters
+from multiproc import check_result, run_checks, run_workers
+
+SEQ, TAU = 16, 4.0
+KINDS = {
+    "gpt": {"arch": "gpt"},
+    "llama gqa window": {"num_kv_heads": 2, "sliding_window": 6, "layer_types": ["sliding_attention",
+                                                                                  "full_attention"]},
+    "llama mqa": {"num_kv_heads": 1},
+    "llama gated": {"num_kv_heads": 2, "attention_output_gate": True},
+    "mla": MLA,
+}
+OFFSETS = [[0, 5, 16], [0, 9, 11, 16]]
+
+
+def model_config(kind: str):
+    model = {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
+             "vocab_size": VOCAB, "dropout": 0.0, "init_std": 0.3, **KINDS[kind]}
+    return from_dict({"model": model, "data": {"text_file": "unused"}}).model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def traced_forward(model, x: torch.Tensor, documents: Documents | None) -> dict:
+    """One training forward with the maxima tracked; per attention layer its input and the q and k its core got."""
+    seen = {}
+    for index, layer in enumerate(attention_layers(model)):
+        core = layer.core
+
+        def traced(q, k, v, docs=None, core=core, index=index):
+            seen.setdefault(index, {})["qk"] = (q.detach(), k.detach())
+            return core(q, k, v, docs)
+
+        layer.core = traced
+        layer.register_forward_pre_hook(lambda m, args, index=index: seen.setdefault(index, {}).update(x=args[0]))
+    track_max_logits(model)
+    model.train()
+    model(x, documents=documents)
+    return seen
+
+
+def direct_maxima(layer, q: torch.Tensor, k: torch.Tensor, packed: bool) -> torch.Tensor:
+    """(H,) the largest entry of the full masked logits, float64."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scale = getattr(layer, "scale", None) or q.shape[-1] ** -0.5
+    logits = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)
+    T = q.shape[2]
+    visible = block_causal_mask(OFFSETS, T) if packed else torch.ones(T, T, dtype=torch.bool).tril()
+    window = getattr(layer, "window", 0)
+    if window:
+        visible = visible & (torch.arange(T)[:, None] - torch.arange(T)[None, :] < window)
+    return logits.masked_fill(~visible, float("-inf")).amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_tracked_maxima_are_the_logits_maxima_and_the_clip_brings_them_to_tau(kind, packed):
+    ctx = ParallelContext.single()
+    model = build_model(model_config(kind), ctx, seed=3)
+    documents = Documents.from_offsets(OFFSETS, SEQ) if packed else None
+    seen = traced_forward(model, tokens(), documents)
+    layers = attention_layers(model)
+    assert len(layers) == 2 and (kind != "llama gqa window" or layers[0].window == 6)
+    before = []
+    for index, layer in enumerate(layers):
+        expected = direct_maxima(layer, *seen[index]["qk"], packed).float()
+        assert torch.allclose(layer.max_logits, expected, rtol=1e-5, atol=1e-6), (index, layer.max_logits, expected)
+        before.append(expected)
+    tau = float(before[0].median())  # half the first layer's heads clip
+    clip_qk(model, ctx, tau)
+    for index, layer in enumerate(layers):
+        assert torch.isinf(layer.max_logits).all()  # reset for the next step
+        layer(seen[index]["x"], None, documents)  # the same layer on the same input after the clip
+        after, old = layer.max_logits, before[index]
+        clipped = old > tau
+        assert index > 0 or (clipped.any() and not clipped.all())  # the first layer has both kinds of head
+        assert torch.allclose(after[clipped], torch.full_like(after[clipped], tau), rtol=1e-5), (index, after, old)
+        assert torch.allclose(after[~clipped], old[~clipped], rtol=1e-5), (index, after, old)
+
+
+def context_parallel_maxima(kind: str) -> dict:
+    """CP=2 (zigzag parts, packed rows): this layout's maxima, taken over the CP ranks, and one process's."""
+    x, positions = tokens(), Documents.from_offsets(OFFSETS, SEQ).positions.clone()
+    single = build_model(model_config(kind), ParallelContext.single(), seed=3)
+    traced_forward(single, x, Documents.from_positions(positions))
+    ctx = ParallelContext.from_process_group(1, context_parallel=2)
+    model = build_model(model_config(kind), ctx, seed=3)
+    traced_forward(model, zigzag_split(x, 2, ctx.cp_rank), Documents.from_positions(positions, 2, ctx.cp_rank))
+    out = {}
+    for index, (mine, one) in enumerate(zip(attention_layers(model), attention_layers(single))):
+        maxima = ctx.cp.all_reduce(mine.max_logits.clone(), op=torch.distributed.ReduceOp.MAX)
+        out[index] = (maxima, one.max_logits)
+    return out
+
+
+def train(ctx: ParallelContext, config) -> dict:
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, batches())
+    curve = [(m["loss"], m["grad_norm"], m["max_logit"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "params": stage_parameters(trainer.model)}
+
+
+def clip_config(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, micro: int = 2, sp: bool = False,
+                **train_keys):
+    config = muon_config(tp=tp, pp=pp, cp=cp, micro=micro, sp=sp, mla=kind == "mla", muon_ns_dtype="fp32",
+                         **{"qk_clip": TAU, **train_keys})
+    config.model.init_std = 0.3  # logits of a few units: tau clips some heads, and attention is far from uniform
+    if kind == "mqa":  # one key head for four query heads: at TP=2 it is replicated, its gradient summed over TP
+        config.model.num_kv_heads = 1
+        config.train.lr = 1e-2  # 2e-2 amplifies the TP sum's rounding past 1e-5 in 4 steps, with or without the clip
+    return config
+
+
+def run_layout(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, **keys) -> dict:
+    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
+    return train(ctx, clip_config(kind, tp, pp, cp, **keys))
+
+
+WORLD2 = {  # name: (reference kind, layout)
+    "tp2 sp llama": ("llama", {"tp": 2, "sp": True}),
+    "tp2 sp mqa": ("mqa", {"kind": "mqa", "tp": 2, "sp": True}),
+    "tp2 mla": ("mla", {"kind": "mla", "tp": 2}),
+    "cp2 llama": ("llama", {"cp": 2}),
+    "pp2 llama": ("llama", {"pp": 2, "micro": 1}),
+    "dp2 llama": ("llama", {}),
+    "dp2 zero1 llama": ("llama", {"data_sharding": "optimizer"}),
+}
+
+
+def world_checks(cases: dict) -> dict:
+    checks = {name: (lambda spec=spec: run_layout(**spec)) for name, (_, spec) in cases.items()}
+    checks |= {f"cp2 maxima {kind}": (lambda kind=kind: context_parallel_maxima(kind)) for kind in KINDS}
+    return run_checks(checks)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_workers(2, world_checks, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ctx = ParallelContext.single()
+    return {kind: train(ctx, clip_config(kind, micro=8)) for kind in ("llama", "mqa", "mla")}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_context_parallel_maxima_equal_one_process(world2, kind):
+    for rank, value in enumerate(check_result(world2, f"cp2 maxima {kind}")):
+        for index, (maxima, one) in value.items():
+            assert torch.allclose(maxima, one, rtol=1e-5, atol=1e-6), (kind, rank, index, maxima, one)
+
+
+def test_the_reference_clips_every_step(reference):
+    for kind, ref in reference.items():
+        assert all(peak > TAU for _, _, peak in ref["curve"]), (kind, ref["curve"])
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_qk_clip_at_two_ranks_equals_one_process(world2, reference, name):
+    ref = reference[WORLD2[name][0]]
+    for rank, value in enumerate(check_result(world2, name)):
+        for step, (got, want) in enumerate(zip(value["curve"], ref["curve"]), 1):
+            for a, b, what in zip(got, want, ("loss", "grad norm", "max logit")):
+                assert abs(a - b) <= TOL * abs(b), f"{name} rank {rank} step {step} {what}: {a} vs {b}"
+        assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"qk_clip": -1.0}, "train.qk_clip=-1.0 must be > 0"),
+    ({"qk_norm": True}, "cannot run with model.qk_norm"),
+    ({"lora": True}, r"cannot run with \[lora\]"),
+    ({"data_sharding": "full"}, 'cannot run with train.data_sharding="full"'),
+])
+def test_what_qk_clip_cannot_run_with_is_one_line(keys, message):
+    keys = dict(keys)
+    qk_norm, lora = keys.pop("qk_norm", False), keys.pop("lora", False)
+    config = muon_config(lora=lora, **{"qk_clip": 10.0, **keys})
+    config.model.qk_norm = qk_norm
+    with pytest.raises(UserError, match=message):
+        validate(config, 2, check_paths=False)
