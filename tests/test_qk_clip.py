@@ -18,6 +18,8 @@ head's logits to tau, and every layout equals one process.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_moe_parallel import stage_parameters
@@ -30,6 +32,7 @@ from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.documents import Documents, block_causal_mask
 from shardlm.parallel import ParallelContext
+from shardlm.training.logging import RunLogger
 from shardlm.training.qk_clip import attention_layers, clip_qk, track_max_logits
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
@@ -193,6 +196,16 @@ def test_context_parallel_maxima_equal_one_process(world2, kind):
 def test_the_reference_clips_every_step(reference):
     for kind, ref in reference.items():
         assert all(peak > TAU for _, _, peak in ref["curve"]), (kind, ref["curve"])
+
+
+def test_the_step_line_and_metrics_show_the_largest_logit(tmp_path, capsys):
+    trainer = Trainer(clip_config(micro=8, steps=1), ParallelContext.single(), batches())
+    metrics = trainer.train_step()
+    logger = RunLogger(tmp_path, 1, enabled=True, progress=False, tensorboard=False)
+    logger.step(metrics, 1)
+    logger.close(plot=False)
+    assert f"max logit {metrics['max_logit']:.3g}" in capsys.readouterr().out and metrics["max_logit"] > TAU
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["max_logit"] == metrics["max_logit"]
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

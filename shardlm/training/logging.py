@@ -65,13 +65,15 @@ class RunLogger:
                    f"-{metrics['expert_load_max']:.2f}")
         if "reward_margin" in metrics:  # preference optimization: the rewards' margin and accuracy over the pairs
             moe += f" | reward margin {metrics['reward_margin']:.4g} | accuracy {metrics['reward_accuracy']:.2f}"
+        if "max_logit" in metrics:  # QK-clip: the step's largest attention logit, before the clip
+            moe += f" | max logit {metrics['max_logit']:.3g}"
         self.print(f"step {step:>6}/{total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
                    f"grad norm {metrics['grad_norm']:.3f}{scale}{moe} | {metrics['tokens_per_sec']:.0f} tokens/s | "
                    f"{metrics['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skipped}")
         if self.writer:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
                         "moe_aux_loss", "expert_load_min", "expert_load_max", "rewards_chosen", "rewards_rejected",
-                        "reward_margin", "reward_accuracy"):
+                        "reward_margin", "reward_accuracy", "max_logit"):
                 value = metrics.get(key)
                 if value is not None and math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
