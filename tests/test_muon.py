@@ -1,7 +1,8 @@
 """Muon (`train.optimizer = "muon"`): equal to torch.optim.Muon on one process, and every layout equal to one process.
 
 - The Newton-Schulz iteration in bf16 is bitwise `torch.optim.Muon`'s, wide and tall matrices.
-- One process: a 4-layer Llama and a DeepSeek-V3-shaped MLA model, 4 steps of shardlm's trainer with Muon
+- One process: a 4-layer Llama, a DeepSeek-V3-shaped MLA model and a Qwen3-MoE-shaped model (QK-norm, experts:
+  torch.optim.Muon steps each expert's matrix as a parameter of its own), 4 steps of shardlm's trainer with Muon
   (bf16 Newton-Schulz, "original" and "match_rms_adamw" scales) against the same trainer stepping
   `torch.optim.Muon` over the same matrices and `torch.optim.AdamW` over the rest: losses and every parameter
   within 1e-6 (no clipping, constant learning rate, weight decay 0.01 on both).
@@ -11,8 +12,10 @@
   orthogonalizing each rank's shard alone trains and ends more than 1e-3 off.
 - EP=2 and EP=2 x TP=2 with SP (each expert's matrices on their own), and LoRA runs whose adapters' A and B Muon
   trains (TP=2 with SP; EP=2 x TP=2 with expert adapters), equal one process within 1e-5 too.
-- A resumed run continues bitwise (Muon's momentum is in the checkpoint); resuming it with AdamW, and Muon with
-  ZeRO-1, are one line each.
+- ZeRO-1 and FSDP (DP=2: Llama, LoRA under FSDP, EP=2 MoE; DP=2 x TP=2 with SP) equal one process, each DP rank
+  orthogonalizing its matrices i mod d with the stated traffic; a ZeRO-1 save resumed under FSDP; bf16 parameters'
+  fp32 masters step bitwise as torch.optim.Muon.
+- A resumed run continues bitwise (Muon's momentum is in the checkpoint); resuming it with AdamW is one line.
 """
 
 from __future__ import annotations
@@ -76,39 +79,62 @@ def test_newton_schulz_is_torch_muons(shape):
 
 
 class TorchMuonAndAdamW:
-    """The reference optimizer: torch.optim.Muon over shardlm's Muon matrices, torch.optim.AdamW over the rest."""
+    """The reference optimizer: torch.optim.Muon over shardlm's Muon matrices, torch.optim.AdamW over the rest. A
+    stack of experts (E, rows, cols), which torch.optim.Muon does not take, is E matrices of their own: each a
+    parameter whose gradient is the stack's slice before the step and whose value goes back after it."""
 
     def __init__(self, trainer: Trainer, adjust: str):
         t = trainer.config.train
         named = list(trainer.model.named_parameters())
-        matrices = [p for n, p in named if is_muon_matrix(n, p)]
+        matrices = [p for n, p in named if is_muon_matrix(n, p) and p.ndim == 2]
+        self.stacks = [(p, [torch.nn.Parameter(e.detach().clone()) for e in p])
+                       for n, p in named if is_muon_matrix(n, p) and p.ndim == 3]
         rest = [p for n, p in named if p.requires_grad and not is_muon_matrix(n, p)]
-        self.muon = torch.optim.Muon(matrices, lr=t.lr, weight_decay=t.weight_decay, momentum=t.muon_momentum,
-                                     adjust_lr_fn=adjust)
+        self.muon = torch.optim.Muon(matrices + [e for _, experts in self.stacks for e in experts], lr=t.lr,
+                                     weight_decay=t.weight_decay, momentum=t.muon_momentum, adjust_lr_fn=adjust)
         self.adamw = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": t.weight_decay},
                                         {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
                                        lr=t.lr, eps=t.adam_eps, betas=(t.adam_beta1, t.adam_beta2), fused=True)
         self.param_groups, self.state, self.defaults = self.muon.param_groups + self.adamw.param_groups, {}, {}
 
+    @torch.no_grad()
     def step(self):
+        for stack, experts in self.stacks:
+            for index, expert in enumerate(experts):
+                expert.copy_(stack[index])
+                expert.grad = stack.grad[index].clone()
         self.muon.step()
+        for stack, experts in self.stacks:
+            stack.copy_(torch.stack(experts))
         self.adamw.step()
 
     def zero_grad(self, set_to_none=True):
         self.muon.zero_grad(set_to_none=set_to_none)
         self.adamw.zero_grad(set_to_none=set_to_none)
+        for stack, _ in self.stacks:
+            stack.grad = None
 
 
-@pytest.mark.parametrize("kind,adjust", [("llama", "original"), ("llama", "match_rms_adamw"), ("mla", "original")])
+def one_process_config(kind: str, adjust: str):
+    """A Llama, a DeepSeek-V3-shaped MLA model, or a Qwen3-MoE-shaped one (QK-norm, 4 experts top-2 on both
+    layers)."""
+    config = muon_config(mla=kind == "mla", moe=kind == "qwen3-moe", muon_adjust_lr=adjust)
+    config.model.qk_norm = kind == "qwen3-moe"
+    return config
+
+
+@pytest.mark.parametrize("kind,adjust", [("llama", "original"), ("llama", "match_rms_adamw"), ("mla", "original"),
+                                         ("qwen3-moe", "original")])
 def test_one_process_equals_torch_muon(kind, adjust):
-    config = muon_config(mla=kind == "mla", muon_adjust_lr=adjust)
-    ours = Trainer(config, ParallelContext.single(), batches())
-    theirs = Trainer(muon_config(mla=kind == "mla", muon_adjust_lr=adjust), ParallelContext.single(), batches())
+    ours = Trainer(one_process_config(kind, adjust), ParallelContext.single(), batches())
+    theirs = Trainer(one_process_config(kind, adjust), ParallelContext.single(), batches())
     theirs.optimizer = TorchMuonAndAdamW(theirs, adjust)
     names = {n for n, p in ours.model.named_parameters() if is_muon_matrix(n, p)}
     expected = {"q_a", "q_b", "kv_a", "kv_b", "o"} if kind == "mla" else {"q", "k", "v", "o"}
     assert {n.split(".")[3] for n in names if ".attn." in n} == expected
-    assert {n.split(".")[3] for n in names if ".mlp." in n} == {"gate", "up", "down"}
+    mlp = {"experts"} if kind == "qwen3-moe" else {"gate", "up", "down"}
+    assert {n.split(".")[3] for n in names if ".mlp." in n} == mlp
+    assert kind != "qwen3-moe" or len(theirs.optimizer.stacks) == 2 * 3  # gate, up and down stacks of both layers
     for step in range(STEPS):
         a, b = ours.train_step()["loss"], theirs.train_step()["loss"]
         assert abs(a - b) <= 1e-6 * b, (step, a, b)
