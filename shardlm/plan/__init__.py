@@ -14,6 +14,8 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 - `linear_attention`  Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: their recurrence's FLOPs, what they save,
                  their recurrent state;
 - `fsdp`         FSDP (`train.data_sharding = "full"`): sharded state, gathered units, per-layer collectives;
+- `muon`         `--optimizer muon` (`train.optimizer = "muon"`): the Muon matrices of a rank, their state, and
+                 the step's TP and data-sharding collectives and Newton-Schulz FLOPs;
 - `stages`       the pipeline arithmetic: layers and parameters per rank, in-flight micro-batches of
                  each schedule, the bubble;
 - `timing`       compute from the FLOP formula, TP all-reduces, pipeline bubble and transfers, the DP

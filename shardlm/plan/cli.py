@@ -2,6 +2,7 @@
 
     shardlm plan --model gpt2-8.3b --gpus 512 --gpu h100 --global-batch 512
     shardlm plan --model qwen3-235b-a22b --gpus 64 --gpu h100 --param-dtype half --pipeline 8
+    shardlm plan --model llama3-8b --gpus 16 --gpu h100 --global-batch 64 --optimizer muon
     shardlm plan --model sc21-145.6b --gpus 1536 --gpu a100 --global-batch 2304 --implementation megatron
     shardlm plan --model configs/tiny.toml --gpus 8 --gpu-memory 24 --flops 165 --gpus-per-node 8 \
         --intra-node-bw 64 --inter-node-bw 25 --global-batch 64 --json
@@ -71,6 +72,10 @@ def add_parser(subparsers) -> None:
                              "ranks (0: over all of them; default: try 0 and GPUs per node / TP)")
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "half"),
                         help="shardlm: half parameters with fp32 gradients and master weights (2+4+12 B/param)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                        help="train.optimizer: adamw (default), or muon: the layers' weight matrices keep one fp32 "
+                             "momentum (4 B/param, no step) and the step adds Muon's TP all-gathers, its ZeRO-1/FSDP "
+                             "all-gather and reduce-scatter and the Newton-Schulz FLOPs (shardlm implementation)")
     parser.add_argument("--pipeline", type=int, default=None, help="fix the pipeline size (default: search)")
     parser.add_argument("--expert", type=int, default=None,
                         help="fix the expert-parallel size of an MoE model (default: search the sizes dividing DP "
@@ -178,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                           checkpointing=args.checkpointing, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
                           data_sharding=args.data_sharding, fsdp_shard_size=args.fsdp_shard_size,
-                          param_dtype=args.param_dtype, pipeline=args.pipeline, expert=args.expert,
+                          param_dtype=args.param_dtype, optimizer=args.optimizer, pipeline=args.pipeline,
+                          expert=args.expert,
                           context=args.context,
                           virtual_stages=args.virtual_stages,
                           schedule=args.schedule, reserve_gb=args.reserve_gb, calibration=calibration)

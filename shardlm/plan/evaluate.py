@@ -3,7 +3,8 @@
 `Evaluator.choice` charges the busiest pipeline rank its state (`memory.state_memory`, or under FSDP
 `fsdp.fsdp_state_memory` and the gathered units `fsdp.fsdp_gathered_bytes`), the activation peak of its
 in-flight micro-batches (`activations.rank_activation_peak`) and the reserve, and prices the step
-(`timing.step_time`).
+(`timing.step_time`). With `--optimizer muon` each rank's Muon matrices (`muon.muon_count` of its layers) change
+its optimizer state, and the slowest pipeline rank's Muon step (`muon.muon_cost`) is added to the step time.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
 from shardlm.plan.mtp import with_mtp
+from shardlm.plan.muon import MuonCost, MuonCount, muon_cost, muon_count
 from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages, trimmed_layers
 from shardlm.plan.timing import Layout, StepTime, step_time
 
@@ -54,6 +56,8 @@ class Choice:
     """Pipeline rank whose GPU needs the most memory."""
     gathered: int = 0
     """FSDP's transient gathered parameters and unsharded gradients at the peak (`fsdp.fsdp_gathered_bytes`)."""
+    muon: MuonCost | None = None
+    """With `--optimizer muon`: the step of the pipeline rank whose Muon step is the slowest (`time.muon_s`)."""
 
 
 class Evaluator:
@@ -67,6 +71,7 @@ class Evaluator:
         self.activations = lru_cache(maxsize=None)(self._activations)
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
         self.units = lru_cache(maxsize=None)(self._units)
+        self.rank_muon = lru_cache(maxsize=None)(self._rank_muon)
         # a stage without the first dense layers can be the busiest: check every stage of such models
         self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
@@ -93,6 +98,23 @@ class Evaluator:
             stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank)
         return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
+    def _rank_muon(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False,
+                   dual: bool = False) -> MuonCount | None:
+        """The Muon matrices of the layers `rank_params` gives the rank (None with AdamW)."""
+        if self.request.optimizer != "muon":
+            return None
+        stages = self.rank_params(pp, virtual, tp, rank, ep, trim, dual)[0]
+        return muon_count(self.cfg, tp, stages.layer_indices, ep, self.request.muon_ns_steps)
+
+    def _muon_cost(self, layout: Layout, ranks, dual: bool) -> MuonCost | None:
+        """The slowest of `ranks`' Muon steps (`muon.muon_cost`; None with AdamW)."""
+        if self.request.optimizer != "muon":
+            return None
+        request = self.request
+        costs = [muon_cost(self.rank_muon(layout.pp, layout.virtual, layout.tp, rank, layout.ep, layout.end_trim,
+                                          dual), layout, request.gpu, request.calibration) for rank in ranks]
+        return max(costs, key=lambda cost: cost.seconds)
+
     def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
         stages = self.rank_params(pp, virtual, tp, rank, ep)[0] if pp > 1 else None
         return fsdp_units(self.cfg, tp, stages, ep)
@@ -102,7 +124,8 @@ class Evaluator:
         dense units sharded over DP x CP (hybrid: over S), split experts over DP x CP / EP."""
         tp, ep, ranks = layout.tp, layout.ep, layout.dp * layout.cp
         params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep)[1]
-        state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None)
+        state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None,
+                                  self.rank_muon(layout.pp, layout.virtual, tp, rank, ep))
         units = self.units(layout.pp, layout.virtual, tp, rank, ep)
         return state, fsdp_gathered_bytes(units, self.fmt.weight_bytes, accumulation, pipeline=layout.pp > 1)
 
@@ -120,9 +143,10 @@ class Evaluator:
             ranks = range(pp) if self.mixed else sorted({0, pp - 1} | ({min(1, pp - 1)} if layout.end_trim else set()))
         for rank in ranks:  # with trimmed ends the second rank holds a full first chunk
             stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual)
+            muon = self.rank_muon(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual)
             state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
                                (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
-                                             ep=ep), 0))
+                                             ep=ep, muon=muon), 0))
             if self.core and layout.distributed_optimizer:  # ZeRO-2: the fp32 gradients sharded with the state
                 state = replace(state, gradients=-(-state.gradients // (layout.dp * layout.cp)))
             if self.kernels.fp8_storage:  # AdamW's moments in BF16: 4 + 2 x 2 of the 4 + 2 x 4 bytes a parameter
@@ -139,6 +163,9 @@ class Evaluator:
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
                          attention_scores=self.megatron, scatter_gather=self.megatron or self.core, units=units,
                          kernels=self.kernels)
+        muon = self._muon_cost(layout, dualpipe.mirrored_ranks(pp) if dual else range(pp), dual)
+        if muon is not None:
+            time = replace(time, muon_s=muon.seconds)
         total = state.total + peak + gathered + reserve
         return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
-                      gathered)
+                      gathered, muon)

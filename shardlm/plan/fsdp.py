@@ -8,7 +8,8 @@ micro-batches per step:
 
 - state: fp32 parameter and gradient shards, 4 N / d each, AdamW's two fp32 moments 8 N / d and one
   4-byte step per parameter tensor (every rank holds a step for each tensor, even an empty shard), in
-  every precision: the fp32 shard is the master weight (`fsdp_state_memory`);
+  every precision: the fp32 shard is the master weight (`fsdp_state_memory`); with Muon its matrices' M
+  elements keep one fp32 momentum, 4 M / d, and no step (`shardlm.plan.muon`);
 - gathered (transient, `fsdp_gathered_bytes`): the root is gathered for the whole step (w per element)
   and its unsharded gradient lives from the output layer's backward to the end (w); at most two layers
   are gathered at once (the one computing and the one prefetched, w each) and one layer's unsharded
@@ -62,6 +63,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.links import over_dp_group, ring_allreduce_seconds, ring_gather_seconds
 from shardlm.plan.memory import StateMemory
+from shardlm.plan.muon import MuonCount
 from shardlm.plan.parameters import ParameterCount, layer_parameter_count, layers_parameter_count, parameter_count
 from shardlm.plan.stages import RankStages, rank_parameter_count
 
@@ -131,15 +133,23 @@ def hybrid_invalid_reason(shard_size: int, dp: int, cp: int, ep: int) -> str | N
     return None
 
 
-def fsdp_state_memory(params: ParameterCount, shards: int, expert_shards: int | None = None) -> StateMemory:
+def fsdp_state_memory(params: ParameterCount, shards: int, expert_shards: int | None = None,
+                      muon: MuonCount | None = None) -> StateMemory:
     """Per-rank fp32 parameter and gradient shards (4 N / d each), AdamW moments (8 N / d) and its 4-byte
     step per tensor. N / d rounded up (FSDP pads each tensor's rows to a multiple of d: exact when d
     divides every first dimension). `shards`: DP x CP, or hybrid sharding's shard size S. `expert_shards`
     (EP > 1): the routed experts' `params.expert` elements are their own units over the DP x CP / EP
-    expert-DP ranks, the rest over `shards`."""
-    experts = params.expert if expert_shards else 0
-    share = -(-(params.total - experts) // shards) + (-(-experts // expert_shards) if experts else 0)
-    return StateMemory(parameters=4 * share, gradients=4 * share, optimizer=8 * share + 4 * params.tensors)
+    expert-DP ranks, the rest over `shards`. `muon` (`plan.muon.muon_count`): Muon's matrices keep one fp32
+    momentum per element of their shards (4 M / d) and no step."""
+    muon = muon or MuonCount()
+
+    def share(total: int, experts: int) -> int:
+        experts = experts if expert_shards else 0
+        return -(-(total - experts) // shards) + (-(-experts // expert_shards) if experts else 0)
+
+    elements, matrices = share(params.total, params.expert), share(muon.total.elements, muon.expert.elements)
+    return StateMemory(parameters=4 * elements, gradients=4 * elements,
+                       optimizer=8 * (elements - matrices) + 4 * matrices + 4 * (params.tensors - muon.total.tensors))
 
 
 def fsdp_gathered_bytes(units: FSDPUnits, gathered_bytes: int, accumulation: int, pipeline: bool = False) -> int:

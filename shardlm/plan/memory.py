@@ -26,6 +26,7 @@ from shardlm.plan.formats import (  # noqa: F401 (re-exported: callers name them
     NumericFormat,
     numeric_format,
 )
+from shardlm.plan.muon import MuonCount, MuonPart
 from shardlm.plan.parameters import ParameterCount, _kv_rows, _mla_count
 
 GB = 1e9
@@ -43,10 +44,15 @@ class StateMemory:
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer
 
+    def __add__(self, other: StateMemory) -> StateMemory:
+        return StateMemory(self.parameters + other.parameters, self.gradients + other.gradients,
+                           self.optimizer + other.optimizer)
+
 
 def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1, distributed_optimizer: bool = False,
-                 dp_rank: int | None = None, sizes: list[int] | None = None, ep: int = 1) -> StateMemory:
-    """Per-rank bytes of weights, gradients and optimizer state (AdamW).
+                 dp_rank: int | None = None, sizes: list[int] | None = None, ep: int = 1,
+                 muon: MuonCount | None = None) -> StateMemory:
+    """Per-rank bytes of weights, gradients and optimizer state (AdamW; with `muon`, Muon for those matrices).
 
     shardlm with half parameters or the distributed optimizer (`training.master_weights`) keeps flat
     parameter and fp32 gradient buffers of all N elements padded to a multiple of d (d = dp with the
@@ -57,28 +63,47 @@ def state_memory(params: ParameterCount, fmt: NumericFormat, dp: int = 1, distri
     them the rank is the first and the segments are estimated as tensors / d + 1.
 
     Expert parallelism (`ep` = E > 1): the routed experts' `params.expert` elements (already 1/E of
-    them, see `parameter_count`) form a second set of buffers (`DenseAndExpertOptimizer`) whose
+    them, see `parameter_count`) form a second set of buffers (`JointMasterOptimizer`) whose
     optimizer state the distributed optimizer shards over the DP / E expert-DP ranks instead of DP;
     `sizes` then describe the dense buffer. Without the distributed optimizer nothing is sharded.
+
+    Muon (`muon`, `plan.muon.muon_count` of the rank's layers): its matrices are buffers of their own (shardlm's
+    `parallelize._master_weights`: per set, AdamW's rest and Muon's matrices) whose state is one fp32 momentum
+    per element, no step (`fmt.optimizer_bytes` - 4 a parameter); `sizes` then describe the dense AdamW buffer.
     """
     expert_dp = dp // ep
+    muon = muon or MuonCount()
     if not params.expert or ep == 1:  # one set of buffers (shardlm splits the experts' off only at EP > 1)
-        return _state_part(params.total, params.tensors, fmt, dp, distributed_optimizer, dp_rank, sizes)
-    dense_tensors = params.tensors if sizes is None else len(sizes)
-    dense = _state_part(params.dense, dense_tensors, fmt, dp, distributed_optimizer, dp_rank, sizes)
-    experts = _state_part(params.expert, 1, fmt, expert_dp, distributed_optimizer, None, None)
-    return StateMemory(dense.parameters + experts.parameters, dense.gradients + experts.gradients,
-                       dense.optimizer + experts.optimizer)
+        return _state_set(params.total, params.tensors, fmt, dp, distributed_optimizer, dp_rank, sizes, muon.total)
+    dense_tensors = params.tensors - muon.expert.tensors if sizes is None else len(sizes) + muon.dense.tensors
+    dense = _state_set(params.dense, dense_tensors, fmt, dp, distributed_optimizer, dp_rank, sizes, muon.dense)
+    return dense + _state_set(params.expert, 1 + muon.expert.tensors, fmt, expert_dp, distributed_optimizer,
+                              None, None, muon.expert)
+
+
+def _state_set(n: int, tensors: int, fmt: NumericFormat, dp: int, distributed_optimizer: bool,
+               dp_rank: int | None, sizes: list[int] | None, muon: MuonPart) -> StateMemory:
+    """One set of buffers (dense, or split experts): AdamW's part of its n elements in `tensors` tensors and, when
+    `muon` has elements, Muon's matrices among them (their own buffers)."""
+    adamw = _state_part(n - muon.elements, tensors - muon.tensors, fmt, dp, distributed_optimizer, dp_rank, sizes)
+    if not muon.elements:
+        return adamw
+    return adamw + _state_part(muon.elements, muon.tensors, fmt, dp, distributed_optimizer, dp_rank, None,
+                               momentum_only=True)
 
 
 def _state_part(n: int, tensors: int, fmt: NumericFormat, dp: int, distributed_optimizer: bool,
-                dp_rank: int | None, sizes: list[int] | None) -> StateMemory:
-    """`state_memory` of n elements in `tensors` tensors whose state is sharded over `dp` ranks."""
-    step_scalars = 4 * tensors if fmt.adam_step_scalar else 0
+                dp_rank: int | None, sizes: list[int] | None, momentum_only: bool = False) -> StateMemory:
+    """`state_memory` of n elements in `tensors` tensors whose state is sharded over `dp` ranks; `momentum_only`:
+    Muon's one fp32 momentum per element instead of AdamW's two moments, and no step scalars."""
+    if n == 0:  # no such buffer (split experts that are all Muon matrices)
+        return StateMemory(0, 0, 0)
+    moments = 4 if momentum_only else 8
+    step_scalars = 4 * tensors if fmt.adam_step_scalar and not momentum_only else 0
     if not (fmt.name.startswith("shardlm") and (fmt.weight_bytes == 2 or distributed_optimizer)):
         optimizer_elements = -(-n // dp) if distributed_optimizer else n
         return StateMemory(parameters=n * fmt.weight_bytes, gradients=n * fmt.grad_bytes,
-                           optimizer=optimizer_elements * fmt.optimizer_bytes + step_scalars)
+                           optimizer=optimizer_elements * (fmt.optimizer_bytes - 8 + moments) + step_scalars)
     d = dp if distributed_optimizer else 1
     padded = -(-n // d) * d
     lo = (dp_rank or 0) * padded // d
@@ -89,8 +114,9 @@ def _state_part(n: int, tensors: int, fmt: NumericFormat, dp: int, distributed_o
     else:
         segments = min(tensors, tensors // d + 1)
     master = 4 * padded // d if fmt.weight_bytes == 2 else 0
+    steps = 0 if momentum_only else 4 * segments
     return StateMemory(parameters=fmt.weight_bytes * padded, gradients=4 * padded,
-                       optimizer=master + 8 * (min(hi, n) - lo) + 4 * segments)
+                       optimizer=master + moments * max(0, min(hi, n) - lo) + steps)
 
 
 @dataclass(frozen=True)

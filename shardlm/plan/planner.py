@@ -32,6 +32,7 @@ from shardlm.plan.fsdp import fsdp_invalid_reason, hybrid_invalid_reason
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import StateMemory, numeric_format
 from shardlm.plan.models import check_model
+from shardlm.plan.muon import OPTIMIZERS
 from shardlm.plan.parameters import ParameterCount
 from shardlm.plan.request import DATA_SHARDING, PlanRequest  # noqa: F401 (PlanRequest re-exported)
 from shardlm.plan.stages import SCHEDULES, schedule_name, trimmed_split
@@ -141,6 +142,18 @@ def _check_request(request: PlanRequest) -> None:
         if reason:
             raise UserError(f"--context={request.context}: {reason}")
     numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
+    _check_optimizer(request)
+
+
+def _check_optimizer(request: PlanRequest) -> None:
+    """Muon is planned as shardlm runs it (`shardlm.plan.muon`): its implementation and kernels only."""
+    if request.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer {request.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+    if request.optimizer == "muon" and (request.implementation != "shardlm" or request.kernels is not None):
+        raise UserError("--optimizer muon is planned for --implementation shardlm (shardlm's Muon); drop "
+                        f"--implementation {request.implementation} or use --optimizer adamw")
+    if request.muon_ns_steps < 1:
+        raise UserError(f"muon_ns_steps={request.muon_ns_steps} must be at least 1")
 
 
 def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: int = 1) -> str | None:

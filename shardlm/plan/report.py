@@ -41,6 +41,13 @@ ASSUMPTIONS = [
     "assumed uniform (each rank's experts get b s k rows); each MoE layer's all-to-all (dispatch + combine "
     "forward and backward, again when recomputing) is not overlapped",
 ]
+MUON_ASSUMPTION = (
+    "Muon (--optimizer muon): the layers' weight matrices keep one fp32 momentum (4 B/param, no step), the rest "
+    "AdamW; its step (the Muon column) adds each TP-split matrix's update all-gathered over TP (fp32, by the DP rank "
+    "that orthogonalizes it), with ZeRO-1/FSDP one all-gather and one reduce-scatter of the matrices over the "
+    "sharding group (fp32, matrix i orthogonalized by DP rank i mod d) and the Newton-Schulz iterations, "
+    "ns_steps (4 m^2 n + 2 m^3) FLOPs per (m <= n) matrix at the GEMM rate (1/d of them with ZeRO-1/FSDP), none "
+    "overlapped")
 CORE_ASSUMPTIONS = [
     "megatron-core (today's Megatron-Core / the Llama 3 stack): causal flash attention executes half of the s x s "
     "blocks, 2.5x the forward's FLOPs backward, at its own measured efficiency; bf16 weights, fp32 gradients "
@@ -60,6 +67,21 @@ def _sharding_cell(layout) -> str:
 
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.1f}"
+
+
+def _muon_dict(choice) -> dict | None:
+    """Muon's step on the rank `Choice.muon` describes (bytes it sends, FLOPs, seconds), or None with AdamW."""
+    muon = choice.muon
+    if muon is None:
+        return None
+    return {"tp_gather_bytes": muon.tp_bytes, "dp_exchange_bytes": muon.dp_bytes, "newton_schulz_flops": muon.flops,
+            "seconds": {"total": muon.seconds, "tp_gather": muon.tp_s, "dp_exchange": muon.dp_s,
+                        "newton_schulz": muon.ns_s}}
+
+
+def _assumptions(request) -> list[str]:
+    return (ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else [])
+            + ([MUON_ASSUMPTION] if request.optimizer == "muon" else []))
 
 
 def row_dict(row: PlanRow) -> dict:
@@ -88,7 +110,9 @@ def row_dict(row: PlanRow) -> dict:
         "time_s": {"step": time.total_s, "compute": time.compute_s, "elementwise": time.elementwise_s,
                    "tp_comm": time.tp_comm_s, "dp_comm": time.dp_comm_s, "dp_exposed": time.dp_exposed_s,
                    "optimizer": time.optimizer_s, "bubble": time.bubble_s, "p2p": time.p2p_s,
-                   "ep_comm": time.ep_comm_s, "cp_comm": time.cp_comm_s, "cp_ring": time.cp_ring_s},
+                   "ep_comm": time.ep_comm_s, "cp_comm": time.cp_comm_s, "cp_ring": time.cp_ring_s,
+                   "muon": time.muon_s},
+        "muon": _muon_dict(choice),
         "tflops_per_gpu": time.tflops_per_gpu(layout.gpus),
     }
 
@@ -100,10 +124,10 @@ def plan_dict(result: Plan) -> dict:
     return {
         "model": {"name": request.model.name, **dataclasses.asdict(request.model.config)},
         "gpu": dataclasses.asdict(request.gpu), "gpus": request.gpus, "global_batch": request.global_batch,
-        "precision": request.precision, "implementation": request.implementation,
+        "precision": request.precision, "implementation": request.implementation, "optimizer": request.optimizer,
         "format": dataclasses.asdict(request.format), "reserve_gb": request.reserve_gb,
         "calibration": dataclasses.asdict(request.calibration),
-        "assumptions": ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else []),
+        "assumptions": _assumptions(request),
         "layouts": [row_dict(row) for row in result.rows], "skipped": result.skipped,
         "recommended": None if best is None else row_dict(best),
     }
@@ -118,6 +142,7 @@ def render_plan(result: Plan, console: Console) -> None:
              f"seq {cfg.seq_length}, vocab {cfg.vocab_size}, {total_params / 1e9:.3g}B parameters")
     moe = bool(cfg.moe_num_experts)
     context = any(row.cp > 1 for row in result.rows)
+    muon = request.optimizer == "muon"
     if moe:
         title += (f" ({activated_parameter_count(cfg) / 1e9:.3g}B activated: {cfg.moe_num_experts} experts of width "
                   f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k})")
@@ -126,7 +151,8 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"{gpu.gpus_per_node}/node, intra {gpu.intra_node_gbps:g} GB/s, inter {gpu.inter_node_gbps:g} "
                   f"GB/s/node); global batch {request.global_batch}; {request.format.name} "
                   f"({request.format.weight_bytes}+{request.format.grad_bytes}+{request.format.optimizer_bytes} "
-                  f"bytes/parameter)")
+                  f"bytes/parameter" + (f"; Muon's matrices {request.format.weight_bytes}+{request.format.grad_bytes}"
+                                        f"+{request.format.optimizer_bytes - 4}" if muon else "") + ")")
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
                   "micro-batches (+ FSDP's gathered layers); SP = sequence parallel; recomp = recomputation; shard = "
@@ -135,13 +161,16 @@ def render_plan(result: Plan, console: Console) -> None:
                   "or FSDP collectives; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting "
                   "recomputation)"
                   + ("; EP = expert parallel, A2A = the MoE all-to-all" if moe else "")
-                  + ("; CP = context parallel, ring = its exposed K/V transfers" if context else ""))
+                  + ("; CP = context parallel, ring = its exposed K/V transfers" if context else "")
+                  + ("; Muon = Muon's step (TP and DP gathers, Newton-Schulz)" if muon else ""))
     columns = ["PP", "TP", "DP", "V", "micro x acc", "SP", "recomp", "shard", "param", "grad", "optim", "act",
                "total", "fits", "step", "bubble", "TP comm", "DP exp", "TF"]
     if moe:
         columns[3:3], columns[-2:-2] = ["EP"], ["A2A"]
     if context:
         columns[2:2], columns[-2:-2] = ["CP"], ["ring"]
+    if muon:
+        columns[-1:-1] = ["Muon"]
     for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     for row in result.rows:
@@ -158,9 +187,11 @@ def render_plan(result: Plan, console: Console) -> None:
             cells[3:3], cells[-2:-2] = [str(row.ep)], [f"{time.ep_comm_s:.3f}"]
         if context:
             cells[2:2], cells[-2:-2] = [str(row.cp)], [f"{time.cp_comm_s:.3f}"]
+        if muon:
+            cells[-1:-1] = [f"{time.muon_s:.3f}"]
         table.add_row(*cells, style=style)
     console.print(table)
-    for line in ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else []):
+    for line in _assumptions(request):
         console.print(f"  - {line}")
     c = request.calibration
     source = "Megatron-LM's 2019 V100 runs" if c.memory_efficiency == 1.0 else \
@@ -189,7 +220,9 @@ def render_plan(result: Plan, console: Console) -> None:
                       f"{'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute}, data sharding "
                       f"{layout.data_sharding}"
                       + (f" (fsdp_shard_size {layout.fsdp_shard_size})" if layout.fsdp_shard_size else "") + ": "
-                      f"{best.choice.time.total_s:.3f} s/step, {_gb(best.choice.total_bytes)} GB per GPU")
+                      f"{best.choice.time.total_s:.3f} s/step"
+                      + (f" (Muon's step {best.choice.time.muon_s:.3f} s)" if muon else "")
+                      + f", {_gb(best.choice.total_bytes)} GB per GPU")
 
 
 def comparison_dict(rows: list[Comparison]) -> list[dict]:

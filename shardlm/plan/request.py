@@ -45,6 +45,10 @@ class PlanRequest:
     layouts shardlm runs it on, `fsdp.fsdp_invalid_reason`)."""
     param_dtype: str = "fp32"
     """"fp32" or "half" (shardlm's half parameters with fp32 gradients and master weights)."""
+    optimizer: str = "adamw"
+    """`train.optimizer`: "adamw", or "muon" (its matrices' state and step: `shardlm.plan.muon`; shardlm only)."""
+    muon_ns_steps: int = 5
+    """`train.muon_ns_steps`: Newton-Schulz iterations of Muon's step."""
     pipeline: int | None = None
     """Fixed pipeline size; None searches every size."""
     expert: int | None = None

@@ -30,7 +30,8 @@
   and the distributed optimizer span DP x C ranks, and each layer adds the ring's exposed K/V
   transfers (`shardlm.plan.context.ring_seconds`).
 - optimizer: AdamW, clipping and precision copies stream the per-rank state once (memory-bound;
-  1/DP of it with the distributed optimizer).
+  1/DP of it with the distributed optimizer). With Muon (`muon_s`, `shardlm.plan.muon`) the step adds its TP
+  and data-sharding collectives and the Newton-Schulz iterations, not overlapped.
 - FSDP (`Layout.full_sharding`): per layer 1 + m all-gathers and one reduce-scatter on the DP group's
   link instead of the gradient all-reduce, each overlapping the layer's forward or backward as the
   all-reduce overlaps the backward (`shardlm.plan.fsdp.fsdp_seconds`); the optimizer streams 1/DP. With
@@ -128,11 +129,13 @@ class StepTime:
     """The context-parallel ring's K/V transfers not hidden behind the attention blocks."""
     cp_ring_s: float = 0.0
     """The whole ring transfer time, before overlap."""
+    muon_s: float = 0.0
+    """Muon's step beyond AdamW's (`shardlm.plan.muon.muon_cost`): its collectives and Newton-Schulz iterations."""
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.elementwise_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s + self.bubble_s
-                + self.p2p_s + self.optimizer_s + self.dp_exposed_s)
+                + self.p2p_s + self.optimizer_s + self.dp_exposed_s + self.muon_s)
 
     def tflops_per_gpu(self, gpus: int) -> float:
         return self.model_flops / self.total_s / gpus / 1e12
