@@ -195,6 +195,28 @@ def test_only_bf16_pads_expert_rows(dtype, monkeypatch):
     assert len(calls) == 1 and calls[0][0].dtype == torch.bfloat16
 
 
+def test_dispatch_gathers_and_its_gradient_equals_indexing():
+    """The local dispatcher's permutations (`permute_rows`, `repeat_rows`, gathers both ways) give the outputs and
+    input gradients plain indexing gives (whose backward scatters with accumulation)."""
+    from shardlm.parallel.experts import LocalDispatcher
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(12, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    indices = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(12)])  # (12, 2), distinct
+    dispatcher = LocalDispatcher(4)
+    rows, counts, plan = dispatcher.dispatch(tokens, indices)
+    out = dispatcher.combine(rows * torch.arange(1, 25, dtype=torch.float64)[:, None], plan)
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, tokens, grad_out)
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    ref_rows = tokens[order // 2]
+    ref_out = (ref_rows * torch.arange(1, 25, dtype=torch.float64)[:, None])[torch.argsort(order)]
+    (ref_grad,) = torch.autograd.grad(ref_out, tokens, grad_out)
+    assert torch.equal(rows, ref_rows) and torch.equal(out, ref_out) and counts.tolist() == torch.bincount(
+        indices.reshape(-1), minlength=4).tolist()
+    assert torch.allclose(grad, ref_grad, rtol=1e-12, atol=1e-12)
+
+
 def test_moe_layer_equals_its_definition():
     """y = sum_j w_j expert_{i_j}(x) + shared(x), each expert an MLP of its own weights, computed token by token."""
     torch.manual_seed(0)

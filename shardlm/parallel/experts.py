@@ -79,6 +79,56 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: Communicat
     return x if ep.size == 1 else _AllToAll.apply(x, send, recv, ep)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order` (N,): out[order[i]] = i (a scatter, not a sort)."""
+    out = torch.empty_like(order)
+    out[order] = torch.arange(order.numel(), device=order.device)
+    return out
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[order] for a permutation `order` of x's rows; the gradient is gathered back through the inverse, where
+    autograd's indexing would scatter it with accumulation (a slow sorted `index_put_` on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _RepeatRows(torch.autograd.Function):
+    """tokens (N, h) -> the rows of the (token, slot) pairs `order` (N k,) lists, `tokens[order // k]`; the
+    gradient of a token is the sum of its k slots' rows, gathered back into (token, slot) order and summed, with
+    no scatter."""
+
+    @staticmethod
+    def forward(ctx, tokens, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return tokens.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        slots = grad.index_select(0, inverse)  # (N k, h) in (token, slot) order
+        return slots.view(-1, ctx.k, *grad.shape[1:]).sum(1), None, None, None
+
+
+def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """x[order] for a permutation of x's rows (`_PermuteRows`); `inverse`: `inverse_permutation(order)` if known."""
+    return _PermuteRows.apply(x, order, inverse_permutation(order) if inverse is None else inverse)
+
+
+def repeat_rows(tokens: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """`tokens[order // k]` for a permutation `order` of the N k (token, slot) pairs (`_RepeatRows`)."""
+    return _RepeatRows.apply(tokens, order, inverse_permutation(order), k)
+
+
 def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, k) expert ids -> (order (N k,): slot ids sorted by expert, stably; counts (num_experts,))."""
     flat = indices.reshape(-1)
@@ -93,10 +143,10 @@ class LocalDispatcher:
 
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
         order, counts = sort_by_expert(indices, self.num_experts)
-        return tokens[order // indices.shape[1]], counts, order
+        return repeat_rows(tokens, order, indices.shape[1]), counts, order
 
     def combine(self, expert_out: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        return expert_out[torch.argsort(order)]
+        return permute_rows(expert_out, inverse_permutation(order), order)
 
 
 class AllToAllDispatcher:
@@ -113,16 +163,16 @@ class AllToAllDispatcher:
         received = _all_to_all(counts, [local] * ep.size, [local] * ep.size, ep).view(ep.size, local)
         send = counts.view(ep.size, local).sum(1).tolist()
         recv = received.sum(1).tolist()
-        rows = all_to_all(tokens[order // indices.shape[1]], send, recv, ep)  # (source, expert) blocks
+        rows = all_to_all(repeat_rows(tokens, order, indices.shape[1]), send, recv, ep)  # (source, expert) blocks
         # regroup the (source rank, local expert) blocks by local expert, keeping source order within each
         expert_of_row = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
         regroup = torch.argsort(expert_of_row, stable=True)
-        return rows[regroup], received.sum(0), (order, regroup, send, recv)
+        return permute_rows(rows, regroup), received.sum(0), (order, regroup, send, recv)
 
     def combine(self, expert_out: torch.Tensor, plan) -> torch.Tensor:
         order, regroup, send, recv = plan
-        back = all_to_all(expert_out[torch.argsort(regroup)], recv, send, self.ep)
-        return back[torch.argsort(order)]
+        back = all_to_all(permute_rows(expert_out, inverse_permutation(regroup), regroup), recv, send, self.ep)
+        return permute_rows(back, inverse_permutation(order), order)
 
 
 class AllGatherDispatcher:

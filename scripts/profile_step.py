@@ -1,0 +1,83 @@
+"""Where a training step's time goes: shardlm against transformers, operator by operator, on the bench's shapes.
+
+    python scripts/profile_step.py deepseek --precision fp32 --steps 4
+    python scripts/profile_step.py gpt_oss --precision bf16
+
+Builds the same two programs the `deepseek` / `gpt_oss` sections of `make bench` compare (a random transformers
+model saved and converted, `shardlm.bench.hf_compare`), warms each up for two steps, then runs `--steps` steps of
+each under `torch.profiler` (CPU, `--threads` threads) and prints, per program, the step's milliseconds and the
+operators with the largest self time (ms per step), side by side, with each operator's share of its step. The
+table names where one program spends time the other does not (e.g. a kernel transformers calls less often, or
+a copy shardlm makes); it does not time the programs against each other: `make bench` does, in turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def programs(family: str, precision: str, tmp: Path) -> dict:
+    """{"shardlm": step, "hf": step} of the bench's full-size shape of `family`."""
+    from shardlm.bench import hf_compare
+    from shardlm.checkpoint.hf import from_hf
+
+    if family == "deepseek":
+        from shardlm.bench.deepseek import DEEPSEEK as model
+        from shardlm.bench.deepseek import DS_BENCH as shape
+    else:
+        from shardlm.bench.gpt_oss import GPT_OSS as model
+        from shardlm.bench.gpt_oss import OSS_BENCH as shape
+    rows = hf_compare.random_rows(shape)
+    folder = model.save(shape, tmp / "hf")
+    checkpoint = from_hf(folder, tmp / "model.safetensors")
+    trainer = hf_compare.shardlm_trainer(checkpoint, shape, rows, precision, model.model_overrides)
+    hf = hf_compare.hf_step(model, folder, rows, None, precision)[0]
+    return {"shardlm": trainer.train_step, "hf": hf}
+
+
+def self_times(step, steps: int) -> tuple[float, dict[str, float]]:
+    """(wall ms per step, {operator: self CPU ms per step}) over `steps` profiled steps."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - start) * 1000 / steps
+    ops = {}
+    for event in prof.key_averages():
+        ops[event.key] = ops.get(event.key, 0.0) + event.self_cpu_time_total / 1000 / steps
+    return wall, ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("family", choices=("deepseek", "gpt_oss"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = programs(args.family, args.precision, Path(tmp))
+        for step in runs.values():  # warm-up: kernels built, caches filled
+            step()
+            step()
+        measured = {name: self_times(step, args.steps) for name, step in runs.items()}
+    (ours_ms, ours), (theirs_ms, theirs) = measured["shardlm"], measured["hf"]
+    print(f"{args.family} {args.precision}, {args.threads} threads: shardlm {ours_ms:.1f} ms a step, "
+          f"transformers {theirs_ms:.1f} ms (profiled; the profiler adds its own time to both)")
+    print(f"{'operator':<44} {'shardlm ms':>11} {'share':>6} {'hf ms':>9} {'share':>6} {'shardlm - hf':>13}")
+    names = sorted(set(ours) | set(theirs), key=lambda n: -max(ours.get(n, 0.0), theirs.get(n, 0.0)))
+    for name in names[:args.top]:
+        a, b = ours.get(name, 0.0), theirs.get(name, 0.0)
+        print(f"{name[:44]:<44} {a:>11.1f} {a / ours_ms:>6.1%} {b:>9.1f} {b / theirs_ms:>6.1%} {a - b:>+13.1f}")
+
+
+if __name__ == "__main__":
+    main()
