@@ -45,9 +45,11 @@ def max_attention_logits(q: torch.Tensor, k: torch.Tensor, cp, scale: float | No
     return out
 
 
+@torch.compiler.disable
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | None = None, documents=None,
                       window: int = 0) -> None:
-    """Raise `module.max_logits` (this rank's heads) to this micro-batch's, when it tracks them and trains."""
+    """Raise `module.max_logits` (this rank's heads) to this micro-batch's, when it tracks them and trains (outside
+    `torch.compile`'s graphs: an in-place update of a module's tensor)."""
     if getattr(module, "max_logits", None) is not None and module.training:
         logits = max_attention_logits(q, k, module.ctx.cp, scale, documents, window)
         torch.maximum(module.max_logits, logits, out=module.max_logits)

@@ -136,7 +136,8 @@ class Muon(torch.optim.Optimizer):
     whole. Sharded, a step is: momentum and update on this rank's pieces; one all-gather of every piece (each rank
     sends its pieces once); the owner of matrix i, rank i mod d, orthogonalizes it (with its TP peers, who own it
     too); one reduce-scatter hands each rank its pieces of O (exactly one rank adds a non-zero value to each
-    element, so the sum is exact). Each of the two moves `elements` fp32 values (`communicated`)."""
+    element, so the sum is exact). The all-gather's output and the reduce-scatter's input are `elements` fp32
+    values each."""
 
     def __init__(self, matrices: list[MuonMatrix], ctx: ParallelContext, settings: MuonSettings,
                  group: Communicator | None = None):
@@ -148,10 +149,8 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[settings.ns_dtype]
         d = 1 if self.group is None else self.group.size
         self.width = max([sum(e - s for s, e in (m.spans[r] for m in matrices)) for r in range(d)], default=0)
-        self.elements = d * self.width
+        self.elements = 0 if self.group is None else d * self.width
         """fp32 values of the step's all-gather output and of its reduce-scatter input (0 when not sharded)."""
-        if self.group is None:
-            self.elements = 0
 
     def _orthogonalized(self, name: str, update: torch.Tensor, param_dim: int | None) -> torch.Tensor:
         """O of one matrix's update (this TP rank's (rows, cols)) whose TP split dimension is `param_dim` (or
