@@ -217,6 +217,22 @@ def test_dispatch_gathers_and_its_gradient_equals_indexing():
     assert torch.allclose(grad, ref_grad, rtol=1e-12, atol=1e-12)
 
 
+def test_expert_rows_and_their_gradient_equal_indexing():
+    """`expert_rows` (gpt-oss's per-expert biases over each expert's block of rows, an empty block too) gives what
+    indexing by each row's expert gives, and the same gradient, summed per block instead of scattered."""
+    from shardlm.models.moe import expert_rows
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(4, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    counts = [2, 0, 5, 1]
+    rows = expert_rows(values, counts)
+    ref = values[torch.repeat_interleave(torch.arange(4), torch.tensor(counts))]
+    grad_out = torch.randn(rows.shape, generator=generator, dtype=torch.float64)
+    assert torch.equal(rows, ref)
+    assert torch.allclose(torch.autograd.grad(rows, values, grad_out)[0], torch.autograd.grad(ref, values, grad_out)[0],
+                          rtol=1e-12, atol=1e-12)
+
+
 def test_moe_layer_equals_its_definition():
     """y = sum_j w_j expert_{i_j}(x) + shared(x), each expert an MLP of its own weights, computed token by token."""
     torch.manual_seed(0)

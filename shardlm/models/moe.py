@@ -230,6 +230,28 @@ def pad_expert_rows(x: torch.Tensor, counts: list[int], multiple: int
     return x.new_zeros(sum(padded), x.shape[1]).index_copy(0, keep, x), padded, keep
 
 
+class _ExpertRows(torch.autograd.Function):
+    """Each expert's row of a (E_l, n) per-expert tensor repeated over its block of rows: (M, n), M = sum(counts).
+    The backward sums each block's rows (one reduction per expert), where indexing by the rows' expert ids would
+    scatter the gradient with a sorted, accumulating `index_put_` (the slowest operator of gpt-oss's bias adds on
+    the CPU)."""
+
+    @staticmethod
+    def forward(ctx, values, counts, total):
+        ctx.counts = counts
+        repeats = torch.tensor(counts, device=values.device)
+        return torch.repeat_interleave(values, repeats, dim=0, output_size=total)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.stack([block.sum(0) for block in grad.split(ctx.counts)]), None, None
+
+
+def expert_rows(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """values (E_l, n) -> (sum(counts), n): expert e's row repeated counts[e] times, in expert order (`_ExpertRows`)."""
+    return _ExpertRows.apply(values, counts, sum(counts))
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of each expert times that expert's weight transposed: x (M, in), weight (E_l, out, in),
     counts rows per expert (summing to M) -> (M, out)."""
@@ -306,9 +328,6 @@ class GroupedExperts(nn.Module):
         keep = None
         if grouped and self.pad_rows > 1 and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # padded rows are dropped at the end
-        if self.down_bias is not None:  # gpt-oss's biases: each row's expert (local index)
-            expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                                    torch.tensor(counts, device=x.device), output_size=x.shape[0])
         if self.gated:
             gate, up, down = weights
             g, u = expert_matmul(x, gate, counts, grouped), expert_matmul(x, up, counts, grouped)
@@ -316,7 +335,9 @@ class GroupedExperts(nn.Module):
                 dg, du = self.lora.inputs(x, counts, grouped)
                 g, u = g + dg, u + du
             if self.gate_bias is not None:
-                g, u = g + self.gate_bias[expert_of_row].to(g.dtype), u + self.up_bias[expert_of_row].to(u.dtype)
+                # gpt-oss's biases: each row gets its expert's
+                g = g + expert_rows(self.gate_bias, counts).to(g.dtype)
+                u = u + expert_rows(self.up_bias, counts).to(u.dtype)
             if self.limit > 0:  # gpt-oss's clamped SwiGLU
                 g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
                 hidden = (u + 1) * g * torch.sigmoid(self.alpha * g)
@@ -332,7 +353,7 @@ class GroupedExperts(nn.Module):
         if self.lora is not None:
             out = out + self.lora.outputs(hidden, counts, grouped)
         if self.down_bias is not None:  # once over the TP partial sums: rank 0 adds it, the others add 0 x it
-            out = out + self.down_bias[expert_of_row].to(out.dtype) * (1.0 if self.first_tp_rank else 0.0)
+            out = out + expert_rows(self.down_bias, counts).to(out.dtype) * (1.0 if self.first_tp_rank else 0.0)
         return out if keep is None else out.index_select(0, keep)
 
 
