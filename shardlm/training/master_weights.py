@@ -197,7 +197,7 @@ class JointMasterOptimizer:
     """Several `MasterWeightOptimizer`s used as one: under expert parallelism the dense parameters reduced (and
     sharded) over `ctx.dp_cp` (data x context), the expert parameters over `ctx.expert_dp` with their sum divided
     by the whole DP x C size (`shardlm.training.gradients.reduce_expert_gradients` says why); with Muon, each of
-    those split again into Muon's matrices and AdamW's rest (`master_weight_optimizer`)."""
+    those split again into Muon's matrices and AdamW's rest (`shardlm.training.parallelize._master_weights`)."""
 
     def __init__(self, parts: list[MasterWeightOptimizer]):
         self.parts = parts
