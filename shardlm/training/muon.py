@@ -151,6 +151,8 @@ class Muon(torch.optim.Optimizer):
         self.width = max([sum(e - s for s, e in (m.spans[r] for m in matrices)) for r in range(d)], default=0)
         self.elements = 0 if self.group is None else d * self.width
         """fp32 values of the step's all-gather output and of its reduce-scatter input (0 when not sharded)."""
+        self.shapes = [self._orthogonalized_shape(m) for m in matrices]
+        """Per matrix, the (rows, cols) orthogonalized as one, whole over TP: what its learning rate scales by."""
 
     def _orthogonalized(self, name: str, update: torch.Tensor, param_dim: int | None) -> torch.Tensor:
         """O of one matrix's update (this TP rank's (rows, cols)) whose TP split dimension is `param_dim` (or
@@ -175,14 +177,13 @@ class Muon(torch.optim.Optimizer):
             return torch.stack([self._orthogonalized(m.name, u, dim) for u in update]).reshape(-1)
         return self._orthogonalized(m.name, update, m.tp_dim).reshape(-1)
 
-    def adjusted_lr(self, lr: float, m: MuonMatrix) -> float:
-        """lr' of a matrix: from the shape of the matrices orthogonalized as one (whole over TP)."""
+    def _orthogonalized_shape(self, m: MuonMatrix) -> tuple[int, int]:
+        """(rows, cols) of the matrices orthogonalized as one (whole over TP; a row group of GPT's qkv)."""
         shape = list(m.shape[-2:])
         dim = None if m.tp_dim is None else m.tp_dim - (len(m.shape) - 2)
         if dim is not None:
             shape[dim] *= self.ctx.tp_size
-        rows = len(row_groups(m.name, shape[0], self.settings.heads, self.settings.split)[0])
-        return adjusted_lr(lr, self.settings.adjust_lr, (rows, shape[1]))
+        return len(row_groups(m.name, shape[0], self.settings.heads, self.settings.split)[0]), shape[1]
 
     def _exchange(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{matrix index: this rank's piece of O} from {index: this rank's piece of the update}."""
@@ -241,7 +242,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             piece = _local(m.piece)
             piece.mul_(1 - lr * decay)
-            piece.add_(outs[i], alpha=-self.adjusted_lr(lr, m))
+            piece.add_(outs[i], alpha=-adjusted_lr(lr, self.settings.adjust_lr, self.shapes[i]))
 
 
 class _States(MutableMapping):
