@@ -2,9 +2,12 @@
 
     python scripts/profile_step.py deepseek --precision fp32 --steps 4
     python scripts/profile_step.py gpt_oss --precision bf16
+    python scripts/profile_step.py moe
+    python scripts/profile_step.py qwen3_5_moe
 
-Builds the same two programs the `deepseek` / `gpt_oss` sections of `make bench` compare (a random transformers
-model saved and converted, `shardlm.bench.hf_compare`), warms each up for two steps, then runs `--steps` steps of
+Builds the same two programs the `deepseek` / `gpt_oss` / `moe` / `linear_attention` sections of `make bench`
+compare (a random transformers model saved and converted, `shardlm.bench.hf_compare`; for `moe`,
+`shardlm.bench.moe`'s Mixtral and its shardlm twin), warms each up for two steps, then runs `--steps` steps of
 each under `torch.profiler` (CPU, `--threads` threads) and prints, per program, the step's milliseconds and the
 operators with the largest self time (ms per step), side by side, with each operator's share of its step. The
 table names where one program spends time the other does not (e.g. a kernel transformers calls less often, or
@@ -27,12 +30,21 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
     from shardlm.bench import hf_compare
     from shardlm.checkpoint.hf import from_hf
 
+    if family == "moe":
+        from shardlm.bench.moe import MOE_BENCH, hf_step
+        from shardlm.parallel import ParallelContext
+
+        trainer = MOE_BENCH.trainer(ParallelContext.single(), precision=precision)
+        return {"shardlm": trainer.train_step, "hf": hf_step(MOE_BENCH, None, precision)[0]}
     if family == "deepseek":
         from shardlm.bench.deepseek import DEEPSEEK as model
         from shardlm.bench.deepseek import DS_BENCH as shape
-    else:
+    elif family == "gpt_oss":
         from shardlm.bench.gpt_oss import GPT_OSS as model
         from shardlm.bench.gpt_oss import OSS_BENCH as shape
+    else:
+        from shardlm.bench.linear_attention import QWEN35 as model
+        from shardlm.bench.linear_attention import QWEN35_BENCH as shape
     rows = hf_compare.random_rows(shape)
     folder = model.save(shape, tmp / "hf")
     checkpoint = from_hf(folder, tmp / "model.safetensors")
@@ -56,7 +68,7 @@ def self_times(step, steps: int) -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("family", choices=("deepseek", "gpt_oss"))
+    parser.add_argument("family", choices=("deepseek", "gpt_oss", "moe", "qwen3_5_moe"))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)

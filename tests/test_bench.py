@@ -390,3 +390,30 @@ def test_linear_attention_figures_are_the_measured_times_of_the_same_model(quick
         assert f"| {row['tokens']:,} | {row['hybrid_ms']['median']:.1f} (min" in text
         assert f"**{_as_reported(row['speedup'])}**" in text
     assert (quick_run[1] / stacks["plot"]).is_file()
+
+
+def test_speed_goals_read_this_runs_figures(quick_run):
+    """`goals`: a row per MoE family and precision the run measured and per bf16 vocabulary, each the median of the
+    figure it names; every family figure carries both programs' operator breakdowns, and the markdown states them."""
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    goals = results["goals"]
+    families = {"moe.single_process": results["moe"]["single_process"], "deepseek": results["deepseek"],
+                "gpt_oss": results["gpt_oss"],
+                "linear_attention.train_vs_hf": results["linear_attention"]["train_vs_hf"]}
+    rows = {row["key"]: row for row in goals["rows"]}
+    for path, figures in families.items():
+        for precision in figures["precisions"]:
+            row = rows[f"{path}.{precision}.ratio"]
+            assert row["value"] == figures[precision]["ratio"]["median"]
+            assert row["met"] == (row["value"] >= 1.2) and (row["why"] is None) == row["met"]
+            for program in ("shardlm", "hf"):
+                steps = figures[precision]["breakdown"][program]
+                assert steps["total"] > 0 and steps["gemm"] > 0, (path, program, steps)
+    for vocab, by_program in results["mfu"]["by_vocabulary"].items():
+        if "bf16" in by_program:
+            row = rows[f"mfu.by_vocabulary.{vocab}.bf16.fraction_of_best"]
+            assert row["value"] == by_program["bf16"]["fraction_of_best"]
+            assert 0 < by_program["bf16"]["step_gemm_gflops"]
+    assert goals["missed"] == sum(not row["met"] for row in goals["rows"])
+    assert "## Speed goals of this run (`goals`)" in text and f"**`goals.missed` = {goals['missed']}**" in text

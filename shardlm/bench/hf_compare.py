@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardlm.bench.breakdown import breakdown
 from shardlm.bench.common import cpu_features, interleaved, median_cell, native_precisions, summary, torch_threads
 from shardlm.bench.moe import expert_gemm_dtypes
 
@@ -140,7 +141,8 @@ def loss_check(programs: dict) -> dict:
 
 def single_process(shape, family: HFModel, repeats: int, threads: int = 2) -> dict:
     """Per precision: step ms and tokens/s of shardlm, hf and hf_eager, ratios shardlm / hf and shardlm /
-    hf_eager per round, the expert GEMMs' dtypes, the implementations transformers ran; the fp32 loss check;
+    hf_eager per round, the expert GEMMs' dtypes, the implementations transformers ran, one profiled step of
+    shardlm and hf by kind of operator (`breakdown`, after the timed rounds); the fp32 loss check;
     the CPU's features; whether the fp32 median ratio meets GOAL."""
     features = cpu_features()
     precisions = native_precisions(features)
@@ -165,7 +167,8 @@ def single_process(shape, family: HFModel, repeats: int, threads: int = 2) -> di
                              "hf_eager": expert_gemm_dtypes(hf_eager.model, experts, hf_eager)}
             times = interleaved(programs, repeats, warmup=1)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
-            figures = {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
+            figures = {"breakdown": {name: breakdown(programs[name]) for name in ("shardlm", "hf")}}
+            figures |= {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
             figures |= {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
             for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
                 figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])

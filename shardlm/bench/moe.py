@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardlm.bench.breakdown import breakdown
 from shardlm.bench.common import (
     cpu_features,
     interleaved,
@@ -165,7 +166,8 @@ def expert_gemm_dtypes(model: torch.nn.Module, experts_class: str, run) -> str:
 
 
 def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
-    """tokens/s of shardlm and transformers' Mixtral in each precision the CPU runs natively, and the ratios."""
+    """tokens/s of shardlm and transformers' Mixtral in each precision the CPU runs natively, the ratios, and one
+    profiled step of shardlm and hf by kind of operator (`breakdown`, after the timed rounds)."""
     from shardlm.parallel import ParallelContext
 
     features = cpu_features()
@@ -184,6 +186,7 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
             times = interleaved(programs, repeats, warmup=1)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
+            figures["breakdown"] = {name: breakdown(programs[name]) for name in ("shardlm", "hf")}
             for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
                 figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
             figures["hf_experts_implementation"] = shipped

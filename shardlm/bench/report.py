@@ -24,14 +24,24 @@ KEYS = {
                                  "tokens/s of shardlm, shardlm_train (the `shardlm train` loop), shardlm_half, "
                                  "shardlm_compiled (`train.compile`), hf, hf_fused_gelu and the ratios "
                                  "ratio[_train|_half|_compiled][_same_kernels], "
-                                 "train_command_over_step, gemm_gflops (the GEMM probes) and mfu[_half] (paired)",
+                                 "train_command_over_step, gemm_gflops (the GEMM probes), step_gemm_gflops (the "
+                                 "step's own GEMMs alone), step_gemm_of_best and mfu[_half] (paired)",
+    "goals.rows": "each speed goal of the run: goal, key (the figure it reads), value (its median), target, met, "
+                  "and why (for a missed one, from the run's figures: the profiled steps by kind of operator, or the "
+                  "rate of the step's own GEMMs)",
+    "goals.missed": "how many of goals.rows are missed",
+    "deepseek.fp32.breakdown": "one profiled step of shardlm and hf after the timed rounds: self ms per kind of "
+                               "operator (gemm, attention, triangular_solve, optimizer, other) and the wall total; "
+                               "the same in every family's section and precision",
     "mfu.fraction": "median over repeats of shardlm's achieved matmul FLOP/s / the fp32 GEMM rate probed in the "
                     "same repeat",
     "mfu.gemm_ceiling_gflops": "median 1024x1024 fp32 matmul rate with the same threads, probed between the steps",
     "mfu.gemm_ceilings_gflops": "median matmul rate per dtype (fp32; bf16 on a CPU with native bf16) and square size "
                                 "(1024, 2048)",
     "mfu.by_vocabulary": "per vocabulary and program (fp32, bf16, bf16_half): achieved GFLOP/s, fraction of the "
-                         "1024x1024 ceiling and fraction_of_best",
+                         "1024x1024 ceiling, fraction_of_best, step_gemm_gflops (the rate of the step's own linear-"
+                         "layer GEMMs timed alone), step_gemm_of_best, fraction_of_step_gemms and breakdown (one "
+                         "profiled shardlm step by kind of operator)",
     "tp2_efficiency.shardlm": "shardlm tokens/s at TP=2 (2 x 1 thread) / TP=1 (1 x 2 threads)",
     "tp2_efficiency.torch_tp": "the same ratio for PyTorch's `tensor.parallel` on an equivalent model",
     "comm.matches_formula": "true when every collective's calls and elements equal the formula",
@@ -138,7 +148,10 @@ KEYS = {
 
 
 def write_reports(results: dict, out_dir: Path) -> None:
+    from shardlm.bench.goals import speed_goals
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    results = {**results, "goals": speed_goals(results)}
     report = json.dumps(results, indent=2, default=float) + "\n"
     write_atomically(out_dir / "benchmarks.json", lambda tmp: tmp.write_text(report))
     write_atomically(out_dir / "BENCHMARKS.md", lambda tmp: tmp.write_text(markdown(results)))
@@ -159,7 +172,11 @@ def markdown(r: dict) -> str:
         "(keys below in `code`).",
         "",
     ]
+    from shardlm.bench.goals import markdown_lines as goal_lines
     from shardlm.bench.training_report import mfu_lines, train_lines
+
+    if r.get("goals"):
+        lines += goal_lines(r["goals"])
 
     if r.get("train_vs_hf"):
         lines += train_lines(r["train_vs_hf"])

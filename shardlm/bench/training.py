@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardlm.bench.breakdown import breakdown
 from shardlm.bench.common import BenchShape, cpu_features, interleaved, native_precisions, summary, torch_threads
 from shardlm.training.parallelize import can_compile
 
@@ -166,6 +167,29 @@ def gemm_probe(size: int, precision: str, calls: int):
     return run, calls * 2 * size**3
 
 
+def step_gemm_probe(shape: BenchShape, precision: str):
+    """A zero-argument program of exactly the GEMMs of the step's linear layers, alone and back to back, and
+    their FLOPs: per layer QKV (h -> 3h), the projection (h -> h) and the MLP (h -> 4h -> h), then the LM head
+    (h -> V), each as its forward and its backward's two GEMMs (dX = dY W, dW = dY^T X) on the step's
+    tokens x h activations. Its rate is the ceiling the step's own shapes allow (the attention products and
+    everything else excluded), where the square probes measure the CPU's best."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    h, tokens = shape.hidden_size, shape.tokens
+    pairs = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)] * shape.num_layers + [(h, shape.vocab_size)]
+    gemms = []
+    for width_in, width_out in pairs:
+        x, w = torch.randn(tokens, width_in, dtype=dtype), torch.randn(width_out, width_in, dtype=dtype)
+        gemms.append((x, w, torch.randn(tokens, width_out, dtype=dtype)))
+
+    def run():
+        for x, w, dy in gemms:
+            torch.nn.functional.linear(x, w)
+            dy @ w
+            dy.t() @ x
+
+    return run, sum(3 * 2 * tokens * a * b for a, b in pairs)
+
+
 def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folder: Path,
             gemm_sizes=GEMM_SIZES, compiled: bool = True) -> dict:
     """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats.
@@ -176,6 +200,7 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
     `train.compile` runs in the rounds too; its compilation happens in the warm-up round."""
     # about 34 GFLOP per probe (0.15-0.3 s here): long enough that a scheduling hiccup does not decide it
     probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, 2 * (2048 // n) ** 3)) for n in gemm_sizes}
+    probes["gemm_step"] = step_gemm_probe(shape, precision)
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
     if precision != "fp32":
         programs["shardlm_half"] = shardlm_step(shape, precision, param_dtype="half")[0]
@@ -189,6 +214,7 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
     finally:
         command.close()
     gemm = {name.removeprefix("gemm_"): [flops / t for t in times.pop(name)] for name, (_, flops) in probes.items()}
+    own = gemm.pop("step")
     tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
     result = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
 
@@ -200,14 +226,18 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
         result[f"ratio{suffix}"] = ratio(name, "hf")
         result[f"ratio{suffix}_same_kernels"] = ratio(name, "hf_fused_gelu")
     result["train_command_over_step"] = ratio("shardlm_train", "shardlm")
+    result["breakdown"] = breakdown(programs["shardlm"])  # one profiled step, after the timed rounds
     result["gemm_gflops"] = {n: summary([r / 1e9 for r in rates]) for n, rates in gemm.items()}
+    result["step_gemm_gflops"] = summary([r / 1e9 for r in own])
+    result["step_gemm_of_best"] = summary([r / b for r, b in zip(own, [max(rs) for rs in zip(*gemm.values())])])
     first, best = gemm[str(gemm_sizes[0])], [max(rs) for rs in zip(*gemm.values())]
     for name in ("shardlm", "shardlm_half"):
         if name in tokens:  # achieved matmul FLOP/s over the GEMM rate of the same repeat
             achieved = [t * shape.flops_per_token for t in tokens[name]]
             result[f"mfu{name.removeprefix('shardlm')}"] = {
                 "fraction": summary([a / g for a, g in zip(achieved, first)]),
-                "fraction_of_best": summary([a / g for a, g in zip(achieved, best)])}
+                "fraction_of_best": summary([a / g for a, g in zip(achieved, best)]),
+                "fraction_of_step_gemms": summary([a / g for a, g in zip(achieved, own)])}
     return result
 
 
@@ -258,7 +288,11 @@ def cpu_mfu(figures: dict, shape: BenchShape) -> dict:
                     "gemm_ceiling_gflops": next(iter(gemm.values())), "fraction": paired["fraction"]["median"],
                     "fraction_range": [paired["fraction"]["min"], paired["fraction"]["max"]],
                     "best_gemm_ceiling_gflops": max(gemm.values()),
-                    "fraction_of_best": paired["fraction_of_best"]["median"]}
+                    "fraction_of_best": paired["fraction_of_best"]["median"],
+                    "step_gemm_gflops": fig["step_gemm_gflops"]["median"],
+                    "step_gemm_of_best": fig["step_gemm_of_best"]["median"],
+                    "fraction_of_step_gemms": paired["fraction_of_step_gemms"]["median"],
+                    "breakdown": fig["breakdown"]}
     first = rows[str(figures["vocabularies"][0])]["fp32"]
     return {**first, "gemm_ceilings_gflops": {p: {n: statistics.median(v) for n, v in by_size.items()}
                                               for p, by_size in ceilings.items()},

@@ -179,16 +179,30 @@ def mfu_lines(r: dict) -> list[str]:
         "ratios (their min-max in brackets). `fraction` divides by the first size (the ceiling of earlier runs), "
         f"`fraction_of_best` by the best size. Goal for fp32: `fraction` >= {GOAL_FP32_MFU:.0%}.",
         "",
-        "| V | program | MFLOP per token | achieved GFLOP/s | ceiling GFLOP/s | fraction | best ceiling | "
-        "fraction of best |", "|---|---|---|---|---|---|---|---|",
     ]
-    for vocab, rows in u.get("by_vocabulary", {}).items():
-        for program, row in rows.items():
-            spread = (f" ({row['fraction_range'][0] * 100:.0f}-{row['fraction_range'][1] * 100:.0f}%)"
-                      if "fraction_range" in row else "")
-            lines.append(f"| {vocab} | {program} | {row['flops_per_token'] / 1e6:.1f} | {row['achieved_gflops']:.0f} | "
-                         f"{row['gemm_ceiling_gflops']:.0f} | {row['fraction'] * 100:.0f}%{spread} | "
-                         f"{row['best_gemm_ceiling_gflops']:.0f} | {row['fraction_of_best'] * 100:.0f}% |")
+    rows = [(vocab, program, row) for vocab, by_program in u.get("by_vocabulary", {}).items()
+            for program, row in by_program.items()]
+    own = all("step_gemm_gflops" in row for *_, row in rows)
+    if own:
+        lines[-1] += (" The step's own GEMMs (`step_gemm_gflops`): exactly the GEMMs of its linear layers (QKV, "
+                      "projection, MLP and LM head, forward and both backward products, at its tokens x hidden "
+                      "shapes), timed alone back to back in the same rounds: the rate these shapes allow on this "
+                      "CPU, as a share of the best square GEMM (`step_gemm_of_best`), and the step's achieved rate "
+                      "over it (`fraction_of_step_gemms`, which counts the attention products too, at that rate).")
+    lines += ["", "| V | program | MFLOP per token | achieved GFLOP/s | ceiling GFLOP/s | fraction | best ceiling | "
+              "fraction of best |" + (" step's own GEMMs GFLOP/s | their share of best | fraction of step's GEMMs |"
+                                      if own else ""),
+              "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if own else "")]
+    for vocab, program, row in rows:
+        spread = (f" ({row['fraction_range'][0] * 100:.0f}-{row['fraction_range'][1] * 100:.0f}%)"
+                  if "fraction_range" in row else "")
+        line = (f"| {vocab} | {program} | {row['flops_per_token'] / 1e6:.1f} | {row['achieved_gflops']:.0f} | "
+                f"{row['gemm_ceiling_gflops']:.0f} | {row['fraction'] * 100:.0f}%{spread} | "
+                f"{row['best_gemm_ceiling_gflops']:.0f} | {row['fraction_of_best'] * 100:.0f}% |")
+        if own:
+            line += (f" {row['step_gemm_gflops']:.0f} | {row['step_gemm_of_best'] * 100:.0f}% | "
+                     f"{row['fraction_of_step_gemms'] * 100:.0f}% |")
+        lines.append(line)
     lines += ["", f"**`mfu.fraction` = {u['fraction'] * 100:.0f}%** (fp32, first vocabulary: "
               f"{u['achieved_gflops']:.0f} of {u['gemm_ceiling_gflops']:.0f} GFLOP/s)."
               + (f" Below the {GOAL_FP32_MFU:.0%} goal in this run." if u["fraction"] < GOAL_FP32_MFU else ""), ""]

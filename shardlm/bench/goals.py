@@ -1,0 +1,106 @@
+"""The speed goals of one `make bench` run, met or not, and why not: BENCHMARKS.md's first section.
+
+`speed_goals(results)` reads only the run's own figures (benchmarks.json), so the section can be written again from
+a saved run. The goals:
+
+- each MoE family (Mixtral-style, DeepSeek-V3, gpt-oss, Qwen3.5-MoE) at >= 1.2x transformers as shipped, in every
+  precision the CPU ran (fp32, and bf16 where it multiplies bf16 natively);
+- the dense bf16 step at >= 75% of the best bf16 GEMM rate probed in the same rounds;
+- on a CPU with AMX, the dense bf16 step at >= 60% of the AMX GEMM rate (the MoE bf16 rows above are the other AMX
+  goal, with the expert rows padded); on any other CPU a row that says AMX was not measured.
+
+A missed goal carries its reason, from the run's figures: for a family, the profiled step of both programs by kind
+of operator (`shardlm.bench.breakdown`); for the dense bf16 step, the rate of the step's own GEMMs timed alone.
+"""
+
+from __future__ import annotations
+
+from shardlm.bench.breakdown import why_not_faster
+
+FAMILY_GOAL, DENSE_BF16_GOAL, AMX_DENSE_GOAL = 1.2, 0.75, 0.60
+FAMILIES = (("Mixtral-style MoE", ("moe", "single_process")), ("DeepSeek-V3", ("deepseek",)), ("gpt-oss", ("gpt_oss",)),
+            ("Qwen3.5-MoE (Gated DeltaNet)", ("linear_attention", "train_vs_hf")))
+"""(name, path of the family's single-process figures in the results)."""
+
+
+def _at(results: dict, path: tuple[str, ...]) -> dict | None:
+    for part in path:
+        results = results.get(part) if isinstance(results, dict) else None
+    return results or None
+
+
+def _row(goal: str, key: str, value: float, target: float, why: str, percent: bool = False) -> dict:
+    met = value >= target
+    return {"goal": goal, "key": key, "value": value, "target": target, "percent": percent, "met": met,
+            "why": None if met else why}
+
+
+def family_rows(results: dict) -> list[dict]:
+    rows = []
+    for name, path in FAMILIES:
+        d = _at(results, path)
+        if d is None:
+            continue
+        for precision in d["precisions"]:
+            f = d[precision]
+            why = ("no profile in this run" if "breakdown" not in f else
+                   why_not_faster(f["breakdown"]["shardlm"], f["breakdown"]["hf"], FAMILY_GOAL))
+            rows.append(_row(f"{name}, {precision}: shardlm / transformers as shipped",
+                             f"{'.'.join(path)}.{precision}.ratio", f["ratio"]["median"], FAMILY_GOAL, why))
+    return rows
+
+
+def dense_rows(results: dict) -> list[dict]:
+    mfu = results.get("mfu", {}).get("by_vocabulary", {})
+    amx = results.get("train_vs_hf", {}).get("cpu_features", {}).get("amx")
+    rows = []
+    for vocab, programs in mfu.items():
+        row = programs.get("bf16")
+        if row is None:
+            continue
+        if "step_gemm_gflops" in row:
+            why = (f"the step's own GEMMs (at its shapes, timed alone) run at {row['step_gemm_gflops']:.0f} "
+                   f"GFLOP/s, {row['step_gemm_of_best']:.0%} of the best square GEMM's "
+                   f"{row['best_gemm_ceiling_gflops']:.0f}: that is the most these shapes allow; the step reaches "
+                   f"{row['fraction_of_step_gemms']:.0%} of it")
+            if "breakdown" in row:
+                b = row["breakdown"]
+                why += (f"; of a profiled {b['total']:.0f} ms step (profiler included), GEMMs take {b['gemm']:.0f} ms, "
+                        f"attention {b['attention']:.0f}, the optimizer and clipping {b['optimizer']:.0f}, and "
+                        f"{b['other']:.0f} the rest (autocast's casts, LayerNorm, GeLU, the loss; see 'What was tried' "
+                        "under train_vs_hf)")
+        else:
+            why = "this run did not time the step's own GEMMs"
+        key = f"mfu.by_vocabulary.{vocab}.bf16.fraction_of_best"
+        rows.append(_row(f"dense bf16 step at V={vocab}: share of the best bf16 GEMM rate", key,
+                         row["fraction_of_best"], DENSE_BF16_GOAL, why, percent=True))
+        if amx:
+            rows.append(_row(f"AMX: dense bf16 step at V={vocab}: share of the AMX GEMM rate", key,
+                             row["fraction_of_best"], AMX_DENSE_GOAL, why, percent=True))
+    return rows
+
+
+def speed_goals(results: dict) -> dict:
+    """{"rows": [{goal, key, value, target, percent, met, why}], "amx": measured on AMX or not, "missed": count}."""
+    rows = family_rows(results) + dense_rows(results)
+    features = results.get("train_vs_hf", {}).get("cpu_features", {})
+    return {"rows": rows, "amx": bool(features.get("amx")), "cpu_matrix": features.get("matrix"),
+            "missed": sum(not row["met"] for row in rows)}
+
+
+def markdown_lines(goals: dict) -> list[str]:
+    lines = ["## Speed goals of this run (`goals`)", "",
+             "Each goal against this run's own figures (medians; the sections below give their spread). A missed "
+             "goal says why, from this run's measurements.", ""]
+    if not goals["amx"]:
+        lines += [f"AMX was not measured: this CPU's matrix unit is {goals['cpu_matrix'] or 'unknown'}, so the AMX "
+                  "goals wait for a run on a Xeon with AMX.", ""]
+    lines += ["| goal | key | measured | goal | met | why not |", "|---|---|---|---|---|---|"]
+    for row in goals["rows"]:
+        if row["percent"]:
+            value, target = f"{row['value']:.0%}", f">= {row['target']:.0%}"
+        else:
+            value, target = f"{row['value']:.2f}", f">= {row['target']:.1f}"
+        lines.append(f"| {row['goal']} | `{row['key']}` | {value} | {target} | {'yes' if row['met'] else '**no**'} | "
+                     f"{row['why'] or ''} |")
+    return lines + ["", f"**`goals.missed` = {goals['missed']}** of {len(goals['rows'])}.", ""]
