@@ -19,12 +19,15 @@ from shardlm.config import from_dict
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.delta_rule import (
+    DECAY_FLOOR,
     carry,
     causal_conv,
     chunk_gated_delta_rule,
+    decay_exp,
     l2_normalize,
     recurrent_gated_delta_rule,
     span_summary,
+    unit_lower_solve,
 )
 from shardlm.models.documents import Documents
 from shardlm.models.linear_attention import GatedDeltaNet
@@ -75,6 +78,82 @@ def test_chunked_rule_equals_its_definition_and_transformers_kernel():
     ours_k = l2_normalize(raw_k).repeat_interleave(2, dim=2).transpose(1, 2)
     ours, our_state = chunk_gated_delta_rule(ours_q, ours_k, v, decay, beta)
     assert (ours.transpose(1, 2) - theirs).abs().max() < 1e-6 and (our_state - their_state).abs().max() < 1e-6
+
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def _subnormal(x: torch.Tensor) -> bool:
+    return bool(((x != 0) & (x.abs() < TINY)).any())
+
+
+def test_fast_decays_give_the_definition_without_subnormal_gemm_operands():
+    """Decays of e^-0.7 to e^-31 a token (a random Qwen3.5 layer's), so that a chunk's decays reach e^-1000: the
+    chunked rule still equals the definition, forward and gradients, and none of its GEMMs or triangular solves,
+    forward or backward, reads a subnormal float (an x86 CPU multiplies those about 20 times slower). Without the
+    decay floor and the flushed solve, 35 of its GEMMs did."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(5)
+    B, H, T, d = 1, 4, 256, 16
+    q = (F.normalize(torch.randn(B, H, T, d, generator=g), dim=-1) * d ** -0.5).requires_grad_()
+    k = F.normalize(torch.randn(B, H, T, d, generator=g), dim=-1).requires_grad_()
+    v = torch.randn(B, H, T, d, generator=g, requires_grad=True)
+    decay = (-torch.rand(B, H, T, generator=g) * 30.3 - 0.7).requires_grad_()
+    beta = torch.rand(B, H, T, generator=g, requires_grad=True)
+    inputs = (q, k, v, decay, beta)
+    weights = torch.randn(B, H, T, d, generator=g)
+    read = []
+
+    class Operands(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("bmm", "mm", "linalg_solve_triangular"):
+                read.extend(_subnormal(a) for a in args[:2] if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    with Operands():
+        out, state = chunk_gated_delta_rule(*inputs)
+        grads = torch.autograd.grad((out * weights).sum() + state.sum(), inputs)
+    assert read and not any(read)
+    ref_out, ref_state = recurrent_gated_delta_rule(*inputs)
+    ref_grads = torch.autograd.grad((ref_out * weights).sum() + ref_state.sum(), inputs)
+    assert rel(out, ref_out) < 1e-5 and rel(state, ref_state) < 1e-5
+    for ours, theirs in zip(grads, ref_grads):
+        assert rel(ours, theirs) < 1e-4
+
+
+def test_decay_exp_is_exp_down_to_the_floor_and_zero_below():
+    x = torch.tensor([0.0, -1.0, DECAY_FLOOR + 1e-3, DECAY_FLOOR - 1e-3, -95.0, float("-inf")], requires_grad=True)
+    y = decay_exp(x)
+    assert torch.equal(y[:3], x[:3].exp()) and torch.equal(y[3:], torch.zeros(3))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(grad[:3], x[:3].exp()) and torch.equal(grad[3:], torch.zeros(3))
+
+
+def test_unit_lower_solve_is_torchs_solve_with_subnormals_flushed():
+    """In float64 (no subnormals in reach) the solve and its gradients are torch.linalg.solve_triangular's to
+    1e-12; in float32 with values that underflow, the solution is torch's where that is normal and 0 where it is
+    subnormal, and b's gradient has no subnormals either."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(3, 16, 16, generator=g, dtype=torch.float64) * 0.3
+    b = torch.randn(3, 16, 5, generator=g, dtype=torch.float64)
+    weights = torch.randn(3, 16, 5, generator=g, dtype=torch.float64)
+    ours = [x.clone().requires_grad_() for x in (a, b)]
+    theirs = [x.clone().requires_grad_() for x in (a, b)]
+    x_ours = unit_lower_solve(*ours)
+    x_theirs = torch.linalg.solve_triangular(*theirs, upper=False, unitriangular=True)
+    assert (x_ours - x_theirs).abs().max() < 1e-12
+    for one, two in zip(torch.autograd.grad((x_ours * weights).sum(), ours),
+                        torch.autograd.grad((x_theirs * weights).sum(), theirs)):
+        assert (one - two).abs().max() < 1e-12
+    scale = torch.logspace(0, -45, 16, dtype=torch.float32).view(1, 16, 1)  # rows from 1 down to 1e-45
+    small_a, small_b = (a.float() * scale).tril(-1), (b.float() * scale).requires_grad_()
+    solved = unit_lower_solve(small_a, small_b)
+    plain = torch.linalg.solve_triangular(small_a, small_b.detach(), upper=False, unitriangular=True)
+    assert _subnormal(plain) and not _subnormal(solved)
+    assert torch.equal(solved, plain.masked_fill(plain.abs() < TINY, 0.0))
+    (grad_b,) = torch.autograd.grad((solved * weights.float() * 1e-30).sum(), small_b)
+    assert not _subnormal(grad_b)
 
 
 def test_span_summaries_compose_to_the_whole_sequence():

@@ -27,6 +27,46 @@ import torch.nn.functional as F
 
 CHUNK = 64
 """Tokens per chunk of the chunked rule (transformers' torch path and FLA use 64)."""
+DECAY_FLOOR = -40.0
+"""Log-decays below this become a decay of exactly 0 (`decay_exp`)."""
+
+
+def decay_exp(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(log_decay), exactly 0 below DECAY_FLOOR (exp(-40) = 4e-18, below fp32's resolution next to the chunk's
+    undecayed terms). Without the floor, decays of e^-87 to e^-104 are subnormal floats, and every product
+    touching them (the chunk's GEMMs and triangular solves, forward and backward) runs 20 times slower on x86
+    CPUs, which do not flush subnormals to zero by default; a random Qwen3.5 layer's decays span e^-1 to e^-1300
+    inside one chunk of 64 tokens."""
+    return log_decay.masked_fill(log_decay < DECAY_FLOOR, float("-inf")).exp()
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    return x.masked_fill(x.abs() < torch.finfo(x.dtype).tiny, 0.0)
+
+
+class _UnitLowerSolve(torch.autograd.Function):
+    """X = (I + strictly_lower(A))^-1 B, batched, with subnormal floats of X and of B's gradient set to 0."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        x = _flush(torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True))
+        ctx.save_for_backward(a, x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, x = ctx.saved_tensors
+        grad_b = _flush(torch.linalg.solve_triangular(a.transpose(-1, -2), grad, upper=True, unitriangular=True))
+        return -(grad_b @ x.transpose(-1, -2)).tril(-1), grad_b
+
+
+def unit_lower_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)` with the same gradients, except that
+    subnormal floats in the solution and in b's gradient become 0, as on a CPU that flushes them. The solve for W
+    multiplies decays of down to e^-40 along the chunk (their products are the decays between tokens, which may be
+    far smaller), and products below 1e-38 are subnormal: 2-4% of W in a random Qwen3.5 layer, enough to make every
+    GEMM that reads W, forward and backward, 20 times slower."""
+    return _UnitLowerSolve.apply(a, b)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -89,17 +129,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
     decay = g.cumsum(-1)  # log of the decay from the chunk's start to each token
     later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()  # i >= j
+    pair = decay_exp((decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(later, float("-inf")))  # i >= j
     k_beta = k * beta.unsqueeze(-1)
     # the WY form: (I + L) U = V beta and (I + L) W = K beta exp(decay), L the strictly lower part of the chunk's
     # beta_i k_i.k_j exp(decay_i - decay_j); the unit diagonal is implied
     system = (k_beta @ k.transpose(-1, -2)) * pair
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    u = unit_lower_solve(system, v * beta.unsqueeze(-1))
+    w = unit_lower_solve(system, k_beta * decay_exp(decay).unsqueeze(-1))
     inside = (q @ k.transpose(-1, -2)) * pair  # attention within the chunk, decayed
-    q_read = q * decay.exp().unsqueeze(-1)  # what each token reads of the state at the chunk's start
-    k_write = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)  # how each token's write decays to the chunk's end
-    end_decay = decay[..., -1].exp()[..., None, None]
+    q_read = q * decay_exp(decay).unsqueeze(-1)  # what each token reads of the state at the chunk's start
+    k_write = k * decay_exp(decay[..., -1:] - decay).unsqueeze(-1)  # how each token's write decays to the chunk's end
+    end_decay = decay_exp(decay[..., -1])[..., None, None]
     state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.float()
     outputs = []
     # unbound once: indexing chunk i inside the loop would make each index's backward fill and add a zero tensor
@@ -150,7 +190,7 @@ def span_summary(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     identity = torch.eye(dk, device=q.device).expand(B, H, dk, dk)
     q_hat, p_hat = chunk_gated_delta_rule(q, k, q.new_zeros(B, H, T, dk), torch.zeros_like(g), beta, identity)
     decay = g.float().cumsum(-1)
-    return local, q_hat * decay.exp().unsqueeze(-1), local_state, p_hat * decay[..., -1:].exp().unsqueeze(-1)
+    return local, q_hat * decay_exp(decay).unsqueeze(-1), local_state, p_hat * decay_exp(decay[..., -1:]).unsqueeze(-1)
 
 
 def carry(state_in: torch.Tensor, transition: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
