@@ -98,3 +98,25 @@ def test_breakdown_sums_a_real_steps_operators():
     assert set(out) == {"gemm", "attention", "triangular_solve", "optimizer", "other", "total"}
     assert out["gemm"] > 0 and out["attention"] > 0 and out["triangular_solve"] == 0 and out["optimizer"] == 0
     assert sum(v for k, v in out.items() if k != "total") <= out["total"] * 1.05  # self times within the wall time
+
+
+def test_the_reason_scales_each_profile_to_its_timed_step():
+    """The profiler costs a program of many small calls more: each breakdown is scaled to its program's timed
+    median before the sentence is written."""
+    ours = {"gemm": 250.0, "attention": 0.0, "triangular_solve": 0.0, "optimizer": 0.0, "other": 250.0,
+            "total": 500.0}  # profiled 500, timed 400: 200 + 200
+    theirs = {"gemm": 300.0, "attention": 0.0, "triangular_solve": 0.0, "optimizer": 0.0, "other": 300.0,
+              "total": 600.0}  # profiled 600, timed 480
+    text = why_not_faster(ours, theirs, 1.2, 400.0, 480.0)
+    assert "steps of 400 and 480 ms" in text and "gemm 200 / 240 ms, other 200 / 240 ms" in text
+    assert "leave shardlm 200 ms for everything else, where it spends 200 ms" in text  # 480 / 1.2 - 200
+
+
+def test_a_ratio_just_under_its_goal_shows_a_third_decimal_and_amx_is_read_from_any_section():
+    results = _results(amx=True)
+    results["deepseek"]["fp32"]["ratio"] = _figure(1.1997)
+    results["moe"]["single_process"]["cpu_features"] = results.pop("train_vs_hf")["cpu_features"]
+    goals = speed_goals(results)
+    assert goals["amx"] is True
+    text = "\n".join(markdown_lines(goals))
+    assert "| 1.200 | >= 1.2 | **no** |" in text and "AMX was not measured" not in text

@@ -43,13 +43,19 @@ def breakdown(step, steps: int = 1) -> dict[str, float]:
     return {**{kind: round(ms, 1) for kind, ms in out.items()}, "total": round(wall, 1)}
 
 
-def why_not_faster(ours: dict[str, float], theirs: dict[str, float], goal: float) -> str:
+def why_not_faster(ours: dict[str, float], theirs: dict[str, float], goal: float, ours_ms: float | None = None,
+                   theirs_ms: float | None = None) -> str:
     """One sentence from two breakdowns (shardlm's, the other program's): how the kinds compare, and how little
-    time outside the GEMMs shardlm would need for `goal`x when its GEMMs stay as they are."""
+    time outside the GEMMs shardlm would need for `goal`x when its GEMMs stay as they are. With the timed step
+    medians (`ours_ms`, `theirs_ms`) each profile's kinds are scaled to its program's timed step, so the profiler's
+    own cost (larger for a program of more, smaller calls) does not decide the sentence."""
+    ours_ms, theirs_ms = ours_ms or ours["total"], theirs_ms or theirs["total"]
+    ours = {kind: ms * ours_ms / ours["total"] for kind, ms in ours.items()}
+    theirs = {kind: ms * theirs_ms / theirs["total"] for kind, ms in theirs.items()}
     parts = ", ".join(f"{kind} {ours[kind]:.0f} / {theirs[kind]:.0f} ms" for kind in [*KINDS, "other"]
                       if ours.get(kind, 0) + theirs.get(kind, 0) >= 0.02 * (ours["total"] + theirs["total"]))
     rest_needed = theirs["total"] / goal - ours["gemm"]
     rest = ours["total"] - ours["gemm"]
-    return (f"profiled step, shardlm / the other program: {parts} (totals {ours['total']:.0f} / "
-            f"{theirs['total']:.0f} ms, profiler included); with its GEMMs as they are, {goal}x would leave shardlm "
+    return (f"steps of {ours['total']:.0f} and {theirs['total']:.0f} ms (shardlm / transformers), by the shares of "
+            f"one profiled step each: {parts}; with its GEMMs as they are, {goal}x would leave shardlm "
             f"{max(rest_needed, 0):.0f} ms for everything else, where it spends {rest:.0f} ms")

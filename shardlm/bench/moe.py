@@ -186,6 +186,7 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
             times = interleaved(programs, repeats, warmup=1)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
+            figures |= {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
             figures["breakdown"] = {name: breakdown(programs[name]) for name in ("shardlm", "hf")}
             for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
                 figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
