@@ -33,7 +33,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Writes BENCHMARKS.md and benchmarks.json (about 40 minutes on a 2-core CPU).
+# Writes BENCHMARKS.md and benchmarks.json (40 to 60 minutes on a 2-core CPU).
 bench: $(STAMP)
 	$(PY) -m shardlm.bench
 

@@ -66,8 +66,13 @@ def test_a_missed_goal_says_why_from_the_runs_numbers():
     assert "158 ms for everything else" in family and "spends 200 ms" in family
     assert "gemm 300 / 300 ms" in family and "other 140 / 180 ms" in family
     dense = rows["mfu.by_vocabulary.8192.bf16.fraction_of_best"]["why"]
-    assert "400 GFLOP/s, 60% of the best square GEMM's 640" in dense and "reaches 80% of it" in dense
+    assert "ran at 400 GFLOP/s, 60% of the best square GEMM's rate" in dense
+    assert "even a step of nothing but GEMMs would miss 75%" in dense and "at 80% of its own GEMMs' rate" in dense
     assert "attention 200" in dense
+    results = _results(amx=False)
+    results["mfu"]["by_vocabulary"]["8192"]["bf16"]["step_gemm_of_best"] = 0.9
+    rows = {row["key"]: row for row in speed_goals(results)["rows"]}
+    assert "GEMMs alone would reach the goal" in rows["mfu.by_vocabulary.8192.bf16.fraction_of_best"]["why"]
     text = "\n".join(markdown_lines(speed_goals(_results(amx=False))))
     assert "| 1.19 | >= 1.2 | **no** |" in text and "**`goals.missed` = 4** of 7." in text
 
