@@ -228,9 +228,9 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
     result["train_command_over_step"] = ratio("shardlm_train", "shardlm")
     result["breakdown"] = breakdown(programs["shardlm"])  # one profiled step, after the timed rounds
     result["gemm_gflops"] = {n: summary([r / 1e9 for r in rates]) for n, rates in gemm.items()}
-    result["step_gemm_gflops"] = summary([r / 1e9 for r in own])
-    result["step_gemm_of_best"] = summary([r / b for r, b in zip(own, [max(rs) for rs in zip(*gemm.values())])])
     first, best = gemm[str(gemm_sizes[0])], [max(rs) for rs in zip(*gemm.values())]
+    result["step_gemm_gflops"] = summary([r / 1e9 for r in own])
+    result["step_gemm_of_best"] = summary([r / b for r, b in zip(own, best)])
     for name in ("shardlm", "shardlm_half"):
         if name in tokens:  # achieved matmul FLOP/s over the GEMM rate of the same repeat
             achieved = [t * shape.flops_per_token for t in tokens[name]]

@@ -184,7 +184,7 @@ def mfu_lines(r: dict) -> list[str]:
             for program, row in by_program.items()]
     own = all("step_gemm_gflops" in row for *_, row in rows)
     if own:
-        lines[-1] += (" The step's own GEMMs (`step_gemm_gflops`): exactly the GEMMs of its linear layers (QKV, "
+        lines[-1] += ("The step's own GEMMs (`step_gemm_gflops`): exactly the GEMMs of its linear layers (QKV, "
                       "projection, MLP and LM head, forward and both backward products, at its tokens x hidden "
                       "shapes), timed alone back to back in the same rounds: the rate these shapes allow on this "
                       "CPU, as a share of the best square GEMM (`step_gemm_of_best`), and the step's achieved rate "
