@@ -31,13 +31,29 @@ DECAY_FLOOR = -40.0
 """Log-decays below this become a decay of exactly 0 (`decay_exp`)."""
 
 
+class _DecayExp(torch.autograd.Function):
+    """exp(x), exactly 0 below DECAY_FLOOR; the gradient is grad x the output (0 below the floor), so autograd
+    keeps the output only, as it does for exp."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp().masked_fill_(x < DECAY_FLOOR, 0.0)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+
 def decay_exp(log_decay: torch.Tensor) -> torch.Tensor:
     """exp(log_decay), exactly 0 below DECAY_FLOOR (exp(-40) = 4e-18, below fp32's resolution next to the chunk's
     undecayed terms). Without the floor, decays of e^-87 to e^-104 are subnormal floats, and every product
     touching them (the chunk's GEMMs and triangular solves, forward and backward) runs 20 times slower on x86
     CPUs, which do not flush subnormals to zero by default; a random Qwen3.5 layer's decays span e^-1 to e^-1300
     inside one chunk of 64 tokens."""
-    return log_decay.masked_fill(log_decay < DECAY_FLOOR, float("-inf")).exp()
+    return _DecayExp.apply(log_decay)
 
 
 def _flush(x: torch.Tensor) -> torch.Tensor:
