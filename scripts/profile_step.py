@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from shardlm.bench.breakdown import self_times
 
 
 def programs(family: str, precision: str, tmp: Path) -> dict:
@@ -51,19 +51,6 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
     trainer = hf_compare.shardlm_trainer(checkpoint, shape, rows, precision, model.model_overrides)
     hf = hf_compare.hf_step(model, folder, rows, None, precision)[0]
     return {"shardlm": trainer.train_step, "hf": hf}
-
-
-def self_times(step, steps: int) -> tuple[float, dict[str, float]]:
-    """(wall ms per step, {operator: self CPU ms per step}) over `steps` profiled steps."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall = (time.perf_counter() - start) * 1000 / steps
-    ops = {}
-    for event in prof.key_averages():
-        ops[event.key] = ops.get(event.key, 0.0) + event.self_cpu_time_total / 1000 / steps
-    return wall, ops
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ to compare: the timed rounds do that.
 
 from __future__ import annotations
 
+import time
+
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = {
@@ -28,18 +30,25 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def breakdown(step, steps: int = 1) -> dict[str, float]:
-    """{kind: self ms per step, ..., "total": wall ms per step} of `steps` profiled calls of `step`."""
-    import time
-
+def self_times(step, steps: int = 1) -> tuple[float, dict[str, float]]:
+    """(wall ms per step, {operator: self CPU ms per step}) over `steps` profiled calls of `step`."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             step()
         wall = (time.perf_counter() - start) * 1000 / steps
-    out = dict.fromkeys([*KINDS, "other"], 0.0)
+    ops: dict[str, float] = {}
     for event in prof.key_averages():
-        out[kind_of(event.key)] += event.self_cpu_time_total / 1000 / steps
+        ops[event.key] = ops.get(event.key, 0.0) + event.self_cpu_time_total / 1000 / steps
+    return wall, ops
+
+
+def breakdown(step, steps: int = 1) -> dict[str, float]:
+    """{kind: self ms per step, ..., "total": wall ms per step} of `steps` profiled calls of `step`."""
+    wall, ops = self_times(step, steps)
+    out = dict.fromkeys([*KINDS, "other"], 0.0)
+    for name, ms in ops.items():
+        out[kind_of(name)] += ms
     return {**{kind: round(ms, 1) for kind, ms in out.items()}, "total": round(wall, 1)}
 
 
