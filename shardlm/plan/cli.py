@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+"""`--schedule`: `shardlm.plan.stages.SCHEDULES`, repeated here to keep the import light (a test keeps them equal)."""
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -86,9 +89,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seq-length", type=int, default=None,
                         help="train at this sequence length instead of the model's (e.g. a long-context run)")
     parser.add_argument("--virtual-stages", type=int, default=None,
-                        help="fix the virtual stages per pipeline rank (default: search)")
-    parser.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved-1f1b"),
-                        help="fix the pipeline schedule (default: 1f1b, interleaved with virtual stages)")
+                        help="fix the virtual stages per pipeline rank (default: search; zbv and dualpipev run 2)")
+    parser.add_argument("--schedule", default=None, choices=SCHEDULES,
+                        help="fix the pipeline schedule (default: 1f1b, interleaved with virtual stages); the "
+                             "zero-bubble interleaved-zb (ZB-H1 at one stage a rank), zbv and dualpipev (two "
+                             "stages a rank in a V, rank 0 holding the first and the last; dualpipev needs 2P "
+                             "micro-batches) are planned from PyTorch's own action order")
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="memory kept for CUDA context and workspaces")
     parser.add_argument("--efficiency", type=float, default=None,
                         help="fraction of peak FLOP/s reached (default: calibrated on Megatron's published runs: "

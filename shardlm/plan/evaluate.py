@@ -90,20 +90,20 @@ class Evaluator:
                         setting.recompute == "full")
 
     def _rank_params(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False,
-                     dual: bool = False):
+                     dual: bool = False, v_shaped: bool = False):
         if dual:  # DualPipe: stage `rank` and its mirror (`dualpipe.rank_stages`)
             stages = dualpipe.rank_stages(pipeline_layers(self.cfg.num_layers, pp, 1), pp, rank)
-        else:
+        else:  # loop placement, or ZB-V's / DualPipeV's stages r and 2P - 1 - r
             split = trimmed_layers if trim else pipeline_layers
-            stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank)
+            stages = rank_stages(split(self.cfg.num_layers, pp, virtual), pp, rank, v_shaped)
         return stages, rank_parameter_count(self.cfg, tp, stages, ep)
 
     def _rank_muon(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False,
-                   dual: bool = False) -> MuonCount | None:
+                   dual: bool = False, v_shaped: bool = False) -> MuonCount | None:
         """The Muon matrices of the layers `rank_params` gives the rank (None with AdamW)."""
         if self.request.optimizer != "muon":
             return None
-        stages = self.rank_params(pp, virtual, tp, rank, ep, trim, dual)[0]
+        stages = self.rank_params(pp, virtual, tp, rank, ep, trim, dual, v_shaped)[0]
         return muon_count(self.cfg, tp, stages.layer_indices, ep, self.request.muon_ns_steps)
 
     def _muon_cost(self, layout: Layout, ranks, dual: bool) -> MuonCost | None:
@@ -112,21 +112,22 @@ class Evaluator:
             return None
         request = self.request
         costs = [muon_cost(self.rank_muon(layout.pp, layout.virtual, layout.tp, rank, layout.ep, layout.end_trim,
-                                          dual), layout, request.gpu, request.calibration) for rank in ranks]
+                                          dual, layout.v_shaped), layout, request.gpu, request.calibration)
+                 for rank in ranks]
         return max(costs, key=lambda cost: cost.seconds)
 
-    def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int):
-        stages = self.rank_params(pp, virtual, tp, rank, ep)[0] if pp > 1 else None
+    def _units(self, pp: int, virtual: int, tp: int, rank: int, ep: int, v_shaped: bool = False):
+        stages = self.rank_params(pp, virtual, tp, rank, ep, False, False, v_shaped)[0] if pp > 1 else None
         return fsdp_units(self.cfg, tp, stages, ep)
 
     def _fsdp_memory(self, layout: Layout, rank: int, accumulation: int):
         """(state, gathered) of pipeline rank `rank` under FSDP (`fsdp.fsdp_state_memory`, `fsdp_gathered_bytes`):
         dense units sharded over DP x CP (hybrid: over S), split experts over DP x CP / EP."""
-        tp, ep, ranks = layout.tp, layout.ep, layout.dp * layout.cp
-        params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep)[1]
+        tp, ep, ranks, v_shaped = layout.tp, layout.ep, layout.dp * layout.cp, layout.v_shaped
+        params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep, False, False, v_shaped)[1]
         state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None,
-                                  self.rank_muon(layout.pp, layout.virtual, tp, rank, ep))
-        units = self.units(layout.pp, layout.virtual, tp, rank, ep)
+                                  self.rank_muon(layout.pp, layout.virtual, tp, rank, ep, False, False, v_shaped))
+        units = self.units(layout.pp, layout.virtual, tp, rank, ep, v_shaped)
         return state, fsdp_gathered_bytes(units, self.fmt.weight_bytes, accumulation, pipeline=layout.pp > 1)
 
     def choice(self, layout: Layout) -> Choice:
@@ -137,13 +138,16 @@ class Evaluator:
         reserve = int(request.reserve_gb * GB)
         worst = None
         dual = self.kernels.dualpipe and pp > 1
+        v_shaped = layout.v_shaped
         if dual:
             ranks = dualpipe.mirrored_ranks(pp)
+        elif v_shaped:  # rank 0 holds both ends, the others two middle stages each: any can be the busiest
+            ranks = range(pp)
         else:
             ranks = range(pp) if self.mixed else sorted({0, pp - 1} | ({min(1, pp - 1)} if layout.end_trim else set()))
         for rank in ranks:  # with trimmed ends the second rank holds a full first chunk
-            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual)
-            muon = self.rank_muon(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual)
+            stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual, v_shaped)
+            muon = self.rank_muon(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual, v_shaped)
             state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
                                (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
                                              ep=ep, muon=muon), 0))
@@ -158,8 +162,8 @@ class Evaluator:
             if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
                 worst = (state, peak, rank, gathered)
         state, peak, rank, gathered = worst
-        params = self.rank_params(pp, layout.virtual, tp, 0, ep, layout.end_trim, dual)[1]
-        units = self.units(pp, layout.virtual, tp, 0, ep) if layout.full_sharding else None
+        params = self.rank_params(pp, layout.virtual, tp, 0, ep, layout.end_trim, dual, v_shaped)[1]
+        units = self.units(pp, layout.virtual, tp, 0, ep, v_shaped) if layout.full_sharding else None
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
                          attention_scores=self.megatron, scatter_gather=self.megatron or self.core, units=units,
                          kernels=self.kernels)

@@ -53,9 +53,10 @@ class Layout:
     pp: int = 1
     """Pipeline-parallel size (stages across servers)."""
     virtual: int = 1
-    """Virtual stages per pipeline rank (interleaved 1F1B when > 1)."""
+    """Virtual stages per pipeline rank (interleaved 1F1B when > 1; 2 under the V-shaped "zbv" and "dualpipev")."""
     schedule: str = "1f1b"
-    """"gpipe", "1f1b" or "interleaved-1f1b"."""
+    """"gpipe", "1f1b", "interleaved-1f1b", or the zero-bubble "interleaved-zb", "zbv", "dualpipev"
+    (`shardlm.plan.schedule_sim`)."""
     sequence_parallel: bool = False
     """LayerNorm, dropout and residual activations split along the sequence over TP."""
     selective: bool = False
@@ -76,6 +77,11 @@ class Layout:
     fsdp_shard_size: int = 0
     """Hybrid sharding (`train.fsdp_shard_size` = S, with `full_sharding`): units sharded within groups of S
     consecutive DP x CP ranks and replicated across the groups; 0 shards over all DP x CP ranks."""
+
+    @property
+    def v_shaped(self) -> bool:
+        """Stages r and 2P - 1 - r on rank r (ZB-V, DualPipeV), rank 0 holding both ends."""
+        return self.pp > 1 and self.schedule in ("zbv", "dualpipev")
 
     @property
     def gpus(self) -> int:

@@ -50,9 +50,11 @@ def with_mtp(acts: ActivationMemory, cfg: ModelConfig, tp: int, micro_batch: int
     return replace(acts, outside_layers=acts.outside_layers + extra) if extra else acts
 
 
-def busiest_rank_layers(cfg: ModelConfig, pp: int, virtual: int, end_trim: bool) -> tuple[int, int]:
+def busiest_rank_layers(cfg: ModelConfig, pp: int, virtual: int, end_trim: bool,
+                        v_shaped: bool = False) -> tuple[int, int]:
     """(layers, MoE layers) of the busiest pipeline rank, MTP depths counted as layers of their kind on the last
-    rank: ceil(L / P) (Llama 3's trimmed split: ceil((L + 2) / P)) and ceil(MoE layers / P) without depths."""
+    rank: ceil(L / P) (Llama 3's trimmed split: ceil((L + 2) / P)) and ceil(MoE layers / P) without depths.
+    `v_shaped` (ZB-V, DualPipeV): the last stage, and with it the depths, is rank 0's second stage."""
     from shardlm.plan.experts import moe_layer_count
     from shardlm.plan.stages import pipeline_layers, rank_stages, trimmed_layers
 
@@ -65,6 +67,7 @@ def busiest_rank_layers(cfg: ModelConfig, pp: int, virtual: int, end_trim: bool)
         indices = range(cfg.num_layers)
     else:
         split = trimmed_layers if end_trim else pipeline_layers
-        indices = rank_stages(split(cfg.num_layers, pp, virtual), pp, pp - 1).layer_indices
+        indices = rank_stages(split(cfg.num_layers, pp, virtual), pp, 0 if v_shaped else pp - 1,
+                              v_shaped).layer_indices
     last_moe = sum(cfg.is_moe_layer(i) for i in (*indices, *depths))
     return max(layers, len(indices) + cfg.mtp_layers), max(moe_layers, last_moe)

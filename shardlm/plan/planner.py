@@ -35,6 +35,7 @@ from shardlm.plan.models import check_model
 from shardlm.plan.muon import OPTIMIZERS
 from shardlm.plan.parameters import ParameterCount
 from shardlm.plan.request import DATA_SHARDING, PlanRequest  # noqa: F401 (PlanRequest re-exported)
+from shardlm.plan.schedule_sim import SPLIT_BACKWARD, V_SHAPED, schedule_invalid_reason
 from shardlm.plan.stages import SCHEDULES, schedule_name, trimmed_split
 
 SWITCH = ("auto", "on", "off")
@@ -111,6 +112,7 @@ def _check_request(request: PlanRequest) -> None:
         raise UserError(f"--micro-batch={request.micro_batch} must be at least 1")
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise UserError(f"--schedule {request.schedule!r} must be one of {', '.join(SCHEDULES)}")
+    _check_zero_bubble(request)
     for name, value in (("--pipeline", request.pipeline), ("--virtual-stages", request.virtual_stages),
                         ("--expert", request.expert), ("--context", request.context)):
         if value is not None and value < 1:
@@ -143,6 +145,24 @@ def _check_request(request: PlanRequest) -> None:
             raise UserError(f"--context={request.context}: {reason}")
     numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
     _check_optimizer(request)
+
+
+def _check_zero_bubble(request: PlanRequest) -> None:
+    """The zero-bubble schedules up front: ZB-V and DualPipeV run 2 stages a rank and, on a fixed pipeline, need
+    2P stages of a layer or more. What depends on the micro-batches (DualPipeV's m >= 2P) skips a layout, and
+    says why when no layout is left (`_no_option_reason`)."""
+    schedule, pp, layers = request.schedule, request.pipeline, request.model.config.num_layers
+    if schedule not in SPLIT_BACKWARD:
+        return
+    virtual = request.virtual_stages
+    if virtual is not None and virtual < 1:
+        return  # said by the check of the sizes
+    reason = schedule_invalid_reason(schedule, pp or 1, virtual)
+    if reason:
+        raise UserError(f"--schedule {schedule}: {reason}")
+    if pp is not None and pp > 1 and schedule in V_SHAPED and 2 * pp > layers:
+        raise UserError(f"--schedule {schedule} places 2P = {2 * pp} stages on --pipeline={pp} ranks, more than the "
+                        f"model's {layers} layers; use --pipeline {layers // 2} or less")
 
 
 def _check_optimizer(request: PlanRequest) -> None:
@@ -181,6 +201,8 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
         return f"PP={pp} exceeds the {cfg.num_layers} layers"
     if pp > 1 and cfg.arch == "bert":
         return "pipeline parallelism is planned for GPT and Llama only"
+    if pp > 1 and request.schedule in V_SHAPED and 2 * pp > cfg.num_layers:
+        return f"{request.schedule} needs 2P = {2 * pp} stages, more than the {cfg.num_layers} layers"
     if context_invalid_reason(cfg, cp):
         return context_invalid_reason(cfg, cp)
     if request.global_batch % dp:
@@ -226,11 +248,19 @@ def _virtual_options(request: PlanRequest, pp: int, micro_batches: int) -> list[
             return [(v, False)]
         return [(v, True)] if core and trimmed_split(layers, pp, v) else []
 
-    if request.virtual_stages is not None:
-        return option(request.virtual_stages) or [(request.virtual_stages, False)]
-    interleave = [o for v in range(2, 9) if micro_batches % pp == 0 for o in option(v)]
-    first = option(1) or [(1, False)]
-    return first + interleave if request.schedule in (None, "interleaved-1f1b") else first
+    schedule = request.schedule
+    if schedule in V_SHAPED:  # two stages a rank, whatever the layers' split
+        options = [(2, False)]
+    elif request.virtual_stages is not None:
+        options = option(request.virtual_stages) or [(request.virtual_stages, False)]
+    else:
+        interleave = [o for v in range(2, 9) if micro_batches % pp == 0 for o in option(v)]
+        first = option(1) or [(1, False)]
+        options = first + interleave if schedule in (None, "interleaved-1f1b", "interleaved-zb") else first
+    if schedule in SPLIT_BACKWARD:  # what PyTorch's schedule class accepts (DualPipeV: m >= 2P, ...)
+        options = [(v, trim) for v, trim in options if not trim and
+                   schedule_invalid_reason(schedule, pp, v, micro_batches) is None]
+    return options
 
 
 def expert_options(request: PlanRequest, dp: int, cp: int = 1) -> list[int]:
@@ -274,6 +304,18 @@ def _layouts(request: PlanRequest, tp: int, pp: int, ep: int = 1, cp: int = 1):
                              ep=ep, cp=cp, full_sharding=sharding == "full", fsdp_shard_size=size, end_trim=trim)
 
 
+def _no_option_reason(request: PlanRequest, pp: int, dp: int) -> str:
+    """Why no micro-batch size gives layout (PP, DP) an option: too few micro-batches for P stages, or the
+    zero-bubble schedule's own condition at the most micro-batches it could have."""
+    if request.schedule in SPLIT_BACKWARD:
+        most = request.global_batch // dp // (request.micro_batch or 1)
+        virtual = 2 if request.schedule in V_SHAPED else request.virtual_stages or 1
+        reason = schedule_invalid_reason(request.schedule, pp, virtual, most)
+        if reason:
+            return reason
+    return f"fewer micro-batches than PP={pp} stages at every micro-batch size"
+
+
 def plan(request: PlanRequest) -> Plan:
     """Evaluate every PP x TP size whose product divides the GPUs."""
     _check_request(request)
@@ -306,12 +348,13 @@ def plan(request: PlanRequest) -> Plan:
                     continue
                 choices = [evaluator.choice(layout) for layout in _layouts(request, tp, pp, ep, cp)]
                 if not choices:
-                    result.skipped[key] = f"fewer micro-batches than PP={pp} stages at every micro-batch size"
+                    result.skipped[key] = _no_option_reason(request, pp, dp)
                     continue
                 fitting = [c for c in choices if c.fits]
                 best = (min(fitting, key=lambda c: (c.time.total_s, c.total_bytes)) if fitting
                         else min(choices, key=lambda c: c.total_bytes))
-                params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep, best.layout.end_trim)[1]
+                params = evaluator.rank_params(pp, best.layout.virtual, tp, 0, ep, best.layout.end_trim, False,
+                                               best.layout.v_shaped)[1]
                 result.rows.append(PlanRow(tp, dp, params, best, pp, ep, cp))
     if not result.rows:
         hint = ""

@@ -12,6 +12,7 @@ from shardlm.plan.memory import GB
 from shardlm.plan.paper import BASELINE_TFLOPS, Comparison
 from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import Plan, PlanRow
+from shardlm.plan.schedule_sim import SPLIT_BACKWARD
 
 ASSUMPTIONS = [
     "compute = matmul FLOPs (72 B s l h^2 (1 + s/6h + V/12lh), + the layers' forward again when recomputing) "
@@ -48,6 +49,12 @@ MUON_ASSUMPTION = (
     "sharding group (fp32, matrix i orthogonalized by DP rank i mod d) and the Newton-Schulz iterations, "
     "ns_steps (4 m^2 n + 2 m^3) FLOPs per (m <= n) matrix at the GEMM rate (1/d of them with ZeRO-1/FSDP), none "
     "overlapped")
+ZERO_BUBBLE_ASSUMPTION = (
+    "zero-bubble schedules (interleaved-zb, zbv, dualpipev): bubble and in-flight micro-batches from a replay of "
+    "PyTorch's own action order with a stage's forward, input-gradient and weight-gradient backward equal (the "
+    "input half again as long under full recomputation), transfers free; a micro-batch's activations live from its "
+    "forward to its weight-gradient step; zbv and dualpipev put stages r and 2P - 1 - r on rank r (rank 0: the "
+    "embedding and the output layer, one word embedding)")
 CORE_ASSUMPTIONS = [
     "megatron-core (today's Megatron-Core / the Llama 3 stack): causal flash attention executes half of the s x s "
     "blocks, 2.5x the forward's FLOPs backward, at its own measured efficiency; bf16 weights, fp32 gradients "
@@ -81,7 +88,8 @@ def _muon_dict(choice) -> dict | None:
 
 def _assumptions(request) -> list[str]:
     return (ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else [])
-            + ([MUON_ASSUMPTION] if request.optimizer == "muon" else []))
+            + ([MUON_ASSUMPTION] if request.optimizer == "muon" else [])
+            + ([ZERO_BUBBLE_ASSUMPTION] if request.schedule in SPLIT_BACKWARD else []))
 
 
 def row_dict(row: PlanRow) -> dict:
@@ -210,8 +218,9 @@ def render_plan(result: Plan, console: Console) -> None:
     else:
         layout = best.choice.layout
         pipeline = f"PP={best.pp} x " if best.pp > 1 else ""
-        schedule = (f", {layout.schedule}" + (f" with {layout.virtual} virtual stages" if layout.virtual > 1 else "")
-                    if best.pp > 1 else "")
+        stages = (" (stages r and 2P - 1 - r on rank r)" if layout.v_shaped else
+                  f" with {layout.virtual} virtual stages" if layout.virtual > 1 else "")
+        schedule = f", {layout.schedule}{stages}" if best.pp > 1 else ""
         experts = f" (EP={best.ep})" if moe else ""
         context_size = f"CP={best.cp} x " if best.cp > 1 else ""
         console.print(f"[bold]Recommended: {pipeline}TP={best.tp} x {context_size}DP={best.dp}{experts}[/bold], "

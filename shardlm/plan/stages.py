@@ -14,6 +14,11 @@ lets rank r run P - r forwards before its first backward; interleaved 1F1B lets 
 (V - 1) x m_round + 2 (P - 1 - r) forwards (m_round = micro-batches per round, P when P divides m),
 then one more forward before each backward. The bubble is (P - 1) / (V m) of the ideal time
 (Narayanan et al. 2021, eqs. 1 and 2).
+
+The zero-bubble schedules ("interleaved-zb", "zbv", "dualpipev": `schedule_sim.SPLIT_BACKWARD`) take both their
+bubble and their in-flight micro-batches from a replay of PyTorch's own action order (`schedule_sim`). ZB-V and
+DualPipeV place 2P stages in a V (`schedule_sim.V_SHAPED`): rank r holds stage r and stage 2P - 1 - r, so rank 0
+holds the embedding and the output layer, with one word embedding and no tied copy elsewhere.
 """
 
 from __future__ import annotations
@@ -31,12 +36,19 @@ from shardlm.plan.parameters import (
     mtp_parameter_count,
     parameter_count,
 )
+from shardlm.plan.schedule_sim import SPLIT_BACKWARD, V_SHAPED, in_flight, simulate  # noqa: F401 (re-exported)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 
 
-def bubble_fraction(pp: int, virtual: int, micro_batches: int) -> float:
-    """Idle time of a pipeline flush over the ideal time: (P - 1) / (V m)."""
+def bubble_fraction(pp: int, virtual: int, micro_batches: int, schedule: str = "1f1b",
+                    recompute: bool = False) -> float:
+    """Idle time of a pipeline flush over the ideal time: (P - 1) / (V m) for GPipe and (interleaved) 1F1B; for
+    the zero-bubble schedules the replay of PyTorch's order (`schedule_sim.simulate`) with a stage's forward f = 1,
+    its input-gradient backward i = 1 (2 with full recomputation, which reruns the forward there) and its
+    weight-gradient backward w = 1 (a backward is twice a forward, split evenly)."""
+    if pp > 1 and schedule in SPLIT_BACKWARD:
+        return simulate(schedule, pp, virtual, micro_batches, 1.0, 2.0 if recompute else 1.0, 1.0)["bubble"]
     return (pp - 1) / (virtual * micro_batches)
 
 
@@ -51,6 +63,9 @@ def forwards_in_flight(schedule: str, pp: int, virtual: int, micro_batches: int,
     m = micro_batches
     if pp == 1:
         return [0]
+    if schedule in SPLIT_BACKWARD:  # PyTorch's order, a micro-batch held from its F until its W
+        counts = in_flight(schedule, pp, virtual, m)[rank]
+        return [chunk for chunk, count in enumerate(counts) for _ in range(count)]
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":
@@ -89,11 +104,12 @@ class RankStages:
 
     rank: int
     layers_per_chunk: list[int]
-    """Layers of each of its V stages (chunk v is stage rank + v P)."""
+    """Layers of each of its V stages (chunk v is stage rank + v P; V-shaped: chunk 0 stage r, chunk 1 stage
+    2P - 1 - r)."""
     first: bool
-    """Holds stage 0 (the embeddings)."""
+    """Holds stage 0 (the embeddings), in chunk 0."""
     last: bool
-    """Holds the last stage (final norm, output layer, loss)."""
+    """Holds the last stage (final norm, output layer, loss), in its last chunk."""
     layer_indices: tuple[int, ...] = ()
     """Global indices of its layers, which say which of them are MoE layers (empty when built by hand:
     then every layer of an MoE model counts as an MoE layer)."""
@@ -103,11 +119,13 @@ class RankStages:
         return sum(self.layers_per_chunk)
 
 
-def rank_stages(layers: list[list[int]], pp: int, rank: int) -> RankStages:
-    """Rank `rank`'s chunks of the stage split `layers` (P x V stages)."""
-    chunks = [len(layers[s]) for s in range(rank, len(layers), pp)]
-    indices = tuple(i for s in range(rank, len(layers), pp) for i in layers[s])
-    return RankStages(rank, chunks, rank == 0, rank == pp - 1, indices)
+def rank_stages(layers: list[list[int]], pp: int, rank: int, v_shaped: bool = False) -> RankStages:
+    """Rank `rank`'s chunks of the stage split `layers` (P x V stages): stages rank, rank + P, ...; `v_shaped`
+    (ZB-V, DualPipeV: 2P stages) stage rank and stage 2P - 1 - rank, so rank 0 holds both ends."""
+    own = [rank, len(layers) - 1 - rank] if v_shaped else list(range(rank, len(layers), pp))
+    chunks = [len(layers[s]) for s in own]
+    indices = tuple(i for s in own for i in layers[s])
+    return RankStages(rank, chunks, rank == 0, own[-1] == len(layers) - 1, indices)
 
 
 def _end_pieces(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount, ParameterCount]:

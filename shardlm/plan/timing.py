@@ -310,7 +310,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     if kernels.dualpipe and layout.pp > 1:  # a rank runs half the micro-batches through each of its two stages
         layers, moe_layers, imbalance = dualpipe.pace(full_sequence, layout.pp)
     else:
-        layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim)
+        layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim, layout.v_shaped)
         imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
     peak = gpu.peak_tflops * 1e12
     compute = flops / (peak * calibration.compute_efficiency)
@@ -352,7 +352,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     cp_exposed, cp_ring = (accumulation * attending * t for t in context_ring_seconds(full_sequence, layout, gpu, fmt,
                                                                                       calibration, kernels))
     p2p = accumulation * p2p_seconds(cfg, layout, gpu, fmt, calibration, scatter_gather)
-    fraction = bubble_fraction(layout.pp, layout.virtual, accumulation)
+    fraction = bubble_fraction(layout.pp, layout.virtual, accumulation, layout.schedule, layout.checkpointing)
     if kernels.dualpipe:  # all-to-all and transfers behind the other chunk's compute, as far as it lasts
         ep_comm, p2p = max(0.0, ep_comm + p2p - compute - elementwise), 0.0
         fraction = dualpipe.bubble_fraction(layout.pp, accumulation)
