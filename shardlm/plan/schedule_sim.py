@@ -22,8 +22,9 @@ there: F(s, mb) after F(s - 1, mb); I or B(s, mb) after I or B(s + 1, mb), the l
 F(last, mb); W(s, mb) after I(s, mb). Costs are f, i, w per action (B = i + w), the same on every stage, and
 transfers take no time. (PyTorch's stage 0 computes nothing in its I, there being no input gradient, and its whole
 backward in W; nothing on another rank waits for stage 0's backward, and replaying it that way gives the same
-makespans for every schedule, P in 2, 4, 8 and m in 2P, 4P tried, so the replay keeps i and w.) Stage placement: stage s on rank s % P (loop), or, V-shaped ("zbv", "dualpipev"), stage
-s < P on rank s and stage s >= P on rank 2P - 1 - s.
+makespans for every schedule, P in 2, 4, 8 and m in 2P, 4P tried, so the replay keeps i and w.) Stage
+placement: stage s on rank s % P (loop), or, V-shaped ("zbv", "dualpipev"), stage s < P on rank s and stage
+s >= P on rank 2P - 1 - s.
 """
 
 from __future__ import annotations
