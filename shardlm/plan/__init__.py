@@ -18,6 +18,8 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
                  the step's TP and data-sharding collectives and Newton-Schulz FLOPs;
 - `stages`       the pipeline arithmetic: layers and parameters per rank, in-flight micro-batches of
                  each schedule, the bubble;
+- `schedule_sim` PyTorch's own action order of each pipeline schedule replayed on a clock: the zero-bubble
+                 schedules' bubble and in-flight micro-batches;
 - `timing`       compute from the FLOP formula, TP all-reduces, pipeline bubble and transfers, the DP
                  gradient all-reduce on ring cost models, with the calibration constants;
 - `planner`      every valid PP x TP x DP (x EP) layout and option (data sharding included), whether it
@@ -32,5 +34,5 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 - `report`       the table and the JSON; `cli` the subcommand.
 
 Nothing here imports torch at module level except `measure`; `stages` imports shardlm's stage split
-(and with it torch) when a pipeline is planned.
+(and with it torch) when a pipeline is planned, `schedule_sim` PyTorch's schedules when one is replayed.
 """
