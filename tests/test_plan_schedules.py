@@ -42,6 +42,23 @@ def test_every_stage_runs_each_micro_batch_forward_and_backward_once():
             [(s, mb) for s in range(stages) for mb in range(8)]  # one full B, or one W after its I
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"])
+def test_multi_stage_orders_are_get_schedule_ops(schedule):
+    """The order replayed is the one PyTorch's visualizer reads from the schedule class, OVERLAP_F_B's halves in
+    order, spacing and REDUCE_GRAD dropped."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from shardlm.plan.schedule_sim import SCHEDULE_CLASSES
+
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    for pp, m in ((2, 4), (4, 8), (4, 12)):
+        drawn = [[(kinds[part.computation_type.name], part.stage_index, part.microbatch_index)
+                  for action in rank if action is not None for part in (action.sub_actions or (action,))
+                  if part.computation_type.name in kinds]
+                 for rank in get_schedule_ops(SCHEDULE_CLASSES[schedule].removeprefix("Schedule"), pp, m, 2)]
+        assert [list(rank) for rank in schedule_actions(schedule, pp, 2, m)] == drawn
+
+
 def test_the_v_places_stage_r_and_its_mirror_on_rank_r():
     for schedule in ("zbv", "dualpipev"):
         for rank, ops in enumerate(schedule_actions(schedule, 4, 2, 8)):

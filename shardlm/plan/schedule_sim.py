@@ -5,9 +5,8 @@ The action order is PyTorch's own (`torch.distributed.pipelining`, the schedules
 the planner agrees with the runtime by construction:
 
 - multi-stage schedules ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"): the `pipeline_order` the
-  schedule class builds, read with `_schedule_visualizer.get_schedule_ops` (no process group needed). That helper
-  refuses one stage per rank for a multi-stage class, which ZB-H1 ("interleaved-zb" at V = 1) is, so there the
-  schedule is built the same way by hand, on one mock stage;
+  schedule class builds, as `_schedule_visualizer.get_schedule_ops` reads it (mock stages, no process group;
+  `_torch_ops`);
 - single-stage schedules ("gpipe", "1f1b"): PyTorch runs them from `_step_microbatches`, not from their
   `pipeline_order` (a drawing only, whose 1F1B last rank is one micro-batch off in torch 2.13: F1 .. Fm), so the
   order here is the one `_step_microbatches` runs: GPipe every forward then every backward; 1F1B min(m, P - r)
@@ -77,18 +76,21 @@ def _layout_reason(schedule: str, pp: int, virtual: int | None, micro_batches: i
 
 
 def _torch_ops(schedule: str, pp: int, stages: int, micro_batches: int) -> list[list]:
-    """PyTorch's `pipeline_order` of a multi-stage schedule: per rank its list of `_Action`s (None for spacing)."""
+    """PyTorch's `pipeline_order` of a multi-stage schedule: per rank its list of `_Action`s (None for spacing).
+
+    Built as `_schedule_visualizer.get_schedule_ops` builds it, on mock stages, but without the schedule's
+    lowering into the runtime's send/receive actions (`_prepare_schedule_with_comms`, which leaves
+    `pipeline_order` as it is and takes seconds at m = 256), and also at one stage a rank (ZB-H1), which that
+    helper refuses. `tests/test_plan_schedules.py` checks the orders equal `get_schedule_ops`'s."""
     from unittest import mock
 
     from torch.distributed.pipelining import PipelineStage, schedules
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     cls = getattr(schedules, SCHEDULE_CLASSES[schedule])
-    if stages >= 2:
-        return get_schedule_ops(cls, pp, micro_batches, stages)
-    stage = mock.create_autospec(PipelineStage, instance=True)  # as get_schedule_ops builds its stages
-    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, pp, None, pp
-    order = cls([stage], micro_batches).pipeline_order
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, pp, None, pp * stages
+    with mock.patch.object(cls, "_prepare_schedule_with_comms", lambda self, order: None):
+        order = cls([stage] * stages, micro_batches).pipeline_order
     return [order[rank] for rank in range(pp)]
 
 
@@ -180,22 +182,31 @@ def peak_in_flight(rank_actions, local: dict[int, int]) -> list[int]:
     needs is freed (after I the stage still keeps the inputs W needs). The peak is the first moment the rank's
     total is largest."""
     held, best = [0] * len(local), [0] * len(local)
+    total = peak = 0
     for kind, stage, _ in rank_actions:
         if kind == "F":
             held[local[stage]] += 1
-            if sum(held) > sum(best):
-                best = list(held)
+            total += 1
+            if total > peak:
+                best, peak = list(held), total
         elif kind in ("B", "W"):
             held[local[stage]] -= 1
+            total -= 1
     return best
 
 
 def in_flight(schedule: str, pp: int, virtual: int, micro_batches: int) -> list[list[int]]:
     """Per rank, its micro-batches in flight per local stage at its peak (`peak_in_flight`): an order's property,
     no clock needed."""
+    return [list(counts) for counts in _in_flight(schedule, pp, virtual, micro_batches)]
+
+
+@lru_cache(maxsize=1024)
+def _in_flight(schedule: str, pp: int, virtual: int, micro_batches: int) -> tuple[tuple[int, ...], ...]:
     actions = schedule_actions(schedule, pp, virtual, micro_batches)
-    return [peak_in_flight(ops, {s: n for n, s in enumerate(local_stage_indices(schedule, pp, virtual, rank))})
-            for rank, ops in enumerate(actions)]
+    return tuple(tuple(peak_in_flight(ops, {s: n for n, s in enumerate(local_stage_indices(schedule, pp, virtual,
+                                                                                          rank))}))
+                 for rank, ops in enumerate(actions))
 
 
 def local_stage_indices(schedule: str, pp: int, virtual: int, rank: int) -> list[int]:
