@@ -261,7 +261,7 @@ def _validate_data_sharding(config: RunConfig, dp: int) -> None:
 
 def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
     """The pipeline keys: sizes, schedule, enough layers and micro-batches (UserError naming the key)."""
-    from shardlm.parallel.pipeline import SCHEDULES, stage_layers
+    from shardlm.parallel.pipeline import SCHEDULES, V_SHAPED, stage_layers, stages_per_rank
 
     m, p = config.model, config.parallel
     if p.pipeline < 1 or p.virtual_stages < 1:
@@ -269,26 +269,31 @@ def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
     if p.pipeline_schedule not in SCHEDULES:
         raise UserError(f'parallel.pipeline_schedule="{p.pipeline_schedule}" must be one of '
                         + ", ".join(f'"{s}"' for s in SCHEDULES))
-    interleaved = p.pipeline_schedule == "interleaved-1f1b"
-    if p.pipeline > 1 and interleaved and p.virtual_stages < 2:
+    schedule = p.pipeline_schedule
+    if p.pipeline > 1 and schedule == "interleaved-1f1b" and p.virtual_stages < 2:
         raise UserError('parallel.pipeline_schedule="interleaved-1f1b" needs parallel.virtual_stages >= 2; '
                         'use "1f1b" for one block of layers per rank')
-    if p.virtual_stages > 1 and not interleaved:
+    if schedule in V_SHAPED and p.virtual_stages not in (1, 2):
+        raise UserError(f'parallel.pipeline_schedule="{schedule}" always runs 2 stages per rank (a V: stages r and '
+                        f"2P - 1 - r); remove parallel.virtual_stages={p.virtual_stages} or set it to 2")
+    if p.virtual_stages > 1 and schedule not in ("interleaved-1f1b", "interleaved-zb", *V_SHAPED):
         raise UserError(f"parallel.virtual_stages={p.virtual_stages} needs "
-                        'parallel.pipeline_schedule="interleaved-1f1b"')
+                        'parallel.pipeline_schedule="interleaved-1f1b" or "interleaved-zb"')
     if p.pipeline == 1:
         return
     if m.arch not in ("gpt", "llama"):
         raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" and "llama"; use '
                         f'parallel.pipeline=1 for "{m.arch}"')
-    stage_layers(m.num_layers, p.pipeline * p.virtual_stages, p.first_stage_layers, p.last_stage_layers)
-    if p.pipeline_schedule != "gpipe" and micro_batches < p.pipeline:
-        raise UserError(f"{micro_batches} micro-batches per step is fewer than parallel.pipeline={p.pipeline}, "
-                        f'which "{p.pipeline_schedule}" needs; raise train.global_batch_size to at least '
-                        f"{p.pipeline} x micro_batch_size x data-parallel size, or use \"gpipe\"")
-    if interleaved and micro_batches % max(1, micro_batches // p.pipeline):
+    per_rank = stages_per_rank(schedule, p.virtual_stages)
+    stage_layers(m.num_layers, p.pipeline * per_rank, p.first_stage_layers, p.last_stage_layers)
+    needed = 2 * p.pipeline if schedule == "dualpipev" else p.pipeline
+    if schedule != "gpipe" and micro_batches < needed:
+        raise UserError(f"{micro_batches} micro-batches per step is fewer than {needed}, which \"{schedule}\" needs "
+                        f"at parallel.pipeline={p.pipeline}; raise train.global_batch_size to at least {needed} x "
+                        'micro_batch_size x data-parallel size, or use "gpipe"')
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and micro_batches % max(1, micro_batches // p.pipeline):
         raise UserError(f"{micro_batches} micro-batches per step must be a multiple of "
-                        f"{micro_batches // p.pipeline} for interleaved-1f1b at parallel.pipeline={p.pipeline}")
+                        f"{micro_batches // p.pipeline} for {schedule} at parallel.pipeline={p.pipeline}")
 
 
 def _validate_attention_heads(m: ModelConfig) -> None:

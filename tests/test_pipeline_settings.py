@@ -23,13 +23,20 @@ def test_stage_layers_are_balanced_contiguous_and_adjustable():
 @pytest.mark.parametrize("world,overrides,message", [
     (6, {"pipeline": 4}, "world size 6 is not divisible by parallel.tensor x parallel.pipeline = 1 x 4"),
     (8, {"pipeline": 4, "pipeline_schedule": "interleaved-1f1b", "virtual_stages": 4}, "cannot fill 16"),
-    (8, {"pipeline": 4}, "fewer than parallel.pipeline=4"),
+    (8, {"pipeline": 4}, 'fewer than 4, which "1f1b" needs at parallel.pipeline=4'),
     (2, {"pipeline": 2, "pipeline_schedule": "interleaved-1f1b"}, "needs parallel.virtual_stages >= 2"),
-    (2, {"pipeline": 2, "virtual_stages": 2}, 'needs parallel.pipeline_schedule="interleaved-1f1b"'),
+    (2, {"pipeline": 2, "virtual_stages": 2}, 'needs parallel.pipeline_schedule="interleaved-1f1b" or'),
     (2, {"pipeline": 2, "pipeline_schedule": "zero-bubble"}, "must be one of"),
+    # m = 8 / 2 = 4 micro-batches: DualPipeV needs 2P
+    (4, {"pipeline": 4, "pipeline_schedule": "dualpipev"}, 'fewer than 8, which "dualpipev" needs'),
+    (2, {"pipeline": 2, "pipeline_schedule": "zbv", "virtual_stages": 3}, "always runs 2 stages per rank"),
+    # the V needs 2P stages of at least one layer each: 8 layers fill 8 stages at P = 4, not 10 at P = 5
+    (5, {"pipeline": 5, "pipeline_schedule": "zbv"}, "cannot fill 10 pipeline stages"),
+    (4, {"pipeline": 4, "pipeline_schedule": "interleaved-zb", "virtual_stages": 3}, "cannot fill 12"),
 ])
 def test_bad_pipeline_layouts_get_one_line_errors(world, overrides, message):
     config = pp_config(micro=2)
+    config.train.global_batch_size = 8 if world != 5 else 10
     for key, value in overrides.items():
         setattr(config.parallel, key, value)
     with pytest.raises(UserError, match=message) as error:

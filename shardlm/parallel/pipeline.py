@@ -24,15 +24,34 @@ the last stage its multi-token-prediction inputs and targets.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType
 
 from shardlm.errors import UserError
 from shardlm.parallel.layout import ParallelContext
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")  # backward split into input- and weight-gradient steps
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """How many stages each pipeline rank runs: 2 under the V-shaped schedules, else `virtual_stages`."""
+    return 2 if schedule in V_SHAPED else virtual_stages
 
 
 def stage_layers(num_layers: int, num_stages: int, first: int = 0, last: int = 0) -> list[list[int]]:
@@ -62,9 +81,20 @@ def stage_layers(num_layers: int, num_stages: int, first: int = 0, last: int = 0
     return out
 
 
-def local_stages(ctx: ParallelContext, virtual_stages: int) -> list[int]:
-    """Indices of the stages this rank runs: its pipeline rank, plus P, 2P, ... with virtual stages."""
+def local_stages(ctx: ParallelContext, virtual_stages: int, v_shaped: bool = False) -> list[int]:
+    """Indices of the stages this rank runs: its pipeline rank, plus P, 2P, ... with virtual stages (loop
+    placement); V-shaped (ZB-V, DualPipeV: 2 P stages), rank r runs stage r and its mirror 2P - 1 - r, so
+    rank 0 holds the first and the last stage."""
+    if v_shaped:
+        return [ctx.pp_rank, 2 * ctx.pp_size - 1 - ctx.pp_rank]
     return [ctx.pp_rank + v * ctx.pp_size for v in range(virtual_stages)]
+
+
+def stage_owner(stage: int, pp_size: int, num_stages: int, v_shaped: bool = False) -> int:
+    """The pipeline rank that runs `stage` (of `num_stages`): s mod P, or the V's fold."""
+    if v_shaped:
+        return stage if stage < pp_size else num_stages - 1 - stage
+    return stage % pp_size
 
 
 def keep_stages(model: nn.Module, layers: list[list[int]], stages: list[int]) -> nn.Module:
@@ -74,7 +104,9 @@ def keep_stages(model: nn.Module, layers: list[list[int]], stages: list[int]) ->
     the embeddings; the final LayerNorm and the tied output layer's `wte`; for Llama with multi-token
     prediction the last stage adds `mtp` and `wte`). A parameter kept by the last
     stage that belongs to the first stage's pieces too is the tied copy: it is marked
-    `pipeline_tied_copy` (counted once in the gradient norm, on the first stage).
+    `pipeline_tied_copy` (counted once in the gradient norm, on the first stage). A rank that holds both
+    the first and the last stage (the V-shaped schedules' rank 0) keeps one word embedding, used twice.
+    `model.pipeline_ends` records (holds the first stage, holds the last stage).
     """
     num_stages = len(layers)
     owned = {str(i) for s in stages for i in layers[s]}
@@ -90,6 +122,7 @@ def keep_stages(model: nn.Module, layers: list[list[int]], stages: list[int]) ->
         for name in set(model.FIRST_STAGE) & set(model.LAST_STAGE):
             for param in getattr(model, name).parameters():
                 param.pipeline_tied_copy = True
+    model.pipeline_ends = (first, last)
     return model
 
 
@@ -108,8 +141,10 @@ def sum_tied_gradients(model: nn.Module, ctx: ParallelContext) -> None:
     """Add the gradients of the tied embedding's two copies (first and last stage) over the embedding
     group: one all-reduce per tied tensor, on those two stages only. Under FSDP each copy's gradient is
     already reduce-scattered over DP, and DP rank r of both stages holds the same rows: the sum of
-    the two local shards is that rank's rows of the summed gradient."""
-    if ctx.pp_size == 1 or not (ctx.is_first_stage or ctx.is_last_stage):
+    the two local shards is that rank's rows of the summed gradient. A rank holding both ends (V-shaped
+    schedules) has one embedding whose gradient already sums both uses: nothing to add."""
+    first, last = getattr(model, "pipeline_ends", (False, False))
+    if ctx.pp_size == 1 or first == last:
         return
     for param in tied_parameters(model):
         if not param.requires_grad:  # frozen (a LoRA run's base): nothing to add
@@ -174,6 +209,7 @@ class ShardlmStage(PipelineStage):
         self.documents: list | None = None  # per micro-batch, set by the runner before a step
         self.mtp: list | None = None  # per micro-batch multi-token-prediction (inputs, targets), likewise
         self.chunk_id: int | None = None  # the micro-batch last run (None before a step's first: shape inference)
+        self.timeline: list | None = None  # when a list: (kind F/B/I/W, stage, micro-batch, start, end) per action
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         """Run micro-batch `fwd_chunk_id` with its packed documents (when the step has them): every stage,
@@ -189,7 +225,8 @@ class ShardlmStage(PipelineStage):
         self.submod.documents = None if self.documents is None else self.documents[fwd_chunk_id]
         self.submod.mtp = None if self.mtp is None or not self.is_last else self.mtp[fwd_chunk_id]
         try:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            return self._timed("F", fwd_chunk_id, lambda: super(ShardlmStage, self)
+                               .forward_one_chunk(fwd_chunk_id, *args, **kwargs))
         finally:
             self.submod.documents = self.submod.mtp = None
 
@@ -211,6 +248,61 @@ class ShardlmStage(PipelineStage):
         with self._tracker_untouched():
             return super()._prepare_backward_infra(*args, **kwargs)
 
+    # ---- the backward split into its input- and weight-gradient steps (zero-bubble schedules)
+
+    def weights(self) -> list[nn.Parameter]:
+        """Every trainable parameter this stage's backward reaches: its layers' and the end pieces it runs (the
+        embedding on the first stage; the final norm, output layer and depths on the last), which the model,
+        not the `StageModule`, owns. Under FSDP, the gathered parameters the forward ran with (the modules hold
+        the shards between forwards, and the gathered ones keep the gradients until the reduce-scatter)."""
+        module = self.submod
+        params = list(module.parameters())
+        seen = {id(p) for p in params}
+        params += [p for p in end_parameters(module.model, module.is_first, module.is_last) if id(p) not in seen]
+        gathered = _gathered_parameters(module)
+        return [gathered.get(id(p), p) for p in params if p.requires_grad]
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """PyTorch's split steps take only `submod.parameters()`, which would leave the last stage's final norm
+        and output layer without a gradient: here both steps take `weights()`. The input step computes the
+        stage input's gradient and keeps, at each node where a weight's path meets the input's, the gradient
+        the weight step starts from; the weight step sets or adds `.grad` itself, so the master-weight
+        optimizer's hook never sees it: `_flush_main_grad` moves it into the fp32 `main_grad` as the hook
+        would. A full backward (every other schedule, and the first stage's weight step) is PyTorch's."""
+        if backward_type == "full":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if isinstance(self.submod, FSDPModule):  # gradients stay unreduced until the schedule's REDUCE_GRAD
+            self.submod.set_is_last_backward(False)
+            self.submod.set_reshard_after_backward(False)
+            self.submod.set_requires_gradient_sync(False)
+        weights = self.weights()
+        if backward_type == "input":
+            return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                        bwd_kwargs["input_values"], iter(weights))
+        # retain_graph: two groups of weights can share part of the graph (the word embedding that the last
+        # stage's depths read and its output layer multiplies by), and PyTorch frees each group's path after it;
+        # the graph goes once this step's saved state is dropped
+        stage_backward_weight(iter(weights), bwd_kwargs["param_groups"], retain_graph=True)
+        _flush_main_grad(weights)
+        return (), None
+
+    def _timed(self, kind: str, chunk: int, run):
+        if self.timeline is None:
+            return run()
+        start = time.perf_counter()
+        try:
+            return run()
+        finally:
+            self.timeline.append((kind, self.stage_index, chunk, start, time.perf_counter()))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        return self._timed("B" if full_backward else "I", bwd_chunk_id, lambda: super(ShardlmStage, self)
+                           .backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward))
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        return self._timed("W", bwd_chunk_id, lambda: super(ShardlmStage, self)
+                           .backward_weight_one_chunk(bwd_chunk_id, last_backward))
+
     def _count(self, ops: list, kind: str) -> list:
         for op in ops:
             self.stats.record(kind, "pp", op.tensor)
@@ -227,6 +319,27 @@ class ShardlmStage(PipelineStage):
 
     def get_bwd_recv_ops(self, *args, **kwargs):
         return self._count(super().get_bwd_recv_ops(*args, **kwargs), "recv")
+
+
+def _gathered_parameters(module: nn.Module) -> dict[int, nn.Parameter]:
+    """{id of an FSDP shard: the gathered parameter the forward used} for every FSDP unit in `module` that is
+    gathered now (empty without FSDP)."""
+    gathered = {}
+    for unit in module.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            if hasattr(fsdp_param, "_unsharded_param"):
+                gathered[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
+    return gathered
+
+
+def _flush_main_grad(weights: list[nn.Parameter]) -> None:
+    """Move each weight's fresh `.grad` into its fp32 `main_grad` (where the master-weight optimizer keeps one),
+    exactly as that optimizer's post-accumulate-grad hook does after a whole backward."""
+    for param in weights:
+        if param.grad is not None and hasattr(param, "main_grad"):
+            param.main_grad.add_(param.grad)
+            param.grad = None
 
 
 def end_parameters(model: nn.Module, is_first: bool, is_last: bool) -> list[nn.Parameter]:
@@ -250,8 +363,12 @@ def shard_stage(stage: StageModule, **fsdp_kwargs) -> None:
     parameters (GPT's `wpe`): the model is shown to `fully_shard` as a child of the stage for this call only,
     every parameter but this stage's end pieces ignored, so the stage still owns only its layers."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-    ends = end_parameters(stage.model, stage.is_first, stage.is_last)
+    # a V-shaped rank 0 shards its first stage before its last: the word embedding both use is then already
+    # that first root's (one unit, gathered from the step's first forward until its reduce-scatter, which
+    # PyTorch's order puts after the last stage's weight steps)
+    ends = [p for p in end_parameters(stage.model, stage.is_first, stage.is_last) if not isinstance(p, DTensor)]
     ignored = set(fsdp_kwargs.pop("ignored_params", None) or ())
     if not ends:
         fully_shard(stage, ignored_params=ignored, **fsdp_kwargs)
@@ -264,23 +381,42 @@ def shard_stage(stage: StageModule, **fsdp_kwargs) -> None:
         del stage._modules["owner"]
 
 
+class ForwardOnlyV(ScheduleZBVZeroBubble):
+    """Forwards only, over the V-shaped placement (evaluation, a preference run's reference pass): rank r runs
+    every micro-batch through stage r, then through its mirror 2P - 1 - r. PyTorch's V schedules cannot run
+    forward only (their `eval` still hands the input-gradient steps' outputs between a rank's two stages)."""
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[_Action]:
+        return [_Action(stage, _ComputationType.FORWARD, mb)
+                for stage in (rank, self.num_stages - 1 - rank) for mb in range(self._n_microbatches)]
+
+    def _prepare_schedule_with_comms(self, actions, format: str = "compute_only") -> None:
+        """Only the sends and receives between the forwards (PyTorch's check would want every micro-batch's
+        backward in the order; the V's stage-to-rank mapping is already set)."""
+        self.pipeline_order_with_comms = _add_send_recv(
+            {rank: list(ops) for rank, ops in actions.items()},
+            stage_to_rank=lambda s: self.stage_index_to_group_rank[s], num_stages=self._num_stages)
+
+
 def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int]], schedule: str,
                    num_micro_batches: int, loss_fn, modules: list[StageModule] | None = None):
     """The stages this rank runs, wrapped for PyTorch's pipelining, and the schedule that drives them.
 
     `loss_fn(output, targets) -> scalar` runs on the last stage once per micro-batch (`output`: what the
     last `StageModule` returns); its gradient is what backward propagates (the schedule does not rescale
-    gradients). `modules`: this rank's
-    `StageModule`s to reuse (another schedule over the same, possibly FSDP-sharded, stages); built anew
-    when None.
+    gradients). `modules`: this rank's `StageModule`s to reuse (another schedule over the same, possibly
+    FSDP-sharded, stages); built anew when None. The V-shaped schedules (`V_SHAPED`, and "forward-v", their
+    forward-only order) place stages r and 2P - 1 - r on rank r; the others s on s mod P.
     """
     num_stages = len(layers)
-    virtual = num_stages // ctx.pp_size
+    v_shaped = schedule in (*V_SHAPED, "forward-v")
     stages = []
-    for i, s in enumerate(local_stages(ctx, virtual)):
+    for i, s in enumerate(local_stages(ctx, num_stages // ctx.pp_size, v_shaped)):
         module = StageModule(model, layers[s], s == 0, s == num_stages - 1) if modules is None else modules[i]
         stages.append(ShardlmStage(module, s, num_stages, ctx.device, group=ctx.pp.group, ctx=ctx))
-    if schedule == "interleaved-1f1b":
-        return stages, ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
+    multi = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV, "forward-v": ForwardOnlyV}
+    if schedule in multi:
+        return stages, multi[schedule](stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     return stages, kind(stages[0], num_micro_batches, loss_fn=loss_fn, scale_grads=False)

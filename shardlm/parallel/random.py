@@ -66,19 +66,26 @@ class RNGStatesTracker:
 
     def checkpoint_context_fn(self):
         """`context_fn` for `torch.utils.checkpoint`: the recomputation sees the tracker's states
-        as they were at the original forward, and leaves the current states untouched."""
-        snapshot = self.get_states()
+        as they were at the original forward, and leaves the current states untouched. The recompute
+        context can be entered more than once: a backward split into its input- and weight-gradient steps
+        (the zero-bubble schedules) recomputes the block in each."""
+        return contextlib.nullcontext(), _AsAtForward(self, self.get_states())
 
-        @contextlib.contextmanager
-        def recompute():
-            current = self.get_states()
-            self.set_states(snapshot)
-            try:
-                yield
-            finally:
-                self.set_states(current)
 
-        return contextlib.nullcontext(), recompute()
+class _AsAtForward:
+    """Within the block, `tracker` holds the states `snapshot`; on leaving, its states before the block.
+    Re-enterable (unlike a generator's context manager)."""
+
+    def __init__(self, tracker: RNGStatesTracker, snapshot: dict):
+        self.tracker, self.snapshot, self.saved = tracker, snapshot, []
+
+    def __enter__(self):
+        self.saved.append(self.tracker.get_states())
+        self.tracker.set_states(self.snapshot)
+
+    def __exit__(self, *exc):
+        self.tracker.set_states(self.saved.pop())
+        return False
 
 
 @torch.compiler.disable

@@ -31,15 +31,24 @@ import torch
 from shardlm.config import RunConfig
 from shardlm.models.mtp import add_mtp_gradient
 from shardlm.parallel import ParallelContext
-from shardlm.parallel.pipeline import build_schedule, keep_stages, local_stages, stage_layers, sum_tied_gradients
+from shardlm.parallel.pipeline import (
+    V_SHAPED,
+    build_schedule,
+    keep_stages,
+    local_stages,
+    stage_layers,
+    stage_owner,
+    stages_per_rank,
+    sum_tied_gradients,
+)
 
 
 def pipeline_layout(config: RunConfig, ctx: ParallelContext) -> tuple[list[list[int]], list[int]]:
     """(layer indices of every stage, the stages this rank runs) for the run's pipeline keys."""
     p = config.parallel
-    layers = stage_layers(config.model.num_layers, ctx.pp_size * p.virtual_stages, p.first_stage_layers,
-                          p.last_stage_layers)
-    return layers, local_stages(ctx, p.virtual_stages)
+    per_rank = stages_per_rank(p.pipeline_schedule, p.virtual_stages)
+    layers = stage_layers(config.model.num_layers, ctx.pp_size * per_rank, p.first_stage_layers, p.last_stage_layers)
+    return layers, local_stages(ctx, per_rank, p.pipeline_schedule in V_SHAPED)
 
 
 class PipelineRunner:
@@ -53,6 +62,9 @@ class PipelineRunner:
         self.num_micro_batches = num_micro_batches
         self.layers, self.stage_ids = layers, stage_ids
         keep_stages(model, self.layers, self.stage_ids)
+        self.has_first, self.has_last = 0 in stage_ids, len(layers) - 1 in stage_ids
+        self.v_shaped = schedule in V_SHAPED
+        self.last_rank = stage_owner(len(layers) - 1, ctx.pp_size, len(layers), self.v_shaped)
         self.schedule_name = schedule
         self.loss_factor = 1.0
         self.divisor: float | None = None  # packed rows: the step's sum-over-tokens divisor
@@ -67,6 +79,13 @@ class PipelineRunner:
         self._running: list = self.stages  # the stages of the schedule being run
         self._batches: list = []  # the dicts of the micro-batches being run
         self.sequence_loss = None  # (token losses (b, T), micro-batch dict) -> loss, for a loss of sequences
+
+    def record_timeline(self, timeline: list | None) -> None:
+        """Append every compute action of the following steps to `timeline` as (kind, stage, micro-batch, start,
+        end) (kind "F" forward, "B" whole backward, "I" / "W" its input- and weight-gradient halves; times of
+        `time.perf_counter`); None stops recording. What the benchmark draws and measures idle time from."""
+        for stage in self.stages:
+            stage.timeline = timeline
 
     @property
     def stage_modules(self) -> list[torch.nn.Module]:
@@ -116,10 +135,10 @@ class PipelineRunner:
             stage.documents, stage.mtp, stage.chunk_id = documents, mtp, None
         self._losses.clear()
         self._mtp_losses.clear()
-        args = (inputs,) if self.ctx.is_first_stage else ()
-        target = targets if self.ctx.is_last_stage else None
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
         (schedule.step if train else schedule.eval)(*args, target=target, return_outputs=False)
-        if not self.ctx.is_last_stage:
+        if not self.has_last:
             return torch.zeros(2, device=self.ctx.device)
         # the schedule may call the loss once more first, on its shape inference's stand-ins (without MTP)
         mtp_sum = torch.stack(self._mtp_losses).sum() if mtp else torch.zeros((), device=self.ctx.device)
@@ -139,11 +158,12 @@ class PipelineRunner:
         return loss_sum
 
     def _forward_only(self, count: int):
-        """The forward-only schedule of `count` micro-batches (GPipe, or interleaved with virtual stages)."""
+        """The forward-only schedule of `count` micro-batches over the same stages: GPipe, interleaved with
+        virtual stages, each rank's two stages in turn with the V-shaped placement (`ForwardOnlyV`)."""
         if count not in self._evals:
-            self._evals[count] = build_schedule(
-                self.model, self.ctx, self.layers, "gpipe" if len(self.stage_ids) == 1 else "interleaved-1f1b",
-                count, self._loss, self.stage_modules)
+            kind = "forward-v" if self.v_shaped else "gpipe" if len(self.stage_ids) == 1 else "interleaved-1f1b"
+            self._evals[count] = build_schedule(self.model, self.ctx, self.layers, kind, count, self._loss,
+                                                self.stage_modules)
         return self._evals[count][1]
 
     @torch.no_grad()
@@ -166,4 +186,4 @@ class PipelineRunner:
 
     def broadcast_from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (any shape) as the last pipeline stage holds it, on every rank of the pipeline group."""
-        return self.ctx.pp.broadcast(value.clone(), self.ctx.pp_size - 1)
+        return self.ctx.pp.broadcast(value.clone(), self.last_rank)

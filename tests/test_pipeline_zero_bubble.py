@@ -1,0 +1,319 @@
+"""Zero-bubble pipeline schedules (interleaved zero bubble, ZB-V, DualPipeV) train exactly as one process.
+
+These schedules split each backward into an input-gradient step (I) and a weight-gradient step (W) that the
+schedule runs later, in the bubble; ZB-V and DualPipeV also place two stages a rank in a V (rank r holds stage r
+and stage 2P - 1 - r, so rank 0 holds both the embedding and the output layer, one word embedding used twice).
+Every case trains a tiny model for STEPS steps, fp32, dropout 0, and must equal one process within 1e-5 on each
+step's loss and gradient norm (and MTP / MoE auxiliary loss where there is one) and on every final parameter,
+gathered from every rank (data-parallel replicas and the tied embedding's copies bitwise equal: `merge_copies`):
+- world 2, PP=2: GPT with tied embeddings under each schedule and several micro-batch counts, with full and
+  selective recomputation; DeepSeek-V3-style MLA + MoE with 2 multi-token-prediction depths on the last stage
+  (ZB-V, DualPipeV, interleaved zero bubble), and packed SFT rows with those depths (validation loss too); a
+  1F1B checkpoint resumed under ZB-V;
+- world 4: PP=4 under each schedule; PP=2 x TP=2 with sequence parallelism (GPT and the MTP model); PP=2 x DP=2
+  with ZeRO-1 (the fp32 gradient buffer filled by the weight step) and with FSDP (GPT and Llama); an MoE with
+  EP=2 over the data-parallel ranks;
+- controls: PyTorch's split steps over the stage module's own parameters only (as `PipelineStage` does) leave the
+  last stage's final norm and output layer untrained, and the weight step without the flush into `main_grad`
+  loses ZeRO-1's gradients: the checks above fail both;
+- PyTorch's double count of a weight used at two sites on one path (pytorch #180952): the split steps on such a
+  graph equal autograd, and a weight step that replays the saved gradients without PyTorch's guard (the bug)
+  differs, so the check could fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_fsdp_pipeline import pp_config as fsdp_config
+from test_moe_parallel import full_parameters, moe_config
+from test_mtp_pipeline import deepseek_config, packed_config
+from test_pipeline import pp_config as gpt_config
+from test_sft_layouts import train_data as sft_rows
+from test_sft_layouts import valid_data as sft_valid_rows
+from test_training import synthetic_data
+
+from shardlm.checkpoint import load_checkpoint, save_checkpoint
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_trained_parameters
+from multiproc import check_result, merge_copies, run_checks, run_workers
+
+STEPS, SAVED_AT, TOL = 6, 3, 1e-5
+
+
+# ------------------------------------------------------------------------------------------ the cases
+
+def gpt(pp: int = 2, tp: int = 1, micro: int = 2, schedule: str = "1f1b", virtual: int = 1, recompute: str = "none",
+        **parallel):
+    """The 8-layer tied-embedding GPT of `test_pipeline` (global batch 8)."""
+    config = gpt_config(tp, pp, micro, schedule, virtual, **parallel)
+    config.train.recompute, config.train.steps = recompute, STEPS
+    return config
+
+
+def mtp(pp: int = 2, tp: int = 1, sp: bool = False, micro: int = 4, schedule: str = "1f1b"):
+    """MLA, a dense layer then DeepSeek-routed MoE layers, 2 MTP depths on the last stage (`test_mtp_pipeline`)."""
+    return deepseek_config(pp=pp, tp=tp, sp=sp, micro=micro, schedule=schedule)
+
+
+def packed(pp: int = 2, micro: int = 2, schedule: str = "1f1b"):
+    config = packed_config(pp=pp, micro=micro)
+    config.parallel.pipeline_schedule = schedule
+    return config
+
+
+def moe(pp: int = 2, ep: int = 1, schedule: str = "1f1b"):
+    """Mixtral-routed GPT MoE, 4 layers."""
+    config = moe_config("gpt", "mixtral", 2, ep=ep, pp=pp)
+    config.model.num_layers, config.parallel.pipeline_schedule = 4, schedule
+    return config
+
+
+def fsdp(arch: str = "gpt", pp: int = 2, schedule: str = "1f1b"):
+    """The FSDP model of `test_fsdp_pipeline` at 4 layers, micro-batch 1 (4 micro-batches per DP rank); one
+    process (pp=1) without sharding."""
+    return fsdp_config(arch, layers=4, micro=1, schedule=schedule, pp=pp, full=pp > 1)
+
+
+def train(ctx: ParallelContext, config, rows: bool = False, load: str | None = None, save: str | None = None,
+          steps: int = STEPS) -> dict:
+    """(loss, gradient norm, MTP loss, MoE aux loss) of each step up to `steps` (from a checkpoint's step with
+    `load`), the validation loss with packed `rows`, and every parameter of every stage, merged over the world."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, sft_rows() if rows else synthetic_data(), sft_valid_rows() if rows else None)
+    if load:
+        load_checkpoint(trainer, load)
+    metrics = []
+    while trainer.step < steps:
+        metrics.append(trainer.train_step())
+        if save and trainer.step == SAVED_AT:
+            save_checkpoint(trainer, save)
+    params = full_parameters(trainer.model)
+    if ctx.pp_size > 1:
+        params = merge_copies(ctx.world.all_gather_object(params))
+    return {"curve": [(m["loss"], m["grad_norm"], m.get("mtp_loss", 0.0), m.get("moe_aux_loss", 0.0))
+                      for m in metrics],
+            "valid": trainer.evaluate() if rows else None, "params": params}
+
+
+# what each case is compared with: the same model in one process, at the same micro-batch size
+CASES = {
+    # world 2: PP=2
+    "gpt zbv m4": (gpt(schedule="zbv"), "gpt m2", 2),
+    "gpt zbv m8": (gpt(micro=1, schedule="zbv"), "gpt m1", 2),
+    "gpt zbv m2": (gpt(micro=4, schedule="zbv"), "gpt m4", 2),
+    "gpt dualpipev m4": (gpt(schedule="dualpipev"), "gpt m2", 2),
+    "gpt dualpipev m8": (gpt(micro=1, schedule="dualpipev"), "gpt m1", 2),
+    "gpt interleaved-zb v1 m4": (gpt(schedule="interleaved-zb"), "gpt m2", 2),
+    "gpt interleaved-zb v2 m8": (gpt(micro=1, schedule="interleaved-zb", virtual=2), "gpt m1", 2),
+    "gpt zbv full recompute": (gpt(schedule="zbv", recompute="full"), "gpt m2", 2),
+    "gpt dualpipev selective recompute": (gpt(schedule="dualpipev", recompute="selective"), "gpt m2", 2),
+    "mtp zbv": (mtp(micro=2, schedule="zbv"), "mtp m2", 2),
+    "mtp dualpipev": (mtp(micro=2, schedule="dualpipev"), "mtp m2", 2),
+    "mtp interleaved-zb": (mtp(schedule="interleaved-zb"), "mtp m4", 2),
+    "packed mtp zbv": (packed(schedule="zbv"), "packed m2", 2),
+    # world 4
+    "pp4 gpt zbv": (gpt(pp=4, micro=2, schedule="zbv"), "gpt m2", 4),
+    "pp4 gpt dualpipev": (gpt(pp=4, micro=1, schedule="dualpipev"), "gpt m1", 4),
+    "pp4 gpt interleaved-zb v2": (gpt(pp=4, micro=2, schedule="interleaved-zb", virtual=2), "gpt m2", 4),
+    "pp2 tp2 sp gpt zbv": (gpt(tp=2, schedule="zbv", sequence_parallel=True), "gpt m2", 4),
+    "pp2 tp2 sp gpt dualpipev": (gpt(tp=2, schedule="dualpipev", sequence_parallel=True), "gpt m2", 4),
+    "pp2 tp2 sp mtp zbv": (mtp(tp=2, sp=True, micro=2, schedule="zbv"), "mtp m2", 4),
+    "pp2 dp2 zero1 gpt zbv": (gpt(micro=1, schedule="zbv"), "gpt m1", 4),
+    "pp2 dp2 zero1 mtp interleaved-zb": (mtp(micro=2, schedule="interleaved-zb"), "mtp m2", 4),
+    "pp2 dp2 fsdp gpt zbv": (fsdp(schedule="zbv"), "fsdp gpt", 4),
+    "pp2 dp2 fsdp llama interleaved-zb": (fsdp("llama", schedule="interleaved-zb"), "fsdp llama", 4),
+    "pp2 dp2 fsdp llama dualpipev": (fsdp("llama", schedule="dualpipev"), "fsdp llama", 4),
+    "pp2 ep2 moe zbv": (moe(ep=2, schedule="zbv"), "moe", 4),
+    "pp2 ep2 moe interleaved-zb": (moe(ep=2, schedule="interleaved-zb"), "moe", 4),
+}
+for _name in ("pp2 dp2 zero1 gpt zbv", "pp2 dp2 zero1 mtp interleaved-zb"):
+    CASES[_name][0].train.distributed_optimizer = True
+TENSOR = {name: 2 if "tp2" in name else 1 for name in CASES}
+EXPERT = {name: 2 if "ep2" in name else 1 for name in CASES}
+
+REFERENCES = {
+    "gpt m1": lambda: gpt(pp=1, micro=1), "gpt m2": lambda: gpt(pp=1, micro=2), "gpt m4": lambda: gpt(pp=1, micro=4),
+    "mtp m2": lambda: mtp(pp=1, micro=2), "mtp m4": lambda: mtp(pp=1, micro=4),
+    "packed m2": lambda: packed(pp=1), "moe": lambda: moe(pp=1),
+    "fsdp gpt": lambda: fsdp(pp=1), "fsdp llama": lambda: fsdp("llama", pp=1),
+}
+
+
+def case(name: str):
+    config, _, _ = CASES[name]
+    pp = config.parallel.pipeline
+
+    def check():
+        ctx = ParallelContext.from_process_group(TENSOR[name], pipeline_parallel=pp, expert_parallel=EXPERT[name])
+        return train(ctx, config, rows="packed" in name)
+    return check
+
+
+# ------------------------------------------------------------------------------------------ controls
+
+def stage_parameters_only():
+    """Control: the split steps over `submod.parameters()`, PyTorch's own choice (the stage's layers only)."""
+    from shardlm.parallel.pipeline import ShardlmStage
+
+    original = ShardlmStage.weights
+    ShardlmStage.weights = lambda self: [p for p in self.submod.parameters() if p.requires_grad]
+    try:
+        return case("gpt zbv m4")()
+    finally:
+        ShardlmStage.weights = original
+
+
+def weight_step_without_flush():
+    """Control: the weight step leaves its gradients in `.grad`, where ZeRO-1's fp32 buffer never sees them."""
+    from shardlm.parallel import pipeline
+
+    original = pipeline._flush_main_grad
+    pipeline._flush_main_grad = lambda weights: None
+    try:
+        return case("pp2 dp2 zero1 gpt zbv")()
+    finally:
+        pipeline._flush_main_grad = original
+
+
+def resume_under_another_schedule(directory: str) -> dict:
+    """A PP=2 1F1B run saves step 3; a fresh PP=2 ZB-V trainer loads it and trains on to STEPS."""
+    ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
+    train(ctx, gpt(), save=f"{directory}/1f1b", steps=SAVED_AT)
+    step = sorted(Path(f"{directory}/1f1b").glob("step_*"))[-1]
+    return train(ctx, gpt(schedule="zbv"), load=str(step))
+
+
+def world2_checks(directory: str) -> dict:
+    checks = {name: case(name) for name, (_, _, world) in CASES.items() if world == 2}
+    return run_checks(checks | {"stage parameters only": stage_parameters_only,
+                                "1f1b to zbv": lambda: resume_under_another_schedule(directory)})
+
+
+def world4_checks() -> dict:
+    checks = {name: case(name) for name, (_, _, world) in CASES.items() if world == 4}
+    return run_checks(checks | {"zero1 without flush": weight_step_without_flush})
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    ctx = ParallelContext.single()
+    return {key: train(ctx, make(), rows=key.startswith("packed")) for key, make in REFERENCES.items()}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> list:
+    return run_workers(2, world2_checks, str(tmp_path_factory.mktemp("zero_bubble")), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list:
+    return run_workers(4, world4_checks, timeout=600)
+
+
+def assert_same_run(value: dict, ref: dict, where: str, first_step: int = 1) -> None:
+    curve = ref["curve"][first_step - 1:]
+    assert len(value["curve"]) == len(curve), where
+    for step, (got, want) in enumerate(zip(value["curve"], curve), first_step):
+        for what, a, b in zip(("loss", "grad norm", "mtp loss", "moe aux loss"), got, want):
+            assert abs(a - b) <= TOL * abs(b), f"{where} step {step}: {what} {a} vs {b}"
+    if ref["valid"] is not None:
+        assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
+    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("name", [name for name, (_, _, world) in CASES.items() if world == 2])
+def test_pp2_zero_bubble_schedules_equal_one_process(world2, reference, name):
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_same_run(value, reference[CASES[name][1]], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", [name for name, (_, _, world) in CASES.items() if world == 4])
+def test_four_rank_zero_bubble_layouts_equal_one_process(world4, reference, name):
+    for rank, value in enumerate(check_result(world4, name)):
+        assert_same_run(value, reference[CASES[name][1]], f"{name} rank {rank}")
+
+
+def test_a_1f1b_checkpoint_resumes_under_zbv(world2, reference):
+    for rank, value in enumerate(check_result(world2, "1f1b to zbv")):
+        assert_same_run(value, reference["gpt m2"], f"resumed rank {rank}", first_step=SAVED_AT + 1)
+
+
+def test_split_steps_over_the_stage_module_alone_miss_the_last_stage_ends(world2, reference):
+    """Control: PyTorch's weight list leaves the final norm without a gradient; it never moves from 1."""
+    ref = reference["gpt m2"]
+    for value in check_result(world2, "stage parameters only"):
+        assert torch.equal(value["params"]["ln_f.weight"], torch.ones_like(ref["params"]["ln_f.weight"]))
+        assert not torch.equal(ref["params"]["ln_f.weight"], torch.ones_like(ref["params"]["ln_f.weight"]))
+        assert abs(value["curve"][0][1] - ref["curve"][0][1]) > 1e-3 * ref["curve"][0][1]
+
+
+def test_zero1_needs_the_weight_step_flushed_into_main_grad(world4, reference):
+    """Control: without the flush, the split steps' gradients never reach the fp32 buffer ZeRO-1 reduces."""
+    ref = reference["gpt m1"]
+    for value in check_result(world4, "zero1 without flush"):
+        assert abs(value["curve"][0][1] - ref["curve"][0][1]) > 1e-3 * ref["curve"][0][1]
+
+
+# ------------------------------------------------------------ a weight used twice on one path (#180952)
+
+class TwiceOnOnePath(torch.nn.Module):
+    """x @ w @ w (pytorch #180952), and an embedding lookup feeding an output layer of the same table: the
+    tied word embedding of a last stage that also runs the multi-token-prediction depths."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(6, 6, generator=gen, dtype=torch.float64))
+        self.table = torch.nn.Parameter(torch.randn(10, 6, generator=gen, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.w @ self.w) + self.table[tokens]
+        return torch.logsumexp(h @ self.table.t(), dim=-1).sum()
+
+
+def split_gradients(replay_without_guard: bool = False) -> tuple[torch.Tensor, dict]:
+    """The input's and the weights' gradients through PyTorch's split steps (`stage_backward_input`, then
+    `stage_backward_weight`), or, with `replay_without_guard`, a weight step that replays the saved gradients
+    at every meeting node without PyTorch's guard against counting a descendant's share twice (the bug)."""
+    from torch.autograd.graph import GradientEdge
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    model = TwiceOnOnePath()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    loss = model(x, torch.tensor([1, 3, 3, 7]))
+    weights = list(model.parameters())
+    (dx,), groups = stage_backward_input([loss], None, [x], iter(weights))
+    if not replay_without_guard:
+        stage_backward_weight(iter(weights), groups)
+        return dx, {n: p.grad for n, p in model.named_parameters()}
+    for group in groups:
+        edges = [GradientEdge(node, i) for grads, node in zip(group["grads"], group["intermediates"])
+                 for i, g in enumerate(grads) if g is not None]
+        outputs = [g for grads in group["grads"] for g in grads if g is not None]
+        params = list(group["params"])
+        for node, grad in zip(params, torch.autograd.grad(edges, [GradientEdge(p, 0) for p in params], outputs)):
+            owner = next(w for w in weights if w.view_as(w).grad_fn.next_functions[0][0] is node)
+            owner.grad = grad if owner.grad is None else owner.grad + grad
+    return dx, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_split_backward_counts_a_weight_used_twice_once():
+    model = TwiceOnOnePath()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model(x, torch.tensor([1, 3, 3, 7])).backward()
+    dx, grads = split_gradients()
+    assert torch.allclose(dx, x.grad, rtol=1e-12, atol=1e-12)
+    for name, param in model.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-12, atol=1e-12), name
+    _, unguarded = split_gradients(replay_without_guard=True)
+    assert not torch.allclose(unguarded["w"], model.w.grad, rtol=1e-6), "the check could not see the double count"
