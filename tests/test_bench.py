@@ -417,3 +417,26 @@ def test_speed_goals_read_this_runs_figures(quick_run):
             assert 0 < by_program["bf16"]["step_gemm_gflops"]
     assert goals["missed"] == sum(not row["met"] for row in goals["rows"])
     assert "## Speed goals of this run (`goals`)" in text and f"**`goals.missed` = {goals['missed']}**" in text
+
+
+def test_zero_bubble_rows_are_the_recorded_steps_and_the_replayed_schedule(quick_run):
+    """pipeline.zero_bubble: one row per schedule; each rank's idle is the recorded span less its busy time, the
+    measured bubble span / busiest - 1; the promise is `simulate` on the row's own f, i, w; the picture exists and
+    BENCHMARKS.md states the figures."""
+    from shardlm.plan.schedule_sim import simulate
+
+    results = json.loads((quick_run[1] / "benchmarks.json").read_text())
+    text = (quick_run[1] / "BENCHMARKS.md").read_text()
+    section = results["pipeline"]["zero_bubble"]
+    rows = {row["schedule"]: row for row in section["rows"]}
+    assert list(rows) == ["1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+    for name, row in rows.items():
+        assert row["idle_s"] == pytest.approx([row["span_s"] - busy for busy in row["busy_s"]], rel=1e-12)
+        assert row["bubble"] == pytest.approx(row["span_s"] / max(row["busy_s"]) - 1, rel=1e-12)
+        assert 0 < max(row["busy_s"]) <= row["span_s"] and min(row["f"], row["i"], row["w"]) > 0
+        promised = simulate(name, 2, row["virtual_stages"], row["micro_batches"], row["f"], row["i"], row["w"])
+        assert row["predicted_s"] == pytest.approx(promised["makespan"], rel=1e-12)
+        assert row["predicted_bubble"] == pytest.approx(promised["bubble"], rel=1e-12)
+        assert f"| {name} | {row['virtual_stages']} | {row['micro_batches']} | {row['step_s']:.3f} | " in text
+    assert (quick_run[1] / section["plot"]).stat().st_size > 10_000
+    assert f"![one step of each schedule]({section['plot']})" in text

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_vs_hf": lambda: _train(shape, repeats, results, args.quick),
         "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results),
         "memory": lambda: _memory(args.quick),
-        "pipeline": lambda: _pipeline(args.quick, repeats),
+        "pipeline": lambda: _pipeline(args.quick, repeats, args.out),
         "plan3d": lambda: _plan3d(args.quick, repeats),
         "moe": lambda: _moe(args.quick, repeats),
         "deepseek": lambda: _deepseek(args.quick, repeats),
@@ -109,10 +109,11 @@ def _memory(quick):
     return memory_per_rank(quick)
 
 
-def _pipeline(quick, repeats):
+def _pipeline(quick, repeats, out_dir):
     from shardlm.bench.pipeline import pipeline_bubble
+    from shardlm.bench.zero_bubble import zero_bubble_schedules
 
-    return pipeline_bubble(quick, repeats)
+    return pipeline_bubble(quick, repeats) | {"zero_bubble": zero_bubble_schedules(quick, repeats, out_dir)}
 
 
 def _plan3d(quick, repeats):

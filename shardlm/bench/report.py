@@ -54,6 +54,10 @@ KEYS = {
     "plan3d.time": "per layout in a world of 2: measured and predicted step seconds and their ratios to DP=2",
     "pipeline.rows": "PP=2 per schedule and micro-batch count: measured step seconds, the ideal (one process / 2), "
     "the predicted bubble (P-1)/(V m) and peak bytes per stage",
+    "pipeline.zero_bubble.rows": "PP=2 per schedule (1F1B, interleaved 1F1B, interleaved zero bubble, ZB-V, "
+    "DualPipeV) at m micro-batches: median step seconds; from one recorded step its span, busy and idle seconds per "
+    "rank and measured bubble; the median forward / input-gradient / weight-gradient seconds (f, i, w) and the "
+    "makespan, bubble and idle per rank that PyTorch's order of the schedule promises for them",
     "moe.single_process": "per precision: tokens/s of shardlm's MoE step, transformers' Mixtral as shipped (hf) and "
                           "with its per-expert loop (hf_eager), ratio and ratio_eager, hf_experts_implementation, "
                           "experts_dtype (the dtype each program's expert GEMMs ran in, measured in one step)",
@@ -243,6 +247,10 @@ def markdown(r: dict) -> str:
                          f"{row['predicted_bubble']:.0%} | {row['predicted_s']:.3f} | {row['measured_overhead']:.0%} | "
                          f"{peaks} |")
         lines.append("")
+        if pp.get("zero_bubble"):
+            from shardlm.bench.zero_bubble import markdown_lines as zero_bubble_lines
+
+            lines += zero_bubble_lines(pp["zero_bubble"])
     if r.get("plan3d"):
         from shardlm.bench.plan3d import markdown_lines
 
