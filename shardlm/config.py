@@ -34,9 +34,11 @@ class ParallelConfig:
     pipeline: int = 1
     """Pipeline stages: ranks that each hold a contiguous block of layers (the outermost rank dimension)."""
     pipeline_schedule: str = "1f1b"
-    """"gpipe", "1f1b" or "interleaved-1f1b" (PyTorch's schedules); micro-batches per step = accumulation steps."""
+    """"gpipe", "1f1b", "interleaved-1f1b", or the zero-bubble "interleaved-zb", "zbv", "dualpipev" (PyTorch's
+    schedules; the last two place 2 stages a rank in a V); micro-batches per step = accumulation steps."""
     virtual_stages: int = 1
-    """Layer blocks per pipeline rank; > 1 only with "interleaved-1f1b" (which needs at least 2)."""
+    """Layer blocks per pipeline rank: >= 2 with "interleaved-1f1b", any with "interleaved-zb" (1 = ZB-H1); "zbv"
+    and "dualpipev" always run 2."""
     first_stage_layers: int = 0
     """Layers on the first pipeline stage (it also runs the embeddings); 0: balanced."""
     last_stage_layers: int = 0
