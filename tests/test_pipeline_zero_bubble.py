@@ -113,6 +113,8 @@ CASES = {
     "gpt interleaved-zb v2 m8": (gpt(micro=1, schedule="interleaved-zb", virtual=2), "gpt m1", 2),
     "gpt zbv full recompute": (gpt(schedule="zbv", recompute="full"), "gpt m2", 2),
     "gpt dualpipev selective recompute": (gpt(schedule="dualpipev", recompute="selective"), "gpt m2", 2),
+    "gpt interleaved-zb v2 full recompute": (gpt(micro=1, schedule="interleaved-zb", virtual=2, recompute="full"),
+                                             "gpt m1", 2),
     "mtp zbv": (mtp(micro=2, schedule="zbv"), "mtp m2", 2),
     "mtp dualpipev": (mtp(micro=2, schedule="dualpipev"), "mtp m2", 2),
     "mtp interleaved-zb": (mtp(schedule="interleaved-zb"), "mtp m4", 2),
@@ -123,8 +125,10 @@ CASES = {
     "pp4 gpt interleaved-zb v2": (gpt(pp=4, micro=2, schedule="interleaved-zb", virtual=2), "gpt m2", 4),
     "pp2 tp2 sp gpt zbv": (gpt(tp=2, schedule="zbv", sequence_parallel=True), "gpt m2", 4),
     "pp2 tp2 sp gpt dualpipev": (gpt(tp=2, schedule="dualpipev", sequence_parallel=True), "gpt m2", 4),
+    "pp2 tp2 sp gpt interleaved-zb": (gpt(tp=2, schedule="interleaved-zb", sequence_parallel=True), "gpt m2", 4),
     "pp2 tp2 sp mtp zbv": (mtp(tp=2, sp=True, micro=2, schedule="zbv"), "mtp m2", 4),
     "pp2 dp2 zero1 gpt zbv": (gpt(micro=1, schedule="zbv"), "gpt m1", 4),
+    "pp2 dp2 zero1 gpt dualpipev": (gpt(micro=1, schedule="dualpipev"), "gpt m1", 4),
     "pp2 dp2 zero1 mtp interleaved-zb": (mtp(micro=2, schedule="interleaved-zb"), "mtp m2", 4),
     "pp2 dp2 fsdp gpt zbv": (fsdp(schedule="zbv"), "fsdp gpt", 4),
     "pp2 dp2 fsdp llama interleaved-zb": (fsdp("llama", schedule="interleaved-zb"), "fsdp llama", 4),
@@ -132,7 +136,7 @@ CASES = {
     "pp2 ep2 moe zbv": (moe(ep=2, schedule="zbv"), "moe", 4),
     "pp2 ep2 moe interleaved-zb": (moe(ep=2, schedule="interleaved-zb"), "moe", 4),
 }
-for _name in ("pp2 dp2 zero1 gpt zbv", "pp2 dp2 zero1 mtp interleaved-zb"):
+for _name in ("pp2 dp2 zero1 gpt zbv", "pp2 dp2 zero1 gpt dualpipev", "pp2 dp2 zero1 mtp interleaved-zb"):
     CASES[_name][0].train.distributed_optimizer = True
 TENSOR = {name: 2 if "tp2" in name else 1 for name in CASES}
 EXPERT = {name: 2 if "ep2" in name else 1 for name in CASES}

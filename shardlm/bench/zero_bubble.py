@@ -134,6 +134,7 @@ def plot(drawn: dict, path: Path) -> str:
     figure.legend(handles, ["forward", "whole backward", "input gradient", "weight gradient"], loc="upper right",
                   ncol=4, fontsize=8)
     figure.tight_layout(rect=(0, 0, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path.name

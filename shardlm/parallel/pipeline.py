@@ -14,11 +14,13 @@ tied output layer, the multi-token-prediction depths' input embedding) lives on 
 stage; `sum_tied_gradients` adds the two copies' gradients over the embedding group every step, so
 both copies see the single-process gradient and stay bitwise equal (checkpoints save the first copy only).
 
-Schedules (GPipe, 1F1B, interleaved 1F1B) are PyTorch's. `ShardlmStage` records the point-to-point
-transfers they issue into the communication statistics, keeps the model-parallel RNG tracker out of
-the schedule's one-off metadata inference (see its docstring), and hands every stage the packed
-documents of the micro-batch it runs (the first stage's inputs are not the only ones that need them), and
-the last stage its multi-token-prediction inputs and targets.
+Schedules (GPipe, 1F1B, interleaved 1F1B, and the zero-bubble interleaved ZB, ZB-V and DualPipeV, which split
+each backward into an input-gradient and a weight-gradient step; the last two place stages r and 2P - 1 - r on
+rank r, a V) are PyTorch's. `ShardlmStage` gives both split steps every weight the stage reaches (`weights`),
+records the point-to-point transfers they issue into the communication statistics, keeps the model-parallel
+RNG tracker out of the schedule's one-off metadata inference (see its docstring), and hands every stage the
+packed documents of the micro-batch it runs (the first stage's inputs are not the only ones that need them),
+and the last stage its multi-token-prediction inputs and targets.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from shardlm.parallel.layout import ParallelContext
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
-SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")  # backward split into input- and weight-gradient steps
 
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:

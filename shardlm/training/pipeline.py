@@ -1,7 +1,9 @@
 """The trainer's forward and backward under pipeline parallelism (`parallel.pipeline` > 1).
 
 `PipelineRunner` turns a built model into this rank's stages (`shardlm.parallel.pipeline`) and runs
-one optimizer step's micro-batches through PyTorch's schedule. Every rank of a pipeline group reads
+one optimizer step's micro-batches through PyTorch's schedule (any of `shardlm.parallel.pipeline.SCHEDULES`; under
+the V-shaped ones rank 0 holds both the first and the last stage, so "first" and "last" below are the ranks that
+hold those stages). Every rank of a pipeline group reads
 the same micro-batches of its data-parallel rank; the first stage feeds the tokens, the last stage
 the targets (and, with multi-token prediction, runs the depths on each micro-batch's rolled tokens, which
 `ShardlmStage` hands it, and weighs their loss into the gradient as one process does). After the schedule:
