@@ -50,3 +50,15 @@ def test_bert_under_pipeline_is_refused():
     with pytest.raises(UserError, match='supports model.arch="gpt" and "llama"') as error:
         validate(config, 2, check_paths=False)
     assert "\n" not in str(error.value)
+
+
+def test_the_planner_knows_the_schedules_the_runtime_runs():
+    """The planner keeps its own light copy of the schedule names (it plans without importing torch): the same
+    names, the same V-shaped ones, the same stages a rank."""
+    from shardlm.parallel import pipeline
+    from shardlm.plan import schedule_sim, stages
+
+    assert stages.SCHEDULES == pipeline.SCHEDULES and schedule_sim.V_SHAPED == pipeline.V_SHAPED
+    for schedule in pipeline.SCHEDULES:
+        for virtual in (1, 2, 3):
+            assert schedule_sim.stages_per_rank(schedule, virtual) == pipeline.stages_per_rank(schedule, virtual)
