@@ -131,6 +131,7 @@ CASES = {
     "pp2 dp2 zero1 gpt dualpipev": (gpt(micro=1, schedule="dualpipev"), "gpt m1", 4),
     "pp2 dp2 zero1 mtp interleaved-zb": (mtp(micro=2, schedule="interleaved-zb"), "mtp m2", 4),
     "pp2 dp2 fsdp gpt zbv": (fsdp(schedule="zbv"), "fsdp gpt", 4),
+    "pp2 dp2 fsdp gpt dualpipev": (fsdp(schedule="dualpipev"), "fsdp gpt", 4),
     "pp2 dp2 fsdp llama interleaved-zb": (fsdp("llama", schedule="interleaved-zb"), "fsdp llama", 4),
     "pp2 dp2 fsdp llama dualpipev": (fsdp("llama", schedule="dualpipev"), "fsdp llama", 4),
     "pp2 ep2 moe zbv": (moe(ep=2, schedule="zbv"), "moe", 4),
