@@ -13,6 +13,9 @@ gathered from every rank (data-parallel replicas and the tied embedding's copies
 - world 4: PP=4 under each schedule; PP=2 x TP=2 with sequence parallelism (GPT and the MTP model); PP=2 x DP=2
   with ZeRO-1 (the fp32 gradient buffer filled by the weight step) and with FSDP (GPT and Llama); an MoE with
   EP=2 over the data-parallel ranks;
+- recomputation: every rank's layers (full) or attention cores (selective) ran at least twice per micro-batch
+  and step; with dropout 0.1 and full recomputation, a run resumed from a checkpoint under ZB-V and DualPipeV is
+  bitwise the uninterrupted one (the split backward recomputes each block twice);
 - controls: PyTorch's split steps over the stage module's own parameters only (as `PipelineStage` does) leave the
   last stage's final norm and output layer untrained, and the weight step without the flush into `main_grad`
   loses ZeRO-1's gradients: the checks above fail both;
@@ -28,8 +31,10 @@ from pathlib import Path
 import pytest
 import torch
 from test_fsdp_pipeline import pp_config as fsdp_config
+from test_memory import count_forwards
 from test_moe_parallel import full_parameters, moe_config
 from test_mtp_pipeline import deepseek_config, packed_config
+from test_pipeline import assert_resume_is_bitwise, resume_run, with_dropout
 from test_pipeline import pp_config as gpt_config
 from test_sft_layouts import train_data as sft_rows
 from test_sft_layouts import valid_data as sft_valid_rows
@@ -83,9 +88,12 @@ def fsdp(arch: str = "gpt", pp: int = 2, schedule: str = "1f1b"):
 def train(ctx: ParallelContext, config, rows: bool = False, load: str | None = None, save: str | None = None,
           steps: int = STEPS) -> dict:
     """(loss, gradient norm, MTP loss, MoE aux loss) of each step up to `steps` (from a checkpoint's step with
-    `load`), the validation loss with packed `rows`, and every parameter of every stage, merged over the world."""
+    `load`), the validation loss with packed `rows`, and every parameter of every stage, merged over the world;
+    with recomputation, this rank's calls of its layers and attention cores (`count_forwards`), with the forwards
+    a step runs without recomputation (micro-batches x layers)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, sft_rows() if rows else synthetic_data(), sft_valid_rows() if rows else None)
+    counts = count_forwards(trainer.model) if config.train.recompute != "none" else None
     if load:
         load_checkpoint(trainer, load)
     metrics = []
@@ -98,7 +106,8 @@ def train(ctx: ParallelContext, config, rows: bool = False, load: str | None = N
         params = merge_copies(ctx.world.all_gather_object(params))
     return {"curve": [(m["loss"], m["grad_norm"], m.get("mtp_loss", 0.0), m.get("moe_aux_loss", 0.0))
                       for m in metrics],
-            "valid": trainer.evaluate() if rows else None, "params": params}
+            "valid": trainer.evaluate() if rows else None, "params": params, "counts": counts,
+            "forwards_per_step": trainer.accumulation * len(trainer.model.layers)}
 
 
 # what each case is compared with: the same model in one process, at the same micro-batch size
@@ -194,10 +203,19 @@ def resume_under_another_schedule(directory: str) -> dict:
     return train(ctx, gpt(schedule="zbv"), load=str(step))
 
 
+def resume_with_dropout(directory: str, schedule: str) -> dict:
+    """Dropout 0.1 and full recomputation: 3 steps, save, a new trainer loads and runs on, against the
+    uninterrupted run (`test_pipeline.resume_run`)."""
+    config = with_dropout(gpt(micro=1, schedule=schedule), recompute="full")
+    return resume_run(ParallelContext.from_process_group(1, pipeline_parallel=2), config, f"{directory}/{schedule}")
+
+
 def world2_checks(directory: str) -> dict:
     checks = {name: case(name) for name, (_, _, world) in CASES.items() if world == 2}
     return run_checks(checks | {"stage parameters only": stage_parameters_only,
-                                "1f1b to zbv": lambda: resume_under_another_schedule(directory)})
+                                "1f1b to zbv": lambda: resume_under_another_schedule(directory),
+                                **{f"resume {s} with dropout": lambda s=s: resume_with_dropout(directory, s)
+                                   for s in ("zbv", "dualpipev")}})
 
 
 def world4_checks() -> dict:
@@ -248,6 +266,23 @@ def test_four_rank_zero_bubble_layouts_equal_one_process(world4, reference, name
         assert_same_run(value, reference[CASES[name][1]], f"{name} rank {rank}")
 
 
+@pytest.mark.parametrize("name,counted", [("gpt zbv full recompute", "layer"),
+                                          ("gpt dualpipev selective recompute", "core"),
+                                          ("gpt interleaved-zb v2 full recompute", "layer")])
+def test_recomputation_reran_the_forwards(world2, name, counted):
+    """Each layer (full) or attention core (selective) ran at least twice per micro-batch and step on every rank:
+    its forward and its recomputation in the split backward."""
+    for rank, value in enumerate(check_result(world2, name)):
+        assert value["counts"][counted] >= 2 * STEPS * value["forwards_per_step"], (rank, value["counts"])
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_resume_with_dropout_and_recomputation_is_bitwise(world2, schedule):
+    """The split backward recomputes each block twice; the resumed run still draws the uninterrupted one's masks."""
+    for value in check_result(world2, f"resume {schedule} with dropout"):
+        assert_resume_is_bitwise(value)
+
+
 def test_a_1f1b_checkpoint_resumes_under_zbv(world2, reference):
     for rank, value in enumerate(check_result(world2, "1f1b to zbv")):
         assert_same_run(value, reference["gpt m2"], f"resumed rank {rank}", first_step=SAVED_AT + 1)
@@ -260,6 +295,7 @@ def test_split_steps_over_the_stage_module_alone_miss_the_last_stage_ends(world2
         assert torch.equal(value["params"]["ln_f.weight"], torch.ones_like(ref["params"]["ln_f.weight"]))
         assert not torch.equal(ref["params"]["ln_f.weight"], torch.ones_like(ref["params"]["ln_f.weight"]))
         assert abs(value["curve"][0][1] - ref["curve"][0][1]) > 1e-3 * ref["curve"][0][1]
+        assert value["curve"][-1][0] < value["curve"][0][0]  # the broken run did train
 
 
 def test_zero1_needs_the_weight_step_flushed_into_main_grad(world4, reference):
@@ -267,6 +303,7 @@ def test_zero1_needs_the_weight_step_flushed_into_main_grad(world4, reference):
     ref = reference["gpt m1"]
     for value in check_result(world4, "zero1 without flush"):
         assert abs(value["curve"][0][1] - ref["curve"][0][1]) > 1e-3 * ref["curve"][0][1]
+        assert value["curve"][-1][0] < value["curve"][0][0]  # the broken run did train
 
 
 # ------------------------------------------------------------ a weight used twice on one path (#180952)
