@@ -1,4 +1,4 @@
-"""Shared fixtures: the shared data folder, and one thread per process."""
+"""Shared fixtures: the shared data folder, one thread per process, and each CPU kind in turn."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from shardlm.cpu import CPU_KIND_ENV, CPU_KINDS
 from shardlm.paths import DATA_ENV, shared_data_dir
 
 torch.set_num_threads(1)
@@ -22,3 +23,11 @@ def data_dir():
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(params=list(CPU_KINDS))
+def cpu_kind(request, monkeypatch):
+    """Each CPU kind in turn (`shardlm.cpu.CPU_KINDS`): this process and the processes it starts read that kind's
+    flags (`SHARDLM_CPU_KIND`), so code that decides by the CPU's flags is tested on every kind from any machine."""
+    monkeypatch.setenv(CPU_KIND_ENV, request.param)
+    return request.param

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardlm.bench.breakdown import breakdown, kind_of, why_not_faster
+from shardlm.bench.common import cpu_features
 from shardlm.bench.goals import markdown_lines, speed_goals
 
 
@@ -125,3 +126,18 @@ def test_a_ratio_just_under_its_goal_shows_a_third_decimal_and_amx_is_read_from_
     assert goals["amx"] is True
     text = "\n".join(markdown_lines(goals))
     assert "| 1.200 | >= 1.2 | **no** |" in text and "AMX was not measured" not in text
+
+
+def test_the_goals_follow_the_cpu_kind_the_run_measured(cpu_kind):
+    """With the features `cpu_features` reads on each CPU kind: the AMX goal row exactly on AMX, elsewhere one line
+    naming the kind's matrix unit (a line, not a failed section: the report's "**not measured**")."""
+    results = _results(amx=False)
+    features = results["train_vs_hf"]["cpu_features"] = cpu_features()
+    goals = speed_goals(results)
+    text = "\n".join(markdown_lines(goals))
+    on_amx = cpu_kind == "amx"
+    assert goals["amx"] is on_amx and goals["cpu_matrix"] == features["matrix"]
+    assert [row["target"] for row in goals["rows"] if row["goal"].startswith("AMX")] == ([0.60] if on_amx else [])
+    assert ("AMX was not measured" in text) is not on_amx and "not measured**" not in text
+    if not on_amx:
+        assert f"this CPU's matrix unit is {features['matrix']}," in text

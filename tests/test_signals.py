@@ -1,6 +1,6 @@
 """Stopping the way schedulers and users do: SIGTERM and Ctrl-C to the `--nproc-per-node 2` launcher end
-with one line and exit codes 143 / 130; the SIGTERM checkpoint resumes bitwise; a precision without
-native matmuls on this CPU is called out at the start."""
+with one line and exit codes 143 / 130; the SIGTERM checkpoint resumes bitwise; half parameters need a named
+half precision (the precision each CPU kind gets is tests/test_cpu_kinds.py's)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from test_cli_train import write_tiny_config
 
 from shardlm.checkpoint import files
 from shardlm.cli import main
-from shardlm.training import cpu_precision, launcher
+from shardlm.training import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12  # every run has the same schedule; the signals come after 2 steps
@@ -214,118 +213,6 @@ def test_sigterm_to_a_one_worker_generate_exits_143_with_one_line(runs, tmp_path
         if proc.poll() is None:
             proc.kill()
     assert log.read_text().splitlines() == ["shardlm: stopped by SIGTERM"]
-
-
-# ------------------------------------------------------------------------------ precision on CPUs
-
-def test_precision_warning_names_the_missing_feature_and_the_faster_precision(monkeypatch):
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})
-    monkeypatch.setattr(cpu_precision, "matmul_slowdown", lambda precision: 30.0)
-    cpu = torch.device("cpu")
-    fp16 = cpu_precision.precision_warning("fp16", cpu)
-    assert "no native matrix support" in fp16 and "AVX-512-FP16 or AMX-FP16" in fp16 and "30x slower" in fp16
-    assert "train.precision=fp32 is faster" in fp16
-    assert "AVX-512-BF16 or AMX-BF16" in cpu_precision.precision_warning("bf16", cpu)
-    assert cpu_precision.precision_warning("fp32", cpu) is None
-    assert cpu_precision.precision_warning("fp16", torch.device("cuda")) is None
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    assert cpu_precision.precision_warning("bf16", cpu) is None
-    assert "train.precision=bf16 is faster" in cpu_precision.precision_warning("fp16", cpu)
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"amx_fp16"})
-    assert cpu_precision.precision_warning("fp16", cpu) is None
-
-
-# the CPU kinds shardlm runs on, by their /proc/cpuinfo flags (whatever this machine is)
-CPU_KINDS = {
-    "AVX2 only (EPYC Zen 2/3, older Xeons)": ({"sse4_2", "avx", "avx2", "fma"}, "fp32"),
-    "AVX-512 without BF16 (Skylake-SP)": ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "fp32"),
-    "AVX-512-BF16 (Zen 4, Cooper Lake)": ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
-    "AMX (Sapphire Rapids and later)": ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "bf16"),
-    "AMX-BF16 without the AVX-512-BF16 flag": ({"avx2", "avx512f", "amx_bf16"}, "bf16"),
-}
-
-
-@pytest.mark.parametrize("kind", list(CPU_KINDS))
-def test_auto_precision_is_bf16_exactly_where_the_cpu_multiplies_it_natively(kind):
-    flags, expected = CPU_KINDS[kind]
-    precision, why = cpu_precision.auto_precision(torch.device("cpu"), flags=flags)
-    assert precision == expected, (kind, why)
-    assert ("natively" in why) == (expected == "bf16") and ("emulated" in why) == (expected == "fp32"), why
-
-
-def test_auto_precision_on_gpus_and_unreadable_cpus(monkeypatch):
-    cuda = torch.device("cuda")
-    assert cpu_precision.auto_precision(cuda, cuda_bf16=True)[0] == "bf16"
-    assert cpu_precision.auto_precision(cuda, cuda_bf16=False)[0] == "fp32"
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: None)
-    precision, why = cpu_precision.auto_precision(torch.device("cpu"))
-    assert precision == "fp32" and "could not be read" in why
-
-
-def test_resolve_precision_keeps_a_named_precision_and_fills_in_auto(monkeypatch):
-    from shardlm.config import TrainConfig
-
-    assert TrainConfig().precision == "auto"
-    named = TrainConfig(precision="bf16")
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})
-    assert cpu_precision.resolve_precision(named, torch.device("cpu")) is None and named.precision == "bf16"
-    auto = TrainConfig()
-    line = cpu_precision.resolve_precision(auto, torch.device("cpu"))
-    assert auto.precision == "fp32" and line.startswith('train.precision="auto": fp32: this CPU has no AVX-512-BF16')
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})
-    auto = TrainConfig()
-    assert "natively (amx_bf16)" in cpu_precision.resolve_precision(auto, torch.device("cpu"))
-    assert auto.precision == "bf16"
-
-
-def test_a_run_with_auto_precision_says_its_choice_first_and_records_it(config_file, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU: fp32
-    run_dir = tmp_path / "run"
-    assert main(["train", str(config_file), "parallel.tensor=1", "train.precision=auto", "train.steps=1",
-                 "--run-dir", str(run_dir)]) == 0
-    out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith('shardlm: train.precision="auto": fp32: this CPU has no'), out
-    assert json.loads((run_dir / "config.json").read_text())["train"]["precision"] == "fp32"
-
-
-def test_train_in_fp16_on_a_cpu_without_fp16_matmuls_says_so_once_and_keeps_fp16(config_file, tmp_path, capsys,
-                                                                                  monkeypatch):
-    monkeypatch.setattr(cpu_precision, "cpu_flags", lambda: {"avx2", "fma"})  # a CPU without the feature
-    run_dir = tmp_path / "run"
-    assert main(["train", str(config_file), "parallel.tensor=1", "train.precision=fp16", "train.steps=1",
-                 "--run-dir", str(run_dir)]) == 0
-    err = capsys.readouterr().err
-    warnings = [line for line in err.splitlines() if "no native matrix support" in line]
-    assert warnings == [warnings[0]] and warnings[0].startswith('shardlm: train.precision="fp16"'), err
-    assert json.loads((run_dir / "config.json").read_text())["train"]["precision"] == "fp16"
-
-
-def _auto_precision_on_rank(flags_by_rank: list[set[str]]) -> tuple[str, str]:
-    """Worker: this rank's CPU has `flags_by_rank[rank]`; the agreed (precision, line) of an "auto" config."""
-    from shardlm.config import TrainConfig
-
-    rank = torch.distributed.get_rank()
-    cpu_precision.cpu_flags = lambda: flags_by_rank[rank]
-    train = TrainConfig()
-    line = cpu_precision.resolve_precision(train, torch.device("cpu"), all_ranks=True)
-    return train.precision, line
-
-
-@pytest.mark.timeout(120)
-def test_ranks_on_different_cpu_kinds_agree_on_auto_precision():
-    """A job across machines of different CPU kinds trains in one precision: bf16 only where every rank multiplies
-    it natively; a rank that could have used bf16 says why it did not."""
-    from shardlm.parallel.spawn import run_workers
-
-    amx, avx2 = {"avx2", "avx512_bf16", "amx_bf16"}, {"avx2", "fma"}
-    for flags, expected in (([amx, amx, amx], "bf16"), ([amx, avx2, amx], "fp32"), ([avx2, amx, amx], "fp32")):
-        results = run_workers(3, _auto_precision_on_rank, flags)
-        assert [precision for precision, _ in results] == [expected] * 3, (flags, results)
-        for (_, line), rank_flags in zip(results, flags):
-            if expected == "fp32" and rank_flags is amx:
-                assert "another rank's device would emulate bf16" in line, line
-            else:
-                assert line.startswith(f'train.precision="auto": {expected}: this CPU'), line
 
 
 def test_half_parameters_need_a_named_half_precision_not_auto():

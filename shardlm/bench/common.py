@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlm.cpu import cpu_flags, simulated_kind
 from shardlm.models.config import ModelConfig, flops_per_token
 
 
@@ -128,33 +129,32 @@ def interleaved(programs: dict, repeats: int, warmup: int = 1) -> dict[str, list
 
 
 def cpu_features() -> dict:
-    """The CPU's matrix features, from /proc/cpuinfo's flags and PyTorch/oneDNN.
+    """The CPU's matrix features, from its flags (`shardlm.cpu.cpu_flags`) and PyTorch/oneDNN.
 
     `matrix` is the best of "AMX" (AMX-BF16 tiles), "AVX-512-BF16", "AVX-512", "AVX2" or "other";
     `native_bf16` is true with AMX or AVX-512-BF16, the instructions that multiply bf16 in hardware (without
-    them oneDNN emulates bf16 and its GEMMs run slower than fp32); `bf16_note` says why bf16 is skipped."""
-    flags: set[str] = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    them oneDNN emulates bf16 and its GEMMs run slower than fp32); `bf16_note` says why bf16 is skipped.
+    Under a simulated kind (`SHARDLM_CPU_KIND`) every field follows that kind's flags (`simulated` names it):
+    neither the kernel nor oneDNN is asked, since they would describe this machine instead."""
+    kind = simulated_kind()
+    flags = cpu_flags() or set()
     amx = "amx_bf16" in flags
-    if not amx and hasattr(torch._C, "_cpu") and hasattr(torch._C._cpu, "_init_amx"):
+    if kind is None and not amx and hasattr(torch._C, "_cpu") and hasattr(torch._C._cpu, "_init_amx"):
         amx = bool(torch._C._cpu._init_amx())  # asks the kernel for AMX state; false where there is none
     avx512_bf16 = "avx512_bf16" in flags
     matrix = next((name for name, present in (("AMX", amx), ("AVX-512-BF16", avx512_bf16),
                                               ("AVX-512", "avx512f" in flags), ("AVX2", "avx2" in flags))
                    if present), "other")
-    onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if kind is None:
+        onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    else:  # oneDNN runs bf16 from AVX-512 on (emulated below AVX-512-BF16)
+        onednn_bf16 = "avx512f" in flags
     native = (amx or avx512_bf16) and onednn_bf16
     note = None if native else (f"bf16 skipped: this CPU's best matrix instructions are {matrix} (no AMX or "
                                 "AVX-512-BF16), so bf16 matmuls are emulated and slower than fp32")
     return {"matrix": matrix, "amx": amx, "avx512_bf16": avx512_bf16, "avx512": "avx512f" in flags,
             "avx2": "avx2" in flags, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_bf16": onednn_bf16, "native_bf16": native, "bf16_note": note}
+            "onednn_bf16": onednn_bf16, "native_bf16": native, "bf16_note": note, "simulated": kind}
 
 
 def machine() -> dict:

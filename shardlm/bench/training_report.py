@@ -103,7 +103,10 @@ def _features(f: dict) -> str:
     yes = {True: "yes", False: "no"}
     return (f"CPU matrix features (`train_vs_hf.cpu_features`): **{f['matrix']}** (AMX {yes[f['amx']]}, "
             f"AVX-512-BF16 {yes[f['avx512_bf16']]}, AVX-512 {yes[f['avx512']]}, AVX2 {yes[f['avx2']]}; PyTorch "
-            f"CPU capability {f['torch_cpu_capability']}, oneDNN bf16 {yes[f['onednn_bf16']]}).")
+            f"CPU capability {f['torch_cpu_capability']}, oneDNN bf16 {yes[f['onednn_bf16']]})"
+            + (f"; these are the flags of a simulated CPU kind (`SHARDLM_CPU_KIND={f['simulated']}`), not this "
+               "machine's, so the precisions follow that kind while the kernels are this CPU's." if f.get("simulated")
+               else "."))
 
 
 def train_lines(t: dict) -> list[str]:

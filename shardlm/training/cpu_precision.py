@@ -9,7 +9,8 @@ changes the precision the user chose. GPUs are not concerned.
 
 `train.precision = "auto"` (the default) chooses instead (`auto_precision`): bf16 where the matmuls are native
 (a CUDA GPU that supports bf16, an x86 CPU with AVX-512-BF16 or AMX-BF16), else fp32; `resolve_precision` writes
-the choice into the config before anything reads it and returns the line the run starts with.
+the choice into the config before anything reads it and returns the line the run starts with. The flags come from
+`shardlm.cpu.cpu_flags`, so `SHARDLM_CPU_KIND` shows what another kind of CPU would choose.
 """
 
 from __future__ import annotations
@@ -18,24 +19,14 @@ import time
 
 import torch
 
+from shardlm.cpu import cpu_flags
+
 # precision -> (cpuinfo flags, any of which gives native matmuls; how the features are called)
 NATIVE_FLAGS = {
     "bf16": (("avx512_bf16", "amx_bf16"), "AVX-512-BF16 or AMX-BF16"),
     "fp16": (("avx512_fp16", "amx_fp16"), "AVX-512-FP16 or AMX-FP16"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def cpu_flags() -> set[str] | None:
-    """The `flags` of the first processor in /proc/cpuinfo (x86 Linux); None where there is no such line."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
 
 
 def has_native_matmul(precision: str, flags: set[str]) -> bool:
