@@ -106,7 +106,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
 
 
 def is_lora_checkpoint(path: str) -> bool:
-    """Whether `path` is a sharded checkpoint of a LoRA run (its adapters only, `shardlm.lora.base`)."""
+    """Whether `path` is a sharded checkpoint of a LoRA run (its adapters only, `compatibility.py`)."""
     from shardlm.checkpoint import files
 
     return not Path(path).is_file() and bool(files.read_meta(files.resolve(path)).get("lora"))

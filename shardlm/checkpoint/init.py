@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint import files
+from shardlm.checkpoint.compatibility import check_base, shared_fingerprint
 from shardlm.checkpoint.hf import open_hf
 from shardlm.checkpoint.sharded import ShardedReader, model_files
 from shardlm.checkpoint.state import (
@@ -35,6 +36,7 @@ from shardlm.checkpoint.state import (
 )
 from shardlm.config import DataConfig, RunConfig, from_dict
 from shardlm.errors import UserError
+from shardlm.lora.apply import add_adapters, is_adapter, quantize_base
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
 
@@ -185,8 +187,6 @@ def init_weights(trainer, source: WeightSource) -> None:
         files.verify(source.path, source.meta, names, world=ctx.world, device=ctx.device)
     base = None
     if trainer.config.lora.rank:  # the base under the adapters: every parameter but the adapters themselves
-        from shardlm.lora import is_adapter
-
         base = {name for name, _ in trainer.model.named_parameters() if not is_adapter(name)}
     if isinstance(source.reader, MappedReader):
         source.reader.expect(trainer.model, ctx.tp_size)
@@ -235,13 +235,8 @@ def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) 
     """A LoRA checkpoint's model for evaluation, generation or export: adapters put on `model` as the run put them,
     the base (`checkpoint.init_from`, or the seeded start) checked against the checkpoint's fingerprint and loaded;
     returns the names the checkpoint restores (adapters, `modules_to_save`)."""
-    from shardlm.lora import add_adapters, is_adapter
-    from shardlm.lora.base import check_base, shared_fingerprint
-
     add_adapters(model, config.lora, ctx, config.train.seed)
     if config.lora.quantize:  # the base the adapters trained on: NF4 as in the run
-        from shardlm.lora.apply import quantize_base
-
         quantize_base(model)
     check_base(saved, config, shared_fingerprint(config, ctx))
     if config.checkpoint.init_from:

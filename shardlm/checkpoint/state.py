@@ -21,17 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardlm.checkpoint import files
+from shardlm.checkpoint.compatibility import check_base, check_compatible, shared_fingerprint
 from shardlm.checkpoint.sharded import ShardedReader, expert_key, model_file, model_files
 from shardlm.config import RunConfig, from_dict
 from shardlm.errors import CheckpointWriteError, UserError
+from shardlm.lora.nf4 import quantized, stored_name
 from shardlm.parallel import ParallelContext
-
-SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_hidden_size", "activation",
-              "num_kv_heads", "tie_embeddings", "moe_num_experts", "moe_ffn_hidden_size", "moe_shared_experts",
-              "moe_first_dense_layers", "moe_layer_interval", "head_dim", "qk_norm", "attention", "q_lora_rank",
-              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias",
-              "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias")
-
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """The optimizer state a checkpoint keeps beside each parameter: AdamW's two moments, Muon's momentum."""
@@ -74,7 +69,8 @@ def is_stage_copy(param: torch.Tensor) -> bool:
 
 def is_saved(param: torch.Tensor, lora: bool) -> bool:
     """Whether a checkpoint holds a parameter: all but the last stage's tied copy; in a LoRA run (`lora`) only
-    what trains (adapters, `modules_to_save`), never the frozen base (`shardlm.lora.base`)."""
+    what trains (adapters, `modules_to_save`), never the frozen base (the checkpoint names it instead:
+    `compatibility.py`)."""
     return not is_stage_copy(param) and (not lora or param.requires_grad)
 
 
@@ -239,23 +235,12 @@ def reader_of(checkpoint: Path, meta: dict) -> ShardedReader:
     return ShardedReader([[checkpoint / name for name in row] for row in model_files(meta)])
 
 
-def check_compatible(saved: dict, config: RunConfig) -> None:
-    model = dataclasses.asdict(config.model)
-    defaults = dataclasses.asdict(type(config.model)())  # keys older checkpoints do not have
-    for key in SHAPE_KEYS:
-        if saved["config"]["model"].get(key, defaults[key]) != model[key]:
-            raise UserError(f"checkpoint has model.{key}={saved['config']['model'].get(key)!r} but the run has "
-                            f"{model[key]!r}; use the checkpoint's model settings")
-
-
 def lora_base(trainer) -> dict | None:
-    """The LoRA run's base (`shardlm.lora.base.fingerprint`, hashed once on the main rank and cached on the
+    """The LoRA run's base (`compatibility.fingerprint`, hashed once on the main rank and cached on the
     trainer); None without LoRA. Collective the first time."""
     if not trainer.config.lora.rank:
         return None
     if getattr(trainer, "lora_base", None) is None:
-        from shardlm.lora.base import shared_fingerprint
-
         trainer.lora_base = shared_fingerprint(trainer.config, trainer.ctx)
     return trainer.lora_base
 
@@ -264,8 +249,6 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
                  names: set[str] | None = None) -> None:
     """Copy this rank's slice of every parameter (of `names` only, when given) and its Adam moments from `reader`
     into place (through the master-weight optimizer's `load_full_state` when it has one)."""
-    from shardlm.lora.nf4 import quantized, stored_name
-
     keys = reader.keys()
     full = {}
     nf4 = quantized(model)
@@ -384,8 +367,6 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
 def _load_lora_base(trainer, meta: dict) -> set[str]:
     """A LoRA checkpoint's frozen base: the run's own (`checkpoint.init_from`, or its seeded start), checked
     against the base the checkpoint names and loaded; returns the names the checkpoint itself restores."""
-    from shardlm.lora.base import check_base
-
     if not (meta.get("lora") and trainer.config.lora.rank):
         saved, now = ("adapters" if meta.get("lora") else "every weight"), ("adapters" if trainer.config.lora.rank
                                                                             else "every weight")
