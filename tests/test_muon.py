@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_moe_parallel import ROUTING, stage_parameters
@@ -78,63 +80,107 @@ def test_newton_schulz_is_torch_muons(shape):
     assert torch.equal(newton_schulz(update), theirs)
 
 
+MUON_NAMES = re.compile(r"layers\.\d+\.(attn\.(q|k|v|o|qkv|proj|q_a|q_b|kv_a|kv_b)\.weight"
+                        r"|mlp\.(gate|up|down|fc|proj)\.weight|mlp\.experts\.(gate|up|down)|.+\.lora\.[AB]\w*)")
+"""The hidden matrices Muon takes, by name: the attention's projections (Llama's q, k, v, o; GPT's qkv and proj;
+MLA's q_a, q_b, kv_a, kv_b), the MLP's (gate, up, down; GPT's fc and proj), MoE experts' stacks, LoRA's factors."""
+ADAMW_NAMES = re.compile(r"wte\.weight|wpe|lm_head\.weight|ln_f\.(weight|bias)"
+                         r"|layers\.\d+\.(ln_[12]\.(weight|bias)|attn\.\w+_norm\.weight|mlp\.router\.weight|.+\.bias)")
+"""What AdamW takes, by name: the embeddings (wte, GPT's wpe), the output head, the norms, the biases, routers."""
+
+
+def split_by_name(model: torch.nn.Module) -> tuple[dict, dict]:
+    """The test's own Muon / AdamW split of `model`'s trainable parameters ({name: parameter} each), written from
+    the names alone (`MUON_NAMES`, `ADAMW_NAMES`): every trainable parameter must match exactly one side."""
+    muon, adamw = {}, {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            hidden, rest = MUON_NAMES.fullmatch(name), ADAMW_NAMES.fullmatch(name)
+            assert bool(hidden) != bool(rest), f"{name}: the test's split names it {'twice' if hidden else 'nowhere'}"
+            (muon if hidden else adamw)[name] = param
+    return muon, adamw
+
+
+def torch_muon_matrices(name: str, param: torch.Tensor, heads: int, split: str) -> list[tuple[tuple, tuple]]:
+    """How torch.optim.Muon sees one Muon parameter: a list of (view shape, index), each `param.view(shape)[index]`
+    one matrix. A stack of experts (E, rows, cols) is E matrices; GPT's fused qkv, rows (heads, 3, head_dim), is
+    its q, k and v ("parts"), each head's q, k and v ("heads"), or one matrix ("whole")."""
+    if param.ndim == 3:
+        return [(tuple(param.shape), (e,)) for e in range(param.shape[0])]
+    rows, cols = param.shape
+    view = (heads, 3, rows // (3 * heads), cols)
+    if not name.endswith("attn.qkv.weight") or split == "whole":
+        return [((rows, cols), ())]
+    if split == "parts":
+        return [(view, (slice(None), part)) for part in range(3)]
+    return [(view, (head, part)) for part in range(3) for head in range(heads)]
+
+
 class TorchMuonAndAdamW:
-    """The reference optimizer: torch.optim.Muon over shardlm's Muon matrices, torch.optim.AdamW over the rest. A
-    stack of experts (E, rows, cols), which torch.optim.Muon does not take, is E matrices of their own: each a
-    parameter whose gradient is the stack's slice before the step and whose value goes back after it."""
+    """The reference optimizer: torch.optim.Muon over the test's Muon matrices (`split_by_name`), cut as
+    `torch_muon_matrices` says, torch.optim.AdamW over the rest. Each matrix torch.optim.Muon steps is a parameter
+    of its own, whose value and gradient are its slice of the model's parameter before the step and whose value
+    goes back after it."""
 
     def __init__(self, trainer: Trainer, adjust: str):
-        t = trainer.config.train
-        named = list(trainer.model.named_parameters())
-        matrices = [p for n, p in named if is_muon_matrix(n, p) and p.ndim == 2]
-        self.stacks = [(p, [torch.nn.Parameter(e.detach().clone()) for e in p])
-                       for n, p in named if is_muon_matrix(n, p) and p.ndim == 3]
-        rest = [p for n, p in named if p.requires_grad and not is_muon_matrix(n, p)]
-        self.muon = torch.optim.Muon(matrices + [e for _, experts in self.stacks for e in experts], lr=t.lr,
-                                     weight_decay=t.weight_decay, momentum=t.muon_momentum, adjust_lr_fn=adjust)
-        self.adamw = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": t.weight_decay},
-                                        {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
+        t, heads = trainer.config.train, trainer.config.model.num_heads
+        muon, rest = split_by_name(trainer.model)
+        self.matrices = [(p, shape, index, torch.nn.Parameter(p.detach().view(shape)[index].reshape(-1, p.shape[-1])))
+                         for name, p in muon.items() for shape, index in torch_muon_matrices(name, p, heads,
+                                                                                             t.muon_split)]
+        self.muon = torch.optim.Muon([m for *_, m in self.matrices], lr=t.lr, weight_decay=t.weight_decay,
+                                     momentum=t.muon_momentum, adjust_lr_fn=adjust)
+        self.adamw = torch.optim.AdamW([{"params": [p for p in rest.values() if p.ndim >= 2],
+                                         "weight_decay": t.weight_decay},
+                                        {"params": [p for p in rest.values() if p.ndim < 2], "weight_decay": 0.0}],
                                        lr=t.lr, eps=t.adam_eps, betas=(t.adam_beta1, t.adam_beta2), fused=True)
         self.param_groups, self.state, self.defaults = self.muon.param_groups + self.adamw.param_groups, {}, {}
 
     @torch.no_grad()
     def step(self):
-        for stack, experts in self.stacks:
-            for index, expert in enumerate(experts):
-                expert.copy_(stack[index])
-                expert.grad = stack.grad[index].clone()
+        for param, shape, index, matrix in self.matrices:
+            matrix.copy_(param.view(shape)[index].reshape(matrix.shape))
+            matrix.grad = param.grad.view(shape)[index].reshape(matrix.shape).clone()
         self.muon.step()
-        for stack, experts in self.stacks:
-            stack.copy_(torch.stack(experts))
+        for param, shape, index, matrix in self.matrices:
+            target = param.view(shape)[index]
+            target.copy_(matrix.view(target.shape))
         self.adamw.step()
 
     def zero_grad(self, set_to_none=True):
         self.muon.zero_grad(set_to_none=set_to_none)
         self.adamw.zero_grad(set_to_none=set_to_none)
-        for stack, _ in self.stacks:
-            stack.grad = None
+        for param, *_ in self.matrices:
+            param.grad = None
 
 
-def one_process_config(kind: str, adjust: str):
-    """A Llama, a DeepSeek-V3-shaped MLA model, or a Qwen3-MoE-shaped one (QK-norm, 4 experts top-2 on both
-    layers)."""
-    config = muon_config(mla=kind == "mla", moe=kind == "qwen3-moe", muon_adjust_lr=adjust)
+def one_process_config(kind: str, adjust: str, split: str = "parts"):
+    """A Llama, GPT (its fused qkv orthogonalized as `split` says), a DeepSeek-V3-shaped MLA model, or a
+    Qwen3-MoE-shaped one (QK-norm, 4 experts top-2 on both layers)."""
+    config = muon_config(arch="gpt" if kind == "gpt" else "llama", mla=kind == "mla", moe=kind == "qwen3-moe",
+                         muon_adjust_lr=adjust, muon_split=split)
     config.model.qk_norm = kind == "qwen3-moe"
     return config
 
 
-@pytest.mark.parametrize("kind,adjust", [("llama", "original"), ("llama", "match_rms_adamw"), ("mla", "original"),
-                                         ("qwen3-moe", "original")])
-def test_one_process_equals_torch_muon(kind, adjust):
-    ours = Trainer(one_process_config(kind, adjust), ParallelContext.single(), batches())
-    theirs = Trainer(one_process_config(kind, adjust), ParallelContext.single(), batches())
+@pytest.mark.parametrize("kind,adjust,split", [
+    ("llama", "original", "parts"), ("llama", "match_rms_adamw", "parts"), ("mla", "original", "parts"),
+    ("qwen3-moe", "original", "parts"), ("gpt", "original", "parts"), ("gpt", "original", "heads"),
+    ("gpt", "original", "whole")])
+def test_one_process_equals_torch_muon(kind, adjust, split):
+    """shardlm's Muon / AdamW split is the test's, by name; 4 steps equal torch.optim.Muon over the test's
+    matrices (GPT's qkv cut by its (heads, 3, head_dim) rows) and torch.optim.AdamW over the rest."""
+    ours = Trainer(one_process_config(kind, adjust, split), ParallelContext.single(), batches())
+    theirs = Trainer(one_process_config(kind, adjust, split), ParallelContext.single(), batches())
     theirs.optimizer = TorchMuonAndAdamW(theirs, adjust)
-    names = {n for n, p in ours.model.named_parameters() if is_muon_matrix(n, p)}
-    expected = {"q_a", "q_b", "kv_a", "kv_b", "o"} if kind == "mla" else {"q", "k", "v", "o"}
-    assert {n.split(".")[3] for n in names if ".attn." in n} == expected
-    mlp = {"experts"} if kind == "qwen3-moe" else {"gate", "up", "down"}
-    assert {n.split(".")[3] for n in names if ".mlp." in n} == mlp
-    assert kind != "qwen3-moe" or len(theirs.optimizer.stacks) == 2 * 3  # gate, up and down stacks of both layers
+    muon, rest = split_by_name(ours.model)
+    assert {name for m in ours.optimizer.muons for name in m.names.values()} == muon.keys()
+    assert {id(p) for g in ours.optimizer.adamw.param_groups for p in g["params"]} == {id(p) for p in rest.values()}
+    assert {n for n, p in ours.model.named_parameters() if is_muon_matrix(n, p)} == muon.keys()
+    layers, heads = ours.config.model.num_layers, ours.config.model.num_heads
+    per_layer = {"llama": 7, "mla": 8, "qwen3-moe": 4 + 3 * 4, "gpt": 3 + {"parts": 3, "heads": 3 * heads,
+                                                                           "whole": 1}[split]}[kind]
+    assert len(theirs.optimizer.matrices) == per_layer * layers
     for step in range(STEPS):
         a, b = ours.train_step()["loss"], theirs.train_step()["loss"]
         assert abs(a - b) <= 1e-6 * b, (step, a, b)
