@@ -198,38 +198,62 @@ def muons_of(trainer: Trainer) -> list[Muon]:
 
 
 def watch_muons(trainer: Trainer) -> dict:
-    """Counts, on this rank, the matrices it orthogonalizes and the bytes of each Muon step's collectives over its
-    exchange group (the trainer's other collectives are not counted)."""
-    seen = {"owned": 0, "owned_expected": 0, "matrices": 0, "bytes": 0, "bytes_expected": 0}
-    stats = trainer.ctx.comm
+    """What this rank's Muon steps do, beside what the test expects of them from the model's Muon matrices as the
+    test names them (`split_by_name`) and sizes them: the matrices it orthogonalizes, and per data group a matrix
+    is sharded over (split experts: expert-DP; the rest: DP x CP) the calls and bytes of the steps' all-gathers and
+    reduce-scatters over it (the trainer's other collectives are not counted)."""
+    ctx, stats = trainer.ctx, trainer.ctx.comm
+    matrices, _ = split_by_name(trainer.model)
+    groups = {}
+    for name, param in matrices.items():
+        group = ctx.expert_dp if ".experts." in name else ctx.dp_cp
+        groups.setdefault(group.name, (group, []))[1].append(param)
+    seen = {"owned": 0, "matrices": len(matrices), "groups": {},
+            "owned_expected": sum(STEPS * len(range(g.rank, len(ps), g.size)) for g, ps in groups.values())}
+    for name, (group, params) in groups.items():
+        if group.size > 1:  # elements: N; rows: one dim-0 slice of each matrix, what an uneven split can add
+            seen["groups"][name] = {"size": group.size, "elements": sum(p.numel() for p in params),
+                                    "rows": sum(p.numel() // p.shape[0] for p in params),
+                                    "all_gather": [0, 0], "reduce_scatter": [0, 0]}  # calls, bytes
     for muon in muons_of(trainer):
-        d, rank = (1, 0) if muon.group is None else (muon.group.size, muon.group.rank)
-        seen["matrices"] += len(muon.matrices)
-        seen["owned_expected"] += STEPS * len(range(rank, len(muon.matrices), d))
-        # one all-gather of this rank's pieces (width values) and one reduce-scatter of d x width values
-        seen["bytes_expected"] += STEPS * 4 * (muon.width + muon.elements) if muon.group is not None else 0
-
         def orthogonalized(m, update, original=muon._orthogonalized_matrix):
             seen["owned"] += 1
             return original(m, update)
 
-        def step(original=muon.step, group=None if muon.group is None else muon.group.name):
-            before = stats.total_bytes(group=group) if group else 0
+        def step(original=muon.step):
+            keys = [(kind, name) for name in seen["groups"] for kind in ("all_gather", "reduce_scatter")]
+            before = [(stats.calls[key], stats.bytes[key]) for key in keys]
             original()
-            seen["bytes"] += stats.total_bytes(group=group) - before if group else 0
+            for (kind, name), (calls, size) in zip(keys, before):
+                counted = seen["groups"][name][kind]
+                counted[0] += stats.calls[(kind, name)] - calls
+                counted[1] += stats.bytes[(kind, name)] - size
 
         muon._orthogonalized_matrix, muon.step = orthogonalized, step
     return seen
 
 
-def train_layout(ctx: ParallelContext, config, per_shard: bool = False, resume: str | None = None) -> dict:
+def rows_alone(muon: Muon) -> None:
+    """The control's bug under FSDP: each DP rank orthogonalizes its own rows of each matrix, nothing exchanged."""
+    def exchange(updates):
+        return {i: newton_schulz(u.view(-1, muon.matrices[i].shape[-1]), steps=muon.settings.ns_steps,
+                                 dtype=muon.ns_dtype).reshape(-1) for i, u in updates.items()}
+
+    muon._exchange = exchange
+
+
+def train_layout(ctx: ParallelContext, config, per_shard: bool = False, resume: str | None = None,
+                 per_dp_piece: bool = False) -> dict:
     """4 steps of `config` (`resume`: a checkpoint directory, saved after 2 steps by a ZeRO-1 run and resumed by
-    this one for the last 2)."""
+    this one for the last 2; `per_shard`, `per_dp_piece`: the controls' bugs)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, batches())
     if per_shard:  # the control's bug: each TP rank orthogonalizes its shard alone
         muon = muons_of(trainer)[0]
         muon._orthogonalized = lambda name, update, dim: Muon._orthogonalized(muon, name, update, None)
+    if per_dp_piece:
+        for muon in muons_of(trainer):
+            rows_alone(muon)
     curve = []
     if resume:
         first = Trainer(muon_config(muon_ns_dtype="fp32", data_sharding="optimizer"), ctx, batches())
@@ -242,10 +266,10 @@ def train_layout(ctx: ParallelContext, config, per_shard: bool = False, resume: 
 
 
 def run_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, per_shard: bool = False, resume: str | None = None,
-               **config) -> dict:
+               per_dp_piece: bool = False, **config) -> dict:
     ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
     return train_layout(ctx, muon_config(tp=tp, pp=pp, cp=cp, ep=ep, muon_ns_dtype="fp32", **config), per_shard,
-                        resume)
+                        resume, per_dp_piece)
 
 
 WORLD2 = {  # name: (reference kind, layout)
@@ -263,6 +287,7 @@ WORLD2 = {  # name: (reference kind, layout)
     "ep2 fsdp moe": ("moe", {"ep": 2, "moe": True, "data_sharding": "full"}),
     "dp2 zero1 saved, fsdp resumed llama": ("llama", {"data_sharding": "full", "resume": "RESUME"}),
     "control tp2 sp llama per shard": ("llama", {"tp": 2, "sp": True, "per_shard": True}),
+    "control dp2 fsdp llama rows alone": ("llama", {"data_sharding": "full", "per_dp_piece": True}),
 }
 WORLD4 = {"ep2 tp2 sp moe": ("moe", {"ep": 2, "tp": 2, "sp": True, "moe": True}),
           "dp2 tp2 sp zero1 gpt": ("gpt", {"tp": 2, "sp": True, "arch": "gpt", "data_sharding": "optimizer"}),
@@ -315,27 +340,41 @@ def assert_same_run(values: list, ref: dict, name: str) -> None:
         assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
 
 
-SHARDED = [("world2", n) for n in WORLD2 if ("zero1" in n or "fsdp" in n) and "resumed" not in n] + \
+SHARDED = [("world2", n) for n in WORLD2 if ("zero1" in n or "fsdp" in n) and "resumed" not in n
+           and not n.startswith("control")] + \
     [("world4", n) for n in WORLD4 if "zero1" in n or "fsdp" in n]
 
 
 @pytest.mark.parametrize("world,name", SHARDED)
-def test_sharded_muon_spreads_the_matrices_and_counts_its_traffic(request, world, name):
+def test_sharded_muon_spreads_the_matrices_and_bounds_its_traffic(request, world, name):
     """ZeRO-1 and FSDP: each DP rank orthogonalizes the matrices i with i mod d its rank (every matrix by
-    exactly one rank of the group), and a Muon step's collectives over DP are its one all-gather and one
-    reduce-scatter of the sizes `Muon.elements` states."""
+    exactly one rank of the group), and a Muon step's collectives over a data group of d ranks are one all-gather
+    and one reduce-scatter. With N the fp32 elements of this rank's Muon matrices sharded over that group and R one
+    dim-0 slice of each (both summed by the test from the parameters), a rank's share is N / d, plus at most R for
+    an uneven split: the all-gather's input (counted bytes) is 4 x [N / d, N / d + R], the reduce-scatter's d
+    times that."""
     values = check_result(request.getfixturevalue(world), name)
     for rank, value in enumerate(values):
         seen = value["muon"]
         assert seen["owned"] == seen["owned_expected"] > 0, (name, rank, seen)
-        assert seen["bytes"] == seen["bytes_expected"] > 0, (name, rank, seen)
+        assert seen["groups"], (name, rank, "no data group shards a Muon matrix")
+        for group, counted in seen["groups"].items():
+            d, n, rows = counted["size"], counted["elements"], counted["rows"]
+            share = (4 * STEPS * n / d, 4 * STEPS * (n / d + rows))
+            (gathers, gathered), (scatters, scattered) = counted["all_gather"], counted["reduce_scatter"]
+            assert gathers == scatters == STEPS, (name, rank, group, counted)
+            assert share[0] <= gathered <= share[1], (name, rank, group, counted, share)
+            assert d * share[0] <= scattered <= d * share[1], (name, rank, group, counted, share)
     if "tp2" not in name and "ep2" not in name:  # the DP ranks together orthogonalize each matrix once per step
         assert sum(v["muon"]["owned"] for v in values) == STEPS * values[0]["muon"]["matrices"]
 
 
 def test_orthogonalizing_each_shard_alone_fails(world2, reference):
-    for value in check_result(world2, "control tp2 sp llama per shard"):
-        assert_trained_but_off(value["curve"], value["params"], reference["llama"]["params"], STEPS, ".attn.q.")
+    """Controls: at TP=2 each rank orthogonalizing its shard alone, and under FSDP at DP=2 each rank its own rows
+    of each matrix (no exchange), train and end more than 1e-3 off one process."""
+    for name in ("control tp2 sp llama per shard", "control dp2 fsdp llama rows alone"):
+        for value in check_result(world2, name):
+            assert_trained_but_off(value["curve"], value["params"], reference["llama"]["params"], STEPS, ".attn.q.")
 
 
 def dropout_config(**train):
