@@ -87,12 +87,15 @@ def _subnormal(x: torch.Tensor) -> bool:
     return bool(((x != 0) & (x.abs() < TINY)).any())
 
 
-def test_fast_decays_give_the_definition_without_subnormal_gemm_operands():
-    """Decays of e^-0.7 to e^-31 a token (a random Qwen3.5 layer's), so that a chunk's decays reach e^-1000: the
-    chunked rule still equals the definition, forward and gradients, and none of its GEMMs or triangular solves,
-    forward or backward, reads a subnormal float (an x86 CPU multiplies those about 20 times slower). Without the
-    decay floor and the flushed solve, 35 of its GEMMs did."""
+def fast_decay_rule(floor: bool = True, flush: bool = True) -> tuple[list[bool], tuple, tuple]:
+    """The chunked rule forward and backward on decays of e^-0.7 to e^-31 a token (a random Qwen3.5 layer's), so
+    that a chunk's decays reach e^-1000: whether each operand of its GEMMs and triangular solves held a subnormal
+    float (a dispatch hook sees every `bmm`, `mm` and `linalg_solve_triangular`), the inputs, and the outputs
+    (out, state, gradients). `floor=False` / `flush=False` take `decay_exp`'s floor or `unit_lower_solve`'s
+    flush out (the controls)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardlm.models import delta_rule
 
     g = torch.Generator().manual_seed(5)
     B, H, T, d = 1, 4, 256, 16
@@ -111,15 +114,39 @@ def test_fast_decays_give_the_definition_without_subnormal_gemm_operands():
                 read.extend(_subnormal(a) for a in args[:2] if isinstance(a, torch.Tensor))
             return func(*args, **(kwargs or {}))
 
-    with Operands():
-        out, state = chunk_gated_delta_rule(*inputs)
-        grads = torch.autograd.grad((out * weights).sum() + state.sum(), inputs)
+    saved = delta_rule.DECAY_FLOOR, delta_rule._flush
+    if not floor:
+        delta_rule.DECAY_FLOOR = float("-inf")
+    if not flush:
+        delta_rule._flush = lambda x: x
+    try:
+        with Operands():
+            out, state = chunk_gated_delta_rule(*inputs)
+            grads = torch.autograd.grad((out * weights).sum() + state.sum(), inputs)
+    finally:
+        delta_rule.DECAY_FLOOR, delta_rule._flush = saved
+    return read, (inputs, weights), (out, state, grads)
+
+
+def test_fast_decays_give_the_definition_without_subnormal_gemm_operands():
+    """With fast decays (`fast_decay_rule`) the chunked rule still equals the definition, forward and gradients,
+    and none of its GEMMs or triangular solves, forward or backward, reads a subnormal float (an x86 CPU multiplies
+    those about 20 times slower)."""
+    read, (inputs, weights), (out, state, grads) = fast_decay_rule()
     assert read and not any(read)
     ref_out, ref_state = recurrent_gated_delta_rule(*inputs)
     ref_grads = torch.autograd.grad((ref_out * weights).sum() + ref_state.sum(), inputs)
     assert rel(out, ref_out) < 1e-5 and rel(state, ref_state) < 1e-5
     for ours, theirs in zip(grads, ref_grads):
         assert rel(ours, theirs) < 1e-4
+
+
+@pytest.mark.parametrize("floor,flush", [(False, True), (True, False), (False, False)])
+def test_without_the_floor_or_the_flush_the_hook_sees_subnormal_operands(floor, flush):
+    """Control: the same rule with `decay_exp`'s floor or `unit_lower_solve`'s flush (or both) taken out gives GEMM
+    or solve operands with subnormal floats, and the hook above sees them: its check can fail."""
+    read, _, _ = fast_decay_rule(floor, flush)
+    assert sum(read) > 0, f"{len(read)} operands, none subnormal"
 
 
 def test_decay_exp_is_exp_down_to_the_floor_and_zero_below():
