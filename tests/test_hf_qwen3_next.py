@@ -9,7 +9,8 @@ q and k scaled up (sharp attention), the embedding scaled up (tokens decide the 
 two chunks of the chunked rule. shardlm's logits equal transformers' (its PyTorch path) within 1e-4 at TP=1,
 TP=2 (heads and convolution channels split) and EP=2, greedy generation (the recurrent state as the cache) gives
 transformers' tokens, and converting back gives bitwise the saved tensors under the same names, with a config
-transformers reads."""
+transformers reads. The MTP layer, which transformers does not run, gives the logits of its computation by hand
+(its three zero-centred norms, each from its own tensor, around transformers' decoder layer) within 1e-4."""
 
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(references, famil
 def test_the_multi_token_prediction_layer_is_kept(references, tmp_path):
     """Qwen3-Next ships one MTP layer (`mtp.fc`, its two input norms, a full-attention MoE layer, `mtp.norm`),
     which transformers neither runs nor saves. A directory holding it converts to `mtp.0.*`, builds a model that
-    reads every tensor and gives transformers' next-token logits still, and converts back bitwise."""
+    reads every tensor and gives transformers' next-token logits still, and converts back bitwise; the depth's own
+    logits are `mtp_reference_logits`' within 1e-4."""
     from safetensors.torch import load_file, save_file
 
     from shardlm.checkpoint import load_model
@@ -146,11 +148,53 @@ def test_the_multi_token_prediction_layer_is_kept(references, tmp_path):
     config, tensors = load_consolidated(converted)
     assert config.model.mtp_layers == 1 and torch.equal(tensors["model/mtp.0.eh_proj"], mtp["mtp.fc.weight"])
     model, _ = load_model(converted, ParallelContext.single())
+    tokens = ref["tokens"]
     with torch.no_grad():
-        assert (model.full_logits(model(ref["tokens"])) - ref["logits"]).abs().max() < 1e-4
+        assert (model.full_logits(model(tokens)) - ref["logits"]).abs().max() < 1e-4
+        rolled = torch.cat((tokens[:, 1:], torch.zeros_like(tokens[:, :1])), dim=1)  # depth 1 reads t_{i+1}
+        depth = model.mtp[0](model.embed(rolled, 0, None), model.hidden_states(tokens))
+        ours = model.full_logits(model.output_layer(depth))[:, :-1]
+    want = mtp_reference_logits(folder, mtp, tmp_path / "block", tokens)
+    assert want.std() > 0.1 and (ours - want).abs().max() < 1e-4, (ours - want).abs().max()
     back = load_file(str(to_hf(converted, tmp_path / "back") / "model.safetensors"))
     assert back.keys() == (weights | mtp).keys()
     assert all(torch.equal(back[name], value) for name, value in (weights | mtp).items())
+
+
+def mtp_reference_logits(folder, mtp: dict, scratch, tokens: torch.Tensor) -> torch.Tensor:
+    """The MTP depth's logits of position i (predicting t_{i+2}) for i < T - 1, computed outside shardlm, as the
+    published Qwen3-Next MTP runs (vLLM's `Qwen3NextMTP`): h = transformers' final-norm output of `tokens`,
+    e = its embedding of t_{i+1}; x = fc([norm_e(e); norm_h(h)]); the block, a full-attention MoE decoder layer
+    (transformers' own, loaded with `mtp.layers.0.*`, at positions 0..T-2 under the causal mask); then `mtp.norm`
+    and the output layer. The three norms by hand: Qwen3-Next's zero-centred RMSNorm, x / rms(x) * (1 + w), each
+    with its own tensor (`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.norm`)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3NextForCausalLM
+
+    # transformers' decoder layer 3 (full attention, MoE) with the MTP block's weights: the saved directory with
+    # layer 3's tensors replaced, loaded as transformers loads any (its per-expert tensors fused on the way in)
+    shutil.copytree(folder, scratch)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file(weights | {name.replace("mtp.layers.0.", "model.layers.3."): value for name, value in mtp.items()
+                         if name.startswith("mtp.layers.0.")}, str(scratch / "model.safetensors"))
+    hf = Qwen3NextForCausalLM.from_pretrained(folder).eval()
+    block = Qwen3NextForCausalLM.from_pretrained(scratch).eval().model.layers[3]
+    eps = hf.config.rms_norm_eps
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+    with torch.no_grad():
+        hidden = hf.model(tokens).last_hidden_state[:, :-1]
+        embedded = hf.model.embed_tokens(tokens[:, 1:])
+        x = torch.cat((norm(embedded, mtp["mtp.pre_fc_norm_embedding.weight"]),
+                       norm(hidden, mtp["mtp.pre_fc_norm_hidden.weight"])), dim=-1) @ mtp["mtp.fc.weight"].t()
+        length = x.shape[1]
+        positions = torch.arange(length).unsqueeze(0)
+        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        y = block(x, position_embeddings=hf.model.rotary_emb(x, positions), attention_mask=causal,
+                  position_ids=positions)
+        return hf.lm_head(norm(y, mtp["mtp.norm.weight"]))
 
 
 def test_a_multimodal_qwen35_directory_gives_its_language_model(references, tmp_path):
