@@ -13,14 +13,18 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   last stage's sequence losses, the reference precomputed through the stages), DP=2 with ZeRO-1, FSDP, an MoE at
   EP=2, and a LoRA run whose reference is its base (adapters off), against its own one-process run, at DP=2 and
   at PP=2 (the base's forward pass through the stages before each step);
+- the control at CP=2: each sequence's sum over CP all-reduced forward only (`sum_over` without its backward
+  all-reduce) keeps the loss but halves the first gradient norm;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
-  SimPO, ORPO, IPO and hinge train to finite losses; a summed-over-CP control without the backward all-reduce is
-  off.
+  a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
+  its loss leaves ln 2; SimPO, ORPO, IPO and hinge train to finite losses (their values:
+  `tests/test_preference_losses.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -31,7 +35,8 @@ from test_training import VOCAB
 
 from shardlm.config import from_dict
 from shardlm.models import build_model
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import ParallelContext, reduce_from_tensor_parallel
+from shardlm.preference import loss as loss_module
 from shardlm.preference.data import PairDataset, PairRows
 from shardlm.preference.loss import METRICS, PreferenceLoss, preference_parts, sequence_logps
 from shardlm.preference.pairs import TokenizedPair
@@ -109,9 +114,23 @@ def layout(tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, **config) -> dict
     return {"tp": tp, "cp": cp, "ep": ep, "pp": pp, **config}
 
 
-def run_layout(tp: int, cp: int, ep: int, pp: int, **config) -> dict:
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"forward-only CP sum": each sequence's log-probability summed over CP by the forward all-reduce alone
+    (`reduce_from_tensor_parallel`, the backward all-reduce of `sum_over`'s `copy_to_tensor_parallel` dropped)."""
+    sum_over = loss_module.sum_over
+    if control == "forward-only CP sum":
+        loss_module.sum_over = reduce_from_tensor_parallel
+    try:
+        yield
+    finally:
+        loss_module.sum_over = sum_over
+
+
+def run_layout(tp: int, cp: int, ep: int, pp: int, control: str | None = None, **config) -> dict:
     ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
-    return train_layout(ctx, preference_config(tp=tp, cp=cp, ep=ep, pp=pp, **config))
+    with broken(control):
+        return train_layout(ctx, preference_config(tp=tp, cp=cp, ep=ep, pp=pp, **config))
 
 
 WORLD2 = {
@@ -125,6 +144,7 @@ WORLD2 = {
     "dp2 lora": layout(lora=4),
     "pp2 lora": layout(pp=2, lora=4),
 }
+CONTROL = "control cp2 forward-only sum"
 WORLD4 = {
     "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
     "tp2 dp2": layout(tp=2),
@@ -137,7 +157,7 @@ def world_checks(cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2, timeout=600)
+    return run_workers(2, world_checks, WORLD2 | {CONTROL: layout(cp=2, control="forward-only CP sum")}, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +203,19 @@ def test_preference_at_four_ranks_equals_one_process(world4, reference, name):
         assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
 
 
+def test_the_cp_sum_needs_its_backward_all_reduce(world2, reference):
+    """The control: with each sequence's CP sum all-reduced forward only, every CP rank still computes the same
+    pair losses (step 1 is ln 2, the one-process loss), but each rank's tokens get the gradient of their own rank's
+    copy only, and the trainer's mean over DP x CP halves the gradient: the first gradient norm is half the
+    one-process norm (within 1e-5), where `cp2` above gives the whole."""
+    ref = reference["dense"]["curve"][0]
+    for rank, value in enumerate(check_result(world2, CONTROL)):
+        curve = value["curve"]
+        assert len(curve) == STEPS and all(math.isfinite(step[0]) for step in curve), curve
+        assert abs(curve[0][0] - ref[0]) <= TOL * ref[0], f"rank {rank}: step 1 loss {curve[0][0]} vs {ref[0]}"
+        assert abs(curve[0][1] - ref[1] / 2) <= TOL * ref[1], f"rank {rank}: grad norm {curve[0][1]} vs {ref[1]}"
+
+
 def test_the_one_process_run_starts_at_ln2_and_learns_the_preference(reference):
     """ln 2 at step 1 and on the held-out pairs before training (their own reference table: the training pairs'
     would give another number), and the preference learned, held-out pairs included."""
@@ -223,6 +256,34 @@ def test_packed_pairs_equal_each_pair_alone():
     assert rel(logps.float(), alone) < 1e-6
     alone_grads = torch.autograd.grad(alone.sum(), list(model.parameters()))
     assert max(rel(a, b) for a, b in zip(packed, alone_grads)) < 1e-5
+
+
+def test_the_lora_reference_is_the_base_after_the_adapters_moved(reference):
+    """A LoRA run's reference (adapters off) equals a plain model's log-probabilities once the adapters' B have
+    moved away from zero (at step 1, B = 0, the base and the policy agree whether or not the adapters are off, so
+    ln 2 there shows nothing): the run's recorded reference on a batch after STEPS steps equals the base weights'
+    loaded into a model without adapters, within 1e-9 (the same fp32 forward), while the policy is off by far
+    more; and the run's loss leaves ln 2 (an adapters-on reference keeps the policy's, and ln 2, every step)."""
+    ctx = ParallelContext.single()
+    trainer = Trainer(preference_config(lora=4), ctx, train_data())
+    for _ in range(STEPS):
+        trainer.train_step()
+    adapters = {k: v for k, v in trainer.model.state_dict().items() if k.endswith(".lora.B")}
+    assert adapters and min(v.abs().max().item() for v in adapters.values()) > 1e-4
+    batch = trainer.local_part(micro_batches(trainer.train_data, trainer.consumed_samples, 8, 8, 0, 1,
+                                             torch.device("cpu")))[0]
+    recorded = trainer.loss.reference_logps(trainer.model, batch)
+    plain = build_model(preference_config().model, ctx, seed=0)
+    plain.load_state_dict({k: v for k, v in trainer.model.state_dict().items() if ".lora." not in k})
+    with torch.no_grad():
+        base = sequence_logps(plain(batch["inputs"], batch["targets"], documents=batch["documents"]), batch,
+                              ctx.cp)[0]
+        policy = sequence_logps(trainer.model(batch["inputs"], batch["targets"], documents=batch["documents"]),
+                                batch, ctx.cp)[0]
+    assert (recorded - base).abs().max().item() <= 1e-9 * base.abs().max().item(), (recorded, base)
+    assert (policy - base).abs().max().item() > 1e-2, "the adapters did not move the policy off its base"
+    curve = reference["lora"]["curve"]
+    assert curve[-1][0] < math.log(2) - 0.01 and curve[-1][5] > 0.5, curve
 
 
 @pytest.mark.parametrize("loss", ["simpo", "orpo", "ipo", "hinge"])

@@ -1,0 +1,102 @@
+"""Each preference loss has the value its paper gives, on two pairs written out here and computed by hand.
+
+The fixture: two pairs' sequence log-probabilities, answer token counts and reference log-probabilities, chosen
+first. The first pair's chosen answer gains on the reference and its rejected answer loses (d = +2.5), the
+second the other way round (d = -3.75), and every answer has its own token count, so a swapped sign, a swapped
+side, a count of the wrong answer or a hinge without its clip each change a number. The expected values are
+Python `math` on the papers' formulas, not torch:
+
+- DPO (Rafailov et al.): -log sigmoid(beta d), with r = log pi - log pi_ref and d = r_chosen - r_rejected;
+- conservative DPO (cDPO, label smoothing eps): -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d);
+- IPO (Azar et al., eq. 17): (d' - 1 / (2 beta))^2, d' of each r divided by its answer's token count (as TRL
+  computes IPO);
+- hinge (SLiC, Zhao et al.): max(0, 1 - beta d);
+- SimPO (Meng et al.): -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma);
+- ORPO (Hong et al.): NLL of the chosen answer per token + lambda * -log sigmoid(log odds_c - log odds_r), odds
+  = p / (1 - p) of the per-token probability p = exp(logp / n), lambda = beta;
+and the rewards TRL logs: beta r (the reference-free losses: beta logp / n), the margin and the accuracy.
+All in fp64, within 1e-12 relative.
+
+`tests/test_preference_trl.py` runs DPO, IPO and hinge against TRL's `DPOTrainer` step by step, and checks ORPO's
+odds-ratio term on this fixture against TRL's `ORPOTrainer.odds_ratio_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardlm.config import PreferenceConfig
+from shardlm.preference.loss import pair_losses
+
+LOGPS = [[-12.0, -15.5], [-20.25, -9.0]]
+COUNTS = [[4, 7], [9, 3]]
+REFERENCE = [[-13.0, -14.0], [-18.0, -10.5]]
+BETA, GAMMA, TOL = 0.5, 0.3, 1e-12
+
+
+def log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def log_odds(mean_logp: float) -> float:
+    """log (p / (1 - p)) of p = exp(mean_logp)."""
+    return mean_logp - math.log(1 - math.exp(mean_logp))
+
+
+def by_hand(loss: str, eps: float = 0.0) -> tuple[list[float], list[tuple[float, float]]]:
+    """(each pair's loss, each pair's (chosen reward, rejected reward)) from the module docstring's formulas."""
+    losses, rewards = [], []
+    for (lc, lr), (nc, nr), (rc, rr) in zip(LOGPS, COUNTS, REFERENCE):
+        d = (lc - rc) - (lr - rr)
+        mc, mr = lc / nc, lr / nr
+        if loss == "sigmoid":
+            value = -(1 - eps) * log_sigmoid(BETA * d) - eps * log_sigmoid(-BETA * d)
+        elif loss == "ipo":
+            value = ((lc - rc) / nc - (lr - rr) / nr - 1 / (2 * BETA)) ** 2
+        elif loss == "hinge":
+            value = max(0.0, 1 - BETA * d)
+        elif loss == "simpo":
+            value = -log_sigmoid(BETA * (mc - mr) - GAMMA)
+        else:  # orpo
+            value = -mc - BETA * log_sigmoid(log_odds(mc) - log_odds(mr))
+        losses.append(value)
+        rewards.append((BETA * mc, BETA * mr) if loss in ("simpo", "orpo") else (BETA * (lc - rc), BETA * (lr - rr)))
+    return losses, rewards
+
+
+def shardlm_losses(loss: str, eps: float = 0.0):
+    cfg = PreferenceConfig(loss=loss, beta=BETA, label_smoothing=eps, simpo_gamma=GAMMA)
+    reference = None if loss in ("simpo", "orpo") else torch.tensor(REFERENCE, dtype=torch.float64)
+    return pair_losses(cfg, torch.tensor(LOGPS, dtype=torch.float64), torch.tensor(COUNTS, dtype=torch.float64),
+                       reference)
+
+
+CASES = [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0), ("simpo", 0.0), ("orpo", 0.0)]
+
+
+@pytest.mark.parametrize("loss,eps", CASES, ids=["dpo", "cdpo", "ipo", "hinge", "simpo", "orpo"])
+def test_each_loss_equals_its_formula_by_hand(loss, eps):
+    losses, metrics = shardlm_losses(loss, eps)
+    want, rewards = by_hand(loss, eps)
+    for pair, (got, expected) in enumerate(zip(losses.tolist(), want)):
+        assert abs(got - expected) <= TOL * max(1.0, abs(expected)), f"{loss} pair {pair}: {got} vs {expected}"
+    for pair, (chosen, rejected) in enumerate(rewards):
+        assert math.isclose(metrics["rewards_chosen"][pair].item(), chosen, rel_tol=TOL)
+        assert math.isclose(metrics["rewards_rejected"][pair].item(), rejected, rel_tol=TOL)
+        assert math.isclose(metrics["reward_margin"][pair].item(), chosen - rejected, rel_tol=TOL)
+        assert metrics["reward_accuracy"][pair].item() == float(chosen > rejected)
+
+
+def test_the_fixture_reaches_both_sides_of_each_loss():
+    """The fixture is not a degenerate point: the hinge is active on one pair and clipped on the other; label
+    smoothing changes DPO's value; per-token IPO differs from IPO on the summed log-ratios; the accuracy is 1 on
+    one pair and 0 on the other."""
+    hinge, _ = by_hand("hinge")
+    assert hinge[0] == 0.0 and hinge[1] > 0
+    assert all(abs(a - b) > 0.1 for a, b in zip(by_hand("sigmoid")[0], by_hand("sigmoid", 0.2)[0]))
+    summed = [((lc - rc) - (lr - rr) - 1 / (2 * BETA)) ** 2 for (lc, lr), (rc, rr) in zip(LOGPS, REFERENCE)]
+    assert all(abs(a - b) > 0.1 for a, b in zip(by_hand("ipo")[0], summed))
+    assert shardlm_losses("sigmoid")[1]["reward_accuracy"].tolist() == [1.0, 0.0]
