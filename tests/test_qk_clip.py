@@ -6,20 +6,26 @@ head's logits to tau, and every layout equals one process.
   (multi-head), Llama with grouped-query attention and sliding-window layers, multi-query Llama, gated attention,
   and MLA; plain and packed rows.
 - After `clip_qk`, the same attention layer on the same input has each clipped head's largest logit equal to tau
-  and every other head's unchanged (within 1e-5), layer by layer: the rule is exact for multi-head, grouped and
-  latent attention.
+  and every other head's unchanged (within 1e-5), layer by layer: the rule is exact for multi-head (GPT's qkv bias
+  given random values, so that it must be scaled with the weight), grouped and latent attention.
 - Under context parallelism (CP=2, zigzag parts, packed rows, a sliding window) the maxima over the CP ranks equal
   one process's.
 - Training with Muon and QK-clip (tau low enough that heads clip every step, checked on the reference): TP=2 with SP
   (split key heads), TP=2 with one key head for four query heads (replicated), TP=2 MLA, CP=2, PP=2, DP=2 and ZeRO-1
   at DP=2 equal one process within 1e-5 (4 steps' losses and gradient norms, every parameter; the step maxima
-  within 5e-5).
-- One-line errors: tau < 0, QK-norm, LoRA, FSDP.
+  within 5e-5). The PP run starts with every head's maximum planted at 1e6, as a forward that must not count (the
+  schedule's shape inference) could leave it: the stages count from the first micro-batch.
+- Controls: the reference with the clip off, and DP=2 and CP=2 with each rank clipping by its own maxima (no
+  all-reduce over DP x CP), train and end more than 1e-3 off the clipped one-process run.
+- One-line errors: tau < 0, QK-norm, LoRA, FSDP, half-precision parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -33,12 +39,13 @@ from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.documents import Documents, block_causal_mask
 from shardlm.parallel import ParallelContext
+from shardlm.parallel.comm import Communicator
 from shardlm.training.logging import RunLogger
 from shardlm.training.qk_clip import attention_layers, clip_qk, track_max_logits
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters
+from agreement import assert_trained_but_off, assert_trained_parameters
 from multiproc import check_result, run_checks, run_workers
 
 SEQ, TAU = 16, 4.0
@@ -103,6 +110,11 @@ def direct_maxima(layer, q: torch.Tensor, k: torch.Tensor, packed: bool) -> torc
 def test_tracked_maxima_are_the_logits_maxima_and_the_clip_brings_them_to_tau(kind, packed):
     ctx = ParallelContext.single()
     model = build_model(model_config(kind), ctx, seed=3)
+    with torch.no_grad():  # GPT's qkv bias starts at zero: random values, so that the clip must scale it too
+        for name, param in model.named_parameters():
+            if ".attn." in name and name.endswith("bias"):
+                param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
+    assert kind != "gpt" or all(layer.qkv.bias.abs().min() > 0 for layer in attention_layers(model))
     documents = Documents.from_offsets(OFFSETS, SEQ) if packed else None
     seen = traced_forward(model, tokens(), documents)
     layers = attention_layers(model)
@@ -139,11 +151,24 @@ def context_parallel_maxima(kind: str) -> dict:
     return out
 
 
-def train(ctx: ParallelContext, config) -> dict:
+def train(ctx: ParallelContext, config, stale_maxima: bool = False) -> dict:
+    """4 steps; `stale_maxima`: every head's maximum set to 1e6 before the first step, as a forward that must not
+    count (the pipeline schedule's shape inference on stand-in inputs) could leave it."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, batches())
-    curve = [(m["loss"], m["grad_norm"], m["max_logit"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    if stale_maxima:
+        for layer in attention_layers(trainer.model):
+            layer.max_logits.fill_(1e6)
+    curve = [(m["loss"], m["grad_norm"], m.get("max_logit", float("nan")))
+             for m in (trainer.train_step() for _ in range(STEPS))]
     return {"curve": curve, "params": stage_parameters(trainer.model)}
+
+
+def clip_unreduced(model, ctx: ParallelContext, tau: float) -> float:
+    """A control's bug: the clip without the maxima's all-reduce over DP x CP (each rank clips by its own rows)."""
+    alone = copy.copy(ctx)
+    alone.dp_cp = Communicator("alone", None, 1, 0, ctx.comm)
+    return clip_qk(model, alone, tau)
 
 
 def clip_config(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, micro: int = 2, sp: bool = False,
@@ -159,9 +184,12 @@ def clip_config(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, micr
     return config
 
 
-def run_layout(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, **keys) -> dict:
+def run_layout(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, unreduced: bool = False, **keys) -> dict:
+    """4 steps of the layout (under PP with stale maxima planted: the stages start each step's maxima from its
+    first micro-batch); `unreduced`: the control's bug, patched in this worker process for this run only."""
     ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
-    return train(ctx, clip_config(kind, tp, pp, cp, **keys))
+    with mock.patch("shardlm.training.trainer.clip_qk", clip_unreduced) if unreduced else contextlib.nullcontext():
+        return train(ctx, clip_config(kind, tp, pp, cp, **keys), stale_maxima=pp > 1)
 
 
 WORLD2 = {  # name: (reference kind, layout)
@@ -172,6 +200,8 @@ WORLD2 = {  # name: (reference kind, layout)
     "pp2 llama": ("llama", {"pp": 2, "micro": 1}),
     "dp2 llama": ("llama", {}),
     "dp2 zero1 llama": ("llama", {"data_sharding": "optimizer"}),
+    "control dp2 llama maxima unreduced": ("llama", {"unreduced": True}),
+    "control cp2 llama maxima unreduced": ("llama", {"cp": 2, "unreduced": True}),
 }
 
 
@@ -192,6 +222,12 @@ def reference():
     return {kind: train(ctx, clip_config(kind, micro=8)) for kind in ("llama", "mqa", "mla")}
 
 
+@pytest.fixture(scope="module")
+def unclipped():
+    """The llama reference's run with the clip off."""
+    return train(ParallelContext.single(), clip_config(micro=8, qk_clip=0.0))
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_context_parallel_maxima_equal_one_process(world2, kind):
     for rank, value in enumerate(check_result(world2, f"cp2 maxima {kind}")):
@@ -204,6 +240,12 @@ def test_the_reference_clips_every_step(reference):
         assert all(peak > TAU for _, _, peak in ref["curve"]), (kind, ref["curve"])
 
 
+def test_the_clip_acts_a_run_without_it_ends_off(reference, unclipped):
+    """Control: the same one-process run with the clip off trains and ends more than 1e-3 off the clipped run
+    (its query weights), so the layouts' agreement below is an agreement of clipped runs."""
+    assert_trained_but_off(unclipped["curve"], unclipped["params"], reference["llama"]["params"], STEPS, ".attn.q.")
+
+
 def test_the_step_line_and_metrics_show_the_largest_logit(tmp_path, capsys):
     trainer = Trainer(clip_config(micro=8, steps=1), ParallelContext.single(), batches())
     metrics = trainer.train_step()
@@ -214,7 +256,7 @@ def test_the_step_line_and_metrics_show_the_largest_logit(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["max_logit"] == metrics["max_logit"]
 
 
-@pytest.mark.parametrize("name", list(WORLD2))
+@pytest.mark.parametrize("name", [n for n in WORLD2 if not n.startswith("control")])
 def test_qk_clip_at_two_ranks_equals_one_process(world2, reference, name):
     ref = reference[WORLD2[name][0]]
     for rank, value in enumerate(check_result(world2, name)):
@@ -224,11 +266,20 @@ def test_qk_clip_at_two_ranks_equals_one_process(world2, reference, name):
         assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
 
 
+@pytest.mark.parametrize("name", [n for n in WORLD2 if n.startswith("control")])
+def test_the_controls_bugs_end_off_one_process(world2, reference, name):
+    """Controls: at DP=2 and CP=2 each rank clipping by its own maxima (no all-reduce over DP x CP) trains and ends
+    more than 1e-3 off one process (its query weights)."""
+    for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], reference["llama"]["params"], STEPS, ".attn.q.")
+
+
 @pytest.mark.parametrize("keys,message", [
     ({"qk_clip": -1.0}, "train.qk_clip=-1.0 must be > 0"),
     ({"qk_norm": True}, "cannot run with model.qk_norm"),
     ({"lora": True}, r"cannot run with \[lora\]"),
     ({"data_sharding": "full"}, 'cannot run with train.data_sharding="full"'),
+    ({"precision": "bf16", "param_dtype": "half"}, 'cannot run with .*train.param_dtype="half"'),
 ])
 def test_what_qk_clip_cannot_run_with_is_one_line(keys, message):
     keys = dict(keys)
