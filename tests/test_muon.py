@@ -1,20 +1,25 @@
 """Muon (`train.optimizer = "muon"`): equal to torch.optim.Muon on one process, and every layout equal to one process.
 
 - The Newton-Schulz iteration in bf16 is bitwise `torch.optim.Muon`'s, wide and tall matrices.
-- One process: a 4-layer Llama, a DeepSeek-V3-shaped MLA model and a Qwen3-MoE-shaped model (QK-norm, experts:
-  torch.optim.Muon steps each expert's matrix as a parameter of its own), 4 steps of shardlm's trainer with Muon
+- The Muon / AdamW split is the test's own, by parameter name (`split_by_name`), and shardlm's optimizer takes
+  exactly it.
+- One process: a 4-layer Llama, a DeepSeek-V3-shaped MLA model, a Qwen3-MoE-shaped model (QK-norm, experts:
+  torch.optim.Muon steps each expert's matrix as a parameter of its own) and GPT (its fused qkv cut by its
+  (heads, 3, head_dim) rows into q, k, v; each head's q, k, v; or whole), 4 steps of shardlm's trainer with Muon
   (bf16 Newton-Schulz, "original" and "match_rms_adamw" scales) against the same trainer stepping
-  `torch.optim.Muon` over the same matrices and `torch.optim.AdamW` over the rest: losses and every parameter
+  `torch.optim.Muon` over the test's matrices and `torch.optim.AdamW` over the rest: losses and every parameter
   within 1e-6 (no clipping, constant learning rate, weight decay 0.01 on both).
 - Layouts (fp32 Newton-Schulz, so only the layout's fp32 rounding differs): TP=2 with SP (GPT, whose fused qkv is
   orthogonalized as its q, k and v parts; Llama with grouped-query attention), PP=2, CP=2 and DP=2 equal one
-  process within 1e-5 (4 steps' losses and gradient norms, every parameter on every rank). Control: at TP=2
-  orthogonalizing each rank's shard alone trains and ends more than 1e-3 off.
+  process within 1e-5 (4 steps' losses and gradient norms, every parameter on every rank).
 - EP=2 and EP=2 x TP=2 with SP (each expert's matrices on their own), and LoRA runs whose adapters' A and B Muon
   trains (TP=2 with SP; EP=2 x TP=2 with expert adapters), equal one process within 1e-5 too.
 - ZeRO-1 and FSDP (DP=2: Llama, LoRA under FSDP, EP=2 MoE; DP=2 x TP=2 with SP) equal one process, each DP rank
-  orthogonalizing its matrices i mod d with the stated traffic; a ZeRO-1 save resumed under FSDP; bf16 parameters'
-  fp32 masters step bitwise as torch.optim.Muon.
+  orthogonalizing its matrices i mod d, each step one all-gather and one reduce-scatter per data group whose bytes
+  the matrices' sizes (summed by the test) bound; a ZeRO-1 save resumed under FSDP; bf16 parameters' fp32 masters
+  step bitwise as torch.optim.Muon.
+- Controls: TP=2 with each rank orthogonalizing its shard alone, and FSDP at DP=2 with each rank its own rows,
+  end more than 1e-3 off.
 - A resumed run continues bitwise (Muon's momentum is in the checkpoint); resuming it with AdamW is one line.
 """
 
