@@ -16,7 +16,7 @@
   round. The stacks have a time budget (`SCALING_BUDGET_S`, so that the section takes about 4 minutes on a quiet
   2-core CPU): a length runs fewer rounds when the next would end past it (at least one), and is skipped, with
   its projection, when even one round would (the last length's round time grown as it grew from the length
-  before, quadratically after the first). The plot `linear_attention.png` goes next to BENCHMARKS.md.
+  before, quadratically after the first). The plot is `docs/figures/linear_attention.png` (`common.FIGURES`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from shardlm.bench import hf_compare
-from shardlm.bench.common import median_cell, round_orders, summary, torch_threads
+from shardlm.bench.common import FIGURES, median_cell, round_orders, summary, torch_threads
 from shardlm.bench.hf_compare import HFModel
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
@@ -249,13 +249,13 @@ def linear_attention_bench(quick: bool, repeats: int, out_dir: Path | None = Non
     deadline = time.perf_counter() + (math.inf if quick else SCALING_BUDGET_S)
     stacks = scaling(shape, QUICK_LENGTHS if quick else LENGTHS, min(repeats, 3), deadline)
     if out_dir is not None:
-        stacks["plot"] = plot(stacks["rows"], Path(out_dir) / "linear_attention.png")
+        stacks["plot"] = plot(stacks["rows"], Path(out_dir), f"{FIGURES}/linear_attention.png")
     return {"train_vs_hf": train, "scaling": stacks}
 
 
-def plot(rows: list[dict], path: Path) -> str | None:
-    """ms per forward + backward against tokens (log-log) of both stacks; the file's name, or None without
-    matplotlib."""
+def plot(rows: list[dict], out_dir: Path, relative: str) -> str | None:
+    """ms per forward + backward against tokens (log-log) of both stacks, written to `out_dir / relative`; `relative`
+    (the link from BENCHMARKS.md in `out_dir`), or None without matplotlib."""
     try:
         import matplotlib
 
@@ -264,6 +264,7 @@ def plot(rows: list[dict], path: Path) -> str | None:
     except ImportError:
         return None
     measured = [row for row in rows if "skipped" not in row]
+    path = out_dir / relative
     path.parent.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(7, 4))
     tokens = [row["tokens"] for row in measured]
@@ -278,7 +279,7 @@ def plot(rows: list[dict], path: Path) -> str | None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return path.name
+    return relative
 
 
 def markdown_lines(d: dict) -> list[str]:

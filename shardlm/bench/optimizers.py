@@ -5,7 +5,7 @@ the shared Tiny Shakespeare text (GPT-2 BPE; its first 90% trains, the rest vali
 tokens with AdamW and with Muon (`train.optimizer = "muon"`, Moonlight's "match_rms_adamw" scale, so one learning
 rate serves Muon's matrices and AdamW's rest), each at every learning rate of a small sweep, warm-up then cosine
 decay, fp32, one process x 2 threads. Reported: each run's validation loss at the end (and at every evaluation, for
-the plot `optimizers.png`), each optimizer's best, and the median step time of each (Muon's Newton-Schulz
+the plot `docs/figures/optimizers.png`), each optimizer's best, and the median step time of each (Muon's Newton-Schulz
 iterations against AdamW's update). The runs alternate, AdamW and Muon at one learning rate after the other.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from shardlm.bench.common import summary, torch_threads
+from shardlm.bench.common import FIGURES, summary, torch_threads
 
 LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 QUICK_LEARNING_RATES = (3e-3,)
@@ -86,12 +86,13 @@ def optimizers_bench(quick: bool, out_dir: Path | None = None) -> dict:
         "step_ms_ratio_muon_over_adamw": best["muon"][1]["step_ms"]["median"] / best["adamw"][1]["step_ms"]["median"],
     }
     if out_dir is not None:
-        result["plot"] = plot(runs, Path(out_dir) / "optimizers.png")
+        result["plot"] = plot(runs, Path(out_dir), f"{FIGURES}/optimizers.png")
     return result
 
 
-def plot(runs: dict, path: Path) -> str | None:
-    """Validation loss against step for every run; the file's name, or None without matplotlib."""
+def plot(runs: dict, out_dir: Path, relative: str) -> str | None:
+    """Validation loss against step for every run, written to `out_dir / relative`; `relative` (the link from
+    BENCHMARKS.md in `out_dir`), or None without matplotlib."""
     try:
         import matplotlib
 
@@ -99,6 +100,7 @@ def plot(runs: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    path = out_dir / relative
     path.parent.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, style in (("adamw", "--"), ("muon", "-")):
@@ -111,7 +113,7 @@ def plot(runs: dict, path: Path) -> str | None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return path.name
+    return relative
 
 
 def markdown_lines(r: dict) -> list[str]:

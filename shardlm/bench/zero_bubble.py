@@ -11,8 +11,8 @@ start and end on the machine's monotonic clock, which both processes share). Fro
   schedule without the split gives its whole backward, halved for the replay, whose order does not separate
   them) go into `shardlm.plan.schedule_sim.simulate`, which replays PyTorch's own order of the schedule:
   its makespan and bubble are what the schedule promises for those costs, with free transfers.
-The timed figure is the median step time over `repeats` steps. `pipeline_timelines.png` draws the recorded
-step of each schedule, one row per rank.
+The timed figure is the median step time over `repeats` steps. `docs/figures/pipeline_timelines.png` draws the
+recorded step of each schedule, one row per rank.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.bench.common import BenchShape
+from shardlm.bench.common import FIGURES, BenchShape
 
 SHAPE = BenchShape(num_layers=8, hidden_size=256, num_heads=4, seq_length=256, micro_batch=2, vocab_size=4096)
 QUICK_SHAPE = BenchShape(num_layers=4, hidden_size=64, num_heads=4, seq_length=64, micro_batch=2, vocab_size=512)
@@ -105,12 +105,13 @@ def zero_bubble_schedules(quick: bool = False, repeats: int = 5, out_dir: str | 
         del row["origin"]
     return {"config": shape.describe() + f"; PP=2 as 2 processes x 1 thread, m = {m} micro-batches; step time the "
             "median of the timed steps, the rest from one recorded step.", "rows": rows,
-            "plot": plot(drawn, Path(out_dir) / "pipeline_timelines.png")}
+            "plot": plot(drawn, Path(out_dir), f"{FIGURES}/pipeline_timelines.png")}
 
 
-def plot(drawn: dict, path: Path) -> str:
+def plot(drawn: dict, out_dir: Path, relative: str) -> str:
     """One panel per schedule, one row per rank, a bar per action coloured by its kind and labelled with its
-    micro-batch (second stage of a rank hatched)."""
+    micro-batch (second stage of a rank hatched), written to `out_dir / relative`; returns `relative` (the link from
+    BENCHMARKS.md in `out_dir`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,10 +135,11 @@ def plot(drawn: dict, path: Path) -> str:
     figure.legend(handles, ["forward", "whole backward", "input gradient", "weight gradient"], loc="upper right",
                   ncol=4, fontsize=8)
     figure.tight_layout(rect=(0, 0, 1, 0.96))
+    path = out_dir / relative
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return path.name
+    return relative
 
 
 def markdown_lines(result: dict) -> list[str]:
