@@ -13,9 +13,14 @@ gathered from every rank (data-parallel replicas and the tied embedding's copies
 - world 4: PP=4 under each schedule; PP=2 x TP=2 with sequence parallelism (GPT and the MTP model); PP=2 x DP=2
   with ZeRO-1 (the fp32 gradient buffer filled by the weight step) and with FSDP (GPT and Llama); an MoE with
   EP=2 over the data-parallel ranks;
-- recomputation: every rank's layers (full) or attention cores (selective) ran at least twice per micro-batch
-  and step; with dropout 0.1 and full recomputation, a run resumed from a checkpoint under ZB-V and DualPipeV is
-  bitwise the uninterrupted one (the split backward recomputes each block twice);
+- recomputation: every rank's layers (full) or attention cores (selective) ran exactly as often as
+  docs/pipeline.md counts (`expected_calls`); with dropout 0.1 and full recomputation, ZB-V, DualPipeV and
+  interleaved zero bubble (V = 2) train bitwise as the same run without recomputation, and a run resumed from a
+  checkpoint is bitwise the uninterrupted one (the split backward recomputes each block more than once, so the RNG
+  context is re-entered);
+- evaluation and DPO's reference pass under the V (`ForwardOnlyV`): the packed SFT model's validation loss under
+  DualPipeV too, and a Llama's DPO reference log-probabilities of every training and held-out pair under ZB-V and
+  DualPipeV, with the validation loss before and after and 4 steps of training, equal one process (within 1e-5);
 - controls: PyTorch's split steps over the stage module's own parameters only (as `PipelineStage` does) leave the
   last stage's final norm and output layer untrained, and the weight step without the flush into `main_grad`
   loses ZeRO-1's gradients: the checks above fail both;
@@ -32,16 +37,24 @@ import pytest
 import torch
 from test_fsdp_pipeline import pp_config as fsdp_config
 from test_memory import count_forwards
-from test_moe_parallel import full_parameters, moe_config
+from test_moe_parallel import full_parameters, moe_config, stage_parameters
 from test_mtp_pipeline import deepseek_config, packed_config
-from test_pipeline import assert_resume_is_bitwise, resume_run, with_dropout
+from test_pipeline import assert_resume_is_bitwise, resume_run, whole_model, with_dropout
 from test_pipeline import pp_config as gpt_config
+from test_pipeline import train as train_gpt
+from test_preference_layouts import STEPS as PREFERENCE_STEPS
+from test_preference_layouts import assert_matches as assert_preference_matches
+from test_preference_layouts import preference_config
+from test_preference_layouts import train_data as pairs
+from test_preference_layouts import valid_data as valid_pairs
 from test_sft_layouts import train_data as sft_rows
 from test_sft_layouts import valid_data as sft_valid_rows
 from test_training import synthetic_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.parallel import ParallelContext
+from shardlm.preference.loss import METRICS
+from shardlm.preference.reference import precompute_reference
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -89,8 +102,8 @@ def train(ctx: ParallelContext, config, rows: bool = False, load: str | None = N
           steps: int = STEPS) -> dict:
     """(loss, gradient norm, MTP loss, MoE aux loss) of each step up to `steps` (from a checkpoint's step with
     `load`), the validation loss with packed `rows`, and every parameter of every stage, merged over the world;
-    with recomputation, this rank's calls of its layers and attention cores (`count_forwards`), with the forwards
-    a step runs without recomputation (micro-batches x layers)."""
+    with recomputation, this rank's calls of its layers and attention cores (`count_forwards`) and the step's
+    micro-batch count."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, sft_rows() if rows else synthetic_data(), sft_valid_rows() if rows else None)
     counts = count_forwards(trainer.model) if config.train.recompute != "none" else None
@@ -107,7 +120,7 @@ def train(ctx: ParallelContext, config, rows: bool = False, load: str | None = N
     return {"curve": [(m["loss"], m["grad_norm"], m.get("mtp_loss", 0.0), m.get("moe_aux_loss", 0.0))
                       for m in metrics],
             "valid": trainer.evaluate() if rows else None, "params": params, "counts": counts,
-            "forwards_per_step": trainer.accumulation * len(trainer.model.layers)}
+            "micro_batches": trainer.accumulation}
 
 
 # what each case is compared with: the same model in one process, at the same micro-batch size
@@ -128,6 +141,7 @@ CASES = {
     "mtp dualpipev": (mtp(micro=2, schedule="dualpipev"), "mtp m2", 2),
     "mtp interleaved-zb": (mtp(schedule="interleaved-zb"), "mtp m4", 2),
     "packed mtp zbv": (packed(schedule="zbv"), "packed m2", 2),
+    "packed mtp dualpipev": (packed(schedule="dualpipev"), "packed m2", 2),
     # world 4
     "pp4 gpt zbv": (gpt(pp=4, micro=2, schedule="zbv"), "gpt m2", 4),
     "pp4 gpt dualpipev": (gpt(pp=4, micro=1, schedule="dualpipev"), "gpt m1", 4),
@@ -203,11 +217,48 @@ def resume_under_another_schedule(directory: str) -> dict:
     return train(ctx, gpt(schedule="zbv"), load=str(step))
 
 
+DROPOUT_SCHEDULES = {"zbv": (1, 1), "dualpipev": (1, 1), "interleaved-zb": (2, 2)}  # schedule: (virtual, micro)
+
+
 def resume_with_dropout(directory: str, schedule: str) -> dict:
-    """Dropout 0.1 and full recomputation: 3 steps, save, a new trainer loads and runs on, against the
-    uninterrupted run (`test_pipeline.resume_run`)."""
-    config = with_dropout(gpt(micro=1, schedule=schedule), recompute="full")
-    return resume_run(ParallelContext.from_process_group(1, pipeline_parallel=2), config, f"{directory}/{schedule}")
+    """Dropout 0.1 and full recomputation (8 micro-batches, 4 with V = 2): 3 steps, save, a new trainer loads and
+    runs on, against the uninterrupted run (`test_pipeline.resume_run`); and the same run without recomputation
+    ("without": its curve and final parameters)."""
+    ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
+    virtual, micro = DROPOUT_SCHEDULES[schedule]
+    config = with_dropout(gpt(micro=micro, schedule=schedule, virtual=virtual), recompute="full")
+    run = resume_run(ctx, config, f"{directory}/{schedule}")
+    ctx.rng = None
+    curve, trainer = train_gpt(ctx, with_dropout(gpt(micro=micro, schedule=schedule, virtual=virtual)))
+    return run | {"without": (curve, whole_model(ctx, trainer))}
+
+
+PREFERENCE_LAYERS = 4  # 2 stages a rank on PP=2
+
+
+def preference(pp: int = 1, schedule: str = "1f1b"):
+    """Sigmoid DPO of `test_preference_layouts` on a 4-layer Llama (micro-batch 2: 4 micro-batches a step)."""
+    config = preference_config(pp=pp)
+    config.model.num_layers, config.parallel.pipeline_schedule = PREFERENCE_LAYERS, schedule
+    return config
+
+
+def preference_run(ctx: ParallelContext, config) -> dict:
+    """DPO with the reference precomputed by the starting weights: the reference log-probabilities of every
+    training and held-out pair (`precompute_reference`, through the stages), the validation loss before and after
+    PREFERENCE_STEPS steps, the curve and every parameter."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, pairs(), valid_pairs())
+    tables = {"train": precompute_reference(trainer, trainer.train_data),
+              "valid": precompute_reference(trainer, trainer.valid_data)}
+    trainer.loss.tables = tables
+    valid = [trainer.evaluate()]
+    curve = []
+    for _ in range(PREFERENCE_STEPS):
+        m = trainer.train_step()
+        curve.append((m["loss"], m["grad_norm"], *(m[k] for k in METRICS)))
+    valid.append(trainer.evaluate())
+    return {"tables": tables, "curve": curve, "valid": valid, "params": stage_parameters(trainer.model)}
 
 
 def world2_checks(directory: str) -> dict:
@@ -215,6 +266,9 @@ def world2_checks(directory: str) -> dict:
     return run_checks(checks | {"stage parameters only": stage_parameters_only,
                                 "1f1b to zbv": lambda: resume_under_another_schedule(directory),
                                 **{f"resume {s} with dropout": lambda s=s: resume_with_dropout(directory, s)
+                                   for s in DROPOUT_SCHEDULES},
+                                **{f"preference {s}": lambda s=s: preference_run(
+                                    ParallelContext.from_process_group(1, pipeline_parallel=2), preference(2, s))
                                    for s in ("zbv", "dualpipev")}})
 
 
@@ -229,6 +283,11 @@ def world4_checks() -> dict:
 def reference() -> dict:
     ctx = ParallelContext.single()
     return {key: train(ctx, make(), rows=key.startswith("packed")) for key, make in REFERENCES.items()}
+
+
+@pytest.fixture(scope="module")
+def preference_reference() -> dict:
+    return preference_run(ParallelContext.single(), preference())
 
 
 @pytest.fixture(scope="module")
@@ -266,21 +325,77 @@ def test_four_rank_zero_bubble_layouts_equal_one_process(world4, reference, name
         assert_same_run(value, reference[CASES[name][1]], f"{name} rank {rank}")
 
 
-@pytest.mark.parametrize("name,counted", [("gpt zbv full recompute", "layer"),
-                                          ("gpt dualpipev selective recompute", "core"),
-                                          ("gpt interleaved-zb v2 full recompute", "layer")])
-def test_recomputation_reran_the_forwards(world2, name, counted):
-    """Each layer (full) or attention core (selective) ran at least twice per micro-batch and step on every rank:
-    its forward and its recomputation in the split backward."""
+WEIGHT_GROUPS = 6
+"""Where a GPT layer's weights meet its input's path: ln_1, attn.qkv, attn.proj, ln_2, mlp.fc, mlp.proj (each
+module's weight and bias at one node). PyTorch's weight step runs one autograd call per such group."""
+
+
+def expected_calls(rank: int, micro_batches: int, recompute: str) -> tuple[int, int]:
+    """(layer calls, attention-core calls) on `rank` of the 8-layer GPT at PP=2 with 2 stages a rank (4 stages of 2
+    layers; rank 0 holds stage 0, under the V and interleaved alike), over STEPS steps, as docs/pipeline.md counts
+    them. A block runs once forward; its backward reruns it once per autograd call that needs what it saved. Full
+    recomputation: the input step (1 call) and the weight step (WEIGHT_GROUPS calls) on every stage but the
+    first, whose input needs no gradient, so its whole backward is one call in its weight step. Selective: the
+    attention core holds no weight, so only the input step (the first stage: its one backward) reruns it. The
+    schedule's first step also runs each stage forward once on stand-in tensors, and backward (one call) on every
+    stage but the first."""
+    layers, first = 2, 1 if rank == 0 else 0  # stage 0's layers on this rank: `first` x 2
+    backward_calls = {"full": 1 + WEIGHT_GROUPS, "selective": 1}[recompute]  # on a stage other than the first
+    per_micro_batch = layers * (first * 2 + (2 - first) * (1 + backward_calls))  # core or whole layer, rerun
+    shapes = layers * (2 + (2 - first))  # the stand-in forward of both stages, backward of the non-first
+    recomputed = STEPS * micro_batches * per_micro_batch + shapes
+    forwards = STEPS * micro_batches * 2 * layers + 2 * layers
+    return (recomputed, recomputed) if recompute == "full" else (forwards, recomputed)
+
+
+@pytest.mark.parametrize("name,recompute", [("gpt zbv full recompute", "full"),
+                                            ("gpt dualpipev selective recompute", "selective"),
+                                            ("gpt interleaved-zb v2 full recompute", "full")])
+def test_recomputation_reruns_each_block_as_documented(world2, name, recompute):
+    """Every rank's layer calls and attention-core calls equal `expected_calls` exactly: a fully recomputed GPT
+    layer off the first stage runs 1 + 1 + 6 = 8 times per micro-batch, on the first stage 2 times; a selectively
+    recomputed core 2 times everywhere."""
     for rank, value in enumerate(check_result(world2, name)):
-        assert value["counts"][counted] >= 2 * STEPS * value["forwards_per_step"], (rank, value["counts"])
+        counts = (value["counts"]["layer"], value["counts"]["core"])
+        assert counts == expected_calls(rank, value["micro_batches"], recompute), (rank, value["counts"])
+
+
+@pytest.mark.parametrize("schedule", list(DROPOUT_SCHEDULES))
+def test_resume_with_dropout_and_recomputation_is_bitwise(world2, schedule):
+    """The split backward recomputes each block more than once; the resumed run still draws the uninterrupted one's
+    masks."""
+    for value in check_result(world2, f"resume {schedule} with dropout"):
+        assert_resume_is_bitwise(value)
+
+
+@pytest.mark.parametrize("schedule", list(DROPOUT_SCHEDULES))
+def test_recomputation_with_dropout_is_bitwise_the_run_without(world2, schedule):
+    """Dropout 0.1 (residual: the default generator; attention probabilities: the model-parallel tracker's):
+    every recomputation in the input and weight steps draws the forward's masks, so full recomputation changes
+    no bit of the losses, gradient norms and final parameters."""
+    for rank, value in enumerate(check_result(world2, f"resume {schedule} with dropout")):
+        curve, params = value["without"]
+        assert value["uninterrupted"] == curve, f"rank {rank}"
+        assert params.keys() == value["final"].keys()
+        for name, param in params.items():
+            assert torch.equal(value["final"][name], param), f"rank {rank}: {name}"
+        assert curve[-1][0] < curve[0][0] and len(curve) > 1  # it trained
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_resume_with_dropout_and_recomputation_is_bitwise(world2, schedule):
-    """The split backward recomputes each block twice; the resumed run still draws the uninterrupted one's masks."""
-    for value in check_result(world2, f"resume {schedule} with dropout"):
-        assert_resume_is_bitwise(value)
+def test_dpo_reference_pass_under_the_v_equals_one_process(world2, preference_reference, schedule):
+    """`ForwardOnlyV` runs each rank's two stages in turn; the last stage (rank 0's second) records each
+    micro-batch's sequence log-probabilities for the pairs of that micro-batch. The tables of the training and
+    held-out pairs equal one process's within 1e-6 relative (sums of about 10 fp32 token log-probabilities of a
+    few nats each); then DPO trains as one process does (`test_preference_layouts.assert_matches`)."""
+    ref = preference_reference
+    for rank, value in enumerate(check_result(world2, f"preference {schedule}")):
+        for split, table in value["tables"].items():
+            want = ref["tables"][split]
+            assert table.shape == want.shape and (want != 0).all(), split
+            error = ((table - want).abs() / want.abs()).max().item()
+            assert error <= 1e-6, f"rank {rank} {split}: {error:.1e}"
+        assert_preference_matches(value, ref, f"preference {schedule} rank {rank}")
 
 
 def test_a_1f1b_checkpoint_resumes_under_zbv(world2, reference):
