@@ -11,7 +11,12 @@ every parameter on every rank - adapters trained, the base bitwise unchanged fro
   whose k/v adapters are "replicated rows"; Llama with the output layer and final norm trained in full,
   `modules_to_save`), PP=2 x 2 virtual stages (Llama; GPT with its tied embedding trained in full, so both
   stages' copies get the summed gradient), CP=2 (Llama), DP=2 (GPT), FSDP DP=2 (Llama: frozen and trainable
-  parameters sharded in one module);
+  parameters sharded in one module); MoE at EP=2, TP=2 with SP; MLA at TP=2, TP=2 with SP, CP=2; adapter dropout
+  0.1 at TP=2 with SP, against one process whose row adapters draw their masks as TP=2's ranks do (the documented
+  rule: each rank's model-parallel generator; a plain one-process run ends more than 1e-3 off); DeepSeek-V3
+  routing at EP=2 with its expert biases started non-zero and kept bitwise (a LoRA run's router is frozen); the
+  Qwen3-Next / Qwen3.5 hybrid (Gated DeltaNet and gated full attention) at TP=2 with SP with q and k adapted too,
+  its parameters within `HYBRID_TOL` (2e-5; why there);
 - world 4: TP=2 x DP=2 with SP and the distributed optimizer (ZeRO-1), PP=2 x DP=2 (GPT), CP=2 x TP=2 with SP;
 - the control: TP=2 with SP with the adapters' replicated factors no longer summed over TP (column layers' A,
   row layers' B) trains, and ends more than 1e-3 away;
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from test_linear_attention_layouts import hybrid_sft_config
 from test_mla_parallel import MLA
 from test_moe_parallel import ROUTING, stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
@@ -43,7 +50,11 @@ LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
 
 def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                 sp: bool = False, virtual: int = 1, kv_heads: int = 2, save: tuple = (), moe: bool = False,
-                mla: bool = False, lora: dict | None = None, **train):
+                mla: bool = False, lora: dict | None = None, routing: str = "mixtral", hybrid: bool = False, **train):
+    if hybrid:  # Gated DeltaNet and gated full attention (`test_linear_attention.HYBRID`), every projection adapted
+        config = hybrid_sft_config(lora=LORA["rank"], micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, **train)
+        config.lora.alpha, config.lora.targets = LORA["alpha"], LORA["targets"]
+        return config
     model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
              "vocab_size": VOCAB, "dropout": 0.0}
     if arch == "llama":
@@ -55,7 +66,7 @@ def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp:
         # norms, which `test_lora_peft` covers, make some adapter gradients cancel to rounding noise: 1e-5 would then
         # measure the CPU kernels' summation order, as on AVX2 it does)
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
-                  **ROUTING["mixtral"]}
+                  **ROUTING[routing]}
         lora = {"targets": ["all-linear", "experts"], **(lora or {})}
     schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
     return from_dict({
@@ -78,13 +89,55 @@ def unsum_replicated_factors(model) -> None:
                     del param.sequence_parallel
 
 
-def train_layout(ctx: ParallelContext, config, broken: bool = False) -> dict:
+def start_expert_biases(trainer) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing as a base would bring it: every expert bias non-zero."""
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if name.endswith("router.expert_bias"):
+                param.copy_(torch.linspace(-0.2, 0.2, param.numel()))
+
+
+def draw_row_masks_as_tp2(trainer) -> None:
+    """One process drawing its row adapters' dropout masks as TP=2 does by the documented rule
+    (`shardlm.parallel.random`): rank r's half of the input columns from rank r's model-parallel generator,
+    seeded seed + 2718 + r, in the order the adapters run. Column adapters keep the default generator."""
+    seed = trainer.config.train.seed
+    states = [torch.Generator().manual_seed(seed + 2718 + rank).get_state() for rank in range(2)]
+
+    def dropped_for(adapter: LoRA):
+        def dropped(x: torch.Tensor) -> torch.Tensor:
+            if not (adapter.training and adapter.dropout > 0):
+                return x
+            halves = []
+            for rank, half in enumerate(x.chunk(2, dim=-1)):
+                outside = torch.get_rng_state()
+                torch.set_rng_state(states[rank])
+                try:
+                    halves.append(F.dropout(half.contiguous(), adapter.dropout, True))
+                finally:
+                    states[rank] = torch.get_rng_state()
+                    torch.set_rng_state(outside)
+            return torch.cat(halves, dim=-1)
+        return dropped
+
+    rows = [module for module in trainer.model.modules() if isinstance(module, LoRA) and module.kind == "row"]
+    assert rows
+    for adapter in rows:
+        adapter._dropped = dropped_for(adapter)
+
+
+PREPARE = {"expert bias": start_expert_biases, "tp2 row masks": draw_row_masks_as_tp2}
+
+
+def train_layout(ctx: ParallelContext, config, broken: bool = False, prepare: str | None = None) -> dict:
     """Curve (loss, gradient norm) of STEPS steps, the validation loss, every parameter (all stages) before and
-    after, and which of them trained."""
+    after, and which of them trained. `prepare`: a `PREPARE` step run on the trainer before the first step."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
     if broken:
         unsum_replicated_factors(trainer.model)
+    if prepare:
+        PREPARE[prepare](trainer)
     start = stage_parameters(trainer.model)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
     trained = sorted({n for n, p in trainer.model.named_parameters() if p.requires_grad})
@@ -96,9 +149,10 @@ def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict
     return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, broken: bool = False, **config) -> dict:
+def run_layout(tp: int, pp: int, cp: int, ep: int, broken: bool = False, prepare: str | None = None,
+               **config) -> dict:
     ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
-    return train_layout(ctx, lora_config(tp=tp, pp=pp, cp=cp, ep=ep, **config), broken)
+    return train_layout(ctx, lora_config(tp=tp, pp=pp, cp=cp, ep=ep, **config), broken, prepare)
 
 
 WORLD2 = {  # name: (the one-process reference it equals, the layout)
@@ -116,7 +170,11 @@ WORLD2 = {  # name: (the one-process reference it equals, the layout)
     "tp2 sp mla": ("mla", layout(arch="llama", mla=True, tp=2, sp=True)),
     "tp2 mla": ("mla", layout(arch="llama", mla=True, tp=2)),
     "cp2 mla": ("mla", layout(arch="llama", mla=True, cp=2)),
+    "tp2 sp llama dropout": ("llama dropout", layout(tp=2, sp=True, arch="llama", lora={"dropout": 0.1})),
+    "ep2 moe expert bias": ("moe bias", layout(arch="llama", moe=True, ep=2, routing="deepseek",
+                                               prepare="expert bias")),
 }
+HYBRID = {"tp2 sp hybrid": ("hybrid", layout(tp=2, sp=True, hybrid=True))}
 CONTROL = {"control tp2 sp llama unsummed": ("llama", layout(tp=2, sp=True, arch="llama", broken=True))}
 WORLD4 = {
     "zero tp2 dp2 sp llama": ("llama", layout(tp=2, sp=True, arch="llama", distributed_optimizer=True)),
@@ -127,7 +185,10 @@ WORLD4 = {
 }
 REFERENCES = {"gpt": {}, "llama": {"arch": "llama"}, "llama kv1": {"arch": "llama", "kv_heads": 1},
               "llama save": {"arch": "llama", "save": ("output", "norm")}, "gpt save": {"save": ("embedding",)},
-              "moe": {"arch": "llama", "moe": True, "micro": 2}, "mla": {"arch": "llama", "mla": True}}
+              "moe": {"arch": "llama", "moe": True, "micro": 2}, "mla": {"arch": "llama", "mla": True},
+              "llama dropout": {"arch": "llama", "micro": 2, "lora": {"dropout": 0.1}, "prepare": "tp2 row masks"},
+              "moe bias": {"arch": "llama", "moe": True, "micro": 2, "routing": "deepseek", "prepare": "expert bias"},
+              "hybrid": {"hybrid": True}}
 
 
 def world_checks(cases: dict) -> dict:
@@ -136,7 +197,7 @@ def world_checks(cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2 | CONTROL, timeout=600)
+    return run_workers(2, world_checks, WORLD2 | CONTROL | HYBRID, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -149,15 +210,20 @@ def reference():
     """One process for each model kind, at micro-batch 8 (one micro-batch per step); the MoE at the layouts'
     micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing."""
     ctx = ParallelContext.single()
-    return {kind: train_layout(ctx, lora_config(**({"micro": 8} | spec))) for kind, spec in REFERENCES.items()}
+    return {kind: train_layout(ctx, lora_config(**({"micro": 8} | without(spec, "prepare"))),
+                               prepare=spec.get("prepare")) for kind, spec in REFERENCES.items()}
 
 
-def assert_matches(value: dict, ref: dict, where: str) -> None:
+def without(spec: dict, key: str) -> dict:
+    return {k: v for k, v in spec.items() if k != key}
+
+
+def assert_matches(value: dict, ref: dict, where: str, tol: float = TOL) -> None:
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} step {step}: loss {loss} vs {ref_loss}"
         assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{where} step {step}: grad norm {norm} vs {ref_norm}"
     assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+    assert_trained_parameters(value["params"], ref["params"], STEPS, tol, where)
     assert (value["count"].trainable, value["count"].total) == (ref["count"].trainable, ref["count"].total), where
     frozen = [n for n in value["params"] if ".lora." not in n and not any(n in t for t in value["trained"])]
     assert frozen and all(torch.equal(value["params"][n], value["start"][n]) for n in frozen), f"{where}: base moved"
@@ -173,6 +239,55 @@ def test_lora_at_two_ranks_equals_one_process(world2, reference, name):
 def test_lora_at_four_ranks_equals_one_process(world4, reference, name):
     for rank, value in enumerate(check_result(world4, name)):
         assert_matches(value, reference[WORLD4[name][0]], f"{name} rank {rank}")
+
+
+HYBRID_TOL = 2e-5
+"""The hybrid's final parameters: its q and k adapters feed L2 norms (Gated DeltaNet) and RMS norms (gated
+attention's q/k norms), whose backward removes the gradient's part along the normed vector, so some of those
+adapters' gradient elements cancel to rounding noise that AdamW still moves by a whole step. Measured worst
+(`trained_rel`, layers.2.attn.k.lora.B or the MLP's): 3.9e-6 with AVX-512 kernels, 1.9e-6 with
+ATEN_CPU_CAPABILITY=avx2; the bound leaves 5x for other CPUs' summation orders. A real error (a missing TP sum,
+a wrong shard) is 1e-3 or more."""
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_lora_with_q_and_k_at_two_ranks_equals_one_process(world2, reference):
+    """Qwen3-Next / Qwen3.5's Gated DeltaNet and gated full attention with adapters on every projection, q and k
+    of both kinds of layer included: TP=2 with SP equals one process (losses, gradient norms, validation within
+    1e-5; parameters within `HYBRID_TOL`)."""
+    ref = reference["hybrid"]
+    # layers 0 and 2 are Gated DeltaNet, 1 and 3 gated full attention: q and k adapted in each
+    assert {f"layers.{i}.attn.{p}.lora.{f}" for i in range(4) for p in "qk" for f in "AB"} <= ref["params"].keys()
+    for rank, value in enumerate(check_result(world2, "tp2 sp hybrid")):
+        assert_matches(value, ref, f"tp2 sp hybrid rank {rank}", HYBRID_TOL)
+
+
+@pytest.mark.timeout(600)
+def test_dropout_at_tp2_is_the_documented_masks(world2, reference):
+    """Adapter dropout 0.1 at TP=2 with SP equals one process (within 1e-5) whose row adapters (o, down) draw
+    rank r's half of their input columns from rank r's model-parallel generator, as TP=2 does; its column adapters
+    (q, k, v, gate, up) draw from the default generator as TP=2's do, the same mask on both ranks. A plain
+    one-process run cannot be equal: its row adapters draw one mask over all columns from one generator. The TP=2
+    run trains and ends more than 1e-3 off that plain run."""
+    plain = train_layout(ParallelContext.single(), lora_config(arch="llama", micro=2, lora={"dropout": 0.1}))
+    for value in check_result(world2, "tp2 sp llama dropout"):
+        assert_trained_but_off(value["curve"], value["params"], plain["params"], STEPS, ".lora.")
+
+
+@pytest.mark.timeout(600)
+def test_lora_keeps_the_expert_biases_of_aux_loss_free_routing(world2, reference):
+    """DeepSeek-V3's routing (sigmoid scores, groups, a shared expert, expert biases moved after each step in full
+    training) with adapters on every projection and expert: the biases, started non-zero, stay bitwise as they
+    started on every rank and in one process (a LoRA run's router is the frozen base's), and EP=2 equals one
+    process within 1e-5 (`test_lora_at_two_ranks_equals_one_process`)."""
+    ref = reference["moe bias"]
+    biases = [n for n in ref["params"] if n.endswith("router.expert_bias")]
+    assert biases and all(ref["start"][n].abs().min() > 0 for n in biases)
+    for value in [ref, *check_result(world2, "ep2 moe expert bias")]:
+        moved = [n for n in biases if not torch.equal(value["params"][n], value["start"][n])]
+        assert not moved, f"expert biases moved in a LoRA run: {moved}"
+        assert all(torch.equal(value["start"][n], ref["start"][n]) for n in biases)
+        assert not any(n in trained for n in biases for trained in value["trained"])
 
 
 def test_unsummed_replicated_factors_fail(world2, reference):

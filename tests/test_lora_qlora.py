@@ -192,6 +192,7 @@ def nearest_statistics_codes(weight: torch.Tensor, state) -> torch.Tensor:
     return (scaled.reshape(-1, 1).double() - state.state2.code.double()).abs().argmin(dim=1).to(torch.uint8)
 
 
+@pytest.mark.timeout(600)
 def test_each_tp_rank_stores_bitsandbytes_quantization_of_its_shard(world2):
     """At TP=2 each rank's stored NF4 codes, block maxima of the statistics and offset are bitwise bitsandbytes'
     `quantize_4bit` of exactly that rank's shard of the full-precision weight (cut here from a one-process
