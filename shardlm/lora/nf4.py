@@ -1,6 +1,7 @@
 """QLoRA's frozen base: weights stored as 4-bit NormalFloat (NF4) with double quantization, dequantized in the
 forward (Dettmers et al. 2023, "QLoRA", section 3), in the layout bitsandbytes uses, so its values equal
-`bitsandbytes.functional.quantize_4bit(w, quant_type="nf4", compress_statistics=True)`'s on the CPU.
+`bitsandbytes.functional.quantize_4bit(w, quant_type="nf4", compress_statistics=True)`'s on the CPU, except the
+rare statistics code where that kernel's search misses the nearest value of the map (here always the nearest).
 
 - NF4: the 16 values of the paper's Appendix E (quantiles of a standard normal, rescaled to [-1, 1], with an exact
   zero). A weight is flattened and cut into blocks of 64; each block is divided by its absolute maximum and each
