@@ -15,6 +15,11 @@ Each of 3 steps' loss, chosen and rejected rewards and margin, and the first ste
 1e-5 relative (the rewards within 1e-5 absolute, or 1e-6 of the log-probabilities they come from where that is
 larger: `assert_follows`); the first loss is ln 2.
 
+IPO and hinge: at the end of those 3 steps (the policy off its reference, the two sides' weights equal to
+rounding), shardlm's IPO and hinge losses of the first step's pairs equal TRL's `DPOTrainer` loss with
+`loss_type` "ipo" and "hinge" on the same trained trainer, within 1e-5 relative. ORPO's odds-ratio term equals
+TRL's `ORPOTrainer.odds_ratio_loss` on the two pairs of `tests/test_preference_losses.py`.
+
 The reference-free SimPO against TRL's `CPOTrainer` with `loss_type="simpo"` and `cpo_alpha=0` (TRL's SimPO, in
 `trl.experimental.cpo`): the same pairs as plain text (the prompt rendered by the chat template with its generation
 prompt, the answers' text, which both sides end with the end-of-turn token), beta 2, gamma 0.5: the same losses,
@@ -26,6 +31,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,7 +46,9 @@ transformers = import_or_skip("transformers")
 from shardlm.bench.common import uncached_datasets  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
 from shardlm.preference.dolly import dolly_pairs  # noqa: E402
+from shardlm.preference.loss import PreferenceLoss  # noqa: E402
 from shardlm.sft.template import ChatTemplate  # noqa: E402
+from shardlm.training.data import micro_batches  # noqa: E402
 from shardlm.training.run import train  # noqa: E402
 
 SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 320, 2, 3, 1e-3, 0.1, 1e-5
@@ -73,9 +82,9 @@ def setup(tmp_path_factory, data_dir):
     return {"root": root, "hf": root / "hf", "records": root / "pairs.jsonl", "pairs": pairs}
 
 
-def trl_logs(trainer_class, args, records: list[dict], hf) -> list[dict]:
+def trl_logs(trainer_class, args, records: list[dict], hf) -> dict:
     """Train `trainer_class` (a TRL trainer) on `records` in order, as `sft.shuffle=false` reads them, from the
-    directory `hf`; its logged steps."""
+    directory `hf`: {"steps": its logged steps, "trainer": the trainer}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     class InOrder(trainer_class):
@@ -91,14 +100,15 @@ def trl_logs(trainer_class, args, records: list[dict], hf) -> list[dict]:
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     with uncached_datasets():
-        InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
-                processing_class=AutoTokenizer.from_pretrained(hf), callbacks=[Record()]).train()
-    return collected
+        trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                          processing_class=AutoTokenizer.from_pretrained(hf), callbacks=[Record()])
+        trainer.train()
+    return {"steps": collected, "trainer": trainer}
 
 
-def shardlm_metrics(setup, records, name: str, loss: list[str]) -> list[dict]:
-    """shardlm's logged steps from the same directory on `records` (one pair a row, in order), with the matched
-    optimizer settings and the `loss` overrides."""
+def shardlm_metrics(setup, records, name: str, loss: list[str]) -> dict:
+    """shardlm's run from the same directory on `records` (one pair a row, in order), with the matched optimizer
+    settings and the `loss` overrides: {"steps": its logged steps, "trainer": its trainer}."""
     overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false", f"sft.data=[\"{records}\"]",
                  "sft.shuffle=false", "sft.valid_fraction=0.0", "sft.packing=\"pad\"", *loss,
                  f"model.seq_length={SEQ}", f"train.micro_batch_size={PAIRS_PER_STEP}",
@@ -109,9 +119,9 @@ def shardlm_metrics(setup, records, name: str, loss: list[str]) -> list[dict]:
                  "log.plot=false",
                  "log.tensorboard=false"]
     run_dir = setup["root"] / name
-    train(load_config(None, overrides), run_dir=run_dir)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in line and '"val_loss"' not in line]
+    result = train(load_config(None, overrides), run_dir=run_dir)
+    return {"steps": [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                      if '"loss"' in line and '"val_loss"' not in line], "trainer": result.trainer}
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +191,65 @@ def assert_follows(ours_runs: list[dict], trl_runs: list[dict], beta: float) -> 
 
 
 def test_simpo_follows_trls_cpo_trainer_step_by_step(trl_simpo_run, shardlm_simpo_run):
-    assert_follows(shardlm_simpo_run, trl_simpo_run, SIMPO_BETA)
+    ours = shardlm_simpo_run["steps"]
+    assert_follows(ours, trl_simpo_run["steps"], SIMPO_BETA)
     # the margin moves by far more than the bound, so the later steps check the updates
-    assert abs(shardlm_simpo_run[-1]["reward_margin"] - shardlm_simpo_run[0]["reward_margin"]) > 100 * TOL
+    assert abs(ours[-1]["reward_margin"] - ours[0]["reward_margin"]) > 100 * TOL
 
 
 def test_dpo_follows_trl_step_by_step(trl_run, shardlm_run):
-    assert abs(shardlm_run[0]["loss"] - math.log(2)) < 1e-6
-    assert_follows(shardlm_run, trl_run, BETA)
+    assert abs(shardlm_run["steps"][0]["loss"] - math.log(2)) < 1e-6
+    assert_follows(shardlm_run["steps"], trl_run["steps"], BETA)
     # the run learns the preference (a margin a hundred times the bound), so the later steps check the updates
-    assert shardlm_run[-1]["reward_margin"] > 100 * TOL
+    assert shardlm_run["steps"][-1]["reward_margin"] > 100 * TOL
+
+
+AT_THE_REFERENCE = {"ipo": (1 / (2 * BETA)) ** 2, "hinge": 1.0}  # d = 0: the policy is the reference
+
+
+@pytest.fixture(scope="module")
+def losses_now(trl_run, shardlm_run) -> dict:
+    """{loss type: (shardlm's, TRL's)} loss of the first step's pairs at each trainer's weights at the end of its
+    run: shardlm's against the run's reference table, TRL's `DPOTrainer` (its `loss_types` set) against its
+    reference model, the starting weights."""
+    trainer = shardlm_run["trainer"]
+    part = trainer.local_part(micro_batches(trainer.train_data, 0, PAIRS_PER_STEP, PAIRS_PER_STEP, 0, 1,
+                                            trainer.ctx.device))[0]
+    theirs = trl_run["trainer"]
+    inputs = next(iter(theirs.get_train_dataloader()))
+    trainer.model.eval()
+    theirs.model.eval()
+    values = {}
+    with torch.no_grad():
+        for loss in AT_THE_REFERENCE:
+            ours = PreferenceLoss(replace(trainer.config.preference, loss=loss), trainer.ctx, trainer.model)
+            theirs.loss_types, theirs.loss_weights = [loss], [1.0]
+            values[loss] = (ours(trainer.model, part).item(), theirs.compute_loss(theirs.model, inputs).item())
+    return values
+
+
+@pytest.mark.parametrize("loss_type", list(AT_THE_REFERENCE))
+def test_ipo_and_hinge_equal_trls_after_training(losses_now, loss_type):
+    """IPO and hinge: at the end of the DPO runs above (the same weights to rounding on both sides, the policy off
+    its reference), shardlm's loss of the first step's pairs equals TRL's `DPOTrainer` loss with that `loss_type`
+    within 1e-5 relative, and differs from the loss at the reference by far more, so the sign and the scale of
+    the log-ratios show (the formulas by hand on both sides of each loss: `tests/test_preference_losses.py`)."""
+    ours, theirs = losses_now[loss_type]
+    assert abs(ours - theirs) <= TOL * theirs, (ours, theirs)
+    assert abs(theirs - AT_THE_REFERENCE[loss_type]) > 100 * TOL * theirs, theirs
+
+
+def test_orpo_odds_ratio_term_equals_trls():
+    """ORPO's loss less its NLL term is TRL's odds-ratio term (`ORPOTrainer.odds_ratio_loss`, which returns
+    lambda log sigmoid(log odds ratio), the loss's negative) on the two pairs of `test_preference_losses`, from
+    their per-token log-probabilities; fp32 on TRL's side, so within 1e-6. (TRL's ORPO averages the NLL over the
+    batch's chosen tokens, shardlm over each pair's, so only the odds-ratio term is compared.)"""
+    from test_preference_losses import BETA as ORPO_BETA
+    from test_preference_losses import COUNTS, LOGPS, shardlm_losses
+    from trl.experimental.orpo import ORPOTrainer
+
+    means = torch.tensor(LOGPS, dtype=torch.float64) / torch.tensor(COUNTS, dtype=torch.float64)
+    trainer = SimpleNamespace(beta=ORPO_BETA, accelerator=SimpleNamespace(device=torch.device("cpu")))
+    theirs = ORPOTrainer.odds_ratio_loss(trainer, means[:, 0], means[:, 1])[0].double()
+    ours = shardlm_losses("orpo")[0] + means[:, 0]
+    assert torch.allclose(ours, -theirs, rtol=1e-6, atol=0), (ours, theirs)
