@@ -63,3 +63,55 @@ def assert_trained_parameters(params: dict, ref_params: dict, steps: int, tol: f
     errors = trained_errors(params, ref_params, steps)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= tol, f"{where} final parameter {worst} differs by {errors[worst]:.2e}"
+
+
+CURVE = ("loss", "grad norm")
+"""What a layout test's curve holds at each step, in order; runs that record more (an auxiliary loss, expert
+loads, the MTP loss) name their columns with `columns=`."""
+
+
+def assert_same_curve(curve: list, ref_curve: list, where: str = "", tol: float = 1e-5,
+                      columns: tuple[str, ...] = CURVE, first_step: int = 1) -> None:
+    """A training curve equals the reference's: as many steps as the reference has from `first_step` on (a
+    resumed run's curve starts there), and at each step every one of `columns` (the first len(columns) numbers of
+    each step's tuple) within `tol` relative, |a - b| <= tol * |b|; the message names the step and the column."""
+    ref_curve = ref_curve[first_step - 1:]
+    assert len(curve) == len(ref_curve), f"{where}: {len(curve)} steps, the reference {len(ref_curve)}"
+    for step, (got, want) in enumerate(zip(curve, ref_curve), first_step):
+        assert len(got) >= len(columns) and len(want) >= len(columns), f"{where} step {step}: {got} vs {want}"
+        for what, a, b in zip(columns, got, want):
+            assert abs(a - b) <= tol * abs(b), f"{where} step {step}: {what} {a} vs {b}"
+
+
+def assert_same_run(run, ref, where: str = "", *, steps: int, tol: float = 1e-5, params_tol: float | None = None,
+                    columns: tuple[str, ...] = CURVE, first_step: int = 1) -> None:
+    """A layout's run equals the one-process run: its curve (`assert_same_curve`, `tol` relative), its validation
+    loss within `tol` relative where the reference has one, and every final parameter within `params_tol` (default
+    `tol`) by `trained_rel` after `steps` AdamW steps, the same names on both sides.
+
+    `run` and `ref` are dicts {"curve", "params", optionally "valid"} or tuples (curve, params, ...); a reference
+    whose "valid" is None (or a tuple run) skips the validation loss. `where` (the case and the rank) leads every
+    message."""
+    run, ref = as_run(run), as_run(ref)
+    assert_same_curve(run["curve"], ref["curve"], where, tol, columns, first_step)
+    if ref.get("valid") is not None:
+        assert abs(run["valid"] - ref["valid"]) <= tol * abs(ref["valid"]), \
+            f"{where}: validation {run['valid']} vs {ref['valid']}"
+    assert_trained_parameters(run["params"], ref["params"], steps, tol if params_tol is None else params_tol, where)
+
+
+def as_run(run) -> dict:
+    """A run as a dict {"curve", "params", ...}: a dict stays as it is, a tuple (curve, params, ...) is named."""
+    return run if isinstance(run, dict) else {"curve": run[0], "params": run[1]}
+
+
+def assert_every_rank(results: list, name: str, ref, **same_run) -> list:
+    """`assert_same_run` for check `name` on every rank of `results` (from `layouts.spawn_layouts` or
+    `run_workers(..., run_checks, ...)`), each message naming the case and the rank; returns the ranks' values
+    for the test's own further checks. `same_run`: `steps=` and the tolerances of `assert_same_run`."""
+    from multiproc import check_result
+
+    values = check_result(results, name)
+    for rank, value in enumerate(values):
+        assert_same_run(value, ref, f"{name} rank {rank}", **same_run)
+    return values
