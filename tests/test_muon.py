@@ -1,8 +1,8 @@
 """Muon (`train.optimizer = "muon"`): equal to torch.optim.Muon on one process, and every layout equal to one process.
 
 - The Newton-Schulz iteration in bf16 is bitwise `torch.optim.Muon`'s, wide and tall matrices.
-- The Muon / AdamW split is the test's own, by parameter name (`split_by_name`), and shardlm's optimizer takes
-  exactly it.
+- The Muon / AdamW split is the test's own, by parameter name (`split_by_name`): on one process shardlm's optimizer
+  takes exactly it, and in every layout each rank's Muon optimizers hold exactly the test's matrices, each once.
 - One process: a 4-layer Llama, a DeepSeek-V3-shaped MLA model, a Qwen3-MoE-shaped model (QK-norm, experts:
   torch.optim.Muon steps each expert's matrix as a parameter of its own) and GPT (its fused qkv cut by its
   (heads, 3, head_dim) rows into q, k, v; each head's q, k, v; or whole), 4 steps of shardlm's trainer with Muon
@@ -213,8 +213,10 @@ def watch_muons(trainer: Trainer) -> dict:
     for name, param in matrices.items():
         group = ctx.expert_dp if ".experts." in name else ctx.dp_cp
         groups.setdefault(group.name, (group, []))[1].append(param)
+    held = [m.name for muon in muons_of(trainer) for m in muon.matrices]
     seen = {"owned": 0, "matrices": len(matrices), "groups": {},
-            "owned_expected": sum(STEPS * len(range(g.rank, len(ps), g.size)) for g, ps in groups.values())}
+            "owned_expected": sum(STEPS * len(range(g.rank, len(ps), g.size)) for g, ps in groups.values()),
+            "split_mismatch": sorted(set(held) ^ matrices.keys()) + sorted({n for n in held if held.count(n) > 1})}
     for name, (group, params) in groups.items():
         if group.size > 1:  # elements: N; rows: one dim-0 slice of each matrix, what an uneven split can add
             seen["groups"][name] = {"size": group.size, "elements": sum(p.numel() for p in params),
@@ -339,6 +341,8 @@ def test_muon_at_four_ranks_equals_one_process(world4, reference, name):
 
 def assert_same_run(values: list, ref: dict, name: str) -> None:
     for rank, value in enumerate(values):
+        # the matrices this rank's Muon optimizers hold are the test's split of its parameters, each once
+        assert not value["muon"]["split_mismatch"], (name, rank, value["muon"]["split_mismatch"])
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
             assert abs(loss - ref_loss) <= TOL * ref_loss, f"{name} rank {rank} step {step}: {loss} vs {ref_loss}"
             assert abs(norm - ref_norm) <= TOL * ref_norm, f"{name} rank {rank} step {step}: norm {norm}"
