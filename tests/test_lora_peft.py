@@ -35,10 +35,10 @@ from test_moe_parallel import full_parameters
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
 from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.init import init_weights, open_source, resolve_init
+from shardlm.checkpoint.peft import load_adapter, peft_tensors, read_peft, resolve_adapter, stacked
 from shardlm.cli import main
 from shardlm.config import from_dict
 from shardlm.lora import LoRA
-from shardlm.lora.peft import load_adapter, peft_tensors, read_peft, resolve_adapter, stacked
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
@@ -150,7 +150,7 @@ def trained(trainer) -> dict[str, torch.Tensor]:
 def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None, experts: bool = False):
     from transformers import AutoModelForCausalLM
 
-    from shardlm.lora.peft import EXPERT_PARAMETERS
+    from shardlm.checkpoint.peft import EXPERT_PARAMETERS
 
     model = AutoModelForCausalLM.from_pretrained(root)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=rslora,

@@ -126,7 +126,7 @@ def run_hf(args: argparse.Namespace) -> int:
     if not args.checkpoint:
         raise UserError(f"--to-{'hf' if args.to_hf else 'peft'} needs --checkpoint PATH (a shardlm checkpoint)")
     if args.to_peft and not args.merge:
-        from shardlm.lora.peft import write_peft
+        from shardlm.checkpoint.peft import write_peft
 
         out = write_peft(args.checkpoint, args.to_peft)
         settings = json.loads((out / "adapter_config.json").read_text())
@@ -134,7 +134,7 @@ def run_hf(args: argparse.Namespace) -> int:
         return 0
     lora = args.merge or is_lora_checkpoint(args.checkpoint)
     if lora:
-        from shardlm.lora.peft import write_merged
+        from shardlm.checkpoint.peft import write_merged
 
         out = write_merged(args.checkpoint, args.to_peft or args.to_hf)
     else:

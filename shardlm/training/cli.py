@@ -35,9 +35,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shardlm.checkpoint.init import resolve_init
+    from shardlm.checkpoint.peft import resolve_adapter
     from shardlm.config import load_config
     from shardlm.errors import UserError
-    from shardlm.lora.peft import resolve_adapter
     from shardlm.parallel.staged import backend_name
     from shardlm.validation import validate
 

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.checkpoint.init import describe, init_weights, resolve_init
+from shardlm.checkpoint.peft import load_adapter, resolve_adapter
 from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.lora import count_parameters
 from shardlm.lora.nf4 import describe_base
-from shardlm.lora.peft import load_adapter, resolve_adapter
 from shardlm.parallel import init_distributed
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
