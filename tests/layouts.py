@@ -46,7 +46,8 @@ def case_spec(case) -> dict:
 def layout_checks(run, cases: dict) -> dict:
     """Worker body: `run(**spec)` for every case, each result or traceback kept by name (`multiproc.run_checks`),
     so one failing case fails only its own tests."""
-    return run_checks({name: (lambda spec=case_spec(case): run(**spec)) for name, case in cases.items()})
+    specs = {name: case_spec(case) for name, case in cases.items()}
+    return run_checks({name: (lambda spec=spec: run(**spec)) for name, spec in specs.items()})
 
 
 def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600) -> list:

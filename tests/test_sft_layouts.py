@@ -46,8 +46,9 @@ from shardlm.training.data import DocumentSamples
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_but_off, assert_trained_parameters, rel
-from multiproc import check_result, disturb_generators, run_checks, run_workers
+from agreement import assert_every_rank, assert_same_run, assert_trained_but_off, rel
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result, disturb_generators
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
 OSS = {"attention_sinks": True, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -112,10 +113,6 @@ def train_layout(ctx: ParallelContext, config) -> dict:
     return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
 
 
-def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
-    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
-
-
 @contextlib.contextmanager
 def broken(control: str | None):
     """Break what a control case shows is needed: "ring mask" gives the CP ring no documents (its blocks then
@@ -149,9 +146,8 @@ def broken(control: str | None):
 
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
     with broken(control):
-        return train_layout(ctx, sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+        return train_layout(layout_context(tp, pp, cp, ep), sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
 
 
 WORLD2 = {
@@ -185,18 +181,14 @@ WORLD4 = {
 }
 
 
-def world_checks(cases: dict) -> dict:
-    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, spec in cases.items()})
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2 | CONTROLS, timeout=600)
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, world_checks, WORLD4, timeout=600)
+    return spawn_layouts(4, run_layout, WORLD4)
 
 
 @pytest.fixture(scope="module")
@@ -209,28 +201,18 @@ def reference():
              "moe": ("gpt", 2, True)}.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True))}
 
 
-def assert_matches(value: dict, ref: dict, where: str) -> None:
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} step {step}: loss {loss} vs {ref_loss}"
-        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{where} step {step}: grad norm {norm} vs {ref_norm}"
-    assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
-
-
 def kind_of(name: str) -> str:
     return next((kind for kind in ("moe", "llama", "mtp", "mla", "oss") if kind in name), "gpt")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_packed_rows_at_two_ranks_equal_one_process(world2, reference, name):
-    for rank, value in enumerate(check_result(world2, name)):
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_packed_rows_at_four_ranks_equal_one_process(world4, reference, name):
-    for rank, value in enumerate(check_result(world4, name)):
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
@@ -247,7 +229,7 @@ def test_loss_is_the_mean_over_all_trained_tokens_not_a_mean_of_means(reference)
     """Micro-batch 1 (8 micro-batches of different trained-token counts) equals micro-batch 8; the mean of the
     per-row means is another number (so the test could tell)."""
     ctx = ParallelContext.single()
-    assert_matches(train_layout(ctx, sft_config(micro=1)), reference["gpt"], "micro 1")
+    assert_same_run(train_layout(ctx, sft_config(micro=1)), reference["gpt"], "micro 1", steps=STEPS, tol=TOL)
     rows = [train_data()[i] for i in range(8)]
     per_row = [(r["labels"] != -100).sum() for r in rows]
     assert len(set(per_row)) > 2, per_row
