@@ -19,13 +19,14 @@ import contextlib
 import pytest
 import torch
 from test_linear_attention import HYBRID, HYBRID_MOE
-from test_sft_layouts import STEPS, TOL, assert_matches, layout, sft_config, train_layout
+from test_sft_layouts import STEPS, TOL, sft_config, train_layout
 
 from shardlm.models import linear_attention
 from shardlm.parallel import ParallelContext
 
-from agreement import assert_trained_but_off
-from multiproc import check_result, run_checks, run_workers
+from agreement import assert_every_rank, assert_trained_but_off
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
 
 
 def hybrid_sft_config(moe: bool = False, lora: int = 0, **kwargs):
@@ -57,9 +58,8 @@ def broken(control: str | None):
 
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
     with broken(control):
-        return train_layout(ctx, hybrid_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+        return train_layout(layout_context(tp, pp, cp, ep), hybrid_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
 
 
 WORLD2 = {
@@ -82,18 +82,14 @@ WORLD4 = {
 }
 
 
-def world_checks(cases: dict) -> dict:
-    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, spec in cases.items()})
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2 | CONTROLS, timeout=600)
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, world_checks, WORLD4, timeout=600)
+    return spawn_layouts(4, run_layout, WORLD4)
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +109,12 @@ def kind_of(name: str) -> str:
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_hybrid_at_two_ranks_equals_one_process(world2, reference, name):
-    for rank, value in enumerate(check_result(world2, name)):
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_hybrid_at_four_ranks_equals_one_process(world4, reference, name):
-    for rank, value in enumerate(check_result(world4, name)):
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))

@@ -19,13 +19,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_sft_layouts import WORLD2, WORLD4, assert_matches, kind_of, sft_config, train_layout
+from test_sft_layouts import STEPS, TOL, WORLD2, WORLD4, kind_of, sft_config, train_layout
 
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.comm import Communicator
 from shardlm.parallel.staged import STAGED, StagedGroup
 
-from multiproc import check_result, run_checks, run_workers
+from agreement import assert_same_run
+from layouts import layout_context, spawn_layouts
+from multiproc import check_result
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,11 +36,9 @@ CASES4 = ["zero tp2 dp2 sp llama", "pp2 dp2 gpt", "ep2 dp4 moe"]
 DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-def staged_layout(spec: dict) -> dict:
+def staged_layout(**spec) -> dict:
     """One layout's results, and whether the world and every group of the layout are the staged gloo group."""
-    sizes = {k: spec[k] for k in ("tp", "pp", "cp", "ep")}
-    ctx = ParallelContext.from_process_group(sizes["tp"], pipeline_parallel=sizes["pp"], context_parallel=sizes["cp"],
-                                             expert_parallel=sizes["ep"])
+    ctx = layout_context(spec["tp"], spec["pp"], spec["cp"], spec["ep"])
     result = train_layout(ctx, sft_config(**spec))
     communicators = [c for c in vars(ctx).values() if isinstance(c, Communicator)]
     groups = [dist.group.WORLD] + [c.group for c in communicators if c.group is not None]
@@ -46,15 +46,11 @@ def staged_layout(spec: dict) -> dict:
     return result
 
 
-def checks(names: list[str], cases: dict) -> dict:
-    return run_checks({name: (lambda spec=cases[name]: staged_layout(spec)) for name in names})
-
-
 def run_staged(world: int, names: list[str], cases: dict) -> dict:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SHARDLM_BACKEND", STAGED)
         env.setenv("SHARDLM_SHM_COLLECTIVES", "0")  # CPU groups would take the shared-memory path instead
-        return run_workers(world, checks, names, cases, timeout=300)
+        return spawn_layouts(world, staged_layout, {name: cases[name] for name in names}, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +76,14 @@ def reference():
 def test_two_ranks_on_the_staged_group_equal_one_process(world2, reference, name):
     for rank, value in enumerate(check_result(world2, name)):
         assert value.pop("staged"), f"{name} rank {rank} did not run on {STAGED}"
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+        assert_same_run(value, reference[kind_of(name)], f"{name} rank {rank}", steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", CASES4)
 def test_four_ranks_on_the_staged_group_equal_one_process(world4, reference, name):
     for rank, value in enumerate(check_result(world4, name)):
         assert value.pop("staged"), f"{name} rank {rank} did not run on {STAGED}"
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+        assert_same_run(value, reference[kind_of(name)], f"{name} rank {rank}", steps=STEPS, tol=TOL)
 
 
 def test_an_unknown_backend_is_one_line_naming_the_choices(monkeypatch):
