@@ -29,7 +29,8 @@ from shardlm.training.gradients import _reduce_in_place
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_but_off, assert_trained_parameters
+import agreement
+from agreement import assert_every_rank, assert_trained_but_off, assert_trained_parameters
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL = 8, 1e-5
@@ -276,13 +277,16 @@ def reference(arch: str, routing: str, micro: int):
     return _REFERENCES[key]
 
 
-def assert_same_run(run_result, ref):
+MOE_CURVE = ("loss", "grad norm", "aux loss")
+"""What `curve_of` records at each step."""
+
+
+def assert_same_run(run_result, ref, where: str = ""):
+    """A (curve, parameters) run equals the reference's STEPS steps within TOL, its auxiliary loss included
+    (`agreement.assert_same_run`)."""
     (curve, params), (ref_curve, ref_params) = run_result, ref
-    assert len(curve) == STEPS
-    for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
-        for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
-            assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert_trained_parameters(params, ref_params, STEPS, TOL)
+    agreement.assert_same_run((curve, params), (ref_curve[:STEPS], ref_params), where, steps=STEPS, tol=TOL,
+                              columns=MOE_CURVE)
 
 
 @pytest.mark.parametrize("name,arch,routing,micro", [
@@ -295,8 +299,8 @@ def assert_same_run(run_result, ref):
     ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after 4 steps, resumed by a fresh trainer
 ])
 def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, micro):
-    for run_ in check_result(world2, name):  # every rank: its data replicas and pipeline stages
-        assert_same_run(run_, reference(arch, routing, micro))
+    # every rank: its data replicas and pipeline stages
+    assert_every_rank(world2, name, reference(arch, routing, micro), steps=STEPS, tol=TOL, columns=MOE_CURVE)
 
 
 @pytest.mark.parametrize("name,arch,routing,micro", [
@@ -308,8 +312,7 @@ def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, 
     ("ep2_pp2_llama_deepseek", "llama", "deepseek", 2),  # stage 0 holds no MoE layer
 ])
 def test_world4_expert_parallel_equals_one_process(world4, name, arch, routing, micro):
-    for run_ in check_result(world4, name):
-        assert_same_run(run_, reference(arch, routing, micro))
+    assert_every_rank(world4, name, reference(arch, routing, micro), steps=STEPS, tol=TOL, columns=MOE_CURVE)
 
 
 def test_deepseek_reference_moves_the_expert_biases_and_has_an_aux_loss():
