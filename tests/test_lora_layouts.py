@@ -41,8 +41,9 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_but_off, assert_trained_parameters
-from multiproc import check_result, run_checks, run_workers
+from agreement import assert_same_run, assert_trained_but_off
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
 
 STEPS, TOL = 4, 1e-5
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
@@ -145,14 +146,10 @@ def train_layout(ctx: ParallelContext, config, broken: bool = False, prepare: st
             "trained": ctx.world.all_gather_object(trained), "count": count_parameters(trainer.model, ctx)}
 
 
-def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
-    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
-
-
 def run_layout(tp: int, pp: int, cp: int, ep: int, broken: bool = False, prepare: str | None = None,
                **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
-    return train_layout(ctx, lora_config(tp=tp, pp=pp, cp=cp, ep=ep, **config), broken, prepare)
+    config = lora_config(tp=tp, pp=pp, cp=cp, ep=ep, **config)
+    return train_layout(layout_context(tp, pp, cp, ep), config, broken, prepare)
 
 
 WORLD2 = {  # name: (the one-process reference it equals, the layout)
@@ -191,18 +188,14 @@ REFERENCES = {"gpt": {}, "llama": {"arch": "llama"}, "llama kv1": {"arch": "llam
               "hybrid": {"hybrid": True}}
 
 
-def world_checks(cases: dict) -> dict:
-    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, (_, spec) in cases.items()})
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2 | CONTROL | HYBRID, timeout=600)
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROL | HYBRID)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, world_checks, WORLD4, timeout=600)
+    return spawn_layouts(4, run_layout, WORLD4)
 
 
 @pytest.fixture(scope="module")
@@ -219,11 +212,9 @@ def without(spec: dict, key: str) -> dict:
 
 
 def assert_matches(value: dict, ref: dict, where: str, tol: float = TOL) -> None:
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(value["curve"], ref["curve"]), 1):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} step {step}: loss {loss} vs {ref_loss}"
-        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{where} step {step}: grad norm {norm} vs {ref_norm}"
-    assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert_trained_parameters(value["params"], ref["params"], STEPS, tol, where)
+    """The run equals one process (`assert_same_run`: curve and validation within TOL, parameters within `tol`),
+    counts what it trains as one process does, and leaves the frozen base bitwise where it started."""
+    assert_same_run(value, ref, where, steps=STEPS, tol=TOL, params_tol=tol)
     assert (value["count"].trainable, value["count"].total) == (ref["count"].trainable, ref["count"].total), where
     frozen = [n for n in value["params"] if ".lora." not in n and not any(n in t for t in value["trained"])]
     assert frozen and all(torch.equal(value["params"][n], value["start"][n]) for n in frozen), f"{where}: base moved"
