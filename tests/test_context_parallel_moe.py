@@ -31,7 +31,8 @@ from shardlm.parallel.layout import context_grid, expert_data_parallel_groups, e
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_but_off, assert_trained_parameters
+import agreement
+from agreement import assert_trained_but_off
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL, MICRO = 8, 1e-5, 2
@@ -124,14 +125,16 @@ def reference(arch: str, routing: str):
     return _REFERENCES[arch, routing]
 
 
-def assert_same_run(curve, params, ref):
+CP_MOE_CURVE = ("loss", "grad norm", "aux loss", "least expert load", "most expert load")
+"""What `curve_and_loads` records at each step."""
+
+
+def assert_same_run(curve, params, ref, where: str = ""):
+    """A run's curve (losses and expert loads) and parameters equal the reference's STEPS steps within TOL
+    (`agreement.assert_same_run`)."""
     ref_curve, ref_params = ref
-    assert len(curve) == STEPS
-    names = ("loss", "grad norm", "aux loss", "least expert load", "most expert load")
-    for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
-        for what, a, b in zip(names, got, want):
-            assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert_trained_parameters(params, ref_params, STEPS, TOL)
+    agreement.assert_same_run((curve, params), (ref_curve[:STEPS], ref_params), where, steps=STEPS, tol=TOL,
+                              columns=CP_MOE_CURVE)
 
 
 @pytest.mark.parametrize("name,arch,routing,groups", [
@@ -148,9 +151,9 @@ def assert_same_run(curve, params, ref):
 def test_moe_with_context_parallelism_equals_one_process(world4, name, arch, routing, groups):
     """Every rank reports the one-process losses, aux loss and expert loads, and ends on its parameters;
     (EP, expert-DP, DP x CP) group sizes are those of the layout."""
-    for curve, params, sizes in check_result(world4, name):
+    for rank, (curve, params, sizes) in enumerate(check_result(world4, name)):
         assert sizes == groups
-        assert_same_run(curve, params, reference(arch, routing))
+        assert_same_run(curve, params, reference(arch, routing), f"{name} rank {rank}")
 
 
 def test_deepseek_reference_moves_the_expert_biases():

@@ -33,7 +33,7 @@ from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, model_flops_utilization
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters
+from agreement import assert_same_curve, assert_same_run
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
@@ -215,13 +215,9 @@ def reference(arch: str, micro: int, **train):
     return _REFERENCES[key]
 
 
-def assert_same_run(curve, params, ref):
-    ref_curve, ref_params = ref[:2]
-    assert len(curve) == len(ref_curve)
-    for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
-        for what, a, b in zip(("loss", "grad norm"), got, want):
-            assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert_trained_parameters(params, ref_params, STEPS, TOL)
+def named(curve: list, params: dict, valid: float) -> dict:
+    """A run's (curve, parameters, validation loss) as `agreement.assert_same_run` reads it."""
+    return {"curve": curve, "params": params, "valid": valid}
 
 
 @pytest.mark.parametrize("name,arch,micro", [
@@ -235,9 +231,9 @@ def assert_same_run(curve, params, ref):
 ])
 def test_world2_context_parallel_equals_one_process(world2, name, arch, micro):
     """Loss and gradient norm of every step, final parameters and the validation loss after training."""
-    for curve, params, _, valid_loss in check_result(world2, name):  # every data and context replica
-        assert_same_run(curve, params, reference(arch, micro))
-        assert abs(valid_loss - reference(arch, micro)[2]) <= TOL * valid_loss
+    ref = named(*reference(arch, micro))
+    for rank, (curve, params, _, valid_loss) in enumerate(check_result(world2, name)):  # every data and CP replica
+        assert_same_run(named(curve, params, valid_loss), ref, f"{name} rank {rank}", steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name,arch,micro,shape", [
@@ -256,9 +252,9 @@ def test_world2_context_parallel_equals_one_process(world2, name, arch, micro):
 ])
 def test_world4_context_parallel_equals_one_process(world4, name, arch, micro, shape):
     """Loss and gradient norm of every step, final parameters and the validation loss after training."""
-    for curve, params, _, valid_loss in check_result(world4, name):  # every data and context replica
-        assert_same_run(curve, params, reference(arch, micro, **shape))
-        assert abs(valid_loss - reference(arch, micro, **shape)[2]) <= TOL * valid_loss
+    ref = named(*reference(arch, micro, **shape))
+    for rank, (curve, params, _, valid_loss) in enumerate(check_result(world4, name)):  # every data and CP replica
+        assert_same_run(named(curve, params, valid_loss), ref, f"{name} rank {rank}", steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(HALF_RUNS))
@@ -339,14 +335,13 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkp
     steps 5-8 and final parameters; the saved steps 1-4 are the one-process run's too."""
     saved_curve = check_result(world2, "save_cp2")[0]
     ref_curve, ref_params, _ = reference("gpt", 4)
-    for (a, b), (ra, rb) in zip(saved_curve, ref_curve[:4]):
-        assert abs(a - ra) <= TOL * ra and abs(b - rb) <= TOL * rb
+    assert_same_curve(saved_curve, ref_curve[:4], "saved at CP=2", TOL)
     config = cp_config("gpt", 4)
     trainer = Trainer(config, ParallelContext.single(), synthetic_data())
     load_checkpoint(trainer, checkpoint_dir)
     assert trainer.step == 4
     curve, params, _ = train_layout(ParallelContext.single(), config, steps=4, trainer=trainer)
-    assert_same_run(curve, params, (ref_curve[4:], ref_params))
+    assert_same_run((curve, params), (ref_curve, ref_params), "resumed at CP=1", steps=STEPS, tol=TOL, first_step=5)
 
 
 @pytest.mark.parametrize("parallel,model,world,message", [

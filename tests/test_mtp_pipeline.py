@@ -38,7 +38,8 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters, rel
+import agreement
+from agreement import assert_every_rank, rel
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, SAVED_AT, TOL = 6, 3, 1e-5
@@ -146,15 +147,13 @@ def world4():
     return run_workers(4, world4_checks, timeout=600)
 
 
+CURVE = ("loss", "grad norm", "mtp loss")
+"""What a run records at each step, as far as the step has it (`agreement.assert_same_curve` compares each)."""
+
+
 def assert_same_run(value: dict, ref: dict, where: str, first_step: int = 1) -> None:
-    curve = ref["curve"][first_step - 1:]
-    assert len(value["curve"]) == len(curve), where
-    for step, (got, want) in enumerate(zip(value["curve"], curve), first_step):
-        for what, a, b in zip(("loss", "grad norm", "mtp loss"), got, want):
-            assert abs(a - b) <= TOL * abs(b), f"{where} step {step}: {what} {a} vs {b}"
-    if ref["valid"] is not None:
-        assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+    """`agreement.assert_same_run` at TOL after STEPS steps: curve from `first_step` on, validation, parameters."""
+    agreement.assert_same_run(value, ref, where, steps=STEPS, tol=TOL, columns=CURVE, first_step=first_step)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -162,15 +161,13 @@ def assert_same_run(value: dict, ref: dict, where: str, first_step: int = 1) -> 
 @pytest.mark.parametrize("name, kind", [("pp2 1f1b", "deepseek"), ("pp2 gpipe", "deepseek"),
                                         ("pp2 virtual2", "deepseek"), ("pp2 virtual2 packed", "packed")])
 def test_mtp_under_pipeline_equals_one_process(world2, reference, name, kind):
-    for rank, value in enumerate(check_result(world2, name)):
-        assert_same_run(value, reference[kind], f"{name} rank {rank}")
+    assert_every_rank(world2, name, reference[kind], steps=STEPS, tol=TOL, columns=CURVE)
 
 
 @pytest.mark.parametrize("name, kind", [("pp2 tp2 sp", "deepseek"), ("pp2 dp2", "micro 2"),
                                         ("pp2 dp2 fsdp", "micro 2"), ("pp2 dp2 zero1", "micro 2")])
 def test_mtp_under_pipeline_at_four_ranks_equals_one_process(world4, reference, name, kind):
-    for rank, value in enumerate(check_result(world4, name)):
-        assert_same_run(value, reference[kind], f"{name} rank {rank}")
+    assert_every_rank(world4, name, reference[kind], steps=STEPS, tol=TOL, columns=CURVE)
 
 
 def test_the_embedding_copy_needs_its_gradient_summed(world2, reference):

@@ -58,7 +58,8 @@ from shardlm.preference.reference import precompute_reference
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters
+import agreement
+from agreement import assert_every_rank
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, SAVED_AT, TOL = 6, 3, 1e-5
@@ -300,29 +301,25 @@ def world4() -> list:
     return run_workers(4, world4_checks, timeout=600)
 
 
+CURVE = ("loss", "grad norm", "mtp loss", "moe aux loss")
+"""What a run records at each step, as far as the step has it (`agreement.assert_same_curve` compares each)."""
+
+
 def assert_same_run(value: dict, ref: dict, where: str, first_step: int = 1) -> None:
-    curve = ref["curve"][first_step - 1:]
-    assert len(value["curve"]) == len(curve), where
-    for step, (got, want) in enumerate(zip(value["curve"], curve), first_step):
-        for what, a, b in zip(("loss", "grad norm", "mtp loss", "moe aux loss"), got, want):
-            assert abs(a - b) <= TOL * abs(b), f"{where} step {step}: {what} {a} vs {b}"
-    if ref["valid"] is not None:
-        assert abs(value["valid"] - ref["valid"]) <= TOL * ref["valid"], f"{where}: validation {value['valid']}"
-    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+    """`agreement.assert_same_run` at TOL after STEPS steps: curve from `first_step` on, validation, parameters."""
+    agreement.assert_same_run(value, ref, where, steps=STEPS, tol=TOL, columns=CURVE, first_step=first_step)
 
 
 # ------------------------------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize("name", [name for name, (_, _, world) in CASES.items() if world == 2])
 def test_pp2_zero_bubble_schedules_equal_one_process(world2, reference, name):
-    for rank, value in enumerate(check_result(world2, name)):
-        assert_same_run(value, reference[CASES[name][1]], f"{name} rank {rank}")
+    assert_every_rank(world2, name, reference[CASES[name][1]], steps=STEPS, tol=TOL, columns=CURVE)
 
 
 @pytest.mark.parametrize("name", [name for name, (_, _, world) in CASES.items() if world == 4])
 def test_four_rank_zero_bubble_layouts_equal_one_process(world4, reference, name):
-    for rank, value in enumerate(check_result(world4, name)):
-        assert_same_run(value, reference[CASES[name][1]], f"{name} rank {rank}")
+    assert_every_rank(world4, name, reference[CASES[name][1]], steps=STEPS, tol=TOL, columns=CURVE)
 
 
 WEIGHT_GROUPS = 6
