@@ -139,8 +139,36 @@ def test_markdown_states_the_figures_of_the_json(quick_run):
         assert f"| {row['tp']} | {row['state_bytes']:,} | {row['ideal_state_bytes']:,} | True |" in text
     for header in ("(`memory`)", "(`mfu`)", "## Keys of `benchmarks.json`"):
         assert header in text
-    assert "not measured" not in text
+    assert "not measured**" not in text, "a section failed"  # the mark of report.py's failed sections
     assert not list(quick_run[1].glob(".*.tmp")), "a temporary report file was left behind"
+
+
+def _with_features(results, features: dict):
+    """`results` with every section's recorded `cpu_features` replaced by `features`."""
+    if isinstance(results, dict):
+        return {key: features if key == "cpu_features" else _with_features(value, features)
+                for key, value in results.items()}
+    return [_with_features(value, features) for value in results] if isinstance(results, list) else results
+
+
+def test_the_report_writes_on_every_cpu_kind(quick_run, cpu_kind):
+    """The quick run's figures, reported as if a CPU of each kind had measured them (its features as
+    `cpu_features` reads them under `SHARDLM_CPU_KIND`): every section still writes, the features line names the
+    simulated kind, the bf16 note and the AMX goals follow it."""
+    from shardlm.bench.common import cpu_features
+    from shardlm.bench.goals import speed_goals
+    from shardlm.bench.report import markdown
+
+    features = cpu_features()
+    results = _with_features(json.loads((quick_run[1] / "benchmarks.json").read_text()), features)
+    text = markdown({**results, "goals": speed_goals(results)})
+    assert "not measured**" not in text, "a section failed"
+    assert f"**{features['matrix']}** (AMX {'yes' if cpu_kind == 'amx' else 'no'}," in text
+    assert f"`SHARDLM_CPU_KIND={cpu_kind}`" in text
+    assert ("AMX was not measured" in text) is (cpu_kind != "amx")
+    assert (features["bf16_note"] is None) is (cpu_kind in ("avx512_bf16", "amx"))
+    if features["bf16_note"]:
+        assert features["bf16_note"] in text
 
 
 def test_gpu_benchmark_harness_runs_on_cpu():
