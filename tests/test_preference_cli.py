@@ -1,13 +1,20 @@
 """Preference optimization from the command line: `shardlm train` with `[preference]` starting from a Hugging Face
-chat model's directory, the reference precomputed and saved with the run, read back on a restart, the rewards in
-the log and the plot, the model exported with `convert --to-hf`; `configs/dpo-tiny-qwen3.toml` with
-`scripts/dolly_pairs.py`; bad records and settings as one-line errors that leave nothing behind."""
+chat model's directory, the reference precomputed and saved with the run, the rewards in the log and the plot;
+a run stopped by SIGTERM after step 2 and restarted reads its saved reference and equals the uninterrupted run
+bitwise (steps, validation loss, final model); a restart with another pair count (records, held-out share) is
+refused in one line (other records in the same numbers are not detected yet: a strict xfail); the export
+(`convert --to-hf`, and a LoRA run's `--to-peft --merge`) gives the run's own logits;
+`configs/dpo-tiny-qwen3.toml` with `scripts/dolly_pairs.py`; bad records and settings as one-line errors that
+leave nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +23,14 @@ import pytest
 import torch
 from llama_reference import tiny_qwen3_chat
 
+from shardlm.checkpoint import load_model
 from shardlm.cli import main
+from shardlm.config import load_config
+from shardlm.parallel import ParallelContext
+from shardlm.signals import TERMINATED_EXIT_CODE
+from shardlm.training.run import StopSignals, train
+
+from agreement import rel
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """
@@ -63,32 +77,144 @@ def setup(tmp_path_factory, data_dir):
     return {"root": root, "hf": root / "hf", "config": path, "records": records}
 
 
-def test_dpo_from_a_hf_directory_restarts_and_exports(setup, capsys):
-    from transformers import AutoModelForCausalLM
+def steps_of(run_dir: Path) -> list[dict]:
+    """The run's logged training steps and its final validation line, in order (a resumed run appends)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"reward_margin"' in line or '"val_loss"' in line]
 
-    run_dir = setup["root"] / "run"
-    args = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", "--run-dir", str(run_dir)]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+
+def run_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(ids)
+
+
+IDS = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(setup):
+    """`straight`: 3 steps in one go. `stopped`: the same command stopped by SIGTERM after step 2 (it saves, as a
+    preempted job does), then run again: it resumes from step 2 and reads the reference its first start saved
+    (the checkpoint no longer holds the starting weights). The second start goes through `train` to keep its
+    trainer: the run's own model. Each start's printed lines are kept."""
+    root, printed = setup["root"], {}
+    base = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}"]
+    straight, stopped = root / "straight", root / "stopped"
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(base + ["--run-dir", str(straight)]) == 0
+    printed["straight"] = out.getvalue()
+    checks = iter([False, False, True])  # the check before each step: SIGTERM arrives during step 2
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(out):  # the stop's line goes to stderr
+        patch.setattr(StopSignals, "agree_to_stop", lambda self, ctx: next(checks))
+        with pytest.raises(SystemExit) as stop:
+            main(base + ["--run-dir", str(stopped)])
+    assert stop.value.code == TERMINATED_EXIT_CODE
+    printed["stopped"] = out.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = train(load_config(str(setup["config"]), base[2:]), run_dir=stopped)
+    printed["resumed"] = out.getvalue()
+    return {"straight": straight, "stopped": stopped, "printed": printed, "trainer": result.trainer}
+
+
+def test_dpo_from_a_hf_directory_saves_its_reference_and_learns(dpo_runs):
+    out, run_dir = dpo_runs["printed"]["straight"], dpo_runs["straight"]
     assert ("preference: sigmoid loss, beta 0.1, reference: precomputed by the starting weights for 27 train and 3 "
             "valid pairs") in out, out
     assert "reward margin" in out and (run_dir / "reference_logps.safetensors").is_file()
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "reward_margin" in m]
+    steps = [m for m in steps_of(run_dir) if "reward_margin" in m]
     assert len(steps) == 3 and abs(steps[0]["loss"] - math.log(2)) < 1e-6 and steps[-1]["reward_margin"] > 0
     assert (run_dir / "loss_curve.png").is_file()
-    # a restart with more steps resumes from the run's checkpoint and reads the saved reference (the starting
-    # weights are no longer what the checkpoint holds)
-    assert main(args + ["train.steps=4"]) == 0
-    out = capsys.readouterr().out
-    assert "resumed from" in out and f"reference: read from {run_dir}" in out, out
+
+
+def test_a_resumed_dpo_run_reads_its_saved_reference_and_equals_the_straight_run(dpo_runs):
+    """Stopped after step 2 and resumed: the resumed start reads the saved reference (recomputing it from the
+    step-2 weights would move step 3's loss and rewards off the straight run's), and its step 3 and final
+    validation loss equal the straight run's bitwise, as does the final model's output."""
+    printed, stopped = dpo_runs["printed"], dpo_runs["stopped"]
+    assert "SIGTERM: saving at step 2 and stopping" in printed["stopped"], printed["stopped"]
+    assert "resumed from" in printed["resumed"] and f"reference: read from {stopped}" in printed["resumed"]
+    straight, resumed = steps_of(dpo_runs["straight"]), steps_of(stopped)
+    assert [m.get("step") for m in resumed] == [1, 2, 3, 3], resumed  # steps 1-2, then step 3 and the validation
+    keys = ("loss", "grad_norm", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+    for ours, theirs in zip(resumed, straight):
+        assert {k: ours.get(k) for k in keys + ("val_loss",)} == {k: theirs.get(k) for k in keys + ("val_loss",)}
+    assert abs(resumed[2]["loss"] - math.log(2)) > 1e-3  # step 3 is off ln 2: the reference is not the policy
+    trained, _ = load_model(dpo_runs["straight"] / "checkpoints", ParallelContext.single())
+    assert torch.equal(run_logits(dpo_runs["trainer"].model, IDS), run_logits(trained, IDS))
+
+
+def test_the_export_after_a_dpo_run_gives_the_runs_own_logits(setup, dpo_runs):
+    """`convert --to-hf` of the resumed run's checkpoint: transformers' logits equal the run's own model's (the
+    trainer that ran the last step) within 1e-5, and differ from the starting model's."""
+    from transformers import AutoModelForCausalLM
+
     exported = setup["root"] / "exported"
-    assert main(["convert", "--to-hf", str(exported), "--checkpoint", str(run_dir / "checkpoints")]) == 0
-    hf = AutoModelForCausalLM.from_pretrained(exported).eval()
-    start = AutoModelForCausalLM.from_pretrained(setup["hf"]).eval()
-    ids = torch.randint(0, 151936, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert main(["convert", "--to-hf", str(exported), "--checkpoint", str(dpo_runs["stopped"] / "checkpoints")]) == 0
+    ours = run_logits(dpo_runs["trainer"].model, IDS)
     with torch.no_grad():
-        assert (hf(ids).logits - start(ids).logits).abs().max() > 1e-3
+        theirs = AutoModelForCausalLM.from_pretrained(exported).eval()(IDS).logits
+        start = AutoModelForCausalLM.from_pretrained(setup["hf"]).eval()(IDS).logits
+    assert rel(theirs, ours) <= 1e-5 and rel(start, ours) > 1e-3, (rel(theirs, ours), rel(start, ours))
+
+
+def test_a_lora_dpo_run_exports_its_adapters_merged(setup, tmp_path):
+    """A LoRA DPO run (its reference the base, adapters off), one step: `convert --to-peft --merge` and
+    `convert --to-hf` of its checkpoint give the run's own logits (adapters on: the trainer that ran the steps)
+    within 1e-5, and not its base's."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    overrides = [f"checkpoint.init_from={setup['hf']}", "lora.rank=8", "lora.alpha=32", "train.steps=1",
+                 "train.global_batch_size=2", "train.eval_iters=0", "log.plot=false"]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = train(load_config(str(setup["config"]), overrides), run_dir=run_dir)
+    assert "reference: the base (adapters off)" in out.getvalue(), out.getvalue()
+    ours = run_logits(result.trainer.model, IDS)
+    with torch.no_grad():
+        start = AutoModelForCausalLM.from_pretrained(setup["hf"]).eval()(IDS).logits
+    assert rel(start, ours) > 1e-4, rel(start, ours)
+    for how, flags in (("merged", ["--to-peft", str(tmp_path / "merged"), "--merge"]),
+                       ("to-hf", ["--to-hf", str(tmp_path / "to-hf")])):
+        assert main(["convert", *flags, "--checkpoint", str(run_dir / "checkpoints")]) == 0
+        with torch.no_grad():
+            theirs = AutoModelForCausalLM.from_pretrained(flags[1]).eval()(IDS).logits
+        assert rel(theirs, ours) <= 1e-5, (how, rel(theirs, ours))
+
+
+def copy_of(run_dir: Path, where: Path) -> Path:
+    shutil.copytree(run_dir, where)
+    return where
+
+
+SAME_COUNT = pytest.mark.xfail(strict=True, reason="the saved tables are checked by their pair counts only: "
+                               "other pairs in the same numbers are not yet detected")
+CHANGED = [
+    pytest.param(lambda records: records[:-1], [], "holds 27 train pairs' reference log-probabilities; the data "
+                 "has 26", id="one record fewer"),
+    pytest.param(lambda records: records, ["sft.valid_fraction=0.2"], "holds 27 train pairs' reference "
+                 "log-probabilities; the data has 24", id="another held-out share"),
+    pytest.param(lambda records: records[::-1], ["train.steps=3"], "", id="the same count of other pairs",
+                 marks=SAME_COUNT),  # train.steps=3: done, so the restart, not refused today, only validates
+]
+
+
+@pytest.mark.parametrize("change,extra,message", CHANGED)
+def test_a_restart_with_changed_data_is_refused_in_one_line(setup, dpo_runs, tmp_path, capsys, change, extra,
+                                                            message):
+    """Restarted (from its last checkpoint, 4 steps asked) with records or a held-out share other than its first
+    start's, a run refuses the saved reference table in one line, before any step."""
+    run_dir = copy_of(dpo_runs["straight"], tmp_path / "run")
+    records = tmp_path / "pairs.jsonl"
+    records.write_text("".join(change(setup["records"].read_text().splitlines(keepends=True))))
+    code = main(["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", f'sft.data=["{records}"]',
+                 "train.steps=4", *extra, "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "changed since its first start" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert len(steps_of(run_dir)) == 4, "no step after the refusal"
 
 
 def test_the_tiny_dpo_config_trains(setup, tmp_path, capsys):
