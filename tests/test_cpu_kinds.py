@@ -36,7 +36,16 @@ from shardlm.cpu import CPU_KIND_ENV, CPU_KINDS, cpu_flags, parse_cpuinfo, simul
 from shardlm.training import cpu_precision
 
 TESTS = Path(__file__).resolve().parent
-REPRESENTATIVE = ["test_sft_layouts.py"]
+REPRESENTATIVE_TESTS = [
+    "test_sft_layouts.py",  # packed rows at every layout and family
+    # LoRA on the experts (EP=2, TP=2 with SP, DeepSeek's expert-bias routing)
+    *(f"test_lora_layouts.py::test_lora_at_two_ranks_equals_one_process[{case}]"
+      for case in ("ep2 moe", "tp2 sp moe", "ep2 moe expert bias")),
+    "test_qk_clip.py::test_qk_clip_at_two_ranks_equals_one_process",  # QK-clip at TP, CP, PP, DP and ZeRO-1
+    "test_preference_trl.py::test_dpo_follows_trl_step_by_step",  # DPO's losses and rewards against TRL's
+]
+"""The layout and oracle tests whose fp32 bounds are rerun on the AVX2 kernels (about a minute and a half on 2
+cores): each was tuned on one kind of kernels and sums over many ranks or steps."""
 
 
 @pytest.mark.timeout(600)
@@ -45,7 +54,7 @@ REPRESENTATIVE = ["test_sft_layouts.py"]
 def test_layout_bounds_hold_with_avx2_kernels():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *(str(TESTS / name) for name in REPRESENTATIVE)],
+                           *(str(TESTS / test) for test in REPRESENTATIVE_TESTS)],
                           cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"under ATEN_CPU_CAPABILITY=avx2:\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
