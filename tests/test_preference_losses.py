@@ -17,8 +17,9 @@ Python `math` on the papers' formulas, not torch:
 and the rewards TRL logs: beta r (the reference-free losses: beta logp / n), the margin and the accuracy.
 All in fp64, within 1e-12 relative.
 
-`tests/test_preference_trl.py` runs DPO, IPO and hinge against TRL's `DPOTrainer` step by step, and checks ORPO's
-odds-ratio term on this fixture against TRL's `ORPOTrainer.odds_ratio_loss`.
+`tests/test_preference_trl.py` runs DPO against TRL's `DPOTrainer` step by step, compares IPO's and hinge's losses
+with TRL's on the trained model's pairs, and checks ORPO's odds-ratio term on this fixture against TRL's
+`ORPOTrainer.odds_ratio_loss`.
 """
 
 from __future__ import annotations
@@ -100,3 +101,14 @@ def test_the_fixture_reaches_both_sides_of_each_loss():
     summed = [((lc - rc) - (lr - rr) - 1 / (2 * BETA)) ** 2 for (lc, lr), (rc, rr) in zip(LOGPS, REFERENCE)]
     assert all(abs(a - b) > 0.1 for a, b in zip(by_hand("ipo")[0], summed))
     assert shardlm_losses("sigmoid")[1]["reward_accuracy"].tolist() == [1.0, 0.0]
+
+
+def test_a_batch_without_its_reference_needs_adapters_to_switch_off():
+    """The reference of a run without LoRA is a precomputed table; a batch that reached the loss without it would
+    otherwise take the policy itself as its reference (the loss stuck at ln 2 with no error)."""
+    from shardlm.parallel import ParallelContext
+    from shardlm.preference.loss import PreferenceLoss
+
+    loss = PreferenceLoss(PreferenceConfig(loss="dpo"), ParallelContext.single(), torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="no precomputed reference log-probabilities and no LoRA adapters"):
+        loss.reference_logps(lambda *args, **kwargs: None, {"inputs": None, "targets": None, "documents": None})

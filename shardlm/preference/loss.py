@@ -118,13 +118,22 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
                     "reward_accuracy": (margin > 0).double()}
 
 
-@contextlib.contextmanager
-def adapters_off(model):
-    """The base model: every LoRA adapter's scale 0 for the block (the reference of a LoRA run)."""
+def _adapters(model) -> list:
     from shardlm.lora.adapter import LoRA
     from shardlm.lora.experts import ExpertLoRA
 
-    adapters = [m for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
+    return [m for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
+
+
+def has_adapters(model) -> bool:
+    """Whether `model` carries LoRA adapters (whose base is a LoRA run's reference)."""
+    return bool(_adapters(model))
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model: every LoRA adapter's scale 0 for the block (the reference of a LoRA run)."""
+    adapters = _adapters(model)
     scales = [m.scale for m in adapters]
     for m in adapters:
         m.scale = 0.0
@@ -170,6 +179,9 @@ class PreferenceLoss:
         if self.cfg.loss in REFERENCE_FREE:
             return None
         if "reference" not in batch:  # the base of a LoRA run, in the same step
+            if not has_adapters(self.model):  # the "reference" would be the policy itself: a loss stuck at ln 2
+                raise RuntimeError("a preference batch has no precomputed reference log-probabilities and no LoRA "
+                                   "adapters to switch off for them")
             with torch.no_grad(), adapters_off(self.model):
                 self.record_reference(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
         return batch["reference"]
