@@ -43,15 +43,17 @@ def case_spec(case) -> dict:
     return case[1] if isinstance(case, tuple) else case
 
 
-def layout_checks(run, cases: dict) -> dict:
+def layout_checks(run, cases: dict, more=None) -> dict:
     """Worker body: `run(**spec)` for every case, each result or traceback kept by name (`multiproc.run_checks`),
-    so one failing case fails only its own tests."""
+    so one failing case fails only its own tests; `more`: a module-level function returning further named checks
+    ({name: callable}) to run in the same world after the cases."""
     specs = {name: case_spec(case) for name, case in cases.items()}
-    return run_checks({name: (lambda spec=spec: run(**spec)) for name, spec in specs.items()})
+    checks = {name: (lambda spec=spec: run(**spec)) for name, spec in specs.items()}
+    return run_checks(checks | (more() if more else {}))
 
 
-def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600) -> list:
+def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600, more=None) -> list:
     """Every case of `cases` on one gloo world of `world_size` ranks: per rank, {name: ("ok", value) or ("error",
-    traceback)}, read with `multiproc.check_result` or `agreement.assert_every_rank`. `run` must be a module-level
-    function (the workers import it by name)."""
-    return run_workers(world_size, layout_checks, run, cases, timeout=timeout)
+    traceback)}, read with `multiproc.check_result` or `agreement.assert_every_rank`. `run` (and `more`, the
+    further checks of `layout_checks`) must be module-level functions (the workers import them by name)."""
+    return run_workers(world_size, layout_checks, run, cases, more, timeout=timeout)

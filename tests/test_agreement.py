@@ -73,3 +73,49 @@ def test_a_tuple_run_and_extra_columns_are_compared():
     assert_same_run((extra, ref["params"]), (extra, ref["params"]), steps=STEPS, columns=columns)
     with pytest.raises(AssertionError, match="step 1: aux loss"):
         assert_same_run((off, ref["params"]), (extra, ref["params"]), steps=STEPS, columns=columns)
+
+
+def test_absolute_columns_are_bounded_absolutely_and_the_rest_stay_relative():
+    """A reward near zero off by 1e-6 passes as an absolute column (relative to it, 1e-6 would be 1e-2), one off by
+    2e-5 fails; the loss keeps its relative bound beside it."""
+    ref = one_process()
+    columns = ("loss", "grad norm", "reward")
+    curve = [(loss, norm, 1e-4) for loss, norm in ref["curve"]]
+    near = [(loss, norm, 1e-4 + 1e-6) for loss, norm in ref["curve"]]
+    assert_same_run((near, ref["params"]), (curve, ref["params"]), steps=STEPS, columns=columns, absolute=("reward",))
+    with pytest.raises(AssertionError, match="step 1: reward"):
+        assert_same_run((near, ref["params"]), (curve, ref["params"]), steps=STEPS, columns=columns)
+    far = [(loss, norm, 1e-4 + 2e-5) for loss, norm in ref["curve"]]
+    with pytest.raises(AssertionError, match="step 1: reward"):
+        assert_same_run((far, ref["params"]), (curve, ref["params"]), steps=STEPS, columns=columns,
+                        absolute=("reward",))
+    loss_off = [(loss * (1 + 2e-5), norm, 1e-4) for loss, norm in ref["curve"]]
+    with pytest.raises(AssertionError, match="step 1: loss"):
+        assert_same_run((loss_off, ref["params"]), (curve, ref["params"]), steps=STEPS, columns=columns,
+                        absolute=("reward",))
+
+
+def test_a_column_tolerance_bounds_its_column_only():
+    """A column given 5e-5 passes 3e-5 off and fails 6e-5 off; the loss beside it keeps 1e-5."""
+    ref = one_process()
+    columns, tols = ("loss", "grad norm", "max logit"), {"max logit": 5e-5}
+    curve = [(loss, norm, 5.0) for loss, norm in ref["curve"]]
+
+    def run(loss_error, logit_error):
+        return [(loss * (1 + loss_error), norm, 5.0 * (1 + logit_error)) for loss, norm in ref["curve"]], ref["params"]
+
+    assert_same_run(run(0, 3e-5), (curve, ref["params"]), steps=STEPS, columns=columns, column_tols=tols)
+    with pytest.raises(AssertionError, match="step 1: max logit"):
+        assert_same_run(run(0, 6e-5), (curve, ref["params"]), steps=STEPS, columns=columns, column_tols=tols)
+    with pytest.raises(AssertionError, match="step 1: loss"):
+        assert_same_run(run(3e-5, 0), (curve, ref["params"]), steps=STEPS, columns=columns, column_tols=tols)
+
+
+def test_every_validation_loss_of_a_list_is_compared():
+    """A run evaluated before and after training: the second loss off by 1e-4 fails, a missing one fails."""
+    ref = copy(one_process()) | {"valid": [0.69, 0.6]}
+    assert_same_run(copy(ref) | {"valid": [0.69, 0.6 * (1 + 1e-7)]}, ref, "case", steps=STEPS)
+    with pytest.raises(AssertionError, match="validation 1"):
+        assert_same_run(copy(ref) | {"valid": [0.69, 0.6 * (1 + 1e-4)]}, ref, "case", steps=STEPS)
+    with pytest.raises(AssertionError, match="1 validation losses"):
+        assert_same_run(copy(ref) | {"valid": [0.69]}, ref, "case", steps=STEPS)

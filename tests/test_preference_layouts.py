@@ -45,8 +45,9 @@ from shardlm.training.data import micro_batches
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters, rel
-from multiproc import check_result, run_checks, run_workers
+from agreement import CURVE, assert_every_rank, assert_same_run, rel
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
 
 SEQ, STEPS, TOL = 48, 4, 1e-5
 
@@ -110,10 +111,6 @@ def train_layout(ctx: ParallelContext, config) -> dict:
     return {"curve": curve, "valid": valid, "params": stage_parameters(trainer.model)}
 
 
-def layout(tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, **config) -> dict:
-    return {"tp": tp, "cp": cp, "ep": ep, "pp": pp, **config}
-
-
 @contextlib.contextmanager
 def broken(control: str | None):
     """"forward-only CP sum": each sequence's log-probability summed over CP by the forward all-reduce alone
@@ -127,10 +124,9 @@ def broken(control: str | None):
         loss_module.sum_over = sum_over
 
 
-def run_layout(tp: int, cp: int, ep: int, pp: int, control: str | None = None, **config) -> dict:
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
     with broken(control):
-        return train_layout(ctx, preference_config(tp=tp, cp=cp, ep=ep, pp=pp, **config))
+        return train_layout(layout_context(tp, pp, cp, ep), preference_config(tp=tp, cp=cp, ep=ep, pp=pp, **config))
 
 
 WORLD2 = {
@@ -151,18 +147,14 @@ WORLD4 = {
 }
 
 
-def world_checks(cases: dict) -> dict:
-    return run_checks({name: (lambda spec=spec: run_layout(**spec)) for name, spec in cases.items()})
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2 | {CONTROL: layout(cp=2, control="forward-only CP sum")}, timeout=600)
+    return spawn_layouts(2, run_layout, WORLD2 | {CONTROL: layout(cp=2, control="forward-only CP sum")})
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_workers(4, world_checks, WORLD4, timeout=600)
+    return spawn_layouts(4, run_layout, WORLD4)
 
 
 @pytest.fixture(scope="module")
@@ -173,18 +165,22 @@ def reference():
             "lora": train_layout(ctx, preference_config(lora=4))}
 
 
-def assert_matches(value: dict, ref: dict, where: str) -> None:
-    """Losses and gradient norms within TOL relative; rewards, margin and accuracy within TOL absolute (rewards are
-    beta x differences of log-probabilities of tens of nats: near 0 a relative bound would measure rounding)."""
-    names = ("loss", "grad norm") + METRICS
-    for step, (got, want) in enumerate(zip(value["curve"], ref["curve"]), 1):
-        for i, (name, a, b) in enumerate(zip(names, got, want)):
-            assert abs(a - b) <= TOL * (abs(b) if i < 2 else 1.0), f"{where} step {step}: {name} {a} vs {b}"
-    for when, (a, b) in enumerate(zip(value["valid"], ref["valid"])):
-        assert abs(a - b) <= TOL * abs(b), f"{where}: validation loss {'after' if when else 'before'} {a} vs {b}"
+SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": CURVE + METRICS, "absolute": METRICS}
+"""The harness's bounds for a preference run: losses, gradient norms, the validation losses before and after, and
+every parameter within TOL relative; rewards, margin and accuracy within TOL absolute (rewards are beta x
+differences of log-probabilities of tens of nats: near 0 a relative bound would measure rounding)."""
+
+
+def assert_starts_at_ln2(value: dict, where: str) -> None:
+    """Step 1's loss and the first validation loss are ln 2 within 1e-6: the policy is its reference."""
     assert abs(value["curve"][0][0] - math.log(2)) <= 1e-6, f"{where}: step 1 loss {value['curve'][0][0]} is not ln 2"
     assert abs(value["valid"][0] - math.log(2)) <= 1e-6, f"{where}: first validation loss {value['valid'][0]}"
-    assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, where)
+
+
+def assert_matches(value: dict, ref: dict, where: str) -> None:
+    """One rank's preference run equals one process's (`SAME_RUN`) and starts at ln 2."""
+    assert_same_run(value, ref, where, **SAME_RUN)
+    assert_starts_at_ln2(value, where)
 
 
 def kind_of(name: str) -> str:
@@ -193,14 +189,14 @@ def kind_of(name: str) -> str:
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_preference_at_two_ranks_equals_one_process(world2, reference, name):
-    for rank, value in enumerate(check_result(world2, name)):
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+    for rank, value in enumerate(assert_every_rank(world2, name, reference[kind_of(name)], **SAME_RUN)):
+        assert_starts_at_ln2(value, f"{name} rank {rank}")
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_preference_at_four_ranks_equals_one_process(world4, reference, name):
-    for rank, value in enumerate(check_result(world4, name)):
-        assert_matches(value, reference[kind_of(name)], f"{name} rank {rank}")
+    for rank, value in enumerate(assert_every_rank(world4, name, reference[kind_of(name)], **SAME_RUN)):
+        assert_starts_at_ln2(value, f"{name} rank {rank}")
 
 
 def test_the_cp_sum_needs_its_backward_all_reduce(world2, reference):
