@@ -25,6 +25,64 @@ from __future__ import annotations
 from multiproc import run_checks, run_workers
 
 
+MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 12}
+"""DeepSeek-V3's latent attention at the tests' size (a [model] section's keys): queries through a rank-16 latent,
+keys and values through another, 8 + 4 (RoPE) key channels, values of 12 (a test that needs them narrower than the
+keys overrides `v_head_dim`)."""
+
+
+TRAIN = {"precision": "fp32", "global_batch_size": 8, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "clip_grad": 0.5,
+         "adam_eps": 1e-6, "seed": 7}
+"""The [train] section every layout test's AdamW run shares (fp32, 8 samples a step, peak learning rate
+`agreement.LR`); a test adds its micro-batch, steps and what else it needs."""
+
+
+def tiny_model(arch: str, seq: int, layers: int = 4, dropout: float = 0.0, **model) -> dict:
+    """A [model] section at the layout tests' size: `layers` layers of hidden 32 and 4 heads over `seq` tokens of
+    `test_training.VOCAB`, and `model`'s further keys."""
+    from test_training import VOCAB
+
+    return {"arch": arch, "num_layers": layers, "hidden_size": 32, "num_heads": 4, "seq_length": seq,
+            "vocab_size": VOCAB, "dropout": dropout, **model}
+
+
+def layout_config(model: dict, *, micro: int, steps: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                  sp: bool = False, virtual: int = 1, sections: dict | None = None, **train):
+    """A layout test's `RunConfig`: `model`, the parallel sizes (interleaved 1F1B when `virtual` > 1), `sections`
+    (by default a placeholder [data] section) and `TRAIN` with the micro-batch, steps and `train`'s keys."""
+    from shardlm.config import from_dict
+
+    schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
+    return from_dict({
+        "model": model,
+        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
+        **(sections if sections is not None else {"data": {"text_file": "unused"}}),
+        "train": {**TRAIN, "micro_batch_size": micro, "steps": steps, **train},
+    })
+
+
+def counting(run, counts: dict, key: str, when=None):
+    """`run` (a function, a bound method, a hook or a class's method) wrapped to add 1 to `counts[key]` at each call
+    (at each call for which `when(*args, **kwargs)` holds, if given) before running it."""
+    def call(*args, **kwargs):
+        if when is None or when(*args, **kwargs):
+            counts[key] += 1
+        return run(*args, **kwargs)
+    return call
+
+
+def count_forwards(model) -> dict[str, int]:
+    """Live counters of the calls of every transformer layer ("layer", a forward pre-hook) and of its attention core
+    softmax(QK^T)V ("core", a wrapper of the bound method): a forward recomputed in the backward counts again.
+    Pre-hooks, because a recomputation may stop early, once it has rebuilt what the backward needs."""
+    counts = {"layer": 0, "core": 0}
+    for layer in model.layers.values():
+        layer.register_forward_pre_hook(counting(lambda *_: None, counts, "layer"))
+        layer.attn.core = counting(layer.attn.core, counts, "core")
+    return counts
+
+
 def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict:
     """One case: the tensor, pipeline, context and expert parallel sizes (data parallel takes the rest of the
     world) and the keyword arguments the test's run function takes besides them (model, schedule, controls)."""

@@ -45,8 +45,9 @@ from shardlm.training.qk_clip import attention_layers, clip_qk, track_max_logits
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_but_off, assert_trained_parameters
-from multiproc import check_result, run_checks, run_workers
+from agreement import CURVE, assert_every_rank, assert_trained_but_off
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
 
 SEQ, TAU = 16, 4.0
 MAX_LOGIT_TOL = 5e-5
@@ -184,36 +185,35 @@ def clip_config(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, micr
     return config
 
 
-def run_layout(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, unreduced: bool = False, **keys) -> dict:
+def run_layout(tp: int, pp: int, cp: int, ep: int, kind: str = "llama", unreduced: bool = False, **keys) -> dict:
     """4 steps of the layout (under PP with stale maxima planted: the stages start each step's maxima from its
     first micro-batch); `unreduced`: the control's bug, patched in this worker process for this run only."""
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp)
+    assert ep == 1, "QK-clip's layouts have no experts"
     with mock.patch("shardlm.training.trainer.clip_qk", clip_unreduced) if unreduced else contextlib.nullcontext():
-        return train(ctx, clip_config(kind, tp, pp, cp, **keys), stale_maxima=pp > 1)
+        return train(layout_context(tp, pp, cp, ep), clip_config(kind, tp, pp, cp, **keys), stale_maxima=pp > 1)
 
 
 WORLD2 = {  # name: (reference kind, layout)
-    "tp2 sp llama": ("llama", {"tp": 2, "sp": True}),
-    "tp2 sp mqa": ("mqa", {"kind": "mqa", "tp": 2, "sp": True}),
-    "tp2 mla": ("mla", {"kind": "mla", "tp": 2}),
-    "cp2 llama": ("llama", {"cp": 2}),
-    "pp2 llama": ("llama", {"pp": 2, "micro": 1}),
-    "dp2 llama": ("llama", {}),
-    "dp2 zero1 llama": ("llama", {"data_sharding": "optimizer"}),
-    "control dp2 llama maxima unreduced": ("llama", {"unreduced": True}),
-    "control cp2 llama maxima unreduced": ("llama", {"cp": 2, "unreduced": True}),
+    "tp2 sp llama": ("llama", layout(tp=2, sp=True)),
+    "tp2 sp mqa": ("mqa", layout(kind="mqa", tp=2, sp=True)),
+    "tp2 mla": ("mla", layout(kind="mla", tp=2)),
+    "cp2 llama": ("llama", layout(cp=2)),
+    "pp2 llama": ("llama", layout(pp=2, micro=1)),
+    "dp2 llama": ("llama", layout()),
+    "dp2 zero1 llama": ("llama", layout(data_sharding="optimizer")),
+    "control dp2 llama maxima unreduced": ("llama", layout(unreduced=True)),
+    "control cp2 llama maxima unreduced": ("llama", layout(cp=2, unreduced=True)),
 }
 
 
-def world_checks(cases: dict) -> dict:
-    checks = {name: (lambda spec=spec: run_layout(**spec)) for name, (_, spec) in cases.items()}
-    checks |= {f"cp2 maxima {kind}": (lambda kind=kind: context_parallel_maxima(kind)) for kind in KINDS}
-    return run_checks(checks)
+def maxima_checks() -> dict:
+    """The CP=2 maxima of every attention kind (`context_parallel_maxima`), checked in the same world."""
+    return {f"cp2 maxima {kind}": (lambda kind=kind: context_parallel_maxima(kind)) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world_checks, WORLD2, timeout=300)
+    return spawn_layouts(2, run_layout, WORLD2, timeout=300, more=maxima_checks)
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +258,9 @@ def test_the_step_line_and_metrics_show_the_largest_logit(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", [n for n in WORLD2 if not n.startswith("control")])
 def test_qk_clip_at_two_ranks_equals_one_process(world2, reference, name):
-    ref = reference[WORLD2[name][0]]
-    for rank, value in enumerate(check_result(world2, name)):
-        for step, (got, want) in enumerate(zip(value["curve"], ref["curve"]), 1):
-            for a, b, what, tol in zip(got, want, ("loss", "grad norm", "max logit"), (TOL, TOL, MAX_LOGIT_TOL)):
-                assert abs(a - b) <= tol * abs(b), f"{name} rank {rank} step {step} {what}: {a} vs {b}"
-        assert_trained_parameters(value["params"], ref["params"], STEPS, TOL, f"{name} rank {rank}")
+    """Losses, gradient norms and parameters within TOL, the step maxima within MAX_LOGIT_TOL, relative."""
+    assert_every_rank(world2, name, reference[WORLD2[name][0]], steps=STEPS, tol=TOL, columns=CURVE + ("max logit",),
+                      column_tols={"max logit": MAX_LOGIT_TOL})
 
 
 @pytest.mark.parametrize("name", [n for n in WORLD2 if n.startswith("control")])
