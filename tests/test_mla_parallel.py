@@ -29,10 +29,9 @@ from shardlm.parallel import ParallelContext
 from shardlm.validation import validate
 
 from agreement import rel
+from layouts import MLA
 from multiproc import check_result, run_checks, run_workers
 
-MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-       "v_head_dim": 12}
 DEEPSEEK = {"moe_num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32, "moe_score": "sigmoid",
             "moe_expert_bias_rate": 0.01, "moe_shared_experts": 1, "moe_first_dense_layers": 1, "moe_groups": 4,
             "moe_topk_groups": 2, "moe_routed_scaling": 2.0, "moe_aux_loss_coeff": 0.001}

@@ -42,11 +42,12 @@ from shardlm.plan.planner import PlanRequest, plan
 from shardlm.training.muon import Muon, is_muon_matrix, row_groups
 from shardlm.training.trainer import Trainer
 
+from layouts import MLA as LAYOUT_MLA
+
 VOCAB, SEQ, MICRO = 100, 16, 2
 BASE = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
 MOE = {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 24}
-MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-       "v_head_dim": 8}
+MLA = LAYOUT_MLA | {"v_head_dim": 8}
 SHAPES = {  # name: ([model] section, TP sizes the shape divides)
     "llama-gqa": ({"arch": "llama", "num_kv_heads": 2}, (1, 2, 4)),  # TP=4: K/V replicated
     "gpt": ({"arch": "gpt"}, (1, 2, 4)),
