@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from multiproc import run_checks, run_workers
 
-
 MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
        "v_head_dim": 12}
 """DeepSeek-V3's latent attention at the tests' size (a [model] section's keys): queries through a rank-16 latent,
@@ -47,10 +46,11 @@ def tiny_model(arch: str, seq: int, layers: int = 4, dropout: float = 0.0, **mod
             "vocab_size": VOCAB, "dropout": dropout, **model}
 
 
-def layout_config(model: dict, *, micro: int, steps: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+def layout_config(model: dict, *, micro: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                   sp: bool = False, virtual: int = 1, sections: dict | None = None, **train):
     """A layout test's `RunConfig`: `model`, the parallel sizes (interleaved 1F1B when `virtual` > 1), `sections`
-    (by default a placeholder [data] section) and `TRAIN` with the micro-batch, steps and `train`'s keys."""
+    (by default a placeholder [data] section) and `TRAIN` with the micro-batch and `train`'s keys (`steps` among
+    them)."""
     from shardlm.config import from_dict
 
     schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
@@ -58,7 +58,7 @@ def layout_config(model: dict, *, micro: int, steps: int, tp: int = 1, pp: int =
         "model": model,
         "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
         **(sections if sections is not None else {"data": {"text_file": "unused"}}),
-        "train": {**TRAIN, "micro_batch_size": micro, "steps": steps, **train},
+        "train": {**TRAIN, "micro_batch_size": micro, **train},
     })
 
 

@@ -30,19 +30,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_linear_attention_layouts import hybrid_sft_config
-from test_mla_parallel import MLA
 from test_moe_parallel import ROUTING, stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
-from test_training import VOCAB
 
-from shardlm.config import from_dict
 from shardlm.lora import LoRA, count_parameters
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_same_run, assert_trained_but_off
-from layouts import layout, layout_context, spawn_layouts
+from layouts import MLA, counting, layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
 STEPS, TOL = 4, 1e-5
@@ -56,8 +53,7 @@ def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp:
         config = hybrid_sft_config(lora=LORA["rank"], micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, **train)
         config.lora.alpha, config.lora.targets = LORA["alpha"], LORA["targets"]
         return config
-    model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
-             "vocab_size": VOCAB, "dropout": 0.0}
+    model = tiny_model(arch, SEQ)
     if arch == "llama":
         model["num_kv_heads"] = kv_heads
     if mla:  # DeepSeek-V3's latent attention: adapters on q_a, q_b, kv_a, kv_b and o
@@ -69,16 +65,9 @@ def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp:
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
                   **ROUTING[routing]}
         lora = {"targets": ["all-linear", "experts"], **(lora or {})}
-    schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
-    return from_dict({
-        "model": model,
-        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
-        "data": {"text_file": "unused"},
-        "lora": {**LORA, "modules_to_save": list(save), **(lora or {})},
-        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
-                  "min_lr": 3e-4,
-                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 64, **train},
-    })
+    sections = {"data": {"text_file": "unused"}, "lora": {**LORA, "modules_to_save": list(save), **(lora or {})}}
+    return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual,
+                         sections=sections, **{"steps": STEPS, "eval_iters": 64, **train})
 
 
 def unsum_replicated_factors(model) -> None:
@@ -296,16 +285,8 @@ def test_recomputation_is_bitwise(monkeypatch, mode):
     from shardlm.models.llama import LlamaAttention
 
     calls = {"core": 0, "adapter": 0}
-    core, adapter = LlamaAttention.core, LoRA.forward
-
-    def counted(kind, run):
-        def call(*args, **kwargs):
-            calls[kind] += 1
-            return run(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(LlamaAttention, "core", counted("core", core))
-    monkeypatch.setattr(LoRA, "forward", counted("adapter", adapter))
+    monkeypatch.setattr(LlamaAttention, "core", counting(LlamaAttention.core, calls, "core"))
+    monkeypatch.setattr(LoRA, "forward", counting(LoRA.forward, calls, "adapter"))
     runs, counts = {}, {}
     for r in ("none", mode):
         calls.update(core=0, adapter=0)

@@ -25,6 +25,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
 from agreement import assert_trained_parameters, rel
+from layouts import count_forwards
 from multiproc import run_workers
 
 
@@ -61,28 +62,6 @@ def sp_communication() -> dict:
     ctx.comm.reset()
     trainer.train_step()
     return {"forward": forward, "total": total, "step": ctx.comm.snapshot()}
-
-
-def count_forwards(model) -> dict[str, int]:
-    """Live counters of the calls of every transformer layer ("layer", a forward pre-hook) and of its
-    attention core softmax(QK^T)V ("core", a wrapper of the bound method): a forward recomputed in the
-    backward counts again. Pre-hooks, because a recomputation may stop early, once it has rebuilt what the
-    backward needs."""
-    counts = {"layer": 0, "core": 0}
-
-    def count_layer(*_):
-        counts["layer"] += 1
-
-    def counted(core):
-        def call(*args):
-            counts["core"] += 1
-            return core(*args)
-        return call
-
-    for layer in model.layers.values():
-        layer.register_forward_pre_hook(count_layer)
-        layer.attn.core = counted(layer.attn.core)
-    return counts
 
 
 RECOMPUTE_STEPS = 4

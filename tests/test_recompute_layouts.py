@@ -21,7 +21,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_context_parallel_training import synthetic_data as cp_data
-from test_memory import count_forwards
 from test_resume_layouts import context, dense, moe
 from test_training import synthetic_data
 
@@ -29,6 +28,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from layouts import count_forwards, counting
 from multiproc import check_result, run_checks, run_workers
 
 STEPS, MICRO_BATCHES = 2, 2
@@ -49,9 +49,6 @@ def attach_counters(model, ctx: ParallelContext) -> dict:
     counts |= {"moe": 0, **{f"forward {kind}": 0 for kind in COUNTED}}
     before = {}
 
-    def count_moe(*_):
-        counts["moe"] += 1
-
     def enter(*_):
         before.update(counted_calls(ctx))
 
@@ -61,7 +58,7 @@ def attach_counters(model, ctx: ParallelContext) -> dict:
 
     for layer in model.layers.values():
         if hasattr(layer.mlp, "router"):
-            layer.mlp.register_forward_pre_hook(count_moe)
+            layer.mlp.register_forward_pre_hook(counting(lambda *_: None, counts, "moe"))
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave)
     return counts

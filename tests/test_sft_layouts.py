@@ -30,12 +30,10 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from test_mla_parallel import MLA
 from test_moe_parallel import ROUTING, full_parameters, stage_parameters
 from test_training import VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
-from shardlm.config import from_dict
 from shardlm.models import build_model
 from shardlm.models.documents import Documents
 from shardlm.parallel import ParallelContext
@@ -47,7 +45,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_same_run, assert_trained_but_off, rel
-from layouts import layout, layout_context, spawn_layouts
+from layouts import MLA, counting, layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result, disturb_generators
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
@@ -82,8 +80,7 @@ def valid_data() -> PackedDataset:
 def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                sp: bool = False, virtual: int = 1, moe: bool = False, mtp: bool = False, dropout: float = 0.0,
                **train):
-    model = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
-             "vocab_size": VOCAB, "dropout": dropout}
+    model = tiny_model(arch, SEQ, dropout=dropout)
     if arch == "llama":
         model["num_kv_heads"] = 2
     if arch == "mla":  # DeepSeek-V3's latent attention: keys of 12 channels, values of 8
@@ -94,15 +91,8 @@ def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: 
         model |= {"mtp_layers": 2, "mtp_loss_weight": 0.3}
     if moe:
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
-    schedule = {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
-    return from_dict({
-        "model": model,
-        "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp, **schedule},
-        "data": {"text_file": "unused"},
-        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
-                  "min_lr": 3e-4,
-                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 64, **train},
-    })
+    return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual,
+                         **{"steps": STEPS, "eval_iters": 64, **train})
 
 
 def train_layout(ctx: ParallelContext, config) -> dict:
@@ -333,21 +323,22 @@ def test_recomputation_reruns_attention_with_the_documents(monkeypatch, mode):
     bitwise those of no recomputation (the rerun saw the same documents)."""
     from shardlm.models.gpt import ParallelAttention
 
-    original, calls = ParallelAttention.core, []
+    calls = {"core": 0, "with documents": 0}
 
-    def counted(self, q, k, v, documents=None):
-        calls.append(documents is not None)
-        return original(self, q, k, v, documents)
+    def with_documents(self, q, k, v, documents=None):
+        return documents is not None
 
-    monkeypatch.setattr(ParallelAttention, "core", counted)
+    monkeypatch.setattr(ParallelAttention, "core", counting(counting(ParallelAttention.core, calls, "core"), calls,
+                                                            "with documents", with_documents))
     runs = {}
     for recompute in ("none", mode):
-        calls.clear()
+        calls.update({"core": 0, "with documents": 0})
         runs[recompute] = train_layout(ParallelContext.single(), sft_config(micro=4, recompute=recompute))
-        runs[recompute]["calls"] = list(calls)
-    plain, rerun = runs["none"], runs[mode]
-    assert all(rerun["calls"]) and len(rerun["calls"]) > len(plain["calls"])
+        runs[recompute]["calls"] = dict(calls)
+    plain, rerun = runs["none"]["calls"], runs[mode]["calls"]
+    assert rerun["with documents"] == rerun["core"] > plain["core"]
     trained_calls = STEPS * 2 * 4  # steps x micro-batches x layers
-    assert len(rerun["calls"]) - len(plain["calls"]) == trained_calls
+    assert rerun["core"] - plain["core"] == trained_calls
+    plain, rerun = runs["none"], runs[mode]
     assert rerun["curve"] == plain["curve"] and rerun["valid"] == plain["valid"]
     assert all(torch.equal(rerun["params"][n], p) for n, p in plain["params"].items())
