@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from llama_reference import LOGIT_TOL, hf_llama, logits_and_greedy
-from test_memory import assert_recomputation_is_bitwise, count_forwards
+from test_memory import assert_recomputation_is_bitwise
 from test_training import ADAM_EPS, STEPS, VOCAB, assert_same_run, synthetic_data
 
 from shardlm.checkpoint import load_model, save_checkpoint
@@ -27,6 +27,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.parallel import CommStats, Communicator, ParallelContext
 from shardlm.training.trainer import Trainer
 
+from layouts import count_forwards
 from multiproc import merge_copies, run_workers
 
 
