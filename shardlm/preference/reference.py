@@ -1,7 +1,8 @@
 """The reference model's log-probabilities precomputed over the data set (`preference.reference =
 "precomputed"`): one pass of the starting weights over every training pair before the first step, at the run's
 layout, saved in the run directory so a resumed run reads them instead of recomputing them from weights it no
-longer has."""
+longer has. The pass announces itself in one line and shows a progress bar (rows done, time left) on the main
+rank, as the training steps do (`log.progress`)."""
 
 from __future__ import annotations
 
@@ -11,42 +12,68 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from shardlm.errors import UserError
 from shardlm.preference.loss import preference_parts, sequence_logps
-from shardlm.training.data import micro_batches
 
 FILE = "reference_logps.safetensors"
 
 
+def precompute_references(trainer, datasets: dict) -> dict[str, torch.Tensor]:
+    """`precompute_reference` of each split of `datasets` ({"train": PairDataset, "valid": ...}, None skipped),
+    announced in one line and counted by one progress bar over all their rows."""
+    datasets = {split: data for split, data in datasets.items() if data is not None}
+    rows = {split: len(data.rows.plan(0)) for split, data in datasets.items()}
+    ctx, log = trainer.ctx, trainer.config.log
+    if ctx.is_main:
+        pairs = " and ".join(f"{data.num_pairs} {split}" for split, data in datasets.items())
+        tqdm.write(f"preference: computing the reference log-probabilities of {pairs} pairs ({sum(rows.values())} "
+                   "rows, one forward pass each) with the starting weights, before the first step")
+    with tqdm(total=sum(rows.values()), desc="reference", unit="row", dynamic_ncols=True, leave=False,
+              disable=not (ctx.is_main and log.progress)) as bar:
+        return {split: precompute_reference(trainer, data, bar) for split, data in datasets.items()}
+
+
 @torch.no_grad()
-def precompute_reference(trainer, dataset) -> torch.Tensor:
+def precompute_reference(trainer, dataset, bar: tqdm | None = None) -> torch.Tensor:
     """(pairs, 2) fp64 log-probabilities of every pair of `dataset` (a `PairDataset`) under `trainer.model` as it
     is now: epoch 0's rows (which hold every kept pair once) in micro-batches over the DP ranks, summed over DP
     (and over the pipeline group, whose last stage alone computes them: the micro-batches go through the stages
     a step's worth at a time). Every rank runs as many forwards (the last ones on empty rows where the rows run
-    out): FSDP's gathers and the experts' all-to-all need every rank of their groups."""
+    out): FSDP's gathers and the experts' all-to-all need every rank of their groups. `bar` (a progress bar) is
+    advanced by the rows done, over all DP ranks."""
     ctx, t = trainer.ctx, trainer.config.train
     table = torch.zeros(dataset.num_pairs, 2, dtype=torch.float64, device=ctx.device)
     rows = len(dataset.rows.plan(0))
     per_step = t.micro_batch_size * ctx.dp_size
-    epoch0 = _Epoch0(dataset, rows)
-    parts = [preference_parts([micro_batches(epoch0, start, per_step, t.micro_batch_size, ctx.dp_rank, ctx.dp_size,
-                                             ctx.device)[0]], ctx, count_pairs=False)[0]
-             for start in range(0, -(-rows // per_step) * per_step, per_step)]
+    starts = list(range(0, -(-rows // per_step) * per_step, per_step))
+
+    def part(start: int) -> dict:
+        first = start + ctx.dp_rank * t.micro_batch_size  # this DP rank's rows of the step, as training reads them
+        batch = _stacked([_epoch0_row(dataset, rows, first + j) for j in range(t.micro_batch_size)], ctx.device)
+        return preference_parts([batch], ctx, count_pairs=False)[0]
 
     def record(token_losses: torch.Tensor, part: dict) -> None:
         table[part["pairs"]] = sequence_logps(token_losses, part, ctx.cp)[0]
 
+    def advance(steps: list[int]) -> None:
+        if bar is not None:
+            bar.update(sum(min(per_step, rows - start) for start in steps))
+
     trainer.model.eval()
     with trainer.autocast():
         if trainer.pipeline is None:
-            for part in parts:
-                record(trainer.model(part["inputs"], part["targets"], documents=part["documents"]), part)
+            for start in starts:
+                batch = part(start)
+                record(trainer.model(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
+                advance([start])
         else:
             group = trainer.accumulation
-            for i in range(0, len(parts), group):
-                trainer.pipeline.reference_pass(parts[i:i + group], record, contextlib.nullcontext())
+            for i in range(0, len(starts), group):
+                trainer.pipeline.reference_pass([part(s) for s in starts[i:i + group]], record,
+                                                contextlib.nullcontext())
+                advance(starts[i:i + group])
     trainer.model.train()
     ctx.dp.all_reduce(table)
     if ctx.pp_size > 1:
@@ -54,21 +81,19 @@ def precompute_reference(trainer, dataset) -> torch.Tensor:
     return table
 
 
-class _Epoch0:
-    """Epoch 0's rows of a `PairDataset`, then empty rows (no pair) to fill the last micro-batches."""
+def _epoch0_row(dataset, rows: int, index: int) -> dict[str, np.ndarray]:
+    """Row `index` of epoch 0 of a `PairDataset` (`rows` rows), or an empty row (no pair) past its end, to fill the
+    last micro-batches."""
+    if index < rows:
+        return dataset[index]
+    length = dataset.rows.seq_length
+    return {"input_ids": np.zeros(length, dtype=np.int64), "labels": np.full(length, -100),
+            "position_ids": np.arange(length), "pair": np.full(length, -1), "side": np.full(length, -1)}
 
-    def __init__(self, dataset, rows: int):
-        self.dataset, self.rows = dataset, rows
 
-    def __len__(self) -> int:
-        return 2**62
-
-    def __getitem__(self, index: int) -> dict:
-        if index < self.rows:
-            return self.dataset[index]
-        length = self.dataset.rows.seq_length
-        return {"input_ids": np.zeros(length, dtype=np.int64), "labels": np.full(length, -100),
-                "position_ids": np.arange(length), "pair": np.full(length, -1), "side": np.full(length, -1)}
+def _stacked(rows: list[dict[str, np.ndarray]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Rows (dicts of (T,) arrays) -> one micro-batch: a dict of (rows, T) int64 tensors on `device`."""
+    return {key: torch.from_numpy(np.stack([row[key] for row in rows])).to(device) for key in rows[0]}
 
 
 def save_reference(tables: dict[str, torch.Tensor], run_dir: Path) -> Path:

@@ -160,7 +160,7 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     """Give a preference run's loss its reference: precomputed by the starting weights (saved in the run directory,
     read back on a resume), or the LoRA base; returns the line that says which."""
     from shardlm.preference import reference_mode
-    from shardlm.preference.reference import load_reference, precompute_reference, save_reference
+    from shardlm.preference.reference import load_reference, precompute_references, save_reference
 
     config, mode = trainer.config, reference_mode(trainer.config)
     line = f"preference: {config.preference.loss} loss, beta {config.preference.beta:g}, reference: "
@@ -171,7 +171,7 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     if resumed:
         trainer.loss.tables = load_reference(run_dir, pairs)
         return line + f"read from {run_dir}"
-    trainer.loss.tables = {split: precompute_reference(trainer, data[split]) for split in pairs}
+    trainer.loss.tables = precompute_references(trainer, data)
     if trainer.ctx.is_main:
         save_reference(trainer.loss.tables, run_dir)
     return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} pairs"
