@@ -21,12 +21,11 @@ class RunLogger:
         self.enabled, self.interval, self.run_dir = enabled, max(1, interval), run_dir
         self.history: list[dict] = []
         self.bar = self.writer = self.file = None
+        self.progress, self.total_steps = progress, total_steps
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        if progress:
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -36,7 +35,8 @@ class RunLogger:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def resumed_at(self, step: int) -> None:
-        """Move the progress bar to a resumed run's step."""
+        """Move the progress bar to a resumed run's step (before the first step there is none yet: it is made then,
+        starting at the step's number)."""
         if self.bar:
             self.bar.update(step - self.bar.n)
 
@@ -48,6 +48,11 @@ class RunLogger:
         if not self.enabled:
             return
         step = metrics["step"]
+        if self.progress and self.bar is None:
+            # the bar starts with this process's first step, so that its rate and time left count the steps only,
+            # not the setup before them (a reference pass, a checkpoint read): its clock set back by the step's time
+            self.bar = tqdm(total=self.total_steps, initial=step - 1, desc="train", unit="step", dynamic_ncols=True)
+            self.bar.start_t = self.bar.last_print_t = self.bar.start_t - metrics.get("step_time_s", 0.0)
         if self.bar:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
