@@ -134,6 +134,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     computed in the autocast dtype when autocast is on (as `F.linear` would be), the softmax in fp32.
     Talks to the TP group: one all-reduce MAX of N values and one all-reduce SUM of 2 x N values.
     """
-    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), tp,
-                                       vocab_size, ignore_index)
+    hidden, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, flat, tp, vocab_size, ignore_index).view(target.shape)
+    # No gradient (an evaluation, a preference run's reference pass): only the rows with a target get logits, a
+    # vocabulary's worth each; chat rows spend a third or more of their tokens on prompts and padding. Every TP
+    # rank holds the same targets, so all keep the same rows (or, with none, all skip the collectives).
+    kept = (flat != ignore_index).nonzero().squeeze(-1)
+    losses = torch.zeros(flat.shape, dtype=torch.float32, device=hidden.device)
+    if len(kept):
+        losses[kept] = _LinearCrossEntropy.apply(hidden[kept], weight, flat[kept], tp, vocab_size, ignore_index)
     return losses.view(target.shape)
