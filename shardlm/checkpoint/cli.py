@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import threading
 from pathlib import Path
 
 
@@ -39,6 +41,32 @@ def add_parser(subparsers) -> None:
     hf.add_argument("--merge", action="store_true", help="with --to-peft: fold the adapters into the base")
     hf.add_argument("--output", help="with --from-hf: the consolidated shardlm checkpoint file to write")
     hf.set_defaults(func=run_hf)
+
+
+@contextlib.contextmanager
+def progress(what: str):
+    """On a terminal, a line on stderr while `what` runs, with the time it has taken so far, refreshed every second
+    (the converters read and write whole models and report no count of their own); nothing when stderr is not a
+    terminal (tqdm's `disable=None`)."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=what, bar_format="{desc}: {elapsed} elapsed", leave=False, disable=None)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    if not bar.disable:
+        ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if ticker.is_alive():
+            ticker.join()
+        bar.close()
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -101,7 +129,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_consolidate(args: argparse.Namespace) -> int:
     from shardlm.checkpoint import consolidate
 
-    print(f"wrote {consolidate(args.path, args.output)}")
+    with progress(f"consolidating {args.path}"):
+        out = consolidate(args.path, args.output)
+    print(f"wrote {out}")
     return 0
 
 
@@ -121,24 +151,28 @@ def run_hf(args: argparse.Namespace) -> int:
     if args.from_hf:
         if not args.output:
             raise UserError("--from-hf needs --output FILE.safetensors (the shardlm checkpoint to write)")
-        print(f"wrote {from_hf(args.from_hf, args.output)}")
+        with progress(f"converting {args.from_hf}"):
+            out = from_hf(args.from_hf, args.output)
+        print(f"wrote {out}")
         return 0
     if not args.checkpoint:
         raise UserError(f"--to-{'hf' if args.to_hf else 'peft'} needs --checkpoint PATH (a shardlm checkpoint)")
     if args.to_peft and not args.merge:
         from shardlm.checkpoint.peft import write_peft
 
-        out = write_peft(args.checkpoint, args.to_peft)
+        with progress(f"writing {args.to_peft}"):
+            out = write_peft(args.checkpoint, args.to_peft)
         settings = json.loads((out / "adapter_config.json").read_text())
         print(f"wrote {out} (peft LoRA adapter, r={settings['r']}, targets {', '.join(settings['target_modules'])})")
         return 0
     lora = args.merge or is_lora_checkpoint(args.checkpoint)
-    if lora:
-        from shardlm.checkpoint.peft import write_merged
+    with progress(f"writing {args.to_peft or args.to_hf}"):
+        if lora:
+            from shardlm.checkpoint.peft import write_merged
 
-        out = write_merged(args.checkpoint, args.to_peft or args.to_hf)
-    else:
-        out = to_hf(args.checkpoint, args.to_hf)
+            out = write_merged(args.checkpoint, args.to_peft or args.to_hf)
+        else:
+            out = to_hf(args.checkpoint, args.to_hf)
     kind = json.loads((out / "config.json").read_text()).get("architectures", ["?"])[0]
     note = "; experts unquantized (not MXFP4)" if kind == "GptOssForCausalLM" else ""
     merged = "; LoRA adapters merged into the base" if lora else ""
