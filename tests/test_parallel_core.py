@@ -320,3 +320,26 @@ def test_layout_that_does_not_divide_names_the_numbers():
     from shardlm.errors import UserError
     with pytest.raises(UserError, match="world size 6 is not divisible by tensor x pipeline = 4"):
         rank_grid(6, 4)
+
+
+def _exit_on_rank_1() -> None:
+    """Worker: rank 1 dies without a word (as a worker killed, or one whose function could not be unpickled);
+    rank 0 goes on working, as a rank whose collective has not yet timed out does."""
+    import os
+    import time
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(90)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_exits_without_a_result_fails_the_call_at_once():
+    """run_workers notices a dead worker between polls of its result queue, instead of waiting out its timeout
+    (here 100 s; a world of tests that hangs this way blocked the suite for the whole timeout)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without a result"):
+        run_workers(2, _exit_on_rank_1, timeout=100)
+    assert time.monotonic() - start < 30

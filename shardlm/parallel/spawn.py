@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 import traceback
 from datetime import timedelta
+from queue import Empty
 
 
 def free_port() -> int:
@@ -61,6 +63,18 @@ def _worker(rank, world_size, port, fn, args, queue, init, threads, environment)
             dist.destroy_process_group()
 
 
+def _check_alive(procs: list, results: dict, deadline: float, timeout: float) -> None:
+    """Between polls of the result queue: a worker that exited without reporting (it died before `_worker` ran,
+    e.g. its function could not be unpickled, or was killed) fails the call now instead of at the deadline."""
+    silent = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0) and rank not in results]
+    if silent:
+        rank = silent[0]
+        raise RuntimeError(f"rank {rank} exited with code {procs[rank].exitcode} without a result (its output "
+                           "above says why)")
+    if time.monotonic() >= deadline:
+        raise TimeoutError(f"{len(procs) - len(results)} of {len(procs)} ranks gave no result within {timeout:g} s")
+
+
 def run_workers(world_size: int, fn, *args, timeout: float = 300.0, init: bool = True, threads: int = 1) -> list:
     """Run `fn(*args)` on ranks 0..world_size-1 (gloo, `threads` threads each); return per-rank results.
     With init=False the workers get the torchrun environment but no process group yet."""
@@ -78,15 +92,21 @@ def run_workers(world_size: int, fn, *args, timeout: float = 300.0, init: bool =
     for p in procs:
         p.start()
     results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except Empty:
+                _check_alive(procs, results, deadline, timeout)
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs:  # after a failure the other ranks may wait in a collective: end them at once
+            p.join(timeout=10 if len(results) == world_size else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
     return [results[r] for r in range(world_size)]
