@@ -36,7 +36,6 @@ from pathlib import Path
 import pytest
 import torch
 from test_fsdp_pipeline import pp_config as fsdp_config
-from test_memory import count_forwards
 from test_moe_parallel import full_parameters, moe_config, stage_parameters
 from test_mtp_pipeline import deepseek_config, packed_config
 from test_pipeline import assert_resume_is_bitwise, resume_run, whole_model, with_dropout
@@ -60,6 +59,7 @@ from shardlm.validation import validate
 
 import agreement
 from agreement import assert_every_rank
+from layouts import count_forwards
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, SAVED_AT, TOL = 6, 3, 1e-5

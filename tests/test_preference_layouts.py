@@ -33,7 +33,6 @@ import torch
 from test_moe_parallel import ROUTING, stage_parameters
 from test_training import VOCAB
 
-from shardlm.config import from_dict
 from shardlm.models import build_model
 from shardlm.parallel import ParallelContext, reduce_from_tensor_parallel
 from shardlm.preference import loss as loss_module
@@ -46,7 +45,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import CURVE, assert_every_rank, assert_same_run, rel
-from layouts import layout, layout_context, spawn_layouts
+from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
 SEQ, STEPS, TOL = 48, 4, 1e-5
@@ -78,20 +77,13 @@ def valid_data() -> PairDataset:
 
 def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
                       moe: bool = False, loss: str = "sigmoid", lora: int = 0, **train):
-    model = {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
-             "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
+    model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if moe:
         model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
-    return from_dict({
-        "model": model,
-        "parallel": {"tensor": tp, "context": cp, "expert": ep, "pipeline": pp, "sequence_parallel": sp},
-        "sft": {"data": ["unused.jsonl"]},
-        "preference": {"loss": loss, "beta": 0.5},
-        "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]},
-        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
-                  "min_lr": 3e-4,
-                  "warmup_steps": 1, "clip_grad": 0.5, "adam_eps": 1e-6, "seed": 7, "eval_iters": 8, **train},
-    })
+    sections = {"sft": {"data": ["unused.jsonl"]}, "preference": {"loss": loss, "beta": 0.5},
+                "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]}}
+    return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
+                         **{"steps": STEPS, "eval_iters": 8, **train})
 
 
 def train_layout(ctx: ParallelContext, config) -> dict:

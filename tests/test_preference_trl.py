@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from llama_reference import spread_norm_weights
 
 from multiproc import import_or_skip
 
@@ -64,10 +65,7 @@ def setup(tmp_path_factory, data_dir):
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          max_position_embeddings=SEQ, tie_word_embeddings=True))
-    with torch.no_grad():  # every RMSNorm weight away from its initial 1.0, so a swapped or dropped norm shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    assert spread_norm_weights(model)  # every RMSNorm weight away from its initial 1.0: a swapped or dropped norm shows
     model.save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
