@@ -2,7 +2,8 @@
 preference set): each record's instruction (and context) as the user's prompt, its own response as the chosen
 answer and the next record's response as the rejected one, as conversational records (`prompt`, `chosen`,
 `rejected`). They only teach a model to prefer an answer to its own question over another's: a check of the
-pipeline, not a preference data set. `scripts/dolly_pairs.py` writes them as JSONL."""
+pipeline, not a preference data set. `scripts/dolly_pairs.py` writes them as JSONL with each rejected answer
+replaced by the chosen one cut off, which a tiny model can learn."""
 
 from __future__ import annotations
 
