@@ -1,16 +1,20 @@
 """The reference model's log-probabilities precomputed over the data set (`preference.reference =
 "precomputed"`): one pass of the starting weights over every training pair before the first step, at the run's
 layout, saved in the run directory so a resumed run reads them instead of recomputing them from weights it no
-longer has. The pass announces itself in one line and shows a progress bar (rows done, time left) on the main
-rank, as the training steps do (`log.progress`)."""
+longer has. Each table is saved with a fingerprint of the pairs it scores (`pairs_fingerprint`), so a resumed run
+whose data changed (other records, another order, another held-out draw) is refused even at the same pair count,
+instead of training against the log-probabilities of other pairs. The pass announces itself in one line and
+shows a progress bar (rows done, time left) on the main rank, as the training steps do (`log.progress`)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -96,22 +100,38 @@ def _stacked(rows: list[dict[str, np.ndarray]], device: torch.device) -> dict[st
     return {key: torch.from_numpy(np.stack([row[key] for row in rows])).to(device) for key in rows[0]}
 
 
-def save_reference(tables: dict[str, torch.Tensor], run_dir: Path) -> Path:
-    """Write the tables ({"train": (pairs, 2), "valid": ...}) to the run directory's FILE (atomically)."""
+def pairs_fingerprint(dataset) -> str:
+    """sha256 of a split's tokenized pairs in their order (each pair's prompt, chosen and rejected ids): what its
+    reference table was computed for (`dataset`: a `PairDataset`)."""
+    digest = hashlib.sha256()
+    for pair in dataset.rows.pairs:
+        for ids in (pair.prompt, pair.chosen, pair.rejected):
+            digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+            digest.update(b";")
+    return digest.hexdigest()
+
+
+def save_reference(tables: dict[str, torch.Tensor], run_dir: Path, fingerprints: dict[str, str]) -> Path:
+    """Write the tables ({"train": (pairs, 2), "valid": ...}) to the run directory's FILE (atomically), each with its
+    split's `pairs_fingerprint` in the file's metadata."""
     path = Path(run_dir) / FILE
     tmp = path.with_name(f".{FILE}.tmp")
-    save_file({f"{split}_reference_logps": table.cpu().contiguous() for split, table in tables.items()}, str(tmp))
+    save_file({f"{split}_reference_logps": table.cpu().contiguous() for split, table in tables.items()}, str(tmp),
+              metadata={f"{split}_pairs_sha256": fingerprints[split] for split in tables})
     tmp.replace(path)
     return path
 
 
-def load_reference(run_dir: Path, pairs: dict[str, int]) -> dict[str, torch.Tensor]:
-    """The tables `save_reference` wrote, each checked against its split's pair count (`pairs`)."""
+def load_reference(run_dir: Path, pairs: dict[str, int], fingerprints: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tables `save_reference` wrote, each checked against its split's pair count (`pairs`) and the fingerprint
+    of its pairs (`fingerprints`; a file saved without fingerprints is checked by the counts alone)."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: a preference run resumed with preference.reference=\"precomputed\" reads "
                         "the reference log-probabilities its first start saved there")
     tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as file:
+        saved = file.metadata() or {}
     tables = {}
     for split, count in pairs.items():
         table = tensors.get(f"{split}_reference_logps")
@@ -119,5 +139,9 @@ def load_reference(run_dir: Path, pairs: dict[str, int]) -> dict[str, torch.Tens
             held = "none" if table is None else table.shape[0]
             raise UserError(f"{path} holds {held} {split} pairs' reference log-probabilities; the data has {count}: "
                             "the run's data or sft.valid_fraction changed since its first start")
+        if saved.get(f"{split}_pairs_sha256", fingerprints[split]) != fingerprints[split]:
+            raise UserError(f"{path} holds the reference log-probabilities of other {split} pairs than the data's "
+                            f"{count} (their tokens differ): the run's records, their order or train.seed changed "
+                            "since its first start")
         tables[split] = table
     return tables

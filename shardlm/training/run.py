@@ -160,7 +160,7 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     """Give a preference run's loss its reference: precomputed by the starting weights (saved in the run directory,
     read back on a resume), or the LoRA base; returns the line that says which."""
     from shardlm.preference import reference_mode
-    from shardlm.preference.reference import load_reference, precompute_references, save_reference
+    from shardlm.preference.reference import load_reference, pairs_fingerprint, precompute_references, save_reference
 
     config, mode = trainer.config, reference_mode(trainer.config)
     line = f"preference: {config.preference.loss} loss, beta {config.preference.beta:g}, reference: "
@@ -168,12 +168,13 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
         return line + {"none": "none (reference-free)", "adapters": "the base (adapters off)"}[mode]
     data = {"train": trainer.train_data, "valid": trainer.valid_data}
     pairs = {split: d.num_pairs for split, d in data.items() if d is not None}
+    fingerprints = {split: pairs_fingerprint(d) for split, d in data.items() if d is not None}
     if resumed:
-        trainer.loss.tables = load_reference(run_dir, pairs)
+        trainer.loss.tables = load_reference(run_dir, pairs, fingerprints)
         return line + f"read from {run_dir}"
     trainer.loss.tables = precompute_references(trainer, data)
     if trainer.ctx.is_main:
-        save_reference(trainer.loss.tables, run_dir)
+        save_reference(trainer.loss.tables, run_dir, fingerprints)
     return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} pairs"
 
 
