@@ -72,36 +72,41 @@ loads, the MTP loss) name their columns with `columns=`."""
 
 def assert_same_curve(curve: list, ref_curve: list, where: str = "", tol: float = 1e-5,
                       columns: tuple[str, ...] = CURVE, first_step: int = 1, absolute: tuple[str, ...] = (),
-                      column_tols: dict[str, float] | None = None) -> None:
+                      column_tols: dict[str, float] | None = None, from_step_2: tuple[str, ...] = ()) -> None:
     """A training curve equals the reference's: as many steps as the reference has from `first_step` on (a
     resumed run's curve starts there), and at each step every one of `columns` (the first len(columns) numbers of
     each step's tuple) within `tol` relative, |a - b| <= tol * |b|; the message names the step and the column.
 
     `absolute`: the columns bounded by |a - b| <= tol instead (a metric that crosses zero, such as DPO's rewards,
     where a relative bound would measure rounding); `column_tols`: a column's own `tol` (a quantity the layouts'
-    rounding reaches magnified), never looser than the test says why."""
+    rounding reaches magnified), never looser than the test says why; `from_step_2`: columns compared from step 2
+    on (DPO's reward accuracy counts the pairs whose margin is positive, and at step 1, where the policy is its
+    reference, every margin is rounding noise around 0: the margins themselves are compared there)."""
     ref_curve = ref_curve[first_step - 1:]
     assert len(curve) == len(ref_curve), f"{where}: {len(curve)} steps, the reference {len(ref_curve)}"
     assert set(absolute) | set(column_tols or {}) <= set(columns), (absolute, column_tols, columns)
     for step, (got, want) in enumerate(zip(curve, ref_curve), first_step):
         for what, a, b in zip(columns, got, want):
+            if step == 1 and what in from_step_2:
+                continue
             bound = (column_tols or {}).get(what, tol) * (1.0 if what in absolute else abs(b))
             assert abs(a - b) <= bound, f"{where} step {step}: {what} {a} vs {b}"
 
 
 def assert_same_run(run, ref, where: str = "", *, steps: int, tol: float = 1e-5, params_tol: float | None = None,
                     columns: tuple[str, ...] = CURVE, first_step: int = 1, absolute: tuple[str, ...] = (),
-                    column_tols: dict[str, float] | None = None) -> None:
-    """A layout's run equals the one-process run: its curve (`assert_same_curve`, `tol` relative; `absolute` and
-    `column_tols` as there), its validation loss within `tol` relative where the reference has one (a list of them,
-    one per evaluation, each so), and every final parameter within `params_tol` (default `tol`) by `trained_rel`
-    after `steps` AdamW steps, the same names on both sides.
+                    column_tols: dict[str, float] | None = None, from_step_2: tuple[str, ...] = ()) -> None:
+    """A layout's run equals the one-process run: its curve (`assert_same_curve`, `tol` relative; `absolute`,
+    `column_tols` and `from_step_2` as there), its validation loss within `tol` relative where the reference has
+    one (a list of them, one per evaluation, each so), and every final parameter within `params_tol` (default `tol`)
+    by `trained_rel` after `steps` AdamW steps, the same names on both sides.
 
     `run` and `ref` are dicts {"curve", "params", optionally "valid"} or tuples (curve, params, ...); a reference
     whose "valid" is None (or a tuple run) skips the validation loss. `where` (the case and the rank) leads every
     message."""
     run, ref = as_run(run), as_run(ref)
-    assert_same_curve(run["curve"], ref["curve"], where, tol, columns, first_step, absolute, column_tols)
+    assert_same_curve(run["curve"], ref["curve"], where, tol, columns, first_step, absolute, column_tols,
+                      from_step_2)
     if ref.get("valid") is not None:
         many = isinstance(ref["valid"], (list, tuple))
         got, want = (run["valid"], ref["valid"]) if many else ([run["valid"]], [ref["valid"]])

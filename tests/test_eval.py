@@ -128,7 +128,8 @@ def all_evaluations(ctx, data_dir) -> dict:
         out["argmax"] = vocab_parallel_argmax(local, ctx.tp, tokenizer.vocab_size).tolist()
         out["full_argmax"] = model.full_logits(local).argmax(dim=-1).tolist()
         keep = inputs % 3 == 0
-        out["scored_logits_match"] = torch.allclose(logits_at(model, inputs, keep), local[keep])
+        # the selected rows' GEMM sums in another order than the whole batch's on some kernels (AVX2's): fp32 rounding
+        out["scored_logits_match"] = torch.allclose(logits_at(model, inputs, keep), local[keep], rtol=1e-5, atol=1e-6)
         tied = tied_logits(tokenizer.vocab_size, model.padded_vocab_size)
         out["tied_argmax"] = vocab_parallel_argmax(tied.chunk(ctx.tp_size, dim=-1)[ctx.tp_rank], ctx.tp,
                                                    tokenizer.vocab_size).tolist()
