@@ -24,9 +24,8 @@ gathered from every rank (data-parallel replicas and the tied embedding's copies
 - controls: PyTorch's split steps over the stage module's own parameters only (as `PipelineStage` does) leave the
   last stage's final norm and output layer untrained, and the weight step without the flush into `main_grad`
   loses ZeRO-1's gradients: the checks above fail both;
-- PyTorch's double count of a weight used at two sites on one path (pytorch #180952): the split steps on such a
-  graph equal autograd, and a weight step that replays the saved gradients without PyTorch's guard (the bug)
-  differs, so the check could fail.
+- PyTorch's double count of a weight used at two sites on one path (pytorch #180952) is
+  tests/test_pipeline_split_backward.py's.
 """
 
 from __future__ import annotations
@@ -416,58 +415,3 @@ def test_zero1_needs_the_weight_step_flushed_into_main_grad(world4, reference):
     for value in check_result(world4, "zero1 without flush"):
         assert abs(value["curve"][0][1] - ref["curve"][0][1]) > 1e-3 * ref["curve"][0][1]
         assert value["curve"][-1][0] < value["curve"][0][0]  # the broken run did train
-
-
-# ------------------------------------------------------------ a weight used twice on one path (#180952)
-
-class TwiceOnOnePath(torch.nn.Module):
-    """x @ w @ w (pytorch #180952), and an embedding lookup feeding an output layer of the same table: the
-    tied word embedding of a last stage that also runs the multi-token-prediction depths."""
-
-    def __init__(self):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.w = torch.nn.Parameter(torch.randn(6, 6, generator=gen, dtype=torch.float64))
-        self.table = torch.nn.Parameter(torch.randn(10, 6, generator=gen, dtype=torch.float64))
-
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(x @ self.w @ self.w) + self.table[tokens]
-        return torch.logsumexp(h @ self.table.t(), dim=-1).sum()
-
-
-def split_gradients(replay_without_guard: bool = False) -> tuple[torch.Tensor, dict]:
-    """The input's and the weights' gradients through PyTorch's split steps (`stage_backward_input`, then
-    `stage_backward_weight`), or, with `replay_without_guard`, a weight step that replays the saved gradients
-    at every meeting node without PyTorch's guard against counting a descendant's share twice (the bug)."""
-    from torch.autograd.graph import GradientEdge
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    model = TwiceOnOnePath()
-    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    loss = model(x, torch.tensor([1, 3, 3, 7]))
-    weights = list(model.parameters())
-    (dx,), groups = stage_backward_input([loss], None, [x], iter(weights))
-    if not replay_without_guard:
-        stage_backward_weight(iter(weights), groups)
-        return dx, {n: p.grad for n, p in model.named_parameters()}
-    for group in groups:
-        edges = [GradientEdge(node, i) for grads, node in zip(group["grads"], group["intermediates"])
-                 for i, g in enumerate(grads) if g is not None]
-        outputs = [g for grads in group["grads"] for g in grads if g is not None]
-        params = list(group["params"])
-        for node, grad in zip(params, torch.autograd.grad(edges, [GradientEdge(p, 0) for p in params], outputs)):
-            owner = next(w for w in weights if w.view_as(w).grad_fn.next_functions[0][0] is node)
-            owner.grad = grad if owner.grad is None else owner.grad + grad
-    return dx, {n: p.grad for n, p in model.named_parameters()}
-
-
-def test_split_backward_counts_a_weight_used_twice_once():
-    model = TwiceOnOnePath()
-    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    model(x, torch.tensor([1, 3, 3, 7])).backward()
-    dx, grads = split_gradients()
-    assert torch.allclose(dx, x.grad, rtol=1e-12, atol=1e-12)
-    for name, param in model.named_parameters():
-        assert torch.allclose(grads[name], param.grad, rtol=1e-12, atol=1e-12), name
-    _, unguarded = split_gradients(replay_without_guard=True)
-    assert not torch.allclose(unguarded["w"], model.w.grad, rtol=1e-6), "the check could not see the double count"
