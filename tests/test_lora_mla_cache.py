@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from test_mla_parallel import cached_and_full as cached_and_logits
 from test_mla_parallel import mla_config
 from test_training import VOCAB
 
@@ -42,13 +43,9 @@ def model_with_adapters():
 
 
 def cached_and_full(model) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        full = model.full_logits(model(tokens))
-        cache = model.new_kv_cache()
-        steps = [model.full_logits(model(tokens[:, :5], cache=cache))]
-        steps += [model.full_logits(model(tokens[:, t:t + 1], cache=cache)) for t in range(5, 12)]
-    return torch.cat(steps, dim=1)[:, 5:], full[:, 5:]
+    """The decoded steps' logits and the full forward's, after the 5-token prompt."""
+    cached, full, _ = cached_and_logits(model)
+    return cached[:, 5:], full[:, 5:]
 
 
 @contextlib.contextmanager

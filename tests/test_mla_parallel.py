@@ -192,6 +192,18 @@ def test_context_parallel_refuses_values_wider_than_keys():
         validate(config, 2, check_paths=False)
 
 
+def cached_and_full(model, prompt: int = 5, length: int = 12) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(logits of a `prompt`-token prompt then token-by-token decoding through the KV cache, the full forward's
+    logits, the cache) of two random sequences of `length` tokens, without gradient."""
+    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model.full_logits(model(tokens))
+        cache = model.new_kv_cache()
+        steps = [model.full_logits(model(tokens[:, :prompt], cache=cache))]
+        steps += [model.full_logits(model(tokens[:, t:t + 1], cache=cache)) for t in range(prompt, length)]
+    return torch.cat(steps, dim=1), full, cache
+
+
 def test_decoding_caches_the_latent_and_equals_the_full_forward():
     """A KV cache of MLA holds per token the latent and the shared RoPE key (kv_lora_rank + rope channels, one
     head), not H x (nope + rope + v) expanded channels; prompt then token-by-token decoding through the absorbed
@@ -200,12 +212,7 @@ def test_decoding_caches_the_latent_and_equals_the_full_forward():
                      rope_yarn_mscale_all_dim=1.0).model
     cfg.vocab_size = VOCAB
     model = build_model(cfg, ParallelContext.single(), seed=3).eval()
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        full = model.full_logits(model(tokens))
-        cache = model.new_kv_cache()
-        steps = [model.full_logits(model(tokens[:, :5], cache=cache))]
-        steps += [model.full_logits(model(tokens[:, t:t + 1], cache=cache)) for t in range(5, 12)]
+    cached, full, cache = cached_and_full(model)
     layer = cache.layers[0]
     assert (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) == (1, 16, 4)  # latent, RoPE key
-    assert rel(torch.cat(steps, dim=1), full) <= 1e-5
+    assert rel(cached, full) <= 1e-5
