@@ -1,0 +1,1 @@
+"""Online reinforcement learning (GRPO and its variants)."""
