@@ -128,6 +128,61 @@ class PreferenceConfig:
 
 
 @dataclass
+class RLConfig:
+    """The `[rl]` section: online reinforcement learning with verifiable rewards (GRPO and its 2025 variants). The
+    prompts are [sft]'s records (text or messages, rendered with [sft]'s tokenizer and template; their other columns
+    go to the reward functions) or a built-in task; the completions are sampled by the policy itself, at the
+    training layout (`docs/rl.md`). `train.global_batch_size` counts rows; each step's sequences are packed into
+    that many rows of model.seq_length tokens."""
+
+    loss: str = ""
+    """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch) or "cispo", as TRL defines them; empty:
+    no RL run."""
+    task: str = ""
+    """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
+    task_size: int = 512
+    """Prompts of the built-in task."""
+    num_generations: int = 8
+    """Completions sampled per prompt (G, the group)."""
+    prompts_per_step: int = 0
+    """Prompts per generation batch (each gives num_generations sequences); 0: train.global_batch_size //
+    num_generations."""
+    max_completion_length: int = 64
+    """Tokens sampled per completion at most; a completion that reaches it without the end-of-turn token is
+    truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probabilities are those of the temperature-scaled logits (as TRL's)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1 disables it)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 disables it)."""
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference (k3 estimator); 0: no reference model."""
+    epsilon: float = 0.2
+    """Lower clipping range of the importance ratio (1 - epsilon)."""
+    epsilon_high: float = 0.0
+    """Upper clipping range (DAPO's clip-higher; cispo: the cap on the ratio itself); 0: epsilon."""
+    scale_rewards: str = "group"
+    """Advantages are reward minus the group mean, divided by the "group"'s std, the "batch"'s std, or "none"."""
+    num_iterations: int = 1
+    """Optimizer steps per generation batch (the ratio taken against the rollout's old log-probabilities)."""
+    importance_sampling: str = "token"
+    """"token" (GRPO) or "sequence" (GSPO: the mean log-ratio over the completion's tokens)."""
+    mask_truncated_completions: bool = False
+    """Give truncated completions no loss (they still count as sequences in the normalizers, as in TRL)."""
+    rewards: list = field(default_factory=lambda: ["math"])
+    """Reward functions: "math" (the last number or \\boxed{} against the record's `answer`), "format" (a regex,
+    rl.format_pattern) or "module:function" with TRL's signature."""
+    reward_weights: list = field(default_factory=list)
+    """Weight of each reward function (empty: 1 each); the reward is their weighted sum."""
+    format_pattern: str = ""
+    """The "format" reward's regex, matched against the whole completion."""
+    completions: str = ""
+    """A JSONL file of fixed completions (`{"step": s, "sequence": j, "ids": [...]}`) used instead of sampling:
+    for checking a layout or another trainer on the same tokens."""
+
+
+@dataclass
 class LoraConfig:
     """The `[lora]` section: train low-rank adapters on a frozen base instead of every weight (`docs/lora.md`)."""
 
@@ -284,6 +339,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -120,7 +120,7 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         (m.swiglu_limit >= 0 and m.swiglu_alpha > 0, "model.swiglu_limit must be >= 0 and model.swiglu_alpha > 0"),
         (config.data.tokenizer in ("gpt2", "bert", "json"),
          f'data.tokenizer="{config.data.tokenizer}" must be "gpt2", "bert" or "json"'),
-        (bool(config.sft.data) or bool(config.data.text_file) != bool(config.data.prefixes),
+        (bool(config.sft.data) or bool(config.rl.task) or bool(config.data.text_file) != bool(config.data.prefixes),
          "set exactly one of data.text_file and data.prefixes (or sft.data for fine-tuning on chat records)"),
     ]
     if config.sft.data or config.data.document_mask:
@@ -131,6 +131,11 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         from shardlm.preference import check_preference
 
         if (problem := check_preference(config)) is not None:
+            raise UserError(problem)
+    if config.rl.loss:
+        from shardlm.rl import check_rl
+
+        if (problem := check_rl(config, world_size)) is not None:
             raise UserError(problem)
     _validate_optimizer(t)
     if t.qk_clip > 0:

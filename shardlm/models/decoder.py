@@ -22,6 +22,7 @@ from shardlm.parallel import (
     gather_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from shardlm.parallel.entropy import vocab_parallel_entropy
 from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
 from shardlm.parallel.random import recompute
 
@@ -155,6 +156,8 @@ class DecoderLM(nn.Module):
         self.activation_checkpointing = self.recompute == "full"
         self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
+        self.logit_temperature = 1.0  # an RL run's log-probabilities are those of logits / temperature, as TRL's
+        self.entropies: list | None = None  # when a list, `output_loss` appends each call's token entropies
         return self.sequence_parallel
 
     @property
@@ -195,9 +198,15 @@ class DecoderLM(nn.Module):
         """(B, T, h) final-norm output (or its sequence chunks) -> per-token fp32 losses (B, T): the output
         layer and the vocabulary-parallel loss as one function, `linear_cross_entropy` (this rank's logits
         become their own gradient; never gathered, never copied). Training's path; `loss(output_layer(h))`
-        computes the same."""
-        return linear_cross_entropy(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight,
-                                    targets, self.ctx.tp, self.cfg.vocab_size, ignore_index)
+        computes the same. An RL run's `logit_temperature` divides the logits (as h / temperature), and its
+        `entropies` list receives the (B, T) entropies of the same distributions (no gradient)."""
+        h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
+        if self.logit_temperature != 1.0:
+            h = h / self.logit_temperature
+        if self.entropies is not None:
+            self.entropies.append(vocab_parallel_entropy(h.detach(), self.output_weight.detach(), self.ctx.tp,
+                                                         self.cfg.vocab_size))
+        return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
                       documents: Documents | None = None) -> torch.Tensor:

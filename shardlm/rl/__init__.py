@@ -1,1 +1,58 @@
-"""Online reinforcement learning (GRPO and its variants)."""
+"""Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO),
+the completions sampled by the policy in the training processes, at the training layout. Prompts and rewards
+(`prompts`, `rewards`, the built-in task `arithmetic`), rollouts (`rollout`), group-relative advantages
+(`advantages`), the step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`).
+`docs/rl.md`."""
+
+from __future__ import annotations
+
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def check_rl(config, world_size: int = 1) -> str | None:
+    """A one-line problem with a run's [rl] settings, or None (checked before any expensive work)."""
+    r, t = config.rl, config.train
+    prompts_per_step = r.prompts_per_step or t.global_batch_size // max(r.num_generations, 1)
+    checks = [
+        (r.loss in LOSSES, f'rl.loss="{r.loss}" must be one of {", ".join(LOSSES)}'),
+        (r.num_generations >= 2, f"rl.num_generations={r.num_generations} must be at least 2: advantages compare "
+                                 "the completions of one prompt"),
+        (r.epsilon > 0, f"rl.epsilon={r.epsilon} must be > 0"),
+        (r.epsilon_high >= 0, f"rl.epsilon_high={r.epsilon_high} must be > 0 (0: rl.epsilon)"),
+        (r.num_iterations >= 1, f"rl.num_iterations={r.num_iterations} must be at least 1"),
+        (r.beta >= 0, f"rl.beta={r.beta} must be >= 0"),
+        (r.temperature > 0, f"rl.temperature={r.temperature} must be > 0 (sampling needs a distribution)"),
+        (0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]"),
+        (r.top_k >= 0, f"rl.top_k={r.top_k} must be >= 0 (0 disables it)"),
+        (r.max_completion_length >= 1, f"rl.max_completion_length={r.max_completion_length} must be at least 1"),
+        (r.max_completion_length < config.model.seq_length,
+         f"rl.max_completion_length={r.max_completion_length} leaves no room for a prompt in model.seq_length="
+         f"{config.model.seq_length}"),
+        (r.scale_rewards in SCALE_REWARDS, f'rl.scale_rewards="{r.scale_rewards}" must be one of '
+                                           f'{", ".join(SCALE_REWARDS)}'),
+        (r.importance_sampling in ("token", "sequence"),
+         f'rl.importance_sampling="{r.importance_sampling}" must be "token" or "sequence" (GSPO)'),
+        (r.importance_sampling == "token" or r.loss == "grpo",
+         f'rl.importance_sampling="sequence" (GSPO) takes rl.loss="grpo", not "{r.loss}"'),
+        (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),
+        (bool(r.task) != bool(config.sft.data), "an RL run reads its prompts from sft.data or rl.task; set exactly "
+                                                "one"),
+        (not r.task or r.task_size >= prompts_per_step, f"rl.task_size={r.task_size} is below one step's "
+                                                        f"{prompts_per_step} prompts"),
+        (prompts_per_step >= 1, f"train.global_batch_size={t.global_batch_size} is below rl.num_generations="
+                                f"{r.num_generations}; set rl.prompts_per_step"),
+        (not r.reward_weights or len(r.reward_weights) == len(r.rewards),
+         f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} reward functions"),
+        (config.parallel.context == 1, "rollouts are generated without context parallelism; set "
+                                       "parallel.context=1 for an RL run"),
+        (not config.model.mtp_layers, "an RL run trains without multi-token prediction; set model.mtp_layers=0"),
+        (not config.preference.loss, "set either [preference] or [rl], not both"),
+        (config.model.arch != "bert", "an RL run needs a causal language model, not model.arch=\"bert\""),
+    ]
+    return next((message for ok, message in checks if not ok), None)
+
+
+def prompts_per_step(config) -> int:
+    """Prompts of one generation batch (`rl.prompts_per_step`, 0 resolved)."""
+    return config.rl.prompts_per_step or config.train.global_batch_size // config.rl.num_generations

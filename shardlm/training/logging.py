@@ -70,6 +70,14 @@ class RunLogger:
                    f"-{metrics['expert_load_max']:.2f}")
         if "reward_margin" in metrics:  # preference optimization: the rewards' margin and accuracy over the pairs
             moe += f" | reward margin {metrics['reward_margin']:.4g} | accuracy {metrics['reward_accuracy']:.2f}"
+        if "frac_reward_zero_std" in metrics:  # RL: the round's reward, the KL to the reference, the mismatch
+            moe += f" | reward {metrics['reward']:.3f} (std {metrics['reward_std']:.3f})"
+            if "kl" in metrics:
+                moe += f" | kl {metrics['kl']:.4g}"
+            moe += (f" | entropy {metrics['entropy']:.3f} | completion {metrics['completions/mean_length']:.1f} "
+                    "tokens")
+            if "logprob_diff_max" in metrics:
+                moe += f" | logprob diff {metrics['logprob_diff_max']:.2g}"
         if "max_logit" in metrics:  # QK-clip: the step's largest attention logit, before the clip
             moe += f" | max logit {metrics['max_logit']:.3g}"
         self.print(f"step {step:>6}/{total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
@@ -78,7 +86,7 @@ class RunLogger:
         if self.writer:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
                         "moe_aux_loss", "expert_load_min", "expert_load_max", "rewards_chosen", "rewards_rejected",
-                        "reward_margin", "reward_accuracy", "max_logit"):
+                        "reward_margin", "reward_accuracy", "max_logit", *RL_KEYS):
                 value = metrics.get(key)
                 if value is not None and math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
@@ -110,11 +118,18 @@ class RunLogger:
         return plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png") if plot else None
 
 
+RL_KEYS = ("reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "cispo_clip_ratio",
+           "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "logprob_diff_max",
+           "generation_s")
+"""What an RL run logs to TensorBoard (metrics.jsonl has every metric, as TRL names them)."""
+
+
 def run_figure(records: list[dict], title: str):
     """The run's figure from metrics.jsonl records: training (and validation) loss against step; for MoE runs
     a second panel below with what shows routing collapse, the least and most loaded expert's share of its
     layer's routed slots (1 = uniform; the extremes over all layers) and the balancing (aux + z) loss; for
-    preference runs a panel with the reward margin and the accuracy (chosen rewarded above rejected)."""
+    preference runs a panel with the reward margin and the accuracy (chosen rewarded above rejected); for RL runs
+    a panel with the mean reward of each round's completions and their mean length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,14 +140,15 @@ def run_figure(records: list[dict], title: str):
 
     train, valid = series("loss"), series("val_loss")
     moe, margin = series("expert_load_min"), series("reward_margin")
-    panels = 1 + bool(moe) + bool(margin)
+    reward = series("reward") if not margin else []
+    panels = 1 + bool(moe) + bool(margin) + bool(reward)
     fig, axes = plt.subplots(panels, 1, figsize=(7, 4 + 2.5 * (panels - 1)), sharex=True, squeeze=False)
     ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train loss")
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation loss")
-    ax.set_ylabel("preference loss (per pair)" if margin else "cross-entropy (nats/token)")
+    ax.set_ylabel("preference loss (per pair)" if margin else "RL loss" if reward else "cross-entropy (nats/token)")
     ax.set_title(f"shardlm: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -160,6 +176,17 @@ def run_figure(records: list[dict], title: str):
         accuracy.set_ylabel("accuracy")
         lines = rewards.get_lines()[:1] + accuracy.get_lines()
         rewards.legend(lines, [line.get_label() for line in lines], fontsize="small")
+    if reward:
+        panel = axes[-1][0]
+        panel.plot(*zip(*reward), color="tab:green", label="mean reward")
+        panel.set_ylabel("reward")
+        panel.grid(alpha=0.3)
+        length = panel.twinx()
+        length.plot(*zip(*series("completions/mean_length")), color="tab:grey", lw=0.8,
+                    label="completion length (right)")
+        length.set_ylabel("tokens")
+        lines = panel.get_lines() + length.get_lines()
+        panel.legend(lines, [line.get_label() for line in lines], fontsize="small")
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     return fig

@@ -185,8 +185,13 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     resolve_adapter(config)  # and [lora] the peft adapter's settings
     validate(config, world)
     t = config.train
-    sft = None
-    if config.sft.data:  # chat (or preference) records, tokenized and packed before any process group exists
+    sft = rl = None
+    if config.rl.loss:  # prompts, tokenizer and reward functions, before any process group exists
+        from shardlm.rl.setup import load_rl_inputs
+
+        rl = load_rl_inputs(config)
+        check_vocabulary(config, rl.template.tokenizer.get_vocab_size(), rl.max_token_id)
+    elif config.sft.data:  # chat (or preference) records, tokenized and packed before any process group exists
         build = build_sft_datasets
         if config.preference.loss:
             from shardlm.preference.dataset import build_preference_datasets as build
@@ -216,6 +221,9 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if sft is not None:
         train_data, valid_data = sft.train, sft.valid
         logger.print(sft.summary())
+    elif rl is not None:  # each generation round makes the step's rows (`shardlm.rl.loop`)
+        train_data, valid_data = None, None
+        logger.print(rl.summary())
     else:
         train_data, valid_data = build_datasets(config.data, tokenizer, config.model.seq_length, t.seed,
                                                 t.steps * t.global_batch_size, valid_samples, config.model.arch)
@@ -226,6 +234,14 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         remove_unfinished(checkpoints)
     # a checkpoint of this run (a restart after a crash) wins over checkpoint.load and checkpoint.init_from
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
+    reference = None
+    keep_reference = rl is not None and config.rl.beta > 0 and not config.lora.rank  # the KL's: the starting weights
+    if keep_reference and resume_from:  # rebuilt from where the run started, before the checkpoint replaces them
+        from shardlm.rl.loop import ReferenceWeights
+
+        if init_source is not None:
+            init_weights(trainer, init_source)
+        reference = ReferenceWeights(trainer.params)
     if resume_from:
         meta = load_checkpoint(trainer, resume_from)
         logger.resumed_at(trainer.step)
@@ -237,8 +253,19 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(describe(init_source))
     if config.checkpoint.init_adapter and not resume_from:
         logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
+    if keep_reference and not resume_from:
+        from shardlm.rl.loop import ReferenceWeights
+
+        reference = ReferenceWeights(trainer.params)
     if trainer.preference:
         logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
+    step = trainer.train_step
+    if rl is not None:
+        from shardlm.rl.setup import start_rl
+
+        run, line = start_rl(trainer, rl, reference)
+        step = run.train_step
+        logger.print(line)
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""
@@ -275,7 +302,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     while trainer.step < t.steps:
         if signals.agree_to_stop(ctx):  # checked before each step: a SIGTERM during setup stops here
             stop_on_sigterm()
-        metrics = trainer.train_step()
+        metrics = step()
         progress.step = trainer.step
         logger.step(metrics, t.steps)
         if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:

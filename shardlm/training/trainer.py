@@ -108,6 +108,13 @@ class Trainer:
             self.loss = PreferenceLoss(config.preference, ctx, self.model)
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
+        self.rl = bool(config.rl.loss)
+        if self.rl:  # GRPO and its variants: a loss of the round's sequences (`shardlm.rl.loss`)
+            from shardlm.rl.loss import RLLoss
+
+            self.loss = RLLoss(config.rl, ctx, self.model)
+            if self.pipeline is not None:
+                self.pipeline.sequence_loss = self.loss.of_token_losses
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
@@ -208,7 +215,7 @@ class Trainer:
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
             ctx.dp_cp.all_reduce(mtp_sum)
             step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
-        if self.preference:  # rewards, margin and accuracy: means over the global batch's pairs
+        if self.preference or self.rl:  # rewards, margin and accuracy over the pairs; KL, entropy, clip ratios
             step_metrics |= self.loss.take_metrics()
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step (not in a LoRA
             # run, whose router, biases included, is the frozen base's)
@@ -273,8 +280,12 @@ class Trainer:
         """This rank's share of each micro-batch: the batch itself, or under context parallelism the
         (inputs, targets) of its zigzag chunks (`context_parallel_part`); packed rows become `packed_parts`
         (inputs, targets, documents and the global token count's divisor); preference pairs `preference_parts`
-        with the `split`'s precomputed reference."""
+        with the `split`'s precomputed reference; an RL round's rows `rl_parts`."""
         m = self.config.model
+        if self.rl:
+            from shardlm.rl.loss import rl_parts
+
+            return rl_parts(batches, self.ctx)
         if self.preference:
             from shardlm.preference.loss import preference_parts
 

@@ -1,0 +1,46 @@
+"""Group-relative advantages (GRPO), as TRL's `GRPOTrainer` computes them.
+
+The rewards of the G completions of each prompt form a group. With r the weighted sum of the reward functions'
+values (a function that returns None for a completion is left out of that sum; a completion no function scored is
+"unscorable"), the advantage is r minus its group's mean, divided by `scale` + 1e-4 where `scale` is the group's
+std ("group"), the whole batch's std ("batch": the group mean is still subtracted) or nothing ("none"). Stds are
+unbiased (n - 1), over the scored completions (NaN below two, whose advantages become 0). A group whose rewards are
+all equal has advantage 0 everywhere (and no NaN); an unscorable completion gets advantage 0 and is left out of its
+group's mean.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def nanstd(x: np.ndarray, axis=None) -> np.ndarray:
+    """The unbiased std over the non-NaN values (TRL's `nanstd`): NaN where fewer than two values."""
+    count = np.sum(~np.isnan(x), axis=axis)
+    mean = np.nanmean(x, axis=axis, keepdims=axis is not None)
+    variance = np.nansum((x - mean) ** 2, axis=axis) / np.maximum(count - 1, 1)
+    return np.where(count > 1, np.sqrt(variance), np.nan)
+
+
+def combine_rewards(per_function: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """(N, F) rewards (NaN where a function returned None) and (F,) weights -> (N,) weighted sums, NaN where no
+    function scored the completion."""
+    total = np.nansum(per_function * weights[None, :], axis=1)
+    total[np.isnan(per_function).all(axis=1)] = np.nan
+    return total
+
+
+def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) rewards (NaN: unscorable), groups of `group` consecutive completions -> ((N,) advantages, (N,) whether
+    the completion's std was 0, for `frac_reward_zero_std`); float64."""
+    with np.errstate(invalid="ignore"):  # an all-NaN group: its mean is NaN, its advantages become 0
+        grouped = rewards.reshape(-1, group)
+        mean = np.repeat(np.nanmean(grouped, axis=1), group)
+        if scale == "batch":
+            std = np.full_like(rewards, nanstd(rewards) if rewards.size > 1 else 0.0)
+        else:
+            std = np.repeat(nanstd(grouped, axis=1), group)
+        advantages = rewards - mean
+        if scale != "none":
+            advantages = advantages / (std + 1e-4)
+    return np.nan_to_num(advantages, nan=0.0), np.isclose(std, 0.0)

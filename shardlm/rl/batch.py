@@ -1,0 +1,103 @@
+"""One generation round's sequences packed into the step's rows, with everything the loss reads per token.
+
+Each sequence (prompt + completion) is a document of a row (per-document positions and attention, as SFT and DPO
+pack), packed best-fit-decreasing by length into exactly `train.global_batch_size` rows of model.seq_length
+tokens on every rank alike, before the rows are dealt out to micro-batches and data-parallel ranks; a sequence
+never splits. A row (`StepRows[i]`) is a dict of (T,) arrays:
+
+- `input_ids`, `position_ids` (restarting at every sequence), `labels` (the next token where it is a completion's,
+  -100 elsewhere: the prompt, the last token, padding), `sequence` (the sequence's index in the round, -1 on
+  padding), `row` (the row's index);
+- per completion token, at the position that predicts it: `advantage` (its sequence's), `weight` (its share of the
+  loss of the global batch: the loss type's normalizer, below), `token_weight` (1 / the batch's completion tokens:
+  token means such as KL and entropy), `sequence_weight` (1 / (its sequence's tokens x sequences): GSPO's means
+  over sequences), `sample_logp` (the rollout's log-probability), `old_logp` and `ref_logp` (filled by the scoring
+  passes: the policy before the round's updates, the reference).
+
+The weights make the loss the global batch's under every layout, never a mean of per-micro-batch means. With m the
+completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a sequence's
+tokens, N the round's sequences and L rl.max_completion_length:
+
+    grpo      sum_j (sum_t m l) / max(n_j, 1) / N      per-sequence means, then their mean
+    dr_grpo   sum (m l) / (N L)                        a constant normalizer
+    bnpo, dapo, cispo   sum (m l) / max(sum m, 1)      token mean over the global batch
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardlm.errors import UserError
+from shardlm.rl.rollout import Rollout
+from shardlm.sft.packing import IGNORE_INDEX, plan_bins, shift_labels
+
+FLOAT_FIELDS = ("advantage", "weight", "token_weight", "sequence_weight", "sample_logp", "old_logp", "ref_logp")
+
+
+class StepRows:
+    """The rows of one generation round (module docstring); `rows[i]` for any i (the trainer's sample counter runs
+    on: row i % rows)."""
+
+    def __init__(self, rollouts: list[Rollout], advantages: np.ndarray, loss: str, max_completion_length: int,
+                 mask_truncated: bool, num_rows: int, seq_length: int, pad_id: int):
+        lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
+        if max(lengths) > seq_length:
+            raise UserError(f"a sequence of {max(lengths)} tokens does not fit model.seq_length={seq_length}")
+        bins = plan_bins(lengths, seq_length, "bfd")
+        if len(bins) > num_rows:
+            raise UserError(f"the round's {len(rollouts)} sequences need {len(bins)} rows of {seq_length} tokens but "
+                            f"a step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")
+        mask = [0.0 if (r.truncated and mask_truncated) else 1.0 for r in rollouts]
+        tokens = [len(r.completion) * m for r, m in zip(rollouts, mask)]
+        count, total = len(rollouts), max(sum(tokens), 1.0)
+        if loss == "grpo":
+            per_token = [m / (max(n, 1.0) * count) for m, n in zip(mask, tokens)]
+        elif loss == "dr_grpo":
+            per_token = [m / (count * max_completion_length) for m in mask]
+        else:
+            per_token = [m / total for m in mask]
+        self.num_sequences, self.num_tokens = count, sum(tokens)
+        self.fields = {k: np.zeros((num_rows, seq_length), dtype=np.int64)
+                       for k in ("input_ids", "position_ids", "labels", "sequence", "row")}
+        self.fields |= {k: np.zeros((num_rows, seq_length), dtype=np.float64) for k in FLOAT_FIELDS}
+        self.fields["labels"][:] = IGNORE_INDEX
+        self.fields["sequence"][:] = -1
+        self.fields["input_ids"][:] = pad_id
+        for row, members in enumerate(bins + [[] for _ in range(num_rows - len(bins))]):
+            self.fields["row"][row] = row
+            self.fields["position_ids"][row] = np.arange(seq_length)  # padding: positions of its own
+            start = 0
+            for j in sorted(members):
+                self._place(row, start, j, rollouts[j], advantages[j], per_token[j], mask[j] / total,
+                            mask[j] / (max(tokens[j], 1.0) * count))
+                start += lengths[j]
+            if start < seq_length:
+                self.fields["position_ids"][row, start:] = np.arange(seq_length - start)
+
+    def _place(self, row: int, start: int, j: int, rollout: Rollout, advantage: float, weight: float,
+               token_weight: float, sequence_weight: float) -> None:
+        ids = rollout.prompt + rollout.completion
+        n, p = len(ids), len(rollout.prompt)
+        where = slice(start, start + n)
+        f = self.fields
+        f["input_ids"][row, where] = ids
+        f["position_ids"][row, where] = np.arange(n)
+        f["labels"][row, where] = shift_labels(ids, [0] * p + [1] * len(rollout.completion))
+        f["sequence"][row, where] = j
+        trained = slice(start + p - 1, start + n - 1)  # the positions that predict the completion's tokens
+        f["advantage"][row, trained] = advantage
+        f["weight"][row, trained] = weight
+        f["token_weight"][row, trained] = token_weight
+        f["sequence_weight"][row, trained] = sequence_weight
+        f["sample_logp"][row, trained] = rollout.logps
+
+    def __len__(self) -> int:
+        return self.fields["row"].shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        row = index % len(self)
+        return {k: v[row] for k, v in self.fields.items()}
+
+    def store(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write (b, T) per-position values (`old_logp` or `ref_logp`) of the rows numbered `rows` (b,)."""
+        self.fields[name][rows] = values

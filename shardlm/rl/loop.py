@@ -1,0 +1,191 @@
+"""The RL loop: each generation round samples completions in the training processes, scores them, turns the
+rewards into group-relative advantages, packs the round's rows, and takes rl.num_iterations optimizer steps on them.
+
+One round, on every rank:
+  1. the round's prompts (`prompts.round_prompts`: rl.prompts_per_step of them, shuffled by train.seed epoch after
+     epoch), each repeated rl.num_generations times: sequence j completes prompt j // G;
+  2. each data-parallel rank samples its contiguous share of the sequences (`rollout.InProcessGenerator`, or the
+     fixed completions of rl.completions), and every rank gathers all of them;
+  3. the main rank calls the reward functions and broadcasts their values (a function that raises or returns the
+     wrong count stops every rank with one line naming it, before any update: nothing saved is lost);
+  4. advantages (`advantages.group_advantages`) and the rows (`batch.StepRows`), the same on every rank;
+  5. scoring passes at the run's layout, without gradient: the policy's old log-probabilities when
+     rl.num_iterations > 1, the reference's when rl.beta > 0 (a LoRA run's base with the adapters off, else the
+     starting weights, `ReferenceWeights`);
+  6. the trainer's steps (`Trainer.train_step`, whose loss is `loss.RLLoss`) on those rows.
+Nothing of a round is kept across steps but its rows: sampling seeds come from (train.seed, round, sequence), so a
+run resumed at a round boundary samples what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardlm.errors import UserError
+from shardlm.rl import prompts_per_step
+from shardlm.rl.advantages import combine_rewards, group_advantages, nanstd
+from shardlm.rl.batch import StepRows
+from shardlm.rl.prompts import Prompt, round_prompts
+from shardlm.rl.rewards import Reward, reward_names, score
+from shardlm.rl.rollout import Rollout, sequence_seed
+from shardlm.training.data import micro_batches
+
+
+class ReferenceWeights:
+    """The starting weights of this rank's parameters (their local shards), kept aside: `swapped()` puts them in
+    place for a no-gradient forward and restores the policy's afterwards. The reference of a full fine-tuning run
+    with rl.beta > 0, at any layout, for one more copy of the weights."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.saved = [p.detach().clone() for p in params]
+
+    @contextlib.contextmanager
+    def swapped(self):
+        policy = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, r in zip(self.params, self.saved):
+                p.copy_(r)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, q in zip(self.params, policy):
+                    p.copy_(q)
+
+
+def decode(template, ids: list[int]) -> str:
+    """A completion's text without special tokens (as TRL decodes it for the reward functions)."""
+    return template.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class RLRun:
+    """Joins the trainer, the prompts, the generator and the reward functions (module docstring)."""
+
+    def __init__(self, trainer, prompts: list[Prompt], template, generator, rewards: list[Reward], pad_id: int,
+                 reference: ReferenceWeights | None = None):
+        self.trainer, self.prompts, self.template = trainer, prompts, template
+        self.generator, self.rewards, self.pad_id, self.reference = generator, rewards, pad_id, reference
+        self.cfg, self.ctx = trainer.config.rl, trainer.ctx
+        self.per_round = prompts_per_step(trainer.config)
+        self.round_metrics: dict = {}
+        self.rows: StepRows | None = None
+
+    def train_step(self) -> dict:
+        """One optimizer step, after a new generation round when the last one's rl.num_iterations are done."""
+        trainer = self.trainer
+        first = trainer.step % self.cfg.num_iterations == 0
+        if first or self.rows is None:  # a resumed run rebuilds its round: the same seeds give the same rows
+            self.start_round(trainer.step // self.cfg.num_iterations)
+        trainer.loss.first_step = first
+        return trainer.train_step() | self.round_metrics
+
+    def rollouts(self, round_index: int) -> tuple[list[int], list[Rollout], float]:
+        """(each sequence's prompt index, every sequence's rollout in order, seconds spent generating)."""
+        chosen = round_prompts(len(self.prompts), self.per_round, round_index, self.trainer.config.train.seed)
+        owners = [i for i in chosen for _ in range(self.cfg.num_generations)]
+        share = np.array_split(np.arange(len(owners)), self.ctx.dp_size)[self.ctx.dp_rank].tolist()
+        start = time.perf_counter()
+        local = self.generator.generate([self.prompts[owners[j]].ids for j in share],
+                                        [sequence_seed(self.trainer.config.train.seed, round_index, j) for j in share],
+                                        round_index, share)
+        elapsed = time.perf_counter() - start
+        gathered = [r for part in self.ctx.dp.all_gather_object(local) for r in part]
+        return owners, gathered, elapsed
+
+    def score(self, owners: list[int], rollouts: list[Rollout]) -> np.ndarray:
+        """(N, F) reward values (NaN: None), computed on the main rank and broadcast; a failing function stops every
+        rank with the same one line."""
+        result: list = [None]
+        if self.ctx.rank == 0:
+            prompts = [self.prompts[i] for i in owners]
+            texts = [decode(self.template, r.completion) for r in rollouts]
+            completions = [[{"role": "assistant", "content": t}] if p.conversational else t
+                           for p, t in zip(prompts, texts)]
+            keys = sorted({k for p in prompts for k in p.columns})
+            columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
+            try:
+                result = [score(self.rewards, [p.prompt for p in prompts], completions,
+                                [r.completion for r in rollouts], columns)]
+            except UserError as exc:
+                result = [str(exc)]
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(result, src=0)
+        if isinstance(result[0], str):
+            raise UserError(result[0])
+        return result[0]
+
+    def start_round(self, round_index: int) -> None:
+        cfg, trainer = self.cfg, self.trainer
+        owners, rollouts, generation_s = self.rollouts(round_index)
+        values = self.score(owners, rollouts)
+        weights = np.array([float(w) for w in cfg.reward_weights] or [1.0] * len(self.rewards))
+        rewards = combine_rewards(values, weights)
+        advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        t = trainer.config.train
+        self.rows = StepRows(rollouts, advantages, cfg.loss, cfg.max_completion_length, cfg.mask_truncated_completions,
+                             t.global_batch_size, trainer.config.model.seq_length, self.pad_id)
+        trainer.train_data = self.rows
+        start = time.perf_counter()
+        if cfg.num_iterations > 1:
+            self.score_rows("old_logp", contextlib.nullcontext())
+        if cfg.beta:
+            self.score_rows("ref_logp", self.reference_context())
+        scoring_s = time.perf_counter() - start
+        self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | {
+            "generation_s": generation_s, "scoring_s": scoring_s}
+
+    def reference_context(self):
+        if self.reference is not None:
+            return self.reference.swapped()
+        from shardlm.preference.loss import adapters_off
+
+        return adapters_off(self.trainer.model)
+
+    @torch.no_grad()
+    def score_rows(self, name: str, context) -> None:
+        """Fill the rows' `name` ("old_logp" or "ref_logp") with this rank's micro-batches' log-probabilities, at
+        the run's layout (through the pipeline stages under PP: only the last stage, which computes the loss, keeps
+        them)."""
+        trainer, t = self.trainer, self.trainer.config.train
+        batches = trainer.local_part(micro_batches(self.rows, trainer.consumed_samples, t.global_batch_size,
+                                                   t.micro_batch_size, self.ctx.dp_rank, self.ctx.dp_size,
+                                                   self.ctx.device))
+
+        def record(token_losses, batch):
+            self.rows.store(name, batch["rows"].cpu().numpy(), (-token_losses).double().cpu().numpy())
+
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        try:
+            with trainer.autocast():
+                if trainer.pipeline is not None:
+                    trainer.pipeline.reference_pass(batches, record, context)
+                else:
+                    with context:
+                        for batch in batches:
+                            record(model(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
+        finally:
+            model.train(was_training)
+            model.entropies = []
+
+    def describe(self, values: np.ndarray, rewards: np.ndarray, zero_std: np.ndarray, rollouts: list[Rollout]
+                 ) -> dict:
+        """The round's reward and completion metrics, named as TRL logs them."""
+        metrics = {"reward": float(np.nanmean(rewards)), "reward_std": float(nanstd(rewards))}
+        for i, name in enumerate(reward_names(self.rewards)):
+            column = values[:, i]
+            metrics[f"rewards/{name}/mean"] = float(np.nanmean(column)) if not np.isnan(column).all() else float("nan")
+            metrics[f"rewards/{name}/std"] = float(nanstd(column))
+        lengths = np.array([len(r.completion) for r in rollouts], dtype=np.float64)
+        truncated = np.array([r.truncated for r in rollouts])
+        metrics |= {"frac_reward_zero_std": float(zero_std.mean()), "completions/mean_length": lengths.mean(),
+                    "completions/min_length": lengths.min(), "completions/max_length": lengths.max(),
+                    "completions/clipped_ratio": float(truncated.mean())}
+        return metrics

@@ -1,0 +1,168 @@
+"""Rollouts: completions of the prompts, sampled by the current policy in the training processes, at the training
+layout, with the key/value cache.
+
+The generator sits behind one small interface (`Generator.generate`: prompt ids and one seed per sequence in;
+completion ids, their log-probabilities and whether each was truncated out), so that an external engine with weight
+sync can take its place. `InProcessGenerator` is the policy itself:
+
+- every sequence draws from its own generator, seeded by (train.seed, round, sequence), and only when it samples:
+  a sequence's tokens depend neither on which others share its batch nor on the data-parallel rank it ran on
+  (unless two choices differ by round-off between layouts);
+- prompts of different lengths run as one batch in lockstep (`shardlm.eval.generate`: decoding starts at the
+  shortest prompt, a row still in its prompt takes its own next token);
+- under tensor parallelism each rank gathers the last position's logits, all draw alike and take TP rank 0's
+  choice (a broadcast), so the group continues with the same tokens;
+- under expert parallelism (and FSDP) the ranks exchange tokens (parameters) in every forward, so every rank runs as
+  many forwards as the longest generation in the world (a rank whose rows are finished runs one-token forwards
+  without a cache until all are done: one all-reduce MAX of a flag per position);
+- the log-probability of each sampled token is taken from the same function the training forward uses
+  (`DecoderLM.output_loss`, temperature-scaled, over the whole vocabulary: top-k and top-p shape the sampling
+  only, as in TRL), on the decoding step's hidden state.
+
+A completion ends with the end-of-turn token (kept: the policy learns to stop) or is truncated at
+rl.max_completion_length (or where the model's sequence length ends).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardlm.errors import UserError
+from shardlm.eval.generate import SamplingConfig, choose_next
+
+
+@dataclass
+class Rollout:
+    """One sequence: the `prompt` ids, the sampled `completion` ids (the end-of-turn id last unless `truncated`)
+    and their log-probabilities `logps` under the sampling policy (NaN where unknown: fixed completions)."""
+
+    prompt: list[int]
+    completion: list[int]
+    logps: list[float]
+    truncated: bool
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int,
+                 sequences: list[int]) -> list[Rollout]:
+        """Complete `prompts` (one per sequence; `seeds` one per sequence), sequences numbered `sequences` of
+        generation round `round_index`."""
+
+
+def sequence_seed(seed: int, round_index: int, sequence: int) -> int:
+    """The sampling seed of one sequence of one generation round."""
+    return int(np.random.SeedSequence([seed, round_index, sequence]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class InProcessGenerator:
+    """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
+    its `logit_temperature` set to the sampling temperature."""
+
+    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int, lockstep: bool = False):
+        if ctx.pp_size > 1:
+            raise UserError("rollouts under pipeline stages are not supported yet; generate with "
+                            "parallel.pipeline=1, or give fixed completions (rl.completions)")
+        self.model, self.ctx, self.sampling, self.eod, self.lockstep = model, ctx, sampling, eod, lockstep
+
+    def _lockstep(self, active: bool) -> bool:
+        """Whether any rank of the world still decodes (asked of every rank at every position when the forward
+        itself talks across data-parallel ranks: experts, FSDP)."""
+        if not self.lockstep:
+            return active
+        flag = torch.tensor(float(active), device=self.ctx.device)
+        self.ctx.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,
+                 sequences: list[int] | None = None) -> list[Rollout]:
+        model, ctx, config = self.model, self.ctx, self.sampling
+        seq_length, new_tokens = model.cfg.seq_length, config.max_new_tokens
+        lengths = [len(p) for p in prompts]
+        if lengths and max(lengths) >= seq_length:
+            raise UserError(f"a prompt of {max(lengths)} tokens leaves no room in model.seq_length={seq_length}; "
+                            "shorten the prompts or raise model.seq_length")
+        batch = len(prompts)
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        total = min(seq_length, max(lengths) + new_tokens) if prompts else 1
+        tokens = torch.zeros(batch, total, dtype=torch.long, device=ctx.device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = torch.tensor(prompt)
+        prompt_length = torch.tensor(lengths, device=ctx.device, dtype=torch.long)
+        new: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        done = [False] * batch
+        was_training, entropies = model.training, model.entropies
+        model.eval()
+        model.entropies = None  # the sampled tokens' log-probabilities only
+        cache = model.new_kv_cache(total) if prompts else None
+        position = min(lengths) if prompts else 0
+        hidden = model.hidden_states(tokens[:, :position], cache)[:, -1:] if prompts else None
+        while self._lockstep(not all(done) and position < total):
+            if all(done) or position >= total:  # finished here, still decoding elsewhere: keep the exchanges going
+                model.hidden_states(torch.zeros(1, 1, dtype=torch.long, device=ctx.device))
+                continue
+            full = model.full_logits(model.output_layer(hidden)[:, 0])  # (B, V)
+            in_prompt = position < prompt_length
+            uniform = torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item()
+                                    if not (forced or finished) else 0.0
+                                    for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
+                                   dtype=torch.float64)
+            chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
+            step = torch.where(in_prompt, tokens[:, position], chosen)
+            tokens[:, position] = step
+            step_logps = -model.output_loss(hidden, step.view(-1, 1))[:, 0]
+            for row, (token, forced) in enumerate(zip(step.tolist(), in_prompt.tolist())):
+                if forced or done[row]:
+                    continue
+                new[row].append(token)
+                logps[row].append(step_logps[row].item())
+                done[row] = token == self.eod or len(new[row]) == new_tokens
+            position += 1
+            if position < total and not all(done):
+                hidden = model.hidden_states(tokens[:, position - 1:position], cache)
+        model.train(was_training)
+        model.entropies = entropies
+        return [Rollout(p, n, lp, not n or n[-1] != self.eod) for p, n, lp in zip(prompts, new, logps)]
+
+
+class FixedCompletions:
+    """Completions read from a JSONL file (`rl.completions`) instead of sampled: one record per sequence,
+    `{"step": round, "sequence": j, "ids": [completion ids]}`; their log-probabilities are unknown (NaN). For
+    checking that a layout, or another trainer, trains the same tokens the same way."""
+
+    def __init__(self, path: str | Path, eod: int, max_length: int):
+        self.eod, self.by_key = eod, {}
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    key, ids = (int(record["step"]), int(record["sequence"])), [int(i) for i in record["ids"]]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise UserError(f"{path}:{line_number}: a fixed completion needs 'step', 'sequence' and 'ids' "
+                                    f"({exc})") from None
+                if not ids or len(ids) > max_length:
+                    raise UserError(f"{path}:{line_number}: a completion of {len(ids)} tokens; it must have 1 to "
+                                    f"rl.max_completion_length={max_length}")
+                self.by_key[key] = ids
+        self.path = path
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,
+                 sequences: list[int] | None = None) -> list[Rollout]:
+        rollouts = []
+        for prompt, sequence in zip(prompts, sequences):
+            ids = self.by_key.get((round_index, sequence))
+            if ids is None:
+                raise UserError(f"{self.path}: no completion for step {round_index}, sequence {sequence}")
+            rollouts.append(Rollout(prompt, ids, [math.nan] * len(ids), ids[-1] != self.eod))
+        return rollouts

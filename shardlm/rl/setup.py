@@ -1,0 +1,83 @@
+"""What an RL run reads before its process groups exist (`load_rl_inputs`: the tokenizer and template, the prompts,
+the reward functions, each bad input a one-line error before any expensive work) and what it builds once the
+trainer exists (`start_rl`: the generator and the loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardlm.rl import prompts_per_step
+from shardlm.rl.prompts import Prompt, load_prompts
+from shardlm.rl.rewards import Reward, load_rewards, reward_names
+from shardlm.sft.dataset import tokenizer_dir
+from shardlm.sft.template import ChatTemplate
+
+
+@dataclass
+class RLInputs:
+    """An RL run's template, prompts, reward functions, and the ids of its end-of-turn and padding tokens."""
+
+    template: ChatTemplate
+    prompts: list[Prompt]
+    rewards: list[Reward]
+    eod: int
+    pad_id: int
+
+    @property
+    def max_token_id(self) -> int:
+        return max(max(max(p.ids) for p in self.prompts), self.eod, self.pad_id)
+
+    def summary(self) -> str:
+        lengths = [len(p.ids) for p in self.prompts]
+        return (f"rl: {len(self.prompts)} prompts of {min(lengths)}-{max(lengths)} tokens | rewards "
+                f"{', '.join(reward_names(self.rewards))}")
+
+
+def load_rl_inputs(config) -> RLInputs:
+    """The run's [rl] inputs (module docstring)."""
+    r, sft = config.rl, config.sft
+    rewards = load_rewards(list(r.rewards), [float(w) for w in r.reward_weights], r.format_pattern)
+    template_source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
+    template = ChatTemplate.from_dir(tokenizer_dir(sft, config.checkpoint.init_from),
+                                     end_of_turn=sft.end_of_turn or None, template=template_source)
+    records = ()
+    if r.task == "arithmetic":
+        from shardlm.rl.arithmetic import arithmetic_records
+
+        records = arithmetic_records(r.task_size, config.train.seed, conversational=True)
+    prompts = load_prompts(template, list(sft.data), records)
+    eos = template.special_tokens.get("eos_token") or template.end_of_turn
+    eod = template.tokenizer.token_to_id(eos) if eos else None
+    if eod is None:
+        from shardlm.errors import UserError
+
+        raise UserError("the tokenizer has no end-of-turn token to stop completions at; set sft.end_of_turn")
+    pad = template.special_tokens.get("pad_token") or template.end_of_turn
+    pad_id = template.tokenizer.token_to_id(pad) if pad else None
+    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0)
+
+
+def start_rl(trainer, inputs: RLInputs, reference=None):
+    """(the run's `RLRun`, the line that describes it) once the trainer holds the starting weights."""
+    from shardlm.eval.generate import SamplingConfig
+    from shardlm.rl.loop import RLRun
+    from shardlm.rl.rollout import FixedCompletions, InProcessGenerator
+
+    r = trainer.config.rl
+    if r.completions:
+        generator = FixedCompletions(r.completions, inputs.eod, r.max_completion_length)
+        source = f"fixed completions from {r.completions}"
+    else:
+        sampling = SamplingConfig(max_new_tokens=r.max_completion_length, temperature=r.temperature, top_k=r.top_k,
+                                  top_p=r.top_p)
+        generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, inputs.eod,
+                                       lockstep=trainer.ctx.ep_size > 1 or trainer.fsdp is not None)
+        source = "sampled by the policy"
+    run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference)
+    kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
+    ref = ("" if not r.beta else ", reference: " + ("the starting weights" if reference is not None
+                                                     else "the base (adapters off)"))
+    line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {r.num_generations} completions a round, "
+            f"{r.num_iterations} step(s) each, beta {r.beta:g}{ref}; completions {source}")
+    return run, line
