@@ -1,9 +1,9 @@
 """One generation round's sequences packed into the step's rows, with everything the loss reads per token.
 
 Each sequence (prompt + completion) is a document of a row (per-document positions and attention, as SFT and DPO
-pack), packed best-fit-decreasing by length into exactly `train.global_batch_size` rows of model.seq_length
-tokens on every rank alike, before the rows are dealt out to micro-batches and data-parallel ranks; a sequence
-never splits. A row (`StepRows[i]`) is a dict of (T,) arrays:
+pack), packed best-fit-decreasing by length (`sft.packing`: "pad" puts one sequence a row) into exactly
+`train.global_batch_size` rows of model.seq_length tokens on every rank alike, before the rows are dealt out to
+micro-batches and data-parallel ranks; a sequence never splits. A row (`StepRows[i]`) is a dict of (T,) arrays:
 
 - `input_ids`, `position_ids` (restarting at every sequence), `labels` (the next token where it is a completion's,
   -100 elsewhere: the prompt, the last token, padding), `sequence` (the sequence's index in the round, -1 on
@@ -39,11 +39,11 @@ class StepRows:
     on: row i % rows)."""
 
     def __init__(self, rollouts: list[Rollout], advantages: np.ndarray, loss: str, max_completion_length: int,
-                 mask_truncated: bool, num_rows: int, seq_length: int, pad_id: int):
+                 mask_truncated: bool, num_rows: int, seq_length: int, pad_id: int, packing: str = "bfd"):
         lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
         if max(lengths) > seq_length:
             raise UserError(f"a sequence of {max(lengths)} tokens does not fit model.seq_length={seq_length}")
-        bins = plan_bins(lengths, seq_length, "bfd")
+        bins = plan_bins(lengths, seq_length, packing)
         if len(bins) > num_rows:
             raise UserError(f"the round's {len(rollouts)} sequences need {len(bins)} rows of {seq_length} tokens but "
                             f"a step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")

@@ -129,7 +129,8 @@ class RLRun:
         advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
         t = trainer.config.train
         self.rows = StepRows(rollouts, advantages, cfg.loss, cfg.max_completion_length, cfg.mask_truncated_completions,
-                             t.global_batch_size, trainer.config.model.seq_length, self.pad_id)
+                             t.global_batch_size, trainer.config.model.seq_length, self.pad_id,
+                             trainer.config.sft.packing)
         trainer.train_data = self.rows
         start = time.perf_counter()
         if cfg.num_iterations > 1:

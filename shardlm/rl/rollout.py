@@ -72,6 +72,14 @@ class InProcessGenerator:
                             "parallel.pipeline=1, or give fixed completions (rl.completions)")
         self.model, self.ctx, self.sampling, self.eod, self.lockstep = model, ctx, sampling, eod, lockstep
 
+    def _forward(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """(B, T) ids after the cached positions -> (B, T, h) final-norm output, through the model's own call."""
+        return self.model(tokens, cache=cache, hidden_only=True)
+
+    def _idle(self) -> None:
+        """The forward of a rank with nothing left to decode while others still do (its exchanges: experts, FSDP)."""
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.ctx.device), hidden_only=True)
+
     def _lockstep(self, active: bool) -> bool:
         """Whether any rank of the world still decodes (asked of every rank at every position when the forward
         itself talks across data-parallel ranks: experts, FSDP)."""
@@ -105,30 +113,31 @@ class InProcessGenerator:
         model.entropies = None  # the sampled tokens' log-probabilities only
         cache = model.new_kv_cache(total) if prompts else None
         position = min(lengths) if prompts else 0
-        hidden = model.hidden_states(tokens[:, :position], cache)[:, -1:] if prompts else None
-        while self._lockstep(not all(done) and position < total):
-            if all(done) or position >= total:  # finished here, still decoding elsewhere: keep the exchanges going
-                model.hidden_states(torch.zeros(1, 1, dtype=torch.long, device=ctx.device))
-                continue
-            full = model.full_logits(model.output_layer(hidden)[:, 0])  # (B, V)
-            in_prompt = position < prompt_length
-            uniform = torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item()
-                                    if not (forced or finished) else 0.0
-                                    for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
-                                   dtype=torch.float64)
-            chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
-            step = torch.where(in_prompt, tokens[:, position], chosen)
-            tokens[:, position] = step
-            step_logps = -model.output_loss(hidden, step.view(-1, 1))[:, 0]
-            for row, (token, forced) in enumerate(zip(step.tolist(), in_prompt.tolist())):
-                if forced or done[row]:
-                    continue
-                new[row].append(token)
-                logps[row].append(step_logps[row].item())
-                done[row] = token == self.eod or len(new[row]) == new_tokens
-            position += 1
-            if position < total and not all(done):
-                hidden = model.hidden_states(tokens[:, position - 1:position], cache)
+        hidden = self._forward(tokens[:, :position], cache)[:, -1:] if prompts else self._idle()
+        active = bool(prompts)
+        while True:  # each pass: sample one position where active, then one forward on every rank
+            if active:
+                full = model.full_logits(model.output_layer(hidden)[:, 0])  # (B, V)
+                in_prompt = position < prompt_length
+                uniform = torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item()
+                                        if not (forced or finished) else 0.0
+                                        for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
+                                       dtype=torch.float64)
+                chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
+                step = torch.where(in_prompt, tokens[:, position], chosen)
+                tokens[:, position] = step
+                step_logps = -model.output_loss(hidden, step.view(-1, 1))[:, 0]
+                for row, (token, forced) in enumerate(zip(step.tolist(), in_prompt.tolist())):
+                    if forced or done[row]:
+                        continue
+                    new[row].append(token)
+                    logps[row].append(step_logps[row].item())
+                    done[row] = token == self.eod or len(new[row]) == new_tokens
+                position += 1
+                active = not all(done) and position < total
+            if not self._lockstep(active):
+                break
+            hidden = self._forward(tokens[:, position - 1:position], cache) if active else self._idle()
         model.train(was_training)
         model.entropies = entropies
         return [Rollout(p, n, lp, not n or n[-1] != self.eod) for p, n, lp in zip(prompts, new, logps)]
