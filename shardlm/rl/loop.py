@@ -95,6 +95,7 @@ class RLRun:
                                         [sequence_seed(self.trainer.config.train.seed, round_index, j) for j in share],
                                         round_index, share)
         elapsed = time.perf_counter() - start
+        self.reshard()
         gathered = [r for part in self.ctx.dp.all_gather_object(local) for r in part]
         return owners, gathered, elapsed
 
@@ -175,6 +176,15 @@ class RLRun:
         finally:
             model.train(was_training)
             model.entropies = []
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Under FSDP, free what a forward without backward left gathered (`shardlm.training.fsdp.reshard`)."""
+        trainer = self.trainer
+        if trainer.fsdp is not None:
+            from shardlm.training.fsdp import reshard
+
+            reshard([trainer.model] + (trainer.pipeline.stage_modules if trainer.pipeline is not None else []))
 
     def describe(self, values: np.ndarray, rewards: np.ndarray, zero_std: np.ndarray, rollouts: list[Rollout]
                  ) -> dict:

@@ -38,7 +38,7 @@ def rl_parts(batches: list[dict], ctx) -> list[dict]:
         part = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
         part |= {"inputs": batch["input_ids"], "targets": batch["labels"], "rows": batch["row"][:, 0],
                  "documents": Documents.from_positions(batch["position_ids"]),
-                 "scale": len(batches) * ctx.dp_size}
+                 "scale": len(batches) * ctx.dp_size, "divisor": None}
         parts.append(part)
     return parts
 

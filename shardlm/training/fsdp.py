@@ -256,3 +256,16 @@ def counting_collectives():
         yield counts
     finally:
         dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
+
+
+def reshard(modules: list[nn.Module]) -> None:
+    """Free the gathered parameters of every FSDP unit in `modules`. A root keeps its own gathered after the forward
+    (`reshard_after_forward=False`, for its backward), and a forward without backward (generation, a scoring pass)
+    would leave them gathered: the next forward would then use them as they were, not as the optimizer or a weight
+    swap has since made the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
