@@ -1,0 +1,254 @@
+"""Online RL (GRPO's family) gives the one-process answer at every layout, and packing changes nothing.
+
+The completions are fixed (`SyntheticCompletions`: 1-10 tokens, some ending with the end-of-turn id, some truncated
+at the maximum length), so every layout trains the same tokens; 4 prompts x 4 completions a round, packed
+best-fit-decreasing into 8 rows of 48 tokens, so rows and micro-batches hold different numbers of sequences and
+tokens and a mean of per-micro-batch means would differ from the global batch's. The reward depends on the
+completion's ids (and a record column: one prompt's group is rewarded alike, zero std).
+
+Settings that reach every part of the loss: DAPO's token mean, clip-higher (epsilon 0.02, epsilon_high 0.03, small
+enough that the second iteration clips), num_iterations 2 (the old log-probabilities from a scoring pass), beta 0.04
+(the reference: the starting weights swapped in, or a LoRA run's base), masked truncated completions, temperature
+0.9. Checks, each against one process within 1e-5 over 4 steps (2 rounds): loss, gradient norm, KL, entropy, the
+three clip ratios, the reward, every final parameter on every rank:
+- world 2: DP=2, TP=2 with SP, PP=2, DP=2 with ZeRO-1, FSDP, an MoE at EP=2, LoRA at DP=2 and PP=2, the hybrid
+  linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2;
+- world 4: TP=2 x DP=2, PP=2 x DP=2;
+- one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
+  normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
+Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2, EP=2 and FSDP give one process's
+tokens, and their log-probabilities within 1e-5; PP=2 is refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_linear_attention import HYBRID
+from test_moe_parallel import ROUTING, stage_parameters
+from test_training import VOCAB
+
+from shardlm.errors import UserError
+from shardlm.eval.generate import SamplingConfig
+from shardlm.parallel import ParallelContext
+from shardlm.rl import loss as loss_module
+from shardlm.rl.loop import ReferenceWeights, RLRun
+from shardlm.rl.prompts import Prompt
+from shardlm.rl.rewards import Reward
+from shardlm.rl.rollout import InProcessGenerator, Rollout
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_every_rank, assert_same_run
+from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
+from multiproc import check_result
+
+SEQ, STEPS, GROUP, MAX, EOD, TOL = 48, 4, 4, 10, VOCAB - 1, 1e-5
+COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+           "clip_ratio/region_mean", "reward")
+PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
+                  {"kind": "constant" if i == 0 else "varied"}) for i in range(6)]
+
+
+class SyntheticCompletions:
+    """Completions fixed by (round, sequence): 1 to MAX ids, ended by EOD when shorter than MAX, else truncated
+    (one in three of the full-length ones ends with EOD)."""
+
+    def generate(self, prompts, seeds, round_index=0, sequences=None):
+        out = []
+        for prompt, j in zip(prompts, sequences):
+            rng = np.random.default_rng([round_index, j, 3])
+            n = int(rng.integers(1, MAX + 1))
+            ids = [int(x) for x in rng.integers(1, VOCAB - 1, size=n)]
+            if n < MAX or rng.random() < 1 / 3:
+                ids[-1] = EOD
+            out.append(Rollout(prompt, ids, [float("nan")] * n, ids[-1] != EOD))
+        return out
+
+
+def by_ids(prompts, completions, completion_ids, kind, **columns):
+    return [1.0 if k == "constant" else (sum(ids) % 7) / 6 for ids, k in zip(completion_ids, kind)]
+
+
+class IdsTemplate:
+    class tokenizer:  # noqa: N801 - the template's tokenizer, as `ChatTemplate.tokenizer`
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+
+def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
+              hybrid: bool = False, lora: int = 0, rows: int = 8, packing: str = "bfd", **train):
+    model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
+    if hybrid:
+        model = {**HYBRID, "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
+    if moe:
+        model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+    sections = {"sft": {"data": ["unused.jsonl"], "packing": packing},
+                "rl": {"loss": "dapo", "num_generations": GROUP, "prompts_per_step": 4, "max_completion_length": MAX,
+                       "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
+                       "mask_truncated_completions": True, "temperature": 0.9},
+                "lora": {"rank": lora, "targets": ["q", "v", "o", "gate", "up", "down"]}}
+    return layout_config(model, micro=micro, tp=tp, pp=pp, ep=ep, sp=sp, sections=sections,
+                         **{"steps": STEPS, "global_batch_size": rows, **train})
+
+
+def rl_run(ctx, config, generator=None) -> tuple[Trainer, RLRun]:
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, None, None)
+    reference = ReferenceWeights(trainer.params) if not config.lora.rank else None
+    rewards = [Reward("by_ids", by_ids, 1.0)]
+    return trainer, RLRun(trainer, PROMPTS, IdsTemplate, generator or SyntheticCompletions(), rewards, 0, reference)
+
+
+def train_layout(ctx, config) -> dict:
+    trainer, run = rl_run(ctx, config)
+    curve = []
+    for _ in range(STEPS):
+        metrics = run.train_step()
+        curve.append(tuple(metrics[k] for k in COLUMNS))
+    return {"curve": curve, "params": stage_parameters(trainer.model)}
+
+
+def sample_layout(ctx, config) -> dict:
+    """Rollouts of 8 sequences (prompts of 3 to 8 tokens) by the starting weights (init_std 0.3: peaked but not
+    degenerate distributions), each data-parallel rank its share, gathered."""
+    config.model.init_std = 0.3
+    trainer, _ = rl_run(ctx, config)
+    sampling = SamplingConfig(max_new_tokens=MAX, temperature=0.9, top_k=50, top_p=0.95)
+    generator = InProcessGenerator(trainer.model, ctx, sampling, EOD,
+                                   lockstep=ctx.ep_size > 1 or trainer.fsdp is not None)
+    sequences = np.array_split(np.arange(8), ctx.dp_size)[ctx.dp_rank].tolist()
+    local = generator.generate([PROMPTS[j % 6].ids for j in sequences], [100 + j for j in sequences], 0, sequences)
+    gathered = [r for part in ctx.dp.all_gather_object(local) for r in part]
+    return {"tokens": [r.completion for r in gathered], "logps": [r.logps for r in gathered],
+            "truncated": [r.truncated for r in gathered]}
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, sample: bool = False, **config) -> dict:
+    ctx = layout_context(tp, pp, cp, ep)
+    config = rl_config(tp=tp, pp=pp, ep=ep, **config)
+    if sample:
+        try:
+            return sample_layout(ctx, config)
+        except UserError as exc:
+            return {"refused": str(exc)}
+    return train_layout(ctx, config)
+
+
+WORLD2 = {
+    "dp2": layout(),
+    "tp2 sp": layout(tp=2, sp=True),
+    "pp2": layout(pp=2),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "ep2 moe": layout(ep=2, moe=True),
+    "dp2 lora": layout(lora=4),
+    "pp2 lora": layout(pp=2, lora=4),
+    "tp2 hybrid": layout(tp=2, hybrid=True),
+}
+SAMPLES2 = {
+    "sample tp2": layout(tp=2, sample=True),
+    "sample ep2 moe": layout(ep=2, moe=True, sample=True),
+    "sample fsdp dp2": layout(data_sharding="full", sample=True),
+    "sample pp2": layout(pp=2, sample=True),
+}
+WORLD4 = {"tp2 dp2": layout(tp=2), "pp2 dp2": layout(pp=2)}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn_layouts(2, run_layout, WORLD2 | SAMPLES2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn_layouts(4, run_layout, WORLD4)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind in ("moe", "lora", "hybrid") if kind in name), "dense")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process at the layouts' micro-batch 2 (the MoE's load-balancing loss is per micro-batch)."""
+    ctx = ParallelContext.single()
+    return {kind: train_layout(ctx, rl_config(**({kind: 4} if kind == "lora" else {kind: True})))
+            for kind in ("moe", "lora", "hybrid")} | {"dense": train_layout(ctx, rl_config())}
+
+
+@pytest.fixture(scope="module")
+def samples():
+    ctx = ParallelContext.single()
+    return {"dense": sample_layout(ctx, rl_config()), "moe": sample_layout(ctx, rl_config(moe=True))}
+
+
+SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": COLUMNS,
+            "absolute": ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+"""Losses, gradient norms, entropy and reward within TOL relative; the KL (0 at the first step, where the policy is
+its reference) and the clip ratios (shares of tokens) within TOL absolute; every parameter by `trained_rel`."""
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_rl_at_two_ranks_equals_one_process(world2, reference, name):
+    assert_every_rank(world2, name, reference[kind_of(name)], **SAME_RUN)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_rl_at_four_ranks_equals_one_process(world4, reference, name):
+    assert_every_rank(world4, name, reference[kind_of(name)], **SAME_RUN)
+
+
+def test_the_run_clips_and_penalizes(reference):
+    """The settings reach the loss's branches: the second iteration of a round clips tokens on both sides, and the
+    KL is 0 at the first step and positive after the first update."""
+    curve = reference["dense"]["curve"]
+    column = {k: [step[i] for step in curve] for i, k in enumerate(COLUMNS)}
+    assert column["kl"][0] == 0.0 and all(k > 0 for k in column["kl"][1:]), column["kl"]
+    assert column["clip_ratio/low_mean"][1] > 0 and column["clip_ratio/high_mean"][1] > 0, column
+    assert column["clip_ratio/region_mean"][0] == 0.0, column  # the first iteration's ratio is exactly 1
+
+
+@pytest.mark.parametrize("name", ["sample tp2", "sample ep2 moe", "sample fsdp dp2"])
+def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
+    ref = samples["moe" if "moe" in name else "dense"]
+    assert any(not t for t in ref["truncated"]) and any(ref["truncated"]), ref  # some stop, some run out
+    for rank, value in enumerate(check_result(world2, name)):
+        assert value["tokens"] == ref["tokens"], f"{name} rank {rank}"
+        for got, want in zip(value["logps"], ref["logps"]):
+            assert np.allclose(got, want, rtol=0, atol=TOL), f"{name} rank {rank}: {got} vs {want}"
+
+
+def test_rollouts_under_pipeline_stages_are_refused_in_one_line(world2):
+    for value in check_result(world2, "sample pp2"):
+        assert "pipeline" in value["refused"] and "\n" not in value["refused"], value
+
+
+def test_micro_batches_and_packing_change_nothing(reference):
+    """One process: micro-batch 8 (one micro-batch a step) and one sequence a row (16 rows of 4 micro-batches)
+    equal the layouts' reference (packed rows, micro-batch 2)."""
+    ctx = ParallelContext.single()
+    ref = reference["dense"]
+    assert_same_run(train_layout(ctx, rl_config(micro=8)), ref, "micro-batch 8", **SAME_RUN)
+    assert_same_run(train_layout(ctx, rl_config(micro=4, rows=16, packing="pad")), ref, "one sequence a row",
+                    **SAME_RUN)
+
+
+def test_a_mean_of_micro_batch_means_is_caught(reference, monkeypatch):
+    """The control: each micro-batch normalized by its own completion tokens (and the micro-batches averaged), the
+    per-micro-batch mean that the global weights replace, moves the first loss away from the reference."""
+    parts = loss_module.rl_parts
+
+    def per_micro_batch(batches, ctx):
+        out = parts(batches, ctx)
+        for part in out:
+            tokens = (part["weight"] > 0).sum().clamp(min=1)
+            part["weight"] = (part["weight"] > 0).double() / tokens / len(out)
+        return out
+
+    monkeypatch.setattr(loss_module, "rl_parts", per_micro_batch)
+    monkeypatch.setattr("shardlm.rl.loss.rl_parts", per_micro_batch)
+    got = train_layout(ParallelContext.single(), rl_config())["curve"]
+    want = reference["dense"]["curve"]
+    assert abs(got[0][1] - want[0][1]) > 1e-3 * abs(want[0][1]), (got[0], want[0])
