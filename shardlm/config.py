@@ -177,6 +177,10 @@ class RLConfig:
     """Weight of each reward function (empty: 1 each); the reward is their weighted sum."""
     format_pattern: str = ""
     """The "format" reward's regex, matched against the whole completion."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics (`shardlm.parallel.invariant`): the rollout's log-probabilities equal the training
+    forward's bitwise in fp32 (dense attention models), at the cost of slower attention; off: they differ by
+    round-off (logged as logprob_diff_max)."""
     completions: str = ""
     """A JSONL file of fixed completions (`{"step": s, "sequence": j, "ids": [...]}`) used instead of sampling:
     for checking a layout or another trainer on the same tokens."""

@@ -93,12 +93,19 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = 
                          **{"steps": STEPS, "global_batch_size": rows, **train})
 
 
-def rl_run(ctx, config, generator=None) -> tuple[Trainer, RLRun]:
+def rl_run(ctx, config, sample: bool = False) -> tuple[Trainer, RLRun]:
+    """The trainer and the RL loop of `config` on `ctx`: the fixed completions, or (`sample`) the policy's own
+    (top-k 50, top-p 0.95)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, None, None)
     reference = ReferenceWeights(trainer.params) if not config.lora.rank else None
+    generator = SyntheticCompletions()
+    if sample:
+        sampling = SamplingConfig(max_new_tokens=MAX, temperature=config.rl.temperature, top_k=50, top_p=0.95)
+        generator = InProcessGenerator(trainer.model, ctx, sampling, EOD,
+                                       lockstep=ctx.ep_size > 1 or trainer.fsdp is not None)
     rewards = [Reward("by_ids", by_ids, 1.0)]
-    return trainer, RLRun(trainer, PROMPTS, IdsTemplate, generator or SyntheticCompletions(), rewards, 0, reference)
+    return trainer, RLRun(trainer, PROMPTS, IdsTemplate, generator, rewards, 0, reference)
 
 
 def train_layout(ctx, config) -> dict:
@@ -114,10 +121,7 @@ def sample_layout(ctx, config) -> dict:
     """Rollouts of 8 sequences (prompts of 3 to 8 tokens) by the starting weights (init_std 0.3: peaked but not
     degenerate distributions), each data-parallel rank its share, gathered."""
     config.model.init_std = 0.3
-    trainer, _ = rl_run(ctx, config)
-    sampling = SamplingConfig(max_new_tokens=MAX, temperature=0.9, top_k=50, top_p=0.95)
-    generator = InProcessGenerator(trainer.model, ctx, sampling, EOD,
-                                   lockstep=ctx.ep_size > 1 or trainer.fsdp is not None)
+    generator = rl_run(ctx, config, sample=True)[1].generator
     sequences = np.array_split(np.arange(8), ctx.dp_size)[ctx.dp_rank].tolist()
     local = generator.generate([PROMPTS[j % 6].ids for j in sequences], [100 + j for j in sequences], 0, sequences)
     gathered = [r for part in ctx.dp.all_gather_object(local) for r in part]
@@ -125,9 +129,21 @@ def sample_layout(ctx, config) -> dict:
             "truncated": [r.truncated for r in gathered]}
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, sample: bool = False, **config) -> dict:
+def parity_layout(ctx, config, invariant: bool = True) -> list[float]:
+    """Each step's largest |rollout log-probability - training log-probability| over 3 steps whose completions the
+    policy samples (one iteration a round), under batch-invariant numerics (`invariant`)."""
+    config.model.init_std = 0.3
+    config.rl.batch_invariant, config.rl.num_iterations = invariant, 1
+    config.rl.mask_truncated_completions = False  # every sampled token compared
+    run = rl_run(ctx, config, sample=True)[1]
+    return [run.train_step()["logprob_diff_max"] for _ in range(3)]
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, sample: bool = False, parity: bool = False, **config) -> dict:
     ctx = layout_context(tp, pp, cp, ep)
     config = rl_config(tp=tp, pp=pp, ep=ep, **config)
+    if parity:
+        return {"diffs": parity_layout(ctx, config)}
     if sample:
         try:
             return sample_layout(ctx, config)
@@ -152,6 +168,10 @@ SAMPLES2 = {
     "sample ep2 moe": layout(ep=2, moe=True, sample=True),
     "sample fsdp dp2": layout(data_sharding="full", sample=True),
     "sample pp2": layout(pp=2, sample=True),
+    "sample tp2 sp": layout(tp=2, sp=True, sample=True),
+    "parity tp2 sp": layout(tp=2, sp=True, parity=True),
+    "parity ep2 moe": layout(ep=2, moe=True, parity=True),
+    "parity fsdp dp2": layout(data_sharding="full", parity=True),
 }
 WORLD4 = {"tp2 dp2": layout(tp=2), "pp2 dp2": layout(pp=2)}
 
@@ -210,7 +230,7 @@ def test_the_run_clips_and_penalizes(reference):
     assert column["clip_ratio/region_mean"][0] == 0.0, column  # the first iteration's ratio is exactly 1
 
 
-@pytest.mark.parametrize("name", ["sample tp2", "sample ep2 moe", "sample fsdp dp2"])
+@pytest.mark.parametrize("name", ["sample tp2", "sample tp2 sp", "sample ep2 moe", "sample fsdp dp2"])
 def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
     ref = samples["moe" if "moe" in name else "dense"]
     assert any(not t for t in ref["truncated"]) and any(ref["truncated"]), ref  # some stop, some run out
@@ -252,3 +272,24 @@ def test_a_mean_of_micro_batch_means_is_caught(reference, monkeypatch):
     got = train_layout(ParallelContext.single(), rl_config())["curve"]
     want = reference["dense"]["curve"]
     assert abs(got[0][1] - want[0][1]) > 1e-3 * abs(want[0][1]), (got[0], want[0])
+
+
+@pytest.mark.parametrize("name", ["parity tp2 sp", "parity ep2 moe", "parity fsdp dp2"])
+def test_rollout_and_training_log_probabilities_are_bitwise_equal(world2, name):
+    """Under batch-invariant numerics the log-probabilities the rollout computed while sampling (KV cache, the
+    generation batch) are the training forward's (packed rows, micro-batches, sequence parallelism), bit for bit."""
+    for rank, value in enumerate(check_result(world2, name)):
+        assert value["diffs"] == [0.0, 0.0, 0.0], f"{name} rank {rank}: {value['diffs']}"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "lora"])
+def test_one_process_rollouts_are_bitwise_its_training_forward(kind):
+    config = rl_config(**({"lora": 4} if kind == "lora" else {kind: True} if kind != "dense" else {}))
+    assert parity_layout(ParallelContext.single(), config) == [0.0, 0.0, 0.0]
+
+
+def test_without_batch_invariance_they_differ_by_round_off():
+    """The control: the default numerics (the cache's one-row products, SDPA's tiles) give the same tokens
+    log-probabilities that differ in their last bits, 1e-7 to 1e-4."""
+    diffs = parity_layout(ParallelContext.single(), rl_config(), invariant=False)
+    assert all(0 < d < 1e-4 for d in diffs), diffs

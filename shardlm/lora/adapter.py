@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.parallel import ParallelContext, copy_to_tensor_parallel
+from shardlm.parallel import ParallelContext, copy_to_tensor_parallel, invariant
 
 KINDS = ("column", "row", "replicated rows", "replicated")
 
@@ -94,4 +94,4 @@ class LoRA(nn.Module):
         if self.kind == "replicated rows":
             a, b = copy_to_tensor_parallel(a, self.ctx.tp), copy_to_tensor_parallel(b, self.ctx.tp)
             b = b if rows is None else b[rows]
-        return F.linear(F.linear(self._dropped(x), a), b) * self.scale
+        return invariant.linear(invariant.linear(self._dropped(x), a), b) * self.scale

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.models.documents import Documents, document_causal_attention
+from shardlm.parallel import invariant
 from shardlm.parallel.ring_attention import context_parallel_attention
 from shardlm.parallel.tiled_attention import tiled_attention
 
@@ -39,6 +40,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
     `window` > 0: each query sees the keys less than `window` positions behind it (a sliding-window layer).
     `sinks` (H,): each head's sink logit, one more softmax entry without a value (gpt-oss); neither takes
     attention dropout."""
+    if invariant.enabled() and cp.size == 1 and not window and sinks is None and not dropout_p:
+        return invariant.attention(q, k, v, scale=scale, offsets=None if documents is None else documents.offsets)
     segments = None if documents is None else documents.segments
     d_v = v.shape[-1]
     if d_v != k.shape[-1]:  # MLA: values padded with zeros to the key size; P [v | 0] = [P v | 0], so the output's
@@ -73,6 +76,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     """One decoding step over a KV cache: q (B, H, T, d) the positions past .. past + T - 1, k and v
     (B, Hkv, past + T, d) -> (B, H, T, d); causal, within `window` when set, with `sinks` (H,) when given."""
     T, total = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if not window and sinks is None:
+        if invariant.enabled():
+            return invariant.attention(q, k, v, scale=scale, past=past)
+        mask = None if T == 1 else torch.ones(T, total, dtype=torch.bool, device=q.device).tril(past)  # one query
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)  # sees all
     query_pos = torch.arange(past, past + T, device=q.device)[:, None]
     distance = query_pos - torch.arange(total, device=q.device)[None, :]
     visible = (distance >= 0) & ((distance < window) if window else True)

@@ -10,7 +10,6 @@ or an untied output layer). Every method talks only to the tensor-parallel group
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardlm.models.config import ModelConfig
@@ -20,6 +19,7 @@ from shardlm.parallel import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
     gather_from_tensor_parallel,
+    invariant,
     vocab_parallel_cross_entropy,
 )
 from shardlm.parallel.entropy import vocab_parallel_entropy
@@ -183,7 +183,7 @@ class DecoderLM(nn.Module):
     def output_layer(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, h) final-norm output -> (B, T, V_padded / tp) this rank's logits (the input gradient is
         all-reduced over TP, `f`; sequence chunks are all-gathered first under sequence parallelism, `f_sp`)."""
-        return F.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight)
+        return invariant.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final norm and output layer."""

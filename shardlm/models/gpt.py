@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.data.zigzag import local_positions
-from shardlm.models.attention import causal_attention
+from shardlm.models.attention import cached_attention, causal_attention
 from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-exported for callers)
     DecoderLM,
@@ -98,8 +98,7 @@ class ParallelAttention(nn.Module):
         if cache is not None and cache.length > 0:
             past = cache.length
             k, v = cache.append(k, v)  # (B, heads/tp, past + T, head_dim)
-            mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = cached_attention(q, k, v, past)
             return self.proj(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
         if cache is not None:
             cache.append(k, v)

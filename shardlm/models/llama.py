@@ -45,7 +45,6 @@ from shardlm.models.decoder import (
     LayerKVCache,
     PreNormBlock,
     SequenceDropout,
-    causal_mask_with_past,
     enter_parallel_region,
     mark_sequence_parallel,
 )
@@ -59,6 +58,7 @@ from shardlm.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
+    invariant,
 )
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
@@ -106,11 +106,11 @@ class KeyValueProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, local KV heads x head_dim)."""
         if self.split:
-            y = F.linear(x, self.weight, self.bias)
+            y = invariant.linear(x, self.weight, self.bias)
             return y if self.lora is None else y + self.lora(x)
         weight = copy_to_tensor_parallel(self.weight, self.tp)  # every rank's share of the gradient, summed
         bias = None if self.bias is None else copy_to_tensor_parallel(self.bias, self.tp)[self.rows[0]:self.rows[1]]
-        y = F.linear(x, weight[self.rows[0]:self.rows[1]], bias)
+        y = invariant.linear(x, weight[self.rows[0]:self.rows[1]], bias)
         return y if self.lora is None else y + self.lora(x, rows=slice(*self.rows))
 
 
@@ -219,8 +219,7 @@ class LlamaAttention(nn.Module):
         if past > 0 and (self.window or self.sinks is not None):
             y = cached_attention(q, k, v, past, window=self.window, sinks=self.sinks)
         elif past > 0:
-            mask = None if T == 1 else causal_mask_with_past(past, T, x.device)  # one query sees all
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != self.heads)
+            y = cached_attention(q, k, v, past)
         elif self.selective_recompute and self.training and torch.is_grad_enabled():
             y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:

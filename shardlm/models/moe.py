@@ -54,6 +54,7 @@ from shardlm.parallel import (
     ParallelContext,
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
+    invariant,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
 )
@@ -176,7 +177,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor):
         cfg = self.cfg
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            logits = invariant.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         scores = logits.softmax(-1) if cfg.moe_score == "softmax" else logits.sigmoid()
         bias = None if self.expert_bias is None else self.expert_bias.float()
         indices, weights = route(scores, cfg.moe_top_k, bias, cfg.moe_groups, cfg.moe_topk_groups,
@@ -255,6 +256,8 @@ def expert_rows(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of each expert times that expert's weight transposed: x (M, in), weight (E_l, out, in),
     counts rows per expert (summing to M) -> (M, out)."""
+    if invariant.enabled():  # each row's product on its own (`shardlm.parallel.invariant`)
+        return torch.cat([invariant.matmul(rows, w.t()) for rows, w in zip(x.split(counts), weight)])
     if grouped:
         return grouped_mm(x, weight, torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32))
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight)])
@@ -420,7 +423,7 @@ class MoELayer(nn.Module):
         y = (out.view(-1, k, h) * weights.unsqueeze(-1).to(out.dtype)).sum(1).view(B, -1, h)
         y = reduce_scatter_to_sequence_parallel(y, tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, tp)
         if self.shared_gate is not None:
-            y = y + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            y = y + torch.sigmoid(invariant.linear(x, self.shared_gate)) * self.shared(x)
         elif self.shared is not None:
             y = y + self.shared(x)
         return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)

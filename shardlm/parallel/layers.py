@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.parallel import invariant
 from shardlm.parallel.comm import Communicator
 from shardlm.parallel.init import normal_shard
 from shardlm.parallel.mappings import (
@@ -69,7 +70,7 @@ class ColumnParallelLinear(nn.Module):
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output columns for an input already past the layer's `f` (replicated or sequence-gathered,
         as when one `f` serves several layers): the GEMM, the bias unless `skip_bias_add`, the adapter's update."""
-        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        y = invariant.linear(x, self.weight, None if self.skip_bias_add else self.bias)
         return y if self.lora is None else y + self.lora(x)
 
     def forward(self, x: torch.Tensor):
@@ -112,10 +113,10 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp)
         if self.tp.size == 1 and not self.skip_bias_add:  # nothing to reduce: the bias goes into the GEMM (addmm)
-            y = F.linear(x, self.weight, self.bias)
+            y = invariant.linear(x, self.weight, self.bias)
             return y if self.lora is None else y + self.lora(x)
         reduce = reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
-        partial = F.linear(x, self.weight)
+        partial = invariant.linear(x, self.weight)
         y = reduce(partial if self.lora is None else partial + self.lora(x), self.tp)
         if self.skip_bias_add:
             return y, self.bias

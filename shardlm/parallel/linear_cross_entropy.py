@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardlm.parallel import invariant
 from shardlm.parallel.comm import Communicator
 
 
@@ -68,7 +69,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         width = _gemm_width(real, local, dtype, hidden.device)
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(dtype), weight[:width].to(dtype)
-            logits = h @ w.t()  # (N, width)
+            logits = invariant.matmul(h, w.t()) if invariant.enabled() else h @ w.t()  # (N, width)
             grad = logits[:, :real]  # the real logits, turned into their gradient below
             ignored = target == ignore_index
             outside = (target < start) | (target >= start + real) | ignored

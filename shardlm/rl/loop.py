@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import UserError
+from shardlm.parallel.invariant import batch_invariant
 from shardlm.rl import prompts_per_step
 from shardlm.rl.advantages import combine_rewards, group_advantages, nanstd
 from shardlm.rl.batch import StepRows
@@ -80,10 +81,11 @@ class RLRun:
         """One optimizer step, after a new generation round when the last one's rl.num_iterations are done."""
         trainer = self.trainer
         first = trainer.step % self.cfg.num_iterations == 0
-        if first or self.rows is None:  # a resumed run rebuilds its round: the same seeds give the same rows
-            self.start_round(trainer.step // self.cfg.num_iterations)
-        trainer.loss.first_step = first
-        return trainer.train_step() | self.round_metrics
+        with batch_invariant(self.cfg.batch_invariant):  # sampling, scoring and training alike
+            if first or self.rows is None:  # a resumed run rebuilds its round: the same seeds give the same rows
+                self.start_round(trainer.step // self.cfg.num_iterations)
+            trainer.loss.first_step = first
+            return trainer.train_step() | self.round_metrics
 
     def rollouts(self, round_index: int) -> tuple[list[int], list[Rollout], float]:
         """(each sequence's prompt index, every sequence's rollout in order, seconds spent generating)."""

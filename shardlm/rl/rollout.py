@@ -10,14 +10,15 @@ sync can take its place. `InProcessGenerator` is the policy itself:
   (unless two choices differ by round-off between layouts);
 - prompts of different lengths run as one batch in lockstep (`shardlm.eval.generate`: decoding starts at the
   shortest prompt, a row still in its prompt takes its own next token);
-- under tensor parallelism each rank gathers the last position's logits, all draw alike and take TP rank 0's
-  choice (a broadcast), so the group continues with the same tokens;
+- under tensor parallelism (sequence parallelism off while decoding) each rank gathers the last position's logits,
+  all draw alike and take TP rank 0's choice (a broadcast), so the group continues with the same tokens;
 - under expert parallelism (and FSDP) the ranks exchange tokens (parameters) in every forward, so every rank runs as
   many forwards as the longest generation in the world (a rank whose rows are finished runs one-token forwards
   without a cache until all are done: one all-reduce MAX of a flag per position);
 - the log-probability of each sampled token is taken from the same function the training forward uses
   (`DecoderLM.output_loss`, temperature-scaled, over the whole vocabulary: top-k and top-p shape the sampling
-  only, as in TRL), on the decoding step's hidden state.
+  only, as in TRL), on the decoding step's hidden state: with `rl.batch_invariant` (`shardlm.parallel.invariant`)
+  the very numbers the training forward computes for the token, bitwise.
 
 A completion ends with the end-of-turn token (kept: the policy learns to stop) or is truncated at
 rl.max_completion_length (or where the model's sequence length ends).
@@ -25,6 +26,7 @@ rl.max_completion_length (or where the model's sequence length ends).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -62,6 +64,21 @@ def sequence_seed(seed: int, round_index: int, sequence: int) -> int:
     return int(np.random.SeedSequence([seed, round_index, sequence]).generate_state(1, np.uint64)[0] >> 1)
 
 
+@contextlib.contextmanager
+def sequence_parallel_off(model):
+    """The model without sequence parallelism for the block: every module's `sequence_parallel` flag off (the same
+    products and sums, the activations whole on each TP rank instead of split along the sequence), as the KV cache
+    needs; the flags restored afterwards."""
+    flagged = [m for m in model.modules() if getattr(m, "sequence_parallel", False)]
+    for m in flagged:
+        m.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.sequence_parallel = True
+
+
 class InProcessGenerator:
     """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
     its `logit_temperature` set to the sampling temperature."""
@@ -92,6 +109,10 @@ class InProcessGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,
                  sequences: list[int] | None = None) -> list[Rollout]:
+        with sequence_parallel_off(self.model):
+            return self._generate(prompts, seeds)
+
+    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Rollout]:
         model, ctx, config = self.model, self.ctx, self.sampling
         seq_length, new_tokens = model.cfg.seq_length, config.max_new_tokens
         lengths = [len(p) for p in prompts]
