@@ -12,6 +12,8 @@ sync can take its place. `InProcessGenerator` is the policy itself:
   shortest prompt, a row still in its prompt takes its own next token);
 - under tensor parallelism (sequence parallelism off while decoding) each rank gathers the last position's logits,
   all draw alike and take TP rank 0's choice (a broadcast), so the group continues with the same tokens;
+- under pipeline stages each decoding forward runs through the stages in order, each stage's owner handing its
+  activations on; the last stage samples and hands the chosen ids and their log-probabilities to the others;
 - under expert parallelism (and FSDP) the ranks exchange tokens (parameters) in every forward, so every rank runs as
   many forwards as the longest generation in the world (a rank whose rows are finished runs one-token forwards
   without a cache until all are done: one all-reduce MAX of a flag per position);
@@ -39,6 +41,7 @@ import torch.distributed as dist
 
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig, choose_next
+from shardlm.parallel.pipeline import stage_owner
 
 
 @dataclass
@@ -83,19 +86,64 @@ class InProcessGenerator:
     """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
     its `logit_temperature` set to the sampling temperature."""
 
-    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int, lockstep: bool = False):
-        if ctx.pp_size > 1:
-            raise UserError("rollouts under pipeline stages are not supported yet; generate with "
-                            "parallel.pipeline=1, or give fixed completions (rl.completions)")
+    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int, lockstep: bool = False, pipeline=None):
+        if pipeline is not None and lockstep and ctx.ep_size == 1:
+            raise UserError("rollouts under pipeline stages with FSDP (train.data_sharding=\"full\") are not "
+                            "supported; use parallel.pipeline=1 or train.data_sharding=\"none\"")
         self.model, self.ctx, self.sampling, self.eod, self.lockstep = model, ctx, sampling, eod, lockstep
+        self.pipeline = pipeline
+        self.dtype = next(model.parameters()).dtype
 
-    def _forward(self, tokens: torch.Tensor, cache) -> torch.Tensor:
-        """(B, T) ids after the cached positions -> (B, T, h) final-norm output, through the model's own call."""
+    def _forward(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
+        """(B, T) ids after the cached positions -> (B, T, h) final-norm output, through the model's own call;
+        under pipeline stages `_stages` (None but on the last stage)."""
+        if self.pipeline is not None:
+            return self._stages(tokens, cache)
         return self.model(tokens, cache=cache, hidden_only=True)
+
+    def _stages(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
+        """The forward through the pipeline stages in order: each stage's owner runs its layers (with their part of
+        the cache) and hands the (B, T, h) activations on (a broadcast over the pipeline group); the last stage's
+        owner returns the final norm's output."""
+        model, ctx, runner = self.model, self.ctx, self.pipeline
+        count, x = len(runner.layers), None
+        for stage, layer_ids in enumerate(runner.layers):
+            owner = stage_owner(stage, ctx.pp_size, count, runner.v_shaped)
+            if owner == ctx.pp_rank:
+                if stage == 0:
+                    x = model.embed(tokens, 0 if cache is None else cache.length, None)
+                for i in layer_ids:
+                    x = model.layers[str(i)](x, None if cache is None else cache.layers[i])
+                if stage == count - 1:
+                    return model.ln_f(x)
+            if stage < count - 1:
+                shape = (*tokens.shape, model.cfg.hidden_size)
+                x = ctx.pp.broadcast(x.to(self.dtype) if owner == ctx.pp_rank else
+                                     torch.empty(shape, dtype=self.dtype, device=ctx.device), owner)
+        return None
 
     def _idle(self) -> None:
         """The forward of a rank with nothing left to decode while others still do (its exchanges: experts, FSDP)."""
-        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.ctx.device), hidden_only=True)
+        self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.ctx.device), None)
+
+    def _choose(self, hidden, tokens, position: int, in_prompt, generators, done) -> tuple[torch.Tensor, list]:
+        """(B,) ids of this position (the prompt's own where a row is still in it, else sampled) and their
+        log-probabilities; sampled where the last stage runs, handed to the other stages (a broadcast)."""
+        model, ctx, config = self.model, self.ctx, self.sampling
+        batch = tokens.shape[0]
+        picked = torch.zeros(2, batch, dtype=torch.float64, device=ctx.device)
+        if self.pipeline is None or self.pipeline.has_last:
+            full = model.full_logits(model.output_layer(hidden)[:, 0])  # (B, V)
+            uniform = torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item()
+                                    if not (forced or finished) else 0.0
+                                    for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
+                                   dtype=torch.float64)
+            chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
+            step = torch.where(in_prompt, tokens[:, position], chosen)
+            picked = torch.stack((step.double(), -model.output_loss(hidden, step.view(-1, 1))[:, 0].double()))
+        if self.pipeline is not None:
+            picked = ctx.pp.broadcast(picked, self.pipeline.last_rank)
+        return picked[0].long(), picked[1].tolist()
 
     def _lockstep(self, active: bool) -> bool:
         """Whether any rank of the world still decodes (asked of every rank at every position when the forward
@@ -134,25 +182,19 @@ class InProcessGenerator:
         model.entropies = None  # the sampled tokens' log-probabilities only
         cache = model.new_kv_cache(total) if prompts else None
         position = min(lengths) if prompts else 0
-        hidden = self._forward(tokens[:, :position], cache)[:, -1:] if prompts else self._idle()
+        hidden = self._forward(tokens[:, :position], cache) if prompts else self._idle()
+        hidden = hidden[:, -1:] if hidden is not None else None
         active = bool(prompts)
         while True:  # each pass: sample one position where active, then one forward on every rank
             if active:
-                full = model.full_logits(model.output_layer(hidden)[:, 0])  # (B, V)
                 in_prompt = position < prompt_length
-                uniform = torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item()
-                                        if not (forced or finished) else 0.0
-                                        for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
-                                       dtype=torch.float64)
-                chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
-                step = torch.where(in_prompt, tokens[:, position], chosen)
+                step, step_logps = self._choose(hidden, tokens, position, in_prompt, generators, done)
                 tokens[:, position] = step
-                step_logps = -model.output_loss(hidden, step.view(-1, 1))[:, 0]
                 for row, (token, forced) in enumerate(zip(step.tolist(), in_prompt.tolist())):
                     if forced or done[row]:
                         continue
                     new[row].append(token)
-                    logps[row].append(step_logps[row].item())
+                    logps[row].append(step_logps[row])
                     done[row] = token == self.eod or len(new[row]) == new_tokens
                 position += 1
                 active = not all(done) and position < total

@@ -72,7 +72,8 @@ def start_rl(trainer, inputs: RLInputs, reference=None):
         sampling = SamplingConfig(max_new_tokens=r.max_completion_length, temperature=r.temperature, top_k=r.top_k,
                                   top_p=r.top_p)
         generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, inputs.eod,
-                                       lockstep=trainer.ctx.ep_size > 1 or trainer.fsdp is not None)
+                                       lockstep=trainer.ctx.ep_size > 1 or trainer.fsdp is not None,
+                                       pipeline=trainer.pipeline)
         source = "sampled by the policy"
     run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
