@@ -1,0 +1,260 @@
+"""TRL's `GRPOTrainer` (1.16) as an external oracle for shardlm's GRPO and its variants, step by step.
+
+A random two-layer Qwen3 with the real Qwen3 vocabulary and chat template is saved as a Hugging Face directory
+beside the shared Qwen3 tokenizer. Both trainers read the same 2 conversational arithmetic prompts (an `answer`
+column each) and train 3 steps on the same completions: fixed token lists, G = 4 a prompt a round, built by
+tokenizing fixed texts (finished ones end with the end-of-turn `<|im_end|>`, truncated ones are exactly
+max_completion_length tokens without it), different in each round. TRL's generation is replaced by a subclass's
+`_generate_single_turn`, which answers each prompt (found by its token ids, so the sampler's order does not matter)
+with its completions of the round; shardlm reads them from `rl.completions`. The reward is `length_and_answer`
+below (the answer's presence plus a length term), passed to TRL as the function and to shardlm as
+"test_rl_trl:length_and_answer", so rewards differ within every group.
+
+Each step holds every prompt (TRL: per_device_train_batch_size = P x G, one accumulation step, so its shuffling
+only reorders the sums; shardlm: rl.prompts_per_step = P) and both train in fp32 with the same AdamW (betas
+0.9 / 0.999, no weight decay, eps 1e-4: GRPO's nearly cancelling gradients make fp32 runs drift apart at 1e-8),
+a constant learning rate, clipping at 1.0 and the sampling temperature 0.9 (the log-probabilities and entropies
+are those of logits / 0.9). shardlm packs the 8 sequences best-fit into 4 rows of 64 tokens, 2 micro-batches a
+step (TRL pads one sequence a row).
+
+Each step's loss, gradient norm, kl (beta > 0), clip ratios (low, high, region; CISPO's own), entropy, reward and
+completion lengths agree within TOL = 1e-5, absolute where the value is below 1 and relative above (the entropies
+near 11.9, the gradient norms): `differences`. Measured: at most 1.0e-6 (a gradient norm), 3.9e-7 (a loss),
+1.9e-7 (entropy), 5.4e-8 (kl), 6e-8 (reward: TRL's are fp32), 2.3e-8 (clip ratios: the same tokens clipped). The
+cases cover grpo, dr_grpo, dapo and cispo, num_iterations 1 and 2, beta 0 and 0.04, clip-higher, masked truncated
+completions, scale_rewards "batch" and "none", and GSPO's sequence-level ratio. A control run with another
+temperature misses TRL's numbers by far more than TOL, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+from llama_reference import spread_norm_weights
+
+from multiproc import import_or_skip
+
+trl = import_or_skip("trl", reason="trl is not installed (make install installs it with the dev extra)")
+datasets = import_or_skip("datasets")
+transformers = import_or_skip("transformers")
+
+from shardlm.bench.common import uncached_datasets  # noqa: E402
+from shardlm.config import load_config  # noqa: E402
+from shardlm.rl.prompts import round_prompts  # noqa: E402
+from shardlm.sft.template import ChatTemplate  # noqa: E402
+from shardlm.training.run import train  # noqa: E402
+
+G, STEPS, MAX_COMPLETION, SEQ, ROWS, MICRO = 4, 3, 8, 64, 4, 2
+LR, TEMPERATURE, ADAM_EPS, SEED, TOL = 1e-3, 0.9, 1e-4, 0, 1e-5
+
+PROMPTS = [
+    {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7"},
+    {"prompt": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 6 x 7?"}],
+     "answer": "42"},
+]
+# Each prompt's pool of completion texts: round r takes the G texts from position r on. True: finished (the
+# end-of-turn id follows the text); False: truncated (the text's first MAX_COMPLETION tokens).
+POOLS = [
+    [("7", True), ("The answer is 7.", True), ("It is 8", True),
+     ("Let me count on my fingers: three, then four more", False), ("3 + 4 = 7", True),
+     ("Seven, since four after three makes seven in total", False)],
+    [("42", True), ("Six times seven is a product I know well", False), ("It is 36", True), ("6x7=42", True),
+     ("Multiplying six by seven gives forty two as", False), ("42.", True)],
+]
+
+
+def length_and_answer(prompts, completions, answer, **kwargs) -> list[float]:
+    """The reward: 1 where the completion contains its record's answer, plus 0.1 per space in its text."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(a in t) + 0.1 * t.count(" ") for t, a in zip(texts, answer)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    """The tiny Qwen3 directory `hf`, the prompts (prompts.jsonl) and each round's completions (completions.jsonl,
+    shardlm's `rl.completions`) under `root`; "rounds": [prompt][k] completion ids of each round, "ids": each
+    prompt's token ids as shardlm's template renders it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("rl_trl")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=SEQ, tie_word_embeddings=True))
+    assert spread_norm_weights(model)
+    model.save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+    template = ChatTemplate.from_dir(root / "hf")
+    eos = template.tokenizer.token_to_id("<|im_end|>")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+
+    def tokens(text: str, finished: bool) -> list[int]:
+        ids = template.encode(text)
+        if finished:
+            assert len(ids) < MAX_COMPLETION, text  # room for the end-of-turn id
+            return ids + [eos]
+        assert len(ids) > MAX_COMPLETION, text  # cut before its end: no end-of-turn id
+        return ids[:MAX_COMPLETION]
+
+    rounds = [[[tokens(*pool[r + k]) for k in range(G)] for pool in POOLS] for r in range(STEPS)]
+    lines = []
+    for r, completions in enumerate(rounds):
+        owners = round_prompts(len(PROMPTS), len(PROMPTS), r, SEED)
+        lines += [json.dumps({"step": r, "sequence": j, "ids": completions[owners[j // G]][j % G]})
+                  for j in range(len(owners) * G)]
+    (root / "completions.jsonl").write_text("\n".join(lines) + "\n")
+    ids = [template.encode(template.render(p["prompt"], add_generation_prompt=True)) for p in PROMPTS]
+    return {"root": root, "hf": root / "hf", "rounds": rounds, "ids": ids}
+
+
+def trl_steps(setup, name: str, case: dict) -> list[dict]:
+    """TRL's logged steps for `case` (shardlm's [rl] names: loss, beta, num_iterations, epsilon, epsilon_high,
+    scale_rewards, importance_sampling, mask_truncated_completions), its generation replaced by the fixed
+    completions of `setup`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt_index = {tuple(ids): i for i, ids in enumerate(setup["ids"])}
+
+    class FixedCompletions(trl.GRPOTrainer):
+        rounds_done = 0
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
+            completions = setup["rounds"][self.rounds_done]
+            self.rounds_done += 1
+            taken: Counter = Counter()
+            chosen = []
+            for ids in prompt_ids:
+                i = prompt_index.get(tuple(ids))
+                assert i is not None, f"TRL rendered a prompt unlike shardlm's template: {ids}"
+                chosen.append(list(completions[i][taken[i]]))
+                taken[i] += 1
+            assert sorted(taken.values()) == [G] * len(PROMPTS)  # every prompt's group, once
+            return chosen, None
+
+    options = {"loss_type": case.get("loss", "grpo"), "beta": case.get("beta", 0.0),
+               "num_iterations": case.get("num_iterations", 1), "epsilon": case.get("epsilon", 0.2),
+               "scale_rewards": case.get("scale_rewards", "group"),
+               "importance_sampling_level": case.get("importance_sampling", "token"),
+               "mask_truncated_completions": case.get("mask_truncated_completions", False)}
+    if case.get("epsilon_high"):
+        options["epsilon_high"] = case["epsilon_high"]
+    args = trl.GRPOConfig(output_dir=str(setup["root"] / f"trl_{name}"), num_generations=G,
+                          per_device_train_batch_size=G * len(PROMPTS), gradient_accumulation_steps=1,
+                          max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, max_steps=STEPS,
+                          learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                          adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=ADAM_EPS, max_grad_norm=1.0,
+                          logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=SEED,
+                          dataloader_num_workers=0, disable_tqdm=True, bf16=False, log_completions=False, **options)
+    model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
+    with uncached_datasets():
+        trainer = FixedCompletions(model=model, reward_funcs=[length_and_answer], args=args,
+                                   train_dataset=datasets.Dataset.from_list(PROMPTS),
+                                   processing_class=AutoTokenizer.from_pretrained(setup["hf"]))
+        trainer.train()
+    assert trainer.rounds_done == -(-STEPS // options["num_iterations"])  # every round from the fixed completions
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
+    """shardlm's metrics.jsonl steps for `case` from the same directory, prompts and completions."""
+    rl = {"loss": f'"{case.get("loss", "grpo")}"', "beta": case.get("beta", 0.0),
+          "num_iterations": case.get("num_iterations", 1), "epsilon": case.get("epsilon", 0.2),
+          "epsilon_high": case.get("epsilon_high", 0.0),
+          "scale_rewards": f'"{case.get("scale_rewards", "group")}"',
+          "importance_sampling": f'"{case.get("importance_sampling", "token")}"',
+          "mask_truncated_completions": str(case.get("mask_truncated_completions", False)).lower(),
+          "temperature": case.get("temperature", TEMPERATURE)}
+    overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
+                 f"sft.data=[\"{setup['root'] / 'prompts.jsonl'}\"]", *(f"rl.{k}={v}" for k, v in rl.items()),
+                 f"rl.num_generations={G}", f"rl.prompts_per_step={len(PROMPTS)}",
+                 f"rl.max_completion_length={MAX_COMPLETION}",
+                 f"rl.completions=\"{setup['root'] / 'completions.jsonl'}\"",
+                 "rl.rewards=[\"test_rl_trl:length_and_answer\"]",
+                 f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={ROWS}",
+                 f"train.steps={STEPS}", f"train.seed={SEED}", f"train.lr={LR}", f"train.min_lr={LR}",
+                 "train.decay_style=\"constant\"", "train.warmup_steps=0", "train.weight_decay=0.0",
+                 "train.adam_beta1=0.9", "train.adam_beta2=0.999", f"train.adam_eps={ADAM_EPS}",
+                 "train.clip_grad=1.0", "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1",
+                 "log.progress=false", "log.plot=false", "log.tensorboard=false"]
+    run_dir = setup["root"] / f"shardlm_{name}"
+    train(load_config(None, overrides), run_dir=run_dir)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"val_loss"' not in line]
+
+
+CASES = {
+    "grpo_kl": {"beta": 0.04},  # num_iterations 1: the ratio is exactly 1; the loss is the KL term's
+    "grpo_kl_unscaled": {"beta": 0.04, "num_iterations": 2, "scale_rewards": "none"},
+    "dr_grpo_clip_higher": {"loss": "dr_grpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.1,
+                            "epsilon_high": 0.28},
+    "dapo_masked_batch": {"loss": "dapo", "num_iterations": 2, "mask_truncated_completions": True,
+                          "scale_rewards": "batch"},
+    # the second step's sequence ratios: about 0.55-0.6 where the advantage is negative (all clipped at 0.7),
+    # 1.42-1.55 and above 1.7 where it is positive (half clipped at 1.6), so some sequences still train
+    "gspo_masked": {"importance_sampling": "sequence", "num_iterations": 2, "epsilon": 0.3, "epsilon_high": 0.6,
+                    "mask_truncated_completions": True},
+    "cispo": {"loss": "cispo", "num_iterations": 2, "epsilon_high": 1.0},  # the cap: any ratio above 1
+}
+METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+           "clip_ratio/region_mean", "cispo_clip_ratio", "reward", "reward_std", "frac_reward_zero_std",
+           "completions/mean_length", "completions/clipped_ratio")
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    """`runs(name)`: (TRL's steps, shardlm's steps) of CASES[name], each pair run once per module."""
+    done: dict = {}
+
+    def run(name: str) -> tuple[list[dict], list[dict]]:
+        if name not in done:
+            done[name] = trl_steps(setup, name, CASES[name]), shardlm_steps(setup, name, CASES[name])
+        return done[name]
+
+    return run
+
+
+def differences(ours: list[dict], theirs: list[dict]) -> dict:
+    """{metric: the largest |shardlm - TRL| / max(1, |TRL|) over the steps where TRL logged it} (TRL logs the
+    rewards and lengths at the steps that generate only)."""
+    assert len(ours) == len(theirs) == STEPS, (ours, theirs)
+    worst: dict = {}
+    for mine, trls in zip(ours, theirs):
+        for key in METRICS:
+            if key in trls:
+                worst[key] = max(worst.get(key, 0.0), abs(mine[key] - trls[key]) / max(1.0, abs(trls[key])))
+    return worst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grpo_follows_trl_step_by_step(runs, name):
+    """Every metric TRL logs of METRICS, at each of the 3 steps, within TOL (absolute below 1, relative above:
+    the entropies near ln V = 11.9 and the gradient norms); each case exercises what it names: the KL moves the
+    loss after the first step, and a second step on the same round clips some ratios."""
+    theirs, ours = runs(name)
+    case = CASES[name]
+    clips = ["cispo_clip_ratio"] if case.get("loss") == "cispo" else [k for k in METRICS if k.startswith("clip")]
+    expected = {"loss", "grad_norm", "entropy", *clips, *(["kl"] if case.get("beta") else [])}
+    assert all(expected <= set(log) for log in theirs), theirs
+    assert all("reward" in theirs[s] for s in range(0, STEPS, case.get("num_iterations", 1)))
+    worst = differences(ours, theirs)
+    assert all(value <= TOL for value in worst.values()), {k: v for k, v in worst.items() if v > TOL}
+    if case.get("beta"):
+        assert theirs[1]["kl"] > 100 * TOL, theirs[1]
+    if case.get("num_iterations", 1) > 1:  # the second step: the ratios against the round's old policy
+        assert max(theirs[1][k] for k in clips) > 0 and theirs[1]["grad_norm"] > 0, theirs[1]
+
+
+def test_another_temperature_misses_trl(setup, runs):
+    """The control: shardlm at temperature 1 instead of 0.9 misses TRL's run by far more than TOL (the gradient
+    norm from the first step, the loss from the second), so the comparison above can fail."""
+    theirs, _ = runs("grpo_kl")
+    ours = shardlm_steps(setup, "temperature_1", CASES["grpo_kl"] | {"temperature": 1.0})
+    worst = differences(ours, theirs)
+    assert worst["loss"] > 100 * TOL and worst["grad_norm"] > 100 * TOL, worst
+
