@@ -91,6 +91,15 @@ class StepRows:
         f["sequence_weight"][row, trained] = sequence_weight
         f["sample_logp"][row, trained] = rollout.logps
 
+    @classmethod
+    def from_fields(cls, fields: dict[str, np.ndarray]) -> StepRows:
+        """Rows saved by a checkpoint in the middle of a round (`RLRun.save_round`)."""
+        rows = cls.__new__(cls)
+        rows.fields = dict(fields)
+        rows.num_sequences = int(fields["sequence"].max()) + 1
+        rows.num_tokens = float((fields["token_weight"] > 0).sum())
+        return rows
+
     def __len__(self) -> int:
         return self.fields["row"].shape[0]
 

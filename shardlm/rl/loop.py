@@ -20,7 +20,10 @@ run resumed at a round boundary samples what the uninterrupted run sampled.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -82,10 +85,36 @@ class RLRun:
         trainer = self.trainer
         first = trainer.step % self.cfg.num_iterations == 0
         with batch_invariant(self.cfg.batch_invariant):  # sampling, scoring and training alike
-            if first or self.rows is None:  # a resumed run rebuilds its round: the same seeds give the same rows
+            if first or self.rows is None:
                 self.start_round(trainer.step // self.cfg.num_iterations)
             trainer.loss.first_step = first
             return trainer.train_step() | self.round_metrics
+
+    def round_file(self, directory: Path) -> Path:
+        return Path(directory) / f"rl_round.rank{self.ctx.rank}.npz"
+
+    def save_round(self, directory: Path) -> None:
+        """Keep this rank's rows of the round in a checkpoint taken in the middle of one (rl.num_iterations > 1):
+        a resumed run trains on them as the uninterrupted run does (their old and reference log-probabilities came
+        from weights the checkpoint no longer holds). At a round's boundary there is nothing to keep: the next
+        round's seeds and weights make the same rows again."""
+        if self.rows is None or self.trainer.step % self.cfg.num_iterations == 0:
+            return
+        path = self.round_file(directory)
+        tmp = path.with_name(f".tmp-{path.name}")
+        with open(tmp, "wb") as f:
+            np.savez(f, **self.rows.fields, metrics=np.array(json.dumps(self.round_metrics)))
+        os.replace(tmp, path)
+
+    def restore(self, directory: Path) -> None:
+        """Read the rows a checkpoint taken in the middle of a round kept (`save_round`), if it did."""
+        path = self.round_file(directory)
+        if self.trainer.step % self.cfg.num_iterations == 0 or not path.exists():
+            return
+        with np.load(path) as saved:
+            self.round_metrics = json.loads(str(saved["metrics"]))
+            self.rows = StepRows.from_fields({k: saved[k] for k in saved.files if k != "metrics"})
+        self.trainer.train_data = self.rows
 
     def rollouts(self, round_index: int) -> tuple[list[int], list[Rollout], float]:
         """(each sequence's prompt index, every sequence's rollout in order, seconds spent generating)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +63,11 @@ class Generator(Protocol):
         generation round `round_index`."""
 
 
+class GenerationStopped(Exception):
+    """A stop was requested (SIGTERM) while the rollouts were being sampled: the round is dropped unfinished (the
+    weights have not moved; a resumed run samples it again from the same seeds)."""
+
+
 def sequence_seed(seed: int, round_index: int, sequence: int) -> int:
     """The sampling seed of one sequence of one generation round."""
     return int(np.random.SeedSequence([seed, round_index, sequence]).generate_state(1, np.uint64)[0] >> 1)
@@ -86,12 +92,13 @@ class InProcessGenerator:
     """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
     its `logit_temperature` set to the sampling temperature."""
 
-    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int, lockstep: bool = False, pipeline=None):
+    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int, lockstep: bool = False, pipeline=None,
+                 stop_requested: Callable[[], bool] | None = None):
         if pipeline is not None and lockstep and ctx.ep_size == 1:
             raise UserError("rollouts under pipeline stages with FSDP (train.data_sharding=\"full\") are not "
                             "supported; use parallel.pipeline=1 or train.data_sharding=\"none\"")
         self.model, self.ctx, self.sampling, self.eod, self.lockstep = model, ctx, sampling, eod, lockstep
-        self.pipeline = pipeline
+        self.pipeline, self.stop_requested = pipeline, stop_requested
         self.dtype = next(model.parameters()).dtype
 
     def _forward(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
@@ -146,13 +153,17 @@ class InProcessGenerator:
         return picked[0].long(), picked[1].tolist()
 
     def _lockstep(self, active: bool) -> bool:
-        """Whether any rank of the world still decodes (asked of every rank at every position when the forward
-        itself talks across data-parallel ranks: experts, FSDP)."""
-        if not self.lockstep:
-            return active
-        flag = torch.tensor(float(active), device=self.ctx.device)
-        self.ctx.world.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Whether any rank of the world still decodes (with `lockstep`, every rank asks at every position: the
+        forward itself talks across data-parallel ranks, experts and FSDP, and a stop request reaches every rank at
+        the same position). Raises `GenerationStopped` when any rank's `stop_requested()` says so (a SIGTERM)."""
+        stop = bool(self.stop_requested is not None and self.stop_requested())
+        if self.lockstep:
+            flags = torch.tensor([float(active), float(stop)], device=self.ctx.device)
+            self.ctx.world.all_reduce(flags, op=dist.ReduceOp.MAX)
+            active, stop = bool(flags[0].item()), bool(flags[1].item())
+        if stop:
+            raise GenerationStopped()
+        return active
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,

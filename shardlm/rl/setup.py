@@ -58,7 +58,7 @@ def load_rl_inputs(config) -> RLInputs:
     return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0)
 
 
-def start_rl(trainer, inputs: RLInputs, reference=None):
+def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None):
     """(the run's `RLRun`, the line that describes it) once the trainer holds the starting weights."""
     from shardlm.eval.generate import SamplingConfig
     from shardlm.rl.loop import RLRun
@@ -72,8 +72,8 @@ def start_rl(trainer, inputs: RLInputs, reference=None):
         sampling = SamplingConfig(max_new_tokens=r.max_completion_length, temperature=r.temperature, top_k=r.top_k,
                                   top_p=r.top_p)
         generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, inputs.eod,
-                                       lockstep=trainer.ctx.ep_size > 1 or trainer.fsdp is not None,
-                                       pipeline=trainer.pipeline)
+                                       lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline,
+                                       stop_requested=stop_requested)
         source = "sampled by the policy"
     run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")

@@ -25,6 +25,7 @@ from shardlm.errors import UserError
 from shardlm.lora import count_parameters
 from shardlm.lora.nf4 import describe_base
 from shardlm.parallel import init_distributed
+from shardlm.rl.rollout import GenerationStopped
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
 from shardlm.training.cpu_precision import precision_warning, resolve_precision
@@ -259,12 +260,14 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         reference = ReferenceWeights(trainer.params)
     if trainer.preference:
         logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
-    step = trainer.train_step
+    step, rl_run = trainer.train_step, None
     if rl is not None:
         from shardlm.rl.setup import start_rl
 
-        run, line = start_rl(trainer, rl, reference)
-        step = run.train_step
+        rl_run, line = start_rl(trainer, rl, reference, stop_requested=lambda: signals.terminate_requested)
+        if resume_from:  # a checkpoint taken in the middle of a round keeps the round's rows
+            rl_run.restore(Path(resume_from))
+        step = rl_run.train_step
         logger.print(line)
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
@@ -285,6 +288,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         nonlocal last_saved
         if trainer.step != last_saved[0]:
             last_saved = (trainer.step, save_checkpoint(trainer, checkpoints, config.checkpoint.keep_last))
+            if rl_run is not None:
+                rl_run.save_round(last_saved[1])
         return last_saved[1]
 
     def stop_on_sigterm():
@@ -302,7 +307,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     while trainer.step < t.steps:
         if signals.agree_to_stop(ctx):  # checked before each step: a SIGTERM during setup stops here
             stop_on_sigterm()
-        metrics = step()
+        try:
+            metrics = step()
+        except GenerationStopped:  # a SIGTERM while the rollouts were sampled: the last finished step is saved
+            stop_on_sigterm()
         progress.step = trainer.step
         logger.step(metrics, t.steps)
         if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:
