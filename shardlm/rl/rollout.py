@@ -22,7 +22,8 @@ sync can take its place. `InProcessGenerator` is the policy itself:
   only, as in TRL), on the decoding step's hidden state: with `rl.batch_invariant` (`shardlm.parallel.invariant`)
   the very numbers the training forward computes for the token, bitwise.
 
-A completion ends with the end-of-turn token (kept: the policy learns to stop) or is truncated at
+A completion ends with a stop token (kept: the policy learns to stop): the end-of-turn token, the tokenizer's end
+and padding tokens and the model's generation_config.json `eos_token_id`s, the ones TRL stops at; or it is truncated at
 rl.max_completion_length (or where the model's sequence length ends).
 """
 
@@ -92,12 +93,13 @@ class InProcessGenerator:
     """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
     its `logit_temperature` set to the sampling temperature."""
 
-    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int, lockstep: bool = False, pipeline=None,
+    def __init__(self, model, ctx, sampling: SamplingConfig, eod: int | set[int], lockstep: bool = False, pipeline=None,
                  stop_requested: Callable[[], bool] | None = None):
         if pipeline is not None and lockstep and ctx.ep_size == 1:
             raise UserError("rollouts under pipeline stages with FSDP (train.data_sharding=\"full\") are not "
                             "supported; use parallel.pipeline=1 or train.data_sharding=\"none\"")
-        self.model, self.ctx, self.sampling, self.eod, self.lockstep = model, ctx, sampling, eod, lockstep
+        self.model, self.ctx, self.sampling, self.lockstep = model, ctx, sampling, lockstep
+        self.stops = {eod} if isinstance(eod, int) else set(eod)
         self.pipeline, self.stop_requested = pipeline, stop_requested
         self.dtype = next(model.parameters()).dtype
 
@@ -206,7 +208,7 @@ class InProcessGenerator:
                         continue
                     new[row].append(token)
                     logps[row].append(step_logps[row])
-                    done[row] = token == self.eod or len(new[row]) == new_tokens
+                    done[row] = token in self.stops or len(new[row]) == new_tokens
                 position += 1
                 active = not all(done) and position < total
             if not self._lockstep(active):
@@ -214,7 +216,7 @@ class InProcessGenerator:
             hidden = self._forward(tokens[:, position - 1:position], cache) if active else self._idle()
         model.train(was_training)
         model.entropies = entropies
-        return [Rollout(p, n, lp, not n or n[-1] != self.eod) for p, n, lp in zip(prompts, new, logps)]
+        return [Rollout(p, n, lp, not n or n[-1] not in self.stops) for p, n, lp in zip(prompts, new, logps)]
 
 
 class FixedCompletions:
@@ -222,8 +224,8 @@ class FixedCompletions:
     `{"step": round, "sequence": j, "ids": [completion ids]}`; their log-probabilities are unknown (NaN). For
     checking that a layout, or another trainer, trains the same tokens the same way."""
 
-    def __init__(self, path: str | Path, eod: int, max_length: int):
-        self.eod, self.by_key = eod, {}
+    def __init__(self, path: str | Path, eod: int | set[int], max_length: int):
+        self.stops, self.by_key = {eod} if isinstance(eod, int) else set(eod), {}
         with open(path, encoding="utf-8") as f:
             for line_number, line in enumerate(f, 1):
                 if not line.strip():
@@ -247,5 +249,5 @@ class FixedCompletions:
             ids = self.by_key.get((round_index, sequence))
             if ids is None:
                 raise UserError(f"{self.path}: no completion for step {round_index}, sequence {sequence}")
-            rollouts.append(Rollout(prompt, ids, [math.nan] * len(ids), ids[-1] != self.eod))
+            rollouts.append(Rollout(prompt, ids, [math.nan] * len(ids), ids[-1] not in self.stops))
         return rollouts

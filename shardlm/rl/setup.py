@@ -4,6 +4,7 @@ trainer exists (`start_rl`: the generator and the loop)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ class RLInputs:
     rewards: list[Reward]
     eod: int
     pad_id: int
+    stops: set[int]
 
     @property
     def max_token_id(self) -> int:
@@ -39,7 +41,8 @@ def load_rl_inputs(config) -> RLInputs:
     r, sft = config.rl, config.sft
     rewards = load_rewards(list(r.rewards), [float(w) for w in r.reward_weights], r.format_pattern)
     template_source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
-    template = ChatTemplate.from_dir(tokenizer_dir(sft, config.checkpoint.init_from),
+    tokenizer_path = tokenizer_dir(sft, config.checkpoint.init_from)
+    template = ChatTemplate.from_dir(tokenizer_path,
                                      end_of_turn=sft.end_of_turn or None, template=template_source)
     records = ()
     if r.task == "arithmetic":
@@ -55,7 +58,19 @@ def load_rl_inputs(config) -> RLInputs:
         raise UserError("the tokenizer has no end-of-turn token to stop completions at; set sft.end_of_turn")
     pad = template.special_tokens.get("pad_token") or template.end_of_turn
     pad_id = template.tokenizer.token_to_id(pad) if pad else None
-    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0)
+    stops = stop_ids(eod, pad_id, tokenizer_path)
+    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops)
+
+
+def stop_ids(eod: int, pad_id: int | None, directory: Path) -> set[int]:
+    """The ids a completion stops at, as TRL's: the end-of-turn token, the tokenizer's end and padding tokens, and
+    the model's `generation_config.json` `eos_token_id`s when the directory has one."""
+    stops = {eod} | ({pad_id} if pad_id is not None else set())
+    config = Path(directory) / "generation_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+        stops |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return {int(i) for i in stops}
 
 
 def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None):
@@ -66,12 +81,12 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None):
 
     r = trainer.config.rl
     if r.completions:
-        generator = FixedCompletions(r.completions, inputs.eod, r.max_completion_length)
+        generator = FixedCompletions(r.completions, inputs.stops, r.max_completion_length)
         source = f"fixed completions from {r.completions}"
     else:
         sampling = SamplingConfig(max_new_tokens=r.max_completion_length, temperature=r.temperature, top_k=r.top_k,
                                   top_p=r.top_p)
-        generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, inputs.eod,
+        generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, inputs.stops,
                                        lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline,
                                        stop_requested=stop_requested)
         source = "sampled by the policy"
