@@ -1,0 +1,113 @@
+"""Bad RL settings and inputs stop the run with one line naming the problem and the fix, before any work (nothing
+written); a reward function that fails mid-run stops every rank with one line naming it, the checkpoints kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardlm.cli import main
+
+FAILS_AT_ROUND_2 = "test_rl_errors:fails_at_round_2"
+CALLS = {"n": 0}
+
+
+def fails_at_round_2(prompts, completions, **columns):
+    CALLS["n"] += 1
+    if CALLS["n"] == 2:
+        raise ZeroDivisionError("division by zero")
+    return [0.0] * len(completions)
+
+
+def wrong_count(prompts, completions, **columns):
+    return [0.0]
+
+
+@pytest.fixture()
+def config(data_dir, tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text(f"""
+[model]
+arch = "llama"
+num_layers = 1
+hidden_size = 32
+num_heads = 4
+seq_length = 48
+[sft]
+tokenizer = "{data_dir / 'chat' / 'qwen3'}"
+[rl]
+loss = "dapo"
+task = "arithmetic"
+task_size = 8
+num_generations = 2
+max_completion_length = 3
+[train]
+micro_batch_size = 2
+global_batch_size = 2
+steps = 2
+precision = "fp32"
+[checkpoint]
+save_interval = 1
+[log]
+plot = false
+progress = false
+""")
+    return path
+
+
+def write(root, name: str, text: str) -> str:
+    (root / name).write_text(text)
+    return str(root / name)
+
+
+ERRORS = [
+    ("one completion a prompt", lambda r: ["rl.num_generations=1"], "rl.num_generations=1 must be at least 2"),
+    ("epsilon", lambda r: ["rl.epsilon=0.0"], "rl.epsilon=0.0 must be > 0"),
+    ("unknown loss", lambda r: ['rl.loss="ppo"'], 'rl.loss="ppo" must be one of grpo, bnpo, dr_grpo, dapo, cispo'),
+    ("iterations", lambda r: ["rl.num_iterations=0"], "rl.num_iterations=0 must be at least 1"),
+    ("scale", lambda r: ['rl.scale_rewards="mean"'], 'rl.scale_rewards="mean" must be one of group, batch, none'),
+    ("GSPO with a token loss", lambda r: ['rl.importance_sampling="sequence"'],
+     'rl.importance_sampling="sequence" (GSPO) takes rl.loss="grpo"'),
+    ("reward that does not import", lambda r: ['rl.rewards=["no_such_module:score"]'], '"no_such_module:score"'),
+    ("weights", lambda r: ["rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 weights for 1 reward"),
+    ("prompts and a task", lambda r: [f'sft.data=["{write(r, "p.jsonl", "{}")}"]'], "set exactly one"),
+    ("record without a prompt", lambda r: ['rl.task=""', f'sft.data=["{write(r, "p.jsonl", json.dumps({"q": 1}))}"]'],
+     "p.jsonl:1: the record has no 'prompt'"),
+]
+
+
+@pytest.mark.parametrize("name,extra,message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_rl_errors_are_one_line(config, tmp_path, capsys, name, extra, message):
+    workdir = tmp_path / "case"
+    workdir.mkdir()
+    code = main(["train", str(config), *extra(workdir), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists(), "nothing is written before the input is checked"
+
+
+@pytest.mark.parametrize("reward,message", [
+    (FAILS_AT_ROUND_2, f'reward "{FAILS_AT_ROUND_2}" raised ZeroDivisionError: division by zero'),
+    ("test_rl_errors:wrong_count", 'returned 1 values for 2 completions')])
+def test_a_failing_reward_stops_the_run_in_one_line_and_keeps_the_checkpoints(config, tmp_path, capsys, reward,
+                                                                              message):
+    CALLS["n"] = 0
+    code = main(["train", str(config), f'rl.rewards=["{reward}"]', "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and err.strip().count("\n") == 0, err
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == (["step_00000001"] if reward == FAILS_AT_ROUND_2 else []), saved
+
+
+def test_context_parallelism_is_refused_in_one_line(config):
+    from shardlm.config import load_config
+    from shardlm.errors import UserError
+    from shardlm.validation import validate
+
+    with pytest.raises(UserError, match="rollouts are generated without context parallelism") as err:
+        validate(load_config(config, ["parallel.context=2", "model.dropout=0.0", "model.attention_dropout=0.0"]), 2,
+                 check_paths=False)
+    assert "\n" not in str(err.value)
