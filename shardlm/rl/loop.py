@@ -122,9 +122,10 @@ class RLRun:
         owners = [i for i in chosen for _ in range(self.cfg.num_generations)]
         share = np.array_split(np.arange(len(owners)), self.ctx.dp_size)[self.ctx.dp_rank].tolist()
         start = time.perf_counter()
-        local = self.generator.generate([self.prompts[owners[j]].ids for j in share],
-                                        [sequence_seed(self.trainer.config.train.seed, round_index, j) for j in share],
-                                        round_index, share)
+        with self.trainer.autocast():  # the training forward's precision
+            local = self.generator.generate([self.prompts[owners[j]].ids for j in share],
+                                            [sequence_seed(self.trainer.config.train.seed, round_index, j)
+                                             for j in share], round_index, share)
         elapsed = time.perf_counter() - start
         self.reshard()
         gathered = [r for part in self.ctx.dp.all_gather_object(local) for r in part]
