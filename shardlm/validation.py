@@ -384,8 +384,9 @@ def check_files(config: RunConfig) -> None:
     d = config.data
     if config.sft.data:
         for path in config.sft.data:
-            if not Path(path).is_file():
-                raise UserError(f"sft.data: {path} not found; point it at a .jsonl or .parquet file of records")
+            if not Path(path).is_file() and not (Path(path) / "state.json").is_file():
+                raise UserError(f"sft.data: {path} not found; point it at a .jsonl or .parquet file of records, or "
+                                "a folder a datasets.Dataset was saved to")
         for key in ("tokenizer", "template"):
             value = getattr(config.sft, key)
             if value and not Path(value).exists():

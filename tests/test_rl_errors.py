@@ -111,3 +111,22 @@ def test_context_parallelism_is_refused_in_one_line(config):
         validate(load_config(config, ["parallel.context=2", "model.dropout=0.0", "model.attention_dropout=0.0"]), 2,
                  check_paths=False)
     assert "\n" not in str(err.value)
+
+
+def test_prompts_from_a_saved_dataset_folder(config, tmp_path):
+    """Prompt records read from the folder `datasets.Dataset.save_to_disk` wrote (its Arrow files), columns kept; a
+    saved DatasetDict is refused in one line naming a split's folder."""
+    datasets = pytest.importorskip("datasets")
+    from shardlm.config import load_config
+    from shardlm.errors import UserError
+    from shardlm.rl.setup import load_rl_inputs
+
+    records = [{"prompt": "Compute 2 + 3.", "answer": "5"}, {"prompt": [{"role": "user", "content": "Hi?"}],
+                                                            "answer": "1"}]
+    datasets.Dataset.from_list(records[:1]).save_to_disk(str(tmp_path / "saved"))
+    inputs = load_rl_inputs(load_config(config, ['rl.task=""', f'sft.data=["{tmp_path / "saved"}"]']))
+    assert [(p.prompt, p.columns) for p in inputs.prompts] == [("Compute 2 + 3.", {"answer": "5"})]
+    assert inputs.prompts[0].ids == inputs.template.encode("Compute 2 + 3.")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records[:1])}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(UserError, match="give one split's folder"):
+        load_rl_inputs(load_config(config, ['rl.task=""', f'sft.data=["{tmp_path / "dict"}"]']))

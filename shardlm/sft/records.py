@@ -62,11 +62,15 @@ class Conversation:
 
 
 def read_records(path: str | Path) -> Iterator[tuple[dict[str, Any], str]]:
-    """Yield `(record, where)` for each record of a `.jsonl` / `.json` (one object per line) or `.parquet` file.
+    """Yield `(record, where)` for each record of a `.jsonl` / `.json` (one object per line) or `.parquet` file, or
+of a directory a `datasets.Dataset` was saved to (`save_to_disk`: its Arrow files, read with pyarrow).
 
     Blank lines are skipped. A line that is not a JSON object raises one `UserError` naming file and line.
     """
     path = Path(path)
+    if path.is_dir():
+        yield from _read_saved_dataset(path)
+        return
     if not path.is_file():
         raise UserError(f"{path}: no such file; give a .jsonl or .parquet file of chat records")
     if path.suffix == ".parquet":
@@ -85,6 +89,31 @@ def read_records(path: str | Path) -> Iterator[tuple[dict[str, Any], str]]:
             if not isinstance(record, dict):
                 raise UserError(f"{where}: a line must be a JSON object, got {type(record).__name__}")
             yield record, where
+
+
+def _read_saved_dataset(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
+    """The records of a `Dataset.save_to_disk` directory: `state.json` names its Arrow stream files, in order."""
+    if (path / "dataset_dict.json").exists():
+        raise UserError(f"{path}: a saved DatasetDict; give one split's folder (for example {path / 'train'})")
+    try:
+        files = [entry["filename"] for entry in json.loads((path / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: a directory but not one `datasets` saved (no readable state.json); give a "
+                        ".jsonl or .parquet file, or a Dataset.save_to_disk folder") from None
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise UserError(f"{path}: reading a saved Dataset needs pyarrow (pip install pyarrow); or use JSONL") from None
+    row = 0
+    for name in files:
+        try:
+            with pa.memory_map(str(path / name)) as source:
+                table = pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise UserError(f"{path / name}: not a readable Arrow file ({str(exc).splitlines()[0]})") from None
+        for record in table.to_pylist():
+            row += 1
+            yield record, f"{path}:row {row}"
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
