@@ -50,6 +50,7 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (config.parallel.context == 1, "rollouts are generated without context parallelism; set "
                                        "parallel.context=1 for an RL run"),
         (not config.model.mtp_layers, "an RL run trains without multi-token prediction; set model.mtp_layers=0"),
+        (not config.train.compile, "an RL run samples with the eager model; set train.compile=false"),
         (not config.preference.loss, "set either [preference] or [rl], not both"),
         (config.model.arch != "bert", "an RL run needs a causal language model, not model.arch=\"bert\""),
     ]
