@@ -17,10 +17,10 @@ sync can take its place. `InProcessGenerator` is the policy itself:
 - under expert parallelism (and FSDP) the ranks exchange tokens (parameters) in every forward, so every rank runs as
   many forwards as the longest generation in the world (a rank whose rows are finished runs one-token forwards
   without a cache until all are done: one all-reduce MAX of a flag per position);
-- the log-probability of each sampled token is taken from the same function the training forward uses
-  (`DecoderLM.output_loss`, temperature-scaled, over the whole vocabulary: top-k and top-p shape the sampling
-  only, as in TRL), on the decoding step's hidden state: with `rl.batch_invariant` (`shardlm.parallel.invariant`)
-  the very numbers the training forward computes for the token, bitwise.
+- the log-probability of each sampled token is that of the temperature-scaled logits over the whole vocabulary
+  (top-k and top-p shape the sampling only, as in TRL): from the gathered logits, or with `rl.batch_invariant`
+  (`shardlm.parallel.invariant`) from the function the training forward uses (`DecoderLM.output_loss`) on the
+  decoding step's hidden state, the very numbers the training forward computes for the token, bitwise.
 
 A completion ends with a stop token (kept: the policy learns to stop): the end-of-turn token, the tokenizer's end
 and padding tokens and the model's generation_config.json `eos_token_id`s, the ones TRL stops at; or it is truncated at
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig, choose_next
+from shardlm.parallel import invariant
 from shardlm.parallel.pipeline import stage_owner
 
 
@@ -149,7 +150,12 @@ class InProcessGenerator:
                                    dtype=torch.float64)
             chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
             step = torch.where(in_prompt, tokens[:, position], chosen)
-            picked = torch.stack((step.double(), -model.output_loss(hidden, step.view(-1, 1))[:, 0].double()))
+            if invariant.enabled():  # the training forward's own function: its numbers, bit for bit
+                logps = -model.output_loss(hidden, step.view(-1, 1))[:, 0].double()
+            else:  # from the logits already gathered, without a second pass of the output layer
+                logps = torch.log_softmax(full.double() / model.logit_temperature, dim=-1).gather(
+                    -1, step.view(-1, 1).to(full.device))[:, 0]
+            picked = torch.stack((step.double(), logps))
         if self.pipeline is not None:
             picked = ctx.pp.broadcast(picked, self.pipeline.last_rank)
         return picked[0].long(), picked[1].tolist()
