@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import UserError
-from shardlm.eval.generate import SamplingConfig, choose_next
+from shardlm.eval.generate import SamplingConfig
 from shardlm.parallel import invariant
 from shardlm.parallel.pipeline import stage_owner
 
@@ -68,6 +68,36 @@ class Generator(Protocol):
 class GenerationStopped(Exception):
     """A stop was requested (SIGTERM) while the rollouts were being sampled: the round is dropped unfinished (the
     weights have not moved; a resumed run samples it again from the same seeds)."""
+
+
+def sample_next(logits: torch.Tensor, uniform: torch.Tensor, temperature: float, top_k: int = 0,
+                top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) real-vocabulary logits and (B,) uniforms in [0, 1) -> ((B,) sampled ids, (B, V) fp32 log-probabilities of
+    logits / temperature, unfiltered). The inverse CDF at `uniform` of the filtered distribution: over the
+    candidates in id order for plain temperature sampling (no sort of the vocabulary: it was most of a decoding
+    step at a 151,936-token vocabulary), over the top-k in decreasing order with `top_k`, and over the nucleus found
+    among the largest candidates (`topk` of 64, then 4x as many until it is covered) with `top_p`."""
+    scores = logits.float() / temperature
+    logps = torch.log_softmax(scores, dim=-1)
+    candidates = None
+    if 0 < top_k < scores.shape[-1]:
+        scores, candidates = scores.topk(top_k, dim=-1)
+    probs = torch.softmax(scores, dim=-1).double()
+    if top_p < 1.0:
+        count = 64
+        while True:  # the nucleus lies among the `count` most likely candidates once their mass reaches top_p
+            count = min(count, probs.shape[-1])
+            kept, order = probs.topk(count, dim=-1)
+            if count == probs.shape[-1] or bool((kept.sum(-1) >= top_p).all()):
+                break
+            count *= 4
+        candidates = order if candidates is None else candidates.gather(-1, order)
+        before = kept.cumsum(dim=-1) - kept  # mass of the more likely candidates: the most likely is always kept
+        probs = kept.masked_fill(before >= top_p, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1]).unsqueeze(-1)).clamp_max(cdf.shape[-1] - 1)
+    chosen = pick if candidates is None else candidates.gather(-1, pick)
+    return chosen.squeeze(-1), logps
 
 
 def sequence_seed(seed: int, round_index: int, sequence: int) -> int:
@@ -148,13 +178,16 @@ class InProcessGenerator:
                                     if not (forced or finished) else 0.0
                                     for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
                                    dtype=torch.float64)
-            chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
+            if config.temperature == 0:
+                chosen, all_logps = full.argmax(dim=-1), torch.log_softmax(full.float(), dim=-1)
+            else:
+                chosen, all_logps = sample_next(full, uniform, config.temperature, config.top_k, config.top_p)
+            chosen = ctx.tp.broadcast(chosen.to(ctx.device), 0)
             step = torch.where(in_prompt, tokens[:, position], chosen)
             if invariant.enabled():  # the training forward's own function: its numbers, bit for bit
                 logps = -model.output_loss(hidden, step.view(-1, 1))[:, 0].double()
             else:  # from the logits already gathered, without a second pass of the output layer
-                logps = torch.log_softmax(full.double() / model.logit_temperature, dim=-1).gather(
-                    -1, step.view(-1, 1).to(full.device))[:, 0]
+                logps = all_logps.gather(-1, step.view(-1, 1).to(all_logps.device))[:, 0].double()
             picked = torch.stack((step.double(), logps))
         if self.pipeline is not None:
             picked = ctx.pp.broadcast(picked, self.pipeline.last_rank)
