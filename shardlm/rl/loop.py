@@ -43,7 +43,9 @@ from shardlm.training.data import micro_batches
 class ReferenceWeights:
     """The starting weights of this rank's parameters (their local shards), kept aside: `swapped()` puts them in
     place for a no-gradient forward and restores the policy's afterwards. The reference of a full fine-tuning run
-    with rl.beta > 0, at any layout, for one more copy of the weights."""
+    with rl.beta > 0, at any layout, for one more copy of the weights. Plain parameters exchange their storage with
+    the saved tensors (nothing copied); FSDP's sharded parameters (DTensors, which FSDP keeps views of) are copied
+    in and back."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
@@ -51,16 +53,27 @@ class ReferenceWeights:
 
     @contextlib.contextmanager
     def swapped(self):
-        policy = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, r in zip(self.params, self.saved):
-                p.copy_(r)
+        if any(hasattr(p, "to_local") for p in self.params):
+            policy = [p.detach().clone() for p in self.params]
+            with torch.no_grad():
+                for p, r in zip(self.params, self.saved):
+                    p.copy_(r)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for p, q in zip(self.params, policy):
+                        p.copy_(q)
+            return
+        self._exchange()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, q in zip(self.params, policy):
-                    p.copy_(q)
+            self._exchange()
+
+    def _exchange(self) -> None:
+        for i, p in enumerate(self.params):
+            p.data, self.saved[i] = self.saved[i], p.data
 
 
 def decode(template, ids: list[int]) -> str:
