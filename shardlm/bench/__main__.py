@@ -10,8 +10,9 @@ against full attention as the sequence grows, context parallelism at a long sequ
 saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
 over packed rows, throughput against TRL's SFTTrainer, packing efficiency), LoRA against TRL + peft, DPO against
-TRL's DPOTrainer, Muon against AdamW, checkpoint I/O, preprocessing,
-evaluation and generation. `--quick` runs tiny shapes (a smoke test of the harness, not figures to quote).
+TRL's DPOTrainer, GRPO steps and decoding against TRL's GRPOTrainer and transformers' generate,
+Muon against AdamW, checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke
+test of the harness, not figures to quote).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "sft": lambda: _sft(args.quick, repeats, results),
         "lora": lambda: _lora(args.quick),
         "preference": lambda: _preference(args.quick),
+        "rl": lambda: _rl(args.quick),
         "optimizers": lambda: _optimizers(args.quick, args.out),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(args.quick),
@@ -183,6 +185,12 @@ def _preference(quick):
     from shardlm.bench.preference import preference_bench
 
     return preference_bench(quick)
+
+
+def _rl(quick):
+    from shardlm.bench.rl import rl_bench
+
+    return rl_bench(quick)
 
 
 def _optimizers(quick, out):

@@ -135,6 +135,14 @@ KEYS = {
     "preference.trl_reference_share": "seconds in TRL's reference forward / its step seconds, per step; "
                                       "shardlm_reference_share: its precomputed pass per pair / (that + the training "
                                       "step's seconds per pair)",
+    "rl.ratio": "TRL GRPOTrainer's step seconds / shardlm's GRPO step (rollouts + update) on the sft section's tiny "
+                "Qwen3 and the same arithmetic prompts, per pair of steps (the two take turns); goal 1.5",
+    "rl.shardlm": "per trainer (shardlm, trl): step_s and the shares of its step in generation, scoring (the "
+                  "reference pass), update (forward, backward, AdamW) and other, completion tokens per step",
+    "rl.with_reference.ratio": "the same ratio with beta > 0 (TRL's frozen reference model, shardlm's starting "
+                               "weights)",
+    "rl.decode.ratio": "shardlm InProcessGenerator's new tokens/s / transformers generate's (both with a KV cache) on "
+                       "the same weights and sequences, per round",
     "lora.ratio_lora_over_full": "shardlm LoRA tokens/s / shardlm fine-tuning every weight, per round",
     "optimizers.muon_minus_adamw_best_valid_loss": "best final validation loss of Muon minus AdamW's over the "
                                                     "learning-rate sweep (same steps and tokens; < 0: Muon better)",
@@ -295,6 +303,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.preference import markdown_lines as preference_lines
 
         lines += preference_lines(r["preference"])
+    if r.get("rl"):
+        from shardlm.bench.rl import markdown_lines as rl_lines
+
+        lines += rl_lines(r["rl"])
     if r.get("optimizers"):
         from shardlm.bench.optimizers import markdown_lines as optimizer_lines
 
