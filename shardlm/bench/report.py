@@ -139,8 +139,8 @@ KEYS = {
                 "Qwen3 and the same arithmetic prompts, per pair of steps (the two take turns); goal 1.5",
     "rl.shardlm": "per trainer (shardlm, trl): step_s and the shares of its step in generation, scoring (the "
                   "reference pass), update (forward, backward, AdamW) and other, completion tokens per step",
-    "rl.with_reference.ratio": "the same ratio with beta > 0 (TRL's frozen reference model, shardlm's starting "
-                               "weights)",
+    "rl.with_reference.ratio": "the same ratio with beta > 0 (TRL's frozen reference model, shardlm's copy of the "
+                               "weights swapped in)",
     "rl.decode.ratio": "shardlm InProcessGenerator's new tokens/s / transformers generate's (both with a KV cache) on "
                        "the same weights and sequences, per round",
     "lora.ratio_lora_over_full": "shardlm LoRA tokens/s / shardlm fine-tuning every weight, per round",
