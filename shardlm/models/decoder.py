@@ -203,9 +203,12 @@ class DecoderLM(nn.Module):
         h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
         if self.logit_temperature != 1.0:
             h = h / self.logit_temperature
-        if self.entropies is not None:
-            self.entropies.append(vocab_parallel_entropy(h.detach(), self.output_weight.detach(), self.ctx.tp,
-                                                         self.cfg.vocab_size))
+        if self.entropies is not None:  # where there is a target
+            kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
+            entropy = torch.zeros(targets.numel(), device=h.device)
+            entropy[kept] = vocab_parallel_entropy(h.detach().reshape(-1, h.shape[-1])[kept],
+                                                   self.output_weight.detach(), self.ctx.tp, self.cfg.vocab_size)
+            self.entropies.append(entropy.view(targets.shape))
         return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,

@@ -137,6 +137,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """
     hidden, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        if hidden.device.type == "cpu":  # only the rows with a target (chat and RL rows mask their prompts); on a GPU
+            kept = (flat != ignore_index).nonzero().squeeze(-1)  # the count would cost a synchronization
+            if 0 < len(kept) < len(flat):  # (none kept: the whole rows, so the loss still reaches the weights)
+                losses = torch.zeros(flat.shape, dtype=torch.float32, device=hidden.device)
+                part = _LinearCrossEntropy.apply(hidden[kept], weight, flat[kept], tp, vocab_size, ignore_index)
+                return losses.index_put((kept,), part).view(target.shape)
         return _LinearCrossEntropy.apply(hidden, weight, flat, tp, vocab_size, ignore_index).view(target.shape)
     # No gradient (an evaluation, a preference run's reference pass): only the rows with a target get logits, a
     # vocabulary's worth each; chat rows spend a third or more of their tokens on prompts and padding. Every TP
