@@ -18,6 +18,7 @@ from multiproc import import_or_skip
 
 import_or_skip("trl", reason="trl is not installed (make install installs it with the dev extra)")
 
+from shardlm.bench.report import KEYS  # noqa: E402
 from shardlm.bench.rl import RL_QUICK  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,6 +69,15 @@ def _check_pairs(figures: dict, pairs: int, with_reference: bool) -> None:
         # a random-init model over 151,936 tokens all but never samples the end-of-turn id: full-length completions
         assert run["completion_tokens"] == [RL_QUICK.sequences * RL_QUICK.max_completion_length] * pairs
     assert all(math.isfinite(x) for x in figures["shardlm_losses"])
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if k.startswith("rl.")])
+def test_documented_rl_key_holds_a_value(rl_run, key):
+    value = rl_run[0]
+    for part in key.split(".")[1:]:
+        assert part in value, f"benchmarks.json lacks {key}"
+        value = value[part]
+    assert value not in (None, "", [], {}), f"benchmarks.json has {key} = {value!r}"
 
 
 def test_grpo_step_figures_are_the_timed_pairs(rl_run):

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (default 7)")
     parser.add_argument("--out", default=".", help="folder for BENCHMARKS.md and benchmarks.json")
     parser.add_argument("--only", nargs="*", help="run only these sections")
+    parser.add_argument("--skip", nargs="*", default=[], help="leave these sections out")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else BENCH
     repeats = 2 if args.quick else args.repeats
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.time()
     for name, run in sections.items():
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or name in args.skip:
             continue
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         section_start = time.time()
