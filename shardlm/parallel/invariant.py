@@ -15,9 +15,9 @@ by `batch_invariant()` for a block, as `torch.use_deterministic_algorithms` sets
   the weighted values), the tiles merged in order by log-sum-exp. A decoding step sees the same tiles as the
   training forward sees for that query (the keys past it masked there, absent here): the same numbers.
 
-Elementwise functions are position-independent already. The cost: the products in blocks (a few percent on the
-CPU at the tests' sizes) and the attention's elementwise scores, O(T^2 d) memory per document (chunked by query
-tiles): meant for checking runs and small models. Models whose decoding takes another algorithm than their
+Elementwise functions are position-independent already. The cost: the products in blocks (one GEMM per 16 rows)
+and the attention's elementwise scores, O(T^2 d) memory per document (chunked by query tiles): meant for checking
+runs and small models. Models whose decoding takes another algorithm than their
 training forward (MLA's absorbed cache, the recurrent form of linear attention) are not made invariant by this.
 """
 
