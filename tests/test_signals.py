@@ -203,8 +203,10 @@ def handles_sigterm(pid: int) -> bool:
 def test_sigterm_to_a_one_worker_generate_exits_143_with_one_line(runs, tmp_path):
     checkpoint = files.latest_in(runs["checkpoints"])
     log = tmp_path / "generate.log"
-    proc = start(log, "generate", "--checkpoint", str(checkpoint), "--tensor-parallel", "1", "--prompt", "To be",
-                 "--max-new-tokens", "100000", "--ignore-eod")
+    prompts = tmp_path / "prompts.txt"  # a batch large enough that generating it outlasts the signal's delivery
+    prompts.write_text("To be\n" * 4000)  # (one prompt's 30 tokens took less time than that on a quiet machine)
+    proc = start(log, "generate", "--checkpoint", str(checkpoint), "--tensor-parallel", "1", "--prompt-file",
+                 str(prompts), "--max-new-tokens", "100000", "--ignore-eod")
     try:
         wait_for(lambda: proc.poll() is not None or handles_sigterm(proc.pid), timeout=60)
         proc.send_signal(signal.SIGTERM)
