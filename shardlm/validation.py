@@ -208,9 +208,6 @@ def _validate_lora(config: RunConfig) -> None:
     if "output" in lora.modules_to_save and (m.arch == "gpt" or m.tie_embeddings):
         raise UserError('lora.modules_to_save names "output", but this model ties its output layer to the '
                         'embedding; name "embedding"')
-    if lora.quantize and config.train.data_sharding == "full":
-        raise UserError('lora.quantize="nf4" (QLoRA) does not combine with train.data_sharding="full" yet; use '
-                        'data parallelism with "none" or "optimizer"')
     if config.checkpoint.init_adapter and not config.checkpoint.init_from:
         raise UserError("checkpoint.init_adapter needs checkpoint.init_from: the base model the adapter was "
                         "trained on")

@@ -8,12 +8,13 @@
   16 x 32 it does not).
 - A base read from a Hugging Face directory is stored as bitsandbytes stores those weights (bitwise); trained and
   merged (`convert --to-peft --merge`), the plain directory's transformers logits equal the QLoRA checkpoint's.
-- At TP=2 with SP each rank stores bitsandbytes' quantization of exactly its shard (cut from a one-process
-  model's full-precision weight): codes, statistics' maxima and offset bitwise; the 8-bit statistics codes the
-  nearest map values, which are bitsandbytes' except where its CPU kernel's search misses the nearest (3 of
-  1,728). That run (each rank quantizes its shard) equals one process training LoRA on the weights it
-  dequantizes, gathered, within 1e-5 (4 steps' losses, gradient norms, every adapter); at EP=2 (MoE, the
-  attention projections in NF4, experts in fp32) it equals one process's QLoRA run.
+- A weight split over TP keeps the whole matrix's blocks (`nf4.Shard`): for row shards, aligned column shards and
+  column shards whose blocks of 64 straddle two ranks (kept whole by both), and stacks of experts (each expert's
+  matrix quantized on its own), a rank's packed codes, statistics' maxima and offset are bitwise those of
+  `quantize_4bit` of the whole matrix at the blocks its slice touches; its statistics codes the nearest map values
+  (bitsandbytes' wherever its CPU kernel's search finds the nearest); and its dequantized slice is bitwise that slice
+  of bitsandbytes' PyTorch reference dequantization of the whole matrix (blocks of a missed statistics code aside).
+  The layouts themselves are in `test_qlora_layouts.py`.
 - The base's bits, counted by hand for every shape (`BITS`: 4 a weight, 8 a block of 64, 32 a block of 256
   statistics, 32 for the offset): 4.127 a weight for a 1024 x 1024 projection, more for the tiny ones; a resume
   is bitwise (the base quantized again from the same weights).
@@ -23,9 +24,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lora_layouts import lora_config, train_layout
+from test_lora_layouts import lora_config
 from test_lora_peft import batches, qwen3_directory, run_config
-from test_moe_parallel import full_parameters
 from test_sft_layouts import train_data
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -35,8 +35,8 @@ from shardlm.lora.apply import adaptable
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
-from agreement import assert_same_curve, rel
-from multiproc import check_result, disturb_generators, import_or_skip, run_checks, run_workers
+from agreement import rel
+from multiproc import disturb_generators, import_or_skip
 
 bnb = import_or_skip("bitsandbytes.functional", "bitsandbytes is the NF4 oracle (the dev extra installs it)")
 
@@ -78,7 +78,7 @@ def test_a_hugging_face_base_is_stored_as_bitsandbytes_stores_it(tmp_path):
     module = trainer.model.get_submodule("layers.1.attn.q")
     theirs, state = bnb.quantize_4bit(hf, blocksize=64, quant_type="nf4", compress_statistics=True)
     stored = list(module.parametrizations.weight.parameters())
-    assert torch.equal(stored[0], theirs.view(-1)) and torch.equal(stored[1], state.absmax)
+    assert torch.equal(stored[0].view(-1), theirs.view(-1)) and torch.equal(stored[1], state.absmax)
     assert not any(p.requires_grad for p in stored)
 
     # trained, saved and merged: the plain HF directory holds dequantized base + scale B A
@@ -100,64 +100,6 @@ def test_a_hugging_face_base_is_stored_as_bitsandbytes_stores_it(tmp_path):
         assert rel(merged(tokens).logits, ours) <= TOL
 
 
-def dequantized_base(model, ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """Every NF4 weight of `model` as this layout computes it, whole: TP shards gathered."""
-    out = {}
-    for name, weight in nf4.quantized(model).items():
-        value = model.get_submodule(name.rsplit(".", 1)[0]).weight.detach()
-        dim = weight.marks.get("tensor_parallel_dim")
-        out[name] = value if dim is None else torch.cat(ctx.tp.all_gather(value.contiguous()), dim=dim)
-    return out
-
-
-def stored_tensors(model) -> dict[str, list[torch.Tensor]]:
-    """{"X.weight": [packed codes, absmax codes, their block maxima, their offset]} as this rank stores them."""
-    return {name: [p.detach().clone() for p in model.get_submodule(name.rsplit(".", 1)[0]).parametrizations.weight
-                   .parameters()] for name in nf4.quantized(model)}
-
-
-def qlora_tp2() -> dict:
-    ctx = ParallelContext.from_process_group(2)
-    config = lora_config(arch="llama", tp=2, sp=True, lora=QLORA)
-    trainer = Trainer(config, ctx, train_data())
-    weights = dequantized_base(trainer.model, ctx)
-    return {"base": weights, "stored": stored_tensors(trainer.model), **train_layout(ctx, config)}
-
-
-def qlora_ep2() -> dict:
-    ctx = ParallelContext.from_process_group(1, expert_parallel=2)
-    return train_layout(ctx, lora_config(arch="llama", moe=True, ep=2, lora=QLORA))
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return run_workers(2, run_checks, {"tp2 sp": qlora_tp2, "ep2 moe": qlora_ep2}, timeout=300)
-
-
-def assert_same(value: dict, ref: dict, where: str) -> None:
-    """The curve within TOL relative (`agreement.assert_same_curve`), every adapter element within TOL absolute."""
-    assert_same_curve(value["curve"], ref["curve"], where, TOL)
-    adapters = [n for n in ref["params"] if ".lora." in n]
-    assert adapters and all(torch.allclose(value["params"][n], ref["params"][n], rtol=0, atol=TOL) for n in adapters)
-
-
-def test_qlora_at_tp2_equals_lora_on_its_dequantized_weights(world2):
-    """One process, plain LoRA, its base replaced by the TP=2 run's dequantized weights: the same run."""
-    results = check_result(world2, "tp2 sp")
-    ctx = ParallelContext.single()
-    config = lora_config(arch="llama", micro=8)
-    trainer = Trainer(config, ctx, train_data())
-    with torch.no_grad():
-        for name, value in results[0]["base"].items():
-            trainer.model.get_parameter(name).copy_(value)
-    ref = {"curve": [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))],
-           "params": full_parameters(trainer.model)}
-    for rank, value in enumerate(results):
-        assert_same(value, ref, f"tp2 rank {rank}")
-    plain = train_layout(ctx, lora_config(arch="llama", micro=8))  # the quantization changed the run
-    assert abs(plain["curve"][0][0] - ref["curve"][0][0]) > 1e-4
-
-
 # Bits a weight of n values costs, counted by hand: 4 n for the codes (two a byte), 8 for each block of 64 (its
 # absmax as an 8-bit code), 32 for each 256 of those codes (their fp32 maximum) and 32 for the one fp32 offset.
 # Keeping the absmax in fp32 instead (no double quantization) would cost 4 n + 32 n / 64: 4.5 bits a weight.
@@ -175,51 +117,77 @@ def stored_bits(tensors: list[torch.Tensor]) -> int:
     return sum(8 * t.numel() * t.element_size() for t in tensors)
 
 
-def shard(weight: torch.Tensor, name: str, rank: int, tp: int = 2) -> torch.Tensor:
-    """Rank `rank`'s shard of a whole projection weight (out, in): o and down split their input columns, the
-    others their output rows (Llama's 2 KV heads split over TP=2 too)."""
-    dim = 1 if name.rsplit(".", 2)[-2] in ("o", "down") else 0
-    return weight.chunk(tp, dim=dim)[rank].contiguous()
-
-
 def nearest_statistics_codes(weight: torch.Tensor, state) -> torch.Tensor:
     """The 8-bit codes of `weight`'s block maxima less their mean, each the index of the nearest value of
     bitsandbytes' own map (`state.state2.code`) to it, scaled by its block of 256's maximum as bitsandbytes scales
     it; found by exhaustive search, in float64."""
-    stats = weight.reshape(-1, 64).abs().amax(dim=1) - state.offset
-    scaled = (stats.view(-1, 256) if stats.numel() >= 256 else stats.view(1, -1)) * (1.0 / state.state2.absmax
-                                                                                       .view(-1, 1))
-    return (scaled.reshape(-1, 1).double() - state.state2.code.double()).abs().argmin(dim=1).to(torch.uint8)
+    absmax = torch.nn.functional.pad(weight.reshape(-1), (0, -weight.numel() % 64)).view(-1, 64).abs().amax(dim=1)
+    stats = absmax - state.offset
+    scale = state.state2.absmax.repeat_interleave(256)[:stats.numel()]
+    return ((stats / scale).reshape(-1, 1).double() - state.state2.code.double()).abs().argmin(dim=1).to(torch.uint8)
 
 
-@pytest.mark.timeout(600)
-def test_each_tp_rank_stores_bitsandbytes_quantization_of_its_shard(world2):
-    """At TP=2 each rank's stored NF4 codes, block maxima of the statistics and offset are bitwise bitsandbytes'
-    `quantize_4bit` of exactly that rank's shard of the full-precision weight (cut here from a one-process
-    model's), and take the bits counted by hand (`BITS`). The 8-bit statistics codes are bitsandbytes' wherever its
-    CPU kernel returns the nearest value of its map, and the nearest (by exhaustive search) everywhere: that kernel's
-    search misses the nearest value for a few statistics (3 of the 1,728 here), which shardlm does not copy."""
-    whole = dict(Trainer(lora_config(arch="llama", micro=8), ParallelContext.single(), train_data())
-                 .model.named_parameters())
-    checked, misses = set(), 0
-    for rank, value in enumerate(check_result(world2, "tp2 sp")):
-        assert set(value["stored"]) == {n for n in whole if n.startswith("layers.") and ".lora." not in n
-                                        and n.rsplit(".", 2)[-2] in ("q", "k", "v", "o", "gate", "up", "down")}
-        for name, (packed, stats, stats_max, offset) in value["stored"].items():
-            mine = shard(whole[name].detach(), name, rank)
-            theirs, state = bnb.quantize_4bit(mine, blocksize=64, quant_type="nf4", compress_statistics=True)
-            assert torch.equal(packed, theirs.view(-1)) and packed.dtype == torch.uint8, (name, rank)
-            assert torch.equal(stats_max, state.state2.absmax) and torch.equal(offset, state.offset), (name, rank)
-            nearest = nearest_statistics_codes(mine, state)
-            assert stats.dtype == torch.uint8 and torch.equal(stats, nearest), (name, rank)
-            theirs_nearest = state.absmax == nearest
-            assert torch.equal(stats[theirs_nearest], state.absmax[theirs_nearest]), (name, rank)
-            misses += int((~theirs_nearest).sum())
-            expected = [theirs, state.absmax, state.state2.absmax, state.offset]
-            assert stored_bits([packed, stats, stats_max, offset]) == BITS[mine.numel()] == stored_bits(expected)
-            checked.add(mine.shape)
-    assert checked == {(16, 32), (8, 32), (32, 16), (128, 32), (32, 128)}
-    assert misses <= 8, misses  # bitsandbytes' misses are rare
+def bitsandbytes_blocks(whole: torch.Tensor) -> dict:
+    """bitsandbytes' quantization of one whole matrix: its packed codes by block (blocks, 32), the nearest
+    statistics codes and its own, the statistics' maxima and offset, and its PyTorch reference dequantization,
+    flat by block (blocks, 64)."""
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute as reference
+
+    theirs, state = bnb.quantize_4bit(whole, blocksize=64, quant_type="nf4", compress_statistics=True)
+    blocks = -(-whole.numel() // 64)
+    absmax = bnb.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    values = reference(theirs.view(-1), absmax, state.code, 64, whole.shape, torch.float32).reshape(-1)
+    return {"packed": torch.nn.functional.pad(theirs.view(-1), (0, blocks * 32 - theirs.numel())).view(blocks, 32),
+            "nearest": nearest_statistics_codes(whole, state), "codes": state.absmax, "max": state.state2.absmax,
+            "offset": state.offset, "values": torch.nn.functional.pad(values, (0, blocks * 64 - values.numel()))
+            .view(blocks, 64)}
+
+
+SHARDS = {  # (whole shape, split dim in the matrix, parts): how the tiny layouts and real models cut weights
+    "rows, blocks straddling ranks": ((6, 100), 0, 2),
+    "rows": ((128, 32), 0, 2),
+    "columns, aligned": ((32, 128), 1, 2),
+    "columns of 16, blocks straddling ranks": ((32, 32), 1, 2),
+    "columns of 50 over rows of 100": ((4, 100), 1, 2),
+    "four column shards": ((16, 256), 1, 4),
+    "whole": ((48, 96), None, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARDS))
+@pytest.mark.parametrize("experts", [None, 3])
+def test_each_shard_keeps_bitsandbytes_blocks_of_the_whole_matrix(case, experts):
+    """Per rank: the stored packed codes, statistics' maxima and offset are bitwise bitsandbytes' of the whole matrix
+    (each expert's own) at the blocks the rank's slice touches (every one of them, and only those); the statistics
+    codes are the nearest; the dequantized slice is bitwise bitsandbytes' reference dequantization of the whole
+    matrix, cut to the slice, wherever bitsandbytes' statistics code is the nearest."""
+    (rows, cols), dim, parts = SHARDS[case]
+    torch.manual_seed(0)
+    matrices = torch.randn(experts or 1, rows, cols) * 0.05
+    whole = matrices if experts else matrices[0]
+    oracle = [bitsandbytes_blocks(m) for m in matrices]
+    misses = 0
+    for rank in range(parts):
+        shard = nf4.Shard.of((rows, cols), dim, rank, parts)
+        local = (*(() if experts is None else (experts,)), *shard.shape)
+        weight = nf4.NF4Weight(shard, local, torch.float32, {})
+        packed, codes, stats_max, offset = (t if experts else t.unsqueeze(0) for t in weight.right_inverse(whole))
+        offset = offset.view(-1)
+        value = weight(*weight.right_inverse(whole)).reshape(-1, *shard.shape)
+        flat = torch.arange(rows * cols).view(rows, cols)[shard.r0:shard.r1, shard.c0:shard.c1]
+        touched = torch.unique(flat // 64)
+        assert torch.equal(shard.blocks(), touched), (case, rank)
+        for e, theirs in enumerate(oracle):
+            assert torch.equal(packed[e], theirs["packed"][touched]) and packed.dtype == torch.uint8, (case, rank, e)
+            assert torch.equal(stats_max[e], theirs["max"]) and torch.equal(offset[e], theirs["offset"]), (case, e)
+            assert torch.equal(codes[e], theirs["nearest"][touched]), (case, rank, e)
+            agree = theirs["codes"] == theirs["nearest"]
+            assert torch.equal(codes[e][agree[touched]], theirs["codes"][touched][agree[touched]])
+            good = agree.repeat_interleave(64)[:rows * cols].view(rows, cols)[shard.r0:shard.r1, shard.c0:shard.c1]
+            expected = theirs["values"].view(-1)[:rows * cols].view(rows, cols)[shard.r0:shard.r1, shard.c0:shard.c1]
+            assert torch.equal(value[e][good], expected[good]), (case, rank, e)
+            misses += int((~good).sum())
+    assert misses <= 64 * (experts or 1) * parts  # bitsandbytes' misses are rare: at most a block a matrix here
 
 
 def test_bits_a_weight_of_a_large_projection():
@@ -228,12 +196,6 @@ def test_bits_a_weight_of_a_large_projection():
     stored = nf4.quantize(torch.randn(1024, 1024) * 0.02)
     assert stored_bits(stored) == BITS[1024 * 1024] == 8 * nf4.quantized_bytes(torch.Size((1024, 1024)))
     assert round(BITS[1024 * 1024] / 1024 ** 2, 3) == 4.127
-
-
-def test_qlora_at_ep2_equals_one_process(world2):
-    ref = train_layout(ParallelContext.single(), lora_config(arch="llama", moe=True, lora=QLORA))
-    for rank, value in enumerate(check_result(world2, "ep2 moe")):
-        assert_same(value, ref, f"ep2 rank {rank}")
 
 
 def test_base_bytes_and_bitwise_resume(tmp_path):

@@ -237,7 +237,7 @@ def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) 
     returns the names the checkpoint restores (adapters, `modules_to_save`)."""
     add_adapters(model, config.lora, ctx, config.train.seed)
     if config.lora.quantize:  # the base the adapters trained on: NF4 as in the run
-        quantize_base(model)
+        quantize_base(model, ctx)
     check_base(saved, config, shared_fingerprint(config, ctx))
     if config.checkpoint.init_from:
         source = open_source(config.checkpoint.init_from)

@@ -257,7 +257,7 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
             continue
         if name != stored_name(name):  # a QLoRA weight stored in NF4: read whole, quantized again on assignment
             if stored_name(name) is not None:
-                _load_quantized(model, stored_name(name), nf4[stored_name(name)], reader, ctx)
+                _load_quantized(model, stored_name(name), nf4[stored_name(name)], reader)
             continue
         stored = _stored_names(name, param)
         if f"model/{stored[0]}" not in keys:
@@ -300,21 +300,28 @@ def load_weights(model, reader: ShardedReader, ctx: ParallelContext, optimizer=N
 
 
 @torch.no_grad()
-def _load_quantized(model, name: str, weight, reader, ctx: ParallelContext) -> None:
-    """This rank's slice of weight `name` (full shape `weight.shape`, split as `weight.marks` say) from `reader`,
-    assigned to its NF4 parametrization (which quantizes it)."""
-    if f"model/{name}" not in reader.keys():
-        raise UserError(f"checkpoint has no tensor for parameter {name}")
-    dim = weight.marks.get("tensor_parallel_dim")
-    start = 0 if dim is None else ctx.tp_rank * weight.shape[dim]
-    end = None if dim is None else start + weight.shape[dim]
-    if dim is None and reader.shape(f"model/{name}") != list(weight.shape):
-        dim = 0  # split when saved, replicated now (Llama's KV heads at a TP above num_kv_heads): all rows
-    local = reader.read(f"model/{name}", dim, start, end)
-    if list(local.shape) != list(weight.shape):
-        raise UserError(f"checkpoint tensor {name} has shape {list(local.shape)} where the model's parameter (this "
-                        f"rank's slice) has {list(weight.shape)}: another model shape")
-    model.get_submodule(name.rsplit(".", 1)[0]).weight = local.to(ctx.device, weight.dtype)
+def _load_quantized(model, name: str, weight, reader) -> None:
+    """Weight `name`, stored in NF4 (`weight`: its parametrization), read whole from `reader` (each expert's
+    matrix of a stack by its global index) and quantized whole; this rank keeps its blocks."""
+    from shardlm.lora.nf4 import assign_whole
+
+    keys = [name] if not weight.stacked else [expert_key(name, weight.marks["first_expert"] + i)
+                                              for i in range(weight.shape[0])]
+    whole = []
+    for key in keys:
+        if f"model/{key}" not in reader.keys():
+            raise UserError(f"checkpoint has no tensor for parameter {key}")
+        shape = weight.whole_shape[-2:]
+        saved = reader.shape(f"model/{key}")
+        dim = weight.marks.get("tensor_parallel_dim")
+        dim = None if dim is None and saved == list(shape) else (0 if dim is None else dim - weight.stacked)
+        whole.append(reader.read(f"model/{key}", dim, 0, None if dim is None else shape[dim]))
+        if list(whole[-1].shape) != list(shape):
+            raise UserError(f"checkpoint tensor {key} has shape {list(whole[-1].shape)} where the model's whole "
+                            f"weight has {list(shape)}: another model shape")
+    value = torch.stack(whole) if weight.stacked else whole[0]
+    module, attribute = name.rsplit(".", 1)
+    assign_whole(model.get_submodule(module), attribute, value)
 
 
 def _restore_rng(ctx: ParallelContext, path: Path) -> None:

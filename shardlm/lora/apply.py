@@ -196,9 +196,21 @@ def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
     return AdapterCount(int(local[0]), int(local[1]))
 
 
-def quantize_base(model: nn.Module) -> int:
-    """QLoRA: store the weight of every projection of the transformer layers (targeted or not; not the
-    embedding, the output layer or MoE experts) in NF4 (`shardlm.lora.nf4`); returns the bytes they take now."""
+def quantize_base(model: nn.Module, ctx: ParallelContext) -> int:
+    """QLoRA: store the weight of every projection of the transformer layers (targeted or not) and every MoE
+    expert's matrices in NF4 (`shardlm.lora.nf4`), each quantized whole; not the embedding, the output layer or
+    the router. Returns the bytes this rank keeps. Collective over TP (split weights are gathered to be
+    quantized whole), in the same order on every rank of a stage."""
     from shardlm.lora.nf4 import quantize_weight
+    from shardlm.models.moe import GroupedExperts
 
-    return sum(quantize_weight(module) for module in adaptable(model).values())
+    total = sum(quantize_weight(module, "weight", ctx) for module in adaptable(model).values())
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            total += sum(quantize_weight(module, name, ctx) for name in expert_weights(module))
+    return total
+
+
+def expert_weights(experts: nn.Module) -> tuple[str, ...]:
+    """The names of a `GroupedExperts`' weight stacks."""
+    return ("gate", "up", "down") if experts.gated else ("fc", "proj")

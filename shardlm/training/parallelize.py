@@ -137,7 +137,7 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
 
         add_adapters(model, config.lora, ctx, t.seed)
         if config.lora.quantize:  # QLoRA: the frozen projections in NF4; loading a base re-quantizes each
-            quantize_base(model)
+            quantize_base(model, ctx)
     if t.compile:  # 2.
         compile_layers(model, ctx.device)
     pipeline = None
