@@ -80,8 +80,19 @@ def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> t
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 """peft's `target_parameters` for the experts: transformers' fused expert tensors of Qwen3-MoE and Mixtral. peft
-nests one wrapper per parameter, the first listed innermost: `experts.base_layer.lora_*` adapts gate_up_proj,
-`experts.lora_*` down_proj."""
+nests one wrapper per parameter in the order the experts module registers them, whatever the list's order (peft
+writes the list through a set, so either order): `experts.base_layer.lora_*` adapts gate_up_proj, `experts.lora_*`
+down_proj."""
+
+
+def _check_expert_parameters(target_parameters: list[str], folder) -> None:
+    """UserError (one line) unless `target_parameters` names both of every layer's fused expert tensors, in any
+    order, by `EXPERT_PARAMETERS`' names or a shorter suffix of them ("experts.down_proj": peft matches suffixes)."""
+    named = [next((full for full in EXPERT_PARAMETERS if full == entry or full.endswith(f".{entry}")), None)
+             for entry in target_parameters]
+    if None in named or set(named) != set(EXPERT_PARAMETERS):
+        raise UserError(f"checkpoint.init_adapter={folder} adapts the parameters {target_parameters}; shardlm reads "
+                        f"expert adapters on both {EXPERT_PARAMETERS[0]} and {EXPERT_PARAMETERS[1]} (in any order)")
 
 
 def _expert_keys(layer: int) -> dict[str, str]:
@@ -238,13 +249,9 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
     """(adapter_config.json, {shardlm name: whole tensor}) of a peft adapter directory; UserError (one line) for
     a missing file, another kind of adapter, or a tensor this model has no place for."""
     folder = Path(folder)
-    for name in (CONFIG_FILE, ADAPTER_FILE):
-        if not (folder / name).is_file():
-            raise UserError(f"checkpoint.init_adapter={folder} has no {name}; point it at a peft adapter directory")
-    settings = json.loads((folder / CONFIG_FILE).read_text())
-    if settings.get("peft_type") != "LORA" or settings.get("use_dora"):
-        raise UserError(f"checkpoint.init_adapter={folder} is a {settings.get('peft_type')}"
-                        f"{' (DoRA)' if settings.get('use_dora') else ''} adapter; shardlm reads LoRA adapters")
+    if not (folder / ADAPTER_FILE).is_file():
+        raise UserError(f"checkpoint.init_adapter={folder} has no {ADAPTER_FILE}; point it at a peft adapter directory")
+    settings = adapter_settings(folder)
     theirs = {}
     for ours, (hf, kind) in module_names(cfg).items():
         theirs[f"{PREFIX}{hf}.lora_A.weight"] = (f"{ours}.lora.A", None)
@@ -254,9 +261,7 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
             theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
     tensors, expert_layers = {}, {}
     if settings.get("target_parameters"):
-        if list(settings["target_parameters"]) != EXPERT_PARAMETERS:
-            raise UserError(f"checkpoint.init_adapter={folder} adapts the parameters {settings['target_parameters']}; "
-                            f"shardlm reads expert adapters on {EXPERT_PARAMETERS}, in that order")
+        _check_expert_parameters(list(settings["target_parameters"]), folder)
         _check_expert_family(cfg)
         expert_layers = {key: layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)
                          for key in _expert_keys(layer).values()}
@@ -278,58 +283,103 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
     return settings, tensors
 
 
-SAVED_NAMES = {"embed_tokens": "embedding", "wte": "embedding", "lm_head": "output", "norm": "norm", "ln_f": "norm"}
-
-
-def resolve_adapter(config: RunConfig) -> None:
-    """With `checkpoint.init_adapter`: [lora] keys left at their defaults take the adapter's values (r, lora_alpha,
-    lora_dropout, use_rslora, target_modules, modules_to_save), in place; a key set to another value is a one-line
-    error. Reads adapter_config.json only; called before validation on every rank."""
-    from shardlm.lora.apply import target_names
-
-    folder = config.checkpoint.init_adapter
-    if not folder:
-        return
+def adapter_settings(folder: str | Path) -> dict:
+    """A peft adapter directory's adapter_config.json; UserError (one line) where it is missing or describes
+    adapters shardlm does not train: another peft type, DoRA, per-module ranks or alphas."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise UserError(f"checkpoint.init_adapter={folder} has no {CONFIG_FILE}; point it at a peft adapter directory")
     settings = json.loads(path.read_text())
-    saved = sorted({SAVED_NAMES.get(m.rsplit(".", 1)[-1], m) for m in settings.get("modules_to_save") or []})
+    if settings.get("peft_type") != "LORA" or settings.get("use_dora"):
+        raise UserError(f"checkpoint.init_adapter={folder} is a {settings.get('peft_type')}"
+                        f"{' (DoRA)' if settings.get('use_dora') else ''} adapter; shardlm reads LoRA adapters")
+    patterns = [key for key in ("rank_pattern", "alpha_pattern") if settings.get(key)]
+    if patterns:
+        raise UserError(f"checkpoint.init_adapter={folder} sets {' and '.join(patterns)} (per-module ranks or alphas); "
+                        "shardlm trains one r and lora_alpha for every adapter")
+    return settings
+
+
+SAVED_NAMES = {"embed_tokens": "embedding", "wte": "embedding", "lm_head": "output", "norm": "norm", "ln_f": "norm"}
+SCALARS = ("rank", "alpha", "dropout", "rslora")
+"""[lora] keys that always take the adapter's value: its tensors' shapes and scale are those it was trained with."""
+
+
+def _lora_of(settings: dict) -> dict:
+    """The [lora] keys an adapter_config.json gives (peft's defaults where it leaves one out)."""
     targets = settings.get("target_modules") or []
     targets = (sorted(targets) if isinstance(targets, list) else [targets]) + (
         ["experts"] if settings.get("target_parameters") else [])
-    theirs = {"rank": settings.get("r", 8), "alpha": float(settings.get("lora_alpha", 8)),
-              "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
-              "targets": targets, "modules_to_save": saved}
-    defaults = LoraConfig()
-    for key, value in theirs.items():
+    return {"rank": settings.get("r", 8), "alpha": float(settings.get("lora_alpha", 8)),
+            "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
+            "targets": targets,
+            "modules_to_save": sorted({SAVED_NAMES.get(m.rsplit(".", 1)[-1], m)
+                                       for m in settings.get("modules_to_save") or []})}
+
+
+def _adapted(targets: list, cfg: ModelConfig) -> set[str]:
+    """The projections `targets` (lora.targets) put adapters on in this model ("experts": its MoE experts)."""
+    from shardlm.lora.apply import PROJECTIONS, target_names
+
+    here = {name.rsplit(".", 1)[-1] for name in module_names(cfg) if name.startswith("layers.")} & set(PROJECTIONS)
+    return target_names(LoraConfig(targets=list(targets))) & (here | ({"experts"} if cfg.moe_num_experts else set()))
+
+
+def _same(key: str, ours, theirs, cfg: ModelConfig) -> bool:
+    if key == "targets":  # "all-linear" or names: the same adapters on this model
+        return _adapted(ours, cfg) == _adapted(theirs, cfg)
+    return sorted(ours) == theirs if key == "modules_to_save" else ours == theirs
+
+
+def resolve_adapter(config: RunConfig) -> str | None:
+    """With `checkpoint.init_adapter`, [lora] as the adapter was trained, in place; returns one line for the run's
+    log naming the keys taken from it (None when none changed). rank, alpha, dropout and rslora always take the
+    adapter's values, over the config's; targets and modules_to_save left at their defaults take its own, and set
+    to adapt other modules of this model are a one-line error naming the override that fits. Reads
+    adapter_config.json only; called before validation on every rank, repeatable (a resolved config is unchanged)."""
+    folder = config.checkpoint.init_adapter
+    if not folder:
+        return None
+    cfg, defaults = config.model, LoraConfig()
+    taken, given_way = [], []
+    for key, value in _lora_of(adapter_settings(folder)).items():
         ours = getattr(config.lora, key)
-        same = (target_names(LoraConfig(targets=ours)) == target_names(LoraConfig(targets=value)) if key == "targets"
-                else sorted(ours) == value if key == "modules_to_save" else ours == value)
-        if ours == getattr(defaults, key):
-            setattr(config.lora, key, value)
-        elif not same:
-            raise UserError(f"lora.{key}={ours!r} but checkpoint.init_adapter={folder} has {value!r}; leave lora.{key} "
-                            f"out (it is taken from the adapter) or set it to {value!r}")
+        if _same(key, ours, value, cfg):
+            continue
+        set_here = ours != getattr(defaults, key)
+        if key not in SCALARS and set_here:  # other adapters than the file's: nothing to load them from, or into
+            fix = f"'lora.{key}={json.dumps(value, separators=(',', ':'))}'"
+            have = f"adapters on {', '.join(sorted(_adapted(value, cfg)))}" if key == "targets" else repr(value)
+            raise UserError(f"lora.{key}={ours!r} but checkpoint.init_adapter={folder} has {have}; pass {fix} to "
+                            "start from it")
+        taken.append(f"{key}={value!r}")
+        given_way += [f"{key}={ours!r}"] if set_here else []
+        setattr(config.lora, key, value)
+    if not taken:
+        return None
+    over = f" (over the config's {', '.join(given_way)})" if given_way else ""
+    return f"lora: {', '.join(taken)} taken from checkpoint.init_adapter={folder}{over}"
 
 
 def load_adapter(trainer, folder: str | Path) -> str:
     """Load a peft adapter directory's adapters (and modules_to_save) into a LoRA trainer at its layout, after
-    the base; returns a line for the run's log."""
+    the base; returns a line for the run's log. A rank's expert stacks are read expert by expert, by global index
+    (`read_peft` names them so)."""
     from shardlm.checkpoint.sharded import TensorReader
-    from shardlm.checkpoint.state import load_weights
+    from shardlm.checkpoint.state import _stored_names, load_weights
 
     settings, tensors = read_peft(folder, trainer.config.model)
-    trained = {name for name, param in trainer.model.named_parameters() if param.requires_grad}
-    missing = sorted(trained - tensors.keys())
+    trained = {name: param for name, param in trainer.model.named_parameters() if param.requires_grad}
+    missing = sorted(key for name, param in trained.items() for key in _stored_names(name, param)
+                     if key not in tensors)
     local_missing = trainer.ctx.world.all_gather_object(missing)
     if any(local_missing):
         raise UserError(f"checkpoint.init_adapter={folder} has no tensor for {next(m for m in local_missing if m)[0]}; "
                         "was it trained with other target modules?")
     load_weights(trainer.model, TensorReader({f"model/{k}": v for k, v in tensors.items()}), trainer.ctx,
-                 trainer.optimizer, names=trained)
-    return (f"adapters from peft directory {folder} (r={settings.get('r')}, targets "
-            f"{', '.join(sorted(settings.get('target_modules') or []))})")
+                 trainer.optimizer, names=set(trained))
+    targets = ", ".join(_lora_of(settings)["targets"])
+    return f"adapters from peft directory {folder} (r={settings.get('r')}, targets {targets})"
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     # [model] keys left at their defaults take checkpoint.init_from's values (the run's own checkpoint's on a restart)
     resolve_init(config, Path(args.run_dir) if args.run_dir else None)
-    resolve_adapter(config)  # and [lora] keys the peft adapter's settings
+    adapter_line = resolve_adapter(config)  # and [lora] keys the peft adapter's settings
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
     nproc = args.nproc_per_node
     world = nproc if nproc and not under_launcher else int(os.environ.get("WORLD_SIZE", "1"))
@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return launch_local(args, nproc, config)
 
     from shardlm.training.run import train
+
+    if adapter_line and int(os.environ.get("RANK", "0")) == 0:  # once, by the process that trains
+        print(adapter_line, flush=True)
 
     try:
         result = train(config, Path(args.run_dir) if args.run_dir else None, args.config)

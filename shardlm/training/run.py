@@ -183,7 +183,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
            progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_source = resolve_init(config, run_dir)  # before validation: [model] may take the checkpoint's shape
-    resolve_adapter(config)  # and [lora] the peft adapter's settings
+    adapter_line = resolve_adapter(config)  # and [lora] the peft adapter's settings
     validate(config, world)
     t = config.train
     sft = rl = None
@@ -252,6 +252,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     elif init_source is not None:
         init_weights(trainer, init_source)
         logger.print(describe(init_source))
+    if adapter_line:  # the [lora] keys the adapter set (`shardlm train` printed them when it resolved them)
+        logger.print(adapter_line)
     if config.checkpoint.init_adapter and not resume_from:
         logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
     if keep_reference and not resume_from:
