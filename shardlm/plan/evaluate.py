@@ -4,7 +4,10 @@
 `fsdp.fsdp_state_memory` and the gathered units `fsdp.fsdp_gathered_bytes`), the activation peak of its
 in-flight micro-batches (`activations.rank_activation_peak`) and the reserve, and prices the step
 (`timing.step_time`). With `--optimizer muon` each rank's Muon matrices (`muon.muon_count` of its layers) change
-its optimizer state, and the slowest pipeline rank's Muon step (`muon.muon_cost`) is added to the step time.
+its optimizer state, and the slowest pipeline rank's Muon step (`muon.muon_cost`) is added to the step time. A
+config's `[lora]` (`shardlm.plan.lora`) makes each rank's state that of its adapters and frozen (NF4) base, adds
+the weights the layers' GEMMs save beyond full fine-tuning's to the activations and the largest layer's
+dequantized NF4 weights once (`Choice.dequantized`); the step time is full fine-tuning's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fp8 import fp8_layer_bytes
 from shardlm.plan.fsdp import fsdp_gathered_bytes, fsdp_state_memory, fsdp_units
 from shardlm.plan.kernels import CORE_KERNELS, SC21_KERNELS
+from shardlm.plan.lora import LoraCount, lora_count
+from shardlm.plan.lora_memory import (
+    lora_fsdp_gathered_bytes,
+    lora_fsdp_state_memory,
+    lora_state_memory,
+    saved_weight_bytes,
+    working_copy_bytes,
+)
 from shardlm.plan.memory import GB, ActivationMemory, StateMemory, state_memory
 from shardlm.plan.mtp import with_mtp
 from shardlm.plan.muon import MuonCost, MuonCount, muon_cost, muon_count
@@ -58,6 +69,9 @@ class Choice:
     """FSDP's transient gathered parameters and unsharded gradients at the peak (`fsdp.fsdp_gathered_bytes`)."""
     muon: MuonCost | None = None
     """With `--optimizer muon`: the step of the pipeline rank whose Muon step is the slowest (`time.muon_s`)."""
+    dequantized: int = 0
+    """QLoRA: the busiest rank's largest layer's NF4 weights dequantized (fp32), counted once
+    (`lora_memory.working_copy_bytes`)."""
 
 
 class Evaluator:
@@ -72,6 +86,8 @@ class Evaluator:
         self.rank_params = lru_cache(maxsize=None)(self._rank_params)
         self.units = lru_cache(maxsize=None)(self._units)
         self.rank_muon = lru_cache(maxsize=None)(self._rank_muon)
+        self.rank_lora = lru_cache(maxsize=None)(self._rank_lora)
+        self.lora = request.model.lora if request.model.lora.rank else None
         # a stage without the first dense layers can be the busiest: check every stage of such models
         self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
@@ -86,6 +102,9 @@ class Evaluator:
         if self.kernels.fp8_storage:  # DeepSeek's FP8-cached layers, shardlm's embedding, head and loss
             layer = partial(fp8_layer_bytes, cfg, tp, micro, setting.sequence_parallel)
             acts = replace(acts, per_layer=layer("none"), layer_input=layer("full"))
+        if self.lora is not None:  # the weights a LoRA run's GEMMs save beyond full fine-tuning's (`lora`)
+            acts = replace(acts, per_layer=acts.per_layer + saved_weight_bytes(self.cfg, self.lora, tp, ep, self.fmt,
+                                                                               setting.recompute))
         return with_mtp(acts, cfg, tp, micro, self.fmt, setting.sequence_parallel,  # the depths: last stage
                         setting.recompute == "full")
 
@@ -106,6 +125,14 @@ class Evaluator:
         stages = self.rank_params(pp, virtual, tp, rank, ep, trim, dual, v_shaped)[0]
         return muon_count(self.cfg, tp, stages.layer_indices, ep, self.request.muon_ns_steps)
 
+    def _rank_lora(self, pp: int, virtual: int, tp: int, rank: int, ep: int = 1, trim: bool = False,
+                   dual: bool = False, v_shaped: bool = False) -> LoraCount | None:
+        """The adapters and frozen base of the rank `rank_params` describes (None without `[lora]`)."""
+        if self.lora is None:
+            return None
+        stages, params = self.rank_params(pp, virtual, tp, rank, ep, trim, dual, v_shaped)
+        return lora_count(self.cfg, self.lora, tp, stages.layer_indices, stages.first, stages.last, ep, held=params)
+
     def _muon_cost(self, layout: Layout, ranks, dual: bool) -> MuonCost | None:
         """The slowest of `ranks`' Muon steps (`muon.muon_cost`; None with AdamW)."""
         if self.request.optimizer != "muon":
@@ -124,6 +151,10 @@ class Evaluator:
         """(state, gathered) of pipeline rank `rank` under FSDP (`fsdp.fsdp_state_memory`, `fsdp_gathered_bytes`):
         dense units sharded over DP x CP (hybrid: over S), split experts over DP x CP / EP."""
         tp, ep, ranks, v_shaped = layout.tp, layout.ep, layout.dp * layout.cp, layout.v_shaped
+        lora = self.rank_lora(layout.pp, layout.virtual, tp, rank, ep, False, False, v_shaped)
+        if lora is not None:
+            state = lora_fsdp_state_memory(lora, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None)
+            return state, lora_fsdp_gathered_bytes(lora, self.fmt.weight_bytes, accumulation, layout.pp > 1)
         params = self.rank_params(layout.pp, layout.virtual, tp, rank, ep, False, False, v_shaped)[1]
         state = fsdp_state_memory(params, layout.fsdp_shard_size or ranks, ranks // ep if ep > 1 else None,
                                   self.rank_muon(layout.pp, layout.virtual, tp, rank, ep, False, False, v_shaped))
@@ -148,9 +179,17 @@ class Evaluator:
         for rank in ranks:  # with trimmed ends the second rank holds a full first chunk
             stages, params = self.rank_params(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual, v_shaped)
             muon = self.rank_muon(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual, v_shaped)
-            state, gathered = (self._fsdp_memory(layout, rank, accumulation) if layout.full_sharding else
-                               (state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
-                                             ep=ep, muon=muon), 0))
+            lora = self.rank_lora(pp, layout.virtual, tp, rank, ep, layout.end_trim, dual, v_shaped)
+            if layout.full_sharding:
+                state, gathered = self._fsdp_memory(layout, rank, accumulation)
+            elif lora is not None:
+                state, gathered = lora_state_memory(lora, self.fmt, layout.dp * layout.cp,
+                                                    layout.distributed_optimizer, ep), 0
+            else:
+                state, gathered = state_memory(params, self.fmt, layout.dp * layout.cp, layout.distributed_optimizer,
+                                               ep=ep, muon=muon), 0
+            # QLoRA: the largest layer's weights dequantized while it computes
+            dequantized = working_copy_bytes(lora, self.fmt, layout.recompute) if lora is not None else 0
             if self.core and layout.distributed_optimizer:  # ZeRO-2: the fp32 gradients sharded with the state
                 state = replace(state, gradients=-(-state.gradients // (layout.dp * layout.cp)))
             if self.kernels.fp8_storage:  # AdamW's moments in BF16: 4 + 2 x 2 of the 4 + 2 x 4 bytes a parameter
@@ -159,9 +198,10 @@ class Evaluator:
             peak = rank_activation_peak(acts, stages, schedule, pp, accumulation, layout.recompute,
                                         keeps_received=not (self.megatron or self.core or self.kernels.dualpipe),
                                         frees_stage_input=self.core)
-            if worst is None or state.total + peak + gathered > worst[0].total + worst[1] + worst[3]:
-                worst = (state, peak, rank, gathered)
-        state, peak, rank, gathered = worst
+            if worst is None or state.total + peak + gathered + dequantized > \
+                    worst[0].total + worst[1] + worst[3] + worst[4]:
+                worst = (state, peak, rank, gathered, dequantized)
+        state, peak, rank, gathered, dequantized = worst
         params = self.rank_params(pp, layout.virtual, tp, 0, ep, layout.end_trim, dual, v_shaped)[1]
         units = self.units(pp, layout.virtual, tp, 0, ep, v_shaped) if layout.full_sharding else None
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
@@ -170,6 +210,6 @@ class Evaluator:
         muon = self._muon_cost(layout, dualpipe.mirrored_ranks(pp) if dual else range(pp), dual)
         if muon is not None:
             time = replace(time, muon_s=muon.seconds)
-        total = state.total + peak + gathered + reserve
+        total = state.total + peak + gathered + dequantized + reserve
         return Choice(layout, accumulation, acts, total, total <= request.gpu.memory_gb * GB, time, state, peak, rank,
-                      gathered, muon)
+                      gathered, muon, dequantized)

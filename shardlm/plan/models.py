@@ -17,9 +17,10 @@ config counts it: `parameters.mtp_parameter_count`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardlm.config import LoraConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
@@ -210,6 +211,8 @@ class PlannedModel:
     """Preset name or config path."""
     config: ModelConfig
     """Layers, hidden size, heads, sequence length, vocabulary (real, before padding)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """A TOML config's `[lora]` section: with rank > 0 only adapters train (`shardlm.plan.lora`)."""
 
 
 def resolve_model(spec: str) -> PlannedModel:
@@ -228,7 +231,7 @@ def resolve_model(spec: str) -> PlannedModel:
             raise UserError(f"{path}: set model.vocab_size (the planner cannot read a {run.data.tokenizer} "
                             "tokenizer's size)")
         model = ModelConfig(**{**model.__dict__, "vocab_size": TOKENIZER_VOCAB[run.data.tokenizer]})
-    return PlannedModel(str(path), model)
+    return PlannedModel(str(path), model, run.lora)
 
 
 def check_model(cfg: ModelConfig) -> None:

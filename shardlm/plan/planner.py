@@ -30,6 +30,7 @@ from shardlm.plan.evaluate import Choice, Evaluator
 from shardlm.plan.experts import moe_layer_count
 from shardlm.plan.fsdp import fsdp_invalid_reason, hybrid_invalid_reason
 from shardlm.plan.layout import Layout
+from shardlm.plan.lora import check_lora_model
 from shardlm.plan.memory import StateMemory, numeric_format
 from shardlm.plan.models import check_model
 from shardlm.plan.muon import OPTIMIZERS
@@ -145,6 +146,21 @@ def _check_request(request: PlanRequest) -> None:
             raise UserError(f"--context={request.context}: {reason}")
     numeric_format(request.precision, request.implementation, request.param_dtype)  # UserError if invalid
     _check_optimizer(request)
+    _check_lora(request)
+
+
+def _check_lora(request: PlanRequest) -> None:
+    """A config's `[lora]` is planned as shardlm trains it (`shardlm.plan.lora`): its implementation, AdamW."""
+    lora = request.model.lora
+    if not lora.rank:
+        return
+    if request.implementation != "shardlm":
+        raise UserError(f"[lora] is planned for --implementation shardlm (shardlm's LoRA); drop --implementation "
+                        f"{request.implementation}")
+    if request.optimizer != "adamw":
+        raise UserError("--optimizer muon with [lora] is not planned yet (Muon would update the adapters); use "
+                        "--optimizer adamw")
+    check_lora_model(request.model.config, lora)
 
 
 def _check_zero_bubble(request: PlanRequest) -> None:

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardlm.plan.experts import activated_parameter_count
+from shardlm.plan.lora_memory import describe_lora, lora_summary
 from shardlm.plan.memory import GB
 from shardlm.plan.paper import BASELINE_TFLOPS, Comparison
 from shardlm.plan.parameters import parameter_count
@@ -55,6 +56,13 @@ ZERO_BUBBLE_ASSUMPTION = (
     "input half again as long under full recomputation), transfers free; a micro-batch's activations live from its "
     "forward to its weight-gradient step; zbv and dualpipev put stages r and 2P - 1 - r on rank r (rank 0: the "
     "embedding and the output layer, one word embedding)")
+LORA_ASSUMPTION = (
+    "[lora]: the frozen base (fp32; with quantize = \"nf4\" the layers' projections in NF4) has no gradient or "
+    "optimizer state, the adapters and modules_to_save take the run's; FSDP shards the base with them; the layers' "
+    "GEMMs save their weights as full fine-tuning does, plus autocast's copies of the fp32 base with half parameters "
+    "and, in fp32 under full recomputation, the recomputed layer's dequantized NF4 weights; the largest layer's "
+    "dequantized weights (fp32) once; the adapters' own activations are not counted and the step time is full "
+    "fine-tuning's")
 CORE_ASSUMPTIONS = [
     "megatron-core (today's Megatron-Core / the Llama 3 stack): causal flash attention executes half of the s x s "
     "blocks, 2.5x the forward's FLOPs backward, at its own measured efficiency; bf16 weights, fp32 gradients "
@@ -89,7 +97,8 @@ def _muon_dict(choice) -> dict | None:
 def _assumptions(request) -> list[str]:
     return (ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else [])
             + ([MUON_ASSUMPTION] if request.optimizer == "muon" else [])
-            + ([ZERO_BUBBLE_ASSUMPTION] if request.schedule in SPLIT_BACKWARD else []))
+            + ([ZERO_BUBBLE_ASSUMPTION] if request.schedule in SPLIT_BACKWARD else [])
+            + ([LORA_ASSUMPTION] if request.model.lora.rank else []))
 
 
 def row_dict(row: PlanRow) -> dict:
@@ -112,7 +121,7 @@ def row_dict(row: PlanRow) -> dict:
             "activations_peak_no_checkpointing": acts.peak(False),
             "activations_peak_checkpointing": acts.peak(True),
             "transient": acts.transient, "activations_peak": choice.activation_peak,
-            "fsdp_gathered": choice.gathered, "total": choice.total_bytes,
+            "fsdp_gathered": choice.gathered, "dequantized": choice.dequantized, "total": choice.total_bytes,
         },
         "fits": row.fits,
         "time_s": {"step": time.total_s, "compute": time.compute_s, "elementwise": time.elementwise_s,
@@ -136,6 +145,8 @@ def plan_dict(result: Plan) -> dict:
         "format": dataclasses.asdict(request.format), "reserve_gb": request.reserve_gb,
         "calibration": dataclasses.asdict(request.calibration),
         "assumptions": _assumptions(request),
+        "lora": lora_summary(request.model.config, request.model.lora, request.format) if request.model.lora.rank
+        else None,
         "layouts": [row_dict(row) for row in result.rows], "skipped": result.skipped,
         "recommended": None if best is None else row_dict(best),
     }
@@ -161,9 +172,12 @@ def render_plan(result: Plan, console: Console) -> None:
                   f"({request.format.weight_bytes}+{request.format.grad_bytes}+{request.format.optimizer_bytes} "
                   f"bytes/parameter" + (f"; Muon's matrices {request.format.weight_bytes}+{request.format.grad_bytes}"
                                         f"+{request.format.optimizer_bytes - 4}" if muon else "") + ")")
+    if request.model.lora.rank:
+        console.print(describe_lora(lora_summary(cfg, request.model.lora, request.format)))
     table = Table(header_style="bold")
     console.print("Memory in GB per GPU on the busiest pipeline stage; act = peak activations of the in-flight "
-                  "micro-batches (+ FSDP's gathered layers); SP = sequence parallel; recomp = recomputation; shard = "
+                  "micro-batches (+ FSDP's gathered layers, + QLoRA's dequantized layer); SP = sequence parallel; "
+                  "recomp = recomputation; shard = "
                   "data sharding (none, optim = distributed optimizer, full = FSDP, full/S = hybrid over S ranks); "
                   "DP exp = exposed DP all-reduce "
                   "or FSDP collectives; time in s per step; TF = TFLOP/s per GPU by the FLOP formula (counting "
@@ -188,7 +202,8 @@ def render_plan(result: Plan, console: Console) -> None:
         cells = [str(row.pp), str(row.tp), str(row.dp), str(layout.virtual),
                  f"{layout.micro_batch} x {choice.accumulation}", "on" if layout.sequence_parallel else "off",
                  layout.recompute, _sharding_cell(layout), _gb(row.state.parameters),
-                 _gb(row.state.gradients), _gb(row.state.optimizer), _gb(choice.activation_peak + choice.gathered),
+                 _gb(row.state.gradients), _gb(row.state.optimizer),
+                 _gb(choice.activation_peak + choice.gathered + choice.dequantized),
                  _gb(choice.total_bytes), mark, f"{time.total_s:.3f}", f"{time.bubble_s:.3f}",
                  f"{time.tp_comm_s:.3f}", f"{time.dp_exposed_s:.3f}", f"{time.tflops_per_gpu(layout.gpus):.1f}"]
         if moe:
