@@ -5,12 +5,14 @@ the MoE: 2 layers of 4 experts top-2 with adapters on the experts too), with `lo
 attention and MLP projection and every expert matrix in NF4. Each layout against one process's QLoRA run:
 - the dequantized base, gathered whole (over TP, EP and FSDP's shards), bitwise one process's, before and after
   training (a layout that changed the base, as per-shard quantization did, fails here);
-- 4 steps' losses and gradient norms, the validation loss and every adapter within 1e-5.
+- 4 steps' losses and gradient norms, the validation loss and every adapter within 1e-5;
+- under FSDP, every NF4 tensor an FSDP shard.
 Layouts: world 2: TP=2 with SP, EP=2 (experts in NF4), TP=2 with SP of the MoE (each expert's rows split), FSDP
-DP=2; world 4: FSDP DP=4, hybrid FSDP (shards of 2), FSDP x TP=2 with SP, FSDP x EP=2, EP=2 x TP=2 with SP.
-The tiny shapes cover the three ways a rank keeps its blocks (`shardlm.lora.nf4.Shard`): column shards
-(contiguous rows), o's 16-column halves of a 32-column matrix (blocks of 64 straddle both ranks, kept whole by
-both) and down's 64-column halves (aligned).
+DP=2, MLA at TP=2 with SP (q_a and kv_a whole on both ranks, their adapters' gradients partial over TP); world 4:
+FSDP DP=4, hybrid FSDP (shards of 2), FSDP x TP=2 with SP, FSDP x EP=2, EP=2 x TP=2 with SP.
+The tiny shapes cover the three ways a rank keeps its blocks (`shardlm.lora.nf4.Shard`): column shards (contiguous
+rows), o's 16-column halves of a 32-column matrix (blocks of 64 straddle both ranks, kept whole by both) and down's
+64-column halves (aligned).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ WORLD2 = {
     "ep2 moe": ("moe", layout(ep=2, moe=True)),
     "tp2 sp moe": ("moe", layout(tp=2, sp=True, moe=True)),
     "fsdp dp2": ("llama", layout(data_sharding="full")),
+    "tp2 sp mla": ("mla", layout(tp=2, sp=True, mla=True)),
 }
 WORLD4 = {
     "fsdp dp4": ("llama", layout(micro=2, data_sharding="full")),
@@ -87,7 +90,7 @@ WORLD4 = {
     "fsdp ep2 dp4 moe": ("moe", layout(ep=2, moe=True, data_sharding="full")),
     "ep2 tp2 sp moe": ("moe", layout(ep=2, tp=2, sp=True, moe=True)),
 }
-REFERENCES = {"llama": {"micro": 8}, "moe": {"micro": 2, "moe": True}}
+REFERENCES = {"llama": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "mla": {"micro": 8, "mla": True}}
 
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,12 @@ def cap_process_memory(cap_bytes: int) -> None:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """True for the errors a failed allocation raises: PyTorch's CPU allocator's, CUDA's, Python's MemoryError."""
+    """True for the errors a failed allocation raises: PyTorch's CPU allocator's, a file mapping's ENOMEM (reading
+    safetensors), CUDA's, Python's MemoryError."""
     if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
         return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in ("can't allocate memory",
+                                                                             "Cannot allocate memory"))
 
 
 def capped_training(config, dataset, cap_bytes: int | None, steps: int) -> dict | None:

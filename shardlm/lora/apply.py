@@ -18,6 +18,7 @@ from torch import nn
 from shardlm.config import LoraConfig
 from shardlm.errors import UserError
 from shardlm.lora.adapter import LoRA
+from shardlm.lora.nf4 import logical
 from shardlm.models.llama import KeyValueProjection
 from shardlm.models.mla import ReplicatedLinear
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
@@ -105,18 +106,20 @@ def _kind(module: nn.Module) -> str:
 def _shape(module: nn.Module, ctx: ParallelContext) -> tuple[int, int]:
     """(in, out) full sizes of a projection."""
     if isinstance(module, KeyValueProjection):
-        full_rows = module.weight.shape[0] * (ctx.tp_size if module.split else 1)
-        return module.weight.shape[1], full_rows
+        weight = logical(module)
+        return weight.shape[1], weight.shape[0] * (ctx.tp_size if module.split else 1)
     if isinstance(module, ReplicatedLinear):
-        return module.weight.shape[1], module.weight.shape[0]
+        return logical(module).shape[1], logical(module).shape[0]
     return module.in_features, module.out_features
 
 
-def adaptable(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: projection} of every module of the transformer layers an adapter can go on."""
+def adaptable(model: nn.Module, within_layers: bool = True) -> dict[str, nn.Module]:
+    """{name: projection} of every module of the transformer layers an adapter can go on (`within_layers` False:
+    of `model`, one transformer layer, itself)."""
     kinds = (ColumnParallelLinear, RowParallelLinear, KeyValueProjection, ReplicatedLinear)
     return {name: module for name, module in model.named_modules()
-            if name.startswith("layers.") and isinstance(module, kinds) and name.rsplit(".", 1)[-1] in PROJECTIONS}
+            if (name.startswith("layers.") or not within_layers) and isinstance(module, kinds)
+            and name.rsplit(".", 1)[-1] in PROJECTIONS}
 
 
 def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, seed: int) -> dict[str, LoRA]:
@@ -140,15 +143,16 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
             if name.startswith("layers.") and isinstance(module, GroupedExperts):
                 module.lora = ExpertLoRA(module.gated, cfg.hidden_size, cfg.moe_ffn_size, cfg.moe_num_experts,
                                          config.rank, config.alpha, config.dropout, config.rslora, ctx, seed,
-                                         name.rsplit(".experts", 1)[0], dtype=next(module.parameters()).dtype)
+                                         name.rsplit(".experts", 1)[0],
+                                         dtype=logical(module, expert_weights(module)[0]).dtype)
                 adapters[name] = module.lora
     for name, module in candidates.items():
         if name.rsplit(".", 1)[-1] not in wanted:
             continue
         features = _shape(module, ctx)
         module.lora = LoRA(_kind(module), *features, config.rank, config.alpha, config.dropout, config.rslora, ctx,
-                           param_seed(seed, f"{name}.lora"), dtype=module.weight.dtype,
-                           partial=getattr(module.weight, "sequence_parallel", False))
+                           param_seed(seed, f"{name}.lora"), dtype=logical(module).dtype,
+                           partial=getattr(logical(module), "sequence_parallel", False))
         adapters[name] = module.lora
     trained = {id(p) for a in adapters.values() for p in a.parameters()}
     for saved in config.modules_to_save:
@@ -199,15 +203,22 @@ def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
 def quantize_base(model: nn.Module, ctx: ParallelContext) -> int:
     """QLoRA: store the weight of every projection of the transformer layers (targeted or not) and every MoE
     expert's matrices in NF4 (`shardlm.lora.nf4`), each quantized whole; not the embedding, the output layer or
-    the router. Returns the bytes this rank keeps. Collective over TP (split weights are gathered to be
-    quantized whole), in the same order on every rank of a stage."""
-    from shardlm.lora.nf4 import quantize_weight
+    the router. Weights already in NF4 stay as they are. Returns the bytes this rank keeps. Collective over TP
+    (split weights are gathered to be quantized whole), in the same order on every rank of a stage. `model` may
+    be one transformer layer (`quantize_layer`)."""
+    from torch.nn.utils import parametrize
+
+    from shardlm.lora.nf4 import quantize_weight, stored_bytes
     from shardlm.models.moe import GroupedExperts
 
-    total = sum(quantize_weight(module, "weight", ctx) for module in adaptable(model).values())
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            total += sum(quantize_weight(module, name, ctx) for name in expert_weights(module))
+    weights = [(module, "weight") for module in adaptable(model, within_layers=hasattr(model, "layers")).values()]
+    weights += [(module, name) for module in model.modules() if isinstance(module, GroupedExperts)
+                for name in expert_weights(module)]
+    total = 0
+    for module, name in weights:
+        if not parametrize.is_parametrized(module, name):
+            quantize_weight(module, name, ctx)
+        total += stored_bytes(module, name)
     return total
 
 

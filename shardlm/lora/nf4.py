@@ -27,6 +27,7 @@ parameters, `frozen_base`), and reading the attribute dequantizes, so every laye
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,7 @@ class NF4Weight(nn.Module):
         super().__init__()
         self.shard, self.shape, self.dtype, self.marks = shard, torch.Size(shape), dtype, marks
         self.stacked = len(shape) == 3
+        self.owner: tuple | None = None  # (module, attribute) it dequantizes, set by `quantize_weight`
 
     @property
     def whole_shape(self) -> torch.Size:
@@ -189,7 +191,11 @@ class NF4Weight(nn.Module):
             packed, stats, stats_max, offset = packed[None], stats[None], stats_max[None], offset
         values = block_values(packed, stats, stats_max, offset, self.shard.blocks())
         out = self.shard.take(values).to(self.dtype)
-        return out if self.stacked else out[0]
+        out = out if self.stacked else out[0]
+        if self.owner is not None:  # `dequantize_again` recomputes it (and its views) for the backward
+            root = out if out._base is None else out._base
+            root.nf4_source = self.owner
+        return out
 
     @torch.no_grad()
     def right_inverse(self, whole: torch.Tensor):
@@ -208,6 +214,47 @@ class NF4Weight(nn.Module):
         if not self.stacked:
             return packed[0].contiguous(), stats[0].contiguous(), stats_max[0].contiguous(), offset
         return packed.contiguous(), stats.contiguous(), stats_max.contiguous(), offset
+
+
+def _pack(tensor: torch.Tensor):
+    """Saved-tensor pack hook: a dequantized NF4 weight (or a view of one) is saved as how to dequantize it again,
+    anything else as itself."""
+    root = tensor if tensor._base is None else tensor._base
+    owner = getattr(root, "nf4_source", None)
+    if owner is None:
+        return tensor
+    return owner, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
+def _unpack(saved):
+    if isinstance(saved, torch.Tensor):
+        return saved
+    (module, name), size, stride, offset = saved
+    with torch.no_grad():
+        value = getattr(module(), name)
+    root = value if value._base is None else value._base
+    return root.as_strided(size, stride, offset)
+
+
+def dequantize_again(layer: nn.Module) -> None:
+    """Keep `layer`'s dequantized NF4 weights out of its saved activations: while it computes, autograd saves each
+    of them (and their views, e.g. the transpose a linear saves) as a reference, and the backward dequantizes it
+    again, as bitsandbytes' 4-bit matmul does. So a QLoRA step holds one projection's full-precision weight at a
+    time, not every layer's until the backward. Installed once per layer (forward hooks around its forward)."""
+    if getattr(layer, "nf4_hooks", False):
+        return
+    layer.nf4_hooks = True
+    contexts = []
+
+    def enter(module, args):
+        contexts.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+        contexts[-1].__enter__()
+
+    def leave(module, args, output):
+        contexts.pop().__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave, always_call=True)
 
 
 MARKS = ("tensor_parallel_dim", "sequence_parallel", "pipeline_tied_copy", "expert_parallel", "first_expert")
@@ -232,7 +279,9 @@ def quantize_weight(module: nn.Module, name: str, ctx) -> int:
     in_matrix = None if dim is None else dim - (local.dim() - 2)  # 0: rows, 1: columns of each matrix
     shard = Shard.of(tuple(whole.shape[-2:]), in_matrix, ctx.tp_rank, ctx.tp_size)
     setattr(module, name, nn.Parameter(whole, requires_grad=False))
-    parametrize.register_parametrization(module, name, NF4Weight(shard, local.shape, local.dtype, marks), unsafe=True)
+    weight = NF4Weight(shard, local.shape, local.dtype, marks)
+    parametrize.register_parametrization(module, name, weight, unsafe=True)
+    weight.owner = (weakref.ref(module), name)
     for original in getattr(module.parametrizations, name).parameters():
         original.requires_grad_(False)
         original.frozen_base = True  # FSDP shards it (`shardlm.training.fsdp`)
@@ -240,6 +289,20 @@ def quantize_weight(module: nn.Module, name: str, ctx) -> int:
             if mark in marks:
                 setattr(original, mark, marks[mark])
     return stored_bytes(module, name)
+
+
+def logical(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """`module.<name>` as shape, dtype and layout marks only (a meta tensor with the weight's `MARKS`), without
+    dequantizing an NF4 weight."""
+    if parametrize.is_parametrized(module, name):
+        weight = getattr(module.parametrizations, name)[0]
+        out, marks = torch.empty(weight.shape, dtype=weight.dtype, device="meta"), weight.marks
+    else:
+        param = getattr(module, name)
+        out, marks = param.to("meta"), {mark: getattr(param, mark) for mark in MARKS if hasattr(param, mark)}
+    for mark, value in marks.items():
+        setattr(out, mark, value)
+    return out
 
 
 def stored_bytes(module: nn.Module, name: str) -> int:

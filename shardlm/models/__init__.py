@@ -19,13 +19,16 @@ ARCHITECTURES = ("gpt", "bert", "llama")
 
 def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointing: bool = False,
                 recompute: str | None = None, sequence_parallel: bool = False,
-                layer_ids: list[int] | None = None, options: ParallelOptions | None = None) -> torch.nn.Module:
+                layer_ids: list[int] | None = None, options: ParallelOptions | None = None,
+                finish_layer=None) -> torch.nn.Module:
     """The model `cfg.arch` names, sharded over `ctx`'s tensor-parallel group.
 
     `recompute` is "none", "selective" (the attention core) or "full" (whole layers; what
     `activation_checkpointing=True` means); `sequence_parallel` splits the replicated activations
     along the sequence; `layer_ids` builds only those layers (a pipeline rank's), under their own
-    indices; `options` says how the layers talk over `ctx`'s groups (default `ParallelOptions()`).
+    indices; `options` says how the layers talk over `ctx`'s groups (default `ParallelOptions()`);
+    `finish_layer(layer)` runs on each transformer layer as soon as it is built, before the next (QLoRA
+    quantizes it there, so the full-precision layers are never all held at once; GPT and Llama).
     Selective recomputation, sequence parallelism and pipeline stages are GPT's and Llama's (the config
     refuses them for BERT)."""
     recompute = recompute or ("full" if activation_checkpointing else "none")
@@ -33,12 +36,12 @@ def build_model(cfg: ModelConfig, ctx, seed: int = 1234, activation_checkpointin
         from shardlm.models.gpt import GPT
 
         return GPT(cfg, ctx, seed=seed, recompute=recompute, sequence_parallel=sequence_parallel, layer_ids=layer_ids,
-                   options=options)
+                   options=options, finish_layer=finish_layer)
     if cfg.arch == "llama":
         from shardlm.models.llama import Llama
 
         return Llama(cfg, ctx, seed=seed, recompute=recompute, sequence_parallel=sequence_parallel,
-                     layer_ids=layer_ids, options=options)
+                     layer_ids=layer_ids, options=options, finish_layer=finish_layer)
     if recompute == "selective" or sequence_parallel or layer_ids is not None:
         raise ValueError(f"model.arch={cfg.arch!r} has no selective recomputation or sequence parallelism")
     if cfg.arch == "bert":

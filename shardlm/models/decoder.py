@@ -87,6 +87,13 @@ def causal_mask_with_past(past: int, new: int, device) -> torch.Tensor:
     return keys.unsqueeze(0) <= queries.unsqueeze(1)
 
 
+def finished(layer: nn.Module, finish_layer=None) -> nn.Module:
+    """`layer`, after `finish_layer(layer)` when given (`shardlm.models.build_model`'s per-layer step)."""
+    if finish_layer is not None:
+        finish_layer(layer)
+    return layer
+
+
 def mark_sequence_parallel(module: nn.Module) -> None:
     """Mark the parameters of a module applied to sequence chunks (a LayerNorm): their gradients are
     partial sums over the TP group, which the trainer adds up (`sum_sequence_parallel_gradients`)."""

@@ -43,6 +43,7 @@ from shardlm.models.decoder import (  # noqa: F401  (KVCache, LayerKVCache: re-e
     PreNormBlock,
     SequenceDropout,
     causal_mask_with_past,
+    finished,
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents
@@ -155,7 +156,7 @@ class GPT(DecoderLM):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,
                  sequence_parallel: bool = False, layer_ids: list[int] | None = None,
-                 options: ParallelOptions | None = None):
+                 options: ParallelOptions | None = None, finish_layer=None):
         super().__init__()
         options = options or ParallelOptions()
         sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
@@ -166,8 +167,9 @@ class GPT(DecoderLM):
                                              param_seed(seed, "wpe"), device=ctx.device))
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
         selective = self.recompute == "selective"
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, seed, i, sp, selective, options)
-                                     for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
+        self.layers = nn.ModuleDict({
+            str(i): finished(TransformerBlock(cfg, ctx, seed, i, sp, selective, options), finish_layer)
+            for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:  # position rows and the final LayerNorm act on sequence chunks
             self.wpe.sequence_parallel = True

@@ -46,6 +46,7 @@ from shardlm.models.decoder import (
     PreNormBlock,
     SequenceDropout,
     enter_parallel_region,
+    finished,
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents, token_positions
@@ -312,7 +313,7 @@ class Llama(DecoderLM):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,
                  sequence_parallel: bool = False, layer_ids: list[int] | None = None,
-                 options: ParallelOptions | None = None):
+                 options: ParallelOptions | None = None, finish_layer=None):
         super().__init__()
         options = options or ParallelOptions()
         sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
@@ -320,8 +321,10 @@ class Llama(DecoderLM):
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, ctx, seed, i, sp, self.recompute == "selective", options)
-                                     for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
+        selective = self.recompute == "selective"
+        self.layers = nn.ModuleDict({
+            str(i): finished(LlamaBlock(cfg, ctx, seed, i, sp, selective, options), finish_layer)
+            for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = norm_class(cfg)(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:
             mark_sequence_parallel(self.ln_f)

@@ -128,16 +128,27 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
 
         layers, stage_ids = pipeline_layout(config, ctx)
     options = ParallelOptions(expert_dispatcher=p.expert_dispatcher, context_exchange=p.cp_comm)
+    finish_layer = None
+    if config.lora.rank and config.lora.quantize:  # QLoRA: each layer in NF4 as soon as it is built
+        from shardlm.lora.apply import quantize_base
+
+        def finish_layer(layer):
+            quantize_base(layer, ctx)
     model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                         layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]],
-                        options=options)
+                        options=options, finish_layer=finish_layer)
     if config.lora.rank:  # adapters on the targeted projections, the rest frozen (`shardlm.lora`)
         from shardlm.lora import add_adapters
         from shardlm.lora.apply import quantize_base
 
         add_adapters(model, config.lora, ctx, t.seed)
-        if config.lora.quantize:  # QLoRA: the frozen projections in NF4; loading a base re-quantizes each
+        if config.lora.quantize:  # QLoRA: anything not yet in NF4 (the layers are); loading a base re-quantizes each
             quantize_base(model, ctx)
+            if t.recompute != "full":  # (full recomputation saves only each layer's input anyway)
+                from shardlm.lora.nf4 import dequantize_again
+
+                for layer in model.layers.values():
+                    dequantize_again(layer)
     if t.compile:  # 2.
         compile_layers(model, ctx.device)
     pipeline = None
