@@ -24,6 +24,8 @@ from test_lora_layouts import STEPS, lora_config
 from test_moe_parallel import stage_parameters
 from test_sft_layouts import train_data, valid_data
 
+from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
+from shardlm.checkpoint.peft import write_merged
 from shardlm.lora import count_parameters, nf4
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
@@ -59,10 +61,10 @@ def dequantized_base(model, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_qlora(tp: int, pp: int, cp: int, ep: int, **spec) -> dict:
+def run_qlora(tp: int, pp: int, cp: int, ep: int, save: str | None = None, **spec) -> dict:
     """4 steps of a QLoRA config at a layout (one process outside a world): the curve, the validation loss, every
     parameter but the NF4 tensors (`stage_parameters`), what it counts, and the whole dequantized base before and
-    after training."""
+    after training; then a checkpoint in `save` when given."""
     ctx = layout_context(tp, pp, cp, ep) if dist.is_initialized() else ParallelContext.single()
     config = qlora_config(tp=tp, pp=pp, cp=cp, ep=ep, **spec)
     validate(config, ctx.world_size, check_paths=False)
@@ -70,6 +72,8 @@ def run_qlora(tp: int, pp: int, cp: int, ep: int, **spec) -> dict:
     base = dequantized_base(trainer.model, ctx)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
     params = {n: p for n, p in stage_parameters(trainer.model).items() if ".parametrizations." not in n}
+    if save:
+        save_checkpoint(trainer, save)
     stored = {n: (p.to_local().shape[0], p.shape[0]) if hasattr(p, "to_local") else None
               for n, p in trainer.model.named_parameters() if ".parametrizations." in n}
     return {"curve": curve, "valid": trainer.evaluate(), "params": params, "base": base, "stored": stored,
@@ -93,9 +97,21 @@ WORLD4 = {
 REFERENCES = {"llama": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "mla": {"micro": 8, "mla": True}}
 
 
+SAVED = ("tp2 sp", "fsdp dp2", "ep2 moe")
+"""Cases whose trained run is saved, resumed at one process and exported merged (`test_a_checkpoint_*`)."""
+
+
 @pytest.fixture(scope="module")
-def world2():
-    return spawn_layouts(2, run_qlora, WORLD2)
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qlora-checkpoints")
+    return {name: root / name.replace(" ", "-") for name in SAVED}
+
+
+@pytest.fixture(scope="module")
+def world2(saved):
+    cases = {name: (ref, {**spec, "save": str(saved[name])} if name in saved else spec)
+             for name, (ref, spec) in WORLD2.items()}
+    return spawn_layouts(2, run_qlora, cases)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +173,45 @@ def test_the_reference_trains_an_nf4_base(reference):
     assert len(llama) == 4 * 7 and all(n.endswith(".weight") for n in llama)
     assert {n.rsplit(".", 1)[1] for n in moe if ".experts." in n} == {"gate", "up", "down"}
     assert moe["layers.0.mlp.experts.gate"].shape == (4, 32, 32)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", SAVED)
+def test_a_checkpoint_resumes_at_one_process_and_merges_to_the_trained_model(world2, reference, saved, tmp_path, name):
+    """A QLoRA checkpoint saved at TP=2, FSDP DP=2 or EP=2, resumed at one process: the base quantized again is the
+    one-process base bitwise, the adapters are the run's, and its validation loss is the run's within 1e-5.
+    `convert --to-peft --merge` of it: a plain transformers model (Llama; Mixtral for the MoE, its expert adapters
+    folded into the experts) with the resumed model's logits within 1e-5 of their largest. The control: the MoE's
+    expert adapters count (without them the logits move by more than 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    run = check_result(world2, name)[0]
+    ref = reference[WORLD2[name][0]]
+    config = qlora_config(**REFERENCES[WORLD2[name][0]])
+    ctx = ParallelContext.single()
+    resumed = Trainer(config, ctx, train_data(), valid_data())
+    load_checkpoint(resumed, saved[name])
+    base = dequantized_base(resumed.model, ctx)
+    assert base.keys() == ref["base"].keys() and all(torch.equal(base[n], w) for n, w in ref["base"].items())
+    params = dict(resumed.model.named_parameters())
+    adapters = [n for n in run["params"] if ".lora." in n]
+    assert adapters and all(torch.equal(params[n].detach(), run["params"][n]) for n in adapters), name
+    assert abs(resumed.evaluate() - run["valid"]) <= TOL * abs(run["valid"]), name
+
+    tokens = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, _ = load_model(saved[name], ctx)
+    with torch.no_grad():
+        ours = model(tokens)[..., :config.model.vocab_size]  # the padded vocabulary's rows left out
+    write_merged(saved[name], tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert type(merged).__name__ == ("MixtralForCausalLM" if "moe" in name else "LlamaForCausalLM")
+    with torch.no_grad():
+        theirs = merged(tokens).logits
+    scale = ours.abs().max()
+    assert (theirs - ours).abs().max() <= TOL * scale, name
+    if "moe" in name:
+        for module in model.modules():
+            if getattr(module, "lora", None) is not None and hasattr(module.lora, "A_in"):
+                module.lora = None
+        with torch.no_grad():
+            assert (model(tokens)[..., :config.model.vocab_size] - ours).abs().max() > 1e-4 * scale

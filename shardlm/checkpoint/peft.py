@@ -382,41 +382,24 @@ def load_adapter(trainer, folder: str | Path) -> str:
     return f"adapters from peft directory {folder} (r={settings.get('r')}, targets {targets})"
 
 
-@torch.no_grad()
-def merge_adapters(model: torch.nn.Module) -> None:
-    """Fold every adapter of a TP=1 model into its projection, W += scale B A, and remove the adapter (a QLoRA
-    base's NF4 weights are dequantized first: the merged weights are full precision)."""
-    from torch.nn.utils import parametrize
-
-    from shardlm.lora.adapter import LoRA
-
-    for module in list(model.modules()):
-        if parametrize.is_parametrized(module, "weight"):
-            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
-            weight = module.weight  # left as a plain tensor: a parameter again, as the model's other weights
-            del module.weight
-            module.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
-    for module in list(model.modules()):
-        adapter = getattr(module, "lora", None)
-        if isinstance(adapter, LoRA):
-            module.weight += (adapter.B @ adapter.A * adapter.scale).to(module.weight.dtype)
-            module.lora = None
-
-
 def write_merged(checkpoint: str | Path, out: str | Path) -> Path:
     """A LoRA checkpoint with its adapters folded into the base, as a plain Hugging Face directory `out`."""
     from shardlm.checkpoint import files
     from shardlm.checkpoint.hf import to_hf
     from shardlm.checkpoint.init import load_model
+    from shardlm.checkpoint.state import _stored
+    from shardlm.lora.merge import merge_adapters
     from shardlm.parallel import ParallelContext
 
     path, meta = _lora_checkpoint(checkpoint)
     model, config = load_model(path, ParallelContext.single())
-    merge_adapters(model)
+    merge_adapters(model)  # QLoRA's NF4 base dequantized, expert adapters folded into their experts
     config.lora.rank = 0
     vocab = config.model.vocab_size
-    tensors = {f"model/{name}": (p[:vocab] if name in ("wte.weight", "lm_head.weight") else p).detach().contiguous()
-               for name, p in model.named_parameters()}
+    tensors = {}
+    for name, p in model.named_parameters():  # expert stacks one tensor per expert, as checkpoints store them
+        value = (p[:vocab] if name in ("wte.weight", "lm_head.weight") else p).detach().contiguous()
+        tensors |= {f"model/{key}": v for key, v in _stored(name, p, value).items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     merged = files.write_consolidated(out / ".merged.tmp.safetensors", tensors, config.to_dict(), meta["step"])
