@@ -25,7 +25,8 @@ from test_moe_parallel import stage_parameters
 from test_sft_layouts import train_data, valid_data
 
 from shardlm.checkpoint import load_checkpoint, load_model, save_checkpoint
-from shardlm.checkpoint.peft import write_merged
+from shardlm.checkpoint.peft import read_peft, stacked, write_merged
+from shardlm.cli import main
 from shardlm.lora import count_parameters, nf4
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
@@ -180,9 +181,10 @@ def test_the_reference_trains_an_nf4_base(reference):
 def test_a_checkpoint_resumes_at_one_process_and_merges_to_the_trained_model(world2, reference, saved, tmp_path, name):
     """A QLoRA checkpoint saved at TP=2, FSDP DP=2 or EP=2, resumed at one process: the base quantized again is the
     one-process base bitwise, the adapters are the run's, and its validation loss is the run's within 1e-5.
-    `convert --to-peft --merge` of it: a plain transformers model (Llama; Mixtral for the MoE, its expert adapters
-    folded into the experts) with the resumed model's logits within 1e-5 of their largest. The control: the MoE's
-    expert adapters count (without them the logits move by more than 1e-4)."""
+    `convert --to-peft` of it holds exactly the run's adapters. `convert --to-peft --merge`: a plain transformers
+    model (Llama; Mixtral for the MoE, its expert adapters folded into the experts) with the resumed model's logits
+    within 1e-5 of their largest. The control: the MoE's expert adapters count (without them the logits move by
+    more than 1e-4)."""
     from transformers import AutoModelForCausalLM
 
     run = check_result(world2, name)[0]
@@ -197,6 +199,10 @@ def test_a_checkpoint_resumes_at_one_process_and_merges_to_the_trained_model(wor
     adapters = [n for n in run["params"] if ".lora." in n]
     assert adapters and all(torch.equal(params[n].detach(), run["params"][n]) for n in adapters), name
     assert abs(resumed.evaluate() - run["valid"]) <= TOL * abs(run["valid"]), name
+    assert main(["convert", "--to-peft", str(tmp_path / "peft"), "--checkpoint", str(saved[name])]) == 0
+    exported = stacked(read_peft(tmp_path / "peft", config.model)[1])
+    assert sorted(exported) == sorted(adapters), name
+    assert all(torch.equal(exported[n], run["params"][n]) for n in adapters), name
 
     tokens = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))
     model, _ = load_model(saved[name], ctx)

@@ -160,7 +160,7 @@ class Shard:
         """values (m, k * 64) of the kept blocks -> this slice of each of the m matrices, (m, r1 - r0, c1 - c0)."""
         m, (rows, cols) = values.shape[0], self.shape
         if self._contiguous():
-            start = self.r0 * self.cols - self.blocks()[0].item() * BLOCK
+            start = self.r0 * self.cols % BLOCK  # the first kept block starts this many values before r0
             return values[:, start:start + rows * cols].view(m, rows, cols)
         if self._aligned():
             return values.view(m, rows, cols)
@@ -306,8 +306,9 @@ def logical(module: nn.Module, name: str = "weight") -> torch.Tensor:
 
 
 def stored_bytes(module: nn.Module, name: str) -> int:
-    """Bytes the NF4 tensors of `module.<name>` take on this rank."""
-    return sum(p.numel() * p.element_size() for p in getattr(module.parametrizations, name).parameters())
+    """Bytes the NF4 tensors of `module.<name>` take on this rank (its FSDP shards' under FSDP)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+               for p in getattr(module.parametrizations, name).parameters())
 
 
 @torch.no_grad()
