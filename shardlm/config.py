@@ -205,8 +205,9 @@ class LoraConfig:
     """Whole modules trained in full beside the adapters, by name: "embedding" (wte / embed_tokens),
     "output" (lm_head), "norm" (the final norm)."""
     quantize: str = ""
-    """QLoRA: "nf4" stores the frozen projections of the transformer layers in 4-bit NormalFloat with double
-    quantization, dequantized in the forward; empty: the base stays in train.param_dtype."""
+    """QLoRA: "nf4" stores the frozen projections of the transformer layers and the MoE experts in 4-bit NormalFloat
+    with double quantization (each matrix quantized whole, the same base at every layout), dequantized in the
+    forward; empty: the base stays in train.param_dtype."""
 
 
 @dataclass
