@@ -363,7 +363,7 @@ def test_the_command_line_starts_from_its_own_expert_adapter(data_dir, tmp_path,
     trains = re.search(r"lora: training [\d,]+ of [\d,]+ parameters", capsys.readouterr().out)[0]
     adapter = tmp_path / "adapter"
     assert main(["convert", "--to-peft", str(adapter), "--checkpoint", str(tmp_path / "first" / "checkpoints")]) == 0
-    capsys.readouterr()
+    assert "targets k_proj, o_proj, q_proj, v_proj, experts)" in capsys.readouterr().out  # the experts named too
     assert main([*common, f"checkpoint.init_adapter={adapter}", "--run-dir", str(tmp_path / "second")]) == 0
     out = capsys.readouterr().out
     line = (f"lora: rank=4, alpha=8.0, dropout=0.0, targets=['k_proj', 'o_proj', 'q_proj', 'v_proj', 'experts'] "

@@ -163,7 +163,8 @@ def run_hf(args: argparse.Namespace) -> int:
         with progress(f"writing {args.to_peft}"):
             out = write_peft(args.checkpoint, args.to_peft)
         settings = json.loads((out / "adapter_config.json").read_text())
-        print(f"wrote {out} (peft LoRA adapter, r={settings['r']}, targets {', '.join(settings['target_modules'])})")
+        targets = [*settings["target_modules"], *(["experts"] if settings.get("target_parameters") else [])]
+        print(f"wrote {out} (peft LoRA adapter, r={settings['r']}, targets {', '.join(targets)})")
         return 0
     lora = args.merge or is_lora_checkpoint(args.checkpoint)
     with progress(f"writing {args.to_peft or args.to_hf}"):
