@@ -8,7 +8,8 @@ attention and MLP projection and every expert matrix in NF4. Each layout against
 - 4 steps' losses and gradient norms, the validation loss and every adapter within 1e-5;
 - under FSDP, every NF4 tensor an FSDP shard.
 Layouts: world 2: TP=2 with SP, EP=2 (experts in NF4), TP=2 with SP of the MoE (each expert's rows split), FSDP
-DP=2, MLA at TP=2 with SP (q_a and kv_a whole on both ranks, their adapters' gradients partial over TP); world 4:
+DP=2, MLA at TP=2 with SP (q_a and kv_a whole on both ranks, their adapters' gradients partial over TP), PP=2 x 2
+virtual stages, CP=2; world 4:
 FSDP DP=4, hybrid FSDP (shards of 2), FSDP x TP=2 with SP, FSDP x EP=2, EP=2 x TP=2 with SP.
 The tiny shapes cover the three ways a rank keeps its blocks (`shardlm.lora.nf4.Shard`): column shards (contiguous
 rows), o's 16-column halves of a 32-column matrix (blocks of 64 straddle both ranks, kept whole by both) and down's
@@ -34,7 +35,7 @@ from shardlm.validation import validate
 
 from agreement import assert_same_curve
 from layouts import layout, layout_context, spawn_layouts
-from multiproc import check_result
+from multiproc import check_result, merge_copies
 
 TOL = 1e-5
 QLORA = {"quantize": "nf4"}
@@ -46,7 +47,7 @@ def qlora_config(**spec):
 
 def dequantized_base(model, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """Every NF4 weight of `model` dequantized and gathered whole: FSDP shards of its stored tensors gathered
-    first, then TP shards along the weight's split dim, expert stacks over EP."""
+    first, then TP shards along the weight's split dim, expert stacks over EP; every pipeline stage's."""
     out = {}
     for name, weight in sorted(nf4.quantized(model).items()):
         prefix, attribute = name.rsplit(".", 1)
@@ -59,7 +60,7 @@ def dequantized_base(model, ctx: ParallelContext) -> dict[str, torch.Tensor]:
         if weight.marks.get("expert_parallel") and ctx.ep_size > 1:
             value = torch.cat(ctx.ep.all_gather(value.contiguous()))
         out[name] = value
-    return out
+    return merge_copies(ctx.world.all_gather_object(out)) if ctx.pp_size > 1 else out  # every stage's layers
 
 
 def run_qlora(tp: int, pp: int, cp: int, ep: int, save: str | None = None, **spec) -> dict:
@@ -87,6 +88,8 @@ WORLD2 = {
     "tp2 sp moe": ("moe", layout(tp=2, sp=True, moe=True)),
     "fsdp dp2": ("llama", layout(data_sharding="full")),
     "tp2 sp mla": ("mla", layout(tp=2, sp=True, mla=True)),
+    "pp2 virtual2": ("llama", layout(pp=2, virtual=2, micro=1)),
+    "cp2": ("llama", layout(cp=2)),
 }
 WORLD4 = {
     "fsdp dp4": ("llama", layout(micro=2, data_sharding="full")),
