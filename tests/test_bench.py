@@ -25,9 +25,10 @@ pytestmark = pytest.mark.timeout(700)
 def quick_run(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the rl section has its own quick run and checks (tests/test_bench_rl.py)
-    proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--skip", "rl", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    # the rl and qlora_memory sections have their own quick runs and checks (tests/test_bench_rl.py,
+    # tests/test_bench_qlora.py)
+    proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--skip", "rl", "qlora_memory", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600, env=env)
     return proc, out
 
 
@@ -39,7 +40,7 @@ def test_every_section_runs(quick_run):
     assert results["quick"] is True
 
 
-@pytest.mark.parametrize("key", [k for k in KEYS if not k.startswith("rl.")])  # rl's: tests/test_bench_rl.py
+@pytest.mark.parametrize("key", [k for k in KEYS if not k.startswith(("rl.", "qlora_memory."))])  # their own tests
 def test_documented_key_holds_a_value(quick_run, key):
     results = json.loads((quick_run[1] / "benchmarks.json").read_text())
     value = results

@@ -9,7 +9,8 @@ GptOssForCausalLM, a tiny Qwen3.5-MoE's (Gated DeltaNet) against Qwen3_5MoeForCa
 against full attention as the sequence grows, context parallelism at a long sequence (and what a sliding window
 saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
-over packed rows, throughput against TRL's SFTTrainer, packing efficiency), LoRA against TRL + peft, DPO against
+over packed rows, throughput against TRL's SFTTrainer, packing efficiency), LoRA against TRL + peft, QLoRA's memory
+per rank at one process and FSDP DP=2 against `shardlm plan`'s, DPO against
 TRL's DPOTrainer, GRPO steps and decoding against TRL's GRPOTrainer and transformers' generate,
 Muon against AdamW, checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke
 test of the harness, not figures to quote).
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp": lambda: _fsdp(args.quick, repeats),
         "sft": lambda: _sft(args.quick, repeats, results),
         "lora": lambda: _lora(args.quick),
+        "qlora_memory": lambda: _qlora_memory(args.quick),
         "preference": lambda: _preference(args.quick),
         "rl": lambda: _rl(args.quick),
         "optimizers": lambda: _optimizers(args.quick, args.out),
@@ -180,6 +182,12 @@ def _lora(quick):
     from shardlm.bench.lora import lora_bench
 
     return lora_bench(quick)
+
+
+def _qlora_memory(quick):
+    from shardlm.bench.qlora_memory import qlora_memory_bench
+
+    return qlora_memory_bench(quick)
 
 
 def _preference(quick):

@@ -147,6 +147,17 @@ KEYS = {
     "optimizers.muon_minus_adamw_best_valid_loss": "best final validation loss of Muon minus AdamW's over the "
                                                     "learning-rate sweep (same steps and tokens; < 0: Muon better)",
     "optimizers.step_ms_ratio_muon_over_adamw": "median step ms of Muon's best run over AdamW's best run",
+    "qlora_memory.rows": "QLoRA (nf4, r=16, all-linear) at one process (layout dp1) and FSDP DP=2 (fsdp_dp2), per "
+                         "rank and part (nf4_base, frozen_fp32, adapters, adamw, gradients, forward_end, step_peak, "
+                         "total): planned and measured bytes and measured / planned",
+    "qlora_memory.plan": "per layout: `shardlm plan`'s bytes per rank by part, and the step peak's pieces "
+                         "(activations, gathered, dequantized), the whole model's NF4 bytes and bits a weight",
+    "qlora_memory.measured": "per layout, per rank: the parts measured, resident (alive between steps), "
+                             "resident_other (of it, none of the parts), nf4_shard_bytes (FSDP's unpadded shards), "
+                             "losses",
+    "qlora_memory.fsdp_halving": "FSDP DP=2 rank 0's measured bytes / one process's, per part of the state and the "
+                                 "gradients",
+    "qlora_memory.cpu": "the CPU the section ran on",
     "lora.memory": "per shardlm run (lora, full): parameter_bytes (frozen base included), adam_moment_bytes, "
                    "step_peak_bytes (the most one step allocates beyond them), total_bytes, trainable_parameters",
     "sft.packing": "per strategy (bfd, pad = one conversation per row): rows, real tokens and efficiency (real tokens "
@@ -299,6 +310,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.lora import markdown_lines as lora_lines
 
         lines += lora_lines(r["lora"])
+    if r.get("qlora_memory"):
+        from shardlm.bench.qlora_memory import markdown_lines as qlora_memory_lines
+
+        lines += qlora_memory_lines(r["qlora_memory"])
     if r.get("preference"):
         from shardlm.bench.preference import markdown_lines as preference_lines
 
