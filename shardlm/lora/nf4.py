@@ -90,7 +90,7 @@ def block_values(packed: torch.Tensor, stats: torch.Tensor, stats_max: torch.Ten
     global indices are `blocks` (k,)), stats_max (m, S) and offset (m,) of each whole matrix -> (m, k * 64) fp32."""
     absmax = (DYNAMIC.to(packed.device)[stats.long()] * stats_max[:, blocks.to(packed.device) // STATS_BLOCK]
               + offset.unsqueeze(1))
-    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(*packed.shape[:2], BLOCK).long()
+    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(*packed.shape[:2], BLOCK).int()
     return (NF4.to(packed.device)[codes] * absmax.unsqueeze(2)).view(packed.shape[0], -1)
 
 
