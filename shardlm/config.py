@@ -336,6 +336,24 @@ class LogConfig:
 
 
 @dataclass
+class DistillConfig:
+    """The `[distill]` section: knowledge distillation from a frozen teacher on [sft]'s records (the teacher scores
+    the dataset's own answers), the divergence computed over the vocabulary-parallel logits of both models at the
+    training layout (`docs/distillation.md`). The loss is the sum over the answer tokens of the global batch of
+    each token's divergence, over their count (TRL's "batchmean")."""
+
+    teacher: str = ""
+    """The frozen teacher: a Hugging Face model directory or a shardlm checkpoint (a consolidated file or a sharded
+    directory) with the student's vocabulary; empty: no distillation."""
+    beta: float = 0.5
+    """The generalized Jensen-Shannon divergence's weight of the teacher's side, as TRL's `generalized_jsd_loss`:
+    beta KL(teacher || mixture) + (1 - beta) KL(student || mixture), the mixture (1 - beta) student + beta teacher;
+    0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the divergence (as TRL's DistillationTrainer; no T^2 factor)."""
+
+
+@dataclass
 class RunConfig:
     """A whole run: one field per TOML section."""
 
@@ -345,6 +363,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -412,7 +431,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
 
 
 PATH_KEYS = ("text_file", "vocab_file", "merges_file", "cache_dir", "load", "dir", "init_from", "init_adapter",
-             "tokenizer", "template")
+             "tokenizer", "template", "teacher")
 
 
 def expand_path(value: str) -> str:

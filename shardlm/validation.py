@@ -137,6 +137,11 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
 
         if (problem := check_rl(config, world_size)) is not None:
             raise UserError(problem)
+    if config.distill.teacher:
+        from shardlm.distill import check_distill
+
+        if (problem := check_distill(config, check_paths)) is not None:
+            raise UserError(problem)
     _validate_optimizer(t)
     if t.qk_clip > 0:
         _validate_qk_clip(config)

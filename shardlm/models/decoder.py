@@ -240,15 +240,19 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None,
-                documents: Documents | None = None, mtp: tuple | None = None, hidden_only: bool = False
-                ) -> torch.Tensor:
+                documents: Documents | None = None, mtp: tuple | None = None, hidden_only: bool = False,
+                then=None) -> torch.Tensor:
         """`mtp` = (inputs, targets), each (D, B, T), the rolled tokens of the model's D multi-token-prediction
         depths (`shardlm.models.mtp.rolled_targets`): the result is then (1 + D, B, T) per-token losses, the
         next-token loss first. `hidden_only`: the (B, T, h) final-norm output (`hidden_states`), through the
-        module's own call, so that a wrapper's hooks run (FSDP gathers the root's weights), for generation."""
+        module's own call, so that a wrapper's hooks run (FSDP gathers the root's weights), for generation.
+        `then`: a function of that output computed inside the call (distillation's divergence, which runs the
+        output layer on it), whose result is returned."""
         hidden = self.hidden_states(tokens, cache, documents)
         if hidden_only:
             return hidden
+        if then is not None:
+            return then(hidden)
         if targets is not None and mtp is not None:
             main = self.output_loss(hidden, targets, ignore_index)
             return torch.cat((main.unsqueeze(0), self.mtp_losses(hidden, mtp, documents, ignore_index)))

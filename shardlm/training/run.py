@@ -283,6 +283,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(count_parameters(trainer.model, ctx).describe())
     if config.lora.quantize:
         logger.print(describe_base(trainer.model))
+    if trainer.teacher is not None:
+        from shardlm.distill.teacher import describe_teacher
+
+        logger.print(describe_teacher(trainer.teacher, config.distill.teacher))
     save = config.checkpoint.save
     last_saved = (trainer.step, Path(resume_from)) if resume_from else (-1, None)
 

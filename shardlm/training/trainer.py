@@ -115,6 +115,13 @@ class Trainer:
             self.loss = RLLoss(config.rl, ctx, self.model)
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
+        self.teacher = None
+        if config.distill.teacher:  # distillation: a frozen teacher at this layout (`shardlm.distill`)
+            from shardlm.distill.loss import DistillLoss
+            from shardlm.distill.teacher import load_teacher
+
+            self.teacher = load_teacher(config, ctx)
+            self.loss = DistillLoss(config.distill, ctx, self.model, self.teacher)
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None

@@ -1,0 +1,70 @@
+"""Knowledge distillation from a frozen teacher at the training layout (`docs/distillation.md`): the teacher
+(`teacher`), the generalized Jensen-Shannon divergence over vocabulary-parallel logits (`divergence`) and the
+trainer's loss (`loss`)."""
+
+from __future__ import annotations
+
+
+def check_distill(config, check_paths: bool = True) -> str | None:
+    """A one-line problem with a run's [distill] settings, or None (checked before any expensive work; with
+    `check_paths`, the teacher is opened and its vocabulary compared with the student's)."""
+    d, m = config.distill, config.model
+    checks = [
+        (0 <= d.beta <= 1, f"distill.beta={d.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)"),
+        (d.temperature > 0, f"distill.temperature={d.temperature} must be > 0"),
+        (m.arch in ("gpt", "llama"), f"distill takes a decoder student (model.arch gpt or llama), not {m.arch}"),
+        (bool(config.sft.data), "distill scores the answers of [sft] records; set sft.data"),
+        (not config.preference.loss and not config.rl.loss,
+         "distill, preference and rl are different losses; set one of [distill].teacher, preference.loss, rl.loss"),
+        (config.parallel.pipeline == 1, "distill runs without pipeline stages for now; set parallel.pipeline=1 "
+                                        "(tensor, context, expert and data parallelism and FSDP all work)"),
+        (not m.mtp_layers, "distill trains the next-token distribution only; set model.mtp_layers=0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            return message
+    if check_paths:
+        return _check_teacher(config)
+    return None
+
+
+def _check_teacher(config) -> str | None:
+    """The teacher exists and shares the student's vocabulary (same size; the same tokens where both name a
+    tokenizer)."""
+    from pathlib import Path
+
+    from shardlm.distill.teacher import open_teacher
+    from shardlm.errors import UserError
+
+    try:
+        source = open_teacher(config.distill.teacher)
+    except UserError as error:
+        return str(error)
+    theirs, ours = source.config.model.vocab_size, config.model.vocab_size
+    if theirs != ours:
+        return (f"distill.teacher={config.distill.teacher} has a vocabulary of {theirs} tokens, the student "
+                f"{ours}; a teacher must share the student's tokenizer")
+    mine = _tokenizer_file(config)
+    teacher_file = Path(config.distill.teacher) / "tokenizer.json"
+    if mine is not None and teacher_file.is_file() and _vocabulary(mine) != _vocabulary(teacher_file):
+        return (f"distill.teacher={config.distill.teacher} has another tokenizer than the student's ({mine}): their "
+                "vocabularies do not map one to one")
+    return None
+
+
+def _tokenizer_file(config):
+    from pathlib import Path
+
+    for candidate in (config.data.tokenizer, config.checkpoint.init_from):
+        if candidate:
+            path = Path(candidate)
+            path = path / "tokenizer.json" if path.is_dir() else path
+            if path.is_file() and path.suffix == ".json":
+                return path
+    return None
+
+
+def _vocabulary(path) -> dict:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab()
