@@ -1,0 +1,184 @@
+"""Distillation is the same run at every layout: a frozen teacher's distributions at the student's layout.
+
+Teacher: a random transformers Qwen3 (3 layers, hidden 48, q/k norms, untied output layer, norm weights spread,
+its output layer scaled up so its distributions are far from uniform), saved as a Hugging Face directory and read
+by shardlm at each layout (`distill.teacher`). Student: the 4-layer Llama of `test_sft_layouts` on its packed SFT
+rows (prompts not trained), the generalized JSD with beta 0.5 and temperature 2. Each layout against one process
+within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, every parameter on every rank):
+- world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count), DP=2 with ZeRO-1, FSDP
+  DP=2, CP=2, EP=2 (a MoE student), a LoRA student at TP=2 with SP;
+- world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP;
+- the control: at TP=2 the student's sum of exponentials reduced without summing its gradient over the ranks
+  (the backward of a plain all-reduce) trains, and ends more than 1e-3 off (with beta 0, the forward KL, whose
+  upstream gradients sum to -1 over the vocabulary; under beta 0.5 their sum is (1 - beta) KL(student ||
+  mixture), so the same bug moves the run by less);
+- one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_moe_parallel import ROUTING, stage_parameters
+from test_sft_layouts import SEQ, train_data, valid_data
+
+from shardlm.distill import divergence
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_same_run, assert_trained_but_off
+from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
+from multiproc import check_result
+
+STEPS, TOL = 4, 1e-5
+VOCAB = 300
+"""Both models' vocabulary (the rows use its first 100 tokens): padded to 512 at TP=2, so each rank holds real
+entries (256 and 44) and the divergence's reductions over the split vocabulary count."""
+DISTILL = {"beta": 0.5, "temperature": 2.0}
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
+
+
+def write_teacher(root):
+    """The module docstring's teacher in `root`; returns its path as text."""
+    from test_lora_peft import save_random
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    save_random(Qwen3ForCausalLM, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
+    return str(root)
+
+
+def distill_config(teacher: str, micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
+                   moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], **train):
+    model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
+    if moe:
+        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+    sections = {"sft": {"data": ["records.jsonl"]}, "distill": {"teacher": teacher, **DISTILL, "beta": beta}}
+    if lora:
+        sections["lora"] = LORA
+    return layout_config(model, micro=micro, tp=tp, cp=cp, ep=ep, sp=sp, sections=sections,
+                         **{"steps": STEPS, "eval_iters": 64, **train})
+
+
+def train_distill(ctx: ParallelContext, config) -> dict:
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, train_data(), valid_data())
+    assert not any(p.requires_grad for p in trainer.teacher.parameters())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    assert all(p.grad is None for p in trainer.teacher.parameters())
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+
+
+def plain_sum(x, tp):
+    """The control's bug: the student's sum of exponentials all-reduced with a plain backward (each rank keeps its
+    own gradient)."""
+    from shardlm.parallel.mappings import reduce_from_tensor_parallel
+
+    return reduce_from_tensor_parallel(x, tp)
+
+
+def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool = False, **spec) -> dict:
+    if broken:
+        divergence._SharedSum.apply = plain_sum
+    return train_distill(layout_context(tp, pp, cp, ep), distill_config(teacher, tp=tp, cp=cp, ep=ep, **spec))
+
+
+WORLD2 = {
+    "tp2 sp": ("dense", layout(tp=2, sp=True)),
+    "dp2 zero1": ("dense", layout(distributed_optimizer=True)),
+    "fsdp dp2": ("dense", layout(data_sharding="full")),
+    "cp2": ("dense", layout(cp=2)),
+    "ep2 moe": ("moe", layout(ep=2, moe=True)),
+    "lora tp2 sp": ("lora", layout(tp=2, sp=True, lora=True)),
+    "control tp2 unsummed": ("forward kl", layout(tp=2, broken=True, beta=0.0)),
+}
+WORLD4 = {
+    "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
+    "cp2 tp2 sp": ("dense", layout(cp=2, tp=2, sp=True)),
+}
+REFERENCES = {"dense": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": 8, "lora": True},
+              "forward kl": {"micro": 8, "beta": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    return write_teacher(tmp_path_factory.mktemp("teacher"))
+
+
+def with_teacher(cases: dict, teacher: str) -> dict:
+    return {name: (ref, {**spec, "teacher": teacher}) for name, (ref, spec) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def world2(teacher):
+    return spawn_layouts(2, run_distill, with_teacher(WORLD2, teacher))
+
+
+@pytest.fixture(scope="module")
+def world4(teacher):
+    return spawn_layouts(4, run_distill, with_teacher(WORLD4, teacher))
+
+
+@pytest.fixture(scope="module")
+def reference(teacher):
+    return {kind: train_distill(ParallelContext.single(), distill_config(teacher, **spec))
+            for kind, spec in REFERENCES.items()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n for n in WORLD2 if not n.startswith("control")])
+def test_distillation_at_two_ranks_equals_one_process(world2, reference, name):
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_same_run(value, reference[WORLD2[name][0]], f"{name} rank {rank}", steps=STEPS, tol=TOL)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_distillation_at_four_ranks_equals_one_process(world4, reference, name):
+    for rank, value in enumerate(check_result(world4, name)):
+        assert_same_run(value, reference[WORLD4[name][0]], f"{name} rank {rank}", steps=STEPS, tol=TOL)
+
+
+@pytest.mark.timeout(600)
+def test_the_students_normalizer_must_sum_its_gradient_over_tp(world2, reference):
+    for value in check_result(world2, "control tp2 unsummed"):
+        assert_trained_but_off(value["curve"], value["params"], reference["forward kl"]["params"], STEPS, "layers.")
+
+
+def test_the_run_learns_the_teachers_distributions(reference):
+    """The divergence falls over the steps (the teacher's distributions are far from the student's at the start)."""
+    curve = reference["dense"]["curve"]
+    assert curve[0][0] > 0.05 and curve[-1][0] < curve[0][0]
+
+
+def test_a_packed_row_equals_its_documents_alone(teacher):
+    """One packed row of several conversations: its divergences, summed over its answer tokens, and the student's
+    gradients equal each conversation's computed alone (its own row), summed."""
+    config = distill_config(teacher, micro=1)
+    validate(config, 1, check_paths=False)
+    trainer = Trainer(config, ParallelContext.single(), train_data())
+    model, loss = trainer.model, trainer.loss
+    row = next(r for r in (train_data()[i] for i in range(8)) if (r["position_ids"] == 0).sum() >= 3)
+    from shardlm.models.documents import Documents
+
+    def batch_of(inputs, labels, positions):
+        return {"inputs": torch.from_numpy(inputs)[None], "targets": torch.from_numpy(labels)[None],
+                "documents": Documents.from_positions(torch.from_numpy(positions)[None]), "divisor": 1.0}
+
+    packed = loss(model, batch_of(row["input_ids"], row["labels"], row["position_ids"]))
+    packed_grads = torch.autograd.grad(packed, [p for p in model.parameters() if p.requires_grad])
+    starts = [*np.flatnonzero(row["position_ids"] == 0), len(row["position_ids"])]
+    alone, alone_grads = 0.0, None
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        if (row["labels"][lo:hi] == -100).all():
+            continue
+        value = loss(model, batch_of(row["input_ids"][lo:hi], row["labels"][lo:hi], row["position_ids"][lo:hi]))
+        grads = torch.autograd.grad(value, [p for p in model.parameters() if p.requires_grad])
+        alone = alone + value
+        alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
+    assert abs(packed.item() - alone.item()) <= TOL * abs(alone.item())
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(packed_grads, alone_grads))
