@@ -351,6 +351,8 @@ class DistillConfig:
     0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)."""
     temperature: float = 1.0
     """Both models' logits are divided by it before the divergence (as TRL's DistillationTrainer; no T^2 factor)."""
+    teacher_dtype: str = "fp32"
+    """The teacher's weights: "fp32", or "bf16" (half the memory; its forward then runs under bf16 autocast)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ def check_distill(config, check_paths: bool = True) -> str | None:
     checks = [
         (0 <= d.beta <= 1, f"distill.beta={d.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)"),
         (d.temperature > 0, f"distill.temperature={d.temperature} must be > 0"),
+        (d.teacher_dtype in ("fp32", "bf16"), f'distill.teacher_dtype="{d.teacher_dtype}" must be "fp32" or "bf16"'),
         (m.arch in ("gpt", "llama"), f"distill takes a decoder student (model.arch gpt or llama), not {m.arch}"),
         (bool(config.sft.data), "distill scores the answers of [sft] records; set sft.data"),
         (not config.preference.loss and not config.rl.loss,
@@ -24,13 +25,13 @@ def check_distill(config, check_paths: bool = True) -> str | None:
         if not ok:
             return message
     if check_paths:
-        return _check_teacher(config)
+        return check_teacher(config)
     return None
 
 
-def _check_teacher(config) -> str | None:
-    """The teacher exists and shares the student's vocabulary (same size; the same tokens where both name a
-    tokenizer)."""
+def check_teacher(config) -> str | None:
+    """The teacher exists and shares the student's vocabulary: the same size (once the student's is known: a run
+    from scratch takes its tokenizer's, `shardlm.training.run`), the same tokens where both have a tokenizer."""
     from pathlib import Path
 
     from shardlm.distill.teacher import open_teacher
@@ -41,9 +42,10 @@ def _check_teacher(config) -> str | None:
     except UserError as error:
         return str(error)
     theirs, ours = source.config.model.vocab_size, config.model.vocab_size
-    if theirs != ours:
-        return (f"distill.teacher={config.distill.teacher} has a vocabulary of {theirs} tokens, the student "
-                f"{ours}; a teacher must share the student's tokenizer")
+    if ours and theirs != ours:
+        return (f"distill.teacher={config.distill.teacher} has a vocabulary of {theirs} entries, the student "
+                f"{ours}; a teacher must share the student's vocabulary (with the same tokenizer, set "
+                f"model.vocab_size={theirs})")
     mine = _tokenizer_file(config)
     teacher_file = Path(config.distill.teacher) / "tokenizer.json"
     if mine is not None and teacher_file.is_file() and _vocabulary(mine) != _vocabulary(teacher_file):
@@ -55,7 +57,7 @@ def _check_teacher(config) -> str | None:
 def _tokenizer_file(config):
     from pathlib import Path
 
-    for candidate in (config.data.tokenizer, config.checkpoint.init_from):
+    for candidate in (config.sft.tokenizer, config.data.tokenizer, config.checkpoint.init_from):
         if candidate:
             path = Path(candidate)
             path = path / "tokenizer.json" if path.is_dir() else path

@@ -4,6 +4,8 @@ global batch's answer tokens and divided by their count (TRL's "batchmean" with 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from shardlm.config import DistillConfig
@@ -19,16 +21,24 @@ class DistillLoss:
     def __init__(self, cfg: DistillConfig, ctx, student, teacher):
         self.cfg, self.ctx, self.student, self.teacher = cfg, ctx, student, teacher
 
+    @contextlib.contextmanager
+    def teacher_context(self):
+        """No gradient; a bf16 teacher (`distill.teacher_dtype`) computes under bf16 autocast."""
+        bf16 = self.cfg.teacher_dtype == "bf16"
+        with torch.no_grad(), (torch.autocast(self.ctx.device.type, dtype=torch.bfloat16) if bf16
+                               else contextlib.nullcontext()):
+            yield
+
     def token_divergence(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks) -> (B, T)
         divergences over the vocabulary-parallel logits."""
-        with torch.no_grad():
+        with self.teacher_context():
             teacher_logits = self.teacher.output_layer(teacher_hidden)
         return generalized_jsd(self.student.output_layer(hidden), teacher_logits, self.ctx.tp,
                                self.student.cfg.vocab_size, self.cfg.beta, self.cfg.temperature)
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
-        with torch.no_grad():
+        with self.teacher_context():
             teacher_hidden = self.teacher(batch["inputs"], documents=batch["documents"], hidden_only=True)
         divergence = forward(batch["inputs"], documents=batch["documents"],
                              then=lambda hidden: self.token_divergence(hidden, teacher_hidden))

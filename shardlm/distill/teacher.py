@@ -41,6 +41,8 @@ def load_teacher(config, ctx) -> torch.nn.Module:
     load_weights(teacher, source.reader, ctx)
     for param in teacher.parameters():
         param.requires_grad_(False)
+    if config.distill.teacher_dtype == "bf16":
+        teacher.to(torch.bfloat16)
     return teacher.eval()
 
 

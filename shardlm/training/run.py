@@ -198,6 +198,11 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
             from shardlm.preference.dataset import build_preference_datasets as build
         sft = build(config.sft, config.model.seq_length, t.seed, config.checkpoint.init_from)
         check_vocabulary(config, sft.template.tokenizer.get_vocab_size(), sft.max_token_id)
+        if config.distill.teacher:  # the student's vocabulary is known now: the teacher's must be the same
+            from shardlm.distill import check_teacher
+
+            if (problem := check_teacher(config)) is not None:
+                raise UserError(problem)
     else:
         tokenizer = build_tokenizer_for(config.data)
         if config.model.vocab_size == 0:
