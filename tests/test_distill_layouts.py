@@ -5,7 +5,8 @@ its output layer scaled up so its distributions are far from uniform), saved as 
 by shardlm at each layout (`distill.teacher`). Student: the 4-layer Llama of `test_sft_layouts` on its packed SFT
 rows (prompts not trained), the generalized JSD with beta 0.5 and temperature 2. Each layout against one process
 within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, every parameter on every rank):
-- world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count), DP=2 with ZeRO-1, FSDP
+- world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count; also with the divergence
+  computed in checkpointed chunks of 5 rows, against one chunk in the reference), DP=2 with ZeRO-1, FSDP
   DP=2, CP=2, EP=2 (a MoE student), a LoRA student at TP=2 with SP;
 - world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP;
 - the control: at TP=2 the student's sum of exponentials reduced without summing its gradient over the ranks
@@ -81,14 +82,19 @@ def plain_sum(x, tp):
     return reduce_from_tensor_parallel(x, tp)
 
 
-def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool = False, **spec) -> dict:
+def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool = False, chunk: int = 0,
+                **spec) -> dict:
+    from shardlm.distill import loss
+
     if broken:
         divergence._SharedSum.apply = plain_sum
+    loss.CHUNK = chunk or 1 << 22  # (the default: one chunk at these sizes)
     return train_distill(layout_context(tp, pp, cp, ep), distill_config(teacher, tp=tp, cp=cp, ep=ep, **spec))
 
 
 WORLD2 = {
     "tp2 sp": ("dense", layout(tp=2, sp=True)),
+    "tp2 sp chunks of 5 rows": ("dense", layout(tp=2, sp=True, chunk=5 * 256)),
     "dp2 zero1": ("dense", layout(distributed_optimizer=True)),
     "fsdp dp2": ("dense", layout(data_sharding="full")),
     "cp2": ("dense", layout(cp=2)),

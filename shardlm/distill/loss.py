@@ -7,9 +7,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from shardlm.config import DistillConfig
 from shardlm.distill.divergence import generalized_jsd
+from shardlm.models.decoder import enter_parallel_region
+from shardlm.parallel import invariant
+
+CHUNK = 1 << 22
+"""Logits (rows x this rank's vocabulary slice) a chunk of the divergence computes at once: 16 MiB in fp32."""
 
 
 class DistillLoss:
@@ -31,10 +37,24 @@ class DistillLoss:
 
     def token_divergence(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks) -> (B, T)
-        divergences over the vocabulary-parallel logits."""
+        divergences over the vocabulary-parallel logits. Rows run in chunks of about `CHUNK` logits each, each
+        chunk checkpointed: its logits (both models') are computed again in the backward, never all held at once."""
+        tp = self.ctx.tp
+        student = enter_parallel_region(hidden, tp, self.student.sequence_parallel)
         with self.teacher_context():
-            teacher_logits = self.teacher.output_layer(teacher_hidden)
-        return generalized_jsd(self.student.output_layer(hidden), teacher_logits, self.ctx.tp,
+            teacher = enter_parallel_region(teacher_hidden, tp, self.teacher.sequence_parallel)
+        shape = student.shape[:-1]
+        student, teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        rows = max(1, CHUNK // self.student.output_weight.shape[0])
+        parts = [checkpoint(self._chunk, student[first:first + rows], teacher[first:first + rows],
+                            use_reentrant=False) for first in range(0, student.shape[0], rows)]
+        return torch.cat(parts).view(shape)
+
+    def _chunk(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        """(n, h) and (n, h_teacher) rows -> (n,) divergences."""
+        with self.teacher_context():
+            teacher_logits = invariant.linear(teacher, self.teacher.output_weight)
+        return generalized_jsd(invariant.linear(student, self.student.output_weight), teacher_logits, self.ctx.tp,
                                self.student.cfg.vocab_size, self.cfg.beta, self.cfg.temperature)
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
