@@ -35,20 +35,25 @@ class DistillLoss:
                                else contextlib.nullcontext()):
             yield
 
-    def token_divergence(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks) -> (B, T)
-        divergences over the vocabulary-parallel logits. Rows run in chunks of about `CHUNK` logits each, each
-        chunk checkpointed: its logits (both models') are computed again in the backward, never all held at once."""
+    def token_divergence(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor, answer: torch.Tensor
+                         ) -> torch.Tensor:
+        """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks), answer
+        (B, T) the positions trained -> (B, T) divergences over the vocabulary-parallel logits there (0 elsewhere:
+        prompts and padding cost nothing). Rows run in chunks of about `CHUNK` logits each, each chunk
+        checkpointed: its logits (both models') are computed again in the backward, never all held at once."""
         tp = self.ctx.tp
         student = enter_parallel_region(hidden, tp, self.student.sequence_parallel)
         with self.teacher_context():
             teacher = enter_parallel_region(teacher_hidden, tp, self.teacher.sequence_parallel)
-        shape = student.shape[:-1]
-        student, teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        kept = answer.reshape(-1).nonzero().squeeze(-1)
+        student = student.reshape(-1, student.shape[-1])[kept]
+        teacher = teacher.reshape(-1, teacher.shape[-1])[kept]
         rows = max(1, CHUNK // self.student.output_weight.shape[0])
         parts = [checkpoint(self._chunk, student[first:first + rows], teacher[first:first + rows],
                             use_reentrant=False) for first in range(0, student.shape[0], rows)]
-        return torch.cat(parts).view(shape)
+        values = torch.cat(parts) if parts else student.new_zeros(0, dtype=torch.float32)
+        out = torch.zeros(answer.numel(), dtype=values.dtype, device=values.device)
+        return out.index_copy(0, kept, values).view(answer.shape)
 
     def _chunk(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         """(n, h) and (n, h_teacher) rows -> (n,) divergences."""
@@ -60,8 +65,8 @@ class DistillLoss:
     def __call__(self, forward, batch: dict) -> torch.Tensor:
         with self.teacher_context():
             teacher_hidden = self.teacher(batch["inputs"], documents=batch["documents"], hidden_only=True)
-        divergence = forward(batch["inputs"], documents=batch["documents"],
-                             then=lambda hidden: self.token_divergence(hidden, teacher_hidden))
         answer = batch["targets"] != -100
-        total = (divergence * answer).sum()
+        divergence = forward(batch["inputs"], documents=batch["documents"],
+                             then=lambda hidden: self.token_divergence(hidden, teacher_hidden, answer))
+        total = divergence.sum()
         return total / batch["divisor"] if batch["divisor"] is not None else total / answer.sum().clamp(min=1)
