@@ -353,6 +353,15 @@ class DistillConfig:
     """Both models' logits are divided by it before the divergence (as TRL's DistillationTrainer; no T^2 factor)."""
     teacher_dtype: str = "fp32"
     """The teacher's weights: "fp32", or "bf16" (half the memory; its forward then runs under bf16 autocast)."""
+    lmbda: float = 0.0
+    """GKD's lambda: the share of steps trained on the student's own completions (on-policy distillation). Each step
+    is on-policy with this probability (drawn from train.seed and the step): every conversation of the step's rows
+    is cut before its last answer, the student completes it at the training layout (KV cache, the RL generator),
+    and the divergence is taken over the sampled tokens. 0: offline only (the records' own answers)."""
+    max_new_tokens: int = 128
+    """An on-policy completion's length at most (it stops earlier at the end-of-turn token)."""
+    sampling_temperature: float = 1.0
+    """The temperature the student samples its on-policy completions at (TRL's GKDConfig.temperature)."""
 
 
 @dataclass

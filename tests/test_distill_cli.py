@@ -131,3 +131,16 @@ def test_pipeline_stages_are_refused_in_one_line(config):
 
     problem = check_distill(load_config(config, ["parallel.pipeline=2"]), check_paths=False)
     assert problem.startswith("distill runs without pipeline stages for now") and "\n" not in problem
+
+
+@pytest.mark.timeout(300)
+def test_on_policy_distillation_from_the_command_line(config, tmp_path, capsys):
+    """distill.lmbda=1: every step trains on the student's own completions (at most 8 tokens, sampled with the
+    KV cache), the run says so in its first lines and logs each step's completion length."""
+    assert main(["train", str(config), "distill.lmbda=1.0", "distill.max_new_tokens=8",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "distill: on-policy on a share 1 of the steps (completions of at most 8 tokens" in out, out
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert [s["on_policy"] for s in steps] == [1.0, 1.0], steps
+    assert all(0 < s["completion_length"] <= 8 for s in steps), steps

@@ -13,6 +13,9 @@ within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, ever
   (the backward of a plain all-reduce) trains, and ends more than 1e-3 off (with beta 0, the forward KL, whose
   upstream gradients sum to -1 over the vocabulary; under beta 0.5 their sum is (1 - beta) KL(student ||
   mixture), so the same bug moves the run by less);
+- on-policy (GKD's lambda 0.2: steps 1, 2 and 4 of the 4 are drawn on-policy and train on the student's own
+  completions of each conversation's prompt, sampled at the layout; step 3 on the records' answers): TP=2 with
+  SP, DP=2 and FSDP DP=2 equal one process;
 - one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
 """
 
@@ -54,24 +57,40 @@ def write_teacher(root):
 
 
 def distill_config(teacher: str, micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
-                   moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], **train):
+                   moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], lmbda: float = 0.0,
+                   **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
     if moe:
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
-    sections = {"sft": {"data": ["records.jsonl"]}, "distill": {"teacher": teacher, **DISTILL, "beta": beta}}
+    sections = {"sft": {"data": ["records.jsonl"]},
+                "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8}}
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, cp=cp, ep=ep, sp=sp, sections=sections,
                          **{"steps": STEPS, "eval_iters": 64, **train})
 
 
+def on_policy_run(trainer):
+    """`shardlm.distill.on_policy` on the synthetic rows: completions of up to 8 tokens, stopped at id 0."""
+    from shardlm.distill.on_policy import OnPolicyDistill
+    from shardlm.eval.generate import SamplingConfig
+    from shardlm.rl.rollout import InProcessGenerator
+
+    generator = InProcessGenerator(trainer.model, trainer.ctx, SamplingConfig(max_new_tokens=8, temperature=1.0),
+                                   {0}, lockstep=trainer.ctx.world_size > 1)
+    return OnPolicyDistill(trainer, generator, pad_id=0)
+
+
 def train_distill(ctx: ParallelContext, config) -> dict:
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
     assert not any(p.requires_grad for p in trainer.teacher.parameters())
-    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    step = on_policy_run(trainer).train_step if config.distill.lmbda else trainer.train_step
+    metrics = [step() for _ in range(STEPS)]
+    curve = [(m["loss"], m["grad_norm"]) for m in metrics]
     assert all(p.grad is None for p in trainer.teacher.parameters())
-    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model),
+            "on_policy": [m.get("on_policy") for m in metrics]}
 
 
 def plain_sum(x, tp):
@@ -89,7 +108,11 @@ def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool =
     if broken:
         divergence._SharedSum.apply = plain_sum
     loss.CHUNK = chunk or 1 << 22  # (the default: one chunk at these sizes)
-    return train_distill(layout_context(tp, pp, cp, ep), distill_config(teacher, tp=tp, cp=cp, ep=ep, **spec))
+    try:
+        return train_distill(layout_context(tp, pp, cp, ep), distill_config(teacher, tp=tp, cp=cp, ep=ep, **spec))
+    finally:
+        if broken:  # the cases after it in this world use the real one again
+            del divergence._SharedSum.apply
 
 
 WORLD2 = {
@@ -101,13 +124,16 @@ WORLD2 = {
     "ep2 moe": ("moe", layout(ep=2, moe=True)),
     "lora tp2 sp": ("lora", layout(tp=2, sp=True, lora=True)),
     "control tp2 unsummed": ("forward kl", layout(tp=2, broken=True, beta=0.0)),
+    "on-policy tp2 sp": ("on-policy", layout(tp=2, sp=True, lmbda=0.2)),
+    "on-policy dp2": ("on-policy", layout(lmbda=0.2)),
+    "on-policy fsdp dp2": ("on-policy", layout(lmbda=0.2, data_sharding="full")),
 }
 WORLD4 = {
     "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
     "cp2 tp2 sp": ("dense", layout(cp=2, tp=2, sp=True)),
 }
 REFERENCES = {"dense": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": 8, "lora": True},
-              "forward kl": {"micro": 8, "beta": 0.0}}
+              "forward kl": {"micro": 8, "beta": 0.0}, "on-policy": {"micro": 8, "lmbda": 0.2}}
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +214,25 @@ def test_a_packed_row_equals_its_documents_alone(teacher):
         alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
     assert abs(packed.item() - alone.item()) <= TOL * abs(alone.item())
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(packed_grads, alone_grads))
+
+
+def test_on_policy_steps_train_on_the_students_completions(reference):
+    """Each step is on-policy with probability lambda, drawn from the seed and the step as the module says; the first
+    on-policy step's loss differs from the offline run's at that step (its tokens are the student's samples, not
+    the records' answers), the steps before it are the offline run's bitwise."""
+    on_policy, offline = reference["on-policy"], reference["dense"]
+    kinds = on_policy["on_policy"]
+    seed = distill_config("unused").train.seed
+    assert kinds == [float(np.random.default_rng([seed, step, 4639]).random() < 0.2) for step in range(STEPS)]
+    assert kinds == [1.0, 1.0, 0.0, 1.0]  # both kinds, at this seed
+    first = kinds.index(1.0)
+    assert on_policy["curve"][:first] == offline["curve"][:first]
+    assert abs(on_policy["curve"][first][0] - offline["curve"][first][0]) > 1e-4 * offline["curve"][first][0]
+
+
+def test_the_prompt_is_cut_before_the_last_answer():
+    from shardlm.distill.on_policy import last_answer_prompt
+
+    row = {"input_ids": np.arange(10), "labels": np.array([-100, -100, 3, 4, -100, -100, 7, 8, 9, -100])}
+    assert last_answer_prompt(row, 0, 10) == [0, 1, 2, 3, 4, 5, 6]  # position 6 predicts the last answer's first
+    assert last_answer_prompt(row, 0, 2) is None

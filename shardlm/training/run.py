@@ -276,6 +276,14 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
             rl_run.restore(Path(resume_from))
         step = rl_run.train_step
         logger.print(line)
+    if config.distill.teacher and config.distill.lmbda > 0:  # GKD's mix: some steps on the student's samples
+        from shardlm.distill.on_policy import start_on_policy
+        from shardlm.sft.dataset import tokenizer_dir
+
+        on_policy, line = start_on_policy(trainer, sft.template, tokenizer_dir(config.sft, config.checkpoint.init_from),
+                                          stop_requested=lambda: signals.terminate_requested)
+        step = on_policy.train_step
+        logger.print(line)
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""

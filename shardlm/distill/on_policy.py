@@ -1,0 +1,108 @@
+"""On-policy distillation (GKD's lambda): a share of the steps train on the student's own completions.
+
+On such a step (drawn from train.seed and the step, the same on every rank) each conversation of the step's rows is
+cut before its last answer: the prompt is its tokens up to the one that predicts that answer's first token. The
+prompts are split over the DP ranks and completed by the student at the training layout (`shardlm.rl.rollout`'s
+KV-cached generator, each sequence from its own seed), gathered, and packed into the step's rows as RL's rounds
+are (`shardlm.rl.batch.StepRows`; completions that no longer fit the step's rows are left out). The divergence
+then runs over the sampled tokens, as over the records' own answers on the other steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardlm.errors import UserError
+
+
+def last_answer_prompt(row: dict, start: int, end: int) -> list[int] | None:
+    """The prompt of the packed document [start, end) of `row` (dict of (T,) arrays): its tokens up to and
+    including the one whose target is its last answer's first token; None for a document with no answer."""
+    trained = np.flatnonzero(row["labels"][start:end] != -100)
+    if not len(trained):
+        return None
+    gaps = np.flatnonzero(np.diff(trained) > 1)
+    first = trained[gaps[-1] + 1] if len(gaps) else trained[0]
+    return row["input_ids"][start:start + first + 1].tolist()
+
+
+def step_prompts(dataset, first_sample: int, rows: int) -> list[list[int]]:
+    """The prompts of every conversation in the step's rows `first_sample` .. `first_sample + rows - 1`."""
+    prompts = []
+    for j in range(rows):
+        row = dataset[first_sample + j]
+        starts = [*np.flatnonzero(row["position_ids"] == 0).tolist(), len(row["position_ids"])]
+        for start, end in zip(starts[:-1], starts[1:]):
+            prompt = last_answer_prompt(row, start, end)
+            if prompt is not None:
+                prompts.append(prompt)
+    return prompts
+
+
+class OnPolicyDistill:
+    """`train_step()` in the trainer's place (module docstring)."""
+
+    def __init__(self, trainer, generator, pad_id: int):
+        self.trainer, self.generator, self.pad_id = trainer, generator, pad_id
+        self.cfg, self.ctx = trainer.config.distill, trainer.ctx
+
+    def on_policy(self, step: int) -> bool:
+        seed = self.trainer.config.train.seed
+        return bool(np.random.default_rng([seed, step, 4639]).random() < self.cfg.lmbda)
+
+    def train_step(self) -> dict:
+        trainer = self.trainer
+        if not self.on_policy(trainer.step):
+            return trainer.train_step() | {"on_policy": 0.0}
+        rows = self.sampled_rows()
+        offline, trainer.train_data = trainer.train_data, rows
+        try:
+            metrics = trainer.train_step()
+        finally:
+            trainer.train_data = offline
+        return metrics | {"on_policy": 1.0, "completion_length": rows.num_tokens / max(rows.num_sequences, 1)}
+
+    def sampled_rows(self):
+        """The step's rows with every last answer replaced by the student's completion."""
+        from shardlm.rl.batch import StepRows
+        from shardlm.rl.rollout import sequence_seed
+        from shardlm.sft.packing import plan_bins
+
+        trainer, ctx = self.trainer, self.ctx
+        t, m = trainer.config.train, trainer.config.model
+        prompts = step_prompts(trainer.train_data, trainer.consumed_samples, t.global_batch_size)
+        share = np.array_split(np.arange(len(prompts)), ctx.dp_size)[ctx.dp_rank].tolist()
+        with trainer.autocast():
+            local = self.generator.generate([prompts[j] for j in share],
+                                            [sequence_seed(t.seed, trainer.step, j) for j in share], trainer.step,
+                                            share)
+        rollouts = [r for part in ctx.dp.all_gather_object(local) for r in part]
+        packing = trainer.config.sft.packing if trainer.config.sft.packing in ("bfd", "ffd") else "bfd"
+        bins = plan_bins([len(r.prompt) + len(r.completion) for r in rollouts], m.seq_length, packing)
+        kept = sorted(j for members in bins[:t.global_batch_size] for j in members)
+        if not kept:
+            raise UserError("no on-policy completion fits model.seq_length; raise it or lower distill.max_new_tokens")
+        rollouts = [rollouts[j] for j in kept]
+        return StepRows(rollouts, np.zeros(len(rollouts)), "dapo", self.cfg.max_new_tokens, False,
+                        t.global_batch_size, m.seq_length, self.pad_id, packing)
+
+
+def start_on_policy(trainer, template, tokenizer_path, stop_requested=None):
+    """(the run's `OnPolicyDistill`, the line that describes it), once the trainer holds the starting weights."""
+    from shardlm.eval.generate import SamplingConfig
+    from shardlm.rl.rollout import InProcessGenerator
+    from shardlm.rl.setup import stop_ids
+
+    cfg = trainer.config.distill
+    eos = template.special_tokens.get("eos_token") or template.end_of_turn
+    eod = template.tokenizer.token_to_id(eos) if eos else None
+    if eod is None:
+        raise UserError("the tokenizer has no end-of-turn token to stop completions at; set sft.end_of_turn")
+    pad = template.special_tokens.get("pad_token") or template.end_of_turn
+    pad_id = template.tokenizer.token_to_id(pad) if pad else None
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sampling_temperature)
+    generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, stop_ids(eod, pad_id, tokenizer_path),
+                                   lockstep=trainer.ctx.world_size > 1, stop_requested=stop_requested)
+    line = (f"distill: on-policy on a share {cfg.lmbda:g} of the steps (completions of at most {cfg.max_new_tokens} "
+            f"tokens sampled by the student at temperature {cfg.sampling_temperature:g})")
+    return OnPolicyDistill(trainer, generator, pad_id if pad_id is not None else 0), line
