@@ -345,6 +345,11 @@ class DistillConfig:
     teacher: str = ""
     """The frozen teacher: a Hugging Face model directory or a shardlm checkpoint (a consolidated file or a sharded
     directory) with the student's vocabulary; empty: no distillation."""
+    loss: str = "jsd"
+    """"jsd": the generalized Jensen-Shannon divergence of the whole next-token distributions (`beta`); "token_kl":
+    on-policy distillation's per-token reverse KL of the row's own tokens, log p_student - log p_teacher at each
+    answer token, minimized as a reward (its gradient (log p_s - log p_t) x grad log p_s, the teacher's score a
+    per-token advantage; meant for on-policy steps, `lmbda` 1, where the tokens are the student's samples)."""
     beta: float = 0.5
     """The generalized Jensen-Shannon divergence's weight of the teacher's side, as TRL's `generalized_jsd_loss`:
     beta KL(teacher || mixture) + (1 - beta) KL(student || mixture), the mixture (1 - beta) student + beta teacher;

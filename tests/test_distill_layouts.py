@@ -15,7 +15,8 @@ within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, ever
   mixture), so the same bug moves the run by less);
 - on-policy (GKD's lambda 0.2: steps 1, 2 and 4 of the 4 are drawn on-policy and train on the student's own
   completions of each conversation's prompt, sampled at the layout; step 3 on the records' answers): TP=2 with
-  SP, DP=2 and FSDP DP=2 equal one process;
+  SP, DP=2 and FSDP DP=2 equal one process; so does the per-token reverse KL of the student's samples
+  (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
 - one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
 """
 
@@ -58,12 +59,13 @@ def write_teacher(root):
 
 def distill_config(teacher: str, micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
                    moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], lmbda: float = 0.0,
-                   **train):
+                   loss: str = "jsd", **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
     if moe:
         model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
     sections = {"sft": {"data": ["records.jsonl"]},
-                "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8}}
+                "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8,
+                            "loss": loss}}
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, cp=cp, ep=ep, sp=sp, sections=sections,
@@ -127,13 +129,15 @@ WORLD2 = {
     "on-policy tp2 sp": ("on-policy", layout(tp=2, sp=True, lmbda=0.2)),
     "on-policy dp2": ("on-policy", layout(lmbda=0.2)),
     "on-policy fsdp dp2": ("on-policy", layout(lmbda=0.2, data_sharding="full")),
+    "token kl on-policy tp2 sp": ("token kl", layout(tp=2, sp=True, lmbda=1.0, loss="token_kl")),
 }
 WORLD4 = {
     "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
     "cp2 tp2 sp": ("dense", layout(cp=2, tp=2, sp=True)),
 }
 REFERENCES = {"dense": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": 8, "lora": True},
-              "forward kl": {"micro": 8, "beta": 0.0}, "on-policy": {"micro": 8, "lmbda": 0.2}}
+              "forward kl": {"micro": 8, "beta": 0.0}, "on-policy": {"micro": 8, "lmbda": 0.2},
+              "token kl": {"micro": 8, "lmbda": 1.0, "loss": "token_kl"}}
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +240,24 @@ def test_the_prompt_is_cut_before_the_last_answer():
     row = {"input_ids": np.arange(10), "labels": np.array([-100, -100, 3, 4, -100, -100, 7, 8, 9, -100])}
     assert last_answer_prompt(row, 0, 10) == [0, 1, 2, 3, 4, 5, 6]  # position 6 predicts the last answer's first
     assert last_answer_prompt(row, 0, 2) is None
+
+
+def test_token_kl_is_the_reverse_kl_of_the_sampled_tokens():
+    """`token_reverse_kl` at one rank against its definition computed directly: values log p_s(x) - log p_t(x),
+    gradient (log p_s(x) - log p_t(x)) grad log p_s(x), with temperature 2."""
+    from shardlm.distill.divergence import token_reverse_kl
+
+    ctx = ParallelContext.single()
+    generator = torch.Generator().manual_seed(0)
+    student = (torch.randn(6, 13, generator=generator) * 3).requires_grad_()
+    teacher = torch.randn(6, 13, generator=generator) * 3
+    targets = torch.randint(0, 11, (6,), generator=generator)  # the last 2 of 13 columns are padding
+    value = token_reverse_kl(student, teacher, targets, ctx.tp, 11, temperature=2.0)
+    s = torch.log_softmax(student[:, :11] / 2.0, dim=-1)
+    t = torch.log_softmax(teacher[:, :11] / 2.0, dim=-1)
+    rows = torch.arange(6)
+    kl = (s[rows, targets] - t[rows, targets]).detach()
+    assert torch.allclose(value, kl, rtol=0, atol=1e-6)
+    (grad,) = torch.autograd.grad(value.sum(), student)
+    (expected,) = torch.autograd.grad((kl * s[rows, targets]).sum(), student)
+    assert torch.allclose(grad, expected, rtol=0, atol=1e-6) and grad[:, 11:].abs().max() == 0

@@ -10,6 +10,7 @@ def check_distill(config, check_paths: bool = True) -> str | None:
     `check_paths`, the teacher is opened and its vocabulary compared with the student's)."""
     d, m = config.distill, config.model
     checks = [
+        (d.loss in ("jsd", "token_kl"), f'distill.loss="{d.loss}" must be "jsd" or "token_kl"'),
         (0 <= d.beta <= 1, f"distill.beta={d.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)"),
         (d.temperature > 0, f"distill.temperature={d.temperature} must be > 0"),
         (d.teacher_dtype in ("fp32", "bf16"), f'distill.teacher_dtype="{d.teacher_dtype}" must be "fp32" or "bf16"'),

@@ -1,5 +1,6 @@
-"""The generalized Jensen-Shannon divergence between a student's and a teacher's next-token distributions, over
-vocabulary-parallel logits: no rank ever holds the whole vocabulary.
+"""The generalized Jensen-Shannon divergence between a student's and a teacher's next-token distributions, and the
+per-token reverse KL of on-policy distillation (`token_reverse_kl`), over vocabulary-parallel logits: no rank ever
+holds the whole vocabulary.
 
 Per position, with s and t the student's and teacher's log-probabilities of logits / temperature and
 m = log((1 - beta) e^s + beta e^t) their mixture's, as TRL's `generalized_jsd_loss` defines it:
@@ -70,3 +71,24 @@ def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, tp: Communicat
         mixture = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
         terms = beta * t.exp() * (t - mixture) + (1 - beta) * s.exp() * (s - mixture)
     return reduce_from_tensor_parallel(terms.sum(dim=-1), tp)
+
+
+def token_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, tp: Communicator,
+                     vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """On-policy distillation's per-token reverse KL of the tokens `targets` (n,): student, teacher (n, V_padded /
+    tp) this rank's logits -> (n,) fp32 losses whose values are log p_s(x) - log p_t(x) (a one-sample estimate of
+    KL(student || teacher) at each token) and whose gradient is (log p_s(x) - log p_t(x)) grad log p_s(x): the
+    teacher's score as a per-token advantage, the REINFORCE form of the reverse KL's gradient when x is sampled
+    from the student. Each rank picks the targets in its slice of the vocabulary; one all-reduce adds them."""
+    local = student.shape[-1]
+    first = tp.rank * local
+    real = max(0, min(local, vocab_size - first))
+    s = log_softmax(student[..., :real].float() / temperature, tp)
+    t = log_softmax(teacher[..., :real].detach().float() / temperature, tp)
+    mine = (targets >= first) & (targets < first + real)
+    index = torch.where(mine, targets - first, 0).unsqueeze(-1)
+    picked = torch.stack([s.gather(-1, index).squeeze(-1), t.gather(-1, index).squeeze(-1)]) * mine
+    picked = reduce_from_tensor_parallel(picked, tp)
+    logp, teacher_logp = picked[0], picked[1]
+    advantage = (logp - teacher_logp).detach()
+    return advantage + advantage * (logp - logp.detach())

@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from shardlm.config import DistillConfig
-from shardlm.distill.divergence import generalized_jsd
+from shardlm.distill.divergence import generalized_jsd, token_reverse_kl
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.parallel import invariant
 
@@ -35,38 +35,45 @@ class DistillLoss:
                                else contextlib.nullcontext()):
             yield
 
-    def token_divergence(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor, answer: torch.Tensor
+    def token_divergence(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor, targets: torch.Tensor
                          ) -> torch.Tensor:
-        """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks), answer
-        (B, T) the positions trained -> (B, T) divergences over the vocabulary-parallel logits there (0 elsewhere:
+        """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks), targets
+        (B, T) (-100: not trained) -> (B, T) divergences over the vocabulary-parallel logits there (0 elsewhere:
         prompts and padding cost nothing). Rows run in chunks of about `CHUNK` logits each, each chunk
         checkpointed: its logits (both models') are computed again in the backward, never all held at once."""
         tp = self.ctx.tp
         student = enter_parallel_region(hidden, tp, self.student.sequence_parallel)
         with self.teacher_context():
             teacher = enter_parallel_region(teacher_hidden, tp, self.teacher.sequence_parallel)
+        answer = targets != -100
         kept = answer.reshape(-1).nonzero().squeeze(-1)
         student = student.reshape(-1, student.shape[-1])[kept]
         teacher = teacher.reshape(-1, teacher.shape[-1])[kept]
+        targets = targets.reshape(-1)[kept]
         rows = max(1, CHUNK // self.student.output_weight.shape[0])
         parts = [checkpoint(self._chunk, student[first:first + rows], teacher[first:first + rows],
-                            use_reentrant=False) for first in range(0, student.shape[0], rows)]
+                            targets[first:first + rows], use_reentrant=False)
+                 for first in range(0, student.shape[0], rows)]
         values = torch.cat(parts) if parts else student.new_zeros(0, dtype=torch.float32)
         out = torch.zeros(answer.numel(), dtype=values.dtype, device=values.device)
         return out.index_copy(0, kept, values).view(answer.shape)
 
-    def _chunk(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        """(n, h) and (n, h_teacher) rows -> (n,) divergences."""
+    def _chunk(self, student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(n, h) and (n, h_teacher) rows and their (n,) target tokens -> (n,) losses (`distill.loss`)."""
         with self.teacher_context():
             teacher_logits = invariant.linear(teacher, self.teacher.output_weight)
-        return generalized_jsd(invariant.linear(student, self.student.output_weight), teacher_logits, self.ctx.tp,
-                               self.student.cfg.vocab_size, self.cfg.beta, self.cfg.temperature)
+        student_logits = invariant.linear(student, self.student.output_weight)
+        vocab = self.student.cfg.vocab_size
+        if self.cfg.loss == "token_kl":
+            return token_reverse_kl(student_logits, teacher_logits, targets, self.ctx.tp, vocab, self.cfg.temperature)
+        return generalized_jsd(student_logits, teacher_logits, self.ctx.tp, vocab, self.cfg.beta, self.cfg.temperature)
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
         with self.teacher_context():
             teacher_hidden = self.teacher(batch["inputs"], documents=batch["documents"], hidden_only=True)
-        answer = batch["targets"] != -100
         divergence = forward(batch["inputs"], documents=batch["documents"],
-                             then=lambda hidden: self.token_divergence(hidden, teacher_hidden, answer))
+                             then=lambda hidden: self.token_divergence(hidden, teacher_hidden, batch["targets"]))
         total = divergence.sum()
-        return total / batch["divisor"] if batch["divisor"] is not None else total / answer.sum().clamp(min=1)
+        if batch["divisor"] is not None:
+            return total / batch["divisor"]
+        return total / (batch["targets"] != -100).sum().clamp(min=1)
