@@ -125,12 +125,14 @@ def test_a_teacher_with_another_tokenizer_is_refused(config, data_dir, teacher, 
     assert not (tmp_path / "run").exists()
 
 
-def test_pipeline_stages_are_refused_in_one_line(config):
+def test_on_policy_steps_under_pipeline_stages_are_refused_in_one_line(config):
     from shardlm.config import load_config
     from shardlm.distill import check_distill
 
-    problem = check_distill(load_config(config, ["parallel.pipeline=2"]), check_paths=False)
-    assert problem.startswith("distill runs without pipeline stages for now") and "\n" not in problem
+    assert check_distill(load_config(config, ["parallel.pipeline=2"]), check_paths=False) is None
+    problem = check_distill(load_config(config, ["parallel.pipeline=2", "distill.lmbda=0.5"]), check_paths=False)
+    assert problem.startswith("on-policy distillation (distill.lmbda > 0) samples without pipeline stages")
+    assert "\n" not in problem
 
 
 @pytest.mark.timeout(300)

@@ -1,14 +1,15 @@
 """Distillation is the same run at every layout: a frozen teacher's distributions at the student's layout.
 
-Teacher: a random transformers Qwen3 (3 layers, hidden 48, q/k norms, untied output layer, norm weights spread,
+Teacher: a random transformers Qwen3 (4 layers, hidden 48, q/k norms, untied output layer, norm weights spread,
 its output layer scaled up so its distributions are far from uniform), saved as a Hugging Face directory and read
 by shardlm at each layout (`distill.teacher`). Student: the 4-layer Llama of `test_sft_layouts` on its packed SFT
 rows (prompts not trained), the generalized JSD with beta 0.5 and temperature 2. Each layout against one process
 within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, every parameter on every rank):
 - world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count; also with the divergence
-  computed in checkpointed chunks of 5 rows, against one chunk in the reference), DP=2 with ZeRO-1, FSDP
+  computed in checkpointed chunks of 5 rows, against one chunk in the reference), PP=2 and PP=2 x 2 virtual
+  stages (the teacher's 4 layers over the same stages, its hidden states handed to the last), DP=2 with ZeRO-1, FSDP
   DP=2, CP=2, EP=2 (a MoE student), a LoRA student at TP=2 with SP;
-- world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP;
+- world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP, PP=2 x TP=2 with SP;
 - the control: at TP=2 the student's sum of exponentials reduced without summing its gradient over the ranks
   (the backward of a plain all-reduce) trains, and ends more than 1e-3 off (with beta 0, the forward KL, whose
   upstream gradients sum to -1 over the vocabulary; under beta 0.5 their sum is (1 - beta) KL(student ||
@@ -50,14 +51,15 @@ def write_teacher(root):
     from test_lora_peft import save_random
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
                          tie_word_embeddings=False)
     save_random(Qwen3ForCausalLM, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
     return str(root)
 
 
-def distill_config(teacher: str, micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
+def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
+                   virtual: int = 1,
                    moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], lmbda: float = 0.0,
                    loss: str = "jsd", **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
@@ -68,7 +70,7 @@ def distill_config(teacher: str, micro: int = 2, tp: int = 1, cp: int = 1, ep: i
                             "loss": loss}}
     if lora:
         sections["lora"] = LORA
-    return layout_config(model, micro=micro, tp=tp, cp=cp, ep=ep, sp=sp, sections=sections,
+    return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
                          **{"steps": STEPS, "eval_iters": 64, **train})
 
 
@@ -111,7 +113,8 @@ def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool =
         divergence._SharedSum.apply = plain_sum
     loss.CHUNK = chunk or 1 << 22  # (the default: one chunk at these sizes)
     try:
-        return train_distill(layout_context(tp, pp, cp, ep), distill_config(teacher, tp=tp, cp=cp, ep=ep, **spec))
+        return train_distill(layout_context(tp, pp, cp, ep),
+                             distill_config(teacher, tp=tp, pp=pp, cp=cp, ep=ep, **spec))
     finally:
         if broken:  # the cases after it in this world use the real one again
             del divergence._SharedSum.apply
@@ -121,6 +124,8 @@ WORLD2 = {
     "tp2 sp": ("dense", layout(tp=2, sp=True)),
     "tp2 sp chunks of 5 rows": ("dense", layout(tp=2, sp=True, chunk=5 * 256)),
     "dp2 zero1": ("dense", layout(distributed_optimizer=True)),
+    "pp2": ("dense", layout(pp=2, micro=1)),
+    "pp2 virtual2": ("dense", layout(pp=2, virtual=2, micro=1)),
     "fsdp dp2": ("dense", layout(data_sharding="full")),
     "cp2": ("dense", layout(cp=2)),
     "ep2 moe": ("moe", layout(ep=2, moe=True)),
@@ -134,6 +139,7 @@ WORLD2 = {
 WORLD4 = {
     "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
     "cp2 tp2 sp": ("dense", layout(cp=2, tp=2, sp=True)),
+    "pp2 tp2 sp": ("dense", layout(pp=2, tp=2, sp=True, micro=1)),
 }
 REFERENCES = {"dense": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": 8, "lora": True},
               "forward kl": {"micro": 8, "beta": 0.0}, "on-policy": {"micro": 8, "lmbda": 0.2},

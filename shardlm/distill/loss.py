@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardlm.config import DistillConfig
 from shardlm.distill.divergence import generalized_jsd, token_reverse_kl
+from shardlm.distill.teacher import pipelined_hidden
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.parallel import invariant
 
@@ -67,6 +68,19 @@ class DistillLoss:
         if self.cfg.loss == "token_kl":
             return token_reverse_kl(student_logits, teacher_logits, targets, self.ctx.tp, vocab, self.cfg.temperature)
         return generalized_jsd(student_logits, teacher_logits, self.ctx.tp, vocab, self.cfg.beta, self.cfg.temperature)
+
+    def teacher_pass(self, batches: list[dict]) -> None:
+        """Under pipeline stages, before the student's schedule runs `batches`: the teacher's final hidden states of
+        each, through its own stages (`pipelined_hidden`), kept in the micro-batch dict on the last stage."""
+        with self.teacher_context():
+            for batch in batches:
+                batch["teacher_hidden"] = pipelined_hidden(self.teacher, batch["inputs"], batch["documents"],
+                                                           self.ctx)
+
+    def of_hidden(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The last pipeline stage's loss of one micro-batch from the student's final-norm output."""
+        total = self.token_divergence(hidden, batch["teacher_hidden"], batch["targets"]).sum()
+        return total / batch["divisor"]
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
         with self.teacher_context():

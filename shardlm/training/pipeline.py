@@ -81,6 +81,7 @@ class PipelineRunner:
         self._running: list = self.stages  # the stages of the schedule being run
         self._batches: list = []  # the dicts of the micro-batches being run
         self.sequence_loss = None  # (token losses (b, T), micro-batch dict) -> loss, for a loss of sequences
+        self.hidden_loss = None  # (final-norm output, micro-batch dict) -> loss, for a loss of hidden states
 
     def record_timeline(self, timeline: list | None) -> None:
         """Append every compute action of the following steps to `timeline` as (kind, stage, micro-batch, start,
@@ -99,6 +100,12 @@ class PipelineRunner:
         the multi-token-prediction depths' per-token losses (D, B, T) (`StageModule`; empty on the schedule's
         shape inference); targets (B, T)."""
         hidden, depth_losses = output if isinstance(output, tuple) else (output, None)
+        if self.hidden_loss is not None:  # distillation: the divergence from the teacher's recorded hidden states
+            chunk = self._running[-1].chunk_id
+            loss = hidden.sum() * 0.0 if chunk is None else self.hidden_loss(hidden, self._batches[chunk])
+            if chunk is not None:
+                self._losses.append(loss.detach())
+            return loss * self.loss_factor
         losses = self.model.output_loss(hidden, targets)
         if self.sequence_loss is not None:
             chunk = self._running[-1].chunk_id

@@ -122,6 +122,8 @@ class Trainer:
 
             self.teacher = load_teacher(config, ctx)
             self.loss = DistillLoss(config.distill, ctx, self.model, self.teacher)
+            if self.pipeline is not None:
+                self.pipeline.hidden_loss = self.loss.of_hidden
         # what the optimizer updates: the parameters, or the master weights' segments
         self.update_params = self.master.segments if self.master else self.fsdp.shards if self.fsdp else self.params
         self.sharded_over_dp = bool(self.master and self.master.shard) or self.fsdp is not None
@@ -278,6 +280,8 @@ class Trainer:
     def pipeline_reference(self, batches: list) -> None:
         """Under pipeline stages, a LoRA preference run's reference log-probabilities (the base, adapters off):
         one forward pass of the micro-batches through the stages before their step or evaluation."""
+        if self.teacher is not None:  # distillation: the teacher's hidden states, through its own stages
+            self.loss.teacher_pass(batches)
         if self.preference and self.loss.needs_reference_pass(batches):
             from shardlm.preference.loss import adapters_off
 
