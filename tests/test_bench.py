@@ -25,10 +25,10 @@ pytestmark = pytest.mark.timeout(700)
 def quick_run(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the rl and qlora_memory sections have their own quick runs and checks (tests/test_bench_rl.py,
-    # tests/test_bench_qlora.py)
-    proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--skip", "rl", "qlora_memory", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600, env=env)
+    # the rl, qlora_memory and distill sections have their own quick runs and checks (tests/test_bench_rl.py,
+    # tests/test_bench_qlora.py, tests/test_bench_distill.py)
+    proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--skip", "rl", "qlora_memory", "distill",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     return proc, out
 
 
@@ -40,7 +40,11 @@ def test_every_section_runs(quick_run):
     assert results["quick"] is True
 
 
-@pytest.mark.parametrize("key", [k for k in KEYS if not k.startswith(("rl.", "qlora_memory."))])  # their own tests
+OWN_TESTS = ("rl.", "qlora_memory.", "distill.")
+"""Sections whose keys their own quick runs check."""
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if not k.startswith(OWN_TESTS)])
 def test_documented_key_holds_a_value(quick_run, key):
     results = json.loads((quick_run[1] / "benchmarks.json").read_text())
     value = results

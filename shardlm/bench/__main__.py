@@ -11,7 +11,8 @@ saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
 over packed rows, throughput against TRL's SFTTrainer, packing efficiency), LoRA against TRL + peft, QLoRA's memory
 per rank at one process and FSDP DP=2 against `shardlm plan`'s, DPO against
-TRL's DPOTrainer, GRPO steps and decoding against TRL's GRPOTrainer and transformers' generate,
+TRL's DPOTrainer, GRPO steps and decoding against TRL's GRPOTrainer and transformers' generate, knowledge
+distillation against TRL's GKDTrainer (offline, the teacher's share of the step),
 Muon against AdamW, checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke
 test of the harness, not figures to quote).
 """
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "qlora_memory": lambda: _qlora_memory(args.quick),
         "preference": lambda: _preference(args.quick),
         "rl": lambda: _rl(args.quick),
+        "distill": lambda: _distill(args.quick),
         "optimizers": lambda: _optimizers(args.quick, args.out),
         "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
         "preprocess": lambda: _preprocess(args.quick),
@@ -200,6 +202,12 @@ def _rl(quick):
     from shardlm.bench.rl import rl_bench
 
     return rl_bench(quick)
+
+
+def _distill(quick):
+    from shardlm.bench.distill import distill_bench
+
+    return distill_bench(quick)
 
 
 def _optimizers(quick, out):

@@ -143,6 +143,19 @@ KEYS = {
                                "weights swapped in)",
     "rl.decode.ratio": "shardlm InProcessGenerator's new tokens/s / transformers generate's (both with a KV cache) on "
                        "the same weights and sequences, per round",
+    "distill.ratio": "shardlm distillation real tokens/s / TRL GKDTrainer's as shipped (offline: lmbda 0, seq_kd "
+                     "off) on the sft section's tiny Qwen3 student, a larger Qwen3 teacher and the Dolly records, per "
+                     "pair of steps (the two take turns); goal 1.5",
+    "distill.shardlm_tokens_per_sec": "per trainer (shardlm, trl): tokens_per_sec, step_ms and real_tokens_per_step "
+                                      "after the warm-up steps; ratio_of_totals, trl_conversations_per_step",
+    "distill.shardlm_teacher_share": "seconds of a step inside the loss's teacher_context blocks (the teacher's "
+                                     "layers, its output layer in each checkpointed chunk of the divergence and "
+                                     "again in the backward's recomputation) / shardlm's step seconds, per step; "
+                                     "shardlm_teacher_ms the seconds, shardlm_teacher_layers_ms the layers' part "
+                                     "(forward hooks), shardlm_teacher_forward_calls (one a micro-batch) and "
+                                     "shardlm_teacher_blocks per step",
+    "distill.trl_teacher_share": "the same of TRL's teacher_model forward (LM head included, forward hooks) / its "
+                                 "step seconds; trl_teacher_ms, trl_teacher_forward_calls (one a conversation)",
     "lora.ratio_lora_over_full": "shardlm LoRA tokens/s / shardlm fine-tuning every weight, per round",
     "optimizers.muon_minus_adamw_best_valid_loss": "best final validation loss of Muon minus AdamW's over the "
                                                     "learning-rate sweep (same steps and tokens; < 0: Muon better)",
@@ -322,6 +335,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.rl import markdown_lines as rl_lines
 
         lines += rl_lines(r["rl"])
+    if r.get("distill"):
+        from shardlm.bench.distill import markdown_lines as distill_lines
+
+        lines += distill_lines(r["distill"])
     if r.get("optimizers"):
         from shardlm.bench.optimizers import markdown_lines as optimizer_lines
 
