@@ -8,7 +8,8 @@ within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, ever
 - world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count; also with the divergence
   computed in checkpointed chunks of 5 rows, against one chunk in the reference), PP=2 and PP=2 x 2 virtual
   stages (the teacher's 4 layers over the same stages, its hidden states handed to the last), DP=2 with ZeRO-1, FSDP
-  DP=2, CP=2, EP=2 (a MoE student), a LoRA student at TP=2 with SP;
+  DP=2, CP=2, EP=2 (a MoE student; also with a Qwen3-MoE teacher, whose experts split over EP too), a LoRA student
+  at TP=2 with SP;
 - world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP, PP=2 x TP=2 with SP;
 - the control: at TP=2 the student's sum of exponentials reduced without summing its gradient over the ranks
   (the backward of a plain all-reduce) trains, and ends more than 1e-3 off (with beta 0, the forward KL, whose
@@ -55,6 +56,19 @@ def write_teacher(root):
                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
                          tie_word_embeddings=False)
     save_random(Qwen3ForCausalLM, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
+    return str(root)
+
+
+def write_moe_teacher(root):
+    """A random transformers Qwen3-MoE teacher (2 layers of 4 experts, top-2) in `root`; its path as text."""
+    from test_lora_peft import save_random
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, moe_intermediate_size=32,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=False,
+                            norm_topk_prob=True)
+    save_random(Qwen3MoeForCausalLM, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
     return str(root)
 
 
@@ -129,6 +143,7 @@ WORLD2 = {
     "fsdp dp2": ("dense", layout(data_sharding="full")),
     "cp2": ("dense", layout(cp=2)),
     "ep2 moe": ("moe", layout(ep=2, moe=True)),
+    "ep2 moe teacher": ("moe teacher", layout(ep=2, moe=True)),
     "lora tp2 sp": ("lora", layout(tp=2, sp=True, lora=True)),
     "control tp2 unsummed": ("forward kl", layout(tp=2, broken=True, beta=0.0)),
     "on-policy tp2 sp": ("on-policy", layout(tp=2, sp=True, lmbda=0.2)),
@@ -143,7 +158,8 @@ WORLD4 = {
 }
 REFERENCES = {"dense": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": 8, "lora": True},
               "forward kl": {"micro": 8, "beta": 0.0}, "on-policy": {"micro": 8, "lmbda": 0.2},
-              "token kl": {"micro": 8, "lmbda": 1.0, "loss": "token_kl"}}
+              "token kl": {"micro": 8, "lmbda": 1.0, "loss": "token_kl"},
+              "moe teacher": {"micro": 2, "moe": True}}
 
 
 @pytest.fixture(scope="module")
@@ -151,23 +167,30 @@ def teacher(tmp_path_factory):
     return write_teacher(tmp_path_factory.mktemp("teacher"))
 
 
-def with_teacher(cases: dict, teacher: str) -> dict:
-    return {name: (ref, {**spec, "teacher": teacher}) for name, (ref, spec) in cases.items()}
+@pytest.fixture(scope="module")
+def moe_teacher(tmp_path_factory):
+    return write_moe_teacher(tmp_path_factory.mktemp("moe-teacher"))
+
+
+def with_teacher(cases: dict, teacher: str, moe_teacher: str) -> dict:
+    return {name: (ref, {**spec, "teacher": moe_teacher if "moe teacher" in name else teacher})
+            for name, (ref, spec) in cases.items()}
 
 
 @pytest.fixture(scope="module")
-def world2(teacher):
-    return spawn_layouts(2, run_distill, with_teacher(WORLD2, teacher))
+def world2(teacher, moe_teacher):
+    return spawn_layouts(2, run_distill, with_teacher(WORLD2, teacher, moe_teacher))
 
 
 @pytest.fixture(scope="module")
-def world4(teacher):
-    return spawn_layouts(4, run_distill, with_teacher(WORLD4, teacher))
+def world4(teacher, moe_teacher):
+    return spawn_layouts(4, run_distill, with_teacher(WORLD4, teacher, moe_teacher))
 
 
 @pytest.fixture(scope="module")
-def reference(teacher):
-    return {kind: train_distill(ParallelContext.single(), distill_config(teacher, **spec))
+def reference(teacher, moe_teacher):
+    return {kind: train_distill(ParallelContext.single(), distill_config(moe_teacher if "moe teacher" in kind
+                                                                        else teacher, **spec))
             for kind, spec in REFERENCES.items()}
 
 
