@@ -91,7 +91,7 @@ def test_each_side_reads_real_tokens_of_its_batch(run):
     """shardlm reads rows_per_step rows of seq_length tokens, TRL trl_conversations_per_step conversations of at
     most seq_length tokens: their real tokens fit, and both see real tokens every step."""
     r = run[0]["distill"]
-    assert r["trl_conversations_per_step"] >= 1 and r["trl_gradient_checkpointing"] is True  # TRL's default
+    assert r["trl_conversations_per_step"] >= 1 and isinstance(r["trl_gradient_checkpointing"], bool)
     assert all(0 < n <= SHAPE.rows_per_step * SHAPE.seq_length for n in _values(r["shardlm_real_tokens_per_step"]))
     limit = r["trl_conversations_per_step"] * SHAPE.seq_length
     assert all(0 < n <= limit for n in _values(r["trl_real_tokens_per_step"]))
@@ -129,6 +129,7 @@ def test_the_goal_reads_the_ratio_and_the_report_states_the_figures(run):
                 f" | {_as_reported(r[f'{name}_real_tokens_per_step'], 0)} | {_as_reported(r[f'{name}_teacher_ms'], 0)}"
                 f" | {_as_reported(r[f'{name}_teacher_share'])} |") in text
     assert f"total tokens over total seconds: {r['ratio_of_totals']:.2f}" in text
+    assert f"gradient checkpointing {'on, its default' if r['trl_gradient_checkpointing'] else 'off'})" in text
     assert (f"{_as_reported(r['shardlm_teacher_layers_ms'], 0)} ms of it" in text
             and f"({r['shardlm_teacher_blocks']} blocks in the measured steps, "
                 f"{r['shardlm_teacher_forward_calls']} forward calls)" in text
