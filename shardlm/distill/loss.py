@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from shardlm.config import DistillConfig
 from shardlm.distill.divergence import generalized_jsd, token_reverse_kl
@@ -17,6 +16,7 @@ from shardlm.parallel import invariant
 
 CHUNK = 1 << 22
 """Logits (rows x this rank's vocabulary slice) a chunk of the divergence computes at once: 16 MiB in fp32."""
+
 
 
 class DistillLoss:
@@ -41,7 +41,7 @@ class DistillLoss:
         """(B, T, h) student and (B, T, h_teacher) teacher final-norm outputs (or their sequence chunks), targets
         (B, T) (-100: not trained) -> (B, T) divergences over the vocabulary-parallel logits there (0 elsewhere:
         prompts and padding cost nothing). Rows run in chunks of about `CHUNK` logits each, each chunk
-        checkpointed: its logits (both models') are computed again in the backward, never all held at once."""
+        computed once in the forward with their gradients (`_Chunked`), never all held at once."""
         tp = self.ctx.tp
         student = enter_parallel_region(hidden, tp, self.student.sequence_parallel)
         with self.teacher_context():
@@ -51,19 +51,23 @@ class DistillLoss:
         student = student.reshape(-1, student.shape[-1])[kept]
         teacher = teacher.reshape(-1, teacher.shape[-1])[kept]
         targets = targets.reshape(-1)[kept]
-        rows = max(1, CHUNK // self.student.output_weight.shape[0])
-        parts = [checkpoint(self._chunk, student[first:first + rows], teacher[first:first + rows],
-                            targets[first:first + rows], use_reentrant=False)
-                 for first in range(0, student.shape[0], rows)]
-        values = torch.cat(parts) if parts else student.new_zeros(0, dtype=torch.float32)
+        weight = self.student.output_weight
+        if torch.is_grad_enabled():
+            values = _Chunked.apply(student, weight, teacher, targets, self)
+        else:  # evaluation: the values alone
+            step = max(1, CHUNK // weight.shape[0])
+            values = torch.cat([self._chunk(student[i:i + step], weight, teacher[i:i + step], targets[i:i + step])
+                                for i in range(0, student.shape[0], step)] or [student.new_zeros(0)]).float()
         out = torch.zeros(answer.numel(), dtype=values.dtype, device=values.device)
         return out.index_copy(0, kept, values).view(answer.shape)
 
-    def _chunk(self, student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(n, h) and (n, h_teacher) rows and their (n,) target tokens -> (n,) losses (`distill.loss`)."""
+    def _chunk(self, student: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor
+               ) -> torch.Tensor:
+        """(n, h) and (n, h_teacher) rows, the student's output weight and the rows' (n,) target tokens -> (n,)
+        losses (`distill.loss`)."""
         with self.teacher_context():
             teacher_logits = invariant.linear(teacher, self.teacher.output_weight)
-        student_logits = invariant.linear(student, self.student.output_weight)
+        student_logits = invariant.linear(student, weight)
         vocab = self.student.cfg.vocab_size
         if self.cfg.loss == "token_kl":
             return token_reverse_kl(student_logits, teacher_logits, targets, self.ctx.tp, vocab, self.cfg.temperature)
@@ -91,3 +95,35 @@ class DistillLoss:
         if batch["divisor"] is not None:
             return total / batch["divisor"]
         return total / (batch["targets"] != -100).sum().clamp(min=1)
+
+
+class _Chunked(torch.autograd.Function):
+    """The divergence of (n, h) student rows in chunks of about `CHUNK` logits: each chunk's logits (both models')
+    are computed once, in the forward, with the gradient of its losses with respect to the rows and the output
+    weight taken there and then (as `linear_cross_entropy` does), so no chunk runs again in the backward and no
+    chunk's logits outlive it. The backward scales those gradients by the upstream gradient, which the loss (a sum
+    over tokens over one divisor) makes the same for every row."""
+
+    @staticmethod
+    def forward(ctx, student, weight, teacher, targets, loss: DistillLoss):
+        rows_grad, weight_grad = torch.zeros_like(student), torch.zeros_like(weight)
+        step = max(1, CHUNK // weight.shape[0])
+        values = []
+        for first in range(0, student.shape[0], step):
+            with torch.enable_grad():
+                rows = student[first:first + step].detach().requires_grad_()
+                w = weight.detach().requires_grad_()
+                value = loss._chunk(rows, w, teacher[first:first + step], targets[first:first + step])
+                grads = torch.autograd.grad(value.sum(), (rows, w))
+            rows_grad[first:first + step] = grads[0]
+            weight_grad += grads[1]
+            values.append(value.detach())
+        ctx.save_for_backward(rows_grad, weight_grad)
+        return torch.cat(values) if values else student.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows_grad, weight_grad = ctx.saved_tensors
+        scale = grad[0] if grad.numel() else grad.new_zeros(())
+        return rows_grad * grad.unsqueeze(-1).to(rows_grad.dtype), weight_grad * scale.to(weight_grad.dtype), \
+            None, None, None
