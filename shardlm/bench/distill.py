@@ -23,9 +23,9 @@ TRL's `num_input_tokens_seen` over the attention masks, shardlm's rows' document
 TRL's per pair of steps (the goal: >= 1.5, `shardlm.bench.goals`).
 
 The teacher's share of a step (`TeacherClock`, read around each step, so it counts that step's teacher work alone):
-shardlm's teacher runs its layers as a module call of the loss and its output layer inside the divergence's
-checkpointed chunks (`shardlm.distill.loss.DistillLoss`), and again when the backward recomputes each chunk, all
-inside the loss's `teacher_context` blocks: the seconds inside those blocks (the bench wraps the method on the loss
+shardlm's teacher runs its layers as a module call of the loss and its output layer once in each chunk of the
+divergence (`shardlm.distill.loss.DistillLoss`; the chunk's gradient is taken in the forward), all inside the
+loss's `teacher_context` blocks: the seconds inside those blocks (the bench wraps the method on the loss
 instance) over the step's; `shardlm_teacher_layers_ms` is the layers' part, between a forward pre-hook and a forward
 hook on the teacher module. TRL's teacher is one forward per micro-batch, LM head included, timed by the same hooks
 on its `teacher_model`.
@@ -275,8 +275,8 @@ def markdown_lines(r: dict) -> list[str]:
               "step spent in the teacher, over the step's. shardlm's: inside the loss's `teacher_context` blocks "
               "(timed by a wrapper of that method on the loss): the teacher's layers (a module call; "
               f"{median_cell(r['shardlm_teacher_layers_ms'], digits=0)} ms of it, between a forward pre-hook and a "
-              "forward hook) and its output layer in each checkpointed chunk of the divergence, computed again when "
-              f"the backward recomputes the chunk ({r['shardlm_teacher_blocks']} blocks in the measured steps, "
+              "forward hook) and its output layer once in each chunk of the divergence "
+              f"({r['shardlm_teacher_blocks']} blocks in the measured steps, "
               f"{r['shardlm_teacher_forward_calls']} forward calls). TRL's: its `teacher_model`'s forward, LM head "
               f"included, between the same hooks ({r['trl_teacher_forward_calls']} calls, one a conversation).", ""]
     return lines

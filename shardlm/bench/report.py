@@ -149,8 +149,8 @@ KEYS = {
     "distill.shardlm_tokens_per_sec": "per trainer (shardlm, trl): tokens_per_sec, step_ms and real_tokens_per_step "
                                       "after the warm-up steps; ratio_of_totals, trl_conversations_per_step",
     "distill.shardlm_teacher_share": "seconds of a step inside the loss's teacher_context blocks (the teacher's "
-                                     "layers, its output layer in each checkpointed chunk of the divergence and "
-                                     "again in the backward's recomputation) / shardlm's step seconds, per step; "
+                                     "layers and its output layer in each chunk of the divergence) / shardlm's "
+                                     "step seconds, per step; "
                                      "shardlm_teacher_ms the seconds, shardlm_teacher_layers_ms the layers' part "
                                      "(forward hooks), shardlm_teacher_forward_calls (one a micro-batch) and "
                                      "shardlm_teacher_blocks per step",
