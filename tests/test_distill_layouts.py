@@ -6,7 +6,7 @@ by shardlm at each layout (`distill.teacher`). Student: the 4-layer Llama of `te
 rows (prompts not trained), the generalized JSD with beta 0.5 and temperature 2. Each layout against one process
 within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, every parameter on every rank):
 - world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count; also with the divergence
-  computed in checkpointed chunks of 5 rows, against one chunk in the reference), PP=2 and PP=2 x 2 virtual
+  computed in chunks of 5 rows, against one chunk in the reference), PP=2 and PP=2 x 2 virtual
   stages (the teacher's 4 layers over the same stages, its hidden states handed to the last), DP=2 with ZeRO-1, FSDP
   DP=2, CP=2, EP=2 (a MoE student; also with a Qwen3-MoE teacher, whose experts split over EP too), a LoRA student
   at TP=2 with SP;
