@@ -21,14 +21,10 @@ builds. One process, no process groups (a TP > 1 rank is built with size-N commu
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
 
-from shardlm.cli import main
 from shardlm.config import LoraConfig, from_dict
 from shardlm.lora import nf4
 from shardlm.lora.apply import adaptable, add_adapters, quantize_base
@@ -36,20 +32,17 @@ from shardlm.models import build_model
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.comm import CommStats, Communicator
-from shardlm.plan.hardware import gpu_preset
 from shardlm.plan.lora import BASE_BYTES, lora_count, nf4_rank_bytes
 from shardlm.plan.lora_memory import (
     lora_fsdp_gathered_bytes,
     lora_fsdp_state_memory,
     lora_state_memory,
-    lora_summary,
     saved_weight_bytes,
     working_copy_bytes,
 )
 from shardlm.plan.measure import measure_trainer_memory, saved_activation_bytes
 from shardlm.plan.memory import numeric_format
-from shardlm.plan.models import MODEL_PRESETS, PlannedModel
-from shardlm.plan.planner import PlanRequest, plan
+from shardlm.plan.models import MODEL_PRESETS
 from shardlm.training.trainer import Trainer
 
 from layouts import MLA as LAYOUT_MLA
@@ -382,95 +375,3 @@ def test_fsdp_gathers_the_root_two_layers_with_their_nf4_and_the_trainables_grad
         4 * count.trainable.total
     assert lora_fsdp_gathered_bytes(count, w, 4, pipeline=True) == \
         (count.frozen + count.trainable.total) * w + count.nf4_bytes + 4 * count.trainable.total
-
-
-# ------------------------------------------------------------------------------------------------ the planner
-
-def request(lora: LoraConfig, **kwargs) -> PlanRequest:
-    cfg = replace(MODEL_PRESETS["llama3-8b"], seq_length=2048)
-    return PlanRequest(model=PlannedModel("llama3-8b", cfg, lora), gpu=gpu_preset("h100"),
-                       **({"gpus": 2, "global_batch": 8} | kwargs))
-
-
-def test_the_plans_rows_are_the_lora_state_and_qlora_is_smaller():
-    qlora = LoraConfig(rank=16, quantize="nf4")
-    cfg = replace(MODEL_PRESETS["llama3-8b"], seq_length=2048)
-    rows = {}
-    for name, lora in (("full", LoraConfig()), ("lora", LoraConfig(rank=16)), ("qlora", qlora)):
-        result = plan(request(lora, pipeline=1, data_sharding="none", recompute="full", micro_batch=1))
-        rows[name] = {row.tp: row for row in result.rows}
-    fmt = numeric_format("bf16")
-    for tp in (1, 2):
-        count = lora_count(cfg, qlora, tp)
-        row = rows["qlora"][tp]
-        assert row.state == lora_state_memory(count, fmt, 2 // tp)
-        assert row.choice.dequantized == 4 * count.layer_quantized > 0
-        assert row.choice.total_bytes == row.state.total + row.choice.activation_peak + row.choice.gathered + \
-            row.choice.dequantized + int(2.0 * 1e9)  # the default reserve
-        assert rows["lora"][tp].choice.dequantized == 0
-        assert rows["qlora"][tp].state.total < rows["lora"][tp].state.total < rows["full"][tp].state.total
-    # FSDP at DP=2 shards the adapters, their moments and the NF4 base over the two ranks
-    fsdp = plan(request(qlora, pipeline=1, data_sharding="full", recompute="full", micro_batch=1))
-    row = next(r for r in fsdp.rows if r.tp == 1)
-    assert row.state == lora_fsdp_state_memory(lora_count(cfg, qlora, 1), 2)
-    assert row.choice.gathered == lora_fsdp_gathered_bytes(lora_count(cfg, qlora, 1), 4, 4)
-
-
-def test_the_plans_activations_add_what_lora_layers_save_beyond_full_fine_tuning():
-    cfg = replace(MODEL_PRESETS["llama3-8b"], seq_length=2048)
-    lora, qlora = LoraConfig(rank=16), LoraConfig(rank=16, quantize="nf4")
-
-    def per_layer(config: LoraConfig, **kwargs) -> int:
-        result = plan(request(config, pipeline=1, micro_batch=1, data_sharding="none", **kwargs))
-        return next(row for row in result.rows if row.tp == 1).choice.activations.per_layer
-
-    fp32 = {"precision": "fp32"}
-    for recompute in ("full", "none"):
-        extra = per_layer(qlora, recompute=recompute, **fp32) - per_layer(LoraConfig(), recompute=recompute, **fp32)
-        assert extra == saved_weight_bytes(cfg, qlora, 1, 1, numeric_format("fp32"), recompute)
-    assert extra == 0  # without full recomputation the dequantized weights are dequantized again in the backward
-    # Llama 3 8B's layer: q, o 4096 x 4096, k, v 1024 x 4096, gate, up, down 14,336 x 4096; 4 bytes each in fp32
-    matrix = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
-    assert saved_weight_bytes(cfg, qlora, 1, 1, numeric_format("fp32"), "full") == 4 * matrix
-    half = {"precision": "bf16", "param_dtype": "half", "recompute": "none"}
-    assert per_layer(lora, **half) - per_layer(LoraConfig(), **half) == 2 * matrix  # autocast's copies of fp32 base
-    assert per_layer(lora, recompute="none") == per_layer(LoraConfig(), recompute="none")  # fp32 parameters: counted
-
-
-def test_the_command_line_prints_the_qlora_line_and_json(tmp_path, capsys):
-    path = tmp_path / "qlora.toml"
-    path.write_text('[model]\narch = "llama"\nnum_layers = 4\nhidden_size = 256\nnum_heads = 4\nnum_kv_heads = 2\n'
-                    'seq_length = 256\nvocab_size = 1000\n\n[lora]\nrank = 8\nquantize = "nf4"\n'
-                    'modules_to_save = ["norm"]\n')
-    args = ["plan", "--model", str(path), "--gpus", "2", "--gpu", "h100", "--global-batch", "8"]
-    assert main(args) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    cfg = ModelConfig(arch="llama", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, seq_length=256,
-                      vocab_size=1000)
-    lora = LoraConfig(rank=8, quantize="nf4", modules_to_save=["norm"])
-    count = lora_count(cfg, lora, 1)
-    assert f"QLoRA r=8 on all-linear + norm (whole model): adapters {count.adapters:,} parameters" in out
-    assert f"in NF4 at {count.bits_per_weight:.3f} bits a weight" in out and "counted once" in out
-    assert main([*args, "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["lora"] == json.loads(json.dumps(lora_summary(cfg, lora, numeric_format("bf16"))))
-    assert data["lora"]["nf4_bytes"] == count.nf4_bytes and data["lora"]["adapter_parameters"] == count.adapters
-    assert all(r["memory_bytes"]["dequantized"] == 4 * count.layer_quantized for r in data["layouts"]
-               if r["pp"] == 1 and r["tp"] == 1)
-
-
-@pytest.mark.parametrize("lora,kwargs,message", [
-    (LoraConfig(rank=4), {"implementation": "megatron"}, "[lora] is planned for --implementation shardlm"),
-    (LoraConfig(rank=4), {"optimizer": "muon"}, "--optimizer muon with [lora]"),
-    (LoraConfig(rank=4, targets=["qkv"]), {}, "lora.targets names qkv, which this llama model does not have"),
-    (LoraConfig(rank=4, modules_to_save=["output"], quantize="nf4"), {}, None),
-    (LoraConfig(rank=4, quantize="int8"), {}, 'lora.quantize="int8"'),
-])
-def test_one_line_errors(lora, kwargs, message):
-    from shardlm.errors import UserError
-
-    if message is None:  # Llama 3's output layer is untied: training it is fine
-        assert plan(request(lora, pipeline=1, **kwargs)).rows
-        return
-    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        plan(request(lora, pipeline=1, **kwargs))
