@@ -91,15 +91,10 @@ def start_on_policy(trainer, template, tokenizer_path, stop_requested=None):
     """(the run's `OnPolicyDistill`, the line that describes it), once the trainer holds the starting weights."""
     from shardlm.eval.generate import SamplingConfig
     from shardlm.rl.rollout import InProcessGenerator
-    from shardlm.rl.setup import stop_ids
+    from shardlm.rl.setup import end_ids, stop_ids
 
     cfg = trainer.config.distill
-    eos = template.special_tokens.get("eos_token") or template.end_of_turn
-    eod = template.tokenizer.token_to_id(eos) if eos else None
-    if eod is None:
-        raise UserError("the tokenizer has no end-of-turn token to stop completions at; set sft.end_of_turn")
-    pad = template.special_tokens.get("pad_token") or template.end_of_turn
-    pad_id = template.tokenizer.token_to_id(pad) if pad else None
+    eod, pad_id = end_ids(template)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sampling_temperature)
     generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, stop_ids(eod, pad_id, tokenizer_path),
                                    lockstep=trainer.ctx.world_size > 1, stop_requested=stop_requested)

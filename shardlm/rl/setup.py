@@ -50,6 +50,14 @@ def load_rl_inputs(config) -> RLInputs:
 
         records = arithmetic_records(r.task_size, config.train.seed, conversational=True)
     prompts = load_prompts(template, list(sft.data), records)
+    eod, pad_id = end_ids(template)
+    stops = stop_ids(eod, pad_id, tokenizer_path)
+    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops)
+
+
+def end_ids(template) -> tuple[int, int | None]:
+    """(the id a completion ends with: the tokenizer's end-of-sequence token, else the template's end of turn; the
+    padding id, None without one). UserError when there is no end id."""
     eos = template.special_tokens.get("eos_token") or template.end_of_turn
     eod = template.tokenizer.token_to_id(eos) if eos else None
     if eod is None:
@@ -57,9 +65,7 @@ def load_rl_inputs(config) -> RLInputs:
 
         raise UserError("the tokenizer has no end-of-turn token to stop completions at; set sft.end_of_turn")
     pad = template.special_tokens.get("pad_token") or template.end_of_turn
-    pad_id = template.tokenizer.token_to_id(pad) if pad else None
-    stops = stop_ids(eod, pad_id, tokenizer_path)
-    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops)
+    return eod, template.tokenizer.token_to_id(pad) if pad else None
 
 
 def stop_ids(eod: int, pad_id: int | None, directory: Path) -> set[int]:
