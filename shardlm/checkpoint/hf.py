@@ -27,7 +27,7 @@ from shardlm.models.config import ModelConfig
 
 # HF model types that `shardlm.checkpoint.hf_llama` converts
 LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
-DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
+DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32", "glm_moe_dsa")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 

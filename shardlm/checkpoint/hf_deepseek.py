@@ -10,6 +10,15 @@ Names (HF -> shardlm; everything else as in `shardlm.checkpoint.hf_llama`):
     model.layers.i.mlp.gate.weight / .e_score_correction_bias       layers.i.mlp.router.weight / .expert_bias
     model.layers.i.mlp.experts.e.{gate,up,down}_proj                layers.i.mlp.experts.{gate,up,down}.e
     model.layers.i.mlp.shared_experts.{gate,up,down}_proj           layers.i.mlp.shared.{gate,up,down}
+    model.layers.i.self_attn.indexer.{wq_b,wk,k_norm,weights_proj}  layers.i.attn.indexer.{...}  (DeepSeek-V3.2,
+                                                                    GLM-5: DeepSeek Sparse Attention)
+
+DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`) are DeepSeek-V3 with a lightning indexer
+(`shardlm.models.sparse_attention`): index_topk, index_n_heads, index_head_dim, and GLM-5's indexer_types
+("full" / "shared" per layer, kept in `model.index_layer_types`, whose presence also marks a GLM-5 model for
+export). Their MLA always interleaves its rotary channels. The indexer rotates the first qk_rope_head_dim
+channels of its heads: half-split in DeepSeek-V3.2 (shardlm's layout, copied as is), interleaved in GLM-5
+(the rows of wq_b and wk, and k_norm's weight and bias, permuted like the MLA's).
 
 With `rope_interleave` (DeepSeek's default) the checkpoint stores each rotary pair's channels next to
 each other; shardlm rotates the halves (`shardlm.models.rotary`), so the rotary rows of q_b (or q) and
@@ -46,7 +55,9 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32", "glm_moe_dsa")
+SPARSE = ("deepseek_v32", "glm_moe_dsa")
+"""DeepSeek Sparse Attention: MLA with a lightning indexer per layer (GLM-5: on its "full" layers)."""
 
 
 def rope_permutation(rope: int) -> torch.Tensor:
@@ -92,6 +103,9 @@ def _layer_names(cfg: ModelConfig, i: int, s: str, h: str) -> list[tuple[str, st
     attn += [("kv_a", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
              ("o", "o_proj")]
     out += [(f"{s}.attn.{ours}.weight", f"{h}.self_attn.{theirs}.weight") for ours, theirs in attn]
+    if cfg.index_source(i) == i:
+        out += [(f"{s}.attn.indexer.{p}", f"{h}.self_attn.indexer.{p}") for p in
+                ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")]
     mlp = ("gate", "up", "down")
     if not cfg.is_moe_layer(i):
         return out + [(f"{s}.mlp.{p}.weight", f"{h}.mlp.{p}_proj.weight") for p in mlp]
@@ -146,6 +160,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's DeepSeek-V3 does not compute")
     first_dense = min(hf.get("first_k_dense_replace", 0) or 0, hf["num_hidden_layers"])
+    if hf.get("mlp_layer_types"):
+        kinds = hf["mlp_layer_types"]
+        first_dense = kinds.count("dense")
+        if kinds != ["dense"] * first_dense + ["sparse"] * (len(kinds) - first_dense):
+            raise UserError("the HF model's mlp_layer_types mix dense and MoE layers after the first MoE layer, "
+                            "which shardlm's DeepSeek layers (dense first, then MoE) do not compute")
     return ModelConfig(
         arch="llama", attention="mla", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_heads=heads, seq_length=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
@@ -161,7 +181,19 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
         moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0,
         moe_expert_bias=not v2, **_v2_losses(hf),
-        mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0, **_rope_keys(hf))
+        mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0, **_rope_keys(hf),
+        **_sparse_keys(hf))
+
+
+def _sparse_keys(hf: dict) -> dict:
+    """The sparse-attention keys of a DeepSeek-V3.2 or GLM-5 config (none for DeepSeek-V3)."""
+    if hf.get("model_type") not in SPARSE:
+        return {}
+    kinds = []
+    if hf["model_type"] == "glm_moe_dsa":
+        kinds = hf.get("indexer_types") or ["full"] * hf["num_hidden_layers"]
+    return {"index_topk": hf.get("index_topk", 2048), "index_heads": hf.get("index_n_heads", 64),
+            "index_head_dim": hf.get("index_head_dim", 128), "index_layer_types": list(kinds)}
 
 
 def _v2_losses(hf: dict) -> dict:
@@ -187,6 +219,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
             raise UserError(f"{'DeepseekV2' if v2 else 'DeepseekV3'}ForCausalLM has {what}; this model does not "
                             "convert to it")
     rope = rope_parameters_of(cfg)
+    sparse = {}
+    if cfg.index_topk:
+        glm = bool(cfg.index_layer_types)
+        sparse = {"architectures": ["GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM"],
+                  "model_type": "glm_moe_dsa" if glm else "deepseek_v32", "index_topk": cfg.index_topk,
+                  "index_n_heads": cfg.index_heads, "index_head_dim": cfg.index_head_dim,
+                  **({"indexer_types": list(cfg.index_layer_types)} if glm else {}),
+                  "mlp_layer_types": ["dense" if i < cfg.moe_first_dense_layers else "sparse"
+                                      for i in range(cfg.num_layers)]}
     routing = ({"topk_method": "group_limited_greedy" if cfg.moe_groups else "greedy", "scoring_func": "softmax",
                 "aux_loss_alpha": cfg.moe_aux_loss_coeff, "seq_aux": cfg.moe_aux_loss_type == "sequence"} if v2
                else {})
@@ -205,12 +246,29 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "routed_scaling_factor": cfg.moe_routed_scaling, "num_nextn_predict_layers": cfg.mtp_layers,
         "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "attention_bias": False, "attention_dropout": cfg.attention_dropout_p,
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **sparse,
     }
+
+
+def _permute_indexer(value: torch.Tensor, cfg: ModelConfig, ours: str, inverse: bool) -> torch.Tensor:
+    """GLM-5's indexer: the first qk_rope_head_dim channels of each head (wq_b's rows, wk's rows, k_norm's
+    weight and bias) de-interleaved, or re-interleaved with `inverse`."""
+    perm = rope_permutation(cfg.qk_rope_head_dim)
+    perm = torch.argsort(perm) if inverse else perm
+    rope, dim = cfg.qk_rope_head_dim, cfg.index_head_dim
+    heads = value.reshape(-1, dim, *value.shape[1:])
+    return torch.cat((heads[:, :rope][:, perm], heads[:, rope:]), dim=1).reshape(value.shape).contiguous()
+
+
+def _indexer_interleaved(cfg: ModelConfig, ours: str) -> bool:
+    """Whether `ours` is a GLM-5 indexer tensor whose rotary channels HF interleaves."""
+    return ".indexer." in ours and bool(cfg.index_layer_types) and "weights_proj" not in ours
 
 
 def tensor_from_hf(cfg: ModelConfig, ours: str, value: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """A HF tensor in shardlm's layout (the rotary rows de-interleaved when the checkpoint interleaves them)."""
+    if _indexer_interleaved(cfg, ours):
+        return _permute_indexer(value, cfg, ours, inverse=False)
     kind = ours.split(".")[-2]
     if interleaved and ".attn." in ours and kind in ("q", "q_b", "kv_a"):
         return _permute_rope_rows(value, cfg, kind, inverse=False)
@@ -219,6 +277,8 @@ def tensor_from_hf(cfg: ModelConfig, ours: str, value: torch.Tensor, interleaved
 
 def tensor_to_hf(cfg: ModelConfig, ours: str, value: torch.Tensor) -> torch.Tensor:
     """A shardlm tensor in HF's interleaved layout (`rope_interleave` true), vocabulary padding dropped."""
+    if _indexer_interleaved(cfg, ours):
+        return _permute_indexer(value, cfg, ours, inverse=True)
     kind = ours.split(".")[-2]
     if ".attn." in ours and kind in ("q", "q_b", "kv_a"):
         return _permute_rope_rows(value, cfg, kind, inverse=True)
@@ -235,7 +295,7 @@ def from_hf(hf_dir: Path, out: Path) -> Path:
     if not config.model.tie_embeddings and "lm_head.weight" not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     drop_missing_mtp(config.model, located, hf_dir)
-    interleaved = hf.get("rope_interleave", True)
+    interleaved = hf.get("rope_interleave", True) or hf["model_type"] in SPARSE
     tensors, handles = {}, {}
     for ours, theirs in name_map(config.model):
         if theirs not in located:

@@ -105,6 +105,22 @@ class ModelConfig:
     """MLA: per-head query/key channels with rotary embedding (the key's are shared by all heads)."""
     v_head_dim: int = 0
     """MLA: per-head value channels."""
+    index_topk: int = 0
+    """MLA with DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; docs/sparse-attention.md): each query attends to
+    the index_topk earlier keys of its document that its lightning indexer scores highest; 0: every key (dense)."""
+    index_heads: int = 0
+    """Sparse attention: the indexer's query heads (index_n_heads)."""
+    index_head_dim: int = 0
+    """Sparse attention: the indexer's channels per head, its first qk_rope_head_dim ones rotated (index_head_dim)."""
+    index_layer_types: list = field(default_factory=list)
+    """Sparse attention: per layer "full" (runs its own indexer) or "shared" (attends to the keys the last full
+    layer chose: GLM-5's indexer_types); empty: every layer is "full"."""
+    index_stage: str = "sparse"
+    """Sparse attention: "sparse" (top-k attention; the indexer learns from its own loss, the rest from the
+    language-model loss) or "warmup" (DeepSeek's dense warm-up: dense attention, only the indexers trained)."""
+    index_loss_coeff: float = 1.0
+    """Sparse attention: weight of the indexer's loss, the KL divergence from the main attention's head-summed
+    distribution to the indexer's, per token (0: the indexer is not trained)."""
     rope_yarn_factor: float = 0.0
     """YaRN context extension factor of the rotary embedding (rope_scaling type "yarn"); 0 turns it off."""
     rope_yarn_original_positions: int = 0
@@ -199,6 +215,18 @@ class ModelConfig:
         if index >= self.num_layers or not self.layer_types:
             return False
         return self.layer_types[index % len(self.layer_types)] == "linear_attention"
+
+    def index_source(self, index: int) -> int | None:
+        """The layer whose indexer chooses layer `index`'s keys under sparse attention: itself ("full"), the
+        last full layer before it ("shared"), or None without sparse attention (an MTP depth runs its own)."""
+        if not self.index_topk:
+            return None
+        kinds = self.index_layer_types
+        if index >= self.num_layers or not kinds:
+            return index
+        while index > 0 and kinds[index] == "shared":
+            index -= 1
+        return index
 
     @property
     def shared_ffn_size(self) -> int:

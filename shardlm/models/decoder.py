@@ -39,6 +39,7 @@ class LayerKVCache:
         self.length = 0
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.extras: dict[str, torch.Tensor] = {}
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, heads/tp, T_new, head_dim); return all cached keys and values, T_past + T_new."""
@@ -52,6 +53,14 @@ class LayerKVCache:
         self.values[:, :, self.length:self.length + T] = v
         self.length += T
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+    def append_extra(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """After `append`: store x (B, T_new, n), the same positions' entry of another stream (sparse attention's
+        indexer keys); return the stream's cached (B, T_past + T_new, n)."""
+        if name not in self.extras:
+            self.extras[name] = x.new_empty(x.shape[0], self.capacity, x.shape[-1])
+        self.extras[name][:, self.length - x.shape[1]:self.length] = x
+        return self.extras[name][:, :self.length]
 
 
 class LayerStateCache:
@@ -140,8 +149,10 @@ class PreNormBlock(nn.Module):
             mark_sequence_parallel(self.ln_2)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x), cache, documents))
+                documents: Documents | None = None, carry: dict | None = None) -> torch.Tensor:
+        """`carry`: what a forward's layers hand on to later ones (sparse attention's shared choice)."""
+        extra = () if carry is None else (carry,)
+        x = x + self.dropout(self.attn(self.ln_1(x), cache, documents, *extra))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -180,11 +191,12 @@ class DecoderLM(nn.Module):
     def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None) -> torch.Tensor:
         """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation
         checkpointing is on (and gradients are being recorded); `documents`: packed rows' documents."""
+        extra = ({},) if self.cfg.index_layer_types else ()  # sparse attention's choice, shared on
         for layer in layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = recompute(layer, x, None, documents, rng=self.ctx.rng)
+                x = recompute(layer, x, None, documents, *extra, rng=self.ctx.rng)
             else:
-                x = layer(x, None, documents)
+                x = layer(x, None, documents, *extra)
         return x
 
     def output_layer(self, h: torch.Tensor) -> torch.Tensor:
@@ -234,8 +246,9 @@ class DecoderLM(nn.Module):
         x = self.embed(tokens, 0 if cache is None else cache.length, documents)
         if cache is None:
             return self.ln_f(self.run_layers(x, self.layers.values(), documents))
+        extra = ({},) if self.cfg.index_layer_types else ()
         for layer, layer_cache in zip(self.layers.values(), cache.layers):
-            x = layer(x, layer_cache)
+            x = layer(x, layer_cache, None, *extra)
         return self.ln_f(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,

@@ -288,7 +288,7 @@ class LlamaBlock(PreNormBlock):
                 options.context_exchange)
         if cfg.attention == "mla":  # DeepSeek-V3's multi-head latent attention
             from shardlm.models.mla import LatentAttention
-            attention = LatentAttention(*args)
+            attention = LatentAttention(*args, layer=index)
         elif cfg.is_linear_layer(index):  # Qwen3-Next / Qwen3.5's Gated DeltaNet
             from shardlm.models.linear_attention import GatedDeltaNet
             attention = GatedDeltaNet(*args[:-1])

@@ -63,8 +63,12 @@ transformers' DeepseekV3Attention (and DeepSeek's reference code)."""
 
 def check_latent_attention(m: ModelConfig, context: int) -> str | None:
     """One line saying what is wrong with the MLA keys of `m` at context-parallel size `context`, or None."""
+    from shardlm.models.sparse_attention import check_sparse_attention
+
     if m.attention not in ("mha", "mla"):
         return f'model.attention="{m.attention}" must be "mha" or "mla"'
+    if (problem := check_sparse_attention(m)) is not None:
+        return problem
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
         return "model.rope_yarn_factor must be >= 1 with model.rope_yarn_original_positions >= 1 (0 turns YaRN off)"
     if m.attention == "mha":
@@ -117,7 +121,7 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str,
                  sequence_parallel: bool = False, selective_recompute: bool = False,
-                 context_exchange: str = "ring"):
+                 context_exchange: str = "ring", layer: int = 0):
         super().__init__()
         self.cfg, self.ctx, self.tp = cfg, ctx, ctx.tp
         self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
@@ -153,6 +157,11 @@ class LatentAttention(nn.Module):
         self.o = RowParallelLinear(cfg.num_heads * self.v_dim, h, ctx.tp, bias=False,
                                    std=std / math.sqrt(2 * cfg.num_layers), seed=param_seed(seed, f"{prefix}.o"),
                                    device=dev, sequence_parallel=sp)
+        self.layer, self.source = layer, cfg.index_source(layer)
+        self.indexer = None  # DeepSeek Sparse Attention's lightning indexer (`shardlm.models.sparse_attention`)
+        if self.source == layer:
+            from shardlm.models.sparse_attention import Indexer
+            self.indexer = Indexer(cfg, ctx, seed, f"{prefix}.indexer", sp)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """`f` (or `f_sp`) in front of the split heads: the backward all-reduces (reduce-scatters) each rank's
@@ -160,12 +169,15 @@ class LatentAttention(nn.Module):
         return enter_parallel_region(x, self.tp, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None, carry: dict | None = None) -> torch.Tensor:
         """x: (B, T, h) -> (B, T, h). With `cache`, x holds the T positions after the cached ones; the cache
         holds the normed latents (B, 1, T, kv_lora_rank) and rotated shared RoPE keys (B, 1, T, rope), and steps
         after the first attend through `absorbed`.
-        `documents`: packed rows' documents (positions restart, attention stays inside each)."""
+        `documents`: packed rows' documents (positions restart, attention stays inside each).
+        With sparse attention (`model.index_topk`) every path attends through `sparse`; `carry` hands the
+        chosen keys from a layer's indexer to the "shared" layers after it."""
         cfg = self.cfg
+        q_latent = None
         if self.q is not None:
             q = self.q.local(self.enter(x))
             latents = self.enter(torch.cat(self.kv_latent(x), dim=-1))
@@ -186,6 +198,10 @@ class LatentAttention(nn.Module):
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin)  # (B, 1, T, rope): one key head shared by all
         if cache is not None:  # the latent and the rotated shared key, (B, 1, past + T, kv_lora_rank / rope)
             latent, shared_key = cache.append(c.unsqueeze(1), k_rope)
+        if self.source is not None:
+            keys = torch.cat((latent, shared_key), dim=-1).squeeze(1) if cache is not None else None
+            y = self.sparse(x, q, q_latent, c, k_rope, (cos, sin), keys, documents, cache, carry)
+            return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
         k = torch.cat((k_nope, k_rope.expand(B, self.heads, T, self.rope)), dim=-1)
         if past > 0:
             y = self.absorbed(q, latent, shared_key, past)
@@ -195,12 +211,84 @@ class LatentAttention(nn.Module):
             y = self.core(q, k, v, documents)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
 
+    def absorption(self) -> torch.Tensor:
+        """kv_b's weight (LoRA included) per head, (H/tp, nope + v, kv_lora_rank): W_UK then W_UV."""
+        weight = self.kv_b.weight if self.kv_b.lora is None else self.kv_b.weight + self.kv_b.lora.delta_weight()
+        return weight.view(self.heads, self.nope + self.v_dim, -1)
+
+    def sparse(self, x, q, q_latent, c, k_rope, angles, keys, documents, cache, carry) -> torch.Tensor:
+        """DeepSeek Sparse Attention: q (B, H/tp, T, nope + rope) rotated, q_latent (B, T, q_lora_rank), c (B, T, r) and
+        k_rope (B, 1, T, rope) rotated, `angles` the (cos, sin) of the T positions, `keys` (B, S, r + rope) the
+        cached latents and keys with a cache (else None) -> (B, H/tp, T, v_head_dim), MLA over each query's chosen
+        keys (`shardlm.models.sparse_attention`), the indexer's loss attached when it trains."""
+        from shardlm.models import sparse_attention as dsa
+
+        weight = self.absorption()
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        query = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
+        if keys is None:
+            keys = dsa.whole_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
+        indices, valid, scored = self.choose(x, q_latent, angles, keys.shape[1], documents, cache, carry)
+        mixed, mass = dsa.sparse_latent_attention(query, keys, indices, valid, self.scale, self.cfg.kv_lora_rank)
+        y = torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, self.nope:])
+        if scored is not None:
+            target = dsa.normalized(mass, self.ctx.tp)
+            divergence = dsa.indexer_divergence(*scored, indices, valid, target)
+            y = dsa.attach_indexer_loss(y, self.indexer, divergence, keys.shape[0] * keys.shape[1])
+        return y
+
+    def choose(self, x, q_latent, angles, length: int, documents, cache, carry):
+        """Each query's keys among the `length` of its row: (indices (B, T, k), valid (B, T, k), the indexer's
+        (queries, weights, keys) when its loss is to be computed, else None)."""
+        from shardlm.models import sparse_attention as dsa
+
+        cfg, T = self.cfg, q_latent.shape[1]
+        if self.indexer is None:  # GLM-5's shared layer: the keys its full layer chose
+            if carry is None or self.source not in carry:
+                raise ValueError(f"layer {self.layer} reuses layer {self.source}'s sparse-attention choice, which is "
+                                 "not in this pipeline stage; put both layers in one stage")
+            indices, valid = carry[self.source]
+            return indices, valid, None
+        indexer = self.indexer
+        train = (self.training and torch.is_grad_enabled() and cfg.index_loss_coeff > 0
+                 and any(p.requires_grad for p in indexer.parameters()))
+        with torch.set_grad_enabled(train):
+            keys, weights = indexer.keys_and_weights(x.detach())
+            queries = dsa.rotate_first(indexer.queries(q_latent.detach()), self.rope, *angles)
+            keys = dsa.rotate_first(keys, self.rope, *angles)
+        past = 0
+        if cache is not None:
+            past = cache.length - T
+            keys = cache.append_extra("index_keys", keys)
+        else:
+            keys = dsa.whole_rows(keys, self.ctx.cp)
+        visible = dsa.visible_keys(dsa.query_rows(T, self.ctx.cp, x.device) + past, length, documents)
+        B = q_latent.shape[0]
+        if cfg.index_stage == "warmup":  # dense: every visible key
+            indices = torch.arange(length, device=x.device).expand(B, T, length)
+            valid = visible.expand(B, T, length)
+        else:
+            indices, valid = self.top_k(queries, weights, keys, visible)
+        if carry is not None:
+            carry[self.layer] = (indices, valid)
+        return indices, valid, (queries, weights, keys) if train else None
+
+    @torch.no_grad()
+    def top_k(self, queries, weights, keys, visible):
+        """The indexer's choice, in chunks of queries: (indices, valid), each (B, T, min(index_topk, S))."""
+        from shardlm.models import sparse_attention as dsa
+
+        B, T, heads, _ = queries.shape
+        step = max(1, dsa.CHUNK_ELEMENTS // max(1, B * heads * keys.shape[1]))
+        chosen = [dsa.select_top_k(dsa.index_scores(queries[:, i:i + step], weights[:, i:i + step], keys),
+                                   visible[:, i:i + step], self.cfg.index_topk) for i in range(0, T, step)]
+        return torch.cat([a for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)
+
     def absorbed(self, q: torch.Tensor, latent: torch.Tensor, shared_key: torch.Tensor, past: int) -> torch.Tensor:
         """A cached step: q (B, H/tp, T, nope + rope) with RoPE applied, the cached latents (B, 1, S, kv_lora_rank)
         and rotated shared keys (B, 1, S, rope), S = past + T -> (B, H/tp, T, v_head_dim), kv_b absorbed into
         the query and the output (the module docstring)."""
-        weight = self.kv_b.weight if self.kv_b.lora is None else self.kv_b.weight + self.kv_b.lora.delta_weight()
-        weight = weight.view(self.heads, self.nope + self.v_dim, -1)  # (H/tp, nope + v, kv_lora_rank)
+        weight = self.absorption()  # (H/tp, nope + v, kv_lora_rank)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         query = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
         key = torch.cat((latent, shared_key), dim=-1)

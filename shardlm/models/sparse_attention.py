@@ -1,0 +1,289 @@
+"""DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5): a lightning indexer picks each query's keys, and MLA
+attends to those only.
+
+The indexer, as transformers' `DeepseekV32Indexer` computes it (per query t and earlier key s):
+
+    q_i = wq_b(q latent)  (B, T, H_i, D)       k_i = LayerNorm(wk(x))  (B, T, D)   (RoPE on the first `rope` channels)
+    w   = weights_proj(x) (B, T, H_i)
+    I[t, s] = sum_h  w[t, h] H_i^-1/2 . ReLU(q_i[t, h] . k_i[s] D^-1/2)
+
+Each query keeps the `index_topk` keys of highest I among the keys it may see (causal, inside its packed
+document), ties broken towards the earlier key, so the choice does not depend on the tensor shapes it was
+computed in; a query with fewer keys keeps them all. MLA then attends to the chosen keys in its absorbed
+form (`shardlm.models.mla`): the scores are [q_n W_UK | RoPE(q_r)] . [c | RoPE(k_r)] against the chosen
+latents, the output (p c) W_UV^T, so per query only k latents of kv_lora_rank + rope channels are read,
+never T expanded keys per head. Queries run in chunks, each recomputed in the backward, so memory grows
+with T x k, not T^2.
+
+The indexer's loss (DeepSeek-V3.2's report, Megatron-Core's `compute_dsa_indexer_loss`): per query, the KL
+divergence from the main attention's distribution over the chosen keys, summed over all heads and
+normalized, to softmax(I) over the same keys, summed over the micro-batch's queries and divided by its
+tokens, times `index_loss_coeff`; layers add. The indexer reads its inputs (the block input and the query
+latent) detached, and the target is detached, so the indexer learns from this loss only and the model
+from the language-model loss only. The loss joins the backward at the attention's output (as the MoE
+balancing loss does) with the micro-batch loss's factor (`shardlm.training.indexer`). In the dense warm-up
+stage (`index_stage = "warmup"`) every visible key is "chosen": the attention is dense, the loss is the
+dense KL, and the training side freezes all but the indexers.
+
+Layouts. The indexer is replicated on every tensor-parallel rank and computes the same scores there, so
+every rank chooses the same keys; the target's head sums are all-reduced over TP (each rank holds its
+heads). Under sequence parallelism its key and weight projections run on the rank's chunk and are
+gathered (their weights marked `sequence_parallel`). Under context parallelism the small indexer keys
+(index_head_dim channels per token) and MLA's latents (kv_lora_rank + rope) of every CP rank are all-gathered,
+in the row's order, so each query chooses among, and attends to, the keys of the whole row; their
+gradients are reduce-scattered back. Gathering was chosen over merging per-rank top-k lists: the keys are
+narrow, the tie rule needs the whole row's scores in one place, and the attention then needs the chosen
+latents anyway. GLM-5's "shared" layers reuse the last full layer's choice, handed on within the forward
+(`carry`); a pipeline stage must hold that layer too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardlm.data.zigzag import zigzag_positions
+from shardlm.models.config import ModelConfig
+from shardlm.models.documents import Documents
+from shardlm.parallel import ParallelContext, gather_from_sequence_parallel
+from shardlm.parallel.init import param_seed
+
+CHUNK_ELEMENTS = 1 << 23
+"""Queries run in chunks of about this many score elements (batch x queries x heads x keys)."""
+
+
+def check_sparse_attention(m: ModelConfig) -> str | None:
+    """One line saying what is wrong with the sparse-attention keys of `m`, or None."""
+    if not m.index_topk and not m.index_heads and not m.index_layer_types:
+        return None
+    if m.attention != "mla":
+        return 'model.index_topk (DeepSeek Sparse Attention) needs model.attention = "mla"'
+    if m.index_topk < 1 or m.index_heads < 1 or m.q_lora_rank < 1:
+        return ("model.index_topk, model.index_heads and model.q_lora_rank must be >= 1 for DeepSeek Sparse "
+                "Attention (its indexer reads the query latent)")
+    if m.index_head_dim < m.qk_rope_head_dim:
+        return f"model.index_head_dim={m.index_head_dim} must be at least model.qk_rope_head_dim={m.qk_rope_head_dim}"
+    if m.index_stage not in ("sparse", "warmup"):
+        return f'model.index_stage="{m.index_stage}" must be "sparse" or "warmup"'
+    kinds = m.index_layer_types
+    if kinds and (len(kinds) != m.num_layers or set(kinds) - {"full", "shared"} or kinds[0] != "full"):
+        return ('model.index_layer_types needs one "full" or "shared" per layer, the first "full" '
+                f"(got {len(kinds)} entries for {m.num_layers} layers)")
+    if m.attention_dropout:
+        return "model.attention_dropout must be 0 with DeepSeek Sparse Attention"
+    return None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """(B, T / tp, n) chunks -> (B, T, n) on every rank, for work every rank then repeats alike: the backward
+    keeps this rank's chunk of the gradient (the weights before it are marked `sequence_parallel`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(group.all_gather(x.contiguous()), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size, dim=1)[ctx.group.rank].contiguous(), None
+
+
+def whole_rows(x: torch.Tensor, cp) -> torch.Tensor:
+    """(B, T / C, n) this CP rank's zigzag part -> (B, T, n) every rank's parts in the row's order; the
+    backward sums the ranks' gradients and keeps this rank's part (a reduce-scatter)."""
+    if cp.size == 1:
+        return x
+    gathered = gather_from_sequence_parallel(x, cp)  # rank order: each rank's two zigzag chunks
+    length = gathered.shape[1]
+    order = torch.cat([zigzag_positions(length, cp.size, r, x.device) for r in range(cp.size)])
+    return gathered.index_select(1, torch.argsort(order))
+
+
+def query_rows(length: int, cp, device) -> torch.Tensor:
+    """(T_local,) int64: the positions in the whole row of this rank's `length` queries."""
+    if cp.size == 1:
+        return torch.arange(length, device=device)
+    return zigzag_positions(length * cp.size, cp.size, cp.rank, device)
+
+
+def visible_keys(rows: torch.Tensor, keys: int, documents: Documents | None, past: int = 0) -> torch.Tensor:
+    """(B or 1, Q, S) bool: query at row position `rows` (Q,) (offset by `past` cached positions) may see key s:
+    s <= its position, in its own packed document."""
+    positions = torch.arange(keys, device=rows.device)
+    seen = (positions[None, :] <= rows[:, None] + past).unsqueeze(0)
+    if documents is not None:
+        segments = documents.segments
+        seen = seen & (segments[:, rows, None] == segments[:, None, :])
+    return seen
+
+
+def select_top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores (B, Q, S) fp32, visible (B, Q, S) bool -> (indices (B, Q, k') int64 ascending, valid (B, Q, k')
+    bool), k' = min(k, S): each query's k highest-scoring visible keys, ties broken towards the earlier key
+    (the same choice whatever the shapes, unlike `torch.topk`'s order among equals). A query seeing fewer
+    than k' keys keeps all of them, padded with invisible keys marked not valid."""
+    B, Q, S = scores.shape
+    k = min(k, S)
+    masked = scores.masked_fill(~visible, float("-inf"))
+    kth = masked.topk(k, dim=-1).values[..., -1:]
+    above = masked > kth
+    tied = masked == kth
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need))
+    indices = chosen.nonzero()[:, -1].view(B, Q, k)
+    return indices, visible.expand(B, Q, S).gather(-1, indices)
+
+
+def gather_keys(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """keys (B, S, n), indices (B, Q, k) -> (B, Q, k, n) the chosen keys of each query."""
+    B, S, n = keys.shape
+    offsets = (torch.arange(B, device=keys.device) * S).view(B, 1, 1)
+    return keys.reshape(B * S, n).index_select(0, (indices + offsets).reshape(-1)).view(*indices.shape, n)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores: q (B, Q, H_i, D), weights (B, Q, H_i) already scaled by H_i^-1/2, keys (B, Q, k, D)
+    chosen per query or (B, S, D) shared -> (B, Q, k or S) fp32."""
+    scale = q.shape[-1] ** -0.5
+    if keys.dim() == 3:
+        per_head = torch.einsum("bqhd,bsd->bqhs", q.float(), keys.float())
+    else:
+        per_head = torch.einsum("bqhd,bqkd->bqhk", q.float(), keys.float())
+    return torch.einsum("bqhk,bqh->bqk", torch.relu(per_head * scale), weights.float())
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, scale: float,
+            latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of queries: query (B, H, Q, r + rope) absorbed, keys (B, S, r + rope) latents and shared RoPE
+    keys, indices and valid (B, Q, k) -> (p c: (B, H, Q, r), the heads' summed probabilities (B, Q, k), detached)."""
+    chosen = gather_keys(keys, indices)  # (B, Q, k, r + rope)
+    scores = torch.einsum("bhqn,bqkn->bhqk", query, chosen) * scale
+    probs = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")).float(), dim=-1)
+    mixed = torch.einsum("bhqk,bqkr->bhqr", probs.to(query.dtype), chosen[..., :latent_dim])
+    return mixed, probs.detach().sum(1)
+
+
+def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
+                            scale: float, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA restricted to the chosen keys, absorbed: query (B, H/tp, T, r + rope), keys (B, S, r + rope) (the whole
+    row's latents c and rotated shared keys), indices and valid (B, T, k) -> (p c (B, H/tp, T, r), the heads'
+    summed attention probabilities (B, T, k), no gradient). Chunks of queries are recomputed in the backward."""
+    B, H, T, _ = query.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, B * H * indices.shape[-1]))
+    mixed, mass = [], []
+    for start in range(0, T, step):
+        part = slice(start, start + step)
+        args = (query[:, :, part], keys, indices[:, part], valid[:, part], scale, latent_dim)
+        if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad):
+            out, heads = checkpoint(_attend, *args, use_reentrant=False)
+        else:
+            out, heads = _attend(*args)
+        mixed.append(out)
+        mass.append(heads)
+    return torch.cat(mixed, dim=2), torch.cat(mass, dim=1)
+
+
+def _divergence(q, weights, keys, indices, valid, target) -> torch.Tensor:
+    """One chunk's summed KL(target || softmax(I)) over the chosen keys (see `indexer_divergence`)."""
+    logits = index_scores(q, weights, gather_keys(keys, indices)).masked_fill(~valid, float("-inf"))
+    log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+    return (torch.xlogy(target, target) - target * log_q).sum()
+
+
+def indexer_divergence(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor,
+                       valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """sum over queries of KL(target || softmax(I)) over each query's chosen keys: q (B, T, H_i, D), weights
+    (B, T, H_i), keys (B, S, D), indices and valid (B, T, k), target (B, T, k) each row summing to 1 -> fp32
+    scalar. Chunks are recomputed in the backward."""
+    B, T, heads, _ = q.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, B * heads * indices.shape[-1]))
+    total = q.new_zeros((), dtype=torch.float32)
+    for start in range(0, T, step):
+        part = slice(start, start + step)
+        args = (q[:, part], weights[:, part], keys, indices[:, part], valid[:, part], target[:, part])
+        total = total + (checkpoint(_divergence, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else _divergence(*args))
+    return total
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `y`; in the backward the scalar `loss` receives gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, y, loss, scale):
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one layer, replicated on every TP rank (`wq_b`, `wk`, `k_norm`, `weights_proj`, as
+    transformers names them). Its loss is attached to the attention output with gradient `loss_scale` (set
+    by the training side); each training forward appends its loss sum (detached) to `recorded`."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool):
+        super().__init__()
+        from shardlm.models.mla import ReplicatedLinear
+
+        h, heads, dim, dev = cfg.hidden_size, cfg.index_heads, cfg.index_head_dim, ctx.device
+        self.cfg, self.ctx, self.heads, self.dim = cfg, ctx, heads, dim
+        self.sequence_parallel = sequence_parallel
+        self.wq_b = ReplicatedLinear((heads * dim, cfg.q_lora_rank), cfg.init_std,
+                                     param_seed(seed, f"{prefix}.wq_b"), dev, False)
+        self.wk = ReplicatedLinear((dim, h), cfg.init_std, param_seed(seed, f"{prefix}.wk"), dev, sequence_parallel)
+        self.k_norm = nn.LayerNorm(dim, eps=1e-6, device=dev)
+        self.weights_proj = ReplicatedLinear((heads, h), cfg.init_std, param_seed(seed, f"{prefix}.weights_proj"),
+                                             dev, sequence_parallel)
+        if sequence_parallel:
+            for param in self.k_norm.parameters():
+                param.sequence_parallel = True
+        self.loss_scale = 1.0
+        self.recorded: list[torch.Tensor] = []
+
+    def keys_and_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T', h) the block input (sequence chunks under SP), detached -> (keys before RoPE (B, T, D), head
+        weights (B, T, H_i) x H_i^-1/2), whole sequences on every TP rank."""
+        keys, weights = self.k_norm(self.wk(x)), self.weights_proj(x) * self.heads ** -0.5
+        if self.sequence_parallel:
+            tp = self.ctx.tp
+            keys, weights = _GatherReplicated.apply(keys, tp), _GatherReplicated.apply(weights, tp)
+        return keys, weights
+
+    def queries(self, q_latent: torch.Tensor) -> torch.Tensor:
+        """(B, T, q_lora_rank) the query latent, detached -> (B, T, H_i, D) before RoPE."""
+        return self.wq_b(q_latent).unflatten(-1, (self.heads, self.dim))
+
+
+def rotate_first(x: torch.Tensor, rope: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first `rope` channels of x (B, T, H, D) or (B, T, D) (the indexer's layout), cos/sin (T, rope)
+    or (B, 1, T, rope)."""
+    from shardlm.models.rotary import apply_rotary
+
+    heads = x.dim() == 4
+    y = x if heads else x.unsqueeze(2)
+    rotated = apply_rotary(y[..., :rope].transpose(1, 2), cos, sin).transpose(1, 2)
+    y = torch.cat((rotated, y[..., rope:]), dim=-1)
+    return y if heads else y.squeeze(2)
+
+
+def attach_indexer_loss(y: torch.Tensor, indexer: Indexer, divergence: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`y` unchanged; its backward gives the indexer's loss coeff x `divergence` / `tokens` the gradient
+    `indexer.loss_scale`. Records the loss (detached) for the step's metrics, except in a recomputation."""
+    loss = divergence * (indexer.cfg.index_loss_coeff / tokens)
+    if torch._C._current_graph_task_id() == -1:
+        indexer.recorded.append(loss.detach())
+    if not loss.requires_grad:
+        return y
+    return _AttachLoss.apply(y, loss, indexer.loss_scale)
+
+
+def normalized(mass: torch.Tensor, tp) -> torch.Tensor:
+    """(B, T, k) this rank's heads' summed probabilities -> the target: summed over TP's heads, each row scaled
+    to sum to 1."""
+    mass = mass.clone()
+    tp.all_reduce(mass)
+    return mass / mass.sum(-1, keepdim=True)
