@@ -7,7 +7,8 @@ together. The conversion transposes and permutes; it is exact (a round trip is b
 No network: the HF directory must be local (config.json + model.safetensors).
 Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss") convert
 through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through `shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3
-ones ("deepseek_v3", "kimi_k2") through `shardlm.checkpoint.hf_deepseek`.
+ones ("deepseek_v3", "kimi_k2", "deepseek_v2", and with sparse attention "deepseek_v32", "glm_moe_dsa")
+through `shardlm.checkpoint.hf_deepseek`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shardlm.models.config import ModelConfig
 
 # HF model types that `shardlm.checkpoint.hf_llama` converts
 LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
-DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32", "glm_moe_dsa")  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
+DEEPSEEK = hf_deepseek.MODEL_TYPES  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 

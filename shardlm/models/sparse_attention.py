@@ -70,8 +70,8 @@ def check_sparse_attention(m: ModelConfig) -> str | None:
     if kinds and (len(kinds) != m.num_layers or set(kinds) - {"full", "shared"} or kinds[0] != "full"):
         return ('model.index_layer_types needs one "full" or "shared" per layer, the first "full" '
                 f"(got {len(kinds)} entries for {m.num_layers} layers)")
-    if m.attention_dropout:
-        return "model.attention_dropout must be 0 with DeepSeek Sparse Attention"
+    if m.attention_dropout_p:
+        return "model.attention_dropout (or model.dropout, which it follows) must be 0 with DeepSeek Sparse Attention"
     return None
 
 
@@ -272,13 +272,13 @@ def rotate_first(x: torch.Tensor, rope: int, cos: torch.Tensor, sin: torch.Tenso
 
 def attach_indexer_loss(y: torch.Tensor, indexer: Indexer, divergence: torch.Tensor, tokens: int) -> torch.Tensor:
     """`y` unchanged; its backward gives the indexer's loss coeff x `divergence` / `tokens` the gradient
-    `indexer.loss_scale`. Records the loss (detached) for the step's metrics, except in a recomputation."""
-    loss = divergence * (indexer.cfg.index_loss_coeff / tokens)
+    `indexer.loss_scale`. Records the per-token divergence (detached, without the coefficient) for the step's
+    metrics, except in a recomputation."""
     if torch._C._current_graph_task_id() == -1:
-        indexer.recorded.append(loss.detach())
-    if not loss.requires_grad:
+        indexer.recorded.append(divergence.detach() / tokens)
+    if not divergence.requires_grad:
         return y
-    return _AttachLoss.apply(y, loss, indexer.loss_scale)
+    return _AttachLoss.apply(y, divergence * (indexer.cfg.index_loss_coeff / tokens), indexer.loss_scale)
 
 
 def normalized(mass: torch.Tensor, tp) -> torch.Tensor:

@@ -149,6 +149,10 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
 
                 for layer in model.layers.values():
                     dequantize_again(layer)
+    if config.model.index_topk and config.model.index_stage == "warmup":  # DeepSeek's dense warm-up: the indexers
+        from shardlm.training.indexer import freeze_for_warmup  # alone train
+
+        freeze_for_warmup(model)
     if t.compile:  # 2.
         compile_layers(model, ctx.device)
     pipeline = None

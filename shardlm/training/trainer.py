@@ -49,6 +49,7 @@ from shardlm.training.gradients import (
     reduce_expert_gradients,
     sum_sequence_parallel_gradients,
 )
+from shardlm.training.indexer import indexer_metrics, set_indexer_loss_scale
 from shardlm.training.loss_scaler import DynamicLossScaler
 from shardlm.training.moe import finish_step, set_aux_loss_scale
 from shardlm.training.optim import clip_grad_norm, learning_rate
@@ -96,6 +97,7 @@ class Trainer:
                             f"{ctx.cp_size} context-parallel rank(s); build them with context_parallel="
                             f"{config.parallel.context}")
         self.moe = config.model.moe_num_experts > 0
+        self.sparse_attention = config.model.index_topk > 0
         parts = parallelize(config, ctx, self.accumulation)
         self.model, self.pipeline, self.params = parts.model, parts.pipeline, parts.params
         self.optimizer = parts.optimizer
@@ -184,6 +186,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=ctx.device)
         if self.moe:  # the MoE losses' gradients get the micro-batch loss's factor
             set_aux_loss_scale(self.model, ctx, scale, len(batches))
+        if self.sparse_attention:  # so do the sparse-attention indexers' losses
+            set_indexer_loss_scale(self.model, ctx, scale, len(batches))
         if self.pipeline is not None:
             with self.autocast():
                 self.pipeline_reference(batches)
@@ -230,6 +234,8 @@ class Trainer:
             # run, whose router, biases included, is the frozen base's)
             step_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
                                         update_bias=not overflow and not self.config.lora.rank)
+        if self.sparse_attention:  # the indexers' KL divergence to the attention
+            step_metrics |= indexer_metrics(self.model, ctx, len(batches))
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += t.global_batch_size

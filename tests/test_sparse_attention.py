@@ -1,0 +1,160 @@
+"""DeepSeek Sparse Attention's pieces in one process (`shardlm.models.sparse_attention`), against definitions written
+here: the choice of keys (ties, short rows, packed documents, chunks), the indexer's loss by hand, the separation of
+the indexer's and the model's gradients, cached decoding, and sparse attention over every key equal to dense MLA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_mla_parallel import cached_and_full, mla_config
+from test_training import VOCAB
+
+from shardlm.errors import UserError
+from shardlm.models import build_model, sparse_attention
+from shardlm.models.documents import Documents
+from shardlm.parallel import ParallelContext
+from shardlm.validation import validate
+
+DSA = {"q_lora_rank": 16, "index_topk": 3, "index_heads": 8, "index_head_dim": 8}
+
+
+def dsa_model(seed: int = 3, **keys):
+    cfg = mla_config(**(DSA | keys)).model
+    cfg.vocab_size = VOCAB
+    return build_model(cfg, ParallelContext.single(), seed=seed)
+
+
+def test_ties_go_to_the_earlier_key_whatever_the_chunk():
+    """Equal scores at the k-th place: the earlier keys are kept, in every chunking of the queries (torch.topk's order
+    among equals is not defined); scores above the tie are always kept."""
+    scores = torch.tensor([[[0.0, 2.0, 1.0, 1.0, 1.0, 1.0]] * 3])  # (1, 3, 6)
+    visible = torch.ones(1, 3, 6, dtype=torch.bool)
+    indices, valid = sparse_attention.select_top_k(scores, visible, 3)
+    assert indices.tolist() == [[[1, 2, 3]] * 3] and bool(valid.all())
+    one, _ = sparse_attention.select_top_k(scores[:, :1], visible[:, :1], 3)
+    assert torch.equal(one, indices[:, :1])
+    randn = torch.randn(2, 40, 50, generator=torch.Generator().manual_seed(0)).relu()  # about half tie at 0
+    vis = torch.rand(2, 40, 50, generator=torch.Generator().manual_seed(1)) < 0.7
+    whole = sparse_attention.select_top_k(randn, vis, 16)
+    parts = [sparse_attention.select_top_k(randn[:, i:i + 7], vis[:, i:i + 7], 16) for i in range(0, 40, 7)]
+    assert torch.equal(whole[0], torch.cat([p[0] for p in parts], 1))
+    # the reference choice: sort by (score descending, key ascending) over the visible keys
+    for b in range(2):
+        for q in range(40):
+            keys = [s for s in range(50) if vis[b, q, s]]
+            best = sorted(keys, key=lambda s: (-float(randn[b, q, s]), s))[:16]
+            chosen = [int(s) for s, ok in zip(whole[0][b, q], whole[1][b, q]) if ok]
+            assert chosen == sorted(best)
+
+
+def test_a_query_with_fewer_keys_keeps_them_all_and_documents_stay_apart():
+    """Packed rows: every valid chosen key is at or before its query and in its document; a query with fewer than k
+    visible keys keeps exactly those."""
+    documents = Documents.from_offsets([[0, 5, 12], [0, 12]], 12)
+    rows = torch.arange(12)
+    visible = sparse_attention.visible_keys(rows, 12, documents)
+    scores = torch.randn(2, 12, 12, generator=torch.Generator().manual_seed(2))
+    indices, valid = sparse_attention.select_top_k(scores, visible, 4)
+    segments = documents.segments
+    for b in range(2):
+        for q in range(12):
+            keys = indices[b, q][valid[b, q]].tolist()
+            own = [s for s in range(q + 1) if segments[b, s] == segments[b, q]]
+            assert set(keys) <= set(own) and len(keys) == min(4, len(own))
+
+
+def test_indexer_divergence_by_hand():
+    """KL(p || softmax(I)) over each query's chosen keys, summed over queries, with
+    I = sum_h w_h ReLU(q_h . k / sqrt(D)) (the weights already carry H^-1/2), against plain Python loops."""
+    g = torch.Generator().manual_seed(4)
+    B, T, H, D, k = 1, 3, 2, 4, 2
+    q, w = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, generator=g)
+    keys = torch.randn(B, T, D, generator=g)
+    indices = torch.tensor([[[0, 0], [0, 1], [1, 2]]])
+    valid = torch.tensor([[[True, False], [True, True], [True, True]]])
+    target = torch.tensor([[[1.0, 0.0], [0.3, 0.7], [0.6, 0.4]]])
+    got = sparse_attention.indexer_divergence(q, w, keys, indices, valid, target)
+    expected = 0.0
+    for t in range(T):
+        kept = [j for j in range(k) if valid[0, t, j]]
+        logit = {j: sum(float(w[0, t, h]) * max(0.0, float(q[0, t, h] @ keys[0, indices[0, t, j]]) / math.sqrt(D))
+                        for h in range(H)) for j in kept}
+        norm = math.log(sum(math.exp(v) for v in logit.values()))
+        expected += sum(float(target[0, t, j]) * (math.log(float(target[0, t, j])) - (logit[j] - norm))
+                        for j in kept if target[0, t, j] > 0)
+    assert abs(float(got) - expected) < 1e-5 and expected > 0.05
+
+
+def gradients(model, tokens) -> dict:
+    model.zero_grad(set_to_none=True)
+    model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_indexer_learns_from_its_loss_only_and_the_model_from_the_lm_loss_only():
+    """With the indexer's loss on, the model's gradients equal those without it (no leak into the model), and without
+    it the indexers get no gradient (the LM loss does not reach them); with it they do."""
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(5))
+    with_loss = gradients(dsa_model().train(), tokens)
+    without = gradients(dsa_model(index_loss_coeff=0.0).train(), tokens)
+    indexer = [n for n in with_loss if ".indexer." in n]
+    assert indexer and all(with_loss[n] is not None and with_loss[n].abs().sum() > 0 for n in indexer)
+    assert all(without[n] is None for n in indexer)
+    for name, grad in without.items():
+        if ".indexer." not in name and grad is not None:
+            assert torch.allclose(with_loss[name], grad, atol=1e-7, rtol=1e-6), name
+
+
+def test_cached_decoding_equals_the_full_forward():
+    """Prompt then token-by-token decoding through the cache (indexer keys cached beside MLA's latents) gives the
+    full forward's logits within 1e-5; k = 3 of up to 12 keys, so the choice matters at every step."""
+    model = dsa_model().eval()
+    cached, full, cache = cached_and_full(model)
+    assert (cached - full).abs().max() < 1e-5
+    assert cache.layers[0].extras["index_keys"].shape[-1] == DSA["index_head_dim"]
+
+
+def test_every_key_chosen_is_dense_mla_and_fewer_keys_differ():
+    """index_topk >= T gives the model without an indexer (dense MLA, same weights) within 1e-5; k = 3 is far off."""
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    dense = dsa_model(index_topk=0, index_heads=0, index_head_dim=0).eval()
+    state = {n: p for n, p in dense.state_dict().items()}
+    outputs = {}
+    for k in (16, 3):
+        sparse = dsa_model(index_topk=k).eval()
+        sparse.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            outputs[k] = sparse.full_logits(sparse(tokens))
+    with torch.no_grad():
+        reference = dense.full_logits(dense(tokens))
+    assert (outputs[16] - reference).abs().max() < 1e-5
+    assert (outputs[3] - reference).abs().max() > 1e-2
+
+
+def test_chunks_give_the_whole_computation(monkeypatch):
+    """Queries in chunks of one (CHUNK_ELEMENTS tiny) give the same loss and gradients as one chunk."""
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(7))
+    whole = gradients(dsa_model().train(), tokens)
+    monkeypatch.setattr(sparse_attention, "CHUNK_ELEMENTS", 1)
+    chunked = gradients(dsa_model().train(), tokens)
+    for name, grad in whole.items():
+        if grad is not None:
+            assert torch.allclose(chunked[name], grad, atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"attention": "mha", "index_topk": 4, "index_heads": 4, "index_head_dim": 8}, 'needs model.attention = "mla"'),
+    ({**DSA, "index_layer_types": ["shared", "full"]}, "index_layer_types"),
+    ({**DSA, "index_head_dim": 2}, "index_head_dim"),
+    ({**DSA, "index_stage": "dense"}, "index_stage"),
+])
+def test_bad_sparse_attention_keys_are_refused_in_one_line(keys, message):
+    config = mla_config(**keys)
+    if keys.get("attention") == "mha":
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            setattr(config.model, key, 0)
+    with pytest.raises(UserError, match=message) as error:
+        validate(config, 1, check_paths=False)
+    assert "\n" not in str(error.value)
