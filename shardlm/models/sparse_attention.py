@@ -125,7 +125,8 @@ def select_top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[t
     than k' keys keeps all of them, padded with invisible keys marked not valid."""
     B, Q, S = scores.shape
     k = min(k, S)
-    masked = scores.masked_fill(~visible, float("-inf"))
+    masked = scores.nan_to_num(nan=float("-inf")).masked_fill(~visible, float("-inf"))  # (NaN: a pipeline's
+    # stand-in inputs, whose outputs are only shapes; every row still gets exactly k)
     kth = masked.topk(k, dim=-1).values[..., -1:]
     above = masked > kth
     tied = masked == kth

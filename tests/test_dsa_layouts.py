@@ -1,0 +1,163 @@
+"""DeepSeek Sparse Attention trains at every layout as one process does (fp32, within 1e-5: losses with the
+indexers' loss in their gradient, gradient norms, the validation loss and every final parameter on every rank).
+
+The model: `test_sft_layouts`' 4-layer MLA Llama with a lightning indexer per layer (8 heads of 8 channels, the
+first 4 rotated) choosing each query's 4 keys, on its packed SFT rows of 32 tokens (documents longer than 4,
+crossing the CP chunks and the micro-batches), the indexers trained by their KL loss (coefficient 1).
+- world 2: TP=2 with SP (the indexer replicated: the same choice on both ranks, the target's head sums
+  all-reduced), CP=2 (the indexer keys and MLA latents of both ranks gathered), PP=2 x 2 virtual stages, DP=2 with
+  ZeRO-1, FSDP DP=2, EP=2 (a MoE variant), LoRA at TP=2 with SP (the indexers frozen with the base), GLM-5's
+  shared indexers (layers 1 and 3 reuse layers 0 and 2's choice) at TP=2 with SP and at PP=2, and the dense
+  warm-up stage (only the indexers train) at TP=2 with SP and CP=2;
+- world 4: CP=2 x TP=2 with SP, TP=2 x DP=2 with ZeRO-1, CP=4;
+- world 3: CP=3 (rows of 48 tokens, against one process on the same rows);
+- the control: at CP=2, each query choosing among and attending to its own rank's keys only trains and ends far off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from test_moe_parallel import stage_parameters
+from test_sft_layouts import STEPS, TOL, conversations, sft_config, train_layout
+
+from shardlm.models import sparse_attention
+from shardlm.parallel import ParallelContext
+from shardlm.sft.dataset import PackedDataset
+from shardlm.sft.packing import PackedRows
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
+
+from agreement import assert_every_rank, assert_trained_but_off
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
+
+DSA = {"index_topk": 4, "index_heads": 8, "index_head_dim": 8}
+SHARED = ["full", "shared", "full", "shared"]
+
+
+def dsa_config(moe: bool = False, lora: int = 0, shared: bool = False, warmup: bool = False, **kwargs):
+    config = sft_config("mla", moe=moe, **kwargs)
+    for key, value in DSA.items():
+        setattr(config.model, key, value)
+    config.model.index_layer_types = SHARED[:config.model.num_layers] if shared else []
+    config.model.index_stage = "warmup" if warmup else "sparse"
+    config.lora.rank, config.lora.targets = lora, ["q_b", "kv_b", "o", "gate", "up", "down"]
+    return config
+
+
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"own keys": each CP rank's queries see only the keys it holds (`visible_keys` restricted to them)."""
+    visible = sparse_attention.visible_keys
+    if control == "own keys":
+        def own_keys(rows, keys, documents, past=0):
+            import torch
+            held = torch.zeros(keys, dtype=torch.bool, device=rows.device)
+            held[rows] = True
+            return visible(rows, keys, documents, past) & held
+        sparse_attention.visible_keys = own_keys
+    try:
+        yield
+    finally:
+        sparse_attention.visible_keys = visible
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+    with broken(control):
+        return train_layout(layout_context(tp, pp, cp, ep), dsa_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
+SEQ3 = 48
+"""Rows for CP=3 (a multiple of 2 x 3)."""
+
+
+def train_rows_of_48(ctx: ParallelContext, config) -> dict:
+    """`train_layout` on rows of SEQ3 tokens packed from the same conversations."""
+    config.model.seq_length = SEQ3
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, PackedDataset(PackedRows(conversations(1, 40), SEQ3, "bfd", seed=5)),
+                      PackedDataset(PackedRows(conversations(2, 16), SEQ3, "bfd", seed=None), epochs=1))
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+
+
+def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, **config) -> dict:
+    return train_rows_of_48(layout_context(tp, pp, cp, ep), dsa_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
+WORLD2 = {
+    "tp2 sp": layout(tp=2, sp=True),
+    "cp2": layout(cp=2),
+    "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "ep2 moe": layout(ep=2, moe=True),
+    "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "tp2 sp shared": layout(tp=2, sp=True, shared=True),
+    "pp2 shared": layout(pp=2, micro=1, shared=True),
+    "tp2 sp warmup": layout(tp=2, sp=True, warmup=True),
+    "cp2 warmup": layout(cp=2, warmup=True),
+}
+CONTROLS = {"control cp2 own keys": layout(cp=2, control="own keys")}
+WORLD4 = {
+    "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
+    "zero tp2 dp2 sp": layout(tp=2, sp=True, distributed_optimizer=True),
+    "cp4": layout(cp=4),
+}
+
+
+WORLD3 = {"cp3": layout(cp=3, micro=8)}
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return spawn_layouts(3, run_rows_of_48, WORLD3)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn_layouts(4, run_layout, WORLD4)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process at micro-batch 8 (the MoE at the layouts' micro-batch 2: its balancing loss is per micro-batch)."""
+    ctx = ParallelContext.single()
+    return {"dense": train_layout(ctx, dsa_config(micro=8)),
+            "moe": train_layout(ctx, dsa_config(moe=True)),
+            "lora": train_layout(ctx, dsa_config(micro=8, lora=4)),
+            "shared": train_layout(ctx, dsa_config(micro=8, shared=True)),
+            "warmup": train_layout(ctx, dsa_config(micro=8, warmup=True)),
+            "rows of 48": train_rows_of_48(ctx, dsa_config(micro=8))}
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind in ("moe", "lora", "shared", "warmup") if kind in name), "dense")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_sparse_attention_at_two_ranks_equals_one_process(world2, reference, name):
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_sparse_attention_at_four_ranks_equals_one_process(world4, reference, name):
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+def test_sparse_attention_at_context_parallel_three_equals_one_process(world3, reference):
+    assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)
+
+
+def test_top_k_over_one_rank_keys_ends_far_off(world2, reference):
+    """Each CP rank choosing among its own keys only: finite losses, far from one process."""
+    ref = reference["dense"]
+    for value in check_result(world2, "control cp2 own keys"):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
