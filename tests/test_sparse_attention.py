@@ -158,3 +158,13 @@ def test_bad_sparse_attention_keys_are_refused_in_one_line(keys, message):
     with pytest.raises(UserError, match=message) as error:
         validate(config, 1, check_paths=False)
     assert "\n" not in str(error.value)
+
+
+def test_the_shipped_config_is_valid():
+    """configs/tiny-deepseek-v3.2.toml: DSA on the tiny DeepSeek-V3, valid at one process."""
+    from pathlib import Path
+
+    from shardlm.config import load_config
+
+    config = load_config(Path(__file__).parent.parent / "configs" / "tiny-deepseek-v3.2.toml")
+    assert config.model.index_topk == 16 and validate(config, 1, check_paths=False) == 2

@@ -145,13 +145,14 @@ def gather_keys(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The indexer's scores: q (B, Q, H_i, D), weights (B, Q, H_i) already scaled by H_i^-1/2, keys (B, Q, k, D)
-    chosen per query or (B, S, D) shared -> (B, Q, k or S) fp32."""
+    chosen per query or (B, S, D) shared -> (B, Q, k or S) fp32 (also under autocast, as transformers scores)."""
     scale = q.shape[-1] ** -0.5
-    if keys.dim() == 3:
-        per_head = torch.einsum("bqhd,bsd->bqhs", q.float(), keys.float())
-    else:
-        per_head = torch.einsum("bqhd,bqkd->bqhk", q.float(), keys.float())
-    return torch.einsum("bqhk,bqh->bqk", torch.relu(per_head * scale), weights.float())
+    with torch.autocast(q.device.type, enabled=False):
+        if keys.dim() == 3:
+            per_head = torch.einsum("bqhd,bsd->bqhs", q.float(), keys.float())
+        else:
+            per_head = torch.einsum("bqhd,bqkd->bqhk", q.float(), keys.float())
+        return torch.einsum("bqhk,bqh->bqk", torch.relu(per_head * scale), weights.float())
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, scale: float,
@@ -188,8 +189,9 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
 def _divergence(q, weights, keys, indices, valid, target) -> torch.Tensor:
     """One chunk's summed KL(target || softmax(I)) over the chosen keys (see `indexer_divergence`)."""
     logits = index_scores(q, weights, gather_keys(keys, indices)).masked_fill(~valid, float("-inf"))
-    log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
-    return (torch.xlogy(target, target) - target * log_q).sum()
+    with torch.autocast(logits.device.type, enabled=False):  # fp32, so that the divergence is never below 0
+        log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+        return (torch.xlogy(target, target) - target * log_q).sum()
 
 
 def indexer_divergence(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor,
