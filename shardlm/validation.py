@@ -182,6 +182,7 @@ def _validate_qk_clip(config: RunConfig) -> None:
         (m.qk_norm, "model.qk_norm: a per-head RMSNorm undoes any scale of the query and key weights, and already "
                     "bounds the logits"),
         (bool(config.lora.rank), "[lora]: the frozen base's query and key weights cannot be scaled"),
+        (m.index_topk > 0, "model.index_topk: sparse attention does not record its logits for the clip yet"),
         (t.data_sharding == "full" or t.param_dtype == "half",
          'train.data_sharding="full" or train.param_dtype="half" (it scales replicated or ZeRO-1 fp32 parameters)'),
     ]
@@ -292,7 +293,12 @@ def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
         raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" and "llama"; use '
                         f'parallel.pipeline=1 for "{m.arch}"')
     per_rank = stages_per_rank(schedule, p.virtual_stages)
-    stage_layers(m.num_layers, p.pipeline * per_rank, p.first_stage_layers, p.last_stage_layers)
+    for stage in stage_layers(m.num_layers, p.pipeline * per_rank, p.first_stage_layers, p.last_stage_layers):
+        if stage and m.index_source(stage[0]) not in (None, stage[0]):  # GLM-5's shared sparse-attention choice
+            raise UserError(f"pipeline stage starting at layer {stage[0]} would reuse layer "
+                            f"{m.index_source(stage[0])}'s sparse-attention choice (model.index_layer_types) from "
+                            "another stage; move the boundary (parallel.first_stage_layers / last_stage_layers) "
+                            'to a "full" layer')
     needed = 2 * p.pipeline if schedule == "dualpipev" else p.pipeline
     if schedule != "gpipe" and micro_batches < needed:
         raise UserError(f"{micro_batches} micro-batches per step is fewer than {needed}, which \"{schedule}\" needs "

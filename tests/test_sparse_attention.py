@@ -149,6 +149,7 @@ def test_chunks_give_the_whole_computation(monkeypatch):
     ({**DSA, "index_layer_types": ["shared", "full"]}, "index_layer_types"),
     ({**DSA, "index_head_dim": 2}, "index_head_dim"),
     ({**DSA, "index_stage": "dense"}, "index_stage"),
+    ({**DSA, "train": {"qk_clip": 100.0}}, "qk_clip"),
 ])
 def test_bad_sparse_attention_keys_are_refused_in_one_line(keys, message):
     config = mla_config(**keys)
@@ -168,3 +169,13 @@ def test_the_shipped_config_is_valid():
 
     config = load_config(Path(__file__).parent.parent / "configs" / "tiny-deepseek-v3.2.toml")
     assert config.model.index_topk == 16 and validate(config, 1, check_paths=False) == 2
+
+
+def test_a_pipeline_stage_starting_on_a_shared_layer_is_refused():
+    """GLM-5's shared layers reuse an earlier layer's choice, which must be on the same pipeline stage."""
+    config = mla_config(pp=2, **DSA, num_layers=4, index_layer_types=["full", "full", "shared", "full"])
+    with pytest.raises(UserError, match="layer 2 would reuse layer 1") as error:
+        validate(config, 2, check_paths=False)
+    assert "\n" not in str(error.value)
+    config.model.index_layer_types = ["full", "shared", "full", "shared"]
+    validate(config, 2, check_paths=False)
