@@ -75,7 +75,8 @@ def test_indexer_divergence_by_hand():
     indices = torch.tensor([[[0, 0], [0, 1], [1, 2]]])
     valid = torch.tensor([[[True, False], [True, True], [True, True]]])
     target = torch.tensor([[[1.0, 0.0], [0.3, 0.7], [0.6, 0.4]]])
-    got = sparse_attention.indexer_divergence(q, w, keys, indices, valid, target)
+    got = sparse_attention.indexer_divergence(q, w, keys, lambda p: (indices[:, p], valid[:, p]),
+                                              lambda p: target[:, p], k)
     expected = 0.0
     for t in range(T):
         kept = [j for j in range(k) if valid[0, t, j]]
@@ -85,6 +86,13 @@ def test_indexer_divergence_by_hand():
         expected += sum(float(target[0, t, j]) * (math.log(float(target[0, t, j])) - (logit[j] - norm))
                         for j in kept if target[0, t, j] > 0)
     assert abs(float(got) - expected) < 1e-5 and expected > 0.05
+    # the gradients taken chunk by chunk in the forward equal autograd's through the plain formula
+    inputs = [t.clone().requires_grad_() for t in (q, w, keys)]
+    chunked = torch.autograd.grad(sparse_attention.indexer_divergence(
+        *inputs, lambda p: (indices[:, p], valid[:, p]), lambda p: target[:, p], k) * 3.0, inputs)
+    plain = torch.autograd.grad(sparse_attention._divergence(*inputs, indices, valid, target) * 3.0, inputs)
+    for a, b in zip(chunked, plain):
+        assert torch.allclose(a, b, atol=1e-6) and b.abs().sum() > 0
 
 
 def gradients(model, tokens) -> dict:
@@ -105,6 +113,23 @@ def test_the_indexer_learns_from_its_loss_only_and_the_model_from_the_lm_loss_on
     for name, grad in without.items():
         if ".indexer." not in name and grad is not None:
             assert torch.allclose(with_loss[name], grad, atol=1e-7, rtol=1e-6), name
+
+
+def test_the_dense_warm_up_equals_the_sparse_stage_choosing_every_key():
+    """With k >= T every visible key is chosen, so the sparse stage's divergence (its target from the sparse
+    attention's probabilities) must equal the warm-up's (from the dense attention, chunk by chunk), and so must the
+    indexers' gradients; the warm-up's is above 0 and its model output is dense MLA's."""
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for stage in ("sparse", "warmup"):
+        model = dsa_model(index_topk=16, index_stage=stage).train()
+        grads = gradients(model, tokens)
+        kl = [float(layer.attn.indexer.recorded[-1]) for layer in model.layers.values()]
+        runs[stage] = (kl, {n: g for n, g in grads.items() if ".indexer." in n})
+    assert min(runs["warmup"][0]) > 1e-6  # (random weights: both distributions near uniform, the KL small)
+    assert max(abs(a - b) / b for a, b in zip(runs["sparse"][0], runs["warmup"][0])) < 1e-4
+    for name, grad in runs["warmup"][1].items():
+        assert torch.allclose(runs["sparse"][1][name], grad, atol=1e-6, rtol=1e-4), name
 
 
 def test_cached_decoding_equals_the_full_forward():

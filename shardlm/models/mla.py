@@ -198,7 +198,7 @@ class LatentAttention(nn.Module):
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin)  # (B, 1, T, rope): one key head shared by all
         if cache is not None:  # the latent and the rotated shared key, (B, 1, past + T, kv_lora_rank / rope)
             latent, shared_key = cache.append(c.unsqueeze(1), k_rope)
-        if self.source is not None:
+        if self.source is not None and cfg.index_stage == "sparse":
             keys = torch.cat((latent, shared_key), dim=-1).squeeze(1) if cache is not None else None
             y = self.sparse(x, q, q_latent, c, k_rope, (cos, sin), keys, documents, cache, carry)
             return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
@@ -209,6 +209,8 @@ class LatentAttention(nn.Module):
             y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
             y = self.core(q, k, v, documents)
+        if self.indexer is not None and cache is None:  # sparse attention's dense warm-up: the indexer learns
+            y = self.warmup(y, x, q, q_latent, torch.cat((c, k_rope.squeeze(1)), dim=-1), (cos, sin), documents)
         return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
 
     def absorption(self) -> torch.Tensor:
@@ -216,72 +218,98 @@ class LatentAttention(nn.Module):
         weight = self.kv_b.weight if self.kv_b.lora is None else self.kv_b.weight + self.kv_b.lora.delta_weight()
         return weight.view(self.heads, self.nope + self.v_dim, -1)
 
+    def absorbed_query(self, q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """q (B, H/tp, T, nope + rope) rotated -> [q_nope W_UK | q_rope] (B, H/tp, T, kv_lora_rank + rope)."""
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        return torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
+
     def sparse(self, x, q, q_latent, c, k_rope, angles, keys, documents, cache, carry) -> torch.Tensor:
-        """DeepSeek Sparse Attention: q (B, H/tp, T, nope + rope) rotated, q_latent (B, T, q_lora_rank), c (B, T, r) and
+        """DeepSeek Sparse Attention: q (B, H/tp, T, nope + rope) rotated, q_latent (B, T, q_lora_rank), c (B, T, r),
         k_rope (B, 1, T, rope) rotated, `angles` the (cos, sin) of the T positions, `keys` (B, S, r + rope) the
-        cached latents and keys with a cache (else None) -> (B, H/tp, T, v_head_dim), MLA over each query's chosen
+        cached latents and keys with a cache (else None) -> (B, H/tp, T, v_head_dim): MLA over each query's chosen
         keys (`shardlm.models.sparse_attention`), the indexer's loss attached when it trains."""
         from shardlm.models import sparse_attention as dsa
 
         weight = self.absorption()
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        query = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
+        query = self.absorbed_query(q, weight)
         if keys is None:
             keys = dsa.whole_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
-        indices, valid, scored = self.choose(x, q_latent, angles, keys.shape[1], documents, cache, carry)
-        mixed, mass = dsa.sparse_latent_attention(query, keys, indices, valid, self.scale, self.cfg.kv_lora_rank)
-        y = torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, self.nope:])
-        if scored is not None:
-            target = dsa.normalized(mass, self.ctx.tp)
-            divergence = dsa.indexer_divergence(*scored, indices, valid, target)
-            y = dsa.attach_indexer_loss(y, self.indexer, divergence, keys.shape[0] * keys.shape[1])
-        return y
-
-    def choose(self, x, q_latent, angles, length: int, documents, cache, carry):
-        """Each query's keys among the `length` of its row: (indices (B, T, k), valid (B, T, k), the indexer's
-        (queries, weights, keys) when its loss is to be computed, else None)."""
-        from shardlm.models import sparse_attention as dsa
-
-        cfg, T = self.cfg, q_latent.shape[1]
+        B, T, S = q.shape[0], q.shape[2], keys.shape[1]
+        rows = dsa.query_rows(T, self.ctx.cp, x.device) + (0 if cache is None else cache.length - T)
+        scored = None
         if self.indexer is None:  # GLM-5's shared layer: the keys its full layer chose
             if carry is None or self.source not in carry:
                 raise ValueError(f"layer {self.layer} reuses layer {self.source}'s sparse-attention choice, which is "
                                  "not in this pipeline stage; put both layers in one stage")
             indices, valid = carry[self.source]
-            return indices, valid, None
-        indexer = self.indexer
-        train = (self.training and torch.is_grad_enabled() and cfg.index_loss_coeff > 0
-                 and any(p.requires_grad for p in indexer.parameters()))
-        with torch.set_grad_enabled(train):
-            keys, weights = indexer.keys_and_weights(x.detach())
-            queries = dsa.rotate_first(indexer.queries(q_latent.detach()), self.rope, *angles)
+        else:
+            scored = self.indexer_inputs(x, q_latent, angles, cache)
+            indices, valid = self.top_k(*scored, rows, documents)
+            if carry is not None:
+                carry[self.layer] = (indices, valid)
+        mixed, mass = dsa.sparse_latent_attention(query, keys, indices, valid, self.scale, self.cfg.kv_lora_rank)
+        y = torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, self.nope:])
+        if scored is not None and self.indexer_trains():
+            target = dsa.normalized(mass, self.ctx.tp)
+            divergence = dsa.indexer_divergence(*scored, lambda p: (indices[:, p], valid[:, p]),
+                                                lambda p: target[:, p], indices.shape[-1])
+            y = dsa.attach_indexer_loss(y, self.indexer, divergence, B * S)
+        return y
+
+    def warmup(self, y, x, q, q_latent, latents, angles, documents) -> torch.Tensor:
+        """The dense warm-up stage (`model.index_stage = "warmup"`): `y` (B, H/tp, T, v_head_dim), the dense
+        attention's output, with the indexer's loss against the dense attention attached (KL over every visible
+        key, chunk by chunk); `latents` (B, T, r + rope) this rank's latents and rotated shared keys."""
+        from shardlm.models import sparse_attention as dsa
+
+        if not self.indexer_trains():
+            return y
+        queries, weights, keys = self.indexer_inputs(x, q_latent, angles, None)
+        query = self.absorbed_query(q.detach(), self.absorption().detach())
+        latents = dsa.whole_rows(latents.detach(), self.ctx.cp)
+        B, S = q.shape[0], latents.shape[1]
+        rows = dsa.query_rows(q.shape[2], self.ctx.cp, x.device)
+
+        def every_key(part):
+            return None, dsa.visible_keys(rows[part], S, documents)
+
+        def target_of(part):
+            return dsa.dense_target(query[:, :, part], latents, every_key(part)[1], self.scale, self.ctx.tp)
+
+        divergence = dsa.indexer_divergence(queries, weights, keys, every_key, target_of, S)
+        return dsa.attach_indexer_loss(y, self.indexer, divergence, B * S)
+
+    def indexer_trains(self) -> bool:
+        """Whether this forward computes the indexer's loss: training with gradients, a coefficient, and the
+        indexer not frozen (a LoRA run freezes it with the base)."""
+        return (self.training and torch.is_grad_enabled() and self.cfg.index_loss_coeff > 0
+                and any(p.requires_grad for p in self.indexer.parameters()))
+
+    def indexer_inputs(self, x, q_latent, angles, cache):
+        """The indexer's (queries (B, T, H_i, D), weights (B, T, H_i), keys (B, S, D)), rotated, keys of the whole row
+        (gathered over CP, or the cache's), from the detached block input x and query latent; with gradients when
+        its loss is computed."""
+        from shardlm.models import sparse_attention as dsa
+
+        with torch.set_grad_enabled(self.indexer_trains()):
+            keys, weights = self.indexer.keys_and_weights(x.detach())
+            queries = dsa.rotate_first(self.indexer.queries(q_latent.detach()), self.rope, *angles)
             keys = dsa.rotate_first(keys, self.rope, *angles)
-        past = 0
         if cache is not None:
-            past = cache.length - T
-            keys = cache.append_extra("index_keys", keys)
-        else:
-            keys = dsa.whole_rows(keys, self.ctx.cp)
-        visible = dsa.visible_keys(dsa.query_rows(T, self.ctx.cp, x.device) + past, length, documents)
-        B = q_latent.shape[0]
-        if cfg.index_stage == "warmup":  # dense: every visible key
-            indices = torch.arange(length, device=x.device).expand(B, T, length)
-            valid = visible.expand(B, T, length)
-        else:
-            indices, valid = self.top_k(queries, weights, keys, visible)
-        if carry is not None:
-            carry[self.layer] = (indices, valid)
-        return indices, valid, (queries, weights, keys) if train else None
+            return queries, weights, cache.append_extra("index_keys", keys)
+        return queries, weights, dsa.whole_rows(keys, self.ctx.cp)
 
     @torch.no_grad()
-    def top_k(self, queries, weights, keys, visible):
-        """The indexer's choice, in chunks of queries: (indices, valid), each (B, T, min(index_topk, S))."""
+    def top_k(self, queries, weights, keys, rows, documents):
+        """The indexer's choice for queries at row positions `rows` (T,), in chunks: (indices, valid), each
+        (B, T, min(index_topk, S))."""
         from shardlm.models import sparse_attention as dsa
 
         B, T, heads, _ = queries.shape
         step = max(1, dsa.CHUNK_ELEMENTS // max(1, B * heads * keys.shape[1]))
         chosen = [dsa.select_top_k(dsa.index_scores(queries[:, i:i + step], weights[:, i:i + step], keys),
-                                   visible[:, i:i + step], self.cfg.index_topk) for i in range(0, T, step)]
+                                   dsa.visible_keys(rows[i:i + step], keys.shape[1], documents), self.cfg.index_topk)
+                  for i in range(0, T, step)]
         return torch.cat([a for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)
 
     def absorbed(self, q: torch.Tensor, latent: torch.Tensor, shared_key: torch.Tensor, past: int) -> torch.Tensor:
@@ -289,8 +317,7 @@ class LatentAttention(nn.Module):
         and rotated shared keys (B, 1, S, rope), S = past + T -> (B, H/tp, T, v_head_dim), kv_b absorbed into
         the query and the output (the module docstring)."""
         weight = self.absorption()  # (H/tp, nope + v, kv_lora_rank)
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        query = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
+        query = self.absorbed_query(q, weight)
         key = torch.cat((latent, shared_key), dim=-1)
         T = q.shape[2]
         mask = None if T == 1 else causal_mask_with_past(past, T, q.device)

@@ -187,27 +187,68 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
 
 
 def _divergence(q, weights, keys, indices, valid, target) -> torch.Tensor:
-    """One chunk's summed KL(target || softmax(I)) over the chosen keys (see `indexer_divergence`)."""
-    logits = index_scores(q, weights, gather_keys(keys, indices)).masked_fill(~valid, float("-inf"))
+    """One chunk's summed KL(target || softmax(I)) over the chosen keys, or over every key when `indices` is None
+    (the dense warm-up; `valid` is then (B, Q, S)); see `indexer_divergence`."""
+    chosen = keys if indices is None else gather_keys(keys, indices)
+    logits = index_scores(q, weights, chosen).masked_fill(~valid, float("-inf"))
     with torch.autocast(logits.device.type, enabled=False):  # fp32, so that the divergence is never below 0
         log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
         return (torch.xlogy(target, target) - target * log_q).sum()
 
 
-def indexer_divergence(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor,
-                       valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+class _Divergence(torch.autograd.Function):
+    """`indexer_divergence`: each chunk's value and its gradients with respect to q, weights and keys taken in the
+    forward (as `linear_cross_entropy` does), so that no chunk's scores or targets are kept for the backward, which
+    only scales the sums by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, q, weights, keys, setup):
+        chunks, choice, target_of = setup
+        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, weights, keys)]
+        total = torch.zeros((), dtype=torch.float32, device=q.device)
+        for part in chunks:
+            indices, valid = choice(part)
+            target = target_of(part)
+            with torch.enable_grad():
+                inputs = [q[:, part].detach().requires_grad_(), weights[:, part].detach().requires_grad_(),
+                          keys.detach().requires_grad_()]
+                value = _divergence(*inputs, indices, valid, target)
+                dq, dw, dk = torch.autograd.grad(value, inputs)
+            grads[0][:, part] += dq
+            grads[1][:, part] += dw
+            grads[2] += dk
+            total += value.detach()
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = (q.dtype, weights.dtype, keys.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*(g.mul(grad).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None)
+
+
+def indexer_divergence(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, choice, target_of,
+                       keys_per_query: int) -> torch.Tensor:
     """sum over queries of KL(target || softmax(I)) over each query's chosen keys: q (B, T, H_i, D), weights
-    (B, T, H_i), keys (B, S, D), indices and valid (B, T, k), target (B, T, k) each row summing to 1 -> fp32
-    scalar. Chunks are recomputed in the backward."""
+    (B, T, H_i), keys (B, S, D) -> fp32 scalar, in chunks of queries. `choice(part)` gives a chunk's (indices
+    (B, Q, k) or None for every key, valid (B, Q, k or S)), `target_of(part)` its target (B, Q, k or S), each row
+    summing to 1, computed when the chunk runs (the dense warm-up's never exists whole)."""
     B, T, heads, _ = q.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, B * heads * indices.shape[-1]))
-    total = q.new_zeros((), dtype=torch.float32)
-    for start in range(0, T, step):
-        part = slice(start, start + step)
-        args = (q[:, part], weights[:, part], keys, indices[:, part], valid[:, part], target[:, part])
-        total = total + (checkpoint(_divergence, *args, use_reentrant=False) if torch.is_grad_enabled()
-                         else _divergence(*args))
-    return total
+    step = max(1, CHUNK_ELEMENTS // max(1, B * heads * keys_per_query))
+    chunks = [slice(start, start + step) for start in range(0, T, step)]
+    if not torch.is_grad_enabled() or not (q.requires_grad or weights.requires_grad or keys.requires_grad):
+        return sum(_divergence(q[:, p], weights[:, p], keys, *choice(p), target_of(p)) for p in chunks)
+    return _Divergence.apply(q, weights, keys, (chunks, choice, target_of))
+
+
+@torch.no_grad()
+def dense_target(query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, tp) -> torch.Tensor:
+    """The dense warm-up's target for a chunk of queries: query (B, H/tp, Q, r + rope) absorbed, keys (B, S, r + rope),
+    visible (B or 1, Q, S) -> (B, Q, S), the main attention's probabilities summed over all heads (TP's included)
+    and scaled to sum to 1 per query."""
+    scores = torch.einsum("bhqn,bsn->bhqs", query, keys).float() * scale
+    probs = torch.softmax(scores.masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
+    return normalized(probs.sum(1), tp)
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -287,6 +328,6 @@ def attach_indexer_loss(y: torch.Tensor, indexer: Indexer, divergence: torch.Ten
 def normalized(mass: torch.Tensor, tp) -> torch.Tensor:
     """(B, T, k) this rank's heads' summed probabilities -> the target: summed over TP's heads, each row scaled
     to sum to 1."""
-    mass = mass.clone()
+    mass = mass.contiguous().clone()
     tp.all_reduce(mass)
     return mass / mass.sum(-1, keepdim=True)
