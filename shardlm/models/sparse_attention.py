@@ -21,9 +21,10 @@ normalized, to softmax(I) over the same keys, summed over the micro-batch's quer
 tokens, times `index_loss_coeff`; layers add. The indexer reads its inputs (the block input and the query
 latent) detached, and the target is detached, so the indexer learns from this loss only and the model
 from the language-model loss only. The loss joins the backward at the attention's output (as the MoE
-balancing loss does) with the micro-batch loss's factor (`shardlm.training.indexer`). In the dense warm-up
-stage (`index_stage = "warmup"`) every visible key is "chosen": the attention is dense, the loss is the
-dense KL, and the training side freezes all but the indexers.
+balancing loss does) with the micro-batch loss's factor (`shardlm.training.indexer`); each chunk's gradients
+are taken in the forward. In the dense warm-up stage (`index_stage = "warmup"`) the attention is dense MLA, the
+loss is the KL over every visible key (its target built chunk by chunk, `dense_target`), and the training side
+freezes all but the indexers.
 
 Layouts. The indexer is replicated on every tensor-parallel rank and computes the same scores there, so
 every rank chooses the same keys; the target's head sums are all-reduced over TP (each rank holds its
