@@ -174,6 +174,7 @@ def test_chunks_give_the_whole_computation(monkeypatch):
     ({**DSA, "index_layer_types": ["shared", "full"]}, "index_layer_types"),
     ({**DSA, "index_head_dim": 2}, "index_head_dim"),
     ({**DSA, "index_stage": "dense"}, "index_stage"),
+    ({**DSA, "index_topk": 17}, "larger than the row"),
     ({**DSA, "train": {"qk_clip": 100.0}}, "qk_clip"),
 ])
 def test_bad_sparse_attention_keys_are_refused_in_one_line(keys, message):

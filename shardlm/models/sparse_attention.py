@@ -63,6 +63,9 @@ def check_sparse_attention(m: ModelConfig) -> str | None:
     if m.index_topk < 1 or m.index_heads < 1 or m.q_lora_rank < 1:
         return ("model.index_topk, model.index_heads and model.q_lora_rank must be >= 1 for DeepSeek Sparse "
                 "Attention (its indexer reads the query latent)")
+    if m.index_topk > m.seq_length:
+        return (f"model.index_topk={m.index_topk} is larger than the row (model.seq_length={m.seq_length}): every "
+                "query would attend to every key; choose index_topk below seq_length")
     if m.index_head_dim < m.qk_rope_head_dim:
         return f"model.index_head_dim={m.index_head_dim} must be at least model.qk_rope_head_dim={m.qk_rope_head_dim}"
     if m.index_stage not in ("sparse", "warmup"):
