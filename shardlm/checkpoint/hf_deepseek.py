@@ -16,9 +16,11 @@ Names (HF -> shardlm; everything else as in `shardlm.checkpoint.hf_llama`):
 DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`) are DeepSeek-V3 with a lightning indexer
 (`shardlm.models.sparse_attention`): index_topk, index_n_heads, index_head_dim, and GLM-5's indexer_types
 ("full" / "shared" per layer, kept in `model.index_layer_types`, whose presence also marks a GLM-5 model for
-export). Their MLA always interleaves its rotary channels. The indexer rotates the first qk_rope_head_dim
-channels of its heads: half-split in DeepSeek-V3.2 (shardlm's layout, copied as is), interleaved in GLM-5
-(the rows of wq_b and wk, and k_norm's weight and bias, permuted like the MLA's).
+export; without the key, derived as transformers does from index_topk_pattern or index_topk_freq and
+index_skip_topk_offset; a first "shared" layer is refused). Their MLA always interleaves its rotary
+channels. The indexer rotates the first qk_rope_head_dim channels of its heads: half-split in DeepSeek-V3.2
+(shardlm's layout, copied as is), interleaved in GLM-5 (the rows of wq_b and wk, and k_norm's weight and bias,
+permuted like the MLA's).
 
 With `rope_interleave` (DeepSeek's default) the checkpoint stores each rotary pair's channels next to
 each other; shardlm rotates the halves (`shardlm.models.rotary`), so the rotary rows of q_b (or q) and
@@ -189,11 +191,28 @@ def _sparse_keys(hf: dict) -> dict:
     """The sparse-attention keys of a DeepSeek-V3.2 or GLM-5 config (none for DeepSeek-V3)."""
     if hf.get("model_type") not in SPARSE:
         return {}
-    kinds = []
-    if hf["model_type"] == "glm_moe_dsa":
-        kinds = hf.get("indexer_types") or ["full"] * hf["num_hidden_layers"]
+    kinds = _indexer_types(hf) if hf["model_type"] == "glm_moe_dsa" else []
     return {"index_topk": hf.get("index_topk", 2048), "index_heads": hf.get("index_n_heads", 64),
             "index_head_dim": hf.get("index_head_dim", 128), "index_layer_types": list(kinds)}
+
+
+def _indexer_types(hf: dict) -> list[str]:
+    """GLM-5's "full" / "shared" per layer: indexer_types, else (as transformers' GlmMoeDsaConfig derives it) from
+    index_topk_pattern ("F" / "S" per layer), else index_topk_freq and index_skip_topk_offset (defaults 1, 2).
+    UserError (one line) for a pattern that does not start with a full layer or names another kind."""
+    layers, kinds = hf["num_hidden_layers"], hf.get("indexer_types")
+    if not kinds and hf.get("index_topk_pattern") is not None:
+        pattern = hf["index_topk_pattern"]
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if not kinds:
+        freq, offset = max(hf.get("index_topk_freq") or 1, 1), hf.get("index_skip_topk_offset", 2)
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    kinds = list(kinds)
+    if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+        raise UserError(f"the HF model's indexer_types ({len(kinds)} entries, the first {kinds[0]!r}) must give one "
+                        f"\"full\" or \"shared\" per layer ({layers}), the first \"full\" (a shared layer reuses an "
+                        "earlier layer's choice)")
+    return kinds
 
 
 def _v2_losses(hf: dict) -> dict:
