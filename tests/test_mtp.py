@@ -89,7 +89,7 @@ def test_mtp_logits_equal_transformers_mtp_module(tmp_path):
     from transformers.modeling_layers import MtpModel
 
     from shardlm.checkpoint import load_model
-    from shardlm.checkpoint.hf_deepseek import from_hf
+    from shardlm.checkpoint.hf import from_hf
 
     torch.manual_seed(0)
     main = DeepseekV3ForCausalLM(hf_config()).eval()

@@ -114,9 +114,8 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         return hf_llama.open_hf(hf_dir)
     if kind in hf_qwen3_next.KINDS:
         return hf_qwen3_next.open_hf(hf_dir)
-    if kind in DEEPSEEK:  # converted in one pass (rotary rows reordered), not read lazily
-        raise UserError(f"{hf_dir} holds a {kind!r} model: convert it first (shardlm convert --from-hf {hf_dir} "
-                        "--output FILE.safetensors) and start from that file")
+    if kind in DEEPSEEK:
+        return hf_deepseek.open_hf(hf_dir)
     if kind != "gpt2":
         raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and "
                         f"{', '.join(LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK)} "
@@ -146,9 +145,6 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     """Convert a local HF GPT-2 (or Llama-family, or DeepSeek-V3) directory into a consolidated shardlm
     checkpoint file."""
-    config_file = Path(hf_dir) / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in DEEPSEEK:
-        return hf_deepseek.from_hf(Path(hf_dir), Path(out))
     config, sources = open_hf(hf_dir)
     tensors = {f"model/{ours}": read() for ours, read in sources.items()}
     return files.write_consolidated(Path(out), tensors, dataclasses.asdict(config))

@@ -37,15 +37,14 @@ transformers' save_pretrained writes) converts without them, with a note. No net
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from shardlm.checkpoint import files
 from shardlm.checkpoint.hf_common import (
+    HFTensor,
     drop_missing_mtp,
     rope_parameters,
     rope_parameters_of,
@@ -284,14 +283,20 @@ def _indexer_interleaved(cfg: ModelConfig, ours: str) -> bool:
     return ".indexer." in ours and bool(cfg.index_layer_types) and "weights_proj" not in ours
 
 
+def _reordered(cfg: ModelConfig, ours: str, interleaved: bool) -> bool:
+    """Whether the HF tensor `ours` has rotary rows to de-interleave on import (and re-interleave on export)."""
+    kind = ours.split(".")[-2]
+    return _indexer_interleaved(cfg, ours) or (interleaved and ".attn." in ours and kind in ("q", "q_b", "kv_a")
+                                               and ".indexer." not in ours)
+
+
 def tensor_from_hf(cfg: ModelConfig, ours: str, value: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """A HF tensor in shardlm's layout (the rotary rows de-interleaved when the checkpoint interleaves them)."""
+    if not _reordered(cfg, ours, interleaved):
+        return value
     if _indexer_interleaved(cfg, ours):
         return _permute_indexer(value, cfg, ours, inverse=False)
-    kind = ours.split(".")[-2]
-    if interleaved and ".attn." in ours and kind in ("q", "q_b", "kv_a"):
-        return _permute_rope_rows(value, cfg, kind, inverse=False)
-    return value
+    return _permute_rope_rows(value, cfg, ours.split(".")[-2], inverse=False)
 
 
 def tensor_to_hf(cfg: ModelConfig, ours: str, value: torch.Tensor) -> torch.Tensor:
@@ -304,8 +309,10 @@ def tensor_to_hf(cfg: ModelConfig, ours: str, value: torch.Tensor) -> torch.Tens
     return value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value
 
 
-def from_hf(hf_dir: Path, out: Path) -> Path:
-    """Convert a local HF DeepSeek-V3 directory into a consolidated shardlm checkpoint file."""
+def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
+    """(config, {shardlm name: its `HFTensor` in shardlm's layout}) of a local HF DeepSeek-V2/V3/V3.2 or GLM-5
+    directory, read on demand (`checkpoint.init_from` reads it in place); the tensors with rotary rows to reorder
+    are read whole, the others only in the rows asked for."""
     located = weight_files(hf_dir)
     hf = json.loads((hf_dir / "config.json").read_text())
     config = RunConfig(model=model_config_from_hf(hf))
@@ -315,15 +322,16 @@ def from_hf(hf_dir: Path, out: Path) -> Path:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     drop_missing_mtp(config.model, located, hf_dir)
     interleaved = hf.get("rope_interleave", True) or hf["model_type"] in SPARSE
-    tensors, handles = {}, {}
+    handles: dict = {}
+    sources = {}
     for ours, theirs in name_map(config.model):
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
-        path = located[theirs]
-        handles.setdefault(path, safe_open(str(path), framework="pt"))
-        value = handles[path].get_tensor(theirs).float().contiguous()
-        tensors[f"model/{ours}"] = tensor_from_hf(config.model, ours, value, interleaved)
-    return files.write_consolidated(out, tensors, dataclasses.asdict(config))
+        convert = None
+        if _reordered(config.model, ours, interleaved):
+            convert = functools.partial(tensor_from_hf, config.model, ours, interleaved=interleaved)
+        sources[ours] = HFTensor(handles, located[theirs], theirs, convert)
+    return config, sources
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
