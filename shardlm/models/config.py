@@ -254,7 +254,8 @@ class ModelConfig:
 
 
 def mla_weights(cfg: ModelConfig) -> int:
-    """Entries of one MLA layer's matrices: q_a and q_b (or q), kv_a, kv_b and o (norms excluded)."""
+    """Entries of one MLA layer's matrices: q_a and q_b (or q), kv_a, kv_b and o (norms excluded; a sparse-attention
+    layer's indexer is not among them: `shardlm.plan.sparse_attention`)."""
     h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = (h + heads * qk) * cfg.q_lora_rank if cfg.q_lora_rank else h * heads * qk
     kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -277,7 +278,11 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     is 2 (2 h a + 2 h kv + 3 h f) + 4 s a per token (kv = num_kv_heads x head_dim); on a sliding-window layer
     the keys a query sees are min(s, window), so its score and value products count 4 min(s, window) a. With MLA
     (attention = "mla") the attention matrices are `mla_weights` and the score and value products
-    2 s H (qk_nope + qk_rope) + 2 s H v_head_dim.
+    2 s H (qk_nope + qk_rope) + 2 s H v_head_dim. With DeepSeek Sparse Attention (`index_topk` > 0) those products
+    are the absorbed attention over min(s, index_topk) chosen keys (all s, dense, in the warm-up stage), and a
+    layer with its own lightning indexer adds the indexer's matrices, its O(s) scoring per token and its KL pass,
+    which do not train at 3x their forward (`shardlm.plan.sparse_attention.sparse_attention_flops` has the
+    formulas).
 
     A linear-attention (Gated DeltaNet) layer (`cfg.is_linear_layer`; n_k, n_v key and value heads of d_k, d_v
     channels) counts its projections q, k (h x n_k d_k each), v, z (h x n_v d_v each), b, a (h x n_v each) and o
@@ -316,9 +321,17 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
             return attention + 2 * 3 * h * cfg.ffn_size
 
         layer_forward = sum(layer_flops(i) for i in range(layers))
+    sparse = None  # DeepSeek Sparse Attention: a layer's attention core and indexer, by index
     if cfg.arch == "llama" and cfg.attention == "mla":
         heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        layer_forward = layers * (2 * (mla_weights(cfg) + 3 * h * cfg.ffn_size) + 2 * s * heads * (qk + cfg.v_head_dim))
+        weights = 2 * (mla_weights(cfg) + 3 * h * cfg.ffn_size)
+        if cfg.index_topk:
+            from shardlm.plan.sparse_attention import sparse_attention_flops as sparse
+
+        def layer_flops(i: int) -> float:
+            return weights + (sparse(cfg, i).forward if sparse else 2 * s * heads * (qk + cfg.v_head_dim))
+
+        layer_forward = sum(layer_flops(i) for i in range(layers))
     one_layer = layer_forward / layers
     moe_change = 0.0  # what an MoE layer adds to (or saves from) a dense one
     if cfg.moe_num_experts:
@@ -331,7 +344,10 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     mtp = sum(4 * h * h + (layer_flops(layers + k) if layer_flops else one_layer)
               + (moe_change if cfg.is_moe_layer(layers + k) else 0.0) + 2 * h * v for k in range(cfg.mtp_layers))
     forward = layer_forward + 2 * h * v + mtp
-    return 3 * forward + (layer_forward if recompute else 0.0)
+    # the indexers train at less than 3x their forward: count their own backward (`sparse_attention_flops`)
+    own_backward = sum(sparse(cfg, i).backward - 2 * sparse(cfg, i).forward
+                       for i in range(layers + cfg.mtp_layers)) if sparse else 0
+    return 3 * forward + own_backward + (layer_forward if recompute else 0.0)
 
 
 def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False) -> float:

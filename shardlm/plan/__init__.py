@@ -4,8 +4,8 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 
 - `hardware`     GPU and node presets (the 2019 paper's DGX-2H, SC21's DGX A100, H100 / H200 nodes);
 - `models`       model presets (the papers' GPT-2, BERT, weak-scaling and SC21 models, Llama 3, the MoE
-                 models Mixtral 8x7B and Qwen3-30B-A3B / 235B-A22B, DeepSeek-V3, GLM-4.5, gpt-oss, the hybrid
-                 linear-attention Qwen3-Next and Qwen3.5) and TOML configs;
+                 models Mixtral 8x7B and Qwen3-30B-A3B / 235B-A22B, DeepSeek-V3, the sparse-attention DeepSeek-V3.2
+                 and GLM-5, GLM-4.5, gpt-oss, the hybrid linear-attention Qwen3-Next and Qwen3.5) and TOML configs;
 - `memory`       per-rank parameters, gradients, optimizer state and activations, derived from
                  what shardlm allocates and what autograd saves in its transformer layer;
 - `activations`  the same under sequence parallelism and recomputation, Korthikanti et al.'s formulas
@@ -13,6 +13,8 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 - `experts`      what MoE layers add: activated parameters, the MoE layer's activations, all-to-all bytes;
 - `linear_attention`  Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: their recurrence's FLOPs, what they save,
                  their recurrent state;
+- `sparse_attention`  DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the top-k attention's and the lightning
+                 indexers' FLOPs, which layers hold an indexer, dense against sparse per token;
 - `fsdp`         FSDP (`train.data_sharding = "full"`): sharded state, gathered units, per-layer collectives;
 - `muon`         `--optimizer muon` (`train.optimizer = "muon"`): the Muon matrices of a rank, their state, and
                  the step's TP and data-sharding collectives and Newton-Schulz FLOPs;

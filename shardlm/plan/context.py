@@ -16,6 +16,10 @@ only the part of a transfer longer than its blocks is exposed, plus one latency 
 is C ranks TP apart: on NVLink while TP x C GPUs fit in a server; beyond, the ring crosses servers and
 each GPU gets its share of the node's network.
 
+DeepSeek Sparse Attention (`index_topk`) runs no ring: every layer all-gathers the row's latents and shared RoPE
+keys, and each layer with its own indexer its indexer keys, so each query chooses among and attends to the whole
+row (`shardlm.models.sparse_attention`, `sparse_gather_seconds`).
+
 MoE models: expert parallelism folds over the DP x C ranks (`shardlm.parallel.layout.expert_parallel_groups`,
 CP ranks first): E divides DP x C, the expert-DP group is the DP x C / E ranks holding the same experts.
 Each CP rank routes only its own T / C tokens, so the MoE layer's saved activations and its all-to-all
@@ -104,3 +108,34 @@ def allgather_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, acti
     nbytes = micro_batch * cfg.seq_length * _kv_widths(cfg, tp)[0] * activation_bytes
     one = (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency_s
     return one * (4 if recompute_full else 3)
+
+
+def sparse_gather_seconds(cfg: ModelConfig, cp: int, micro_batch: int, activation_bytes: int, recompute_full: bool,
+                          bandwidth: float, latency_s: float) -> float:
+    """Seconds of one micro-batch's sparse-attention all-gathers on one rank, per layer (averaged over the layers
+    with and without an indexer), all on the critical path (`shardlm.models.sparse_attention.whole_rows`): every
+    layer gathers the row's latents and rotated shared keys, b T (kv_lora_rank + qk_rope) x activation bytes, and
+    reduce-scatters their gradients; a layer with its own indexer gathers its keys, b T index_head_dim x 4 bytes
+    (its LayerNorm's fp32 output under autocast), and reduce-scatters their gradients when it trains. In the dense
+    warm-up (which runs the ring as well) only a layer whose indexer trains gathers, its keys and, detached, the
+    latents for its target. The forward's gathers again under full recomputation. Each collective (C - 1) / C of
+    its bytes over `bandwidth` (bytes/s per direction) plus C - 1 latencies."""
+    from shardlm.plan.sparse_attention import has_indexer
+
+    if cp == 1:
+        return 0.0
+    layers = range(cfg.num_layers)
+    indexed = sum(has_indexer(cfg, i) for i in layers) / len(layers)
+    tokens = micro_batch * cfg.seq_length
+
+    def gather(nbytes: float) -> float:
+        return (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency_s
+
+    latents = gather(tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * activation_bytes)
+    keys = gather(tokens * cfg.index_head_dim * 4)
+    trained = cfg.index_loss_coeff > 0
+    if cfg.index_stage == "warmup":
+        forward, backward = (indexed * (latents + keys), indexed * keys) if trained else (0.0, 0.0)
+    else:
+        forward, backward = latents + indexed * keys, latents + (indexed * keys if trained else 0.0)
+    return forward * (2 if recompute_full else 1) + backward

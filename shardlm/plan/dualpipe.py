@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from shardlm.models.config import ModelConfig
 from shardlm.plan.linear_attention import attention_weights, rule_flops_per_token
+from shardlm.plan.sparse_attention import sparse_attention_flops
 from shardlm.plan.stages import RankStages, pipeline_layers
 from shardlm.plan.windows import attended_keys, attention_flops_per_key
 
@@ -63,7 +64,9 @@ def layer_flops(cfg: ModelConfig, index: int) -> float:
     `flops_per_token` counts them: its attention matrices (MLA's, a linear-attention layer's or q, k, v, o:
     `linear_attention.attention_weights`), its MLP (dense, or the top-k routed and the shared experts with the
     router and the shared experts' gate), the score and value products over its keys, or a linear layer's
-    recurrence (`linear_attention.rule_flops_per_token`)."""
+    recurrence (`linear_attention.rule_flops_per_token`). A sparse-attention layer counts a third of its core's and
+    indexer's training FLOPs (`sparse_attention.sparse_attention_flops`: the indexer trains at less than 3x its
+    forward), so 3x the layers still make `flops_per_token`."""
     h = cfg.hidden_size
     matrices = 3 if cfg.arch == "llama" else 2
     if cfg.is_moe_layer(index):
@@ -73,8 +76,9 @@ def layer_flops(cfg: ModelConfig, index: int) -> float:
     else:
         mlp = matrices * cfg.ffn_size * h
     recurrence = rule_flops_per_token(cfg) if cfg.is_linear_layer(index) else 0
-    return 2 * (attention_weights(cfg, index) + mlp) + attention_flops_per_key(cfg) * attended_keys(cfg, index) \
-        + recurrence
+    sparse = sparse_attention_flops(cfg, index) if cfg.attention == "mla" else None
+    core = sparse.training / 3 if sparse else attention_flops_per_key(cfg) * attended_keys(cfg, index)
+    return 2 * (attention_weights(cfg, index) + mlp) + core + recurrence
 
 
 def stage_flops(cfg: ModelConfig, layers: list[int], last: bool) -> float:

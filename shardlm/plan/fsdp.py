@@ -65,6 +65,7 @@ from shardlm.plan.links import over_dp_group, ring_allreduce_seconds, ring_gathe
 from shardlm.plan.memory import StateMemory
 from shardlm.plan.muon import MuonCount
 from shardlm.plan.parameters import ParameterCount, layer_parameter_count, layers_parameter_count, parameter_count
+from shardlm.plan.sparse_attention import has_indexer
 from shardlm.plan.stages import RankStages, rank_parameter_count
 
 if TYPE_CHECKING:
@@ -101,12 +102,13 @@ class FSDPUnits:
 def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: int = 1) -> FSDPUnits:
     """Layer and root elements of TP rank 0 at expert-parallel size `ep`: the whole model, or pipeline rank
     `stages.rank`'s layers and end pieces (`stages.rank_parameter_count`). Each layer is
-    `parameters.layer_parameter_count` (dense or MoE, linear or full attention); the gathered unit is an MoE
-    layer's when the rank holds one, else a dense layer's (of a hybrid model the larger attention kind's); the root
-    is the rest."""
+    `parameters.layer_parameter_count` (dense or MoE, linear or full attention, with or without a sparse-attention
+    indexer); the gathered unit is an MoE layer's when the rank holds one, else a dense layer's (of a hybrid model
+    the larger attention kind's, the larger of a sparse-attention model's layers with and without an indexer); the
+    root is the rest."""
     indices = range(cfg.num_layers) if stages is None else stages.layer_indices
     layers = layers_parameter_count(cfg, indices, tp, ep)
-    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i)): i for i in indices}
+    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i), has_indexer(cfg, i)): i for i in indices}
     moe = any(key[0] for key in kinds)
     largest = max((layer_parameter_count(cfg, i, tp, ep).total for key, i in kinds.items() if key[0] == moe),
                   default=layer_parameter_count(cfg, 0, tp, ep).total)

@@ -60,7 +60,8 @@ class Kernels:
     pad_values: bool = False
     """The attention kernel needs the values' head size equal to the queries' and keys' (FlashAttention-2's
     does), so MLA's values run zero-padded to qk_nope + qk_rope: the core executes 2 s^2 H (qk + qk) instead of
-    2 s^2 H (qk + v) per layer and sequence (the counted FLOPs stay the model's)."""
+    2 s^2 H (qk + v) per layer and sequence (the counted FLOPs stay the model's). Not with sparse attention, whose
+    absorbed core has the latents as values (`plan.sparse_attention`; its dense warm-up is padded)."""
     fp8_storage: bool = False
     """DeepSeek-V3's low-precision storage (its report, 3.3.4, and 3.2.3): the layers' saved activations as
     `fp8.fp8_layer_bytes` counts them, AdamW's moments in BF16, and the FP8 casts around the GEMMs
@@ -82,7 +83,9 @@ class Kernels:
         recomputes QK^T: five GEMMs to the forward's two, Dao 2023, FlashAttention-2, section 3.1.2), at
         `backward_efficiency` x `peak_flops`."""
         forward = self.counted_attention_flops(cfg, global_batch, False) / 3 * causal_share(cfg)
-        if self.pad_values and cfg.attention == "mla" and cfg.v_head_dim < cfg.qk_nope_head_dim + cfg.qk_rope_head_dim:
+        # sparse attention runs absorbed, the latents its values (no padding), except in its dense warm-up
+        expanded = cfg.attention == "mla" and (not cfg.index_topk or cfg.index_stage == "warmup")
+        if self.pad_values and expanded and cfg.v_head_dim < cfg.qk_nope_head_dim + cfg.qk_rope_head_dim:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             forward *= 2 * qk / (qk + cfg.v_head_dim)
         passes = 2 if recompute else 1

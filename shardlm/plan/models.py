@@ -1,6 +1,7 @@
 """Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3,
 the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, and the DeepSeek-V3-shaped
-models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, GLM-4.5, gpt-oss
+models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, with DeepSeek Sparse
+Attention DeepSeek-V3.2 and GLM-5 (docs/plan-sparse-attention.md), GLM-4.5, gpt-oss
 (sliding-window layers, attention sinks, biased experts), and the hybrid linear-attention models Qwen3-Next-80B-A3B
 and Qwen3.5 (27B dense, 35B-A3B and 397B-A17B: three Gated DeltaNet layers before each gated full-attention one).
 
@@ -17,7 +18,7 @@ config counts it: `parameters.mtp_parameter_count`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardlm.config import LoraConfig
@@ -29,6 +30,7 @@ BERT_VOCAB = 30522
 LLAMA3_VOCAB = 128256
 MIXTRAL_VOCAB = 32000
 GLM45_VOCAB = 151552
+GLM5_VOCAB = 154880
 QWEN3_VOCAB = 151936
 DEEPSEEK_V3_VOCAB = 129280
 MOONLIGHT_VOCAB = 163840
@@ -81,6 +83,33 @@ def _deepseek_v3() -> ModelConfig:
                        dropout=0.0, moe_num_experts=256, moe_top_k=8, moe_ffn_hidden_size=2048, moe_shared_experts=1,
                        moe_first_dense_layers=3, moe_score="sigmoid", moe_norm_topk_prob=True, moe_routed_scaling=2.5,
                        moe_groups=8, moe_topk_groups=4, moe_expert_bias_rate=0.001)
+
+
+def _deepseek_v32() -> ModelConfig:
+    """DeepSeek-V3.2 (transformers' DeepseekV32Config defaults, DeepseekV32ForCausalLM): DeepSeek-V3's shape
+    (`_deepseek_v3`) with DeepSeek Sparse Attention in every layer: a lightning indexer of 64 heads of 128 channels
+    (index_n_heads, index_head_dim) chooses each query's 2048 keys (index_topk). Sequence 4096 as the other presets
+    (the indexer pays off at long sequences: docs/plan-sparse-attention.md); the multi-token-prediction module is not
+    counted."""
+    return replace(_deepseek_v3(), index_topk=2048, index_heads=64, index_head_dim=128)
+
+
+def _glm5() -> ModelConfig:
+    """GLM-5 (transformers' GlmMoeDsaConfig defaults, GlmMoeDsaForCausalLM): 78 layers, h 6144, 64 heads of
+    multi-head latent attention (q_lora_rank 2048, kv_lora_rank 512, qk_nope 192 + qk_rope 64, v 256) with
+    DeepSeek Sparse Attention (an indexer of 32 heads of 128 channels choosing 2048 keys); its indexer_types, by
+    default (index_topk_freq 1), "full" in every layer (a "shared" layer would reuse the last full layer's choice
+    and hold no indexer); the first 3 layers dense (intermediate_size 12288), the other 75 with 256 routed experts
+    of width 2048 (top-8, sigmoid scores with the score-correction bias, one group, routed_scaling_factor 2.5,
+    norm_topk_prob) and 1 shared expert; vocabulary 154,880, untied; RMSNorm epsilon 1e-5. Sequence 4096; the
+    multi-token-prediction layer is not counted."""
+    return ModelConfig(arch="llama", attention="mla", num_layers=78, hidden_size=6144, num_heads=64,
+                       q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                       seq_length=4096, vocab_size=GLM5_VOCAB, ffn_hidden_size=12288, layernorm_epsilon=1e-5,
+                       dropout=0.0, moe_num_experts=256, moe_top_k=8, moe_ffn_hidden_size=2048, moe_shared_experts=1,
+                       moe_first_dense_layers=3, moe_score="sigmoid", moe_norm_topk_prob=True, moe_routed_scaling=2.5,
+                       moe_expert_bias=True, index_topk=2048, index_heads=32, index_head_dim=128,
+                       index_layer_types=["full"] * 78)
 
 
 def _moonlight_16b_a3b() -> ModelConfig:
@@ -177,6 +206,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 6144, 768),
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 64, 12288, 1536),
     "deepseek-v3": _deepseek_v3(),
+    "deepseek-v3.2": _deepseek_v32(),
+    "glm-5": _glm5(),
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
     "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
     "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),
@@ -250,3 +281,8 @@ def check_model(cfg: ModelConfig) -> None:
                             "model.moe_shared_experts >= 0")
     if cfg.hidden_size % cfg.num_heads and not (cfg.arch == "llama" and (cfg.head_dim or cfg.attention == "mla")):
         raise UserError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
+    if cfg.index_topk or cfg.index_heads or cfg.index_layer_types:  # the model's own check (imports torch)
+        from shardlm.models.sparse_attention import check_sparse_attention
+
+        if (problem := check_sparse_attention(cfg)) is not None:
+            raise UserError(problem)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
+from shardlm.plan.sparse_attention import has_indexer
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,15 @@ def _mla_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     return ParameterCount(sharded, replicated, tensors, sharded + replicated_matrices)
 
 
+def _indexer_count(cfg: ModelConfig) -> ParameterCount:
+    """One layer's lightning indexer (DeepSeek Sparse Attention, `shardlm.models.sparse_attention.Indexer`),
+    replicated on every TP rank: wq_b (H_i D x q_lora_rank), wk (D x h), k_norm (a LayerNorm of D with its bias)
+    and weights_proj (H_i x h); H_i = index_heads, D = index_head_dim."""
+    h, heads, dim = cfg.hidden_size, cfg.index_heads, cfg.index_head_dim
+    matrices = heads * dim * cfg.q_lora_rank + dim * h + heads * h
+    return ParameterCount(0, matrices + 2 * dim, 5, matrices)
+
+
 def _linear_attention_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     """One Gated DeltaNet layer (`shardlm.models.linear_attention.GatedDeltaNet`) and its two RMSNorms on one TP
     rank (n_k, n_v key and value heads of d_k, d_v channels, both head counts split over TP): q and k (n_k d_k x h
@@ -210,14 +220,18 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     or MoE layer (`_mlp_count`), the embedding and the untied output layer (V_padded x h each) split by
     vocabulary rows; q/k/v biases with `attention_bias` (GLM-4.5), o's bias (replicated) and per-head sinks
     (split) with `attention_output_bias` and `attention_sinks` (gpt-oss). With multi-head latent attention the
-    layer's attention is `_mla_count`'s; a linear-attention layer's (`cfg.is_linear_layer`) is
-    `_linear_attention_count`'s."""
+    layer's attention is `_mla_count`'s, plus `_indexer_count` on each layer that runs its own indexer under sparse
+    attention (`sparse_attention.has_indexer`: not GLM-5's "shared" layers); a linear-attention layer's
+    (`cfg.is_linear_layer`) is `_linear_attention_count`'s."""
     h, layers = cfg.hidden_size, cfg.num_layers
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     outputs = 1 if cfg.tie_embeddings else 2
     ends = ParameterCount(outputs * vocab_local * h, h, 1 + outputs, 0)  # embedding, output layer, final norm
     if cfg.attention == "mla":
         attention = _times(_mla_count(cfg, tp), layers)
+        indexers = sum(has_indexer(cfg, i) for i in range(layers))
+        if indexers:
+            attention = add_counts(attention, _times(_indexer_count(cfg), indexers))
     else:
         linear = sum(cfg.is_linear_layer(i) for i in range(layers))
         attention = _times(_full_attention_count(cfg, tp), layers - linear)
@@ -228,10 +242,12 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
 
 def layer_parameter_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) -> ParameterCount:
     """Layer `index`'s parameters on one (TP, EP) rank: dense or MoE (`cfg.is_moe_layer`), linear or full
-    attention (`cfg.is_linear_layer`; a multi-token-prediction depth, index >= num_layers, has full attention).
-    A one-layer model of its kind less the model without layers."""
+    attention (`cfg.is_linear_layer`; a multi-token-prediction depth, index >= num_layers, has full attention),
+    with or without a sparse-attention indexer (`sparse_attention.has_indexer`). A one-layer model of its kind less
+    the model without layers."""
     base = replace(cfg, mtp_layers=0)
-    kind = replace(base, num_layers=1, layer_types=["linear_attention"] if cfg.is_linear_layer(index) else [])
+    kind = replace(base, num_layers=1, layer_types=["linear_attention"] if cfg.is_linear_layer(index) else [],
+                   index_layer_types=[], index_topk=cfg.index_topk if has_indexer(cfg, index) else 0)
     if cfg.is_moe_layer(index):
         kind = replace(kind, moe_first_dense_layers=0, moe_layer_interval=1)
     else:
@@ -241,10 +257,10 @@ def layer_parameter_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) ->
 
 def layers_parameter_count(cfg: ModelConfig, indices, tp: int, ep: int = 1) -> ParameterCount:
     """The layers `indices` together on one (TP, EP) rank (`layer_parameter_count`, one per kind)."""
-    kinds: dict[tuple[bool, bool], ParameterCount] = {}
+    kinds: dict[tuple[bool, bool, bool], ParameterCount] = {}
     total = ParameterCount(0, 0, 0, 0)
     for index in indices:
-        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index))
+        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), has_indexer(cfg, index))
         if key not in kinds:
             kinds[key] = layer_parameter_count(cfg, index, tp, ep)
         total = add_counts(total, kinds[key])

@@ -63,6 +63,9 @@
   state summaries they exchange under CP are small and not counted).
 - multi-token prediction (`mtp`): the last pipeline rank runs its layers and the depths; the busiest rank's
   layers set the pace.
+- DeepSeek Sparse Attention (`sparse_attention`): the FLOP count has the attention over the chosen keys and the
+  lightning indexers; context parallelism all-gathers whole rows of latents and indexer keys instead of the ring
+  (`context.sparse_gather_seconds`).
 
 The three calibrated constants and what they were fitted on are in `PAPER_CALIBRATION`; the Hopper constants
 in `generations.HOPPER_CALIBRATION`.
@@ -74,7 +77,7 @@ from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig, flops_per_step
 from shardlm.plan import dualpipe
-from shardlm.plan.context import allgather_seconds, ring_seconds
+from shardlm.plan.context import allgather_seconds, ring_seconds, sparse_gather_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.fp8 import cast_bytes_per_token, fp8_gemm_seconds, mla_up_recompute_seconds
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
@@ -263,20 +266,29 @@ def context_ring_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Nu
                          calibration: Calibration, kernels: Kernels = SC21_KERNELS) -> tuple[float, float]:
     """(exposed, total) ring seconds of one layer and micro-batch (`shardlm.plan.context.ring_seconds`) on
     `cfg`'s full sequence: NVLink while the CP group's TP x C GPUs fit in a server, else this GPU's share of
-    the node's network. With `kernels.cp_allgather`: Llama 3's exposed all-gather (`context.allgather_seconds`)."""
+    the node's network. With `kernels.cp_allgather`: Llama 3's exposed all-gather (`context.allgather_seconds`).
+    Sparse attention's all-gathers of whole rows (`context.sparse_gather_seconds`), whatever the kernels, replace
+    the ring, or in the dense warm-up come on top of it."""
     if layout.cp == 1:
         return 0.0, 0.0
     intra, inter = _direction_bandwidth(gpu, calibration)
     across = layout.tp * layout.cp > gpu.gpus_per_node
     bandwidth = inter / gpu.gpus_per_node if across else intra
     latency = calibration.inter_node_latency_s if across else calibration.intra_node_latency_s
+    gathers = 0.0
+    if cfg.index_topk and cfg.attention == "mla":
+        gathers = sparse_gather_seconds(cfg, layout.cp, layout.micro_batch, fmt.matmul_bytes, layout.checkpointing,
+                                        bandwidth, latency)
+        if cfg.index_stage != "warmup":  # no ring: every layer attends to gathered rows
+            return gathers, gathers
     if kernels.cp_allgather:
         exposed = allgather_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes,
                                     layout.checkpointing, bandwidth, latency)
-        return exposed, exposed
+        return exposed + gathers, exposed + gathers
     flops_per_s = gpu.peak_tflops * 1e12 * calibration.compute_efficiency
-    return ring_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes, layout.checkpointing,
-                        bandwidth, latency, flops_per_s)
+    exposed, total = ring_seconds(cfg, layout.cp, layout.tp, layout.micro_batch, fmt.matmul_bytes,
+                                  layout.checkpointing, bandwidth, latency, flops_per_s)
+    return exposed + gathers, total + gathers
 
 
 def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> float:

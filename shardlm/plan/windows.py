@@ -13,19 +13,26 @@ the work, not the bytes (`tests/test_plan_windows.py` checks both).
 
 A linear-attention layer (`ModelConfig.is_linear_layer`, Qwen3-Next's Gated DeltaNet) attends over no keys: its
 recurrence is linear in s (`models.config.flops_per_token`, `plan.linear_attention`), so it counts 0 keys here.
+
+A DeepSeek Sparse Attention layer (`index_topk`, `plan.sparse_attention`) counts each query against its
+min(s, index_topk) chosen keys at the absorbed form's cost per key (in the dense warm-up all s keys, dense MLA's
+cost); its indexer is no attention core here.
 """
 
 from __future__ import annotations
 
 from shardlm.models.config import ModelConfig
+from shardlm.plan.sparse_attention import sparse_attention_flops
 
 
 def attended_keys(cfg: ModelConfig, index: int) -> int:
     """Keys each query of layer `index` is counted against: the sequence, min(s, w) on a sliding layer, 0 on a
-    linear-attention layer."""
+    linear-attention layer, min(s, index_topk) with sparse attention (s in its dense warm-up)."""
     s = cfg.seq_length
     if cfg.is_linear_layer(index):
         return 0
+    if cfg.index_topk and cfg.attention == "mla":
+        return sparse_attention_flops(cfg, index).keys
     return min(s, cfg.sliding_window) if cfg.arch == "llama" and cfg.is_sliding_layer(index) else s
 
 
@@ -51,7 +58,10 @@ def causal_share(cfg: ModelConfig) -> float:
 
 def attention_flops_per_key(cfg: ModelConfig) -> float:
     """Forward FLOPs of one query against one key in one layer (QK^T and PV): 4 a (Llama: a = heads x head size;
-    GPT and BERT: h), 2 H (qk_nope + qk_rope + v_head_dim) with multi-head latent attention."""
+    GPT and BERT: h), 2 H (qk_nope + qk_rope + v_head_dim) with multi-head latent attention, 2 H (2 kv_lora_rank +
+    qk_rope) absorbed with sparse attention (`plan.sparse_attention`; dense MLA's in its warm-up)."""
+    if cfg.arch == "llama" and cfg.attention == "mla" and cfg.index_topk:
+        return sparse_attention_flops(cfg, 0).per_key
     if cfg.arch == "llama" and cfg.attention == "mla":
         return 2 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     return 4 * (cfg.num_heads * cfg.attention_head_dim if cfg.arch == "llama" else cfg.hidden_size)
@@ -61,6 +71,6 @@ def window_saved_flops(cfg: ModelConfig, global_batch: int, recompute: bool) -> 
     """FLOPs a window takes out of the full-square count (`flops_per_step` of the same model without the window;
     with it, `flops_per_token` already counts a sliding layer's min(s, w) keys): per sliding layer and token
     (s - min(s, w)) keys' worth, forward, backward (2x) and the recomputed forward."""
-    missing = sum(cfg.seq_length - attended_keys(cfg, i) for i in range(cfg.num_layers) if not cfg.is_linear_layer(i))
+    missing = sum(cfg.seq_length - attended_keys(cfg, i) for i in range(cfg.num_layers) if cfg.is_sliding_layer(i))
     passes = 4 if recompute else 3
     return passes * global_batch * cfg.seq_length * attention_flops_per_key(cfg) * missing
