@@ -190,8 +190,6 @@ class LatentAttention(nn.Module):
         B, T = q.shape[:2]
         past = 0 if cache is None else cache.length
         q = q.view(B, T, self.heads, self.nope + self.rope).transpose(1, 2)
-        kv = self.kv_b.local(c).view(B, T, self.heads, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         cos, sin = self.angles(token_positions(T, self.ctx.cp, past, documents, x.device))
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
@@ -202,10 +200,13 @@ class LatentAttention(nn.Module):
             keys = torch.cat((latent, shared_key), dim=-1).squeeze(1) if cache is not None else None
             y = self.sparse(x, q, q_latent, c, k_rope, (cos, sin), keys, documents, cache, carry)
             return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
-        k = torch.cat((k_nope, k_rope.expand(B, self.heads, T, self.rope)), dim=-1)
         if past > 0:
             y = self.absorbed(q, latent, shared_key, past)
-        elif self.selective_recompute and self.training and torch.is_grad_enabled():
+            return self.o(y.transpose(1, 2).reshape(B, T, self.heads * self.v_dim))
+        kv = self.kv_b.local(c).view(B, T, self.heads, self.nope + self.v_dim).transpose(1, 2)  # keys and values
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # per head (the cached and sparse paths absorb kv_b)
+        k = torch.cat((k_nope, k_rope.expand(B, self.heads, T, self.rope)), dim=-1)
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
             y = recompute(self.core, q, k, v, documents, rng=self.ctx.rng)
         else:
             y = self.core(q, k, v, documents)
