@@ -319,6 +319,9 @@ def _validate_attention_heads(m: ModelConfig) -> None:
         return
     if m.head_dim < 0:
         raise UserError(f"model.head_dim={m.head_dim} must be >= 0 (0: hidden_size / num_heads)")
+    if m.norm_placement not in ("pre", "post") or m.qk_norm_scope not in ("head", "projection"):
+        raise UserError(f'model.norm_placement="{m.norm_placement}" must be "pre" or "post", and model.qk_norm_scope='
+                        f'"{m.qk_norm_scope}" "head" or "projection"')
     if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
                         "every key/value head must serve the same number of query heads")
@@ -366,6 +369,8 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
         (m.moe_shared_experts >= 0 and m.moe_first_dense_layers >= 0 and m.moe_layer_interval >= 1,
          "model.moe_shared_experts and model.moe_first_dense_layers must be >= 0, model.moe_layer_interval >= 1"),
         (m.moe_score in ("softmax", "sigmoid"), f'model.moe_score="{m.moe_score}" must be "softmax" or "sigmoid"'),
+        (m.moe_group_score in ("auto", "top2_sum", "max"),
+         f'model.moe_group_score="{m.moe_group_score}" must be "auto", "top2_sum" or "max"'),
         (m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0 and m.moe_expert_bias_rate >= 0,
          "model.moe_aux_loss_coeff, model.moe_z_loss_coeff and model.moe_expert_bias_rate must be >= 0"),
         (groups >= 0 and (groups == 0 or e % groups == 0),

@@ -60,6 +60,12 @@ class ModelConfig:
     """Llama: channels per attention head; 0 means hidden_size / num_heads (Qwen3 sets it, e.g. 128 at h = 2048)."""
     qk_norm: bool = False
     """Llama: RMSNorm over each head's query and key before RoPE (Qwen3's q_norm and k_norm)."""
+    qk_norm_scope: str = "head"
+    """Llama with qk_norm: "head" (one RMSNorm per head, Qwen3) or "projection" (one RMSNorm over all heads' queries
+    and one over all keys, OLMo 2 and 3)."""
+    norm_placement: str = "pre"
+    """Llama: "pre" (each block normalizes the input of attention and MLP) or "post" (OLMo 2 and 3: it normalizes their
+    outputs before the residual add)."""
     attention_bias: bool = False
     """Llama: biases on the q, k and v projections (GLM-4.5's attention_bias; the output projection has none)."""
     rope_fraction: float = 1.0
@@ -121,6 +127,11 @@ class ModelConfig:
     index_loss_coeff: float = 1.0
     """Sparse attention: weight of the indexer's loss, the KL divergence from the main attention's head-summed
     distribution to the indexer's, per token (0: the indexer is not trained)."""
+    query_scale_beta: float = 0.0
+    """MLA: Llama 4's long-context query scaling (Mistral 4's llama_4_scaling_beta): queries at position p multiplied by
+    1 + beta x log(1 + floor(p / query_scale_positions)); 0 turns it off."""
+    query_scale_positions: int = 0
+    """MLA: the positions of one step of that scaling (Mistral 4's original_max_position_embeddings)."""
     rope_yarn_factor: float = 0.0
     """YaRN context extension factor of the rotary embedding (rope_scaling type "yarn"); 0 turns it off."""
     rope_yarn_original_positions: int = 0
@@ -159,6 +170,9 @@ class ModelConfig:
     """MoE group-limited routing (DeepSeek-V3 n_group): experts in this many groups; 0 turns it off."""
     moe_topk_groups: int = 0
     """MoE group-limited routing: a token picks its experts from its best topk_group groups only."""
+    moe_group_score: str = "auto"
+    """MoE group-limited routing: a group's score is the sum of its two best experts' ("top2_sum": DeepSeek-V3,
+    Mistral 4) or its best expert's ("max": DeepSeek-V2); "auto": top2_sum with sigmoid scores, max with softmax."""
     moe_aux_loss_coeff: float = 0.0
     """MoE: coefficient of the switch load-balancing loss E x sum_e f_e P_e over each micro-batch's tokens."""
     moe_aux_loss_type: str = "micro_batch"

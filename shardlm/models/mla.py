@@ -71,6 +71,8 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
         return problem
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
         return "model.rope_yarn_factor must be >= 1 with model.rope_yarn_original_positions >= 1 (0 turns YaRN off)"
+    if m.query_scale_beta and (m.attention != "mla" or m.query_scale_positions < 1):
+        return "model.query_scale_beta needs model.attention=\"mla\" and model.query_scale_positions >= 1"
     if m.attention == "mha":
         return None
     if m.arch != "llama":

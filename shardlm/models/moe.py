@@ -64,6 +64,13 @@ from shardlm.parallel.init import normal_shard, param_seed
 # ------------------------------------------------------------------------------------------- routing
 
 
+def group_rule(cfg: ModelConfig) -> str:
+    """How expert groups are ranked (`model.moe_group_score`): "top2_sum" or "max"; "auto" by the score kind."""
+    if cfg.moe_group_score != "auto":
+        return cfg.moe_group_score
+    return "max" if cfg.moe_score == "softmax" else "top2_sum"
+
+
 def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, groups: int = 0,
           topk_groups: int = 0, norm_topk_prob: bool = True, scaling: float = 1.0, group_rule: str = "top2_sum"):
     """(N, E) fp32 scores -> (indices (N, k) int64, weights (N, k) fp32).
@@ -182,7 +189,7 @@ class Router(nn.Module):
         bias = None if self.expert_bias is None else self.expert_bias.float()
         indices, weights = route(scores, cfg.moe_top_k, bias, cfg.moe_groups, cfg.moe_topk_groups,
                                  cfg.moe_norm_topk_prob, cfg.moe_routed_scaling,
-                                 "max" if cfg.moe_score == "softmax" else "top2_sum")
+                                 group_rule(cfg))
         return indices, weights, scores, logits
 
 
