@@ -145,3 +145,23 @@ def write_directory(out_dir: Path, tensors: dict[str, torch.Tensor], hf_config: 
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
     return out_dir
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's config of a directory's config.json (a multimodal Qwen3.5 nests it as text_config)."""
+    return {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", hf["text_config"].get(
+        "tie_word_embeddings", False))} if "text_config" in hf else hf
+
+
+def stacked_expert(handles: dict, located: dict, cfg: ModelConfig, ours: str, theirs: str, hf_dir: Path) -> HFTensor:
+    """An expert's matrix from the stacked `experts.gate_up_proj` (E, 2 f, h) / `experts.down_proj` (E, h, f)."""
+    head, _, tail = theirs.partition(".experts.")
+    expert, projection = tail.split(".")[:2] if tail else ("", "")
+    if not tail or not expert.isdigit():
+        raise UserError(f"{hf_dir} has no tensor {theirs}")
+    width = cfg.moe_ffn_size
+    stacked = f"{head}.experts.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
+    if stacked not in located:
+        raise UserError(f"{hf_dir} has no tensor {theirs} (nor {stacked})")
+    part = {"gate_proj": lambda v: v[:width], "up_proj": lambda v: v[width:]}.get(projection)
+    return HFTensor(handles, located[stacked], stacked, part, select=int(expert))

@@ -48,6 +48,8 @@ from shardlm.checkpoint.hf_common import (
     drop_missing_mtp,
     rope_parameters,
     rope_parameters_of,
+    stacked_expert,
+    text_config,
     weight_files,
     write_directory,
     yarn_keys,
@@ -55,8 +57,9 @@ from shardlm.checkpoint.hf_common import (
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
+from shardlm.models.moe import group_rule
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32", "glm_moe_dsa")
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral3")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 """DeepSeek Sparse Attention: MLA with a lightning indexer per layer (GLM-5: on its "full" layers)."""
 
@@ -79,16 +82,22 @@ def _permute_rope_rows(weight: torch.Tensor, cfg: ModelConfig, name: str, invers
     return torch.cat((heads[:, :-rope], heads[:, -rope:][:, perm]), dim=1).reshape(weight.shape).contiguous()
 
 
-def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(shardlm name, HF name) of every tensor of a DeepSeek-V3 model."""
-    top = [("wte.weight", "model.embed_tokens.weight"), ("ln_f.weight", "model.norm.weight")]
+def output_name(prefix: str) -> str:
+    """The output layer's HF name beside a language model under `prefix`."""
+    return "language_model.lm_head.weight" if prefix.startswith("language_model.") else "lm_head.weight"
+
+
+def name_map(cfg: ModelConfig, prefix: str = "model.") -> list[tuple[str, str]]:
+    """(shardlm name, HF name) of every tensor of a DeepSeek-V3 model; `prefix`: "model." or a multimodal
+    directory's language model's ("language_model.model.", whose output layer is language_model.lm_head)."""
+    top = [("wte.weight", f"{prefix}embed_tokens.weight"), ("ln_f.weight", f"{prefix}norm.weight")]
     if not cfg.tie_embeddings:
-        top.append(("lm_head.weight", "lm_head.weight"))
+        top.append(("lm_head.weight", output_name(prefix)))
     out = []
     for i in range(cfg.num_layers):
-        out += _layer_names(cfg, i, f"layers.{i}", f"model.layers.{i}")
+        out += _layer_names(cfg, i, f"layers.{i}", f"{prefix}layers.{i}")
     for k in range(cfg.mtp_layers):  # DeepSeek stores depth k as layer num_hidden_layers + k
-        s, h = f"mtp.{k}", f"model.layers.{cfg.num_layers + k}"
+        s, h = f"mtp.{k}", f"{prefix}layers.{cfg.num_layers + k}"
         out += [(f"{s}.enorm.weight", f"{h}.enorm.weight"), (f"{s}.hnorm.weight", f"{h}.hnorm.weight"),
                 (f"{s}.eh_proj", f"{h}.eh_proj.weight"), (f"{s}.post_norm.weight", f"{h}.shared_head.norm.weight")]
         out += _layer_names(cfg, cfg.num_layers + k, f"{s}.block", h)
@@ -133,9 +142,12 @@ def _rope_keys(hf: dict) -> dict:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """shardlm's [model] section for a HF DeepseekV3Config dict; UserError for what shardlm does not compute."""
+    """shardlm's [model] section for a HF DeepseekV3Config dict (or its relatives'; a multimodal Mistral 4's
+    text_config); UserError for what shardlm does not compute."""
+    hf = text_config(hf)
     heads = hf["num_attention_heads"]
     v2 = hf.get("model_type") == "deepseek_v2"
+    mistral = hf.get("model_type") == "mistral4"  # DeepSeek-V3's shape, softmax routing, Llama 4's query scaling
     experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
     groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
     if v2 and hf.get("topk_method", "greedy") == "greedy":
@@ -177,13 +189,23 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], moe_num_experts=experts,
         moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_shared_experts=hf["n_shared_experts"], moe_first_dense_layers=first_dense,
-        moe_score="softmax" if v2 else "sigmoid",  # V2's router never renormalizes its top-k (transformers)
+        moe_score="softmax" if v2 or mistral else "sigmoid",  # V2's router never renormalizes its top-k
         moe_norm_topk_prob=False if v2 else bool(hf.get("norm_topk_prob", True)),
+        moe_group_score="top2_sum" if mistral else "auto",
         moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
         moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0,
-        moe_expert_bias=not v2, **_v2_losses(hf),
+        moe_expert_bias=not (v2 or mistral), **_v2_losses(hf), **_query_scale(hf),
         mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0, **_rope_keys(hf),
         **_sparse_keys(hf))
+
+
+def _query_scale(hf: dict) -> dict:
+    """Mistral 4's Llama 4 query scaling (rope_parameters' llama_4_scaling_beta) as the model's keys."""
+    params = rope_parameters(hf)
+    beta = params.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    return {"query_scale_beta": float(beta), "query_scale_positions": int(params["original_max_position_embeddings"])}
 
 
 def _sparse_keys(hf: dict) -> dict:
@@ -224,18 +246,24 @@ def _v2_losses(hf: dict) -> dict:
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """The HF config.json of a shardlm Llama with MLA and DeepSeek-style MoE: DeepseekV3ForCausalLM (sigmoid
-    scores), or DeepseekV2ForCausalLM (softmax scores, no top-k renormalization)."""
-    v2 = cfg.moe_score == "softmax"
+    scores), DeepseekV2ForCausalLM (softmax scores, no top-k renormalization) or Mistral4ForCausalLM (softmax
+    scores renormalized, groups by their top-2 sum)."""
+    mistral = cfg.moe_score == "softmax" and cfg.moe_norm_topk_prob
+    v2 = cfg.moe_score == "softmax" and not mistral
     unsupported = [(cfg.moe_num_experts == 0, "routed experts (moe_num_experts = 0)"),
-                   (v2 and cfg.moe_norm_topk_prob, "moe_norm_topk_prob = true with softmax scores"),
+                   (mistral and cfg.moe_groups > 0 and group_rule(cfg) != "top2_sum",
+                    "groups ranked by their best expert with renormalized softmax scores"),
+                   (v2 and group_rule(cfg) != "max" and cfg.moe_groups > 0, "groups ranked by their top-2 sum"),
+                   ((v2 or mistral) and cfg.moe_expert_bias_rate > 0, "an expert bias with softmax scores"),
+                   (cfg.query_scale_beta > 0 and not mistral, "Llama 4's query scaling"),
                    (v2 and cfg.moe_expert_bias_rate > 0, "an expert bias with softmax scores"),
                    (cfg.moe_shared_experts < 1, "no shared expert"), (cfg.moe_layer_interval != 1,
                                                                        "moe_layer_interval > 1"),
                    (cfg.moe_groups > 0 and cfg.moe_num_experts // cfg.moe_groups < 2, "one-expert groups")]
     for bad, what in unsupported:
         if bad:
-            raise UserError(f"{'DeepseekV2' if v2 else 'DeepseekV3'}ForCausalLM has {what}; this model does not "
-                            "convert to it")
+            kind = "Mistral4" if mistral else "DeepseekV2" if v2 else "DeepseekV3"
+            raise UserError(f"{kind}ForCausalLM has {what}; this model does not convert to it")
     rope = rope_parameters_of(cfg)
     sparse = {}
     if cfg.index_topk:
@@ -249,9 +277,14 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     routing = ({"topk_method": "group_limited_greedy" if cfg.moe_groups else "greedy", "scoring_func": "softmax",
                 "aux_loss_alpha": cfg.moe_aux_loss_coeff, "seq_aux": cfg.moe_aux_loss_type == "sequence"} if v2
                else {})
+    if cfg.query_scale_beta:
+        rope = {**rope, "llama_4_scaling_beta": cfg.query_scale_beta,
+                "original_max_position_embeddings": cfg.query_scale_positions}
+    kind = "Mistral4" if mistral else "DeepseekV2" if v2 else "DeepseekV3"
     return {
-        "architectures": ["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v2" if v2 else "deepseek_v3", "vocab_size": cfg.vocab_size, **routing,
+        "architectures": [f"{kind}ForCausalLM"],
+        "model_type": {"Mistral4": "mistral4", "DeepseekV2": "deepseek_v2"}.get(kind, "deepseek_v3"),
+        "vocab_size": cfg.vocab_size, **routing,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads, "hidden_act": "silu",
         "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
@@ -316,22 +349,40 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     located = weight_files(hf_dir)
     hf = json.loads((hf_dir / "config.json").read_text())
     config = RunConfig(model=model_config_from_hf(hf))
+    prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if any(n.startswith(p) for n in located)), "model.")
     if (hf_dir / "tokenizer.json").is_file():
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
-    if not config.model.tie_embeddings and "lm_head.weight" not in located:
+    if not config.model.tie_embeddings and output_name(prefix) not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     drop_missing_mtp(config.model, located, hf_dir)
+    hf = text_config(hf)
     interleaved = hf.get("rope_interleave", True) or hf["model_type"] in SPARSE
     handles: dict = {}
     sources = {}
-    for ours, theirs in name_map(config.model):
+    for ours, theirs in name_map(config.model, prefix):
         if theirs not in located:
-            raise UserError(f"{hf_dir} has no tensor {theirs}")
+            sources[ours] = stacked_expert(handles, located, config.model, ours, theirs, hf_dir)
+            continue
         convert = None
         if _reordered(config.model, ours, interleaved):
             convert = functools.partial(tensor_from_hf, config.model, ours, interleaved=interleaved)
         sources[ours] = HFTensor(handles, located[theirs], theirs, convert)
+    _refuse_unplaced(located, {source.name for source in sources.values()}, hf_dir)
     return config, sources
+
+
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+"""Where a multimodal directory (Mistral 3's format: a Mistral 4 language model) keeps its language model."""
+SET_ASIDE = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+"""A multimodal directory's other towers, which shardlm's language model leaves out."""
+
+
+def _refuse_unplaced(located: dict, placed: set[str], hf_dir: Path) -> None:
+    """UserError (one line) when the directory holds language-model weights that no shardlm tensor reads."""
+    left = sorted(n for n in located if n not in placed and not n.startswith(SET_ASIDE))
+    if left:
+        raise UserError(f"{hf_dir} holds {len(left)} weights shardlm would not read (first: {left[0]}); "
+                        "its config.json does not describe them")
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
@@ -345,4 +396,21 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
         if value is None and ours.endswith("router.expert_bias"):
             value = torch.zeros(cfg.moe_num_experts)
         hf[theirs] = tensor_to_hf(cfg, ours, value).contiguous()
+    if hf_config["model_type"] == "mistral4":  # transformers stores its experts stacked
+        hf = stack_experts(hf, cfg)
     return write_directory(out_dir, hf, hf_config, config.data)
+
+
+def stack_experts(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors (`mlp.experts.e.{gate,up,down}_proj.weight`) as transformers' stacked ones: gate_up_proj
+    (E, 2 f, h), each expert's gate rows then its up rows, and down_proj (E, h, f)."""
+    out = {name: value for name, value in hf.items() if ".mlp.experts." not in name}
+    layers = sorted({name.split(".mlp.experts.")[0] for name in hf if ".mlp.experts." in name})
+    for layer in layers:
+        experts = range(cfg.moe_num_experts)
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([
+            torch.cat((hf[f"{layer}.mlp.experts.{e}.gate_proj.weight"], hf[f"{layer}.mlp.experts.{e}.up_proj.weight"]))
+            for e in experts])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([hf[f"{layer}.mlp.experts.{e}.down_proj.weight"]
+                                                             for e in experts])
+    return out

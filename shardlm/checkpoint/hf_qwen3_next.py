@@ -31,19 +31,13 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, weight_files, write_directory
+from shardlm.checkpoint.hf_common import HFTensor, stacked_expert, text_config, weight_files, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 """HF model types this module converts."""
-
-
-def text_config(hf: dict) -> dict:
-    """The language model's config of a directory's config.json (a multimodal Qwen3.5 nests it as text_config)."""
-    return {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", hf["text_config"].get(
-        "tie_word_embeddings", False))} if "text_config" in hf else hf
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -195,22 +189,8 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
         if theirs in located:
             sources[ours] = HFTensor(handles, located[theirs], theirs, _reader(rows, theirs.endswith("conv1d.weight")))
             continue
-        sources[ours] = _stacked_expert(handles, located, cfg, ours, theirs, hf_dir)
+        sources[ours] = stacked_expert(handles, located, cfg, ours, theirs, hf_dir)
     return config, sources
-
-
-def _stacked_expert(handles: dict, located: dict, cfg: ModelConfig, ours: str, theirs: str, hf_dir: Path) -> HFTensor:
-    """An expert's matrix from the stacked `experts.gate_up_proj` (E, 2 f, h) / `experts.down_proj` (E, h, f)."""
-    head, _, tail = theirs.partition(".experts.")
-    expert, projection = tail.split(".")[:2] if tail else ("", "")
-    if not tail or not expert.isdigit():
-        raise UserError(f"{hf_dir} has no tensor {theirs}")
-    width = cfg.moe_ffn_size
-    stacked = f"{head}.experts.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
-    if stacked not in located:
-        raise UserError(f"{hf_dir} has no tensor {theirs} (nor {stacked})")
-    part = {"gate_proj": lambda v: v[:width], "up_proj": lambda v: v[width:]}.get(projection)
-    return HFTensor(handles, located[stacked], stacked, part, select=int(expert))
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:

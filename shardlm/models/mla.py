@@ -92,6 +92,13 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
     return None
 
 
+def query_scale(positions: torch.Tensor, beta: float, step: int) -> torch.Tensor:
+    """Llama 4's query scale 1 + beta x log(1 + floor(position / step)) of positions (T,) or (B, T), shaped to
+    multiply queries (B, H, T, d): (T, 1) or (B, 1, T, 1)."""
+    scale = 1 + beta * torch.log1p(torch.floor(positions.float() / step))
+    return scale.unsqueeze(-1) if positions.dim() == 1 else scale[:, None, :, None]
+
+
 def softmax_scale(cfg: ModelConfig) -> float:
     """(qk_nope_head_dim + qk_rope_head_dim)^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
@@ -192,9 +199,12 @@ class LatentAttention(nn.Module):
         B, T = q.shape[:2]
         past = 0 if cache is None else cache.length
         q = q.view(B, T, self.heads, self.nope + self.rope).transpose(1, 2)
-        cos, sin = self.angles(token_positions(T, self.ctx.cp, past, documents, x.device))
+        positions = token_positions(T, self.ctx.cp, past, documents, x.device)
+        cos, sin = self.angles(positions)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
+        if cfg.query_scale_beta:  # Llama 4's long-context query scaling (Mistral 4)
+            q = q * query_scale(positions, cfg.query_scale_beta, cfg.query_scale_positions).to(q.dtype)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin)  # (B, 1, T, rope): one key head shared by all
         if cache is not None:  # the latent and the rotated shared key, (B, 1, past + T, kv_lora_rank / rope)
             latent, shared_key = cache.append(c.unsqueeze(1), k_rope)
