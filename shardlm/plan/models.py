@@ -36,6 +36,7 @@ DEEPSEEK_V3_VOCAB = 129280
 MOONLIGHT_VOCAB = 163840
 GPT_OSS_VOCAB = 201088
 QWEN35_VOCAB = 248320
+MISTRAL4_VOCAB = 131072
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -126,6 +127,21 @@ def _moonlight_16b_a3b() -> ModelConfig:
                        moe_norm_topk_prob=True, moe_routed_scaling=2.446, moe_expert_bias_rate=0.001)
 
 
+def _mistral_small_4() -> ModelConfig:
+    """Mistral Small 4 (mistralai/Mistral-Small-4-119B-2603's text model; transformers' Mistral4Config defaults): 36
+    layers, h 4096, 32 heads of multi-head latent attention with the query's low-rank path (q_lora_rank 1024),
+    kv_lora_rank 256, qk_nope 64 + qk_rope 64, v 128; every layer an MoE layer of 128 routed experts of width 2048
+    (top-4, softmax scores renormalized, one group) and 1 shared expert; YaRN factor 128 over 8192 positions with
+    Llama 4's query scaling (beta 0.1); vocabulary 131,072, untied; RMSNorm epsilon 1e-6. Sequence 8192."""
+    return ModelConfig(arch="llama", attention="mla", num_layers=36, hidden_size=4096, num_heads=32,
+                       q_lora_rank=1024, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
+                       seq_length=8192, vocab_size=MISTRAL4_VOCAB, ffn_hidden_size=12288, layernorm_epsilon=1e-6,
+                       dropout=0.0, moe_num_experts=128, moe_top_k=4, moe_ffn_hidden_size=2048, moe_shared_experts=1,
+                       moe_score="softmax", moe_norm_topk_prob=True, moe_group_score="top2_sum",
+                       rope_yarn_factor=128.0, rope_yarn_original_positions=8192, rope_yarn_mscale_all_dim=1.0,
+                       query_scale_beta=0.1, query_scale_positions=8192)
+
+
 def _glm45(layers: int, hidden: int, dense_ffn: int, experts: int, expert_ffn: int, dense_layers: int,
            qk_norm: bool) -> ModelConfig:
     """GLM-4.5 (zai-org/GLM-4.5 and GLM-4.5-Air, Glm4MoeForCausalLM): 96 query heads and 8 KV heads of 128
@@ -208,6 +224,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3": _deepseek_v3(),
     "deepseek-v3.2": _deepseek_v32(),
     "glm-5": _glm5(),
+    "mistral-small-4": _mistral_small_4(),
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
     "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
     "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),

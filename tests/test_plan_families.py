@@ -1,0 +1,41 @@
+"""`shardlm plan`'s presets of the 2026 families (Mistral Small 4, ...): their parameter totals equal transformers'
+meta-device builds of the published configs (the classes' defaults), so the planner's memory and FLOPs start from
+the right model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm.plan.models import MODEL_PRESETS
+from shardlm.plan.parameters import parameter_count
+
+
+def hf_model(name: str):
+    """transformers' config and model class of a preset's published model."""
+    import transformers
+
+    if name == "mistral-small-4":
+        return transformers.Mistral4Config(), transformers.Mistral4ForCausalLM
+    raise KeyError(name)
+
+
+def hf_count(config, model_class) -> int:
+    """Parameters of the model built on the meta device (tied weights once)."""
+    with torch.device("meta"):
+        model = model_class(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["mistral-small-4"])
+def test_preset_parameter_total_equals_transformers(name):
+    cfg, (hf, model_class) = MODEL_PRESETS[name], hf_model(name)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.tie_embeddings) == \
+        (hf.num_hidden_layers, hf.hidden_size, hf.vocab_size, hf.tie_word_embeddings)
+    assert parameter_count(cfg, 1).total == hf_count(hf, model_class)
+
+
+def test_mistral_small_4_is_119b():
+    """Mistral-Small-4-119B: 119.0B parameters (about 6.5B activated: 4 of 128 experts and the shared one)."""
+    count = parameter_count(MODEL_PRESETS["mistral-small-4"], 1)
+    assert 118.5e9 < count.total < 119.5e9, count.total
