@@ -1,5 +1,6 @@
-"""The run's figure (loss_curve.png): the loss curve, and for MoE runs the expert load and balancing loss,
-which show routing collapse, drawn from the metrics.jsonl records a run writes."""
+"""The run's figure (loss_curve.png): the loss curve, for MoE runs the expert load and balancing loss, which show
+routing collapse, and for sparse attention the indexers' KL divergence, drawn from the metrics.jsonl records a run
+writes."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def test_an_moe_run_adds_the_expert_load_and_balancing_loss():
     assert drawn["least loaded expert"] == [[1, 2, 3, 4, 5], [r["expert_load_min"] for r in MOE]]
     assert drawn["most loaded expert"][1] == [r["expert_load_max"] for r in MOE]
     assert lines(aux)["balancing loss (right)"][1] == [r["moe_aux_loss"] for r in MOE]
+    plt.close(fig)
+
+
+def test_a_sparse_attention_run_draws_the_indexer_kl_beside_the_loss():
+    records = [{"step": s, "loss": 5.0 - 0.1 * s, "indexer_kl": 0.3 / s} for s in range(1, 6)]
+    fig = run_figure(records, "run")
+    loss, kl = fig.axes  # the loss panel and its right axis
+    assert lines(loss)["train loss"][1] == [r["loss"] for r in records]
+    assert lines(kl)["indexer KL (right)"] == [[1, 2, 3, 4, 5], [r["indexer_kl"] for r in records]]
     plt.close(fig)
 
 

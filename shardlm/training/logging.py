@@ -150,6 +150,12 @@ def run_figure(records: list[dict], title: str):
         ax.plot(*zip(*train), label="train loss")
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation loss")
+    indexer = series("indexer_kl")
+    if indexer:  # sparse attention: the indexers' divergence from the attention, on its own scale
+        kl = ax.twinx()
+        kl.plot(*zip(*indexer), color="tab:purple", lw=0.8, label="indexer KL (right)")
+        kl.set_ylabel("indexer KL (nats/token)")
+        kl.legend(loc="upper center", fontsize="small")
     ax.set_ylabel("preference loss (per pair)" if margin else "RL loss" if reward else "cross-entropy (nats/token)")
     ax.set_title(f"shardlm: {title}")
     ax.grid(alpha=0.3)
