@@ -94,6 +94,19 @@ KEYS = {
                                      "layers (hybrid_ms, attention_ms), speedup = attention / hybrid per round, "
                                      "us per token, rounds run (fewer, or `skipped` with the projection, past "
                                      "the section's time budget)",
+    "sparse_attention.train_vs_hf.fp32.ratio": "shardlm tokens/s / transformers' DeepseekV32ForCausalLM as shipped "
+                                               "(its indexer's top-k as a dense mask for SDPA), per round (fp32; "
+                                               "both without the indexer's loss, as transformers trains); goal 1.2",
+    "sparse_attention.train_vs_hf.fp32.ratio_kl": "the same with shardlm training its indexers by their KL loss "
+                                                  "(shardlm_kl; transformers trains no indexer)",
+    "sparse_attention.train_vs_hf.loss_check.match": "true when transformers' DeepSeek-V3.2 losses of steps 1 and 2 "
+                                                     "(fp32, same weights and batch) are within 1e-4 of shardlm's",
+    "sparse_attention.layer.rows": "per sequence length (one MLA layer, batch 1, fp32, forward + backward): dense_ms "
+                                   "and per top-k k dsa_<k> (ms, choice_ms: the indexer's scoring and top-k inside "
+                                   "it, speedup = dense / DSA per round, saved_bytes alive for the backward when the "
+                                   "forward ends, peak_bytes, saved_ratio = DSA / dense saved bytes), "
+                                   "dense_saved_bytes, dense_peak_bytes, rounds (`skipped` with the projection past "
+                                   "the time budget)",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
@@ -303,6 +316,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.linear_attention import markdown_lines as linear_attention_lines
 
         lines += linear_attention_lines(r["linear_attention"])
+    if r.get("sparse_attention"):
+        from shardlm.bench.sparse_attention import markdown_lines as sparse_attention_lines
+
+        lines += sparse_attention_lines(r["sparse_attention"])
     if r.get("context_parallel"):
         from shardlm.bench.context_parallel import markdown_lines as context_lines
 
