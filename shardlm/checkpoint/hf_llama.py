@@ -1,6 +1,6 @@
 """Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`,
-`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5) and `GptOssForCausalLM` (its names and MXFP4 experts:
-`shardlm.checkpoint.hf_gpt_oss`) directories <-> shardlm's consolidated checkpoint.
+`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5), `Olmo3ForCausalLM` (OLMo 3) and `GptOssForCausalLM` (its
+names and MXFP4 experts: `shardlm.checkpoint.hf_gpt_oss`) directories <-> shardlm's consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -26,12 +26,18 @@ DeepSeek-V3's routing: `mlp.gate.e_score_correction_bias` -> `router.expert_bias
 stored as layer num_hidden_layers + k with DeepSeek-V3's enorm, hnorm, eh_proj and shared_head.norm) map to
 `mtp.k.*`; a directory without their weights (what transformers' save_pretrained writes, since its
 Glm4MoeForCausalLM has no MTP module) converts without them, with a note.
+OLMo 3 (`olmo3`) is Llama with post-norms (`norm_placement = "post"`: its post_attention_layernorm, applied to
+the attention's output, is shardlm's `ln_1`, and post_feedforward_layernorm `ln_2`; there is no input_layernorm),
+QK-norm over whole projections (`qk_norm_scope = "projection"`: q_norm of num_heads x head_dim channels, k_norm of
+num_kv_heads x head_dim) and a sliding window on the layers `layer_types` names "sliding_attention" (3 of 4); its
+rotary embedding must be the same default one on both kinds of layer (the YaRN long-context variants scale the full
+layers' only, which shardlm does not compute).
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
 Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. Only the default
-rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases and sliding-window
-attention are refused with a one-line error. No network.
+rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases (but GLM-4.5's q/k/v ones)
+and sliding-window attention (but OLMo 3's) are refused with a one-line error. No network.
 """
 
 from __future__ import annotations
@@ -47,10 +53,19 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
+MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3")
+"""The HF model types this module converts."""
+
+OLMO3_LAYERS = ("full_attention", "sliding_attention")
+
 
 def hf_kind(cfg: ModelConfig) -> str:
     """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe"
-    (sigmoid routing, GLM-4.5) or "gpt_oss" (attention sinks)."""
+    (sigmoid routing, GLM-4.5), "gpt_oss" (attention sinks) or "olmo3" (post-norms, QK-norm over whole projections);
+    UserError for post-norms or whole-projection QK-norm that OLMo 3 does not have."""
+    if cfg.norm_placement == "post" or cfg.qk_norm_scope == "projection":
+        _check_olmo3(cfg)
+        return "olmo3"
     if cfg.attention_sinks:
         return "gpt_oss"
     if cfg.moe_num_experts and cfg.moe_score == "sigmoid":
@@ -58,6 +73,25 @@ def hf_kind(cfg: ModelConfig) -> str:
     if cfg.moe_num_experts:
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
     return "qwen3" if cfg.qk_norm else "llama"
+
+
+def _check_olmo3(cfg: ModelConfig) -> None:
+    """UserError (one line) for a model with post-norms or whole-projection QK-norm that `Olmo3ForCausalLM` (the one
+    HF family here with either) does not compute."""
+    layer_types = set(cfg.layer_types) if cfg.layer_types else set()
+    unsupported = [
+        (not (cfg.norm_placement == "post" and cfg.qk_norm and cfg.qk_norm_scope == "projection"),
+         f'norm_placement="{cfg.norm_placement}" with qk_norm={cfg.qk_norm} and qk_norm_scope="{cfg.qk_norm_scope}" '
+         '(it has both post-norms and QK-norm over whole projections)'),
+        (cfg.attention != "mha", f'attention="{cfg.attention}"'), (cfg.moe_num_experts > 0, "experts"),
+        (cfg.attention_bias or cfg.attention_output_bias, "biases"), (cfg.attention_sinks, "attention sinks"),
+        (cfg.attention_output_gate, "an attention output gate"), (cfg.norm_zero_centered, "zero-centred norms"),
+        (cfg.rope_fraction != 1.0 or cfg.rope_yarn_factor > 0, "partial or YaRN rotary embeddings"),
+        (not layer_types <= set(OLMO3_LAYERS), "layer types other than full and sliding attention"),
+        (cfg.mtp_layers > 0, "multi-token prediction layers")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"Olmo3ForCausalLM has no {what}; this model does not convert to it")
 
 
 def _moe_names(kind: str, s: str, h: str, experts: int) -> list[tuple[str, str]]:
@@ -85,8 +119,9 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
     layers = []
     for i in range(cfg.num_layers):
         s, h = f"layers.{i}", f"model.layers.{i}"
-        layers += [(f"{s}.ln_1.weight", f"{h}.input_layernorm.weight"),
-                   (f"{s}.ln_2.weight", f"{h}.post_attention_layernorm.weight")]
+        norms = ("post_attention", "post_feedforward") if kind == "olmo3" else ("input", "post_attention")
+        layers += [(f"{s}.ln_1.weight", f"{h}.{norms[0]}_layernorm.weight"),
+                   (f"{s}.ln_2.weight", f"{h}.{norms[1]}_layernorm.weight")]
         layers += [(f"{s}.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
         if cfg.attention_bias:
             layers += [(f"{s}.attn.{p}.bias", f"{h}.self_attn.{p}_proj.bias") for p in "qkv"]
@@ -168,24 +203,62 @@ def _rope(hf: dict) -> tuple[float, str]:
     return float(theta), kind
 
 
+def _olmo3_rope(hf: dict) -> tuple[float, str]:
+    """(theta, rope type) of an Olmo3Config dict: transformers 5 keeps one rope_parameters entry per layer type, an
+    older config.json a rope_theta and a rope_scaling that applies to the full-attention layers only. UserError when
+    the two kinds of layer rotate differently (shardlm has one rotary embedding)."""
+    params = hf.get("rope_parameters") or {}
+    if any(kind in params for kind in OLMO3_LAYERS):
+        used = {kind for kind in hf.get("layer_types") or OLMO3_LAYERS if kind in OLMO3_LAYERS}
+        found = {(float(params[kind].get("rope_theta", 500000.0)), params[kind].get("rope_type", "default"))
+                 for kind in used if params.get(kind)}
+        if len(found) > 1:
+            raise UserError(f"the HF model's full and sliding attention layers rotate differently ({sorted(found)} "
+                            "in rope_parameters), which shardlm's llama (one rotary embedding) does not compute")
+        return found.pop() if found else (500000.0, "default")
+    return _rope(hf | {"rope_theta": hf.get("rope_theta", 500000.0)})
+
+
+def _olmo3_from_hf(hf: dict) -> dict:
+    """The OLMo 3 keys of the [model] section: post-norms, QK-norm over whole projections, the sliding window and the
+    layer types (without them, Olmo3Config's: 3 sliding layers before each full one; UserError for layer types
+    shardlm's OLMo 3 does not compute)."""
+    layers = hf["num_hidden_layers"]
+    layer_types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                                 for i in range(layers)])
+    window = hf.get("sliding_window") or 0
+    if not set(layer_types) <= set(OLMO3_LAYERS) or len(layer_types) != layers:
+        raise UserError(f"the HF model's layer_types {layer_types} are not one of {list(OLMO3_LAYERS)} per layer, "
+                        "which shardlm's OLMo 3 computes")
+    if "sliding_attention" in layer_types and not window:
+        raise UserError("the HF model names sliding_attention layers without a sliding_window; set its size")
+    if not window or "sliding_attention" not in layer_types:
+        window, layer_types = 0, []
+    return {"norm_placement": "post", "qk_norm": True, "qk_norm_scope": "projection", "sliding_window": window,
+            "layer_types": layer_types}
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """shardlm's [model] section for a HF LlamaConfig or Qwen3Config dict; UserError for what shardlm's Llama
-    does not compute."""
+    """shardlm's [model] section for a HF LlamaConfig, Qwen3Config or Olmo3Config dict; UserError for what shardlm's
+    Llama does not compute."""
     heads = hf["num_attention_heads"]
     glm = hf.get("model_type") == "glm4_moe"
+    olmo3 = hf.get("model_type") == "olmo3"
     qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe") or (glm and bool(hf.get("use_qk_norm")))
-    theta, rope_type = _rope(hf)
+    theta, rope_type = _olmo3_rope(hf) if olmo3 else _rope(hf)
     fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     refusals = [
         (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
         ((glm or not hf.get("attention_bias")) and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
-        (not hf.get("use_sliding_window") and (hf.get("model_type") != "mixtral" or not hf.get("sliding_window")),
+        (olmo3 or not hf.get("use_sliding_window") and (hf.get("model_type") != "mixtral"
+                                                         or not hf.get("sliding_window")),
          "sliding-window attention (use_sliding_window / sliding_window)"),
     ]
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
+    family = _olmo3_from_hf(hf) if olmo3 else {"qk_norm": qwen3}
     return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                        seq_length=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
@@ -194,12 +267,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
                        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        head_dim=0 if hf.get("head_dim") in (None, hf["hidden_size"] // heads) else hf["head_dim"],
-                       qk_norm=qwen3, attention_bias=glm and bool(hf.get("attention_bias")),
-                       rope_fraction=float(fraction or 1.0), **_moe_from_hf(hf))
+                       attention_bias=glm and bool(hf.get("attention_bias")),
+                       rope_fraction=float(fraction or 1.0), **family, **_moe_from_hf(hf))
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 
 
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
@@ -242,10 +315,19 @@ def _glm4_moe_to_hf(cfg: ModelConfig) -> dict:
             "num_nextn_predict_layers": cfg.mtp_layers}
 
 
+def _olmo3_to_hf(cfg: ModelConfig) -> dict:
+    """Olmo3Config's own keys: the window and the layer types, one rotary embedding per layer type (both the same),
+    and no special tokens (Olmo3Config's defaults name ids of OLMo's own vocabulary)."""
+    layer_types = ["sliding_attention" if cfg.is_sliding_layer(i) else "full_attention" for i in range(cfg.num_layers)]
+    rope = {kind: {"rope_type": "default", "rope_theta": cfg.rope_theta} for kind in OLMO3_LAYERS}
+    return {"sliding_window": cfg.sliding_window or None, "layer_types": layer_types, "rope_parameters": rope,
+            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral or Qwen3-MoE)."""
+    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5 or OLMo 3)."""
     kind = hf_kind(cfg)
-    moe = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else {}
+    family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else _olmo3_to_hf(cfg) if kind == "olmo3" else {}
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
@@ -256,7 +338,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
                             **({"partial_rotary_factor": cfg.rope_fraction} if cfg.rope_fraction != 1 else {})},
         "attention_bias": cfg.attention_bias, "mlp_bias": False, "attention_dropout": cfg.attention_dropout_p,
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **moe,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **family,
     }
 
 

@@ -7,7 +7,10 @@ an output layer that is untied by default (`tie_embeddings`). Qwen3's options: `
 hidden_size / num_heads, and `qk_norm` (an RMSNorm over each head's q and k before RoPE). Qwen3-Next's and
 Qwen3.5's: `layer_types` entries "linear_attention" build Gated DeltaNet layers (`shardlm.models.linear_attention`),
 `attention_output_gate` a sigmoid gate on each attention head's output, `norm_zero_centered` RMSNorms that scale
-by 1 + weight (`ZeroCenteredRMSNorm`).
+by 1 + weight (`ZeroCenteredRMSNorm`). OLMo 2's and 3's: `norm_placement = "post"` (each block's two norms act on
+the attention's and the MLP's outputs, before the residual add, instead of on their inputs) and `qk_norm_scope =
+"projection"` (q_norm one RMSNorm over all heads' queries, k_norm one over all KV heads' keys; under TP its mean of
+squares is all-reduced over the group, `projection_mean_square`).
 
 Tensor parallelism follows GPT's column -> row pairs: q, k, v, gate and up are column-parallel (one
 `f` on the block input serves all of them), the attention output and down projections are
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.errors import UserError
 from shardlm.models.attention import cached_attention, causal_attention
 from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import (
@@ -60,6 +64,7 @@ from shardlm.parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
     invariant,
+    reduce_from_tensor_parallel,
 )
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
@@ -114,6 +119,14 @@ class KeyValueProjection(nn.Module):
         y = invariant.linear(x, weight[self.rows[0]:self.rows[1]], bias)
         return y if self.lora is None else y + self.lora(x, rows=slice(*self.rows))
 
+    def full(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicated only: every KV head's rows, x (B, T, h) -> (B, T, num_kv_heads x head_dim) (a norm over the
+        whole projection needs them all); the weight's gradient all-reduced over TP in the backward, as `forward`'s."""
+        weight = copy_to_tensor_parallel(self.weight, self.tp)
+        bias = None if self.bias is None else copy_to_tensor_parallel(self.bias, self.tp)
+        y = invariant.linear(x, weight, bias)
+        return y if self.lora is None else y + self.lora(x)
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm that scales by 1 + weight, the weight starting at zero (Qwen3-Next and Qwen3.5: weight decay pulls
@@ -131,6 +144,34 @@ class ZeroCenteredRMSNorm(nn.Module):
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
     """The RMSNorm of a Llama-family model: zero-centred (`norm_zero_centered`) or PyTorch's."""
     return ZeroCenteredRMSNorm if cfg.norm_zero_centered else nn.RMSNorm
+
+
+def check_norm_options(cfg: ModelConfig) -> None:
+    """One-line UserErrors for `norm_placement` / `qk_norm_scope` settings a Llama-family model does not compute."""
+    if cfg.norm_placement not in ("pre", "post"):
+        raise UserError(f'model.norm_placement="{cfg.norm_placement}" must be "pre" or "post"')
+    if cfg.qk_norm_scope not in ("head", "projection"):
+        raise UserError(f'model.qk_norm_scope="{cfg.qk_norm_scope}" must be "head" or "projection"')
+    if cfg.qk_norm_scope == "projection" and not cfg.qk_norm:
+        raise UserError('model.qk_norm_scope="projection" says how the q and k norms cover the heads, and there are '
+                        "none: set model.qk_norm = true, or remove qk_norm_scope")
+
+
+def sum_over_tensor_parallel(x: torch.Tensor, tp) -> torch.Tensor:
+    """All-reduce (sum) over the TP group in the forward and in the backward (`g`, then `f`), x any shape: for a
+    statistic each rank sums over its own channels and then uses on its own channels, so that each rank's gradient
+    of the sum is a partial one too."""
+    return copy_to_tensor_parallel(reduce_from_tensor_parallel(x, tp), tp)
+
+
+def projection_mean_square(x: torch.Tensor, tp, split: bool) -> torch.Tensor:
+    """Mean of squares over all channels of a projection, x (B, T, n_local) fp32 -> (B, T, 1). `split`: x is this
+    rank's n_local of the projection's n_local x tp channels (its heads), so the sum of squares is all-reduced over
+    TP, forward and backward (`sum_over_tensor_parallel`); otherwise x holds them all."""
+    squares = x.pow(2).sum(-1, keepdim=True)
+    if split and tp.size > 1:
+        return sum_over_tensor_parallel(squares, tp) / (x.shape[-1] * tp.size)
+    return squares / x.shape[-1]
 
 
 class LlamaAttention(nn.Module):
@@ -165,10 +206,13 @@ class LlamaAttention(nn.Module):
         self.o = RowParallelLinear(width, cfg.hidden_size, ctx.tp, bias=cfg.attention_output_bias, std=out_std,
                                    seed=param_seed(seed, f"{prefix}.o"), device=ctx.device,
                                    sequence_parallel=sequence_parallel)
-        # Qwen3: RMSNorm over each head's channels of q and k, weights (head_dim,) shared by every head and
-        # replicated on TP ranks, which hold different heads: their gradients are summed over TP (`f`)
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
+        self.projection_norms = cfg.qk_norm and cfg.qk_norm_scope == "projection"
+        if self.projection_norms:
+            self.build_projection_norms(cfg)
+        elif cfg.qk_norm:
+            # Qwen3: RMSNorm over each head's channels of q and k, weights (head_dim,) shared by every head and
+            # replicated on TP ranks, which hold different heads: their gradients are summed over TP (`f`)
             self.q_norm = norm_class(cfg)(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
             self.k_norm = norm_class(cfg)(self.head_dim, eps=cfg.layernorm_epsilon, device=ctx.device)
         self.sinks = None
@@ -203,10 +247,13 @@ class LlamaAttention(nn.Module):
         gate = None
         if self.gated:  # each head's rows: its queries, then its gate channels
             q, gate = q.view(B, T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = q.reshape(B, T, self.heads, self.head_dim)
-        k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
+        if self.projection_norms:
+            q, k = self.normed_projections(x, q)
+        else:
+            q = q.reshape(B, T, self.heads, self.head_dim)
+            k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         # the tokens' original positions (this CP rank's zigzag part under context parallelism)
@@ -235,6 +282,41 @@ class LlamaAttention(nn.Module):
         if self.rotary_dim == self.head_dim:
             return apply_rotary(x, cos, sin)
         return torch.cat((apply_rotary(x[..., :self.rotary_dim], cos, sin), x[..., self.rotary_dim:]), dim=-1)
+
+    def build_projection_norms(self, cfg: ModelConfig) -> None:
+        """OLMo's q_norm over all query heads' channels and k_norm over all KV heads': their weights follow q's and
+        k's rows, split over TP with the heads (`tensor_parallel_dim` 0: q's always, k's when its heads are split);
+        a replicated k keeps the whole k_norm on every rank, its gradient summed over TP (`normed_projections`)."""
+        norm, device = norm_class(cfg), self.ctx.device
+        self.q_norm = norm(self.heads * self.head_dim, eps=cfg.layernorm_epsilon, device=device)
+        self.q_norm.weight.tensor_parallel_dim = 0
+        keys = self.k.rows[1] - self.k.rows[0] if self.k.split else cfg.kv_heads * self.head_dim
+        self.k_norm = norm(keys, eps=cfg.layernorm_epsilon, device=device)
+        if self.k.split:
+            self.k_norm.weight.tensor_parallel_dim = 0
+
+    def normed_projections(self, x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo's QK-norm, x (B, T, h) past `f`, q this rank's queries (B, T, heads, head_dim) or flat ->
+        (q (B, T, heads, head_dim), k (B, T, local KV heads, head_dim)), each normalized over its whole projection:
+        q's statistic over all ranks' heads; k's too when its heads are split, and when they are replicated every
+        rank computes and normalizes all KV heads, then keeps the rows its query heads read."""
+        B, T = x.shape[:2]
+        q = self.projection_norm(self.q_norm, q.reshape(B, T, self.heads * self.head_dim), split=True)
+        if self.k.split:
+            k = self.projection_norm(self.k_norm, self.k(x), split=True)
+        else:
+            k = self.projection_norm(self.k_norm, self.k.full(x), split=False)[..., self.k.rows[0]:self.k.rows[1]]
+        return q.view(B, T, self.heads, self.head_dim), k.view(B, T, self.kv_heads, self.head_dim)
+
+    def projection_norm(self, norm: nn.Module, x: torch.Tensor, split: bool) -> torch.Tensor:
+        """RMSNorm of x (B, T, n_local) over all channels of its projection, computed in fp32 (as transformers' OLMo):
+        `split`, x and the weight are this rank's share, the mean of squares all-reduced over TP; otherwise x and the
+        weight are whole on every rank, each rank's share of the weight's gradient summed over TP (`f`)."""
+        x32 = x.float()
+        y = x32 * torch.rsqrt(projection_mean_square(x32, self.tp, split) + norm.eps)
+        weight = norm.weight if split else copy_to_tensor_parallel(norm.weight, self.tp)
+        scale = 1.0 + weight.float() if isinstance(norm, ZeroCenteredRMSNorm) else weight.float()
+        return (y * scale).type_as(x)
 
     def head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's channels, x (B, T, local heads, head_dim); the weight's gradient summed over TP."""
@@ -278,7 +360,11 @@ class SwiGLU(nn.Module):
 
 class LlamaBlock(PreNormBlock):
     """x + Dropout(Attn(RMSNorm(x))), then x + Dropout(MLP(RMSNorm(x))), the attention `LlamaAttention` or
-    MLA (`shardlm.models.mla`, model.attention = "mla"), the MLP a SwiGLU or an MoE layer. (B, T, h) -> (B, T, h)."""
+    MLA (`shardlm.models.mla`, model.attention = "mla"), the MLP a SwiGLU or an MoE layer. (B, T, h) -> (B, T, h).
+    With `norm_placement = "post"` (OLMo 2 and 3) the norms act on the outputs: x + Dropout(RMSNorm(Attn(x))), then
+    x + Dropout(RMSNorm(MLP(x))); `ln_1` stays the attention's norm and `ln_2` the MLP's (HF's
+    post_attention_layernorm and post_feedforward_layernorm). Under sequence parallelism they act on the
+    (B, T / tp, h) chunks the row-parallel projections reduce-scatter, as the pre-norms act on the block's chunks."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,
                  sequence_parallel: bool = False, selective_recompute: bool = False,
@@ -298,6 +384,16 @@ class LlamaBlock(PreNormBlock):
                          mlp_or_moe(SwiGLU, cfg, ctx, seed, index, sequence_parallel, gated=True,
                                     dispatcher=options.expert_dispatcher),
                          cfg, ctx, sequence_parallel)
+        self.post_norm = cfg.norm_placement == "post"
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None,
+                documents: Documents | None = None, carry: dict | None = None) -> torch.Tensor:
+        """(B, T, h) -> (B, T, h) (chunks under sequence parallelism); `carry` as `PreNormBlock.forward`'s."""
+        if not self.post_norm:
+            return super().forward(x, cache, documents, carry)
+        extra = () if carry is None else (carry,)
+        x = x + self.dropout(self.ln_1(self.attn(x, cache, documents, *extra)))
+        return x + self.dropout(self.ln_2(self.mlp(x)))
 
 
 class Llama(DecoderLM):
@@ -316,6 +412,7 @@ class Llama(DecoderLM):
                  options: ParallelOptions | None = None, finish_layer=None):
         super().__init__()
         options = options or ParallelOptions()
+        check_norm_options(cfg)
         sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
