@@ -313,15 +313,19 @@ def _validate_attention_heads(m: ModelConfig) -> None:
     """Grouped-query attention and RoPE shapes (llama). Query heads split over TP (checked by the caller);
     KV heads are split when num_kv_heads is a multiple of TP, else replicated, so any TP dividing num_heads works."""
     if m.arch != "llama":
-        if m.num_kv_heads or m.tie_embeddings or m.head_dim or m.qk_norm:
-            raise UserError("model.num_kv_heads, tie_embeddings, head_dim and qk_norm are llama settings; "
-                            f'model.arch="{m.arch}" has none of them (remove them)')
+        if m.num_kv_heads or m.tie_embeddings or m.head_dim or m.qk_norm or m.norm_placement != "pre" \
+                or m.qk_norm_scope != "head":
+            raise UserError("model.num_kv_heads, tie_embeddings, head_dim, qk_norm, qk_norm_scope and norm_placement "
+                            f'are llama settings; model.arch="{m.arch}" has none of them (remove them)')
         return
     if m.head_dim < 0:
         raise UserError(f"model.head_dim={m.head_dim} must be >= 0 (0: hidden_size / num_heads)")
     if m.norm_placement not in ("pre", "post") or m.qk_norm_scope not in ("head", "projection"):
         raise UserError(f'model.norm_placement="{m.norm_placement}" must be "pre" or "post", and model.qk_norm_scope='
                         f'"{m.qk_norm_scope}" "head" or "projection"')
+    if m.qk_norm_scope == "projection" and not m.qk_norm:
+        raise UserError('model.qk_norm_scope="projection" normalizes the query and key projections: it needs '
+                        "model.qk_norm = true")
     if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
                         "every key/value head must serve the same number of query heads")

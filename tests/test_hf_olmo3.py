@@ -32,7 +32,7 @@ from llama_reference import (
 from test_hf_start import BATCH, hf_loss, run_config, started_run
 from test_training import VOCAB, synthetic_data
 
-from shardlm.checkpoint import hf, hf_llama
+from shardlm.checkpoint import hf_llama
 from shardlm.checkpoint.files import write_consolidated
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.errors import UserError
@@ -41,9 +41,6 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.data import micro_batches
 
 from multiproc import check_result, run_checks, run_workers
-
-if "olmo3" not in hf.LLAMA_FAMILY:  # until shardlm/checkpoint/hf.py dispatches "olmo3" to hf_llama itself
-    hf.LLAMA_FAMILY = hf.LLAMA_FAMILY + ("olmo3",)
 
 SHAPES = {
     "gqa": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

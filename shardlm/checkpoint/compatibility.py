@@ -24,7 +24,8 @@ SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "f
               "num_kv_heads", "tie_embeddings", "moe_num_experts", "moe_ffn_hidden_size", "moe_shared_experts",
               "moe_first_dense_layers", "moe_layer_interval", "head_dim", "qk_norm", "attention", "q_lora_rank",
               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias",
-              "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias")
+              "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias", "qk_norm_scope",
+              "norm_placement", "index_heads", "index_head_dim", "index_layer_types")
 """The [model] keys a checkpoint's tensors depend on: a resume must set each as the checkpoint's run did."""
 
 

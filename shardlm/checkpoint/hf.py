@@ -5,7 +5,7 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss") convert
+Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3") convert
 through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through `shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3
 ones ("deepseek_v3", "kimi_k2", "deepseek_v2", and with sparse attention "deepseek_v32", "glm_moe_dsa")
 through `shardlm.checkpoint.hf_deepseek`.
@@ -26,8 +26,7 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-# HF model types that `shardlm.checkpoint.hf_llama` converts
-LLAMA_FAMILY = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
+LLAMA_FAMILY = hf_llama.MODEL_TYPES  # HF model types that `shardlm.checkpoint.hf_llama` converts
 DEEPSEEK = hf_deepseek.MODEL_TYPES  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
