@@ -39,3 +39,21 @@ def test_mistral_small_4_is_119b():
     """Mistral-Small-4-119B: 119.0B parameters (about 6.5B activated: 4 of 128 experts and the shared one)."""
     count = parameter_count(MODEL_PRESETS["mistral-small-4"], 1)
     assert 118.5e9 < count.total < 119.5e9, count.total
+
+
+def test_olmo3_whole_projection_norms_are_counted_as_transformers_builds_them():
+    """OLMo 3's q_norm spans every head's queries and k_norm every KV head's keys (not one head's channels): the
+    planner's total equals transformers' build, and the per-rank counts at TP=2 add up to the same model."""
+    import dataclasses
+
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    from shardlm.checkpoint.hf_llama import model_config_from_hf
+
+    hf = Olmo3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, sliding_window=16)
+    cfg = model_config_from_hf(hf.to_dict())
+    assert (cfg.qk_norm_scope, cfg.norm_placement) == ("projection", "post")
+    assert parameter_count(cfg, 1).total == hf_count(hf, Olmo3ForCausalLM)
+    per_head = dataclasses.replace(cfg, qk_norm_scope="head")
+    assert parameter_count(cfg, 1).total - parameter_count(per_head, 1).total == 4 * (64 + 32 - 2 * 16)

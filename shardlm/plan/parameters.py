@@ -193,7 +193,12 @@ def _full_attention_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     kv_split = kv_held == kv_used and cfg.kv_heads % tp == 0
     sharded = (q_local + a_local) * h + (2 * kv_held * h if kv_split else 0)
     norms = 2 if cfg.qk_norm else 0
-    replicated = 2 * h + norms * cfg.attention_head_dim + (0 if kv_split else 2 * kv_held * h)
+    replicated = 2 * h + (0 if kv_split else 2 * kv_held * h)
+    if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # OLMo: q's norm split with its heads, k's with its rows
+        sharded += a_local + (kv_held if kv_split else 0)
+        replicated += 0 if kv_split else cfg.kv_heads * cfg.attention_head_dim
+    else:  # one head's channels each, on every rank
+        replicated += norms * cfg.attention_head_dim
     biases = 3 if cfg.attention_bias else 0  # q (split with its heads), k and v (split or replicated as their weights)
     if biases:
         sharded += q_local + (2 * kv_held if kv_split else 0)
