@@ -1,6 +1,7 @@
 """Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`,
-`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5), `Olmo3ForCausalLM` (OLMo 3) and `GptOssForCausalLM` (its
-names and MXFP4 experts: `shardlm.checkpoint.hf_gpt_oss`) directories <-> shardlm's consolidated checkpoint.
+`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5), `Olmo3ForCausalLM` (OLMo 3), `MiniMaxM2ForCausalLM`
+(MiniMax-M2) and `GptOssForCausalLM` (its names and MXFP4 experts: `shardlm.checkpoint.hf_gpt_oss`) directories <->
+shardlm's consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -32,6 +33,21 @@ QK-norm over whole projections (`qk_norm_scope = "projection"`: q_norm of num_he
 num_kv_heads x head_dim) and a sliding window on the layers `layer_types` names "sliding_attention" (3 of 4); its
 rotary embedding must be the same default one on both kinds of layer (the YaRN long-context variants scale the full
 layers' only, which shardlm does not compute).
+MiniMax-M2 (`minimax_m2`) is Llama (pre-norms) with OLMo 3's QK-norm over whole projections (`qk_norm_scope =
+"projection"`, before RoPE, at rms_norm_eps like every norm), RoPE on the first rotary_dim channels of each head
+(rotate-half within them: `rope_fraction` = partial_rotary_factor, or rotary_dim / head_dim in an older config.json)
+and an MoE in every layer: sigmoid scores of the fp32 gate logits, the top-k chosen over scores +
+e_score_correction_bias (`moe_expert_bias`), weights the chosen scores without the bias divided by their sum
+(`moe_norm_topk_prob`), no routed scaling, groups or shared expert. On disk its experts are Mixtral's, one tensor per
+expert (transformers 5 stacks them in memory and writes them back so):
+    model.layers.i.block_sparse_moe.gate                   layers.i.mlp.router
+    model.layers.i.block_sparse_moe.e_score_correction_bias  layers.i.mlp.router.expert_bias
+    model.layers.i.block_sparse_moe.experts.e.w1/w3/w2     layers.i.mlp.experts.gate/up/down.e
+and a directory holding transformers' in-memory names instead (`mlp.gate`, `mlp.e_score_correction_bias`, stacked
+`mlp.experts.gate_up_proj` / `down_proj`) is read too. Its router_aux_loss_coef becomes `moe_aux_loss_coeff`, as
+Mixtral's does: the weight of shardlm's balance loss (over the sigmoid scores divided by their sum, reported apart from
+the language-model loss); transformers adds its own, over a softmax of the gate logits, only with
+output_router_logits.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
@@ -48,12 +64,12 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint import hf_gpt_oss
-from shardlm.checkpoint.hf_common import HFTensor, drop_missing_mtp, weight_files, write_directory
+from shardlm.checkpoint.hf_common import HFTensor, drop_missing_mtp, stacked_expert, weight_files, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3")
+MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3", "minimax_m2")
 """The HF model types this module converts."""
 
 OLMO3_LAYERS = ("full_attention", "sliding_attention")
@@ -61,8 +77,12 @@ OLMO3_LAYERS = ("full_attention", "sliding_attention")
 
 def hf_kind(cfg: ModelConfig) -> str:
     """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe"
-    (sigmoid routing, GLM-4.5), "gpt_oss" (attention sinks) or "olmo3" (post-norms, QK-norm over whole projections);
-    UserError for post-norms or whole-projection QK-norm that OLMo 3 does not have."""
+    (sigmoid routing, GLM-4.5), "gpt_oss" (attention sinks), "olmo3" (post-norms, QK-norm over whole projections) or
+    "minimax_m2" (pre-norms, QK-norm over whole projections, experts); UserError for what the one HF family with
+    those pieces does not have."""
+    if cfg.qk_norm_scope == "projection" and cfg.norm_placement == "pre" and cfg.moe_num_experts:
+        _check_minimax_m2(cfg)
+        return "minimax_m2"
     if cfg.norm_placement == "post" or cfg.qk_norm_scope == "projection":
         _check_olmo3(cfg)
         return "olmo3"
@@ -94,13 +114,42 @@ def _check_olmo3(cfg: ModelConfig) -> None:
             raise UserError(f"Olmo3ForCausalLM has no {what}; this model does not convert to it")
 
 
+def _check_minimax_m2(cfg: ModelConfig) -> None:
+    """UserError (one line) for a pre-norm model with whole-projection QK-norm and experts that `MiniMaxM2ForCausalLM`
+    does not compute (sigmoid top-k routing over all experts of every layer, renormalized, with the score-correction
+    bias; partial rotary embeddings; no biases, windows or shared experts)."""
+    unsupported = [
+        (cfg.attention != "mha", f'attention="{cfg.attention}"'),
+        (cfg.attention_bias or cfg.attention_output_bias, "attention biases"), (cfg.attention_sinks, "attention sinks"),
+        (cfg.attention_output_gate, "an attention output gate"), (cfg.norm_zero_centered, "zero-centred norms"),
+        (cfg.rope_yarn_factor > 0, "YaRN rotary embeddings"),
+        (cfg.sliding_window > 0 or bool(cfg.layer_types), "sliding-window or linear attention layers"),
+        (cfg.mtp_layers > 0, "multi-token prediction layers"),
+        (cfg.moe_score != "sigmoid", f'moe_score="{cfg.moe_score}" (its router scores are sigmoids)'),
+        (not cfg.moe_norm_topk_prob, "moe_norm_topk_prob = false (it divides the chosen scores by their sum)"),
+        (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_shared_experts > 0, "shared experts"),
+        (cfg.moe_groups > 0, "group-limited routing"),
+        (cfg.moe_first_dense_layers > 0 or cfg.moe_layer_interval != 1, "dense MLP layers"),
+        (cfg.moe_router_bias or cfg.moe_linear_bias, "router or expert biases"),
+        (cfg.swiglu_limit > 0, "a clamped SwiGLU")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"MiniMaxM2ForCausalLM has no {what}; this model does not convert to it")
+
+
+MIXTRAL_EXPERTS = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+"""(shardlm, HF) names of an expert's three matrices in Mixtral's per-expert layout (MiniMax-M2's on disk too)."""
+
+
 def _moe_names(kind: str, s: str, h: str, experts: int) -> list[tuple[str, str]]:
     """(shardlm, HF) names of one MoE layer's router and experts (`s`, `h`: the layer's prefixes)."""
-    if kind == "mixtral":
-        block, projections = f"{h}.block_sparse_moe", (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+    if kind in ("mixtral", "minimax_m2"):
+        block = f"{h}.block_sparse_moe"
         names = [(f"{s}.mlp.router.weight", f"{block}.gate.weight")]
+        if kind == "minimax_m2":  # the score-correction bias sits on the block, not on its gate
+            names.append((f"{s}.mlp.router.expert_bias", f"{block}.e_score_correction_bias"))
         return names + [(f"{s}.mlp.experts.{ours}.{e}", f"{block}.experts.{e}.{theirs}.weight")
-                        for e in range(experts) for ours, theirs in projections]
+                        for e in range(experts) for ours, theirs in MIXTRAL_EXPERTS]
     names = [(f"{s}.mlp.router.weight", f"{h}.mlp.gate.weight")]
     if kind == "glm4_moe":  # DeepSeek-V3's names: the score-correction bias and the shared expert
         names += [(f"{s}.mlp.router.expert_bias", f"{h}.mlp.gate.e_score_correction_bias")]
@@ -165,6 +214,8 @@ def _moe_from_hf(hf: dict) -> dict:
                 "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
     if kind == "glm4_moe":
         return _glm4_moe_routing(hf)
+    if kind == "minimax_m2":
+        return _minimax_m2_routing(hf)
     if kind != "qwen3_moe":
         return {}
     dense = list(hf.get("mlp_only_layers") or [])
@@ -192,6 +243,47 @@ def _glm4_moe_routing(hf: dict) -> dict:
             "moe_routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
             "moe_groups": groups if groups > 1 else 0, "moe_topk_groups": (hf.get("topk_group") or 1) if groups > 1
             else 0, "moe_expert_bias": True, "mtp_layers": hf.get("num_nextn_predict_layers") or 0}
+
+
+def _minimax_m2_routing(hf: dict) -> dict:
+    """MiniMax-M2's `model.moe_*` keys: sigmoid scores, the score-correction bias in the choice only, the chosen
+    scores divided by their sum, every layer's MLP an MoE of intermediate_size-wide experts."""
+    return {"moe_num_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_size": hf["intermediate_size"], "moe_score": "sigmoid", "moe_expert_bias": True,
+            "moe_norm_topk_prob": True, "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+
+
+MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rope_theta": 5000000.0, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
+                       "num_local_experts": 256}
+"""MiniMaxM2Config's values of the keys a config.json may leave out and shardlm reads (its head_dim is not
+hidden_size / num_attention_heads, its default rotary base 5e6)."""
+
+
+def _minimax_m2_config(hf: dict) -> dict:
+    """A MiniMax-M2 config.json as MiniMaxM2Config reads it: its defaults for absent keys, and partial_rotary_factor
+    from the legacy rotary_dim (rotary_dim / head_dim) unless one is given. UserError (one line) for what
+    transformers' MiniMaxM2ForCausalLM (and so shardlm) does not compute: quantized weights, the released
+    checkpoints' per-head QK-norm or none, other router scores, a shared expert, lightning-attention layers,
+    router jitter."""
+    hf = MINIMAX_M2_DEFAULTS | hf
+    if hf.get("rotary_dim") is not None and "partial_rotary_factor" not in hf:
+        hf["partial_rotary_factor"] = hf["rotary_dim"] / hf["head_dim"]
+    quantized = (hf.get("quantization_config") or {}).get("quant_method")
+    refusals = [
+        (not quantized, f"quantized weights ({quantized}, with scale tensors); convert a bf16 copy and read that"),
+        (hf.get("use_qk_norm", True), "no QK-norm (use_qk_norm=false)"),
+        (hf.get("qk_norm_type", "per_layer") == "per_layer",
+         f"qk_norm_type={hf.get('qk_norm_type')!r} (only per_layer, one norm over each whole projection, converts)"),
+        (hf.get("scoring_func", "sigmoid") == "sigmoid", f"scoring_func={hf.get('scoring_func')!r}"),
+        (not hf.get("shared_intermediate_size"), "a shared expert (shared_intermediate_size)"),
+        (all(kind == 1 for kind in hf.get("attn_type_list") or []), "lightning (linear) attention layers "
+                                                                      "(attn_type_list entries 0)"),
+        (not hf.get("router_jitter_noise"), "router_jitter_noise"),
+    ]
+    for ok, what in refusals:
+        if not ok:
+            raise UserError(f"the HF model has {what}, which shardlm's MiniMax-M2 does not compute")
+    return hf
 
 
 def _rope(hf: dict) -> tuple[float, str]:
@@ -239,11 +331,14 @@ def _olmo3_from_hf(hf: dict) -> dict:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """shardlm's [model] section for a HF LlamaConfig, Qwen3Config or Olmo3Config dict; UserError for what shardlm's
-    Llama does not compute."""
+    """shardlm's [model] section for a HF LlamaConfig, Qwen3Config, Olmo3Config or MiniMaxM2Config dict (or their MoE
+    relatives'); UserError for what shardlm's Llama does not compute."""
+    if hf.get("model_type") == "minimax_m2":
+        hf = _minimax_m2_config(hf)
     heads = hf["num_attention_heads"]
     glm = hf.get("model_type") == "glm4_moe"
     olmo3 = hf.get("model_type") == "olmo3"
+    minimax = hf.get("model_type") == "minimax_m2"
     qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe") or (glm and bool(hf.get("use_qk_norm")))
     theta, rope_type = _olmo3_rope(hf) if olmo3 else _rope(hf)
     fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -258,7 +353,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
-    family = _olmo3_from_hf(hf) if olmo3 else {"qk_norm": qwen3}
+    family = _olmo3_from_hf(hf) if olmo3 else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {
+        "qk_norm": qwen3}
     return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                        seq_length=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
@@ -272,13 +368,21 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo3": "Olmo3ForCausalLM",
+                 "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
-    """The HF MoE keys of a Mixtral, Qwen3-MoE or GLM-4.5 model; UserError for routing it does not compute."""
+    """The HF MoE keys of a Mixtral, Qwen3-MoE, GLM-4.5 or MiniMax-M2 model; UserError for routing it does not
+    compute."""
     if kind == "glm4_moe":
         return _glm4_moe_to_hf(cfg)
+    if kind == "minimax_m2":  # `_check_minimax_m2` refused what it does not compute
+        return {"num_local_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
+                "intermediate_size": cfg.moe_ffn_size, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+                "output_router_logits": False, "router_jitter_noise": 0.0,
+                "rotary_dim": int(cfg.attention_head_dim * cfg.rope_fraction),
+                "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     unsupported = [(cfg.moe_score != "softmax", f'moe_score="{cfg.moe_score}"'),
                    (cfg.moe_shared_experts > 0, "shared experts"), (cfg.moe_groups > 0, "group-limited routing"),
                    (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_layer_interval != 1,
@@ -325,7 +429,8 @@ def _olmo3_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5 or OLMo 3)."""
+    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, OLMo 3 or
+    MiniMax-M2)."""
     kind = hf_kind(cfg)
     family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else _olmo3_to_hf(cfg) if kind == "olmo3" else {}
     return {
@@ -358,11 +463,30 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     handles: dict = {}
     sources = {}
+    minimax = hf_config.get("model_type") == "minimax_m2"
     for ours, theirs in name_map(config.model):
+        if theirs not in located and minimax:  # transformers' in-memory names: the experts stacked
+            sources[ours] = _in_memory_source(handles, located, config.model, ours, theirs, hf_dir)
+            continue
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
         sources[ours] = HFTensor(handles, located[theirs], theirs)
     return config, sources
+
+
+def _in_memory_source(handles: dict, located: dict, cfg: ModelConfig, ours: str, theirs: str,
+                      hf_dir: Path) -> HFTensor:
+    """A MiniMax-M2 tensor from a directory saved under transformers' in-memory names: `mlp.` for
+    `block_sparse_moe.`, the router `mlp.gate`, its bias `mlp.e_score_correction_bias`, and an expert's w1 / w3 / w2
+    read from the stacked `mlp.experts.gate_up_proj` (E, 2 f, h; gate rows first) / `down_proj` (E, h, f)."""
+    name = theirs.replace(".block_sparse_moe.", ".mlp.")
+    for ours_part, theirs_part in MIXTRAL_EXPERTS:
+        name = name.replace(f".{theirs_part}.weight", f".{ours_part}_proj.weight")
+    if ".experts." not in name:
+        if name not in located:
+            raise UserError(f"{hf_dir} has no tensor {theirs} (nor {name})")
+        return HFTensor(handles, located[name], name)
+    return stacked_expert(handles, located, cfg, ours, name, hf_dir)
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
