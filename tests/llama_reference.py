@@ -70,7 +70,9 @@ def variant_logits(ref: dict, path: Path, change_tensors=None) -> torch.Tensor:
     from shardlm.checkpoint.state import load_consolidated
 
     config, tensors = load_consolidated(ref["converted"])
-    tensors = (change_tensors(dict(tensors)) or tensors) if change_tensors else tensors
+    if change_tensors:
+        tensors = dict(tensors)
+        tensors = change_tensors(tensors) or tensors  # changed in place, or replaced
     write_consolidated(path, {k: v.contiguous() for k, v in tensors.items()}, dataclasses.asdict(config))
     return logits_and_greedy(path, ParallelContext.single(), ref["tokens"])[0]
 

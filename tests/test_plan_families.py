@@ -1,6 +1,6 @@
-"""`shardlm plan`'s presets of the 2026 families (Mistral Small 4, ...): their parameter totals equal transformers'
-meta-device builds of the published configs (the classes' defaults), so the planner's memory and FLOPs start from
-the right model."""
+"""`shardlm plan`'s presets of the 2026 families (Mistral Small 4, MiniMax-M2): their parameter totals equal
+transformers' meta-device builds of the published configs (the classes' defaults), so the planner's memory and FLOPs
+start from the right model."""
 
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ def hf_model(name: str):
 
     if name == "mistral-small-4":
         return transformers.Mistral4Config(), transformers.Mistral4ForCausalLM
+    if name == "minimax-m2":
+        return transformers.MiniMaxM2Config(), transformers.MiniMaxM2ForCausalLM
     raise KeyError(name)
 
 
 def hf_count(config, model_class) -> int:
-    """Parameters of the model built on the meta device (tied weights once)."""
+    """Parameters of the model built on the meta device (tied weights once), and the score-correction biases, which
+    transformers holds as buffers and shardlm as parameters."""
     with torch.device("meta"):
         model = model_class(config)
-    return sum(p.numel() for p in model.parameters())
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in model.parameters()) + biases
 
 
-@pytest.mark.parametrize("name", ["mistral-small-4"])
+@pytest.mark.parametrize("name", ["mistral-small-4", "minimax-m2"])
 def test_preset_parameter_total_equals_transformers(name):
     cfg, (hf, model_class) = MODEL_PRESETS[name], hf_model(name)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.tie_embeddings) == \

@@ -5,7 +5,8 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3") convert
+Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3",
+"minimax_m2") convert
 through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through `shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3
 ones ("deepseek_v3", "kimi_k2", "deepseek_v2", and with sparse attention "deepseek_v32", "glm_moe_dsa")
 through `shardlm.checkpoint.hf_deepseek`.

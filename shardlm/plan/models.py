@@ -37,6 +37,7 @@ MOONLIGHT_VOCAB = 163840
 GPT_OSS_VOCAB = 201088
 QWEN35_VOCAB = 248320
 MISTRAL4_VOCAB = 131072
+MINIMAX_M2_VOCAB = 200064
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -142,6 +143,19 @@ def _mistral_small_4() -> ModelConfig:
                        query_scale_beta=0.1, query_scale_positions=8192)
 
 
+def _minimax_m2() -> ModelConfig:
+    """MiniMax-M2 (MiniMaxAI/MiniMax-M2's config.json; transformers' MiniMaxM2Config defaults): 62 layers, h 3072, 48
+    query heads and 8 KV heads of 128 channels with QK RMSNorm over whole projections, RoPE (theta 5e6) on the first
+    64 channels of each head; every layer an MoE layer of 256 experts of width 1536 (top-8, sigmoid scores with the
+    score-correction bias, renormalized), no shared expert; vocabulary 200,064, untied; RMSNorm epsilon 1e-6.
+    Sequence 4096. The multi-token-prediction modules are not counted."""
+    return ModelConfig(arch="llama", num_layers=62, hidden_size=3072, num_heads=48, num_kv_heads=8, head_dim=128,
+                       qk_norm=True, qk_norm_scope="projection", rope_fraction=0.5, seq_length=4096,
+                       vocab_size=MINIMAX_M2_VOCAB, ffn_hidden_size=1536, rope_theta=5e6, layernorm_epsilon=1e-6,
+                       dropout=0.0, moe_num_experts=256, moe_top_k=8, moe_ffn_hidden_size=1536, moe_score="sigmoid",
+                       moe_norm_topk_prob=True, moe_expert_bias=True)
+
+
 def _glm45(layers: int, hidden: int, dense_ffn: int, experts: int, expert_ffn: int, dense_layers: int,
            qk_norm: bool) -> ModelConfig:
     """GLM-4.5 (zai-org/GLM-4.5 and GLM-4.5-Air, Glm4MoeForCausalLM): 96 query heads and 8 KV heads of 128
@@ -225,6 +239,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3.2": _deepseek_v32(),
     "glm-5": _glm5(),
     "mistral-small-4": _mistral_small_4(),
+    "minimax-m2": _minimax_m2(),
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
     "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
     "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),
