@@ -2,7 +2,8 @@
 (`HFTensor`), which file holds each (`weight_files`), the rotary and YaRN settings both ways, dropping the
 multi-token-prediction layers a directory does not hold, and writing a directory (`write_directory`). The
 converters themselves: `hf` (GPT-2, and the entry points that pick a family), `hf_llama` (Llama, Qwen3, Mixtral,
-Qwen3-MoE, GLM-4.5, gpt-oss with `hf_gpt_oss`), `hf_deepseek` (DeepSeek-V2/V3, Kimi K2)."""
+Qwen3-MoE, GLM-4.5, gpt-oss with `hf_gpt_oss`, OLMo 3 with `hf_olmo3`, MiniMax-M2 with `hf_minimax_m2`), `hf_deepseek`
+(DeepSeek-V2/V3, Kimi K2)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,19 @@ class HFTensor:
         index = [slice(None)] * len(self.shape())
         index[dim] = slice(start, end)
         return self._file().get_slice(self.name)[tuple(index)].float().contiguous()
+
+
+MIXTRAL_EXPERTS = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+"""Mixtral's names of an expert's SwiGLU weights (shardlm's, HF's); MiniMax-M2 stores its experts so too."""
+
+
+def rope_theta_and_type(hf: dict) -> tuple[float, str]:
+    """(theta, rope type) from either config style (transformers 5's rope_parameters, or rope_theta + rope_scaling)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(theta), kind
 
 
 def rope_parameters(hf: dict) -> dict:

@@ -27,27 +27,9 @@ DeepSeek-V3's routing: `mlp.gate.e_score_correction_bias` -> `router.expert_bias
 stored as layer num_hidden_layers + k with DeepSeek-V3's enorm, hnorm, eh_proj and shared_head.norm) map to
 `mtp.k.*`; a directory without their weights (what transformers' save_pretrained writes, since its
 Glm4MoeForCausalLM has no MTP module) converts without them, with a note.
-OLMo 3 (`olmo3`) is Llama with post-norms (`norm_placement = "post"`: its post_attention_layernorm, applied to
-the attention's output, is shardlm's `ln_1`, and post_feedforward_layernorm `ln_2`; there is no input_layernorm),
-QK-norm over whole projections (`qk_norm_scope = "projection"`: q_norm of num_heads x head_dim channels, k_norm of
-num_kv_heads x head_dim) and a sliding window on the layers `layer_types` names "sliding_attention" (3 of 4); its
-rotary embedding must be the same default one on both kinds of layer (the YaRN long-context variants scale the full
-layers' only, which shardlm does not compute).
-MiniMax-M2 (`minimax_m2`) is Llama (pre-norms) with OLMo 3's QK-norm over whole projections (`qk_norm_scope =
-"projection"`, before RoPE, at rms_norm_eps like every norm), RoPE on the first rotary_dim channels of each head
-(rotate-half within them: `rope_fraction` = partial_rotary_factor, or rotary_dim / head_dim in an older config.json)
-and an MoE in every layer: sigmoid scores of the fp32 gate logits, the top-k chosen over scores +
-e_score_correction_bias (`moe_expert_bias`), weights the chosen scores without the bias divided by their sum
-(`moe_norm_topk_prob`), no routed scaling, groups or shared expert. On disk its experts are Mixtral's, one tensor per
-expert (transformers 5 stacks them in memory and writes them back so):
-    model.layers.i.block_sparse_moe.gate                   layers.i.mlp.router
-    model.layers.i.block_sparse_moe.e_score_correction_bias  layers.i.mlp.router.expert_bias
-    model.layers.i.block_sparse_moe.experts.e.w1/w3/w2     layers.i.mlp.experts.gate/up/down.e
-and a directory holding transformers' in-memory names instead (`mlp.gate`, `mlp.e_score_correction_bias`, stacked
-`mlp.experts.gate_up_proj` / `down_proj`) is read too. Its router_aux_loss_coef becomes `moe_aux_loss_coeff`, as
-Mixtral's does: the weight of shardlm's balance loss (over the sigmoid scores divided by their sum, reported apart from
-the language-model loss); transformers adds its own, over a softmax of the gate logits, only with
-output_router_logits.
+OLMo 3 (`olmo3`: post-norms, QK-norm over whole projections, sliding windows) and MiniMax-M2 (`minimax_m2`:
+whole-projection QK-norm, partial RoPE, sigmoid routing in every layer) are Llama too; their config rules
+live in `shardlm.checkpoint.hf_olmo3` and `shardlm.checkpoint.hf_minimax_m2`.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
@@ -63,8 +45,15 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint import hf_gpt_oss
-from shardlm.checkpoint.hf_common import HFTensor, drop_missing_mtp, stacked_expert, weight_files, write_directory
+from shardlm.checkpoint import hf_gpt_oss, hf_minimax_m2, hf_olmo3
+from shardlm.checkpoint.hf_common import (
+    MIXTRAL_EXPERTS,
+    HFTensor,
+    drop_missing_mtp,
+    rope_theta_and_type,
+    weight_files,
+    write_directory,
+)
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -72,19 +61,16 @@ from shardlm.models.config import ModelConfig
 MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3", "minimax_m2")
 """The HF model types this module converts."""
 
-OLMO3_LAYERS = ("full_attention", "sliding_attention")
-
-
 def hf_kind(cfg: ModelConfig) -> str:
     """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe"
     (sigmoid routing, GLM-4.5), "gpt_oss" (attention sinks), "olmo3" (post-norms, QK-norm over whole projections) or
     "minimax_m2" (pre-norms, QK-norm over whole projections, experts); UserError for what the one HF family with
     those pieces does not have."""
     if cfg.qk_norm_scope == "projection" and cfg.norm_placement == "pre" and cfg.moe_num_experts:
-        _check_minimax_m2(cfg)
+        hf_minimax_m2.check(cfg)
         return "minimax_m2"
     if cfg.norm_placement == "post" or cfg.qk_norm_scope == "projection":
-        _check_olmo3(cfg)
+        hf_olmo3.check(cfg)
         return "olmo3"
     if cfg.attention_sinks:
         return "gpt_oss"
@@ -95,49 +81,6 @@ def hf_kind(cfg: ModelConfig) -> str:
     return "qwen3" if cfg.qk_norm else "llama"
 
 
-def _check_olmo3(cfg: ModelConfig) -> None:
-    """UserError (one line) for a model with post-norms or whole-projection QK-norm that `Olmo3ForCausalLM` (the one
-    HF family here with either) does not compute."""
-    layer_types = set(cfg.layer_types) if cfg.layer_types else set()
-    unsupported = [
-        (not (cfg.norm_placement == "post" and cfg.qk_norm and cfg.qk_norm_scope == "projection"),
-         f'norm_placement="{cfg.norm_placement}" with qk_norm={cfg.qk_norm} and qk_norm_scope="{cfg.qk_norm_scope}" '
-         '(it has both post-norms and QK-norm over whole projections)'),
-        (cfg.attention != "mha", f'attention="{cfg.attention}"'), (cfg.moe_num_experts > 0, "experts"),
-        (cfg.attention_bias or cfg.attention_output_bias, "biases"), (cfg.attention_sinks, "attention sinks"),
-        (cfg.attention_output_gate, "an attention output gate"), (cfg.norm_zero_centered, "zero-centred norms"),
-        (cfg.rope_fraction != 1.0 or cfg.rope_yarn_factor > 0, "partial or YaRN rotary embeddings"),
-        (not layer_types <= set(OLMO3_LAYERS), "layer types other than full and sliding attention"),
-        (cfg.mtp_layers > 0, "multi-token prediction layers")]
-    for bad, what in unsupported:
-        if bad:
-            raise UserError(f"Olmo3ForCausalLM has no {what}; this model does not convert to it")
-
-
-def _check_minimax_m2(cfg: ModelConfig) -> None:
-    """UserError (one line) for a pre-norm model with whole-projection QK-norm and experts that `MiniMaxM2ForCausalLM`
-    does not compute (sigmoid top-k routing over all experts of every layer, renormalized, with the score-correction
-    bias; partial rotary embeddings; no biases, windows or shared experts)."""
-    unsupported = [
-        (cfg.attention != "mha", f'attention="{cfg.attention}"'),
-        (cfg.attention_bias or cfg.attention_output_bias, "attention biases"), (cfg.attention_sinks, "attention sinks"),
-        (cfg.attention_output_gate, "an attention output gate"), (cfg.norm_zero_centered, "zero-centred norms"),
-        (cfg.rope_yarn_factor > 0, "YaRN rotary embeddings"),
-        (cfg.sliding_window > 0 or bool(cfg.layer_types), "sliding-window or linear attention layers"),
-        (cfg.mtp_layers > 0, "multi-token prediction layers"),
-        (cfg.moe_score != "sigmoid", f'moe_score="{cfg.moe_score}" (its router scores are sigmoids)'),
-        (not cfg.moe_norm_topk_prob, "moe_norm_topk_prob = false (it divides the chosen scores by their sum)"),
-        (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_shared_experts > 0, "shared experts"),
-        (cfg.moe_groups > 0, "group-limited routing"),
-        (cfg.moe_first_dense_layers > 0 or cfg.moe_layer_interval != 1, "dense MLP layers"),
-        (cfg.moe_router_bias or cfg.moe_linear_bias, "router or expert biases"),
-        (cfg.swiglu_limit > 0, "a clamped SwiGLU")]
-    for bad, what in unsupported:
-        if bad:
-            raise UserError(f"MiniMaxM2ForCausalLM has no {what}; this model does not convert to it")
-
-
-MIXTRAL_EXPERTS = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
 """(shardlm, HF) names of an expert's three matrices in Mixtral's per-expert layout (MiniMax-M2's on disk too)."""
 
 
@@ -215,7 +158,7 @@ def _moe_from_hf(hf: dict) -> dict:
     if kind == "glm4_moe":
         return _glm4_moe_routing(hf)
     if kind == "minimax_m2":
-        return _minimax_m2_routing(hf)
+        return hf_minimax_m2.routing(hf)
     if kind != "qwen3_moe":
         return {}
     dense = list(hf.get("mlp_only_layers") or [])
@@ -245,102 +188,17 @@ def _glm4_moe_routing(hf: dict) -> dict:
             else 0, "moe_expert_bias": True, "mtp_layers": hf.get("num_nextn_predict_layers") or 0}
 
 
-def _minimax_m2_routing(hf: dict) -> dict:
-    """MiniMax-M2's `model.moe_*` keys: sigmoid scores, the score-correction bias in the choice only, the chosen
-    scores divided by their sum, every layer's MLP an MoE of intermediate_size-wide experts."""
-    return {"moe_num_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
-            "moe_ffn_hidden_size": hf["intermediate_size"], "moe_score": "sigmoid", "moe_expert_bias": True,
-            "moe_norm_topk_prob": True, "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
-
-
-MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rope_theta": 5000000.0, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
-                       "num_local_experts": 256}
-"""MiniMaxM2Config's values of the keys a config.json may leave out and shardlm reads (its head_dim is not
-hidden_size / num_attention_heads, its default rotary base 5e6)."""
-
-
-def _minimax_m2_config(hf: dict) -> dict:
-    """A MiniMax-M2 config.json as MiniMaxM2Config reads it: its defaults for absent keys, and partial_rotary_factor
-    from the legacy rotary_dim (rotary_dim / head_dim) unless one is given. UserError (one line) for what
-    transformers' MiniMaxM2ForCausalLM (and so shardlm) does not compute: quantized weights, the released
-    checkpoints' per-head QK-norm or none, other router scores, a shared expert, lightning-attention layers,
-    router jitter."""
-    hf = MINIMAX_M2_DEFAULTS | hf
-    if hf.get("rotary_dim") is not None and "partial_rotary_factor" not in hf:
-        hf["partial_rotary_factor"] = hf["rotary_dim"] / hf["head_dim"]
-    quantized = (hf.get("quantization_config") or {}).get("quant_method")
-    refusals = [
-        (not quantized, f"quantized weights ({quantized}, with scale tensors); convert a bf16 copy and read that"),
-        (hf.get("use_qk_norm", True), "no QK-norm (use_qk_norm=false)"),
-        (hf.get("qk_norm_type", "per_layer") == "per_layer",
-         f"qk_norm_type={hf.get('qk_norm_type')!r} (only per_layer, one norm over each whole projection, converts)"),
-        (hf.get("scoring_func", "sigmoid") == "sigmoid", f"scoring_func={hf.get('scoring_func')!r}"),
-        (not hf.get("shared_intermediate_size"), "a shared expert (shared_intermediate_size)"),
-        (all(kind == 1 for kind in hf.get("attn_type_list") or []), "lightning (linear) attention layers "
-                                                                      "(attn_type_list entries 0)"),
-        (not hf.get("router_jitter_noise"), "router_jitter_noise"),
-    ]
-    for ok, what in refusals:
-        if not ok:
-            raise UserError(f"the HF model has {what}, which shardlm's MiniMax-M2 does not compute")
-    return hf
-
-
-def _rope(hf: dict) -> tuple[float, str]:
-    """(theta, rope type) from either config style (transformers 5's rope_parameters, or rope_theta + rope_scaling)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return float(theta), kind
-
-
-def _olmo3_rope(hf: dict) -> tuple[float, str]:
-    """(theta, rope type) of an Olmo3Config dict: transformers 5 keeps one rope_parameters entry per layer type, an
-    older config.json a rope_theta and a rope_scaling that applies to the full-attention layers only. UserError when
-    the two kinds of layer rotate differently (shardlm has one rotary embedding)."""
-    params = hf.get("rope_parameters") or {}
-    if any(kind in params for kind in OLMO3_LAYERS):
-        used = {kind for kind in hf.get("layer_types") or OLMO3_LAYERS if kind in OLMO3_LAYERS}
-        found = {(float(params[kind].get("rope_theta", 500000.0)), params[kind].get("rope_type", "default"))
-                 for kind in used if params.get(kind)}
-        if len(found) > 1:
-            raise UserError(f"the HF model's full and sliding attention layers rotate differently ({sorted(found)} "
-                            "in rope_parameters), which shardlm's llama (one rotary embedding) does not compute")
-        return found.pop() if found else (500000.0, "default")
-    return _rope(hf | {"rope_theta": hf.get("rope_theta", 500000.0)})
-
-
-def _olmo3_from_hf(hf: dict) -> dict:
-    """The OLMo 3 keys of the [model] section: post-norms, QK-norm over whole projections, the sliding window and the
-    layer types (without them, Olmo3Config's: 3 sliding layers before each full one; UserError for layer types
-    shardlm's OLMo 3 does not compute)."""
-    layers = hf["num_hidden_layers"]
-    layer_types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
-                                                 for i in range(layers)])
-    window = hf.get("sliding_window") or 0
-    if not set(layer_types) <= set(OLMO3_LAYERS) or len(layer_types) != layers:
-        raise UserError(f"the HF model's layer_types {layer_types} are not one of {list(OLMO3_LAYERS)} per layer, "
-                        "which shardlm's OLMo 3 computes")
-    if "sliding_attention" in layer_types and not window:
-        raise UserError("the HF model names sliding_attention layers without a sliding_window; set its size")
-    if not window or "sliding_attention" not in layer_types:
-        window, layer_types = 0, []
-    return {"norm_placement": "post", "qk_norm": True, "qk_norm_scope": "projection", "sliding_window": window,
-            "layer_types": layer_types}
-
-
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """shardlm's [model] section for a HF LlamaConfig, Qwen3Config, Olmo3Config or MiniMaxM2Config dict (or their MoE
     relatives'); UserError for what shardlm's Llama does not compute."""
     if hf.get("model_type") == "minimax_m2":
-        hf = _minimax_m2_config(hf)
+        hf = hf_minimax_m2.config(hf)
     heads = hf["num_attention_heads"]
     glm = hf.get("model_type") == "glm4_moe"
     olmo3 = hf.get("model_type") == "olmo3"
     minimax = hf.get("model_type") == "minimax_m2"
     qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe") or (glm and bool(hf.get("use_qk_norm")))
-    theta, rope_type = _olmo3_rope(hf) if olmo3 else _rope(hf)
+    theta, rope_type = hf_olmo3.rope(hf) if olmo3 else rope_theta_and_type(hf)
     fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     refusals = [
         (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
@@ -353,7 +211,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
-    family = _olmo3_from_hf(hf) if olmo3 else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {
+    family = hf_olmo3.from_hf(hf) if olmo3 else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {
         "qk_norm": qwen3}
     return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -377,12 +235,8 @@ def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
     compute."""
     if kind == "glm4_moe":
         return _glm4_moe_to_hf(cfg)
-    if kind == "minimax_m2":  # `_check_minimax_m2` refused what it does not compute
-        return {"num_local_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
-                "intermediate_size": cfg.moe_ffn_size, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-                "output_router_logits": False, "router_jitter_noise": 0.0,
-                "rotary_dim": int(cfg.attention_head_dim * cfg.rope_fraction),
-                "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    if kind == "minimax_m2":
+        return hf_minimax_m2.to_hf(cfg)
     unsupported = [(cfg.moe_score != "softmax", f'moe_score="{cfg.moe_score}"'),
                    (cfg.moe_shared_experts > 0, "shared experts"), (cfg.moe_groups > 0, "group-limited routing"),
                    (cfg.moe_routed_scaling != 1.0, "moe_routed_scaling"), (cfg.moe_layer_interval != 1,
@@ -419,20 +273,11 @@ def _glm4_moe_to_hf(cfg: ModelConfig) -> dict:
             "num_nextn_predict_layers": cfg.mtp_layers}
 
 
-def _olmo3_to_hf(cfg: ModelConfig) -> dict:
-    """Olmo3Config's own keys: the window and the layer types, one rotary embedding per layer type (both the same),
-    and no special tokens (Olmo3Config's defaults name ids of OLMo's own vocabulary)."""
-    layer_types = ["sliding_attention" if cfg.is_sliding_layer(i) else "full_attention" for i in range(cfg.num_layers)]
-    rope = {kind: {"rope_type": "default", "rope_theta": cfg.rope_theta} for kind in OLMO3_LAYERS}
-    return {"sliding_window": cfg.sliding_window or None, "layer_types": layer_types, "rope_parameters": rope,
-            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
-
-
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, OLMo 3 or
     MiniMax-M2)."""
     kind = hf_kind(cfg)
-    family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else _olmo3_to_hf(cfg) if kind == "olmo3" else {}
+    family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else hf_olmo3.to_hf(cfg) if kind == "olmo3" else {}
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
@@ -466,27 +311,12 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     minimax = hf_config.get("model_type") == "minimax_m2"
     for ours, theirs in name_map(config.model):
         if theirs not in located and minimax:  # transformers' in-memory names: the experts stacked
-            sources[ours] = _in_memory_source(handles, located, config.model, ours, theirs, hf_dir)
+            sources[ours] = hf_minimax_m2.in_memory_source(handles, located, config.model, ours, theirs, hf_dir)
             continue
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
         sources[ours] = HFTensor(handles, located[theirs], theirs)
     return config, sources
-
-
-def _in_memory_source(handles: dict, located: dict, cfg: ModelConfig, ours: str, theirs: str,
-                      hf_dir: Path) -> HFTensor:
-    """A MiniMax-M2 tensor from a directory saved under transformers' in-memory names: `mlp.` for
-    `block_sparse_moe.`, the router `mlp.gate`, its bias `mlp.e_score_correction_bias`, and an expert's w1 / w3 / w2
-    read from the stacked `mlp.experts.gate_up_proj` (E, 2 f, h; gate rows first) / `down_proj` (E, h, f)."""
-    name = theirs.replace(".block_sparse_moe.", ".mlp.")
-    for ours_part, theirs_part in MIXTRAL_EXPERTS:
-        name = name.replace(f".{theirs_part}.weight", f".{ours_part}_proj.weight")
-    if ".experts." not in name:
-        if name not in located:
-            raise UserError(f"{hf_dir} has no tensor {theirs} (nor {name})")
-        return HFTensor(handles, located[name], name)
-    return stacked_expert(handles, located, cfg, ours, name, hf_dir)
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
