@@ -112,7 +112,7 @@ def test_saved_bytes_are_those_alive_for_the_backward(monkeypatch):
     T = QUICK_LENGTHS[-1]
     x, grad = layer_inputs(LAYER_QUICK, T)
     whole = layer_memory(build_layer(LAYER_QUICK, T, LAYER_QUICK.index_topk), x, grad)["saved_bytes"]
-    monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 1 << 12)  # 16 queries a chunk
+    monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 1 << 12)  # a few queries a chunk
     layer = build_layer(LAYER_QUICK, T, LAYER_QUICK.index_topk)
     assert layer_memory(layer, x, grad)["saved_bytes"] == whole
     ever = saved_activation_bytes(layer, lambda: layer(x.detach().requires_grad_()), [layer]).total

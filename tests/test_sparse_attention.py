@@ -169,6 +169,24 @@ def test_chunks_give_the_whole_computation(monkeypatch):
             assert torch.allclose(chunked[name], grad, atol=1e-6, rtol=1e-5), name
 
 
+def test_a_chunk_bounds_its_gathered_keys_as_well_as_its_scores(monkeypatch):
+    """MLA's chosen latents are wider (r + rope channels) than its heads: each chunk's gathered keys (B, Q, k, r + rope)
+    stay within CHUNK_ELEMENTS, not only its scores (B, H, Q, k), and the chunks still give the whole computation."""
+    B, H, T, k, width = 2, 2, 24, 3, 40
+    generator = torch.Generator().manual_seed(5)
+    query, keys = torch.randn(B, H, T, width, generator=generator), torch.randn(B, T, width, generator=generator)
+    indices = torch.randint(0, T, (B, T, k), generator=generator)
+    valid = torch.ones(B, T, k, dtype=torch.bool)
+    whole = sparse_attention.sparse_latent_attention(query, keys, indices, valid, 0.1, 32)
+    gathered = []
+    original = sparse_attention.gather_keys
+    monkeypatch.setattr(sparse_attention, "gather_keys", lambda *a: gathered.append(original(*a)) or gathered[-1])
+    monkeypatch.setattr(sparse_attention, "CHUNK_ELEMENTS", B * k * width * 4)  # 4 queries' gathered keys
+    chunked = sparse_attention.sparse_latent_attention(query, keys, indices, valid, 0.1, 32)
+    assert len(gathered) == T // 4 and max(g.numel() for g in gathered) <= sparse_attention.CHUNK_ELEMENTS
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, chunked))
+
+
 @pytest.mark.parametrize("keys,message", [
     ({"attention": "mha", "index_topk": 4, "index_heads": 4, "index_head_dim": 8}, 'needs model.attention = "mla"'),
     ({**DSA, "index_layer_types": ["shared", "full"]}, "index_layer_types"),

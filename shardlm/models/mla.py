@@ -319,7 +319,7 @@ class LatentAttention(nn.Module):
         from shardlm.models import sparse_attention as dsa
 
         B, T, heads, _ = queries.shape
-        step = max(1, dsa.CHUNK_ELEMENTS // max(1, B * heads * keys.shape[1]))
+        step = dsa.query_step(B, keys.shape[1], heads)
         chosen = [dsa.select_top_k(dsa.index_scores(queries[:, i:i + step], weights[:, i:i + step], keys),
                                    dsa.visible_keys(rows[i:i + step], keys.shape[1], documents), self.cfg.index_topk)
                   for i in range(0, T, step)]

@@ -51,7 +51,14 @@ from shardlm.parallel import ParallelContext, gather_from_sequence_parallel
 from shardlm.parallel.init import param_seed
 
 CHUNK_ELEMENTS = 1 << 23
-"""Queries run in chunks of about this many score elements (batch x queries x heads x keys)."""
+"""Queries run in chunks of about this many elements in their largest intermediate: the scores (batch x queries x
+heads x keys) or the gathered keys (batch x queries x keys x channels), whichever is wider."""
+
+
+def query_step(batch: int, keys_per_query: int, *widths: int) -> int:
+    """Queries per chunk: CHUNK_ELEMENTS over batch x keys_per_query x the widest per-key dimension (heads of the
+    scores, channels of the gathered keys: MLA's r + rope = 576 channels outnumber its heads per TP rank)."""
+    return max(1, CHUNK_ELEMENTS // max(1, batch * keys_per_query * max(widths)))
 
 
 def check_sparse_attention(m: ModelConfig) -> str | None:
@@ -176,7 +183,7 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
     row's latents c and rotated shared keys), indices and valid (B, T, k) -> (p c (B, H/tp, T, r), the heads'
     summed attention probabilities (B, T, k), no gradient). Chunks of queries are recomputed in the backward."""
     B, H, T, _ = query.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, B * H * indices.shape[-1]))
+    step = query_step(B, indices.shape[-1], H, query.shape[-1])
     mixed, mass = [], []
     for start in range(0, T, step):
         part = slice(start, start + step)
@@ -237,8 +244,8 @@ def indexer_divergence(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     (B, T, H_i), keys (B, S, D) -> fp32 scalar, in chunks of queries. `choice(part)` gives a chunk's (indices
     (B, Q, k) or None for every key, valid (B, Q, k or S)), `target_of(part)` its target (B, Q, k or S), each row
     summing to 1, computed when the chunk runs (the dense warm-up's never exists whole)."""
-    B, T, heads, _ = q.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, B * heads * keys_per_query))
+    B, T, heads, dim = q.shape
+    step = query_step(B, keys_per_query, heads, dim)
     chunks = [slice(start, start + step) for start in range(0, T, step)]
     if not torch.is_grad_enabled() or not (q.requires_grad or weights.requires_grad or keys.requires_grad):
         return sum(_divergence(q[:, p], weights[:, p], keys, *choice(p), target_of(p)) for p in chunks)
