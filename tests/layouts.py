@@ -115,3 +115,19 @@ def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600, more=
     traceback)}, read with `multiproc.check_result` or `agreement.assert_every_rank`. `run` (and `more`, the
     further checks of `layout_checks`) must be module-level functions (the workers import them by name)."""
     return run_workers(world_size, layout_checks, run, cases, more, timeout=timeout)
+
+
+def selected_cases(request, cases: dict, param: str = "name") -> dict:
+    """The cases of `cases` that the session's selected tests read through the fixture asking (`request`): those a
+    selected test of this module names by its `param`, or every case as soon as one selected test takes the fixture
+    without naming a case of the table (a check that reads several). A run of the whole module thus spawns every
+    case; a run of a few named cases (the AVX2 rerun of `test_cpu_kinds.py`) only theirs."""
+    names = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or request.fixturename not in item.fixturenames:
+            continue
+        name = item.callspec.params.get(param) if hasattr(item, "callspec") else None
+        if name not in cases:
+            return cases
+        names.add(name)
+    return {name: case for name, case in cases.items() if name in names}

@@ -39,7 +39,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_same_run, assert_trained_but_off
-from layouts import MLA, counting, layout, layout_config, layout_context, spawn_layouts, tiny_model
+from layouts import MLA, counting, layout, layout_config, layout_context, selected_cases, spawn_layouts, tiny_model
 from multiproc import check_result
 
 STEPS, TOL = 4, 1e-5
@@ -178,22 +178,24 @@ REFERENCES = {"gpt": {}, "llama": {"arch": "llama"}, "llama kv1": {"arch": "llam
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return spawn_layouts(2, run_layout, WORLD2 | CONTROL | HYBRID)
+def world2(request):
+    return spawn_layouts(2, run_layout, selected_cases(request, WORLD2 | CONTROL | HYBRID))
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return spawn_layouts(4, run_layout, WORLD4)
+def world4(request):
+    return spawn_layouts(4, run_layout, selected_cases(request, WORLD4))
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """One process for each model kind, at micro-batch 8 (one micro-batch per step); the MoE at the layouts'
-    micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing."""
+def reference(request):
+    """One process for each model kind the selected cases compare with, at micro-batch 8 (one micro-batch per step);
+    the MoE at the layouts' micro-batch 2, since its load-balancing loss is a function of each micro-batch's
+    routing."""
     ctx = ParallelContext.single()
+    kinds = {case[0] for case in selected_cases(request, WORLD2 | WORLD4 | HYBRID | CONTROL).values()}
     return {kind: train_layout(ctx, lora_config(**({"micro": 8} | without(spec, "prepare"))),
-                               prepare=spec.get("prepare")) for kind, spec in REFERENCES.items()}
+                               prepare=spec.get("prepare")) for kind, spec in REFERENCES.items() if kind in kinds}
 
 
 def without(spec: dict, key: str) -> dict:
