@@ -5,8 +5,10 @@ conversation: a JSON list of `{"role", "content"}` objects, or `{"messages": [..
 conversation with `shardlm.sft.template.ChatTemplate` and `add_generation_prompt=True` (what
 `apply_chat_template(..., add_generation_prompt=True)` gives), tokenizes it with the template's own
 tokenizer and generates the assistant turn with `generate_tokens`, which stops a row at the template's
-end-of-turn token (Qwen3's `<|im_end|>`, the tokenizer's eos_token unless the template says otherwise);
-that token is not part of the reply (finish reason "end_of_turn"). The template comes from
+end-of-turn token (Qwen3's `<|im_end|>`, the tokenizer's eos_token unless the template says otherwise) or at
+any eos_token_id of the directory's generation_config.json, as transformers' `generate` does (Gemma 4 ends a
+turn with `<turn|>`, its eos_token is `<eos>`); that token is not part of the reply (finish reason
+"end_of_turn"). The template comes from
 `--chat-template DIR` or, by default, from the checkpoint itself when it is a Hugging Face directory, else
 the directory of the checkpoint's tokenizer.json (the Hugging Face directory a model was converted from).
 """
@@ -79,7 +81,7 @@ def generate_chat(model, template, conversations: list[list[dict[str, Any]]], co
     if top >= model.cfg.vocab_size:
         raise UserError(f"the chat template's tokenizer gives token id {top} but the model has only "
                         f"{model.cfg.vocab_size} tokens; use the tokenizer the model was trained with")
-    results = generate_tokens(model, prompts, config, eod=template.end_of_turn_id)
+    results = generate_tokens(model, prompts, config, eod=template.end_of_turn_id, ends=template.end_ids)
     for result in results:
         result.finish_reason = "end_of_turn" if result.finish_reason == "eod" else result.finish_reason
         result.text = template.tokenizer.decode(result.tokens, skip_special_tokens=False)

@@ -100,11 +100,13 @@ def choose_next(logits: torch.Tensor, uniform: torch.Tensor, config: SamplingCon
 
 @torch.no_grad()
 def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
-                    eod: int | None = None, stop: Callable[[list[int]], bool] | None = None) -> list[Generation]:
+                    eod: int | None = None, stop: Callable[[list[int]], bool] | None = None,
+                    ends: frozenset[int] = frozenset()) -> list[Generation]:
     """Continue each prompt (a list of ids) with `model` (a `GPT` on its `ctx`); see the module docstring.
 
     Every TP rank must call this with the same prompts and config; all return the same tokens.
-    An empty prompt starts from `eod`. `stop(new_ids)`, when given, is asked after each new token
+    An empty prompt starts from `eod`; `ends`, further ids that end a row as `eod` does (a chat template's
+    end-of-turn ids). `stop(new_ids)`, when given, is asked after each new token
     of a row; True ends that row (finish reason "stop"; the ids that completed the stop are kept).
     It sees the same ids on every rank, so every rank stops the same rows. Talks to the TP group
     (the model's collectives, one all-gather of the last position's logits and one broadcast of
@@ -144,7 +146,7 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
         for row, (token, forced) in enumerate(zip(step.tolist(), in_prompt.tolist())):
             if forced or reason[row] is not None:
                 continue
-            if config.stop_at_eod and token == eod:
+            if config.stop_at_eod and (token == eod or token in ends):
                 reason[row] = "eod"
                 continue
             new[row].append(token)

@@ -17,7 +17,8 @@ The loss mask (1 = the token is a training target) is found in one of two ways:
   conversation before it is rendered with `add_generation_prompt=True`; that text must be a prefix of the
   whole conversation's text (else one-line error: the template renders earlier turns differently once the
   conversation goes on). The turn's tokens run from the first token that reaches past that prefix up to
-  and including the first end-of-turn token (`eos_token` of `tokenizer_config.json`, e.g. `<|im_end|>`);
+  and including the first end-of-turn token (`eos_token` of `tokenizer_config.json`, e.g. `<|im_end|>`, or
+  an eos_token_id of `generation_config.json`, e.g. Gemma 4's `<turn|>`, unless `end_of_turn` names one);
   the newline the template writes after it, and everything up to the next assistant turn, is not trained.
   Comparing text and then token offsets gives the same start as comparing the prompt's token ids with the
   conversation's, and still works when a token spans the boundary (a reply that starts with a newline
@@ -164,11 +165,27 @@ class TokenizedConversation:
         return sum(self.loss_mask)
 
 
+def generation_stop_ids(path: Path) -> tuple[int, ...]:
+    """The eos_token_id (one id or a list) of a directory's generation_config.json, where transformers' `generate`
+    reads the ids that end a reply; () without one."""
+    config_path = path / "generation_config.json"
+    if not config_path.is_file():
+        return ()
+    try:
+        ids = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        raise UserError(f"{config_path} is not a JSON object; fix or remove it") from None
+    ids = [ids] if isinstance(ids, int) else ids or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UserError(f"{config_path}: eos_token_id {ids!r} is not a token id or a list of them")
+    return tuple(ids)
+
+
 class ChatTemplate:
     """A tokenizer plus its chat template. `mask_method` is `"generation-tags"` or `"prefix"` (module docstring)."""
 
     def __init__(self, tokenizer, source: str, special_tokens: dict[str, str], end_of_turn: str | None = None,
-                 name: str = "chat template") -> None:
+                 name: str = "chat template", stop_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.source = source
         self.name = name
@@ -177,6 +194,9 @@ class ChatTemplate:
         self.mask_method = "generation-tags" if GENERATION_TAG.search(source) else "prefix"
         self.end_of_turn = end_of_turn or special_tokens.get("eos_token")
         self.end_of_turn_id = tokenizer.token_to_id(self.end_of_turn) if self.end_of_turn else None
+        # Every id that closes a turn: the end-of-turn token and, unless one was named, the directory's
+        # generation_config.json eos_token_id (Gemma's turns end with <turn|> while its eos_token is <eos>)
+        self.end_ids = frozenset(i for i in (self.end_of_turn_id, *([] if end_of_turn else stop_ids)) if i is not None)
         if self.mask_method == "prefix" and self.end_of_turn_id is None:
             raise UserError(f"{name}: no end-of-turn token ({self.end_of_turn!r} is not in the vocabulary); "
                             "pass end_of_turn= the token that closes an assistant turn")
@@ -206,7 +226,7 @@ class ChatTemplate:
                             "chat_template.jinja); use a chat model's tokenizer or pass a template")
         special = {k: s for k in SPECIAL_TOKEN_NAMES if (s := _token_string(config.get(k))) is not None}
         return cls(Tokenizer.from_file(str(path / "tokenizer.json")), source, special, end_of_turn,
-                   name=f"chat template of {path}")
+                   name=f"chat template of {path}", stop_ids=generation_stop_ids(path))
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, spans: list | None,
                 template_kwargs: dict[str, Any]) -> str:
@@ -271,11 +291,10 @@ class ChatTemplate:
                 if i < conversation.train_from or message.get("role") != "assistant":
                     continue
                 start = self._turn_start(messages, i, text, offsets, where, template_kwargs)
-                try:
-                    end = ids.index(self.end_of_turn_id, start)
-                except ValueError:
+                end = next((t for t in range(start, len(ids)) if ids[t] in self.end_ids), None)
+                if end is None:
                     raise UserError(f"{where}: no end-of-turn token {self.end_of_turn!r} after assistant turn "
-                                    f"(message {i}); pass the template's end_of_turn token") from None
+                                    f"(message {i}); pass the template's end_of_turn token")
                 mask[start:end + 1] = [1] * (end + 1 - start)
         if not any(mask):
             raise UserError(f"{where}: no assistant token to train on after applying the {self.name}")
