@@ -93,7 +93,7 @@ class SFTConfig:
     template: str = ""
     """A .jinja file replacing the tokenizer's chat template (e.g. one with {% generation %} tags)."""
     end_of_turn: str = ""
-    """The token that ends an assistant turn; empty: the tokenizer's eos_token."""
+    """The token that ends an assistant turn; empty: the tokenizer's eos_token or a generation_config.json eos id."""
     fields: str = "auto"
     """Instruction records' keys: "auto" (Dolly's, then Alpaca's), "dolly" or "alpaca"."""
     system_prompt: str = ""
