@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardlm.checkpoint import files, hf_deepseek, hf_llama, hf_qwen3_next
+from shardlm.checkpoint import files, hf_deepseek, hf_kimi_linear, hf_llama, hf_qwen3_next
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
@@ -114,12 +114,13 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         return hf_llama.open_hf(hf_dir)
     if kind in hf_qwen3_next.KINDS:
         return hf_qwen3_next.open_hf(hf_dir)
+    if kind in hf_kimi_linear.KINDS:
+        return hf_kimi_linear.open_hf(hf_dir)
     if kind in DEEPSEEK:
         return hf_deepseek.open_hf(hf_dir)
     if kind != "gpt2":
-        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and "
-                        f"{', '.join(LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK)} "
-                        "convert")
+        families = LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_kimi_linear.KINDS
+        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(families)} convert")
     weights = hf_dir / "model.safetensors"
     if not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
@@ -160,6 +161,8 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
     config, tensors = load_consolidated(checkpoint)
+    if config.model.arch == "llama" and config.model.linear_attention_rule == "kimi_delta":
+        return hf_kimi_linear.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and config.model.attention == "mla":
         return hf_deepseek.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and (config.model.attention_output_gate or config.model.layer_types and any(

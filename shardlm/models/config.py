@@ -94,6 +94,10 @@ class ModelConfig:
     hf_linear_projections: str = "separate"
     """Linear attention: how Hugging Face stores its input projections, for export: "separate" (Qwen3.5's
     in_proj_qkv, _z, _b, _a) or "grouped" (Qwen3-Next's in_proj_qkvz and in_proj_ba, per key head)."""
+    linear_attention_rule: str = "gated_delta"
+    """Linear attention: "gated_delta" (Gated DeltaNet: Qwen3-Next, Qwen3.5) or "kimi_delta" (Kimi Delta Attention:
+    Kimi Linear; a decay per key channel from a low-rank gate, a low-rank sigmoid output gate; as many key as value
+    heads, of as many channels)."""
     attention_output_gate: bool = False
     """Llama: a sigmoid gate on each attention head's output, from a second half of the q projection (Qwen3-Next)."""
     norm_zero_centered: bool = False
@@ -111,6 +115,9 @@ class ModelConfig:
     """MLA: per-head query/key channels with rotary embedding (the key's are shared by all heads)."""
     v_head_dim: int = 0
     """MLA: per-head value channels."""
+    mla_nope: bool = False
+    """MLA: no rotary embedding (Kimi Linear's full-attention layers): the qk_rope_head_dim channels of the queries and
+    of the shared key pass unrotated."""
     index_topk: int = 0
     """MLA with DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; docs/sparse-attention.md): each query attends to
     the index_topk earlier keys of its document that its lightning indexer scores highest; 0: every key (dense)."""

@@ -243,13 +243,17 @@ class GatedDeltaNet(nn.Module):
 
 def check_linear_attention(cfg: ModelConfig, tensor: int, context: int) -> str | None:
     """A one-line problem with a model's linear-attention settings at this TP and CP size, or None."""
+    from shardlm.models.kimi_delta import check_kimi_delta
+
+    if (problem := check_kimi_delta(cfg, tensor, context)) is not None:
+        return problem
     if not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
         return None
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     chunk = cfg.seq_length // (2 * context)
     checks = [
-        (cfg.arch == "llama" and cfg.attention == "mha", 'linear_attention layers need model.arch="llama" with '
-         'model.attention="mha"'),
+        (cfg.arch == "llama" and (cfg.attention == "mha" or cfg.linear_attention_rule == "kimi_delta"),
+         'linear_attention layers need model.arch="llama" with model.attention="mha" (or "mla" beside KDA layers)'),
         (min(nk, nv, cfg.linear_key_head_dim, cfg.linear_value_head_dim) > 0,
          "linear_attention layers need model.linear_num_key_heads, linear_num_value_heads, linear_key_head_dim "
          "and linear_value_head_dim > 0"),

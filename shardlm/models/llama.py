@@ -372,12 +372,12 @@ class LlamaBlock(PreNormBlock):
         options = options or ParallelOptions()
         args = (cfg, ctx, seed, f"layers.{index}.attn", sequence_parallel, selective_recompute,
                 options.context_exchange)
-        if cfg.attention == "mla":  # DeepSeek-V3's multi-head latent attention
+        if cfg.is_linear_layer(index):  # Gated DeltaNet (Qwen3-Next, Qwen3.5) or Kimi Delta Attention (Kimi Linear)
+            from shardlm.models.kimi_delta import linear_layer
+            attention = linear_layer(*args[:-1])
+        elif cfg.attention == "mla":  # DeepSeek-V3's multi-head latent attention (Kimi Linear's: without RoPE)
             from shardlm.models.mla import LatentAttention
             attention = LatentAttention(*args, layer=index)
-        elif cfg.is_linear_layer(index):  # Qwen3-Next / Qwen3.5's Gated DeltaNet
-            from shardlm.models.linear_attention import GatedDeltaNet
-            attention = GatedDeltaNet(*args[:-1])
         else:
             attention = LlamaAttention(*args, window=cfg.sliding_window if cfg.is_sliding_layer(index) else 0)
         super().__init__(norm_class(cfg), attention,

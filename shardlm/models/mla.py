@@ -74,7 +74,7 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
     if m.query_scale_beta and (m.attention != "mla" or m.query_scale_positions < 1):
         return "model.query_scale_beta needs model.attention=\"mla\" and model.query_scale_positions >= 1"
     if m.attention == "mha":
-        return None
+        return 'model.mla_nope needs model.attention="mla"' if m.mla_nope else None
     if m.arch != "llama":
         return 'model.attention="mla" needs model.arch="llama"'
     sizes = {"kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
@@ -346,7 +346,10 @@ class LatentAttention(nn.Module):
         """positions (T,) -> (cos, sin), each (T, rope) fp32, scaled by YaRN's attention factor; (B, T) ->
         (B, 1, T, rope)."""
         inv_freq, factor = rope_inverse_frequencies(self.cfg, self.cfg.qk_rope_head_dim, positions.device)
-        return angles_of(positions, inv_freq, factor)
+        cos, sin = angles_of(positions, inv_freq, factor)
+        if self.cfg.mla_nope:  # Kimi Linear: cos 1 and sin 0 rotate by nothing, exactly
+            return torch.ones_like(cos), torch.zeros_like(sin)
+        return cos, sin
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:

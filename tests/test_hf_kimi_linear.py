@@ -1,0 +1,136 @@
+"""Kimi Linear (`KimiLinearForCausalLM`) against transformers: conversion both ways, logits and greedy tokens at TP=1,
+TP=2 and EP=2, a round trip bitwise, and a run started from the directory giving transformers' first loss.
+
+A random small model: 4 layers alternating Kimi Delta Attention (4 heads of 8 channels, a kernel of 4) and MLA
+without positions (4 heads, latent 16, nope 8 + rope 4 key channels, values 8); the first layer's MLP dense, the
+others MoE (4 experts, top 2, a shared expert, sigmoid routing with a random score-correction bias). `A_log` and
+`dt_bias` drawn from N(0, 1) and the low-rank gates' weights scaled up (visible decays, different per channel, and
+output gates away from 1/2), norms from U(0.5, 2) (the KDA output's gated
+norm among them), MLA's q and kv_b scaled up (sharp attention), the embedding scaled up (the tokens decide the
+greedy continuation). 80 tokens: two chunks of the chunked rule. The controls: the same file with a KDA layer's
+f_a and g_a swapped, or its dt_bias reversed per head, moves the logits far off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llama_reference import (
+    LOGIT_TOL,
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_read_in_place,
+    assert_round_trip,
+    hf_reference,
+    layout_worker,
+    variant_logits,
+)
+
+from shardlm.checkpoint.state import load_consolidated
+from shardlm.parallel import ParallelContext
+
+from multiproc import run_workers
+
+VOCAB = 300
+CONFIG = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+              intermediate_size=48, moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+              n_shared_experts=1, routed_scaling_factor=2.0, linear_num_heads=4, linear_head_dim=8,
+              linear_conv_kernel_dim=4, max_position_embeddings=128, tie_word_embeddings=False,
+              layer_types=["linear_attention", "full_attention"] * 2,
+              mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def hf_model():
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    model = KimiLinearForCausalLM(KimiLinearConfig(**CONFIG)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if hasattr(attn, "forget_gate"):
+                attn.forget_gate.A_log.normal_(0, 1)
+                attn.forget_gate.dt_bias.normal_(0, 1)
+                gates = (attn.forget_gate.f_a_proj, attn.forget_gate.f_b_proj, attn.g_a_proj, attn.g_b_proj)
+                for projection in gates:  # low-rank gates that matter: softplus and sigmoid inputs of O(1)
+                    projection.weight.mul_(10.0)
+            else:
+                attn.q_proj.weight.mul_(4.0)
+                attn.kv_b_proj.weight.mul_(4.0)
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+        model.model.embed_tokens.weight.mul_(30.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tokens = torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1))
+    return hf_reference(hf_model(), tmp_path_factory.mktemp("kimi_linear"), tokens)
+
+
+@pytest.fixture(scope="module")
+def world2(reference):
+    return run_workers(2, layout_worker, {"kimi": reference["converted"]}, reference["tokens"], timeout=600)
+
+
+def test_conversion_reads_the_kda_and_mla_layers(reference):
+    config, tensors = load_consolidated(reference["converted"])
+    m = config.model
+    assert (m.linear_attention_rule, m.attention, m.mla_nope, m.moe_first_dense_layers, m.moe_score) == (
+        "kimi_delta", "mla", True, 1, "sigmoid")
+    assert m.layer_types == ["linear_attention", "full_attention"] * 2 and m.moe_expert_bias
+    assert tensors["model/layers.0.attn.conv_v"].shape == (32, 4) and tensors["model/layers.0.attn.A_log"].shape == (4,)
+    assert tensors["model/layers.2.attn.f_a"].shape == (8, 32) and tensors["model/layers.2.attn.dt_bias"].shape == (32,)
+
+
+def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
+    assert_converted_matches(reference)
+
+
+def test_the_hf_directory_itself_loads_without_converting(reference):
+    assert_read_in_place(reference)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
+    assert_layout_matches(world2, f"{layout} kimi", reference)
+
+
+def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
+    from transformers import KimiLinearForCausalLM
+
+    assert_round_trip(reference, tmp_path / "back", KimiLinearForCausalLM)
+
+
+def swap_low_rank_downs(tensors: dict) -> None:
+    tensors["model/layers.0.attn.f_a"], tensors["model/layers.0.attn.g_a"] = (
+        tensors["model/layers.0.attn.g_a"], tensors["model/layers.0.attn.f_a"])
+
+
+def reverse_dt_bias(tensors: dict) -> None:
+    tensors["model/layers.2.attn.dt_bias"] = tensors["model/layers.2.attn.dt_bias"].view(4, 8).flip(-1).flatten()
+
+
+@pytest.mark.parametrize("change", [swap_low_rank_downs, reverse_dt_bias])
+def test_controls_move_the_logits(reference, tmp_path, change):
+    """A converter that swapped the two low-rank gates' down-projections, or read dt_bias's channels in another
+    order within each head, would be caught: the logits move far beyond the tolerance."""
+    logits = variant_logits(reference, tmp_path / "variant.safetensors", change)
+    assert (logits - reference["logits"]).abs().max() > 100 * LOGIT_TOL
+
+
+def test_a_run_started_from_the_directory_gives_transformers_loss_and_learns(reference):
+    """`checkpoint.init_from=DIR` with [model] left empty: the first step's loss is transformers' on the same batch
+    (within 1e-5), and the steps lower it."""
+    from test_hf_start import BATCH, hf_loss, run_config, started_run
+    from test_training import synthetic_data
+    from transformers import KimiLinearForCausalLM
+
+    from shardlm.training.data import micro_batches
+
+    batch = micro_batches(synthetic_data(), 0, BATCH, BATCH, 0, 1, torch.device("cpu"))[0]
+    model = KimiLinearForCausalLM.from_pretrained(reference["root"] / "hf").eval()
+    run = started_run(ParallelContext.single(), run_config(reference["root"] / "hf"))
+    losses = [loss for loss, _ in run["curve"]]
+    assert abs(losses[0] - hf_loss(model, batch)) <= 1e-5 * losses[0] and losses[-1] < losses[0]

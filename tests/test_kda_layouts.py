@@ -1,0 +1,71 @@
+"""The Kimi Linear model (KDA and MLA without positions, `test_kda.KIMI`) trains on packed SFT rows at every layout
+as one process does (fp32, within 1e-5: losses, gradient norms, the validation loss and every final parameter on
+every rank; `test_sft_layouts`' data: documents cross the micro-batches, rows hold several documents).
+
+One world of 2: TP=2 with SP (heads, the convolution's channels, A_log and dt_bias split; f_a, g_a and the gated
+norm replicated), PP=2 x 2 virtual stages, DP=2 with the distributed optimizer (ZeRO-1), FSDP, the MoE variant
+(sigmoid routing, score-correction bias, a shared expert) at EP=2, and TP=2 with SP with LoRA adapters (o of both
+kinds of layer, MLA's kv_b, the MLP; `validate` takes an MLA model's projections to have no k or v). Context
+parallelism is refused for KDA (`test_kda`).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_kda import KIMI, KIMI_MOE
+from test_sft_layouts import STEPS, TOL, sft_config, train_layout
+
+from shardlm.parallel import ParallelContext
+
+from agreement import assert_every_rank
+from layouts import layout, layout_context, spawn_layouts
+
+
+def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
+    config = sft_config("llama", moe=moe, **kwargs)
+    config.lora.rank, config.lora.targets = lora, ["o", "kv_b", "gate", "up", "down"]
+    config.model.num_kv_heads = 0
+    for key, value in (KIMI | (KIMI_MOE if moe else {})).items():
+        if key != "num_layers" or not moe:
+            setattr(config.model, key, value)
+    if moe:  # 2 layers: a dense KDA layer, then an MoE MLA layer
+        config.model.layer_types = ["linear_attention", "full_attention"]
+    return config
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, **config) -> dict:
+    return train_layout(layout_context(tp, pp, cp, ep), kimi_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
+WORLD2 = {
+    "tp2 sp": layout(tp=2, sp=True),
+    "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "ep2 moe": layout(ep=2, moe=True),
+    "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn_layouts(2, run_layout, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process: the dense model at micro-batch 8; the MoE at the layouts' micro-batch 2 (its load-balancing
+    statistics are per micro-batch)."""
+    ctx = ParallelContext.single()
+    return {"dense": train_layout(ctx, kimi_sft_config(micro=8)),
+            "moe": train_layout(ctx, kimi_sft_config(moe=True)),
+            "lora": train_layout(ctx, kimi_sft_config(micro=8, lora=4))}
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind in ("moe", "lora") if kind in name), "dense")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_kimi_linear_at_two_ranks_equals_one_process(world2, reference, name):
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
