@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardlm.checkpoint import files, hf_deepseek, hf_kimi_linear, hf_llama, hf_qwen3_next
+from shardlm.checkpoint import files, hf_deepseek, hf_kimi_linear, hf_llama, hf_nemotron_h, hf_qwen3_next
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
@@ -116,10 +116,12 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         return hf_qwen3_next.open_hf(hf_dir)
     if kind in hf_kimi_linear.KINDS:
         return hf_kimi_linear.open_hf(hf_dir)
+    if kind in hf_nemotron_h.KINDS:
+        return hf_nemotron_h.open_hf(hf_dir)
     if kind in DEEPSEEK:
         return hf_deepseek.open_hf(hf_dir)
     if kind != "gpt2":
-        families = LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_kimi_linear.KINDS
+        families = LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_nemotron_h.KINDS + hf_kimi_linear.KINDS
         raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(families)} convert")
     weights = hf_dir / "model.safetensors"
     if not weights.is_file():
@@ -165,6 +167,8 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         return hf_kimi_linear.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and config.model.attention == "mla":
         return hf_deepseek.to_hf(config, tensors, out_dir)
+    if config.model.arch == "llama" and config.model.layer_pattern:
+        return hf_nemotron_h.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and (config.model.attention_output_gate or config.model.layer_types and any(
             config.model.is_linear_layer(i) for i in range(config.model.num_layers))):
         return hf_qwen3_next.to_hf(config, tensors, out_dir)

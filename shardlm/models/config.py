@@ -98,6 +98,25 @@ class ModelConfig:
     """Linear attention: "gated_delta" (Gated DeltaNet: Qwen3-Next, Qwen3.5) or "kimi_delta" (Kimi Delta Attention:
     Kimi Linear; a decay per key channel from a low-rank gate, a low-rank sigmoid output gate; as many key as value
     heads, of as many channels)."""
+    layer_pattern: str = ""
+    """Llama: Nemotron-H's hybrid_override_pattern, one character per layer, each block one mixer: "M" Mamba-2, "*"
+    attention without positions, "-" a ReLU^2 MLP (docs/linear-attention.md); empty: Llama's blocks."""
+    mamba_num_heads: int = 0
+    """Mamba-2 layers: heads (H), split over parallel.tensor with the groups."""
+    mamba_head_dim: int = 0
+    """Mamba-2: channels per head (P); the layer's inner width is H x P."""
+    mamba_state_size: int = 0
+    """Mamba-2: state channels per group (N); each head's state is P x N."""
+    mamba_groups: int = 0
+    """Mamba-2: groups sharing B and C (and the gated norm's statistics), H / groups heads each; divisible by
+    parallel.tensor."""
+    mamba_conv_kernel: int = 4
+    """Mamba-2: width of the causal depthwise convolution over x, B and C."""
+    mamba_conv_bias: bool = True
+    """Mamba-2: a bias on that convolution (Nemotron-H's use_conv_bias)."""
+    mamba_chunk_size: int = 128
+    """Mamba-2: tokens per chunk of the chunked scan (Nemotron-H's chunk_size; the result does not depend on it
+    beyond rounding, the speed does)."""
     attention_output_gate: bool = False
     """Llama: a sigmoid gate on each attention head's output, from a second half of the q projection (Qwen3-Next)."""
     norm_zero_centered: bool = False

@@ -419,8 +419,11 @@ class Llama(DecoderLM):
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
         selective = self.recompute == "selective"
+        block = LlamaBlock
+        if cfg.layer_pattern:  # Nemotron-H: one mixer a block (Mamba-2, attention or MLP)
+            from shardlm.models.mamba import HybridBlock as block
         self.layers = nn.ModuleDict({
-            str(i): finished(LlamaBlock(cfg, ctx, seed, i, sp, selective, options), finish_layer)
+            str(i): finished(block(cfg, ctx, seed, i, sp, selective, options), finish_layer)
             for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = norm_class(cfg)(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:

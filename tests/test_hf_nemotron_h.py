@@ -1,0 +1,159 @@
+"""Nemotron-H (`NemotronHForCausalLM`) against transformers: conversion both ways, logits and greedy tokens at TP=1
+and TP=2 (and DP=2), a run started from the directory, decoding against the full forward.
+
+A random small model: 5 layers "M*-M-" (Mamba-2, attention without positions, ReLU^2 MLP), 4 Mamba heads of 8
+channels in 2 groups with a 16-channel state, a kernel of 4 with its bias; 4 query heads and 2 KV heads.
+`A_log`, `dt_bias`, `D` and the convolution's bias drawn from N(0, 1) (visible decays and skips), norms from
+U(0.5, 2) (the gated norm's per group too), the embedding scaled up (tokens decide the greedy continuation).
+80 tokens: shardlm's scan is one chunk of 128, transformers' (chunk_size 32) three. shardlm's logits equal
+transformers' (its PyTorch path) within 1e-4 at TP=1 and TP=2 (heads, groups and the convolution's channels
+split), greedy generation (the SSM state and the convolution's window as the cache) gives transformers' tokens,
+and converting back gives bitwise the saved tensors under the same names, with a config transformers reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from llama_reference import (
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_read_in_place,
+    assert_round_trip,
+    hf_reference,
+    layout_worker,
+    variant_logits,
+)
+
+from shardlm.checkpoint import load_model
+from shardlm.checkpoint.hf_nemotron_h import model_config_from_hf
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+
+from multiproc import run_workers
+
+VOCAB = 300
+CONFIG = dict(vocab_size=VOCAB, hidden_size=32, layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                                    "linear_attention", "mlp"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+              mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=32,
+              max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def hf_model():
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig(**CONFIG)).eval()
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mixer = layer.mixer
+            if hasattr(mixer, "A_log"):  # visible decays and skips, and Mamba layers that weigh in the logits
+                for param in (mixer.A_log, mixer.dt_bias, mixer.D, mixer.conv1d.bias):
+                    param.copy_(torch.randn(param.shape, generator=generator))
+                mixer.in_proj.weight.mul_(8.0)
+                mixer.out_proj.weight.mul_(4.0)
+            elif hasattr(mixer, "q_proj"):  # sharp attention
+                mixer.q_proj.weight.mul_(4.0)
+                mixer.k_proj.weight.mul_(4.0)
+        model.model.embeddings.weight.mul_(30.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tokens = torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1))
+    return hf_reference(hf_model(), tmp_path_factory.mktemp("nemotron_h"), tokens)
+
+
+@pytest.fixture(scope="module")
+def world2(reference):
+    return run_workers(2, layout_worker, {"nemotron_h": reference["converted"]}, reference["tokens"], timeout=600)
+
+
+def test_conversion_reads_the_pattern_and_the_mamba_layers(reference):
+    from shardlm.checkpoint.state import load_consolidated
+
+    config, tensors = load_consolidated(reference["converted"])
+    m = config.model
+    assert (m.layer_pattern, m.mamba_num_heads, m.mamba_head_dim, m.mamba_state_size, m.mamba_groups) == (
+        "M*-M-", 4, 8, 16, 2)
+    assert tensors["model/layers.0.mixer.conv_B"].shape == (32, 4) and tensors["model/layers.0.mixer.dt.weight"].shape \
+        == (4, 32)
+
+
+def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
+    assert_converted_matches(reference)
+
+
+def test_the_hf_directory_itself_loads_without_converting(reference):
+    assert_read_in_place(reference)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
+    assert_layout_matches(world2, f"{layout} nemotron_h", reference)
+
+
+def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
+    from transformers import NemotronHForCausalLM
+
+    assert_round_trip(reference, tmp_path / "back", NemotronHForCausalLM)
+
+
+def test_controls_the_conversion_can_fail(reference, tmp_path):
+    """in_proj's B and C rows swapped, or the convolution's bias dropped, move the logits far beyond 1e-4."""
+    def swap(tensors):
+        tensors["model/layers.0.mixer.B.weight"], tensors["model/layers.0.mixer.C.weight"] = (
+            tensors["model/layers.0.mixer.C.weight"], tensors["model/layers.0.mixer.B.weight"])
+
+    def no_bias(tensors):
+        tensors["model/layers.3.mixer.conv_x_bias"] = torch.zeros_like(tensors["model/layers.3.mixer.conv_x_bias"])
+
+    for i, change in enumerate((swap, no_bias)):
+        assert (variant_logits(reference, tmp_path / f"v{i}.safetensors", change) - reference["logits"]).abs().max() \
+            > 1e-2
+
+
+def test_decoding_token_by_token_equals_the_full_forward(reference):
+    """The cache (each Mamba layer's SSM state and convolution window, the attention's keys and values, the MLP
+    layers' count) fed one token at a time, after a prompt of 7, gives the full forward's logits within 1e-5."""
+    model, _ = load_model(reference["converted"], ParallelContext.single())
+    tokens = reference["tokens"][:, :20]
+    with torch.no_grad():
+        full = model.full_logits(model(tokens))
+        cache = model.new_kv_cache(32)
+        steps = [model.full_logits(model(tokens[:, :7], cache=cache))]
+        steps += [model.full_logits(model(tokens[:, t:t + 1], cache=cache)) for t in range(7, 20)]
+    assert cache.length == 20 and (torch.cat(steps, 1) - full).abs().max() < 1e-5
+
+
+def test_a_run_started_from_the_directory_gives_transformers_loss_and_learns(reference):
+    """`checkpoint.init_from=DIR` with [model] left empty: the first step's loss is transformers' on the same batch
+    (within 1e-5), and three steps lower it."""
+    from test_hf_start import BATCH, hf_loss, run_config, started_run
+    from test_training import synthetic_data
+    from transformers import NemotronHForCausalLM
+
+    from shardlm.training.data import micro_batches
+
+    batch = micro_batches(synthetic_data(), 0, BATCH, BATCH, 0, 1, torch.device("cpu"))[0]
+    model = NemotronHForCausalLM.from_pretrained(reference["root"] / "hf").eval()
+    run = started_run(ParallelContext.single(), run_config(reference["root"] / "hf"))
+    losses = [loss for loss, _ in run["curve"]]
+    assert abs(losses[0] - hf_loss(model, batch)) <= 1e-5 * losses[0] and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layers_block_type": ["linear_attention", "moe"]}, "MoE layers"),
+    ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+    ({"use_bias": True}, "biases"),
+    ({"time_step_limit": [0.0, 0.1]}, "time_step_limit"),
+])
+def test_what_shardlm_does_not_compute_is_refused_in_one_line(reference, change, message):
+    hf = json.loads((reference["root"] / "hf" / "config.json").read_text()) | change
+    with pytest.raises(UserError, match=message) as caught:
+        model_config_from_hf(hf)
+    assert "\n" not in str(caught.value)
