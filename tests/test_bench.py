@@ -25,11 +25,12 @@ pytestmark = pytest.mark.timeout(700)
 def quick_run(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the rl, qlora_memory, distill and sparse_attention sections have their own quick runs and checks
+    # the rl, qlora_memory, distill, sparse_attention and families sections have their own quick runs and checks
     # (tests/test_bench_rl.py, tests/test_bench_qlora.py, tests/test_bench_distill.py,
-    # tests/test_bench_sparse_attention.py)
+    # tests/test_bench_sparse_attention.py, tests/test_bench_families.py)
     proc = subprocess.run([sys.executable, "-m", "shardlm.bench", "--quick", "--skip", "rl", "qlora_memory", "distill",
-                           "sparse_attention", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+                           "sparse_attention", "families", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, env=env)
     return proc, out
 
 
@@ -41,7 +42,7 @@ def test_every_section_runs(quick_run):
     assert results["quick"] is True
 
 
-OWN_TESTS = ("rl.", "qlora_memory.", "distill.", "sparse_attention.")
+OWN_TESTS = ("rl.", "qlora_memory.", "distill.", "sparse_attention.", "families.")
 """Sections whose keys their own quick runs check."""
 
 

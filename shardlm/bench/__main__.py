@@ -7,7 +7,8 @@ training against transformers' Mixtral and expert parallelism, a tiny DeepSeek-V
 against transformers' DeepseekV3ForCausalLM, a tiny gpt-oss's (sinks, sliding windows, biased experts) against
 GptOssForCausalLM, a tiny Qwen3.5-MoE's (Gated DeltaNet) against Qwen3_5MoeForCausalLM and a hybrid layer stack
 against full attention as the sequence grows, a tiny DeepSeek-V3.2's (DeepSeek Sparse Attention) against
-DeepseekV32ForCausalLM and one sparse MLA layer against dense MLA at long sequences, context parallelism at a long
+DeepseekV32ForCausalLM and one sparse MLA layer against dense MLA at long sequences, the newer families' steps (Mistral
+Small 4, OLMo 3, MiniMax-M2) against their transformers classes, context parallelism at a long
 sequence (and what a sliding window saves in the ring),
 data sharding (none, distributed optimizer, FSDP) at DP=2, supervised fine-tuning (per-document attention
 over packed rows, throughput against TRL's SFTTrainer, packing efficiency), LoRA against TRL + peft, QLoRA's memory
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpt_oss": lambda: _gpt_oss(args.quick, repeats),
         "linear_attention": lambda: _linear_attention(args.quick, repeats, args.out),
         "sparse_attention": lambda: _sparse_attention(args.quick, repeats),
+        "families": lambda: _families(args.quick, repeats),
         "context_parallel": lambda: _context_parallel(args.quick, repeats),
         "window": lambda: _window(args.quick, repeats),
         "fsdp": lambda: _fsdp(args.quick, repeats),
@@ -153,6 +155,12 @@ def _linear_attention(quick, repeats, out):
     from shardlm.bench.linear_attention import linear_attention_bench
 
     return linear_attention_bench(quick, repeats, out)
+
+
+def _families(quick, repeats):
+    from shardlm.bench.families import families_bench
+
+    return families_bench(quick, repeats)
 
 
 def _sparse_attention(quick, repeats):

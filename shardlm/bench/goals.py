@@ -3,9 +3,10 @@
 `speed_goals(results)` reads only the run's own figures (benchmarks.json), so the section can be written again from
 a saved run. The goals:
 
-- each MoE family (Mixtral-style, DeepSeek-V3, gpt-oss, Qwen3.5-MoE, DeepSeek-V3.2 with sparse attention) at >= 1.2x
-  transformers as shipped, in every precision the CPU ran (fp32, and bf16 where it multiplies bf16 natively; the
-  DeepSeek-V3.2 step runs in fp32 only);
+- each MoE family (Mixtral-style, DeepSeek-V3, gpt-oss, Qwen3.5-MoE, DeepSeek-V3.2 with sparse attention) and each
+  newer family of the `families` section (Mistral Small 4, OLMo 3, MiniMax-M2) at >= 1.2x transformers as shipped,
+  in every precision the CPU ran (fp32, and bf16 where it multiplies bf16 natively; the DeepSeek-V3.2 step runs in
+  fp32 only);
 - the dense bf16 step at >= 75% of the best bf16 GEMM rate probed in the same rounds;
 - on a CPU with AMX, the dense bf16 step at >= 60% of the AMX GEMM rate (the MoE bf16 rows above are the other AMX
   goal, with the expert rows padded); on any other CPU a row that says AMX was not measured;
@@ -25,7 +26,9 @@ from shardlm.bench.breakdown import why_not_faster
 FAMILY_GOAL, DENSE_BF16_GOAL, AMX_DENSE_GOAL, DISTILL_GOAL = 1.2, 0.75, 0.60, 1.5
 FAMILIES = (("Mixtral-style MoE", ("moe", "single_process")), ("DeepSeek-V3", ("deepseek",)), ("gpt-oss", ("gpt_oss",)),
             ("Qwen3.5-MoE (Gated DeltaNet)", ("linear_attention", "train_vs_hf")),
-            ("DeepSeek-V3.2 (sparse attention)", ("sparse_attention", "train_vs_hf")))
+            ("DeepSeek-V3.2 (sparse attention)", ("sparse_attention", "train_vs_hf")),
+            ("Mistral Small 4", ("families", "mistral4")), ("OLMo 3", ("families", "olmo3")),
+            ("MiniMax-M2", ("families", "minimax_m2")))
 """(name, path of the family's single-process figures in the results)."""
 
 

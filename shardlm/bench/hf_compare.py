@@ -43,8 +43,9 @@ class HFModel:
 
     causal_lm: str
     """transformers' class, e.g. "DeepseekV3ForCausalLM"."""
-    experts_class: str
-    """The class name of transformers' experts module (whose GEMMs' dtypes are measured)."""
+    experts_class: str | None
+    """The class name of transformers' experts module (whose GEMMs' dtypes are measured); None for a dense model
+    (no `hf_eager` program then)."""
     save: Callable
     """save(shape, folder) -> folder: a random fp32 model of `shape` saved there."""
     attn_implementation: str | None = None
@@ -121,7 +122,7 @@ def hf_step(family: HFModel, folder: Path, rows: np.ndarray, experts_implementat
         return loss.detach()
 
     step.model = model
-    return step, (model.config._attn_implementation, model.config._experts_implementation)
+    return step, (model.config._attn_implementation, getattr(model.config, "_experts_implementation", None))
 
 
 def loss_check(programs: dict) -> dict:
@@ -139,13 +140,20 @@ def loss_check(programs: dict) -> dict:
             "match": all(d <= LOSS_TOL for d in diffs.values())}
 
 
-def single_process(shape, family: HFModel, repeats: int, threads: int = 2) -> dict:
+def experts_dtypes(family: HFModel, programs: dict, trainer) -> dict:
+    """The dtype each program's expert GEMMs ran in (`moe.expert_gemm_dtypes`)."""
+    out = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step)}
+    return out | {name: expert_gemm_dtypes(run.model, family.experts_class, run) for name, run in programs.items()
+                  if name != "shardlm"}
+
+
+def single_process(shape, family: HFModel, repeats: int, threads: int = 2, fp32_only: bool = False) -> dict:
     """Per precision: step ms and tokens/s of shardlm, hf and hf_eager, ratios shardlm / hf and shardlm /
     hf_eager per round, the expert GEMMs' dtypes, the implementations transformers ran, one profiled step of
     shardlm and hf by kind of operator (`breakdown`, after the timed rounds); the fp32 loss check;
-    the CPU's features; whether the fp32 median ratio meets GOAL."""
+    the CPU's features; whether the fp32 median ratio meets GOAL. `fp32_only`: no bf16 run (a quick run's)."""
     features = cpu_features()
-    precisions = native_precisions(features)
+    precisions = ["fp32"] if fp32_only else native_precisions(features)
     out: dict = {"config": f"{shape.describe()}, {threads} threads", "cpu_features": features,
                  "precisions": precisions}
     rows = random_rows(shape)
@@ -156,22 +164,21 @@ def single_process(shape, family: HFModel, repeats: int, threads: int = 2) -> di
         checkpoint = from_hf(folder, Path(tmp) / "model.safetensors")
         for precision in precisions:
             hf, (attention, shipped) = hf_step(family, folder, rows, None, precision)
-            hf_eager = hf_step(family, folder, rows, "eager", precision)[0]
             trainer = shardlm_trainer(checkpoint, shape, rows, precision, family.model_overrides)
-            programs = {"shardlm": trainer.train_step, "hf": hf, "hf_eager": hf_eager}
+            programs = {"shardlm": trainer.train_step, "hf": hf}
+            if family.experts_class:
+                programs["hf_eager"] = hf_step(family, folder, rows, "eager", precision)[0]
             if precision == "fp32":  # fresh models: their first step is the check
                 out["loss_check"] = loss_check(programs)
-            experts = family.experts_class
-            experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
-                             "hf": expert_gemm_dtypes(hf.model, experts, hf),
-                             "hf_eager": expert_gemm_dtypes(hf_eager.model, experts, hf_eager)}
+            experts_dtype = experts_dtypes(family, programs, trainer) if family.experts_class else {}
             times = interleaved(programs, repeats, warmup=1)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {"breakdown": {name: breakdown(programs[name]) for name in ("shardlm", "hf")}}
             figures |= {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
             figures |= {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
             for other, key in (("hf", "ratio"), ("hf_eager", "ratio_eager")):
-                figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
+                if other in tokens:
+                    figures[key] = summary([a / b for a, b in zip(tokens["shardlm"], tokens[other])])
             figures["hf_experts_implementation"] = shipped
             figures["hf_attn_implementation"] = attention
             figures["experts_dtype"] = experts_dtype

@@ -107,6 +107,15 @@ KEYS = {
                                    "forward ends, peak_bytes, saved_ratio = DSA / dense saved bytes), "
                                    "dense_saved_bytes, dense_peak_bytes, rounds (`skipped` with the projection past "
                                    "the time budget)",
+    "families.mistral4.fp32.ratio": "shardlm tokens/s / transformers' Mistral4ForCausalLM as shipped, per round "
+                                    "(fp32; ...bf16.ratio under bf16 autocast where the CPU has native bf16); goal 1.2",
+    "families.mistral4.loss_check.match": "true when transformers' Mistral Small 4 losses of steps 1 and 2 (fp32, same "
+                                          "weights and batch) are within 1e-4 of shardlm's",
+    "families.olmo3.fp32.ratio": "shardlm tokens/s / transformers' Olmo3ForCausalLM as shipped, per round (fp32)",
+    "families.olmo3.loss_check.match": "the same check for OLMo 3",
+    "families.minimax_m2.fp32.ratio": "shardlm tokens/s / transformers' MiniMaxM2ForCausalLM as shipped, per round "
+                                      "(fp32)",
+    "families.minimax_m2.loss_check.match": "the same check for MiniMax-M2",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
@@ -320,6 +329,10 @@ def markdown(r: dict) -> str:
         from shardlm.bench.sparse_attention import markdown_lines as sparse_attention_lines
 
         lines += sparse_attention_lines(r["sparse_attention"])
+    if r.get("families"):
+        from shardlm.bench.families import markdown_lines as families_lines
+
+        lines += families_lines(r["families"])
     if r.get("context_parallel"):
         from shardlm.bench.context_parallel import markdown_lines as context_lines
 

@@ -1,0 +1,148 @@
+"""One CPU training step of each newer family against transformers as shipped: the `families` section of `make bench`.
+
+Each family's small random model is saved by transformers, converted, and trained as `shardlm.bench.hf_compare`
+describes (the fp32 loss check of steps 1 and 2 first, then fp32 and, where the CPU has native bf16, bf16 autocast,
+taking turns in one run). Norm weights, routers and score-correction biases are drawn away from their initial values
+so that every piece of the family takes part in the loss:
+
+- Mistral Small 4 (`Mistral4ForCausalLM`): latent attention with Llama 4's query scaling, softmax routing over
+  groups of experts, a shared expert, a dense first layer;
+- OLMo 3 (`Olmo3ForCausalLM`): post-norms, QK-norm over whole projections, a sliding window on 3 of 4 layers (dense:
+  no `hf_eager` program);
+- MiniMax-M2 (`MiniMaxM2ForCausalLM`): whole-projection QK-norm, partial RoPE, sigmoid routing with the
+  score-correction bias in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardlm.bench import hf_compare
+from shardlm.bench.common import median_cell
+from shardlm.bench.hf_compare import HFModel
+
+
+@dataclass(frozen=True)
+class FamilyShape:
+    """A small model of one family (`family`: transformers' model_type) and its batch; `experts` 0 for a dense one."""
+
+    family: str
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    ffn: int = 512
+    experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = 128
+    window: int = 128
+    seq_length: int = 512
+    micro_batch: int = 2
+    vocab_size: int = 8192
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_length
+
+    def hf_config(self):
+        """transformers' config of this shape (fp32, untied embeddings, no special tokens, no router aux loss)."""
+        import transformers as tf
+
+        common = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                      num_attention_heads=self.num_heads, max_position_embeddings=self.seq_length,
+                      tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        if self.family == "mistral4":
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+                    "original_max_position_embeddings": self.seq_length // 4}
+            return tf.Mistral4Config(**common, num_key_value_heads=self.num_heads, intermediate_size=self.ffn,
+                                     moe_intermediate_size=self.expert_ffn, n_routed_experts=self.experts,
+                                     n_shared_experts=1, n_group=2, topk_group=1, num_experts_per_tok=self.top_k,
+                                     norm_topk_prob=True, routed_scaling_factor=1.0, kv_lora_rank=64, q_lora_rank=96,
+                                     qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+                                     rope_parameters=rope)
+        if self.family == "olmo3":
+            layer_types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                           for i in range(self.num_layers)]
+            rope = {kind: {"rope_type": "default", "rope_theta": 500000.0} for kind in set(layer_types)}
+            return tf.Olmo3Config(**common, num_key_value_heads=self.num_kv_heads, intermediate_size=self.ffn,
+                                  sliding_window=self.window, layer_types=layer_types, rope_parameters=rope)
+        return tf.MiniMaxM2Config(**common, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                  intermediate_size=self.expert_ffn, num_local_experts=self.experts,
+                                  num_experts_per_tok=self.top_k, rotary_dim=self.head_dim // 2, rope_theta=5e6,
+                                  router_aux_loss_coef=0.0, output_router_logits=False)
+
+    def describe(self) -> str:
+        experts = (f", {self.experts} experts of width {self.expert_ffn} top-{self.top_k}" if self.experts else
+                   f", MLP width {self.ffn}")
+        return (f"{FAMILIES[self.family].causal_lm}: {self.num_layers} layers, hidden {self.hidden_size}, "
+                f"{self.num_heads} heads{experts}, sequence {self.seq_length}, micro-batch {self.micro_batch}, "
+                f"vocabulary {self.vocab_size}")
+
+
+def save_hf_model(shape: FamilyShape, folder: Path, seed: int = 0) -> Path:
+    """A random fp32 model of `shape` saved in `folder`: norm weights drawn around 1, routers sharpened (std 0.1)
+    and score-correction biases drawn (+-0.05), which transformers initializes to ones and zeros."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[shape.family].causal_lm)(shape.hf_config()).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and param.ndim == 1:
+                param.normal_(1.0, 0.1)
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                param.normal_(0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.05, 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+FAMILIES = {
+    "mistral4": HFModel("Mistral4ForCausalLM", "Mistral4Experts", save_hf_model,
+                        model_overrides={"moe_aux_loss_coeff": 0.0, "mtp_layers": 0}),
+    "olmo3": HFModel("Olmo3ForCausalLM", None, save_hf_model),
+    "minimax_m2": HFModel("MiniMaxM2ForCausalLM", "MiniMaxM2Experts", save_hf_model,
+                          model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
+}
+"""Each family's transformers side (attention and experts as shipped) and shardlm's keys: no aux loss and a fixed
+expert bias, as transformers trains."""
+
+SHAPES = {"mistral4": FamilyShape("mistral4"), "olmo3": FamilyShape("olmo3", experts=0),
+          "minimax_m2": FamilyShape("minimax_m2")}
+QUICK = {name: FamilyShape(name, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=96,
+                           experts=shape.experts and 4, expert_ffn=32, window=16, seq_length=64, vocab_size=512)
+         for name, shape in SHAPES.items()}
+
+
+def families_bench(quick: bool, repeats: int, only: list[str] | None = None) -> dict:
+    """The `families` section of `make bench`: {family: `hf_compare.single_process`'s result}; a quick run (the
+    harness's check) in fp32 only."""
+    shapes = QUICK if quick else SHAPES
+    return {name: hf_compare.single_process(shapes[name], FAMILIES[name], repeats, fp32_only=quick)
+            for name in shapes if not only or name in only}
+
+
+def markdown_lines(d: dict) -> list[str]:
+    """The `families` section of BENCHMARKS.md: one row per family."""
+    lines = ["## Newer families' training steps (`families`)", "",
+             "One process, fp32 and bf16 autocast (where the CPU has native bf16): shardlm (the converted checkpoint) "
+             "against the family's transformers class as shipped, from the same saved weights on the same batch; "
+             "`families.<family>.loss_check.match` is true when transformers' losses of steps 1 and 2 are within "
+             "1e-4 of shardlm's. Goal: shardlm / transformers >= 1.2.", "",
+             "| family | config | loss check | fp32 shardlm / hf (`families.<family>.fp32.ratio`) | "
+             "bf16 shardlm / hf | hf attention, experts | goal |", "|---|---|---|---|---|---|---|"]
+    for name, r in d.items():
+        bf16 = median_cell(r["bf16"]["ratio"]) if "bf16" in r else "not run"
+        ran = f"{r['fp32']['hf_attn_implementation']}, {r['fp32']['hf_experts_implementation'] or 'dense'}"
+        met = "met" if r["goal"]["met"] else "not met"
+        lines.append(f"| {name} | {r['config']} | {r['loss_check']['match']} | "
+                     f"**{median_cell(r['fp32']['ratio'])}** | {bf16} | {ran} | {met} |")
+    return lines + [""]
