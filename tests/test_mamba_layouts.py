@@ -1,0 +1,166 @@
+"""Nemotron-H's hybrid (Mamba-2, attention without positions, ReLU^2 MLP, one mixer a block) trains on packed SFT rows
+at every layout as one process does (fp32, within 1e-5: losses, gradient norms, the validation loss and every final
+parameter on every rank; `test_sft_layouts`' data, rows of 32 tokens, documents of 4-24 tokens crossing the
+micro-batches and the scan's chunks of 8 tokens).
+
+- world 2: TP=2 with SP (heads, groups and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
+  rank's two zigzag chunks scanned at once, their (decay, end state) summaries and the convolution's last inputs
+  handed over), DP=2 with the distributed optimizer (ZeRO-1), FSDP, and TP=2 with SP with LoRA adapters (the
+  Mamba and attention outputs, v and the MLP);
+- controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk starts from
+  zero), and the convolution reset at the chunk edge (its earlier inputs not read);
+- one process: the packed forward and its gradients equal the documents run one by one, unpacked, and differ
+  without the documents (the control); selective and full recomputation give the loss and gradients of none;
+- bad settings are one-line errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from test_sft_layouts import STEPS, TOL, sft_config, train_data, train_layout
+
+from shardlm.errors import UserError
+from shardlm.models import build_model, mamba
+from shardlm.models.documents import Documents
+from shardlm.parallel import ParallelContext
+
+from agreement import assert_every_rank, assert_trained_but_off
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
+
+NEMOTRON_H = {"arch": "llama", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+              "ffn_hidden_size": 48, "layer_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 8,
+              "mamba_state_size": 8, "mamba_groups": 2, "mamba_conv_kernel": 4, "mamba_chunk_size": 8,
+              "init_std": 0.1}
+
+
+def nemotron_config(lora: int = 0, **kwargs):
+    config = sft_config("llama", **kwargs)
+    config.lora.rank, config.lora.targets = lora, ["v", "o", "up", "down"]
+    for key, value in NEMOTRON_H.items():
+        setattr(config.model, key, value)
+    return config
+
+
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"hand-over": each CP chunk's outputs and end state ignore the state before it; "conv edge": each chunk's
+    convolution reads zeros instead of the previous chunk's last inputs."""
+    carry, conv = mamba.carry, mamba.conv_silu
+    if control == "hand-over":
+        mamba.carry = lambda state, decay, local: torch.zeros_like(local)
+    if control == "conv edge":
+        mamba.conv_silu = lambda x, weight, bias=None, earlier=None, valid=None: conv(x, weight, bias, None, valid)
+    try:
+        yield
+    finally:
+        mamba.carry, mamba.conv_silu = carry, conv
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+    with broken(control):
+        return train_layout(layout_context(tp, pp, cp, ep), nemotron_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
+WORLD2 = {
+    "tp2 sp": layout(tp=2, sp=True),
+    "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
+    "cp2": layout(cp=2),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+}
+CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
+            "control cp2 conv edge": layout(cp=2, control="conv edge")}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ctx = ParallelContext.single()
+    return {"dense": train_layout(ctx, nemotron_config(micro=8)),
+            "lora": train_layout(ctx, nemotron_config(micro=8, lora=4))}
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_nemotron_h_at_two_ranks_equals_one_process(world2, reference, name):
+    assert_every_rank(world2, name, reference["lora" if "lora" in name else "dense"], steps=STEPS, tol=TOL)
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_context_parallel_controls_fail(world2, reference, name):
+    """Without the state hand-over, or with the convolution reset at each chunk's edge, CP=2 trains to finite
+    losses and ends more than 1e-3 away from one process (the Mamba layers' weights included), its losses more
+    than 10 x the tolerance away."""
+    ref = reference["dense"]
+    for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".mixer.")
+        assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL
+
+
+def packed_and_unpacked(documents: bool = True, recompute: str = "none") -> tuple[dict, dict]:
+    """(loss, gradients) of 4 packed SFT rows in one forward, and of their documents one by one unpacked, both the
+    sum of trained-token losses over their count."""
+    model = build_model(nemotron_config().model, ParallelContext.single(), seed=3, recompute=recompute).train()
+    batch = [train_data()[i] for i in range(4)]
+    inputs, labels, positions = (torch.from_numpy(np.stack([r[k] for r in batch]))
+                                 for k in ("input_ids", "labels", "position_ids"))
+    count = (labels != -100).sum()
+    packed = model(inputs, labels, documents=Documents.from_positions(positions) if documents else None).sum() / count
+    packed_grads = torch.autograd.grad(packed, list(model.parameters()))
+    total = 0.0
+    for b, offsets in enumerate(Documents.from_positions(positions).offsets):
+        for start, end in zip(offsets, offsets[1:]):
+            total = total + model(inputs[b:b + 1, start:end], labels[b:b + 1, start:end]).sum()
+    unpacked = total / count
+    unpacked_grads = torch.autograd.grad(unpacked, list(model.parameters()))
+    names = [n for n, _ in model.named_parameters()]
+    return ({"loss": packed.item(), **dict(zip(names, packed_grads))},
+            {"loss": unpacked.item(), **dict(zip(names, unpacked_grads))})
+
+
+def test_packed_rows_equal_documents_one_by_one_and_not_without_the_resets():
+    packed, unpacked = packed_and_unpacked()
+    assert abs(packed["loss"] - unpacked["loss"]) <= TOL * unpacked["loss"]
+    for name in packed:
+        if name != "loss":
+            assert (packed[name] - unpacked[name]).abs().max() <= TOL * max(unpacked[name].abs().max(), 1e-3), name
+    across, _ = packed_and_unpacked(documents=False)
+    assert abs(across["loss"] - unpacked["loss"]) > 10 * TOL * unpacked["loss"]
+    assert (across["layers.0.mixer.conv_x"] - unpacked["layers.0.mixer.conv_x"]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_gives_the_loss_and_gradients_of_none(recompute):
+    plain, _ = packed_and_unpacked()
+    again, _ = packed_and_unpacked(recompute=recompute)
+    assert all(torch.equal(torch.as_tensor(plain[k]), torch.as_tensor(again[k])) for k in plain)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"parallel": {"context": 16}}, "fewer than the convolution's 3 earlier inputs"),
+    ({"parallel": {"tensor": 4}}, "mamba_groups=2 must divide by parallel.tensor=4"),
+    ({"model": {"layer_pattern": "M*E-"}}, "MoE layers"),
+    ({"model": {"layer_pattern": "M*M"}}, "has 3 layers"),
+    ({"model": {"mamba_groups": 3}}, "not a multiple"),
+])
+def test_bad_settings_are_one_line_errors(change, message):
+    from shardlm.models.mamba import check_mamba
+
+    cfg = nemotron_config().model
+    for key, value in change.get("model", {}).items():
+        setattr(cfg, key, value)
+    parallel = {"tensor": 1, "context": 1} | change.get("parallel", {})
+    problem = check_mamba(cfg, parallel["tensor"], parallel["context"])
+    assert problem is not None and message in problem and "\n" not in problem
+    if not change.get("parallel"):
+        with pytest.raises(UserError, match=message.split("=")[0]):
+            build_model(cfg, ParallelContext.single())
