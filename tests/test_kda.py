@@ -246,9 +246,3 @@ def test_bad_kda_settings_are_one_line_errors(change, message):
         validate(config, 2, check_paths=False)
     assert "\n" not in str(error.value)
 
-
-def test_context_parallelism_is_refused_in_one_line():
-    with pytest.raises(UserError, match="does not run with parallel.context > 1") as error:
-        validate(kimi_config(context=2), 2, check_paths=False)
-    assert "\n" not in str(error.value)
-

@@ -2,23 +2,30 @@
 as one process does (fp32, within 1e-5: losses, gradient norms, the validation loss and every final parameter on
 every rank; `test_sft_layouts`' data: documents cross the micro-batches, rows hold several documents).
 
-One world of 2: TP=2 with SP (heads, the convolution's channels, A_log and dt_bias split; f_a, g_a and the gated
-norm replicated), PP=2 x 2 virtual stages, DP=2 with the distributed optimizer (ZeRO-1), FSDP, the MoE variant
-(sigmoid routing, score-correction bias, a shared expert) at EP=2, and TP=2 with SP with LoRA adapters (o of both
-kinds of layer, MLA's kv_b, the MLP; `validate` takes an MLA model's projections to have no k or v). Context
-parallelism is refused for KDA (`test_kda`).
+One world of 2: CP=2 (each rank's two zigzag chunks run at once, documents crossing them; their state summaries
+P S_in + S_local and convolution inputs handed over), TP=2 with SP (heads, the convolution's channels, A_log and
+dt_bias split; f_a, g_a and the gated norm replicated), PP=2 x 2 virtual stages, DP=2 with the distributed optimizer
+(ZeRO-1), FSDP, the MoE variant (sigmoid routing, score-correction bias, a shared expert) at EP=2, and TP=2 with SP
+with LoRA adapters (o of both kinds of layer, MLA's kv_b, the MLP; `validate` takes an MLA model's projections to
+have no k or v). Controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk
+starts from zero), and the convolution reset at the chunk edge (its earlier inputs not read).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 from test_kda import KIMI, KIMI_MOE
 from test_sft_layouts import STEPS, TOL, sft_config, train_layout
 
+from shardlm.models import kimi_delta, linear_attention
 from shardlm.parallel import ParallelContext
 
-from agreement import assert_every_rank
+from agreement import assert_every_rank, assert_trained_but_off
 from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
 
 
 def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
@@ -33,11 +40,28 @@ def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
     return config
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, **config) -> dict:
-    return train_layout(layout_context(tp, pp, cp, ep), kimi_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"hand-over": each CP chunk's outputs and end state ignore the state before it; "conv edge": each chunk's
+    convolution reads zeros instead of the previous chunk's last inputs."""
+    carry, conv = kimi_delta.carry, linear_attention.causal_conv
+    if control == "hand-over":
+        kimi_delta.carry = lambda state, transition, local: torch.zeros_like(local)
+    if control == "conv edge":
+        linear_attention.causal_conv = lambda x, weight, earlier=None, valid=None: conv(x, weight, None, valid)
+    try:
+        yield
+    finally:
+        kimi_delta.carry, linear_attention.causal_conv = carry, conv
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+    with broken(control):
+        return train_layout(layout_context(tp, pp, cp, ep), kimi_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
 
 
 WORLD2 = {
+    "cp2": layout(cp=2),
     "tp2 sp": layout(tp=2, sp=True),
     "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
     "zero dp2": layout(distributed_optimizer=True),
@@ -45,11 +69,13 @@ WORLD2 = {
     "ep2 moe": layout(ep=2, moe=True),
     "tp2 sp lora": layout(tp=2, sp=True, lora=4),
 }
+CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
+            "control cp2 conv edge": layout(cp=2, control="conv edge")}
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return spawn_layouts(2, run_layout, WORLD2)
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +95,14 @@ def kind_of(name: str) -> str:
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_kimi_linear_at_two_ranks_equals_one_process(world2, reference, name):
     assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_context_parallel_controls_fail(world2, reference, name):
+    """Without the state hand-over (P S_in + S_local), or with the convolution reset at each chunk's edge, CP=2
+    trains to finite losses and ends more than 1e-3 away from one process, its losses more than 10 x the tolerance
+    away."""
+    ref = reference["dense"]
+    for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
+        assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL

@@ -20,8 +20,15 @@ weight). Nothing else talks over TP.
 
 Packed documents (`Documents`): the rule runs per document from a zero state and the convolution's taps that
 reach into an earlier document are masked. Decoding keeps the state (B, H / tp, d, d) and the convolution's last
-kernel - 1 inputs (`LayerStateCache`). Context parallelism is not done for KDA (refused in one line,
-`check_kimi_delta`): its per-channel decays do not factor out of the span summaries Gated DeltaNet combines.
+kernel - 1 inputs (`LayerStateCache`).
+
+Context parallelism keeps the zigzag split the MLA layers' ring needs, as Gated DeltaNet does, and runs every chunk
+at once: the rule is linear in the state, so a chunk's end state is P S_in + S_local and its outputs
+o_local + q~ S_in, a per-channel affine hand-over (`kda_span_summary`). The decays stay inside P (d_k x d_k): per
+channel they do not come out as the one scalar factor Gated DeltaNet's summary pulls out, so P is the rule run from
+an identity state with zero values and the decays (floored at e^-40, `decay_exp`, so its shrinking columns never
+become subnormal floats). The summaries (B x 2C x H x d x 2d floats a layer) are all-gathered over CP and combined in
+sequence order; the convolution reads the last kernel - 1 inputs of the chunk before (`GatedDeltaNet`'s).
 """
 
 from __future__ import annotations
@@ -228,8 +235,8 @@ class KimiDeltaAttention(nn.Module):
 
 
 def check_kimi_delta(cfg: ModelConfig, tensor: int, context: int) -> str | None:
-    """A one-line problem with a model's KDA settings at this TP and CP size, or None (`check_linear_attention`
-    checks what the two rules share)."""
+    """A one-line problem with a model's KDA settings, or None (`check_linear_attention` checks what the two rules
+    share: head counts against TP, CP chunks against the convolution)."""
     if cfg.linear_attention_rule not in RULES:
         return f'model.linear_attention_rule="{cfg.linear_attention_rule}" must be "gated_delta" or "kimi_delta"'
     if cfg.linear_attention_rule != "kimi_delta" or not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
@@ -238,7 +245,4 @@ def check_kimi_delta(cfg: ModelConfig, tensor: int, context: int) -> str | None:
         return ('model.linear_attention_rule="kimi_delta" needs as many key as value heads '
                 "(linear_num_key_heads = linear_num_value_heads) of as many channels (linear_key_head_dim = "
                 "linear_value_head_dim)")
-    if context > 1:
-        return ('model.linear_attention_rule="kimi_delta" does not run with parallel.context > 1 yet (its per-channel '
-                "decays have no span summaries); use parallel.context=1")
     return None
