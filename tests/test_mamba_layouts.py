@@ -5,8 +5,9 @@ micro-batches and the scan's chunks of 8 tokens).
 
 - world 2: TP=2 with SP (heads, groups and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
   rank's two zigzag chunks scanned at once, their (decay, end state) summaries and the convolution's last inputs
-  handed over), DP=2 with the distributed optimizer (ZeRO-1), FSDP, and TP=2 with SP with LoRA adapters (the
-  Mamba and attention outputs, v and the MLP);
+  handed over), DP=2 with the distributed optimizer (ZeRO-1), FSDP, Nemotron 3's MoE layer ("M*ME": ReLU^2
+  experts in groups, sigmoid scores, a shared expert) at EP=2, and TP=2 with SP with LoRA adapters (the Mamba and
+  attention outputs, v and the MLP);
 - controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk starts from
   zero), and the convolution reset at the chunk edge (its earlier inputs not read);
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, and differ
@@ -38,10 +39,16 @@ NEMOTRON_H = {"arch": "llama", "num_layers": 4, "hidden_size": 32, "num_heads": 
               "init_std": 0.1}
 
 
-def nemotron_config(lora: int = 0, **kwargs):
+NEMOTRON_MOE = {"layer_pattern": "M*ME", "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16,
+                "moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 24, "moe_score": "sigmoid",
+                "moe_expert_bias": True, "moe_groups": 2, "moe_topk_groups": 1, "moe_routed_scaling": 2.5}
+"""Nemotron 3's MoE layer at the tests' size: 4 ReLU^2 experts in 2 groups, sigmoid scores, a shared expert."""
+
+
+def nemotron_config(lora: int = 0, moe: bool = False, **kwargs):
     config = sft_config("llama", **kwargs)
     config.lora.rank, config.lora.targets = lora, ["v", "o", "up", "down"]
-    for key, value in NEMOTRON_H.items():
+    for key, value in (NEMOTRON_H | (NEMOTRON_MOE if moe else {})).items():
         setattr(config.model, key, value)
     return config
 
@@ -72,6 +79,7 @@ WORLD2 = {
     "cp2": layout(cp=2),
     "zero dp2": layout(distributed_optimizer=True),
     "fsdp dp2": layout(data_sharding="full"),
+    "ep2 moe": layout(ep=2, moe=True),
     "tp2 sp lora": layout(tp=2, sp=True, lora=4),
 }
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
@@ -87,12 +95,14 @@ def world2():
 def reference():
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, nemotron_config(micro=8)),
-            "lora": train_layout(ctx, nemotron_config(micro=8, lora=4))}
+            "lora": train_layout(ctx, nemotron_config(micro=8, lora=4)),
+            "moe": train_layout(ctx, nemotron_config(moe=True))}
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_nemotron_h_at_two_ranks_equals_one_process(world2, reference, name):
-    assert_every_rank(world2, name, reference["lora" if "lora" in name else "dense"], steps=STEPS, tol=TOL)
+    kind = next((kind for kind in ("lora", "moe") if kind in name), "dense")
+    assert_every_rank(world2, name, reference[kind], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))

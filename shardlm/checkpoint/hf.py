@@ -118,6 +118,10 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         return hf_kimi_linear.open_hf(hf_dir)
     if kind in hf_nemotron_h.KINDS:
         return hf_nemotron_h.open_hf(hf_dir)
+    if kind in ("gemma4", "gemma4_text"):  # Gemma 4, its multimodal directory's language model too
+        from shardlm.checkpoint import hf_gemma4
+
+        return hf_gemma4.open_hf(hf_dir)
     if kind in DEEPSEEK:
         return hf_deepseek.open_hf(hf_dir)
     if kind != "gpt2":
@@ -165,6 +169,10 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     config, tensors = load_consolidated(checkpoint)
     if config.model.arch == "llama" and config.model.linear_attention_rule == "kimi_delta":
         return hf_kimi_linear.to_hf(config, tensors, out_dir)
+    if config.model.arch == "llama" and config.model.sandwich_norms:  # Gemma 4
+        from shardlm.checkpoint import hf_gemma4
+
+        return hf_gemma4.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and config.model.attention == "mla":
         return hf_deepseek.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and config.model.layer_pattern:

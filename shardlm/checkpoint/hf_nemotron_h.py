@@ -11,10 +11,15 @@ shardlm, layer i; the HF prefix is `backbone.`, as transformers saves and the pu
     mixer.conv1d.weight (C, 1, K), mixer.conv1d.bias (C,)  rows [x | B | C] -> mixer.conv_{x,B,C} (C, K), _bias
     mixer.{A_log, D, dt_bias, norm.weight}, mixer.out_proj    -> mixer.{A_log, D, dt_bias, norm.weight}, mixer.o
     mixer.{q,k,v,o}_proj (attention), mixer.{up,down}_proj (MLP) -> mixer.{q,k,v,o}, mixer.{up,down}
+    mixer.gate.weight / .e_score_correction_bias (MoE)        -> mixer.router.weight / .expert_bias
+    mixer.experts.e.{up,down}_proj.weight                     -> mixer.experts.{fc,proj}.e
+    mixer.shared_experts.{up,down}_proj.weight                -> mixer.shared.{up,down}.weight
     embeddings, norm_f, lm_head                               -> wte, ln_f, lm_head
 
-Every mapping is a permutation of rows, so a round trip is bitwise. The MoE layers ("E", Nemotron 3) and the
-multi-token-prediction layers (which transformers neither runs nor loads) are refused in one line.
+Experts are read per expert (what save_pretrained writes) or from transformers' stacked `mixer.experts.up_proj`
+/ `down_proj`, and written per expert. Every mapping is a permutation of rows, so a round trip is bitwise. The
+MoE layers' latent projections (moe_latent_size) are refused in one line; the multi-token-prediction layers, which
+transformers neither runs nor loads, are left out.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     pattern = layer_pattern(hf)
     limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)  # transformers writes inf as a dict
              for v in hf.get("time_step_limit") or (0.0, float("inf"))]
-    refusals = [("E" not in pattern, "MoE layers (E in its pattern, Nemotron 3), which shardlm does not build yet"),
+    refusals = [(not hf.get("moe_latent_size"), "MoE latent projections (moe_latent_size)"),
                 (hf.get("mamba_hidden_act", "silu") == "silu", f"mamba_hidden_act={hf.get('mamba_hidden_act')!r}"),
                 (hf.get("mlp_hidden_act", "relu2") == "relu2", f"mlp_hidden_act={hf.get('mlp_hidden_act')!r}"),
                 (not (hf.get("use_bias") or hf.get("mamba_proj_bias") or hf.get("mlp_bias")
@@ -78,7 +83,20 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         mamba_num_heads=hf.get("mamba_num_heads", 128), mamba_head_dim=hf.get("mamba_head_dim", 64),
         mamba_state_size=hf.get("ssm_state_size", 128), mamba_groups=hf.get("n_groups", 8),
         mamba_conv_kernel=hf.get("conv_kernel", 4), mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
-        mamba_chunk_size=hf.get("chunk_size", 128))
+        mamba_chunk_size=hf.get("chunk_size", 128), **(moe_keys(hf) if "E" in pattern else {}))
+
+
+def moe_keys(hf: dict) -> dict:
+    """The MoE keys of a Nemotron-H config with "E" layers: sigmoid scores, the score-correction bias in the choice
+    (kept fixed), groups, the top-k renormalized and scaled, one ReLU^2 shared expert."""
+    groups = hf.get("n_group", 1)
+    return {"moe_num_experts": hf.get("n_routed_experts", 8), "moe_top_k": hf.get("num_experts_per_tok", 2),
+            "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 7688), "moe_shared_experts": 1,
+            "moe_shared_ffn_hidden_size": hf.get("moe_shared_expert_intermediate_size", 7688), "moe_score": "sigmoid",
+            "moe_expert_bias": True, "moe_groups": groups if groups > 1 else 0,
+            "moe_topk_groups": hf.get("topk_group", 1) if groups > 1 else 0,
+            "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "moe_routed_scaling": float(hf.get("routed_scaling_factor", 1.0))}
 
 
 def _widths(cfg: ModelConfig) -> dict[str, int]:
@@ -105,6 +123,12 @@ def layer_names(cfg: ModelConfig, s: str, h: str, index: int) -> list[tuple[str,
         return names + [(f"{s}.{p}.weight", f"{h}.{p}_proj.weight", None) for p in "qkvo"]
     if kind == "-":
         return names + [(f"{s}.{p}.weight", f"{h}.{p}_proj.weight", None) for p in ("up", "down")]
+    if kind == "E":
+        names += [(f"{s}.router.weight", f"{h}.gate.weight", None),
+                  (f"{s}.router.expert_bias", f"{h}.gate.e_score_correction_bias", None)]
+        names += [(f"{s}.shared.{p}.weight", f"{h}.shared_experts.{p}_proj.weight", None) for p in ("up", "down")]
+        return names + [(f"{s}.experts.{ours}.{e}", f"{h}.experts.{e}.{theirs}_proj.weight", None)
+                        for e in range(cfg.moe_num_experts) for ours, theirs in (("fc", "up"), ("proj", "down"))]
     widths = _widths(cfg)
     rows, conv = _spans(("z", "x", "B", "C", "dt"), widths), _spans("xBC", widths)
     names += [(f"{s}.{p}.weight", f"{h}.in_proj.weight", rows[p]) for p in ("z", "x", "B", "C", "dt")]
@@ -146,6 +170,13 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     handles: dict = {}
     sources = {}
     for ours, theirs, rows in name_map(cfg, prefix):
+        if theirs not in located and ".experts." in theirs:  # transformers' stacked names: (E, out, in)
+            head, _, tail = theirs.partition(".experts.")
+            expert, projection = tail.split(".")[:2]
+            stacked = f"{head}.experts.{projection}"
+            if stacked in located:
+                sources[ours] = HFTensor(handles, located[stacked], stacked, select=int(expert))
+                continue
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
         sources[ours] = HFTensor(handles, located[theirs], theirs, _reader(rows, theirs.endswith("conv1d.weight")))
@@ -154,7 +185,13 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """The HF config.json of `NemotronHForCausalLM`."""
-    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+    moe = {}
+    if cfg.moe_num_experts:
+        moe = {"n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
+               "moe_intermediate_size": cfg.moe_ffn_size, "moe_shared_expert_intermediate_size": cfg.shared_ffn_size,
+               "n_shared_experts": 1, "n_group": max(cfg.moe_groups, 1), "topk_group": max(cfg.moe_topk_groups, 1),
+               "norm_topk_prob": cfg.moe_norm_topk_prob, "routed_scaling_factor": cfg.moe_routed_scaling}
     return {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
@@ -166,7 +203,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "mamba_num_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim,
         "ssm_state_size": cfg.mamba_state_size, "n_groups": cfg.mamba_groups, "conv_kernel": cfg.mamba_conv_kernel,
         "use_conv_bias": cfg.mamba_conv_bias, "chunk_size": cfg.mamba_chunk_size,
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **moe,
     }
 
 
@@ -177,6 +214,9 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path, pr
     if cfg.attention_bias or cfg.norm_zero_centered or cfg.qk_norm:
         raise UserError("this model does not convert to Nemotron-H: its attention has no biases or q/k norms and "
                         "its norms are plain RMSNorms")
+    if cfg.moe_num_experts and (cfg.moe_score != "sigmoid" or cfg.moe_shared_experts != 1 or cfg.moe_router_bias):
+        raise UserError("this model does not convert to Nemotron-H: its MoE layers score by sigmoid with one shared "
+                        "expert and no router bias")
     names = name_map(cfg, prefix)
     hf: dict[str, torch.Tensor] = {}
     for ours, theirs, rows in names:

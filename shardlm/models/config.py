@@ -239,7 +239,10 @@ class ModelConfig:
         return self.moe_ffn_hidden_size or self.ffn_size
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (0-based) has an MoE layer in place of its dense MLP."""
+        """Whether layer `index` (0-based) has an MoE layer in place of its dense MLP (with `layer_pattern`: its
+        "E" layers)."""
+        if self.layer_pattern:
+            return self.moe_num_experts > 0 and self.layer_pattern[index:index + 1] == "E"
         first = self.moe_first_dense_layers
         return self.moe_num_experts > 0 and index >= first and (index - first) % self.moe_layer_interval == 0
 

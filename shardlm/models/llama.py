@@ -150,6 +150,9 @@ def check_norm_options(cfg: ModelConfig) -> None:
     """One-line UserErrors for `norm_placement` / `qk_norm_scope` settings a Llama-family model does not compute."""
     if cfg.norm_placement not in ("pre", "post"):
         raise UserError(f'model.norm_placement="{cfg.norm_placement}" must be "pre" or "post"')
+    from shardlm.models.gemma_config import check_gemma_keys
+
+    check_gemma_keys(cfg)
     if cfg.qk_norm_scope not in ("head", "projection"):
         raise UserError(f'model.qk_norm_scope="{cfg.qk_norm_scope}" must be "head" or "projection"')
     if cfg.qk_norm_scope == "projection" and not cfg.qk_norm:
@@ -405,6 +408,13 @@ class Llama(DecoderLM):
     """
 
     FIRST_STAGE = ("wte",)  # what the first pipeline stage keeps besides its layers
+
+    def __new__(cls, cfg: ModelConfig, *args, **kwargs):
+        """Gemma 4's block (`sandwich_norms`) builds `shardlm.models.gemma.Gemma4`, a Llama."""
+        if cls is Llama and cfg.sandwich_norms:
+            from shardlm.models.gemma import Gemma4
+            cls = Gemma4
+        return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,
                  activation_checkpointing: bool = False, recompute: str | None = None,

@@ -1,5 +1,6 @@
-"""Nemotron-H's blocks: a Mamba-2 layer (`Mamba2`), attention without positions and a ReLU^2 MLP, one mixer a block
-(`HybridBlock`, chosen per layer by `model.layer_pattern`); built by shardlm's Llama (`shardlm.models.llama`).
+"""Nemotron-H's blocks: a Mamba-2 layer (`Mamba2`), attention without positions, a ReLU^2 MLP and an MoE layer of
+ReLU^2 experts (Nemotron 3), one mixer a block (`HybridBlock`, chosen per layer by `model.layer_pattern`); built by
+shardlm's Llama (`shardlm.models.llama`).
 
 The Mamba-2 layer, (B, T, h) -> (B, T, h), with H heads of P channels, G groups of an N-channel state, a
 convolution of width K:
@@ -31,6 +32,7 @@ Sequence boundaries the layer keeps exact:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,7 @@ from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import SequenceDropout, enter_parallel_region, mark_sequence_parallel
 from shardlm.models.delta_rule import conv_validity
 from shardlm.models.documents import Documents
+from shardlm.models.moe import GroupedExperts, MoELayer, expert_matmul, grouped_mm_applies, pad_expert_rows
 from shardlm.models.ssd import (
     carry,
     chunk_scan,
@@ -59,7 +62,7 @@ from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.mappings import gather_from_sequence_parallel
 from shardlm.parallel.random import recompute
 
-KINDS = {"M": "Mamba-2", "*": "attention", "-": "MLP"}
+KINDS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 """The layer kinds of `model.layer_pattern` shardlm builds (Nemotron-H's hybrid_override_pattern characters)."""
 
 
@@ -269,6 +272,45 @@ class ReluSquaredMLP(nn.Module):
         return self.down(F.relu(self.up.local(x)).square())
 
 
+class ReluSquaredExperts(GroupedExperts):
+    """Nemotron-H's routed experts: `fc` (E_l, f / tp, h) and `proj` (E_l, h, f / tp) as GPT's non-gated experts,
+    y = proj(relu(fc x)^2). forward(x (M, h) grouped by expert, counts (E_l,)) -> (M, h) partial sums over TP."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = [self.fc, self.proj]
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        else:
+            x = x.to(weights[0].dtype)
+        counts = counts.tolist()
+        grouped = self.grouped and grouped_mm_applies(x, *weights)
+        keep = None
+        if grouped and self.pad_rows > 1 and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            x, counts, keep = pad_expert_rows(x, counts, self.pad_rows)  # padded rows are dropped at the end
+        pre = expert_matmul(x, weights[0], counts, grouped)
+        if self.lora is not None:
+            pre = pre + self.lora.inputs(x, counts, grouped)[0]
+        hidden = F.relu(pre).square()
+        out = expert_matmul(hidden, weights[1], counts, grouped)
+        if self.lora is not None:
+            out = out + self.lora.outputs(hidden, counts, grouped)
+        return out if keep is None else out.index_select(0, keep)
+
+
+def relu_squared_moe(cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
+                     dispatcher: str) -> MoELayer:
+    """Nemotron-H's MoE mixer: the router (sigmoid scores, the score-correction bias in the choice, groups), ReLU^2
+    experts and a ReLU^2 shared expert of `moe_shared_ffn_hidden_size`. (B, T, h) -> (B, T, h)."""
+    shared = None
+    if cfg.moe_shared_experts:
+        shared = ReluSquaredMLP(replace(cfg, ffn_hidden_size=cfg.shared_ffn_size), ctx, seed, f"{prefix}.shared",
+                                sequence_parallel)
+    layer = MoELayer(cfg, ctx, seed, prefix, sequence_parallel, gated=False, shared=shared, dispatcher=dispatcher)
+    layer.experts.__class__ = ReluSquaredExperts  # the same stacks, drawn as GPT's; only the activation differs
+    return layer
+
+
 def no_position_attention(cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
                           selective_recompute: bool, context_exchange: str) -> nn.Module:
     """Nemotron-H's attention: Llama's grouped-query attention without RoPE (the Mamba-2 layers carry the order)."""
@@ -300,6 +342,8 @@ class HybridBlock(nn.Module):
         elif self.kind == "*":
             self.mixer = no_position_attention(cfg, ctx, seed, prefix, sequence_parallel, selective_recompute,
                                                options.context_exchange)
+        elif self.kind == "E":
+            self.mixer = relu_squared_moe(cfg, ctx, seed, prefix, sequence_parallel, options.expert_dispatcher)
         else:
             self.mixer = ReluSquaredMLP(cfg, ctx, seed, prefix, sequence_parallel)
         self.dropout = SequenceDropout(cfg.dropout, ctx, sequence_parallel)
@@ -308,9 +352,9 @@ class HybridBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, documents: Documents | None = None,
                 carry: dict | None = None) -> torch.Tensor:
-        """`cache`: this layer's entry of the model's `KVCache` (an MLP layer only counts the positions)."""
+        """`cache`: this layer's entry of the model's `KVCache` (an MLP or MoE layer only counts the positions)."""
         h = self.norm(x)
-        if self.kind == "-":
+        if self.kind in "-E":
             y = self.mixer(h)
             if cache is not None:
                 cache.length += h.shape[1]
@@ -329,15 +373,17 @@ def check_mamba(cfg: ModelConfig, tensor: int, context: int) -> str | None:
     checks = [
         (len(pattern) == cfg.num_layers, f'model.layer_pattern="{pattern}" has {len(pattern)} layers, not '
          f"model.num_layers={cfg.num_layers}"),
-        ("E" not in pattern, 'model.layer_pattern has MoE layers ("E"), which shardlm does not build yet; use "M", '
-         '"*" and "-"'),
         (set(pattern) <= set(KINDS), f'model.layer_pattern="{pattern}" may hold only "M" (Mamba-2), "*" '
-         '(attention) and "-" (MLP)'),
+         '(attention), "-" (MLP) and "E" (MoE)'),
+        (("E" in pattern) == (cfg.moe_num_experts > 0), 'model.layer_pattern\'s MoE layers ("E") need '
+         "model.moe_num_experts > 0, and experts need MoE layers in the pattern"),
+        (cfg.moe_first_dense_layers == 0 and cfg.moe_layer_interval == 1, "model.layer_pattern places the MoE "
+         "layers; remove moe_first_dense_layers and moe_layer_interval"),
         (cfg.arch == "llama" and cfg.attention == "mha", 'model.layer_pattern needs model.arch="llama" with '
          'model.attention="mha"'),
-        (not (cfg.layer_types or cfg.moe_num_experts or cfg.mtp_layers or cfg.sliding_window or cfg.index_topk),
-         "model.layer_pattern chooses every layer's kind; remove layer_types, moe_num_experts, mtp_layers, "
-         "sliding_window and index_topk"),
+        (not (cfg.layer_types or cfg.mtp_layers or cfg.sliding_window or cfg.index_topk),
+         "model.layer_pattern chooses every layer's kind; remove layer_types, mtp_layers, sliding_window and "
+         "index_topk"),
         (not mamba or min(H, G, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_conv_kernel,
                           cfg.mamba_chunk_size) > 0,
          "Mamba-2 layers need model.mamba_num_heads, mamba_head_dim, mamba_state_size, mamba_groups, "

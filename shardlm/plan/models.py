@@ -128,6 +128,23 @@ def _moonlight_16b_a3b() -> ModelConfig:
                        moe_norm_topk_prob=True, moe_routed_scaling=2.446, moe_expert_bias_rate=0.001)
 
 
+def _gemma4_e4b() -> ModelConfig:
+    """Gemma 4 E4B (google/gemma-4-E4B-it's text model, as NVIDIA's Megatron Bridge recipe describes it, with
+    Gemma4TextConfig's defaults for the rest): 42 layers, h 2560, MLP 10240 (tanh GeLU), 8 query heads; sliding
+    layers (window 512) of 2 KV heads of 256 at base 1e4, every sixth layer full, of 2 KV heads of 512 with
+    proportional RoPE on a quarter of the frequencies at base 1e6; per-layer inputs of 256 from a 262,144-row table;
+    the last 18 layers sharing keys and values; logits soft-capped at 30; vocabulary 262,144, tied. Sequence 8192."""
+    layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(42)]
+    return ModelConfig(arch="llama", sandwich_norms=True, num_layers=42, hidden_size=2560, num_heads=8,
+                       num_kv_heads=2, head_dim=256, global_head_dim=512, global_kv_heads=2, seq_length=8192,
+                       vocab_size=262144, ffn_hidden_size=10240, activation="gelu_tanh", layernorm_epsilon=1e-6,
+                       dropout=0.0, attention_dropout=0.0, tie_embeddings=True, qk_norm=True, value_norm=True,
+                       attention_scale=1.0, embedding_scale=True, sliding_window=512, layer_types=layer_types,
+                       rope_theta=1e4,
+                       global_rope_theta=1e6, global_rope_fraction=0.25, per_layer_input_size=256,
+                       per_layer_vocab_size=262144, kv_shared_layers=18, final_logit_softcap=30.0)
+
+
 def _mistral_small_4() -> ModelConfig:
     """Mistral Small 4 (mistralai/Mistral-Small-4-119B-2603's text model; transformers' Mistral4Config defaults): 36
     layers, h 4096, 32 heads of multi-head latent attention with the query's low-rank path (q_lora_rank 1024),
@@ -240,6 +257,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "glm-5": _glm5(),
     "mistral-small-4": _mistral_small_4(),
     "minimax-m2": _minimax_m2(),
+    "gemma-4-e4b": _gemma4_e4b(),
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
     "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
     "glm-4.5-air": _glm45(46, 4096, 10944, 128, 1408, 1, qk_norm=False),

@@ -228,6 +228,10 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     layer's attention is `_mla_count`'s, plus `_indexer_count` on each layer that runs its own indexer under sparse
     attention (`sparse_attention.has_indexer`: not GLM-5's "shared" layers); a linear-attention layer's
     (`cfg.is_linear_layer`) is `_linear_attention_count`'s."""
+    if cfg.sandwich_norms:  # Gemma 4's layers
+        from shardlm.plan.gemma import gemma_parameter_count
+
+        return gemma_parameter_count(cfg, tp, ep)
     h, layers = cfg.hidden_size, cfg.num_layers
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     outputs = 1 if cfg.tie_embeddings else 2

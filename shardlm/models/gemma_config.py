@@ -1,0 +1,95 @@
+"""Gemma 4's layer kinds and the checks of its [model] keys (`shardlm.models.gemma` builds the model): which layers
+slide and which attend to everything, each kind's head size and KV heads, which layers share which layer's keys and
+values, and the one-line UserErrors for settings the model cannot compute."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_kind(cfg: ModelConfig, index: int) -> str:
+    """"sliding_attention" or "full_attention"."""
+    return SLIDING if cfg.is_sliding_layer(index) else FULL
+
+
+def layer_shape(cfg: ModelConfig, index: int) -> ModelConfig:
+    """`cfg` with layer `index`'s head size and KV heads (a full layer's `global_head_dim` / `global_kv_heads`)."""
+    if layer_kind(cfg, index) == SLIDING:
+        return cfg
+    return replace(cfg, head_dim=cfg.global_head_dim or cfg.attention_head_dim,
+                   num_kv_heads=cfg.global_kv_heads or cfg.kv_heads)
+
+
+def kv_source(cfg: ModelConfig, index: int) -> int | None:
+    """The layer whose keys and values layer `index` attends to: None when it computes its own, else the last layer
+    of its kind before the first KV-sharing one (transformers' kv_sharing_modes)."""
+    first_shared = cfg.num_layers - cfg.kv_shared_layers
+    if not cfg.kv_shared_layers or index < first_shared:
+        return None
+    kind = layer_kind(cfg, index)
+    return max((i for i in range(first_shared) if layer_kind(cfg, i) == kind), default=None)
+
+
+def kv_producers(cfg: ModelConfig) -> set[int]:
+    """The layers whose keys and values later layers reuse."""
+    return {kv_source(cfg, i) for i in range(cfg.num_layers)} - {None}
+
+
+def check_gemma(cfg: ModelConfig, tp_size: int = 1) -> None:
+    """One-line UserErrors for Gemma keys the model cannot compute (called when it is built); the Gemma-only keys
+    without `sandwich_norms = true` are refused by `check_gemma_keys`."""
+    check_gemma_keys(cfg)
+    problems = [
+        (cfg.attention == "mha", f'model.sandwich_norms (Gemma 4) needs attention="mha", not '
+                                 f'"{cfg.attention}"'),
+        (cfg.qk_norm and cfg.qk_norm_scope == "head" and not cfg.norm_zero_centered,
+         'model.sandwich_norms (Gemma 4) needs qk_norm = true with qk_norm_scope="head" and plain norms'),
+        (not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)) and not cfg.mtp_layers,
+         'model.sandwich_norms (Gemma 4) has no linear-attention or multi-token-prediction layers'),
+        (not (cfg.attention_sinks or cfg.attention_output_gate or cfg.rope_yarn_factor or cfg.rope_fraction != 1),
+         'model.sandwich_norms (Gemma 4) has no sinks, output gate, YaRN or rope_fraction (use '
+         'global_rope_fraction)'),
+        (0 <= cfg.kv_shared_layers < cfg.num_layers,
+         f"model.kv_shared_layers={cfg.kv_shared_layers} must be in 0..num_layers-1 (an earlier layer computes them)"),
+        (all(kv_source(cfg, i) is not None for i in range(cfg.num_layers - cfg.kv_shared_layers, cfg.num_layers)),
+         "model.kv_shared_layers: a key/value-sharing layer has no earlier layer of its kind (sliding or full) "
+         "to share with; share fewer layers"),
+        (0 < cfg.global_rope_fraction <= 1, f"model.global_rope_fraction={cfg.global_rope_fraction} must be in (0, 1]"),
+        (cfg.final_logit_softcap >= 0, f"model.final_logit_softcap={cfg.final_logit_softcap} must be >= 0"),
+        (cfg.num_heads % max(1, cfg.global_kv_heads) == 0,
+         f"model.global_kv_heads={cfg.global_kv_heads} must divide num_heads={cfg.num_heads}"),
+        (not cfg.moe_beside_mlp or cfg.moe_num_experts > 0, "model.moe_beside_mlp needs moe_num_experts > 0"),
+        (cfg.moe_beside_mlp or not cfg.moe_num_experts,
+         'model.sandwich_norms (Gemma 4) runs experts beside the MLP: set moe_beside_mlp = true'),
+        ((cfg.per_layer_vocab_size or cfg.vocab_size) % tp_size == 0,
+         f"model.per_layer_vocab_size={cfg.per_layer_vocab_size or cfg.vocab_size} (the per-layer table's rows, "
+         f"split over TP unpadded) must divide by parallel.tensor={tp_size}"),
+    ]
+    for ok, message in problems:
+        if not ok:
+            raise UserError(message)
+
+
+GEMMA_KEYS = ("embedding_scale", "attention_scale", "value_norm", "attention_k_eq_v", "global_head_dim",
+              "global_kv_heads", "global_rope_theta", "kv_shared_layers", "kv_shared_double_mlp",
+              "per_layer_input_size", "per_layer_vocab_size", "final_logit_softcap", "moe_beside_mlp")
+
+
+def check_gemma_keys(cfg: ModelConfig) -> None:
+    """UserError (one line) for a Gemma 4 key set on a model that is not Gemma 4's block."""
+    if cfg.sandwich_norms:
+        if cfg.norm_placement != "pre":
+            raise UserError(f'model.sandwich_norms (Gemma 4) has norms before and after each sublayer; it needs '
+                            f'model.norm_placement="pre", not "{cfg.norm_placement}"')
+        return
+    defaults = ModelConfig()
+    used = [key for key in GEMMA_KEYS if getattr(cfg, key) != getattr(defaults, key)]
+    if cfg.global_rope_fraction != 1.0:
+        used.append("global_rope_fraction")
+    if used:
+        raise UserError(f"model.{used[0]} is Gemma 4's; it needs model.sandwich_norms = true (Gemma 4's block)")

@@ -1,0 +1,157 @@
+"""Gemma 4's text model trains at every layout as one process does (fp32, within 1e-5: losses, gradient norms, the
+validation loss and every final parameter on every rank, 4 steps on `test_sft_layouts`' packed SFT rows of 32 tokens).
+
+The model (`gemma4_config`): `test_sft_layouts`' 4-layer Llama (hidden 32, 4 query heads) as Gemma 4: sandwich norms
+and layer scalars, the embedding scaled by sqrt(h), q/k/v RMS-normalized, a softmax scale of 1, a tanh-GeLU MLP,
+layers sliding (window 5, 2 KV heads of 8 channels, base 100) and full (1 KV head of 16 whose values are its keys,
+proportional RoPE on half the frequencies at base 1000), logits soft-capped at 10. "dense": per-layer inputs (4
+channels) and the last 2 layers sharing layers 0's and 1's keys and values, twice as wide MLPs there; "moe": 2 layers,
+4 experts (top 2) beside each MLP; "pp": no per-layer inputs, the last layer sharing layer 1's keys and values.
+What each layout puts to the test:
+- TP=2 with SP: query heads split, the sliding layers' KV heads split, the full layers' one KV head replicated (its
+  k weight and k_norm gradients summed over TP); per-layer inputs made on the sequence chunks (the per-layer table
+  reduce-scattered, the replicated projections' gradients summed over TP);
+- CP=2: documents and windows across the zigzag chunks, the shared keys and values going round the consumers' ring;
+- DP=2 with ZeRO-1 and with FSDP; LoRA on every projection at TP=2 with SP; EP=2 (MoE, its router's scales);
+- PP=2 (1 + 3 layers: the sharing layer with its producer); a split between them is refused in one line, and so is
+  any split with per-layer inputs.
+Controls, each far off one process: at TP=2 with SP, the per-layer inputs' projections without their SP gradient sum;
+and the MoE router's scales without theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from test_sft_layouts import STEPS, TOL, sft_config, train_layout
+
+from shardlm.errors import UserError
+from shardlm.parallel import ParallelContext
+
+from agreement import assert_every_rank, assert_trained_but_off
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+GEMMA = {"sandwich_norms": True, "qk_norm": True, "value_norm": True, "attention_scale": 1.0,
+         "embedding_scale": True, "activation": "gelu_tanh", "head_dim": 8, "num_kv_heads": 2, "global_head_dim": 16,
+         "global_kv_heads": 1, "attention_k_eq_v": True, "sliding_window": 5, "rope_theta": 100.0,
+         "global_rope_theta": 1000.0, "global_rope_fraction": 0.5, "final_logit_softcap": 10.0,
+         "layer_types": [SLIDING, FULL, SLIDING, FULL], "init_std": 0.05, "tie_embeddings": True}
+LR, ADAM_EPS = 1e-3, 1e-3
+"""AdamW's peak learning rate and epsilon (the layout tests' 3e-3 and 1e-6 elsewhere, OLMo 3's 1e-4). Gemma's block
+normalizes every sublayer's output, and the first steps amplify the rounding of another summation order: at one
+process against TP=2, the step-1 gradients agree within 1e-7 of their size (3e-6 of the largest element of the small
+norm weights), yet at 3e-3 and 1e-4 the step-2 gradient norm ends 1.2e-5 off (CP=2 alike; DP=2, whose model sees
+whole rows, 4e-7), and at 1e-3 and 1e-4 the step-3 one 2.8e-5 off; at 1e-3 and 1e-3 every case agrees within 3e-6
+(the controls end 1e-2 and more off)."""
+KINDS = {"dense": {"per_layer_input_size": 4, "kv_shared_layers": 2, "kv_shared_double_mlp": True},
+         "moe": {"num_layers": 2, "layer_types": [SLIDING, FULL], "moe_num_experts": 4, "moe_top_k": 2,
+                 "moe_ffn_hidden_size": 24, "moe_beside_mlp": True},
+         "pp": {"kv_shared_layers": 1}}
+
+
+def gemma4_config(kind: str = "dense", lora: int = 0, **kwargs):
+    """`test_sft_layouts`' Llama run as Gemma 4 (`GEMMA` and `KINDS[kind]`); `lora`: adapters of that rank on every
+    projection (the base frozen)."""
+    config = sft_config("llama", **kwargs)
+    for key, value in (GEMMA | KINDS[kind]).items():
+        setattr(config.model, key, value)
+    config.train.adam_eps = ADAM_EPS
+    config.train.lr = LR
+    config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["all-linear"]
+    if kind == "pp" and config.parallel.pipeline > 1:
+        config.parallel.first_stage_layers = 1
+    return config
+
+
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"ple": the per-layer inputs' replicated projections not marked `sequence_parallel` (their partial gradients
+    over the sequence chunks never summed over TP); "router": the same for the MoE router's weight and scales."""
+    from shardlm.models import gemma_moe, mla
+
+    saved_linear, saved_router = mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__
+
+    def unmarked_linear(self, shape, std, seed, device, sequence_parallel):
+        saved_linear(self, shape, std, seed, device, False)
+
+    def unmarked_router(self, cfg, ctx, seed, prefix, sequence_parallel):
+        saved_router(self, cfg, ctx, seed, prefix, False)
+
+    if control == "ple":
+        mla.ReplicatedLinear.__init__ = unmarked_linear
+    if control == "router":
+        gemma_moe.GemmaRouter.__init__ = unmarked_router
+    try:
+        yield
+    finally:
+        mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__ = saved_linear, saved_router
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, kind: str = "dense", lora: int = 0, control: str | None = None,
+               **config) -> dict:
+    with broken(control):
+        return train_layout(layout_context(tp, pp, cp, ep), gemma4_config(kind, lora, tp=tp, pp=pp, cp=cp, ep=ep,
+                                                                           **config))
+
+
+WORLD2 = {
+    "tp2 sp": layout(tp=2, sp=True),
+    "cp2": layout(cp=2),
+    "zero dp2": layout(distributed_optimizer=True),
+    "fsdp dp2": layout(data_sharding="full"),
+    "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "tp2 sp moe": layout(tp=2, sp=True, kind="moe"),
+    "ep2 moe": layout(ep=2, kind="moe"),
+    "pp2": layout(pp=2, kind="pp", micro=1),
+}
+CONTROLS = {"control ple": layout(tp=2, sp=True, control="ple"),
+            "control router": layout(tp=2, sp=True, kind="moe", control="router")}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process at micro-batch 8 of each kind, and with adapters."""
+    ctx = ParallelContext.single()
+    runs = {kind: train_layout(ctx, gemma4_config(kind, micro=8)) for kind in KINDS}
+    return runs | {"lora": train_layout(ctx, gemma4_config(lora=4, micro=8))}
+
+
+def kind_of(name: str) -> str:
+    """The one-process run case `name` must equal."""
+    case = WORLD2[name]
+    return "lora" if case.get("lora") else case.get("kind", "dense")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_gemma4_at_two_ranks_equals_one_process(world2, reference, name):
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+@pytest.mark.parametrize("control, part, kind", [("ple", ".ple_", "dense"), ("router", ".router.", "moe")])
+def test_replicated_gemma_weights_without_their_sp_sum_end_far_off(world2, reference, control, part, kind):
+    """Each TP rank keeping its own chunks' share of a replicated weight's gradient: finite losses, the weight far
+    from one process."""
+    for value in check_result(world2, f"control {control}"):
+        assert_trained_but_off(value["curve"], value["params"], reference[kind]["params"], STEPS, part)
+
+
+def test_pipeline_splits_gemma4_cannot_run_are_refused_in_one_line():
+    """A stage boundary between a key/value-sharing layer and its producer, and any split with per-layer inputs."""
+    from shardlm.models.gemma import Gemma4
+
+    shared = gemma4_config("pp").model
+    Gemma4.check_stages(shared, [1, 2, 3])  # the producer (1) and its consumer (3) together: fine
+    for cfg, layer_ids, words in ((shared, [0, 1], "split Gemma 4's layer 3 from layer 1"),
+                                  (shared, [2, 3], "split Gemma 4's layer 3 from layer 1"),
+                                  (gemma4_config("dense").model, [0, 1, 2], "per-layer inputs")):
+        with pytest.raises(UserError) as error:
+            Gemma4.check_stages(cfg, layer_ids)
+        assert words in str(error.value) and "\n" not in str(error.value)
