@@ -226,6 +226,44 @@ class ModelConfig:
     """Llama: multi-token prediction depths (DeepSeek-V3's num_nextn_predict_layers); depth k predicts k+1 ahead."""
     mtp_loss_weight: float = 0.1
     """Weight of the mean multi-token-prediction loss over the depths, added to the next-token loss."""
+    sandwich_norms: bool = False
+    """Llama: Gemma 4's block (`shardlm.models.gemma`, docs/gemma4.md): norms before and after attention and MLP, a
+    fixed scalar on each layer's output; the other Gemma keys below need it."""
+    embedding_scale: bool = False
+    """Llama: multiply the word embeddings by sqrt(hidden_size) (Gemma; the tied output layer uses them unscaled)."""
+    attention_scale: float = 0.0
+    """Llama: the softmax scale of q k^T; 0 means 1 / sqrt(head_dim) (Gemma 4: 1, its q and k RMS-normalized)."""
+    value_norm: bool = False
+    """Llama: an RMSNorm without weight over each head's values (Gemma 4's v_norm)."""
+    attention_k_eq_v: bool = False
+    """Llama: full-attention layers have no v projection, their values are the k projection's output before k_norm
+    and RoPE (Gemma 4's attention_k_eq_v)."""
+    global_head_dim: int = 0
+    """Llama: channels per head of the full-attention layers; 0 means head_dim (Gemma 4's global_head_dim)."""
+    global_kv_heads: int = 0
+    """Llama: key/value heads of the full-attention layers; 0 means num_kv_heads (Gemma 4's
+    num_global_key_value_heads)."""
+    global_rope_theta: float = 0.0
+    """Llama: rotary base of the full-attention layers; 0 means rope_theta (the sliding layers' base)."""
+    global_rope_fraction: float = 1.0
+    """Llama: Gemma 4's proportional RoPE on the full-attention layers: the first fraction x head_dim / 2 frequencies
+    theta^(-2i / head_dim) rotate (channel i with i + head_dim / 2), the rest stay still; 1: the whole head."""
+    kv_shared_layers: int = 0
+    """Llama: the last k layers compute no keys and values: each attends to those of the last earlier layer of its
+    kind (sliding or full) that computes them (Gemma 4's num_kv_shared_layers)."""
+    kv_shared_double_mlp: bool = False
+    """Llama: the key/value-sharing layers' MLPs are twice ffn_hidden_size wide (Gemma 4's use_double_wide_mlp)."""
+    per_layer_input_size: int = 0
+    """Llama: Gemma 4's per-layer inputs: each layer adds a gated projection of its own slice (this wide) of a second
+    embedding of the tokens plus a projection of the word embeddings (hidden_size_per_layer_input); 0: none."""
+    per_layer_vocab_size: int = 0
+    """Llama: rows of the per-layer embedding table; 0 means vocab_size (vocab_size_per_layer_input)."""
+    final_logit_softcap: float = 0.0
+    """Llama: logits become cap x tanh(logits / cap) (Gemma's final_logit_softcapping); 0: none."""
+    moe_beside_mlp: bool = False
+    """Llama with experts: Gemma 4's MoE block, run beside each layer's dense MLP on the same input (its own norms
+    before and after, the two outputs summed) and routed by Gemma 4's router (an RMS-normalized input scaled per
+    channel, softmax, the top-k renormalized and scaled per expert)."""
 
     @property
     def ffn_size(self) -> int:
