@@ -100,7 +100,8 @@ class ModelConfig:
     heads, of as many channels)."""
     layer_pattern: str = ""
     """Llama: Nemotron-H's hybrid_override_pattern, one character per layer, each block one mixer: "M" Mamba-2, "*"
-    attention without positions, "-" a ReLU^2 MLP (docs/linear-attention.md); empty: Llama's blocks."""
+    attention without positions, "-" a ReLU^2 MLP, "E" an MoE layer of ReLU^2 experts (the moe_* keys; Nemotron 3)
+    (docs/linear-attention.md); empty: Llama's blocks."""
     mamba_num_heads: int = 0
     """Mamba-2 layers: heads (H), split over parallel.tensor with the groups."""
     mamba_head_dim: int = 0
