@@ -124,6 +124,10 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         return hf_gemma4.open_hf(hf_dir)
     if kind in DEEPSEEK:
         return hf_deepseek.open_hf(hf_dir)
+    if kind == "deepseek_v4":
+        from shardlm.checkpoint import hf_deepseek_v4
+
+        return hf_deepseek_v4.open_hf(hf_dir)
     if kind != "gpt2":
         families = LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_nemotron_h.KINDS + hf_kimi_linear.KINDS
         raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(families)} convert")
@@ -173,6 +177,10 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         from shardlm.checkpoint import hf_gemma4
 
         return hf_gemma4.to_hf(config, tensors, out_dir)
+    if config.model.arch == "llama" and config.model.hc_mult:  # DeepSeek-V4
+        from shardlm.checkpoint import hf_deepseek_v4
+
+        return hf_deepseek_v4.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and config.model.attention == "mla":
         return hf_deepseek.to_hf(config, tensors, out_dir)
     if config.model.arch == "llama" and config.model.layer_pattern:

@@ -265,6 +265,22 @@ class ModelConfig:
     """Llama with experts: Gemma 4's MoE block, run beside each layer's dense MLP on the same input (its own norms
     before and after, the two outputs summed) and routed by Gemma 4's router (an RMS-normalized input scaled per
     channel, softmax, the top-k renormalized and scaled per expert)."""
+    hc_mult: int = 0
+    """Llama: DeepSeek-V4's model (shardlm.models.deepseek_v4): this many hyper-connection residual streams; 0: none."""
+    hc_sinkhorn_iters: int = 20
+    """DeepSeek-V4: Sinkhorn-Knopp iterations making each layer's stream mixing doubly stochastic."""
+    hc_eps: float = 1e-6
+    """DeepSeek-V4: the floor added to the hyper-connections' weights and Sinkhorn sums."""
+    compress_ratios: list = field(default_factory=list)
+    """DeepSeek-V4: tokens per compressed entry per layer; 0: window only, smallest with index_topk: CSA, else HCA."""
+    output_groups: int = 0
+    """DeepSeek-V4: head groups of the grouped output projection (o_groups), each projected to output_rank."""
+    output_rank: int = 0
+    """DeepSeek-V4: channels each head group is projected to before the output projection (o_lora_rank)."""
+    moe_hash_layers: int = 0
+    """MoE: the first k layers route each token by a fixed token -> experts table (DeepSeek-V4's hash_moe)."""
+    swiglu_clip: float = 0.0
+    """SwiGLU experts: when > 0, silu(min(gate, clip)) x clamp(up, -clip, clip) (DeepSeek-V4's swiglu_limit)."""
 
     @property
     def ffn_size(self) -> int:

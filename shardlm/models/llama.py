@@ -414,6 +414,9 @@ class Llama(DecoderLM):
         if cls is Llama and cfg.sandwich_norms:
             from shardlm.models.gemma import Gemma4
             cls = Gemma4
+        if cls is Llama and cfg.hc_mult:  # DeepSeek-V4's hyper-connection streams
+            from shardlm.models.deepseek_v4 import DeepseekV4
+            cls = DeepseekV4
         return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int = 1234,

@@ -67,6 +67,9 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
 
     if m.attention not in ("mha", "mla"):
         return f'model.attention="{m.attention}" must be "mha" or "mla"'
+    if m.hc_mult:  # DeepSeek-V4 (its indexer is over compressed entries, without MLA)
+        from shardlm.models.deepseek_v4 import check_deepseek_v4
+        return check_deepseek_v4(m, context)
     if (problem := check_sparse_attention(m)) is not None:
         return problem
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):

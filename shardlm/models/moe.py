@@ -287,7 +287,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, gated: bool):
         super().__init__()
         self.gated = gated
-        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.limit, self.alpha, self.clip = cfg.swiglu_limit, cfg.swiglu_alpha, cfg.swiglu_clip
         self.first_tp_rank = ctx.tp_rank == 0
         self.grouped = True
         self.pad_rows = PAD_ROWS
@@ -348,6 +348,8 @@ class GroupedExperts(nn.Module):
                 # gpt-oss's biases: each row gets its expert's
                 g = g + expert_rows(self.gate_bias, counts).to(g.dtype)
                 u = u + expert_rows(self.up_bias, counts).to(u.dtype)
+            if self.clip > 0:  # DeepSeek-V4's clip, then the plain SwiGLU
+                g, u = g.clamp(max=self.clip), u.clamp(-self.clip, self.clip)
             if self.limit > 0:  # gpt-oss's clamped SwiGLU
                 g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
                 hidden = (u + 1) * g * torch.sigmoid(self.alpha * g)

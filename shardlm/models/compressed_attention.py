@@ -1,0 +1,235 @@
+"""DeepSeek-V4's attention as transformers' DeepseekV4Attention computes it: one shared key = value head (MQA) over a
+sliding window, beside compressed entries of the whole past, with a learned sink per head and a grouped output.
+
+    q_res = RMSNorm(q_a x);  q = RMSNorm_unweighted(q_b q_res) per head;  kv = RMSNorm(kv x)      (B, T, D)
+    q and kv rotated on their last qk_rope_head_dim channels (interleaved pairs), at theta rope_theta on
+    sliding-only layers and global_rope_theta (compress_rope_theta) on compressing ones
+    keys/values: kv of the last sliding_window positions (itself included), then the layer's compressed entries
+    softmax over [q k / sqrt(D), sink]; the sink's share dropped; the output's rotary channels rotated back (-sin)
+    grouped output: heads in output_groups groups, each (H / g) D -> output_rank (o_a), then g r -> h (o_b)
+
+Compressors (`Compressor`): every `ratio` tokens give one entry, sum_j softmax_j(gate_j + position_bias_j) kv_j over
+the window, RMS-normalized and rotated at the window's first position. A CSA layer (the smallest ratio of
+`model.compress_ratios`) overlaps windows: entry w pools window w's second half-channels with window w-1's first
+ones (2 ratio slots, the first window's missing half weighted 0), and a lightning indexer (`Indexer`, the same
+compressor at index_head_dim plus index_heads query heads from q_res) keeps each query's index_topk best entries
+among those complete before it. An HCA layer pools plain windows, and each query sees every complete entry.
+Entry w is complete for the query at position t when w < (t + 1) / ratio.
+
+Tensor parallelism: query heads, sinks and output groups are split over TP (output_groups divisible by it); the
+shared kv, the compressors and the indexer are replicated, computed from the gathered input on every rank, so
+each rank's choice of entries is the same; their weights enter through `f` (copy_to_tensor_parallel), which sums
+each rank's partial gradient. The indexer's choice carries no gradient (as in transformers): its parameters are
+frozen. Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.errors import UserError
+from shardlm.models.config import ModelConfig
+from shardlm.models.decoder import enter_parallel_region
+from shardlm.models.hyper_connections import unweighted_rms_norm
+from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, copy_to_tensor_parallel
+from shardlm.parallel.init import normal_shard, param_seed
+
+
+def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (T,) -> (cos, sin), each (T, rope_dim / 2) fp32: one angle per interleaved pair."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float, device=positions.device) / rope_dim))
+    freqs = positions[:, None].float() * inv_freq
+    return freqs.cos(), freqs.sin()
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., T, d): its last 2 cos.shape[-1] channels rotated in interleaved pairs (x0, x1) -> (x0 c - x1 s,
+    x1 c + x0 s) at (T, rope / 2) angles; the others pass."""
+    rope = 2 * cos.shape[-1]
+    cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    tail = x[..., -rope:]
+    turned = torch.stack((-tail[..., 1::2], tail[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rope], (tail.float() * cos + turned.float() * sin).to(x.dtype)), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32 (transformers keeps V4's norms in fp32), x (..., d) -> (..., d) in x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def compressed_kinds(cfg: ModelConfig) -> list[str]:
+    """Per layer "sliding", "csa" (with model.index_topk, the smallest nonzero ratio of model.compress_ratios) or
+    "hca"."""
+    ratios = list(cfg.compress_ratios) or [0] * cfg.num_layers
+    smallest = min([r for r in ratios if r] or [0])
+    return ["sliding" if not r else "csa" if r == smallest and cfg.index_topk else "hca" for r in ratios]
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one entry of `dim` channels; `overlap` (CSA): windows of 2 ratio slots.
+    Parameters (transformers' names less _proj): kv, gate ((1 or 2) dim, h), position_bias (ratio, (1 or 2) dim),
+    kv_norm (dim,). forward(x (B, S, h), weight wrapper) -> (B, S // ratio, dim), rotated at each window's start."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, dim: int, ratio: int,
+                 overlap: bool):
+        super().__init__()
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.eps, self.rope, self.theta = cfg.layernorm_epsilon, cfg.qk_rope_head_dim, cfg.global_rope_theta
+        width = (2 if overlap else 1) * dim
+        for name in ("kv", "gate"):
+            setattr(self, name, nn.Parameter(normal_shard((width, cfg.hidden_size), cfg.init_std,
+                                                          param_seed(seed, f"{prefix}.{name}"), device=ctx.device)))
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width, device=ctx.device))
+        self.kv_norm = nn.Parameter(torch.ones(dim, device=ctx.device))
+
+    def forward(self, x: torch.Tensor, shared) -> torch.Tensor:
+        B, S, _ = x.shape
+        W, m, d = S // self.ratio, self.ratio, self.dim
+        x = x[:, :W * m]
+        width = self.kv.shape[0]
+        kv = F.linear(x, shared(self.kv)).view(B, W, m, width)
+        gate = F.linear(x, shared(self.gate)).view(B, W, m, width) + shared(self.position_bias)
+        if self.overlap:  # slots [window w-1's first halves | window w's second halves]
+            before_kv = torch.cat((kv.new_zeros(B, min(W, 1), m, d), kv[:, :-1, :, :d]), dim=1)
+            before_gate = torch.cat((gate.new_full((B, min(W, 1), m, d), float("-inf")), gate[:, :-1, :, :d]), dim=1)
+            kv, gate = torch.cat((before_kv, kv[..., d:]), dim=2), torch.cat((before_gate, gate[..., d:]), dim=2)
+        pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+        pooled = rms_norm(pooled, shared(self.kv_norm), self.eps)
+        cos, sin = rope_angles(torch.arange(W, device=x.device) * m, self.rope, self.theta)
+        return rotate_tail(pooled, cos, sin)
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer over compressed entries: `compressor` (index_head_dim), q_b (heads dim, q_lora_rank),
+    weights_proj (heads, h). forward -> each query's chosen entries (B, T, min(k, entries)), -1 where not complete."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, ratio: int):
+        super().__init__()
+        self.heads, self.dim, self.topk, self.ratio = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, ratio
+        self.compressor = Compressor(cfg, ctx, seed, f"{prefix}.compressor", self.dim, ratio, overlap=True)
+        self.q_b = nn.Parameter(normal_shard((self.heads * self.dim, cfg.q_lora_rank), cfg.init_std,
+                                             param_seed(seed, f"{prefix}.q_b"), device=ctx.device))
+        self.weights_proj = nn.Parameter(normal_shard((self.heads, cfg.hidden_size), cfg.init_std,
+                                                      param_seed(seed, f"{prefix}.weights_proj"), device=ctx.device))
+        for param in self.parameters():  # the top-k choice carries no gradient
+            param.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x (B, S, h) every position's input; q_res (B, T, q_lora_rank) and positions (T,) the queries'."""
+        B, T = q_res.shape[:2]
+        entries = self.compressor(x, lambda p: p)  # (B, W, dim)
+        q = rotate_tail(F.linear(q_res, self.q_b).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)
+        scores = torch.relu(torch.matmul(q.transpose(1, 2).float(), entries.transpose(-1, -2).float().unsqueeze(1)))
+        weights = F.linear(x[:, -T:], self.weights_proj).float() * self.heads ** -0.5  # (B, T, heads)
+        scores = (scores * self.dim ** -0.5 * weights.unsqueeze(-1)).sum(dim=2)  # (B, T, W)
+        complete = complete_entries(positions, entries.shape[1], self.ratio)
+        chosen = scores.masked_fill(~complete, float("-inf")).topk(min(self.topk, entries.shape[1]), dim=-1).indices
+        valid = chosen < ((positions + 1) // self.ratio).view(1, T, 1)
+        return torch.where(valid, chosen, torch.full_like(chosen, -1))
+
+
+def complete_entries(positions: torch.Tensor, entries: int, ratio: int) -> torch.Tensor:
+    """(T, W) bool: entry w is complete (all its tokens at or before the query) for the query at each position."""
+    return torch.arange(entries, device=positions.device).view(1, -1) < ((positions + 1) // ratio).view(-1, 1)
+
+
+class CompressedAttention(nn.Module):
+    """DeepSeek-V4's attention of layer `layer` (the module docstring). (B, T, h) -> (B, T, h), or (B, T / tp, h)
+    chunks under sequence parallelism. Parameters: q_a, q_a_norm, q_b, kv, kv_norm, o_a, o_b, sinks, and on
+    compressing layers `compressor` (and on CSA layers `indexer`)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
+                 layer: int):
+        super().__init__()
+        self.ctx, self.tp, self.sequence_parallel = ctx, ctx.tp, sequence_parallel
+        self.heads, self.dim, self.window = cfg.num_heads // ctx.tp_size, cfg.head_dim, cfg.sliding_window
+        self.groups = cfg.output_groups // ctx.tp_size
+        self.eps, self.rope = cfg.layernorm_epsilon, cfg.qk_rope_head_dim
+        kind = compressed_kinds(cfg)[layer]
+        self.theta = cfg.rope_theta if kind == "sliding" else cfg.global_rope_theta
+        h, std, dev = cfg.hidden_size, cfg.init_std, ctx.device
+
+        def replicated(name: str, shape: tuple[int, int]) -> nn.Parameter:
+            return nn.Parameter(normal_shard(shape, std, param_seed(seed, f"{prefix}.{name}"), device=dev))
+
+        self.q_a, self.kv = replicated("q_a", (cfg.q_lora_rank, h)), replicated("kv", (self.dim, h))
+        self.q_a_norm = nn.Parameter(torch.ones(cfg.q_lora_rank, device=dev))
+        self.kv_norm = nn.Parameter(torch.ones(self.dim, device=dev))
+        self.q_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_heads * self.dim, ctx.tp, bias=False, std=std,
+                                        seed=param_seed(seed, f"{prefix}.q_b"), device=dev)
+        width = cfg.num_heads * self.dim // cfg.output_groups
+        self.o_a = ColumnParallelLinear(width, cfg.output_groups * cfg.output_rank, ctx.tp, bias=False, std=std,
+                                        seed=param_seed(seed, f"{prefix}.o_a"), device=dev)
+        self.o_b = RowParallelLinear(cfg.output_groups * cfg.output_rank, h, ctx.tp, bias=False,
+                                     std=std / math.sqrt(2 * cfg.num_layers), seed=param_seed(seed, f"{prefix}.o_b"),
+                                     device=dev, sequence_parallel=sequence_parallel)
+        self.sinks = nn.Parameter(torch.zeros(self.heads, device=dev))
+        self.sinks.tensor_parallel_dim = 0
+        self.compressor = self.indexer = None
+        if kind != "sliding":
+            ratio = cfg.compress_ratios[layer]
+            self.compressor = Compressor(cfg, ctx, seed, f"{prefix}.compressor", self.dim, ratio, kind == "csa")
+            if kind == "csa":
+                self.indexer = Indexer(cfg, ctx, seed, f"{prefix}.indexer", ratio)
+
+    def shared(self, param: torch.Tensor) -> torch.Tensor:
+        """A replicated parameter as this rank uses it: its gradient summed over TP in the backward (`f`)."""
+        return copy_to_tensor_parallel(param, self.tp) if self.tp.size > 1 else param
+
+    def forward(self, x: torch.Tensor, cache=None, documents=None, carry: dict | None = None) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h). With `cache` (a `LayerKVCache`) x holds the positions after the cached ones:
+        the layer's inputs are kept in it and the keys and entries recomputed over all of them."""
+        if documents is not None:
+            raise UserError("DeepSeek-V4's compressed attention does not take packed documents yet (its windows "
+                            "would cross them); train without data.document_mask / packing")
+        x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # (B, T, h), gathered under SP
+        B, T, _ = x.shape
+        past = 0
+        if cache is not None:
+            past = cache.length
+            stored = cache.extras.get("inputs")
+            everything = x if stored is None else torch.cat((stored, x), dim=1)
+            cache.extras["inputs"], cache.length = everything, past + T
+            x_all = everything
+        else:
+            x_all = x
+        positions = torch.arange(past, past + T, device=x.device)
+        cos, sin = rope_angles(positions, self.rope, self.theta)
+        q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
+        q = unweighted_rms_norm(self.q_b.local(q_res).view(B, T, self.heads, self.dim).transpose(1, 2), self.eps)
+        q = rotate_tail(q, cos, sin)  # (B, heads, T, D)
+        key_positions = torch.arange(past + T, device=x.device)
+        kv = rms_norm(F.linear(x_all, self.shared(self.kv)), self.shared(self.kv_norm), self.eps)
+        kv = rotate_tail(kv, *rope_angles(key_positions, self.rope, self.theta))  # (B, S, D)
+        distance = positions.view(-1, 1) - key_positions.view(1, -1)
+        bias = torch.zeros(T, past + T, device=x.device).masked_fill((distance < 0) | (distance >= self.window),
+                                                                     float("-inf")).expand(B, T, -1)
+        if self.compressor is not None:
+            entries = self.compressor(x_all, self.shared)  # (B, W, D)
+            allowed = complete_entries(positions, entries.shape[1], self.compressor.ratio).expand(B, T, -1)
+            if self.indexer is not None:
+                chosen = self.indexer(x_all, q_res, positions, cos, sin)
+                allowed = torch.zeros(B, T, entries.shape[1] + 1, dtype=torch.bool, device=x.device).scatter_(
+                    -1, torch.where(chosen >= 0, chosen, entries.shape[1]), True)[..., :-1]
+            kv = torch.cat((kv, entries), dim=1)
+            bias = torch.cat((bias, torch.zeros_like(allowed, dtype=bias.dtype).masked_fill(~allowed, float("-inf"))),
+                             dim=-1)
+        y = self.core(q, kv, bias)  # (B, heads, T, D)
+        y = rotate_tail(y, cos, -sin).transpose(1, 2).reshape(B, T, self.groups, -1)
+        rank_weight = self.o_a.weight.view(self.groups, -1, y.shape[-1])  # (groups, rank, (H / g) D)
+        y = torch.einsum("btgi,gri->btgr", y, rank_weight).reshape(B, T, -1)
+        return self.o_b(y)
+
+    def core(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """softmax over [q kv^T / sqrt(D) + bias, sink] (the sink's share dropped) times kv: q (B, heads, T, D),
+        kv (B, S, D) keys and values alike, bias (B, T, S) 0 or -inf -> (B, heads, T, D)."""
+        scores = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * self.dim ** -0.5 + bias.unsqueeze(1)
+        sinks = self.sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1).to(scores.dtype)
+        logits = torch.cat((scores, sinks), dim=-1)
+        probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+        return torch.matmul(probs.to(kv.dtype), kv.unsqueeze(1))
