@@ -7,7 +7,8 @@ micro-batches and the scan's chunks of 8 tokens).
   rank's two zigzag chunks scanned at once, their (decay, end state) summaries and the convolution's last inputs
   handed over), DP=2 with the distributed optimizer (ZeRO-1), FSDP, Nemotron 3's MoE layer ("M*ME": ReLU^2
   experts in groups, sigmoid scores, a shared expert) at EP=2, and TP=2 with SP with LoRA adapters (the Mamba and
-  attention outputs, v and the MLP);
+  attention outputs, v and the MLP) and with Muon (each whole matrix orthogonalized; the convolution's taps,
+  A_log, dt_bias, D and the norms go to AdamW);
 - controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk starts from
   zero), and the convolution reset at the chunk edge (its earlier inputs not read);
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, and differ
@@ -81,6 +82,7 @@ WORLD2 = {
     "fsdp dp2": layout(data_sharding="full"),
     "ep2 moe": layout(ep=2, moe=True),
     "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "tp2 sp muon": layout(tp=2, sp=True, optimizer="muon", muon_ns_dtype="fp32"),
 }
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
@@ -96,12 +98,13 @@ def reference():
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, nemotron_config(micro=8)),
             "lora": train_layout(ctx, nemotron_config(micro=8, lora=4)),
-            "moe": train_layout(ctx, nemotron_config(moe=True))}
+            "moe": train_layout(ctx, nemotron_config(moe=True)),
+            "muon": train_layout(ctx, nemotron_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"))}
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_nemotron_h_at_two_ranks_equals_one_process(world2, reference, name):
-    kind = next((kind for kind in ("lora", "moe") if kind in name), "dense")
+    kind = next((kind for kind in ("lora", "moe", "muon") if kind in name), "dense")
     assert_every_rank(world2, name, reference[kind], steps=STEPS, tol=TOL)
 
 
