@@ -1,0 +1,174 @@
+"""DeepSeek-V4 against transformers' DeepseekV4ForCausalLM (`deepseek_v4`), on a tiny random model.
+
+3 layers: an HCA layer (entries of 8 tokens), a CSA layer (entries of 4 tokens with overlapping windows, an indexer
+of 32 heads of 16 channels keeping 3 entries a query) and a sliding-only one, all with a 6-token window, 4 heads
+of 32 channels (8 rotary), a 24-rank query latent, 2 output groups of rank 12, 3 hyper-connection streams, 8
+experts (top 2) with one shared expert and a swiglu clip of 1, the first layer hash-routed. Nothing is the identity:
+every weight is scaled up, norms, sinks, position biases, hyper-connection weights and score-correction biases are
+random, the hash table is a random choice of 2 experts per token (`randomized`).
+
+shardlm's logits equal transformers' within 1e-4 (here bitwise) and its greedy tokens are transformers' at TP=1,
+TP=2 and EP=2 (one world of 2), converting back is bitwise, and a run started from the converted file gives
+transformers' first loss. Controls: the indexer's choice and the hash table move the logits far, and what shardlm
+does not build is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from llama_reference import (
+    LOGIT_TOL,
+    assert_converted_matches,
+    assert_layout_matches,
+    assert_round_trip,
+    hf_reference,
+    layout_worker,
+    variant_logits,
+)
+
+from shardlm.checkpoint.hf_deepseek_v4 import model_config_from_hf
+from shardlm.checkpoint.state import load_consolidated
+from shardlm.errors import UserError
+from shardlm.models import build_model
+from shardlm.parallel import ParallelContext
+
+from multiproc import run_workers
+
+VOCAB, ROW, TOPK = 300, 20, 3
+KINDS = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"]
+
+
+def hf_config(**changes):
+    from transformers import DeepseekV4Config
+
+    keys = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25, num_experts_per_tok=2,
+                n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5, max_position_embeddings=64,
+                layer_types=KINDS, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                mlp_layer_types=["hash_moe", "moe", "moe"], hc_mult=3, sliding_window=6, o_groups=2, o_lora_rank=12,
+                index_n_heads=32, index_head_dim=16, index_topk=TOPK, rope_theta=500.0, compress_rope_theta=2000.0,
+                swiglu_limit=1.0, rms_norm_eps=1e-5)
+    return DeepseekV4Config(**(keys | changes))
+
+
+def randomized(model):
+    """`model` (eval mode) with every weight away from its initial value, in place (module docstring)."""
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and ("norm" in name or "scale" in name):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            elif param.dim() == 1 or name.endswith("position_bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            elif name.endswith(".fn") or name.endswith("hc_fn"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+            else:
+                param.mul_(8.0)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                gate.tid2eid.copy_(torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(VOCAB)]))
+            else:
+                gate.e_score_correction_bias.uniform_(-0.3, 0.3, generator=generator)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """`hf_reference` of the randomized model (norm weights spread again by it), with the model."""
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    model = randomized(DeepseekV4ForCausalLM(hf_config()))
+    tokens = torch.randint(0, VOCAB, (2, ROW), generator=torch.Generator().manual_seed(1))
+    return hf_reference(model, tmp_path_factory.mktemp("deepseek_v4"), tokens, norm_seed=1) | {"model": model}
+
+
+@pytest.fixture(scope="module")
+def world2(reference):
+    """TP=2 and EP=2 logits and greedy tokens of the converted model, in one 2-rank world."""
+    return run_workers(2, layout_worker, {"v4": reference["converted"]}, reference["tokens"], timeout=300)
+
+
+def test_conversion_reads_every_piece(reference):
+    config, tensors = load_consolidated(reference["converted"])
+    m = config.model
+    assert (m.hc_mult, m.compress_ratios, m.index_topk, m.moe_hash_layers, m.moe_score) == (
+        3, [8, 4, 0], TOPK, 1, "sqrtsoftplus")
+    assert (m.output_groups, m.output_rank, m.swiglu_clip, m.global_rope_theta) == (2, 12, 1.0, 2000.0)
+    assert "model/layers.1.attn.indexer.q_b" in tensors and "model/layers.0.attn.indexer.q_b" not in tensors
+    assert "model/layers.2.attn.compressor.kv" not in tensors
+    table = tensors["model/layers.0.mlp.router.tid2eid"]
+    assert torch.equal(table.long(), reference["model"].model.layers[0].mlp.gate.tid2eid)
+
+
+def test_tp1_logits_and_greedy_tokens_match_transformers(reference):
+    assert_converted_matches(reference)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout):
+    assert_layout_matches(world2, f"{layout} v4", reference)
+
+
+def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_path):
+    from transformers import DeepseekV4ForCausalLM
+
+    assert_round_trip(reference, tmp_path / "back", DeepseekV4ForCausalLM)
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (written["layer_types"], written["mlp_layer_types"]) == (KINDS, ["hash_moe", "moe", "moe"])
+
+
+def test_the_indexer_choice_and_the_hash_table_matter(reference, tmp_path):
+    """Controls: shardlm's CSA layer keeping every entry (its indexer's top-k above the entries), or another hash
+    table (each token sent to experts 0 and 1), moves the logits far beyond the tolerance."""
+    from shardlm.checkpoint import load_model
+
+    model, _ = load_model(reference["converted"], ParallelContext.single())
+    model.layers["1"].attn.indexer.topk = 10 * ROW
+    with torch.no_grad():
+        every_entry = model.full_logits(model(reference["tokens"]))
+    assert (every_entry - reference["logits"]).abs().max() > 100 * LOGIT_TOL
+
+    def other_table(tensors):
+        tensors["model/layers.0.mlp.router.tid2eid"] = torch.tensor([[0.0, 1.0]]).expand(VOCAB, 2).contiguous()
+
+    hashed = variant_logits(reference, tmp_path / "hash.safetensors", change_tensors=other_table)
+    assert (hashed - reference["logits"]).abs().max() > 100 * LOGIT_TOL
+
+
+def test_a_run_started_from_the_file_gives_transformers_first_loss(reference):
+    from test_hf_sparse_attention import training_batch
+    from test_hf_start import hf_loss, run_config, started_run
+
+    expected = hf_loss(reference["model"], training_batch())
+    run = started_run(ParallelContext.single(), run_config(reference["converted"]), steps=1)
+    first = run["curve"][0][0]
+    assert abs(first - expected) <= 1e-5 * expected, (first, expected)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"mlp_layer_types": ["moe", "hash_moe", "moe"]}, "hash_moe layers after"),
+    ({"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 4}}, "CSA windows"),
+])
+def test_what_shardlm_does_not_compute_is_refused_in_one_line(change, words):
+    with pytest.raises(UserError, match=words) as error:
+        model_config_from_hf(hf_config().to_dict() | change)
+    assert "\n" not in str(error.value)
+
+
+def test_layouts_deepseek_v4_does_not_run_are_refused_in_one_line():
+    """Context parallelism (the compressors' windows would cross ranks) and packed documents."""
+    from shardlm.models.deepseek_v4 import check_deepseek_v4
+
+    cfg = model_config_from_hf(hf_config().to_dict())
+    assert check_deepseek_v4(cfg) is None
+    assert "context parallelism" in check_deepseek_v4(cfg, context=2)
+    model = build_model(cfg, ParallelContext.single())
+    with pytest.raises(UserError, match="packed documents") as error:
+        model.layers["0"].attn(torch.zeros(1, 4, 32), None, object())
+    assert "\n" not in str(error.value)
