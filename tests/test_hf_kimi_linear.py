@@ -103,6 +103,28 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_pa
     assert_round_trip(reference, tmp_path / "back", KimiLinearForCausalLM)
 
 
+def test_transformers_in_memory_names_give_the_same_tensors(reference, tmp_path):
+    """A directory in transformers' in-memory names (`forget_gate.*`, one `conv1d` of [q | k | v], `mlp.*`, stacked
+    experts: a state_dict saved as is) converts to bitwise the tensors of the saved directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import KimiLinearForCausalLM
+
+    from shardlm.checkpoint.hf import from_hf
+
+    folder = tmp_path / "in_memory"
+    folder.mkdir()
+    shutil.copy(reference["root"] / "hf" / "config.json", folder / "config.json")
+    state = KimiLinearForCausalLM.from_pretrained(reference["root"] / "hf").state_dict()
+    assert {"model.layers.0.self_attn.conv1d.weight", "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.0.self_attn.forget_gate.A_log"} <= state.keys()
+    save_file({name: value.contiguous() for name, value in state.items()}, str(folder / "model.safetensors"))
+    _, theirs = load_consolidated(from_hf(folder, tmp_path / "in_memory.safetensors"))
+    _, ours = load_consolidated(reference["converted"])
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[name], ours[name]) for name in ours)
+
+
 def swap_low_rank_downs(tensors: dict) -> None:
     tensors["model/layers.0.attn.f_a"], tensors["model/layers.0.attn.g_a"] = (
         tensors["model/layers.0.attn.g_a"], tensors["model/layers.0.attn.f_a"])

@@ -7,7 +7,8 @@ P S_in + S_local and convolution inputs handed over), TP=2 with SP (heads, the c
 dt_bias split; f_a, g_a and the gated norm replicated), PP=2 x 2 virtual stages, DP=2 with the distributed optimizer
 (ZeRO-1), FSDP, the MoE variant (sigmoid routing, score-correction bias, a shared expert) at EP=2, and TP=2 with SP
 with LoRA adapters (o of both kinds of layer, MLA's kv_b, the MLP; `validate` takes an MLA model's projections to
-have no k or v). Controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk
+have no k or v) and with Muon (each whole matrix orthogonalized; f_a, g_a, the convolution, A_log and dt_bias on
+AdamW). Controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk
 starts from zero), and the convolution reset at the chunk edge (its earlier inputs not read).
 """
 
@@ -68,6 +69,7 @@ WORLD2 = {
     "fsdp dp2": layout(data_sharding="full"),
     "ep2 moe": layout(ep=2, moe=True),
     "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "tp2 sp muon": layout(tp=2, sp=True, optimizer="muon", muon_ns_dtype="fp32"),
 }
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
@@ -85,11 +87,12 @@ def reference():
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, kimi_sft_config(micro=8)),
             "moe": train_layout(ctx, kimi_sft_config(moe=True)),
-            "lora": train_layout(ctx, kimi_sft_config(micro=8, lora=4))}
+            "lora": train_layout(ctx, kimi_sft_config(micro=8, lora=4)),
+            "muon": train_layout(ctx, kimi_sft_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"))}
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora") if kind in name), "dense")
+    return next((kind for kind in ("moe", "lora", "muon") if kind in name), "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
