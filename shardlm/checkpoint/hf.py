@@ -9,7 +9,7 @@ Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "
 "minimax_m2") convert
 through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through `shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3
 ones ("deepseek_v3", "kimi_k2", "deepseek_v2", and with sparse attention "deepseek_v32", "glm_moe_dsa")
-through `shardlm.checkpoint.hf_deepseek`.
+through `shardlm.checkpoint.hf_deepseek`, Nemotron-H ones ("nemotron_h") through `shardlm.checkpoint.hf_nemotron_h`.
 """
 
 from __future__ import annotations
