@@ -125,6 +125,46 @@ def test_transformers_in_memory_names_give_the_same_tensors(reference, tmp_path)
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[name], ours[name]) for name in ours)
 
 
+PUBLISHED_STYLE = dict(model_type="kimi_linear", vocab_size=300, hidden_size=32, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=48,
+                       moe_intermediate_size=16, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+                       moe_renormalize=True, routed_scaling_factor=2.0, first_k_dense_replace=1, moe_layer_freq=1,
+                       model_max_length=128, mla_use_nope=True, moe_router_activation_func="sigmoid",
+                       linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 8,
+                                           "num_heads": 4, "short_conv_kernel_size": 4})
+"""A config.json in the published checkpoints' style: the linear layers in linear_attn_config (1-based), the MoE keys
+under their own names, first_k_dense_replace instead of mlp_layer_types."""
+
+
+def test_a_published_style_config_reads_as_transformers_reads_it():
+    """The published style and transformers' own config.json of the same model (KimiLinearConfig's parse of it,
+    saved) give the same [model] section."""
+    from transformers import KimiLinearConfig
+
+    from shardlm.checkpoint.hf_kimi_linear import model_config_from_hf
+
+    theirs = KimiLinearConfig(**{k: v for k, v in PUBLISHED_STYLE.items() if k != "model_type"}).to_dict()
+    ours = model_config_from_hf(PUBLISHED_STYLE)
+    assert ours == model_config_from_hf(theirs)
+    assert ours.layer_types == ["linear_attention", "full_attention"] * 2 and ours.moe_first_dense_layers == 1
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"attention_bias": True}, "attention biases"), ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"moe_router_activation_func": "softmax"}, "a router other than sigmoid"),
+    ({"mla_use_nope": False}, "MLA with rotary embeddings"), ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, "mix dense and MoE layers"),
+])
+def test_what_shardlm_does_not_compute_is_refused_in_one_line(change, message):
+    from shardlm.checkpoint.hf_kimi_linear import model_config_from_hf
+    from shardlm.errors import UserError
+
+    with pytest.raises(UserError, match=message) as error:
+        model_config_from_hf(PUBLISHED_STYLE | change)
+    assert "\n" not in str(error.value)
+
+
 def swap_low_rank_downs(tensors: dict) -> None:
     tensors["model/layers.0.attn.f_a"], tensors["model/layers.0.attn.g_a"] = (
         tensors["model/layers.0.attn.g_a"], tensors["model/layers.0.attn.f_a"])
