@@ -7,10 +7,11 @@ of 8 channels in 2 groups with a 16-channel state, a kernel of 4 with its bias; 
 shared expert, sigmoid scores with a random score-correction bias, the top-2 renormalized and scaled by 2.5.
 `A_log`, `dt_bias`, `D` and the convolution's bias drawn from N(0, 1) (visible decays and skips), norms from
 U(0.5, 2) (the gated norm's per group too), the embedding scaled up (tokens decide the greedy continuation).
-80 tokens: shardlm's scan is one chunk of 128, transformers' (chunk_size 32) three. shardlm's logits equal
-transformers' (its PyTorch path) within 1e-4 at TP=1 and TP=2 (heads, groups and the convolution's channels
-split), greedy generation (the SSM state and the convolution's window as the cache) gives transformers' tokens,
-and converting back gives bitwise the saved tensors under the same names, with a config transformers reads."""
+80 tokens: three chunks of the scan (the config's chunk_size 32, which shardlm reads as mamba_chunk_size).
+shardlm's logits equal transformers' (its PyTorch path) within 1e-4 at TP=1, TP=2 (heads, groups and the
+convolution's channels split) and EP=2, greedy generation (the SSM state and the convolution's window as the
+cache) gives transformers' tokens, and converting back gives bitwise the saved tensors under the same names,
+with a config transformers reads."""
 
 from __future__ import annotations
 
