@@ -15,7 +15,9 @@ shardlm's logits equal transformers' within 1e-4 and its greedy tokens (KV cache
 at TP=2 and (MoE) EP=2; decoding token by token with the KV cache gives the uncached forward's logits; converting back
 is bitwise and transformers loads it; a run started from the directory gives transformers' first loss (one process and
 TP=2). Controls: the same weights without the soft-cap, the embedding scale, the value norm, the proportional RoPE or
-the softmax scale of 1 move the logits by more than 100 x 1e-4.
+the softmax scale of 1 move the logits by more than 100 x 1e-4. Also: the multimodal directory's language model read in
+place (the towers left out with a note), the planner's E4B preset against transformers' meta build, and `generate
+--chat` with Gemma 4's own chat template.
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ def hf_config(shape: str, **changes):
     tokens."""
     from transformers import Gemma4TextConfig
 
-    return Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
-                            max_position_embeddings=64, sliding_window=5, rope_parameters=ROPE, rms_norm_eps=1e-6,
-                            pad_token_id=None, eos_token_id=None, bos_token_id=None, tie_word_embeddings=True,
-                            **(SHAPES[shape] | changes))
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
+                  max_position_embeddings=64, sliding_window=5, rope_parameters=ROPE, rms_norm_eps=1e-6,
+                  pad_token_id=None, eos_token_id=None, bos_token_id=None, tie_word_embeddings=True)
+    return Gemma4TextConfig(**(common | SHAPES[shape] | changes))
 
 
 def hf_model(shape: str):
@@ -294,3 +296,39 @@ def test_planner_preset_counts_transformers_build():
     assert parameter_count(preset, 1).total == expected
     half = parameter_count(preset, 2)
     assert 2 * half.sharded + half.replicated == expected
+
+
+def test_generate_chat_with_gemma_template_answers_as_transformers(tmp_path, capsys):
+    """`shardlm generate --chat` on a tiny untied "dense" Gemma 4 with Gemma 4's own chat template (TRL's copy of
+    the published one, a small BPE tokenizer with its special tokens: `test_generate_chat_families`): the prompt ids
+    are transformers', and the reply is transformers' greedy one, stopped at `<turn|>` (generation_config.json's
+    eos ids; the tokenizer's eos_token is `<eos>`), that token excluded."""
+    from test_generate_chat_families import CONVERSATION, NEW_TOKENS, ends_a_reply, greedy, write_tokenizer
+    from transformers import AutoTokenizer, Gemma4ForCausalLM
+
+    from shardlm.cli import main
+
+    hf = tmp_path / "hf"
+    write_tokenizer(hf, "gemma4")
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    end, stops = tokenizer.convert_tokens_to_ids("<turn|>"), json.loads((hf / "generation_config.json").read_text())
+    ids = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(hf_config("dense", vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer),
+                                        max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10.0)
+        model.lm_head.weight.mul_(20.0)  # peaked choices: no near ties between fp32 implementations
+        model.lm_head.weight[stops["eos_token_id"]] = 0.0  # no stop before `ends_a_reply` makes `<turn|>` one
+        ends_a_reply(model, ids, end)
+    model.save_pretrained(hf)
+    (hf / "generation_config.json").write_text(json.dumps(stops))  # save_pretrained rewrote it
+    reply = greedy(Gemma4ForCausalLM.from_pretrained(hf).eval(), ids, stops["eos_token_id"])
+    assert reply[-1] == end and 2 <= len(reply) < NEW_TOKENS, reply
+    (tmp_path / "messages.json").write_text(json.dumps(CONVERSATION))
+    assert main(["generate", "--checkpoint", str(hf), "--chat", "--messages", str(tmp_path / "messages.json"),
+                 "--greedy", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu", "--json"]) == 0
+    (ours,) = json.loads(capsys.readouterr().out)["generations"]
+    assert ours["prompt_tokens"] == ids
+    assert ours["tokens"] == reply[:-1] and ours["finish_reason"] == "end_of_turn", (ours, reply)
