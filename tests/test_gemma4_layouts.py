@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 from test_sft_layouts import STEPS, TOL, sft_config, train_layout
 
 from shardlm.errors import UserError
@@ -155,3 +156,15 @@ def test_pipeline_splits_gemma4_cannot_run_are_refused_in_one_line():
         with pytest.raises(UserError) as error:
             Gemma4.check_stages(cfg, layer_ids)
         assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_changes_no_bit(reference, mode):
+    """Whole layers recomputed in the backward (the KV-sharing layers' keys and values, handed on from a checkpointed
+    producer, recomputed with it) or only the attention cores: the one-process run's losses, gradient norms and
+    parameters, bitwise."""
+    config = gemma4_config(micro=8)
+    config.train.recompute = mode
+    run = train_layout(ParallelContext.single(), config)
+    assert run["curve"] == reference["dense"]["curve"]
+    assert all(torch.equal(run["params"][name], value) for name, value in reference["dense"]["params"].items())
