@@ -11,8 +11,9 @@ every layer: sqrt(softplus) router scores (model.moe_score = "sqrtsoftplus"), th
 all but the first `moe_hash_layers` layers, which take each token's experts from a fixed table (`tid2eid`, a frozen
 (vocabulary, k) parameter, transformers' buffer); the chosen scores divided by their sum and times
 routed_scaling; SwiGLU experts and one shared expert with DeepSeek-V4's clip (`swiglu_clip`). Under sequence
-parallelism the hash layers read the tokens of their rank's chunk. Refused in one line (`check_deepseek_v4`):
-pipeline stages, context parallelism, packed documents, multi-token prediction.
+parallelism the hash layers read the tokens of their rank's chunk; under pipeline parallelism the streams travel
+between stages as the activations (B, T, n, h), and the hash layers must be on the first stage (which embeds the
+tokens). Refused in one line (`check_deepseek_v4`): context parallelism, packed documents, multi-token prediction.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class V4Block(nn.Module):
         post, comb, x = self.mlp_hc(streams)
         if self.mlp.router.tid2eid is not None:
             tokens = carry["tokens"]
+            if tokens is None:
+                raise UserError("a hash-routed layer (model.moe_hash_layers) runs on a pipeline stage without the "
+                                "tokens: keep those layers on the first stage")
             if self.sequence_parallel:
                 chunk = tokens.shape[1] // self.ctx.tp_size
                 tokens = tokens[:, self.ctx.tp_rank * chunk:(self.ctx.tp_rank + 1) * chunk]
@@ -161,9 +165,6 @@ class DeepseekV4(Llama):
         options = options or ParallelOptions()
         if (problem := check_deepseek_v4(cfg, ctx.cp_size)) is not None:
             raise UserError(problem)
-        if layer_ids is not None:
-            raise UserError("DeepSeek-V4 does not run in pipeline stages yet (its hash routing needs the tokens and "
-                            "its streams a wider hand-over); use parallel.pipeline=1")
         for size, name in ((cfg.num_heads, "model.num_heads"), (cfg.output_groups, "model.output_groups")):
             if size % ctx.tp_size:
                 raise UserError(f"{name}={size} is not divisible by parallel.tensor={ctx.tp_size}")
@@ -173,7 +174,7 @@ class DeepseekV4(Llama):
                                           sequence_parallel=sp)
         self.drop = SequenceDropout(cfg.dropout, ctx, sp)
         self.layers = nn.ModuleDict({str(i): finished(V4Block(cfg, ctx, seed, i, sp, options), finish_layer)
-                                     for i in range(cfg.num_layers)})
+                                     for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
         self.ln_f = HyperHead(cfg, ctx, seed, sp)
         self.lm_head = None
         if not cfg.tie_embeddings:
@@ -196,7 +197,7 @@ class DeepseekV4(Llama):
     def run_layers(self, x: torch.Tensor, layers, documents=None) -> torch.Tensor:
         """The streams through `layers`, each checkpointed under full recomputation; the hash layers read the
         tokens `embed` kept."""
-        carry = {"tokens": self.tokens}
+        carry, self.tokens = {"tokens": self.tokens}, None  # this micro-batch's, from the `embed` just before
         for layer in layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = recompute(layer, x, None, documents, carry, rng=self.ctx.rng)

@@ -185,7 +185,8 @@ class Router(nn.Module):
         cfg = self.cfg
         with torch.autocast(x.device.type, enabled=False):
             logits = invariant.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
-        scores = logits.softmax(-1) if cfg.moe_score == "softmax" else logits.sigmoid()
+        scores = logits.softmax(-1) if cfg.moe_score == "softmax" else logits.sigmoid() if cfg.moe_score != \
+            "sqrtsoftplus" else F.softplus(logits).sqrt()  # DeepSeek-V4's
         bias = None if self.expert_bias is None else self.expert_bias.float()
         indices, weights = route(scores, cfg.moe_top_k, bias, cfg.moe_groups, cfg.moe_topk_groups,
                                  cfg.moe_norm_topk_prob, cfg.moe_routed_scaling,

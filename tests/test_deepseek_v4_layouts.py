@@ -1,0 +1,149 @@
+"""DeepSeek-V4 trains at every layout it runs as one process does (fp32, within 1e-5: losses, gradient norms, the
+validation loss and every final parameter on every rank, 4 steps on plain rows of 32 tokens).
+
+The model (`V4`): 4 layers (HCA entries of 8 tokens, CSA entries of 4 with an indexer of 4 heads keeping 3 of them,
+a sliding-only layer, another HCA), a window of 5, 4 heads of 16 channels (4 rotary), 2 output groups, 2
+hyper-connection streams, 4 experts (top 2) with a shared one and a clip, the first layer hash-routed (a fixed
+random table). In one world of 2:
+- TP=2 and TP=2 with SP: heads, sinks and output groups split; kv, compressors and indexer replicated (the same
+  choice of entries on both ranks, their gradients summed over TP); under SP the streams are sequence chunks and the
+  hash layer reads its chunk's tokens;
+- PP=2: the (B, T, 2, h) streams handed between the stages (the hash layer on the first);
+- DP=2 with ZeRO-1, EP=2.
+The control: at TP=2 with SP, the replicated weights' gradients not summed over TP ends far off.
+Refused in one line: context parallelism, a hash layer off the first pipeline stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from test_moe_parallel import stage_parameters
+from test_training import VOCAB
+
+from shardlm.data.gpt_dataset import TokenArrayDataset
+from shardlm.errors import UserError
+from shardlm.models import compressed_attention
+from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+
+from agreement import assert_every_rank, assert_trained_but_off
+from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
+from multiproc import check_result
+
+SEQ, STEPS, TOL = 32, 4, 1e-5
+V4 = {"head_dim": 16, "num_kv_heads": 1, "q_lora_rank": 16, "qk_rope_head_dim": 4, "sliding_window": 5,
+      "attention_sinks": True, "global_rope_theta": 1000.0, "hc_mult": 2, "compress_ratios": [8, 4, 0, 8],
+      "output_groups": 2, "output_rank": 8, "index_topk": 3, "index_heads": 4, "index_head_dim": 8,
+      "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16, "ffn_hidden_size": 16,
+      "moe_shared_experts": 1, "moe_score": "sqrtsoftplus", "moe_expert_bias": True, "moe_routed_scaling": 1.5,
+      "moe_hash_layers": 1, "swiglu_clip": 0.5, "init_std": 0.05}
+
+ADAM_EPS = 1e-4
+"""AdamW's epsilon (the layout tests' 1e-6 elsewhere), as `test_olmo3_layouts` says why: the hyper-connections'
+bases get gradients near 1e-6 in places (the Sinkhorn-normalized comb's), where AdamW's g / (|g| + eps) turns a
+layout's other summation order into a whole step; at 1e-6 the bases end 1e-5 to 4e-5 off one process."""
+
+
+def rows(seed: int, samples: int) -> TokenArrayDataset:
+    """A learnable stream of `test_training.VOCAB` tokens (each a fixed function of the one before, 10% noise) as
+    rows of SEQ tokens."""
+    rng = np.random.default_rng(seed)
+    successor, tokens = rng.permutation(VOCAB), [0]
+    for noise, noisy in zip(rng.random(4000), rng.integers(0, VOCAB, 4000)):
+        tokens.append(noisy if noise < 0.1 else successor[tokens[-1]])
+    return TokenArrayDataset(np.asarray(tokens), SEQ, seed=3, num_samples=samples)
+
+
+def v4_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, **train):
+    return layout_config(tiny_model("llama", SEQ, **V4), micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp,
+                         **{"steps": STEPS, "eval_iters": 16, "adam_eps": ADAM_EPS, **train})
+
+
+def with_hash_table(trainer: Trainer) -> None:
+    """The hash layer's table: a random choice of 2 experts per token, the same on every rank."""
+    generator = torch.Generator().manual_seed(4)
+    table = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(VOCAB)]).float()
+    for name, param in trainer.model.named_parameters():
+        if name.endswith("tid2eid"):
+            param.data.copy_(table)
+
+
+def train_v4(ctx: ParallelContext, config) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages)."""
+    trainer = Trainer(config, ctx, rows(0, STEPS * 8), rows(1, 16))
+    with_hash_table(trainer)
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+
+
+@contextlib.contextmanager
+def broken(control: str | None):
+    """"unshared": the replicated weights used as they are, their gradients never summed over TP."""
+    saved = compressed_attention.CompressedAttention.shared
+    if control == "unshared":
+        compressed_attention.CompressedAttention.shared = lambda self, param: param
+    try:
+        yield
+    finally:
+        compressed_attention.CompressedAttention.shared = saved
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, sp: bool = False, control: str | None = None, **train) -> dict:
+    with broken(control):
+        return train_v4(layout_context(tp, pp, cp, ep), v4_config(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, **train))
+
+
+WORLD2 = {
+    "tp2": layout(tp=2),
+    "tp2 sp": layout(tp=2, sp=True),
+    "pp2": layout(pp=2, micro=1),
+    "zero dp2": layout(distributed_optimizer=True),
+    "ep2": layout(ep=2),
+}
+CONTROLS = {"control tp2 sp unshared": layout(tp=2, sp=True, control="unshared")}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_v4(ParallelContext.single(), v4_config(micro=2))
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_deepseek_v4_at_two_ranks_equals_one_process(world2, reference, name):
+    assert_every_rank(world2, name, reference, steps=STEPS, tol=TOL)
+
+
+def test_reference_trains(reference):
+    """The reference learns (so the layouts have a signal to go wrong with)."""
+    losses = [loss for loss, _ in reference["curve"]]
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_replicated_gradients_not_summed_over_tp_end_far_off(world2, reference):
+    for value in check_result(world2, "control tp2 sp unshared"):
+        assert_trained_but_off(value["curve"], value["params"], reference["params"], STEPS, ".attn.")
+
+
+def test_a_hash_layer_off_the_first_stage_is_refused_in_one_line():
+    from shardlm.models import build_model
+
+    config = v4_config()
+    model = build_model(config.model, ParallelContext.single(), layer_ids=[0, 1])  # stage with layer 0: fine
+    model.train()
+    stage = build_model(config.model, ParallelContext.single(), layer_ids=[2, 3])
+    streams = torch.zeros(1, SEQ, 2, 32)
+    config.model.moe_hash_layers = 3
+    late = build_model(config.model, ParallelContext.single(), layer_ids=[2, 3])
+    assert stage.run_layers(streams, stage.layers.values()).shape == streams.shape
+    with pytest.raises(UserError, match="first stage") as error:
+        late.run_layers(streams, late.layers.values())
+    assert "\n" not in str(error.value)
