@@ -47,6 +47,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
 
     if (problem := check_linear_attention(m, p.tensor, p.context)) is not None:
         raise UserError(problem)
+    from shardlm.models.mamba import check_mamba
+
+    if (problem := check_mamba(m, p.tensor, p.context)) is not None:
+        raise UserError(problem)
     _validate_moe(m, p)
     if m.moe_aux_loss_type not in ("micro_batch", "sequence"):
         raise UserError(f'model.moe_aux_loss_type="{m.moe_aux_loss_type}" must be "micro_batch" or "sequence"')

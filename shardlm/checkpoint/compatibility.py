@@ -25,7 +25,9 @@ SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "f
               "moe_first_dense_layers", "moe_layer_interval", "head_dim", "qk_norm", "attention", "q_lora_rank",
               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias",
               "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias", "qk_norm_scope",
-              "norm_placement", "index_heads", "index_head_dim", "index_layer_types")
+              "norm_placement", "index_heads", "index_head_dim", "index_layer_types", "layer_pattern",
+              "mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups", "mamba_conv_kernel",
+              "mamba_conv_bias")
 """The [model] keys a checkpoint's tensors depend on: a resume must set each as the checkpoint's run did."""
 
 

@@ -118,7 +118,8 @@ def shard_model(model: nn.Module, ctx: ParallelContext, reshard_after_forward: b
     frozen = {p for p in model.parameters() if not p.requires_grad and not getattr(p, "frozen_base", False)}
     expert_mesh = expert_data_parallel_mesh(ctx) if ctx.ep_size > 1 else None
     for layer in _layers(model):
-        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        block = layer.mlp if hasattr(layer, "mlp") else getattr(layer, "mixer", None)  # Nemotron-H: a block's mixer
+        experts = getattr(block, "experts", None)
         if experts is not None and expert_mesh is not None:
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
             experts.set_gradient_divide_factor(float(expert_gradient_divisor(ctx)))
