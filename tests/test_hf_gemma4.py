@@ -278,7 +278,8 @@ def test_what_does_not_convert_fails_in_one_line(references):
 def test_planner_preset_counts_transformers_build():
     """`shardlm plan --model gemma-4-e4b`: Gemma4TextConfig from the E4B model card's values (its defaults for the
     rest) reads as the preset, and the planner's parameter total equals transformers' meta-device build (the layer
-    scalars, buffers there, counted: shardlm holds them as parameters); at TP=2 the ranks' shares add up to it."""
+    scalars, buffers there, counted: shardlm holds them as parameters); at TP=2 the ranks' shares add up to it; the
+    planner skips pipeline splits the model refuses."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from shardlm.plan.models import MODEL_PRESETS
@@ -296,6 +297,12 @@ def test_planner_preset_counts_transformers_build():
     assert parameter_count(preset, 1).total == expected
     half = parameter_count(preset, 2)
     assert 2 * half.sharded + half.replicated == expected
+    from shardlm.plan.gemma import gemma_pipeline_problem  # the plan leaves out the splits the model refuses
+
+    assert "per-layer inputs" in gemma_pipeline_problem(preset, 2)
+    shared_only = dataclasses.replace(preset, per_layer_input_size=0)  # the last 18 sharing layers 22's and 23's
+    assert gemma_pipeline_problem(shared_only, 2) is None and "layer 28 from layer 22" in gemma_pipeline_problem(
+        shared_only, 3)
 
 
 def test_generate_chat_with_gemma_template_answers_as_transformers(tmp_path, capsys):

@@ -56,3 +56,18 @@ def gemma_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCo
     for index in range(cfg.num_layers):
         total = add_counts(total, gemma_layer_count(cfg, index, tp, ep))
     return total
+
+
+def gemma_pipeline_problem(cfg: ModelConfig, pp: int) -> str | None:
+    """Why Gemma 4 cannot run on `pp` pipeline stages of even splits (`Gemma4.check_stages`: per-layer inputs, or a
+    KV-sharing layer apart from its producer), or None."""
+    from shardlm.errors import UserError
+    from shardlm.models.gemma import Gemma4
+    from shardlm.parallel.pipeline import stage_layers
+
+    try:
+        for layers in stage_layers(cfg.num_layers, pp):
+            Gemma4.check_stages(cfg, layers)
+    except UserError as error:
+        return str(error)
+    return None

@@ -217,6 +217,11 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
         return f"PP={pp} exceeds the {cfg.num_layers} layers"
     if pp > 1 and cfg.arch == "bert":
         return "pipeline parallelism is planned for GPT and Llama only"
+    if pp > 1 and cfg.sandwich_norms:  # Gemma 4: no split of per-layer inputs or of a KV producer from its sharers
+        from shardlm.plan.gemma import gemma_pipeline_problem
+
+        if (problem := gemma_pipeline_problem(cfg, pp)) is not None:
+            return problem
     if pp > 1 and request.schedule in V_SHAPED and 2 * pp > cfg.num_layers:
         return f"{request.schedule} needs 2P = {2 * pp} stages, more than the {cfg.num_layers} layers"
     if context_invalid_reason(cfg, cp):
