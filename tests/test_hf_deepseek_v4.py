@@ -31,9 +31,11 @@ from llama_reference import (
 
 from shardlm.checkpoint.hf_deepseek_v4 import model_config_from_hf
 from shardlm.checkpoint.state import load_consolidated
+from shardlm.config import DataConfig, RunConfig
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.parallel import ParallelContext
+from shardlm.validation import validate
 
 from multiproc import run_workers
 
@@ -162,12 +164,17 @@ def test_what_shardlm_does_not_compute_is_refused_in_one_line(change, words):
 
 
 def test_layouts_deepseek_v4_does_not_run_are_refused_in_one_line():
-    """Context parallelism (the compressors' windows would cross ranks) and packed documents."""
+    """Context parallelism (the compressors' windows would cross ranks; also in `validate`), packed documents."""
     from shardlm.models.deepseek_v4 import check_deepseek_v4
 
     cfg = model_config_from_hf(hf_config().to_dict())
     assert check_deepseek_v4(cfg) is None
     assert "context parallelism" in check_deepseek_v4(cfg, context=2)
+    config = RunConfig(model=cfg, data=DataConfig(text_file="unused"))
+    config.parallel.context = 2
+    with pytest.raises(UserError, match="context parallelism") as error:  # what `shardlm train` checks first
+        validate(config, 2, check_paths=False)
+    assert "\n" not in str(error.value)
     model = build_model(cfg, ParallelContext.single())
     with pytest.raises(UserError, match="packed documents") as error:
         model.layers["0"].attn(torch.zeros(1, 4, 32), None, object())

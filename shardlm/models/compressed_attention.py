@@ -187,6 +187,9 @@ class CompressedAttention(nn.Module):
         if documents is not None:
             raise UserError("DeepSeek-V4's compressed attention does not take packed documents yet (its windows "
                             "would cross them); train without data.document_mask / packing")
+        if self.o_a.lora is not None:
+            raise UserError("LoRA on DeepSeek-V4's grouped output projection (o_a) is not built; leave o_a out of "
+                            "lora.targets")
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # (B, T, h), gathered under SP
         B, T, _ = x.shape
         past = 0
