@@ -188,7 +188,7 @@ class ModelConfig:
     moe_layer_interval: int = 1
     """MoE: after the first dense layers, every k-th layer is an MoE layer (1: all of them)."""
     moe_score: str = "softmax"
-    """MoE router score: "softmax" (Mixtral, Qwen3) or "sigmoid" (DeepSeek-V3) of the fp32 gate logits."""
+    """MoE router score of the fp32 gate logits: "softmax" (Qwen3), "sigmoid" (DeepSeek-V3), "sqrtsoftplus" (V4)."""
     moe_norm_topk_prob: bool = True
     """MoE: divide the top-k scores of a token by their sum (Mixtral and Qwen3 do; norm_topk_prob)."""
     moe_routed_scaling: float = 1.0
