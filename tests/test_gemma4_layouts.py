@@ -15,8 +15,9 @@ What each layout puts to the test:
 - DP=2 with ZeRO-1 and with FSDP; LoRA on every projection at TP=2 with SP; EP=2 (MoE, its router's scales);
 - PP=2 (1 + 3 layers: the sharing layer with its producer); a split between them is refused in one line, and so is
   any split with per-layer inputs.
-Controls, each far off one process: at TP=2 with SP, the per-layer inputs' projections without their SP gradient sum;
-and the MoE router's scales without theirs.
+Controls, each far off one process: at TP=2 with SP, the per-layer inputs' projections without their SP gradient sum,
+and the MoE router's scales without theirs; at CP=2, the KV-sharing layers attending to their rank's part of the shared
+keys and values only.
 """
 
 from __future__ import annotations
@@ -70,10 +71,19 @@ def gemma4_config(kind: str = "dense", lora: int = 0, **kwargs):
 @contextlib.contextmanager
 def broken(control: str | None):
     """"ple": the per-layer inputs' replicated projections not marked `sequence_parallel` (their partial gradients
-    over the sequence chunks never summed over TP); "router": the same for the MoE router's weight and scales."""
-    from shardlm.models import gemma_moe, mla
+    over the sequence chunks never summed over TP); "router": the same for the MoE router's weight and scales; "kv
+    local": under CP the KV-sharing layers attend to their rank's own part of the shared keys and values only (as if
+    shared keys needed no ring: the group they attend over is the TP group, of one rank)."""
+    from shardlm.models import gemma, gemma_moe, mla
+    from shardlm.models.attention import causal_attention
 
     saved_linear, saved_router = mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__
+    saved_core = gemma.Gemma4Attention.core
+
+    def local_core(self, q, k, v, documents=None):
+        if self.source is None:
+            return saved_core(self, q, k, v, documents)
+        return causal_attention(q, k, v, self.ctx.tp, scale=self.scale, window=self.window)
 
     def unmarked_linear(self, shape, std, seed, device, sequence_parallel):
         saved_linear(self, shape, std, seed, device, False)
@@ -85,10 +95,13 @@ def broken(control: str | None):
         mla.ReplicatedLinear.__init__ = unmarked_linear
     if control == "router":
         gemma_moe.GemmaRouter.__init__ = unmarked_router
+    if control == "kv local":
+        gemma.Gemma4Attention.core = local_core
     try:
         yield
     finally:
         mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__ = saved_linear, saved_router
+        gemma.Gemma4Attention.core = saved_core
 
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, kind: str = "dense", lora: int = 0, control: str | None = None,
@@ -109,7 +122,8 @@ WORLD2 = {
     "pp2": layout(pp=2, kind="pp", micro=1),
 }
 CONTROLS = {"control ple": layout(tp=2, sp=True, control="ple"),
-            "control router": layout(tp=2, sp=True, kind="moe", control="router")}
+            "control router": layout(tp=2, sp=True, kind="moe", control="router"),
+            "control kv local": layout(cp=2, control="kv local")}
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +150,12 @@ def test_gemma4_at_two_ranks_equals_one_process(world2, reference, name):
     assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
-@pytest.mark.parametrize("control, part, kind", [("ple", ".ple_", "dense"), ("router", ".router.", "moe")])
-def test_replicated_gemma_weights_without_their_sp_sum_end_far_off(world2, reference, control, part, kind):
-    """Each TP rank keeping its own chunks' share of a replicated weight's gradient: finite losses, the weight far
-    from one process."""
+@pytest.mark.parametrize("control, part, kind", [("ple", ".ple_", "dense"), ("router", ".router.", "moe"),
+                                                  ("kv local", ".attn.", "dense")])
+def test_each_piece_without_its_fix_ends_far_off(world2, reference, control, part, kind):
+    """Each TP rank keeping its own chunks' share of a replicated weight's gradient (the per-layer inputs'
+    projections, the router's scales), and the KV-sharing layers not going round the CP ring: finite losses, the
+    weights far from one process."""
     for value in check_result(world2, f"control {control}"):
         assert_trained_but_off(value["curve"], value["params"], reference[kind]["params"], STEPS, part)
 
