@@ -339,3 +339,27 @@ def test_generate_chat_with_gemma_template_answers_as_transformers(tmp_path, cap
     (ours,) = json.loads(capsys.readouterr().out)["generations"]
     assert ours["prompt_tokens"] == ids
     assert ours["tokens"] == reply[:-1] and ours["finish_reason"] == "end_of_turn", (ours, reply)
+
+
+def test_flops_count_each_gemma_piece():
+    """`flops_per_token` of a Gemma 4 whose pieces are all neutral (one head size and KV head count, no sharing, no
+    per-layer inputs, no experts) is the Llama formula's; then each piece changes it by its own matrices: k = v drops
+    the full layers' v (2 h kv d each), sharing drops the consumers' k and v and doubles their MLP, the full layers'
+    wider heads, the per-layer inputs' gate, projection and embedding projection."""
+    from shardlm.models.config import flops_per_token
+
+    cfg = hf_gemma4.model_config_from_hf(hf_config("dense").to_dict())
+    h, s, V, f, L, d = cfg.hidden_size, cfg.seq_length, cfg.vocab_size, cfg.ffn_size, cfg.num_layers, 16
+    plain = dataclasses.replace(cfg, global_head_dim=16, global_kv_heads=2, attention_k_eq_v=False, kv_shared_layers=0,
+                                kv_shared_double_mlp=False, per_layer_input_size=0)
+    llama = dataclasses.replace(plain, sandwich_norms=False, embedding_scale=False, attention_scale=0.0,
+                                value_norm=False, global_head_dim=0, global_kv_heads=0, global_rope_theta=0.0,
+                                global_rope_fraction=1.0, per_layer_vocab_size=0, final_logit_softcap=0.0)
+    assert flops_per_token(plain) == flops_per_token(llama)
+    k_eq_v = dataclasses.replace(plain, attention_k_eq_v=True)
+    assert flops_per_token(plain) - flops_per_token(k_eq_v) == 3 * 2 * (2 * h * 2 * d)  # 2 full layers' v
+    shared = dataclasses.replace(plain, kv_shared_layers=2, kv_shared_double_mlp=True)
+    assert flops_per_token(shared) - flops_per_token(plain) == 3 * 2 * (6 * h * f - 2 * (2 * h * 2 * d))
+    ple = dataclasses.replace(plain, per_layer_input_size=8)
+    assert flops_per_token(ple) - flops_per_token(plain) == 3 * (L * 4 * h * 8 + 2 * h * L * 8)
+    assert (s, V) == (64, VOCAB)

@@ -396,6 +396,10 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     gate) and the router's h x E gate, instead of the dense MLP. Each multi-token-prediction depth (`mtp_layers`)
     adds its 2h x h projection, one more layer of its index's kind (full attention in a hybrid model) and the
     output head."""
+    if cfg.sandwich_norms:  # Gemma 4: its two kinds of layer, KV sharing, per-layer inputs, experts beside the MLP
+        from shardlm.models.gemma_config import gemma_flops_per_token
+
+        return gemma_flops_per_token(cfg, recompute)
     s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     ffn_ratio = cfg.ffn_size / h
     layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)

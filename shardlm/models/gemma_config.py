@@ -93,3 +93,31 @@ def check_gemma_keys(cfg: ModelConfig) -> None:
         used.append("global_rope_fraction")
     if used:
         raise UserError(f"model.{used[0]} is Gemma 4's; it needs model.sandwich_norms = true (Gemma 4's block)")
+
+
+def gemma_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
+    """Matmul FLOPs of training on one token (3 x the forward, plus the layers' forward again with `recompute`) of
+    Gemma 4 (`models.config.flops_per_token` counts it here), per layer by its kind: q and o (2 h H d_i each), k and v
+    (2 h kv_i d_i each) on the layers that compute their own (no v on a full layer with k = v), the scores and values
+    over min(s, window) keys on sliding layers and s on full ones (4 keys H d_i), the GeGLU's three matrices (2 h f_i
+    each, f_i twice as wide on a sharing layer with `kv_shared_double_mlp`), with experts beside it the router (2 h E)
+    and the top-k experts' three matrices, with per-layer inputs the gate and projection (4 h d); outside the layers
+    the output layer (2 h V) and the per-layer inputs' projection (2 h L d)."""
+    s, h, heads = cfg.seq_length, cfg.hidden_size, cfg.num_heads
+    ple = cfg.per_layer_input_size
+
+    def layer(i: int) -> float:
+        shape, full = layer_shape(cfg, i), layer_kind(cfg, i) == FULL
+        d, kv = shape.attention_head_dim, shape.kv_heads
+        flops = 4 * h * heads * d + 4 * (s if full else min(s, cfg.sliding_window)) * heads * d
+        if kv_source(cfg, i) is None:
+            flops += 2 * h * kv * d * (1 if cfg.attention_k_eq_v and full else 2)
+        wide = 2 if cfg.kv_shared_double_mlp and kv_source(cfg, i) is not None else 1
+        flops += 6 * h * cfg.ffn_size * wide + 4 * h * ple
+        if cfg.moe_beside_mlp:
+            flops += 2 * h * cfg.moe_num_experts + cfg.moe_top_k * 6 * h * cfg.moe_ffn_size
+        return flops
+
+    layers = sum(layer(i) for i in range(cfg.num_layers))
+    forward = layers + 2 * h * cfg.vocab_size + 2 * h * cfg.num_layers * ple
+    return 3 * forward + (layers if recompute else 0.0)
