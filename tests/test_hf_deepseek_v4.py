@@ -33,7 +33,6 @@ from shardlm.checkpoint.hf_deepseek_v4 import model_config_from_hf
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.config import DataConfig, RunConfig
 from shardlm.errors import UserError
-from shardlm.models import build_model
 from shardlm.parallel import ParallelContext
 from shardlm.validation import validate
 
@@ -163,8 +162,8 @@ def test_what_shardlm_does_not_compute_is_refused_in_one_line(change, words):
     assert "\n" not in str(error.value)
 
 
-def test_layouts_deepseek_v4_does_not_run_are_refused_in_one_line():
-    """Context parallelism (the compressors' windows would cross ranks; also in `validate`), packed documents."""
+def test_context_parallelism_is_refused_in_one_line():
+    """The compressors' windows would cross the CP ranks: refused at build and by `validate`."""
     from shardlm.models.deepseek_v4 import check_deepseek_v4
 
     cfg = model_config_from_hf(hf_config().to_dict())
@@ -175,7 +174,20 @@ def test_layouts_deepseek_v4_does_not_run_are_refused_in_one_line():
     with pytest.raises(UserError, match="context parallelism") as error:  # what `shardlm train` checks first
         validate(config, 2, check_paths=False)
     assert "\n" not in str(error.value)
-    model = build_model(cfg, ParallelContext.single())
-    with pytest.raises(UserError, match="packed documents") as error:
-        model.layers["0"].attn(torch.zeros(1, 4, 32), None, object())
-    assert "\n" not in str(error.value)
+
+
+def test_packed_rows_equal_their_documents_one_by_one(reference):
+    """A row packing documents of 9 and 11 tokens gives each document's logits as the document alone does (its
+    windows, entries and positions start at its first token); without the documents the second one's differ."""
+    from shardlm.checkpoint import load_model
+    from shardlm.models.documents import Documents
+
+    model, _ = load_model(reference["converted"], ParallelContext.single())
+    tokens = reference["tokens"][:1]
+    positions = torch.cat((torch.arange(9), torch.arange(11))).unsqueeze(0)
+    with torch.no_grad():
+        packed = model.full_logits(model(tokens, documents=Documents.from_positions(positions)))
+        alone = torch.cat([model.full_logits(model(part)) for part in (tokens[:, :9], tokens[:, 9:])], dim=1)
+        unpacked = model.full_logits(model(tokens))
+    assert (packed - alone).abs().max() < 1e-5
+    assert (unpacked[:, 9:] - alone[:, 9:]).abs().max() > 100 * LOGIT_TOL

@@ -20,7 +20,8 @@ Tensor parallelism: query heads, sinks and output groups are split over TP (outp
 shared kv, the compressors and the indexer are replicated, computed from the gathered input on every rank, so
 each rank's choice of entries is the same; their weights enter through `f` (copy_to_tensor_parallel), which sums
 each rank's partial gradient. The indexer's choice carries no gradient (as in transformers): its parameters are
-frozen. Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token).
+frozen. Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed
+rows: each document is attended alone, its windows and entries starting at its first token.
 """
 
 from __future__ import annotations
@@ -183,24 +184,28 @@ class CompressedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, documents=None, carry: dict | None = None) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h). With `cache` (a `LayerKVCache`) x holds the positions after the cached ones:
-        the layer's inputs are kept in it and the keys and entries recomputed over all of them."""
-        if documents is not None:
-            raise UserError("DeepSeek-V4's compressed attention does not take packed documents yet (its windows "
-                            "would cross them); train without data.document_mask / packing")
+        the layer's inputs are kept in it and the keys and entries recomputed over all of them. With `documents`
+        (packed rows), each document is attended as a row of its own (its windows, entries and positions)."""
         if self.o_a.lora is not None:
             raise UserError("LoRA on DeepSeek-V4's grouped output projection (o_a) is not built; leave o_a out of "
                             "lora.targets")
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # (B, T, h), gathered under SP
-        B, T, _ = x.shape
-        past = 0
+        if documents is not None:
+            return self.o_b(torch.cat([torch.cat([self.grouped(x[b:b + 1, start:end], x[b:b + 1, start:end], 0)
+                                                  for start, end in zip(offsets[:-1], offsets[1:])], dim=1)
+                                       for b, offsets in enumerate(documents.offsets)]))
+        past, x_all = 0, x
         if cache is not None:
             past = cache.length
             stored = cache.extras.get("inputs")
-            everything = x if stored is None else torch.cat((stored, x), dim=1)
-            cache.extras["inputs"], cache.length = everything, past + T
-            x_all = everything
-        else:
-            x_all = x
+            x_all = x if stored is None else torch.cat((stored, x), dim=1)
+            cache.extras["inputs"], cache.length = x_all, past + x.shape[1]
+        return self.o_b(self.grouped(x, x_all, past))
+
+    def grouped(self, x: torch.Tensor, x_all: torch.Tensor, past: int) -> torch.Tensor:
+        """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at positions past ..
+        past + T - 1, x_all (B, past + T, h) every position's -> (B, T, output_groups / tp x output_rank)."""
+        B, T, _ = x.shape
         positions = torch.arange(past, past + T, device=x.device)
         cos, sin = rope_angles(positions, self.rope, self.theta)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
@@ -225,8 +230,7 @@ class CompressedAttention(nn.Module):
         y = self.core(q, kv, bias)  # (B, heads, T, D)
         y = rotate_tail(y, cos, -sin).transpose(1, 2).reshape(B, T, self.groups, -1)
         rank_weight = self.o_a.weight.view(self.groups, -1, y.shape[-1])  # (groups, rank, (H / g) D)
-        y = torch.einsum("btgi,gri->btgr", y, rank_weight).reshape(B, T, -1)
-        return self.o_b(y)
+        return torch.einsum("btgi,gri->btgr", y, rank_weight).reshape(B, T, -1)
 
     def core(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """softmax over [q kv^T / sqrt(D) + bias, sink] (the sink's share dropped) times kv: q (B, heads, T, D),

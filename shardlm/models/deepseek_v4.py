@@ -13,7 +13,8 @@ all but the first `moe_hash_layers` layers, which take each token's experts from
 routed_scaling; SwiGLU experts and one shared expert with DeepSeek-V4's clip (`swiglu_clip`). Under sequence
 parallelism the hash layers read the tokens of their rank's chunk; under pipeline parallelism the streams travel
 between stages as the activations (B, T, n, h), and the hash layers must be on the first stage (which embeds the
-tokens). Refused in one line (`check_deepseek_v4`): context parallelism, packed documents, multi-token prediction.
+tokens); packed rows attend document by document. Refused in one line (`check_deepseek_v4`): context parallelism,
+multi-token prediction, YaRN, dropout.
 """
 
 from __future__ import annotations
