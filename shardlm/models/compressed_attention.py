@@ -21,7 +21,9 @@ shared kv, the compressors and the indexer are replicated, computed from the gat
 each rank's choice of entries is the same; their weights enter through `f` (copy_to_tensor_parallel), which sums
 each rank's partial gradient. The indexer's choice carries no gradient (as in transformers): its parameters are
 frozen. Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed
-rows: each document is attended alone, its windows and entries starting at its first token.
+rows: each document is attended alone, its windows and entries starting at its first token. Context parallelism:
+the layer's input (B, T / C, h) is all-gathered over the CP group (its gradient reduce-scattered back) and put in
+row order, every rank computes the keys and entries of the whole row and attends its own zigzag queries.
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.data.zigzag import local_positions, zigzag_merge
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
-from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, copy_to_tensor_parallel
+from shardlm.parallel import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+)
 from shardlm.parallel.init import normal_shard, param_seed
 
 
@@ -120,13 +129,15 @@ class Indexer(nn.Module):
             param.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos, sin) -> torch.Tensor:
-        """x (B, S, h) every position's input; q_res (B, T, q_lora_rank) and positions (T,) the queries'."""
+    def forward(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
+                sin) -> torch.Tensor:
+        """x_all (B, S, h) every position's input; x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the
+        queries'."""
         B, T = q_res.shape[:2]
-        entries = self.compressor(x, lambda p: p)  # (B, W, dim)
+        entries = self.compressor(x_all, lambda p: p)  # (B, W, dim)
         q = rotate_tail(F.linear(q_res, self.q_b).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)
         scores = torch.relu(torch.matmul(q.transpose(1, 2).float(), entries.transpose(-1, -2).float().unsqueeze(1)))
-        weights = F.linear(x[:, -T:], self.weights_proj).float() * self.heads ** -0.5  # (B, T, heads)
+        weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5  # (B, T, heads)
         scores = (scores * self.dim ** -0.5 * weights.unsqueeze(-1)).sum(dim=2)  # (B, T, W)
         complete = complete_entries(positions, entries.shape[1], self.ratio)
         chosen = scores.masked_fill(~complete, float("-inf")).topk(min(self.topk, entries.shape[1]), dim=-1).indices
@@ -190,38 +201,48 @@ class CompressedAttention(nn.Module):
             raise UserError("LoRA on DeepSeek-V4's grouped output projection (o_a) is not built; leave o_a out of "
                             "lora.targets")
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # (B, T, h), gathered under SP
-        if documents is not None:
-            return self.o_b(torch.cat([torch.cat([self.grouped(x[b:b + 1, start:end], x[b:b + 1, start:end], 0)
-                                                  for start, end in zip(offsets[:-1], offsets[1:])], dim=1)
-                                       for b, offsets in enumerate(documents.offsets)]))
-        past, x_all = 0, x
         if cache is not None:
             past = cache.length
             stored = cache.extras.get("inputs")
             x_all = x if stored is None else torch.cat((stored, x), dim=1)
             cache.extras["inputs"], cache.length = x_all, past + x.shape[1]
-        return self.o_b(self.grouped(x, x_all, past))
+            return self.o_b(self.grouped(x, torch.arange(past, past + x.shape[1], device=x.device), x_all))
+        cp = self.ctx.cp
+        index = local_positions(x.shape[1], cp, device=x.device)  # each token's place in the whole row
+        if documents is None and cp.size == 1:
+            return self.o_b(self.grouped(x, index, x))
+        whole = x if cp.size == 1 else zigzag_merge(list(gather_from_sequence_parallel(x, cp).chunk(cp.size, dim=1)))
+        spans = documents.offsets if documents is not None else [[0, whole.shape[1]]] * x.shape[0]
+        rows = []
+        for b, offsets in enumerate(spans):
+            pieces, places = [], []
+            for start, end in zip(offsets[:-1], offsets[1:]):
+                inside = ((index >= start) & (index < end)).nonzero().squeeze(-1)  # this rank's queries of it
+                if inside.numel():
+                    pieces.append(self.grouped(x[b:b + 1, inside], index[inside] - start, whole[b:b + 1, start:end]))
+                    places.append(inside)
+            rows.append(torch.cat(pieces, dim=1)[:, torch.argsort(torch.cat(places))])
+        return self.o_b(torch.cat(rows))
 
-    def grouped(self, x: torch.Tensor, x_all: torch.Tensor, past: int) -> torch.Tensor:
-        """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at positions past ..
-        past + T - 1, x_all (B, past + T, h) every position's -> (B, T, output_groups / tp x output_rank)."""
+    def grouped(self, x: torch.Tensor, positions: torch.Tensor, x_all: torch.Tensor) -> torch.Tensor:
+        """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of
+        x_all (B, S, h), the inputs of every key position 0 .. S - 1 -> (B, T, output_groups / tp x output_rank)."""
         B, T, _ = x.shape
-        positions = torch.arange(past, past + T, device=x.device)
         cos, sin = rope_angles(positions, self.rope, self.theta)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
         q = unweighted_rms_norm(self.q_b.local(q_res).view(B, T, self.heads, self.dim).transpose(1, 2), self.eps)
         q = rotate_tail(q, cos, sin)  # (B, heads, T, D)
-        key_positions = torch.arange(past + T, device=x.device)
+        key_positions = torch.arange(x_all.shape[1], device=x.device)
         kv = rms_norm(F.linear(x_all, self.shared(self.kv)), self.shared(self.kv_norm), self.eps)
         kv = rotate_tail(kv, *rope_angles(key_positions, self.rope, self.theta))  # (B, S, D)
         distance = positions.view(-1, 1) - key_positions.view(1, -1)
-        bias = torch.zeros(T, past + T, device=x.device).masked_fill((distance < 0) | (distance >= self.window),
+        bias = torch.zeros(T, x_all.shape[1], device=x.device).masked_fill((distance < 0) | (distance >= self.window),
                                                                      float("-inf")).expand(B, T, -1)
         if self.compressor is not None:
             entries = self.compressor(x_all, self.shared)  # (B, W, D)
             allowed = complete_entries(positions, entries.shape[1], self.compressor.ratio).expand(B, T, -1)
             if self.indexer is not None:
-                chosen = self.indexer(x_all, q_res, positions, cos, sin)
+                chosen = self.indexer(x_all, x, q_res, positions, cos, sin)
                 allowed = torch.zeros(B, T, entries.shape[1] + 1, dtype=torch.bool, device=x.device).scatter_(
                     -1, torch.where(chosen >= 0, chosen, entries.shape[1]), True)[..., :-1]
             kv = torch.cat((kv, entries), dim=1)

@@ -13,8 +13,8 @@ all but the first `moe_hash_layers` layers, which take each token's experts from
 routed_scaling; SwiGLU experts and one shared expert with DeepSeek-V4's clip (`swiglu_clip`). Under sequence
 parallelism the hash layers read the tokens of their rank's chunk; under pipeline parallelism the streams travel
 between stages as the activations (B, T, n, h), and the hash layers must be on the first stage (which embeds the
-tokens); packed rows attend document by document. Refused in one line (`check_deepseek_v4`): context parallelism,
-multi-token prediction, YaRN, dropout.
+tokens); packed rows attend document by document; under context parallelism each layer gathers its input over the
+CP group. Refused in one line (`check_deepseek_v4`): multi-token prediction, YaRN, dropout.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def check_deepseek_v4(m: ModelConfig, context: int = 1) -> str | None:
          "model.moe_hash_layers must be in 0..num_layers; DeepSeek-V4 clips with swiglu_clip (not swiglu_limit)"),
         (not m.mtp_layers and not m.rope_yarn_factor, "DeepSeek-V4's multi-token prediction and YaRN are not built"),
         (m.dropout == 0 and m.attention_dropout_p == 0, "DeepSeek-V4 has no dropout; set model.dropout = 0"),
-        (context == 1, "DeepSeek-V4's compressors do not run under context parallelism yet; use parallel.context=1"),
     ]
     return next((message for ok, message in checks if not ok), None)
 
