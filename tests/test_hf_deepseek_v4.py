@@ -21,6 +21,7 @@ import pytest
 import torch
 from llama_reference import (
     LOGIT_TOL,
+    PROMPT,
     assert_converted_matches,
     assert_layout_matches,
     assert_round_trip,
@@ -102,6 +103,42 @@ def test_conversion_reads_every_piece(reference):
     assert "model/layers.2.attn.compressor.kv" not in tensors
     table = tensors["model/layers.0.mlp.router.tid2eid"]
     assert torch.equal(table.long(), reference["model"].model.layers[0].mlp.gate.tid2eid)
+
+
+def index_scores(model, rows: torch.Tensor) -> torch.Tensor:
+    """The CSA layer's index scores (B, T, W) of `rows` in shardlm's `model` (equal to transformers' here: the
+    logits agree bitwise), from the inputs its indexer received."""
+    seen = []
+    indexer = model.layers["1"].attn.indexer
+    hook = indexer.register_forward_pre_hook(lambda module, args: seen.append(args))
+    try:
+        with torch.no_grad():
+            model(rows)
+    finally:
+        hook.remove()
+    return indexer.scores(*seen[0])
+
+
+def test_no_compared_query_has_a_tie_at_its_kth_score(reference):
+    """Every compared row (the reference rows, the prompts with their greedy continuations, the training batch):
+    each query with more than k complete entries has its k-th and (k+1)-th index scores more than 1e-5 of the
+    largest score apart, so `torch.topk`'s order among equals decides nothing."""
+    from test_hf_sparse_attention import training_batch
+
+    from shardlm.checkpoint import load_model
+
+    model, _ = load_model(reference["converted"], ParallelContext.single())
+    greedy = torch.cat((reference["tokens"][:, :PROMPT], torch.tensor(reference["greedy"])), dim=1)
+    for rows in (reference["tokens"], greedy, training_batch()[:, :-1]):
+        scores = index_scores(model, rows)
+        ranked = scores.sort(dim=-1, descending=True).values
+        over_k = torch.isfinite(scores).sum(-1) > TOPK
+        gaps = (ranked[..., TOPK - 1] - ranked[..., TOPK])[over_k]
+        assert over_k.any() and gaps.min() > 1e-5 * scores[torch.isfinite(scores)].abs().max(), gaps.min()
+    model.layers["1"].attn.indexer.weights_proj.data.zero_()  # control: every score 0, so the check sees ties
+    scores = index_scores(model, reference["tokens"])
+    ranked = scores.sort(dim=-1, descending=True).values
+    assert ((ranked[..., TOPK - 1] - ranked[..., TOPK])[torch.isfinite(scores).sum(-1) > TOPK] == 0).any()
 
 
 def test_tp1_logits_and_greedy_tokens_match_transformers(reference):

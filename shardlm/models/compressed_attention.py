@@ -133,16 +133,22 @@ class Indexer(nn.Module):
                 sin) -> torch.Tensor:
         """x_all (B, S, h) every position's input; x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the
         queries'."""
+        scores = self.scores(x_all, x, q_res, positions, cos, sin)
+        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        valid = chosen < ((positions + 1) // self.ratio).view(1, -1, 1)
+        return torch.where(valid, chosen, torch.full_like(chosen, -1))
+
+    @torch.no_grad()
+    def scores(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
+               sin) -> torch.Tensor:
+        """The index scores (B, T, W) fp32 of `forward`'s arguments, -inf for entries not complete yet."""
         B, T = q_res.shape[:2]
         entries = self.compressor(x_all, lambda p: p)  # (B, W, dim)
         q = rotate_tail(F.linear(q_res, self.q_b).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)
         scores = torch.relu(torch.matmul(q.transpose(1, 2).float(), entries.transpose(-1, -2).float().unsqueeze(1)))
         weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5  # (B, T, heads)
         scores = (scores * self.dim ** -0.5 * weights.unsqueeze(-1)).sum(dim=2)  # (B, T, W)
-        complete = complete_entries(positions, entries.shape[1], self.ratio)
-        chosen = scores.masked_fill(~complete, float("-inf")).topk(min(self.topk, entries.shape[1]), dim=-1).indices
-        valid = chosen < ((positions + 1) // self.ratio).view(1, T, 1)
-        return torch.where(valid, chosen, torch.full_like(chosen, -1))
+        return scores.masked_fill(~complete_entries(positions, entries.shape[1], self.ratio), float("-inf"))
 
 
 def complete_entries(positions: torch.Tensor, entries: int, ratio: int) -> torch.Tensor:
