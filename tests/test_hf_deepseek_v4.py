@@ -158,6 +158,28 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_pa
     assert (written["layer_types"], written["mlp_layer_types"]) == (KINDS, ["hash_moe", "moe", "moe"])
 
 
+def test_deepseek_own_names_convert_to_the_same_tensors(reference, tmp_path):
+    """A directory in DeepSeek's own names (no `model.` prefix; embed, norm, hc_head_fn at the top, and an mtp
+    layer, which is left out) converts to the tensors of the directory transformers saved."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shardlm.checkpoint.hf_deepseek_v4 import open_hf, original_name
+
+    saved = reference["root"] / "hf"
+    tensors = {original_name(name): value for name, value in load_file(str(saved / "model.safetensors")).items()}
+    (tmp_path / "own").mkdir()
+    save_file(tensors | {"mtp.0.norm.weight": torch.ones(32)}, str(tmp_path / "own" / "model.safetensors"))
+    shutil.copy(saved / "config.json", tmp_path / "own" / "config.json")
+    assert "embed.weight" in tensors and "hc_head_fn" in tensors and "layers.1.attn.indexer.wq_b.weight" in tensors
+    _, theirs = open_hf(saved)
+    _, own = open_hf(tmp_path / "own")
+    assert own.keys() == theirs.keys()
+    for name in own:
+        assert torch.equal(own[name](), theirs[name]()), name
+
+
 def test_the_indexer_choice_and_the_hash_table_matter(reference, tmp_path):
     """Controls: shardlm's CSA layer keeping every entry (its indexer's top-k above the entries), or another hash
     table (each token sent to experts 0 and 1), moves the logits far beyond the tolerance."""

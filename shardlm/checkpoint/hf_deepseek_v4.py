@@ -17,8 +17,9 @@ transformers saves DeepSeek's own names (its conversion mapping renames them on 
     L.ffn.experts.e.{w1, w3, w2}, L.ffn.shared_experts.{w1, w3, w2}        layers.i.mlp.experts.{gate, up, down}.e,
                                                                             layers.i.mlp.shared.{gate, up, down}
 
-Every tensor maps whole (tid2eid's int64 expert ids as fp32 and back, exact), so a round trip is bitwise. The
-config: layer_types and compress_rates become `model.compress_ratios` (0 sliding, the CSA rate, the HCA rate per
+DeepSeek's own directories (the same names without the `model.` prefix, `embed`, `norm` and `hc_head_fn` at the
+top) read too. Every tensor maps whole (tid2eid's int64 expert ids as fp32 and back, exact): a round trip is bitwise.
+The config: layer_types and compress_rates become `model.compress_ratios` (0 sliding, the CSA rate, the HCA rate per
 layer; index_topk 0 when no layer is CSA), mlp_layer_types' leading hash_moe layers `model.moe_hash_layers`,
 swiglu_limit `model.swiglu_clip`, compress_rope_theta `model.global_rope_theta`. Refused in one line: YaRN on the
 compressed layers, other scoring functions, hash layers after a routed one, more than one shared expert,
@@ -133,9 +134,19 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+def original_name(name: str) -> str:
+    """The name DeepSeek's own checkpoints give a tensor that transformers saves as `name` (no `model.` prefix,
+    embed / norm / hc_head_fn at the top)."""
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           **{f"model.hc_head.hc_{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}}
+    return top.get(name, name.removeprefix("model."))
+
+
 def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
-    """(config, {shardlm name: `HFTensor`}) of a local DeepSeek-V4 directory, read on demand."""
+    """(config, {shardlm name: `HFTensor`}) of a local DeepSeek-V4 directory, read on demand: transformers' saved
+    names, or DeepSeek's own (`original_name`)."""
     located = weight_files(hf_dir)
+    own = "embed.weight" in located  # DeepSeek's own names
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
     if not config.model.tie_embeddings and "head.weight" not in located:
         config.model.tie_embeddings = True
@@ -144,11 +155,12 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     handles: dict = {}
     sources = {}
     for ours, theirs in name_map(config.model):
-        if theirs not in located:
-            raise UserError(f"{hf_dir} has no tensor {theirs} (a DeepSeek-V4 directory as transformers saves it)")
-        sources[ours] = HFTensor(handles, located[theirs], theirs)
-    left = sorted(set(located) - {source.name for source in sources.values()} - {"mtp"})
-    left = [name for name in left if not name.startswith("mtp.")]
+        stored = original_name(theirs) if own else theirs
+        if stored not in located:
+            raise UserError(f"{hf_dir} has no tensor {stored} (a DeepSeek-V4 directory as transformers saves it)")
+        sources[ours] = HFTensor(handles, located[stored], stored)
+    read = {source.name for source in sources.values()}
+    left = sorted(name for name in located if name not in read and not name.startswith("mtp."))
     if left:
         raise UserError(f"{hf_dir} holds {len(left)} weights shardlm would not read (first: {left[0]})")
     return config, sources
