@@ -12,7 +12,8 @@ random table). In one world of 2:
 - PP=2: the (B, T, 2, h) streams handed between the stages (the hash layer on the first);
 - CP=2: each layer's input gathered over the CP ranks, the keys and entries of the whole row (of each document)
   computed on both, each rank attending its zigzag queries;
-- DP=2 with ZeRO-1, FSDP DP=2, EP=2, LoRA at TP=2 with SP (adapters on q_b and the SwiGLUs).
+- DP=2 with ZeRO-1, FSDP DP=2, EP=2, LoRA at TP=2 with SP (adapters on q_b and the SwiGLUs), TP=2 with SP and full
+  recomputation (the tokens for the hash layer handed to the recomputed layers too).
 The control: at TP=2 with SP, the replicated weights' gradients not summed over TP ends far off.
 Refused in one line: a hash layer off the first pipeline stage.
 """
@@ -115,6 +116,7 @@ WORLD2 = {
     "fsdp dp2": layout(data_sharding="full"),
     "ep2": layout(ep=2),
     "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "tp2 sp recompute": layout(tp=2, sp=True, recompute="full"),
     "tp2 sp plain": layout(tp=2, sp=True, packed=False),
     "cp2": layout(cp=2),
     "cp2 plain": layout(cp=2, packed=False),

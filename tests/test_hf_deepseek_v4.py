@@ -198,14 +198,15 @@ def test_the_indexer_choice_and_the_hash_table_matter(reference, tmp_path):
     assert (hashed - reference["logits"]).abs().max() > 100 * LOGIT_TOL
 
 
-def test_a_run_started_from_the_file_gives_transformers_first_loss(reference):
+def test_a_run_started_from_the_file_or_directory_gives_transformers_first_loss(reference):
     from test_hf_sparse_attention import training_batch
     from test_hf_start import hf_loss, run_config, started_run
 
     expected = hf_loss(reference["model"], training_batch())
-    run = started_run(ParallelContext.single(), run_config(reference["converted"]), steps=1)
-    first = run["curve"][0][0]
-    assert abs(first - expected) <= 1e-5 * expected, (first, expected)
+    for source in (reference["converted"], reference["root"] / "hf"):  # the file, and the directory read in place
+        run = started_run(ParallelContext.single(), run_config(source), steps=1)
+        first = run["curve"][0][0]
+        assert abs(first - expected) <= 1e-5 * expected, (source, first, expected)
 
 
 @pytest.mark.parametrize("change, words", [
