@@ -205,7 +205,7 @@ def expression_value(prompt: str) -> int:
     return eval(expression)  # safe: the pattern admits only integers and + - *
 
 
-@pytest.mark.parametrize("difficulty", ["easy", "medium"])
+@pytest.mark.parametrize("difficulty", ["small", "easy", "medium"])
 def test_arithmetic_records_are_deterministic_and_correct(difficulty):
     records = arithmetic_records(200, seed=3, difficulty=difficulty)
     assert records == arithmetic_records(200, seed=3, difficulty=difficulty)
@@ -222,6 +222,13 @@ def test_arithmetic_records_are_deterministic_and_correct(difficulty):
 def test_arithmetic_difficulties():
     easy = [expression_value(r["prompt"]) for r in arithmetic_records(300, seed=0)]
     assert max(easy) <= 98  # 49 + 49
+    small = [r["prompt"].removesuffix(" Answer with the number only.") for r in arithmetic_records(9000, 0, "small")]
+    operands = [int(n) for p in small for n in re.findall(r"\d+", p)]
+    assert max(operands) == 19 and min(operands) == 0 and len(set(small)) == 610  # 20 x 20 sums, 210 differences
+    assert {re.sub(r"\d+", "n", p) for p in small} == {"Compute n + n.", "Compute n - n."}
+    # adding "small" left the other difficulties' problems as they were (the first three of seed 0 before it)
+    assert [r["prompt"][8:-30] for r in arithmetic_records(3, 0)] == ["48 + 26", "25 - 19", "37 - 13"]
+    assert [r["prompt"][8:-30] for r in arithmetic_records(3, 0, "medium")] == ["7 * 8", "31 + 25 + 19", "7 * 76"]
     medium = [r["prompt"].removesuffix(" Answer with the number only.") for r in arithmetic_records(300, 0, "medium")]
     assert {re.sub(r"\d+", "n", p) for p in medium} == {"Compute n + n.", "Compute n - n.", "Compute n * n.",
                                                         "Compute n + n + n."}

@@ -3,6 +3,8 @@
 A record is `{"prompt": "Compute 23 + 48. Answer with the number only.", "answer": "71"}`, the shape the
 built-in "math" reward reads (`shardlm.rl.rewards.math_answer`). Difficulties:
 
+- `small`: a sum or a difference of two numbers below 20, never negative ("Compute 13 + 6. ..."): 610 distinct
+  problems, learnt by a tiny model in a minute (the warm-up of `scripts/rl_demo.py`, `make demo-rl`).
 - `easy`: a sum or a difference of two numbers below 50, never negative ("Compute 41 - 17. ...").
 - `medium`: one of, equally often, an easy problem, a product of a one-digit and a one- or two-digit
   number ("Compute 7 * 23. ..."), or a sum of three numbers below 50 ("Compute 12 + 30 + 7. ...").
@@ -23,16 +25,20 @@ from typing import Any
 
 from shardlm.errors import UserError
 
-DIFFICULTIES = ("easy", "medium")
+DIFFICULTIES = ("small", "easy", "medium")
 PROMPT = "Compute {expression}. Answer with the number only."
 
 
-def _two_terms(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randrange(50), rng.randrange(50)
+def _two_terms(rng: random.Random, below: int = 50) -> tuple[str, int]:
+    a, b = rng.randrange(below), rng.randrange(below)
     if rng.random() < 0.5:
         return f"{a} + {b}", a + b
     a, b = max(a, b), min(a, b)
     return f"{a} - {b}", a - b
+
+
+def _small(rng: random.Random) -> tuple[str, int]:
+    return _two_terms(rng, below=20)
 
 
 def _product(rng: random.Random) -> tuple[str, int]:
@@ -54,7 +60,7 @@ def _problems(count: int, seed: int, difficulty: str) -> list[tuple[str, int]]:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise UserError(f"arithmetic count {count!r} must be a whole number >= 0")
     rng = random.Random(seed)
-    kinds = (_two_terms,) if difficulty == "easy" else (_two_terms, _product, _three_terms)
+    kinds = {"small": (_small,), "easy": (_two_terms,), "medium": (_two_terms, _product, _three_terms)}[difficulty]
     return [rng.choice(kinds)(rng) for _ in range(count)]
 
 
