@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_gemma4_layouts import GEMMA
 from test_linear_attention import HYBRID
 from test_moe_parallel import ROUTING, stage_parameters
 from test_training import VOCAB
@@ -80,10 +81,12 @@ class IdsTemplate:
 
 
 def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
-              hybrid: bool = False, lora: int = 0, rows: int = 8, packing: str = "bfd", **train):
+              hybrid: bool = False, gemma: bool = False, lora: int = 0, rows: int = 8, packing: str = "bfd", **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if hybrid:
         model = {**HYBRID, "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
+    if gemma:  # Gemma 4's block, its last layer reading layer 1's keys and values (one stage holds both)
+        model |= GEMMA | {"num_layers": 4, "kv_shared_layers": 1, "tie_embeddings": False}
     if moe:
         model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
     sections = {"sft": {"data": ["unused.jsonl"], "packing": packing},
@@ -91,8 +94,11 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = 
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
                        "mask_truncated_completions": True, "temperature": 0.9},
                 "lora": {"rank": lora, "targets": ["q", "v", "o", "gate", "up", "down"]}}
-    return layout_config(model, micro=micro, tp=tp, pp=pp, ep=ep, sp=sp, sections=sections,
-                         **{"steps": STEPS, "global_batch_size": rows, **train})
+    config = layout_config(model, micro=micro, tp=tp, pp=pp, ep=ep, sp=sp, sections=sections,
+                           **{"steps": STEPS, "global_batch_size": rows, **train})
+    if gemma and pp > 1:
+        config.parallel.first_stage_layers = 1  # layers 1-3 on the last stage
+    return config
 
 
 def rl_run(ctx, config, sample: bool = False) -> tuple[Trainer, RLRun]:
@@ -172,6 +178,7 @@ SAMPLES2 = {
     "sample fsdp dp2": layout(data_sharding="full", sample=True),
     "sample pp2": layout(pp=2, sample=True),
     "sample tp2 sp": layout(tp=2, sp=True, sample=True),
+    "sample pp2 gemma4": layout(pp=2, gemma=True, sample=True),
     "parity pp2": layout(pp=2, parity=True),
     "parity tp2 sp": layout(tp=2, sp=True, parity=True),
     "parity ep2 moe": layout(ep=2, moe=True, parity=True),
@@ -206,7 +213,8 @@ def reference():
 @pytest.fixture(scope="module")
 def samples():
     ctx = ParallelContext.single()
-    return {"dense": sample_layout(ctx, rl_config()), "moe": sample_layout(ctx, rl_config(moe=True))}
+    return {"dense": sample_layout(ctx, rl_config()), "moe": sample_layout(ctx, rl_config(moe=True)),
+            "gemma4": sample_layout(ctx, rl_config(gemma=True))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": COLUMNS,
@@ -235,10 +243,14 @@ def test_the_run_clips_and_penalizes(reference):
     assert column["clip_ratio/region_mean"][0] == 0.0, column  # the first iteration's ratio is exactly 1
 
 
-@pytest.mark.parametrize("name", ["sample tp2", "sample tp2 sp", "sample pp2", "sample ep2 moe", "sample fsdp dp2"])
+@pytest.mark.parametrize("name", ["sample tp2", "sample tp2 sp", "sample pp2", "sample ep2 moe", "sample fsdp dp2",
+                                  "sample pp2 gemma4"])
 def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
-    ref = samples["moe" if "moe" in name else "dense"]
-    assert any(not t for t in ref["truncated"]) and any(ref["truncated"]), ref  # some stop, some run out
+    """Each layout's rollouts are one process's, token for token; under pipeline stages the model's per-forward
+    carry (Gemma 4's shared keys and values) goes through the stage's layers as through the whole model's."""
+    ref = samples[next((kind for kind in ("moe", "gemma4") if kind in name), "dense")]
+    if "gemma4" not in name:  # (its soft-capped logits at init std 0.3 never pick the end token)
+        assert any(not t for t in ref["truncated"]) and any(ref["truncated"]), ref  # some stop, some run out
     for rank, value in enumerate(check_result(world2, name)):
         assert value["tokens"] == ref["tokens"], f"{name} rank {rank}"
         for got, want in zip(value["logps"], ref["logps"]):

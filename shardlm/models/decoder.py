@@ -188,10 +188,16 @@ class DecoderLM(nn.Module):
         linear = tuple(i for i in range(self.cfg.num_layers) if self.cfg.is_linear_layer(i))
         return KVCache(self.cfg.num_layers, capacity or self.cfg.seq_length, linear)
 
+    def layer_carry(self):
+        """What one forward's layers hand on to later ones, each layer's argument after its documents (None: no
+        argument): sparse attention's shared choice (GLM-5), a dict; Gemma 4 overrides it (shared keys and values)."""
+        return {} if self.cfg.index_layer_types else None
+
     def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None) -> torch.Tensor:
         """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation
         checkpointing is on (and gradients are being recorded); `documents`: packed rows' documents."""
-        extra = ({},) if self.cfg.index_layer_types else ()  # sparse attention's choice, shared on
+        carry = self.layer_carry()
+        extra = () if carry is None else (carry,)
         for layer in layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = recompute(layer, x, None, documents, *extra, rng=self.ctx.rng)
@@ -246,7 +252,8 @@ class DecoderLM(nn.Module):
         x = self.embed(tokens, 0 if cache is None else cache.length, documents)
         if cache is None:
             return self.ln_f(self.run_layers(x, self.layers.values(), documents))
-        extra = ({},) if self.cfg.index_layer_types else ()
+        carry = self.layer_carry()
+        extra = () if carry is None else (carry,)
         for layer, layer_cache in zip(self.layers.values(), cache.layers):
             x = layer(x, layer_cache, None, *extra)
         return self.ln_f(x)

@@ -338,11 +338,15 @@ class Gemma4(Llama):
         projected = (self.ple_projection(x) * self.cfg.hidden_size ** -0.5).unflatten(-1, (-1, d))
         return (self.ple_norm(projected) + table) * 2.0 ** -0.5
 
+    def layer_carry(self) -> SharedKV:
+        """One forward's `SharedKV`: the keys and values KV-sharing layers read."""
+        return SharedKV()
+
     def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None,
                    per_layer: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, h) -> (B, T, h) through `layers` with one `SharedKV` (KV sharing) and each layer's slice of
         `per_layer` (B, T, L, d); each layer recomputed in the backward under activation checkpointing."""
-        carry = SharedKV()
+        carry = self.layer_carry()
         for layer in layers:
             own = None if per_layer is None else per_layer[:, :, layer.index]
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -360,7 +364,7 @@ class Gemma4(Llama):
         per_layer = self.per_layer_inputs(tokens, x)
         if cache is None:
             return self.ln_f(self.run_layers(x, self.layers.values(), documents, per_layer))
-        carry = SharedKV()
+        carry = self.layer_carry()
         for layer, layer_cache in zip(self.layers.values(), cache.layers):
             x = layer(x, layer_cache, None, carry, None if per_layer is None else per_layer[:, :, layer.index])
         return self.ln_f(x)

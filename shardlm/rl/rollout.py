@@ -147,13 +147,15 @@ class InProcessGenerator:
         owner returns the final norm's output."""
         model, ctx, runner = self.model, self.ctx, self.pipeline
         count, x = len(runner.layers), None
+        carry = model.layer_carry()  # GLM-5's shared choice, Gemma 4's shared keys (never across a stage boundary)
+        extra = () if carry is None else (carry,)
         for stage, layer_ids in enumerate(runner.layers):
             owner = stage_owner(stage, ctx.pp_size, count, runner.v_shaped)
             if owner == ctx.pp_rank:
                 if stage == 0:
                     x = model.embed(tokens, 0 if cache is None else cache.length, None)
                 for i in layer_ids:
-                    x = model.layers[str(i)](x, None if cache is None else cache.layers[i])
+                    x = model.layers[str(i)](x, None if cache is None else cache.layers[i], None, *extra)
                 if stage == count - 1:
                     return model.ln_f(x)
             if stage < count - 1:
