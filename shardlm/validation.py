@@ -47,6 +47,10 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
 
     if (problem := check_linear_attention(m, p.tensor, p.context)) is not None:
         raise UserError(problem)
+    if m.arch == "llama":  # Gemma 4's keys (and them on a model that is not Gemma 4's block)
+        from shardlm.models.gemma_config import check_gemma, check_gemma_keys
+
+        check_gemma(m, p.tensor) if m.sandwich_norms else check_gemma_keys(m)
     from shardlm.models.mamba import check_mamba
 
     if (problem := check_mamba(m, p.tensor, p.context)) is not None:

@@ -27,7 +27,9 @@ SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_heads", "vocab_size", "f
               "attention_output_bias", "attention_sinks", "moe_router_bias", "moe_linear_bias", "qk_norm_scope",
               "norm_placement", "index_heads", "index_head_dim", "index_layer_types", "layer_pattern",
               "mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups", "mamba_conv_kernel",
-              "mamba_conv_bias")
+              "mamba_conv_bias", "sandwich_norms", "global_head_dim", "global_kv_heads", "attention_k_eq_v",
+              "kv_shared_layers", "kv_shared_double_mlp", "per_layer_input_size", "per_layer_vocab_size",
+              "moe_beside_mlp", "linear_attention_rule")
 """The [model] keys a checkpoint's tensors depend on: a resume must set each as the checkpoint's run did."""
 
 

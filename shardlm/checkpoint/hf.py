@@ -129,7 +129,8 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
 
         return hf_deepseek_v4.open_hf(hf_dir)
     if kind != "gpt2":
-        families = LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_nemotron_h.KINDS + hf_kimi_linear.KINDS
+        families = (LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_nemotron_h.KINDS + hf_kimi_linear.KINDS
+                    + ("gemma4", "gemma4_text", "deepseek_v4"))
         raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(families)} convert")
     weights = hf_dir / "model.safetensors"
     if not weights.is_file():
