@@ -16,6 +16,7 @@ does not build is refused in one line.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -196,6 +197,39 @@ def test_the_indexer_choice_and_the_hash_table_matter(reference, tmp_path):
 
     hashed = variant_logits(reference, tmp_path / "hash.safetensors", change_tensors=other_table)
     assert (hashed - reference["logits"]).abs().max() > 100 * LOGIT_TOL
+
+
+def test_yarn_on_the_compressed_layers_matches_transformers(tmp_path):
+    """YaRN (factor 4 over 8 original positions) scales the compressed layers' rotary only, cos and sin unscaled:
+    logits within 1e-4 of transformers, and the round trip gives transformers' logits bitwise. Control: the same
+    file read without YaRN moves the logits far."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from shardlm.checkpoint import load_model
+    from shardlm.checkpoint.hf import from_hf, to_hf
+    from shardlm.models.compressed_attention import CompressedAttention, Compressor, inverse_frequencies
+
+    torch.manual_seed(0)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    model = randomized(DeepseekV4ForCausalLM(hf_config(rope_parameters=yarn)))
+    tokens = torch.randint(0, VOCAB, (2, ROW), generator=torch.Generator().manual_seed(1))
+    model.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        expected = model(tokens).logits
+    converted = from_hf(tmp_path / "hf", tmp_path / "yarn.safetensors")
+    ours, _ = load_model(converted, ParallelContext.single())
+    assert (ours.cfg.rope_yarn_factor, ours.cfg.rope_yarn_original_positions) == (4.0, 8)
+    with torch.no_grad():
+        assert (ours.full_logits(ours(tokens)) - expected).abs().max() < LOGIT_TOL
+    reloaded = DeepseekV4ForCausalLM.from_pretrained(to_hf(converted, tmp_path / "back")).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+    plain = inverse_frequencies(replace(ours.cfg, rope_yarn_factor=0.0), True)
+    for module in ours.modules():  # the compressing layers and their compressors without YaRN
+        if isinstance(module, Compressor) or isinstance(module, CompressedAttention) and module.compressor is not None:
+            module.inv_freq = plain
+    with torch.no_grad():
+        assert (ours.full_logits(ours(tokens)) - expected).abs().max() > 100 * LOGIT_TOL
 
 
 def test_a_run_started_from_the_file_or_directory_gives_transformers_first_loss(reference):

@@ -21,9 +21,10 @@ DeepSeek's own directories (the same names without the `model.` prefix, `embed`,
 top) read too. Every tensor maps whole (tid2eid's int64 expert ids as fp32 and back, exact): a round trip is bitwise.
 The config: layer_types and compress_rates become `model.compress_ratios` (0 sliding, the CSA rate, the HCA rate per
 layer; index_topk 0 when no layer is CSA), mlp_layer_types' leading hash_moe layers `model.moe_hash_layers`,
-swiglu_limit `model.swiglu_clip`, compress_rope_theta `model.global_rope_theta`. Refused in one line: YaRN on the
-compressed layers, other scoring functions, hash layers after a routed one, more than one shared expert,
-quantized weights. The multi-token-prediction layers (which transformers neither builds nor saves) are left out.
+swiglu_limit `model.swiglu_clip`, compress_rope_theta `model.global_rope_theta`, the compressed layers' YaRN
+`model.rope_yarn_*`. Refused in one line: other scaled rotaries, other scoring functions, hash layers after a routed
+one, more than one shared expert, quantized weights. The multi-token-prediction layers (which transformers neither
+builds nor saves) are left out.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, weight_files, write_directory
+from shardlm.checkpoint.hf_common import HFTensor, weight_files, write_directory, yarn_keys
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.compressed_attention import compressed_kinds
@@ -63,7 +64,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     quantized = (hf.get("quantization_config") or {}).get("quant_method")
     refusals = [
         (not quantized, f"quantized weights ({quantized})"),
-        (_rope(hf, "compress").get("rope_type", "default") == "default", "YaRN on its compressed layers"),
+        (_rope(hf, "compress").get("rope_type", "default") in ("default", "yarn")
+         and _rope(hf, "compress").get("attention_factor", 1.0) == 1.0, "a compressed rotary other than default or "
+         "yarn without attention factor"),
+        (_rope(hf, "main").get("rope_type", "default") == "default", "a scaled rotary on its sliding layers"),
         (hf.get("scoring_func", "sqrtsoftplus") == "sqrtsoftplus", f"scoring_func={hf.get('scoring_func')!r}"),
         (mlp == ["hash_moe"] * hashed + ["moe"] * (layers - hashed), "hash_moe layers after a routed one"),
         (hf.get("n_shared_experts", 1) == 1, "other than one shared expert"),
@@ -92,7 +96,17 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         index_head_dim=hf.get("index_head_dim", 128), moe_num_experts=hf["n_routed_experts"],
         moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_shared_experts=1,
         moe_score="sqrtsoftplus", moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-        moe_expert_bias=True, moe_hash_layers=hashed, swiglu_clip=float(hf.get("swiglu_limit", 0.0)))
+        moe_expert_bias=True, moe_hash_layers=hashed, swiglu_clip=float(hf.get("swiglu_limit", 0.0)), **_yarn(hf))
+
+
+def _yarn(hf: dict) -> dict:
+    """The `rope_yarn_*` keys of the compressed layers' YaRN (transformers' V4 always truncates the correction
+    range: it reads `truncate` beside "main" and "compress", where it never is)."""
+    params = _rope(hf, "compress")
+    if params.get("rope_type") != "yarn":
+        return {}
+    return {**yarn_keys(params, hf.get("max_position_embeddings", 4096)), "rope_yarn_truncate": True,
+            "rope_yarn_mscale": 0.0, "rope_yarn_mscale_all_dim": 0.0}
 
 
 def _layer_names(cfg: ModelConfig, i: int, kind: str) -> list[tuple[str, str]]:
@@ -187,7 +201,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": cfg.rope_theta,
                                      "partial_rotary_factor": rotary},
                             "compress": {"rope_type": "default", "rope_theta": cfg.global_rope_theta,
-                                         "partial_rotary_factor": rotary}},
+                                         "partial_rotary_factor": rotary, **_yarn_parameters(cfg)}},
         "layer_types": [names[kind] for kind in kinds], "compress_rates": rates, "hc_mult": cfg.hc_mult,
         "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
         "mlp_layer_types": ["hash_moe" if i < cfg.moe_hash_layers else "moe" for i in range(cfg.num_layers)],
@@ -197,6 +211,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "initializer_range": cfg.init_std, "attention_dropout": cfg.attention_dropout_p, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
     }
+
+
+def _yarn_parameters(cfg: ModelConfig) -> dict:
+    """The compressed layers' YaRN settings of `rope_parameters["compress"]` (none without YaRN)."""
+    if not cfg.rope_yarn_factor:
+        return {}
+    return {"rope_type": "yarn", "factor": cfg.rope_yarn_factor,
+            "original_max_position_embeddings": cfg.rope_yarn_original_positions,
+            "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow, "attention_factor": 1.0}
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:

@@ -3,7 +3,7 @@ sliding window, beside compressed entries of the whole past, with a learned sink
 
     q_res = RMSNorm(q_a x);  q = RMSNorm_unweighted(q_b q_res) per head;  kv = RMSNorm(kv x)      (B, T, D)
     q and kv rotated on their last qk_rope_head_dim channels (interleaved pairs), at theta rope_theta on
-    sliding-only layers and global_rope_theta (compress_rope_theta) on compressing ones
+    sliding-only layers and global_rope_theta (compress_rope_theta, with YaRN if set) on compressing ones
     keys/values: kv of the last sliding_window positions (itself included), then the layer's compressed entries
     softmax over [q k / sqrt(D), sink]; the sink's share dropped; the output's rotary channels rotated back (-sin)
     grouped output: heads in output_groups groups, each (H / g) D -> output_rank (o_a), then g r -> h (o_b)
@@ -29,6 +29,7 @@ row order, every rank computes the keys and entries of the whole row and attends
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
+from shardlm.models.rotary import rope_inverse_frequencies
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -49,9 +51,19 @@ from shardlm.parallel import (
 from shardlm.parallel.init import normal_shard, param_seed
 
 
-def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(cfg: ModelConfig, compressed: bool, device=None) -> torch.Tensor:
+    """(qk_rope_head_dim / 2,) fp32: theta^(-2i / rope) at rope_theta on sliding-only layers, at global_rope_theta on
+    compressing ones and their compressors, there with YaRN when model.rope_yarn_factor is set (transformers' V4
+    scales only those, and leaves cos and sin unscaled: attention_factor 1)."""
+    if compressed and cfg.rope_yarn_factor:
+        return rope_inverse_frequencies(replace(cfg, rope_theta=cfg.global_rope_theta), cfg.qk_rope_head_dim,
+                                        device)[0]
+    rope, theta = cfg.qk_rope_head_dim, cfg.global_rope_theta if compressed else cfg.rope_theta
+    return 1.0 / (theta ** (torch.arange(0, rope, 2, dtype=torch.float, device=device) / rope))
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (T,) -> (cos, sin), each (T, rope_dim / 2) fp32: one angle per interleaved pair."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float, device=positions.device) / rope_dim))
     freqs = positions[:, None].float() * inv_freq
     return freqs.cos(), freqs.sin()
 
@@ -88,7 +100,7 @@ class Compressor(nn.Module):
                  overlap: bool):
         super().__init__()
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
-        self.eps, self.rope, self.theta = cfg.layernorm_epsilon, cfg.qk_rope_head_dim, cfg.global_rope_theta
+        self.eps, self.inv_freq = cfg.layernorm_epsilon, inverse_frequencies(cfg, True, ctx.device)
         width = (2 if overlap else 1) * dim
         for name in ("kv", "gate"):
             setattr(self, name, nn.Parameter(normal_shard((width, cfg.hidden_size), cfg.init_std,
@@ -109,7 +121,7 @@ class Compressor(nn.Module):
             kv, gate = torch.cat((before_kv, kv[..., d:]), dim=2), torch.cat((before_gate, gate[..., d:]), dim=2)
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
         pooled = rms_norm(pooled, shared(self.kv_norm), self.eps)
-        cos, sin = rope_angles(torch.arange(W, device=x.device) * m, self.rope, self.theta)
+        cos, sin = rope_angles(torch.arange(W, device=x.device) * m, self.inv_freq)
         return rotate_tail(pooled, cos, sin)
 
 
@@ -167,9 +179,9 @@ class CompressedAttention(nn.Module):
         self.ctx, self.tp, self.sequence_parallel = ctx, ctx.tp, sequence_parallel
         self.heads, self.dim, self.window = cfg.num_heads // ctx.tp_size, cfg.head_dim, cfg.sliding_window
         self.groups = cfg.output_groups // ctx.tp_size
-        self.eps, self.rope = cfg.layernorm_epsilon, cfg.qk_rope_head_dim
+        self.eps = cfg.layernorm_epsilon
         kind = compressed_kinds(cfg)[layer]
-        self.theta = cfg.rope_theta if kind == "sliding" else cfg.global_rope_theta
+        self.inv_freq = inverse_frequencies(cfg, kind != "sliding", ctx.device)  # not a buffer: DDP broadcasts those
         h, std, dev = cfg.hidden_size, cfg.init_std, ctx.device
 
         def replicated(name: str, shape: tuple[int, int]) -> nn.Parameter:
@@ -234,13 +246,13 @@ class CompressedAttention(nn.Module):
         """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of
         x_all (B, S, h), the inputs of every key position 0 .. S - 1 -> (B, T, output_groups / tp x output_rank)."""
         B, T, _ = x.shape
-        cos, sin = rope_angles(positions, self.rope, self.theta)
+        cos, sin = rope_angles(positions, self.inv_freq)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
         q = unweighted_rms_norm(self.q_b.local(q_res).view(B, T, self.heads, self.dim).transpose(1, 2), self.eps)
         q = rotate_tail(q, cos, sin)  # (B, heads, T, D)
         key_positions = torch.arange(x_all.shape[1], device=x.device)
         kv = rms_norm(F.linear(x_all, self.shared(self.kv)), self.shared(self.kv_norm), self.eps)
-        kv = rotate_tail(kv, *rope_angles(key_positions, self.rope, self.theta))  # (B, S, D)
+        kv = rotate_tail(kv, *rope_angles(key_positions, self.inv_freq))  # (B, S, D)
         distance = positions.view(-1, 1) - key_positions.view(1, -1)
         bias = torch.zeros(T, x_all.shape[1], device=x.device).masked_fill((distance < 0) | (distance >= self.window),
                                                                      float("-inf")).expand(B, T, -1)

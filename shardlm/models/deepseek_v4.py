@@ -14,7 +14,8 @@ routed_scaling; SwiGLU experts and one shared expert with DeepSeek-V4's clip (`s
 parallelism the hash layers read the tokens of their rank's chunk; under pipeline parallelism the streams travel
 between stages as the activations (B, T, n, h), and the hash layers must be on the first stage (which embeds the
 tokens); packed rows attend document by document; under context parallelism each layer gathers its input over the
-CP group. Refused in one line (`check_deepseek_v4`): multi-token prediction, YaRN, dropout.
+CP group; YaRN (`rope_yarn_*`) scales the compressed layers' rotary only. Refused in one line (`check_deepseek_v4`):
+multi-token prediction, dropout.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def check_deepseek_v4(m: ModelConfig, context: int = 1) -> str | None:
          and m.moe_score == "sqrtsoftplus", 'DeepSeek-V4 needs MoE in every layer and model.moe_score="sqrtsoftplus"'),
         (0 <= m.moe_hash_layers <= m.num_layers and m.swiglu_limit == 0 and m.swiglu_clip >= 0,
          "model.moe_hash_layers must be in 0..num_layers; DeepSeek-V4 clips with swiglu_clip (not swiglu_limit)"),
-        (not m.mtp_layers and not m.rope_yarn_factor, "DeepSeek-V4's multi-token prediction and YaRN are not built"),
+        (not m.mtp_layers, "DeepSeek-V4's multi-token prediction layers are not built; set model.mtp_layers = 0"),
         (m.dropout == 0 and m.attention_dropout_p == 0, "DeepSeek-V4 has no dropout; set model.dropout = 0"),
     ]
     return next((message for ok, message in checks if not ok), None)
