@@ -35,10 +35,24 @@ WHOLE = {"wte", "lm_head", "ln_f"}  # modules_to_save's modules
 def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{shardlm module: (HF module, conversion)} of every projection an adapter can go on and of the modules
     `modules_to_save` trains; conversion "qkv" for GPT-2's fused c_attn, "copy" otherwise."""
+    unmapped = ("Kimi Linear" if cfg.linear_attention_rule == "kimi_delta" else "DeepSeek-V4" if cfg.hc_mult else
+                None)
+    if unmapped:
+        raise UserError(f"{unmapped} adapters do not export to peft yet; merge them into the base instead "
+                        "(shardlm convert --to-hf of the LoRA checkpoint)")
     if cfg.arch == "gpt":
         from shardlm.checkpoint.hf import name_map
 
         pairs = [(ours, theirs, "qkv" if kind == "qkv" else "copy") for ours, theirs, kind in name_map(cfg.num_layers)]
+    elif cfg.arch == "llama" and cfg.layer_pattern:  # Nemotron-H: a Mamba-2 layer's in_proj is one fused matrix
+        from shardlm.checkpoint import hf_nemotron_h
+
+        pairs = [(ours, theirs, "copy") for ours, theirs, rows in hf_nemotron_h.name_map(cfg) if rows is None]
+    elif cfg.arch == "llama" and cfg.sandwich_norms:  # Gemma 4: the text model's names under `model.`
+        from shardlm.checkpoint import hf_gemma4
+
+        pairs = [(ours, theirs if ours == "lm_head.weight" else f"model.{theirs}", "copy")
+                 for ours, theirs in hf_gemma4.name_map(cfg)]
     elif cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek: the rotary rows of q (q_b) and kv_a interleave
         from shardlm.checkpoint.hf_deepseek import name_map
 
