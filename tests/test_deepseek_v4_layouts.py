@@ -10,8 +10,8 @@ random table). In one world of 2:
   choice of entries on both ranks, their gradients summed over TP); under SP the streams are sequence chunks and the
   hash layer reads its chunk's tokens;
 - PP=2: the (B, T, 2, h) streams handed between the stages (the hash layer on the first);
-- CP=2: each layer's input gathered over the CP ranks, the keys and entries of the whole row (of each document)
-  computed on both, each rank attending its zigzag queries;
+- CP=2 (and CP=3 on rows of 48, world 3): each layer's input gathered over the CP ranks, the keys and entries of
+  the whole row (of each document) computed on every rank, each attending its zigzag queries;
 - DP=2 with ZeRO-1, FSDP DP=2, EP=2, LoRA at TP=2 with SP (adapters on q_b and the SwiGLUs), TP=2 with SP and full
   recomputation (the tokens for the hash layer handed to the recomputed layers too).
 The control: at TP=2 with SP, the replicated weights' gradients not summed over TP ends far off.
@@ -26,13 +26,15 @@ import numpy as np
 import pytest
 import torch
 from test_moe_parallel import stage_parameters
-from test_sft_layouts import train_data, valid_data
+from test_sft_layouts import conversations, train_data, valid_data
 from test_training import VOCAB
 
 from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.errors import UserError
 from shardlm.models import compressed_attention
 from shardlm.parallel import ParallelContext
+from shardlm.sft.dataset import PackedDataset
+from shardlm.sft.packing import PackedRows
 from shardlm.training.trainer import Trainer
 
 from agreement import assert_every_rank, assert_trained_but_off
@@ -80,10 +82,22 @@ def with_hash_table(trainer: Trainer) -> None:
             param.data.copy_(table)
 
 
+SEQ3 = 48
+"""Rows for CP=3 (a multiple of 2 x 3)."""
+
+
+def packed_rows_of_48() -> tuple:
+    """`test_sft_layouts`' conversations packed into rows of SEQ3 tokens (training, validation)."""
+    return (PackedDataset(PackedRows(conversations(1, 40), SEQ3, "bfd", seed=5)),
+            PackedDataset(PackedRows(conversations(2, 16), SEQ3, "bfd", seed=None), epochs=1))
+
+
 def train_v4(ctx: ParallelContext, config, packed: bool = True) -> dict:
     """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages), on
-    the packed rows (or the plain ones)."""
+    the packed rows (or the plain ones; rows of 48 when the config's are)."""
     data = (train_data(), valid_data()) if packed else (rows(0, STEPS * 8), rows(1, 16))
+    if config.model.seq_length == SEQ3:
+        data = packed_rows_of_48()
     trainer = Trainer(config, ctx, *data)
     with_hash_table(trainer)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
@@ -124,6 +138,17 @@ WORLD2 = {
 CONTROLS = {"control tp2 sp unshared": layout(tp=2, sp=True, control="unshared")}
 
 
+def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, **train) -> dict:
+    config = v4_config(tp=tp, pp=pp, cp=cp, ep=ep, micro=8, **train)
+    config.model.seq_length = SEQ3
+    return train_v4(layout_context(tp, pp, cp, ep), config)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return spawn_layouts(3, run_rows_of_48, {"cp3": layout(cp=3)})
+
+
 @pytest.fixture(scope="module")
 def world2():
     return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
@@ -132,8 +157,10 @@ def world2():
 @pytest.fixture(scope="module")
 def reference():
     ctx = ParallelContext.single()
+    rows_of_48 = v4_config(micro=8)
+    rows_of_48.model.seq_length = SEQ3
     return {"packed": train_v4(ctx, v4_config()), "plain": train_v4(ctx, v4_config(), packed=False),
-            "lora": train_v4(ctx, v4_config(lora=4))}
+            "lora": train_v4(ctx, v4_config(lora=4)), "rows of 48": train_v4(ctx, rows_of_48)}
 
 
 def kind_of(name: str) -> str:
@@ -143,6 +170,11 @@ def kind_of(name: str) -> str:
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_deepseek_v4_at_two_ranks_equals_one_process(world2, reference, name):
     assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+def test_deepseek_v4_at_context_parallel_three_equals_one_process(world3, reference):
+    """CP=3 on rows of 48: each rank's two zigzag chunks of 8 put back in row order among six."""
+    assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("kind", ["packed", "plain", "lora"])
