@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
+from shardlm.post_training_config import DistillConfig, LoraConfig, PreferenceConfig, RLConfig, SFTConfig
 
 try:
     import tomllib
@@ -80,134 +81,6 @@ class DataConfig:
     document_mask: bool = False
     """GPT / Llama pretraining: each document of a sample (cut at end-of-document tokens) attends only to
     itself and its positions restart at 0, as Llama 3 trained."""
-
-
-@dataclass
-class SFTConfig:
-    """The `[sft]` section: instruction fine-tuning on chat records instead of [data] (`docs/sft.md`)."""
-
-    data: list = field(default_factory=list)
-    """JSONL or Parquet files of `messages`, `prompt`/`completion` or instruction records; set: an SFT run."""
-    tokenizer: str = ""
-    """Hugging Face tokenizer directory with the chat template; empty: checkpoint.init_from's directory."""
-    template: str = ""
-    """A .jinja file replacing the tokenizer's chat template (e.g. one with {% generation %} tags)."""
-    end_of_turn: str = ""
-    """The token that ends an assistant turn; empty: the tokenizer's eos_token or a generation_config.json eos id."""
-    fields: str = "auto"
-    """Instruction records' keys: "auto" (Dolly's, then Alpaca's), "dolly" or "alpaca"."""
-    system_prompt: str = ""
-    """A system turn put first in every conversation that has none."""
-    packing: str = "bfd"
-    """Conversations per row: "bfd" (best-fit-decreasing), "greedy" (in order) or "pad" (one per row)."""
-    overflow: str = "truncate"
-    """A conversation longer than model.seq_length: "truncate" or "drop" (both counted and reported)."""
-    shuffle: bool = True
-    """Reshuffle and repack the conversations every epoch (by train.seed); false keeps the records' order."""
-    valid_fraction: float = 0.05
-    """Share of the conversations held out for the validation loss over assistant tokens (0: none)."""
-
-
-@dataclass
-class PreferenceConfig:
-    """The `[preference]` section: preference optimization (DPO and its relatives) on the preference records of
-    [sft]'s data (`prompt`, `chosen`, `rejected`), with [sft]'s tokenizer and template (`docs/preference.md`)."""
-
-    loss: str = ""
-    """"sigmoid" (DPO), "ipo", "hinge", or the reference-free "simpo" and "orpo"; empty: no preference run."""
-    beta: float = 0.1
-    """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
-    label_smoothing: float = 0.0
-    """sigmoid: the share of pairs assumed flipped (conservative DPO), in [0, 0.5)."""
-    simpo_gamma: float = 0.5
-    """simpo: the target margin gamma of the length-normalized rewards."""
-    reference: str = "auto"
-    """The reference model's log-probabilities: "precomputed" (one pass of the starting weights over the data
-    before the first step, saved in the run directory), "adapters" (a LoRA run's base: the same forward with the
-    adapters off, no extra memory), "auto" (adapters with LoRA, else precomputed)."""
-
-
-@dataclass
-class RLConfig:
-    """The `[rl]` section: online reinforcement learning with verifiable rewards (GRPO and its 2025 variants). The
-    prompts are [sft]'s records (text or messages, rendered with [sft]'s tokenizer and template; their other columns
-    go to the reward functions) or a built-in task; the completions are sampled by the policy itself, at the
-    training layout (`docs/rl.md`). `train.global_batch_size` counts rows; each step's sequences are packed into
-    that many rows of model.seq_length tokens."""
-
-    loss: str = ""
-    """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch) or "cispo", as TRL defines them; empty:
-    no RL run."""
-    task: str = ""
-    """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
-    task_size: int = 512
-    """Prompts of the built-in task."""
-    num_generations: int = 8
-    """Completions sampled per prompt (G, the group)."""
-    prompts_per_step: int = 0
-    """Prompts per generation batch (each gives num_generations sequences); 0: train.global_batch_size //
-    num_generations."""
-    max_completion_length: int = 64
-    """Tokens sampled per completion at most; a completion that reaches it without the end-of-turn token is
-    truncated."""
-    temperature: float = 1.0
-    """Sampling temperature; the log-probabilities are those of the temperature-scaled logits (as TRL's)."""
-    top_p: float = 1.0
-    """Nucleus sampling (1 disables it)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens (0 disables it)."""
-    beta: float = 0.0
-    """Weight of the KL penalty to the reference (k3 estimator); 0: no reference model."""
-    epsilon: float = 0.2
-    """Lower clipping range of the importance ratio (1 - epsilon)."""
-    epsilon_high: float = 0.0
-    """Upper clipping range (DAPO's clip-higher; cispo: the cap on the ratio itself); 0: epsilon."""
-    scale_rewards: str = "group"
-    """Advantages are reward minus the group mean, divided by the "group"'s std, the "batch"'s std, or "none"."""
-    num_iterations: int = 1
-    """Optimizer steps per generation batch (the ratio taken against the rollout's old log-probabilities)."""
-    importance_sampling: str = "token"
-    """"token" (GRPO) or "sequence" (GSPO: the mean log-ratio over the completion's tokens)."""
-    mask_truncated_completions: bool = False
-    """Give truncated completions no loss (they still count as sequences in the normalizers, as in TRL)."""
-    rewards: list = field(default_factory=lambda: ["math"])
-    """Reward functions: "math" (the last number or \\boxed{} against the record's `answer`), "format" (a regex,
-    rl.format_pattern) or "module:function" with TRL's signature."""
-    reward_weights: list = field(default_factory=list)
-    """Weight of each reward function (empty: 1 each); the reward is their weighted sum."""
-    format_pattern: str = ""
-    """The "format" reward's regex, matched against the whole completion."""
-    batch_invariant: bool = False
-    """Batch-invariant numerics (`shardlm.parallel.invariant`): the rollout's log-probabilities equal the training
-    forward's bitwise in fp32 (dense attention models), at the cost of slower attention; off: they differ by
-    round-off (logged as logprob_diff_max)."""
-    completions: str = ""
-    """A JSONL file of fixed completions (`{"step": s, "sequence": j, "ids": [...]}`) used instead of sampling:
-    for checking a layout or another trainer on the same tokens."""
-
-
-@dataclass
-class LoraConfig:
-    """The `[lora]` section: train low-rank adapters on a frozen base instead of every weight (`docs/lora.md`)."""
-
-    rank: int = 0
-    """Adapter rank r (8-64 are usual); 0: no adapters, every weight trains."""
-    alpha: float = 16.0
-    """Scale numerator: the adapter's output is multiplied by alpha / r (alpha / sqrt(r) with rslora)."""
-    dropout: float = 0.0
-    """Dropout on each adapter's input, as peft's lora_dropout."""
-    targets: list = field(default_factory=lambda: ["all-linear"])
-    """Projections that get adapters, by shardlm or Hugging Face name (q/q_proj, k, v, o, qkv, proj, fc, gate,
-    up, down): "all-linear" is every attention and MLP projection (never the router or the output layer)."""
-    rslora: bool = False
-    """rsLoRA: scale by alpha / sqrt(r) instead of alpha / r."""
-    modules_to_save: list = field(default_factory=list)
-    """Whole modules trained in full beside the adapters, by name: "embedding" (wte / embed_tokens),
-    "output" (lm_head), "norm" (the final norm)."""
-    quantize: str = ""
-    """QLoRA: "nf4" stores the frozen projections of the transformer layers and the MoE experts in 4-bit NormalFloat
-    with double quantization (each matrix quantized whole, the same base at every layout), dequantized in the
-    forward; empty: the base stays in train.param_dtype."""
 
 
 @dataclass
@@ -333,40 +206,6 @@ class LogConfig:
     """Progress bar with ETA on rank 0."""
     plot: bool = True
     """Write loss_curve.png at the end."""
-
-
-@dataclass
-class DistillConfig:
-    """The `[distill]` section: knowledge distillation from a frozen teacher on [sft]'s records (the teacher scores
-    the dataset's own answers), the divergence computed over the vocabulary-parallel logits of both models at the
-    training layout (`docs/distillation.md`). The loss is the sum over the answer tokens of the global batch of
-    each token's divergence, over their count (TRL's "batchmean")."""
-
-    teacher: str = ""
-    """The frozen teacher: a Hugging Face model directory or a shardlm checkpoint (a consolidated file or a sharded
-    directory) with the student's vocabulary; empty: no distillation."""
-    loss: str = "jsd"
-    """"jsd": the generalized Jensen-Shannon divergence of the whole next-token distributions (`beta`); "token_kl":
-    on-policy distillation's per-token reverse KL of the row's own tokens, log p_student - log p_teacher at each
-    answer token, minimized as a reward (its gradient (log p_s - log p_t) x grad log p_s, the teacher's score a
-    per-token advantage; meant for on-policy steps, `lmbda` 1, where the tokens are the student's samples)."""
-    beta: float = 0.5
-    """The generalized Jensen-Shannon divergence's weight of the teacher's side, as TRL's `generalized_jsd_loss`:
-    beta KL(teacher || mixture) + (1 - beta) KL(student || mixture), the mixture (1 - beta) student + beta teacher;
-    0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)."""
-    temperature: float = 1.0
-    """Both models' logits are divided by it before the divergence (as TRL's DistillationTrainer; no T^2 factor)."""
-    teacher_dtype: str = "fp32"
-    """The teacher's weights: "fp32", or "bf16" (half the memory; its forward then runs under bf16 autocast)."""
-    lmbda: float = 0.0
-    """GKD's lambda: the share of steps trained on the student's own completions (on-policy distillation). Each step
-    is on-policy with this probability (drawn from train.seed and the step): every conversation of the step's rows
-    is cut before its last answer, the student completes it at the training layout (KV cache, the RL generator),
-    and the divergence is taken over the sampled tokens. 0: offline only (the records' own answers)."""
-    max_new_tokens: int = 128
-    """An on-policy completion's length at most (it stops earlier at the end-of-turn token)."""
-    sampling_temperature: float = 1.0
-    """The temperature the student samples its on-policy completions at (TRL's GKDConfig.temperature)."""
 
 
 @dataclass
