@@ -214,6 +214,8 @@ def _validate_lora(config: RunConfig) -> None:
         projections = projections - {"k", "v"} | ({"q_a", "q_b"} if m.q_lora_rank else {"q"}) | {"kv_a", "kv_b"}
         if m.linear_attention_rule == "kimi_delta" and any(m.is_linear_layer(i) for i in range(m.num_layers)):
             projections |= {"k", "v"}  # Kimi Linear's KDA layers beside its MLA ones
+    if m.hc_mult:  # DeepSeek-V4: q_b (the replicated q_a, kv and compressors and the grouped o_a take none)
+        projections = projections - {"q", "k", "v", "o"} | {"q_b"}
     if m.moe_num_experts:  # the experts take "experts"; gate/up/down name dense or shared MLPs only
         projections.add("experts")
         if not (m.moe_first_dense_layers or m.moe_shared_experts or m.moe_layer_interval > 1):
@@ -382,7 +384,8 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
                                          f"parallel.tensor={p.tensor} (experts are split over TP)"),
         (m.moe_shared_experts >= 0 and m.moe_first_dense_layers >= 0 and m.moe_layer_interval >= 1,
          "model.moe_shared_experts and model.moe_first_dense_layers must be >= 0, model.moe_layer_interval >= 1"),
-        (m.moe_score in ("softmax", "sigmoid"), f'model.moe_score="{m.moe_score}" must be "softmax" or "sigmoid"'),
+        (m.moe_score in ("softmax", "sigmoid", "sqrtsoftplus"),
+         f'model.moe_score="{m.moe_score}" must be "softmax", "sigmoid" or "sqrtsoftplus" (DeepSeek-V4)'),
         (m.moe_group_score in ("auto", "top2_sum", "max"),
          f'model.moe_group_score="{m.moe_group_score}" must be "auto", "top2_sum" or "max"'),
         (m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0 and m.moe_expert_bias_rate >= 0,

@@ -36,6 +36,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.sft.dataset import PackedDataset
 from shardlm.sft.packing import PackedRows
 from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_trained_but_off
 from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
@@ -98,6 +99,7 @@ def train_v4(ctx: ParallelContext, config, packed: bool = True) -> dict:
     data = (train_data(), valid_data()) if packed else (rows(0, STEPS * 8), rows(1, 16))
     if config.model.seq_length == SEQ3:
         data = packed_rows_of_48()
+    validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, *data)
     with_hash_table(trainer)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]

@@ -88,7 +88,8 @@ def check_gemma_keys(cfg: ModelConfig) -> None:
                             f'model.norm_placement="pre", not "{cfg.norm_placement}"')
         return
     defaults = ModelConfig()
-    used = [key for key in GEMMA_KEYS if getattr(cfg, key) != getattr(defaults, key)]
+    shared = {"global_rope_theta"} if cfg.hc_mult else set()  # DeepSeek-V4's compressing layers' rotary base too
+    used = [key for key in GEMMA_KEYS if getattr(cfg, key) != getattr(defaults, key) and key not in shared]
     if cfg.global_rope_fraction != 1.0:
         used.append("global_rope_fraction")
     if used:
