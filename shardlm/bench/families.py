@@ -10,7 +10,10 @@ so that every piece of the family takes part in the loss:
 - OLMo 3 (`Olmo3ForCausalLM`): post-norms, QK-norm over whole projections, a sliding window on 3 of 4 layers (dense:
   no `hf_eager` program);
 - MiniMax-M2 (`MiniMaxM2ForCausalLM`): whole-projection QK-norm, partial RoPE, sigmoid routing with the
-  score-correction bias in every layer.
+  score-correction bias in every layer;
+- Gemma 4 (`Gemma4ForCausalLM`, an E-series shape: dense): sandwich norms, sliding and full layers in turn (k = v
+  and proportional RoPE on the full ones), the last (full) layer sharing the previous full layer's keys and values,
+  per-layer inputs, the final soft-cap.
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ class FamilyShape:
             rope = {kind: {"rope_type": "default", "rope_theta": 500000.0} for kind in set(layer_types)}
             return tf.Olmo3Config(**common, num_key_value_heads=self.num_kv_heads, intermediate_size=self.ffn,
                                   sliding_window=self.window, layer_types=layer_types, rope_parameters=rope)
+        if self.family == "gemma4":
+            sliding, full = "sliding_attention", "full_attention"
+            layer_types = [full if i % 2 else sliding for i in range(self.num_layers)]  # the last: a shared full
+            rope = {sliding: {"rope_type": "default", "rope_theta": 10000.0},
+                    full: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+            return tf.Gemma4TextConfig(**(common | {"tie_word_embeddings": True}), intermediate_size=self.ffn,
+                                       num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                       global_head_dim=2 * self.head_dim, num_global_key_value_heads=1,
+                                       attention_k_eq_v=True, num_kv_shared_layers=1, sliding_window=self.window,
+                                       layer_types=layer_types, rope_parameters=rope, final_logit_softcapping=30.0,
+                                       hidden_size_per_layer_input=16, vocab_size_per_layer_input=self.vocab_size)
         return tf.MiniMaxM2Config(**common, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
                                   intermediate_size=self.expert_ffn, num_local_experts=self.experts,
                                   num_experts_per_tok=self.top_k, rotary_dim=self.head_dim // 2, rope_theta=5e6,
@@ -109,6 +123,7 @@ FAMILIES = {
     "mistral4": HFModel("Mistral4ForCausalLM", "Mistral4Experts", save_hf_model,
                         model_overrides={"moe_aux_loss_coeff": 0.0, "mtp_layers": 0}),
     "olmo3": HFModel("Olmo3ForCausalLM", None, save_hf_model),
+    "gemma4": HFModel("Gemma4ForCausalLM", None, save_hf_model),
     "minimax_m2": HFModel("MiniMaxM2ForCausalLM", "MiniMaxM2Experts", save_hf_model,
                           model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
 }
@@ -116,9 +131,10 @@ FAMILIES = {
 expert bias, as transformers trains."""
 
 SHAPES = {"mistral4": FamilyShape("mistral4"), "olmo3": FamilyShape("olmo3", experts=0),
-          "minimax_m2": FamilyShape("minimax_m2")}
-QUICK = {name: FamilyShape(name, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=96,
-                           experts=shape.experts and 4, expert_ffn=32, window=16, seq_length=64, vocab_size=512)
+          "minimax_m2": FamilyShape("minimax_m2"), "gemma4": FamilyShape("gemma4", num_kv_heads=2, experts=0)}
+QUICK = {name: FamilyShape(name, num_layers=4 if name == "gemma4" else 2, hidden_size=64, num_heads=4,
+                           num_kv_heads=2, head_dim=16, ffn=96, experts=shape.experts and 4, expert_ffn=32, window=16,
+                           seq_length=64, vocab_size=512)
          for name, shape in SHAPES.items()}
 
 

@@ -116,6 +116,8 @@ KEYS = {
     "families.minimax_m2.fp32.ratio": "shardlm tokens/s / transformers' MiniMaxM2ForCausalLM as shipped, per round "
                                       "(fp32)",
     "families.minimax_m2.loss_check.match": "the same check for MiniMax-M2",
+    "families.gemma4.fp32.ratio": "shardlm tokens/s / transformers' Gemma4ForCausalLM as shipped, per round (fp32)",
+    "families.gemma4.loss_check.match": "the same check for Gemma 4",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
