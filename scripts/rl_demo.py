@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from shardlm.cli import main as shardlm
+from shardlm.rl.arithmetic import DIFFICULTIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "grpo-tiny.toml"
@@ -58,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sft-steps", type=int, default=400, help="steps of the SFT warm-up")
     parser.add_argument("--rl-steps", type=int, default=None, help="the RL run's train.steps (default: "
                                                                    "configs/grpo-tiny.toml's)")
-    parser.add_argument("--difficulty", default="small", help="arithmetic difficulty of every set")
+    parser.add_argument("--difficulty", default="small", choices=DIFFICULTIES,
+                        help="arithmetic difficulty of every set (shardlm.rl.arithmetic)")
     parser.add_argument("--sft-records", type=int, default=2000, help="problems of the warm-up")
     parser.add_argument("--prompts", type=int, default=256, help="RL prompts")
     parser.add_argument("--held-out", type=int, default=100, help="held-out prompts, none trained on")
@@ -170,6 +172,7 @@ def accuracy(checkpoints: Path, tokenizer: Path, records: list[dict], max_new_to
 
 
 def plot(summary: dict, path: Path) -> None:
+    """The mean reward of every RL step (and its running mean) with the held-out accuracy before and after."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,6 +199,31 @@ def plot(summary: dict, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def summarize(args: argparse.Namespace, config, sets: dict, runs: dict, scored: dict) -> dict:
+    """rl_demo.json's content: the settings, every RL step's mean reward, the SFT loss curve, the held-out accuracy
+    and replies before and after, the runs' wall and CPU seconds and the machine."""
+    rl_metrics = [r for r in runs["rl"]["metrics"] if "reward" in r]
+    m, r = config.model, config.rl
+    summary = {
+        "model": f"{m.num_layers} layers x hidden {m.hidden_size}, a {m.vocab_size}-token vocabulary",
+        "difficulty": args.difficulty, "sft_steps": args.sft_steps, "rl_steps": len(rl_metrics),
+        "loss": r.loss, "rollouts": f"{r.num_generations} completions x {r.prompts_per_step} prompts a round, "
+                                    f"{r.num_iterations} step(s) each, temperature {r.temperature:g}",
+        "records": {name: len(records) for name, records in sets.items()}, "held_out": len(sets["held_out"]),
+        "reward": [[rec["step"], rec["reward"]] for rec in rl_metrics],
+        "sft_loss": [[rec["step"], rec["loss"]] for rec in runs["sft"]["metrics"] if "loss" in rec],
+        "held_out_accuracy": {when: share for when, (share, _) in scored.items()},
+        "examples": {when: examples for when, (_, examples) in scored.items()},
+        "wall_s": {name: run["wall_s"] for name, run in runs.items()},
+        "cpu_s": {name: run["cpu_s"] for name, run in runs.items()},
+        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    }
+    rewards = [value for _, value in summary["reward"]]
+    k = min(5, len(rewards))
+    summary["reward_first5"], summary["reward_last5"] = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    return summary
 
 
 def main(argv=None) -> int:
@@ -227,27 +255,9 @@ def main(argv=None) -> int:
     length = config.rl.max_completion_length
     scored = {"before": accuracy(out / "sft" / "checkpoints", tokenizer, sets["held_out"], length),
               "after": accuracy(out / "rl" / "checkpoints", tokenizer, sets["held_out"], length)}
-    held = {when: share for when, (share, _) in scored.items()}
     runs["evaluation"] = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu}
     runs["total"] = {"wall_s": time.perf_counter() - start_wall, "cpu_s": cpu_seconds() - start_cpu}
-    rl_metrics = [r for r in runs["rl"]["metrics"] if "reward" in r]
-    m, r = config.model, config.rl
-    summary = {
-        "model": f"{m.num_layers} layers x hidden {m.hidden_size}, a {m.vocab_size}-token vocabulary",
-        "difficulty": args.difficulty, "sft_steps": args.sft_steps, "rl_steps": len(rl_metrics),
-        "loss": r.loss, "rollouts": f"{r.num_generations} completions x {r.prompts_per_step} prompts a round, "
-                                    f"{r.num_iterations} step(s) each, temperature {r.temperature:g}",
-        "records": {name: len(records) for name, records in sets.items()}, "held_out": len(sets["held_out"]),
-        "reward": [[rec["step"], rec["reward"]] for rec in rl_metrics],
-        "sft_loss": [[rec["step"], rec["loss"]] for rec in runs["sft"]["metrics"] if "loss" in rec],
-        "held_out_accuracy": held, "examples": {when: examples for when, (_, examples) in scored.items()},
-        "wall_s": {name: run["wall_s"] for name, run in runs.items()},
-        "cpu_s": {name: run["cpu_s"] for name, run in runs.items()},
-        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-    }
-    rewards = [value for _, value in summary["reward"]]
-    k = min(5, len(rewards))
-    summary["reward_first5"], summary["reward_last5"] = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    summary = summarize(args, config, sets, runs, scored)
     (out / "rl_demo.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "rl_demo.png")
     report(summary, out)
