@@ -39,7 +39,8 @@ demo-distill: $(STAMP)
 	$(PY) scripts/distill_demo.py runs/distill-demo
 
 # GRPO (DAPO) learns arithmetic after a short SFT warm-up, with a task-sized tokenizer: runs/rl-demo/rl_demo.json
-# and .png, the mean reward of every step and the held-out accuracy before and after (docs/rl.md, "Learning").
+# and .png, the mean reward of every step and the held-out accuracy before and after (docs/rl.md, "Learning"; about
+# 6 minutes of one core).
 demo-rl: $(STAMP)
 	$(PY) scripts/rl_demo.py runs/rl-demo
 
