@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo demo-distill demo-rl bench bench-gpu clean
+.PHONY: install test test-learning lint demo demo-distill demo-rl bench bench-gpu clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ install: $(STAMP)
 # most tests run one single-threaded process, so two of them fill two cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not learning" tests
+
+# The learning runs (GRPO raising the reward: about 6 minutes of one core), left out of `make test`.
+test-learning: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m learning tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardlm tests scripts
