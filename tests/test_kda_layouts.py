@@ -21,7 +21,7 @@ import torch
 from test_kda import KIMI, KIMI_MOE
 from test_sft_layouts import STEPS, TOL, sft_config, train_layout
 
-from shardlm.models import kimi_delta, linear_attention
+from shardlm.models import linear_attention
 from shardlm.parallel import ParallelContext
 
 from agreement import assert_every_rank, assert_trained_but_off
@@ -45,15 +45,15 @@ def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
 def broken(control: str | None):
     """"hand-over": each CP chunk's outputs and end state ignore the state before it; "conv edge": each chunk's
     convolution reads zeros instead of the previous chunk's last inputs."""
-    carry, conv = kimi_delta.carry, linear_attention.causal_conv
+    carry, conv = linear_attention.carry, linear_attention.causal_conv  # the hand-over: linear_attention's
     if control == "hand-over":
-        kimi_delta.carry = lambda state, transition, local: torch.zeros_like(local)
+        linear_attention.carry = lambda state, transition, local: torch.zeros_like(local)
     if control == "conv edge":
         linear_attention.causal_conv = lambda x, weight, earlier=None, valid=None: conv(x, weight, None, valid)
     try:
         yield
     finally:
-        kimi_delta.carry, linear_attention.causal_conv = carry, conv
+        linear_attention.carry, linear_attention.causal_conv = carry, conv
 
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:

@@ -42,10 +42,10 @@ from torch import nn
 from shardlm.data.zigzag import zigzag_chunks
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import LayerStateCache, enter_parallel_region
-from shardlm.models.delta_rule import carry, causal_conv, conv_validity
+from shardlm.models.delta_rule import causal_conv, conv_validity
 from shardlm.models.documents import Documents
 from shardlm.models.kda_rule import chunk_kda_rule, kda_rule, kda_span_summary, l2norm, packed_kda_rule
-from shardlm.models.linear_attention import starts
+from shardlm.models.linear_attention import handed_over, starts
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -54,7 +54,6 @@ from shardlm.parallel import (
     invariant,
 )
 from shardlm.parallel.init import normal_shard, param_seed
-from shardlm.parallel.mappings import gather_from_sequence_parallel
 from shardlm.parallel.random import recompute
 
 RULES = ("gated_delta", "kimi_delta")
@@ -195,22 +194,8 @@ class KimiDeltaAttention(nn.Module):
                                   else documents.positions[r, slot * length:(slot + 1) * length]) for r in range(B)]
             pieces.append(rows)
             summaries.append(torch.cat([torch.cat((p, s), dim=-1) for _, _, _, p, s in rows]))
-        gathered = gather_from_sequence_parallel(torch.stack(summaries, dim=1).contiguous(), cp)  # (B, 2C, ...)
-        incoming, state = {}, q.new_zeros(B, H, dk, v.shape[-1], dtype=torch.float32)
-        for chunk in range(2 * cp.size):
-            rank = chunk if chunk < cp.size else 2 * cp.size - 1 - chunk
-            entry = gathered[:, 2 * rank + (0 if chunk < cp.size else 1)]
-            incoming[chunk] = state
-            state = carry(state, entry[..., :dk], entry[..., dk:])
-        outputs = []
-        for slot, chunk in enumerate(chunks):
-            rows = []
-            for r, (out, q_tilde, first, _, _) in enumerate(pieces[slot]):
-                if q_tilde is not None:
-                    out = torch.cat((out[:, :, :first] + q_tilde @ incoming[chunk][r:r + 1], out[:, :, first:]), dim=2)
-                rows.append(out)
-            outputs.append(torch.cat(rows))
-        return torch.cat(outputs, dim=2)
+        zero = q.new_zeros(B, H, dk, v.shape[-1], dtype=torch.float32)
+        return handed_over(pieces, chunks, torch.stack(summaries, dim=1), zero, dk, cp)
 
     def row_span(self, q, k, v, g, beta, chunk: int, positions: torch.Tensor | None):
         """One row's span of zigzag chunk `chunk` (inputs with B = 1; positions within their documents, or None):

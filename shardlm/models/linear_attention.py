@@ -60,6 +60,31 @@ def _split_vector(values: torch.Tensor, ctx: ParallelContext, heads: int) -> nn.
     return param
 
 
+def handed_over(pieces: list, chunks: list[int], summary: torch.Tensor, zero: torch.Tensor, dk: int,
+                cp) -> torch.Tensor:
+    """The state hand-over of a context-parallel delta rule (Gated DeltaNet's and KDA's): `summary` (B, 2, H, d_k,
+    d_k + d_v) this rank's two zigzag chunks' (transition | local end state), all-gathered over CP and carried in
+    sequence order from `zero` (B, H, d_k, d_v) to each chunk's incoming state; each of this rank's `pieces[slot]`
+    rows (out (1, H, L, d_v), q_tilde, first, ...) then gets q_tilde @ incoming added to its first `first` tokens
+    (those before the row's first document start). -> (B, H, 2L, d_v), this rank's chunks in order."""
+    gathered = gather_from_sequence_parallel(summary.contiguous(), cp)  # (B, 2C, ...) every rank's, rank order
+    incoming, state = {}, zero
+    for chunk in range(2 * cp.size):
+        rank = chunk if chunk < cp.size else 2 * cp.size - 1 - chunk
+        entry = gathered[:, 2 * rank + (0 if chunk < cp.size else 1)]
+        incoming[chunk] = state
+        state = carry(state, entry[..., :dk], entry[..., dk:])
+    outputs = []
+    for slot, chunk in enumerate(chunks):
+        rows = []
+        for r, (out, q_tilde, first, _, _) in enumerate(pieces[slot]):
+            if q_tilde is not None:
+                out = torch.cat((out[:, :, :first] + q_tilde @ incoming[chunk][r:r + 1], out[:, :, first:]), dim=2)
+            rows.append(out)
+        outputs.append(torch.cat(rows))
+    return torch.cat(outputs, dim=2)
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next / Qwen3.5 linear attention, heads split over TP. (B, T, h) -> (B, T, h)."""
 
@@ -198,22 +223,7 @@ class GatedDeltaNet(nn.Module):
             locals_.append(torch.cat([row[4] for row in rows]))
         # (B, 2, H, d_k, d_k + d_v) summaries of this rank's chunks -> (B, 2C, ...) of every rank's, rank order
         summary = torch.stack([torch.cat((p, s), dim=-1) for p, s in zip(transitions, locals_)], dim=1)
-        gathered = gather_from_sequence_parallel(summary.contiguous(), cp)
-        incoming, state = {}, torch.zeros_like(locals_[0])
-        for chunk in range(2 * cp.size):
-            rank = chunk if chunk < cp.size else 2 * cp.size - 1 - chunk
-            entry = gathered[:, 2 * rank + (0 if chunk < cp.size else 1)]
-            incoming[chunk] = state
-            state = carry(state, entry[..., :dk], entry[..., dk:])
-        outputs = []
-        for slot, chunk in enumerate(chunks):
-            rows = []
-            for r, (out, q_tilde, first, _, _) in enumerate(pieces[slot]):
-                if q_tilde is not None:
-                    out = torch.cat((out[:, :, :first] + q_tilde @ incoming[chunk][r:r + 1], out[:, :, first:]), dim=2)
-                rows.append(out)
-            outputs.append(torch.cat(rows))
-        return torch.cat(outputs, dim=2)
+        return handed_over(pieces, chunks, summary, torch.zeros_like(locals_[0]), dk, cp)
 
     def context_parallel_conv(self, mixed: torch.Tensor, weight: torch.Tensor,
                               documents: Documents | None) -> torch.Tensor:
