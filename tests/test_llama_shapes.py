@@ -11,7 +11,8 @@ from test_training import VOCAB
 
 from shardlm.errors import UserError
 from shardlm.models import build_model
-from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
 from shardlm.models.llama import kv_head_range
 from shardlm.parallel import ParallelContext
 from shardlm.validation import validate

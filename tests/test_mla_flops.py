@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from shardlm.models import build_model
-from shardlm.models.config import ModelConfig, flops_per_token, mla_weights
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token, mla_weights
 from shardlm.parallel import ParallelContext
 
 

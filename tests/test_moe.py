@@ -15,7 +15,8 @@ from test_training import ADAM_EPS, VOCAB, synthetic_data
 from shardlm.config import from_dict
 from shardlm.errors import UserError
 from shardlm.models import build_model
-from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
 from shardlm.models.moe import (
     PAD_ROWS,
     GroupedExperts,

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
 from shardlm.plan import dualpipe
 from shardlm.plan.deepseek import DEEPSEEK_V3_TRAINED, as_run, request
 from shardlm.plan.evaluate import Evaluator

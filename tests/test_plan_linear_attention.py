@@ -14,7 +14,8 @@ import weakref
 import pytest
 import torch
 
-from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
 from shardlm.plan.experts import activated_parameter_count
 from shardlm.plan.linear_attention import (
     CHUNK,

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from shardlm.models.config import flops_per_step
+from shardlm.models.flops import flops_per_step
 from shardlm.plan.evaluate import Evaluator
 from shardlm.plan.generations import (
     A100_MATMUL_EFFICIENCY,

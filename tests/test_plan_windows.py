@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from shardlm.models.config import flops_per_step
+from shardlm.models.flops import flops_per_step
 from shardlm.plan.experts import activated_parameter_count
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.parameters import parameter_count

@@ -42,7 +42,7 @@ def run_shape(name: str, micro_batch: int, steps: int, compile_model: bool, chec
 
     from shardlm.config import from_dict
     from shardlm.data.gpt_dataset import TokenArrayDataset
-    from shardlm.models.config import flops_per_token
+    from shardlm.models.flops import flops_per_token
     from shardlm.parallel import ParallelContext
     from shardlm.training.trainer import Trainer, device_peak_tflops
 

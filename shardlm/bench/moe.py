@@ -44,7 +44,8 @@ from shardlm.bench.common import (
     timed_between_barriers,
     torch_threads,
 )
-from shardlm.models.config import ModelConfig, flops_per_token
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
 
 
 @dataclass(frozen=True)

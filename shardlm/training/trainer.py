@@ -32,7 +32,7 @@ import torch
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models import training_loss
-from shardlm.models.config import flops_per_step
+from shardlm.models.flops import flops_per_step
 from shardlm.parallel import ParallelContext
 from shardlm.training.cpu_precision import resolve_precision
 from shardlm.training.data import (
