@@ -157,6 +157,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_write = k * decay_exp(decay[..., -1:] - decay).unsqueeze(-1)  # how each token's write decays to the chunk's end
     end_decay = decay_exp(decay[..., -1])[..., None, None]
     state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+    return chunks_carried(u, w, q_read, inside, k_write, end_decay, state, T)
+
+
+def chunks_carried(u, w, q_read, inside, k_write, end_decay, state: torch.Tensor, T: int):
+    """The WY form's pass over the chunks, the state carried from one to the next (the gated delta rule's and KDA's):
+    per chunk (dim 2 of each, C tokens) the values minus what the state predicts (u - w S), the output q_read S +
+    inside (u - w S), and the state decayed to the chunk's end plus k_write^T (u - w S). u, w, q_read (B, H, n, C,
+    .), inside (B, H, n, C, C), k_write (B, H, n, C, d_k), end_decay (B, H, n, ., 1 or d_k broadcasting against S),
+    state (B, H, d_k, d_v) -> (out (B, H, T, d_v), end state)."""
+    B, H, n, chunk = u.shape[:4]
     outputs = []
     # unbound once: indexing chunk i inside the loop would make each index's backward fill and add a zero tensor
     # of the whole sequence, quadratic in its length

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardlm.models.delta_rule import CHUNK, _flush, decay_exp, unit_lower_solve
+from shardlm.models.delta_rule import CHUNK, _flush, chunks_carried, decay_exp, unit_lower_solve
 
 BLOCK = 16
 """Tokens per sub-block of `pairwise` (FLA's KDA kernels use sub-chunks of 16 too)."""
@@ -95,16 +95,7 @@ def chunk_kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     k_write = k * decay_exp(decay[..., -1:, :] - decay)  # how each token's write decays to the chunk's end
     end_decay = decay_exp(decay[..., -1, :]).unsqueeze(-1)  # (B, H, n, d_k, 1): the state's rows at the chunk's end
     state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.float()
-    outputs = []
-    # unbound once (indexing chunk i inside the loop would make each index's backward fill a zero tensor of the
-    # whole sequence, quadratic in its length)
-    for u_i, w_i, q_i, inside_i, k_i, decay_i in zip(*(x.unbind(2) for x in (u, w, q_read, inside, k_write,
-                                                                             end_decay))):
-        new = u_i - w_i @ state  # the values minus what the state already predicts
-        outputs.append(q_i @ state + inside_i @ new)
-        state = state * decay_i + k_i.transpose(-1, -2) @ new
-    out = torch.stack(outputs, dim=2).reshape(B, H, n * chunk, -1)[:, :, :T]
-    return out, state
+    return chunks_carried(u, w, q_read, inside, k_write, end_decay, state, T)
 
 
 def recurrent_kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

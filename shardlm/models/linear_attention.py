@@ -60,6 +60,29 @@ def _split_vector(values: torch.Tensor, ctx: ParallelContext, heads: int) -> nn.
     return param
 
 
+def chunks_convolved(mixed: torch.Tensor, kernel: int, documents: Documents | None, cp, conv) -> torch.Tensor:
+    """A causal convolution of width `kernel` over this CP rank's two zigzag chunks (B, 2L, channels): each chunk
+    reads the last kernel - 1 inputs of the chunk before it in the row (all-gathered over CP; masked where another
+    document's). `conv(x (B, L, channels), earlier (B, kernel - 1, channels) or None, valid)` convolves one chunk
+    (Gated DeltaNet's and KDA's `causal_conv`, Mamba-2's `conv_silu`). -> (B, 2L, channels)."""
+    Bsz, local, channels = mixed.shape
+    length, K = local // 2, kernel
+    tails = torch.stack([mixed[:, (slot + 1) * length - (K - 1):(slot + 1) * length] for slot in range(2)], dim=1)
+    gathered = gather_from_sequence_parallel(tails.contiguous(), cp)  # (B, 2C, K-1, channels), rank order
+    segments = None if documents is None else documents.segments
+    outputs = []
+    for slot, chunk in enumerate(zigzag_chunks(cp.size, cp.rank)):
+        earlier = None
+        if chunk > 0:
+            before = chunk - 1
+            rank = before if before < cp.size else 2 * cp.size - 1 - before
+            earlier = gathered[:, 2 * rank + (0 if before < cp.size else 1)]
+        positions = torch.arange(chunk * length, (chunk + 1) * length, device=mixed.device)
+        valid = conv_validity(segments, positions, K)
+        outputs.append(conv(mixed[:, slot * length:(slot + 1) * length], earlier, valid))
+    return torch.cat(outputs, dim=1)
+
+
 def handed_over(pieces: list, chunks: list[int], summary: torch.Tensor, zero: torch.Tensor, dk: int,
                 cp) -> torch.Tensor:
     """The state hand-over of a context-parallel delta rule (Gated DeltaNet's and KDA's): `summary` (B, 2, H, d_k,
@@ -235,20 +258,8 @@ class GatedDeltaNet(nn.Module):
         if length < K - 1:
             raise ValueError(f"context-parallel chunks of {length} tokens are shorter than the convolution's "
                              f"{K - 1} earlier inputs")
-        tails = torch.stack([mixed[:, (slot + 1) * length - (K - 1):(slot + 1) * length] for slot in range(2)], dim=1)
-        gathered = gather_from_sequence_parallel(tails.contiguous(), cp)  # (B, 2C, K-1, channels), rank order
-        segments = None if documents is None else documents.segments
-        outputs = []
-        for slot, chunk in enumerate(zigzag_chunks(cp.size, cp.rank)):
-            earlier = None
-            if chunk > 0:
-                before = chunk - 1
-                rank = before if before < cp.size else 2 * cp.size - 1 - before
-                earlier = gathered[:, 2 * rank + (0 if before < cp.size else 1)]
-            positions = torch.arange(chunk * length, (chunk + 1) * length, device=mixed.device)
-            valid = conv_validity(segments, positions, K)
-            outputs.append(causal_conv(mixed[:, slot * length:(slot + 1) * length], weight, earlier, valid))
-        return torch.cat(outputs, dim=1)
+        return chunks_convolved(mixed, K, documents, cp,
+                                lambda x, earlier, valid: causal_conv(x, weight, earlier, valid))
 
 
 def check_linear_attention(cfg: ModelConfig, tensor: int, context: int) -> str | None:

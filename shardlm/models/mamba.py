@@ -44,6 +44,7 @@ from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import SequenceDropout, enter_parallel_region, mark_sequence_parallel
 from shardlm.models.delta_rule import conv_validity
 from shardlm.models.documents import Documents
+from shardlm.models.linear_attention import chunks_convolved
 from shardlm.models.moe import GroupedExperts, MoELayer, expert_matmul, grouped_mm_applies, pad_expert_rows
 from shardlm.models.ssd import (
     carry,
@@ -235,23 +236,8 @@ class Mamba2(nn.Module):
                               documents: Documents | None) -> torch.Tensor:
         """The convolution of this CP rank's two chunks (B, 2L, channels / tp), each reading the last K - 1 inputs
         of the chunk before it in the row (all-gathered over CP; masked where another document's)."""
-        cp, K = self.ctx.cp, self.kernel
-        Bsz, local, channels = mixed.shape
-        length = local // 2
-        tails = torch.stack([mixed[:, (slot + 1) * length - (K - 1):(slot + 1) * length] for slot in range(2)], dim=1)
-        gathered = gather_from_sequence_parallel(tails.contiguous(), cp)  # (B, 2C, K-1, channels), rank order
-        segments = None if documents is None else documents.segments
-        outputs = []
-        for slot, chunk in enumerate(zigzag_chunks(cp.size, cp.rank)):
-            earlier = None
-            if chunk > 0:
-                before = chunk - 1
-                rank = before if before < cp.size else 2 * cp.size - 1 - before
-                earlier = gathered[:, 2 * rank + (0 if before < cp.size else 1)]
-            positions = torch.arange(chunk * length, (chunk + 1) * length, device=mixed.device)
-            valid = conv_validity(segments, positions, K)
-            outputs.append(conv_silu(mixed[:, slot * length:(slot + 1) * length], weight, bias, earlier, valid))
-        return torch.cat(outputs, dim=1)
+        return chunks_convolved(mixed, self.kernel, documents, self.ctx.cp,
+                                lambda x, earlier, valid: conv_silu(x, weight, bias, earlier, valid))
 
 
 class ReluSquaredMLP(nn.Module):
