@@ -108,6 +108,21 @@ def rope_parameters_of(cfg: ModelConfig) -> dict:
             "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
 
 
+def rows_reader(rows, conv: bool):
+    """The conversion of an HF tensor to shardlm's (Qwen3-Next's and Nemotron-H's fused projections): the rows asked
+    for (a tensor of indices, or None for all), conv1d's (C, 1, K) as (C, K); None when there is nothing to do."""
+    def convert(value: torch.Tensor) -> torch.Tensor:
+        value = value[:, 0] if conv else value
+        return value if rows is None else value.index_select(0, rows)
+    return convert if conv or rows is not None else None
+
+
+def use_tokenizer(config, hf_dir: Path) -> None:
+    """Point a run read from an HF directory at the directory's tokenizer.json, when it has one."""
+    if (hf_dir / "tokenizer.json").is_file():
+        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+
+
 def drop_missing_mtp(model: ModelConfig, located: dict, hf_dir: Path) -> None:
     """Set `model.mtp_layers` to 0, with a note, when the config asks for multi-token-prediction layers (layer
     num_hidden_layers + k) that the directory's weights (`located`) do not hold: transformers saves the main

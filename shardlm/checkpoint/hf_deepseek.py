@@ -50,6 +50,7 @@ from shardlm.checkpoint.hf_common import (
     rope_parameters_of,
     stacked_expert,
     text_config,
+    use_tokenizer,
     weight_files,
     write_directory,
     yarn_keys,
@@ -350,8 +351,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     hf = json.loads((hf_dir / "config.json").read_text())
     config = RunConfig(model=model_config_from_hf(hf))
     prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if any(n.startswith(p) for n in located)), "model.")
-    if (hf_dir / "tokenizer.json").is_file():
-        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    use_tokenizer(config, hf_dir)
     if not config.model.tie_embeddings and output_name(prefix) not in located:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     drop_missing_mtp(config.model, located, hf_dir)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, weight_files, write_directory, yarn_keys
+from shardlm.checkpoint.hf_common import HFTensor, use_tokenizer, weight_files, write_directory, yarn_keys
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.compressed_attention import compressed_kinds
@@ -164,8 +164,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
     if not config.model.tie_embeddings and "head.weight" not in located:
         config.model.tie_embeddings = True
-    if (hf_dir / "tokenizer.json").is_file():
-        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    use_tokenizer(config, hf_dir)
     handles: dict = {}
     sources = {}
     for ours, theirs in name_map(config.model):

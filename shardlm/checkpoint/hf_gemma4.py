@@ -36,7 +36,14 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, stacked_expert, text_config, weight_files, write_directory
+from shardlm.checkpoint.hf_common import (
+    HFTensor,
+    stacked_expert,
+    text_config,
+    use_tokenizer,
+    weight_files,
+    write_directory,
+)
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -164,8 +171,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     docstring); nothing is read until asked for."""
     located = weight_files(hf_dir)
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
-    if (hf_dir / "tokenizer.json").is_file():
-        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    use_tokenizer(config, hf_dir)
     prefix, handles, sources = _prefix(located), {}, {}
     for ours, theirs in name_map(config.model):
         name = theirs if theirs == "lm_head.weight" else prefix + theirs

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, stacked_expert, weight_files, write_directory
+from shardlm.checkpoint.hf_common import HFTensor, stacked_expert, use_tokenizer, weight_files, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -197,8 +197,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     if not cfg.tie_embeddings and "lm_head.weight" not in located:
         cfg.tie_embeddings = True
     config = RunConfig(model=cfg)
-    if (hf_dir / "tokenizer.json").is_file():
-        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    use_tokenizer(config, hf_dir)
     handles: dict = {}
     return config, {ours: _source(handles, located, cfg, ours, theirs, hf_dir) for ours, theirs in name_map(cfg)}
 

@@ -51,6 +51,7 @@ from shardlm.checkpoint.hf_common import (
     HFTensor,
     drop_missing_mtp,
     rope_theta_and_type,
+    use_tokenizer,
     weight_files,
     write_directory,
 )
@@ -299,8 +300,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     hf_config = json.loads((hf_dir / "config.json").read_text())
     gpt_oss = hf_config.get("model_type") == "gpt_oss"
     config = RunConfig(model=(hf_gpt_oss.model_config_from_hf if gpt_oss else model_config_from_hf)(hf_config))
-    if (hf_dir / "tokenizer.json").is_file():
-        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    use_tokenizer(config, hf_dir)
     drop_missing_mtp(config.model, located, hf_dir)
     if gpt_oss:
         return config, hf_gpt_oss.sources_for(config.model, located, hf_dir)

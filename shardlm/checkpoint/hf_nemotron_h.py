@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, weight_files, write_directory
+from shardlm.checkpoint.hf_common import HFTensor, rows_reader, use_tokenizer, weight_files, write_directory
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -149,14 +149,6 @@ def name_map(cfg: ModelConfig, prefix: str = "model.") -> list[tuple[str, str, o
     return names
 
 
-def _reader(rows, conv: bool):
-    """The conversion of an HF tensor to shardlm's: the rows asked for, conv1d's (C, 1, K) as (C, K)."""
-    def convert(value: torch.Tensor) -> torch.Tensor:
-        value = value[:, 0] if conv else value
-        return value if rows is None else value.index_select(0, rows)
-    return convert if conv or rows is not None else None
-
-
 def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     """(config, {shardlm name: `HFTensor`}) of a local Nemotron-H directory, read on demand."""
     located = weight_files(hf_dir)
@@ -165,8 +157,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     if not cfg.tie_embeddings and "lm_head.weight" not in located:
         cfg.tie_embeddings = True
     config = RunConfig(model=cfg)
-    if (hf_dir / "tokenizer.json").is_file():
-        config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
+    use_tokenizer(config, hf_dir)
     handles: dict = {}
     sources = {}
     for ours, theirs, rows in name_map(cfg, prefix):
@@ -179,7 +170,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
                 continue
         if theirs not in located:
             raise UserError(f"{hf_dir} has no tensor {theirs}")
-        sources[ours] = HFTensor(handles, located[theirs], theirs, _reader(rows, theirs.endswith("conv1d.weight")))
+        sources[ours] = HFTensor(handles, located[theirs], theirs, rows_reader(rows, theirs.endswith("conv1d.weight")))
     return config, sources
 
 
