@@ -32,7 +32,7 @@ from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 
 from agreement import assert_every_rank, assert_trained_but_off
-from layouts import layout, layout_context, spawn_layouts
+from layouts import counting, layout, layout_context, spawn_layouts
 from multiproc import check_result
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -176,12 +176,25 @@ def test_pipeline_splits_gemma4_cannot_run_are_refused_in_one_line():
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recomputation_changes_no_bit(reference, mode):
+def test_recomputation_changes_no_bit(reference, mode, monkeypatch):
     """Whole layers recomputed in the backward (the KV-sharing layers' keys and values, handed on from a checkpointed
     producer, recomputed with it) or only the attention cores: the one-process run's losses, gradient norms and
-    parameters, bitwise."""
+    parameters, bitwise. The rerun happened: every layer (full) or attention core (selective) of every training
+    micro-batch runs once more than in the plain run."""
+    from shardlm.models.gemma import Gemma4Attention, Gemma4Block
+
+    calls = {"layer": 0, "core": 0}
+    monkeypatch.setattr(Gemma4Block, "forward", counting(Gemma4Block.forward, calls, "layer"))
+    monkeypatch.setattr(Gemma4Attention, "core", counting(Gemma4Attention.core, calls, "core"))
     config = gemma4_config(micro=8)
+    plain = train_layout(ParallelContext.single(), config)
+    counts = dict(calls)
+    calls.update(layer=0, core=0)
     config.train.recompute = mode
     run = train_layout(ParallelContext.single(), config)
+    reruns = STEPS * (config.train.global_batch_size // 8) * config.model.num_layers
+    rerun = "layer" if mode == "full" else "core"
+    assert calls[rerun] - counts[rerun] == reruns, (calls, counts)
+    assert plain["curve"] == reference["dense"]["curve"]
     assert run["curve"] == reference["dense"]["curve"]
     assert all(torch.equal(run["params"][name], value) for name, value in reference["dense"]["params"].items())
