@@ -216,17 +216,25 @@ def test_decoding_token_by_token_equals_the_full_forward(moe):
     assert cache.layers[0].state.shape == (2, 4, 8, 8) and cache.layers[0].conv.shape == (2, 3, 96)
 
 
-def test_recomputation_is_bitwise():
+def test_recomputation_is_bitwise(monkeypatch):
     """Selective recomputation (the convolution and the rule rerun in the backward) gives bitwise the loss and
-    gradients of none, with dropout 0.1 on packed rows."""
+    gradients of none, with dropout 0.1 on packed rows; the rerun happened: each KDA core ran twice as often."""
+    from shardlm.models.kimi_delta import KimiDeltaAttention
+
+    from layouts import counting
+
     inputs, labels, positions = packed_rows()
-    results = []
+    results, calls, counts = [], {"core": 0}, {}
+    monkeypatch.setattr(KimiDeltaAttention, "core", counting(KimiDeltaAttention.core, calls, "core"))
     for mode in ("none", "selective"):
+        calls["core"] = 0
         model = build_model(kimi_config(seq=64, dropout=0.1).model, ParallelContext.single(), seed=3,
                             recompute=mode).train()
         torch.manual_seed(11)
         loss = model(inputs, labels, documents=Documents.from_positions(positions)).sum()
         results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
+        counts[mode] = calls["core"]
+    assert counts["none"] > 0 and counts["selective"] == 2 * counts["none"], counts
     (loss, grads), (again, regrads) = results
     assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, regrads))
 

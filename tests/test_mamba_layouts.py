@@ -31,7 +31,7 @@ from shardlm.models.documents import Documents
 from shardlm.parallel import ParallelContext
 
 from agreement import assert_every_rank, assert_trained_but_off
-from layouts import layout, layout_context, spawn_layouts
+from layouts import counting, layout, layout_context, spawn_layouts
 from multiproc import check_result
 
 NEMOTRON_H = {"arch": "llama", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
@@ -152,9 +152,16 @@ def test_packed_rows_equal_documents_one_by_one_and_not_without_the_resets():
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recomputation_gives_the_loss_and_gradients_of_none(recompute):
+def test_recomputation_gives_the_loss_and_gradients_of_none(recompute, monkeypatch):
+    """Bitwise the loss and gradients of none; the rerun happened: each Mamba-2 core ran twice as often."""
+    from shardlm.models.mamba import Mamba2
+
+    calls = {"core": 0}
+    monkeypatch.setattr(Mamba2, "core", counting(Mamba2.core, calls, "core"))
     plain, _ = packed_and_unpacked()
+    once, calls["core"] = calls["core"], 0
     again, _ = packed_and_unpacked(recompute=recompute)
+    assert once > 0 and calls["core"] == 2 * once, (once, calls)
     assert all(torch.equal(torch.as_tensor(plain[k]), torch.as_tensor(again[k])) for k in plain)
 
 
