@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from shardlm.bench.common import machine
 from shardlm.cli import main as shardlm
 from shardlm.config import load_config
 
@@ -59,16 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo, else what `platform` knows)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def train(config: Path, run_dir: Path, overrides: list[str]) -> dict:
@@ -193,7 +183,7 @@ def main(argv=None) -> int:
         "distilled_run_val_loss": runs["distilled"]["val_loss"],
         "wall_s": {name: run["wall_s"] for name, run in runs.items()},
         "cpu_s": {name: run["cpu_s"] for name, run in runs.items()},
-        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "cpu": machine()["cpu"], "cores": os.cpu_count(), "threads": torch.get_num_threads(),
     }
     summary["distilled_passes_sft_final_at"] = next(
         (step for step, value in summary["curves"]["distilled"] if value <= summary["curves"]["sft"][-1][1]), None)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import string
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from shardlm.bench.common import machine
 from shardlm.cli import main as shardlm
 from shardlm.rl.arithmetic import DIFFICULTIES
 
@@ -75,16 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo, else what `platform` knows)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def write_tokenizer(folder: Path) -> Path:
@@ -218,7 +208,7 @@ def summarize(args: argparse.Namespace, config, sets: dict, runs: dict, scored: 
         "examples": {when: examples for when, (_, examples) in scored.items()},
         "wall_s": {name: run["wall_s"] for name, run in runs.items()},
         "cpu_s": {name: run["cpu_s"] for name, run in runs.items()},
-        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "cpu": machine()["cpu"], "cores": os.cpu_count(), "threads": torch.get_num_threads(),
     }
     rewards = [value for _, value in summary["reward"]]
     k = min(5, len(rewards))
