@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -145,19 +146,52 @@ def test_local_launch_trains_and_writes_outputs(single_node_run):
     assert "TP=2 x DP=2" in result.stderr + result.stdout
 
 
+def start_agent(node: int, port: int, config_file: Path, run_dir: Path) -> subprocess.Popen:
+    """One torchrun agent of a 2-node launch on loopback (2 processes per node), whose rendezvous gives up after
+    120 s instead of torchrun's 600."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                             "--rdzv-conf", "timeout=120", "-m", "shardlm", "train", str(config_file),
+                             "--run-dir", str(run_dir)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_master_agent(config_file: Path, run_dir: Path) -> tuple[subprocess.Popen, int]:
+    """Node 0's agent, once it listens on its port. The port is free when picked but another process (another test
+    file's world, or a gloo connection) may take it before the agent binds it; node 1 would then join that stranger
+    and wait forever. So node 0 goes first, and a new port is tried when it dies before listening."""
+    for _ in range(3):
+        port = free_port()
+        agent = start_agent(0, port, config_file, run_dir)
+        deadline = time.monotonic() + 120
+        while agent.poll() is None and time.monotonic() < deadline and not listening(port):
+            time.sleep(0.2)
+        if agent.poll() is None and listening(port):
+            return agent, port
+        agent.kill()
+        agent.communicate()
+    raise AssertionError("node 0's torchrun agent did not listen on a free port in 3 tries")
+
+
+@pytest.mark.timeout(400)
 def test_two_node_launch_on_loopback_matches_single_node(config_file, single_node_run, tmp_path):
     """Two torchrun agents (--nnodes 2, 2 processes each, TP=2 x DP=2) train like one node of 4."""
     run_dir = tmp_path / "two-node"
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                          "-m", "shardlm", "train", str(config_file), "--run-dir", str(run_dir)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1)
-    ]
-    outputs = [agent.communicate(timeout=300) for agent in agents]
+    master, port = start_master_agent(config_file, run_dir)
+    agents = [master, start_agent(1, port, config_file, run_dir)]
+    try:
+        outputs = [agent.communicate(timeout=240) for agent in agents]
+    except subprocess.TimeoutExpired:
+        for agent in agents:
+            agent.kill()
+        outputs = [agent.communicate() for agent in agents]
+        raise AssertionError("the two-node launch hung:\n" + outputs[0][1][-2000:] + outputs[1][1][-2000:]) from None
     assert all(agent.returncode == 0 for agent in agents), outputs[0][1][-2000:] + outputs[1][1][-2000:]
     single = read_losses(single_node_run[0])
     two_node = read_losses(run_dir)

@@ -3,15 +3,12 @@
 Memory: per-rank parameter, gradient and optimizer bytes equal the prediction exactly at TP = 1, 2
 and 4, and the activations autograd saves (measured with saved-tensor hooks) are within 10% of the
 prediction (in fact equal). TP=1 runs in this process; TP=2 (x DP=2) and TP=4 run in one world of 4
-gloo processes. Time: the step-time ratio of TP=2 x DP=1 to TP=1 x DP=2, both timed in one world of 2
-gloo processes (one per core), predicted from this machine's measured GEMM, memory and all-reduce speeds
-with the compute efficiency calibrated on the TP=1 x DP=2 layout alone, must be within a factor 1.5 of
-the measured ratio.
+gloo processes. Time is not asserted here: a step time measured on a shared 2-core machine depends on
+what else runs, so the planner's predicted step-time ratios stand beside the measured ones in `make bench`
+(section `plan3d`, `shardlm.bench.plan3d`), layouts alternated step by step.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,10 +19,9 @@ from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.models.bert import BERT
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
-from shardlm.plan.measure import PeakMemory, cpu_as_gpu, measure_cpu_hardware, measure_trainer_memory, time_steps
+from shardlm.plan.measure import PeakMemory, measure_trainer_memory
 from shardlm.plan.memory import activation_memory, numeric_format, state_memory
 from shardlm.plan.parameters import parameter_count
-from shardlm.plan.timing import Calibration, Layout, step_time
 from shardlm.training.trainer import Trainer
 
 from multiproc import run_workers
@@ -34,7 +30,6 @@ VOCAB, MICRO = 100, 4
 # (precision, activation checkpointing): residual dropout on; attention dropout off, because on CPU
 # it switches SDPA to the unfused kernel, which the GPU-oriented model does not describe
 CASES = [("fp32", False), ("bf16", False), ("bf16", True)]
-TIMED_LAYOUTS = [(1, 2), (2, 1)]  # (tp, dp) in one world of 2: one process per core of this machine
 
 
 def memory_config(tp: int, precision: str, checkpointing: bool) -> RunConfig:
@@ -49,16 +44,6 @@ def memory_config(tp: int, precision: str, checkpointing: bool) -> RunConfig:
 
 def bert_config() -> ModelConfig:
     return ModelConfig(arch="bert", num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=VOCAB)
-
-
-def timing_config(tp: int, dp: int) -> RunConfig:
-    """Large enough that GEMMs, not Python, take most of a step."""
-    return from_dict({
-        "model": {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_length": 128, "vocab_size": 512,
-                  "dropout": 0.0},
-        "parallel": {"tensor": tp}, "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 8 // dp, "global_batch_size": 8, "steps": 10, "seed": 3, "precision": "fp32"},
-    })
 
 
 def synthetic_data(vocab: int, seq: int) -> TokenArrayDataset:
@@ -92,29 +77,9 @@ def memory_worker() -> dict:
     return out
 
 
-def timing_worker() -> dict:
-    world = ParallelContext.from_process_group(2)
-    out = {"hardware": measure_cpu_hardware(world.tp)}
-    trainers = {(tp, dp): Trainer(timing_config(tp, dp), ParallelContext.from_process_group(tp),
-                                  synthetic_data(512, 128)) for tp, dp in TIMED_LAYOUTS}
-    # This machine's cores are shared: alternate the layouts step by step so that load from other
-    # processes hits both alike, and keep each layout's fastest step (interference only adds time).
-    times = {layout: [] for layout in trainers}
-    for _ in range(8):
-        for layout, trainer in trainers.items():
-            times[layout].append(time_steps(trainer.train_step, repeats=1, warmup=0))
-    out["times"] = {layout: min(values[1:]) for layout, values in times.items()}
-    return out
-
-
 @pytest.fixture(scope="module")
 def world4():
     return run_workers(4, memory_worker)
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return run_workers(2, timing_worker)
 
 
 @pytest.fixture(scope="module")
@@ -211,40 +176,3 @@ def test_step_peak_covers_saved_activations_and_checkpointing_lowers_it(single, 
             # everything saved is alive at the end of the forward, inside the tracked pass
             assert case["peak_step"] >= case["saved_total"], (tp, precision, checkpointing)
         assert cases[("bf16", True)]["peak_step"] < cases[("bf16", False)]["peak_step"], tp
-
-
-def predicted_cpu_times(hardware, measured_base: float) -> dict:
-    """Step time per layout, with the compute efficiency fitted on the first layout only; no overlap
-    of the DP all-reduce (there are no idle cores to hide it on)."""
-    gpu = cpu_as_gpu(hardware)
-    fmt = numeric_format("fp32")
-    calibration = Calibration(compute_efficiency=1.0, link_efficiency=1.0, dp_overlap=0.0,
-                              intra_node_latency_s=hardware.allreduce_latency_s,
-                              inter_node_latency_s=hardware.allreduce_latency_s)
-
-    def predict(tp, dp, calib):
-        cfg = timing_config(tp, dp).model
-        layout = Layout(tp=tp, dp=dp, micro_batch=8 // dp, checkpointing=False)
-        return step_time(cfg, layout, 8, gpu, fmt, parameter_count(cfg, tp), calib)
-
-    base = predict(*TIMED_LAYOUTS[0], calibration)
-    rest = base.total_s - base.compute_s
-    efficiency = base.compute_s / max(measured_base - rest, 1e-9)
-    calibration = replace(calibration, compute_efficiency=efficiency)
-    return {layout: predict(*layout, calibration).total_s for layout in TIMED_LAYOUTS}
-
-
-def test_cpu_step_time_ratios_between_layouts(world2):
-    rank0 = world2[0]
-    measured = rank0["times"]
-    first = TIMED_LAYOUTS[0]
-    predicted = predicted_cpu_times(rank0["hardware"], measured[first])
-    base_measured, base_predicted = measured[first], predicted[first]
-    assert base_predicted == pytest.approx(base_measured, rel=1e-6)  # the one calibrated point
-    report = []
-    for layout in TIMED_LAYOUTS[1:]:
-        ratio_measured = measured[layout] / base_measured
-        ratio_predicted = predicted[layout] / base_predicted
-        report.append(f"{layout}: measured {ratio_measured:.2f} predicted {ratio_predicted:.2f}")
-        assert 1 / 1.5 <= ratio_predicted / ratio_measured <= 1.5, report
-    print(f"\nCPU step-time ratios to {first}:", "; ".join(report), rank0["hardware"])
