@@ -61,7 +61,7 @@ from agreement import assert_every_rank
 from layouts import count_forwards
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
-STEPS, SAVED_AT, TOL = 6, 3, 1e-5
+STEPS, SAVED_AT, TOL = 4, 2, 1e-5
 
 
 # ------------------------------------------------------------------------------------------ the cases
@@ -210,7 +210,7 @@ def weight_step_without_flush():
 
 
 def resume_under_another_schedule(directory: str) -> dict:
-    """A PP=2 1F1B run saves step 3; a fresh PP=2 ZB-V trainer loads it and trains on to STEPS."""
+    """A PP=2 1F1B run saves step SAVED_AT; a fresh PP=2 ZB-V trainer loads it and trains on to STEPS."""
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
     train(ctx, gpt(), save=f"{directory}/1f1b", steps=SAVED_AT)
     step = sorted(Path(f"{directory}/1f1b").glob("step_*"))[-1]
