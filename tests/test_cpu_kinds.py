@@ -10,11 +10,10 @@ once on cpuinfo texts and against `lscpu` on this machine.
 Second, the kernels: PyTorch picks its vector kernels by the CPU (`ATEN_CPU_CAPABILITY`: `default`, `avx2`,
 `avx512`) and MKL its BLAS kernels (`MKL_ENABLE_INSTRUCTIONS`); each sums in its own order, so an fp32 bound that
 holds with AVX-512's sums can fail with AVX2's (a bias at 1.1e-5 against 1e-5 on an AVX2-only EPYC, before
-`agreement.trained_rel`). Here a representative set of the layout tests runs again in a fresh pytest on the AVX2
-kernels: the packed SFT rows at every layout and family (`test_sft_layouts`: DP, TP+SP (the paper's TP x DP among
-them), PP with virtual stages, CP, FSDP, ZeRO, EP; GPT, Llama, MLA with MTP, gpt-oss). Skipped where this process
-already runs those kernels (an AVX2-only CPU, or the suite under `ATEN_CPU_CAPABILITY=avx2` or `default`), since
-the whole suite is then the check.
+`agreement.trained_rel`). Here a representative set of the layout and oracle tests runs again in a fresh pytest
+on the AVX2 kernels (`REPRESENTATIVE_TESTS`: LoRA on the experts at EP=2 and TP=2 with SP, QK-clip at TP, CP, PP,
+DP and ZeRO-1, DPO against TRL). Skipped where this process already runs those kernels (an AVX2-only CPU, or the
+suite under `ATEN_CPU_CAPABILITY=avx2` or `default`), since the whole suite is then the check.
 """
 
 from __future__ import annotations
