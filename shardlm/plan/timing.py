@@ -73,7 +73,8 @@ in `generations.HOPPER_CALIBRATION`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.flops import flops_per_step
@@ -301,6 +302,14 @@ def optimizer_bytes_per_parameter(fmt: NumericFormat, dp_shards: int = 1) -> flo
     return (7 * 4 + half_copy) / dp_shards + 3 * fmt.grad_bytes
 
 
+def _changed(cfg: ModelConfig, **changes) -> ModelConfig:
+    """`dataclasses.replace` without running `__init__` over the config's 150 fields again (ModelConfig has no
+    `__post_init__`): the planner builds two such copies for each of the tens of thousands of layouts it scores."""
+    out = copy.copy(cfg)
+    out.__dict__.update(changes)
+    return out
+
+
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
               params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
               scatter_gather: bool = False, units: FSDPUnits | None = None, kernels: Kernels = SC21_KERNELS
@@ -310,8 +319,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers. `units`: with
     FSDP, the FSDP units of the rank `params` describe (None: the whole model's, `fsdp.fsdp_units`)."""
     accumulation = global_batch // (layout.dp * layout.micro_batch)
-    full_sequence, cfg = cfg, replace(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
-    padded = replace(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
+    full_sequence, cfg = cfg, _changed(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
+    padded = _changed(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)  # sliding layers count s x w
     if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding;
         # none on a linear-attention layer, which runs its recurrence again)
