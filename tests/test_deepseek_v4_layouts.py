@@ -1,6 +1,7 @@
 """DeepSeek-V4 trains at every layout it runs as one process does (fp32, within 1e-5: losses, gradient norms, the
-validation loss and every final parameter on every rank, 4 steps on `test_sft_layouts`' packed SFT rows of 32 tokens,
-whose documents are longer than the compressed windows and than the indexer's k; one case on plain rows).
+validation loss and every final parameter on every rank, 2 steps of 4 of `test_sft_layouts`' packed SFT rows of 32
+tokens, whose documents are longer than the compressed windows and than the indexer's k; one case on plain rows).
+The one-process references train a third step, for the check that they learn.
 
 The model (`V4`): 4 layers (HCA entries of 8 tokens, CSA entries of 4 with an indexer of 4 heads keeping 3 of them,
 a sliding-only layer, another HCA), a window of 5, 4 heads of 16 channels (4 rotary), 2 output groups, 2
@@ -42,7 +43,9 @@ from agreement import assert_every_rank, assert_trained_but_off
 from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
-SEQ, STEPS, TOL = 32, 4, 1e-5
+SEQ, STEPS, TOL, BATCH = 32, 2, 1e-5, 4
+LEARN_STEPS = 3
+"""The references' steps for `test_reference_trains` (a loss curve): STEPS, then one more."""
 V4 = {"head_dim": 16, "num_kv_heads": 1, "q_lora_rank": 16, "qk_rope_head_dim": 4, "sliding_window": 5,
       "attention_sinks": True, "global_rope_theta": 1000.0, "hc_mult": 2, "compress_ratios": [8, 4, 0, 8],
       "output_groups": 2, "output_rank": 8, "index_topk": 3, "index_heads": 4, "index_head_dim": 8,
@@ -69,7 +72,8 @@ def rows(seed: int, samples: int) -> TokenArrayDataset:
 def v4_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, lora: int = 0,
               **train):
     config = layout_config(tiny_model("llama", SEQ, **V4), micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp,
-                           **{"steps": STEPS, "eval_iters": 16, "adam_eps": ADAM_EPS, **train})
+                           **{"steps": LEARN_STEPS, "global_batch_size": BATCH, "eval_iters": 16, "adam_eps": ADAM_EPS,
+                              **train})
     config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["q_b", "gate", "up", "down"]
     return config
 
@@ -93,17 +97,21 @@ def packed_rows_of_48() -> tuple:
             PackedDataset(PackedRows(conversations(2, 16), SEQ3, "bfd", seed=None), epochs=1))
 
 
-def train_v4(ctx: ParallelContext, config, packed: bool = True) -> dict:
-    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages), on
-    the packed rows (or the plain ones; rows of 48 when the config's are)."""
-    data = (train_data(), valid_data()) if packed else (rows(0, STEPS * 8), rows(1, 16))
+def train_v4(ctx: ParallelContext, config, packed: bool = True, steps: int = STEPS) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every parameter (all stages) after them,
+    on the packed rows (or the plain ones; rows of 48 when the config's are); with `steps` > STEPS, "losses": the
+    losses of all `steps` steps (the later ones trained after the rest was recorded)."""
+    data = (train_data(), valid_data()) if packed else (rows(0, LEARN_STEPS * BATCH), rows(1, 16))
     if config.model.seq_length == SEQ3:
         data = packed_rows_of_48()
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, *data)
     with_hash_table(trainer)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
-    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+    run = {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+    if steps > STEPS:
+        run["losses"] = [loss for loss, _ in curve] + [trainer.train_step()["loss"] for _ in range(steps - STEPS)]
+    return run
 
 
 @contextlib.contextmanager
@@ -141,7 +149,7 @@ CONTROLS = {"control tp2 sp unshared": layout(tp=2, sp=True, control="unshared")
 
 
 def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, **train) -> dict:
-    config = v4_config(tp=tp, pp=pp, cp=cp, ep=ep, micro=8, **train)
+    config = v4_config(tp=tp, pp=pp, cp=cp, ep=ep, micro=BATCH, **train)
     config.model.seq_length = SEQ3
     return train_v4(layout_context(tp, pp, cp, ep), config)
 
@@ -159,10 +167,11 @@ def world2():
 @pytest.fixture(scope="module")
 def reference():
     ctx = ParallelContext.single()
-    rows_of_48 = v4_config(micro=8)
+    rows_of_48 = v4_config(micro=BATCH)
     rows_of_48.model.seq_length = SEQ3
-    return {"packed": train_v4(ctx, v4_config()), "plain": train_v4(ctx, v4_config(), packed=False),
-            "lora": train_v4(ctx, v4_config(lora=4)), "rows of 48": train_v4(ctx, rows_of_48)}
+    return {"packed": train_v4(ctx, v4_config(), steps=LEARN_STEPS),
+            "plain": train_v4(ctx, v4_config(), packed=False, steps=LEARN_STEPS),
+            "lora": train_v4(ctx, v4_config(lora=4), steps=LEARN_STEPS), "rows of 48": train_v4(ctx, rows_of_48)}
 
 
 def kind_of(name: str) -> str:
@@ -181,8 +190,10 @@ def test_deepseek_v4_at_context_parallel_three_equals_one_process(world3, refere
 
 @pytest.mark.parametrize("kind", ["packed", "plain", "lora"])
 def test_reference_trains(reference, kind):
-    """The references learn (so the layouts have a signal to go wrong with; the adapters more slowly)."""
-    losses = [loss for loss, _ in reference[kind]["curve"]]
+    """The references learn over LEARN_STEPS steps (so the layouts have a signal to go wrong with; the adapters more
+    slowly)."""
+    losses = reference[kind]["losses"]
+    assert len(losses) == LEARN_STEPS
     assert losses[-1] < losses[0] - (0.02 if kind == "lora" else 0.05), losses
 
 
