@@ -110,9 +110,8 @@ def rl_run(ctx, config, sample: bool = False) -> tuple[Trainer, RLRun]:
     generator = SyntheticCompletions()
     if sample:
         sampling = SamplingConfig(max_new_tokens=MAX, temperature=config.rl.temperature, top_k=50, top_p=0.95)
-        generator = InProcessGenerator(trainer.model, ctx, sampling, EOD,
-                                       lockstep=ctx.ep_size > 1 or trainer.fsdp is not None,
-                                       pipeline=trainer.pipeline)
+        generator = InProcessGenerator(trainer.model, ctx, sampling, EOD, lockstep=ctx.world_size > 1,
+                                       pipeline=trainer.pipeline)  # as `shardlm.rl.setup` builds it
     rewards = [Reward("by_ids", by_ids, 1.0)]
     return trainer, RLRun(trainer, PROMPTS, IdsTemplate, generator, rewards, 0, reference)
 

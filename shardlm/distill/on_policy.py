@@ -3,9 +3,10 @@
 On such a step (drawn from train.seed and the step, the same on every rank) each conversation of the step's rows is
 cut before its last answer: the prompt is its tokens up to the one that predicts that answer's first token. The
 prompts are split over the DP ranks and completed by the student at the training layout (`shardlm.rl.rollout`'s
-KV-cached generator, each sequence from its own seed), gathered, and packed into the step's rows as RL's rounds
-are (`shardlm.rl.batch.StepRows`; completions that no longer fit the step's rows are left out). The divergence
-then runs over the sampled tokens, as over the records' own answers on the other steps.
+KV-cached generator, each sequence from its own seed; under pipeline stages each decoding step runs through them),
+gathered, and packed into the step's rows as RL's rounds are (`shardlm.rl.batch.StepRows`; completions that no
+longer fit the step's rows are left out). The divergence then runs over the sampled tokens, as over the records'
+own answers on the other steps.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def start_on_policy(trainer, template, tokenizer_path, stop_requested=None):
     eod, pad_id = end_ids(template)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sampling_temperature)
     generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, stop_ids(eod, pad_id, tokenizer_path),
-                                   lockstep=trainer.ctx.world_size > 1, stop_requested=stop_requested)
+                                   lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline,
+                                   stop_requested=stop_requested)
     line = (f"distill: on-policy on a share {cfg.lmbda:g} of the steps (completions of at most {cfg.max_new_tokens} "
             f"tokens sampled by the student at temperature {cfg.sampling_temperature:g})")
     return OnPolicyDistill(trainer, generator, pad_id if pad_id is not None else 0), line

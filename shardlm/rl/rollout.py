@@ -40,6 +40,7 @@ from typing import Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig
@@ -126,7 +127,7 @@ class InProcessGenerator:
 
     def __init__(self, model, ctx, sampling: SamplingConfig, eod: int | set[int], lockstep: bool = False, pipeline=None,
                  stop_requested: Callable[[], bool] | None = None):
-        if pipeline is not None and lockstep and ctx.ep_size == 1:
+        if pipeline is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
             raise UserError("rollouts under pipeline stages with FSDP (train.data_sharding=\"full\") are not "
                             "supported; use parallel.pipeline=1 or train.data_sharding=\"none\"")
         self.model, self.ctx, self.sampling, self.lockstep = model, ctx, sampling, lockstep
