@@ -1,6 +1,7 @@
 """The Kimi Linear model (KDA and MLA without positions, `test_kda.KIMI`) trains on packed SFT rows at every layout
 as one process does (fp32, within 1e-5: losses, gradient norms, the validation loss and every final parameter on
-every rank; `test_sft_layouts`' data: documents cross the micro-batches, rows hold several documents).
+every rank after 2 steps of 4 rows, 8 with LoRA; `test_sft_layouts`' data: documents cross the micro-batches, rows
+hold several documents).
 
 One world of 2: CP=2 (each rank's two zigzag chunks run at once, documents crossing them; their state summaries
 P S_in + S_local and convolution inputs handed over), TP=2 with SP (heads, the convolution's channels, A_log and
@@ -19,18 +20,27 @@ import contextlib
 import pytest
 import torch
 from test_kda import KIMI, KIMI_MOE
-from test_sft_layouts import STEPS, TOL, sft_config, train_layout
+from test_moe_parallel import stage_parameters
+from test_sft_layouts import TOL, sft_config, train_data, valid_data
 
 from shardlm.models import linear_attention
 from shardlm.parallel import ParallelContext
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_trained_but_off
 from layouts import layout, layout_context, spawn_layouts
 from multiproc import check_result
 
+STEPS, BATCH, LORA_BATCH = 2, 4, 8
+"""2 steps of 4 rows; the LoRA runs of 8: their B matrices start at zero, and after 2 steps on 4 rows (at TP=2 with
+SP) one ends 4.5e-5 off one process by `agreement.trained_rel` (elements whose gradients nearly cancel), on 8 rows
+5e-6."""
+
 
 def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
-    config = sft_config("llama", moe=moe, **kwargs)
+    batch = LORA_BATCH if lora else BATCH
+    config = sft_config("llama", moe=moe, **{"steps": STEPS, "global_batch_size": batch, **kwargs})
     config.lora.rank, config.lora.targets = lora, ["o", "kv_b", "gate", "up", "down"]
     config.model.num_kv_heads = 0
     for key, value in (KIMI | (KIMI_MOE if moe else {})).items():
@@ -39,6 +49,14 @@ def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
     if moe:  # 2 layers: a dense KDA layer, then an MoE MLA layer
         config.model.layer_types = ["linear_attention", "full_attention"]
     return config
+
+
+def train_layout(ctx: ParallelContext, config) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages)."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, train_data(), valid_data())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
 
 
 @contextlib.contextmanager
@@ -82,13 +100,13 @@ def world2():
 
 @pytest.fixture(scope="module")
 def reference():
-    """One process: the dense model at micro-batch 8; the MoE at the layouts' micro-batch 2 (its load-balancing
-    statistics are per micro-batch)."""
+    """One process: the dense model at micro-batch BATCH (with LoRA LORA_BATCH: one per step); the MoE at the
+    layouts' micro-batch 2 (its load-balancing statistics are per micro-batch)."""
     ctx = ParallelContext.single()
-    return {"dense": train_layout(ctx, kimi_sft_config(micro=8)),
+    return {"dense": train_layout(ctx, kimi_sft_config(micro=BATCH)),
             "moe": train_layout(ctx, kimi_sft_config(moe=True)),
-            "lora": train_layout(ctx, kimi_sft_config(micro=8, lora=4)),
-            "muon": train_layout(ctx, kimi_sft_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"))}
+            "lora": train_layout(ctx, kimi_sft_config(micro=LORA_BATCH, lora=4)),
+            "muon": train_layout(ctx, kimi_sft_config(micro=BATCH, optimizer="muon", muon_ns_dtype="fp32"))}
 
 
 def kind_of(name: str) -> str:
