@@ -46,6 +46,23 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     times U - W S (2 C^2 d_v): per token and value head 5 C d_k + 3 C d_v + 6 d_k d_v (the depthwise
     convolution, the gates and the norms are not matmuls; a last chunk padded to C is not counted).
 
+    A Kimi Delta Attention layer (`linear_attention_rule = "kimi_delta"`, H heads of d channels; Kimi Linear's
+    beside MLA) counts its projections q, k, v (h x H d each), b (h x H), the low-rank forget and output gates f_a,
+    g_a (h -> d) and f_b, g_b (d -> H d), o (H d x h), 2 FLOPs per weight (`shardlm.plan.recurrent.kda_weights`),
+    and its chunked rule (`shardlm.models.kda_rule.chunk_kda_rule`, C = 64): per chunk and head the two C x C
+    products of `pairwise` (the system and Q K^T, 2 C^2 d each; the decays inside a sub-block are elementwise),
+    the two solves (C^2 d each), W S, Q_read S, K_write^T (U - W S) (2 C d^2 each) and the attention times
+    U - W S (2 C^2 d): per token and head 8 C d + 6 d^2.
+
+    Nemotron-H (`layer_pattern`) counts each block's one mixer (`shardlm.plan.recurrent.pattern_layer_flops`):
+    Mamba-2 ("M"; H heads of P channels, G groups of N state channels, chunks of L = `mamba_chunk_size`) its
+    projections z, x (h x H P each), B, C (h x G N each), dt (h x H) and o (H P x h), 2 FLOPs per weight, and the
+    chunked scan (`shardlm.models.ssd.chunk_scan`): per chunk and head C B^T (2 L^2 N), the decayed scores times
+    x dt (2 L^2 P), the chunk's state (2 L P N) and what its tokens read of the incoming one (2 L N P), so per
+    token and head 2 L (N + P) + 4 P N; attention ("*", no positions) 2 (2 h a + 2 h kv) + 4 s a; the ReLU^2
+    MLP ("-") 4 h f; an MoE layer ("E") the router 2 h E and its top-k and shared ReLU^2 experts, 4 h f_e and
+    4 h f_s each; plus the output head 2 h V. Training is 3 x forward.
+
     An MoE layer counts what a token activates: its top-k experts' MLPs (2 or 3 h x f_e matrices each, f_e = the
     expert width), the shared experts' (their width, `shared_ffn_size`; with `moe_shared_expert_gate` their h x 1
     gate) and the router's h x E gate, instead of the dense MLP. Each multi-token-prediction depth (`mtp_layers`)
@@ -55,6 +72,12 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         from shardlm.models.gemma_config import gemma_flops_per_token
 
         return gemma_flops_per_token(cfg, recompute)
+    from shardlm.plan import recurrent
+
+    if cfg.layer_pattern:  # Nemotron-H: one mixer a block
+        layer_forward = sum(recurrent.pattern_layer_flops(cfg, i) for i in range(cfg.num_layers))
+        return 3 * (layer_forward + 2 * cfg.hidden_size * cfg.vocab_size) + (layer_forward if recompute else 0.0)
+    kda = 2 * recurrent.kda_weights(cfg) + recurrent.kda_rule_flops_per_token(cfg)  # a KDA layer's mixer
     s, layers, h, v = cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     ffn_ratio = cfg.ffn_size / h
     layer_forward = layers * (2 * (3 + 1 + 2 * ffn_ratio) * h * h + 4 * s * h)
@@ -68,6 +91,8 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         chunk = 64  # shardlm.models.delta_rule.CHUNK
         linear = 2 * h * (2 * nk * dk + 2 * nv * dv + 2 * nv + nv * dv) + nv * (5 * chunk * dk + 3 * chunk * dv
                                                                                  + 6 * dk * dv)
+        if cfg.linear_attention_rule == "kimi_delta":
+            linear = kda
 
         def layer_flops(i: int) -> float:
             if cfg.is_linear_layer(i):
@@ -86,6 +111,8 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
             from shardlm.plan.sparse_attention import sparse_attention_flops as sparse
 
         def layer_flops(i: int) -> float:
+            if recurrent.is_kda_layer(cfg, i):  # Kimi Linear: KDA beside MLA
+                return kda + 2 * 3 * h * cfg.ffn_size
             return weights + (sparse(cfg, i).forward if sparse else 2 * s * heads * (qk + cfg.v_head_dim))
 
         layer_forward = sum(layer_flops(i) for i in range(layers))

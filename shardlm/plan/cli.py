@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
                                         "moonlight-16b-a3b, glm-4.5, glm-4.5-air, gpt-oss-20b, gpt-oss-120b, "
                                         "the sparse-attention deepseek-v3.2 and glm-5, "
                                         "the hybrid linear-attention qwen3-next-80b-a3b, qwen3.5-27b, "
-                                        "qwen3.5-35b-a3b, qwen3.5-397b-a17b, "
+                                        "qwen3.5-35b-a3b, qwen3.5-397b-a17b, kimi-linear-48b-a3b (KDA and MLA), "
+                                        "nemotron-h-8b and nemotron-3-nano-30b-a3b (Mamba-2 hybrids), "
                                         "the SC21 models sc21-1.7b ... sc21-1008b) or a "
                                         "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")

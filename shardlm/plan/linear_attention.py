@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.flops import mla_weights
+from shardlm.plan import recurrent
 from shardlm.plan.formats import NumericFormat
 
 CHUNK = 64
@@ -30,8 +31,11 @@ def linear_layer_count(cfg: ModelConfig) -> int:
 
 
 def attention_layer_share(cfg: ModelConfig) -> float:
-    """Share of the layers that attend over (query, key) pairs: 1 without linear layers, 1/4 in Qwen3-Next."""
-    return 1 - linear_layer_count(cfg) / cfg.num_layers
+    """Share of the layers that attend over (query, key) pairs: 1 without linear layers, 1/4 in Qwen3-Next, 7/27
+    in Kimi Linear; in Nemotron-H its attention blocks ("*" in `layer_pattern`), 4/52 in Nemotron-H-8B."""
+    if cfg.layer_pattern:
+        return cfg.layer_pattern.count("*") / cfg.num_layers
+    return (cfg.num_layers - linear_layer_count(cfg)) / cfg.num_layers
 
 
 def linear_weights(cfg: ModelConfig) -> int:
@@ -43,9 +47,11 @@ def linear_weights(cfg: ModelConfig) -> int:
 
 
 def attention_weights(cfg: ModelConfig, index: int) -> int:
-    """Entries of layer `index`'s attention projections (TP = 1): MLA's (`mla_weights`), a linear layer's
-    (`linear_weights`), or q (2a x h with the output gate), k, v and o."""
+    """Entries of layer `index`'s attention projections (TP = 1): a KDA layer's (`recurrent.kda_weights`), MLA's
+    (`mla_weights`), a linear layer's (`linear_weights`), or q (2a x h with the output gate), k, v and o."""
     h = cfg.hidden_size
+    if recurrent.is_kda_layer(cfg, index):
+        return recurrent.kda_weights(cfg)
     if cfg.arch == "llama" and cfg.attention == "mla":
         return mla_weights(cfg)
     if cfg.is_linear_layer(index):
@@ -56,7 +62,9 @@ def attention_weights(cfg: ModelConfig, index: int) -> int:
 
 def rule_flops_per_token(cfg: ModelConfig) -> int:
     """Forward FLOPs per token of one linear layer's chunked delta rule: per value head 5 C d_k + 3 C d_v + 6 d_k d_v
-    (`models.flops.flops_per_token` derives it; C = `CHUNK`)."""
+    (`models.flops.flops_per_token` derives it; C = `CHUNK`); KDA's: `recurrent.kda_rule_flops_per_token`."""
+    if cfg.linear_attention_rule == "kimi_delta":
+        return recurrent.kda_rule_flops_per_token(cfg)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     return cfg.linear_num_value_heads * (5 * CHUNK * dk + 3 * CHUNK * dv + 6 * dk * dv)
 
@@ -70,7 +78,9 @@ def conv_channels(cfg: ModelConfig, tp: int) -> int:
 def recurrent_state_bytes(cfg: ModelConfig, tp: int, element_bytes: int) -> int:
     """What one sequence carries through one linear layer on one TP rank: the fp32 state (n_v / t heads of
     d_k x d_v) and the convolution's last kernel - 1 inputs (conv channels, `element_bytes` each). Decoding keeps
-    this per layer instead of keys and values, whatever the sequence length."""
+    this per layer instead of keys and values, whatever the sequence length. KDA's: `recurrent.kda_state_bytes`."""
+    if cfg.linear_attention_rule == "kimi_delta":
+        return recurrent.kda_state_bytes(cfg, tp, element_bytes)
     heads = cfg.linear_num_value_heads // tp
     return heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 \
         + (cfg.linear_conv_kernel - 1) * conv_channels(cfg, tp) * element_bytes
@@ -98,6 +108,8 @@ def linear_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Nu
     CPU, in fp32 and under bf16 autocast (`tests/test_plan_linear_attention.py`; under autocast each of the six
     input GEMMs casts the norm's output anew, which the block counts once for them, as it does for attention's
     three)."""
+    if cfg.linear_attention_rule == "kimi_delta":  # Kimi Delta Attention: `recurrent.kda_activation_bytes`
+        return recurrent.kda_activation_bytes(cfg, tp, micro_batch, fmt, selective)
     b, s, e = micro_batch, cfg.seq_length, fmt.matmul_bytes
     tokens = b * s
     heads, channels = cfg.linear_num_value_heads // tp, conv_channels(cfg, tp)

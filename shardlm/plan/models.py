@@ -3,7 +3,9 @@ the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, a
 models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, with DeepSeek Sparse
 Attention DeepSeek-V3.2 and GLM-5 (docs/plan-sparse-attention.md), GLM-4.5, gpt-oss
 (sliding-window layers, attention sinks, biased experts), and the hybrid linear-attention models Qwen3-Next-80B-A3B
-and Qwen3.5 (27B dense, 35B-A3B and 397B-A17B: three Gated DeltaNet layers before each gated full-attention one).
+and Qwen3.5 (27B dense, 35B-A3B and 397B-A17B: three Gated DeltaNet layers before each gated full-attention one),
+Kimi Linear 48B-A3B (Kimi Delta Attention beside MLA) and Nemotron-H 8B and Nemotron 3 Nano 30B-A3B (Mamba-2,
+attention and MLP or MoE blocks; `shardlm.plan.recurrent`).
 
 `--model` takes a preset name or a shardlm TOML config (its `[model]` section). BERT presets use
 the same transformer layer as GPT (`shardlm.models.bert` builds it from the same parallel layers; the
@@ -38,6 +40,8 @@ GPT_OSS_VOCAB = 201088
 QWEN35_VOCAB = 248320
 MISTRAL4_VOCAB = 131072
 MINIMAX_M2_VOCAB = 200064
+KIMI_LINEAR_VOCAB = 163840
+NEMOTRON_H_VOCAB = 131072
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
 
 
@@ -230,6 +234,47 @@ def _qwen3_hybrid(layers: int, hidden: int, heads: int, kv_heads: int, value_hea
                        linear_conv_kernel=4, attention_output_gate=True, norm_zero_centered=True, **moe)
 
 
+def _kimi_linear_48b_a3b() -> ModelConfig:
+    """Kimi Linear 48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json; transformers' KimiLinearConfig):
+    27 layers, h 2304; Kimi Delta Attention in 20 of them (32 heads of 128 channels, a 4-tap convolution) and MLA
+    without positions in layers 4, 8, 12, 16, 20, 24 and 27 (1-based; 32 heads, no query low-rank path,
+    kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128); the first layer a dense SwiGLU of 9216, the others 256
+    routed experts of width 1024 (top-8, sigmoid scores with the score-correction bias, renormalized, scaled by
+    2.446) and one shared expert; vocabulary 163,840, untied; RMSNorm epsilon 1e-5. Sequence 4096."""
+    full = {4, 8, 12, 16, 20, 24, 27}
+    layer_types = ["full_attention" if i + 1 in full else "linear_attention" for i in range(27)]
+    return ModelConfig(arch="llama", attention="mla", mla_nope=True, num_layers=27, hidden_size=2304, num_heads=32,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, seq_length=4096,
+                       vocab_size=KIMI_LINEAR_VOCAB, ffn_hidden_size=9216, layernorm_epsilon=1e-5, dropout=0.0,
+                       layer_types=layer_types, linear_attention_rule="kimi_delta", linear_num_key_heads=32,
+                       linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel=4, moe_num_experts=256, moe_top_k=8, moe_ffn_hidden_size=1024,
+                       moe_first_dense_layers=1, moe_shared_experts=1, moe_score="sigmoid", moe_expert_bias=True,
+                       moe_norm_topk_prob=True, moe_routed_scaling=2.446)
+
+
+def _nemotron_h(pattern: str, hidden: int, kv_heads: int, mamba_heads: int, ffn: int = 0, experts: int = 0,
+                top_k: int = 0, expert_ffn: int = 0, shared_ffn: int = 0) -> ModelConfig:
+    """Nemotron-H and Nemotron 3 (their config.json; transformers' NemotronHConfig): one mixer a block as
+    `pattern` (hybrid_override_pattern) says: Mamba-2 ("M": `mamba_heads` heads of 64 channels, 8 groups of a
+    128-channel state, a 4-tap convolution with biases, chunks of 128), attention without positions ("*": 32
+    query heads and `kv_heads` KV heads of 128 channels), a ReLU^2 MLP of `ffn` ("-") or an MoE layer ("E":
+    `experts` ReLU^2 experts of `expert_ffn`, top-`top_k`, sigmoid scores with the score-correction bias,
+    renormalized, scaled by 2.5, one shared expert of `shared_ffn`); vocabulary 131,072, untied; RMSNorm epsilon
+    1e-5. Sequence 8192."""
+    moe = {}
+    if experts:
+        moe = dict(moe_num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=expert_ffn, moe_shared_experts=1,
+                   moe_shared_ffn_hidden_size=shared_ffn, moe_score="sigmoid", moe_expert_bias=True,
+                   moe_norm_topk_prob=True, moe_routed_scaling=2.5)
+    return ModelConfig(arch="llama", num_layers=len(pattern), hidden_size=hidden, num_heads=32, num_kv_heads=kv_heads,
+                       head_dim=0 if hidden == 32 * 128 else 128, seq_length=8192,
+                       vocab_size=NEMOTRON_H_VOCAB, ffn_hidden_size=ffn or expert_ffn,
+                       layernorm_epsilon=1e-5, dropout=0.0, layer_pattern=pattern, mamba_num_heads=mamba_heads,
+                       mamba_head_dim=64, mamba_state_size=128, mamba_groups=8, mamba_conv_kernel=4,
+                       mamba_chunk_size=128, **moe)
+
+
 def _bert(layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(arch="bert", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=512,
                        vocab_size=BERT_VOCAB)
@@ -273,6 +318,15 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "qwen3.5-35b-a3b": _qwen3_hybrid(40, 2048, 16, 2, 32, QWEN35_VOCAB, experts=256, top_k=8, expert_ffn=512),
     # Qwen/Qwen3.5-397B-A17B text_config (slime scripts/models/qwen3.5-397B-A17B.sh): 64 value heads, 512 experts
     "qwen3.5-397b-a17b": _qwen3_hybrid(60, 4096, 32, 2, 64, QWEN35_VOCAB, experts=512, top_k=10, expert_ffn=1024),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: KDA in 20 of 27 layers, MLA (NoPE) in 7, 256 experts top-8
+    "kimi-linear-48b-a3b": _kimi_linear_48b_a3b(),
+    # nvidia/Nemotron-H-8B-Base-8K config.json: 52 blocks (24 Mamba-2, 4 attention, 24 ReLU^2 MLPs of 21504),
+    # h 4096, 128 Mamba heads, 8 KV heads (NemotronHConfig's defaults are this shape)
+    "nemotron-h-8b": _nemotron_h("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", 4096, 8, 128, ffn=21504),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B config.json: 52 blocks (23 Mamba-2, 6 attention, 23 MoE of 128 experts
+    # of 1856, top-6, a shared expert of 3712), h 2688, 64 Mamba heads, 2 KV heads
+    "nemotron-3-nano-30b-a3b": _nemotron_h("MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", 2688, 2, 64,
+                                           experts=128, top_k=6, expert_ffn=1856, shared_ffn=3712),
 }
 # Narayanan et al. 2021 (SC21), Table 1: GPT with sequence 2048 and vocabulary 51,200; name -> (layers, hidden, heads)
 SC21_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),

@@ -1,0 +1,317 @@
+"""Kimi Delta Attention (Kimi Linear) and Mamba-2 (Nemotron-H) layers in the planner: their weights, matmul FLOPs,
+parameters, recurrent state and what they save for the backward, derived from `shardlm.models.kimi_delta`,
+`shardlm.models.kda_rule`, `shardlm.models.mamba` and `shardlm.models.ssd` (`tests/test_plan_recurrent.py` checks
+each against the code, transformers' builds and autograd).
+
+- FLOPs: `models.flops.flops_per_token` counts a KDA layer's projections (`kda_weights`) and its chunked rule
+  (`kda_rule_flops_per_token`), a Mamba-2 layer's (`mamba_weights`, `ssd_flops_per_token`), and a Nemotron-H
+  model's layers by `layer_pattern` (`pattern_layer_flops`); all linear in the sequence.
+- parameters: `recurrent_parameter_count` (Kimi Linear: KDA layers beside MLA ones; Nemotron-H: one mixer a block);
+- state: `kda_state_bytes` and `mamba_state_bytes`, what one sequence carries through a layer (and decoding keeps);
+- activations: `kda_activation_bytes` and `mamba_activation_bytes`, what a layer keeps for its backward.
+
+Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+from shardlm.models.config import ModelConfig
+from shardlm.plan.formats import NumericFormat
+from shardlm.plan.parameters import ParameterCount, _mla_count, _split, add_counts
+
+KDA_CHUNK = 64
+"""Tokens per chunk of `chunk_kda_rule` (`shardlm.models.delta_rule.CHUNK`; a test checks it)."""
+KDA_BLOCK = 16
+"""Tokens per sub-block of `kda_rule.pairwise` (`shardlm.models.kda_rule.BLOCK`)."""
+
+
+def is_kda_layer(cfg: ModelConfig, index: int) -> bool:
+    """Whether layer `index` is a Kimi Delta Attention layer (`linear_attention_rule = "kimi_delta"`)."""
+    return cfg.linear_attention_rule == "kimi_delta" and cfg.is_linear_layer(index)
+
+
+def layer_kind(cfg: ModelConfig, index: int) -> str:
+    """A Nemotron-H layer's mixer (`model.layer_pattern`): "M" Mamba-2, "*" attention, "-" MLP, "E" MoE."""
+    return cfg.layer_pattern[index]
+
+
+def mamba_layer_count(cfg: ModelConfig) -> int:
+    """Layers that are Mamba-2 layers ("M" in `layer_pattern`)."""
+    return cfg.layer_pattern.count("M")
+
+
+def kda_weights(cfg: ModelConfig) -> int:
+    """Entries of one KDA layer's matrices (TP = 1; H heads of d channels): q, k, v (h x H d each), b (h x H), the
+    forget and output gates' low-rank pairs f_a, g_a (d x h) and f_b, g_b (H d x d), o (H d x h)."""
+    h, heads, d = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    return h * (3 * heads * d + heads) + 2 * (d * h + heads * d * d) + heads * d * h
+
+
+def kda_rule_flops_per_token(cfg: ModelConfig) -> int:
+    """Forward matmul FLOPs per token of one KDA layer's chunked rule (`chunk_kda_rule`, C = `KDA_CHUNK`): per chunk
+    and head `pairwise` runs one (C x d)(d x C) product for the system K_beta K^T and one for Q K^T (its sub-block
+    terms are elementwise: 2 C^2 d each), the two unit-triangular solves for U and W (C^2 d each), and
+    `chunks_carried` W S, Q_read S and K_write^T (U - W S) (2 C d^2 each) and the chunk's attention times U - W S
+    (2 C^2 d): per token and head 8 C d + 6 d^2 (the gated delta rule's 5 C d_k + 3 C d_v + 6 d_k d_v with
+    d_k = d_v = d)."""
+    d = cfg.linear_key_head_dim
+    return cfg.linear_num_value_heads * (8 * KDA_CHUNK * d + 6 * d * d)
+
+
+def mamba_weights(cfg: ModelConfig) -> int:
+    """Entries of one Mamba-2 layer's matrices (TP = 1; H heads of P channels, G groups of N): Hugging Face's in_proj
+    as shardlm's z, x (h x H P each), B, C (h x G N each) and dt (h x H), and out_proj o (H P x h)."""
+    h, inner = cfg.hidden_size, cfg.mamba_num_heads * cfg.mamba_head_dim
+    return h * (2 * inner + 2 * cfg.mamba_groups * cfg.mamba_state_size + cfg.mamba_num_heads) + inner * h
+
+
+def ssd_flops_per_token(cfg: ModelConfig) -> int:
+    """Forward matmul FLOPs per token of one Mamba-2 layer's chunked scan (`ssd.chunk_scan`, L =
+    `mamba_chunk_size`; B and C repeated to every head): per chunk and head C B^T (2 L^2 N), the masked decayed
+    scores times x dt (2 L^2 P), the chunk's end state (x dt)^T (B decayed) (2 L P N) and what the chunk reads of the
+    incoming state C S^T (2 L N P): per token and head 2 L (N + P) + 4 P N (the convolution, the discretization,
+    D x and the gated norm are not matmuls; a last chunk padded to L is not counted)."""
+    L, P, N = cfg.mamba_chunk_size, cfg.mamba_head_dim, cfg.mamba_state_size
+    return cfg.mamba_num_heads * (2 * L * (N + P) + 4 * P * N)
+
+
+def pattern_layer_flops(cfg: ModelConfig, index: int) -> float:
+    """Forward matmul FLOPs per token of Nemotron-H's layer `index` (`layer_pattern`): Mamba-2 2 `mamba_weights` +
+    `ssd_flops_per_token`; attention without positions 2 (2 h a + 2 h kv) + 4 s a (a = heads x head_dim, kv = KV
+    heads x head_dim); the ReLU^2 MLP 2 (2 h f); an MoE layer the router (2 h E), its top-k ReLU^2 experts (2 x 2 h
+    f_e each) and the shared one (2 x 2 h f_s)."""
+    h, kind = cfg.hidden_size, layer_kind(cfg, index)
+    if kind == "M":
+        return 2 * mamba_weights(cfg) + ssd_flops_per_token(cfg)
+    if kind == "*":
+        a, kv = cfg.num_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+        return 2 * (2 * h * a + 2 * h * kv) + 4 * cfg.seq_length * a
+    if kind == "-":
+        return 2 * 2 * h * cfg.ffn_size
+    shared = cfg.shared_ffn_size if cfg.moe_shared_experts else 0
+    return 2 * h * (2 * (cfg.moe_top_k * cfg.moe_ffn_size + shared) + cfg.moe_num_experts)
+
+
+def _kda_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One KDA layer (`KimiDeltaAttention`) and its block's two RMSNorms on one TP rank: q, k, v (H d / t x h each),
+    b (H / t x h), f_b and g_b (H d / t x d), o (h x H d / t), the convolutions of q, k and v (3 H d / t x kernel),
+    A_log (H / t) and dt_bias (H d / t) split with the heads; f_a and g_a (d x h), the gated norm's weight (d) and
+    the two RMSNorms (h each) replicated."""
+    h, d = cfg.hidden_size, cfg.linear_key_head_dim
+    heads = _split(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
+    sharded_matrices = (3 * heads * d + heads) * h + 2 * heads * d * d + h * heads * d
+    replicated_matrices = 2 * d * h
+    sharded = sharded_matrices + 3 * heads * d * cfg.linear_conv_kernel + heads + heads * d
+    return ParameterCount(sharded, replicated_matrices + d + 2 * h, 7 + 2 + 3 + 2 + 1 + 2,
+                          sharded_matrices + replicated_matrices)
+
+
+def _mamba_count(cfg: ModelConfig, tp: int) -> ParameterCount:
+    """One Mamba-2 layer (`mamba.Mamba2`) on one TP rank: z, x (H P / t x h each), B, C (G N / t x h each), dt
+    (H / t x h), o (h x H P / t), the convolution over x, B and C ((H P + 2 G N) / t x kernel, with as many biases
+    under `mamba_conv_bias`), A_log, dt_bias and D (H / t each) and the gated norm's weight (H P / t), all split
+    with the heads and groups."""
+    h, K = cfg.hidden_size, cfg.mamba_conv_kernel
+    inner = _split(cfg.mamba_num_heads * cfg.mamba_head_dim, tp, "mamba inner width")
+    heads = _split(cfg.mamba_num_heads, tp, "mamba_num_heads")
+    state = _split(cfg.mamba_groups * cfg.mamba_state_size, tp, "mamba_groups x mamba_state_size")
+    matrices = (2 * inner + 2 * state + heads) * h + inner * h
+    channels = inner + 2 * state
+    biases = 3 if cfg.mamba_conv_bias else 0
+    sharded = matrices + channels * K + (channels if biases else 0) + 3 * heads + inner
+    return ParameterCount(sharded, 0, 6 + 3 + biases + 3 + 1, matrices)
+
+
+def _pattern_layer_count(cfg: ModelConfig, index: int, tp: int, ep: int) -> ParameterCount:
+    """Nemotron-H's block `index` on one (TP, EP) rank: its RMSNorm (h, replicated) and its mixer: Mamba-2
+    (`_mamba_count`); attention without positions (q and o split by heads, k and v by KV heads); the ReLU^2 MLP (up
+    f / t x h, down h x f / t); or the MoE layer: the router (E x h) and its score-correction bias (E) replicated,
+    E / ep experts of up (f_e / t x h) and down (h x f_e / t), the shared expert's up and down (f_s / t)."""
+    h, kind = cfg.hidden_size, layer_kind(cfg, index)
+    norm = ParameterCount(0, h, 1, 0)
+    if kind == "M":
+        return add_counts(norm, _mamba_count(cfg, tp))
+    if kind == "*":
+        a = _split(cfg.num_heads * cfg.attention_head_dim, tp, "attention width")
+        kv = _split(cfg.kv_heads * cfg.attention_head_dim, tp, "KV width (num_kv_heads x head_dim)")
+        matrices = (2 * a + 2 * kv) * h
+        return add_counts(norm, ParameterCount(matrices, 0, 4, matrices))
+    if kind == "-":
+        f = _split(cfg.ffn_size, tp, "ffn size")
+        return add_counts(norm, ParameterCount(2 * f * h, 0, 2, 2 * f * h))
+    experts = cfg.moe_num_experts
+    if experts % ep:
+        from shardlm.errors import UserError
+
+        raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
+    routed = 2 * (experts // ep) * _split(cfg.moe_ffn_size, tp, "expert ffn size") * h
+    shared = 2 * _split(cfg.shared_ffn_size, tp, "shared ffn size") * h if cfg.moe_shared_experts else 0
+    tensors = 2 + 2 + (2 if shared else 0)
+    return add_counts(norm, ParameterCount(routed + shared, experts * h + experts, tensors, routed + shared, routed))
+
+
+def recurrent_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of a Kimi Linear or Nemotron-H model: the embedding and the untied output layer
+    (V_padded / t x h each), the final RMSNorm, and the layers. Nemotron-H (`layer_pattern`): one block a layer,
+    `_pattern_layer_count`. Kimi Linear: KDA layers (`_kda_count`) where `layer_types` says "linear_attention",
+    MLA (`parameters._mla_count`) in the others, and each layer's SwiGLU MLP or MoE layer
+    (`parameters._mlp_count`)."""
+    from shardlm.plan.parameters import _mlps, _times
+
+    h = cfg.hidden_size
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    outputs = 1 if cfg.tie_embeddings else 2
+    total = ParameterCount(outputs * vocab_local * h, h, 1 + outputs, 0)
+    if cfg.layer_pattern:
+        for index in range(cfg.num_layers):
+            total = add_counts(total, _pattern_layer_count(cfg, index, tp, ep))
+        return total
+    linear = sum(is_kda_layer(cfg, i) for i in range(cfg.num_layers))
+    total = add_counts(total, _times(_kda_count(cfg, tp), linear))
+    total = add_counts(total, _times(_mla_count(cfg, tp), cfg.num_layers - linear))
+    return add_counts(total, _mlps(cfg, tp, ep, gated=True))
+
+
+def kda_state_bytes(cfg: ModelConfig, tp: int, element_bytes: int) -> int:
+    """What one sequence carries through one KDA layer on one TP rank: the fp32 state (H / t heads of d x d) and the
+    convolution's last kernel - 1 inputs (3 H d / t channels, `element_bytes` each). Decoding keeps this per layer
+    instead of keys and values, whatever the sequence length."""
+    heads, d = cfg.linear_num_value_heads // tp, cfg.linear_key_head_dim
+    return heads * d * d * 4 + (cfg.linear_conv_kernel - 1) * 3 * heads * d * element_bytes
+
+
+def mamba_conv_channels(cfg: ModelConfig, tp: int) -> int:
+    """Channels of a Mamba-2 layer's convolution on one TP rank: x, B and C, (H P + 2 G N) / t."""
+    return (cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.mamba_groups * cfg.mamba_state_size) // tp
+
+
+def mamba_state_bytes(cfg: ModelConfig, tp: int, element_bytes: int) -> int:
+    """What one sequence carries through one Mamba-2 layer on one TP rank: the fp32 SSM state (H / t heads of
+    P x N) and the convolution's last kernel - 1 inputs (`mamba_conv_channels`, `element_bytes` each)."""
+    heads = cfg.mamba_num_heads // tp
+    return heads * cfg.mamba_head_dim * cfg.mamba_state_size * 4 \
+        + (cfg.mamba_conv_kernel - 1) * mamba_conv_channels(cfg, tp) * element_bytes
+
+
+def recurrent_state_bytes_per_sequence(cfg: ModelConfig, tp: int, element_bytes: int) -> int:
+    """The whole model's recurrent state for one sequence on one TP rank: every KDA and Mamba-2 layer's."""
+    kda = sum(is_kda_layer(cfg, i) for i in range(cfg.num_layers)) * kda_state_bytes(cfg, tp, element_bytes)
+    mamba = mamba_layer_count(cfg) * mamba_state_bytes(cfg, tp, element_bytes) if cfg.layer_pattern else 0
+    return kda + mamba
+
+
+def kda_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                         selective: bool = False) -> int:
+    """Bytes one KDA layer saves for one micro-batch on one TP rank beyond its input norm's output (which its input
+    GEMMs save, as attention's do): b sequences of s = n C tokens, H = heads / t, d channels, c = 3 H d conv
+    channels, C = `KDA_CHUNK`, sub-blocks of 16 (`KDA_BLOCK`, C / 16 of them). Derived from the code in fp32 (4 bytes
+    an element; `tests/test_plan_recurrent.py` checks it against autograd on the CPU):
+
+      the low-rank gates' d-wide middles (f_a's and g_a's outputs, which f_b and g_b read);
+      convolution: its weights (c x kernel), the input with kernel - 1 earlier positions, the SiLU's input and
+          output (q, k, v before the L2 norms); the norms' factors (2 per head and token), q scaled and k
+          normalized, beta, the forget gate's softplus input and output, exp(A_log) and its negation;
+      the rule (`_kda_rule_bytes`);
+      output: the gated norm's input, statistic, normalized and weighted values, the output gate's sigmoid and
+          the product o reads.
+
+    With `selective` (recomputation of `KimiDeltaAttention.core`) the convolution and the rule keep only their
+    inputs: q, k, v before the convolution (c), b (H) and the forget gate's f_b output (H d)."""
+    b, s, e = micro_batch, cfg.seq_length, 4
+    heads, d, kernel = cfg.linear_num_value_heads // tp, cfg.linear_key_head_dim, cfg.linear_conv_kernel
+    tokens, channels = b * s, 3 * heads * d
+    gates = 2 * tokens * d * e
+    output = tokens * heads * (5 * d + 1) * e
+    if selective:
+        return gates + tokens * (channels + heads + heads * d) * e + output
+    conv = channels * kernel * e + b * (s + kernel - 1) * channels * e + 2 * tokens * channels * e
+    inputs = tokens * heads * (2 + 1 + 2 * d + 2 * d) * e + 2 * heads * e
+    return gates + conv + inputs + _kda_rule_bytes(cfg, heads, b) + output
+
+
+def _kda_rule_bytes(cfg: ModelConfig, heads: int, b: int) -> int:
+    """What `chunk_kda_rule` saves in fp32 for b sequences of `heads` heads (s a multiple of C). Per token and head:
+    K_beta (d); each of the two `pairwise` calls' right factors and their decays (2 d), left factors and their
+    decays (2 d C / 16), sub-block products and their decays (2 x 16 d) and its subnormal mask (C bytes); the
+    system and the chunk's attention (2 C); U, W and the decays W and Q_read read (4 d); each chunk's U - W S (d);
+    the chunk's outputs (d, read by the gated norm). Q_read and K_write, read against the state of every chunk but
+    the first (Q_read) and the last (K_write: the end state is dropped), whole with one sequence, else as a copy of
+    each such chunk (2 d per token of s, or of s - C). Per chunk and head the decay to its end (d) and its incoming
+    state (d x d). Fixed: the masks of the sub-blocks (C^2 / 16 + 16^2 bytes) and their 0/1 placement
+    ((C / 16)^2 floats), each call."""
+    s, d, C, block = cfg.seq_length, cfg.linear_key_head_dim, KDA_CHUNK, KDA_BLOCK
+    chunks, nb = -(-s // C), C // block
+    per_token = d + 2 * (2 * d + 2 * d * nb + 2 * block * d) + 2 * C + 4 * d + d + d
+    reads = 0 if chunks == 1 else 2 * d * (s if b == 1 else s - C)
+    fixed = 2 * (nb * C + block * block + nb * nb * 4)
+    return b * heads * ((s * per_token + reads) * 4 + s * 2 * C + chunks * (d + d * d) * 4) + fixed
+
+
+def mamba_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                           selective: bool = False) -> int:
+    """Bytes one Mamba-2 mixer saves for one micro-batch on one TP rank beyond its block norm's output (which its
+    input GEMMs save): b sequences of s = n L tokens (L = `mamba_chunk_size`), H = heads / t of P channels, N
+    state channels, G = groups / t, c = `mamba_conv_channels`. Derived from the code in fp32 (4 bytes an element;
+    `tests/test_plan_recurrent.py` checks it against autograd on the CPU):
+
+      convolution: its weights (c x kernel), the input with kernel - 1 earlier positions, the SiLU's input and
+          output (x, B and C); the step: softplus's input and output and the clamped step (3 per head and token);
+          exp(A_log) and its negation;
+      the scan (`_ssd_bytes`);
+      the gated norm and o: z, y, silu(z), their product, the normalized and the weighted values (6 H P per
+          token), one statistic per group and token.
+
+    With `selective` (recomputation of `Mamba2.core`) the convolution and the scan keep only their inputs: x, B
+    and C before the convolution (c) and dt (H)."""
+    b, s, e = micro_batch, cfg.seq_length, 4
+    heads, P, kernel = cfg.mamba_num_heads // tp, cfg.mamba_head_dim, cfg.mamba_conv_kernel
+    groups, channels, tokens = cfg.mamba_groups // tp, mamba_conv_channels(cfg, tp), micro_batch * cfg.seq_length
+    output = tokens * (6 * heads * P + groups) * e
+    if selective:
+        return tokens * (channels + heads) * e + output
+    conv = channels * kernel * e + b * (s + kernel - 1) * channels * e + 2 * tokens * channels * e
+    step = 3 * tokens * heads * e + 2 * heads * e
+    return conv + step + _ssd_bytes(cfg, heads, b) + output
+
+
+def _ssd_bytes(cfg: ModelConfig, heads: int, b: int) -> int:
+    """What `ssd.chunk_scan` saves in fp32 for b sequences of `heads` heads (s a multiple of L). Per token and head:
+    the chunk's decays between its tokens, C B^T and their product (3 L); B repeated to the heads, the batched
+    products' copies of C and B^T, and the decayed B the chunk's state reads (4 N); C repeated to the heads, read
+    against the state of every chunk but the first (N: whole with one sequence, else a copy of each such chunk, of
+    s - L tokens); the products' copies of x dt (2 P); what each token reads of the incoming state (P); two
+    decays (to the chunk's end and from its start). A single chunk's state is only the dropped end state: nothing
+    its product (x dt)^T (B decayed) reads is kept (2 N + P less). Per chunk and head the decay over it (1) and its
+    incoming state (P x N). Fixed: the two L x L masks of `segment_sums` (bytes)."""
+    s, L, P, N = cfg.seq_length, cfg.mamba_chunk_size, cfg.mamba_head_dim, cfg.mamba_state_size
+    chunks = -(-s // L)
+    reads = 0 if chunks == 1 else N * (s if b == 1 else s - L)
+    per_token = 3 * L + 4 * N + 2 * P + P + 2 - (2 * N + P if chunks == 1 else 0)
+    return b * heads * ((s * per_token + reads) * 4 + chunks * (1 + P * N) * 4) + 2 * L * L
+
+
+def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                               backend: str = "cuda", selective: bool = False) -> int:
+    """What a whole Kimi Linear KDA layer with a dense SwiGLU saves: a Llama layer's norms and MLP
+    (`memory.layer_activation_bytes` less its attention share) and `kda_activation_bytes` in place of the attention.
+    `activations.shardlm_memory` subtracts `memory.attention_activation_bytes`, grouped-query attention's share,
+    from an MLA layer, which is not MLA's share: this is the figure it should charge a Kimi Linear KDA layer."""
+    from dataclasses import replace
+
+    from shardlm.plan.memory import attention_activation_bytes, layer_activation_bytes
+
+    gqa = replace(cfg, attention="mha", layer_types=[])
+    rest = layer_activation_bytes(gqa, tp, micro_batch, fmt, backend) \
+        - attention_activation_bytes(gqa, tp, micro_batch, fmt, backend)
+    return rest + kda_activation_bytes(cfg, tp, micro_batch, fmt, selective)
+
+
+def mamba_block_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                                 backend: str = "cuda", selective: bool = False) -> int:
+    """What a whole Nemotron-H Mamba-2 block saves: its RMSNorm's input (residual dtype), output (as the input GEMMs
+    save it) and fp32 statistic (on the CPU, whose rms_norm is not fused, the normalized input too) and
+    `mamba_activation_bytes`."""
+    h, tokens = cfg.hidden_size, micro_batch * cfg.seq_length
+    norm = tokens * (h * fmt.residual_bytes + h * fmt.matmul_bytes + 4 + (0 if backend == "cuda" else
+                                                                          h * fmt.residual_bytes))
+    return norm + mamba_activation_bytes(cfg, tp, micro_batch, fmt, selective)

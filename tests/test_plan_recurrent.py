@@ -1,0 +1,271 @@
+"""`shardlm plan` counts Kimi Linear (Kimi Delta Attention beside MLA) and Nemotron-H (Mamba-2, attention, MLP and
+MoE blocks): parameters, FLOPs, recurrent state and what a layer saves for its backward (`shardlm.plan.recurrent`).
+
+The presets' totals equal what transformers builds from the published configs on the meta device; the FLOPs are
+the matmuls torch's FLOP counter sees the tiny models run (plus the triangular solves it does not count); the state
+is what decoding keeps; the activation bytes are what autograd saves on the CPU in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
+from shardlm.plan.models import MODEL_PRESETS
+from shardlm.plan.recurrent import (
+    KDA_BLOCK,
+    KDA_CHUNK,
+    kda_layer_activation_bytes,
+    kda_rule_flops_per_token,
+    kda_state_bytes,
+    kda_weights,
+    mamba_block_activation_bytes,
+    mamba_state_bytes,
+    mamba_weights,
+    recurrent_parameter_count,
+    ssd_flops_per_token,
+)
+
+FULL = (4, 8, 12, 16, 20, 24, 27)
+# The published config.json values (their model ids in shardlm/plan/models.py), as transformers reads them
+HF_CONFIGS = {
+    "kimi-linear-48b-a3b": ("kimi_linear", dict(
+        vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_hidden_layers=27, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=72, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, hidden_act="silu", first_k_dense_replace=1,
+        moe_layer_freq=1, num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
+        moe_renormalize=True, moe_router_activation_func="sigmoid", num_expert_group=1, topk_group=1,
+        routed_scaling_factor=2.446, rms_norm_eps=1e-5, model_max_length=1048576, tie_word_embeddings=False,
+        linear_attn_config={"full_attn_layers": list(FULL), "kda_layers": [i for i in range(1, 28) if i not in FULL],
+                            "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4})),
+    "nemotron-h-8b": ("nemotron_h", dict(
+        vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=52,
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+        conv_kernel=4, chunk_size=128, use_conv_bias=True, mamba_proj_bias=False, tie_word_embeddings=False,
+        layer_norm_epsilon=1e-5, max_position_embeddings=8192)),
+    "nemotron-3-nano-30b-a3b": ("nemotron_h", dict(
+        vocab_size=131072, hidden_size=2688, intermediate_size=1856, num_hidden_layers=52,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", num_attention_heads=32,
+        num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+        conv_kernel=4, chunk_size=128, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False, layer_norm_epsilon=1e-5,
+        max_position_embeddings=262144)),
+}
+BILLIONS = {"kimi-linear-48b-a3b": 49.12, "nemotron-h-8b": 8.10, "nemotron-3-nano-30b-a3b": 31.58}
+
+
+def hf_config(kind: str, values: dict):
+    if kind == "kimi_linear":
+        from transformers import KimiLinearConfig as Config
+    else:
+        from transformers import NemotronHConfig as Config
+    return Config(**values)
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_presets_count_what_transformers_builds(name):
+    """The planner's total at TP = 1 equals transformers' model built on the meta device from the published shape
+    (49.12B, 8.10B and 31.58B), with the score-correction biases transformers holds as buffers and shardlm as
+    parameters."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(*HF_CONFIGS[name]))
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    expected = sum(p.numel() for p in model.parameters()) + biases
+    assert recurrent_parameter_count(MODEL_PRESETS[name], 1).total == expected
+    assert expected == pytest.approx(BILLIONS[name] * 1e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_presets_are_what_the_converter_reads_from_the_published_config(name):
+    """The Hugging Face conversion (`model_config_from_hf`) reads the preset's shape from the same config.json; the
+    presets train on shorter sequences than the published windows (and leave the attention dropout unset: the
+    model's dropout, 0)."""
+    kind, values = HF_CONFIGS[name]
+    if kind == "kimi_linear":
+        from shardlm.checkpoint.hf_kimi_linear import model_config_from_hf
+    else:
+        from shardlm.checkpoint.hf_nemotron_h import model_config_from_hf
+    preset = MODEL_PRESETS[name]
+    read = model_config_from_hf({"model_type": kind, **values})
+    assert dataclasses.replace(read, seq_length=preset.seq_length, attention_dropout=-1.0) == preset
+
+
+def tiny_kimi(**changes) -> ModelConfig:
+    """Kimi Linear at test size: a KDA layer (4 heads of 8) with a dense SwiGLU, then an MLA (NoPE) layer with an MoE
+    of 4 experts and a shared one."""
+    base = dict(arch="llama", attention="mla", mla_nope=True, num_layers=2, hidden_size=32, num_heads=4,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, seq_length=128,
+                vocab_size=512, ffn_hidden_size=48, dropout=0.0, layer_types=["linear_attention", "full_attention"],
+                linear_attention_rule="kimi_delta", linear_num_key_heads=4, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, moe_num_experts=4, moe_top_k=2,
+                moe_ffn_hidden_size=16, moe_first_dense_layers=1, moe_shared_experts=1, moe_score="sigmoid",
+                moe_expert_bias=True)
+    return ModelConfig(**{**base, **changes})
+
+
+def tiny_nemotron(**changes) -> ModelConfig:
+    """Nemotron-H at test size: Mamba-2 (4 heads of 8, 2 groups of 16, chunks of 32), attention (4 heads, 2 KV
+    heads), a ReLU^2 MLP and an MoE layer of 4 experts and a shared one of its own width."""
+    base = dict(arch="llama", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, seq_length=128,
+                vocab_size=512, ffn_hidden_size=48, dropout=0.0, layer_pattern="M*-E", mamba_num_heads=4,
+                mamba_head_dim=8, mamba_state_size=16, mamba_groups=2, mamba_chunk_size=32, moe_num_experts=4,
+                moe_top_k=2, moe_ffn_hidden_size=16, moe_shared_experts=1, moe_shared_ffn_hidden_size=24,
+                moe_score="sigmoid", moe_expert_bias=True)
+    return ModelConfig(**{**base, **changes})
+
+
+def built(cfg: ModelConfig, **kwargs):
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+
+    return build_model(cfg, ParallelContext.single(), seed=0, **kwargs)
+
+
+@pytest.mark.parametrize("make", [tiny_kimi, tiny_nemotron])
+def test_parameter_count_is_the_built_models(make):
+    """Elements and tensors of `build_model` at TP = 1; at TP = 2 the shards and the replicated weights add up to
+    the same total, and EP = 2 holds half the experts."""
+    cfg = make()
+    params = list(built(cfg).parameters())
+    count = recurrent_parameter_count(cfg, 1)
+    assert count.total == sum(p.numel() for p in params) and count.tensors == len(params)
+    halves = recurrent_parameter_count(cfg, 2)
+    assert 2 * halves.sharded + halves.replicated == count.total
+    experts = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+    assert count.expert == experts and count.total - recurrent_parameter_count(cfg, 1, ep=2).total == experts // 2
+
+
+def solves(cfg: ModelConfig, tokens: int) -> int:
+    """The KDA rule's two unit-triangular solves (U and W) per chunk and head, C^2 per right-hand column, d columns
+    each; torch's FLOP counter does not count triangular solves."""
+    return cfg.linear_num_value_heads * (tokens // KDA_CHUNK) * KDA_CHUNK ** 2 * 2 * cfg.linear_key_head_dim
+
+
+def counted(module, *inputs) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        module(*inputs)
+    return counter.get_total_flops()
+
+
+def test_mixer_flops_are_the_matmuls_each_layer_runs():
+    """One KDA layer's and one Mamba-2 layer's forward, counted by torch's FLOP counter, is 2 FLOPs per weight of
+    their projections (the low-rank gates included) plus the chunked rule's and scan's matmuls per token."""
+    from shardlm.models.delta_rule import CHUNK
+    from shardlm.models.kda_rule import BLOCK
+    from shardlm.models.kimi_delta import KimiDeltaAttention
+    from shardlm.models.mamba import Mamba2
+    from shardlm.parallel import ParallelContext
+
+    assert (KDA_CHUNK, KDA_BLOCK) == (CHUNK, BLOCK)
+    ctx, tokens = ParallelContext.single(), 2 * 128
+    kimi, nemotron = tiny_kimi(), tiny_nemotron()
+    x = torch.randn(2, 128, 32)
+    kda = counted(KimiDeltaAttention(kimi, ctx, 0, "kda"), x)
+    assert kda + solves(kimi, tokens) == (2 * kda_weights(kimi) + kda_rule_flops_per_token(kimi)) * tokens
+    mamba = counted(Mamba2(nemotron, ctx, 0, "mamba"), x)
+    assert mamba == (2 * mamba_weights(nemotron) + ssd_flops_per_token(nemotron)) * tokens
+    # counting a KDA layer as Gated DeltaNet (no low-rank gates) or the scan at chunks of 64 would fail
+    H, d = kimi.linear_num_value_heads, kimi.linear_key_head_dim
+    assert kda_rule_flops_per_token(kimi) == H * (8 * 64 * d + 6 * d * d)
+    H, P, N, L = 4, 8, 16, 32
+    assert ssd_flops_per_token(nemotron) == H * (2 * L * (N + P) + 4 * P * N)
+
+
+@pytest.mark.parametrize("make", [tiny_kimi, tiny_nemotron])
+def test_flops_per_token_is_what_the_model_runs(make):
+    """A whole model's forward (KDA and MLA layers, dense and MoE; or Mamba-2, attention, MLP and MoE blocks, by
+    `layer_pattern`), counted by torch's FLOP counter (attention as its score and value products over every key,
+    the routed experts as the rows they get), is a third of `flops_per_token` per token; doubling the sequence
+    adds only the attention layers' 4 s a (MLA: 2 s H (qk + v))."""
+    cfg = make()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = built(cfg).eval()
+    for module in model.modules():  # the experts' GEMMs one by one, over the routed rows only (what it counts)
+        if hasattr(module, "pad_rows"):
+            module.grouped, module.pad_rows = False, 0
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls the counter sees (the CPU's fused kernel it does not)
+        seen = counted(model, tokens)
+    kda_layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+    assert seen + kda_layers * solves(cfg, tokens.numel()) == flops_per_token(cfg) / 3 * tokens.numel()
+    longer = flops_per_token(dataclasses.replace(cfg, seq_length=2 * cfg.seq_length)) - flops_per_token(cfg)
+    if cfg.layer_pattern:
+        attention = 4 * cfg.num_heads * cfg.head_dim * cfg.layer_pattern.count("*")
+    else:
+        attention = 2 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) \
+            * (cfg.num_layers - kda_layers)
+    assert longer == 3 * attention * cfg.seq_length
+
+
+@pytest.mark.parametrize("make", [tiny_kimi, tiny_nemotron])
+def test_recurrent_state_is_what_decoding_keeps(make):
+    """Per sequence and recurrent layer: the fp32 state (KDA: H x d x d; Mamba-2: H x P x N) and the convolution's
+    last kernel - 1 inputs, as the decoding cache holds them, whatever the length. Nemotron-H-8B: 4 MiB of state a
+    Mamba-2 layer; Kimi Linear: 2 MiB a KDA layer."""
+    cfg = make()
+    model = built(cfg).eval()
+    cache = model.new_kv_cache(64)
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (3, 40)), cache=cache)
+    layer = cache.layers[0]
+    state = mamba_state_bytes if cfg.layer_pattern else kda_state_bytes
+    assert layer.state.nbytes + layer.conv.nbytes == 3 * state(cfg, 1, layer.conv.element_size())
+    assert mamba_state_bytes(MODEL_PRESETS["nemotron-h-8b"], 1, 2) == 128 * 64 * 128 * 4 + 3 * (8192 + 2048) * 2
+    assert kda_state_bytes(MODEL_PRESETS["kimi-linear-48b-a3b"], 2, 2) == 16 * 128 * 128 * 4 + 3 * 3 * 2048 * 2
+
+
+def saved_by_layer(model, forward) -> dict[int, int]:
+    """`tests/test_plan_linear_attention.saved_by_layer`: bytes autograd holds for the backward, by layer."""
+    from test_plan_linear_attention import saved_by_layer as measure
+
+    return measure(model, forward)
+
+
+@pytest.mark.parametrize("make,batch,seq,recompute", [
+    (tiny_kimi, 1, 64, "none"), (tiny_kimi, 2, 192, "none"), (tiny_kimi, 1, 128, "selective"),
+    (tiny_nemotron, 1, 32, "none"), (tiny_nemotron, 2, 96, "none"), (tiny_nemotron, 1, 128, "selective"),
+])
+def test_layer_activation_bytes_equal_what_autograd_saves(make, batch, seq, recompute):
+    """On the CPU in fp32, what a KDA layer (with its dense SwiGLU) and a Mamba-2 block keep for the backward equals
+    the planner's bytes, one chunk or several, one sequence or several (the rule's and scan's batched products
+    then copy each chunk), and with the core recomputed (selective)."""
+    from shardlm.plan.memory import numeric_format
+
+    cfg = make(seq_length=seq)
+    model = built(cfg, recompute=recompute).train()
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    saved = saved_by_layer(model, lambda: model(tokens, tokens).mean())
+    planned = kda_layer_activation_bytes if cfg.layer_types else mamba_block_activation_bytes
+    assert saved[0] == planned(cfg, 1, batch, numeric_format("fp32"), "cpu", recompute == "selective")
+
+
+def test_the_planner_counts_the_presets():
+    """The planner's layer shares and a plan for each preset on 64 H100s: the K/V ring runs in the attention layers
+    only (7 of Kimi Linear's 27, 4 of Nemotron-H-8B's 52, 6 of Nemotron 3 Nano's 52), and the model FLOPs are
+    `flops_per_token`'s."""
+    from shardlm.plan.evaluate import Evaluator
+    from shardlm.plan.hardware import gpu_preset
+    from shardlm.plan.linear_attention import attention_layer_share
+    from shardlm.plan.models import PlannedModel
+    from shardlm.plan.planner import PlanRequest
+    from shardlm.plan.timing import Layout
+
+    shares = {"kimi-linear-48b-a3b": 7 / 27, "nemotron-h-8b": 4 / 52, "nemotron-3-nano-30b-a3b": 6 / 52}
+    for name, share in shares.items():
+        cfg = MODEL_PRESETS[name]
+        assert attention_layer_share(cfg) == share
+        request = PlanRequest(PlannedModel(name, cfg), gpu_preset("h100"), 64, 256)
+        choice = Evaluator(request).choice(Layout(tp=2, dp=32, micro_batch=1, checkpointing=False))
+        padded = dataclasses.replace(cfg, vocab_size=cfg.padded_vocab_size(2))
+        assert choice.time.model_flops == pytest.approx(flops_per_token(padded) * 256 * cfg.seq_length, rel=1e-12)
