@@ -1,5 +1,6 @@
 """DeepSeek Sparse Attention trains at every layout as one process does (fp32, within 1e-5: losses with the
-indexers' loss in their gradient, gradient norms, the validation loss and every final parameter on every rank).
+indexers' loss in their gradient, gradient norms, the validation loss and every final parameter on every rank, after
+2 steps of 4 rows, 8 with LoRA).
 
 The model: `test_sft_layouts`' 4-layer MLA Llama with a lightning indexer per layer (8 heads of 8 channels, the
 first 4 rotated) choosing each query's 4 keys, on its packed SFT rows of 32 tokens (documents longer than 4,
@@ -20,7 +21,7 @@ import contextlib
 
 import pytest
 from test_moe_parallel import stage_parameters
-from test_sft_layouts import STEPS, TOL, conversations, sft_config, train_layout
+from test_sft_layouts import TOL, conversations, sft_config, train_data, valid_data
 
 from shardlm.models import sparse_attention
 from shardlm.parallel import ParallelContext
@@ -35,16 +36,28 @@ from multiproc import check_result
 
 DSA = {"index_topk": 4, "index_heads": 8, "index_head_dim": 8}
 SHARED = ["full", "shared", "full", "shared"]
+STEPS, BATCH, LORA_BATCH = 2, 4, 8
+"""2 steps of 4 rows; the LoRA runs of 8 (their B matrices start at zero: on 4 rows some elements' gradients nearly
+cancel, and a layout's rounding turns them into whole AdamW steps)."""
 
 
 def dsa_config(moe: bool = False, lora: int = 0, shared: bool = False, warmup: bool = False, **kwargs):
-    config = sft_config("mla", moe=moe, **kwargs)
+    batch = LORA_BATCH if lora else BATCH
+    config = sft_config("mla", moe=moe, **{"steps": STEPS, "global_batch_size": batch, **kwargs})
     for key, value in DSA.items():
         setattr(config.model, key, value)
     config.model.index_layer_types = SHARED[:config.model.num_layers] if shared else []
     config.model.index_stage = "warmup" if warmup else "sparse"
     config.lora.rank, config.lora.targets = lora, ["q_b", "kv_b", "o", "gate", "up", "down"]
     return config
+
+
+def train_layout(ctx: ParallelContext, config) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages)."""
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, train_data(), valid_data())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
 
 
 @contextlib.contextmanager
@@ -108,7 +121,7 @@ WORLD4 = {
 }
 
 
-WORLD3 = {"cp3": layout(cp=3, micro=8)}
+WORLD3 = {"cp3": layout(cp=3, micro=BATCH)}
 
 
 @pytest.fixture(scope="module")
@@ -128,14 +141,15 @@ def world4():
 
 @pytest.fixture(scope="module")
 def reference():
-    """One process at micro-batch 8 (the MoE at the layouts' micro-batch 2: its balancing loss is per micro-batch)."""
+    """One process at one micro-batch a step (the MoE at the layouts' micro-batch 2: its balancing loss is per
+    micro-batch)."""
     ctx = ParallelContext.single()
-    return {"dense": train_layout(ctx, dsa_config(micro=8)),
+    return {"dense": train_layout(ctx, dsa_config(micro=BATCH)),
             "moe": train_layout(ctx, dsa_config(moe=True)),
-            "lora": train_layout(ctx, dsa_config(micro=8, lora=4)),
-            "shared": train_layout(ctx, dsa_config(micro=8, shared=True)),
-            "warmup": train_layout(ctx, dsa_config(micro=8, warmup=True)),
-            "rows of 48": train_rows_of_48(ctx, dsa_config(micro=8))}
+            "lora": train_layout(ctx, dsa_config(micro=LORA_BATCH, lora=4)),
+            "shared": train_layout(ctx, dsa_config(micro=BATCH, shared=True)),
+            "warmup": train_layout(ctx, dsa_config(micro=BATCH, warmup=True)),
+            "rows of 48": train_rows_of_48(ctx, dsa_config(micro=BATCH))}
 
 
 def kind_of(name: str) -> str:
