@@ -1,14 +1,14 @@
 """Context-parallel training gives the one-process answer (gloo; fp32, dropout 0).
 
 Each layout trains a tiny GPT or Llama (grouped-query attention: 4 query heads, 2 KV heads) on
-sequences of 32 tokens for 8 steps; the loss and gradient norm at every step and every final
-parameter, and the validation loss after training (evaluation runs split over CP too), must be within
+sequences of 32 tokens for the first 4 steps of an 8-step schedule; the loss and gradient norm at every step and
+every final parameter, and the validation loss after training (evaluation runs split over CP too), must be within
 1e-5 (relative) of one process running the same micro-batches. The loss compared is the one the
 trainer reports (and logs), so a missing reduction over the CP group, which would report one CP
 rank's share of the tokens, fails it.
 World of 2: CP=2 (ring and all-gather exchange), CP=2 with the distributed optimizer, CP=2 with
 selective and with full recomputation, CP=2 in bf16, in fp16 and with bf16 parameters (near, not
-equal), a run saved after 4 steps at CP=2 that one process (CP=1) resumes, the activation bytes
+equal), a run saved after 1 step at CP=2 that one process (CP=1) resumes for 3, the activation bytes
 each layer saves per rank, and the KV cache's refusal at CP=2.
 World of 4: CP=4, CP=2 x TP=2 with and without sequence parallelism (and with Llama's one KV head
 replicated over TP), CP=2 x DP=2 (and with the distributed optimizer), CP=2 x PP=2 (and interleaved).
@@ -36,7 +36,12 @@ from shardlm.validation import validate
 from agreement import assert_same_curve, assert_same_run
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
-STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1e-5, 32, 2, 4, 2, 32
+STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 4, 1e-5, 32, 2, 4, 2, 32
+SCHEDULE = 8
+"""`cp_config`'s train.steps (the learning-rate schedule) and `synthetic_data`'s default length (SCHEDULE steps of 8
+sequences): `test_resume_layouts` trains all 8 with them; the runs here the first STEPS."""
+SAVED = 1
+"""The steps of the CP=2 run that one process resumes for the remaining STEPS - SAVED."""
 # name: (arch, train keys, relative tolerances against one process in the same precision: losses and gradient
 # norms, final bias tensors, the other final parameters), about 3x the worst error measured over 8 steps. Curves
 # (losses and gradient norms together) on a 2-core Xeon with AMX: 1.5e-4 (bf16), 1.8e-4 (fp16), 1.7e-4 (bf16
@@ -64,13 +69,13 @@ def cp_config(arch: str, micro: int, cp: int = 1, tp: int = 1, pp: int = 1, sp: 
         "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": sp, "cp_comm": exchange,
                      **schedule},
         "data": {"text_file": "unused"},
-        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
+        "train": {"precision": "fp32", "micro_batch_size": micro, "global_batch_size": 8, "steps": SCHEDULE, "lr": 3e-3,
                   "min_lr": 3e-4,
                   "warmup_steps": 2, "clip_grad": 0.5, "adam_eps": ADAM_EPS, "seed": 7, "eval_iters": 8, **train},
     })
 
 
-def synthetic_data(seed: int = 0, samples: int = STEPS * 8) -> TokenArrayDataset:
+def synthetic_data(seed: int = 0, samples: int = SCHEDULE * 8) -> TokenArrayDataset:
     """A learnable stream of sequences of SEQ tokens: each token a fixed function of the previous one, 10% noise."""
     rng = np.random.default_rng(seed)
     successor, tokens = rng.permutation(VOCAB), [0]
@@ -101,10 +106,10 @@ def run(config, cp: int, tp: int = 1, pp: int = 1):
     return check
 
 
-def save_after_4_steps(directory: str):
-    """CP=2 GPT: 4 steps, then a checkpoint (resumed at CP=1 by the test)."""
+def save_after_steps(directory: str):
+    """CP=2 GPT: SAVED steps, then a checkpoint (resumed at CP=1 by the test)."""
     ctx = ParallelContext.from_process_group(1, context_parallel=2)
-    curve, _, trainer = train_layout(ctx, cp_config("gpt", 4, cp=2), steps=4)
+    curve, _, trainer = train_layout(ctx, cp_config("gpt", 4, cp=2), steps=SAVED)
     save_checkpoint(trainer, directory)
     return curve
 
@@ -163,7 +168,7 @@ def world2_checks(directory: str):
         "cp2_llama_bf16": run(cp_config("llama", 4, cp=2, precision="bf16"), cp=2),
         "cp2_gpt_fp16": run(cp_config("gpt", 4, cp=2, **HALF_RUNS["cp2_gpt_fp16"][1]), cp=2),
         "cp2_llama_bf16_params": run(cp_config("llama", 4, cp=2, **HALF_RUNS["cp2_llama_bf16_params"][1]), cp=2),
-        "save_cp2": lambda: save_after_4_steps(directory),
+        "save_cp2": lambda: save_after_steps(directory),
         "saved_per_layer": lambda: saved_per_layer(ParallelContext.from_process_group(1, context_parallel=2)),
         "metrics_cp2": one_step_metrics,
         "kv_cache_cp2": kv_cache_errors,
@@ -331,17 +336,18 @@ def test_the_kv_cache_is_refused_under_context_parallelism(world2):
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkpoint_dir):
-    """A run saved after 4 of 8 steps at CP=2 and resumed by one process (CP=1) gives the one-process run's
-    steps 5-8 and final parameters; the saved steps 1-4 are the one-process run's too."""
+    """A run saved after 1 of 4 steps at CP=2 (in the learning rate's warm-up) and resumed by one process (CP=1)
+    gives the one-process run's steps 2-4 and final parameters; the saved step is the one-process run's too."""
     saved_curve = check_result(world2, "save_cp2")[0]
     ref_curve, ref_params, _ = reference("gpt", 4)
-    assert_same_curve(saved_curve, ref_curve[:4], "saved at CP=2", TOL)
+    assert_same_curve(saved_curve, ref_curve[:SAVED], "saved at CP=2", TOL)
     config = cp_config("gpt", 4)
     trainer = Trainer(config, ParallelContext.single(), synthetic_data())
     load_checkpoint(trainer, checkpoint_dir)
-    assert trainer.step == 4
-    curve, params, _ = train_layout(ParallelContext.single(), config, steps=4, trainer=trainer)
-    assert_same_run((curve, params), (ref_curve, ref_params), "resumed at CP=1", steps=STEPS, tol=TOL, first_step=5)
+    assert trainer.step == SAVED
+    curve, params, _ = train_layout(ParallelContext.single(), config, steps=STEPS - SAVED, trainer=trainer)
+    assert_same_run((curve, params), (ref_curve, ref_params), "resumed at CP=1", steps=STEPS, tol=TOL,
+                    first_step=SAVED + 1)
 
 
 @pytest.mark.parametrize("parallel,model,world,message", [
