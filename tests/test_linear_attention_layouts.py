@@ -19,7 +19,7 @@ import contextlib
 import pytest
 import torch
 from test_linear_attention import HYBRID, HYBRID_MOE
-from test_sft_layouts import STEPS, TOL, sft_config, train_layout
+from test_sft_layouts import TOL, TRAINED, sft_config, train_layout
 
 from shardlm.models import linear_attention
 from shardlm.parallel import ParallelContext
@@ -59,7 +59,8 @@ def broken(control: str | None):
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
     with broken(control):
-        return train_layout(layout_context(tp, pp, cp, ep), hybrid_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+        return train_layout(layout_context(tp, pp, cp, ep), hybrid_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config),
+                            TRAINED)
 
 
 WORLD2 = {
@@ -97,10 +98,10 @@ def reference():
     """One process: the dense hybrid at micro-batch 8; the MoE at the layouts' micro-batch 2 (its load-balancing
     loss is a function of each micro-batch's routing)."""
     ctx = ParallelContext.single()
-    return {"dense": train_layout(ctx, hybrid_sft_config(micro=8)),
-            "moe": train_layout(ctx, hybrid_sft_config(moe=True)),
-            "lora": train_layout(ctx, hybrid_sft_config(micro=8, lora=4)),
-            "muon": train_layout(ctx, hybrid_sft_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"))}
+    return {"dense": train_layout(ctx, hybrid_sft_config(micro=8), TRAINED),
+            "moe": train_layout(ctx, hybrid_sft_config(moe=True), TRAINED),
+            "lora": train_layout(ctx, hybrid_sft_config(micro=8, lora=4), TRAINED),
+            "muon": train_layout(ctx, hybrid_sft_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"), TRAINED)}
 
 
 def kind_of(name: str) -> str:
@@ -109,12 +110,12 @@ def kind_of(name: str) -> str:
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_hybrid_at_two_ranks_equals_one_process(world2, reference, name):
-    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=TRAINED, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_hybrid_at_four_ranks_equals_one_process(world4, reference, name):
-    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=TRAINED, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
@@ -124,5 +125,5 @@ def test_context_parallel_controls_fail(world2, reference, name):
     than 10 x the tolerance away (only the documents that cross the chunk boundary are hit)."""
     ref = reference["dense"]
     for value in check_result(world2, name):
-        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], TRAINED, ".attn.")
         assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL

@@ -49,6 +49,10 @@ from layouts import MLA, counting, layout, layout_config, layout_context, spawn_
 from multiproc import check_result, disturb_generators
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
+TRAINED = 2
+"""The steps this file's runs (and `test_linear_attention_layouts`') train: the first 2 of the configs' STEPS-step
+schedule, enough for AdamW's second step to read the moments the first left. The other layout tests that import
+`train_layout` train all STEPS."""
 OSS = {"attention_sinks": True, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"] * 2,
        "attention_bias": True, "attention_output_bias": True}
 
@@ -95,11 +99,11 @@ def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: 
                          **{"steps": STEPS, "eval_iters": 64, **train})
 
 
-def train_layout(ctx: ParallelContext, config) -> dict:
-    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages)."""
+def train_layout(ctx: ParallelContext, config, steps: int = STEPS) -> dict:
+    """Curve (loss, gradient norm) of `steps` steps, the validation loss and every final parameter (all stages)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
-    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
     return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
 
 
@@ -135,9 +139,10 @@ def broken(control: str | None):
             setattr(target[0], target[1], ring if control == "ring mask" else run_chunk)
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, steps: int = TRAINED,
+               **config) -> dict:
     with broken(control):
-        return train_layout(layout_context(tp, pp, cp, ep), sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+        return train_layout(layout_context(tp, pp, cp, ep), sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config), steps)
 
 
 WORLD2 = {
@@ -156,11 +161,12 @@ WORLD2 = {
     "tp2 sp oss": layout(tp=2, sp=True, arch="oss"),
     "pp2 virtual2 oss": layout(pp=2, virtual=2, micro=1, arch="oss"),
 }
-CONTROLS = {  # the same layouts broken (see `broken`): each must train and end off
-    "control cp2 gpt ring mask": layout(cp=2, control="ring mask"),
-    "control cp2 llama ring mask": layout(cp=2, arch="llama", control="ring mask"),
-    "control pp2 virtual2 gpt first stage": layout(pp=2, virtual=2, micro=1, control="first stage"),
-    "control pp2 virtual2 llama first stage": layout(pp=2, virtual=2, micro=1, arch="llama", control="first stage"),
+CONTROLS = {  # the same layouts broken (see `broken`): each must train all STEPS and end off
+    "control cp2 gpt ring mask": layout(cp=2, control="ring mask", steps=STEPS),
+    "control cp2 llama ring mask": layout(cp=2, arch="llama", control="ring mask", steps=STEPS),
+    "control pp2 virtual2 gpt first stage": layout(pp=2, virtual=2, micro=1, control="first stage", steps=STEPS),
+    "control pp2 virtual2 llama first stage": layout(pp=2, virtual=2, micro=1, arch="llama", control="first stage",
+                                                     steps=STEPS),
 }
 WORLD4 = {
     "zero tp2 dp2 sp llama": layout(tp=2, sp=True, arch="llama", distributed_optimizer=True),
@@ -184,11 +190,14 @@ def world4():
 @pytest.fixture(scope="module")
 def reference():
     """One process, for each model kind: dense at micro-batch 8 (one micro-batch per step); the MoE at the
-    layouts' micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing."""
+    layouts' micro-batch 2, since its load-balancing loss is a function of each micro-batch's routing. The
+    controls' ("gpt control", "llama control") train all STEPS: 2 steps of a broken run may still end within 1e-3."""
     ctx = ParallelContext.single()
-    return {kind: train_layout(ctx, sft_config(arch, micro=micro, moe=moe)) for kind, (arch, micro, moe) in
-            {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "mla": ("mla", 8, False), "oss": ("oss", 8, False),
-             "moe": ("gpt", 2, True)}.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True))}
+    kinds = {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "mla": ("mla", 8, False),
+             "oss": ("oss", 8, False), "moe": ("gpt", 2, True)}
+    return {kind: train_layout(ctx, sft_config(arch, micro=micro, moe=moe), TRAINED) for kind, (arch, micro, moe) in
+            kinds.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True), TRAINED)} | {
+        f"{arch} control": train_layout(ctx, sft_config(arch, micro=8)) for arch in ("gpt", "llama")}
 
 
 def kind_of(name: str) -> str:
@@ -197,19 +206,19 @@ def kind_of(name: str) -> str:
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_packed_rows_at_two_ranks_equal_one_process(world2, reference, name):
-    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=TRAINED, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_packed_rows_at_four_ranks_equal_one_process(world4, reference, name):
-    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=TRAINED, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
 def test_controls_without_the_documents_fail(world2, reference, name):
     """The CP cases need the ring's document mask and the PP cases need the documents on every stage: broken,
     they train to finite losses and end more than 1e-3 away from one process (attention weights included)."""
-    ref = reference[kind_of(name)]
+    ref = reference[f"{kind_of(name)} control"]
     for value in check_result(world2, name):
         assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
         assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"][1:], ref["curve"][1:])) > 1e-3
@@ -219,7 +228,8 @@ def test_loss_is_the_mean_over_all_trained_tokens_not_a_mean_of_means(reference)
     """Micro-batch 1 (8 micro-batches of different trained-token counts) equals micro-batch 8; the mean of the
     per-row means is another number (so the test could tell)."""
     ctx = ParallelContext.single()
-    assert_same_run(train_layout(ctx, sft_config(micro=1)), reference["gpt"], "micro 1", steps=STEPS, tol=TOL)
+    assert_same_run(train_layout(ctx, sft_config(micro=1), TRAINED), reference["gpt"], "micro 1", steps=TRAINED,
+                    tol=TOL)
     rows = [train_data()[i] for i in range(8)]
     per_row = [(r["labels"] != -100).sum() for r in rows]
     assert len(set(per_row)) > 2, per_row
@@ -333,11 +343,11 @@ def test_recomputation_reruns_attention_with_the_documents(monkeypatch, mode):
     runs = {}
     for recompute in ("none", mode):
         calls.update({"core": 0, "with documents": 0})
-        runs[recompute] = train_layout(ParallelContext.single(), sft_config(micro=4, recompute=recompute))
+        runs[recompute] = train_layout(ParallelContext.single(), sft_config(micro=4, recompute=recompute), TRAINED)
         runs[recompute]["calls"] = dict(calls)
     plain, rerun = runs["none"]["calls"], runs[mode]["calls"]
     assert rerun["with documents"] == rerun["core"] > plain["core"]
-    trained_calls = STEPS * 2 * 4  # steps x micro-batches x layers
+    trained_calls = TRAINED * 2 * 4  # steps x micro-batches x layers
     assert rerun["core"] - plain["core"] == trained_calls
     plain, rerun = runs["none"], runs[mode]
     assert rerun["curve"] == plain["curve"] and rerun["valid"] == plain["valid"]
