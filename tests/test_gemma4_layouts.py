@@ -13,11 +13,14 @@ What each layout puts to the test:
   reduce-scattered, the replicated projections' gradients summed over TP);
 - CP=2: documents and windows across the zigzag chunks, the shared keys and values going round the consumers' ring;
 - DP=2 with ZeRO-1 and with FSDP; LoRA on every projection at TP=2 with SP; EP=2 (MoE, its router's scales);
-- PP=2 (1 + 3 layers: the sharing layer with its producer); a split between them is refused in one line, and so is
-  any split with per-layer inputs.
+- PP=2 (1 + 3 layers: the sharing layer with its producer); 2 + 2 under 1F1B ("dense": both sharing layers on stage
+  1, their producers and the per-layer inputs made on stage 0, handed on with their gradients back); ZB-V's 4 stages
+  of one layer ("pp", no per-layer inputs: layer 1's keys and values cross stage 2 to reach layer 3 on stage 3, back
+  on rank 0, and evaluation's forward-only V); "dense" under ZB-V alike, the per-layer inputs crossing every stage.
+  What stays refused is a pipeline forward outside the schedule (RL rollouts, a distillation teacher), in one line.
 Controls, each far off one process: at TP=2 with SP, the per-layer inputs' projections without their SP gradient sum,
 and the MoE router's scales without theirs; at CP=2, the KV-sharing layers attending to their rank's part of the shared
-keys and values only.
+keys and values only; at PP=2, the handed keys, values and per-layer inputs detached (no gradient back to stage 0).
 """
 
 from __future__ import annotations
@@ -55,17 +58,19 @@ KINDS = {"dense": {"per_layer_input_size": 4, "kv_shared_layers": 2, "kv_shared_
          "pp": {"kv_shared_layers": 1}}
 
 
-def gemma4_config(kind: str = "dense", lora: int = 0, **kwargs):
+def gemma4_config(kind: str = "dense", lora: int = 0, first: int | None = None, schedule: str = "1f1b", **kwargs):
     """`test_sft_layouts`' Llama run as Gemma 4 (`GEMMA` and `KINDS[kind]`); `lora`: adapters of that rank on every
-    projection (the base frozen)."""
+    projection (the base frozen); under PP the first stage's layers (`first`; by default 1 for "pp", else an even
+    split) and the schedule."""
     config = sft_config("llama", **kwargs)
     for key, value in (GEMMA | KINDS[kind]).items():
         setattr(config.model, key, value)
     config.train.adam_eps = ADAM_EPS
     config.train.lr = LR
     config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["all-linear"]
-    if kind == "pp" and config.parallel.pipeline > 1:
-        config.parallel.first_stage_layers = 1
+    if config.parallel.pipeline > 1:
+        config.parallel.first_stage_layers = (1 if kind == "pp" else 0) if first is None else first
+        config.parallel.pipeline_schedule = schedule
     return config
 
 
@@ -74,12 +79,14 @@ def broken(control: str | None):
     """"ple": the per-layer inputs' replicated projections not marked `sequence_parallel` (their partial gradients
     over the sequence chunks never summed over TP); "router": the same for the MoE router's weight and scales; "kv
     local": under CP the KV-sharing layers attend to their rank's own part of the shared keys and values only (as if
-    shared keys needed no ring: the group they attend over is the TP group, of one rank)."""
+    shared keys needed no ring: the group they attend over is the TP group, of one rank); "detached kv" / "detached
+    ple": a pipeline stage hands its keys and values / its per-layer inputs on detached (the later stages' gradients
+    of them never reach stage 0)."""
     from shardlm.models import gemma, gemma_moe, mla
     from shardlm.models.attention import causal_attention
 
     saved_linear, saved_router = mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__
-    saved_core = gemma.Gemma4Attention.core
+    saved_core, saved_handoff = gemma.Gemma4Attention.core, gemma.Gemma4.stage_handoff
 
     def local_core(self, q, k, v, documents=None):
         if self.source is None:
@@ -98,11 +105,18 @@ def broken(control: str | None):
         gemma_moe.GemmaRouter.__init__ = unmarked_router
     if control == "kv local":
         gemma.Gemma4Attention.core = local_core
+    def detached_handoff(self, carry, later_layer_ids):
+        kv = 2 * len(self.handed_kinds(later_layer_ids))  # the keys and values come first, then the per-layer inputs
+        return tuple(t.detach() if (i < kv) == (control == "detached kv") else t
+                     for i, t in enumerate(saved_handoff(self, carry, later_layer_ids)))
+
+    if control in ("detached kv", "detached ple"):
+        gemma.Gemma4.stage_handoff = detached_handoff
     try:
         yield
     finally:
         mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__ = saved_linear, saved_router
-        gemma.Gemma4Attention.core = saved_core
+        gemma.Gemma4Attention.core, gemma.Gemma4.stage_handoff = saved_core, saved_handoff
 
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, kind: str = "dense", lora: int = 0, control: str | None = None,
@@ -121,10 +135,15 @@ WORLD2 = {
     "tp2 sp moe": layout(tp=2, sp=True, kind="moe"),
     "ep2 moe": layout(ep=2, kind="moe"),
     "pp2": layout(pp=2, kind="pp", micro=1),
+    "pp2 dense": layout(pp=2, micro=1),
+    "pp2 zbv": layout(pp=2, kind="pp", micro=1, schedule="zbv"),
+    "pp2 dense zbv": layout(pp=2, micro=1, schedule="zbv"),
 }
 CONTROLS = {"control ple": layout(tp=2, sp=True, control="ple"),
             "control router": layout(tp=2, sp=True, kind="moe", control="router"),
-            "control kv local": layout(cp=2, control="kv local")}
+            "control kv local": layout(cp=2, control="kv local"),
+            "control detached kv": layout(pp=2, micro=1, control="detached kv"),
+            "control detached ple": layout(pp=2, micro=1, control="detached ple")}
 
 
 @pytest.fixture(scope="module")
@@ -152,26 +171,42 @@ def test_gemma4_at_two_ranks_equals_one_process(world2, reference, name):
 
 
 @pytest.mark.parametrize("control, part, kind", [("ple", ".ple_", "dense"), ("router", ".router.", "moe"),
-                                                  ("kv local", ".attn.", "dense")])
+                                                  ("kv local", ".attn.", "dense"),
+                                                  ("detached kv", "layers.0.attn.k", "dense"),
+                                                  ("detached ple", "ple_projection", "dense")])
 def test_each_piece_without_its_fix_ends_far_off(world2, reference, control, part, kind):
     """Each TP rank keeping its own chunks' share of a replicated weight's gradient (the per-layer inputs'
-    projections, the router's scales), and the KV-sharing layers not going round the CP ring: finite losses, the
-    weights far from one process."""
+    projections, the router's scales), the KV-sharing layers not going round the CP ring, and PP=2's stage 0
+    without the gradients of the keys and values (or the per-layer inputs) it handed stage 1: finite losses, the
+    producers' k weights (the per-layer inputs' projection) far from one process."""
     for value in check_result(world2, f"control {control}"):
         assert_trained_but_off(value["curve"], value["params"], reference[kind]["params"], STEPS, part)
 
 
-def test_pipeline_splits_gemma4_cannot_run_are_refused_in_one_line():
-    """A stage boundary between a key/value-sharing layer and its producer, and any split with per-layer inputs."""
-    from shardlm.models.gemma import Gemma4
+def test_what_a_stage_hands_on_and_what_stays_refused():
+    """A boundary hands on the keys and values of each kind whose producer is before it and a consumer after it (by
+    kind name), then the later layers' per-layer inputs; every split trains, so the planner refuses none. A pipeline
+    forward outside the schedule (RL rollouts, a distillation teacher: the hidden state only) stays refused in one
+    line at the layer that misses its shared keys and values or its per-layer inputs."""
+    from shardlm.models.gemma import Gemma4, SharedKV
+    from shardlm.plan.gemma import gemma_pipeline_problem
 
-    shared = gemma4_config("pp").model
-    Gemma4.check_stages(shared, [1, 2, 3])  # the producer (1) and its consumer (3) together: fine
-    for cfg, layer_ids, words in ((shared, [0, 1], "split Gemma 4's layer 3 from layer 1"),
-                                  (shared, [2, 3], "split Gemma 4's layer 3 from layer 1"),
-                                  (gemma4_config("dense").model, [0, 1, 2], "per-layer inputs")):
+    cfg = gemma4_config("dense").model  # layers 2 and 3 share 0's (sliding) and 1's (full)
+    model = Gemma4(cfg, ParallelContext.single())
+    assert [model.handed_kinds(later) for later in ([1, 2, 3], [2, 3], [3])] == [[SLIDING], [FULL, SLIDING], [FULL]]
+    assert gemma_pipeline_problem(cfg, 2) is None and gemma_pipeline_problem(cfg, 4) is None
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6))
+    x = model.embed(tokens)
+    first = model.stage_carry((), [0, 1, 2, 3], tokens, x)
+    first.states = {SLIDING: (torch.randn(2, 2, 6, 8),) * 2, FULL: (torch.randn(2, 1, 6, 16),) * 2}
+    handed = model.stage_handoff(first, [2, 3])
+    assert [tuple(t.shape) for t in handed] == [(2, 1, 6, 16)] * 2 + [(2, 2, 6, 8)] * 2 + [(2, 6, 2, 4)]
+    carry = model.stage_carry(handed, [2, 3])
+    assert torch.equal(carry.layer_inputs(3), first.layer_inputs(3)) and carry.states[FULL][0] is handed[0]
+    for call, words in ((lambda: model.layers["3"].attn(x, None, None, SharedKV()), "layer 3 shares"),
+                        (lambda: model.layers["0"](x, None, None, SharedKV()), "per-layer inputs")):
         with pytest.raises(UserError) as error:
-            Gemma4.check_stages(cfg, layer_ids)
+            call()
         assert words in str(error.value) and "\n" not in str(error.value)
 
 

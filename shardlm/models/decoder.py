@@ -193,6 +193,20 @@ class DecoderLM(nn.Module):
         argument): sparse attention's shared choice (GLM-5), a dict; Gemma 4 overrides it (shared keys and values)."""
         return {} if self.cfg.index_layer_types else None
 
+    def stage_carry(self, handed: tuple, later_layer_ids: list[int], tokens: torch.Tensor | None = None,
+                    x: torch.Tensor | None = None):
+        """What a pipeline stage's layers start from beside the hidden state (`run_layers`' carry, its fourth
+        argument; None: none is passed): on the first stage from its (B, T) ids and their (B, T, h) embeddings, on a
+        later one from `handed`, the tensors the previous stage's `stage_handoff` sent for `later_layer_ids` (this
+        stage's layers and every later stage's). DecoderLM: None (its layers hand nothing across stages)."""
+        return None
+
+    def stage_handoff(self, carry, later_layer_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """The tensors a non-last pipeline stage sends on beside its (B, T, h) output, out of its layers' `carry`
+        (`stage_carry`), for the layers `later_layer_ids` of the stages after it; their number is fixed per stage
+        (the schedule learns the shapes once) and their gradients come back. DecoderLM: none."""
+        return ()
+
     def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None) -> torch.Tensor:
         """(B, T, h) -> (B, T, h) through `layers` in order, each checkpointed when activation
         checkpointing is on (and gradients are being recorded); `documents`: packed rows' documents."""

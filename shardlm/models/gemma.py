@@ -14,11 +14,13 @@ What differs from the Llama block (docs/gemma4.md):
   the k projection's output (before k_norm and RoPE) and they have no v projection;
 - KV sharing (`kv_shared_layers`): the last k layers compute no keys or values and attend to those of the last
   earlier layer of their kind (`kv_source`), handed on through the forward's `SharedKV` (KV-cached: the
-  producer's whole cache). A pipeline split between a producer and its consumers is refused in one line;
+  producer's whole cache); a pipeline stage hands the keys and values of its producers whose consumers run on later
+  stages on to the next stage beside the hidden state (`stage_handoff`, `stage_carry`), their gradients coming back;
 - per-layer inputs (`per_layer_input_size` d): a second vocabulary-parallel table (L x d wide, x sqrt(d)) plus
   RMSNorm(W_p embeddings / sqrt(h)) per layer, the two summed and divided by sqrt(2), computed with the embedding;
   layer i adds ple_norm(ple_proj(gelu(ple_gate(x)) * inputs_i)) to its output. The small gate and projection are
-  replicated over TP (`ReplicatedLinear`, on the sequence chunks under SP). Not under pipeline parallelism (refused);
+  replicated over TP (`ReplicatedLinear`, on the sequence chunks under SP). The first pipeline stage makes them
+  with the embedding and hands the later layers' slice on from stage to stage (`stage_handoff`);
 - the MLP is gated with the tanh GeLU (`activation = "gelu_tanh"`), twice as wide on KV-sharing layers with
   `kv_shared_double_mlp`; with `moe_beside_mlp` an MoE block runs beside it (`shardlm.models.gemma_moe`);
 - the logits are soft-capped (`final_logit_softcap`), in the loss too (the capped logits go through the
@@ -68,11 +70,17 @@ def rope_frequencies(cfg: ModelConfig, index: int, device=None) -> torch.Tensor:
 
 class SharedKV:
     """One forward's keys and values of the KV-producing layers, {layer kind: (keys, values)}, each (B, local KV
-    heads, T_past + T, head_dim). An object, not a dict: FSDP rebuilds the containers of a layer's inputs (a dict
-    written inside the layer would not reach the next one)."""
+    heads, T_past + T, head_dim), and its per-layer inputs (B, T, L', d) of layers `first_layer` on (or None). An
+    object, not a dict: FSDP rebuilds the containers of a layer's inputs (a dict written inside the layer would not
+    reach the next one)."""
 
-    def __init__(self):
+    def __init__(self, per_layer: torch.Tensor | None = None, first_layer: int = 0):
         self.states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.per_layer, self.first_layer = per_layer, first_layer
+
+    def layer_inputs(self, index: int) -> torch.Tensor | None:
+        """Layer `index`'s (B, T, d) per-layer inputs, or None without them."""
+        return None if self.per_layer is None else self.per_layer[:, :, index - self.first_layer]
 
 
 class GeGLU(SwiGLU):
@@ -149,8 +157,10 @@ class Gemma4Attention(nn.Module):
                 carry.states[self.kind] = (k, v)
         else:
             if self.kind not in carry.states:
-                raise UserError(f"layer {self.index} shares the keys and values of layer {self.source}, which did "
-                                "not run before it in this stage; keep them in one pipeline stage")
+                raise UserError(f"Gemma 4's layer {self.index} shares the keys and values of layer {self.source}, "
+                                "which this forward neither ran nor received: outside training and evaluation's "
+                                "pipeline schedule (RL rollouts, a distillation teacher) the stages hand on the "
+                                "hidden state only; keep the two in one stage (parallel.first_stage_layers)")
             k, v = carry.states[self.kind]
             past = 0 if cache is None else k.shape[2] - T
             cos, sin = self.angles(T, past, documents, x.device)
@@ -243,6 +253,10 @@ class Gemma4Block(nn.Module):
         """x (B, T, h) -> (B, T, h); `carry` as `Gemma4Attention.forward`'s, `per_layer` this layer's (B, T, d)
         per-layer inputs (or None)."""
         carry = SharedKV() if carry is None else carry
+        if self.ple_gate is not None and per_layer is None:
+            raise UserError("Gemma 4's per-layer inputs reach a layer only through a whole-model forward or training "
+                            "and evaluation's pipeline schedule, not a pipeline forward of RL rollouts or a "
+                            "distillation teacher: run those with parallel.pipeline = 1")
         x = x + self.dropout(self.ln_1_post(self.attn(self.ln_1(x), cache, documents, carry)))
         y = self.mlp(self.ln_2(x), x) if self.experts_beside else self.mlp(self.ln_2(x))
         x = x + self.dropout(self.ln_2_post(y))
@@ -260,7 +274,6 @@ class Gemma4(Llama):
                  recompute: str | None = None, sequence_parallel: bool = False, layer_ids: list[int] | None = None,
                  options: ParallelOptions | None = None, finish_layer=None):
         check_gemma(cfg, ctx.tp_size)
-        self.check_stages(cfg, layer_ids)
         nn.Module.__init__(self)
         options = options or ParallelOptions()
         sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
@@ -295,27 +308,9 @@ class Gemma4(Llama):
             with torch.no_grad():
                 first_row = ctx.tp_rank * self.lm_head.weight.shape[0]
                 self.lm_head.weight[max(0, cfg.vocab_size - first_row):].zero_()
-        self.FIRST_STAGE = ("wte",)
+        self.FIRST_STAGE = ("wte",) + (("ple_wte", "ple_projection", "ple_norm") if cfg.per_layer_input_size else ())
         self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
         self.mtp = None
-
-    @staticmethod
-    def check_stages(cfg: ModelConfig, layer_ids: list[int] | None) -> None:
-        """UserError (one line) for a pipeline rank's layers (`layer_ids`) that Gemma 4 cannot run apart: any split
-        with per-layer inputs (they are made with the embedding), and a KV-sharing layer without the producer of its
-        keys and values, and every layer between, on its rank."""
-        if layer_ids is None or len(layer_ids) == cfg.num_layers:
-            return
-        if cfg.per_layer_input_size:
-            raise UserError("Gemma 4's per-layer inputs (model.per_layer_input_size) are made with the embedding and "
-                            "read by every layer; train it without pipeline parallelism (parallel.pipeline = 1)")
-        held = set(layer_ids)
-        for i in range(cfg.num_layers):
-            source = kv_source(cfg, i)
-            if source is not None and (i in held or source in held) and not set(range(source, i + 1)) <= held:
-                raise UserError(f"pipeline stages split Gemma 4's layer {i} from layer {source}, whose keys and values "
-                                "it shares; put every key/value-sharing layer and its producer in one stage "
-                                "(parallel.last_stage_layers)")
 
     def embed(self, tokens: torch.Tensor, past: int = 0, documents: Documents | None = None) -> torch.Tensor:
         """(B, T) ids -> (B, T, h) embeddings x sqrt(h) (`embedding_scale`), dropout; chunks under SP."""
@@ -342,13 +337,46 @@ class Gemma4(Llama):
         """One forward's `SharedKV`: the keys and values KV-sharing layers read."""
         return SharedKV()
 
+    def handed_kinds(self, later_layer_ids: list[int]) -> list[str]:
+        """The layer kinds whose keys and values cross the stage boundary before `later_layer_ids` (the layers of
+        the stages after it): those a layer there shares with a producer before it, in name order."""
+        start = min(later_layer_ids, default=self.cfg.num_layers)
+        sources = (kv_source(self.cfg, i) for i in later_layer_ids)
+        return sorted({layer_kind(self.cfg, s) for s in sources if s is not None and s < start})
+
+    def stage_carry(self, handed: tuple, later_layer_ids: list[int], tokens: torch.Tensor | None = None,
+                    x: torch.Tensor | None = None) -> SharedKV:
+        """A pipeline stage's `SharedKV` (`DecoderLM.stage_carry`): on the first stage the per-layer inputs of the
+        (B, T) ids and their (B, T, h) embeddings; on a later one what the previous stage handed (`stage_handoff`):
+        per kind (`handed_kinds`) keys and values, then the per-layer inputs of `later_layer_ids` (B, T, L', d)."""
+        if tokens is not None:
+            return SharedKV(self.per_layer_inputs(tokens, x))
+        carry, handed = SharedKV(), list(handed)
+        for kind in self.handed_kinds(later_layer_ids):
+            carry.states[kind] = (handed.pop(0), handed.pop(0))
+        if self.cfg.per_layer_input_size:
+            carry.per_layer, carry.first_layer = handed.pop(0), min(later_layer_ids)
+        return carry
+
+    def stage_handoff(self, carry: SharedKV, later_layer_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """What a non-last stage sends on beside its hidden state (`DecoderLM.stage_handoff`): for each kind of
+        `handed_kinds` its producer's keys and values (B, local KV heads, T, head_dim) (this stage's, or handed to
+        it and passed on), then the per-layer inputs of `later_layer_ids` (B, T, L', d). Each a contiguous copy:
+        PyTorch detaches a stage's outputs in place after their backward, which neither a view nor a tensor that
+        the stage's own layers read (or its input) may be."""
+        handed = [t for kind in self.handed_kinds(later_layer_ids) for t in carry.states[kind]]
+        if carry.per_layer is not None and later_layer_ids:
+            handed.append(carry.per_layer[:, :, min(later_layer_ids) - carry.first_layer:])
+        return tuple(t.clone(memory_format=torch.contiguous_format) for t in handed)
+
     def run_layers(self, x: torch.Tensor, layers, documents: Documents | None = None,
-                   per_layer: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, h) -> (B, T, h) through `layers` with one `SharedKV` (KV sharing) and each layer's slice of
-        `per_layer` (B, T, L, d); each layer recomputed in the backward under activation checkpointing."""
-        carry = self.layer_carry()
+                   carry: SharedKV | None = None) -> torch.Tensor:
+        """(B, T, h) -> (B, T, h) through `layers` with one `SharedKV` (`carry`, a new one when None: the keys and
+        values of KV sharing, the per-layer inputs); each layer recomputed in the backward under activation
+        checkpointing."""
+        carry = self.layer_carry() if carry is None else carry
         for layer in layers:
-            own = None if per_layer is None else per_layer[:, :, layer.index]
+            own = carry.layer_inputs(layer.index)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = recompute(layer, x, None, documents, carry, own, rng=self.ctx.rng)
             else:
@@ -361,12 +389,11 @@ class Gemma4(Llama):
         if cache is not None and (self.sequence_parallel or self.ctx.cp_size > 1 or documents is not None):
             raise ValueError("the KV cache works without sequence or context parallelism and packed documents")
         x = self.embed(tokens, 0 if cache is None else cache.length, documents)
-        per_layer = self.per_layer_inputs(tokens, x)
+        carry = SharedKV(self.per_layer_inputs(tokens, x))
         if cache is None:
-            return self.ln_f(self.run_layers(x, self.layers.values(), documents, per_layer))
-        carry = self.layer_carry()
+            return self.ln_f(self.run_layers(x, self.layers.values(), documents, carry))
         for layer, layer_cache in zip(self.layers.values(), cache.layers):
-            x = layer(x, layer_cache, None, carry, None if per_layer is None else per_layer[:, :, layer.index])
+            x = layer(x, layer_cache, None, carry, carry.layer_inputs(layer.index))
         return self.ln_f(x)
 
     def output_layer(self, h: torch.Tensor) -> torch.Tensor:

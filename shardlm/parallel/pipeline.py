@@ -166,22 +166,32 @@ class StageModule(nn.Module):
     micro-batch being run (`shardlm.models.documents`), or None; `ShardlmStage` sets it on every stage.
     `mtp` is the micro-batch's multi-token-prediction (inputs, targets), each (D, B, T); the last stage of a
     model with depths returns (final norm's output, the depths' per-token losses (D, B, T),
-    `model.mtp_losses`, or (0,) without `mtp`), and the loss function weighs the second into the gradient."""
+    `model.mtp_losses`, or (0,) without `mtp`), and the loss function weighs the second into the gradient.
+    `after`: the layers of the later stages. What the model's layers hand on beside the hidden state
+    (`model.stage_handoff`: Gemma 4's shared keys and values, its per-layer inputs) a non-last stage returns after
+    it, (hidden, *handed), and the next stage takes as its further inputs (`model.stage_carry`)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
+    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool,
+                 after: list[int] | None = None):
         super().__init__()
         self.layers = nn.ModuleList(model.layers[str(i)] for i in layer_ids)
         self.is_first, self.is_last = is_first, is_last
+        self.later, self.after = list(layer_ids) + list(after or ()), list(after or ())
         self.documents = None
         self.mtp = None
         object.__setattr__(self, "model", model)  # not a submodule: the stage owns only its layers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, *handed: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.is_first:
-            x = self.model.embed(x, 0, self.documents)
-        x = self.model.run_layers(x, self.layers, self.documents)
+            tokens, x = x, self.model.embed(x, 0, self.documents)
+            carry = self.model.stage_carry((), self.later, tokens, x)
+        else:
+            carry = self.model.stage_carry(handed, self.later)
+        extra = () if carry is None else (carry,)
+        x = self.model.run_layers(x, self.layers, self.documents, *extra)
         if not self.is_last:
-            return x
+            handoff = self.model.stage_handoff(carry, self.after)
+            return (x, *handoff) if handoff else x
         hidden = self.model.ln_f(x)
         if getattr(self.model, "mtp", None) is None:
             return hidden
@@ -413,7 +423,8 @@ def build_schedule(model: nn.Module, ctx: ParallelContext, layers: list[list[int
     v_shaped = schedule in (*V_SHAPED, "forward-v")
     stages = []
     for i, s in enumerate(local_stages(ctx, num_stages // ctx.pp_size, v_shaped)):
-        module = StageModule(model, layers[s], s == 0, s == num_stages - 1) if modules is None else modules[i]
+        after = [j for later in layers[s + 1:] for j in later]
+        module = StageModule(model, layers[s], s == 0, s == num_stages - 1, after) if modules is None else modules[i]
         stages.append(ShardlmStage(module, s, num_stages, ctx.device, group=ctx.pp.group, ctx=ctx))
     multi = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV, "forward-v": ForwardOnlyV}
