@@ -232,22 +232,30 @@ def saved_by_layer(model, forward) -> dict[int, int]:
     return measure(model, forward)
 
 
-@pytest.mark.parametrize("make,batch,seq,recompute", [
-    (tiny_kimi, 1, 64, "none"), (tiny_kimi, 2, 192, "none"), (tiny_kimi, 1, 128, "selective"),
-    (tiny_nemotron, 1, 32, "none"), (tiny_nemotron, 2, 96, "none"), (tiny_nemotron, 1, 128, "selective"),
+@pytest.mark.parametrize("make,precision,batch,seq,recompute", [
+    (tiny_kimi, "fp32", 1, 64, "none"), (tiny_kimi, "fp32", 2, 192, "none"), (tiny_kimi, "fp32", 1, 128, "selective"),
+    (tiny_nemotron, "fp32", 1, 32, "none"), (tiny_nemotron, "fp32", 2, 96, "none"),
+    (tiny_nemotron, "fp32", 1, 128, "selective"), (tiny_nemotron, "bf16", 1, 32, "none"),
+    (tiny_nemotron, "bf16", 2, 96, "none"), (tiny_nemotron, "bf16", 1, 128, "selective"),
 ])
-def test_layer_activation_bytes_equal_what_autograd_saves(make, batch, seq, recompute):
-    """On the CPU in fp32, what a KDA layer (with its dense SwiGLU) and a Mamba-2 block keep for the backward equals
-    the planner's bytes, one chunk or several, one sequence or several (the rule's and scan's batched products
-    then copy each chunk), and with the core recomputed (selective)."""
+def test_layer_activation_bytes_equal_what_autograd_saves(make, precision, batch, seq, recompute):
+    """On the CPU, what a KDA layer (with its dense SwiGLU; fp32) and a Mamba-2 block (fp32 and bf16 autocast) keep
+    for the backward equals the planner's bytes, one chunk or several, one sequence or several (the rule's and
+    scan's batched products then copy each chunk), and with the core recomputed (selective)."""
+    from shardlm.plan.measure import autocast_context
     from shardlm.plan.memory import numeric_format
 
     cfg = make(seq_length=seq)
     model = built(cfg, recompute=recompute).train()
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    saved = saved_by_layer(model, lambda: model(tokens, tokens).mean())
+
+    def forward():
+        with autocast_context(precision, torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    saved = saved_by_layer(model, forward)
     planned = kda_layer_activation_bytes if cfg.layer_types else mamba_block_activation_bytes
-    assert saved[0] == planned(cfg, 1, batch, numeric_format("fp32"), "cpu", recompute == "selective")
+    assert saved[0] == planned(cfg, 1, batch, numeric_format(precision), "cpu", recompute == "selective")
 
 
 def test_the_planner_counts_the_presets():

@@ -251,43 +251,57 @@ def mamba_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
                            selective: bool = False) -> int:
     """Bytes one Mamba-2 mixer saves for one micro-batch on one TP rank beyond its block norm's output (which its
     input GEMMs save): b sequences of s = n L tokens (L = `mamba_chunk_size`), H = heads / t of P channels, N
-    state channels, G = groups / t, c = `mamba_conv_channels`. Derived from the code in fp32 (4 bytes an element;
-    `tests/test_plan_recurrent.py` checks it against autograd on the CPU):
+    state channels, G = groups / t, c = `mamba_conv_channels`; e = the GEMM dtype's bytes, fp32 unless named.
+    Derived from the code; equal to what autograd saves on the CPU in fp32 and under bf16 autocast
+    (`tests/test_plan_recurrent.py`):
 
-      convolution: its weights (c x kernel), the input with kernel - 1 earlier positions, the SiLU's input and
-          output (x, B and C); the step: softplus's input and output and the clamped step (3 per head and token);
-          exp(A_log) and its negation;
+      convolution: its weights (c x kernel; under autocast one cast per tap), the input with kernel - 1 earlier
+          positions and the SiLU's input (e); in fp32 the SiLU's output (x, B and C), under autocast instead two
+          fp32 copies of x (the scan's x dt and the skip D x each cast it anew); the step: softplus's input and
+          output and the clamped step (3 per head and token, fp32); exp(A_log) and its negation;
       the scan (`_ssd_bytes`);
-      the gated norm and o: z, y, silu(z), their product, the normalized and the weighted values (6 H P per
-          token), one statistic per group and token.
+      the gated norm (fp32): z (its fp32 copy under autocast), y, silu(z), their product, the normalized values
+          (5 H P per token), one statistic per group and token; the product o reads (H P, e); autocast's half
+          copies of the rank's projections (`mamba_weights` / t).
 
     With `selective` (recomputation of `Mamba2.core`) the convolution and the scan keep only their inputs: x, B
-    and C before the convolution (c) and dt (H)."""
-    b, s, e = micro_batch, cfg.seq_length, 4
+    and C before the convolution (c) and dt (H), e."""
+    b, s, e = micro_batch, cfg.seq_length, fmt.matmul_bytes
     heads, P, kernel = cfg.mamba_num_heads // tp, cfg.mamba_head_dim, cfg.mamba_conv_kernel
     groups, channels, tokens = cfg.mamba_groups // tp, mamba_conv_channels(cfg, tp), micro_batch * cfg.seq_length
-    output = tokens * (6 * heads * P + groups) * e
+    output = tokens * (5 * heads * P * 4 + heads * P * e + groups * 4) \
+        + fmt.weight_cast_bytes * mamba_weights(cfg) // tp
     if selective:
         return tokens * (channels + heads) * e + output
-    conv = channels * kernel * e + b * (s + kernel - 1) * channels * e + 2 * tokens * channels * e
-    step = 3 * tokens * heads * e + 2 * heads * e
-    return conv + step + _ssd_bytes(cfg, heads, b) + output
+    silu_output = tokens * channels * 4 if e == 4 else 2 * tokens * heads * P * 4
+    conv = channels * kernel * e + b * (s + kernel - 1) * channels * e + tokens * channels * e + silu_output
+    step = 3 * tokens * heads * 4 + 2 * heads * 4
+    return conv + step + _ssd_bytes(cfg, heads, b, e) + output
 
 
-def _ssd_bytes(cfg: ModelConfig, heads: int, b: int) -> int:
-    """What `ssd.chunk_scan` saves in fp32 for b sequences of `heads` heads (s a multiple of L). Per token and head:
-    the chunk's decays between its tokens, C B^T and their product (3 L); B repeated to the heads, the batched
-    products' copies of C and B^T, and the decayed B the chunk's state reads (4 N); C repeated to the heads, read
-    against the state of every chunk but the first (N: whole with one sequence, else a copy of each such chunk, of
-    s - L tokens); the products' copies of x dt (2 P); what each token reads of the incoming state (P); two
-    decays (to the chunk's end and from its start). A single chunk's state is only the dropped end state: nothing
-    its product (x dt)^T (B decayed) reads is kept (2 N + P less). Per chunk and head the decay over it (1) and its
-    incoming state (P x N). Fixed: the two L x L masks of `segment_sums` (bytes)."""
+def _ssd_bytes(cfg: ModelConfig, heads: int, b: int, e: int) -> int:
+    """What `ssd.chunk_scan` saves for b sequences of `heads` heads (s a multiple of L; e = the GEMM dtype's bytes).
+    Per token and head: the chunk's decays between its tokens (fp32), C B^T and its product with them (e) (3 L);
+    B repeated to the heads (fp32), the batched products' copies (or casts) of C and B^T, and of the decayed B the
+    chunk's state reads (3 N, e); C repeated to the heads, read against the state of every chunk but the first (N:
+    in fp32 whole with one sequence, else a copy of each such chunk, of s - L tokens; under autocast always those
+    chunks' casts, e); the products' copies of x dt (2 P, e); what each token reads of the incoming state (P, e);
+    two decays (to the chunk's end and from its start, fp32). A single chunk's state is only the dropped end state:
+    nothing its product (x dt)^T (B decayed) reads is kept (B repeated, its decayed copy and x dt's, N + N e + P e
+    less). Per chunk and head the decay over it (fp32) and its incoming state (P x N, e; under autocast also the
+    fp32 state the decay multiplies, but the last's). Fixed: the two L x L masks of `segment_sums` (bytes)."""
     s, L, P, N = cfg.seq_length, cfg.mamba_chunk_size, cfg.mamba_head_dim, cfg.mamba_state_size
     chunks = -(-s // L)
-    reads = 0 if chunks == 1 else N * (s if b == 1 else s - L)
-    per_token = 3 * L + 4 * N + 2 * P + P + 2 - (2 * N + P if chunks == 1 else 0)
-    return b * heads * ((s * per_token + reads) * 4 + chunks * (1 + P * N) * 4) + 2 * L * L
+    if chunks == 1:
+        reads = 0
+    else:
+        reads = N * (s if b == 1 and e == 4 else s - L) * e
+    per_token = 3 * L * 4 if e == 4 else L * 4 + 2 * L * e
+    per_token += N * 4 + 3 * N * e + 2 * P * e + P * e + 2 * 4
+    if chunks == 1:
+        per_token -= N * 4 + N * e + P * e
+    states = chunks * P * N * e + (0 if e == 4 else (chunks - 1) * P * N * 4)
+    return b * heads * (s * per_token + reads + chunks * 4 + states) + 2 * L * L
 
 
 def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
@@ -309,9 +323,10 @@ def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt:
 def mamba_block_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
                                  backend: str = "cuda", selective: bool = False) -> int:
     """What a whole Nemotron-H Mamba-2 block saves: its RMSNorm's input (residual dtype), output (as the input GEMMs
-    save it) and fp32 statistic (on the CPU, whose rms_norm is not fused, the normalized input too) and
-    `mamba_activation_bytes`."""
+    save it: under autocast each of its five input GEMMs, z, x, B, C and dt, casts it anew) and fp32 statistic (on the
+    CPU, whose rms_norm is not fused, the normalized input too) and `mamba_activation_bytes`."""
     h, tokens = cfg.hidden_size, micro_batch * cfg.seq_length
-    norm = tokens * (h * fmt.residual_bytes + h * fmt.matmul_bytes + 4 + (0 if backend == "cuda" else
-                                                                          h * fmt.residual_bytes))
+    casts = 1 if fmt.weight_cast_bytes == 0 else 5
+    norm = tokens * (h * fmt.residual_bytes + casts * h * fmt.matmul_bytes + 4
+                     + (0 if backend == "cuda" else h * fmt.residual_bytes))
     return norm + mamba_activation_bytes(cfg, tp, micro_batch, fmt, selective)
