@@ -1,20 +1,23 @@
 """FSDP2 (`train.data_sharding = "full"`) composed with context parallelism, MoE with expert parallelism and
 `train.compile` gives the single-process run.
 
-One world of 4 processes trains each layout 8 steps (fp32, dropout 0); losses, gradient norms (and for MoE
-the aux loss) at every step and the final parameters (gathered over DP, TP and EP) must be within 1e-5
-(relative) of one process running the same micro-batches:
+One world of 4 processes trains each layout 4 steps (fp32, dropout 0; with MoE under CP, the 2 of
+`test_context_parallel_moe`); losses, gradient norms (and for MoE the aux loss) at every step and the final
+parameters (gathered over DP, TP and EP) must be within 1e-5 (relative) of one process running the same
+micro-batches:
 - FSDP x CP: CP=2 x DP=2 (sharded over the 4 data x context ranks, 2 micro-batches each), and CP=2 x TP=2
   with sequence parallelism (DP=1: sharded over the 2 CP ranks alone);
 - FSDP x MoE: experts replicated (EP=1, sharded with their layer over DP=4); EP=2 x DP=4 (each layer's
   expert stacks their own FSDP unit over expert-DP = 2, gradients divided by DP); EP=4 (expert-DP = 1) with
-  DeepSeek routing's expert biases left outside FSDP; EP=2 x TP=2 with SP; and an EP=2 x DP=4 checkpoint that
-  one process resumes (per-expert tensors and Adam moments, layout-free); with context parallelism, experts
-  folded over DP x CP (CP=2 x DP=2 with EP=2, CP=4 with EP=4);
+  DeepSeek routing's expert biases left outside FSDP; EP=2 x TP=2 with SP; and an EP=2 x DP=4 checkpoint (after
+  step 1) that one process resumes for 3 steps (per-expert tensors and Adam moments, layout-free); with context
+  parallelism, experts folded over DP x CP (CP=2 x DP=2 with EP=2, CP=4 with EP=4);
 - FSDP x compile: every layer compiled, then sharded, at DP=4.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -27,8 +30,7 @@ from test_context_parallel_training import synthetic_data as cp_synthetic_data
 from test_context_parallel_training import train_layout as cp_train
 from test_fsdp import config as fsdp_config
 from test_fsdp import run as fsdp_run
-from test_moe_parallel import STEPS, TOL, curve_of, full_parameters, moe_config
-from test_moe_parallel import assert_same_run as assert_same_moe_run
+from test_moe_parallel import MOE_CURVE, TOL, curve_of, full_parameters, moe_config
 from test_moe_parallel import train_layout as moe_train
 from test_training import assert_same_run, synthetic_data
 
@@ -39,9 +41,13 @@ from shardlm.training.parallelize import can_compile
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+import agreement
 from agreement import assert_trained_parameters
 from multiproc import check_result, needs, run_checks, run_workers
 
+STEPS, SAVED = 4, 1
+"""Every run's steps (of its config's 8-step schedule), and those of the saved runs that one process resumes for
+the remaining STEPS - SAVED."""
 FSDP = {"data_sharding": "full"}
 CP_LAYOUTS = {  # name: (micro-batch size, TP, config kwargs); CP=2, DP = 4 / (2 TP)
     "cp2 x dp2 gpt accumulation": (2, 1, {"arch": "gpt"}),
@@ -71,14 +77,15 @@ def _moe_config(arch, routing, micro, tp, ep, sp, full=True):
 
 def cp_layout(micro: int, tp: int, kwargs: dict):
     ctx = ParallelContext.from_process_group(tp, context_parallel=2)
-    curve, params, _ = cp_train(ctx, cp_config(kwargs["arch"], micro, cp=2, tp=tp, sp=kwargs.get("sp", False), **FSDP))
+    curve, params, _ = cp_train(ctx, cp_config(kwargs["arch"], micro, cp=2, tp=tp, sp=kwargs.get("sp", False), **FSDP),
+                                steps=STEPS)
     return curve, params
 
 
 def moe_layout(arch, routing, micro, tp, ep, sp, save: str | None = None):
     ctx = ParallelContext.from_process_group(tp, expert_parallel=ep)
     curve, params, trainer = moe_train(ctx, _moe_config(arch, routing, micro, tp, ep, sp),
-                                       steps=4 if save else STEPS)
+                                       steps=SAVED if save else STEPS)
     if save:
         save_checkpoint(trainer, save)
     return curve, params
@@ -90,7 +97,7 @@ def compiled_layout():
     from torch._dynamo.utils import counters
 
     ctx = ParallelContext.from_process_group(1)
-    curve, params, trainer = fsdp_run(ctx, fsdp_config(micro=2, compile=True))
+    curve, params, trainer = fsdp_run(ctx, fsdp_config(micro=2, compile=True), steps=STEPS)
     compiled = sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.layers.values())
     return curve, params, (compiled, counters["stats"]["unique_graphs"])
 
@@ -102,7 +109,7 @@ def hybrid_layout(arch: str, micro: int, cp: int, save: str | None = None):
 
     ctx = ParallelContext.from_process_group(1, context_parallel=cp)
     config = cp_config(arch, micro, cp=cp, fsdp_shard_size=2, **FSDP)
-    curve, params, trainer = cp_train(ctx, config, steps=4 if save else STEPS)
+    curve, params, trainer = cp_train(ctx, config, steps=SAVED if save else STEPS)
     if save:
         save_checkpoint(trainer, save)
         return curve
@@ -120,13 +127,32 @@ def world4_checks(folder: str, hybrid_folder: str) -> dict:
     checks |= {f"hybrid {name}": (lambda case=case: hybrid_layout(*case)) for name, case in HYBRID_LAYOUTS.items()}
     checks["hybrid save"] = lambda: hybrid_layout("gpt", 1, 1, save=hybrid_folder)
     checks["hybrid moe ep2"] = lambda: moe_train(ParallelContext.from_process_group(1, expert_parallel=2),
-                                                 moe_config("gpt", "mixtral", 1, ep=2, fsdp_shard_size=2, **FSDP))[:2]
+                                                 moe_config("gpt", "mixtral", 1, ep=2, fsdp_shard_size=2, **FSDP),
+                                                 steps=STEPS)[:2]
     checks["moe save"] = lambda: moe_layout(*MOE_LAYOUTS["ep2 x dp4 gpt accumulation"], save=folder)
     checks["compile"] = compiled_layout  # without a compiler: a one-line error, which fails the test
     return run_checks(checks)
 
 
 # ------------------------------------------------------------------------------------------- tests
+
+@functools.cache
+def moe_reference(arch: str, routing: str, micro: int) -> tuple:
+    """One process's (curve, parameters) of STEPS steps of the MoE config, once per module."""
+    return moe_train(ParallelContext.single(), _moe_config(arch, routing, micro, 1, 1, False, full=False),
+                     steps=STEPS)[:2]
+
+
+@functools.cache
+def cp_reference(arch: str, micro: int) -> tuple:
+    """One process's (curve, parameters) of STEPS steps of the CP test's config, once per module."""
+    return cp_train(ParallelContext.single(), cp_config(arch, micro), steps=STEPS)[:2]
+
+
+def assert_same_moe_run(run_result, ref, where: str = "") -> None:
+    """A (curve, parameters) MoE run equals the reference within TOL, its auxiliary loss included."""
+    agreement.assert_same_run(run_result, ref, where, steps=STEPS, tol=TOL, columns=MOE_CURVE)
+
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
@@ -139,7 +165,7 @@ def test_fsdp_with_context_parallelism_equals_one_process(world4, name):
     """FSDP over the data x context ranks (CP=2 x DP=2), and over the CP ranks alone (CP=2 x TP=2 with SP):
     within 1e-5 of one process at every step and in the final parameters."""
     micro, _, kwargs = CP_LAYOUTS[name]
-    reference = cp_train(ParallelContext.single(), cp_config(kwargs["arch"], micro))[:2]
+    reference = cp_reference(kwargs["arch"], micro)
     for rank in check_result(world4[0], f"cp {name}"):  # every rank's gathered copy
         assert_same_run(rank, reference, steps=STEPS)
 
@@ -151,7 +177,7 @@ def test_fsdp_with_experts_equals_one_process(world4, name):
     expert biases moved alike on every rank: loss, gradient norm and aux loss at every step and the final
     parameters within 1e-5 of one process."""
     arch, routing, micro, *_ = MOE_LAYOUTS[name]
-    reference = moe_train(ParallelContext.single(), _moe_config(arch, routing, micro, 1, 1, False, full=False))[:2]
+    reference = moe_reference(arch, routing, micro)
     for rank in check_result(world4[0], f"moe {name}"):  # every rank's gathered copy
         assert_same_moe_run(rank, reference)
 
@@ -167,17 +193,18 @@ def test_fsdp_with_experts_and_context_parallelism_equals_one_process(world4, na
 
 
 def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
-    """EP=2 x FSDP DP=4 saved after 4 steps (each expert under its global index, moments gathered over
-    expert-DP): one process loads it and steps 5-8 and the final parameters equal one process's run
+    """EP=2 x FSDP DP=4 saved after step 1 (each expert under its global index, moments gathered over
+    expert-DP): one process loads it and steps 2-4 and the final parameters equal one process's run
     within 1e-5."""
     check_result(world4[0], "moe save")
     config = _moe_config("gpt", "mixtral", 1, 1, 1, False, full=False)
-    ref_curve, ref_params = moe_train(ParallelContext.single(), config)[:2]
+    ref_curve, ref_params = moe_reference("gpt", "mixtral", 1)
     trainer = Trainer(config, ParallelContext.single(), synthetic_data())
     load_checkpoint(trainer, world4[1])
-    assert trainer.step == 4
-    curve = curve_of([trainer.train_step() for _ in range(STEPS - 4)])
-    for step, (got, want) in enumerate(zip(curve, ref_curve[4:]), 5):
+    assert trainer.step == SAVED
+    curve = curve_of([trainer.train_step() for _ in range(STEPS - SAVED)])
+    assert len(curve) == len(ref_curve[SAVED:]) == 3
+    for step, (got, want) in enumerate(zip(curve, ref_curve[SAVED:]), SAVED + 1):
         for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
     assert_trained_parameters(full_parameters(trainer.model), ref_params, STEPS, TOL)
@@ -187,7 +214,7 @@ def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
 def test_fsdp_with_compiled_layers_equals_one_process(world4):
     """FSDP DP=4 with every layer compiled (compile, then shard, as torchtitan orders them): both layers run
     compiled, and the run is within 1e-5 of one eager process."""
-    reference = fsdp_run(ParallelContext.single(), fsdp_config(micro=2, full=False))[:2]
+    reference = fsdp_run(ParallelContext.single(), fsdp_config(micro=2, full=False), steps=STEPS)[:2]
     for curve, params, (compiled, graphs) in check_result(world4[0], "compile"):  # every rank's gathered copy
         assert compiled == 2 and graphs > 0
         assert_same_run((curve, params), reference, steps=STEPS)
@@ -199,7 +226,7 @@ def test_hybrid_sharding_equals_one_process_and_holds_state_over_the_shard_group
     across them): a (2, 2) replicate x shard mesh, within 1e-5 of one process at every step and in the final
     parameters, and (DP=4) each rank's parameter, gradient and AdamW bytes = the parameters x bytes / 2."""
     arch, micro, _ = HYBRID_LAYOUTS[name]
-    reference = cp_train(ParallelContext.single(), cp_config(arch, micro))[:2]
+    reference = cp_reference(arch, micro)
     for curve, params, mesh_shape, state in check_result(world4[0], f"hybrid {name}"):  # every rank's
         assert mesh_shape == (2, 2)
         assert state is None or state["measured"] == state["expected"]
@@ -207,17 +234,17 @@ def test_hybrid_sharding_equals_one_process_and_holds_state_over_the_shard_group
 
 
 def test_hybrid_sharded_checkpoint_resumes_in_one_process(world4):
-    """Hybrid sharding saved after 4 steps (gathered over the shard group, written once): one process loads it
-    and steps 5-8 equal one process's uninterrupted run within 1e-5."""
+    """Hybrid sharding saved after step 1 (gathered over the shard group, written once): one process loads it
+    and steps 2-4 equal one process's uninterrupted run within 1e-5."""
     check_result(world4[0], "hybrid save")
     config = cp_config("gpt", 1)
-    ref_curve, ref_params, _ = cp_train(ParallelContext.single(), config)
+    ref_curve, ref_params = cp_reference("gpt", 1)
     trainer = Trainer(config, ParallelContext.single(), cp_synthetic_data(),
                       valid_data=cp_synthetic_data(seed=1, samples=8))
     load_checkpoint(trainer, world4[2])
-    assert trainer.step == 4
-    assert_same_run(cp_train(ParallelContext.single(), config, steps=STEPS - 4, trainer=trainer)[:2],
-                    (ref_curve[4:], ref_params), steps=STEPS - 4)
+    assert trainer.step == SAVED
+    assert_same_run(cp_train(ParallelContext.single(), config, steps=STEPS - SAVED, trainer=trainer)[:2],
+                    (ref_curve[SAVED:], ref_params), steps=STEPS - SAVED)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -238,6 +265,6 @@ def test_hybrid_sharding_with_split_experts_equals_one_process(world4):
     """Hybrid sharding (S = 2 of DP = 4) with EP=2: the dense parts sharded within pairs and replicated across
     them, the experts sharded over expert-DP (2 ranks); the gradient norm sums the dense shares over the
     shard pair and the expert shares over all of DP: within 1e-5 of one process."""
-    reference = moe_train(ParallelContext.single(), _moe_config("gpt", "mixtral", 1, 1, 1, False, full=False))[:2]
+    reference = moe_reference("gpt", "mixtral", 1)
     for run_ in check_result(world4[0], "hybrid moe ep2"):
         assert_same_moe_run(run_, reference)
