@@ -5,7 +5,7 @@ the MoE: 2 layers of 4 experts top-2 with adapters on the experts too), with `lo
 attention and MLP projection and every expert matrix in NF4. Each layout against one process's QLoRA run:
 - the dequantized base, gathered whole (over TP, EP and FSDP's shards), bitwise one process's, before and after
   training (a layout that changed the base, as per-shard quantization did, fails here);
-- 4 steps' losses and gradient norms, the validation loss and every adapter within 1e-5;
+- 3 steps' (`test_lora_layouts.STEPS`) losses and gradient norms, the validation loss and every adapter within 1e-5;
 - under FSDP, every NF4 tensor an FSDP shard.
 Layouts: world 2: TP=2 with SP, EP=2 (experts in NF4), TP=2 with SP of the MoE (each expert's rows split), FSDP
 DP=2, MLA at TP=2 with SP (q_a and kv_a whole on both ranks, their adapters' gradients partial over TP), PP=2 x 2
@@ -64,7 +64,7 @@ def dequantized_base(model, ctx: ParallelContext) -> dict[str, torch.Tensor]:
 
 
 def run_qlora(tp: int, pp: int, cp: int, ep: int, save: str | None = None, **spec) -> dict:
-    """4 steps of a QLoRA config at a layout (one process outside a world): the curve, the validation loss, every
+    """STEPS steps of a QLoRA config at a layout (one process outside a world): the curve, the validation loss, every
     parameter but the NF4 tensors (`stage_parameters`), what it counts, and the whole dequantized base before and
     after training; then a checkpoint in `save` when given."""
     ctx = layout_context(tp, pp, cp, ep) if dist.is_initialized() else ParallelContext.single()
