@@ -6,8 +6,9 @@ V > 1 each rank holds V blocks spaced P apart (the interleaved schedule of Naray
 Stage 0 also runs the embeddings, the last stage the final LayerNorm, the output layer and the loss, and
 a model's multi-token-prediction depths (`shardlm.models.mtp`), which read the embedding too.
 
-The model itself is unaware of stages (it only offers `embed`, `run_layers`, `head` and `loss`, and
-keeps its layers in a dict keyed by layer index): `keep_stages` builds the whole model's structure,
+The model itself is unaware of stages (it only offers `embed`, `run_layers`, `head` and `loss`, what its layers
+hand on across a boundary besides the hidden state, `stage_handoff` / `stage_carry`, and keeps its layers in a dict
+keyed by layer index): `keep_stages` builds the whole model's structure,
 then drops the layers and end pieces this rank does not own, so parameter names stay those of the
 unsplit model and checkpoints stay layout-free. A word embedding that the last stage uses too (GPT's
 tied output layer, the multi-token-prediction depths' input embedding) lives on the first and the last
