@@ -234,13 +234,15 @@ def saved_by_layer(model, forward) -> dict[int, int]:
 
 @pytest.mark.parametrize("make,precision,batch,seq,recompute", [
     (tiny_kimi, "fp32", 1, 64, "none"), (tiny_kimi, "fp32", 2, 192, "none"), (tiny_kimi, "fp32", 1, 128, "selective"),
+    (tiny_kimi, "bf16", 1, 64, "none"), (tiny_kimi, "bf16", 1, 128, "none"), (tiny_kimi, "bf16", 2, 192, "none"),
+    (tiny_kimi, "bf16", 2, 128, "selective"),
     (tiny_nemotron, "fp32", 1, 32, "none"), (tiny_nemotron, "fp32", 2, 96, "none"),
     (tiny_nemotron, "fp32", 1, 128, "selective"), (tiny_nemotron, "bf16", 1, 32, "none"),
     (tiny_nemotron, "bf16", 1, 96, "none"), (tiny_nemotron, "bf16", 2, 96, "none"),
     (tiny_nemotron, "bf16", 1, 128, "selective"),
 ])
 def test_layer_activation_bytes_equal_what_autograd_saves(make, precision, batch, seq, recompute):
-    """On the CPU, what a KDA layer (with its dense SwiGLU; fp32) and a Mamba-2 block (fp32 and bf16 autocast) keep
+    """On the CPU, in fp32 and under bf16 autocast, what a KDA layer (with its dense SwiGLU) and a Mamba-2 block keep
     for the backward equals the planner's bytes, one chunk or several, one sequence or several (the rule's and
     scan's batched products then copy each chunk), and with the core recomputed (selective)."""
     from shardlm.plan.measure import autocast_context

@@ -204,47 +204,55 @@ def kda_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
                          selective: bool = False) -> int:
     """Bytes one KDA layer saves for one micro-batch on one TP rank beyond its input norm's output (which its input
     GEMMs save, as attention's do): b sequences of s = n C tokens, H = heads / t, d channels, c = 3 H d conv
-    channels, C = `KDA_CHUNK`, sub-blocks of 16 (`KDA_BLOCK`, C / 16 of them). Derived from the code in fp32 (4 bytes
-    an element; `tests/test_plan_recurrent.py` checks it against autograd on the CPU):
+    channels, C = `KDA_CHUNK`, sub-blocks of 16 (`KDA_BLOCK`, C / 16 of them); fp32 (4 bytes) but where the GEMM
+    dtype is named (m bytes: 2 under bf16 autocast, else 4). Derived from the code; equal to what autograd saves on
+    the CPU in fp32 and under bf16 autocast (`tests/test_plan_recurrent.py`):
 
-      the low-rank gates' d-wide middles (f_a's and g_a's outputs, which f_b and g_b read);
-      convolution: its weights (c x kernel), the input with kernel - 1 earlier positions, the SiLU's input and
-          output (q, k, v before the L2 norms); the norms' factors (2 per head and token), q scaled and k
-          normalized, beta, the forget gate's softplus input and output, exp(A_log) and its negation;
+      the low-rank gates' d-wide middles (f_a's and g_a's outputs, which f_b and g_b read; m);
+      convolution: its weights (c x kernel; m, under autocast one cast per tap), the input with kernel - 1 earlier
+          positions and the SiLU's input (m), its output as the rule reads it (q, k, v: fp32; their fp32 copies
+          under autocast); the norms' factors (2 per head and token), q scaled and k normalized, beta, the forget
+          gate's softplus input and output, exp(A_log) and its negation;
       the rule (`_kda_rule_bytes`);
-      output: the gated norm's input, statistic, normalized and weighted values, the output gate's sigmoid and
-          the product o reads.
+      output: the gated norm's input, statistic, normalized and weighted values, the output gate's sigmoid (fp32)
+          and the product o reads (m); autocast's half copies of the rank's projections (`kda_weights`: f_a and
+          g_a whole on every rank).
 
     With `selective` (recomputation of `KimiDeltaAttention.core`) the convolution and the rule keep only their
-    inputs: q, k, v before the convolution (c), b (H) and the forget gate's f_b output (H d)."""
+    inputs: q, k, v before the convolution (c), b (H) and the forget gate's f_b output (H d), m."""
     b, s, e = micro_batch, cfg.seq_length, 4
     heads, d, kernel = cfg.linear_num_value_heads // tp, cfg.linear_key_head_dim, cfg.linear_conv_kernel
+    m = fmt.matmul_bytes
     tokens, channels = b * s, 3 * heads * d
-    gates = 2 * tokens * d * e
-    output = tokens * heads * (5 * d + 1) * e
+    casts = fmt.weight_cast_bytes * ((kda_weights(cfg) - 2 * d * cfg.hidden_size) // tp + 2 * d * cfg.hidden_size)
+    gates = 2 * tokens * d * m
+    output = tokens * heads * ((4 * d + 1) * e + d * m) + casts
     if selective:
-        return gates + tokens * (channels + heads + heads * d) * e + output
-    conv = channels * kernel * e + b * (s + kernel - 1) * channels * e + 2 * tokens * channels * e
+        return gates + tokens * (channels + heads + heads * d) * m + output
+    conv = channels * kernel * m + b * (s + kernel - 1) * channels * m + tokens * channels * (m + e)
     inputs = tokens * heads * (2 + 1 + 2 * d + 2 * d) * e + 2 * heads * e
-    return gates + conv + inputs + _kda_rule_bytes(cfg, heads, b) + output
+    return gates + conv + inputs + _kda_rule_bytes(cfg, heads, b, m) + output
 
 
-def _kda_rule_bytes(cfg: ModelConfig, heads: int, b: int) -> int:
-    """What `chunk_kda_rule` saves in fp32 for b sequences of `heads` heads (s a multiple of C). Per token and head:
-    K_beta (d); each of the two `pairwise` calls' right factors and their decays (2 d), left factors and their
-    decays (2 d C / 16), sub-block products and their decays (2 x 16 d) and its subnormal mask (C bytes); the
-    system and the chunk's attention (2 C); U, W and the decays W and Q_read read (4 d); each chunk's U - W S (d);
-    the chunk's outputs (d, read by the gated norm). Q_read and K_write, read against the state of every chunk but
-    the first (Q_read) and the last (K_write: the end state is dropped), whole with one sequence, else as a copy of
-    each such chunk (2 d per token of s, or of s - C). Per chunk and head the decay to its end (d) and its incoming
-    state (d x d). Fixed: the masks of the sub-blocks (C^2 / 16 + 16^2 bytes) and their 0/1 placement
+def _kda_rule_bytes(cfg: ModelConfig, heads: int, b: int, m: int = 4) -> int:
+    """What `chunk_kda_rule` saves for b sequences of `heads` heads (s a multiple of C; m = the GEMM dtype's bytes,
+    the rest fp32). Per token and head: K_beta (d); each of the two `pairwise` calls' right factors and their decays
+    (d each; the factors as the batched product reads them, m), left factors and their decays (d C / 16 each; the
+    factors m), sub-block products and their decays (2 x 16 d) and its subnormal mask (C bytes); the system (C) and
+    the chunk's attention (C, m); U, W and the decays W and Q_read read (4 d); each chunk's U - W S (d, m); the
+    chunk's outputs (d, read by the gated norm). Q_read and K_write, read against the state of every chunk but the
+    first (Q_read) and the last (K_write: the end state is dropped): in fp32 whole with one sequence, else (and under
+    autocast) each such chunk (2 d per token of s, or of s - C). Per chunk and head the decay to its end (d) and
+    its incoming state (d x d; under autocast cast twice, for W S and Q_read S, and the fp32 state the decay
+    multiplies, but the last's). Fixed: the masks of the sub-blocks (C^2 / 16 + 16^2 bytes) and their 0/1 placement
     ((C / 16)^2 floats), each call."""
     s, d, C, block = cfg.seq_length, cfg.linear_key_head_dim, KDA_CHUNK, KDA_BLOCK
     chunks, nb = -(-s // C), C // block
-    per_token = d + 2 * (2 * d + 2 * d * nb + 2 * block * d) + 2 * C + 4 * d + d + d
-    reads = 0 if chunks == 1 else 2 * d * (s if b == 1 else s - C)
+    per_token = (d + 2 * (d + d * nb + 2 * block * d) + C + 4 * d + d) * 4 + (2 * (d + d * nb) + C + d) * m
+    reads = 0 if chunks == 1 else 2 * d * (s if b == 1 and m == 4 else s - C) * 4
+    states = chunks * d * d * 4 if m == 4 else 2 * chunks * d * d * m + (chunks - 1) * d * d * 4
     fixed = 2 * (nb * C + block * block + nb * nb * 4)
-    return b * heads * ((s * per_token + reads) * 4 + s * 2 * C + chunks * (d + d * d) * 4) + fixed
+    return b * heads * (s * per_token + reads + s * 2 * C + chunks * d * 4 + states) + fixed
 
 
 def mamba_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
@@ -317,6 +325,8 @@ def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt:
     gqa = replace(cfg, attention="mha", layer_types=[])
     rest = layer_activation_bytes(gqa, tp, micro_batch, fmt, backend) \
         - attention_activation_bytes(gqa, tp, micro_batch, fmt, backend)
+    if fmt.weight_cast_bytes:  # under autocast q, k, v, b, f_a and g_a, and the SwiGLU's gate and up, cast anew
+        rest += 6 * micro_batch * cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
     return rest + kda_activation_bytes(cfg, tp, micro_batch, fmt, selective)
 
 
