@@ -13,14 +13,16 @@ What each layout puts to the test:
   reduce-scattered, the replicated projections' gradients summed over TP);
 - CP=2: documents and windows across the zigzag chunks, the shared keys and values going round the consumers' ring;
 - DP=2 with ZeRO-1 and with FSDP; LoRA on every projection at TP=2 with SP; EP=2 (MoE, its router's scales);
-- PP=2 (1 + 3 layers: the sharing layer with its producer); 2 + 2 under 1F1B ("dense": both sharing layers on stage
-  1, their producers and the per-layer inputs made on stage 0, handed on with their gradients back); ZB-V's 4 stages
-  of one layer ("pp", no per-layer inputs: layer 1's keys and values cross stage 2 to reach layer 3 on stage 3, back
-  on rank 0, and evaluation's forward-only V); "dense" under ZB-V alike, the per-layer inputs crossing every stage.
-  What stays refused is a pipeline forward outside the schedule (RL rollouts, a distillation teacher), in one line.
+- PP=2 (1 + 3 layers: the sharing layer with its producer); 2 + 2 under 1F1B ("pp": layer 3 on stage 1 reading layer
+  1's keys and values; "dense": both sharing layers on stage 1, their producers and the per-layer inputs made on stage
+  0, handed on with their gradients back); ZB-V's 4 stages of one layer ("pp": layer 1's keys and values cross stage
+  2 to reach layer 3 on stage 3, back on rank 0; evaluation runs the forward-only V), "dense" alike, the per-layer
+  inputs crossing every stage. What stays refused is a pipeline forward outside the schedule (RL rollouts, a
+  distillation teacher), in one line.
 Controls, each far off one process: at TP=2 with SP, the per-layer inputs' projections without their SP gradient sum,
 and the MoE router's scales without theirs; at CP=2, the KV-sharing layers attending to their rank's part of the shared
-keys and values only; at PP=2, the handed keys, values and per-layer inputs detached (no gradient back to stage 0).
+keys and values only; at PP=2 ("dense", 2 + 2), the handed keys and values, or the per-layer inputs, detached (no
+gradient back to stage 0).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ WORLD2 = {
     "tp2 sp moe": layout(tp=2, sp=True, kind="moe"),
     "ep2 moe": layout(ep=2, kind="moe"),
     "pp2": layout(pp=2, kind="pp", micro=1),
+    "pp2 split": layout(pp=2, kind="pp", micro=1, first=2),
     "pp2 dense": layout(pp=2, micro=1),
     "pp2 zbv": layout(pp=2, kind="pp", micro=1, schedule="zbv"),
     "pp2 dense zbv": layout(pp=2, micro=1, schedule="zbv"),
