@@ -261,6 +261,30 @@ def test_layer_activation_bytes_equal_what_autograd_saves(make, precision, batch
     assert saved[0] == planned(cfg, 1, batch, numeric_format(precision), "cpu", recompute == "selective")
 
 
+@pytest.mark.parametrize("precision,recompute", [("fp32", "none"), ("bf16", "selective")])
+def test_nemotron_blocks_save_what_the_planner_counts(precision, recompute):
+    """Nemotron-H's Mamba-2, attention (no RoPE: no cos and sin) and ReLU^2 MLP blocks keep for the backward what
+    `pattern_block_activation_bytes` counts, on the CPU, with the cores recomputed (selective) too; MoE blocks are
+    not modelled and say so."""
+    from shardlm.plan.measure import autocast_context
+    from shardlm.plan.memory import numeric_format
+    from shardlm.plan.recurrent import pattern_block_activation_bytes
+
+    cfg = tiny_nemotron(seq_length=96, num_layers=3, layer_pattern="M*-", moe_num_experts=0)
+    model = built(cfg, recompute=recompute).train()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with autocast_context(precision, torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    saved, fmt = saved_by_layer(model, forward), numeric_format(precision)
+    planned = [pattern_block_activation_bytes(cfg, i, 1, 2, fmt, "cpu", recompute == "selective") for i in range(3)]
+    assert [saved[i] for i in range(3)] == planned
+    with pytest.raises(ValueError, match="MoE blocks"):
+        pattern_block_activation_bytes(tiny_nemotron(), 3, 1, 2, fmt)
+
+
 def test_the_planner_counts_the_presets():
     """The planner's layer shares and a plan for each preset on 64 H100s: the K/V ring runs in the attention layers
     only (7 of Kimi Linear's 27, 4 of Nemotron-H-8B's 52, 6 of Nemotron 3 Nano's 52), and the model FLOPs are

@@ -340,3 +340,32 @@ def mamba_block_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fm
     norm = tokens * (h * fmt.residual_bytes + casts * h * fmt.matmul_bytes + 4
                      + (0 if backend == "cuda" else h * fmt.residual_bytes))
     return norm + mamba_activation_bytes(cfg, tp, micro_batch, fmt, selective)
+
+
+def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
+                                   backend: str = "cuda", selective: bool = False) -> int:
+    """What Nemotron-H's block `index` saves for one micro-batch on one TP rank: its RMSNorm (input, statistic, on the
+    CPU the normalized input, and the output as each input GEMM saves it, cast anew by each under autocast) and its
+    mixer. Mamba-2: `mamba_block_activation_bytes`. Attention without positions: `memory.attention_activation_bytes`
+    without RoPE's cos and sin (with `selective`, without SDPA's log-sum-exp too). The ReLU^2 MLP: up's output (which
+    ReLU keeps and squares) and the square down reads (2 f / t, GEMM dtype), autocast's copies of up and down. The
+    MoE blocks ("E") are not counted here (ValueError)."""
+    kind = layer_kind(cfg, index)
+    if kind == "M":
+        return mamba_block_activation_bytes(cfg, tp, micro_batch, fmt, backend, selective)
+    if kind == "E":
+        raise ValueError("the activation bytes of Nemotron-H's MoE blocks are not modelled")
+    from dataclasses import replace
+
+    from shardlm.plan.memory import attention_activation_bytes
+
+    h, tokens, e = cfg.hidden_size, micro_batch * cfg.seq_length, fmt.matmul_bytes
+    casts = 3 if kind == "*" and fmt.weight_cast_bytes else 1  # q, k and v each cast the norm's output
+    norm = tokens * (h * fmt.residual_bytes + casts * h * e + 4 + (0 if backend == "cuda" else h * fmt.residual_bytes))
+    if kind == "*":
+        plain = replace(cfg, layer_pattern="", mamba_num_heads=0, moe_num_experts=0)
+        rope = (2 if e == 4 else 4) * cfg.seq_length * cfg.attention_head_dim * e
+        lse = micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4 if selective else 0
+        return norm + attention_activation_bytes(plain, tp, micro_batch, fmt, backend) - rope - lse
+    f = cfg.ffn_size // tp
+    return norm + tokens * 2 * f * e + fmt.weight_cast_bytes * 2 * f * h
