@@ -8,7 +8,13 @@ each against the code, transformers' builds and autograd).
   model's layers by `layer_pattern` (`pattern_layer_flops`); all linear in the sequence.
 - parameters: `recurrent_parameter_count` (Kimi Linear: KDA layers beside MLA ones; Nemotron-H: one mixer a block);
 - state: `kda_state_bytes` and `mamba_state_bytes`, what one sequence carries through a layer (and decoding keeps);
-- activations: `kda_activation_bytes` and `mamba_activation_bytes`, what a layer keeps for its backward.
+- activations: `kda_activation_bytes` and `mamba_activation_bytes`, what a mixer keeps for its backward
+  (`linear_attention.linear_activation_bytes` gives KDA's); whole layers: `kda_layer_activation_bytes` (a Kimi Linear
+  KDA layer with its dense MLP) and `pattern_block_activation_bytes` (Nemotron-H's Mamba-2, attention and MLP
+  blocks), in fp32 and under bf16 autocast.
+
+`parameters.parameter_count` and `activations.shardlm_memory` do not call these yet (docs/plan.md says what they
+count for these models today).
 
 Nothing here imports torch at import time.
 """
