@@ -2,15 +2,15 @@
 the same layout with dropout on, and move between layouts.
 
 Bitwise (dropout 0.1 on the embedding and the residuals; attention dropout too where the layout allows it):
-a run trains 4 steps, saves, trains 4 more; a fresh trainer, its generators disturbed, loads the checkpoint
-and trains the same 4 steps. Losses, gradient norms (and the MoE aux loss) of steps 5-8 and every final
+a run trains 2 steps, saves, trains 2 more; a fresh trainer, its generators disturbed, loads the checkpoint
+and trains the same 2 steps. Losses, gradient norms (and the MoE aux loss) of steps 3-4 and every final
 parameter (gathered over DP, TP and EP) must be equal to the bit. Layouts: FSDP DP=2 (GPT, Llama), EP=2
 (Mixtral-style MoE), CP=2 (GPT and Llama; residual dropout only, attention dropout is refused under CP),
 FSDP x EP=2 at DP=2 and DP=4, FSDP x EP=2 x TP=2 with SP, FSDP x EP=4, and the distributed optimizer at
 TP=2 x DP=2 with sequence parallelism. That dropout draws in them: FSDP DP=2, EP=2 and CP=2 each train at
 dropout 0.1 and at 0, and the losses must differ by more than 1e-3.
 
-Between layouts (dropout 0, within 1e-5 of one process's uninterrupted 8 steps): FSDP x EP=2 saved at step 4
+Between layouts (dropout 0, within 1e-5 of one process's uninterrupted 4 steps): FSDP x EP=2 saved at step 2
 and resumed by FSDP x EP=2, by EP=2 without FSDP, by FSDP x EP=4 and by one process; EP=2 without FSDP and one
 process saved and resumed by FSDP x EP=2.
 """
@@ -24,7 +24,6 @@ import torch
 from test_context_parallel_training import cp_config
 from test_context_parallel_training import synthetic_data as cp_data
 from test_moe_parallel import full_parameters, moe_config
-from test_moe_parallel import reference as moe_reference
 from test_training import synthetic_data, tiny_config
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -35,7 +34,8 @@ from shardlm.validation import validate
 from agreement import assert_trained_parameters
 from multiproc import check_result, disturb_generators, run_checks, run_workers
 
-HALF, DROPOUT, TOL = 4, 0.1, 1e-5
+HALF, DROPOUT, TOL = 2, 0.1, 1e-5
+"""Each run trains HALF steps, saves, and HALF more (the first steps of the configs' schedules)."""
 
 
 def dense(arch: str = "gpt", micro: int = 2, tp: int = 1, sp: bool = False, dropout: float = DROPOUT, **train):
@@ -92,8 +92,8 @@ def fresh_trainer(ctx: ParallelContext, config, data) -> Trainer:
 
 
 def straight_and_resumed(tp: int, ep: int, cp: int, make_config, data, folder: str) -> dict:
-    """4 steps, save, 4 more (straight); a fresh trainer with disturbed generators loads the save and
-    runs the same 4 steps (resumed). Each: the curve of steps 5-8 and the final parameters."""
+    """HALF steps, save, HALF more (straight); a fresh trainer with disturbed generators loads the save and
+    runs the same HALF steps (resumed). Each: the curve of the last HALF steps and the final parameters."""
     ctx = ParallelContext.from_process_group(tp, expert_parallel=ep, context_parallel=cp)
     trainer = fresh_trainer(ctx, make_config(), data)
     curve(trainer, HALF)
@@ -107,7 +107,7 @@ def straight_and_resumed(tp: int, ep: int, cp: int, make_config, data, folder: s
 
 
 def save_after_half(tp: int, ep: int, make_config, folder: str) -> list[tuple]:
-    """Train 4 steps and save; returns the curve."""
+    """Train HALF steps and save; returns the curve."""
     ctx = ParallelContext.from_process_group(tp, expert_parallel=ep)
     trainer = fresh_trainer(ctx, make_config(), synthetic_data)
     first = curve(trainer, HALF)
@@ -116,7 +116,7 @@ def save_after_half(tp: int, ep: int, make_config, folder: str) -> list[tuple]:
 
 
 def finish_from(tp: int, ep: int, make_config, folder: str) -> tuple:
-    """Load a step-4 checkpoint saved at another layout, train steps 5-8: (curve, final parameters)."""
+    """Load a step-HALF checkpoint saved at another layout, train HALF more steps: (curve, final parameters)."""
     ctx = ParallelContext.from_process_group(tp, expert_parallel=ep) if tp * ep > 1 or \
         torch.distributed.is_initialized() else ParallelContext.single()
     trainer = fresh_trainer(ctx, make_config(), synthetic_data)
@@ -126,13 +126,14 @@ def finish_from(tp: int, ep: int, make_config, folder: str) -> tuple:
 
 
 def dropout_moves_the_run(tp: int, ep: int, cp: int, make_config, data) -> dict:
-    """The losses of HALF steps of the same layout at its dropout (0.1) and at 0: the bitwise cases would
-    prove little if dropout drew nothing."""
+    """The losses of the 2 x HALF steps a bitwise case trains, of the same layout at its dropout (0.1) and at 0:
+    the bitwise cases would prove little if dropout drew nothing. (Their first HALF steps alone may move less than
+    1e-3.)"""
     ctx = ParallelContext.from_process_group(tp, expert_parallel=ep, context_parallel=cp)
     without = make_config()
     without.model.dropout = 0.0
-    return {"dropout": [loss for loss, _, _ in curve(fresh_trainer(ctx, make_config(), data), HALF)],
-            "none": [loss for loss, _, _ in curve(fresh_trainer(ctx, without, data), HALF)]}
+    return {"dropout": [loss for loss, _, _ in curve(fresh_trainer(ctx, make_config(), data), 2 * HALF)],
+            "none": [loss for loss, _, _ in curve(fresh_trainer(ctx, without, data), 2 * HALF)]}
 
 
 DROPOUT_CONTROLS = ["fsdp dp2 gpt", "ep2 gpt mixtral", "cp2 llama"]
@@ -198,12 +199,14 @@ def world4_checks(folder: str, one_process: str) -> dict:
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module")
-def one_process_checkpoint(tmp_path_factory) -> str:
+def one_process(tmp_path_factory) -> dict:
+    """One process, no dropout, the layouts' micro-batches: HALF steps, a checkpoint (`folder`), HALF more steps
+    uninterrupted (`curve` of those, `params` at the end): what the moved checkpoints must continue."""
     folder = str(tmp_path_factory.mktemp("one_process"))
     trainer = fresh_trainer(ParallelContext.single(), moe(dropout=0.0), synthetic_data)
     curve(trainer, HALF)
     save_checkpoint(trainer, folder)
-    return folder
+    return {"folder": folder, "curve": curve(trainer, HALF), "params": full_parameters(trainer.model)}
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +215,13 @@ def world2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory, one_process_checkpoint):
+def world4(tmp_path_factory, one_process):
     folder = str(tmp_path_factory.mktemp("resume4"))
-    return run_workers(4, world4_checks, folder, one_process_checkpoint, timeout=600), folder
+    return run_workers(4, world4_checks, folder, one_process["folder"], timeout=600), folder
 
 
 def assert_bitwise(values: list[dict]) -> None:
-    """Every rank: the resumed steps 5-8 and final parameters equal the straight run's, to the bit; and every
+    """Every rank: the resumed steps and final parameters equal the straight run's, to the bit; and every
     data (context, expert) replica holds the same final parameters."""
     for rank, value in enumerate(values):
         (curve_, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
@@ -248,14 +251,8 @@ def test_dropout_is_on_in_the_bitwise_cases(world2, name):
         assert moved > 1e-3, (name, runs)
 
 
-def one_process_moe_run() -> tuple:
-    """One process, no dropout, the same micro-batches: steps 5-8 and the final parameters."""
-    ref_curve, ref_params = moe_reference("gpt", "mixtral", 2)
-    return [(loss, norm, aux) for loss, norm, aux in ref_curve[HALF:]], ref_params
-
-
-def assert_continues_one_process(value: tuple) -> None:
-    (curve_, params), (ref_curve, ref_params) = value, one_process_moe_run()
+def assert_continues_one_process(value: tuple, one_process: dict) -> None:
+    (curve_, params), (ref_curve, ref_params) = value, (one_process["curve"], one_process["params"])
     assert len(curve_) == len(ref_curve)
     for step, (got, want) in enumerate(zip(curve_, ref_curve), HALF + 1):
         for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
@@ -265,19 +262,19 @@ def assert_continues_one_process(value: tuple) -> None:
 
 @pytest.mark.parametrize("name", ["fsdp ep2 -> fsdp ep2", "fsdp ep2 -> ep2", "fsdp ep2 -> fsdp ep4",
                                   "ep2 -> fsdp ep2", "one process -> fsdp ep2"])
-def test_fsdp_expert_checkpoints_move_between_layouts(world4, name):
-    """A step-4 checkpoint of FSDP x EP=2 (DP=4) loads into FSDP x EP=2, EP=2 without FSDP and FSDP x EP=4, and
-    FSDP x EP=2 loads EP=2's and one process's: steps 5-8 and the final parameters continue one process's
+def test_fsdp_expert_checkpoints_move_between_layouts(world4, one_process, name):
+    """A step-2 checkpoint of FSDP x EP=2 (DP=4) loads into FSDP x EP=2, EP=2 without FSDP and FSDP x EP=4, and
+    FSDP x EP=2 loads EP=2's and one process's: steps 3-4 and the final parameters continue one process's
     uninterrupted run within 1e-5, on every rank."""
     check_result(world4[0], "save fsdp ep2"), check_result(world4[0], "save ep2")
     for value in check_result(world4[0], name):
-        assert_continues_one_process(value)
+        assert_continues_one_process(value, one_process)
 
 
-def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
-    """FSDP x EP=2 (DP=4) saved at step 4, resumed by one process: steps 5-8 within 1e-5 of one process."""
+def test_fsdp_expert_checkpoint_resumes_in_one_process(world4, one_process):
+    """FSDP x EP=2 (DP=4) saved at step 2, resumed by one process: steps 3-4 within 1e-5 of one process."""
     check_result(world4[0], "save fsdp ep2")
-    assert_continues_one_process(finish_from(1, 1, lambda: moe(dropout=0.0), f"{world4[1]}/fsdp_ep2"))
+    assert_continues_one_process(finish_from(1, 1, lambda: moe(dropout=0.0), f"{world4[1]}/fsdp_ep2"), one_process)
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_publishes_nothing(world2):
