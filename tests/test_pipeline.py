@@ -1,6 +1,7 @@
 """Pipeline parallelism: every PP x TP x DP layout trains exactly as one process does.
 
-A tiny 8-layer GPT trains for 8 steps on the synthetic stream of `test_training` at the 1x1x1
+A tiny 8-layer GPT trains the first 4 steps (TRAINED) of an 8-step schedule on the synthetic stream of
+`test_training` at the 1x1x1
 reference and at PP x TP x DP = 2x1x1 (world 2), 4x1x1, 2x2x1, 2x1x2 (world 4) and 2x2x2 (world 8),
 with GPipe, 1F1B and interleaved 1F1B, with several micro-batch counts and with activation
 checkpointing. Losses and gradient norms at every step and the final parameters must agree within
@@ -28,6 +29,10 @@ from agreement import assert_trained_parameters, rel
 from multiproc import merge_copies, run_workers
 
 VOCAB, STEPS, LAYERS, SEQ, HIDDEN, GLOBAL = 100, 8, 8, 16, 32, 8
+TRAINED, STOP = 4, 2
+"""This file's runs train the first TRAINED steps of the configs' STEPS-step schedule (warm-up and decay both
+reached); its resumed runs save after STOP and train the rest. `train` and `resume_run` default to all STEPS for
+the files that import them (`test_pipeline_zero_bubble`)."""
 
 
 def pp_config(tp: int = 1, pp: int = 1, micro: int = 4, schedule: str = "1f1b", virtual: int = 1,
@@ -63,12 +68,12 @@ def whole_model(ctx: ParallelContext, trainer: Trainer) -> dict[str, torch.Tenso
     return merge_copies(ctx.world.all_gather_object(stage_parameters(trainer)))
 
 
-def resume_run(ctx: ParallelContext, config: RunConfig, path: str, stop: int = 3) -> dict:
-    """Train `config` for STEPS steps uninterrupted; then again for `stop` steps, save, load the
+def resume_run(ctx: ParallelContext, config: RunConfig, path: str, stop: int = 3, steps: int = STEPS) -> dict:
+    """Train `config` for `steps` steps uninterrupted; then again for `stop` steps, save, load the
     checkpoint into a new trainer and train the remaining steps. The curves and final parameters of
     both, for the test to compare bitwise."""
     ctx.rng = None
-    uninterrupted, trainer = train(ctx, config)
+    uninterrupted, trainer = train(ctx, config, steps)
     final = whole_model(ctx, trainer)
     ctx.rng = None
     first, trainer = train(ctx, config, steps=stop)
@@ -76,7 +81,7 @@ def resume_run(ctx: ParallelContext, config: RunConfig, path: str, stop: int = 3
     ctx.rng = None
     resumed = Trainer(config, ctx, synthetic_data())
     load_checkpoint(resumed, saved)
-    rest = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(STEPS - stop))]
+    rest = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(steps - stop))]
     return {"uninterrupted": uninterrupted, "final": final, "interrupted": first + rest,
             "resumed_final": whole_model(ctx, resumed)}
 
@@ -100,7 +105,7 @@ def layout_runs(tp: int, pp: int, cases: list[tuple]) -> dict:
     out = {}
     for micro, schedule, virtual, checkpointing in cases:
         ctx.rng = None
-        curve, trainer = train(ctx, pp_config(tp, pp, micro, schedule, virtual, checkpointing))
+        curve, trainer = train(ctx, pp_config(tp, pp, micro, schedule, virtual, checkpointing), TRAINED)
         out[(micro, schedule, virtual, checkpointing)] = (curve, whole_model(ctx, trainer))
     return out
 
@@ -149,7 +154,7 @@ def world2_checks(tmp: str) -> dict:
     # exact resume with dropout on, one case per schedule and recomputation mode
     out["resume"] = {
         name: resume_run(ctx, with_dropout(pp_config(pp=2, micro=micro, schedule=schedule, virtual=virtual),
-                                           recompute=recompute), f"{tmp}/resume-{name}")
+                                           recompute=recompute), f"{tmp}/resume-{name}", STOP, TRAINED)
         for name, micro, schedule, virtual, recompute in [
             ("1f1b", 2, "1f1b", 1, "none"), ("interleaved", 1, "interleaved-1f1b", 2, "none"),
             ("gpipe-full-recompute", 2, "gpipe", 1, "full"), ("1f1b-selective-recompute", 2, "1f1b", 1, "selective")]}
@@ -174,16 +179,16 @@ def world4_checks(tmp: str) -> dict:
     # PP=2 x DP=2 with the distributed optimizer and dropout: resume is bitwise
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
     out["resume_pp2dp2_distributed_optimizer"] = resume_run(
-        ctx, with_dropout(pp_config(1, 2, micro=2), distributed_optimizer=True), f"{tmp}/resume-pp2dp2")
+        ctx, with_dropout(pp_config(1, 2, micro=2), distributed_optimizer=True), f"{tmp}/resume-pp2dp2", STOP, TRAINED)
     # a PP=2 x TP=2 checkpoint, then it loaded at PP=4 x TP=1 and trained on: equals the uninterrupted run
     ctx = ParallelContext.from_process_group(2, pipeline_parallel=2)
-    _, trainer = train(ctx, pp_config(2, 2, micro=1), steps=4)
+    _, trainer = train(ctx, pp_config(2, 2, micro=1), steps=STOP)
     saved = save_checkpoint(trainer, f"{tmp}/pp2tp2")
     out["saved_pp2tp2"] = (str(saved), whole_model(ctx, trainer))
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=4)
     resumed = Trainer(pp_config(1, 4, micro=1), ctx, synthetic_data())
     load_checkpoint(resumed, saved)
-    out["pp2tp2_to_pp4"] = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(4))]
+    out["pp2tp2_to_pp4"] = [(m["loss"], m["grad_norm"]) for m in (resumed.train_step() for _ in range(TRAINED - STOP))]
     out["pp2tp2_to_pp4_params"] = whole_model(ctx, resumed)
     # a checkpoint of one process (PP=1) loaded at PP=4
     resumed = Trainer(pp_config(1, 4, micro=1), ctx, synthetic_data())
@@ -205,7 +210,7 @@ def reference():
     out = {}
     for micro in (8, 4, 2, 1):
         ctx.rng = None
-        curve, trainer = train(ctx, pp_config(micro=micro))
+        curve, trainer = train(ctx, pp_config(micro=micro), TRAINED)
         out[micro] = (curve, {n: p for n, p in whole_model(ctx, trainer).items()})
     return out
 
@@ -223,9 +228,9 @@ def world2(workdir):
 @pytest.fixture(scope="module")
 def world4(workdir):
     """{"ranks": every rank's results of `world4_checks`, "single": the parameters of the one-process
-    checkpoint (4 steps) that the world loaded at PP=4}."""
+    checkpoint (STOP steps) that the world loaded at PP=4}."""
     ctx = ParallelContext.single()
-    _, trainer = train(ctx, pp_config(micro=1), steps=4)
+    _, trainer = train(ctx, pp_config(micro=1), steps=STOP)
     save_checkpoint(trainer, workdir / "single")
     return {"ranks": run_workers(4, world4_checks, str(workdir), timeout=500), "single": whole_model(ctx, trainer)}
 
@@ -239,7 +244,7 @@ def world4(workdir):
                               "interleaved-m4", "1f1b-checkpointing"])
 def test_pp2_matches_single_process(world2, reference, case):
     for rank in world2:
-        assert_same_run(rank["layouts"][case], reference[case[0]], STEPS)
+        assert_same_run(rank["layouts"][case], reference[case[0]], TRAINED)
 
 
 @pytest.mark.slow
@@ -252,7 +257,7 @@ def test_pp2_matches_single_process(world2, reference, case):
 def test_world4_layouts_match_single_process(world4, reference, layout, case):
     """(pp, tp) in a world of 4: PP=4 x TP=1, PP=2 x TP=2, PP=2 x TP=1 x DP=2; every rank's curve."""
     for rank in world4["ranks"]:
-        assert_same_run(rank[layout][case], reference[case[0]], STEPS)
+        assert_same_run(rank[layout][case], reference[case[0]], TRAINED)
 
 
 @pytest.mark.slow
@@ -262,7 +267,7 @@ def test_pp2_tp2_dp2_matches_single_process(reference):
     assert {case[1] for case in results[0]} == {"gpipe", "1f1b", "interleaved-1f1b"}
     for runs in results:
         for case, run in runs.items():
-            assert_same_run(run, reference[case[0]], STEPS)
+            assert_same_run(run, reference[case[0]], TRAINED)
 
 
 @pytest.mark.slow
@@ -276,7 +281,7 @@ def test_dropout_under_the_pipeline_is_reproducible(world2, reference):
     """Two runs from the same seed draw the same masks (the first steps of the interrupted run equal
     the uninterrupted run's), and the masks act: the gradient norms differ from the dropout-0 run's."""
     run = world2[0]["resume"]["1f1b"]
-    assert run["interrupted"][:3] == run["uninterrupted"][:3]
+    assert run["interrupted"][:STOP] == run["uninterrupted"][:STOP]
     no_dropout = reference[2][0]
     assert any(norm != pytest.approx(ref, rel=1e-3) for (_, norm), (_, ref) in zip(run["uninterrupted"], no_dropout))
 
@@ -338,7 +343,7 @@ def assert_resume_is_bitwise(run: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["1f1b", "interleaved", "gpipe-full-recompute", "1f1b-selective-recompute"])
 def test_resume_with_dropout_on_the_same_pipeline_layout_is_bitwise(world2, case):
-    """PP=2, dropout 0.1, 3 steps, save, a new trainer loads and runs 5 more == 8 uninterrupted steps.
+    """PP=2, dropout 0.1, 2 steps (STOP), save, a new trainer loads and runs 2 more == 4 uninterrupted steps.
     The schedule's shape inference in the resumed trainer's first step must not move the RNG."""
     for rank in world2:
         assert_resume_is_bitwise(rank["resume"][case])
@@ -352,23 +357,24 @@ def test_resume_with_dropout_at_pp2_dp2_with_the_distributed_optimizer_is_bitwis
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_pipeline_layouts(world4, reference):
-    """PP=2 x TP=2 -> PP=4 x TP=1 continues the single-process curve (every rank's) to the same final
+    """PP=2 x TP=2 saved after STOP steps -> PP=4 x TP=1 continues the single-process curve (every rank's) to the
+    same final
     parameters; PP=1 -> PP=4 loads every tensor."""
     ref_curve, ref_params = reference[1]
     for rank in world4["ranks"]:
-        assert len(rank["pp2tp2_to_pp4"]) == 4
-        for (loss, norm), (ref_loss, ref_norm) in zip(rank["pp2tp2_to_pp4"], ref_curve[4:]):
+        assert len(rank["pp2tp2_to_pp4"]) == TRAINED - STOP
+        for (loss, norm), (ref_loss, ref_norm) in zip(rank["pp2tp2_to_pp4"], ref_curve[STOP:]):
             assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
-        assert_trained_parameters(rank["pp2tp2_to_pp4_params"], ref_params, STEPS, TOL)
+        assert_trained_parameters(rank["pp2tp2_to_pp4_params"], ref_params, TRAINED, TOL)
         for name, value in world4["single"].items():
             assert torch.equal(rank["single_to_pp4"][name], value), name
 
 
 @pytest.mark.slow
 def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path):
-    """A PP=2 x TP=2 checkpoint (4 steps) loads as a plain one-process model (`load_model`, as `shardlm eval`
+    """A PP=2 x TP=2 checkpoint (STOP steps) loads as a plain one-process model (`load_model`, as `shardlm eval`
     and `generate` load it) with the trained tensors, whose logits and greedy tokens equal those of the
-    one-process run's checkpoint after the same 4 steps; `shardlm checkpoint convert` consolidates it to
+    one-process run's checkpoint after the same steps; `shardlm checkpoint convert` consolidates it to
     one file holding exactly the trained tensors, `shardlm convert --to-hf` exports them (read back with
     `from_hf`, bitwise), and `shardlm checkpoint inspect` reads it."""
     from safetensors.torch import load_file
