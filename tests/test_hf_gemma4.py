@@ -297,12 +297,9 @@ def test_planner_preset_counts_transformers_build():
     assert parameter_count(preset, 1).total == expected
     half = parameter_count(preset, 2)
     assert 2 * half.sharded + half.replicated == expected
-    from shardlm.plan.gemma import gemma_pipeline_problem  # the plan leaves out the splits the model refuses
-
-    assert "per-layer inputs" in gemma_pipeline_problem(preset, 2)
-    shared_only = dataclasses.replace(preset, per_layer_input_size=0)  # the last 18 sharing layers 22's and 23's
-    assert gemma_pipeline_problem(shared_only, 2) is None and "layer 28 from layer 22" in gemma_pipeline_problem(
-        shared_only, 3)
+    from shardlm.plan.gemma import gemma_pipeline_problem  # every split runs (stages hand shared K/V and per-layer
+    # inputs on: `Gemma4.stage_handoff`)
+    assert gemma_pipeline_problem(preset, 2) is None and gemma_pipeline_problem(preset, 3) is None
 
 
 def test_generate_chat_with_gemma_template_answers_as_transformers(tmp_path, capsys):
