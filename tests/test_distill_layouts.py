@@ -4,7 +4,8 @@ Teacher: a random transformers Qwen3 (4 layers, hidden 48, q/k norms, untied out
 its output layer scaled up so its distributions are far from uniform), saved as a Hugging Face directory and read
 by shardlm at each layout (`distill.teacher`). Student: the 4-layer Llama of `test_sft_layouts` on its packed SFT
 rows (prompts not trained), the generalized JSD with beta 0.5 and temperature 2. Each layout against one process
-within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, every parameter on every rank):
+within 1e-5 (fp32: 3 steps' losses and gradient norms (of 4 rows; 8 with LoRA or the per-token KL), the validation
+loss, every parameter on every rank):
 - world 2: TP=2 with SP (the vocabulary split, where the divergence's reductions count; also with the divergence
   computed in chunks of 5 rows, against one chunk in the reference), PP=2 and PP=2 x 2 virtual
   stages (the teacher's 4 layers over the same stages, its hidden states handed to the last), DP=2 with ZeRO-1, FSDP
@@ -15,7 +16,7 @@ within 1e-5 (fp32: 4 steps' losses and gradient norms, the validation loss, ever
   (the backward of a plain all-reduce) trains, and ends more than 1e-3 off (with beta 0, the forward KL, whose
   upstream gradients sum to -1 over the vocabulary; under beta 0.5 their sum is (1 - beta) KL(student ||
   mixture), so the same bug moves the run by less);
-- on-policy (GKD's lambda 0.2: steps 1, 2 and 4 of the 4 are drawn on-policy and train on the student's own
+- on-policy (GKD's lambda 0.2: steps 1 and 2 of the 3 are drawn on-policy and train on the student's own
   completions of each conversation's prompt, sampled at the layout; step 3 on the records' answers): TP=2 with
   SP, DP=2 and FSDP DP=2 equal one process; so does the per-token reverse KL of the student's samples
   (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
@@ -39,7 +40,11 @@ from agreement import assert_same_run, assert_trained_but_off
 from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
-STEPS, TOL = 4, 1e-5
+STEPS, TOL, BATCH, WIDE_BATCH = 3, 1e-5, 4, 8
+"""3 steps (the learning check's curve; both kinds of on-policy step) of 4 rows; those of the LoRA student and of the
+per-token KL of 8: on 4 rows some elements' gradients nearly cancel (LoRA's B, zero at the start; at TP=2 the token
+KL's layers.1.attn.o.weight ends 9e-6 off one process, on 8 rows 2e-6), where a layout's rounding turns them into
+whole AdamW steps."""
 VOCAB = 300
 """Both models' vocabulary (the rows use its first 100 tokens): padded to 512 at TP=2, so each rank holds real
 entries (256 and 44) and the divergence's reductions over the split vocabulary count."""
@@ -85,7 +90,8 @@ def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: i
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
-                         **{"steps": STEPS, "eval_iters": 64, **train})
+                         **{"steps": STEPS, "global_batch_size": WIDE_BATCH if lora or loss == "token_kl" else BATCH,
+                            "eval_iters": 64, **train})
 
 
 def on_policy_run(trainer):
@@ -156,9 +162,9 @@ WORLD4 = {
     "cp2 tp2 sp": ("dense", layout(cp=2, tp=2, sp=True)),
     "pp2 tp2 sp": ("dense", layout(pp=2, tp=2, sp=True, micro=1)),
 }
-REFERENCES = {"dense": {"micro": 8}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": 8, "lora": True},
-              "forward kl": {"micro": 8, "beta": 0.0}, "on-policy": {"micro": 8, "lmbda": 0.2},
-              "token kl": {"micro": 8, "lmbda": 1.0, "loss": "token_kl"},
+REFERENCES = {"dense": {"micro": BATCH}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": WIDE_BATCH, "lora": True},
+              "forward kl": {"micro": BATCH, "beta": 0.0}, "on-policy": {"micro": BATCH, "lmbda": 0.2},
+              "token kl": {"micro": WIDE_BATCH, "lmbda": 1.0, "loss": "token_kl"},
               "moe teacher": {"micro": 2, "moe": True}}
 
 
@@ -257,7 +263,7 @@ def test_on_policy_steps_train_on_the_students_completions(reference):
     kinds = on_policy["on_policy"]
     seed = distill_config("unused").train.seed
     assert kinds == [float(np.random.default_rng([seed, step, 4639]).random() < 0.2) for step in range(STEPS)]
-    assert kinds == [1.0, 1.0, 0.0, 1.0]  # both kinds, at this seed
+    assert kinds == [1.0, 1.0, 0.0]  # both kinds, at this seed
     first = kinds.index(1.0)
     assert on_policy["curve"][:first] == offline["curve"][:first]
     assert abs(on_policy["curve"][first][0] - offline["curve"][first][0]) > 1e-4 * offline["curve"][first][0]
