@@ -213,6 +213,20 @@ def test_what_a_stage_hands_on_and_what_stays_refused():
         assert words in str(error.value) and "\n" not in str(error.value)
 
 
+def test_sampling_under_a_split_it_cannot_hand_on_is_refused_before_the_run():
+    """RL rollouts and on-policy distillation sample through stages that hand the hidden state only: a split that puts
+    a KV-sharing layer on another stage than its producer, or any split with per-layer inputs, is one line at
+    validation (`rl.sampling_split_problem`, called by `check_rl` and `check_distill`), not a failure mid-run."""
+    from shardlm.rl import sampling_split_problem
+
+    assert sampling_split_problem(gemma4_config("pp", pp=2, first=1)) is None  # layers 1-3, 3 reading 1, on stage 1
+    crossing = sampling_split_problem(gemma4_config("pp", pp=2, first=2))
+    assert "layer 3 shares layer 1's keys and values from another pipeline stage" in crossing
+    assert "per-layer inputs" in sampling_split_problem(gemma4_config("dense", pp=2))
+    assert sampling_split_problem(gemma4_config("dense")) is None  # one stage
+    assert "\n" not in crossing
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recomputation_changes_no_bit(reference, mode, monkeypatch):
     """Whole layers recomputed in the backward (the KV-sharing layers' keys and values, handed on from a checkpointed

@@ -32,6 +32,11 @@ def check_distill(config, check_paths: bool = True) -> str | None:
     for ok, message in checks:
         if not ok:
             return message
+    if d.lmbda > 0:
+        from shardlm.rl import sampling_split_problem
+
+        if (problem := sampling_split_problem(config)) is not None:
+            return problem
     if check_paths:
         return check_teacher(config)
     return None

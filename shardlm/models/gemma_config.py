@@ -40,6 +40,26 @@ def kv_producers(cfg: ModelConfig) -> set[int]:
     return {kv_source(cfg, i) for i in range(cfg.num_layers)} - {None}
 
 
+def hidden_only_split_problem(cfg: ModelConfig, stages: list[list[int]]) -> str | None:
+    """Why a pipeline forward that hands only the hidden state from stage to stage (RL rollouts, on-policy
+    distillation's sampling, a distillation teacher) cannot run this model split into `stages` (lists of layer ids),
+    or None: training's schedule hands the shared keys and values and the per-layer inputs on
+    (`Gemma4.stage_handoff`), those forwards do not."""
+    if not cfg.sandwich_norms or sum(1 for stage in stages if stage) <= 1:
+        return None
+    if cfg.per_layer_input_size:
+        return ("Gemma 4's per-layer inputs (model.per_layer_input_size) cannot reach the layers of later pipeline "
+                "stages when sampling; set parallel.pipeline=1 for rollouts")
+    for stage in stages:
+        for i in stage:
+            source = kv_source(cfg, i)
+            if source is not None and source not in stage:
+                return (f"Gemma 4's layer {i} shares layer {source}'s keys and values from another pipeline stage, "
+                        "which sampling cannot hand on; keep them in one stage (parallel.first_stage_layers / "
+                        "last_stage_layers) or set parallel.pipeline=1")
+    return None
+
+
 def check_gemma(cfg: ModelConfig, tp_size: int = 1) -> None:
     """One-line UserErrors for Gemma keys the model cannot compute (called when it is built); the Gemma-only keys
     without `sandwich_norms = true` are refused by `check_gemma_keys`."""

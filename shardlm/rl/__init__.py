@@ -54,7 +54,22 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (not config.preference.loss, "set either [preference] or [rl], not both"),
         (config.model.arch != "bert", "an RL run needs a causal language model, not model.arch=\"bert\""),
     ]
-    return next((message for ok, message in checks if not ok), None)
+    problem = next((message for ok, message in checks if not ok), None)
+    return problem or (None if r.completions else sampling_split_problem(config))
+
+
+def sampling_split_problem(config) -> str | None:
+    """Why the run's pipeline split cannot sample (its stages hand only the hidden state on while decoding:
+    `shardlm.models.gemma_config.hidden_only_split_problem`), or None."""
+    from shardlm.models.gemma_config import hidden_only_split_problem
+    from shardlm.parallel.pipeline import stage_layers, stages_per_rank
+
+    m, p = config.model, config.parallel
+    if p.pipeline <= 1:
+        return None
+    stages = stage_layers(m.num_layers, p.pipeline * stages_per_rank(p.pipeline_schedule, p.virtual_stages),
+                          p.first_stage_layers, p.last_stage_layers)
+    return hidden_only_split_problem(m, stages)
 
 
 def prompts_per_step(config) -> int:
