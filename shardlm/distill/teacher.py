@@ -26,6 +26,7 @@ def load_teacher(config, ctx) -> torch.nn.Module:
     from shardlm.checkpoint.sharded import model_files
     from shardlm.checkpoint.state import load_weights
     from shardlm.models import build_model
+    from shardlm.models.gemma_config import hidden_only_split_problem
     from shardlm.parallel.pipeline import V_SHAPED, local_stages, stage_layers, stages_per_rank
 
     source = open_teacher(config.distill.teacher)
@@ -43,6 +44,8 @@ def load_teacher(config, ctx) -> torch.nn.Module:
             raise UserError(f"distill.teacher has {model_config.num_layers} layers, fewer than the run's "
                             f"{ctx.pp_size * per_rank} pipeline stages")
         layers = stage_layers(model_config.num_layers, ctx.pp_size * per_rank, 0, 0)
+        if (problem := hidden_only_split_problem(model_config, layers)) is not None:  # Gemma 4's shared keys
+            raise UserError(f"distill.teacher: {problem}")
         stage_ids = local_stages(ctx, per_rank, p.pipeline_schedule in V_SHAPED)
     teacher = build_model(model_config, ctx, seed=config.train.seed,
                           sequence_parallel=config.parallel.sequence_parallel,

@@ -65,7 +65,7 @@ def sampling_split_problem(config) -> str | None:
     from shardlm.parallel.pipeline import stage_layers, stages_per_rank
 
     m, p = config.model, config.parallel
-    if p.pipeline <= 1:
+    if p.pipeline <= 1 or not m.sandwich_norms:  # (other models hand nothing on between stages)
         return None
     stages = stage_layers(m.num_layers, p.pipeline * stages_per_rank(p.pipeline_schedule, p.virtual_stages),
                           p.first_stage_layers, p.last_stage_layers)
