@@ -304,3 +304,37 @@ def test_the_planner_counts_the_presets():
         choice = Evaluator(request).choice(Layout(tp=2, dp=32, micro_batch=1, checkpointing=False))
         padded = dataclasses.replace(cfg, vocab_size=cfg.padded_vocab_size(2))
         assert choice.time.model_flops == pytest.approx(flops_per_token(padded) * 256 * cfg.seq_length, rel=1e-12)
+
+
+def preset_choice(name: str, **layout):
+    """The planner's row for the preset on 64 H100s, global batch 256, at `layout` (`timing.Layout`'s fields)."""
+    from shardlm.plan.evaluate import Evaluator
+    from shardlm.plan.hardware import gpu_preset
+    from shardlm.plan.models import PlannedModel
+    from shardlm.plan.planner import PlanRequest
+    from shardlm.plan.timing import Layout
+
+    request = PlanRequest(PlannedModel(name, MODEL_PRESETS[name]), gpu_preset("h100"), 64, 256)
+    return Evaluator(request).choice(Layout(**{"tp": 2, "dp": 32, "micro_batch": 1, "checkpointing": False, **layout}))
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_the_plan_holds_the_presets_parameters(name):
+    """`parameter_count` is `recurrent_parameter_count` (the total transformers builds: 49.12B, 8.10B, 31.58B), the
+    plan's row holds a TP rank's of it, and at PP = 2 the two stages' (every Nemotron-H block by its own kind)
+    add up to it, as do the layers one by one with the end pieces."""
+    from shardlm.plan.parameters import ParameterCount, add_counts, layers_parameter_count, parameter_count
+    from shardlm.plan.stages import pipeline_layers, rank_parameter_count, rank_stages
+
+    cfg = MODEL_PRESETS[name]
+    assert parameter_count(cfg, 1) == recurrent_parameter_count(cfg, 1)
+    assert parameter_count(cfg, 1).total == pytest.approx(BILLIONS[name] * 1e9, rel=1e-3)
+    ep = 4 if cfg.moe_num_experts else 1
+    whole = recurrent_parameter_count(cfg, 2, ep)
+    assert parameter_count(cfg, 2, ep) == whole
+    assert preset_choice(name, ep=ep).state.parameters == 4 * whole.total  # fp32 weights (shardlm-bf16)
+    layers = pipeline_layers(cfg.num_layers, 2, 1)
+    stages = [rank_parameter_count(cfg, 2, rank_stages(layers, 2, rank), ep) for rank in range(2)]
+    assert add_counts(*stages) == whole
+    ends = add_counts(whole, layers_parameter_count(cfg, range(cfg.num_layers), 2, ep), sign=-1)
+    assert ends == ParameterCount(2 * cfg.padded_vocab_size(2) // 2 * cfg.hidden_size, cfg.hidden_size, 3, 0)

@@ -3,8 +3,9 @@
 columns, with their biases; the residual projections by rows; the vocabulary embedding and the output layer by
 rows of the padded vocabulary) and which they replicate (norms, the row-parallel biases, learned positions); MoE
 layers' routers, experts (1/EP of them, split over TP) and shared experts (`_mlp_count`); Qwen3-Next's and Qwen3.5's
-Gated DeltaNet layers (`_linear_attention_count`, `shardlm.models.linear_attention`) and gated full attention; one
-layer of each kind (`layer_parameter_count`) and the multi-token-prediction depths (`mtp_parameter_count`)."""
+Gated DeltaNet layers (`_linear_attention_count`, `shardlm.models.linear_attention`) and gated full attention;
+Kimi Linear's and Nemotron-H's (`recurrent.recurrent_parameter_count`); one layer of each kind
+(`layer_parameter_count`) and the multi-token-prediction depths (`mtp_parameter_count`)."""
 
 from __future__ import annotations
 
@@ -232,6 +233,10 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
         from shardlm.plan.gemma import gemma_parameter_count
 
         return gemma_parameter_count(cfg, tp, ep)
+    if cfg.layer_pattern or cfg.linear_attention_rule == "kimi_delta":  # Nemotron-H's blocks, Kimi Linear's KDA
+        from shardlm.plan.recurrent import recurrent_parameter_count
+
+        return recurrent_parameter_count(cfg, tp, ep)
     h, layers = cfg.hidden_size, cfg.num_layers
     vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
     outputs = 1 if cfg.tie_embeddings else 2
@@ -256,20 +261,23 @@ def layer_parameter_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) ->
     the model without layers."""
     base = replace(cfg, mtp_layers=0)
     kind = replace(base, num_layers=1, layer_types=["linear_attention"] if cfg.is_linear_layer(index) else [],
-                   index_layer_types=[], index_topk=cfg.index_topk if has_indexer(cfg, index) else 0)
+                   index_layer_types=[], index_topk=cfg.index_topk if has_indexer(cfg, index) else 0,
+                   layer_pattern=cfg.layer_pattern[index:index + 1])
     if cfg.is_moe_layer(index):
         kind = replace(kind, moe_first_dense_layers=0, moe_layer_interval=1)
     else:
         kind, ep = replace(kind, moe_num_experts=0), 1
-    return add_counts(parameter_count(kind, tp, ep), parameter_count(_with_layers(base, 0), tp, ep), sign=-1)
+    empty = replace(_with_layers(base, 0), layer_pattern="")
+    return add_counts(parameter_count(kind, tp, ep), parameter_count(empty, tp, ep), sign=-1)
 
 
 def layers_parameter_count(cfg: ModelConfig, indices, tp: int, ep: int = 1) -> ParameterCount:
     """The layers `indices` together on one (TP, EP) rank (`layer_parameter_count`, one per kind)."""
-    kinds: dict[tuple[bool, bool, bool], ParameterCount] = {}
+    kinds: dict[tuple[bool, bool, bool, str], ParameterCount] = {}
     total = ParameterCount(0, 0, 0, 0)
-    for index in indices:
-        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), has_indexer(cfg, index))
+    for index in indices:  # Nemotron-H: its block's kind ("M", "*", "-" or "E") too
+        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), has_indexer(cfg, index),
+               cfg.layer_pattern[index:index + 1])
         if key not in kinds:
             kinds[key] = layer_parameter_count(cfg, index, tp, ep)
         total = add_counts(total, kinds[key])
