@@ -338,3 +338,79 @@ def test_the_plan_holds_the_presets_parameters(name):
     assert add_counts(*stages) == whole
     ends = add_counts(whole, layers_parameter_count(cfg, range(cfg.num_layers), 2, ep), sign=-1)
     assert ends == ParameterCount(2 * cfg.padded_vocab_size(2) // 2 * cfg.hidden_size, cfg.hidden_size, 3, 0)
+
+
+@pytest.mark.parametrize("recompute,sp", [("none", False), ("selective", True)])
+def test_the_plan_charges_the_recurrent_layers_activations(recompute, sp):
+    """The plan's row charges every layer the largest of the model's layer kinds: Nemotron-H-8B's Mamba-2,
+    attention or MLP block (`pattern_block_activation_bytes`), Kimi Linear's KDA layer
+    (`kda_layer_activation_bytes`) beside its MLA layer (its MoE layers' extra over a dense MLP added to both), with
+    each norm's input and statistic split over TP under sequence parallelism; Nemotron 3 Nano's MoE blocks by the
+    estimate `moe_block_activation_bytes`."""
+    from shardlm.plan.activations import LayerSetting, shardlm_memory
+    from shardlm.plan.memory import layer_activation_bytes, numeric_format
+    from shardlm.plan.recurrent import moe_block_activation_bytes, pattern_block_activation_bytes
+
+    fmt, selective, tokens = numeric_format("bf16"), recompute == "selective", 4096
+    setting = LayerSetting(sequence_parallel=sp, recompute=recompute)
+
+    def split_off(norms: int, cfg: ModelConfig) -> int:
+        nbytes = norms * (tokens * cfg.hidden_size * 4 + 2 * tokens * 4)
+        return nbytes - nbytes // 2 if sp else 0
+
+    nemotron = dataclasses.replace(MODEL_PRESETS["nemotron-h-8b"], seq_length=tokens)
+    blocks = [pattern_block_activation_bytes(nemotron, i, 2, 1, fmt, "cuda", selective) for i in (0, 1, 7)]
+    assert nemotron.layer_pattern[0] + nemotron.layer_pattern[1] + nemotron.layer_pattern[7] == "M-*"
+    row = preset_choice("nemotron-h-8b", sequence_parallel=sp, selective=selective, cp=2, dp=16)
+    assert row.activations.per_layer == max(blocks) - split_off(1, nemotron)
+    nano = dataclasses.replace(MODEL_PRESETS["nemotron-3-nano-30b-a3b"], seq_length=tokens)
+    moe = moe_block_activation_bytes(nano, 2, 4, 1, fmt, sp)
+    largest = max(moe, *(pattern_block_activation_bytes(nano, i, 2, 1, fmt, "cuda", selective) for i in (0, 5)))
+    assert shardlm_memory(nano, 2, 1, fmt, setting, ep=4).per_layer == largest - split_off(1, nano)
+    dense_kimi = dataclasses.replace(MODEL_PRESETS["kimi-linear-48b-a3b"], moe_num_experts=0)
+    kda = kda_layer_activation_bytes(dense_kimi, 2, 1, fmt, "cuda", selective) - split_off(2, dense_kimi)
+    mla = shardlm_memory(dataclasses.replace(dense_kimi, layer_types=[]), 2, 1, fmt, setting).per_layer
+    assert kda > mla and shardlm_memory(dense_kimi, 2, 1, fmt, setting).per_layer == kda
+    kimi = MODEL_PRESETS["kimi-linear-48b-a3b"]
+    moe_extra = shardlm_memory(dataclasses.replace(kimi, layer_types=[]), 2, 1, fmt, setting, ep=4).per_layer - mla
+    assert moe_extra > 0 and preset_choice("kimi-linear-48b-a3b", sequence_parallel=sp, selective=selective,
+                                           ep=4).activations.per_layer == kda + moe_extra
+    assert layer_activation_bytes(nemotron, 2, 1, fmt) != row.activations.per_layer
+
+
+def test_pipeline_stages_and_selective_recomputation_count_the_recurrent_flops():
+    """DualPipe's stages count each Nemotron-H block's own mixer (`pattern_layer_flops`: the stages' FLOPs make
+    `flops_per_token`), and selective recomputation adds each Mamba-2 block's scan again and the attention blocks'
+    cores (4 s a per token), not a core in every block."""
+    from shardlm.plan.dualpipe import stage_flops
+    from shardlm.plan.recurrent import mamba_layer_count, pattern_layer_flops
+
+    for name in ("nemotron-h-8b", "nemotron-3-nano-30b-a3b"):
+        cfg = MODEL_PRESETS[name]
+        half = cfg.num_layers // 2
+        stages = stage_flops(cfg, list(range(half)), False) + stage_flops(cfg, list(range(half, cfg.num_layers)), True)
+        assert 3 * stages == pytest.approx(flops_per_token(cfg), rel=1e-12)
+        assert stage_flops(cfg, [0], False) == pattern_layer_flops(cfg, 0)
+    cfg = MODEL_PRESETS["nemotron-h-8b"]
+    plain = preset_choice("nemotron-h-8b").time.model_flops
+    again = preset_choice("nemotron-h-8b", selective=True).time.model_flops - plain
+    s, a = cfg.seq_length, cfg.num_heads * cfg.attention_head_dim
+    rerun = 256 * s * (mamba_layer_count(cfg) * ssd_flops_per_token(cfg) + 4 * cfg.layer_pattern.count("*") * s * a)
+    assert again == pytest.approx(rerun, rel=1e-12)
+
+
+def test_shardlm_plan_plans_the_presets(capsys):
+    """`shardlm plan --model <preset> --gpu h100 --gpus 64 --global-batch 256` exits 0 for each preset and reports
+    the preset's total and a recommended layout that fits (the search narrowed to PP = 2 without CP, micro-batches
+    of 1 and ZeRO-1, to keep the test short: the whole search takes about 10 s a preset)."""
+    from shardlm.cli import main
+
+    narrowed = ["--pipeline", "2", "--context", "1", "--micro-batch", "1", "--data-sharding", "optimizer"]
+    for name in HF_CONFIGS:
+        experts = ["--expert", "8"] if MODEL_PRESETS[name].moe_num_experts else []
+        args = ["plan", "--model", name, "--gpu", "h100", "--gpus", "64", "--global-batch", "256"]
+        assert main(args + narrowed + experts) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"{BILLIONS[name]:.3g}B parameters" in out and "Recommended: PP=2 x " in out
+        recommended = out.split("Recommended: ")[1]
+        assert float(recommended.split(" GB per GPU")[0].split()[-1]) < 80

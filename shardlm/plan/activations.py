@@ -30,6 +30,11 @@ Linear-attention layers (shardlm only; Qwen3-Next, Qwen3.5): `linear_attention.l
 the attention's share (`memory.attention_activation_bytes`), under selective recomputation what the recomputed core
 keeps; in a hybrid model every layer is charged the larger of the two kinds, as for dense and MoE layers.
 
+Kimi Linear (KDA beside MLA): a KDA layer is `recurrent.kda_layer_activation_bytes` (with its MoE layer's extra over
+a dense MLP where it has one); every layer is charged the largest of its layer kinds. Nemotron-H (`layer_pattern`):
+every block is charged the largest block kind (`pattern_layer_bytes`); its MoE blocks are estimated
+(`recurrent.MOE_BLOCK_NOTE`).
+
 `rank_activation_peak` multiplies them by the micro-batches a pipeline rank keeps in flight
 (`stages.forwards_in_flight`): the first stage of 1F1B holds P micro-batches of L/P layers.
 """
@@ -39,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig
-from shardlm.plan import dualpipe
+from shardlm.plan import dualpipe, recurrent
 from shardlm.plan.experts import moe_layer_activation_bytes, moe_layer_count
 from shardlm.plan.linear_attention import linear_activation_bytes, linear_layer_count
 from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory, attention_activation_bytes
@@ -124,7 +129,7 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
 
         # per layer: the two LayerNorm inputs, their statistics and the two dropout masks are split; the
         # GEMMs save the all-gathered LayerNorm outputs (full sequence), as shardlm's f-twin returns them
-        per_layer -= unsplit(tokens * h * (2 * fmt.residual_bytes + 2 * mask_bytes) + 2 * 2 * tokens * 4)
+        per_layer -= _norms_split_off(cfg, tp, micro_batch, fmt, setting, backend, norms=2)
         if cfg.arch == "llama" and cfg.attention == "mla":  # q_a and kv_a run on the rank's sequence chunk:
             # the first norm's output they save, their outputs (the latent norms' inputs) and those norms' stats
             latent_norms = 2 if cfg.q_lora_rank else 1
@@ -140,17 +145,55 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
             # and the CPU kernel's output, of which o keeps the copy its (b, heads, s, d) layout makes (`memory`)
             recomputed += tokens * cfg.num_heads * cfg.attention_head_dim // tp * fmt.matmul_bytes
         per_layer -= recomputed
-    if cfg.moe_num_experts:
+    dense, moe = per_layer, None
+    if cfg.moe_num_experts and not cfg.layer_pattern:
         moe = per_layer - base.per_layer + moe_layer_activation_bytes(
             cfg, tp, ep, micro_batch, fmt, setting.sequence_parallel, backend)
         per_layer = moe if moe_layer_count(cfg) == cfg.num_layers else max(per_layer, moe)
-    if linear_layer_count(cfg):  # a Gated DeltaNet layer in place of the attention
+    if cfg.layer_pattern:  # Nemotron-H: one mixer a block
+        per_layer = pattern_layer_bytes(cfg, tp, micro_batch, fmt, setting, backend, ep)
+    elif cfg.linear_attention_rule == "kimi_delta" and linear_layer_count(cfg):  # Kimi Linear: KDA beside MLA
+        kda = recurrent.kda_layer_activation_bytes(cfg, tp, micro_batch, fmt, backend, setting.recompute == "selective")
+        kda -= _norms_split_off(cfg, tp, micro_batch, fmt, setting, backend, norms=2)
+        moe_extra = 0 if moe is None else moe - dense
+        per_layer = max((kda if cfg.is_linear_layer(i) else dense) + (moe_extra if cfg.is_moe_layer(i) else 0)
+                        for i in range(cfg.num_layers))
+    elif linear_layer_count(cfg):  # a Gated DeltaNet layer in place of the attention
         attention = attention_activation_bytes(cfg, tp, micro_batch, fmt, backend) - recomputed
         linear = per_layer - attention + linear_activation_bytes(cfg, tp, micro_batch, fmt,
                                                                   setting.recompute == "selective")
         per_layer = linear if linear_layer_count(cfg) == cfg.num_layers else max(per_layer, linear)
     return replace(base, per_layer=per_layer, layer_input=layer_input, outside_layers=embedding + head,
                    embedding=embedding)
+
+
+def _norms_split_off(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
+                     backend: str, norms: int) -> int:
+    """What sequence parallelism takes off a layer with `norms` norms (b s tokens): their inputs (residual dtype),
+    the dropout masks after them and two fp32 statistics per token each are split over t; 0 without SP."""
+    if not setting.sequence_parallel or tp == 1:
+        return 0
+    tokens = micro_batch * cfg.seq_length
+    mask_bytes = 0 if cfg.dropout <= 0 else 1 if backend == "cuda" else fmt.residual_bytes
+    nbytes = norms * (tokens * cfg.hidden_size * (fmt.residual_bytes + mask_bytes) + 2 * tokens * 4)
+    return nbytes - nbytes // tp
+
+
+def pattern_layer_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
+                        backend: str = "cuda", ep: int = 1) -> int:
+    """What the largest of Nemotron-H's blocks (`layer_pattern`) saves for one micro-batch on one rank, every block
+    charged it: `recurrent.pattern_block_activation_bytes` of the first block of each kind among Mamba-2 ("M"),
+    attention ("*") and the ReLU^2 MLP ("-"), the core recomputed under selective recomputation; the MoE blocks
+    ("E") by `recurrent.moe_block_activation_bytes`, an estimate (`recurrent.MOE_BLOCK_NOTE`); each block's one norm
+    split over t with sequence parallelism."""
+    selective = setting.recompute == "selective"
+    first = {kind: cfg.layer_pattern.index(kind) for kind in set(cfg.layer_pattern)}
+    sizes = [recurrent.pattern_block_activation_bytes(cfg, index, tp, micro_batch, fmt, backend, selective)
+             for kind, index in first.items() if kind != "E"]
+    if "E" in first:
+        sizes.append(recurrent.moe_block_activation_bytes(cfg, tp, ep, micro_batch, fmt, setting.sequence_parallel,
+                                                          backend))
+    return max(sizes) - _norms_split_off(cfg, tp, micro_batch, fmt, setting, backend, norms=1)
 
 
 def rank_activation_peak(acts: ActivationMemory, stages: RankStages, schedule: str, pp: int,

@@ -66,7 +66,12 @@ def layer_flops(cfg: ModelConfig, index: int) -> float:
     router and the shared experts' gate), the score and value products over its keys, or a linear layer's
     recurrence (`linear_attention.rule_flops_per_token`). A sparse-attention layer counts a third of its core's and
     indexer's training FLOPs (`sparse_attention.sparse_attention_flops`: the indexer trains at less than 3x its
-    forward), so 3x the layers still make `flops_per_token`."""
+    forward), so 3x the layers still make `flops_per_token`. Nemotron-H's blocks (`layer_pattern`): one mixer
+    each, `recurrent.pattern_layer_flops`."""
+    if cfg.layer_pattern and index < cfg.num_layers:
+        from shardlm.plan.recurrent import pattern_layer_flops
+
+        return pattern_layer_flops(cfg, index)
     h = cfg.hidden_size
     matrices = 3 if cfg.arch == "llama" else 2
     if cfg.is_moe_layer(index):

@@ -13,8 +13,10 @@ each against the code, transformers' builds and autograd).
   KDA layer with its dense MLP) and `pattern_block_activation_bytes` (Nemotron-H's Mamba-2, attention and MLP
   blocks), in fp32 and under bf16 autocast.
 
-`parameters.parameter_count` and `activations.shardlm_memory` do not call these yet (docs/plan.md says what they
-count for these models today).
+The planner's own paths call them: `parameters.parameter_count` (`recurrent_parameter_count`),
+`activations.shardlm_memory` (a Kimi Linear KDA layer's `kda_layer_activation_bytes`; Nemotron-H's largest block,
+`pattern_block_activation_bytes`, its MoE blocks estimated by `moe_block_activation_bytes`), `dualpipe.layer_flops`
+(`pattern_layer_flops`) and `timing` (selective recomputation reruns the Mamba-2 scans, `ssd_flops_per_token`).
 
 Nothing here imports torch at import time.
 """
@@ -355,7 +357,7 @@ def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_
     mixer. Mamba-2: `mamba_block_activation_bytes`. Attention without positions: `memory.attention_activation_bytes`
     without RoPE's cos and sin (with `selective`, without SDPA's log-sum-exp too). The ReLU^2 MLP: up's output (which
     ReLU keeps and squares) and the square down reads (2 f / t, GEMM dtype), autocast's copies of up and down. The
-    MoE blocks ("E") are not counted here (ValueError)."""
+    MoE blocks ("E") are not counted here (ValueError; `moe_block_activation_bytes` estimates them)."""
     kind = layer_kind(cfg, index)
     if kind == "M":
         return mamba_block_activation_bytes(cfg, tp, micro_batch, fmt, backend, selective)
@@ -375,3 +377,30 @@ def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_
         return norm + attention_activation_bytes(plain, tp, micro_batch, fmt, backend) - rope - lse
     f = cfg.ffn_size // tp
     return norm + tokens * 2 * f * e + fmt.weight_cast_bytes * 2 * f * h
+
+
+MOE_BLOCK_NOTE = ("Nemotron-H's MoE blocks: activations estimated as shardlm's other MoE layers save them (SwiGLU "
+                  "experts, 4 f_e per routed row where ReLU^2 keeps 2; an upper bound), not from its own code")
+"""The one line the planner reports for models with Nemotron-H MoE blocks ("E" in `layer_pattern`)."""
+
+
+def moe_block_activation_bytes(cfg: ModelConfig, tp: int, ep: int, micro_batch: int, fmt: NumericFormat,
+                               sequence_parallel: bool = False, backend: str = "cuda") -> int:
+    """What Nemotron-H's MoE block ("E") saves for one micro-batch on one (TP, EP) rank, not derived from its own
+    code (`pattern_block_activation_bytes` refuses it): its RMSNorm (input, fp32 statistic, on the CPU the
+    normalized input; the router saves its own fp32 copy of the output) and the MoE share of
+    `experts.moe_layer_activation_bytes` (router, routed rows, shared expert; `memory.layer_activation_bytes` less
+    its dense MLP removed), which counts SwiGLU experts: b s k rows of 4 f_e / t and 3 weight copies per expert where
+    ReLU^2 ones keep 2 f_e / t and 2, an upper bound (`MOE_BLOCK_NOTE`)."""
+    from dataclasses import replace
+
+    from shardlm.plan.experts import _mlp_activation_bytes, moe_layer_activation_bytes
+    from shardlm.plan.memory import layer_activation_bytes
+
+    plain = replace(cfg, layer_pattern="", mamba_num_heads=0)
+    h, tokens = cfg.hidden_size, micro_batch * cfg.seq_length
+    dense_mlp = _mlp_activation_bytes(plain, plain.ffn_size, tp, tokens, 1, fmt)
+    share = moe_layer_activation_bytes(plain, tp, ep, micro_batch, fmt, sequence_parallel, backend) \
+        - layer_activation_bytes(plain, tp, micro_batch, fmt, backend) + dense_mlp
+    norm = tokens * (h * fmt.residual_bytes + 4 + (0 if backend == "cuda" else h * fmt.residual_bytes))
+    return norm + share

@@ -60,7 +60,9 @@
 - linear attention (`linear_attention`, Qwen3-Next and Qwen3.5's Gated DeltaNet layers): no attention core; the
   FLOP count has their recurrence instead (selective recomputation runs it again), and the K/V ring of context
   parallelism and the flash kernel's GQA passes are those of the full-attention layers only (the linear layers'
-  state summaries they exchange under CP are small and not counted).
+  state summaries they exchange under CP are small and not counted). Kimi Linear's KDA layers likewise; Nemotron-H
+  (`layer_pattern`): the FLOPs of each block's one mixer, selective recomputation running the attention blocks'
+  cores and the Mamba-2 blocks' scans again (`_pattern_selective_flops`).
 - multi-token prediction (`mtp`): the last pipeline rank runs its layers and the depths; the busiest rank's
   layers set the pace.
 - DeepSeek Sparse Attention (`sparse_attention`): the FLOP count has the attention over the chosen keys and the
@@ -310,6 +312,17 @@ def _changed(cfg: ModelConfig, **changes) -> ModelConfig:
     return out
 
 
+def _pattern_selective_flops(cfg: ModelConfig, global_batch: int) -> float:
+    """What selective recomputation runs again in Nemotron-H (`layer_pattern`) for the step's B sequences of s
+    tokens: each attention block's core, QK^T and attention x V (4 s a per token, a = heads x head_dim), and each
+    Mamba-2 block's chunked scan (`recurrent.ssd_flops_per_token`: `Mamba2.core` is recomputed)."""
+    from shardlm.plan.recurrent import mamba_layer_count, ssd_flops_per_token
+
+    s, a = cfg.seq_length, cfg.num_heads * cfg.attention_head_dim
+    per_token = 4 * s * a * cfg.layer_pattern.count("*") + ssd_flops_per_token(cfg) * mamba_layer_count(cfg)
+    return global_batch * s * per_token
+
+
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
               params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
               scatter_gather: bool = False, units: FSDPUnits | None = None, kernels: Kernels = SC21_KERNELS
@@ -322,7 +335,9 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     full_sequence, cfg = cfg, _changed(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = _changed(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)  # sliding layers count s x w
-    if layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding;
+    if layout.recompute == "selective" and cfg.layer_pattern:
+        flops += _pattern_selective_flops(full_sequence, global_batch)
+    elif layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding;
         # none on a linear-attention layer, which runs its recurrence again)
         flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
                   * key_share(full_sequence))
