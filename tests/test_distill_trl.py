@@ -29,6 +29,7 @@ temperature 2 ignored (1.8 loss, 1.0 gradient norm), beta 0 and 1 exchanged (6.2
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -57,6 +58,15 @@ STUDENT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, 
            "tie_word_embeddings": True}
 TEACHER = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "head_dim": 32,
            "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def template_parsed_once():
+    """Every shardlm run of the module reads the same tokenizer directory: its chat template (an 11 MB
+    tokenizer.json, 0.6 s of CPU) is parsed at the first run and reused by the next ones."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChatTemplate, "from_dir", classmethod(functools.cache(ChatTemplate.from_dir.__func__)))
+        yield
 
 
 def save_qwen3(folder, data_dir, seed: int, output_scale: float = 1.0, tokenizer: bool = True, **sizes):
@@ -88,8 +98,9 @@ def short_records(data_dir, template: ChatTemplate) -> list[str]:
 def setup(tmp_path_factory, data_dir):
     """The student and teacher directories and the records (records.jsonl) under `root`; "conversations": per
     record its messages, `ids` (shardlm's tokens up to and including the answer's `<|im_end|>`), `start` (the
-    first answer token) and `trailing` (the untrained tokens after it: the template's newline)."""
-    from transformers import AutoTokenizer
+    first answer token) and `trailing` (the untrained tokens after it: the template's newline); TRL's
+    "teacher_model" and "tokenizer", shared by its runs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.utils import DataCollatorForChatML
 
     root = tmp_path_factory.mktemp("distill_trl")
@@ -106,12 +117,17 @@ def setup(tmp_path_factory, data_dir):
         assert all(doc.loss_mask[start:end]) and doc.input_ids[end - 1] == template.end_of_turn_id, record.where
         conversations.append({"messages": record.messages, "ids": doc.input_ids[:end], "start": start,
                               "trailing": doc.input_ids[end:]})
-    collator = DataCollatorForChatML(tokenizer=AutoTokenizer.from_pretrained(student), max_length=SEQ)
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    collator = DataCollatorForChatML(tokenizer=tokenizer, max_length=SEQ)
     for c in conversations:  # TRL's own rendering: the same ids and answer start, and it would train the newline
         batch = collator([{"messages": c["messages"]}])
         assert batch["input_ids"][0].tolist() == c["ids"] + c["trailing"]
         assert (batch["labels"][0] != -100).int().argmax().item() == c["start"]
-    return {"root": root, "student": student, "teacher": teacher, "conversations": conversations}
+    # loaded once for every TRL run: the teacher is frozen (TRL only evaluates it) and the trainers only set the
+    # tokenizer's pad token, the same each time; each run loads its own student (trained in place)
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    return {"root": root, "student": student, "teacher": teacher, "conversations": conversations,
+            "teacher_model": teacher_model, "tokenizer": tokenizer}
 
 
 def trl_args(cls, setup, name: str, **options):
@@ -125,11 +141,11 @@ def trl_args(cls, setup, name: str, **options):
 
 
 def trl_models(setup):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A TRL trainer's models: a fresh student, the shared frozen teacher and tokenizer."""
+    from transformers import AutoModelForCausalLM
 
     return {"model": AutoModelForCausalLM.from_pretrained(setup["student"], dtype=torch.float32),
-            "teacher_model": AutoModelForCausalLM.from_pretrained(setup["teacher"], dtype=torch.float32).eval(),
-            "processing_class": AutoTokenizer.from_pretrained(setup["student"])}
+            "teacher_model": setup["teacher_model"], "processing_class": setup["tokenizer"]}
 
 
 def gkd_steps(setup, beta: float) -> list[dict]:
