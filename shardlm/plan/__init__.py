@@ -5,7 +5,8 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 - `hardware`     GPU and node presets (the 2019 paper's DGX-2H, SC21's DGX A100, H100 / H200 nodes);
 - `models`       model presets (the papers' GPT-2, BERT, weak-scaling and SC21 models, Llama 3, the MoE
                  models Mixtral 8x7B and Qwen3-30B-A3B / 235B-A22B, DeepSeek-V3, the sparse-attention DeepSeek-V3.2
-                 and GLM-5, GLM-4.5, gpt-oss, the hybrid linear-attention Qwen3-Next and Qwen3.5) and TOML configs;
+                 and GLM-5, GLM-4.5, gpt-oss, the hybrid linear-attention Qwen3-Next and Qwen3.5, Kimi Linear's
+                 KDA beside MLA, the Mamba-2 hybrids Nemotron-H and Nemotron 3 Nano) and TOML configs;
 - `memory`       per-rank parameters, gradients, optimizer state and activations, derived from
                  what shardlm allocates and what autograd saves in its transformer layer;
 - `activations`  the same under sequence parallelism and recomputation, Korthikanti et al.'s formulas
@@ -13,6 +14,8 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
 - `experts`      what MoE layers add: activated parameters, the MoE layer's activations, all-to-all bytes;
 - `linear_attention`  Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: their recurrence's FLOPs, what they save,
                  their recurrent state;
+- `recurrent`    Kimi Linear's Kimi Delta Attention and Nemotron-H's Mamba-2, attention, MLP and MoE blocks: their
+                 parameters, FLOPs, recurrent state and what they save (Nemotron-H's MoE blocks estimated);
 - `sparse_attention`  DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the top-k attention's and the lightning
                  indexers' FLOPs, which layers hold an indexer, dense against sparse per token;
 - `fsdp`         FSDP (`train.data_sharding = "full"`): sharded state, gathered units, per-layer collectives;
