@@ -140,9 +140,10 @@ QUICK = {name: FamilyShape(name, num_layers=4 if name == "gemma4" else 2, hidden
 
 def families_bench(quick: bool, repeats: int, only: list[str] | None = None) -> dict:
     """The `families` section of `make bench`: {family: `hf_compare.single_process`'s result}; a quick run (the
-    harness's check) in fp32 only."""
+    harness's check) in fp32 only, without a warm-up round (its loss check ran every program twice)."""
     shapes = QUICK if quick else SHAPES
-    return {name: hf_compare.single_process(shapes[name], FAMILIES[name], repeats, fp32_only=quick)
+    return {name: hf_compare.single_process(shapes[name], FAMILIES[name], repeats, fp32_only=quick,
+                                            warmup=0 if quick else 1)
             for name in shapes if not only or name in only}
 
 

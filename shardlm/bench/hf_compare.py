@@ -125,19 +125,32 @@ def hf_step(family: HFModel, folder: Path, rows: np.ndarray, experts_implementat
     return step, (model.config._attn_implementation, getattr(model.config, "_experts_implementation", None))
 
 
-def loss_check(programs: dict) -> dict:
+def loss_check(programs: dict, second=None) -> dict:
     """Two steps of each fresh fp32 program on the same batch: step 1's loss (same weights) and step 2's
     (after one clipped AdamW update), each program's largest difference from shardlm's, and `match`
-    (every difference within LOSS_TOL)."""
+    (every difference within LOSS_TOL). `second(name, run)`, if given, runs each program's step 2 and returns
+    what `run()` returned (`dtype_recorder`'s: the experts' dtypes are measured in that step)."""
     losses = {name: [] for name in programs}
-    for _ in range(2):
+    for step in range(2):
         for name, run in programs.items():
-            out = run()
+            out = second(name, run) if second is not None and step == 1 else run()
             losses[name].append(float(out["loss"] if isinstance(out, dict) else out))
     diffs = {name: max(abs(a - b) for a, b in zip(values, losses["shardlm"]))
              for name, values in losses.items() if name != "shardlm"}
     return {"losses": losses, "max_abs_difference": diffs, "tolerance": LOSS_TOL,
             "match": all(d <= LOSS_TOL for d in diffs.values())}
+
+
+def dtype_recorder(family: HFModel, trainer, into: dict):
+    """A `loss_check` `second`: runs a program's step while recording the dtypes of its expert GEMMs
+    (`moe.expert_gemm_dtypes`) into `into[name]`, and returns the step's output."""
+    def second(name: str, run):
+        output = []
+        model, experts = (trainer.model, "GroupedExperts") if name == "shardlm" else (run.model, family.experts_class)
+        into[name] = expert_gemm_dtypes(model, experts, lambda: output.append(run()))
+        return output[0]
+
+    return second
 
 
 def experts_dtypes(family: HFModel, programs: dict, trainer) -> dict:
@@ -147,11 +160,14 @@ def experts_dtypes(family: HFModel, programs: dict, trainer) -> dict:
                   if name != "shardlm"}
 
 
-def single_process(shape, family: HFModel, repeats: int, threads: int = 2, fp32_only: bool = False) -> dict:
+def single_process(shape, family: HFModel, repeats: int, threads: int = 2, fp32_only: bool = False,
+                   warmup: int = 1) -> dict:
     """Per precision: step ms and tokens/s of shardlm, hf and hf_eager, ratios shardlm / hf and shardlm /
     hf_eager per round, the expert GEMMs' dtypes, the implementations transformers ran, one profiled step of
     shardlm and hf by kind of operator (`breakdown`, after the timed rounds); the fp32 loss check;
-    the CPU's features; whether the fp32 median ratio meets GOAL. `fp32_only`: no bf16 run (a quick run's)."""
+    the CPU's features; whether the fp32 median ratio meets GOAL. `fp32_only`: no bf16 run (a quick run's);
+    `warmup`: untimed rounds before the timed ones (a quick run's 0: the loss check's and the experts' dtype steps
+    have run every program already)."""
     features = cpu_features()
     precisions = ["fp32"] if fp32_only else native_precisions(features)
     out: dict = {"config": f"{shape.describe()}, {threads} threads", "cpu_features": features,
@@ -168,10 +184,13 @@ def single_process(shape, family: HFModel, repeats: int, threads: int = 2, fp32_
             programs = {"shardlm": trainer.train_step, "hf": hf}
             if family.experts_class:
                 programs["hf_eager"] = hf_step(family, folder, rows, "eager", precision)[0]
-            if precision == "fp32":  # fresh models: their first step is the check
-                out["loss_check"] = loss_check(programs)
-            experts_dtype = experts_dtypes(family, programs, trainer) if family.experts_class else {}
-            times = interleaved(programs, repeats, warmup=1)
+            experts_dtype: dict = {}
+            if precision == "fp32":  # fresh models: their first step is the check; the second records the dtypes
+                out["loss_check"] = loss_check(programs, dtype_recorder(family, trainer, experts_dtype)
+                                               if family.experts_class else None)
+            elif family.experts_class:
+                experts_dtype = experts_dtypes(family, programs, trainer)
+            times = interleaved(programs, repeats, warmup=warmup)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {"breakdown": {name: breakdown(programs[name]) for name in ("shardlm", "hf")}}
             figures |= {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
