@@ -8,10 +8,10 @@ record's response as the rejected one (conversational records, rendered with the
 TRL (1.16) gets the records as a dataset and tokenizes them itself; its reference model is a frozen copy of the
 starting weights, run in each step. shardlm trains with `shardlm.training.run.train` from the same directory
 (`checkpoint.init_from`), the records through `[sft]` with one pair a row (`sft.packing="pad"`) in order
-(`sft.shuffle=false`), so both read the same 2 pairs a step, and its reference log-probabilities precomputed by
-the same starting weights. Matched: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay), a constant learning
-rate, clipping at 1.0, beta 0.1, fp32 (`bf16=False`: DPOConfig would turn bf16 autocast on where the CPU has it).
-Each of 3 steps' loss, chosen and rejected rewards and margin, and the first step's gradient norm agree within
+(`sft.shuffle=false`, 2 steps an epoch), so both read the same 2 pairs a step, and its reference log-probabilities
+precomputed by the same starting weights. Matched: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay), a constant
+learning rate, clipping at 1.0, beta 0.1, fp32 (`bf16=False`: DPOConfig would turn bf16 autocast on where the CPU has
+it). Each of 3 steps' loss, chosen and rejected rewards and margin, and the first step's gradient norm agree within
 1e-5 relative (the rewards within 1e-5 absolute, or 1e-6 of the log-probabilities they come from where that is
 larger: `assert_follows`); the first loss is ln 2.
 
@@ -52,7 +52,10 @@ from shardlm.sft.template import ChatTemplate  # noqa: E402
 from shardlm.training.data import micro_batches  # noqa: E402
 from shardlm.training.run import train  # noqa: E402
 
-SEQ, PAIRS_PER_STEP, STEPS, LR, BETA, TOL = 320, 2, 3, 1e-3, 0.1, 1e-5
+# rows of 128 tokens: the first 4 pairs whose two sequences fit one (one pair a padded row on shardlm's side, so
+# the row length sets the cost of its logits over the 151,936-token vocabulary), 2 a step: the third step sees the
+# first step's pairs again, whose margin the first update moved (new pairs' margins were negative at steps 2 and 3)
+SEQ, PAIRS_PER_STEP, PAIRS, STEPS, LR, BETA, TOL = 128, 2, 4, 3, 1e-3, 0.1, 1e-5
 
 
 
@@ -74,8 +77,8 @@ def setup(tmp_path_factory, data_dir):
     pairs = [pair for pair in dolly_pairs(lines[:121])  # pairs whose two sequences fit one row
              if sum(len(template.encode(template.render(pair["prompt"] + pair[side])))
                     for side in ("chosen", "rejected")) <= SEQ]
-    pairs = pairs[:PAIRS_PER_STEP * STEPS]
-    assert len(pairs) == PAIRS_PER_STEP * STEPS
+    pairs = pairs[:PAIRS]  # two steps an epoch: the third step reads the first one's pairs again
+    assert len(pairs) == PAIRS
     (root / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
     return {"root": root, "hf": root / "hf", "records": root / "pairs.jsonl", "pairs": pairs}
 
