@@ -1,7 +1,7 @@
 """Context-parallel training gives the one-process answer (gloo; fp32, dropout 0).
 
 Each layout trains a tiny GPT or Llama (grouped-query attention: 4 query heads, 2 KV heads) on
-sequences of 32 tokens for the first 4 steps of an 8-step schedule; the loss and gradient norm at every step and
+sequences of 32 tokens for the first 2 steps of an 8-step schedule; the loss and gradient norm at every step and
 every final parameter, and the validation loss after training (evaluation runs split over CP too), must be within
 1e-5 (relative) of one process running the same micro-batches. The loss compared is the one the
 trainer reports (and logs), so a missing reduction over the CP group, which would report one CP
@@ -36,12 +36,12 @@ from shardlm.validation import validate
 from agreement import assert_same_curve, assert_same_run
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
-STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 4, 1e-5, 32, 2, 4, 2, 32
+STEPS, TOL, SEQ, LAYERS, HEADS, KV_HEADS, HIDDEN = 2, 1e-5, 32, 2, 4, 2, 32
 SCHEDULE = 8
 """`cp_config`'s train.steps (the learning-rate schedule) and `synthetic_data`'s default length (SCHEDULE steps of 8
 sequences): `test_resume_layouts` trains all 8 with them; the runs here the first STEPS."""
-SAVED = 1
-"""The steps of the CP=2 run that one process resumes for the remaining STEPS - SAVED."""
+SAVED, RESUMED = 1, 3
+"""The steps of the CP=2 run that one process resumes, and the steps it resumes for."""
 # name: (arch, train keys, relative tolerances against one process in the same precision: losses and gradient
 # norms, final bias tensors, the other final parameters), about 3x the worst error measured over 8 steps. Curves
 # (losses and gradient norms together) on a 2-core Xeon with AMX: 1.5e-4 (bf16), 1.8e-4 (fp16), 1.7e-4 (bf16
@@ -211,11 +211,12 @@ def world4():
 _REFERENCES = {}
 
 
-def reference(arch: str, micro: int, **train):
-    """One process, the same micro-batches: (curve, parameters, validation loss), cached per module."""
-    key = (arch, micro, *sorted(train.items()))
+def reference(arch: str, micro: int, steps: int = STEPS, **train):
+    """One process, the same micro-batches: (curve, parameters, validation loss) of `steps` steps, cached per
+    module."""
+    key = (arch, micro, steps, *sorted(train.items()))
     if key not in _REFERENCES:
-        curve, params, trainer = train_layout(ParallelContext.single(), cp_config(arch, micro, **train))
+        curve, params, trainer = train_layout(ParallelContext.single(), cp_config(arch, micro, **train), steps=steps)
         _REFERENCES[key] = curve, params, trainer.evaluate()
     return _REFERENCES[key]
 
@@ -336,17 +337,17 @@ def test_the_kv_cache_is_refused_under_context_parallelism(world2):
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_on_the_same_curve(world2, checkpoint_dir):
-    """A run saved after 1 of 4 steps at CP=2 (in the learning rate's warm-up) and resumed by one process (CP=1)
+    """A run saved after 1 step at CP=2 (in the learning rate's warm-up) and resumed by one process (CP=1) for 3
     gives the one-process run's steps 2-4 and final parameters; the saved step is the one-process run's too."""
     saved_curve = check_result(world2, "save_cp2")[0]
-    ref_curve, ref_params, _ = reference("gpt", 4)
+    ref_curve, ref_params, _ = reference("gpt", 4, steps=SAVED + RESUMED)
     assert_same_curve(saved_curve, ref_curve[:SAVED], "saved at CP=2", TOL)
     config = cp_config("gpt", 4)
     trainer = Trainer(config, ParallelContext.single(), synthetic_data())
     load_checkpoint(trainer, checkpoint_dir)
     assert trainer.step == SAVED
-    curve, params, _ = train_layout(ParallelContext.single(), config, steps=STEPS - SAVED, trainer=trainer)
-    assert_same_run((curve, params), (ref_curve, ref_params), "resumed at CP=1", steps=STEPS, tol=TOL,
+    curve, params, _ = train_layout(ParallelContext.single(), config, steps=RESUMED, trainer=trainer)
+    assert_same_run((curve, params), (ref_curve, ref_params), "resumed at CP=1", steps=SAVED + RESUMED, tol=TOL,
                     first_step=SAVED + 1)
 
 
