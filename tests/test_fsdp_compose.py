@@ -1,10 +1,9 @@
 """FSDP2 (`train.data_sharding = "full"`) composed with context parallelism, MoE with expert parallelism and
 `train.compile` gives the single-process run.
 
-One world of 4 processes trains each layout 4 steps (fp32, dropout 0; with MoE under CP, the 2 of
-`test_context_parallel_moe`); losses, gradient norms (and for MoE the aux loss) at every step and the final
-parameters (gathered over DP, TP and EP) must be within 1e-5 (relative) of one process running the same
-micro-batches:
+One world of 4 processes trains each layout 2 steps (fp32, dropout 0); losses, gradient norms (and for MoE the
+aux loss) at every step and the final parameters (gathered over DP, TP and EP) must be within 1e-5 (relative) of
+one process running the same micro-batches:
 - FSDP x CP: CP=2 x DP=2 (sharded over the 4 data x context ranks, 2 micro-batches each), and CP=2 x TP=2
   with sequence parallelism (DP=1: sharded over the 2 CP ranks alone);
 - FSDP x MoE: experts replicated (EP=1, sharded with their layer over DP=4); EP=2 x DP=4 (each layer's
@@ -45,9 +44,9 @@ import agreement
 from agreement import assert_trained_parameters
 from multiproc import check_result, needs, run_checks, run_workers
 
-STEPS, SAVED = 4, 1
-"""Every run's steps (of its config's 8-step schedule), and those of the saved runs that one process resumes for
-the remaining STEPS - SAVED."""
+STEPS, SAVED, RESUMED = 2, 1, 3
+"""The steps of every layout's run (of its config's 8-step schedule), of the saved runs, and of one process's
+resumption of them."""
 FSDP = {"data_sharding": "full"}
 CP_LAYOUTS = {  # name: (micro-batch size, TP, config kwargs); CP=2, DP = 4 / (2 TP)
     "cp2 x dp2 gpt accumulation": (2, 1, {"arch": "gpt"}),
@@ -137,16 +136,16 @@ def world4_checks(folder: str, hybrid_folder: str) -> dict:
 # ------------------------------------------------------------------------------------------- tests
 
 @functools.cache
-def moe_reference(arch: str, routing: str, micro: int) -> tuple:
-    """One process's (curve, parameters) of STEPS steps of the MoE config, once per module."""
+def moe_reference(arch: str, routing: str, micro: int, steps: int = STEPS) -> tuple:
+    """One process's (curve, parameters) of `steps` steps of the MoE config, once per module."""
     return moe_train(ParallelContext.single(), _moe_config(arch, routing, micro, 1, 1, False, full=False),
-                     steps=STEPS)[:2]
+                     steps=steps)[:2]
 
 
 @functools.cache
-def cp_reference(arch: str, micro: int) -> tuple:
-    """One process's (curve, parameters) of STEPS steps of the CP test's config, once per module."""
-    return cp_train(ParallelContext.single(), cp_config(arch, micro), steps=STEPS)[:2]
+def cp_reference(arch: str, micro: int, steps: int = STEPS) -> tuple:
+    """One process's (curve, parameters) of `steps` steps of the CP test's config, once per module."""
+    return cp_train(ParallelContext.single(), cp_config(arch, micro), steps=steps)[:2]
 
 
 def assert_same_moe_run(run_result, ref, where: str = "") -> None:
@@ -198,16 +197,16 @@ def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
     within 1e-5."""
     check_result(world4[0], "moe save")
     config = _moe_config("gpt", "mixtral", 1, 1, 1, False, full=False)
-    ref_curve, ref_params = moe_reference("gpt", "mixtral", 1)
+    ref_curve, ref_params = moe_reference("gpt", "mixtral", 1, SAVED + RESUMED)
     trainer = Trainer(config, ParallelContext.single(), synthetic_data())
     load_checkpoint(trainer, world4[1])
     assert trainer.step == SAVED
-    curve = curve_of([trainer.train_step() for _ in range(STEPS - SAVED)])
-    assert len(curve) == len(ref_curve[SAVED:]) == 3
+    curve = curve_of([trainer.train_step() for _ in range(RESUMED)])
+    assert len(curve) == len(ref_curve[SAVED:]) == RESUMED
     for step, (got, want) in enumerate(zip(curve, ref_curve[SAVED:]), SAVED + 1):
         for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-    assert_trained_parameters(full_parameters(trainer.model), ref_params, STEPS, TOL)
+    assert_trained_parameters(full_parameters(trainer.model), ref_params, SAVED + RESUMED, TOL)
 
 
 @needs(can_compile(torch.device("cpu")), "a C++ compiler (torch.compile on the CPU)")
@@ -238,13 +237,13 @@ def test_hybrid_sharded_checkpoint_resumes_in_one_process(world4):
     and steps 2-4 equal one process's uninterrupted run within 1e-5."""
     check_result(world4[0], "hybrid save")
     config = cp_config("gpt", 1)
-    ref_curve, ref_params = cp_reference("gpt", 1)
+    ref_curve, ref_params = cp_reference("gpt", 1, SAVED + RESUMED)
     trainer = Trainer(config, ParallelContext.single(), cp_synthetic_data(),
                       valid_data=cp_synthetic_data(seed=1, samples=8))
     load_checkpoint(trainer, world4[2])
     assert trainer.step == SAVED
-    assert_same_run(cp_train(ParallelContext.single(), config, steps=STEPS - SAVED, trainer=trainer)[:2],
-                    (ref_curve[SAVED:], ref_params), steps=STEPS - SAVED)
+    assert_same_run(cp_train(ParallelContext.single(), config, steps=RESUMED, trainer=trainer)[:2],
+                    (ref_curve[SAVED:], ref_params), steps=RESUMED)
 
 
 @pytest.mark.parametrize("changes, message", [
