@@ -67,6 +67,8 @@ class RLShape:
     beta_steps: int = 3
     """Steps of the run with beta > 0 (its first `model.warmup_steps` not counted); 0 skips it."""
     decode_repeats: int = 3
+    decode_warmup: int = 1
+    """Untimed decoding rounds before the timed ones (the quick shape's 0)."""
 
     @property
     def sequences(self) -> int:
@@ -85,7 +87,8 @@ class RLShape:
 RL_BENCH = RLShape(replace(SFT_BENCH, seq_length=512, rows_per_step=1, steps=4, warmup_steps=1),
                    prompts_per_step=1, num_generations=8, max_completion_length=32)
 RL_QUICK = RLShape(replace(SFT_QUICK, seq_length=128, rows_per_step=1, steps=2, warmup_steps=1),
-                   prompts_per_step=1, num_generations=2, max_completion_length=8, beta_steps=2, decode_repeats=1)
+                   prompts_per_step=1, num_generations=2, max_completion_length=8, beta_steps=2, decode_repeats=1,
+                   decode_warmup=0)
 
 
 def round_records(shape: RLShape, records: list[dict], rounds: range) -> list[dict]:
@@ -255,7 +258,8 @@ def decode_speed(shape: RLShape, ctx, inputs, model_dir: Path, threads: int) -> 
                 out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
             counts["transformers"].append(out[:, longest:].numel())
 
-        times = interleaved({"shardlm": ours, "transformers": theirs}, shape.decode_repeats, warmup=1)
+        times = interleaved({"shardlm": ours, "transformers": theirs}, shape.decode_repeats,
+                            warmup=shape.decode_warmup)
         with torch.no_grad():  # the same weights: next-token logits of the first prompt
             first = torch.tensor([prompts[0]])
             mine = model.full_logits(model.output_layer(model(first, hidden_only=True)[:, -1:]))[0, 0]

@@ -42,7 +42,6 @@ from shardlm.bench.common import cpu_features, interleaved, median_cell, summary
 from shardlm.bench.deepseek import DeepSeekShape
 from shardlm.bench.hf_compare import HFModel
 from shardlm.bench.linear_attention import projected_seconds, timed_rounds
-from shardlm.bench.moe import expert_gemm_dtypes
 from shardlm.models.config import ModelConfig
 
 LENGTHS = (4096, 8192, 16384, 32768)
@@ -259,11 +258,11 @@ DEEPSEEK_V32 = HFModel("DeepseekV32ForCausalLM", "DeepseekV32Experts", save_hf_m
 no aux loss, no multi-token prediction and no indexer loss, as transformers trains."""
 
 
-def train_vs_hf(shape: V32Shape, repeats: int, threads: int = 2) -> dict:
+def train_vs_hf(shape: V32Shape, repeats: int, threads: int = 2, warmup: int = 1) -> dict:
     """`hf_compare.single_process` in fp32 only, with shardlm's step with the indexer's KL loss (`shardlm_kl`) in the
     same rounds: step ms and tokens/s of each program, ratios shardlm / hf and shardlm / hf_eager per round (and
     shardlm_kl / hf), the loss check, one profiled step of shardlm and hf (`breakdown`), whether the median meets
-    the goal."""
+    the goal. `warmup`: untimed rounds first (a quick run's 0: only `shardlm_kl` has not run a step before)."""
     from shardlm.checkpoint.hf import from_hf
 
     family = DEEPSEEK_V32
@@ -277,13 +276,12 @@ def train_vs_hf(shape: V32Shape, repeats: int, threads: int = 2) -> dict:
         hf_eager = hf_compare.hf_step(family, folder, rows, "eager")[0]
         trainer = hf_compare.shardlm_trainer(checkpoint, shape, rows, "fp32", family.model_overrides)
         programs = {"shardlm": trainer.train_step, "hf": hf, "hf_eager": hf_eager}
-        out["loss_check"] = hf_compare.loss_check(programs)  # fresh models: their first two steps
-        experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
-                         "hf": expert_gemm_dtypes(hf.model, family.experts_class, hf),
-                         "hf_eager": expert_gemm_dtypes(hf_eager.model, family.experts_class, hf_eager)}
+        experts_dtype: dict = {}  # recorded in the loss check's second step
+        out["loss_check"] = hf_compare.loss_check(  # fresh models: their first two steps
+            programs, hf_compare.dtype_recorder(family, trainer, experts_dtype))
         with_kl = hf_compare.shardlm_trainer(checkpoint, shape, rows, "fp32", OVERRIDES)
         programs["shardlm_kl"] = with_kl.train_step
-        times = interleaved(programs, repeats, warmup=1)
+        times = interleaved(programs, repeats, warmup=warmup)
         tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
         figures = {"breakdown": {name: breakdown(programs[name]) for name in ("shardlm", "hf")}}
         figures |= {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
@@ -315,7 +313,7 @@ def layer_bench(quick: bool, repeats: int, lengths: tuple[int, ...] | None = Non
 def sparse_attention_bench(quick: bool, repeats: int, **layer) -> dict:
     """The `sparse_attention` section of `make bench` (`layer`: `layer_bench`'s keywords)."""
     return {"layer": layer_bench(quick, repeats, **layer),
-            "train_vs_hf": train_vs_hf(V32_QUICK if quick else V32_BENCH, repeats)}
+            "train_vs_hf": train_vs_hf(V32_QUICK if quick else V32_BENCH, repeats, warmup=0 if quick else 1)}
 
 
 def _bytes(n: int) -> str:
