@@ -81,6 +81,15 @@ def test_presets_count_what_transformers_builds(name):
     expected = sum(p.numel() for p in model.parameters()) + biases
     assert recurrent_parameter_count(MODEL_PRESETS[name], 1).total == expected
     assert expected == pytest.approx(BILLIONS[name] * 1e9, rel=1e-3)
+    cfg = MODEL_PRESETS[name]
+    if cfg.moe_num_experts:  # the activated count skips E - k of each MoE layer's routed experts, as transformers
+        # stacks them (Kimi's SwiGLU: gate, up, down; Nemotron's ReLU^2: up, down)
+        from shardlm.plan.experts import activated_parameter_count, moe_layer_count
+
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        per_expert = routed // (moe_layer_count(cfg) * cfg.moe_num_experts)
+        skipped = moe_layer_count(cfg) * (cfg.moe_num_experts - cfg.moe_top_k) * per_expert
+        assert activated_parameter_count(cfg) == expected - skipped
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -414,3 +423,6 @@ def test_shardlm_plan_plans_the_presets(capsys):
         assert f"{BILLIONS[name]:.3g}B parameters" in out and "Recommended: PP=2 x " in out
         recommended = out.split("Recommended: ")[1]
         assert float(recommended.split(" GB per GPU")[0].split()[-1]) < 80
+        from shardlm.plan.recurrent import MOE_BLOCK_NOTE  # said where the MoE blocks' activations are estimated
+
+        assert (" ".join(MOE_BLOCK_NOTE.split()) in out) == ("E" in MODEL_PRESETS[name].layer_pattern), name

@@ -28,8 +28,9 @@ def moe_layer_count(cfg: ModelConfig) -> int:
 
 def expert_parameters(cfg: ModelConfig) -> int:
     """Elements of one routed expert: gate, up and down (Llama's SwiGLU) or fc and proj (GPT), f_e x h each, and with
-    `moe_linear_bias` (gpt-oss) the gate/up and down biases."""
-    gated = cfg.arch == "llama"
+    `moe_linear_bias` (gpt-oss) the gate/up and down biases. Nemotron-H's experts (`layer_pattern`) are ReLU^2 MLPs:
+    up and down only."""
+    gated = cfg.arch == "llama" and not cfg.layer_pattern
     biases = ((2 if gated else 1) * cfg.moe_ffn_size + cfg.hidden_size) if cfg.moe_linear_bias else 0
     return (3 if gated else 2) * cfg.moe_ffn_size * cfg.hidden_size + biases
 

@@ -108,7 +108,8 @@ def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: 
     root is the rest."""
     indices = range(cfg.num_layers) if stages is None else stages.layer_indices
     layers = layers_parameter_count(cfg, indices, tp, ep)
-    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i), has_indexer(cfg, i)): i for i in indices}
+    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i), has_indexer(cfg, i), cfg.layer_pattern[i:i + 1]): i
+             for i in indices}  # (Nemotron-H: each kind of block, `layer_pattern`)
     moe = any(key[0] for key in kinds)
     largest = max((layer_parameter_count(cfg, i, tp, ep).total for key, i in kinds.items() if key[0] == moe),
                   default=layer_parameter_count(cfg, 0, tp, ep).total)

@@ -13,6 +13,7 @@ from shardlm.plan.memory import GB
 from shardlm.plan.paper import BASELINE_TFLOPS, Comparison
 from shardlm.plan.parameters import parameter_count
 from shardlm.plan.planner import Plan, PlanRow
+from shardlm.plan.recurrent import MOE_BLOCK_NOTE
 from shardlm.plan.schedule_sim import SPLIT_BACKWARD
 
 ASSUMPTIONS = [
@@ -98,7 +99,8 @@ def _assumptions(request) -> list[str]:
     return (ASSUMPTIONS + (CORE_ASSUMPTIONS if request.implementation == "megatron-core" else [])
             + ([MUON_ASSUMPTION] if request.optimizer == "muon" else [])
             + ([ZERO_BUBBLE_ASSUMPTION] if request.schedule in SPLIT_BACKWARD else [])
-            + ([LORA_ASSUMPTION] if request.model.lora.rank else []))
+            + ([LORA_ASSUMPTION] if request.model.lora.rank else [])
+            + ([MOE_BLOCK_NOTE] if "E" in request.model.config.layer_pattern else []))
 
 
 def row_dict(row: PlanRow) -> dict:
