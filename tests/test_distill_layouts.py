@@ -18,7 +18,8 @@ loss, every parameter on every rank):
   mixture), so the same bug moves the run by less);
 - on-policy (GKD's lambda 0.2: steps 1 and 2 of the 3 are drawn on-policy and train on the student's own
   completions of each conversation's prompt, sampled at the layout; step 3 on the records' answers): TP=2 with
-  SP, DP=2 and FSDP DP=2 equal one process; so does the per-token reverse KL of the student's samples
+  SP, DP=2, FSDP DP=2 and PP=2 x 2 virtual stages (each decoding step through the stages) equal one process; so
+  does the per-token reverse KL of the student's samples
   (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
 - one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
 """
@@ -101,7 +102,7 @@ def on_policy_run(trainer):
     from shardlm.rl.rollout import InProcessGenerator
 
     generator = InProcessGenerator(trainer.model, trainer.ctx, SamplingConfig(max_new_tokens=8, temperature=1.0),
-                                   {0}, lockstep=trainer.ctx.world_size > 1)
+                                   {0}, lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline)
     return OnPolicyDistill(trainer, generator, pad_id=0)
 
 
@@ -155,6 +156,7 @@ WORLD2 = {
     "on-policy tp2 sp": ("on-policy", layout(tp=2, sp=True, lmbda=0.2)),
     "on-policy dp2": ("on-policy", layout(lmbda=0.2)),
     "on-policy fsdp dp2": ("on-policy", layout(lmbda=0.2, data_sharding="full")),
+    "on-policy pp2 virtual2": ("on-policy", layout(pp=2, virtual=2, micro=1, lmbda=0.2)),
     "token kl on-policy tp2 sp": ("token kl", layout(tp=2, sp=True, lmbda=1.0, loss="token_kl")),
 }
 WORLD4 = {
