@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "see docs/benchmarks-gpu.md for its last recorded result."}
     sections = {
         "train_vs_hf": lambda: _train(shape, repeats, results, args.quick),
-        "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results),
+        "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results, args.quick),
         "memory": lambda: _memory(args.quick),
         "pipeline": lambda: _pipeline(args.quick, repeats, args.out),
         "plan3d": lambda: _plan3d(args.quick, repeats),
@@ -98,18 +98,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(shape, repeats, results, quick):
-    from shardlm.bench.training import GEMM_SIZES, QUICK_VOCABULARIES, VOCABULARIES, cpu_mfu, train_vs_hf
+    from shardlm.bench.training import (
+        GEMM_SIZES,
+        PROBE_GFLOP,
+        QUICK_PROBE_GFLOP,
+        QUICK_VOCABULARIES,
+        VOCABULARIES,
+        WARMUP,
+        cpu_mfu,
+        train_vs_hf,
+    )
 
     figures = train_vs_hf(shape, repeats, threads=2, vocab_sizes=QUICK_VOCABULARIES if quick else VOCABULARIES,
-                          gemm_sizes=(256,) if quick else GEMM_SIZES, compiled=not quick)
+                          gemm_sizes=(256,) if quick else GEMM_SIZES, compiled=not quick,
+                          probe_gflop=QUICK_PROBE_GFLOP if quick else PROBE_GFLOP, warmup=0 if quick else WARMUP)
     results["mfu"] = cpu_mfu(figures, shape)
     return figures
 
 
-def _tensor_parallel(shape, repeats, results):
+def _tensor_parallel(shape, repeats, results, quick):
     from shardlm.bench.tensor_parallel import tensor_parallel_efficiency
 
-    figures = tensor_parallel_efficiency(shape, repeats)
+    figures = tensor_parallel_efficiency(shape, repeats, warmup=0 if quick else 1)  # quick: no untimed round
     results["comm"] = figures.pop("comm")  # measured in the same run; its own key, `comm.matches_formula`
     return figures
 
@@ -250,8 +260,9 @@ def _eval(quick: bool = False):
     from shardlm.eval import bench
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    if quick:  # a few windows and tokens: the harness, not the figures
-        return {"wikitext": bench.eval_throughput(num_tokens=512), "generation": bench.generation_latency(new_tokens=8)}
+    if quick:  # a few windows and tokens, timed once: the harness, not the figures
+        return {"wikitext": bench.eval_throughput(num_tokens=512, repeats=1),
+                "generation": bench.generation_latency(new_tokens=8, repeats=1)}
     return {"wikitext": bench.eval_throughput(), "generation": bench.generation_latency()}
 
 

@@ -114,7 +114,7 @@ loss and no multi-token prediction, as transformers trains."""
 
 def deepseek_bench(quick: bool, repeats: int) -> dict:
     """The `deepseek` section of `make bench`."""
-    return hf_compare.single_process(DS_QUICK if quick else DS_BENCH, DEEPSEEK, repeats)
+    return hf_compare.single_process(DS_QUICK if quick else DS_BENCH, DEEPSEEK, repeats, warmup=0 if quick else 1)
 
 
 def markdown_lines(d: dict) -> list[str]:

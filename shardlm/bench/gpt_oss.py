@@ -115,7 +115,7 @@ transformers trains without `output_router_logits`."""
 
 def gpt_oss_bench(quick: bool, repeats: int) -> dict:
     """The `gpt_oss` section of `make bench`."""
-    return hf_compare.single_process(OSS_QUICK if quick else OSS_BENCH, GPT_OSS, repeats)
+    return hf_compare.single_process(OSS_QUICK if quick else OSS_BENCH, GPT_OSS, repeats, warmup=0 if quick else 1)
 
 
 def markdown_lines(d: dict) -> list[str]:

@@ -244,7 +244,7 @@ def scaling(shape: Qwen35Shape, lengths: tuple[int, ...], rounds: int, deadline:
 def linear_attention_bench(quick: bool, repeats: int, out_dir: Path | None = None) -> dict:
     """The `linear_attention` section of `make bench`."""
     shape = QWEN35_QUICK if quick else QWEN35_BENCH
-    train = hf_compare.single_process(shape, QWEN35, repeats)
+    train = hf_compare.single_process(shape, QWEN35, repeats, warmup=0 if quick else 1)
     train["hf_linear_kernels"] = hf_linear_kernels()
     deadline = time.perf_counter() + (math.inf if quick else SCALING_BUDGET_S)
     stacks = scaling(shape, QUICK_LENGTHS if quick else LENGTHS, min(repeats, 3), deadline)

@@ -166,9 +166,10 @@ def expert_gemm_dtypes(model: torch.nn.Module, experts_class: str, run) -> str:
     return "+".join(sorted(seen))
 
 
-def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
+def single_process(shape: MoEShape, repeats: int, threads: int = 2, warmup: int = 1) -> dict:
     """tokens/s of shardlm and transformers' Mixtral in each precision the CPU runs natively, the ratios, and one
-    profiled step of shardlm and hf by kind of operator (`breakdown`, after the timed rounds)."""
+    profiled step of shardlm and hf by kind of operator (`breakdown`, after the timed rounds). `warmup`: untimed
+    rounds before the timed ones (a quick run's 0: the experts' dtype step has run every program once)."""
     from shardlm.parallel import ParallelContext
 
     features = cpu_features()
@@ -184,7 +185,7 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
             experts_dtype = {"shardlm": expert_gemm_dtypes(trainer.model, "GroupedExperts", trainer.train_step),
                              "hf": expert_gemm_dtypes(hf.model, "MixtralExperts", hf),
                              "hf_eager": expert_gemm_dtypes(hf_eager.model, "MixtralExperts", hf_eager)}
-            times = interleaved(programs, repeats, warmup=1)
+            times = interleaved(programs, repeats, warmup=warmup)
             tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
             figures = {f"{name}_tokens_per_sec": summary(values) for name, values in tokens.items()}
             figures |= {f"{name}_step_ms": summary([1000 * t for t in ts]) for name, ts in times.items()}
@@ -198,9 +199,10 @@ def single_process(shape: MoEShape, repeats: int, threads: int = 2) -> dict:
     return out
 
 
-def expert_parallel_worker(shape: MoEShape, repeats: int, precision: str = "fp32") -> dict:
+def expert_parallel_worker(shape: MoEShape, repeats: int, precision: str = "fp32", warmup: int = 1) -> dict:
     """On both ranks of a world of 2: EP=2, DP=2 and one process x 2 threads (rank 0; rank 1 waits)
-    on the same global batch of 2 micro-batches; the all-to-all bytes of one EP=2 step."""
+    on the same global batch of 2 micro-batches; the all-to-all bytes of one EP=2 step. `warmup`: untimed rounds
+    of every program first (a quick run's 0)."""
     from shardlm.parallel import ParallelContext
 
     rank = dist.get_rank()
@@ -210,8 +212,9 @@ def expert_parallel_worker(shape: MoEShape, repeats: int, precision: str = "fp32
                         precision=precision) if rank == 0 else None
     programs = {"ep2": (ep2.train_step, True, 1), "dp2": (dp2.train_step, True, 1),
                 "one_process": (lambda: one.train_step(), rank == 0, 2)}
-    for run, here, threads in programs.values():  # warm-up
-        timed_between_barriers(run, here, threads)
+    for _ in range(warmup):
+        for run, here, threads in programs.values():
+            timed_between_barriers(run, here, threads)
     ep2.ctx.comm.reset()
     timed_between_barriers(ep2.train_step, True, 1)
     mine = ep2.ctx.comm.snapshot().get("all_to_all/ep", {"calls": 0, "bytes": 0})
@@ -241,11 +244,11 @@ def all_to_all_formula(shape: MoEShape, ep: int = 2, bytes_per_value: int = 4, c
     return {"calls_per_rank": 5 * shape.num_layers, "bytes": shape.num_layers * per_layer, "bytes_per_layer": per_layer}
 
 
-def expert_parallel(shape: MoEShape, repeats: int, precision: str = "fp32") -> dict:
+def expert_parallel(shape: MoEShape, repeats: int, precision: str = "fp32", warmup: int = 1) -> dict:
     """EP=2 efficiency (tokens/s at EP=2 over one process x 2 threads, same global batch) and traffic."""
     from shardlm.parallel.spawn import run_workers
 
-    result = run_workers(2, expert_parallel_worker, shape, repeats, precision, timeout=1800)[0]
+    result = run_workers(2, expert_parallel_worker, shape, repeats, precision, warmup, timeout=1800)[0]
     tokens = 2 * shape.tokens
     rates = {name: [tokens / t for t in ts] for name, ts in result["times"].items()}
     formula, traffic = all_to_all_formula(shape, combine_bytes=2 if precision == "bf16" else 4), result["traffic"]
@@ -261,10 +264,11 @@ def expert_parallel(shape: MoEShape, repeats: int, precision: str = "fp32") -> d
 
 def moe_bench(quick: bool, repeats: int) -> dict:
     """The `moe` section of `make bench`."""
-    shape = MOE_QUICK if quick else MOE_BENCH
-    out = {"single_process": single_process(shape, repeats), "expert_parallel": expert_parallel(shape, repeats)}
+    shape, warmup = (MOE_QUICK, 0) if quick else (MOE_BENCH, 1)
+    out = {"single_process": single_process(shape, repeats, warmup=warmup),
+           "expert_parallel": expert_parallel(shape, repeats, warmup=warmup)}
     native = "bf16" in out["single_process"]["precisions"]  # the CPU multiplies bf16 natively
-    out["expert_parallel_bf16"] = (expert_parallel(shape, repeats, "bf16") if native else
+    out["expert_parallel_bf16"] = (expert_parallel(shape, repeats, "bf16", warmup) if native else
                                    {"skipped": out["single_process"]["cpu_features"].get("bf16_note")
                                     or "no native bf16 on this CPU"})
     return out

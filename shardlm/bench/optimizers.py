@@ -18,10 +18,16 @@ from shardlm.bench.common import FIGURES, summary, torch_threads
 
 LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 QUICK_LEARNING_RATES = (3e-3,)
+ROWS, EVAL_ITERS = 8, 8
+"""Rows of 128 tokens a step and validation batches an evaluation (`make bench`'s)."""
+QUICK_ROWS, QUICK_EVAL_ITERS = 2, 2
+"""--quick's: a quarter of the tokens through the 50,257-wide output layer, which costs most of a step here."""
 
 
-def run(optimizer: str, lr: float, steps: int, eval_every: int, data, threads: int = 2) -> dict:
-    """One run: validation losses every `eval_every` steps and the step times."""
+def run(optimizer: str, lr: float, steps: int, eval_every: int, data, threads: int = 2, rows: int = ROWS,
+        eval_iters: int = EVAL_ITERS) -> dict:
+    """One run of `rows` rows a step: validation losses (`eval_iters` batches) every `eval_every` steps and the
+    step times."""
     from shardlm.config import from_dict
     from shardlm.parallel import ParallelContext
     from shardlm.training.trainer import Trainer
@@ -31,9 +37,9 @@ def run(optimizer: str, lr: float, steps: int, eval_every: int, data, threads: i
         "model": {"arch": "llama", "num_layers": 4, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2,
                   "seq_length": 128, "vocab_size": 50257, "dropout": 0.0},
         "data": {"text_file": "unused"},
-        "train": {"micro_batch_size": 8, "global_batch_size": 8, "steps": steps, "lr": lr, "min_lr": lr / 10,
+        "train": {"micro_batch_size": rows, "global_batch_size": rows, "steps": steps, "lr": lr, "min_lr": lr / 10,
                   "warmup_steps": max(1, steps // 10), "weight_decay": 0.01, "clip_grad": 1.0, "seed": 1,
-                  "eval_iters": 8, "optimizer": optimizer, "muon_adjust_lr": "match_rms_adamw",
+                  "eval_iters": eval_iters, "optimizer": optimizer, "muon_adjust_lr": "match_rms_adamw",
                   "precision": "fp32"},
     })
     with torch_threads(threads):
@@ -48,9 +54,9 @@ def run(optimizer: str, lr: float, steps: int, eval_every: int, data, threads: i
     return {"valid_loss": curve[-1][1], "curve": curve, "step_ms": summary([t * 1e3 for t in times[1:]])}
 
 
-def corpus(steps: int, characters: int | None = None):
-    """(train, valid) token samples of Tiny Shakespeare (its first `characters`, or all) for `steps` steps of 8
-    rows of 128 tokens."""
+def corpus(steps: int, characters: int | None = None, rows: int = ROWS):
+    """(train, valid) token samples of Tiny Shakespeare (its first `characters`, or all) for `steps` steps of
+    `rows` rows of 128 tokens."""
     import tempfile
 
     from shardlm.config import DataConfig
@@ -63,23 +69,24 @@ def corpus(steps: int, characters: int | None = None):
         path = Path(folder) / "text.txt"
         path.write_text(text, encoding="utf-8")
         data = DataConfig(text_file=str(path), split="90,10")
-        return text_file_datasets(data, build_tokenizer_for(data), 128, 1, steps * 8)
+        return text_file_datasets(data, build_tokenizer_for(data), 128, 1, steps * rows)
 
 
 def optimizers_bench(quick: bool, out_dir: Path | None = None) -> dict:
     """The `optimizers` section of `make bench`."""
     steps, rates = (4, QUICK_LEARNING_RATES) if quick else (200, LEARNING_RATES)
+    rows, eval_iters = (QUICK_ROWS, QUICK_EVAL_ITERS) if quick else (ROWS, EVAL_ITERS)
     eval_every = steps // 2 if quick else steps // 10
-    data = corpus(steps, 40_000 if quick else None)
+    data = corpus(steps, 40_000 if quick else None, rows)
     runs: dict[str, dict[str, dict]] = {"adamw": {}, "muon": {}}
     for lr in rates:
         for optimizer in ("adamw", "muon"):
-            runs[optimizer][f"{lr:g}"] = run(optimizer, lr, steps, eval_every, data)
+            runs[optimizer][f"{lr:g}"] = run(optimizer, lr, steps, eval_every, data, rows=rows, eval_iters=eval_iters)
     best = {name: min(by_lr.items(), key=lambda kv: kv[1]["valid_loss"]) for name, by_lr in runs.items()}
     result = {
-        "config": f"Llama 4 layers, hidden 128, 4 heads (2 KV), rows of 128 tokens, GPT-2 vocabulary, 8 rows a step, "
-                  f"{steps} steps ({steps * 8 * 128:,} tokens), Tiny Shakespeare (90% train, 10% validation), fp32, "
-                  "one process x 2 threads; Muon with the match_rms_adamw scale",
+        "config": f"Llama 4 layers, hidden 128, 4 heads (2 KV), rows of 128 tokens, GPT-2 vocabulary, {rows} rows a "
+                  f"step, {steps} steps ({steps * rows * 128:,} tokens), Tiny Shakespeare (90% train, 10% validation), "
+                  "fp32, one process x 2 threads; Muon with the match_rms_adamw scale",
         "runs": runs,
         "best": {name: {"lr": float(lr), "valid_loss": r["valid_loss"]} for name, (lr, r) in best.items()},
         "muon_minus_adamw_best_valid_loss": best["muon"][1]["valid_loss"] - best["adamw"][1]["valid_loss"],

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from shardlm.bench.common import BenchShape, round_orders, summary, timed_between_barriers
 
 
-def worker(shape: BenchShape, repeats: int) -> dict:
-    """Runs on both ranks of a world of 2; rank 0 returns timings and communication counts."""
+def worker(shape: BenchShape, repeats: int, warmup: int = 1) -> dict:
+    """Runs on both ranks of a world of 2; rank 0 returns timings and communication counts. `warmup`: untimed
+    rounds first (a quick run's 0)."""
     from shardlm.bench.torch_tp import PlainGPT, parallelize, training_step
     from shardlm.parallel import ParallelContext
 
@@ -37,8 +38,9 @@ def worker(shape: BenchShape, repeats: int) -> dict:
         "torch_tp1": (plain_tp1, rank == 0, 2),
         "torch_tp2": (plain_tp2, True, 1),
     }
-    for run, here, threads in programs.values():  # warm-up round
-        timed_between_barriers(run, here, threads)
+    for _ in range(warmup):
+        for run, here, threads in programs.values():
+            timed_between_barriers(run, here, threads)
     times = {name: [] for name in programs}
     for order in round_orders(programs, repeats):  # the same orders on both ranks
         for name in order:
@@ -81,10 +83,10 @@ def comm_matches(measured: dict, expected: dict) -> dict:
     return {"rows": rows, "unexpected": sorted(extra), "matches": all(r["match"] for r in rows.values()) and not extra}
 
 
-def tensor_parallel_efficiency(shape: BenchShape, repeats: int) -> dict:
+def tensor_parallel_efficiency(shape: BenchShape, repeats: int, warmup: int = 1) -> dict:
     from shardlm.parallel.spawn import run_workers
 
-    result = run_workers(2, worker, shape, repeats, threads=1, timeout=1800)[0]
+    result = run_workers(2, worker, shape, repeats, warmup, threads=1, timeout=1800)[0]
     times = result["times"]
     tokens = {name: [shape.tokens / t for t in ts] for name, ts in times.items()}
     eff = {kind: [a / b for a, b in zip(tokens[f"{kind}_tp2"], tokens[f"{kind}_tp1"])] for kind in ("shardlm", "torch")}

@@ -45,6 +45,11 @@ QUICK_VOCABULARIES = (1024, 3000)
 GEMM_SIZES = (1024, 2048)
 """Square GEMM probes: 1024 (the ceiling `make bench` has always used) and 2048 (faster on some CPUs)."""
 WARMUP = 1
+PROBE_GFLOP = 2 * 2 * 2048**3 / 1e9
+"""Work of each square GEMM probe: about 34 GFLOP (0.15-0.3 s here), long enough that a scheduling hiccup does not
+decide it (2 x 2048^3-sized matmuls' worth at every size)."""
+QUICK_PROBE_GFLOP = PROBE_GFLOP / 16
+"""--quick: a sixteenth (about 2 GFLOP), enough to check the harness; the figures are not quoted."""
 
 
 def autocast(precision: str):
@@ -191,15 +196,18 @@ def step_gemm_probe(shape: BenchShape, precision: str):
 
 
 def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folder: Path,
-            gemm_sizes=GEMM_SIZES, compiled: bool = True) -> dict:
+            gemm_sizes=GEMM_SIZES, compiled: bool = True, probe_gflop: float = PROBE_GFLOP,
+            warmup: int = WARMUP) -> dict:
     """tokens/s of every program on one (vocabulary, precision) and the ratios, over interleaved repeats.
 
     GEMM probes (square matmuls of each size in `gemm_sizes`, in the precision's dtype) run in the same
     rounds, so each repeat's MFU divides the step's FLOP rate by the GEMM rate measured seconds
     apart, under the same machine load. With `compiled` (and a C++ compiler), shardlm's step with
-    `train.compile` runs in the rounds too; its compilation happens in the warm-up round."""
-    # about 34 GFLOP per probe (0.15-0.3 s here): long enough that a scheduling hiccup does not decide it
-    probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, 2 * (2048 // n) ** 3)) for n in gemm_sizes}
+    `train.compile` runs in the rounds too; its compilation happens in the warm-up round. `probe_gflop`: the
+    work of each square probe (`make bench`'s 34; --quick's `QUICK_PROBE_GFLOP`); `warmup`: untimed rounds first
+    (--quick's 0, without `compiled`)."""
+    probes = {f"gemm_{n}": gemm_probe(n, precision, calls=max(1, round(probe_gflop * 1e9 / (2 * n**3))))
+              for n in gemm_sizes}
     probes["gemm_step"] = step_gemm_probe(shape, precision)
     programs = {"shardlm": shardlm_step(shape, precision)[0]}
     if precision != "fp32":
@@ -208,9 +216,9 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
         programs["shardlm_compiled"] = shardlm_step(shape, precision, compile=True)[0]
     programs.update({name: hf_step(shape, activation, precision=precision) for name, activation in HF_VARIANTS.items()})
     programs.update({name: run for name, (run, _) in probes.items()})
-    command = TrainCommand(shape, precision, WARMUP + repeats, folder, threads)
+    command = TrainCommand(shape, precision, warmup + repeats, folder, threads)
     try:
-        times = interleaved({"shardlm_train": command, **programs}, repeats, warmup=WARMUP)
+        times = interleaved({"shardlm_train": command, **programs}, repeats, warmup=warmup)
     finally:
         command.close()
     gemm = {name.removeprefix("gemm_"): [flops / t for t in times.pop(name)] for name, (_, flops) in probes.items()}
@@ -242,7 +250,8 @@ def compare(shape: BenchShape, precision: str, repeats: int, threads: int, folde
 
 
 def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=VOCABULARIES,
-                gemm_sizes=GEMM_SIZES, compiled: bool = True) -> dict:
+                gemm_sizes=GEMM_SIZES, compiled: bool = True, probe_gflop: float = PROBE_GFLOP,
+                warmup: int = WARMUP) -> dict:
     """Every (vocabulary, precision) comparison, the CPU's features and GEMM ceilings, and the CPU MFU.
 
     Top-level `ratio`, `ratio_same_kernels` and `*_tokens_per_sec` are the fp32 figures at the first
@@ -254,7 +263,7 @@ def train_vs_hf(shape: BenchShape, repeats: int, threads: int = 2, vocab_sizes=V
         for vocab in vocab_sizes:
             for precision in precisions:
                 figures = compare(replace(shape, vocab_size=vocab), precision, repeats, threads, Path(folder),
-                                  gemm_sizes, compiled)
+                                  gemm_sizes, compiled, probe_gflop, warmup)
                 by_vocabulary.setdefault(str(vocab), {})[precision] = figures
     result = {"config": shape.describe("fp32 and bf16 autocast" if "bf16" in precisions else "fp32",
                                        vocabulary=False) + f", {threads} threads",
