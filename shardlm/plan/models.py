@@ -40,6 +40,7 @@ GPT_OSS_VOCAB = 201088
 QWEN35_VOCAB = 248320
 MISTRAL4_VOCAB = 131072
 MINIMAX_M2_VOCAB = 200064
+OLMO3_VOCAB = 100278
 KIMI_LINEAR_VOCAB = 163840
 NEMOTRON_H_VOCAB = 131072
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
@@ -177,6 +178,18 @@ def _minimax_m2() -> ModelConfig:
                        moe_norm_topk_prob=True, moe_expert_bias=True)
 
 
+def _olmo3(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
+    """OLMo 3 (allenai/Olmo-3-1025-7B and Olmo-3-1125-32B, Olmo3ForCausalLM): norms after the attention and MLP
+    outputs (`norm_placement = "post"`), QK RMSNorm over whole projections, sliding windows of 4096 on 3 of every 4
+    layers (the 4th full), RoPE theta 5e5, SwiGLU; vocabulary 100,278 (dolma2), untied; RMSNorm epsilon 1e-6. Sequence
+    8192 (pretraining's; the long-context stage extends it)."""
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                       seq_length=8192, vocab_size=OLMO3_VOCAB, ffn_hidden_size=ffn, layernorm_epsilon=1e-6,
+                       dropout=0.0, attention_dropout=0.0, rope_theta=5e5, qk_norm=True, qk_norm_scope="projection",
+                       norm_placement="post", sliding_window=4096,
+                       layer_types=["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)])
+
+
 def _glm45(layers: int, hidden: int, dense_ffn: int, experts: int, expert_ffn: int, dense_layers: int,
            qk_norm: bool) -> ModelConfig:
     """GLM-4.5 (zai-org/GLM-4.5 and GLM-4.5-Air, Glm4MoeForCausalLM): 96 query heads and 8 KV heads of 128
@@ -302,6 +315,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "glm-5": _glm5(),
     "mistral-small-4": _mistral_small_4(),
     "minimax-m2": _minimax_m2(),
+    "olmo-3-7b": _olmo3(32, 4096, 32, 32, 11008),
+    "olmo-3-32b": _olmo3(64, 5120, 40, 8, 27648),
     "gemma-4-e4b": _gemma4_e4b(),
     "moonlight-16b-a3b": _moonlight_16b_a3b(),
     "glm-4.5": _glm45(92, 5120, 12288, 160, 1536, 3, qk_norm=True),
