@@ -20,7 +20,9 @@ from shardlm.training.data import micro_batches
 from shardlm.training.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDS = 240  # the first Dolly records: 239 pairs, of which those whose two sequences fit 256 tokens are kept
+# the first Dolly records: 119 pairs, of which those whose two sequences fit 256 tokens are kept, a fifth held out
+# (the run's reference pass covers every pair, most of the test's time)
+RECORDS = 120
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def test_no_rejected_answer_is_chosen_anywhere(pairs):
 @pytest.mark.timeout(300)
 def test_the_tiny_dpo_config_learns_the_held_out_pairs(pairs, tmp_path):
     config = load_config(str(ROOT / "configs" / "dpo-tiny-qwen3.toml"), [
-        f'sft.data=["{pairs}"]', "model.seq_length=256", "sft.valid_fraction=0.1", "train.steps=6", "train.lr=3e-3",
+        f'sft.data=["{pairs}"]', "model.seq_length=256", "sft.valid_fraction=0.2", "train.steps=6", "train.lr=3e-3",
         "train.warmup_steps=1", "train.eval_interval=0", "train.eval_iters=8", "log.progress=false",
         "log.plot=false", "log.tensorboard=false", "checkpoint.save=false"])
     result = train(config, run_dir=tmp_path / "run")
@@ -61,7 +63,7 @@ def test_the_tiny_dpo_config_learns_the_held_out_pairs(pairs, tmp_path):
             margins += (ratio[:, 0] - ratio[:, 1]).tolist()
     accuracy = sum(m > 0 for m in margins) / len(margins)
     val_loss = result.metrics["val_loss"]
-    # chance is 0.5 and ln 2 = 0.693; measured 16 of 18 pairs and 0.405 (fp32, 2 threads); the pairs the script
-    # made before: 9 of 19 and 0.834
+    # chance is 0.5 and ln 2 = 0.693; measured a held-out loss of 0.386 (0.405 and 16 of 18 pairs from the first 240
+    # records, fp32, 2 threads); the pairs the script made before: 9 of 19 and 0.834
     assert len(margins) >= 10 and accuracy >= 0.7 and val_loss < math.log(2) - 0.1, (len(margins), accuracy,
                                                                                      val_loss)
