@@ -5,7 +5,7 @@ the MoE: 2 layers of 4 experts top-2 with adapters on the experts too), with `lo
 attention and MLP projection and every expert matrix in NF4. Each layout against one process's QLoRA run:
 - the dequantized base, gathered whole (over TP, EP and FSDP's shards), bitwise one process's, before and after
   training (a layout that changed the base, as per-shard quantization did, fails here);
-- 3 steps' (`test_lora_layouts.STEPS`) losses and gradient norms, the validation loss and every adapter within 1e-5;
+- 4 steps' (`test_lora_layouts.STEPS`) losses and gradient norms, the validation loss and every adapter within 1e-5;
 - under FSDP, every NF4 tensor an FSDP shard.
 Layouts: world 2: TP=2 with SP, EP=2 (experts in NF4), TP=2 with SP of the MoE (each expert's rows split), FSDP
 DP=2, MLA at TP=2 with SP (q_a and kv_a whole on both ranks, their adapters' gradients partial over TP), PP=2 x 2
