@@ -29,13 +29,13 @@ temperature 2 ignored (1.8 loss, 1.0 gradient norm), beta 0 and 1 exchanged (6.2
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import shutil
 
 import pytest
 import torch
+from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
 from llama_reference import spread_norm_weights
 
 from multiproc import import_or_skip
@@ -58,15 +58,6 @@ STUDENT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, 
            "tie_word_embeddings": True}
 TEACHER = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "head_dim": 32,
            "tie_word_embeddings": False}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def template_parsed_once():
-    """Every shardlm run of the module reads the same tokenizer directory: its chat template (an 11 MB
-    tokenizer.json, 0.6 s of CPU) is parsed at the first run and reused by the next ones."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ChatTemplate, "from_dir", classmethod(functools.cache(ChatTemplate.from_dir.__func__)))
-        yield
 
 
 def save_qwen3(folder, data_dir, seed: int, output_scale: float = 1.0, tokenizer: bool = True, **sizes):

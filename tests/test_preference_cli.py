@@ -11,7 +11,6 @@ leave nothing behind."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import json
 import math
@@ -23,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
 from llama_reference import tiny_qwen3_chat
 
 from shardlm.checkpoint import load_model
 from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.parallel import ParallelContext
-from shardlm.sft.template import ChatTemplate
 from shardlm.signals import TERMINATED_EXIT_CODE
 from shardlm.training.run import StopSignals, train
 
@@ -63,15 +62,6 @@ interval = 1
 progress = false
 tensorboard = false
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def template_parsed_once():
-    """Every start of the module reads the same tokenizer directory: its chat template (an 11 MB tokenizer.json,
-    0.6 s of CPU) is parsed at the first start and reused by the next ones."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ChatTemplate, "from_dir", classmethod(functools.cache(ChatTemplate.from_dir.__func__)))
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,13 @@ temperature misses TRL's numbers by far more than TOL, so the comparison can fai
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from collections import Counter
 
 import pytest
 import torch
+from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
 from llama_reference import spread_norm_weights
 
 from multiproc import import_or_skip
@@ -67,15 +67,6 @@ POOLS = [
     [("42", True), ("Six times seven is a product I know well", False), ("It is 36", True), ("6x7=42", True),
      ("Multiplying six by seven gives forty two as", False), ("42.", True)],
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def template_parsed_once():
-    """Every shardlm run of the module reads the same tokenizer directory: its chat template (an 11 MB
-    tokenizer.json, 0.6 s of CPU) is parsed at the first run and reused by the next ones."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ChatTemplate, "from_dir", classmethod(functools.cache(ChatTemplate.from_dir.__func__)))
-        yield
 
 
 def length_and_answer(prompts, completions, answer, **kwargs) -> list[float]:

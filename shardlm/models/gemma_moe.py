@@ -19,9 +19,9 @@ from torch import nn
 from shardlm.models.config import ModelConfig
 from shardlm.models.moe import (
     PAD_ROWS,
+    AttachLoss,
     GroupedExperts,
     MoELayer,
-    _AttachLoss,
     balance_losses,
     expert_matmul,
     grouped_mm_applies,
@@ -150,4 +150,4 @@ class GemmaMoE(MoELayer):
         y = (out.view(-1, k, h) * weights.unsqueeze(-1).to(out.dtype)).sum(1).view(B, -1, h)
         y = reduce_scatter_to_sequence_parallel(y, tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, tp)
         y = dense + self.ln_experts_post(y)
-        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
+        return y if loss is None else AttachLoss.apply(y, loss, self.loss_scale)

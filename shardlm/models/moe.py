@@ -19,7 +19,7 @@ With `moe_aux_loss_type = "sequence"` the aux term is DeepSeek-V3's sequence-wis
 (`sequence_balance_loss`: the same product per sequence, counts from the top-k of the unbiased scores).
 Expert groups are ranked by the sum of their two best biased scores with sigmoid scores (DeepSeek-V3,
 GLM-4.5) and by their best score with softmax scores (DeepSeek-V2, `route`'s `group_rule`).
-They enter the objective through `_AttachLoss`: the layer's output carries them, and their gradient
+They enter the objective through `AttachLoss`: the layer's output carries them, and their gradient
 (`loss_scale`, which the training side sets: `shardlm.training.moe.set_aux_loss_scale`) starts when the
 output's does, so they work under pipeline stages and activation recomputation without the model
 returning them. Each training forward also records what it saw (routed-slot counts per expert, its
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.routing import _AttachLoss, balance_losses, group_rule, route, sequence_balance_loss
+from shardlm.models.routing import AttachLoss, balance_losses, group_rule, route, sequence_balance_loss
 from shardlm.parallel import (
     ParallelContext,
     copy_to_tensor_parallel,
@@ -341,7 +341,7 @@ class MoELayer(nn.Module):
             y = y + torch.sigmoid(invariant.linear(x, self.shared_gate)) * self.shared(x)
         elif self.shared is not None:
             y = y + self.shared(x)
-        return y if loss is None else _AttachLoss.apply(y, loss, self.loss_scale)
+        return y if loss is None else AttachLoss.apply(y, loss, self.loss_scale)
 
 
 def mlp_or_moe(dense_mlp, cfg: ModelConfig, ctx: ParallelContext, seed: int, index: int,

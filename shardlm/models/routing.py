@@ -1,6 +1,6 @@
 """The Mixture-of-Experts layer's routing arithmetic (`shardlm.models.moe` builds the layer on it): the top-k choice
 with an expert bias and group limits (`route`, `group_rule`), the load-balancing losses over a micro-batch and per
-sequence (`balance_losses`, `sequence_balance_loss`), and `_AttachLoss`, which carries them on the layer's output."""
+sequence (`balance_losses`, `sequence_balance_loss`), and `AttachLoss`, which carries them on the layer's output."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def sequence_balance_loss(probs: torch.Tensor, batch: int, top_k: int, coeff: fl
     return coeff * E * (counts * prob_sum).sum() / (top_k * tokens * tokens * batch).squeeze()
 
 
-class _AttachLoss(torch.autograd.Function):
+class AttachLoss(torch.autograd.Function):
     """Identity on `y`; in the backward, the scalar `loss` receives gradient `scale` (the layer's
     `loss_scale`), so the loss joins the objective wherever `y` is used."""
 

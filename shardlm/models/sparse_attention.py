@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from shardlm.data.zigzag import zigzag_positions
 from shardlm.models.config import ModelConfig
 from shardlm.models.documents import Documents
+from shardlm.models.routing import AttachLoss
 from shardlm.parallel import ParallelContext, gather_from_sequence_parallel
 from shardlm.parallel.init import param_seed
 
@@ -262,19 +263,6 @@ def dense_target(query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
     return normalized(probs.sum(1), tp)
 
 
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `y`; in the backward the scalar `loss` receives gradient `scale`."""
-
-    @staticmethod
-    def forward(ctx, y, loss, scale):
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, device=grad.device), None
-
-
 class Indexer(nn.Module):
     """The lightning indexer of one layer, replicated on every TP rank (`wq_b`, `wk`, `k_norm`, `weights_proj`, as
     transformers names them). Its loss is attached to the attention output with gradient `loss_scale` (set
@@ -333,7 +321,7 @@ def attach_indexer_loss(y: torch.Tensor, indexer: Indexer, divergence: torch.Ten
         indexer.recorded.append(divergence.detach() / tokens)
     if not divergence.requires_grad:
         return y
-    return _AttachLoss.apply(y, divergence * (indexer.cfg.index_loss_coeff / tokens), indexer.loss_scale)
+    return AttachLoss.apply(y, divergence * (indexer.cfg.index_loss_coeff / tokens), indexer.loss_scale)
 
 
 def normalized(mass: torch.Tensor, tp) -> torch.Tensor:
