@@ -72,6 +72,10 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         from shardlm.models.gemma_config import gemma_flops_per_token
 
         return gemma_flops_per_token(cfg, recompute)
+    if cfg.hc_mult:  # DeepSeek-V4: shardlm.plan.deepseek_v4 has its formulas
+        from shardlm.plan.deepseek_v4 import v4_flops_per_token
+
+        return v4_flops_per_token(cfg, recompute)
     from shardlm.plan import recurrent
 
     if cfg.layer_pattern:  # Nemotron-H: one mixer a block

@@ -101,6 +101,29 @@ def _deepseek_v32() -> ModelConfig:
     return replace(_deepseek_v3(), index_topk=2048, index_heads=64, index_head_dim=128)
 
 
+def _deepseek_v4_flash() -> ModelConfig:
+    """DeepSeek-V4-Flash (transformers' DeepseekV4Config defaults, whose docstring names the checkpoint
+    deepseek-ai/DeepSeek-V4-Flash-Base; DeepseekV4ForCausalLM): 43 layers, h 4096, 4 hyper-connection streams
+    (hc_mult, 20 Sinkhorn iterations, eps 1e-6); attention of 64 heads of 512 (head_dim; the rotary on the last 64,
+    partial_rotary_factor 64 / 512) over one shared key = value head, q_lora_rank 1024, a sliding window of 128
+    tokens, per-head sinks, 8 output groups projected to 1024 (o_groups, o_lora_rank); its default layer_types,
+    2 HCA layers (128:1, compress_rates) and then CSA (4:1 with an indexer of 64 heads of 128 choosing 512 entries)
+    and HCA alternating; rope_theta 1e4, compress_rope_theta 160,000; MoE in every layer: 256 routed experts of
+    2048 (top-6, sqrt(softplus) scores, norm_topk_prob, routed_scaling_factor 1.5, the score-correction bias) and
+    one shared expert of 2048, the first 3 hash-routed (its default mlp_layer_types), swiglu_limit 10; vocabulary
+    129,280, untied; RMSNorm epsilon 1e-6. Sequence 4096 as the other presets (`--seq-length` for longer); the
+    multi-token-prediction layer (num_nextn_predict_layers 1) is not counted (transformers does not build it)."""
+    ratios = [128, 128] + [4 if i % 2 else 128 for i in range(41)]
+    return ModelConfig(arch="llama", num_layers=43, hidden_size=4096, num_heads=64, num_kv_heads=1, head_dim=512,
+                       seq_length=4096, vocab_size=DEEPSEEK_V3_VOCAB, ffn_hidden_size=2048, dropout=0.0,
+                       layernorm_epsilon=1e-6, q_lora_rank=1024, qk_rope_head_dim=64, sliding_window=128,
+                       attention_sinks=True, rope_theta=10000.0, global_rope_theta=160000.0, hc_mult=4,
+                       compress_ratios=ratios, output_groups=8, output_rank=1024, index_topk=512, index_heads=64,
+                       index_head_dim=128, moe_num_experts=256, moe_top_k=6, moe_ffn_hidden_size=2048,
+                       moe_shared_experts=1, moe_score="sqrtsoftplus", moe_routed_scaling=1.5, moe_expert_bias=True,
+                       moe_hash_layers=3, swiglu_clip=10.0)
+
+
 def _glm5() -> ModelConfig:
     """GLM-5 (transformers' GlmMoeDsaConfig defaults, GlmMoeDsaForCausalLM): 78 layers, h 6144, 64 heads of
     multi-head latent attention (q_lora_rank 2048, kv_lora_rank 512, qk_nope 192 + qk_rope 64, v 256) with
@@ -313,6 +336,10 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3": _deepseek_v3(),
     "deepseek-v3.2": _deepseek_v32(),
     "glm-5": _glm5(),
+    # transformers' DeepseekV4Config defaults (deepseek-ai/DeepSeek-V4-Flash-Base), 284B; V4-Pro's layer and expert
+    # counts are not in transformers (only its attention: 128 heads, 16 output groups, h 7168), so no preset
+    "deepseek-v4": _deepseek_v4_flash(),
+    "deepseek-v4-flash": _deepseek_v4_flash(),
     "mistral-small-4": _mistral_small_4(),
     "minimax-m2": _minimax_m2(),
     "olmo-3-7b": _olmo3(32, 4096, 32, 32, 11008),
@@ -400,7 +427,12 @@ def check_model(cfg: ModelConfig) -> None:
                             "model.moe_shared_experts >= 0")
     if cfg.hidden_size % cfg.num_heads and not (cfg.arch == "llama" and (cfg.head_dim or cfg.attention == "mla")):
         raise UserError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
-    if cfg.index_topk or cfg.index_heads or cfg.index_layer_types:  # the model's own check (imports torch)
+    if cfg.hc_mult:  # DeepSeek-V4: the model's own check (imports torch)
+        from shardlm.models.deepseek_v4 import check_deepseek_v4
+
+        if (problem := check_deepseek_v4(cfg)) is not None:
+            raise UserError(problem)
+    elif cfg.index_topk or cfg.index_heads or cfg.index_layer_types:  # the model's own check (imports torch)
         from shardlm.models.sparse_attention import check_sparse_attention
 
         if (problem := check_sparse_attention(cfg)) is not None:

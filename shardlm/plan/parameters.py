@@ -229,6 +229,10 @@ def _llama_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterC
     layer's attention is `_mla_count`'s, plus `_indexer_count` on each layer that runs its own indexer under sparse
     attention (`sparse_attention.has_indexer`: not GLM-5's "shared" layers); a linear-attention layer's
     (`cfg.is_linear_layer`) is `_linear_attention_count`'s."""
+    if cfg.hc_mult:  # DeepSeek-V4: hyper-connections, compressed attention, hash-routed MoE
+        from shardlm.plan.deepseek_v4 import v4_parameter_count
+
+        return v4_parameter_count(cfg, tp, ep)
     if cfg.sandwich_norms:  # Gemma 4's layers
         from shardlm.plan.gemma import gemma_parameter_count
 

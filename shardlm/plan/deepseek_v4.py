@@ -1,0 +1,143 @@
+"""DeepSeek-V4 (`model.hc_mult` > 0, `shardlm.models.deepseek_v4`) in the planner: parameters and FLOPs.
+
+Parameters (`v4_parameter_count`), as the model builds them on one TP rank (h hidden, n = hc_mult streams, H heads
+of D = head_dim channels, r_q = q_lora_rank, g = output_groups of r_o = output_rank, E experts):
+    per layer   two hyper-connections, each fn ((2 + n) n x n h), base ((2 + n) n), scale (3); ln_1, ln_2 (h each)
+                attention: q_a (r_q x h) and q_a_norm (r_q), kv (D x h) and kv_norm (D) replicated; q_b (H D x r_q)
+                split by rows, o_a (g r_o x H D / g: one block per group) split by rows with its groups, o_b
+                (h x g r_o) by columns, sinks (H) split with the heads
+                a compressing layer of ratio m: its compressor kv and gate ((1 + o) D x h each, o = 1 on CSA's
+                overlapping windows), position_bias (m x (1 + o) D), kv_norm (D), replicated
+                a CSA layer: the indexer's compressor at index_head_dim D_i (overlapping), q_b (H_i D_i x r_q) and
+                weights_proj (H_i x h), replicated (frozen: the choice carries no gradient)
+                MoE (`parameters._mlp_count`): router (E x h) and expert bias (E), E / ep SwiGLU experts and the
+                shared expert; a hash-routed layer (`moe_hash_layers`) holds its token -> experts table tid2eid
+                (V x top_k, frozen; transformers' buffer) instead of the bias
+    ends        embedding and untied output layer (V_padded x h each) split by vocabulary rows; the head's collapse
+                (`HyperHead`) fn (n x n h), base (n), scale (1) and its norm (h), replicated
+
+FLOPs per token of the forward (`v4_layer_flops`; s = seq_length): the hyper-connections 2 (2 + n) n^2 h each and
+their stream mixing comb^T streams 2 n^2 h each; the attention's matrices 2 (h r_q + r_q H D + h D + H D r_o +
+g r_o h); each compressor's kv and gate 4 (1 + o) D h; the CSA indexer its compressor 8 D_i h, its queries 2 r_q H_i
+D_i, its weights 2 h H_i and its O(s) scoring 2 H_i D_i s / m against every compressed entry at its small width;
+attention's score and value products 4 H D per key, the keys being the window min(s, sliding_window) plus on HCA
+layers all s / m entries and on CSA layers min(index_topk, s / m) chosen ones (4:1 compression and top-k: O(s k)
+instead of O(s^2)); the MoE its router 2 h E, top-k experts and the shared one 6 h f each; the head 2 n^2 h and the
+output layer 2 h V. Training is 3 x forward except the indexers, which run forward only (`v4_flops_per_token`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.models.config import ModelConfig
+from shardlm.plan.parameters import ParameterCount, _mlp_count, _split, add_counts
+
+
+def layer_kinds(cfg: ModelConfig) -> list[str]:
+    """Per layer "sliding", "csa" or "hca", as `shardlm.models.compressed_attention.compressed_kinds` (no torch)."""
+    ratios = list(cfg.compress_ratios) or [0] * cfg.num_layers
+    smallest = min([r for r in ratios if r] or [0])
+    return ["sliding" if not r else "csa" if r == smallest and cfg.index_topk else "hca" for r in ratios]
+
+
+def _compressor(cfg: ModelConfig, dim: int, ratio: int, overlap: bool) -> int:
+    """Elements of one `Compressor`: kv and gate ((1 + overlap) dim x h each), position_bias, kv_norm (dim)."""
+    width = (2 if overlap else 1) * dim
+    return 2 * width * cfg.hidden_size + ratio * width + dim
+
+
+def _attention_count(cfg: ModelConfig, index: int, tp: int) -> ParameterCount:
+    """Layer `index`'s `CompressedAttention`, its two hyper-connections and two RMSNorms on one TP rank."""
+    h, n, dim, q_rank = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.q_lora_rank
+    heads = _split(cfg.num_heads, tp, "num_heads")
+    groups = _split(cfg.output_groups, tp, "output_groups")
+    per_group = cfg.num_heads * dim // cfg.output_groups
+    matrices = heads * dim * q_rank + groups * cfg.output_rank * per_group + h * groups * cfg.output_rank
+    replicated_matrices = q_rank * h + dim * h
+    hyper = 2 * ((2 + n) * n * n * h + (2 + n) * n + 3)
+    replicated = replicated_matrices + q_rank + dim + hyper + 2 * h
+    tensors = 8 + 6 + 2
+    kind, ratio = layer_kinds(cfg)[index], (list(cfg.compress_ratios) or [0] * cfg.num_layers)[index]
+    if kind != "sliding":
+        own = _compressor(cfg, dim, ratio, kind == "csa")
+        replicated += own
+        replicated_matrices += own - ratio * (2 if kind == "csa" else 1) * dim - dim
+        tensors += 4
+    if kind == "csa":
+        heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
+        indexer_matrices = heads_i * dim_i * q_rank + heads_i * h
+        replicated += _compressor(cfg, dim_i, ratio, True) + indexer_matrices
+        replicated_matrices += indexer_matrices + 4 * dim_i * h
+        tensors += 4 + 2
+    return ParameterCount(matrices + heads, replicated, tensors, matrices + replicated_matrices)
+
+
+def v4_layer_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) -> ParameterCount:
+    """Layer `index` of DeepSeek-V4 on one (TP, EP) rank: `_attention_count` and the MoE (`parameters._mlp_count`;
+    a hash-routed layer holds tid2eid, vocabulary x top_k, instead of the expert bias)."""
+    mlp = _mlp_count(cfg, index, tp, ep, gated=True)
+    if index < cfg.moe_hash_layers:
+        table = cfg.vocab_size * cfg.moe_top_k - cfg.moe_num_experts
+        mlp = add_counts(mlp, ParameterCount(0, table, 0, 0))
+    return add_counts(_attention_count(cfg, index, tp), mlp)
+
+
+def v4_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of `shardlm.models.deepseek_v4.DeepseekV4` (the module docstring)."""
+    h, n = cfg.hidden_size, cfg.hc_mult
+    vocab_local = _split(cfg.padded_vocab_size(tp), tp, "padded vocabulary")
+    outputs = 1 if cfg.tie_embeddings else 2
+    total = ParameterCount(outputs * vocab_local * h, n * n * h + n + 1 + h, outputs + 4, 0)
+    for index in range(cfg.num_layers):
+        total = add_counts(total, v4_layer_count(cfg, index, tp, ep))
+    return total
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs per token of one DeepSeek-V4 layer."""
+
+    trained: float
+    """Everything that trains at 3 x its forward: hyper-connections, attention, compressor, MoE."""
+    indexer: float
+    """The CSA layer's lightning indexer (forward only: frozen, its choice carries no gradient); 0 elsewhere."""
+    keys: int
+    """Keys each query attends to: the window plus the layer's compressed entries (HCA all, CSA its top-k)."""
+
+
+def v4_layer_flops(cfg: ModelConfig, index: int) -> LayerFlops:
+    """Layer `index`'s forward FLOPs per token (the module docstring) at cfg.seq_length."""
+    h, n, dim, q_rank, s = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.q_lora_rank, cfg.seq_length
+    heads = cfg.num_heads
+    hyper = 2 * (2 * (2 + n) * n * n * h + 2 * n * n * h)
+    attention = 2 * (h * q_rank + q_rank * heads * dim + h * dim + heads * dim * cfg.output_rank
+                     + cfg.output_groups * cfg.output_rank * h)
+    kind = layer_kinds(cfg)[index]
+    keys, indexer = min(s, cfg.sliding_window), 0
+    if kind != "sliding":
+        ratio = cfg.compress_ratios[index]
+        entries = s // ratio
+        attention += 4 * (2 if kind == "csa" else 1) * dim * h
+        keys += entries if kind == "hca" else min(cfg.index_topk, entries)
+        if kind == "csa":
+            heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
+            indexer = 8 * dim_i * h + 2 * q_rank * heads_i * dim_i + 2 * h * heads_i + 2 * heads_i * dim_i * entries
+    experts = cfg.moe_top_k * cfg.moe_ffn_size + cfg.shared_ffn_size
+    moe = 2 * h * cfg.moe_num_experts + 6 * h * experts
+    return LayerFlops(hyper + attention + 4 * heads * dim * keys + moe, indexer, keys)
+
+
+def v4_forward_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the whole model: the layers, the head's collapse and the output layer."""
+    layers = sum(f.trained + f.indexer for f in map(lambda i: v4_layer_flops(cfg, i), range(cfg.num_layers)))
+    return layers + 2 * cfg.hc_mult ** 2 * cfg.hidden_size + 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
+    """Training FLOPs per token: 3 x the forward, less the backward the frozen indexers do not run (2 x their
+    forward); with recomputation the layers' forward once more."""
+    per_layer = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers)]
+    indexers = sum(f.indexer for f in per_layer)
+    layers = sum(f.trained + f.indexer for f in per_layer)
+    return 3 * v4_forward_flops(cfg) - 2 * indexers + (layers if recompute else 0.0)

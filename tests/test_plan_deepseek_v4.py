@@ -1,0 +1,131 @@
+"""`shardlm plan` counts DeepSeek-V4 (`shardlm.plan.deepseek_v4`): the preset's parameters are what transformers'
+DeepseekV4ForCausalLM builds on the meta device from its default config (V4-Flash), the tiny model's are what
+shardlm builds, at TP = 1, 2 and EP = 2; the FLOPs are the matmuls torch's FLOP counter sees a tiny model run,
+forward and training step; `shardlm plan --model deepseek-v4` plans at 128K tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shardlm.models.config import ModelConfig
+from shardlm.models.flops import flops_per_token
+from shardlm.plan.deepseek_v4 import v4_forward_flops, v4_layer_flops, v4_parameter_count
+from shardlm.plan.models import MODEL_PRESETS
+from shardlm.plan.parameters import parameter_count
+
+
+def tiny_v4(**changes) -> ModelConfig:
+    """Three layers: HCA (ratio 8, hash-routed MoE), CSA (ratio 4 with an indexer), sliding window only; 2 streams,
+    4 heads of 16, 2 output groups, 4 experts top-2 and a shared one. The window (32) covers the sequence and the
+    top-k (16) every entry, so the dense-masked attention computes exactly the keys the planner counts."""
+    base = dict(arch="llama", num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=1, head_dim=16,
+                seq_length=32, vocab_size=256, ffn_hidden_size=16, dropout=0.0, q_lora_rank=16, qk_rope_head_dim=8,
+                sliding_window=32, attention_sinks=True, global_rope_theta=160000.0, hc_mult=2,
+                compress_ratios=[8, 4, 0], output_groups=2, output_rank=8, index_topk=16, index_heads=2,
+                index_head_dim=8, moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_shared_experts=1,
+                moe_score="sqrtsoftplus", moe_routed_scaling=1.5, moe_expert_bias=True, moe_hash_layers=1,
+                swiglu_clip=10.0)
+    return ModelConfig(**{**base, **changes})
+
+
+def built(cfg: ModelConfig):
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+
+    return build_model(cfg, ParallelContext.single(), seed=0)
+
+
+def test_preset_counts_what_transformers_builds():
+    """deepseek-v4 at TP = 1 is transformers' default DeepseekV4Config (V4-Flash) built on the meta device: its
+    parameters plus the expert-bias and tid2eid buffers, which shardlm holds as (frozen) parameters; 284.3B."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from shardlm.checkpoint.hf_deepseek_v4 import model_config_from_hf
+
+    hf = DeepseekV4Config()
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(hf)
+    held = ("e_score_correction_bias", "tid2eid")
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith(held))
+    cfg = MODEL_PRESETS["deepseek-v4"]
+    assert parameter_count(cfg, 1).total == sum(p.numel() for p in model.parameters()) + buffers == 284328206295
+    converted = model_config_from_hf(hf.to_dict())  # the converter reads this shape
+    assert dataclasses.replace(converted, seq_length=cfg.seq_length, attention_dropout=cfg.attention_dropout) == cfg
+    assert MODEL_PRESETS["deepseek-v4-flash"] == cfg
+
+
+def test_parameter_count_is_the_built_models():
+    """Elements and tensors of the tiny model at TP = 1; at TP = 2 the shards and the replicated weights add up to
+    the same total; EP = 2 holds half the experts. Counting CSA's compressor without its overlap, or the hash
+    layer with an expert bias, would fail."""
+    cfg = tiny_v4()
+    params = list(built(cfg).parameters())
+    count = parameter_count(cfg, 1)
+    assert count.total == sum(p.numel() for p in params) and count.tensors == len(params)
+    halves = v4_parameter_count(cfg, 2)
+    assert 2 * halves.sharded + halves.replicated == count.total
+    experts = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+    assert count.expert == experts and count.total - v4_parameter_count(cfg, 1, ep=2).total == experts // 2
+
+
+def counted(run) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops()
+
+
+def _plain_experts(model):
+    """The experts' GEMMs one by one over the routed rows only (what the planner counts)."""
+    for module in model.modules():
+        if hasattr(module, "pad_rows"):
+            module.grouped, module.pad_rows = False, 0
+    return model
+
+
+def test_flops_are_what_the_model_runs():
+    """The tiny model's forward, counted by torch's FLOP counter, is `v4_forward_flops` per token; a training
+    step (forward and backward) is `flops_per_token`: 3 x the forward less the indexer's backward, which it never
+    runs (frozen, under no_grad)."""
+    cfg = tiny_v4()
+    model = _plain_experts(built(cfg))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        forward = counted(lambda: model(tokens))
+    assert forward == v4_forward_flops(cfg) * tokens.numel()
+
+    def step():
+        model(tokens).float().sum().backward()
+
+    assert counted(step) == flops_per_token(cfg) * tokens.numel()
+    indexer = v4_layer_flops(cfg, 1).indexer
+    assert indexer > 0 and flops_per_token(cfg) == 3 * v4_forward_flops(cfg) - 2 * indexer
+
+
+def test_long_sequences_pay_the_window_and_the_compressed_entries():
+    """At 128K tokens a query of deepseek-v4 attends to the window (128) plus 1024 entries on HCA layers (128:1)
+    and its 512 chosen ones on CSA layers (4:1 and top-k), while CSA's indexer scores all 32,768 entries at its
+    width; doubling the sequence adds only HCA's entries and the indexer's scoring."""
+    cfg = dataclasses.replace(MODEL_PRESETS["deepseek-v4"], seq_length=131072)
+    kinds = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers)]
+    assert kinds[0].keys == 128 + 1024 and kinds[3].keys == 128 + 512 and kinds[0].indexer == 0
+    longer = dataclasses.replace(cfg, seq_length=2 * cfg.seq_length)
+    grown = v4_forward_flops(longer) - v4_forward_flops(cfg)
+    hca, csa = cfg.compress_ratios.count(128), cfg.compress_ratios.count(4)
+    heads, dim = cfg.num_heads, cfg.head_dim
+    assert grown == hca * 4 * heads * dim * 1024 + csa * 2 * cfg.index_heads * cfg.index_head_dim * 32768
+
+
+def test_shardlm_plan_plans_deepseek_v4(capsys):
+    """`shardlm plan --model deepseek-v4` at 128K tokens prints a plan with the preset's 284B parameters."""
+    from shardlm.cli import main
+
+    args = ["plan", "--model", "deepseek-v4", "--gpu", "h100", "--gpus", "256", "--global-batch", "64",
+            "--seq-length", "131072", "--pipeline", "4", "--micro-batch", "1", "--expert", "16"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "284B parameters" in out and "Recommended: " in out
