@@ -20,6 +20,7 @@ import contextlib
 import pytest
 import torch
 from test_kda import KIMI, KIMI_MOE
+from test_mamba_layouts import SEQ3, rows_of_48
 from test_moe_parallel import stage_parameters
 from test_sft_layouts import TOL, sft_config, train_data, valid_data
 
@@ -51,10 +52,13 @@ def kimi_sft_config(moe: bool = False, lora: int = 0, **kwargs):
     return config
 
 
-def train_layout(ctx: ParallelContext, config) -> dict:
-    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages)."""
+def train_layout(ctx: ParallelContext, config, rows: int = 32) -> dict:
+    """Curve (loss, gradient norm) of STEPS steps, the validation loss and every final parameter (all stages), on
+    rows of 32 tokens or (`rows` = SEQ3, for CP=3) of 48 packed from the same conversations."""
+    config.model.seq_length = rows
     validate(config, ctx.world_size, check_paths=False)
-    trainer = Trainer(config, ctx, train_data(), valid_data())
+    data = (train_data(), valid_data()) if rows != SEQ3 else (rows_of_48(), rows_of_48(valid=True))
+    trainer = Trainer(config, ctx, *data)
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
     return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
 
@@ -74,9 +78,10 @@ def broken(control: str | None):
         linear_attention.carry, linear_attention.causal_conv = carry, conv
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, rows: int = 32, **config) -> dict:
     with broken(control):
-        return train_layout(layout_context(tp, pp, cp, ep), kimi_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+        return train_layout(layout_context(tp, pp, cp, ep), kimi_sft_config(tp=tp, pp=pp, cp=cp, ep=ep, **config),
+                            rows)
 
 
 WORLD2 = {
@@ -91,6 +96,13 @@ WORLD2 = {
 }
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
+WORLD3 = {"cp3": layout(cp=3, micro=BATCH, rows=SEQ3),
+          "control cp3 hand-over": layout(cp=3, micro=BATCH, rows=SEQ3, control="hand-over")}
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return spawn_layouts(3, run_layout, WORLD3)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +118,8 @@ def reference():
     return {"dense": train_layout(ctx, kimi_sft_config(micro=BATCH)),
             "moe": train_layout(ctx, kimi_sft_config(moe=True)),
             "lora": train_layout(ctx, kimi_sft_config(micro=LORA_BATCH, lora=4)),
-            "muon": train_layout(ctx, kimi_sft_config(micro=BATCH, optimizer="muon", muon_ns_dtype="fp32"))}
+            "muon": train_layout(ctx, kimi_sft_config(micro=BATCH, optimizer="muon", muon_ns_dtype="fp32")),
+            "rows of 48": train_layout(ctx, kimi_sft_config(micro=BATCH), rows=SEQ3)}
 
 
 def kind_of(name: str) -> str:
@@ -125,5 +138,18 @@ def test_context_parallel_controls_fail(world2, reference, name):
     away."""
     ref = reference["dense"]
     for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
+        assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL
+
+
+def test_kimi_linear_at_context_parallel_three_equals_one_process(world3, reference):
+    """CP=3 on rows of 48 (six chunks of 8 tokens, documents crossing each inner edge: zigzag chunks 0 and 5, 1 and
+    4, 2 and 3 on the three ranks, six summaries combined in sequence order) equals one process on the same rows."""
+    assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)
+
+
+def test_context_parallel_three_without_the_hand_over_fails(world3, reference):
+    ref = reference["rows of 48"]
+    for value in check_result(world3, "control cp3 hand-over"):
         assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
         assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL

@@ -23,12 +23,17 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from test_sft_layouts import STEPS, TOL, sft_config, train_data, train_layout
+from test_moe_parallel import stage_parameters
+from test_sft_layouts import STEPS, TOL, conversations, sft_config, train_data, train_layout
 
 from shardlm.errors import UserError
 from shardlm.models import build_model, mamba
 from shardlm.models.documents import Documents
 from shardlm.parallel import ParallelContext
+from shardlm.sft.dataset import PackedDataset
+from shardlm.sft.packing import PackedRows
+from shardlm.training.trainer import Trainer
+from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_trained_but_off
 from layouts import counting, layout, layout_context, spawn_layouts
@@ -74,6 +79,32 @@ def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, *
         return train_layout(layout_context(tp, pp, cp, ep), nemotron_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
 
 
+SEQ3 = 48
+"""Rows for CP=3: a multiple of 2 x 3, six CP chunks of 8 tokens (each one scan chunk), documents crossing them."""
+
+
+def rows_of_48(valid: bool = False) -> PackedDataset:
+    """The file's conversations packed into rows of SEQ3 tokens (training rows, or the held-out validation rows)."""
+    if valid:
+        return PackedDataset(PackedRows(conversations(2, 16), SEQ3, "bfd", seed=None), epochs=1)
+    return PackedDataset(PackedRows(conversations(1, 40), SEQ3, "bfd", seed=5))
+
+
+def train_rows_of_48(ctx: ParallelContext, config) -> dict:
+    """`train_layout` on rows of SEQ3 tokens packed from the same conversations."""
+    config.model.seq_length = SEQ3
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, rows_of_48(), rows_of_48(valid=True))
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+
+
+def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
+    with broken(control):
+        return train_rows_of_48(layout_context(tp, pp, cp, ep),
+                                nemotron_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+
+
 WORLD2 = {
     "tp2 sp": layout(tp=2, sp=True),
     "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
@@ -81,11 +112,18 @@ WORLD2 = {
     "zero dp2": layout(distributed_optimizer=True),
     "fsdp dp2": layout(data_sharding="full"),
     "ep2 moe": layout(ep=2, moe=True),
+    "fsdp ep2 moe": layout(ep=2, moe=True, data_sharding="full"),
     "tp2 sp lora": layout(tp=2, sp=True, lora=4),
     "tp2 sp muon": layout(tp=2, sp=True, optimizer="muon", muon_ns_dtype="fp32"),
 }
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
+WORLD3 = {"cp3": layout(cp=3, micro=8), "control cp3 hand-over": layout(cp=3, micro=8, control="hand-over")}
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return spawn_layouts(3, run_rows_of_48, WORLD3)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +137,8 @@ def reference():
     return {"dense": train_layout(ctx, nemotron_config(micro=8)),
             "lora": train_layout(ctx, nemotron_config(micro=8, lora=4)),
             "moe": train_layout(ctx, nemotron_config(moe=True)),
-            "muon": train_layout(ctx, nemotron_config(micro=8, optimizer="muon", muon_ns_dtype="fp32"))}
+            "muon": train_layout(ctx, nemotron_config(micro=8, optimizer="muon", muon_ns_dtype="fp32")),
+            "rows of 48": train_rows_of_48(ctx, nemotron_config(micro=8))}
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -115,6 +154,27 @@ def test_context_parallel_controls_fail(world2, reference, name):
     than 10 x the tolerance away."""
     ref = reference["dense"]
     for value in check_result(world2, name):
+        assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".mixer.")
+        assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL
+
+
+def test_rows_of_48_hold_documents_across_the_context_parallel_three_chunk_edges():
+    """The CP=3 case's data: each of the 5 inner edges of the 6 chunks of 8 tokens has, in some row, a document
+    running across it (the hand-over and the convolution's earlier inputs are read)."""
+    positions = np.stack([rows_of_48()[i]["position_ids"] for i in range(8)])
+    crossed = [edge for edge in range(8, SEQ3, 8) if (positions[:, edge] != 0).any()]
+    assert crossed == list(range(8, SEQ3, 8)), crossed
+
+
+def test_nemotron_h_at_context_parallel_three_equals_one_process(world3, reference):
+    """CP=3 (zigzag chunks 0 and 5, 1 and 4, 2 and 3 on the three ranks; the summaries of six chunks combined in
+    sequence order) equals one process on the same rows of 48."""
+    assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)
+
+
+def test_context_parallel_three_without_the_hand_over_fails(world3, reference):
+    ref = reference["rows of 48"]
+    for value in check_result(world3, "control cp3 hand-over"):
         assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".mixer.")
         assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"], ref["curve"])) > 10 * TOL
 
