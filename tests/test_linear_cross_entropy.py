@@ -5,7 +5,9 @@ fp32. Checked: per-token losses and the gradients of the hidden states and of th
 rows included), with ignored targets, a loss gradient that differs per token, chunk boundaries
 inside the batch, fp32, bf16 autocast and bf16 parameters, and the GEMM width a GPU or half precision
 rounds up to (forced on the CPU in fp32, padding rows that are not zero); a GPT trains through it to the
-same losses and gradients as through the unfused head. At TP=2 and TP=4 (gloo workers): each rank's
+same losses and gradients as through the unfused head. Gemma's soft cap s tanh(z / cap) inside it (and in the
+entropy RL logs) equals the unfused loss over the capped logits, alone, at TP 2 and 4, and in Gemma 4's head.
+At TP=2 and TP=4 (gloo workers): each rank's
 losses and gradients equal the unfused vocabulary-parallel path's (`F.linear` on this rank's rows,
 then `vocab_parallel_cross_entropy`), shards holding padding and shards of padding only included,
 with the same collectives (one all-reduce MAX and one SUM of O(tokens) values, never the logits; the fused one
@@ -40,16 +42,27 @@ def _inputs(rows: int = 37, seed: int = 0):
     return hidden, weight, target, upstream
 
 
-def _run(fused: bool, hidden, weight, target, upstream, precision: str):
+SOFTCAP = (1.5, 1.5 / 0.7)
+"""A soft cap (cap, s) as Gemma's with an RL temperature of 0.7: s tanh(z / 1.5), small enough that the inputs'
+logits (std about 1.7) saturate it."""
+
+
+def capped(logits: torch.Tensor, softcap) -> torch.Tensor:
+    """The unfused soft cap, as Gemma's output layer applies it."""
+    return logits if softcap is None else torch.tanh(logits / softcap[0]) * softcap[1]
+
+
+def _run(fused: bool, hidden, weight, target, upstream, precision: str, softcap=None):
     """Losses, hidden and weight gradients of one pass, on the inputs' device (the CPU, or a GPU in test_cuda)."""
     device = hidden.device
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with autocast:
         if fused:
-            losses = linear_cross_entropy(hidden, weight, target, ParallelContext.single(device).tp, V)
+            losses = linear_cross_entropy(hidden, weight, target, ParallelContext.single(device).tp, V,
+                                          softcap=softcap)
         else:
-            logits = F.linear(hidden, weight)[..., :V].float()
+            logits = capped(F.linear(hidden, weight)[..., :V].float(), softcap)
             losses = F.cross_entropy(logits, target, reduction="none")
     (losses * upstream).sum().backward()
     return losses.detach(), hidden.grad, weight.grad
@@ -65,6 +78,38 @@ def test_fp32_equals_unfused(monkeypatch, rows_per_chunk):
     assert fused[0][3] == 0.0 and fused[0][17] == 0.0
     assert fused[2][V:].abs().max() == 0.0  # padding rows: zero gradient
     assert fused[1][3].abs().max() == 0.0  # an ignored token sends no gradient back
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 5, 1000])
+def test_soft_cap_equals_the_unfused_capped_logits(monkeypatch, rows_per_chunk):
+    """Gemma's soft cap inside the fused loss: losses and gradients equal the unfused loss over s tanh(z / cap), in
+    fp32 and bf16 autocast; without the cap's slope (1 - tanh^2) in the gradient, or with the cap left out of the
+    softmax, they would not (the cap saturates these logits)."""
+    monkeypatch.setattr(fused_module, "_rows_per_chunk", lambda vocab, device: rows_per_chunk)
+    inputs = _inputs()
+    fused, reference = _run(True, *inputs, "fp32", SOFTCAP), _run(False, *inputs, "fp32", SOFTCAP)
+    for name, a, b in zip(("losses", "hidden grad", "weight grad"), fused, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    uncapped = _run(False, *inputs, "fp32")
+    assert (fused[0] - uncapped[0]).abs().max() > 0.1  # the cap matters here
+    assert fused[0][3] == 0.0 and fused[2][V:].abs().max() == 0.0
+    fused, reference = _run(True, *inputs, "bf16", SOFTCAP), _run(False, *inputs, "bf16", SOFTCAP)
+    torch.testing.assert_close(fused[0], reference[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused[1:], reference[1:]):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_entropy_of_soft_capped_logits():
+    """`vocab_parallel_entropy` with the soft cap: the entropy of softmax(s tanh(z / cap)) over the real vocabulary."""
+    from shardlm.parallel.entropy import vocab_parallel_entropy
+
+    hidden, weight, _, _ = _inputs()
+    tp = ParallelContext.single().tp
+    for softcap in (None, SOFTCAP):
+        log_p = capped(F.linear(hidden, weight)[..., :V], softcap).log_softmax(-1)
+        expected = -(log_p.exp() * log_p).sum(-1)
+        torch.testing.assert_close(vocab_parallel_entropy(hidden, weight, tp, V, softcap), expected,
+                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows_per_chunk", [5, 1000])
@@ -137,6 +182,45 @@ def test_gpt_at_tp1_trains_like_the_unfused_head():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_gemma_soft_capped_head_trains_like_the_unfused_one():
+    """Gemma 4's output loss (fused, soft-capped, at an RL run's temperature 0.7, recording entropies) equals the
+    cross-entropy of its own capped logits / 0.7 (`loss(output_layer(h) / 0.7)`), losses, entropies and every
+    parameter's gradient."""
+    from shardlm.models import build_model
+    from shardlm.models.config import ModelConfig
+
+    sliding, full = "sliding_attention", "full_attention"
+    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                      ffn_hidden_size=48, seq_length=16, vocab_size=V, dropout=0.0, sandwich_norms=True, qk_norm=True,
+                      value_norm=True, attention_scale=1.0, embedding_scale=True, activation="gelu_tanh",
+                      global_head_dim=16, global_kv_heads=1, attention_k_eq_v=True, sliding_window=5,
+                      layer_types=[sliding, full], final_logit_softcap=3.0, tie_embeddings=True, init_std=0.2)
+    tokens = torch.randint(0, V, (3, 17), generator=torch.Generator().manual_seed(1))
+    targets = tokens[:, 1:].clone()
+    targets[0, :4] = -100
+    results = []
+    for fused in (True, False):
+        model = build_model(cfg, ParallelContext.single(), seed=5)
+        model.logit_temperature, model.entropies = 0.7, []
+        h = model.hidden_states(tokens[:, :-1])
+        if fused:
+            losses = model.output_loss(h, targets)
+            entropies = model.entropies.pop()
+        else:
+            logits = model.output_layer(h) / 0.7
+            losses = model.loss(logits, targets)
+            log_p = logits[..., :V].float().log_softmax(-1)
+            entropies = -(log_p.exp() * log_p).sum(-1) * (targets != -100)
+        losses.mean().backward()
+        results.append((losses.detach(), entropies, {n: p.grad for n, p in model.named_parameters()}))
+    (fused_losses, fused_entropies, fused_grads), (losses, entropies, grads) = results
+    assert type(model).__name__ == "Gemma4"
+    torch.testing.assert_close(fused_losses, losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_entropies, entropies, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _tensor_parallel_checks():
     """Per TP rank: fused vs unfused losses, input and weight gradients (relative errors), and the
     collectives each made, for vocabularies without padding, with padding in the last shard, and with
@@ -155,7 +239,8 @@ def _tensor_parallel_checks():
         target = target % vocab
         target[3] = -100
         shard = weight.chunk(ctx.tp_size)[ctx.tp_rank]
-        for precision in ("fp32", "bf16"):
+        for precision, softcap in (("fp32", None), ("bf16", None)) + ((("fp32", SOFTCAP), ("bf16", SOFTCAP))
+                                                                        if vocab == 300 else ()):
             grads, losses, comm = [], [], []
             for use_fused in (True, False):
                 h, w = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
@@ -163,9 +248,10 @@ def _tensor_parallel_checks():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                     x = copy_to_tensor_parallel(h, ctx.tp)
                     if use_fused:
-                        loss = linear_cross_entropy(x, w, target, ctx.tp, vocab)
+                        loss = linear_cross_entropy(x, w, target, ctx.tp, vocab, softcap=softcap)
                     else:
-                        loss = vocab_parallel_cross_entropy(F.linear(x, w), target, ctx.tp, vocab_size=vocab)
+                        loss = vocab_parallel_cross_entropy(capped(F.linear(x, w), softcap), target, ctx.tp,
+                                                            vocab_size=vocab)
                 comm.append(ctx.comm.snapshot())
                 (loss * upstream).sum().backward()
                 losses.append(loss.detach())
@@ -176,7 +262,7 @@ def _tensor_parallel_checks():
             same = fused.keys() == unfused.keys() and all(
                 fused[k]["calls"] == unfused[k]["calls"] and fused[k]["elements"] == unfused[k]["elements"] - 1 *
                 (1 if "max" in k else 2) for k in fused)  # the one ignored token's values are not sent
-            out[(vocab, precision)] = {"errors": rel, "same_comm": same, "comm": comm}
+            out[(vocab, precision, softcap is not None)] = {"errors": rel, "same_comm": same, "comm": comm}
     return out
 
 
@@ -190,7 +276,8 @@ def test_tensor_parallel_equals_unfused_vocab_parallel_path(tensor_parallel):
     for rank, per_rank in enumerate(tensor_parallel):
         status, cases = per_rank["fused"]
         assert status == "ok", f"rank {rank}: {cases}"
-        for (vocab, precision), case in cases.items():
+        assert len(cases) == 8, cases.keys()  # three vocabularies in fp32 and bf16, one also soft-capped
+        for (vocab, precision, _), case in cases.items():
             tolerance = 1e-5 if precision == "fp32" else 2e-2
             assert max(case["errors"]) <= tolerance, (rank, vocab, precision, case["errors"])
             assert case["same_comm"], (rank, vocab, precision, case["comm"])

@@ -23,8 +23,8 @@ What differs from the Llama block (docs/gemma4.md):
   with the embedding and hands the later layers' slice on from stage to stage (`stage_handoff`);
 - the MLP is gated with the tanh GeLU (`activation = "gelu_tanh"`), twice as wide on KV-sharing layers with
   `kv_shared_double_mlp`; with `moe_beside_mlp` an MoE block runs beside it (`shardlm.models.gemma_moe`);
-- the logits are soft-capped (`final_logit_softcap`), in the loss too (the capped logits go through the
-  vocabulary-parallel cross-entropy).
+- the logits are soft-capped (`final_logit_softcap`), in the loss too: training's fused output layer and
+  vocabulary-parallel cross-entropy caps each chunk of logits as it goes (`linear_cross_entropy`'s `softcap`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ from shardlm.parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
 )
+from shardlm.parallel.entropy import vocab_parallel_entropy
 from shardlm.parallel.init import param_seed
+from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
 from shardlm.parallel.random import recompute
 
 
@@ -403,8 +405,20 @@ class Gemma4(Llama):
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def output_loss(self, h: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Per-token fp32 losses (B, T); with a soft cap the capped logits go through the vocabulary-parallel
-        cross-entropy (the fused output layer and loss has no cap)."""
-        if not self.cfg.final_logit_softcap:
+        """Per-token fp32 losses (B, T) of the soft-capped logits (divided by an RL run's `logit_temperature`):
+        the fused output layer and loss with its cap (`linear_cross_entropy`'s `softcap`), so the capped
+        (B, T, V) logits and their gradients are never written whole; `loss(output_layer(h))` computes the same."""
+        cap = self.cfg.final_logit_softcap
+        if not cap:
             return super().output_loss(h, targets, ignore_index)
-        return self.loss(self.output_layer(h) / self.logit_temperature, targets, ignore_index)
+        softcap = (cap, cap / self.logit_temperature)
+        h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
+        if self.entropies is not None:  # where there is a target
+            kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
+            entropy = torch.zeros(targets.numel(), device=h.device)
+            entropy[kept] = vocab_parallel_entropy(h.detach().reshape(-1, h.shape[-1])[kept],
+                                                   self.output_weight.detach(), self.ctx.tp, self.cfg.vocab_size,
+                                                   softcap)
+            self.entropies.append(entropy.view(targets.shape))
+        return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index,
+                                    softcap)

@@ -15,10 +15,15 @@ from shardlm.parallel.comm import Communicator
 
 
 @torch.no_grad()
-def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Communicator, vocab_size: int
-                           ) -> torch.Tensor:
+def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Communicator, vocab_size: int,
+                           softcap: tuple[float, float] | None = None) -> torch.Tensor:
     """hidden (..., h) replicated over the TP group, weight (V_padded / tp, h) this rank's rows (rows >= `vocab_size`
-    globally are padding) -> (...) float32 entropies (nats) of softmax(hidden @ weight.T) over the real vocabulary."""
+    globally are padding) -> (...) float32 entropies (nats) of softmax(hidden @ weight.T) over the real vocabulary;
+    with `softcap` = (cap, s), of softmax(s tanh(hidden @ weight.T / cap)) (Gemma's soft cap)."""
+    def logits(rows: torch.Tensor) -> torch.Tensor:
+        z = (rows @ w.t()).float()
+        return z if softcap is None else torch.tanh(z / softcap[0]) * softcap[1]
+
     shape, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
     local, start = weight.shape[0], tp.rank * weight.shape[0]
     real = max(0, min(local, vocab_size - start))
@@ -27,12 +32,12 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Commu
     rows = max(1, (1 << 22) // max(real, 1))
     row_max = torch.full((n,), float("-inf"), device=flat.device)
     for first in range(0, n if real else 0, rows):
-        row_max[first:first + rows] = (flat[first:first + rows] @ w.t()).float().amax(dim=-1)
+        row_max[first:first + rows] = logits(flat[first:first + rows]).amax(dim=-1)
     tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
     sums = torch.zeros(2, n, dtype=torch.float32, device=flat.device)  # sum exp(z - m), sum exp(z - m) (z - m)
     for first in range(0, n if real else 0, rows):
         chunk = slice(first, first + rows)
-        shifted = (flat[chunk] @ w.t()).float() - row_max[chunk].unsqueeze(-1)
+        shifted = logits(flat[chunk]) - row_max[chunk].unsqueeze(-1)
         weights = shifted.exp()
         sums[0, chunk] = weights.sum(dim=-1)
         sums[1, chunk] = (weights * shifted).sum(dim=-1)

@@ -17,6 +17,11 @@ its slice of the vocabulary and the logits are never gathered; the ranks agree o
 (one all-reduce MAX of N values) and on the target logit and the sum of exponentials (one all-reduce
 SUM of 2 x N values). The input gradient is all-reduced by `f` (the caller's
 `copy_to_tensor_parallel` or sequence-parallel all-gather), as for the unfused output layer.
+
+With a soft cap (Gemma's `final_logit_softcap`: the loss is over s tanh(z / cap) of the logits z, s = cap / the
+temperature) the capped values are made chunk by chunk from the logits too: the rows' max is the cap of the
+uncapped max (tanh is increasing), and the gradient softmax - onehot is multiplied by s / cap (1 - tanh^2), so
+the unfused path's (B, T, V) copies (the divided, the tanh, the scaled logits and their gradients) never exist.
 """
 
 from __future__ import annotations
@@ -59,9 +64,23 @@ def _exp_to_gradient(x: torch.Tensor, block: torch.Tensor, sum_exp: torch.Tensor
         block.copy_(x)
 
 
+def _capped(logits: torch.Tensor, softcap: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits z (any dtype) -> fp32 (s tanh(z / cap), tanh(z / cap)), two new tensors; softcap = (cap, s)."""
+    cap, scale = softcap
+    tanh = logits.float().div_(cap) if logits.dtype != torch.float32 else logits / cap
+    tanh.tanh_()
+    return tanh * scale, tanh
+
+
+def _times_cap_slope(x: torch.Tensor, tanh: torch.Tensor, softcap: tuple[float, float]) -> None:
+    """x (the gradient of the capped values) *= d(s tanh(z / cap)) / dz = s / cap (1 - tanh^2), in place."""
+    cap, scale = softcap
+    x.mul_(tanh.square_().neg_().add_(1.0).mul_(scale / cap))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, tp, vocab_size, ignore_index):
+    def forward(ctx, hidden, weight, target, tp, vocab_size, ignore_index, softcap):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         local, start = weight.shape[0], tp.rank * weight.shape[0]
@@ -80,15 +99,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_max = torch.full((n,), float("-inf"), device=hidden.device)
             if real and not whole:
                 row_max = grad.amax(dim=-1).float()
+                if softcap:  # the capped values' max is the cap of the max
+                    row_max = _capped(row_max, softcap)[0]
             tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
             sums = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)  # target logit, sum of exp
             for first in range(0, n if real else 0, rows):
                 chunk = slice(first, first + rows)
-                x = grad[chunk].float()  # the rows themselves in fp32, else an fp32 copy of them
+                if softcap:  # new fp32 rows: the logits stay for the second pass (TP) or the slope (below)
+                    x, tanh = _capped(grad[chunk], softcap)
+                else:
+                    x = grad[chunk].float()  # the rows themselves in fp32, else an fp32 copy of them
                 x -= (x.amax(dim=-1) if whole else row_max[chunk]).unsqueeze(-1)
                 sums[0, chunk] = x.gather(-1, local_target[chunk]).squeeze(-1)
                 sums[1, chunk] = x.exp_().sum(dim=-1)
-                if whole:
+                if whole and softcap:
+                    _exp_to_gradient(x, x, sums[1, chunk], outside[chunk], local_target[chunk])
+                    _times_cap_slope(x, tanh, softcap)
+                    grad[chunk].copy_(x)
+                elif whole:
                     _exp_to_gradient(x, grad[chunk], sums[1, chunk], outside[chunk], local_target[chunk])
             sums[0].masked_fill_(outside, 0.0)
             tp.all_reduce(sums)
@@ -96,6 +124,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for first in range(0, 0 if whole or not real else n, rows):
                 chunk = slice(first, first + rows)
                 block = grad[chunk]  # fp32: holds exp() from the pass above; else recompute it, not round it twice
+                if softcap:  # the block still holds the logits: recompute the capped values and their slope
+                    x, tanh = _capped(block, softcap)
+                    x.sub_(row_max[chunk].unsqueeze(-1)).exp_()
+                    _exp_to_gradient(x, x, sum_exp[chunk], outside[chunk], local_target[chunk])
+                    _times_cap_slope(x, tanh, softcap)
+                    block.copy_(x)
+                    continue
                 x = block if in_place else block.float().sub_(row_max[chunk].unsqueeze(-1)).exp_()
                 _exp_to_gradient(x, block, sum_exp[chunk], outside[chunk], local_target[chunk])
             losses = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
@@ -121,11 +156,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     rows.copy_(grad.t() @ scaled_hidden)
                 padding.zero_()  # padding rows beyond the GEMM's width get zero gradient
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp: Communicator,
-                         vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+                         vocab_size: int, ignore_index: int = -100,
+                         softcap: tuple[float, float] | None = None) -> torch.Tensor:
     """Per-token fp32 cross-entropy of the vocabulary-parallel output layer `hidden @ weight.T`, fused.
 
     hidden: (..., h), replicated over the TP group (after `f`); weight: (V_padded / tp, h), this rank's
@@ -134,6 +170,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     `vocab_parallel_cross_entropy(F.linear(hidden, weight), target, tp, vocab_size, ignore_index)`,
     computed in the autocast dtype when autocast is on (as `F.linear` would be), the softmax in fp32.
     Talks to the TP group: one all-reduce MAX of N values and one all-reduce SUM of 2 x N values.
+    `softcap` = (cap, s): the loss of softmax(s tanh(logits / cap)) instead (Gemma's soft cap, s = cap / the
+    temperature), equal to the unfused path over the capped logits.
     """
     hidden, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
@@ -141,14 +179,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             kept = (flat != ignore_index).nonzero().squeeze(-1)  # the count would cost a synchronization
             if 0 < len(kept) < len(flat):  # (none kept: the whole rows, so the loss still reaches the weights)
                 losses = torch.zeros(flat.shape, dtype=torch.float32, device=hidden.device)
-                part = _LinearCrossEntropy.apply(hidden[kept], weight, flat[kept], tp, vocab_size, ignore_index)
+                part = _LinearCrossEntropy.apply(hidden[kept], weight, flat[kept], tp, vocab_size, ignore_index,
+                                                 softcap)
                 return losses.index_put((kept,), part).view(target.shape)
-        return _LinearCrossEntropy.apply(hidden, weight, flat, tp, vocab_size, ignore_index).view(target.shape)
+        return _LinearCrossEntropy.apply(hidden, weight, flat, tp, vocab_size, ignore_index, softcap).view(
+            target.shape)
     # No gradient (an evaluation, a preference run's reference pass): only the rows with a target get logits, a
     # vocabulary's worth each; chat rows spend a third or more of their tokens on prompts and padding. Every TP
     # rank holds the same targets, so all keep the same rows (or, with none, all skip the collectives).
     kept = (flat != ignore_index).nonzero().squeeze(-1)
     losses = torch.zeros(flat.shape, dtype=torch.float32, device=hidden.device)
     if len(kept):
-        losses[kept] = _LinearCrossEntropy.apply(hidden[kept], weight, flat[kept], tp, vocab_size, ignore_index)
+        losses[kept] = _LinearCrossEntropy.apply(hidden[kept], weight, flat[kept], tp, vocab_size, ignore_index,
+                                                 softcap)
     return losses.view(target.shape)
