@@ -110,12 +110,33 @@ def train_distill(ctx: ParallelContext, config) -> dict:
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
     assert not any(p.requires_grad for p in trainer.teacher.parameters())
+    calls = []
+    trainer.teacher.register_forward_pre_hook(lambda *_: calls.append(1))
     step = on_policy_run(trainer).train_step if config.distill.lmbda else trainer.train_step
     metrics = [step() for _ in range(STEPS)]
     curve = [(m["loss"], m["grad_norm"]) for m in metrics]
     assert all(p.grad is None for p in trainer.teacher.parameters())
     return {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model),
-            "on_policy": [m.get("on_policy") for m in metrics]}
+            "on_policy": [m.get("on_policy") for m in metrics], "teacher": teacher_memory(trainer, len(calls))}
+
+
+def teacher_memory(trainer, calls: int) -> dict:
+    """What the teacher's parameters hold on this rank after the run: the names of those not (or no longer) FSDP
+    DTensors, the bytes of their local parts and of the whole, the shard count of the dim 0 divisible ones (local
+    elements x that == whole), the run's log line and the teacher's forward calls."""
+    from torch.distributed.tensor import DTensor
+
+    from shardlm.distill.teacher import describe_teacher, local_bytes
+
+    named = list(trainer.teacher.named_parameters())
+    params, dp = [p for _, p in named], trainer.ctx.dp_size
+    line = describe_teacher(trainer.teacher, "teacher")
+    return {"plain": [n for n, p in named if not isinstance(p, DTensor)], "count": len(named),
+            "held": sum(local_bytes(p) for p in params),
+            "full": sum(p.numel() * p.element_size() for p in params), "calls": calls,
+            "divisible_shards": {p.numel() // p.to_local().numel() for p in params
+                                 if isinstance(p, DTensor) and p.shape[0] % dp == 0},
+            "line": line}
 
 
 def plain_sum(x, tp):
@@ -214,6 +235,24 @@ def test_distillation_at_two_ranks_equals_one_process(world2, reference, name):
 def test_distillation_at_four_ranks_equals_one_process(world4, reference, name):
     for rank, value in enumerate(check_result(world4, name)):
         assert_same_run(value, reference[WORLD4[name][0]], f"{name} rank {rank}", steps=STEPS, tol=TOL)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["fsdp dp2", "on-policy fsdp dp2", "dp2 zero1"])
+def test_fsdp_shards_the_teacher(world2, name):
+    """Under FSDP every teacher parameter is a DTensor again after the run's steps and evaluation (each layer freed
+    after its forward, the root after the loss), each rank holding half of every tensor's bytes (dim 0 divisible by
+    DP = 2; the ranks' sums add up to the whole), as the log line says; the teacher ran as many forwards on both
+    ranks (its all-gathers are collectives). Without FSDP (ZeRO-1) each rank holds the whole teacher."""
+    ranks = [value["teacher"] for value in check_result(world2, name)]
+    full, fsdp = ranks[0]["full"], "fsdp" in name
+    for rank, held in enumerate(ranks):
+        assert len(held["plain"]) == (0 if fsdp else held["count"]), \
+            f"{name} rank {rank}: {len(held['plain'])} gathered, as {held['plain'][:3]}"
+        assert held["divisible_shards"] == ({2} if fsdp else set()), f"{name} rank {rank}"
+        assert f"{held['held'] / 2**20:,.1f} MiB of frozen weights on this rank" in held["line"], held["line"]
+        assert held["calls"] == ranks[0]["calls"] > 0, f"{name}: teacher forwards {[r['calls'] for r in ranks]}"
+    assert sum(held["held"] for held in ranks) == (full if fsdp else 2 * full)
 
 
 @pytest.mark.timeout(600)

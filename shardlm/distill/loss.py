@@ -10,7 +10,7 @@ import torch
 
 from shardlm.config import DistillConfig
 from shardlm.distill.divergence import generalized_jsd, token_reverse_kl
-from shardlm.distill.teacher import pipelined_hidden
+from shardlm.distill.teacher import pipelined_hidden, release_teacher
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.parallel import invariant
 
@@ -23,7 +23,9 @@ class DistillLoss:
     """`loss(forward, batch)` of a packed SFT micro-batch (`shardlm.training.data.packed_parts`: inputs, targets,
     documents and the global batch's answer-token count `divisor`): the teacher's final hidden states (no
     gradient), then the student's forward, which runs both output layers on its own and the divergence
-    (`generalized_jsd`) inside its call; the answer tokens' sum over `divisor`."""
+    (`generalized_jsd`) inside its call; the answer tokens' sum over `divisor`. A teacher sharded by FSDP
+    (`teacher.shard_teacher`) runs its forward once per call, as the student does (so in lockstep over DP), and
+    its gathered root is freed once the student's forward returns."""
 
     def __init__(self, cfg: DistillConfig, ctx, student, teacher):
         self.cfg, self.ctx, self.student, self.teacher = cfg, ctx, student, teacher
@@ -87,10 +89,13 @@ class DistillLoss:
         return total / batch["divisor"]
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
-        with self.teacher_context():
+        with self.teacher_context():  # under FSDP: collective over DP, once per student forward (lockstep)
             teacher_hidden = self.teacher(batch["inputs"], documents=batch["documents"], hidden_only=True)
-        divergence = forward(batch["inputs"], documents=batch["documents"],
-                             then=lambda hidden: self.token_divergence(hidden, teacher_hidden, batch["targets"]))
+        try:
+            divergence = forward(batch["inputs"], documents=batch["documents"],
+                                 then=lambda hidden: self.token_divergence(hidden, teacher_hidden, batch["targets"]))
+        finally:  # the divergence took its gradients in the forward (`_Chunked`): the teacher's output layer is done
+            release_teacher(self.teacher)
         total = divergence.sum()
         if batch["divisor"] is not None:
             return total / batch["divisor"]

@@ -1,5 +1,13 @@
 """The frozen teacher: a Hugging Face directory or shardlm checkpoint built at the run's layout (its own TP split of
-heads and vocabulary, its experts over EP), in eval mode, with no gradient and no optimizer state."""
+heads and vocabulary, its experts over EP), in eval mode, with no gradient and no optimizer state.
+
+Under FSDP (`train.data_sharding = "full"`, without pipeline stages) the teacher is sharded as the student is, over
+the same data-parallel mesh (`shard_teacher`): each DP rank holds 1/DP of each of its tensors, a layer's forward
+gathers that layer and frees it after, and the root (embedding, final norm, output layer) stays gathered from the
+teacher's forward until the loss has used its output layer (`release_teacher`). Its all-gathers are collectives:
+the teacher runs exactly once per student forward (`DistillLoss.__call__`, the only caller at DP > 1 under FSDP),
+and the student's FSDP forward already runs in lockstep over the DP ranks (the same micro-batch count on every
+rank, on-policy steps included: sampling is the student's, in lockstep), so the teacher's does too."""
 
 from __future__ import annotations
 
@@ -59,16 +67,66 @@ def load_teacher(config, ctx) -> torch.nn.Module:
         param.requires_grad_(False)
     if config.distill.teacher_dtype == "bf16":
         teacher.to(torch.bfloat16)
+    if config.train.data_sharding == "full" and ctx.pp_size == 1:
+        shard_teacher(teacher, ctx, config.train.fsdp_shard_size)
     return teacher.eval()
 
 
+def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0) -> None:
+    """FSDP2 (`fully_shard`) of the frozen teacher over the student's data-parallel mesh
+    (`shardlm.training.fsdp.data_parallel_mesh`, hybrid with `shard_size`), in place: each layer one unit that
+    gathers its parameters for its forward and frees them after (reshard_after_forward), split experts their own
+    unit over expert-DP, then the root (embedding, final norm, output layer), kept gathered after the forward until
+    `release_teacher`. Every (TP-local) parameter becomes a DTensor of the same shape of which this rank keeps rows
+    `torch.chunk(p, DP)[r]`; no parameter needs a gradient, so FSDP reduces nothing and no optimizer sees them."""
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlm.training.fsdp import PARAM_ATTRIBUTES, data_parallel_mesh, expert_data_parallel_mesh
+
+    marks = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
+             for name, p in teacher.named_parameters()}
+    mesh, _ = data_parallel_mesh(ctx, shard_size)
+    expert_mesh = expert_data_parallel_mesh(ctx) if ctx.ep_size > 1 else None
+    layers = teacher.layers.values() if isinstance(teacher.layers, torch.nn.ModuleDict) else teacher.layers
+    for layer in layers:
+        block = layer.mlp if hasattr(layer, "mlp") else getattr(layer, "mixer", None)
+        experts = getattr(block, "experts", None)
+        if experts is not None and expert_mesh is not None:  # different experts on the DP ranks of one EP group
+            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=False)
+    teacher.shards = mesh.shape[-1]  # the ranks one shard group spans (hybrid: a row of the mesh)
+    for name, param in teacher.named_parameters():
+        for attribute, value in marks[name].items():
+            setattr(param, attribute, value)
+
+
+def release_teacher(teacher: torch.nn.Module) -> None:
+    """Free a sharded teacher's gathered root (embedding, final norm, output layer) once the loss has used its
+    output layer: back to this rank's shards. Nothing for a teacher that FSDP does not shard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(teacher, FSDPModule):
+        teacher.reshard()
+
+
+def local_bytes(param: torch.Tensor) -> int:
+    """The bytes of `param` this rank holds: its local shard's for an FSDP DTensor, all of them otherwise."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.numel() * local.element_size()
+
+
 def describe_teacher(teacher: torch.nn.Module, path: str) -> str:
-    """One line for the run's log: the teacher and what its weights take on this rank."""
+    """One line for the run's log: the teacher and what its weights take on this rank (under FSDP its shards:
+    1/DP of the whole, `local_bytes`)."""
+    from torch.distributed.fsdp import FSDPModule
+
     m = teacher.cfg
-    held = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    held = sum(local_bytes(p) for p in teacher.parameters())
+    sharded = f" (its FSDP shards: 1/{teacher.shards} of the teacher)" if isinstance(teacher, FSDPModule) else ""
     return (f"distill: teacher {path} ({m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
-            f"{m.vocab_size}): {held / 2**20:,.1f} MiB of frozen weights on this rank, no gradient, no optimizer "
-            "state")
+            f"{m.vocab_size}): {held / 2**20:,.1f} MiB of frozen weights on this rank{sharded}, no gradient, no "
+            "optimizer state")
 
 
 def pipelined_hidden(teacher, inputs: torch.Tensor, documents, ctx) -> torch.Tensor | None:
