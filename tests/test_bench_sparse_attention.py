@@ -172,3 +172,23 @@ def test_the_v32_step_compares_the_same_model_and_the_goal_reads_it(run):
         for part in key.split("."):
             value = value[part]
         assert value not in (None, "", [], {}), key
+
+
+def test_the_v4_step_compares_the_same_model_and_the_goal_reads_it(run):
+    """transformers' DeepSeek-V4 losses of steps 1 and 2 equal shardlm's (fp32, the converted weights); each ratio is
+    per round the quotient of the tokens/s it names; the goal table has its row, reading the fp32 median; BENCHMARKS.md
+    states the figures."""
+    results, text = run
+    train = results[KEY]["v4_train_vs_hf"]
+    check = train["loss_check"]
+    assert check["match"] is True and set(check["losses"]) == {"shardlm", "hf", "hf_eager"}
+    assert f"**`{KEY}.v4_train_vs_hf.loss_check.match` = True**" in text
+    assert train["precisions"] == ["fp32"] and "DeepSeek-V4" in train["config"]
+    f = train["fp32"]
+    for ratio, theirs in (("ratio", "hf"), ("ratio_eager", "hf_eager")):
+        _quotient(f[ratio], f["shardlm_tokens_per_sec"], f[f"{theirs}_tokens_per_sec"])
+    assert f"**{_as_reported(f['ratio'])}**" in text and f["breakdown"]["shardlm"]["total"] > 0
+    assert train["goal"]["met"] == (f["ratio"]["median"] >= FAMILY_GOAL)
+    row = {row["key"]: row for row in results["goals"]["rows"]}[f"{KEY}.v4_train_vs_hf.fp32.ratio"]
+    assert row["value"] == f["ratio"]["median"] and row["met"] == (row["value"] >= FAMILY_GOAL)
+    assert f"`{KEY}.v4_train_vs_hf.fp32.ratio`" in text.split("## Speed goals")[1].split("\n## ")[0]

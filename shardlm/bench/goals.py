@@ -4,9 +4,9 @@
 a saved run. The goals:
 
 - each MoE family (Mixtral-style, DeepSeek-V3, gpt-oss, Qwen3.5-MoE, DeepSeek-V3.2 with sparse attention) and each
-  newer family of the `families` section (Mistral Small 4, OLMo 3, MiniMax-M2, Gemma 4) at >= 1.2x transformers as
-  shipped, in every precision the CPU ran (fp32, and bf16 where it multiplies bf16 natively; the DeepSeek-V3.2 step
-  runs in fp32 only);
+  newer family of the `families` section (Mistral Small 4, OLMo 3, MiniMax-M2, Gemma 4, Kimi Linear, Nemotron-H)
+  at >= 1.2x transformers as shipped, in every precision the CPU ran (fp32, and bf16 where it multiplies bf16
+  natively; the DeepSeek-V3.2 step runs in fp32 only);
 - the dense bf16 step at >= 75% of the best bf16 GEMM rate probed in the same rounds;
 - on a CPU with AMX, the dense bf16 step at >= 60% of the AMX GEMM rate (the MoE bf16 rows above are the other AMX
   goal, with the expert rows padded); on any other CPU a row that says AMX was not measured;
@@ -27,8 +27,10 @@ FAMILY_GOAL, DENSE_BF16_GOAL, AMX_DENSE_GOAL, DISTILL_GOAL = 1.2, 0.75, 0.60, 1.
 FAMILIES = (("Mixtral-style MoE", ("moe", "single_process")), ("DeepSeek-V3", ("deepseek",)), ("gpt-oss", ("gpt_oss",)),
             ("Qwen3.5-MoE (Gated DeltaNet)", ("linear_attention", "train_vs_hf")),
             ("DeepSeek-V3.2 (sparse attention)", ("sparse_attention", "train_vs_hf")),
+            ("DeepSeek-V4 (compressed attention)", ("sparse_attention", "v4_train_vs_hf")),
             ("Mistral Small 4", ("families", "mistral4")), ("OLMo 3", ("families", "olmo3")),
-            ("MiniMax-M2", ("families", "minimax_m2")), ("Gemma 4", ("families", "gemma4")))
+            ("MiniMax-M2", ("families", "minimax_m2")), ("Gemma 4", ("families", "gemma4")),
+            ("Kimi Linear (KDA)", ("families", "kimi_linear")), ("Nemotron-H (Mamba-2)", ("families", "nemotron_h")))
 """(name, path of the family's single-process figures in the results)."""
 
 

@@ -20,6 +20,9 @@
   the loss check of steps 1 and 2 first. transformers computes no indexer loss (its indexer runs without gradient),
   so shardlm runs with `index_loss_coeff` = 0 there; `shardlm_kl` is shardlm's step with the indexer's KL loss
   (coefficient 1, as shardlm trains DSA), timed in the same rounds.
+- `v4_train_vs_hf`: a tiny DeepSeek-V4 (`shardlm.bench.sparse_attention_v4`: hyper-connections, HCA and CSA
+  compressed attention with its indexer, hash-routed and sqrt-softplus MoE) the same way against transformers'
+  `DeepseekV4ForCausalLM` as shipped, fp32 only.
 """
 
 from __future__ import annotations
@@ -312,8 +315,11 @@ def layer_bench(quick: bool, repeats: int, lengths: tuple[int, ...] | None = Non
 
 def sparse_attention_bench(quick: bool, repeats: int, **layer) -> dict:
     """The `sparse_attention` section of `make bench` (`layer`: `layer_bench`'s keywords)."""
+    from shardlm.bench.sparse_attention_v4 import v4_train_vs_hf
+
     return {"layer": layer_bench(quick, repeats, **layer),
-            "train_vs_hf": train_vs_hf(V32_QUICK if quick else V32_BENCH, repeats, warmup=0 if quick else 1)}
+            "train_vs_hf": train_vs_hf(V32_QUICK if quick else V32_BENCH, repeats, warmup=0 if quick else 1),
+            "v4_train_vs_hf": v4_train_vs_hf(quick, repeats)}
 
 
 def _bytes(n: int) -> str:
@@ -360,6 +366,10 @@ def markdown_lines(d: dict) -> list[str]:
                         f"indexer): {median_cell(f['shardlm_kl_step_ms'], digits=1)} ms/step, "
                         f"{median_cell(f['ratio_kl'])} x transformers' tokens/s "
                         "(`sparse_attention.train_vs_hf.fp32.ratio_kl`)."]
+    if "v4_train_vs_hf" in d:
+        from shardlm.bench import sparse_attention_v4
+
+        lines += sparse_attention_v4.markdown_lines(d["v4_train_vs_hf"])
     return lines + layer_lines(d["layer"])
 
 
