@@ -11,6 +11,10 @@ with LoRA adapters (o of both kinds of layer, MLA's kv_b, the MLP; `validate` ta
 have no k or v) and with Muon (each whole matrix orthogonalized; f_a, g_a, the convolution, A_log and dt_bias on
 AdamW). Controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk
 starts from zero), and the convolution reset at the chunk edge (its earlier inputs not read).
+
+One world of 3: CP=3 on rows of 48 tokens packed from the same conversations (six zigzag chunks of 8, rank r
+holding chunks r and 5 - r; documents cross every inner chunk edge; six summaries combined in sequence order)
+against one process on the same rows, and its control, the hand-over dropped, which must end off.
 """
 
 from __future__ import annotations

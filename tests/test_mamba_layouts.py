@@ -6,11 +6,15 @@ micro-batches and the scan's chunks of 8 tokens).
 - world 2: TP=2 with SP (heads, groups and the convolution's channels split), PP=2 x 2 virtual stages, CP=2 (each
   rank's two zigzag chunks scanned at once, their (decay, end state) summaries and the convolution's last inputs
   handed over), DP=2 with the distributed optimizer (ZeRO-1), FSDP, Nemotron 3's MoE layer ("M*ME": ReLU^2
-  experts in groups, sigmoid scores, a shared expert) at EP=2, and TP=2 with SP with LoRA adapters (the Mamba and
+  experts in groups, sigmoid scores, a shared expert) at EP=2 and at FSDP x EP=2 (the expert stacks their own
+  FSDP unit over expert-DP), and TP=2 with SP with LoRA adapters (the Mamba and
   attention outputs, v and the MLP) and with Muon (each whole matrix orthogonalized; the convolution's taps,
   A_log, dt_bias, D and the norms go to AdamW);
 - controls at CP=2, each of which must train and end off: the state hand-over dropped (each chunk starts from
   zero), and the convolution reset at the chunk edge (its earlier inputs not read);
+- world 3: CP=3 on rows of 48 tokens packed from the same conversations (six zigzag chunks of 8, rank r holding
+  chunks r and 5 - r; documents cross every inner chunk edge, which a test of the data checks) against one
+  process on the same rows, and its control, the hand-over dropped, which must end off;
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, and differ
   without the documents (the control); selective and full recomputation give the loss and gradients of none;
 - bad settings are one-line errors.
