@@ -30,6 +30,14 @@ MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_
 keys and values through another, 8 + 4 (RoPE) key channels, values of 12 (a test that needs them narrower than the
 keys overrides `v_head_dim`)."""
 
+MOE = {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32}
+"""A mixture of experts at the tests' size (a [model] section's keys): 4 experts of hidden 32, top-2, on every layer;
+a routing's keys go on top (`MIXTRAL`, `test_moe_parallel.ROUTING`)."""
+
+MIXTRAL = MOE | {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+"""Mixtral's MoE at the tests' size: `MOE` routed by softmax with the load-balancing (0.01) and router z (0.001)
+losses; a test that needs a variation writes `MIXTRAL | {...}`."""
+
 
 TRAIN = {"precision": "fp32", "global_batch_size": 8, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "clip_grad": 0.5,
          "adam_eps": 1e-6, "seed": 7}
@@ -101,20 +109,21 @@ def case_spec(case) -> dict:
     return case[1] if isinstance(case, tuple) else case
 
 
-def layout_checks(run, cases: dict, more=None) -> dict:
+def layout_checks(run, cases: dict, more=None, more_args: tuple = ()) -> dict:
     """Worker body: `run(**spec)` for every case, each result or traceback kept by name (`multiproc.run_checks`),
     so one failing case fails only its own tests; `more`: a module-level function returning further named checks
-    ({name: callable}) to run in the same world after the cases."""
+    ({name: callable}) to run in the same world after the cases, called with `more_args` (a folder, say)."""
     specs = {name: case_spec(case) for name, case in cases.items()}
     checks = {name: (lambda spec=spec: run(**spec)) for name, spec in specs.items()}
-    return run_checks(checks | (more() if more else {}))
+    return run_checks(checks | (more(*more_args) if more else {}))
 
 
-def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600, more=None) -> list:
+def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600, more=None, more_args: tuple = ()) -> list:
     """Every case of `cases` on one gloo world of `world_size` ranks: per rank, {name: ("ok", value) or ("error",
     traceback)}, read with `multiproc.check_result` or `agreement.assert_every_rank`. `run` (and `more`, the
-    further checks of `layout_checks`) must be module-level functions (the workers import them by name)."""
-    return run_workers(world_size, layout_checks, run, cases, more, timeout=timeout)
+    further checks of `layout_checks`, given `more_args`) must be module-level functions (the workers import them
+    by name)."""
+    return run_workers(world_size, layout_checks, run, cases, more, more_args, timeout=timeout)
 
 
 def selected_cases(request, cases: dict, param: str = "name") -> dict:

@@ -35,8 +35,8 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_trained_parameters
-from multiproc import check_result, run_checks, run_workers
+from agreement import assert_every_rank
+from layouts import layout, layout_context, spawn_layouts
 
 STEPS, TOL = 6, 1e-5
 
@@ -159,21 +159,18 @@ def train(ctx: ParallelContext, config) -> tuple:
     return [(m["loss"], m["grad_norm"], m.get("mtp_loss", 0.0)) for m in metrics], full_parameters(trainer.model)
 
 
-def layout(tp: int = 1, cp: int = 1, sp: bool = False, ep: int = 1):
-    def check():
-        ctx = ParallelContext.from_process_group(tp, context_parallel=cp, expert_parallel=ep)
-        return train(ctx, mtp_config(tp, cp, sp, ep=ep))
-    return check
+WORLD2 = {"tp2_sp": layout(tp=2, sp=True), "dp2": layout(), "cp2": layout(cp=2), "ep2": layout(ep=2)}
+"""The layouts of a world of 2, each against one process."""
 
 
-def world2_checks():
-    return run_checks({"tp2_sp": layout(tp=2, sp=True), "dp2": layout(), "cp2": layout(cp=2),
-                       "ep2": layout(ep=2)})
+def run_layout(tp: int, pp: int, cp: int, ep: int, sp: bool = False) -> tuple:
+    """One case on this rank: (curve, full parameters) of `mtp_config`'s run at the case's layout."""
+    return train(layout_context(tp, pp, cp, ep), mtp_config(tp, cp, sp, ep=ep))
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_workers(2, world2_checks, timeout=600)
+    return spawn_layouts(2, run_layout, WORLD2)
 
 
 @pytest.fixture(scope="module")
@@ -181,16 +178,9 @@ def reference():
     return train(ParallelContext.single(), mtp_config())
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "dp2", "cp2", "ep2"])
+@pytest.mark.parametrize("name", list(WORLD2))
 def test_mtp_trains_as_one_process(world2, reference, name):
-    for value in check_result(world2, name):
-        curve, params = value
-        ref_curve, ref_params = reference
-        assert len(curve) == STEPS
-        for step, (got, want) in enumerate(zip(curve, ref_curve), 1):
-            for what, a, b in zip(("loss", "grad norm", "mtp loss"), got, want):
-                assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
-        assert_trained_parameters(params, ref_params, STEPS, TOL)
+    assert_every_rank(world2, name, reference, steps=STEPS, tol=TOL, columns=("loss", "grad norm", "mtp loss"))
 
 
 def test_mtp_changes_training_but_not_the_logged_loss_of_step_one(reference):
