@@ -110,8 +110,9 @@ def train_distill(ctx: ParallelContext, config) -> dict:
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
     assert not any(p.requires_grad for p in trainer.teacher.parameters())
-    calls = []
-    trainer.teacher.register_forward_pre_hook(lambda *_: calls.append(1))
+    calls = []  # the teacher's layer forwards on this rank (under pipeline stages its forward is never called)
+    for layer in trainer.teacher.layers.values():
+        layer.register_forward_pre_hook(lambda *_: calls.append(1))
     step = on_policy_run(trainer).train_step if config.distill.lmbda else trainer.train_step
     metrics = [step() for _ in range(STEPS)]
     curve = [(m["loss"], m["grad_norm"]) for m in metrics]
@@ -125,21 +126,22 @@ def train_distill(ctx: ParallelContext, config) -> dict:
 
 def teacher_memory(trainer, calls: int) -> dict:
     """What the teacher's parameters hold on this rank after the run: the names of those not (or no longer) FSDP
-    DTensors, the bytes of their local parts and of the whole, the shard count of the dim 0 divisible ones (local
-    elements x that == whole), the run's log line and the teacher's forward calls."""
+    DTensors, the bytes of their local parts and of the whole (all, and the layers'), the shard count of the dim 0
+    divisible ones (local elements x that == whole), the run's log line and the layers' forward calls."""
     from torch.distributed.tensor import DTensor
 
     from shardlm.distill.teacher import describe_teacher, local_bytes
 
     named = list(trainer.teacher.named_parameters())
+    layers = [p for n, p in named if n.startswith("layers.")]
     params, dp = [p for _, p in named], trainer.ctx.dp_size
-    line = describe_teacher(trainer.teacher, "teacher")
     return {"plain": [n for n, p in named if not isinstance(p, DTensor)], "count": len(named),
-            "held": sum(local_bytes(p) for p in params),
-            "full": sum(p.numel() * p.element_size() for p in params), "calls": calls,
+            "held": sum(local_bytes(p) for p in params), "full": sum(p.numel() * p.element_size() for p in params),
+            "layers_held": sum(local_bytes(p) for p in layers),
+            "layers_full": sum(p.numel() * p.element_size() for p in layers), "calls": calls,
             "divisible_shards": {p.numel() // p.to_local().numel() for p in params
                                  if isinstance(p, DTensor) and p.shape[0] % dp == 0},
-            "line": line}
+            "line": describe_teacher(trainer.teacher, "teacher")}
 
 
 def plain_sum(x, tp):
@@ -191,6 +193,7 @@ WORLD4 = {
     "pp2 tp2 sp": ("dense", layout(pp=2, tp=2, sp=True, micro=1)),
     "fsdp tp2 dp2 sp": ("dense", layout(tp=2, sp=True, data_sharding="full")),
     "hybrid fsdp dp4 groups of 2": ("dense", layout(micro=1, data_sharding="full", fsdp_shard_size=2)),
+    "fsdp pp2 dp2": ("dense", layout(pp=2, micro=1, data_sharding="full")),
 }
 REFERENCES = {"dense": {"micro": BATCH}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": WIDE_BATCH, "lora": True},
               "forward kl": {"micro": BATCH, "beta": 0.0}, "on-policy": {"micro": BATCH, "lmbda": 0.2},
@@ -246,29 +249,33 @@ def test_distillation_at_four_ranks_equals_one_process(world4, reference, name):
 
 TEACHER_SHARDS = {"fsdp dp2": ("world2", {2}), "on-policy fsdp dp2": ("world2", {2}), "fsdp cp2": ("world2", {2}),
                   "fsdp ep2 moe teacher": ("world2", {1, 2}), "fsdp tp2 dp2 sp": ("world4", {2}),
-                  "hybrid fsdp dp4 groups of 2": ("world4", {2}), "dp2 zero1": ("world2", set())}
+                  "hybrid fsdp dp4 groups of 2": ("world4", {2}), "fsdp pp2 dp2": ("world4", {2}),
+                  "dp2 zero1": ("world2", set())}
 """Case: (its world, the shard counts of the teacher's tensors). Under EP=2 of 2 ranks the experts' own FSDP group
 (expert-DP) has one rank: they are DTensors of one shard; the hybrid case shards within groups of 2 of its 4 DP
-ranks and replicates across them."""
+ranks and replicates across them; under pipeline stages the layers are sharded, the ends whole."""
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(TEACHER_SHARDS))
 def test_fsdp_shards_the_teacher(request, name):
     """Under FSDP every teacher parameter is a DTensor again after the run's steps and evaluation (each layer freed
-    after its forward, the root after the loss), each rank holding 1/shards of every tensor's bytes (dim 0
-    divisible by DP), as the log line says; the teacher ran as many forwards on every rank (its all-gathers are
-    collectives). Without FSDP (ZeRO-1) each rank holds the whole teacher."""
+    after its forward, the root after the loss; under pipeline stages the layers only), each rank holding
+    1/shards of every tensor's bytes (dim 0 divisible by DP), as the log line says; every rank ran as many teacher
+    layers (their all-gathers are collectives). Without FSDP (ZeRO-1) each rank holds the whole teacher."""
     world, shards = TEACHER_SHARDS[name]
     ranks = [value["teacher"] for value in check_result(request.getfixturevalue(world), name)]
+    pipeline, share = "pp2" in name, max(shards, default=1)
     for rank, held in enumerate(ranks):
-        assert len(held["plain"]) == (0 if shards else held["count"]), \
-            f"{name} rank {rank}: {len(held['plain'])} gathered, as {held['plain'][:3]}"
+        gathered = [n for n in held["plain"] if n.startswith("layers.") or not pipeline]
+        assert len(gathered) == (0 if shards else held["count"]), \
+            f"{name} rank {rank}: {len(gathered)} gathered, as {gathered[:3]}"
         assert held["divisible_shards"] == shards, f"{name} rank {rank}"
         if len(shards) < 2:  # one shard count for all: the rank holds that share of the bytes
-            assert held["held"] * max(shards, default=1) == held["full"], f"{name} rank {rank}"
+            assert held["layers_held"] * share == held["layers_full"], f"{name} rank {rank}"
+            assert pipeline or held["held"] * share == held["full"], f"{name} rank {rank}"
         assert f"{held['held'] / 2**20:,.1f} MiB of frozen weights on this rank" in held["line"], held["line"]
-        assert held["calls"] == ranks[0]["calls"] > 0, f"{name}: teacher forwards {[r['calls'] for r in ranks]}"
+        assert held["calls"] == ranks[0]["calls"] > 0, f"{name}: teacher layers run {[r['calls'] for r in ranks]}"
 
 
 @pytest.mark.timeout(600)

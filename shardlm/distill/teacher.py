@@ -1,13 +1,15 @@
 """The frozen teacher: a Hugging Face directory or shardlm checkpoint built at the run's layout (its own TP split of
 heads and vocabulary, its experts over EP), in eval mode, with no gradient and no optimizer state.
 
-Under FSDP (`train.data_sharding = "full"`, without pipeline stages) the teacher is sharded as the student is, over
-the same data-parallel mesh (`shard_teacher`): each DP rank holds 1/DP of each of its tensors, a layer's forward
-gathers that layer and frees it after, and the root (embedding, final norm, output layer) stays gathered from the
-teacher's forward until the loss has used its output layer (`release_teacher`). Its all-gathers are collectives:
-the teacher runs exactly once per student forward (`DistillLoss.__call__`, the only caller at DP > 1 under FSDP),
-and the student's FSDP forward already runs in lockstep over the DP ranks (the same micro-batch count on every
-rank, on-policy steps included: sampling is the student's, in lockstep), so the teacher's does too."""
+Under FSDP (`train.data_sharding = "full"`) the teacher is sharded as the student is, over the same data-parallel
+mesh (`shard_teacher`): each DP rank holds 1/DP of each of its tensors, a layer's forward gathers that layer and
+frees it after, and the root (embedding, final norm, output layer) stays gathered from the teacher's forward until
+the loss has used its output layer (`release_teacher`); under pipeline stages only the layers are sharded (the ends
+stay whole). Its all-gathers are collectives: the teacher runs exactly once per student forward
+(`DistillLoss.__call__`; under pipeline stages once per micro-batch before the schedule, `DistillLoss.teacher_pass`,
+the same stages on the DP ranks of a stage), and the student's FSDP forward already runs in lockstep over the DP
+ranks (the same micro-batch count on every rank, on-policy steps included: sampling is the student's, in lockstep),
+so the teacher's does too."""
 
 from __future__ import annotations
 
@@ -67,18 +69,20 @@ def load_teacher(config, ctx) -> torch.nn.Module:
         param.requires_grad_(False)
     if config.distill.teacher_dtype == "bf16":
         teacher.to(torch.bfloat16)
-    if config.train.data_sharding == "full" and ctx.pp_size == 1:
-        shard_teacher(teacher, ctx, config.train.fsdp_shard_size)
+    if config.train.data_sharding == "full":
+        shard_teacher(teacher, ctx, config.train.fsdp_shard_size, ends=ctx.pp_size == 1)
     return teacher.eval()
 
 
-def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0) -> None:
+def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0, ends: bool = True) -> None:
     """FSDP2 (`fully_shard`) of the frozen teacher over the student's data-parallel mesh
     (`shardlm.training.fsdp.data_parallel_mesh`, hybrid with `shard_size`), in place: each layer one unit that
     gathers its parameters for its forward and frees them after (reshard_after_forward), split experts their own
-    unit over expert-DP, then the root (embedding, final norm, output layer), kept gathered after the forward until
-    `release_teacher`. Every (TP-local) parameter becomes a DTensor of the same shape of which this rank keeps rows
-    `torch.chunk(p, DP)[r]`; no parameter needs a gradient, so FSDP reduces nothing and no optimizer sees them."""
+    unit over expert-DP, then with `ends` the root (embedding, final norm, output layer), kept gathered after the
+    forward until `release_teacher`. Every (TP-local) parameter becomes a DTensor of the same shape of which this rank
+    keeps rows `torch.chunk(p, DP)[r]`; no parameter needs a gradient, so FSDP reduces nothing and no optimizer sees
+    them. Without `ends` (pipeline stages: `pipelined_hidden` calls the layers one by one, never the teacher's
+    forward) each layer is a root of its own and the ends stay whole."""
     from torch.distributed.fsdp import fully_shard
 
     from shardlm.training.fsdp import PARAM_ATTRIBUTES, data_parallel_mesh, expert_data_parallel_mesh
@@ -94,7 +98,8 @@ def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0) -> None:
         if experts is not None and expert_mesh is not None:  # different experts on the DP ranks of one EP group
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=True)
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(teacher, mesh=mesh, reshard_after_forward=False)
+    if ends:
+        fully_shard(teacher, mesh=mesh, reshard_after_forward=False)
     teacher.shards = mesh.shape[-1]  # the ranks one shard group spans (hybrid: a row of the mesh)
     for name, param in teacher.named_parameters():
         for attribute, value in marks[name].items():
@@ -123,7 +128,10 @@ def describe_teacher(teacher: torch.nn.Module, path: str) -> str:
 
     m = teacher.cfg
     held = sum(local_bytes(p) for p in teacher.parameters())
-    sharded = f" (its FSDP shards: 1/{teacher.shards} of the teacher)" if isinstance(teacher, FSDPModule) else ""
+    sharded = ""
+    if hasattr(teacher, "shards"):
+        sharded = f" (its FSDP shards: 1/{teacher.shards} of " + ("the teacher)" if isinstance(teacher, FSDPModule)
+                                                                   else "each layer, the ends whole)")
     return (f"distill: teacher {path} ({m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
             f"{m.vocab_size}): {held / 2**20:,.1f} MiB of frozen weights on this rank{sharded}, no gradient, no "
             "optimizer state")
