@@ -28,7 +28,8 @@ from shardlm.training.fsdp import counting_collectives
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from multiproc import check_result, merge_copies, run_checks, run_workers
+from layouts import layout, spawn_layouts
+from multiproc import check_result, merge_copies
 
 STEPS = 8
 INTERLEAVED = {"layers": 4, "micro": 1, "schedule": "interleaved-1f1b", "virtual": 2}  # 4 micro-batches per DP rank
@@ -126,21 +127,37 @@ def bitwise_resume(folder: str) -> dict:
     return {"straight": straight, "resumed": resumed}
 
 
-def world4_checks(folder: str) -> dict:
-    checks = {
-        "gpt 1f1b": lambda: pipeline_run(pp_config()),
-        "gpt interleaved": lambda: pipeline_run(pp_config(**INTERLEAVED)),
-        "llama interleaved": lambda: pipeline_run(pp_config("llama", **INTERLEAVED)),
+WORLD4 = {
+    "gpt 1f1b": layout(pp=2),
+    "gpt interleaved": layout(pp=2, **INTERLEAVED),
+    "llama interleaved": layout(pp=2, arch="llama", **INTERLEAVED),
+    "gpt 1f1b bf16 params": layout(pp=2, **BF16_PARAMS),
+    "moe ep2 1f1b": layout(pp=2, ep=2, moe=True),
+}
+"""The layouts of the world of 4, PP=2 x FSDP DP=2 (the MoE at EP=2), each against one process: the first three
+within 1e-5 (`EQUAL`), bf16 parameters within `test_fsdp.HALF_TOL`, the MoE with its aux loss."""
+EQUAL = ["gpt 1f1b", "gpt interleaved", "llama interleaved"]
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, moe: bool = False, **config) -> tuple:
+    """One case on this rank: (curve, whole model) of `pp_config(**config)` at PP=`pp` x FSDP DP, or with `moe`
+    `test_moe_parallel`'s Mixtral-routed GPT at EP=`ep` under FSDP."""
+    if moe:
+        return moe_run(moe_config("gpt", "mixtral", 2, ep=ep, pp=pp, data_sharding="full"), tp=tp, ep=ep, pp=pp)()
+    return pipeline_run(pp_config(pp=pp, **config))
+
+
+def world4_more(folder: str) -> dict:
+    """The world's further checks, not layout-against-one-process cases: collectives, validation, an fp16
+    overflow, a checkpoint chain and a bitwise resume."""
+    return {
         "collectives": lambda: {r: collectives_of_a_step(r) for r in (True, False)},
         "validation": lambda: validation_loss(ParallelContext.from_process_group(1, pipeline_parallel=2),
                                               pp_config(eval_iters=4)),
         "fp16": fp16_overflow_on_one_rank,
-        "gpt 1f1b bf16 params": lambda: pipeline_run(pp_config(**BF16_PARAMS)),
-        "moe ep2 1f1b": moe_run(moe_config("gpt", "mixtral", 2, ep=2, pp=2, data_sharding="full"), ep=2, pp=2),
         "chain": lambda: checkpoint_chain(folder),
         "bitwise": lambda: bitwise_resume(f"{folder}/bitwise"),
     }
-    return run_checks(checks)
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -160,10 +177,11 @@ def reference():
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return run_workers(4, world4_checks, str(tmp_path_factory.mktemp("fsdp_pipeline")), timeout=240)
+    folder = str(tmp_path_factory.mktemp("fsdp_pipeline"))
+    return spawn_layouts(4, run_layout, WORLD4, timeout=240, more=world4_more, more_args=(folder,))
 
 
-@pytest.mark.parametrize("name", ["gpt 1f1b", "gpt interleaved", "llama interleaved"])
+@pytest.mark.parametrize("name", EQUAL)
 def test_fsdp_with_pipeline_stages_equals_one_process(world4, reference, name):
     """PP=2 x FSDP DP=2 (1F1B over 2 micro-batches per DP rank; interleaved 1F1B with 2 virtual stages over
     4): loss and gradient norm at every step and the final parameters within 1e-5 of one process. The
