@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
                                         "bert-3.9b, scaling-1.2b/2.5b/4.2b/8.3b, llama3-8b, llama3-70b, "
                                         "the MoE models mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, "
                                         "moonlight-16b-a3b, glm-4.5, glm-4.5-air, gpt-oss-20b, gpt-oss-120b, "
-                                        "the sparse-attention deepseek-v3.2 and glm-5, "
+                                        "the sparse-attention deepseek-v3.2 and glm-5, deepseek-v4 (= -flash), "
                                         "the hybrid linear-attention qwen3-next-80b-a3b, qwen3.5-27b, "
                                         "qwen3.5-35b-a3b, qwen3.5-397b-a17b, kimi-linear-48b-a3b (KDA and MLA), "
                                         "nemotron-h-8b and nemotron-3-nano-30b-a3b (Mamba-2 hybrids), "

@@ -1,7 +1,8 @@
 """Model presets for the planner: the paper's GPT-2 and BERT models, its weak-scaling configs, Llama 3,
 the Mixture-of-Experts models Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, and the DeepSeek-V3-shaped
 models (multi-head latent attention, DeepSeek routing) DeepSeek-V3 and Moonlight-16B-A3B, with DeepSeek Sparse
-Attention DeepSeek-V3.2 and GLM-5 (docs/plan-sparse-attention.md), GLM-4.5, gpt-oss
+Attention DeepSeek-V3.2 and GLM-5 (docs/plan-sparse-attention.md), DeepSeek-V4-Flash (hyper-connections and
+compressed attention, `shardlm.plan.deepseek_v4`), GLM-4.5, gpt-oss
 (sliding-window layers, attention sinks, biased experts), and the hybrid linear-attention models Qwen3-Next-80B-A3B
 and Qwen3.5 (27B dense, 35B-A3B and 397B-A17B: three Gated DeltaNet layers before each gated full-attention one),
 Kimi Linear 48B-A3B (Kimi Delta Attention beside MLA) and Nemotron-H 8B and Nemotron 3 Nano 30B-A3B (Mamba-2,
