@@ -10,8 +10,13 @@ loss, every parameter on every rank):
   computed in chunks of 5 rows, against one chunk in the reference), PP=2 and PP=2 x 2 virtual
   stages (the teacher's 4 layers over the same stages, its hidden states handed to the last), DP=2 with ZeRO-1, FSDP
   DP=2, CP=2, EP=2 (a MoE student; also with a Qwen3-MoE teacher, whose experts split over EP too), a LoRA student
-  at TP=2 with SP;
-- world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP, PP=2 x TP=2 with SP;
+  at TP=2 with SP, FSDP CP=2 and FSDP EP=2 with the Qwen3-MoE teacher;
+- world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP, PP=2 x TP=2 with SP, FSDP TP=2 x DP=2 with SP, hybrid FSDP in
+  groups of 2 of DP=4, FSDP PP=2 x DP=2;
+- under FSDP the teacher is sharded over the student's mesh (`shardlm.distill.teacher.shard_teacher`): after the
+  run every teacher parameter is a DTensor again (each rank 1/2 of each tensor whose first dimension DP divides;
+  under PP its layers, the ends whole), the log line's MiB is the rank's bytes, and every rank ran as many teacher
+  layers (their all-gathers are collectives); under ZeRO-1 each rank holds the whole teacher;
 - the control: at TP=2 the student's sum of exponentials reduced without summing its gradient over the ranks
   (the backward of a plain all-reduce) trains, and ends more than 1e-3 off (with beta 0, the forward KL, whose
   upstream gradients sum to -1 over the vocabulary; under beta 0.5 their sum is (1 - beta) KL(student ||
