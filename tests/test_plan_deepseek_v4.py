@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.flops import flops_per_token
-from shardlm.plan.deepseek_v4 import v4_forward_flops, v4_layer_flops, v4_parameter_count
+from shardlm.plan.deepseek_v4 import hyper_connection_bytes, v4_forward_flops, v4_layer_flops, v4_parameter_count
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.parameters import parameter_count
 
@@ -129,3 +130,64 @@ def test_shardlm_plan_plans_deepseek_v4(capsys):
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "284B parameters" in out and "Recommended: " in out
+
+
+def _saved(run, exclude) -> int:
+    """Bytes of the storages autograd saves while `run()` builds its graph (each once, `exclude`'s not)."""
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        kept = run()
+    del kept
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("n,iters,batch,seq,hidden", [(2, 20, 1, 32, 32), (4, 3, 2, 16, 64), (3, 5, 1, 8, 16)])
+def test_a_hyper_connection_saves_what_the_planner_counts(n, iters, batch, seq, hidden):
+    """One branch's `HyperConnection` and `expand` in fp32 save `hyper_connection_bytes` (streams, output, the
+    normalized streams, the mixes and every Sinkhorn round)."""
+    from shardlm.models.hyper_connections import HyperConnection, expand
+    from shardlm.parallel import ParallelContext
+
+    cfg = tiny_v4(hc_mult=n, hc_sinkhorn_iters=iters, hidden_size=hidden)
+    hc = HyperConnection(cfg, ParallelContext.single(), 0, "hc", False)
+    streams = torch.randn(batch, seq, n, hidden, requires_grad=True)
+    output = torch.randn(batch, seq, hidden, requires_grad=True)
+
+    def run():
+        post, comb, _ = hc(streams)
+        return expand(output, post, comb, streams)
+
+    assert _saved(run, hc.parameters()) == hyper_connection_bytes(cfg, batch * seq, 4)
+
+
+def test_the_plan_keeps_the_streams_and_the_hyper_connections():
+    """Under full recomputation a layer keeps its input, the n streams (B, T, n, h): the tiny model's checkpointed
+    layers save exactly the planner's layer_input each (n h fp32 values a token) beyond what the model without
+    recomputation saves outside its layers; a layer's charge adds its two hyper-connection branches to the Llama
+    layer's."""
+    from test_plan_linear_attention import saved_by_layer
+
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+    from shardlm.plan.activations import LayerSetting, shardlm_memory
+    from shardlm.plan.memory import numeric_format
+
+    cfg, fp32 = tiny_v4(), numeric_format("fp32")
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    outside = {}
+    for checkpointing in (False, True):
+        model = build_model(cfg, ParallelContext.single(), seed=0, activation_checkpointing=checkpointing).train()
+        outside[checkpointing] = saved_by_layer(model, lambda m=model: m(tokens, tokens).mean())[None]
+    acts = shardlm_memory(cfg, 1, 2, fp32, LayerSetting(), backend="cpu")
+    assert acts.layer_input == 2 * cfg.seq_length * cfg.hc_mult * cfg.hidden_size * 4
+    assert outside[True] - outside[False] == cfg.num_layers * acts.layer_input
+    plain = shardlm_memory(dataclasses.replace(cfg, hc_mult=0), 1, 2, fp32, LayerSetting(), backend="cpu")
+    assert acts.per_layer - plain.per_layer == 2 * hyper_connection_bytes(cfg, 2 * cfg.seq_length, 4)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 (`model.hc_mult` > 0, `shardlm.models.deepseek_v4`) in the planner: parameters and FLOPs.
+"""DeepSeek-V4 (`model.hc_mult` > 0, `shardlm.models.deepseek_v4`) in the planner: parameters, FLOPs and the
+hyper-connections' activations (`v4_activation_change`; the attention's are the Llama layer's of its width).
 
 Parameters (`v4_parameter_count`), as the model builds them on one TP rank (h hidden, n = hc_mult streams, H heads
 of D = head_dim channels, r_q = q_lora_rank, g = output_groups of r_o = output_rank, E experts):
@@ -141,3 +142,24 @@ def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     indexers = sum(f.indexer for f in per_layer)
     layers = sum(f.trained + f.indexer for f in per_layer)
     return 3 * v4_forward_flops(cfg) - 2 * indexers + (layers if recompute else 0.0)
+
+
+def hyper_connection_bytes(cfg: ModelConfig, tokens: int, residual_bytes: int) -> int:
+    """Bytes one hyper-connection branch (`HyperConnection` and its `expand`) saves for the backward over `tokens`
+    tokens (this rank's: b s, or b s / tp under sequence parallelism): the streams (n h) and the branch's output (h)
+    in the residual dtype, the RMS-normalized flattened streams (n h) and the mixing weights in fp32, and the
+    Sinkhorn-Knopp rounds' matrices and sums (2 iters - 1 divisions of n^2 by n each), with the sigmoid and softmax
+    outputs 3 n^2 + 6 n + 1 fp32 values a token."""
+    n, h, iters = cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters
+    fp32 = n * h + (2 * iters - 1) * (n * n + n) + 3 * n * n + 6 * n + 1
+    return tokens * ((n * h + h) * residual_bytes + 4 * fp32)
+
+
+def v4_activation_change(cfg: ModelConfig, tp: int, micro_batch: int, residual_bytes: int,
+                         sequence_parallel: bool) -> tuple[int, int]:
+    """(bytes a DeepSeek-V4 layer saves beyond the Llama layer of its attention width and MoE, the factor of its
+    layer input): the two hyper-connection branches (`hyper_connection_bytes`), and the n streams (B, T, n, h) that
+    a layer takes instead of one residual (kept per layer under full recomputation). The attention's own terms are
+    the Llama layer's, not yet its compressors' and masked scores' (docs/sparse-attention.md, "Not yet")."""
+    tokens = micro_batch * cfg.seq_length // (tp if sequence_parallel and tp > 1 else 1)
+    return 2 * hyper_connection_bytes(cfg, tokens, residual_bytes), cfg.hc_mult
