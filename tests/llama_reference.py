@@ -84,16 +84,19 @@ def is_norm_weight(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 1 and name.endswith("weight") and ("norm" in module or module.startswith("ln_"))
 
 
-def spread_norm_weights(model: torch.nn.Module, seed: int = 0, prefix: str = "") -> list[str]:
-    """Every norm weight of `model` (under `prefix`) drawn from U(0.5, 2), in place; returns their names. At
-    their initial 1.0 two norms swapped by a name map (`input_layernorm` for `post_attention_layernorm`,
-    `q_norm` for `k_norm`, `enorm` for `hnorm`) would give the same logits, and the round trip would pass."""
+def spread_norm_weights(model: torch.nn.Module, seed: int = 0, prefix: str = "", low: float = 0.5, high: float = 2.0,
+                        norms: tuple[str, ...] = ()) -> list[str]:
+    """Every norm weight of `model` (under `prefix`; only the norms named in `norms`, such as ("q_norm", "k_norm"),
+    when given) drawn from U(`low`, `high`), in place; returns their names. At their initial 1.0 two norms swapped
+    by a name map (`input_layernorm` for `post_attention_layernorm`, `q_norm` for `k_norm`, `enorm` for `hnorm`)
+    would give the same logits, and the round trip would pass; a norm left out would go unseen."""
     generator = torch.Generator().manual_seed(seed)
     names = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.startswith(prefix) and is_norm_weight(name, param):
-                param.copy_(torch.rand(param.shape, generator=generator) * 1.5 + 0.5)
+            module = name.rsplit(".", 2)[-2] if name.count(".") else ""
+            if name.startswith(prefix) and is_norm_weight(name, param) and (not norms or module in norms):
+                param.copy_(torch.rand(param.shape, generator=generator) * (high - low) + low)
                 names.append(name)
     return names
 

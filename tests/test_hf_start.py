@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from llama_reference import spread_norm_weights
 from test_moe_parallel import stage_parameters
 from test_training import VOCAB, synthetic_data
 
@@ -56,8 +57,7 @@ def tiny_qwen3(moe: bool = False):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4.0)
             layer.self_attn.k_proj.weight.mul_(4.0)
-            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
-            layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+    assert len(spread_norm_weights(model, low=0.5, high=2.0, norms=("q_norm", "k_norm"))) == 2 * len(model.model.layers)
     return model.eval()
 
 

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from llama_reference import spread_norm_weights
 from safetensors.torch import load_file
 from test_llama import full_parameters, logits_and_greedy, synthetic_data
 from test_training import assert_same_run
@@ -51,8 +52,7 @@ def hf_model(tmp_path_factory):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
-            layer.self_attn.q_norm.weight.uniform_(0.5, 3.0)
-            layer.self_attn.k_norm.weight.uniform_(0.5, 3.0)
+    assert len(spread_norm_weights(model, low=0.5, high=3.0, norms=("q_norm", "k_norm"))) == 2 * len(model.model.layers)
     root = tmp_path_factory.mktemp("qwen3")
     model.save_pretrained(root / "hf")
     converted = from_hf(root / "hf", root / "qwen3.safetensors")
