@@ -119,6 +119,10 @@ def test_long_sequences_pay_the_window_and_the_compressed_entries():
     hca, csa = cfg.compress_ratios.count(128), cfg.compress_ratios.count(4)
     heads, dim = cfg.num_heads, cfg.head_dim
     assert grown == hca * 4 * heads * dim * 1024 + csa * 2 * cfg.index_heads * cfg.index_head_dim * 32768
+    # docs/sparse-attention.md's figures: 42.4 GFLOP forward and 104.9 of training a token; dense keys add 734
+    assert (round(v4_forward_flops(cfg) / 1e9, 1), round(flops_per_token(cfg) / 1e9, 1)) == (42.4, 104.9)
+    dense = sum(4 * heads * dim * (cfg.seq_length - kind.keys) for kind in kinds)
+    assert round(dense / 1e9) == 734 and round(kinds[3].indexer / 1e9, 2) == 0.56
 
 
 def test_shardlm_plan_plans_deepseek_v4(capsys):
