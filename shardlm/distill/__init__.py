@@ -1,6 +1,6 @@
 """Knowledge distillation from a frozen teacher at the training layout (`docs/distillation.md`): the teacher
-(`teacher`), the generalized Jensen-Shannon divergence over vocabulary-parallel logits (`divergence`) and the
-trainer's loss (`loss`)."""
+(`teacher`; sharded over DP under FSDP), the generalized Jensen-Shannon divergence over vocabulary-parallel logits
+(`divergence`) and the trainer's loss (`loss`)."""
 
 from __future__ import annotations
 

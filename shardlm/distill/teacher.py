@@ -30,7 +30,8 @@ def open_teacher(path: str):
 
 def load_teacher(config, ctx) -> torch.nn.Module:
     """The teacher of `config.distill` at `ctx`'s layout: built with the student's sequence length and sequence
-    parallelism, its weights read (every rank its shard), frozen. Collective over the ranks that read shards."""
+    parallelism, its weights read (every rank its shard), frozen, and under FSDP sharded over the data-parallel
+    mesh (`shard_teacher`). Collective over the ranks that read shards (and under FSDP over the DP group)."""
     from shardlm.checkpoint import files
     from shardlm.checkpoint.init import MappedReader
     from shardlm.checkpoint.sharded import model_files
