@@ -351,9 +351,10 @@ def test_optimizer_comparison_states_what_the_runs_measured(quick_run):
 
 def test_linear_attention_figures_are_the_measured_times_of_the_same_model(quick_run):
     """linear_attention: transformers' Qwen3.5-MoE losses of steps 1 and 2 equal shardlm's (same weights, same
-    batch); each training ratio is per round the quotient of the tokens/s it names, each stack speedup the
-    quotient of the full-attention and hybrid ms; every quick length was measured (no budget in --quick); the
-    hybrid stack mixes both layer kinds; BENCHMARKS.md states the figures and the plot was written."""
+    batch); each training ratio is per round the quotient of the tokens/s it names, each stack speedup (Gated
+    DeltaNet, KDA and Mamba-2 stacks) the quotient of the full-attention and that stack's ms; every quick length was
+    measured (no budget in --quick); the hybrid stack mixes both layer kinds, the Nemotron-H one Mamba-2, attention
+    and MLP blocks; BENCHMARKS.md states the figures and the plot was written."""
     from shardlm.bench.linear_attention import QUICK_LENGTHS
 
     results = json.loads((quick_run[1] / "benchmarks.json").read_text())
@@ -370,13 +371,16 @@ def test_linear_attention_figures_are_the_measured_times_of_the_same_model(quick
         assert f"**{_as_reported(f['ratio'])}**" in text
     assert train["goal"]["met"] == (train["fp32"]["ratio"]["median"] >= 1.2)
     assert set(stacks["hybrid_layer_types"]) == {"linear_attention", "full_attention"}
+    assert set(stacks["mamba_pattern"]) == {"M", "*", "-"}
     assert [row["tokens"] for row in stacks["rows"]] == list(QUICK_LENGTHS)
     for row in stacks["rows"]:
-        _per_repeat_ratio(row["speedup"], row["attention_ms"], row["hybrid_ms"])
-        assert row["rounds"] == len(row["speedup"]["values"]) == stacks["rounds"]
-        assert row["hybrid_us_per_token"] == pytest.approx(1000 * row["hybrid_ms"]["median"] / row["tokens"])
-        assert f"| {row['tokens']:,} | {row['hybrid_ms']['median']:.1f} (min" in text
-        assert f"**{_as_reported(row['speedup'])}**" in text
+        line = next(line for line in text.splitlines() if line.startswith(f"| {row['tokens']:,} | "))
+        for stack, key in (("hybrid", "speedup"), ("kda", "speedup_kda"), ("mamba", "speedup_mamba")):
+            _per_repeat_ratio(row[key], row["attention_ms"], row[f"{stack}_ms"])
+            assert row["rounds"] == len(row[key]["values"]) == stacks["rounds"]
+            assert row[f"{stack}_us_per_token"] == pytest.approx(1000 * row[f"{stack}_ms"]["median"] / row["tokens"])
+            assert f"{row[f'{stack}_ms']['median']:.1f} (min" in line and f"**{_as_reported(row[key])}**" in line
+        assert line.startswith(f"| {row['tokens']:,} | {row['hybrid_ms']['median']:.1f} (min")
     assert (quick_run[1] / stacks["plot"]).is_file()
 
 

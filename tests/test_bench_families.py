@@ -68,3 +68,16 @@ def test_goals_and_report_state_the_figures(run):
     for name, result in results["families"].items():
         line = next(line for line in markdown.splitlines() if line.startswith(f"| {name} |"))
         assert f"{result['fp32']['ratio']['median']:.2f}" in line and str(result["loss_check"]["match"]) in line
+
+
+def test_linear_attention_families_hold_every_kind_of_layer():
+    """The quick Kimi Linear has KDA and MLA layers and dense and MoE MLPs; the quick Nemotron-H Mamba-2, attention,
+    MLP and MoE blocks; both with their experts (no kind left out of the comparison)."""
+    from shardlm.bench.families import QUICK, SHAPES
+
+    for shapes in (QUICK, SHAPES):
+        kimi, nemotron = shapes["kimi_linear"].hf_config(), shapes["nemotron_h"].hf_config()
+        assert set(kimi.layer_types) == {"linear_attention", "full_attention"}
+        assert set(kimi.mlp_layer_types) == {"dense", "sparse"} and kimi.num_local_experts > 1
+        assert set(nemotron.layers_block_type) == {"linear_attention", "full_attention", "mlp", "moe"}
+        assert nemotron.n_routed_experts > 1

@@ -13,7 +13,17 @@ so that every piece of the family takes part in the loss:
   score-correction bias in every layer;
 - Gemma 4 (`Gemma4ForCausalLM`, an E-series shape: dense): sandwich norms, sliding and full layers in turn (k = v
   and proportional RoPE on the full ones), the last (full) layer sharing the previous full layer's keys and values,
-  per-layer inputs, the final soft-cap.
+  per-layer inputs, the final soft-cap;
+- Kimi Linear (`KimiLinearForCausalLM`): Kimi Delta Attention (per-channel decays from a low-rank gate, short
+  convolutions, a gated output norm; transformers' PyTorch chunked rule, fla absent) on 3 of 4 layers and MLA
+  without positions on the 4th, the first layer's MLP dense and the rest MoE (sigmoid routing with a
+  score-correction bias, a shared expert);
+- Nemotron-H (`NemotronHForCausalLM`): Mamba-2 mixers (transformers' PyTorch scan, mamba_ssm absent), attention
+  without positions, ReLU^2 MLPs and Nemotron 3's ReLU^2 MoE ("E": grouped top-k over sigmoid scores with a
+  score-correction bias, a shared expert), one mixer per block.
+
+The linear-attention families' `A_log`, `dt_bias`, `D` and convolution biases are moved by N(0, 0.5) off their
+initial values, and Kimi Linear's low-rank gate projections scaled by 4 (gates away from 1/2).
 """
 
 from __future__ import annotations
@@ -86,10 +96,44 @@ class FamilyShape:
                                        attention_k_eq_v=True, num_kv_shared_layers=1, sliding_window=self.window,
                                        layer_types=layer_types, rope_parameters=rope, final_logit_softcapping=30.0,
                                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=self.vocab_size)
+        if self.family == "kimi_linear":
+            return self._kimi_linear(tf, common)
+        if self.family == "nemotron_h":
+            return self._nemotron_h(tf, common)
         return tf.MiniMaxM2Config(**common, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
                                   intermediate_size=self.expert_ffn, num_local_experts=self.experts,
                                   num_experts_per_tok=self.top_k, rotary_dim=self.head_dim // 2, rope_theta=5e6,
                                   router_aux_loss_coef=0.0, output_router_logits=False)
+
+    def _kimi_linear(self, tf, common: dict):
+        """KimiLinearConfig: KDA on 3 of 4 layers (`num_heads` heads of `head_dim`), MLA without positions on the
+        4th; the first MLP dense (`ffn`), the rest `experts` experts and a shared one."""
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 or i == self.num_layers - 1 else "linear_attention"
+                       for i in range(self.num_layers)]
+        return tf.KimiLinearConfig(**common, num_key_value_heads=self.num_heads, kv_lora_rank=2 * self.head_dim,
+                                   q_lora_rank=None, qk_nope_head_dim=self.head_dim,
+                                   qk_rope_head_dim=self.head_dim // 2, v_head_dim=self.head_dim,
+                                   intermediate_size=self.ffn, moe_intermediate_size=self.expert_ffn,
+                                   num_local_experts=self.experts, num_experts_per_tok=self.top_k, n_shared_experts=1,
+                                   routed_scaling_factor=2.0, linear_num_heads=self.num_heads,
+                                   linear_head_dim=self.head_dim, linear_conv_kernel_dim=4, layer_types=layer_types,
+                                   mlp_layer_types=["dense"] + ["sparse"] * (self.num_layers - 1))
+
+    def _nemotron_h(self, tf, common: dict):
+        """NemotronHConfig: the blocks `NEMOTRON_BLOCKS[:num_layers]`; Mamba-2 of `num_heads` heads of 2 x hidden /
+        heads channels in 2 groups (state 2 x `head_dim`, chunks of seq / 4); attention `num_heads` over
+        `num_kv_heads`; ReLU^2 MLP `ffn`, `experts` ReLU^2 experts in 2 groups beside a shared one."""
+        common = {key: value for key, value in common.items() if key != "num_hidden_layers"}
+        return tf.NemotronHConfig(**common, layers_block_type=list(NEMOTRON_BLOCKS[:self.num_layers]),
+                                  num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                  intermediate_size=self.ffn, mamba_num_heads=self.num_heads,
+                                  mamba_head_dim=2 * self.hidden_size // self.num_heads,
+                                  ssm_state_size=2 * self.head_dim, n_groups=2, conv_kernel=4,
+                                  chunk_size=self.seq_length // 4, n_routed_experts=self.experts,
+                                  num_experts_per_tok=self.top_k,
+                                  moe_intermediate_size=self.expert_ffn,
+                                  moe_shared_expert_intermediate_size=self.expert_ffn, n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5)
 
     def describe(self) -> str:
         experts = (f", {self.experts} experts of width {self.expert_ffn} top-{self.top_k}" if self.experts else
@@ -99,9 +143,16 @@ class FamilyShape:
                 f"vocabulary {self.vocab_size}")
 
 
+NEMOTRON_BLOCKS = ("linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe")
+"""Nemotron-H's block kinds in order (its pattern "ME*-ME" at 6 layers, "ME*-" at 4)."""
+STATE_SPACE = ("A_log", "dt_bias", "mixer.D", "conv1d.bias")
+"""Linear-attention parameters moved off their initial values (N(0, 0.5))."""
+
+
 def save_hf_model(shape: FamilyShape, folder: Path, seed: int = 0) -> Path:
     """A random fp32 model of `shape` saved in `folder`: norm weights drawn around 1, routers sharpened (std 0.1)
-    and score-correction biases drawn (+-0.05), which transformers initializes to ones and zeros."""
+    and score-correction biases drawn (+-0.05), which transformers initializes to ones and zeros; `STATE_SPACE`
+    parameters moved and Kimi Linear's low-rank gates scaled by 4."""
     import transformers
 
     torch.manual_seed(seed)
@@ -110,8 +161,12 @@ def save_hf_model(shape: FamilyShape, folder: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if "norm" in name and param.ndim == 1:
                 param.normal_(1.0, 0.1)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "mixer.gate.weight")):
                 param.normal_(0, 0.1)
+            elif name.endswith(STATE_SPACE):
+                param.add_(torch.randn_like(param), alpha=0.5)
+            elif name.endswith(("f_a_proj.weight", "g_a_proj.weight")):
+                param.mul_(4.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.05, 0.05)
@@ -126,13 +181,22 @@ FAMILIES = {
     "gemma4": HFModel("Gemma4ForCausalLM", None, save_hf_model),
     "minimax_m2": HFModel("MiniMaxM2ForCausalLM", "MiniMaxM2Experts", save_hf_model,
                           model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
+    "kimi_linear": HFModel("KimiLinearForCausalLM", "KimiLinearExperts", save_hf_model,
+                           model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
+    "nemotron_h": HFModel("NemotronHForCausalLM", None, save_hf_model,  # see NEMOTRON_EXPERTS
+                          model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
 }
 """Each family's transformers side (attention and experts as shipped) and shardlm's keys: no aux loss and a fixed
 expert bias, as transformers trains."""
+NEMOTRON_EXPERTS = "NemotronHExperts"
+"""transformers' Nemotron-H experts class: not named in its HFModel (no `hf_eager` program, no experts' dtypes)
+because `moe.expert_gemm_dtypes` finds shardlm's experts by the exact class name GroupedExperts, and Nemotron-H's
+are its subclass ReluSquaredExperts."""
 
 SHAPES = {"mistral4": FamilyShape("mistral4"), "olmo3": FamilyShape("olmo3", experts=0),
-          "minimax_m2": FamilyShape("minimax_m2"), "gemma4": FamilyShape("gemma4", num_kv_heads=2, experts=0)}
-QUICK = {name: FamilyShape(name, num_layers=4 if name == "gemma4" else 2, hidden_size=64, num_heads=4,
+          "minimax_m2": FamilyShape("minimax_m2"), "gemma4": FamilyShape("gemma4", num_kv_heads=2, experts=0),
+          "kimi_linear": FamilyShape("kimi_linear"), "nemotron_h": FamilyShape("nemotron_h", num_layers=6)}
+QUICK = {name: FamilyShape(name, num_layers=4 if name in ("gemma4", "nemotron_h") else 2, hidden_size=64, num_heads=4,
                            num_kv_heads=2, head_dim=16, ffn=96, experts=shape.experts and 4, expert_ffn=32, window=16,
                            seq_length=64, vocab_size=512)
          for name, shape in SHAPES.items()}

@@ -9,18 +9,24 @@
   (`torch_chunk_gated_delta_rule`; flash-linear-attention and causal-conv1d are GPU kernels), the same chunked
   algorithm as `shardlm.models.delta_rule`. The random model's norms, `dt_bias` and router are drawn away from
   their initial values so that every piece takes part in the loss.
-- `scaling`: forward + backward of one layer stack on one sequence (batch 1, fp32, dense SwiGLU MLPs), the
-  hybrid stack (the shape's layer types: 3 linear + 1 full) against a stack of full-attention layers of the same
-  width and depth, at each sequence length of `LENGTHS`, taking turns in a new order every round
+- `scaling`: forward + backward of one layer stack on one sequence (batch 1, fp32), the hybrid stack (the
+  shape's layer types: 3 Gated DeltaNet + 1 full, dense SwiGLU MLPs), the same stack with Kimi Delta Attention
+  (`kda`: as many key as value heads, `linear_value_heads` of `linear_value_dim`, so the state is Gated DeltaNet's)
+  and a Nemotron-H stack of twice the blocks (`mamba`, "M-M-M-*-" at 4 layers: a Mamba-2 mixer of
+  `linear_value_heads` heads of 2 x hidden / heads channels for each linear layer and attention without positions
+  for each full one, each followed by a ReLU^2 MLP block of `dense_ffn`) against a stack of full-attention layers
+  of the same width and depth, at each sequence length of `LENGTHS`, taking turns in a new order every round
   (`common.round_orders`; one warm-up round at the shortest length). `speedup` is attention ms / hybrid ms per
-  round. The stacks have a time budget (`SCALING_BUDGET_S`, so that the section takes about 4 minutes on a quiet
-  2-core CPU): a length runs fewer rounds when the next would end past it (at least one), and is skipped, with
-  its projection, when even one round would (the last length's round time grown as it grew from the length
-  before, quadratically after the first). The plot is `docs/figures/linear_attention.png` (`common.FIGURES`).
+  round, `speedup_kda` and `speedup_mamba` the same for the other two. The stacks have a time budget
+  (`SCALING_BUDGET_S`, so that the section takes about 6 minutes on a quiet 2-core CPU): a length runs fewer
+  rounds when the next would end past it (at least one), and is skipped, with its projection, when even one round
+  would (the last length's round time grown as it grew from the length before, quadratically after the first).
+  The plot is `docs/figures/linear_attention.png` (`common.FIGURES`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import time
@@ -35,7 +41,7 @@ from shardlm.bench.hf_compare import HFModel
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (128, 256)
-SCALING_BUDGET_S = 180.0
+SCALING_BUDGET_S = 300.0
 """Seconds for the `scaling` stacks: past it a length runs fewer rounds, or none (skipped)."""
 
 
@@ -120,6 +126,35 @@ class Qwen35Shape:
                 f"micro-batch {self.micro_batch}, vocabulary {self.vocab_size}, no aux loss, no MTP")
 
 
+    def kda_config(self, layer_types: list[str], seq_length: int):
+        """The `kda` stack: `stack_config` with Kimi Delta Attention on the linear layers (`linear_value_heads` key
+        and value heads of `linear_value_dim`)."""
+        return dataclasses.replace(self.stack_config(layer_types, seq_length), linear_attention_rule="kimi_delta",
+                                   linear_num_key_heads=self.linear_value_heads,
+                                   linear_key_head_dim=self.linear_value_dim)
+
+    @property
+    def mamba_pattern(self) -> str:
+        """The `mamba` stack's Nemotron-H blocks: "M-" for each linear layer, "*-" for each full one."""
+        return "".join("M-" if kind == "linear_attention" else "*-" for kind in self.layer_types)
+
+    def mamba_config(self, seq_length: int):
+        """The `mamba` stack: Nemotron-H blocks `mamba_pattern` of this width; Mamba-2 of `linear_value_heads`
+        heads (inner width 2 x hidden) in 2 groups of a `linear_key_dim` state, chunks of 128 (the seq_length at
+        most); attention without positions as the full layers'; ReLU^2 MLPs of `dense_ffn`."""
+        from shardlm.models.config import ModelConfig
+
+        return ModelConfig(
+            arch="llama", num_layers=2 * self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, ffn_hidden_size=self.dense_ffn,
+            seq_length=seq_length, vocab_size=256, dropout=0.0, layer_pattern=self.mamba_pattern,
+            mamba_num_heads=self.linear_value_heads, mamba_head_dim=2 * self.hidden_size // self.linear_value_heads,
+            mamba_state_size=self.linear_key_dim, mamba_groups=2, mamba_conv_kernel=self.conv_kernel,
+            mamba_chunk_size=min(128, seq_length))
+
+
+STACKS = ("hybrid", "kda", "mamba", "attention")
+"""The `scaling` programs; each but `attention` has a `speedup` (`speedup_<name>` but the hybrid's) against it."""
 QWEN35_BENCH = Qwen35Shape()
 QWEN35_QUICK = Qwen35Shape(num_layers=2, full_attention_interval=2, hidden_size=64, num_heads=2, num_kv_heads=1,
                            head_dim=32, linear_key_heads=2, linear_value_heads=4, linear_key_dim=16,
@@ -158,13 +193,20 @@ def hf_linear_kernels() -> str:
     return f"kernels installed: {', '.join(found)}" if found else "its PyTorch fallback; fla and causal_conv1d absent"
 
 
-def stack_program(shape: Qwen35Shape, layer_types: list[str], seq_length: int, seed: int = 0):
-    """A program: forward + backward of a one-process shardlm stack of `layer_types` on one random sequence
-    (1, seq_length, hidden), from a fixed random output gradient."""
+def stack_configs(shape: Qwen35Shape, seq_length: int) -> dict:
+    """{`STACKS` name: shardlm ModelConfig} of the `scaling` stacks at `seq_length`."""
+    return {"hybrid": shape.stack_config(shape.layer_types, seq_length),
+            "kda": shape.kda_config(shape.layer_types, seq_length), "mamba": shape.mamba_config(seq_length),
+            "attention": shape.stack_config(["full_attention"] * shape.num_layers, seq_length)}
+
+
+def stack_program(shape: Qwen35Shape, config, seq_length: int, seed: int = 0):
+    """A program: forward + backward of a one-process shardlm stack of `config` (a ModelConfig) on one random
+    sequence (1, seq_length, hidden), from a fixed random output gradient."""
     from shardlm.models import build_model
     from shardlm.parallel import ParallelContext
 
-    model = build_model(shape.stack_config(layer_types, seq_length), ParallelContext.single(), seed=1234).train()
+    model = build_model(config, ParallelContext.single(), seed=1234).train()
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(1, seq_length, shape.hidden_size, generator=generator)
     grad = torch.randn(1, seq_length, shape.hidden_size, generator=generator)
@@ -208,11 +250,30 @@ def timed_rounds(programs: dict, rounds: int, deadline: float, warmup: int = 0) 
     return times
 
 
+def stack_row(seq_length: int, ms: dict[str, list[float]]) -> dict:
+    """A `scaling` row from each stack's ms per round: `<name>_ms` and `<name>_us_per_token` (median), the rounds,
+    and attention ms / the stack's per round (`speedup` for the hybrid, `speedup_<name>` for the others)."""
+    row: dict = {"tokens": seq_length, "rounds": len(ms["hybrid"])}
+    for name in STACKS:
+        row[f"{name}_ms"] = summary(ms[name])
+        row[f"{name}_us_per_token"] = 1000 * row[f"{name}_ms"]["median"] / seq_length
+        if name != "attention":
+            key = "speedup" if name == "hybrid" else f"speedup_{name}"
+            row[key] = summary([a / h for a, h in zip(ms["attention"], ms[name])])
+    return row
+
+
+def first_faster(rows: list[dict], key: str) -> int | None:
+    """The shortest measured length whose median `key` (a speedup) is above 1, or None."""
+    faster = [row["tokens"] for row in rows if "skipped" not in row and row[key]["median"] > 1.0]
+    return faster[0] if faster else None
+
+
 def scaling(shape: Qwen35Shape, lengths: tuple[int, ...], rounds: int, deadline: float, threads: int = 2) -> dict:
-    """Per length: ms of the hybrid and the all-attention stack per forward + backward, their quotient per round,
-    microseconds per token, the rounds run (up to `rounds`: fewer when the `deadline`, time.perf_counter(), comes
-    first); a length whose projected round would not end before the deadline is skipped with its projection."""
-    hybrid_types, attention_types = shape.layer_types, ["full_attention"] * shape.num_layers
+    """Per length: ms of each of `STACKS` per forward + backward, attention's / each one's per round, microseconds
+    per token, the rounds run (up to `rounds`: fewer when the `deadline`, time.perf_counter(), comes first); a
+    length whose projected round (all the stacks) would not end before the deadline is skipped with its
+    projection."""
     rows: list[dict] = []
     done: list[tuple[int, float]] = []
     with torch_threads(threads):
@@ -223,22 +284,23 @@ def scaling(shape: Qwen35Shape, lengths: tuple[int, ...], rounds: int, deadline:
                 rows.append({"tokens": seq_length, "skipped": f"projected {projection:.0f} s a round, "
                                                               f"{max(left, 0):.0f} s left of the budget"})
                 continue
-            programs = {"hybrid": stack_program(shape, hybrid_types, seq_length),
-                        "attention": stack_program(shape, attention_types, seq_length)}
+            programs = {name: stack_program(shape, config, seq_length)
+                        for name, config in stack_configs(shape, seq_length).items()}
             times = timed_rounds(programs, rounds, deadline, warmup=0 if rows else 1)
-            ms = {name: [1000 * t for t in ts] for name, ts in times.items()}
-            hybrid, attention = summary(ms["hybrid"]), summary(ms["attention"])
-            rows.append({"tokens": seq_length, "rounds": len(ms["hybrid"]), "hybrid_ms": hybrid,
-                         "attention_ms": attention,
-                         "speedup": summary([a / h for a, h in zip(ms["attention"], ms["hybrid"])]),
-                         "hybrid_us_per_token": 1000 * hybrid["median"] / seq_length,
-                         "attention_us_per_token": 1000 * attention["median"] / seq_length})
-            done.append((seq_length, (hybrid["median"] + attention["median"]) / 1000))
-    faster = [row["tokens"] for row in rows if "skipped" not in row and row["speedup"]["median"] > 1.0]
-    return {"config": f"{shape.describe_layers()}; dense SwiGLU of {shape.dense_ffn}; batch 1, fp32, forward + "
-                      f"backward, {threads} threads, up to {rounds} rounds", "rows": rows,
-            "hybrid_layer_types": hybrid_types, "rounds": rounds,
-            "first_length_hybrid_faster": faster[0] if faster else None}
+            rows.append(stack_row(seq_length, {name: [1000 * t for t in ts] for name, ts in times.items()}))
+            done.append((seq_length, sum(rows[-1][f"{name}_ms"]["median"] for name in STACKS) / 1000))
+    mamba = shape.mamba_config(lengths[0])
+    return {"config": f"{shape.describe_layers()}; dense SwiGLU of {shape.dense_ffn}; kda: the same with Kimi Delta "
+                      f"Attention of {shape.linear_value_heads} heads of {shape.linear_value_dim}; mamba: Nemotron-H "
+                      f"blocks {shape.mamba_pattern}, Mamba-2 {mamba.mamba_num_heads} heads of {mamba.mamba_head_dim} "
+                      "in "
+                      f"{mamba.mamba_groups} groups, state {mamba.mamba_state_size}, chunks of 128 (or the length), "
+                      f"ReLU^2 MLPs of {shape.dense_ffn}; batch 1, fp32, forward + backward, {threads} threads, up "
+                      f"to {rounds} rounds", "rows": rows, "hybrid_layer_types": shape.layer_types,
+            "mamba_pattern": shape.mamba_pattern, "rounds": rounds,
+            "first_length_hybrid_faster": first_faster(rows, "speedup"),
+            "first_length_kda_faster": first_faster(rows, "speedup_kda"),
+            "first_length_mamba_faster": first_faster(rows, "speedup_mamba")}
 
 
 def linear_attention_bench(quick: bool, repeats: int, out_dir: Path | None = None) -> dict:
@@ -268,7 +330,9 @@ def plot(rows: list[dict], out_dir: Path, relative: str) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(7, 4))
     tokens = [row["tokens"] for row in measured]
-    for name, label, style in (("hybrid", "hybrid (linear + full attention)", "o-"),
+    for name, label, style in (("hybrid", "Gated DeltaNet hybrid (3 linear + 1 full)", "o-"),
+                               ("kda", "Kimi Delta Attention hybrid (3 linear + 1 full)", "^-"),
+                               ("mamba", "Nemotron-H (3 Mamba-2 + 1 attention)", "v-"),
                                ("attention", "full attention only", "s--")):
         axes.plot(tokens, [row[f"{name}_ms"]["median"] for row in measured], style, label=label)
     axes.set_xscale("log", base=2)
@@ -290,20 +354,26 @@ def markdown_lines(d: dict) -> list[str]:
                                       f"{train.get('hf_linear_kernels', 'as shipped')})")
     lines += ["## Hybrid layer stack against full attention (`linear_attention.scaling`)", "",
               f"Config: {stacks['config']}. Forward + backward of one sequence through the hybrid stack (layer "
-              f"types {', '.join(stacks['hybrid_layer_types'])}) and through as many full-attention layers of the "
-              "same width; the two take turns every round.", "",
-              "| tokens | hybrid ms | full attention ms | full / hybrid (`linear_attention.scaling.rows[].speedup`) | "
-              "hybrid us/token | full attention us/token | rounds |", "|---|---|---|---|---|---|---|"]
+              f"types {', '.join(stacks['hybrid_layer_types'])}), the same with Kimi Delta Attention (`kda`), a "
+              f"Nemotron-H stack (`mamba`, blocks {stacks['mamba_pattern']}) and as many "
+              "full-attention layers of the same width; they take turns every round. Speedup: full attention ms / "
+              "the stack's (`linear_attention.scaling.rows[].speedup`, `.speedup_kda`, `.speedup_mamba`).", "",
+              "| tokens | Gated DeltaNet hybrid ms | KDA hybrid ms | Nemotron-H (Mamba-2) ms | full attention ms | "
+              "full / Gated DeltaNet | full / KDA | full / Mamba-2 | us/token (GDN, KDA, Mamba-2, full) | rounds |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in stacks["rows"]:
         if "skipped" in row:
-            lines.append(f"| {row['tokens']:,} | skipped: {row['skipped']} | | | | | 0 |")
+            lines.append(f"| {row['tokens']:,} | skipped: {row['skipped']} | | | | | | | | 0 |")
             continue
-        lines.append(f"| {row['tokens']:,} | {median_cell(row['hybrid_ms'], digits=1)} | "
-                     f"{median_cell(row['attention_ms'], digits=1)} | **{median_cell(row['speedup'])}** | "
-                     f"{row['hybrid_us_per_token']:.1f} | {row['attention_us_per_token']:.1f} | {row['rounds']} |")
-    first = stacks.get("first_length_hybrid_faster")
-    lines += ["", f"The shortest length at which the hybrid stack was faster (median): **{first:,} tokens**." if first
-              else "The hybrid stack was not faster than full attention at any length measured on this CPU."]
+        per_token = ", ".join(f"{row[f'{name}_us_per_token']:.1f}" for name in STACKS)
+        cells = [median_cell(row[f"{name}_ms"], digits=1) for name in STACKS]
+        cells += [f"**{median_cell(row[key])}**" for key in ("speedup", "speedup_kda", "speedup_mamba")]
+        lines.append(" | ".join([f"| {row['tokens']:,}"] + cells + [per_token, f"{row['rounds']} |"]))
+    lines.append("")
+    for key, what in (("hybrid", "Gated DeltaNet hybrid"), ("kda", "KDA hybrid"), ("mamba", "Nemotron-H")):
+        first = stacks.get(f"first_length_{key}_faster")
+        lines.append(f"The shortest length at which the {what} stack was faster (median): **{first:,} tokens**."
+                     if first else f"The {what} stack was not faster than full attention at any length measured.")
     if stacks.get("plot"):
         lines += ["", f"![forward + backward ms against sequence length]({stacks['plot']})"]
     return lines + [""]

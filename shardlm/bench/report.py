@@ -118,6 +118,12 @@ KEYS = {
     "families.minimax_m2.loss_check.match": "the same check for MiniMax-M2",
     "families.gemma4.fp32.ratio": "shardlm tokens/s / transformers' Gemma4ForCausalLM as shipped, per round (fp32)",
     "families.gemma4.loss_check.match": "the same check for Gemma 4",
+    "families.kimi_linear.fp32.ratio": "shardlm tokens/s / transformers' KimiLinearForCausalLM as shipped (KDA on "
+                                       "its PyTorch fallback), per round (fp32)",
+    "families.kimi_linear.loss_check.match": "the same check for Kimi Linear",
+    "families.nemotron_h.fp32.ratio": "shardlm tokens/s / transformers' NemotronHForCausalLM as shipped (Mamba-2 on "
+                                      "its PyTorch fallback), per round (fp32)",
+    "families.nemotron_h.loss_check.match": "the same check for Nemotron-H",
     "context_parallel.memory.rows": "per context-parallel size C = 1, 2, 4: bytes saved for backward per rank in one "
                                     "forward + backward of one long sequence, C = 1's / C and their ratio",
     "context_parallel.memory_cap": "one long sequence under a per-process RLIMIT_DATA cap (cap_bytes): the C = 1 "
