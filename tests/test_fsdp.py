@@ -24,7 +24,8 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import rel
-from multiproc import check_result, disturb_generators, run_checks, run_workers
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result, disturb_generators
 
 STEPS = 8
 # Tolerances, relative, about 3x the worst error measured over 8 steps on a 2-core Xeon with AMX and a 2-core
@@ -101,14 +102,10 @@ def expected_bytes(trainer: Trainer) -> dict[str, int]:
 
 # -------------------------------------------------------------------------------------- in workers
 
-def layouts(cases: dict) -> dict:
-    """Each named (tp, config kwargs) case trained on the whole world: its curve and gathered parameters."""
-    out = {}
-    for name, (tp, kwargs) in cases.items():
-        ctx = ParallelContext.from_process_group(tp)
-        curve, params, _ = run(ctx, config(tp=tp, **kwargs))
-        out[name] = (curve, params)
-    return out
+def run_layout(tp: int, pp: int, cp: int, ep: int, **kwargs) -> tuple:
+    """One case on this rank: (curve, gathered parameters) of `config(tp=tp, **kwargs)` at FSDP DP x TP=`tp`."""
+    curve, params, _ = run(layout_context(tp, pp, cp, ep), config(tp=tp, **kwargs))
+    return curve, params
 
 
 def measured_bytes(tp: int) -> dict:
@@ -190,15 +187,27 @@ def bitwise_resume(folder: str) -> dict:
     return {"straight": straight, "resumed": resumed}
 
 
-def world2_checks(one_process_checkpoint: str, folder: str) -> dict:
-    checks = {
-        "layouts": lambda: layouts({
-            "gpt dp2": (1, {"micro": 4}),
-            "gpt dp2 accumulation": (1, {"micro": 2}),
-            "gpt dp2 keep gathered": (1, {"micro": 2, "fsdp_reshard_after_forward": False}),
-            "llama dp2 accumulation": (1, {"arch": "llama", "micro": 2}),
-            "gpt dp2 bf16 params": (1, {"micro": 2, "precision": "bf16", "param_dtype": "half"}),
-        }),
+WORLD2 = {
+    "gpt dp2": layout(micro=4),
+    "gpt dp2 accumulation": layout(micro=2),
+    "gpt dp2 keep gathered": layout(micro=2, fsdp_reshard_after_forward=False),
+    "llama dp2 accumulation": layout(arch="llama", micro=2),
+    "gpt dp2 bf16 params": layout(micro=2, precision="bf16", param_dtype="half"),
+}
+"""FSDP DP=2, each case against one process's run of its model (the name's first word): within 1e-5, the bf16
+parameters within HALF_TOL of the master-weight run."""
+WORLD4 = {
+    "gpt dp4": layout(micro=2),
+    "gpt dp2 x tp2 sp": layout(tp=2, micro=4, sp=True),
+    "gpt dp2 x tp2 sp accumulation full recompute": layout(tp=2, micro=2, sp=True, recompute="full"),
+    "llama dp2 x tp2 sp selective recompute": layout(tp=2, arch="llama", micro=4, sp=True, recompute="selective"),
+}
+"""FSDP DP=4 and DP=2 x TP=2 with SP, each within 1e-5 of one process's run of its model."""
+
+
+def world2_more(one_process_checkpoint: str, folder: str) -> dict:
+    """The world of 2's further checks (not layout cases): state bytes, fp16, validation, collectives, resumes."""
+    return {
         "bytes": lambda: measured_bytes(1),
         "fp16": fp16_runs,
         "validation": lambda: validation_loss(ParallelContext.from_process_group(1), config(micro=2, eval_iters=4)),
@@ -206,23 +215,15 @@ def world2_checks(one_process_checkpoint: str, folder: str) -> dict:
         "resume from one process": lambda: resume_from(one_process_checkpoint),
         "bitwise": lambda: bitwise_resume(folder),
     }
-    return run_checks(checks)
 
 
-def world4_checks(folder: str) -> dict:
-    checks = {
-        "layouts": lambda: layouts({
-            "gpt dp4": (1, {"micro": 2}),
-            "gpt dp2 x tp2 sp": (2, {"micro": 4, "sp": True}),
-            "gpt dp2 x tp2 sp accumulation full recompute": (2, {"micro": 2, "sp": True, "recompute": "full"}),
-            "llama dp2 x tp2 sp selective recompute": (2, {"arch": "llama", "micro": 4, "sp": True,
-                                                           "recompute": "selective"}),
-        }),
+def world4_more(folder: str) -> dict:
+    """The world of 4's further checks: state bytes at DP=4 and DP=2 x TP=2, and a checkpoint saved at the latter."""
+    return {
         "bytes dp4": lambda: measured_bytes(1),
         "bytes dp2 x tp2": lambda: measured_bytes(2),
         "save": lambda: save_at(folder, tp=2, steps=4),
     }
-    return run_checks(checks)
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -247,31 +248,30 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(reference, tmp_path_factory):
-    return run_workers(2, world2_checks, reference["checkpoint"], str(tmp_path_factory.mktemp("bitwise")))
+    return spawn_layouts(2, run_layout, WORLD2, more=world2_more,
+                         more_args=(reference["checkpoint"], str(tmp_path_factory.mktemp("bitwise"))))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp_2x2")
-    return run_workers(4, world4_checks, str(folder)), str(folder)
+    return spawn_layouts(4, run_layout, WORLD4, more=world4_more, more_args=(str(folder),)), str(folder)
 
 
-@pytest.mark.parametrize("name", ["gpt dp2", "gpt dp2 accumulation", "gpt dp2 keep gathered",
-                                  "llama dp2 accumulation"])
+@pytest.mark.parametrize("name", [name for name in WORLD2 if "bf16" not in name])
 def test_fsdp_dp2_equals_one_process(world2, reference, name):
     """FSDP DP=2 (with 2 micro-batches per rank, with parameters kept gathered after the forward):
     loss and gradient norm of every step and the final parameters within 1e-5 of one process."""
-    for rank in check_result(world2, "layouts"):  # every rank's gathered copy
-        assert_same_run(rank[name], reference[name.split()[0]], steps=STEPS)
+    for rank in check_result(world2, name):  # every rank's gathered copy
+        assert_same_run(rank, reference[name.split()[0]], steps=STEPS)
 
 
-@pytest.mark.parametrize("name", ["gpt dp4", "gpt dp2 x tp2 sp", "gpt dp2 x tp2 sp accumulation full recompute",
-                                  "llama dp2 x tp2 sp selective recompute"])
+@pytest.mark.parametrize("name", list(WORLD4))
 def test_fsdp_dp4_and_dp2_tp2_equal_one_process(world4, reference, name):
     """FSDP DP=4, and FSDP DP=2 x TP=2 with sequence parallelism (with accumulation and recomputation):
     within 1e-5 of one process at every step and in the final parameters."""
-    for rank in check_result(world4[0], "layouts"):  # every rank's gathered copy
-        assert_same_run(rank[name], reference[name.split()[0]], steps=STEPS)
+    for rank in check_result(world4[0], name):  # every rank's gathered copy
+        assert_same_run(rank, reference[name.split()[0]], steps=STEPS)
 
 
 def test_fsdp_validation_loss_equals_one_process(world2, reference):
@@ -286,8 +286,7 @@ def test_fsdp_bf16_parameters_match_master_weight_bf16(world2, reference):
     with the master-weight optimizer's bf16 parameters, both accumulating 2 micro-batches' gradients in
     fp32: loss, gradient norm and final parameters within HALF_TOL (relative, measured x 3)."""
     ref_curve, ref_params = reference["gpt bf16 params"]
-    for rank in check_result(world2, "layouts"):
-        curve, params = rank["gpt dp2 bf16 params"]
+    for curve, params in check_result(world2, "gpt dp2 bf16 params"):
         for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
             assert abs(loss - ref_loss) <= HALF_TOL["loss"] * ref_loss
             assert abs(norm - ref_norm) <= HALF_TOL["grad_norm"] * ref_norm

@@ -25,8 +25,8 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
 from agreement import assert_trained_parameters, rel
-from layouts import count_forwards
-from multiproc import run_workers
+from layouts import count_forwards, layout, layout_context, spawn_layouts
+from multiproc import check_result
 
 
 def config(tp: int = 1, micro: int = 8, pp: int = 1, sp: bool = False, recompute: str = "none",
@@ -36,16 +36,12 @@ def config(tp: int = 1, micro: int = 8, pp: int = 1, sp: bool = False, recompute
     return cfg
 
 
-def layouts(cases: dict) -> dict:
-    """Train each named (tp, pp, config kwargs) case on the whole world; every rank returns its curve and its
-    copy of the parameters (its data-parallel replica, TP shards gathered; under PP every stage's, gathered
-    with each copy compared bitwise)."""
-    out = {}
-    for name, (tp, pp, kwargs) in cases.items():
-        ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp)
-        curve, params, trainer = train_run(ctx, config(tp=tp, pp=pp, **kwargs))
-        out[name] = (curve, whole_model(ctx, trainer) if pp > 1 else params)
-    return out
+def run_layout(tp: int, pp: int, cp: int, ep: int, **kwargs) -> tuple:
+    """One case on this rank: its curve and its copy of the parameters (its data-parallel replica, TP shards
+    gathered; under PP every stage's, gathered with each copy compared bitwise)."""
+    ctx = layout_context(tp, pp, cp, ep)
+    curve, params, trainer = train_run(ctx, config(tp=tp, pp=pp, **kwargs))
+    return curve, whole_model(ctx, trainer) if pp > 1 else params
 
 
 def sp_communication() -> dict:
@@ -181,41 +177,47 @@ def load_and_finish(tmp: str, source: str, tp: int, sp: bool, zero: bool) -> tup
     return [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(5))], full_parameters(trainer)
 
 
-def world2_checks(tmp: str) -> dict:
-    out = layouts({
-        "sp tp2": (2, 1, {"sp": True}),
-        "sp tp2 accum": (2, 1, {"sp": True, "micro": 2}),
-        "sp tp2 selective": (2, 1, {"sp": True, "micro": 4, "recompute": "selective"}),
-        "sp tp2 full": (2, 1, {"sp": True, "micro": 4, "recompute": "full"}),
-        "zero dp2": (1, 1, {"zero": True, "micro": 4}),
-        "zero dp2 accum": (1, 1, {"zero": True, "micro": 2}),
-    })
+WORLD2 = {
+    "sp tp2": layout(tp=2, sp=True),
+    "sp tp2 accum": layout(tp=2, sp=True, micro=2),
+    "sp tp2 selective": layout(tp=2, sp=True, micro=4, recompute="selective"),
+    "sp tp2 full": layout(tp=2, sp=True, micro=4, recompute="full"),
+    "zero dp2": layout(zero=True, micro=4),
+    "zero dp2 accum": layout(zero=True, micro=2),
+}
+"""The layouts of the world of 2, each within 1e-5 of one process (8 samples a micro-batch unless named)."""
+WORLD4 = {
+    "sp tp4": layout(tp=4, sp=True),
+    "sp tp2 dp2": layout(tp=2, sp=True, micro=4),
+    "sp tp2 dp2 accum": layout(tp=2, sp=True, micro=2),
+    "sp tp2 pp2": layout(tp=2, pp=2, sp=True, micro=2),
+    "zero dp4": layout(zero=True, micro=2),
+    "zero tp2 dp2": layout(tp=2, zero=True, micro=4),
+    "sp zero tp2 dp2 accum": layout(tp=2, sp=True, zero=True, micro=2),
+    "zero pp2 dp2": layout(pp=2, zero=True, micro=2),
+}
+"""The layouts of the world of 4, each within 1e-5 of one process."""
+
+
+def half_zero_dp2() -> tuple:
+    """bf16 parameters with the distributed optimizer over DP=2: (curve, parameters)."""
     ctx = ParallelContext.from_process_group(1)
     ctx.rng = None
-    out["half zero dp2"] = train_run(ctx, config(micro=4, zero=True, precision="bf16", param_dtype="half"))[:2]
-    out["comm"] = sp_communication()
-    out["recompute"] = recompute_runs()
-    out["memory"] = memory_table()
-    out["resume"] = zero_resume(tmp, 1, False)
-    out["fp16 overflow"] = fp16_overflow_on_dp_rank_1()
-    return out
+    return train_run(ctx, config(micro=4, zero=True, precision="bf16", param_dtype="half"))[:2]
 
 
-def world4_checks(tmp: str) -> dict:
-    out = layouts({
-        "sp tp4": (4, 1, {"sp": True}),
-        "sp tp2 dp2": (2, 1, {"sp": True, "micro": 4}),
-        "sp tp2 dp2 accum": (2, 1, {"sp": True, "micro": 2}),
-        "sp tp2 pp2": (2, 2, {"sp": True, "micro": 2}),
-        "zero dp4": (1, 1, {"zero": True, "micro": 2}),
-        "zero tp2 dp2": (2, 1, {"zero": True, "micro": 4}),
-        "sp zero tp2 dp2 accum": (2, 1, {"sp": True, "zero": True, "micro": 2}),
-        "zero pp2 dp2": (1, 2, {"zero": True, "micro": 2}),
-    })
-    out["memory"] = memory_table()
-    out["resume"] = zero_resume(tmp, 2, True)  # SP + ZeRO at TP=2 x DP=2
-    out["from single"] = load_and_finish(tmp, f"{tmp}/single", 2, True, True)
-    return out
+def world2_more(tmp: str) -> dict:
+    """The world of 2's further checks, not compared with one process at 1e-5: bf16 with ZeRO, traffic,
+    recomputation, state bytes, a bitwise resume and an fp16 overflow."""
+    return {"half zero dp2": half_zero_dp2, "comm": sp_communication, "recompute": recompute_runs,
+            "memory": memory_table, "resume": lambda: zero_resume(tmp, 1, False),
+            "fp16 overflow": fp16_overflow_on_dp_rank_1}
+
+
+def world4_more(tmp: str) -> dict:
+    """The world of 4's further checks: state bytes and the sharded optimizer state saved and loaded."""
+    return {"memory": memory_table, "resume": lambda: zero_resume(tmp, 2, True),  # SP + ZeRO at TP=2 x DP=2
+            "from single": lambda: load_and_finish(tmp, f"{tmp}/single", 2, True, True)}
 
 
 @pytest.fixture(scope="module")
@@ -238,14 +240,14 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(workdir):
-    """Every rank's results of `world2_checks`."""
-    return run_workers(2, world2_checks, str(workdir))
+    """Every rank's results of `WORLD2` and `world2_more`."""
+    return spawn_layouts(2, run_layout, WORLD2, more=world2_more, more_args=(str(workdir),))
 
 
 @pytest.fixture(scope="module")
 def world4(workdir):
-    """Every rank's results of `world4_checks`."""
-    return run_workers(4, world4_checks, str(workdir))
+    """Every rank's results of `WORLD4` and `world4_more`."""
+    return spawn_layouts(4, run_layout, WORLD4, more=world4_more, more_args=(str(workdir),))
 
 
 @pytest.fixture(scope="module")
@@ -257,42 +259,42 @@ def half_single():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sp tp2", "sp tp2 accum", "sp tp2 selective", "sp tp2 full"])
+@pytest.mark.parametrize("name", [name for name in WORLD2 if name.startswith("sp")])
 def test_sequence_parallel_tp2_matches_single_process(world2, reference, name):
-    for rank in world2:
-        assert_same_run(rank[name], reference[8])
+    for value in check_result(world2, name):
+        assert_same_run(value, reference[8])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sp tp4", "sp tp2 dp2", "sp tp2 dp2 accum", "sp tp2 pp2"])
+@pytest.mark.parametrize("name", [name for name in WORLD4 if name.startswith("sp tp")])
 def test_sequence_parallel_world4_matches_single_process(world4, reference, name):
-    for rank in world4:
-        assert_same_run(rank[name], reference[8])
+    for value in check_result(world4, name):
+        assert_same_run(value, reference[8])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero dp2", "zero dp2 accum"])
+@pytest.mark.parametrize("name", [name for name in WORLD2 if name.startswith("zero")])
 def test_distributed_optimizer_dp2_matches_single_process(world2, reference, name):
-    for rank in world2:
-        assert_same_run(rank[name], reference[8])
+    for value in check_result(world2, name):
+        assert_same_run(value, reference[8])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero dp4", "zero tp2 dp2", "sp zero tp2 dp2 accum", "zero pp2 dp2"])
+@pytest.mark.parametrize("name", [name for name in WORLD4 if not name.startswith("sp tp")])
 def test_distributed_optimizer_world4_matches_single_process(world4, reference, name):
-    for rank in world4:
-        assert_same_run(rank[name], reference[8])
+    for value in check_result(world4, name):
+        assert_same_run(value, reference[8])
 
 
 @pytest.mark.slow
 def test_distributed_optimizer_resumes_bitwise_on_the_same_layout(world2, world4, reference):
     """5 steps, save, reload, 5 more: on every rank the same curve as 10 uninterrupted steps, to the bit
     (DP=2), and within 1e-5 of one process (its own curve, SP + ZeRO at TP=2 x DP=2, too)."""
-    for rank in world2:
-        assert rank["resume"]["curve"] == rank["zero dp2 accum"][0]
-    for rank in world4:
-        assert len(rank["resume"]["curve"]) == len(reference[2][0])
-        for (loss, norm), (ref_loss, ref_norm) in zip(rank["resume"]["curve"], reference[2][0]):
+    for resume, run in zip(check_result(world2, "resume"), check_result(world2, "zero dp2 accum")):
+        assert resume["curve"] == run[0]
+    for resume in check_result(world4, "resume"):
+        assert len(resume["curve"]) == len(reference[2][0])
+        for (loss, norm), (ref_loss, ref_norm) in zip(resume["curve"], reference[2][0]):
             assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
 
 
@@ -301,8 +303,8 @@ def test_sharded_optimizer_state_moves_between_layouts(world4, workdir, referenc
     """SP + ZeRO at TP=2 x DP=2 -> one process, and one process -> SP + ZeRO at TP=2 x DP=2 (every rank):
     the remaining 5 steps continue the single-process curve within 1e-5 and end at its final parameters."""
     ref_curve, ref_params = reference[2]
-    to_single = load_and_finish(str(workdir), world4[0]["resume"]["path"], 1, False, False)
-    for curve, params in (to_single, *(rank["from single"] for rank in world4)):
+    to_single = load_and_finish(str(workdir), check_result(world4, "resume")[0]["path"], 1, False, False)
+    for curve, params in (to_single, *check_result(world4, "from single")):
         assert len(curve) == 5
         for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve[5:]):
             assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
@@ -315,7 +317,7 @@ def test_state_bytes_equal_the_formula_to_the_byte(world2, world4):
     2 + fp32 gradients 4 + master 4 + moments 8 (18), and with the distributed optimizer 2 + 4 + 12 / d
     (fp32 parameters: 4 + 4 + 8 / d), for d = 1, 2, 4."""
     single = memory_table()
-    tables = {1: [single], 2: [rank["memory"] for rank in world2], 4: [rank["memory"] for rank in world4]}
+    tables = {1: [single], 2: check_result(world2, "memory"), 4: check_result(world4, "memory")}
     for d, per_rank in tables.items():
         for rank, table in enumerate(per_rank):
             assert table.keys() == {(False, False), (False, True), (True, False), (True, True)}
@@ -345,8 +347,7 @@ def test_half_parameters_with_distributed_optimizer_track_one_process(world2, ha
     scale. Measured: bitwise equal losses for 4 steps, then at most 2.4e-5 (losses), 1.3e-3 (norms) and
     5.4e-3 (parameters); the tolerances are about 3x that."""
     ref_curve, ref_params = half_single[0], half_single[1]
-    for rank in world2:
-        curve, params = rank["half zero dp2"]
+    for curve, params in check_result(world2, "half zero dp2"):
         assert len(curve) == len(ref_curve)
         for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
             assert loss == pytest.approx(ref_loss, rel=1e-4)
@@ -362,7 +363,7 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_everywhere(world2):
     """fp16 parameters, the distributed optimizer over DP=2: an inf in DP rank 1's range of the gradients
     only makes both ranks skip the step (the overflow check spans DP, since each rank unscales only its
     range) with their parameters unchanged and the same loss scale; the next step trains."""
-    results = [rank["fp16 overflow"] for rank in world2]
+    results = check_result(world2, "fp16 overflow")
     for result in results:
         assert result["skipped"] and result["unchanged"] and not result["next skipped"]
     assert results[0]["scale"] == results[1]["scale"]
@@ -373,8 +374,8 @@ def test_recomputation_restores_dropout_masks_bitwise(world2):
     """Dropout 0.2 (embedding, attention, residuals) at TP=2 with sequence parallelism: selective and full
     recomputation give the curve (losses and gradient norms) and final parameters of no recomputation, to
     the bit, which holds only when the recomputed dropout masks equal the original ones (every rank)."""
-    for rank in world2:
-        assert_recomputation_is_bitwise(rank["recompute"])
+    for runs in check_result(world2, "recompute"):
+        assert_recomputation_is_bitwise(runs)
 
 
 def assert_recomputation_is_bitwise(runs: dict) -> None:
@@ -392,8 +393,9 @@ def test_recomputation_runs_the_forward_again_in_the_backward(world2):
     layer and attention core runs once per micro-batch; selective recomputation runs every core twice
     (forward, then backward), full recomputation every layer (and so its core) twice."""
     once = RECOMPUTE_STEPS * 2 * LAYERS
-    counts = {mode: run["counts"] for mode, run in world2[0]["recompute"].items()}
-    assert all({mode: run["counts"] for mode, run in rank["recompute"].items()} == counts for rank in world2)
+    per_rank = check_result(world2, "recompute")
+    counts = {mode: run["counts"] for mode, run in per_rank[0].items()}
+    assert all({mode: run["counts"] for mode, run in runs.items()} == counts for runs in per_rank)
     assert counts == {"none": {"layer": once, "core": once}, "selective": {"layer": once, "core": 2 * once},
                       "full": {"layer": 2 * once, "core": 2 * once}}
 
@@ -408,8 +410,8 @@ def test_sequence_parallel_communication_volume_equals_tensor_parallel(world2):
     all-reduce of the sequence-parallel parameters' gradients and the gradient-norm scalar."""
     b, s, h, t = 4, 16, 32, 2
     full, chunk = b * s * h * 4, b * s * h * 4 // t
-    comm = world2[0]["comm"]
-    assert world2[1]["comm"] == comm
+    comm, other = check_result(world2, "comm")
+    assert other == comm
     forward, total = comm["forward"], comm["total"]
     assert forward["all_gather/tp"] == {"calls": 2 * LAYERS + 1, "bytes": (2 * LAYERS + 1) * chunk,
                                         "elements": (2 * LAYERS + 1) * chunk // 4}
