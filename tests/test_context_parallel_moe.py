@@ -42,8 +42,7 @@ def cp_moe_config(arch: str, routing: str, cp: int = 1, tp: int = 1, ep: int = 1
                   **train):
     return from_dict({
         "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                  "vocab_size": VOCAB, "dropout": 0.0, "moe_num_experts": 4, "moe_top_k": 2,
-                  "moe_ffn_hidden_size": 32} | ROUTING[routing],
+                  "vocab_size": VOCAB, "dropout": 0.0} | ROUTING[routing],
         "parallel": {"tensor": tp, "context": cp, "expert": ep, "sequence_parallel": sp, "pipeline": pp},
         "data": {"text_file": "unused"},
         "train": {"precision": "fp32", "micro_batch_size": MICRO, "global_batch_size": BATCH, "steps": STEPS,

@@ -31,11 +31,13 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
+from layouts import MIXTRAL, MOE
+
 STEPS = 8
 
 
 def moe_model_config(arch: str = "gpt", **moe) -> ModelConfig:
-    keys = {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32, **moe}
+    keys = MOE | moe
     return ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=VOCAB,
                        dropout=0.0, **keys)
 
@@ -299,8 +301,7 @@ def test_flops_count_the_activated_experts_not_all_of_them():
 def moe_run_config(arch: str, **moe):
     return from_dict({
         "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                  "vocab_size": VOCAB, "dropout": 0.0, "moe_num_experts": 4, "moe_top_k": 2,
-                  "moe_ffn_hidden_size": 32, **moe},
+                  "vocab_size": VOCAB, "dropout": 0.0, **MOE, **moe},
         "data": {"text_file": "unused"},
         "train": {"precision": "fp32", "micro_batch_size": 4, "global_batch_size": 8, "steps": STEPS, "lr": 3e-3,
                   "min_lr": 3e-4,
@@ -308,7 +309,6 @@ def moe_run_config(arch: str, **moe):
     })
 
 
-MIXTRAL = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 DEEPSEEK = {"moe_num_experts": 8, "moe_score": "sigmoid", "moe_expert_bias_rate": 0.01, "moe_shared_experts": 1,
             "moe_first_dense_layers": 1, "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scaling": 2.0}
 

@@ -31,22 +31,22 @@ from shardlm.validation import validate
 
 import agreement
 from agreement import assert_every_rank, assert_trained_but_off, assert_trained_parameters
+from layouts import MIXTRAL, MOE
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
 STEPS, TOL = 8, 1e-5
-MIXTRAL = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 DEEPSEEK = {"moe_num_experts": 8, "moe_score": "sigmoid", "moe_expert_bias_rate": 0.01, "moe_shared_experts": 1,
             "moe_first_dense_layers": 1, "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scaling": 2.0,
             "moe_aux_loss_coeff": 0.001}
-ROUTING = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK, "mixtral_first_dense": MIXTRAL | {"moe_first_dense_layers": 1}}
+ROUTING = {"mixtral": MIXTRAL, "deepseek": MOE | DEEPSEEK,
+           "mixtral_first_dense": MIXTRAL | {"moe_first_dense_layers": 1}}
 
 
 def moe_config(arch: str, routing: str, micro: int, tp: int = 1, ep: int = 1, sp: bool = False,
                dispatcher: str = "all_to_all", pp: int = 1, **train):
     return from_dict({
         "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                  "vocab_size": VOCAB, "dropout": 0.0, "moe_num_experts": 4, "moe_top_k": 2,
-                  "moe_ffn_hidden_size": 32} | ROUTING[routing],
+                  "vocab_size": VOCAB, "dropout": 0.0} | ROUTING[routing],
         "parallel": {"tensor": tp, "expert": ep, "sequence_parallel": sp, "expert_dispatcher": dispatcher,
                      "pipeline": pp},
         "data": {"text_file": "unused"},

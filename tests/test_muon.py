@@ -29,7 +29,7 @@ import re
 
 import pytest
 import torch
-from test_moe_parallel import ROUTING, stage_parameters
+from test_moe_parallel import stage_parameters
 from test_training import VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -41,8 +41,8 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_trained_but_off
+from layouts import MIXTRAL, layout, layout_context, spawn_layouts
 from layouts import MLA as LAYOUT_MLA
-from layouts import layout, layout_context, spawn_layouts
 from multiproc import check_result, disturb_generators
 
 SEQ, STEPS, TOL = 16, 4, 1e-5
@@ -58,8 +58,7 @@ def muon_config(arch: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, ep: 
     if mla:
         model |= MLA
     if moe:  # Mixtral-shaped: 4 experts top-2 on both layers, each expert's matrices orthogonalized on their own
-        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
-                  **ROUTING["mixtral"]}
+        model |= {"num_layers": 2, **MIXTRAL}
     return from_dict({
         "model": model,
         "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep, "sequence_parallel": sp},

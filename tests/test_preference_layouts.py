@@ -30,7 +30,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_moe_parallel import ROUTING, stage_parameters
+from test_moe_parallel import stage_parameters
 from test_training import VOCAB
 
 from shardlm.models import build_model
@@ -45,7 +45,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import CURVE, assert_every_rank, assert_same_run, rel
-from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
+from layouts import MIXTRAL, layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
 SEQ, STEPS, TOL = 48, 4, 1e-5
@@ -79,7 +79,7 @@ def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp:
                       moe: bool = False, loss: str = "sigmoid", lora: int = 0, **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if moe:
-        model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+        model |= MIXTRAL
     sections = {"sft": {"data": ["unused.jsonl"]}, "preference": {"loss": loss, "beta": 0.5},
                 "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,

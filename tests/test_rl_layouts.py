@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from test_gemma4_layouts import GEMMA
 from test_linear_attention import HYBRID
-from test_moe_parallel import ROUTING, stage_parameters
+from test_moe_parallel import stage_parameters
 from test_training import VOCAB
 
 from shardlm.errors import UserError
@@ -43,7 +43,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_same_run
-from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
+from layouts import MIXTRAL, layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
 SEQ, STEPS, GROUP, MAX, EOD, TOL = 48, 4, 4, 10, VOCAB - 1, 1e-5
@@ -88,7 +88,7 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = 
     if gemma:  # Gemma 4's block, its last layer reading layer 1's keys and values (one stage holds both)
         model |= GEMMA | {"num_layers": 4, "kv_shared_layers": 1, "tie_embeddings": False}
     if moe:
-        model |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+        model |= MIXTRAL
     sections = {"sft": {"data": ["unused.jsonl"], "packing": packing},
                 "rl": {"loss": "dapo", "num_generations": GROUP, "prompts_per_step": 4, "max_completion_length": MAX,
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
