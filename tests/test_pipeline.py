@@ -26,7 +26,8 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
 from agreement import assert_trained_parameters, rel
-from multiproc import merge_copies, run_workers
+from layouts import layout, layout_context, spawn_layouts
+from multiproc import check_result, merge_copies
 
 VOCAB, STEPS, LAYERS, SEQ, HIDDEN, GLOBAL = 100, 8, 8, 16, 32, 8
 TRAINED, STOP = 4, 2
@@ -99,15 +100,44 @@ def train(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
     return curve, trainer
 
 
-def layout_runs(tp: int, pp: int, cases: list[tuple]) -> dict:
-    """Train each (micro, schedule, virtual, checkpointing) case at TP=tp x PP=pp on the whole world."""
-    ctx = ParallelContext.from_process_group(tp, pipeline_parallel=pp)
-    out = {}
-    for micro, schedule, virtual, checkpointing in cases:
-        ctx.rng = None
-        curve, trainer = train(ctx, pp_config(tp, pp, micro, schedule, virtual, checkpointing), TRAINED)
-        out[(micro, schedule, virtual, checkpointing)] = (curve, whole_model(ctx, trainer))
-    return out
+CONTEXTS = {}
+"""This worker's context of each layout (tp, pp, cp, ep) that `run_layout` has built."""
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, micro: int, schedule: str, virtual: int = 1,
+               checkpointing: bool = False) -> tuple:
+    """One case on this rank: (curve, whole model) of TRAINED steps at TP=tp x PP=pp (DP the rest of the world),
+    `micro` samples a micro-batch under `schedule` with `virtual` stages a rank. The cases of one layout share
+    its context (seeded again by each trainer), as its process groups take a while to build."""
+    if (tp, pp, cp, ep) not in CONTEXTS:
+        CONTEXTS[(tp, pp, cp, ep)] = layout_context(tp, pp, cp, ep)
+    ctx = CONTEXTS[(tp, pp, cp, ep)]
+    ctx.rng = None
+    curve, trainer = train(ctx, pp_config(tp, pp, micro, schedule, virtual, checkpointing), TRAINED)
+    return curve, whole_model(ctx, trainer)
+
+
+def pipe(micro: int, schedule: str, tp: int = 1, pp: int = 2, checkpointing: bool = False) -> dict:
+    """A case of the tables below: `schedule` ("interleaved" with 2 virtual stages a rank) at `micro`."""
+    virtual = 2 if schedule == "interleaved" else 1
+    schedule = "interleaved-1f1b" if schedule == "interleaved" else schedule
+    return layout(tp=tp, pp=pp, micro=micro, schedule=schedule, virtual=virtual, checkpointing=checkpointing)
+
+
+WORLD2 = {"gpipe-m1": pipe(8, "gpipe"), "gpipe-m2": pipe(4, "gpipe"), "gpipe-m8": pipe(1, "gpipe"),
+          "1f1b-m4": pipe(2, "1f1b"), "1f1b-m8": pipe(1, "1f1b"), "interleaved-m8": pipe(1, "interleaved"),
+          "interleaved-m4": pipe(2, "interleaved"), "1f1b-checkpointing": pipe(1, "1f1b", checkpointing=True)}
+"""PP=2, each case against one process at its micro-batch size: GPipe, 1F1B and interleaved 1F1B over m
+micro-batches."""
+WORLD4 = {"pp4-gpipe": pipe(2, "gpipe", pp=4), "pp4-1f1b": pipe(1, "1f1b", pp=4),
+          "pp4-interleaved": pipe(2, "interleaved", pp=4),
+          "pp2tp2-gpipe": pipe(2, "gpipe", tp=2), "pp2tp2-1f1b": pipe(1, "1f1b", tp=2),
+          "pp2tp2-interleaved-ckpt": pipe(1, "interleaved", tp=2, checkpointing=True),
+          "pp2dp2-gpipe": pipe(2, "gpipe"), "pp2dp2-1f1b": pipe(2, "1f1b"),
+          "pp2dp2-interleaved": pipe(1, "interleaved")}
+"""A world of 4: PP=4 x TP=1, PP=2 x TP=2 and PP=2 x TP=1 x DP=2."""
+WORLD8 = {"gpipe": pipe(2, "gpipe", tp=2), "1f1b": pipe(1, "1f1b", tp=2), "interleaved": pipe(1, "interleaved", tp=2)}
+"""PP=2 x TP=2 x DP=2 under each schedule."""
 
 
 def traffic_of_a_step(ctx: ParallelContext, config: RunConfig) -> dict:
@@ -122,12 +152,10 @@ def traffic_of_a_step(ctx: ParallelContext, config: RunConfig) -> dict:
 
 # -------------------------------------------------------------------------------------- in workers
 
-def world2_checks(tmp: str) -> dict:
-    """PP=2: the layouts, tied copies, traffic, fp16 overflow and a checkpoint round trip."""
-    cases = [(8, "gpipe", 1, False), (4, "gpipe", 1, False), (1, "gpipe", 1, False), (2, "1f1b", 1, False),
-             (1, "1f1b", 1, False),
-             (1, "interleaved-1f1b", 2, False), (2, "interleaved-1f1b", 2, False), (1, "1f1b", 1, True)]
-    out = {"layouts": layout_runs(1, 2, cases)}
+def pp2_stages(tmp: str) -> dict:
+    """PP=2 after the layouts: tied copies, traffic, fp16 overflow and a checkpoint round trip (one check: they
+    share a context and trainers)."""
+    out = {}
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
 
     ctx.rng = None
@@ -163,14 +191,10 @@ def world2_checks(tmp: str) -> dict:
     return out
 
 
-def world4_checks(tmp: str) -> dict:
-    """PP=4 x TP=1, PP=2 x TP=2 and PP=2 x DP=2, the traffic of 4 stages, and checkpoints moved between
-    pipeline layouts."""
-    out = {
-        (4, 1): layout_runs(1, 4, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (2, "interleaved-1f1b", 2, False)]),
-        (2, 2): layout_runs(2, 2, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, True)]),
-        (2, 1): layout_runs(1, 2, [(2, "gpipe", 1, False), (2, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)]),
-    }
+def pp4_stages(tmp: str) -> dict:
+    """A world of 4 after the layouts: the traffic of 4 stages, and checkpoints moved between pipeline layouts
+    (one check: they share contexts and a checkpoint)."""
+    out = {}
     # PP=4, m = 8 / 2 = 4: the middle stages send both ways; interleaved, each rank runs 2 of 8 stages
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=4)
     out["traffic"] = {virtual: traffic_of_a_step(ctx, pp_config(1, 4, micro=2, schedule=schedule, virtual=virtual))
@@ -197,8 +221,12 @@ def world4_checks(tmp: str) -> dict:
     return out
 
 
-def world8_checks() -> dict:
-    return layout_runs(2, 2, [(2, "gpipe", 1, False), (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False)])
+def world2_more(tmp: str) -> dict:
+    return {"stages": lambda: pp2_stages(tmp)}
+
+
+def world4_more(tmp: str) -> dict:
+    return {"stages": lambda: pp4_stages(tmp)}
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -222,7 +250,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(workdir):
-    return run_workers(2, world2_checks, str(workdir), timeout=400)
+    return spawn_layouts(2, run_layout, WORLD2, timeout=400, more=world2_more, more_args=(str(workdir),))
 
 
 @pytest.fixture(scope="module")
@@ -232,74 +260,77 @@ def world4(workdir):
     ctx = ParallelContext.single()
     _, trainer = train(ctx, pp_config(micro=1), steps=STOP)
     save_checkpoint(trainer, workdir / "single")
-    return {"ranks": run_workers(4, world4_checks, str(workdir), timeout=500), "single": whole_model(ctx, trainer)}
+    return {"ranks": spawn_layouts(4, run_layout, WORLD4, timeout=500, more=world4_more, more_args=(str(workdir),)),
+            "single": whole_model(ctx, trainer)}
+
+
+@pytest.fixture(scope="module")
+def stages2(world2) -> list[dict]:
+    """Every rank's `pp2_stages`."""
+    return check_result(world2, "stages")
+
+
+@pytest.fixture(scope="module")
+def stages4(world4) -> list[dict]:
+    """Every rank's `pp4_stages`."""
+    return check_result(world4["ranks"], "stages")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [(8, "gpipe", 1, False), (4, "gpipe", 1, False), (1, "gpipe", 1, False),
-                                  (2, "1f1b", 1, False),
-                                  (1, "1f1b", 1, False), (1, "interleaved-1f1b", 2, False),
-                                  (2, "interleaved-1f1b", 2, False), (1, "1f1b", 1, True)],
-                         ids=["gpipe-m1", "gpipe-m2", "gpipe-m8", "1f1b-m4", "1f1b-m8", "interleaved-m8",
-                              "interleaved-m4", "1f1b-checkpointing"])
-def test_pp2_matches_single_process(world2, reference, case):
-    for rank in world2:
-        assert_same_run(rank["layouts"][case], reference[case[0]], TRAINED)
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_pp2_matches_single_process(world2, reference, name):
+    for run in check_result(world2, name):
+        assert_same_run(run, reference[WORLD2[name]["micro"]], TRAINED)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,case", [
-    ((4, 1), (2, "gpipe", 1, False)), ((4, 1), (1, "1f1b", 1, False)), ((4, 1), (2, "interleaved-1f1b", 2, False)),
-    ((2, 2), (2, "gpipe", 1, False)), ((2, 2), (1, "1f1b", 1, False)), ((2, 2), (1, "interleaved-1f1b", 2, True)),
-    ((2, 1), (2, "gpipe", 1, False)), ((2, 1), (2, "1f1b", 1, False)), ((2, 1), (1, "interleaved-1f1b", 2, False)),
-], ids=["pp4-gpipe", "pp4-1f1b", "pp4-interleaved", "pp2tp2-gpipe", "pp2tp2-1f1b", "pp2tp2-interleaved-ckpt",
-        "pp2dp2-gpipe", "pp2dp2-1f1b", "pp2dp2-interleaved"])
-def test_world4_layouts_match_single_process(world4, reference, layout, case):
-    """(pp, tp) in a world of 4: PP=4 x TP=1, PP=2 x TP=2, PP=2 x TP=1 x DP=2; every rank's curve."""
-    for rank in world4["ranks"]:
-        assert_same_run(rank[layout][case], reference[case[0]], TRAINED)
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_world4_layouts_match_single_process(world4, reference, name):
+    """A world of 4: PP=4 x TP=1, PP=2 x TP=2, PP=2 x TP=1 x DP=2; every rank's curve."""
+    for run in check_result(world4["ranks"], name):
+        assert_same_run(run, reference[WORLD4[name]["micro"]], TRAINED)
 
 
 @pytest.mark.slow
 def test_pp2_tp2_dp2_matches_single_process(reference):
     """PP=2 x TP=2 x DP=2 under each schedule (GPipe, 1F1B, interleaved 1F1B), on every rank."""
-    results = run_workers(8, world8_checks, timeout=500)
-    assert {case[1] for case in results[0]} == {"gpipe", "1f1b", "interleaved-1f1b"}
-    for runs in results:
-        for case, run in runs.items():
-            assert_same_run(run, reference[case[0]], TRAINED)
+    results = spawn_layouts(8, run_layout, WORLD8, timeout=500)
+    assert {case["schedule"] for case in WORLD8.values()} == {"gpipe", "1f1b", "interleaved-1f1b"}
+    for name, case in WORLD8.items():
+        for run in check_result(results, name):
+            assert_same_run(run, reference[case["micro"]], TRAINED)
 
 
 @pytest.mark.slow
-def test_tied_embedding_copies_stay_bitwise_equal(world2):
-    first, last = world2[0]["tied"], world2[1]["tied"]
+def test_tied_embedding_copies_stay_bitwise_equal(stages2):
+    first, last = stages2[0]["tied"], stages2[1]["tied"]
     assert torch.equal(first, last)
 
 
 @pytest.mark.slow
-def test_dropout_under_the_pipeline_is_reproducible(world2, reference):
+def test_dropout_under_the_pipeline_is_reproducible(stages2, reference):
     """Two runs from the same seed draw the same masks (the first steps of the interrupted run equal
     the uninterrupted run's), and the masks act: the gradient norms differ from the dropout-0 run's."""
-    run = world2[0]["resume"]["1f1b"]
+    run = stages2[0]["resume"]["1f1b"]
     assert run["interrupted"][:STOP] == run["uninterrupted"][:STOP]
     no_dropout = reference[2][0]
     assert any(norm != pytest.approx(ref, rel=1e-3) for (_, norm), (_, ref) in zip(run["uninterrupted"], no_dropout))
 
 
 @pytest.mark.slow
-def test_parameter_count_sums_the_stages_and_counts_the_tied_embedding_once(world2):
+def test_parameter_count_sums_the_stages_and_counts_the_tied_embedding_once(stages2):
     single = Trainer(pp_config(micro=2), ParallelContext.single(), synthetic_data())
-    assert all(rank["parameters"] == single.num_parameters() == single.model.num_parameters() for rank in world2)
+    assert all(rank["parameters"] == single.num_parameters() == single.model.num_parameters() for rank in stages2)
 
 
 @pytest.mark.slow
-def test_point_to_point_traffic_follows_the_schedule(world2):
+def test_point_to_point_traffic_follows_the_schedule(stages2):
     """1F1B, 2 stages, m = 8 / 2 = 4 micro-batches of 2 x 16 x 32 fp32 activations: stage 0 sends m
     activations forward and receives m gradients; stage 1 the reverse. The tied embedding adds one
     all-reduce of the (padded) table over the embedding group on both stages; the gradient norm and
     the loss one scalar each over PP."""
     m, activation = 4, 2 * SEQ * HIDDEN * 4
-    for rank in world2:
+    for rank in stages2:
         traffic = rank["traffic"]
         assert traffic["send/pp"] == {"calls": m, "bytes": m * activation, "elements": m * activation // 4}
         assert traffic["recv/pp"] == traffic["send/pp"]
@@ -310,13 +341,13 @@ def test_point_to_point_traffic_follows_the_schedule(world2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
-def test_point_to_point_traffic_of_every_stage_follows_the_formula(world4, virtual):
+def test_point_to_point_traffic_of_every_stage_follows_the_formula(stages4, virtual):
     """PP=4, m = 4 micro-batches of 2 x 16 x 32 fp32 activations, S = 4 V stages, rank p running stages
     p, p + 4, ...: each local stage s sends m x ([s < S-1] + [s > 0]) tensors and receives as many, so a
     middle stage sends both ways (1F1B: 4, 8, 8, 4 per rank; interleaved with V = 2: 12, 16, 16, 12)."""
     m, pp, activation = 4, 4, 2 * SEQ * HIDDEN * 4
     stages = pp * virtual
-    for rank in world4["ranks"]:
+    for rank in stages4:
         local = range(rank["pp_rank"], stages, pp)
         sends = m * sum((s < stages - 1) + (s > 0) for s in local)
         traffic = rank["traffic"][virtual]
@@ -325,8 +356,8 @@ def test_point_to_point_traffic_of_every_stage_follows_the_formula(world4, virtu
 
 
 @pytest.mark.slow
-def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(world2):
-    for rank in world2:
+def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(stages2):
+    for rank in stages2:
         skipped, unchanged, next_skipped = rank["overflow"]
         assert skipped and unchanged and not next_skipped
 
@@ -342,26 +373,26 @@ def assert_resume_is_bitwise(run: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["1f1b", "interleaved", "gpipe-full-recompute", "1f1b-selective-recompute"])
-def test_resume_with_dropout_on_the_same_pipeline_layout_is_bitwise(world2, case):
+def test_resume_with_dropout_on_the_same_pipeline_layout_is_bitwise(stages2, case):
     """PP=2, dropout 0.1, 2 steps (STOP), save, a new trainer loads and runs 2 more == 4 uninterrupted steps.
     The schedule's shape inference in the resumed trainer's first step must not move the RNG."""
-    for rank in world2:
+    for rank in stages2:
         assert_resume_is_bitwise(rank["resume"][case])
 
 
 @pytest.mark.slow
-def test_resume_with_dropout_at_pp2_dp2_with_the_distributed_optimizer_is_bitwise(world4):
-    for rank in world4["ranks"]:
+def test_resume_with_dropout_at_pp2_dp2_with_the_distributed_optimizer_is_bitwise(stages4):
+    for rank in stages4:
         assert_resume_is_bitwise(rank["resume_pp2dp2_distributed_optimizer"])
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_pipeline_layouts(world4, reference):
+def test_checkpoint_moves_between_pipeline_layouts(world4, stages4, reference):
     """PP=2 x TP=2 saved after STOP steps -> PP=4 x TP=1 continues the single-process curve (every rank's) to the
     same final
     parameters; PP=1 -> PP=4 loads every tensor."""
     ref_curve, ref_params = reference[1]
-    for rank in world4["ranks"]:
+    for rank in stages4:
         assert len(rank["pp2tp2_to_pp4"]) == TRAINED - STOP
         for (loss, norm), (ref_loss, ref_norm) in zip(rank["pp2tp2_to_pp4"], ref_curve[STOP:]):
             assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
@@ -371,7 +402,7 @@ def test_checkpoint_moves_between_pipeline_layouts(world4, reference):
 
 
 @pytest.mark.slow
-def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path):
+def test_pipeline_checkpoint_serves_one_process_tools(stages4, workdir, tmp_path):
     """A PP=2 x TP=2 checkpoint (STOP steps) loads as a plain one-process model (`load_model`, as `shardlm eval`
     and `generate` load it) with the trained tensors, whose logits and greedy tokens equal those of the
     one-process run's checkpoint after the same steps; `shardlm checkpoint convert` consolidates it to
@@ -383,7 +414,7 @@ def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path)
     from shardlm.cli import main
     from shardlm.eval.generate import SamplingConfig, generate_tokens
 
-    path, params = world4["ranks"][0]["saved_pp2tp2"]
+    path, params = stages4[0]["saved_pp2tp2"]
     model, _ = load_model(path, ParallelContext.single())
     for name, value in model.named_parameters():
         expected = params[name]
@@ -413,10 +444,10 @@ def test_pipeline_checkpoint_serves_one_process_tools(world4, workdir, tmp_path)
 
 
 @pytest.mark.slow
-def test_inspect_reports_the_pipeline_layout(world4, capsys):
+def test_inspect_reports_the_pipeline_layout(stages4, capsys):
     from shardlm.cli import main
 
-    main(["checkpoint", "inspect", world4["ranks"][0]["saved_pp2tp2"][0], "--json"])
+    main(["checkpoint", "inspect", stages4[0]["saved_pp2tp2"][0], "--json"])
     info = json.loads(capsys.readouterr().out)
     assert (info["pipeline_parallel"], info["tensor_parallel"], info["data_parallel"]) == (2, 2, 1)
     assert any(name.startswith("layers.7.") for name in info["tensors"]) and "wpe" in info["tensors"]
