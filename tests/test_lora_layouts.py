@@ -67,8 +67,7 @@ def lora_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp:
     if moe:  # a Mixtral-shaped model: 4 experts top-2 on every layer, adapters on the experts too (Qwen3-MoE's q/k
         # norms, which `test_lora_peft` covers, make some adapter gradients cancel to rounding noise: 1e-5 would then
         # measure the CPU kernels' summation order, as on AVX2 it does)
-        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
-                  **ROUTING[routing]}
+        model |= {"num_layers": 2, **ROUTING[routing]}
         lora = {"targets": ["all-linear", "experts"], **(lora or {})}
     sections = {"data": {"text_file": "unused"}, "lora": {**LORA, "modules_to_save": list(save), **(lora or {})}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual,

@@ -30,7 +30,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from test_moe_parallel import ROUTING, full_parameters, stage_parameters
+from test_moe_parallel import full_parameters, stage_parameters
 from test_training import VOCAB
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
@@ -45,7 +45,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_every_rank, assert_same_run, assert_trained_but_off, rel
-from layouts import MLA, counting, layout, layout_config, layout_context, spawn_layouts, tiny_model
+from layouts import MIXTRAL, MLA, counting, layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result, disturb_generators
 
 SEQ, STEPS, TOL = 32, 4, 1e-5
@@ -94,7 +94,7 @@ def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: 
     if mtp:  # and its multi-token prediction: 2 depths, rolled within each document
         model |= {"mtp_layers": 2, "mtp_loss_weight": 0.3}
     if moe:
-        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+        model |= {"num_layers": 2} | MIXTRAL
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual,
                          **{"steps": STEPS, "eval_iters": 64, **train})
 
