@@ -100,8 +100,7 @@ def train(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
     return curve, trainer
 
 
-CONTEXTS = {}
-"""This worker's context of each layout (tp, pp, cp, ep) that `run_layout` has built."""
+CONTEXTS = {}  # this worker's context of each layout (tp, pp, cp, ep) that `run_layout` has built
 
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, micro: int, schedule: str, virtual: int = 1,
@@ -117,22 +116,21 @@ def run_layout(tp: int, pp: int, cp: int, ep: int, micro: int, schedule: str, vi
     return curve, whole_model(ctx, trainer)
 
 
-def pipe(micro: int, schedule: str, tp: int = 1, pp: int = 2, checkpointing: bool = False) -> dict:
-    """A case of the tables below: `schedule` ("interleaved" with 2 virtual stages a rank) at `micro`."""
+def pipe(micro: int, schedule: str, tp: int = 1, pp: int = 2, ckpt: bool = False) -> dict:
+    """A case of the tables below: `schedule` ("interleaved" with 2 virtual stages a rank) at `micro`, with
+    activation checkpointing if `ckpt`."""
     virtual = 2 if schedule == "interleaved" else 1
     schedule = "interleaved-1f1b" if schedule == "interleaved" else schedule
-    return layout(tp=tp, pp=pp, micro=micro, schedule=schedule, virtual=virtual, checkpointing=checkpointing)
+    return layout(tp=tp, pp=pp, micro=micro, schedule=schedule, virtual=virtual, checkpointing=ckpt)
 
 
 WORLD2 = {"gpipe-m1": pipe(8, "gpipe"), "gpipe-m2": pipe(4, "gpipe"), "gpipe-m8": pipe(1, "gpipe"),
           "1f1b-m4": pipe(2, "1f1b"), "1f1b-m8": pipe(1, "1f1b"), "interleaved-m8": pipe(1, "interleaved"),
-          "interleaved-m4": pipe(2, "interleaved"), "1f1b-checkpointing": pipe(1, "1f1b", checkpointing=True)}
-"""PP=2, each case against one process at its micro-batch size: GPipe, 1F1B and interleaved 1F1B over m
-micro-batches."""
+          "interleaved-m4": pipe(2, "interleaved"), "1f1b-checkpointing": pipe(1, "1f1b", ckpt=True)}
+"""PP=2 (GPipe, 1F1B, interleaved 1F1B over m micro-batches), each against one process at its micro-batch size."""
 WORLD4 = {"pp4-gpipe": pipe(2, "gpipe", pp=4), "pp4-1f1b": pipe(1, "1f1b", pp=4),
-          "pp4-interleaved": pipe(2, "interleaved", pp=4),
-          "pp2tp2-gpipe": pipe(2, "gpipe", tp=2), "pp2tp2-1f1b": pipe(1, "1f1b", tp=2),
-          "pp2tp2-interleaved-ckpt": pipe(1, "interleaved", tp=2, checkpointing=True),
+          "pp4-interleaved": pipe(2, "interleaved", pp=4), "pp2tp2-gpipe": pipe(2, "gpipe", tp=2),
+          "pp2tp2-1f1b": pipe(1, "1f1b", tp=2), "pp2tp2-interleaved-ckpt": pipe(1, "interleaved", tp=2, ckpt=True),
           "pp2dp2-gpipe": pipe(2, "gpipe"), "pp2dp2-1f1b": pipe(2, "1f1b"),
           "pp2dp2-interleaved": pipe(1, "interleaved")}
 """A world of 4: PP=4 x TP=1, PP=2 x TP=2 and PP=2 x TP=1 x DP=2."""
@@ -221,12 +219,9 @@ def pp4_stages(tmp: str) -> dict:
     return out
 
 
-def world2_more(tmp: str) -> dict:
-    return {"stages": lambda: pp2_stages(tmp)}
-
-
-def world4_more(tmp: str) -> dict:
-    return {"stages": lambda: pp4_stages(tmp)}
+def stages_check(tmp: str, world: int) -> dict:
+    """A world's further check after its layouts: "stages", `pp2_stages` or (world 4) `pp4_stages`."""
+    return {"stages": lambda: (pp2_stages if world == 2 else pp4_stages)(tmp)}
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -250,7 +245,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(workdir):
-    return spawn_layouts(2, run_layout, WORLD2, timeout=400, more=world2_more, more_args=(str(workdir),))
+    return spawn_layouts(2, run_layout, WORLD2, timeout=400, more=stages_check, more_args=(str(workdir), 2))
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +255,7 @@ def world4(workdir):
     ctx = ParallelContext.single()
     _, trainer = train(ctx, pp_config(micro=1), steps=STOP)
     save_checkpoint(trainer, workdir / "single")
-    return {"ranks": spawn_layouts(4, run_layout, WORLD4, timeout=500, more=world4_more, more_args=(str(workdir),)),
+    return {"ranks": spawn_layouts(4, run_layout, WORLD4, timeout=500, more=stages_check, more_args=(str(workdir), 4)),
             "single": whole_model(ctx, trainer)}
 
 
