@@ -15,6 +15,9 @@ starts from zero), and the convolution reset at the chunk edge (its earlier inpu
 One world of 3: CP=3 on rows of 48 tokens packed from the same conversations (six zigzag chunks of 8, rank r
 holding chunks r and 5 - r; documents cross every inner chunk edge; six summaries combined in sequence order)
 against one process on the same rows, and its control, the hand-over dropped, which must end off.
+
+One world of 4: CP=2 x TP=2 with SP, and the MoE variant at FSDP x EP=2 over DP=4 (the experts sharded over an
+expert-DP group of 2; one row a rank, so against one process at micro-batch 1).
 """
 
 from __future__ import annotations
@@ -102,11 +105,18 @@ CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
 WORLD3 = {"cp3": layout(cp=3, micro=BATCH, rows=SEQ3),
           "control cp3 hand-over": layout(cp=3, micro=BATCH, rows=SEQ3, control="hand-over")}
+WORLD4 = {"cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
+          "fsdp ep2 dp4 moe micro1": layout(ep=2, moe=True, micro=1, data_sharding="full")}
 
 
 @pytest.fixture(scope="module")
 def world3():
     return spawn_layouts(3, run_layout, WORLD3)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn_layouts(4, run_layout, WORLD4)
 
 
 @pytest.fixture(scope="module")
@@ -117,22 +127,30 @@ def world2():
 @pytest.fixture(scope="module")
 def reference():
     """One process: the dense model at micro-batch BATCH (with LoRA LORA_BATCH: one per step); the MoE at the
-    layouts' micro-batch 2 (its load-balancing statistics are per micro-batch)."""
+    layouts' micro-batch 2, and at 1 for DP=4 (its load-balancing statistics are per micro-batch)."""
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, kimi_sft_config(micro=BATCH)),
             "moe": train_layout(ctx, kimi_sft_config(moe=True)),
+            "moe micro1": train_layout(ctx, kimi_sft_config(moe=True, micro=1)),
             "lora": train_layout(ctx, kimi_sft_config(micro=LORA_BATCH, lora=4)),
             "muon": train_layout(ctx, kimi_sft_config(micro=BATCH, optimizer="muon", muon_ns_dtype="fp32")),
             "rows of 48": train_layout(ctx, kimi_sft_config(micro=BATCH), rows=SEQ3)}
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora", "muon") if kind in name), "dense")
+    return next((kind for kind in ("moe micro1", "moe", "lora", "muon") if kind in name), "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_kimi_linear_at_two_ranks_equals_one_process(world2, reference, name):
     assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_kimi_linear_at_four_ranks_equals_one_process(world4, reference, name):
+    """CP=2 x TP=2 with SP (each TP rank's heads over both CP chunks, their summaries handed over); the MoE at
+    FSDP x EP=2 over DP=4 (2 experts a rank, their stacks sharded over the expert-DP group of 2)."""
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))

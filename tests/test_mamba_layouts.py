@@ -15,6 +15,8 @@ micro-batches and the scan's chunks of 8 tokens).
 - world 3: CP=3 on rows of 48 tokens packed from the same conversations (six zigzag chunks of 8, rank r holding
   chunks r and 5 - r; documents cross every inner chunk edge, which a test of the data checks) against one
   process on the same rows, and its control, the hand-over dropped, which must end off;
+- world 4: CP=2 x TP=2 with SP, and the MoE ("M*ME") at FSDP x EP=2 over DP=4 (the experts sharded over an
+  expert-DP group of 2);
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, and differ
   without the documents (the control); selective and full recomputation give the loss and gradients of none;
 - bad settings are one-line errors.
@@ -123,11 +125,18 @@ WORLD2 = {
 CONTROLS = {"control cp2 hand-over": layout(cp=2, control="hand-over"),
             "control cp2 conv edge": layout(cp=2, control="conv edge")}
 WORLD3 = {"cp3": layout(cp=3, micro=8), "control cp3 hand-over": layout(cp=3, micro=8, control="hand-over")}
+WORLD4 = {"cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
+          "fsdp ep2 dp4 moe": layout(ep=2, moe=True, data_sharding="full")}
 
 
 @pytest.fixture(scope="module")
 def world3():
     return spawn_layouts(3, run_rows_of_48, WORLD3)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn_layouts(4, run_layout, WORLD4)
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +154,20 @@ def reference():
             "rows of 48": train_rows_of_48(ctx, nemotron_config(micro=8))}
 
 
+def kind_of(name: str) -> str:
+    return next((kind for kind in ("lora", "moe", "muon") if kind in name), "dense")
+
+
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_nemotron_h_at_two_ranks_equals_one_process(world2, reference, name):
-    kind = next((kind for kind in ("lora", "moe", "muon") if kind in name), "dense")
-    assert_every_rank(world2, name, reference[kind], steps=STEPS, tol=TOL)
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_nemotron_h_at_four_ranks_equals_one_process(world4, reference, name):
+    """CP=2 x TP=2 with SP (each TP rank's heads and groups scanned over both CP chunks); the MoE at FSDP x EP=2
+    over DP=4 (2 experts a rank, their stacks sharded over the expert-DP group of 2, the rest over all 4)."""
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
