@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from llama_reference import spread_norm_weights
 from test_moe_parallel import stage_parameters
 from test_training import VOCAB, synthetic_data
 
@@ -38,6 +37,8 @@ TOL, STEPS, BATCH = 1e-5, 3, 8
 
 def tiny_qwen3(moe: bool = False):
     """A random tiny Qwen3 (or Qwen3-MoE) in fp32, with weights that make a layout slip show."""
+    from llama_reference import spread_norm_weights  # here: the workers, which import this module, need not
+
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=12, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=500.0,
                   tie_word_embeddings=False)
