@@ -118,10 +118,15 @@ def measured_bytes(tp: int) -> dict:
 
 
 def validation_loss(ctx: ParallelContext, cfg) -> float:
-    """The validation loss after 2 training steps (4 iterations of micro x DP samples of another stream)."""
+    """The validation loss after 2 training steps (4 iterations of micro x DP samples of another stream); under
+    FSDP every parameter must be a shard again afterwards (a forward without backward leaves the root gathered)."""
     trainer = Trainer(cfg, ctx, synthetic_data(), valid_data=synthetic_data(seed=1))
     trainer.train_step(), trainer.train_step()
-    return trainer.evaluate()
+    loss = trainer.evaluate()
+    if trainer.fsdp is not None:
+        gathered = [n for n, p in trainer.model.named_parameters() if not hasattr(p, "to_local")]
+        assert not gathered, f"gathered after the evaluation: {gathered}"
+    return loss
 
 
 def fp16_runs() -> dict:

@@ -280,6 +280,10 @@ class Trainer:
                 for batch in batches:
                     total += self.loss(self.model, batch).float()
         ctx.dp_cp.all_reduce(total)
+        if self.fsdp is not None:  # a forward without backward leaves FSDP's roots gathered: free them
+            from shardlm.training.fsdp import reshard
+
+            reshard([self.model] + (self.pipeline.stage_modules if self.pipeline is not None else []))
         self.model.train()
         return total.item() / (iters * ctx.dp_cp.size)
 
