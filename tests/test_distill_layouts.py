@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_moe_parallel import ROUTING, stage_parameters
+from test_moe_parallel import stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
 
 from shardlm.distill import divergence
@@ -43,7 +43,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import assert_same_run, assert_trained_but_off
-from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_model
+from layouts import MIXTRAL, layout, layout_config, layout_context, spawn_layouts, tiny_model
 from multiproc import check_result
 
 STEPS, TOL, BATCH, WIDE_BATCH = 3, 1e-5, 4, 8
@@ -89,7 +89,7 @@ def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: i
                    loss: str = "jsd", **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
     if moe:
-        model |= {"num_layers": 2, "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32} | ROUTING["mixtral"]
+        model |= {"num_layers": 2} | MIXTRAL
     sections = {"sft": {"data": ["records.jsonl"]},
                 "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8,
                             "loss": loss}}
