@@ -183,15 +183,11 @@ FAMILIES = {
                           model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
     "kimi_linear": HFModel("KimiLinearForCausalLM", "KimiLinearExperts", save_hf_model,
                            model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
-    "nemotron_h": HFModel("NemotronHForCausalLM", None, save_hf_model,  # see NEMOTRON_EXPERTS
+    "nemotron_h": HFModel("NemotronHForCausalLM", "NemotronHExperts", save_hf_model,
                           model_overrides={"moe_aux_loss_coeff": 0.0, "moe_expert_bias_rate": 0.0}),
 }
 """Each family's transformers side (attention and experts as shipped) and shardlm's keys: no aux loss and a fixed
 expert bias, as transformers trains."""
-NEMOTRON_EXPERTS = "NemotronHExperts"
-"""transformers' Nemotron-H experts class: not named in its HFModel (no `hf_eager` program, no experts' dtypes)
-because `moe.expert_gemm_dtypes` finds shardlm's experts by the exact class name GroupedExperts, and Nemotron-H's
-are its subclass ReluSquaredExperts."""
 
 SHAPES = {"mistral4": FamilyShape("mistral4"), "olmo3": FamilyShape("olmo3", experts=0),
           "minimax_m2": FamilyShape("minimax_m2"), "gemma4": FamilyShape("gemma4", num_kv_heads=2, experts=0),

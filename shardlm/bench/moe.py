@@ -154,7 +154,7 @@ def expert_gemm_dtypes(model: torch.nn.Module, experts_class: str, run) -> str:
                 seen.add(DTYPE_NAMES.get(args[0].dtype, str(args[0].dtype)))
             return func(*args, **(kwargs or {}))
 
-    module = next(m for m in model.modules() if type(m).__name__ == experts_class)
+    module = next(m for m in model.modules() if any(c.__name__ == experts_class for c in type(m).__mro__))
     mode = Record()
     handles = [module.register_forward_pre_hook(lambda *_: mode.__enter__() and None),  # None: inputs unchanged
                module.register_forward_hook(lambda *_: mode.__exit__(None, None, None) and None)]

@@ -101,6 +101,10 @@ KEYS = {
                                                   "(shardlm_kl; transformers trains no indexer)",
     "sparse_attention.train_vs_hf.loss_check.match": "true when transformers' DeepSeek-V3.2 losses of steps 1 and 2 "
                                                      "(fp32, same weights and batch) are within 1e-4 of shardlm's",
+    "sparse_attention.v4_train_vs_hf.fp32.ratio": "shardlm tokens/s / transformers' DeepseekV4ForCausalLM as shipped, "
+                                                  "per round (fp32); goal 1.2",
+    "sparse_attention.v4_train_vs_hf.loss_check.match": "true when transformers' DeepSeek-V4 losses of steps 1 and 2 "
+                                                        "(fp32, same weights and batch) are within 1e-4 of shardlm's",
     "sparse_attention.layer.rows": "per sequence length (one MLA layer, batch 1, fp32, forward + backward): dense_ms "
                                    "and per top-k k dsa_<k> (ms, choice_ms: the indexer's scoring and top-k inside "
                                    "it, speedup = dense / DSA per round, saved_bytes alive for the backward when the "
