@@ -104,6 +104,8 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: 
     kv_heads = k.shape[1]
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     if _use_flash(q, kernel):
+        if q.dtype != torch.float32:  # in fp32: the CPU kernel's bf16 backward ran 2-3x its fp32 one (128-token blocks)
+            dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
         extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal and mask is None, scale=scale, **extra)
