@@ -240,15 +240,23 @@ class DecoderLM(nn.Module):
         computes the same. An RL run's `logit_temperature` divides the logits (as h / temperature), and its
         `entropies` list receives the (B, T) entropies of the same distributions (no gradient)."""
         h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
-        if self.logit_temperature != 1.0:
+        softcap = self.output_softcap()
+        if softcap is None and self.logit_temperature != 1.0:
             h = h / self.logit_temperature
         if self.entropies is not None:  # where there is a target
             kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
             entropy = torch.zeros(targets.numel(), device=h.device)
             entropy[kept] = vocab_parallel_entropy(h.detach().reshape(-1, h.shape[-1])[kept],
-                                                   self.output_weight.detach(), self.ctx.tp, self.cfg.vocab_size)
+                                                   self.output_weight.detach(), self.ctx.tp, self.cfg.vocab_size,
+                                                   softcap)
             self.entropies.append(entropy.view(targets.shape))
-        return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index)
+        return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index,
+                                    softcap)
+
+    def output_softcap(self) -> tuple[float, float] | None:
+        """The logits' soft cap (cap, s) the fused loss applies, s tanh(z / cap) with the temperature inside s
+        (`linear_cross_entropy`'s `softcap`); None: no cap (the temperature then divides h)."""
+        return None
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
                       documents: Documents | None = None) -> torch.Tensor:

@@ -52,9 +52,7 @@ from shardlm.parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
 )
-from shardlm.parallel.entropy import vocab_parallel_entropy
 from shardlm.parallel.init import param_seed
-from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
 from shardlm.parallel.random import recompute
 
 
@@ -404,21 +402,8 @@ class Gemma4(Llama):
         cap = self.cfg.final_logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 
-    def output_loss(self, h: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Per-token fp32 losses (B, T) of the soft-capped logits (divided by an RL run's `logit_temperature`):
-        the fused output layer and loss with its cap (`linear_cross_entropy`'s `softcap`), so the capped
-        (B, T, V) logits and their gradients are never written whole; `loss(output_layer(h))` computes the same."""
+    def output_softcap(self) -> tuple[float, float] | None:
+        """The soft cap inside the fused output layer and loss: s tanh(z / cap) with s = cap / an RL run's
+        `logit_temperature`, so the capped (B, T, V) logits and their gradients are never written whole."""
         cap = self.cfg.final_logit_softcap
-        if not cap:
-            return super().output_loss(h, targets, ignore_index)
-        softcap = (cap, cap / self.logit_temperature)
-        h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
-        if self.entropies is not None:  # where there is a target
-            kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
-            entropy = torch.zeros(targets.numel(), device=h.device)
-            entropy[kept] = vocab_parallel_entropy(h.detach().reshape(-1, h.shape[-1])[kept],
-                                                   self.output_weight.detach(), self.ctx.tp, self.cfg.vocab_size,
-                                                   softcap)
-            self.entropies.append(entropy.view(targets.shape))
-        return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index,
-                                    softcap)
+        return (cap, cap / self.logit_temperature) if cap else None
