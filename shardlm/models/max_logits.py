@@ -45,11 +45,18 @@ def max_attention_logits(q: torch.Tensor, k: torch.Tensor, cp, scale: float | No
     return out
 
 
-@torch.compiler.disable
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | None = None, documents=None,
                       window: int = 0) -> None:
-    """Raise `module.max_logits` (this rank's heads) to this micro-batch's, when it tracks them and trains (outside
-    `torch.compile`'s graphs: an in-place update of a module's tensor)."""
+    """Raise `module.max_logits` (this rank's heads) to this micro-batch's, when it tracks them and trains.
+
+    The test runs inside `torch.compile`'s graph (a guard on the attribute), so a layer that does not track compiles
+    into one graph; only the update itself is kept out of the graph (`_raise_max_logits`)."""
     if getattr(module, "max_logits", None) is not None and module.training:
-        logits = max_attention_logits(q, k, module.ctx.cp, scale, documents, window)
-        torch.maximum(module.max_logits, logits, out=module.max_logits)
+        _raise_max_logits(module, q, k, scale, documents, window)
+
+
+@torch.compiler.disable
+def _raise_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | None, documents, window: int) -> None:
+    """`record_max_logits`'s update, outside `torch.compile`'s graphs: an in-place update of a module's tensor."""
+    logits = max_attention_logits(q, k, module.ctx.cp, scale, documents, window)
+    torch.maximum(module.max_logits, logits, out=module.max_logits)
