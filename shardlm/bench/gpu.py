@@ -12,6 +12,9 @@ steps, optionally under `torch.compile`, and prints one JSON line per figure. MF
 time, one JSON line each, after a line with the share of the step outside GEMMs and attention
 (`outside_gemm_attention`, matched by kernel name).
 
+`--against REV [--rounds N]` runs revision REV's tree and the working tree alternately, each run its own
+process, and prints their speed ratio per shape (shardlm/bench/gpu_against.py says how to read it).
+
 `--device cpu --shapes smoke` runs the same code on a tiny model on the CPU: a check of the harness
 (the test suite runs it), not a figure.
 """
@@ -106,7 +109,8 @@ def profile_step(trainer, name: str, top: int, sync) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shardlm.bench.gpu`."""
     parser = argparse.ArgumentParser(prog="python -m shardlm.bench.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s != "smoke"], choices=list(SHAPES))
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -121,10 +125,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one more step and print its N costliest operators")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the harness on the smoke shape only")
+    parser.add_argument("--against", metavar="REV",
+                        help="run REV's tree (a git revision, or a folder holding a shardlm package) and the working "
+                             "tree alternately and print their ratio per shape")
+    parser.add_argument("--rounds", type=int, default=2, help="with --against: runs of each tree (even: ABBA order)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("shardlm: error: make bench-gpu needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.against:
+        return against(args, parser)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -140,6 +155,21 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     return 0
+
+
+def against(args, parser) -> int:
+    """`--against`: the side-by-side comparison; a user mistake or a failed run is one line on stderr."""
+    from shardlm.bench.gpu_against import RunFailed, compare
+    from shardlm.errors import UserError
+
+    try:
+        return compare(args, parser)
+    except UserError as error:
+        print(f"shardlm: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except RunFailed as error:
+        print(f"shardlm: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
