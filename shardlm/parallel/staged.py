@@ -13,6 +13,15 @@ Collectives block until gloo is done (every rank issues them in the same order);
 a pending work that finishes them on `wait()`, since a ring posts its send and its receive before waiting.
 The Python names of `torch.distributed.ProcessGroup`'s methods differ from gloo's in places
 (`all_gather_single` is gloo's `_allgather_base`, `all_to_all_single` its `alltoall_base`, ...): `_GLOO` maps them.
+PyTorch releases before 2.13 call the older names from `torch.distributed` (`dist.all_gather_into_tensor` calls
+`_allgather_base`, `dist.all_to_all_single` calls `alltoall_base`, ...): the group answers to both (`OLD_NAMES`),
+since a name it lacks falls through to C++, which looks for a backend of the tensors' device type.
+
+The group is a `ProcessGroup` subclass, which PyTorch registers no per-device backend for; `_create` registers its
+gloo backend for the CPU and CUDA device types, so that `group._get_backend(device)` (FSDP2 asks it whether the
+backend allocates its buffers) answers on CUDA tensors too. A C++ caller of a method that this class does not
+override would reach gloo directly: correct on CPU tensors, and an error of gloo's on CUDA ones, never a silent
+result.
 """
 
 from __future__ import annotations
@@ -38,6 +47,14 @@ _GLOO = {"allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced",
 """ProcessGroup method -> the gloo backend's method of the same collective. The first argument of each holds
 its results (in place for all-reduce, broadcast and reduce)."""
 
+OLD_NAMES = {"_allgather_base": "all_gather_single", "_reduce_scatter_base": "reduce_scatter_single",
+             "alltoall_base": "all_to_all_single", "allgather_into_tensor_coalesced": "all_gather_single_coalesced",
+             "reduce_scatter_tensor_coalesced": "reduce_scatter_single_coalesced"}
+"""A method name of PyTorch before 2.13 -> the name `StagedGroup` implements it under."""
+
+DEVICE_TYPES = ("cpu", "cuda")
+"""The device types the backend is registered for, and whose tensors it stages."""
+
 
 def backend_name() -> str:
     """The process-group backend `SHARDLM_BACKEND` asks for: "gloo_staged", or "" when unset (NCCL on GPUs,
@@ -54,7 +71,7 @@ def backend_for(device: torch.device) -> str:
     NCCL for CUDA and gloo for the CPU."""
     name = backend_name() or ("nccl" if device.type == "cuda" else "gloo")
     if name == STAGED and not hasattr(dist.Backend, STAGED.upper()):
-        dist.Backend.register_backend(STAGED, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(STAGED, _create, devices=list(DEVICE_TYPES))
     return name
 
 
@@ -179,6 +196,22 @@ class StagedGroup(dist.ProcessGroup):
     def scatter(self, outputs, inputs, opts):
         return self._run("scatter", outputs, inputs, opts)
 
+    # The names PyTorch before 2.13 calls from `torch.distributed` (see the module docstring).
+    def _allgather_base(self, output, input, opts):
+        return self.all_gather_single(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts):
+        return self.reduce_scatter_single(output, input, opts)
+
+    def alltoall_base(self, output, input, output_splits, input_splits, opts):
+        return self.all_to_all_single(output, input, output_splits, input_splits, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+
     def barrier(self, opts):
         self.gloo.barrier(opts).wait()
         return _done(None)
@@ -193,5 +226,9 @@ class StagedGroup(dist.ProcessGroup):
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> StagedGroup:
-    return StagedGroup(dist.ProcessGroupGloo(store, rank, size, timeout=timeout), rank, size)
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+    group = StagedGroup(gloo, rank, size)
+    for device_type in DEVICE_TYPES:
+        group._register_backend(torch.device(device_type), dist.ProcessGroup.BackendType.CUSTOM, gloo)
+    return group
 
