@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -100,3 +102,85 @@ def test_summaries_pair_rounds_and_keep_an_interrupted_comparison():
     [line] = summaries(runs, "abc", complete=False)
     assert line["ratios"] == pytest.approx([1.1]) and line["rounds"] == 1 and line["complete"] is False
     assert line["work"]["mfu"] == 0.5 and line["rev"]["peak_memory_gb"] == 9.0
+
+
+CHECK = ROOT / "scripts" / "gpu_check.sh"
+
+
+def step_commands(script: str) -> dict[str, str]:
+    """`gpu_check.sh`'s `step NAME LIMIT COMMAND...` lines, continuation lines joined: {NAME: "LIMIT COMMAND..."}."""
+    joined = re.sub(r"\\\n\s*", "", script)
+    return {m[1]: m[2] for m in re.finditer(r"^\s*step (\S+) (\d+ .*)$", joined, re.MULTILINE)}
+
+
+def test_gpu_check_parses_fits_eight_minutes_and_names_its_baseline_once():
+    assert subprocess.run(["bash", "-n", str(CHECK)], capture_output=True).returncode == 0
+    script = CHECK.read_text()
+    steps = step_commands(script)
+    assert list(steps)[:5] == ["env", "staged_backend", "against_xl", "test_cuda", "train_nccl"]
+    budget = int(re.search(r"^BUDGET=(\d+)", script, re.MULTILINE)[1])
+    fixed = sum(int(command.split()[0]) for name, command in steps.items() if name != "bench_other")
+    fixed += 2 * int(steps['"train_$cfg"'].split()[0])  # the family loop runs three configs
+    assert fixed <= budget and budget + 3 + 10 < 8 * 60
+    [baseline] = re.findall(r"^AGAINST=(\w+)", script, re.MULTILINE)
+    assert script.count(baseline) == 1
+    # the side-by-side step's options are bench.gpu's
+    best = re.search(r'^best="([^"]*)"', script, re.MULTILINE)[1]
+    command = steps["against_xl"].replace("$best", best).replace('"$against"', baseline)
+    args = build_parser().parse_args(shlex.split(command.split("shardlm.bench.gpu", 1)[1]))
+    assert args.against == baseline and args.profile > 0 and args.rounds % 2 == 0
+    assert (args.compile, args.micro_batch, args.global_batch, args.param_dtype) == (True, 16, 64, "half")
+
+
+def test_gpu_summary_gathers_fabricated_logs(tmp_path):
+    """A check's logs as gpu_check.sh leaves them, one step killed mid-line and one skipped, into summary.json."""
+    figure = {"shape": "gpt2-1.5b", "micro_batch": 16, "global_batch": 64, "param_dtype": "half", "compile": True,
+              "step_s": 1.4, "tokens_per_sec": 46811.4, "tflops": 480.0, "mfu": 0.485, "peak_memory_gb": 71.6}
+    side = {"shape": "gpt2-1.5b", "summary": "side_by_side", "against": "46f234c535", "rounds": 2, "ratio": 0.957,
+            "ratio_min": 0.95, "ratio_max": 0.964, "rev": {"step_s": 1.375}, "work": {"step_s": 1.436}}
+    diff = {"shape": "gpt2-1.5b", "diff": "copy_kernel", "calls_rev": 10, "calls_work": 400, "ms_rev": 1.0,
+            "ms_work": 60.0, "ms_diff": 59.0}
+    runs = [{**figure, "tree": tree, "round": r} for r, tree in enumerate(("rev", "work"))]
+    logs = {
+        "env": [{"env": True, "gpu": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "nccl": "2.28.9",
+                 "gemm_bf16_tflops": 787.0}],
+        "staged_backend": "..F.s.\nFAILED tests/test_staged_backend.py::test_two[cp2 oss] - in 3s\n"
+                          "6 passed, 1 failed, 1 skipped, 2 warnings in 48.21s\n",
+        "against_xl": [*runs, {"shape": "gpt2-1.5b", "diff_count": 1, "shown": 1}, diff, side],
+        "test_cuda": "....\n4 passed in 12.31s\n",
+        "train_nccl": "step     10/40 | loss 9.1000 | lr 1e-4 | 170000 tokens/s | 20 TFLOP/s/device\n"
+                      "step     40/40 | loss 6.2500 | lr 6e-5 | grad norm 1.0 | 175000 tokens/s | 21 TFLOP/s/device\n"
+                      "saved checkpoint /tmp/x/step_00000040\nfinal validation loss 6.1000 | perplexity 445.86\n",
+        "train_tiny-moe-deepseek": "step      1/20 | loss 10.8715 | aux loss 0.004 | 1869 tokens/s | 0.1 TFLOP/s\n",
+        "bench_other": [figure, {"shape": "gpt2-774m", "error": "out of memory at this micro-batch"}],
+    }
+    for name, content in logs.items():
+        text = content if isinstance(content, str) else "".join(json.dumps(row) + "\n" for row in content)
+        (tmp_path / f"{name}.log").write_text(text + ('{"shape": "gpt2-' if name == "bench_other" else ""))
+    (tmp_path / "steps.tsv").write_text("env\t0\t9\t30\nstaged_backend\t1\t50\t80\nagainst_xl\t0\t150\t180\n"
+                                        "test_cuda\t0\t20\t40\ntrain_nccl\t0\t25\t45\n"
+                                        "train_tiny-moe-deepseek\t124\t25\t25\ntrain_tiny-gpt-oss\tskipped\t0\t0\n"
+                                        "bench_other\t124\t90\t90\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["env"] == {k: v for k, v in logs["env"][0].items() if k != "env"}
+    steps = {step["step"]: step for step in summary["steps"]}
+    assert list(steps) == ["env", "staged_backend", "against_xl", "test_cuda", "train_nccl", "train_tiny-moe-deepseek",
+                           "train_tiny-gpt-oss", "bench_other"]
+    assert steps["staged_backend"]["tests"] == {"passed": 6, "failed": 1, "skipped": 1, "errors": 0}
+    assert (steps["staged_backend"]["exit"], steps["staged_backend"]["seconds"]) == (1, 50)
+    assert steps["test_cuda"]["tests"]["passed"] == 4 and "tests" not in steps["against_xl"]
+    assert steps["train_nccl"]["train"] == {"last_step": 40, "steps": 40, "last_loss": 6.25, "tokens_per_sec": 175000,
+                                            "final_val_loss": 6.1, "checkpoint_saved": True}
+    assert steps["train_tiny-moe-deepseek"]["train"] == {"last_step": 1, "steps": 20, "last_loss": 10.8715,
+                                                         "tokens_per_sec": 1869, "final_val_loss": None,
+                                                         "checkpoint_saved": False}
+    assert steps["train_tiny-gpt-oss"]["exit"] == "skipped" and steps["bench_other"]["exit"] == 124
+    assert summary["side_by_side"] == [{"step": "against_xl", **side}]
+    assert [(run["tree"], run["round"]) for run in summary["side_by_side_runs"]] == [("rev", 0), ("work", 1)]
+    assert summary["operator_diff"][1] == diff and summary["operator_diff"][0]["diff_count"] == 1
+    assert summary["bench"] == [{"step": "bench_other", **figure},
+                                {"step": "bench_other", "shape": "gpt2-774m", "error": logs["bench_other"][1]["error"]}]
+    assert summary["seconds"] == 9 + 50 + 150 + 20 + 25 + 25 + 90
