@@ -56,5 +56,8 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(PY) -m shardlm.bench.gpu --compile --micro-batch 16 --global-batch 64 --param-dtype half
 
+bench-gpu-against: $(STAMP)  # make bench-gpu-against REV=46f234c: bench-gpu's settings, REV side by side
+	$(PY) -m shardlm.bench.gpu --compile --micro-batch 16 --global-batch 64 --param-dtype half --against $(REV) --profile 15
+
 clean:
 	rm -rf $(VENV) runs *.egg-info
