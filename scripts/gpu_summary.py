@@ -9,7 +9,7 @@ step's OUT_DIR/<step>.log, and writes one JSON object:
 - "bench": every benchmark figure line outside the side-by-side runs (shape, step_s, tokens/s, TFLOP/s, MFU, peak
   memory);
 - "side_by_side": the `--against` summary lines (the ratio, its spread, each tree's median figures), and
-  "side_by_side_runs", the per-run lines;
+  "side_by_side_runs", the per-run lines (with each process's seconds, "wall_s");
 - "operator_diff": the `--against --profile` lines, operators whose call counts differ;
 - "seconds": the steps' total.
 A log it cannot read (a step killed mid-line, say) leaves that part out; the summary is always written.
@@ -97,7 +97,7 @@ def summarize(out: Path) -> dict:
             elif "diff" in line or "diff_count" in line:
                 summary["operator_diff"].append(line)
             elif "tree" in line and "step_s" in line:
-                summary["side_by_side_runs"].append({k: line.get(k) for k in (*FIGURE_KEYS, "tree", "round")})
+                summary["side_by_side_runs"].append({k: line.get(k) for k in (*FIGURE_KEYS, "tree", "round", "wall_s")})
             elif "step_s" in line or "error" in line:
                 summary["bench"].append({"step": row["step"], **{k: line[k] for k in FIGURE_KEYS if k in line}})
         figures = sum("step_s" in line for line in rows)

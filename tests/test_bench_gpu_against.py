@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_side_by_side_against_head_tags_each_run_and_summarizes_the_rounds(tmp_p
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     runs = [line for line in lines if "step_s" in line and "tree" in line]
     assert [(run["tree"], run["round"]) for run in runs] == [("rev", 0), ("work", 0), ("work", 1), ("rev", 1)]
-    assert all(run["shape"] == "smoke" and run["micro_batch"] == 2 for run in runs)
+    assert all(run["shape"] == "smoke" and run["micro_batch"] == 2 and run["wall_s"] > 0 for run in runs)
     step = {(run["tree"], run["round"]): run["step_s"] for run in runs}
     ratios = [step["rev", r] / step["work", r] for r in (0, 1)]
     [summary] = [line for line in lines if line.get("summary") == "side_by_side"]
@@ -52,6 +53,23 @@ def test_side_by_side_against_head_tags_each_run_and_summarizes_the_rounds(tmp_p
     assert diff["ms_rev"] > 0 and diff["ms_work"] > 0
     assert diff["diff_count"] <= 1, [line for line in lines if "diff" in line]
     assert len([line for line in lines if line.get("profile") == "total"]) == 2
+    assert not list(tmp_path.glob("shardlm-against-*"))
+
+
+def test_a_terminated_comparison_summarizes_its_complete_rounds_and_removes_the_tree(tmp_path):
+    """SIGTERM (what `timeout` sends) after round 0: the summary of that round, marked incomplete."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm.bench.gpu", *SMOKE, "--against", "HEAD", "--rounds", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(json.loads(line))
+        if len(lines) == 3:  # rev and work of round 0, then work of round 1
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    assert [(line["tree"], line["round"]) for line in lines[:3]] == [("rev", 0), ("work", 0), ("work", 1)]
+    summary = lines[-1]
+    assert summary["summary"] == "side_by_side" and summary["complete"] is False and summary["rounds"] == 1
     assert not list(tmp_path.glob("shardlm-against-*"))
 
 
@@ -140,7 +158,7 @@ def test_gpu_summary_gathers_fabricated_logs(tmp_path):
             "ratio_min": 0.95, "ratio_max": 0.964, "rev": {"step_s": 1.375}, "work": {"step_s": 1.436}}
     diff = {"shape": "gpt2-1.5b", "diff": "copy_kernel", "calls_rev": 10, "calls_work": 400, "ms_rev": 1.0,
             "ms_work": 60.0, "ms_diff": 59.0}
-    runs = [{**figure, "tree": tree, "round": r} for r, tree in enumerate(("rev", "work"))]
+    runs = [{**figure, "tree": tree, "round": r, "wall_s": 30.0} for r, tree in enumerate(("rev", "work"))]
     logs = {
         "env": [{"env": True, "gpu": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "nccl": "2.28.9",
                  "gemm_bf16_tflops": 787.0}],
@@ -179,7 +197,8 @@ def test_gpu_summary_gathers_fabricated_logs(tmp_path):
                                                          "checkpoint_saved": False}
     assert steps["train_tiny-gpt-oss"]["exit"] == "skipped" and steps["bench_other"]["exit"] == 124
     assert summary["side_by_side"] == [{"step": "against_xl", **side}]
-    assert [(run["tree"], run["round"]) for run in summary["side_by_side_runs"]] == [("rev", 0), ("work", 1)]
+    assert [(run["tree"], run["round"], run["wall_s"]) for run in summary["side_by_side_runs"]] == [
+        ("rev", 0, 30.0), ("work", 1, 30.0)]
     assert summary["operator_diff"][1] == diff and summary["operator_diff"][0]["diff_count"] == 1
     assert summary["bench"] == [{"step": "bench_other", **figure},
                                 {"step": "bench_other", "shape": "gpt2-774m", "error": logs["bench_other"][1]["error"]}]

@@ -18,8 +18,8 @@ after the first round, the operators of the profiled step whose call counts diff
 {"diff_count"} line, then up to N {"diff": operator} lines, the largest time difference first); at the end one
 {"summary": "side_by_side"} line per shape: "ratio" = REV's step time / the working tree's (> 1: the working tree
 is faster), the median over rounds, with "ratio_min" and "ratio_max" over the rounds, and each tree's median
-step_s, tokens/s, MFU and peak memory. An interrupted comparison still prints the summary of its complete rounds,
-marked "complete": false.
+step_s, tokens/s, MFU and peak memory. An interrupted or failed comparison still prints the summary of its complete
+rounds, marked "complete": false. Each run's lines carry "wall_s", its process's seconds (compilation included).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from shardlm.errors import UserError
@@ -92,7 +93,9 @@ def rev_tree(against: str, into: str) -> tuple[str, Path]:
 
 
 def run_tree(root: Path, argv: list[str], label: str) -> list[dict]:
-    """The JSON lines that `python -m shardlm.bench.gpu ARGV` prints when run from the tree at `root`."""
+    """The JSON lines that `python -m shardlm.bench.gpu ARGV` prints when run from the tree at `root`, each with
+    "wall_s", the process's seconds (start-up and compilation included)."""
+    start = time.perf_counter()
     path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
     proc = subprocess.run([sys.executable, "-m", "shardlm.bench.gpu", *argv], cwd=root, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": path})
@@ -103,7 +106,8 @@ def run_tree(root: Path, argv: list[str], label: str) -> list[dict]:
             raise UserError(f"{label}'s bench.gpu refuses these options ({last})")
         print("\n".join(lines[-20:]), file=sys.stderr)
         raise RunFailed(f"{label}'s run failed with exit code {proc.returncode}: {last}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    wall = round(time.perf_counter() - start, 1)
+    return [{**json.loads(line), "wall_s": wall} for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def operator_diff(rev_ops: list[dict], work_ops: list[dict]) -> list[dict]:
@@ -179,7 +183,7 @@ def compare(args, parser) -> int:
     tmp = tempfile.mkdtemp(prefix="shardlm-against-")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     runs: list[tuple[str, int, list[dict]]] = []
-    label, code = args.against, 0
+    label, code, complete = args.against, 0, False
     try:
         label, root = rev_tree(args.against, tmp)
         trees = {"rev": (root, f"revision {label}"), "work": (ROOT, "the working tree")}
@@ -197,11 +201,12 @@ def compare(args, parser) -> int:
             if args.profile and rnd == 0:
                 for line in diff_lines(profiled["rev"], profiled["work"], args.profile):
                     emit(line)
+        complete = True
     except (KeyboardInterrupt, Interrupted):
         code = 130
-    finally:
+    finally:  # also after a failed run: the summary of the rounds before it
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(tmp, ignore_errors=True)
-    for line in summaries(runs, label, complete=code == 0):
-        emit(line)
+        for line in summaries(runs, label, complete):
+            emit(line)
     return code
