@@ -30,7 +30,11 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ -z "${SHARDLM_DATA:-}" ] && [ -d "$carry/data" ]; then export SHARDLM_DATA=$PWD/$carry/data; fi
 against=$AGAINST
-if [ -f "$carry/rev-$AGAINST/shardlm/__init__.py" ]; then against=$carry/rev-$AGAINST; fi
+if [ -f "$carry/rev-$AGAINST/shardlm/__init__.py" ]; then
+    against=$carry/rev-$AGAINST
+elif ! git rev-parse --verify --quiet "$AGAINST^{commit}" >/dev/null 2>&1; then
+    echo "gpu_check: $AGAINST is not here: run 'bash scripts/gpu_check.sh --prepare' where it is, carry $carry"
+fi
 began=$SECONDS
 
 step() {  # step NAME LIMIT_S COMMAND...: the smaller of LIMIT_S and what is left of BUDGET
@@ -53,9 +57,10 @@ step() {  # step NAME LIMIT_S COMMAND...: the smaller of LIMIT_S and what is lef
 
 # (a) The GPU, the versions and a measured bf16 GEMM rate, as one JSON line. Expected 10 s.
 step env 30 "$py" - <<'PY'
-import json, subprocess, time, torch
-smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                     capture_output=True, text=True).stdout.strip()
+import json, shutil, subprocess, time, torch
+smi = shutil.which("nvidia-smi") and subprocess.run(
+    ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout
+nccl = torch.cuda.nccl.version()
 a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 for _ in range(3):
     a @ b
@@ -65,8 +70,9 @@ for _ in range(10):
     a @ b
 torch.cuda.synchronize()
 tflops = 10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
-print(json.dumps({"env": True, "gpu": torch.cuda.get_device_name(0), "nvidia_smi": smi, "torch": torch.__version__,
-                  "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+print(json.dumps({"env": True, "gpu": torch.cuda.get_device_name(0), "nvidia_smi": (smi or "").strip(),
+                  "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
                   "gemm_bf16_tflops": round(tflops, 1)}))
 PY
 # (b) Multi-rank CUDA code on one GPU: 2 and 4 ranks share GPU 0 over the staged gloo group (NCCL refuses two

@@ -140,6 +140,7 @@ def test_gpu_check_parses_fits_eight_minutes_and_names_its_baseline_once():
     fixed = sum(int(command.split()[0]) for name, command in steps.items() if name != "bench_other")
     fixed += 2 * int(steps['"train_$cfg"'].split()[0])  # the family loop runs three configs
     assert fixed <= budget and budget + 3 + 10 < 8 * 60
+    compile(re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.DOTALL)[1], "env step", "exec")  # the env step's Python
     [baseline] = re.findall(r"^AGAINST=(\w+)", script, re.MULTILINE)
     assert script.count(baseline) == 1
     # the side-by-side step's options are bench.gpu's
