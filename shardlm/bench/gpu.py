@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--param-dtype", choices=("fp32", "half"), default="fp32",
                         help="half: bf16 parameters, fp32 master weights in the optimizer")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile one more step and print its N costliest operators")
+                        help="profile one more step and print its N costliest operators (with --against: up to N "
+                             "operators whose call counts differ between the trees)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the harness on the smoke shape only")
     parser.add_argument("--against", metavar="REV",
