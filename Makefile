@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-learning lint demo demo-distill demo-rl bench bench-gpu clean
+.PHONY: install test test-learning lint demo demo-distill demo-rl bench bench-gpu bench-gpu-against clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
