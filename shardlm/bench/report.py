@@ -111,6 +111,9 @@ KEYS = {
                                    "forward ends, peak_bytes, saved_ratio = DSA / dense saved bytes), "
                                    "dense_saved_bytes, dense_peak_bytes, rounds (`skipped` with the projection past "
                                    "the time budget)",
+    "sparse_attention.layer_bytes.saved_ratio": "bytes one MLA layer at DeepSeek-V3.2's proportions saves for the "
+                                                "backward with DSA (top-512) / without (dense), per token "
+                                                "(dense_saved_bytes_per_token, dsa_saved_bytes_per_token)",
     "families.mistral4.fp32.ratio": "shardlm tokens/s / transformers' Mistral4ForCausalLM as shipped, per round "
                                     "(fp32; ...bf16.ratio under bf16 autocast where the CPU has native bf16); goal 1.2",
     "families.mistral4.loss_check.match": "true when transformers' Mistral Small 4 losses of steps 1 and 2 (fp32, same "

@@ -13,6 +13,8 @@
   `shardlm.bench.linear_attention`: a length runs fewer rounds when the next would end past it, and is skipped with
   its projection when even one round would. `python -m shardlm.bench.sparse_attention --long` runs every length
   and top-k of `LONG_LENGTHS` and `LONG_TOPKS` without a budget (tens of minutes on 2 cores).
+- `layer_bytes`: the saved bytes per token of one layer at DeepSeek-V3.2's proportions (`LAYER_V32_PROPORTIONS`),
+  dense against DSA, from one untimed call each (`layer_bytes`).
 - `train_vs_hf`: a tiny DeepSeek-V3.2 (`V32_BENCH`: `shardlm.bench.deepseek`'s DeepSeek-V3 shape with an indexer per
   layer choosing 64 of the 256 keys of a row) trains as `shardlm.bench.hf_compare` describes, in fp32 only: shardlm's
   Trainer on the converted checkpoint against transformers' `DeepseekV32ForCausalLM` as shipped (`hf`; its indexer's
@@ -91,6 +93,15 @@ class LayerShape:
 LAYER_BENCH = LayerShape()
 LAYER_QUICK = LayerShape(hidden_size=64, num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                          qk_rope_head_dim=8, v_head_dim=16, index_heads=4, index_head_dim=16, index_topk=16)
+LAYER_V32_PROPORTIONS = LayerShape(hidden_size=512, num_heads=32, q_lora_rank=256, kv_lora_rank=256,
+                                   qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_heads=16,
+                                   index_head_dim=64, index_topk=512)
+"""DeepSeek-V3.2's layer in proportion (a quarter of its 128 heads and of its top-k 2,048, half its widths: qk 128 +
+64, v 128, kv_lora_rank 512, an indexer of 64 heads of 128, whose width per key is 20% of dense attention's, as
+here): `layer_bytes` measures what DSA keeps for the backward against dense MLA at these proportions, where
+`LAYER_BENCH`'s 8 narrow heads make the indexer as wide as the attention."""
+BYTES_LENGTH = 2048
+BYTES_QUICK_LENGTH = 64
 
 
 def build_layer(shape: LayerShape, seq_length: int, index_topk: int):
@@ -146,6 +157,19 @@ def layer_memory(layer, x: torch.Tensor, grad: torch.Tensor) -> dict:
         del out
     layer.zero_grad(set_to_none=True)
     return {"saved_bytes": kept, "peak_bytes": peak.peak}
+
+
+def layer_bytes(quick: bool) -> dict:
+    """Saved bytes per token of one layer at `LAYER_V32_PROPORTIONS` (`LAYER_QUICK` when `quick`), dense MLA and DSA
+    at its top-k, from one untimed forward + backward each (`layer_memory`) at `BYTES_LENGTH` tokens (per token
+    bytes do not depend on the length at a fixed k: both grow as T)."""
+    shape, length = (LAYER_QUICK, BYTES_QUICK_LENGTH) if quick else (LAYER_V32_PROPORTIONS, BYTES_LENGTH)
+    x, grad = layer_inputs(shape, length)
+    dense, dsa = (layer_memory(build_layer(shape, length, k), x, grad) for k in (0, shape.index_topk))
+    return {"config": f"{shape.describe()}; DSA top-{shape.index_topk}; {length:,} tokens, batch 1, fp32",
+            "tokens": length, "dense_saved_bytes_per_token": dense["saved_bytes"] / length,
+            "dsa_saved_bytes_per_token": dsa["saved_bytes"] / length,
+            "saved_ratio": dsa["saved_bytes"] / dense["saved_bytes"]}
 
 
 def _names(topks: tuple[int, ...]) -> list[str]:
@@ -317,7 +341,7 @@ def sparse_attention_bench(quick: bool, repeats: int, **layer) -> dict:
     """The `sparse_attention` section of `make bench` (`layer`: `layer_bench`'s keywords)."""
     from shardlm.bench.sparse_attention_v4 import v4_train_vs_hf
 
-    return {"layer": layer_bench(quick, repeats, **layer),
+    return {"layer": layer_bench(quick, repeats, **layer), "layer_bytes": layer_bytes(quick),
             "train_vs_hf": train_vs_hf(V32_QUICK if quick else V32_BENCH, repeats, warmup=0 if quick else 1),
             "v4_train_vs_hf": v4_train_vs_hf(quick, repeats)}
 
@@ -370,7 +394,16 @@ def markdown_lines(d: dict) -> list[str]:
         from shardlm.bench import sparse_attention_v4
 
         lines += sparse_attention_v4.markdown_lines(d["v4_train_vs_hf"])
-    return lines + layer_lines(d["layer"])
+    lines += layer_lines(d["layer"])
+    if "layer_bytes" in d:
+        b = d["layer_bytes"]
+        dense, dsa = b["dense_saved_bytes_per_token"], b["dsa_saved_bytes_per_token"]
+        lines += ["### What DSA keeps for the backward at DeepSeek-V3.2's proportions "
+                  "(`sparse_attention.layer_bytes`)", "",
+                  f"Config: {b['config']}. Bytes saved for the backward and alive when the forward ends, per token: "
+                  f"dense MLA {dense:,.0f}, DSA {dsa:,.0f}: **DSA / dense {b['saved_ratio']:.2f}** "
+                  "(`sparse_attention.layer_bytes.saved_ratio`).", ""]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

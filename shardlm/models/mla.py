@@ -236,8 +236,9 @@ class LatentAttention(nn.Module):
 
     def absorbed_query(self, q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """q (B, H/tp, T, nope + rope) rotated -> [q_nope W_UK | q_rope] (B, H/tp, T, kv_lora_rank + rope)."""
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        return torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :self.nope]), q_rope), dim=-1)
+        from shardlm.models.sparse_attention import absorb_query
+
+        return absorb_query(q, weight, self.nope)
 
     def sparse(self, x, q, q_latent, c, k_rope, angles, keys, documents, cache, carry) -> torch.Tensor:
         """DeepSeek Sparse Attention: q (B, H/tp, T, nope + rope) rotated, q_latent (B, T, q_lora_rank), c (B, T, r),
@@ -247,7 +248,6 @@ class LatentAttention(nn.Module):
         from shardlm.models import sparse_attention as dsa
 
         weight = self.absorption()
-        query = self.absorbed_query(q, weight)
         if keys is None:
             keys = dsa.whole_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
         B, T, S = q.shape[0], q.shape[2], keys.shape[1]
@@ -263,8 +263,8 @@ class LatentAttention(nn.Module):
             indices, valid = self.top_k(*scored, rows, documents)
             if carry is not None:
                 carry[self.layer] = (indices, valid)
-        mixed, mass = dsa.sparse_latent_attention(query, keys, indices, valid, self.scale, self.cfg.kv_lora_rank)
-        y = torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, self.nope:])
+        y, mass = dsa.sparse_latent_attention(q, keys, indices, valid, self.scale, self.cfg.kv_lora_rank,
+                                              absorption=(weight, self.nope))
         if scored is not None and self.indexer_trains():
             target = dsa.normalized(mass, self.ctx.tp)
             divergence = dsa.indexer_divergence(*scored, lambda p: (indices[:, p], valid[:, p]),
@@ -317,8 +317,8 @@ class LatentAttention(nn.Module):
 
     @torch.no_grad()
     def top_k(self, queries, weights, keys, rows, documents):
-        """The indexer's choice for queries at row positions `rows` (T,), in chunks: (indices, valid), each
-        (B, T, min(index_topk, S))."""
+        """The indexer's choice for queries at row positions `rows` (T,), in chunks: (indices int32, valid), each
+        (B, T, min(index_topk, S)); int32 halves what the backward keeps of the choice (k a query)."""
         from shardlm.models import sparse_attention as dsa
 
         B, T, heads, _ = queries.shape
@@ -326,7 +326,7 @@ class LatentAttention(nn.Module):
         chosen = [dsa.select_top_k(dsa.index_scores(queries[:, i:i + step], weights[:, i:i + step], keys),
                                    dsa.visible_keys(rows[i:i + step], keys.shape[1], documents), self.cfg.index_topk)
                   for i in range(0, T, step)]
-        return torch.cat([a for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)
+        return torch.cat([a.int() for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)
 
     def absorbed(self, q: torch.Tensor, latent: torch.Tensor, shared_key: torch.Tensor, past: int) -> torch.Tensor:
         """A cached step: q (B, H/tp, T, nope + rope) with RoPE applied, the cached latents (B, 1, S, kv_lora_rank)

@@ -167,29 +167,51 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
         return torch.einsum("bqhk,bqh->bqk", torch.relu(per_head * scale), weights.float())
 
 
+def absorb_query(q: torch.Tensor, weight: torch.Tensor, nope: int) -> torch.Tensor:
+    """q (B, H/tp, T, nope + rope) rotated, weight (H/tp, nope + v, r) kv_b's per head -> [q_nope W_UK | q_rope]
+    (B, H/tp, T, r + rope): MLA's query against the latents."""
+    q_nope, q_rope = q.split([nope, q.shape[-1] - nope], dim=-1)
+    return torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, weight[:, :nope]), q_rope), dim=-1)
+
+
 def _attend(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, scale: float,
-            latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+            latent_dim: int, absorption: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of queries: query (B, H, Q, r + rope) absorbed, keys (B, S, r + rope) latents and shared RoPE
-    keys, indices and valid (B, Q, k) -> (p c: (B, H, Q, r), the heads' summed probabilities (B, Q, k), detached)."""
+    keys, indices and valid (B, Q, k) -> (p c: (B, H, Q, r), the heads' summed probabilities (B, Q, k), detached).
+    With `absorption` = (kv_b's weight (H, nope + v, r), nope) the query is MLA's own (B, H, Q, nope + rope), absorbed
+    here, and the output is (p c) W_UV^T (B, H, Q, v): neither r-wide tensor outlives the chunk."""
+    if absorption is not None:
+        query = absorb_query(query, *absorption)
     chosen = gather_keys(keys, indices)  # (B, Q, k, r + rope)
     scores = torch.einsum("bhqn,bqkn->bhqk", query, chosen) * scale
     probs = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")).float(), dim=-1)
     mixed = torch.einsum("bhqk,bqkr->bhqr", probs.to(query.dtype), chosen[..., :latent_dim])
+    if absorption is not None:
+        weight, nope = absorption
+        mixed = torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, nope:])
     return mixed, probs.detach().sum(1)
 
 
 def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
-                            scale: float, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, latent_dim: int,
+                            absorption: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA restricted to the chosen keys, absorbed: query (B, H/tp, T, r + rope), keys (B, S, r + rope) (the whole
     row's latents c and rotated shared keys), indices and valid (B, T, k) -> (p c (B, H/tp, T, r), the heads'
-    summed attention probabilities (B, T, k), no gradient). Chunks of queries are recomputed in the backward."""
+    summed attention probabilities (B, T, k), no gradient). Chunks of queries are recomputed in the backward.
+
+    With `absorption` = (kv_b's weight per head (H/tp, nope + v, r), nope), `query` is the rotated (B, H/tp, T,
+    nope + rope) and the result (B, H/tp, T, v_head_dim): the absorption and the output's W_UV run inside each chunk,
+    so what the backward keeps is the query and the output at their head widths, not r + rope channels per head
+    (kv_lora_rank 512 against 192 and 128 in DeepSeek-V3.2)."""
     B, H, T, _ = query.shape
-    step = query_step(B, indices.shape[-1], H, query.shape[-1])
+    width = max(query.shape[-1], keys.shape[-1])
+    step = query_step(B, indices.shape[-1], H, width)
     mixed, mass = [], []
     for start in range(0, T, step):
         part = slice(start, start + step)
-        args = (query[:, :, part], keys, indices[:, part], valid[:, part], scale, latent_dim)
-        if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad):
+        args = (query[:, :, part], keys, indices[:, part], valid[:, part], scale, latent_dim, absorption)
+        grads = query.requires_grad or keys.requires_grad or (absorption is not None and absorption[0].requires_grad)
+        if torch.is_grad_enabled() and grads:
             out, heads = checkpoint(_attend, *args, use_reentrant=False)
         else:
             out, heads = _attend(*args)
