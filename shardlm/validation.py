@@ -214,8 +214,8 @@ def _validate_lora(config: RunConfig) -> None:
         projections = projections - {"k", "v"} | ({"q_a", "q_b"} if m.q_lora_rank else {"q"}) | {"kv_a", "kv_b"}
         if m.linear_attention_rule == "kimi_delta" and any(m.is_linear_layer(i) for i in range(m.num_layers)):
             projections |= {"k", "v"}  # Kimi Linear's KDA layers beside its MLA ones
-    if m.hc_mult:  # DeepSeek-V4: q_b (the replicated q_a, kv and compressors and the grouped o_a take none)
-        projections = projections - {"q", "k", "v", "o"} | {"q_b"}
+    if m.hc_mult:  # DeepSeek-V4: q_b, the grouped o_a and o_b (the replicated q_a, kv and compressors take none)
+        projections = projections - {"q", "k", "v", "o"} | {"q_b", "o_a", "o_b"}
     if m.moe_num_experts:  # the experts take "experts"; gate/up/down name dense or shared MLPs only
         projections.add("experts")
         if not (m.moe_first_dense_layers or m.moe_shared_experts or m.moe_layer_interval > 1):

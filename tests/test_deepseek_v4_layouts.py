@@ -74,7 +74,7 @@ def v4_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
     config = layout_config(tiny_model("llama", SEQ, **V4), micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp,
                            **{"steps": LEARN_STEPS, "global_batch_size": BATCH, "eval_iters": 16, "adam_eps": ADAM_EPS,
                               **train})
-    config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["q_b", "gate", "up", "down"]
+    config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["q_b", "o_a", "o_b", "gate", "up", "down"]
     return config
 
 
@@ -216,3 +216,34 @@ def test_a_hash_layer_off_the_first_stage_is_refused_in_one_line():
     with pytest.raises(UserError, match="first stage") as error:
         late.run_layers(streams, late.layers.values())
     assert "\n" not in str(error.value)
+
+
+def test_lora_on_the_grouped_output_projection_equals_its_merged_weight():
+    """o_a's adapter, applied group by group (`CompressedAttention.grouped_lora`), gives the logits of o_a with
+    scale B A merged into its weight (what `convert --merge` exports and transformers' grouped linear then applies),
+    with B drawn nonzero so that the update counts; a control: the logits without the update differ."""
+    from shardlm.lora.merge import merge_adapters
+
+    config = v4_config(lora=4)
+    config.lora.targets = ["o_a"]
+    trainer = Trainer(config, ParallelContext.single(), train_data(), valid_data())
+    model = trainer.model.eval()
+    generator = torch.Generator().manual_seed(1)
+    adapters = [m.o_a.lora for m in model.modules() if isinstance(m, compressed_attention.CompressedAttention)]
+    assert adapters and all(a is not None for a in adapters)
+    with torch.no_grad():
+        for adapter in adapters:
+            adapter.B.copy_(torch.randn(adapter.B.shape, generator=generator) * 0.5)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    with torch.no_grad():
+        adapted = model(tokens)
+        saved = [a.scale for a in adapters]
+        for adapter in adapters:
+            adapter.scale = 0.0
+        plain = model(tokens)
+        for adapter, scale in zip(adapters, saved):
+            adapter.scale = scale
+        merge_adapters(model)
+        merged = model(tokens)
+    torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)
+    assert (adapted - plain).abs().max() > 1e-3

@@ -27,8 +27,10 @@ from shardlm.parallel.init import param_seed
 # Hugging Face (and peft's usual target) names -> shardlm's module names
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
            "down_proj": "down", "c_attn": "qkv", "c_proj": "proj", "c_fc": "fc", "q_a_proj": "q_a", "q_b_proj": "q_b",
-           "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}
-PROJECTIONS = ("q", "k", "v", "o", "qkv", "proj", "fc", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")
+           "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b", "o_a_proj": "o_a", "o_b_proj": "o_b"}
+PROJECTIONS = ("q", "k", "v", "o", "qkv", "proj", "fc", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b", "o_a",
+               "o_b")
+"""Projection names an adapter can target; o_a and o_b are DeepSeek-V4's grouped output projection and its mix."""
 SAVED_MODULES = {"embedding": ("wte",), "embed_tokens": ("wte",), "output": ("lm_head",), "lm_head": ("lm_head",),
                  "norm": ("ln_f",)}
 

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.data.zigzag import local_positions, zigzag_merge
-from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
@@ -215,9 +214,6 @@ class CompressedAttention(nn.Module):
         """x (B, T, h) -> (B, T, h). With `cache` (a `LayerKVCache`) x holds the positions after the cached ones:
         the layer's inputs are kept in it and the keys and entries recomputed over all of them. With `documents`
         (packed rows), each document is attended as a row of its own (its windows, entries and positions)."""
-        if self.o_a.lora is not None:
-            raise UserError("LoRA on DeepSeek-V4's grouped output projection (o_a) is not built; leave o_a out of "
-                            "lora.targets")
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # (B, T, h), gathered under SP
         if cache is not None:
             past = cache.length
@@ -269,7 +265,23 @@ class CompressedAttention(nn.Module):
         y = self.core(q, kv, bias)  # (B, heads, T, D)
         y = rotate_tail(y, cos, -sin).transpose(1, 2).reshape(B, T, self.groups, -1)
         rank_weight = self.o_a.weight.view(self.groups, -1, y.shape[-1])  # (groups, rank, (H / g) D)
-        return torch.einsum("btgi,gri->btgr", y, rank_weight).reshape(B, T, -1)
+        out = torch.einsum("btgi,gri->btgr", y, rank_weight)
+        if self.o_a.lora is not None:
+            out = out + self.grouped_lora(y)
+        return out.reshape(B, T, -1)
+
+    def grouped_lora(self, y: torch.Tensor) -> torch.Tensor:
+        """LoRA on the grouped o_a: y (B, T, groups / tp, (H / g) D) -> (B, T, groups / tp, output_rank), the update
+        scale (y_g A^T) B_g^T of each group g, B_g its rows of B, so that merging scale B A into o_a's weight gives
+        the same layer (the grouped weight's block view, as transformers' `DeepseekV4GroupedLinear` applies it). A is
+        shared by the groups; B's rows split over TP with the groups (a column adapter). Dropout draws from the
+        model-parallel generator: each TP rank holds other heads."""
+        lora = self.o_a.lora
+        if lora.training and lora.dropout > 0:
+            with self.ctx.rng.fork():
+                y = F.dropout(y, lora.dropout, True)
+        low = torch.einsum("btgi,ki->btgk", y, lora.A)  # (B, T, groups / tp, lora rank)
+        return torch.einsum("btgk,grk->btgr", low, lora.B.view(self.groups, -1, lora.rank_r)) * lora.scale
 
     def core(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """softmax over [q kv^T / sqrt(D) + bias, sink] (the sink's share dropped) times kv: q (B, heads, T, D),
