@@ -263,6 +263,13 @@ def _tensor_parallel_checks():
                 fused[k]["calls"] == unfused[k]["calls"] and fused[k]["elements"] == unfused[k]["elements"] - 1 *
                 (1 if "max" in k else 2) for k in fused)  # the one ignored token's values are not sent
             out[(vocab, precision, softcap is not None)] = {"errors": rel, "same_comm": same, "comm": comm}
+        for softcap in (None, SOFTCAP):  # the logged entropy: each rank's sums rescaled to the row's max
+            from shardlm.parallel.entropy import vocab_parallel_entropy
+
+            log_p = capped(F.linear(hidden, weight)[..., :vocab], softcap).log_softmax(-1)
+            expected = -(log_p.exp() * log_p).sum(-1)
+            got = vocab_parallel_entropy(hidden, shard, ctx.tp, vocab, softcap)
+            out[("entropy", vocab, softcap is not None)] = ((got - expected).abs().max() / expected.abs().max()).item()
     return out
 
 
@@ -276,6 +283,8 @@ def test_tensor_parallel_equals_unfused_vocab_parallel_path(tensor_parallel):
     for rank, per_rank in enumerate(tensor_parallel):
         status, cases = per_rank["fused"]
         assert status == "ok", f"rank {rank}: {cases}"
+        entropies = {key: cases.pop(key) for key in list(cases) if key[0] == "entropy"}
+        assert len(entropies) == 6 and all(e <= 1e-5 for e in entropies.values()), (rank, entropies)  # NaN fails
         assert len(cases) == 8, cases.keys()  # three vocabularies in fp32 and bf16, one also soft-capped
         for (vocab, precision, _), case in cases.items():
             tolerance = 1e-5 if precision == "fp32" else 2e-2

@@ -1,9 +1,11 @@
 """The entropy of each position's next-token distribution under the vocabulary-parallel output layer, for logging
 (an RL run logs the policy's mean entropy over the completion tokens, as TRL does). No gradient.
 
-Each TP rank holds its slice of the vocabulary; the ranks agree on each row's max (one all-reduce MAX of N values)
-and on the sum of exponentials and of exponential-weighted logits (one all-reduce SUM of 2 x N values):
-H = log sum exp(z - m) - sum exp(z - m) (z - m) / sum exp(z - m). Rows run in chunks of about 16 MiB of logits.
+Each rank computes each chunk of rows' logits once, over its slice of the vocabulary: its own max m_r per row, and
+against it the sum of exponentials s_r = sum exp(z - m_r) and of exponential-weighted logits t_r = sum exp(z - m_r)
+(z - m_r). The ranks agree on the row's max M (one all-reduce MAX of N values), then each rescales its sums to it,
+s = sum_r exp(m_r - M) s_r and t = sum_r exp(m_r - M) (t_r + (m_r - M) s_r) (one all-reduce SUM of 2 x N values):
+H = log s - t / s. Rows run in chunks of about 16 MiB of logits.
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Commu
     w = weight[:real].to(flat.dtype)
     n = flat.shape[0]
     rows = max(1, (1 << 22) // max(real, 1))
-    row_max = torch.full((n,), float("-inf"), device=flat.device)
-    for first in range(0, n if real else 0, rows):
-        row_max[first:first + rows] = logits(flat[first:first + rows]).amax(dim=-1)
-    tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
-    sums = torch.zeros(2, n, dtype=torch.float32, device=flat.device)  # sum exp(z - m), sum exp(z - m) (z - m)
+    local_max = torch.full((n,), float("-inf"), device=flat.device)
+    sums = torch.zeros(2, n, dtype=torch.float32, device=flat.device)  # s_r, t_r against this rank's max
     for first in range(0, n if real else 0, rows):
         chunk = slice(first, first + rows)
-        shifted = logits(flat[chunk]) - row_max[chunk].unsqueeze(-1)
+        z = logits(flat[chunk])
+        local_max[chunk] = z.amax(dim=-1)
+        shifted = z - local_max[chunk].unsqueeze(-1)
         weights = shifted.exp()
         sums[0, chunk] = weights.sum(dim=-1)
         sums[1, chunk] = (weights * shifted).sum(dim=-1)
-    tp.all_reduce(sums)
+    if tp.size > 1:
+        row_max = tp.all_reduce(local_max.clone(), op=dist.ReduceOp.MAX)
+        gap = local_max - row_max  # -inf where this rank holds no real column (padding only): its share is 0
+        scale, held = gap.exp(), sums[0] > 0
+        sums = torch.stack((sums[0] * scale, torch.where(held, (sums[1] + gap * sums[0]) * scale, 0.0)))
+        tp.all_reduce(sums)
     return (sums[0].log() - sums[1] / sums[0]).view(shape)

@@ -210,6 +210,7 @@ class RLRun:
         model = trainer.model
         was_training = model.training
         model.eval()
+        model.entropies = None  # log-probabilities only: the update records the entropies it logs
         try:
             with trainer.autocast():
                 if trainer.pipeline is not None:
