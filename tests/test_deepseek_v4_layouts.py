@@ -15,6 +15,8 @@ random table). In one world of 2:
   the whole row (of each document) computed on every rank, each attending its zigzag queries;
 - DP=2 with ZeRO-1, FSDP DP=2, EP=2, LoRA at TP=2 with SP (adapters on q_b and the SwiGLUs), TP=2 with SP and full
   recomputation (the tokens for the hash layer handed to the recomputed layers too).
+Every case but LoRA trains the CSA indexer by its KL loss (model.index_loss_coeff): "indexer_kl" logged as one
+process logs it and the indexer's parameters moved (and compared with the rest); under LoRA it stays frozen.
 The control: at TP=2 with SP, the replicated weights' gradients not summed over TP ends far off.
 Refused in one line: a hash layer off the first pipeline stage.
 """
@@ -51,7 +53,7 @@ V4 = {"head_dim": 16, "num_kv_heads": 1, "q_lora_rank": 16, "qk_rope_head_dim": 
       "output_groups": 2, "output_rank": 8, "index_topk": 3, "index_heads": 4, "index_head_dim": 8,
       "moe_num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16, "ffn_hidden_size": 16,
       "moe_shared_experts": 1, "moe_score": "sqrtsoftplus", "moe_expert_bias": True, "moe_routed_scaling": 1.5,
-      "moe_hash_layers": 1, "swiglu_clip": 0.5, "init_std": 0.05}
+      "moe_hash_layers": 1, "swiglu_clip": 0.5, "init_std": 0.05, "index_loss_coeff": 1.0}
 
 ADAM_EPS = 1e-4
 """AdamW's epsilon (the layout tests' 1e-6 elsewhere), as `test_olmo3_layouts` says why: the hyper-connections'
@@ -107,8 +109,12 @@ def train_v4(ctx: ParallelContext, config, packed: bool = True, steps: int = STE
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, *data)
     with_hash_table(trainer)
-    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(STEPS))]
+    start = {name: p for name, p in stage_parameters(trainer.model).items() if ".indexer." in name}
+    metrics = [trainer.train_step() for _ in range(STEPS)]
+    curve = [(m["loss"], m["grad_norm"]) for m in metrics]
     run = {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
+    run["indexer_kl"] = [m.get("indexer_kl") for m in metrics]
+    run["indexer_moved"] = {name: (run["params"][name] - p).abs().max().item() for name, p in start.items()}
     if steps > STEPS:
         run["losses"] = [loss for loss, _ in curve] + [trainer.train_step()["loss"] for _ in range(steps - STEPS)]
     return run
@@ -184,8 +190,30 @@ def test_deepseek_v4_at_two_ranks_equals_one_process(world2, reference, name):
 
 
 def test_deepseek_v4_at_context_parallel_three_equals_one_process(world3, reference):
-    """CP=3 on rows of 48: each rank's two zigzag chunks of 8 put back in row order among six."""
-    assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)
+    """CP=3 on rows of 48: each rank's two zigzag chunks of 8 put back in row order among six; the indexer trains
+    as one process's does."""
+    for rank, value in enumerate(assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)):
+        assert_indexer_trained(value, reference["rows of 48"], f"cp3 rank {rank}")
+
+
+def assert_indexer_trained(run: dict, ref: dict, where: str, lora: bool = False) -> None:
+    """The CSA indexer's loss ran: "indexer_kl" logged at every step, within TOL of the reference's, and every
+    indexer parameter moved; under LoRA it stays frozen (no loss, nothing moved)."""
+    assert run["indexer_moved"], f"{where}: no indexer parameters"
+    if lora:
+        assert run["indexer_kl"] == [None] * STEPS and max(run["indexer_moved"].values()) == 0, where
+        return
+    for step, (a, b) in enumerate(zip(run["indexer_kl"], ref["indexer_kl"])):
+        assert a is not None and b > 0 and abs(a - b) <= TOL * b, f"{where} step {step + 1}: indexer_kl {a} vs {b}"
+    assert min(run["indexer_moved"].values()) > 0, f"{where}: {run['indexer_moved']}"
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_the_indexer_trains_at_every_layout(world2, reference, name):
+    """Every case trains the CSA indexer by its loss as one process does (the logged KL), and its parameters move
+    (their values are compared with the rest's); the LoRA case keeps it frozen."""
+    for rank, value in enumerate(check_result(world2, name)):
+        assert_indexer_trained(value, reference[kind_of(name)], f"{name} rank {rank}", lora="lora" in name)
 
 
 @pytest.mark.parametrize("kind", ["packed", "plain", "lora"])

@@ -19,9 +19,21 @@ Entry w is complete for the query at position t when w < (t + 1) / ratio.
 Tensor parallelism: query heads, sinks and output groups are split over TP (output_groups divisible by it); the
 shared kv, the compressors and the indexer are replicated, computed from the gathered input on every rank, so
 each rank's choice of entries is the same; their weights enter through `f` (copy_to_tensor_parallel), which sums
-each rank's partial gradient. The indexer's choice carries no gradient (as in transformers): its parameters are
-frozen. Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed
-rows: each document is attended alone, its windows and entries starting at its first token. Context parallelism:
+each rank's partial gradient. The indexer's choice carries no gradient (as in transformers).
+
+The indexer's loss (as DeepSeek Sparse Attention's, `shardlm.models.sparse_attention`), when model.index_loss_coeff
+> 0 and it trains (not frozen by a LoRA run): per query, KL(target || softmax of the indexer's scores over the
+query's chosen complete entries), the target the main attention's probabilities on those entries (of its softmax
+over [window keys, entries, sink]) summed over all heads (all-reduced over TP) and scaled to sum to 1, detached; a
+query without a chosen entry adds 0. Summed over the micro-batch's queries over its tokens, times the coefficient,
+attached to the attention's output (`attach_indexer_loss`, the factor `shardlm.training.indexer` sets). The indexer
+reads its inputs detached, so it learns from this loss only and the rest from the language-model loss only. Its
+weights are used as they are, without `f`: each TP rank computes the same loss from the same gathered input, so
+every rank's gradient is already the whole one (summing would count it tp times). With model.index_loss_coeff 0 its
+parameters are frozen.
+
+Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed rows:
+each document is attended alone, its windows and entries starting at its first token. Context parallelism:
 the layer's input (B, T / C, h) is all-gathered over the CP group (its gradient reduce-scattered back) and put in
 row order, every rank computes the keys and entries of the whole row and attends its own zigzag queries.
 """
@@ -126,30 +138,50 @@ class Compressor(nn.Module):
 
 class Indexer(nn.Module):
     """CSA's lightning indexer over compressed entries: `compressor` (index_head_dim), q_b (heads dim, q_lora_rank),
-    weights_proj (heads, h). forward -> each query's chosen entries (B, T, min(k, entries)), -1 where not complete."""
+    weights_proj (heads, h). forward -> each query's chosen entries (B, T, min(k, entries)), -1 where not complete,
+    and the scores they were chosen by. Trained by its loss (the module docstring) with gradient `loss_scale` (set by
+    `shardlm.training.indexer`); each training forward appends its per-token divergence to `recorded`."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, ratio: int):
         super().__init__()
+        self.cfg, self.tp = cfg, ctx.tp
         self.heads, self.dim, self.topk, self.ratio = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, ratio
         self.compressor = Compressor(cfg, ctx, seed, f"{prefix}.compressor", self.dim, ratio, overlap=True)
         self.q_b = nn.Parameter(normal_shard((self.heads * self.dim, cfg.q_lora_rank), cfg.init_std,
                                              param_seed(seed, f"{prefix}.q_b"), device=ctx.device))
         self.weights_proj = nn.Parameter(normal_shard((self.heads, cfg.hidden_size), cfg.init_std,
                                                       param_seed(seed, f"{prefix}.weights_proj"), device=ctx.device))
-        for param in self.parameters():  # the top-k choice carries no gradient
-            param.requires_grad_(False)
+        for param in self.parameters():  # without a loss nothing trains it (the top-k choice carries no gradient)
+            param.requires_grad_(cfg.index_loss_coeff > 0)
+        self.loss_scale = 1.0
+        self.recorded: list[torch.Tensor] = []
 
-    @torch.no_grad()
+    def trains(self) -> bool:
+        """Whether this forward computes the indexer's loss: training with gradients, a coefficient, and the indexer
+        not frozen (a LoRA run freezes it with the base)."""
+        return (self.training and torch.is_grad_enabled() and self.cfg.index_loss_coeff > 0
+                and any(p.requires_grad for p in self.parameters()))
+
     def forward(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
-                sin) -> torch.Tensor:
+                sin) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_all (B, S, h) every position's input; x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the
-        queries'."""
-        scores = self.scores(x_all, x, q_res, positions, cos, sin)
-        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
-        valid = chosen < ((positions + 1) // self.ratio).view(1, -1, 1)
-        return torch.where(valid, chosen, torch.full_like(chosen, -1))
+        queries' -> (chosen (B, T, k'), the scores (B, T, W) with their parameters' gradient when it trains, else
+        None). The inputs are read detached: the model gets no gradient from here."""
+        trains = self.trains()
+        with torch.set_grad_enabled(trains):
+            scores = self.scores(x_all.detach(), x.detach(), q_res.detach(), positions, cos, sin)
+        with torch.no_grad():
+            chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+            valid = chosen < ((positions + 1) // self.ratio).view(1, -1, 1)
+            chosen = torch.where(valid, chosen, torch.full_like(chosen, -1))
+        return chosen, scores if trains else None
 
-    @torch.no_grad()
+    def divergence(self, scores: torch.Tensor, chosen: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The loss's sum over queries (fp32 scalar): scores (B, T, W) from `forward`, chosen (B, T, k), probs
+        (B, heads / tp, T, W) the main attention's probabilities on the entries (detached)."""
+        target = entry_target(probs, chosen, self.tp)
+        return chosen_divergence(scores, chosen, target)
+
     def scores(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
                sin) -> torch.Tensor:
         """The index scores (B, T, W) fp32 of `forward`'s arguments, -inf for entries not complete yet."""
@@ -160,6 +192,29 @@ class Indexer(nn.Module):
         weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5  # (B, T, heads)
         scores = (scores * self.dim ** -0.5 * weights.unsqueeze(-1)).sum(dim=2)  # (B, T, W)
         return scores.masked_fill(~complete_entries(positions, entries.shape[1], self.ratio), float("-inf"))
+
+
+def entry_target(probs: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
+    """The indexer's target (B, T, k), no gradient: probs (B, heads / tp, T, W) this rank's heads' attention
+    probabilities on the entries, at chosen (B, T, k) (-1: none), summed over all heads (all-reduced over TP), each
+    row scaled to sum to 1; rows without a chosen entry 0."""
+    with torch.no_grad():
+        valid = chosen >= 0
+        mass = probs.sum(1).gather(-1, chosen.clamp_min(0)).masked_fill(~valid, 0.0).float().contiguous()
+        tp.all_reduce(mass)
+        total = mass.sum(-1, keepdim=True)
+        return torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), 0.0)
+
+
+def chosen_divergence(scores: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """sum over queries of KL(target || softmax of `scores` (B, T, W) over the chosen (B, T, k) entries), target
+    (B, T, k) -> fp32 scalar; entries not chosen (-1) weigh 0, and a query with none adds 0."""
+    valid = chosen >= 0
+    with torch.autocast(scores.device.type, enabled=False):  # fp32, so that the divergence is never below 0
+        logits = scores.float().gather(-1, chosen.clamp_min(0)).masked_fill(~valid, float("-inf"))
+        logits = logits.masked_fill(~valid.any(-1, keepdim=True), 0.0)  # no chosen entry: finite, target 0
+        log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+        return (torch.xlogy(target, target) - target * log_q).sum()
 
 
 def complete_entries(positions: torch.Tensor, entries: int, ratio: int) -> torch.Tensor:
@@ -220,27 +275,42 @@ class CompressedAttention(nn.Module):
             stored = cache.extras.get("inputs")
             x_all = x if stored is None else torch.cat((stored, x), dim=1)
             cache.extras["inputs"], cache.length = x_all, past + x.shape[1]
-            return self.o_b(self.grouped(x, torch.arange(past, past + x.shape[1], device=x.device), x_all))
+            return self.o_b(self.grouped(x, torch.arange(past, past + x.shape[1], device=x.device), x_all)[0])
         cp = self.ctx.cp
         index = local_positions(x.shape[1], cp, device=x.device)  # each token's place in the whole row
         if documents is None and cp.size == 1:
-            return self.o_b(self.grouped(x, index, x))
+            return self.o_b(self.attach(*self.grouped(x, index, x), x.numel() // x.shape[-1]))
         whole = x if cp.size == 1 else zigzag_merge(list(gather_from_sequence_parallel(x, cp).chunk(cp.size, dim=1)))
         spans = documents.offsets if documents is not None else [[0, whole.shape[1]]] * x.shape[0]
-        rows = []
+        rows, divergences = [], []
         for b, offsets in enumerate(spans):
             pieces, places = [], []
             for start, end in zip(offsets[:-1], offsets[1:]):
                 inside = ((index >= start) & (index < end)).nonzero().squeeze(-1)  # this rank's queries of it
                 if inside.numel():
-                    pieces.append(self.grouped(x[b:b + 1, inside], index[inside] - start, whole[b:b + 1, start:end]))
+                    out, divergence = self.grouped(x[b:b + 1, inside], index[inside] - start,
+                                                   whole[b:b + 1, start:end])
+                    pieces.append(out)
                     places.append(inside)
+                    divergences += [] if divergence is None else [divergence]
             rows.append(torch.cat(pieces, dim=1)[:, torch.argsort(torch.cat(places))])
-        return self.o_b(torch.cat(rows))
+        divergence = torch.stack(divergences).sum() if divergences else None
+        return self.o_b(self.attach(torch.cat(rows), divergence, whole.numel() // whole.shape[-1]))
 
-    def grouped(self, x: torch.Tensor, positions: torch.Tensor, x_all: torch.Tensor) -> torch.Tensor:
+    def attach(self, y: torch.Tensor, divergence: torch.Tensor | None, tokens: int) -> torch.Tensor:
+        """y (B, T, n) unchanged; with the indexer's summed `divergence` (when it trains), its loss attached over the
+        micro-batch's `tokens` (the whole rows', every CP rank's included)."""
+        if divergence is None:
+            return y
+        from shardlm.models.sparse_attention import attach_indexer_loss
+
+        return attach_indexer_loss(y, self.indexer, divergence, tokens)
+
+    def grouped(self, x: torch.Tensor, positions: torch.Tensor,
+                x_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of
-        x_all (B, S, h), the inputs of every key position 0 .. S - 1 -> (B, T, output_groups / tp x output_rank)."""
+        x_all (B, S, h), the inputs of every key position 0 .. S - 1 -> ((B, T, output_groups / tp x output_rank),
+        the indexer's summed divergence when it trains, else None)."""
         B, T, _ = x.shape
         cos, sin = rope_angles(positions, self.inv_freq)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
@@ -252,23 +322,27 @@ class CompressedAttention(nn.Module):
         distance = positions.view(-1, 1) - key_positions.view(1, -1)
         bias = torch.zeros(T, x_all.shape[1], device=x.device).masked_fill((distance < 0) | (distance >= self.window),
                                                                      float("-inf")).expand(B, T, -1)
+        scores = None
         if self.compressor is not None:
             entries = self.compressor(x_all, self.shared)  # (B, W, D)
             allowed = complete_entries(positions, entries.shape[1], self.compressor.ratio).expand(B, T, -1)
             if self.indexer is not None:
-                chosen = self.indexer(x_all, x, q_res, positions, cos, sin)
+                chosen, scores = self.indexer(x_all, x, q_res, positions, cos, sin)
                 allowed = torch.zeros(B, T, entries.shape[1] + 1, dtype=torch.bool, device=x.device).scatter_(
                     -1, torch.where(chosen >= 0, chosen, entries.shape[1]), True)[..., :-1]
             kv = torch.cat((kv, entries), dim=1)
             bias = torch.cat((bias, torch.zeros_like(allowed, dtype=bias.dtype).masked_fill(~allowed, float("-inf"))),
                              dim=-1)
-        y = self.core(q, kv, bias)  # (B, heads, T, D)
+        y, probs = self.core(q, kv, bias)  # (B, heads, T, D), (B, heads, T, S + W)
+        divergence = None
+        if scores is not None:
+            divergence = self.indexer.divergence(scores, chosen, probs[..., x_all.shape[1]:])
         y = rotate_tail(y, cos, -sin).transpose(1, 2).reshape(B, T, self.groups, -1)
         rank_weight = self.o_a.weight.view(self.groups, -1, y.shape[-1])  # (groups, rank, (H / g) D)
         out = torch.einsum("btgi,gri->btgr", y, rank_weight)
         if self.o_a.lora is not None:
             out = out + self.grouped_lora(y)
-        return out.reshape(B, T, -1)
+        return out.reshape(B, T, -1), divergence
 
     def grouped_lora(self, y: torch.Tensor) -> torch.Tensor:
         """LoRA on the grouped o_a: y (B, T, groups / tp, (H / g) D) -> (B, T, groups / tp, output_rank), the update
@@ -283,11 +357,12 @@ class CompressedAttention(nn.Module):
         low = torch.einsum("btgi,ki->btgk", y, lora.A)  # (B, T, groups / tp, lora rank)
         return torch.einsum("btgk,grk->btgr", low, lora.B.view(self.groups, -1, lora.rank_r)) * lora.scale
 
-    def core(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """softmax over [q kv^T / sqrt(D) + bias, sink] (the sink's share dropped) times kv: q (B, heads, T, D),
-        kv (B, S, D) keys and values alike, bias (B, T, S) 0 or -inf -> (B, heads, T, D)."""
+        kv (B, S, D) keys and values alike, bias (B, T, S) 0 or -inf -> ((B, heads, T, D), the probabilities
+        (B, heads, T, S) detached)."""
         scores = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * self.dim ** -0.5 + bias.unsqueeze(1)
         sinks = self.sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1).to(scores.dtype)
         logits = torch.cat((scores, sinks), dim=-1)
         probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-        return torch.matmul(probs.to(kv.dtype), kv.unsqueeze(1))
+        return torch.matmul(probs.to(kv.dtype), kv.unsqueeze(1)), probs.detach()

@@ -1,5 +1,6 @@
-"""The training side of DeepSeek Sparse Attention's indexers (`shardlm.models.sparse_attention`): the stage's
-frozen parameters, the gradient their attached loss receives, and the step's metric.
+"""The training side of DeepSeek Sparse Attention's indexers (`shardlm.models.sparse_attention`) and of
+DeepSeek-V4's CSA indexers (`shardlm.models.compressed_attention`, the same loss over compressed entries): the
+stage's frozen parameters, the gradient their attached loss receives, and the step's metric.
 
 - `freeze_for_warmup`: in the dense warm-up stage (`model.index_stage = "warmup"`) only the indexers train;
   everything else is frozen as a LoRA run freezes its base, so every data-parallel wrapper handles it.
@@ -16,13 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardlm.models.compressed_attention import Indexer as CompressedIndexer
 from shardlm.models.sparse_attention import Indexer
 from shardlm.parallel import ParallelContext
 
+INDEXERS = (Indexer, CompressedIndexer)
+"""The indexer kinds: each has `cfg`, `loss_scale` and `recorded`, and attaches its loss by `attach_indexer_loss`."""
 
-def indexers(model: nn.Module) -> list[Indexer]:
-    """The indexers of a model (of this rank's pipeline stages), in order."""
-    return [m for m in model.modules() if isinstance(m, Indexer)]
+
+def indexers(model: nn.Module) -> list[Indexer | CompressedIndexer]:
+    """The indexers of a model (of this rank's pipeline stages), in order: DSA's and DeepSeek-V4's."""
+    return [m for m in model.modules() if isinstance(m, INDEXERS)]
 
 
 def freeze_for_warmup(model: nn.Module) -> None:
