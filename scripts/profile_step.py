@@ -4,6 +4,7 @@
     python scripts/profile_step.py gpt_oss --precision bf16
     python scripts/profile_step.py moe
     python scripts/profile_step.py qwen3_5_moe
+    python scripts/profile_step.py gemma4 --precision bf16     # and the other `families` shapes
 
 Builds the same two programs the `deepseek` / `gpt_oss` / `moe` / `linear_attention` sections of `make bench`
 compare (a random transformers model saved and converted, `shardlm.bench.hf_compare`; for `moe`,
@@ -24,6 +25,9 @@ import torch
 
 from shardlm.bench.breakdown import self_times
 
+FAMILY_NAMES = ("mistral4", "olmo3", "minimax_m2", "gemma4", "kimi_linear", "nemotron_h")
+"""The `families` section's shapes (`shardlm.bench.families.SHAPES`)."""
+
 
 def programs(family: str, precision: str, tmp: Path) -> dict:
     """{"shardlm": step, "hf": step} of the bench's full-size shape of `family`."""
@@ -42,6 +46,10 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
     elif family == "gpt_oss":
         from shardlm.bench.gpt_oss import GPT_OSS as model
         from shardlm.bench.gpt_oss import OSS_BENCH as shape
+    elif family in FAMILY_NAMES:
+        from shardlm.bench.families import FAMILIES, SHAPES
+
+        model, shape = FAMILIES[family], SHAPES[family]
     else:
         from shardlm.bench.linear_attention import QWEN35 as model
         from shardlm.bench.linear_attention import QWEN35_BENCH as shape
@@ -55,7 +63,7 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("family", choices=("deepseek", "gpt_oss", "moe", "qwen3_5_moe"))
+    parser.add_argument("family", choices=("deepseek", "gpt_oss", "moe", "qwen3_5_moe", *FAMILY_NAMES))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)

@@ -322,10 +322,16 @@ class LatentAttention(nn.Module):
         from shardlm.models import sparse_attention as dsa
 
         B, T, heads, _ = queries.shape
-        step = dsa.query_step(B, keys.shape[1], heads)
-        chosen = [dsa.select_top_k(dsa.index_scores(queries[:, i:i + step], weights[:, i:i + step], keys),
-                                   dsa.visible_keys(rows[i:i + step], keys.shape[1], documents), self.cfg.index_topk)
-                  for i in range(0, T, step)]
+        S, k = keys.shape[1], self.cfg.index_topk
+        step = dsa.query_step(B, S, heads)
+        chosen = []
+        for i in range(0, T, step):
+            part = slice(i, i + step)
+            # the chunk's queries see no key past its last one: score only the keys before it (half the work of a
+            # causal row on average), at least min(k, S) of them so that every chunk returns as many choices
+            seen = min(S, max(int(rows[part].max()) + 1, min(k, S)))
+            chosen.append(dsa.select_top_k(dsa.index_scores(queries[:, part], weights[:, part], keys[:, :seen]),
+                                           dsa.visible_keys(rows[part], seen, documents), k))
         return torch.cat([a.int() for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)
 
     def absorbed(self, q: torch.Tensor, latent: torch.Tensor, shared_key: torch.Tensor, past: int) -> torch.Tensor:

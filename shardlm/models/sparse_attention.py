@@ -120,13 +120,13 @@ def query_rows(length: int, cp, device) -> torch.Tensor:
 
 
 def visible_keys(rows: torch.Tensor, keys: int, documents: Documents | None, past: int = 0) -> torch.Tensor:
-    """(B or 1, Q, S) bool: query at row position `rows` (Q,) (offset by `past` cached positions) may see key s:
-    s <= its position, in its own packed document."""
+    """(B or 1, Q, S) bool, S = `keys`: query at row position `rows` (Q,) (offset by `past` cached positions) may see
+    key s < S: s <= its position, in its own packed document (the row's first S keys)."""
     positions = torch.arange(keys, device=rows.device)
     seen = (positions[None, :] <= rows[:, None] + past).unsqueeze(0)
     if documents is not None:
         segments = documents.segments
-        seen = seen & (segments[:, rows, None] == segments[:, None, :])
+        seen = seen & (segments[:, rows, None] == segments[:, None, :keys])
     return seen
 
 
