@@ -5,6 +5,7 @@
     python scripts/profile_step.py moe
     python scripts/profile_step.py qwen3_5_moe
     python scripts/profile_step.py gemma4 --precision bf16     # and the other `families` shapes
+    python scripts/profile_step.py deepseek_v32                # and deepseek_v4 (`sparse_attention`'s steps)
 
 Builds the same two programs the `deepseek` / `gpt_oss` / `moe` / `linear_attention` sections of `make bench`
 compare (a random transformers model saved and converted, `shardlm.bench.hf_compare`; for `moe`,
@@ -46,6 +47,12 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
     elif family == "gpt_oss":
         from shardlm.bench.gpt_oss import GPT_OSS as model
         from shardlm.bench.gpt_oss import OSS_BENCH as shape
+    elif family == "deepseek_v32":
+        from shardlm.bench.sparse_attention import DEEPSEEK_V32 as model
+        from shardlm.bench.sparse_attention import V32_BENCH as shape
+    elif family == "deepseek_v4":
+        from shardlm.bench.sparse_attention_v4 import DEEPSEEK_V4 as model
+        from shardlm.bench.sparse_attention_v4 import V4_BENCH as shape
     elif family in FAMILY_NAMES:
         from shardlm.bench.families import FAMILIES, SHAPES
 
@@ -63,7 +70,8 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("family", choices=("deepseek", "gpt_oss", "moe", "qwen3_5_moe", *FAMILY_NAMES))
+    parser.add_argument("family", choices=("deepseek", "gpt_oss", "moe", "qwen3_5_moe", "deepseek_v32", "deepseek_v4",
+                                                     *FAMILY_NAMES))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)

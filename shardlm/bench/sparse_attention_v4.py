@@ -120,9 +120,10 @@ def save_hf_model(shape: V4Shape, folder: Path, seed: int = 0) -> Path:
 
 
 DEEPSEEK_V4 = HFModel("DeepseekV4ForCausalLM", "DeepseekV4Experts", save_hf_model,
-                      model_overrides={"moe_expert_bias_rate": 0.0, "moe_aux_loss_coeff": 0.0})
-"""The comparison's transformers side (its default attention, as shipped) and shardlm's keys: the expert bias fixed
-and no aux loss, as transformers trains."""
+                      model_overrides={"moe_expert_bias_rate": 0.0, "moe_aux_loss_coeff": 0.0,
+                                       "index_loss_coeff": 0.0})
+"""The comparison's transformers side (its default attention, as shipped) and shardlm's keys: the expert bias fixed,
+no aux loss and no indexer loss (transformers' CSA indexer takes no gradient), as transformers trains."""
 
 
 def v4_train_vs_hf(quick: bool, repeats: int, threads: int = 2) -> dict:
