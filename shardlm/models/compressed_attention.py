@@ -35,7 +35,8 @@ parameters are frozen.
 Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed rows:
 each document is attended alone, its windows and entries starting at its first token. Context parallelism:
 the layer's input (B, T / C, h) is all-gathered over the CP group (its gradient reduce-scattered back) and put in
-row order, every rank computes the keys and entries of the whole row and attends its own zigzag queries.
+row order, every rank computes the keys and entries of the whole row and attends its own zigzag queries; its
+indexer loss covers its own queries over the whole micro-batch's tokens (hence the C in its factor).
 """
 
 from __future__ import annotations

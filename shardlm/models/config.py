@@ -153,7 +153,8 @@ class ModelConfig:
     language-model loss) or "warmup" (DeepSeek's dense warm-up: dense attention, only the indexers trained)."""
     index_loss_coeff: float = 1.0
     """Sparse attention: weight of the indexer's loss, the KL divergence from the main attention's head-summed
-    distribution to the indexer's, per token (0: the indexer is not trained)."""
+    distribution to the indexer's, per token (0: the indexer is not trained). Covers DeepSeek-V4's CSA indexer too
+    (over its chosen compressed entries; frozen at 0)."""
     query_scale_beta: float = 0.0
     """MLA: Llama 4's long-context query scaling (Mistral 4's llama_4_scaling_beta): queries at position p multiplied by
     1 + beta x log(1 + floor(p / query_scale_positions)); 0 turns it off."""
