@@ -125,3 +125,15 @@ def test_the_model_learns_from_the_language_model_loss_only():
         if name not in indexer and param.grad is not None:
             assert torch.equal(param.grad, plain[name].grad), name
     assert sum(param.grad is not None for name, param in trained.items() if name not in indexer) > 20
+
+
+def test_a_dense_warm_up_stage_is_refused_in_one_line():
+    """V4 has no dense warm-up (DeepSeek-V3.2's `index_stage = "warmup"` would freeze all but the indexers)."""
+    import dataclasses
+
+    from shardlm.models.deepseek_v4 import check_deepseek_v4
+
+    m = v4_config().model
+    assert check_deepseek_v4(m) is None
+    message = check_deepseek_v4(dataclasses.replace(m, index_stage="warmup"))
+    assert "index_stage" in message and "\n" not in message

@@ -10,7 +10,7 @@ of D = head_dim channels, r_q = q_lora_rank, g = output_groups of r_o = output_r
                 a compressing layer of ratio m: its compressor kv and gate ((1 + o) D x h each, o = 1 on CSA's
                 overlapping windows), position_bias (m x (1 + o) D), kv_norm (D), replicated
                 a CSA layer: the indexer's compressor at index_head_dim D_i (overlapping), q_b (H_i D_i x r_q) and
-                weights_proj (H_i x h), replicated (frozen: the choice carries no gradient)
+                weights_proj (H_i x h), replicated (trained by its own loss, from detached inputs)
                 MoE (`parameters._mlp_count`): router (E x h) and expert bias (E), E / ep SwiGLU experts and the
                 shared expert; a hash-routed layer (`moe_hash_layers`) holds its token -> experts table tid2eid
                 (V x top_k, frozen; transformers' buffer) instead of the bias
@@ -24,7 +24,7 @@ D_i, its weights 2 h H_i and its O(s) scoring 2 H_i D_i s / m against every comp
 attention's score and value products 4 H D per key, the keys being the window min(s, sliding_window) plus on HCA
 layers all s / m entries and on CSA layers min(index_topk, s / m) chosen ones (4:1 compression and top-k: O(s k)
 instead of O(s^2)); the MoE its router 2 h E, top-k experts and the shared one 6 h f each; the head 2 n^2 h and the
-output layer 2 h V. Training is 3 x forward except the indexers, which run forward only (`v4_flops_per_token`).
+output layer 2 h V. Training is 3 x forward except the indexers, whose backward is shorter (`v4_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ class LayerFlops:
     trained: float
     """Everything that trains at 3 x its forward: hyper-connections, attention, compressor, MoE."""
     indexer: float
-    """The CSA layer's lightning indexer (forward only: frozen, its choice carries no gradient); 0 elsewhere."""
+    """The CSA layer's lightning indexer's forward (its choice carries no gradient; its own loss trains it); 0
+    elsewhere."""
     keys: int
     """Keys each query attends to: the window plus the layer's compressed entries (HCA all, CSA its top-k)."""
 
@@ -136,12 +137,22 @@ def v4_forward_flops(cfg: ModelConfig) -> float:
 
 
 def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
-    """Training FLOPs per token: 3 x the forward, less the backward the frozen indexers do not run (2 x their
-    forward); with recomputation the layers' forward once more."""
+    """Training FLOPs per token: 3 x the forward, less the backward the indexers do not run; with recomputation the
+    layers' forward once more.
+
+    Frozen indexers (model.index_loss_coeff = 0) run forward only: 2 x their forward is not run. A trained one reads
+    its inputs detached, so its matrices get weight gradients only (1 x their forward) while its scoring product
+    (queries against entries, both its own) gets both (2 x): its backward skips 1 x its forward less the scoring."""
     per_layer = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers)]
     indexers = sum(f.indexer for f in per_layer)
+    if cfg.index_loss_coeff > 0:
+        scoring = sum(2 * cfg.index_heads * cfg.index_head_dim * (cfg.seq_length // cfg.compress_ratios[i])
+                      for i, f in enumerate(per_layer) if f.indexer)
+        skipped = indexers - scoring
+    else:
+        skipped = 2 * indexers
     layers = sum(f.trained + f.indexer for f in per_layer)
-    return 3 * v4_forward_flops(cfg) - 2 * indexers + (layers if recompute else 0.0)
+    return 3 * v4_forward_flops(cfg) - skipped + (layers if recompute else 0.0)
 
 
 def hyper_connection_bytes(cfg: ModelConfig, tokens: int, residual_bytes: int) -> int:
