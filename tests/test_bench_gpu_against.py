@@ -56,20 +56,34 @@ def test_side_by_side_against_head_tags_each_run_and_summarizes_the_rounds(tmp_p
     assert not list(tmp_path.glob("shardlm-against-*"))
 
 
-def test_a_terminated_comparison_summarizes_its_complete_rounds_and_removes_the_tree(tmp_path):
-    """SIGTERM (what `timeout` sends) after round 0: the summary of that round, marked incomplete."""
-    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "shardlm.bench.gpu", *SMOKE, "--against", "HEAD", "--rounds", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
-    lines = []
-    for line in proc.stdout:
-        lines.append(json.loads(line))
-        if len(lines) == 3:  # rev and work of round 0, then work of round 1
-            proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 130
-    assert [(line["tree"], line["round"]) for line in lines[:3]] == [("rev", 0), ("work", 0), ("work", 1)]
+def test_a_terminated_comparison_summarizes_its_complete_rounds_and_removes_the_tree(tmp_path, monkeypatch, capsys):
+    """SIGTERM (what `timeout` sends) during round 1: the summary of round 0, marked incomplete, exit code 130, the
+    extracted tree removed. The runs are faked in this process (each real one is a process of its own, as the test
+    above runs them), the signal is real: what it checks is `compare`'s handling."""
+    import tempfile
+
+    from shardlm.bench import gpu_against
+
+    calls = []
+
+    def fake_run(root, argv, label):
+        calls.append(label)
+        if len(calls) == 3:  # rev and work of round 0 done; work of round 1 is interrupted
+            os.kill(os.getpid(), signal.SIGTERM)
+        return [{"shape": "smoke", "step_s": float(len(calls)), "tokens_per_sec": 1.0}]
+
+    monkeypatch.setattr(gpu_against, "run_tree", fake_run)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    parser = build_parser()
+    args = parser.parse_args([*SMOKE, "--against", "HEAD", "--rounds", "8"])
+    previous = signal.getsignal(signal.SIGTERM)
+    assert gpu_against.compare(args, parser) == 130
+    assert signal.getsignal(signal.SIGTERM) == previous  # restored
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["tree"], line["round"]) for line in lines if "tree" in line] == [("rev", 0), ("work", 0)]
     summary = lines[-1]
     assert summary["summary"] == "side_by_side" and summary["complete"] is False and summary["rounds"] == 1
+    assert summary["ratio"] == pytest.approx(1.0 / 2.0)
     assert not list(tmp_path.glob("shardlm-against-*"))
 
 
