@@ -20,7 +20,7 @@ from torch.profiler import profile
 from shardlm.config import from_dict
 from shardlm.models import build_model
 from shardlm.parallel import ParallelContext
-from shardlm.training.parallelize import can_compile
+from shardlm.training.parallelize import can_compile, inductor_cache_per_cpu_kind
 from shardlm.training.qk_clip import attention_layers, track_max_logits
 
 from multiproc import needs
@@ -71,6 +71,7 @@ def compiled(request):
     layer = one_layer(request.param)
     x = torch.randn(2, SEQ, HIDDEN)
     torch._dynamo.reset()
+    inductor_cache_per_cpu_kind()  # as `train.compile` does: a run under ATEN_CPU_CAPABILITY keeps its own kernels
     fn = torch.compile(layer)  # as `train.compile` does (`Module.compile`): a graph break would split it
     step(fn, x)
     return request.param, layer, fn, x
