@@ -53,6 +53,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
 from shardlm.models.rotary import rope_inverse_frequencies
+from shardlm.models.sparse_attention import attach_indexer_loss, indexer_trains, masked_divergence, normalized
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -158,10 +159,8 @@ class Indexer(nn.Module):
         self.recorded: list[torch.Tensor] = []
 
     def trains(self) -> bool:
-        """Whether this forward computes the indexer's loss: training with gradients, a coefficient, and the indexer
-        not frozen (a LoRA run freezes it with the base)."""
-        return (self.training and torch.is_grad_enabled() and self.cfg.index_loss_coeff > 0
-                and any(p.requires_grad for p in self.parameters()))
+        """Whether this forward computes the indexer's loss (`sparse_attention.indexer_trains`)."""
+        return indexer_trains(self)
 
     def forward(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
                 sin) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -200,22 +199,13 @@ def entry_target(probs: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
     probabilities on the entries, at chosen (B, T, k) (-1: none), summed over all heads (all-reduced over TP), each
     row scaled to sum to 1; rows without a chosen entry 0."""
     with torch.no_grad():
-        valid = chosen >= 0
-        mass = probs.sum(1).gather(-1, chosen.clamp_min(0)).masked_fill(~valid, 0.0).float().contiguous()
-        tp.all_reduce(mass)
-        total = mass.sum(-1, keepdim=True)
-        return torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), 0.0)
+        return normalized(probs.sum(1).gather(-1, chosen.clamp_min(0)).masked_fill(chosen < 0, 0.0).float(), tp)
 
 
 def chosen_divergence(scores: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """sum over queries of KL(target || softmax of `scores` (B, T, W) over the chosen (B, T, k) entries), target
     (B, T, k) -> fp32 scalar; entries not chosen (-1) weigh 0, and a query with none adds 0."""
-    valid = chosen >= 0
-    with torch.autocast(scores.device.type, enabled=False):  # fp32, so that the divergence is never below 0
-        logits = scores.float().gather(-1, chosen.clamp_min(0)).masked_fill(~valid, float("-inf"))
-        logits = logits.masked_fill(~valid.any(-1, keepdim=True), 0.0)  # no chosen entry: finite, target 0
-        log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
-        return (torch.xlogy(target, target) - target * log_q).sum()
+    return masked_divergence(target, scores.gather(-1, chosen.clamp_min(0)), chosen >= 0)
 
 
 def complete_entries(positions: torch.Tensor, entries: int, ratio: int) -> torch.Tensor:
@@ -303,8 +293,6 @@ class CompressedAttention(nn.Module):
         micro-batch's `tokens` (the whole rows', every CP rank's included)."""
         if divergence is None:
             return y
-        from shardlm.models.sparse_attention import attach_indexer_loss
-
         return attach_indexer_loss(y, self.indexer, divergence, tokens)
 
     def grouped(self, x: torch.Tensor, positions: torch.Tensor,

@@ -296,10 +296,10 @@ class LatentAttention(nn.Module):
         return dsa.attach_indexer_loss(y, self.indexer, divergence, B * S)
 
     def indexer_trains(self) -> bool:
-        """Whether this forward computes the indexer's loss: training with gradients, a coefficient, and the
-        indexer not frozen (a LoRA run freezes it with the base)."""
-        return (self.training and torch.is_grad_enabled() and self.cfg.index_loss_coeff > 0
-                and any(p.requires_grad for p in self.indexer.parameters()))
+        """Whether this forward computes the indexer's loss (`sparse_attention.indexer_trains`)."""
+        from shardlm.models.sparse_attention import indexer_trains
+
+        return indexer_trains(self.indexer)
 
     def indexer_inputs(self, x, q_latent, angles, cache):
         """The indexer's (queries (B, T, H_i, D), weights (B, T, H_i), keys (B, S, D)), rotated, keys of the whole row
@@ -324,12 +324,13 @@ class LatentAttention(nn.Module):
         B, T, heads, _ = queries.shape
         S, k = keys.shape[1], self.cfg.index_topk
         step = dsa.query_step(B, S, heads)
+        last = rows.cpu()  # the chunks' last positions, read on the host once (not a device sync per chunk)
         chosen = []
         for i in range(0, T, step):
             part = slice(i, i + step)
             # the chunk's queries see no key past its last one: score only the keys before it (half the work of a
             # causal row on average), at least min(k, S) of them so that every chunk returns as many choices
-            seen = min(S, max(int(rows[part].max()) + 1, min(k, S)))
+            seen = min(S, max(int(last[part].max()) + 1, min(k, S)))
             chosen.append(dsa.select_top_k(dsa.index_scores(queries[:, part], weights[:, part], keys[:, :seen]),
                                            dsa.visible_keys(rows[part], seen, documents), k))
         return torch.cat([a.int() for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)

@@ -220,14 +220,22 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
     return torch.cat(mixed, dim=2), torch.cat(mass, dim=1)
 
 
+def masked_divergence(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """sum over rows of KL(target || softmax of `logits` over the row's `valid` entries): target (..., n) rows summing
+    to 1 (or 0), logits (..., n), valid (..., n) bool (broadcast) -> fp32 scalar. Entries not valid weigh 0; a row
+    without a valid entry adds 0 (its target is 0). The indexers' loss, DSA's and DeepSeek-V4's."""
+    with torch.autocast(logits.device.type, enabled=False):  # fp32, so that the divergence is never below 0
+        logits = logits.float().masked_fill(~valid, float("-inf"))
+        logits = logits.masked_fill(~valid.any(-1, keepdim=True), 0.0)  # no valid entry: finite, target 0
+        log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+        return (torch.xlogy(target, target) - target * log_q).sum()
+
+
 def _divergence(q, weights, keys, indices, valid, target) -> torch.Tensor:
     """One chunk's summed KL(target || softmax(I)) over the chosen keys, or over every key when `indices` is None
     (the dense warm-up; `valid` is then (B, Q, S)); see `indexer_divergence`."""
     chosen = keys if indices is None else gather_keys(keys, indices)
-    logits = index_scores(q, weights, chosen).masked_fill(~valid, float("-inf"))
-    with torch.autocast(logits.device.type, enabled=False):  # fp32, so that the divergence is never below 0
-        log_q = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
-        return (torch.xlogy(target, target) - target * log_q).sum()
+    return masked_divergence(target, index_scores(q, weights, chosen), valid)
 
 
 class _Divergence(torch.autograd.Function):
@@ -348,7 +356,15 @@ def attach_indexer_loss(y: torch.Tensor, indexer: Indexer, divergence: torch.Ten
 
 def normalized(mass: torch.Tensor, tp) -> torch.Tensor:
     """(B, T, k) this rank's heads' summed probabilities -> the target: summed over TP's heads, each row scaled
-    to sum to 1."""
+    to sum to 1 (a row of zeros, a query with nothing chosen, stays 0)."""
     mass = mass.contiguous().clone()
     tp.all_reduce(mass)
-    return mass / mass.sum(-1, keepdim=True)
+    total = mass.sum(-1, keepdim=True)
+    return torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), 0.0)
+
+
+def indexer_trains(indexer: nn.Module) -> bool:
+    """Whether this forward computes `indexer`'s loss (DSA's or DeepSeek-V4's): training with gradients, a
+    coefficient (`indexer.cfg.index_loss_coeff`), and the indexer not frozen (a LoRA run freezes it with the base)."""
+    return (indexer.training and torch.is_grad_enabled() and indexer.cfg.index_loss_coeff > 0
+            and any(p.requires_grad for p in indexer.parameters()))
