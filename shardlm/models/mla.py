@@ -251,7 +251,9 @@ class LatentAttention(nn.Module):
         if keys is None:
             keys = dsa.whole_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
         B, T, S = q.shape[0], q.shape[2], keys.shape[1]
-        rows = dsa.query_rows(T, self.ctx.cp, x.device) + (0 if cache is None else cache.length - T)
+        # the queries' row positions, made on the host (the choice's chunks read their bounds there) and copied over
+        host_rows = dsa.query_rows(T, self.ctx.cp, torch.device("cpu")) + (0 if cache is None else cache.length - T)
+        rows = host_rows.to(x.device)
         scored = None
         if self.indexer is None:  # GLM-5's shared layer: the keys its full layer chose
             if carry is None or self.source not in carry:
@@ -260,7 +262,7 @@ class LatentAttention(nn.Module):
             indices, valid = carry[self.source]
         else:
             scored = self.indexer_inputs(x, q_latent, angles, cache)
-            indices, valid = self.top_k(*scored, rows, documents)
+            indices, valid = self.top_k(*scored, rows, documents, host_rows)
             if carry is not None:
                 carry[self.layer] = (indices, valid)
         y, mass = dsa.sparse_latent_attention(q, keys, indices, valid, self.scale, self.cfg.kv_lora_rank,
@@ -316,21 +318,21 @@ class LatentAttention(nn.Module):
         return queries, weights, dsa.whole_rows(keys, self.ctx.cp)
 
     @torch.no_grad()
-    def top_k(self, queries, weights, keys, rows, documents):
-        """The indexer's choice for queries at row positions `rows` (T,), in chunks: (indices int32, valid), each
-        (B, T, min(index_topk, S)); int32 halves what the backward keeps of the choice (k a query)."""
+    def top_k(self, queries, weights, keys, rows, documents, host_rows):
+        """The indexer's choice for queries at row positions `rows` (T,) (`host_rows`: the same on the host, for the
+        chunks' bounds without a device sync), in chunks: (indices int32, valid), each (B, T, min(index_topk, S));
+        int32 halves what the backward keeps of the choice (k a query)."""
         from shardlm.models import sparse_attention as dsa
 
         B, T, heads, _ = queries.shape
         S, k = keys.shape[1], self.cfg.index_topk
         step = dsa.query_step(B, S, heads)
-        last = rows.cpu()  # the chunks' last positions, read on the host once (not a device sync per chunk)
         chosen = []
         for i in range(0, T, step):
             part = slice(i, i + step)
             # the chunk's queries see no key past its last one: score only the keys before it (half the work of a
             # causal row on average), at least min(k, S) of them so that every chunk returns as many choices
-            seen = min(S, max(int(last[part].max()) + 1, min(k, S)))
+            seen = min(S, max(int(host_rows[part].max()) + 1, min(k, S)))
             chosen.append(dsa.select_top_k(dsa.index_scores(queries[:, part], weights[:, part], keys[:, :seen]),
                                            dsa.visible_keys(rows[part], seen, documents), k))
         return torch.cat([a.int() for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)
