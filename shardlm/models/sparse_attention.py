@@ -206,12 +206,13 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
     B, H, T, _ = query.shape
     width = max(query.shape[-1], keys.shape[-1])
     step = query_step(B, indices.shape[-1], H, width)
+    grads = torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad
+                                         or (absorption is not None and absorption[0].requires_grad))
     mixed, mass = [], []
     for start in range(0, T, step):
         part = slice(start, start + step)
         args = (query[:, :, part], keys, indices[:, part], valid[:, part], scale, latent_dim, absorption)
-        grads = query.requires_grad or keys.requires_grad or (absorption is not None and absorption[0].requires_grad)
-        if torch.is_grad_enabled() and grads:
+        if grads:
             out, heads = checkpoint(_attend, *args, use_reentrant=False)
         else:
             out, heads = _attend(*args)
