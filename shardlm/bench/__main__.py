@@ -17,12 +17,17 @@ TRL's DPOTrainer, GRPO steps and decoding against TRL's GRPOTrainer and transfor
 distillation against TRL's GKDTrainer (offline, the teacher's share of the step),
 Muon against AdamW, checkpoint I/O, preprocessing, evaluation and generation. `--quick` runs tiny shapes (a smoke
 test of the harness, not figures to quote).
+
+Each section runs in a new Python process (`_in_own_process`), so its figures are those of a fresh run, whatever
+ran before it; `--only` reproduces one section's figures as the whole run measured them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,53 +46,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=".", help="folder for BENCHMARKS.md and benchmarks.json")
     parser.add_argument("--only", nargs="*", help="run only these sections")
     parser.add_argument("--skip", nargs="*", default=[], help="leave these sections out")
+    parser.add_argument("--section", help=argparse.SUPPRESS)  # one section in this process (the runner's child)
+    parser.add_argument("--section-out", help=argparse.SUPPRESS)  # where that child leaves its figures (pickle)
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else BENCH
     repeats = 2 if args.quick else args.repeats
+    sections = {
+        "train_vs_hf": lambda results: _train(shape, repeats, results, args.quick),
+        "tp2_efficiency": lambda results: _tensor_parallel(shape, repeats, results, args.quick),
+        "memory": lambda results: _memory(args.quick),
+        "pipeline": lambda results: _pipeline(args.quick, repeats, args.out),
+        "plan3d": lambda results: _plan3d(args.quick, repeats),
+        "moe": lambda results: _moe(args.quick, repeats),
+        "deepseek": lambda results: _deepseek(args.quick, repeats),
+        "gpt_oss": lambda results: _gpt_oss(args.quick, repeats),
+        "linear_attention": lambda results: _linear_attention(args.quick, repeats, args.out),
+        "sparse_attention": lambda results: _sparse_attention(args.quick, repeats),
+        "families": lambda results: _families(args.quick, repeats),
+        "context_parallel": lambda results: _context_parallel(args.quick, repeats),
+        "window": lambda results: _window(args.quick, repeats),
+        "fsdp": lambda results: _fsdp(args.quick, repeats),
+        "sft": lambda results: _sft(args.quick, repeats, results),
+        "lora": lambda results: _lora(args.quick),
+        "qlora_memory": lambda results: _qlora_memory(args.quick),
+        "preference": lambda results: _preference(args.quick),
+        "rl": lambda results: _rl(args.quick),
+        "distill": lambda results: _distill(args.quick),
+        "optimizers": lambda results: _optimizers(args.quick, args.out),
+        "checkpoint": lambda results: _checkpoint(shape, 3 if not args.quick else 1),
+        "preprocess": lambda results: _preprocess(args.quick),
+        "eval": lambda results: _eval(args.quick),
+    }
+    unknown = sorted((set(args.only or []) | set(args.skip)) - set(sections))
+    if unknown:
+        parser.error(f"no section named {', '.join(unknown)}; the sections are {', '.join(sections)}")
+    if args.section is not None:
+        return _run_section(args.section, sections[args.section], Path(args.section_out))
     results: dict = {"machine": machine(), "repeats": repeats, "quick": args.quick, "errors": {},
                      "gpu_note": "The GPU benchmark is `make bench-gpu` (one CUDA GPU; not part of `make bench`); "
                                  "see docs/benchmarks-gpu.md for its last recorded result."}
-    sections = {
-        "train_vs_hf": lambda: _train(shape, repeats, results, args.quick),
-        "tp2_efficiency": lambda: _tensor_parallel(shape, repeats, results, args.quick),
-        "memory": lambda: _memory(args.quick),
-        "pipeline": lambda: _pipeline(args.quick, repeats, args.out),
-        "plan3d": lambda: _plan3d(args.quick, repeats),
-        "moe": lambda: _moe(args.quick, repeats),
-        "deepseek": lambda: _deepseek(args.quick, repeats),
-        "gpt_oss": lambda: _gpt_oss(args.quick, repeats),
-        "linear_attention": lambda: _linear_attention(args.quick, repeats, args.out),
-        "sparse_attention": lambda: _sparse_attention(args.quick, repeats),
-        "families": lambda: _families(args.quick, repeats),
-        "context_parallel": lambda: _context_parallel(args.quick, repeats),
-        "window": lambda: _window(args.quick, repeats),
-        "fsdp": lambda: _fsdp(args.quick, repeats),
-        "sft": lambda: _sft(args.quick, repeats, results),
-        "lora": lambda: _lora(args.quick),
-        "qlora_memory": lambda: _qlora_memory(args.quick),
-        "preference": lambda: _preference(args.quick),
-        "rl": lambda: _rl(args.quick),
-        "distill": lambda: _distill(args.quick),
-        "optimizers": lambda: _optimizers(args.quick, args.out),
-        "checkpoint": lambda: _checkpoint(shape, 3 if not args.quick else 1),
-        "preprocess": lambda: _preprocess(args.quick),
-        "eval": lambda: _eval(args.quick),
-    }
     started = time.time()
-    for name, run in sections.items():
+    common = (["--quick"] if args.quick else []) + ["--repeats", str(args.repeats), "--out", args.out]
+    for name in sections:
         if (args.only and name not in args.only) or name in args.skip:
             continue
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         section_start = time.time()
-        try:
-            value = run()
-        except Exception as exc:  # noqa: BLE001 - a failed section is reported, the others still run
-            traceback.print_exc()
-            results["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            continue
-        if value is not None:
-            results[name] = value
-        print(f"bench: {name} done in {time.time() - section_start:.0f} s", file=sys.stderr, flush=True)
+        if _in_own_process(name, common, results):
+            print(f"bench: {name} done in {time.time() - section_start:.0f} s", file=sys.stderr, flush=True)
     results["total_seconds"] = time.time() - started
     from shardlm.bench.report import write_reports
 
@@ -95,6 +101,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench: wrote {Path(args.out) / 'BENCHMARKS.md'} and benchmarks.json in {results['total_seconds']:.0f} s",
           file=sys.stderr)
     return 1 if results["errors"] else 0
+
+
+def _in_own_process(name: str, common: list[str], results: dict) -> bool:
+    """Runs section `name` in a new Python process (`--section`) and merges what it measured into `results`.
+
+    Each section starts from a fresh process, as a user's training run does, so no section's figures depend on
+    what ran before it in the same interpreter (allocator state, lingering objects and threads: the families'
+    shardlm / transformers ratios were seen 15% apart between a section run alone and the same section after
+    twelve others). A section that fails, or whose process dies, is an entry of results["errors"]; the others
+    still run. Returns whether the section succeeded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "section.pkl"
+        proc = subprocess.run([sys.executable, "-m", "shardlm.bench", *common, "--section", name,
+                               "--section-out", str(out)])
+        if not out.exists():
+            results["errors"][name] = f"the section's process exited with code {proc.returncode} before reporting"
+            return False
+        measured = pickle.loads(out.read_bytes())
+    results["errors"].update(measured.pop("errors"))
+    results.update(measured)
+    return name not in results["errors"]
+
+
+def _run_section(name: str, run, out: Path) -> int:
+    """The child's side of `_in_own_process`: runs one section here and pickles {name: its figures, every other
+    key the section set (e.g. `mfu` beside `train_vs_hf`), "errors": {...}} to `out`."""
+    results: dict = {"errors": {}}
+    try:
+        value = run(results)
+    except Exception as exc:  # noqa: BLE001 - a failed section is reported, the others still run
+        traceback.print_exc()
+        results["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    else:
+        if value is not None:
+            results[name] = value
+    out.write_bytes(pickle.dumps(results))
+    return 0
 
 
 def _train(shape, repeats, results, quick):
