@@ -187,6 +187,54 @@ def test_a_chunk_bounds_its_gathered_keys_as_well_as_its_scores(monkeypatch):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, chunked))
 
 
+def _chosen_attention_inputs(B=2, H=3, T=40, k=5, nope=8, rope=4, r=12, v=6, seed=11):
+    """MLA's rotated query, the row's latents and shared keys, kv_b's weight per head, and the indexer's choice over
+    two packed documents (the second document's first queries see fewer than k keys: padding marked not valid)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(B, H, T, nope + rope, generator=generator, requires_grad=True)
+    keys = torch.randn(B, T, r + rope, generator=generator, requires_grad=True)
+    weight = torch.randn(H, nope + v, r, generator=generator, requires_grad=True)
+    documents = Documents.from_offsets([[0, 17, T], [0, T]], T)
+    rows = torch.arange(T)
+    scores = torch.randn(B, T, T, generator=generator)
+    indices, valid = sparse_attention.select_top_k(scores, sparse_attention.visible_keys(rows, T, documents), k)
+    assert not valid.all()
+    return query, keys, weight, nope, indices.int(), valid, rows
+
+
+def _attention_and_grads(query, keys, weight, nope, indices, valid, rows):
+    out, mass = sparse_attention.sparse_latent_attention(query, keys, indices, valid, 0.3, keys.shape[-1] - 4,
+                                                         absorption=(weight, nope), host_rows=rows)
+    loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    return out.detach(), mass, torch.autograd.grad(loss, (query, keys, weight))
+
+
+def test_dense_chunks_attend_as_the_gathered_ones(monkeypatch):
+    """A chunk that scores all its visible keys and masks the unchosen ones (`DENSE_SPAN`) gives the gathered route's
+    output, heads' probabilities on the chosen keys (0 on padding) and gradients within 1e-5; with small chunks and a
+    small span the row's early chunks go dense and its late ones gather, and the mixture agrees too."""
+    inputs = _chosen_attention_inputs()
+    routes = []
+    original = sparse_attention._attend
+    monkeypatch.setattr(sparse_attention, "_attend", lambda *a: routes.append(a[-1]) or original(*a))
+    gathered = _attention_and_grads(*inputs[:-1], None)
+    assert set(routes) == {False}  # (each chunk runs again in the backward)
+    monkeypatch.setattr(sparse_attention, "DENSE_SPAN", 100)
+    routes.clear()
+    dense = _attention_and_grads(*inputs)
+    assert set(routes) == {True}
+    monkeypatch.setattr(sparse_attention, "DENSE_SPAN", 2)
+    monkeypatch.setattr(sparse_attention, "CHUNK_ELEMENTS", 2 * 5 * 16 * 4)  # 4 queries' gathered keys
+    routes.clear()
+    mixed = _attention_and_grads(*inputs)
+    assert True in routes and False in routes
+    for got in (dense, mixed):
+        assert torch.allclose(got[0], gathered[0], atol=1e-5)
+        assert torch.allclose(got[1], gathered[1], atol=1e-6) and (got[1][~inputs[5]] == 0).all()
+        for a, b in zip(got[2], gathered[2]):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("keys,message", [
     ({"attention": "mha", "index_topk": 4, "index_heads": 4, "index_head_dim": 8}, 'needs model.attention = "mla"'),
     ({**DSA, "index_layer_types": ["shared", "full"]}, "index_layer_types"),

@@ -266,7 +266,7 @@ class LatentAttention(nn.Module):
             if carry is not None:
                 carry[self.layer] = (indices, valid)
         y, mass = dsa.sparse_latent_attention(q, keys, indices, valid, self.scale, self.cfg.kv_lora_rank,
-                                              absorption=(weight, self.nope))
+                                              absorption=(weight, self.nope), host_rows=host_rows)
         if scored is not None and self.indexer_trains():
             target = dsa.normalized(mass, self.ctx.tp)
             divergence = dsa.indexer_divergence(*scored, lambda p: (indices[:, p], valid[:, p]),

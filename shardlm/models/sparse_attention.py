@@ -13,7 +13,9 @@ computed in; a query with fewer keys keeps them all. MLA then attends to the cho
 form (`shardlm.models.mla`): the scores are [q_n W_UK | RoPE(q_r)] . [c | RoPE(k_r)] against the chosen
 latents, the output (p c) W_UV^T, so per query only k latents of kv_lora_rank + rope channels are read,
 never T expanded keys per head. Queries run in chunks, each recomputed in the backward, so memory grows
-with T x k, not T^2.
+with T x k, not T^2. A chunk whose queries see at most `DENSE_SPAN` x k keys (a row's first positions; a whole
+4K row at top-2048) scores those keys densely and masks the unchosen ones: the same attention in two GEMMs
+shared by the chunk's queries instead of a small product per query (the planner still counts k keys a query).
 
 The indexer's loss (DeepSeek-V3.2's report, Megatron-Core's `compute_dsa_indexer_loss`): per query, the KL
 divergence from the main attention's distribution over the chosen keys, summed over all heads and
@@ -54,6 +56,11 @@ from shardlm.parallel.init import param_seed
 CHUNK_ELEMENTS = 1 << 23
 """Queries run in chunks of about this many elements in their largest intermediate: the scores (batch x queries x
 heads x keys) or the gathered keys (batch x queries x keys x channels), whichever is wider."""
+
+
+DENSE_SPAN = 4
+"""A chunk of queries that sees at most this many times k keys attends to them densely, the unchosen ones masked
+(`sparse_latent_attention`)."""
 
 
 def query_step(batch: int, keys_per_query: int, *widths: int) -> int:
@@ -175,26 +182,44 @@ def absorb_query(q: torch.Tensor, weight: torch.Tensor, nope: int) -> torch.Tens
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, scale: float,
-            latent_dim: int, absorption: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            latent_dim: int, absorption: tuple[torch.Tensor, int] | None = None,
+            dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of queries: query (B, H, Q, r + rope) absorbed, keys (B, S, r + rope) latents and shared RoPE
     keys, indices and valid (B, Q, k) -> (p c: (B, H, Q, r), the heads' summed probabilities (B, Q, k), detached).
     With `absorption` = (kv_b's weight (H, nope + v, r), nope) the query is MLA's own (B, H, Q, nope + rope), absorbed
-    here, and the output is (p c) W_UV^T (B, H, Q, v): neither r-wide tensor outlives the chunk."""
+    here, and the output is (p c) W_UV^T (B, H, Q, v): neither r-wide tensor outlives the chunk.
+
+    `dense`: score all S keys (every index must be below S) and mask all but the chosen valid ones, instead of
+    gathering each query's k keys. The same attention: the masked keys get probability 0 exactly. Two GEMMs over
+    keys shared by the chunk's queries, where the gathered route makes a small product per query; cheaper while S
+    is a few times k (`DENSE_SPAN`)."""
     if absorption is not None:
         query = absorb_query(query, *absorption)
-    chosen = gather_keys(keys, indices)  # (B, Q, k, r + rope)
-    scores = torch.einsum("bhqn,bqkn->bhqk", query, chosen) * scale
-    probs = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")).float(), dim=-1)
-    mixed = torch.einsum("bhqk,bqkr->bhqr", probs.to(query.dtype), chosen[..., :latent_dim])
+    if dense:
+        B, Q, S = *indices.shape[:2], keys.shape[1]
+        # 0 on the chosen valid keys, -inf elsewhere, added to the scores: no mask to apply again in the backward
+        bias = torch.full((B, Q, S), float("-inf"), dtype=query.dtype, device=keys.device)
+        bias.scatter_(-1, indices.long(), torch.zeros_like(bias[..., :1]).expand(valid.shape).masked_fill(
+            ~valid, float("-inf")))
+        scores = torch.einsum("bhqn,bsn->bhqs", query, keys).mul_(scale).add_(bias.unsqueeze(1))
+        probs = torch.softmax(scores.float(), dim=-1)
+        mixed = torch.einsum("bhqs,bsr->bhqr", probs.to(query.dtype), keys[..., :latent_dim])
+        mass = probs.detach().sum(1).gather(-1, indices.long())
+    else:
+        chosen = gather_keys(keys, indices)  # (B, Q, k, r + rope)
+        scores = torch.einsum("bhqn,bqkn->bhqk", query, chosen) * scale
+        probs = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")).float(), dim=-1)
+        mixed = torch.einsum("bhqk,bqkr->bhqr", probs.to(query.dtype), chosen[..., :latent_dim])
+        mass = probs.detach().sum(1)
     if absorption is not None:
         weight, nope = absorption
         mixed = torch.einsum("bhtr,hvr->bhtv", mixed, weight[:, nope:])
-    return mixed, probs.detach().sum(1)
+    return mixed, mass
 
 
 def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
-                            scale: float, latent_dim: int,
-                            absorption: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, latent_dim: int, absorption: tuple[torch.Tensor, int] | None = None,
+                            host_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA restricted to the chosen keys, absorbed: query (B, H/tp, T, r + rope), keys (B, S, r + rope) (the whole
     row's latents c and rotated shared keys), indices and valid (B, T, k) -> (p c (B, H/tp, T, r), the heads'
     summed attention probabilities (B, T, k), no gradient). Chunks of queries are recomputed in the backward.
@@ -202,22 +227,37 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
     With `absorption` = (kv_b's weight per head (H/tp, nope + v, r), nope), `query` is the rotated (B, H/tp, T,
     nope + rope) and the result (B, H/tp, T, v_head_dim): the absorption and the output's W_UV run inside each chunk,
     so what the backward keeps is the query and the output at their head widths, not r + rope channels per head
-    (kv_lora_rank 512 against 192 and 128 in DeepSeek-V3.2)."""
+    (kv_lora_rank 512 against 192 and 128 in DeepSeek-V3.2).
+
+    `host_rows` (T,) on the host, the queries' positions in the row (`select_top_k`'s callers choose among the keys
+    up to a chunk's last query, at least min(k, S)): a chunk whose queries see at most DENSE_SPAN x k keys then
+    attends densely to those keys with the others masked (`_attend`'s `dense`), e.g. a row's first keys, or a
+    whole row of 4K keys at top-2048. Without it every chunk gathers."""
     B, H, T, _ = query.shape
+    S, k = keys.shape[1], indices.shape[-1]
     width = max(query.shape[-1], keys.shape[-1])
-    step = query_step(B, indices.shape[-1], H, width)
     grads = torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad
                                          or (absorption is not None and absorption[0].requires_grad))
     mixed, mass = [], []
-    for start in range(0, T, step):
+    start = 0
+    while start < T:
+        seen = S
+        if host_rows is not None:  # the keys the chunk's first queries can see, then as many queries as fit
+            seen = min(S, max(int(host_rows[start:start + query_step(B, k, H, width)].max()) + 1, k))
+        dense = host_rows is not None and seen <= DENSE_SPAN * k
+        step = query_step(B, seen, H, width) if dense else query_step(B, k, H, width)
         part = slice(start, start + step)
-        args = (query[:, :, part], keys, indices[:, part], valid[:, part], scale, latent_dim, absorption)
+        if dense:  # the chunk's own bound, for the chunk as cut
+            seen = min(S, max(int(host_rows[part].max()) + 1, k))
+        args = (query[:, :, part], keys[:, :seen] if dense else keys, indices[:, part], valid[:, part], scale,
+                latent_dim, absorption, dense)
         if grads:
             out, heads = checkpoint(_attend, *args, use_reentrant=False)
         else:
             out, heads = _attend(*args)
         mixed.append(out)
         mass.append(heads)
+        start += step
     return torch.cat(mixed, dim=2), torch.cat(mass, dim=1)
 
 
