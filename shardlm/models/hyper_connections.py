@@ -41,28 +41,32 @@ def sinkhorn_steps(iters: int) -> list[int]:
 
 class _Sinkhorn(torch.autograd.Function):
     """Sinkhorn-Knopp with its backward written out: each step y = x / d, d = x.sum(dim) + eps, has
-    dx = (dy - (dy * y).sum(dim)) / d, three operations on the small (..., n, n) tensors where autograd's unrolled
-    graph makes about three times as many, for 2 iters - 1 steps (39 at DeepSeek-V4's 20) in every branch of every
-    layer: 4.1 against 5.9 ms forward and backward at the bench's 1,024 tokens. Keeps each step's y and d."""
+    dx = (dy - (dy * y).sum(dim)) / d, for 2 iters - 1 steps (39 at DeepSeek-V4's 20) in every branch of every layer.
+    The steps run on the matrices moved to the front, (n, n, ...): each sum then adds n contiguous vectors over the
+    tokens instead of reducing n numbers per token, about 5x faster an operation at n = 4, and the backward is three
+    operations a step where autograd's unrolled graph makes about three times as many (1.2 against 5.9 ms forward and
+    backward at the bench's 1,024 tokens). Keeps each step's y and d."""
 
     @staticmethod
     def forward(ctx, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        x = comb.movedim((-2, -1), (0, 1)).contiguous()  # (n rows, n columns, ...)
         saved = []
         for dim in sinkhorn_steps(iters):
-            d = comb.sum(dim=dim, keepdim=True).add_(eps)
-            comb = comb / d
-            saved += [comb, d]
+            d = x.sum(dim=dim + 2, keepdim=True).add_(eps)  # -2 (over rows) -> 0, -1 (over columns) -> 1
+            x = x / d
+            saved += [x, d]
         ctx.save_for_backward(*saved)
         ctx.iters = iters
-        return comb
+        return x.movedim((0, 1), (-2, -1)).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         saved = ctx.saved_tensors
+        grad = grad.movedim((-2, -1), (0, 1)).contiguous()
         for k, dim in reversed(list(enumerate(sinkhorn_steps(ctx.iters)))):
             y, d = saved[2 * k], saved[2 * k + 1]
-            grad = (grad - torch.linalg.vecdot(grad, y, dim=dim).unsqueeze(dim)).div_(d)
-        return grad, None, None
+            grad = (grad - (grad * y).sum(dim=dim + 2, keepdim=True)).div_(d)
+        return grad.movedim((0, 1), (-2, -1)).contiguous(), None, None
 
 
 def _mark(module: nn.Module, sequence_parallel: bool) -> None:
