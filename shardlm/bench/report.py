@@ -241,8 +241,9 @@ def markdown(r: dict) -> str:
         + f". Every figure is the median (min, max) over {r['repeats']} repeats; programs "
         "that are compared took turns in the same run, one round of all of them per repeat, in a new order "
         "every round so that no program keeps running right after the same other one; the ratios, taken "
-        "within a round, are what to read on a noisy machine. The same figures are in `benchmarks.json` "
-        "(keys below in `code`).",
+        "within a round, are what to read on a noisy machine. Each section ran in its own new process, so its "
+        "figures do not depend on the sections before it (`python -m shardlm.bench --only SECTION` measures it "
+        "the same way). The same figures are in `benchmarks.json` (keys below in `code`).",
         "",
     ]
     from shardlm.bench.goals import markdown_lines as goal_lines
