@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         section_start = time.time()
-        if _in_own_process(name, common, results):
-            print(f"bench: {name} done in {time.time() - section_start:.0f} s", file=sys.stderr, flush=True)
+        done = _in_own_process(name, common, results)
+        outcome = "done" if done else f"failed ({results['errors'][name]})"
+        print(f"bench: {name} {outcome} in {time.time() - section_start:.0f} s", file=sys.stderr, flush=True)
     results["total_seconds"] = time.time() - started
     from shardlm.bench.report import write_reports
 
