@@ -78,6 +78,13 @@ def _times_cap_slope(x: torch.Tensor, tanh: torch.Tensor, softcap: tuple[float, 
     x.mul_(tanh.square_().neg_().add_(1.0).mul_(scale / cap))
 
 
+def _slope_times_into(tanh: torch.Tensor, x: torch.Tensor, softcap: tuple[float, float]) -> None:
+    """tanh := x s / cap (1 - tanh^2) in place, x the gradient of the capped values: three passes where
+    `_times_cap_slope` and a copy back make six."""
+    cap, scale = softcap
+    torch.addcmul(x, x, tanh.square_(), value=-1.0, out=tanh).mul_(scale / cap)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, tp, vocab_size, ignore_index, softcap):
@@ -105,7 +112,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)  # target logit, sum of exp
             for first in range(0, n if real else 0, rows):
                 chunk = slice(first, first + rows)
-                if softcap:  # new fp32 rows: the logits stay for the second pass (TP) or the slope (below)
+                if softcap and whole and in_place:  # tanh(z / cap) where the logits were, the capped values new
+                    tanh = grad[chunk].div_(softcap[0]).tanh_()
+                    x = tanh * softcap[1]
+                elif softcap:  # new fp32 rows: the logits stay for the second pass (TP) or the slope (below)
                     x, tanh = _capped(grad[chunk], softcap)
                 else:
                     x = grad[chunk].float()  # the rows themselves in fp32, else an fp32 copy of them
@@ -114,8 +124,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 sums[1, chunk] = x.exp_().sum(dim=-1)
                 if whole and softcap:
                     _exp_to_gradient(x, x, sums[1, chunk], outside[chunk], local_target[chunk])
-                    _times_cap_slope(x, tanh, softcap)
-                    grad[chunk].copy_(x)
+                    if in_place:  # tanh is grad[chunk]: the gradient is written there, no copy
+                        _slope_times_into(tanh, x, softcap)
+                    else:
+                        _times_cap_slope(x, tanh, softcap)
+                        grad[chunk].copy_(x)
                 elif whole:
                     _exp_to_gradient(x, grad[chunk], sums[1, chunk], outside[chunk], local_target[chunk])
             sums[0].masked_fill_(outside, 0.0)
