@@ -332,7 +332,7 @@ class LatentAttention(nn.Module):
             part = slice(i, i + step)
             # the chunk's queries see no key past its last one: score only the keys before it (half the work of a
             # causal row on average), at least min(k, S) of them so that every chunk returns as many choices
-            seen = min(S, max(int(host_rows[part].max()) + 1, min(k, S)))
+            seen = dsa.keys_seen(host_rows, part, S, k)
             chosen.append(dsa.select_top_k(dsa.index_scores(queries[:, part], weights[:, part], keys[:, :seen]),
                                            dsa.visible_keys(rows[part], seen, documents), k))
         return torch.cat([a.int() for a, _ in chosen], dim=1), torch.cat([b for _, b in chosen], dim=1)

@@ -69,6 +69,14 @@ def query_step(batch: int, keys_per_query: int, *widths: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, batch * keys_per_query * max(widths)))
 
 
+def keys_seen(host_rows: torch.Tensor, part: slice, keys: int, k: int) -> int:
+    """How many of a row's first `keys` keys the queries at host positions `host_rows[part]` choose among and attend
+    to: up to the last query (causal), at least min(k, keys) so that every chunk returns as many choices. Every index
+    `select_top_k` returns for these queries is below it (the padding of a query seeing fewer than k keys is the
+    earliest keys it may not see, all below k)."""
+    return min(keys, max(int(host_rows[part].max()) + 1, min(k, keys)))
+
+
 def check_sparse_attention(m: ModelConfig) -> str | None:
     """One line saying what is wrong with the sparse-attention keys of `m`, or None."""
     if not m.index_topk and not m.index_heads and not m.index_layer_types:
@@ -241,15 +249,14 @@ def sparse_latent_attention(query: torch.Tensor, keys: torch.Tensor, indices: to
     mixed, mass = [], []
     start = 0
     while start < T:
-        seen = S
-        if host_rows is not None:  # the keys the chunk's first queries can see, then as many queries as fit
-            seen = min(S, max(int(host_rows[start:start + query_step(B, k, H, width)].max()) + 1, k))
-        dense = host_rows is not None and seen <= DENSE_SPAN * k
-        step = query_step(B, seen, H, width) if dense else query_step(B, k, H, width)
+        step, dense = query_step(B, k, H, width), False
+        if host_rows is not None:  # the keys a gathered chunk's queries see: few enough, and its queries go dense
+            span = keys_seen(host_rows, slice(start, start + step), S, k)
+            if span <= DENSE_SPAN * k:
+                dense, step = True, query_step(B, span, H, width)  # as many queries as fit at that span
+                span = keys_seen(host_rows, slice(start, start + step), S, k)  # the chunk's own, as cut
         part = slice(start, start + step)
-        if dense:  # the chunk's own bound, for the chunk as cut
-            seen = min(S, max(int(host_rows[part].max()) + 1, k))
-        args = (query[:, :, part], keys[:, :seen] if dense else keys, indices[:, part], valid[:, part], scale,
+        args = (query[:, :, part], keys[:, :span] if dense else keys, indices[:, part], valid[:, part], scale,
                 latent_dim, absorption, dense)
         if grads:
             out, heads = checkpoint(_attend, *args, use_reentrant=False)

@@ -64,25 +64,24 @@ def _exp_to_gradient(x: torch.Tensor, block: torch.Tensor, sum_exp: torch.Tensor
         block.copy_(x)
 
 
-def _capped(logits: torch.Tensor, softcap: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of logits z (any dtype) -> fp32 (s tanh(z / cap), tanh(z / cap)), two new tensors; softcap = (cap, s)."""
+def _capped(logits: torch.Tensor, softcap: tuple[float, float],
+            in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits z (any dtype) -> fp32 (s tanh(z / cap), tanh(z / cap)), two new tensors; softcap = (cap, s).
+    `in_place` (fp32 logits no longer needed): tanh(z / cap) is made in the logits' own storage."""
     cap, scale = softcap
-    tanh = logits.float().div_(cap) if logits.dtype != torch.float32 else logits / cap
+    if in_place:
+        tanh = logits.div_(cap)
+    else:
+        tanh = logits.float().div_(cap) if logits.dtype != torch.float32 else logits / cap
     tanh.tanh_()
     return tanh * scale, tanh
 
 
-def _times_cap_slope(x: torch.Tensor, tanh: torch.Tensor, softcap: tuple[float, float]) -> None:
-    """x (the gradient of the capped values) *= d(s tanh(z / cap)) / dz = s / cap (1 - tanh^2), in place."""
+def _slope_times_into(tanh: torch.Tensor, x: torch.Tensor, softcap: tuple[float, float]) -> torch.Tensor:
+    """tanh := x d(s tanh(z / cap)) / dz = x s / cap (1 - tanh^2) in place, x the gradient of the capped values
+    (three passes); returns tanh."""
     cap, scale = softcap
-    x.mul_(tanh.square_().neg_().add_(1.0).mul_(scale / cap))
-
-
-def _slope_times_into(tanh: torch.Tensor, x: torch.Tensor, softcap: tuple[float, float]) -> None:
-    """tanh := x s / cap (1 - tanh^2) in place, x the gradient of the capped values: three passes where
-    `_times_cap_slope` and a copy back make six."""
-    cap, scale = softcap
-    torch.addcmul(x, x, tanh.square_(), value=-1.0, out=tanh).mul_(scale / cap)
+    return torch.addcmul(x, x, tanh.square_(), value=-1.0, out=tanh).mul_(scale / cap)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -112,11 +111,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)  # target logit, sum of exp
             for first in range(0, n if real else 0, rows):
                 chunk = slice(first, first + rows)
-                if softcap and whole and in_place:  # tanh(z / cap) where the logits were, the capped values new
-                    tanh = grad[chunk].div_(softcap[0]).tanh_()
-                    x = tanh * softcap[1]
-                elif softcap:  # new fp32 rows: the logits stay for the second pass (TP) or the slope (below)
-                    x, tanh = _capped(grad[chunk], softcap)
+                if softcap:  # the logits stay for the second pass (TP); at one rank fp32 tanh replaces them
+                    x, tanh = _capped(grad[chunk], softcap, in_place=whole and in_place)
                 else:
                     x = grad[chunk].float()  # the rows themselves in fp32, else an fp32 copy of them
                 x -= (x.amax(dim=-1) if whole else row_max[chunk]).unsqueeze(-1)
@@ -124,11 +120,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 sums[1, chunk] = x.exp_().sum(dim=-1)
                 if whole and softcap:
                     _exp_to_gradient(x, x, sums[1, chunk], outside[chunk], local_target[chunk])
-                    if in_place:  # tanh is grad[chunk]: the gradient is written there, no copy
-                        _slope_times_into(tanh, x, softcap)
-                    else:
-                        _times_cap_slope(x, tanh, softcap)
-                        grad[chunk].copy_(x)
+                    slope = _slope_times_into(tanh, x, softcap)
+                    if not in_place:  # (in place, tanh is grad[chunk] and the gradient is already there)
+                        grad[chunk].copy_(slope)
                 elif whole:
                     _exp_to_gradient(x, grad[chunk], sums[1, chunk], outside[chunk], local_target[chunk])
             sums[0].masked_fill_(outside, 0.0)
@@ -141,8 +135,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     x, tanh = _capped(block, softcap)
                     x.sub_(row_max[chunk].unsqueeze(-1)).exp_()
                     _exp_to_gradient(x, x, sum_exp[chunk], outside[chunk], local_target[chunk])
-                    _times_cap_slope(x, tanh, softcap)
-                    block.copy_(x)
+                    block.copy_(_slope_times_into(tanh, x, softcap))
                     continue
                 x = block if in_place else block.float().sub_(row_max[chunk].unsqueeze(-1)).exp_()
                 _exp_to_gradient(x, block, sum_exp[chunk], outside[chunk], local_target[chunk])
