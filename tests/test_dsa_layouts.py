@@ -12,6 +12,9 @@ crossing the CP chunks and the micro-batches), the indexers trained by their KL 
   warm-up stage (only the indexers train) at TP=2 with SP and CP=2;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2 with ZeRO-1, CP=4;
 - world 3: CP=3 (rows of 48 tokens, against one process on the same rows);
+- chunks of 4 queries (`short chunks`) at TP=2 with SP, CP=2 and CP=2 x TP=2: a row's first chunks then see at
+  most 4 x k keys and attend densely with the unchosen keys masked, its later ones gather their k keys (the two
+  routes of `sparse_latent_attention`, both counted), against the same one process taking only the gathered route;
 - the control: at CP=2, each query choosing among and attending to its own rank's keys only trains and ends far off.
 """
 
@@ -77,9 +80,35 @@ def broken(control: str | None):
         sparse_attention.visible_keys = visible
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, **config) -> dict:
-    with broken(control):
-        return train_layout(layout_context(tp, pp, cp, ep), dsa_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+SHORT = 4
+"""Queries per chunk in the `short chunks` cases: a row of 32 tokens at k = 4 has chunks seeing 4, 8, 12 and 16 keys
+(at most DENSE_SPAN x k: dense) before the ones that gather."""
+
+
+@contextlib.contextmanager
+def short_chunks(routes: dict | None):
+    """With `routes` (a dict), every chunk of the sparse attention, the choice and the indexers' loss holds SHORT
+    queries, and `routes["dense"]` / `routes["gathered"]` count the attention's chunks by route (the backward's
+    recomputation counted again)."""
+    step, attend = sparse_attention.query_step, sparse_attention._attend
+    if routes is not None:
+        def counted(*args):
+            routes["dense" if args[7] else "gathered"] += 1
+            return attend(*args)
+        sparse_attention.query_step = lambda *sizes: SHORT
+        sparse_attention._attend = counted
+    try:
+        yield
+    finally:
+        sparse_attention.query_step, sparse_attention._attend = step, attend
+
+
+def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, short: bool = False,
+               **config) -> dict:
+    routes = {"dense": 0, "gathered": 0} if short else None
+    with broken(control), short_chunks(routes):
+        result = train_layout(layout_context(tp, pp, cp, ep), dsa_config(tp=tp, pp=pp, cp=cp, ep=ep, **config))
+    return result | ({"routes": routes} if short else {})
 
 
 SEQ3 = 48
@@ -112,10 +141,13 @@ WORLD2 = {
     "pp2 shared": layout(pp=2, micro=1, shared=True),
     "tp2 sp warmup": layout(tp=2, sp=True, warmup=True),
     "cp2 warmup": layout(cp=2, warmup=True),
+    "tp2 sp short chunks": layout(tp=2, sp=True, short=True),
+    "cp2 short chunks": layout(cp=2, short=True),
 }
 CONTROLS = {"control cp2 own keys": layout(cp=2, control="own keys")}
 WORLD4 = {
     "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
+    "cp2 tp2 sp short chunks": layout(cp=2, tp=2, sp=True, short=True),
     "zero tp2 dp2 sp": layout(tp=2, sp=True, distributed_optimizer=True),
     "cp4": layout(cp=4),
 }
@@ -156,14 +188,21 @@ def kind_of(name: str) -> str:
     return next((kind for kind in ("moe", "lora", "shared", "warmup") if kind in name), "dense")
 
 
+def assert_routes(values: list, name: str):
+    """A `short chunks` case's ranks each attended through both routes."""
+    for rank, value in enumerate(values):
+        if "short" in name:
+            assert value["routes"]["dense"] > 0 and value["routes"]["gathered"] > 0, (name, rank, value["routes"])
+
+
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_sparse_attention_at_two_ranks_equals_one_process(world2, reference, name):
-    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_routes(assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL), name)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_sparse_attention_at_four_ranks_equals_one_process(world4, reference, name):
-    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_routes(assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL), name)
 
 
 def test_sparse_attention_at_context_parallel_three_equals_one_process(world3, reference):
