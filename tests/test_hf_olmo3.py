@@ -7,11 +7,14 @@ greedy continuation) and output layer (logits far from flat), on rows of 20 toke
 - "uneven": 2 layers (sliding, full), 6 query heads of 8 channels over 3 KV heads: at TP=2 the KV heads are
   replicated and the ranks' query heads read overlapping KV heads (0-1 and 1-2), so k_norm normalizes all 3 heads
   on each rank before each keeps its own.
+- "yarn": "gqa" as the long-context checkpoints rotate: YaRN on the full-attention layer only (`rope_yarn_layers =
+  "full"`), with the checkpoint's attention factor.
 shardlm's logits equal transformers' within 1e-4 and its greedy tokens (KV cache) equal transformers', in one process
 and at TP=2 (q_norm's statistic all-reduced over the ranks' heads); converting back is bitwise and transformers
 loads it; a run started from the directory (`checkpoint.init_from`) gives transformers' first loss, in one process
 and at TP=2. Controls: the same weights as a pre-norm model, with each head's own QK-norm statistic, or without the
-window move the logits by more than 100 x 1e-4. What does not convert fails in one line.
+window, and the "yarn" weights with YaRN on every layer, on none, or with the derived attention factor, move the
+logits by more than 100 x 1e-4. What does not convert fails in one line.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from llama_reference import (
 from test_hf_start import BATCH, hf_loss, run_config, started_run
 from test_training import VOCAB, synthetic_data
 
-from shardlm.checkpoint import hf_llama
+from shardlm.checkpoint import hf_gpt_oss, hf_llama
 from shardlm.checkpoint.files import write_consolidated
 from shardlm.checkpoint.state import load_consolidated
 from shardlm.errors import UserError
@@ -49,21 +52,28 @@ SHAPES = {
                    num_key_value_heads=3, head_dim=8, layer_types=["sliding_attention", "full_attention"]),
 }
 ROPE = {kind: {"rope_type": "default", "rope_theta": 500.0} for kind in ("full_attention", "sliding_attention")}
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "attention_factor": 1.3, "beta_fast": 32.0, "beta_slow": 1.0}
+"""The long-context checkpoints' rotary at the tests' size: YaRN x4 over 8 pretraining positions (rows of 20 reach
+past it), with an attention factor of its own (the derived one would be 0.1 ln 4 + 1 = 1.139)."""
+SHAPES["yarn"] = SHAPES["gqa"] | {"rope_parameters": ROPE | {"full_attention": YARN}}
 
 
 def hf_config(shape: str, **changes):
     """A tiny Olmo3Config of `SHAPES[shape]`: a window of 5, one rotary embedding for both kinds of layer (named per
-    layer type: Olmo3Config's rope_theta argument sets the full layers' only), no special tokens."""
+    layer type: Olmo3Config's rope_theta argument sets the full layers' only; "yarn": YaRN on the full layers only),
+    no special tokens."""
     from transformers import Olmo3Config
 
-    return Olmo3Config(vocab_size=VOCAB, max_position_embeddings=64, sliding_window=5, rope_parameters=ROPE,
-                       rms_norm_eps=1e-6, pad_token_id=None, eos_token_id=None, **(SHAPES[shape] | changes))
+    return Olmo3Config(**({"vocab_size": VOCAB, "max_position_embeddings": 64, "sliding_window": 5,
+                           "rope_parameters": ROPE, "rms_norm_eps": 1e-6, "pad_token_id": None, "eos_token_id": None}
+                          | SHAPES[shape] | changes))
 
 
 def hf_model(shape: str):
     from transformers import Olmo3ForCausalLM
 
-    torch.manual_seed({"gqa": 0, "uneven": 1}[shape])
+    torch.manual_seed({"gqa": 0, "uneven": 1, "yarn": 2}[shape])
     model = Olmo3ForCausalLM(hf_config(shape)).eval()
     with torch.no_grad():  # (q and k need no sharpening: their norms undo any scale of q_proj and k_proj)
         model.model.embed_tokens.weight.mul_(30.0)  # tokens decide the greedy continuation
@@ -178,6 +188,21 @@ def test_controls_move_the_logits_far(references, tmp_path, monkeypatch):
     assert min(distances.values()) > 100 * LOGIT_TOL, distances
 
 
+def test_yarn_reads_for_the_full_layers_only_and_each_piece_moves_the_logits(references, tmp_path):
+    """The "yarn" directory reads as YaRN on the full-attention layers with the checkpoint's factors; the same
+    weights with YaRN on every layer too, on none, or with the factor derived from the scaling move the logits by
+    more than 100 x LOGIT_TOL."""
+    ref = references["yarn"]
+    m = load_consolidated(ref["converted"])[0].model
+    assert (m.rope_yarn_layers, m.rope_yarn_factor, m.rope_yarn_original_positions, m.rope_yarn_attention_factor,
+            m.rope_theta) == ("full", 4.0, 8, 1.3, 500.0)
+    moved = {"every layer": variant(ref, tmp_path / "all.safetensors", rope_yarn_layers="all"),
+             "no yarn": variant(ref, tmp_path / "none.safetensors", rope_yarn_factor=0.0),
+             "derived factor": variant(ref, tmp_path / "derived.safetensors", rope_yarn_attention_factor=0.0)}
+    distances = {name: (logits - ref["logits"]).abs().max().item() for name, logits in moved.items()}
+    assert min(distances.values()) > 100 * LOGIT_TOL, distances
+
+
 def one_line_error(call) -> str:
     with pytest.raises(UserError) as error:
         call()
@@ -186,13 +211,17 @@ def one_line_error(call) -> str:
 
 
 def test_what_does_not_convert_fails_in_one_line(references):
-    """Import (an older config.json, one rope_theta and no layer_types, reads as transformers reads it): the two layer
-    types rotating differently (what Olmo3Config(rope_theta=...) writes, and the YaRN long-context checkpoints'
-    rope_scaling on the full layers), biases, unknown layer types. Export: post-norms or a whole-projection QK-norm
-    without the other, or with experts. Build: qk_norm_scope="projection" without qk_norm."""
+    """Import (an older config.json, one rope_theta and no layer_types, reads as transformers 4 reads it, its
+    rope_scaling YaRN on the full layers as the long-context checkpoints ship it): the two layer types at two bases
+    (what Olmo3Config(rope_theta=...) writes), YaRN on the sliding layers only, unlike YaRN on the two, another rope
+    type, biases, unknown layer types. Export: post-norms or a whole-projection QK-norm without the other, or with
+    experts; YaRN on the full layers only to gpt-oss. Build: qk_norm_scope="projection" without qk_norm; an unknown
+    rope_yarn_layers."""
     from transformers import Olmo3Config
 
+    from shardlm.config import RunConfig
     from shardlm.models import build_model
+    from shardlm.validation import validate
 
     base = hf_config("gqa").to_dict()
     assert hf_llama.model_config_from_hf(base).qk_norm_scope == "projection"
@@ -200,10 +229,20 @@ def test_what_does_not_convert_fails_in_one_line(references):
     read = hf_llama.model_config_from_hf(older)  # a transformers 4 config.json: one rope_theta, default layer types
     assert (read.rope_theta, read.layer_types) == (1e4, ["sliding_attention"] * 3 + ["full_attention"])
     split_rope = Olmo3Config(**{k: v for k, v in base.items() if k != "rope_parameters"}, rope_theta=500.0).to_dict()
-    yarn = base | {"rope_parameters": None, "rope_theta": 500000.0,
-                   "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}}
+    shipped = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 32,
+               "beta_slow": 1, "attention_factor": 1.2079441541679836}  # OLMo 3's long-context config.json
+    yarn = {k: v for k, v in base.items() if k != "rope_parameters"} | {"rope_theta": 500000.0, "rope_scaling": shipped}
+    read = hf_llama.model_config_from_hf(yarn)
+    assert (read.rope_theta, read.rope_yarn_layers, read.rope_yarn_factor, read.rope_yarn_original_positions,
+            read.rope_yarn_attention_factor) == (500000.0, "full", 8.0, 8192, 1.2079441541679836)
     assert "rotate differently" in one_line_error(lambda: hf_llama.model_config_from_hf(split_rope))
-    assert "'yarn'" in one_line_error(lambda: hf_llama.model_config_from_hf(yarn))
+    rope = base["rope_parameters"]
+    for wrong in ({"sliding_attention": YARN}, {"full_attention": YARN, "sliding_attention": YARN | {"factor": 2.0}},
+                  {"full_attention": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}}):
+        message = one_line_error(lambda: hf_llama.model_config_from_hf(base | {"rope_parameters": rope | wrong}))  # noqa: B023
+        assert "rotate differently" in message, message
+    both = hf_llama.model_config_from_hf(base | {"rope_parameters": {kind: YARN for kind in rope}})
+    assert (both.rope_yarn_layers, both.rope_yarn_factor) == ("all", 4.0)
     assert "biases" in one_line_error(lambda: hf_llama.model_config_from_hf(base | {"attention_bias": True}))
     bad_types = base | {"layer_types": ["sliding_attention", "chunked_attention"] * 2}
     assert "layer_types" in one_line_error(lambda: hf_llama.model_config_from_hf(bad_types))
@@ -217,3 +256,10 @@ def test_what_does_not_convert_fails_in_one_line(references):
         assert message.startswith("Olmo3ForCausalLM has no") and words in message, message
     no_norms = dataclasses.replace(cfg, qk_norm=False)
     assert "qk_norm = true" in one_line_error(lambda: build_model(no_norms, ParallelContext.single()))
+    full_only = dataclasses.replace(cfg, rope_yarn_factor=4.0, rope_yarn_original_positions=8, rope_yarn_layers="full",
+                                    norm_placement="pre", qk_norm=False, qk_norm_scope="head", attention_sinks=True,
+                                    moe_num_experts=4, moe_router_bias=True, moe_linear_bias=True,
+                                    attention_bias=True, attention_output_bias=True)
+    assert "full-attention layers only" in one_line_error(lambda: hf_gpt_oss.hf_config_from_model(full_only))
+    unknown = dataclasses.replace(cfg, rope_yarn_factor=4.0, rope_yarn_original_positions=8, rope_yarn_layers="some")
+    assert 'rope_yarn_layers="some"' in one_line_error(lambda: validate(RunConfig(model=unknown), 1, check_paths=False))

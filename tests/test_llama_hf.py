@@ -93,6 +93,46 @@ def test_evaluation_scores_selected_positions_of_a_llama(hf_model):
         assert torch.allclose(last_logits(model, tokens), full[:, -1], atol=1e-6)
 
 
+# -------------------------------------------------------------------------------------- YaRN
+
+QWEN3_YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8}
+"""Qwen3's long-context setting (its model cards' rope_scaling) at the tests' size: rows of 24 reach 3x past the 8
+pretraining positions."""
+
+
+def test_qwen3_with_yarn_matches_transformers_both_ways(tmp_path):
+    """A random Qwen3 with YaRN reads as `rope_yarn_*` (the factor 0.1 ln 4 + 1 derived, on every layer), gives
+    transformers' logits and greedy tokens, converts back bitwise with the same rotary (transformers reloads the same
+    logits); the same weights without YaRN move the logits by more than 100 x LOGIT_TOL."""
+    import dataclasses
+
+    from llama_reference import assert_converted_matches, assert_round_trip, hf_reference
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from shardlm.checkpoint.files import write_consolidated
+    from shardlm.checkpoint.state import load_consolidated
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters=QWEN3_YARN, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)  # tokens decide the greedy continuation
+        model.lm_head.weight.mul_(10.0)
+    ref = hf_reference(model, tmp_path, torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1)))
+    config, tensors = load_consolidated(ref["converted"])
+    m = config.model
+    assert (m.rope_yarn_factor, m.rope_yarn_original_positions, m.rope_yarn_attention_factor, m.rope_yarn_layers,
+            m.qk_norm) == (4.0, 8, 0.0, "all", True)
+    assert_converted_matches(ref)
+    assert_round_trip(ref, tmp_path / "back", Qwen3ForCausalLM)
+    config.model = dataclasses.replace(m, rope_yarn_factor=0.0)
+    write_consolidated(tmp_path / "plain.safetensors", tensors, dataclasses.asdict(config))
+    plain, _ = logits_and_greedy(tmp_path / "plain.safetensors", ParallelContext.single(), ref["tokens"])
+    assert (plain - ref["logits"]).abs().max() > 100 * LOGIT_TOL
+
+
 # A Llama 3 config.json as Meta's checkpoints ship it (rope_theta and rope_scaling at the top level), made small.
 LLAMA3_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
                  "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -105,17 +145,20 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 @pytest.mark.parametrize("change,words", [
     ({"rope_scaling": LLAMA31_ROPE}, "rope type 'llama3'"),
     ({"rope_parameters": {"rope_theta": 500000.0, **LLAMA31_ROPE}}, "rope type 'llama3'"),  # transformers 5
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope type 'dynamic'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "no original_max_position_embeddings"),
     ({"attention_bias": True}, "biases"),
     ({"mlp_bias": True}, "biases"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32}, "sliding-window"),
     ({"model_type": "mixtral", "sliding_window": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
      "sliding-window"),
-], ids=["llama3-rope", "llama3-rope-parameters", "yarn", "attention-bias", "mlp-bias", "gelu", "qwen3-window",
+], ids=["llama3-rope", "llama3-rope-parameters", "dynamic", "yarn-without-length", "attention-bias", "mlp-bias", "gelu",
+        "qwen3-window",
         "mixtral-window"])
 def test_configs_llama_does_not_compute_are_refused_in_one_line(change, words):
-    """Rope scaling (Llama 3.1's "llama3" type, YaRN), attention or MLP biases, an activation other than silu and
+    """Rope scaling other than YaRN (Llama 3.1's "llama3" type, dynamic NTK), YaRN without its pretraining length,
+    attention or MLP biases, an activation other than silu and
     sliding-window attention: a one-line UserError naming it, not a model that computes something else. The
     config without the change converts."""
     assert model_config_from_hf(LLAMA3_CONFIG).rope_theta == 500000.0

@@ -12,6 +12,8 @@ layout puts to the test:
   query head reads; and with LoRA adapters on every projection (k's adapter then gives all KV heads' rows too);
 - CP=2 (documents and windows across the zigzag chunks), PP=2 x 2 virtual stages, DP=2 with ZeRO-1, FSDP DP=2,
   and TP=2 x DP=2 with SP and ZeRO-1 (world 4).
+- the long-context checkpoints' YaRN on the full-attention layer only (`YARN`) at CP=2 (each rank rotating its
+  zigzag chunks' positions) and PP=2 (the full layer on the second stage), against one process with the same YaRN.
 The control: at TP=2, each rank normalizing its queries and keys by its own heads' mean of squares (the statistic
 not reduced over TP) trains to finite losses and ends far off.
 """
@@ -44,11 +46,17 @@ norm (1e-7 at step 1, 1.1e-6 at step 2); at 1e-5 the KV-replicated TP=2 case end
 here agrees within 2e-6 (the control ends 0.3 off: a missing reduction moves gradients by their own size)."""
 
 
-def olmo3_config(kv: int = 2, lora: int = 0, **kwargs):
+YARN = {"rope_yarn_factor": 4.0, "rope_yarn_original_positions": 8, "rope_yarn_attention_factor": 1.3,
+        "rope_yarn_layers": "full"}
+"""OLMo 3's long-context rotary at the tests' size: YaRN x4 over 8 pretraining positions (the documents of the rows
+of 32 reach past them) on the full-attention layer, the sliding ones unscaled."""
+
+
+def olmo3_config(kv: int = 2, lora: int = 0, yarn: bool = False, **kwargs):
     """`test_sft_layouts`' Llama run with OLMo 3's block and `kv` KV heads; `lora`: adapters of that rank on every
-    projection (the base frozen)."""
+    projection (the base frozen); `yarn`: with `YARN`."""
     config = sft_config("llama", **kwargs)
-    for key, value in (OLMO3 | {"num_kv_heads": kv}).items():
+    for key, value in (OLMO3 | {"num_kv_heads": kv} | (YARN if yarn else {})).items():
         setattr(config.model, key, value)
     config.train.adam_eps = ADAM_EPS
     config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["all-linear"]
@@ -72,11 +80,11 @@ def broken(control: str | None):
         llama.projection_mean_square = saved
 
 
-def run_layout(tp: int, pp: int, cp: int, ep: int, kv: int = 2, lora: int = 0, control: str | None = None,
-               **config) -> dict:
+def run_layout(tp: int, pp: int, cp: int, ep: int, kv: int = 2, lora: int = 0, yarn: bool = False,
+               control: str | None = None, **config) -> dict:
     with broken(control):
         return train_layout(layout_context(tp, pp, cp, ep),
-                            olmo3_config(kv, lora, tp=tp, pp=pp, cp=cp, ep=ep, **config))
+                            olmo3_config(kv, lora, yarn, tp=tp, pp=pp, cp=cp, ep=ep, **config))
 
 
 WORLD2 = {
@@ -86,6 +94,8 @@ WORLD2 = {
     "pp2 virtual2": layout(pp=2, virtual=2, micro=1),
     "zero dp2": layout(distributed_optimizer=True),
     "fsdp dp2": layout(data_sharding="full"),
+    "cp2 yarn": layout(cp=2, yarn=True),
+    "pp2 yarn": layout(pp=2, micro=1, yarn=True),
 }
 CONTROLS = {"control tp2 sp unreduced": layout(tp=2, sp=True, control="unreduced")}
 WORLD4 = {
@@ -107,14 +117,15 @@ def world4():
 
 @pytest.fixture(scope="module")
 def reference():
-    """One process at micro-batch 8: at 2 KV heads, at 1, and with adapters."""
+    """One process at micro-batch 8: at 2 KV heads, at 1, with adapters, and with YaRN."""
     ctx = ParallelContext.single()
     return {"kv2": train_layout(ctx, olmo3_config(micro=8)), "kv1": train_layout(ctx, olmo3_config(1, micro=8)),
-            "lora": train_layout(ctx, olmo3_config(lora=4, micro=8))}
+            "lora": train_layout(ctx, olmo3_config(lora=4, micro=8)),
+            "yarn": train_layout(ctx, olmo3_config(yarn=True, micro=8))}
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("kv1", "lora") if kind in name), "kv2")
+    return next((kind for kind in ("kv1", "lora", "yarn") if kind in name), "kv2")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

@@ -86,26 +86,32 @@ def rope_parameters(hf: dict) -> dict:
 
 def yarn_keys(params: dict, max_positions: int) -> dict:
     """The `model.rope_yarn_*` keys of a yarn `rope_parameters` dict (factor: max_positions over the original
-    length when it is not given)."""
-    original = params["original_max_position_embeddings"]
+    length when it is not given); UserError when the original length is missing."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise UserError(f"the HF model's yarn rotary ({params}) has no original_max_position_embeddings; set it to "
+                        "the pretraining context length")
     return {"rope_yarn_factor": float(params.get("factor") or max_positions / original),
             "rope_yarn_original_positions": int(original),
             "rope_yarn_beta_fast": float(params.get("beta_fast") or 32),
             "rope_yarn_beta_slow": float(params.get("beta_slow") or 1),
             "rope_yarn_truncate": bool(params.get("truncate", True)),
             "rope_yarn_mscale": float(params.get("mscale") or 0.0),
-            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0)}
+            "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
+            "rope_yarn_attention_factor": float(params.get("attention_factor") or 0.0)}
 
 
 def rope_parameters_of(cfg: ModelConfig) -> dict:
-    """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key."""
+    """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key (attention_factor
+    when one is set)."""
     if not cfg.rope_yarn_factor:
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,
             "original_max_position_embeddings": cfg.rope_yarn_original_positions,
             "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
             "truncate": cfg.rope_yarn_truncate, "mscale": cfg.rope_yarn_mscale,
-            "mscale_all_dim": cfg.rope_yarn_mscale_all_dim}
+            "mscale_all_dim": cfg.rope_yarn_mscale_all_dim,
+            **({"attention_factor": cfg.rope_yarn_attention_factor} if cfg.rope_yarn_attention_factor else {})}
 
 
 def rows_reader(rows, conv: bool):

@@ -85,7 +85,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
                    (cfg.attention_bias != cfg.attention_output_bias, "q/k/v biases without an o bias or back"),
                    (not (cfg.moe_router_bias and cfg.moe_linear_bias), "a router or experts without biases"),
                    (cfg.rope_yarn_factor and (cfg.rope_yarn_mscale_all_dim or cfg.rope_yarn_mscale not in (0, 1)),
-                    "YaRN mscale")]
+                    "YaRN mscale"),
+                   (cfg.rope_yarn_factor and cfg.rope_yarn_layers != "all", "YaRN on the full-attention layers only")]
     for bad, what in unsupported:
         if bad:
             raise UserError(f"GptOssForCausalLM has no {what}; this model does not convert to it")

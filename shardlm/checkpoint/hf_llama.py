@@ -33,9 +33,10 @@ live in `shardlm.checkpoint.hf_olmo3` and `shardlm.checkpoint.hf_minimax_m2`.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
-Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. Only the default
-rotary embedding converts (no `rope_scaling` such as Llama 3.1's "llama3" type); biases (but GLM-4.5's q/k/v ones)
-and sliding-window attention (but OLMo 3's) are refused with a one-line error. No network.
+Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. The default rotary embedding
+and YaRN (`rope_yarn_*`: Qwen3's long-context setting) convert, other `rope_scaling` types (Llama 3.1's "llama3")
+are refused, as are biases (but GLM-4.5's q/k/v ones) and sliding-window attention (but OLMo 3's), each with a
+one-line error. No network.
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ from shardlm.checkpoint.hf_common import (
     MIXTRAL_EXPERTS,
     HFTensor,
     drop_missing_mtp,
+    rope_parameters,
+    rope_parameters_of,
     rope_theta_and_type,
     use_tokenizer,
     weight_files,
     write_directory,
+    yarn_keys,
 )
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
@@ -202,7 +206,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     theta, rope_type = hf_olmo3.rope(hf) if olmo3 else rope_theta_and_type(hf)
     fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     refusals = [
-        (rope_type == "default", f"rope type {rope_type!r} (only the default rotary embedding converts)"),
+        (rope_type in ("default", "yarn"), f"rope type {rope_type!r} (the default rotary embedding and YaRN convert)"),
+        (not (rope_type == "yarn" and minimax), "rope type 'yarn' (MiniMaxM2ForCausalLM has none)"),
         ((glm or not hf.get("attention_bias")) and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
         (olmo3 or not hf.get("use_sliding_window") and (hf.get("model_type") != "mixtral"
@@ -212,6 +217,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
+    yarn = yarn_keys(rope_parameters(hf), hf["max_position_embeddings"]) if rope_type == "yarn" else {}
     family = hf_olmo3.from_hf(hf) if olmo3 else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {
         "qk_norm": qwen3}
     return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
@@ -223,7 +229,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        head_dim=0 if hf.get("head_dim") in (None, hf["hidden_size"] // heads) else hf["head_dim"],
                        attention_bias=glm and bool(hf.get("attention_bias")),
-                       rope_fraction=float(fraction or 1.0), **family, **_moe_from_hf(hf))
+                       rope_fraction=float(fraction or 1.0), **family, **yarn, **_moe_from_hf(hf))
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -286,7 +292,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "head_dim": cfg.attention_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
+        "rope_parameters": {**rope_parameters_of(cfg),
                             **({"partial_rotary_factor": cfg.rope_fraction} if cfg.rope_fraction != 1 else {})},
         "attention_bias": cfg.attention_bias, "mlp_bias": False, "attention_dropout": cfg.attention_dropout_p,
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **family,

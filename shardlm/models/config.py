@@ -218,6 +218,12 @@ class ModelConfig:
     """MoE experts: the sigmoid's slope in gpt-oss's clamped SwiGLU."""
     rope_yarn_truncate: bool = True
     """YaRN: round the correction range to whole channels (transformers' truncate; gpt-oss sets it false)."""
+    rope_yarn_attention_factor: float = 0.0
+    """YaRN: the cos/sin factor as a checkpoint states it (rope_scaling's attention_factor); 0 derives it from the
+    factor and the mscales."""
+    rope_yarn_layers: str = "all"
+    """YaRN: the layers whose rotary it scales, "all" or "full" (OLMo 3's long-context checkpoints: the full-attention
+    layers; the sliding-window ones keep the unscaled rotary)."""
     moe_z_loss_coeff: float = 0.0
     """MoE: coefficient of the router z-loss, the mean of logsumexp(gate logits)^2."""
     moe_expert_bias_rate: float = 0.0

@@ -210,7 +210,7 @@ class LlamaAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         # the tokens' original positions (this CP rank's zigzag part under context parallelism)
-        inv_freq, factor = rope_inverse_frequencies(self.cfg, self.rotary_dim, x.device)
+        inv_freq, factor = rope_inverse_frequencies(self.cfg, self.rotary_dim, x.device, sliding=self.window > 0)
         cos, sin = angles_of(token_positions(T, self.ctx.cp, past, documents, x.device), inv_freq, factor)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if cache is not None:

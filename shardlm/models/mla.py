@@ -74,6 +74,9 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
         return problem
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
         return "model.rope_yarn_factor must be >= 1 with model.rope_yarn_original_positions >= 1 (0 turns YaRN off)"
+    if m.rope_yarn_layers not in ("all", "full") or m.rope_yarn_attention_factor < 0:
+        return (f'model.rope_yarn_layers="{m.rope_yarn_layers}" must be "all" or "full" and '
+                f"model.rope_yarn_attention_factor={m.rope_yarn_attention_factor} at least 0 (0 derives it)")
     if m.query_scale_beta and (m.attention != "mla" or m.query_scale_positions < 1):
         return "model.query_scale_beta needs model.attention=\"mla\" and model.query_scale_positions >= 1"
     if m.attention == "mha":

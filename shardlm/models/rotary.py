@@ -12,7 +12,8 @@ rotates exactly as the whole model does, and a KV-cached step passes its offset 
 
 YaRN context extension (`rope_inverse_frequencies`, the `rope_yarn_*` keys) blends interpolated and
 extrapolated frequencies as transformers computes them and scales cos and sin by its attention factor; MLA
-(DeepSeek-V3) and grouped-query attention (gpt-oss) both use it.
+(DeepSeek-V3) and grouped-query attention (gpt-oss) both use it; OLMo 3's long-context checkpoints scale only the
+full-attention layers' (`rope_yarn_layers = "full"`).
 """
 
 from __future__ import annotations
@@ -59,14 +60,16 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_inverse_frequencies(cfg, dim: int, device=None) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(cfg, dim: int, device=None, sliding: bool = False) -> tuple[torch.Tensor, float]:
     """(inverse frequencies (dim / 2,) fp32, cos/sin factor) of `dim` rotary channels of the model config `cfg`:
     the default theta^(-2i / dim), or transformers' YaRN blend of interpolated and extrapolated frequencies
-    (`rope_yarn_*`; the correction range rounded to whole channels unless `rope_yarn_truncate` is off)."""
+    (`rope_yarn_*`; the correction range rounded to whole channels unless `rope_yarn_truncate` is off; the factor
+    `rope_yarn_attention_factor` when given). A `sliding`-window layer keeps the default when YaRN scales the full
+    layers only (`rope_yarn_layers = "full"`, OLMo 3)."""
     base = cfg.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
     factor = cfg.rope_yarn_factor
-    if not factor:
+    if not factor or (sliding and cfg.rope_yarn_layers == "full"):
         return 1.0 / pos_freqs, 1.0
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
 
@@ -80,7 +83,9 @@ def rope_inverse_frequencies(cfg, dim: int, device=None) -> tuple[torch.Tensor, 
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low if high != low else 0.001))
     extrapolation = 1 - ramp.clamp(0, 1)
     inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
-    if cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+    if cfg.rope_yarn_attention_factor:
+        scale = cfg.rope_yarn_attention_factor
+    elif cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
         scale = yarn_mscale(factor, cfg.rope_yarn_mscale) / yarn_mscale(factor, cfg.rope_yarn_mscale_all_dim)
     else:
         scale = yarn_mscale(factor)
