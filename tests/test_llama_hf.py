@@ -154,8 +154,7 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
     ({"model_type": "mixtral", "sliding_window": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
      "sliding-window"),
 ], ids=["llama3-rope", "llama3-rope-parameters", "dynamic", "yarn-without-length", "attention-bias", "mlp-bias", "gelu",
-        "qwen3-window",
-        "mixtral-window"])
+        "qwen3-window", "mixtral-window"])
 def test_configs_llama_does_not_compute_are_refused_in_one_line(change, words):
     """Rope scaling other than YaRN (Llama 3.1's "llama3" type, dynamic NTK), YaRN without its pretraining length,
     attention or MLP biases, an activation other than silu and
