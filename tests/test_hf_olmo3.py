@@ -1,20 +1,22 @@
-"""OLMo 3 (`Olmo3ForCausalLM`) against transformers: conversion both ways, logits and greedy tokens at TP=1 and TP=2,
-a run started from the directory, and the controls that show each OLMo piece is computed.
+"""OLMo 3 (`Olmo3ForCausalLM`) and OLMo 2 (`Olmo2ForCausalLM`) against transformers: conversion both ways, logits
+and greedy tokens at TP=1 and TP=2, a run started from the directory, and the controls that show each OLMo piece is
+computed.
 
-Two random OLMo 3s, every norm weight drawn from U(0.5, 2) (`hf_reference`), a large embedding (tokens decide the
-greedy continuation) and output layer (logits far from flat), on rows of 20 tokens, so the window of 5 matters:
+Four random models, every norm weight drawn from U(0.5, 2) (`hf_reference`), a large embedding (tokens decide the
+greedy continuation) and output layer (logits far from flat), on rows of 20 tokens, so a window of 5 matters:
 - "gqa": 4 layers (3 sliding : 1 full), hidden 64, 4 query heads over 2 KV heads (split at TP=2);
 - "uneven": 2 layers (sliding, full), 6 query heads of 8 channels over 3 KV heads: at TP=2 the KV heads are
   replicated and the ranks' query heads read overlapping KV heads (0-1 and 1-2), so k_norm normalizes all 3 heads
-  on each rank before each keeps its own.
+  on each rank before each keeps its own;
 - "yarn": "gqa" as the long-context checkpoints rotate: YaRN on the full-attention layer only (`rope_yarn_layers =
-  "full"`), with the checkpoint's attention factor.
+  "full"`), with the checkpoint's attention factor;
+- "olmo2": OLMo 2 (`Olmo2ForCausalLM`), the "gqa" block without windows.
 shardlm's logits equal transformers' within 1e-4 and its greedy tokens (KV cache) equal transformers', in one process
-and at TP=2 (q_norm's statistic all-reduced over the ranks' heads); converting back is bitwise and transformers
-loads it; a run started from the directory (`checkpoint.init_from`) gives transformers' first loss, in one process
-and at TP=2. Controls: the same weights as a pre-norm model, with each head's own QK-norm statistic, or without the
-window, and the "yarn" weights with YaRN on every layer, on none, or with the derived attention factor, move the
-logits by more than 100 x 1e-4. What does not convert fails in one line.
+and at TP=2 (q_norm's statistic all-reduced over the ranks' heads); converting back is bitwise, to the same family,
+and transformers loads it; a run started from the directory (`checkpoint.init_from`) gives transformers' first loss,
+in one process and at TP=2. Controls: the same weights as a pre-norm model, with each head's own QK-norm statistic,
+or without the window, and the "yarn" weights with YaRN on every layer, on none, or with the derived attention
+factor, move the logits by more than 100 x 1e-4. What does not convert fails in one line.
 """
 
 from __future__ import annotations
@@ -57,24 +59,32 @@ YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_p
 """The long-context checkpoints' rotary at the tests' size: YaRN x4 over 8 pretraining positions (rows of 20 reach
 past it), with an attention factor of its own (the derived one would be 0.1 ln 4 + 1 = 1.139)."""
 SHAPES["yarn"] = SHAPES["gqa"] | {"rope_parameters": ROPE | {"full_attention": YARN}}
+SHAPES["olmo2"] = SHAPES["gqa"]
+"""OLMo 2 (`Olmo2ForCausalLM`): the "gqa" block without windows, one rotary embedding."""
+
+
+def model_class(shape: str):
+    from transformers import Olmo2ForCausalLM, Olmo3ForCausalLM
+
+    return Olmo2ForCausalLM if shape == "olmo2" else Olmo3ForCausalLM
 
 
 def hf_config(shape: str, **changes):
     """A tiny Olmo3Config of `SHAPES[shape]`: a window of 5, one rotary embedding for both kinds of layer (named per
     layer type: Olmo3Config's rope_theta argument sets the full layers' only; "yarn": YaRN on the full layers only),
     no special tokens."""
-    from transformers import Olmo3Config
+    from transformers import Olmo2Config, Olmo3Config
 
-    return Olmo3Config(**({"vocab_size": VOCAB, "max_position_embeddings": 64, "sliding_window": 5,
-                           "rope_parameters": ROPE, "rms_norm_eps": 1e-6, "pad_token_id": None, "eos_token_id": None}
-                          | SHAPES[shape] | changes))
+    common = {"vocab_size": VOCAB, "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "pad_token_id": None,
+              "eos_token_id": None}
+    if shape == "olmo2":
+        return Olmo2Config(**(common | {"rope_parameters": ROPE["full_attention"]} | SHAPES[shape] | changes))
+    return Olmo3Config(**(common | {"sliding_window": 5, "rope_parameters": ROPE} | SHAPES[shape] | changes))
 
 
 def hf_model(shape: str):
-    from transformers import Olmo3ForCausalLM
-
-    torch.manual_seed({"gqa": 0, "uneven": 1, "yarn": 2}[shape])
-    model = Olmo3ForCausalLM(hf_config(shape)).eval()
+    torch.manual_seed({"gqa": 0, "uneven": 1, "yarn": 2, "olmo2": 3}[shape])
+    model = model_class(shape)(hf_config(shape)).eval()
     with torch.no_grad():  # (q and k need no sharpening: their norms undo any scale of q_proj and k_proj)
         model.model.embed_tokens.weight.mul_(30.0)  # tokens decide the greedy continuation
         model.lm_head.weight.mul_(10.0)  # logits far from flat: a loss far from log(VOCAB)
@@ -134,9 +144,11 @@ def test_tp2_logits_and_greedy_tokens_match_transformers(world2, references, sha
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(references, tmp_path, shape):
-    from transformers import Olmo3ForCausalLM
+    """Back to the reference's own family: OLMo 3 with windows, OLMo 2 without."""
+    assert_round_trip(references[shape], tmp_path / "back", model_class(shape))
+    import json
 
-    assert_round_trip(references[shape], tmp_path / "back", Olmo3ForCausalLM)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == hf_config(shape).model_type
 
 
 def hf_batch_loss(ref: dict) -> float:

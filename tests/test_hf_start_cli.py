@@ -107,8 +107,8 @@ def wrong_shapes(root: Path, hf: Path) -> Path:
 ERRORS = [
     ("missing", lambda r, hf: ["checkpoint.init_from=" + str(r / "no-such-model")], "does not exist"),
     ("bert", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "bert", {"model_type": "bert"}))],
-     "holds a 'bert' model; only gpt2 and llama, qwen3, mixtral, qwen3_moe, glm4_moe, gpt_oss, olmo3, minimax_m2, "
-     "qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, deepseek_v3, kimi_k2, deepseek_v2, "
+     "holds a 'bert' model; only gpt2 and llama, qwen3, mixtral, qwen3_moe, glm4_moe, gpt_oss, olmo2, olmo3, "
+     "minimax_m2, qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, deepseek_v3, kimi_k2, deepseek_v2, "
      "deepseek_v32, glm_moe_dsa, mistral4, mistral3, nemotron_h, kimi_linear, gemma4, gemma4_text, deepseek_v4 "
      "convert"),
     ("deepseek", lambda r, hf: ["checkpoint.init_from=" + str(write_dir(r, "dsv3", {"model_type": "deepseek_v3"}))],

@@ -1,6 +1,6 @@
-"""`shardlm plan`'s presets of the 2026 families (Mistral Small 4, MiniMax-M2, OLMo 3 7B and 32B): their parameter
-totals equal transformers' meta-device builds of the published configs (the classes' defaults, OLMo 3's shapes
-written in), so the planner's memory and FLOPs start from the right model."""
+"""`shardlm plan`'s presets of the 2026 families (Mistral Small 4, MiniMax-M2, OLMo 3 7B and 32B, OLMo 2 7B, 13B
+and 32B): their parameter totals equal transformers' meta-device builds of the published configs (the classes'
+defaults, the OLMo shapes written in), so the planner's memory and FLOPs start from the right model."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def hf_model(name: str):
         keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
         return transformers.Olmo3Config(vocab_size=100278, max_position_embeddings=65536, rms_norm_eps=1e-6,
                                         **dict(zip(keys, shape))), transformers.Olmo3ForCausalLM
+    if name.startswith("olmo-2"):  # allenai/OLMo-2-1124-7B, -13B, OLMo-2-0325-32B config.json
+        shape = {"olmo-2-7b": (4096, 11008, 32, 32, 32), "olmo-2-13b": (5120, 13824, 40, 40, 40),
+                 "olmo-2-32b": (5120, 27648, 64, 40, 8)}[name]
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        return transformers.Olmo2Config(vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                        **dict(zip(keys, shape))), transformers.Olmo2ForCausalLM
     raise KeyError(name)
 
 
@@ -37,19 +44,27 @@ def hf_count(config, model_class) -> int:
     return sum(p.numel() for p in model.parameters()) + biases
 
 
-@pytest.mark.parametrize("name", ["mistral-small-4", "minimax-m2", "olmo-3-7b", "olmo-3-32b"])
+@pytest.mark.parametrize("name", ["mistral-small-4", "minimax-m2", "olmo-3-7b", "olmo-3-32b", "olmo-2-7b", "olmo-2-13b",
+                                  "olmo-2-32b"])
 def test_preset_parameter_total_equals_transformers(name):
     cfg, (hf, model_class) = MODEL_PRESETS[name], hf_model(name)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.tie_embeddings) == \
         (hf.num_hidden_layers, hf.hidden_size, hf.vocab_size, hf.tie_word_embeddings)
     padding = (cfg.padded_vocab_size(1) - cfg.vocab_size) * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     assert parameter_count(cfg, 1).total == hf_count(hf, model_class) + padding  # (shardlm's rows up to 128 x TP)
-    if name.startswith("olmo-3"):  # the preset is what shardlm's converter reads from that config (but the sequence)
+    if name.startswith("olmo"):  # the preset is what shardlm's converter reads from that config (but the sequence)
         import dataclasses
 
         from shardlm.checkpoint.hf_llama import model_config_from_hf
 
         assert dataclasses.replace(model_config_from_hf(hf.to_dict()), seq_length=cfg.seq_length) == cfg
+
+
+def test_olmo2_presets_have_their_published_sizes():
+    """OLMo 2's model cards: 7.3B, 13.7B and 32.2B parameters."""
+    for name, billions in (("olmo-2-7b", 7.3), ("olmo-2-13b", 13.7), ("olmo-2-32b", 32.2)):
+        total = parameter_count(MODEL_PRESETS[name], 1).total / 1e9
+        assert abs(total - billions) < 0.05, (name, total)
 
 
 def test_mistral_small_4_is_119b():

@@ -1,7 +1,7 @@
 """Hugging Face Llama-family interop: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`,
-`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5), `Olmo3ForCausalLM` (OLMo 3), `MiniMaxM2ForCausalLM`
-(MiniMax-M2) and `GptOssForCausalLM` (its names and MXFP4 experts: `shardlm.checkpoint.hf_gpt_oss`) directories <->
-shardlm's consolidated checkpoint.
+`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` (GLM-4.5), `Olmo3ForCausalLM` (OLMo 3), `Olmo2ForCausalLM` (OLMo 2),
+`MiniMaxM2ForCausalLM` (MiniMax-M2) and `GptOssForCausalLM` (its names and MXFP4 experts:
+`shardlm.checkpoint.hf_gpt_oss`) directories <-> shardlm's consolidated checkpoint.
 
 HF's Llama stores every linear as nn.Linear does, (out, in), as shardlm does, and applies rotary
 embeddings in the rotate-half layout that `shardlm.models.rotary` uses, so each tensor maps by name
@@ -27,7 +27,8 @@ DeepSeek-V3's routing: `mlp.gate.e_score_correction_bias` -> `router.expert_bias
 stored as layer num_hidden_layers + k with DeepSeek-V3's enorm, hnorm, eh_proj and shared_head.norm) map to
 `mtp.k.*`; a directory without their weights (what transformers' save_pretrained writes, since its
 Glm4MoeForCausalLM has no MTP module) converts without them, with a note.
-OLMo 3 (`olmo3`: post-norms, QK-norm over whole projections, sliding windows) and MiniMax-M2 (`minimax_m2`:
+OLMo 3 (`olmo3`: post-norms, QK-norm over whole projections, sliding windows), OLMo 2 (`olmo2`: the same block
+without windows) and MiniMax-M2 (`minimax_m2`:
 whole-projection QK-norm, partial RoPE, sigmoid routing in every layer) are Llama too; their config rules
 live in `shardlm.checkpoint.hf_olmo3` and `shardlm.checkpoint.hf_minimax_m2`.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
@@ -63,20 +64,20 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
-MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3", "minimax_m2")
+MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo2", "olmo3", "minimax_m2")
 """The HF model types this module converts."""
 
 def hf_kind(cfg: ModelConfig) -> str:
     """The HF model type of a Llama-family config: "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe"
-    (sigmoid routing, GLM-4.5), "gpt_oss" (attention sinks), "olmo3" (post-norms, QK-norm over whole projections) or
-    "minimax_m2" (pre-norms, QK-norm over whole projections, experts); UserError for what the one HF family with
-    those pieces does not have."""
+    (sigmoid routing, GLM-4.5), "gpt_oss" (attention sinks), "olmo3" (post-norms, QK-norm over whole projections,
+    sliding windows), "olmo2" (the same without windows) or "minimax_m2" (pre-norms, QK-norm over whole projections,
+    experts); UserError for what the one HF family with those pieces does not have."""
     if cfg.qk_norm_scope == "projection" and cfg.norm_placement == "pre" and cfg.moe_num_experts:
         hf_minimax_m2.check(cfg)
         return "minimax_m2"
     if cfg.norm_placement == "post" or cfg.qk_norm_scope == "projection":
         hf_olmo3.check(cfg)
-        return "olmo3"
+        return "olmo3" if any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers)) else "olmo2"
     if cfg.attention_sinks:
         return "gpt_oss"
     if cfg.moe_num_experts and cfg.moe_score == "sigmoid":
@@ -116,7 +117,7 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
     layers = []
     for i in range(cfg.num_layers):
         s, h = f"layers.{i}", f"model.layers.{i}"
-        norms = ("post_attention", "post_feedforward") if kind == "olmo3" else ("input", "post_attention")
+        norms = ("post_attention", "post_feedforward") if kind in hf_olmo3.KINDS else ("input", "post_attention")
         layers += [(f"{s}.ln_1.weight", f"{h}.{norms[0]}_layernorm.weight"),
                    (f"{s}.ln_2.weight", f"{h}.{norms[1]}_layernorm.weight")]
         layers += [(f"{s}.attn.{p}.weight", f"{h}.self_attn.{p}_proj.weight") for p in "qkvo"]
@@ -194,8 +195,8 @@ def _glm4_moe_routing(hf: dict) -> dict:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """shardlm's [model] section for a HF LlamaConfig, Qwen3Config, Olmo3Config or MiniMaxM2Config dict (or their MoE
-    relatives'); UserError for what shardlm's Llama does not compute."""
+    """shardlm's [model] section for a HF LlamaConfig, Qwen3Config, Olmo2Config, Olmo3Config or MiniMaxM2Config dict
+    (or their MoE relatives'); UserError for what shardlm's Llama does not compute."""
     if hf.get("model_type") == "minimax_m2":
         hf = hf_minimax_m2.config(hf)
     heads = hf["num_attention_heads"]
@@ -218,8 +219,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
     yarn = yarn_keys(rope_parameters(hf), hf["max_position_embeddings"]) if rope_type == "yarn" else {}
-    family = hf_olmo3.from_hf(hf) if olmo3 else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {
-        "qk_norm": qwen3}
+    family = (hf_olmo3.from_hf(hf) if olmo3 else hf_olmo3.POST_NORMS if hf.get("model_type") == "olmo2"
+              else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {"qk_norm": qwen3})
     return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                        seq_length=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
@@ -233,8 +234,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo3": "Olmo3ForCausalLM",
-                 "minimax_m2": "MiniMaxM2ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
@@ -284,7 +285,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, OLMo 3 or
     MiniMax-M2)."""
     kind = hf_kind(cfg)
-    family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else hf_olmo3.to_hf(cfg) if kind == "olmo3" else {}
+    family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else hf_olmo3.to_hf(cfg, kind) if kind in hf_olmo3.KINDS \
+        else {}
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,

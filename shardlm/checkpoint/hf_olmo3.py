@@ -17,11 +17,16 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 LAYERS = ("full_attention", "sliding_attention")
+KINDS = ("olmo2", "olmo3")
+"""The HF model types of this block: OLMo 3, and OLMo 2 (`Olmo2ForCausalLM`: the same block without sliding windows,
+one rotary embedding read and written as Llama's)."""
+POST_NORMS = {"norm_placement": "post", "qk_norm": True, "qk_norm_scope": "projection"}
+"""The [model] keys of the OLMo block."""
 
 
 def check(cfg: ModelConfig) -> None:
-    """UserError (one line) for a model with post-norms or whole-projection QK-norm that `Olmo3ForCausalLM` (the one
-    HF family here with either) does not compute."""
+    """UserError (one line) for a model with post-norms or whole-projection QK-norm that `Olmo3ForCausalLM` and
+    `Olmo2ForCausalLM` (the HF families here with either) do not compute."""
     layer_types = set(cfg.layer_types) if cfg.layer_types else set()
     unsupported = [
         (not (cfg.norm_placement == "post" and cfg.qk_norm and cfg.qk_norm_scope == "projection"),
@@ -101,14 +106,15 @@ def from_hf(hf: dict) -> dict:
         raise UserError("the HF model names sliding_attention layers without a sliding_window; set its size")
     if not window or "sliding_attention" not in layer_types:
         window, layer_types = 0, []
-    return {"norm_placement": "post", "qk_norm": True, "qk_norm_scope": "projection", "sliding_window": window,
-            "layer_types": layer_types, **rope_keys(hf)}
+    return POST_NORMS | {"sliding_window": window, "layer_types": layer_types, **rope_keys(hf)}
 
 
-def to_hf(cfg: ModelConfig) -> dict:
+def to_hf(cfg: ModelConfig, kind: str = "olmo3") -> dict:
     """Olmo3Config's own keys: the window and the layer types, one rotary embedding per layer type (YaRN on the
-    full layers, and on the sliding ones unless `rope_yarn_layers` is "full"), and no special tokens (Olmo3Config's
-    defaults name ids of OLMo's own vocabulary)."""
+    full layers, and on the sliding ones unless `rope_yarn_layers` is "full"), and no special tokens (the configs'
+    defaults name ids of OLMo's own vocabulary); Olmo2Config's (`kind` "olmo2"): no special tokens."""
+    if kind == "olmo2":
+        return {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     layer_types = ["sliding_attention" if cfg.is_sliding_layer(i) else "full_attention" for i in range(cfg.num_layers)]
     unscaled = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rope = {"full_attention": rope_parameters_of(cfg),

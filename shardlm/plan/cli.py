@@ -43,6 +43,7 @@ def add_parser(subparsers) -> None:
                                         "qwen3.5-35b-a3b, qwen3.5-397b-a17b, kimi-linear-48b-a3b (KDA and MLA), "
                                         "nemotron-h-8b and nemotron-3-nano-30b-a3b (Mamba-2 hybrids), "
                                         "mistral-small-4, minimax-m2, gemma-4-e4b, olmo-3-7b, olmo-3-32b, "
+                                        "olmo-2-7b, olmo-2-13b, olmo-2-32b, "
                                         "the SC21 models sc21-1.7b ... sc21-1008b) or a "
                                         "shardlm TOML config")
     parser.add_argument("--gpus", type=int, help="total GPUs")

@@ -42,6 +42,7 @@ QWEN35_VOCAB = 248320
 MISTRAL4_VOCAB = 131072
 MINIMAX_M2_VOCAB = 200064
 OLMO3_VOCAB = 100278
+OLMO2_VOCAB = 100352
 KIMI_LINEAR_VOCAB = 163840
 NEMOTRON_H_VOCAB = 131072
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
@@ -202,6 +203,13 @@ def _minimax_m2() -> ModelConfig:
                        moe_norm_topk_prob=True, moe_expert_bias=True)
 
 
+def _olmo2(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
+    """OLMo 2 (allenai/OLMo-2-1124-7B and -13B, OLMo-2-0325-32B, Olmo2ForCausalLM): OLMo 3's block (`_olmo3`) without
+    sliding windows, vocabulary 100,352 (dolma2, padded), sequence 4096."""
+    return replace(_olmo3(layers, hidden, heads, kv_heads, ffn), vocab_size=OLMO2_VOCAB, seq_length=4096,
+                   sliding_window=0, layer_types=[])
+
+
 def _olmo3(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
     """OLMo 3 (allenai/Olmo-3-1025-7B and Olmo-3-1125-32B, Olmo3ForCausalLM): norms after the attention and MLP
     outputs (`norm_placement = "post"`), QK RMSNorm over whole projections, sliding windows of 4096 on 3 of every 4
@@ -343,6 +351,9 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "deepseek-v4-flash": _deepseek_v4_flash(),
     "mistral-small-4": _mistral_small_4(),
     "minimax-m2": _minimax_m2(),
+    "olmo-2-7b": _olmo2(32, 4096, 32, 32, 11008),
+    "olmo-2-13b": _olmo2(40, 5120, 40, 40, 13824),
+    "olmo-2-32b": _olmo2(64, 5120, 40, 8, 27648),
     "olmo-3-7b": _olmo3(32, 4096, 32, 32, 11008),
     "olmo-3-32b": _olmo3(64, 5120, 40, 8, 27648),
     "gemma-4-e4b": _gemma4_e4b(),
