@@ -133,6 +133,36 @@ def test_qwen3_with_yarn_matches_transformers_both_ways(tmp_path):
     assert (plain - ref["logits"]).abs().max() > 100 * LOGIT_TOL
 
 
+# -------------------------------------------------------------------------------------- export refusals
+
+@pytest.mark.parametrize("change,words", [
+    ({"sliding_window": 4}, "LlamaForCausalLM has no sliding-window layers"),
+    ({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "qk_norm": True},
+     "Qwen3ForCausalLM has no sliding-window layers"),
+    ({"norm_zero_centered": True}, "LlamaForCausalLM has no zero-centred norms"),
+], ids=["llama-window", "qwen3-window", "zero-centred"])
+def test_pieces_a_llama_class_would_drop_are_refused_on_export(tmp_path, change, words, capsys):
+    """`shardlm convert --to-hf` of a checkpoint directory whose model has a piece the HF class it would become does
+    not compute (each moves the logits: the class would load and compute another model): exit 2, one line naming it,
+    and nothing written beside or at the output."""
+    from test_training import synthetic_data, tiny_config
+
+    from shardlm.checkpoint import save_checkpoint
+    from shardlm.cli import main
+    from shardlm.training.trainer import Trainer
+
+    config = tiny_config(micro=8, steps=1)
+    for key, value in ({"arch": "llama", "num_kv_heads": 2, "layer_types": []} | change).items():
+        setattr(config.model, key, value)
+    config.model.num_layers = 2
+    save_checkpoint(Trainer(config, ParallelContext.single(), synthetic_data()), tmp_path / "run")
+    out = tmp_path / "exports" / "hf"
+    assert main(["convert", "--to-hf", str(out), "--checkpoint", str(tmp_path / "run")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert words in error and "\n" not in error, error
+    assert not (tmp_path / "exports").exists() or not any((tmp_path / "exports").iterdir())
+
+
 # A Llama 3 config.json as Meta's checkpoints ship it (rope_theta and rope_scaling at the top level), made small.
 LLAMA3_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
                  "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -168,9 +168,13 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     from shardlm.checkpoint.state import consolidate, load_consolidated
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if checkpoint.is_dir():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint = consolidate(checkpoint, out_dir / ".consolidated.tmp.safetensors")
+    if checkpoint.is_dir():  # consolidated beside the output first, removed whether or not the conversion succeeds
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        single = out_dir.with_name(f".{out_dir.name}.consolidated.tmp.safetensors")
+        try:
+            return to_hf(consolidate(checkpoint, single), out_dir)
+        finally:
+            single.unlink(missing_ok=True)
     config, tensors = load_consolidated(checkpoint)
     if config.model.arch == "llama" and config.model.linear_attention_rule == "kimi_delta":
         return hf_kimi_linear.to_hf(config, tensors, out_dir)

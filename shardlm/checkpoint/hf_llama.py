@@ -282,9 +282,16 @@ def _glm4_moe_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, OLMo 3 or
-    MiniMax-M2)."""
+    """The HF config.json of a Llama-family model (`hf_kind`: Llama, Qwen3, Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss,
+    OLMo 2, OLMo 3 or MiniMax-M2); UserError (one line) for a piece the chosen class would silently drop."""
     kind = hf_kind(cfg)
+    if kind == "gpt_oss":
+        return hf_gpt_oss.hf_config_from_model(cfg)
+    windowed = any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers))
+    for bad, what in ((windowed and kind != "olmo3", "sliding-window layers (model.sliding_window)"),
+                      (cfg.norm_zero_centered, "zero-centred norms (model.norm_zero_centered)")):
+        if bad:
+            raise UserError(f"{ARCHITECTURES[kind]} has no {what}; this model does not convert to it")
     family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else hf_olmo3.to_hf(cfg, kind) if kind in hf_olmo3.KINDS \
         else {}
     return {
@@ -336,7 +343,7 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
         if value is None and ours.endswith("router.expert_bias"):  # a router trained without one: a zero bias
             value = torch.zeros(cfg.moe_num_experts)
         hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
-    hf_config = hf_gpt_oss.hf_config_from_model(cfg) if cfg.attention_sinks else hf_config_from_model(cfg)
+    hf_config = hf_config_from_model(cfg)
     if cfg.attention_sinks:
         hf = hf_gpt_oss.tensors_to_hf(cfg, tensors)
     return write_directory(out_dir, hf, hf_config, config.data)

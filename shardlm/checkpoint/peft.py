@@ -415,8 +415,9 @@ def write_merged(checkpoint: str | Path, out: str | Path) -> Path:
         value = (p[:vocab] if name in ("wte.weight", "lm_head.weight") else p).detach().contiguous()
         tensors |= {f"model/{key}": v for key, v in _stored(name, p, value).items()}
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    merged = files.write_consolidated(out / ".merged.tmp.safetensors", tensors, config.to_dict(), meta["step"])
+    out.parent.mkdir(parents=True, exist_ok=True)  # beside the output, so a refused conversion leaves nothing
+    merged = files.write_consolidated(out.with_name(f".{out.name}.merged.tmp.safetensors"), tensors, config.to_dict(),
+                                      meta["step"])
     try:
         return to_hf(merged, out)
     finally:
