@@ -40,7 +40,8 @@ def check(cfg: ModelConfig) -> None:
         (cfg.mtp_layers > 0, "multi-token prediction layers")]
     for bad, what in unsupported:
         if bad:
-            raise UserError(f"Olmo3ForCausalLM has no {what}; this model does not convert to it")
+            raise UserError(f"Olmo3ForCausalLM has no {what} (nor has Olmo2ForCausalLM); this model does not convert "
+                            "to it")
 
 
 DEFAULT_THETA = 500000.0
