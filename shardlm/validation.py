@@ -18,7 +18,8 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
     every input file exists); return the gradient-accumulation steps."""
     m, p, t = config.model, config.parallel, config.train
     positive = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
-                "model.num_heads": m.num_heads, "model.seq_length": m.seq_length, "parallel.tensor": p.tensor,
+                "model.num_heads": m.num_heads, "model.seq_length": m.seq_length,
+                "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by, "parallel.tensor": p.tensor,
                 "parallel.pipeline": p.pipeline, "parallel.context": p.context,
                 "parallel.virtual_stages": p.virtual_stages,
                 "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,

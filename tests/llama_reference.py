@@ -204,3 +204,25 @@ def tiny_qwen3_chat(folder: Path, data_dir: Path, max_positions: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_dir / "chat" / "qwen3" / name, folder / name)
     return folder
+
+
+def assert_router_without_bias_exports(ref: dict, root: Path, model_class) -> None:
+    """The converted file's routers without their expert bias (`moe_expert_bias = false`, the tensors dropped: a
+    model trained without one) exports with a zero score-correction bias that `model_class` loads to shardlm's own
+    logits of that model (within LOGIT_TOL), which are far from the reference's."""
+    import dataclasses
+
+    from shardlm.checkpoint.files import write_consolidated
+    from shardlm.checkpoint.hf import to_hf
+    from shardlm.checkpoint.state import load_consolidated
+
+    config, tensors = load_consolidated(ref["converted"])
+    config.model = dataclasses.replace(config.model, moe_expert_bias=False)
+    kept = {name: value for name, value in tensors.items() if not name.endswith("router.expert_bias")}
+    assert len(kept) < len(tensors), "the reference has no expert bias to drop"
+    write_consolidated(root / "unbiased.safetensors", kept, dataclasses.asdict(config))
+    ours = logits_and_greedy(root / "unbiased.safetensors", ParallelContext.single(), ref["tokens"])[0]
+    assert (ours - ref["logits"]).abs().max() > 100 * LOGIT_TOL  # the bias mattered
+    reloaded = model_class.from_pretrained(to_hf(root / "unbiased.safetensors", root / "hf-unbiased")).eval()
+    with torch.no_grad():
+        assert (reloaded(ref["tokens"]).logits - ours).abs().max() < LOGIT_TOL

@@ -26,6 +26,7 @@ from llama_reference import (
     assert_converted_matches,
     assert_layout_matches,
     assert_round_trip,
+    assert_router_without_bias_exports,
     hf_reference,
     layout_worker,
     variant_logits,
@@ -157,6 +158,12 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(reference, tmp_pa
     assert_round_trip(reference, tmp_path / "back", DeepseekV4ForCausalLM)
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert (written["layer_types"], written["mlp_layer_types"]) == (KINDS, ["hash_moe", "moe", "moe"])
+
+
+def test_a_router_trained_without_its_bias_exports_with_a_zero_one(reference, tmp_path):
+    from transformers import DeepseekV4ForCausalLM
+
+    assert_router_without_bias_exports(reference, tmp_path, DeepseekV4ForCausalLM)
 
 
 def test_deepseek_own_names_convert_to_the_same_tensors(reference, tmp_path):

@@ -24,6 +24,7 @@ from llama_reference import (
     assert_layout_matches,
     assert_read_in_place,
     assert_round_trip,
+    assert_router_without_bias_exports,
     hf_reference,
     layout_worker,
     variant_logits,
@@ -125,6 +126,12 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(references, famil
     from transformers import NemotronHForCausalLM
 
     assert_round_trip(references[family], tmp_path / "back", NemotronHForCausalLM)
+
+
+def test_a_router_trained_without_its_bias_exports_with_a_zero_one(references, tmp_path):
+    from transformers import NemotronHForCausalLM
+
+    assert_router_without_bias_exports(references["moe"], tmp_path, NemotronHForCausalLM)
 
 
 def test_controls_the_conversion_can_fail(references, tmp_path):

@@ -136,9 +136,9 @@ def test_qwen3_with_yarn_matches_transformers_both_ways(tmp_path):
 # -------------------------------------------------------------------------------------- export refusals
 
 @pytest.mark.parametrize("change,words", [
-    ({"sliding_window": 4}, "LlamaForCausalLM has no sliding-window layers"),
+    ({"sliding_window": 4}, "LlamaForCausalLM has no sliding windows"),
     ({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "qk_norm": True},
-     "Qwen3ForCausalLM has no sliding-window layers"),
+     "Qwen3ForCausalLM has no sliding windows"),
     ({"norm_zero_centered": True}, "LlamaForCausalLM has no zero-centred norms"),
 ], ids=["llama-window", "qwen3-window", "zero-centred"])
 def test_pieces_a_llama_class_would_drop_are_refused_on_export(tmp_path, change, words, capsys):

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from shardlm.checkpoint import files, hf_deepseek, hf_kimi_linear, hf_llama, hf_nemotron_h, hf_qwen3_next
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
-from shardlm.config import RunConfig
+from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
@@ -162,39 +162,65 @@ def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
     return files.write_consolidated(Path(out), tensors, dataclasses.asdict(config))
 
 
+def _family(cfg: ModelConfig):
+    """The module that writes `cfg` as a Hugging Face directory (its `hf_config_from_model` and `to_hf`, and
+    `check_exportable` where it has one); None for GPT-2 (this module)."""
+    if cfg.arch != "llama":
+        return None
+    if cfg.linear_attention_rule == "kimi_delta":
+        return hf_kimi_linear
+    if cfg.sandwich_norms:  # Gemma 4
+        from shardlm.checkpoint import hf_gemma4
+
+        return hf_gemma4
+    if cfg.hc_mult:  # DeepSeek-V4
+        from shardlm.checkpoint import hf_deepseek_v4
+
+        return hf_deepseek_v4
+    if cfg.attention == "mla":
+        return hf_deepseek
+    if cfg.layer_pattern:
+        return hf_nemotron_h
+    if cfg.attention_output_gate or cfg.layer_types and any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
+        return hf_qwen3_next
+    return hf_llama
+
+
+def check_convertible(cfg: ModelConfig) -> dict:
+    """The HF config.json that `to_hf` writes for `cfg`; UserError (one line) for a model its HF class does not
+    compute (a piece it would load the weights without: `hf_common.check_pieces`). Reads no weights."""
+    family = _family(cfg)
+    if family is None:
+        if cfg.arch != "gpt" or cfg.moe_num_experts:
+            what = "experts" if cfg.arch == "gpt" else f'model.arch="{cfg.arch}"'
+            raise UserError(f"GPT2LMHeadModel has no {what}; this model does not convert to Hugging Face (GPT, the "
+                            "Llama family and the other listed families do)")
+        return hf_config_from_model(cfg)
+    if hasattr(family, "check_exportable"):
+        family.check_exportable(cfg)
+    return family.hf_config_from_model(cfg)
+
+
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write a shardlm checkpoint (directory or consolidated file) as a HF GPT2LMHeadModel directory
-    (a Llama-family directory for a llama checkpoint: Llama, Qwen3, Mixtral or Qwen3-MoE)."""
-    from shardlm.checkpoint.state import consolidate, load_consolidated
+    """Write a shardlm checkpoint (directory or consolidated file) as a HF directory: GPT2LMHeadModel for GPT, the
+    family's class for a llama checkpoint (`_family`). The model is checked (`check_convertible`) before any weight is
+    read or anything written."""
+    from shardlm.checkpoint.state import consolidate, consolidated_config, load_consolidated
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if checkpoint.is_dir():  # consolidated beside the output first, removed whether or not the conversion succeeds
+        check_convertible(from_dict(files.read_meta(files.resolve(checkpoint))["config"]).model)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         single = out_dir.with_name(f".{out_dir.name}.consolidated.tmp.safetensors")
         try:
             return to_hf(consolidate(checkpoint, single), out_dir)
         finally:
             single.unlink(missing_ok=True)
+    check_convertible(consolidated_config(checkpoint).model)
     config, tensors = load_consolidated(checkpoint)
-    if config.model.arch == "llama" and config.model.linear_attention_rule == "kimi_delta":
-        return hf_kimi_linear.to_hf(config, tensors, out_dir)
-    if config.model.arch == "llama" and config.model.sandwich_norms:  # Gemma 4
-        from shardlm.checkpoint import hf_gemma4
-
-        return hf_gemma4.to_hf(config, tensors, out_dir)
-    if config.model.arch == "llama" and config.model.hc_mult:  # DeepSeek-V4
-        from shardlm.checkpoint import hf_deepseek_v4
-
-        return hf_deepseek_v4.to_hf(config, tensors, out_dir)
-    if config.model.arch == "llama" and config.model.attention == "mla":
-        return hf_deepseek.to_hf(config, tensors, out_dir)
-    if config.model.arch == "llama" and config.model.layer_pattern:
-        return hf_nemotron_h.to_hf(config, tensors, out_dir)
-    if config.model.arch == "llama" and (config.model.attention_output_gate or config.model.layer_types and any(
-            config.model.is_linear_layer(i) for i in range(config.model.num_layers))):
-        return hf_qwen3_next.to_hf(config, tensors, out_dir)
-    if config.model.arch == "llama":
-        return hf_llama.to_hf(config, tensors, out_dir)
+    family = _family(config.model)
+    if family is not None:
+        return family.to_hf(config, tensors, out_dir)
     cfg = config.model
     hf = {}
     for ours, theirs, kind in name_map(cfg.num_layers):

@@ -101,6 +101,51 @@ def yarn_keys(params: dict, max_positions: int) -> dict:
             "rope_yarn_attention_factor": float(params.get("attention_factor") or 0.0)}
 
 
+PIECES = {
+    "norm_placement": ("pre", "post-norms"),
+    "norm_zero_centered": (False, "zero-centred norms"),
+    "qk_norm_scope": ("head", "QK-norm over whole projections"),
+    "mla_nope": (False, "MLA without RoPE"),
+    "attention_sinks": (False, "attention sinks"),
+    "attention_output_gate": (False, "an attention output gate"),
+    "query_scale_beta": (0.0, "Llama 4's query scaling"),
+    "rope_yarn_factor": (0.0, "YaRN rotary embeddings"),
+    "sliding_window": (0, "sliding windows"),
+    "swiglu_clip": (0.0, "DeepSeek-V4's clipped SwiGLU"),
+    "swiglu_limit": (0.0, "gpt-oss's clamped SwiGLU experts"),
+    "moe_shared_expert_gate": (False, "a gated shared expert"),
+    "moe_layer_interval": (1, "MoE layers at an interval"),
+    "moe_routed_scaling": (1.0, "a scale on the routed experts' weights"),
+}
+"""Pieces of shardlm's models that most Hugging Face classes do not compute: model key -> (the value that leaves the
+piece out, what it is). A class that loads weights without computing a piece computes another model, so an exporter
+refuses every piece away from its neutral value that its class does not have (`check_pieces`). The `moe_*` pieces and
+swiglu_limit (an expert's) matter only with experts."""
+
+
+def check_pieces(cfg: ModelConfig, class_name: str, has: tuple[str, ...] = ()) -> None:
+    """UserError (one line) for the first of `PIECES` that `cfg` sets and `class_name` does not compute (`has`: the
+    pieces it does)."""
+    for key, (neutral, what) in PIECES.items():
+        value = getattr(cfg, key)
+        relevant = cfg.moe_num_experts > 0 or not (key.startswith("moe_") or key == "swiglu_limit")
+        if key == "qk_norm_scope":
+            relevant = cfg.qk_norm
+        if key == "sliding_window":  # a window that no layer uses changes nothing
+            relevant = any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers))
+        if key not in has and relevant and value != neutral:
+            raise UserError(f"{class_name} has no {what} (model.{key} = {value!r}); this model does not convert to it")
+
+
+def check_shared_width(cfg: ModelConfig, class_name: str) -> None:
+    """UserError (one line) when the shared experts' MLP is not `moe_shared_experts` experts wide, the only width an
+    HF config of DeepSeek's shape states (n_shared_experts x moe_intermediate_size)."""
+    if cfg.moe_num_experts and cfg.shared_ffn_size != cfg.moe_shared_experts * cfg.moe_ffn_size:
+        raise UserError(f"{class_name} has no shared-expert width of its own (model.moe_shared_ffn_hidden_size = "
+                        f"{cfg.moe_shared_ffn_hidden_size}, not moe_shared_experts x the expert width); this model "
+                        "does not convert to it")
+
+
 def rope_parameters_of(cfg: ModelConfig) -> dict:
     """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key (attention_factor
     when one is set)."""

@@ -45,6 +45,8 @@ import torch
 
 from shardlm.checkpoint.hf_common import (
     HFTensor,
+    check_pieces,
+    check_shared_width,
     drop_missing_mtp,
     rope_parameters,
     rope_parameters_of,
@@ -260,11 +262,16 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
                    (v2 and cfg.moe_expert_bias_rate > 0, "an expert bias with softmax scores"),
                    (cfg.moe_shared_experts < 1, "no shared expert"), (cfg.moe_layer_interval != 1,
                                                                        "moe_layer_interval > 1"),
-                   (cfg.moe_groups > 0 and cfg.moe_num_experts // cfg.moe_groups < 2, "one-expert groups")]
+                   (cfg.moe_groups > 0 and cfg.moe_num_experts // cfg.moe_groups < 2, "one-expert groups"),
+                   (cfg.moe_score not in ("sigmoid", "softmax"), f'no moe_score="{cfg.moe_score}" router'),
+                   (cfg.moe_score == "sigmoid" and cfg.moe_groups > 0 and group_rule(cfg) != "top2_sum",
+                    "no groups ranked by their best expert with sigmoid scores")]
+    kind = "Mistral4" if mistral else "DeepseekV2" if v2 else "DeepseekV3"
     for bad, what in unsupported:
         if bad:
-            kind = "Mistral4" if mistral else "DeepseekV2" if v2 else "DeepseekV3"
             raise UserError(f"{kind}ForCausalLM has {what}; this model does not convert to it")
+    check_pieces(cfg, f"{kind}ForCausalLM", has=("rope_yarn_factor", "query_scale_beta", "moe_routed_scaling"))
+    check_shared_width(cfg, f"{kind}ForCausalLM")
     rope = rope_parameters_of(cfg)
     sparse = {}
     if cfg.index_topk:

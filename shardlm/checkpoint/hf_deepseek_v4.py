@@ -34,7 +34,15 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, use_tokenizer, weight_files, write_directory, yarn_keys
+from shardlm.checkpoint.hf_common import (
+    HFTensor,
+    check_pieces,
+    check_shared_width,
+    use_tokenizer,
+    weight_files,
+    write_directory,
+    yarn_keys,
+)
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.compressed_attention import compressed_kinds
@@ -221,13 +229,26 @@ def _yarn_parameters(cfg: ModelConfig) -> dict:
             "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow, "attention_factor": 1.0}
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """UserError (one line) for a model with hyper-connections that `DeepseekV4ForCausalLM` does not compute."""
+    check_pieces(cfg, "DeepseekV4ForCausalLM", has=("swiglu_clip", "sliding_window", "rope_yarn_factor",
+                                                    "moe_routed_scaling", "attention_sinks"))
+    if cfg.moe_shared_experts != 1:
+        raise UserError(f"DeepseekV4ForCausalLM has one shared expert (model.moe_shared_experts = "
+                        f"{cfg.moe_shared_experts}); this model does not convert to it")
+    check_shared_width(cfg, "DeepseekV4ForCausalLM")
+
+
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
     """Write a consolidated DeepSeek-V4 checkpoint as an HF directory (`hf_config_from_model`), in the names
     transformers saves (its tid2eid tables int64 again)."""
     cfg = config.model
+    check_exportable(cfg)
     hf = {}
     for ours, theirs in name_map(cfg):
-        value = tensors[f"model/{ours}"]
+        value = tensors.get(f"model/{ours}")
+        if value is None and ours.endswith("router.expert_bias"):  # a router trained without one: a zero bias
+            value = torch.zeros(cfg.moe_num_experts)
         if ours in ("wte.weight", "lm_head.weight"):
             value = value[: cfg.vocab_size]
         if ours.endswith("tid2eid"):

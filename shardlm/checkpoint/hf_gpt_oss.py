@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, rope_parameters, rope_parameters_of, yarn_keys
+from shardlm.checkpoint.hf_common import HFTensor, check_pieces, rope_parameters, rope_parameters_of, yarn_keys
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
@@ -90,6 +90,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     for bad, what in unsupported:
         if bad:
             raise UserError(f"GptOssForCausalLM has no {what}; this model does not convert to it")
+    check_pieces(cfg, "GptOssForCausalLM",
+                 has=("attention_sinks", "sliding_window", "rope_yarn_factor", "swiglu_limit"))
     rope = rope_parameters_of(cfg)
     layer_types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers
     return {

@@ -31,7 +31,15 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, stacked_expert, use_tokenizer, weight_files, write_directory
+from shardlm.checkpoint.hf_common import (
+    HFTensor,
+    check_pieces,
+    check_shared_width,
+    stacked_expert,
+    use_tokenizer,
+    weight_files,
+    write_directory,
+)
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
@@ -237,6 +245,8 @@ def check_exportable(cfg: ModelConfig) -> None:
     for failed, what in bad:
         if failed:
             raise UserError(f"this model does not convert to Hugging Face's kimi_linear: {what}")
+    check_pieces(cfg, "KimiLinearForCausalLM", has=("mla_nope", "moe_routed_scaling"))
+    check_shared_width(cfg, "KimiLinearForCausalLM")
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:

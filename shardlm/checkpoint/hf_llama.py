@@ -51,6 +51,7 @@ from shardlm.checkpoint import hf_gpt_oss, hf_minimax_m2, hf_olmo3
 from shardlm.checkpoint.hf_common import (
     MIXTRAL_EXPERTS,
     HFTensor,
+    check_pieces,
     drop_missing_mtp,
     rope_parameters,
     rope_parameters_of,
@@ -238,6 +239,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixt
                  "olmo3": "Olmo3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 
+PIECES_OF = {"glm4_moe": ("rope_yarn_factor", "moe_routed_scaling"),
+             "olmo2": ("norm_placement", "qk_norm_scope", "rope_yarn_factor"),
+             "olmo3": ("norm_placement", "qk_norm_scope", "rope_yarn_factor", "sliding_window"),
+             "minimax_m2": ("qk_norm_scope",)}
+"""The `hf_common.PIECES` each class computes besides YaRN (which every other Llama-family class here has)."""
+
+
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
     """The HF MoE keys of a Mixtral, Qwen3-MoE, GLM-4.5 or MiniMax-M2 model; UserError for routing it does not
     compute."""
@@ -287,13 +295,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     kind = hf_kind(cfg)
     if kind == "gpt_oss":
         return hf_gpt_oss.hf_config_from_model(cfg)
-    windowed = any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers))
-    for bad, what in ((windowed and kind != "olmo3", "sliding-window layers (model.sliding_window)"),
-                      (cfg.norm_zero_centered, "zero-centred norms (model.norm_zero_centered)")):
-        if bad:
-            raise UserError(f"{ARCHITECTURES[kind]} has no {what}; this model does not convert to it")
     family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else hf_olmo3.to_hf(cfg, kind) if kind in hf_olmo3.KINDS \
         else {}
+    check_pieces(cfg, ARCHITECTURES[kind], has=PIECES_OF.get(kind, ("rope_yarn_factor",)))
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
@@ -337,13 +341,13 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
     """Write a consolidated Llama-family checkpoint's (config, tensors) as a HF directory (`hf_config_from_model`)."""
     cfg = config.model
+    hf_config = hf_config_from_model(cfg)  # its refusals before any tensor is converted
     hf = {}
     for ours, theirs in ([] if cfg.attention_sinks else name_map(cfg)):
         value = tensors.get(f"model/{ours}")
         if value is None and ours.endswith("router.expert_bias"):  # a router trained without one: a zero bias
             value = torch.zeros(cfg.moe_num_experts)
         hf[theirs] = (value[: cfg.vocab_size] if ours in ("wte.weight", "lm_head.weight") else value).contiguous()
-    hf_config = hf_config_from_model(cfg)
     if cfg.attention_sinks:
         hf = hf_gpt_oss.tensors_to_hf(cfg, tensors)
     return write_directory(out_dir, hf, hf_config, config.data)

@@ -29,10 +29,18 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.hf_common import HFTensor, rows_reader, use_tokenizer, weight_files, write_directory
+from shardlm.checkpoint.hf_common import (
+    HFTensor,
+    check_pieces,
+    rows_reader,
+    use_tokenizer,
+    weight_files,
+    write_directory,
+)
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
+from shardlm.models.routing import group_rule
 
 KINDS = ("nemotron_h",)
 """HF model types this module converts."""
@@ -198,20 +206,31 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     }
 
 
-def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path, prefix: str = "backbone.") -> Path:
-    """Write a consolidated Nemotron-H checkpoint as an HF directory (`hf_config_from_model`), its tensors under
-    `prefix` ("backbone.", what transformers' save_pretrained and the published directories hold)."""
-    cfg = config.model
+def check_exportable(cfg: ModelConfig) -> None:
+    """UserError (one line) for a hybrid model that `NemotronHForCausalLM` does not compute."""
     if cfg.attention_bias or cfg.norm_zero_centered or cfg.qk_norm:
         raise UserError("this model does not convert to Nemotron-H: its attention has no biases or q/k norms and "
                         "its norms are plain RMSNorms")
     if cfg.moe_num_experts and (cfg.moe_score != "sigmoid" or cfg.moe_shared_experts != 1 or cfg.moe_router_bias):
         raise UserError("this model does not convert to Nemotron-H: its MoE layers score by sigmoid with one shared "
                         "expert and no router bias")
+    if cfg.moe_num_experts and cfg.moe_groups > 0 and group_rule(cfg) != "top2_sum":
+        raise UserError("NemotronHForCausalLM has no groups ranked by their best expert (model.moe_group_score = "
+                        '"max"); this model does not convert to it')
+    check_pieces(cfg, "NemotronHForCausalLM", has=("moe_routed_scaling",))
+
+
+def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path, prefix: str = "backbone.") -> Path:
+    """Write a consolidated Nemotron-H checkpoint as an HF directory (`hf_config_from_model`), its tensors under
+    `prefix` ("backbone.", what transformers' save_pretrained and the published directories hold)."""
+    cfg = config.model
+    check_exportable(cfg)
     names = name_map(cfg, prefix)
     hf: dict[str, torch.Tensor] = {}
     for ours, theirs, rows in names:
-        value = tensors[f"model/{ours}"]
+        value = tensors.get(f"model/{ours}")
+        if value is None and ours.endswith("router.expert_bias"):  # a router trained without one: a zero bias
+            value = torch.zeros(cfg.moe_num_experts)
         if ours in ("wte.weight", "lm_head.weight"):
             value = value[: cfg.vocab_size]
         if theirs.endswith("conv1d.weight"):

@@ -33,6 +33,7 @@ import torch
 
 from shardlm.checkpoint.hf_common import (
     HFTensor,
+    check_pieces,
     rows_reader,
     stacked_expert,
     text_config,
@@ -193,14 +194,18 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict]:
     return config, sources
 
 
+def architecture(cfg: ModelConfig) -> tuple[str, str]:
+    """(HF model type, class) of a hybrid model: Qwen3-Next for "grouped" projections, else Qwen3.5 (MoE or dense)."""
+    if cfg.hf_linear_projections == "grouped":
+        return "qwen3_next", "Qwen3NextForCausalLM"
+    return ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") if cfg.moe_num_experts else \
+        ("qwen3_5_text", "Qwen3_5ForCausalLM")
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """The HF config.json: Qwen3NextForCausalLM ("grouped" projections), Qwen3_5MoeForCausalLM or
     Qwen3_5ForCausalLM."""
-    if cfg.hf_linear_projections == "grouped":
-        kind, arch = "qwen3_next", "Qwen3NextForCausalLM"
-    else:
-        kind, arch = ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") if cfg.moe_num_experts else \
-            ("qwen3_5_text", "Qwen3_5ForCausalLM")
+    kind, arch = architecture(cfg)
     moe = {}
     if cfg.moe_num_experts:
         moe = {"num_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
@@ -236,6 +241,8 @@ def check_exportable(cfg: ModelConfig) -> None:
     for failed, what in bad:
         if failed:
             raise UserError(f"this model does not convert to Hugging Face: {what}")
+    check_pieces(cfg, architecture(cfg)[1], has=("norm_zero_centered", "attention_output_gate",
+                                                 "moe_shared_expert_gate"))
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:

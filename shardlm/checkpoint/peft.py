@@ -399,13 +399,15 @@ def load_adapter(trainer, folder: str | Path) -> str:
 def write_merged(checkpoint: str | Path, out: str | Path) -> Path:
     """A LoRA checkpoint with its adapters folded into the base, as a plain Hugging Face directory `out`."""
     from shardlm.checkpoint import files
-    from shardlm.checkpoint.hf import to_hf
+    from shardlm.checkpoint.hf import check_convertible, to_hf
     from shardlm.checkpoint.init import load_model
     from shardlm.checkpoint.state import _stored
+    from shardlm.config import from_dict
     from shardlm.lora.merge import merge_adapters
     from shardlm.parallel import ParallelContext
 
     path, meta = _lora_checkpoint(checkpoint)
+    check_convertible(from_dict(meta["config"]).model)  # before the base is loaded
     model, config = load_model(path, ParallelContext.single())
     merge_adapters(model)  # QLoRA's NF4 base dequantized, expert adapters folded into their experts
     config.lora.rank = 0

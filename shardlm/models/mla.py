@@ -67,16 +67,16 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
 
     if m.attention not in ("mha", "mla"):
         return f'model.attention="{m.attention}" must be "mha" or "mla"'
-    if m.hc_mult:  # DeepSeek-V4 (its indexer is over compressed entries, without MLA)
-        from shardlm.models.deepseek_v4 import check_deepseek_v4
-        return check_deepseek_v4(m, context)
-    if (problem := check_sparse_attention(m)) is not None:
-        return problem
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
         return "model.rope_yarn_factor must be >= 1 with model.rope_yarn_original_positions >= 1 (0 turns YaRN off)"
     if m.rope_yarn_layers not in ("all", "full") or m.rope_yarn_attention_factor < 0:
         return (f'model.rope_yarn_layers="{m.rope_yarn_layers}" must be "all" or "full" and '
                 f"model.rope_yarn_attention_factor={m.rope_yarn_attention_factor} at least 0 (0 derives it)")
+    if m.hc_mult:  # DeepSeek-V4 (its indexer is over compressed entries, without MLA)
+        from shardlm.models.deepseek_v4 import check_deepseek_v4
+        return check_deepseek_v4(m, context)
+    if (problem := check_sparse_attention(m)) is not None:
+        return problem
     if m.query_scale_beta and (m.attention != "mla" or m.query_scale_positions < 1):
         return "model.query_scale_beta needs model.attention=\"mla\" and model.query_scale_positions >= 1"
     if m.attention == "mha":
