@@ -256,6 +256,25 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(hf_models, family
         assert "indexer_types" not in written
 
 
+def test_a_warm_up_checkpoint_exports_with_a_note(hf_models, tmp_path, capsys):
+    """A checkpoint of the dense warm-up stage (`index_stage = "warmup"`: dense attention in shardlm) is written as the
+    sparse model it is being trained toward, and says so on stderr; the sparse stage writes no note."""
+    import dataclasses
+
+    from shardlm.checkpoint.files import write_consolidated
+    from shardlm.checkpoint.hf import to_hf
+    from shardlm.checkpoint.state import load_consolidated
+
+    config, tensors = load_consolidated(hf_models["deepseek_v32"]["converted"])
+    to_hf(hf_models["deepseek_v32"]["converted"], tmp_path / "sparse")
+    assert "warm-up" not in capsys.readouterr().err
+    config.model = dataclasses.replace(config.model, index_stage="warmup")
+    write_consolidated(tmp_path / "warmup.safetensors", tensors, dataclasses.asdict(config))
+    to_hf(tmp_path / "warmup.safetensors", tmp_path / "warmup")
+    assert "dense warm-up stage" in capsys.readouterr().err
+    assert (tmp_path / "warmup" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_indexer_rotary_layout_is_the_familys(hf_models, family, tmp_path):
     """Control: GLM-5's indexer interleaves its rotary channels, DeepSeek-V3.2's does not. A converter that kept

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -397,6 +398,10 @@ def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) ->
     (a router without an expert bias is written with a zero e_score_correction_bias)."""
     cfg = config.model
     hf_config = hf_config_from_model(cfg)
+    if cfg.index_topk and cfg.index_stage == "warmup":
+        print("note: this checkpoint is at DeepSeek Sparse Attention's dense warm-up stage (model.index_stage = "
+              '"warmup": its attention is dense, only the indexers train); the directory attends sparsely, to each '
+              "query's top-k keys as chosen by those indexers", file=sys.stderr)
     hf = {}
     for ours, theirs in name_map(cfg):
         value = tensors.get(f"model/{ours}")
