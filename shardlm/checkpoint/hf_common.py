@@ -107,15 +107,15 @@ PIECES = {
     "qk_norm_scope": ("head", "QK-norm over whole projections"),
     "mla_nope": (False, "MLA without RoPE"),
     "attention_sinks": (False, "attention sinks"),
-    "attention_output_gate": (False, "an attention output gate"),
+    "attention_output_gate": (False, "attention output gate"),
     "query_scale_beta": (0.0, "Llama 4's query scaling"),
     "rope_yarn_factor": (0.0, "YaRN rotary embeddings"),
     "sliding_window": (0, "sliding windows"),
     "swiglu_clip": (0.0, "DeepSeek-V4's clipped SwiGLU"),
     "swiglu_limit": (0.0, "gpt-oss's clamped SwiGLU experts"),
-    "moe_shared_expert_gate": (False, "a gated shared expert"),
+    "moe_shared_expert_gate": (False, "gate on the shared expert"),
     "moe_layer_interval": (1, "MoE layers at an interval"),
-    "moe_routed_scaling": (1.0, "a scale on the routed experts' weights"),
+    "moe_routed_scaling": (1.0, "scale on the routed experts' weights"),
 }
 """Pieces of shardlm's models that most Hugging Face classes do not compute: model key -> (the value that leaves the
 piece out, what it is). A class that loads weights without computing a piece computes another model, so an exporter
