@@ -31,7 +31,6 @@ CASES = {
     ],
     "qwen3.5-35b-a3b": [
         ({"norm_placement": "post"}, "Qwen3_5MoeForCausalLM has no post-norms"),
-        ({"rope_yarn_factor": 4.0, "rope_yarn_original_positions": 8}, "YaRN"),
         ({"moe_routed_scaling": 2.0}, "scale on the routed experts"),
         ({"swiglu_limit": 0.5}, "clamped SwiGLU"),
         ({"swiglu_clip": 0.5}, "clipped SwiGLU"),

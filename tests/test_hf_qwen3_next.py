@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 from llama_reference import (
+    LOGIT_TOL,
     assert_converted_matches,
     assert_layout_matches,
     assert_read_in_place,
@@ -119,6 +120,37 @@ def test_parallel_logits_and_greedy_tokens_match_transformers(world2, references
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(references, family, tmp_path):
     assert_round_trip(references[family], tmp_path / "back", hf_classes(family)[1])
+
+
+def test_yarn_converts_both_ways(tmp_path):
+    """Qwen3.5 with YaRN x4 over 16 positions (on half of each head's channels, rows of 80): shardlm's logits and
+    greedy tokens are transformers', the directory written back loads to the same logits bitwise, and the same
+    weights without YaRN move the logits by more than 100 x LOGIT_TOL."""
+    import dataclasses
+
+    from shardlm.checkpoint.files import write_consolidated
+
+    config_class, model_class, keys = hf_classes("qwen3_5")
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "partial_rotary_factor": 0.5}
+    torch.manual_seed(0)
+    model = model_class(config_class(**keys, rope_parameters=rope)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.q_proj.weight.mul_(4.0)
+                layer.self_attn.k_proj.weight.mul_(4.0)
+        model.model.embed_tokens.weight.mul_(30.0)
+    ref = hf_reference(model, tmp_path, torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1)))
+    config, tensors = load_consolidated(ref["converted"])
+    assert (config.model.rope_yarn_factor, config.model.rope_yarn_original_positions, config.model.rope_fraction) == (
+        4.0, 16, 0.5)
+    assert_converted_matches(ref)
+    assert_round_trip(ref, tmp_path / "back", model_class)
+    config.model = dataclasses.replace(config.model, rope_yarn_factor=0.0)
+    write_consolidated(tmp_path / "plain.safetensors", tensors, dataclasses.asdict(config))
+    plain = logits_and_greedy(tmp_path / "plain.safetensors", ParallelContext.single(), ref["tokens"])[0]
+    assert (plain - ref["logits"]).abs().max() > 100 * LOGIT_TOL
 
 
 def test_the_multi_token_prediction_layer_is_kept(references, tmp_path):

@@ -34,12 +34,14 @@ import torch
 from shardlm.checkpoint.hf_common import (
     HFTensor,
     check_pieces,
+    rope_parameters_of,
     rows_reader,
     stacked_expert,
     text_config,
     use_tokenizer,
     weight_files,
     write_directory,
+    yarn_keys,
 )
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
@@ -57,7 +59,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     types = hf.get("layer_types") or ["linear_attention" if (i + 1) % hf.get("full_attention_interval", 4) else
                                       "full_attention" for i in range(layers)]
-    refusals = [(params.get("rope_type", "default") == "default", f"rope type {params.get('rope_type')!r}"),
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    refusals = [(rope_type in ("default", "yarn"), f"rope type {rope_type!r} (the default rotary and YaRN convert)"),
                 (not hf.get("attention_bias"), "attention biases"),
                 (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r}"),
                 (set(types) <= {"linear_attention", "full_attention"}, f"layer types {sorted(set(types))}"),
@@ -79,6 +82,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                "moe_shared_experts": 1, "moe_shared_ffn_hidden_size": hf["shared_expert_intermediate_size"],
                "moe_shared_expert_gate": True}
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    yarn = yarn_keys(params, hf["max_position_embeddings"]) if rope_type == "yarn" else {}
     return ModelConfig(
         arch="llama", num_layers=layers, hidden_size=hf["hidden_size"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, seq_length=hf["max_position_embeddings"],
@@ -93,7 +97,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         linear_num_value_heads=hf["linear_num_value_heads"], linear_key_head_dim=hf["linear_key_head_dim"],
         linear_value_head_dim=hf["linear_value_head_dim"], linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         attention_output_gate=True, norm_zero_centered=True, mtp_layers=int(hf.get("mtp_num_hidden_layers") or 0),
-        hf_linear_projections="grouped" if kind == "qwen3_next" else "separate", **moe)
+        hf_linear_projections="grouped" if kind == "qwen3_next" else "separate", **yarn, **moe)
 
 
 def _linear_rows(cfg: ModelConfig) -> dict[str, list[torch.Tensor]]:
@@ -219,8 +223,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.attention_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "attention_bias": False, "attention_dropout": cfg.attention_dropout_p,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
-                            "partial_rotary_factor": cfg.rope_fraction},
+        "rope_parameters": {**rope_parameters_of(cfg), "partial_rotary_factor": cfg.rope_fraction},
         "layer_types": [("linear_attention" if cfg.is_linear_layer(i) else "full_attention")
                         for i in range(cfg.num_layers)],
         "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
@@ -242,7 +245,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         if failed:
             raise UserError(f"this model does not convert to Hugging Face: {what}")
     check_pieces(cfg, architecture(cfg)[1], has=("norm_zero_centered", "attention_output_gate",
-                                                 "moe_shared_expert_gate"))
+                                                 "moe_shared_expert_gate", "rope_yarn_factor"))
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
