@@ -133,6 +133,51 @@ def test_qwen3_with_yarn_matches_transformers_both_ways(tmp_path):
     assert (plain - ref["logits"]).abs().max() > 100 * LOGIT_TOL
 
 
+LLAMA31_TINY = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+"""Llama 3.1's rope scaling at the tests' size: over 16 pretraining positions, 16-channel heads at theta 500 have
+wavelengths from 6 to 1,500 positions, so some frequencies stay, some are divided by 8 and some are blended."""
+
+
+def test_llama31_rope_scaling_matches_transformers_both_ways(tmp_path):
+    """A random Llama with Llama 3.1's scaling (rope_scaling type "llama3") reads as `rope_llama3_*`, gives
+    transformers' logits and greedy tokens and converts back bitwise (transformers reloads the same logits); the
+    same weights without the scaling move the logits by more than 100 x LOGIT_TOL, and so does each frequency band
+    handled as the other (the blend's bounds swapped)."""
+    import dataclasses
+
+    from llama_reference import assert_converted_matches, assert_round_trip, hf_reference
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardlm.checkpoint.files import write_consolidated
+    from shardlm.checkpoint.state import load_consolidated
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_parameters=LLAMA31_TINY,
+        tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)
+        model.lm_head.weight.mul_(10.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    ref = hf_reference(model, tmp_path, torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1)))
+    config, tensors = load_consolidated(ref["converted"])
+    m = config.model
+    assert (m.rope_llama3_factor, m.rope_llama3_low_freq_factor, m.rope_llama3_high_freq_factor,
+            m.rope_llama3_original_positions, m.rope_yarn_factor) == (8.0, 1.0, 4.0, 16, 0.0)
+    assert_converted_matches(ref)
+    assert_round_trip(ref, tmp_path / "back", LlamaForCausalLM)
+    for name, change in (("plain", {"rope_llama3_factor": 0.0}),
+                         ("bands swapped", {"rope_llama3_low_freq_factor": 4.0, "rope_llama3_high_freq_factor": 1.0})):
+        config.model = dataclasses.replace(m, **change)
+        write_consolidated(tmp_path / f"{name}.safetensors", tensors, dataclasses.asdict(config))
+        other = logits_and_greedy(tmp_path / f"{name}.safetensors", ParallelContext.single(), ref["tokens"])[0]
+        assert (other - ref["logits"]).abs().max() > 100 * LOGIT_TOL, name
+
+
 # -------------------------------------------------------------------------------------- export refusals
 
 @pytest.mark.parametrize("change,words", [
@@ -172,9 +217,19 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
                 "original_max_position_embeddings": 8192}
 
 
+def test_llama31_config_json_reads_its_rope_scaling():
+    """Meta's Llama 3.1 config.json (rope_scaling at the top level) and transformers 5's (rope_parameters) read
+    alike."""
+    for hf in (LLAMA3_CONFIG | {"rope_scaling": LLAMA31_ROPE},
+               LLAMA3_CONFIG | {"rope_parameters": {"rope_theta": 500000.0, **LLAMA31_ROPE}}):
+        m = model_config_from_hf(hf)
+        assert (m.rope_theta, m.rope_llama3_factor, m.rope_llama3_low_freq_factor, m.rope_llama3_high_freq_factor,
+                m.rope_llama3_original_positions) == (500000.0, 8.0, 1.0, 4.0, 8192)
+
+
 @pytest.mark.parametrize("change,words", [
-    ({"rope_scaling": LLAMA31_ROPE}, "rope type 'llama3'"),
-    ({"rope_parameters": {"rope_theta": 500000.0, **LLAMA31_ROPE}}, "rope type 'llama3'"),  # transformers 5
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "no low_freq_factor, high_freq_factor"),
+    ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "longrope", "factor": 8.0}}, "rope type 'longrope'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope type 'dynamic'"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "no original_max_position_embeddings"),
     ({"attention_bias": True}, "biases"),
@@ -183,10 +238,10 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
     ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32}, "sliding-window"),
     ({"model_type": "mixtral", "sliding_window": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
      "sliding-window"),
-], ids=["llama3-rope", "llama3-rope-parameters", "dynamic", "yarn-without-length", "attention-bias", "mlp-bias", "gelu",
-        "qwen3-window", "mixtral-window"])
+], ids=["llama3-incomplete", "longrope-rope-parameters", "dynamic", "yarn-without-length", "attention-bias",
+        "mlp-bias", "gelu", "qwen3-window", "mixtral-window"])
 def test_configs_llama_does_not_compute_are_refused_in_one_line(change, words):
-    """Rope scaling other than YaRN (Llama 3.1's "llama3" type, dynamic NTK), YaRN without its pretraining length,
+    """Rope scaling other than YaRN and Llama 3.1's (dynamic NTK, longrope), either without its settings,
     attention or MLP biases, an activation other than silu and
     sliding-window attention: a one-line UserError naming it, not a model that computes something else. The
     config without the change converts."""

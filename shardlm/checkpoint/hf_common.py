@@ -110,6 +110,7 @@ PIECES = {
     "attention_output_gate": (False, "attention output gate"),
     "query_scale_beta": (0.0, "Llama 4's query scaling"),
     "rope_yarn_factor": (0.0, "YaRN rotary embeddings"),
+    "rope_llama3_factor": (0.0, "Llama 3.1's rope scaling"),
     "sliding_window": (0, "sliding windows"),
     "swiglu_clip": (0.0, "DeepSeek-V4's clipped SwiGLU"),
     "swiglu_limit": (0.0, "gpt-oss's clamped SwiGLU experts"),
@@ -146,9 +147,27 @@ def check_shared_width(cfg: ModelConfig, class_name: str) -> None:
                         "does not convert to it")
 
 
+def llama3_keys(params: dict) -> dict:
+    """The `model.rope_llama3_*` keys of a "llama3" `rope_parameters` dict (Llama 3.1's scaling); UserError when one is
+    missing."""
+    names = {"factor": "rope_llama3_factor", "low_freq_factor": "rope_llama3_low_freq_factor",
+             "high_freq_factor": "rope_llama3_high_freq_factor",
+             "original_max_position_embeddings": "rope_llama3_original_positions"}
+    missing = [name for name in names if params.get(name) is None]
+    if missing:
+        raise UserError(f"the HF model's llama3 rotary ({params}) has no {', '.join(missing)}; set them as Llama 3.1's "
+                        "config.json does")
+    return {ours: (int if ours.endswith("positions") else float)(params[theirs]) for theirs, ours in names.items()}
+
+
 def rope_parameters_of(cfg: ModelConfig) -> dict:
-    """The HF `rope_parameters` of a model config: default, or yarn with every `rope_yarn_*` key (attention_factor
-    when one is set)."""
+    """The HF `rope_parameters` of a model config: default, yarn with every `rope_yarn_*` key (attention_factor
+    when one is set), or llama3 with the `rope_llama3_*` keys."""
+    if cfg.rope_llama3_factor:
+        return {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": cfg.rope_llama3_factor,
+                "low_freq_factor": cfg.rope_llama3_low_freq_factor,
+                "high_freq_factor": cfg.rope_llama3_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_llama3_original_positions}
     if not cfg.rope_yarn_factor:
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_yarn_factor,

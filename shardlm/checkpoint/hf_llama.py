@@ -34,10 +34,10 @@ live in `shardlm.checkpoint.hf_olmo3` and `shardlm.checkpoint.hf_minimax_m2`.
 Mixtral and Qwen3-MoE replace each MLP by softmax top-k routing over SwiGLU experts (Mixtral always
 renormalises the chosen weights; Qwen3-MoE when `norm_topk_prob`); shardlm's checkpoints store each
 expert under its global index, as HF does, so experts map one to one too.
-Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. The default rotary embedding
-and YaRN (`rope_yarn_*`: Qwen3's long-context setting) convert, other `rope_scaling` types (Llama 3.1's "llama3")
-are refused, as are biases (but GLM-4.5's q/k/v ones) and sliding-window attention (but OLMo 3's), each with a
-one-line error. No network.
+Reads `model.safetensors` or the shards listed in `model.safetensors.index.json`. The default rotary embedding,
+YaRN (`rope_yarn_*`: Qwen3's long-context setting) and Llama 3.1's "llama3" scaling (`rope_llama3_*`: Llama 3.1,
+3.2 and 3.3) convert; other `rope_scaling` types (dynamic NTK, longrope) are refused, as are biases (but GLM-4.5's
+q/k/v ones) and sliding-window attention (but OLMo 3's), each with a one-line error. No network.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from shardlm.checkpoint.hf_common import (
     HFTensor,
     check_pieces,
     drop_missing_mtp,
+    llama3_keys,
     rope_parameters,
     rope_parameters_of,
     rope_theta_and_type,
@@ -208,8 +209,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     theta, rope_type = hf_olmo3.rope(hf) if olmo3 else rope_theta_and_type(hf)
     fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     refusals = [
-        (rope_type in ("default", "yarn"), f"rope type {rope_type!r} (the default rotary embedding and YaRN convert)"),
-        (not (rope_type == "yarn" and minimax), "rope type 'yarn' (MiniMaxM2ForCausalLM has none)"),
+        (rope_type in ("default", "yarn", "llama3"),
+         f"rope type {rope_type!r} (the default rotary embedding, YaRN and Llama 3.1's llama3 convert)"),
+        (rope_type == "default" or not minimax, f"rope type {rope_type!r} (MiniMaxM2ForCausalLM has none)"),
         ((glm or not hf.get("attention_bias")) and not hf.get("mlp_bias"), "biases (attention_bias / mlp_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
         (olmo3 or not hf.get("use_sliding_window") and (hf.get("model_type") != "mixtral"
@@ -219,7 +221,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's llama does not compute")
-    yarn = yarn_keys(rope_parameters(hf), hf["max_position_embeddings"]) if rope_type == "yarn" else {}
+    scaling = {"yarn": lambda: yarn_keys(rope_parameters(hf), hf["max_position_embeddings"]),
+               "llama3": lambda: llama3_keys(rope_parameters(hf))}.get(rope_type, dict)()
     family = (hf_olmo3.from_hf(hf) if olmo3 else hf_olmo3.POST_NORMS if hf.get("model_type") == "olmo2"
               else {"qk_norm": True, "qk_norm_scope": "projection"} if minimax else {"qk_norm": qwen3})
     return ModelConfig(arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
@@ -231,7 +234,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        head_dim=0 if hf.get("head_dim") in (None, hf["hidden_size"] // heads) else hf["head_dim"],
                        attention_bias=glm and bool(hf.get("attention_bias")),
-                       rope_fraction=float(fraction or 1.0), **family, **yarn, **_moe_from_hf(hf))
+                       rope_fraction=float(fraction or 1.0), **family, **scaling, **_moe_from_hf(hf))
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -239,11 +242,12 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixt
                  "olmo3": "Olmo3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 
-PIECES_OF = {"glm4_moe": ("rope_yarn_factor", "moe_routed_scaling"),
-             "olmo2": ("norm_placement", "qk_norm_scope", "rope_yarn_factor"),
+ROPE_SCALINGS = ("rope_yarn_factor", "rope_llama3_factor")
+PIECES_OF = {"glm4_moe": ROPE_SCALINGS + ("moe_routed_scaling",),
+             "olmo2": ROPE_SCALINGS + ("norm_placement", "qk_norm_scope"),
              "olmo3": ("norm_placement", "qk_norm_scope", "rope_yarn_factor", "sliding_window"),
              "minimax_m2": ("qk_norm_scope",)}
-"""The `hf_common.PIECES` each class computes besides YaRN (which every other Llama-family class here has)."""
+"""The `hf_common.PIECES` each class computes; the others here have YaRN and Llama 3.1's scaling (`ROPE_SCALINGS`)."""
 
 
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
@@ -297,7 +301,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         return hf_gpt_oss.hf_config_from_model(cfg)
     family = _moe_to_hf(cfg, kind) if cfg.moe_num_experts else hf_olmo3.to_hf(cfg, kind) if kind in hf_olmo3.KINDS \
         else {}
-    check_pieces(cfg, ARCHITECTURES[kind], has=PIECES_OF.get(kind, ("rope_yarn_factor",)))
+    check_pieces(cfg, ARCHITECTURES[kind], has=PIECES_OF.get(kind, ROPE_SCALINGS))
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,

@@ -221,6 +221,16 @@ class ModelConfig:
     rope_yarn_attention_factor: float = 0.0
     """YaRN: the cos/sin factor as a checkpoint states it (rope_scaling's attention_factor); 0 derives it from the
     factor and the mscales."""
+    rope_llama3_factor: float = 0.0
+    """Llama 3.1's rope scaling (rope_scaling type "llama3"): frequencies whose wavelength exceeds the original
+    positions / low_freq_factor are divided by this factor, those below original / high_freq_factor kept, the ones
+    between blended; 0 turns it off."""
+    rope_llama3_low_freq_factor: float = 1.0
+    """Llama 3.1's rope scaling: low_freq_factor."""
+    rope_llama3_high_freq_factor: float = 4.0
+    """Llama 3.1's rope scaling: high_freq_factor."""
+    rope_llama3_original_positions: int = 8192
+    """Llama 3.1's rope scaling: the pretraining context length (original_max_position_embeddings)."""
     rope_yarn_layers: str = "all"
     """YaRN: the layers whose rotary it scales, "all" or "full" (OLMo 3's long-context checkpoints: the full-attention
     layers; the sliding-window ones keep the unscaled rotary)."""

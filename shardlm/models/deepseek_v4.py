@@ -62,6 +62,7 @@ def check_deepseek_v4(m: ModelConfig, context: int = 1) -> str | None:
         (0 <= m.moe_hash_layers <= m.num_layers and m.swiglu_limit == 0 and m.swiglu_clip >= 0,
          "model.moe_hash_layers must be in 0..num_layers; DeepSeek-V4 clips with swiglu_clip (not swiglu_limit)"),
         (not m.mtp_layers, "DeepSeek-V4's multi-token prediction layers are not built; set model.mtp_layers = 0"),
+        (not m.rope_llama3_factor, "DeepSeek-V4 scales its compressed layers' rotary by YaRN, not llama3's scaling"),
         (m.index_stage == "sparse", 'DeepSeek-V4 has no dense warm-up stage (its CSA indexer trains beside the '
          'model by its own loss): set model.index_stage = "sparse"'),
         (m.dropout == 0 and m.attention_dropout_p == 0, "DeepSeek-V4 has no dropout; set model.dropout = 0"),

@@ -71,8 +71,9 @@ def check_gemma(cfg: ModelConfig, tp_size: int = 1) -> None:
          'model.sandwich_norms (Gemma 4) needs qk_norm = true with qk_norm_scope="head" and plain norms'),
         (not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)) and not cfg.mtp_layers,
          'model.sandwich_norms (Gemma 4) has no linear-attention or multi-token-prediction layers'),
-        (not (cfg.attention_sinks or cfg.attention_output_gate or cfg.rope_yarn_factor or cfg.rope_fraction != 1),
-         'model.sandwich_norms (Gemma 4) has no sinks, output gate, YaRN or rope_fraction (use '
+        (not (cfg.attention_sinks or cfg.attention_output_gate or cfg.rope_yarn_factor or cfg.rope_llama3_factor
+              or cfg.rope_fraction != 1),
+         'model.sandwich_norms (Gemma 4) has no sinks, output gate, YaRN, llama3 rope scaling or rope_fraction (use '
          'global_rope_fraction)'),
         (0 <= cfg.kv_shared_layers < cfg.num_layers,
          f"model.kv_shared_layers={cfg.kv_shared_layers} must be in 0..num_layers-1 (an earlier layer computes them)"),

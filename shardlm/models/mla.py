@@ -69,6 +69,10 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
         return f'model.attention="{m.attention}" must be "mha" or "mla"'
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
         return "model.rope_yarn_factor must be >= 1 with model.rope_yarn_original_positions >= 1 (0 turns YaRN off)"
+    if m.rope_llama3_factor and (m.rope_yarn_factor or m.rope_llama3_factor < 1 or m.rope_llama3_original_positions < 1
+                                 or not 0 < m.rope_llama3_low_freq_factor < m.rope_llama3_high_freq_factor):
+        return ("model.rope_llama3_factor needs factor >= 1, original positions >= 1, 0 < low_freq_factor < "
+                "high_freq_factor, and no YaRN (one rope scaling at a time)")
     if m.rope_yarn_layers not in ("all", "full") or m.rope_yarn_attention_factor < 0:
         return (f'model.rope_yarn_layers="{m.rope_yarn_layers}" must be "all" or "full" and '
                 f"model.rope_yarn_attention_factor={m.rope_yarn_attention_factor} at least 0 (0 derives it)")

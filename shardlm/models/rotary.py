@@ -13,7 +13,8 @@ rotates exactly as the whole model does, and a KV-cached step passes its offset 
 YaRN context extension (`rope_inverse_frequencies`, the `rope_yarn_*` keys) blends interpolated and
 extrapolated frequencies as transformers computes them and scales cos and sin by its attention factor; MLA
 (DeepSeek-V3) and grouped-query attention (gpt-oss) both use it; OLMo 3's long-context checkpoints scale only the
-full-attention layers' (`rope_yarn_layers = "full"`).
+full-attention layers' (`rope_yarn_layers = "full"`). Llama 3.1's scaling (`rope_llama3_*`) divides the low frequencies
+by its factor and blends the middle ones.
 """
 
 from __future__ import annotations
@@ -60,14 +61,31 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def llama3_frequencies(cfg, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's scaled inverse frequencies (`rope_llama3_*`), as transformers computes them: with wavelength
+    w = 2 pi / f and original length L, f / factor where w > L / low_freq_factor, f where w < L / high_freq_factor, and
+    between them the blend (1 - s) f / factor + s f, s = (L / w - low) / (high - low)."""
+    factor, low, high = cfg.rope_llama3_factor, cfg.rope_llama3_low_freq_factor, cfg.rope_llama3_high_freq_factor
+    length = cfg.rope_llama3_original_positions
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > length / low, inv_freq / factor, inv_freq)
+    smooth = (length / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= length / high) & (wavelength <= length / low)
+    return torch.where(medium, blended, scaled)
+
+
 def rope_inverse_frequencies(cfg, dim: int, device=None, sliding: bool = False) -> tuple[torch.Tensor, float]:
     """(inverse frequencies (dim / 2,) fp32, cos/sin factor) of `dim` rotary channels of the model config `cfg`:
     the default theta^(-2i / dim), or transformers' YaRN blend of interpolated and extrapolated frequencies
     (`rope_yarn_*`; the correction range rounded to whole channels unless `rope_yarn_truncate` is off; the factor
-    `rope_yarn_attention_factor` when given). A `sliding`-window layer keeps the default when YaRN scales the full
-    layers only (`rope_yarn_layers = "full"`, OLMo 3)."""
+    `rope_yarn_attention_factor` when given), or Llama 3.1's (`rope_llama3_*`, `llama3_frequencies`). A
+    `sliding`-window layer keeps the default when YaRN scales the full layers only (`rope_yarn_layers = "full"`,
+    OLMo 3)."""
     base = cfg.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    if cfg.rope_llama3_factor:
+        return llama3_frequencies(cfg, 1.0 / pos_freqs), 1.0
     factor = cfg.rope_yarn_factor
     if not factor or (sliding and cfg.rope_yarn_layers == "full"):
         return 1.0 / pos_freqs, 1.0
