@@ -23,6 +23,7 @@ from llama_reference import (
     assert_round_trip,
     hf_reference,
     layout_checks,
+    logits_and_greedy,
     variant_logits,
 )
 from test_mla_parallel import mla_config
@@ -113,6 +114,25 @@ def test_tp1_logits_and_greedy_tokens_match_transformers(reference, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_parallel_logits_and_greedy_tokens_match_transformers(world2, reference, layout, kind):
     assert_layout_matches(world2, f"{layout} {kind}", reference[kind])
+
+
+def test_rope_interleave_false_reads_as_transformers_computes_it(reference, tmp_path):
+    """DeepseekV2ForCausalLM interleaves its rotary channels whatever rope_interleave says: the "v2" directory with
+    rope_interleave = false in its config.json still gives transformers' logits (read as stored, the rotary rows
+    would stay interleaved: 0.05 off)."""
+    import json
+    import shutil
+
+    from shardlm.checkpoint.hf import from_hf
+
+    ref = reference["v2"]
+    folder = tmp_path / "hf"
+    shutil.copytree(ref["root"] / "hf", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"rope_interleave": False}))
+    logits = logits_and_greedy(from_hf(folder, tmp_path / "m.safetensors"), ParallelContext.single(),
+                               reference["tokens"])[0]
+    assert (logits - ref["logits"]).abs().max() < LOGIT_TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -254,6 +254,9 @@ def test_a_run_started_from_the_file_or_directory_gives_transformers_first_loss(
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"mlp_layer_types": ["moe", "hash_moe", "moe"]}, "hash_moe layers after"),
     ({"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 4}}, "CSA windows"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+                          "compress": {"rope_type": "default", "rope_theta": 2000.0, "partial_rotary_factor": 0.5}}},
+     "one rotary width"),
 ])
 def test_what_shardlm_does_not_compute_is_refused_in_one_line(change, words):
     with pytest.raises(UserError, match=words) as error:

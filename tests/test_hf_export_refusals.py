@@ -3,7 +3,8 @@ preset (`shardlm plan`'s, whose export is checked as it stands) with one piece o
 changes shardlm's forward but has no key in that class's config.json. Before, each of these wrote a directory that
 transformers loads and computes as another model (logits up to 10 off on tiny models), or failed with a traceback.
 The check reads no weights (`hf.check_convertible`); `shardlm convert --to-hf` runs it before consolidating a
-checkpoint directory. Also the model keys that validation now refuses before a model is built."""
+checkpoint directory. Also the model keys that validation now refuses before a model is built, and the GPT-2
+configs whose attention or output layer shardlm's GPT does not compute, refused on import."""
 
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ CASES = {
         ({"moe_shared_expert_gate": True}, "gate on the shared expert"),
         ({"swiglu_clip": 0.5}, "clipped SwiGLU"),
     ],
+    "llama3-8b": [
+        ({"rope_fraction": 0.5}, "LlamaForCausalLM has no partial rotary embeddings"),
+        ({"norm_zero_centered": True}, "zero-centred norms"),
+    ],
     "gpt2-355m": [
         ({"arch": "bert"}, 'GPT2LMHeadModel has no model.arch="bert"'),
         ({"moe_num_experts": 4}, "GPT2LMHeadModel has no experts"),
@@ -111,3 +116,22 @@ def test_keys_a_model_cannot_be_built_with_are_refused_by_validation(change, wor
     with pytest.raises(UserError) as error:
         validate(config, 1, check_paths=False)
     assert words in str(error.value)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"tie_word_embeddings": False}, "tie_word_embeddings = false"),
+    ({"scale_attn_weights": False}, "scale_attn_weights = false"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = true"),
+])
+def test_gpt2_configs_shardlm_does_not_compute_are_refused_on_import(change, words):
+    """Each changes transformers' logits (an output layer of its own: 0.7 on a tiny model; no 1 / sqrt(d): 0.02;
+    attention scaled by 1 / (layer + 1): 0.002 at 4 layers), and shardlm's GPT computes the default."""
+    from transformers import GPT2Config
+
+    from shardlm.checkpoint.hf import model_config_from_hf
+
+    base = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=4).to_dict()
+    assert model_config_from_hf(base).arch == "gpt"
+    with pytest.raises(UserError) as error:
+        model_config_from_hf(base | change)
+    assert words in str(error.value) and "\n" not in str(error.value)

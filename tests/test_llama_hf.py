@@ -217,6 +217,37 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
                 "original_max_position_embeddings": 8192}
 
 
+def test_partial_rotary_factor_is_read_where_transformers_reads_it(tmp_path):
+    """transformers' Llama rotates whole heads whatever partial_rotary_factor says (GLM-4.5 and MiniMax-M2 read it):
+    a random Llama with partial_rotary_factor 0.5 converts to a whole-head rotary and gives transformers' logits; a
+    shardlm Llama with partial rotary is refused on export (LlamaForCausalLM would rotate every channel)."""
+    import dataclasses
+
+    from llama_reference import assert_converted_matches, hf_reference
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardlm.checkpoint.hf_llama import hf_config_from_model
+    from shardlm.checkpoint.state import load_consolidated
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)
+        model.lm_head.weight.mul_(10.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    ref = hf_reference(model, tmp_path, torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1)))
+    m = load_consolidated(ref["converted"])[0].model
+    assert m.rope_fraction == 1.0
+    assert_converted_matches(ref)
+    with pytest.raises(UserError, match="LlamaForCausalLM has no partial rotary embeddings"):
+        hf_config_from_model(dataclasses.replace(m, rope_fraction=0.5))
+
+
 def test_llama31_config_json_reads_its_rope_scaling():
     """Meta's Llama 3.1 config.json (rope_scaling at the top level) and transformers 5's (rope_parameters) read
     alike."""

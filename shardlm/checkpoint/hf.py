@@ -73,9 +73,17 @@ def name_map(num_layers: int) -> list[tuple[str, str, str]]:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
+    """shardlm's GPT of a GPT2Config dict; UserError (one line) for what shardlm's GPT does not compute: another
+    activation, an output layer of its own, attention without the 1 / sqrt(d) scale or scaled by the layer index."""
     activation = hf.get("activation_function", "gelu_new")
     if activation not in ACTIVATIONS:
         raise UserError(f"HF activation_function={activation!r} is not supported; use gelu or gelu_new")
+    for bad, what in ((hf.get("tie_word_embeddings", True) is False, "tie_word_embeddings = false (an output layer "
+                       "of its own; shardlm's GPT ties it to the embedding)"),
+                      (hf.get("scale_attn_weights", True) is False, "scale_attn_weights = false"),
+                      (bool(hf.get("scale_attn_by_inverse_layer_idx")), "scale_attn_by_inverse_layer_idx = true")):
+        if bad:
+            raise UserError(f"the HF GPT-2 has {what}, which shardlm's GPT does not compute")
     return ModelConfig(arch="gpt", num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
                        seq_length=hf["n_positions"], vocab_size=hf["vocab_size"],
                        ffn_hidden_size=hf.get("n_inner") or 0,

@@ -111,6 +111,7 @@ PIECES = {
     "query_scale_beta": (0.0, "Llama 4's query scaling"),
     "rope_yarn_factor": (0.0, "YaRN rotary embeddings"),
     "rope_llama3_factor": (0.0, "Llama 3.1's rope scaling"),
+    "rope_fraction": (1.0, "partial rotary embeddings"),
     "sliding_window": (0, "sliding windows"),
     "swiglu_clip": (0.0, "DeepSeek-V4's clipped SwiGLU"),
     "swiglu_limit": (0.0, "gpt-oss's clamped SwiGLU experts"),
@@ -132,6 +133,8 @@ def check_pieces(cfg: ModelConfig, class_name: str, has: tuple[str, ...] = ()) -
         relevant = cfg.moe_num_experts > 0 or not (key.startswith("moe_") or key == "swiglu_limit")
         if key == "qk_norm_scope":
             relevant = cfg.qk_norm
+        if key == "rope_fraction":  # MLA rotates its own qk_rope_head_dim channels
+            relevant = cfg.attention == "mha"
         if key == "sliding_window":  # a window that no layer uses changes nothing
             relevant = any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers))
         if key not in has and relevant and value != neutral:

@@ -364,7 +364,8 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
         config.model.tie_embeddings = True  # a tied model saved without its (shared) output weight
     drop_missing_mtp(config.model, located, hf_dir)
     hf = text_config(hf)
-    interleaved = hf.get("rope_interleave", True) or hf["model_type"] in SPARSE
+    # DeepseekV2ForCausalLM (and the sparse families) interleave whatever rope_interleave says
+    interleaved = hf.get("rope_interleave", True) or hf["model_type"] in SPARSE + ("deepseek_v2",)
     handles: dict = {}
     sources = {}
     for ours, theirs in name_map(config.model, prefix):

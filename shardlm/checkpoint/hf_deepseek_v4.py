@@ -88,6 +88,11 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise UserError(f"the HF model has {what}, which shardlm's deepseek_v4 does not compute")
     head_dim = hf.get("head_dim", 512)
     rotary = hf.get("qk_rope_head_dim") or int(head_dim * (hf.get("partial_rotary_factor") or 64 / 512))
+    nested = {_rope(hf, kind).get("partial_rotary_factor") for kind in ("main", "compress")} - {None}
+    if any(int(head_dim * factor) != rotary for factor in nested):
+        raise UserError(f"the HF model's rope_parameters rotate {sorted(nested)} of each head, not its "
+                        f"qk_rope_head_dim / partial_rotary_factor ({rotary} of {head_dim} channels); shardlm's "
+                        "deepseek_v4 reads one rotary width")
     ratios = [0 if kind == "sliding_attention" else rates[kind] for kind in kinds]
     return ModelConfig(
         arch="llama", num_layers=layers, hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],

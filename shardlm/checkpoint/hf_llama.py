@@ -207,7 +207,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     minimax = hf.get("model_type") == "minimax_m2"
     qwen3 = hf.get("model_type") in ("qwen3", "qwen3_moe") or (glm and bool(hf.get("use_qk_norm")))
     theta, rope_type = hf_olmo3.rope(hf) if olmo3 else rope_theta_and_type(hf)
-    fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    fraction = 1.0  # Llama, Qwen3, Mixtral, Qwen3-MoE and OLMo 2 rotate whole heads whatever partial_rotary_factor says
+    if glm or minimax:
+        fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     refusals = [
         (rope_type in ("default", "yarn", "llama3"),
          f"rope type {rope_type!r} (the default rotary embedding, YaRN and Llama 3.1's llama3 convert)"),
@@ -243,10 +245,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixt
 
 
 ROPE_SCALINGS = ("rope_yarn_factor", "rope_llama3_factor")
-PIECES_OF = {"glm4_moe": ROPE_SCALINGS + ("moe_routed_scaling",),
+PIECES_OF = {"glm4_moe": ROPE_SCALINGS + ("moe_routed_scaling", "rope_fraction"),
              "olmo2": ROPE_SCALINGS + ("norm_placement", "qk_norm_scope"),
              "olmo3": ("norm_placement", "qk_norm_scope", "rope_yarn_factor", "sliding_window"),
-             "minimax_m2": ("qk_norm_scope",)}
+             "minimax_m2": ("qk_norm_scope", "rope_fraction")}
 """The `hf_common.PIECES` each class computes; the others here have YaRN and Llama 3.1's scaling (`ROPE_SCALINGS`)."""
 
 

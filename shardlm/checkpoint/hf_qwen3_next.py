@@ -245,7 +245,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         if failed:
             raise UserError(f"this model does not convert to Hugging Face: {what}")
     check_pieces(cfg, architecture(cfg)[1], has=("norm_zero_centered", "attention_output_gate",
-                                                 "moe_shared_expert_gate", "rope_yarn_factor"))
+                                                 "moe_shared_expert_gate", "rope_yarn_factor", "rope_fraction"))
 
 
 def to_hf(config: RunConfig, tensors: dict[str, torch.Tensor], out_dir: Path) -> Path:
