@@ -257,6 +257,7 @@ def test_a_run_started_from_the_file_or_directory_gives_transformers_first_loss(
     ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
                           "compress": {"rope_type": "default", "rope_theta": 2000.0, "partial_rotary_factor": 0.5}}},
      "one rotary width"),
+    ({"swiglu_limit": 0.0}, "swiglu_limit <= 0"),
 ])
 def test_what_shardlm_does_not_compute_is_refused_in_one_line(change, words):
     with pytest.raises(UserError, match=words) as error:

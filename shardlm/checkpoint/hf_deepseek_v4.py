@@ -79,6 +79,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         (hf.get("scoring_func", "sqrtsoftplus") == "sqrtsoftplus", f"scoring_func={hf.get('scoring_func')!r}"),
         (mlp == ["hash_moe"] * hashed + ["moe"] * (layers - hashed), "hash_moe layers after a routed one"),
         (hf.get("n_shared_experts", 1) == 1, "other than one shared expert"),
+        (float(hf.get("swiglu_limit", 10.0)) > 0, "swiglu_limit <= 0 (transformers clamps to it: zero up projections)"),
         (hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias") and not hf.get("mlp_bias"),
          "biases or an activation other than silu"),
         (CSA not in kinds or HCA not in kinds or rates[CSA] < rates[HCA], "CSA windows as long as HCA's"),
@@ -109,7 +110,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         index_head_dim=hf.get("index_head_dim", 128), moe_num_experts=hf["n_routed_experts"],
         moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_shared_experts=1,
         moe_score="sqrtsoftplus", moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-        moe_expert_bias=True, moe_hash_layers=hashed, swiglu_clip=float(hf.get("swiglu_limit", 0.0)), **_yarn(hf))
+        moe_expert_bias=True, moe_hash_layers=hashed, swiglu_clip=float(hf.get("swiglu_limit", 10.0)), **_yarn(hf))
 
 
 def _yarn(hf: dict) -> dict:
