@@ -75,12 +75,8 @@ CASES = {
 
 
 def preset(name: str, **change):
-    """`MODEL_PRESETS[name]` with `change`, its layer types written out for every layer (the planner's hybrid
-    presets state their repeating pattern once)."""
-    model = MODEL_PRESETS[name]
-    pattern = model.layer_types
-    kinds = [pattern[i % len(pattern)] for i in range(model.num_layers)] if pattern else []
-    return dataclasses.replace(model, layer_types=kinds, **change)
+    """`MODEL_PRESETS[name]` with `change`."""
+    return dataclasses.replace(MODEL_PRESETS[name], **change)
 
 
 def test_every_preset_here_exports_as_it_stands():

@@ -274,7 +274,8 @@ def _qwen3_hybrid(layers: int, hidden: int, heads: int, kv_heads: int, value_hea
     return ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
                        head_dim=256, qk_norm=True, rope_fraction=0.25, seq_length=4096, vocab_size=vocab,
                        ffn_hidden_size=dense_ffn or expert_ffn, rope_theta=1e7, layernorm_epsilon=1e-6, dropout=0.0,
-                       layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=16,
+                       layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                       linear_num_key_heads=16,
                        linear_num_value_heads=value_heads, linear_key_head_dim=128, linear_value_head_dim=128,
                        linear_conv_kernel=4, attention_output_gate=True, norm_zero_centered=True, **moe)
 
