@@ -89,3 +89,19 @@ def test_olmo3_whole_projection_norms_are_counted_as_transformers_builds_them():
     assert parameter_count(cfg, 1).total == hf_count(hf, Olmo3ForCausalLM)
     per_head = dataclasses.replace(cfg, qk_norm_scope="head")
     assert parameter_count(cfg, 1).total - parameter_count(per_head, 1).total == 4 * (64 + 32 - 2 * 16)
+
+
+def test_every_preset_validates_as_a_training_config():
+    """A preset is a model shardlm trains: each passes `validate` as the [model] of a run (the hybrid presets once
+    stated their layer pattern once, which the model repeats but validation refuses)."""
+    from shardlm.config import RunConfig
+    from shardlm.errors import UserError
+    from shardlm.validation import validate
+
+    for name, model in MODEL_PRESETS.items():
+        config = RunConfig(model=model)
+        config.data.text_file = "unused"
+        try:
+            validate(config, 1, check_paths=False)
+        except UserError as error:
+            pytest.fail(f"{name}: {error}")
