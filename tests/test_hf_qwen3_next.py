@@ -122,6 +122,30 @@ def test_round_trip_to_hf_is_bitwise_and_loads_in_transformers(references, famil
     assert_round_trip(references[family], tmp_path / "back", hf_classes(family)[1])
 
 
+def test_qwen35_router_renormalizes_whatever_its_config_says(tmp_path):
+    """Qwen3.5-MoE's router divides the chosen scores by their sum even with norm_topk_prob = false in its config:
+    such a directory reads as moe_norm_topk_prob = true and gives transformers' logits (a sharp router makes the
+    difference show: 0.02 when read as stated); exporting a Qwen3.5-MoE without renormalization is refused."""
+    import dataclasses
+
+    from shardlm.checkpoint.hf import check_convertible
+    from shardlm.errors import UserError
+
+    config_class, model_class, keys = hf_classes("qwen3_5_moe")
+    torch.manual_seed(0)
+    model = model_class(config_class(**keys, norm_topk_prob=False)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(10.0)
+    ref = hf_reference(model, tmp_path, torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1)))
+    m = load_consolidated(ref["converted"])[0].model
+    assert m.moe_norm_topk_prob
+    assert_converted_matches(ref)
+    with pytest.raises(UserError, match="renormalizes the chosen scores"):
+        check_convertible(dataclasses.replace(m, moe_norm_topk_prob=False))
+
+
 def test_yarn_converts_both_ways(tmp_path):
     """Qwen3.5 with YaRN x4 over 16 positions (on half of each head's channels, rows of 80): shardlm's logits and
     greedy tokens are transformers', the directory written back loads to the same logits bitwise, and the same

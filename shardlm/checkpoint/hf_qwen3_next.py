@@ -77,7 +77,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if experts:
         moe = {"moe_num_experts": experts, "moe_top_k": hf["num_experts_per_tok"],
                "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_first_dense_layers": len(dense),
-               "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+               # Qwen3.5's router always divides the chosen scores by their sum, whatever norm_topk_prob says
+               "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)) or kind != "qwen3_next",
                "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)),
                "moe_shared_experts": 1, "moe_shared_ffn_hidden_size": hf["shared_expert_intermediate_size"],
                "moe_shared_expert_gate": True}
@@ -240,6 +241,8 @@ def check_exportable(cfg: ModelConfig) -> None:
            (cfg.moe_num_experts and not (cfg.moe_shared_experts == 1 and cfg.moe_shared_expert_gate),
             "their MoE layers have one gated shared expert (moe_shared_experts = 1, moe_shared_expert_gate)"),
            (cfg.moe_num_experts and cfg.moe_score != "softmax", "their routers score by softmax"),
+           (cfg.moe_num_experts and not cfg.moe_norm_topk_prob and cfg.hf_linear_projections != "grouped",
+            "Qwen3.5's router renormalizes the chosen scores (moe_norm_topk_prob = true)"),
            (cfg.attention_bias or cfg.attention_sinks or cfg.sliding_window, "no biases, sinks or windows")]
     for failed, what in bad:
         if failed:
