@@ -144,6 +144,31 @@ def test_qwen35_router_renormalizes_whatever_its_config_says(tmp_path):
     assert_converted_matches(ref)
     with pytest.raises(UserError, match="renormalizes the chosen scores"):
         check_convertible(dataclasses.replace(m, moe_norm_topk_prob=False))
+    with pytest.raises(UserError, match="experts in every layer"):
+        check_convertible(dataclasses.replace(m, moe_first_dense_layers=1))
+
+
+def test_qwen35_moe_reads_past_the_dense_layer_keys_its_class_drops(tmp_path):
+    """Qwen3_5MoeConfig drops mlp_only_layers and decoder_sparse_step (every layer has experts): a directory whose
+    config.json states them converts with experts in every layer and gives transformers' logits."""
+    import json
+    import shutil
+
+    from shardlm.checkpoint.hf import from_hf
+
+    config_class, model_class, keys = hf_classes("qwen3_5_moe")
+    torch.manual_seed(0)
+    model = model_class(config_class(**keys)).eval()
+    tokens = torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1))
+    ref = hf_reference(model, tmp_path / "ref", tokens)
+    folder = tmp_path / "stated"
+    shutil.copytree(ref["root"] / "hf", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [0], "decoder_sparse_step": 2}))
+    converted = from_hf(folder, tmp_path / "stated.safetensors")
+    assert load_consolidated(converted)[0].model.moe_first_dense_layers == 0
+    logits = logits_and_greedy(converted, ParallelContext.single(), tokens)[0]
+    assert (logits - ref["logits"]).abs().max() < LOGIT_TOL
 
 
 def test_yarn_converts_both_ways(tmp_path):

@@ -60,17 +60,18 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     types = hf.get("layer_types") or ["linear_attention" if (i + 1) % hf.get("full_attention_interval", 4) else
                                       "full_attention" for i in range(layers)]
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    qwen35 = kind != "qwen3_next"  # Qwen3.5-MoE has experts in every layer: it drops the two keys below
     refusals = [(rope_type in ("default", "yarn"), f"rope type {rope_type!r} (the default rotary and YaRN convert)"),
                 (not hf.get("attention_bias"), "attention biases"),
                 (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r}"),
                 (set(types) <= {"linear_attention", "full_attention"}, f"layer types {sorted(set(types))}"),
-                (hf.get("decoder_sparse_step", 1) == 1, "decoder_sparse_step > 1"),
+                (qwen35 or hf.get("decoder_sparse_step", 1) == 1, "decoder_sparse_step > 1"),
                 ((hf.get("mtp_num_hidden_layers") or 0) <= 1, "more than one multi-token-prediction layer")]
     for ok, what in refusals:
         if not ok:
             raise UserError(f"the HF model has {what}, which shardlm's {kind} does not compute")
     experts = hf.get("num_experts") or 0
-    dense = list(hf.get("mlp_only_layers") or [])
+    dense = [] if qwen35 else list(hf.get("mlp_only_layers") or [])
     if experts and dense != list(range(len(dense))):
         raise UserError("the HF model's mlp_only_layers are not the first k layers, the pattern shardlm computes")
     moe = {}
@@ -243,6 +244,8 @@ def check_exportable(cfg: ModelConfig) -> None:
            (cfg.moe_num_experts and cfg.moe_score != "softmax", "their routers score by softmax"),
            (cfg.moe_num_experts and not cfg.moe_norm_topk_prob and cfg.hf_linear_projections != "grouped",
             "Qwen3.5's router renormalizes the chosen scores (moe_norm_topk_prob = true)"),
+           (cfg.moe_num_experts and cfg.moe_first_dense_layers and cfg.hf_linear_projections != "grouped",
+            "Qwen3.5-MoE has experts in every layer (moe_first_dense_layers = 0)"),
            (cfg.attention_bias or cfg.attention_sinks or cfg.sliding_window, "no biases, sinks or windows")]
     for failed, what in bad:
         if failed:
