@@ -42,7 +42,6 @@ QWEN35_VOCAB = 248320
 MISTRAL4_VOCAB = 131072
 MINIMAX_M2_VOCAB = 200064
 OLMO3_VOCAB = 100278
-OLMO2_VOCAB = 100352
 KIMI_LINEAR_VOCAB = 163840
 NEMOTRON_H_VOCAB = 131072
 SCALING_VOCAB = 51200  # paper §4: GPT-2's vocabulary padded to a multiple of 1024
@@ -203,11 +202,10 @@ def _minimax_m2() -> ModelConfig:
                        moe_norm_topk_prob=True, moe_expert_bias=True)
 
 
-def _olmo2(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
-    """OLMo 2 (allenai/OLMo-2-1124-7B and -13B, OLMo-2-0325-32B, Olmo2ForCausalLM): OLMo 3's block (`_olmo3`) without
-    sliding windows, vocabulary 100,352 (dolma2, padded), sequence 4096."""
-    return replace(_olmo3(layers, hidden, heads, kv_heads, ffn), vocab_size=OLMO2_VOCAB, seq_length=4096,
-                   sliding_window=0, layer_types=[])
+def _olmo2(*shape: int) -> ModelConfig:
+    """OLMo 2 (allenai/OLMo-2-1124-7B and -13B, OLMo-2-0325-32B, Olmo2ForCausalLM): `_olmo3`'s block of that shape
+    without sliding windows, vocabulary 100,352 (dolma2, padded), sequence 4096."""
+    return replace(_olmo3(*shape), vocab_size=100352, seq_length=4096, sliding_window=0, layer_types=[])
 
 
 def _olmo3(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
@@ -275,9 +273,9 @@ def _qwen3_hybrid(layers: int, hidden: int, heads: int, kv_heads: int, value_hea
                        head_dim=256, qk_norm=True, rope_fraction=0.25, seq_length=4096, vocab_size=vocab,
                        ffn_hidden_size=dense_ffn or expert_ffn, rope_theta=1e7, layernorm_epsilon=1e-6, dropout=0.0,
                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-                       linear_num_key_heads=16,
-                       linear_num_value_heads=value_heads, linear_key_head_dim=128, linear_value_head_dim=128,
-                       linear_conv_kernel=4, attention_output_gate=True, norm_zero_centered=True, **moe)
+                       linear_num_key_heads=16, linear_num_value_heads=value_heads, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel=4, attention_output_gate=True,
+                       norm_zero_centered=True, **moe)
 
 
 def _kimi_linear_48b_a3b() -> ModelConfig:
