@@ -133,6 +133,27 @@ def test_qwen3_with_yarn_matches_transformers_both_ways(tmp_path):
     assert (plain - ref["logits"]).abs().max() > 100 * LOGIT_TOL
 
 
+def sharp_llama_reference(root, rope: dict) -> dict:
+    """`hf_reference` of a random 2-layer `LlamaForCausalLM` (hidden 64, 4 heads over 2 KV heads) rotating by `rope`
+    (its rope_parameters), on 2 rows of 24 tokens: sharp attention (q, k x 8), tokens that decide the greedy
+    continuation (embedding x 30) and logits far from flat (output x 10), so a rotary slip shows."""
+    from llama_reference import hf_reference
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_parameters=rope,
+        tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)
+        model.lm_head.weight.mul_(10.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    return hf_reference(model, root, torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1)))
+
+
 LLAMA31_TINY = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 """Llama 3.1's rope scaling at the tests' size: over 16 pretraining positions, 16-channel heads at theta 500 have
@@ -146,24 +167,13 @@ def test_llama31_rope_scaling_matches_transformers_both_ways(tmp_path):
     handled as the other (the blend's bounds swapped)."""
     import dataclasses
 
-    from llama_reference import assert_converted_matches, assert_round_trip, hf_reference
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from llama_reference import assert_converted_matches, assert_round_trip
+    from transformers import LlamaForCausalLM
 
     from shardlm.checkpoint.files import write_consolidated
     from shardlm.checkpoint.state import load_consolidated
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_parameters=LLAMA31_TINY,
-        tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(30.0)
-        model.lm_head.weight.mul_(10.0)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    ref = hf_reference(model, tmp_path, torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1)))
+    ref = sharp_llama_reference(tmp_path, LLAMA31_TINY)
     config, tensors = load_consolidated(ref["converted"])
     m = config.model
     assert (m.rope_llama3_factor, m.rope_llama3_low_freq_factor, m.rope_llama3_high_freq_factor,
@@ -223,24 +233,12 @@ def test_partial_rotary_factor_is_read_where_transformers_reads_it(tmp_path):
     shardlm Llama with partial rotary is refused on export (LlamaForCausalLM would rotate every channel)."""
     import dataclasses
 
-    from llama_reference import assert_converted_matches, hf_reference
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from llama_reference import assert_converted_matches
 
     from shardlm.checkpoint.hf_llama import hf_config_from_model
     from shardlm.checkpoint.state import load_consolidated
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(30.0)
-        model.lm_head.weight.mul_(10.0)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    ref = hf_reference(model, tmp_path, torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1)))
+    ref = sharp_llama_reference(tmp_path, {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})
     m = load_consolidated(ref["converted"])[0].model
     assert m.rope_fraction == 1.0
     assert_converted_matches(ref)
