@@ -57,10 +57,12 @@ def hf_classes(family: str):
                                                          if k != "intermediate_size"}
 
 
-def hf_model(family: str):
+def hf_model(family: str, **changes):
+    """A random model of `family` (its config keys with `changes`): visible decays, sharp attention, tokens that
+    decide the greedy continuation."""
     config_class, model_class, keys = hf_classes(family)
     torch.manual_seed(0)
-    model = model_class(config_class(**keys)).eval()
+    model = model_class(config_class(**(keys | changes))).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer, "linear_attn"):
@@ -131,11 +133,8 @@ def test_qwen35_router_renormalizes_whatever_its_config_says(tmp_path):
     from shardlm.checkpoint.hf import check_convertible
     from shardlm.errors import UserError
 
-    config_class, model_class, keys = hf_classes("qwen3_5_moe")
-    torch.manual_seed(0)
-    model = model_class(config_class(**keys, norm_topk_prob=False)).eval()
+    model = hf_model("qwen3_5_moe", norm_topk_prob=False)
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(30.0)
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(10.0)
     ref = hf_reference(model, tmp_path, torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1)))
@@ -156,11 +155,8 @@ def test_qwen35_moe_reads_past_the_dense_layer_keys_its_class_drops(tmp_path):
 
     from shardlm.checkpoint.hf import from_hf
 
-    config_class, model_class, keys = hf_classes("qwen3_5_moe")
-    torch.manual_seed(0)
-    model = model_class(config_class(**keys)).eval()
     tokens = torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1))
-    ref = hf_reference(model, tmp_path / "ref", tokens)
+    ref = hf_reference(hf_model("qwen3_5_moe"), tmp_path / "ref", tokens)
     folder = tmp_path / "stated"
     shutil.copytree(ref["root"] / "hf", folder)
     config = json.loads((folder / "config.json").read_text())
@@ -179,23 +175,15 @@ def test_yarn_converts_both_ways(tmp_path):
 
     from shardlm.checkpoint.files import write_consolidated
 
-    config_class, model_class, keys = hf_classes("qwen3_5")
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "partial_rotary_factor": 0.5}
-    torch.manual_seed(0)
-    model = model_class(config_class(**keys, rope_parameters=rope)).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer, "self_attn"):
-                layer.self_attn.q_proj.weight.mul_(4.0)
-                layer.self_attn.k_proj.weight.mul_(4.0)
-        model.model.embed_tokens.weight.mul_(30.0)
+    model = hf_model("qwen3_5", rope_parameters=rope)
     ref = hf_reference(model, tmp_path, torch.randint(0, VOCAB, (2, 80), generator=torch.Generator().manual_seed(1)))
     config, tensors = load_consolidated(ref["converted"])
     assert (config.model.rope_yarn_factor, config.model.rope_yarn_original_positions, config.model.rope_fraction) == (
         4.0, 16, 0.5)
     assert_converted_matches(ref)
-    assert_round_trip(ref, tmp_path / "back", model_class)
+    assert_round_trip(ref, tmp_path / "back", hf_classes("qwen3_5")[1])
     config.model = dataclasses.replace(config.model, rope_yarn_factor=0.0)
     write_consolidated(tmp_path / "plain.safetensors", tensors, dataclasses.asdict(config))
     plain = logits_and_greedy(tmp_path / "plain.safetensors", ParallelContext.single(), ref["tokens"])[0]
