@@ -187,6 +187,13 @@ def per_head_mean_square(head_dim: int):
     return mean_square
 
 
+def per_head_rms_norm(head_dim: int):
+    """`llama.rms_norm` (a whole projection's norm on one rank) with each head's own statistic."""
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), None, eps).flatten(-2) * weight
+    return norm
+
+
 def test_controls_move_the_logits_far(references, tmp_path, monkeypatch):
     """The same weights as a pre-norm model, with each head's own QK-norm statistic (the weights still per channel),
     or with every layer attending to all earlier tokens: the logits move by more than 100 x LOGIT_TOL."""
@@ -195,6 +202,7 @@ def test_controls_move_the_logits_far(references, tmp_path, monkeypatch):
              "no window": variant(ref, tmp_path / "full.safetensors", sliding_window=0, layer_types=[])}
     head_dim = SHAPES["gqa"]["hidden_size"] // SHAPES["gqa"]["num_attention_heads"]
     monkeypatch.setattr(llama, "projection_mean_square", per_head_mean_square(head_dim))
+    monkeypatch.setattr(llama, "rms_norm", per_head_rms_norm(head_dim))
     moved["per-head statistic"] = logits_and_greedy(ref["converted"], ParallelContext.single(), ref["tokens"])[0]
     distances = {name: (logits - ref["logits"]).abs().max().item() for name, logits in moved.items()}
     assert min(distances.values()) > 100 * LOGIT_TOL, distances

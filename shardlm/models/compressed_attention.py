@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.data.zigzag import local_positions, zigzag_merge
+from shardlm.models import norms
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
@@ -93,7 +94,7 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32 (transformers keeps V4's norms in fp32), x (..., d) -> (..., d) in x's dtype."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return norms.rms_norm(x.float(), weight.float(), eps).to(x.dtype)
 
 
 def compressed_kinds(cfg: ModelConfig) -> list[str]:

@@ -33,6 +33,7 @@ from shardlm.models.decoder import SequenceDropout, enter_parallel_region, finis
 from shardlm.models.hyper_connections import HyperConnection, HyperHead, expand
 from shardlm.models.llama import Llama, SwiGLU
 from shardlm.models.moe import MoELayer, Router, route
+from shardlm.models.norms import RMSNorm
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, VocabParallelEmbedding, invariant
 from shardlm.parallel.init import param_seed
 from shardlm.parallel.random import recompute
@@ -125,8 +126,8 @@ class V4Block(nn.Module):
         prefix = f"layers.{index}"
         self.attn_hc = HyperConnection(cfg, ctx, seed, f"{prefix}.attn_hc", sequence_parallel)
         self.mlp_hc = HyperConnection(cfg, ctx, seed, f"{prefix}.mlp_hc", sequence_parallel)
-        self.ln_1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
-        self.ln_2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.ln_1 = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.ln_2 = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sequence_parallel:
             mark_sequence_parallel(self.ln_1)
             mark_sequence_parallel(self.ln_2)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.errors import UserError
+from shardlm.models import norms
 from shardlm.models.attention import cached_attention, causal_attention
 from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.decoder import LayerKVCache, SequenceDropout, enter_parallel_region, mark_sequence_parallel
@@ -93,7 +94,7 @@ class GeGLU(SwiGLU):
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Gemma's RMSNorm in fp32 (as transformers computes it), x (..., n) -> (..., n) in x's dtype."""
-    return (F.rms_norm(x.float(), norm.weight.shape, None, norm.eps) * norm.weight.float()).type_as(x)
+    return norms.rms_norm(x.float(), norm.weight.float(), norm.eps).type_as(x)
 
 
 class Norm(nn.RMSNorm):
@@ -189,7 +190,7 @@ class Gemma4Attention(nn.Module):
         v = raw if self.v is None else self.v(x).view(B, T, self.kv_heads, self.head_dim)
         k = apply_rotary(self.head_norm(self.k_norm, raw).transpose(1, 2), cos, sin)
         if self.cfg.value_norm:
-            v = F.rms_norm(v.float(), (self.head_dim,), None, self.cfg.layernorm_epsilon).type_as(v)
+            v = norms.rms_norm(v.float(), None, self.cfg.layernorm_epsilon).type_as(v)
         v = v.transpose(1, 2)
         return (k, v) if cache is None else cache.append(k, v)
 
@@ -197,7 +198,7 @@ class Gemma4Attention(nn.Module):
         """Each head's RMSNorm, x (B, T, local heads, head_dim); the weight's gradient summed over TP (the ranks hold
         other heads)."""
         weight = copy_to_tensor_parallel(norm.weight, self.tp)
-        return (F.rms_norm(x.float(), (self.head_dim,), None, norm.eps) * weight.float()).type_as(x)
+        return norms.rms_norm(x.float(), weight.float(), norm.eps).type_as(x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from shardlm.models.moe import (
     grouped_mm_applies,
     pad_expert_rows,
 )
+from shardlm.models.norms import rms_norm
 from shardlm.parallel import (
     ParallelContext,
     copy_to_tensor_parallel,
@@ -58,7 +59,7 @@ class GemmaRouter(nn.Module):
     def forward(self, x: torch.Tensor):
         cfg = self.cfg
         with torch.autocast(x.device.type, enabled=False):
-            normed = F.rms_norm(x.float(), (cfg.hidden_size,), None, cfg.layernorm_epsilon)
+            normed = rms_norm(x.float(), None, cfg.layernorm_epsilon)
             logits = invariant.linear(normed * self.scale.float() * cfg.hidden_size ** -0.5, self.weight.float())
         scores = logits.softmax(-1)
         top, indices = scores.topk(cfg.moe_top_k, dim=-1)

@@ -46,6 +46,7 @@ from shardlm.models.delta_rule import causal_conv, conv_validity
 from shardlm.models.documents import Documents
 from shardlm.models.kda_rule import chunk_kda_rule, kda_rule, kda_span_summary, l2norm, packed_kda_rule
 from shardlm.models.linear_attention import handed_over, starts
+from shardlm.models.norms import rms_norm
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -133,7 +134,7 @@ class KimiDeltaAttention(nn.Module):
             out = self.core(mixed, *gates, documents, cache)
         gate = self.low_rank(x, self.g_a, self.g_b).view(B, T, self.heads, self.d)
         weight = copy_to_tensor_parallel(self.norm.weight, self.tp)  # replicated: gradient summed over TP
-        y = F.rms_norm(out.float(), (self.d,), None, self.norm.eps) * weight.float()
+        y = rms_norm(out.float(), weight.float(), self.norm.eps)
         y = (y * torch.sigmoid(gate.float())).to(x.dtype)
         return self.o(y.reshape(B, T, self.heads * self.d))
 

@@ -46,6 +46,7 @@ from shardlm.models.delta_rule import (
     span_summary,
 )
 from shardlm.models.documents import Documents
+from shardlm.models.norms import rms_norm
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, copy_to_tensor_parallel
 from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.mappings import gather_from_sequence_parallel
@@ -158,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             out = self.core(mixed, *gates, documents, cache)
         z = self.z.local(x).view(B, T, self.value_heads, self.dv)
         weight = copy_to_tensor_parallel(self.norm.weight, self.tp)  # replicated: gradient summed over TP
-        y = F.rms_norm(out.float(), (self.dv,), None, self.norm.eps).to(x.dtype) * weight
+        y = rms_norm(out.float(), None, self.norm.eps).to(x.dtype) * weight
         y = (y.float() * F.silu(z.float())).to(x.dtype)
         return self.o(y.reshape(B, T, self.value_heads * self.dv))
 

@@ -55,7 +55,7 @@ from shardlm.models.decoder import (
 from shardlm.models.documents import Documents, token_positions
 from shardlm.models.max_logits import record_max_logits
 from shardlm.models.moe import mlp_or_moe
-from shardlm.models.norms import ZeroCenteredRMSNorm, check_norm_options, norm_class, projection_mean_square
+from shardlm.models.norms import ZeroCenteredRMSNorm, check_norm_options, norm_class, projection_mean_square, rms_norm
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies
 from shardlm.parallel import (
     ColumnParallelLinear,
@@ -266,17 +266,19 @@ class LlamaAttention(nn.Module):
         `split`, x and the weight are this rank's share, the mean of squares all-reduced over TP; otherwise x and the
         weight are whole on every rank, each rank's share of the weight's gradient summed over TP (`f`)."""
         x32 = x.float()
-        y = x32 * torch.rsqrt(projection_mean_square(x32, self.tp, split) + norm.eps)
         weight = norm.weight if split else copy_to_tensor_parallel(norm.weight, self.tp)
         scale = 1.0 + weight.float() if isinstance(norm, ZeroCenteredRMSNorm) else weight.float()
-        return (y * scale).type_as(x)
+        if split and self.tp.size > 1:
+            y = x32 * torch.rsqrt(projection_mean_square(x32, self.tp, split) + norm.eps)
+            return (y * scale).type_as(x)
+        return rms_norm(x32, scale, norm.eps).type_as(x)  # the whole projection on this rank
 
     def head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's channels, x (B, T, local heads, head_dim); the weight's gradient summed over TP."""
         weight = copy_to_tensor_parallel(norm.weight, self.tp)
         if isinstance(norm, ZeroCenteredRMSNorm):
-            return (F.rms_norm(x.float(), (self.head_dim,), None, norm.eps) * (1.0 + weight.float())).type_as(x)
-        return F.rms_norm(x, (self.head_dim,), weight, norm.eps)
+            return rms_norm(x.float(), 1.0 + weight.float(), norm.eps).type_as(x)
+        return rms_norm(x, weight, norm.eps)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from shardlm.models.delta_rule import conv_validity
 from shardlm.models.documents import Documents
 from shardlm.models.linear_attention import chunks_convolved
 from shardlm.models.moe import GroupedExperts, MoELayer, expert_matmul, grouped_mm_applies, pad_expert_rows
+from shardlm.models.norms import RMSNorm
 from shardlm.models.ssd import (
     carry,
     chunk_scan,
@@ -322,7 +323,7 @@ class HybridBlock(nn.Module):
         options = options or ParallelOptions()
         self.kind = cfg.layer_pattern[index]
         prefix = f"layers.{index}.mixer"
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if self.kind == "M":
             self.mixer = Mamba2(cfg, ctx, seed, prefix, sequence_parallel, selective_recompute)
         elif self.kind == "*":

@@ -51,6 +51,7 @@ from shardlm.models.decoder import (
 )
 from shardlm.models.documents import Documents, token_positions
 from shardlm.models.max_logits import record_max_logits
+from shardlm.models.norms import RMSNorm
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies, yarn_mscale
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
 from shardlm.parallel.init import normal_shard, param_seed
@@ -156,8 +157,8 @@ class LatentAttention(nn.Module):
             return ColumnParallelLinear(width, cfg.num_heads * rows_per_head, ctx.tp, bias=False, std=std,
                                         seed=param_seed(seed, f"{prefix}.{name}"), device=dev)
 
-        def norm(width: int) -> nn.RMSNorm:
-            layer = nn.RMSNorm(width, eps=LATENT_NORM_EPS, device=dev)
+        def norm(width: int) -> RMSNorm:
+            layer = RMSNorm(width, eps=LATENT_NORM_EPS, device=dev)
             if sp:
                 mark_sequence_parallel(layer)
             return layer

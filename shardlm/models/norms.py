@@ -1,6 +1,6 @@
-"""The Llama family's norms: zero-centred RMSNorm (Qwen3-Next, Qwen3.5), the checks of where norms go
-(`norm_placement`, `qk_norm_scope`), and QK-norm over whole projections (OLMo 3, MiniMax-M2), whose statistic spans
-the heads of every TP rank."""
+"""The Llama family's norms: RMSNorm (`rms_norm`, `RMSNorm`), zero-centred RMSNorm (Qwen3-Next, Qwen3.5), the checks
+of where norms go (`norm_placement`, `qk_norm_scope`), and QK-norm over whole projections (OLMo 3, MiniMax-M2), whose
+statistic spans the heads of every TP rank."""
 
 from __future__ import annotations
 
@@ -10,7 +10,54 @@ from torch import nn
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from shardlm.parallel import copy_to_tensor_parallel, invariant, reduce_from_tensor_parallel
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, fp32, with the backward written out: on the CPU
+    `F.rms_norm` is a composite of about 7 passes over x forward and 15 backward (autograd of its pieces, pow and
+    mean included); this takes 3 and 9. x (..., d), weight (d,) or None -> (..., d); saves x and the (..., 1)
+    statistic."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        y = x * rstd
+        return y if weight is None else y.mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x * rstd
+        weight_grad = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            weight_grad = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+        if weight is not None:
+            grad = grad * weight
+        x_grad = None
+        if ctx.needs_input_grad[0]:  # rstd (grad - normed mean(grad normed))
+            dot = torch.linalg.vecdot(grad, normed).unsqueeze(-1)
+            x_grad = torch.addcmul(grad, normed, dot, value=-1.0 / x.shape[-1]).mul_(rstd)
+        return x_grad, weight_grad, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """`F.rms_norm` over x's last dimension, x (..., d), weight (d,) or None; eps None: x's dtype's epsilon (as
+    nn.RMSNorm). fp32 on the CPU takes `_RMSNorm` (within a few ulp of `F.rms_norm`, and faster); other dtypes and
+    devices (CUDA has a fused kernel), and batch-invariant runs (`shardlm.parallel.invariant`), take `F.rms_norm`."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or invariant.enabled()
+            or (weight is not None and weight.dtype != torch.float32)):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm over the last dimension through `rms_norm` (same parameters and state dict), (..., d) -> (..., d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -23,12 +70,12 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        return rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).type_as(x)
 
 
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
-    """The RMSNorm of a Llama-family model: zero-centred (`norm_zero_centered`) or PyTorch's."""
-    return ZeroCenteredRMSNorm if cfg.norm_zero_centered else nn.RMSNorm
+    """The RMSNorm of a Llama-family model: zero-centred (`norm_zero_centered`) or plain (`RMSNorm`)."""
+    return ZeroCenteredRMSNorm if cfg.norm_zero_centered else RMSNorm
 
 
 def check_norm_options(cfg: ModelConfig) -> None:
