@@ -190,7 +190,8 @@ def per_head_mean_square(head_dim: int):
 def per_head_rms_norm(head_dim: int):
     """`llama.rms_norm` (a whole projection's norm on one rank) with each head's own statistic."""
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), None, eps).flatten(-2) * weight
+        heads = x.unflatten(-1, (-1, head_dim))
+        return torch.nn.functional.rms_norm(heads, (head_dim,), None, eps).flatten(-2) * weight
     return norm
 
 

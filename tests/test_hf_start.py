@@ -33,6 +33,11 @@ from agreement import assert_trained_parameters
 from multiproc import run_workers
 
 TOL, STEPS, BATCH = 1e-5, 3, 8
+PARAM_TOL = 5e-5
+"""The final parameters' bound (`trained_rel`). AdamW's second and third updates divide momenta that nearly cancel
+for some elements, so fp32 rounding in another summation order (another layout, or the AVX2 kernels) reaches
+1.1e-5 there (measured: `layers.0.mlp.down.weight` at CP=2 and TP=2); a start that missed a weight, or the
+optimizer's copy of one, trains from another random draw of it: off by order 1."""
 
 
 def tiny_qwen3(moe: bool = False):
@@ -208,7 +213,7 @@ def test_starts_at_every_layout_train_like_one_process(world2, one_process, name
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curve, ref_curve), 1):
             assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{name} step {step}: loss {loss} vs {ref_loss}"
             assert abs(norm - ref_norm) <= TOL * abs(ref_norm), f"{name} step {step}: grad norm {norm} vs {ref_norm}"
-        assert_trained_parameters(params, ref_params, STEPS, TOL, name)
+        assert_trained_parameters(params, ref_params, STEPS, PARAM_TOL, name)
 
 
 def test_the_one_process_start_learns(one_process):

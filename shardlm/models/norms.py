@@ -15,13 +15,14 @@ from shardlm.parallel import copy_to_tensor_parallel, invariant, reduce_from_ten
 
 class _RMSNorm(torch.autograd.Function):
     """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, fp32, with the backward written out: on the CPU
-    `F.rms_norm` is a composite of about 7 passes over x forward and 15 backward (autograd of its pieces, pow and
-    mean included); this takes 3 and 9. x (..., d), weight (d,) or None -> (..., d); saves x and the (..., 1)
-    statistic."""
+    `F.rms_norm` is a composite that autograd differentiates piece by piece (about 15 passes over x in the backward,
+    and it saves the normalized x too); this backward takes 9 and saves only x and the (..., 1) statistic. The
+    forward computes what F.rms_norm computes, in its order: the same output, bitwise. x (..., d), weight (d,) or
+    None -> (..., d)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        rstd = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
         y = x * rstd
         return y if weight is None else y.mul_(weight)
@@ -44,8 +45,9 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
     """`F.rms_norm` over x's last dimension, x (..., d), weight (d,) or None; eps None: x's dtype's epsilon (as
-    nn.RMSNorm). fp32 on the CPU takes `_RMSNorm` (within a few ulp of `F.rms_norm`, and faster); other dtypes and
-    devices (CUDA has a fused kernel), and batch-invariant runs (`shardlm.parallel.invariant`), take `F.rms_norm`."""
+    nn.RMSNorm). fp32 on the CPU takes `_RMSNorm` (F.rms_norm's output bitwise, its gradients within rounding, in
+    less time and memory); other dtypes and devices (CUDA has a fused kernel), and batch-invariant runs
+    (`shardlm.parallel.invariant`), take `F.rms_norm`."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     if (x.device.type != "cpu" or x.dtype != torch.float32 or invariant.enabled()
             or (weight is not None and weight.dtype != torch.float32)):

@@ -158,6 +158,18 @@ def _mask_bytes(cfg: ModelConfig, fmt: NumericFormat, backend: str) -> int:
     return 1 if backend == "cuda" else fmt.residual_bytes
 
 
+def norm_normalized_bytes(input_bytes: int, backend: str) -> int:
+    """Bytes per element of the normalized values a weighted RMSNorm saves for its weight's gradient, beside its
+    input and fp32 statistic, for an input of `input_bytes` bytes per element as `shardlm.models.norms.rms_norm`
+    receives it. 0 on CUDA (the fused `F.rms_norm` saves x, the statistic and the weight) and on the CPU for an
+    fp32 input (shardlm's own RMSNorm saves the same). 4 on the CPU for a half input, which takes `F.rms_norm`'s
+    unfused composite: it upcasts x (autocast or not) and saves the fp32 normalized values the weight multiplies,
+    and that fp32 copy of x in place of x (counted where autocast makes the copy anyway, the q/k and latent norms'
+    inputs; with half parameters on the CPU the block norms' copies are counted at x's 2 bytes). Batch-invariant
+    runs take the composite in fp32 too (not modelled)."""
+    return 0 if backend == "cuda" or input_bytes == 4 else 4
+
+
 def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
                            backend: str = "cuda") -> int:
     """Bytes autograd saves in one `TransformerBlock` forward on one TP rank (b = micro_batch, s, h,
@@ -180,15 +192,17 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
     if cfg.arch == "llama" and cfg.attention == "mla":
         return replicated + mla_activation_bytes(cfg, tp, micro_batch, fmt, backend)
     if cfg.arch == "llama":
-        # SwiGLU's gate, silu(gate), up and their product (4 f/t); one fp32 RMSNorm stat per token and norm, and on
-        # the CPU, whose rms_norm is not fused, each norm's normalized input too; zero-centred norms (Qwen3-Next)
-        # multiply the normalized input by 1 + weight outside the norm, which saves both (on CUDA too); the
-        # attention's share is `attention_activation_bytes` (a linear-attention layer's:
-        # `linear_attention.linear_activation_bytes`, `activations.shardlm_memory`)
+        # SwiGLU's gate, silu(gate), up and their product (4 f/t); one fp32 RMSNorm stat per token and norm, and
+        # each norm's normalized values where it saves them (`norm_normalized_bytes`: on the CPU for half inputs
+        # only); zero-centred norms (Qwen3-Next) normalize x.float() with the weight 1 + w folded in: they save that
+        # fp32 copy (in place of a half x) and the 1 + w vector, no normalized values; the attention's share is
+        # `attention_activation_bytes` (a linear-attention layer's: `linear_attention.linear_activation_bytes`,
+        # `activations.shardlm_memory`)
         mlp = tokens * 4 * f // tp * fmt.matmul_bytes + fmt.weight_cast_bytes * 3 * f * h // tp
-        norms = 2 * tokens * 4 + (0 if backend == "cuda" else 2 * tokens * h * fmt.residual_bytes)
         if cfg.norm_zero_centered:
-            norms += 2 * h * 4 + (2 * tokens * h * 4 if backend == "cuda" else 0)
+            norms = 2 * tokens * (4 + h * (4 - fmt.residual_bytes)) + 2 * h * 4
+        else:
+            norms = 2 * tokens * (4 + h * norm_normalized_bytes(fmt.residual_bytes, backend))
         return replicated + norms + mlp + attention_activation_bytes(cfg, tp, micro_batch, fmt, backend)
     split = tokens * (4 * h // tp + 2 * f // tp) * fmt.matmul_bytes
     small = 2 * 2 * tokens * 4 + b * (cfg.num_heads // tp) * s * 4
@@ -206,9 +220,9 @@ def attention_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt:
     copies of q, k, v and o.
     Qwen3-Next's output gate (`attention_output_gate`): sigmoid(gate) and the gated output o reads (2 a). q/k
     RMSNorm (`qk_norm`): the norms' inputs (q's projection output, gate rows included, and k's; under autocast, and
-    zero-centred in half precision, their fp32 copies of q and k), an fp32 statistic per head and token, and their
-    normalized outputs on the CPU (unfused) or, zero-centred, everywhere (fp32 but with plain norms in fp32 or half
-    parameters), with the 1 + weight vectors."""
+    zero-centred in half precision, their fp32 copies of q and k), an fp32 statistic per head and token, the 1 + weight
+    vectors of zero-centred norms (folded into the norm, which then saves no normalized values) and the normalized
+    values of plain ones where they save them (`norm_normalized_bytes`: on the CPU when q and k are half)."""
     b, s, h, e = micro_batch, cfg.seq_length, cfg.hidden_size, fmt.matmul_bytes
     tokens = b * s
     heads, head_dim = cfg.num_heads // tp, cfg.attention_head_dim
@@ -224,7 +238,7 @@ def attention_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt:
     if cfg.qk_norm:  # zero-centred norms and autocast's run in fp32, on fp32 copies of half q and k
         in_fp32 = cfg.norm_zero_centered or fmt.weight_cast_bytes > 0
         inputs = (a + kv) * 4 if in_fp32 and e != 4 else (q_rows + kv) * e  # else the projections' outputs
-        normalized = (a + kv) * (4 if in_fp32 else e) if cfg.norm_zero_centered or backend != "cuda" else 0
+        normalized = (a + kv) * norm_normalized_bytes(4 if cfg.norm_zero_centered else e, backend)
         saved += tokens * (inputs + normalized + (heads + kv // head_dim) * 4)
         saved += 2 * head_dim * 4 if cfg.norm_zero_centered else 0  # the 1 + weight vectors
     return saved
@@ -246,7 +260,8 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
           rotated q and k H/t qk each, its output H/t v_head_dim (o's input, a view on CUDA; a copy on the
           CPU), the log-sum-exp (fp32, one per local head); SwiGLU's four f/t;
       RoPE's fp32 cos and sin (s x qk_rope each); autocast's half copies of q_a, q_b (or q), kv_a, kv_b, o
-          and the MLP's three matrices; on the CPU the unfused norms' normalized inputs (2 h + r_q + r_kv).
+          and the MLP's three matrices; the norms' normalized values where they save them (`norm_normalized_bytes`:
+          on the CPU those of half inputs, as the latent norms' under autocast, r_q + r_kv in fp32).
 
     Without the query's low-rank path (r_q = 0) q's output is not saved (RoPE rebuilds q). Measured against
     autograd on the CPU in fp32 and under bf16 autocast (`tests/test_plan_deepseek.py`) with v_head_dim =
@@ -270,12 +285,13 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
     norms = (2 if q_rank else 1) * tokens * 4 + 2 * tokens * 4
     lse = b * heads * s * 4
     angles = 2 * s * rope * 4
-    unfused = 0 if backend == "cuda" else tokens * (2 * h + q_rank + kv_rank) * fmt.residual_bytes
+    normalized = tokens * (2 * h * norm_normalized_bytes(fmt.residual_bytes, backend)
+                           + (q_rank + kv_rank) * norm_normalized_bytes(fmt.matmul_bytes, backend))
     # the CPU kernel's output keeps q's (b, H, s, d) layout (q is a concatenation), so o's input is a copy
     output_copy = 0 if backend == "cuda" else tokens * heads * cfg.v_head_dim * fmt.matmul_bytes
     weights = fmt.weight_cast_bytes * (_mla_count(cfg, tp).matrix + 3 * f * h // tp)
     return (tokens * (latents + split) * fmt.matmul_bytes + norm_inputs + second_cast + norms + lse + angles
-            + unfused + output_copy + weights)
+            + normalized + output_copy + weights)
 
 
 def activation_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, backend: str = "cuda",

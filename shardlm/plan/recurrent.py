@@ -222,7 +222,8 @@ def kda_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
           under autocast); the norms' factors (2 per head and token), q scaled and k normalized, beta, the forget
           gate's softplus input and output, exp(A_log) and its negation;
       the rule (`_kda_rule_bytes`);
-      output: the gated norm's input, statistic, normalized and weighted values, the output gate's sigmoid (fp32)
+      output: the gated norm's input, statistic and weighted values (its weight folded into the norm, which saves
+          no normalized values of its fp32 input: `memory.norm_normalized_bytes`), the output gate's sigmoid (fp32)
           and the product o reads (m); autocast's half copies of the rank's projections (`kda_weights`: f_a and
           g_a whole on every rank).
 
@@ -234,7 +235,7 @@ def kda_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
     tokens, channels = b * s, 3 * heads * d
     casts = fmt.weight_cast_bytes * ((kda_weights(cfg) - 2 * d * cfg.hidden_size) // tp + 2 * d * cfg.hidden_size)
     gates = 2 * tokens * d * m
-    output = tokens * heads * ((4 * d + 1) * e + d * m) + casts
+    output = tokens * heads * ((3 * d + 1) * e + d * m) + casts
     if selective:
         return gates + tokens * (channels + heads + heads * d) * m + output
     conv = channels * kernel * m + b * (s + kernel - 1) * channels * m + tokens * channels * (m + e)
@@ -341,23 +342,27 @@ def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt:
 def mamba_block_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
                                  backend: str = "cuda", selective: bool = False) -> int:
     """What a whole Nemotron-H Mamba-2 block saves: its RMSNorm's input (residual dtype), output (as the input GEMMs
-    save it: under autocast each of its five input GEMMs, z, x, B, C and dt, casts it anew) and fp32 statistic (on the
-    CPU, whose rms_norm is not fused, the normalized input too) and `mamba_activation_bytes`."""
+    save it: under autocast each of its five input GEMMs, z, x, B, C and dt, casts it anew) and fp32 statistic (and
+    its normalized values where it saves them: `memory.norm_normalized_bytes`, on the CPU for a half input only) and
+    `mamba_activation_bytes`."""
+    from shardlm.plan.memory import norm_normalized_bytes
+
     h, tokens = cfg.hidden_size, micro_batch * cfg.seq_length
     casts = 1 if fmt.weight_cast_bytes == 0 else 5
     norm = tokens * (h * fmt.residual_bytes + casts * h * fmt.matmul_bytes + 4
-                     + (0 if backend == "cuda" else h * fmt.residual_bytes))
+                     + h * norm_normalized_bytes(fmt.residual_bytes, backend))
     return norm + mamba_activation_bytes(cfg, tp, micro_batch, fmt, selective)
 
 
 def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
                                    backend: str = "cuda", selective: bool = False) -> int:
-    """What Nemotron-H's block `index` saves for one micro-batch on one TP rank: its RMSNorm (input, statistic, on the
-    CPU the normalized input, and the output as each input GEMM saves it, cast anew by each under autocast) and its
-    mixer. Mamba-2: `mamba_block_activation_bytes`. Attention without positions: `memory.attention_activation_bytes`
-    without RoPE's cos and sin (with `selective`, without SDPA's log-sum-exp too). The ReLU^2 MLP: up's output (which
-    ReLU keeps and squares) and the square down reads (2 f / t, GEMM dtype), autocast's copies of up and down. The
-    MoE blocks ("E") are not counted here (ValueError; `moe_block_activation_bytes` estimates them)."""
+    """What Nemotron-H's block `index` saves for one micro-batch on one TP rank: its RMSNorm (input, statistic, the
+    normalized values where it saves them, `memory.norm_normalized_bytes`, and the output as each input GEMM saves
+    it, cast anew by each under autocast) and its mixer. Mamba-2: `mamba_block_activation_bytes`. Attention without
+    positions: `memory.attention_activation_bytes` without RoPE's cos and sin (with `selective`, without SDPA's
+    log-sum-exp too). The ReLU^2 MLP: up's output (which ReLU keeps and squares) and the square down reads (2 f / t,
+    GEMM dtype), autocast's copies of up and down. The MoE blocks ("E") are not counted here (ValueError;
+    `moe_block_activation_bytes` estimates them)."""
     kind = layer_kind(cfg, index)
     if kind == "M":
         return mamba_block_activation_bytes(cfg, tp, micro_batch, fmt, backend, selective)
@@ -365,11 +370,12 @@ def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_
         raise ValueError("the activation bytes of Nemotron-H's MoE blocks are not modelled")
     from dataclasses import replace
 
-    from shardlm.plan.memory import attention_activation_bytes
+    from shardlm.plan.memory import attention_activation_bytes, norm_normalized_bytes
 
     h, tokens, e = cfg.hidden_size, micro_batch * cfg.seq_length, fmt.matmul_bytes
     casts = 3 if kind == "*" and fmt.weight_cast_bytes else 1  # q, k and v each cast the norm's output
-    norm = tokens * (h * fmt.residual_bytes + casts * h * e + 4 + (0 if backend == "cuda" else h * fmt.residual_bytes))
+    norm = tokens * (h * fmt.residual_bytes + casts * h * e + 4
+                     + h * norm_normalized_bytes(fmt.residual_bytes, backend))
     if kind == "*":
         plain = replace(cfg, layer_pattern="", mamba_num_heads=0, moe_num_experts=0)
         rope = (2 if e == 4 else 4) * cfg.seq_length * cfg.attention_head_dim * e
@@ -387,20 +393,20 @@ MOE_BLOCK_NOTE = ("Nemotron-H's MoE blocks: activations estimated as shardlm's o
 def moe_block_activation_bytes(cfg: ModelConfig, tp: int, ep: int, micro_batch: int, fmt: NumericFormat,
                                sequence_parallel: bool = False, backend: str = "cuda") -> int:
     """What Nemotron-H's MoE block ("E") saves for one micro-batch on one (TP, EP) rank, not derived from its own
-    code (`pattern_block_activation_bytes` refuses it): its RMSNorm (input, fp32 statistic, on the CPU the
-    normalized input; the router saves its own fp32 copy of the output) and the MoE share of
-    `experts.moe_layer_activation_bytes` (router, routed rows, shared expert; `memory.layer_activation_bytes` less
-    its dense MLP removed), which counts SwiGLU experts: b s k rows of 4 f_e / t and 3 weight copies per expert where
-    ReLU^2 ones keep 2 f_e / t and 2, an upper bound (`MOE_BLOCK_NOTE`)."""
+    code (`pattern_block_activation_bytes` refuses it): its RMSNorm (input, fp32 statistic, the normalized values
+    where it saves them, `memory.norm_normalized_bytes`; the router saves its own fp32 copy of the output) and the
+    MoE share of `experts.moe_layer_activation_bytes` (router, routed rows, shared expert;
+    `memory.layer_activation_bytes` less its dense MLP removed), which counts SwiGLU experts: b s k rows of 4 f_e / t
+    and 3 weight copies per expert where ReLU^2 ones keep 2 f_e / t and 2, an upper bound (`MOE_BLOCK_NOTE`)."""
     from dataclasses import replace
 
     from shardlm.plan.experts import _mlp_activation_bytes, moe_layer_activation_bytes
-    from shardlm.plan.memory import layer_activation_bytes
+    from shardlm.plan.memory import layer_activation_bytes, norm_normalized_bytes
 
     plain = replace(cfg, layer_pattern="", mamba_num_heads=0)
     h, tokens = cfg.hidden_size, micro_batch * cfg.seq_length
     dense_mlp = _mlp_activation_bytes(plain, plain.ffn_size, tp, tokens, 1, fmt)
     share = moe_layer_activation_bytes(plain, tp, ep, micro_batch, fmt, sequence_parallel, backend) \
         - layer_activation_bytes(plain, tp, micro_batch, fmt, backend) + dense_mlp
-    norm = tokens * (h * fmt.residual_bytes + 4 + (0 if backend == "cuda" else h * fmt.residual_bytes))
+    norm = tokens * (h * fmt.residual_bytes + 4 + h * norm_normalized_bytes(fmt.residual_bytes, backend))
     return norm + share
