@@ -14,12 +14,20 @@ each under `torch.profiler` (CPU, `--threads` threads) and prints, per program, 
 operators with the largest self time (ms per step), side by side, with each operator's share of its step. The
 table names where one program spends time the other does not (e.g. a kernel transformers calls less often, or
 a copy shardlm makes); it does not time the programs against each other: `make bench` does, in turns.
+
+`--faults` runs the steps unprofiled instead and prints each program's median step time and the page faults its
+steps take (fresh pages the kernel maps and zeroes when glibc hands big blocks back and takes them again): run it
+once as it is and once with `MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824` (README,
+"Training") to see what the allocator costs a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +76,17 @@ def programs(family: str, precision: str, tmp: Path) -> dict:
     return {"shardlm": trainer.train_step, "hf": hf}
 
 
+def faults(step, steps: int) -> str:
+    """`steps` unprofiled calls of `step`: the median step time and minor page faults per step."""
+    times, counts = [], []
+    for _ in range(steps):
+        before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        step()
+        times.append(1000 * (time.perf_counter() - start))
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return f"{statistics.median(times):.1f} ms a step, {statistics.median(counts):,.0f} page faults a step"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("family", choices=("deepseek", "gpt_oss", "moe", "qwen3_5_moe", "deepseek_v32", "deepseek_v4",
@@ -76,6 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--faults", action="store_true", help="time the steps and count their page faults instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,6 +103,10 @@ def main() -> None:
         for step in runs.values():  # warm-up: kernels built, caches filled
             step()
             step()
+        if args.faults:
+            for name, step in runs.items():
+                print(f"{name}: " + faults(step, args.steps))
+            return
         measured = {name: self_times(step, args.steps) for name, step in runs.items()}
     (ours_ms, ours), (theirs_ms, theirs) = measured["shardlm"], measured["hf"]
     print(f"{args.family} {args.precision}, {args.threads} threads: shardlm {ours_ms:.1f} ms a step, "
