@@ -343,3 +343,20 @@ def test_a_rank_that_exits_without_a_result_fails_the_call_at_once():
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without a result"):
         run_workers(2, _exit_on_rank_1, timeout=100)
     assert time.monotonic() - start < 30
+
+
+def _raise_on_rank_0() -> None:
+    """Worker: rank 0 raises; rank 1 returns."""
+    if dist.get_rank() == 0:
+        raise ValueError("the worker's own words")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_raises_is_named_with_its_exception_on_the_first_line():
+    """The error's first line says what the worker raised (a section of `make bench` reports only that line), and
+    the worker's whole traceback follows."""
+    with pytest.raises(RuntimeError) as raised:
+        run_workers(2, _raise_on_rank_0, timeout=100)
+    lines = str(raised.value).splitlines()
+    assert lines[0] == "rank 0 failed: ValueError: the worker's own words"
+    assert lines[1].startswith("Traceback")

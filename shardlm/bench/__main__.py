@@ -133,9 +133,7 @@ def _run_section(name: str, run, out: Path) -> int:
         value = run(results)
     except Exception as exc:  # noqa: BLE001 - a failed section is reported, the others still run
         traceback.print_exc()
-        lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
-        # a worker's error carries its traceback: its last line says what failed
-        results["errors"][name] = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1].strip()}"
+        results["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     else:
         if value is not None:
             results[name] = value

@@ -100,8 +100,9 @@ def run_workers(world_size: int, fn, *args, timeout: float = 300.0, init: bool =
             except Empty:
                 _check_alive(procs, results, deadline, timeout)
                 continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            if status == "error":  # the first line names the worker's exception (its traceback's last line)
+                last = next((line.strip() for line in reversed(value.splitlines()) if line.strip()), "")
+                raise RuntimeError(f"rank {rank} failed: {last}\n{value}")
             results[rank] = pickle.loads(value)
     finally:
         for p in procs:  # after a failure the other ranks may wait in a collective: end them at once
