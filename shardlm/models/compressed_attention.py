@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.data.zigzag import local_positions, zigzag_merge
-from shardlm.models import norms
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
+from shardlm.models.norms import rms_norm_fp32 as rms_norm
 from shardlm.models.rotary import rope_inverse_frequencies
 from shardlm.models.sparse_attention import attach_indexer_loss, indexer_trains, masked_divergence, normalized
 from shardlm.parallel import (
@@ -90,11 +90,6 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     tail = x[..., -rope:]
     turned = torch.stack((-tail[..., 1::2], tail[..., 0::2]), dim=-1).flatten(-2)
     return torch.cat((x[..., :-rope], (tail.float() * cos + turned.float() * sin).to(x.dtype)), dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in fp32 (transformers keeps V4's norms in fp32), x (..., d) -> (..., d) in x's dtype."""
-    return norms.rms_norm(x.float(), weight.float(), eps).to(x.dtype)
 
 
 def compressed_kinds(cfg: ModelConfig) -> list[str]:

@@ -94,7 +94,7 @@ class GeGLU(SwiGLU):
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Gemma's RMSNorm in fp32 (as transformers computes it), x (..., n) -> (..., n) in x's dtype."""
-    return norms.rms_norm(x.float(), norm.weight.float(), norm.eps).type_as(x)
+    return norms.rms_norm_fp32(x, norm.weight, norm.eps)
 
 
 class Norm(nn.RMSNorm):
@@ -190,7 +190,7 @@ class Gemma4Attention(nn.Module):
         v = raw if self.v is None else self.v(x).view(B, T, self.kv_heads, self.head_dim)
         k = apply_rotary(self.head_norm(self.k_norm, raw).transpose(1, 2), cos, sin)
         if self.cfg.value_norm:
-            v = norms.rms_norm(v.float(), None, self.cfg.layernorm_epsilon).type_as(v)
+            v = norms.rms_norm_fp32(v, None, self.cfg.layernorm_epsilon)
         v = v.transpose(1, 2)
         return (k, v) if cache is None else cache.append(k, v)
 
@@ -198,7 +198,7 @@ class Gemma4Attention(nn.Module):
         """Each head's RMSNorm, x (B, T, local heads, head_dim); the weight's gradient summed over TP (the ranks hold
         other heads)."""
         weight = copy_to_tensor_parallel(norm.weight, self.tp)
-        return norms.rms_norm(x.float(), weight.float(), norm.eps).type_as(x)
+        return norms.rms_norm_fp32(x, weight, norm.eps)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:

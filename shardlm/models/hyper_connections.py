@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.norms import rms_norm
+from shardlm.models.norms import rms_norm_fp32
 from shardlm.parallel.init import normal_shard, param_seed
 
 
@@ -132,4 +132,4 @@ class HyperHead(nn.Module):
         mixes = F.linear(unweighted_rms_norm(streams.reshape(B, T, -1).float(), self.norm_eps), self.fn.float())
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.eps
         x = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-        return rms_norm(x.float(), self.weight.float(), self.norm_eps).to(x.dtype)
+        return rms_norm_fp32(x, self.weight, self.norm_eps)

@@ -55,6 +55,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) ->
     return _RMSNorm.apply(x, weight, eps)
 
 
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` computed in fp32 (as transformers keeps Gemma 4's and DeepSeek-V4's norms), x (..., d) -> (..., d)
+    in x's dtype."""
+    return rms_norm(x.float(), None if weight is None else weight.float(), eps).to(x.dtype)
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm over the last dimension through `rms_norm` (same parameters and state dict), (..., d) -> (..., d)."""
 
