@@ -360,3 +360,33 @@ def test_a_rank_that_raises_is_named_with_its_exception_on_the_first_line():
     lines = str(raised.value).splitlines()
     assert lines[0] == "rank 0 failed: ValueError: the worker's own words"
     assert lines[1].startswith("Traceback")
+
+
+def _rendezvous_port_and_a_sum() -> tuple[bool, float]:
+    """Worker (no group yet): whether the rendezvous port is already bound by someone else before any rank
+    initializes, then a world's all-reduce through `init_distributed` on it."""
+    import errno
+    import os
+    import socket
+
+    from shardlm.parallel.layout import init_distributed
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            held = False
+        except OSError as exc:
+            held = exc.errno == errno.EADDRINUSE
+    ctx = init_distributed(tensor_parallel=1, timeout_s=60)
+    total = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(total)
+    return held, total.item()
+
+
+@pytest.mark.timeout(120)
+def test_the_rendezvous_port_is_bound_before_the_workers_start():
+    """The caller hosts the store on a port the OS gave it while binding: no window in which another world's store
+    or a TCP connection's local end takes a port picked free (a CI run lost a module to EADDRINUSE that way), and
+    every rank, rank 0 too, joins it as a client."""
+    results = run_workers(3, _rendezvous_port_and_a_sum, init=False, timeout=100)
+    assert results == [(True, 6.0)] * 3

@@ -40,9 +40,10 @@ def run_command(fn, args) -> int:
         return fn(args)
     import torch.multiprocessing as mp
 
-    from shardlm.parallel.spawn import free_port
+    from shardlm.parallel.spawn import host_store
 
-    port = free_port()
+    store = host_store(nproc)  # held until the workers end; they join it as clients
+    port = store.port
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     context = mp.start_processes(_worker, args=(nproc, port, threads, fn, args), nprocs=nproc,
                                  start_method="spawn", join=False)

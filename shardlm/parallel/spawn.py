@@ -9,6 +9,11 @@ Workers are forked from a fork server that has imported torch and shardlm's trai
 (`PRELOAD`), instead of each spawned process importing them again (seconds of CPU per worker, which
 multi-process test suites pay hundreds of times). Each worker takes the caller's environment as it is
 at the call, as a spawned process would. `SHARDLM_START_METHOD=spawn` restores plain spawning.
+
+The caller hosts the world's rendezvous store (`host_store`), as torchrun's agent does: the OS picks its
+port while binding it. A port picked free and bound later by rank 0 can be taken in between (by another
+world's store, or as the local end of any TCP connection, gloo's included), and rank 0 then fails with
+EADDRINUSE or, worse, the other ranks join a stranger's world.
 """
 
 from __future__ import annotations
@@ -28,11 +33,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_store(world_size: int):
+    """A TCPStore server for a local world of `world_size`, on a port the OS picks as it binds (`.port`).
+    Keep it alive until the workers end; they connect to it as clients (`set_local_rank_env`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
 def set_local_rank_env(rank: int, world_size: int, port: int, threads: int | str) -> None:
-    """The environment torchrun gives rank `rank` of a one-machine world listening on `port`."""
+    """The environment torchrun gives rank `rank` of a one-machine world whose store (`host_store`) listens on
+    `port`: every rank, rank 0 too, joins it as a client, as under torchrun's agent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      OMP_NUM_THREADS=str(threads))
+                      OMP_NUM_THREADS=str(threads), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 PRELOAD = ["torch", "torch.distributed", "shardlm.training.trainer"]
@@ -85,7 +99,8 @@ def run_workers(world_size: int, fn, *args, timeout: float = 300.0, init: bool =
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
-    port = free_port()
+    store = host_store(world_size)
+    port = store.port
     environment = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init, threads, environment),
                          daemon=True) for r in range(world_size)]
@@ -110,4 +125,5 @@ def run_workers(world_size: int, fn, *args, timeout: float = 300.0, init: bool =
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # the workers are gone: close the rendezvous port
     return [results[r] for r in range(world_size)]
