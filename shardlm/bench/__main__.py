@@ -19,7 +19,9 @@ Muon against AdamW, checkpoint I/O, preprocessing, evaluation and generation. `-
 test of the harness, not figures to quote).
 
 Each section runs in a new Python process (`_in_own_process`), so its figures are those of a fresh run, whatever
-ran before it; `--only` reproduces one section's figures as the whole run measured them.
+ran before it; `--only` reproduces one section's figures as the whole run measured them. `--quick` runs every
+section in this process instead (its figures are not quoted; a new interpreter per section costs seconds of imports
+and a fork server's start each).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         section_start = time.time()
-        done = _in_own_process(name, common, results)
+        done = _in_this_process(name, sections[name], results) if args.quick else _in_own_process(name, common, results)
         outcome = "done" if done else f"failed ({results['errors'][name]})"
         print(f"bench: {name} {outcome} in {time.time() - section_start:.0f} s", file=sys.stderr, flush=True)
     results["total_seconds"] = time.time() - started
@@ -125,10 +127,17 @@ def _in_own_process(name: str, common: list[str], results: dict) -> bool:
     return name not in results["errors"]
 
 
-def _run_section(name: str, run, out: Path) -> int:
-    """The child's side of `_in_own_process`: runs one section here and pickles {name: its figures, every other
-    key the section set (e.g. `mfu` beside `train_vs_hf`), "errors": {...}} to `out`."""
-    results: dict = {"errors": {}}
+def _in_this_process(name: str, run, results: dict) -> bool:
+    """Runs section `name` here and merges what it set into `results`, as `_in_own_process` does (for `--quick`)."""
+    measured: dict = {"errors": {}}
+    _measure(name, run, measured)
+    results["errors"].update(measured.pop("errors"))
+    results.update(measured)
+    return name not in results["errors"]
+
+
+def _measure(name: str, run, results: dict) -> None:
+    """Runs one section, its figures (or its one-line error) into `results`."""
     try:
         value = run(results)
     except Exception as exc:  # noqa: BLE001 - a failed section is reported, the others still run
@@ -137,6 +146,13 @@ def _run_section(name: str, run, out: Path) -> int:
     else:
         if value is not None:
             results[name] = value
+
+
+def _run_section(name: str, run, out: Path) -> int:
+    """The child's side of `_in_own_process`: runs one section here and pickles {name: its figures, every other
+    key the section set (e.g. `mfu` beside `train_vs_hf`), "errors": {...}} to `out`."""
+    results: dict = {"errors": {}}
+    _measure(name, run, results)
     out.write_bytes(pickle.dumps(results))
     return 0
 
