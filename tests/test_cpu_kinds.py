@@ -12,7 +12,7 @@ Second, the kernels: PyTorch picks its vector kernels by the CPU (`ATEN_CPU_CAPA
 holds with AVX-512's sums can fail with AVX2's (a bias at 1.1e-5 against 1e-5 on an AVX2-only EPYC, before
 `agreement.trained_rel`). Here a representative set of the layout and oracle tests runs again in a fresh pytest
 on the AVX2 kernels (`REPRESENTATIVE_TESTS`: LoRA on the experts at EP=2 and TP=2 with SP, QK-clip at TP, CP, PP,
-DP and ZeRO-1, DPO against TRL). Skipped where this process already runs those kernels (an AVX2-only CPU, or the
+DP, ZeRO-1 and FSDP, DPO against TRL). Skipped where this process already runs those kernels (an AVX2-only CPU, or the
 suite under `ATEN_CPU_CAPABILITY=avx2` or `default`), since the whole suite is then the check.
 """
 
@@ -39,7 +39,7 @@ REPRESENTATIVE_TESTS = [
     # LoRA on the experts (EP=2, TP=2 with SP, DeepSeek's expert-bias routing)
     *(f"test_lora_layouts.py::test_lora_at_two_ranks_equals_one_process[{case}]"
       for case in ("ep2 moe", "tp2 sp moe", "ep2 moe expert bias")),
-    "test_qk_clip.py::test_qk_clip_at_two_ranks_equals_one_process",  # QK-clip at TP, CP, PP, DP and ZeRO-1
+    "test_qk_clip.py::test_qk_clip_at_two_ranks_equals_one_process",  # QK-clip at TP, CP, PP, DP, ZeRO-1 and FSDP
     "test_preference_trl.py::test_dpo_follows_trl_step_by_step",  # DPO's losses and rewards against TRL's
 ]
 """The layout and oracle tests whose fp32 bounds are rerun on the AVX2 kernels (under a minute on 2 cores): each was

@@ -16,7 +16,9 @@ exactly gamma_h times what they were:
 
 Under tensor parallelism each rank holds its heads' rows: the gammas of all heads are gathered over TP (one small
 all-gather a step) so that a key head a group straddles, or replicated key heads, get one scale on every rank.
-The step's largest logit over the whole model is returned for the log (`max_logit`).
+Under FSDP each rank holds a range of every weight's rows (`torch.chunk` over the group its DTensor is sharded on):
+it scales the rows of that range with their own heads' factors, so the next all-gather assembles the clipped
+weight. The step's largest logit over the whole model is returned for the log (`max_logit`).
 """
 
 from __future__ import annotations
@@ -70,12 +72,27 @@ def _mine(layer: nn.Module, gamma: torch.Tensor, tp_rank: int) -> torch.Tensor:
     return gamma[tp_rank * layer.heads:(tp_rank + 1) * layer.heads]
 
 
+def _held_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows of `param` this rank holds and the index of the first: the whole tensor, or an FSDP DTensor's local
+    rows (`torch.chunk` over its mesh's last dimension, the one that shards; hybrid sharding replicates over the
+    other)."""
+    if not hasattr(param, "to_local"):
+        return param, 0
+    mesh, dim = param.device_mesh, param.device_mesh.ndim - 1
+    chunk = -(-param.shape[0] // mesh.size(dim))
+    return param.to_local(), min(mesh.get_local_rank(dim) * chunk, param.shape[0])
+
+
 def _scale_rows(param: torch.Tensor | None, heads: int, scale: torch.Tensor, rows: slice = slice(None)) -> None:
-    """Multiply rows `rows` of each head's block of a (heads x rows per head, ...) weight or bias by scale (heads,)."""
+    """Multiply rows `rows` of each head's block of a (heads x rows per head, ...) weight or bias by scale (heads,)
+    (the other rows by 1, which leaves them as they are), in the rows this rank holds of it (`_held_rows`)."""
     if param is None:
         return
-    view = param.view(heads, -1, *param.shape[1:])[:, rows]
-    view.mul_(scale.view(-1, *[1] * (view.dim() - 1)).to(param.dtype))
+    factor = torch.ones(heads, param.shape[0] // heads, dtype=scale.dtype, device=scale.device)
+    factor[:, rows] = scale.unsqueeze(-1)
+    held, first = _held_rows(param)
+    factor = factor.view(-1)[first:first + held.shape[0]]
+    held.mul_(factor.view(-1, *[1] * (held.dim() - 1)).to(held.dtype))
 
 
 def _clip_gpt(layer: ParallelAttention, gamma: torch.Tensor, tp_rank: int) -> None:
