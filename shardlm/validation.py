@@ -192,9 +192,6 @@ def _validate_qk_clip(config: RunConfig) -> None:
                     "bounds the logits"),
         (bool(config.lora.rank), "[lora]: the frozen base's query and key weights cannot be scaled"),
         (m.index_topk > 0, "model.index_topk: sparse attention does not record its logits for the clip yet"),
-        (t.param_dtype == "half" and t.data_sharding != "full",
-         'train.param_dtype="half" outside FSDP (its fp32 master weights are a copy the clip does not scale; '
-         'train.data_sharding="full" keeps them as the parameters)'),
     ]
     for bad, what in problems:
         if bad:

@@ -12,8 +12,11 @@ head's logits to tau, and every layout equals one process.
   one process's.
 - Under FSDP (DP=2, fp32 parameters, and bf16 gathered copies as train.param_dtype = "half" makes them) each rank
   clips its own rows of every weight: the parameters gathered after the clip are bitwise those of the same model
-  clipped whole (GPT, Llama with grouped-query attention, MLA); a bf16 run of train.param_dtype = "half" under FSDP
-  follows the clipped fp32 one-process run within bf16's rounding, far nearer it than the unclipped run.
+  clipped whole (GPT, Llama with grouped-query attention, MLA).
+- With bf16 parameters and fp32 master weights (replicated and ZeRO-1 at DP=2) the master weights after the clip are
+  bitwise an fp32 model's holding the same values clipped whole, and the parameters their casts; bf16 runs of
+  train.param_dtype = "half" (FSDP, replicated, ZeRO-1) follow the clipped fp32 one-process run within bf16's
+  rounding, far nearer it than the unclipped run.
 - Training with Muon and QK-clip (tau low enough that heads clip every step, checked on the reference): TP=2 with SP
   (split key heads), TP=2 with one key head for four query heads (replicated), TP=2 MLA, CP=2, PP=2, DP=2, ZeRO-1
   and FSDP (Llama, MLA) at DP=2 equal one process within 1e-5 (4 steps' losses and gradient norms, every
@@ -22,7 +25,7 @@ head's logits to tau, and every layout equals one process.
   micro-batch.
 - Controls: the reference with the clip off, and DP=2 and CP=2 with each rank clipping by its own maxima (no
   all-reduce over DP x CP), train and end more than 1e-3 off the clipped one-process run.
-- One-line errors: tau < 0, QK-norm, LoRA, half-precision parameters outside FSDP.
+- One-line errors: tau < 0, QK-norm, LoRA.
 """
 
 from __future__ import annotations
@@ -170,6 +173,35 @@ def train(ctx: ParallelContext, config, stale_maxima: bool = False) -> dict:
     return {"curve": curve, "params": stage_parameters(trainer.model)}
 
 
+def plant_maxima(model) -> None:
+    """Every head's maximum set, each a gamma of its own (1/2 to 1 over a layer's heads, other values each layer)."""
+    track_max_logits(model)
+    for index, layer in enumerate(attention_layers(model)):
+        layer.max_logits.copy_(torch.linspace(2 * TAU, TAU / 2, layer.heads) * (1 + index / 8))
+
+
+def master_clip(shard: bool) -> dict:
+    """bf16 parameters with fp32 master weights at DP=2, ZeRO-1 (`shard`) or replicated: the maxima planted,
+    `clip_qk` with the trainer's master optimizer. Returns the master weights before and after (gathered), the
+    parameters after, and an fp32 model holding the master weights before, clipped whole the same way."""
+    ctx = layout_context()
+    config = clip_config(precision="bf16", param_dtype="half", data_sharding="optimizer" if shard else "none")
+    validate(config, ctx.world_size, check_paths=False)
+    trainer = Trainer(config, ctx, batches())
+    before = {name: state["model"] for name, state in trainer.master.full_state().items()}
+    plant_maxima(trainer.model)
+    clip_qk(trainer.model, ctx, TAU, trainer.master)
+    whole = build_model(config.model, ctx)
+    with torch.no_grad():
+        for name, param in whole.named_parameters():
+            param.copy_(before[name])
+    plant_maxima(whole)
+    clip_qk(whole, ctx, TAU)
+    return {"before": before, "after": {name: state["model"] for name, state in trainer.master.full_state().items()},
+            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "whole": {n: p.detach().clone() for n, p in whole.named_parameters()}}
+
+
 def sharded_clip(kind: str, param_dtype: str | None) -> dict:
     """FSDP at DP=2 (`param_dtype`: "bf16" gathers bf16 copies of the fp32 shards, as train.param_dtype = "half"
     does): the same model sharded and whole, the same maxima planted in both (a gamma of its own for every head,
@@ -180,9 +212,7 @@ def sharded_clip(kind: str, param_dtype: str | None) -> dict:
     whole, sharded = (build_model(model_config(kind), ctx, seed=3) for _ in range(2))
     shard_model(sharded, ctx, param_dtype=torch.bfloat16 if param_dtype == "bf16" else None)
     for model in (whole, sharded):
-        track_max_logits(model)
-        for index, layer in enumerate(attention_layers(model)):
-            layer.max_logits.copy_(torch.linspace(2 * TAU, TAU / 2, layer.heads) * (1 + index / 8))
+        plant_maxima(model)
         clip_qk(model, ctx, TAU)
     return {"whole": {n: p.detach().clone() for n, p in whole.named_parameters()},
             "sharded": {n: p.full_tensor() for n, p in sharded.named_parameters()},
@@ -190,11 +220,11 @@ def sharded_clip(kind: str, param_dtype: str | None) -> dict:
                        .named_parameters()}}
 
 
-def clip_unreduced(model, ctx: ParallelContext, tau: float) -> float:
+def clip_unreduced(model, ctx: ParallelContext, tau: float, master=None) -> float:
     """A control's bug: the clip without the maxima's all-reduce over DP x CP (each rank clips by its own rows)."""
     alone = copy.copy(ctx)
     alone.dp_cp = Communicator("alone", None, 1, 0, ctx.comm)
-    return clip_qk(model, alone, tau)
+    return clip_qk(model, alone, tau, master)
 
 
 def clip_config(kind: str = "llama", tp: int = 1, pp: int = 1, cp: int = 1, micro: int = 2, sp: bool = False,
@@ -233,6 +263,8 @@ WORLD2 = {  # name: (reference kind, layout)
 }
 
 
+HALF_RUNS = {"fsdp": "full", "zero1": "optimizer", "replicated": "none"}
+"""bf16 runs with train.param_dtype = "half" at DP=2, by data sharding: FSDP's fp32 shards or the master weights."""
 SHARDED_CLIPS = [("llama gqa window", None), ("llama gqa window", "bf16"), ("gpt", None), ("mla", None)]
 
 
@@ -242,8 +274,11 @@ def maxima_checks() -> dict:
     return {**{f"cp2 maxima {kind}": (lambda kind=kind: context_parallel_maxima(kind)) for kind in KINDS},
             **{f"fsdp clip {kind} {dtype}": (lambda kind=kind, dtype=dtype: sharded_clip(kind, dtype))
                for kind, dtype in SHARDED_CLIPS},
-            "fsdp half run": lambda: train(layout_context(), clip_config(precision="bf16", param_dtype="half",
-                                                                         data_sharding="full"))}
+            **{f"master clip {name}": (lambda shard=shard: master_clip(shard))
+               for name, shard in (("zero1", True), ("replicated", False))},
+            **{f"{name} half run": (lambda sharding=sharding: train(layout_context(), clip_config(
+                precision="bf16", param_dtype="half", data_sharding=sharding)))
+               for name, sharding in HALF_RUNS.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -284,12 +319,28 @@ def test_fsdp_clips_each_ranks_rows_as_the_whole_weight_is_clipped(world2, kind,
         assert query and all(not torch.equal(value["whole"][n], value["before"][n]) for n in query), query
 
 
-def test_a_half_precision_fsdp_run_clips_and_follows_the_fp32_run(world2, reference):
-    """train.param_dtype = "half" under FSDP (bf16 compute, fp32 shards) follows the clipped fp32 one-process run
-    within bf16's rounding: losses within 0.2% (measured 0.08%; the unclipped run is 3.5% off by step 2), query
-    weights within 0.05 (measured 0.018; the unclipped run's are 0.40 to 0.46 off)."""
+@pytest.mark.parametrize("name", ["zero1", "replicated"])
+def test_the_clip_scales_the_master_weights_and_casts_the_parameters_again(world2, name):
+    """bf16 parameters: the fp32 master weights after the clip (ZeRO-1: each rank's range, gathered) are bitwise
+    those of an fp32 model holding the same values clipped whole, and the parameters are their bf16 casts (on a
+    step that clipped they are made from the master again, not scaled in bf16)."""
+    for rank, value in enumerate(check_result(world2, f"master clip {name}")):
+        assert value["after"].keys() == value["whole"].keys()
+        for key, whole in value["whole"].items():
+            assert torch.equal(value["after"][key], whole), (rank, key)
+            assert torch.equal(value["params"][key], whole.to(torch.bfloat16)), (rank, key)
+        query = [n for n in value["whole"] if n.endswith(".attn.q.weight")]
+        assert query and all(not torch.equal(value["whole"][n], value["before"][n]) for n in query), query
+
+
+@pytest.mark.parametrize("name", list(HALF_RUNS))
+def test_a_half_precision_run_clips_and_follows_the_fp32_run(world2, reference, name):
+    """train.param_dtype = "half" (bf16 compute; FSDP's fp32 shards, or fp32 master weights replicated or ZeRO-1)
+    follows the clipped fp32 one-process run within bf16's rounding: losses within 0.2% (measured 0.08% under FSDP;
+    the unclipped run is 3.5% off by step 2), query weights within 0.05 (measured 0.018; the unclipped run's are
+    0.40 to 0.46 off)."""
     ref = reference["llama"]
-    for value in check_result(world2, "fsdp half run"):
+    for value in check_result(world2, f"{name} half run"):
         for (loss, _, peak), (ref_loss, _, _) in zip(value["curve"], ref["curve"], strict=True):
             assert peak > TAU and abs(loss - ref_loss) < 2e-3 * ref_loss, (value["curve"], ref["curve"])
         query = [n for n in ref["params"] if ".attn.q." in n]
@@ -336,7 +387,6 @@ def test_the_controls_bugs_end_off_one_process(world2, reference, name):
     ({"qk_clip": -1.0}, "train.qk_clip=-1.0 must be > 0"),
     ({"qk_norm": True}, "cannot run with model.qk_norm"),
     ({"lora": True}, r"cannot run with \[lora\]"),
-    ({"precision": "bf16", "param_dtype": "half"}, 'cannot run with train.param_dtype="half" outside FSDP'),
 ])
 def test_what_qk_clip_cannot_run_with_is_one_line(keys, message):
     keys = dict(keys)

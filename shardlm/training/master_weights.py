@@ -137,12 +137,33 @@ class MasterWeightOptimizer:
         """AdamW on this rank's master range, then the updated weights back into the parameters
         (cast to their dtype; all-gathered over DP when sharded)."""
         self.optimizer.step()
+        self.refresh_params()
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """The parameters from this rank's master range: cast to their dtype, all-gathered over DP when sharded
+        (after the step, and after QK-clip scaled the master weights). Collective over DP when sharded."""
         hi = self.lo + self.shard_size
         if self.separate_master:
             self.param_buffer[self.lo:hi].copy_(self.master)
         if self.shard:
             gathered = self.dp.all_gather(self.param_buffer[self.lo:hi].clone())
             self.param_buffer.copy_(torch.cat(gathered))
+
+    @torch.no_grad()
+    def scale_master_rows(self, param: torch.Tensor, factor: torch.Tensor) -> None:
+        """Multiply row i of `param`'s fp32 master weights by factor[i] (factor (rows,)), in this rank's range; the
+        parameter itself changes at the next `refresh_params`."""
+        index = next(i for i, p in enumerate(self.params) if p is param)
+        (a, b), hi = self.ranges[index], self.lo + self.shard_size
+        s, e = max(a, self.lo), min(b, hi)
+        if s < e:
+            row = torch.arange(s - a, e - a, device=factor.device) // (param.numel() // param.shape[0])
+            self.master[s - self.lo:e - self.lo].mul_(factor[row])
+
+    def owner(self, param: torch.Tensor) -> MasterWeightOptimizer | None:
+        """This optimizer when its master weights hold `param`, else None."""
+        return self if any(p is param for p in self.params) else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the fp32 gradient buffer (its views stay attached; `set_to_none` is ignored)."""
@@ -216,6 +237,10 @@ class JointMasterOptimizer:
     def step(self) -> None:
         for part in self.parts:
             part.step()
+
+    def owner(self, param: torch.Tensor) -> MasterWeightOptimizer | None:
+        """The part whose master weights hold `param` (None: no part's)."""
+        return next((part for part in self.parts if part.owner(param) is not None), None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts:

@@ -222,7 +222,7 @@ class Trainer:
             self.scaler.update(overflow)
         step_metrics = {}
         if t.qk_clip > 0:
-            step_metrics["max_logit"] = clip_qk(self.model, ctx, t.qk_clip)
+            step_metrics["max_logit"] = clip_qk(self.model, ctx, t.qk_clip, self.master)
         if self.config.model.mtp_layers:  # the depths' mean loss over the global batch (logged, not in "loss")
             mtp_sum = (torch.stack([b["mtp_loss"] for b in batches]).sum() if self.pipeline is None
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
