@@ -226,13 +226,14 @@ def test_mla_logits_equal_peft_and_cached_generation(mla_base):
     assert [g.tokens for g in cached] == ids[:, 6:].tolist()
 
 
-def assert_trains_as_peft(trainer: Trainer, model) -> None:
-    """5 steps of `trainer` and of a plain AdamW loop over the peft model's trainable parameters: same losses."""
+def assert_trains_as_peft(trainer: Trainer, model, steps: int = 5) -> None:
+    """`steps` steps of `trainer` and of a plain AdamW loop over the peft model's trainable parameters: same
+    losses."""
     params = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for p in params) == sum(p.numel() for p in trained(trainer).values())
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-8)
     data = torch.from_numpy(np.stack(batches(5)))
-    for step in range(5):
+    for step in range(steps):
         ours = trainer.train_step()["loss"]
         batch = data[4 * step:4 * step + 4]
         loss = model(batch, labels=batch).loss

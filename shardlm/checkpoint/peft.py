@@ -93,10 +93,16 @@ def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> t
 
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-"""peft's `target_parameters` for the experts: transformers' fused expert tensors of Qwen3-MoE and Mixtral. peft
-nests one wrapper per parameter in the order the experts module registers them, whatever the list's order (peft
-writes the list through a set, so either order): `experts.base_layer.lora_*` adapts gate_up_proj, `experts.lora_*`
-down_proj."""
+"""peft's `target_parameters` for the experts: transformers' fused expert tensors of Qwen3-MoE, Mixtral, GLM-4.5,
+MiniMax-M2 and gpt-oss. peft nests one wrapper per parameter in the order the experts module registers them,
+whatever the list's order (peft writes the list through a set, so either order): `experts.base_layer.lora_*` adapts
+gate_up_proj, `experts.lora_*` down_proj."""
+
+EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss")
+"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names). Their
+gate_up_proj stacks the gate rows, then the up rows (E, 2f, h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up
+columns interleaved. peft's factors are the same for both orders of the matrix (A (r E, in), B (out, r E)); only
+gpt-oss's B interleaves the gate's and the up's output rows."""
 
 
 def _check_expert_parameters(target_parameters: list[str], folder) -> None:
@@ -116,30 +122,38 @@ def _expert_keys(layer: int) -> dict[str, str]:
             "A_down": f"{module}.lora_A.weight", "B_down": f"{module}.lora_B.weight"}
 
 
-def _check_expert_family(cfg: ModelConfig) -> None:
+def _check_expert_family(cfg: ModelConfig) -> bool:
+    """UserError unless the checkpoint's experts are one of `EXPERT_FAMILIES`'; whether their gate and up rows
+    interleave (gpt-oss)."""
     from shardlm.checkpoint.hf_llama import hf_kind
 
-    if cfg.arch != "llama" or hf_kind(cfg) not in ("qwen3_moe", "mixtral"):
-        raise UserError("peft expert adapters convert for Qwen3-MoE and Mixtral (transformers' gate_up_proj and "
-                        "down_proj); this checkpoint's experts are another kind")
+    kind = hf_kind(cfg) if cfg.arch == "llama" else None
+    if kind not in EXPERT_FAMILIES:
+        raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2 and gpt-oss "
+                        "(transformers' gate_up_proj and down_proj); this checkpoint's experts are another kind")
+    return kind == "gpt_oss"
 
 
-def experts_to_peft(layer: int, stacks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def experts_to_peft(layer: int, stacks: dict[str, torch.Tensor], interleaved: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """One layer's expert adapters ({"A_in": (E, r, h), "B_gate", "B_up": (E, f, r), "A_down": (E, r, f),
     "B_down": (E, h, r)}) -> peft's (lora_A (r E, in) with expert e's rows e r .. e r + r - 1, lora_B (out, r E)
-    with expert e's columns e, E + e, ...; gate and up share A, their B rows gate first)."""
+    with expert e's columns e, E + e, ...; gate and up share A, their B rows gate first, or alternating gate, up
+    when `interleaved` (gpt-oss))."""
     keys = _expert_keys(layer)
 
     def flat_b(b: torch.Tensor) -> torch.Tensor:  # (E, out, r) -> (out, r E), column k E + e
         return b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
 
     return {keys["A_gate_up"]: stacks["A_in"].reshape(-1, stacks["A_in"].shape[-1]).contiguous(),
-            keys["B_gate_up"]: flat_b(torch.cat([stacks["B_gate"], stacks["B_up"]], dim=1)),
+            keys["B_gate_up"]: flat_b(torch.stack([stacks["B_gate"], stacks["B_up"]], dim=2).flatten(1, 2)
+                                      if interleaved else torch.cat([stacks["B_gate"], stacks["B_up"]], dim=1)),
             keys["A_down"]: stacks["A_down"].reshape(-1, stacks["A_down"].shape[-1]).contiguous(),
             keys["B_down"]: flat_b(stacks["B_down"])}
 
 
-def experts_from_peft(layer: int, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def experts_from_peft(layer: int, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                      interleaved: bool = False) -> dict[str, torch.Tensor]:
     """Inverse of `experts_to_peft`, as shardlm's per-expert tensors {"layers.i.mlp.experts.lora.X.e": tensor}."""
     keys, experts, f = _expert_keys(layer), cfg.moe_num_experts, cfg.moe_ffn_size
 
@@ -148,7 +162,8 @@ def experts_from_peft(layer: int, tensors: dict[str, torch.Tensor], cfg: ModelCo
 
     a_in = tensors[keys["A_gate_up"]].reshape(experts, -1, cfg.hidden_size)
     b_gate_up = stack_b(tensors[keys["B_gate_up"]])
-    stacks = {"A_in": a_in, "B_gate": b_gate_up[:, :f], "B_up": b_gate_up[:, f:],
+    gate, up = (b_gate_up[:, 0::2], b_gate_up[:, 1::2]) if interleaved else (b_gate_up[:, :f], b_gate_up[:, f:])
+    stacks = {"A_in": a_in, "B_gate": gate, "B_up": up,
               "A_down": tensors[keys["A_down"]].reshape(experts, -1, f), "B_down": stack_b(tensors[keys["B_down"]])}
     return {f"layers.{layer}.mlp.experts.lora.{name}.{e}": value[e].contiguous()
             for name, value in stacks.items() for e in range(experts)}
@@ -173,11 +188,11 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     modules, out = module_names(cfg), {}
     tensors = stacked(tensors)
     layers = sorted({int(n.split(".")[1]) for n in tensors if ".experts.lora." in n})
-    if layers:
-        _check_expert_family(cfg)
+    interleaved = _check_expert_family(cfg) if layers else False
     for layer in layers:
         prefix = f"layers.{layer}.mlp.experts.lora."
-        out |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in tensors.items() if n.startswith(prefix)})
+        out |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in tensors.items() if n.startswith(prefix)},
+                               interleaved)
     for name, value in tensors.items():
         if ".experts.lora." in name:
             continue
@@ -273,10 +288,10 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
         if ours in WHOLE:
             theirs[f"{PREFIX}{hf}.weight"] = (f"{ours}.weight", None)
             theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
-    tensors, expert_layers = {}, {}
+    tensors, expert_layers, interleaved = {}, {}, False
     if settings.get("target_parameters"):
         _check_expert_parameters(list(settings["target_parameters"]), folder)
-        _check_expert_family(cfg)
+        interleaved = _check_expert_family(cfg)
         expert_layers = {key: layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)
                          for key in _expert_keys(layer).values()}
     with safe_open(str(folder / ADAPTER_FILE), framework="pt") as f:
@@ -293,7 +308,8 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
             value = f.get_tensor(key).float()
             tensors[name] = _from_hf(value, kind, cfg, name.rsplit(".lora.", 1)[0]) if kind else value
     for layer in sorted(set(expert_layers.values())):
-        tensors |= experts_from_peft(layer, {k: tensors.pop(k) for k in _expert_keys(layer).values()}, cfg)
+        tensors |= experts_from_peft(layer, {k: tensors.pop(k) for k in _expert_keys(layer).values()}, cfg,
+                                     interleaved)
     return settings, tensors
 
 
