@@ -1,9 +1,10 @@
-"""Expert adapters of GLM-4.5, MiniMax-M2 and gpt-oss equal to peft 0.21's `target_parameters`, and through peft's
-files both ways (Qwen3-MoE's are tests/test_lora_peft.py's).
+"""Expert adapters of GLM-4.5, MiniMax-M2, gpt-oss and DeepSeek-V3 equal to peft 0.21's `target_parameters`, and
+through peft's files both ways (Qwen3-MoE's are tests/test_lora_peft.py's).
 
 Each base is a random two-layer transformers model (4 experts, top-2, routers drawn at std 0.5 so that they route),
-saved as a Hugging Face directory and read by shardlm in place. Adapters on q/k/v/o and on every expert, every B
-drawn non-zero (the experts' too, so each expert's adapter counts), are written into peft's layout
+saved as a Hugging Face directory and read by shardlm in place (DeepSeek-V3 converted; its first layer dense).
+Adapters on q/k/v/o (MLA's q_a, q_b, kv_a, kv_b, o) and on every expert, every B drawn non-zero (the experts' too,
+so each expert's adapter counts), are written into peft's layout
 (`peft_tensors`) and loaded into peft's `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
 "mlp.experts.down_proj"])` on the transformers model:
 
@@ -13,7 +14,8 @@ drawn non-zero (the experts' too, so each expert's adapter counts), are written 
 - 3 training steps of shardlm's trainer equal a plain AdamW loop over peft's trainable parameters (losses within
   1e-5).
 
-GLM-4.5's and MiniMax-M2's fused gate_up_proj stacks the gate rows, then the up rows, as Qwen3-MoE's; gpt-oss's is
+GLM-4.5's, MiniMax-M2's and DeepSeek-V3's fused gate_up_proj stacks the gate rows, then the up rows, as Qwen3-MoE's;
+gpt-oss's is
 (E, h, 2f), x @ W, its gate and up columns interleaved: shardlm's B rows are interleaved for it (control: the
 gate-first order there moves the logits).
 """
@@ -35,6 +37,7 @@ from test_lora_peft import (
 )
 
 from shardlm.checkpoint import load_model, save_checkpoint
+from shardlm.checkpoint.hf import from_hf
 from shardlm.checkpoint.peft import experts_to_peft, peft_tensors, read_peft, stacked
 from shardlm.cli import main
 from shardlm.lora.experts import ExpertLoRA
@@ -61,6 +64,13 @@ def hf_config(family: str):
                                 n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                                 routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=500.0,
                                 num_nextn_predict_layers=0)
+    if family == "deepseek_v3":  # MLA, sigmoid routing with the correction bias, a shared expert, a first dense layer
+        return tf.DeepseekV3Config(**{**SHAPE, "num_key_value_heads": 4}, intermediate_size=48,
+                                   moe_intermediate_size=16,
+                                   first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                   topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+                                   qk_nope_head_dim=16,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     if family == "minimax_m2":
         return tf.MiniMaxM2Config(**SHAPE, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                   rope_theta=500.0, router_aux_loss_coef=0.0, pad_token_id=None, bos_token_id=None,
@@ -74,7 +84,9 @@ def hf_config(family: str):
                            rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
-FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss")
+FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3")
+TARGETS = {"deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+"""The attention's adapters where they are not q/k/v/o (DeepSeek-V3's latent attention)."""
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -82,22 +94,26 @@ def family_base(request, tmp_path_factory):
     import transformers as tf
 
     classes = {"glm4_moe": tf.Glm4MoeForCausalLM, "minimax_m2": tf.MiniMaxM2ForCausalLM,
-               "gpt_oss": tf.GptOssForCausalLM}
+               "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM}
 
     def sharp_routers(model):  # a router that routes (std 0.02 logits would tie), experts' outputs that count
-        for layer in model.model.layers:
+        for layer in [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
             layer.mlp.router.weight.normal_(0, 0.5) if hasattr(layer.mlp, "router") else \
                 layer.mlp.gate.weight.normal_(0, 0.5)
             for name in ("gate_up_proj", "down_proj"):
                 getattr(layer.mlp.experts, name).normal_(0, 0.2)
 
     root = tmp_path_factory.mktemp(f"peft_{request.param}") / request.param
-    return request.param, save_random(classes[request.param], hf_config(request.param), root, sharp_routers)
+    save_random(classes[request.param], hf_config(request.param), root, sharp_routers)
+    if request.param == "deepseek_v3":  # shardlm reads DeepSeek's MLA converted (its rotary rows reordered)
+        return request.param, root, from_hf(root, root.parent / "deepseek.safetensors")
+    return request.param, root, root
 
 
-def adapted_trainer(root):
-    """shardlm's trainer on the base, adapters on q/k/v/o and every expert, every B drawn (seeded)."""
-    trainer = shardlm_trainer(root, targets=ATTENTION + ["experts"])
+def adapted_trainer(root, attention: list[str] = ATTENTION):
+    """shardlm's trainer on the base, adapters on the attention's projections and every expert, every B drawn
+    (seeded)."""
+    trainer = shardlm_trainer(root, targets=attention + ["experts"])
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for module in trainer.model.modules():
@@ -108,14 +124,15 @@ def adapted_trainer(root):
     return trainer
 
 
-def peft_logits(root, tensors: dict[str, torch.Tensor], experts: bool = True) -> torch.Tensor:
-    """peft's logits of TOKENS with adapters on q/k/v/o (and the experts) holding `tensors`, peft's names."""
+def peft_logits(root, tensors: dict[str, torch.Tensor], experts: bool = True,
+                attention: list[str] = ATTENTION) -> torch.Tensor:
+    """peft's logits of TOKENS with adapters on the attention (and the experts) holding `tensors`, peft's names."""
     from transformers import AutoModelForCausalLM
 
     from shardlm.checkpoint.peft import EXPERT_PARAMETERS
 
     model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(root), peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ATTENTION,
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=attention,
         target_parameters=EXPERT_PARAMETERS if experts else None))
     assert not peft.set_peft_model_state_dict(model, tensors).unexpected_keys
     with torch.no_grad():
@@ -123,17 +140,18 @@ def peft_logits(root, tensors: dict[str, torch.Tensor], experts: bool = True) ->
 
 
 def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
-    family, root = family_base
-    trainer = adapted_trainer(root)
+    family, hf_root, root = family_base
+    attention = TARGETS.get(family, ATTENTION)
+    trainer = adapted_trainer(root, attention)
     assert any(".experts.lora.B_gate" in n for n in trained(trainer))
     ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
-    model = peft_model(root, trainer, ATTENTION, experts=True)
+    model = peft_model(hf_root, trainer, attention, experts=True)
     assert rel(model.eval()(TOKENS).logits, ours) <= TOL, rel(model(TOKENS).logits, ours)
     plain = shardlm_logits(load_model(root, ParallelContext.single())[0], TOKENS)[..., :VOCAB]
     assert rel(plain, ours) > 1e-2  # the adapters changed the logits
-    without = peft_logits(root, {n: p for n, p in peft_tensors(trained(trainer), trainer.config.model).items()
-                                 if ".experts." not in n}, experts=False)  # the experts' adapters dropped
-    assert rel(without, ours) > 1e-3, rel(without, ours)
+    without = peft_logits(hf_root, {n: p for n, p in peft_tensors(trained(trainer), trainer.config.model).items()
+                                    if ".experts." not in n}, experts=False, attention=attention)
+    assert rel(without, ours) > 1e-3, rel(without, ours)  # the experts' adapters count
 
     save_checkpoint(trainer, tmp_path / "run")
     assert main(["convert", "--to-peft", str(tmp_path / "adapter"), "--checkpoint", str(tmp_path / "run")]) == 0
@@ -156,3 +174,16 @@ def test_gpt_oss_needs_its_interleaved_rows(tmp_path_factory):
         tensors |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in experts.items()
                                            if n.startswith(prefix)}, interleaved=False)
     assert rel(peft_logits(root, tensors), ours) > 1e-3
+
+
+@pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "moe_score": "softmax"},
+                                   {"arch": "gpt", "moe_num_experts": 4}],
+                         ids=["softmax MLA (DeepSeek-V2, Mistral 4)", "GPT's experts"])
+def test_other_experts_are_refused_in_one_line(model):
+    from shardlm.checkpoint.peft import _check_expert_family
+    from shardlm.config import from_dict
+    from shardlm.errors import UserError
+
+    cfg = from_dict({"model": {"arch": "llama", **model}, "data": {"text_file": "unused"}}).model
+    with pytest.raises(UserError, match="convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss and DeepSeek-V3"):
+        _check_expert_family(cfg)

@@ -98,11 +98,11 @@ MiniMax-M2 and gpt-oss. peft nests one wrapper per parameter in the order the ex
 whatever the list's order (peft writes the list through a set, so either order): `experts.base_layer.lora_*` adapts
 gate_up_proj, `experts.lora_*` down_proj."""
 
-EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss")
-"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names). Their
-gate_up_proj stacks the gate rows, then the up rows (E, 2f, h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up
-columns interleaved. peft's factors are the same for both orders of the matrix (A (r E, in), B (out, r E)); only
-gpt-oss's B interleaves the gate's and the up's output rows."""
+EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3")
+"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, and
+DeepSeek-V3's). Their gate_up_proj stacks the gate rows, then the up rows (E, 2f, h), except gpt-oss's: (E, h, 2f),
+x @ W, the gate and up columns interleaved. peft's factors are the same for both orders of the matrix (A (r E, in),
+B (out, r E)); only gpt-oss's B interleaves the gate's and the up's output rows."""
 
 
 def _check_expert_parameters(target_parameters: list[str], folder) -> None:
@@ -127,10 +127,15 @@ def _check_expert_family(cfg: ModelConfig) -> bool:
     interleave (gpt-oss)."""
     from shardlm.checkpoint.hf_llama import hf_kind
 
-    kind = hf_kind(cfg) if cfg.arch == "llama" else None
+    kind = None
+    if cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek-V3 (sigmoid routing); not V2, V3.2 or Mistral 4
+        kind = "deepseek_v3" if cfg.moe_score == "sigmoid" and not cfg.index_topk else None
+    elif cfg.arch == "llama":
+        kind = hf_kind(cfg)
     if kind not in EXPERT_FAMILIES:
-        raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2 and gpt-oss "
-                        "(transformers' gate_up_proj and down_proj); this checkpoint's experts are another kind")
+        raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss and "
+                        "DeepSeek-V3 (transformers' gate_up_proj and down_proj); this checkpoint's experts are "
+                        "another kind")
     return kind == "gpt_oss"
 
 
