@@ -128,9 +128,13 @@ def _in_own_process(name: str, common: list[str], results: dict) -> bool:
 
 
 def _in_this_process(name: str, run, results: dict) -> bool:
-    """Runs section `name` here and merges what it set into `results`, as `_in_own_process` does (for `--quick`)."""
+    """Runs section `name` here and merges what it set into `results`, as `_in_own_process` does (for `--quick`); the
+    thread count a section set is put back for the next one."""
+    from shardlm.bench.common import torch_threads
+
     measured: dict = {"errors": {}}
-    _measure(name, run, measured)
+    with torch_threads(torch.get_num_threads()):
+        _measure(name, run, measured)
     results["errors"].update(measured.pop("errors"))
     results.update(measured)
     return name not in results["errors"]
