@@ -166,3 +166,15 @@ def test_a_directory_with_weights_shardlm_would_not_read_is_refused(hf_model, tm
     with pytest.raises(UserError, match="holds 1 weights shardlm would not read") as error:
         load_model(root, ParallelContext.single())
     assert "\n" not in str(error.value) and "q_norm" in str(error.value)
+
+
+def test_a_head_dim_that_narrows_the_rotary_part_is_refused():
+    """An explicit head_dim makes transformers rotate int(head_dim x partial_rotary_factor) channels per head, not
+    qk_rope_head_dim (8 x 1/3: 2 of 8; the logits then differ by 0.8%): refused in one line, before any weight."""
+    from shardlm.checkpoint.hf_deepseek import model_config_from_hf
+
+    hf = {**hf_config().to_dict(), "head_dim": 8}
+    with pytest.raises(UserError, match="rotary width of 2 channels .* unlike qk_rope_head_dim=8") as error:
+        model_config_from_hf(hf)
+    assert "\n" not in str(error.value)
+    assert model_config_from_hf({**hf_config().to_dict(), "head_dim": 24}).qk_rope_head_dim == 8  # nope + rope

@@ -147,12 +147,15 @@ def trained(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None, experts: bool = False):
+def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None, experts: bool = False,
+               model_class=None):
+    """peft on the transformers model in `root` (`model_class`, else AutoModelForCausalLM's) with `trainer`'s
+    adapters."""
     from transformers import AutoModelForCausalLM
 
     from shardlm.checkpoint.peft import EXPERT_PARAMETERS
 
-    model = AutoModelForCausalLM.from_pretrained(root)
+    model = (model_class or AutoModelForCausalLM).from_pretrained(root)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=rslora,
                              modules_to_save=save, target_parameters=EXPERT_PARAMETERS if experts else None)
     model = peft.get_peft_model(model, config)

@@ -1,8 +1,10 @@
-"""Expert adapters of GLM-4.5, MiniMax-M2, gpt-oss and DeepSeek-V3 equal to peft 0.21's `target_parameters`, and
+"""Expert adapters of GLM-4.5, MiniMax-M2, gpt-oss, DeepSeek-V3 and Mistral 4 equal to peft 0.21's
+`target_parameters`, and
 through peft's files both ways (Qwen3-MoE's are tests/test_lora_peft.py's).
 
 Each base is a random two-layer transformers model (4 experts, top-2, routers drawn at std 0.5 so that they route),
-saved as a Hugging Face directory and read by shardlm in place (DeepSeek-V3 converted; its first layer dense).
+saved as a Hugging Face directory and read by shardlm in place (DeepSeek-V3 and Mistral 4 converted; their first
+layer dense).
 Adapters on q/k/v/o (MLA's q_a, q_b, kv_a, kv_b, o) and on every expert, every B drawn non-zero (the experts' too,
 so each expert's adapter counts), are written into peft's layout
 (`peft_tensors`) and loaded into peft's `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
@@ -14,7 +16,8 @@ so each expert's adapter counts), are written into peft's layout
 - 3 training steps of shardlm's trainer equal a plain AdamW loop over peft's trainable parameters (losses within
   1e-5).
 
-GLM-4.5's, MiniMax-M2's and DeepSeek-V3's fused gate_up_proj stacks the gate rows, then the up rows, as Qwen3-MoE's;
+GLM-4.5's, MiniMax-M2's, DeepSeek-V3's and Mistral 4's fused gate_up_proj stacks the gate rows, then the up rows, as
+Qwen3-MoE's;
 gpt-oss's is
 (E, h, 2f), x @ W, its gate and up columns interleaved: shardlm's B rows are interleaved for it (control: the
 gate-first order there moves the logits).
@@ -71,6 +74,12 @@ def hf_config(family: str):
                                    topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
                                    qk_nope_head_dim=16,
                                    rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    if family == "mistral4":  # DeepSeek-V3's shape with softmax routing, renormalized
+        shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}  # its head_dim: qk_nope + qk_rope
+        return tf.Mistral4Config(**{**shape, "num_key_value_heads": 4}, intermediate_size=48,
+                                 moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, n_group=1,
+                                 topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
+                                 qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, first_k_dense_replace=1)
     if family == "minimax_m2":
         return tf.MiniMaxM2Config(**SHAPE, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                   rope_theta=500.0, router_aux_loss_coef=0.0, pad_token_id=None, bos_token_id=None,
@@ -84,17 +93,23 @@ def hf_config(family: str):
                            rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
-FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3")
-TARGETS = {"deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
-"""The attention's adapters where they are not q/k/v/o (DeepSeek-V3's latent attention)."""
+FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "mistral4")
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+TARGETS = {"deepseek_v3": MLA, "mistral4": MLA}
+"""The attention's adapters where they are not q/k/v/o (the latent attention)."""
+
+
+def model_class(family: str):
+    """transformers' class of `family` (Mistral 4's is not one of AutoModelForCausalLM's)."""
+    import transformers as tf
+
+    return {"glm4_moe": tf.Glm4MoeForCausalLM, "minimax_m2": tf.MiniMaxM2ForCausalLM,
+            "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
+            "mistral4": tf.Mistral4ForCausalLM}[family]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_base(request, tmp_path_factory):
-    import transformers as tf
-
-    classes = {"glm4_moe": tf.Glm4MoeForCausalLM, "minimax_m2": tf.MiniMaxM2ForCausalLM,
-               "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM}
 
     def sharp_routers(model):  # a router that routes (std 0.02 logits would tie), experts' outputs that count
         for layer in [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
@@ -104,9 +119,9 @@ def family_base(request, tmp_path_factory):
                 getattr(layer.mlp.experts, name).normal_(0, 0.2)
 
     root = tmp_path_factory.mktemp(f"peft_{request.param}") / request.param
-    save_random(classes[request.param], hf_config(request.param), root, sharp_routers)
-    if request.param == "deepseek_v3":  # shardlm reads DeepSeek's MLA converted (its rotary rows reordered)
-        return request.param, root, from_hf(root, root.parent / "deepseek.safetensors")
+    save_random(model_class(request.param), hf_config(request.param), root, sharp_routers)
+    if request.param in TARGETS:  # shardlm reads the latent attention's models converted (rotary rows reordered)
+        return request.param, root, from_hf(root, root.parent / "model.safetensors")
     return request.param, root, root
 
 
@@ -124,14 +139,12 @@ def adapted_trainer(root, attention: list[str] = ATTENTION):
     return trainer
 
 
-def peft_logits(root, tensors: dict[str, torch.Tensor], experts: bool = True,
-                attention: list[str] = ATTENTION) -> torch.Tensor:
+def peft_logits(root, family: str, tensors: dict[str, torch.Tensor], experts: bool = True) -> torch.Tensor:
     """peft's logits of TOKENS with adapters on the attention (and the experts) holding `tensors`, peft's names."""
-    from transformers import AutoModelForCausalLM
-
     from shardlm.checkpoint.peft import EXPERT_PARAMETERS
 
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(root), peft.LoraConfig(
+    attention = TARGETS.get(family, ATTENTION)
+    model = peft.get_peft_model(model_class(family).from_pretrained(root), peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=attention,
         target_parameters=EXPERT_PARAMETERS if experts else None))
     assert not peft.set_peft_model_state_dict(model, tensors).unexpected_keys
@@ -145,12 +158,12 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
     trainer = adapted_trainer(root, attention)
     assert any(".experts.lora.B_gate" in n for n in trained(trainer))
     ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
-    model = peft_model(hf_root, trainer, attention, experts=True)
+    model = peft_model(hf_root, trainer, attention, experts=True, model_class=model_class(family))
     assert rel(model.eval()(TOKENS).logits, ours) <= TOL, rel(model(TOKENS).logits, ours)
     plain = shardlm_logits(load_model(root, ParallelContext.single())[0], TOKENS)[..., :VOCAB]
     assert rel(plain, ours) > 1e-2  # the adapters changed the logits
-    without = peft_logits(hf_root, {n: p for n, p in peft_tensors(trained(trainer), trainer.config.model).items()
-                                    if ".experts." not in n}, experts=False, attention=attention)
+    dense = {n: p for n, p in peft_tensors(trained(trainer), trainer.config.model).items() if ".experts." not in n}
+    without = peft_logits(hf_root, family, dense, experts=False)
     assert rel(without, ours) > 1e-3, rel(without, ours)  # the experts' adapters count
 
     save_checkpoint(trainer, tmp_path / "run")
@@ -163,7 +176,7 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
 
 def test_gpt_oss_needs_its_interleaved_rows(tmp_path_factory):
     """Control: gpt-oss's adapters written gate rows first (Qwen3-MoE's order) give peft other logits."""
-    root = save_random(__import__("transformers").GptOssForCausalLM, hf_config("gpt_oss"),
+    root = save_random(model_class("gpt_oss"), hf_config("gpt_oss"),
                        tmp_path_factory.mktemp("peft_gpt_oss_control") / "gpt_oss")
     trainer = adapted_trainer(root)
     ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
@@ -173,17 +186,19 @@ def test_gpt_oss_needs_its_interleaved_rows(tmp_path_factory):
         prefix = f"layers.{layer}.mlp.experts.lora."
         tensors |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in experts.items()
                                            if n.startswith(prefix)}, interleaved=False)
-    assert rel(peft_logits(root, tensors), ours) > 1e-3
+    assert rel(peft_logits(root, "gpt_oss", tensors), ours) > 1e-3
 
 
-@pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "moe_score": "softmax"},
+@pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "moe_score": "softmax",
+                                    "moe_norm_topk_prob": False},
                                    {"arch": "gpt", "moe_num_experts": 4}],
-                         ids=["softmax MLA (DeepSeek-V2, Mistral 4)", "GPT's experts"])
+                         ids=["DeepSeek-V2's softmax without renormalization", "GPT's experts"])
 def test_other_experts_are_refused_in_one_line(model):
     from shardlm.checkpoint.peft import _check_expert_family
     from shardlm.config import from_dict
     from shardlm.errors import UserError
 
     cfg = from_dict({"model": {"arch": "llama", **model}, "data": {"text_file": "unused"}}).model
-    with pytest.raises(UserError, match="convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss and DeepSeek-V3"):
+    with pytest.raises(UserError, match="convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, DeepSeek-V3 "
+                                        "and Mistral 4"):
         _check_expert_family(cfg)

@@ -172,6 +172,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         (hf.get("moe_layer_freq", 1) == 1, "moe_layer_freq != 1"),
         (bool(experts) and (hf.get("n_shared_experts") or 0) >= 1, "no routed or no shared experts"),
         (experts // groups >= 2 or groups == 1, "expert groups of one expert (n_group = n_routed_experts)"),
+        (not mistral or _mistral_rotary(hf) == hf["qk_rope_head_dim"],
+         f"a rotary width of {_mistral_rotary(hf) if mistral else 0} channels (head_dim x partial_rotary_factor) "
+         f"unlike qk_rope_head_dim={hf['qk_rope_head_dim']}"),
     ]
     for ok, what in refusals:
         if not ok:
@@ -201,6 +204,14 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         moe_expert_bias=not (v2 or mistral), **_v2_losses(hf), **_query_scale(hf),
         mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0, **_rope_keys(hf),
         **_sparse_keys(hf))
+
+
+def _mistral_rotary(hf: dict) -> int:
+    """The channels per head transformers' Mistral 4 rotates: int(head_dim x partial_rotary_factor), head_dim by
+    default qk_nope + qk_rope and the factor qk_rope over that (an explicit head_dim changes the width)."""
+    width = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    return int((hf.get("head_dim") or width) * (factor or hf["qk_rope_head_dim"] / width))
 
 
 def _query_scale(hf: dict) -> dict:

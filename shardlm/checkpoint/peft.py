@@ -93,16 +93,16 @@ def _from_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> t
 
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-"""peft's `target_parameters` for the experts: transformers' fused expert tensors of Qwen3-MoE, Mixtral, GLM-4.5,
-MiniMax-M2 and gpt-oss. peft nests one wrapper per parameter in the order the experts module registers them,
-whatever the list's order (peft writes the list through a set, so either order): `experts.base_layer.lora_*` adapts
-gate_up_proj, `experts.lora_*` down_proj."""
+"""peft's `target_parameters` for the experts: transformers' fused expert tensors (`EXPERT_FAMILIES`). peft nests
+one wrapper per parameter in the order the experts module registers them, whatever the list's order (peft writes
+the list through a set, so either order): `experts.base_layer.lora_*` adapts gate_up_proj, `experts.lora_*`
+down_proj."""
 
-EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3")
+EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "mistral4")
 """The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, and
-DeepSeek-V3's). Their gate_up_proj stacks the gate rows, then the up rows (E, 2f, h), except gpt-oss's: (E, h, 2f),
-x @ W, the gate and up columns interleaved. peft's factors are the same for both orders of the matrix (A (r E, in),
-B (out, r E)); only gpt-oss's B interleaves the gate's and the up's output rows."""
+DeepSeek-V3's and Mistral 4's). Their gate_up_proj stacks the gate rows, then the up rows (E, 2f, h), except
+gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved. peft's factors are the same for both orders of
+the matrix (A (r E, in), B (out, r E)); only gpt-oss's B interleaves the gate's and the up's output rows."""
 
 
 def _check_expert_parameters(target_parameters: list[str], folder) -> None:
@@ -128,14 +128,15 @@ def _check_expert_family(cfg: ModelConfig) -> bool:
     from shardlm.checkpoint.hf_llama import hf_kind
 
     kind = None
-    if cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek-V3 (sigmoid routing); not V2, V3.2 or Mistral 4
-        kind = "deepseek_v3" if cfg.moe_score == "sigmoid" and not cfg.index_topk else None
+    if cfg.arch == "llama" and cfg.attention == "mla" and not cfg.index_topk:  # (V3.2's sparse attention: not yet)
+        sigmoid, renormalized = cfg.moe_score == "sigmoid", cfg.moe_score == "softmax" and cfg.moe_norm_topk_prob
+        kind = "deepseek_v3" if sigmoid else "mistral4" if renormalized else None  # (V2's softmax: not yet)
     elif cfg.arch == "llama":
         kind = hf_kind(cfg)
     if kind not in EXPERT_FAMILIES:
-        raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss and "
-                        "DeepSeek-V3 (transformers' gate_up_proj and down_proj); this checkpoint's experts are "
-                        "another kind")
+        raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, "
+                        "DeepSeek-V3 and Mistral 4 (transformers' gate_up_proj and down_proj); this checkpoint's "
+                        "experts are another kind")
     return kind == "gpt_oss"
 
 
