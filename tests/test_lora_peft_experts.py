@@ -69,10 +69,9 @@ def hf_config(family: str):
                                 num_nextn_predict_layers=0)
     if family == "deepseek_v3":  # MLA, sigmoid routing with the correction bias, a shared expert, a first dense layer
         return tf.DeepseekV3Config(**{**SHAPE, "num_key_value_heads": 4}, intermediate_size=48,
-                                   moe_intermediate_size=16,
-                                   first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                   topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-                                   qk_nope_head_dim=16,
+                                   moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=4,
+                                   num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+                                   qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
                                    rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     if family == "mistral4":  # DeepSeek-V3's shape with softmax routing, renormalized
         shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}  # its head_dim: qk_nope + qk_rope
@@ -110,17 +109,19 @@ def model_class(family: str):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_base(request, tmp_path_factory):
+    """(family, its transformers directory, what shardlm reads: that directory, or the latent attention's models
+    converted, their rotary rows reordered)."""
 
     def sharp_routers(model):  # a router that routes (std 0.02 logits would tie), experts' outputs that count
         for layer in [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
-            layer.mlp.router.weight.normal_(0, 0.5) if hasattr(layer.mlp, "router") else \
-                layer.mlp.gate.weight.normal_(0, 0.5)
+            router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
+            router.weight.normal_(0, 0.5)
             for name in ("gate_up_proj", "down_proj"):
                 getattr(layer.mlp.experts, name).normal_(0, 0.2)
 
     root = tmp_path_factory.mktemp(f"peft_{request.param}") / request.param
     save_random(model_class(request.param), hf_config(request.param), root, sharp_routers)
-    if request.param in TARGETS:  # shardlm reads the latent attention's models converted (rotary rows reordered)
+    if request.param in TARGETS:
         return request.param, root, from_hf(root, root.parent / "model.safetensors")
     return request.param, root, root
 
