@@ -123,6 +123,9 @@ class LoraConfig:
     targets: list = field(default_factory=lambda: ["all-linear"])
     """Projections that get adapters, by shardlm or Hugging Face name (q/q_proj, k, v, o, qkv, proj, fc, gate,
     up, down): "all-linear" is every attention and MLP projection (never the router or the output layer)."""
+    expert_layers: list = field(default_factory=list)
+    """With "experts" in targets: the layers (0-based) whose experts get adapters, as peft's target_parameters naming
+    layers ("7.mlp.experts.gate_up_proj"); empty: every MoE layer's."""
     rslora: bool = False
     """rsLoRA: scale by alpha / sqrt(r) instead of alpha / r."""
     modules_to_save: list = field(default_factory=list)

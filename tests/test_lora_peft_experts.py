@@ -25,6 +25,8 @@ gate-first order there moves the logits).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_lora_peft import (
@@ -41,7 +43,7 @@ from test_lora_peft import (
 
 from shardlm.checkpoint import load_model, save_checkpoint
 from shardlm.checkpoint.hf import from_hf
-from shardlm.checkpoint.peft import experts_to_peft, peft_tensors, read_peft, stacked
+from shardlm.checkpoint.peft import EXPERT_PARAMETERS, experts_to_peft, peft_tensors, read_peft, stacked
 from shardlm.cli import main
 from shardlm.lora.experts import ExpertLoRA
 from shardlm.parallel import ParallelContext
@@ -107,17 +109,19 @@ def model_class(family: str):
             "mistral4": tf.Mistral4ForCausalLM}[family]
 
 
+def sharp_routers(model) -> None:
+    """Routers that route (std 0.02 logits would tie) and experts whose outputs count."""
+    for layer in [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
+        router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
+        router.weight.normal_(0, 0.5)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(layer.mlp.experts, name).normal_(0, 0.2)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_base(request, tmp_path_factory):
     """(family, its transformers directory, what shardlm reads: that directory, or the latent attention's models
     converted, their rotary rows reordered)."""
-
-    def sharp_routers(model):  # a router that routes (std 0.02 logits would tie), experts' outputs that count
-        for layer in [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
-            router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
-            router.weight.normal_(0, 0.5)
-            for name in ("gate_up_proj", "down_proj"):
-                getattr(layer.mlp.experts, name).normal_(0, 0.2)
 
     root = tmp_path_factory.mktemp(f"peft_{request.param}") / request.param
     save_random(model_class(request.param), hf_config(request.param), root, sharp_routers)
@@ -126,10 +130,10 @@ def family_base(request, tmp_path_factory):
     return request.param, root, root
 
 
-def adapted_trainer(root, attention: list[str] = ATTENTION):
-    """shardlm's trainer on the base, adapters on the attention's projections and every expert, every B drawn
-    (seeded)."""
-    trainer = shardlm_trainer(root, targets=attention + ["experts"])
+def adapted_trainer(root, attention: list[str] = ATTENTION, **lora):
+    """shardlm's trainer on the base, adapters on the attention's projections and every expert (`lora`: more [lora]
+    keys), every B drawn (seeded)."""
+    trainer = shardlm_trainer(root, targets=attention + ["experts"], **lora)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for module in trainer.model.modules():
@@ -140,17 +144,20 @@ def adapted_trainer(root, attention: list[str] = ATTENTION):
     return trainer
 
 
-def peft_logits(root, family: str, tensors: dict[str, torch.Tensor], experts: bool = True) -> torch.Tensor:
-    """peft's logits of TOKENS with adapters on the attention (and the experts) holding `tensors`, peft's names."""
-    from shardlm.checkpoint.peft import EXPERT_PARAMETERS
-
-    attention = TARGETS.get(family, ATTENTION)
+def peft_on(root, family: str, tensors: dict[str, torch.Tensor], experts=EXPERT_PARAMETERS):
+    """peft's model with adapters on the attention and the `experts` parameters (None: none) holding `tensors`,
+    peft's names."""
     model = peft.get_peft_model(model_class(family).from_pretrained(root), peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=attention,
-        target_parameters=EXPERT_PARAMETERS if experts else None))
-    assert not peft.set_peft_model_state_dict(model, tensors).unexpected_keys
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS.get(family, ATTENTION), target_parameters=experts))
+    loaded = peft.set_peft_model_state_dict(model, tensors)
+    assert not loaded.unexpected_keys and not [k for k in loaded.missing_keys if "lora" in k], loaded
+    return model.eval()
+
+
+def peft_logits(root, family: str, tensors: dict[str, torch.Tensor], experts=EXPERT_PARAMETERS) -> torch.Tensor:
+    """peft's logits of TOKENS (`peft_on`)."""
     with torch.no_grad():
-        return model.eval()(TOKENS).logits
+        return peft_on(root, family, tensors, experts)(TOKENS).logits
 
 
 def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
@@ -164,7 +171,7 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
     plain = shardlm_logits(load_model(root, ParallelContext.single())[0], TOKENS)[..., :VOCAB]
     assert rel(plain, ours) > 1e-2  # the adapters changed the logits
     dense = {n: p for n, p in peft_tensors(trained(trainer), trainer.config.model).items() if ".experts." not in n}
-    without = peft_logits(hf_root, family, dense, experts=False)
+    without = peft_logits(hf_root, family, dense, experts=None)
     assert rel(without, ours) > 1e-3, rel(without, ours)  # the experts' adapters count
 
     save_checkpoint(trainer, tmp_path / "run")
@@ -178,7 +185,7 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
 def test_gpt_oss_needs_its_interleaved_rows(tmp_path_factory):
     """Control: gpt-oss's adapters written gate rows first (Qwen3-MoE's order) give peft other logits."""
     root = save_random(model_class("gpt_oss"), hf_config("gpt_oss"),
-                       tmp_path_factory.mktemp("peft_gpt_oss_control") / "gpt_oss")
+                       tmp_path_factory.mktemp("peft_gpt_oss_control") / "gpt_oss", sharp_routers)
     trainer = adapted_trainer(root)
     ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
     tensors = peft_tensors(trained(trainer), trainer.config.model)
@@ -188,6 +195,54 @@ def test_gpt_oss_needs_its_interleaved_rows(tmp_path_factory):
         tensors |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in experts.items()
                                            if n.startswith(prefix)}, interleaved=False)
     assert rel(peft_logits(root, "gpt_oss", tensors), ours) > 1e-3
+
+
+def test_the_experts_of_named_layers_as_pefts_per_layer_target_parameters(tmp_path):
+    """lora.expert_layers = [1]: adapters on layer 1's experts only, where peft's target_parameters
+    ["1.mlp.experts.gate_up_proj", "1.mlp.experts.down_proj"] (the gpt-oss recipes' form) puts them: peft's logits;
+    the export's adapter_config names those two; and a run started from the directory peft saves takes
+    expert_layers = [1] from it and gives peft's logits."""
+    from test_lora_peft import batches, run_config
+
+    from shardlm.checkpoint.init import init_weights, open_source
+    from shardlm.checkpoint.peft import expert_parameters, load_adapter, resolve_adapter
+    from shardlm.training.trainer import Trainer
+
+    root = save_random(model_class("gpt_oss"), hf_config("gpt_oss"), tmp_path / "gpt_oss", sharp_routers)
+    trainer = adapted_trainer(root, expert_layers=[1])
+    assert {n.split(".")[1] for n in trained(trainer) if ".experts.lora." in n} == {"1"}
+    ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
+    named = expert_parameters([1])
+    assert named == ["1.mlp.experts.gate_up_proj", "1.mlp.experts.down_proj"]
+    model = peft_on(root, "gpt_oss", peft_tensors(trained(trainer), trainer.config.model), named)
+    with torch.no_grad():
+        assert rel(model(TOKENS).logits, ours) <= TOL
+    save_checkpoint(trainer, tmp_path / "run")
+    assert main(["convert", "--to-peft", str(tmp_path / "adapter"), "--checkpoint", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_parameters"] == named
+
+    model.save_pretrained(tmp_path / "peft")  # peft's own directory
+    config = run_config(root)
+    config.lora.targets, config.checkpoint.init_adapter = ["all-linear"], str(tmp_path / "peft")
+    assert "expert_layers=[1]" in resolve_adapter(config) and config.lora.expert_layers == [1]
+    started = Trainer(config, ParallelContext.single(), batches(1))
+    init_weights(started, open_source(root))
+    load_adapter(started, tmp_path / "peft")
+    assert rel(shardlm_logits(started.model, TOKENS)[..., :VOCAB], ours) <= TOL
+
+
+@pytest.mark.parametrize("lora,message", [
+    ({"expert_layers": [1]}, 'add "experts" to lora.targets'),
+    ({"targets": ["q_proj", "experts"], "expert_layers": [1, 1]}, "must list distinct layer indices"),
+    ({"targets": ["q_proj", "experts"], "expert_layers": [0, 5]}, r"names layers \[5\], which have no experts"),
+])
+def test_expert_layers_that_cannot_be_adapted_are_one_line(tmp_path, lora, message):
+    from shardlm.errors import UserError
+
+    root = save_random(model_class("gpt_oss"), hf_config("gpt_oss"), tmp_path / "gpt_oss")
+    with pytest.raises(UserError, match=message) as error:
+        shardlm_trainer(root, **{"targets": ["q_proj"], **lora})
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "moe_score": "softmax",

@@ -66,12 +66,14 @@ LORAS = {
     "all-linear": LoraConfig(rank=4),
     "q-v-norm": LoraConfig(rank=3, targets=["q_proj", "v"], modules_to_save=["norm"]),
     "experts-embedding": LoraConfig(rank=2, targets=["all-linear", "experts"], modules_to_save=["embedding"]),
+    "one-layer-experts": LoraConfig(rank=2, targets=["all-linear", "experts"], expert_layers=[1]),
 }
 COUNT_CASES = [  # (shape, lora, tp, ep)
     ("llama-gqa", "all-linear", 1, 1), ("llama-gqa", "all-linear", 2, 1), ("llama-gqa", "all-linear", 4, 1),
     ("llama-gqa", "q-v-norm", 2, 1), ("llama-gqa", "experts-embedding", 4, 1),
     ("gpt", "all-linear", 1, 1), ("gpt", "experts-embedding", 2, 1),
     ("mixtral", "experts-embedding", 1, 1), ("mixtral", "experts-embedding", 2, 2), ("mixtral", "all-linear", 2, 2),
+    ("gpt-moe-shared", "one-layer-experts", 2, 2),  # both layers MoE: the experts of layer 1 only
     ("gpt-moe-shared", "experts-embedding", 2, 2),
     ("mla", "all-linear", 2, 1), ("mla-no-q-lora", "experts-embedding", 2, 1),
     ("hybrid", "all-linear", 2, 1), ("hybrid", "q-v-norm", 1, 1),

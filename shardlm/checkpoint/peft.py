@@ -105,14 +105,31 @@ gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved. peft's factor
 the matrix (A (r E, in), B (out, r E)); only gpt-oss's B interleaves the gate's and the up's output rows."""
 
 
-def _check_expert_parameters(target_parameters: list[str], folder) -> None:
-    """UserError (one line) unless `target_parameters` names both of every layer's fused expert tensors, in any
-    order, by `EXPERT_PARAMETERS`' names or a shorter suffix of them ("experts.down_proj": peft matches suffixes)."""
-    named = [next((full for full in EXPERT_PARAMETERS if full == entry or full.endswith(f".{entry}")), None)
+def expert_layers_of(target_parameters: list[str], folder) -> list[int]:
+    """The layers whose experts `target_parameters` adapts: [] for every MoE layer (`EXPERT_PARAMETERS`' names or a
+    shorter suffix of them, "experts.down_proj": peft matches suffixes), else the layers its entries name
+    ("7.mlp.experts.gate_up_proj", as the gpt-oss fine-tuning recipes write them, or "model.layers.7. ..."). UserError
+    (one line) unless both fused expert tensors of every named layer are there, in any order."""
+    import re
+
+    whole = [next((full for full in EXPERT_PARAMETERS if full == entry or full.endswith(f".{entry}")), None)
              for entry in target_parameters]
-    if None in named or set(named) != set(EXPERT_PARAMETERS):
+    if None not in whole and set(whole) == set(EXPERT_PARAMETERS):
+        return []
+    per_layer = [re.fullmatch(r"(?:(?:model\.)?layers\.)?(\d+)\.(mlp\.experts\.(?:gate_up_proj|down_proj))", entry)
+                 for entry in target_parameters]
+    pairs = {(int(m[1]), m[2]) for m in per_layer if m}
+    layers = sorted({layer for layer, _ in pairs})
+    if None in per_layer or not layers or pairs != {(i, p) for i in layers for p in EXPERT_PARAMETERS}:
         raise UserError(f"checkpoint.init_adapter={folder} adapts the parameters {target_parameters}; shardlm reads "
-                        f"expert adapters on both {EXPERT_PARAMETERS[0]} and {EXPERT_PARAMETERS[1]} (in any order)")
+                        f"expert adapters on both {EXPERT_PARAMETERS[0]} and {EXPERT_PARAMETERS[1]} (in any order), "
+                        "of every MoE layer or of the layers named (\"7.mlp.experts.gate_up_proj\")")
+    return layers
+
+
+def expert_parameters(layers: list[int]) -> list[str]:
+    """peft's `target_parameters` for the experts of `layers` ([]: every MoE layer's)."""
+    return [f"{i}.{name}" for i in layers for name in EXPERT_PARAMETERS] if layers else list(EXPERT_PARAMETERS)
 
 
 def _expert_keys(layer: int) -> dict[str, str]:
@@ -237,7 +254,7 @@ def adapter_config(config: RunConfig, base: str) -> dict:
     saved = sorted({modules[name][0] for name in _saved_modules(config.lora)})
     experts = "experts" in wanted and config.model.moe_num_experts > 0
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": config.lora.rank,
-            "target_parameters": EXPERT_PARAMETERS if experts else None,
+            "target_parameters": expert_parameters(config.lora.expert_layers) if experts else None,
             "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout, "use_rslora": config.lora.rslora,
             "target_modules": targets, "modules_to_save": saved or None, "bias": "none",
             "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True,
@@ -296,9 +313,9 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
             theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
     tensors, expert_layers, interleaved = {}, {}, False
     if settings.get("target_parameters"):
-        _check_expert_parameters(list(settings["target_parameters"]), folder)
+        named = expert_layers_of(list(settings["target_parameters"]), folder)
         interleaved = _check_expert_family(cfg)
-        expert_layers = {key: layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)
+        expert_layers = {key: layer for layer in named or range(cfg.num_layers) if cfg.is_moe_layer(layer)
                          for key in _expert_keys(layer).values()}
     with safe_open(str(folder / ADAPTER_FILE), framework="pt") as f:
         for key in f.keys():
@@ -341,14 +358,14 @@ SCALARS = ("rank", "alpha", "dropout", "rslora")
 """[lora] keys that always take the adapter's value: its tensors' shapes and scale are those it was trained with."""
 
 
-def _lora_of(settings: dict) -> dict:
+def _lora_of(settings: dict, folder) -> dict:
     """The [lora] keys an adapter_config.json gives (peft's defaults where it leaves one out)."""
     targets = settings.get("target_modules") or []
-    targets = (sorted(targets) if isinstance(targets, list) else [targets]) + (
-        ["experts"] if settings.get("target_parameters") else [])
+    experts = list(settings.get("target_parameters") or [])
+    targets = (sorted(targets) if isinstance(targets, list) else [targets]) + (["experts"] if experts else [])
     return {"rank": settings.get("r", 8), "alpha": float(settings.get("lora_alpha", 8)),
             "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
-            "targets": targets,
+            "targets": targets, "expert_layers": expert_layers_of(experts, folder) if experts else [],
             "modules_to_save": sorted({SAVED_NAMES.get(m.rsplit(".", 1)[-1], m)
                                        for m in settings.get("modules_to_save") or []})}
 
@@ -364,7 +381,7 @@ def _adapted(targets: list, cfg: ModelConfig) -> set[str]:
 def _same(key: str, ours, theirs, cfg: ModelConfig) -> bool:
     if key == "targets":  # "all-linear" or names: the same adapters on this model
         return _adapted(ours, cfg) == _adapted(theirs, cfg)
-    return sorted(ours) == theirs if key == "modules_to_save" else ours == theirs
+    return sorted(ours) == theirs if key in ("modules_to_save", "expert_layers") else ours == theirs
 
 
 def resolve_adapter(config: RunConfig) -> str | None:
@@ -378,7 +395,7 @@ def resolve_adapter(config: RunConfig) -> str | None:
         return None
     cfg, defaults = config.model, LoraConfig()
     taken, given_way = [], []
-    for key, value in _lora_of(adapter_settings(folder)).items():
+    for key, value in _lora_of(adapter_settings(folder), folder).items():
         ours = getattr(config.lora, key)
         if _same(key, ours, value, cfg):
             continue
@@ -414,7 +431,7 @@ def load_adapter(trainer, folder: str | Path) -> str:
                         "was it trained with other target modules?")
     load_weights(trainer.model, TensorReader({f"model/{k}": v for k, v in tensors.items()}), trainer.ctx,
                  trainer.optimizer, names=set(trained))
-    targets = ", ".join(_lora_of(settings)["targets"])
+    targets = ", ".join(_lora_of(settings, folder)["targets"])
     return f"adapters from peft directory {folder} (r={settings.get('r')}, targets {targets})"
 
 

@@ -89,7 +89,13 @@ def check_lora(config: LoraConfig) -> None:
         raise UserError('lora.targets is empty; name the projections to adapt, e.g. ["all-linear"]')
     if config.quantize not in ("", "nf4"):
         raise UserError(f'lora.quantize="{config.quantize}" must be "nf4" (QLoRA) or empty')
-    target_names(config)
+    wanted = target_names(config)
+    layers = config.expert_layers
+    if layers and (not all(isinstance(i, int) and i >= 0 for i in layers) or len(set(layers)) < len(layers)):
+        raise UserError(f"lora.expert_layers={layers} must list distinct layer indices from 0")
+    if layers and "experts" not in wanted:
+        raise UserError(f'lora.expert_layers={layers} names layers whose experts to adapt; add "experts" to '
+                        "lora.targets (or leave expert_layers empty)")
     for name in config.modules_to_save:
         if name not in SAVED_MODULES:
             raise UserError(f"lora.modules_to_save names {name!r}; use some of {', '.join(SAVED_MODULES)}")
@@ -141,8 +147,14 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
         from shardlm.models.moe import GroupedExperts
 
         cfg = model.cfg
+        wrong = [i for i in config.expert_layers if not (i < cfg.num_layers and cfg.is_moe_layer(i))]
+        if wrong:
+            moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+            raise UserError(f"lora.expert_layers names layers {wrong}, which have no experts; this model's MoE layers "
+                            f"are {moe}")
+        layers = set(config.expert_layers or range(cfg.num_layers))
         for name, module in model.named_modules():
-            if name.startswith("layers.") and isinstance(module, GroupedExperts):
+            if name.startswith("layers.") and isinstance(module, GroupedExperts) and int(name.split(".")[1]) in layers:
                 module.lora = ExpertLoRA(module.gated, cfg.hidden_size, cfg.moe_ffn_size, cfg.moe_num_experts,
                                          config.rank, config.alpha, config.dropout, config.rslora, ctx, seed,
                                          name.rsplit(".experts", 1)[0],

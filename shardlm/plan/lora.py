@@ -192,6 +192,11 @@ class LayerLora:
     nf4_expert_bytes: int = 0
 
 
+def experts_adapted(lora: LoraConfig, index: int) -> bool:
+    """Whether layer `index`'s experts get adapters where "experts" is a target (`lora.expert_layers`)."""
+    return not lora.expert_layers or index in lora.expert_layers
+
+
 def layer_lora(cfg: ModelConfig, lora: LoraConfig, index: int, tp: int, ep: int = 1) -> LayerLora:
     """Layer `index` on TP rank 0 of EP rank 0 (`LayerLora`)."""
     from shardlm.lora.apply import target_names
@@ -201,7 +206,7 @@ def layer_lora(cfg: ModelConfig, lora: LoraConfig, index: int, tp: int, ep: int 
     adapters = ParameterCount(0, 0, 0, 0)
     quantized = quantized_expert = nf4 = nf4_expert = 0
     for p in layer_projections(cfg, index, tp, ep):
-        if p.expert and p.name in ("gate", "fc") and "experts" in wanted:
+        if p.expert and p.name in ("gate", "fc") and "experts" in wanted and experts_adapted(lora, index):
             adapters = add_counts(adapters, expert_adapter_count(cfg, lora.rank, tp, ep))
         elif not p.expert and p.name in wanted:
             adapters = add_counts(adapters, adapter_count(p, lora.rank, tp))
@@ -295,13 +300,13 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
     (TP, EP); `held`: its base parameters (default the whole model's, `parameters.parameter_count`)."""
     indices = range(cfg.num_layers) if indices is None else indices
     held = parameter_count(cfg, tp, ep) if held is None else held
-    kinds: dict[tuple[bool, bool], LayerLora] = {}
+    kinds: dict[tuple[bool, bool, bool], LayerLora] = {}
     adapters = ParameterCount(0, 0, 0, 0)
     quantized = quantized_expert = nf4 = nf4_expert = layer_elements = 0
     for index in indices:
         if index >= cfg.num_layers:  # a multi-token-prediction depth: outside `layers.`, frozen in fp32
             continue
-        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index))
+        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), experts_adapted(lora, index))
         if key not in kinds:
             kinds[key] = layer_lora(cfg, lora, index, tp, ep)
         layer = kinds[key]
