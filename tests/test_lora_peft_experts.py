@@ -200,8 +200,8 @@ def test_gpt_oss_needs_its_interleaved_rows(tmp_path_factory):
 def test_the_experts_of_named_layers_as_pefts_per_layer_target_parameters(tmp_path):
     """lora.expert_layers = [1]: adapters on layer 1's experts only, where peft's target_parameters
     ["1.mlp.experts.gate_up_proj", "1.mlp.experts.down_proj"] (the gpt-oss recipes' form) puts them: peft's logits;
-    the export's adapter_config names those two; and a run started from the directory peft saves takes
-    expert_layers = [1] from it and gives peft's logits."""
+    the export's adapter_config names those two, and the merged export gives the same logits in transformers; a run
+    started from the directory peft saves takes expert_layers = [1] from it and gives peft's logits."""
     from test_lora_peft import batches, run_config
 
     from shardlm.checkpoint.init import init_weights, open_source
@@ -220,6 +220,10 @@ def test_the_experts_of_named_layers_as_pefts_per_layer_target_parameters(tmp_pa
     save_checkpoint(trainer, tmp_path / "run")
     assert main(["convert", "--to-peft", str(tmp_path / "adapter"), "--checkpoint", str(tmp_path / "run")]) == 0
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_parameters"] == named
+    assert main(["convert", "--to-peft", str(tmp_path / "merged"), "--checkpoint", str(tmp_path / "run"),
+                 "--merge"]) == 0  # the adapted layer's experts folded in, the other's left as they are
+    with torch.no_grad():
+        assert rel(model_class("gpt_oss").from_pretrained(tmp_path / "merged").eval()(TOKENS).logits, ours) <= TOL
 
     model.save_pretrained(tmp_path / "peft")  # peft's own directory
     config = run_config(root)
