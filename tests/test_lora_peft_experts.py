@@ -75,6 +75,12 @@ def hf_config(family: str):
                                    num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
                                    qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
                                    rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    if family == "deepseek_v2":  # V2-Lite's: softmax routing, the top-k kept as scored, no q_lora
+        return tf.DeepseekV2Config(**{**SHAPE, "num_key_value_heads": 4}, intermediate_size=48,
+                                   moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=4,
+                                   num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+                                   qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, topk_method="greedy",
+                                   routed_scaling_factor=2.0, aux_loss_alpha=0.0)
     if family == "mistral4":  # DeepSeek-V3's shape with softmax routing, renormalized
         shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}  # its head_dim: qk_nope + qk_rope
         return tf.Mistral4Config(**{**shape, "num_key_value_heads": 4}, intermediate_size=48,
@@ -95,9 +101,10 @@ def hf_config(family: str):
                            rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
-FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "mistral4")
+FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v2", "mistral4")
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-TARGETS = {"deepseek_v3": MLA, "mistral4": MLA}
+TARGETS = {"deepseek_v3": MLA, "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+           "mistral4": MLA}
 """The attention's adapters where they are not q/k/v/o (the latent attention)."""
 
 
@@ -107,7 +114,7 @@ def model_class(family: str):
 
     return {"glm4_moe": tf.Glm4MoeForCausalLM, "minimax_m2": tf.MiniMaxM2ForCausalLM,
             "gpt_oss": tf.GptOssForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM,
-            "mistral4": tf.Mistral4ForCausalLM}[family]
+            "deepseek_v2": tf.DeepseekV2ForCausalLM, "mistral4": tf.Mistral4ForCausalLM}[family]
 
 
 def sharp_routers(model) -> None:
@@ -250,16 +257,16 @@ def test_expert_layers_that_cannot_be_adapted_are_one_line(tmp_path, lora, messa
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "moe_score": "softmax",
-                                    "moe_norm_topk_prob": False},
+@pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "index_topk": 4, "index_heads": 2,
+                                    "index_head_dim": 8},
                                    {"arch": "gpt", "moe_num_experts": 4}],
-                         ids=["DeepSeek-V2's softmax without renormalization", "GPT's experts"])
+                         ids=["DeepSeek-V3.2's sparse attention", "GPT's experts"])
 def test_other_experts_are_refused_in_one_line(model):
     from shardlm.checkpoint.peft import _check_expert_family
     from shardlm.config import from_dict
     from shardlm.errors import UserError
 
     cfg = from_dict({"model": {"arch": "llama", **model}, "data": {"text_file": "unused"}}).model
-    with pytest.raises(UserError, match="convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, DeepSeek-V3 "
-                                        "and Mistral 4"):
+    with pytest.raises(UserError, match="convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, DeepSeek-V2, "
+                                        "DeepSeek-V3 and Mistral 4"):
         _check_expert_family(cfg)

@@ -98,11 +98,13 @@ one wrapper per parameter in the order the experts module registers them, whatev
 the list through a set, so either order): `experts.base_layer.lora_*` adapts gate_up_proj, `experts.lora_*`
 down_proj."""
 
-EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "mistral4")
-"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, and
-DeepSeek-V3's and Mistral 4's). Their gate_up_proj stacks the gate rows, then the up rows (E, 2f, h), except
-gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved. peft's factors are the same for both orders of
-the matrix (A (r E, in), B (out, r E)); only gpt-oss's B interleaves the gate's and the up's output rows."""
+EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v2",
+                   "mistral4")
+"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, and the
+latent attention's: DeepSeek-V3's, V2's and Mistral 4's). Their gate_up_proj stacks the gate rows, then the up rows
+(E, 2f, h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved. peft's factors are the same
+for both orders of the matrix (A (r E, in), B (out, r E)); only gpt-oss's B interleaves the gate's and the up's
+output rows."""
 
 
 def expert_layers_of(target_parameters: list[str], folder) -> list[int]:
@@ -145,15 +147,16 @@ def _check_expert_family(cfg: ModelConfig) -> bool:
     from shardlm.checkpoint.hf_llama import hf_kind
 
     kind = None
-    if cfg.arch == "llama" and cfg.attention == "mla" and not cfg.index_topk:  # (V3.2's sparse attention: not yet)
-        sigmoid, renormalized = cfg.moe_score == "sigmoid", cfg.moe_score == "softmax" and cfg.moe_norm_topk_prob
-        kind = "deepseek_v3" if sigmoid else "mistral4" if renormalized else None  # (V2's softmax: not yet)
+    if cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek-V2 / V3, Mistral 4; V3.2's sparse one: not yet
+        softmax = cfg.moe_score == "softmax"  # V2 keeps the top-k as scored, Mistral 4 renormalizes it
+        kind = (None if cfg.index_topk else "mistral4" if softmax and cfg.moe_norm_topk_prob
+                else "deepseek_v2" if softmax else "deepseek_v3" if cfg.moe_score == "sigmoid" else None)
     elif cfg.arch == "llama":
         kind = hf_kind(cfg)
     if kind not in EXPERT_FAMILIES:
         raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, "
-                        "DeepSeek-V3 and Mistral 4 (transformers' gate_up_proj and down_proj); this checkpoint's "
-                        "experts are another kind")
+                        "DeepSeek-V2, DeepSeek-V3 and Mistral 4 (transformers' gate_up_proj and down_proj); this "
+                        "checkpoint's experts are another kind")
     return kind == "gpt_oss"
 
 
