@@ -259,8 +259,10 @@ def test_expert_layers_that_cannot_be_adapted_are_one_line(tmp_path, lora, messa
 
 @pytest.mark.parametrize("model", [{"attention": "mla", "moe_num_experts": 4, "index_topk": 4, "index_heads": 2,
                                     "index_head_dim": 8},
+                                   {"num_kv_heads": 2, "qk_norm": True, "moe_num_experts": 4,
+                                    "layer_types": ["linear_attention", "full_attention"]},
                                    {"arch": "gpt", "moe_num_experts": 4}],
-                         ids=["DeepSeek-V3.2's sparse attention", "GPT's experts"])
+                         ids=["DeepSeek-V3.2's sparse attention", "Qwen3.5-MoE's hybrid", "GPT's experts"])
 def test_other_experts_are_refused_in_one_line(model):
     from shardlm.checkpoint.peft import _check_expert_family
     from shardlm.config import from_dict

@@ -147,11 +147,14 @@ def _check_expert_family(cfg: ModelConfig) -> bool:
     from shardlm.checkpoint.hf_llama import hf_kind
 
     kind = None
-    if cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek-V2 / V3, Mistral 4; V3.2's sparse one: not yet
+    # Qwen3.5-MoE / Qwen3-Next, Kimi Linear and Nemotron-H (recurrent layers): their experts' export is not checked yet
+    plain = cfg.arch == "llama" and not cfg.layer_pattern and set(cfg.layer_types) <= {"full_attention",
+                                                                                       "sliding_attention"}
+    if plain and cfg.attention == "mla":  # DeepSeek-V2 / V3, Mistral 4; V3.2's sparse one: not yet
         softmax = cfg.moe_score == "softmax"  # V2 keeps the top-k as scored, Mistral 4 renormalizes it
         kind = (None if cfg.index_topk else "mistral4" if softmax and cfg.moe_norm_topk_prob
                 else "deepseek_v2" if softmax else "deepseek_v3" if cfg.moe_score == "sigmoid" else None)
-    elif cfg.arch == "llama":
+    elif plain:
         kind = hf_kind(cfg)
     if kind not in EXPERT_FAMILIES:
         raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, "
