@@ -100,11 +100,11 @@ down_proj."""
 
 EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v2",
                    "mistral4")
-"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, and the
-latent attention's: DeepSeek-V3's, V2's and Mistral 4's). Their gate_up_proj stacks the gate rows, then the up rows
-(E, 2f, h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved. peft's factors are the same
-for both orders of the matrix (A (r E, in), B (out, r E)); only gpt-oss's B interleaves the gate's and the up's
-output rows."""
+"""The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, Qwen3.5-MoE's
+as "qwen3_moe", and the latent attention's: DeepSeek-V3's, V2's and Mistral 4's). Their gate_up_proj stacks the gate
+rows, then the up rows (E, 2f, h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved. peft's
+factors are the same for both orders of the matrix (A (r E, in), B (out, r E)); only gpt-oss's B interleaves the
+gate's and the up's output rows."""
 
 
 def expert_layers_of(target_parameters: list[str], folder) -> list[int]:
@@ -147,19 +147,21 @@ def _check_expert_family(cfg: ModelConfig) -> bool:
     from shardlm.checkpoint.hf_llama import hf_kind
 
     kind = None
-    # Qwen3.5-MoE / Qwen3-Next, Kimi Linear and Nemotron-H (recurrent layers): their experts' export is not checked yet
-    plain = cfg.arch == "llama" and not cfg.layer_pattern and set(cfg.layer_types) <= {"full_attention",
-                                                                                       "sliding_attention"}
-    if plain and cfg.attention == "mla":  # DeepSeek-V2 / V3, Mistral 4; V3.2's sparse one: not yet
+    # attention layers only, or Qwen3.5-MoE's Gated DeltaNet beside them; Kimi Linear's KDA and Nemotron-H's Mamba-2
+    # hybrids are not checked yet
+    types = set(cfg.layer_types) - {"full_attention", "sliding_attention"}
+    gated_delta = types == {"linear_attention"} and cfg.linear_attention_rule == "gated_delta"
+    plain = cfg.arch == "llama" and not cfg.layer_pattern and (not types or gated_delta)
+    if plain and cfg.attention == "mla" and not types:  # DeepSeek-V2 / V3, Mistral 4; V3.2's sparse one: not yet
         softmax = cfg.moe_score == "softmax"  # V2 keeps the top-k as scored, Mistral 4 renormalizes it
         kind = (None if cfg.index_topk else "mistral4" if softmax and cfg.moe_norm_topk_prob
                 else "deepseek_v2" if softmax else "deepseek_v3" if cfg.moe_score == "sigmoid" else None)
-    elif plain:
+    elif plain and cfg.attention != "mla":
         kind = hf_kind(cfg)
     if kind not in EXPERT_FAMILIES:
-        raise UserError("peft expert adapters convert for Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, "
-                        "DeepSeek-V2, DeepSeek-V3 and Mistral 4 (transformers' gate_up_proj and down_proj); this "
-                        "checkpoint's experts are another kind")
+        raise UserError("peft expert adapters convert for Qwen3-MoE, Qwen3.5-MoE, Mixtral, GLM-4.5, MiniMax-M2, "
+                        "gpt-oss, DeepSeek-V2, DeepSeek-V3 and Mistral 4 (transformers' gate_up_proj and down_proj); "
+                        "this checkpoint's experts are another kind")
     return kind == "gpt_oss"
 
 
