@@ -116,7 +116,8 @@ MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 TARGETS = {"deepseek_v3": MLA, "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
            "mistral4": MLA, "qwen3_5_moe": []}
 """The attention's adapters where they are not q/k/v/o: the latent attention's; none beside Qwen3.5-MoE's experts
-(shardlm's q/k/v/o would adapt its Gated DeltaNet layers' too, whose peft names differ)."""
+(shardlm's q/k/v name its Gated DeltaNet layers' projections too, which transformers fuses into in_proj_qkvz: no peft
+equivalent, refused at export)."""
 
 
 def model_class(family: str):
