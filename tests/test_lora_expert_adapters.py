@@ -44,7 +44,8 @@ from test_moe_parallel import full_parameters
 
 from shardlm.checkpoint import save_checkpoint
 from shardlm.checkpoint.init import init_weights, open_source, resolve_init
-from shardlm.checkpoint.peft import EXPERT_PARAMETERS, load_adapter, read_peft, resolve_adapter
+from shardlm.checkpoint.peft import load_adapter, read_peft, resolve_adapter
+from shardlm.checkpoint.peft_experts import EXPERT_PARAMETERS
 from shardlm.cli import main
 from shardlm.config import from_dict, load_config
 from shardlm.errors import UserError

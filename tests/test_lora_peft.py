@@ -153,7 +153,7 @@ def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False,
     adapters."""
     from transformers import AutoModelForCausalLM
 
-    from shardlm.checkpoint.peft import EXPERT_PARAMETERS
+    from shardlm.checkpoint.peft_experts import EXPERT_PARAMETERS
 
     model = (model_class or AutoModelForCausalLM).from_pretrained(root)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=rslora,

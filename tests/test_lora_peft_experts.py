@@ -43,7 +43,8 @@ from test_lora_peft import (
 
 from shardlm.checkpoint import load_model, save_checkpoint
 from shardlm.checkpoint.hf import from_hf
-from shardlm.checkpoint.peft import EXPERT_PARAMETERS, experts_to_peft, peft_tensors, read_peft, stacked
+from shardlm.checkpoint.peft import peft_tensors, read_peft, stacked
+from shardlm.checkpoint.peft_experts import EXPERT_PARAMETERS, experts_to_peft
 from shardlm.cli import main
 from shardlm.lora.experts import ExpertLoRA
 from shardlm.parallel import ParallelContext
@@ -227,7 +228,8 @@ def test_the_experts_of_named_layers_as_pefts_per_layer_target_parameters(tmp_pa
     from test_lora_peft import batches, run_config
 
     from shardlm.checkpoint.init import init_weights, open_source
-    from shardlm.checkpoint.peft import expert_parameters, load_adapter, resolve_adapter
+    from shardlm.checkpoint.peft import load_adapter, resolve_adapter
+    from shardlm.checkpoint.peft_experts import expert_parameters
     from shardlm.training.trainer import Trainer
 
     root = save_random(model_class("gpt_oss"), hf_config("gpt_oss"), tmp_path / "gpt_oss", sharp_routers)
@@ -278,11 +280,11 @@ def test_expert_layers_that_cannot_be_adapted_are_one_line(tmp_path, lora, messa
                                    {"arch": "gpt", "moe_num_experts": 4}],
                          ids=["DeepSeek-V3.2's sparse attention", "Kimi Linear's KDA hybrid", "GPT's experts"])
 def test_other_experts_are_refused_in_one_line(model):
-    from shardlm.checkpoint.peft import _check_expert_family
+    from shardlm.checkpoint.peft_experts import check_expert_family
     from shardlm.config import from_dict
     from shardlm.errors import UserError
 
     cfg = from_dict({"model": {"arch": "llama", **model}, "data": {"text_file": "unused"}}).model
     with pytest.raises(UserError, match="convert for Qwen3-MoE, Qwen3.5-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss, "
                                         "DeepSeek-V2, DeepSeek-V3 and Mistral 4"):
-        _check_expert_family(cfg)
+        check_expert_family(cfg)

@@ -122,9 +122,7 @@ def _in_own_process(name: str, common: list[str], results: dict) -> bool:
             results["errors"][name] = f"the section's process exited with code {proc.returncode} before reporting"
             return False
         measured = pickle.loads(out.read_bytes())
-    results["errors"].update(measured.pop("errors"))
-    results.update(measured)
-    return name not in results["errors"]
+    return _merged(name, measured, results)
 
 
 def _in_this_process(name: str, run, results: dict) -> bool:
@@ -135,6 +133,11 @@ def _in_this_process(name: str, run, results: dict) -> bool:
     measured: dict = {"errors": {}}
     with torch_threads(torch.get_num_threads()):
         _measure(name, run, measured)
+    return _merged(name, measured, results)
+
+
+def _merged(name: str, measured: dict, results: dict) -> bool:
+    """A section's figures and errors (`measured`) into `results`; whether the section succeeded."""
     results["errors"].update(measured.pop("errors"))
     results.update(measured)
     return name not in results["errors"]

@@ -168,11 +168,17 @@ def _rows(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
     return chunks[index] if index < len(chunks) else tensor[:0]
 
 
-def copy_to_shard(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's rows of `full` (the parameter's whole TP shard) into an FSDP-sharded parameter."""
+def held_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `full`, a tensor with the rows of an FSDP-sharded parameter's whole TP shard (the
+    parameter itself, or one value per row): the split over its mesh's last dimension, the one that shards."""
     mesh = param.device_mesh
     dim = mesh.ndim - 1
-    param.to_local().copy_(_rows(full, mesh.size(dim), mesh.get_local_rank(dim)))
+    return _rows(full, mesh.size(dim), mesh.get_local_rank(dim))
+
+
+def copy_to_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's rows of `full` (the parameter's whole TP shard) into an FSDP-sharded parameter."""
+    param.to_local().copy_(held_rows(param, full))
 
 
 class FullyShardedAdamW:

@@ -55,6 +55,7 @@ class MasterWeightOptimizer:
         self.dp = dp or ctx.dp_cp
         self.grad_divisor = grad_divisor or self.dp.size
         self.params = [p for _, p in named_params]
+        self.index = {id(p): i for i, p in enumerate(self.params)}  # a parameter's place in `params` and `ranges`
         self.shard = shard and self.dp.size > 1
         d = self.dp.size if self.shard else 1
         numel = sum(p.numel() for p in self.params)
@@ -154,8 +155,7 @@ class MasterWeightOptimizer:
     def scale_master_rows(self, param: torch.Tensor, factor: torch.Tensor) -> None:
         """Multiply row i of `param`'s fp32 master weights by factor[i] (factor (rows,)), in this rank's range; the
         parameter itself changes at the next `refresh_params`."""
-        index = next(i for i, p in enumerate(self.params) if p is param)
-        (a, b), hi = self.ranges[index], self.lo + self.shard_size
+        (a, b), hi = self.ranges[self.index[id(param)]], self.lo + self.shard_size
         s, e = max(a, self.lo), min(b, hi)
         if s < e:
             row = torch.arange(s - a, e - a, device=factor.device) // (param.numel() // param.shape[0])
@@ -163,7 +163,7 @@ class MasterWeightOptimizer:
 
     def owner(self, param: torch.Tensor) -> MasterWeightOptimizer | None:
         """This optimizer when its master weights hold `param`, else None."""
-        return self if any(p is param for p in self.params) else None
+        return self if id(param) in self.index else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the fp32 gradient buffer (its views stay attached; `set_to_none` is ignored)."""

@@ -33,6 +33,7 @@ from shardlm.models.gpt import ParallelAttention
 from shardlm.models.llama import LlamaAttention
 from shardlm.models.mla import LatentAttention
 from shardlm.parallel import ParallelContext
+from shardlm.training.fsdp import held_rows
 
 ATTENTION = (ParallelAttention, LlamaAttention, LatentAttention)
 
@@ -84,17 +85,6 @@ def _mine(layer: nn.Module, gamma: torch.Tensor, tp_rank: int) -> torch.Tensor:
     return gamma[tp_rank * layer.heads:(tp_rank + 1) * layer.heads]
 
 
-def _held_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The rows of `param` this rank holds and the index of the first: the whole tensor, or an FSDP DTensor's local
-    rows (`torch.chunk` over its mesh's last dimension, the one that shards; hybrid sharding replicates over the
-    other)."""
-    if not hasattr(param, "to_local"):
-        return param, 0
-    mesh, dim = param.device_mesh, param.device_mesh.ndim - 1
-    chunk = -(-param.shape[0] // mesh.size(dim))
-    return param.to_local(), min(mesh.get_local_rank(dim) * chunk, param.shape[0])
-
-
 def _scale_rows(param: torch.Tensor | None, heads: int, scale: torch.Tensor,
                 rows: slice = slice(None)) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(param, factor (param rows,))]: rows `rows` of each head's block of a (heads x rows per head, ...) weight
@@ -107,10 +97,10 @@ def _scale_rows(param: torch.Tensor | None, heads: int, scale: torch.Tensor,
 
 
 def _scale_held_rows(param: torch.Tensor, factor: torch.Tensor) -> None:
-    """Row i of `param` times factor[i], in the rows this rank holds of it (`_held_rows`)."""
-    held, first = _held_rows(param)
-    factor = factor[first:first + held.shape[0]]
-    held.mul_(factor.view(-1, *[1] * (held.dim() - 1)).to(held.dtype))
+    """Row i of `param` times factor[i], in the rows this rank holds of it (an FSDP DTensor's local rows)."""
+    if hasattr(param, "to_local"):
+        param, factor = param.to_local(), held_rows(param, factor)
+    param.mul_(factor.view(-1, *[1] * (param.dim() - 1)).to(param.dtype))
 
 
 def _clip_gpt(layer: ParallelAttention, gamma: torch.Tensor, tp_rank: int) -> list:
