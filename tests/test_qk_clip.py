@@ -54,7 +54,7 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import CURVE, assert_every_rank, assert_trained_but_off
-from layouts import layout, layout_context, spawn_layouts
+from layouts import layout, layout_context, selected_cases, spawn_layouts
 from multiproc import check_result
 
 SEQ, TAU = 16, 4.0
@@ -283,8 +283,11 @@ def maxima_checks() -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return spawn_layouts(2, run_layout, WORLD2, timeout=300, more=maxima_checks)
+def world2(request):
+    """Every case and check; only the named layouts when only they are selected (the AVX2 rerun of
+    tests/test_cpu_kinds.py)."""
+    cases = selected_cases(request, WORLD2)
+    return spawn_layouts(2, run_layout, cases, timeout=300, more=maxima_checks if cases == WORLD2 else None)
 
 
 @pytest.fixture(scope="module")
