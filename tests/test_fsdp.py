@@ -6,7 +6,8 @@ gradient norms at every step and the final parameters (gathered over DP and TP) 
 and without gradient accumulation and recomputation. bf16 parameters under FSDP's mixed precision are
 compared with the master-weight optimizer's bf16 parameters. Checkpoints written under FSDP load at one
 process and the other way round, and resume bitwise on the same layout; each rank's parameter, gradient
-and AdamW bytes equal the stage's parameters x bytes / DP.
+and AdamW bytes equal the stage's parameters x bytes / DP. With `train.compile`, every layer is compiled, then
+sharded (torchtitan's order), and DP=2 still gives one eager process's run.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.fsdp import counting_collectives
+from shardlm.training.parallelize import can_compile
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import rel
 from layouts import layout, layout_context, spawn_layouts
-from multiproc import check_result, disturb_generators
+from multiproc import check_result, disturb_generators, needs
 
 STEPS = 8
 # Tolerances, relative, about 3x the worst error measured over 8 steps on a 2-core Xeon with AMX and a 2-core
@@ -210,6 +212,20 @@ WORLD4 = {
 """FSDP DP=4 and DP=2 x TP=2 with SP, each within 1e-5 of one process's run of its model."""
 
 
+COMPILED_STEPS = 2
+
+
+def compiled_layout():
+    """FSDP DP=2 with compiled layers: the curve, the parameters, how many layers `Module.compile` wrapped and how
+    many graphs TorchDynamo built."""
+    from torch._dynamo.utils import counters
+
+    curve, params, trainer = run(ParallelContext.from_process_group(1), config(micro=2, compile=True),
+                                 steps=COMPILED_STEPS)
+    compiled = sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.layers.values())
+    return curve, params, (compiled, counters["stats"]["unique_graphs"])
+
+
 def world2_more(one_process_checkpoint: str, folder: str) -> dict:
     """The world of 2's further checks (not layout cases): state bytes, fp16, validation, collectives, resumes."""
     return {
@@ -219,6 +235,7 @@ def world2_more(one_process_checkpoint: str, folder: str) -> dict:
         "collectives": lambda: {(m, r): collectives_of_a_step(m, r) for m, r in ((4, True), (2, True), (2, False))},
         "resume from one process": lambda: resume_from(one_process_checkpoint),
         "bitwise": lambda: bitwise_resume(folder),
+        "compile": compiled_layout,  # without a compiler: a one-line error, which fails the test
     }
 
 
@@ -261,6 +278,16 @@ def world2(reference, tmp_path_factory):
 def world4(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp_2x2")
     return spawn_layouts(4, run_layout, WORLD4, more=world4_more, more_args=(str(folder),)), str(folder)
+
+
+@needs(can_compile(torch.device("cpu")), "a C++ compiler (torch.compile on the CPU)")
+def test_fsdp_with_compiled_layers_equals_one_process(world2):
+    """FSDP DP=2 with every layer compiled: both layers run compiled, and the run is within 1e-5 of one eager
+    process."""
+    reference = run(ParallelContext.single(), config(micro=2, full=False), steps=COMPILED_STEPS)[:2]
+    for curve, params, (compiled, graphs) in check_result(world2, "compile"):  # every rank's gathered copy
+        assert compiled == 2 and graphs > 0
+        assert_same_run((curve, params), reference, steps=COMPILED_STEPS)
 
 
 @pytest.mark.parametrize("name", [name for name in WORLD2 if "bf16" not in name])

@@ -1,5 +1,5 @@
 """FSDP2 (`train.data_sharding = "full"`) composed with context parallelism, MoE with expert parallelism and
-`train.compile` gives the single-process run.
+gives the single-process run (FSDP x compile is tests/test_fsdp.py's, at DP=2).
 
 One world of 4 processes trains each layout 2 steps (fp32, dropout 0); losses, gradient norms (and for MoE the
 aux loss) at every step and the final parameters (gathered over DP, TP and EP) must be within 1e-5 (relative) of
@@ -10,8 +10,7 @@ one process running the same micro-batches:
   expert stacks their own FSDP unit over expert-DP = 2, gradients divided by DP); EP=4 (expert-DP = 1) with
   DeepSeek routing's expert biases left outside FSDP; EP=2 x TP=2 with SP; and an EP=2 x DP=4 checkpoint (after
   step 1) that one process resumes for 3 steps (per-expert tensors and Adam moments, layout-free); with context
-  parallelism, experts folded over DP x CP (CP=2 x DP=2 with EP=2, CP=4 with EP=4);
-- FSDP x compile: every layer compiled, then sharded, at DP=4.
+  parallelism, experts folded over DP x CP (CP=2 x DP=2 with EP=2, CP=4 with EP=4).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from test_context_parallel_moe import assert_same_run as assert_same_cp_moe_run
 from test_context_parallel_moe import cp_moe_config
 from test_context_parallel_moe import reference as cp_moe_reference
@@ -28,7 +26,6 @@ from test_context_parallel_training import cp_config
 from test_context_parallel_training import synthetic_data as cp_synthetic_data
 from test_context_parallel_training import train_layout as cp_train
 from test_fsdp import config as fsdp_config
-from test_fsdp import run as fsdp_run
 from test_moe_parallel import MOE_CURVE, TOL, curve_of, full_parameters, moe_config
 from test_moe_parallel import train_layout as moe_train
 from test_training import assert_same_run, synthetic_data
@@ -36,13 +33,12 @@ from test_training import assert_same_run, synthetic_data
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.training.parallelize import can_compile
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 import agreement
 from agreement import assert_trained_parameters
-from multiproc import check_result, needs, run_checks, run_workers
+from multiproc import check_result, run_checks, run_workers
 
 STEPS, SAVED, RESUMED = 2, 1, 3
 """The steps of every layout's run (of its config's 8-step schedule), of the saved runs, and of one process's
@@ -90,17 +86,6 @@ def moe_layout(arch, routing, micro, tp, ep, sp, save: str | None = None):
     return curve, params
 
 
-def compiled_layout():
-    """FSDP DP=4 with compiled layers: the curve, the parameters, how many layers `Module.compile` wrapped
-    and how many graphs TorchDynamo built."""
-    from torch._dynamo.utils import counters
-
-    ctx = ParallelContext.from_process_group(1)
-    curve, params, trainer = fsdp_run(ctx, fsdp_config(micro=2, compile=True), steps=STEPS)
-    compiled = sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.layers.values())
-    return curve, params, (compiled, counters["stats"]["unique_graphs"])
-
-
 def hybrid_layout(arch: str, micro: int, cp: int, save: str | None = None):
     """Hybrid sharding (train.fsdp_shard_size = 2) on 4 ranks: the curve, parameters, the shard and replicate
     sizes of the parameters' mesh, and the state bytes after the run."""
@@ -129,7 +114,6 @@ def world4_checks(folder: str, hybrid_folder: str) -> dict:
                                                  moe_config("gpt", "mixtral", 1, ep=2, fsdp_shard_size=2, **FSDP),
                                                  steps=STEPS)[:2]
     checks["moe save"] = lambda: moe_layout(*MOE_LAYOUTS["ep2 x dp4 gpt accumulation"], save=folder)
-    checks["compile"] = compiled_layout  # without a compiler: a one-line error, which fails the test
     return run_checks(checks)
 
 
@@ -207,16 +191,6 @@ def test_fsdp_expert_checkpoint_resumes_in_one_process(world4):
         for what, a, b in zip(("loss", "grad norm", "aux loss"), got, want):
             assert abs(a - b) <= TOL * abs(b), f"step {step}: {what} {a} vs {b}"
     assert_trained_parameters(full_parameters(trainer.model), ref_params, SAVED + RESUMED, TOL)
-
-
-@needs(can_compile(torch.device("cpu")), "a C++ compiler (torch.compile on the CPU)")
-def test_fsdp_with_compiled_layers_equals_one_process(world4):
-    """FSDP DP=4 with every layer compiled (compile, then shard, as torchtitan orders them): both layers run
-    compiled, and the run is within 1e-5 of one eager process."""
-    reference = fsdp_run(ParallelContext.single(), fsdp_config(micro=2, full=False), steps=STEPS)[:2]
-    for curve, params, (compiled, graphs) in check_result(world4[0], "compile"):  # every rank's gathered copy
-        assert compiled == 2 and graphs > 0
-        assert_same_run((curve, params), reference, steps=STEPS)
 
 
 @pytest.mark.parametrize("name", list(HYBRID_LAYOUTS))

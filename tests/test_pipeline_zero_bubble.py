@@ -218,18 +218,22 @@ def resume_under_another_schedule(directory: str) -> dict:
 
 
 DROPOUT_SCHEDULES = {"zbv": (1, 1), "dualpipev": (1, 1), "interleaved-zb": (2, 2)}  # schedule: (virtual, micro)
+DROPOUT_STEPS, DROPOUT_STOP = STEPS, SAVED_AT
+"""The dropout runs train the configs' STEPS steps, saved after SAVED_AT (each step recomputes every block several
+times over 8 micro-batches, so these runs cost the most in this module)."""
 
 
 def resume_with_dropout(directory: str, schedule: str) -> dict:
-    """Dropout 0.1 and full recomputation (8 micro-batches, 4 with V = 2): 3 steps, save, a new trainer loads and
-    runs on, against the uninterrupted run (`test_pipeline.resume_run`); and the same run without recomputation
+    """Dropout 0.1 and full recomputation (8 micro-batches, 4 with V = 2): DROPOUT_STOP steps, save, a new trainer
+    loads and runs on, against the uninterrupted run (`test_pipeline.resume_run`); and the same run without recomputation
     ("without": its curve and final parameters)."""
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
     virtual, micro = DROPOUT_SCHEDULES[schedule]
     config = with_dropout(gpt(micro=micro, schedule=schedule, virtual=virtual), recompute="full")
-    run = resume_run(ctx, config, f"{directory}/{schedule}")
+    run = resume_run(ctx, config, f"{directory}/{schedule}", stop=DROPOUT_STOP, steps=DROPOUT_STEPS)
     ctx.rng = None
-    curve, trainer = train_gpt(ctx, with_dropout(gpt(micro=micro, schedule=schedule, virtual=virtual)))
+    curve, trainer = train_gpt(ctx, with_dropout(gpt(micro=micro, schedule=schedule, virtual=virtual)),
+                               steps=DROPOUT_STEPS)
     return run | {"without": (curve, whole_model(ctx, trainer))}
 
 
