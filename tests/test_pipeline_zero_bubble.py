@@ -225,8 +225,8 @@ times over 8 micro-batches, so these runs cost the most in this module)."""
 
 def resume_with_dropout(directory: str, schedule: str) -> dict:
     """Dropout 0.1 and full recomputation (8 micro-batches, 4 with V = 2): DROPOUT_STOP steps, save, a new trainer
-    loads and runs on, against the uninterrupted run (`test_pipeline.resume_run`); and the same run without recomputation
-    ("without": its curve and final parameters)."""
+    loads and runs on, against the uninterrupted run (`test_pipeline.resume_run`); and the same run without
+    recomputation ("without": its curve and final parameters)."""
     ctx = ParallelContext.from_process_group(1, pipeline_parallel=2)
     virtual, micro = DROPOUT_SCHEDULES[schedule]
     config = with_dropout(gpt(micro=micro, schedule=schedule, virtual=virtual), recompute="full")
