@@ -147,17 +147,18 @@ def trained(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None, experts: bool = False,
-               model_class=None):
+def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False, save=None,
+               experts: bool | list[str] = False, model_class=None):
     """peft on the transformers model in `root` (`model_class`, else AutoModelForCausalLM's) with `trainer`'s
-    adapters."""
+    adapters; `experts`: adapters on the experts too (True: `EXPERT_PARAMETERS`, or the `target_parameters`)."""
     from transformers import AutoModelForCausalLM
 
     from shardlm.checkpoint.peft_experts import EXPERT_PARAMETERS
 
     model = (model_class or AutoModelForCausalLM).from_pretrained(root)
+    parameters = (EXPERT_PARAMETERS if experts is True else experts) or None
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=rslora,
-                             modules_to_save=save, target_parameters=EXPERT_PARAMETERS if experts else None)
+                             modules_to_save=save, target_parameters=parameters)
     model = peft.get_peft_model(model, config)
     loaded = peft.set_peft_model_state_dict(model, peft_tensors(trained(trainer), trainer.config.model))
     assert not loaded.unexpected_keys, loaded.unexpected_keys

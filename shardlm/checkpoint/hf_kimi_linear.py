@@ -173,7 +173,8 @@ IN_MEMORY = (("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
 """Disk name -> transformers' in-memory name, by parts (what a directory written without its conversion holds)."""
 
 
-def _in_memory(name: str) -> str:
+def in_memory(name: str) -> str:
+    """transformers' in-memory name of a tensor's disk name (`IN_MEMORY`); peft's module names are these."""
     for disk, memory in IN_MEMORY:
         name = name.replace(disk, memory)
     return name
@@ -186,7 +187,7 @@ def _source(handles: dict, located: dict, cfg: ModelConfig, ours: str, theirs: s
         convert = {"A_log": lambda v: v.flatten(), "conv_q": lambda v: v[:, 0], "conv_k": lambda v: v[:, 0],
                    "conv_v": lambda v: v[:, 0]}.get(kind)
         return HFTensor(handles, located[theirs], theirs, convert)
-    memory = _in_memory(theirs)
+    memory = in_memory(theirs)
     if kind.startswith("conv_"):  # one conv1d (3 H d, 1, K), rows [q | k | v]
         memory = theirs.rsplit(".", 2)[0] + ".conv1d.weight"
         width = cfg.linear_num_value_heads * cfg.linear_key_head_dim

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 
 from shardlm.checkpoint.peft_experts import (
     PREFIX,
-    check_expert_family,
     expert_keys,
     expert_layers_of,
+    expert_layout,
     expert_parameters,
     experts_from_peft,
     experts_to_peft,
@@ -44,24 +44,27 @@ WHOLE = {"wte", "lm_head", "ln_f"}  # modules_to_save's modules
 def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{shardlm module: (HF module, conversion)} of every projection an adapter can go on and of the modules
     `modules_to_save` trains; conversion "qkv" for GPT-2's fused c_attn, "copy" otherwise."""
-    unmapped = ("Kimi Linear" if cfg.linear_attention_rule == "kimi_delta" else "DeepSeek-V4" if cfg.hc_mult else
-                None)
-    if unmapped:
-        raise UserError(f"{unmapped} adapters do not export to peft yet; merge them into the base instead "
+    if cfg.hc_mult:
+        raise UserError("DeepSeek-V4 adapters do not export to peft yet; merge them into the base instead "
                         "(shardlm convert --to-hf of the LoRA checkpoint)")
     if cfg.arch == "gpt":
         from shardlm.checkpoint.hf import name_map
 
         pairs = [(ours, theirs, "qkv" if kind == "qkv" else "copy") for ours, theirs, kind in name_map(cfg.num_layers)]
     elif cfg.arch == "llama" and cfg.layer_pattern:  # Nemotron-H: a Mamba-2 layer's in_proj is one fused matrix
-        from shardlm.checkpoint import hf_nemotron_h
+        from shardlm.checkpoint import hf_nemotron_h  # (and peft refuses adapters on its out_proj)
 
-        pairs = [(ours, theirs, "copy") for ours, theirs, rows in hf_nemotron_h.name_map(cfg) if rows is None]
+        pairs = [(ours, theirs, "copy") for ours, theirs, rows in hf_nemotron_h.name_map(cfg)
+                 if rows is None and not theirs.endswith(".mixer.out_proj.weight")]
     elif cfg.arch == "llama" and cfg.sandwich_norms:  # Gemma 4: the text model's names under `model.`
         from shardlm.checkpoint import hf_gemma4
 
         pairs = [(ours, theirs if ours == "lm_head.weight" else f"model.{theirs}", "copy")
                  for ours, theirs in hf_gemma4.name_map(cfg)]
+    elif cfg.arch == "llama" and cfg.linear_attention_rule == "kimi_delta":  # transformers' in-memory module names
+        from shardlm.checkpoint import hf_kimi_linear  # (its MLA rotates nothing: no rows to reorder)
+
+        pairs = [(ours, hf_kimi_linear.in_memory(theirs), "copy") for ours, theirs in hf_kimi_linear.name_map(cfg)]
     elif cfg.arch == "llama" and cfg.attention == "mla":  # DeepSeek: the rotary rows of q (q_b) and kv_a interleave
         from shardlm.checkpoint.hf_deepseek import name_map
 
@@ -120,20 +123,19 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     modules, out = module_names(cfg), {}
     tensors = stacked(tensors)
     layers = sorted({int(n.split(".")[1]) for n in tensors if ".experts.lora." in n})
-    interleaved = check_expert_family(cfg) if layers else False
+    layout = expert_layout(cfg) if layers else None
     for layer in layers:
-        prefix = f"layers.{layer}.mlp.experts.lora."
+        prefix = f"layers.{layer}.{layout.module}.lora."
         out |= experts_to_peft(layer, {n.removeprefix(prefix): v for n, v in tensors.items() if n.startswith(prefix)},
-                               interleaved)
+                               layout)
     for name, value in tensors.items():
         if ".experts.lora." in name:
             continue
         module, _, leaf = name.rpartition(".lora.")
         if module:  # an adapter factor: A is (r, in) as is; B has the projection's output rows
             if module not in modules:
-                raise UserError(f"the adapter on {module} has no peft equivalent: Hugging Face stores that projection "
-                                "inside a fused matrix (a linear-attention layer's in_proj_qkv); train without it "
-                                "(lora.targets) to export to peft")
+                raise UserError(f"the adapter on {module} has no peft equivalent: {_why_not_peft(module, cfg)}; "
+                                "train without it (lora.targets) to export to peft")
             hf, kind = modules[module]
             out[f"{PREFIX}{hf}.lora_{leaf}.weight"] = (_to_hf(value, kind, cfg, module) if leaf == "B"
                                                        else value.contiguous())
@@ -146,6 +148,14 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         if module == "wte" and tied(cfg):  # peft's tied copy (`ensure_weight_tying`) is saved as well
             out[f"{PREFIX}lm_head.weight"] = out[f"{PREFIX}{hf}.{leaf}"].clone()
     return out
+
+
+def _why_not_peft(module: str, cfg: ModelConfig) -> str:
+    """Why an adapted projection of shardlm's has no module in peft's model."""
+    if cfg.layer_pattern and module.endswith(".mixer.o"):  # Nemotron-H's "o" names the Mamba-2 output projection too
+        return ("peft refuses adapters on a Mamba-2 layer's out_proj (shardlm's \"o\" adapts it beside the attention "
+                "layers' o_proj)")
+    return "Hugging Face stores that projection inside a fused matrix (a linear-attention layer's in_proj_qkv)"
 
 
 def tied(cfg: ModelConfig) -> bool:
@@ -163,7 +173,8 @@ def adapter_config(config: RunConfig, base: str) -> dict:
     saved = sorted({modules[name][0] for name in _saved_modules(config.lora)})
     experts = "experts" in wanted and config.model.moe_num_experts > 0
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": config.lora.rank,
-            "target_parameters": expert_parameters(config.lora.expert_layers) if experts else None,
+            "target_parameters": (expert_parameters(config.lora.expert_layers, expert_layout(config.model))
+                                  if experts else None),
             "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout, "use_rslora": config.lora.rslora,
             "target_modules": targets, "modules_to_save": saved or None, "bias": "none",
             "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True,
@@ -220,12 +231,12 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
         if ours in WHOLE:
             theirs[f"{PREFIX}{hf}.weight"] = (f"{ours}.weight", None)
             theirs[f"{PREFIX}{hf}.bias"] = (f"{ours}.bias", None)
-    tensors, expert_layers, interleaved = {}, {}, False
+    tensors, expert_layers, layout = {}, {}, None
     if settings.get("target_parameters"):
-        named = expert_layers_of(list(settings["target_parameters"]), folder)
-        interleaved = check_expert_family(cfg)
+        layout = expert_layout(cfg)
+        named = expert_layers_of(list(settings["target_parameters"]), folder, (layout,))
         expert_layers = {key: layer for layer in named or range(cfg.num_layers) if cfg.is_moe_layer(layer)
-                         for key in expert_keys(layer).values()}
+                         for key in expert_keys(layer, layout).values()}
     with safe_open(str(folder / ADAPTER_FILE), framework="pt") as f:
         for key in f.keys():
             if key == f"{PREFIX}lm_head.weight" and tied(cfg):  # the tied embedding's copy: the embedding is read
@@ -239,9 +250,12 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
             name, kind = theirs[key]
             value = f.get_tensor(key).float()
             tensors[name] = _from_hf(value, kind, cfg, name.rsplit(".lora.", 1)[0]) if kind else value
+    missing = next((key for key in expert_layers if key not in tensors), None)
+    if missing:
+        raise UserError(f"{folder / ADAPTER_FILE} has no {missing}, which its target_parameters adapt")
     for layer in sorted(set(expert_layers.values())):
-        tensors |= experts_from_peft(layer, {k: tensors.pop(k) for k in expert_keys(layer).values()}, cfg,
-                                     interleaved)
+        tensors |= experts_from_peft(layer, {k: tensors.pop(k) for k in expert_keys(layer, layout).values()}, cfg,
+                                     layout)
     return settings, tensors
 
 
