@@ -30,6 +30,7 @@ from shardlm.lora import nf4
 from shardlm.lora.apply import adaptable, add_adapters, quantize_base
 from shardlm.models import build_model
 from shardlm.models.config import ModelConfig
+from shardlm.models.moe import GroupedExperts
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.comm import CommStats, Communicator
 from shardlm.plan.lora import BASE_BYTES, lora_count, nf4_rank_bytes
@@ -61,6 +62,20 @@ SHAPES = {  # name: [model] section
                "norm_zero_centered": True, "layer_types": ["linear_attention", "full_attention"],
                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
                "linear_value_head_dim": 8},
+    # Nemotron-H's blocks (Mamba-2, attention, ReLU^2 MLP, MoE with ReLU^2 experts), with and without the routers'
+    # score-correction bias and a shared expert
+    "nemotron-h": {"arch": "llama", "num_layers": 4, "num_kv_heads": 2, "layer_pattern": "M*-E", "mamba_num_heads": 4,
+                   "mamba_head_dim": 8, "mamba_state_size": 8, "mamba_groups": 2, **MOE, "moe_score": "sigmoid",
+                   "moe_expert_bias": True, "moe_shared_experts": 1, "moe_shared_ffn_hidden_size": 16},
+    "nemotron-h-plain": {"arch": "llama", "num_layers": 4, "num_kv_heads": 2, "layer_pattern": "ME*M",
+                         "mamba_num_heads": 4, "mamba_head_dim": 8, "mamba_state_size": 8, "mamba_groups": 2, **MOE},
+    "kimi-linear": {"arch": "llama", "attention": "mla", "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 0, "mla_nope": True, "v_head_dim": 8, "linear_attention_rule": "kimi_delta",
+                    "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 4,
+                    "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, **MOE},
+    # GLM-5: layer 1 reuses layer 0's sparse-attention choice and holds no indexer
+    "glm-5": {"arch": "llama", **LAYOUT_MLA, **MOE, "index_topk": 4, "index_heads": 2, "index_head_dim": 8,
+              "index_layer_types": ["full", "shared"]},
 }
 LORAS = {
     "all-linear": LoraConfig(rank=4),
@@ -77,6 +92,9 @@ COUNT_CASES = [  # (shape, lora, tp, ep)
     ("gpt-moe-shared", "experts-embedding", 2, 2),
     ("mla", "all-linear", 2, 1), ("mla-no-q-lora", "experts-embedding", 2, 1),
     ("hybrid", "all-linear", 2, 1), ("hybrid", "q-v-norm", 1, 1),
+    ("nemotron-h", "experts-embedding", 1, 1), ("nemotron-h", "experts-embedding", 2, 2),
+    ("nemotron-h", "q-v-norm", 2, 1), ("nemotron-h-plain", "one-layer-experts", 2, 2),
+    ("kimi-linear", "experts-embedding", 2, 2), ("glm-5", "experts-embedding", 2, 1),
 ]
 
 
@@ -115,6 +133,7 @@ def test_trainable_and_frozen_parameters_are_the_built_models(name, lora, tp, ep
     assert count.frozen_expert == sum(p.numel() for _, p in named
                                       if not p.requires_grad and getattr(p, "expert_parallel", False))
     assert count.quantized == count.nf4_bytes == 0
+    assert count.root_frozen + count.root_trainable == sum(p.numel() for n, p in named if not n.startswith("layers."))
 
 
 def test_llama3_8b_all_linear_rank_16_is_pefts_count():
@@ -165,7 +184,7 @@ def stored(model) -> tuple[int, int]:
     return nbytes, sum(w.shape.numel() for w in weights.values())
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gpt", "mixtral", "mla", "hybrid"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt", "mixtral", "mla", "hybrid", "nemotron-h", "kimi-linear"])
 def test_nf4_bytes_at_tp1_are_quantized_bytes_of_every_projection_and_what_quantize_base_stores(name):
     cfg, lora = model_config(name), LoraConfig(rank=2, quantize="nf4")
     ctx = ParallelContext.single()
@@ -174,7 +193,7 @@ def test_nf4_bytes_at_tp1_are_quantized_bytes_of_every_projection_and_what_quant
     expected = sum(nf4.quantized_bytes(m.weight.shape) for m in adaptable(model).values())
     elements = sum(m.weight.numel() for m in adaptable(model).values())
     for module in model.modules():
-        if type(module).__name__ == "GroupedExperts":
+        if isinstance(module, GroupedExperts):  # Nemotron-H's ReLU^2 experts too
             for stack in ([module.gate, module.up, module.down] if module.gated else [module.fc, module.proj]):
                 expected += stack.shape[0] * nf4.quantized_bytes(stack.shape[1:])
                 elements += stack.numel()

@@ -30,6 +30,7 @@ from shardlm.config import LoraConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 from shardlm.plan.parameters import ParameterCount, _split, add_counts, layer_parameter_count, parameter_count
+from shardlm.plan.sparse_attention import has_indexer
 
 BASE_BYTES = 4
 """The frozen base's (and the dequantized NF4 weights') bytes an element: the model is built in fp32."""
@@ -112,9 +113,33 @@ def _mlp(cfg: ModelConfig, index: int, ep: int) -> list[Projection]:
     return experts + (dense(cfg.shared_ffn_size) if cfg.moe_shared_experts else [])
 
 
+def _block(cfg: ModelConfig, index: int, tp: int, ep: int) -> list[Projection]:
+    """A Nemotron-H block's projections (`model.layer_pattern`, one mixer a block): a Mamba-2 mixer's output
+    projection o (its z, x, B, C and dt, rows of transformers' fused in_proj, are no adapter targets and stay fp32),
+    the attention's q, k, v and o, a ReLU^2 MLP's up and down, or an MoE block's routed experts' fc and proj stacks
+    and its shared expert's up and down."""
+    h, kind = cfg.hidden_size, cfg.layer_pattern[index]
+    if kind == "M":
+        return [Projection("o", h, cfg.mamba_num_heads * cfg.mamba_head_dim, "row")]
+    if kind == "*":
+        return _attention(cfg, tp, False)
+
+    def relu_squared(width: int, names=("up", "down"), copies: int = 1, expert: bool = False) -> list[Projection]:
+        return [Projection(names[0], width, h, "column", copies, expert),
+                Projection(names[1], h, width, "row", copies, expert)]
+
+    if kind != "E":
+        return relu_squared(cfg.ffn_size)
+    experts = relu_squared(cfg.moe_ffn_size, ("fc", "proj"), cfg.moe_num_experts // ep, expert=True)
+    return experts + (relu_squared(cfg.shared_ffn_size) if cfg.moe_shared_experts else [])
+
+
 def layer_projections(cfg: ModelConfig, index: int, tp: int, ep: int = 1) -> list[Projection]:
     """Layer `index`'s projections on one (TP, EP) rank: those an adapter can go on and the routed experts'
-    stacks, all of which QLoRA stores in NF4 (not the router, a Gated DeltaNet layer's z, b, a)."""
+    stacks, all of which QLoRA stores in NF4 (not the router, a Gated DeltaNet layer's z, b, a, a Mamba-2 layer's
+    in_proj rows)."""
+    if cfg.layer_pattern:
+        return _block(cfg, index, tp, ep)
     return _attention(cfg, tp, cfg.is_linear_layer(index)) + _mlp(cfg, index, ep)
 
 
@@ -138,7 +163,7 @@ def expert_adapter_count(cfg: ModelConfig, rank: int, tp: int, ep: int) -> Param
     """One MoE layer's expert adapters on a (TP, EP) rank (`shardlm.lora.experts.ExpertLoRA`)."""
     h, local = cfg.hidden_size, cfg.moe_num_experts // ep
     f_local = _split(cfg.moe_ffn_size, tp, "expert ffn size")
-    inputs = 2 if cfg.arch == "llama" else 1
+    inputs = 2 if cfg.arch == "llama" and not cfg.layer_pattern else 1  # gated (Nemotron-H's: ReLU^2)
     per_expert = rank * h + inputs * f_local * rank + rank * f_local + h * rank
     elements = local * per_expert
     return ParameterCount(elements, 0, inputs + 3, 0, elements)
@@ -300,13 +325,16 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
     (TP, EP); `held`: its base parameters (default the whole model's, `parameters.parameter_count`)."""
     indices = range(cfg.num_layers) if indices is None else indices
     held = parameter_count(cfg, tp, ep) if held is None else held
-    kinds: dict[tuple[bool, bool, bool], LayerLora] = {}
+    kinds: dict[tuple, LayerLora] = {}
     adapters = ParameterCount(0, 0, 0, 0)
     quantized = quantized_expert = nf4 = nf4_expert = layer_elements = 0
     for index in indices:
         if index >= cfg.num_layers:  # a multi-token-prediction depth: outside `layers.`, frozen in fp32
             continue
-        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), experts_adapted(lora, index))
+        # layers alike in what they hold: their kinds (Nemotron-H's block kinds), whether they run an indexer (GLM-5's
+        # "shared" layers do not) and whether their experts are adapted
+        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), experts_adapted(lora, index),
+               has_indexer(cfg, index), cfg.layer_pattern[index:index + 1])
         if key not in kinds:
             kinds[key] = layer_lora(cfg, lora, index, tp, ep)
         layer = kinds[key]

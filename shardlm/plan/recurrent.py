@@ -133,8 +133,9 @@ def _mamba_count(cfg: ModelConfig, tp: int) -> ParameterCount:
 def _pattern_layer_count(cfg: ModelConfig, index: int, tp: int, ep: int) -> ParameterCount:
     """Nemotron-H's block `index` on one (TP, EP) rank: its RMSNorm (h, replicated) and its mixer: Mamba-2
     (`_mamba_count`); attention without positions (q and o split by heads, k and v by KV heads); the ReLU^2 MLP (up
-    f / t x h, down h x f / t); or the MoE layer: the router (E x h) and its score-correction bias (E) replicated,
-    E / ep experts of up (f_e / t x h) and down (h x f_e / t), the shared expert's up and down (f_s / t)."""
+    f / t x h, down h x f / t); or the MoE layer: the router (E x h) and its score-correction bias (E, where the
+    model has one) replicated, E / ep experts of up (f_e / t x h) and down (h x f_e / t), the shared expert's up and
+    down (f_s / t)."""
     h, kind = cfg.hidden_size, layer_kind(cfg, index)
     norm = ParameterCount(0, h, 1, 0)
     if kind == "M":
@@ -154,8 +155,9 @@ def _pattern_layer_count(cfg: ModelConfig, index: int, tp: int, ep: int) -> Para
         raise UserError(f"model.moe_num_experts={experts} is not divisible by parallel.expert={ep}")
     routed = 2 * (experts // ep) * _split(cfg.moe_ffn_size, tp, "expert ffn size") * h
     shared = 2 * _split(cfg.shared_ffn_size, tp, "shared ffn size") * h if cfg.moe_shared_experts else 0
-    tensors = 2 + 2 + (2 if shared else 0)
-    return add_counts(norm, ParameterCount(routed + shared, experts * h + experts, tensors, routed + shared, routed))
+    bias = experts if cfg.moe_expert_bias_rate > 0 or cfg.moe_expert_bias else 0  # as `Router` builds it
+    tensors = 1 + (bias > 0) + 2 + (2 if shared else 0)
+    return add_counts(norm, ParameterCount(routed + shared, experts * h + bias, tensors, routed + shared, routed))
 
 
 def recurrent_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
