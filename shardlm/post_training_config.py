@@ -122,7 +122,8 @@ class LoraConfig:
     """Dropout on each adapter's input, as peft's lora_dropout."""
     targets: list = field(default_factory=lambda: ["all-linear"])
     """Projections that get adapters, by shardlm or Hugging Face name (q/q_proj, k, v, o, qkv, proj, fc, gate,
-    up, down): "all-linear" is every attention and MLP projection (never the router or the output layer)."""
+    up, down; out/out_proj a Mamba-2 layer's output projection): "all-linear" is every attention, Mamba-2 output and
+    MLP projection (never the router or the output layer)."""
     expert_layers: list = field(default_factory=list)
     """With "experts" in targets: the layers (0-based) whose experts get adapters, as peft's target_parameters naming
     layers ("7.mlp.experts.gate_up_proj"); empty: every MoE layer's."""

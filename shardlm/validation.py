@@ -219,6 +219,11 @@ def _validate_lora(config: RunConfig) -> None:
         projections.add("experts")
         if not (m.moe_first_dense_layers or m.moe_shared_experts or m.moe_layer_interval > 1):
             projections -= {"gate", "up", "down", "fc"}
+    if m.layer_pattern:  # Nemotron-H's blocks: Mamba-2 ("out"), attention, ReLU^2 MLPs (up, down), experts
+        kinds, moe = set(m.layer_pattern), m.moe_num_experts > 0 and "E" in m.layer_pattern
+        projections = (({"out"} if "M" in kinds else set()) | ({"q", "k", "v", "o"} if "*" in kinds else set())
+                       | ({"up", "down"} if "-" in kinds or (moe and m.moe_shared_experts) else set())
+                       | ({"experts"} if moe else set()))
     if missing := sorted(target_names(lora) - projections) if "all-linear" not in lora.targets else []:
         raise UserError(f"lora.targets names {', '.join(missing)}, which this {m.arch} model does not have; its "
                         f"projections are {', '.join(sorted(projections))} (or \"all-linear\")")

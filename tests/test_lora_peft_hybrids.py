@@ -6,8 +6,8 @@
 - Kimi Linear: Kimi Delta Attention layers (q/k/v/o) and MLA layers without positions, MoE on both; transformers'
   in-memory module names (`forget_gate.`, `mlp.experts`), which differ from its files';
 - Nemotron-H: Mamba-2, attention and MoE blocks, its ReLU^2 experts under `mixer.` with `up_proj` and `down_proj`
-  (`RELU_SQUARED`); adapters on the attention's q/k/v. shardlm's "o" names the Mamba-2 mixer's output projection
-  too (`out_proj` in transformers), where peft refuses adapters: its export is a one-line error.
+  (`RELU_SQUARED`); adapters on the attention's q/k/v/o. "o_proj" names the attention's output projection only, as
+  in peft; the Mamba-2 layers' is "out_proj", where peft refuses adapters: its export is a one-line error.
 
 Each base is a random two-layer transformers model (four blocks for Nemotron-H: Mamba-2, MoE, attention, MoE), routers
 drawn at std 0.5, every adapter's B drawn non-zero (the experts' too). As tests/test_lora_peft_experts.py checks the
@@ -46,7 +46,7 @@ CONVERTED = ("deepseek_v32", "glm_moe_dsa")
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 TARGETS = {"deepseek_v32": MLA, "glm_moe_dsa": MLA,
            "kimi_linear": ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj"],
-           "nemotron_h": ["q_proj", "k_proj", "v_proj"]}
+           "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 """lora.targets, Hugging Face's names (peft's target_modules)."""
 PARAMETERS = {"nemotron_h": RELU_SQUARED.targets}
 """peft's target_parameters where they are not `EXPERT_PARAMETERS`."""
@@ -157,11 +157,16 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
 
 
 def test_a_mamba_layers_out_proj_adapter_is_refused_at_export_in_one_line(tmp_path):
-    """peft refuses adapters on a Mamba-2 layer's out_proj; shardlm's "o" adapts it (beside the attention's o_proj)."""
+    """"out_proj" adapts the Mamba-2 layers' output projection (block 0), "o_proj" the attention's (block 2) only;
+    peft refuses adapters on a Mamba-2 layer's out_proj, so their export is one line."""
     from shardlm.errors import UserError
 
     root = save_random(model_class("nemotron_h"), hf_config("nemotron_h"), tmp_path / "nemotron_h")
-    trainer = adapted_trainer(root, ["o_proj"])
+    assert {n.split(".lora.")[0] for n in trained(adapted_trainer(root, ["o_proj"])) if ".lora." in n and
+            ".experts." not in n} == {"layers.2.mixer.o"}
+    trainer = adapted_trainer(root, ["out_proj"])
+    assert {n.split(".lora.")[0] for n in trained(trainer) if ".lora." in n and ".experts." not in n} == \
+        {"layers.0.mixer.o"}
     with pytest.raises(UserError, match=r"layers\.0\.mixer\.o has no peft equivalent: peft refuses adapters on a "
                                         "Mamba-2 layer's out_proj") as error:
         peft_tensors(trained(trainer), trainer.config.model)

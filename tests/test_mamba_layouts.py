@@ -59,7 +59,7 @@ NEMOTRON_MOE = {"layer_pattern": "M*ME", "moe_num_experts": 4, "moe_top_k": 2, "
 
 def nemotron_config(lora: int = 0, moe: bool = False, **kwargs):
     config = sft_config("llama", **kwargs)
-    config.lora.rank, config.lora.targets = lora, ["v", "o", "up", "down"]
+    config.lora.rank, config.lora.targets = lora, ["v", "o", "out", "up", "down"]
     for key, value in (NEMOTRON_H | (NEMOTRON_MOE if moe else {})).items():
         setattr(config.model, key, value)
     return config

@@ -152,9 +152,8 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 def _why_not_peft(module: str, cfg: ModelConfig) -> str:
     """Why an adapted projection of shardlm's has no module in peft's model."""
-    if cfg.layer_pattern and module.endswith(".mixer.o"):  # Nemotron-H's "o" names the Mamba-2 output projection too
-        return ("peft refuses adapters on a Mamba-2 layer's out_proj (shardlm's \"o\" adapts it beside the attention "
-                "layers' o_proj)")
+    if cfg.layer_pattern and module.endswith(".mixer.o"):  # Nemotron-H: a Mamba-2 layer's (lora.targets' "out")
+        return "peft refuses adapters on a Mamba-2 layer's out_proj (lora.targets' \"out_proj\", in \"all-linear\")"
     return "Hugging Face stores that projection inside a fused matrix (a linear-attention layer's in_proj_qkv)"
 
 

@@ -27,10 +27,11 @@ from shardlm.parallel.init import param_seed
 # Hugging Face (and peft's usual target) names -> shardlm's module names
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
            "down_proj": "down", "c_attn": "qkv", "c_proj": "proj", "c_fc": "fc", "q_a_proj": "q_a", "q_b_proj": "q_b",
-           "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b", "o_a_proj": "o_a", "o_b_proj": "o_b"}
+           "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b", "o_a_proj": "o_a", "o_b_proj": "o_b", "out_proj": "out"}
 PROJECTIONS = ("q", "k", "v", "o", "qkv", "proj", "fc", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b", "o_a",
-               "o_b")
-"""Projection names an adapter can target; o_a and o_b are DeepSeek-V4's grouped output projection and its mix."""
+               "o_b", "out")
+"""Projection names an adapter can target; o_a and o_b are DeepSeek-V4's grouped output projection and its mix, out
+a Mamba-2 layer's output projection (Nemotron-H; its module is `mixer.o`, `target_of`)."""
 SAVED_MODULES = {"embedding": ("wte",), "embed_tokens": ("wte",), "output": ("lm_head",), "lm_head": ("lm_head",),
                  "norm": ("ln_f",)}
 
@@ -121,13 +122,19 @@ def _shape(module: nn.Module, ctx: ParallelContext) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
+def target_of(name: str, module: nn.Module) -> str:
+    """The lora.targets name of projection `module` called `name`: its own name, or the one it was given
+    (`lora_target`: a Mamba-2 layer's output projection `mixer.o` is "out", transformers' out_proj)."""
+    return getattr(module, "lora_target", name.rsplit(".", 1)[-1])
+
+
 def adaptable(model: nn.Module, within_layers: bool = True) -> dict[str, nn.Module]:
     """{name: projection} of every module of the transformer layers an adapter can go on (`within_layers` False:
     of `model`, one transformer layer, itself)."""
     kinds = (ColumnParallelLinear, RowParallelLinear, KeyValueProjection, ReplicatedLinear)
     return {name: module for name, module in model.named_modules()
             if (name.startswith("layers.") or not within_layers) and isinstance(module, kinds)
-            and name.rsplit(".", 1)[-1] in PROJECTIONS}
+            and target_of(name, module) in PROJECTIONS}
 
 
 def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, seed: int) -> dict[str, LoRA]:
@@ -136,7 +143,7 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
     check_lora(config)
     wanted = target_names(config)
     candidates = adaptable(model)
-    found = {name.rsplit(".", 1)[-1] for name in candidates}
+    found = {target_of(name, module) for name, module in candidates.items()}
     missing = sorted(wanted - found - {"experts"}) if not {"all-linear", "all_linear"} & set(config.targets) else []
     if missing and candidates:  # a rank without layers (none on this stage) cannot tell
         raise UserError(f"lora.targets names {', '.join(missing)}, which this model does not have; its projections "
@@ -161,7 +168,7 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
                                          dtype=logical(module, expert_weights(module)[0]).dtype)
                 adapters[name] = module.lora
     for name, module in candidates.items():
-        if name.rsplit(".", 1)[-1] not in wanted:
+        if target_of(name, module) not in wanted:
             continue
         features = _shape(module, ctx)
         module.lora = LoRA(_kind(module), *features, config.rank, config.alpha, config.dropout, config.rslora, ctx,

@@ -114,6 +114,7 @@ class Mamba2(nn.Module):
         self.o = RowParallelLinear(H * self.P, h, ctx.tp, bias=False, std=std / math.sqrt(2 * cfg.num_layers),
                                    seed=param_seed(seed, f"{prefix}.o"), device=ctx.device,
                                    sequence_parallel=sequence_parallel)
+        self.o.lora_target = "out"  # lora.targets' "out_proj" (transformers' name), apart from attention's o_proj
 
     def forward(self, u: torch.Tensor, cache=None, documents: Documents | None = None) -> torch.Tensor:
         """u: (B, T, h), or this rank's sequence chunk under sequence parallelism -> the same shape. With `cache`

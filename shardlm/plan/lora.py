@@ -115,12 +115,12 @@ def _mlp(cfg: ModelConfig, index: int, ep: int) -> list[Projection]:
 
 def _block(cfg: ModelConfig, index: int, tp: int, ep: int) -> list[Projection]:
     """A Nemotron-H block's projections (`model.layer_pattern`, one mixer a block): a Mamba-2 mixer's output
-    projection o (its z, x, B, C and dt, rows of transformers' fused in_proj, are no adapter targets and stay fp32),
+    projection "out" (its z, x, B, C and dt, rows of transformers' fused in_proj, are no adapter targets and stay fp32),
     the attention's q, k, v and o, a ReLU^2 MLP's up and down, or an MoE block's routed experts' fc and proj stacks
     and its shared expert's up and down."""
     h, kind = cfg.hidden_size, cfg.layer_pattern[index]
-    if kind == "M":
-        return [Projection("o", h, cfg.mamba_num_heads * cfg.mamba_head_dim, "row")]
+    if kind == "M":  # lora.targets' "out" (out_proj)
+        return [Projection("out", h, cfg.mamba_num_heads * cfg.mamba_head_dim, "row")]
     if kind == "*":
         return _attention(cfg, tp, False)
 
