@@ -19,8 +19,9 @@ head's logits to tau, and every layout equals one process.
   rounding, far nearer it than the unclipped run.
 - Training with Muon and QK-clip (tau low enough that heads clip every step, checked on the reference): TP=2 with SP
   (split key heads), TP=2 with one key head for four query heads (replicated), TP=2 MLA, CP=2, PP=2, DP=2, ZeRO-1
-  and FSDP (Llama, MLA) at DP=2 equal one process within 1e-5 (4 steps' losses and gradient norms, every
-  parameter; the step maxima within 5e-5). The PP run starts with every head's maximum planted at 1e6, as a
+  and FSDP (Llama, MLA) at DP=2, FSDP at DP=2 x TP=2 (Llama with SP, MLA) and hybrid sharding (DP=4 sharded in
+  pairs) equal one process within 1e-5 (4 steps' losses and gradient norms, every parameter; the step maxima within
+  5e-5). The PP run starts with every head's maximum planted at 1e6, as a
   forward that must not count (the schedule's shape inference) could leave it: the stages count from the first
   micro-batch.
 - Controls: the reference with the clip off, and DP=2 and CP=2 with each rank clipping by its own maxima (no
@@ -261,6 +262,11 @@ WORLD2 = {  # name: (reference kind, layout)
     "control dp2 llama maxima unreduced": ("llama", layout(unreduced=True)),
     "control cp2 llama maxima unreduced": ("llama", layout(cp=2, unreduced=True)),
 }
+WORLD4 = {  # FSDP with TP (each rank clips its rows of its heads) and hybrid sharding (rows over the shard pairs)
+    "fsdp dp2 x tp2 sp llama": ("llama", layout(tp=2, sp=True, data_sharding="full")),
+    "fsdp dp2 x tp2 mla": ("mla", layout(kind="mla", tp=2, data_sharding="full")),
+    "hsdp dp4 shard2 llama": ("llama", layout(data_sharding="full", fsdp_shard_size=2)),
+}
 
 
 HALF_RUNS = {"fsdp": "full", "zero1": "optimizer", "replicated": "none"}
@@ -288,6 +294,11 @@ def world2(request):
     tests/test_cpu_kinds.py)."""
     cases = selected_cases(request, WORLD2)
     return spawn_layouts(2, run_layout, cases, timeout=300, more=maxima_checks if cases == WORLD2 else None)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn_layouts(4, run_layout, WORLD4, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -375,6 +386,13 @@ def test_the_step_line_and_metrics_show_the_largest_logit(tmp_path, capsys):
 def test_qk_clip_at_two_ranks_equals_one_process(world2, reference, name):
     """Losses, gradient norms and parameters within TOL, the step maxima within MAX_LOGIT_TOL, relative."""
     assert_every_rank(world2, name, reference[WORLD2[name][0]], steps=STEPS, tol=TOL, columns=CURVE + ("max logit",),
+                      column_tols={"max logit": MAX_LOGIT_TOL})
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_qk_clip_under_fsdp_with_tensor_parallelism_and_hybrid_sharding_equals_one_process(world4, reference, name):
+    """As at two ranks: FSDP at DP=2 x TP=2 (Llama with SP, MLA) and hybrid sharding at DP=4 in pairs."""
+    assert_every_rank(world4, name, reference[WORLD4[name][0]], steps=STEPS, tol=TOL, columns=CURVE + ("max logit",),
                       column_tols={"max logit": MAX_LOGIT_TOL})
 
 
