@@ -13,8 +13,9 @@ Each base is a random two-layer transformers model (four blocks for Nemotron-H: 
 drawn at std 0.5, every adapter's B drawn non-zero (the experts' too). As tests/test_lora_peft_experts.py checks the
 other families: the logits equal peft's within 1e-5 and differ from the base's and, with the experts' adapters left
 out of peft's model, from peft's; `shardlm convert --to-peft` reads back bitwise and names the family's
-`target_parameters`, and with `--merge` gives a transformers directory of the same logits; 3 training steps equal a
-plain AdamW loop over peft's trainable parameters (losses within 1e-5).
+`target_parameters`, and with `--merge` gives a transformers directory of the same logits; the directory peft saves
+starts a run (`checkpoint.init_adapter`, its targets and expert layers taken from it) with peft's logits; 3 training
+steps equal a plain AdamW loop over peft's trainable parameters (losses within 1e-5).
 """
 
 from __future__ import annotations
@@ -153,7 +154,27 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
                  "--merge"]) == 0  # every adapter folded in, the experts' too: a plain transformers directory
     with torch.no_grad():
         assert rel(model_class(family).from_pretrained(tmp_path / "merged").eval()(TOKENS).logits, ours) <= TOL
+    model.save_pretrained(tmp_path / "peft")  # peft's own directory starts a run with peft's logits
+    assert rel(shardlm_logits(started_from(root, tmp_path / "peft").model, TOKENS)[..., :VOCAB], ours) <= TOL
     assert_trains_as_peft(trainer, model.train(), steps=3)
+
+
+def started_from(root, folder):
+    """A trainer on the base `root` started from the peft adapter directory `folder` (`checkpoint.init_adapter`), its
+    [lora] keys taken from the directory's adapter_config.json."""
+    from test_lora_peft import batches, run_config
+
+    from shardlm.checkpoint.init import init_weights, open_source
+    from shardlm.checkpoint.peft import load_adapter, resolve_adapter
+    from shardlm.training.trainer import Trainer
+
+    config = run_config(root)
+    config.checkpoint.init_adapter = str(folder)
+    resolve_adapter(config)
+    trainer = Trainer(config, ParallelContext.single(), batches(1))
+    init_weights(trainer, open_source(root))
+    load_adapter(trainer, folder)
+    return trainer
 
 
 def test_a_mamba_layers_out_proj_adapter_is_refused_at_export_in_one_line(tmp_path):
