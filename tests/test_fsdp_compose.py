@@ -1,4 +1,4 @@
-"""FSDP2 (`train.data_sharding = "full"`) composed with context parallelism, MoE with expert parallelism and
+"""FSDP2 (`train.data_sharding = "full"`) composed with context parallelism and with MoE under expert parallelism
 gives the single-process run (FSDP x compile is tests/test_fsdp.py's, at DP=2).
 
 One world of 4 processes trains each layout 2 steps (fp32, dropout 0); losses, gradient norms (and for MoE the
