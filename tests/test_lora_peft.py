@@ -253,17 +253,25 @@ def test_training_equals_a_plain_adamw_loop_over_peft(base):
     assert_trains_as_peft(trainer, model)
 
 
-def start_from_adapter(root: str, adapter: str) -> float:
-    """TP=2 with SP: a run from the Qwen3 base and the peft adapter directory; its first loss."""
-    ctx = ParallelContext.from_process_group(2)
+def started_from(root, adapter, ctx: ParallelContext | None = None, **parallel) -> tuple[Trainer, str | None]:
+    """A trainer on the base `root` started from the peft adapter directory `adapter` (`checkpoint.init_adapter`), its
+    [lora] keys taken from the directory (`parallel`: [parallel] keys of `ctx`'s layout); and `resolve_adapter`'s
+    line naming the keys it took."""
     config = run_config(root)
     config.lora = from_dict({}).lora
-    config.checkpoint.init_adapter = adapter
-    config.parallel.tensor, config.parallel.sequence_parallel = 2, True
-    resolve_adapter(config)
-    trainer = Trainer(config, ctx, batches(5))
+    config.checkpoint.init_adapter = str(adapter)
+    for key, value in parallel.items():
+        setattr(config.parallel, key, value)
+    line = resolve_adapter(config)
+    trainer = Trainer(config, ctx or ParallelContext.single(), batches(5))
     init_weights(trainer, open_source(root))
     load_adapter(trainer, adapter)
+    return trainer, line
+
+
+def start_from_adapter(root: str, adapter: str) -> float:
+    """TP=2 with SP: a run from the Qwen3 base and the peft adapter directory; its first loss."""
+    trainer, _ = started_from(root, adapter, ParallelContext.from_process_group(2), tensor=2, sequence_parallel=True)
     return trainer.train_step()["loss"]
 
 

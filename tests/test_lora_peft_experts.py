@@ -38,6 +38,7 @@ from test_lora_peft import (
     save_random,
     shardlm_logits,
     shardlm_trainer,
+    started_from,
     trained,
 )
 
@@ -225,12 +226,7 @@ def test_the_experts_of_named_layers_as_pefts_per_layer_target_parameters(tmp_pa
     ["1.mlp.experts.gate_up_proj", "1.mlp.experts.down_proj"] (the gpt-oss recipes' form) puts them: peft's logits;
     the export's adapter_config names those two, and the merged export gives the same logits in transformers; a run
     started from the directory peft saves takes expert_layers = [1] from it and gives peft's logits."""
-    from test_lora_peft import batches, run_config
-
-    from shardlm.checkpoint.init import init_weights, open_source
-    from shardlm.checkpoint.peft import load_adapter, resolve_adapter
     from shardlm.checkpoint.peft_experts import expert_parameters
-    from shardlm.training.trainer import Trainer
 
     root = save_random(model_class("gpt_oss"), hf_config("gpt_oss"), tmp_path / "gpt_oss", sharp_routers)
     trainer = adapted_trainer(root, expert_layers=[1])
@@ -250,12 +246,8 @@ def test_the_experts_of_named_layers_as_pefts_per_layer_target_parameters(tmp_pa
         assert rel(model_class("gpt_oss").from_pretrained(tmp_path / "merged").eval()(TOKENS).logits, ours) <= TOL
 
     model.save_pretrained(tmp_path / "peft")  # peft's own directory
-    config = run_config(root)
-    config.lora.targets, config.checkpoint.init_adapter = ["all-linear"], str(tmp_path / "peft")
-    assert "expert_layers=[1]" in resolve_adapter(config) and config.lora.expert_layers == [1]
-    started = Trainer(config, ParallelContext.single(), batches(1))
-    init_weights(started, open_source(root))
-    load_adapter(started, tmp_path / "peft")
+    started, line = started_from(root, tmp_path / "peft")
+    assert "expert_layers=[1]" in line and started.config.lora.expert_layers == [1]
     assert rel(shardlm_logits(started.model, TOKENS)[..., :VOCAB], ours) <= TOL
 
 

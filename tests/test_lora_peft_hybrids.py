@@ -24,7 +24,17 @@ import json
 
 import pytest
 import torch
-from test_lora_peft import TOKENS, TOL, VOCAB, assert_trains_as_peft, peft_model, save_random, shardlm_logits, trained
+from test_lora_peft import (
+    TOKENS,
+    TOL,
+    VOCAB,
+    assert_trains_as_peft,
+    peft_model,
+    save_random,
+    shardlm_logits,
+    started_from,
+    trained,
+)
 from test_lora_peft_experts import adapted_trainer
 
 from shardlm.checkpoint import load_model, save_checkpoint
@@ -155,40 +165,6 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
     with torch.no_grad():
         assert rel(model_class(family).from_pretrained(tmp_path / "merged").eval()(TOKENS).logits, ours) <= TOL
     model.save_pretrained(tmp_path / "peft")  # peft's own directory starts a run with peft's logits
-    assert rel(shardlm_logits(started_from(root, tmp_path / "peft").model, TOKENS)[..., :VOCAB], ours) <= TOL
+    assert rel(shardlm_logits(started_from(root, tmp_path / "peft")[0].model, TOKENS)[..., :VOCAB], ours) <= TOL
     assert_trains_as_peft(trainer, model.train(), steps=3)
 
-
-def started_from(root, folder):
-    """A trainer on the base `root` started from the peft adapter directory `folder` (`checkpoint.init_adapter`), its
-    [lora] keys taken from the directory's adapter_config.json."""
-    from test_lora_peft import batches, run_config
-
-    from shardlm.checkpoint.init import init_weights, open_source
-    from shardlm.checkpoint.peft import load_adapter, resolve_adapter
-    from shardlm.training.trainer import Trainer
-
-    config = run_config(root)
-    config.checkpoint.init_adapter = str(folder)
-    resolve_adapter(config)
-    trainer = Trainer(config, ParallelContext.single(), batches(1))
-    init_weights(trainer, open_source(root))
-    load_adapter(trainer, folder)
-    return trainer
-
-
-def test_a_mamba_layers_out_proj_adapter_is_refused_at_export_in_one_line(tmp_path):
-    """"out_proj" adapts the Mamba-2 layers' output projection (block 0), "o_proj" the attention's (block 2) only;
-    peft refuses adapters on a Mamba-2 layer's out_proj, so their export is one line."""
-    from shardlm.errors import UserError
-
-    root = save_random(model_class("nemotron_h"), hf_config("nemotron_h"), tmp_path / "nemotron_h")
-    assert {n.split(".lora.")[0] for n in trained(adapted_trainer(root, ["o_proj"])) if ".lora." in n and
-            ".experts." not in n} == {"layers.2.mixer.o"}
-    trainer = adapted_trainer(root, ["out_proj"])
-    assert {n.split(".lora.")[0] for n in trained(trainer) if ".lora." in n and ".experts." not in n} == \
-        {"layers.0.mixer.o"}
-    with pytest.raises(UserError, match=r"layers\.0\.mixer\.o has no peft equivalent: peft refuses adapters on a "
-                                        "Mamba-2 layer's out_proj") as error:
-        peft_tensors(trained(trainer), trainer.config.model)
-    assert "\n" not in str(error.value)

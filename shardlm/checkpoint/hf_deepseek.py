@@ -160,6 +160,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if quantized:
         raise UserError(f"the HF model's weights are quantized ({quantized}, with scale tensors); convert a bf16 copy "
                         "(DeepSeek's fp8_cast_bf16.py) and read that")
+    rotary = _mistral_rotary(hf) if mistral else None
     refusals = [
         (not hf.get("attention_bias"), "attention biases (attention_bias)"),
         (hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs silu)"),
@@ -172,9 +173,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         (hf.get("moe_layer_freq", 1) == 1, "moe_layer_freq != 1"),
         (bool(experts) and (hf.get("n_shared_experts") or 0) >= 1, "no routed or no shared experts"),
         (experts // groups >= 2 or groups == 1, "expert groups of one expert (n_group = n_routed_experts)"),
-        (not mistral or _mistral_rotary(hf) == hf["qk_rope_head_dim"],
-         f"a rotary width of {_mistral_rotary(hf) if mistral else 0} channels (head_dim x partial_rotary_factor) "
-         f"unlike qk_rope_head_dim={hf['qk_rope_head_dim']}"),
+        (not mistral or rotary == hf["qk_rope_head_dim"],
+         f"a rotary width of {rotary} channels (head_dim x partial_rotary_factor) unlike "
+         f"qk_rope_head_dim={hf['qk_rope_head_dim']}"),
     ]
     for ok, what in refusals:
         if not ok:

@@ -118,7 +118,9 @@ def _block(cfg: ModelConfig, index: int, tp: int, ep: int) -> list[Projection]:
     projection "out" (its z, x, B, C and dt, rows of transformers' fused in_proj, are no adapter targets and stay fp32),
     the attention's q, k, v and o, a ReLU^2 MLP's up and down, or an MoE block's routed experts' fc and proj stacks
     and its shared expert's up and down."""
-    h, kind = cfg.hidden_size, cfg.layer_pattern[index]
+    from shardlm.plan.recurrent import layer_kind
+
+    h, kind = cfg.hidden_size, layer_kind(cfg, index)
     if kind == "M":  # lora.targets' "out" (out_proj)
         return [Projection("out", h, cfg.mamba_num_heads * cfg.mamba_head_dim, "row")]
     if kind == "*":
