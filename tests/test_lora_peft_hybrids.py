@@ -168,3 +168,19 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
     assert rel(shardlm_logits(started_from(root, tmp_path / "peft")[0].model, TOKENS)[..., :VOCAB], ours) <= TOL
     assert_trains_as_peft(trainer, model.train(), steps=3)
 
+
+def test_a_mamba_layers_out_proj_adapter_is_refused_at_export_in_one_line(tmp_path):
+    """"out_proj" adapts the Mamba-2 layers' output projection (block 0), "o_proj" the attention's (block 2) only;
+    peft refuses adapters on a Mamba-2 layer's out_proj, so their export is one line."""
+    from shardlm.errors import UserError
+
+    root = save_random(model_class("nemotron_h"), hf_config("nemotron_h"), tmp_path / "nemotron_h")
+    assert {n.split(".lora.")[0] for n in trained(adapted_trainer(root, ["o_proj"])) if ".lora." in n and
+            ".experts." not in n} == {"layers.2.mixer.o"}
+    trainer = adapted_trainer(root, ["out_proj"])
+    assert {n.split(".lora.")[0] for n in trained(trainer) if ".lora." in n and ".experts." not in n} == \
+        {"layers.0.mixer.o"}
+    with pytest.raises(UserError, match=r"layers\.0\.mixer\.o has no peft equivalent: peft refuses adapters on a "
+                                        "Mamba-2 layer's out_proj") as error:
+        peft_tensors(trained(trainer), trainer.config.model)
+    assert "\n" not in str(error.value)
