@@ -71,9 +71,15 @@ def rows(seed: int, samples: int) -> TokenArrayDataset:
     return TokenArrayDataset(np.asarray(tokens), SEQ, seed=3, num_samples=samples)
 
 
+DEPTH = {"mtp_layers": 1, "compress_ratios": V4["compress_ratios"] + [8]}
+"""The packed runs' multi-token prediction: one depth, an HCA layer (a ratio of its own after the layers')."""
+
+
 def v4_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, lora: int = 0,
-              **train):
-    config = layout_config(tiny_model("llama", SEQ, **V4), micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp,
+              mtp: bool = True, **train):
+    """The layouts' config; `mtp`: with the multi-token-prediction depth (`DEPTH`)."""
+    model = tiny_model("llama", SEQ, **(V4 | DEPTH if mtp else V4))
+    config = layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp,
                            **{"steps": LEARN_STEPS, "global_batch_size": BATCH, "eval_iters": 16, "adam_eps": ADAM_EPS,
                               **train})
     config.lora.rank, config.lora.alpha, config.lora.targets = lora, 8.0, ["q_b", "o_a", "o_b", "gate", "up", "down"]
@@ -114,6 +120,7 @@ def train_v4(ctx: ParallelContext, config, packed: bool = True, steps: int = STE
     curve = [(m["loss"], m["grad_norm"]) for m in metrics]
     run = {"curve": curve, "valid": trainer.evaluate(), "params": stage_parameters(trainer.model)}
     run["indexer_kl"] = [m.get("indexer_kl") for m in metrics]
+    run["mtp_loss"] = [m.get("mtp_loss") for m in metrics]
     run["indexer_moved"] = {name: (run["params"][name] - p).abs().max().item() for name, p in start.items()}
     if steps > STEPS:
         run["losses"] = [loss for loss, _ in curve] + [trainer.train_step()["loss"] for _ in range(steps - STEPS)]
@@ -135,8 +142,8 @@ def broken(control: str | None):
 def run_layout(tp: int, pp: int, cp: int, ep: int, sp: bool = False, control: str | None = None,
                packed: bool = True, **train) -> dict:
     with broken(control):
-        return train_v4(layout_context(tp, pp, cp, ep), v4_config(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, **train),
-                        packed)
+        return train_v4(layout_context(tp, pp, cp, ep),
+                        v4_config(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, mtp=packed, **train), packed)
 
 
 WORLD2 = {
@@ -176,7 +183,7 @@ def reference():
     rows_of_48 = v4_config(micro=BATCH)
     rows_of_48.model.seq_length = SEQ3
     return {"packed": train_v4(ctx, v4_config(), steps=LEARN_STEPS),
-            "plain": train_v4(ctx, v4_config(), packed=False, steps=LEARN_STEPS),
+            "plain": train_v4(ctx, v4_config(mtp=False), packed=False, steps=LEARN_STEPS),
             "lora": train_v4(ctx, v4_config(lora=4), steps=LEARN_STEPS), "rows of 48": train_v4(ctx, rows_of_48)}
 
 
@@ -216,6 +223,20 @@ def test_the_indexer_trains_at_every_layout(world2, reference, name):
         assert_indexer_trained(value, reference[kind_of(name)], f"{name} rank {rank}", lora="lora" in name)
 
 
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_the_depth_trains_at_every_layout(world2, reference, name):
+    """The packed cases train the multi-token-prediction depth: its loss logged at every step within TOL of one
+    process's (its parameters are compared with the rest's); the plain ones have none."""
+    ref = reference[kind_of(name)]["mtp_loss"]
+    for rank, value in enumerate(check_result(world2, name)):
+        if "plain" in name:
+            assert value["mtp_loss"] == ref == [None] * STEPS
+            continue
+        assert any(key.startswith("mtp.0.block.") for key in value["params"]), f"{name} rank {rank}"
+        for step, (a, b) in enumerate(zip(value["mtp_loss"], ref)):
+            assert a is not None and b > 0 and abs(a - b) <= TOL * b, f"{name} rank {rank} step {step + 1}: {a} vs {b}"
+
+
 @pytest.mark.parametrize("kind", ["packed", "plain", "lora"])
 def test_reference_trains(reference, kind):
     """The references learn over LEARN_STEPS steps (so the layouts have a signal to go wrong with; the adapters more
@@ -252,7 +273,7 @@ def test_lora_on_the_grouped_output_projection_equals_its_merged_weight():
     with B drawn nonzero so that the update counts; a control: the logits without the update differ."""
     from shardlm.lora.merge import merge_adapters
 
-    config = v4_config(lora=4)
+    config = v4_config(lora=4, mtp=False)
     config.lora.targets = ["o_a"]
     trainer = Trainer(config, ParallelContext.single(), train_data(), valid_data())
     model = trainer.model.eval()

@@ -167,8 +167,9 @@ def test_a_router_trained_without_its_bias_exports_with_a_zero_one(reference, tm
 
 
 def test_deepseek_own_names_convert_to_the_same_tensors(reference, tmp_path):
-    """A directory in DeepSeek's own names (no `model.` prefix; embed, norm, hc_head_fn at the top, and an mtp
-    layer, which is left out) converts to the tensors of the directory transformers saved."""
+    """A directory in DeepSeek's own names (no `model.` prefix; embed, norm, hc_head_fn at the top, and a piece of
+    an mtp layer without its projections, which is left out) converts to the tensors of the directory transformers
+    saved. (A whole depth converts: `test_hf_deepseek_v4_mtp`.)"""
     import shutil
 
     from safetensors.torch import load_file, save_file

@@ -53,8 +53,10 @@ def test_preset_counts_what_transformers_builds():
     buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith(held))
     cfg = MODEL_PRESETS["deepseek-v4"]
     assert parameter_count(cfg, 1).total == sum(p.numel() for p in model.parameters()) + buffers == 284328206295
-    converted = model_config_from_hf(hf.to_dict())  # the converter reads this shape
-    assert dataclasses.replace(converted, seq_length=cfg.seq_length, attention_dropout=cfg.attention_dropout) == cfg
+    converted = model_config_from_hf(hf.to_dict())  # the converter reads this shape, and the upstream's MTP depth
+    assert converted.mtp_layers == 1 and cfg.mtp_layers == 0  # which transformers does not build
+    assert dataclasses.replace(converted, seq_length=cfg.seq_length, attention_dropout=cfg.attention_dropout,
+                               mtp_layers=0) == cfg
     assert MODEL_PRESETS["deepseek-v4-flash"] == cfg
 
 
@@ -70,6 +72,22 @@ def test_parameter_count_is_the_built_models():
     assert 2 * halves.sharded + halves.replicated == count.total
     experts = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
     assert count.expert == experts and count.total - v4_parameter_count(cfg, 1, ep=2).total == experts // 2
+
+
+@pytest.mark.parametrize("depth_ratios", [[], [4]], ids=["sliding depth", "csa depth"])
+def test_multi_token_prediction_depths_count_what_the_model_builds(depth_ratios):
+    """With one depth (DeepSeek's sliding one, or a CSA one with its indexer) the count is the built model's, at
+    TP = 1 and 2; `v4_depth_count` is the depth's own share."""
+    from shardlm.plan.deepseek_v4 import v4_depth_count
+
+    cfg = tiny_v4(mtp_layers=1, compress_ratios=[8, 4, 0] + depth_ratios)
+    model = built(cfg)
+    params = list(model.parameters())
+    count = parameter_count(cfg, 1)
+    assert count.total == sum(p.numel() for p in params) and count.tensors == len(params)
+    assert v4_depth_count(cfg, 1).total == sum(p.numel() for p in model.mtp.parameters())
+    halves = parameter_count(cfg, 2)
+    assert 2 * halves.sharded + halves.replicated == count.total
 
 
 def counted(run) -> int:
@@ -111,6 +129,28 @@ def test_flops_are_what_the_model_runs():
     model = _plain_experts(built(frozen))
     assert counted(step) == flops_per_token(frozen) * tokens.numel()
     assert flops_per_token(frozen) == 3 * v4_forward_flops(frozen) - 2 * indexer
+
+
+def test_multi_token_prediction_flops_are_what_the_model_runs():
+    """With a CSA depth: the forward of the next-token and depth losses (the fused output layer and loss) is
+    `v4_forward_flops` per token, a training step `flops_per_token`, less the output layer at the depth's ignored
+    targets (the last position of each row), which the fused loss skips."""
+    from shardlm.models.mtp import rolled_targets
+
+    cfg = tiny_v4(mtp_layers=1, compress_ratios=[8, 4, 0, 4])
+    model = _plain_experts(built(cfg))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    rolled = [part[None] for part in rolled_targets(inputs, labels, 1)]
+
+    def losses():
+        return model(inputs, labels, mtp=rolled)
+
+    skipped = int((rolled[1] == -100).sum()) * 2 * cfg.hidden_size * cfg.vocab_size
+    with torch.no_grad():
+        assert counted(losses) == v4_forward_flops(cfg) * inputs.numel() - skipped
+    assert v4_forward_flops(cfg) > v4_forward_flops(dataclasses.replace(cfg, mtp_layers=0, compress_ratios=[8, 4, 0]))
+    assert counted(lambda: losses().sum().backward()) == flops_per_token(cfg) * inputs.numel() - 3 * skipped
 
 
 def test_long_sequences_pay_the_window_and_the_compressed_entries():

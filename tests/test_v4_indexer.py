@@ -57,7 +57,7 @@ def test_the_divergence_by_hand():
 
 def model(coeff: float):
     """The layout tests' V4 model (its CSA layer is layer 1) with `model.index_loss_coeff` = coeff, training."""
-    config = v4_config()
+    config = v4_config(mtp=False)
     config.model.index_loss_coeff = coeff
     return build_model(config.model, ParallelContext.single(), seed=3).train()
 
@@ -133,7 +133,7 @@ def test_a_dense_warm_up_stage_is_refused_in_one_line():
 
     from shardlm.models.deepseek_v4 import check_deepseek_v4
 
-    m = v4_config().model
+    m = v4_config(mtp=False).model
     assert check_deepseek_v4(m) is None
     message = check_deepseek_v4(dataclasses.replace(m, index_stage="warmup"))
     assert "index_stage" in message and "\n" not in message

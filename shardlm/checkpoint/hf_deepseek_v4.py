@@ -17,19 +17,26 @@ transformers saves DeepSeek's own names (its conversion mapping renames them on 
     L.ffn.experts.e.{w1, w3, w2}, L.ffn.shared_experts.{w1, w3, w2}        layers.i.mlp.experts.{gate, up, down}.e,
                                                                             layers.i.mlp.shared.{gate, up, down}
 
+    mtp.k.{enorm, hnorm, e_proj, h_proj}, mtp.k.norm                       mtp.k.{enorm, hnorm, e_proj, h_proj},
+    mtp.k.hc_head_{fn,base,scale}                                          mtp.k.head.{weight, fn, base, scale}
+    mtp.k.<a layer's names, without model.layers.i>                        mtp.k.block.<as layers.i>
+
 DeepSeek's own directories (the same names without the `model.` prefix, `embed`, `norm` and `hc_head_fn` at the
-top) read too. Every tensor maps whole (tid2eid's int64 expert ids as fp32 and back, exact): a round trip is bitwise.
-The config: layer_types and compress_rates become `model.compress_ratios` (0 sliding, the CSA rate, the HCA rate per
-layer; index_topk 0 when no layer is CSA), mlp_layer_types' leading hash_moe layers `model.moe_hash_layers`,
-swiglu_limit `model.swiglu_clip`, compress_rope_theta `model.global_rope_theta`, the compressed layers' YaRN
-`model.rope_yarn_*`. Refused in one line: other scaled rotaries, other scoring functions, hash layers after a routed
-one, more than one shared expert, quantized weights. The multi-token-prediction layers (which transformers neither
-builds nor saves) are left out.
+top) read too. The multi-token-prediction depths (num_nextn_predict_layers) are DeepSeek's `mtp.k` in either kind of
+directory: transformers neither builds nor saves them (its load ignores them), so a directory it saved converts
+without them, with a note. Every tensor maps whole (tid2eid's int64 expert ids as fp32 and back, exact): a round
+trip is bitwise. The config: layer_types (or DeepSeek's compress_ratios, one per layer and depth) and compress_rates
+become `model.compress_ratios` (0 sliding, the CSA rate, the HCA rate per layer, then per depth; index_topk 0 when
+no layer is CSA), mlp_layer_types' leading hash_moe layers `model.moe_hash_layers`, swiglu_limit
+`model.swiglu_clip`, compress_rope_theta `model.global_rope_theta`, the compressed layers' YaRN `model.rope_yarn_*`.
+Refused in one line: other scaled rotaries, other scoring functions, hash layers after a routed one, more than one
+shared expert, quantized weights.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -64,9 +71,16 @@ def _rope(hf: dict, kind: str) -> dict:
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """shardlm's [model] section of a DeepseekV4Config dict; UserError (one line) for what it does not compute."""
-    layers = hf["num_hidden_layers"]
+    layers, depths = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", 1) or 0
     rates = {CSA: 4, HCA: 128, **(hf.get("compress_rates") or {})}
     kinds = hf.get("layer_types") or [HCA] * min(layers, 2) + [CSA if i % 2 else HCA for i in range(layers - 2)]
+    if not hf.get("layer_types") and hf.get("compress_ratios"):  # DeepSeek's own config: a ratio per layer and depth
+        named = {0: "sliding_attention", rates[CSA]: CSA, rates[HCA]: HCA}
+        unknown = sorted(set(hf["compress_ratios"]) - set(named))
+        if unknown:
+            raise UserError(f"the HF model's compress_ratios hold {unknown}, neither 0 nor its compress_rates "
+                            f"({rates[CSA]}, {rates[HCA]})")
+        kinds = [named[r] for r in hf["compress_ratios"]]
     mlp = hf.get("mlp_layer_types") or ["hash_moe"] * min(layers, 3) + ["moe"] * max(0, layers - 3)
     hashed = mlp.count("hash_moe")
     quantized = (hf.get("quantization_config") or {}).get("quant_method")
@@ -94,7 +108,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise UserError(f"the HF model's rope_parameters rotate {sorted(nested)} of each head, not its "
                         f"qk_rope_head_dim / partial_rotary_factor ({rotary} of {head_dim} channels); shardlm's "
                         "deepseek_v4 reads one rotary width")
-    ratios = [0 if kind == "sliding_attention" else rates[kind] for kind in kinds]
+    ratios = [0 if kind == "sliding_attention" else rates[kind] for kind in kinds][:layers + depths]
     return ModelConfig(
         arch="llama", num_layers=layers, hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
         num_kv_heads=1, head_dim=head_dim, seq_length=hf.get("max_position_embeddings", 4096),
@@ -110,7 +124,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         index_head_dim=hf.get("index_head_dim", 128), moe_num_experts=hf["n_routed_experts"],
         moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_shared_experts=1,
         moe_score="sqrtsoftplus", moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-        moe_expert_bias=True, moe_hash_layers=hashed, swiglu_clip=float(hf.get("swiglu_limit", 10.0)), **_yarn(hf))
+        moe_expert_bias=True, moe_hash_layers=hashed, swiglu_clip=float(hf.get("swiglu_limit", 10.0)),
+        mtp_layers=depths, **_yarn(hf))
 
 
 def _yarn(hf: dict) -> dict:
@@ -123,9 +138,8 @@ def _yarn(hf: dict) -> dict:
             "rope_yarn_mscale": 0.0, "rope_yarn_mscale_all_dim": 0.0}
 
 
-def _layer_names(cfg: ModelConfig, i: int, kind: str) -> list[tuple[str, str]]:
-    """(shardlm name, HF name) of layer i's tensors; `kind` from `compressed_kinds`."""
-    s, h = f"layers.{i}", f"model.layers.{i}"
+def _layer_names(cfg: ModelConfig, i: int, kind: str, s: str, h: str) -> list[tuple[str, str]]:
+    """(shardlm name, HF name) of layer i's tensors, under the prefixes `s` and `h`; `kind` from `compressed_kinds`."""
     out = [(f"{s}.ln_1.weight", f"{h}.attn_norm.weight"), (f"{s}.ln_2.weight", f"{h}.ffn_norm.weight")]
     out += [(f"{s}.{ours}_hc.{p}", f"{h}.hc_{theirs}_{p}") for ours, theirs in (("attn", "attn"), ("mlp", "ffn"))
             for p in ("fn", "base", "scale")]
@@ -157,8 +171,16 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
     out += [(f"ln_f.{p}", f"model.hc_head.hc_{p}") for p in ("fn", "base", "scale")]
     if not cfg.tie_embeddings:
         out.append(("lm_head.weight", "head.weight"))
-    for i, kind in enumerate(compressed_kinds(cfg)):
-        out += _layer_names(cfg, i, kind)
+    kinds = compressed_kinds(cfg)
+    for i in range(cfg.num_layers):
+        out += _layer_names(cfg, i, kinds[i], f"layers.{i}", f"model.layers.{i}")
+    for k in range(cfg.mtp_layers):  # DeepSeek's own names, which transformers neither reads nor saves
+        s, h = f"mtp.{k}", f"mtp.{k}"
+        out += [(f"{s}.{p}.weight", f"{h}.{p}.weight") for p in ("enorm", "hnorm")]
+        out += [(f"{s}.{p}", f"{h}.{p}.weight") for p in ("e_proj", "h_proj")]
+        out += [(f"{s}.head.weight", f"{h}.norm.weight")] + [(f"{s}.head.{p}", f"{h}.hc_head_{p}")
+                                                             for p in ("fn", "base", "scale")]
+        out += _layer_names(cfg, cfg.num_layers + k, kinds[cfg.num_layers + k], f"{s}.block", h)
     return out
 
 
@@ -178,6 +200,13 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     config = RunConfig(model=model_config_from_hf(json.loads((hf_dir / "config.json").read_text())))
     if not config.model.tie_embeddings and "head.weight" not in located:
         config.model.tie_embeddings = True
+    m = config.model
+    depths = m.mtp_layers
+    if depths and "mtp.0.e_proj.weight" not in located:  # transformers saves the main model only
+        print(f"note: num_nextn_predict_layers={depths} but {hf_dir} has no multi-token prediction depth "
+              "(mtp.0.e_proj.weight); converted without it (model.mtp_layers = 0)", file=sys.stderr)
+        m.mtp_layers = 0
+    m.compress_ratios = m.compress_ratios[:m.num_layers + m.mtp_layers]
     use_tokenizer(config, hf_dir)
     handles: dict = {}
     sources = {}
@@ -187,7 +216,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
             raise UserError(f"{hf_dir} has no tensor {stored} (a DeepSeek-V4 directory as transformers saves it)")
         sources[ours] = HFTensor(handles, located[stored], stored)
     read = {source.name for source in sources.values()}
-    left = sorted(name for name in located if name not in read and not name.startswith("mtp."))
+    left = sorted(name for name in located if name not in read and not (name.startswith("mtp.") and not m.mtp_layers))
     if left:
         raise UserError(f"{hf_dir} holds {len(left)} weights shardlm would not read (first: {left[0]})")
     return config, sources
@@ -220,7 +249,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "mlp_layer_types": ["hash_moe" if i < cfg.moe_hash_layers else "moe" for i in range(cfg.num_layers)],
         "swiglu_limit": cfg.swiglu_clip, "sliding_window": cfg.sliding_window, "o_groups": cfg.output_groups,
         "o_lora_rank": cfg.output_rank, "index_n_heads": cfg.index_heads, "index_head_dim": cfg.index_head_dim,
-        "index_topk": cfg.index_topk or 512, "num_nextn_predict_layers": 0, "rms_norm_eps": cfg.layernorm_epsilon,
+        "index_topk": cfg.index_topk or 512, "num_nextn_predict_layers": cfg.mtp_layers,
+        "rms_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_std, "attention_dropout": cfg.attention_dropout_p, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
     }

@@ -94,8 +94,9 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def compressed_kinds(cfg: ModelConfig) -> list[str]:
     """Per layer "sliding", "csa" (with model.index_topk, the smallest nonzero ratio of model.compress_ratios) or
-    "hca"."""
+    "hca": the num_layers layers, then the model.mtp_layers depths (sliding when the ratios stop at the layers)."""
     ratios = list(cfg.compress_ratios) or [0] * cfg.num_layers
+    ratios += [0] * (cfg.num_layers + cfg.mtp_layers - len(ratios))
     smallest = min([r for r in ratios if r] or [0])
     return ["sliding" if not r else "csa" if r == smallest and cfg.index_topk else "hca" for r in ratios]
 

@@ -241,7 +241,8 @@ class ModelConfig:
     moe_expert_bias: bool = False
     """MoE: keep an expert bias at moe_expert_bias_rate = 0 too (a DeepSeek-V3 checkpoint's e_score_correction_bias)."""
     mtp_layers: int = 0
-    """Llama: multi-token prediction depths (DeepSeek-V3's num_nextn_predict_layers); depth k predicts k+1 ahead."""
+    """Llama: multi-token prediction depths (DeepSeek-V3's and V4's num_nextn_predict_layers); depth k predicts k+1
+    ahead."""
     mtp_loss_weight: float = 0.1
     """Weight of the mean multi-token-prediction loss over the depths, added to the next-token loss."""
     sandwich_norms: bool = False
@@ -289,7 +290,8 @@ class ModelConfig:
     hc_eps: float = 1e-6
     """DeepSeek-V4: the floor added to the hyper-connections' weights and Sinkhorn sums."""
     compress_ratios: list = field(default_factory=list)
-    """DeepSeek-V4: tokens per compressed entry per layer; 0: window only, smallest with index_topk: CSA, else HCA."""
+    """DeepSeek-V4: tokens per compressed entry per layer (then per mtp depth; a depth not listed: 0); 0: window
+    only, smallest with index_topk: CSA, else HCA."""
     output_groups: int = 0
     """DeepSeek-V4: head groups of the grouped output projection (o_groups), each projected to output_rank."""
     output_rank: int = 0

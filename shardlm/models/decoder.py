@@ -271,14 +271,23 @@ class DecoderLM(nn.Module):
             raise ValueError("the KV cache works without context parallelism; generate with parallel.context=1")
         if cache is not None and documents is not None:
             raise ValueError("packed documents are for training and evaluation; generate without them")
-        x = self.embed(tokens, 0 if cache is None else cache.length, documents)
         if cache is None:
-            return self.ln_f(self.run_layers(x, self.layers.values(), documents))
+            return self.ln_f(self.layer_output(tokens, documents))
+        x = self.embed(tokens, cache.length, documents)
         carry = self.layer_carry()
         extra = () if carry is None else (carry,)
         for layer, layer_cache in zip(self.layers.values(), cache.layers):
             x = layer(x, layer_cache, None, *extra)
         return self.ln_f(x)
+
+    def layer_output(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """(B, T) ids -> the last layer's output, before the final norm (no cache)."""
+        return self.run_layers(self.embed(tokens, 0, documents), self.layers.values(), documents)
+
+    def mtp_input(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """What the first multi-token-prediction depth reads of the main model: the final norm's output `hidden`
+        (DeepSeek-V3); `x` is the last layer's output before that norm."""
+        return hidden
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100, cache: KVCache | None = None,
@@ -290,14 +299,17 @@ class DecoderLM(nn.Module):
         module's own call, so that a wrapper's hooks run (FSDP gathers the root's weights), for generation.
         `then`: a function of that output computed inside the call (distillation's divergence, which runs the
         output layer on it), whose result is returned."""
+        if targets is not None and mtp is not None:
+            x = self.layer_output(tokens, documents)
+            hidden = self.ln_f(x)
+            main = self.output_loss(hidden, targets, ignore_index)
+            depths = self.mtp_losses(self.mtp_input(x, hidden), mtp, documents, ignore_index)
+            return torch.cat((main.unsqueeze(0), depths))
         hidden = self.hidden_states(tokens, cache, documents)
         if hidden_only:
             return hidden
         if then is not None:
             return then(hidden)
-        if targets is not None and mtp is not None:
-            main = self.output_loss(hidden, targets, ignore_index)
-            return torch.cat((main.unsqueeze(0), self.mtp_losses(hidden, mtp, documents, ignore_index)))
         if targets is not None:
             return self.output_loss(hidden, targets, ignore_index)
         logits = self.output_layer(hidden)
@@ -306,7 +318,8 @@ class DecoderLM(nn.Module):
     def mtp_losses(self, hidden: torch.Tensor, mtp: tuple, documents: Documents | None = None,
                    ignore_index: int = -100) -> torch.Tensor:
         """Per-token fp32 losses (D, B, T) of the D multi-token-prediction depths (`shardlm.models.mtp`): depth k
-        takes depth k-1's output (depth 1: `hidden`, the (B, T, h) final-norm output or its sequence chunks)
+        takes depth k-1's output (depth 1: `hidden`, the (B, T, h) final-norm output or its sequence chunks, as
+        `mtp_input` gives it)
         and the embedding of its rolled tokens; `mtp` = (inputs, targets), each (D, B, T). Runs `embed` (so
         `wte`), `self.mtp` and the output layer: what the last pipeline stage keeps when the model has depths."""
         losses = []

@@ -15,7 +15,15 @@ parallelism the hash layers read the tokens of their rank's chunk; under pipelin
 between stages as the activations (B, T, n, h), and the hash layers must be on the first stage (which embeds the
 tokens); packed rows attend document by document; under context parallelism each layer gathers its input over the
 CP group; YaRN (`rope_yarn_*`) scales the compressed layers' rotary only. Refused in one line (`check_deepseek_v4`):
-multi-token prediction, dropout.
+dropout.
+
+Multi-token prediction (`model.mtp_layers`, DeepSeek's `mtp.k`): depth k reads the previous depth's streams (depth 1:
+the last layer's, before the final collapse) and the embedding of the tokens k places ahead (`shardlm.models.mtp`):
+
+    streams = e_proj(enorm(Emb(t_{i+k}))) on every stream + h_proj(hnorm(streams)), per stream
+    streams = block_k(streams)          one more V4 layer, index num_layers + k - 1 (its ratio: the k-th after the
+                                        layers' in model.compress_ratios, else 0, the sliding window only)
+    logits  = lm_head(head_k(streams))  head_k: the depth's own collapse and RMSNorm (`HyperHead`)
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from shardlm.models.llama import Llama, SwiGLU
 from shardlm.models.moe import MoELayer, Router, route
 from shardlm.models.norms import RMSNorm
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, VocabParallelEmbedding, invariant
-from shardlm.parallel.init import param_seed
+from shardlm.parallel.init import normal_shard, param_seed
 from shardlm.parallel.random import recompute
 
 
@@ -52,8 +60,10 @@ def check_deepseek_v4(m: ModelConfig, context: int = 1) -> str | None:
         (m.sliding_window > 0, "DeepSeek-V4 needs model.sliding_window > 0 (every layer attends to its window)"),
         (m.output_groups > 0 and m.output_rank > 0 and m.num_heads % m.output_groups == 0,
          "DeepSeek-V4 needs model.output_groups dividing num_heads and model.output_rank > 0"),
-        (len(m.compress_ratios) in (0, m.num_layers) and all(r >= 0 for r in m.compress_ratios),
-         f"model.compress_ratios must list {m.num_layers} ratios >= 0 (0: the sliding window only)"),
+        (len(m.compress_ratios) in (0, m.num_layers, m.num_layers + m.mtp_layers) and all(r >= 0 for r in
+                                                                                          m.compress_ratios),
+         f"model.compress_ratios must list {m.num_layers} ratios >= 0 (0: the sliding window only), or "
+         f"{m.num_layers + m.mtp_layers} with the multi-token-prediction layers'"),
         (not ratios or m.global_rope_theta > 0, "model.compress_ratios needs model.global_rope_theta (the "
          "compressed layers' rotary base, compress_rope_theta)"),
         (not m.index_topk or m.index_topk > 0 and m.index_heads > 0 and m.index_head_dim >= m.qk_rope_head_dim,
@@ -62,7 +72,6 @@ def check_deepseek_v4(m: ModelConfig, context: int = 1) -> str | None:
          and m.moe_score == "sqrtsoftplus", 'DeepSeek-V4 needs MoE in every layer and model.moe_score="sqrtsoftplus"'),
         (0 <= m.moe_hash_layers <= m.num_layers and m.swiglu_limit == 0 and m.swiglu_clip >= 0,
          "model.moe_hash_layers must be in 0..num_layers; DeepSeek-V4 clips with swiglu_clip (not swiglu_limit)"),
-        (not m.mtp_layers, "DeepSeek-V4's multi-token prediction layers are not built; set model.mtp_layers = 0"),
         (not m.rope_llama3_factor, "DeepSeek-V4 scales its compressed layers' rotary by YaRN, not llama3's scaling"),
         (m.index_stage == "sparse", 'DeepSeek-V4 has no dense warm-up stage (its CSA indexer trains beside the '
          'model by its own loss): set model.index_stage = "sparse"'),
@@ -156,6 +165,33 @@ class V4Block(nn.Module):
         return expand(self.mlp(self.ln_2(x)), post, comb, streams)
 
 
+class V4Depth(nn.Module):
+    """Multi-token-prediction depth k (DeepSeek's `mtp.k`): (embedding (B, T, h) of the tokens k + 1 places ahead,
+    previous streams (B, T, n, h)) -> streams (B, T, n, h); sequence chunks (T / tp) under sequence parallelism.
+    Parameters: enorm, hnorm (h,), e_proj, h_proj (h, h) (replicated), block (a `V4Block`, index num_layers + k),
+    head (its `HyperHead`)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, depth: int, sequence_parallel: bool,
+                 options: ParallelOptions):
+        super().__init__()
+        h, prefix = cfg.hidden_size, f"mtp.{depth}"
+        self.enorm = RMSNorm(h, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.hnorm = RMSNorm(h, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.e_proj, self.h_proj = (nn.Parameter(normal_shard((h, h), cfg.init_std,
+                                                              param_seed(seed, f"{prefix}.{name}"), device=ctx.device))
+                                    for name in ("e_proj", "h_proj"))
+        if sequence_parallel:  # their inputs are this rank's chunk: gradients summed over TP
+            for module in (self.enorm, self.hnorm):
+                mark_sequence_parallel(module)
+            self.e_proj.sequence_parallel = self.h_proj.sequence_parallel = True
+        self.block = V4Block(cfg, ctx, seed, cfg.num_layers + depth, sequence_parallel, options)
+        self.head = HyperHead(cfg, ctx, seed, sequence_parallel, prefix=f"{prefix}.head")
+
+    def forward(self, embedded: torch.Tensor, streams: torch.Tensor, documents=None) -> torch.Tensor:
+        x = F.linear(self.enorm(embedded), self.e_proj).unsqueeze(2) + F.linear(self.hnorm(streams), self.h_proj)
+        return self.block(x, None, documents, None)
+
+
 class DeepseekV4(Llama):
     """DeepSeek-V4's causal LM (`Llama` builds it when model.hc_mult > 0); `DecoderLM` runs it, the streams
     travelling between the layers. Parameters: wte, layers.i.*, ln_f (`HyperHead`: fn, base, scale, weight),
@@ -189,9 +225,27 @@ class DeepseekV4(Llama):
             with torch.no_grad():
                 first_row = ctx.tp_rank * self.lm_head.weight.shape[0]
                 self.lm_head.weight[max(0, cfg.vocab_size - first_row):].zero_()
-        self.LAST_STAGE = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head")
+        # with multi-token prediction the last pipeline stage keeps the depths and a copy of `wte` for their tokens
+        last = ("ln_f", "wte" if cfg.tie_embeddings else "lm_head") + (("wte", "mtp") if cfg.mtp_layers else ())
+        self.LAST_STAGE = tuple(dict.fromkeys(last))
         self.mtp = None
+        if cfg.mtp_layers:
+            self.mtp = nn.ModuleList(V4Depth(cfg, ctx, seed, k, sp, options) for k in range(cfg.mtp_layers))
         self.tokens = None
+
+    def mtp_input(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The first depth reads the last layer's streams `x` (B, T, n, h), not the final collapse `hidden`."""
+        return x
+
+    def mtp_losses(self, streams: torch.Tensor, mtp: tuple, documents=None, ignore_index: int = -100) -> torch.Tensor:
+        """Per-token fp32 losses (D, B, T) of the D depths (`V4Depth`): depth k takes depth k-1's streams (depth 1:
+        `streams`, the last layer's) and the embedding of its rolled tokens; `mtp` = (inputs, targets), each
+        (D, B, T); each depth's own head collapses its streams for the shared output layer."""
+        losses = []
+        for depth, inputs, targets in zip(self.mtp, *mtp):
+            streams = depth(super().embed(inputs, 0, documents), streams, documents)
+            losses.append(self.output_loss(depth.head(streams), targets, ignore_index))
+        return torch.stack(losses)
 
     def embed(self, tokens: torch.Tensor, past: int = 0, documents=None) -> torch.Tensor:
         """(B, T) ids -> (B, T, n, h): the embedding copied to every stream (this rank's chunk under sequence

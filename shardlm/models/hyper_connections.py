@@ -115,13 +115,15 @@ def expand(output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams
 
 class HyperHead(nn.Module):
     """The model's last collapse and final RMSNorm: streams (B, T, n, h) -> (B, T, h). Parameters `fn` (n, n h),
-    `base` (n,), `scale` (1,) (transformers' hc_head.hc_fn, hc_base, hc_scale) and `weight` (h,) (its norm)."""
+    `base` (n,), `scale` (1,) (transformers' hc_head.hc_fn, hc_base, hc_scale) and `weight` (h,) (its norm). Each
+    multi-token-prediction depth has one of its own (`prefix` "mtp.k.head")."""
 
-    def __init__(self, cfg: ModelConfig, ctx, seed: int, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, ctx, seed: int, sequence_parallel: bool, prefix: str = "ln_f"):
         super().__init__()
         n, h = cfg.hc_mult, cfg.hidden_size
         self.eps, self.norm_eps = cfg.hc_eps, cfg.layernorm_epsilon
-        self.fn = nn.Parameter(normal_shard((n, n * h), cfg.init_std, param_seed(seed, "ln_f.fn"), device=ctx.device))
+        self.fn = nn.Parameter(normal_shard((n, n * h), cfg.init_std, param_seed(seed, f"{prefix}.fn"),
+                                            device=ctx.device))
         self.base = nn.Parameter(torch.zeros(n, device=ctx.device))
         self.scale = nn.Parameter(torch.ones(1, device=ctx.device))
         self.weight = nn.Parameter(torch.ones(h, device=ctx.device))

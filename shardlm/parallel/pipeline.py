@@ -200,7 +200,7 @@ class StageModule(nn.Module):
         # which runs without a micro-batch: then no depth loss, (0,))
         if self.mtp is None:
             return hidden, hidden.new_zeros(0)
-        return hidden, self.model.mtp_losses(hidden, self.mtp, self.documents)
+        return hidden, self.model.mtp_losses(self.model.mtp_input(x, hidden), self.mtp, self.documents)
 
 
 class ShardlmStage(PipelineStage):

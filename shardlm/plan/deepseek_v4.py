@@ -16,6 +16,8 @@ of D = head_dim channels, r_q = q_lora_rank, g = output_groups of r_o = output_r
                 (V x top_k, frozen; transformers' buffer) instead of the bias
     ends        embedding and untied output layer (V_padded x h each) split by vocabulary rows; the head's collapse
                 (`HyperHead`) fn (n x n h), base (n), scale (1) and its norm (h), replicated
+    each depth  (model.mtp_layers, `V4Depth`) a layer of index L + k as above, e_proj and h_proj (h x h each),
+                enorm and hnorm (h each) and a head of its own, replicated (`v4_depth_count`)
 
 FLOPs per token of the forward (`v4_layer_flops`; s = seq_length): the hyper-connections 2 (2 + n) n^2 h each and
 their stream mixing comb^T streams 2 n^2 h each; the attention's matrices 2 (h r_q + r_q H D + h D + H D r_o +
@@ -24,7 +26,8 @@ D_i, its weights 2 h H_i and its O(s) scoring 2 H_i D_i s / m against every comp
 attention's score and value products 4 H D per key, the keys being the window min(s, sliding_window) plus on HCA
 layers all s / m entries and on CSA layers min(index_topk, s / m) chosen ones (4:1 compression and top-k: O(s k)
 instead of O(s^2)); the MoE its router 2 h E, top-k experts and the shared one 6 h f each; the head 2 n^2 h and the
-output layer 2 h V. Training is 3 x forward except the indexers, whose backward is shorter (`v4_flops_per_token`).
+output layer 2 h V; each depth its layer, e_proj 2 h^2, h_proj on each stream 2 n h^2, its head and the output layer.
+Training is 3 x forward except the indexers, whose backward is shorter (`v4_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ from shardlm.models.config import ModelConfig
 from shardlm.plan.parameters import ParameterCount, _mlp_count, _split, add_counts
 
 
-def layer_kinds(cfg: ModelConfig) -> list[str]:
-    """Per layer "sliding", "csa" or "hca", as `shardlm.models.compressed_attention.compressed_kinds` (no torch)."""
+def layer_ratios(cfg: ModelConfig) -> list[int]:
+    """The compress ratio of each layer, then of each multi-token-prediction depth (0: the sliding window only)."""
     ratios = list(cfg.compress_ratios) or [0] * cfg.num_layers
+    return ratios + [0] * (cfg.num_layers + cfg.mtp_layers - len(ratios))
+
+
+def layer_kinds(cfg: ModelConfig) -> list[str]:
+    """Per layer (then depth) "sliding", "csa" or "hca", as `shardlm.models.compressed_attention.compressed_kinds`
+    (no torch)."""
+    ratios = layer_ratios(cfg)
     smallest = min([r for r in ratios if r] or [0])
     return ["sliding" if not r else "csa" if r == smallest and cfg.index_topk else "hca" for r in ratios]
 
@@ -59,7 +69,7 @@ def _attention_count(cfg: ModelConfig, index: int, tp: int) -> ParameterCount:
     hyper = 2 * ((2 + n) * n * n * h + (2 + n) * n + 3)
     replicated = replicated_matrices + q_rank + dim + hyper + 2 * h
     tensors = 8 + 6 + 2
-    kind, ratio = layer_kinds(cfg)[index], (list(cfg.compress_ratios) or [0] * cfg.num_layers)[index]
+    kind, ratio = layer_kinds(cfg)[index], layer_ratios(cfg)[index]
     if kind != "sliding":
         own = _compressor(cfg, dim, ratio, kind == "csa")
         replicated += own
@@ -92,6 +102,16 @@ def v4_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount
     total = ParameterCount(outputs * vocab_local * h, n * n * h + n + 1 + h, outputs + 4, 0)
     for index in range(cfg.num_layers):
         total = add_counts(total, v4_layer_count(cfg, index, tp, ep))
+    return total
+
+
+def v4_depth_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
+    """Per-rank parameters of the model.mtp_layers depths (without the shared embedding and output layer)."""
+    h, n = cfg.hidden_size, cfg.hc_mult
+    own = ParameterCount(0, 2 * h * h + 2 * h + n * n * h + n + 1 + h, 8, 2 * h * h)
+    total = ParameterCount(0, 0, 0, 0)
+    for k in range(cfg.mtp_layers):
+        total = add_counts(total, add_counts(v4_layer_count(cfg, cfg.num_layers + k, tp, ep), own))
     return total
 
 
@@ -132,8 +152,11 @@ def v4_layer_flops(cfg: ModelConfig, index: int) -> LayerFlops:
 
 def v4_forward_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of the whole model: the layers, the head's collapse and the output layer."""
-    layers = sum(f.trained + f.indexer for f in map(lambda i: v4_layer_flops(cfg, i), range(cfg.num_layers)))
-    return layers + 2 * cfg.hc_mult ** 2 * cfg.hidden_size + 2 * cfg.hidden_size * cfg.vocab_size
+    h, n = cfg.hidden_size, cfg.hc_mult
+    layers = sum(f.trained + f.indexer for f in map(lambda i: v4_layer_flops(cfg, i),
+                                                    range(cfg.num_layers + cfg.mtp_layers)))
+    head = 2 * n * n * h + 2 * h * cfg.vocab_size
+    return layers + (1 + cfg.mtp_layers) * head + cfg.mtp_layers * 2 * (1 + n) * h * h
 
 
 def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
@@ -143,10 +166,10 @@ def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     Frozen indexers (model.index_loss_coeff = 0) run forward only: 2 x their forward is not run. A trained one reads
     its inputs detached, so its matrices get weight gradients only (1 x their forward) while its scoring product
     (queries against entries, both its own) gets both (2 x): its backward skips 1 x its forward less the scoring."""
-    per_layer = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers)]
+    per_layer = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers + cfg.mtp_layers)]
     indexers = sum(f.indexer for f in per_layer)
     if cfg.index_loss_coeff > 0:
-        scoring = sum(2 * cfg.index_heads * cfg.index_head_dim * (cfg.seq_length // cfg.compress_ratios[i])
+        scoring = sum(2 * cfg.index_heads * cfg.index_head_dim * (cfg.seq_length // layer_ratios(cfg)[i])
                       for i, f in enumerate(per_layer) if f.indexer)
         skipped = indexers - scoring
     else:

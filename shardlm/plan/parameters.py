@@ -301,7 +301,12 @@ def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[Para
 def mtp_parameter_count(cfg: ModelConfig, tp: int, ep: int = 1) -> ParameterCount:
     """Per-rank parameters of the `cfg.mtp_layers` depths (without the shared embedding and head): per depth the
     layer of index L + k as `layer_parameter_count` counts it (full attention, also in a hybrid model: Qwen3-Next's
-    and Qwen3.5's depth is a gated full-attention layer), eh_proj (h x 2h) and three norms of h."""
+    and Qwen3.5's depth is a gated full-attention layer), eh_proj (h x 2h) and three norms of h; DeepSeek-V4's:
+    `deepseek_v4.v4_depth_count`."""
+    if cfg.hc_mult:  # DeepSeek-V4's depths
+        from shardlm.plan.deepseek_v4 import v4_depth_count
+
+        return v4_depth_count(cfg, tp, ep)
     h = cfg.hidden_size
     own = ParameterCount(0, 2 * h * h + 3 * h, 4, 2 * h * h)
     total = ParameterCount(0, 0, 0, 0)
