@@ -199,37 +199,15 @@ def _validate_qk_clip(config: RunConfig) -> None:
 
 
 def _validate_lora(config: RunConfig) -> None:
-    """[lora]: its values, and that this model has what it names (one line each)."""
-    from shardlm.lora.apply import check_lora, target_names
+    """[lora]: its values, and that this model has what it names (one line each; the projections a model has are the
+    planner's, `shardlm.plan.lora.check_lora_model`)."""
+    from shardlm.lora.apply import check_lora
+    from shardlm.plan.lora import check_lora_model
 
-    m, lora = config.model, config.lora
-    check_lora(lora)
-    if not lora.rank:
+    check_lora(config.lora)
+    if not config.lora.rank:
         raise UserError("checkpoint.init_adapter needs lora.rank (or an adapter_config.json that gives r)")
-    if m.arch == "bert":
-        raise UserError("[lora] adapts GPT and Llama-family (MLA included) models; this model is BERT")
-    projections = {"qkv", "proj", "fc"} if m.arch == "gpt" else {"q", "k", "v", "o", "gate", "up", "down"}
-    if m.attention == "mla":
-        projections = projections - {"k", "v"} | ({"q_a", "q_b"} if m.q_lora_rank else {"q"}) | {"kv_a", "kv_b"}
-        if m.linear_attention_rule == "kimi_delta" and any(m.is_linear_layer(i) for i in range(m.num_layers)):
-            projections |= {"k", "v"}  # Kimi Linear's KDA layers beside its MLA ones
-    if m.hc_mult:  # DeepSeek-V4: q_b, the grouped o_a and o_b (the replicated q_a, kv and compressors take none)
-        projections = projections - {"q", "k", "v", "o"} | {"q_b", "o_a", "o_b"}
-    if m.moe_num_experts:  # the experts take "experts"; gate/up/down name dense or shared MLPs only
-        projections.add("experts")
-        if not (m.moe_first_dense_layers or m.moe_shared_experts or m.moe_layer_interval > 1):
-            projections -= {"gate", "up", "down", "fc"}
-    if m.layer_pattern:  # Nemotron-H's blocks: Mamba-2 ("out"), attention, ReLU^2 MLPs (up, down), experts
-        kinds, moe = set(m.layer_pattern), m.moe_num_experts > 0 and "E" in m.layer_pattern
-        projections = (({"out"} if "M" in kinds else set()) | ({"q", "k", "v", "o"} if "*" in kinds else set())
-                       | ({"up", "down"} if "-" in kinds or (moe and m.moe_shared_experts) else set())
-                       | ({"experts"} if moe else set()))
-    if missing := sorted(target_names(lora) - projections) if "all-linear" not in lora.targets else []:
-        raise UserError(f"lora.targets names {', '.join(missing)}, which this {m.arch} model does not have; its "
-                        f"projections are {', '.join(sorted(projections))} (or \"all-linear\")")
-    if "output" in lora.modules_to_save and (m.arch == "gpt" or m.tie_embeddings):
-        raise UserError('lora.modules_to_save names "output", but this model ties its output layer to the '
-                        'embedding; name "embedding"')
+    check_lora_model(config.model, config.lora)
     if config.checkpoint.init_adapter and not config.checkpoint.init_from:
         raise UserError("checkpoint.init_adapter needs checkpoint.init_from: the base model the adapter was "
                         "trained on")

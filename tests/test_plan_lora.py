@@ -4,14 +4,15 @@ builds. One process, no process groups (a TP > 1 rank is built with size-N commu
 - Adapters: the trainable parameters the planner counts on a (TP, EP) rank (elements, tensors, routed experts')
   are those `add_adapters` leaves trainable on the model shardlm builds for that rank, for GQA Llama (K/V split at
   TP=2, replicated at TP=4), GPT, a Mixtral-shaped MoE with expert adapters (EP=2), MLA with and without the
-  query's low rank, a Gated DeltaNet hybrid, with several target sets and `modules_to_save`; the frozen rest too.
+  query's low rank, a Gated DeltaNet hybrid, Nemotron-H, Kimi Linear, GLM-5 and DeepSeek-V4 (with a
+  multi-token-prediction depth), with several target sets and `modules_to_save`; the frozen rest too.
   Llama 3 8B's all-linear r=16 count is peft's published 41,943,040 (derived by hand below).
 - NF4: at TP=1 the planner's bytes are `nf4.quantized_bytes` of every projection weight (each expert's matrices
   one by one) and what `quantize_base` stores; a TP shard keeps the blocks its values lie in (counted here by
   brute force) and the whole matrix's statistics.
 - State bytes: a real `Trainer` with `[lora]` (fp32, QLoRA fp32, QLoRA with half parameters, ZeRO-1, GPT with its
-  embedding trained, an MoE with expert adapters) holds exactly the planner's parameters (trainable and frozen),
-  gradients and optimizer state after a step.
+  embedding trained, an MoE with expert adapters, DeepSeek-V4 with its depth in NF4) holds exactly the planner's
+  parameters (trainable and frozen), gradients and optimizer state after a step.
 - Activations: in fp32 a QLoRA layer run without `nf4.dequantize_again` (a recomputed one) saves its dequantized
   weights (the difference to LoRA of a layer whose input needs a gradient); with half parameters autocast saves
   half copies of the fp32 frozen weights.
@@ -76,6 +77,14 @@ SHAPES = {  # name: [model] section
     # GLM-5: layer 1 reuses layer 0's sparse-attention choice and holds no indexer
     "glm-5": {"arch": "llama", **LAYOUT_MLA, **MOE, "index_topk": 4, "index_heads": 2, "index_head_dim": 8,
               "index_layer_types": ["full", "shared"]},
+    # DeepSeek-V4: a hash-routed HCA layer, a CSA one, a sliding one, then a CSA multi-token-prediction depth; the
+    # adapters go on q_b, the grouped o_a, o_b and the shared expert's MLP
+    "deepseek-v4": {"arch": "llama", "num_layers": 3, "num_kv_heads": 1, "head_dim": 16, "q_lora_rank": 16,
+                    "qk_rope_head_dim": 4, "sliding_window": 5, "attention_sinks": True, "global_rope_theta": 1000.0,
+                    "hc_mult": 2, "compress_ratios": [8, 4, 0, 4], "mtp_layers": 1, "output_groups": 2,
+                    "output_rank": 8, "index_topk": 3, "index_heads": 2, "index_head_dim": 8, **MOE,
+                    "moe_shared_experts": 1, "moe_score": "sqrtsoftplus", "moe_expert_bias": True,
+                    "moe_hash_layers": 1, "swiglu_clip": 0.5},
 }
 LORAS = {
     "all-linear": LoraConfig(rank=4),
@@ -95,6 +104,7 @@ COUNT_CASES = [  # (shape, lora, tp, ep)
     ("nemotron-h", "experts-embedding", 1, 1), ("nemotron-h", "experts-embedding", 2, 2),
     ("nemotron-h", "q-v-norm", 2, 1), ("nemotron-h-plain", "one-layer-experts", 2, 2),
     ("kimi-linear", "experts-embedding", 2, 2), ("glm-5", "experts-embedding", 2, 1),
+    ("deepseek-v4", "all-linear", 2, 1), ("deepseek-v4", "experts-embedding", 2, 2),
 ]
 
 
@@ -184,14 +194,19 @@ def stored(model) -> tuple[int, int]:
     return nbytes, sum(w.shape.numel() for w in weights.values())
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gpt", "mixtral", "mla", "hybrid", "nemotron-h", "kimi-linear"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt", "mixtral", "mla", "hybrid", "nemotron-h", "kimi-linear",
+                                  "deepseek-v4"])
 def test_nf4_bytes_at_tp1_are_quantized_bytes_of_every_projection_and_what_quantize_base_stores(name):
     cfg, lora = model_config(name), LoraConfig(rank=2, quantize="nf4")
     ctx = ParallelContext.single()
     model = built(cfg, lora, ctx)
-    # the brief's formula, weight by weight: each projection's (out, in) and each expert's matrices one by one
-    expected = sum(nf4.quantized_bytes(m.weight.shape) for m in adaptable(model).values())
-    elements = sum(m.weight.numel() for m in adaptable(model).values())
+    # the brief's formula, weight by weight: each projection's (out, in) and each expert's matrices one by one (those
+    # of the layers and of DeepSeek-V4's multi-token-prediction depth)
+    every = adaptable(model, within_layers=False)
+    projections = [m for key, m in every.items() if key.startswith(("layers.", "mtp."))]
+    assert any(key.startswith("mtp.") for key in every) == (name == "deepseek-v4")
+    expected = sum(nf4.quantized_bytes(m.weight.shape) for m in projections)
+    elements = sum(m.weight.numel() for m in projections)
     for module in model.modules():
         if isinstance(module, GroupedExperts):  # Nemotron-H's ReLU^2 experts too
             for stack in ([module.gate, module.up, module.down] if module.gated else [module.fc, module.proj]):
@@ -279,6 +294,8 @@ STATE_CASES = {
     "lora zero1": ("llama-gqa", {"rank": 4, "targets": ["q", "v"]}, {"data_sharding": "optimizer"}),
     "gpt qlora embedding": ("gpt", {"rank": 3, "quantize": "nf4", "modules_to_save": ["embedding"]}, {}),
     "moe qlora experts": ("mixtral", {"rank": 2, "quantize": "nf4", "targets": ["all-linear", "experts"]}, {}),
+    # the multi-token-prediction depth's projections and experts in NF4 too, trained through (no adapters of its own)
+    "v4 qlora depth": ("deepseek-v4", {"rank": 2, "quantize": "nf4", "targets": ["all-linear", "experts"]}, {}),
 }
 
 

@@ -137,6 +137,16 @@ def adaptable(model: nn.Module, within_layers: bool = True) -> dict[str, nn.Modu
             and target_of(name, module) in PROJECTIONS}
 
 
+def quantized_projections(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: projection} whose weight QLoRA stores in NF4: every projection an adapter could go on in the transformer
+    layers and in the multi-token-prediction depths (`mtp.`, which take no adapters), or in `model` itself when it is
+    one transformer layer."""
+    every = adaptable(model, within_layers=False)
+    if not hasattr(model, "layers"):
+        return every
+    return {name: module for name, module in every.items() if name.startswith(("layers.", "mtp."))}
+
+
 def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, seed: int) -> dict[str, LoRA]:
     """Give every targeted projection of `model` (this rank's layers) an adapter seeded from its full name, and
     freeze every other parameter except `modules_to_save`'s. Returns {projection name: adapter}."""
@@ -222,17 +232,18 @@ def count_parameters(model: nn.Module, ctx: ParallelContext) -> AdapterCount:
 
 
 def quantize_base(model: nn.Module, ctx: ParallelContext) -> int:
-    """QLoRA: store the weight of every projection of the transformer layers (targeted or not) and every MoE
-    expert's matrices in NF4 (`shardlm.lora.nf4`), each quantized whole; not the embedding, the output layer or
-    the router. Weights already in NF4 stay as they are. Returns the bytes this rank keeps. Collective over TP
-    (split weights are gathered to be quantized whole), in the same order on every rank of a stage. `model` may
-    be one transformer layer (`quantize_layer`)."""
+    """QLoRA: store the weight of every projection of the transformer layers and multi-token-prediction depths
+    (targeted or not, `quantized_projections`) and every MoE expert's matrices in NF4 (`shardlm.lora.nf4`), each
+    quantized whole; not the embedding, the output layer, the router or a depth's own eh_proj (e_proj, h_proj).
+    Weights already in NF4 stay as they are. Returns the bytes this rank keeps. Collective over TP (split weights are
+    gathered to be quantized whole), in the same order on every rank of a stage. `model` may be one transformer
+    layer (`quantize_layer`)."""
     from torch.nn.utils import parametrize
 
     from shardlm.lora.nf4 import quantize_weight, stored_bytes
     from shardlm.models.moe import GroupedExperts
 
-    weights = [(module, "weight") for module in adaptable(model, within_layers=hasattr(model, "layers")).values()]
+    weights = [(module, "weight") for module in quantized_projections(model).values()]
     weights += [(module, name) for module in model.modules() if isinstance(module, GroupedExperts)
                 for name in expert_weights(module)]
     total = 0

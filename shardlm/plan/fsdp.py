@@ -64,7 +64,13 @@ from shardlm.plan.hardware import GPUSpec
 from shardlm.plan.links import over_dp_group, ring_allreduce_seconds, ring_gather_seconds
 from shardlm.plan.memory import StateMemory
 from shardlm.plan.muon import MuonCount
-from shardlm.plan.parameters import ParameterCount, layer_parameter_count, layers_parameter_count, parameter_count
+from shardlm.plan.parameters import (
+    ParameterCount,
+    layer_parameter_count,
+    layers_parameter_count,
+    parameter_count,
+    v4_layer_kind,
+)
 from shardlm.plan.sparse_attention import has_indexer
 from shardlm.plan.stages import RankStages, rank_parameter_count
 
@@ -108,8 +114,8 @@ def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: 
     root is the rest."""
     indices = range(cfg.num_layers) if stages is None else stages.layer_indices
     layers = layers_parameter_count(cfg, indices, tp, ep)
-    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i), has_indexer(cfg, i), cfg.layer_pattern[i:i + 1]): i
-             for i in indices}  # (Nemotron-H: each kind of block, `layer_pattern`)
+    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i), has_indexer(cfg, i), cfg.layer_pattern[i:i + 1],
+              v4_layer_kind(cfg, i)): i for i in indices}  # (Nemotron-H's kinds of block, DeepSeek-V4's attention)
     moe = any(key[0] for key in kinds)
     largest = max((layer_parameter_count(cfg, i, tp, ep).total for key, i in kinds.items() if key[0] == moe),
                   default=layer_parameter_count(cfg, 0, tp, ep).total)

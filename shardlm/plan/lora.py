@@ -16,8 +16,9 @@ adapters train on a frozen base, derived from what `shardlm.lora.apply.add_adapt
   expert's matrices too) in NF4 (`shardlm.lora.nf4`), quantized whole: a weight that stays whole on a rank costs
   `nf4.quantized_bytes` (4 bits a value, a statistics byte per block of 64, 4 bytes per 256 blocks and a 4-byte
   offset: 4.127 bits a weight); a TP shard keeps the blocks its values lie in, 33 bytes each, and the whole
-  matrix's second-level maxima and offset (`nf4_rank_bytes`). The embedding, the output layer, norms, routers,
-  a Gated DeltaNet layer's z, b and a and the multi-token-prediction depths stay in fp32;
+  matrix's second-level maxima and offset (`nf4_rank_bytes`). The multi-token-prediction depths (on the last
+  stage, no adapters) store their layer's projections and experts so too. The embedding, the output layer, norms,
+  routers, a Gated DeltaNet layer's z, b and a and a depth's eh_proj (DeepSeek-V4's e_proj and h_proj) stay in fp32;
 - the dequantized working copy (`LoraCount.layer_quantized`): a layer's NF4 weights dequantized to fp32 (the
   weights' dtype) while it computes, counted once for the rank's largest layer.
 """
@@ -29,7 +30,14 @@ from dataclasses import dataclass
 from shardlm.config import LoraConfig
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.plan.parameters import ParameterCount, _split, add_counts, layer_parameter_count, parameter_count
+from shardlm.plan.parameters import (
+    ParameterCount,
+    _split,
+    add_counts,
+    layer_parameter_count,
+    parameter_count,
+    v4_layer_kind,
+)
 from shardlm.plan.sparse_attention import has_indexer
 
 BASE_BYTES = 4
@@ -70,13 +78,18 @@ class Projection:
 
 
 def _attention(cfg: ModelConfig, tp: int, linear: bool) -> list[Projection]:
-    """A layer's attention projections (the shapes `parameters._full_attention_count`, `_mla_count` and
-    `_linear_attention_count` count). A Gated DeltaNet layer's z, b and a are no adapter targets and stay fp32."""
+    """A layer's attention projections (the shapes `parameters._full_attention_count`, `_mla_count`,
+    `_linear_attention_count` and `deepseek_v4._attention_count` count). A Gated DeltaNet layer's z, b and a, and
+    DeepSeek-V4's replicated q_a, kv, compressors and indexer, are no adapter targets and stay fp32."""
     from shardlm.models.llama import kv_heads_are_split
 
     h = cfg.hidden_size
     if cfg.arch != "llama":
         return [Projection("qkv", 3 * h, h, "column"), Projection("proj", h, h, "row")]
+    if cfg.hc_mult:  # DeepSeek-V4's compressed attention: q_b, the grouped o_a (one block per group), o_b
+        width, groups = cfg.num_heads * cfg.head_dim, cfg.output_groups * cfg.output_rank
+        return [Projection("q_b", width, cfg.q_lora_rank, "column"),
+                Projection("o_a", groups, width // cfg.output_groups, "column"), Projection("o_b", h, groups, "row")]
     if linear:
         keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         values = cfg.linear_num_value_heads * cfg.linear_value_head_dim
@@ -290,7 +303,9 @@ class LoraCount:
     root_trainable: int
     """Trainable elements outside the layers (`modules_to_save`)."""
     root_frozen: int
-    """Frozen elements outside the layers (FSDP's root unit and the multi-token-prediction depths)."""
+    """Frozen fp32 elements outside the layers (FSDP's root unit and the multi-token-prediction depths)."""
+    root_nf4_bytes: int = 0
+    """NF4 bytes outside the layers: the multi-token-prediction depths' projections and experts under QLoRA."""
 
     @property
     def bits_per_weight(self) -> float:
@@ -331,25 +346,32 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
     adapters = ParameterCount(0, 0, 0, 0)
     quantized = quantized_expert = nf4 = nf4_expert = layer_elements = 0
     for index in indices:
-        if index >= cfg.num_layers:  # a multi-token-prediction depth: outside `layers.`, frozen in fp32
+        if index >= cfg.num_layers:  # a multi-token-prediction depth: outside `layers.`, with the last stage's below
             continue
-        # layers alike in what they hold: their kinds (Nemotron-H's block kinds), whether they run an indexer (GLM-5's
-        # "shared" layers do not) and whether their experts are adapted
+        # layers alike in what they hold: their kinds (Nemotron-H's block kinds, DeepSeek-V4's attention), whether they
+        # run an indexer (GLM-5's "shared" layers do not) and whether their experts are adapted
         key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), experts_adapted(lora, index),
-               has_indexer(cfg, index), cfg.layer_pattern[index:index + 1])
+               has_indexer(cfg, index), cfg.layer_pattern[index:index + 1], v4_layer_kind(cfg, index))
         if key not in kinds:
             kinds[key] = layer_lora(cfg, lora, index, tp, ep)
         layer = kinds[key]
         adapters, layer_elements = add_counts(adapters, layer.adapters), layer_elements + layer.elements
         quantized, quantized_expert = quantized + layer.quantized, quantized_expert + layer.quantized_expert
         nf4, nf4_expert = nf4 + layer.nf4_bytes, nf4_expert + layer.nf4_expert_bytes
+    layers = list(kinds.values())
+    root_quantized = root_nf4 = largest = 0
+    for index in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last and lora.quantize else ():
+        depth = layer_lora(cfg, lora, index, tp, ep)  # its NF4 only: a depth takes no adapters
+        root_quantized, root_nf4 = root_quantized + depth.quantized, root_nf4 + depth.nf4_bytes
+        quantized, quantized_expert = quantized + depth.quantized, quantized_expert + depth.quantized_expert
+        nf4, nf4_expert = nf4 + depth.nf4_bytes, nf4_expert + depth.nf4_expert_bytes
+        largest = max(largest, depth.quantized)
     saved = saved_modules_count(cfg, lora, tp, first, last)
     frozen = held.total - saved.total - quantized
-    layers = kinds.values()
     gathered = max(((k.elements - k.quantized + k.adapters.total, k.nf4_bytes, k.adapters.total) for k in layers),
                    key=lambda g: BASE_BYTES * g[0] + g[1], default=(0, 0, 0))
     return LoraCount(trainable=add_counts(adapters, saved), adapters=adapters.total, frozen=frozen,
                      frozen_expert=held.expert - quantized_expert, quantized=quantized, nf4_bytes=nf4,
-                     nf4_expert_bytes=nf4_expert, layer_quantized=max((k.quantized for k in layers), default=0),
+                     nf4_expert_bytes=nf4_expert, layer_quantized=max([k.quantized for k in layers] + [largest]),
                      gathered_layer=gathered, root_trainable=saved.total,
-                     root_frozen=held.total - layer_elements - saved.total)
+                     root_frozen=held.total - layer_elements - saved.total - root_quantized, root_nf4_bytes=root_nf4)

@@ -63,7 +63,8 @@ def lora_fsdp_gathered_bytes(count: LoraCount, gathered_bytes: int, accumulation
     if pipeline:
         return floats * w + count.nf4_bytes + REDUCE_BYTES * trainable
     layer_floats, layer_nf4, layer_trainable = count.gathered_layer
-    gathered = (count.root_frozen + count.root_trainable) * w + 2 * (layer_floats * w + layer_nf4)
+    root = (count.root_frozen + count.root_trainable) * w + count.root_nf4_bytes  # with any depths' NF4
+    gathered = root + 2 * (layer_floats * w + layer_nf4)
     if accumulation > 1:
         return gathered + REDUCE_BYTES * trainable
     return gathered + count.root_trainable * w + layer_trainable * REDUCE_BYTES

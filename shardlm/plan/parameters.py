@@ -262,7 +262,11 @@ def layer_parameter_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) ->
     """Layer `index`'s parameters on one (TP, EP) rank: dense or MoE (`cfg.is_moe_layer`), linear or full
     attention (`cfg.is_linear_layer`; a multi-token-prediction depth, index >= num_layers, has full attention),
     with or without a sparse-attention indexer (`sparse_attention.has_indexer`). A one-layer model of its kind less
-    the model without layers."""
+    the model without layers; DeepSeek-V4's: `deepseek_v4.v4_layer_count`."""
+    if cfg.hc_mult:
+        from shardlm.plan.deepseek_v4 import v4_layer_count
+
+        return v4_layer_count(cfg, index, tp, ep)
     base = replace(cfg, mtp_layers=0)
     kind = replace(base, num_layers=1, layer_types=["linear_attention"] if cfg.is_linear_layer(index) else [],
                    index_layer_types=[], index_topk=cfg.index_topk if has_indexer(cfg, index) else 0,
@@ -277,15 +281,25 @@ def layer_parameter_count(cfg: ModelConfig, index: int, tp: int, ep: int = 1) ->
 
 def layers_parameter_count(cfg: ModelConfig, indices, tp: int, ep: int = 1) -> ParameterCount:
     """The layers `indices` together on one (TP, EP) rank (`layer_parameter_count`, one per kind)."""
-    kinds: dict[tuple[bool, bool, bool, str], ParameterCount] = {}
+    kinds: dict[tuple, ParameterCount] = {}
     total = ParameterCount(0, 0, 0, 0)
-    for index in indices:  # Nemotron-H: its block's kind ("M", "*", "-" or "E") too
+    for index in indices:  # Nemotron-H: its block's kind ("M", "*", "-" or "E") too; DeepSeek-V4: its attention's
         key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), has_indexer(cfg, index),
-               cfg.layer_pattern[index:index + 1])
+               cfg.layer_pattern[index:index + 1], v4_layer_kind(cfg, index))
         if key not in kinds:
             kinds[key] = layer_parameter_count(cfg, index, tp, ep)
         total = add_counts(total, kinds[key])
     return total
+
+
+def v4_layer_kind(cfg: ModelConfig, index: int) -> tuple | None:
+    """What sets a DeepSeek-V4 layer's parameters apart (its compress ratio and attention kind, hash routing);
+    None for other models."""
+    if not cfg.hc_mult:
+        return None
+    from shardlm.plan.deepseek_v4 import layer_kinds, layer_ratios
+
+    return layer_ratios(cfg)[index], layer_kinds(cfg)[index], index < cfg.moe_hash_layers
 
 
 def layer_parameter_counts(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[ParameterCount, ParameterCount]:
