@@ -74,6 +74,19 @@ def test_parameter_count_is_the_built_models():
     assert count.expert == experts and count.total - v4_parameter_count(cfg, 1, ep=2).total == experts // 2
 
 
+def test_each_layer_counts_its_own_kind():
+    """`layer_parameter_count` of each layer (hash-routed HCA, CSA with its indexer, sliding) and
+    `layers_parameter_count` of any set of them (what pipeline stages and FSDP units hold) are the built layers'."""
+    from shardlm.plan.parameters import layer_parameter_count, layers_parameter_count
+
+    cfg = tiny_v4()
+    model = built(cfg)
+    sizes = [sum(p.numel() for p in model.layers[str(i)].parameters()) for i in range(cfg.num_layers)]
+    assert len(set(sizes)) == 3
+    assert [layer_parameter_count(cfg, i, 1).total for i in range(cfg.num_layers)] == sizes
+    assert layers_parameter_count(cfg, [2, 1], 1).total == sizes[1] + sizes[2]
+
+
 @pytest.mark.parametrize("depth_ratios", [[], [4]], ids=["sliding depth", "csa depth"])
 def test_multi_token_prediction_depths_count_what_the_model_builds(depth_ratios):
     """With one depth (DeepSeek's sliding one, or a CSA one with its indexer) the count is the built model's, at
