@@ -59,6 +59,7 @@ SHAPES = {  # name: [model] section
     "gpt-moe-shared": {"arch": "gpt", **MOE, "moe_shared_experts": 1},
     "mla": {"arch": "llama", **LAYOUT_MLA},
     "mla-no-q-lora": {"arch": "llama", **LAYOUT_MLA, "q_lora_rank": 0},
+    "mla-depth": {"arch": "llama", **LAYOUT_MLA, **MOE, "mtp_layers": 1},  # DeepSeek-V3's shape with its depth
     "hybrid": {"arch": "llama", "num_kv_heads": 2, "head_dim": 8, "qk_norm": True, "attention_output_gate": True,
                "norm_zero_centered": True, "layer_types": ["linear_attention", "full_attention"],
                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
@@ -413,3 +414,14 @@ def test_fsdp_gathers_the_root_two_layers_with_their_nf4_and_the_trainables_grad
         4 * count.trainable.total
     assert lora_fsdp_gathered_bytes(count, w, 4, pipeline=True) == \
         (count.frozen + count.trainable.total) * w + count.nf4_bytes + 4 * count.trainable.total
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4", "mla-depth"])
+def test_the_depths_blocks_are_finished_as_they_are_built(name):
+    """`build_model`'s per-layer step (QLoRA's quantization as each layer is built, so that a base larger than
+    memory never stands whole in fp32) runs on each multi-token-prediction depth's block too, DeepSeek-V3's and
+    V4's, after the layers'."""
+    cfg = model_config(name)
+    seen = []
+    model = build_model(cfg, ParallelContext.single(), seed=1, finish_layer=seen.append)
+    assert seen == [*model.layers.values(), *(depth.block for depth in model.mtp)] and len(model.mtp) == 1

@@ -169,10 +169,10 @@ class V4Depth(nn.Module):
     """Multi-token-prediction depth k (DeepSeek's `mtp.k`): (embedding (B, T, h) of the tokens k + 1 places ahead,
     previous streams (B, T, n, h)) -> streams (B, T, n, h); sequence chunks (T / tp) under sequence parallelism.
     Parameters: enorm, hnorm (h,), e_proj, h_proj (h, h) (replicated), block (a `V4Block`, index num_layers + k),
-    head (its `HyperHead`)."""
+    head (its `HyperHead`). `finish_layer`: `build_model`'s per-layer step, run on the block as on the layers'."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, depth: int, sequence_parallel: bool,
-                 options: ParallelOptions):
+                 options: ParallelOptions, finish_layer=None):
         super().__init__()
         h, prefix = cfg.hidden_size, f"mtp.{depth}"
         self.enorm = RMSNorm(h, eps=cfg.layernorm_epsilon, device=ctx.device)
@@ -184,7 +184,7 @@ class V4Depth(nn.Module):
             for module in (self.enorm, self.hnorm):
                 mark_sequence_parallel(module)
             self.e_proj.sequence_parallel = self.h_proj.sequence_parallel = True
-        self.block = V4Block(cfg, ctx, seed, cfg.num_layers + depth, sequence_parallel, options)
+        self.block = finished(V4Block(cfg, ctx, seed, cfg.num_layers + depth, sequence_parallel, options), finish_layer)
         self.head = HyperHead(cfg, ctx, seed, sequence_parallel, prefix=f"{prefix}.head")
 
     def forward(self, embedded: torch.Tensor, streams: torch.Tensor, documents=None) -> torch.Tensor:
@@ -230,7 +230,8 @@ class DeepseekV4(Llama):
         self.LAST_STAGE = tuple(dict.fromkeys(last))
         self.mtp = None
         if cfg.mtp_layers:
-            self.mtp = nn.ModuleList(V4Depth(cfg, ctx, seed, k, sp, options) for k in range(cfg.mtp_layers))
+            self.mtp = nn.ModuleList(V4Depth(cfg, ctx, seed, k, sp, options, finish_layer)
+                                     for k in range(cfg.mtp_layers))
         self.tokens = None
 
     def mtp_input(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

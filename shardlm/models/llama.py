@@ -409,8 +409,8 @@ class Llama(DecoderLM):
             from shardlm.models.mtp import MTPLayer
 
             self.mtp = nn.ModuleList(
-                MTPLayer(cfg, ctx, seed, k, LlamaBlock(cfg, ctx, seed, cfg.num_layers + k, sp, False, options),
-                         norm_class(cfg), sp) for k in range(cfg.mtp_layers))
+                MTPLayer(cfg, ctx, seed, k, finished(LlamaBlock(cfg, ctx, seed, cfg.num_layers + k, sp, False, options),
+                                                     finish_layer), norm_class(cfg), sp) for k in range(cfg.mtp_layers))
 
     @property
     def output_weight(self) -> torch.Tensor:
