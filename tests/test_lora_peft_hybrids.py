@@ -7,7 +7,10 @@
   in-memory module names (`forget_gate.`, `mlp.experts`), which differ from its files';
 - Nemotron-H: Mamba-2, attention and MoE blocks, its ReLU^2 experts under `mixer.` with `up_proj` and `down_proj`
   (`RELU_SQUARED`); adapters on the attention's q/k/v/o. "o_proj" names the attention's output projection only, as
-  in peft; the Mamba-2 layers' is "out_proj", where peft refuses adapters: its export is a one-line error.
+  in peft; the Mamba-2 layers' is "out_proj", where peft refuses adapters: its export is a one-line error;
+- DeepSeek-V4: hyper-connections, a sliding-window layer and an HCA one, DeepSeek-V3's experts (clipped); adapters on
+  q_b, o_b and the shared expert, named in peft by their last two names (its compressors' gate_proj takes none). Its
+  grouped o_a_proj (one update per group in shardlm, one dense one in peft) exports merged only: a one-line error.
 
 Each base is a random two-layer transformers model (four blocks for Nemotron-H: Mamba-2, MoE, attention, MoE), routers
 drawn at std 0.5, every adapter's B drawn non-zero (the experts' too). As tests/test_lora_peft_experts.py checks the
@@ -51,14 +54,19 @@ peft = import_or_skip("peft", "peft is the LoRA oracle (the dev extra installs i
 
 pytestmark = pytest.mark.timeout(300)
 
-FAMILIES = ("deepseek_v32", "glm_moe_dsa", "kimi_linear", "nemotron_h")
+FAMILIES = ("deepseek_v32", "glm_moe_dsa", "kimi_linear", "nemotron_h", "deepseek_v4")
 CONVERTED = ("deepseek_v32", "glm_moe_dsa")
 """The families shardlm reads converted (their MLA's rotary rows reordered)."""
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 TARGETS = {"deepseek_v32": MLA, "glm_moe_dsa": MLA,
            "kimi_linear": ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj"],
-           "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+           "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"],
+           "deepseek_v4": ["q_b_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"]}
 """lora.targets, Hugging Face's names (peft's target_modules)."""
+PEFT_TARGETS = {"deepseek_v4": ["self_attn.q_b_proj", "self_attn.o_b_proj", "shared_experts.gate_proj",
+                                "shared_experts.up_proj", "shared_experts.down_proj"]}
+"""peft's target_modules where a name alone would match modules shardlm does not adapt (DeepSeek-V4's compressors'
+gate_proj)."""
 PARAMETERS = {"nemotron_h": RELU_SQUARED.targets}
 """peft's target_parameters where they are not `EXPERT_PARAMETERS`."""
 
@@ -85,6 +93,16 @@ def hf_config(family: str):
                                    layer_types=["linear_attention", "full_attention"],
                                    mlp_layer_types=["sparse", "sparse"], pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2)
+    if family == "deepseek_v4":  # a sliding-window layer and an HCA one (entries of 4 tokens, a compressor's gate_proj)
+        return tf.DeepseekV4Config(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                                   num_attention_heads=4, head_dim=16, q_lora_rank=24, partial_rotary_factor=0.25,
+                                   num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+                                   routed_scaling_factor=1.5, max_position_embeddings=64,
+                                   layer_types=["sliding_attention", "heavily_compressed_attention"],
+                                   compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                                   mlp_layer_types=["moe", "moe"], hc_mult=2, sliding_window=6, o_groups=2,
+                                   o_lora_rank=8, rope_theta=500.0, compress_rope_theta=2000.0, swiglu_limit=1.0,
+                                   tie_word_embeddings=False, num_nextn_predict_layers=0)
     return tf.NemotronHConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16,
                               n_groups=2, conv_kernel=4, chunk_size=32, max_position_embeddings=64,
@@ -99,7 +117,8 @@ def model_class(family: str):
     import transformers as tf
 
     return {"deepseek_v32": tf.DeepseekV32ForCausalLM, "glm_moe_dsa": tf.GlmMoeDsaForCausalLM,
-            "kimi_linear": tf.KimiLinearForCausalLM, "nemotron_h": tf.NemotronHForCausalLM}[family]
+            "kimi_linear": tf.KimiLinearForCausalLM, "nemotron_h": tf.NemotronHForCausalLM,
+            "deepseek_v4": tf.DeepseekV4ForCausalLM}[family]
 
 
 def sharp_routers(model) -> None:
@@ -122,7 +141,7 @@ def sharp_routers(model) -> None:
 def peft_without_experts(root, family: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """peft's logits of TOKENS with the attention's adapters (`tensors`, peft's names) and none on the experts."""
     model = peft.get_peft_model(model_class(family).from_pretrained(root), peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[family]))
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_TARGETS.get(family, TARGETS[family])))
     loaded = peft.set_peft_model_state_dict(model, tensors)
     assert not loaded.unexpected_keys and not [k for k in loaded.missing_keys if "lora" in k], loaded
     with torch.no_grad():
@@ -145,7 +164,8 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
     trainer = adapted_trainer(root, TARGETS[family])
     assert any(".experts.lora.B_" in n for n in trained(trainer))
     ours = shardlm_logits(trainer.model, TOKENS)[..., :VOCAB]
-    model = peft_model(hf_root, trainer, TARGETS[family], experts=parameters, model_class=model_class(family))
+    model = peft_model(hf_root, trainer, PEFT_TARGETS.get(family, TARGETS[family]), experts=parameters,
+                       model_class=model_class(family))
     assert rel(model.eval()(TOKENS).logits, ours) <= TOL, rel(model(TOKENS).logits, ours)
     plain = shardlm_logits(load_model(root, ParallelContext.single())[0], TOKENS)[..., :VOCAB]
     assert rel(plain, ours) > 1e-2  # the adapters changed the logits
@@ -155,7 +175,9 @@ def test_logits_round_trip_and_training_equal_peft(family_base, tmp_path):
 
     save_checkpoint(trainer, tmp_path / "run")
     assert main(["convert", "--to-peft", str(tmp_path / "adapter"), "--checkpoint", str(tmp_path / "run")]) == 0
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_parameters"] == parameters
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == parameters
+    assert written["target_modules"] == sorted(PEFT_TARGETS.get(family, TARGETS[family]))
     _, back = read_peft(tmp_path / "adapter", trainer.config.model)
     saved = trained(trainer)
     assert stacked(back).keys() == stacked(saved).keys()
@@ -182,5 +204,20 @@ def test_a_mamba_layers_out_proj_adapter_is_refused_at_export_in_one_line(tmp_pa
         {"layers.0.mixer.o"}
     with pytest.raises(UserError, match=r"layers\.0\.mixer\.o has no peft equivalent: peft refuses adapters on a "
                                         "Mamba-2 layer's out_proj") as error:
+        peft_tensors(trained(trainer), trainer.config.model)
+    assert "\n" not in str(error.value)
+
+
+def test_a_deepseek_v4_grouped_o_a_adapter_is_refused_at_export_in_one_line(tmp_path):
+    """transformers' o_a_proj is a grouped linear: peft would put one dense update on it, not shardlm's adapter
+    applied group by group, so an adapter on it exports merged only (`--merge`), and `--to-peft` says so in one line."""
+    from shardlm.errors import UserError
+
+    root = save_random(model_class("deepseek_v4"), hf_config("deepseek_v4"), tmp_path / "deepseek_v4")
+    trainer = adapted_trainer(root, ["o_a_proj"])
+    assert {n.split(".lora.")[0] for n in trained(trainer) if ".lora." in n and ".experts." not in n} == \
+        {"layers.0.attn.o_a", "layers.1.attn.o_a"}
+    with pytest.raises(UserError, match=r"layers\.\d\.attn\.o_a has no peft equivalent: transformers' o_a_proj is a "
+                                        "grouped linear") as error:
         peft_tensors(trained(trainer), trainer.config.model)
     assert "\n" not in str(error.value)

@@ -184,6 +184,24 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+IN_MEMORY = ((".attn.", ".self_attn."), (".ffn.", ".mlp."), (".wq_b.", ".q_b_proj."), (".wo_a.", ".o_a_proj."),
+             (".wo_b.", ".o_b_proj."), (".shared_experts.w1.", ".shared_experts.gate_proj."),
+             (".shared_experts.w2.", ".shared_experts.down_proj."), (".shared_experts.w3.", ".shared_experts.up_proj."),
+             (".attn_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."))
+"""transformers' renames (its conversion mapping) of the names of the modules `in_memory` names."""
+
+
+def in_memory(name: str) -> str:
+    """The module path transformers' model gives a tensor `name_map` names (peft's target_modules and adapter files
+    use these): model.layers.i.attn.wq_b.weight -> model.layers.i.self_attn.q_b_proj.weight, head -> lm_head. Only the
+    attention's q_b, o_a and o_b, the shared expert's projections, the router, the layers' norms and the ends."""
+    if name == "head.weight":
+        return "lm_head.weight"
+    for old, new in IN_MEMORY:
+        name = name.replace(old, new)
+    return name
+
+
 def original_name(name: str) -> str:
     """The name DeepSeek's own checkpoints give a tensor that transformers saves as `name` (no `model.` prefix,
     embed / norm / hc_head_fn at the top)."""

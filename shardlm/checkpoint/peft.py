@@ -44,10 +44,12 @@ WHOLE = {"wte", "lm_head", "ln_f"}  # modules_to_save's modules
 def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{shardlm module: (HF module, conversion)} of every projection an adapter can go on and of the modules
     `modules_to_save` trains; conversion "qkv" for GPT-2's fused c_attn, "copy" otherwise."""
-    if cfg.hc_mult:
-        raise UserError("DeepSeek-V4 adapters do not export to peft yet; merge them into the base instead "
-                        "(shardlm convert --to-hf of the LoRA checkpoint)")
-    if cfg.arch == "gpt":
+    if cfg.hc_mult:  # DeepSeek-V4: transformers' in-memory names; not its grouped o_a_proj (`_why_not_peft`), nor the
+        from shardlm.checkpoint import hf_deepseek_v4  # final norm, which is part of its hyper-head
+
+        pairs = [(ours, hf_deepseek_v4.in_memory(theirs), "copy") for ours, theirs in hf_deepseek_v4.name_map(cfg)
+                 if not ours.endswith(".attn.o_a.weight") and not ours.startswith("ln_f.")]
+    elif cfg.arch == "gpt":
         from shardlm.checkpoint.hf import name_map
 
         pairs = [(ours, theirs, "qkv" if kind == "qkv" else "copy") for ours, theirs, kind in name_map(cfg.num_layers)]
@@ -154,6 +156,9 @@ def _why_not_peft(module: str, cfg: ModelConfig) -> str:
     """Why an adapted projection of shardlm's has no module in peft's model."""
     if cfg.layer_pattern and module.endswith(".mixer.o"):  # Nemotron-H: a Mamba-2 layer's (lora.targets' "out")
         return "peft refuses adapters on a Mamba-2 layer's out_proj (lora.targets' \"out_proj\", in \"all-linear\")"
+    if cfg.hc_mult and module.endswith(".attn.o_a"):
+        return ("transformers' o_a_proj is a grouped linear, on which peft would put one dense update, not shardlm's "
+                "adapter applied group by group (lora.targets' \"o_a\", in \"all-linear\"); --merge exports it")
     return "Hugging Face stores that projection inside a fused matrix (a linear-attention layer's in_proj_qkv)"
 
 
@@ -167,7 +172,7 @@ def adapter_config(config: RunConfig, base: str) -> dict:
     from shardlm.lora.apply import target_names
 
     modules, wanted = module_names(config.model), target_names(config.lora)
-    targets = sorted({hf.rsplit(".", 1)[-1] for ours, (hf, _) in modules.items()
+    targets = sorted({_peft_target(hf, config.model) for ours, (hf, _) in modules.items()
                       if ours.startswith("layers.") and ours.rsplit(".", 1)[-1] in wanted})
     saved = sorted({modules[name][0] for name in _saved_modules(config.lora)})
     experts = "experts" in wanted and config.model.moe_num_experts > 0
@@ -179,6 +184,12 @@ def adapter_config(config: RunConfig, base: str) -> dict:
             "fan_in_fan_out": config.model.arch == "gpt", "init_lora_weights": True, "inference_mode": True,
             # a tied embedding trained in full stays tied to the output layer, as in shardlm
             "ensure_weight_tying": tied(config.model) and "embedding" in config.lora.modules_to_save}
+
+
+def _peft_target(hf: str, cfg: ModelConfig) -> str:
+    """peft's target_modules entry (a suffix of module paths) for HF module `hf`: its last name, or for DeepSeek-V4
+    its last two (its compressors' gate_proj and indexers' q_b_proj, which take no adapters, end alike)."""
+    return ".".join(hf.split(".")[-2:]) if cfg.hc_mult else hf.rsplit(".", 1)[-1]
 
 
 def _saved_modules(lora: LoraConfig) -> list[str]:
@@ -284,7 +295,9 @@ def _lora_of(settings: dict, folder) -> dict:
     """The [lora] keys an adapter_config.json gives (peft's defaults where it leaves one out)."""
     targets = settings.get("target_modules") or []
     experts = list(settings.get("target_parameters") or [])
-    targets = (sorted(targets) if isinstance(targets, list) else [targets]) + (["experts"] if experts else [])
+    if isinstance(targets, list):  # suffixes of module paths ("self_attn.q_b_proj"): the projection's own name
+        targets = sorted({target.rsplit(".", 1)[-1] for target in targets})
+    targets = (targets if isinstance(targets, list) else [targets]) + (["experts"] if experts else [])
     return {"rank": settings.get("r", 8), "alpha": float(settings.get("lora_alpha", 8)),
             "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
             "targets": targets, "expert_layers": expert_layers_of(experts, folder) if experts else [],
@@ -294,10 +307,10 @@ def _lora_of(settings: dict, folder) -> dict:
 
 def _adapted(targets: list, cfg: ModelConfig) -> set[str]:
     """The projections `targets` (lora.targets) put adapters on in this model ("experts": its MoE experts)."""
-    from shardlm.lora.apply import PROJECTIONS, target_names
+    from shardlm.lora.apply import target_names
+    from shardlm.plan.lora import projection_names
 
-    here = {name.rsplit(".", 1)[-1] for name in module_names(cfg) if name.startswith("layers.")} & set(PROJECTIONS)
-    return target_names(LoraConfig(targets=list(targets))) & (here | ({"experts"} if cfg.moe_num_experts else set()))
+    return target_names(LoraConfig(targets=list(targets))) & projection_names(cfg)
 
 
 def _same(key: str, ours, theirs, cfg: ModelConfig) -> bool:

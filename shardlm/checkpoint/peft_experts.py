@@ -54,15 +54,15 @@ through a set, so either order): `experts.base_layer.lora_*` adapts the input si
 up_proj), `experts.lora_*` down_proj."""
 
 EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v2",
-                   "mistral4", "deepseek_v32", "kimi_linear", "nemotron_h")
+                   "mistral4", "deepseek_v32", "kimi_linear", "nemotron_h", "deepseek_v4")
 """The transformers families whose fused experts peft's expert adapters convert for (`hf_kind`'s names, Qwen3.5-MoE's
 as "qwen3_moe", the latent attention's: DeepSeek-V3's, V2's and Mistral 4's, DeepSeek-V3.2's and GLM-5's sparse one
-as "deepseek_v32", Kimi Linear's and Nemotron-H's). Their gate_up_proj stacks the gate rows, then the up rows (E, 2f,
-h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved; Nemotron-H's experts are not gated
-(`RELU_SQUARED`). peft's factors are the same for both orders of the matrix (A (r E, in), B (out, r E)); only
+as "deepseek_v32", Kimi Linear's, Nemotron-H's and DeepSeek-V4's). Their gate_up_proj stacks the gate rows, then the
+up rows (E, 2f, h), except gpt-oss's: (E, h, 2f), x @ W, the gate and up columns interleaved; Nemotron-H's experts are
+not gated (`RELU_SQUARED`). peft's factors are the same for both orders of the matrix (A (r E, in), B (out, r E)); only
 gpt-oss's B interleaves the gate's and the up's output rows."""
 NAMES = ("Qwen3-MoE, Qwen3.5-MoE, Mixtral, GLM-4.5, GLM-5, MiniMax-M2, gpt-oss, DeepSeek-V2, DeepSeek-V3, "
-         "DeepSeek-V3.2, Mistral 4, Kimi Linear and Nemotron-H")
+         "DeepSeek-V3.2, DeepSeek-V4, Mistral 4, Kimi Linear and Nemotron-H")
 
 
 def expert_layers_of(target_parameters: list[str], folder, layouts: tuple[ExpertLayout, ...] = LAYOUTS) -> list[int]:
@@ -104,8 +104,10 @@ def expert_family(cfg: ModelConfig) -> str | None:
     """The transformers family whose fused experts `cfg`'s are (`EXPERT_FAMILIES`), None for others."""
     from shardlm.checkpoint.hf_llama import hf_kind
 
-    if cfg.arch != "llama" or cfg.hc_mult:  # GPT's experts, DeepSeek-V4's
+    if cfg.arch != "llama":  # GPT's experts
         return None
+    if cfg.hc_mult:  # its fused experts are DeepSeek-V3's, clipped
+        return "deepseek_v4"
     if cfg.layer_pattern:  # Mamba-2, attention, MLP and MoE blocks
         return "nemotron_h"
     # attention layers only, or Qwen3.5-MoE's Gated DeltaNet / Kimi Linear's KDA beside them

@@ -317,6 +317,12 @@ class LoraCount:
         return BASE_BYTES * self.frozen + self.nf4_bytes
 
 
+def projection_names(cfg: ModelConfig) -> set[str]:
+    """The lora.targets names of the projections this model's layers have ("experts": its MoE experts)."""
+    found = {p.name for i in range(cfg.num_layers) for p in layer_projections(cfg, i, 1) if not p.expert}
+    return found | ({"experts"} if cfg.moe_num_experts else set())
+
+
 def check_lora_model(cfg: ModelConfig, lora: LoraConfig) -> None:
     """The [lora] keys against this model, as a training run checks them (`shardlm.validation`); UserError."""
     from shardlm.lora.apply import check_lora, target_names
@@ -324,8 +330,7 @@ def check_lora_model(cfg: ModelConfig, lora: LoraConfig) -> None:
     check_lora(lora)
     if cfg.arch == "bert":
         raise UserError("[lora] adapts GPT and Llama-family (MLA included) models; this model is BERT")
-    found = {p.name for i in range(cfg.num_layers) for p in layer_projections(cfg, i, 1) if not p.expert}
-    found |= {"experts"} if cfg.moe_num_experts else set()
+    found = projection_names(cfg)
     if "all-linear" not in lora.targets and "all_linear" not in lora.targets:
         missing = sorted(target_names(lora) - found)
         if missing:
