@@ -147,8 +147,8 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
             if t.recompute != "full":  # (full recomputation saves only each layer's input anyway)
                 from shardlm.lora.nf4 import dequantize_again
 
-                for layer in model.layers.values():
-                    dequantize_again(layer)
+                for layer in [*model.layers.values(), *(depth.block for depth in getattr(model, "mtp", None) or ())]:
+                    dequantize_again(layer)  # the layers and the multi-token-prediction depths' blocks
     if config.model.index_topk and config.model.index_stage == "warmup":  # DeepSeek's dense warm-up: the indexers
         from shardlm.training.indexer import freeze_for_warmup  # alone train
 
