@@ -164,6 +164,21 @@ def test_multi_token_prediction_flops_are_what_the_model_runs():
         assert counted(losses) == v4_forward_flops(cfg) * inputs.numel() - skipped
     assert v4_forward_flops(cfg) > v4_forward_flops(dataclasses.replace(cfg, mtp_layers=0, compress_ratios=[8, 4, 0]))
     assert counted(lambda: losses().sum().backward()) == flops_per_token(cfg) * inputs.numel() - 3 * skipped
+    # under full recomputation the layers run their forward once more, the depth (not checkpointed) does not: what
+    # recomputation adds is the same with and without it, measured and planned
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+
+    plain = dataclasses.replace(cfg, mtp_layers=0, compress_ratios=[8, 4, 0])
+    added = []
+    for config, depths in ((cfg, rolled), (plain, None)):
+        steps = []
+        for recompute in ("none", "full"):
+            model = _plain_experts(build_model(config, ParallelContext.single(), seed=0, recompute=recompute).train())
+            steps.append(counted(lambda: model(inputs, labels, mtp=depths).sum().backward()))
+        added.append(steps[1] - steps[0])
+    assert added[0] == added[1] > 0
+    assert flops_per_token(cfg, True) - flops_per_token(cfg) == flops_per_token(plain, True) - flops_per_token(plain)
 
 
 def test_long_sequences_pay_the_window_and_the_compressed_entries():

@@ -219,9 +219,8 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     if not config.model.tie_embeddings and "head.weight" not in located:
         config.model.tie_embeddings = True
     m = config.model
-    depths = m.mtp_layers
-    if depths and "mtp.0.e_proj.weight" not in located:  # transformers saves the main model only
-        print(f"note: num_nextn_predict_layers={depths} but {hf_dir} has no multi-token prediction depth "
+    if m.mtp_layers and "mtp.0.e_proj.weight" not in located:  # transformers saves the main model only
+        print(f"note: num_nextn_predict_layers={m.mtp_layers} but {hf_dir} has no multi-token prediction depth "
               "(mtp.0.e_proj.weight); converted without it (model.mtp_layers = 0)", file=sys.stderr)
         m.mtp_layers = 0
     m.compress_ratios = m.compress_ratios[:m.num_layers + m.mtp_layers]

@@ -161,7 +161,7 @@ def v4_forward_flops(cfg: ModelConfig) -> float:
 
 def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     """Training FLOPs per token: 3 x the forward, less the backward the indexers do not run; with recomputation the
-    layers' forward once more.
+    layers' forward once more (not the multi-token-prediction depths', which are not recomputed).
 
     Frozen indexers (model.index_loss_coeff = 0) run forward only: 2 x their forward is not run. A trained one reads
     its inputs detached, so its matrices get weight gradients only (1 x their forward) while its scoring product
@@ -174,7 +174,7 @@ def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
         skipped = indexers - scoring
     else:
         skipped = 2 * indexers
-    layers = sum(f.trained + f.indexer for f in per_layer)
+    layers = sum(f.trained + f.indexer for f in per_layer[:cfg.num_layers])  # full recomputation: not the depths'
     return 3 * v4_forward_flops(cfg) - skipped + (layers if recompute else 0.0)
 
 
