@@ -175,7 +175,7 @@ def test_multi_token_prediction_flops_are_what_the_model_runs():
         steps = []
         for recompute in ("none", "full"):
             model = _plain_experts(build_model(config, ParallelContext.single(), seed=0, recompute=recompute).train())
-            steps.append(counted(lambda: model(inputs, labels, mtp=depths).sum().backward()))
+            steps.append(counted(lambda model=model, depths=depths: model(inputs, labels, mtp=depths).sum().backward()))
         added.append(steps[1] - steps[0])
     assert added[0] == added[1] > 0
     assert flops_per_token(cfg, True) - flops_per_token(cfg) == flops_per_token(plain, True) - flops_per_token(plain)

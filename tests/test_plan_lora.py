@@ -305,7 +305,7 @@ def test_state_bytes_equal_a_lora_trainers(case):
     name, lora, train = STATE_CASES[case]
     config = run_config(name, lora, **train)
     measured, frozen, trainer = measured_memory(config)
-    if getattr(trainer.model, "mtp", None) is not None:  # a depth's block dequantizes again in the backward, as the layers do
+    if getattr(trainer.model, "mtp", None) is not None:  # a depth's block dequantizes again in the backward too
         assert all(getattr(depth.block, "nf4_hooks", False) for depth in trainer.model.mtp)
     t = config.train
     count = lora_count(config.model, config.lora, 1)
