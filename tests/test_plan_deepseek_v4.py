@@ -7,6 +7,7 @@ forward and training step; `shardlm plan --model deepseek-v4` plans at 128K toke
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -17,19 +18,20 @@ from shardlm.plan.deepseek_v4 import hyper_connection_bytes, v4_forward_flops, v
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.parameters import parameter_count
 
+TINY = dict(arch="llama", num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=1, head_dim=16, seq_length=32,
+            vocab_size=256, ffn_hidden_size=16, dropout=0.0, q_lora_rank=16, qk_rope_head_dim=8, sliding_window=32,
+            attention_sinks=True, global_rope_theta=160000.0, hc_mult=2, compress_ratios=[8, 4, 0], output_groups=2,
+            output_rank=8, index_topk=16, index_heads=2, index_head_dim=8, moe_num_experts=4, moe_top_k=2,
+            moe_ffn_hidden_size=16, moe_shared_experts=1, moe_score="sqrtsoftplus", moe_routed_scaling=1.5,
+            moe_expert_bias=True, moe_hash_layers=1, swiglu_clip=10.0)
+"""Three layers: HCA (ratio 8, hash-routed MoE), CSA (ratio 4 with an indexer), sliding window only; 2 streams,
+4 heads of 16, 2 output groups, 4 experts top-2 and a shared one. The window (32) covers the sequence and the
+top-k (16) every entry, so the dense-masked attention computes exactly the keys the planner counts."""
+
 
 def tiny_v4(**changes) -> ModelConfig:
-    """Three layers: HCA (ratio 8, hash-routed MoE), CSA (ratio 4 with an indexer), sliding window only; 2 streams,
-    4 heads of 16, 2 output groups, 4 experts top-2 and a shared one. The window (32) covers the sequence and the
-    top-k (16) every entry, so the dense-masked attention computes exactly the keys the planner counts."""
-    base = dict(arch="llama", num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=1, head_dim=16,
-                seq_length=32, vocab_size=256, ffn_hidden_size=16, dropout=0.0, q_lora_rank=16, qk_rope_head_dim=8,
-                sliding_window=32, attention_sinks=True, global_rope_theta=160000.0, hc_mult=2,
-                compress_ratios=[8, 4, 0], output_groups=2, output_rank=8, index_topk=16, index_heads=2,
-                index_head_dim=8, moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_shared_experts=1,
-                moe_score="sqrtsoftplus", moe_routed_scaling=1.5, moe_expert_bias=True, moe_hash_layers=1,
-                swiglu_clip=10.0)
-    return ModelConfig(**{**base, **changes})
+    """`TINY` with `changes`."""
+    return ModelConfig(**{**TINY, **changes})
 
 
 def built(cfg: ModelConfig):
@@ -210,6 +212,21 @@ def test_shardlm_plan_plans_deepseek_v4(capsys):
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "284B parameters" in out and "Recommended: " in out
+
+
+def test_a_config_with_a_depth_and_qlora_plans_skipping_what_its_output_groups_cannot_split(tmp_path, capsys):
+    """A V4 config (2 output groups, an MTP depth, QLoRA on all-linear and the experts) plans on 8 GPUs: TP=4 and 8,
+    which 2 groups do not divide, are skipped with the reason, not the whole plan refused."""
+    from shardlm.cli import main
+
+    model = TINY | {"mtp_layers": 1, "compress_ratios": [8, 4, 0, 4], "num_heads": 8}
+    lines = ["[model]"] + [f"{key} = {json.dumps(value)}" for key, value in model.items()]
+    lines += ["[lora]", "rank = 4", 'quantize = "nf4"', 'targets = ["all-linear", "experts"]']
+    (tmp_path / "v4.toml").write_text("\n".join(lines) + "\n")
+    assert main(["plan", "--model", str(tmp_path / "v4.toml"), "--gpu", "h100", "--gpus", "8",
+                 "--global-batch", "16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "2 output groups are not divisible by TP=4" in out and "Recommended: " in out and "QLoRA" in out
 
 
 def _saved(run, exclude) -> int:

@@ -203,6 +203,8 @@ def invalid_reason(request: PlanRequest, tp: int, pp: int = 1, ep: int = 1, cp: 
         return f"TP={tp} does not divide a {gpu.gpus_per_node}-GPU node"
     if cfg.num_heads % tp:
         return f"{cfg.num_heads} heads are not divisible by TP={tp}"
+    if cfg.hc_mult and cfg.output_groups % tp:  # DeepSeek-V4's grouped output projection splits by groups
+        return f"{cfg.output_groups} output groups are not divisible by TP={tp}"
     if any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)) and \
             (cfg.linear_num_key_heads % tp or cfg.linear_num_value_heads % tp):
         return (f"linear-attention heads ({cfg.linear_num_key_heads} key, {cfg.linear_num_value_heads} value) are "
