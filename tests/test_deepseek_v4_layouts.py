@@ -296,3 +296,49 @@ def test_lora_on_the_grouped_output_projection_equals_its_merged_weight():
         merged = model(tokens)
     torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)
     assert (adapted - plain).abs().max() > 1e-3
+
+
+def test_a_from_scratch_hash_table_spreads_the_tokens():
+    """A hash layer built from scratch draws each token's experts (k distinct of them, every expert used), the same
+    table for the same seed: not a zero table sending every token to expert 0 twice."""
+    from shardlm.models import build_model
+
+    config = v4_config(mtp=False)
+    tables = [build_model(config.model, ParallelContext.single(), seed=seed).layers["0"].mlp.router.tid2eid
+              for seed in (7, 7, 8)]
+    table = tables[0].long()
+    assert table.shape == (VOCAB, 2) and bool((table[:, 0] != table[:, 1]).all())
+    assert torch.bincount(table.reshape(-1), minlength=4).min() > 0
+    assert torch.equal(tables[0], tables[1]) and not torch.equal(tables[0], tables[2])
+
+
+def test_the_step_line_and_metrics_show_the_depths_loss(tmp_path, capsys):
+    """The step's console line and metrics.jsonl carry the multi-token-prediction loss ("mtp loss")."""
+    import json
+
+    from shardlm.training.logging import RunLogger
+
+    trainer = Trainer(v4_config(), ParallelContext.single(), train_data(), valid_data())
+    metrics = trainer.train_step()
+    logger = RunLogger(tmp_path, 1, enabled=True, progress=False, tensorboard=False)
+    logger.step(metrics, 1)
+    logger.close(plot=False)
+    assert metrics["mtp_loss"] > 0 and f"mtp loss {metrics['mtp_loss']:.4f}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mtp_loss"] == metrics["mtp_loss"]
+
+
+@pytest.mark.parametrize("nproc,overrides", [(1, {}), (2, {"tensor": 2, "sequence_parallel": True}),
+                                             (2, {"context": 2})])
+def test_the_shipped_config_is_valid_at_the_layouts_it_names(nproc, overrides):
+    """configs/tiny-deepseek-v4.toml (HCA, CSA and sliding layers, a hash layer, an MTP depth) validates at one process
+    and at the TP 2 + SP and CP 2 its header names."""
+    from pathlib import Path
+
+    from shardlm.config import load_config
+
+    config = load_config(Path(__file__).parent.parent / "configs" / "tiny-deepseek-v4.toml")
+    for key, value in overrides.items():
+        setattr(config.parallel, key, value)
+    m = config.model
+    assert (m.hc_mult, m.mtp_layers, m.moe_hash_layers, m.compress_ratios) == (2, 1, 1, [0, 16, 4, 16])
+    validate(config, nproc, check_paths=False)

@@ -9,8 +9,9 @@ The pieces: `shardlm.models.hyper_connections` (the streams), `shardlm.models.co
 window + HCA / CSA compressed entries, the indexer, sinks, the grouped output projection), and here the MoE of
 every layer: sqrt(softplus) router scores (model.moe_score = "sqrtsoftplus"), the top-k of scores + expert bias in
 all but the first `moe_hash_layers` layers, which take each token's experts from a fixed table (`tid2eid`, a frozen
-(vocabulary, k) parameter, transformers' buffer); the chosen scores divided by their sum and times
-routed_scaling; SwiGLU experts and one shared expert with DeepSeek-V4's clip (`swiglu_clip`). Under sequence
+(vocabulary, k) parameter, transformers' buffer; from scratch, k distinct experts a token drawn at random); the
+chosen scores divided by their sum and times routed_scaling; SwiGLU experts and one shared expert with DeepSeek-V4's
+clip (`swiglu_clip`). Under sequence
 parallelism the hash layers read the tokens of their rank's chunk; under pipeline parallelism the streams travel
 between stages as the activations (B, T, n, h), and the hash layers must be on the first stage (which embeds the
 tokens); packed rows attend document by document; under context parallelism each layer gathers its input over the
@@ -95,6 +96,14 @@ class ClippedSwiGLU(SwiGLU):
         return self.down(F.silu(gate) * up)
 
 
+def hash_table(cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """A from-scratch hash layer's table (vocabulary, top_k): each token's top_k distinct experts drawn uniformly, the
+    same on every rank (`seed`); a checkpoint's table replaces it."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.rand(cfg.vocab_size, cfg.moe_num_experts, generator=generator)
+    return draws.topk(cfg.moe_top_k, dim=-1).indices.float()
+
+
 class V4Router(Router):
     """DeepSeek-V4's router: fp32 logits, sqrt(softplus) scores; hash layers take the experts of `tid2eid` at the
     tokens in `self.tokens` (set by the block before each call, (N,) int64), the others the top-k of scores +
@@ -105,7 +114,7 @@ class V4Router(Router):
         self.tokens = None
         self.tid2eid = None
         if hashed:  # frozen; float so that it travels with the other parameters (expert ids are exact in fp32)
-            self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.moe_top_k, device=ctx.device),
+            self.tid2eid = nn.Parameter(hash_table(cfg, param_seed(seed, f"{prefix}.tid2eid")).to(ctx.device),
                                         requires_grad=False)
             self.expert_bias = None
 

@@ -78,6 +78,8 @@ class RunLogger:
                     "tokens")
             if "logprob_diff_max" in metrics:
                 moe += f" | logprob diff {metrics['logprob_diff_max']:.2g}"
+        if "mtp_loss" in metrics:  # multi-token prediction: the depths' mean loss (in the gradient, not in "loss")
+            moe += f" | mtp loss {metrics['mtp_loss']:.4f}"
         if "indexer_kl" in metrics:  # sparse attention: the indexers' divergence from the attention
             moe += f" | indexer kl {metrics['indexer_kl']:.4g}"
         if "max_logit" in metrics:  # QK-clip: the step's largest attention logit, before the clip
@@ -88,7 +90,7 @@ class RunLogger:
         if self.writer:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
                         "moe_aux_loss", "expert_load_min", "expert_load_max", "rewards_chosen", "rewards_rejected",
-                        "reward_margin", "reward_accuracy", "max_logit", "indexer_kl", *RL_KEYS):
+                        "reward_margin", "reward_accuracy", "max_logit", "indexer_kl", "mtp_loss", *RL_KEYS):
                 value = metrics.get(key)
                 if value is not None and math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
