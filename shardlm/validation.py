@@ -287,7 +287,12 @@ def validate_pipeline(config: RunConfig, micro_batches: int) -> None:
         raise UserError(f'parallel.pipeline={p.pipeline} supports model.arch="gpt" and "llama"; use '
                         f'parallel.pipeline=1 for "{m.arch}"')
     per_rank = stages_per_rank(schedule, p.virtual_stages)
-    for stage in stage_layers(m.num_layers, p.pipeline * per_rank, p.first_stage_layers, p.last_stage_layers):
+    stages = stage_layers(m.num_layers, p.pipeline * per_rank, p.first_stage_layers, p.last_stage_layers)
+    if m.hc_mult and m.moe_hash_layers > len(stages[0]):  # DeepSeek-V4's hash layers read the embedded tokens
+        raise UserError(f"model.moe_hash_layers={m.moe_hash_layers} route by token ids, which only the first pipeline "
+                        f"stage holds, and it has {len(stages[0])} layers; set parallel.first_stage_layers >= "
+                        f"{m.moe_hash_layers}")
+    for stage in stages:
         if stage and m.index_source(stage[0]) not in (None, stage[0]):  # GLM-5's shared sparse-attention choice
             raise UserError(f"pipeline stage starting at layer {stage[0]} would reuse layer "
                             f"{m.index_source(stage[0])}'s sparse-attention choice (model.index_layer_types) from "

@@ -267,6 +267,19 @@ def test_a_hash_layer_off_the_first_stage_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
+def test_hash_layers_beyond_the_first_stage_are_refused_before_the_run_in_one_line():
+    """Validation (before any model is built) refuses hash layers the first pipeline stage does not hold, naming
+    parallel.first_stage_layers; with it raised the layout is valid."""
+    config = v4_config(pp=2, micro=1)
+    config.model.moe_hash_layers = 3  # layers 0-2; the first of two stages holds 0-1
+    with pytest.raises(UserError, match=r"first pipeline stage holds, and it has 2 layers; set "
+                                        r"parallel.first_stage_layers >= 3") as error:
+        validate(config, 2, check_paths=False)
+    assert "\n" not in str(error.value)
+    config.parallel.first_stage_layers = 3
+    validate(config, 2, check_paths=False)
+
+
 def test_lora_on_the_grouped_output_projection_equals_its_merged_weight():
     """o_a's adapter, applied group by group (`CompressedAttention.grouped_lora`), gives the logits of o_a with
     scale B A merged into its weight (what `convert --merge` exports and transformers' grouped linear then applies),
