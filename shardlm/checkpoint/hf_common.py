@@ -196,11 +196,12 @@ def use_tokenizer(config, hf_dir: Path) -> None:
         config.data.tokenizer, config.data.vocab_file = "json", str(hf_dir / "tokenizer.json")
 
 
-def drop_missing_mtp(model: ModelConfig, located: dict, hf_dir: Path) -> None:
-    """Set `model.mtp_layers` to 0, with a note, when the config asks for multi-token-prediction layers (layer
-    num_hidden_layers + k) that the directory's weights (`located`) do not hold: transformers saves the main
-    model only."""
-    if model.mtp_layers and f"model.layers.{model.num_layers}.eh_proj.weight" not in located:
+def drop_missing_mtp(model: ModelConfig, located: dict, hf_dir: Path, marker: str | None = None) -> None:
+    """Set `model.mtp_layers` to 0, with a note, when the config asks for multi-token-prediction layers that the
+    directory's weights (`located`) do not hold: transformers saves the main model only. `marker`: the first depth's
+    tensor that tells (default DeepSeek-V3's, layer num_hidden_layers' eh_proj)."""
+    marker = marker or f"model.layers.{model.num_layers}.eh_proj.weight"
+    if model.mtp_layers and marker not in located:
         print(f"note: num_nextn_predict_layers={model.mtp_layers} but {hf_dir} has no multi-token "
               "prediction weights; converted without them (model.mtp_layers = 0)", file=sys.stderr)
         model.mtp_layers = 0

@@ -36,7 +36,6 @@ shared expert, quantized weights.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -45,6 +44,7 @@ from shardlm.checkpoint.hf_common import (
     HFTensor,
     check_pieces,
     check_shared_width,
+    drop_missing_mtp,
     use_tokenizer,
     weight_files,
     write_directory,
@@ -219,10 +219,7 @@ def open_hf(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     if not config.model.tie_embeddings and "head.weight" not in located:
         config.model.tie_embeddings = True
     m = config.model
-    if m.mtp_layers and "mtp.0.e_proj.weight" not in located:  # transformers saves the main model only
-        print(f"note: num_nextn_predict_layers={m.mtp_layers} but {hf_dir} has no multi-token prediction depth "
-              "(mtp.0.e_proj.weight); converted without it (model.mtp_layers = 0)", file=sys.stderr)
-        m.mtp_layers = 0
+    drop_missing_mtp(m, located, hf_dir, "mtp.0.e_proj.weight")
     m.compress_ratios = m.compress_ratios[:m.num_layers + m.mtp_layers]
     use_tokenizer(config, hf_dir)
     handles: dict = {}

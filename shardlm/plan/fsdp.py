@@ -69,9 +69,8 @@ from shardlm.plan.parameters import (
     layer_parameter_count,
     layers_parameter_count,
     parameter_count,
-    v4_layer_kind,
+    parameter_kind,
 )
-from shardlm.plan.sparse_attention import has_indexer
 from shardlm.plan.stages import RankStages, rank_parameter_count
 
 if TYPE_CHECKING:
@@ -114,8 +113,7 @@ def fsdp_units(cfg: ModelConfig, tp: int, stages: RankStages | None = None, ep: 
     root is the rest."""
     indices = range(cfg.num_layers) if stages is None else stages.layer_indices
     layers = layers_parameter_count(cfg, indices, tp, ep)
-    kinds = {(cfg.is_moe_layer(i), cfg.is_linear_layer(i), has_indexer(cfg, i), cfg.layer_pattern[i:i + 1],
-              v4_layer_kind(cfg, i)): i for i in indices}  # (Nemotron-H's kinds of block, DeepSeek-V4's attention)
+    kinds = {parameter_kind(cfg, i): i for i in indices}
     moe = any(key[0] for key in kinds)
     largest = max((layer_parameter_count(cfg, i, tp, ep).total for key, i in kinds.items() if key[0] == moe),
                   default=layer_parameter_count(cfg, 0, tp, ep).total)

@@ -36,9 +36,8 @@ from shardlm.plan.parameters import (
     add_counts,
     layer_parameter_count,
     parameter_count,
-    v4_layer_kind,
+    parameter_kind,
 )
-from shardlm.plan.sparse_attention import has_indexer
 
 BASE_BYTES = 4
 """The frozen base's (and the dequantized NF4 weights') bytes an element: the model is built in fp32."""
@@ -353,10 +352,9 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
     for index in indices:
         if index >= cfg.num_layers:  # a multi-token-prediction depth: outside `layers.`, with the last stage's below
             continue
-        # layers alike in what they hold: their kinds (Nemotron-H's block kinds, DeepSeek-V4's attention), whether they
-        # run an indexer (GLM-5's "shared" layers do not) and whether their experts are adapted
-        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), experts_adapted(lora, index),
-               has_indexer(cfg, index), cfg.layer_pattern[index:index + 1], v4_layer_kind(cfg, index))
+        # layers alike in what they hold (`parameter_kind`: GLM-5's "shared" layers run no indexer, ...) and in whether
+        # their experts are adapted
+        key = (experts_adapted(lora, index), *parameter_kind(cfg, index))
         if key not in kinds:
             kinds[key] = layer_lora(cfg, lora, index, tp, ep)
         layer = kinds[key]

@@ -283,13 +283,20 @@ def layers_parameter_count(cfg: ModelConfig, indices, tp: int, ep: int = 1) -> P
     """The layers `indices` together on one (TP, EP) rank (`layer_parameter_count`, one per kind)."""
     kinds: dict[tuple, ParameterCount] = {}
     total = ParameterCount(0, 0, 0, 0)
-    for index in indices:  # Nemotron-H: its block's kind ("M", "*", "-" or "E") too; DeepSeek-V4: its attention's
-        key = (cfg.is_linear_layer(index), cfg.is_moe_layer(index), has_indexer(cfg, index),
-               cfg.layer_pattern[index:index + 1], v4_layer_kind(cfg, index))
+    for index in indices:
+        key = parameter_kind(cfg, index)
         if key not in kinds:
             kinds[key] = layer_parameter_count(cfg, index, tp, ep)
         total = add_counts(total, kinds[key])
     return total
+
+
+def parameter_kind(cfg: ModelConfig, index: int) -> tuple:
+    """What sets layer `index`'s parameters apart (layers of one kind hold the same ones): MoE or dense (first),
+    linear or full attention, a sparse-attention indexer or none, Nemotron-H's block kind ("M", "*", "-" or "E") and
+    DeepSeek-V4's attention and hash routing (`v4_layer_kind`)."""
+    return (cfg.is_moe_layer(index), cfg.is_linear_layer(index), has_indexer(cfg, index),
+            cfg.layer_pattern[index:index + 1], v4_layer_kind(cfg, index))
 
 
 def v4_layer_kind(cfg: ModelConfig, index: int) -> tuple | None:
