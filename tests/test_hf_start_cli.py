@@ -136,3 +136,16 @@ def test_init_from_errors_are_one_line(setup, tmp_path, capsys, name, extra, mes
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_convert_help_names_every_model_type_that_converts(capsys):
+    """`shardlm convert --help` lists the model types `open_hf` converts, read from the converters themselves, and a
+    directory of any other type is refused with the same list."""
+    from shardlm.checkpoint import hf, hf_deepseek_v4, hf_gemma4, hf_nemotron_h, hf_qwen3_next
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for kinds in (hf_gemma4.MODEL_TYPES, hf_deepseek_v4.KINDS, hf_qwen3_next.KINDS, hf_nemotron_h.KINDS):
+        assert all(kind in hf.MODEL_TYPES for kind in kinds)
+    assert all(kind in help_text for kind in hf.MODEL_TYPES)

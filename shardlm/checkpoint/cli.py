@@ -8,6 +8,8 @@ import json
 import threading
 from pathlib import Path
 
+from shardlm.checkpoint.hf import FAMILIES, MODEL_TYPES
+
 
 def add_parser(subparsers) -> None:
     checkpoint = subparsers.add_parser("checkpoint", help="inspect or consolidate checkpoints")
@@ -22,16 +24,16 @@ def add_parser(subparsers) -> None:
     convert.add_argument("--output", required=True, help="output .safetensors file")
     convert.set_defaults(func=run_consolidate)
 
-    hf = subparsers.add_parser("convert", help="convert GPT-2, Llama-family (Qwen3, Mixtral, GLM-4.5, gpt-oss) "
-                                                   "or DeepSeek V2/V3 weights to or from HuggingFace transformers")
+    hf = subparsers.add_parser("convert", help="convert weights to or from Hugging Face transformers: "
+                                                   f"{FAMILIES}")
     direction = hf.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR",
-                           help="HF GPT2LMHeadModel, Llama-family or DeepSeek V2/V3 (Kimi K2) directory "
-                                "(config.json + safetensors)")
+                           help="a Hugging Face model directory (config.json + safetensors) of one of these "
+                                f"model types: {', '.join(MODEL_TYPES)}")
     direction.add_argument("--to-hf", metavar="DIR",
-                           help="write a HF directory here: GPT2LMHeadModel for gpt, the Llama family's own class "
-                                "for llama (LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, ...), "
-                                "DeepseekV3ForCausalLM (or V2) for MLA")
+                           help="write a HF directory here in the model's own transformers class "
+                                "(GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, DeepseekV3ForCausalLM, ...: "
+                                "the class of the directory it was converted from)")
     direction.add_argument("--to-peft", metavar="DIR",
                            help="write a LoRA run's adapters here as a peft adapter directory (adapter_model."
                                 "safetensors, adapter_config.json); with --merge, the base with the adapters folded "

@@ -5,11 +5,10 @@ columns [q | k | v], each over all heads. shardlm stores (out, in) like nn.Linea
 rows head by head, (heads, 3, head_dim), so that a contiguous TP split keeps each head's q, k, v
 together. The conversion transposes and permutes; it is exact (a round trip is bitwise lossless).
 No network: the HF directory must be local (config.json + model.safetensors).
-Llama-family directories (model_type "llama", "qwen3", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "olmo3",
-"minimax_m2") convert
-through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through `shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3
-ones ("deepseek_v3", "kimi_k2", "deepseek_v2", and with sparse attention "deepseek_v32", "glm_moe_dsa")
-through `shardlm.checkpoint.hf_deepseek`, Nemotron-H ones ("nemotron_h") through `shardlm.checkpoint.hf_nemotron_h`.
+Every other family converts through its own module, chosen by the directory's model_type (`MODEL_TYPES`):
+Llama-family directories through `shardlm.checkpoint.hf_llama` (gpt-oss's experts through
+`shardlm.checkpoint.hf_gpt_oss`), DeepSeek-V3's MLA and its relatives through `shardlm.checkpoint.hf_deepseek`,
+Qwen3.5 / Qwen3-Next, Kimi Linear, Nemotron-H, Gemma 4 and DeepSeek-V4 through their own.
 """
 
 from __future__ import annotations
@@ -21,7 +20,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardlm.checkpoint import files, hf_deepseek, hf_kimi_linear, hf_llama, hf_nemotron_h, hf_qwen3_next
+from shardlm.checkpoint import (
+    files,
+    hf_deepseek,
+    hf_deepseek_v4,
+    hf_gemma4,
+    hf_kimi_linear,
+    hf_llama,
+    hf_nemotron_h,
+    hf_qwen3_next,
+)
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
 from shardlm.config import RunConfig, from_dict
 from shardlm.errors import UserError
@@ -29,6 +37,16 @@ from shardlm.models.config import ModelConfig
 
 LLAMA_FAMILY = hf_llama.MODEL_TYPES  # HF model types that `shardlm.checkpoint.hf_llama` converts
 DEEPSEEK = hf_deepseek.MODEL_TYPES  # HF model types that `shardlm.checkpoint.hf_deepseek` converts
+
+CONVERTERS = ((LLAMA_FAMILY, hf_llama), (hf_qwen3_next.KINDS, hf_qwen3_next), (DEEPSEEK, hf_deepseek),
+              (hf_nemotron_h.KINDS, hf_nemotron_h), (hf_kimi_linear.KINDS, hf_kimi_linear),
+              (hf_gemma4.MODEL_TYPES, hf_gemma4), (hf_deepseek_v4.KINDS, hf_deepseek_v4))
+"""(HF model types, the module whose `open_hf` converts them) of every family but GPT-2 (this module's own)."""
+MODEL_TYPES = ("gpt2",) + sum((kinds for kinds, _ in CONVERTERS), ())
+"""Every HF model_type that converts (`open_hf`)."""
+FAMILIES = ("GPT-2, Llama 3, Qwen3, Qwen3-MoE, Qwen3.5 / Qwen3-Next, Mixtral, GLM-4.5, GLM-5, gpt-oss, OLMo 2 / 3, "
+            "MiniMax-M2, DeepSeek-V2 / V3 / V3.2 / V4, Kimi K2, Kimi Linear, Mistral 3 / 4, Gemma 4, Nemotron-H")
+"""The families of `MODEL_TYPES` in words (the CLI's help)."""
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -118,28 +136,11 @@ def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     if kind is None and {"model", "train", "checkpoint"} <= hf_config.keys():  # what `shardlm train` writes
         raise UserError(f"{hf_dir} is a shardlm run directory, not a Hugging Face model; name its checkpoints "
                         f"folder ({hf_dir / 'checkpoints'}) or a consolidated file")
-    if kind in LLAMA_FAMILY:
-        return hf_llama.open_hf(hf_dir)
-    if kind in hf_qwen3_next.KINDS:
-        return hf_qwen3_next.open_hf(hf_dir)
-    if kind in hf_kimi_linear.KINDS:
-        return hf_kimi_linear.open_hf(hf_dir)
-    if kind in hf_nemotron_h.KINDS:
-        return hf_nemotron_h.open_hf(hf_dir)
-    if kind in ("gemma4", "gemma4_text"):  # Gemma 4, its multimodal directory's language model too
-        from shardlm.checkpoint import hf_gemma4
-
-        return hf_gemma4.open_hf(hf_dir)
-    if kind in DEEPSEEK:
-        return hf_deepseek.open_hf(hf_dir)
-    if kind == "deepseek_v4":
-        from shardlm.checkpoint import hf_deepseek_v4
-
-        return hf_deepseek_v4.open_hf(hf_dir)
+    for kinds, converter in CONVERTERS:
+        if kind in kinds:  # Gemma 4's multimodal directory's language model too
+            return converter.open_hf(hf_dir)
     if kind != "gpt2":
-        families = (LLAMA_FAMILY + hf_qwen3_next.KINDS + DEEPSEEK + hf_nemotron_h.KINDS + hf_kimi_linear.KINDS
-                    + ("gemma4", "gemma4_text", "deepseek_v4"))
-        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(families)} convert")
+        raise UserError(f"{hf_dir} holds a {kind!r} model; only gpt2 and {', '.join(MODEL_TYPES[1:])} convert")
     weights = hf_dir / "model.safetensors"
     if not weights.is_file():
         raise UserError(f"{hf_dir} must hold config.json and model.safetensors (save_pretrained with "
@@ -178,12 +179,8 @@ def _family(cfg: ModelConfig):
     if cfg.linear_attention_rule == "kimi_delta":
         return hf_kimi_linear
     if cfg.sandwich_norms:  # Gemma 4
-        from shardlm.checkpoint import hf_gemma4
-
         return hf_gemma4
     if cfg.hc_mult:  # DeepSeek-V4
-        from shardlm.checkpoint import hf_deepseek_v4
-
         return hf_deepseek_v4
     if cfg.attention == "mla":
         return hf_deepseek
