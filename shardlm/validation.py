@@ -40,14 +40,19 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         raise UserError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
                         "use a tensor-parallel size that divides the heads")
     _validate_attention_heads(m)
+    from shardlm.models.deepseek_v4 import check_deepseek_v4
     from shardlm.models.mla import check_latent_attention
 
     if (problem := check_latent_attention(m, p.context)) is not None:
         raise UserError(problem)
+    if m.hc_mult and (problem := check_deepseek_v4(m, p.context)) is not None:
+        raise UserError(problem)
+    from shardlm.models.kimi_delta import check_kimi_delta
     from shardlm.models.linear_attention import check_linear_attention
 
-    if (problem := check_linear_attention(m, p.tensor, p.context)) is not None:
-        raise UserError(problem)
+    for check in (check_kimi_delta, check_linear_attention):
+        if (problem := check(m, p.tensor, p.context)) is not None:
+            raise UserError(problem)
     if m.arch == "llama":  # Gemma 4's keys (and them on a model that is not Gemma 4's block)
         from shardlm.models.gemma_config import check_gemma, check_gemma_keys
 

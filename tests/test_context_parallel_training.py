@@ -27,8 +27,8 @@ from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.config import from_dict
 from shardlm.data.gpt_dataset import TokenArrayDataset
 from shardlm.errors import UserError
-from shardlm.models.flops import flops_per_step
 from shardlm.parallel import ParallelContext
+from shardlm.plan.flops import flops_per_step
 from shardlm.training.logging import RunLogger
 from shardlm.training.trainer import Trainer, model_flops_utilization
 from shardlm.validation import validate

@@ -84,10 +84,11 @@ def broken(control: str | None):
     shared keys needed no ring: the group they attend over is the TP group, of one rank); "detached kv" / "detached
     ple": a pipeline stage hands its keys and values / its per-layer inputs on detached (the later stages' gradients
     of them never reach stage 0)."""
-    from shardlm.models import gemma, gemma_moe, mla
+    from shardlm.models import gemma, gemma_moe
     from shardlm.models.attention import causal_attention
+    from shardlm.parallel import layers
 
-    saved_linear, saved_router = mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__
+    saved_linear, saved_router = layers.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__
     saved_core, saved_handoff = gemma.Gemma4Attention.core, gemma.Gemma4.stage_handoff
 
     def local_core(self, q, k, v, documents=None):
@@ -102,7 +103,7 @@ def broken(control: str | None):
         saved_router(self, cfg, ctx, seed, prefix, False)
 
     if control == "ple":
-        mla.ReplicatedLinear.__init__ = unmarked_linear
+        layers.ReplicatedLinear.__init__ = unmarked_linear
     if control == "router":
         gemma_moe.GemmaRouter.__init__ = unmarked_router
     if control == "kv local":
@@ -117,7 +118,7 @@ def broken(control: str | None):
     try:
         yield
     finally:
-        mla.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__ = saved_linear, saved_router
+        layers.ReplicatedLinear.__init__, gemma_moe.GemmaRouter.__init__ = saved_linear, saved_router
         gemma.Gemma4Attention.core, gemma.Gemma4.stage_handoff = saved_core, saved_handoff
 
 

@@ -343,7 +343,7 @@ def test_flops_count_each_gemma_piece():
     per-layer inputs, no experts) is the Llama formula's; then each piece changes it by its own matrices: k = v drops
     the full layers' v (2 h kv d each), sharing drops the consumers' k and v and doubles their MLP, the full layers'
     wider heads, the per-layer inputs' gate, projection and embedding projection."""
-    from shardlm.models.flops import flops_per_token
+    from shardlm.plan.flops import flops_per_token
 
     cfg = hf_gemma4.model_config_from_hf(hf_config("dense").to_dict())
     h, s, V, f, L, d = cfg.hidden_size, cfg.seq_length, cfg.vocab_size, cfg.ffn_size, cfg.num_layers, 16

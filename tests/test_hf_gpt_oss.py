@@ -293,7 +293,7 @@ def test_sliding_layers_count_the_window_in_the_flop_count():
     training; without the window both layers count 4 s a."""
     import dataclasses
 
-    from shardlm.models.flops import flops_per_token
+    from shardlm.plan.flops import flops_per_token
 
     m = gpt_oss_config().model
     a = m.num_heads * m.attention_head_dim

@@ -12,9 +12,9 @@ from test_training import VOCAB
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
 from shardlm.models.llama import kv_head_range
 from shardlm.parallel import ParallelContext
+from shardlm.plan.flops import flops_per_token
 from shardlm.validation import validate
 
 

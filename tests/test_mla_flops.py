@@ -11,8 +11,8 @@ import pytest
 
 from shardlm.models import build_model
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token, mla_weights
 from shardlm.parallel import ParallelContext
+from shardlm.plan.flops import flops_per_token, mla_weights
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 16])

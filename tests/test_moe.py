@@ -16,7 +16,6 @@ from shardlm.config import from_dict
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
 from shardlm.models.moe import (
     PAD_ROWS,
     GroupedExperts,
@@ -28,6 +27,7 @@ from shardlm.models.moe import (
     route,
 )
 from shardlm.parallel import ParallelContext
+from shardlm.plan.flops import flops_per_token
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 

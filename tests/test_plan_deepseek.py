@@ -16,8 +16,8 @@ import torch
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import mla_weights
 from shardlm.plan.experts import activated_parameter_count
+from shardlm.plan.flops import mla_weights
 from shardlm.plan.memory import layer_activation_bytes, numeric_format
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.parameters import layer_parameter_counts, parameter_count

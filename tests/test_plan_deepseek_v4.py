@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
 from shardlm.plan.deepseek_v4 import hyper_connection_bytes, v4_forward_flops, v4_layer_flops, v4_parameter_count
+from shardlm.plan.flops import flops_per_token
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.parameters import parameter_count
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
 from shardlm.plan import dualpipe
 from shardlm.plan.deepseek import DEEPSEEK_V3_TRAINED, as_run, request
 from shardlm.plan.evaluate import Evaluator
+from shardlm.plan.flops import flops_per_token
 from shardlm.plan.fp8 import E5M6_BYTES, FP8_BYTES, cast_bytes_per_token, fp8_layer_bytes
 from shardlm.plan.kernels import DEEPSEEK_KERNELS
 from shardlm.plan.memory import state_memory

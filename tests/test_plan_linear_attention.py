@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
 from shardlm.plan.experts import activated_parameter_count
+from shardlm.plan.flops import flops_per_token
 from shardlm.plan.linear_attention import (
     CHUNK,
     linear_activation_bytes,

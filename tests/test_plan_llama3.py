@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from shardlm.models.flops import flops_per_step
 from shardlm.plan.evaluate import Evaluator
+from shardlm.plan.flops import flops_per_step
 from shardlm.plan.generations import (
     A100_MATMUL_EFFICIENCY,
     H100_MATMUL_EFFICIENCY,

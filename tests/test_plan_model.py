@@ -11,7 +11,7 @@ import pytest
 
 from shardlm.cli import main
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_step
+from shardlm.plan.flops import flops_per_step
 from shardlm.plan.hardware import GPU_PRESETS, custom_gpu, gpu_preset
 from shardlm.plan.memory import activation_memory, numeric_format, state_memory
 from shardlm.plan.models import MODEL_PRESETS, PlannedModel

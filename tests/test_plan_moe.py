@@ -16,8 +16,8 @@ import torch
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
 from shardlm.plan.experts import activated_parameter_count, all_to_all_bytes, moe_layer_activation_bytes
+from shardlm.plan.flops import flops_per_token
 from shardlm.plan.hardware import gpu_preset
 from shardlm.plan.memory import numeric_format, state_memory
 from shardlm.plan.models import MODEL_PRESETS, PlannedModel

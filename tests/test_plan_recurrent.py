@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
+from shardlm.plan.flops import flops_per_token
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.recurrent import (
     KDA_BLOCK,

@@ -17,7 +17,7 @@ import torch
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token, mla_weights
+from shardlm.plan.flops import flops_per_token, mla_weights
 from shardlm.plan.models import MODEL_PRESETS, check_model
 from shardlm.plan.parameters import layer_parameter_count, layers_parameter_count, parameter_count
 from shardlm.plan.sparse_attention import attention_comparison, has_indexer, sparse_attention_flops

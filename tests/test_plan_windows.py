@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 import torch
 
-from shardlm.models.flops import flops_per_step
 from shardlm.plan.experts import activated_parameter_count
+from shardlm.plan.flops import flops_per_step
 from shardlm.plan.models import MODEL_PRESETS
 from shardlm.plan.parameters import parameter_count
 from shardlm.plan.windows import attended_keys, executed_pairs, window_saved_flops

@@ -15,7 +15,7 @@ import torch
 
 from shardlm.cpu import cpu_flags, simulated_kind
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
+from shardlm.plan.flops import flops_per_token
 
 FIGURES = "docs/figures"
 """Where the bench's plots go, relative to the folder of BENCHMARKS.md (`--out`), which links them from there."""

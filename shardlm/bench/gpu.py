@@ -45,8 +45,8 @@ def run_shape(name: str, micro_batch: int, steps: int, compile_model: bool, chec
 
     from shardlm.config import from_dict
     from shardlm.data.gpt_dataset import TokenArrayDataset
-    from shardlm.models.flops import flops_per_token
     from shardlm.parallel import ParallelContext
+    from shardlm.plan.flops import flops_per_token
     from shardlm.training.trainer import Trainer, device_peak_tflops
 
     model = {"seq_length": 1024, "vocab_size": 50257, "dropout": 0.0, **SHAPES[name]}

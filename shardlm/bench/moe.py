@@ -45,7 +45,7 @@ from shardlm.bench.common import (
     torch_threads,
 )
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_token
+from shardlm.plan.flops import flops_per_token
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ def mfu_lines(r: dict) -> list[str]:
     lines = [
         "## CPU model-FLOPs utilization (`mfu`)",
         "",
-        "Achieved matmul FLOP/s of the shardlm Trainer step above (`shardlm.models.flops.flops_per_token`, "
+        "Achieved matmul FLOP/s of the shardlm Trainer step above (`shardlm.plan.flops.flops_per_token`, "
         "model FLOPs) over this CPU's GEMM rate in the same dtype with the same threads (medians: "
         f"{rates}). The GEMM probes ran in the same rounds as the steps, so each repeat divides by a GEMM "
         "rate measured seconds apart under the same load; the fraction is the median of those per-repeat "

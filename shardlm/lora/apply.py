@@ -20,8 +20,7 @@ from shardlm.errors import UserError
 from shardlm.lora.adapter import LoRA
 from shardlm.lora.nf4 import logical
 from shardlm.models.llama import KeyValueProjection
-from shardlm.models.mla import ReplicatedLinear
-from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
+from shardlm.parallel import ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear
 from shardlm.parallel.init import param_seed
 
 # Hugging Face (and peft's usual target) names -> shardlm's module names

@@ -44,11 +44,11 @@ from shardlm.models.decoder import LayerKVCache, SequenceDropout, enter_parallel
 from shardlm.models.documents import Documents, token_positions
 from shardlm.models.gemma_config import FULL, SLIDING, check_gemma, kv_producers, kv_source, layer_kind, layer_shape
 from shardlm.models.llama import KeyValueProjection, Llama, SwiGLU, kv_head_range
-from shardlm.models.mla import ReplicatedLinear
 from shardlm.models.rotary import angles_of, apply_rotary
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
@@ -92,18 +92,6 @@ class GeGLU(SwiGLU):
         return self.down(F.gelu(self.gate.local(x), approximate="tanh") * self.up.local(x))
 
 
-def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Gemma's RMSNorm in fp32 (as transformers computes it), x (..., n) -> (..., n) in x's dtype."""
-    return norms.rms_norm_fp32(x, norm.weight, norm.eps)
-
-
-class Norm(nn.RMSNorm):
-    """nn.RMSNorm computed in fp32 (Gemma4RMSNorm), (..., n) -> (..., n)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self, x)
-
-
 class Gemma4Attention(nn.Module):
     """Gemma 4's attention of layer `index`: (B, T, h) -> (B, T, h) (chunks under SP). Parameters `q`, `q_norm`,
     `o`, and unless the layer shares another's keys and values (`kv_source`) `k`, `k_norm` and `v` (none on a full
@@ -126,14 +114,14 @@ class Gemma4Attention(nn.Module):
         width, eps = cfg.num_heads * self.head_dim, cfg.layernorm_epsilon
         self.q = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp, bias=cfg.attention_bias, std=cfg.init_std,
                                       seed=param_seed(seed, f"{prefix}.q"), device=ctx.device)
-        self.q_norm = Norm(self.head_dim, eps=eps, device=ctx.device)
+        self.q_norm = norms.FP32RMSNorm(self.head_dim, eps=eps, device=ctx.device)
         self.o = RowParallelLinear(width, cfg.hidden_size, ctx.tp, bias=cfg.attention_bias,
                                    std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
                                    seed=param_seed(seed, f"{prefix}.o"), device=ctx.device,
                                    sequence_parallel=sequence_parallel)
         if self.source is None:
             self.k = KeyValueProjection(shape, ctx, param_seed(seed, f"{prefix}.k"))
-            self.k_norm = Norm(self.head_dim, eps=eps, device=ctx.device)
+            self.k_norm = norms.FP32RMSNorm(self.head_dim, eps=eps, device=ctx.device)
             shares = cfg.attention_k_eq_v and self.kind == FULL
             self.v = None if shares else KeyValueProjection(shape, ctx, param_seed(seed, f"{prefix}.v"))
         first, last = kv_head_range(cfg.num_heads, shape.kv_heads, ctx.tp_size, ctx.tp_rank)
@@ -218,7 +206,7 @@ class Gemma4Block(nn.Module):
         self.index = index
 
         def norm(size: int = cfg.hidden_size) -> nn.Module:
-            return Norm(size, eps=cfg.layernorm_epsilon, device=ctx.device)
+            return norms.FP32RMSNorm(size, eps=cfg.layernorm_epsilon, device=ctx.device)
 
         self.ln_1, self.ln_1_post, self.ln_2, self.ln_2_post = norm(), norm(), norm(), norm()
         self.attn = Gemma4Attention(cfg, ctx, seed, index, sequence_parallel, selective_recompute,
@@ -290,7 +278,7 @@ class Gemma4(Llama):
                                                   device=ctx.device, sequence_parallel=sp)
             self.ple_projection = ReplicatedLinear((width, cfg.hidden_size), cfg.init_std,
                                                    param_seed(seed, "ple_projection"), ctx.device, sp)
-            self.ple_norm = Norm(cfg.per_layer_input_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+            self.ple_norm = norms.FP32RMSNorm(cfg.per_layer_input_size, eps=cfg.layernorm_epsilon, device=ctx.device)
             if sp:
                 mark_sequence_parallel(self.ple_norm)
         selective = self.recompute == "selective"
@@ -299,7 +287,7 @@ class Gemma4(Llama):
         self.layers = nn.ModuleDict({
             str(i): finished(Gemma4Block(cfg, ctx, seed, i, sp, selective, options), finish_layer)
             for i in (range(cfg.num_layers) if layer_ids is None else layer_ids)})
-        self.ln_f = Norm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
+        self.ln_f = norms.FP32RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device)
         if sp:
             mark_sequence_parallel(self.ln_f)
         self.lm_head = None

@@ -119,7 +119,7 @@ def check_gemma_keys(cfg: ModelConfig) -> None:
 
 def gemma_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     """Matmul FLOPs of training on one token (3 x the forward, plus the layers' forward again with `recompute`) of
-    Gemma 4 (`models.flops.flops_per_token` counts it here), per layer by its kind: q and o (2 h H d_i each), k and v
+    Gemma 4 (`plan.flops.flops_per_token` counts it here), per layer by its kind: q and o (2 h H d_i each), k and v
     (2 h kv_i d_i each) on the layers that compute their own (no v on a full layer with k = v), the scores and values
     over min(s, window) keys on sliding layers and s on full ones (4 keys H d_i), the GeGLU's three matrices (2 h f_i
     each, f_i twice as wide on a sharing layer with `kv_shared_double_mlp`), with experts beside it the router (2 h E)

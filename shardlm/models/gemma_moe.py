@@ -27,7 +27,7 @@ from shardlm.models.moe import (
     grouped_mm_applies,
     pad_expert_rows,
 )
-from shardlm.models.norms import rms_norm
+from shardlm.models.norms import FP32RMSNorm, rms_norm
 from shardlm.parallel import (
     ParallelContext,
     copy_to_tensor_parallel,
@@ -107,8 +107,6 @@ class GemmaMoE(MoELayer):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool,
                  dense: nn.Module, dispatcher: str = "all_to_all"):
         nn.Module.__init__(self)
-        from shardlm.models.gemma import Norm
-
         self.cfg, self.ctx = cfg, ctx
         self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
         self.dense = dense
@@ -116,7 +114,7 @@ class GemmaMoE(MoELayer):
         self.experts = GemmaExperts(cfg, ctx, seed, prefix)
         self.shared = self.shared_gate = None
         self.ln_dense_post, self.ln_experts, self.ln_experts_post = (
-            Norm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device) for _ in range(3))
+            FP32RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ctx.device) for _ in range(3))
         if self.sequence_parallel:
             for norm in (self.ln_dense_post, self.ln_experts, self.ln_experts_post):
                 norm.weight.sequence_parallel = True

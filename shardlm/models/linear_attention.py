@@ -264,11 +264,8 @@ class GatedDeltaNet(nn.Module):
 
 
 def check_linear_attention(cfg: ModelConfig, tensor: int, context: int) -> str | None:
-    """A one-line problem with a model's linear-attention settings at this TP and CP size, or None."""
-    from shardlm.models.kimi_delta import check_kimi_delta
-
-    if (problem := check_kimi_delta(cfg, tensor, context)) is not None:
-        return problem
+    """A one-line problem with a model's linear-attention settings at this TP and CP size, or None (what the two
+    rules share; `shardlm.models.kimi_delta.check_kimi_delta` checks Kimi Delta Attention's own, first)."""
     if not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
         return None
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.models import sparse_attention as dsa
 from shardlm.models.attention import causal_attention
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (
@@ -53,8 +54,8 @@ from shardlm.models.documents import Documents, token_positions
 from shardlm.models.max_logits import record_max_logits
 from shardlm.models.norms import RMSNorm
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies, yarn_mscale
-from shardlm.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
-from shardlm.parallel.init import normal_shard, param_seed
+from shardlm.parallel import ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear
+from shardlm.parallel.init import param_seed
 from shardlm.parallel.random import recompute
 
 LATENT_NORM_EPS = 1e-6
@@ -64,8 +65,6 @@ transformers' DeepseekV3Attention (and DeepSeek's reference code)."""
 
 def check_latent_attention(m: ModelConfig, context: int) -> str | None:
     """One line saying what is wrong with the MLA keys of `m` at context-parallel size `context`, or None."""
-    from shardlm.models.sparse_attention import check_sparse_attention
-
     if m.attention not in ("mha", "mla"):
         return f'model.attention="{m.attention}" must be "mha" or "mla"'
     if m.rope_yarn_factor and (m.rope_yarn_factor < 1 or m.rope_yarn_original_positions < 1):
@@ -77,10 +76,9 @@ def check_latent_attention(m: ModelConfig, context: int) -> str | None:
     if m.rope_yarn_layers not in ("all", "full") or m.rope_yarn_attention_factor < 0:
         return (f'model.rope_yarn_layers="{m.rope_yarn_layers}" must be "all" or "full" and '
                 f"model.rope_yarn_attention_factor={m.rope_yarn_attention_factor} at least 0 (0 derives it)")
-    if m.hc_mult:  # DeepSeek-V4 (its indexer is over compressed entries, without MLA)
-        from shardlm.models.deepseek_v4 import check_deepseek_v4
-        return check_deepseek_v4(m, context)
-    if (problem := check_sparse_attention(m)) is not None:
+    if m.hc_mult:  # DeepSeek-V4 (its indexer is over compressed entries, without MLA): `check_deepseek_v4`
+        return None
+    if (problem := dsa.check_sparse_attention(m)) is not None:
         return problem
     if m.query_scale_beta and (m.attention != "mla" or m.query_scale_positions < 1):
         return "model.query_scale_beta needs model.attention=\"mla\" and model.query_scale_positions >= 1"
@@ -116,22 +114,6 @@ def softmax_scale(cfg: ModelConfig) -> float:
     if cfg.rope_yarn_factor and cfg.rope_yarn_mscale_all_dim:
         scale = scale * yarn_mscale(cfg.rope_yarn_factor, cfg.rope_yarn_mscale_all_dim) ** 2
     return scale
-
-
-class ReplicatedLinear(nn.Module):
-    """x (..., in) -> (..., out) by a (out, in) weight every TP rank holds whole, without bias (marked
-    `sequence_parallel` when it sees sequence chunks, so the trainer sums its partial gradients over TP)."""
-
-    def __init__(self, shape: tuple[int, int], std: float, seed: int, device, sequence_parallel: bool):
-        super().__init__()
-        self.weight = nn.Parameter(normal_shard(shape, std, seed, device=device))
-        if sequence_parallel:
-            self.weight.sequence_parallel = True
-        self.lora = None  # a low-rank adapter (`shardlm.lora`, kind "replicated"), added when set
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        return y if self.lora is None else y + self.lora(x)
 
 
 class LatentAttention(nn.Module):
@@ -180,8 +162,7 @@ class LatentAttention(nn.Module):
         self.layer, self.source = layer, cfg.index_source(layer)
         self.indexer = None  # DeepSeek Sparse Attention's lightning indexer (`shardlm.models.sparse_attention`)
         if self.source == layer:
-            from shardlm.models.sparse_attention import Indexer
-            self.indexer = Indexer(cfg, ctx, seed, f"{prefix}.indexer", sp)
+            self.indexer = dsa.Indexer(cfg, ctx, seed, f"{prefix}.indexer", sp)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """`f` (or `f_sp`) in front of the split heads: the backward all-reduces (reduce-scatters) each rank's
@@ -244,17 +225,13 @@ class LatentAttention(nn.Module):
 
     def absorbed_query(self, q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """q (B, H/tp, T, nope + rope) rotated -> [q_nope W_UK | q_rope] (B, H/tp, T, kv_lora_rank + rope)."""
-        from shardlm.models.sparse_attention import absorb_query
-
-        return absorb_query(q, weight, self.nope)
+        return dsa.absorb_query(q, weight, self.nope)
 
     def sparse(self, x, q, q_latent, c, k_rope, angles, keys, documents, cache, carry) -> torch.Tensor:
         """DeepSeek Sparse Attention: q (B, H/tp, T, nope + rope) rotated, q_latent (B, T, q_lora_rank), c (B, T, r),
         k_rope (B, 1, T, rope) rotated, `angles` the (cos, sin) of the T positions, `keys` (B, S, r + rope) the
         cached latents and keys with a cache (else None) -> (B, H/tp, T, v_head_dim): MLA over each query's chosen
         keys (`shardlm.models.sparse_attention`), the indexer's loss attached when it trains."""
-        from shardlm.models import sparse_attention as dsa
-
         weight = self.absorption()
         if keys is None:
             keys = dsa.whole_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
@@ -286,8 +263,6 @@ class LatentAttention(nn.Module):
         """The dense warm-up stage (`model.index_stage = "warmup"`): `y` (B, H/tp, T, v_head_dim), the dense
         attention's output, with the indexer's loss against the dense attention attached (KL over every visible
         key, chunk by chunk); `latents` (B, T, r + rope) this rank's latents and rotated shared keys."""
-        from shardlm.models import sparse_attention as dsa
-
         if not self.indexer_trains():
             return y
         queries, weights, keys = self.indexer_inputs(x, q_latent, angles, None)
@@ -307,16 +282,12 @@ class LatentAttention(nn.Module):
 
     def indexer_trains(self) -> bool:
         """Whether this forward computes the indexer's loss (`sparse_attention.indexer_trains`)."""
-        from shardlm.models.sparse_attention import indexer_trains
-
-        return indexer_trains(self.indexer)
+        return dsa.indexer_trains(self.indexer)
 
     def indexer_inputs(self, x, q_latent, angles, cache):
         """The indexer's (queries (B, T, H_i, D), weights (B, T, H_i), keys (B, S, D)), rotated, keys of the whole row
         (gathered over CP, or the cache's), from the detached block input x and query latent; with gradients when
         its loss is computed."""
-        from shardlm.models import sparse_attention as dsa
-
         with torch.set_grad_enabled(self.indexer_trains()):
             keys, weights = self.indexer.keys_and_weights(x.detach())
             queries = dsa.rotate_first(self.indexer.queries(q_latent.detach()), self.rope, *angles)
@@ -330,8 +301,6 @@ class LatentAttention(nn.Module):
         """The indexer's choice for queries at row positions `rows` (T,) (`host_rows`: the same on the host, for the
         chunks' bounds without a device sync), in chunks: (indices int32, valid), each (B, T, min(index_topk, S));
         int32 halves what the backward keeps of the choice (k a query)."""
-        from shardlm.models import sparse_attention as dsa
-
         B, T, heads, _ = queries.shape
         S, k = keys.shape[1], self.cfg.index_topk
         step = dsa.query_step(B, S, heads)

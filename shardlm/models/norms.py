@@ -68,6 +68,14 @@ class RMSNorm(nn.RMSNorm):
         return rms_norm(x, self.weight, self.eps)
 
 
+class FP32RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm computed in fp32 (`rms_norm_fp32`: Gemma4RMSNorm, DeepSeek-V4's norms), (..., d) -> (..., d) in
+    the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_fp32(x, self.weight, self.eps)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm that scales by 1 + weight, the weight starting at zero (Qwen3-Next and Qwen3.5: weight decay pulls
     the scale toward 1, not 0); computed in fp32 as transformers does. (..., dim) -> (..., dim)."""

@@ -50,7 +50,7 @@ from shardlm.data.zigzag import zigzag_positions
 from shardlm.models.config import ModelConfig
 from shardlm.models.documents import Documents
 from shardlm.models.routing import AttachLoss
-from shardlm.parallel import ParallelContext, gather_from_sequence_parallel
+from shardlm.parallel import ParallelContext, ReplicatedLinear, gather_from_sequence_parallel
 from shardlm.parallel.init import param_seed
 
 CHUNK_ELEMENTS = 1 << 23
@@ -348,8 +348,6 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, sequence_parallel: bool):
         super().__init__()
-        from shardlm.models.mla import ReplicatedLinear
-
         h, heads, dim, dev = cfg.hidden_size, cfg.index_heads, cfg.index_head_dim, ctx.device
         self.cfg, self.ctx, self.heads, self.dim = cfg, ctx, heads, dim
         self.sequence_parallel = sequence_parallel

@@ -2,7 +2,7 @@
 
 from shardlm.parallel.comm import CommStats, Communicator
 from shardlm.parallel.cross_entropy import vocab_parallel_cross_entropy
-from shardlm.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from shardlm.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from shardlm.parallel.layout import ParallelContext, check_layout, init_distributed
 from shardlm.parallel.mappings import (
     copy_to_tensor_parallel,
@@ -17,7 +17,7 @@ from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
 
 __all__ = [
     "ColumnParallelLinear", "CommStats", "Communicator", "ParallelContext", "RNGStatesTracker",
-    "RowParallelLinear", "VocabParallelEmbedding", "check_layout", "copy_to_tensor_parallel",
+    "ReplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding", "check_layout", "copy_to_tensor_parallel",
     "gather_from_sequence_parallel", "gather_from_tensor_parallel", "init_distributed", "reduce_from_tensor_parallel",
     "reduce_scatter_to_sequence_parallel", "scatter_to_sequence_parallel", "scatter_to_tensor_parallel",
     "seed_model_parallel", "vocab_parallel_cross_entropy",

@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: column- and row-parallel linears and the vocabulary-parallel embedding.
+"""Tensor-parallel layers: column- and row-parallel linears, the vocabulary-parallel embedding, and the linear every
+TP rank holds whole (`ReplicatedLinear`).
 
 Weights are stored as `(out_features, in_features)` like `nn.Linear`. A column-parallel layer keeps
 rows `[r*out/p, (r+1)*out/p)` of the full weight (its output is split), a row-parallel layer keeps
@@ -157,3 +158,19 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         reduce = reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
         return reduce(partial, self.tp)
+
+
+class ReplicatedLinear(nn.Module):
+    """x (..., in) -> (..., out) by a (out, in) weight every TP rank holds whole, without bias (marked
+    `sequence_parallel` when it sees sequence chunks, so the trainer sums its partial gradients over TP)."""
+
+    def __init__(self, shape: tuple[int, int], std: float, seed: int, device, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(normal_shard(shape, std, seed, device=device))
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+        self.lora = None  # a low-rank adapter (`shardlm.lora`, kind "replicated"), added when set
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return y if self.lora is None else y + self.lora(x)

@@ -25,6 +25,7 @@ An analytic model of one training step of shardlm's GPT (and Llama, BERT) on a c
                  each schedule, the bubble;
 - `schedule_sim` PyTorch's own action order of each pipeline schedule replayed on a clock: the zero-bubble
                  schedules' bubble and in-flight micro-batches;
+- `flops`        each family's matmul FLOPs per token of training (what MFU, the benchmarks and `timing` read);
 - `timing`       compute from the FLOP formula, TP all-reduces, pipeline bubble and transfers, the DP
                  gradient all-reduce on ring cost models, with the calibration constants;
 - `planner`      every valid PP x TP x DP (x EP) layout and option (data sharding included), whether it

@@ -1,7 +1,7 @@
 """What Mixture-of-Experts layers and expert parallelism add to the plan (shardlm's `models.moe`).
 
 - activated parameters: the weights one token uses, i.e. every parameter less, in each MoE layer, the
-  E - k routed experts it does not visit (what `models.flops.flops_per_token` charges per token);
+  E - k routed experts it does not visit (what `plan.flops.flops_per_token` charges per token);
 - the activations one MoE layer saves for one micro-batch on one rank (`moe_layer_activation_bytes`),
   with dropless routing assumed uniform: each rank's experts receive b s k rows in expectation,
   whatever the expert-parallel size E (a skewed router loads some ranks more: not modelled);

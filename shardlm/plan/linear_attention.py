@@ -2,7 +2,7 @@
 (`shardlm.models.linear_attention`).
 
 - parameters: `parameters._linear_attention_count` (projections, convolutions, gates, the gated norm);
-- FLOPs: `models.flops.flops_per_token` counts a linear layer's projections and the chunked delta rule, linear in
+- FLOPs: `plan.flops.flops_per_token` counts a linear layer's projections and the chunked delta rule, linear in
   the sequence (`rule_flops_per_token`), instead of attention's 4 s a: no (query, key) pairs, so the windows'
   `attended_keys` is 0 there and neither the flash kernel's causal skip nor context parallelism's K/V ring applies
   (`attention_layer_share` scales the ring's time to the full-attention layers);
@@ -17,8 +17,8 @@ Nothing here imports torch: `CHUNK` is `shardlm.models.delta_rule.CHUNK` (a test
 from __future__ import annotations
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import mla_weights
 from shardlm.plan import recurrent
+from shardlm.plan.flops import mla_weights
 from shardlm.plan.formats import NumericFormat
 
 CHUNK = 64
@@ -62,7 +62,7 @@ def attention_weights(cfg: ModelConfig, index: int) -> int:
 
 def rule_flops_per_token(cfg: ModelConfig) -> int:
     """Forward FLOPs per token of one linear layer's chunked delta rule: per value head 5 C d_k + 3 C d_v + 6 d_k d_v
-    (`models.flops.flops_per_token` derives it; C = `CHUNK`); KDA's: `recurrent.kda_rule_flops_per_token`."""
+    (`plan.flops.flops_per_token` derives it; C = `CHUNK`); KDA's: `recurrent.kda_rule_flops_per_token`."""
     if cfg.linear_attention_rule == "kimi_delta":
         return recurrent.kda_rule_flops_per_token(cfg)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

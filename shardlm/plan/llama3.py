@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_step
 from shardlm.plan.evaluate import Choice, Evaluator
+from shardlm.plan.flops import flops_per_step
 from shardlm.plan.generations import HOPPER_CALIBRATION
 from shardlm.plan.hardware import GPU_PRESETS
 from shardlm.plan.models import PlannedModel

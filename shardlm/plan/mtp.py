@@ -3,7 +3,7 @@
 Each depth k (`shardlm.models.mtp.MTPLayer`) is one more transformer layer of the kind of layer index L + k (MLA,
 MoE or dense, as `is_moe_layer` says), a 2h -> h projection `eh_proj` and three RMSNorms (enorm, hnorm,
 post_norm), all replicated over TP but the layer's own split weights; it shares the embedding and the output head
-with the model, and runs one more pass through that head and its loss. FLOPs: `models.flops.flops_per_token`
+with the model, and runs one more pass through that head and its loss. FLOPs: `plan.flops.flops_per_token`
 counts each depth already (projection, layer, head).
 
 On a pipeline the depths live on the last stage, which then also needs the input embedding to look up the

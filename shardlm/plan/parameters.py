@@ -150,7 +150,7 @@ def _mla_count(cfg: ModelConfig, tp: int) -> ParameterCount:
     qk_rope) x h) with its RMSNorm (kv_lora_rank) replicated; q_b (H qk x q_lora_rank; or q, H qk x h, without
     the query's low-rank path) and kv_b (H (qk_nope + v_head_dim) x kv_lora_rank) split by rows over TP, o (h x H
     v_head_dim) by columns; the layer's two RMSNorms (h each) replicated. Its matrices sum to
-    `models.flops.mla_weights` at TP = 1."""
+    `plan.flops.mla_weights` at TP = 1."""
     h, q_rank, kv_rank = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
     heads = _split(cfg.num_heads, tp, "num_heads")
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

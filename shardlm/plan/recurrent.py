@@ -3,7 +3,7 @@ parameters, recurrent state and what they save for the backward, derived from `s
 `shardlm.models.kda_rule`, `shardlm.models.mamba` and `shardlm.models.ssd` (`tests/test_plan_recurrent.py` checks
 each against the code, transformers' builds and autograd).
 
-- FLOPs: `models.flops.flops_per_token` counts a KDA layer's projections (`kda_weights`) and its chunked rule
+- FLOPs: `plan.flops.flops_per_token` counts a KDA layer's projections (`kda_weights`) and its chunked rule
   (`kda_rule_flops_per_token`), a Mamba-2 layer's (`mamba_weights`, `ssd_flops_per_token`), and a Nemotron-H
   model's layers by `layer_pattern` (`pattern_layer_flops`); all linear in the sequence.
 - parameters: `recurrent_parameter_count` (Kimi Linear: KDA layers beside MLA ones; Nemotron-H: one mixer a block);

@@ -129,7 +129,7 @@ def attention_comparison(cfg: ModelConfig) -> AttentionComparison:
     of training (no recomputation)."""
     from dataclasses import replace
 
-    from shardlm.models.flops import flops_per_token
+    from shardlm.plan.flops import flops_per_token
 
     layers = range(cfg.num_layers + cfg.mtp_layers)
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

@@ -2,7 +2,7 @@
 
     step = compute + elementwise + tp_comm + ep_comm + cp_comm + bubble + p2p + optimizer + exposed dp_comm
 
-- compute: the matmul FLOP count (`shardlm.models.flops.flops_per_step`: 72 B s l h^2 (1 + s/6h +
+- compute: the matmul FLOP count (`shardlm.plan.flops.flops_per_step`: 72 B s l h^2 (1 + s/6h +
   V/12lh), plus the layers' forward again with activation recomputation, padded vocabulary) divided
   over all GPUs, at `compute_efficiency` of
   the GPU's peak. It covers everything that splits over TP (GEMMs, attention, GeLU).
@@ -79,10 +79,10 @@ import copy
 from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.flops import flops_per_step
 from shardlm.plan import dualpipe
 from shardlm.plan.context import allgather_seconds, ring_seconds, sparse_gather_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
+from shardlm.plan.flops import flops_per_step
 from shardlm.plan.fp8 import cast_bytes_per_token, fp8_gemm_seconds, mla_up_recompute_seconds
 from shardlm.plan.fsdp import FSDPUnits, fsdp_groups, fsdp_optimizer_seconds, fsdp_seconds, fsdp_units
 from shardlm.plan.hardware import GPUSpec

@@ -3,7 +3,7 @@
 On a sliding layer (`ModelConfig.is_sliding_layer`) a query attends to its last w = `sliding_window` tokens, itself
 included, instead of every earlier one. FLOPs are counted in the same square convention as the rest of the planner
 and as PaLM's MFU (Chowdhery et al. 2023, appendix B) counts a full layer, each query against s keys, 4 s a per
-token forward for QK^T and PV (`models.flops.flops_per_token`): a sliding layer counts each query against
+token forward for QK^T and PV (`plan.flops.flops_per_token`): a sliding layer counts each query against
 min(s, w) keys, 4 min(s, w) a per token. So a window bounds the layer's attention FLOPs to s x w per sequence
 instead of s^2 (of which a causal kernel executes about s^2 / 2 on a full layer and s w - w^2 / 2 on a sliding one).
 
@@ -12,7 +12,7 @@ output and the log-sum-exp per token, nothing per score, so a window changes no 
 the work, not the bytes (`tests/test_plan_windows.py` checks both).
 
 A linear-attention layer (`ModelConfig.is_linear_layer`, Qwen3-Next's Gated DeltaNet) attends over no keys: its
-recurrence is linear in s (`models.flops.flops_per_token`, `plan.linear_attention`), so it counts 0 keys here.
+recurrence is linear in s (`plan.flops.flops_per_token`, `plan.linear_attention`), so it counts 0 keys here.
 
 A DeepSeek Sparse Attention layer (`index_topk`, `plan.sparse_attention`) counts each query against its
 min(s, index_topk) chosen keys at the absorbed form's cost per key (in the dense warm-up all s keys, dense MLA's

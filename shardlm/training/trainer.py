@@ -32,8 +32,8 @@ import torch
 from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models import training_loss
-from shardlm.models.flops import flops_per_step
 from shardlm.parallel import ParallelContext
+from shardlm.plan.flops import flops_per_step
 from shardlm.training.cpu_precision import resolve_precision
 from shardlm.training.data import (
     add_multi_token_targets,
