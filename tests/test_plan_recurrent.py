@@ -183,11 +183,12 @@ def test_mixer_flops_are_the_matmuls_each_layer_runs():
     assert kda + solves(kimi, tokens) == (2 * kda_weights(kimi) + kda_rule_flops_per_token(kimi)) * tokens
     mamba = counted(Mamba2(nemotron, ctx, 0, "mamba"), x)
     assert mamba == (2 * mamba_weights(nemotron) + ssd_flops_per_token(nemotron)) * tokens
-    # counting a KDA layer as Gated DeltaNet (no low-rank gates) or the scan at chunks of 64 would fail
+    # counting a KDA layer as Gated DeltaNet (no low-rank gates), the scan at chunks of 64 or its C B^T per head
+    # (B and C repeated to the heads) would fail
     H, d = kimi.linear_num_value_heads, kimi.linear_key_head_dim
     assert kda_rule_flops_per_token(kimi) == H * (8 * 64 * d + 6 * d * d)
-    H, P, N, L = 4, 8, 16, 32
-    assert ssd_flops_per_token(nemotron) == H * (2 * L * (N + P) + 4 * P * N)
+    H, G, P, N, L = 4, 2, 8, 16, 32
+    assert ssd_flops_per_token(nemotron) == 2 * L * N * G + H * (2 * L * P + 4 * P * N)
 
 
 @pytest.mark.parametrize("make", [tiny_kimi, tiny_nemotron])

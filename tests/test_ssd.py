@@ -66,10 +66,17 @@ def max_diff(a: list, b: list) -> float:
 
 
 def test_chunked_scan_equals_transformers_within_1e_6():
+    """Outputs and end state within 1e-6 of transformers'; the gradients within 2e-6 of transformers' and of the
+    same scan in fp64: shardlm sums a group's heads inside one product where transformers repeats B and C to every
+    head, so the gradients that sum over every token and head (A_log's) round about 10 ulps apart; transformers'
+    own B gradient is 1.8e-6 from fp64's."""
     t = inputs()
     mine, ref = ours(chunk_scan, t), theirs(t)
     assert max_diff(mine, ref) < 1e-6
-    assert max_diff(gradients(mine, t), gradients(ref, t)) < 1e-6
+    exact = {k: v.detach().double().requires_grad_() for k, v in t.items()}
+    fp64 = [g.float() for g in gradients(theirs(exact), exact)]
+    grads = gradients(mine, t)
+    assert max_diff(grads, gradients(ref, t)) < 2e-6 and max_diff(grads, fp64) < 2e-6
     assert float(ref[0].detach().abs().max()) > 1.0 and float(ref[1].detach().abs().max()) > 1.0  # not vanishing
 
 

@@ -94,38 +94,48 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
     x: (B, T, H, P); dt: (B, T, H) discretized (`discretize`); A: (H,) negative; B, C: (B, T, G, N);
     D: (H,) the skip, or None; initial_state: (B, H, P, N) or None (zeros).
-    Returns (y (B, T, H, P), final state (B, H, P, N)), fp32."""
+    Returns (y (B, T, H, P), final state (B, H, P, N)), fp32.
+
+    B and C stay per group (r = H / G heads share them): C B^T is one product per group and chunk, and the
+    products that meet a state take a group's r heads side by side (r P rows), so neither is repeated to the
+    heads, in the forward or in what the backward keeps."""
     batch, T, H, P = x.shape
-    xdt = (x.float() * dt.float().unsqueeze(-1)).transpose(1, 2)  # (B, H, T, P)
-    log_decay = (dt.float() * A.float()).transpose(1, 2)  # (B, H, T), <= 0
-    b, c = _heads(B, H), _heads(C, H)
+    G, N = B.shape[2], B.shape[3]
+    r = H // G
+    xdt = x.float() * dt.float().unsqueeze(-1)  # (B, T, H, P)
+    log_decay = dt.float() * A.float()  # (B, T, H), <= 0
+    b, c = B.float(), C.float()
     pad = (-T) % chunk  # zero inputs and no decay at the end leave the state as it is
     if pad:
-        xdt, b, c = (F.pad(t, (0, 0, 0, pad)) for t in (xdt, b, c))
-        log_decay = F.pad(log_decay, (0, pad))
-    n = (T + pad) // chunk
-    xdt, b, c = (t.reshape(batch, H, n, chunk, t.shape[-1]) for t in (xdt, b, c))
-    log_decay = log_decay.reshape(batch, H, n, chunk)
+        xdt, b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, b, c))
+        log_decay = F.pad(log_decay, (0, 0, 0, pad))
+    n, L = (T + pad) // chunk, chunk
+    b, c = (t.view(batch, n, L, G, N).permute(0, 3, 1, 2, 4).contiguous() for t in (b, c))  # (B, G, n, L, N)
+    xdt = xdt.view(batch, n, L, G, r, P).permute(0, 3, 4, 1, 2, 5).contiguous()  # (B, G, r, n, L, P)
+    log_decay = log_decay.view(batch, n, L, G, r).permute(0, 3, 4, 1, 2)  # (B, G, r, n, L)
     cum = log_decay.cumsum(-1)  # log decay from the chunk's start to each token
-    pair = decay_exp(segment_sums(log_decay))  # (B, H, n, L, L): token j's write as token i reads it
-    inside = (c @ b.transpose(-1, -2)) * pair @ xdt  # (B, H, n, L, P): the chunk's own inputs
-    write = b * decay_exp(cum[..., -1:] - cum).unsqueeze(-1)  # how each token's write decays to the chunk's end
-    chunk_states = xdt.transpose(-1, -2) @ write  # (B, H, n, P, N)
-    read = decay_exp(cum).unsqueeze(-1)  # how much of the state at the chunk's start each token reads
-    end_decay = decay_exp(cum[..., -1])[..., None, None]  # (B, H, n, 1, 1)
-    state = x.new_zeros(batch, H, P, b.shape[-1], dtype=torch.float32) if initial_state is None \
-        else initial_state.float()
-    outputs = []
+    pair = decay_exp(segment_sums(log_decay))  # (B, G, r, n, L, L): token j's write as token i reads it
+    inside = ((c @ b.transpose(-1, -2)).unsqueeze(2) * pair) @ xdt  # (B, G, r, n, L, P): the chunk's own inputs
+    # each chunk's end state from its own inputs, a group's heads as rows: sum_j (x dt)_j decay(j -> end) B_j^T
+    to_end = decay_exp(cum[..., -1:] - cum).unsqueeze(-1)
+    written = (xdt * to_end).permute(0, 1, 3, 2, 5, 4).reshape(batch, G, n, r * P, L) @ b  # (B, G, n, r P, N)
+    end_decay = decay_exp(cum[..., -1]).permute(0, 1, 3, 2)[..., None, None]  # (B, G, n, r, 1, 1)
+    state = x.new_zeros(batch, G, r, P, N, dtype=torch.float32) if initial_state is None \
+        else initial_state.float().reshape(batch, G, r, P, N)
+    incoming = []
     # unbound once: indexing chunk i inside the loop would make each index's backward fill a zero tensor of the
     # whole sequence (quadratic in its length)
-    for c_i, read_i, inside_i, state_i, decay_i in zip(*(t.unbind(2) for t in (c, read, inside, chunk_states,
-                                                                               end_decay))):
-        outputs.append(inside_i + (c_i @ state.transpose(-1, -2)) * read_i)
-        state = state * decay_i + state_i
-    y = torch.stack(outputs, dim=2).reshape(batch, H, n * chunk, P)[:, :, :T].transpose(1, 2)
+    for written_i, decay_i in zip(written.unbind(2), end_decay.unbind(2)):
+        incoming.append(state)
+        state = state * decay_i + written_i.view(batch, G, r, P, N)
+    start = torch.stack(incoming, dim=2).view(batch, G, n, r * P, N)  # the state each chunk starts from
+    read = (c @ start.transpose(-1, -2)).view(batch, G, n, L, r, P)  # what each token reads of it, undecayed
+    read = read * decay_exp(cum).permute(0, 1, 3, 4, 2).unsqueeze(-1)
+    y = inside.permute(0, 3, 4, 1, 2, 5) + read.permute(0, 2, 3, 1, 4, 5)  # (B, n, L, G, r, P)
+    y = y.reshape(batch, n * L, H, P)[:, :T]
     if D is not None:
         y = y + x.float() * D.float()[:, None]
-    return y, state
+    return y, state.reshape(batch, H, P, N)
 
 
 def recurrent_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -57,11 +57,11 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     Nemotron-H (`layer_pattern`) counts each block's one mixer (`shardlm.plan.recurrent.pattern_layer_flops`):
     Mamba-2 ("M"; H heads of P channels, G groups of N state channels, chunks of L = `mamba_chunk_size`) its
     projections z, x (h x H P each), B, C (h x G N each), dt (h x H) and o (H P x h), 2 FLOPs per weight, and the
-    chunked scan (`shardlm.models.ssd.chunk_scan`): per chunk and head C B^T (2 L^2 N), the decayed scores times
-    x dt (2 L^2 P), the chunk's state (2 L P N) and what its tokens read of the incoming one (2 L N P), so per
-    token and head 2 L (N + P) + 4 P N; attention ("*", no positions) 2 (2 h a + 2 h kv) + 4 s a; the ReLU^2
-    MLP ("-") 4 h f; an MoE layer ("E") the router 2 h E and its top-k and shared ReLU^2 experts, 4 h f_e and
-    4 h f_s each; plus the output head 2 h V. Training is 3 x forward.
+    chunked scan (`shardlm.models.ssd.chunk_scan`): per chunk and group C B^T (2 L^2 N), per chunk and head the
+    decayed scores times x dt (2 L^2 P), the chunk's state (2 L P N) and what its tokens read of the incoming one
+    (2 L N P), so per token 2 L N G + H (2 L P + 4 P N); attention ("*", no positions) 2 (2 h a + 2 h kv) +
+    4 s a; the ReLU^2 MLP ("-") 4 h f; an MoE layer ("E") the router 2 h E and its top-k and shared ReLU^2 experts,
+    4 h f_e and 4 h f_s each; plus the output head 2 h V. Training is 3 x forward.
 
     An MoE layer counts what a token activates: its top-k experts' MLPs (2 or 3 h x f_e matrices each, f_e = the
     expert width), the shared experts' (their width, `shared_ffn_size`; with `moe_shared_expert_gate` their h x 1

@@ -75,12 +75,12 @@ def mamba_weights(cfg: ModelConfig) -> int:
 
 def ssd_flops_per_token(cfg: ModelConfig) -> int:
     """Forward matmul FLOPs per token of one Mamba-2 layer's chunked scan (`ssd.chunk_scan`, L =
-    `mamba_chunk_size`; B and C repeated to every head): per chunk and head C B^T (2 L^2 N), the masked decayed
-    scores times x dt (2 L^2 P), the chunk's end state (x dt)^T (B decayed) (2 L P N) and what the chunk reads of the
-    incoming state C S^T (2 L N P): per token and head 2 L (N + P) + 4 P N (the convolution, the discretization,
-    D x and the gated norm are not matmuls; a last chunk padded to L is not counted)."""
+    `mamba_chunk_size`; B and C per group): per chunk and group C B^T (2 L^2 N); per chunk and head the masked
+    decayed scores times x dt (2 L^2 P), the chunk's end state (x dt decayed)^T B (2 L P N) and what the chunk
+    reads of the incoming state C S^T (2 L N P): per token 2 L N G + H (2 L P + 4 P N) (the convolution, the
+    discretization, D x and the gated norm are not matmuls; a last chunk padded to L is not counted)."""
     L, P, N = cfg.mamba_chunk_size, cfg.mamba_head_dim, cfg.mamba_state_size
-    return cfg.mamba_num_heads * (2 * L * (N + P) + 4 * P * N)
+    return 2 * L * N * cfg.mamba_groups + cfg.mamba_num_heads * (2 * L * P + 4 * P * N)
 
 
 def pattern_layer_flops(cfg: ModelConfig, index: int) -> float:
@@ -299,28 +299,26 @@ def mamba_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Num
 
 
 def _ssd_bytes(cfg: ModelConfig, heads: int, b: int, e: int) -> int:
-    """What `ssd.chunk_scan` saves for b sequences of `heads` heads (s a multiple of L; e = the GEMM dtype's bytes).
-    Per token and head: the chunk's decays between its tokens (fp32), C B^T and its product with them (e) (3 L);
-    B repeated to the heads (fp32), the batched products' copies (or casts) of C and B^T, and of the decayed B the
-    chunk's state reads (3 N, e); C repeated to the heads, read against the state of every chunk but the first (N:
-    in fp32 whole with one sequence, else a copy of each such chunk, of s - L tokens; under autocast always those
-    chunks' casts, e); the products' copies of x dt (2 P, e); what each token reads of the incoming state (P, e);
-    two decays (to the chunk's end and from its start, fp32). A single chunk's state is only the dropped end state:
-    nothing its product (x dt)^T (B decayed) reads is kept (B repeated, its decayed copy and x dt's, N + N e + P e
-    less). Per chunk and head the decay over it (fp32) and its incoming state (P x N, e; under autocast also the
-    fp32 state the decay multiplies, but the last's). Fixed: the two L x L masks of `segment_sums` (bytes)."""
+    """What `ssd.chunk_scan` saves for b sequences of `heads` heads in `heads` / (H / G) groups (s a multiple of L;
+    e = the GEMM dtype's bytes). B and C stay per group, so their terms are per token and group.
+
+    Per token and head: the chunk's decays between its tokens (fp32) and their product with C B^T (L, e); x dt as
+    the chunk's product reads it (P, e); what each token reads of the incoming state (P, e); two decays (to the
+    chunk's end and from its start, fp32); with more than one chunk also each token's decayed x dt as the end
+    state's product reads it (P, e) and, under autocast, the fp32 x dt that decay multiplied (P; in fp32 the same
+    tensor as the first). Per token and group: C B^T (L, e), and C and B as it reads them (N each, e); with more than
+    one chunk C and B again under autocast (each product casts anew: C as the state is read, B as it is written).
+    Per chunk, head and sequence: the decay over the chunk (fp32) and the state it starts from as the product that
+    reads it saves it (P x N, e); but the first, each incoming state as its decay multiplies it (P x N, fp32). A single
+    chunk's state is only the dropped end state: nothing writing it is kept. Fixed: the two L x L masks of
+    `segment_sums` (bytes)."""
     s, L, P, N = cfg.seq_length, cfg.mamba_chunk_size, cfg.mamba_head_dim, cfg.mamba_state_size
-    chunks = -(-s // L)
-    if chunks == 1:
-        reads = 0
-    else:
-        reads = N * (s if b == 1 and e == 4 else s - L) * e
-    per_token = 3 * L * 4 if e == 4 else L * 4 + 2 * L * e
-    per_token += N * 4 + 3 * N * e + 2 * P * e + P * e + 2 * 4
-    if chunks == 1:
-        per_token -= N * 4 + N * e + P * e
-    states = chunks * P * N * e + (0 if e == 4 else (chunks - 1) * P * N * 4)
-    return b * heads * (s * per_token + reads + chunks * 4 + states) + 2 * L * L
+    groups, chunks = heads // (cfg.mamba_num_heads // cfg.mamba_groups), -(-s // L)
+    several = chunks > 1
+    per_head = 4 * L + L * e + 2 * P * e + 2 * 4 + several * (P * e + (P * 4 if e != 4 else 0))
+    per_group = L * e + 2 * N * e + (2 * N * e if several and e != 4 else 0)
+    states = chunks * (4 + P * N * e) + (chunks - 1) * P * N * 4
+    return b * (s * (heads * per_head + groups * per_group) + heads * states) + 2 * L * L
 
 
 def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
