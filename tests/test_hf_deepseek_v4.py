@@ -7,7 +7,7 @@ experts (top 2) with one shared expert and a swiglu clip of 1, the first layer h
 every weight is scaled up, norms, sinks, position biases, hyper-connection weights and score-correction biases are
 random, the hash table is a random choice of 2 experts per token (`randomized`).
 
-shardlm's logits equal transformers' within 1e-4 (here bitwise) and its greedy tokens are transformers' at TP=1,
+shardlm's logits equal transformers' within 1e-4 and its greedy tokens are transformers' at TP=1,
 TP=2 and EP=2 (one world of 2), converting back is bitwise, and a run started from the converted file gives
 transformers' first loss. Controls: the indexer's choice and the hash table move the logits far, and what shardlm
 does not build is refused in one line.
@@ -109,7 +109,7 @@ def test_conversion_reads_every_piece(reference):
 
 def index_scores(model, rows: torch.Tensor) -> torch.Tensor:
     """The CSA layer's index scores (B, T, W) of `rows` in shardlm's `model` (equal to transformers' here: the
-    logits agree bitwise), from the inputs its indexer received."""
+    logits agree within 1e-4), from the inputs its indexer received."""
     seen = []
     indexer = model.layers["1"].attn.indexer
     hook = indexer.register_forward_pre_hook(lambda module, args: seen.append(args))

@@ -123,7 +123,8 @@ def _plain_experts(model):
 
 def test_flops_are_what_the_model_runs():
     """The tiny model's forward, counted by torch's FLOP counter, is `v4_forward_flops` per token; a training
-    step (forward and backward) is `flops_per_token`: 3 x the forward less what the indexer's backward skips. A
+    step (forward and backward) is `flops_per_token`: 3 x the forward less what the indexer's backward skips (each
+    row's attention is one chunk of `compressed_core`, kept for the backward, not recomputed). A
     trained indexer reads detached inputs (its matrices get weight gradients only, its scoring product both); a
     frozen one (index_loss_coeff 0) runs no backward."""
     cfg = tiny_v4()

@@ -5,7 +5,8 @@ attention's probabilities on those entries summed over the heads and scaled to s
 - the formula by hand on two queries (one with two chosen entries and an incomplete one, one with none), and its
   gradient (softmax minus target on the chosen entries, 0 elsewhere);
 - the layer's recorded divergence equals the same sum computed by hand, query by query, from the attention's
-  probabilities and the indexer's scores of a real forward (the wiring: which probabilities, which tokens);
+  probabilities by the dense definition (`test_v4_attention_core.dense_attention`) and the indexer's scores of a
+  real forward (the wiring: which probabilities, which tokens);
 - the model learns from the language-model loss only: with the coefficient its logits and every other parameter's
   gradient equal those with coefficient 0 exactly, and the indexer has a nonzero gradient only with it (with 0 it
   is frozen, as before).
@@ -19,7 +20,9 @@ import math
 import torch
 from test_deepseek_v4_layouts import SEQ, v4_config
 from test_training import VOCAB
+from test_v4_attention_core import dense_attention
 
+import shardlm.models.compressed_attention as layer
 from shardlm.models import build_model
 from shardlm.models.compressed_attention import CompressedAttention, chosen_divergence, entry_target
 from shardlm.parallel import ParallelContext
@@ -41,7 +44,8 @@ def test_the_divergence_by_hand():
                            [[0.30, 0.00, 0.10, 0.00], [0.0] * 4]]])  # (B 1, heads 2, T 2, W 4)
     chosen = torch.tensor([[[2, 0, -1], [-1, -1, -1]]])
     scores = torch.tensor([[[1.0, 3.0, 2.0, -INF], [0.5, -INF, -INF, -INF]]], requires_grad=True)
-    target = entry_target(probs, chosen, ParallelContext.single().tp)
+    mass = probs.sum(1).gather(-1, chosen.clamp_min(0))  # what the attention hands over: (B, T, k)
+    target = entry_target(mass, chosen, ParallelContext.single().tp)
     mass = [0.05 + 0.10, 0.10 + 0.30]  # entry 2's and entry 0's, summed over the heads
     by_hand = [mass[0] / sum(mass), mass[1] / sum(mass)]
     torch.testing.assert_close(target, torch.tensor([[[by_hand[0], by_hand[1], 0.0], [0.0, 0.0, 0.0]]]))
@@ -76,16 +80,19 @@ def test_the_recorded_divergence_is_the_hand_computed_sum():
     assert isinstance(attention, CompressedAttention) and attention.indexer is not None
     seen = {}
     attention.indexer.register_forward_hook(lambda module, args, out: seen.update(chosen=out[0], scores=out[1]))
-    core = attention.core
+    attend = layer.attend
 
-    def recording_core(q, kv, bias):
-        out, probs = core(q, kv, bias)
-        seen["probs"] = probs
-        return out, probs
+    def recording_attend(*args):
+        if args[8] is not None:  # the CSA layer's call (it passes its choice)
+            seen["probs"] = dense_attention(*args)[1].detach()  # the definition's, over every position
+        return attend(*args)
 
-    attention.core = recording_core
-    tokens, targets = batch()
-    net(tokens, targets).mean().backward()
+    layer.attend = recording_attend
+    try:
+        tokens, targets = batch()
+        net(tokens, targets).mean().backward()
+    finally:
+        layer.attend = attend
     chosen, scores = seen["chosen"], seen["scores"].detach()
     entries = seen["probs"][..., SEQ:]  # (B, heads, T, W): after the T window keys
     B, T, _ = chosen.shape

@@ -5,7 +5,8 @@ sliding window, beside compressed entries of the whole past, with a learned sink
     q and kv rotated on their last qk_rope_head_dim channels (interleaved pairs), at theta rope_theta on
     sliding-only layers and global_rope_theta (compress_rope_theta, with YaRN if set) on compressing ones
     keys/values: kv of the last sliding_window positions (itself included), then the layer's compressed entries
-    softmax over [q k / sqrt(D), sink]; the sink's share dropped; the output's rotary channels rotated back (-sin)
+    softmax over [q k / sqrt(D), sink]; the sink's share dropped (by chunks of queries, `compressed_core`: no
+        (T, S) matrix); the output's rotary channels rotated back (-sin)
     grouped output: heads in output_groups groups, each (H / g) D -> output_rank (o_a), then g r -> h (o_b)
 
 Compressors (`Compressor`): every `ratio` tokens give one entry, sum_j softmax_j(gate_j + position_bias_j) kv_j over
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.data.zigzag import local_positions, zigzag_merge
+from shardlm.models.compressed_core import attend
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
@@ -173,10 +175,11 @@ class Indexer(nn.Module):
             chosen = torch.where(valid, chosen, torch.full_like(chosen, -1))
         return chosen, scores if trains else None
 
-    def divergence(self, scores: torch.Tensor, chosen: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """The loss's sum over queries (fp32 scalar): scores (B, T, W) from `forward`, chosen (B, T, k), probs
-        (B, heads / tp, T, W) the main attention's probabilities on the entries (detached)."""
-        target = entry_target(probs, chosen, self.tp)
+    def divergence(self, scores: torch.Tensor, chosen: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """The loss's sum over queries (fp32 scalar): scores (B, T, W) from `forward`, chosen (B, T, k), mass
+        (B, T, k) this rank's heads' summed attention probabilities on the chosen entries (`compressed_core.attend`,
+        detached)."""
+        target = entry_target(mass, chosen, self.tp)
         return chosen_divergence(scores, chosen, target)
 
     def scores(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
@@ -191,12 +194,12 @@ class Indexer(nn.Module):
         return scores.masked_fill(~complete_entries(positions, entries.shape[1], self.ratio), float("-inf"))
 
 
-def entry_target(probs: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
-    """The indexer's target (B, T, k), no gradient: probs (B, heads / tp, T, W) this rank's heads' attention
-    probabilities on the entries, at chosen (B, T, k) (-1: none), summed over all heads (all-reduced over TP), each
-    row scaled to sum to 1; rows without a chosen entry 0."""
+def entry_target(mass: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
+    """The indexer's target (B, T, k), no gradient: mass (B, T, k) this rank's heads' summed attention probabilities
+    on the chosen (B, T, k) entries (-1: none), summed over all heads (all-reduced over TP), each row scaled to sum
+    to 1; rows without a chosen entry 0."""
     with torch.no_grad():
-        return normalized(probs.sum(1).gather(-1, chosen.clamp_min(0)).masked_fill(chosen < 0, 0.0).float(), tp)
+        return normalized(mass.masked_fill(chosen < 0, 0.0).float(), tp)
 
 
 def chosen_divergence(scores: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -305,24 +308,15 @@ class CompressedAttention(nn.Module):
         key_positions = torch.arange(x_all.shape[1], device=x.device)
         kv = rms_norm(F.linear(x_all, self.shared(self.kv)), self.shared(self.kv_norm), self.eps)
         kv = rotate_tail(kv, *rope_angles(key_positions, self.inv_freq))  # (B, S, D)
-        distance = positions.view(-1, 1) - key_positions.view(1, -1)
-        bias = torch.zeros(T, x_all.shape[1], device=x.device).masked_fill((distance < 0) | (distance >= self.window),
-                                                                     float("-inf")).expand(B, T, -1)
-        scores = None
+        entries, ratio, chosen, scores = None, 0, None, None
         if self.compressor is not None:
-            entries = self.compressor(x_all, self.shared)  # (B, W, D)
-            allowed = complete_entries(positions, entries.shape[1], self.compressor.ratio).expand(B, T, -1)
+            entries, ratio = self.compressor(x_all, self.shared), self.compressor.ratio  # (B, W, D)
             if self.indexer is not None:
                 chosen, scores = self.indexer(x_all, x, q_res, positions, cos, sin)
-                allowed = torch.zeros(B, T, entries.shape[1] + 1, dtype=torch.bool, device=x.device).scatter_(
-                    -1, torch.where(chosen >= 0, chosen, entries.shape[1]), True)[..., :-1]
-            kv = torch.cat((kv, entries), dim=1)
-            bias = torch.cat((bias, torch.zeros_like(allowed, dtype=bias.dtype).masked_fill(~allowed, float("-inf"))),
-                             dim=-1)
-        y, probs = self.core(q, kv, bias)  # (B, heads, T, D), (B, heads, T, S + W)
+        y, mass = attend(q, kv, positions, self.sinks, self.window, self.dim ** -0.5, entries, ratio, chosen)
         divergence = None
         if scores is not None:
-            divergence = self.indexer.divergence(scores, chosen, probs[..., x_all.shape[1]:])
+            divergence = self.indexer.divergence(scores, chosen, mass)
         y = rotate_tail(y, cos, -sin).transpose(1, 2).reshape(B, T, self.groups, -1)
         rank_weight = self.o_a.weight.view(self.groups, -1, y.shape[-1])  # (groups, rank, (H / g) D)
         out = torch.einsum("btgi,gri->btgr", y, rank_weight)
@@ -342,13 +336,3 @@ class CompressedAttention(nn.Module):
                 y = F.dropout(y, lora.dropout, True)
         low = torch.einsum("btgi,ki->btgk", y, lora.A)  # (B, T, groups / tp, lora rank)
         return torch.einsum("btgk,grk->btgr", low, lora.B.view(self.groups, -1, lora.rank_r)) * lora.scale
-
-    def core(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """softmax over [q kv^T / sqrt(D) + bias, sink] (the sink's share dropped) times kv: q (B, heads, T, D),
-        kv (B, S, D) keys and values alike, bias (B, T, S) 0 or -inf -> ((B, heads, T, D), the probabilities
-        (B, heads, T, S) detached)."""
-        scores = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * self.dim ** -0.5 + bias.unsqueeze(1)
-        sinks = self.sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1).to(scores.dtype)
-        logits = torch.cat((scores, sinks), dim=-1)
-        probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-        return torch.matmul(probs.to(kv.dtype), kv.unsqueeze(1)), probs.detach()

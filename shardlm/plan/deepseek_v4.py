@@ -165,7 +165,9 @@ def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
 
     Frozen indexers (model.index_loss_coeff = 0) run forward only: 2 x their forward is not run. A trained one reads
     its inputs detached, so its matrices get weight gradients only (1 x their forward) while its scoring product
-    (queries against entries, both its own) gets both (2 x): its backward skips 1 x its forward less the scoring."""
+    (queries against entries, both its own) gets both (2 x): its backward skips 1 x its forward less the scoring.
+    Not counted: the attention cores' chunks run again in the backward when a layer has several
+    (`shardlm.models.compressed_core`; hardware FLOPs, as a flash kernel's)."""
     per_layer = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers + cfg.mtp_layers)]
     indexers = sum(f.indexer for f in per_layer)
     if cfg.index_loss_coeff > 0:
