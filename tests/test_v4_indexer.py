@@ -9,7 +9,8 @@ attention's probabilities on those entries summed over the heads and scaled to s
   real forward (the wiring: which probabilities, which tokens);
 - the model learns from the language-model loss only: with the coefficient its logits and every other parameter's
   gradient equal those with coefficient 0 exactly, and the indexer has a nonzero gradient only with it (with 0 it
-  is frozen, as before).
+  is frozen, as before);
+- by chunks of a few queries the choice, the divergence and the indexer's gradients are the whole rows'.
 The layouts (TP, SP, CP, PP, DP, FSDP, EP, LoRA, recompute) are `test_deepseek_v4_layouts`'.
 """
 
@@ -24,7 +25,8 @@ from test_v4_attention_core import dense_attention
 
 import shardlm.models.compressed_attention as layer
 from shardlm.models import build_model
-from shardlm.models.compressed_attention import CompressedAttention, chosen_divergence, entry_target
+from shardlm.models.compressed_attention import CompressedAttention, entry_target
+from shardlm.models.sparse_attention import masked_divergence
 from shardlm.parallel import ParallelContext
 
 INF = float("inf")
@@ -49,7 +51,7 @@ def test_the_divergence_by_hand():
     mass = [0.05 + 0.10, 0.10 + 0.30]  # entry 2's and entry 0's, summed over the heads
     by_hand = [mass[0] / sum(mass), mass[1] / sum(mass)]
     torch.testing.assert_close(target, torch.tensor([[[by_hand[0], by_hand[1], 0.0], [0.0, 0.0, 0.0]]]))
-    value = chosen_divergence(scores, chosen, target)
+    value = masked_divergence(target, scores.gather(-1, chosen.clamp_min(0)), chosen >= 0)  # what each chunk sums
     expected = kl(by_hand, [2.0, 1.0])  # the scores of entries 2 and 0
     assert expected > 0.1 and abs(value.item() - expected) < 1e-6, (value.item(), expected)
     value.backward()
@@ -79,7 +81,9 @@ def test_the_recorded_divergence_is_the_hand_computed_sum():
     attention = net.layers["1"].attn
     assert isinstance(attention, CompressedAttention) and attention.indexer is not None
     seen = {}
-    attention.indexer.register_forward_hook(lambda module, args, out: seen.update(chosen=out[0], scores=out[1]))
+    indexer = attention.indexer
+    indexer.register_forward_hook(lambda module, args, out: seen.update(
+        chosen=out[0], scores=indexer.scores(*args).detach()))  # every entry's, from the same inputs
     attend = layer.attend
 
     def recording_attend(*args):
@@ -144,3 +148,27 @@ def test_a_dense_warm_up_stage_is_refused_in_one_line():
     assert check_deepseek_v4(m) is None
     message = check_deepseek_v4(dataclasses.replace(m, index_stage="warmup"))
     assert "index_stage" in message and "\n" not in message
+
+
+def test_the_indexer_by_chunks_of_queries_equals_it_at_once(monkeypatch):
+    """The choice and the loss run by chunks of queries (`sparse_attention.query_step`): chunks of a few queries give
+    the same choice, the same recorded divergence and the same indexer gradients as the whole rows at once."""
+    from shardlm.models import sparse_attention
+
+    runs = []
+    for elements in (sparse_attention.CHUNK_ELEMENTS, 64):
+        monkeypatch.setattr(sparse_attention, "CHUNK_ELEMENTS", elements)
+        net = model(1.0)
+        indexer = net.layers["1"].attn.indexer
+        seen = []
+        indexer.register_forward_hook(lambda module, args, out, seen=seen: seen.append(out[0]))
+        tokens, targets = batch()
+        net(tokens, targets).mean().backward()
+        runs.append((seen[0], indexer.recorded[-1], {n: p.grad for n, p in indexer.named_parameters()}))
+    (chosen, kl, grads), (chunked, chunked_kl, chunked_grads) = runs
+    assert sparse_attention.query_step(2, chosen.shape[-1], indexer.heads, indexer.dim) < SEQ // 4  # several chunks
+    assert torch.equal(chosen, chunked) and (chosen >= 0).any()
+    torch.testing.assert_close(chunked_kl, kl, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -56,7 +56,14 @@ from shardlm.models.decoder import enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
 from shardlm.models.norms import rms_norm_fp32 as rms_norm
 from shardlm.models.rotary import rope_inverse_frequencies
-from shardlm.models.sparse_attention import attach_indexer_loss, indexer_trains, masked_divergence, normalized
+from shardlm.models.sparse_attention import (
+    attach_indexer_loss,
+    index_scores,
+    indexer_divergence,
+    indexer_trains,
+    normalized,
+    query_step,
+)
 from shardlm.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -140,8 +147,9 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """CSA's lightning indexer over compressed entries: `compressor` (index_head_dim), q_b (heads dim, q_lora_rank),
     weights_proj (heads, h). forward -> each query's chosen entries (B, T, min(k, entries)), -1 where not complete,
-    and the scores they were chosen by. Trained by its loss (the module docstring) with gradient `loss_scale` (set by
-    `shardlm.training.indexer`); each training forward appends its per-token divergence to `recorded`."""
+    and what its loss scores them from (`divergence`). Trained by its loss (the module docstring) with gradient
+    `loss_scale` (set by `shardlm.training.indexer`); each training forward appends its per-token divergence to
+    `recorded`."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, ratio: int):
         super().__init__()
@@ -162,36 +170,58 @@ class Indexer(nn.Module):
         return indexer_trains(self)
 
     def forward(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
-                sin) -> tuple[torch.Tensor, torch.Tensor | None]:
+                sin) -> tuple[torch.Tensor, tuple | None]:
         """x_all (B, S, h) every position's input; x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the
-        queries' -> (chosen (B, T, k'), the scores (B, T, W) with their parameters' gradient when it trains, else
-        None). The inputs are read detached: the model gets no gradient from here."""
+        queries' -> (chosen (B, T, k'), when it trains its (queries, weights, entries) with their parameters'
+        gradient for `divergence`, else None). The inputs are read detached: the model gets no gradient from here.
+        The choice runs by chunks of queries, each scoring every entry (B, c, heads, W) without a gradient."""
         trains = self.trains()
         with torch.set_grad_enabled(trains):
-            scores = self.scores(x_all.detach(), x.detach(), q_res.detach(), positions, cos, sin)
+            parts = self.inputs(x_all.detach(), x.detach(), q_res.detach(), cos, sin)
+        B, T = x.shape[:2]
+        W = parts[2].shape[1]
+        step = query_step(B, W, self.heads, self.dim)
+        chosen = []
         with torch.no_grad():
-            chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
-            valid = chosen < ((positions + 1) // self.ratio).view(1, -1, 1)
-            chosen = torch.where(valid, chosen, torch.full_like(chosen, -1))
-        return chosen, scores if trains else None
+            for start in range(0, T, step):
+                part = slice(start, start + step)
+                top = self.ranked(parts, positions, part).topk(min(self.topk, W), dim=-1).indices
+                valid = top < ((positions[part] + 1) // self.ratio).view(1, -1, 1)
+                chosen.append(torch.where(valid, top, torch.full_like(top, -1)))
+        return torch.cat(chosen, dim=1), parts if trains else None
 
-    def divergence(self, scores: torch.Tensor, chosen: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-        """The loss's sum over queries (fp32 scalar): scores (B, T, W) from `forward`, chosen (B, T, k), mass
-        (B, T, k) this rank's heads' summed attention probabilities on the chosen entries (`compressed_core.attend`,
-        detached)."""
+    def divergence(self, parts: tuple, chosen: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """The loss's sum over queries (fp32 scalar): `parts` from `forward`, chosen (B, T, k), mass (B, T, k) this
+        rank's heads' summed attention probabilities on the chosen entries (`compressed_core.attend`, detached). By
+        chunks of queries, each scoring its chosen entries only, the gradient taken as it runs
+        (`sparse_attention.indexer_divergence`): no (T, W) scores are kept."""
         target = entry_target(mass, chosen, self.tp)
-        return chosen_divergence(scores, chosen, target)
+        q, weights, entries = parts
+        return indexer_divergence(q, weights, entries, lambda p: (chosen[:, p].clamp_min(0), chosen[:, p] >= 0),
+                                  lambda p: target[:, p], chosen.shape[-1])
 
-    def scores(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
-               sin) -> torch.Tensor:
-        """The index scores (B, T, W) fp32 of `forward`'s arguments, -inf for entries not complete yet."""
+    def inputs(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, cos,
+               sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(queries (B, T, heads, dim) rotated, weights (B, T, heads) fp32 times heads^-1/2, entries (B, W, dim)) of
+        the queries' inputs x, q_res and every position's x_all."""
         B, T = q_res.shape[:2]
         entries = self.compressor(x_all, lambda p: p)  # (B, W, dim)
         q = rotate_tail(F.linear(q_res, self.q_b).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)
-        scores = torch.relu(torch.matmul(q.transpose(1, 2).float(), entries.transpose(-1, -2).float().unsqueeze(1)))
-        weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5  # (B, T, heads)
-        scores = (scores * self.dim ** -0.5 * weights.unsqueeze(-1)).sum(dim=2)  # (B, T, W)
-        return scores.masked_fill(~complete_entries(positions, entries.shape[1], self.ratio), float("-inf"))
+        weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5
+        return q.transpose(1, 2), weights, entries
+
+    def ranked(self, parts: tuple, positions: torch.Tensor, part: slice) -> torch.Tensor:
+        """The index scores (B, c, W) fp32 of the queries `part` of `parts` (`inputs`), sum_h w_h ReLU(q_h . e /
+        sqrt(dim)), -inf for entries not complete yet."""
+        q, weights, entries = parts
+        scores = index_scores(q[:, part], weights[:, part], entries)
+        return scores.masked_fill(~complete_entries(positions[part], entries.shape[1], self.ratio), float("-inf"))
+
+    def scores(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
+               sin) -> torch.Tensor:
+        """The index scores (B, T, W) fp32 of `forward`'s arguments, -inf for entries not complete yet (all at once:
+        what `forward` chooses by, chunk by chunk)."""
+        return self.ranked(self.inputs(x_all, x, q_res, cos, sin), positions, slice(None))
 
 
 def entry_target(mass: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
@@ -200,12 +230,6 @@ def entry_target(mass: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
     to 1; rows without a chosen entry 0."""
     with torch.no_grad():
         return normalized(mass.masked_fill(chosen < 0, 0.0).float(), tp)
-
-
-def chosen_divergence(scores: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """sum over queries of KL(target || softmax of `scores` (B, T, W) over the chosen (B, T, k) entries), target
-    (B, T, k) -> fp32 scalar; entries not chosen (-1) weigh 0, and a query with none adds 0."""
-    return masked_divergence(target, scores.gather(-1, chosen.clamp_min(0)), chosen >= 0)
 
 
 def complete_entries(positions: torch.Tensor, entries: int, ratio: int) -> torch.Tensor:
@@ -308,15 +332,15 @@ class CompressedAttention(nn.Module):
         key_positions = torch.arange(x_all.shape[1], device=x.device)
         kv = rms_norm(F.linear(x_all, self.shared(self.kv)), self.shared(self.kv_norm), self.eps)
         kv = rotate_tail(kv, *rope_angles(key_positions, self.inv_freq))  # (B, S, D)
-        entries, ratio, chosen, scores = None, 0, None, None
+        entries, ratio, chosen, parts = None, 0, None, None
         if self.compressor is not None:
             entries, ratio = self.compressor(x_all, self.shared), self.compressor.ratio  # (B, W, D)
             if self.indexer is not None:
-                chosen, scores = self.indexer(x_all, x, q_res, positions, cos, sin)
+                chosen, parts = self.indexer(x_all, x, q_res, positions, cos, sin)
         y, mass = attend(q, kv, positions, self.sinks, self.window, self.dim ** -0.5, entries, ratio, chosen)
         divergence = None
-        if scores is not None:
-            divergence = self.indexer.divergence(scores, chosen, mass)
+        if parts is not None:
+            divergence = self.indexer.divergence(parts, chosen, mass)
         y = rotate_tail(y, cos, -sin).transpose(1, 2).reshape(B, T, self.groups, -1)
         rank_weight = self.o_a.weight.view(self.groups, -1, y.shape[-1])  # (groups, rank, (H / g) D)
         out = torch.einsum("btgi,gri->btgr", y, rank_weight)

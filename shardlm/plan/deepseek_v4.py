@@ -22,7 +22,8 @@ of D = head_dim channels, r_q = q_lora_rank, g = output_groups of r_o = output_r
 FLOPs per token of the forward (`v4_layer_flops`; s = seq_length): the hyper-connections 2 (2 + n) n^2 h each and
 their stream mixing comb^T streams 2 n^2 h each; the attention's matrices 2 (h r_q + r_q H D + h D + H D r_o +
 g r_o h); each compressor's kv and gate 4 (1 + o) D h; the CSA indexer its compressor 8 D_i h, its queries 2 r_q H_i
-D_i, its weights 2 h H_i and its O(s) scoring 2 H_i D_i s / m against every compressed entry at its small width;
+D_i, its weights 2 h H_i and its O(s) choice 2 H_i (D_i + 1) s / m against every compressed entry at its small width
+(and when it trains its loss pass over the chosen entries, 2 H_i (D_i + 1) min(index_topk, s / m), 3 x in training);
 attention's score and value products 4 H D per key, the keys being the window min(s, sliding_window) plus on HCA
 layers all s / m entries and on CSA layers min(index_topk, s / m) chosen ones (4:1 compression and top-k: O(s k)
 instead of O(s^2)); the MoE its router 2 h E, top-k experts and the shared one 6 h f each; the head 2 n^2 h and the
@@ -126,6 +127,11 @@ class LayerFlops:
     elsewhere."""
     keys: int
     """Keys each query attends to: the window plus the layer's compressed entries (HCA all, CSA its top-k)."""
+    choice: float = 0.0
+    """Of `indexer`: the CSA indexer's scoring of every complete entry, which chooses (no gradient)."""
+    divergence: float = 0.0
+    """The CSA indexer's loss pass when it trains: the chosen entries scored again, 2 H_i (D_i + 1) per entry
+    (`sparse_attention.indexer_divergence`, its gradient taken as it runs: 3 x this in training)."""
 
 
 def v4_layer_flops(cfg: ModelConfig, index: int) -> LayerFlops:
@@ -136,7 +142,7 @@ def v4_layer_flops(cfg: ModelConfig, index: int) -> LayerFlops:
     attention = 2 * (h * q_rank + q_rank * heads * dim + h * dim + heads * dim * cfg.output_rank
                      + cfg.output_groups * cfg.output_rank * h)
     kind = layer_kinds(cfg)[index]
-    keys, indexer = min(s, cfg.sliding_window), 0
+    keys, indexer, choice, divergence = min(s, cfg.sliding_window), 0, 0, 0
     if kind != "sliding":
         ratio = cfg.compress_ratios[index]
         entries = s // ratio
@@ -144,10 +150,12 @@ def v4_layer_flops(cfg: ModelConfig, index: int) -> LayerFlops:
         keys += entries if kind == "hca" else min(cfg.index_topk, entries)
         if kind == "csa":
             heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
-            indexer = 8 * dim_i * h + 2 * q_rank * heads_i * dim_i + 2 * h * heads_i + 2 * heads_i * dim_i * entries
+            choice = 2 * heads_i * (dim_i + 1) * entries
+            indexer = 8 * dim_i * h + 2 * q_rank * heads_i * dim_i + 2 * h * heads_i + choice
+            divergence = 2 * heads_i * (dim_i + 1) * min(cfg.index_topk, entries)
     experts = cfg.moe_top_k * cfg.moe_ffn_size + cfg.shared_ffn_size
     moe = 2 * h * cfg.moe_num_experts + 6 * h * experts
-    return LayerFlops(hyper + attention + 4 * heads * dim * keys + moe, indexer, keys)
+    return LayerFlops(hyper + attention + 4 * heads * dim * keys + moe, indexer, keys, choice, divergence)
 
 
 def v4_forward_flops(cfg: ModelConfig) -> float:
@@ -164,16 +172,15 @@ def v4_flops_per_token(cfg: ModelConfig, recompute: bool = False) -> float:
     layers' forward once more (not the multi-token-prediction depths', which are not recomputed).
 
     Frozen indexers (model.index_loss_coeff = 0) run forward only: 2 x their forward is not run. A trained one reads
-    its inputs detached, so its matrices get weight gradients only (1 x their forward) while its scoring product
-    (queries against entries, both its own) gets both (2 x): its backward skips 1 x its forward less the scoring.
+    its inputs detached, so its matrices get weight gradients only (1 x their forward); its choice (every entry
+    scored) has no backward; its loss pass scores the chosen entries again and takes their gradient (3 x
+    `divergence`).
     Not counted: the attention cores' chunks run again in the backward when a layer has several
     (`shardlm.models.compressed_core`; hardware FLOPs, as a flash kernel's)."""
     per_layer = [v4_layer_flops(cfg, i) for i in range(cfg.num_layers + cfg.mtp_layers)]
     indexers = sum(f.indexer for f in per_layer)
     if cfg.index_loss_coeff > 0:
-        scoring = sum(2 * cfg.index_heads * cfg.index_head_dim * (cfg.seq_length // layer_ratios(cfg)[i])
-                      for i, f in enumerate(per_layer) if f.indexer)
-        skipped = indexers - scoring
+        skipped = sum(f.indexer + f.choice - 3 * f.divergence for f in per_layer)
     else:
         skipped = 2 * indexers
     layers = sum(f.trained + f.indexer for f in per_layer[:cfg.num_layers])  # full recomputation: not the depths'
