@@ -37,15 +37,13 @@ DENSE_SPAN = 4
 of gathering each query's k (as `shardlm.models.sparse_attention.DENSE_SPAN`)."""
 
 
-def query_runs(positions: list[int], step: int) -> list[tuple[int, int]]:
+def query_runs(positions: torch.Tensor, step: int) -> list[tuple[int, int]]:
     """[start, end) index ranges of at most `step` queries, each at consecutive positions (positions (T,) of the
-    queries, in their order)."""
-    runs, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1 or i - start == step:
-            runs.append((start, i))
-            start = i
-    return runs
+    queries, in their order, on the host)."""
+    cuts = (positions[1:] != positions[:-1] + 1).nonzero().flatten().add(1).tolist()
+    bounds = [0, *cuts, len(positions)]
+    return [(start, min(start + step, end)) for begin, end in zip(bounds, bounds[1:])
+            for start in range(begin, end, step)]
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window: int,
@@ -61,7 +59,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: to
     its queries see. A layer whose scores come to no more than `CHUNK_ELEMENTS` in all keeps them for the backward;
     otherwise every chunk is recomputed there."""
     B, H, T, _ = q.shape
-    host = positions.tolist()
+    host = positions.cpu()
     others = 0 if entries is None else chosen.shape[-1] if chosen is not None else entries.shape[1]
     # a chunk of c queries scores c + window - 1 keys of its band: c near the window wastes at most half of them
     step = max(1, min(max(window, MIN_CHUNK), CHUNK_ELEMENTS // (B * H * (2 * window + others))))
@@ -69,7 +67,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: to
     recompute = grads and B * H * T * (step + window + others) > CHUNK_ELEMENTS
     outputs, masses = [], []
     for start, end in query_runs(host, step):
-        first, last = host[start], host[end - 1]
+        first, last = int(host[start]), int(host[end - 1])
         low = max(0, first - window + 1)
         args = (q[:, :, start:end], kv[:, low:last + 1], positions[start:end], low, sinks, window, scale)
         if entries is None:
