@@ -175,11 +175,12 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     chosen per query or (B, S, D) shared -> (B, Q, k or S) fp32 (also under autocast, as transformers scores)."""
     scale = q.shape[-1] ** -0.5
     with torch.autocast(q.device.type, enabled=False):
+        q = q.float() * scale  # on the queries, not on the (B, Q, H_i, keys) products
         if keys.dim() == 3:
-            per_head = torch.einsum("bqhd,bsd->bqhs", q.float(), keys.float())
+            per_head = torch.einsum("bqhd,bsd->bqhs", q, keys.float())
         else:
-            per_head = torch.einsum("bqhd,bqkd->bqhk", q.float(), keys.float())
-        return torch.einsum("bqhk,bqh->bqk", torch.relu(per_head * scale), weights.float())
+            per_head = torch.einsum("bqhd,bqkd->bqhk", q, keys.float())
+        return torch.einsum("bqhk,bqh->bqk", per_head.relu_(), weights.float())  # in place: one pass over them
 
 
 def absorb_query(q: torch.Tensor, weight: torch.Tensor, nope: int) -> torch.Tensor:
