@@ -20,12 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.norms import rms_norm_fp32
+from shardlm.models.norms import rms_norm, rms_norm_fp32
 from shardlm.parallel.init import normal_shard, param_seed
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., d) divided by its root mean square (fp32 statistic), as transformers' DeepseekV4UnweightedRMSNorm."""
+    """x (..., d) divided by its root mean square (fp32 statistic), as transformers' DeepseekV4UnweightedRMSNorm. An
+    fp32 x takes `norms.rms_norm` (on the CPU its written-out backward: the same forward, bitwise)."""
+    if x.dtype == torch.float32:
+        return rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
