@@ -76,16 +76,27 @@ def zigzag(S: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa", "csa gathered"])
-@pytest.mark.parametrize("where", ["row", "zigzag", "kept"])
+@pytest.mark.parametrize("where", ["row", "zigzag", "kept", "groups", "zigzag groups"])
 def test_chunked_core_equals_the_dense_definition(kind, where, monkeypatch):
-    """Chunks of 1 to 3 queries, recomputed in the backward (the first sees no entry yet), or chunks of the window's
-    length whose scores the layer keeps ("kept"), forward and backward; a CSA chunk scores its few complete entries
+    """Chunks of 1 to 3 queries, recomputed in the backward (the first sees no entry yet), chunks of the window's
+    length in one product a run, whose scores the layer keeps ("kept"), or in products of 3 chunks, recomputed
+    ("groups"), forward and backward; a CSA chunk scores its few complete entries
     densely, the unchosen masked, or gathers each query's chosen ones ("csa gathered": `DENSE_SPAN` 0)."""
     S = 48
-    positions = zigzag(S) if where == "zigzag" else torch.arange(S)
+    positions = zigzag(S) if where.startswith("zigzag") else torch.arange(S)
     seen = WINDOW + (0 if kind == "sliding" else TOPK if kind.startswith("csa") else S // RATIO)
-    if where == "kept":  # chunks of the window's 8 queries
+    if where == "kept":  # chunks of the window's 8 queries, all of a run in one product
         monkeypatch.setattr(compressed_core, "MIN_CHUNK", 1)
+        monkeypatch.setattr(compressed_core, "GROUP_FROM", 1)
+    elif where.endswith("groups"):  # chunks of 8 in products of 3 chunks, recomputed (a run's remainder apart)
+        monkeypatch.setattr(compressed_core, "MIN_CHUNK", 1)
+        monkeypatch.setattr(compressed_core, "GROUP_FROM", 1)
+        monkeypatch.setattr(compressed_core, "CHUNK_ELEMENTS", B * H * WINDOW * (WINDOW + seen) * 3)
+        groups = compressed_core.chunk_groups(positions, WINDOW, 3)
+        if where == "groups":
+            assert any(end - start == 3 * WINDOW for start, end, _ in groups)
+        else:  # runs of 12: a chunk of 8 and a remainder of 4 each
+            assert [size for _, _, size in groups] == [8, 4, 8, 4]
     else:
         monkeypatch.setattr(compressed_core, "CHUNK_ELEMENTS", B * H * seen * 3)  # the first sees no entry
         assert len(query_runs(positions, 3)) >= 8
