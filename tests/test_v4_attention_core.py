@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_plan_deepseek_v4 import _saved
 
 from shardlm.models import compressed_core
 from shardlm.models.compressed_core import attend, query_runs
@@ -124,20 +125,9 @@ def test_chunked_core_equals_the_dense_definition(kind, where, monkeypatch):
 
 
 def saved_bytes(fn, args: dict) -> int:
-    """Bytes autograd keeps for the backward of `fn` (each storage once, the inputs' not)."""
-    inputs_ = {t.untyped_storage().data_ptr() for t in args.values() if isinstance(t, torch.Tensor)}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in inputs_:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        kept = run(fn, args)
-    del kept
-    return sum(seen.values())
+    """Bytes autograd keeps for the backward of `fn` (each storage once, the inputs' not:
+    `test_plan_deepseek_v4._saved`)."""
+    return _saved(lambda: run(fn, args), [t for t in args.values() if isinstance(t, torch.Tensor)])
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
