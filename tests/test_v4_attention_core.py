@@ -12,6 +12,8 @@ runs as the definition does within bf16's rounding. The whole model against tran
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_plan_deepseek_v4 import _saved
@@ -74,6 +76,29 @@ def zigzag(S: int) -> torch.Tensor:
     """A CP rank's query positions at CP 2 (chunks 0 and 3 of four): two runs."""
     quarter = S // 4
     return torch.cat((torch.arange(quarter), torch.arange(3 * quarter, S)))
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa gathered"])
+def test_groups_of_one_query_chunks_equal_the_dense_definition(kind, monkeypatch):
+    """One row, chunks of a single query run two to a product (a layer whose heads and entries leave room for one
+    query a chunk, as an HCA layer over millions of tokens): the group's queries are then a strided view of q, not a
+    copy, which the entries' product reshapes (a view of it failed)."""
+    monkeypatch.setattr(sys.modules[__name__], "B", 1)
+    S, gathered = 24, kind == "csa gathered"
+    others = TOPK if gathered else S // RATIO
+    monkeypatch.setattr(compressed_core, "MIN_CHUNK", 1)
+    monkeypatch.setattr(compressed_core, "GROUP_FROM", 1)
+    monkeypatch.setattr(compressed_core, "CHUNK_ELEMENTS", 2 * H * (WINDOW + others))  # step 1, 2 a group
+    if gathered:
+        monkeypatch.setattr(compressed_core, "DENSE_SPAN", 0)
+    args = inputs(S, kind.split()[0], torch.arange(S))
+    y, _ = run(attend, args)
+    ref, _ = run(dense_attention, args)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-6)
+    names = [name for name in ("q", "kv", "sinks", "entries") if name in args]
+    for name, a, b in zip(names, torch.autograd.grad(y.sum(), [args[n] for n in names]),
+                          torch.autograd.grad(ref.sum(), [args[n] for n in names])):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa", "csa gathered"])

@@ -131,7 +131,7 @@ def _group(q, band, positions, low, size, sinks, window, scale, entries, ratio, 
     if gather:  # each query's chosen entries
         picked = entries[torch.arange(B, device=q.device).view(B, 1, 1), chosen.clamp_min(0)]  # (B, Q, k, D)
         picked = picked.view(B, G, c, -1, D)
-        scores.append((torch.einsum("bghcd,bgckd->bghck", grouped.view(B, G, H, c, D), picked) * scale).masked_fill(
+        scores.append((torch.einsum("bghcd,bgckd->bghck", grouped.reshape(B, G, H, c, D), picked) * scale).masked_fill(
             (chosen < 0).view(B, G, 1, c, -1), float("-inf")))
     elif entries is not None:  # every entry, masked: until complete (HCA), or where not chosen (CSA)
         W = entries.shape[1]
@@ -141,11 +141,12 @@ def _group(q, band, positions, low, size, sinks, window, scale, entries, ratio, 
         else:
             unseen = ~torch.zeros(B, Q, W + 1, dtype=torch.bool, device=q.device).scatter_(
                 -1, torch.where(chosen >= 0, chosen, W), True)[..., :W].view(B, G, 1, c, W)
-        scores.append((torch.bmm(grouped.view(B, G * H * c, D), entries.transpose(1, 2)).view(B, G, H, c, W)
+        scores.append((torch.bmm(grouped.reshape(B, G * H * c, D), entries.transpose(1, 2)).view(B, G, H, c, W)
                        * scale).masked_fill(unseen, float("-inf")))
     sink = sinks.view(1, 1, -1, 1, 1).expand(B, G, -1, c, 1).to(scores[0].dtype)
     logits = torch.cat((*scores, sink), dim=-1)
-    exact = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)
+    # less the row's max, as transformers' sinks attention: a constant per row, so no gradient flows through it
+    exact = torch.softmax(logits - logits.detach().max(dim=-1, keepdim=True).values, dim=-1)
     probs = exact.to(band.dtype)
     y = torch.bmm(probs[..., :n].reshape(B * G, H * c, n), bands).view(B, G, H, c, D)
     mass = None
