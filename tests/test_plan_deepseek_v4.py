@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -271,8 +272,7 @@ def test_a_hyper_connection_saves_what_the_planner_counts(n, iters, batch, seq, 
 def test_the_plan_keeps_the_streams_and_the_hyper_connections():
     """Under full recomputation a layer keeps its input, the n streams (B, T, n, h): the tiny model's checkpointed
     layers save exactly the planner's layer_input each (n h fp32 values a token) beyond what the model without
-    recomputation saves outside its layers; a layer's charge adds its two hyper-connection branches to the Llama
-    layer's."""
+    recomputation saves outside its layers (a layer's own: `test_each_layer_kind_saves_what_the_planner_counts`)."""
     from test_plan_linear_attention import saved_by_layer
 
     from shardlm.models import build_model
@@ -289,5 +289,88 @@ def test_the_plan_keeps_the_streams_and_the_hyper_connections():
     acts = shardlm_memory(cfg, 1, 2, fp32, LayerSetting(), backend="cpu")
     assert acts.layer_input == 2 * cfg.seq_length * cfg.hc_mult * cfg.hidden_size * 4
     assert outside[True] - outside[False] == cfg.num_layers * acts.layer_input
-    plain = shardlm_memory(dataclasses.replace(cfg, hc_mult=0), 1, 2, fp32, LayerSetting(), backend="cpu")
-    assert acts.per_layer - plain.per_layer == 2 * hyper_connection_bytes(cfg, 2 * cfg.seq_length, 4)
+
+
+KINDS = [  # (case, changes, micro-batch, recompute the core)
+    ("one chunk", dict(seq_length=32), 2, False),
+    ("chunks kept", dict(seq_length=256, sliding_window=64), 2, False),
+    ("chunks kept, CSA gathered", dict(seq_length=64, sliding_window=16, index_topk=2), 2, False),
+    ("recomputed", dict(seq_length=200, sliding_window=48), 1, True),
+    ("recomputed, CSA gathered", dict(seq_length=64, sliding_window=16, index_topk=2), 2, True),
+    ("recomputed, frozen indexer, chunks of one query", dict(seq_length=256, sliding_window=64, index_loss_coeff=0.0),
+     1, True),
+]
+"""Each case runs the tiny model's three layer kinds (HCA with hash routing, CSA, sliding). "recomputed": the core's
+CHUNK_ELEMENTS lowered to 1,024, so that it recomputes its chunks (as every layer of a real model does at 4,096
+tokens and more); the last case's chunks are then one query each (a view of q, not a copy)."""
+
+
+def _layer_saves(cfg: ModelConfig, micro: int, recompute: bool, monkeypatch, precision: str = "fp32",
+                 attention_only: bool = False) -> list[int]:
+    """What each of the tiny model's layers (or only their attention) keeps for the backward, in `precision` ("half":
+    bf16 weights, no autocast)."""
+    from test_plan_linear_attention import saved_by_layer
+
+    from shardlm.models import build_model, compressed_core
+    from shardlm.parallel import ParallelContext
+    from shardlm.plan.measure import autocast_context
+
+    if recompute:
+        monkeypatch.setattr(compressed_core, "CHUNK_ELEMENTS", 1024)
+    model = build_model(cfg, ParallelContext.single(), seed=0).train()
+    model = model.to(torch.bfloat16) if precision == "half" else model
+    tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with autocast_context("fp32" if precision == "half" else precision, torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    watched = model
+    if attention_only:
+        watched = types.SimpleNamespace(layers={i: layer.attn for i, layer in model.layers.items()},
+                                        parameters=model.parameters)
+    saved = saved_by_layer(watched, forward)
+    return [saved[i] for i in range(cfg.num_layers)]
+
+
+def _attention_bytes(cfg: ModelConfig, micro: int, fmt, recompute: bool, monkeypatch) -> list[int]:
+    from shardlm.models import compressed_core
+    from shardlm.plan.v4_activations import v4_attention_bytes
+
+    if recompute:
+        monkeypatch.setattr(compressed_core, "CHUNK_ELEMENTS", 1024)
+    return [v4_attention_bytes(cfg, i, 1, micro, fmt) for i in range(cfg.num_layers)]
+
+
+@pytest.mark.parametrize("case,changes,micro,recompute", KINDS, ids=[k[0] for k in KINDS])
+def test_each_layer_kind_saves_what_the_planner_counts(case, changes, micro, recompute, monkeypatch):
+    """fp32 on the CPU: each layer of each kind keeps for the backward exactly the planner's bytes: the Llama layer's
+    norms, the MoE (`experts.moe_layer_activation_bytes`, with V4's clip and score sum), the two hyper-connections,
+    and its attention (`v4_attention_bytes`: the projections, the norms, the rotations, the compressors, the trained
+    indexer's gradients, and the core's kept scores or its recomputed inputs). The planner's layer is the largest."""
+    from shardlm.plan.activations import LayerSetting, shardlm_memory
+    from shardlm.plan.memory import numeric_format
+
+    cfg, fp32 = tiny_v4(**changes), numeric_format("fp32")
+    saved = _layer_saves(cfg, micro, recompute, monkeypatch)
+    attention = _attention_bytes(cfg, micro, fp32, recompute, monkeypatch)
+    largest = shardlm_memory(cfg, 1, micro, fp32, LayerSetting(), backend="cpu").per_layer
+    assert saved == [largest - max(attention) + a for a in attention]
+    assert max(saved) == largest and len(set(attention)) == 3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "half"])
+@pytest.mark.parametrize("case,changes,micro,recompute", KINDS[1:5], ids=[k[0] for k in KINDS[1:5]])
+def test_the_attention_in_half_precision_saves_what_the_planner_counts(case, changes, micro, recompute, precision,
+                                                                       monkeypatch):
+    """Under bf16 autocast (its copies of each linear's input and weight; the fp32 norms' copies of their inputs;
+    the scores in bf16) and with bf16 weights (the norms' fp32 copies of their weights), each layer's attention keeps
+    `v4_attention_bytes` plus its input (the norm's output, which the Llama layer counts). The rest of the layer is
+    not compared: on the CPU the MoE's bf16 grouped GEMMs pad each expert's rows by the routing."""
+    from shardlm.plan.memory import numeric_format
+
+    cfg = tiny_v4(**changes)
+    fmt = numeric_format("bf16", param_dtype="half" if precision == "half" else "fp32")
+    saved = _layer_saves(cfg, micro, recompute, monkeypatch, precision, attention_only=True)
+    x = micro * cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
+    assert saved == [x + a for a in _attention_bytes(cfg, micro, fmt, recompute, monkeypatch)]

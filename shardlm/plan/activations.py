@@ -33,8 +33,8 @@ keeps; in a hybrid model every layer is charged the larger of the two kinds, as 
 Kimi Linear (KDA beside MLA): a KDA layer is `recurrent.kda_layer_activation_bytes` (with its MoE layer's extra over
 a dense MLP where it has one); every layer is charged the largest of its layer kinds. Nemotron-H (`layer_pattern`):
 every block is charged the largest block kind (`pattern_layer_bytes`); its MoE blocks are estimated
-(`recurrent.MOE_BLOCK_NOTE`). DeepSeek-V4 (`hc_mult`): the Llama layer of its attention width and MoE plus the
-hyper-connections' saves, its layer input the n streams (`deepseek_v4.v4_activation_change`).
+(`recurrent.MOE_BLOCK_NOTE`). DeepSeek-V4 (`hc_mult`): the largest of its layer kinds, its attention, clipped MoE and
+hyper-connections (`v4_activations.v4_activation_change`), its layer input the n streams.
 
 `rank_activation_peak` multiplies them by the micro-batches a pipeline rank keeps in flight
 (`stages.forwards_in_flight`): the first stage of 1F1B holds P micro-batches of L/P layers.
@@ -114,9 +114,10 @@ def flash_memory(cfg: ModelConfig, tp: int, micro_batch: int, setting: LayerSett
 
 
 def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
-                   backend: str = "cuda", rank: int | None = None, ep: int = 1) -> ActivationMemory:
+                   backend: str = "cuda", rank: int | None = None, ep: int = 1, context: int = 1) -> ActivationMemory:
     """`memory.activation_memory` (what shardlm's layer saves) with sequence parallelism and selective
-    recomputation applied, and MoE layers at expert-parallel size `ep` (see the module doc)."""
+    recomputation applied, and MoE layers at expert-parallel size `ep` (see the module doc). `cfg.seq_length` is the
+    rank's tokens; `context` the CP size (DeepSeek-V4's layers compute the keys of the whole row)."""
     base = activation_memory(cfg, tp, micro_batch, fmt, backend, rank)
     tokens = micro_batch * cfg.seq_length
     per_layer, layer_input, embedding = base.per_layer, base.layer_input, base.embedding
@@ -164,11 +165,11 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
         linear = per_layer - attention + linear_activation_bytes(cfg, tp, micro_batch, fmt,
                                                                   setting.recompute == "selective")
         per_layer = linear if linear_layer_count(cfg) == cfg.num_layers else max(per_layer, linear)
-    if cfg.hc_mult:  # DeepSeek-V4: the hyper-connections' saves, n residual streams a layer input
-        from shardlm.plan.deepseek_v4 import v4_activation_change
+    if cfg.hc_mult:  # DeepSeek-V4: its attention, clipped MoE and hyper-connections, n residual streams a layer input
+        from shardlm.plan.v4_activations import v4_activation_change
 
-        extra, streams = v4_activation_change(cfg, tp, micro_batch, fmt.residual_bytes, setting.sequence_parallel)
-        per_layer, layer_input = per_layer + extra, streams * layer_input
+        extra, streams = v4_activation_change(cfg, tp, micro_batch, fmt, backend, setting.sequence_parallel, context)
+        per_layer, layer_input = per_layer + recomputed + extra, streams * layer_input  # (no selective core there)
     return replace(base, per_layer=per_layer, layer_input=layer_input, outside_layers=embedding + head,
                    embedding=embedding)
 

@@ -1,5 +1,5 @@
 """DeepSeek-V4 (`model.hc_mult` > 0, `shardlm.models.deepseek_v4`) in the planner: parameters, FLOPs and the
-hyper-connections' activations (`v4_activation_change`; the attention's are the Llama layer's of its width).
+hyper-connections' activations (`hyper_connection_bytes`; the layer's others: `shardlm.plan.v4_activations`).
 
 Parameters (`v4_parameter_count`), as the model builds them on one TP rank (h hidden, n = hc_mult streams, H heads
 of D = head_dim channels, r_q = q_lora_rank, g = output_groups of r_o = output_rank, E experts):
@@ -196,13 +196,3 @@ def hyper_connection_bytes(cfg: ModelConfig, tokens: int, residual_bytes: int) -
     n, h, iters = cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters
     fp32 = n * h + (2 * iters - 1) * (n * n + n) + 3 * n * n + 6 * n + 1
     return tokens * ((n * h + h) * residual_bytes + 4 * fp32)
-
-
-def v4_activation_change(cfg: ModelConfig, tp: int, micro_batch: int, residual_bytes: int,
-                         sequence_parallel: bool) -> tuple[int, int]:
-    """(bytes a DeepSeek-V4 layer saves beyond the Llama layer of its attention width and MoE, the factor of its
-    layer input): the two hyper-connection branches (`hyper_connection_bytes`), and the n streams (B, T, n, h) that
-    a layer takes instead of one residual (kept per layer under full recomputation). The attention's own terms are
-    the Llama layer's, not yet its compressors' and masked scores' (docs/sparse-attention.md, "Not yet")."""
-    tokens = micro_batch * cfg.seq_length // (tp if sequence_parallel and tp > 1 else 1)
-    return 2 * hyper_connection_bytes(cfg, tokens, residual_bytes), cfg.hc_mult

@@ -98,7 +98,7 @@ class Evaluator:
         elif self.core:
             acts = flash_memory(cfg, tp, micro, setting)
         else:
-            acts = shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep)
+            acts = shardlm_memory(cfg, tp, micro, self.fmt, setting, ep=ep, context=cp)
         if self.kernels.fp8_storage:  # DeepSeek's FP8-cached layers, shardlm's embedding, head and loss
             layer = partial(fp8_layer_bytes, cfg, tp, micro, setting.sequence_parallel)
             acts = replace(acts, per_layer=layer("none"), layer_input=layer("full"))

@@ -1,0 +1,196 @@
+"""What DeepSeek-V4's attention (`shardlm.models.compressed_attention`) saves for the backward, per layer kind.
+
+For one micro-batch of b rows on one TP rank: T queries (s, or s / C on a context-parallel rank), S key positions
+(s: a CP rank computes the keys and entries of the whole row), N = b T and N_S = b S tokens, H = heads / t query
+heads of D channels, r_q = q_lora_rank, R = qk_rope_head_dim, g = output_groups / t of r_o = output_rank; e the
+GEMM dtype's bytes:
+
+    queries     q_a's output in fp32 (q_a_norm's input) N r_q and its statistic; q_res (q_b's input) N r_q; q_b's
+                output (the per-head norm's input) N H D and a statistic per head; the rotated q N H D (the core's
+                input, or its copies chunk by chunk when it keeps its scores: the same bytes)
+    keys        kv's output in fp32 N_S D and its statistic; the rotated kv N_S D
+    output      the rotated-back output as o_a's einsum reads it (a copy, N H D); o_b's input N g r_o
+    RoPE        each rotation's repeated cos and sin (fp32, positions x R each): the queries', the keys', the output's
+    a compressor of ratio m (W = S // m entries; CSA's windows overlap, o = 1): its kv and its softmax gate
+                b W m (1 + o) D each (the gate in fp32), its norm's input b W D and statistic, cos and sin W R each,
+                the entries b W D (the core's input)
+    CSA         the chosen entries (b, T, k) int64 (k = min(index_topk, W)); a trained indexer (index_loss_coeff > 0,
+                not frozen) also its compressor at D_i = index_head_dim as above without the entries, its queries'
+                cos and sin, and the gradients its loss computed in the forward (fp32): N H_i D_i + N H_i + b W D_i
+    the core    (`compressed_core.attend`): a layer of more than CHUNK_ELEMENTS scores recomputes each group of
+                chunks in the backward and keeps the positions (T int64) besides its inputs; a smaller one keeps each
+                chunk's probabilities (b H c x (band + entries + sink)) and its boolean masks (`_kept_core_bytes`)
+    half        under autocast each linear's own copy of its input (the Llama layer counts one) and of its weight
+                (not the indexer's, whose inputs need no gradient); the fp32 norms' copies of half inputs (q_b's
+                output in both dtypes and its statistic in both); the compressors' gates in both dtypes; with half
+                weights, the fp32 norms' copies of their weights
+    CP          each row runs alone (its own angles, positions, query and output indices), and the gathered row's
+                input is kept (by kv and the compressors' linears, or their autocast copies)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.models.config import ModelConfig
+from shardlm.plan.deepseek_v4 import hyper_connection_bytes, layer_kinds, layer_ratios
+from shardlm.plan.formats import NumericFormat
+from shardlm.plan.memory import attention_activation_bytes
+
+
+@dataclass(frozen=True)
+class CoreChunks:
+    """How `compressed_core.attend` runs a layer (no torch): `step` queries a chunk, `per_group` chunks a product,
+    and whether it recomputes them in the backward (`recompute`) or keeps their scores."""
+
+    step: int
+    per_group: int
+    recompute: bool
+
+
+def core_chunks(batch: int, heads: int, queries: int, window: int, others: int) -> CoreChunks:
+    """`compressed_core.attend`'s choice for `batch` rows of `heads` heads and `queries` queries attending to their
+    window and `others` entries each (0 sliding, W HCA, k CSA), in training."""
+    from shardlm.models.compressed_core import CHUNK_ELEMENTS, GROUP_FROM, MIN_CHUNK
+
+    step = max(1, min(max(window, MIN_CHUNK), CHUNK_ELEMENTS // (batch * heads * (2 * window + others))))
+    recompute = batch * heads * queries * (step + window + others) > CHUNK_ELEMENTS
+    per_group = max(1, CHUNK_ELEMENTS // (batch * heads * step * (step + window - 1 + others)))
+    return CoreChunks(step, 1 if queries <= GROUP_FROM * step else per_group, recompute)
+
+
+def _groups(begin: int, end: int, step: int, per_group: int) -> list[tuple[int, int, int]]:
+    """(first position, queries, chunk size) of each group over one run of positions begin .. end - 1, as
+    `compressed_core.chunk_groups` cuts it."""
+    whole = begin + (end - begin) // step * step
+    groups = [(start, min(per_group * step, whole - start), step) for start in range(begin, whole, per_group * step)]
+    return groups + ([(whole, end - whole, end - whole)] if whole < end else [])
+
+
+def query_runs(length: int, context: int, rank: int) -> list[tuple[int, int]]:
+    """The runs of consecutive positions [begin, end) of CP rank `rank`'s queries in a row of `length` tokens (its
+    zigzag chunks r and 2C - 1 - r, one run when they meet), as `compressed_core.query_runs` finds them."""
+    if context == 1:
+        return [(0, length)]
+    chunk = length // (2 * context)
+    first, second = rank * chunk, (2 * context - 1 - rank) * chunk
+    if first + chunk == second:
+        return [(first, second + chunk)]
+    return [(first, first + chunk), (second, second + chunk)]
+
+
+def _kept_core_bytes(cfg: ModelConfig, kind: str, batch: int, heads: int, runs: list[tuple[int, int]], entries: int,
+                     count: int, chunks: CoreChunks, ratio: int, e: int) -> int:
+    """What the core keeps for `batch` rows whose queries are `runs` when it does not recompute, per group of G chunks
+    of c queries: the softmax's output b G H c (n + e + 1) in the GEMM dtype, n the band (c + window - 1 keys; in a
+    group of one, the positions from max(0, first - window + 1) to its last query) and e the entries it scores (HCA
+    those complete for its last query; CSA those too when they are at most DENSE_SPAN k, else each query's k
+    gathered); the window mask G c n, HCA's completeness mask G c e or CSA's b G c e unchosen mask; a gathering group's
+    picked entries b G c k D with their indices and its einsums' copies of the queries and the probabilities; the
+    entries b W D (`count` W) when a group reads them whole. Its copies of the queries are the rotated q's bytes."""
+    from shardlm.models.compressed_core import DENSE_SPAN
+
+    window, dim = cfg.sliding_window, cfg.head_dim
+    total, reads_entries = 0, kind == "hca"
+    for first, size, c in (g for run in runs for g in _groups(*run, chunks.step, chunks.per_group)):
+        last = first + size - 1
+        band = c + window - 1 if size > c else last + 1 - max(0, first - window + 1)
+        seen, masks = 0, size * band
+        if kind == "hca":
+            seen = (last + 1) // ratio
+            masks += size * seen
+        elif kind == "csa":
+            complete = (last + 1) // ratio
+            if complete <= DENSE_SPAN * entries:
+                seen, reads_entries = complete, True
+                masks += batch * size * complete
+            else:  # gathered: the picked entries, their batch and entry indices, the mask of -1s, the einsums' copies
+                seen = entries
+                masks += batch * size * entries
+                total += batch * size * (entries * (dim * e + 8) + heads * (dim + entries) * e) + batch * 8
+        total += batch * heads * size * (band + seen + 1) * e + masks
+    return total + (batch * count * dim * e if reads_entries else 0)
+
+
+def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
+                       context: int = 1, rank: int = 0) -> int:
+    """Bytes layer `index`'s attention saves for one micro-batch on TP rank and CP rank `rank` beyond its input
+    norm's output (`cfg.seq_length` the rank's T tokens a row; the module docstring)."""
+    kind, ratio = layer_kinds(cfg)[index], layer_ratios(cfg)[index]
+    b, T, D, R, h = micro_batch, cfg.seq_length, cfg.head_dim, cfg.qk_rope_head_dim, cfg.hidden_size
+    S = T * context
+    N, heads, groups = b * T, cfg.num_heads // tp, cfg.output_groups // tp
+    e, r_q, half = fmt.matmul_bytes, cfg.q_lora_rank, fmt.matmul_bytes != 4
+    autocast = fmt.weight_cast_bytes
+    calls = b if context > 1 else 1  # under CP each row runs alone: its own angles, positions and indices
+    W = S // ratio if ratio else 0
+    pooled = W * ratio  # the tokens a compressor reads
+    others = 0 if kind == "sliding" else W if kind == "hca" else min(cfg.index_topk, W)
+    # q_a's output in fp32 and q_res; q_b's output, normalized per head (in half precision its fp32 copy and its
+    # statistic in both dtypes); the rotated q; kv in fp32 and rotated; the rotated-back output's copy, o_b's input
+    saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
+    saved += b * S * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
+    saved += calls * 2 * (2 * T + S) * R * 4  # cos and sin: the queries', the keys', the output's
+    readers, norms = 1, r_q + D  # linears that read the whole row's input (kv, each compressor's kv and gate); norms
+    if kind != "sliding":
+        saved += _compressor_bytes(b, W, ratio, D, kind == "csa", e, R, calls)
+        readers, norms = readers + 2, norms + D
+    if kind == "csa" and cfg.index_loss_coeff > 0:  # the trained indexer, from detached inputs (no weight copies)
+        heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
+        saved += _compressor_bytes(b, W, ratio, dim_i, True, e, R, calls) + calls * 2 * T * R * 4
+        norms += dim_i
+        saved += (N * heads_i * (dim_i + 1) + b * W * dim_i) * 4  # its loss's gradients, taken in the forward
+        saved += 2 * b * pooled * h * e + N * h * e if autocast else 0  # compressor kv, gate, weights_proj
+    if autocast:  # each linear's copy of its input (beyond the one the Llama layer counts), its weight's
+        saved += b * (S * h + (readers - 1) * pooled * h) * e
+        width = (2 if kind == "csa" else 1) * D
+        saved += autocast * (h * (r_q + D) + r_q * heads * D + cfg.output_rank * (heads * D + groups * h)
+                             + (2 * width * h if kind != "sliding" else 0))
+    elif context > 1:  # the gathered row's input, read by kv and the compressors
+        saved += b * S * h * fmt.residual_bytes
+    if fmt.weight_bytes != 4:  # half weights: the fp32 norms' copies of their weights
+        saved += 4 * norms
+    if context > 1:  # each row's query and output indices
+        saved += 2 * N * 8
+    chunks = core_chunks(b // calls, heads, T, cfg.sliding_window, others)
+    if chunks.recompute:  # its inputs: q, kv (counted above), the entries, the positions, the choice
+        return saved + b * W * D * e + calls * T * 8 + (N * others * 8 if kind == "csa" else 0)
+    runs = query_runs(S, context, rank)
+    return saved + calls * _kept_core_bytes(cfg, kind, b // calls, heads, runs, others, W, chunks, ratio, e)
+
+
+def _compressor_bytes(batch: int, entries: int, ratio: int, dim: int, overlap: bool, e: int, rope: int,
+                      calls: int) -> int:
+    """A `Compressor`'s saves beyond its input and its output entries: kv and the softmax gate in fp32 (and in the GEMM
+    dtype under half precision), b W m (1 + o) dim each, its norm's fp32 input b W dim and statistic, the entries'
+    cos and sin (fp32, W R each, per call)."""
+    width = (2 if overlap else 1) * dim
+    gate = 4 + (e if e != 4 else 0)
+    return batch * entries * (ratio * width * (e + gate) + dim * 4 + 4) + calls * 2 * entries * rope * 4
+
+
+def v4_moe_extra_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
+                       sequence_parallel: bool) -> int:
+    """What a DeepSeek-V4 MoE layer saves beyond `experts.moe_layer_activation_bytes`' SwiGLU MoE: the clip's inputs
+    (`swiglu_clip`: gate and up before their clamps, in the GEMM dtype) of each routed (token, slot) row (2 f_e / t)
+    and of the shared expert (2 f_s / t a token), and the sqrt-softplus scores' sum per routed token (fp32), which
+    normalizes them into the balance loss's probabilities."""
+    tokens = micro_batch * cfg.seq_length
+    routed = tokens // tp if sequence_parallel and tp > 1 else tokens
+    clip = 2 * (cfg.moe_top_k * cfg.moe_ffn_size + cfg.moe_shared_experts * cfg.shared_ffn_size) // tp
+    return (tokens * clip * fmt.matmul_bytes if cfg.swiglu_clip > 0 else 0) + routed * 4
+
+
+def v4_activation_change(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, backend: str,
+                         sequence_parallel: bool, context: int = 1) -> tuple[int, int]:
+    """(bytes the largest DeepSeek-V4 layer saves beyond the Llama layer of its attention width and MoE
+    (`activations.shardlm_memory`), the factor of its layer input): its attention (`v4_attention_bytes`) in place of
+    the Llama attention's, the MoE's clip and score sum (`v4_moe_extra_bytes`) and the two hyper-connection branches
+    (`deepseek_v4.hyper_connection_bytes`); the n streams (B, T, n, h) a layer takes instead of one residual (kept per
+    layer under full recomputation)."""
+    tokens = micro_batch * cfg.seq_length // (tp if sequence_parallel and tp > 1 else 1)
+    llama = attention_activation_bytes(cfg, tp, micro_batch, fmt, backend)
+    attention = max(v4_attention_bytes(cfg, i, tp, micro_batch, fmt, context) for i in range(cfg.num_layers))
+    extra = (attention - llama + v4_moe_extra_bytes(cfg, tp, micro_batch, fmt, sequence_parallel)
+             + 2 * hyper_connection_bytes(cfg, tokens, fmt.residual_bytes))
+    return extra, cfg.hc_mult
