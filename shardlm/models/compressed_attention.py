@@ -34,10 +34,12 @@ every rank's gradient is already the whole one (summing would count it tp times)
 parameters are frozen.
 
 Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed rows:
-each document is attended alone, its windows and entries starting at its first token. Context parallelism:
-the layer's input (B, T / C, h) is all-gathered over the CP group (its gradient reduce-scattered back) and put in
-row order, every rank computes the keys and entries of the whole row and attends its own zigzag queries; its
-indexer loss covers its own queries over the whole micro-batch's tokens (hence the C in its factor).
+each document is attended alone, its windows and entries starting at its first token. Context parallelism: each
+rank projects its own tokens (B, T / C, h) into what the keys and entries are computed from (`key_inputs`: kv's
+projection and the compressors' kv and gate, D + 2 (1 + o) D + 4 D_i channels, not the h of the input), which is
+all-gathered over the CP group (its gradient reduce-scattered back) and put in row order; every rank then pools the
+entries of the whole row (a normalization and a softmax per token, no matrix) and attends its own zigzag queries;
+its indexer loss covers its own queries over the whole micro-batch's tokens (hence the C in its factor).
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def compressed_kinds(cfg: ModelConfig) -> list[str]:
 class Compressor(nn.Module):
     """Pools every `ratio` tokens into one entry of `dim` channels; `overlap` (CSA): windows of 2 ratio slots.
     Parameters (transformers' names less _proj): kv, gate ((1 or 2) dim, h), position_bias (ratio, (1 or 2) dim),
-    kv_norm (dim,). forward(x (B, S, h), weight wrapper) -> (B, S // ratio, dim), rotated at each window's start."""
+    kv_norm (dim,). `project(x (B, S, h), weight wrapper)` -> its kv and gate projections (B, S, (1 or 2) dim) each;
+    forward(kv, gate, weight wrapper) -> (B, S // ratio, dim), rotated at each window's start."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, dim: int, ratio: int,
                  overlap: bool):
@@ -127,20 +130,23 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, device=ctx.device))
         self.kv_norm = nn.Parameter(torch.ones(dim, device=ctx.device))
 
-    def forward(self, x: torch.Tensor, shared) -> torch.Tensor:
-        B, S, _ = x.shape
+    def project(self, x: torch.Tensor, shared) -> list[torch.Tensor]:
+        """x (B, S, h) -> [kv, gate] (B, S, (1 or 2) dim): per token, so that a context-parallel rank projects only
+        its own tokens."""
+        return [F.linear(x, shared(self.kv)), F.linear(x, shared(self.gate))]
+
+    def forward(self, kv: torch.Tensor, gate: torch.Tensor, shared) -> torch.Tensor:
+        B, S, width = kv.shape
         W, m, d = S // self.ratio, self.ratio, self.dim
-        x = x[:, :W * m]
-        width = self.kv.shape[0]
-        kv = F.linear(x, shared(self.kv)).view(B, W, m, width)
-        gate = F.linear(x, shared(self.gate)).view(B, W, m, width) + shared(self.position_bias)
+        kv = kv[:, :W * m].view(B, W, m, width)
+        gate = gate[:, :W * m].view(B, W, m, width) + shared(self.position_bias)
         if self.overlap:  # slots [window w-1's first halves | window w's second halves]
             before_kv = torch.cat((kv.new_zeros(B, min(W, 1), m, d), kv[:, :-1, :, :d]), dim=1)
             before_gate = torch.cat((gate.new_full((B, min(W, 1), m, d), float("-inf")), gate[:, :-1, :, :d]), dim=1)
             kv, gate = torch.cat((before_kv, kv[..., d:]), dim=2), torch.cat((before_gate, gate[..., d:]), dim=2)
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
         pooled = rms_norm(pooled, shared(self.kv_norm), self.eps)
-        cos, sin = rope_angles(torch.arange(W, device=x.device) * m, self.inv_freq)
+        cos, sin = rope_angles(torch.arange(W, device=kv.device) * m, self.inv_freq)
         return rotate_tail(pooled, cos, sin)
 
 
@@ -169,15 +175,16 @@ class Indexer(nn.Module):
         """Whether this forward computes the indexer's loss (`sparse_attention.indexer_trains`)."""
         return indexer_trains(self)
 
-    def forward(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
-                sin) -> tuple[torch.Tensor, tuple | None]:
-        """x_all (B, S, h) every position's input; x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the
-        queries' -> (chosen (B, T, k'), when it trains its (queries, weights, entries) with their parameters'
-        gradient for `divergence`, else None). The inputs are read detached: the model gets no gradient from here.
-        The choice runs by chunks of queries, each scoring every entry (B, c, heads, W) without a gradient."""
+    def forward(self, projected: list[torch.Tensor], x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+                cos, sin) -> tuple[torch.Tensor, tuple | None]:
+        """projected: its compressor's [kv, gate] projections (B, S, 2 dim) of every position's detached input
+        (`project`); x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the queries' -> (chosen (B, T, k'), when
+        it trains its (queries, weights, entries) with their parameters' gradient for `divergence`, else None). The
+        inputs are read detached: the model gets no gradient from here. The choice runs by chunks of queries, each
+        scoring every entry (B, c, heads, W) without a gradient."""
         trains = self.trains()
         with torch.set_grad_enabled(trains):
-            parts = self.inputs(x_all.detach(), x.detach(), q_res.detach(), cos, sin)
+            parts = self.inputs(projected, x.detach(), q_res.detach(), cos, sin)
         B, T = x.shape[:2]
         W = parts[2].shape[1]
         step = query_step(B, W, self.heads, self.dim)
@@ -200,12 +207,18 @@ class Indexer(nn.Module):
         return indexer_divergence(q, weights, entries, lambda p: (chosen[:, p].clamp_min(0), chosen[:, p] >= 0),
                                   lambda p: target[:, p], chosen.shape[-1])
 
-    def inputs(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, cos,
+    def project(self, x_all: torch.Tensor) -> list[torch.Tensor]:
+        """Its compressor's [kv, gate] projections of x_all (B, S, h), read detached (with a gradient for its weights
+        when it trains)."""
+        with torch.set_grad_enabled(self.trains()):
+            return self.compressor.project(x_all.detach(), lambda p: p)
+
+    def inputs(self, projected: list[torch.Tensor], x: torch.Tensor, q_res: torch.Tensor, cos,
                sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(queries (B, T, heads, dim) rotated, weights (B, T, heads) fp32 times heads^-1/2, entries (B, W, dim)) of
-        the queries' inputs x, q_res and every position's x_all."""
+        the queries' inputs x, q_res and every position's `projected` kv and gate."""
         B, T = q_res.shape[:2]
-        entries = self.compressor(x_all, lambda p: p)  # (B, W, dim)
+        entries = self.compressor(*projected, lambda p: p)  # (B, W, dim)
         q = rotate_tail(F.linear(q_res, self.q_b).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)
         weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5
         return q.transpose(1, 2), weights, entries
@@ -217,11 +230,11 @@ class Indexer(nn.Module):
         scores = index_scores(q[:, part], weights[:, part], entries)
         return scores.masked_fill(~complete_entries(positions[part], entries.shape[1], self.ratio), float("-inf"))
 
-    def scores(self, x_all: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos,
-               sin) -> torch.Tensor:
+    def scores(self, projected: list[torch.Tensor], x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+               cos, sin) -> torch.Tensor:
         """The index scores (B, T, W) fp32 of `forward`'s arguments, -inf for entries not complete yet (all at once:
         what `forward` chooses by, chunk by chunk)."""
-        return self.ranked(self.inputs(x_all, x, q_res, cos, sin), positions, slice(None))
+        return self.ranked(self.inputs(projected, x, q_res, cos, sin), positions, slice(None))
 
 
 def entry_target(mass: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
@@ -290,13 +303,19 @@ class CompressedAttention(nn.Module):
             stored = cache.extras.get("inputs")
             x_all = x if stored is None else torch.cat((stored, x), dim=1)
             cache.extras["inputs"], cache.length = x_all, past + x.shape[1]
-            return self.o_b(self.grouped(x, torch.arange(past, past + x.shape[1], device=x.device), x_all)[0])
+            positions = torch.arange(past, past + x.shape[1], device=x.device)
+            return self.o_b(self.grouped(x, positions, self.key_inputs(x_all))[0])
         cp = self.ctx.cp
         index = local_positions(x.shape[1], cp, device=x.device)  # each token's place in the whole row
-        if documents is None and cp.size == 1:
-            return self.o_b(self.attach(*self.grouped(x, index, x), x.numel() // x.shape[-1]))
-        whole = x if cp.size == 1 else zigzag_merge(list(gather_from_sequence_parallel(x, cp).chunk(cp.size, dim=1)))
-        spans = documents.offsets if documents is not None else [[0, whole.shape[1]]] * x.shape[0]
+        keys = self.key_inputs(x)  # of this rank's tokens
+        if cp.size > 1:  # every rank's projections, in row order (not the inputs: each rank projects its own tokens)
+            widths = [part.shape[-1] for part in keys]
+            joined = gather_from_sequence_parallel(torch.cat(keys, dim=-1), cp)
+            keys = zigzag_merge(list(joined.chunk(cp.size, dim=1))).split(widths, dim=-1)
+        S = keys[0].shape[1]
+        if documents is None:
+            return self.o_b(self.attach(*self.grouped(x, index, keys), x.shape[0] * S))
+        spans = documents.offsets
         rows, divergences = [], []
         for b, offsets in enumerate(spans):
             pieces, places = [], []
@@ -304,13 +323,13 @@ class CompressedAttention(nn.Module):
                 inside = ((index >= start) & (index < end)).nonzero().squeeze(-1)  # this rank's queries of it
                 if inside.numel():
                     out, divergence = self.grouped(x[b:b + 1, inside], index[inside] - start,
-                                                   whole[b:b + 1, start:end])
+                                                   [part[b:b + 1, start:end] for part in keys])
                     pieces.append(out)
                     places.append(inside)
                     divergences += [] if divergence is None else [divergence]
             rows.append(torch.cat(pieces, dim=1)[:, torch.argsort(torch.cat(places))])
         divergence = torch.stack(divergences).sum() if divergences else None
-        return self.o_b(self.attach(torch.cat(rows), divergence, whole.numel() // whole.shape[-1]))
+        return self.o_b(self.attach(torch.cat(rows), divergence, x.shape[0] * S))
 
     def attach(self, y: torch.Tensor, divergence: torch.Tensor | None, tokens: int) -> torch.Tensor:
         """y (B, T, n) unchanged; with the indexer's summed `divergence` (when it trains), its loss attached over the
@@ -319,24 +338,35 @@ class CompressedAttention(nn.Module):
             return y
         return attach_indexer_loss(y, self.indexer, divergence, tokens)
 
+    def key_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x (B, S, h) -> what its positions' keys and entries are computed from, per token: kv's projection (B, S, D)
+        and on a compressing layer its compressor's kv and gate projections, and on a CSA layer the indexer's (from
+        the detached x: `Indexer.project`)."""
+        parts = [F.linear(x, self.shared(self.kv))]
+        if self.compressor is not None:
+            parts += self.compressor.project(x, self.shared)
+            if self.indexer is not None:
+                parts += self.indexer.project(x)
+        return parts
+
     def grouped(self, x: torch.Tensor, positions: torch.Tensor,
-                x_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of
-        x_all (B, S, h), the inputs of every key position 0 .. S - 1 -> ((B, T, output_groups / tp x output_rank),
-        the indexer's summed divergence when it trains, else None)."""
+                keys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of a
+        row whose key positions 0 .. S - 1 have the projections `keys` (`key_inputs`, (B, S, .) each) ->
+        ((B, T, output_groups / tp x output_rank), the indexer's summed divergence when it trains, else None)."""
         B, T, _ = x.shape
         cos, sin = rope_angles(positions, self.inv_freq)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
         q = unweighted_rms_norm(self.q_b.local(q_res).view(B, T, self.heads, self.dim).transpose(1, 2), self.eps)
         q = rotate_tail(q, cos, sin)  # (B, heads, T, D)
-        key_positions = torch.arange(x_all.shape[1], device=x.device)
-        kv = rms_norm(F.linear(x_all, self.shared(self.kv)), self.shared(self.kv_norm), self.eps)
+        key_positions = torch.arange(keys[0].shape[1], device=x.device)
+        kv = rms_norm(keys[0], self.shared(self.kv_norm), self.eps)
         kv = rotate_tail(kv, *rope_angles(key_positions, self.inv_freq))  # (B, S, D)
         entries, ratio, chosen, parts = None, 0, None, None
         if self.compressor is not None:
-            entries, ratio = self.compressor(x_all, self.shared), self.compressor.ratio  # (B, W, D)
+            entries, ratio = self.compressor(*keys[1:3], self.shared), self.compressor.ratio  # (B, W, D)
             if self.indexer is not None:
-                chosen, parts = self.indexer(x_all, x, q_res, positions, cos, sin)
+                chosen, parts = self.indexer(keys[3:5], x, q_res, positions, cos, sin)
         y, mass = attend(q, kv, positions, self.sinks, self.window, self.dim ** -0.5, entries, ratio, chosen)
         divergence = None
         if parts is not None:
