@@ -24,6 +24,8 @@ Refused in one line: a hash layer off the first pipeline stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -172,9 +174,65 @@ def world3():
     return spawn_layouts(3, run_rows_of_48, {"cp3": layout(cp=3)})
 
 
+def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool) -> tuple[list[int], list[int]]:
+    """(what each layer's attention keeps for the backward on this rank beyond its input, the planner's
+    `v4_attention_bytes` of the rank) over one training forward of plain rows in `precision` ("fp32" or "bf16"
+    autocast); `recompute`: the core's CHUNK_ELEMENTS lowered so that it recomputes its chunks."""
+    import types
+
+    from test_plan_linear_attention import saved_by_layer
+
+    from shardlm.data.zigzag import zigzag_split
+    from shardlm.models import build_model, compressed_core
+    from shardlm.plan.measure import autocast_context
+    from shardlm.plan.memory import numeric_format
+    from shardlm.plan.v4_activations import v4_attention_bytes
+
+    ctx, cfg = layout_context(tp=tp, cp=cp), v4_config(tp=tp, cp=cp, sp=sp, mtp=False).model
+    model = build_model(cfg, ctx, seed=0, sequence_parallel=sp).train()
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens = zigzag_split(tokens, cp, ctx.cp_rank) if cp > 1 else tokens
+
+    def forward():
+        with autocast_context(precision, torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    chunk = compressed_core.CHUNK_ELEMENTS
+    compressed_core.CHUNK_ELEMENTS = 256 if recompute else chunk
+    try:
+        attention = types.SimpleNamespace(layers={i: layer.attn for i, layer in model.layers.items()},
+                                          parameters=model.parameters)
+        saved = saved_by_layer(attention, forward)
+        rank_cfg, fmt = dataclasses.replace(cfg, seq_length=SEQ // cp), numeric_format(precision)
+        x = 2 * rank_cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
+        planned = [v4_attention_bytes(rank_cfg, i, tp, 2, fmt, cp, ctx.cp_rank) for i in range(cfg.num_layers)]
+        return [saved[i] - x for i in range(cfg.num_layers)], planned
+    finally:
+        compressed_core.CHUNK_ELEMENTS = chunk
+
+
+SAVES = {f"saves {name} {precision}{' recomputed' if recompute else ''}": (tp, cp, sp, precision, recompute)
+         for name, (tp, cp, sp) in {"cp2": (1, 2, False), "tp2 sp": (2, 1, True)}.items()
+         for precision in ("fp32", "bf16") for recompute in (False, True)}
+"""The planner's attention bytes checked at CP=2 (each rank's zigzag queries over the gathered projections of the
+whole row) and TP=2 with SP, in fp32 and under bf16 autocast, the core's scores kept and recomputed."""
+
+
+def world2_more() -> dict:
+    return {name: functools.partial(attention_saves, *case) for name, case in SAVES.items()}
+
+
 @pytest.fixture(scope="module")
 def world2():
-    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS, more=world2_more)
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_each_rank_saves_what_the_planner_counts(world2, name):
+    """At CP=2 and at TP=2 with SP, each layer's attention keeps on each rank what `v4_attention_bytes` plans for
+    that rank (the one-process kinds are `test_plan_deepseek_v4`'s)."""
+    for rank, (saved, planned) in enumerate(check_result(world2, name)):
+        assert saved == planned, (rank, saved, planned)
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,7 @@ KINDS = [  # (case, changes, micro-batch, recompute the core)
     ("one chunk", dict(seq_length=32), 2, False),
     ("chunks kept", dict(seq_length=256, sliding_window=64), 2, False),
     ("chunks kept, CSA gathered", dict(seq_length=64, sliding_window=16, index_topk=2), 2, False),
-    ("recomputed", dict(seq_length=200, sliding_window=48), 1, True),
+    ("recomputed, entries not dividing the row", dict(seq_length=203, sliding_window=48), 1, True),
     ("recomputed, CSA gathered", dict(seq_length=64, sliding_window=16, index_topk=2), 2, True),
     ("recomputed, frozen indexer, chunks of one query", dict(seq_length=256, sliding_window=64, index_loss_coeff=0.0),
      1, True),
@@ -374,3 +374,21 @@ def test_the_attention_in_half_precision_saves_what_the_planner_counts(case, cha
     saved = _layer_saves(cfg, micro, recompute, monkeypatch, precision, attention_only=True)
     x = micro * cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
     assert saved == [x + a for a in _attention_bytes(cfg, micro, fmt, recompute, monkeypatch)]
+
+
+def test_a_context_parallel_rank_gathers_the_planned_key_projections():
+    """What each layer's key_inputs (the projections a CP rank all-gathers) hold per token is the planner's
+    `key_projection_width` (HCA kv and gate, CSA's overlapping ones and its indexer's, sliding kv only), and
+    `context.compressed_gather_seconds` moves the layers' mean of it: (C - 1) / C of b s width bytes a collective,
+    forward and backward, and the forward's again under full recomputation."""
+    from shardlm.plan.context import compressed_gather_seconds
+    from shardlm.plan.deepseek_v4 import key_projection_width
+
+    cfg = tiny_v4()
+    model = built(cfg)
+    x = torch.randn(2, cfg.seq_length, cfg.hidden_size)
+    widths = [sum(p.shape[-1] for p in layer.attn.key_inputs(x)) for layer in model.layers.values()]
+    assert widths == [key_projection_width(cfg, i) for i in range(3)] == [48, 112, 16]
+    one = 3 / 4 * 2 * cfg.seq_length * (48 + 112 + 16) / 3 * 2 / 1e9 + 3 * 1e-5
+    assert compressed_gather_seconds(cfg, 4, 2, 2, False, 1e9, 1e-5) == pytest.approx(2 * one)
+    assert compressed_gather_seconds(cfg, 4, 2, 2, True, 1e9, 1e-5) == pytest.approx(3 * one)

@@ -139,3 +139,19 @@ def sparse_gather_seconds(cfg: ModelConfig, cp: int, micro_batch: int, activatio
     else:
         forward, backward = latents + indexed * keys, latents + (indexed * keys if trained else 0.0)
     return forward * (2 if recompute_full else 1) + backward
+
+
+def compressed_gather_seconds(cfg: ModelConfig, cp: int, micro_batch: int, activation_bytes: int,
+                              recompute_full: bool, bandwidth: float, latency_s: float) -> float:
+    """Seconds of one micro-batch's DeepSeek-V4 all-gathers on one rank, per layer (averaged over its layer kinds),
+    all on the critical path (`shardlm.models.compressed_attention`): each rank projects its own tokens into what
+    the keys and entries are computed from (`deepseek_v4.key_projection_width` channels, GEMM dtype) and all-gathers
+    them; the backward reduce-scatters their gradient; the forward's gather again under full recomputation. Each
+    collective (C - 1) / C of its bytes over `bandwidth` (bytes/s per direction) plus C - 1 latencies."""
+    from shardlm.plan.deepseek_v4 import key_projection_width
+
+    if cp == 1:
+        return 0.0
+    width = sum(key_projection_width(cfg, i) for i in range(cfg.num_layers)) / cfg.num_layers
+    one = (cp - 1) / cp * micro_batch * cfg.seq_length * width * activation_bytes / bandwidth + (cp - 1) * latency_s
+    return one * (3 if recompute_full else 2)

@@ -53,6 +53,15 @@ def layer_kinds(cfg: ModelConfig) -> list[str]:
     return ["sliding" if not r else "csa" if r == smallest and cfg.index_topk else "hca" for r in ratios]
 
 
+def key_projection_width(cfg: ModelConfig, index: int) -> int:
+    """Channels a token's keys and entries are computed from in layer `index` (`CompressedAttention.key_inputs`,
+    what a context-parallel rank all-gathers): kv's D, a compressor's kv and gate (1 + o) D each, a CSA layer's
+    indexer compressor's 2 D_i each."""
+    kind, D = layer_kinds(cfg)[index], cfg.head_dim
+    width = (2 if kind == "csa" else 1) * D
+    return D + (2 * width if kind != "sliding" else 0) + (4 * cfg.index_head_dim if kind == "csa" else 0)
+
+
 def _compressor(cfg: ModelConfig, dim: int, ratio: int, overlap: bool) -> int:
     """Elements of one `Compressor`: kv and gate ((1 + overlap) dim x h each), position_bias, kv_norm (dim)."""
     width = (2 if overlap else 1) * dim

@@ -80,7 +80,7 @@ from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
 from shardlm.plan import dualpipe
-from shardlm.plan.context import allgather_seconds, ring_seconds, sparse_gather_seconds
+from shardlm.plan.context import allgather_seconds, compressed_gather_seconds, ring_seconds, sparse_gather_seconds
 from shardlm.plan.experts import all_to_all_bytes, moe_layer_count
 from shardlm.plan.flops import flops_per_step
 from shardlm.plan.fp8 import cast_bytes_per_token, fp8_gemm_seconds, mla_up_recompute_seconds
@@ -272,13 +272,18 @@ def context_ring_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Nu
     `cfg`'s full sequence: NVLink while the CP group's TP x C GPUs fit in a server, else this GPU's share of
     the node's network. With `kernels.cp_allgather`: Llama 3's exposed all-gather (`context.allgather_seconds`).
     Sparse attention's all-gathers of whole rows (`context.sparse_gather_seconds`), whatever the kernels, replace
-    the ring, or in the dense warm-up come on top of it."""
+    the ring, or in the dense warm-up come on top of it; DeepSeek-V4's (`context.compressed_gather_seconds`) replace
+    it."""
     if layout.cp == 1:
         return 0.0, 0.0
     intra, inter = _direction_bandwidth(gpu, calibration)
     across = layout.tp * layout.cp > gpu.gpus_per_node
     bandwidth = inter / gpu.gpus_per_node if across else intra
     latency = calibration.inter_node_latency_s if across else calibration.intra_node_latency_s
+    if cfg.hc_mult:  # DeepSeek-V4: the all-gather of the keys' projections, no ring
+        gathers = compressed_gather_seconds(cfg, layout.cp, layout.micro_batch, fmt.matmul_bytes,
+                                            layout.checkpointing, bandwidth, latency)
+        return gathers, gathers
     gathers = 0.0
     if cfg.index_topk and cfg.attention == "mla":
         gathers = sparse_gather_seconds(cfg, layout.cp, layout.micro_batch, fmt.matmul_bytes, layout.checkpointing,

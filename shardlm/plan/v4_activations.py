@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
-from shardlm.plan.deepseek_v4 import hyper_connection_bytes, layer_kinds, layer_ratios
+from shardlm.plan.deepseek_v4 import hyper_connection_bytes, key_projection_width, layer_kinds, layer_ratios
 from shardlm.plan.formats import NumericFormat
 from shardlm.plan.memory import attention_activation_bytes
 
@@ -122,51 +122,49 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
     N, heads, groups = b * T, cfg.num_heads // tp, cfg.output_groups // tp
     e, r_q, half = fmt.matmul_bytes, cfg.q_lora_rank, fmt.matmul_bytes != 4
     autocast = fmt.weight_cast_bytes
-    calls = b if context > 1 else 1  # under CP each row runs alone: its own angles, positions and indices
     W = S // ratio if ratio else 0
-    pooled = W * ratio  # the tokens a compressor reads
     others = 0 if kind == "sliding" else W if kind == "hca" else min(cfg.index_topk, W)
     # q_a's output in fp32 and q_res; q_b's output, normalized per head (in half precision its fp32 copy and its
     # statistic in both dtypes); the rotated q; kv in fp32 and rotated; the rotated-back output's copy, o_b's input
     saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
     saved += b * S * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
-    saved += calls * 2 * (2 * T + S) * R * 4  # cos and sin: the queries', the keys', the output's
-    readers, norms = 1, r_q + D  # linears that read the whole row's input (kv, each compressor's kv and gate); norms
+    saved += 2 * (2 * T + S) * R * 4  # cos and sin: the queries', the keys', the output's
+    readers, norms = 1, r_q + D  # linears that project the keys (kv, each compressor's kv and gate); normed widths
     if kind != "sliding":
-        saved += _compressor_bytes(b, W, ratio, D, kind == "csa", e, R, calls)
+        saved += _compressor_bytes(b, S, ratio, D, kind == "csa", e, R)
         readers, norms = readers + 2, norms + D
     if kind == "csa" and cfg.index_loss_coeff > 0:  # the trained indexer, from detached inputs (no weight copies)
         heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
-        saved += _compressor_bytes(b, W, ratio, dim_i, True, e, R, calls) + calls * 2 * T * R * 4
+        saved += _compressor_bytes(b, S, ratio, dim_i, True, e, R) + 2 * T * R * 4
         norms += dim_i
         saved += (N * heads_i * (dim_i + 1) + b * W * dim_i) * 4  # its loss's gradients, taken in the forward
-        saved += 2 * b * pooled * h * e + N * h * e if autocast else 0  # compressor kv, gate, weights_proj
+        saved += 3 * N * h * e if autocast else 0  # its compressor's kv and gate, weights_proj
     if autocast:  # each linear's copy of its input (beyond the one the Llama layer counts), its weight's
-        saved += b * (S * h + (readers - 1) * pooled * h) * e
+        saved += readers * N * h * e
         width = (2 if kind == "csa" else 1) * D
         saved += autocast * (h * (r_q + D) + r_q * heads * D + cfg.output_rank * (heads * D + groups * h)
                              + (2 * width * h if kind != "sliding" else 0))
-    elif context > 1:  # the gathered row's input, read by kv and the compressors
-        saved += b * S * h * fmt.residual_bytes
+    if context > 1:  # the gathered projections of every position (`key_inputs`): kept whole where a view of them
+        # is saved, kv's norm input in fp32 or HCA's kv, in place of those views' bytes counted above
+        views = (D if not half else 0) + (D if kind == "hca" else 0)
+        saved += b * S * (key_projection_width(cfg, index) - views) * e if views else 0
     if fmt.weight_bytes != 4:  # half weights: the fp32 norms' copies of their weights
         saved += 4 * norms
-    if context > 1:  # each row's query and output indices
-        saved += 2 * N * 8
-    chunks = core_chunks(b // calls, heads, T, cfg.sliding_window, others)
+    chunks = core_chunks(b, heads, T, cfg.sliding_window, others)
     if chunks.recompute:  # its inputs: q, kv (counted above), the entries, the positions, the choice
-        return saved + b * W * D * e + calls * T * 8 + (N * others * 8 if kind == "csa" else 0)
-    runs = query_runs(S, context, rank)
-    return saved + calls * _kept_core_bytes(cfg, kind, b // calls, heads, runs, others, W, chunks, ratio, e)
+        return saved + b * W * D * e + T * 8 + (N * others * 8 if kind == "csa" else 0)
+    return saved + _kept_core_bytes(cfg, kind, b, heads, query_runs(S, context, rank), others, W, chunks, ratio, e)
 
 
-def _compressor_bytes(batch: int, entries: int, ratio: int, dim: int, overlap: bool, e: int, rope: int,
-                      calls: int) -> int:
-    """A `Compressor`'s saves beyond its input and its output entries: kv and the softmax gate in fp32 (and in the GEMM
-    dtype under half precision), b W m (1 + o) dim each, its norm's fp32 input b W dim and statistic, the entries'
-    cos and sin (fp32, W R each, per call)."""
-    width = (2 if overlap else 1) * dim
+def _compressor_bytes(batch: int, positions: int, ratio: int, dim: int, overlap: bool, e: int, rope: int) -> int:
+    """A `Compressor`'s saves beyond its input and its output entries over a row of S `positions` (W = S // m
+    entries): its kv (b S (1 + o) dim: the projection, or CSA's overlapping windows b W 2 m dim), its softmax gate
+    b W m (1 + o) dim in fp32 (and in the GEMM dtype under half precision), its norm's fp32 input b W dim and
+    statistic, the entries' cos and sin (fp32, W R each)."""
+    width, entries = (2 if overlap else 1) * dim, positions // ratio
     gate = 4 + (e if e != 4 else 0)
-    return batch * entries * (ratio * width * (e + gate) + dim * 4 + 4) + calls * 2 * entries * rope * 4
+    kv = entries * ratio if overlap else positions
+    return batch * (kv * width * e + entries * (ratio * width * gate + dim * 4 + 4)) + 2 * entries * rope * 4
 
 
 def v4_moe_extra_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
