@@ -174,48 +174,69 @@ def world3():
     return spawn_layouts(3, run_rows_of_48, {"cp3": layout(cp=3)})
 
 
-def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool) -> tuple[list[int], list[int]]:
-    """(what each layer's attention keeps for the backward on this rank beyond its input, the planner's
-    `v4_attention_bytes` of the rank) over one training forward of plain rows in `precision` ("fp32" or "bf16"
-    autocast); `recompute`: the core's CHUNK_ELEMENTS lowered so that it recomputes its chunks."""
+def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool, window: int = 0) -> dict:
+    """One training forward of plain rows in `precision` ("fp32" or "bf16" autocast) on this rank: "saved", what each
+    layer's attention keeps for the backward beyond its input, and "planned", the planner's `v4_attention_bytes` of
+    the rank; "gathered", each layer's CP all-gathers (their count and the elements they return), and "planned
+    gathers" (`context.compressed_gathers`, b rows). `recompute`: the core's CHUNK_ELEMENTS lowered so that it
+    recomputes its chunks; `window`: the sliding window instead of V4's 5."""
     import types
 
     from test_plan_linear_attention import saved_by_layer
 
     from shardlm.data.zigzag import zigzag_split
-    from shardlm.models import build_model, compressed_core
+    from shardlm.models import build_model, compressed_context, compressed_core
+    from shardlm.plan.context import compressed_gathers
     from shardlm.plan.measure import autocast_context
     from shardlm.plan.memory import numeric_format
     from shardlm.plan.v4_activations import v4_attention_bytes
 
     ctx, cfg = layout_context(tp=tp, cp=cp), v4_config(tp=tp, cp=cp, sp=sp, mtp=False).model
+    cfg.sliding_window = window or cfg.sliding_window
     model = build_model(cfg, ctx, seed=0, sequence_parallel=sp).train()
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     tokens = zigzag_split(tokens, cp, ctx.cp_rank) if cp > 1 else tokens
+    current, gathered = [None], {i: [0, 0] for i in range(cfg.num_layers)}
+    for i, layer in model.layers.items():
+        layer.attn.register_forward_pre_hook(lambda _m, _a, i=int(i): current.__setitem__(0, i))
+
+    def counted(tensor, group):
+        out = gather(tensor, group)
+        gathered[current[0]][0] += 1
+        gathered[current[0]][1] += out.numel()
+        return out
 
     def forward():
         with autocast_context(precision, torch.device("cpu")):
             return model(tokens, tokens).mean()
 
-    chunk = compressed_core.CHUNK_ELEMENTS
+    chunk, gather = compressed_core.CHUNK_ELEMENTS, compressed_context.gather_from_sequence_parallel
     compressed_core.CHUNK_ELEMENTS = 256 if recompute else chunk
+    compressed_context.gather_from_sequence_parallel = counted
     try:
         attention = types.SimpleNamespace(layers={i: layer.attn for i, layer in model.layers.items()},
                                           parameters=model.parameters)
         saved = saved_by_layer(attention, forward)
         rank_cfg, fmt = dataclasses.replace(cfg, seq_length=SEQ // cp), numeric_format(precision)
-        x = 2 * rank_cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
-        planned = [v4_attention_bytes(rank_cfg, i, tp, 2, fmt, cp, ctx.cp_rank) for i in range(cfg.num_layers)]
-        return [saved[i] - x for i in range(cfg.num_layers)], planned
+        layers = range(cfg.num_layers)
+        planned = [v4_attention_bytes(rank_cfg, i, tp, 2, fmt, cp, ctx.cp_rank) for i in layers]
     finally:
-        compressed_core.CHUNK_ELEMENTS = chunk
+        compressed_core.CHUNK_ELEMENTS, compressed_context.gather_from_sequence_parallel = chunk, gather
+    x = 2 * rank_cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
+    return {"saved": [saved[i] - x for i in layers], "planned": planned,
+            "gathered": [tuple(gathered[i]) for i in layers],
+            "planned gathers": [(n, 2 * elements) if cp > 1 else (0, 0)
+                                for n, elements in (compressed_gathers(cfg, cp, i) for i in layers)]}
 
 
-SAVES = {f"saves {name} {precision}{' recomputed' if recompute else ''}": (tp, cp, sp, precision, recompute)
-         for name, (tp, cp, sp) in {"cp2": (1, 2, False), "tp2 sp": (2, 1, True)}.items()
+SAVES = {f"saves {name} {precision}{' recomputed' if recompute else ''}": (tp, cp, sp, precision, recompute, window)
+         for name, (tp, cp, sp, window) in {"cp2": (1, 2, False, 0), "tp2 sp": (2, 1, True, 0),
+                                            "cp2 window 12": (1, 2, False, 12)}.items()
          for precision in ("fp32", "bf16") for recompute in (False, True)}
-"""The planner's attention bytes checked at CP=2 (each rank's zigzag queries over the gathered projections of the
-whole row) and TP=2 with SP, in fp32 and under bf16 autocast, the core's scores kept and recomputed."""
+"""The planner's attention bytes checked at CP=2 (each rank's zigzag queries; its chunks of 8 positions hold whole
+windows, and the halos before them reach back 4 positions: the row's entries and the halos gathered; with a window of
+12 they reach further: every position's key projections gathered) and at TP=2 with SP, in fp32 and under bf16
+autocast, the core's scores kept and recomputed."""
 
 
 def world2_more() -> dict:
@@ -230,9 +251,10 @@ def world2():
 @pytest.mark.parametrize("name", list(SAVES))
 def test_each_rank_saves_what_the_planner_counts(world2, name):
     """At CP=2 and at TP=2 with SP, each layer's attention keeps on each rank what `v4_attention_bytes` plans for
-    that rank (the one-process kinds are `test_plan_deepseek_v4`'s)."""
-    for rank, (saved, planned) in enumerate(check_result(world2, name)):
-        assert saved == planned, (rank, saved, planned)
+    that rank (the one-process kinds are `test_plan_deepseek_v4`'s), and gathers what `compressed_gathers` costs."""
+    for rank, run in enumerate(check_result(world2, name)):
+        assert run["saved"] == run["planned"], (rank, run)
+        assert run["gathered"] == run["planned gathers"], (rank, run)
 
 
 @pytest.fixture(scope="module")

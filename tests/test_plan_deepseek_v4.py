@@ -376,12 +376,9 @@ def test_the_attention_in_half_precision_saves_what_the_planner_counts(case, cha
     assert saved == [x + a for a in _attention_bytes(cfg, micro, fmt, recompute, monkeypatch)]
 
 
-def test_a_context_parallel_rank_gathers_the_planned_key_projections():
-    """What each layer's key_inputs (the projections a CP rank all-gathers) hold per token is the planner's
-    `key_projection_width` (HCA kv and gate, CSA's overlapping ones and its indexer's, sliding kv only), and
-    `context.compressed_gather_seconds` moves the layers' mean of it: (C - 1) / C of b s width bytes a collective,
-    forward and backward, and the forward's again under full recomputation."""
-    from shardlm.plan.context import compressed_gather_seconds
+def test_the_key_projections_are_the_planned_width():
+    """What each layer's key_inputs hold per token (what a CP rank projects, and gathers for packed rows) is the
+    planner's `key_projection_width`: HCA kv and gate, CSA's overlapping ones and its indexer's, sliding kv only."""
     from shardlm.plan.deepseek_v4 import key_projection_width
 
     cfg = tiny_v4()
@@ -389,6 +386,20 @@ def test_a_context_parallel_rank_gathers_the_planned_key_projections():
     x = torch.randn(2, cfg.seq_length, cfg.hidden_size)
     widths = [sum(p.shape[-1] for p in layer.attn.key_inputs(x)) for layer in model.layers.values()]
     assert widths == [key_projection_width(cfg, i) for i in range(3)] == [48, 112, 16]
-    one = 3 / 4 * 2 * cfg.seq_length * (48 + 112 + 16) / 3 * 2 / 1e9 + 3 * 1e-5
+
+
+def test_context_parallel_gathers_cost_their_bytes():
+    """`context.compressed_gather_seconds`: each layer's collectives (`compressed_gathers`, checked against the
+    model's in `test_deepseek_v4_layouts`) move (C - 1) / C of their bytes, forward and backward, and the forward's
+    again under full recomputation, with C - 1 latencies each."""
+    from shardlm.plan.context import compressed_gather_seconds, compressed_gathers
+
+    wide = tiny_v4()  # a window of 32 reaches past a CP=2 rank's chunks of 8: every position's projections
+    assert [compressed_gathers(wide, 2, i) for i in range(3)] == [(1, 32 * 48), (1, 32 * 112), (1, 32 * 16)]
+    cfg = tiny_v4(seq_length=64, sliding_window=8)  # chunks of 16: halos of 7, and the entries (HCA 8, CSA 16)
+    assert [compressed_gathers(cfg, 2, i) for i in range(3)] == [
+        (2, 4 * 7 * 48 + 8 * 16), (2, 4 * 7 * 112 + 16 * (16 + 8)), (1, 4 * 7 * 16)]
+    one = sum(3 / 4 * 2 * elements * 2 / 1e9 + collectives * 3 * 1e-5
+              for collectives, elements in (compressed_gathers(cfg, 4, i) for i in range(3))) / 3
     assert compressed_gather_seconds(cfg, 4, 2, 2, False, 1e9, 1e-5) == pytest.approx(2 * one)
     assert compressed_gather_seconds(cfg, 4, 2, 2, True, 1e9, 1e-5) == pytest.approx(3 * one)

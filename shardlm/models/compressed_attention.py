@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.data.zigzag import local_positions, zigzag_merge
+from shardlm.data.zigzag import local_positions
+from shardlm.models.compressed_context import gathered_keys, halo_sources
 from shardlm.models.compressed_core import attend
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import enter_parallel_region
@@ -71,7 +72,6 @@ from shardlm.parallel import (
     ParallelContext,
     RowParallelLinear,
     copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
 )
 from shardlm.parallel.init import normal_shard, param_seed
 
@@ -116,7 +116,8 @@ class Compressor(nn.Module):
     """Pools every `ratio` tokens into one entry of `dim` channels; `overlap` (CSA): windows of 2 ratio slots.
     Parameters (transformers' names less _proj): kv, gate ((1 or 2) dim, h), position_bias (ratio, (1 or 2) dim),
     kv_norm (dim,). `project(x (B, S, h), weight wrapper)` -> its kv and gate projections (B, S, (1 or 2) dim) each;
-    forward(kv, gate, weight wrapper) -> (B, S // ratio, dim), rotated at each window's start."""
+    forward(kv, gate, weight wrapper, first window's index) -> (B, S // ratio, dim), rotated at each window's
+    start."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, prefix: str, dim: int, ratio: int,
                  overlap: bool):
@@ -135,7 +136,7 @@ class Compressor(nn.Module):
         its own tokens."""
         return [F.linear(x, shared(self.kv)), F.linear(x, shared(self.gate))]
 
-    def forward(self, kv: torch.Tensor, gate: torch.Tensor, shared) -> torch.Tensor:
+    def forward(self, kv: torch.Tensor, gate: torch.Tensor, shared, first: int = 0) -> torch.Tensor:
         B, S, width = kv.shape
         W, m, d = S // self.ratio, self.ratio, self.dim
         kv = kv[:, :W * m].view(B, W, m, width)
@@ -146,7 +147,7 @@ class Compressor(nn.Module):
             kv, gate = torch.cat((before_kv, kv[..., d:]), dim=2), torch.cat((before_gate, gate[..., d:]), dim=2)
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
         pooled = rms_norm(pooled, shared(self.kv_norm), self.eps)
-        cos, sin = rope_angles(torch.arange(W, device=kv.device) * m, self.inv_freq)
+        cos, sin = rope_angles((torch.arange(W, device=kv.device) + first) * m, self.inv_freq)
         return rotate_tail(pooled, cos, sin)
 
 
@@ -175,16 +176,16 @@ class Indexer(nn.Module):
         """Whether this forward computes the indexer's loss (`sparse_attention.indexer_trains`)."""
         return indexer_trains(self)
 
-    def forward(self, projected: list[torch.Tensor], x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+    def forward(self, entries: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                 cos, sin) -> tuple[torch.Tensor, tuple | None]:
-        """projected: its compressor's [kv, gate] projections (B, S, 2 dim) of every position's detached input
-        (`project`); x (B, T, h), q_res (B, T, q_lora_rank) and positions (T,) the queries' -> (chosen (B, T, k'), when
-        it trains its (queries, weights, entries) with their parameters' gradient for `divergence`, else None). The
-        inputs are read detached: the model gets no gradient from here. The choice runs by chunks of queries, each
-        scoring every entry (B, c, heads, W) without a gradient."""
+        """entries (B, W, dim) its compressor's entries of the row (`entries`); x (B, T, h), q_res (B, T, q_lora_rank)
+        and positions (T,) the queries' -> (chosen (B, T, k'), when it trains its (queries, weights, entries) with
+        their parameters' gradient for `divergence`, else None). The inputs are read detached: the model gets no
+        gradient from here. The choice runs by chunks of queries, each scoring every entry (B, c, heads, W) without
+        a gradient."""
         trains = self.trains()
         with torch.set_grad_enabled(trains):
-            parts = self.inputs(projected, x.detach(), q_res.detach(), cos, sin)
+            parts = self.inputs(entries, x.detach(), q_res.detach(), cos, sin)
         B, T = x.shape[:2]
         W = parts[2].shape[1]
         step = query_step(B, W, self.heads, self.dim)
@@ -213,12 +214,16 @@ class Indexer(nn.Module):
         with torch.set_grad_enabled(self.trains()):
             return self.compressor.project(x_all.detach(), lambda p: p)
 
-    def inputs(self, projected: list[torch.Tensor], x: torch.Tensor, q_res: torch.Tensor, cos,
+    def entries(self, kv: torch.Tensor, gate: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Its compressor's entries (B, W, dim) of `project`'s kv and gate, from window `first` on."""
+        with torch.set_grad_enabled(self.trains()):
+            return self.compressor(kv, gate, lambda p: p, first)
+
+    def inputs(self, entries: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, cos,
                sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(queries (B, T, heads, dim) rotated, weights (B, T, heads) fp32 times heads^-1/2, entries (B, W, dim)) of
-        the queries' inputs x, q_res and every position's `projected` kv and gate."""
+        the queries' inputs x, q_res and the row's `entries`."""
         B, T = q_res.shape[:2]
-        entries = self.compressor(*projected, lambda p: p)  # (B, W, dim)
         q = rotate_tail(F.linear(q_res, self.q_b).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)
         weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5
         return q.transpose(1, 2), weights, entries
@@ -230,11 +235,11 @@ class Indexer(nn.Module):
         scores = index_scores(q[:, part], weights[:, part], entries)
         return scores.masked_fill(~complete_entries(positions[part], entries.shape[1], self.ratio), float("-inf"))
 
-    def scores(self, projected: list[torch.Tensor], x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+    def scores(self, entries: torch.Tensor, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                cos, sin) -> torch.Tensor:
         """The index scores (B, T, W) fp32 of `forward`'s arguments, -inf for entries not complete yet (all at once:
         what `forward` chooses by, chunk by chunk)."""
-        return self.ranked(self.inputs(projected, x, q_res, cos, sin), positions, slice(None))
+        return self.ranked(self.inputs(entries, x, q_res, cos, sin), positions, slice(None))
 
 
 def entry_target(mass: torch.Tensor, chosen: torch.Tensor, tp) -> torch.Tensor:
@@ -304,32 +309,29 @@ class CompressedAttention(nn.Module):
             x_all = x if stored is None else torch.cat((stored, x), dim=1)
             cache.extras["inputs"], cache.length = x_all, past + x.shape[1]
             positions = torch.arange(past, past + x.shape[1], device=x.device)
-            return self.o_b(self.grouped(x, positions, self.key_inputs(x_all))[0])
+            return self.o_b(self.grouped(x, positions, *self.sources(self.key_inputs(x_all)))[0])
         cp = self.ctx.cp
         index = local_positions(x.shape[1], cp, device=x.device)  # each token's place in the whole row
-        keys = self.key_inputs(x)  # of this rank's tokens
-        if cp.size > 1:  # every rank's projections, in row order (not the inputs: each rank projects its own tokens)
-            widths = [part.shape[-1] for part in keys]
-            joined = gather_from_sequence_parallel(torch.cat(keys, dim=-1), cp)
-            keys = zigzag_merge(list(joined.chunk(cp.size, dim=1))).split(widths, dim=-1)
-        S = keys[0].shape[1]
+        tokens = x.shape[0] * x.shape[1] * cp.size  # the micro-batch's, every CP rank's
         if documents is None:
-            return self.o_b(self.attach(*self.grouped(x, index, keys), x.shape[0] * S))
-        spans = documents.offsets
+            sources = halo_sources(self, x, cp) if cp.size > 1 else None
+            sources = sources or self.sources(self.key_inputs(x) if cp.size == 1 else gathered_keys(self, x, cp))
+            return self.o_b(self.attach(*self.grouped(x, index, *sources), tokens))
+        keys = self.key_inputs(x) if cp.size == 1 else gathered_keys(self, x, cp)
         rows, divergences = [], []
-        for b, offsets in enumerate(spans):
+        for b, offsets in enumerate(documents.offsets):
             pieces, places = [], []
             for start, end in zip(offsets[:-1], offsets[1:]):
                 inside = ((index >= start) & (index < end)).nonzero().squeeze(-1)  # this rank's queries of it
                 if inside.numel():
-                    out, divergence = self.grouped(x[b:b + 1, inside], index[inside] - start,
-                                                   [part[b:b + 1, start:end] for part in keys])
+                    sources = self.sources([part[b:b + 1, start:end] for part in keys])
+                    out, divergence = self.grouped(x[b:b + 1, inside], index[inside] - start, *sources)
                     pieces.append(out)
                     places.append(inside)
                     divergences += [] if divergence is None else [divergence]
             rows.append(torch.cat(pieces, dim=1)[:, torch.argsort(torch.cat(places))])
         divergence = torch.stack(divergences).sum() if divergences else None
-        return self.o_b(self.attach(torch.cat(rows), divergence, x.shape[0] * S))
+        return self.o_b(self.attach(torch.cat(rows), divergence, tokens))
 
     def attach(self, y: torch.Tensor, divergence: torch.Tensor | None, tokens: int) -> torch.Tensor:
         """y (B, T, n) unchanged; with the indexer's summed `divergence` (when it trains), its loss attached over the
@@ -349,24 +351,35 @@ class CompressedAttention(nn.Module):
                 parts += self.indexer.project(x)
         return parts
 
-    def grouped(self, x: torch.Tensor, positions: torch.Tensor,
-                keys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sources(self, keys: list[torch.Tensor], first: int = 0) -> tuple:
+        """`key_inputs` (B, S, .) of a row's positions (from window `first` on) -> (kv's projection (B, S, D), the
+        compressor's entries (B, S / ratio, D) or None, the indexer's (B, S / ratio, D_i) or None)."""
+        entries = index_entries = None
+        if self.compressor is not None:
+            entries = self.compressor(*keys[1:3], self.shared, first)
+            if self.indexer is not None:
+                index_entries = self.indexer.entries(*keys[3:5], first)
+        return keys[0], entries, index_entries
+
+    def grouped(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
+                index_entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of a
-        row whose key positions 0 .. S - 1 have the projections `keys` (`key_inputs`, (B, S, .) each) ->
-        ((B, T, output_groups / tp x output_rank), the indexer's summed divergence when it trains, else None)."""
+        row of S positions, kv (B, S, D) their kv projections (`sources`; only those in the queries' windows are
+        read), the row's compressed entries and the indexer's -> ((B, T, output_groups / tp x output_rank), the
+        indexer's summed divergence when it trains, else None)."""
         B, T, _ = x.shape
         cos, sin = rope_angles(positions, self.inv_freq)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
         q = unweighted_rms_norm(self.q_b.local(q_res).view(B, T, self.heads, self.dim).transpose(1, 2), self.eps)
         q = rotate_tail(q, cos, sin)  # (B, heads, T, D)
-        key_positions = torch.arange(keys[0].shape[1], device=x.device)
-        kv = rms_norm(keys[0], self.shared(self.kv_norm), self.eps)
+        key_positions = torch.arange(kv.shape[1], device=x.device)
+        kv = rms_norm(kv, self.shared(self.kv_norm), self.eps)
         kv = rotate_tail(kv, *rope_angles(key_positions, self.inv_freq))  # (B, S, D)
-        entries, ratio, chosen, parts = None, 0, None, None
+        ratio, chosen, parts = 0, None, None
         if self.compressor is not None:
-            entries, ratio = self.compressor(*keys[1:3], self.shared), self.compressor.ratio  # (B, W, D)
+            ratio = self.compressor.ratio
             if self.indexer is not None:
-                chosen, parts = self.indexer(keys[3:5], x, q_res, positions, cos, sin)
+                chosen, parts = self.indexer(index_entries, x, q_res, positions, cos, sin)
         y, mass = attend(q, kv, positions, self.sinks, self.window, self.dim ** -0.5, entries, ratio, chosen)
         divergence = None
         if parts is not None:

@@ -141,17 +141,34 @@ def sparse_gather_seconds(cfg: ModelConfig, cp: int, micro_batch: int, activatio
     return forward * (2 if recompute_full else 1) + backward
 
 
+def compressed_gathers(cfg: ModelConfig, cp: int, index: int) -> tuple[int, int]:
+    """(collectives, elements gathered a row) of DeepSeek-V4's layer `index` at CP size `cp` (seq_length the whole
+    row's; `shardlm.models.compressed_context`): where a rank's chunks hold whole windows
+    (`v4_activations.halo_gathers`), the last `halo` positions' key projections of each of the 2 C chunks
+    (`deepseek_v4.key_projection_width` each) and the row's s / m entries (D, and the CSA indexer's D_i); otherwise
+    every position's key projections."""
+    from shardlm.plan.deepseek_v4 import key_projection_width, layer_kinds, layer_ratios
+    from shardlm.plan.v4_activations import halo_gathers
+
+    kind, ratio, width = layer_kinds(cfg)[index], layer_ratios(cfg)[index], key_projection_width(cfg, index)
+    if not halo_gathers(cfg, index, cfg.seq_length // cp):
+        return 1, cfg.seq_length * width
+    halo = max(cfg.sliding_window - 1, ratio if kind == "csa" else 0)
+    entries = cfg.seq_length // ratio * (cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)) if ratio else 0
+    return 1 + (ratio > 0), 2 * cp * halo * width + entries
+
+
 def compressed_gather_seconds(cfg: ModelConfig, cp: int, micro_batch: int, activation_bytes: int,
                               recompute_full: bool, bandwidth: float, latency_s: float) -> float:
-    """Seconds of one micro-batch's DeepSeek-V4 all-gathers on one rank, per layer (averaged over its layer kinds),
-    all on the critical path (`shardlm.models.compressed_attention`): each rank projects its own tokens into what
-    the keys and entries are computed from (`deepseek_v4.key_projection_width` channels, GEMM dtype) and all-gathers
-    them; the backward reduce-scatters their gradient; the forward's gather again under full recomputation. Each
-    collective (C - 1) / C of its bytes over `bandwidth` (bytes/s per direction) plus C - 1 latencies."""
-    from shardlm.plan.deepseek_v4 import key_projection_width
-
+    """Seconds of one micro-batch's DeepSeek-V4 all-gathers on one rank, per layer (averaged over its layers), all
+    on the critical path, in the GEMM dtype (`compressed_gathers`); the backward reduce-scatters their gradients;
+    the forward's gathers again under full recomputation. Each collective (C - 1) / C of its bytes over
+    `bandwidth` (bytes/s per direction) plus C - 1 latencies."""
     if cp == 1:
         return 0.0
-    width = sum(key_projection_width(cfg, i) for i in range(cfg.num_layers)) / cfg.num_layers
-    one = (cp - 1) / cp * micro_batch * cfg.seq_length * width * activation_bytes / bandwidth + (cp - 1) * latency_s
-    return one * (3 if recompute_full else 2)
+    total = 0.0
+    for index in range(cfg.num_layers):
+        collectives, elements = compressed_gathers(cfg, cp, index)
+        nbytes = micro_batch * elements * activation_bytes
+        total += (cp - 1) / cp * nbytes / bandwidth + collectives * (cp - 1) * latency_s
+    return total / cfg.num_layers * (3 if recompute_full else 2)

@@ -34,6 +34,7 @@ Training is 3 x forward except the indexers, whose backward is shorter (`v4_flop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from shardlm.models.config import ModelConfig
 from shardlm.plan.parameters import ParameterCount, _mlp_count, _split, add_counts
@@ -48,9 +49,13 @@ def layer_ratios(cfg: ModelConfig) -> list[int]:
 def layer_kinds(cfg: ModelConfig) -> list[str]:
     """Per layer (then depth) "sliding", "csa" or "hca", as `shardlm.models.compressed_attention.compressed_kinds`
     (no torch)."""
-    ratios = layer_ratios(cfg)
+    return list(_kinds(tuple(layer_ratios(cfg)), bool(cfg.index_topk)))
+
+
+@lru_cache(maxsize=64)
+def _kinds(ratios: tuple[int, ...], indexed: bool) -> tuple[str, ...]:
     smallest = min([r for r in ratios if r] or [0])
-    return ["sliding" if not r else "csa" if r == smallest and cfg.index_topk else "hca" for r in ratios]
+    return tuple("sliding" if not r else "csa" if r == smallest and indexed else "hca" for r in ratios)
 
 
 def key_projection_width(cfg: ModelConfig, index: int) -> int:

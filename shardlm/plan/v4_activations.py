@@ -87,7 +87,8 @@ def _kept_core_bytes(cfg: ModelConfig, kind: str, batch: int, heads: int, runs: 
     those complete for its last query; CSA those too when they are at most DENSE_SPAN k, else each query's k
     gathered); the window mask G c n, HCA's completeness mask G c e or CSA's b G c e unchosen mask; a gathering group's
     picked entries b G c k D with their indices and its einsums' copies of the queries and the probabilities; the
-    entries b W D (`count` W) when a group reads them whole. Its copies of the queries are the rotated q's bytes."""
+    entries (`count` of their elements a row) when a group reads them whole. Its copies of the queries are the rotated
+    q's bytes."""
     from shardlm.models.compressed_core import DENSE_SPAN
 
     window, dim = cfg.sliding_window, cfg.head_dim
@@ -109,7 +110,7 @@ def _kept_core_bytes(cfg: ModelConfig, kind: str, batch: int, heads: int, runs: 
                 masks += batch * size * entries
                 total += batch * size * (entries * (dim * e + 8) + heads * (dim + entries) * e) + batch * 8
         total += batch * heads * size * (band + seen + 1) * e + masks
-    return total + (batch * count * dim * e if reads_entries else 0)
+    return total + (batch * count * e if reads_entries else 0)
 
 
 def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
@@ -122,20 +123,27 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
     N, heads, groups = b * T, cfg.num_heads // tp, cfg.output_groups // tp
     e, r_q, half = fmt.matmul_bytes, cfg.q_lora_rank, fmt.matmul_bytes != 4
     autocast = fmt.weight_cast_bytes
-    W = S // ratio if ratio else 0
-    others = 0 if kind == "sliding" else W if kind == "hca" else min(cfg.index_topk, W)
+    W, others = S // ratio if ratio else 0, _entries_seen(cfg, index, S)
     # q_a's output in fp32 and q_res; q_b's output, normalized per head (in half precision its fp32 copy and its
     # statistic in both dtypes); the rotated q; kv in fp32 and rotated; the rotated-back output's copy, o_b's input
     saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
     saved += b * S * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
     saved += 2 * (2 * T + S) * R * 4  # cos and sin: the queries', the keys', the output's
     readers, norms = 1, r_q + D  # linears that project the keys (kv, each compressor's kv and gate); normed widths
+    halo = context > 1 and halo_gathers(cfg, index, T)
+    # each span of positions a compressor pools at once: the whole row, or a halo rank's chunks (CSA's after the
+    # first with the window before it)
+    L = T // 2
+    spans = [S] if not halo else [L + (ratio if kind == "csa" and j > 0 else 0)
+                                  for j in (rank, 2 * context - 1 - rank)]
     if kind != "sliding":
-        saved += _compressor_bytes(b, S, ratio, D, kind == "csa", e, R)
+        saved += sum(_compressor_bytes(b, span, ratio, D, kind == "csa", e, R) for span in spans)
+        if kind == "hca":  # its kv, a view of the projections: the whole row's, or the rank's own (all P of them)
+            saved += b * (T * key_projection_width(cfg, index) if halo else S * D) * e
         readers, norms = readers + 2, norms + D
     if kind == "csa" and cfg.index_loss_coeff > 0:  # the trained indexer, from detached inputs (no weight copies)
         heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
-        saved += _compressor_bytes(b, S, ratio, dim_i, True, e, R) + 2 * T * R * 4
+        saved += sum(_compressor_bytes(b, span, ratio, dim_i, True, e, R) for span in spans) + 2 * T * R * 4
         norms += dim_i
         saved += (N * heads_i * (dim_i + 1) + b * W * dim_i) * 4  # its loss's gradients, taken in the forward
         saved += 3 * N * h * e if autocast else 0  # its compressor's kv and gate, weights_proj
@@ -144,27 +152,60 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
         width = (2 if kind == "csa" else 1) * D
         saved += autocast * (h * (r_q + D) + r_q * heads * D + cfg.output_rank * (heads * D + groups * h)
                              + (2 * width * h if kind != "sliding" else 0))
-    if context > 1:  # the gathered projections of every position (`key_inputs`): kept whole where a view of them
-        # is saved, kv's norm input in fp32 or HCA's kv, in place of those views' bytes counted above
+    if context > 1 and not halo:  # the gathered projections of every position (`key_inputs`): kept whole where a
+        # view of them is saved, kv's norm input in fp32 or HCA's kv, in place of those views' bytes counted above
         views = (D if not half else 0) + (D if kind == "hca" else 0)
         saved += b * S * (key_projection_width(cfg, index) - views) * e if views else 0
     if fmt.weight_bytes != 4:  # half weights: the fp32 norms' copies of their weights
         saved += 4 * norms
+    # the entries the core reads: a halo rank's are a view of the gathered entries and the indexer's
+    entries = W * (D + (cfg.index_head_dim if halo and kind == "csa" else 0))
     chunks = core_chunks(b, heads, T, cfg.sliding_window, others)
     if chunks.recompute:  # its inputs: q, kv (counted above), the entries, the positions, the choice
-        return saved + b * W * D * e + T * 8 + (N * others * 8 if kind == "csa" else 0)
-    return saved + _kept_core_bytes(cfg, kind, b, heads, query_runs(S, context, rank), others, W, chunks, ratio, e)
+        return saved + b * entries * e + T * 8 + (N * others * 8 if kind == "csa" else 0)
+    runs = query_runs(S, context, rank)
+    return saved + _kept_core_bytes(cfg, kind, b, heads, runs, others, entries, chunks, ratio, e)
 
 
 def _compressor_bytes(batch: int, positions: int, ratio: int, dim: int, overlap: bool, e: int, rope: int) -> int:
-    """A `Compressor`'s saves beyond its input and its output entries over a row of S `positions` (W = S // m
-    entries): its kv (b S (1 + o) dim: the projection, or CSA's overlapping windows b W 2 m dim), its softmax gate
+    """A `Compressor`'s saves over a span of `positions` (W = positions // m windows) beyond its input, its output
+    entries and (HCA) its kv, a view of its input: CSA's overlapping windows' kv b W 2 m dim, its softmax gate
     b W m (1 + o) dim in fp32 (and in the GEMM dtype under half precision), its norm's fp32 input b W dim and
     statistic, the entries' cos and sin (fp32, W R each)."""
     width, entries = (2 if overlap else 1) * dim, positions // ratio
     gate = 4 + (e if e != 4 else 0)
-    kv = entries * ratio if overlap else positions
-    return batch * (kv * width * e + entries * (ratio * width * gate + dim * 4 + 4)) + 2 * entries * rope * 4
+    kv = entries * ratio * width * e if overlap else 0
+    return batch * (kv + entries * (ratio * width * gate + dim * 4 + 4)) + 2 * entries * rope * 4
+
+
+def halo_gathers(cfg: ModelConfig, index: int, tokens: int) -> bool:
+    """Whether a CP rank of `tokens` a row gathers layer `index`'s entries and halos
+    (`compressed_context.halo_sources`, plain rows): its two chunks hold whole windows and its windows reach at most
+    one chunk back."""
+    kind, ratio = layer_kinds(cfg)[index], layer_ratios(cfg)[index]
+    chunk = tokens // 2
+    halo = max(cfg.sliding_window - 1, ratio if kind == "csa" else 0)
+    return tokens % 2 == 0 and (not ratio or chunk % ratio == 0) and halo <= chunk
+
+
+def busiest_rank_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
+                       context: int) -> int:
+    """`v4_attention_bytes` of layer `index` on its busiest CP rank: ranks differ in the runs of their queries, which
+    matter only where the core keeps its scores, and in CSA's first chunk (rank 0's has no window before it), so
+    ranks 0 and 1 decide unless the core keeps them."""
+    S = cfg.seq_length * context
+    kept = not core_chunks(micro_batch, cfg.num_heads // tp, cfg.seq_length, cfg.sliding_window,
+                           _entries_seen(cfg, index, S)).recompute
+    return max(v4_attention_bytes(cfg, index, tp, micro_batch, fmt, context, rank)
+               for rank in range(context if kept else min(context, 2)))
+
+
+def _entries_seen(cfg: ModelConfig, index: int, row: int) -> int:
+    """Entries a query of layer `index` scores beside its window in a row of `row` positions: none (sliding), every
+    complete one (HCA's W), or its indexer's k (CSA)."""
+    kind, ratio = layer_kinds(cfg)[index], layer_ratios(cfg)[index]
+    W = row // ratio if ratio else 0
+    return 0 if kind == "sliding" else W if kind == "hca" else min(cfg.index_topk, W)
 
 
 def v4_moe_extra_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
@@ -188,7 +229,8 @@ def v4_activation_change(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
     layer under full recomputation)."""
     tokens = micro_batch * cfg.seq_length // (tp if sequence_parallel and tp > 1 else 1)
     llama = attention_activation_bytes(cfg, tp, micro_batch, fmt, backend)
-    attention = max(v4_attention_bytes(cfg, i, tp, micro_batch, fmt, context) for i in range(cfg.num_layers))
+    kinds = {kind: i for i, kind in reversed(list(enumerate(zip(layer_kinds(cfg), layer_ratios(cfg)))))}
+    attention = max(busiest_rank_bytes(cfg, i, tp, micro_batch, fmt, context) for i in kinds.values())
     extra = (attention - llama + v4_moe_extra_bytes(cfg, tp, micro_batch, fmt, sequence_parallel)
              + 2 * hyper_connection_bytes(cfg, tokens, fmt.residual_bytes))
     return extra, cfg.hc_mult

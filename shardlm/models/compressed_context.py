@@ -1,0 +1,80 @@
+"""DeepSeek-V4's attention (`shardlm.models.compressed_attention`) under context parallelism: what a rank gathers.
+
+A CP rank holds two zigzag chunks of L = T / 2 consecutive positions (chunks r and 2C - 1 - r of a row of S = 2 C L).
+Its queries need the keys of their windows and the compressed entries of the whole row.
+
+- `halo_sources` (plain rows whose chunks hold whole compression windows, L a multiple of the layer's ratio m, and
+  whose windows reach at most one chunk back, window - 1 <= L): each rank projects its own tokens
+  (`CompressedAttention.key_inputs`) and computes the entries of its own windows; it all-gathers those entries
+  (S / m of them a row, D channels, and the indexer's D_i) and the last `halo` tokens' projections of each chunk
+  (halo = max(window - 1, m on CSA layers, whose first window of a chunk pools the previous window's first halves)).
+  Per token and layer that is D / m + D_i / m channels plus the halos, instead of the whole row's projections.
+  The keys of the positions it does not need stay zero (`grouped` reads only the queries' windows).
+- `gathered_keys` (packed documents, whose windows start at each document's first token, or chunks that do not hold
+  whole windows): every position's projections (D + 2 (1 + o) D + 4 D_i channels) all-gathered.
+
+Each all-gather's backward reduce-scatters its gradient to the rank that computed it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm.data.zigzag import zigzag_merge
+from shardlm.parallel import gather_from_sequence_parallel
+
+
+def gathered_keys(attn, x: torch.Tensor, cp) -> list[torch.Tensor]:
+    """Every position's `key_inputs` (B, S, .) of the row, in row order: this rank's tokens x (B, T, h) projected and
+    all-gathered over the CP group `cp`."""
+    keys = attn.key_inputs(x)
+    widths = [part.shape[-1] for part in keys]
+    joined = gather_from_sequence_parallel(torch.cat(keys, dim=-1), cp)
+    return list(zigzag_merge(list(joined.chunk(cp.size, dim=1))).split(widths, dim=-1))
+
+
+def halo_sources(attn, x: torch.Tensor, cp) -> tuple | None:
+    """`CompressedAttention.sources` of the whole row for this rank's queries, from its tokens x (B, T, h): kv's
+    projection (B, S, D) at its chunks and the halos before them (zeros elsewhere), the row's entries and the
+    indexer's, gathered (the module docstring); None when its chunks do not hold whole windows."""
+    B, T, _ = x.shape
+    C, L = cp.size, T // 2
+    compressor = attn.compressor
+    ratio = compressor.ratio if compressor is not None else 0
+    halo = max(attn.window - 1, ratio if compressor is not None and compressor.overlap else 0)
+    if T % 2 or (ratio and L % ratio) or halo > L:
+        return None
+    keys = attn.key_inputs(x)
+    widths = [part.shape[-1] for part in keys]
+    local = torch.cat(keys, dim=-1)  # (B, T, P)
+    tails = torch.cat((local[:, L - halo:L], local[:, T - halo:]), dim=1)  # each chunk's last `halo` positions
+    tails = zigzag_merge(list(gather_from_sequence_parallel(tails, cp).chunk(C, dim=1)))  # (B, 2 C halo, P)
+    mine = (cp.rank, 2 * C - 1 - cp.rank)
+
+    def chunk(j: int) -> torch.Tensor:  # chunk j's projections (B, L, P): this rank's, a halo before one, or zeros
+        if j in mine:
+            return local[:, :L] if j == mine[0] else local[:, L:]
+        if j + 1 in mine:
+            return torch.cat((local.new_zeros(B, L - halo, local.shape[-1]), tails[:, j * halo:(j + 1) * halo]), dim=1)
+        return local.new_zeros(B, L, local.shape[-1])
+
+    row = [chunk(j) for j in range(2 * C)]
+    kv = torch.cat([piece[..., :widths[0]] for piece in row], dim=1)  # (B, S, D)
+    if compressor is None:
+        return kv, None, None
+    pieces = []  # this rank's chunks' entries (and the indexer's), each from its own windows
+    for j in mine:
+        span = row[j]
+        if compressor.overlap and j > 0:  # the previous window's first halves: its entry, incomplete, is dropped
+            span = torch.cat((row[j - 1][:, L - ratio:], span), dim=1)
+        split = list(span.split(widths, dim=-1))
+        first = j * L // ratio - (span.shape[1] - L) // ratio
+        _, entries, index_entries = attn.sources(split, first)
+        drop = (span.shape[1] - L) // ratio
+        pieces.append([e[:, drop:] for e in (entries, index_entries) if e is not None])
+    mine_entries = [torch.cat(parts, dim=1) for parts in zip(*pieces)]  # (B, 2 L / m, .) each
+    joined = torch.cat(mine_entries, dim=-1)
+    whole = zigzag_merge(list(gather_from_sequence_parallel(joined, cp).chunk(C, dim=1)))  # (B, S / m, D + D_i)
+    entries = whole[..., :compressor.dim]
+    index_entries = whole[..., compressor.dim:] if attn.indexer is not None else None
+    return kv, entries, index_entries
