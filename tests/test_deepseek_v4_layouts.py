@@ -63,14 +63,14 @@ bases get gradients near 1e-6 in places (the Sinkhorn-normalized comb's), where 
 layout's other summation order into a whole step; at 1e-6 the bases end 1e-5 to 4e-5 off one process."""
 
 
-def rows(seed: int, samples: int) -> TokenArrayDataset:
+def rows(seed: int, samples: int, seq: int = SEQ) -> TokenArrayDataset:
     """A learnable stream of `test_training.VOCAB` tokens (each a fixed function of the one before, 10% noise) as
-    rows of SEQ tokens."""
+    rows of `seq` tokens."""
     rng = np.random.default_rng(seed)
     successor, tokens = rng.permutation(VOCAB), [0]
     for noise, noisy in zip(rng.random(4000), rng.integers(0, VOCAB, 4000)):
         tokens.append(noisy if noise < 0.1 else successor[tokens[-1]])
-    return TokenArrayDataset(np.asarray(tokens), SEQ, seed=3, num_samples=samples)
+    return TokenArrayDataset(np.asarray(tokens), seq, seed=3, num_samples=samples)
 
 
 DEPTH = {"mtp_layers": 1, "compress_ratios": V4["compress_ratios"] + [8]}
@@ -113,7 +113,7 @@ def train_v4(ctx: ParallelContext, config, packed: bool = True, steps: int = STE
     losses of all `steps` steps (the later ones trained after the rest was recorded)."""
     data = (train_data(), valid_data()) if packed else (rows(0, LEARN_STEPS * BATCH), rows(1, 16))
     if config.model.seq_length == SEQ3:
-        data = packed_rows_of_48()
+        data = packed_rows_of_48() if packed else (rows(0, LEARN_STEPS * BATCH, SEQ3), rows(1, 16, SEQ3))
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, *data)
     with_hash_table(trainer)
@@ -163,15 +163,15 @@ WORLD2 = {
 CONTROLS = {"control tp2 sp unshared": layout(tp=2, sp=True, control="unshared")}
 
 
-def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, **train) -> dict:
+def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, packed: bool = True, **train) -> dict:
     config = v4_config(tp=tp, pp=pp, cp=cp, ep=ep, micro=BATCH, **train)
     config.model.seq_length = SEQ3
-    return train_v4(layout_context(tp, pp, cp, ep), config)
+    return train_v4(layout_context(tp, pp, cp, ep), config, packed)
 
 
 @pytest.fixture(scope="module")
 def world3():
-    return spawn_layouts(3, run_rows_of_48, {"cp3": layout(cp=3)})
+    return spawn_layouts(3, run_rows_of_48, {"cp3": layout(cp=3), "cp3 plain": layout(cp=3, packed=False)})
 
 
 def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool, window: int = 0) -> dict:
@@ -264,7 +264,8 @@ def reference():
     rows_of_48.model.seq_length = SEQ3
     return {"packed": train_v4(ctx, v4_config(), steps=LEARN_STEPS),
             "plain": train_v4(ctx, v4_config(mtp=False), packed=False, steps=LEARN_STEPS),
-            "lora": train_v4(ctx, v4_config(lora=4), steps=LEARN_STEPS), "rows of 48": train_v4(ctx, rows_of_48)}
+            "lora": train_v4(ctx, v4_config(lora=4), steps=LEARN_STEPS), "rows of 48": train_v4(ctx, rows_of_48),
+            "plain rows of 48": train_v4(ctx, rows_of_48, packed=False)}
 
 
 def kind_of(name: str) -> str:
@@ -276,11 +277,14 @@ def test_deepseek_v4_at_two_ranks_equals_one_process(world2, reference, name):
     assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
-def test_deepseek_v4_at_context_parallel_three_equals_one_process(world3, reference):
+@pytest.mark.parametrize("name", ["cp3", "cp3 plain"])
+def test_deepseek_v4_at_context_parallel_three_equals_one_process(world3, reference, name):
     """CP=3 on rows of 48: each rank's two zigzag chunks of 8 put back in row order among six; the indexer trains
-    as one process's does."""
-    for rank, value in enumerate(assert_every_rank(world3, "cp3", reference["rows of 48"], steps=STEPS, tol=TOL)):
-        assert_indexer_trained(value, reference["rows of 48"], f"cp3 rank {rank}")
+    as one process's does. Packed rows gather every position's key projections; plain rows each rank's entries and
+    its chunks' halos (rank 1's chunks 1 and 4 follow chunks held by ranks 0 and 2)."""
+    ref = reference["plain rows of 48" if name.endswith("plain") else "rows of 48"]
+    for rank, value in enumerate(assert_every_rank(world3, name, ref, steps=STEPS, tol=TOL)):
+        assert_indexer_trained(value, ref, f"{name} rank {rank}")
 
 
 def assert_indexer_trained(run: dict, ref: dict, where: str, lora: bool = False) -> None:

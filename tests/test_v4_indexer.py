@@ -87,8 +87,10 @@ def test_the_recorded_divergence_is_the_hand_computed_sum():
     attend = layer.attend
 
     def recording_attend(*args):
-        if args[8] is not None:  # the CSA layer's call (it passes its choice)
-            seen["probs"] = dense_attention(*args)[1].detach()  # the definition's, over every position
+        if args[8] is not None:  # the CSA layer's call (it passes its choice; one process: one piece of keys)
+            (start, keys), = args[1]
+            assert start == 0
+            seen["probs"] = dense_attention(args[0], keys, *args[2:])[1].detach()  # the definition's, every position
         return attend(*args)
 
     layer.attend = recording_attend

@@ -364,23 +364,24 @@ class CompressedAttention(nn.Module):
     def grouped(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
                 index_entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention up to the output projection o_b: x (B, T, h) the queries' inputs at `positions` (T,) of a
-        row of S positions, kv (B, S, D) their kv projections (`sources`; only those in the queries' windows are
-        read), the row's compressed entries and the indexer's -> ((B, T, output_groups / tp x output_rank), the
-        indexer's summed divergence when it trains, else None)."""
+        row of S positions, kv their kv projections (`sources`: (B, S, D), or pieces [(first position, (B, n, D))]
+        holding the queries' windows), the row's compressed entries and the indexer's ->
+        ((B, T, output_groups / tp x output_rank), the indexer's summed divergence when it trains, else None)."""
         B, T, _ = x.shape
         cos, sin = rope_angles(positions, self.inv_freq)
         q_res = rms_norm(F.linear(x, self.shared(self.q_a)), self.shared(self.q_a_norm), self.eps)
         q = unweighted_rms_norm(self.q_b.local(q_res).view(B, T, self.heads, self.dim).transpose(1, 2), self.eps)
         q = rotate_tail(q, cos, sin)  # (B, heads, T, D)
-        key_positions = torch.arange(kv.shape[1], device=x.device)
-        kv = rms_norm(kv, self.shared(self.kv_norm), self.eps)
-        kv = rotate_tail(kv, *rope_angles(key_positions, self.inv_freq))  # (B, S, D)
+        keys = []  # (first position, (B, n, D)) normalized and rotated
+        for start, piece in [(0, kv)] if isinstance(kv, torch.Tensor) else kv:
+            angles = rope_angles(torch.arange(start, start + piece.shape[1], device=x.device), self.inv_freq)
+            keys.append((start, rotate_tail(rms_norm(piece, self.shared(self.kv_norm), self.eps), *angles)))
         ratio, chosen, parts = 0, None, None
         if self.compressor is not None:
             ratio = self.compressor.ratio
             if self.indexer is not None:
                 chosen, parts = self.indexer(index_entries, x, q_res, positions, cos, sin)
-        y, mass = attend(q, kv, positions, self.sinks, self.window, self.dim ** -0.5, entries, ratio, chosen)
+        y, mass = attend(q, keys, positions, self.sinks, self.window, self.dim ** -0.5, entries, ratio, chosen)
         divergence = None
         if parts is not None:
             divergence = self.indexer.divergence(parts, chosen, mass)

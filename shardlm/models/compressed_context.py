@@ -9,7 +9,7 @@ Its queries need the keys of their windows and the compressed entries of the who
   (S / m of them a row, D channels, and the indexer's D_i) and the last `halo` tokens' projections of each chunk
   (halo = max(window - 1, m on CSA layers, whose first window of a chunk pools the previous window's first halves)).
   Per token and layer that is D / m + D_i / m channels plus the halos, instead of the whole row's projections.
-  The keys of the positions it does not need stay zero (`grouped` reads only the queries' windows).
+  Its keys are pieces: each run of its chunks with the window - 1 positions before it (all its queries read).
 - `gathered_keys` (packed documents, whose windows start at each document's first token, or chunks that do not hold
   whole windows): every position's projections (D + 2 (1 + o) D + 4 D_i channels) all-gathered.
 
@@ -34,14 +34,15 @@ def gathered_keys(attn, x: torch.Tensor, cp) -> list[torch.Tensor]:
 
 
 def halo_sources(attn, x: torch.Tensor, cp) -> tuple | None:
-    """`CompressedAttention.sources` of the whole row for this rank's queries, from its tokens x (B, T, h): kv's
-    projection (B, S, D) at its chunks and the halos before them (zeros elsewhere), the row's entries and the
-    indexer's, gathered (the module docstring); None when its chunks do not hold whole windows."""
-    B, T, _ = x.shape
+    """`CompressedAttention.sources` for this rank's queries, from its tokens x (B, T, h): kv's projection as pieces
+    [(first position, (B, n, D))], each run of its chunks with the window - 1 positions before it, the row's entries
+    and the indexer's, gathered (the module docstring); None when its chunks do not hold whole windows."""
+    T = x.shape[1]
     C, L = cp.size, T // 2
     compressor = attn.compressor
     ratio = compressor.ratio if compressor is not None else 0
-    halo = max(attn.window - 1, ratio if compressor is not None and compressor.overlap else 0)
+    before = attn.window - 1  # the keys a chunk's first query sees before it
+    halo = max(before, ratio if compressor is not None and compressor.overlap else 0)
     if T % 2 or (ratio and L % ratio) or halo > L:
         return None
     keys = attn.key_inputs(x)
@@ -51,29 +52,29 @@ def halo_sources(attn, x: torch.Tensor, cp) -> tuple | None:
     tails = zigzag_merge(list(gather_from_sequence_parallel(tails, cp).chunk(C, dim=1)))  # (B, 2 C halo, P)
     mine = (cp.rank, 2 * C - 1 - cp.rank)
 
-    def chunk(j: int) -> torch.Tensor:  # chunk j's projections (B, L, P): this rank's, a halo before one, or zeros
+    def held(j: int) -> torch.Tensor:  # chunk j's projections: this rank's (B, L, P), else its gathered tail
         if j in mine:
             return local[:, :L] if j == mine[0] else local[:, L:]
-        if j + 1 in mine:
-            return torch.cat((local.new_zeros(B, L - halo, local.shape[-1]), tails[:, j * halo:(j + 1) * halo]), dim=1)
-        return local.new_zeros(B, L, local.shape[-1])
+        return tails[:, j * halo:(j + 1) * halo]
 
-    row = [chunk(j) for j in range(2 * C)]
-    kv = torch.cat([piece[..., :widths[0]] for piece in row], dim=1)  # (B, S, D)
+    def leading(j: int, n: int) -> list[torch.Tensor]:  # the n positions before chunk j, if any
+        return [held(j - 1)[:, held(j - 1).shape[1] - n:]] if n else []
+
+    runs = [[mine[0]], [mine[1]]] if mine[1] != mine[0] + 1 else [list(mine)]
+    kv = []
+    for run in runs:
+        n = min(before, run[0] * L)
+        parts = leading(run[0], n) + [held(j) for j in run]
+        kv.append((run[0] * L - n, torch.cat([part[..., :widths[0]] for part in parts], dim=1)))  # kv's D only
     if compressor is None:
         return kv, None, None
     pieces = []  # this rank's chunks' entries (and the indexer's), each from its own windows
     for j in mine:
-        span = row[j]
-        if compressor.overlap and j > 0:  # the previous window's first halves: its entry, incomplete, is dropped
-            span = torch.cat((row[j - 1][:, L - ratio:], span), dim=1)
-        split = list(span.split(widths, dim=-1))
-        first = j * L // ratio - (span.shape[1] - L) // ratio
-        _, entries, index_entries = attn.sources(split, first)
-        drop = (span.shape[1] - L) // ratio
-        pieces.append([e[:, drop:] for e in (entries, index_entries) if e is not None])
-    mine_entries = [torch.cat(parts, dim=1) for parts in zip(*pieces)]  # (B, 2 L / m, .) each
-    joined = torch.cat(mine_entries, dim=-1)
+        extra = ratio if compressor.overlap and j > 0 else 0  # the previous window's first halves
+        span = torch.cat(leading(j, extra) + [held(j)], dim=1)
+        _, entries, index_entries = attn.sources(list(span.split(widths, dim=-1)), j * L // ratio - extra // ratio)
+        pieces.append([e[:, extra // ratio:] for e in (entries, index_entries) if e is not None])  # (its own)
+    joined = torch.cat([torch.cat(parts, dim=1) for parts in zip(*pieces)], dim=-1)  # (B, 2 L / m, D (+ D_i))
     whole = zigzag_merge(list(gather_from_sequence_parallel(joined, cp).chunk(C, dim=1)))  # (B, S / m, D + D_i)
     entries = whole[..., :compressor.dim]
     index_entries = whole[..., compressor.dim:] if attn.indexer is not None else None

@@ -53,14 +53,15 @@ def query_runs(positions: torch.Tensor, step: int) -> list[tuple[int, int]]:
             for start in range(begin, end, step)]
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window: int,
+def attend(q: torch.Tensor, kv, positions: torch.Tensor, sinks: torch.Tensor, window: int,
            scale: float, entries: torch.Tensor | None = None, ratio: int = 0,
            chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q (B, H, T, D) rotated, kv (B, S, D) the keys (= values) of positions 0 .. S - 1, positions (T,) the queries'
-    (each below S), sinks (H,); `entries` (B, W, D) on a compressing layer, with its `ratio` (HCA: a query sees every
-    complete entry) and on a CSA layer `chosen` (B, T, k) (the entries each query sees, -1 none) -> (y (B, H, T, D),
-    on a CSA layer the heads' summed probabilities at each query's chosen entries (B, T, k), detached, 0 where
-    chosen is -1, else None).
+    """q (B, H, T, D) rotated, kv the keys (= values): (B, S, D) of positions 0 .. S - 1, or pieces [(first
+    position, (B, n, D))] of consecutive positions, each query's window within one (a context-parallel rank's runs
+    with the window before each), positions (T,) the queries' (each below S), sinks (H,); `entries` (B, W, D) on a
+    compressing layer, with its `ratio` (HCA: a query sees every complete entry) and on a CSA layer `chosen`
+    (B, T, k) (the entries each query sees, -1 none) -> (y (B, H, T, D), on a CSA layer the heads' summed
+    probabilities at each query's chosen entries (B, T, k), detached, 0 where chosen is -1, else None).
 
     Chunks of about the window's length (at least `MIN_CHUNK`): a chunk's band then holds at most twice the keys
     its queries see. A layer whose scores come to no more than `CHUNK_ELEMENTS` in all keeps them for the backward;
@@ -70,7 +71,9 @@ def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: to
     others = 0 if entries is None else chosen.shape[-1] if chosen is not None else entries.shape[1]
     # a chunk of c queries scores c + window - 1 keys of its band: c near the window wastes at most half of them
     step = max(1, min(max(window, MIN_CHUNK), CHUNK_ELEMENTS // (B * H * (2 * window + others))))
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kv, sinks, entries))
+    pieces = [(0, kv)] if isinstance(kv, torch.Tensor) else kv
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (q, sinks, entries, *(piece for _, piece in pieces)))
     recompute = grads and B * H * T * (step + window + others) > CHUNK_ELEMENTS
     per_group = max(1, CHUNK_ELEMENTS // (B * H * step * (step + window - 1 + others)))  # chunks a product
     if T <= GROUP_FROM * step:  # few chunks: one at a time costs less than the group's copies
@@ -79,7 +82,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: to
     for start, end, size in chunk_groups(host, step, per_group):
         first, last = int(host[start]), int(host[end - 1])
         low = first - window + 1
-        args = (q[:, :, start:end], kv[:, max(0, low):last + 1], positions[start:end], low, size, sinks, window,
+        args = (q[:, :, start:end], _band(pieces, max(0, low), last), positions[start:end], low, size, sinks, window,
                 scale)
         if entries is None:
             args += (None, 0, None, False)
@@ -93,6 +96,14 @@ def attend(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, sinks: to
         outputs.append(y)
         masses.append(mass)
     return torch.cat(outputs, dim=2), None if chosen is None else torch.cat(masses, dim=1)
+
+
+def _band(pieces: list[tuple[int, torch.Tensor]], first: int, last: int) -> torch.Tensor:
+    """The keys of positions first .. last (B, n, D), from the piece that holds them."""
+    for start, piece in pieces:
+        if start <= first and last < start + piece.shape[1]:
+            return piece[:, first - start:last + 1 - start]
+    raise ValueError(f"no key piece holds positions {first} .. {last}")
 
 
 def chunk_groups(positions: torch.Tensor, step: int, per_group: int) -> list[tuple[int, int, int]]:
@@ -145,8 +156,9 @@ def _group(q, band, positions, low, size, sinks, window, scale, entries, ratio, 
                        * scale).masked_fill(unseen, float("-inf")))
     sink = sinks.view(1, 1, -1, 1, 1).expand(B, G, -1, c, 1).to(scores[0].dtype)
     logits = torch.cat((*scores, sink), dim=-1)
-    # less the row's max, as transformers' sinks attention: a constant per row, so no gradient flows through it
-    exact = torch.softmax(logits - logits.detach().max(dim=-1, keepdim=True).values, dim=-1)
+    # less the row's max, as transformers' sinks attention: a constant per row, so no gradient flows through it; in
+    # the scores' dtype, as transformers (autocast on CUDA would otherwise take it to fp32)
+    exact = torch.softmax(logits - logits.detach().max(dim=-1, keepdim=True).values, dim=-1, dtype=logits.dtype)
     probs = exact.to(band.dtype)
     y = torch.bmm(probs[..., :n].reshape(B * G, H * c, n), bands).view(B, G, H, c, D)
     mass = None

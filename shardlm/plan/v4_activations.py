@@ -126,11 +126,12 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
     W, others = S // ratio if ratio else 0, _entries_seen(cfg, index, S)
     # q_a's output in fp32 and q_res; q_b's output, normalized per head (in half precision its fp32 copy and its
     # statistic in both dtypes); the rotated q; kv in fp32 and rotated; the rotated-back output's copy, o_b's input
-    saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
-    saved += b * S * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
-    saved += 2 * (2 * T + S) * R * 4  # cos and sin: the queries', the keys', the output's
-    readers, norms = 1, r_q + D  # linears that project the keys (kv, each compressor's kv and gate); normed widths
     halo = context > 1 and halo_gathers(cfg, index, T)
+    K = sum(key_pieces(cfg, context, rank, T)) if halo else S  # the key positions it holds
+    saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
+    saved += b * K * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
+    saved += 2 * (2 * T + K) * R * 4  # cos and sin: the queries', the keys', the output's
+    readers, norms = 1, r_q + D  # linears that project the keys (kv, each compressor's kv and gate); normed widths
     # each span of positions a compressor pools at once: the whole row, or a halo rank's chunks (CSA's after the
     # first with the window before it)
     L = T // 2
@@ -176,6 +177,15 @@ def _compressor_bytes(batch: int, positions: int, ratio: int, dim: int, overlap:
     gate = 4 + (e if e != 4 else 0)
     kv = entries * ratio * width * e if overlap else 0
     return batch * (kv + entries * (ratio * width * gate + dim * 4 + 4)) + 2 * entries * rope * 4
+
+
+def key_pieces(cfg: ModelConfig, context: int, rank: int, tokens: int) -> list[int]:
+    """The lengths of the key pieces a halo-gathering CP rank holds (`compressed_context.halo_sources`): each run of
+    its chunks (r and 2C - 1 - r, one run when they meet) with the window - 1 positions before it."""
+    chunk = tokens // 2
+    mine = (rank, 2 * context - 1 - rank)
+    runs = [[mine[0]], [mine[1]]] if mine[1] != mine[0] + 1 else [list(mine)]
+    return [min(cfg.sliding_window - 1, run[0] * chunk) + len(run) * chunk for run in runs]
 
 
 def halo_gathers(cfg: ModelConfig, index: int, tokens: int) -> bool:
