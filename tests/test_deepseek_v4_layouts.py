@@ -439,3 +439,13 @@ def test_the_shipped_config_is_valid_at_the_layouts_it_names(nproc, overrides):
     m = config.model
     assert (m.hc_mult, m.mtp_layers, m.moe_hash_layers, m.compress_ratios) == (2, 1, 1, [0, 16, 4, 16])
     validate(config, nproc, check_paths=False)
+
+
+def test_the_run_banner_names_what_context_parallel_ranks_exchange():
+    """The banner's CP field: K/V by parallel.cp_comm, V4's gathered entries and halos, DSA's gathered latents."""
+    from shardlm.models.config import ModelConfig
+    from shardlm.training.run import context_exchange
+
+    assert context_exchange(v4_config(cp=2).model, "ring") == "entries and halos gathered"
+    assert context_exchange(ModelConfig(arch="llama", attention="mla", index_topk=4), "ring") == "latents gathered"
+    assert context_exchange(ModelConfig(arch="llama"), "allgather") == "allgather"

@@ -287,7 +287,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     progress.step = trainer.step
     pipeline = f"PP={ctx.pp_size} ({config.parallel.pipeline_schedule}) x " if ctx.pp_size > 1 else ""
     experts = f" (EP={ctx.ep_size})" if ctx.ep_size > 1 else ""
-    context = f"CP={ctx.cp_size} ({config.parallel.cp_comm}) x " if ctx.cp_size > 1 else ""
+    exchange = context_exchange(config.model, config.parallel.cp_comm)
+    context = f"CP={ctx.cp_size} ({exchange}) x " if ctx.cp_size > 1 else ""
     logger.print(f"shardlm: {trainer.num_parameters() / 1e6:.2f}M parameters | TP={ctx.tp_size} x {context}{pipeline}"
                  f"DP={ctx.dp_size}{experts} on {ctx.world_size} {ctx.device.type} rank(s) | "
                  f"vocabulary {config.model.vocab_size} padded to {trainer.model.padded_vocab_size} | "
@@ -349,3 +350,14 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if plot is not None:
         print(f"loss curve: {plot}", file=sys.stderr)
     return TrainResult(metrics, run_dir, trainer)
+
+
+def context_exchange(model, cp_comm: str) -> str:
+    """What context-parallel ranks exchange, for the run's banner: K/V by `parallel.cp_comm` ("ring" or
+    "allgather"), except where the family gathers instead (DeepSeek-V4: its compressed entries and each chunk's halo,
+    `shardlm.models.compressed_context`; DeepSeek Sparse Attention: whole rows' latents and indexer keys)."""
+    if model.hc_mult:
+        return "entries and halos gathered"
+    if model.index_topk and model.attention == "mla":
+        return "latents gathered"
+    return cp_comm
