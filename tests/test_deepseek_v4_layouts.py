@@ -11,10 +11,12 @@ random table). In one world of 2:
   choice of entries on both ranks, their gradients summed over TP); under SP the streams are sequence chunks and the
   hash layer reads its chunk's tokens;
 - PP=2: the (B, T, 2, h) streams handed between the stages (the hash layer on the first);
-- CP=2 (and CP=3 on rows of 48, world 3): each layer's input gathered over the CP ranks, the keys and entries of
-  the whole row (of each document) computed on every rank, each attending its zigzag queries;
+- CP=2 (and CP=3 on rows of 48, world 3): each rank projects its own tokens; on packed rows every position's
+  projections are gathered (each document's windows start at its first token), on plain rows each rank's entries
+  and its chunks' halos; each rank attends its zigzag queries;
 - DP=2 with ZeRO-1, FSDP DP=2, EP=2, LoRA at TP=2 with SP (adapters on q_b and the SwiGLUs), TP=2 with SP and full
   recomputation (the tokens for the hash layer handed to the recomputed layers too).
+In one world of 4: CP=2 inside TP=2 with SP (packed and plain rows) and CP=2 across two pipeline stages.
 Every case but LoRA trains the CSA indexer by its KL loss (model.index_loss_coeff): "indexer_kl" logged as one
 process logs it and the indexer's parameters moved (and compared with the rest); under LoRA it stays frozen.
 The control: at TP=2 with SP, the replicated weights' gradients not summed over TP ends far off.
@@ -167,6 +169,23 @@ def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, packed: bool = True, **tr
     config = v4_config(tp=tp, pp=pp, cp=cp, ep=ep, micro=BATCH, **train)
     config.model.seq_length = SEQ3
     return train_v4(layout_context(tp, pp, cp, ep), config, packed)
+
+
+WORLD4 = {"tp2 sp cp2": layout(tp=2, cp=2, sp=True), "tp2 sp cp2 plain": layout(tp=2, cp=2, sp=True, packed=False),
+          "pp2 cp2 plain": layout(pp=2, cp=2, micro=1, packed=False)}
+"""Four ranks: CP=2 inside TP=2 with SP (each TP rank projects its CP rank's tokens, gathered over SP first), on
+packed rows (every position's projections gathered) and plain ones (entries and halos), and CP=2 across two
+pipeline stages."""
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn_layouts(4, run_layout, WORLD4)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_deepseek_v4_at_four_ranks_equals_one_process(world4, reference, name):
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
 
 
 @pytest.fixture(scope="module")
