@@ -15,12 +15,14 @@ crossing the CP chunks and the micro-batches), the indexers trained by their KL 
 - chunks of 4 queries (`short chunks`) at TP=2 with SP, CP=2 and CP=2 x TP=2: a row's first chunks then see at
   most 4 x k keys and attend densely with the unchosen keys masked, its later ones gather their k keys (the two
   routes of `sparse_latent_attention`, both counted), against the same one process taking only the gathered route;
-- the control: at CP=2, each query choosing among and attending to its own rank's keys only trains and ends far off.
+- the control: at CP=2, each query choosing among and attending to its own rank's keys only trains and ends far off;
+- the planner's per-layer bytes equal what each rank's layers keep at CP=2, TP=2 and TP=2 with SP (fp32, bf16).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 from test_moe_parallel import stage_parameters
@@ -161,9 +163,61 @@ def world3():
     return spawn_layouts(3, run_rows_of_48, WORLD3)
 
 
+def layer_saves(tp: int, cp: int, sp: bool, precision: str) -> dict:
+    """One training forward of `dsa_config`'s model on plain rows on this rank, in `precision` ("fp32" or "bf16"
+    autocast): "saved", what each layer keeps for the backward, and "planned", `activations.shardlm_memory`'s
+    per-layer bytes of the rank (with SP, CP at the rank's tokens), under bf16 plus the SwiGLU's second cast of its
+    input (h x 2 bytes a token; the planner's Llama MLP counts one)."""
+    import dataclasses
+
+    import torch
+    from test_plan_linear_attention import saved_by_layer
+
+    from shardlm.data.zigzag import zigzag_split
+    from shardlm.models import build_model
+    from shardlm.plan.activations import LayerSetting, shardlm_memory
+    from shardlm.plan.measure import autocast_context
+    from shardlm.plan.memory import numeric_format
+
+    ctx, cfg = layout_context(tp=tp, cp=cp), dsa_config(tp=tp, cp=cp, sp=sp).model
+    model = build_model(cfg, ctx, seed=0, sequence_parallel=sp).train()
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    tokens = zigzag_split(tokens, cp, ctx.cp_rank) if cp > 1 else tokens
+
+    def forward():
+        with autocast_context(precision, torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    saved = saved_by_layer(model, forward)
+    rank_cfg = dataclasses.replace(cfg, seq_length=cfg.seq_length // cp)
+    planned = shardlm_memory(rank_cfg, tp, 2, numeric_format(precision), LayerSetting(sequence_parallel=sp),
+                             backend="cpu", context=cp).per_layer
+    planned += 2 * rank_cfg.seq_length * cfg.hidden_size * 2 if precision == "bf16" else 0
+    return {"saved": [saved[i] for i in range(cfg.num_layers)], "planned": planned}
+
+
+SAVES = {f"saves {name} {precision}": (tp, cp, sp, precision)
+         for name, (tp, cp, sp) in {"cp2": (1, 2, False), "tp2 sp": (2, 1, True), "tp2": (2, 1, False)}.items()
+         for precision in ("fp32", "bf16")}
+"""The planner's DSA layer checked on each rank at CP=2 (the whole rows' latents and indexer keys gathered), at
+TP=2 with SP (the latent down-projections and the indexer's keys on the rank's chunk) and without SP."""
+
+
+def world2_more() -> dict:
+    return {name: functools.partial(layer_saves, *case) for name, case in SAVES.items()}
+
+
 @pytest.fixture(scope="module")
 def world2():
-    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS)
+    return spawn_layouts(2, run_layout, WORLD2 | CONTROLS, more=world2_more)
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_each_rank_saves_what_the_planner_counts(world2, name):
+    """Every layer (each with its own indexer) keeps on each rank the planner's per-layer bytes (the one-process
+    kinds: `test_plan_sparse_attention`)."""
+    for rank, run in enumerate(check_result(world2, name)):
+        assert run["saved"] == [run["planned"]] * len(run["saved"]), (rank, run)
 
 
 @pytest.fixture(scope="module")

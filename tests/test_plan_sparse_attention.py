@@ -292,3 +292,43 @@ def test_128k_plans_of_the_doc():
     assert found["deepseek-v3.2"][1] == pytest.approx((174.9, 74.6, 9.0), abs=0.05)
     assert found["deepseek-v3"][0] == (16, 8, 8, 64)
     assert found["deepseek-v3"][1] == pytest.approx((468.3, 307.0, 0.0), abs=0.05)
+
+
+DSA_SAVES = [("16 tokens", {}, 2), ("64 tokens, 1 row", dict(seq_length=64), 1),
+             ("frozen indexers", dict(seq_length=64, index_loss_coeff=0.0), 1),
+             ("128 tokens, k = 8", dict(seq_length=128, index_topk=8), 2)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("case,changes,micro", DSA_SAVES, ids=[c[0] for c in DSA_SAVES])
+def test_each_dsa_layer_saves_what_the_planner_counts(case, changes, micro, precision):
+    """On the CPU, the tiny model's layers with their own indexer keep for the backward exactly the planner's
+    per-layer bytes (`dsa_activations`: the sparse core's inputs, the chosen keys, the indexer's LayerNorm input,
+    gradients and copies when it trains, in place of dense MLA's SDPA terms); its "shared" layer (GLM-5's) keeps
+    that less its indexer's bytes and the choice it reuses. Under bf16 autocast the SwiGLU's gate and up each keep
+    their own cast of its input, which the planner's Llama MLP counts once: h bytes x 2 a token are added here (as
+    `test_plan_deepseek` does)."""
+    from test_plan_linear_attention import saved_by_layer
+
+    from shardlm.models import build_model
+    from shardlm.parallel import ParallelContext
+    from shardlm.plan.activations import LayerSetting, shardlm_memory
+    from shardlm.plan.dsa_activations import dsa_attention_bytes
+    from shardlm.plan.measure import autocast_context
+    from shardlm.plan.memory import numeric_format
+
+    cfg, fmt = dataclasses.replace(TINY, **changes), numeric_format(precision)
+    model = build_model(cfg, ParallelContext.single(), seed=0).train()
+    tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with autocast_context(precision, torch.device("cpu")):
+            return model(tokens, tokens).mean()
+
+    saved = saved_by_layer(model, forward)
+    N = micro * cfg.seq_length
+    planned = shardlm_memory(cfg, 1, micro, fmt, LayerSetting(), backend="cpu").per_layer
+    planned += N * cfg.hidden_size * 2 if precision == "bf16" else 0
+    reused = dsa_attention_bytes(cfg, 0, 1, micro, fmt) - dsa_attention_bytes(cfg, 1, 1, micro, fmt)
+    assert [saved[i] for i in range(3)] == [planned, planned - reused - N * cfg.index_topk * 5, planned]
+    assert reused > 0 or cfg.index_loss_coeff == 0

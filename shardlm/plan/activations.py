@@ -48,7 +48,13 @@ from shardlm.models.config import ModelConfig
 from shardlm.plan import dualpipe, recurrent
 from shardlm.plan.experts import moe_layer_activation_bytes, moe_layer_count
 from shardlm.plan.linear_attention import linear_activation_bytes, linear_layer_count
-from shardlm.plan.memory import ActivationMemory, NumericFormat, activation_memory, attention_activation_bytes
+from shardlm.plan.memory import (
+    ActivationMemory,
+    NumericFormat,
+    activation_memory,
+    attention_activation_bytes,
+    norm_normalized_bytes,
+)
 from shardlm.plan.stages import RankStages, forwards_in_flight
 
 RECOMPUTE = ("none", "selective", "full")
@@ -132,14 +138,11 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
         # per layer: the two LayerNorm inputs, their statistics and the two dropout masks are split; the
         # GEMMs save the all-gathered LayerNorm outputs (full sequence), as shardlm's f-twin returns them
         per_layer -= _norms_split_off(cfg, tp, micro_batch, fmt, setting, backend, norms=2)
-        if cfg.arch == "llama" and cfg.attention == "mla":  # q_a and kv_a run on the rank's sequence chunk:
-            # the first norm's output they save, their outputs (the latent norms' inputs) and those norms' stats
-            latent_norms = 2 if cfg.q_lora_rank else 1
-            per_layer -= unsplit(tokens * (h + cfg.q_lora_rank + cfg.kv_lora_rank) * fmt.matmul_bytes
-                                 + latent_norms * tokens * 4)
+        if cfg.arch == "llama" and cfg.attention == "mla":  # the down-projections run on the rank's sequence chunk
+            per_layer -= _mla_split_off(cfg, tp, tokens, fmt, backend)
         layer_input //= tp
         embedding -= unsplit(tokens * h * mask_bytes)
-        head -= unsplit(tokens * h * fmt.residual_bytes + 2 * tokens * 4)  # final LayerNorm input and statistics
+        head -= unsplit(tokens * (h * fmt.residual_bytes + norm_statistics(cfg) * 4))  # final norm's input, stats
     recomputed = 0  # what selective recomputation drops of a full-attention layer
     if setting.recompute == "selective":
         recomputed = micro_batch * (cfg.num_heads // tp) * cfg.seq_length * 4  # SDPA's log-sum-exp
@@ -165,6 +168,11 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
         linear = per_layer - attention + linear_activation_bytes(cfg, tp, micro_batch, fmt,
                                                                   setting.recompute == "selective")
         per_layer = linear if linear_layer_count(cfg) == cfg.num_layers else max(per_layer, linear)
+    if cfg.attention == "mla" and cfg.index_topk and cfg.index_stage == "sparse":  # DSA: its sparse core and indexer
+        from shardlm.plan.dsa_activations import dsa_activation_change
+
+        per_layer += recomputed + dsa_activation_change(cfg, tp, micro_batch, fmt, backend, context,
+                                                        setting.sequence_parallel)
     if cfg.hc_mult:  # DeepSeek-V4: its attention, clipped MoE and hyper-connections, n residual streams a layer input
         from shardlm.plan.v4_activations import v4_activation_change
 
@@ -174,15 +182,44 @@ def shardlm_memory(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericForm
                    embedding=embedding)
 
 
+def norm_statistics(cfg: ModelConfig) -> int:
+    """fp32 statistics a norm keeps a token: RMSNorm (Llama) its reciprocal root mean square, LayerNorm (GPT,
+    BERT) its mean too."""
+    return 1 if cfg.arch == "llama" else 2
+
+
+def _mla_split_off(cfg: ModelConfig, tp: int, tokens: int, fmt: NumericFormat, backend: str) -> int:
+    """What sequence parallelism takes off an MLA layer (`memory.mla_activation_bytes`) of `tokens` tokens: q_a and
+    kv_a run on the rank's chunk, so its share of what they save is 1/t: the first norm's output (under autocast each
+    GEMM's own copy of it), the latent norms' inputs (q_a's output and kv_a's with its RoPE channels; under autocast
+    their fp32 copies, without them), their normalized values where they keep them (`memory.norm_normalized_bytes`)
+    and statistics. Without q_lora_rank, q reads the gathered input: its copy stays
+    whole, and in fp32 (or with half weights) kv_a's chunk of the input is kept beside it."""
+    h, e, autocast = cfg.hidden_size, fmt.matmul_bytes, fmt.weight_cast_bytes > 0
+    latents = cfg.q_lora_rank + cfg.kv_lora_rank
+    norm_inputs = latents * 4 if autocast else (latents + cfg.qk_rope_head_dim) * e
+    norm_inputs += latents * norm_normalized_bytes(e, backend)
+    stats = (2 if cfg.q_lora_rank else 1) * 4
+    split = tokens * (norm_inputs + stats)
+    if cfg.q_lora_rank:
+        split += tokens * h * e * (2 if autocast else 1)
+    elif autocast:  # kv_a's copy of the input is the chunk's; q's is the gathered input's
+        split += tokens * h * e
+    else:  # q keeps the gathered input, kv_a the chunk beside it
+        return split - split // tp - tokens // tp * h * e
+    return split - split // tp
+
+
 def _norms_split_off(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat, setting: LayerSetting,
                      backend: str, norms: int) -> int:
     """What sequence parallelism takes off a layer with `norms` norms (b s tokens): their inputs (residual dtype),
-    the dropout masks after them and two fp32 statistics per token each are split over t; 0 without SP."""
+    the dropout masks after them and their fp32 statistics (`norm_statistics` a token each) are split over t; 0
+    without SP."""
     if not setting.sequence_parallel or tp == 1:
         return 0
     tokens = micro_batch * cfg.seq_length
     mask_bytes = 0 if cfg.dropout <= 0 else 1 if backend == "cuda" else fmt.residual_bytes
-    nbytes = norms * (tokens * cfg.hidden_size * (fmt.residual_bytes + mask_bytes) + 2 * tokens * 4)
+    nbytes = norms * tokens * (cfg.hidden_size * (fmt.residual_bytes + mask_bytes) + norm_statistics(cfg) * 4)
     return nbytes - nbytes // tp
 
 
