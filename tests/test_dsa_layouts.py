@@ -166,8 +166,7 @@ def world3():
 def layer_saves(tp: int, cp: int, sp: bool, precision: str) -> dict:
     """One training forward of `dsa_config`'s model on plain rows on this rank, in `precision` ("fp32" or "bf16"
     autocast): "saved", what each layer keeps for the backward, and "planned", `activations.shardlm_memory`'s
-    per-layer bytes of the rank (with SP, CP at the rank's tokens), under bf16 plus the SwiGLU's second cast of its
-    input (h x 2 bytes a token; the planner's Llama MLP counts one)."""
+    per-layer bytes of the rank (with SP, CP at the rank's tokens)."""
     import dataclasses
 
     import torch
@@ -192,7 +191,6 @@ def layer_saves(tp: int, cp: int, sp: bool, precision: str) -> dict:
     rank_cfg = dataclasses.replace(cfg, seq_length=cfg.seq_length // cp)
     planned = shardlm_memory(rank_cfg, tp, 2, numeric_format(precision), LayerSetting(sequence_parallel=sp),
                              backend="cpu", context=cp).per_layer
-    planned += 2 * rank_cfg.seq_length * cfg.hidden_size * 2 if precision == "bf16" else 0
     return {"saved": [saved[i] for i in range(cfg.num_layers)], "planned": planned}
 
 

@@ -131,6 +131,34 @@ def enter_parallel_region(x: torch.Tensor, tp, sequence_parallel: bool) -> torch
     return gather_from_sequence_parallel(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
 
 
+class _SharedCast(torch.autograd.Function):
+    """One GEMM's input: the autocast copy `autocast_copies` made once (a view of it), its gradient cast back to the
+    input's dtype, as autocast's own cast of the input for that GEMM would give it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def autocast_copies(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """x as the input of n GEMMs (q, k and v; gate and up): under autocast one copy of it in the autocast dtype,
+    made once and handed to each GEMM through a node of its own, whose backward casts that GEMM's input gradient
+    back to x's dtype, where the n are summed: the forward and backward of autocast casting x for each GEMM, with
+    one copy kept for the backward instead of n. Without autocast, or for an x already in its dtype, x n times."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device):
+        return [x] * n
+    copy = x.detach().to(torch.get_autocast_dtype(device))
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return [copy] * n
+    return [_SharedCast.apply(x, copy) for _ in range(n)]
+
+
 class PreNormBlock(nn.Module):
     """x + Dropout(attn(ln_1(x))), then x + Dropout(mlp(ln_2(x))). (B, T, h) -> (B, T, h), or (B, T / tp, h)
     chunks under sequence parallelism (the norms are then marked `sequence_parallel`). A model's block

@@ -41,7 +41,7 @@ from torch import nn
 
 from shardlm.data.zigzag import zigzag_chunks
 from shardlm.models.config import ModelConfig
-from shardlm.models.decoder import LayerStateCache, enter_parallel_region
+from shardlm.models.decoder import LayerStateCache, autocast_copies, enter_parallel_region
 from shardlm.models.delta_rule import causal_conv, conv_validity
 from shardlm.models.documents import Documents
 from shardlm.models.kda_rule import chunk_kda_rule, kda_rule, kda_span_summary, l2norm, packed_kda_rule
@@ -126,13 +126,14 @@ class KimiDeltaAttention(nn.Module):
         x continues the cached positions; with `documents`, each packed document starts from a zero state."""
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)
         B, T, _ = x.shape
-        mixed = torch.cat((self.q.local(x), self.k.local(x), self.v.local(x)), dim=-1)  # (B, T, 3 H d / tp)
-        gates = (self.b.local(x), self.low_rank(x, self.f_a, self.f_b))
+        x_q, x_k, x_v, x_b, x_f, x_g = autocast_copies(x, 6)  # under autocast one half copy of x for the six
+        mixed = torch.cat((self.q.local(x_q), self.k.local(x_k), self.v.local(x_v)), dim=-1)  # (B, T, 3 H d / tp)
+        gates = (self.b.local(x_b), self.low_rank(x_f, self.f_a, self.f_b))
         if self.selective_recompute and cache is None and self.training and torch.is_grad_enabled():
             out = recompute(self.core, mixed, *gates, documents, rng=self.ctx.rng)
         else:
             out = self.core(mixed, *gates, documents, cache)
-        gate = self.low_rank(x, self.g_a, self.g_b).view(B, T, self.heads, self.d)
+        gate = self.low_rank(x_g, self.g_a, self.g_b).view(B, T, self.heads, self.d)
         weight = copy_to_tensor_parallel(self.norm.weight, self.tp)  # replicated: gradient summed over TP
         y = rms_norm(out.float(), weight.float(), self.norm.eps)
         y = (y * torch.sigmoid(gate.float())).to(x.dtype)

@@ -35,7 +35,7 @@ from torch import nn
 
 from shardlm.data.zigzag import zigzag_chunks
 from shardlm.models.config import ModelConfig
-from shardlm.models.decoder import LayerStateCache, enter_parallel_region
+from shardlm.models.decoder import LayerStateCache, autocast_copies, enter_parallel_region
 from shardlm.models.delta_rule import (
     carry,
     causal_conv,
@@ -151,13 +151,14 @@ class GatedDeltaNet(nn.Module):
         x continues the cached positions; with `documents`, each packed document starts from a zero state."""
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)
         B, T, _ = x.shape
-        mixed = torch.cat((self.q.local(x), self.k.local(x), self.v.local(x)), dim=-1)  # (B, T, channels / tp)
-        gates = (self.b.local(x), self.a.local(x))
+        x_q, x_k, x_v, x_b, x_a, x_z = autocast_copies(x, 6)  # under autocast one half copy of x for the six
+        mixed = torch.cat((self.q.local(x_q), self.k.local(x_k), self.v.local(x_v)), dim=-1)  # (B, T, channels / tp)
+        gates = (self.b.local(x_b), self.a.local(x_a))
         if self.selective_recompute and cache is None and self.training and torch.is_grad_enabled():
             out = recompute(self.core, mixed, *gates, documents, rng=self.ctx.rng)
         else:
             out = self.core(mixed, *gates, documents, cache)
-        z = self.z.local(x).view(B, T, self.value_heads, self.dv)
+        z = self.z.local(x_z).view(B, T, self.value_heads, self.dv)
         weight = copy_to_tensor_parallel(self.norm.weight, self.tp)  # replicated: gradient summed over TP
         y = rms_norm(out.float(), None, self.norm.eps).to(x.dtype) * weight
         y = (y.float() * F.silu(z.float())).to(x.dtype)

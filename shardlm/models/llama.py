@@ -48,6 +48,7 @@ from shardlm.models.decoder import (
     LayerKVCache,
     PreNormBlock,
     SequenceDropout,
+    autocast_copies,
     enter_parallel_region,
     finished,
     mark_sequence_parallel,
@@ -196,19 +197,20 @@ class LlamaAttention(nn.Module):
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for q, k and v
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
-        q = self.q.local(x)
+        x_q, x_k, x_v = autocast_copies(x, 3)  # under autocast one half copy of x for the three
+        q = self.q.local(x_q)
         gate = None
         if self.gated:  # each head's rows: its queries, then its gate channels
             q, gate = q.view(B, T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         if self.projection_norms:
-            q, k = self.normed_projections(x, q)
+            q, k = self.normed_projections(x_k, q)
         else:
             q = q.reshape(B, T, self.heads, self.head_dim)
-            k = self.k(x).view(B, T, self.kv_heads, self.head_dim)
+            k = self.k(x_k).view(B, T, self.kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.head_norm(self.q_norm, q), self.head_norm(self.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x_v).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         # the tokens' original positions (this CP rank's zigzag part under context parallelism)
         inv_freq, factor = rope_inverse_frequencies(self.cfg, self.rotary_dim, x.device, sliding=self.window > 0)
         cos, sin = angles_of(token_positions(T, self.ctx.cp, past, documents, x.device), inv_freq, factor)
@@ -310,7 +312,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_parallel_region(x, self.tp, self.sequence_parallel)  # one `f` for gate and up
-        return self.down(F.silu(self.gate.local(x)) * self.up.local(x))
+        x_gate, x_up = autocast_copies(x, 2)  # under autocast one half copy of x for the two
+        return self.down(F.silu(self.gate.local(x_gate)) * self.up.local(x_up))
 
 
 class LlamaBlock(PreNormBlock):

@@ -41,7 +41,7 @@ from torch import nn
 from shardlm.data.zigzag import zigzag_chunks
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig, ParallelOptions
-from shardlm.models.decoder import SequenceDropout, enter_parallel_region, mark_sequence_parallel
+from shardlm.models.decoder import SequenceDropout, autocast_copies, enter_parallel_region, mark_sequence_parallel
 from shardlm.models.delta_rule import conv_validity
 from shardlm.models.documents import Documents
 from shardlm.models.linear_attention import chunks_convolved
@@ -122,13 +122,14 @@ class Mamba2(nn.Module):
         starts from a zero state."""
         u = enter_parallel_region(u, self.tp, self.sequence_parallel)
         B, T, _ = u.shape
-        mixed = torch.cat((self.x.local(u), self.B.local(u), self.C.local(u)), dim=-1)  # (B, T, conv channels / tp)
-        dt = self.dt.local(u)
+        u_x, u_B, u_C, u_dt, u_z = autocast_copies(u, 5)  # under autocast one half copy of u for the five
+        mixed = torch.cat((self.x.local(u_x), self.B.local(u_B), self.C.local(u_C)), dim=-1)  # (B, T, channels / tp)
+        dt = self.dt.local(u_dt)
         if self.selective_recompute and cache is None and self.training and torch.is_grad_enabled():
             y = recompute(self.core, mixed, dt, documents, rng=self.ctx.rng)
         else:
             y = self.core(mixed, dt, documents, cache)
-        y = gated_rms_norm(y.reshape(B, T, self.heads * self.P), self.z.local(u), self.norm.weight, self.group_size,
+        y = gated_rms_norm(y.reshape(B, T, self.heads * self.P), self.z.local(u_z), self.norm.weight, self.group_size,
                            self.cfg.layernorm_epsilon)
         return self.o(y.to(u.dtype))
 

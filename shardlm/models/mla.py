@@ -46,6 +46,7 @@ from shardlm.models.attention import causal_attention
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import (
     LayerKVCache,
+    autocast_copies,
     causal_mask_with_past,
     enter_parallel_region,
     mark_sequence_parallel,
@@ -183,8 +184,9 @@ class LatentAttention(nn.Module):
             q = self.q.local(self.enter(x))
             latents = self.enter(torch.cat(self.kv_latent(x), dim=-1))
         else:
-            q_latent = self.q_a_norm(self.q_a(x))
-            latents = self.enter(torch.cat((q_latent, *self.kv_latent(x)), dim=-1))
+            x_q, x_kv = autocast_copies(x, 2)  # under autocast one half copy of x for q_a and kv_a
+            q_latent = self.q_a_norm(self.q_a(x_q))
+            latents = self.enter(torch.cat((q_latent, *self.kv_latent(x_kv)), dim=-1))
             q_latent, latents = latents.split([cfg.q_lora_rank, latents.shape[-1] - cfg.q_lora_rank], dim=-1)
             q = self.q_b.local(q_latent)
         c, k_rope = latents.split([cfg.kv_lora_rank, self.rope], dim=-1)

@@ -190,8 +190,8 @@ def norm_statistics(cfg: ModelConfig) -> int:
 
 def _mla_split_off(cfg: ModelConfig, tp: int, tokens: int, fmt: NumericFormat, backend: str) -> int:
     """What sequence parallelism takes off an MLA layer (`memory.mla_activation_bytes`) of `tokens` tokens: q_a and
-    kv_a run on the rank's chunk, so its share of what they save is 1/t: the first norm's output (under autocast each
-    GEMM's own copy of it), the latent norms' inputs (q_a's output and kv_a's with its RoPE channels; under autocast
+    kv_a run on the rank's chunk, so its share of what they save is 1/t: the first norm's output (under autocast the
+    copy they share), the latent norms' inputs (q_a's output and kv_a's with its RoPE channels; under autocast
     their fp32 copies, without them), their normalized values where they keep them (`memory.norm_normalized_bytes`)
     and statistics. Without q_lora_rank, q reads the gathered input: its copy stays
     whole, and in fp32 (or with half weights) kv_a's chunk of the input is kept beside it."""
@@ -201,8 +201,8 @@ def _mla_split_off(cfg: ModelConfig, tp: int, tokens: int, fmt: NumericFormat, b
     norm_inputs += latents * norm_normalized_bytes(e, backend)
     stats = (2 if cfg.q_lora_rank else 1) * 4
     split = tokens * (norm_inputs + stats)
-    if cfg.q_lora_rank:
-        split += tokens * h * e * (2 if autocast else 1)
+    if cfg.q_lora_rank:  # (one autocast copy of it, shared: `decoder.autocast_copies`)
+        split += tokens * h * e
     elif autocast:  # kv_a's copy of the input is the chunk's; q's is the gathered input's
         split += tokens * h * e
     else:  # q keeps the gathered input, kv_a the chunk beside it

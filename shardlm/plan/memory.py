@@ -254,8 +254,9 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
           output r_kv + qk_rope (the latent c, kv_a_norm's input, is a view of it), and the normed latents
           q_a_norm(.), kv_a_norm(c) with the RoPE key, r_q + r_kv + qk_rope, one tensor that q_b and kv_b
           save; one fp32 statistic per latent norm; under autocast the norms save fp32 copies of their
-          inputs instead (r_q + r_kv, 4 bytes each), and the two GEMMs that read the first norm's output
-          (q_a or q, and kv_a) each save their own half copy of it (h more);
+          inputs instead (r_q + r_kv, 4 bytes each), and without the query's low-rank path the two GEMMs that
+          read the first norm's output (q and kv_a) each save their own half copy of it (h more; q_a and kv_a
+          share one: `decoder.autocast_copies`);
       split over TP: kv_b's output H/t (qk_nope + v_head_dim) (its value half is SDPA's v), SDPA's
           rotated q and k H/t qk each, its output H/t v_head_dim (o's input, a view on CUDA; a copy on the
           CPU), the log-sum-exp (fp32, one per local head); SwiGLU's four f/t;
@@ -275,11 +276,11 @@ def mla_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: Numer
     qk = cfg.qk_nope_head_dim + rope
     autocast = fmt.weight_cast_bytes > 0
     # the latent norms' inputs: kv_a's output (c is a view of it) and q_a's, or under autocast, whose norms run
-    # in fp32, the fp32 copies of c and q_a's output; autocast also casts the first norm's output once for
-    # each of the two GEMMs that read it (q_a or q, and kv_a)
+    # in fp32, the fp32 copies of c and q_a's output
     norm_inputs = tokens * (q_rank + kv_rank) * 4 if autocast else \
         tokens * (q_rank + kv_rank + rope) * fmt.matmul_bytes
-    second_cast = tokens * h * fmt.matmul_bytes if autocast else 0
+    # without the query's low-rank path q reads the input past `f` and kv_a the input itself: each its own copy
+    second_cast = tokens * h * fmt.matmul_bytes if autocast and not q_rank else 0
     latents = q_rank + kv_rank + rope
     split = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + 2 * qk + cfg.v_head_dim) + 4 * f // tp
     norms = (2 if q_rank else 1) * tokens * 4 + 2 * tokens * 4

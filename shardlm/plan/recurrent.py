@@ -334,22 +334,19 @@ def kda_layer_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt:
     gqa = replace(cfg, attention="mha", layer_types=[])
     rest = layer_activation_bytes(gqa, tp, micro_batch, fmt, backend) \
         - attention_activation_bytes(gqa, tp, micro_batch, fmt, backend)
-    if fmt.weight_cast_bytes:  # under autocast q, k, v, b, f_a and g_a, and the SwiGLU's gate and up, cast anew
-        rest += 6 * micro_batch * cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
     return rest + kda_activation_bytes(cfg, tp, micro_batch, fmt, selective)
 
 
 def mamba_block_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fmt: NumericFormat,
                                  backend: str = "cuda", selective: bool = False) -> int:
     """What a whole Nemotron-H Mamba-2 block saves: its RMSNorm's input (residual dtype), output (as the input GEMMs
-    save it: under autocast each of its five input GEMMs, z, x, B, C and dt, casts it anew) and fp32 statistic (and
+    save it: under autocast one copy its five input GEMMs, z, x, B, C and dt, share) and fp32 statistic (and
     its normalized values where it saves them: `memory.norm_normalized_bytes`, on the CPU for a half input only) and
     `mamba_activation_bytes`."""
     from shardlm.plan.memory import norm_normalized_bytes
 
     h, tokens = cfg.hidden_size, micro_batch * cfg.seq_length
-    casts = 1 if fmt.weight_cast_bytes == 0 else 5
-    norm = tokens * (h * fmt.residual_bytes + casts * h * fmt.matmul_bytes + 4
+    norm = tokens * (h * fmt.residual_bytes + h * fmt.matmul_bytes + 4  # (`decoder.autocast_copies`)
                      + h * norm_normalized_bytes(fmt.residual_bytes, backend))
     return norm + mamba_activation_bytes(cfg, tp, micro_batch, fmt, selective)
 
@@ -357,8 +354,8 @@ def mamba_block_activation_bytes(cfg: ModelConfig, tp: int, micro_batch: int, fm
 def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
                                    backend: str = "cuda", selective: bool = False) -> int:
     """What Nemotron-H's block `index` saves for one micro-batch on one TP rank: its RMSNorm (input, statistic, the
-    normalized values where it saves them, `memory.norm_normalized_bytes`, and the output as each input GEMM saves
-    it, cast anew by each under autocast) and its mixer. Mamba-2: `mamba_block_activation_bytes`. Attention without
+    normalized values where it saves them, `memory.norm_normalized_bytes`, and the output as its input GEMMs save
+    it, one copy they share under autocast) and its mixer. Mamba-2: `mamba_block_activation_bytes`. Attention without
     positions: `memory.attention_activation_bytes` without RoPE's cos and sin (with `selective`, without SDPA's
     log-sum-exp too). The ReLU^2 MLP: up's output (which ReLU keeps and squares) and the square down reads (2 f / t,
     GEMM dtype), autocast's copies of up and down. The MoE blocks ("E") are not counted here (ValueError;
@@ -373,8 +370,7 @@ def pattern_block_activation_bytes(cfg: ModelConfig, index: int, tp: int, micro_
     from shardlm.plan.memory import attention_activation_bytes, norm_normalized_bytes
 
     h, tokens, e = cfg.hidden_size, micro_batch * cfg.seq_length, fmt.matmul_bytes
-    casts = 3 if kind == "*" and fmt.weight_cast_bytes else 1  # q, k and v each cast the norm's output
-    norm = tokens * (h * fmt.residual_bytes + casts * h * e + 4
+    norm = tokens * (h * fmt.residual_bytes + h * e + 4  # under autocast q, k and v share one copy
                      + h * norm_normalized_bytes(fmt.residual_bytes, backend))
     if kind == "*":
         plain = replace(cfg, layer_pattern="", mamba_num_heads=0, moe_num_experts=0)
