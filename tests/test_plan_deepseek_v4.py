@@ -384,7 +384,7 @@ def test_the_key_projections_are_the_planned_width():
     cfg = tiny_v4()
     model = built(cfg)
     x = torch.randn(2, cfg.seq_length, cfg.hidden_size)
-    widths = [sum(p.shape[-1] for p in layer.attn.key_inputs(x)) for layer in model.layers.values()]
+    widths = [sum(p.shape[-1] for p in layer.attn.key_inputs([x] * 3)) for layer in model.layers.values()]
     assert widths == [key_projection_width(cfg, i) for i in range(3)] == [48, 112, 16]
 
 

@@ -55,7 +55,7 @@ from shardlm.data.zigzag import local_positions
 from shardlm.models.compressed_context import gathered_keys, halo_sources
 from shardlm.models.compressed_core import attend
 from shardlm.models.config import ModelConfig
-from shardlm.models.decoder import enter_parallel_region
+from shardlm.models.decoder import autocast_copies, enter_parallel_region
 from shardlm.models.hyper_connections import unweighted_rms_norm
 from shardlm.models.norms import rms_norm_fp32 as rms_norm
 from shardlm.models.rotary import rope_inverse_frequencies
@@ -131,10 +131,10 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, device=ctx.device))
         self.kv_norm = nn.Parameter(torch.ones(dim, device=ctx.device))
 
-    def project(self, x: torch.Tensor, shared) -> list[torch.Tensor]:
+    def project(self, x: torch.Tensor, shared, x_gate: torch.Tensor | None = None) -> list[torch.Tensor]:
         """x (B, S, h) -> [kv, gate] (B, S, (1 or 2) dim): per token, so that a context-parallel rank projects only
-        its own tokens."""
-        return [F.linear(x, shared(self.kv)), F.linear(x, shared(self.gate))]
+        its own tokens (`x_gate`: the gate's own view of x, `decoder.autocast_copies`)."""
+        return [F.linear(x, shared(self.kv)), F.linear(x if x_gate is None else x_gate, shared(self.gate))]
 
     def forward(self, kv: torch.Tensor, gate: torch.Tensor, shared, first: int = 0) -> torch.Tensor:
         B, S, width = kv.shape
@@ -309,15 +309,17 @@ class CompressedAttention(nn.Module):
             x_all = x if stored is None else torch.cat((stored, x), dim=1)
             cache.extras["inputs"], cache.length = x_all, past + x.shape[1]
             positions = torch.arange(past, past + x.shape[1], device=x.device)
-            return self.o_b(self.grouped(x, positions, *self.sources(self.key_inputs(x_all)))[0])
+            return self.o_b(self.grouped(x, positions, *self.sources(self.key_inputs(autocast_copies(x_all, 3))))[0])
         cp = self.ctx.cp
         index = local_positions(x.shape[1], cp, device=x.device)  # each token's place in the whole row
         tokens = x.shape[0] * x.shape[1] * cp.size  # the micro-batch's, every CP rank's
+        x, *inputs = autocast_copies(x, 4)  # under autocast one half copy for q_a, kv and the compressor's kv, gate
         if documents is None:
-            sources = halo_sources(self, x, cp) if cp.size > 1 else None
-            sources = sources or self.sources(self.key_inputs(x) if cp.size == 1 else gathered_keys(self, x, cp))
+            sources = halo_sources(self, inputs, cp) if cp.size > 1 else None
+            sources = sources or self.sources(self.key_inputs(inputs) if cp.size == 1 else
+                                              gathered_keys(self, inputs, cp))
             return self.o_b(self.attach(*self.grouped(x, index, *sources), tokens))
-        keys = self.key_inputs(x) if cp.size == 1 else gathered_keys(self, x, cp)
+        keys = self.key_inputs(inputs) if cp.size == 1 else gathered_keys(self, inputs, cp)
         rows, divergences = [], []
         for b, offsets in enumerate(documents.offsets):
             pieces, places = [], []
@@ -340,15 +342,16 @@ class CompressedAttention(nn.Module):
             return y
         return attach_indexer_loss(y, self.indexer, divergence, tokens)
 
-    def key_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x (B, S, h) -> what its positions' keys and entries are computed from, per token: kv's projection (B, S, D)
-        and on a compressing layer its compressor's kv and gate projections, and on a CSA layer the indexer's (from
-        the detached x: `Indexer.project`)."""
-        parts = [F.linear(x, self.shared(self.kv))]
+    def key_inputs(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The input x (B, S, h) as kv, the compressor's kv and its gate read it (three views of one autocast copy,
+        `decoder.autocast_copies`) -> what its positions' keys and entries are computed from, per token: kv's
+        projection (B, S, D) and on a compressing layer its compressor's kv and gate projections, and on a CSA layer
+        the indexer's (from the detached x: `Indexer.project`)."""
+        parts = [F.linear(inputs[0], self.shared(self.kv))]
         if self.compressor is not None:
-            parts += self.compressor.project(x, self.shared)
+            parts += self.compressor.project(inputs[1], self.shared, inputs[2])
             if self.indexer is not None:
-                parts += self.indexer.project(x)
+                parts += self.indexer.project(inputs[0])
         return parts
 
     def sources(self, keys: list[torch.Tensor], first: int = 0) -> tuple:

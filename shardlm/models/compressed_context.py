@@ -24,20 +24,21 @@ from shardlm.data.zigzag import zigzag_merge
 from shardlm.parallel import gather_from_sequence_parallel
 
 
-def gathered_keys(attn, x: torch.Tensor, cp) -> list[torch.Tensor]:
-    """Every position's `key_inputs` (B, S, .) of the row, in row order: this rank's tokens x (B, T, h) projected and
-    all-gathered over the CP group `cp`."""
-    keys = attn.key_inputs(x)
+def gathered_keys(attn, inputs: list[torch.Tensor], cp) -> list[torch.Tensor]:
+    """Every position's `key_inputs` (B, S, .) of the row, in row order: this rank's tokens (`key_inputs`' views of
+    x (B, T, h)) projected and all-gathered over the CP group `cp`."""
+    keys = attn.key_inputs(inputs)
     widths = [part.shape[-1] for part in keys]
     joined = gather_from_sequence_parallel(torch.cat(keys, dim=-1), cp)
     return list(zigzag_merge(list(joined.chunk(cp.size, dim=1))).split(widths, dim=-1))
 
 
-def halo_sources(attn, x: torch.Tensor, cp) -> tuple | None:
-    """`CompressedAttention.sources` for this rank's queries, from its tokens x (B, T, h): kv's projection as pieces
-    [(first position, (B, n, D))], each run of its chunks with the window - 1 positions before it, the row's entries
-    and the indexer's, gathered (the module docstring); None when its chunks do not hold whole windows."""
-    T = x.shape[1]
+def halo_sources(attn, inputs: list[torch.Tensor], cp) -> tuple | None:
+    """`CompressedAttention.sources` for this rank's queries, from its tokens (`key_inputs`' views of x (B, T, h)):
+    kv's projection as pieces [(first position, (B, n, D))], each run of its chunks with the window - 1 positions
+    before it, the row's entries and the indexer's, gathered (the module docstring); None when its chunks do not hold
+    whole windows."""
+    T = inputs[0].shape[1]
     C, L = cp.size, T // 2
     compressor = attn.compressor
     ratio = compressor.ratio if compressor is not None else 0
@@ -45,7 +46,7 @@ def halo_sources(attn, x: torch.Tensor, cp) -> tuple | None:
     halo = max(before, ratio if compressor is not None and compressor.overlap else 0)
     if T % 2 or (ratio and L % ratio) or halo > L:
         return None
-    keys = attn.key_inputs(x)
+    keys = attn.key_inputs(inputs)
     widths = [part.shape[-1] for part in keys]
     local = torch.cat(keys, dim=-1)  # (B, T, P)
     tails = torch.cat((local[:, L - halo:L], local[:, T - halo:]), dim=1)  # each chunk's last `halo` positions

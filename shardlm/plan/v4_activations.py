@@ -1,7 +1,7 @@
 """What DeepSeek-V4's attention (`shardlm.models.compressed_attention`) saves for the backward, per layer kind.
 
-For one micro-batch of b rows on one TP rank: T queries (s, or s / C on a context-parallel rank), S key positions
-(s: a CP rank computes the keys and entries of the whole row), N = b T and N_S = b S tokens, H = heads / t query
+For one micro-batch of b rows on one TP rank: T queries (s, or s / C on a context-parallel rank), S = s positions a
+row (a CP rank's keys: below), N = b T and N_S = b S tokens, H = heads / t query
 heads of D channels, r_q = q_lora_rank, R = qk_rope_head_dim, g = output_groups / t of r_o = output_rank; e the
 GEMM dtype's bytes:
 
@@ -11,21 +11,23 @@ GEMM dtype's bytes:
     keys        kv's output in fp32 N_S D and its statistic; the rotated kv N_S D
     output      the rotated-back output as o_a's einsum reads it (a copy, N H D); o_b's input N g r_o
     RoPE        each rotation's repeated cos and sin (fp32, positions x R each): the queries', the keys', the output's
-    a compressor of ratio m (W = S // m entries; CSA's windows overlap, o = 1): its kv and its softmax gate
-                b W m (1 + o) D each (the gate in fp32), its norm's input b W D and statistic, cos and sin W R each,
-                the entries b W D (the core's input)
+    a compressor of ratio m (W = S // m entries; CSA's windows overlap, o = 1): its kv (HCA: a view of its
+                projection, b S D; CSA: the overlapping windows, b W 2 m D) and its softmax gate b W m (1 + o) D in
+                fp32, its norm's input b W D and statistic, cos and sin W R each, the entries b W D (the core's input)
     CSA         the chosen entries (b, T, k) int64 (k = min(index_topk, W)); a trained indexer (index_loss_coeff > 0,
                 not frozen) also its compressor at D_i = index_head_dim as above without the entries, its queries'
                 cos and sin, and the gradients its loss computed in the forward (fp32): N H_i D_i + N H_i + b W D_i
     the core    (`compressed_core.attend`): a layer of more than CHUNK_ELEMENTS scores recomputes each group of
                 chunks in the backward and keeps the positions (T int64) besides its inputs; a smaller one keeps each
                 chunk's probabilities (b H c x (band + entries + sink)) and its boolean masks (`_kept_core_bytes`)
-    half        under autocast each linear's own copy of its input (the Llama layer counts one) and of its weight
-                (not the indexer's, whose inputs need no gradient); the fp32 norms' copies of half inputs (q_b's
-                output in both dtypes and its statistic in both); the compressors' gates in both dtypes; with half
-                weights, the fp32 norms' copies of their weights
-    CP          each row runs alone (its own angles, positions, query and output indices), and the gathered row's
-                input is kept (by kv and the compressors' linears, or their autocast copies)
+    half        under autocast its weights' copies (not the indexer's, whose inputs need no gradient; its GEMMs
+                share one copy of the input, `decoder.autocast_copies`, which the Llama layer counts); the fp32 norms'
+                copies of half inputs (q_b's output in both dtypes and its statistic in both); the compressors' gates
+                in both dtypes; with half weights, the fp32 norms' copies of their weights
+    CP          plain rows whose chunks hold whole windows (`halo_gathers`): the keys of the rank's chunks and of the
+                window before each (`key_pieces`), each compressor over the rank's chunks, the gathered entries (with
+                the indexer's); otherwise the whole row's keys and compressors, and the gathered key projections
+                where a view of them is kept
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
     saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
     saved += b * K * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
     saved += 2 * (2 * T + K) * R * 4  # cos and sin: the queries', the keys', the output's
-    readers, norms = 1, r_q + D  # linears that project the keys (kv, each compressor's kv and gate); normed widths
+    norms = r_q + D  # the widths its fp32 norms normalize
     # each span of positions a compressor pools at once: the whole row, or a halo rank's chunks (CSA's after the
     # first with the window before it)
     L = T // 2
@@ -141,15 +143,13 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
         saved += sum(_compressor_bytes(b, span, ratio, D, kind == "csa", e, R) for span in spans)
         if kind == "hca":  # its kv, a view of the projections: the whole row's, or the rank's own (all P of them)
             saved += b * (T * key_projection_width(cfg, index) if halo else S * D) * e
-        readers, norms = readers + 2, norms + D
+        norms += D
     if kind == "csa" and cfg.index_loss_coeff > 0:  # the trained indexer, from detached inputs (no weight copies)
         heads_i, dim_i = cfg.index_heads, cfg.index_head_dim
         saved += sum(_compressor_bytes(b, span, ratio, dim_i, True, e, R) for span in spans) + 2 * T * R * 4
         norms += dim_i
         saved += (N * heads_i * (dim_i + 1) + b * W * dim_i) * 4  # its loss's gradients, taken in the forward
-        saved += 3 * N * h * e if autocast else 0  # its compressor's kv and gate, weights_proj
-    if autocast:  # each linear's copy of its input (beyond the one the Llama layer counts), its weight's
-        saved += readers * N * h * e
+    if autocast:  # its weights' copies (its GEMMs share one copy of the input, which the Llama layer counts)
         width = (2 if kind == "csa" else 1) * D
         saved += autocast * (h * (r_q + D) + r_q * heads * D + cfg.output_rank * (heads * D + groups * h)
                              + (2 * width * h if kind != "sliding" else 0))
