@@ -126,10 +126,10 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
     e, r_q, half = fmt.matmul_bytes, cfg.q_lora_rank, fmt.matmul_bytes != 4
     autocast = fmt.weight_cast_bytes
     W, others = S // ratio if ratio else 0, _entries_seen(cfg, index, S)
-    # q_a's output in fp32 and q_res; q_b's output, normalized per head (in half precision its fp32 copy and its
-    # statistic in both dtypes); the rotated q; kv in fp32 and rotated; the rotated-back output's copy, o_b's input
     halo = context > 1 and halo_gathers(cfg, index, T)
     K = sum(key_pieces(cfg, context, rank, T)) if halo else S  # the key positions it holds
+    # q_a's output in fp32 and q_res; q_b's output, normalized per head (in half precision its fp32 copy and its
+    # statistic in both dtypes); the rotated q; kv in fp32 and rotated; the rotated-back output's copy, o_b's input
     saved = N * (r_q * (4 + e) + 4 + heads * (D + 1) * (4 + (e if half else 0)) + heads * D * e)
     saved += b * K * (D * (4 + e) + 4) + N * (heads * D + groups * cfg.output_rank) * e
     saved += 2 * (2 * T + K) * R * 4  # cos and sin: the queries', the keys', the output's
