@@ -36,10 +36,11 @@ parameters are frozen.
 Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed rows:
 each document is attended alone, its windows and entries starting at its first token. Context parallelism: each
 rank projects its own tokens (B, T / C, h) into what the keys and entries are computed from (`key_inputs`: kv's
-projection and the compressors' kv and gate, D + 2 (1 + o) D + 4 D_i channels, not the h of the input), which is
-all-gathered over the CP group (its gradient reduce-scattered back) and put in row order; every rank then pools the
-entries of the whole row (a normalization and a softmax per token, no matrix) and attends its own zigzag queries;
-its indexer loss covers its own queries over the whole micro-batch's tokens (hence the C in its factor).
+projection and the compressors' kv and gate); on plain rows whose chunks hold whole windows it pools its own
+windows' entries and all-gathers those and each chunk's halo, otherwise every position's projections
+(`shardlm.models.compressed_context`; gradients reduce-scattered back), and attends its own zigzag queries; its
+indexer loss covers its own queries over the whole micro-batch's tokens (hence the C in its factor). Under
+autocast its GEMMs that read the input share one half copy of it (`decoder.autocast_copies`).
 """
 
 from __future__ import annotations
