@@ -33,6 +33,25 @@ def gathered_keys(attn, inputs: list[torch.Tensor], cp) -> list[torch.Tensor]:
     return list(zigzag_merge(list(joined.chunk(cp.size, dim=1))).split(widths, dim=-1))
 
 
+def chunk_runs(context: int, rank: int) -> list[list[int]]:
+    """CP rank `rank`'s zigzag chunks r and 2C - 1 - r as runs of consecutive chunks (one run when they meet)."""
+    mine = [rank, 2 * context - 1 - rank]
+    return [mine] if mine[1] == mine[0] + 1 else [[mine[0]], [mine[1]]]
+
+
+def halo_size(window: int, ratio: int, overlap: bool) -> int:
+    """Positions of the chunk before that a chunk's queries and windows read: window - 1, at least `ratio` on a CSA
+    layer (`overlap`), whose first window of a chunk pools the window before it."""
+    return max(window - 1, ratio if overlap else 0)
+
+
+def holds_whole_windows(tokens: int, window: int, ratio: int, overlap: bool) -> bool:
+    """Whether a CP rank of `tokens` a row takes `halo_sources`: its two chunks hold whole windows of `ratio` (0: no
+    compressor) and their halos reach at most one chunk back."""
+    chunk = tokens // 2
+    return tokens % 2 == 0 and (not ratio or chunk % ratio == 0) and halo_size(window, ratio, overlap) <= chunk
+
+
 def halo_sources(attn, inputs: list[torch.Tensor], cp) -> tuple | None:
     """`CompressedAttention.sources` for this rank's queries, from its tokens (`key_inputs`' views of x (B, T, h)):
     kv's projection as pieces [(first position, (B, n, D))], each run of its chunks with the window - 1 positions
@@ -42,10 +61,10 @@ def halo_sources(attn, inputs: list[torch.Tensor], cp) -> tuple | None:
     C, L = cp.size, T // 2
     compressor = attn.compressor
     ratio = compressor.ratio if compressor is not None else 0
-    before = attn.window - 1  # the keys a chunk's first query sees before it
-    halo = max(before, ratio if compressor is not None and compressor.overlap else 0)
-    if T % 2 or (ratio and L % ratio) or halo > L:
+    overlap = compressor is not None and compressor.overlap
+    if not holds_whole_windows(T, attn.window, ratio, overlap):
         return None
+    before, halo = attn.window - 1, halo_size(attn.window, ratio, overlap)  # before: what a chunk's first query sees
     keys = attn.key_inputs(inputs)
     widths = [part.shape[-1] for part in keys]
     local = torch.cat(keys, dim=-1)  # (B, T, P)
@@ -61,9 +80,8 @@ def halo_sources(attn, inputs: list[torch.Tensor], cp) -> tuple | None:
     def leading(j: int, n: int) -> list[torch.Tensor]:  # the n positions before chunk j, if any
         return [held(j - 1)[:, held(j - 1).shape[1] - n:]] if n else []
 
-    runs = [[mine[0]], [mine[1]]] if mine[1] != mine[0] + 1 else [list(mine)]
     kv = []
-    for run in runs:
+    for run in chunk_runs(C, cp.rank):
         n = min(before, run[0] * L)
         parts = leading(run[0], n) + [held(j) for j in run]
         kv.append((run[0] * L - n, torch.cat([part[..., :widths[0]] for part in parts], dim=1)))  # kv's D only

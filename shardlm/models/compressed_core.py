@@ -69,15 +69,10 @@ def attend(q: torch.Tensor, kv, positions: torch.Tensor, sinks: torch.Tensor, wi
     B, H, T, _ = q.shape
     host = positions.cpu()
     others = 0 if entries is None else chosen.shape[-1] if chosen is not None else entries.shape[1]
-    # a chunk of c queries scores c + window - 1 keys of its band: c near the window wastes at most half of them
-    step = max(1, min(max(window, MIN_CHUNK), CHUNK_ELEMENTS // (B * H * (2 * window + others))))
     pieces = [(0, kv)] if isinstance(kv, torch.Tensor) else kv
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (q, sinks, entries, *(piece for _, piece in pieces)))
-    recompute = grads and B * H * T * (step + window + others) > CHUNK_ELEMENTS
-    per_group = max(1, CHUNK_ELEMENTS // (B * H * step * (step + window - 1 + others)))  # chunks a product
-    if T <= GROUP_FROM * step:  # few chunks: one at a time costs less than the group's copies
-        per_group = 1
+    step, per_group, recompute = chunking(B, H, T, window, others, grads)
     outputs, masses = [], []
     for start, end, size in chunk_groups(host, step, per_group):
         first, last = int(host[start]), int(host[end - 1])
@@ -96,6 +91,20 @@ def attend(q: torch.Tensor, kv, positions: torch.Tensor, sinks: torch.Tensor, wi
         outputs.append(y)
         masses.append(mass)
     return torch.cat(outputs, dim=2), None if chosen is None else torch.cat(masses, dim=1)
+
+
+def chunking(batch: int, heads: int, queries: int, window: int, others: int,
+             grads: bool = True) -> tuple[int, int, bool]:
+    """How `attend` runs `batch` rows of `heads` heads and `queries` queries, each scoring its window and `others`
+    entries (0 sliding, W HCA, k CSA): (queries a chunk, chunks a product, whether the chunks are recomputed in the
+    backward; `grads`: a graph is built). No tensors: the planner reads it too."""
+    # a chunk of c queries scores c + window - 1 keys of its band: c near the window wastes at most half of them
+    step = max(1, min(max(window, MIN_CHUNK), CHUNK_ELEMENTS // (batch * heads * (2 * window + others))))
+    recompute = grads and batch * heads * queries * (step + window + others) > CHUNK_ELEMENTS
+    per_group = max(1, CHUNK_ELEMENTS // (batch * heads * step * (step + window - 1 + others)))  # chunks a product
+    if queries <= GROUP_FROM * step:  # few chunks: one at a time costs less than the group's copies
+        per_group = 1
+    return step, per_group, recompute
 
 
 def _band(pieces: list[tuple[int, torch.Tensor]], first: int, last: int) -> torch.Tensor:

@@ -147,13 +147,14 @@ def compressed_gathers(cfg: ModelConfig, cp: int, index: int) -> tuple[int, int]
     (`v4_activations.halo_gathers`), the last `halo` positions' key projections of each of the 2 C chunks
     (`deepseek_v4.key_projection_width` each) and the row's s / m entries (D, and the CSA indexer's D_i); otherwise
     every position's key projections."""
+    from shardlm.models.compressed_context import halo_size
     from shardlm.plan.deepseek_v4 import key_projection_width, layer_kinds, layer_ratios
     from shardlm.plan.v4_activations import halo_gathers
 
     kind, ratio, width = layer_kinds(cfg)[index], layer_ratios(cfg)[index], key_projection_width(cfg, index)
     if not halo_gathers(cfg, index, cfg.seq_length // cp):
         return 1, cfg.seq_length * width
-    halo = max(cfg.sliding_window - 1, ratio if kind == "csa" else 0)
+    halo = halo_size(cfg.sliding_window, ratio, kind == "csa")
     entries = cfg.seq_length // ratio * (cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)) if ratio else 0
     return 1 + (ratio > 0), 2 * cp * halo * width + entries
 

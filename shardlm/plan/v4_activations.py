@@ -42,8 +42,8 @@ from shardlm.plan.memory import attention_activation_bytes
 
 @dataclass(frozen=True)
 class CoreChunks:
-    """How `compressed_core.attend` runs a layer (no torch): `step` queries a chunk, `per_group` chunks a product,
-    and whether it recomputes them in the backward (`recompute`) or keeps their scores."""
+    """How `compressed_core.attend` runs a layer (`compressed_core.chunking`): `step` queries a chunk, `per_group`
+    chunks a product, and whether it recomputes them in the backward (`recompute`) or keeps their scores."""
 
     step: int
     per_group: int
@@ -53,37 +53,28 @@ class CoreChunks:
 def core_chunks(batch: int, heads: int, queries: int, window: int, others: int) -> CoreChunks:
     """`compressed_core.attend`'s choice for `batch` rows of `heads` heads and `queries` queries attending to their
     window and `others` entries each (0 sliding, W HCA, k CSA), in training."""
-    from shardlm.models.compressed_core import CHUNK_ELEMENTS, GROUP_FROM, MIN_CHUNK
+    from shardlm.models.compressed_core import chunking
 
-    step = max(1, min(max(window, MIN_CHUNK), CHUNK_ELEMENTS // (batch * heads * (2 * window + others))))
-    recompute = batch * heads * queries * (step + window + others) > CHUNK_ELEMENTS
-    per_group = max(1, CHUNK_ELEMENTS // (batch * heads * step * (step + window - 1 + others)))
-    return CoreChunks(step, 1 if queries <= GROUP_FROM * step else per_group, recompute)
+    return CoreChunks(*chunking(batch, heads, queries, window, others))
 
 
-def _groups(begin: int, end: int, step: int, per_group: int) -> list[tuple[int, int, int]]:
-    """(first position, queries, chunk size) of each group over one run of positions begin .. end - 1, as
-    `compressed_core.chunk_groups` cuts it."""
-    whole = begin + (end - begin) // step * step
-    groups = [(start, min(per_group * step, whole - start), step) for start in range(begin, whole, per_group * step)]
-    return groups + ([(whole, end - whole, end - whole)] if whole < end else [])
+def _query_groups(length: int, context: int, rank: int, chunks: CoreChunks) -> list[tuple[int, int, int]]:
+    """(first position, queries, chunk size) of each group of CP rank `rank`'s queries in a row of `length`
+    positions, as `compressed_core.attend` cuts them (`chunk_groups` over the rank's zigzag positions)."""
+    import torch
+
+    from shardlm.data.zigzag import zigzag_positions
+    from shardlm.models.compressed_core import chunk_groups
+
+    positions = torch.arange(length) if context == 1 else zigzag_positions(length, context, rank)
+    return [(int(positions[start]), end - start, size)
+            for start, end, size in chunk_groups(positions, chunks.step, chunks.per_group)]
 
 
-def query_runs(length: int, context: int, rank: int) -> list[tuple[int, int]]:
-    """The runs of consecutive positions [begin, end) of CP rank `rank`'s queries in a row of `length` tokens (its
-    zigzag chunks r and 2C - 1 - r, one run when they meet), as `compressed_core.query_runs` finds them."""
-    if context == 1:
-        return [(0, length)]
-    chunk = length // (2 * context)
-    first, second = rank * chunk, (2 * context - 1 - rank) * chunk
-    if first + chunk == second:
-        return [(first, second + chunk)]
-    return [(first, first + chunk), (second, second + chunk)]
-
-
-def _kept_core_bytes(cfg: ModelConfig, kind: str, batch: int, heads: int, runs: list[tuple[int, int]], entries: int,
-                     count: int, chunks: CoreChunks, ratio: int, e: int) -> int:
-    """What the core keeps for `batch` rows whose queries are `runs` when it does not recompute, per group of G chunks
+def _kept_core_bytes(cfg: ModelConfig, kind: str, batch: int, heads: int, groups: list[tuple[int, int, int]],
+                     entries: int, count: int, ratio: int, e: int) -> int:
+    """What the core keeps for `batch` rows whose queries run in `groups` (`_query_groups`) when it does not
+    recompute, per group of G chunks
     of c queries: the softmax's output b G H c (n + e + 1) in the GEMM dtype, n the band (c + window - 1 keys; in a
     group of one, the positions from max(0, first - window + 1) to its last query) and e the entries it scores (HCA
     those complete for its last query; CSA those too when they are at most DENSE_SPAN k, else each query's k
@@ -95,7 +86,7 @@ def _kept_core_bytes(cfg: ModelConfig, kind: str, batch: int, heads: int, runs: 
 
     window, dim = cfg.sliding_window, cfg.head_dim
     total, reads_entries = 0, kind == "hca"
-    for first, size, c in (g for run in runs for g in _groups(*run, chunks.step, chunks.per_group)):
+    for first, size, c in groups:
         last = first + size - 1
         band = c + window - 1 if size > c else last + 1 - max(0, first - window + 1)
         seen, masks = 0, size * band
@@ -164,8 +155,8 @@ def v4_attention_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, 
     chunks = core_chunks(b, heads, T, cfg.sliding_window, others)
     if chunks.recompute:  # its inputs: q, kv (counted above), the entries, the positions, the choice
         return saved + b * entries * e + T * 8 + (N * others * 8 if kind == "csa" else 0)
-    runs = query_runs(S, context, rank)
-    return saved + _kept_core_bytes(cfg, kind, b, heads, runs, others, entries, chunks, ratio, e)
+    return saved + _kept_core_bytes(cfg, kind, b, heads, _query_groups(S, context, rank, chunks), others, entries,
+                                    ratio, e)
 
 
 def _compressor_bytes(batch: int, positions: int, ratio: int, dim: int, overlap: bool, e: int, rope: int) -> int:
@@ -181,21 +172,20 @@ def _compressor_bytes(batch: int, positions: int, ratio: int, dim: int, overlap:
 
 def key_pieces(cfg: ModelConfig, context: int, rank: int, tokens: int) -> list[int]:
     """The lengths of the key pieces a halo-gathering CP rank holds (`compressed_context.halo_sources`): each run of
-    its chunks (r and 2C - 1 - r, one run when they meet) with the window - 1 positions before it."""
+    its chunks (`compressed_context.chunk_runs`) with the window - 1 positions before it."""
+    from shardlm.models.compressed_context import chunk_runs
+
     chunk = tokens // 2
-    mine = (rank, 2 * context - 1 - rank)
-    runs = [[mine[0]], [mine[1]]] if mine[1] != mine[0] + 1 else [list(mine)]
-    return [min(cfg.sliding_window - 1, run[0] * chunk) + len(run) * chunk for run in runs]
+    return [min(cfg.sliding_window - 1, run[0] * chunk) + len(run) * chunk for run in chunk_runs(context, rank)]
 
 
 def halo_gathers(cfg: ModelConfig, index: int, tokens: int) -> bool:
     """Whether a CP rank of `tokens` a row gathers layer `index`'s entries and halos
-    (`compressed_context.halo_sources`, plain rows): its two chunks hold whole windows and its windows reach at most
-    one chunk back."""
+    (`compressed_context.holds_whole_windows`, plain rows)."""
+    from shardlm.models.compressed_context import holds_whole_windows
+
     kind, ratio = layer_kinds(cfg)[index], layer_ratios(cfg)[index]
-    chunk = tokens // 2
-    halo = max(cfg.sliding_window - 1, ratio if kind == "csa" else 0)
-    return tokens % 2 == 0 and (not ratio or chunk % ratio == 0) and halo <= chunk
+    return holds_whole_windows(tokens, cfg.sliding_window, ratio, kind == "csa")
 
 
 def busiest_rank_bytes(cfg: ModelConfig, index: int, tp: int, micro_batch: int, fmt: NumericFormat,
