@@ -10,7 +10,7 @@ from torch import nn
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.parallel import copy_to_tensor_parallel, invariant, reduce_from_tensor_parallel
+from shardlm.parallel import invariant, sum_over
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -108,18 +108,11 @@ def check_norm_options(cfg: ModelConfig) -> None:
                         "none: set model.qk_norm = true, or remove qk_norm_scope")
 
 
-def sum_over_tensor_parallel(x: torch.Tensor, tp) -> torch.Tensor:
-    """All-reduce (sum) over the TP group in the forward and in the backward (`g`, then `f`), x any shape: for a
-    statistic each rank sums over its own channels and then uses on its own channels, so that each rank's gradient
-    of the sum is a partial one too."""
-    return copy_to_tensor_parallel(reduce_from_tensor_parallel(x, tp), tp)
-
-
 def projection_mean_square(x: torch.Tensor, tp, split: bool) -> torch.Tensor:
     """Mean of squares over all channels of a projection, x (B, T, n_local) fp32 -> (B, T, 1). `split`: x is this
     rank's n_local of the projection's n_local x tp channels (its heads), so the sum of squares is all-reduced over
-    TP, forward and backward (`sum_over_tensor_parallel`); otherwise x holds them all."""
+    TP, forward and backward (`sum_over`); otherwise x holds them all."""
     squares = x.pow(2).sum(-1, keepdim=True)
     if split and tp.size > 1:
-        return sum_over_tensor_parallel(squares, tp) / (x.shape[-1] * tp.size)
+        return sum_over(squares, tp) / (x.shape[-1] * tp.size)
     return squares / x.shape[-1]

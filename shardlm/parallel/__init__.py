@@ -12,6 +12,7 @@ from shardlm.parallel.mappings import (
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
+    sum_over,
 )
 from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
 
@@ -20,5 +21,5 @@ __all__ = [
     "ReplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding", "check_layout", "copy_to_tensor_parallel",
     "gather_from_sequence_parallel", "gather_from_tensor_parallel", "init_distributed", "reduce_from_tensor_parallel",
     "reduce_scatter_to_sequence_parallel", "scatter_to_sequence_parallel", "scatter_to_tensor_parallel",
-    "seed_model_parallel", "vocab_parallel_cross_entropy",
+    "seed_model_parallel", "sum_over", "vocab_parallel_cross_entropy",
 ]

@@ -148,6 +148,13 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _gather_sequence(grad, ctx.tp), None
 
 
+def sum_over(x: torch.Tensor, group: Communicator) -> torch.Tensor:
+    """The sum of every rank's partial sums x (any shape) over `group`, all-reduced in the forward and in the
+    backward (`g`, then `f`): for a statistic each rank sums over its own part (channels, tokens) and then uses on
+    its own part, so that each rank's gradient gets every rank's use of the sum."""
+    return copy_to_tensor_parallel(reduce_from_tensor_parallel(x, group), group)
+
+
 def scatter_to_sequence_parallel(x: torch.Tensor, tp: Communicator) -> torch.Tensor:
     """(B, T, h) -> (B, T / tp, h): this rank's chunk of the sequence; backward all-gathers."""
     return x if tp.size == 1 else _ScatterToSequenceParallel.apply(x, tp)

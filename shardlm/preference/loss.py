@@ -34,17 +34,11 @@ from shardlm.config import PreferenceConfig
 from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
 from shardlm.models.documents import Documents
-from shardlm.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from shardlm.parallel import sum_over
 
 REFERENCE_FREE = ("simpo", "orpo")
 LOSSES = ("sigmoid", "ipo", "hinge") + REFERENCE_FREE
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
-
-
-def sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum of every rank's partial sums, for a loss every rank of `group` computes: all-reduced forward (`g`)
-    and backward (`f`), so each rank's tokens receive the gradient of every rank's copy of the loss."""
-    return copy_to_tensor_parallel(reduce_from_tensor_parallel(x, group), group)
 
 
 def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
