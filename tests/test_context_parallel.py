@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from shardlm.data.zigzag import check_context_parallel, zigzag_merge, zigzag_positions, zigzag_split
 from shardlm.errors import UserError
+from shardlm.parallel import invariant
 from shardlm.parallel.comm import CommStats, Communicator
 from shardlm.parallel.ring_attention import BlockCounts, context_parallel_attention
 
@@ -142,7 +143,31 @@ def check_comm_bytes():
     return out
 
 
-CHECKS = {"attention": check_attention, "blocks": check_blocks, "comm_bytes": check_comm_bytes}
+def check_invariant():
+    """{(C, documents): (output bitwise equal, relative error of dq, dk, dv)} of batch-invariant attention under CP
+    against `invariant.attention` on the whole rows (2 KV heads; rows of 40 C tokens, more than two key tiles a
+    chunk; documents: rows cut at positions that fall inside chunks and tiles, a one-token document among them)."""
+    out = {}
+    for C in GROUPS:
+        if (cp := cp_group(C)) is None:
+            continue
+        T = 40 * C
+        q, k, v, dout = (randn(B, h, T, HEAD_DIM, seed=7 * C + i) for i, h in enumerate((HEADS, 2, 2, HEADS)))
+        for documents in (None, [[0, 37, 38, T - 5, T], [0, 17, T]]):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            want = invariant.attention(*full, scale=0.3, offsets=documents)
+            want_grads = torch.autograd.grad(want, full, dout)
+            local = [zigzag_split(t, C, cp.rank, dim=2).requires_grad_() for t in (q, k, v)]
+            got = invariant.context_parallel_attention(*local, cp, scale=0.3, offsets=documents)
+            grads = torch.autograd.grad(got, local, zigzag_split(dout, C, cp.rank, dim=2))
+            got, *grads = (gather(t, cp) for t in (got.detach(), *grads))
+            out[(C, documents is not None)] = (torch.equal(got, want.detach()),
+                                               [rel(a, b) for a, b in zip(grads, want_grads)])
+    return out
+
+
+CHECKS = {"attention": check_attention, "blocks": check_blocks, "comm_bytes": check_comm_bytes,
+          "invariant": check_invariant}
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +289,16 @@ def test_fully_masked_blocks_are_not_computed(world4):
                     assert (computed[phase], skipped[phase]) == (2 * C + 1, 2 * C - 1)
                     pairs += computed_pairs[phase]
                 assert sorted(pairs) == [(i, j) for i in range(2 * C) for j in range(i + 1)]
+
+
+def test_batch_invariant_attention_under_cp_is_one_process_bitwise(world4):
+    """Under batch-invariant numerics (an RL run's `rl.batch_invariant`) CP attention gathers the keys and runs the
+    whole row's tiles: at C = 2, 3, 4, with and without packed documents, the output equals one process's
+    `invariant.attention` bit for bit, the gradients within 1e-6 (dK and dV summed over the ranks)."""
+    for rank_values in result(world4, "invariant"):
+        assert len(rank_values) in (4, 6)  # rank 0 is in no C = 3 group
+        for key, (same, errors) in rank_values.items():
+            assert same and max(errors) < TOL, (key, same, errors)
 
 
 def test_kv_bytes_sent_equal_the_formula(world4):

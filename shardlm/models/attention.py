@@ -40,8 +40,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, e
     `window` > 0: each query sees the keys less than `window` positions behind it (a sliding-window layer).
     `sinks` (H,): each head's sink logit, one more softmax entry without a value (gpt-oss); neither takes
     attention dropout."""
-    if invariant.enabled() and cp.size == 1 and not window and sinks is None and not dropout_p:
-        return invariant.attention(q, k, v, scale=scale, offsets=None if documents is None else documents.offsets)
+    if invariant.enabled() and not window and sinks is None and not dropout_p:
+        offsets = None if documents is None else documents.offsets
+        if cp.size > 1:  # the whole row's keys gathered: the tiles of one process, bit for bit
+            return invariant.context_parallel_attention(q, k, v, cp, scale=scale, offsets=offsets)
+        return invariant.attention(q, k, v, scale=scale, offsets=offsets)
     segments = None if documents is None else documents.segments
     d_v = v.shape[-1]
     if d_v != k.shape[-1]:  # MLA: values padded with zeros to the key size; P [v | 0] = [P v | 0], so the output's

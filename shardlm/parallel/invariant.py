@@ -28,6 +28,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from shardlm.data.zigzag import zigzag_chunks, zigzag_positions
+
 ROWS = 16
 """Rows of every block product, and keys of every attention tile."""
 
@@ -123,3 +125,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
                   for a, e in zip(row, row[1:])]
         rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     return torch.cat(rows)
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, *, scale: float | None = None,
+                               offsets=None) -> torch.Tensor:
+    """`attention` under context parallelism: q (B, H, T / C, d), k and v (B, Hkv, T / C, d) this CP rank's zigzag
+    part (chunks r and 2C-1-r of 2C) -> (B, H, T / C, d_v). Every rank's keys and values are all-gathered in the
+    row's order (the backward reduce-scatters their gradients), and each of the rank's chunks of queries attends,
+    document by document (`offsets`: the whole rows'), to the keys from its document's start, in the tiles
+    `attention` makes of the whole row: a token's numbers are the same, bit for bit."""
+    from shardlm.parallel.mappings import gather_from_sequence_parallel
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, _, local, _ = q.shape
+    length, half = local * cp.size, local // 2
+    order = torch.argsort(torch.cat([zigzag_positions(length, cp.size, r, q.device) for r in range(cp.size)]))
+    k, v = (gather_from_sequence_parallel(x.transpose(1, 2), cp).index_select(1, order).transpose(1, 2)
+            for x in (k, v))  # (B, Hkv, T, d) in the row's order
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    rows = [[0, length]] * B if offsets is None else offsets
+    out = []
+    for b in range(B if offsets is not None else 1):
+        batch = slice(b, b + 1) if offsets is not None else slice(None)
+        pieces = []
+        for slot, chunk in enumerate(zigzag_chunks(cp.size, cp.rank)):
+            first, last = chunk * half, (chunk + 1) * half  # the chunk's positions in the row
+            for start, end in zip(rows[b], rows[b][1:]):  # its documents' queries, keys from the document's start
+                lo, hi = max(start, first), min(end, last)
+                if lo < hi:
+                    queries = q[batch, :, slot * half + lo - first:slot * half + hi - first]
+                    pieces.append(_document(queries, k[batch, :, start:hi], v[batch, :, start:hi], lo - start,
+                                            scale))
+        out.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(out) if len(out) > 1 else out[0]
