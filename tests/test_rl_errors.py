@@ -102,17 +102,6 @@ def test_a_failing_reward_stops_the_run_in_one_line_and_keeps_the_checkpoints(co
     assert saved == (["step_00000001"] if reward == FAILS_AT_ROUND_2 else []), saved
 
 
-def test_context_parallelism_is_refused_in_one_line(config):
-    from shardlm.config import load_config
-    from shardlm.errors import UserError
-    from shardlm.validation import validate
-
-    with pytest.raises(UserError, match="rollouts are generated without context parallelism") as err:
-        validate(load_config(config, ["parallel.context=2", "model.dropout=0.0", "model.attention_dropout=0.0"]), 2,
-                 check_paths=False)
-    assert "\n" not in str(err.value)
-
-
 def test_prompts_from_a_saved_dataset_folder(config, tmp_path):
     """Prompt records read from the folder `datasets.Dataset.save_to_disk` wrote (its Arrow files), columns kept; a
     saved DatasetDict is refused in one line naming a split's folder."""

@@ -12,14 +12,17 @@ enough that the second iteration clips), num_iterations 2 (the old log-probabili
 0.9. Checks, each against one process within 1e-5 over 4 steps (2 rounds): loss, gradient norm, KL, entropy, the
 three clip ratios, the reward, every final parameter on every rank:
 - world 2: DP=2, TP=2 with SP, PP=2, DP=2 with ZeRO-1, FSDP, an MoE at EP=2, LoRA at DP=2 and PP=2, the hybrid
-  linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2;
-- world 4: TP=2 x DP=2, PP=2 x DP=2;
+  linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2 and CP=2, CP=2 (also with GSPO's sequence-level
+  ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run);
+- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP, CP=2 x PP=2, FSDP CP=2 x DP=2, an
+  MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
   normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
-Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP), PP=2, EP=2 and FSDP
-give one process's tokens, and their log-probabilities within 1e-5; PP=2 with FSDP is refused in one line. Under
-batch-invariant numerics the rollout's log-probabilities equal the training forward's bitwise, in one process
-(dense, MoE, LoRA) and at TP=2 with SP, PP=2, EP=2 and FSDP; without, they differ by round-off (the control).
+Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP), PP=2, EP=2, FSDP, CP=2,
+CP=2 x DP=2 (each rank its share of whole sequences) and an MoE at EP=2 x CP=2 give one process's tokens, and their
+log-probabilities within 1e-5; PP=2 with FSDP is refused in one line. Under batch-invariant numerics the rollout's
+log-probabilities equal the training forward's bitwise, in one process (dense, MoE, LoRA) and at TP=2 with SP, PP=2,
+EP=2, FSDP, CP=2 and CP=2 x TP=2 with SP; without, they differ by round-off (the control).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from shardlm.rl import loss as loss_module
 from shardlm.rl.loop import ReferenceWeights, RLRun
 from shardlm.rl.prompts import Prompt
 from shardlm.rl.rewards import Reward
-from shardlm.rl.rollout import InProcessGenerator, Rollout
+from shardlm.rl.rollout import InProcessGenerator, Rollout, gather_samples, sampling_share
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -80,8 +83,9 @@ class IdsTemplate:
             return " ".join(map(str, ids))
 
 
-def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
-              hybrid: bool = False, gemma: bool = False, lora: int = 0, rows: int = 8, packing: str = "bfd", **train):
+def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
+              hybrid: bool = False, gemma: bool = False, lora: int = 0, gspo: bool = False, rows: int = 8,
+              packing: str = "bfd", **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if hybrid:
         model = {**HYBRID, "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
@@ -92,9 +96,10 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = 
     sections = {"sft": {"data": ["unused.jsonl"], "packing": packing},
                 "rl": {"loss": "dapo", "num_generations": GROUP, "prompts_per_step": 4, "max_completion_length": MAX,
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
-                       "mask_truncated_completions": True, "temperature": 0.9},
+                       "mask_truncated_completions": True, "temperature": 0.9,
+                       **({"loss": "grpo", "importance_sampling": "sequence"} if gspo else {})},
                 "lora": {"rank": lora, "targets": ["q", "v", "o", "gate", "up", "down"]}}
-    config = layout_config(model, micro=micro, tp=tp, pp=pp, ep=ep, sp=sp, sections=sections,
+    config = layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
                            **{"steps": STEPS, "global_batch_size": rows, **train})
     if gemma and pp > 1:
         config.parallel.first_stage_layers = 1  # layers 1-3 on the last stage
@@ -130,9 +135,9 @@ def sample_layout(ctx, config) -> dict:
     degenerate distributions), each data-parallel rank its share, gathered."""
     config.model.init_std = 0.3
     generator = rl_run(ctx, config, sample=True)[1].generator
-    sequences = np.array_split(np.arange(8), ctx.dp_size)[ctx.dp_rank].tolist()
+    sequences = sampling_share(8, ctx)  # each data x context-parallel rank's share, as the loop deals them
     local = generator.generate([PROMPTS[j % 6].ids for j in sequences], [100 + j for j in sequences], 0, sequences)
-    gathered = [r for part in ctx.dp.all_gather_object(local) for r in part]
+    gathered = gather_samples(local, ctx)
     return {"tokens": [r.completion for r in gathered], "logps": [r.logps for r in gathered],
             "truncated": [r.truncated for r in gathered]}
 
@@ -149,7 +154,7 @@ def parity_layout(ctx, config, invariant: bool = True) -> list[float]:
 
 def run_layout(tp: int, pp: int, cp: int, ep: int, sample: bool = False, parity: bool = False, **config) -> dict:
     ctx = layout_context(tp, pp, cp, ep)
-    config = rl_config(tp=tp, pp=pp, ep=ep, **config)
+    config = rl_config(tp=tp, pp=pp, cp=cp, ep=ep, **config)
     if parity:
         return {"diffs": parity_layout(ctx, config)}
     if sample:
@@ -170,6 +175,9 @@ WORLD2 = {
     "dp2 lora": layout(lora=4),
     "pp2 lora": layout(pp=2, lora=4),
     "tp2 hybrid": layout(tp=2, hybrid=True),
+    "cp2": layout(cp=2),
+    "cp2 gspo": layout(cp=2, gspo=True),
+    "cp2 hybrid": layout(cp=2, hybrid=True),
 }
 SAMPLES2 = {
     "sample tp2": layout(tp=2, sample=True),
@@ -182,9 +190,15 @@ SAMPLES2 = {
     "parity tp2 sp": layout(tp=2, sp=True, parity=True),
     "parity ep2 moe": layout(ep=2, moe=True, parity=True),
     "parity fsdp dp2": layout(data_sharding="full", parity=True),
+    "sample cp2": layout(cp=2, sample=True),
+    "parity cp2": layout(cp=2, parity=True),
 }
-WORLD4 = {"tp2 dp2": layout(tp=2), "pp2 dp2": layout(pp=2)}
-SAMPLES4 = {"sample pp2 fsdp dp2": layout(pp=2, data_sharding="full", sample=True)}
+WORLD4 = {"tp2 dp2": layout(tp=2), "pp2 dp2": layout(pp=2), "cp2 dp2 gspo": layout(cp=2, gspo=True),
+          "tp2 cp2 sp": layout(tp=2, cp=2, sp=True), "pp2 cp2": layout(pp=2, cp=2),
+          "fsdp cp2 dp2": layout(cp=2, data_sharding="full"), "ep2 cp2 moe": layout(ep=2, cp=2, moe=True)}
+SAMPLES4 = {"sample pp2 fsdp dp2": layout(pp=2, data_sharding="full", sample=True),
+            "sample cp2 dp2": layout(cp=2, sample=True), "parity tp2 cp2 sp": layout(tp=2, cp=2, sp=True, parity=True),
+            "sample ep2 cp2 moe": layout(ep=2, cp=2, moe=True, sample=True)}
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +212,7 @@ def world4():
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora", "hybrid") if kind in name), "dense")
+    return next((kind for kind in ("moe", "lora", "hybrid", "gspo") if kind in name), "dense")
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +220,7 @@ def reference():
     """One process at the layouts' micro-batch 2 (the MoE's load-balancing loss is per micro-batch)."""
     ctx = ParallelContext.single()
     return {kind: train_layout(ctx, rl_config(**({kind: 4} if kind == "lora" else {kind: True})))
-            for kind in ("moe", "lora", "hybrid")} | {"dense": train_layout(ctx, rl_config())}
+            for kind in ("moe", "lora", "hybrid", "gspo")} | {"dense": train_layout(ctx, rl_config())}
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +257,7 @@ def test_the_run_clips_and_penalizes(reference):
 
 
 @pytest.mark.parametrize("name", ["sample tp2", "sample tp2 sp", "sample pp2", "sample ep2 moe", "sample fsdp dp2",
-                                  "sample pp2 gemma4"])
+                                  "sample pp2 gemma4", "sample cp2"])
 def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
     """Each layout's rollouts are one process's, token for token; under pipeline stages the model's per-forward
     carry (Gemma 4's shared keys and values) goes through the stage's layers as through the whole model's."""
@@ -290,11 +304,24 @@ def test_a_mean_of_micro_batch_means_is_caught(reference, monkeypatch):
     assert abs(got[0][1] - want[0][1]) > 1e-3 * abs(want[0][1]), (got[0], want[0])
 
 
-@pytest.mark.parametrize("name", ["parity tp2 sp", "parity pp2", "parity ep2 moe", "parity fsdp dp2"])
-def test_rollout_and_training_log_probabilities_are_bitwise_equal(world2, name):
+@pytest.mark.parametrize("name", ["sample cp2 dp2", "sample ep2 cp2 moe"])
+def test_rollouts_at_four_ranks_equal_one_process(world4, samples, name):
+    """CP=2 x DP=2 (also with an MoE's experts over EP=2, exchanged in every decoding step): each of the four ranks
+    samples its own share of whole sequences; together, one process's."""
+    ref = samples["moe" if "moe" in name else "dense"]
+    for rank, value in enumerate(check_result(world4, name)):
+        assert value["tokens"] == ref["tokens"], f"{name} rank {rank}"
+        for got, want in zip(value["logps"], ref["logps"]):
+            assert np.allclose(got, want, rtol=0, atol=TOL), f"{name} rank {rank}: {got} vs {want}"
+
+
+@pytest.mark.parametrize("name", ["parity tp2 sp", "parity pp2", "parity ep2 moe", "parity fsdp dp2", "parity cp2",
+                                  "parity tp2 cp2 sp"])
+def test_rollout_and_training_log_probabilities_are_bitwise_equal(world2, world4, name):
     """Under batch-invariant numerics the log-probabilities the rollout computed while sampling (KV cache, the
-    generation batch) are the training forward's (packed rows, micro-batches, sequence parallelism), bit for bit."""
-    for rank, value in enumerate(check_result(world2, name)):
+    generation batch) are the training forward's (packed rows, micro-batches, sequence parallelism; under context
+    parallelism the rows split over the CP ranks, the keys gathered), bit for bit."""
+    for rank, value in enumerate(check_result(world4 if name in SAMPLES4 else world2, name)):
         assert value["diffs"] == [0.0, 0.0, 0.0], f"{name} rank {rank}: {value['diffs']}"
 
 

@@ -17,9 +17,6 @@ def check_distill(config, check_paths: bool = True) -> str | None:
         (0 <= d.lmbda <= 1, f"distill.lmbda={d.lmbda} must be in [0, 1] (the share of on-policy steps)"),
         (d.max_new_tokens >= 1, f"distill.max_new_tokens={d.max_new_tokens} must be at least 1"),
         (d.sampling_temperature > 0, f"distill.sampling_temperature={d.sampling_temperature} must be > 0"),
-        (d.lmbda == 0 or config.parallel.context == 1,
-         "on-policy distillation (distill.lmbda > 0) samples without context parallelism; set parallel.context=1 "
-         "or distill.lmbda=0"),
         (m.arch in ("gpt", "llama"), f"distill takes a decoder student (model.arch gpt or llama), not {m.arch}"),
         (bool(config.sft.data), "distill scores the answers of [sft] records; set sft.data"),
         (not config.preference.loss and not config.rl.loss,

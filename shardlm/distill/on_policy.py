@@ -2,7 +2,7 @@
 
 On such a step (drawn from train.seed and the step, the same on every rank) each conversation of the step's rows is
 cut before its last answer: the prompt is its tokens up to the one that predicts that answer's first token. The
-prompts are split over the DP ranks and completed by the student at the training layout (`shardlm.rl.rollout`'s
+prompts are split over the DP x CP ranks and completed by the student at the training layout (`shardlm.rl.rollout`'s
 KV-cached generator, each sequence from its own seed; under pipeline stages each decoding step runs through them),
 gathered, and packed into the step's rows as RL's rounds are (`shardlm.rl.batch.StepRows`; completions that no
 longer fit the step's rows are left out). The divergence then runs over the sampled tokens, as over the records'
@@ -66,18 +66,18 @@ class OnPolicyDistill:
     def sampled_rows(self):
         """The step's rows with every last answer replaced by the student's completion."""
         from shardlm.rl.batch import StepRows
-        from shardlm.rl.rollout import sequence_seed
+        from shardlm.rl.rollout import gather_samples, sampling_share, sequence_seed
         from shardlm.sft.packing import plan_bins
 
         trainer, ctx = self.trainer, self.ctx
         t, m = trainer.config.train, trainer.config.model
         prompts = step_prompts(trainer.train_data, trainer.consumed_samples, t.global_batch_size)
-        share = np.array_split(np.arange(len(prompts)), ctx.dp_size)[ctx.dp_rank].tolist()
+        share = sampling_share(len(prompts), ctx)
         with trainer.autocast():
             local = self.generator.generate([prompts[j] for j in share],
                                             [sequence_seed(t.seed, trainer.step, j) for j in share], trainer.step,
                                             share)
-        rollouts = [r for part in ctx.dp.all_gather_object(local) for r in part]
+        rollouts = gather_samples(local, ctx)
         packing = trainer.config.sft.packing if trainer.config.sft.packing in ("bfd", "ffd") else "bfd"
         bins = plan_bins([len(r.prompt) + len(r.completion) for r in rollouts], m.seq_length, packing)
         kept = sorted(j for members in bins[:t.global_batch_size] for j in members)

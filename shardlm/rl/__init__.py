@@ -47,8 +47,6 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (config.parallel.pipeline == 1 or config.train.data_sharding != "full" or bool(r.completions),
          'rollouts under pipeline stages with FSDP are not supported; use parallel.pipeline=1 or '
          'train.data_sharding="none"'),
-        (config.parallel.context == 1, "rollouts are generated without context parallelism; set "
-                                       "parallel.context=1 for an RL run"),
         (not config.model.mtp_layers, "an RL run trains without multi-token prediction; set model.mtp_layers=0"),
         (not config.train.compile, "an RL run samples with the eager model; set train.compile=false"),
         (not config.preference.loss, "set either [preference] or [rl], not both"),

@@ -4,8 +4,8 @@ rewards into group-relative advantages, packs the round's rows, and takes rl.num
 One round, on every rank:
   1. the round's prompts (`prompts.round_prompts`: rl.prompts_per_step of them, shuffled by train.seed epoch after
      epoch), each repeated rl.num_generations times: sequence j completes prompt j // G;
-  2. each data-parallel rank samples its contiguous share of the sequences (`rollout.InProcessGenerator`, or the
-     fixed completions of rl.completions), and every rank gathers all of them;
+  2. each data x context-parallel rank samples its contiguous share of the sequences (`rollout.InProcessGenerator`,
+     or the fixed completions of rl.completions), and every rank gathers all of them;
   3. the main rank calls the reward functions and broadcasts their values (a function that raises or returns the
      wrong count stops every rank with one line naming it, before any update: nothing saved is lost);
   4. advantages (`advantages.group_advantages`) and the rows (`batch.StepRows`), the same on every rank;
@@ -34,9 +34,10 @@ from shardlm.parallel.invariant import batch_invariant
 from shardlm.rl import prompts_per_step
 from shardlm.rl.advantages import combine_rewards, group_advantages, nanstd
 from shardlm.rl.batch import StepRows
+from shardlm.rl.loss import rows_from_parts
 from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
-from shardlm.rl.rollout import Rollout, sequence_seed
+from shardlm.rl.rollout import Rollout, gather_samples, sampling_share, sequence_seed
 from shardlm.training.data import micro_batches
 
 
@@ -133,7 +134,7 @@ class RLRun:
         """(each sequence's prompt index, every sequence's rollout in order, seconds spent generating)."""
         chosen = round_prompts(len(self.prompts), self.per_round, round_index, self.trainer.config.train.seed)
         owners = [i for i in chosen for _ in range(self.cfg.num_generations)]
-        share = np.array_split(np.arange(len(owners)), self.ctx.dp_size)[self.ctx.dp_rank].tolist()
+        share = sampling_share(len(owners), self.ctx)
         start = time.perf_counter()
         with self.trainer.autocast():  # the training forward's precision
             local = self.generator.generate([self.prompts[owners[j]].ids for j in share],
@@ -141,8 +142,7 @@ class RLRun:
                                              for j in share], round_index, share)
         elapsed = time.perf_counter() - start
         self.reshard()
-        gathered = [r for part in self.ctx.dp.all_gather_object(local) for r in part]
-        return owners, gathered, elapsed
+        return owners, gather_samples(local, self.ctx), elapsed
 
     def score(self, owners: list[int], rollouts: list[Rollout]) -> np.ndarray:
         """(N, F) reward values (NaN: None), computed on the main rank and broadcast; a failing function stops every
@@ -204,8 +204,9 @@ class RLRun:
                                                    t.micro_batch_size, self.ctx.dp_rank, self.ctx.dp_size,
                                                    self.ctx.device))
 
-        def record(token_losses, batch):
-            self.rows.store(name, batch["rows"].cpu().numpy(), (-token_losses).double().cpu().numpy())
+        def record(token_losses, batch):  # (b, T / C) under CP: each rank stores the whole rows
+            logps = rows_from_parts(-token_losses.double(), self.ctx.cp)
+            self.rows.store(name, batch["rows"].cpu().numpy(), logps.cpu().numpy())
 
         model = trainer.model
         was_training = model.training

@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import RLConfig
+from shardlm.data.zigzag import zigzag_merge, zigzag_split
 from shardlm.models.documents import Documents
+from shardlm.parallel import sum_over
 
 SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
           "cispo_clip_ratio")
@@ -32,25 +34,39 @@ SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_
 
 def rl_parts(batches: list[dict], ctx) -> list[dict]:
     """This rank's micro-batches of a round's rows (dicts of (b, T) arrays, `StepRows`) -> dicts of `inputs`,
-    `targets`, `documents`, `rows` (b,) and the per-token fields, with `scale` = micro-batches x DP."""
+    `targets`, `documents`, `rows` (b,), the per-token fields (b, T / C: the zigzag part under context parallelism,
+    as the inputs), `sequences` (the micro-batch's sequence count, the same on its CP ranks) and `scale` =
+    micro-batches x DP x CP (the trainer averages gradients and losses over DP x CP)."""
     parts = []
     for batch in batches:
-        part = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
-        part |= {"inputs": batch["input_ids"], "targets": batch["labels"], "rows": batch["row"][:, 0],
-                 "documents": Documents.from_positions(batch["position_ids"]),
-                 "scale": len(batches) * ctx.dp_size, "divisor": None}
+        part = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids", "row")}
+        part |= {"inputs": batch["input_ids"], "targets": batch["labels"]}
+        if ctx.cp_size > 1:
+            part = {k: zigzag_split(v, ctx.cp_size, ctx.cp_rank) for k, v in part.items()}
+        part |= {"rows": batch["row"][:, 0], "sequences": int(batch["sequence"].max()) + 1,
+                 "documents": Documents.from_positions(batch["position_ids"], ctx.cp_size, ctx.cp_rank),
+                 "scale": len(batches) * ctx.dp_size * ctx.cp_size, "divisor": None}
         parts.append(part)
     return parts
 
 
-def sequence_mean(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Each token's sequence's mean of `values` (b, T) over the completion's tokens (0 where no token counts)."""
+def rows_from_parts(values: torch.Tensor, cp) -> torch.Tensor:
+    """(b, T / C) this CP rank's zigzag part of per-position values -> (b, T) the whole rows, on every CP rank."""
+    return values if cp.size == 1 else zigzag_merge(cp.all_gather(values.contiguous()))
+
+
+def sequence_mean(values: torch.Tensor, batch: dict, cp) -> torch.Tensor:
+    """Each token's sequence's mean of `values` (b, T) over the completion's tokens (0 where no token counts). Under
+    context parallelism a sequence's tokens lie on every CP rank: the sums and counts are all-reduced over the group
+    (the sums forward and backward, so each rank's tokens get the gradient of every rank's loss terms)."""
     sequence, counted = batch["sequence"], batch["sequence_weight"] > 0
     index = torch.where(counted, sequence, 0).view(-1)
-    size = int(sequence.max().item()) + 1 if sequence.numel() else 1
+    size = max(batch["sequences"], 1)
     sums = torch.zeros(size, dtype=values.dtype, device=values.device).index_add(0, index, (values * counted).view(-1))
     counts = torch.zeros(size, dtype=values.dtype, device=values.device).index_add(0, index, counted.view(-1).to(
         values.dtype))
+    if cp.size > 1:
+        sums, counts = sum_over(sums, cp), cp.all_reduce(counts)
     return (sums / counts.clamp(min=1.0))[sequence.clamp(min=0)]
 
 
@@ -81,7 +97,7 @@ class RLLoss:
         old = batch["old_logp"] if cfg.num_iterations > 1 else logp.detach()
         log_ratio = torch.where(trained, logp - old, 0.0)
         sequence_level = cfg.importance_sampling == "sequence"
-        coef = torch.exp(sequence_mean(log_ratio, batch) if sequence_level else log_ratio)
+        coef = torch.exp(sequence_mean(log_ratio, batch, self.ctx.cp) if sequence_level else log_ratio)
         advantage = batch["advantage"]
         if cfg.loss == "cispo":
             losses = -torch.clamp(coef, max=self.eps_high).detach() * advantage * logp
@@ -123,14 +139,14 @@ class RLLoss:
                 self.logprob_diff = max(self.logprob_diff, diff)
 
     def take_metrics(self) -> dict[str, float]:
-        """The step's metrics over the global batch (one all-reduce over DP and the pipeline group, whose last
+        """The step's metrics over the global batch (one all-reduce over DP x CP and the pipeline group, whose last
         stage alone computed them), then reset."""
         clips = ["cispo_clip_ratio"] if self.cfg.loss == "cispo" else [k for k in SUMMED if k.startswith("clip")]
         names = (["kl"] if self.cfg.beta else []) + ["entropy"] + clips
         values = torch.tensor([self.sums[k] for k in names], dtype=torch.float64, device=self.ctx.device)
         diff = torch.tensor([self.logprob_diff], dtype=torch.float64, device=self.ctx.device)
-        self.ctx.dp.all_reduce(values)
-        self.ctx.dp.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+        self.ctx.dp_cp.all_reduce(values)
+        self.ctx.dp_cp.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
         if self.ctx.pp_size > 1:
             self.ctx.pp.all_reduce(values)
             self.ctx.pp.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)

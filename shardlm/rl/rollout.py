@@ -10,6 +10,10 @@ sync can take its place. `InProcessGenerator` is the policy itself:
   (unless two choices differ by round-off between layouts);
 - prompts of different lengths run as one batch in lockstep (`shardlm.eval.generate`: decoding starts at the
   shortest prompt, a row still in its prompt takes its own next token);
+- the sequences are shared out over the data x context-parallel ranks (`sampling_share`, gathered back with
+  `gather_samples`): under context parallelism each CP rank decodes its own whole sequences, the model's context
+  parallelism off (`context_parallel_off`; a CP rank holds the whole weights, and a sequence's cache is small beside
+  the training forward's activations), and the training forward then splits the packed rows over the CP group;
 - under tensor parallelism (sequence parallelism off while decoding) each rank gathers the last position's logits,
   all draw alike and take TP rank 0's choice (a broadcast), so the group continues with the same tokens;
 - under pipeline stages each decoding forward runs through the stages in order, each stage's owner handing its
@@ -45,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig
 from shardlm.parallel import invariant
+from shardlm.parallel.comm import Communicator
 from shardlm.parallel.pipeline import stage_owner
 
 
@@ -104,6 +109,30 @@ def sample_next(logits: torch.Tensor, uniform: torch.Tensor, temperature: float,
 def sequence_seed(seed: int, round_index: int, sequence: int) -> int:
     """The sampling seed of one sequence of one generation round."""
     return int(np.random.SeedSequence([seed, round_index, sequence]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def sampling_share(count: int, ctx) -> list[int]:
+    """The sequences (of `count`) this rank samples: its contiguous share over the data x context-parallel ranks
+    (`ctx.dp_cp`; the TP and pipeline ranks of one replica sample the same ones together)."""
+    return np.array_split(np.arange(count), ctx.dp_cp.size)[ctx.dp_cp.rank].tolist()
+
+
+def gather_samples(local: list, ctx) -> list:
+    """Every rank's `sampling_share` results, in sequence order, on every rank."""
+    return [r for part in ctx.dp_cp.all_gather_object(local) for r in part]
+
+
+@contextlib.contextmanager
+def context_parallel_off(ctx):
+    """`ctx` without context parallelism for the block: its CP group a group of one (the models read `ctx.cp` at
+    every forward), so each CP rank runs whole sequences on its own; the group restored afterwards."""
+    group = ctx.cp
+    if group.size > 1:
+        ctx.cp = Communicator("cp", None, 1, 0, ctx.comm)
+    try:
+        yield
+    finally:
+        ctx.cp = group
 
 
 @contextlib.contextmanager
@@ -212,7 +241,7 @@ class InProcessGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,
                  sequences: list[int] | None = None) -> list[Rollout]:
-        with sequence_parallel_off(self.model):
+        with sequence_parallel_off(self.model), context_parallel_off(self.ctx):
             return self._generate(prompts, seeds)
 
     def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Rollout]:
