@@ -11,9 +11,10 @@ random table). In one world of 2:
   choice of entries on both ranks, their gradients summed over TP); under SP the streams are sequence chunks and the
   hash layer reads its chunk's tokens;
 - PP=2: the (B, T, 2, h) streams handed between the stages (the hash layer on the first);
-- CP=2 (and CP=3 on rows of 48, world 3): each rank projects its own tokens; on packed rows every position's
-  projections are gathered (each document's windows start at its first token), on plain rows each rank's entries
-  and its chunks' halos; each rank attends its zigzag queries;
+- CP=2 (and CP=3 on rows of 48, world 3): each rank projects its own tokens and gathers its chunks' halos and its
+  entries (on packed rows each document's windows start at its first token, anywhere in a chunk: the windows that
+  end in a rank's chunks are its own, the gathered elements counted from the documents); each rank attends its
+  zigzag queries;
 - DP=2 with ZeRO-1, FSDP DP=2, EP=2, LoRA at TP=2 with SP (adapters on q_b and the SwiGLUs), TP=2 with SP and full
   recomputation (the tokens for the hash layer handed to the recomputed layers too).
 In one world of 4: CP=2 inside TP=2 with SP (packed and plain rows) and CP=2 across two pipeline stages.
@@ -174,8 +175,7 @@ def run_rows_of_48(tp: int, pp: int, cp: int, ep: int, packed: bool = True, **tr
 WORLD4 = {"tp2 sp cp2": layout(tp=2, cp=2, sp=True), "tp2 sp cp2 plain": layout(tp=2, cp=2, sp=True, packed=False),
           "pp2 cp2 plain": layout(pp=2, cp=2, micro=1, packed=False)}
 """Four ranks: CP=2 inside TP=2 with SP (each TP rank projects its CP rank's tokens, gathered over SP first), on
-packed rows (every position's projections gathered) and plain ones (entries and halos), and CP=2 across two
-pipeline stages."""
+packed rows and plain ones (entries and halos), and CP=2 across two pipeline stages."""
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +258,64 @@ windows, and the halos before them reach back 4 positions: the row's entries and
 autocast, the core's scores kept and recomputed."""
 
 
+def packed_gathers() -> dict:
+    """One training forward of two packed rows at CP=2 on this rank: "gathered", each layer's CP all-gathers (count,
+    elements returned); "expected", what `compressed_context.document_sources` says they are, counted here from the
+    rows' documents: each of the 2 C chunks' last `document_halo` positions' key projections, and (compressing
+    layers) every rank's entries padded to the largest count (a window's entry belongs to the rank holding its last
+    position), D channels and the CSA indexer's D_i; "every position", the elements of the per-position path."""
+    from shardlm.data.zigzag import zigzag_split
+    from shardlm.models import build_model, compressed_context
+    from shardlm.models.compressed_attention import compressed_kinds
+    from shardlm.models.documents import Documents
+    from shardlm.plan.deepseek_v4 import key_projection_width
+
+    cp = 2
+    ctx, cfg = layout_context(cp=cp), v4_config(cp=cp, mtp=False).model
+    model = build_model(cfg, ctx, seed=0).train()
+    data = train_data()
+    positions = torch.from_numpy(np.stack([data[i]["position_ids"] for i in range(2)]))
+    tokens = zigzag_split(torch.from_numpy(np.stack([data[i]["input_ids"] for i in range(2)])), cp, ctx.cp_rank)
+    documents = Documents.from_positions(positions, cp, ctx.cp_rank)
+    current, gathered = [None], {i: [0, 0] for i in range(cfg.num_layers)}
+    for i, layer in model.layers.items():
+        layer.attn.register_forward_pre_hook(lambda _m, _a, i=int(i): current.__setitem__(0, i))
+
+    def counted(tensor, group):
+        out = gather(tensor, group)
+        gathered[current[0]][0] += 1
+        gathered[current[0]][1] += out.numel()
+        return out
+
+    gather = compressed_context.gather_from_sequence_parallel
+    compressed_context.gather_from_sequence_parallel = counted
+    try:
+        model(tokens, tokens, documents=documents).mean().backward()
+    finally:
+        compressed_context.gather_from_sequence_parallel = gather
+    expected, every = [], []
+    for i, kind in enumerate(compressed_kinds(cfg)[:cfg.num_layers]):
+        ratio, width = cfg.compress_ratios[i], key_projection_width(cfg, i)
+        halo = compressed_context.document_halo(cfg.sliding_window, ratio, kind == "csa")
+        count, elements = 1, 2 * 2 * cp * halo * width
+        if ratio:
+            owners = [[0] * cp for _ in range(2)]  # per row, rank: the entries it pools
+            for b, row in enumerate(documents.offsets):
+                for start, end in zip(row[:-1], row[1:]):
+                    for w in range((end - start) // ratio):
+                        chunk = (start + (w + 1) * ratio - 1) // (SEQ // (2 * cp))
+                        owners[b][chunk if chunk < cp else 2 * cp - 1 - chunk] += 1
+            most = max(1, max(max(row) for row in owners))
+            entry = cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)
+            count, elements = 2, elements + 2 * cp * most * entry
+        expected.append((count, elements))
+        every.append(2 * SEQ * width)
+    return {"gathered": [tuple(gathered[i]) for i in range(cfg.num_layers)], "expected": expected, "every": every}
+
+
 def world2_more() -> dict:
-    return {name: functools.partial(attention_saves, *case) for name, case in SAVES.items()}
+    return {"packed gathers": packed_gathers} | {name: functools.partial(attention_saves, *case)
+                                                 for name, case in SAVES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +330,14 @@ def test_each_rank_saves_what_the_planner_counts(world2, name):
     for rank, run in enumerate(check_result(world2, name)):
         assert run["saved"] == run["planned"], (rank, run)
         assert run["gathered"] == run["planned gathers"], (rank, run)
+
+
+def test_packed_rows_under_cp_gather_halos_and_entries(world2):
+    """At CP=2 on packed rows each layer gathers its chunks' halos and the documents' entries, as counted from the
+    documents, a fraction of every position's key projections."""
+    for rank, run in enumerate(check_result(world2, "packed gathers")):
+        assert run["gathered"] == run["expected"], (rank, run)
+        assert all(n < every for (_, n), every in zip(run["gathered"], run["every"])), (rank, run)
 
 
 @pytest.fixture(scope="module")

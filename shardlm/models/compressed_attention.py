@@ -36,9 +36,10 @@ parameters are frozen.
 Decoding keeps the layer's inputs and recomputes the compressors over them (exact, O(T) per token). Packed rows:
 each document is attended alone, its windows and entries starting at its first token. Context parallelism: each
 rank projects its own tokens (B, T / C, h) into what the keys and entries are computed from (`key_inputs`: kv's
-projection and the compressors' kv and gate); on plain rows whose chunks hold whole windows it pools its own
-windows' entries and all-gathers those and each chunk's halo, otherwise every position's projections
-(`shardlm.models.compressed_context`; gradients reduce-scattered back), and attends its own zigzag queries; its
+projection and the compressors' kv and gate); on plain rows whose chunks hold whole windows, and on packed rows
+whose chunks hold their halos, it pools the windows that end in its chunks and all-gathers their entries and each
+chunk's halo, otherwise every position's projections (`shardlm.models.compressed_context`; gradients
+reduce-scattered back), and attends its own zigzag queries; its
 indexer loss covers its own queries over the whole micro-batch's tokens (hence the C in its factor). Under
 autocast its GEMMs that read the input share one half copy of it (`decoder.autocast_copies`).
 """
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.data.zigzag import local_positions
-from shardlm.models.compressed_context import gathered_keys, halo_sources
+from shardlm.models.compressed_context import document_sources, gathered_keys, halo_sources
 from shardlm.models.compressed_core import attend
 from shardlm.models.config import ModelConfig
 from shardlm.models.decoder import autocast_copies, enter_parallel_region
@@ -320,14 +321,17 @@ class CompressedAttention(nn.Module):
             sources = sources or self.sources(self.key_inputs(inputs) if cp.size == 1 else
                                               gathered_keys(self, inputs, cp))
             return self.o_b(self.attach(*self.grouped(x, index, *sources), tokens))
-        keys = self.key_inputs(inputs) if cp.size == 1 else gathered_keys(self, inputs, cp)
+        held = document_sources(self, inputs, cp, documents.offsets) if cp.size > 1 else None
+        if held is None:
+            keys = self.key_inputs(inputs) if cp.size == 1 else gathered_keys(self, inputs, cp)
         rows, divergences = [], []
         for b, offsets in enumerate(documents.offsets):
             pieces, places = [], []
-            for start, end in zip(offsets[:-1], offsets[1:]):
+            for d, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
                 inside = ((index >= start) & (index < end)).nonzero().squeeze(-1)  # this rank's queries of it
                 if inside.numel():
-                    sources = self.sources([part[b:b + 1, start:end] for part in keys])
+                    sources = (held[b][d] if held is not None else
+                               self.sources([part[b:b + 1, start:end] for part in keys]))
                     out, divergence = self.grouped(x[b:b + 1, inside], index[inside] - start, *sources)
                     pieces.append(out)
                     places.append(inside)
