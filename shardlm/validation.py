@@ -196,7 +196,6 @@ def _validate_qk_clip(config: RunConfig) -> None:
         (m.qk_norm, "model.qk_norm: a per-head RMSNorm undoes any scale of the query and key weights, and already "
                     "bounds the logits"),
         (bool(config.lora.rank), "[lora]: the frozen base's query and key weights cannot be scaled"),
-        (m.index_topk > 0, "model.index_topk: sparse attention does not record its logits for the clip yet"),
     ]
     for bad, what in problems:
         if bad:

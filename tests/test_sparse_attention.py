@@ -241,7 +241,6 @@ def test_dense_chunks_attend_as_the_gathered_ones(monkeypatch):
     ({**DSA, "index_head_dim": 2}, "index_head_dim"),
     ({**DSA, "index_stage": "dense"}, "index_stage"),
     ({**DSA, "index_topk": 17}, "larger than the row"),
-    ({**DSA, "train": {"qk_clip": 100.0}}, "qk_clip"),
 ])
 def test_bad_sparse_attention_keys_are_refused_in_one_line(keys, message):
     config = mla_config(**keys)

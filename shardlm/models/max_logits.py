@@ -5,7 +5,8 @@ in training forwards, to the largest q . k x scale each of its heads computed in
 the queries and the keys each query sees (earlier or equal positions, its own packed document, its sliding
 window). The logits are computed again here, in fp32, one head at a time, because the fused attention kernels
 never show them. Under context parallelism the keys of every CP rank are all-gathered for it (the ring's blocks
-all count), and a query's place in the whole row is its zigzag position.
+all count), and a query's place in the whole row is its zigzag position. Sparse attention (DSA) counts the keys
+each query chose only, the logits those of its absorbed product (`max_chosen_logits`), by chunks of queries.
 """
 
 from __future__ import annotations
@@ -60,3 +61,34 @@ def _raise_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | N
     """`record_max_logits`'s update, outside `torch.compile`'s graphs: an in-place update of a module's tensor."""
     logits = max_attention_logits(q, k, module.ctx.cp, scale, documents, window)
     torch.maximum(module.max_logits, logits, out=module.max_logits)
+
+
+@torch.no_grad()
+@torch.compiler.disable
+def max_chosen_logits(q: torch.Tensor, weight: torch.Tensor, nope: int, keys: torch.Tensor, indices: torch.Tensor,
+                      valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """(H,) fp32: each head's largest logit over the keys sparse attention chose. q (B, H, T, nope + rope) rotated,
+    weight (H, nope + v, r) kv_b's per head, keys (B, S, r + rope) the row's latents and shared rotated keys, indices
+    and valid (B, T, k) each query's chosen keys (`shardlm.models.sparse_attention`): the logit of a chosen valid
+    key is [q_nope W_UK | q_rope] . [c | k_rope] x scale, as the sparse core computes it."""
+    from shardlm.models.sparse_attention import absorb_query, gather_keys, query_step
+
+    B, H, T, _ = q.shape
+    out = torch.full((H,), float("-inf"), device=q.device)
+    step = query_step(B, indices.shape[-1], H, keys.shape[-1])
+    for start in range(0, T, step):
+        part = slice(start, start + step)
+        query = absorb_query(q[:, :, part].float(), weight.float(), nope)  # (B, H, Q, r + rope)
+        chosen = gather_keys(keys.float(), indices[:, part].long())  # (B, Q, k, r + rope)
+        scores = torch.einsum("bhqn,bqkn->bhqk", query, chosen) * scale
+        scores = scores.masked_fill(~valid[:, part].unsqueeze(1), float("-inf"))
+        out = torch.maximum(out, scores.amax(dim=(0, 2, 3)))
+    return out
+
+
+def record_chosen_max_logits(module, q: torch.Tensor, weight: torch.Tensor, keys: torch.Tensor,
+                             indices: torch.Tensor, valid: torch.Tensor) -> None:
+    """`record_max_logits` for a sparse-attention layer (`max_chosen_logits`; the layer's `nope` and `scale`)."""
+    if getattr(module, "max_logits", None) is not None and module.training:
+        logits = max_chosen_logits(q, weight, module.nope, keys, indices, valid, module.scale)
+        torch.maximum(module.max_logits, logits, out=module.max_logits)

@@ -52,7 +52,7 @@ from shardlm.models.decoder import (
     mark_sequence_parallel,
 )
 from shardlm.models.documents import Documents, token_positions
-from shardlm.models.max_logits import record_max_logits
+from shardlm.models.max_logits import record_chosen_max_logits, record_max_logits
 from shardlm.models.norms import RMSNorm
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies, yarn_mscale
 from shardlm.parallel import ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear
@@ -252,6 +252,7 @@ class LatentAttention(nn.Module):
             indices, valid = self.top_k(*scored, rows, documents, host_rows)
             if carry is not None:
                 carry[self.layer] = (indices, valid)
+        record_chosen_max_logits(self, q, weight, keys, indices, valid)  # QK-clip's statistic, when tracked
         y, mass = dsa.sparse_latent_attention(q, keys, indices, valid, self.scale, self.cfg.kv_lora_rank,
                                               absorption=(weight, self.nope), host_rows=host_rows)
         if scored is not None and self.indexer_trains():
