@@ -125,20 +125,6 @@ def test_a_teacher_with_another_tokenizer_is_refused(config, data_dir, teacher, 
     assert not (tmp_path / "run").exists()
 
 
-def test_on_policy_steps_under_pipeline_stages_with_fsdp_are_refused_in_one_line(config):
-    """Rollouts run through the stages (as RL's do), but not with FSDP-sharded stages."""
-    from shardlm.config import load_config
-    from shardlm.distill import check_distill
-
-    on_policy = ["parallel.pipeline=2", "distill.lmbda=0.5"]
-    assert check_distill(load_config(config, ["parallel.pipeline=2"]), check_paths=False) is None
-    assert check_distill(load_config(config, on_policy), check_paths=False) is None
-    problem = check_distill(load_config(config, [*on_policy, 'train.data_sharding="full"']), check_paths=False)
-    assert problem.startswith("on-policy distillation (distill.lmbda > 0) cannot sample under pipeline stages with "
-                              "FSDP"), problem
-    assert "\n" not in problem
-
-
 @pytest.mark.timeout(300)
 def test_on_policy_distillation_from_the_command_line(config, tmp_path, capsys):
     """distill.lmbda=1: every step trains on the student's own completions (at most 8 tokens, sampled with the

@@ -24,8 +24,8 @@ loss, every parameter on every rank):
 - on-policy (GKD's lambda 0.2: steps 1 and 2 of the 3 are drawn on-policy and train on the student's own
   completions of each conversation's prompt, sampled at the layout; step 3 on the records' answers): TP=2 with
   SP, DP=2, FSDP DP=2, PP=2 x 2 virtual stages (each decoding step through the stages), CP=2 and CP=2 x TP=2 with
-  SP (each CP rank samples its share of whole sequences) equal one process; so does the per-token reverse KL of the
-  student's samples (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
+  SP (each CP rank samples its share of whole sequences) and FSDP PP=2 x DP=2 equal one process; so does the
+  per-token reverse KL of the student's samples (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
 - one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
 """
 
@@ -201,6 +201,7 @@ WORLD4 = {
     "hybrid fsdp dp4 groups of 2": ("dense", layout(micro=1, data_sharding="full", fsdp_shard_size=2)),
     "fsdp pp2 dp2": ("dense", layout(pp=2, micro=1, data_sharding="full")),
     "on-policy cp2 tp2 sp": ("on-policy", layout(cp=2, tp=2, sp=True, lmbda=0.2)),
+    "on-policy fsdp pp2 dp2": ("on-policy", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2)),
 }
 REFERENCES = {"dense": {"micro": BATCH}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": WIDE_BATCH, "lora": True},
               "forward kl": {"micro": BATCH, "beta": 0.0}, "on-policy": {"micro": BATCH, "lmbda": 0.2},

@@ -21,9 +21,6 @@ def check_distill(config, check_paths: bool = True) -> str | None:
         (bool(config.sft.data), "distill scores the answers of [sft] records; set sft.data"),
         (not config.preference.loss and not config.rl.loss,
          "distill, preference and rl are different losses; set one of [distill].teacher, preference.loss, rl.loss"),
-        (config.parallel.pipeline == 1 or d.lmbda == 0 or config.train.data_sharding != "full",
-         'on-policy distillation (distill.lmbda > 0) cannot sample under pipeline stages with FSDP; set '
-         'parallel.pipeline=1, train.data_sharding="none" or distill.lmbda=0'),
         (not m.mtp_layers, "distill trains the next-token distribution only; set model.mtp_layers=0"),
     ]
     for ok, message in checks:

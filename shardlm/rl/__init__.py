@@ -44,9 +44,6 @@ def check_rl(config, world_size: int = 1) -> str | None:
                                 f"{r.num_generations}; set rl.prompts_per_step"),
         (not r.reward_weights or len(r.reward_weights) == len(r.rewards),
          f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} reward functions"),
-        (config.parallel.pipeline == 1 or config.train.data_sharding != "full" or bool(r.completions),
-         'rollouts under pipeline stages with FSDP are not supported; use parallel.pipeline=1 or '
-         'train.data_sharding="none"'),
         (not config.model.mtp_layers, "an RL run trains without multi-token prediction; set model.mtp_layers=0"),
         (not config.train.compile, "an RL run samples with the eager model; set train.compile=false"),
         (not config.preference.loss, "set either [preference] or [rl], not both"),

@@ -17,7 +17,8 @@ sync can take its place. `InProcessGenerator` is the policy itself:
 - under tensor parallelism (sequence parallelism off while decoding) each rank gathers the last position's logits,
   all draw alike and take TP rank 0's choice (a broadcast), so the group continues with the same tokens;
 - under pipeline stages each decoding forward runs through the stages in order, each stage's owner handing its
-  activations on; the last stage samples and hands the chosen ids and their log-probabilities to the others;
+  activations on; the last stage samples and hands the chosen ids and their log-probabilities to the others (under
+  FSDP as well: `gather_stage_roots`);
 - under expert parallelism (and FSDP) the ranks exchange tokens (parameters) in every forward, so every rank runs as
   many forwards as the longest generation in the world (a rank whose rows are finished runs one-token forwards
   without a cache until all are done: one all-reduce MAX of a flag per position);
@@ -150,15 +151,24 @@ def sequence_parallel_off(model):
             m.sequence_parallel = True
 
 
+def gather_stage_roots(stages: list) -> None:
+    """Under FSDP each pipeline stage is a root over its layers and end pieces (`pipeline.shard_stage`), and decoding
+    calls those one by one, not the stage's forward: each root is set up as the root first (FSDP2 would otherwise
+    take the first unit called for one, and refuse the stage's own forward later) and its end pieces (embedding,
+    final norm, output layer) gathered; its layers gather and free themselves in their own forwards, every rank of
+    the stage in lockstep. `RLRun.reshard` frees the roots' after the rollouts."""
+    for stage in stages:
+        if isinstance(stage, FSDPModule):
+            stage._get_fsdp_state()._lazy_init()  # (FSDP2's own root set-up, which a root's forward runs first)
+            stage.unshard()
+
+
 class InProcessGenerator:
     """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
     its `logit_temperature` set to the sampling temperature."""
 
     def __init__(self, model, ctx, sampling: SamplingConfig, eod: int | set[int], lockstep: bool = False, pipeline=None,
                  stop_requested: Callable[[], bool] | None = None):
-        if pipeline is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
-            raise UserError("rollouts under pipeline stages with FSDP (train.data_sharding=\"full\") are not "
-                            "supported; use parallel.pipeline=1 or train.data_sharding=\"none\"")
         self.model, self.ctx, self.sampling, self.lockstep = model, ctx, sampling, lockstep
         self.stops = {eod} if isinstance(eod, int) else set(eod)
         self.pipeline, self.stop_requested = pipeline, stop_requested
@@ -177,6 +187,7 @@ class InProcessGenerator:
         owner returns the final norm's output."""
         model, ctx, runner = self.model, self.ctx, self.pipeline
         count, x = len(runner.layers), None
+        gather_stage_roots(runner.stage_modules)
         carry = model.layer_carry()  # GLM-5's shared choice, Gemma 4's shared keys (never across a stage boundary)
         extra = () if carry is None else (carry,)
         for stage, layer_ids in enumerate(runner.layers):
