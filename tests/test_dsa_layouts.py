@@ -163,10 +163,11 @@ def world3():
     return spawn_layouts(3, run_rows_of_48, WORLD3)
 
 
-def layer_saves(tp: int, cp: int, sp: bool, precision: str) -> dict:
+def layer_saves(tp: int, cp: int, sp: bool, precision: str, dense: bool = False) -> dict:
     """One training forward of `dsa_config`'s model on plain rows on this rank, in `precision` ("fp32" or "bf16"
     autocast): "saved", what each layer keeps for the backward, and "planned", `activations.shardlm_memory`'s
-    per-layer bytes of the rank (with SP, CP at the rank's tokens)."""
+    per-layer bytes of the rank (with SP, CP at the rank's tokens). `dense`: dense MLA without the query's low-rank
+    path (no indexer, no q_lora_rank: q reads the gathered input under SP)."""
     import dataclasses
 
     import torch
@@ -179,6 +180,8 @@ def layer_saves(tp: int, cp: int, sp: bool, precision: str) -> dict:
     from shardlm.plan.memory import numeric_format
 
     ctx, cfg = layout_context(tp=tp, cp=cp), dsa_config(tp=tp, cp=cp, sp=sp).model
+    if dense:
+        cfg = dataclasses.replace(cfg, index_topk=0, index_heads=0, index_head_dim=0, q_lora_rank=0)
     model = build_model(cfg, ctx, seed=0, sequence_parallel=sp).train()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     tokens = zigzag_split(tokens, cp, ctx.cp_rank) if cp > 1 else tokens
@@ -194,11 +197,14 @@ def layer_saves(tp: int, cp: int, sp: bool, precision: str) -> dict:
     return {"saved": [saved[i] for i in range(cfg.num_layers)], "planned": planned}
 
 
-SAVES = {f"saves {name} {precision}": (tp, cp, sp, precision)
-         for name, (tp, cp, sp) in {"cp2": (1, 2, False), "tp2 sp": (2, 1, True), "tp2": (2, 1, False)}.items()
+SAVES = {f"saves {name} {precision}": (tp, cp, sp, precision, dense)
+         for name, (tp, cp, sp, dense) in {"cp2": (1, 2, False, False), "tp2 sp": (2, 1, True, False),
+                                           "tp2": (2, 1, False, False),
+                                           "tp2 sp dense mla without q_lora": (2, 1, True, True)}.items()
          for precision in ("fp32", "bf16")}
 """The planner's DSA layer checked on each rank at CP=2 (the whole rows' latents and indexer keys gathered), at
-TP=2 with SP (the latent down-projections and the indexer's keys on the rank's chunk) and without SP."""
+TP=2 with SP (the latent down-projections and the indexer's keys on the rank's chunk) and without SP; and dense MLA
+without the query's low-rank path at TP=2 with SP (q reads the gathered input, kv_a the rank's chunk)."""
 
 
 def world2_more() -> dict:
