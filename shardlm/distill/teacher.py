@@ -4,8 +4,9 @@ heads and vocabulary, its experts over EP), in eval mode, with no gradient and n
 Under FSDP (`train.data_sharding = "full"`) the teacher is sharded as the student is, over the same data-parallel
 mesh (`shard_teacher`): each DP rank holds 1/DP of each of its tensors, a layer's forward gathers that layer and
 frees it after, and the root (embedding, final norm, output layer) stays gathered from the teacher's forward until
-the loss has used its output layer (`release_teacher`); under pipeline stages only the layers are sharded (the ends
-stay whole). Its all-gathers are collectives: the teacher runs exactly once per student forward
+the loss has used its output layer (`release_teacher`); under pipeline stages the root is gathered where a rank runs
+the first or the last stage, before the step's pipelined pass (`pipelined_hidden`), and freed after the step's
+schedule. Its all-gathers are collectives: the teacher runs exactly once per student forward
 (`DistillLoss.__call__`; under pipeline stages once per micro-batch before the schedule, `DistillLoss.teacher_pass`,
 the same stages on the DP ranks of a stage), and the student's FSDP forward already runs in lockstep over the DP
 ranks (the same micro-batch count on every rank, on-policy steps included: sampling is the student's, in lockstep),
@@ -71,19 +72,19 @@ def load_teacher(config, ctx) -> torch.nn.Module:
     if config.distill.teacher_dtype == "bf16":
         teacher.to(torch.bfloat16)
     if config.train.data_sharding == "full":
-        shard_teacher(teacher, ctx, config.train.fsdp_shard_size, ends=ctx.pp_size == 1)
+        shard_teacher(teacher, ctx, config.train.fsdp_shard_size)
     return teacher.eval()
 
 
-def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0, ends: bool = True) -> None:
+def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0) -> None:
     """FSDP2 (`fully_shard`) of the frozen teacher over the student's data-parallel mesh
     (`shardlm.training.fsdp.data_parallel_mesh`, hybrid with `shard_size`), in place: each layer one unit that
     gathers its parameters for its forward and frees them after (reshard_after_forward), split experts their own
-    unit over expert-DP, then with `ends` the root (embedding, final norm, output layer), kept gathered after the
-    forward until `release_teacher`. Every (TP-local) parameter becomes a DTensor of the same shape of which this rank
-    keeps rows `torch.chunk(p, DP)[r]`; no parameter needs a gradient, so FSDP reduces nothing and no optimizer sees
-    them. Without `ends` (pipeline stages: `pipelined_hidden` calls the layers one by one, never the teacher's
-    forward) each layer is a root of its own and the ends stay whole."""
+    unit over expert-DP, then the root (embedding, final norm, output layer), kept gathered after the forward until
+    `release_teacher`. Every (TP-local) parameter becomes a DTensor of the same shape of which this rank keeps rows
+    `torch.chunk(p, DP)[r]`; no parameter needs a gradient, so FSDP reduces nothing and no optimizer sees them.
+    Under pipeline stages (this rank's layers only) `pipelined_hidden` calls the pieces one by one, never the
+    teacher's forward: it sets the root up and gathers it itself (`training.fsdp.gather_root`)."""
     from torch.distributed.fsdp import fully_shard
 
     from shardlm.training.fsdp import PARAM_ATTRIBUTES, data_parallel_mesh, expert_data_parallel_mesh
@@ -99,8 +100,7 @@ def shard_teacher(teacher: torch.nn.Module, ctx, shard_size: int = 0, ends: bool
         if experts is not None and expert_mesh is not None:  # different experts on the DP ranks of one EP group
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=True)
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    if ends:
-        fully_shard(teacher, mesh=mesh, reshard_after_forward=False)
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=False)
     teacher.shards = mesh.shape[-1]  # the ranks one shard group spans (hybrid: a row of the mesh)
     for name, param in teacher.named_parameters():
         for attribute, value in marks[name].items():
@@ -125,14 +125,11 @@ def local_bytes(param: torch.Tensor) -> int:
 def describe_teacher(teacher: torch.nn.Module, path: str) -> str:
     """One line for the run's log: the teacher and what its weights take on this rank (under FSDP its shards:
     1/DP of the whole, `local_bytes`)."""
-    from torch.distributed.fsdp import FSDPModule
-
     m = teacher.cfg
     held = sum(local_bytes(p) for p in teacher.parameters())
     sharded = ""
     if hasattr(teacher, "shards"):
-        sharded = f" (its FSDP shards: 1/{teacher.shards} of " + ("the teacher)" if isinstance(teacher, FSDPModule)
-                                                                   else "each layer, the ends whole)")
+        sharded = f" (its FSDP shards: 1/{teacher.shards} of the teacher)"
     return (f"distill: teacher {path} ({m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
             f"{m.vocab_size}): {held / 2**20:,.1f} MiB of frozen weights on this rank{sharded}, no gradient, no "
             "optimizer state")
@@ -141,10 +138,15 @@ def describe_teacher(teacher: torch.nn.Module, path: str) -> str:
 def pipelined_hidden(teacher, inputs: torch.Tensor, documents, ctx) -> torch.Tensor | None:
     """The teacher's final-norm output of one micro-batch through the pipeline stages in order: each stage's owner
     runs its layers and hands the (B, T, h) activations (sequence chunks under SP) on by a broadcast over the
-    pipeline group; the last stage's owner returns the output, the others None. Every pipeline rank calls it."""
+    pipeline group; the last stage's owner returns the output, the others None. Every pipeline rank calls it. Under
+    FSDP the root's end pieces are gathered where this rank runs the first or the last stage (every DP rank of a
+    stage alike), until `release_teacher` after the step's schedule."""
     from shardlm.parallel.pipeline import stage_owner
+    from shardlm.training.fsdp import gather_root
 
     count, x = len(teacher.stage_layers), None
+    ends = {stage_owner(stage, ctx.pp_size, count, teacher.v_shaped) for stage in (0, count - 1)}
+    gather_root(teacher, gather=ctx.pp_rank in ends)
     length = inputs.shape[1] // (ctx.tp_size if teacher.sequence_parallel else 1)
     for stage, layer_ids in enumerate(teacher.stage_layers):
         owner = stage_owner(stage, ctx.pp_size, count, teacher.v_shaped)

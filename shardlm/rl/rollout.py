@@ -18,7 +18,7 @@ sync can take its place. `InProcessGenerator` is the policy itself:
   all draw alike and take TP rank 0's choice (a broadcast), so the group continues with the same tokens;
 - under pipeline stages each decoding forward runs through the stages in order, each stage's owner handing its
   activations on; the last stage samples and hands the chosen ids and their log-probabilities to the others (under
-  FSDP as well: `gather_stage_roots`);
+  FSDP as well: each stage's root set up and its end pieces gathered first, `training.fsdp.gather_root`);
 - under expert parallelism (and FSDP) the ranks exchange tokens (parameters) in every forward, so every rank runs as
   many forwards as the longest generation in the world (a rank whose rows are finished runs one-token forwards
   without a cache until all are done: one all-reduce MAX of a flag per position);
@@ -45,13 +45,13 @@ from typing import Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig
 from shardlm.parallel import invariant
 from shardlm.parallel.comm import Communicator
 from shardlm.parallel.pipeline import stage_owner
+from shardlm.training.fsdp import gather_root
 
 
 @dataclass
@@ -151,18 +151,6 @@ def sequence_parallel_off(model):
             m.sequence_parallel = True
 
 
-def gather_stage_roots(stages: list) -> None:
-    """Under FSDP each pipeline stage is a root over its layers and end pieces (`pipeline.shard_stage`), and decoding
-    calls those one by one, not the stage's forward: each root is set up as the root first (FSDP2 would otherwise
-    take the first unit called for one, and refuse the stage's own forward later) and its end pieces (embedding,
-    final norm, output layer) gathered; its layers gather and free themselves in their own forwards, every rank of
-    the stage in lockstep. `RLRun.reshard` frees the roots' after the rollouts."""
-    for stage in stages:
-        if isinstance(stage, FSDPModule):
-            stage._get_fsdp_state()._lazy_init()  # (FSDP2's own root set-up, which a root's forward runs first)
-            stage.unshard()
-
-
 class InProcessGenerator:
     """The policy samples its own completions (module docstring). `model` is the run's `DecoderLM` on `ctx`, with
     its `logit_temperature` set to the sampling temperature."""
@@ -187,7 +175,8 @@ class InProcessGenerator:
         owner returns the final norm's output."""
         model, ctx, runner = self.model, self.ctx, self.pipeline
         count, x = len(runner.layers), None
-        gather_stage_roots(runner.stage_modules)
+        for stage in runner.stage_modules:  # FSDP roots whose layers and end pieces are called one by one
+            gather_root(stage)
         carry = model.layer_carry()  # GLM-5's shared choice, Gemma 4's shared keys (never across a stage boundary)
         extra = () if carry is None else (carry,)
         for stage, layer_ids in enumerate(runner.layers):

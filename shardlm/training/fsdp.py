@@ -265,6 +265,20 @@ def counting_collectives():
         dist.all_gather_single, dist.reduce_scatter_single = originals["all_gather"], originals["reduce_scatter"]
 
 
+def gather_root(module: nn.Module, gather: bool = True) -> None:
+    """An FSDP root whose pieces are called one by one instead of through its forward (decoding through pipeline
+    stages, a teacher's pipelined pass): set up as the root first (FSDP2's lazy initialization, which a root's forward
+    runs before anything; otherwise the first of its units called would take the root's place) and, with `gather`,
+    its own parameters all-gathered (collective over its mesh); its layers gather and free themselves in their own
+    forwards. `reshard` (or the module's `reshard()`) frees them. Nothing for a module FSDP does not shard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module._get_fsdp_state()._lazy_init()  # (private: the set-up a root's forward runs first)
+        if gather:
+            module.unshard()
+
+
 def reshard(modules: list[nn.Module]) -> None:
     """Free the gathered parameters of every FSDP unit in `modules`. A root keeps its own gathered after the forward
     (`reshard_after_forward=False`, for its backward), and a forward without backward (generation, a scoring pass)

@@ -192,6 +192,7 @@ class Trainer:
             with self.autocast():
                 self.pipeline_reference(batches)
                 loss_sum = self.pipeline.forward_backward(batches, scale)
+            self.release_teacher()
         for i, batch in enumerate(batches if self.pipeline is None else ()):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
@@ -276,6 +277,7 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline_reference(batches)
                 total += self.pipeline.evaluate(batches).float()
+                self.release_teacher()
             else:
                 for batch in batches:
                     total += self.loss(self.model, batch).float()
@@ -296,6 +298,14 @@ class Trainer:
             from shardlm.preference.loss import adapters_off
 
             self.pipeline.reference_pass(batches, self.loss.record_reference, adapters_off(self.model))
+
+    def release_teacher(self) -> None:
+        """Under pipeline stages, a distillation teacher sharded by FSDP: free its root's end pieces, gathered for the
+        step's pipelined pass (`distill.teacher.pipelined_hidden`), once the schedule's losses have used them."""
+        if self.teacher is not None:
+            from shardlm.distill.teacher import release_teacher
+
+            release_teacher(self.teacher)
 
     def local_part(self, batches: list, split: str = "train") -> list:
         """This rank's share of each micro-batch: the batch itself, or under context parallelism the
