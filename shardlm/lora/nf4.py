@@ -170,11 +170,21 @@ class Shard:
         return values[:, index.view(-1).to(values.device)].view(m, rows, cols)
 
 
+def compute_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype a weight of `dtype` is dequantized into: under autocast, an fp32 one straight into the autocast dtype
+    (the values autocast's cast would give, bitwise: the dequantized values are fp32 first either way), so that the
+    GEMM takes it as it is and `dequantize_again` saves the reference instead of autocast's half copy."""
+    if dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
 class NF4Weight(nn.Module):
     """The parametrization of a frozen weight stored in NF4 (module docstring): `right_inverse` takes the whole
     weight ((out, in), or an expert stack's (E_l, out, in), each expert's matrix whole) and keeps `shard`'s blocks
     of it; `forward` dequantizes this rank's slice, `shape`, in `dtype`. `marks`: the local weight's layout
-    attributes (`tensor_parallel_dim`, `expert_parallel`, ...), which checkpoints and counts read."""
+    attributes (`tensor_parallel_dim`, `expert_parallel`, ...), which checkpoints and counts read. Under autocast an
+    fp32 weight is dequantized in the autocast dtype (`compute_dtype`)."""
 
     def __init__(self, shard: Shard, shape: torch.Size, dtype: torch.dtype, marks: dict):
         super().__init__()
@@ -190,7 +200,7 @@ class NF4Weight(nn.Module):
         if not self.stacked:
             packed, stats, stats_max, offset = packed[None], stats[None], stats_max[None], offset
         values = block_values(packed, stats, stats_max, offset, self.shard.blocks())
-        out = self.shard.take(values).to(self.dtype)
+        out = self.shard.take(values).to(compute_dtype(self.dtype, packed.device.type))
         out = out if self.stacked else out[0]
         if self.owner is not None:  # `dequantize_again` recomputes it (and its views) for the backward
             root = out if out._base is None else out._base
@@ -223,17 +233,17 @@ def _pack(tensor: torch.Tensor):
     owner = getattr(root, "nf4_source", None)
     if owner is None:
         return tensor
-    return owner, tensor.size(), tensor.stride(), tensor.storage_offset()
+    return owner, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.dtype
 
 
 def _unpack(saved):
     if isinstance(saved, torch.Tensor):
         return saved
-    (module, name), size, stride, offset = saved
+    (module, name), size, stride, offset, dtype = saved
     with torch.no_grad():
-        value = getattr(module(), name)
+        value = getattr(module(), name)  # (the backward runs outside autocast: fp32, cast as the forward did)
     root = value if value._base is None else value._base
-    return root.as_strided(size, stride, offset)
+    return root.to(dtype).as_strided(size, stride, offset)
 
 
 def dequantize_again(layer: nn.Module) -> None:

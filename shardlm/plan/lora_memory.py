@@ -7,10 +7,11 @@
   `frozen_base`): fp32 shards of 4 N / d, NF4 bytes / d; a gathered layer holds its NF4 tensors unsharded;
 - activations: a GEMM saves its weight operand for the input's gradient. Under autocast those are half copies (the
   activation model's `weight_cast_bytes`; with half parameters of the fp32 frozen weights too, which full
-  fine-tuning's half format does not count: `saved_weight_bytes`); dequantized fp32 NF4 weights are saved as
-  references and dequantized again in the backward (`shardlm.lora.nf4.dequantize_again`), except in a layer
-  recomputed under full recomputation, whose GEMMs save them in fp32. The largest layer's dequantized weights are
-  the working copy, counted once (`working_copy_bytes`).
+  fine-tuning's half format does not count: `saved_weight_bytes`), except NF4 weights: dequantized straight into
+  the autocast dtype (`nf4.compute_dtype`), they are no cast; dequantized NF4 weights are saved as references and
+  dequantized again in the backward (`shardlm.lora.nf4.dequantize_again`), except in a layer recomputed under full
+  recomputation, whose GEMMs save them in fp32. The largest layer's dequantized weights are the working copy,
+  counted once in fp32 (`working_copy_bytes`; under autocast each is dequantized in fp32, then cast).
 
 Not counted: the adapters' own activations (their r-wide intermediates; with `lora.dropout` the dropped inputs)
 and what the frozen GEMMs no longer save (their inputs, needed only for weight gradients): activations are
@@ -80,18 +81,20 @@ def saved_weight_bytes(cfg: ModelConfig, lora: LoraConfig, tp: int, ep: int, fmt
       full recomputation shardlm saves them as references and dequantizes again in the backward
       (`shardlm.lora.nf4.dequantize_again`): nothing;
     - half parameters under autocast: the frozen base stays fp32, so autocast casts every GEMM weight of the layer
-      and saves the half copy (NF4 ones after dequantizing), `fmt.matmul_bytes` a matrix element;
-    - fp32 parameters under autocast: nothing beyond the copies already counted."""
+      and saves the half copy, `fmt.matmul_bytes` a matrix element; not the NF4 ones, dequantized in the autocast
+      dtype (`nf4.compute_dtype`) and saved as references;
+    - fp32 parameters under autocast: the copies full fine-tuning counts, less the NF4 weights' (no cast: negative).
+    Under autocast with full recomputation the recomputed layer's GEMMs save the NF4 weights' half values."""
+    kinds = {(cfg.is_linear_layer(i), cfg.is_moe_layer(i)): i for i in range(cfg.num_layers)}
+    layers = [layer_lora(cfg, lora, i, tp, ep) for i in kinds.values()]
     if fmt.matmul_bytes == 4:
         if not lora.quantize or recompute != "full":
             return 0
-        per_element, field = BASE_BYTES, "quantized"
-    elif fmt.weight_cast_bytes == 0:
-        per_element, field = fmt.matmul_bytes, "matrix"
-    else:
-        return 0
-    kinds = {(cfg.is_linear_layer(i), cfg.is_moe_layer(i)): i for i in range(cfg.num_layers)}
-    return per_element * max(getattr(layer_lora(cfg, lora, i, tp, ep), field) for i in kinds.values())
+        return BASE_BYTES * max(layer.quantized for layer in layers)
+    kept = recompute == "full"  # the recomputed layer's GEMMs save the dequantized half weights themselves
+    if fmt.weight_cast_bytes == 0:
+        return fmt.matmul_bytes * max(layer.matrix - (0 if kept else layer.quantized) for layer in layers)
+    return 0 if kept else -fmt.weight_cast_bytes * min(layer.quantized for layer in layers)
 
 
 def working_copy_bytes(count: LoraCount, fmt: NumericFormat, recompute: str) -> int:
