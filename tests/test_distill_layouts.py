@@ -146,7 +146,9 @@ def teacher_memory(trainer, calls: int) -> dict:
             "layers_full": sum(p.numel() * p.element_size() for p in layers), "calls": calls,
             "divisible_shards": {p.numel() // p.to_local().numel() for p in params
                                  if isinstance(p, DTensor) and p.shape[0] % dp == 0},
-            "line": describe_teacher(trainer.teacher, "teacher")}
+            "line": describe_teacher(trainer.teacher, "teacher"),
+            "ends": sorted({n.split(".")[0] for n, _ in named if not n.startswith("layers.")}),
+            "pp_rank": trainer.ctx.pp_rank}
 
 
 def plain_sum(x, tp):
@@ -284,6 +286,16 @@ def test_fsdp_shards_the_teacher(request, name):
             assert held["held"] * share == held["full"], f"{name} rank {rank}"
         assert f"{held['held'] / 2**20:,.1f} MiB of frozen weights on this rank" in held["line"], held["line"]
         assert held["calls"] == ranks[0]["calls"] > 0, f"{name}: teacher layers run {[r['calls'] for r in ranks]}"
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2 virtual2", "fsdp pp2 dp2"])
+def test_under_pipeline_stages_the_teacher_keeps_its_stages_ends_only(request, name):
+    """The first stage's rank holds the teacher's embedding, the last stage's its final norm and output layer
+    (interleaved: rank 0 runs stages 0 and 2 of 4, rank 1 stages 1 and 3); neither holds the other's."""
+    world = "world4" if name == "fsdp pp2 dp2" else "world2"
+    for rank, value in enumerate(check_result(request.getfixturevalue(world), name)):
+        first = value["teacher"]["pp_rank"] == 0
+        assert value["teacher"]["ends"] == (["wte"] if first else ["lm_head", "ln_f"]), (name, rank, value["teacher"])
 
 
 @pytest.mark.timeout(600)

@@ -1,12 +1,13 @@
 """The frozen teacher: a Hugging Face directory or shardlm checkpoint built at the run's layout (its own TP split of
 heads and vocabulary, its experts over EP), in eval mode, with no gradient and no optimizer state.
 
-Under FSDP (`train.data_sharding = "full"`) the teacher is sharded as the student is, over the same data-parallel
-mesh (`shard_teacher`): each DP rank holds 1/DP of each of its tensors, a layer's forward gathers that layer and
-frees it after, and the root (embedding, final norm, output layer) stays gathered from the teacher's forward until
-the loss has used its output layer (`release_teacher`); under pipeline stages the root is gathered where a rank runs
-the first or the last stage, before the step's pipelined pass (`pipelined_hidden`), and freed after the step's
-schedule. Its all-gathers are collectives: the teacher runs exactly once per student forward
+Under pipeline stages a rank's teacher holds its stages' layers and end pieces only (`pipeline.keep_stages`, as the
+student's). Under FSDP (`train.data_sharding = "full"`) the teacher is sharded as the student is, over the same
+data-parallel mesh (`shard_teacher`): each DP rank holds 1/DP of each of its tensors, a layer's forward gathers that
+layer and frees it after, and the root (embedding, final norm, output layer) stays gathered from the teacher's
+forward until the loss has used its output layer (`release_teacher`); under pipeline stages the root is gathered
+where a rank runs the first or the last stage, before the step's pipelined pass (`pipelined_hidden`), and freed
+after the step's schedule. Its all-gathers are collectives: the teacher runs exactly once per student forward
 (`DistillLoss.__call__`; under pipeline stages once per micro-batch before the schedule, `DistillLoss.teacher_pass`,
 the same stages on the DP ranks of a stage), and the student's FSDP forward already runs in lockstep over the DP
 ranks (the same micro-batch count on every rank, on-policy steps included: sampling is the student's, in lockstep),
@@ -39,7 +40,7 @@ def load_teacher(config, ctx) -> torch.nn.Module:
     from shardlm.checkpoint.state import load_weights
     from shardlm.models import build_model
     from shardlm.models.gemma_config import hidden_only_split_problem
-    from shardlm.parallel.pipeline import V_SHAPED, local_stages, stage_layers, stages_per_rank
+    from shardlm.parallel.pipeline import V_SHAPED, keep_stages, local_stages, stage_layers, stages_per_rank
 
     source = open_teacher(config.distill.teacher)
     model_config = source.config.model
@@ -62,6 +63,8 @@ def load_teacher(config, ctx) -> torch.nn.Module:
     teacher = build_model(model_config, ctx, seed=config.train.seed,
                           sequence_parallel=config.parallel.sequence_parallel,
                           layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]])
+    if layers is not None:  # this rank's stages' end pieces only (the first's embedding, the last's norm and head)
+        keep_stages(teacher, layers, stage_ids)
     teacher.stage_layers = layers
     teacher.v_shaped = ctx.pp_size > 1 and config.parallel.pipeline_schedule in V_SHAPED
     if isinstance(source.reader, MappedReader):
