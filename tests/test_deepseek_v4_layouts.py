@@ -193,6 +193,32 @@ def world3():
     return spawn_layouts(3, run_rows_of_48, {"cp3": layout(cp=3), "cp3 plain": layout(cp=3, packed=False)})
 
 
+@contextlib.contextmanager
+def counting_gathers(model):
+    """{layer: [all-gathers, elements they return]} of `compressed_context`'s CP gathers in the block, by the layer
+    whose attention ran them."""
+    from shardlm.models import compressed_context
+
+    current, gathered = [None], {int(i): [0, 0] for i in model.layers}
+    hooks = [layer.attn.register_forward_pre_hook(lambda _m, _a, i=int(i): current.__setitem__(0, i))
+             for i, layer in model.layers.items()]
+    gather = compressed_context.gather_from_sequence_parallel
+
+    def counted(tensor, group):
+        out = gather(tensor, group)
+        gathered[current[0]][0] += 1
+        gathered[current[0]][1] += out.numel()
+        return out
+
+    compressed_context.gather_from_sequence_parallel = counted
+    try:
+        yield gathered
+    finally:
+        compressed_context.gather_from_sequence_parallel = gather
+        for hook in hooks:
+            hook.remove()
+
+
 def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool, window: int = 0) -> dict:
     """One training forward of plain rows in `precision` ("fp32" or "bf16" autocast) on this rank: "saved", what each
     layer's attention keeps for the backward beyond its input, and "planned", the planner's `v4_attention_bytes` of
@@ -204,7 +230,7 @@ def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool,
     from test_plan_linear_attention import saved_by_layer
 
     from shardlm.data.zigzag import zigzag_split
-    from shardlm.models import build_model, compressed_context, compressed_core
+    from shardlm.models import build_model, compressed_core
     from shardlm.plan.context import compressed_gathers
     from shardlm.plan.measure import autocast_context
     from shardlm.plan.memory import numeric_format
@@ -215,32 +241,23 @@ def attention_saves(tp: int, cp: int, sp: bool, precision: str, recompute: bool,
     model = build_model(cfg, ctx, seed=0, sequence_parallel=sp).train()
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     tokens = zigzag_split(tokens, cp, ctx.cp_rank) if cp > 1 else tokens
-    current, gathered = [None], {i: [0, 0] for i in range(cfg.num_layers)}
-    for i, layer in model.layers.items():
-        layer.attn.register_forward_pre_hook(lambda _m, _a, i=int(i): current.__setitem__(0, i))
-
-    def counted(tensor, group):
-        out = gather(tensor, group)
-        gathered[current[0]][0] += 1
-        gathered[current[0]][1] += out.numel()
-        return out
 
     def forward():
         with autocast_context(precision, torch.device("cpu")):
             return model(tokens, tokens).mean()
 
-    chunk, gather = compressed_core.CHUNK_ELEMENTS, compressed_context.gather_from_sequence_parallel
+    chunk = compressed_core.CHUNK_ELEMENTS
     compressed_core.CHUNK_ELEMENTS = 256 if recompute else chunk
-    compressed_context.gather_from_sequence_parallel = counted
     try:
-        attention = types.SimpleNamespace(layers={i: layer.attn for i, layer in model.layers.items()},
-                                          parameters=model.parameters)
-        saved = saved_by_layer(attention, forward)
+        with counting_gathers(model) as gathered:
+            attention = types.SimpleNamespace(layers={i: layer.attn for i, layer in model.layers.items()},
+                                              parameters=model.parameters)
+            saved = saved_by_layer(attention, forward)
         rank_cfg, fmt = dataclasses.replace(cfg, seq_length=SEQ // cp), numeric_format(precision)
         layers = range(cfg.num_layers)
         planned = [v4_attention_bytes(rank_cfg, i, tp, 2, fmt, cp, ctx.cp_rank) for i in layers]
     finally:
-        compressed_core.CHUNK_ELEMENTS, compressed_context.gather_from_sequence_parallel = chunk, gather
+        compressed_core.CHUNK_ELEMENTS = chunk
     x = 2 * rank_cfg.seq_length * cfg.hidden_size * fmt.matmul_bytes
     return {"saved": [saved[i] - x for i in layers], "planned": planned,
             "gathered": [tuple(gathered[i]) for i in layers],
@@ -277,22 +294,8 @@ def packed_gathers() -> dict:
     positions = torch.from_numpy(np.stack([data[i]["position_ids"] for i in range(2)]))
     tokens = zigzag_split(torch.from_numpy(np.stack([data[i]["input_ids"] for i in range(2)])), cp, ctx.cp_rank)
     documents = Documents.from_positions(positions, cp, ctx.cp_rank)
-    current, gathered = [None], {i: [0, 0] for i in range(cfg.num_layers)}
-    for i, layer in model.layers.items():
-        layer.attn.register_forward_pre_hook(lambda _m, _a, i=int(i): current.__setitem__(0, i))
-
-    def counted(tensor, group):
-        out = gather(tensor, group)
-        gathered[current[0]][0] += 1
-        gathered[current[0]][1] += out.numel()
-        return out
-
-    gather = compressed_context.gather_from_sequence_parallel
-    compressed_context.gather_from_sequence_parallel = counted
-    try:
+    with counting_gathers(model) as gathered:
         model(tokens, tokens, documents=documents).mean().backward()
-    finally:
-        compressed_context.gather_from_sequence_parallel = gather
     expected, every = [], []
     for i, kind in enumerate(compressed_kinds(cfg)[:cfg.num_layers]):
         ratio, width = cfg.compress_ratios[i], key_projection_width(cfg, i)

@@ -58,6 +58,32 @@ def holds_whole_windows(tokens: int, window: int, ratio: int, overlap: bool) -> 
     return tokens % 2 == 0 and (not ratio or chunk % ratio == 0) and halo_size(window, ratio, overlap) <= chunk
 
 
+def chunk_reader(local: torch.Tensor, cp, halo: int):
+    """A function (first, end, rows, channels) -> (b, end - first, c): the projections of positions first .. end - 1
+    of the whole row, from this rank's two zigzag chunks (local (B, 2 L, P)) and, before them, the other chunks' last
+    `halo` positions, which this all-gathers (each chunk's tail; collective over `cp`). `rows` and `channels` slice
+    the batch and the projections' channels."""
+    T = local.shape[1]
+    C, L = cp.size, T // 2
+    tails = torch.cat((local[:, L - halo:L], local[:, T - halo:]), dim=1)  # each chunk's last `halo` positions
+    tails = zigzag_merge(list(gather_from_sequence_parallel(tails, cp).chunk(C, dim=1)))  # (B, 2 C halo, P)
+    mine = (cp.rank, 2 * C - 1 - cp.rank)
+
+    def read(first: int, end: int, rows: slice = slice(None), channels: slice = slice(None)) -> torch.Tensor:
+        parts = []
+        for chunk in range(first // L, (end - 1) // L + 1):
+            lo, hi = max(first, chunk * L), min(end, (chunk + 1) * L)
+            if chunk in mine:
+                offset = (0 if chunk == mine[0] else L) - chunk * L
+                parts.append(local[rows, lo + offset:hi + offset, channels])
+            else:  # the chunk's gathered tail holds its last `halo` positions
+                offset = chunk * halo - ((chunk + 1) * L - halo)
+                parts.append(tails[rows, lo + offset:hi + offset, channels])
+        return torch.cat(parts, dim=1)
+
+    return read
+
+
 def halo_sources(attn, inputs: list[torch.Tensor], cp) -> tuple | None:
     """`CompressedAttention.sources` for this rank's queries, from its tokens (`key_inputs`' views of x (B, T, h)):
     kv's projection as pieces [(first position, (B, n, D))], each run of its chunks with the window - 1 positions
@@ -73,30 +99,17 @@ def halo_sources(attn, inputs: list[torch.Tensor], cp) -> tuple | None:
     before, halo = attn.window - 1, halo_size(attn.window, ratio, overlap)  # before: what a chunk's first query sees
     keys = attn.key_inputs(inputs)
     widths = [part.shape[-1] for part in keys]
-    local = torch.cat(keys, dim=-1)  # (B, T, P)
-    tails = torch.cat((local[:, L - halo:L], local[:, T - halo:]), dim=1)  # each chunk's last `halo` positions
-    tails = zigzag_merge(list(gather_from_sequence_parallel(tails, cp).chunk(C, dim=1)))  # (B, 2 C halo, P)
-    mine = (cp.rank, 2 * C - 1 - cp.rank)
-
-    def held(j: int) -> torch.Tensor:  # chunk j's projections: this rank's (B, L, P), else its gathered tail
-        if j in mine:
-            return local[:, :L] if j == mine[0] else local[:, L:]
-        return tails[:, j * halo:(j + 1) * halo]
-
-    def leading(j: int, n: int) -> list[torch.Tensor]:  # the n positions before chunk j, if any
-        return [held(j - 1)[:, held(j - 1).shape[1] - n:]] if n else []
-
+    read = chunk_reader(torch.cat(keys, dim=-1), cp, halo)
     kv = []
     for run in chunk_runs(C, cp.rank):
         n = min(before, run[0] * L)
-        parts = leading(run[0], n) + [held(j) for j in run]
-        kv.append((run[0] * L - n, torch.cat([part[..., :widths[0]] for part in parts], dim=1)))  # kv's D only
+        kv.append((run[0] * L - n, read(run[0] * L - n, (run[-1] + 1) * L, channels=slice(widths[0]))))  # kv's D
     if compressor is None:
         return kv, None, None
     pieces = []  # this rank's chunks' entries (and the indexer's), each from its own windows
-    for j in mine:
+    for j in (cp.rank, 2 * C - 1 - cp.rank):
         extra = ratio if compressor.overlap and j > 0 else 0  # the previous window's first halves
-        span = torch.cat(leading(j, extra) + [held(j)], dim=1)
+        span = read(j * L - extra, (j + 1) * L)
         _, entries, index_entries = attn.sources(list(span.split(widths, dim=-1)), j * L // ratio - extra // ratio)
         pieces.append([e[:, extra // ratio:] for e in (entries, index_entries) if e is not None])  # (its own)
     joined = torch.cat([torch.cat(parts, dim=1) for parts in zip(*pieces)], dim=-1)  # (B, 2 L / m, D (+ D_i))
@@ -134,22 +147,10 @@ def document_sources(attn, inputs: list[torch.Tensor], cp, offsets: list[list[in
         return None
     keys = attn.key_inputs(inputs)
     widths = [part.shape[-1] for part in keys]
-    local = torch.cat(keys, dim=-1)  # (B, T, P)
-    tails = torch.cat((local[:, L - halo:L], local[:, T - halo:]), dim=1)  # each chunk's last `halo` positions
-    tails = zigzag_merge(list(gather_from_sequence_parallel(tails, cp).chunk(C, dim=1)))  # (B, 2 C halo, P)
-    mine = (cp.rank, 2 * C - 1 - cp.rank)
+    read = chunk_reader(torch.cat(keys, dim=-1), cp, halo)
 
-    def span(b: int, first: int, end: int) -> torch.Tensor:  # (1, end - first, P): positions this rank holds or reads
-        parts = []
-        for chunk in range(first // L, (end - 1) // L + 1):
-            lo, hi = max(first, chunk * L), min(end, (chunk + 1) * L)
-            if chunk in mine:
-                offset = (0 if chunk == mine[0] else L) - chunk * L
-                parts.append(local[b:b + 1, lo + offset:hi + offset])
-            else:  # the chunk's gathered tail holds its last `halo` positions
-                offset = chunk * halo - ((chunk + 1) * L - halo)
-                parts.append(tails[b:b + 1, lo + offset:hi + offset])
-        return torch.cat(parts, dim=1)
+    def span(b: int, first: int, end: int) -> torch.Tensor:  # (1, end - first, P): row b's positions first .. end - 1
+        return read(first, end, slice(b, b + 1))
 
     blank = [part[:1, :0] for part in keys]  # no position: what a rank without entries pools (their dtypes)
     entries = _document_entries(attn, offsets, span, widths, blank, cp, L) if ratio else None
@@ -163,7 +164,7 @@ def document_sources(attn, inputs: list[torch.Tensor], cp, offsets: list[list[in
                 lo, hi = max(first, start), min(last, end)
                 if lo < hi:
                     n = min(attn.window - 1, lo - start)
-                    kv.append((lo - n - start, span(b, lo - n, hi)[..., :widths[0]]))
+                    kv.append((lo - n - start, read(lo - n, hi, slice(b, b + 1), slice(widths[0]))))
             if not kv:
                 documents.append(None)
                 continue

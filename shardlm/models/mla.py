@@ -55,7 +55,13 @@ from shardlm.models.documents import Documents, token_positions
 from shardlm.models.max_logits import record_chosen_max_logits, record_max_logits
 from shardlm.models.norms import RMSNorm
 from shardlm.models.rotary import angles_of, apply_rotary, rope_inverse_frequencies, yarn_mscale
-from shardlm.parallel import ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear
+from shardlm.parallel import (
+    ColumnParallelLinear,
+    ParallelContext,
+    ReplicatedLinear,
+    RowParallelLinear,
+    gather_zigzag_rows,
+)
 from shardlm.parallel.init import param_seed
 from shardlm.parallel.random import recompute
 
@@ -236,7 +242,7 @@ class LatentAttention(nn.Module):
         keys (`shardlm.models.sparse_attention`), the indexer's loss attached when it trains."""
         weight = self.absorption()
         if keys is None:
-            keys = dsa.whole_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
+            keys = gather_zigzag_rows(torch.cat((c, k_rope.squeeze(1)), dim=-1), self.ctx.cp)
         B, T, S = q.shape[0], q.shape[2], keys.shape[1]
         # the queries' row positions, made on the host (the choice's chunks read their bounds there) and copied over
         host_rows = dsa.query_rows(T, self.ctx.cp, torch.device("cpu")) + (0 if cache is None else cache.length - T)
@@ -270,7 +276,7 @@ class LatentAttention(nn.Module):
             return y
         queries, weights, keys = self.indexer_inputs(x, q_latent, angles, None)
         query = self.absorbed_query(q.detach(), self.absorption().detach())
-        latents = dsa.whole_rows(latents.detach(), self.ctx.cp)
+        latents = gather_zigzag_rows(latents.detach(), self.ctx.cp)
         B, S = q.shape[0], latents.shape[1]
         rows = dsa.query_rows(q.shape[2], self.ctx.cp, x.device)
 
@@ -297,7 +303,7 @@ class LatentAttention(nn.Module):
             keys = dsa.rotate_first(keys, self.rope, *angles)
         if cache is not None:
             return queries, weights, cache.append_extra("index_keys", keys)
-        return queries, weights, dsa.whole_rows(keys, self.ctx.cp)
+        return queries, weights, gather_zigzag_rows(keys, self.ctx.cp)
 
     @torch.no_grad()
     def top_k(self, queries, weights, keys, rows, documents, host_rows):

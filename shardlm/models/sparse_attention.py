@@ -50,7 +50,7 @@ from shardlm.data.zigzag import zigzag_positions
 from shardlm.models.config import ModelConfig
 from shardlm.models.documents import Documents
 from shardlm.models.routing import AttachLoss
-from shardlm.parallel import ParallelContext, ReplicatedLinear, gather_from_sequence_parallel
+from shardlm.parallel import ParallelContext, ReplicatedLinear
 from shardlm.parallel.init import param_seed
 
 CHUNK_ELEMENTS = 1 << 23
@@ -114,17 +114,6 @@ class _GatherReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(ctx.group.size, dim=1)[ctx.group.rank].contiguous(), None
-
-
-def whole_rows(x: torch.Tensor, cp) -> torch.Tensor:
-    """(B, T / C, n) this CP rank's zigzag part -> (B, T, n) every rank's parts in the row's order; the
-    backward sums the ranks' gradients and keeps this rank's part (a reduce-scatter)."""
-    if cp.size == 1:
-        return x
-    gathered = gather_from_sequence_parallel(x, cp)  # rank order: each rank's two zigzag chunks
-    length = gathered.shape[1]
-    order = torch.cat([zigzag_positions(length, cp.size, r, x.device) for r in range(cp.size)])
-    return gathered.index_select(1, torch.argsort(order))
 
 
 def query_rows(length: int, cp, device) -> torch.Tensor:

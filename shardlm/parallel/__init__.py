@@ -8,6 +8,7 @@ from shardlm.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
     gather_from_tensor_parallel,
+    gather_zigzag_rows,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
@@ -19,7 +20,7 @@ from shardlm.parallel.random import RNGStatesTracker, seed_model_parallel
 __all__ = [
     "ColumnParallelLinear", "CommStats", "Communicator", "ParallelContext", "RNGStatesTracker",
     "ReplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding", "check_layout", "copy_to_tensor_parallel",
-    "gather_from_sequence_parallel", "gather_from_tensor_parallel", "init_distributed", "reduce_from_tensor_parallel",
-    "reduce_scatter_to_sequence_parallel", "scatter_to_sequence_parallel", "scatter_to_tensor_parallel",
-    "seed_model_parallel", "sum_over", "vocab_parallel_cross_entropy",
+    "gather_from_sequence_parallel", "gather_from_tensor_parallel", "gather_zigzag_rows", "init_distributed",
+    "reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel", "scatter_to_sequence_parallel",
+    "scatter_to_tensor_parallel", "seed_model_parallel", "sum_over", "vocab_parallel_cross_entropy",
 ]

@@ -28,7 +28,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from shardlm.data.zigzag import zigzag_chunks, zigzag_positions
+from shardlm.data.zigzag import zigzag_chunks
 
 ROWS = 16
 """Rows of every block product, and keys of every attention tile."""
@@ -134,14 +134,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     row's order (the backward reduce-scatters their gradients), and each of the rank's chunks of queries attends,
     document by document (`offsets`: the whole rows'), to the keys from its document's start, in the tiles
     `attention` makes of the whole row: a token's numbers are the same, bit for bit."""
-    from shardlm.parallel.mappings import gather_from_sequence_parallel
+    from shardlm.parallel.mappings import gather_zigzag_rows
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, _, local, _ = q.shape
     length, half = local * cp.size, local // 2
-    order = torch.argsort(torch.cat([zigzag_positions(length, cp.size, r, q.device) for r in range(cp.size)]))
-    k, v = (gather_from_sequence_parallel(x.transpose(1, 2), cp).index_select(1, order).transpose(1, 2)
-            for x in (k, v))  # (B, Hkv, T, d) in the row's order
+    k, v = (gather_zigzag_rows(x.transpose(1, 2), cp).transpose(1, 2) for x in (k, v))  # (B, Hkv, T, d), row order
     if k.shape[1] != q.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     rows = [[0, length]] * B if offsets is None else offsets

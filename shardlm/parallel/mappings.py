@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.data.zigzag import zigzag_positions
 from shardlm.parallel.comm import Communicator
 
 
@@ -146,6 +147,17 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_sequence(grad, ctx.tp), None
+
+
+def gather_zigzag_rows(x: torch.Tensor, cp: Communicator) -> torch.Tensor:
+    """(B, T / C, ...) this CP rank's zigzag part -> (B, T, ...) every rank's parts in the row's order; the backward
+    sums the ranks' gradients and keeps this rank's part (a reduce-scatter)."""
+    if cp.size == 1:
+        return x
+    gathered = gather_from_sequence_parallel(x, cp)  # rank order: each rank's two zigzag chunks
+    length = gathered.shape[1]
+    order = torch.cat([zigzag_positions(length, cp.size, r, x.device) for r in range(cp.size)])
+    return gathered.index_select(1, torch.argsort(order))
 
 
 def sum_over(x: torch.Tensor, group: Communicator) -> torch.Tensor:

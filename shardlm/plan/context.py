@@ -113,7 +113,7 @@ def allgather_seconds(cfg: ModelConfig, cp: int, tp: int, micro_batch: int, acti
 def sparse_gather_seconds(cfg: ModelConfig, cp: int, micro_batch: int, activation_bytes: int, recompute_full: bool,
                           bandwidth: float, latency_s: float) -> float:
     """Seconds of one micro-batch's sparse-attention all-gathers on one rank, per layer (averaged over the layers
-    with and without an indexer), all on the critical path (`shardlm.models.sparse_attention.whole_rows`): every
+    with and without an indexer), all on the critical path (`shardlm.parallel.gather_zigzag_rows`): every
     layer gathers the row's latents and rotated shared keys, b T (kv_lora_rank + qk_rope) x activation bytes, and
     reduce-scatters their gradients; a layer with its own indexer gathers its keys, b T index_head_dim x 4 bytes
     (its LayerNorm's fp32 output under autocast), and reduce-scatters their gradients when it trains. In the dense

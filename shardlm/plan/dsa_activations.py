@@ -17,7 +17,7 @@ output's copy) and kv_b's autocast weight copy:
                 sin (4 T qk_rope); under autocast its wk and weights_proj copies of the (detached) layer input, h a
                 token each (their weights need no copy: their inputs carry no gradient)
 
-Under CP each whole-row gather (`sparse_attention.whole_rows`: the latents, and a trained indexer's keys) keeps its
+Under CP each whole-row gather (`parallel.gather_zigzag_rows`: the latents, and a trained indexer's keys) keeps its
 zigzag order, S int64. GLM-5's "shared" layers keep the same core inputs, their chosen keys being the full layer's
 (no bytes of their own). The dense warm-up stage (`model.index_stage = "warmup"`) runs dense MLA: counted as such.
 """

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import UserError
+from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
 from shardlm.rl import prompts_per_step
 from shardlm.rl.advantages import combine_rewards, group_advantages, nanstd
 from shardlm.rl.batch import StepRows
-from shardlm.rl.loss import rows_from_parts
 from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
 from shardlm.rl.rollout import Rollout, gather_samples, sampling_share, sequence_seed
@@ -205,7 +205,7 @@ class RLRun:
                                                    self.ctx.device))
 
         def record(token_losses, batch):  # (b, T / C) under CP: each rank stores the whole rows
-            logps = rows_from_parts(-token_losses.double(), self.ctx.cp)
+            logps = gather_zigzag_rows(-token_losses.double(), self.ctx.cp)
             self.rows.store(name, batch["rows"].cpu().numpy(), logps.cpu().numpy())
 
         model = trainer.model

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import RLConfig
-from shardlm.data.zigzag import zigzag_merge, zigzag_split
+from shardlm.data.zigzag import zigzag_split
 from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
 
@@ -48,11 +48,6 @@ def rl_parts(batches: list[dict], ctx) -> list[dict]:
                  "scale": len(batches) * ctx.dp_size * ctx.cp_size, "divisor": None}
         parts.append(part)
     return parts
-
-
-def rows_from_parts(values: torch.Tensor, cp) -> torch.Tensor:
-    """(b, T / C) this CP rank's zigzag part of per-position values -> (b, T) the whole rows, on every CP rank."""
-    return values if cp.size == 1 else zigzag_merge(cp.all_gather(values.contiguous()))
 
 
 def sequence_mean(values: torch.Tensor, batch: dict, cp) -> torch.Tensor:
