@@ -14,8 +14,8 @@ builds. One process, no process groups (a TP > 1 rank is built with size-N commu
   embedding trained, an MoE with expert adapters, DeepSeek-V4 with its depth in NF4) holds exactly the planner's
   parameters (trainable and frozen), gradients and optimizer state after a step.
 - Activations: in fp32 a QLoRA layer run without `nf4.dequantize_again` (a recomputed one) saves its dequantized
-  weights (the difference to LoRA of a layer whose input needs a gradient); with half parameters autocast saves
-  half copies of the fp32 frozen weights.
+  weights (the difference to LoRA of a layer whose input needs a gradient); LoRA's half base
+  (`test_lora_half_base.py`).
 - FSDP at DP=2 halves the sharded parts (parameters, gradients, moments; not the steps); the plan's rows use these
   figures; the command line prints the QLoRA line and the JSON its numbers; one-line errors.
 """
@@ -292,6 +292,10 @@ STATE_CASES = {
     "lora fp32": ("llama-gqa", {"rank": 4, "modules_to_save": ["norm"]}, {}),
     "qlora fp32": ("llama-gqa", {"rank": 4, "quantize": "nf4"}, {}),
     "qlora half": ("llama-gqa", {"rank": 4, "quantize": "nf4"}, {"precision": "bf16", "param_dtype": "half"}),
+    # half parameters: the projections of the layers and the depth, experts included, stored in bf16
+    "lora half": ("llama-gqa", {"rank": 4, "modules_to_save": ["norm"]}, {"precision": "bf16", "param_dtype": "half"}),
+    "v4 lora half depth": ("deepseek-v4", {"rank": 2, "targets": ["all-linear", "experts"]},
+                           {"precision": "bf16", "param_dtype": "half"}),
     "lora zero1": ("llama-gqa", {"rank": 4, "targets": ["q", "v"]}, {"data_sharding": "optimizer"}),
     "gpt qlora embedding": ("gpt", {"rank": 3, "quantize": "nf4", "modules_to_save": ["embedding"]}, {}),
     "moe qlora experts": ("mixtral", {"rank": 2, "quantize": "nf4", "targets": ["all-linear", "experts"]}, {}),
@@ -305,11 +309,13 @@ def test_state_bytes_equal_a_lora_trainers(case):
     name, lora, train = STATE_CASES[case]
     config = run_config(name, lora, **train)
     measured, frozen, trainer = measured_memory(config)
-    if getattr(trainer.model, "mtp", None) is not None:  # a depth's block dequantizes again in the backward too
+    if config.lora.quantize and getattr(trainer.model, "mtp", None) is not None:  # a depth's block dequantizes
+        # again in the backward too
         assert all(getattr(depth.block, "nf4_hooks", False) for depth in trainer.model.mtp)
     t = config.train
-    count = lora_count(config.model, config.lora, 1)
-    assert frozen == count.base_bytes() == BASE_BYTES * count.frozen + count.nf4_bytes  # fp32 even with half params
+    count = lora_count(config.model, config.lora, 1, half_base=t.param_dtype == "half")
+    assert frozen == count.base_bytes() == BASE_BYTES * count.frozen + 2 * count.halved + count.nf4_bytes
+    assert (count.halved > 0) == (t.param_dtype == "half" and not config.lora.quantize)
     predicted = lora_state_memory(count, numeric_format(t.precision, "shardlm", t.param_dtype), 1,
                                   t.distributed_optimizer)
     assert (measured["parameters"] + frozen, measured["gradients"], measured["optimizer"]) == \
@@ -345,38 +351,6 @@ def test_an_fp32_qlora_layer_run_without_dequantize_again_saves_its_dequantized_
     assert saved_weight_bytes(cfg, lora, 1, 1, fp32, recompute="none") == 0
     assert working_copy_bytes(lora_count(cfg, lora, 1), fp32, "full") == 0  # the saved ones are the working copy
     assert working_copy_bytes(lora_count(cfg, lora, 1), fp32, "none") == extra
-
-
-def test_half_parameters_autocast_saves_half_copies_of_the_fp32_frozen_weights():
-    """With param_dtype = "half" the frozen base stays fp32, so autocast casts each GEMM weight of a layer and
-    saves the bf16 copy: `saved_weight_bytes` = 2 x the layer's matrix elements (the half format counts none).
-    Found among layer 1's saved tensors by their shapes (distinct from every activation's here)."""
-    shape = {"arch": "llama", "num_layers": 2, "hidden_size": 40, "num_heads": 4, "num_kv_heads": 2,
-             "ffn_hidden_size": 56, "seq_length": 12, "vocab_size": VOCAB, "dropout": 0.0}
-    config = from_dict({"model": shape, "data": {"text_file": "unused"}, "lora": {"rank": 4},
-                        "train": {"precision": "bf16", "param_dtype": "half", "micro_batch_size": MICRO,
-                                  "global_batch_size": MICRO, "steps": 2, "seed": 5}})
-    trainer = Trainer(config, ParallelContext.single(), [b[:13] for b in batches()])
-    layer = trainer.model.layers["1"]
-    frozen = {tuple(p.shape) for n, p in layer.named_parameters() if p.ndim == 2 and not p.requires_grad}
-    assert all(p.dtype == torch.float32 for p in layer.parameters() if not p.requires_grad)
-    found, inside = {}, [False]
-
-    def pack(tensor):
-        if inside[0] and tensor.dtype == torch.bfloat16 and tensor.ndim == 2 and \
-                (tuple(tensor.shape) in frozen or tuple(tensor.shape[::-1]) in frozen):
-            found[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-    tokens = torch.from_numpy(np.stack([b[:12] for b in batches()[:MICRO]]))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer.autocast():
-        trainer.model(tokens, tokens).mean().backward()
-    cfg = config.model
-    expected = saved_weight_bytes(cfg, config.lora, 1, 1, numeric_format("bf16", "shardlm", "half"))
-    assert sum(found.values()) == expected == 2 * (2 * 40 * 40 + 2 * 20 * 40 + 3 * 56 * 40)
-    assert saved_weight_bytes(cfg, config.lora, 1, 1, numeric_format("bf16")) == 0  # fp32 parameters: counted
 
 
 # ------------------------------------------------------------------------------------------------------- FSDP

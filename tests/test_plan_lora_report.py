@@ -59,9 +59,12 @@ def test_the_plans_activations_add_what_lora_layers_save_beyond_full_fine_tuning
     cfg = replace(MODEL_PRESETS["llama3-8b"], seq_length=2048)
     lora, qlora = LoraConfig(rank=16), LoraConfig(rank=16, quantize="nf4")
 
-    def per_layer(config: LoraConfig, **kwargs) -> int:
+    def one_gpu_row(config: LoraConfig, **kwargs):
         result = plan(request(config, pipeline=1, micro_batch=1, data_sharding="none", **kwargs))
-        return next(row for row in result.rows if row.tp == 1).choice.activations.per_layer
+        return next(row for row in result.rows if row.tp == 1)
+
+    def per_layer(config: LoraConfig, **kwargs) -> int:
+        return one_gpu_row(config, **kwargs).choice.activations.per_layer
 
     fp32 = {"precision": "fp32"}
     for recompute in ("full", "none"):
@@ -72,7 +75,9 @@ def test_the_plans_activations_add_what_lora_layers_save_beyond_full_fine_tuning
     matrix = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
     assert saved_weight_bytes(cfg, qlora, 1, 1, numeric_format("fp32"), "full") == 4 * matrix
     half = {"precision": "bf16", "param_dtype": "half", "recompute": "none"}
-    assert per_layer(lora, **half) - per_layer(LoraConfig(), **half) == 2 * matrix  # autocast's copies of fp32 base
+    assert per_layer(lora, **half) == per_layer(LoraConfig(), **half)  # the base's projections in half: no copies
+    state, fp32_base = one_gpu_row(lora, **half).state, one_gpu_row(lora, recompute="none").state
+    assert fp32_base.parameters - state.parameters == 2 * 32 * matrix + 2 * lora_count(cfg, lora, 1).trainable.total
     assert per_layer(lora, recompute="none") == per_layer(LoraConfig(), recompute="none")  # fp32 parameters: counted
 
 

@@ -8,8 +8,8 @@ GEMMs take them as they are and `nf4.dequantize_again` saves references, not aut
 - Training is the same, bit for bit: 2 bf16 steps' losses and gradient norms, and every adapter after them, equal
   the run that dequantizes in fp32 and lets autocast cast (the same fp32 values rounded once either way); the
   backward, outside autocast, dequantizes in fp32 and casts as the forward did.
-- The planner's `saved_weight_bytes`: with half parameters LoRA's bf16 copies of the frozen weights, QLoRA's none
-  (every projection in NF4); with fp32 parameters QLoRA less the casts full fine-tuning counts.
+- The planner's `saved_weight_bytes`: with half parameters none (LoRA's projections stored in bf16, QLoRA's in NF4);
+  with fp32 parameters QLoRA less the casts full fine-tuning counts.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_the_planner_counts_no_bf16_copies_of_nf4_weights():
     lora, qlora = qlora_config("half", quantize="").lora, qlora_config("half").lora
     cfg, layer = qlora_config("half").model, 2 * 40 * 40 + 2 * 20 * 40 + 3 * 56 * 40
     half, fp32 = numeric_format("bf16", "shardlm", "half"), numeric_format("bf16")
-    assert saved_weight_bytes(cfg, lora, 1, 1, half) == 2 * layer
+    assert saved_weight_bytes(cfg, lora, 1, 1, half) == 0  # LoRA's half base: saved as it is too
     assert saved_weight_bytes(cfg, qlora, 1, 1, half) == 0
     assert lora_count(cfg, qlora, 1).layer_quantized == layer
     assert saved_weight_bytes(cfg, qlora, 1, 1, fp32) == -2 * layer

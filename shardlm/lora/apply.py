@@ -240,17 +240,47 @@ def quantize_base(model: nn.Module, ctx: ParallelContext) -> int:
     from torch.nn.utils import parametrize
 
     from shardlm.lora.nf4 import quantize_weight, stored_bytes
-    from shardlm.models.moe import GroupedExperts
 
-    weights = [(module, "weight") for module in quantized_projections(model).values()]
-    weights += [(module, name) for module in model.modules() if isinstance(module, GroupedExperts)
-                for name in expert_weights(module)]
     total = 0
-    for module, name in weights:
+    for module, name in base_weights(model):
         if not parametrize.is_parametrized(module, name):
             quantize_weight(module, name, ctx)
         total += stored_bytes(module, name)
     return total
+
+
+def base_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of the base's GEMM weights that QLoRA stores in NF4 and LoRA with half parameters in
+    half (`store_base_in`): the weight of every `quantized_projections` projection and every MoE expert's stacks."""
+    from shardlm.models.moe import GroupedExperts
+
+    weights = [(module, "weight") for module in quantized_projections(model).values()]
+    return weights + [(module, name) for module in model.modules() if isinstance(module, GroupedExperts)
+                      for name in expert_weights(module)]
+
+
+@torch.no_grad()
+def store_base_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """LoRA with half parameters: every frozen weight of `base_weights` stored in `dtype`, the autocast dtype. Only
+    GEMMs read them, and autocast would cast each to `dtype` for each GEMM: these are the values it would give, so
+    the step is the same bit for bit, without the fp32 copy and without the half copy each GEMM saved for the
+    backward (it saves the parameter itself). Returns the bytes this rank no longer keeps."""
+    freed = 0
+    for module, name in base_weights(model):
+        param = getattr(module, name)
+        if not param.requires_grad and param.dtype != dtype:
+            freed += param.numel() * (param.element_size() - torch.empty((), dtype=dtype).element_size())
+            param.data = param.data.to(dtype)
+    return freed
+
+
+def describe_half_base(model: nn.Module) -> str:
+    """One line for the log of a LoRA run with half parameters: what this rank's half projection weights take."""
+    weights = [getattr(module, name) for module, name in base_weights(model)]
+    values = sum(w.numel() for w in weights)
+    half = sum(w.numel() * w.element_size() for w in weights)
+    return (f"lora: {len(weights)} frozen projection weights of this rank in {weights[0].dtype if weights else 'half'}"
+            f": {half / 2**20:,.2f} MiB instead of {4 * values / 2**20:,.2f} MiB in fp32").replace("torch.", "")
 
 
 def expert_weights(experts: nn.Module) -> tuple[str, ...]:

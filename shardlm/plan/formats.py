@@ -33,6 +33,11 @@ class NumericFormat:
     adam_step_scalar: bool
     """True when the optimizer keeps a 4-byte `step` tensor per parameter tensor (torch AdamW)."""
 
+    @property
+    def half_parameters(self) -> bool:
+        """shardlm with `train.param_dtype = "half"` (`numeric_format`'s "-half" formats)."""
+        return self.name.startswith("shardlm-") and self.name.endswith("-half")
+
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 IMPLEMENTATIONS = ("shardlm", "megatron", "megatron-core")

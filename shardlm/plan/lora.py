@@ -11,7 +11,8 @@ adapters train on a frozen base, derived from what `shardlm.lora.apply.add_adapt
 - trainable (`LoraCount.trainable`): the adapters and `modules_to_save` (the word embedding, the untied output
   layer, the final norm, on the stages that hold them);
 - frozen: everything else, in fp32 (`BASE_BYTES`): shardlm builds the model in fp32 and `train.param_dtype =
-  "half"` moves only the trainable parameters into its half buffer;
+  "half"` moves only the trainable parameters into its half buffer; but with half parameters (`half_base`) the
+  weights QLoRA would store in NF4 are stored in half instead (`HALF_BYTES`, `shardlm.lora.apply.store_base_in`);
 - QLoRA (`quantize = "nf4"`): every projection weight of the transformer layers (targeted or not, each routed
   expert's matrices too) in NF4 (`shardlm.lora.nf4`), quantized whole: a weight that stays whole on a rank costs
   `nf4.quantized_bytes` (4 bits a value, a statistics byte per block of 64, 4 bytes per 256 blocks and a 4-byte
@@ -41,6 +42,8 @@ from shardlm.plan.parameters import (
 
 BASE_BYTES = 4
 """The frozen base's (and the dequantized NF4 weights') bytes an element: the model is built in fp32."""
+HALF_BYTES = 2
+"""A frozen projection weight's bytes with half parameters (bf16 or fp16)."""
 NF4_BLOCK, NF4_STATS_BLOCK = 64, 256
 """`shardlm.lora.nf4.BLOCK`, `STATS_BLOCK`: values a block, blocks a second-level block."""
 KINDS = ("column", "row", "replicated", "replicated rows")
@@ -229,6 +232,10 @@ class LayerLora:
     """Routed experts' elements among `quantized`."""
     nf4_bytes: int = 0
     nf4_expert_bytes: int = 0
+    halved: int = 0
+    """Elements of its weights stored in half (LoRA with half parameters: the ones QLoRA stores in NF4)."""
+    halved_expert: int = 0
+    """Routed experts' elements among `halved`."""
 
 
 def experts_adapted(lora: LoraConfig, index: int) -> bool:
@@ -236,14 +243,15 @@ def experts_adapted(lora: LoraConfig, index: int) -> bool:
     return not lora.expert_layers or index in lora.expert_layers
 
 
-def layer_lora(cfg: ModelConfig, lora: LoraConfig, index: int, tp: int, ep: int = 1) -> LayerLora:
-    """Layer `index` on TP rank 0 of EP rank 0 (`LayerLora`)."""
+def layer_lora(cfg: ModelConfig, lora: LoraConfig, index: int, tp: int, ep: int = 1,
+               half_base: bool = False) -> LayerLora:
+    """Layer `index` on TP rank 0 of EP rank 0 (`LayerLora`); `half_base`: with half parameters."""
     from shardlm.lora.apply import target_names
 
     wanted = target_names(lora)
     base = layer_parameter_count(cfg, index, tp, ep)
     adapters = ParameterCount(0, 0, 0, 0)
-    quantized = quantized_expert = nf4 = nf4_expert = 0
+    quantized = quantized_expert = nf4 = nf4_expert = halved = halved_expert = 0
     for p in layer_projections(cfg, index, tp, ep):
         if p.expert and p.name in ("gate", "fc") and "experts" in wanted and experts_adapted(lora, index):
             adapters = add_counts(adapters, expert_adapter_count(cfg, lora.rank, tp, ep))
@@ -254,7 +262,11 @@ def layer_lora(cfg: ModelConfig, lora: LoraConfig, index: int, tp: int, ep: int 
             quantized, nf4 = quantized + p.elements(tp), nf4 + nbytes
             if p.expert:
                 quantized_expert, nf4_expert = quantized_expert + p.elements(tp), nf4_expert + nbytes
-    return LayerLora(base.total, base.matrix, adapters, quantized, quantized_expert, nf4, nf4_expert)
+        elif half_base:
+            halved += p.elements(tp)
+            halved_expert += p.elements(tp) if p.expert else 0
+    return LayerLora(base.total, base.matrix, adapters, quantized, quantized_expert, nf4, nf4_expert, halved,
+                     halved_expert)
 
 
 def saved_modules_count(cfg: ModelConfig, lora: LoraConfig, tp: int, first: bool = True,
@@ -287,9 +299,9 @@ class LoraCount:
     adapters: int
     """Adapter elements among `trainable`."""
     frozen: int
-    """Base elements kept in fp32 (not trained, not in NF4)."""
+    """Base elements kept in fp32 (not trained, not in NF4, not in half)."""
     frozen_expert: int
-    """Routed experts' elements among `frozen` (their biases; without QLoRA their weights too)."""
+    """Routed experts' elements among `frozen` (their biases; with fp32 LoRA their weights too)."""
     quantized: int
     """Base elements stored in NF4."""
     nf4_bytes: int
@@ -305,6 +317,12 @@ class LoraCount:
     """Frozen fp32 elements outside the layers (FSDP's root unit and the multi-token-prediction depths)."""
     root_nf4_bytes: int = 0
     """NF4 bytes outside the layers: the multi-token-prediction depths' projections and experts under QLoRA."""
+    halved: int = 0
+    """Base elements stored in half (LoRA with half parameters, `half_base`), the depths' included."""
+    halved_expert: int = 0
+    """Routed experts' elements among `halved`."""
+    root_halved: int = 0
+    """Elements of `halved` outside the layers (the multi-token-prediction depths')."""
 
     @property
     def bits_per_weight(self) -> float:
@@ -312,8 +330,8 @@ class LoraCount:
         return 8 * self.nf4_bytes / self.quantized if self.quantized else 0.0
 
     def base_bytes(self) -> int:
-        """The frozen base on this rank, unsharded: fp32 elements and NF4 tensors."""
-        return BASE_BYTES * self.frozen + self.nf4_bytes
+        """The frozen base on this rank, unsharded: fp32 elements, half elements and NF4 tensors."""
+        return BASE_BYTES * self.frozen + HALF_BYTES * self.halved + self.nf4_bytes
 
 
 def projection_names(cfg: ModelConfig) -> set[str]:
@@ -341,14 +359,16 @@ def check_lora_model(cfg: ModelConfig, lora: LoraConfig) -> None:
 
 
 def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first: bool = True, last: bool = True,
-               ep: int = 1, held: ParameterCount | None = None) -> LoraCount:
+               ep: int = 1, held: ParameterCount | None = None, half_base: bool = False) -> LoraCount:
     """`LoraCount` of the rank holding layers `indices` (default all) and the first / last stage's end pieces, at
-    (TP, EP); `held`: its base parameters (default the whole model's, `parameters.parameter_count`)."""
+    (TP, EP); `held`: its base parameters (default the whole model's, `parameters.parameter_count`); `half_base`:
+    with half parameters (`NumericFormat.half_parameters`), the projection weights stored in half."""
     indices = range(cfg.num_layers) if indices is None else indices
     held = parameter_count(cfg, tp, ep) if held is None else held
     kinds: dict[tuple, LayerLora] = {}
     adapters = ParameterCount(0, 0, 0, 0)
-    quantized = quantized_expert = nf4 = nf4_expert = layer_elements = 0
+    half_base = half_base and not lora.quantize
+    quantized = quantized_expert = nf4 = nf4_expert = layer_elements = halved = halved_expert = 0
     for index in indices:
         if index >= cfg.num_layers:  # a multi-token-prediction depth: outside `layers.`, with the last stage's below
             continue
@@ -356,25 +376,30 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
         # their experts are adapted
         key = (experts_adapted(lora, index), *parameter_kind(cfg, index))
         if key not in kinds:
-            kinds[key] = layer_lora(cfg, lora, index, tp, ep)
+            kinds[key] = layer_lora(cfg, lora, index, tp, ep, half_base)
         layer = kinds[key]
         adapters, layer_elements = add_counts(adapters, layer.adapters), layer_elements + layer.elements
         quantized, quantized_expert = quantized + layer.quantized, quantized_expert + layer.quantized_expert
         nf4, nf4_expert = nf4 + layer.nf4_bytes, nf4_expert + layer.nf4_expert_bytes
+        halved, halved_expert = halved + layer.halved, halved_expert + layer.halved_expert
     layers = list(kinds.values())
-    root_quantized = root_nf4 = largest = 0
-    for index in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last and lora.quantize else ():
-        depth = layer_lora(cfg, lora, index, tp, ep)  # its NF4 only: a depth takes no adapters
+    root_quantized = root_nf4 = root_halved = largest = 0
+    for index in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last and (lora.quantize or half_base) \
+            else ():
+        depth = layer_lora(cfg, lora, index, tp, ep, half_base)  # its NF4 or half only: a depth takes no adapters
         root_quantized, root_nf4 = root_quantized + depth.quantized, root_nf4 + depth.nf4_bytes
         quantized, quantized_expert = quantized + depth.quantized, quantized_expert + depth.quantized_expert
         nf4, nf4_expert = nf4 + depth.nf4_bytes, nf4_expert + depth.nf4_expert_bytes
+        root_halved, halved, halved_expert = root_halved + depth.halved, halved + depth.halved, \
+            halved_expert + depth.halved_expert
         largest = max(largest, depth.quantized)
     saved = saved_modules_count(cfg, lora, tp, first, last)
-    frozen = held.total - saved.total - quantized
+    frozen = held.total - saved.total - quantized - halved
     gathered = max(((k.elements - k.quantized + k.adapters.total, k.nf4_bytes, k.adapters.total) for k in layers),
                    key=lambda g: BASE_BYTES * g[0] + g[1], default=(0, 0, 0))
     return LoraCount(trainable=add_counts(adapters, saved), adapters=adapters.total, frozen=frozen,
-                     frozen_expert=held.expert - quantized_expert, quantized=quantized, nf4_bytes=nf4,
+                     frozen_expert=held.expert - quantized_expert - halved_expert, quantized=quantized, nf4_bytes=nf4,
                      nf4_expert_bytes=nf4_expert, layer_quantized=max([k.quantized for k in layers] + [largest]),
                      gathered_layer=gathered, root_trainable=saved.total,
-                     root_frozen=held.total - layer_elements - saved.total - root_quantized, root_nf4_bytes=root_nf4)
+                     root_frozen=held.total - layer_elements - saved.total - root_quantized - root_halved,
+                     root_nf4_bytes=root_nf4, halved=halved, halved_expert=halved_expert, root_halved=root_halved)

@@ -1,14 +1,16 @@
 """The bytes of a LoRA or QLoRA run on one rank (`shardlm.plan.lora` counts what it holds).
 
 - state: the trainable parameters' as any run's (`memory.state_memory`, `fsdp.fsdp_state_memory`: weights, fp32
-  gradients, AdamW's moments and steps); the frozen base's fp32 elements and NF4 tensors among the parameters, with
-  no gradient, moments or master copy;
+  gradients, AdamW's moments and steps); the frozen base's fp32 elements, half elements (LoRA with half parameters:
+  its projection weights) and NF4 tensors among the parameters, with no gradient, moments or master copy;
 - FSDP: the frozen base and the NF4 tensors are sharded with the adapters in the same units (a LoRA run marks them
-  `frozen_base`): fp32 shards of 4 N / d, NF4 bytes / d; a gathered layer holds its NF4 tensors unsharded;
+  `frozen_base`): fp32 shards of 4 N / d, half ones of 2 N / d, NF4 bytes / d; a gathered layer holds its NF4
+  tensors unsharded;
 - activations: a GEMM saves its weight operand for the input's gradient. Under autocast those are half copies (the
-  activation model's `weight_cast_bytes`; with half parameters of the fp32 frozen weights too, which full
-  fine-tuning's half format does not count: `saved_weight_bytes`), except NF4 weights: dequantized straight into
-  the autocast dtype (`nf4.compute_dtype`), they are no cast; dequantized NF4 weights are saved as references and
+  activation model's `weight_cast_bytes`; with half parameters of the frozen weights still in fp32 too, which full
+  fine-tuning's half format does not count: `saved_weight_bytes`), except the projection weights stored in half
+  (LoRA with half parameters), saved as they are, and NF4 weights: dequantized straight into the autocast dtype
+  (`nf4.compute_dtype`), they are no cast; dequantized NF4 weights are saved as references and
   dequantized again in the backward (`shardlm.lora.nf4.dequantize_again`), except in a layer recomputed under full
   recomputation, whose GEMMs save them in fp32. The largest layer's dequantized weights are the working copy,
   counted once in fp32 (`working_copy_bytes`; under autocast each is dequantized in fp32, then cast).
@@ -24,7 +26,7 @@ from shardlm.config import LoraConfig
 from shardlm.models.config import ModelConfig
 from shardlm.plan.formats import NumericFormat
 from shardlm.plan.fsdp import REDUCE_BYTES, fsdp_state_memory
-from shardlm.plan.lora import BASE_BYTES, LoraCount, layer_lora, lora_count
+from shardlm.plan.lora import BASE_BYTES, HALF_BYTES, LoraCount, layer_lora, lora_count
 from shardlm.plan.memory import StateMemory, state_memory
 
 
@@ -40,16 +42,18 @@ def lora_state_memory(count: LoraCount, fmt: NumericFormat, dp: int = 1, distrib
 def lora_fsdp_state_memory(count: LoraCount, shards: int, expert_shards: int | None = None) -> StateMemory:
     """Per-rank bytes under FSDP: the trainable parameters' fp32 shards, gradients, moments and steps
     (`fsdp.fsdp_state_memory`), and the frozen base sharded in the same units: its fp32 elements (4 / d bytes
-    each) and its NF4 bytes / d, the routed experts' over the `expert_shards` expert-DP ranks at EP > 1. Rounded
-    up per part (FSDP pads each tensor's rows to a multiple of d: exact when d divides them)."""
+    each), its half ones (2 / d) and its NF4 bytes / d, the routed experts' over the `expert_shards` expert-DP ranks
+    at EP > 1. Rounded up per part (FSDP pads each tensor's rows to a multiple of d: exact when d divides them)."""
     state = fsdp_state_memory(count.trainable, shards, expert_shards)
     expert_fp32 = count.frozen_expert if expert_shards else 0
+    expert_half = count.halved_expert if expert_shards else 0
     expert_nf4 = count.nf4_expert_bytes if expert_shards else 0
 
     def share(total: int, experts: int) -> int:
         return -(-(total - experts) // shards) + (-(-experts // expert_shards) if experts else 0)
 
-    base = BASE_BYTES * share(count.frozen, expert_fp32) + share(count.nf4_bytes, expert_nf4)
+    base = BASE_BYTES * share(count.frozen, expert_fp32) + HALF_BYTES * share(count.halved, expert_half) + \
+        share(count.nf4_bytes, expert_nf4)
     return StateMemory(state.parameters + base, state.gradients, state.optimizer)
 
 
@@ -80,20 +84,22 @@ def saved_weight_bytes(cfg: ModelConfig, lora: LoraConfig, tp: int, ep: int, fmt
       saves its weight operand for the input's gradient, here a new fp32 tensor rather than the parameter. Without
       full recomputation shardlm saves them as references and dequantizes again in the backward
       (`shardlm.lora.nf4.dequantize_again`): nothing;
-    - half parameters under autocast: the frozen base stays fp32, so autocast casts every GEMM weight of the layer
-      and saves the half copy, `fmt.matmul_bytes` a matrix element; not the NF4 ones, dequantized in the autocast
-      dtype (`nf4.compute_dtype`) and saved as references;
+    - half parameters under autocast: the frozen base's projection weights are stored in half (LoRA,
+      `shardlm.lora.apply.store_base_in`) or NF4, dequantized in the autocast dtype (`nf4.compute_dtype`): both saved
+      as references. Autocast casts the layer's other GEMM weights, still fp32 (those QLoRA leaves in fp32 too), and
+      saves the half copies, `fmt.matmul_bytes` a matrix element;
     - fp32 parameters under autocast: the copies full fine-tuning counts, less the NF4 weights' (no cast: negative).
     Under autocast with full recomputation the recomputed layer's GEMMs save the NF4 weights' half values."""
     kinds = {(cfg.is_linear_layer(i), cfg.is_moe_layer(i)): i for i in range(cfg.num_layers)}
-    layers = [layer_lora(cfg, lora, i, tp, ep) for i in kinds.values()]
+    layers = [layer_lora(cfg, lora, i, tp, ep, fmt.half_parameters) for i in kinds.values()]
     if fmt.matmul_bytes == 4:
         if not lora.quantize or recompute != "full":
             return 0
         return BASE_BYTES * max(layer.quantized for layer in layers)
     kept = recompute == "full"  # the recomputed layer's GEMMs save the dequantized half weights themselves
     if fmt.weight_cast_bytes == 0:
-        return fmt.matmul_bytes * max(layer.matrix - (0 if kept else layer.quantized) for layer in layers)
+        return fmt.matmul_bytes * max(layer.matrix - layer.halved - (0 if kept else layer.quantized)
+                                      for layer in layers)
     return 0 if kept else -fmt.weight_cast_bytes * min(layer.quantized for layer in layers)
 
 
@@ -108,9 +114,9 @@ def working_copy_bytes(count: LoraCount, fmt: NumericFormat, recompute: str) -> 
 
 def lora_summary(cfg: ModelConfig, lora: LoraConfig, fmt: NumericFormat) -> dict:
     """The whole model's figures (TP = 1, EP = 1, every stage), in elements and bytes, for the report: the
-    adapters, the trainable parameters and their AdamW moments, the frozen base (NF4 and fp32 parts) and the
+    adapters, the trainable parameters and their AdamW moments, the frozen base (NF4, half and fp32 parts) and the
     largest layer's dequantized working copy."""
-    count = lora_count(cfg, lora, 1)
+    count = lora_count(cfg, lora, 1, half_base=fmt.half_parameters)
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
             "modules_to_save": list(lora.modules_to_save), "quantize": lora.quantize,
             "adapter_parameters": count.adapters, "trainable_parameters": count.trainable.total,
@@ -119,6 +125,7 @@ def lora_summary(cfg: ModelConfig, lora: LoraConfig, fmt: NumericFormat) -> dict
             "nf4_parameters": count.quantized, "nf4_bytes": count.nf4_bytes,
             "base_bits_per_weight": count.bits_per_weight,
             "frozen_fp32_parameters": count.frozen, "frozen_fp32_bytes": BASE_BYTES * count.frozen,
+            "frozen_half_parameters": count.halved, "frozen_half_bytes": HALF_BYTES * count.halved,
             "dequantized_layer_bytes": BASE_BYTES * count.layer_quantized,
             "dequantized_saved_when_recomputed": bool(lora.quantize) and fmt.matmul_bytes == 4}
 
@@ -132,6 +139,10 @@ def describe_lora(summary: dict) -> str:
             f"{s['trainable_bytes'] / mib:,.1f} MiB, their AdamW moments {s['adamw_moment_bytes'] / mib:,.1f} MiB; "
             "frozen base ")
     fp32 = f"{s['frozen_fp32_parameters']:,}"
+    if not s["quantize"] and s["frozen_half_parameters"]:
+        half = s["frozen_half_bytes"] / mib
+        return line + (f"{s['frozen_half_parameters']:,} projection weights in half ({half:,.1f} MiB), the other "
+                       f"{fp32} (embedding, output layer, norms) {s['frozen_fp32_bytes'] / mib:,.1f} MiB in fp32")
     if not s["quantize"]:
         return line + f"{fp32} parameters, {s['frozen_fp32_bytes'] / mib:,.1f} MiB in fp32"
     line += (f"{s['nf4_parameters']:,} projection weights in NF4 at {s['base_bits_per_weight']:.3f} bits a weight "

@@ -23,6 +23,7 @@ from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
 from shardlm.lora import count_parameters
+from shardlm.lora.apply import describe_half_base
 from shardlm.lora.nf4 import describe_base
 from shardlm.parallel import init_distributed
 from shardlm.rl.rollout import GenerationStopped
@@ -297,6 +298,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(count_parameters(trainer.model, ctx).describe())
     if config.lora.quantize:
         logger.print(describe_base(trainer.model))
+    elif config.lora.rank and config.train.param_dtype == "half":
+        logger.print(describe_half_base(trainer.model))
     if trainer.teacher is not None:
         from shardlm.distill.teacher import describe_teacher
 

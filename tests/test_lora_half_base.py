@@ -1,0 +1,163 @@
+"""LoRA with half parameters stores the frozen base's projection weights in half (`lora.apply.store_base_in`): the
+weights QLoRA would store in NF4 (every projection of the layers and depths, every expert's stacks), in the autocast
+dtype. Only GEMMs read them, and autocast would cast each to that dtype for each GEMM, so:
+
+- training is the same bit for bit: 2 bf16 steps' losses and gradient norms, and every trained parameter after them,
+  equal the control's (the base kept in fp32 and cast by autocast, as before), for every family the planner's LoRA
+  tests build (GPT, GQA Llama, a Mixtral-shaped MoE with its experts adapted, MLA with and without the query's low
+  rank, DeepSeek-V3's shape with its depth, the Gated DeltaNet hybrid, Nemotron-H, Kimi Linear, GLM-5, DeepSeek-V4
+  with its depth);
+- those weights are bf16, every other frozen parameter (embedding, norms, routers, a Gated DeltaNet layer's z, b, a)
+  stays fp32, the adapters' masters fp32;
+- a layer's autograd keeps the bf16 parameters themselves, no bf16 copy of a frozen weight (the control keeps one of
+  every projection, 2 bytes an element): the planner's `saved_weight_bytes` says 0 and the control's figure;
+- the planner's count: a trainer's frozen storages are `LoraCount.base_bytes()` with `half_base`, 2 bytes a
+  projection element (`test_plan_lora.test_state_bytes_equal_a_lora_trainers` holds its state bytes to the plan).
+
+Layouts: `test_lora_half_base_layouts.py`.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from test_plan_lora import MICRO, VOCAB, batches, run_config
+
+from shardlm.config import from_dict
+from shardlm.lora import apply
+from shardlm.lora.apply import base_weights, describe_half_base
+from shardlm.parallel import ParallelContext
+from shardlm.plan.lora import lora_count
+from shardlm.plan.lora_memory import saved_weight_bytes
+from shardlm.plan.memory import numeric_format
+from shardlm.training.trainer import Trainer
+
+HALF = {"precision": "bf16", "param_dtype": "half"}
+FAMILIES = {  # shape of test_plan_lora: [lora]
+    "gpt": {"rank": 4},
+    "llama-gqa": {"rank": 4, "modules_to_save": ["norm"]},
+    "mixtral": {"rank": 2, "targets": ["all-linear", "experts"]},
+    "mla": {"rank": 4},
+    "mla-no-q-lora": {"rank": 4},
+    "mla-depth": {"rank": 2, "targets": ["all-linear", "experts"]},
+    "hybrid": {"rank": 4},
+    "nemotron-h": {"rank": 2, "targets": ["all-linear", "experts"]},
+    "kimi-linear": {"rank": 2, "targets": ["all-linear", "experts"], "modules_to_save": ["embedding"]},
+    "glm-5": {"rank": 2, "targets": ["q_a", "q_b", "kv_a", "o", "experts"]},  # kv_b: below
+    "deepseek-v4": {"rank": 2, "targets": ["all-linear", "experts"]},
+}
+
+
+def keep_fp32(model, dtype):
+    """The control: the base left in fp32, autocast casting each weight for each GEMM."""
+    return 0
+
+
+def trained(name: str, lora: dict | None = None) -> tuple[list, dict, Trainer]:
+    trainer = Trainer(run_config(name, lora or FAMILIES[name], **HALF), ParallelContext.single(), batches())
+    curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(2))]
+    return curve, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, trainer
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_training_is_the_autocast_casts_bit_for_bit(name):
+    curve, params, trainer = trained(name)
+    stored = {id(getattr(m, attribute)) for m, attribute in base_weights(trainer.model)}
+    assert stored, "no projection weight found"
+    for n, p in trainer.model.named_parameters():
+        expected = torch.bfloat16 if id(p) in stored or p.requires_grad else torch.float32  # trained: the half buffer
+        assert p.dtype == expected, (n, p.dtype)
+    config = trainer.config
+    count = lora_count(config.model, config.lora, 1, half_base=True)
+    frozen = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+              for p in trainer.model.parameters() if not p.requires_grad}
+    assert sum(frozen.values()) == count.base_bytes() and count.halved == sum(
+        getattr(m, a).numel() for m, a in base_weights(trainer.model)) > 0
+    with mock.patch.object(apply, "store_base_in", keep_fp32):
+        control_curve, control, control_trainer = trained(name)
+    assert all(p.dtype == torch.float32 for p in control_trainer.model.parameters() if not p.requires_grad)
+    assert curve == control_curve
+    assert params.keys() == control.keys() and all(torch.equal(params[n], control[n]) for n in params)
+
+
+def test_the_run_logs_the_half_base():
+    _, _, trainer = trained("llama-gqa")
+    ffn = trainer.config.model.ffn_size
+    values = 2 * (2 * 32 * 32 + 2 * 16 * 32 + 3 * ffn * 32)  # 2 layers: q, o; k, v (2 KV heads of 8); the MLP
+    assert describe_half_base(trainer.model) == (f"lora: 14 frozen projection weights of this rank in bfloat16: "
+                                                 f"{2 * values / 2**20:,.2f} MiB instead of {4 * values / 2**20:,.2f} "
+                                                 "MiB in fp32")
+
+
+def test_sparse_attentions_absorbed_kv_b_rounds_its_sum_once_more():
+    """GLM-5's sparse attention multiplies by kv_b's weight with its adapter's update added (`mla.absorption`): the
+    control rounds fp32 weight + update once to bf16, the half base adds the update to the weight already rounded.
+    The same function up to that rounding: 2 steps within 1e-4 of the control, not bit for bit."""
+    lora = {"rank": 2}
+    curve, params, _ = trained("glm-5", lora)
+    with mock.patch.object(apply, "store_base_in", keep_fp32):
+        control_curve, control, _ = trained("glm-5", lora)
+    assert curve[0] == control_curve[0]  # B = 0: the update is 0 at the first step
+    assert curve != control_curve and np.allclose(curve, control_curve, rtol=1e-3, atol=0)
+    assert all(torch.allclose(params[n].float(), control[n].float(), rtol=1e-2, atol=1e-4) for n in params)
+
+
+SHAPE = {"arch": "llama", "num_layers": 2, "hidden_size": 40, "num_heads": 4, "num_kv_heads": 2,
+         "ffn_hidden_size": 56, "seq_length": 12, "vocab_size": VOCAB, "dropout": 0.0}
+LAYER = 2 * 40 * 40 + 2 * 20 * 40 + 3 * 56 * 40  # q and o, k and v, gate, up and down
+
+
+def bf16_copies() -> dict:
+    """One bf16 forward and backward of a half-parameter LoRA trainer (shapes distinct from every activation's):
+    {storage: bytes} of the bf16 matrices of a frozen weight's shape that layer 1's autograd keeps, other than the
+    parameters themselves."""
+    config = from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4},
+                        "train": {**HALF, "micro_batch_size": MICRO, "global_batch_size": MICRO, "steps": 2}})
+    trainer = Trainer(config, ParallelContext.single(), [b[:13] for b in batches()])
+    layer = trainer.model.layers["1"]
+    frozen = {tuple(p.shape) for p in layer.parameters() if p.ndim == 2 and not p.requires_grad}
+    parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    found, inside = {}, [False]
+
+    def pack(tensor):
+        storage = tensor.untyped_storage().data_ptr()
+        if inside[0] and tensor.dtype == torch.bfloat16 and tensor.ndim == 2 and storage not in parameters and \
+                (tuple(tensor.shape) in frozen or tuple(tensor.shape[::-1]) in frozen):
+            found[storage] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    tokens = torch.from_numpy(np.stack([b[:12] for b in batches()[:MICRO]]))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer.autocast():
+        trainer.model(tokens, tokens).mean().backward()
+    return found
+
+
+def test_a_layer_keeps_the_half_weights_not_copies_of_them():
+    cfg, lora = from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4}}).model, \
+        from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4}}).lora
+    half = numeric_format("bf16", "shardlm", "half")
+    assert bf16_copies() == {} and saved_weight_bytes(cfg, lora, 1, 1, half) == 0
+    with mock.patch.object(apply, "store_base_in", keep_fp32):
+        assert sum(bf16_copies().values()) == 2 * LAYER  # the control: a bf16 copy of every projection
+    assert saved_weight_bytes(cfg, lora, 1, 1, numeric_format("bf16")) == 0  # fp32 parameters: full fine-tuning's
+
+
+def test_the_plan_counts_the_half_base():
+    """Llama 3 8B, LoRA r = 16 on all-linear, half parameters: its 6.98 billion projection weights in 2 bytes, the
+    rest (embedding, output layer, norms) in 4; the planner's line says so."""
+    from shardlm.plan.lora_memory import describe_lora, lora_summary
+    from shardlm.plan.models import MODEL_PRESETS
+
+    cfg, lora = MODEL_PRESETS["llama3-8b"], from_dict({"model": SHAPE, "lora": {"rank": 16}}).lora
+    fp32, half = lora_count(cfg, lora, 1), lora_count(cfg, lora, 1, half_base=True)
+    projections = 32 * (4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336)
+    assert half.halved == projections and half.frozen == fp32.frozen - projections
+    assert fp32.base_bytes() - half.base_bytes() == 2 * projections
+    line = describe_lora(lora_summary(cfg, lora, numeric_format("bf16", "shardlm", "half")))
+    assert f"{projections:,} projection weights in half" in line, line
+    assert "in half" not in describe_lora(lora_summary(cfg, lora, numeric_format("bf16")))
