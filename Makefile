@@ -27,7 +27,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not learning" tests
 
-# The learning runs (GRPO raising the reward: about 6 minutes of one core), left out of `make test`.
+# The learning runs (GRPO raising the reward: about 7 minutes of one core), left out of `make test`.
 test-learning: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m learning tests
 
@@ -43,8 +43,8 @@ demo-distill: $(STAMP)
 	$(PY) scripts/distill_demo.py runs/distill-demo
 
 # GRPO (DAPO) learns arithmetic after a short SFT warm-up, with a task-sized tokenizer: runs/rl-demo/rl_demo.json
-# and .png, the mean reward of every step and the held-out accuracy before and after (docs/rl.md, "Learning"; about
-# 6 minutes of one core).
+# and .png, the mean reward of every step and the held-out figures before and after (docs/rl.md, "Learning"; about
+# 7 minutes of one core).
 demo-rl: $(STAMP)
 	$(PY) scripts/rl_demo.py runs/rl-demo
 

@@ -10,10 +10,11 @@
    `sft.data`: a short warm-up that stops at partial competence, so GRPO's groups are not all wrong;
 4. RL: `shardlm train configs/grpo-tiny.toml checkpoint.init_from=OUTPUT/sft/checkpoints ...`: the [rl] section
    (DAPO) from the warm-up's weights, on the RL prompts;
-5. held-out accuracy, greedy, before RL (the warm-up's weights) and after (the RL run's last checkpoint), each
-   answer judged by the "math" reward;
-6. OUTPUT/rl_demo.json and OUTPUT/rl_demo.png: the mean reward of every RL step and the held-out accuracies; the
-   figures are printed.
+5. before RL (the warm-up's weights) and after (the RL run's last checkpoint), each answer judged by the "math"
+   reward: the held-out prompts' mean reward, `--samples` completions each sampled at the run's temperature (what
+   RL maximizes, on prompts it never saw); their greedy accuracy; the greedy accuracy on the distinct RL prompts;
+6. OUTPUT/rl_demo.json and OUTPUT/rl_demo.png: the mean reward of every RL step and the figures of 5; the figures
+   are printed.
 
     python scripts/rl_demo.py runs/rl-demo
     python scripts/rl_demo.py /tmp/out --sft-steps 2 --rl-steps 2 --held-out 8   # a smoke run
@@ -62,8 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--difficulty", default="small", choices=DIFFICULTIES,
                         help="arithmetic difficulty of every set (shardlm.rl.arithmetic)")
     parser.add_argument("--sft-records", type=int, default=2000, help="problems of the warm-up")
-    parser.add_argument("--prompts", type=int, default=256, help="RL prompts")
-    parser.add_argument("--held-out", type=int, default=100, help="held-out prompts, none trained on")
+    parser.add_argument("--prompts", type=int, default=1000, help="RL prompts (drawn with repeats from the problems "
+                                                                  "not held out)")
+    parser.add_argument("--held-out", type=int, default=200, help="held-out prompts, none trained on")
+    parser.add_argument("--samples", type=int, default=8, help="completions sampled for each held-out prompt")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for both runs (repeatable)")
     parser.add_argument("--sft-set", dest="sft_overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -139,26 +142,48 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
     return {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu, "metrics": records}
 
 
-def accuracy(checkpoints: Path, tokenizer: Path, records: list[dict], max_new_tokens: int) -> tuple[float, list]:
-    """(the share of `records` whose greedy reply the "math" reward scores 1, each record's
-    `{"prompt", "answer", "reply", "right"}`): the replies of `generate_chat` (what `shardlm generate --chat
-    --greedy` runs) on the checkpoint's weights, in one batch."""
-    from shardlm.checkpoint.init import load_model
+def scored(model, template, records: list[dict], max_new_tokens: int, temperature: float = 0.0,
+           seed: int = 0) -> tuple[float, list]:
+    """(the share of `records` whose reply the "math" reward scores 1, each record's `{"prompt", "answer", "reply",
+    "right"}`): the replies of `generate_chat` (what `shardlm generate --chat` runs; greedy at temperature 0) in
+    one batch."""
     from shardlm.eval.chat import generate_chat
     from shardlm.eval.generate import SamplingConfig
-    from shardlm.parallel import ParallelContext
     from shardlm.rl.rewards import math_answer
-    from shardlm.sft.template import ChatTemplate
 
-    model, _ = load_model(checkpoints, ParallelContext.single())
-    template = ChatTemplate.from_dir(tokenizer)
     replies = generate_chat(model, template, [r["prompt"] for r in records],
-                            SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0))
+                            SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed))
     scores = math_answer([r["prompt"] for r in records], [g.text for g in replies],
                          answer=[r["answer"] for r in records])
     examples = [{"prompt": r["prompt"][0]["content"], "answer": r["answer"], "reply": g.text, "right": s == 1.0}
                 for r, g, s in zip(records, replies, scores)]
     return sum(scores) / len(records), examples
+
+
+def loaded(checkpoints: Path, tokenizer: Path):
+    from shardlm.checkpoint.init import load_model
+    from shardlm.parallel import ParallelContext
+    from shardlm.sft.template import ChatTemplate
+
+    return load_model(checkpoints, ParallelContext.single())[0], ChatTemplate.from_dir(tokenizer)
+
+
+def accuracy(checkpoints: Path, tokenizer: Path, records: list[dict], max_new_tokens: int) -> tuple[float, list]:
+    """`scored` greedy on the checkpoint's weights."""
+    return scored(*loaded(checkpoints, tokenizer), records, max_new_tokens)
+
+
+def evaluate(checkpoints: Path, tokenizer: Path, sets: dict, max_new_tokens: int, temperature: float,
+             samples: int) -> dict:
+    """One checkpoint's figures: "reward", the mean "math" reward of `samples` completions of each held-out prompt
+    at `temperature` (seeds 0 .. samples - 1); "greedy", (the held-out greedy accuracy, its examples); "prompts",
+    the greedy accuracy on the distinct RL prompts."""
+    model, template = loaded(checkpoints, tokenizer)
+    held_out = sets["held_out"]
+    rewards = [scored(model, template, held_out, max_new_tokens, temperature, seed)[0] for seed in range(samples)]
+    distinct = list({r["prompt"][0]["content"]: r for r in sets["prompts"]}.values())
+    return {"reward": sum(rewards) / samples, "greedy": scored(model, template, held_out, max_new_tokens),
+            "prompts": scored(model, template, distinct, max_new_tokens)[0]}
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -175,7 +200,9 @@ def plot(summary: dict, path: Path) -> None:
     smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
               for i in range(len(rewards))]
     axes.plot(steps, smooth, color="tab:blue", linewidth=2, label=f"its running mean ({window} steps)")
-    held = summary["held_out_accuracy"]
+    sampled, held = summary["held_out_reward"], summary["held_out_accuracy"]
+    axes.plot([0, steps[-1]], [sampled["before"], sampled["after"]], "o-", color="tab:green",
+              label=f"held-out mean reward, sampled: {sampled['before']:.2f} -> {sampled['after']:.2f}")
     axes.plot([0, steps[-1]], [held["before"], held["after"]], "s--", color="tab:orange",
               label=f"held-out accuracy, greedy: {held['before']:.2f} -> {held['after']:.2f}")
     axes.set_xlabel("RL step")
@@ -191,9 +218,10 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def summarize(args: argparse.Namespace, config, sets: dict, runs: dict, scored: dict) -> dict:
-    """rl_demo.json's content: the settings, every RL step's mean reward, the SFT loss curve, the held-out accuracy
-    and replies before and after, the runs' wall and CPU seconds and the machine."""
+def summarize(args: argparse.Namespace, config, sets: dict, runs: dict, figures: dict) -> dict:
+    """rl_demo.json's content: the settings, every RL step's mean reward, the SFT loss curve, before and after RL the
+    held-out sampled reward, greedy accuracy and replies and the RL prompts' greedy accuracy, the runs' wall and CPU
+    seconds and the machine."""
     rl_metrics = [r for r in runs["rl"]["metrics"] if "reward" in r]
     m, r = config.model, config.rl
     summary = {
@@ -204,8 +232,11 @@ def summarize(args: argparse.Namespace, config, sets: dict, runs: dict, scored: 
         "records": {name: len(records) for name, records in sets.items()}, "held_out": len(sets["held_out"]),
         "reward": [[rec["step"], rec["reward"]] for rec in rl_metrics],
         "sft_loss": [[rec["step"], rec["loss"]] for rec in runs["sft"]["metrics"] if "loss" in rec],
-        "held_out_accuracy": {when: share for when, (share, _) in scored.items()},
-        "examples": {when: examples for when, (_, examples) in scored.items()},
+        "samples": args.samples,
+        "held_out_reward": {when: f["reward"] for when, f in figures.items()},
+        "held_out_accuracy": {when: f["greedy"][0] for when, f in figures.items()},
+        "prompt_accuracy": {when: f["prompts"] for when, f in figures.items()},
+        "examples": {when: f["greedy"][1] for when, f in figures.items()},
         "wall_s": {name: run["wall_s"] for name, run in runs.items()},
         "cpu_s": {name: run["cpu_s"] for name, run in runs.items()},
         "cpu": machine()["cpu"], "cores": os.cpu_count(), "threads": torch.get_num_threads(),
@@ -242,12 +273,12 @@ def main(argv=None) -> int:
                                        *SFT_SETTINGS, *args.sft_overrides])}
     runs["rl"] = train(out / "rl", rl_overrides)
     wall, cpu = time.perf_counter(), cpu_seconds()
-    length = config.rl.max_completion_length
-    scored = {"before": accuracy(out / "sft" / "checkpoints", tokenizer, sets["held_out"], length),
-              "after": accuracy(out / "rl" / "checkpoints", tokenizer, sets["held_out"], length)}
+    length, temperature = config.rl.max_completion_length, config.rl.temperature
+    figures = {when: evaluate(out / run / "checkpoints", tokenizer, sets, length, temperature, args.samples)
+               for when, run in (("before", "sft"), ("after", "rl"))}
     runs["evaluation"] = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu}
     runs["total"] = {"wall_s": time.perf_counter() - start_wall, "cpu_s": cpu_seconds() - start_cpu}
-    summary = summarize(args, config, sets, runs, scored)
+    summary = summarize(args, config, sets, runs, figures)
     (out / "rl_demo.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "rl_demo.png")
     report(summary, out)
@@ -262,8 +293,11 @@ def report(summary: dict, out: Path) -> None:
           f"({summary['rollouts']}) on {summary['records']['prompts']} prompts")
     print(f"rl_demo: mean reward, first 5 steps {summary['reward_first5']:.3f}, last 5 steps "
           f"{summary['reward_last5']:.3f}")
-    print(f"rl_demo: held-out accuracy (greedy, {summary['held_out']} prompts trained on by neither run): "
-          f"{held['before']:.3f} before RL, {held['after']:.3f} after")
+    sampled, own = summary["held_out_reward"], summary["prompt_accuracy"]
+    print(f"rl_demo: held-out mean reward ({summary['samples']} completions sampled for each of {summary['held_out']} "
+          f"prompts trained on by neither run): {sampled['before']:.3f} before RL, {sampled['after']:.3f} after")
+    print(f"rl_demo: held-out accuracy (greedy): {held['before']:.3f} before RL, {held['after']:.3f} after")
+    print(f"rl_demo: accuracy on the RL prompts (greedy): {own['before']:.3f} before RL, {own['after']:.3f} after")
     wall, cpu = summary["wall_s"], summary["cpu_s"]
     print(f"rl_demo: {wall['total']:.0f} s wall, {cpu['total']:.0f} s CPU (SFT {cpu['sft']:.0f}, RL {cpu['rl']:.0f}, "
           f"evaluation {cpu['evaluation']:.0f}) on {summary['cores']} x {summary['cpu']}, {summary['threads']} torch "

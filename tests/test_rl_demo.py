@@ -1,5 +1,5 @@
 """scripts/rl_demo.py (`make demo-rl`) end to end at toy sizes: the tokenizer, a 3-step SFT warm-up and a 3-step
-GRPO run through `shardlm train`, the held-out accuracy before and after. Not the learning claim (that needs the
+GRPO run through `shardlm train`, the held-out figures before and after. Not the learning claim (that needs the
 full run, docs/rl.md "Learning"): that the demo measures what it says it does."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "rl_demo.py"
 KEYS = {"model", "difficulty", "sft_steps", "rl_steps", "loss", "rollouts", "records", "held_out", "reward",
-        "sft_loss", "held_out_accuracy", "examples", "wall_s", "cpu_s", "cpu", "cores", "threads", "reward_first5",
-        "reward_last5"}
+        "sft_loss", "samples", "held_out_reward", "held_out_accuracy", "prompt_accuracy", "examples", "wall_s", "cpu_s",
+        "cpu", "cores", "threads", "reward_first5", "reward_last5"}
 STEPS = 3
 
 
@@ -109,3 +109,20 @@ def test_held_out_accuracy_is_the_math_reward_of_the_greedy_replies(run):
         assert module.accuracy(checkpoints, tokenizer, own, 4)[0] == 1.0, own
         wrong = [{**r, "answer": "123456"} for r in held_out]
         assert module.accuracy(checkpoints, tokenizer, wrong, 4)[0] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_the_sampled_reward_and_prompt_accuracy_are_the_math_rewards_they_name(run):
+    """The held-out mean reward is `scored` at the RL run's temperature over seeds 0 .. samples - 1 (each seed's
+    share recomputed here, one by one), and it is not the greedy figure's rerun; the prompt accuracy is the greedy
+    share over the distinct RL prompts."""
+    module, out, summary, _ = run
+    held_out, prompts = read_jsonl(out / "held_out.jsonl"), read_jsonl(out / "prompts.jsonl")
+    distinct = list({r["prompt"][0]["content"]: r for r in prompts}.values())
+    assert summary["samples"] == 8 and 0 < len(distinct) <= len(prompts)
+    for when, run_name in (("before", "sft"), ("after", "rl")):
+        model, template = module.loaded(out / run_name / "checkpoints", out / "tokenizer")
+        runs = [module.scored(model, template, held_out, 4, 1.0, seed) for seed in range(8)]
+        assert summary["held_out_reward"][when] == pytest.approx(sum(share for share, _ in runs) / 8)
+        assert len({tuple(e["reply"] for e in examples) for _, examples in runs}) > 1  # sampled: the seeds differ
+        assert summary["prompt_accuracy"][when] == pytest.approx(module.scored(model, template, distinct, 4)[0])
