@@ -135,8 +135,7 @@ class LoraConfig:
     quantize: str = ""
     """QLoRA: "nf4" stores the frozen projections of the transformer layers and the MoE experts in 4-bit NormalFloat
     with double quantization (each matrix quantized whole, the same base at every layout), dequantized in the
-    forward; empty: they stay fp32, or half with train.param_dtype = "half" (the values autocast would cast them
-    to)."""
+    forward; empty: they stay fp32, or half under bf16 or fp16 autocast (the values autocast would cast them to)."""
 
 
 @dataclass

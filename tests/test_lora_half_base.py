@@ -1,16 +1,18 @@
-"""LoRA with half parameters stores the frozen base's projection weights in half (`lora.apply.store_base_in`): the
-weights QLoRA would store in NF4 (every projection of the layers and depths, every expert's stacks), in the autocast
-dtype. Only GEMMs read them, and autocast would cast each to that dtype for each GEMM, so:
+"""A LoRA run under bf16 autocast stores the frozen base's projection weights in bf16 (`lora.apply.store_base_in`),
+with fp32 parameters (the adapters' own dtype) as with half ones: the weights QLoRA would store in NF4 (every
+projection of the layers and depths, every expert's stacks). Only GEMMs read them, and autocast would cast each to
+bf16 for each GEMM, so:
 
 - training is the same bit for bit: 2 bf16 steps' losses and gradient norms, and every trained parameter after them,
-  equal the control's (the base kept in fp32 and cast by autocast, as before), for every family the planner's LoRA
-  tests build (GPT, GQA Llama, a Mixtral-shaped MoE with its experts adapted, MLA with and without the query's low
-  rank, DeepSeek-V3's shape with its depth, the Gated DeltaNet hybrid, Nemotron-H, Kimi Linear, GLM-5, DeepSeek-V4
-  with its depth);
+  equal the control's (the base kept in fp32 and cast by autocast, as before), with fp32 and with half parameters,
+  for every family the planner's LoRA tests build (GPT, GQA Llama, a Mixtral-shaped MoE with its experts adapted, MLA
+  with and without the query's low rank, DeepSeek-V3's shape with its depth, the Gated DeltaNet hybrid, Nemotron-H,
+  Kimi Linear, GLM-5, DeepSeek-V4 with its depth), and under full and selective recomputation;
 - those weights are bf16, every other frozen parameter (embedding, norms, routers, a Gated DeltaNet layer's z, b, a)
-  stays fp32, the adapters' masters fp32;
+  stays fp32, the trained ones in the parameters' dtype;
 - a layer's autograd keeps the bf16 parameters themselves, no bf16 copy of a frozen weight (the control keeps one of
-  every projection, 2 bytes an element): the planner's `saved_weight_bytes` says 0 and the control's figure;
+  every projection, 2 bytes an element): the planner's `saved_weight_bytes` says 0 with half parameters, and with
+  fp32 ones takes full fine-tuning's casts of them off;
 - the planner's count: a trainer's frozen storages are `LoraCount.base_bytes()` with `half_base`, 2 bytes a
   projection element (`test_plan_lora.test_state_bytes_equal_a_lora_trainers` holds its state bytes to the plan).
 
@@ -36,6 +38,7 @@ from shardlm.plan.memory import numeric_format
 from shardlm.training.trainer import Trainer
 
 HALF = {"precision": "bf16", "param_dtype": "half"}
+PARAMS = {"half": HALF, "fp32": {"precision": "bf16", "param_dtype": "fp32"}}
 FAMILIES = {  # shape of test_plan_lora: [lora]
     "gpt": {"rank": 4},
     "llama-gqa": {"rank": 4, "modules_to_save": ["norm"]},
@@ -56,19 +59,25 @@ def keep_fp32(model, dtype):
     return 0
 
 
-def trained(name: str, lora: dict | None = None) -> tuple[list, dict, Trainer]:
-    trainer = Trainer(run_config(name, lora or FAMILIES[name], **HALF), ParallelContext.single(), batches())
+def trained(name: str, lora: dict | None = None, train: dict = HALF) -> tuple[list, dict, Trainer]:
+    trainer = Trainer(run_config(name, lora or FAMILIES[name], **train), ParallelContext.single(), batches())
     curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(2))]
     return curve, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, trainer
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_training_is_the_autocast_casts_bit_for_bit(name):
-    curve, params, trainer = trained(name)
+CASES = [(name, "half", "none") for name in FAMILIES] + [(name, "fp32", "none") for name in FAMILIES] + \
+    [("llama-gqa", "fp32", "full"), ("mixtral", "half", "selective"), ("hybrid", "fp32", "selective")]
+
+
+@pytest.mark.parametrize("name,parameters,recompute", CASES)
+def test_training_is_the_autocast_casts_bit_for_bit(name, parameters, recompute):
+    train = {**PARAMS[parameters], "recompute": recompute}
+    curve, params, trainer = trained(name, train=train)
     stored = {id(getattr(m, attribute)) for m, attribute in base_weights(trainer.model)}
     assert stored, "no projection weight found"
+    trained_dtype = torch.bfloat16 if train["param_dtype"] == "half" else torch.float32
     for n, p in trainer.model.named_parameters():
-        expected = torch.bfloat16 if id(p) in stored or p.requires_grad else torch.float32  # trained: the half buffer
+        expected = torch.bfloat16 if id(p) in stored else trained_dtype if p.requires_grad else torch.float32
         assert p.dtype == expected, (n, p.dtype)
     config = trainer.config
     count = lora_count(config.model, config.lora, 1, half_base=True)
@@ -77,7 +86,7 @@ def test_training_is_the_autocast_casts_bit_for_bit(name):
     assert sum(frozen.values()) == count.base_bytes() and count.halved == sum(
         getattr(m, a).numel() for m, a in base_weights(trainer.model)) > 0
     with mock.patch.object(apply, "store_base_in", keep_fp32):
-        control_curve, control, control_trainer = trained(name)
+        control_curve, control, control_trainer = trained(name, train=train)
     assert all(p.dtype == torch.float32 for p in control_trainer.model.parameters() if not p.requires_grad)
     assert curve == control_curve
     assert params.keys() == control.keys() and all(torch.equal(params[n], control[n]) for n in params)
@@ -110,12 +119,12 @@ SHAPE = {"arch": "llama", "num_layers": 2, "hidden_size": 40, "num_heads": 4, "n
 LAYER = 2 * 40 * 40 + 2 * 20 * 40 + 3 * 56 * 40  # q and o, k and v, gate, up and down
 
 
-def bf16_copies() -> dict:
-    """One bf16 forward and backward of a half-parameter LoRA trainer (shapes distinct from every activation's):
-    {storage: bytes} of the bf16 matrices of a frozen weight's shape that layer 1's autograd keeps, other than the
-    parameters themselves."""
+def bf16_copies(train: dict) -> dict:
+    """One bf16 forward and backward of a LoRA trainer with `train`'s parameters (shapes distinct from every
+    activation's): {storage: bytes} of the bf16 matrices of a frozen weight's shape that layer 1's autograd keeps,
+    other than the parameters themselves."""
     config = from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4},
-                        "train": {**HALF, "micro_batch_size": MICRO, "global_batch_size": MICRO, "steps": 2}})
+                        "train": {**train, "micro_batch_size": MICRO, "global_batch_size": MICRO, "steps": 2}})
     trainer = Trainer(config, ParallelContext.single(), [b[:13] for b in batches()])
     layer = trainer.model.layers["1"]
     frozen = {tuple(p.shape) for p in layer.parameters() if p.ndim == 2 and not p.requires_grad}
@@ -137,19 +146,21 @@ def bf16_copies() -> dict:
     return found
 
 
-def test_a_layer_keeps_the_half_weights_not_copies_of_them():
-    cfg, lora = from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4}}).model, \
-        from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4}}).lora
-    half = numeric_format("bf16", "shardlm", "half")
-    assert bf16_copies() == {} and saved_weight_bytes(cfg, lora, 1, 1, half) == 0
+@pytest.mark.parametrize("parameters", list(PARAMS))
+def test_a_layer_keeps_the_half_weights_not_copies_of_them(parameters):
+    """The planner: with half parameters full fine-tuning's format counts no casts, and LoRA adds none; with fp32 ones
+    it counts a bf16 copy of every GEMM weight, which LoRA's projections no longer take."""
+    config = from_dict({"model": SHAPE, "data": {"text_file": "unused"}, "lora": {"rank": 4}})
+    fmt = numeric_format("bf16", "shardlm", parameters)
+    assert bf16_copies(PARAMS[parameters]) == {}
+    assert saved_weight_bytes(config.model, config.lora, 1, 1, fmt) == (0 if parameters == "half" else -2 * LAYER)
     with mock.patch.object(apply, "store_base_in", keep_fp32):
-        assert sum(bf16_copies().values()) == 2 * LAYER  # the control: a bf16 copy of every projection
-    assert saved_weight_bytes(cfg, lora, 1, 1, numeric_format("bf16")) == 0  # fp32 parameters: full fine-tuning's
+        assert sum(bf16_copies(PARAMS[parameters]).values()) == 2 * LAYER  # the control: a copy of every projection
 
 
 def test_the_plan_counts_the_half_base():
-    """Llama 3 8B, LoRA r = 16 on all-linear, half parameters: its 6.98 billion projection weights in 2 bytes, the
-    rest (embedding, output layer, norms) in 4; the planner's line says so."""
+    """Llama 3 8B, LoRA r = 16 on all-linear, bf16 with half or fp32 parameters: its 6.98 billion projection weights
+    in 2 bytes, the rest (embedding, output layer, norms) in 4; the planner's line says so. In fp32, all in 4."""
     from shardlm.plan.lora_memory import describe_lora, lora_summary
     from shardlm.plan.models import MODEL_PRESETS
 
@@ -158,6 +169,7 @@ def test_the_plan_counts_the_half_base():
     projections = 32 * (4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336)
     assert half.halved == projections and half.frozen == fp32.frozen - projections
     assert fp32.base_bytes() - half.base_bytes() == 2 * projections
-    line = describe_lora(lora_summary(cfg, lora, numeric_format("bf16", "shardlm", "half")))
-    assert f"{projections:,} projection weights in half" in line, line
-    assert "in half" not in describe_lora(lora_summary(cfg, lora, numeric_format("bf16")))
+    for parameters in PARAMS:
+        line = describe_lora(lora_summary(cfg, lora, numeric_format("bf16", "shardlm", parameters)))
+        assert f"{projections:,} projection weights in half" in line, line
+    assert "in half" not in describe_lora(lora_summary(cfg, lora, numeric_format("fp32")))

@@ -1,12 +1,14 @@
-"""LoRA's half base at every layout: with `train.param_dtype = "half"` (bf16) the frozen projection weights are
-stored in bf16 (`lora.apply.store_base_in`) on each rank's shards, TP's, EP's, a pipeline stage's and FSDP's, and
-each layout trains exactly as its control, the same layout with the base kept in fp32 and cast by autocast: 4
-steps' losses and gradient norms and every trained parameter bit for bit. (How each layout compares with one
+"""LoRA's half base at every layout: under bf16 autocast the frozen projection weights are stored in bf16
+(`lora.apply.store_base_in`) on each rank's shards, TP's, EP's, a pipeline stage's and FSDP's, and each layout trains
+exactly as its control, the same layout with the base kept in fp32 and cast by autocast: 4 steps' losses and
+gradient norms, the validation loss and every trained parameter bit for bit. (How each layout compares with one
 process is `test_lora_layouts.py`'s and `test_qlora_layouts.py`'s subject: bf16 rounding would hide it here.)
 
 Model and data as `test_lora_layouts` (4-layer Llama on packed SFT rows, adapters of rank 4 on every projection;
 the MoE: 2 layers of 4 experts top-2 with adapters on the experts too). World 2: TP=2 with SP, FSDP DP=2 (frozen
-bf16 shards beside trainable ones in one unit), PP=2 x 2 virtual stages, EP=2 (the experts' stacks in bf16), CP=2.
+bf16 shards beside trainable ones in one unit), PP=2 x 2 virtual stages, EP=2 (the experts' stacks in bf16), CP=2,
+with half parameters; TP=2 with SP and FSDP DP=2 with fp32 ones (FSDP then gathers fp32 and bf16 tensors in one
+unit: as bytes).
 """
 
 from __future__ import annotations
@@ -29,17 +31,15 @@ from shardlm.validation import validate
 from layouts import layout, layout_context, selected_cases, spawn_layouts
 from multiproc import check_result
 
-HALF = {"precision": "bf16", "param_dtype": "half"}
-
 
 def keep_fp32(model, dtype):
     """The control: the base left in fp32, autocast casting each weight for each GEMM."""
     return 0
 
 
-def one_run(tp: int, pp: int, cp: int, ep: int, **spec) -> dict:
+def one_run(tp: int, pp: int, cp: int, ep: int, params: str = "half", **spec) -> dict:
     ctx = layout_context(tp, pp, cp, ep) if dist.is_initialized() else ParallelContext.single()
-    config = lora_config(tp=tp, pp=pp, cp=cp, ep=ep, **HALF, **spec)
+    config = lora_config(tp=tp, pp=pp, cp=cp, ep=ep, precision="bf16", param_dtype=params, **spec)
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, train_data(), valid_data())
     dtypes = {getattr(m, a).dtype for m, a in base_weights(trainer.model)}
@@ -62,6 +62,8 @@ WORLD2 = {
     "pp2 virtual2": layout(pp=2, virtual=2, micro=1, arch="llama"),
     "ep2 moe": layout(ep=2, arch="llama", moe=True),
     "cp2": layout(cp=2, arch="llama"),
+    "tp2 sp fp32 params": layout(tp=2, sp=True, arch="llama", params="fp32"),
+    "fsdp dp2 fp32 params": layout(arch="llama", data_sharding="full", params="fp32"),
 }
 
 

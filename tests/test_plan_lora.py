@@ -292,8 +292,9 @@ STATE_CASES = {
     "lora fp32": ("llama-gqa", {"rank": 4, "modules_to_save": ["norm"]}, {}),
     "qlora fp32": ("llama-gqa", {"rank": 4, "quantize": "nf4"}, {}),
     "qlora half": ("llama-gqa", {"rank": 4, "quantize": "nf4"}, {"precision": "bf16", "param_dtype": "half"}),
-    # half parameters: the projections of the layers and the depth, experts included, stored in bf16
+    # under bf16 autocast the projections of the layers and the depth, experts included, stored in bf16
     "lora half": ("llama-gqa", {"rank": 4, "modules_to_save": ["norm"]}, {"precision": "bf16", "param_dtype": "half"}),
+    "lora bf16": ("mixtral", {"rank": 2, "targets": ["all-linear", "experts"]}, {"precision": "bf16"}),
     "v4 lora half depth": ("deepseek-v4", {"rank": 2, "targets": ["all-linear", "experts"]},
                            {"precision": "bf16", "param_dtype": "half"}),
     "lora zero1": ("llama-gqa", {"rank": 4, "targets": ["q", "v"]}, {"data_sharding": "optimizer"}),
@@ -313,9 +314,9 @@ def test_state_bytes_equal_a_lora_trainers(case):
         # again in the backward too
         assert all(getattr(depth.block, "nf4_hooks", False) for depth in trainer.model.mtp)
     t = config.train
-    count = lora_count(config.model, config.lora, 1, half_base=t.param_dtype == "half")
+    count = lora_count(config.model, config.lora, 1, half_base=t.precision == "bf16")
     assert frozen == count.base_bytes() == BASE_BYTES * count.frozen + 2 * count.halved + count.nf4_bytes
-    assert (count.halved > 0) == (t.param_dtype == "half" and not config.lora.quantize)
+    assert (count.halved > 0) == (t.precision == "bf16" and not config.lora.quantize)
     predicted = lora_state_memory(count, numeric_format(t.precision, "shardlm", t.param_dtype), 1,
                                   t.distributed_optimizer)
     assert (measured["parameters"] + frozen, measured["gradients"], measured["optimizer"]) == \

@@ -250,8 +250,8 @@ def quantize_base(model: nn.Module, ctx: ParallelContext) -> int:
 
 
 def base_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, attribute) of the base's GEMM weights that QLoRA stores in NF4 and LoRA with half parameters in
-    half (`store_base_in`): the weight of every `quantized_projections` projection and every MoE expert's stacks."""
+    """(module, attribute) of the base's GEMM weights that QLoRA stores in NF4 and LoRA under autocast in half
+    (`store_base_in`): the weight of every `quantized_projections` projection and every MoE expert's stacks."""
     from shardlm.models.moe import GroupedExperts
 
     weights = [(module, "weight") for module in quantized_projections(model).values()]
@@ -261,10 +261,11 @@ def base_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 @torch.no_grad()
 def store_base_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """LoRA with half parameters: every frozen weight of `base_weights` stored in `dtype`, the autocast dtype. Only
-    GEMMs read them, and autocast would cast each to `dtype` for each GEMM: these are the values it would give, so
-    the step is the same bit for bit, without the fp32 copy and without the half copy each GEMM saved for the
-    backward (it saves the parameter itself). Returns the bytes this rank no longer keeps."""
+    """LoRA under autocast (bf16 or fp16, with fp32 or half parameters): every frozen weight of `base_weights` stored
+    in `dtype`, the autocast dtype. Only GEMMs read them, and autocast would cast each to `dtype` for each GEMM: these
+    are the values it would give, so the step is the same bit for bit, without the fp32 copy and without the half
+    copy each GEMM saved for the backward (it saves the parameter itself). Returns the bytes this rank no longer
+    keeps."""
     freed = 0
     for module, name in base_weights(model):
         param = getattr(module, name)
@@ -275,7 +276,7 @@ def store_base_in(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def describe_half_base(model: nn.Module) -> str:
-    """One line for the log of a LoRA run with half parameters: what this rank's half projection weights take."""
+    """One line for the log of a LoRA run under autocast: what this rank's half projection weights take."""
     weights = [getattr(module, name) for module, name in base_weights(model)]
     values = sum(w.numel() for w in weights)
     half = sum(w.numel() * w.element_size() for w in weights)

@@ -132,7 +132,7 @@ class Evaluator:
             return None
         stages, params = self.rank_params(pp, virtual, tp, rank, ep, trim, dual, v_shaped)
         return lora_count(self.cfg, self.lora, tp, stages.layer_indices, stages.first, stages.last, ep, held=params,
-                          half_base=self.fmt.half_parameters)
+                          half_base=self.fmt.half_gemms)
 
     def _muon_cost(self, layout: Layout, ranks, dual: bool) -> MuonCost | None:
         """The slowest of `ranks`' Muon steps (`muon.muon_cost`; None with AdamW)."""

@@ -34,9 +34,9 @@ class NumericFormat:
     """True when the optimizer keeps a 4-byte `step` tensor per parameter tensor (torch AdamW)."""
 
     @property
-    def half_parameters(self) -> bool:
-        """shardlm with `train.param_dtype = "half"` (`numeric_format`'s "-half" formats)."""
-        return self.name.startswith("shardlm-") and self.name.endswith("-half")
+    def half_gemms(self) -> bool:
+        """shardlm computing its GEMMs in half: bf16 or fp16 autocast, with fp32 or half parameters."""
+        return self.name.startswith("shardlm-") and self.matmul_bytes == 2
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")

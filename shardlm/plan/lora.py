@@ -11,8 +11,8 @@ adapters train on a frozen base, derived from what `shardlm.lora.apply.add_adapt
 - trainable (`LoraCount.trainable`): the adapters and `modules_to_save` (the word embedding, the untied output
   layer, the final norm, on the stages that hold them);
 - frozen: everything else, in fp32 (`BASE_BYTES`): shardlm builds the model in fp32 and `train.param_dtype =
-  "half"` moves only the trainable parameters into its half buffer; but with half parameters (`half_base`) the
-  weights QLoRA would store in NF4 are stored in half instead (`HALF_BYTES`, `shardlm.lora.apply.store_base_in`);
+  "half"` moves only the trainable parameters into its half buffer; but under bf16 or fp16 autocast (`half_base`)
+  the weights QLoRA would store in NF4 are stored in half instead (`HALF_BYTES`, `shardlm.lora.apply.store_base_in`);
 - QLoRA (`quantize = "nf4"`): every projection weight of the transformer layers (targeted or not, each routed
   expert's matrices too) in NF4 (`shardlm.lora.nf4`), quantized whole: a weight that stays whole on a rank costs
   `nf4.quantized_bytes` (4 bits a value, a statistics byte per block of 64, 4 bytes per 256 blocks and a 4-byte
@@ -43,7 +43,7 @@ from shardlm.plan.parameters import (
 BASE_BYTES = 4
 """The frozen base's (and the dequantized NF4 weights') bytes an element: the model is built in fp32."""
 HALF_BYTES = 2
-"""A frozen projection weight's bytes with half parameters (bf16 or fp16)."""
+"""A frozen projection weight's bytes under bf16 or fp16 autocast."""
 NF4_BLOCK, NF4_STATS_BLOCK = 64, 256
 """`shardlm.lora.nf4.BLOCK`, `STATS_BLOCK`: values a block, blocks a second-level block."""
 KINDS = ("column", "row", "replicated", "replicated rows")
@@ -233,7 +233,7 @@ class LayerLora:
     nf4_bytes: int = 0
     nf4_expert_bytes: int = 0
     halved: int = 0
-    """Elements of its weights stored in half (LoRA with half parameters: the ones QLoRA stores in NF4)."""
+    """Elements of its weights stored in half (LoRA under autocast: the ones QLoRA stores in NF4)."""
     halved_expert: int = 0
     """Routed experts' elements among `halved`."""
 
@@ -245,7 +245,7 @@ def experts_adapted(lora: LoraConfig, index: int) -> bool:
 
 def layer_lora(cfg: ModelConfig, lora: LoraConfig, index: int, tp: int, ep: int = 1,
                half_base: bool = False) -> LayerLora:
-    """Layer `index` on TP rank 0 of EP rank 0 (`LayerLora`); `half_base`: with half parameters."""
+    """Layer `index` on TP rank 0 of EP rank 0 (`LayerLora`); `half_base`: under bf16 or fp16 autocast."""
     from shardlm.lora.apply import target_names
 
     wanted = target_names(lora)
@@ -318,7 +318,7 @@ class LoraCount:
     root_nf4_bytes: int = 0
     """NF4 bytes outside the layers: the multi-token-prediction depths' projections and experts under QLoRA."""
     halved: int = 0
-    """Base elements stored in half (LoRA with half parameters, `half_base`), the depths' included."""
+    """Base elements stored in half (LoRA under autocast, `half_base`), the depths' included."""
     halved_expert: int = 0
     """Routed experts' elements among `halved`."""
     root_halved: int = 0
@@ -362,7 +362,7 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
                ep: int = 1, held: ParameterCount | None = None, half_base: bool = False) -> LoraCount:
     """`LoraCount` of the rank holding layers `indices` (default all) and the first / last stage's end pieces, at
     (TP, EP); `held`: its base parameters (default the whole model's, `parameters.parameter_count`); `half_base`:
-    with half parameters (`NumericFormat.half_parameters`), the projection weights stored in half."""
+    under bf16 or fp16 autocast (`NumericFormat.half_gemms`), the projection weights stored in half."""
     indices = range(cfg.num_layers) if indices is None else indices
     held = parameter_count(cfg, tp, ep) if held is None else held
     kinds: dict[tuple, LayerLora] = {}

@@ -1,15 +1,15 @@
 """The bytes of a LoRA or QLoRA run on one rank (`shardlm.plan.lora` counts what it holds).
 
 - state: the trainable parameters' as any run's (`memory.state_memory`, `fsdp.fsdp_state_memory`: weights, fp32
-  gradients, AdamW's moments and steps); the frozen base's fp32 elements, half elements (LoRA with half parameters:
-  its projection weights) and NF4 tensors among the parameters, with no gradient, moments or master copy;
+  gradients, AdamW's moments and steps); the frozen base's fp32 elements, half elements (LoRA under autocast: its
+  projection weights) and NF4 tensors among the parameters, with no gradient, moments or master copy;
 - FSDP: the frozen base and the NF4 tensors are sharded with the adapters in the same units (a LoRA run marks them
   `frozen_base`): fp32 shards of 4 N / d, half ones of 2 N / d, NF4 bytes / d; a gathered layer holds its NF4
   tensors unsharded;
 - activations: a GEMM saves its weight operand for the input's gradient. Under autocast those are half copies (the
   activation model's `weight_cast_bytes`; with half parameters of the frozen weights still in fp32 too, which full
   fine-tuning's half format does not count: `saved_weight_bytes`), except the projection weights stored in half
-  (LoRA with half parameters), saved as they are, and NF4 weights: dequantized straight into the autocast dtype
+  (LoRA under autocast), saved as they are, and NF4 weights: dequantized straight into the autocast dtype
   (`nf4.compute_dtype`), they are no cast; dequantized NF4 weights are saved as references and
   dequantized again in the backward (`shardlm.lora.nf4.dequantize_again`), except in a layer recomputed under full
   recomputation, whose GEMMs save them in fp32. The largest layer's dequantized weights are the working copy,
@@ -88,10 +88,11 @@ def saved_weight_bytes(cfg: ModelConfig, lora: LoraConfig, tp: int, ep: int, fmt
       `shardlm.lora.apply.store_base_in`) or NF4, dequantized in the autocast dtype (`nf4.compute_dtype`): both saved
       as references. Autocast casts the layer's other GEMM weights, still fp32 (those QLoRA leaves in fp32 too), and
       saves the half copies, `fmt.matmul_bytes` a matrix element;
-    - fp32 parameters under autocast: the copies full fine-tuning counts, less the NF4 weights' (no cast: negative).
+    - fp32 parameters under autocast: the copies full fine-tuning counts, less the projections' (in half or NF4: no
+      cast; negative).
     Under autocast with full recomputation the recomputed layer's GEMMs save the NF4 weights' half values."""
     kinds = {(cfg.is_linear_layer(i), cfg.is_moe_layer(i)): i for i in range(cfg.num_layers)}
-    layers = [layer_lora(cfg, lora, i, tp, ep, fmt.half_parameters) for i in kinds.values()]
+    layers = [layer_lora(cfg, lora, i, tp, ep, fmt.half_gemms) for i in kinds.values()]
     if fmt.matmul_bytes == 4:
         if not lora.quantize or recompute != "full":
             return 0
@@ -100,7 +101,7 @@ def saved_weight_bytes(cfg: ModelConfig, lora: LoraConfig, tp: int, ep: int, fmt
     if fmt.weight_cast_bytes == 0:
         return fmt.matmul_bytes * max(layer.matrix - layer.halved - (0 if kept else layer.quantized)
                                       for layer in layers)
-    return 0 if kept else -fmt.weight_cast_bytes * min(layer.quantized for layer in layers)
+    return -fmt.weight_cast_bytes * min(layer.halved + (0 if kept else layer.quantized) for layer in layers)
 
 
 def working_copy_bytes(count: LoraCount, fmt: NumericFormat, recompute: str) -> int:
@@ -116,7 +117,7 @@ def lora_summary(cfg: ModelConfig, lora: LoraConfig, fmt: NumericFormat) -> dict
     """The whole model's figures (TP = 1, EP = 1, every stage), in elements and bytes, for the report: the
     adapters, the trainable parameters and their AdamW moments, the frozen base (NF4, half and fp32 parts) and the
     largest layer's dequantized working copy."""
-    count = lora_count(cfg, lora, 1, half_base=fmt.half_parameters)
+    count = lora_count(cfg, lora, 1, half_base=fmt.half_gemms)
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
             "modules_to_save": list(lora.modules_to_save), "quantize": lora.quantize,
             "adapter_parameters": count.adapters, "trainable_parameters": count.trainable.total,

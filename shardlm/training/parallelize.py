@@ -142,8 +142,8 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
         from shardlm.lora.apply import quantize_base
 
         add_adapters(model, config.lora, ctx, t.seed)
-        if t.param_dtype == "half" and not config.lora.quantize:  # the frozen GEMM weights in half, as autocast
-            from shardlm.lora.apply import store_base_in  # would cast them: bitwise the same step, less memory
+        if t.precision in HALF and not config.lora.quantize:  # the frozen GEMM weights in half, as autocast would
+            from shardlm.lora.apply import store_base_in  # cast them: bitwise the same step, less memory
 
             store_base_in(model, HALF[t.precision])
         if config.lora.quantize:  # QLoRA: anything not yet in NF4 (the layers are); loading a base re-quantizes each

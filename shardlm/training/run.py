@@ -298,7 +298,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(count_parameters(trainer.model, ctx).describe())
     if config.lora.quantize:
         logger.print(describe_base(trainer.model))
-    elif config.lora.rank and config.train.param_dtype == "half":
+    elif config.lora.rank and config.train.precision in ("bf16", "fp16"):
         logger.print(describe_half_base(trainer.model))
     if trainer.teacher is not None:
         from shardlm.distill.teacher import describe_teacher
