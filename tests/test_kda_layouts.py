@@ -1,7 +1,7 @@
 """The Kimi Linear model (KDA and MLA without positions, `test_kda.KIMI`) trains on packed SFT rows at every layout
-as one process does (fp32, within 1e-5: losses, gradient norms, the validation loss and every final parameter on
-every rank after 2 steps of 4 rows, 8 with LoRA; `test_sft_layouts`' data: documents cross the micro-batches, rows
-hold several documents).
+as one process does (fp32, within 1e-5: losses, gradient norms and the validation loss; every final parameter on
+every rank within `agreement.LINEAR_ATTENTION_PARAMS_TOL`, after 2 steps of 4 rows, 8 with LoRA; `test_sft_layouts`'
+data: documents cross the micro-batches, rows hold several documents).
 
 One world of 2: CP=2 (each rank's two zigzag chunks run at once, documents crossing them; their state summaries
 P S_in + S_local and convolution inputs handed over), TP=2 with SP (heads, the convolution's channels, A_log and
@@ -36,7 +36,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
-from agreement import assert_every_rank, assert_trained_but_off
+from agreement import LINEAR_ATTENTION_PARAMS_TOL, assert_every_rank, assert_trained_but_off
 from layouts import layout, layout_context, spawn_layouts
 from multiproc import check_result
 
@@ -143,14 +143,16 @@ def kind_of(name: str) -> str:
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_kimi_linear_at_two_ranks_equals_one_process(world2, reference, name):
-    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_every_rank(world2, name, reference[kind_of(name)], steps=STEPS, tol=TOL,
+                      params_tol=LINEAR_ATTENTION_PARAMS_TOL)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_kimi_linear_at_four_ranks_equals_one_process(world4, reference, name):
     """CP=2 x TP=2 with SP (each TP rank's heads over both CP chunks, their summaries handed over); the MoE at
     FSDP x EP=2 over DP=4 (2 experts a rank, their stacks sharded over the expert-DP group of 2)."""
-    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL)
+    assert_every_rank(world4, name, reference[kind_of(name)], steps=STEPS, tol=TOL,
+                      params_tol=LINEAR_ATTENTION_PARAMS_TOL)
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
