@@ -26,14 +26,14 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from test_plan_lora import MICRO, VOCAB, batches, run_config
+from test_plan_lora import MICRO, VOCAB, batches, model_config, run_config
 
-from shardlm.config import from_dict
+from shardlm.config import LoraConfig, from_dict
 from shardlm.lora import apply
 from shardlm.lora.apply import base_weights, describe_half_base
 from shardlm.parallel import ParallelContext
 from shardlm.plan.lora import lora_count
-from shardlm.plan.lora_memory import saved_weight_bytes
+from shardlm.plan.lora_memory import lora_fsdp_gathered_bytes, saved_weight_bytes
 from shardlm.plan.memory import numeric_format
 from shardlm.training.trainer import Trainer
 
@@ -173,3 +173,22 @@ def test_the_plan_counts_the_half_base():
         line = describe_lora(lora_summary(cfg, lora, numeric_format("bf16", "shardlm", parameters)))
         assert f"{projections:,} projection weights in half" in line, line
     assert "in half" not in describe_lora(lora_summary(cfg, lora, numeric_format("fp32")))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mla-depth"])
+def test_fsdp_gathers_the_half_projections_as_they_are_stored(name):
+    """The planner's FSDP gathers: with half parameters FSDP gathers every float in bf16, so the half base gathers
+    what the fp32 one did; with fp32 parameters the projections gather in 2 bytes instead of 4, those of the two
+    gathered layers and of the root (DeepSeek-V3's depth), and with pipeline stages (every unit gathered) all."""
+    cfg, lora = model_config(name), LoraConfig(rank=2, targets=["all-linear", "experts"])
+    fp32, half = lora_count(cfg, lora, 1), lora_count(cfg, lora, 1, half_base=True)
+    assert half.halved > 0 and (half.root_halved > 0) == (name == "mla-depth")
+    for accumulation, pipeline in ((1, False), (4, False), (4, True)):
+        assert lora_fsdp_gathered_bytes(half, 2, accumulation, pipeline) == \
+            lora_fsdp_gathered_bytes(fp32, 2, accumulation, pipeline)
+    layer = half.gathered_layer[1] // 2  # the largest layer's projection elements
+    assert layer == fp32.gathered_layer[0] - half.gathered_layer[0] > 0
+    assert lora_fsdp_gathered_bytes(fp32, 4, 1) - lora_fsdp_gathered_bytes(half, 4, 1) == \
+        2 * (2 * layer + half.root_halved)
+    assert lora_fsdp_gathered_bytes(fp32, 4, 4, pipeline=True) - lora_fsdp_gathered_bytes(half, 4, 4, pipeline=True) \
+        == 2 * half.halved

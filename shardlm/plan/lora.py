@@ -310,7 +310,8 @@ class LoraCount:
     layer_quantized: int
     """NF4 elements of the rank's largest layer: its dequantized working copy, in fp32."""
     gathered_layer: tuple[int, int, int]
-    """FSDP's largest gathered layer: (its fp32 elements, its NF4 bytes, its trainable elements)."""
+    """FSDP's largest gathered layer: (its other float elements, the bytes of its NF4 tensors and half projection
+    weights, which gather as they are stored, its trainable elements)."""
     root_trainable: int
     """Trainable elements outside the layers (`modules_to_save`)."""
     root_frozen: int
@@ -395,8 +396,8 @@ def lora_count(cfg: ModelConfig, lora: LoraConfig, tp: int, indices=None, first:
         largest = max(largest, depth.quantized)
     saved = saved_modules_count(cfg, lora, tp, first, last)
     frozen = held.total - saved.total - quantized - halved
-    gathered = max(((k.elements - k.quantized + k.adapters.total, k.nf4_bytes, k.adapters.total) for k in layers),
-                   key=lambda g: BASE_BYTES * g[0] + g[1], default=(0, 0, 0))
+    gathered = max(((k.elements - k.quantized - k.halved + k.adapters.total, k.nf4_bytes + HALF_BYTES * k.halved,
+                     k.adapters.total) for k in layers), key=lambda g: BASE_BYTES * g[0] + g[1], default=(0, 0, 0))
     return LoraCount(trainable=add_counts(adapters, saved), adapters=adapters.total, frozen=frozen,
                      frozen_expert=held.expert - quantized_expert - halved_expert, quantized=quantized, nf4_bytes=nf4,
                      nf4_expert_bytes=nf4_expert, layer_quantized=max([k.quantized for k in layers] + [largest]),

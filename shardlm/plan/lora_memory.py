@@ -59,17 +59,17 @@ def lora_fsdp_state_memory(count: LoraCount, shards: int, expert_shards: int | N
 
 def lora_fsdp_gathered_bytes(count: LoraCount, gathered_bytes: int, accumulation: int, pipeline: bool = False) -> int:
     """`fsdp.fsdp_gathered_bytes` of a LoRA run: the root and two layers gathered (float elements at w =
-    `gathered_bytes` each, a layer's NF4 tensors unsharded), unsharded fp32 gradients of the trainable elements
-    only (one layer's, the root's at w; all of them with accumulation); with pipeline stages every unit gathered
-    and every trainable gradient unsharded."""
+    `gathered_bytes` each, a layer's NF4 tensors unsharded and its half projection weights at 2 bytes, as stored),
+    unsharded fp32 gradients of the trainable elements only (one layer's, the root's at w; all of them with
+    accumulation); with pipeline stages every unit gathered and every trainable gradient unsharded."""
     w = gathered_bytes
     trainable = count.trainable.total
-    floats = count.frozen + trainable  # every element not in NF4
+    floats = count.frozen + trainable  # every element not in NF4 or half
     if pipeline:
-        return floats * w + count.nf4_bytes + REDUCE_BYTES * trainable
-    layer_floats, layer_nf4, layer_trainable = count.gathered_layer
-    root = (count.root_frozen + count.root_trainable) * w + count.root_nf4_bytes  # with any depths' NF4
-    gathered = root + 2 * (layer_floats * w + layer_nf4)
+        return floats * w + count.nf4_bytes + HALF_BYTES * count.halved + REDUCE_BYTES * trainable
+    layer_floats, layer_stored, layer_trainable = count.gathered_layer
+    root = (count.root_frozen + count.root_trainable) * w + count.root_nf4_bytes + HALF_BYTES * count.root_halved
+    gathered = root + 2 * (layer_floats * w + layer_stored)
     if accumulation > 1:
         return gathered + REDUCE_BYTES * trainable
     return gathered + count.root_trainable * w + layer_trainable * REDUCE_BYTES
