@@ -187,7 +187,7 @@ def evaluate(checkpoints: Path, tokenizer: Path, sets: dict, max_new_tokens: int
 
 
 def plot(summary: dict, path: Path) -> None:
-    """The mean reward of every RL step (and its running mean) with the held-out accuracy before and after."""
+    """The mean reward of every RL step (and its running mean) with the held-out figures before and after."""
     import matplotlib
 
     matplotlib.use("Agg")
