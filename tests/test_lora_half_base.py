@@ -7,7 +7,8 @@ bf16 for each GEMM, so:
   equal the control's (the base kept in fp32 and cast by autocast, as before), with fp32 and with half parameters,
   for every family the planner's LoRA tests build (GPT, GQA Llama, a Mixtral-shaped MoE with its experts adapted, MLA
   with and without the query's low rank, DeepSeek-V3's shape with its depth, the Gated DeltaNet hybrid, Nemotron-H,
-  Kimi Linear, GLM-5, DeepSeek-V4 with its depth), and under full and selective recomputation;
+  Kimi Linear, GLM-5, DeepSeek-V4 with its depth), the layout tests' Gemma 4 (dense and MoE), OLMo 3, Mistral
+  Small 4 and gpt-oss, and under full and selective recomputation;
 - those weights are bf16, every other frozen parameter (embedding, norms, routers, a Gated DeltaNet layer's z, b, a)
   stays fp32, the trained ones in the parameters' dtype;
 - a layer's autograd keeps the bf16 parameters themselves, no bf16 copy of a frozen weight (the control keeps one of
@@ -88,6 +89,48 @@ def test_training_is_the_autocast_casts_bit_for_bit(name, parameters, recompute)
     with mock.patch.object(apply, "store_base_in", keep_fp32):
         control_curve, control, control_trainer = trained(name, train=train)
     assert all(p.dtype == torch.float32 for p in control_trainer.model.parameters() if not p.requires_grad)
+    assert curve == control_curve
+    assert params.keys() == control.keys() and all(torch.equal(params[n], control[n]) for n in params)
+
+
+def sft_family(name: str, train: dict):
+    """The layout tests' SFT configs of the families the planner's shapes leave out, with LoRA on every projection:
+    Gemma 4 (dense, with per-layer inputs and shared keys and values; MoE beside its MLP), OLMo 3, Mistral Small 4,
+    gpt-oss (sinks, biased experts: their biases stay fp32)."""
+    from test_gemma4_layouts import gemma4_config
+    from test_mistral4_layouts import mistral4_config
+    from test_olmo3_layouts import olmo3_config
+    from test_sft_layouts import sft_config
+
+    if name.startswith("gemma4"):
+        config = gemma4_config(name.split()[1], lora=4, **train)
+    elif name == "olmo3":
+        config = olmo3_config(lora=4, **train)
+    elif name == "mistral4":
+        config = mistral4_config(lora=4, **train)
+    else:
+        config = sft_config("oss", moe=True, **train)
+        config.lora.rank, config.lora.targets = 4, ["all-linear", "experts"]
+    return config
+
+
+@pytest.mark.parametrize("name", ["gemma4 dense", "gemma4 moe", "olmo3", "mistral4", "gpt-oss"])
+def test_the_other_families_train_as_the_fp32_base_bit_for_bit(name):
+    """2 bf16 steps with fp32 parameters (half ones for gpt-oss), each the control's bit for bit (losses, gradient
+    norms, every trained parameter), the projections and experts bf16."""
+    from test_sft_layouts import train_data, valid_data
+
+    def run():
+        train = {**PARAMS["half" if name == "gpt-oss" else "fp32"], "steps": 2}
+        trainer = Trainer(sft_family(name, train), ParallelContext.single(), train_data(), valid_data())
+        curve = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(2))]
+        dtypes = {getattr(m, a).dtype for m, a in base_weights(trainer.model)}
+        return curve, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, dtypes
+
+    curve, params, dtypes = run()
+    with mock.patch.object(apply, "store_base_in", keep_fp32):
+        control_curve, control, control_dtypes = run()
+    assert dtypes == {torch.bfloat16} and control_dtypes == {torch.float32}
     assert curve == control_curve
     assert params.keys() == control.keys() and all(torch.equal(params[n], control[n]) for n in params)
 

@@ -6,9 +6,8 @@ process is `test_lora_layouts.py`'s and `test_qlora_layouts.py`'s subject: bf16 
 
 Model and data as `test_lora_layouts` (4-layer Llama on packed SFT rows, adapters of rank 4 on every projection;
 the MoE: 2 layers of 4 experts top-2 with adapters on the experts too). World 2: TP=2 with SP, FSDP DP=2 (frozen
-bf16 shards beside trainable ones in one unit), PP=2 x 2 virtual stages, EP=2 (the experts' stacks in bf16), CP=2,
-with half parameters; TP=2 with SP and FSDP DP=2 with fp32 ones (FSDP then gathers fp32 and bf16 tensors in one
-unit: as bytes).
+bf16 shards beside trainable ones in one unit), PP=2 x 2 virtual stages, EP=2 (the experts' stacks in bf16), with
+half parameters; FSDP DP=2 with fp32 ones (FSDP then gathers fp32 and bf16 tensors in one unit: as bytes).
 """
 
 from __future__ import annotations
@@ -61,8 +60,6 @@ WORLD2 = {
     "fsdp dp2": layout(arch="llama", data_sharding="full"),
     "pp2 virtual2": layout(pp=2, virtual=2, micro=1, arch="llama"),
     "ep2 moe": layout(ep=2, arch="llama", moe=True),
-    "cp2": layout(cp=2, arch="llama"),
-    "tp2 sp fp32 params": layout(tp=2, sp=True, arch="llama", params="fp32"),
     "fsdp dp2 fp32 params": layout(arch="llama", data_sharding="full", params="fp32"),
 }
 
