@@ -75,3 +75,20 @@ def test_other_dtypes_and_invariant_runs_take_pytorchs_norm():
     assert torch.equal(rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6), reference)
     with invariant.batch_invariant():
         assert torch.equal(rms_norm(x, weight, 1e-6), F.rms_norm(x, (32,), weight, 1e-6))
+
+
+
+def test_a_bf16_input_with_an_fp32_weight_says_nothing():
+    """A QK-norm after autocast's GEMMs: bf16 x, fp32 weight. F.rms_norm takes its composite path and torch notes so
+    once per process in a UserWarning, which `shardlm.models.norms` keeps out of users' logs (its result is the
+    documented one). In a fresh process each: through shardlm, nothing on stderr; torch alone (the control) says it."""
+    import subprocess
+    import sys
+
+    norm = "x = torch.randn(2, 8).bfloat16(); w = torch.rand(8) + 0.5; "
+    runs = {"shardlm": f"import torch; from shardlm.models.norms import rms_norm; {norm}rms_norm(x, w, 1e-6)",
+            "torch": f"import torch; import torch.nn.functional as F; {norm}F.rms_norm(x, (8,), w, 1e-6)"}
+    said = {name: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+            for name, code in runs.items()}
+    assert "Mismatch dtype" in said["torch"], said["torch"]
+    assert "Mismatch dtype" not in said["shardlm"], said["shardlm"]
