@@ -161,16 +161,12 @@ def scored(model, template, records: list[dict], max_new_tokens: int, temperatur
 
 
 def loaded(checkpoints: Path, tokenizer: Path):
+    """(the checkpoint's model on one process, the tokenizer's chat template)."""
     from shardlm.checkpoint.init import load_model
     from shardlm.parallel import ParallelContext
     from shardlm.sft.template import ChatTemplate
 
     return load_model(checkpoints, ParallelContext.single())[0], ChatTemplate.from_dir(tokenizer)
-
-
-def accuracy(checkpoints: Path, tokenizer: Path, records: list[dict], max_new_tokens: int) -> tuple[float, list]:
-    """`scored` greedy on the checkpoint's weights."""
-    return scored(*loaded(checkpoints, tokenizer), records, max_new_tokens)
 
 
 def evaluate(checkpoints: Path, tokenizer: Path, sets: dict, max_new_tokens: int, temperature: float,

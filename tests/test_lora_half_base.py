@@ -57,7 +57,6 @@ FAMILIES = {  # shape of test_plan_lora: [lora]
 
 def keep_fp32(model, dtype):
     """The control: the base left in fp32, autocast casting each weight for each GEMM."""
-    return 0
 
 
 def trained(name: str, lora: dict | None = None, train: dict = HALF) -> tuple[list, dict, Trainer]:

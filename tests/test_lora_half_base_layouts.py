@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from test_lora_half_base import keep_fp32
 from test_lora_layouts import STEPS, lora_config
 from test_moe_parallel import stage_parameters
 from test_sft_layouts import train_data, valid_data
@@ -29,11 +30,6 @@ from shardlm.validation import validate
 
 from layouts import layout, layout_context, selected_cases, spawn_layouts
 from multiproc import check_result
-
-
-def keep_fp32(model, dtype):
-    """The control: the base left in fp32, autocast casting each weight for each GEMM."""
-    return 0
 
 
 def one_run(tp: int, pp: int, cp: int, ep: int, params: str = "half", **spec) -> dict:

@@ -106,9 +106,10 @@ def test_held_out_accuracy_is_the_math_reward_of_the_greedy_replies(run):
         checkpoints, tokenizer = out / run_name / "checkpoints", out / "tokenizer"
         own = [{**r, "answer": e["reply"].strip()} for r, e in zip(held_out, replies) if e["reply"].strip().isdigit()]
         assert own, replies
-        assert module.accuracy(checkpoints, tokenizer, own, 4)[0] == 1.0, own
+        model, template = module.loaded(checkpoints, tokenizer)
+        assert module.scored(model, template, own, 4)[0] == 1.0, own
         wrong = [{**r, "answer": "123456"} for r in held_out]
-        assert module.accuracy(checkpoints, tokenizer, wrong, 4)[0] == 0.0
+        assert module.scored(model, template, wrong, 4)[0] == 0.0
 
 
 @pytest.mark.timeout(120)

@@ -260,19 +260,16 @@ def base_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 @torch.no_grad()
-def store_base_in(model: nn.Module, dtype: torch.dtype) -> int:
+def store_base_in(model: nn.Module, dtype: torch.dtype) -> None:
     """LoRA under autocast (bf16 or fp16, with fp32 or half parameters): every frozen weight of `base_weights` stored
     in `dtype`, the autocast dtype. Only GEMMs read them, and autocast would cast each to `dtype` for each GEMM: these
     are the values it would give, so the step is the same bit for bit, without the fp32 copy and without the half
-    copy each GEMM saved for the backward (it saves the parameter itself). Returns the bytes this rank no longer
+    copy each GEMM saved for the backward (it saves the parameter itself); `describe_half_base` says what it
     keeps."""
-    freed = 0
     for module, name in base_weights(model):
         param = getattr(module, name)
         if not param.requires_grad and param.dtype != dtype:
-            freed += param.numel() * (param.element_size() - torch.empty((), dtype=dtype).element_size())
             param.data = param.data.to(dtype)
-    return freed
 
 
 def describe_half_base(model: nn.Module) -> str:
