@@ -8,7 +8,8 @@ bf16 for each GEMM, so:
   for every family the planner's LoRA tests build (GPT, GQA Llama, a Mixtral-shaped MoE with its experts adapted, MLA
   with and without the query's low rank, DeepSeek-V3's shape with its depth, the Gated DeltaNet hybrid, Nemotron-H,
   Kimi Linear, GLM-5, DeepSeek-V4 with its depth), the layout tests' Gemma 4 (dense and MoE), OLMo 3, Mistral
-  Small 4 and gpt-oss, and under full and selective recomputation;
+  Small 4 and gpt-oss, and under full and selective recomputation; in fp16 (with its loss scaling) too, the base
+  then in fp16 (GQA Llama, Mixtral);
 - those weights are bf16, every other frozen parameter (embedding, norms, routers, a Gated DeltaNet layer's z, b, a)
   stays fp32, the trained ones in the parameters' dtype;
 - a layer's autograd keeps the bf16 parameters themselves, no bf16 copy of a frozen weight (the control keeps one of
@@ -40,6 +41,8 @@ from shardlm.training.trainer import Trainer
 
 HALF = {"precision": "bf16", "param_dtype": "half"}
 PARAMS = {"half": HALF, "fp32": {"precision": "bf16", "param_dtype": "fp32"}}
+FP16 = {"precision": "fp16", "param_dtype": "fp32", "initial_loss_scale": 1024.0}  # the base in fp16; a scale
+# that overflows no step (at 2^32 both steps would be skipped, nothing trained)
 FAMILIES = {  # shape of test_plan_lora: [lora]
     "gpt": {"rank": 4},
     "llama-gqa": {"rank": 4, "modules_to_save": ["norm"]},
@@ -66,18 +69,20 @@ def trained(name: str, lora: dict | None = None, train: dict = HALF) -> tuple[li
 
 
 CASES = [(name, "half", "none") for name in FAMILIES] + [(name, "fp32", "none") for name in FAMILIES] + \
-    [("llama-gqa", "fp32", "full"), ("mixtral", "half", "selective"), ("hybrid", "fp32", "selective")]
+    [("llama-gqa", "fp32", "full"), ("mixtral", "half", "selective"), ("hybrid", "fp32", "selective"),
+     ("llama-gqa", "fp16", "none"), ("mixtral", "fp16", "none")]
 
 
 @pytest.mark.parametrize("name,parameters,recompute", CASES)
 def test_training_is_the_autocast_casts_bit_for_bit(name, parameters, recompute):
-    train = {**PARAMS[parameters], "recompute": recompute}
+    train = {**(FP16 if parameters == "fp16" else PARAMS[parameters]), "recompute": recompute}
     curve, params, trainer = trained(name, train=train)
     stored = {id(getattr(m, attribute)) for m, attribute in base_weights(trainer.model)}
     assert stored, "no projection weight found"
-    trained_dtype = torch.bfloat16 if train["param_dtype"] == "half" else torch.float32
+    half = torch.float16 if train["precision"] == "fp16" else torch.bfloat16
+    trained_dtype = half if train["param_dtype"] == "half" else torch.float32
     for n, p in trainer.model.named_parameters():
-        expected = torch.bfloat16 if id(p) in stored else trained_dtype if p.requires_grad else torch.float32
+        expected = half if id(p) in stored else trained_dtype if p.requires_grad else torch.float32
         assert p.dtype == expected, (n, p.dtype)
     config = trainer.config
     count = lora_count(config.model, config.lora, 1, half_base=True)
@@ -88,6 +93,7 @@ def test_training_is_the_autocast_casts_bit_for_bit(name, parameters, recompute)
     with mock.patch.object(apply, "store_base_in", keep_fp32):
         control_curve, control, control_trainer = trained(name, train=train)
     assert all(p.dtype == torch.float32 for p in control_trainer.model.parameters() if not p.requires_grad)
+    assert np.isfinite(curve).all(), curve  # both steps taken (fp16's loss scaling skips none)
     assert curve == control_curve
     assert params.keys() == control.keys() and all(torch.equal(params[n], control[n]) for n in params)
 
