@@ -35,16 +35,22 @@ class SFTConfig:
 @dataclass
 class PreferenceConfig:
     """The `[preference]` section: preference optimization (DPO and its relatives) on the preference records of
-    [sft]'s data (`prompt`, `chosen`, `rejected`), with [sft]'s tokenizer and template (`docs/preference.md`)."""
+    [sft]'s data (`prompt`, `chosen`, `rejected`; KTO's `prompt`, `completion`, `label`), with [sft]'s tokenizer and
+    template (`docs/preference.md`)."""
 
     loss: str = ""
-    """"sigmoid" (DPO), "ipo", "hinge", or the reference-free "simpo" and "orpo"; empty: no preference run."""
+    """"sigmoid" (DPO), "ipo", "hinge", the reference-free "simpo" and "orpo", or "kto" (unpaired examples: `prompt`,
+    `completion`, `label`); empty: no preference run."""
     beta: float = 0.1
     """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
     label_smoothing: float = 0.0
     """sigmoid: the share of pairs assumed flipped (conservative DPO), in [0, 0.5)."""
     simpo_gamma: float = 0.5
     """simpo: the target margin gamma of the length-normalized rewards."""
+    desirable_weight: float = 1.0
+    """kto: the weight of the desirable examples' losses."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of the undesirable examples' losses."""
     reference: str = "auto"
     """The reference model's log-probabilities: "precomputed" (one pass of the starting weights over the data
     before the first step, saved in the run directory), "adapters" (a LoRA run's base: the same forward with the

@@ -245,7 +245,15 @@ ERRORS = [
     ("text answers without a prompt", lambda r: bad_records(r, '{"chosen": "Hi.", "rejected": "No."}\n'),
      "a text record needs a string 'prompt'"),
     ("beta", lambda r: ["preference.beta=0.0"], "preference.beta=0.0 must be > 0"),
-    ("unknown loss", lambda r: ['preference.loss="kto"'], 'preference.loss="kto" must be one of'),
+    ("unknown loss", lambda r: ['preference.loss="kpo"'], 'preference.loss="kpo" must be one of'),
+    ("unpaired records under a paired loss", lambda r: bad_records(r, '{"prompt": "Say hi.", "completion": "Hi.", '
+                                                                      '"label": true}\n'),
+     'bad.jsonl:1: an unpaired record (\'completion\', \'label\'); set preference.loss="kto"'),
+    ("kto label", lambda r: ['preference.loss="kto"', *bad_records(r, '{"prompt": "Say hi.", "completion": "Hi.", '
+                                                                       '"label": "yes"}\n')],
+     "bad.jsonl:1: 'label' is 'yes'; it must be true (desirable) or false (undesirable)"),
+    ("kto weight", lambda r: ['preference.loss="kto"', "preference.undesirable_weight=0"],
+     "preference.desirable_weight=1 and undesirable_weight=0 must be > 0"),
     ("reference-free with a reference", lambda r: ['preference.loss="simpo"', 'preference.reference="precomputed"'],
      'preference.loss="simpo" uses no reference model'),
     ("adapters reference without LoRA", lambda r: ['preference.reference="adapters"'],

@@ -286,3 +286,19 @@ def test_the_other_losses_train(loss):
 def test_preference_loss_is_the_trainers_loss():
     trainer = Trainer(preference_config(), ParallelContext.single(), train_data())
     assert isinstance(trainer.loss, PreferenceLoss)
+
+
+def test_a_pair_twice_in_a_micro_batch_is_two_occurrences():
+    """A micro-batch across an epoch's end on a small data set can hold one pair in two rows: each row's sequences
+    are their own occurrence (each the log-probabilities of the row alone, counted twice in the mean), not one sum
+    of both rows' tokens."""
+    ctx = ParallelContext.single()
+    model = build_model(preference_config().model, ctx, seed=3)
+    row = micro_batches(train_data(), 0, 1, 1, 0, 1, torch.device("cpu"))[0]
+    once, twice = (preference_parts([batch], ctx)[0] for batch in (row, {k: torch.cat([v, v]) for k, v in row.items()}))
+    with torch.no_grad():
+        logps = [sequence_logps(model(p["inputs"], p["targets"], documents=p["documents"]), p, ctx.cp)[0]
+                 for p in (once, twice)]
+    assert torch.equal(twice["pairs"], torch.cat([once["pairs"], once["pairs"]]))
+    assert twice["divisor"] == 2 * once["divisor"]
+    assert rel(logps[1], torch.cat([logps[0], logps[0]])) < 1e-6

@@ -58,12 +58,11 @@ from shardlm.training.run import train  # noqa: E402
 SEQ, PAIRS_PER_STEP, PAIRS, STEPS, LR, BETA, TOL = 128, 2, 4, 3, 1e-3, 0.1, 1e-5
 
 
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, data_dir):
+def model_directory(root, data_dir):
+    """(root, its `hf` directory): a random two-layer Qwen3 with the real Qwen3 vocabulary, saved beside the shared
+    Qwen3 tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("preference_trl")
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -72,7 +71,13 @@ def setup(tmp_path_factory, data_dir):
     model.save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
-    template = ChatTemplate.from_dir(root / "hf")
+    return root, root / "hf"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    root, hf = model_directory(tmp_path_factory.mktemp("preference_trl"), data_dir)
+    template = ChatTemplate.from_dir(hf)
     lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()
     pairs = [pair for pair in dolly_pairs(lines[:121])  # pairs whose two sequences fit one row
              if sum(len(template.encode(template.render(pair["prompt"] + pair[side])))
@@ -107,13 +112,14 @@ def trl_logs(trainer_class, args, records: list[dict], hf) -> dict:
     return {"steps": collected, "trainer": trainer}
 
 
-def shardlm_metrics(setup, records, name: str, loss: list[str]) -> dict:
-    """shardlm's run from the same directory on `records` (one pair a row, in order), with the matched optimizer
-    settings and the `loss` overrides: {"steps": its logged steps, "trainer": its trainer}."""
+def shardlm_metrics(setup, records, name: str, loss: list[str], per_step: int = PAIRS_PER_STEP) -> dict:
+    """shardlm's run from the same directory on `records` (one pair a row, in order, `per_step` rows a step in one
+    micro-batch), with the matched optimizer settings and the `loss` overrides: {"steps": its logged steps,
+    "trainer": its trainer}."""
     overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false", f"sft.data=[\"{records}\"]",
                  "sft.shuffle=false", "sft.valid_fraction=0.0", "sft.packing=\"pad\"", *loss,
-                 f"model.seq_length={SEQ}", f"train.micro_batch_size={PAIRS_PER_STEP}",
-                 f"train.global_batch_size={PAIRS_PER_STEP}", f"train.steps={STEPS}", f"train.lr={LR}",
+                 f"model.seq_length={SEQ}", f"train.micro_batch_size={per_step}",
+                 f"train.global_batch_size={per_step}", f"train.steps={STEPS}", f"train.lr={LR}",
                  f"train.min_lr={LR}", "train.decay_style=\"constant\"", "train.warmup_steps=0",
                  "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8", "train.clip_grad=1.0",
                  "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1", "log.progress=false",

@@ -1,6 +1,6 @@
-"""Preference optimization (DPO, IPO, hinge, SimPO, ORPO) on packed pairs: records and their tokens (`pairs`),
-rows of pairs (`data`), the losses and the reference (`loss`, `reference`), the run's data sets (`dataset`).
-`docs/preference.md`."""
+"""Preference optimization (DPO, IPO, hinge, SimPO, ORPO) on packed pairs, and KTO on unpaired examples: records and
+their tokens (`pairs`, `unpaired`), rows of pairs or examples (`data`), the losses and the reference (`loss`, `kto`,
+`reference`), the run's data sets (`dataset`). `docs/preference.md`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def check_preference(config) -> str | None:
         (p.loss in LOSSES, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}'),
         (p.beta > 0, f"preference.beta={p.beta} must be > 0"),
         (0 <= p.label_smoothing < 0.5, f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)"),
+        (p.desirable_weight > 0 and p.undesirable_weight > 0,
+         f"preference.desirable_weight={p.desirable_weight:g} and undesirable_weight={p.undesirable_weight:g} must "
+         "be > 0"),
         (p.reference in ("auto", "precomputed", "adapters"),
          f'preference.reference="{p.reference}" must be "auto", "precomputed" or "adapters"'),
         (p.loss not in REFERENCE_FREE or p.reference == "auto",
@@ -36,8 +39,8 @@ def check_preference(config) -> str | None:
         (reference_mode(config) != "adapters" or not config.lora.modules_to_save,
          'lora.modules_to_save trains modules the adapters-off reference would keep; use preference.reference='
          '"precomputed"'),
-        (bool(config.sft.data), "preference optimization reads sft.data (records with prompt, chosen, rejected); "
-         "set it"),
+        (bool(config.sft.data), "preference optimization reads sft.data (records with prompt, chosen, rejected; "
+         "KTO's prompt, completion, label); set it"),
         (not config.model.mtp_layers, "preference optimization trains without multi-token prediction; set "
          "model.mtp_layers=0"),
     ]

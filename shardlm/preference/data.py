@@ -7,6 +7,12 @@ A row (`PairDataset[i]`) is a dict of (T,) arrays: `input_ids`; `labels`, the ne
 pair's index in the data set (-1 on padding); `side`, 0 on the chosen sequence and 1 on the rejected one. The
 loss sums the trained tokens' log-probabilities per (pair, side) (`shardlm.preference.loss`).
 
+KTO's unpaired examples (`shardlm.preference.unpaired.TokenizedExample`) are rows of the same kind: each example's
+sequence (prompt + completion, side 0) in the row's arrays, and its KL sequence (prompt + another example's
+completion) at the same place in a second set of arrays of the row's length, `kl_input_ids`, `kl_labels`,
+`kl_position_ids`, `kl_pair`, `kl_side`, so that the KL sequences can run forward on their own
+(`shardlm.preference.kto`); an example takes the longer of its two sequences.
+
 Pairs are packed by their two sequences' length (`sft.packing`: best-fit-decreasing, greedy in order, or one pair
 a row), reshuffled and repacked every epoch by (seed, epoch) as `shardlm.sft.packing.PackedRows` does; a pair
 longer than a row is dropped (counted and reported).
@@ -21,13 +27,15 @@ import torch
 
 from shardlm.errors import UserError
 from shardlm.preference.pairs import TokenizedPair
+from shardlm.preference.unpaired import TokenizedExample
 from shardlm.sft.dataset import PackedDataset
 from shardlm.sft.packing import IGNORE_INDEX, PackStats, epoch_order, plan_bins, shift_labels
 
 
 @dataclass
 class PairRow:
-    """One row's (T,) tensors (module docstring) and the pairs it holds."""
+    """One row's (T,) tensors (module docstring) and the pairs it holds; `kl`: KTO's KL sequences' tensors, by the
+    same names."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -35,39 +43,61 @@ class PairRow:
     pair: torch.Tensor
     side: torch.Tensor
     pairs: list[int]
+    kl: dict[str, torch.Tensor] | None = None
+
+
+def _packed(sequences: list[tuple[list[int], list[int], int, int]], length: int, pad_id: int) -> dict:
+    """(prompt, answer, owner, side) sequences one after the other, padded at the end to `length` tokens: a dict of
+    the row's (T,) tensors (module docstring)."""
+    ids, labels, positions, owner, side = [], [], [], [], []
+    for prompt, answer, index, s in sequences:
+        sequence = prompt + answer
+        ids += sequence
+        labels += shift_labels(sequence, [0] * len(prompt) + [1] * len(answer))
+        positions += range(len(sequence))
+        owner += [index] * len(sequence)
+        side += [s] * len(sequence)
+    pad = length - len(ids)
+    if pad < 0:
+        raise ValueError(f"sequences of {len(ids)} tokens do not fit a row of {length}")
+    return {"input_ids": torch.tensor(ids + [pad_id] * pad), "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+            "position_ids": torch.tensor(positions + list(range(pad))), "pair": torch.tensor(owner + [-1] * pad),
+            "side": torch.tensor(side + [-1] * pad)}
 
 
 def build_pair_row(pairs: list[TokenizedPair], indices: list[int], length: int, pad_id: int) -> PairRow:
     """Pack `pairs` (data-set indices `indices`) into a row of `length` tokens, padding at the end."""
-    ids, labels, positions, owner, side = [], [], [], [], []
-    for pair, index in zip(pairs, indices):
-        for s, answer in enumerate((pair.chosen, pair.rejected)):
-            sequence = pair.prompt + answer
-            ids += sequence
-            labels += shift_labels(sequence, [0] * len(pair.prompt) + [1] * len(answer))
-            positions += range(len(sequence))
-            owner += [index] * len(sequence)
-            side += [s] * len(sequence)
-    pad = length - len(ids)
-    if pad < 0:
-        raise ValueError(f"pairs of {len(ids)} tokens do not fit a row of {length}")
-    return PairRow(torch.tensor(ids + [pad_id] * pad), torch.tensor(labels + [IGNORE_INDEX] * pad),
-                   torch.tensor(positions + list(range(pad))), torch.tensor(owner + [-1] * pad),
-                   torch.tensor(side + [-1] * pad), list(indices))
+    sequences = [(pair.prompt, answer, index, s) for pair, index in zip(pairs, indices)
+                 for s, answer in enumerate((pair.chosen, pair.rejected))]
+    return PairRow(**_packed(sequences, length, pad_id), pairs=list(indices))
+
+
+def build_example_row(examples: list[TokenizedExample], indices: list[int], length: int, pad_id: int) -> PairRow:
+    """Pack KTO `examples` (data-set indices `indices`) into a row of `length` tokens and their KL sequences into
+    the row's `kl` arrays, each padded at the end."""
+    own = [(e.prompt, e.completion, index, 0) for e, index in zip(examples, indices)]
+    mismatched = [(e.prompt, e.kl_completion, index, 0) for e, index in zip(examples, indices)]
+    return PairRow(**_packed(own, length, pad_id), pairs=list(indices), kl=_packed(mismatched, length, pad_id))
 
 
 class PairRows:
     """Packed rows of tokenized pairs, epoch after epoch (the `PackedRows` interface `PackedDataset` reads)."""
 
-    def __init__(self, pairs: list[TokenizedPair], seq_length: int, pad_id: int = 0, seed: int | None = 0,
-                 strategy: str = "bfd"):
+    def __init__(self, pairs: list[TokenizedPair] | list[TokenizedExample], seq_length: int, pad_id: int = 0,
+                 seed: int | None = 0, strategy: str = "bfd"):
         self.pairs, self.seq_length, self.pad_id, self.seed = pairs, seq_length, pad_id, seed
         self.strategy = strategy
+        self.unpaired = bool(pairs) and isinstance(pairs[0], TokenizedExample)
+        self.labels = [p.label for p in pairs] if self.unpaired else None
+        """KTO: each example's label (True: desirable), by index; None for pairs."""
         self.kept = [i for i, p in enumerate(pairs) if len(p) <= seq_length]
-        self.stats = PackStats(documents=len(pairs), dropped=len(pairs) - len(self.kept))
+        self.stats = PackStats(documents=len(pairs), dropped=len(pairs) - len(self.kept),
+                               unit="examples" if self.unpaired else "pairs")
         if not self.kept:
-            raise UserError(f"every preference pair is longer than model.seq_length={seq_length} (its two sequences "
-                            "share a row); raise model.seq_length")
+            what = "example is" if self.unpaired else "preference pair is"
+            raise UserError(f"every {what} longer than model.seq_length={seq_length} ("
+                            + ("its sequence or its KL sequence" if self.unpaired else "its two sequences share a row")
+                            + "); raise model.seq_length")
         self._plan_epoch: int | None = None
         self._plan: list[list[int]] = []
         self.plan(0)
@@ -81,19 +111,22 @@ class PairRows:
             if self.seed is not None:
                 bins = [bins[j] for j in np.random.default_rng([self.seed, epoch, 1]).permutation(len(bins))]
             self._plan, self._plan_epoch = bins, epoch
-            self.stats.rows, self.stats.row_tokens = len(bins), len(bins) * self.seq_length
-            self.stats.tokens = sum(len(self.pairs[i]) for i in order)
-            self.stats.targets = sum(len(self.pairs[i].chosen) + len(self.pairs[i].rejected) for i in order)
+            arrays = 2 if self.unpaired else 1  # KTO: the examples' arrays and the KL sequences'
+            self.stats.rows, self.stats.row_tokens = len(bins), len(bins) * self.seq_length * arrays
+            self.stats.tokens = sum(sum(self.pairs[i].sequence_lengths) if self.unpaired else len(self.pairs[i])
+                                    for i in order)
+            self.stats.targets = sum(self.pairs[i].targets for i in order)
         return self._plan
 
     def row(self, epoch: int, index: int) -> PairRow:
         indices = self.plan(epoch)[index]
-        return build_pair_row([self.pairs[i] for i in indices], indices, self.seq_length, self.pad_id)
+        build = build_example_row if self.unpaired else build_pair_row
+        return build([self.pairs[i] for i in indices], indices, self.seq_length, self.pad_id)
 
 
 class PairDataset(PackedDataset):
     """Rows of pairs by global sample index (`PackedDataset`'s epochs and padding past the end), with `pair` and
-    `side`."""
+    `side` (and KTO's `kl_` arrays)."""
 
     @property
     def num_pairs(self) -> int:
@@ -101,8 +134,17 @@ class PairDataset(PackedDataset):
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if self.epochs is not None and index >= len(self):
-            row = super().__getitem__(index)
-            return row | {"pair": np.full(self.rows.seq_length, -1), "side": np.full(self.rows.seq_length, -1)}
+            return empty_row(self.rows.seq_length, self.rows.pad_id, self.rows.unpaired)
         row = self.rows.row(*self._epoch_of(index))
-        return {"input_ids": row.input_ids.numpy(), "labels": row.labels.numpy(),
-                "position_ids": row.position_ids.numpy(), "pair": row.pair.numpy(), "side": row.side.numpy()}
+        arrays = {"input_ids": row.input_ids, "labels": row.labels, "position_ids": row.position_ids,
+                  "pair": row.pair, "side": row.side}
+        arrays |= {f"kl_{key}": value for key, value in (row.kl or {}).items()}
+        return {key: value.numpy() for key, value in arrays.items()}
+
+
+def empty_row(length: int, pad_id: int, unpaired: bool) -> dict[str, np.ndarray]:
+    """A row without pairs (to fill the last micro-batches of a split): padding, no trained token; with KTO's `kl_`
+    arrays when `unpaired`."""
+    row = {"input_ids": np.full(length, pad_id, dtype=np.int64), "labels": np.full(length, IGNORE_INDEX),
+           "position_ids": np.arange(length), "pair": np.full(length, -1), "side": np.full(length, -1)}
+    return row | ({f"kl_{key}": value.copy() for key, value in row.items()} if unpaired else {})

@@ -17,6 +17,7 @@ Losses (`preference.loss`), with r = log pi(y | x) - log pi_ref(y | x) per answe
     simpo     -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma)      reference-free
     orpo      -logp_c / n_c - beta log sigmoid(log odds_c - log odds_r),    reference-free; odds = p / (1 - p) of
               the length-normalized probability (ORPO's lambda is beta)
+    kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`)
 
 Logged as TRL logs them: rewards of chosen and rejected (beta r; SimPO and ORPO: beta times the normalized
 log-probability), their margin and the accuracy (chosen reward above rejected), each a mean over the pairs.
@@ -35,42 +36,67 @@ from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
 from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
+from shardlm.preference import kto
 
 REFERENCE_FREE = ("simpo", "orpo")
-LOSSES = ("sigmoid", "ipo", "hinge") + REFERENCE_FREE
+LOSSES = ("sigmoid", "ipo", "hinge") + REFERENCE_FREE + kto.UNPAIRED
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
 def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
     """This rank's micro-batches of pair rows (dicts of (b, T) arrays, `shardlm.preference.data`) -> dicts of
-    `inputs`, `targets`, `pair`, `side` (b, T / C: the zigzag part under CP), `documents`, `pairs` (the pair
-    indices of the micro-batch, sorted) and `divisor` (module docstring: one all-reduce over DP; None without
-    `count_pairs`)."""
-    counts = [torch.unique(b["pair"][b["pair"] >= 0]) for b in batches]
+    `inputs`, `targets`, `occurrence`, `side` (b, T / C: the zigzag part under CP), `documents`, `pairs` (the pair
+    index of each of the micro-batch's pair occurrences, `pair_occurrences`) and `divisor` (module docstring: one
+    all-reduce over DP; None without `count_pairs`); KTO's micro-batches also `kl`, the same of their KL
+    sequences."""
+    found = [pair_occurrences(b["pair"]) for b in batches]
     divisor = None
     if count_pairs:
-        total = torch.tensor(float(sum(len(c) for c in counts)), dtype=torch.float64, device=ctx.device)
+        total = torch.tensor(float(sum(len(pairs) for pairs, _ in found)), dtype=torch.float64, device=ctx.device)
         ctx.dp.all_reduce(total)
         if total.item() == 0:
             raise UserError("a global batch holds no preference pair: check the records")
         divisor = total.item() / (len(batches) * ctx.dp_size)
     parts = []
-    for batch, pairs in zip(batches, counts):
-        local = {k: batch[k] for k in ("input_ids", "labels", "pair", "side")}
-        if ctx.cp_size > 1:
-            local = {k: zigzag_split(v, ctx.cp_size, ctx.cp_rank) for k, v in local.items()}
-        documents = Documents.from_positions(batch["position_ids"], ctx.cp_size, ctx.cp_rank)
-        parts.append({"inputs": local["input_ids"], "targets": local["labels"], "pair": local["pair"],
-                      "side": local["side"], "documents": documents, "pairs": pairs, "divisor": divisor})
+    for batch, (pairs, occurrence) in zip(batches, found):
+        part = _local_part(batch, "", occurrence, ctx) | {"pairs": pairs, "divisor": divisor}
+        if "kl_input_ids" in batch:  # KTO: the examples' KL sequences, their own rows (`shardlm.preference.kto`)
+            kl_pairs, kl_occurrence = pair_occurrences(batch["kl_pair"])  # each row holds the same examples
+            part["kl"] = _local_part(batch, "kl_", kl_occurrence, ctx) | {"pairs": kl_pairs, "divisor": divisor}
+        parts.append(part)
     return parts
 
 
+def pair_occurrences(owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs (P,), occurrence (b, T)) of a micro-batch's `pair` array (b, T; -1 off pairs): each (row, pair) the
+    rows hold is one occurrence, in row-then-pair order; `pairs` is the pair index of each, `occurrence` each token's
+    (-1 off pairs). A pair the micro-batch holds twice (a batch across an epoch's end on a small data set) is two
+    occurrences, each its own sequences' sum, as it would be in two micro-batches."""
+    span = max(int(owner.max().item()) + 1, 1) if owner.numel() else 1
+    rows = torch.arange(owner.shape[0], device=owner.device).unsqueeze(1)
+    key = torch.where(owner >= 0, rows * span + owner, -1)
+    keys = torch.unique(key[key >= 0])
+    occurrence = torch.where(owner >= 0, torch.searchsorted(keys, key.clamp(min=0)), -1)
+    return keys % span, occurrence
+
+
+def _local_part(batch: dict, prefix: str, occurrence: torch.Tensor, ctx) -> dict:
+    """This rank's `inputs`, `targets`, `occurrence`, `side` and `documents` of the micro-batch's arrays named
+    `prefix` + `input_ids`, `labels`, `side`, `position_ids` and of `occurrence` (the zigzag part under CP)."""
+    local = {k: batch[prefix + k] for k in ("input_ids", "labels", "side")} | {"occurrence": occurrence}
+    if ctx.cp_size > 1:
+        local = {k: zigzag_split(v, ctx.cp_size, ctx.cp_rank) for k, v in local.items()}
+    return {"inputs": local["input_ids"], "targets": local["labels"], "occurrence": local["occurrence"],
+            "side": local["side"],
+            "documents": Documents.from_positions(batch[prefix + "position_ids"], ctx.cp_size, ctx.cp_rank)}
+
+
 def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities (pairs, 2), answer token counts (pairs, 2)) of the micro-batch's pairs, chosen first,
-    from per-token losses (b, T_local) (0 where the target is ignored), summed over the CP group."""
-    pairs, owner, side = batch["pairs"], batch["pair"], batch["side"]
-    trained = (owner >= 0) & (batch["targets"] != -100)
-    slot = torch.searchsorted(pairs, owner.clamp(min=0)) * 2 + side.clamp(min=0)
+    """(log-probabilities (pairs, 2), answer token counts (pairs, 2)) of the micro-batch's pair occurrences, chosen
+    first, from per-token losses (b, T_local) (0 where the target is ignored), summed over the CP group."""
+    pairs, occurrence, side = batch["pairs"], batch["occurrence"], batch["side"]
+    trained = (occurrence >= 0) & (batch["targets"] != -100)
+    slot = occurrence.clamp(min=0) * 2 + side.clamp(min=0)
     slot, values = slot[trained], -token_losses[trained].double()
     logps = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(0, slot, values)
     counts = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(
@@ -148,18 +174,64 @@ class PreferenceLoss:
 
     def __init__(self, cfg: PreferenceConfig, ctx, model):
         self.cfg, self.ctx, self.model = cfg, ctx, model
+        self.unpaired = cfg.loss in kto.UNPAIRED
         self.tables: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs, 2) precomputed reference
-        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+        self.labels: dict[str, torch.Tensor] = {}  # KTO: "train" / "valid" -> (examples,) bool, True: desirable
+        self.sums = torch.zeros(5 if self.unpaired else len(METRICS) + 1, dtype=torch.float64)
         self.pairs = 0.0
+        self.kl = torch.zeros((), dtype=torch.float64)  # KTO: z0 of the micro-batches being run (`prepare`)
+        self.step_kl = 0.0  # and of the last training step's (on every rank: the pipeline's first stages too)
+
+    def set_labels(self, datasets: dict) -> None:
+        """KTO: the examples' labels of each split ({"train": PairDataset, "valid": ...}, None skipped)."""
+        self.labels = {split: torch.tensor(data.rows.labels, dtype=torch.bool) for split, data in datasets.items()
+                       if data is not None and data.rows.labels is not None}
 
     def attach_reference(self, parts: list[dict], split: str) -> list[dict]:
         """Give each micro-batch of `split` ("train" or "valid") its pairs' precomputed reference, when there is a
-        table of that split."""
-        table = self.tables.get(split)
-        if table is not None:
-            for part in parts:
-                part["reference"] = table.to(part["pairs"].device)[part["pairs"]]
+        table of that split (KTO: the examples' column 0 to the micro-batch, the KL sequences' column 1 to its
+        `kl` part), and KTO's labels."""
+        table, labels = self.tables.get(split), self.labels.get(split)
+        for part in parts:
+            if table is not None:
+                rows = table.to(part["pairs"].device)[part["pairs"]]
+                part["reference"] = rows
+                if "kl" in part:
+                    part["kl"]["reference"] = rows[:, 1:]
+            if labels is not None:
+                part["label"] = labels.to(part["pairs"].device)[part["pairs"]]
         return parts
+
+    def prepare(self, forward, batches: list[dict]) -> None:
+        """KTO, without pipeline stages: before a step's (or an evaluation's) micro-batches, their KL sequences'
+        reference log-probabilities (a LoRA run's base) and the policy's, without gradient, and z0 from them
+        (`shardlm.preference.kto`). Nothing for the other losses."""
+        if not self.unpaired:
+            return
+        with torch.no_grad():
+            for batch in batches:
+                part = batch["kl"]
+                self.reference_logps(forward, part)
+                kto.record_policy(forward(part["inputs"], part["targets"], documents=part["documents"]), part,
+                                  self.ctx.cp)
+        self._set_kl(batches)
+
+    def prepare_stages(self, pipeline, batches: list[dict]) -> None:
+        """`prepare` under pipeline stages: the KL sequences forward through the stages (the base's first where a
+        LoRA run needs it), recorded on the last stage."""
+        if not self.unpaired:
+            return
+        parts = [batch["kl"] for batch in batches]
+        if self.needs_reference_pass(parts):
+            pipeline.reference_pass(parts, self.record_reference, adapters_off(self.model))
+        pipeline.reference_pass(parts, lambda losses, part: kto.record_policy(losses, part, self.ctx.cp),
+                                contextlib.nullcontext())
+        self._set_kl(batches)
+
+    def _set_kl(self, batches: list[dict]) -> None:
+        self.kl = kto.estimate_kl(batches, self.ctx)
+        if self.model.training:
+            self.step_kl = self.kl.item()
 
     def record_reference(self, token_losses: torch.Tensor, batch: dict) -> None:
         """Store the batch's reference log-probabilities from the reference model's token losses."""
@@ -191,9 +263,14 @@ class PreferenceLoss:
         if reference is None and self.cfg.loss not in REFERENCE_FREE:
             reference = batch["reference"]
         logps, counts = sequence_logps(token_losses, batch, self.ctx.cp)
-        losses, metrics = pair_losses(self.cfg, logps, counts, reference)
+        if self.unpaired:
+            losses, rewards = kto.kto_losses(self.cfg, logps[:, 0], reference[:, 0], batch["label"], self.kl)
+            sums = kto.metric_sums(losses, rewards, batch["label"])
+        else:
+            losses, metrics = pair_losses(self.cfg, logps, counts, reference)
+            sums = torch.stack([losses.detach().sum()] + [metrics[k].sum() for k in METRICS]).cpu()
         if self.model.training:  # a training step's, not an evaluation's
-            self.sums += torch.stack([losses.detach().sum()] + [metrics[k].sum() for k in METRICS]).cpu()
+            self.sums += sums
             self.pairs += len(batch["pairs"])
         return (losses.sum() / batch["divisor"]).float()
 
@@ -206,6 +283,8 @@ class PreferenceLoss:
             self.ctx.pp.all_reduce(sums)
         self.sums.zero_()
         self.pairs = 0.0
+        if self.unpaired:
+            return kto.metrics_of(sums, self.step_kl)
         pairs = max(sums[-1].item(), 1.0)
         return {name: sums[i + 1].item() / pairs for i, name in enumerate(METRICS)}
 

@@ -54,6 +54,16 @@ class TokenizedPair:
         """Tokens of both sequences."""
         return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
 
+    @property
+    def parts(self) -> tuple[list[int], ...]:
+        """The token lists that identify the pair (its reference table's fingerprint)."""
+        return self.prompt, self.chosen, self.rejected
+
+    @property
+    def targets(self) -> int:
+        """Trained tokens: both answers'."""
+        return len(self.chosen) + len(self.rejected)
+
 
 def _implicit_prompt(chosen: list, rejected: list, where: str) -> tuple[list, list, list]:
     shared = 0
@@ -66,6 +76,9 @@ def _implicit_prompt(chosen: list, rejected: list, where: str) -> tuple[list, li
 
 def to_pair(record: dict[str, Any], where: str) -> PreferencePair:
     """A checked `PreferencePair` of one record (module docstring)."""
+    if "completion" in record or "label" in record:
+        raise UserError(f"{where}: an unpaired record ('completion', 'label'); set preference.loss=\"kto\" to train "
+                        "on unpaired records, or give 'chosen' and 'rejected'")
     for key in ("chosen", "rejected"):
         if key not in record or record[key] in (None, "", []):
             raise UserError(f"{where}: the record has no {key!r} answer; preference records need 'chosen' and "

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from shardlm.errors import UserError
+from shardlm.preference.data import empty_row
 from shardlm.preference.loss import preference_parts, sequence_logps
 
 FILE = "reference_logps.safetensors"
@@ -32,7 +33,8 @@ def precompute_references(trainer, datasets: dict) -> dict[str, torch.Tensor]:
     ctx, log = trainer.ctx, trainer.config.log
     if ctx.is_main:
         pairs = " and ".join(f"{data.num_pairs} {split}" for split, data in datasets.items())
-        tqdm.write(f"preference: computing the reference log-probabilities of {pairs} pairs ({sum(rows.values())} "
+        unit = next(iter(datasets.values())).rows.stats.unit
+        tqdm.write(f"preference: computing the reference log-probabilities of {pairs} {unit} ({sum(rows.values())} "
                    "rows, one forward pass each) with the starting weights, before the first step")
     with tqdm(total=sum(rows.values()), desc="reference", unit="row", dynamic_ncols=True, leave=False,
               disable=not (ctx.is_main and log.progress)) as bar:
@@ -59,7 +61,14 @@ def precompute_reference(trainer, dataset, bar: tqdm | None = None) -> torch.Ten
         return preference_parts([batch], ctx, count_pairs=False)[0]
 
     def record(token_losses: torch.Tensor, part: dict) -> None:
-        table[part["pairs"]] = sequence_logps(token_losses, part, ctx.cp)[0]
+        logps = sequence_logps(token_losses, part, ctx.cp)[0]
+        if "kl" in part:  # KTO: the example's sequence (side 0) is column 0
+            table[part["pairs"], 0] = logps[:, 0]
+        else:
+            table[part["pairs"]] = logps
+
+    def record_kl(token_losses: torch.Tensor, part: dict) -> None:  # KTO: its KL sequence is column 1
+        table[part["pairs"], 1] = sequence_logps(token_losses, part, ctx.cp)[0][:, 0]
 
     def advance(steps: list[int]) -> None:
         if bar is not None:
@@ -71,12 +80,17 @@ def precompute_reference(trainer, dataset, bar: tqdm | None = None) -> torch.Ten
             for start in starts:
                 batch = part(start)
                 record(trainer.model(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
+                if "kl" in batch:
+                    kl = batch["kl"]
+                    record_kl(trainer.model(kl["inputs"], kl["targets"], documents=kl["documents"]), kl)
                 advance([start])
         else:
             group = trainer.accumulation
             for i in range(0, len(starts), group):
-                trainer.pipeline.reference_pass([part(s) for s in starts[i:i + group]], record,
-                                                contextlib.nullcontext())
+                parts = [part(s) for s in starts[i:i + group]]
+                trainer.pipeline.reference_pass(parts, record, contextlib.nullcontext())
+                if "kl" in parts[0]:
+                    trainer.pipeline.reference_pass([p["kl"] for p in parts], record_kl, contextlib.nullcontext())
                 advance(starts[i:i + group])
     trainer.model.train()
     ctx.dp.all_reduce(table)
@@ -90,9 +104,7 @@ def _epoch0_row(dataset, rows: int, index: int) -> dict[str, np.ndarray]:
     last micro-batches."""
     if index < rows:
         return dataset[index]
-    length = dataset.rows.seq_length
-    return {"input_ids": np.zeros(length, dtype=np.int64), "labels": np.full(length, -100),
-            "position_ids": np.arange(length), "pair": np.full(length, -1), "side": np.full(length, -1)}
+    return empty_row(dataset.rows.seq_length, dataset.rows.pad_id, dataset.rows.unpaired)
 
 
 def _stacked(rows: list[dict[str, np.ndarray]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -101,11 +113,12 @@ def _stacked(rows: list[dict[str, np.ndarray]], device: torch.device) -> dict[st
 
 
 def pairs_fingerprint(dataset) -> str:
-    """sha256 of a split's tokenized pairs in their order (each pair's prompt, chosen and rejected ids): what its
-    reference table was computed for (`dataset`: a `PairDataset`)."""
+    """sha256 of a split's tokenized pairs in their order (each pair's prompt, chosen and rejected ids; a KTO
+    example's prompt, completion, KL completion and label): what its reference table was computed for (`dataset`: a
+    `PairDataset`)."""
     digest = hashlib.sha256()
     for pair in dataset.rows.pairs:
-        for ids in (pair.prompt, pair.chosen, pair.rejected):
+        for ids in pair.parts:
             digest.update(np.asarray(ids, dtype=np.int64).tobytes())
             digest.update(b";")
     return digest.hexdigest()

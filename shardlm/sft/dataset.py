@@ -79,7 +79,8 @@ class SFTData:
         line = (f"sft: {self.stats.summary()}; chat template: {self.template.name} (loss mask by "
                 f"{self.template.mask_method})")
         if self.valid_stats is not None:
-            line += f"; validation: {self.valid_stats.documents} conversations in {self.valid_stats.rows} rows"
+            valid = self.valid_stats
+            line += f"; validation: {valid.documents} {valid.unit} in {valid.rows} rows"
         return line
 
 

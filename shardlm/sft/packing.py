@@ -56,13 +56,15 @@ class PackStats:
     tokens: int = 0
     row_tokens: int = 0
     targets: int = 0
+    unit: str = "conversations"
+    """What a document is, in the summary: "conversations", preference "pairs", KTO "examples"."""
 
     @property
     def efficiency(self) -> float:
         return self.tokens / self.row_tokens if self.row_tokens else 0.0
 
     def summary(self) -> str:
-        return (f"packed {self.documents} conversations into {self.rows} rows: {self.efficiency:.1%} of row tokens "
+        return (f"packed {self.documents} {self.unit} into {self.rows} rows: {self.efficiency:.1%} of row tokens "
                 f"are real, {self.targets} trained tokens; {self.truncated} truncated, {self.dropped} dropped")
 
 

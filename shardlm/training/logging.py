@@ -69,7 +69,9 @@ class RunLogger:
             moe = (f" | aux loss {metrics['moe_aux_loss']:.4g} | expert load {metrics['expert_load_min']:.2f}"
                    f"-{metrics['expert_load_max']:.2f}")
         if "reward_margin" in metrics:  # preference optimization: the rewards' margin and accuracy over the pairs
-            moe += f" | reward margin {metrics['reward_margin']:.4g} | accuracy {metrics['reward_accuracy']:.2f}"
+            moe += f" | reward margin {metrics['reward_margin']:.4g}"
+            moe += (f" | accuracy {metrics['reward_accuracy']:.2f}" if "reward_accuracy" in metrics
+                    else f" | kl {metrics['kl']:.4g}")  # KTO: the step's KL reference point instead
         if "frac_reward_zero_std" in metrics:  # RL: the round's reward, the KL to the reference, the mismatch
             moe += f" | reward {metrics['reward']:.3f} (std {metrics['reward_std']:.3f})"
             if "kl" in metrics:
@@ -158,7 +160,8 @@ def run_figure(records: list[dict], title: str):
         kl.plot(*zip(*indexer), color="tab:purple", lw=0.8, label="indexer KL (right)")
         kl.set_ylabel("indexer KL (nats/token)")
         kl.legend(loc="upper center", fontsize="small")
-    ax.set_ylabel("preference loss (per pair)" if margin else "RL loss" if reward else "cross-entropy (nats/token)")
+    per = "pair" if series("reward_accuracy") else "example"  # KTO: unpaired examples
+    ax.set_ylabel(f"preference loss (per {per})" if margin else "RL loss" if reward else "cross-entropy (nats/token)")
     ax.set_title(f"shardlm: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -181,9 +184,13 @@ def run_figure(records: list[dict], title: str):
         rewards.set_ylabel("reward margin")
         rewards.grid(alpha=0.3)
         accuracy = rewards.twinx()
-        accuracy.plot(*zip(*series("reward_accuracy")), color="tab:green", lw=0.8, label="accuracy (right)")
-        accuracy.set_ylim(-0.05, 1.05)
-        accuracy.set_ylabel("accuracy")
+        if series("reward_accuracy"):
+            accuracy.plot(*zip(*series("reward_accuracy")), color="tab:green", lw=0.8, label="accuracy (right)")
+            accuracy.set_ylim(-0.05, 1.05)
+            accuracy.set_ylabel("accuracy")
+        else:  # KTO: the KL reference point z0
+            accuracy.plot(*zip(*series("kl")), color="tab:green", lw=0.8, label="KL estimate z0 (right)")
+            accuracy.set_ylabel("KL (nats)")
         lines = rewards.get_lines()[:1] + accuracy.get_lines()
         rewards.legend(lines, [line.get_label() for line in lines], fontsize="small")
     if reward:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -165,7 +166,12 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     from shardlm.preference.reference import load_reference, pairs_fingerprint, precompute_references, save_reference
 
     config, mode = trainer.config, reference_mode(trainer.config)
-    line = f"preference: {config.preference.loss} loss, beta {config.preference.beta:g}, reference: "
+    line = f"preference: {config.preference.loss} loss, beta {config.preference.beta:g}, "
+    if trainer.train_data.rows.labels is not None:  # KTO
+        from shardlm.preference.kto import desirable_share
+
+        line += desirable_share(trainer.train_data.rows.labels) + ", "
+    line += "reference: "
     if mode != "precomputed":
         return line + {"none": "none (reference-free)", "adapters": "the base (adapters off)"}[mode]
     data = {"train": trainer.train_data, "valid": trainer.valid_data}
@@ -177,7 +183,8 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     trainer.loss.tables = precompute_references(trainer, data)
     if trainer.ctx.is_main:
         save_reference(trainer.loss.tables, run_dir, fingerprints)
-    return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} pairs"
+    unit = trainer.train_data.rows.stats.unit
+    return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} {unit}"
 
 
 def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,
@@ -196,7 +203,12 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     elif config.sft.data:  # chat (or preference) records, tokenized and packed before any process group exists
         build = build_sft_datasets
         if config.preference.loss:
-            from shardlm.preference.dataset import build_preference_datasets as build
+            from shardlm.preference.dataset import build_preference_datasets
+            from shardlm.preference.kto import UNPAIRED
+
+            # KTO: each example's KL sequence takes a completion of its group of a global batch's size
+            build = functools.partial(build_preference_datasets, kto_group=t.global_batch_size
+                                      if config.preference.loss in UNPAIRED else 0)
         sft = build(config.sft, config.model.seq_length, t.seed, config.checkpoint.init_from)
         check_vocabulary(config, sft.template.tokenizer.get_vocab_size(), sft.max_token_id)
         if config.distill.teacher:  # the student's vocabulary is known now: the teacher's must be the same

@@ -108,6 +108,7 @@ class Trainer:
             from shardlm.preference.loss import PreferenceLoss
 
             self.loss = PreferenceLoss(config.preference, ctx, self.model)
+            self.loss.set_labels({"train": train_data, "valid": valid_data})  # KTO's unpaired examples
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
         self.rl = bool(config.rl.loss)
@@ -193,6 +194,9 @@ class Trainer:
                 self.pipeline_reference(batches)
                 loss_sum = self.pipeline.forward_backward(batches, scale)
             self.release_teacher()
+        if self.preference and self.pipeline is None:
+            with self.autocast():
+                self.loss.prepare(forward, batches)  # KTO: the global batch's KL estimate
         for i, batch in enumerate(batches if self.pipeline is None else ()):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
@@ -279,6 +283,8 @@ class Trainer:
                 total += self.pipeline.evaluate(batches).float()
                 self.release_teacher()
             else:
+                if self.preference:
+                    self.loss.prepare(self.model, batches)  # KTO: the held-out examples' KL estimate
                 for batch in batches:
                     total += self.loss(self.model, batch).float()
         ctx.dp_cp.all_reduce(total)
@@ -291,13 +297,16 @@ class Trainer:
 
     def pipeline_reference(self, batches: list) -> None:
         """Under pipeline stages, a LoRA preference run's reference log-probabilities (the base, adapters off):
-        one forward pass of the micro-batches through the stages before their step or evaluation."""
+        one forward pass of the micro-batches through the stages before their step or evaluation; KTO's KL
+        sequences' passes too."""
         if self.teacher is not None:  # distillation: the teacher's hidden states, through its own stages
             self.loss.teacher_pass(batches)
         if self.preference and self.loss.needs_reference_pass(batches):
             from shardlm.preference.loss import adapters_off
 
             self.pipeline.reference_pass(batches, self.loss.record_reference, adapters_off(self.model))
+        if self.preference:
+            self.loss.prepare_stages(self.pipeline, batches)
 
     def release_teacher(self) -> None:
         """Under pipeline stages, a distillation teacher sharded by FSDP: free its root's end pieces, gathered for the
