@@ -11,8 +11,9 @@ the validation loss before and after training, every final parameter on every ra
 - step 1's loss and the first validation loss are each example's 0.5 by its label's weight, averaged, at every
   layout (the policy is its reference, and z0 is 0);
 - world 2: DP=2, TP=2 with SP, CP=2, PP=2 (the KL sequences forward through the stages before the step, z0
-  summed over the pipeline group), FSDP, and LoRA runs whose reference is the base, at DP=2 and PP=2, against
-  their own one-process run;
+  summed over the pipeline group), FSDP (the no-gradient pass before the training one), and a LoRA run whose
+  reference is the base at PP=2 (the base's and the policy's passes of the KL sequences through the stages),
+  against its own one-process run;
 - one process: micro-batch 1 equals micro-batch 8, and the later steps' z0 is positive (the clamp at 0 does not
   hide it). The control: z0 taken from the first micro-batch alone (TRL's per-micro-batch estimate) moves the
   micro-batch-1 run off the micro-batch-8 one by far more than the bound.
@@ -99,7 +100,6 @@ WORLD2 = {
     "cp2": layout(cp=2),
     "pp2": layout(pp=2),
     "fsdp dp2": layout(data_sharding="full"),
-    "dp2 lora": layout(lora=4),
     "pp2 lora": layout(pp=2, lora=4),
 }
 
