@@ -72,12 +72,15 @@ def pair_occurrences(owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows hold is one occurrence, in row-then-pair order; `pairs` is the pair index of each, `occurrence` each token's
     (-1 off pairs). A pair the micro-batch holds twice (a batch across an epoch's end on a small data set) is two
     occurrences, each its own sequences' sum, as it would be in two micro-batches."""
-    span = max(int(owner.max().item()) + 1, 1) if owner.numel() else 1
     rows = torch.arange(owner.shape[0], device=owner.device).unsqueeze(1)
-    key = torch.where(owner >= 0, rows * span + owner, -1)
+    key = torch.where(owner >= 0, rows * PAIR_SPAN + owner, -1)
     keys = torch.unique(key[key >= 0])
     occurrence = torch.where(owner >= 0, torch.searchsorted(keys, key.clamp(min=0)), -1)
-    return keys % span, occurrence
+    return keys % PAIR_SPAN, occurrence
+
+
+PAIR_SPAN = 1 << 40
+"""More than any data set's pair count: (row, pair) -> row x PAIR_SPAN + pair keeps the order and fits int64."""
 
 
 def _local_part(batch: dict, prefix: str, occurrence: torch.Tensor, ctx) -> dict:
