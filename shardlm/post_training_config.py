@@ -39,8 +39,8 @@ class PreferenceConfig:
     template (`docs/preference.md`)."""
 
     loss: str = ""
-    """"sigmoid" (DPO), "ipo", "hinge", the reference-free "simpo" and "orpo", or "kto" (unpaired examples: `prompt`,
-    `completion`, `label`); empty: no preference run."""
+    """"sigmoid" (DPO), "ipo", "hinge", the reference-free "simpo" and "orpo", or on unpaired examples (`prompt`,
+    `completion`, `label`) "kto" and "apo_zero_unpaired"; empty: no preference run."""
     beta: float = 0.1
     """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
     label_smoothing: float = 0.0
@@ -48,9 +48,9 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5
     """simpo: the target margin gamma of the length-normalized rewards."""
     desirable_weight: float = 1.0
-    """kto: the weight of the desirable examples' losses."""
+    """kto, apo_zero_unpaired: the weight of the desirable examples' losses."""
     undesirable_weight: float = 1.0
-    """kto: the weight of the undesirable examples' losses."""
+    """kto, apo_zero_unpaired: the weight of the undesirable examples' losses."""
     reference: str = "auto"
     """The reference model's log-probabilities: "precomputed" (one pass of the starting weights over the data
     before the first step, saved in the run directory), "adapters" (a LoRA run's base: the same forward with the

@@ -143,3 +143,15 @@ def test_the_reference_fingerprint_covers_the_kl_sequences_and_the_labels():
     other_kl = [replace(base[0], kl_completion=base[0].kl_completion + [1])] + base[1:]
     assert len({fingerprint(base), fingerprint(flipped), fingerprint(other_kl)}) == 3
     assert fingerprint(base) == fingerprint(examples())
+
+
+def test_rows_without_kl_sequences():
+    """A loss without the KL term (`apo_zero_unpaired`): examples with no KL completion make rows without `kl_`
+    arrays, each example taking its own sequence's length."""
+    from dataclasses import replace
+
+    plain = [replace(e, kl_completion=None) for e in examples()]
+    data = PairDataset(PairRows(plain, 24, seed=None), epochs=1)
+    assert not data.rows.with_kl and all(len(e) == len(e.prompt) + len(e.completion) for e in plain)
+    assert not any(key.startswith("kl_") for key in data[0]) and not any(key.startswith("kl_") for key in
+                                                                         data[len(data)])

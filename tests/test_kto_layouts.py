@@ -42,19 +42,20 @@ from layouts import layout, layout_context, spawn_layouts
 WEIGHTS = (1.0, 1.3)
 
 
-def synthetic_examples(count: int, seed: int) -> list[TokenizedExample]:
+def synthetic_examples(count: int, seed: int, kl: bool = True) -> list[TokenizedExample]:
     """Each of `synthetic_pairs`' pairs gives one example: its chosen answer (desirable) or its rejected one, by a
-    draw of `seed`."""
+    draw of `seed`; without KL sequences unless `kl`."""
     labels = np.random.default_rng([seed, 3]).random(count) < 0.5
     pairs = synthetic_pairs(count, seed)
     completions = [p.chosen if label else p.rejected for p, label in zip(pairs, labels)]
-    return [TokenizedExample(p.prompt, c, kl, bool(label), p.where)
-            for p, c, kl, label in zip(pairs, completions, kl_completions(completions, 8), labels)]
+    mismatched = kl_completions(completions, 8) if kl else [None] * count
+    return [TokenizedExample(p.prompt, c, k, bool(label), p.where)
+            for p, c, k, label in zip(pairs, completions, mismatched, labels)]
 
 
-def kto_config(**config):
+def kto_config(loss: str = "kto", **config):
     base = preference_config(**config)
-    base.preference.loss = "kto"
+    base.preference.loss = loss
     base.preference.desirable_weight, base.preference.undesirable_weight = WEIGHTS
     return base
 
@@ -63,8 +64,9 @@ def train_layout(ctx: ParallelContext, config) -> dict:
     """STEPS steps from the same starting weights: the curve (loss, gradient norm, metrics), the validation loss
     before and after, and every parameter."""
     validate(config, ctx.world_size, check_paths=False)
-    trainer = Trainer(config, ctx, PairDataset(PairRows(synthetic_examples(40, 1), SEQ, seed=5)),
-                      PairDataset(PairRows(synthetic_examples(12, 2), SEQ, seed=None), epochs=1))
+    kl = config.preference.loss in kto.KL_LOSSES
+    trainer = Trainer(config, ctx, PairDataset(PairRows(synthetic_examples(40, 1, kl), SEQ, seed=5)),
+                      PairDataset(PairRows(synthetic_examples(12, 2, kl), SEQ, seed=None), epochs=1))
     if not config.lora.rank:
         trainer.loss.tables = {"train": precompute_reference(trainer, trainer.train_data),
                                "valid": precompute_reference(trainer, trainer.valid_data)}
@@ -132,9 +134,9 @@ def assert_starts_at_the_reference(value: dict, train_examples: list, where: str
     assert first[-1] == 0.0, f"{where}: step 1 z0 {first[-1]}"
 
 
-def first_batch_examples() -> list[TokenizedExample]:
-    """The examples of step 1's 8 rows."""
-    data = PairDataset(PairRows(synthetic_examples(40, 1), SEQ, seed=5))
+def first_batch_examples(kl: bool = True) -> list[TokenizedExample]:
+    """The examples of step 1's 8 rows (rows with KL sequences, or without)."""
+    data = PairDataset(PairRows(synthetic_examples(40, 1, kl), SEQ, seed=5))
     indices = {int(i) for row in range(8) for i in data[row]["pair"] if i >= 0}
     return [data.rows.pairs[i] for i in sorted(indices)]
 
@@ -165,3 +167,14 @@ def test_micro_batch_one_equals_micro_batch_eight(reference):
     with first_micro_batch_kl(True):
         control = train_layout(ParallelContext.single(), kto_config(micro=1))
     assert max(abs(a[0] - b[0]) / b[0] for a, b in zip(control["curve"], eights["curve"])) > 100 * TOL
+
+
+def test_apo_zero_unpaired_micro_batch_one_equals_micro_batch_eight():
+    """`apo_zero_unpaired` (no reference point, rows without KL sequences): micro-batch 1 equals micro-batch 8 and
+    starts at the loss of a policy equal to its reference, z0 0 throughout; it learns the labels."""
+    ones = train_layout(ParallelContext.single(), kto_config("apo_zero_unpaired", micro=1))
+    eights = train_layout(ParallelContext.single(), kto_config("apo_zero_unpaired", micro=8))
+    assert_same_run(ones, eights, "apo micro 1", **SAME_RUN)
+    assert_starts_at_the_reference(ones, first_batch_examples(kl=False), "apo micro 1")
+    curve = eights["curve"]
+    assert all(step[5] == 0.0 for step in curve) and curve[-1][0] < curve[0][0] and curve[-1][4] > 0, curve

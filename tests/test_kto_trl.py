@@ -15,7 +15,8 @@ process: the case where TRL's per-micro-batch KL is shardlm's global batch's). M
 swapped weight shows. Each of 3 steps' loss, rewards and margin, and the first gradient norm agree within 1e-5
 (`test_preference_trl.assert_follows`), the KL estimate within 2e-7 of the log-probabilities it is a difference
 of; step 1's loss is the weighted mean of 0.5 per example and its KL is 0 (the policy is its reference), and the
-later steps' KL is positive, so the estimate itself is compared.
+later steps' KL is positive, so the estimate itself is compared. The same for `apo_zero_unpaired` (TRL's
+`loss_type="apo_zero_unpaired"`: no reference point, no KL sequences on either side, z0 logged as 0).
 """
 
 from __future__ import annotations
@@ -66,9 +67,14 @@ def examples(setup, data_dir):
     return {"records": records, "path": path}
 
 
+@pytest.fixture(scope="module", params=["kto", "apo_zero_unpaired"])
+def loss_type(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def trl_run(setup, examples):
-    args = trl.KTOConfig(output_dir=str(setup["root"] / "kto"), max_length=None, beta=BETA,
+def trl_run(setup, examples, loss_type):
+    args = trl.KTOConfig(output_dir=str(setup["root"] / loss_type), max_length=None, beta=BETA, loss_type=loss_type,
                          desirable_weight=WEIGHTS[0], undesirable_weight=WEIGHTS[1],
                          train_sampling_strategy="sequential", per_device_train_batch_size=PER_STEP, max_steps=STEPS,
                          learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -79,14 +85,14 @@ def trl_run(setup, examples):
 
 
 @pytest.fixture(scope="module")
-def shardlm_run(setup, examples):
-    return shardlm_metrics(setup, examples["path"], "shardlm_kto",
-                           ["preference.loss=\"kto\"", f"preference.beta={BETA}",
+def shardlm_run(setup, examples, loss_type):
+    return shardlm_metrics(setup, examples["path"], f"shardlm_{loss_type}",
+                           [f"preference.loss=\"{loss_type}\"", f"preference.beta={BETA}",
                             f"preference.desirable_weight={WEIGHTS[0]}", f"preference.undesirable_weight={WEIGHTS[1]}"],
                            per_step=PER_STEP)
 
 
-def test_kto_follows_trl_step_by_step(trl_run, shardlm_run):
+def test_kto_follows_trl_step_by_step(trl_run, shardlm_run, loss_type):
     ours, theirs = shardlm_run["steps"], trl_run["steps"]
     first = LABELS[:PER_STEP]
     at_reference = sum(0.5 * WEIGHTS[0 if label else 1] for label in first) / PER_STEP
@@ -96,17 +102,23 @@ def test_kto_follows_trl_step_by_step(trl_run, shardlm_run):
         # in the hundreds, their fp32 rounding (5.7e-6 measured at step 2) bounded as assert_follows bounds rewards
         bound = max(TOL, KL_ROUNDING * max(abs(trls["logps/chosen"]), abs(trls["logps/rejected"])))
         assert abs(mine["kl"] - trls["kl"]) <= bound, f"step {step}: kl {mine} vs {trls}"
-    assert max(step["kl"] for step in ours[1:]) > 100 * TOL, ours  # the clamp at 0 does not hide the estimate
+    if loss_type == "kto":
+        assert max(step["kl"] for step in ours[1:]) > 100 * TOL, ours  # the clamp at 0 does not hide the estimate
+    else:  # no reference point
+        assert all(step["kl"] == 0.0 for step in ours + theirs), (ours, theirs)
 
 
-def test_kto_run_reads_the_same_tokens_as_trl(setup, examples, trl_run, shardlm_run):
+def test_kto_run_reads_the_same_tokens_as_trl(setup, examples, trl_run, shardlm_run, loss_type):
     """The examples' and the KL sequences' tokens of shardlm's first rows are TRL's first batch's (prompt + completion,
-    prompt + the rotated completion), so the comparison above is of the same sequences."""
+    prompt + the rotated completion), so the comparison above is of the same sequences; without a reference point,
+    neither side makes KL sequences."""
     trainer = shardlm_run["trainer"]
     rows = [trainer.train_data[i] for i in range(PER_STEP)]
     batch = next(iter(trl_run["trainer"].get_train_dataloader()))
+    kl = loss_type == "kto"
+    assert all(("kl_input_ids" in row) == kl for row in rows) and ("KL_input_ids" in batch) == kl
     for i, row in enumerate(rows):
         for ours, key in ((row["input_ids"][row["pair"] == i], "input_ids"),
-                          (row["kl_input_ids"][row["kl_pair"] == i], "KL_input_ids")):
+                          *([(row["kl_input_ids"][row["kl_pair"] == i], "KL_input_ids")] if kl else [])):
             theirs = batch[key][i][batch[key.replace("input_ids", "attention_mask")][i].bool()]
             assert torch.equal(torch.as_tensor(ours), theirs.cpu()), (i, key)

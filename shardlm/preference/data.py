@@ -76,6 +76,8 @@ def build_example_row(examples: list[TokenizedExample], indices: list[int], leng
     """Pack KTO `examples` (data-set indices `indices`) into a row of `length` tokens and their KL sequences into
     the row's `kl` arrays, each padded at the end."""
     own = [(e.prompt, e.completion, index, 0) for e, index in zip(examples, indices)]
+    if examples and examples[0].kl_completion is None:  # a loss without the KL term
+        return PairRow(**_packed(own, length, pad_id), pairs=list(indices))
     mismatched = [(e.prompt, e.kl_completion, index, 0) for e, index in zip(examples, indices)]
     return PairRow(**_packed(own, length, pad_id), pairs=list(indices), kl=_packed(mismatched, length, pad_id))
 
@@ -90,6 +92,8 @@ class PairRows:
         self.unpaired = bool(pairs) and isinstance(pairs[0], TokenizedExample)
         self.labels = [p.label for p in pairs] if self.unpaired else None
         """KTO: each example's label (True: desirable), by index; None for pairs."""
+        self.with_kl = self.unpaired and pairs[0].kl_completion is not None
+        """KTO: whether the rows carry the `kl_` arrays."""
         self.kept = [i for i, p in enumerate(pairs) if len(p) <= seq_length]
         self.stats = PackStats(documents=len(pairs), dropped=len(pairs) - len(self.kept),
                                unit="examples" if self.unpaired else "pairs")
@@ -111,7 +115,7 @@ class PairRows:
             if self.seed is not None:
                 bins = [bins[j] for j in np.random.default_rng([self.seed, epoch, 1]).permutation(len(bins))]
             self._plan, self._plan_epoch = bins, epoch
-            arrays = 2 if self.unpaired else 1  # KTO: the examples' arrays and the KL sequences'
+            arrays = 2 if self.with_kl else 1  # KTO: the examples' arrays and the KL sequences'
             self.stats.rows, self.stats.row_tokens = len(bins), len(bins) * self.seq_length * arrays
             self.stats.tokens = sum(sum(self.pairs[i].sequence_lengths) if self.unpaired else len(self.pairs[i])
                                     for i in order)
@@ -134,7 +138,7 @@ class PairDataset(PackedDataset):
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if self.epochs is not None and index >= len(self):
-            return empty_row(self.rows.seq_length, self.rows.pad_id, self.rows.unpaired)
+            return empty_row(self.rows.seq_length, self.rows.pad_id, self.rows.with_kl)
         row = self.rows.row(*self._epoch_of(index))
         arrays = {"input_ids": row.input_ids, "labels": row.labels, "position_ids": row.position_ids,
                   "pair": row.pair, "side": row.side}
@@ -142,9 +146,9 @@ class PairDataset(PackedDataset):
         return {key: value.numpy() for key, value in arrays.items()}
 
 
-def empty_row(length: int, pad_id: int, unpaired: bool) -> dict[str, np.ndarray]:
+def empty_row(length: int, pad_id: int, with_kl: bool) -> dict[str, np.ndarray]:
     """A row without pairs (to fill the last micro-batches of a split): padding, no trained token; with KTO's `kl_`
-    arrays when `unpaired`."""
+    arrays when `with_kl`."""
     row = {"input_ids": np.full(length, pad_id, dtype=np.int64), "labels": np.full(length, IGNORE_INDEX),
            "position_ids": np.arange(length), "pair": np.full(length, -1), "side": np.full(length, -1)}
-    return row | ({f"kl_{key}": value.copy() for key, value in row.items()} if unpaired else {})
+    return row | ({f"kl_{key}": value.copy() for key, value in row.items()} if with_kl else {})

@@ -16,22 +16,22 @@ from shardlm.sft.template import ChatTemplate
 
 
 def build_preference_datasets(sft: SFTConfig, seq_length: int, seed: int, init_from: str = "",
-                              kto_group: int = 0) -> SFTData:
+                              unpaired: bool = False, kl_group: int = 0) -> SFTData:
     """Read, split, tokenize and pack the preference records of `sft.data` (one-line UserErrors for bad input).
-    `kto_group` > 0: KTO's unpaired examples, each split's completions rotated within groups of that many for the
-    KL sequences (`shardlm.preference.unpaired`)."""
+    `unpaired`: KTO's examples; `kl_group` > 0: with KL sequences, each split's completions rotated within groups of
+    that many (`shardlm.preference.unpaired`)."""
     template_source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
     template = ChatTemplate.from_dir(tokenizer_dir(sft, init_from), end_of_turn=sft.end_of_turn or None,
                                      template=template_source)
     eos = template.special_tokens.get("eos_token") or template.end_of_turn
-    if kto_group:
+    if unpaired:
         records = load_examples(list(sft.data))
         valid_ids = held_out(len(records), sft.valid_fraction, seed)
         parts = [[r for i, r in enumerate(records) if (i in valid_ids) == held] for held in (False, True)]
-        if len(parts[1]) == 1:
+        if len(parts[1]) == 1 and kl_group:
             raise UserError(f"sft.valid_fraction={sft.valid_fraction:g} holds out 1 example, and KTO estimates its KL "
                             "term from other examples' completions; raise sft.valid_fraction or set it to 0")
-        splits = [tokenize_examples(template, part, eos, kto_group) if part else [] for part in parts]
+        splits = [tokenize_examples(template, part, eos, kl_group) if part else [] for part in parts]
         tokens = [p.prompt + p.completion for split in splits for p in split]
     else:
         pairs = [tokenize_pair(template, pair, eos) for pair in load_pairs(list(sft.data))]

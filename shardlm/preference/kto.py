@@ -10,6 +10,8 @@ With r = log pi(y | x) - log pi_ref(y | x) of the example's completion and z0 th
 DPO's losses are over its pairs. z0 is the KL divergence of the policy from the reference, estimated on mismatched
 sequences (each example's prompt with another example's completion, its "KL sequence"): the mean over the
 examples of log pi(y' | x) - log pi_ref(y' | x), clamped at 0 and without gradient, as TRL computes it.
+`apo_zero_unpaired` (APO-zero's unpaired form, D'Oosterlinck et al., 2024, as TRL has it) has no reference point
+and no KL sequences: desirable w_d (1 - sigmoid(beta r)), undesirable w_u sigmoid(beta r).
 
 Where TRL takes that mean over each device's micro-batch (its KL, and so every loss, depends on the micro-batch
 size and the number of processes), shardlm takes it over the whole global batch, every layout alike: before a
@@ -25,7 +27,9 @@ import torch
 
 from shardlm.config import PreferenceConfig
 
-UNPAIRED = ("kto",)
+UNPAIRED = ("kto", "apo_zero_unpaired")
+KL_LOSSES = ("kto",)
+"""The unpaired losses with the KL reference point (APO-zero's unpaired form has none: z0 = 0)."""
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "kl")
 """Logged as TRL logs them: the mean reward (beta r) of the desirable and of the undesirable examples, their
 difference, and the step's z0."""
@@ -36,8 +40,12 @@ def kto_losses(cfg: PreferenceConfig, logps: torch.Tensor, reference: torch.Tens
     """(per-example losses (P,), rewards beta r (P,), detached) of the completions' log-probabilities (P,), the
     reference's (P,), the labels (P,) bool (True: desirable) and z0 (a scalar); fp64."""
     ratio = logps - reference
-    desirable = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (ratio - kl)))
-    undesirable = cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (kl - ratio)))
+    if cfg.loss == "apo_zero_unpaired":  # push desirable completions up and undesirable ones down, with no z0
+        desirable = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * ratio))
+        undesirable = cfg.undesirable_weight * torch.sigmoid(cfg.beta * ratio)
+    else:
+        desirable = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (ratio - kl)))
+        undesirable = cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (kl - ratio)))
     return torch.where(labels, desirable, undesirable), cfg.beta * ratio.detach()
 
 

@@ -17,7 +17,8 @@ Losses (`preference.loss`), with r = log pi(y | x) - log pi_ref(y | x) per answe
     simpo     -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma)      reference-free
     orpo      -logp_c / n_c - beta log sigmoid(log odds_c - log odds_r),    reference-free; odds = p / (1 - p) of
               the length-normalized probability (ORPO's lambda is beta)
-    kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`)
+    kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`);
+              apo_zero_unpaired the same without it
 
 Logged as TRL logs them: rewards of chosen and rejected (beta r; SimPO and ORPO: beta times the normalized
 log-probability), their margin and the accuracy (chosen reward above rejected), each a mean over the pairs.
@@ -209,7 +210,7 @@ class PreferenceLoss:
         """KTO, without pipeline stages: before a step's (or an evaluation's) micro-batches, their KL sequences'
         reference log-probabilities (a LoRA run's base) and the policy's, without gradient, and z0 from them
         (`shardlm.preference.kto`). Nothing for the other losses."""
-        if not self.unpaired:
+        if self.cfg.loss not in kto.KL_LOSSES:
             return
         with torch.no_grad():
             for batch in batches:
@@ -222,7 +223,7 @@ class PreferenceLoss:
     def prepare_stages(self, pipeline, batches: list[dict]) -> None:
         """`prepare` under pipeline stages: the KL sequences forward through the stages (the base's first where a
         LoRA run needs it), recorded on the last stage."""
-        if not self.unpaired:
+        if self.cfg.loss not in kto.KL_LOSSES:
             return
         parts = [batch["kl"] for batch in batches]
         if self.needs_reference_pass(parts):

@@ -77,8 +77,8 @@ def _implicit_prompt(chosen: list, rejected: list, where: str) -> tuple[list, li
 def to_pair(record: dict[str, Any], where: str) -> PreferencePair:
     """A checked `PreferencePair` of one record (module docstring)."""
     if "completion" in record or "label" in record:
-        raise UserError(f"{where}: an unpaired record ('completion', 'label'); set preference.loss=\"kto\" to train "
-                        "on unpaired records, or give 'chosen' and 'rejected'")
+        raise UserError(f"{where}: an unpaired record ('completion', 'label'); set preference.loss=\"kto\" (or "
+                        "\"apo_zero_unpaired\") to train on unpaired records, or give 'chosen' and 'rejected'")
     for key in ("chosen", "rejected"):
         if key not in record or record[key] in (None, "", []):
             raise UserError(f"{where}: the record has no {key!r} answer; preference records need 'chosen' and "

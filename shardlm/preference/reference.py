@@ -104,7 +104,7 @@ def _epoch0_row(dataset, rows: int, index: int) -> dict[str, np.ndarray]:
     last micro-batches."""
     if index < rows:
         return dataset[index]
-    return empty_row(dataset.rows.seq_length, dataset.rows.pad_id, dataset.rows.unpaired)
+    return empty_row(dataset.rows.seq_length, dataset.rows.pad_id, dataset.rows.with_kl)
 
 
 def _stacked(rows: list[dict[str, np.ndarray]], device: torch.device) -> dict[str, torch.Tensor]:

@@ -51,18 +51,19 @@ class UnpairedExample:
 @dataclass(frozen=True)
 class TokenizedExample:
     """`prompt` ids, the `completion` ids (trained) and the KL sequence's mismatched completion ids `kl_completion`
-    (module docstring); `label` True where the completion is desirable."""
+    (module docstring; None for a loss without the KL term); `label` True where the completion is desirable."""
 
     prompt: list[int]
     completion: list[int]
-    kl_completion: list[int]
+    kl_completion: list[int] | None
     label: bool
     where: str
 
     @property
     def sequence_lengths(self) -> tuple[int, int]:
-        """Tokens of the example's sequence and of its KL sequence."""
-        return len(self.prompt) + len(self.completion), len(self.prompt) + len(self.kl_completion)
+        """Tokens of the example's sequence and of its KL sequence (0 without one)."""
+        kl = 0 if self.kl_completion is None else len(self.prompt) + len(self.kl_completion)
+        return len(self.prompt) + len(self.completion), kl
 
     def __len__(self) -> int:
         """The longer of its two sequences: what it takes of a row, whose examples and KL sequences are packed side
@@ -72,7 +73,7 @@ class TokenizedExample:
     @property
     def parts(self) -> tuple[list[int], ...]:
         """The token lists (and the label) that identify the example (its reference table's fingerprint)."""
-        return self.prompt, self.completion, self.kl_completion, [int(self.label)]
+        return self.prompt, self.completion, self.kl_completion or [], [int(self.label)]
 
     @property
     def targets(self) -> int:
@@ -161,8 +162,9 @@ def kl_completions(completions: list[list[int]], group: int) -> list[list[int]]:
 
 def tokenize_examples(template: ChatTemplate, examples: list[UnpairedExample], eos: str | None,
                       group: int) -> list[TokenizedExample]:
-    """Tokenized examples with their KL sequences' completions (`kl_completions` over `examples` in order)."""
+    """Tokenized examples with their KL sequences' completions (`kl_completions` over `examples` in order; none with
+    `group` 0, for a loss without the KL term)."""
     tokens = [tokenize_example(template, e, eos) for e in examples]
-    mismatched = kl_completions([completion for _, completion in tokens], group)
+    mismatched = kl_completions([completion for _, completion in tokens], group) if group else [None] * len(tokens)
     return [TokenizedExample(prompt, completion, kl, e.label, e.where)
             for (prompt, completion), kl, e in zip(tokens, mismatched, examples)]
