@@ -109,7 +109,8 @@ def load_pairs(paths: str | Path | Sequence[str | Path]) -> list[PreferencePair]
     return pairs
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the tokens `a` and `b` begin with alike."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -129,7 +130,7 @@ def tokenize_pair(template: ChatTemplate, pair: PreferencePair, eos: str | None)
         prompt = template.encode(pair.prompt)
         with_chosen = template.encode(pair.prompt + ended(pair.chosen))
         with_rejected = template.encode(pair.prompt + ended(pair.rejected))
-    start = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
+    start = min(common_prefix(prompt, with_chosen), common_prefix(prompt, with_rejected))
     tokenized = TokenizedPair(prompt[:start], with_chosen[start:], with_rejected[start:], pair.where)
     if not tokenized.chosen or not tokenized.rejected:
         raise UserError(f"{pair.where}: an answer renders to no token after the prompt; check the record")

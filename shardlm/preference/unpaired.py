@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.errors import UserError
-from shardlm.preference.pairs import to_pair
+from shardlm.preference.pairs import common_prefix, to_pair
 from shardlm.sft.records import check_messages, read_records
 from shardlm.sft.template import ChatTemplate
 
@@ -122,13 +122,6 @@ def load_examples(paths: str | Path | Sequence[str | Path]) -> list[UnpairedExam
             + [UnpairedExample(p.prompt, p.rejected, False, p.where) for p in pairs])
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def tokenize_example(template: ChatTemplate, example: UnpairedExample, eos: str | None) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) of an example: conversational records through the chat template, text records
     as they are with the completion ended by `eos` when it does not end with it."""
@@ -138,7 +131,7 @@ def tokenize_example(template: ChatTemplate, example: UnpairedExample, eos: str 
     else:
         ended = example.completion if eos is None or example.completion.endswith(eos) else example.completion + eos
         prompt, whole = template.encode(example.prompt), template.encode(example.prompt + ended)
-    start = _common_prefix(prompt, whole)
+    start = common_prefix(prompt, whole)
     if start == len(whole):
         raise UserError(f"{example.where}: the completion renders to no token after the prompt; check the record")
     return prompt[:start], whole[start:]
