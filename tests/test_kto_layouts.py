@@ -80,12 +80,11 @@ def train_layout(ctx: ParallelContext, config) -> dict:
 
 
 @contextlib.contextmanager
-def first_micro_batch_kl(control: bool):
+def first_micro_batch_kl():
     """z0 from the first micro-batch's examples alone (as a per-micro-batch estimate has it), not the global
     batch's."""
     estimate = kto.estimate_kl
-    if control:
-        kto.estimate_kl = lambda batches, ctx: estimate(batches[:1], ctx)
+    kto.estimate_kl = lambda batches, ctx: estimate(batches[:1], ctx)
     try:
         yield
     finally:
@@ -164,7 +163,7 @@ def test_micro_batch_one_equals_micro_batch_eight(reference):
     eights = train_layout(ParallelContext.single(), kto_config(micro=8))
     assert_same_run(ones, eights, "micro 1", **SAME_RUN)
     assert_starts_at_the_reference(ones, first_batch_examples(), "micro 1")
-    with first_micro_batch_kl(True):
+    with first_micro_batch_kl():
         control = train_layout(ParallelContext.single(), kto_config(micro=1))
     assert max(abs(a[0] - b[0]) / b[0] for a, b in zip(control["curve"], eights["curve"])) > 100 * TOL
 
