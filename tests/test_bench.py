@@ -317,7 +317,8 @@ def test_lora_figures_are_the_measured_throughputs_and_memory(quick_run):
 
 def test_preference_figures_are_the_measured_throughputs_and_the_reference_shares(quick_run):
     """preference: each ratio is per pair of steps the quotient of the tokens/s it names (TRL's without its reference
-    forward faster than with it), the shares are fractions, both runs trained; BENCHMARKS.md states the ratio."""
+    forward faster than with it), the shares are fractions, both runs trained; BENCHMARKS.md states the ratio; the
+    same for KTO against TRL's KTOTrainer."""
     results = json.loads((quick_run[1] / "benchmarks.json").read_text())
     text = (quick_run[1] / "BENCHMARKS.md").read_text()
     r = results["preference"]
@@ -329,6 +330,13 @@ def test_preference_figures_are_the_measured_throughputs_and_the_reference_share
     assert all(0 < x < 1 for x in _figure(r["trl_reference_share"], 0.0, 1.0) + [r["shardlm_reference_share"]])
     assert all(math.isfinite(x) for x in r["shardlm_losses"] + [r["trl_train_loss"]])
     assert f"{_as_reported(r['ratio'])}**" in text and "Preference optimization (`preference`)" in text
+    kto = r["kto"]  # KTO against TRL's KTOTrainer: the same checks
+    _per_repeat_ratio(kto["ratio"], kto["shardlm_tokens_per_sec"], kto["trl_tokens_per_sec"])
+    _per_repeat_ratio(kto["ratio_without_trl_reference"], kto["shardlm_tokens_per_sec"],
+                      kto["trl_without_reference_tokens_per_sec"])
+    assert all(0 < x < 1 for x in _figure(kto["trl_reference_share"], 0.0, 1.0))
+    assert all(math.isfinite(x) for x in kto["shardlm_losses"] + [kto["trl_train_loss"]])
+    assert f"`preference.kto.ratio`, per pair of steps): {_as_reported(kto['ratio'])}**" in text
 
 
 def test_optimizer_comparison_states_what_the_runs_measured(quick_run):

@@ -1,5 +1,5 @@
 """Preference optimization on one CPU (`make bench` section `preference`): shardlm's DPO against TRL's
-`DPOTrainer` as shipped.
+`DPOTrainer` as shipped (and its KTO against TRL's `KTOTrainer`: `shardlm.bench.kto`).
 
 Model: the `sft` section's tiny Qwen3 (the real 151,936-token vocabulary, tied embeddings, random init, fp32).
 Data: pairs built from the shared Dolly records (`shardlm.preference.dolly`: a record's own response chosen, the
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from shardlm.bench.common import median_cell, steady, summary, torch_threads, uncached_datasets
+from shardlm.bench.kto import kto_bench
+from shardlm.bench.kto import markdown_lines as kto_lines
 from shardlm.bench.sft import SFT_BENCH, SFT_QUICK, SFTShape, ShardlmSteps, chat_data, make_model_dir
 
 BETA, LR = 0.1, 1e-4
@@ -84,15 +86,18 @@ def pair_tokens(pair) -> int:
     return 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)
 
 
-def trl_dpo_run(shape: PreferenceShape, model_dir: Path, records: list[dict], tokenized, out_dir: Path,
-                threads: int, after_step) -> dict:
-    """TRL's DPOTrainer as shipped on the pairs in order: per-step seconds (from one `on_step_end` to the next),
-    real tokens and the seconds in its reference model's forward; `after_step()` runs outside its clock."""
+def trl_run(shape: PreferenceShape, model_dir: Path, records: list[dict], item_tokens: list[int], per_step: int,
+            out_dir: Path, threads: int, after_step, kto: bool = False) -> dict:
+    """TRL's DPOTrainer (or with `kto` its KTOTrainer) as shipped on the records in order, `per_step` a step:
+    per-step seconds (from one `on_step_end` to the next), real tokens (`item_tokens` per record) and the seconds in
+    its reference model's forwards; `after_step()` runs outside its clock."""
     import datasets
     import transformers
     import trl
 
-    class InOrder(trl.DPOTrainer):
+    trainer_class = trl.KTOTrainer if kto else trl.DPOTrainer
+
+    class InOrder(trainer_class):
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
@@ -115,12 +120,13 @@ def trl_dpo_run(shape: PreferenceShape, model_dir: Path, records: list[dict], to
     with uncached_datasets(), torch_threads(threads):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                                   attn_implementation="sdpa")
-        args = trl.DPOConfig(
-            output_dir=str(out_dir), max_length=None, beta=BETA, loss_type=["sigmoid"],
-            per_device_train_batch_size=shape.pairs_per_step, max_steps=shape.model.steps, learning_rate=LR,
-            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-            logging_steps=10**6, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-            dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True, bf16=False, fp16=False)
+        common = dict(output_dir=str(out_dir), max_length=None, beta=BETA, per_device_train_batch_size=per_step,
+                      max_steps=shape.model.steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                      weight_decay=0.0, max_grad_norm=1.0, logging_steps=10**6, report_to=[], save_strategy="no",
+                      use_cpu=True, seed=0, dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
+                      bf16=False, fp16=False)
+        args = (trl.KTOConfig(**common, train_sampling_strategy="sequential") if kto
+                else trl.DPOConfig(**common, loss_type=["sigmoid"]))
         clock = StepClock()
         trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
                           processing_class=transformers.AutoTokenizer.from_pretrained(str(model_dir)),
@@ -130,8 +136,7 @@ def trl_dpo_run(shape: PreferenceShape, model_dir: Path, records: list[dict], to
         trainer.ref_model.register_forward_hook(
             lambda *_: reference.update(seconds=reference["seconds"] + time.perf_counter() - started["t"]))
         output = trainer.train()
-    per_step = shape.pairs_per_step
-    tokens = [sum(pair_tokens(p) for p in tokenized[i * per_step:(i + 1) * per_step]) for i in range(len(clock.times))]
+    tokens = [sum(item_tokens[i * per_step:(i + 1) * per_step]) for i in range(len(clock.times))]
     measured = steady(clock.times, tokens, shape.model.warmup_steps)
     return {**measured, "reference_s": clock.reference[shape.model.warmup_steps:], "train_loss": output.training_loss}
 
@@ -153,12 +158,14 @@ def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2
                             extra=['preference.loss="sigmoid"', f"preference.beta={BETA}", "sft.shuffle=false",
                                    f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
                                    "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
-        theirs = trl_dpo_run(shape, model_dir, records, tokenized, folder / "trl", threads, after_step=ours.step)
+        theirs = trl_run(shape, model_dir, records, [pair_tokens(p) for p in tokenized], shape.pairs_per_step,
+                         folder / "trl", threads, after_step=ours.step)
         trainer = ours.trainer
         with torch_threads(threads):
             start = time.perf_counter()
             precompute_reference(trainer, trainer.train_data)
             reference_s = time.perf_counter() - start
+        kto = kto_bench(shape, model_dir, records, folder, threads)
     data = trainer.train_data
     mine = steady(ours.times, ours.tokens, m.warmup_steps)
     rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
@@ -183,6 +190,7 @@ def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2
         "ratio_without_trl_reference": summary([a / b for a, b in zip(rates["shardlm"],
                                                                       rates["trl_without_reference"])]),
         "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
+        "kto": kto,
     }
 
 
@@ -202,4 +210,6 @@ def markdown_lines(r: dict) -> list[str]:
              f"The reference's share: TRL's reference forward is {median_cell(r['trl_reference_share'])} of its "
              f"step; shardlm's one pass over the pairs before training took {r['shardlm_reference_s']:.1f} s, "
              f"{r['shardlm_reference_share']:.0%} of the time per pair of one epoch (reference + training).", ""]
+    if r.get("kto"):
+        lines += kto_lines(r["kto"])
     return lines

@@ -169,6 +169,9 @@ KEYS = {
                         "the sft section's tiny Qwen3 and Dolly pairs, per pair of steps (the two take turns); goal "
                         "1.2",
     "preference.ratio_without_trl_reference": "the same against TRL's step minus its reference model's forward",
+    "preference.kto.ratio": "shardlm KTO real tokens/s / TRL KTOTrainer's as shipped (its reference run each step, "
+                            "its KL sequences in the step) on the same model and the pairs unpaired, per pair of "
+                            "steps; goal 1.2",
     "preference.trl_reference_share": "seconds in TRL's reference forward / its step seconds, per step; "
                                       "shardlm_reference_share: its precomputed pass per pair / (that + the training "
                                       "step's seconds per pair)",

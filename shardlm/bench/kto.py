@@ -1,0 +1,100 @@
+"""KTO in the `preference` section of `make bench`: shardlm's KTO against TRL's `KTOTrainer` as shipped.
+
+The model and the Dolly pairs are the DPO comparison's (`shardlm.bench.preference`). The examples: the pairs
+unpaired one answer each, alternating, so every step holds both labels and no prompt meets its own other answer:
+example 2k is pair 2k's prompt with its chosen answer (desirable), example 2k + 1 pair 2k + 1's prompt with its
+rejected answer (undesirable). KTO, beta 0.1, AdamW at a constant 1e-4, clipping at 1.0, in order on both sides.
+
+- TRL as shipped: `KTOTrainer` with its defaults: the reference a frozen copy of the starting weights run in every
+  step (on the examples and on their KL sequences), the KL sequences run forward by the policy in the step,
+  `2 x pairs_per_step` examples a step padded to the longest (`train_sampling_strategy="sequential"`, which its KL
+  pairing needs).
+- shardlm: `train` with `[sft]` and `[preference] loss = "kto"`: the examples packed best-fit-decreasing into rows
+  (each row's KL sequences in rows of their own), the reference precomputed once before the first step, the KL
+  sequences one forward pass without gradient before each step (`shardlm.preference.kto`).
+
+tokens/s counts the examples' real tokens (prompt + completion) a step trains on, on both sides: the KL sequences
+are work both do on top. The ratios and the reference's share as the DPO comparison's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from shardlm.bench.common import steady, summary, torch_threads
+
+BETA, LR = 0.1, 1e-4
+
+
+def unpaired_examples(records: list[dict]) -> list[dict]:
+    """The module docstring's examples of conversational pair records: chosen and rejected answers alternating."""
+    return [{"prompt": r["prompt"], "completion": r["chosen" if i % 2 == 0 else "rejected"], "label": i % 2 == 0}
+            for i, r in enumerate(records)]
+
+
+def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads: int) -> dict:
+    """The KTO figures of the `preference` section on `records` (the DPO comparison's pairs) and `model_dir`."""
+    from shardlm.bench.preference import pair_row_tokens, trl_run
+    from shardlm.bench.sft import ShardlmSteps
+    from shardlm.preference.reference import precompute_reference
+    from shardlm.preference.unpaired import to_example, tokenize_example
+    from shardlm.sft.template import ChatTemplate
+
+    m = shape.model
+    examples = unpaired_examples(records)
+    template = ChatTemplate.from_dir(model_dir)
+    tokens = [sum(len(ids) for ids in tokenize_example(template, to_example(e, f"example {i}"), None))
+              for i, e in enumerate(examples)]
+    path = folder / "examples.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    ours = ShardlmSteps(m, model_dir, path, folder / "shardlm-kto", threads, count_tokens=pair_row_tokens,
+                        extra=['preference.loss="kto"', f"preference.beta={BETA}", "sft.shuffle=false",
+                               f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
+                               "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
+    theirs = trl_run(shape, model_dir, examples, tokens, 2 * shape.pairs_per_step, folder / "trl-kto", threads,
+                     after_step=ours.step, kto=True)
+    trainer = ours.trainer
+    with torch_threads(threads):
+        start = time.perf_counter()
+        precompute_reference(trainer, trainer.train_data)
+        reference_s = time.perf_counter() - start
+    mine = steady(ours.times, ours.tokens, m.warmup_steps)
+    rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
+             "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])],
+             "trl_without_reference": [n / (t - r) for n, t, r in zip(theirs["tokens"], theirs["step_s"],
+                                                                      theirs["reference_s"])]}
+    data = trainer.train_data
+    return {
+        "config": f"{len(examples)} examples (the pairs unpaired, labels alternating), KTO beta {BETA:g}; TRL "
+                  f"{2 * shape.pairs_per_step} examples a step, shardlm {m.rows_per_step} bfd row(s) a step "
+                  f"({data.num_pairs / len(data.rows.plan(0)):.1f} examples a row)",
+        "pairs": len(rates["trl"]),
+        **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
+        "shardlm_step_ms": summary([t * 1e3 for t in mine["step_s"]]),
+        "trl_step_ms": summary([t * 1e3 for t in theirs["step_s"]]),
+        "trl_reference_share": summary([r / t for r, t in zip(theirs["reference_s"], theirs["step_s"])]),
+        "shardlm_reference_s": reference_s,
+        "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
+        "ratio_without_trl_reference": summary([a / b for a, b in zip(rates["shardlm"],
+                                                                      rates["trl_without_reference"])]),
+        "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
+    }
+
+
+def markdown_lines(r: dict) -> list[str]:
+    """The KTO part of the `preference` section of BENCHMARKS.md."""
+    from shardlm.bench.common import median_cell
+
+    return [f"KTO: {r['config']}; {r['pairs']} pairs of steps after the warm-up; tokens/s counts the examples' real "
+            "tokens (their KL sequences are work on top, on both sides).", "",
+            "| trainer | real tokens/s | step ms |", "|---|---|---|",
+            f"| shardlm (`loss = \"kto\"`, reference precomputed, z0 over the global batch) | "
+            f"{median_cell(r['shardlm_tokens_per_sec'], digits=0)} | {median_cell(r['shardlm_step_ms'], digits=0)} |",
+            f"| TRL `KTOTrainer` as shipped (reference run each step) | "
+            f"{median_cell(r['trl_tokens_per_sec'], digits=0)} | {median_cell(r['trl_step_ms'], digits=0)} |",
+            "", f"**shardlm / TRL KTO tokens/s (`preference.kto.ratio`, per pair of steps): {median_cell(r['ratio'])}**"
+            f"; against TRL's step without its reference forwards: {median_cell(r['ratio_without_trl_reference'])} "
+            f"(TRL's reference forwards are {median_cell(r['trl_reference_share'])} of its step; shardlm's reference "
+            f"pass took {r['shardlm_reference_s']:.1f} s before training).", ""]
