@@ -23,9 +23,8 @@ import json
 import time
 from pathlib import Path
 
-from shardlm.bench.common import steady, summary, torch_threads
-
-BETA, LR = 0.1, 1e-4
+from shardlm.bench.common import median_cell, steady, summary, torch_threads
+from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, trl_run
 
 
 def unpaired_examples(records: list[dict]) -> list[dict]:
@@ -36,7 +35,6 @@ def unpaired_examples(records: list[dict]) -> list[dict]:
 
 def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads: int) -> dict:
     """The KTO figures of the `preference` section on `records` (the DPO comparison's pairs) and `model_dir`."""
-    from shardlm.bench.preference import pair_row_tokens, trl_run
     from shardlm.bench.sft import ShardlmSteps
     from shardlm.preference.reference import precompute_reference
     from shardlm.preference.unpaired import to_example, tokenize_example
@@ -53,8 +51,8 @@ def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads
                         extra=['preference.loss="kto"', f"preference.beta={BETA}", "sft.shuffle=false",
                                f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
                                "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
-    theirs = trl_run(shape, model_dir, examples, tokens, 2 * shape.pairs_per_step, folder / "trl-kto", threads,
-                     after_step=ours.step, kto=True)
+    theirs = trl_run(m.steps, m.warmup_steps, model_dir, examples, tokens, 2 * shape.pairs_per_step,
+                     folder / "trl-kto", threads, after_step=ours.step, kto=True)
     trainer = ours.trainer
     with torch_threads(threads):
         start = time.perf_counter()
@@ -85,8 +83,6 @@ def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads
 
 def markdown_lines(r: dict) -> list[str]:
     """The KTO part of the `preference` section of BENCHMARKS.md."""
-    from shardlm.bench.common import median_cell
-
     return [f"KTO: {r['config']}; {r['pairs']} pairs of steps after the warm-up; tokens/s counts the examples' real "
             "tokens (their KL sequences are work on top, on both sides).", "",
             "| trainer | real tokens/s | step ms |", "|---|---|---|",

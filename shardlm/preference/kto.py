@@ -63,14 +63,6 @@ def metrics_of(sums: torch.Tensor, kl: float) -> dict[str, float]:
     return {"rewards_chosen": chosen, "rewards_rejected": rejected, "reward_margin": chosen - rejected, "kl": kl}
 
 
-def record_policy(token_losses: torch.Tensor, kl_part: dict, cp) -> None:
-    """Store the policy's log-probabilities (P, 1) of a micro-batch's KL sequences (`kl_part`, a part whose
-    sequences are all on side 0) from its token losses."""
-    from shardlm.preference.loss import sequence_logps
-
-    kl_part["policy"] = sequence_logps(token_losses.detach(), kl_part, cp)[0][:, :1]
-
-
 def estimate_kl(batches: list[dict], ctx) -> torch.Tensor:
     """z0 of a step (module docstring): the mean over the micro-batches' examples of their KL sequences' policy
     minus reference log-probabilities, summed over DP (and the pipeline group: only its last stage recorded

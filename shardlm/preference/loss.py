@@ -216,8 +216,7 @@ class PreferenceLoss:
             for batch in batches:
                 part = batch["kl"]
                 self.reference_logps(forward, part)
-                kto.record_policy(forward(part["inputs"], part["targets"], documents=part["documents"]), part,
-                                  self.ctx.cp)
+                self.record_policy(forward(part["inputs"], part["targets"], documents=part["documents"]), part)
         self._set_kl(batches)
 
     def prepare_stages(self, pipeline, batches: list[dict]) -> None:
@@ -228,9 +227,13 @@ class PreferenceLoss:
         parts = [batch["kl"] for batch in batches]
         if self.needs_reference_pass(parts):
             pipeline.reference_pass(parts, self.record_reference, adapters_off(self.model))
-        pipeline.reference_pass(parts, lambda losses, part: kto.record_policy(losses, part, self.ctx.cp),
-                                contextlib.nullcontext())
+        pipeline.reference_pass(parts, self.record_policy, contextlib.nullcontext())
         self._set_kl(batches)
+
+    def record_policy(self, token_losses: torch.Tensor, kl_part: dict) -> None:
+        """KTO: store the policy's log-probabilities (P, 1) of a micro-batch's KL sequences (`kl_part`, whose
+        sequences are all on side 0) from its token losses."""
+        kl_part["policy"] = sequence_logps(token_losses.detach(), kl_part, self.ctx.cp)[0][:, :1]
 
     def _set_kl(self, batches: list[dict]) -> None:
         self.kl = kto.estimate_kl(batches, self.ctx)
