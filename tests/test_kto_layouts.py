@@ -25,16 +25,13 @@ import contextlib
 
 import numpy as np
 import pytest
-from test_moe_parallel import stage_parameters
 from test_preference_layouts import SEQ, STEPS, TOL, preference_config, synthetic_pairs
+from test_preference_layouts import train_layout as train_pairs_layout
 
 from shardlm.parallel import ParallelContext
 from shardlm.preference import kto
 from shardlm.preference.data import PairDataset, PairRows
-from shardlm.preference.reference import precompute_reference
 from shardlm.preference.unpaired import TokenizedExample, kl_completions
-from shardlm.training.trainer import Trainer
-from shardlm.validation import validate
 
 from agreement import CURVE, assert_every_rank, assert_same_run
 from layouts import layout, layout_context, spawn_layouts
@@ -61,22 +58,12 @@ def kto_config(loss: str = "kto", **config):
 
 
 def train_layout(ctx: ParallelContext, config) -> dict:
-    """STEPS steps from the same starting weights: the curve (loss, gradient norm, metrics), the validation loss
-    before and after, and every parameter."""
-    validate(config, ctx.world_size, check_paths=False)
+    """`test_preference_layouts.train_layout` on the synthetic examples (with KL sequences where the loss uses them)
+    and KTO's metrics."""
     kl = config.preference.loss in kto.KL_LOSSES
-    trainer = Trainer(config, ctx, PairDataset(PairRows(synthetic_examples(40, 1, kl), SEQ, seed=5)),
-                      PairDataset(PairRows(synthetic_examples(12, 2, kl), SEQ, seed=None), epochs=1))
-    if not config.lora.rank:
-        trainer.loss.tables = {"train": precompute_reference(trainer, trainer.train_data),
-                               "valid": precompute_reference(trainer, trainer.valid_data)}
-    valid = [trainer.evaluate()]
-    curve = []
-    for _ in range(STEPS):
-        m = trainer.train_step()
-        curve.append((m["loss"], m["grad_norm"], *(m[k] for k in kto.METRICS)))
-    valid.append(trainer.evaluate())
-    return {"curve": curve, "valid": valid, "params": stage_parameters(trainer.model)}
+    data = (PairDataset(PairRows(synthetic_examples(40, 1, kl), SEQ, seed=5)),
+            PairDataset(PairRows(synthetic_examples(12, 2, kl), SEQ, seed=None), epochs=1))
+    return train_pairs_layout(ctx, config, data, kto.METRICS)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from test_training import VOCAB
 from shardlm.models import build_model
 from shardlm.parallel import ParallelContext, reduce_from_tensor_parallel
 from shardlm.preference import loss as loss_module
+from shardlm.preference import reference_mode
 from shardlm.preference.data import PairDataset, PairRows
 from shardlm.preference.loss import METRICS, PreferenceLoss, preference_parts, sequence_logps
 from shardlm.preference.pairs import TokenizedPair
@@ -86,19 +87,20 @@ def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp:
                          **{"steps": STEPS, "eval_iters": 8, **train})
 
 
-def train_layout(ctx: ParallelContext, config) -> dict:
-    """STEPS steps from the same starting weights: the curve (loss, gradient norm, metrics), the validation loss
-    before and after, and every parameter."""
+def train_layout(ctx: ParallelContext, config, data: tuple | None = None, metrics: tuple = METRICS) -> dict:
+    """STEPS steps from the same starting weights on `data` ((training, validation) datasets; the synthetic pairs by
+    default), the reference precomputed where the run uses one: the curve (loss, gradient norm, `metrics`), the
+    validation loss before and after, and every parameter."""
     validate(config, ctx.world_size, check_paths=False)
-    trainer = Trainer(config, ctx, train_data(), valid_data())
-    if config.preference.loss in ("sigmoid", "ipo", "hinge") and not config.lora.rank:
+    trainer = Trainer(config, ctx, *(data or (train_data(), valid_data())))
+    if reference_mode(config) == "precomputed":
         trainer.loss.tables = {"train": precompute_reference(trainer, trainer.train_data),
                                "valid": precompute_reference(trainer, trainer.valid_data)}
     valid = [trainer.evaluate()]
     curve = []
     for _ in range(STEPS):
         m = trainer.train_step()
-        curve.append((m["loss"], m["grad_norm"], *(m[k] for k in METRICS)))
+        curve.append((m["loss"], m["grad_norm"], *(m[k] for k in metrics)))
     valid.append(trainer.evaluate())
     return {"curve": curve, "valid": valid, "params": stage_parameters(trainer.model)}
 

@@ -20,11 +20,10 @@ are work both do on top. The ratios and the reference's share as the DPO compari
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-from shardlm.bench.common import median_cell, steady, summary, torch_threads
-from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, trl_run
+from shardlm.bench.common import median_cell
+from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, side_by_side, timed_reference, trl_run
 
 
 def unpaired_examples(records: list[dict]) -> list[dict]:
@@ -36,7 +35,6 @@ def unpaired_examples(records: list[dict]) -> list[dict]:
 def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads: int) -> dict:
     """The KTO figures of the `preference` section on `records` (the DPO comparison's pairs) and `model_dir`."""
     from shardlm.bench.sft import ShardlmSteps
-    from shardlm.preference.reference import precompute_reference
     from shardlm.preference.unpaired import to_example, tokenize_example
     from shardlm.sft.template import ChatTemplate
 
@@ -53,31 +51,13 @@ def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads
                                "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
     theirs = trl_run(m.steps, m.warmup_steps, model_dir, examples, tokens, 2 * shape.pairs_per_step,
                      folder / "trl-kto", threads, after_step=ours.step, kto=True)
-    trainer = ours.trainer
-    with torch_threads(threads):
-        start = time.perf_counter()
-        precompute_reference(trainer, trainer.train_data)
-        reference_s = time.perf_counter() - start
-    mine = steady(ours.times, ours.tokens, m.warmup_steps)
-    rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
-             "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])],
-             "trl_without_reference": [n / (t - r) for n, t, r in zip(theirs["tokens"], theirs["step_s"],
-                                                                      theirs["reference_s"])]}
-    data = trainer.train_data
+    figures, _ = side_by_side(ours, theirs, m.warmup_steps, timed_reference(ours.trainer, threads))
+    data = ours.trainer.train_data
     return {
         "config": f"{len(examples)} examples (the pairs unpaired, labels alternating), KTO beta {BETA:g}; TRL "
                   f"{2 * shape.pairs_per_step} examples a step, shardlm {m.rows_per_step} bfd row(s) a step "
                   f"({data.num_pairs / len(data.rows.plan(0)):.1f} examples a row)",
-        "pairs": len(rates["trl"]),
-        **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
-        "shardlm_step_ms": summary([t * 1e3 for t in mine["step_s"]]),
-        "trl_step_ms": summary([t * 1e3 for t in theirs["step_s"]]),
-        "trl_reference_share": summary([r / t for r, t in zip(theirs["reference_s"], theirs["step_s"])]),
-        "shardlm_reference_s": reference_s,
-        "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
-        "ratio_without_trl_reference": summary([a / b for a, b in zip(rates["shardlm"],
-                                                                      rates["trl_without_reference"])]),
-        "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
+        **figures,
     }
 
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shardlm.bench.common import median_cell, steady, summary, torch_threads
+from shardlm.bench.common import median_cell
 from shardlm.bench.kto import kto_bench
 from shardlm.bench.kto import markdown_lines as kto_lines
-from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, trl_run
+from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, side_by_side, timed_reference, trl_run
 from shardlm.bench.sft import SFT_BENCH, SFT_QUICK, SFTShape, ShardlmSteps, chat_data, make_model_dir
 
 
@@ -79,7 +78,6 @@ def pair_tokens(pair) -> int:
 
 def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2) -> dict:
     """The `preference` section of `make bench`."""
-    from shardlm.preference.reference import precompute_reference
 
     shape = PREFERENCE_QUICK if quick else PREFERENCE_BENCH
     m = shape.model
@@ -96,36 +94,19 @@ def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2
                                    "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
         theirs = trl_run(m.steps, m.warmup_steps, model_dir, records, [pair_tokens(p) for p in tokenized],
                          shape.pairs_per_step, folder / "trl", threads, after_step=ours.step)
-        trainer = ours.trainer
-        with torch_threads(threads):
-            start = time.perf_counter()
-            precompute_reference(trainer, trainer.train_data)
-            reference_s = time.perf_counter() - start
+        reference_s = timed_reference(ours.trainer, threads)
         kto = kto_bench(shape, model_dir, records, folder, threads)
-    data = trainer.train_data
-    mine = steady(ours.times, ours.tokens, m.warmup_steps)
-    rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
-             "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])],
-             "trl_without_reference": [n / (t - r) for n, t, r in zip(theirs["tokens"], theirs["step_s"],
-                                                                      theirs["reference_s"])]}
+    figures, step_s = side_by_side(ours, theirs, m.warmup_steps, reference_s)
+    data = ours.trainer.train_data
     pairs_per_row = data.num_pairs / len(data.rows.plan(0))
-    train_s_per_pair = sum(mine["step_s"]) / (len(mine["step_s"]) * m.rows_per_step * pairs_per_row)
+    train_s_per_pair = sum(step_s) / (len(step_s) * m.rows_per_step * pairs_per_row)
     reference_s_per_pair = reference_s / data.num_pairs
     return {
         "config": f"{m.describe(vocab)}; {len(records)} Dolly pairs, sigmoid DPO beta {BETA:g}, {threads} threads; "
                   f"TRL {shape.pairs_per_step} pairs a step, shardlm {m.rows_per_step} bfd row(s) of "
                   f"{m.seq_length} tokens a step ({pairs_per_row:.1f} pairs a row)",
-        "pairs": len(rates["trl"]),
-        **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
-        "shardlm_step_ms": summary([t * 1e3 for t in mine["step_s"]]),
-        "trl_step_ms": summary([t * 1e3 for t in theirs["step_s"]]),
-        "trl_reference_share": summary([r / t for r, t in zip(theirs["reference_s"], theirs["step_s"])]),
-        "shardlm_reference_s": reference_s,
+        **figures,
         "shardlm_reference_share": reference_s_per_pair / (reference_s_per_pair + train_s_per_pair),
-        "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
-        "ratio_without_trl_reference": summary([a / b for a, b in zip(rates["shardlm"],
-                                                                      rates["trl_without_reference"])]),
-        "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
         "kto": kto,
     }
 

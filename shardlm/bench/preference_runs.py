@@ -1,6 +1,7 @@
 """The runs the `preference` section of `make bench` compares (`shardlm.bench.preference`, `shardlm.bench.kto`):
-TRL's trainers as shipped, step by step with shardlm's steps in between (`trl_run`), and the real tokens of
-shardlm's packed rows (`pair_row_tokens`)."""
+TRL's trainers as shipped, step by step with shardlm's steps in between (`trl_run`), the real tokens of shardlm's
+packed rows (`pair_row_tokens`), its reference pass (`timed_reference`) and the figures both report
+(`side_by_side`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.bench.common import steady, torch_threads, uncached_datasets
+from shardlm.bench.common import steady, summary, torch_threads, uncached_datasets
 
 BETA, LR = 0.1, 1e-4
 """Both comparisons' beta and (constant) learning rate."""
@@ -75,3 +76,37 @@ def trl_run(steps: int, warmup_steps: int, model_dir: Path, records: list[dict],
     tokens = [sum(item_tokens[i * per_step:(i + 1) * per_step]) for i in range(len(clock.times))]
     measured = steady(clock.times, tokens, warmup_steps)
     return {**measured, "reference_s": clock.reference[warmup_steps:], "train_loss": output.training_loss}
+
+
+def timed_reference(trainer, threads: int) -> float:
+    """Seconds of shardlm's precomputed reference pass over the training data (the pass before its first step, run
+    again after the steps: the same work)."""
+    from shardlm.preference.reference import precompute_reference
+
+    with torch_threads(threads):
+        start = time.perf_counter()
+        precompute_reference(trainer, trainer.train_data)
+        return time.perf_counter() - start
+
+
+def side_by_side(ours, theirs: dict, warmup_steps: int, reference_s: float) -> tuple[dict, list[float]]:
+    """(the figures both comparisons report, shardlm's counted step seconds) of shardlm's steps `ours` (a
+    `ShardlmSteps`) and TRL's `trl_run` result: tokens/s of each per step (TRL's also without its reference
+    forwards), step ms, TRL's reference share, the ratios per pair of steps, both runs' losses."""
+    mine = steady(ours.times, ours.tokens, warmup_steps)
+    rates = {"shardlm": [n / t for n, t in zip(mine["tokens"], mine["step_s"])],
+             "trl": [n / t for n, t in zip(theirs["tokens"], theirs["step_s"])],
+             "trl_without_reference": [n / (t - r) for n, t, r in zip(theirs["tokens"], theirs["step_s"],
+                                                                      theirs["reference_s"])]}
+    return {
+        "pairs": len(rates["trl"]),
+        **{f"{name}_tokens_per_sec": summary(values) for name, values in rates.items()},
+        "shardlm_step_ms": summary([t * 1e3 for t in mine["step_s"]]),
+        "trl_step_ms": summary([t * 1e3 for t in theirs["step_s"]]),
+        "trl_reference_share": summary([r / t for r, t in zip(theirs["reference_s"], theirs["step_s"])]),
+        "shardlm_reference_s": reference_s,
+        "ratio": summary([a / b for a, b in zip(rates["shardlm"], rates["trl"])]),
+        "ratio_without_trl_reference": summary([a / b for a, b in zip(rates["shardlm"],
+                                                                      rates["trl_without_reference"])]),
+        "shardlm_losses": ours.losses, "trl_train_loss": theirs["train_loss"],
+    }, mine["step_s"]

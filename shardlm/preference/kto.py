@@ -49,8 +49,12 @@ def kto_losses(cfg: PreferenceConfig, logps: torch.Tensor, reference: torch.Tens
     return torch.where(labels, desirable, undesirable), cfg.beta * ratio.detach()
 
 
+SUMS = ("loss", "desirable reward", "desirable", "undesirable reward", "undesirable")
+"""What `metric_sums` adds up over a step's examples."""
+
+
 def metric_sums(losses: torch.Tensor, rewards: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(5,) fp64: the losses' sum, the desirable examples' reward sum and count, the undesirable ones'."""
+    """(len(SUMS),) fp64: the losses' sum, the desirable examples' reward sum and count, the undesirable ones'."""
     desirable = labels.double()
     return torch.stack([losses.detach().sum(), (rewards * desirable).sum(), desirable.sum(),
                         (rewards * (1 - desirable)).sum(), (1 - desirable).sum()]).cpu()

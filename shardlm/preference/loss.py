@@ -181,7 +181,7 @@ class PreferenceLoss:
         self.unpaired = cfg.loss in kto.UNPAIRED
         self.tables: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs, 2) precomputed reference
         self.labels: dict[str, torch.Tensor] = {}  # KTO: "train" / "valid" -> (examples,) bool, True: desirable
-        self.sums = torch.zeros(5 if self.unpaired else len(METRICS) + 1, dtype=torch.float64)
+        self.sums = torch.zeros(len(kto.SUMS) if self.unpaired else len(METRICS) + 1, dtype=torch.float64)
         self.pairs = 0.0
         self.kl = torch.zeros((), dtype=torch.float64)  # KTO: z0 of the micro-batches being run (`prepare`)
         self.step_kl = 0.0  # and of the last training step's (on every rank: the pipeline's first stages too)
