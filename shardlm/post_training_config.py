@@ -66,8 +66,9 @@ class RLConfig:
     that many rows of model.seq_length tokens."""
 
     loss: str = ""
-    """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch) or "cispo", as TRL defines them; empty:
-    no RL run."""
+    """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch), "cispo", "sapo" (a soft sigmoid gate in
+    place of the clip), "luspo" (each sequence's loss times its length) or "vespo" (a Gamma weight of the sequence's
+    ratio), as TRL defines them; empty: no RL run."""
     task: str = ""
     """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
     task_size: int = 512
@@ -92,6 +93,27 @@ class RLConfig:
     """Lower clipping range of the importance ratio (1 - epsilon)."""
     epsilon_high: float = 0.0
     """Upper clipping range (DAPO's clip-higher; cispo: the cap on the ratio itself); 0: epsilon."""
+    delta: float = 0.0
+    """INTELLECT-2's two-sided clipping: the ratio capped at delta (> 1 + epsilon_high) before the clipped
+    surrogate, so a negative advantage's term is bounded too (grpo, bnpo, dr_grpo, dapo, luspo); 0: off."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: the gate's temperature where the advantage is positive (its slope at ratio 1 is that of the unclipped
+    ratio; a higher temperature gates off-policy tokens faster)."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the gate's temperature where the advantage is zero or negative."""
+    vespo_k_pos: float = 2.0
+    """vespo: the Gamma weight's power k where the advantage is >= 0: phi(w) = exp(lambda) w^k exp(-lambda w), w the
+    sequence's ratio (the product of its tokens'), phi(1) = 1."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: the Gamma weight's decay lambda where the advantage is >= 0."""
+    vespo_k_neg: float = 3.0
+    """vespo: the power k where the advantage is negative."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: the decay lambda where the advantage is negative."""
+    off_policy_mask_threshold: float = 0.0
+    """DeepSeek-V3.2's off-policy sequence masking: a completion with a negative advantage whose mean
+    log-probability under the policy that sampled it exceeds the current policy's by more than this gets no policy
+    loss (the KL term stays); 0: off."""
     scale_rewards: str = "group"
     """Advantages are reward minus the group mean, divided by the "group"'s std, the "batch"'s std, or "none"."""
     num_iterations: int = 1

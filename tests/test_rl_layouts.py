@@ -14,9 +14,11 @@ three clip ratios, the reward, every final parameter on every rank:
 - world 2: DP=2, TP=2 with SP, PP=2, DP=2 with ZeRO-1, FSDP, an MoE at EP=2, LoRA at DP=2 and PP=2, the hybrid
   linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2 and CP=2 (its parameters within
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level
-  ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run);
-- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP, CP=2 x PP=2, FSDP CP=2 x DP=2, an
-  MoE at EP=2 x CP=2;
+  ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run), VESPO with the
+  off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap at CP=2, SAPO at
+  PP=2, each against a one-process run of its loss;
+- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP (also VESPO with the mask), CP=2 x
+  PP=2, FSDP CP=2 x DP=2, an MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
   normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
 Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP), PP=2, EP=2, FSDP, CP=2,
@@ -41,6 +43,7 @@ from shardlm.eval.generate import SamplingConfig
 from shardlm.parallel import ParallelContext
 from shardlm.rl import loss as loss_module
 from shardlm.rl.loop import ReferenceWeights, RLRun
+from shardlm.rl.loss import loss_metrics
 from shardlm.rl.prompts import Prompt
 from shardlm.rl.rewards import Reward
 from shardlm.rl.rollout import InProcessGenerator, Rollout, gather_samples, sampling_share
@@ -54,6 +57,12 @@ from multiproc import check_result
 SEQ, STEPS, GROUP, MAX, EOD, TOL = 48, 4, 4, 10, VOCAB - 1, 1e-5
 COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "reward")
+VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
+            "luspo": {"loss": "luspo", "delta": 1.04},
+            "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0}}
+"""Other losses in place of DAPO in `rl_config`: VESPO's weight of a sequence's log-ratio total and the off-policy
+mask's mean log-ratio (sums over a sequence's CP ranks), LUSPO's per-sequence sums with INTELLECT-2's cap (each
+option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
                   {"kind": "constant" if i == 0 else "varied"}) for i in range(6)]
 
@@ -87,7 +96,7 @@ class IdsTemplate:
 
 def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
               hybrid: bool = False, gemma: bool = False, lora: int = 0, gspo: bool = False, rows: int = 8,
-              packing: str = "bfd", **train):
+              packing: str = "bfd", variant: str = "", **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if hybrid:
         model = {**HYBRID, "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
@@ -99,7 +108,8 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                 "rl": {"loss": "dapo", "num_generations": GROUP, "prompts_per_step": 4, "max_completion_length": MAX,
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
                        "mask_truncated_completions": True, "temperature": 0.9,
-                       **({"loss": "grpo", "importance_sampling": "sequence"} if gspo else {})},
+                       **({"loss": "grpo", "importance_sampling": "sequence"} if gspo else {}),
+                       **VARIANTS.get(variant, {})},
                 "lora": {"rank": lora, "targets": ["q", "v", "o", "gate", "up", "down"]}}
     config = layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
                            **{"steps": STEPS, "global_batch_size": rows, **train})
@@ -123,12 +133,17 @@ def rl_run(ctx, config, sample: bool = False) -> tuple[Trainer, RLRun]:
     return trainer, RLRun(trainer, PROMPTS, IdsTemplate, generator, rewards, 0, reference)
 
 
+def columns(loss: str) -> tuple[str, ...]:
+    """The curve's columns for `loss`: COLUMNS with the loss type's own metrics in place of the clip ratios."""
+    return (*COLUMNS[:4], *loss_metrics(loss), "reward")
+
+
 def train_layout(ctx, config) -> dict:
     trainer, run = rl_run(ctx, config)
     curve = []
     for _ in range(STEPS):
         metrics = run.train_step()
-        curve.append(tuple(metrics[k] for k in COLUMNS))
+        curve.append(tuple(metrics[k] for k in columns(config.rl.loss)))
     return {"curve": curve, "params": stage_parameters(trainer.model)}
 
 
@@ -180,6 +195,9 @@ WORLD2 = {
     "cp2": layout(cp=2),
     "cp2 gspo": layout(cp=2, gspo=True),
     "cp2 hybrid": layout(cp=2, hybrid=True),
+    "cp2 vespo": layout(cp=2, variant="vespo"),
+    "cp2 luspo": layout(cp=2, variant="luspo"),
+    "pp2 sapo": layout(pp=2, variant="sapo"),
 }
 SAMPLES2 = {
     "sample tp2": layout(tp=2, sample=True),
@@ -197,7 +215,8 @@ SAMPLES2 = {
 }
 WORLD4 = {"tp2 dp2": layout(tp=2), "pp2 dp2": layout(pp=2), "cp2 dp2 gspo": layout(cp=2, gspo=True),
           "tp2 cp2 sp": layout(tp=2, cp=2, sp=True), "pp2 cp2": layout(pp=2, cp=2),
-          "fsdp cp2 dp2": layout(cp=2, data_sharding="full"), "ep2 cp2 moe": layout(ep=2, cp=2, moe=True)}
+          "fsdp cp2 dp2": layout(cp=2, data_sharding="full"), "ep2 cp2 moe": layout(ep=2, cp=2, moe=True),
+          "tp2 cp2 sp vespo": layout(tp=2, cp=2, sp=True, variant="vespo")}
 SAMPLES4 = {"sample pp2 fsdp dp2": layout(pp=2, data_sharding="full", sample=True),
             "parity pp2 fsdp dp2": layout(pp=2, data_sharding="full", parity=True),
             "sample cp2 dp2": layout(cp=2, sample=True), "parity tp2 cp2 sp": layout(tp=2, cp=2, sp=True, parity=True),
@@ -215,7 +234,7 @@ def world4():
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora", "hybrid", "gspo") if kind in name), "dense")
+    return next((kind for kind in ("moe", "lora", "hybrid", "gspo", *VARIANTS) if kind in name), "dense")
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +242,8 @@ def reference():
     """One process at the layouts' micro-batch 2 (the MoE's load-balancing loss is per micro-batch)."""
     ctx = ParallelContext.single()
     return {kind: train_layout(ctx, rl_config(**({kind: 4} if kind == "lora" else {kind: True})))
-            for kind in ("moe", "lora", "hybrid", "gspo")} | {"dense": train_layout(ctx, rl_config())}
+            for kind in ("moe", "lora", "hybrid", "gspo")} | {"dense": train_layout(ctx, rl_config())} | {
+            kind: train_layout(ctx, rl_config(variant=kind)) for kind in VARIANTS}
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +260,14 @@ its reference) and the clip ratios (shares of tokens) within TOL absolute; every
 
 
 def same_run(name: str) -> dict:
-    """`SAME_RUN`, the hybrid's parameters within `agreement.LINEAR_ATTENTION_PARAMS_TOL`."""
-    return SAME_RUN | ({"params_tol": LINEAR_ATTENTION_PARAMS_TOL} if kind_of(name) == "hybrid" else {})
+    """`SAME_RUN` with the loss type's columns, the hybrid's parameters within
+    `agreement.LINEAR_ATTENTION_PARAMS_TOL`."""
+    kind = kind_of(name)
+    loss = VARIANTS.get(kind, {}).get("loss", "grpo" if kind == "gspo" else "dapo")
+    logged = columns(loss)
+    absolute = tuple(k for k in SAME_RUN["absolute"] if k in logged)
+    return SAME_RUN | {"columns": logged, "absolute": absolute} | (
+        {"params_tol": LINEAR_ATTENTION_PARAMS_TOL} if kind == "hybrid" else {})
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -276,6 +302,17 @@ def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
         assert value["tokens"] == ref["tokens"], f"{name} rank {rank}"
         for got, want in zip(value["logps"], ref["logps"]):
             assert np.allclose(got, want, rtol=0, atol=TOL), f"{name} rank {rank}: {got} vs {want}"
+
+
+@pytest.mark.parametrize("kind, option", [("vespo", "off_policy_mask_threshold"), ("luspo", "delta")])
+def test_the_variants_options_reach_the_run(reference, kind, option):
+    """The controls: without its off-policy mask (VESPO) or its cap (LUSPO) the one-process run's gradient norms
+    move (the mask from the second step, the cap at the fourth), so the layouts above check them."""
+    config = rl_config(variant=kind)
+    setattr(config.rl, option, 0.0)
+    got = train_layout(ParallelContext.single(), config)["curve"]
+    want = reference[kind]["curve"]
+    assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) > 1e-3, (got, want)
 
 
 def test_micro_batches_and_packing_change_nothing(reference):

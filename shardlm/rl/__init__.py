@@ -1,4 +1,5 @@
-"""Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO),
+"""Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO,
+SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask),
 the completions sampled by the policy in the training processes, at the training layout. Prompts and rewards
 (`prompts`, `rewards`, the built-in task `arithmetic`), rollouts (`rollout`), group-relative advantages
 (`advantages`), the step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`).
@@ -6,7 +7,11 @@ the completions sampled by the policy in the training processes, at the training
 
 from __future__ import annotations
 
-LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""The losses of the clipped surrogate -min(w A, clip(w) A) (INTELLECT-2's `rl.delta` caps their ratio)."""
+SEQUENCE_RATIO = ("grpo", "luspo", "sapo")
+"""The losses that take GSPO's sequence-level ratio (`rl.importance_sampling = "sequence"`)."""
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -33,8 +38,20 @@ def check_rl(config, world_size: int = 1) -> str | None:
                                            f'{", ".join(SCALE_REWARDS)}'),
         (r.importance_sampling in ("token", "sequence"),
          f'rl.importance_sampling="{r.importance_sampling}" must be "token" or "sequence" (GSPO)'),
-        (r.importance_sampling == "token" or r.loss == "grpo",
-         f'rl.importance_sampling="sequence" (GSPO) takes rl.loss="grpo", not "{r.loss}"'),
+        (r.importance_sampling == "token" or r.loss in SEQUENCE_RATIO,
+         f'rl.importance_sampling="sequence" (GSPO) takes rl.loss "grpo", "luspo" or "sapo", not "{r.loss}"'
+         + (" (vespo weighs the sequence's ratio itself; keep \"token\")" if r.loss == "vespo" else "")),
+        (not r.delta or r.delta > 1 + (r.epsilon_high or r.epsilon),
+         f"rl.delta={r.delta} must exceed the upper clip 1 + epsilon_high = {1 + (r.epsilon_high or r.epsilon):g} "
+         "(0: off)"),
+        (not r.delta or r.loss in CLIPPED, f'rl.delta caps the clipped surrogate\'s ratio ({", ".join(CLIPPED)}); '
+                                           f'rl.loss="{r.loss}" has none: set rl.delta=0'),
+        (min(r.sapo_temperature_pos, r.sapo_temperature_neg) > 0,
+         "rl.sapo_temperature_pos and rl.sapo_temperature_neg must be > 0"),
+        (min(r.vespo_k_pos, r.vespo_k_neg, r.vespo_lambda_pos, r.vespo_lambda_neg) >= 0,
+         "rl.vespo_k_pos, vespo_k_neg, vespo_lambda_pos and vespo_lambda_neg must be >= 0"),
+        (r.off_policy_mask_threshold >= 0, f"rl.off_policy_mask_threshold={r.off_policy_mask_threshold} must be >= 0 "
+                                           "(0: off)"),
         (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),
         (bool(r.task) != bool(config.sft.data), "an RL run reads its prompts from sft.data or rl.task; set exactly "
                                                 "one"),

@@ -18,9 +18,10 @@ The weights make the loss the global batch's under every layout, never a mean of
 completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a sequence's
 tokens, N the round's sequences and L rl.max_completion_length:
 
-    grpo      sum_j (sum_t m l) / max(n_j, 1) / N      per-sequence means, then their mean
-    dr_grpo   sum (m l) / (N L)                        a constant normalizer
-    bnpo, dapo, cispo   sum (m l) / max(sum m, 1)      token mean over the global batch
+    grpo, sapo      sum_j (sum_t m l) / max(n_j, 1) / N      per-sequence means, then their mean
+    luspo           sum (m l) / N                            per-sequence sums (each times its length), their mean
+    dr_grpo         sum (m l) / (N L)                        a constant normalizer
+    bnpo, dapo, cispo, vespo   sum (m l) / max(sum m, 1)    token mean over the global batch
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class StepRows:
         mask = [0.0 if (r.truncated and mask_truncated) else 1.0 for r in rollouts]
         tokens = [len(r.completion) * m for r, m in zip(rollouts, mask)]
         count, total = len(rollouts), max(sum(tokens), 1.0)
-        if loss == "grpo":
+        if loss in ("grpo", "sapo"):
             per_token = [m / (max(n, 1.0) * count) for m, n in zip(mask, tokens)]
+        elif loss == "luspo":
+            per_token = [m / count for m in mask]
         elif loss == "dr_grpo":
             per_token = [m / (count * max_completion_length) for m in mask]
         else:

@@ -7,19 +7,27 @@ updates (num_iterations 1: logp itself, detached, so the ratio is exactly 1) and
 
     token ratio        w = exp(logp - old)
     sequence ratio     w = exp(mean over the completion of (logp - old))                     (GSPO)
-    grpo, bnpo, dr_grpo, dapo   l = -min(w A, clip(w, 1 - epsilon, 1 + epsilon_high) A)
+    grpo, bnpo, dr_grpo, dapo, luspo   l = -min(w' A, clip(w, 1 - epsilon, 1 + epsilon_high) A),
+                       w' = min(w, delta) under INTELLECT-2's two-sided clip (rl.delta), else w
     cispo              l = -min(w, epsilon_high).detach() A logp    (epsilon_high: a cap on the ratio itself)
+    sapo               l = -sigmoid(tau (w - 1)) 4 / tau A          (tau: sapo_temperature_pos where A > 0, else _neg)
+    vespo              l = -phi A logp, phi = exp(lambda + k log W - lambda W) detached, W the sequence's whole ratio
+                       exp(sum of its clamped log-ratios) clamped to [1e-8, e^20]; k, lambda by the sign of A
+    off-policy mask    l = 0 on a sequence with A < 0 whose mean (old - logp) exceeds rl.off_policy_mask_threshold
     KL (beta > 0)      l += beta w (exp(ref - logp) - (ref - logp) - 1)   (k3, with TRL's importance correction)
 
 The loss is sum over tokens of `weight` x l (`shardlm.rl.batch`: the loss type's normalizer over the global batch);
 each micro-batch returns its share times micro-batches x DP, which the trainer's mean over micro-batches and DP
-turns back into that sum. Metrics, as TRL logs them: `kl` and `entropy` (token means), `clip_ratio/low_mean`,
-`clip_ratio/high_mean`, `clip_ratio/region_mean` (token means; sequence means under GSPO) or
-`cispo_clip_ratio`, and `logprob_diff_max`, the largest |rollout log-probability - training log-probability| over
-the round's first step (training-inference mismatch; 0 when they agree bitwise).
+turns back into that sum. A sequence's sums (GSPO's mean, VESPO's total, the mask's mean) span its CP ranks.
+Metrics, as TRL logs them: `kl` and `entropy` (token means), `clip_ratio/low_mean`, `clip_ratio/high_mean`,
+`clip_ratio/region_mean` (token means; sequence means under GSPO), `cispo_clip_ratio` or `vespo/phi_seq_mean` (the
+sequences' mean weight), and `logprob_diff_max`, the largest |rollout log-probability - training log-probability|
+over the round's first step (training-inference mismatch; 0 when they agree bitwise).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,7 +37,8 @@ from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
 
 SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-          "cispo_clip_ratio")
+          "cispo_clip_ratio", "vespo/phi_seq_mean")
+CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 def rl_parts(batches: list[dict], ctx) -> list[dict]:
@@ -50,10 +59,11 @@ def rl_parts(batches: list[dict], ctx) -> list[dict]:
     return parts
 
 
-def sequence_mean(values: torch.Tensor, batch: dict, cp) -> torch.Tensor:
-    """Each token's sequence's mean of `values` (b, T) over the completion's tokens (0 where no token counts). Under
-    context parallelism a sequence's tokens lie on every CP rank: the sums and counts are all-reduced over the group
-    (the sums forward and backward, so each rank's tokens get the gradient of every rank's loss terms)."""
+def sequence_sums(values: torch.Tensor, batch: dict, cp) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's sequence's sum of `values` (b, T) over the completion's counted tokens, and their count (0 where
+    no token counts). Under context parallelism a sequence's tokens lie on every CP rank: the sums and counts are
+    all-reduced over the group (the sums forward and backward, so each rank's tokens get the gradient of every
+    rank's loss terms)."""
     sequence, counted = batch["sequence"], batch["sequence_weight"] > 0
     index = torch.where(counted, sequence, 0).view(-1)
     size = max(batch["sequences"], 1)
@@ -62,7 +72,19 @@ def sequence_mean(values: torch.Tensor, batch: dict, cp) -> torch.Tensor:
         values.dtype))
     if cp.size > 1:
         sums, counts = sum_over(sums, cp), cp.all_reduce(counts)
-    return (sums / counts.clamp(min=1.0))[sequence.clamp(min=0)]
+    where = sequence.clamp(min=0)
+    return sums[where], counts[where]
+
+
+def sequence_mean(values: torch.Tensor, batch: dict, cp) -> torch.Tensor:
+    """Each token's sequence's mean of `values` (b, T) over the completion's tokens (`sequence_sums`)."""
+    sums, counts = sequence_sums(values, batch, cp)
+    return sums / counts.clamp(min=1.0)
+
+
+def loss_metrics(loss: str) -> list[str]:
+    """The metrics `loss` logs beside kl and entropy, as TRL logs them."""
+    return {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"], "sapo": []}.get(loss, list(CLIPS))
 
 
 class RLLoss:
@@ -94,11 +116,10 @@ class RLLoss:
         sequence_level = cfg.importance_sampling == "sequence"
         coef = torch.exp(sequence_mean(log_ratio, batch, self.ctx.cp) if sequence_level else log_ratio)
         advantage = batch["advantage"]
-        if cfg.loss == "cispo":
-            losses = -torch.clamp(coef, max=self.eps_high).detach() * advantage * logp
-        else:
-            clipped = torch.clamp(coef, 1 - self.eps_low, 1 + self.eps_high)
-            losses = -torch.min(coef * advantage, clipped * advantage)
+        losses, seen = self._policy_losses(coef, log_ratio, advantage, logp, batch)
+        if cfg.off_policy_mask_threshold:
+            drift = sequence_mean(torch.where(trained, old - logp.detach(), 0.0), batch, self.ctx.cp)
+            losses = losses * ((advantage >= 0) | (drift <= cfg.off_policy_mask_threshold))
         kl = None
         if cfg.beta:
             delta = batch["ref_logp"] - logp
@@ -106,8 +127,36 @@ class RLLoss:
             losses = losses + cfg.beta * kl
         loss = (torch.where(trained, losses, 0.0) * batch["weight"]).sum() * batch["scale"]
         if self.model.training:
-            self._record(coef.detach(), advantage, kl, entropy, logp.detach(), batch)
+            self._record(seen.detach(), advantage, kl, entropy, logp.detach(), batch)
         return loss.float()
+
+    def _policy_losses(self, coef, log_ratio, advantage, logp, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's policy term l (b, T) (module docstring) and what the loss type's metric reads: the ratio as
+        the surrogate took it (delta's cap included, as TRL counts clipped tokens) or VESPO's weight."""
+        cfg = self.cfg
+        if cfg.loss == "cispo":
+            return -torch.clamp(coef, max=self.eps_high).detach() * advantage * logp, coef
+        if cfg.loss == "sapo":
+            tau = torch.where(advantage > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+            return -torch.sigmoid(tau * (coef - 1)) * 4 / tau * advantage, coef
+        if cfg.loss == "vespo":
+            phi = self._gamma_weights(log_ratio.detach(), advantage, batch)
+            return -phi * advantage * logp, phi
+        clipped = torch.clamp(coef, 1 - self.eps_low, 1 + self.eps_high)
+        if cfg.delta:
+            coef = torch.clamp(coef, max=cfg.delta)
+        return -torch.min(coef * advantage, clipped * advantage), coef
+
+    def _gamma_weights(self, log_ratio, advantage, batch) -> torch.Tensor:
+        """VESPO's weight phi of each token's sequence (b, T), as TRL's `get_gamma_weights`: the sequence's log-ratio
+        log W, the sum of its tokens' (each clamped to [-20, 20]), clamped to [log 1e-8, 20]; phi = exp(lambda +
+        k log W - lambda W), k and lambda those of A >= 0 or A < 0 (lambda at least 1e-4); phi(1) = 1."""
+        cfg = self.cfg
+        log_w = sequence_sums(log_ratio.clamp(-20.0, 20.0), batch, self.ctx.cp)[0].clamp(math.log(1e-8), 20.0)
+        positive = advantage >= 0
+        k = torch.where(positive, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(positive, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     def _record(self, coef, advantage, kl, entropy, logp, batch) -> None:
         """Add this micro-batch's metric sums (each token's value times its token or sequence weight)."""
@@ -120,7 +169,9 @@ class RLLoss:
             sums["entropy"] += (entropy.double() * token_weight).sum().item()
         if self.cfg.loss == "cispo":
             sums["cispo_clip_ratio"] += (((coef > self.eps_high) & (advantage > 0)) * token_weight).sum().item()
-        else:
+        elif self.cfg.loss == "vespo":  # the mean over sequences less 1 (a masked sequence's phi is exactly 1)
+            sums["vespo/phi_seq_mean"] += ((coef - 1) * batch["sequence_weight"]).sum().item()
+        elif self.cfg.loss != "sapo":
             low = (coef < 1 - self.eps_low) & (advantage < 0)
             high = (coef > 1 + self.eps_high) & (advantage > 0)
             sums["clip_ratio/low_mean"] += (low * weight).sum().item()
@@ -136,8 +187,7 @@ class RLLoss:
     def take_metrics(self) -> dict[str, float]:
         """The step's metrics over the global batch (one all-reduce over DP x CP and the pipeline group, whose last
         stage alone computed them), then reset."""
-        clips = ["cispo_clip_ratio"] if self.cfg.loss == "cispo" else [k for k in SUMMED if k.startswith("clip")]
-        names = (["kl"] if self.cfg.beta else []) + ["entropy"] + clips
+        names = (["kl"] if self.cfg.beta else []) + ["entropy"] + loss_metrics(self.cfg.loss)
         values = torch.tensor([self.sums[k] for k in names], dtype=torch.float64, device=self.ctx.device)
         diff = torch.tensor([self.logprob_diff], dtype=torch.float64, device=self.ctx.device)
         self.ctx.dp_cp.all_reduce(values)
@@ -149,6 +199,8 @@ class RLLoss:
         self.logprob_diff = 0.0
         self.model.entropies = []
         metrics = dict(zip(names, values.tolist()))
+        if "vespo/phi_seq_mean" in metrics:
+            metrics["vespo/phi_seq_mean"] += 1.0
         if self.first_step:
             metrics["logprob_diff_max"] = diff.item()
         return metrics

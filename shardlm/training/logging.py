@@ -124,7 +124,7 @@ class RunLogger:
         return plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png") if plot else None
 
 
-RL_KEYS = ("reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "cispo_clip_ratio",
+RL_KEYS = ("reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean",
            "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "logprob_diff_max",
            "generation_s")
 """What an RL run logs to TensorBoard (metrics.jsonl has every metric, as TRL names them)."""
