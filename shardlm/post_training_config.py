@@ -39,12 +39,23 @@ class PreferenceConfig:
     template (`docs/preference.md`)."""
 
     loss: str = ""
-    """"sigmoid" (DPO), "ipo", "hinge", the reference-free "simpo" and "orpo", or on unpaired examples (`prompt`,
-    `completion`, `label`) "kto" and "apo_zero_unpaired"; empty: no preference run."""
+    """"sigmoid" (DPO), "ipo", "hinge", "robust", "exo_pair", "discopop", "sigmoid_norm", "nca_pair", "bco_pair",
+    "sppo_hard", "apo_zero", "apo_down" (as TRL's DPOTrainer defines them), the reference-free "simpo" and "orpo",
+    or on unpaired examples (`prompt`, `completion`, `label`) "kto" and "apo_zero_unpaired"; empty: no preference
+    run."""
     beta: float = 0.1
     """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
     label_smoothing: float = 0.0
-    """sigmoid: the share of pairs assumed flipped (conservative DPO), in [0, 0.5)."""
+    """The share of pairs assumed flipped, in [0, 0.5): sigmoid (conservative DPO), robust (rDPO), exo_pair (its
+    target distribution's epsilon: must be > 0)."""
+    f_divergence_type: str = "reverse_kl"
+    """f-DPO's divergence to the reference: "reverse_kl" (DPO's), "forward_kl", "js_divergence" or
+    "alpha_divergence"; other than "reverse_kl" with sigmoid, sigmoid_norm, ipo, hinge, robust, exo_pair or
+    discopop."""
+    f_alpha_divergence_coef: float = 0.5
+    """alpha_divergence: its alpha."""
+    discopop_tau: float = 0.05
+    """discopop: the temperature of the gate between its logistic and exponential parts."""
     simpo_gamma: float = 0.5
     """simpo: the target margin gamma of the length-normalized rewards."""
     desirable_weight: float = 1.0

@@ -258,6 +258,14 @@ ERRORS = [
      'preference.loss="simpo" uses no reference model'),
     ("adapters reference without LoRA", lambda r: ['preference.reference="adapters"'],
      'preference.reference="adapters" is the base of a LoRA run'),
+    ("exo without its epsilon", lambda r: ['preference.loss="exo_pair"'],
+     'preference.loss="exo_pair" takes its epsilon from preference.label_smoothing, which must be > 0'),
+    ("unknown divergence", lambda r: ['preference.f_divergence_type="kl"'],
+     'preference.f_divergence_type="kl" must be one of reverse_kl, forward_kl, js_divergence, alpha_divergence'),
+    ("a divergence without a score difference", lambda r: ['preference.loss="bco_pair"',
+                                                           'preference.f_divergence_type="forward_kl"'],
+     'preference.f_divergence_type="forward_kl" takes preference.loss sigmoid, sigmoid_norm, ipo, hinge, robust, '
+     'exo_pair, discopop, not "bco_pair"'),
 ]
 
 

@@ -15,10 +15,12 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   at PP=2 (the base's forward pass through the stages before each step);
 - the control at CP=2: each sequence's sum over CP all-reduced forward only (`sum_over` without its backward
   all-reduce) keeps the loss but halves the first gradient norm;
+- world 2 also: length-normalized DPO over f-DPO's Jensen-Shannon scores at CP=2 (each answer's token count summed
+  over the CP ranks too), against its own one-process run;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
-  its loss leaves ln 2; SimPO, ORPO, IPO and hinge train to finite losses (their values:
+  its loss leaves ln 2; SimPO, ORPO, IPO, hinge, BCO and APO-zero train to finite, falling losses (their values:
   `tests/test_preference_losses.py`).
 """
 
@@ -77,11 +79,13 @@ def valid_data() -> PairDataset:
 
 
 def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
-                      moe: bool = False, loss: str = "sigmoid", lora: int = 0, **train):
+                      moe: bool = False, loss: str = "sigmoid", lora: int = 0, divergence: str = "reverse_kl",
+                      **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if moe:
         model |= MIXTRAL
-    sections = {"sft": {"data": ["unused.jsonl"]}, "preference": {"loss": loss, "beta": 0.5},
+    sections = {"sft": {"data": ["unused.jsonl"]},
+                "preference": {"loss": loss, "beta": 0.5, "f_divergence_type": divergence},
                 "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
                          **{"steps": STEPS, "eval_iters": 8, **train})
@@ -133,7 +137,11 @@ WORLD2 = {
     "ep2 moe": layout(ep=2, moe=True),
     "dp2 lora": layout(lora=4),
     "pp2 lora": layout(pp=2, lora=4),
+    "cp2 norm js": layout(cp=2, loss="sigmoid_norm", divergence="js_divergence"),
 }
+NORM_JS = {"loss": "sigmoid_norm", "divergence": "js_divergence"}
+"""Length-normalized DPO over f-DPO's Jensen-Shannon scores: each answer's token count, like its log-probability,
+summed over the CP ranks' chunks."""
 CONTROL = "control cp2 forward-only sum"
 WORLD4 = {
     "cp2 tp2 sp": layout(cp=2, tp=2, sp=True),
@@ -156,7 +164,8 @@ def reference():
     """One process at the layouts' micro-batch 2 (the MoE's load-balancing loss is per micro-batch)."""
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, preference_config()), "moe": train_layout(ctx, preference_config(moe=True)),
-            "lora": train_layout(ctx, preference_config(lora=4))}
+            "lora": train_layout(ctx, preference_config(lora=4)),
+            "norm js": train_layout(ctx, preference_config(**NORM_JS))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": CURVE + METRICS, "absolute": METRICS,
@@ -181,7 +190,7 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora") if kind in name), "dense")
+    return next((kind for kind in ("moe", "lora", "norm js") if kind in name), "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -279,7 +288,7 @@ def test_the_lora_reference_is_the_base_after_the_adapters_moved(reference):
     assert curve[-1][0] < math.log(2) - 0.01 and curve[-1][5] > 0.5, curve
 
 
-@pytest.mark.parametrize("loss", ["simpo", "orpo", "ipo", "hinge"])
+@pytest.mark.parametrize("loss", ["simpo", "orpo", "ipo", "hinge", "bco_pair", "apo_zero"])
 def test_the_other_losses_train(loss):
     curve = train_layout(ParallelContext.single(), preference_config(loss=loss))["curve"]
     assert all(math.isfinite(c[0]) for c in curve) and curve[-1][0] < curve[0][0]

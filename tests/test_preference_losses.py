@@ -14,6 +14,11 @@ Python `math` on the papers' formulas, not torch:
 - SimPO (Meng et al.): -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma);
 - ORPO (Hong et al.): NLL of the chosen answer per token + lambda * -log sigmoid(log odds_c - log odds_r), odds
   = p / (1 - p) of the per-token probability p = exp(logp / n), lambda = beta;
+- the rest of TRL's `DPOTrainer` losses, as its 1.16 source writes them: robust DPO (Chowdhury et al.), EXO (Ji et
+  al., eq. 16), DiscoPOP (Chris Lu et al., eq. 5), length-normalized DPO (sigmoid_norm), NCA (Chen et al.), BCO's
+  pair form, SPPO's hard-label form, APO-zero and APO-down (D'Oosterlinck et al., eqs. 7 and 8), and DPO over the
+  f-DPO scores (Wang et al.: forward KL 1 - 1/t, Jensen-Shannon log(2t / (t + 1)), alpha (t^(alpha - 1) - 1) /
+  (alpha - 1), t = exp(r)), each written here with `math` on t and r;
 and the rewards TRL logs: beta r (the reference-free losses: beta logp / n), the margin and the accuracy.
 All in fp64, within 1e-12 relative.
 
@@ -47,16 +52,37 @@ def log_odds(mean_logp: float) -> float:
     return mean_logp - math.log(1 - math.exp(mean_logp))
 
 
-def by_hand(loss: str, eps: float = 0.0) -> tuple[list[float], list[tuple[float, float]]]:
+def sigmoid(x: float) -> float:
+    return math.exp(log_sigmoid(x))
+
+
+def f_score(kind: str, r: float) -> float:
+    """f'(t) at t = exp(r) (the module docstring's f-DPO scores)."""
+    t = math.exp(r)
+    if kind == "forward_kl":
+        return 1 - 1 / t
+    if kind == "js_divergence":
+        return math.log(2 * t / (t + 1))
+    if kind == "alpha_divergence":
+        return (t ** (ALPHA - 1) - 1) / (ALPHA - 1)
+    return r
+
+
+def by_hand(loss: str, eps: float = 0.0, divergence: str = "reverse_kl") -> tuple[list[float], list[tuple]]:
     """(each pair's loss, each pair's (chosen reward, rejected reward)) from the module docstring's formulas."""
     losses, rewards = [], []
     for (lc, lr), (nc, nr), (rc, rr) in zip(LOGPS, COUNTS, REFERENCE):
-        d = (lc - rc) - (lr - rr)
+        d = f_score(divergence, lc - rc) - f_score(divergence, lr - rr)
         mc, mr = lc / nc, lr / nr
-        if loss == "sigmoid":
+        c, r = BETA * (lc - rc), BETA * (lr - rr)
+        z = BETA * d
+        norm = BETA * (f_score(divergence, lc - rc) / nc - f_score(divergence, lr - rr) / nr)
+        if loss in OTHERS:
+            value = OTHERS[loss](z, c, r, norm, eps)
+        elif loss == "sigmoid":
             value = -(1 - eps) * log_sigmoid(BETA * d) - eps * log_sigmoid(-BETA * d)
         elif loss == "ipo":
-            value = ((lc - rc) / nc - (lr - rr) / nr - 1 / (2 * BETA)) ** 2
+            value = (norm / BETA - 1 / (2 * BETA)) ** 2
         elif loss == "hinge":
             value = max(0.0, 1 - BETA * d)
         elif loss == "simpo":
@@ -68,20 +94,45 @@ def by_hand(loss: str, eps: float = 0.0) -> tuple[list[float], list[tuple[float,
     return losses, rewards
 
 
-def shardlm_losses(loss: str, eps: float = 0.0):
-    cfg = PreferenceConfig(loss=loss, beta=BETA, label_smoothing=eps, simpo_gamma=GAMMA)
+OTHERS = {  # (z = beta (s_c - s_r), c = beta r_c, r = beta r_r, z over token means, eps) -> the pair's loss
+    "robust": lambda z, c, r, n, eps: (-(1 - eps) * log_sigmoid(z) + eps * log_sigmoid(-z)) / (1 - 2 * eps),
+    "exo_pair": lambda z, c, r, n, eps: (sigmoid(z) * (log_sigmoid(z) - math.log(1 - eps))
+                                         + sigmoid(-z) * (log_sigmoid(-z) - math.log(eps))),
+    "discopop": lambda z, c, r, n, eps: (-log_sigmoid(z) * (1 - sigmoid(z / TAU))
+                                         + math.exp(-z) * sigmoid(z / TAU)),
+    "sigmoid_norm": lambda z, c, r, n, eps: -log_sigmoid(n),
+    "nca_pair": lambda z, c, r, n, eps: -log_sigmoid(c) - 0.5 * log_sigmoid(-c) - 0.5 * log_sigmoid(-r),
+    "bco_pair": lambda z, c, r, n, eps: -log_sigmoid(c) - log_sigmoid(-r),
+    "sppo_hard": lambda z, c, r, n, eps: (c / BETA - 0.5 / BETA) ** 2 + (r / BETA + 0.5 / BETA) ** 2,
+    "apo_zero": lambda z, c, r, n, eps: 1 - sigmoid(c) + sigmoid(r),
+    "apo_down": lambda z, c, r, n, eps: sigmoid(c) + 1 - sigmoid(c - r),
+}
+ALPHA, TAU = 0.3, 0.05
+
+
+def shardlm_losses(loss: str, eps: float = 0.0, divergence: str = "reverse_kl"):
+    cfg = PreferenceConfig(loss=loss, beta=BETA, label_smoothing=eps, simpo_gamma=GAMMA, discopop_tau=TAU,
+                           f_divergence_type=divergence, f_alpha_divergence_coef=ALPHA)
     reference = None if loss in ("simpo", "orpo") else torch.tensor(REFERENCE, dtype=torch.float64)
     return pair_losses(cfg, torch.tensor(LOGPS, dtype=torch.float64), torch.tensor(COUNTS, dtype=torch.float64),
                        reference)
 
 
-CASES = [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0), ("simpo", 0.0), ("orpo", 0.0)]
+CASES = {"dpo": ("sigmoid", 0.0), "cdpo": ("sigmoid", 0.2), "ipo": ("ipo", 0.0), "hinge": ("hinge", 0.0),
+         "simpo": ("simpo", 0.0), "orpo": ("orpo", 0.0), "robust": ("robust", 0.2), "exo_pair": ("exo_pair", 1e-3),
+         "discopop": ("discopop", 0.0), "sigmoid_norm": ("sigmoid_norm", 0.0), "nca_pair": ("nca_pair", 0.0),
+         "bco_pair": ("bco_pair", 0.0), "sppo_hard": ("sppo_hard", 0.0), "apo_zero": ("apo_zero", 0.0),
+         "apo_down": ("apo_down", 0.0)} | {
+    f"{loss} {kind}": (loss, 0.2 if loss == "robust" else 0.0, kind)
+    for kind in ("forward_kl", "js_divergence", "alpha_divergence")
+    for loss in ("sigmoid", "ipo", "hinge", "robust", "discopop", "sigmoid_norm")}
 
 
-@pytest.mark.parametrize("loss,eps", CASES, ids=["dpo", "cdpo", "ipo", "hinge", "simpo", "orpo"])
-def test_each_loss_equals_its_formula_by_hand(loss, eps):
-    losses, metrics = shardlm_losses(loss, eps)
-    want, rewards = by_hand(loss, eps)
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_loss_equals_its_formula_by_hand(name):
+    loss, eps, *divergence = CASES[name]
+    losses, metrics = shardlm_losses(loss, eps, *divergence)
+    want, rewards = by_hand(loss, eps, *divergence)
     for pair, (got, expected) in enumerate(zip(losses.tolist(), want)):
         assert abs(got - expected) <= TOL * max(1.0, abs(expected)), f"{loss} pair {pair}: {got} vs {expected}"
     for pair, (chosen, rejected) in enumerate(rewards):
@@ -101,6 +152,12 @@ def test_the_fixture_reaches_both_sides_of_each_loss():
     summed = [((lc - rc) - (lr - rr) - 1 / (2 * BETA)) ** 2 for (lc, lr), (rc, rr) in zip(LOGPS, REFERENCE)]
     assert all(abs(a - b) > 0.1 for a, b in zip(by_hand("ipo")[0], summed))
     assert shardlm_losses("sigmoid")[1]["reward_accuracy"].tolist() == [1.0, 0.0]
+    # each f-divergence moves DPO's value, and the alpha divergence is not its alpha = 1 limit
+    for kind in ("forward_kl", "js_divergence", "alpha_divergence"):
+        assert all(abs(a - b) > 0.01 for a, b in zip(by_hand("sigmoid")[0], by_hand("sigmoid", 0.0, kind)[0]))
+    # DiscoPOP's gate is open on one pair and closed on the other (both of its parts reached)
+    assert [round(sigmoid(BETA * ((lc - rc) - (lr - rr)) / TAU)) for (lc, lr), (rc, rr) in zip(LOGPS, REFERENCE)] \
+        == [1, 0]
 
 
 def test_a_batch_without_its_reference_needs_adapters_to_switch_off():

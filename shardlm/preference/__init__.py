@@ -1,4 +1,5 @@
-"""Preference optimization (DPO, IPO, hinge, SimPO, ORPO) on packed pairs, and KTO on unpaired examples: records and
+"""Preference optimization (DPO and TRL's relatives of it: IPO, hinge, robust, EXO, DiscoPOP, NCA, BCO, SPPO,
+APO, f-DPO; the reference-free SimPO and ORPO) on packed pairs, and KTO on unpaired examples: records and
 their tokens (`pairs`, `unpaired`), rows of pairs or examples (`data`), the losses and the reference (`loss`, `kto`,
 `reference`), the run's data sets (`dataset`). `docs/preference.md`."""
 
@@ -20,13 +21,22 @@ def reference_mode(config) -> str:
 
 def check_preference(config) -> str | None:
     """A one-line problem with a run's [preference] settings, or None."""
-    from shardlm.preference.loss import LOSSES, REFERENCE_FREE
+    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCE_FREE
 
     p = config.preference
     checks = [
         (p.loss in LOSSES, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}'),
         (p.beta > 0, f"preference.beta={p.beta} must be > 0"),
         (0 <= p.label_smoothing < 0.5, f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)"),
+        (p.loss != "exo_pair" or p.label_smoothing > 0,
+         'preference.loss="exo_pair" takes its epsilon from preference.label_smoothing, which must be > 0 (the EXO '
+         "paper uses 1e-3)"),
+        (p.f_divergence_type in F_DIVERGENCES,
+         f'preference.f_divergence_type="{p.f_divergence_type}" must be one of {", ".join(F_DIVERGENCES)}'),
+        (p.f_divergence_type == "reverse_kl" or p.loss in F_DIVERGENCE_LOSSES,
+         f'preference.f_divergence_type="{p.f_divergence_type}" takes preference.loss '
+         f'{", ".join(F_DIVERGENCE_LOSSES)}, not "{p.loss}"'),
+        (p.discopop_tau > 0, f"preference.discopop_tau={p.discopop_tau} must be > 0"),
         (p.desirable_weight > 0 and p.undesirable_weight > 0,
          f"preference.desirable_weight={p.desirable_weight:g} and undesirable_weight={p.undesirable_weight:g} must "
          "be > 0"),

@@ -9,11 +9,22 @@ receive their share from every copy: `sum_over`). The loss of the global batch i
 each micro-batch returns its pairs' summed losses over `divisor` = pairs of the global batch / (micro-batches x
 DP), which the trainer's mean over micro-batches and DP x CP turns into exactly that mean.
 
-Losses (`preference.loss`), with r = log pi(y | x) - log pi_ref(y | x) per answer and d = r_chosen - r_rejected:
+Losses (`preference.loss`), as TRL's `DPOTrainer` (1.16) defines them, with r = log pi(y | x) - log pi_ref(y | x)
+per answer, s = f'(r) its f-divergence score (`f_divergence_type`: r itself for the reverse KL, DPO's), z = beta
+(s_chosen - s_rejected), sigma the sigmoid and eps = label_smoothing:
 
-    sigmoid   -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d)    DPO (eps = label_smoothing: cDPO)
-    ipo       (d / n - 1 / (2 beta))^2 with each answer's r divided by its token count, as TRL computes IPO
-    hinge     max(0, 1 - beta d)                                            (SLiC)
+    sigmoid   -(1 - eps) log sigma(z) - eps log sigma(-z)                   DPO (eps > 0: conservative DPO)
+    sigmoid_norm  -log sigma(z) with each answer's s divided by its token count
+    ipo       (z / beta - 1 / (2 beta))^2 with each s divided by its token count, as TRL computes IPO
+    hinge     max(0, 1 - z)                                                 (SLiC)
+    robust    (-(1 - eps) log sigma(z) + eps log sigma(-z)) / (1 - 2 eps)   (rDPO: eps of the labels flipped)
+    exo_pair  sigma(z) (log sigma(z) - log(1 - eps)) + sigma(-z) (log sigma(-z) - log eps)   (EXO, eps > 0)
+    discopop  -log sigma(z) (1 - m) + exp(-z) m, m = sigma(z / discopop_tau)
+    nca_pair  -log sigma(beta r_c) - log sigma(-beta r_c) / 2 - log sigma(-beta r_r) / 2
+    bco_pair  -log sigma(beta r_c) - log sigma(-beta r_r)
+    sppo_hard (r_c - 1 / (2 beta))^2 + (r_r + 1 / (2 beta))^2
+    apo_zero  1 - sigma(beta r_c) + sigma(beta r_r)
+    apo_down  sigma(beta r_c) + 1 - sigma(beta (r_c - r_r))
     simpo     -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma)      reference-free
     orpo      -logp_c / n_c - beta log sigmoid(log odds_c - log odds_r),    reference-free; odds = p / (1 - p) of
               the length-normalized probability (ORPO's lambda is beta)
@@ -40,7 +51,12 @@ from shardlm.parallel import sum_over
 from shardlm.preference import kto
 
 REFERENCE_FREE = ("simpo", "orpo")
-LOSSES = ("sigmoid", "ipo", "hinge") + REFERENCE_FREE + kto.UNPAIRED
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "exo_pair", "discopop")
+"""The losses of the score difference z, which take an f-divergence other than the reverse KL (TRL's list less its
+"sft"): the others read each side's log-ratio, where the f-DPO reparameterization's log Z(x) would not cancel."""
+LOSSES = (F_DIVERGENCE_LOSSES + ("nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down") + REFERENCE_FREE
+          + kto.UNPAIRED)
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
@@ -126,20 +142,61 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
         rewards = beta * mean.detach()
     else:
         ratio = logps - reference
-        if cfg.loss == "ipo":
-            ratio = ratio / counts
-        delta = ratio[:, 0] - ratio[:, 1]
-        if cfg.loss == "sigmoid":
-            eps = cfg.label_smoothing
-            losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-        elif cfg.loss == "ipo":
-            losses = (delta - 1 / (2 * beta)) ** 2
-        else:
-            losses = torch.relu(1 - beta * delta)
-        rewards = beta * (logps - reference).detach()
+        losses = referenced_losses(cfg, ratio, counts)
+        rewards = beta * ratio.detach()
     margin = rewards[:, 0] - rewards[:, 1]
     return losses, {"rewards_chosen": rewards[:, 0], "rewards_rejected": rewards[:, 1], "reward_margin": margin,
                     "reward_accuracy": (margin > 0).double()}
+
+
+def referenced_losses(cfg: PreferenceConfig, ratio: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per-pair losses (P,) of the losses with a reference (module docstring) from the log-ratios r (P, 2) and the
+    answers' token counts (P, 2)."""
+    beta, eps, loss = cfg.beta, cfg.label_smoothing, cfg.loss
+    if loss not in F_DIVERGENCE_LOSSES:
+        chosen, rejected = beta * ratio[:, 0], beta * ratio[:, 1]
+        if loss == "nca_pair":
+            return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
+        if loss == "bco_pair":
+            return -F.logsigmoid(chosen) - F.logsigmoid(-rejected)
+        if loss == "sppo_hard":
+            return (ratio[:, 0] - 0.5 / beta) ** 2 + (ratio[:, 1] + 0.5 / beta) ** 2
+        if loss == "apo_zero":
+            return 1 - torch.sigmoid(chosen) + torch.sigmoid(rejected)
+        return torch.sigmoid(chosen) + 1 - torch.sigmoid(chosen - rejected)  # apo_down
+    scores = f_scores(cfg, ratio)
+    if loss in ("ipo", "sigmoid_norm"):
+        scores = scores / counts
+    z = beta * (scores[:, 0] - scores[:, 1])
+    if loss == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    if loss == "sigmoid_norm":
+        return -F.logsigmoid(z)
+    if loss == "ipo":
+        return (z / beta - 1 / (2 * beta)) ** 2
+    if loss == "hinge":
+        return torch.relu(1 - z)
+    if loss == "robust":
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if loss == "exo_pair":
+        return (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
+                + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
+    modulation = torch.sigmoid(z / cfg.discopop_tau)  # discopop
+    return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z) * modulation
+
+
+def f_scores(cfg: PreferenceConfig, ratio: torch.Tensor) -> torch.Tensor:
+    """f'(exp r) of the log-ratios r (P, 2), f the run's f-divergence (TRL's f-DPO): the reverse KL's is r itself;
+    forward KL 1 - exp(-r); Jensen-Shannon log 2 + log sigmoid(r); the alpha divergence (exp((alpha - 1) r) - 1) /
+    (alpha - 1), its exponent capped at 80 (r itself within 1e-6 of alpha = 1)."""
+    kind, alpha = cfg.f_divergence_type, cfg.f_alpha_divergence_coef
+    if kind == "forward_kl":
+        return 1 - torch.exp(-ratio)
+    if kind == "js_divergence":
+        return math.log(2) + F.logsigmoid(ratio)
+    if kind == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
+        return (torch.exp(torch.clamp((alpha - 1.0) * ratio, max=80.0)) - 1.0) / (alpha - 1.0)
+    return ratio
 
 
 def _adapters(model) -> list:
