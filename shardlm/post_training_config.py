@@ -40,9 +40,12 @@ class PreferenceConfig:
 
     loss: str = ""
     """"sigmoid" (DPO), "ipo", "hinge", "robust", "exo_pair", "discopop", "sigmoid_norm", "nca_pair", "bco_pair",
-    "sppo_hard", "apo_zero", "apo_down" (as TRL's DPOTrainer defines them), the reference-free "simpo" and "orpo",
-    or on unpaired examples (`prompt`, `completion`, `label`) "kto" and "apo_zero_unpaired"; empty: no preference
-    run."""
+    "sppo_hard", "apo_zero", "apo_down" (as TRL's DPOTrainer defines them) or a weighted sum of them joined by "+",
+    which may add "sft", the chosen answers' NLL (MPO: "sigmoid+bco_pair+sft" with loss_weights [0.8, 0.2, 1.0]); the
+    reference-free "simpo" and "orpo"; on unpaired examples (`prompt`, `completion`, `label`) "kto" and
+    "apo_zero_unpaired"; empty: no preference run."""
+    loss_weights: list = field(default_factory=list)
+    """The weight of each loss of a sum ("a+b+..."), in its order; empty: 1 each."""
     beta: float = 0.1
     """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
     label_smoothing: float = 0.0

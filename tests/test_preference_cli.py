@@ -266,6 +266,12 @@ ERRORS = [
                                                            'preference.f_divergence_type="forward_kl"'],
      'preference.f_divergence_type="forward_kl" takes preference.loss sigmoid, sigmoid_norm, ipo, hinge, robust, '
      'exo_pair, discopop, not "bco_pair"'),
+    ("a sum with a reference-free loss", lambda r: ['preference.loss="sigmoid+simpo"'],
+     'preference.loss="sigmoid+simpo": a sum joins sigmoid'),
+    ("the sft term alone", lambda r: ['preference.loss="sft"'],
+     'preference.loss="sft" is supervised fine-tuning on the chosen answers'),
+    ("weights for another count", lambda r: ['preference.loss="sigmoid+sft"', "preference.loss_weights=[1.0]"],
+     'preference.loss_weights has 1 weights for the 2 losses of preference.loss="sigmoid+sft"'),
 ]
 
 

@@ -142,6 +142,20 @@ def test_each_loss_equals_its_formula_by_hand(name):
         assert metrics["reward_accuracy"][pair].item() == float(chosen > rejected)
 
 
+def test_a_weighted_sum_adds_the_chosen_tokens_nll():
+    """MPO's sum (TRL's loss_type ["sigmoid", "bco_pair", "sft"], loss_weights [0.8, 0.2, 1.0]): each pair's
+    0.8 DPO + 0.2 BCO + its chosen answer's NLL x pairs / chosen tokens, so the mean over the pairs is the weighted
+    means plus the NLL per chosen token of the batch (here 2 pairs and 4 + 9 chosen tokens)."""
+    cfg = PreferenceConfig(loss="sigmoid+bco_pair+sft", loss_weights=[0.8, 0.2, 1.0], beta=BETA)
+    share = 2 / (COUNTS[0][0] + COUNTS[1][0])
+    losses, _ = pair_losses(cfg, torch.tensor(LOGPS, dtype=torch.float64), torch.tensor(COUNTS, dtype=torch.float64),
+                            torch.tensor(REFERENCE, dtype=torch.float64), share)
+    dpo, bco = by_hand("sigmoid")[0], by_hand("bco_pair")[0]
+    nll = -(LOGPS[0][0] + LOGPS[1][0]) / (COUNTS[0][0] + COUNTS[1][0])
+    want = 0.8 * sum(dpo) / 2 + 0.2 * sum(bco) / 2 + nll
+    assert abs(losses.mean().item() - want) <= TOL * want, (losses.mean().item(), want)
+
+
 def test_the_fixture_reaches_both_sides_of_each_loss():
     """The fixture is not a degenerate point: the hinge is active on one pair and clipped on the other; label
     smoothing changes DPO's value; per-token IPO differs from IPO on the summed log-ratios; the accuracy is 1 on

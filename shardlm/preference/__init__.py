@@ -21,19 +21,30 @@ def reference_mode(config) -> str:
 
 def check_preference(config) -> str | None:
     """A one-line problem with a run's [preference] settings, or None."""
-    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCE_FREE
+    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCE_FREE, REFERENCED
 
     p = config.preference
+    parts = p.loss.split("+")
+    summed = len(parts) > 1 or p.loss == "sft"
     checks = [
-        (p.loss in LOSSES, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}'),
+        (p.loss in LOSSES or summed, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}, or a sum of '
+                                     f'{", ".join(REFERENCED)} and "sft" joined by "+"'),
+        (not summed or all(part in REFERENCED + ("sft",) for part in parts),
+         f'preference.loss="{p.loss}": a sum joins {", ".join(REFERENCED)} and "sft" (MPO: "sigmoid+bco_pair+sft")'),
+        (not summed or any(part != "sft" for part in parts),
+         f'preference.loss="{p.loss}" is supervised fine-tuning on the chosen answers: add a preference loss '
+         '("sigmoid+sft") or train them with [sft] alone'),
+        (not p.loss_weights or len(p.loss_weights) == len(parts),
+         f"preference.loss_weights has {len(p.loss_weights)} weights for the {len(parts)} losses of "
+         f'preference.loss="{p.loss}"'),
         (p.beta > 0, f"preference.beta={p.beta} must be > 0"),
         (0 <= p.label_smoothing < 0.5, f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)"),
-        (p.loss != "exo_pair" or p.label_smoothing > 0,
+        ("exo_pair" not in parts or p.label_smoothing > 0,
          'preference.loss="exo_pair" takes its epsilon from preference.label_smoothing, which must be > 0 (the EXO '
          "paper uses 1e-3)"),
         (p.f_divergence_type in F_DIVERGENCES,
          f'preference.f_divergence_type="{p.f_divergence_type}" must be one of {", ".join(F_DIVERGENCES)}'),
-        (p.f_divergence_type == "reverse_kl" or p.loss in F_DIVERGENCE_LOSSES,
+        (p.f_divergence_type == "reverse_kl" or all(part in F_DIVERGENCE_LOSSES + ("sft",) for part in parts),
          f'preference.f_divergence_type="{p.f_divergence_type}" takes preference.loss '
          f'{", ".join(F_DIVERGENCE_LOSSES)}, not "{p.loss}"'),
         (p.discopop_tau > 0, f"preference.discopop_tau={p.discopop_tau} must be > 0"),

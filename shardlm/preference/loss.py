@@ -25,6 +25,9 @@ per answer, s = f'(r) its f-divergence score (`f_divergence_type`: r itself for 
     sppo_hard (r_c - 1 / (2 beta))^2 + (r_r + 1 / (2 beta))^2
     apo_zero  1 - sigma(beta r_c) + sigma(beta r_r)
     apo_down  sigma(beta r_c) + 1 - sigma(beta (r_c - r_r))
+    a+b+...   the weighted sum of those losses (`loss_weights`; MPO: "sigmoid+bco_pair+sft", 0.8, 0.2, 1.0), where
+              "sft" is the chosen answers' NLL, a mean over the global batch's chosen tokens (TRL's is per device
+              micro-batch): each pair contributes -logp_c x pairs / chosen tokens, both counted over the global batch
     simpo     -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma)      reference-free
     orpo      -logp_c / n_c - beta log sigmoid(log odds_c - log odds_r),    reference-free; odds = p / (1 - p) of
               the length-normalized probability (ORPO's lambda is beta)
@@ -38,6 +41,7 @@ log-probability), their margin and the accuracy (chosen reward above rejected), 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -54,8 +58,8 @@ REFERENCE_FREE = ("simpo", "orpo")
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "exo_pair", "discopop")
 """The losses of the score difference z, which take an f-divergence other than the reverse KL (TRL's list less its
 "sft"): the others read each side's log-ratio, where the f-DPO reparameterization's log Z(x) would not cancel."""
-LOSSES = (F_DIVERGENCE_LOSSES + ("nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down") + REFERENCE_FREE
-          + kto.UNPAIRED)
+REFERENCED = F_DIVERGENCE_LOSSES + ("nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")
+LOSSES = REFERENCED + REFERENCE_FREE + kto.UNPAIRED
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
@@ -63,20 +67,25 @@ METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accura
 def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
     """This rank's micro-batches of pair rows (dicts of (b, T) arrays, `shardlm.preference.data`) -> dicts of
     `inputs`, `targets`, `occurrence`, `side` (b, T / C: the zigzag part under CP), `documents`, `pairs` (the pair
-    index of each of the micro-batch's pair occurrences, `pair_occurrences`) and `divisor` (module docstring: one
-    all-reduce over DP; None without `count_pairs`); KTO's micro-batches also `kl`, the same of their KL
+    index of each of the micro-batch's pair occurrences, `pair_occurrences`), `divisor` (module docstring) and
+    `chosen_share` (the global batch's pairs / its chosen answers' trained tokens: the "sft" term's scale), both from
+    one all-reduce over DP (None without `count_pairs`); KTO's micro-batches also `kl`, the same of their KL
     sequences."""
     found = [pair_occurrences(b["pair"]) for b in batches]
-    divisor = None
+    divisor = chosen_share = None
     if count_pairs:
-        total = torch.tensor(float(sum(len(pairs) for pairs, _ in found)), dtype=torch.float64, device=ctx.device)
+        chosen = sum(int(((b["pair"] >= 0) & (b["side"] == 0) & (b["labels"] != -100)).sum()) for b in batches)
+        total = torch.tensor([float(sum(len(pairs) for pairs, _ in found)), float(chosen)], dtype=torch.float64,
+                             device=ctx.device)
         ctx.dp.all_reduce(total)
-        if total.item() == 0:
+        if total[0].item() == 0:
             raise UserError("a global batch holds no preference pair: check the records")
-        divisor = total.item() / (len(batches) * ctx.dp_size)
+        divisor = total[0].item() / (len(batches) * ctx.dp_size)
+        chosen_share = total[0].item() / max(total[1].item(), 1.0)
     parts = []
     for batch, (pairs, occurrence) in zip(batches, found):
-        part = _local_part(batch, "", occurrence, ctx) | {"pairs": pairs, "divisor": divisor}
+        part = _local_part(batch, "", occurrence, ctx) | {"pairs": pairs, "divisor": divisor,
+                                                          "chosen_share": chosen_share}
         if "kl_input_ids" in batch:  # KTO: the examples' KL sequences, their own rows (`shardlm.preference.kto`)
             kl_pairs, kl_occurrence = pair_occurrences(batch["kl_pair"])  # each row holds the same examples
             part["kl"] = _local_part(batch, "kl_", kl_occurrence, ctx) | {"pairs": kl_pairs, "divisor": divisor}
@@ -127,10 +136,11 @@ def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.T
     return logps.view(-1, 2), counts.view(-1, 2)
 
 
-def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor,
-                reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None,
+                chosen_share: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(per-pair losses (P,), per-pair metrics {name: (P,)}) of sequence log-probabilities (P, 2), their token
-    counts (P, 2) and the reference's (P, 2) (None for the reference-free losses); fp64."""
+    counts (P, 2) and the reference's (P, 2) (None for the reference-free losses); fp64. `chosen_share`: the global
+    batch's pairs / chosen tokens (`preference_parts`), which the "sft" term of a weighted sum reads."""
     beta = cfg.beta
     if cfg.loss in REFERENCE_FREE:
         mean = logps / counts
@@ -142,11 +152,20 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
         rewards = beta * mean.detach()
     else:
         ratio = logps - reference
-        losses = referenced_losses(cfg, ratio, counts)
+        losses = sum(weight * (-logps[:, 0] * chosen_share if part == "sft" else
+                               referenced_losses(dataclasses.replace(cfg, loss=part), ratio, counts))
+                     for part, weight in zip(*loss_parts(cfg)))
         rewards = beta * ratio.detach()
     margin = rewards[:, 0] - rewards[:, 1]
     return losses, {"rewards_chosen": rewards[:, 0], "rewards_rejected": rewards[:, 1], "reward_margin": margin,
                     "reward_accuracy": (margin > 0).double()}
+
+
+def loss_parts(cfg: PreferenceConfig) -> tuple[list[str], list[float]]:
+    """The losses `preference.loss` sums ("sigmoid+bco_pair+sft": three) and their weights (`loss_weights`; empty:
+    1 each)."""
+    parts = cfg.loss.split("+")
+    return parts, list(cfg.loss_weights) or [1.0] * len(parts)
 
 
 def referenced_losses(cfg: PreferenceConfig, ratio: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -331,7 +350,7 @@ class PreferenceLoss:
             losses, rewards = kto.kto_losses(self.cfg, logps[:, 0], reference[:, 0], batch["label"], self.kl)
             sums = kto.metric_sums(losses, rewards, batch["label"])
         else:
-            losses, metrics = pair_losses(self.cfg, logps, counts, reference)
+            losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"))
             sums = torch.stack([losses.detach().sum()] + [metrics[k].sum() for k in METRICS]).cpu()
         if self.model.training:  # a training step's, not an evaluation's
             self.sums += sums
