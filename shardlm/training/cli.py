@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     metrics = result.metrics
     if "val_loss" in metrics and int(os.environ.get("RANK", "0")) == 0:
-        print(f"final validation loss {metrics['val_loss']:.4f} | perplexity {metrics['val_ppl']:.2f}")
+        ppl = f" | perplexity {metrics['val_ppl']:.2f}" if "val_ppl" in metrics else ""
+        print(f"final validation loss {metrics['val_loss']:.4f}{ppl}")
     return 0
 
 

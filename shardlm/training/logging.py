@@ -17,8 +17,9 @@ class RunLogger:
     """Writes a run's metrics. Every method is a no-op on ranks other than the main one."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool, interval: int = 10,
-                 progress: bool = True, tensorboard: bool = True):
+                 progress: bool = True, tensorboard: bool = True, perplexity: bool = True):
         self.enabled, self.interval, self.run_dir = enabled, max(1, interval), run_dir
+        self.perplexity = perplexity  # whether the validation loss is a token cross-entropy (a perplexity's log)
         self.history: list[dict] = []
         self.bar = self.writer = self.file = None
         self.progress, self.total_steps = progress, total_steps
@@ -99,6 +100,12 @@ class RunLogger:
 
     def validation(self, step: int, loss: float) -> None:
         if not self.enabled:
+            return
+        if not self.perplexity:  # a preference, RL or distillation loss: exp of it is no perplexity
+            self._write({"step": step, "val_loss": loss})
+            self.print(f"validation at step {step}: loss {loss:.4f}")
+            if self.writer:
+                self.writer.add_scalar("valid/loss", loss, step)
             return
         ppl = math.exp(min(loss, 700.0))
         self._write({"step": step, "val_loss": loss, "val_ppl": ppl})

@@ -233,8 +233,9 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         if warning:
             print(f"shardlm: {warning}", file=sys.stderr)
     run_dir = _agree_on_run_dir(run_dir, config_path)
+    cross_entropy = not (config.preference.loss or config.rl.loss or config.distill.teacher)
     logger = progress.logger = RunLogger(run_dir, t.steps, ctx.is_main, config.log.interval, config.log.progress,
-                                         config.log.tensorboard)
+                                         config.log.tensorboard, perplexity=cross_entropy)
     if ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     valid_samples = (t.steps // max(1, t.eval_interval) + 1) * t.eval_iters * t.micro_batch_size * ctx.dp_size
@@ -361,7 +362,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     val = trainer.evaluate()
     if val is not None:
         logger.validation(trainer.step, val)
-        metrics = {**metrics, "val_loss": val, "val_ppl": perplexity(val)}
+        metrics = {**metrics, "val_loss": val} | ({"val_ppl": perplexity(val)} if logger.perplexity else {})
     plot = logger.close(plot=config.log.plot)
     if plot is not None:
         print(f"loss curve: {plot}", file=sys.stderr)
