@@ -124,6 +124,10 @@ class RLConfig:
     """vespo: the power k where the advantage is negative."""
     vespo_lambda_neg: float = 2.0
     """vespo: the decay lambda where the advantage is negative."""
+    top_entropy_quantile: float = 1.0
+    """"Beyond the 80/20 rule": only the tokens whose entropy is in this top share of the global batch's completion
+    tokens get a policy loss (0.2 in the paper; the KL term stays on every token); 1: every token. The threshold is
+    the quantile over the whole global batch (one no-gradient forward pass of the step's rows first)."""
     off_policy_mask_threshold: float = 0.0
     """DeepSeek-V3.2's off-policy sequence masking: a completion with a negative advantage whose mean
     log-probability under the policy that sampled it exceeds the current policy's by more than this gets no policy

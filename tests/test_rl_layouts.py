@@ -16,7 +16,8 @@ three clip ratios, the reward, every final parameter on every rank:
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level
   ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run), VESPO with the
   off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap at CP=2, SAPO at
-  PP=2, each against a one-process run of its loss;
+  PP=2, DAPO under the entropy mask (its quantile over the global batch) at DP=2, CP=2 and PP=2, each against a
+  one-process run of its loss;
 - world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP (also VESPO with the mask), CP=2 x
   PP=2, FSDP CP=2 x DP=2, an MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
@@ -59,10 +60,13 @@ COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ra
            "clip_ratio/region_mean", "reward")
 VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
             "luspo": {"loss": "luspo", "delta": 1.04},
-            "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0}}
+            "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0},
+            "entropy": {"top_entropy_quantile": 0.3}}
 """Other losses in place of DAPO in `rl_config`: VESPO's weight of a sequence's log-ratio total and the off-policy
 mask's mean log-ratio (sums over a sequence's CP ranks), LUSPO's per-sequence sums with INTELLECT-2's cap (each
-option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip."""
+option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip, DAPO on the
+top 30% of tokens by entropy (the quantile over the global batch's tokens, gathered over DP x CP, or on the last
+pipeline stage)."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
                   {"kind": "constant" if i == 0 else "varied"}) for i in range(6)]
 
@@ -198,6 +202,9 @@ WORLD2 = {
     "cp2 vespo": layout(cp=2, variant="vespo"),
     "cp2 luspo": layout(cp=2, variant="luspo"),
     "pp2 sapo": layout(pp=2, variant="sapo"),
+    "dp2 entropy": layout(variant="entropy"),
+    "cp2 entropy": layout(cp=2, variant="entropy"),
+    "pp2 entropy": layout(pp=2, variant="entropy"),
 }
 SAMPLES2 = {
     "sample tp2": layout(tp=2, sample=True),
@@ -304,12 +311,13 @@ def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
             assert np.allclose(got, want, rtol=0, atol=TOL), f"{name} rank {rank}: {got} vs {want}"
 
 
-@pytest.mark.parametrize("kind, option", [("vespo", "off_policy_mask_threshold"), ("luspo", "delta")])
-def test_the_variants_options_reach_the_run(reference, kind, option):
-    """The controls: without its off-policy mask (VESPO) or its cap (LUSPO) the one-process run's gradient norms
-    move (the mask from the second step, the cap at the fourth), so the layouts above check them."""
+@pytest.mark.parametrize("kind, option, off", [("vespo", "off_policy_mask_threshold", 0.0), ("luspo", "delta", 0.0),
+                                               ("entropy", "top_entropy_quantile", 1.0)])
+def test_the_variants_options_reach_the_run(reference, kind, option, off):
+    """The controls: without its off-policy mask (VESPO), its cap (LUSPO) or the entropy mask the one-process run's
+    gradient norms move (the mask from the second step, the cap at the fourth), so the layouts above check them."""
     config = rl_config(variant=kind)
-    setattr(config.rl, option, 0.0)
+    setattr(config.rl, option, off)
     got = train_layout(ParallelContext.single(), config)["curve"]
     want = reference[kind]["curve"]
     assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) > 1e-3, (got, want)
@@ -317,9 +325,12 @@ def test_the_variants_options_reach_the_run(reference, kind, option):
 
 def test_micro_batches_and_packing_change_nothing(reference):
     """One process: micro-batch 8 (one micro-batch a step) and one sequence a row (16 rows of 4 micro-batches)
-    equal the layouts' reference (packed rows, micro-batch 2)."""
+    equal the layouts' reference (packed rows, micro-batch 2); so does micro-batch 8 under the entropy mask (its
+    quantile the global batch's, not each micro-batch's)."""
     ctx = ParallelContext.single()
     ref = reference["dense"]
+    assert_same_run(train_layout(ctx, rl_config(micro=8, variant="entropy")), reference["entropy"],
+                    "entropy mask at micro-batch 8", **same_run("entropy"))
     assert_same_run(train_layout(ctx, rl_config(micro=8)), ref, "micro-batch 8", **SAME_RUN)
     assert_same_run(train_layout(ctx, rl_config(micro=4, rows=16, packing="pad")), ref, "one sequence a row",
                     **SAME_RUN)

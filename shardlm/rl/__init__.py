@@ -50,6 +50,8 @@ def check_rl(config, world_size: int = 1) -> str | None:
          "rl.sapo_temperature_pos and rl.sapo_temperature_neg must be > 0"),
         (min(r.vespo_k_pos, r.vespo_k_neg, r.vespo_lambda_pos, r.vespo_lambda_neg) >= 0,
          "rl.vespo_k_pos, vespo_k_neg, vespo_lambda_pos and vespo_lambda_neg must be >= 0"),
+        (0 <= r.top_entropy_quantile <= 1, f"rl.top_entropy_quantile={r.top_entropy_quantile} must be in [0, 1] "
+                                           "(1: every token)"),
         (r.off_policy_mask_threshold >= 0, f"rl.off_policy_mask_threshold={r.off_policy_mask_threshold} must be >= 0 "
                                            "(0: off)"),
         (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),

@@ -14,6 +14,8 @@ updates (num_iterations 1: logp itself, detached, so the ratio is exactly 1) and
     vespo              l = -phi A logp, phi = exp(lambda + k log W - lambda W) detached, W the sequence's whole ratio
                        exp(sum of its clamped log-ratios) clamped to [1e-8, e^20]; k, lambda by the sign of A
     off-policy mask    l = 0 on a sequence with A < 0 whose mean (old - logp) exceeds rl.off_policy_mask_threshold
+    entropy mask       l = 0 on a token whose entropy is below the global batch's (1 - rl.top_entropy_quantile)
+                       quantile (`prepare`: a no-gradient pass over the step's rows, the quantile over DP x CP)
     KL (beta > 0)      l += beta w (exp(ref - logp) - (ref - logp) - 1)   (k3, with TRL's importance correction)
 
 The loss is sum over tokens of `weight` x l (`shardlm.rl.batch`: the loss type's normalizer over the global batch);
@@ -27,6 +29,7 @@ over the round's first step (training-inference mismatch; 0 when they agree bitw
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -82,6 +85,16 @@ def sequence_mean(values: torch.Tensor, batch: dict, cp) -> torch.Tensor:
     return sums / counts.clamp(min=1.0)
 
 
+def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """`torch.quantile(values, q)` (`torch.lerp` between the sorted values around q (n - 1)) without its input size
+    limit: values (n,) float32."""
+    ordered = torch.sort(values).values
+    rank = torch.tensor(q, dtype=values.dtype) * (ordered.numel() - 1)  # in the values' dtype, as torch's
+    below = int(rank.long())
+    above = min(below + 1, ordered.numel() - 1)
+    return torch.lerp(ordered[below], ordered[above], rank - below)
+
+
 def loss_metrics(loss: str) -> list[str]:
     """The metrics `loss` logs beside kl and entropy, as TRL logs them."""
     return {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"], "sapo": []}.get(loss, list(CLIPS))
@@ -120,6 +133,8 @@ class RLLoss:
         if cfg.off_policy_mask_threshold:
             drift = sequence_mean(torch.where(trained, old - logp.detach(), 0.0), batch, self.ctx.cp)
             losses = losses * ((advantage >= 0) | (drift <= cfg.off_policy_mask_threshold))
+        if "high_entropy" in batch:
+            losses = losses * batch["high_entropy"]
         kl = None
         if cfg.beta:
             delta = batch["ref_logp"] - logp
@@ -129,6 +144,45 @@ class RLLoss:
         if self.model.training:
             self._record(seen.detach(), advantage, kl, entropy, logp.detach(), batch)
         return loss.float()
+
+    def prepare(self, forward, batches: list[dict]) -> None:
+        """Before a step's micro-batches, with `rl.top_entropy_quantile` < 1: each micro-batch's `high_entropy` mask
+        (b, T), its tokens at or above the global batch's entropy quantile (`record_entropies` of one no-gradient
+        forward pass of each)."""
+        if self.cfg.top_entropy_quantile >= 1:
+            return
+        with torch.no_grad():
+            for batch in batches:
+                self.record_entropies(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
+        self.mark_high_entropy(batches)
+
+    def prepare_stages(self, pipeline, batches: list[dict]) -> None:
+        """`prepare` under pipeline stages: the no-gradient pass through the stages, the entropies and the masks on
+        the last stage (which alone computes the loss)."""
+        if self.cfg.top_entropy_quantile >= 1:
+            return
+        pipeline.reference_pass(batches, self.record_entropies, contextlib.nullcontext())
+        if self.ctx.pp_rank == pipeline.last_rank:
+            self.mark_high_entropy(batches)
+
+    def record_entropies(self, token_losses: torch.Tensor, batch: dict) -> None:
+        """Keep the entropies (b, T) the forward that gave `token_losses` appended to the model's list."""
+        batch["entropy"] = self.model.entropies.pop()
+
+    def mark_high_entropy(self, batches: list[dict]) -> None:
+        """Each batch's `high_entropy` (b, T): its counted tokens whose entropy is at least the (1 -
+        top_entropy_quantile) quantile of every counted token's of the global batch (all-gathered over DP x CP; linear
+        interpolation, as `torch.quantile` in TRL's `get_high_entropy_mask`)."""
+        group = self.ctx.dp_cp
+        entropies = [b.pop("entropy").float() for b in batches]
+        counted = [b["token_weight"] > 0 for b in batches]
+        local = torch.cat([e[c] for e, c in zip(entropies, counted)])
+        sizes = [int(s.item()) for s in group.all_gather(torch.tensor([local.numel()], device=local.device))]
+        padded = torch.cat([local, local.new_zeros(max(sizes) - local.numel())])
+        values = torch.cat([part[:size] for part, size in zip(group.all_gather(padded), sizes)])
+        threshold = quantile(values, 1.0 - self.cfg.top_entropy_quantile) if values.numel() else math.inf
+        for batch, entropy, kept in zip(batches, entropies, counted):
+            batch["high_entropy"] = kept & (entropy >= threshold)
 
     def _policy_losses(self, coef, log_ratio, advantage, logp, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's policy term l (b, T) (module docstring) and what the loss type's metric reads: the ratio as

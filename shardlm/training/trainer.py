@@ -194,9 +194,9 @@ class Trainer:
                 self.pipeline_reference(batches)
                 loss_sum = self.pipeline.forward_backward(batches, scale)
             self.release_teacher()
-        if self.preference and self.pipeline is None:
-            with self.autocast():
-                self.loss.prepare(forward, batches)  # KTO: the global batch's KL estimate
+        if (self.preference or self.rl) and self.pipeline is None:
+            with self.autocast():  # KTO: the global batch's KL estimate; RL: its entropy quantile
+                self.loss.prepare(forward, batches)
         for i, batch in enumerate(batches if self.pipeline is None else ()):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
@@ -298,14 +298,14 @@ class Trainer:
     def pipeline_reference(self, batches: list) -> None:
         """Under pipeline stages, a LoRA preference run's reference log-probabilities (the base, adapters off):
         one forward pass of the micro-batches through the stages before their step or evaluation; KTO's KL
-        sequences' passes too."""
+        sequences' passes and an RL step's entropy pass too."""
         if self.teacher is not None:  # distillation: the teacher's hidden states, through its own stages
             self.loss.teacher_pass(batches)
         if self.preference and self.loss.needs_reference_pass(batches):
             from shardlm.preference.loss import adapters_off
 
             self.pipeline.reference_pass(batches, self.loss.record_reference, adapters_off(self.model))
-        if self.preference:
+        if self.preference or self.rl:
             self.loss.prepare_stages(self.pipeline, batches)
 
     def release_teacher(self) -> None:
