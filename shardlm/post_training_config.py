@@ -103,6 +103,9 @@ class RLConfig:
     """Sample among the k most likely tokens (0 disables it)."""
     beta: float = 0.0
     """Weight of the KL penalty to the reference (k3 estimator); 0: no reference model."""
+    use_bias_correction_kl: bool = True
+    """Multiply each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased KL gradient, TRL's default);
+    false: the plain k3 term."""
     epsilon: float = 0.2
     """Lower clipping range of the importance ratio (1 - epsilon)."""
     epsilon_high: float = 0.0
@@ -145,6 +148,10 @@ class RLConfig:
     rl.format_pattern) or "module:function" with TRL's signature."""
     reward_weights: list = field(default_factory=list)
     """Weight of each reward function (empty: 1 each); the reward is their weighted sum."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Several reward functions: "sum_then_normalize" (their weighted sum, then scale_rewards) or
+    "normalize_then_sum" (GDPO: each function normalized within its group, their weighted sum normalized over the
+    batch)."""
     format_pattern: str = ""
     """The "format" reward's regex, matched against the whole completion."""
     batch_invariant: bool = False

@@ -23,8 +23,9 @@ near 11.9, the gradient norms): `differences`. Measured: at most 1.3e-6 (a gradi
 1.9e-7 (entropy), 5.4e-8 (kl), 6e-8 (reward: TRL's are fp32), 2.3e-8 (clip ratios: the same tokens clipped). The
 cases cover grpo, dr_grpo, dapo, cispo, sapo, luspo and vespo, num_iterations 1 and 2, beta 0 and 0.04,
 clip-higher, masked truncated completions, scale_rewards "batch" and "none", GSPO's sequence-level ratio and
-DeepSeek-V3.2's off-policy mask and the 80/20 rule's entropy mask. Control runs with another temperature, or
-without either mask, miss TRL's numbers by far more than TOL, so the comparison can fail. (INTELLECT-2's `delta`
+DeepSeek-V3.2's off-policy mask, the 80/20 rule's entropy mask, the KL without its importance ratio and GDPO's
+normalization of two reward functions. Control runs with another temperature, or without each of those options,
+miss TRL's numbers by far more than TOL, so the comparison can fail. (INTELLECT-2's `delta`
 has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
 """
 
@@ -76,6 +77,12 @@ def length_and_answer(prompts, completions, answer, **kwargs) -> list[float]:
     """The reward: 1 where the completion contains its record's answer, plus 0.1 per space in its text."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [float(a in t) + 0.1 * t.count(" ") for t, a in zip(texts, answer)]
+
+
+def digits(prompts, completions, **kwargs) -> list[float]:
+    """A second reward (GDPO's case): the share of digits among the completion's characters."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +170,8 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
                           dataloader_num_workers=0, disable_tqdm=True, bf16=False, log_completions=False, **options)
     model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
     with uncached_datasets():
-        trainer = FixedCompletions(model=model, reward_funcs=[length_and_answer], args=args,
+        functions = [globals()[name] for name in case.get("rewards", ["length_and_answer"])]
+        trainer = FixedCompletions(model=model, reward_funcs=functions, args=args,
                                    train_dataset=datasets.Dataset.from_list(PROMPTS),
                                    processing_class=setup["tokenizer"])
         trainer.train()
@@ -180,13 +188,15 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
           "scale_rewards": f'"{case.get("scale_rewards", "group")}"',
           "importance_sampling": f'"{case.get("importance_sampling", "token")}"',
           "mask_truncated_completions": str(case.get("mask_truncated_completions", False)).lower(),
-          "temperature": case.get("temperature", TEMPERATURE), **{k: case[k] for k in SAME_NAMES if k in case}}
+          "temperature": case.get("temperature", TEMPERATURE),
+          **{k: toml_value(case[k]) for k in SAME_NAMES if k in case}}
     overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
                  f"sft.data=[\"{setup['root'] / 'prompts.jsonl'}\"]", *(f"rl.{k}={v}" for k, v in rl.items()),
                  f"rl.num_generations={G}", f"rl.prompts_per_step={len(PROMPTS)}",
                  f"rl.max_completion_length={MAX_COMPLETION}",
                  f"rl.completions=\"{setup['root'] / 'completions.jsonl'}\"",
-                 "rl.rewards=[\"test_rl_trl:length_and_answer\"]",
+                 "rl.rewards=[" + ", ".join(f'"test_rl_trl:{name}"' for name in case.get("rewards",
+                                                                                         ["length_and_answer"])) + "]",
                  f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={ROWS}",
                  f"train.steps={case.get('steps', STEPS)}", f"train.seed={SEED}", f"train.lr={LR}",
                  f"train.min_lr={LR}",
@@ -201,8 +211,16 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
 
 
 SAME_NAMES = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-              "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile")
+              "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile",
+              "use_bias_correction_kl", "multi_objective_aggregation", "reward_weights")
 """Options that TRL's GRPOConfig and shardlm's [rl] name alike."""
+
+
+def toml_value(value) -> str:
+    """A case's option as a config override's value."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f'"{value}"' if isinstance(value, str) else str(value)
 
 CASES = {
     # num_iterations 1: the ratio is exactly 1; the loss is the KL term's. 3 steps: the control's temperature
@@ -233,6 +251,11 @@ CASES = {
     # the 80/20 rule: the policy loss on the top 30% of tokens by entropy (TRL's quantile over its one micro-batch a
     # step, the global batch here), with the KL on every token
     "grpo_top_entropy": {"beta": 0.04, "num_iterations": 2, "top_entropy_quantile": 0.3},
+    # the KL's plain k3 term (no importance ratio: its gradient differs at the second step)
+    "grpo_kl_uncorrected": {"beta": 0.04, "num_iterations": 2, "use_bias_correction_kl": False},
+    # GDPO: two reward functions, each normalized within its group, their weighted sum over the batch
+    "gdpo": {"rewards": ["length_and_answer", "digits"], "reward_weights": [1.0, 2.0],
+             "multi_objective_aggregation": "normalize_then_sum"},
 }
 METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "reward", "reward_std",
@@ -297,10 +320,12 @@ def test_another_temperature_misses_trl(setup, runs):
 
 
 @pytest.mark.parametrize("name, option", [("dapo_opsm", "off_policy_mask_threshold"),
-                                          ("grpo_top_entropy", "top_entropy_quantile")])
-def test_without_its_mask_it_misses_trl(setup, runs, name, option):
-    """The controls: shardlm without the off-policy mask, or without the entropy mask, misses TRL's run by far more
-    than TOL."""
+                                          ("grpo_top_entropy", "top_entropy_quantile"),
+                                          ("grpo_kl_uncorrected", "use_bias_correction_kl"),
+                                          ("gdpo", "multi_objective_aggregation")])
+def test_without_its_option_it_misses_trl(setup, runs, name, option):
+    """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term or GDPO's
+    normalization (each at its default) misses TRL's run by far more than TOL."""
     theirs, _ = runs(name)
     case = {k: v for k, v in CASES[name].items() if k != option}
     worst = differences(shardlm_steps(setup, f"without_{option}", case), theirs)

@@ -52,6 +52,12 @@ def check_rl(config, world_size: int = 1) -> str | None:
          "rl.vespo_k_pos, vespo_k_neg, vespo_lambda_pos and vespo_lambda_neg must be >= 0"),
         (0 <= r.top_entropy_quantile <= 1, f"rl.top_entropy_quantile={r.top_entropy_quantile} must be in [0, 1] "
                                            "(1: every token)"),
+        (r.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+         f'rl.multi_objective_aggregation="{r.multi_objective_aggregation}" must be "sum_then_normalize" or '
+         '"normalize_then_sum"'),
+        (r.multi_objective_aggregation == "sum_then_normalize" or r.scale_rewards == "group",
+         'rl.multi_objective_aggregation="normalize_then_sum" (GDPO) normalizes each reward function within its group '
+         'and their sum over the batch; rl.scale_rewards does not apply: leave it "group"'),
         (r.off_policy_mask_threshold >= 0, f"rl.off_policy_mask_threshold={r.off_policy_mask_threshold} must be >= 0 "
                                            "(0: off)"),
         (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),

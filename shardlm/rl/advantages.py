@@ -7,6 +7,10 @@ std ("group"), the whole batch's std ("batch": the group mean is still subtracte
 unbiased (n - 1), over the scored completions (NaN below two, whose advantages become 0). A group whose rewards are
 all equal has advantage 0 everywhere (and no NaN); an unscorable completion gets advantage 0 and is left out of its
 group's mean.
+
+With several reward functions, `rl.multi_objective_aggregation = "normalize_then_sum"` (GDPO) normalizes each
+function's rewards within its group first ((x - mean) / (std + 1e-4)), sums them with the weights, and normalizes
+that sum over the whole batch (`decoupled_advantages`), as TRL does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,21 @@ def combine_rewards(per_function: np.ndarray, weights: np.ndarray) -> np.ndarray
     total = np.nansum(per_function * weights[None, :], axis=1)
     total[np.isnan(per_function).all(axis=1)] = np.nan
     return total
+
+
+def decoupled_advantages(per_function: np.ndarray, weights: np.ndarray, group: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """GDPO: (N, F) rewards (NaN where a function returned None), (F,) weights, groups of `group` consecutive
+    completions -> ((N,) advantages, (N,) whether the batch's std of the summed normalized rewards was 0)."""
+    n, functions = per_function.shape
+    with np.errstate(invalid="ignore", divide="ignore"):
+        grouped = per_function.reshape(-1, group, functions)
+        mean = np.nanmean(grouped, axis=1, keepdims=True)
+        std = nanstd(grouped, axis=1)[:, None, :]
+        summed = combine_rewards(((grouped - mean) / (std + 1e-4)).reshape(n, functions), weights)
+        batch_std = nanstd(summed) if n > 1 else 0.0
+        advantages = (summed - np.nanmean(summed)) / (batch_std + 1e-4)
+    return np.nan_to_num(advantages, nan=0.0), np.full(n, bool(np.isclose(batch_std, 0.0)))
 
 
 def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,8 @@ One round, on every rank:
      or the fixed completions of rl.completions), and every rank gathers all of them;
   3. the main rank calls the reward functions and broadcasts their values (a function that raises or returns the
      wrong count stops every rank with one line naming it, before any update: nothing saved is lost);
-  4. advantages (`advantages.group_advantages`) and the rows (`batch.StepRows`), the same on every rank;
+  4. advantages (`advantages.group_advantages`, or GDPO's `decoupled_advantages`) and the rows (`batch.StepRows`),
+     the same on every rank;
   5. scoring passes at the run's layout, without gradient: the policy's old log-probabilities when
      rl.num_iterations > 1, the reference's when rl.beta > 0 (a LoRA run's base with the adapters off, else the
      starting weights, `ReferenceWeights`);
@@ -33,7 +34,7 @@ from shardlm.errors import UserError
 from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
 from shardlm.rl import prompts_per_step
-from shardlm.rl.advantages import combine_rewards, group_advantages, nanstd
+from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from shardlm.rl.batch import StepRows
 from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
@@ -172,7 +173,10 @@ class RLRun:
         values = self.score(owners, rollouts)
         weights = np.array([float(w) for w in cfg.reward_weights] or [1.0] * len(self.rewards))
         rewards = combine_rewards(values, weights)
-        advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            advantages, zero_std = decoupled_advantages(values, weights, cfg.num_generations)
+        else:
+            advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
         t = trainer.config.train
         self.rows = StepRows(rollouts, advantages, cfg.loss, cfg.max_completion_length, cfg.mask_truncated_completions,
                              t.global_batch_size, trainer.config.model.seq_length, self.pad_id,

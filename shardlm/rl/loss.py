@@ -16,7 +16,8 @@ updates (num_iterations 1: logp itself, detached, so the ratio is exactly 1) and
     off-policy mask    l = 0 on a sequence with A < 0 whose mean (old - logp) exceeds rl.off_policy_mask_threshold
     entropy mask       l = 0 on a token whose entropy is below the global batch's (1 - rl.top_entropy_quantile)
                        quantile (`prepare`: a no-gradient pass over the step's rows, the quantile over DP x CP)
-    KL (beta > 0)      l += beta w (exp(ref - logp) - (ref - logp) - 1)   (k3, with TRL's importance correction)
+    KL (beta > 0)      l += beta w (exp(ref - logp) - (ref - logp) - 1)   (k3, with TRL's importance correction;
+                       without w under rl.use_bias_correction_kl = false)
 
 The loss is sum over tokens of `weight` x l (`shardlm.rl.batch`: the loss type's normalizer over the global batch);
 each micro-batch returns its share times micro-batches x DP, which the trainer's mean over micro-batches and DP
@@ -138,7 +139,9 @@ class RLLoss:
         kl = None
         if cfg.beta:
             delta = batch["ref_logp"] - logp
-            kl = (torch.exp(delta) - delta - 1) * coef
+            kl = torch.exp(delta) - delta - 1
+            if cfg.use_bias_correction_kl:
+                kl = kl * coef
             losses = losses + cfg.beta * kl
         loss = (torch.where(trained, losses, 0.0) * batch["weight"]).sum() * batch["scale"]
         if self.model.training:
