@@ -16,10 +16,10 @@ three clip ratios, the reward, every final parameter on every rank:
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level
   ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run), VESPO with the
   off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap at CP=2, SAPO at
-  PP=2, DAPO under the entropy mask (its quantile over the global batch) at DP=2, CP=2 and PP=2, each against a
-  one-process run of its loss;
-- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP (also VESPO with the mask), CP=2 x
-  PP=2, FSDP CP=2 x DP=2, an MoE at EP=2 x CP=2;
+  PP=2, DAPO under the entropy mask (its quantile over the global batch, gathered over DP x CP) at CP=2 and PP=2,
+  each against a one-process run of its loss;
+- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP, CP=2 x PP=2, FSDP CP=2 x DP=2, an
+  MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
   normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
 Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP), PP=2, EP=2, FSDP, CP=2,
@@ -202,7 +202,6 @@ WORLD2 = {
     "cp2 vespo": layout(cp=2, variant="vespo"),
     "cp2 luspo": layout(cp=2, variant="luspo"),
     "pp2 sapo": layout(pp=2, variant="sapo"),
-    "dp2 entropy": layout(variant="entropy"),
     "cp2 entropy": layout(cp=2, variant="entropy"),
     "pp2 entropy": layout(pp=2, variant="entropy"),
 }
@@ -222,8 +221,7 @@ SAMPLES2 = {
 }
 WORLD4 = {"tp2 dp2": layout(tp=2), "pp2 dp2": layout(pp=2), "cp2 dp2 gspo": layout(cp=2, gspo=True),
           "tp2 cp2 sp": layout(tp=2, cp=2, sp=True), "pp2 cp2": layout(pp=2, cp=2),
-          "fsdp cp2 dp2": layout(cp=2, data_sharding="full"), "ep2 cp2 moe": layout(ep=2, cp=2, moe=True),
-          "tp2 cp2 sp vespo": layout(tp=2, cp=2, sp=True, variant="vespo")}
+          "fsdp cp2 dp2": layout(cp=2, data_sharding="full"), "ep2 cp2 moe": layout(ep=2, cp=2, moe=True)}
 SAMPLES4 = {"sample pp2 fsdp dp2": layout(pp=2, data_sharding="full", sample=True),
             "parity pp2 fsdp dp2": layout(pp=2, data_sharding="full", parity=True),
             "sample cp2 dp2": layout(cp=2, sample=True), "parity tp2 cp2 sp": layout(tp=2, cp=2, sp=True, parity=True),

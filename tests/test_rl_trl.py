@@ -249,10 +249,9 @@ CASES = {
     # tests/test_rl_loss_variants.py checks it on ratios made to rise)
     "dapo_opsm": {"loss": "dapo", "num_iterations": 2, "epsilon": 0.1, "off_policy_mask_threshold": 0.3},
     # the 80/20 rule: the policy loss on the top 30% of tokens by entropy (TRL's quantile over its one micro-batch a
-    # step, the global batch here), with the KL on every token
-    "grpo_top_entropy": {"beta": 0.04, "num_iterations": 2, "top_entropy_quantile": 0.3},
-    # the KL's plain k3 term (no importance ratio: its gradient differs at the second step)
-    "grpo_kl_uncorrected": {"beta": 0.04, "num_iterations": 2, "use_bias_correction_kl": False},
+    # step, the global batch here), with the KL on every token, its plain k3 term (no importance ratio)
+    "grpo_top_entropy_plain_kl": {"beta": 0.04, "num_iterations": 2, "top_entropy_quantile": 0.3,
+                                  "use_bias_correction_kl": False},
     # GDPO: two reward functions, each normalized within its group, their weighted sum over the batch
     "gdpo": {"rewards": ["length_and_answer", "digits"], "reward_weights": [1.0, 2.0],
              "multi_objective_aggregation": "normalize_then_sum"},
@@ -320,8 +319,8 @@ def test_another_temperature_misses_trl(setup, runs):
 
 
 @pytest.mark.parametrize("name, option", [("dapo_opsm", "off_policy_mask_threshold"),
-                                          ("grpo_top_entropy", "top_entropy_quantile"),
-                                          ("grpo_kl_uncorrected", "use_bias_correction_kl"),
+                                          ("grpo_top_entropy_plain_kl", "top_entropy_quantile"),
+                                          ("grpo_top_entropy_plain_kl", "use_bias_correction_kl"),
                                           ("gdpo", "multi_objective_aggregation")])
 def test_without_its_option_it_misses_trl(setup, runs, name, option):
     """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term or GDPO's
