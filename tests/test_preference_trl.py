@@ -19,7 +19,7 @@ The other losses: at the end of those 3 steps (the policy off its reference, the
 rounding), shardlm's IPO, hinge, robust, EXO, DiscoPOP, length-normalized DPO, NCA, BCO, SPPO-hard, APO-zero and
 APO-down losses of the first step's pairs, DPO's (IPO's) over f-DPO's forward-KL, Jensen-Shannon and alpha
 scores, and MPO's weighted sum (sigmoid + bco_pair + the chosen tokens' NLL), equal TRL's `DPOTrainer` loss with
-that `loss_type` on the same trained trainer, within 1e-5 relative (the forward KL's within 1e-4: `CASE_TOL`).
+that `loss_type` on the same trained trainer, within 3e-5 relative (`LOSS_TOL`; the forward KL's within 1e-4).
 ORPO's odds-ratio term equals TRL's `ORPOTrainer.odds_ratio_loss` on the two pairs of
 `tests/test_preference_losses.py`.
 
@@ -236,9 +236,12 @@ AT_THE_REFERENCE = {  # name: (loss type, options on both sides, the loss at r =
     "mpo": ("sigmoid+bco_pair+sft", {"loss_weights": [0.8, 0.2, 1.0]}, None),
 }
 TRL_DEFAULTS = {"label_smoothing": 0.0, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5}
-CASE_TOL = {"sigmoid forward_kl": 1e-4}
-"""The forward KL's scores 1 - exp(-r) multiply the fp32 rounding of TRL's log-ratios by exp(-r): about 9 at this
-run's rejected answers (r near -2.2; measured 3.2e-5 relative)."""
+LOSS_TOL, CASE_TOL = 3e-5, {"sigmoid forward_kl": 1e-4}
+"""Each loss is a function of log-ratios of sequence log-probabilities near -350 nats, which TRL sums in fp32: their
+rounding, times the loss's slope, is what separates the two sides. Measured relative differences, on the AVX-512
+and the AVX2 kernels: at most 1.1e-5 (SPPO-hard's squares, 2 |r -+ 1 / (2 beta)| = 6 to 10 times the rounding),
+8.0e-6 (robust), 6.8e-6 (hinge), the others below 4.4e-6; the forward KL's scores 1 - exp(-r) multiply it by
+exp(-r), about 9 at this run's rejected answers (r near -2.2): 3.3e-5."""
 
 
 @pytest.fixture(scope="module")
@@ -269,13 +272,14 @@ def losses_now(trl_run, shardlm_run) -> dict:
 def test_the_other_losses_equal_trls_after_training(losses_now, name):
     """Each of TRL's other paired losses (and f-DPO's divergences): at the end of the DPO runs above (the same
     weights to rounding on both sides, the policy off its reference), shardlm's loss of the first step's pairs
-    equals TRL's `DPOTrainer` loss with that `loss_type` (and label smoothing, f-divergence) within 1e-5 relative,
+    equals TRL's `DPOTrainer` loss with that `loss_type` (and label smoothing, f-divergence) within `LOSS_TOL`,
     and differs from the loss at the reference by far more, so the sign and the scale of the log-ratios show (the
     formulas by hand on both sides of each loss: `tests/test_preference_losses.py`)."""
     ours, theirs = losses_now[name]
-    assert abs(ours - theirs) <= CASE_TOL.get(name, TOL) * theirs, (ours, theirs)
+    tol = CASE_TOL.get(name, LOSS_TOL)
+    assert abs(ours - theirs) <= tol * theirs, (ours, theirs)
     if AT_THE_REFERENCE[name][2] is not None:
-        assert abs(theirs - AT_THE_REFERENCE[name][2]) > 100 * CASE_TOL.get(name, TOL) * theirs, theirs
+        assert abs(theirs - AT_THE_REFERENCE[name][2]) > 100 * tol * theirs, theirs
 
 
 def test_orpo_odds_ratio_term_equals_trls():
