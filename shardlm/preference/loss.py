@@ -186,13 +186,14 @@ def referenced_losses(cfg: PreferenceConfig, ratio: torch.Tensor, counts: torch.
     scores = f_scores(cfg, ratio)
     if loss in ("ipo", "sigmoid_norm"):
         scores = scores / counts
-    z = beta * (scores[:, 0] - scores[:, 1])
+    d = scores[:, 0] - scores[:, 1]
+    z = beta * d
     if loss == "sigmoid":
         return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
     if loss == "sigmoid_norm":
         return -F.logsigmoid(z)
     if loss == "ipo":
-        return (z / beta - 1 / (2 * beta)) ** 2
+        return (d - 1 / (2 * beta)) ** 2
     if loss == "hinge":
         return torch.relu(1 - z)
     if loss == "robust":
