@@ -79,6 +79,8 @@ ERRORS = [
     ("a gate at temperature 0", lambda r: ['rl.loss="sapo"', "rl.sapo_temperature_neg=0.0"],
      "rl.sapo_temperature_pos and rl.sapo_temperature_neg must be > 0"),
     ("a negative power", lambda r: ['rl.loss="vespo"', "rl.vespo_k_neg=-1.0"], "vespo_lambda_neg must be >= 0"),
+    ("a quantile above 1", lambda r: ["rl.top_entropy_quantile=1.5"],
+     "rl.top_entropy_quantile=1.5 must be in [0, 1] (1: every token)"),
     ("an unknown aggregation", lambda r: ['rl.multi_objective_aggregation="mean"'],
      'rl.multi_objective_aggregation="mean" must be "sum_then_normalize" or "normalize_then_sum"'),
     ("GDPO with batch scaling", lambda r: ['rl.multi_objective_aggregation="normalize_then_sum"',
