@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from shardlm.bench.common import median_cell
-from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, side_by_side, timed_reference, trl_run
+from shardlm.bench.preference_runs import BETA, shardlm_steps, side_by_side, timed_reference, trl_run
 
 
 def unpaired_examples(records: list[dict]) -> list[dict]:
@@ -34,7 +34,6 @@ def unpaired_examples(records: list[dict]) -> list[dict]:
 
 def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads: int) -> dict:
     """The KTO figures of the `preference` section on `records` (the DPO comparison's pairs) and `model_dir`."""
-    from shardlm.bench.sft import ShardlmSteps
     from shardlm.preference.unpaired import to_example, tokenize_example
     from shardlm.sft.template import ChatTemplate
 
@@ -45,10 +44,7 @@ def kto_bench(shape, model_dir: Path, records: list[dict], folder: Path, threads
               for i, e in enumerate(examples)]
     path = folder / "examples.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in examples))
-    ours = ShardlmSteps(m, model_dir, path, folder / "shardlm-kto", threads, count_tokens=pair_row_tokens,
-                        extra=['preference.loss="kto"', f"preference.beta={BETA}", "sft.shuffle=false",
-                               f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
-                               "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
+    ours = shardlm_steps(m, model_dir, path, folder / "shardlm-kto", threads, "kto")
     theirs = trl_run(m.steps, m.warmup_steps, model_dir, examples, tokens, 2 * shape.pairs_per_step,
                      folder / "trl-kto", threads, after_step=ours.step, kto=True)
     figures, _ = side_by_side(ours, theirs, m.warmup_steps, timed_reference(ours.trainer, threads))

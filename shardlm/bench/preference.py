@@ -33,8 +33,8 @@ from pathlib import Path
 from shardlm.bench.common import median_cell
 from shardlm.bench.kto import kto_bench
 from shardlm.bench.kto import markdown_lines as kto_lines
-from shardlm.bench.preference_runs import BETA, LR, pair_row_tokens, side_by_side, timed_reference, trl_run
-from shardlm.bench.sft import SFT_BENCH, SFT_QUICK, SFTShape, ShardlmSteps, chat_data, make_model_dir
+from shardlm.bench.preference_runs import BETA, shardlm_steps, side_by_side, timed_reference, trl_run
+from shardlm.bench.sft import SFT_BENCH, SFT_QUICK, SFTShape, chat_data, make_model_dir
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,7 @@ def preference_bench(quick: bool, data_dir: Path | None = None, threads: int = 2
         model_dir, vocab = make_model_dir(m, tokenizer_dir, folder / "model")
         pairs_file = folder / "pairs.jsonl"
         pairs_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        ours = ShardlmSteps(m, model_dir, pairs_file, folder / "shardlm", threads, count_tokens=pair_row_tokens,
-                            extra=['preference.loss="sigmoid"', f"preference.beta={BETA}", "sft.shuffle=false",
-                                   f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
-                                   "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
+        ours = shardlm_steps(m, model_dir, pairs_file, folder / "shardlm", threads, "sigmoid")
         theirs = trl_run(m.steps, m.warmup_steps, model_dir, records, [pair_tokens(p) for p in tokenized],
                          shape.pairs_per_step, folder / "trl", threads, after_step=ours.step)
         reference_s = timed_reference(ours.trainer, threads)

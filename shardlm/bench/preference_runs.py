@@ -16,6 +16,17 @@ BETA, LR = 0.1, 1e-4
 """Both comparisons' beta and (constant) learning rate."""
 
 
+def shardlm_steps(model, model_dir: Path, data: Path, out: Path, threads: int, loss: str):
+    """shardlm's side (`bench.sft.ShardlmSteps`) of a preference comparison: `loss` at BETA, the records in order,
+    a constant learning rate LR, no weight decay, clipping at 1, each step's tokens counted by `pair_row_tokens`."""
+    from shardlm.bench.sft import ShardlmSteps
+
+    return ShardlmSteps(model, model_dir, data, out, threads, count_tokens=pair_row_tokens,
+                        extra=[f'preference.loss="{loss}"', f"preference.beta={BETA}", "sft.shuffle=false",
+                               f"train.lr={LR}", f"train.min_lr={LR}", 'train.decay_style="constant"',
+                               "train.warmup_steps=0", "train.weight_decay=0.0", "train.clip_grad=1.0"])
+
+
 def pair_row_tokens(data, step: int, rows_per_step: int) -> int:
     """Real tokens of the packed pair rows that step `step` (1, 2, ...) read: those of a pair (`pair` >= 0)."""
     rows = range((step - 1) * rows_per_step, step * rows_per_step)
