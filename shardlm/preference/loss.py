@@ -41,7 +41,6 @@ log-probability), their margin and the accuracy (chosen reward above rejected), 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
@@ -74,7 +73,8 @@ def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list
     found = [pair_occurrences(b["pair"]) for b in batches]
     divisor = chosen_share = None
     if count_pairs:
-        chosen = sum(int(((b["pair"] >= 0) & (b["side"] == 0) & (b["labels"] != -100)).sum()) for b in batches)
+        chosen = sum(int(torch.count_nonzero((b["pair"] >= 0) & (b["side"] == 0) & (b["labels"] != -100)))
+                     for b in batches)
         total = torch.tensor([float(sum(len(pairs) for pairs, _ in found)), float(chosen)], dtype=torch.float64,
                              device=ctx.device)
         ctx.dp.all_reduce(total)
@@ -152,26 +152,23 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
         rewards = beta * mean.detach()
     else:
         ratio = logps - reference
-        losses = sum(weight * (-logps[:, 0] * chosen_share if part == "sft" else
-                               referenced_losses(dataclasses.replace(cfg, loss=part), ratio, counts))
-                     for part, weight in zip(*loss_parts(cfg)))
+        terms = [-logps[:, 0] * chosen_share if part == "sft" else referenced_losses(cfg, part, ratio, counts)
+                 for part in cfg.loss.split("+")]
+        if cfg.loss_weights:  # a weighted sum ("a+b+...")
+            terms = [weight * term for weight, term in zip(cfg.loss_weights, terms)]
+        losses = terms[0]
+        for term in terms[1:]:
+            losses = losses + term
         rewards = beta * ratio.detach()
     margin = rewards[:, 0] - rewards[:, 1]
     return losses, {"rewards_chosen": rewards[:, 0], "rewards_rejected": rewards[:, 1], "reward_margin": margin,
                     "reward_accuracy": (margin > 0).double()}
 
 
-def loss_parts(cfg: PreferenceConfig) -> tuple[list[str], list[float]]:
-    """The losses `preference.loss` sums ("sigmoid+bco_pair+sft": three) and their weights (`loss_weights`; empty:
-    1 each)."""
-    parts = cfg.loss.split("+")
-    return parts, list(cfg.loss_weights) or [1.0] * len(parts)
-
-
-def referenced_losses(cfg: PreferenceConfig, ratio: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Per-pair losses (P,) of the losses with a reference (module docstring) from the log-ratios r (P, 2) and the
-    answers' token counts (P, 2)."""
-    beta, eps, loss = cfg.beta, cfg.label_smoothing, cfg.loss
+def referenced_losses(cfg: PreferenceConfig, loss: str, ratio: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per-pair losses (P,) of `loss`, one of the losses with a reference (module docstring; its options from `cfg`),
+    from the log-ratios r (P, 2) and the answers' token counts (P, 2)."""
+    beta, eps = cfg.beta, cfg.label_smoothing
     if loss not in F_DIVERGENCE_LOSSES:
         chosen, rejected = beta * ratio[:, 0], beta * ratio[:, 1]
         if loss == "nca_pair":
