@@ -131,6 +131,23 @@ class RLConfig:
     """"Beyond the 80/20 rule": only the tokens whose entropy is in this top share of the global batch's completion
     tokens get a policy loss (0.2 in the paper; the KL term stays on every token); 1: every token. The threshold is
     the quantile over the whole global batch (one no-gradient forward pass of the step's rows first)."""
+    entropy_coef: float = 0.0
+    """An entropy bonus: the loss less entropy_coef x the mean entropy over the global batch's completion tokens (those
+    the entropy mask keeps, under rl.top_entropy_quantile), whatever the loss type's normalizer; 0: none. Under
+    use_adaptive_entropy, the starting coefficient."""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control: after each step the coefficient rises by entropy_coef_delta while that
+    mean entropy is at or below entropy_target and falls by it above, within [entropy_coef_min, entropy_coef_max];
+    a step applies it only when the last step's mean entropy was at or below the target. Saved in checkpoints."""
+    entropy_coef_min: float = 0.0
+    """The adaptive coefficient's lower bound."""
+    entropy_coef_max: float = 1.0
+    """The adaptive coefficient's upper bound."""
+    entropy_coef_delta: float = 0.005
+    """The adaptive coefficient's change per step."""
+    entropy_target: float = 0.2
+    """The mean entropy (nats) at or below which the adaptive bonus applies; set it near the entropy the run logs
+    early on (2 to 10 nats for typical models)."""
     off_policy_mask_threshold: float = 0.0
     """DeepSeek-V3.2's off-policy sequence masking: a completion with a negative advantage whose mean
     log-probability under the policy that sampled it exceeds the current policy's by more than this gets no policy

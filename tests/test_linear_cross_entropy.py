@@ -6,7 +6,8 @@ rows included), with ignored targets, a loss gradient that differs per token, ch
 inside the batch, fp32, bf16 autocast and bf16 parameters, and the GEMM width a GPU or half precision
 rounds up to (forced on the CPU in fp32, padding rows that are not zero); a GPT trains through it to the
 same losses and gradients as through the unfused head. Gemma's soft cap s tanh(z / cap) inside it (and in the
-entropy RL logs) equals the unfused loss over the capped logits, alone, at TP 2 and 4, and in Gemma 4's head.
+entropy RL logs and its bonus differentiates) equals the unfused loss over the capped logits, alone, at TP 2 and 4,
+and in Gemma 4's head; so do the entropy's gradients.
 At TP=2 and TP=4 (gloo workers): each rank's
 losses and gradients equal the unfused vocabulary-parallel path's (`F.linear` on this rank's rows,
 then `vocab_parallel_cross_entropy`), shards holding padding and shards of padding only included,
@@ -99,17 +100,37 @@ def test_soft_cap_equals_the_unfused_capped_logits(monkeypatch, rows_per_chunk):
         assert (a - b).abs().max() <= 2e-2 * b.abs().max()
 
 
-def test_entropy_of_soft_capped_logits():
-    """`vocab_parallel_entropy` with the soft cap: the entropy of softmax(s tanh(z / cap)) over the real vocabulary."""
-    from shardlm.parallel.entropy import vocab_parallel_entropy
+@pytest.mark.parametrize("rows_per_chunk", [5, 1000])
+def test_entropy_of_soft_capped_logits_and_its_gradient(monkeypatch, rows_per_chunk):
+    """`vocab_parallel_entropy` with and without the soft cap: the entropy of softmax(s tanh(z / cap)) over the real
+    vocabulary, and with a gradient (an RL run's entropy bonus) autograd's through the unfused computation, for the
+    hidden states and the weight (padding rows: 0), in chunks of rows and whole."""
+    import shardlm.parallel.entropy as entropy_module
 
-    hidden, weight, _, _ = _inputs()
+    monkeypatch.setattr(entropy_module, "_chunk_rows", lambda real: rows_per_chunk)
+    hidden, weight, _, upstream = _inputs()
+    weight = weight.clone()
+    weight[V:] = 1.0  # padding rows that are not zero: one taking part in the softmax would change every entropy
     tp = ParallelContext.single().tp
     for softcap in (None, SOFTCAP):
         log_p = capped(F.linear(hidden, weight)[..., :V], softcap).log_softmax(-1)
         expected = -(log_p.exp() * log_p).sum(-1)
-        torch.testing.assert_close(vocab_parallel_entropy(hidden, weight, tp, V, softcap), expected,
+        torch.testing.assert_close(entropy_module.vocab_parallel_entropy(hidden, weight, tp, V, softcap), expected,
                                    rtol=1e-5, atol=1e-6)
+        grads = []
+        for fused in (True, False):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            if fused:
+                got = entropy_module.vocab_parallel_entropy(h, w, tp, V, softcap)
+            else:
+                log_p = capped(F.linear(h, w)[..., :V], softcap).log_softmax(-1)
+                got = -(log_p.exp() * log_p).sum(-1)
+            (got * upstream).sum().backward()
+            grads.append((h.grad, w.grad))
+        (h_grad, w_grad), (h_ref, w_ref) = grads
+        torch.testing.assert_close(h_grad, h_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w_grad, w_ref, rtol=1e-5, atol=1e-6)
+        assert w_grad[V:].abs().max() == 0.0 and w_grad[:V].abs().max() > 0
 
 
 @pytest.mark.parametrize("rows_per_chunk", [5, 1000])
@@ -263,13 +284,20 @@ def _tensor_parallel_checks():
                 fused[k]["calls"] == unfused[k]["calls"] and fused[k]["elements"] == unfused[k]["elements"] - 1 *
                 (1 if "max" in k else 2) for k in fused)  # the one ignored token's values are not sent
             out[(vocab, precision, softcap is not None)] = {"errors": rel, "same_comm": same, "comm": comm}
-        for softcap in (None, SOFTCAP):  # the logged entropy: each rank's sums rescaled to the row's max
+        for softcap in (None, SOFTCAP):  # the entropy: each rank's sums rescaled to the row's max, and its gradient
             from shardlm.parallel.entropy import vocab_parallel_entropy
 
-            log_p = capped(F.linear(hidden, weight)[..., :vocab], softcap).log_softmax(-1)
+            full_h, full_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            log_p = capped(F.linear(full_h, full_w)[..., :vocab], softcap).log_softmax(-1)
             expected = -(log_p.exp() * log_p).sum(-1)
-            got = vocab_parallel_entropy(hidden, shard, ctx.tp, vocab, softcap)
-            out[("entropy", vocab, softcap is not None)] = ((got - expected).abs().max() / expected.abs().max()).item()
+            (expected * upstream).sum().backward()
+            h, w = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+            got = vocab_parallel_entropy(copy_to_tensor_parallel(h, ctx.tp), w, ctx.tp, vocab, softcap)
+            (got * upstream).sum().backward()
+            expected_w = full_w.grad.chunk(ctx.tp_size)[ctx.tp_rank]
+            out[("entropy", vocab, softcap is not None)] = max(  # a shard of padding only: both gradients 0
+                ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+                for a, b in ((got, expected), (h.grad, full_h.grad), (w.grad, expected_w)))
     return out
 
 

@@ -16,7 +16,8 @@ three clip ratios, the reward, every final parameter on every rank:
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level
   ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run), VESPO with the
   off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap at CP=2, SAPO at
-  PP=2, DAPO under the entropy mask (its quantile over the global batch, gathered over DP x CP) at CP=2 and PP=2,
+  PP=2, DAPO under the entropy mask (its quantile over the global batch, gathered over DP x CP) with the adaptive
+  entropy bonus at CP=2, PP=2 and TP=2 with SP (the bonus's gradient through the vocabulary-parallel output layer),
   each against a one-process run of its loss;
 - world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP, CP=2 x PP=2, FSDP CP=2 x DP=2, an
   MoE at EP=2 x CP=2;
@@ -61,12 +62,14 @@ COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ra
 VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
             "luspo": {"loss": "luspo", "delta": 1.04},
             "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0},
-            "entropy": {"top_entropy_quantile": 0.3}}
+            "entropy": {"top_entropy_quantile": 0.3, "entropy_coef": 0.02, "use_adaptive_entropy": True,
+                        "entropy_coef_delta": 0.05, "entropy_target": 100.0}}
 """Other losses in place of DAPO in `rl_config`: VESPO's weight of a sequence's log-ratio total and the off-policy
 mask's mean log-ratio (sums over a sequence's CP ranks), LUSPO's per-sequence sums with INTELLECT-2's cap (each
 option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip, DAPO on the
 top 30% of tokens by entropy (the quantile over the global batch's tokens, gathered over DP x CP, or on the last
-pipeline stage)."""
+pipeline stage) with the entropy bonus on them (its gradient through the vocabulary-parallel output layer; the
+adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step)."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
                   {"kind": "constant" if i == 0 else "varied"}) for i in range(6)]
 
@@ -204,6 +207,7 @@ WORLD2 = {
     "pp2 sapo": layout(pp=2, variant="sapo"),
     "cp2 entropy": layout(cp=2, variant="entropy"),
     "pp2 entropy": layout(pp=2, variant="entropy"),
+    "tp2 sp entropy": layout(tp=2, sp=True, variant="entropy"),
 }
 SAMPLES2 = {
     "sample tp2": layout(tp=2, sample=True),
@@ -310,10 +314,12 @@ def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
 
 
 @pytest.mark.parametrize("kind, option, off", [("vespo", "off_policy_mask_threshold", 0.0), ("luspo", "delta", 0.0),
-                                               ("entropy", "top_entropy_quantile", 1.0)])
+                                               ("entropy", "top_entropy_quantile", 1.0),
+                                               ("entropy", "use_adaptive_entropy", False)])
 def test_the_variants_options_reach_the_run(reference, kind, option, off):
-    """The controls: without its off-policy mask (VESPO), its cap (LUSPO) or the entropy mask the one-process run's
-    gradient norms move (the mask from the second step, the cap at the fourth), so the layouts above check them."""
+    """The controls: without its off-policy mask (VESPO), its cap (LUSPO), the entropy mask or the adaptive entropy
+    bonus (a constant 0.02) the one-process run's gradient norms move (the mask from the second step, the cap at the
+    fourth), so the layouts above check them."""
     config = rl_config(variant=kind)
     setattr(config.rl, option, off)
     got = train_layout(ParallelContext.single(), config)["curve"]

@@ -23,9 +23,11 @@ near 11.9, the gradient norms): `differences`. Measured: at most 1.3e-6 (a gradi
 1.9e-7 (entropy), 5.4e-8 (kl), 6e-8 (reward: TRL's are fp32), 2.3e-8 (clip ratios: the same tokens clipped). The
 cases cover grpo, dr_grpo, dapo, cispo, sapo, luspo and vespo, num_iterations 1 and 2, beta 0 and 0.04,
 clip-higher, masked truncated completions, scale_rewards "batch" and "none", GSPO's sequence-level ratio and
-DeepSeek-V3.2's off-policy mask, the 80/20 rule's entropy mask, the KL without its importance ratio and GDPO's
-normalization of two reward functions. Control runs with another temperature, or without each of those options,
-miss TRL's numbers by far more than TOL, so the comparison can fail. (INTELLECT-2's `delta`
+DeepSeek-V3.2's off-policy mask, the 80/20 rule's entropy mask, the KL without its importance ratio, GDPO's
+normalization of two reward functions, the entropy bonus (on the entropy mask's tokens) and Skywork-OR1's adaptive
+control of its coefficient (measured: within 1.1e-6, the gradient norms; `policy_loss` and `entropy_coef` too).
+Control runs with another temperature, or without each of those options, miss TRL's numbers by far more than TOL,
+so the comparison can fail. (INTELLECT-2's `delta`
 has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
 """
 
@@ -212,7 +214,8 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
 
 SAME_NAMES = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
               "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile",
-              "use_bias_correction_kl", "multi_objective_aggregation", "reward_weights")
+              "use_bias_correction_kl", "multi_objective_aggregation", "reward_weights", "entropy_coef",
+              "use_adaptive_entropy", "entropy_coef_delta", "entropy_target")
 """Options that TRL's GRPOConfig and shardlm's [rl] name alike."""
 
 
@@ -255,10 +258,18 @@ CASES = {
     # GDPO: two reward functions, each normalized within its group, their weighted sum over the batch
     "gdpo": {"rewards": ["length_and_answer", "digits"], "reward_weights": [1.0, 2.0],
              "multi_objective_aggregation": "normalize_then_sum"},
+    # the entropy bonus (its gradient through the output layer) on the tokens the entropy mask keeps, under DAPO's
+    # token mean; the bonus is a mean over those tokens whatever the loss type's normalizer
+    "dapo_entropy_bonus": {"loss": "dapo", "num_iterations": 2, "top_entropy_quantile": 0.5, "entropy_coef": 0.05},
+    # Skywork-OR1's adaptive control, the target above every entropy: no bonus at the first step (no mean yet), then
+    # the coefficient 0.03 and 0.05, raised after each step
+    "grpo_adaptive_entropy": {"steps": 3, "beta": 0.04, "entropy_coef": 0.01, "use_adaptive_entropy": True,
+                              "entropy_coef_delta": 0.02, "entropy_target": 12.0},
 }
 METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "reward", "reward_std",
-           "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio")
+           "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "policy_loss",
+           "entropy_coef")
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +292,9 @@ def differences(ours: list[dict], theirs: list[dict]) -> dict:
     worst: dict = {}
     for mine, trls in zip(ours, theirs):
         for key in METRICS:
-            if key in trls:
-                worst[key] = max(worst.get(key, 0.0), abs(mine[key] - trls[key]) / max(1.0, abs(trls[key])))
+            if key in trls:  # (one shardlm does not log: infinitely far)
+                gap = abs(mine[key] - trls[key]) / max(1.0, abs(trls[key])) if key in mine else float("inf")
+                worst[key] = max(worst.get(key, 0.0), gap)
     return worst
 
 
@@ -302,6 +314,9 @@ def test_grpo_follows_trl_step_by_step(runs, name):
     assert all(value <= TOL for value in worst.values()), {k: v for k, v in worst.items() if v > TOL}
     if case.get("beta"):
         assert theirs[1]["kl"] > 100 * TOL, theirs[1]
+    if case.get("entropy_coef"):  # the bonus moved the loss (from the second step under the adaptive control)
+        assert {"policy_loss", "entropy_coef"} <= set(ours[-1]) and {"policy_loss", "entropy_coef"} <= set(theirs[-1])
+        assert all(abs(o["loss"] - o["policy_loss"]) > 0.1 for o in ours[case.get("use_adaptive_entropy", 0):])
     if case.get("num_iterations", 1) > 1:  # the second step: the ratios against the round's old policy
         assert theirs[1]["grad_norm"] > 0, theirs[1]
         # some clipped (cispo: capped) tokens, or VESPO's weights off their value 1 at ratio 1
@@ -321,10 +336,11 @@ def test_another_temperature_misses_trl(setup, runs):
 @pytest.mark.parametrize("name, option", [("dapo_opsm", "off_policy_mask_threshold"),
                                           ("grpo_top_entropy_plain_kl", "top_entropy_quantile"),
                                           ("grpo_top_entropy_plain_kl", "use_bias_correction_kl"),
-                                          ("gdpo", "multi_objective_aggregation")])
+                                          ("gdpo", "multi_objective_aggregation"),
+                                          ("dapo_entropy_bonus", "entropy_coef")])
 def test_without_its_option_it_misses_trl(setup, runs, name, option):
-    """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term or GDPO's
-    normalization (each at its default) misses TRL's run by far more than TOL."""
+    """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term, GDPO's
+    normalization or the entropy bonus (each at its default) misses TRL's run by far more than TOL."""
     theirs, _ = runs(name)
     case = {k: v for k, v in CASES[name].items() if k != option}
     worst = differences(shardlm_steps(setup, f"without_{option}", case), theirs)

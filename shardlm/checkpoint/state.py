@@ -214,6 +214,7 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
             "world_size": ctx.world_size,
             "padded_vocab_size": trainer.model.padded_vocab_size,
             "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+            **({"loss": trainer.loss.state_dict()} if hasattr(trainer.loss, "state_dict") else {}),
             "config": dataclasses.asdict(trainer.config), "tensors": tensors_table, "files": manifest,
             **({"lora": base} if base else {}),
         }
@@ -366,6 +367,8 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     trainer.skipped_steps = meta["skipped_steps"]
     if trainer.scaler and meta["scaler"]:
         trainer.scaler.load_state_dict(meta["scaler"])
+    if meta.get("loss") and hasattr(trainer.loss, "load_state_dict"):  # an RL run's adaptive entropy control
+        trainer.loss.load_state_dict(meta["loss"])
     if same_layout:
         _restore_rng(ctx, checkpoint / rng_file(ctx.rank))
     return meta

@@ -204,6 +204,7 @@ class DecoderLM(nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(ctx.tp_size)
         self.logit_temperature = 1.0  # an RL run's log-probabilities are those of logits / temperature, as TRL's
         self.entropies: list | None = None  # when a list, `output_loss` appends each call's token entropies
+        self.entropy_gradient = False  # whether those entropies carry a gradient (an RL run's entropy bonus)
         return self.sequence_parallel
 
     @property
@@ -266,17 +267,19 @@ class DecoderLM(nn.Module):
         layer and the vocabulary-parallel loss as one function, `linear_cross_entropy` (this rank's logits
         become their own gradient; never gathered, never copied). Training's path; `loss(output_layer(h))`
         computes the same. An RL run's `logit_temperature` divides the logits (as h / temperature), and its
-        `entropies` list receives the (B, T) entropies of the same distributions (no gradient)."""
+        `entropies` list receives the (B, T) entropies of the same distributions (0 where there is no target; with
+        a gradient under `entropy_gradient`)."""
         h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
         softcap = self.output_softcap()
         if softcap is None and self.logit_temperature != 1.0:
             h = h / self.logit_temperature
         if self.entropies is not None:  # where there is a target
             kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
-            entropy = torch.zeros(targets.numel(), device=h.device)
-            entropy[kept] = vocab_parallel_entropy(h.detach().reshape(-1, h.shape[-1])[kept],
-                                                   self.output_weight.detach(), self.ctx.tp, self.cfg.vocab_size,
-                                                   softcap)
+            rows, weight = h.reshape(-1, h.shape[-1])[kept], self.output_weight
+            if not self.entropy_gradient:
+                rows, weight = rows.detach(), weight.detach()
+            values = vocab_parallel_entropy(rows, weight, self.ctx.tp, self.cfg.vocab_size, softcap)
+            entropy = torch.zeros(targets.numel(), device=h.device).index_put((kept,), values)
             self.entropies.append(entropy.view(targets.shape))
         return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index,
                                     softcap)

@@ -1,5 +1,6 @@
 """Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO,
-SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask),
+SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask, the 80/20 rule's entropy
+mask, an entropy bonus with Skywork-OR1's adaptive control),
 the completions sampled by the policy in the training processes, at the training layout. Prompts and rewards
 (`prompts`, `rewards`, the built-in task `arithmetic`), rollouts (`rollout`), group-relative advantages
 (`advantages`), the step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`).
@@ -58,6 +59,13 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (r.multi_objective_aggregation == "sum_then_normalize" or r.scale_rewards == "group",
          'rl.multi_objective_aggregation="normalize_then_sum" (GDPO) normalizes each reward function within its group '
          'and their sum over the batch; rl.scale_rewards does not apply: leave it "group"'),
+        (r.entropy_coef >= 0, f"rl.entropy_coef={r.entropy_coef} must be >= 0 (0: no entropy bonus)"),
+        (not r.use_adaptive_entropy or 0 <= r.entropy_coef_min <= r.entropy_coef_max,
+         f"rl.entropy_coef_min={r.entropy_coef_min} and rl.entropy_coef_max={r.entropy_coef_max} must satisfy "
+         "0 <= min <= max"),
+        (not r.use_adaptive_entropy or r.entropy_coef_delta > 0,
+         f"rl.entropy_coef_delta={r.entropy_coef_delta} must be > 0 under rl.use_adaptive_entropy"),
+        (r.entropy_target >= 0, f"rl.entropy_target={r.entropy_target} must be >= 0 (nats)"),
         (r.off_policy_mask_threshold >= 0, f"rl.off_policy_mask_threshold={r.off_policy_mask_threshold} must be >= 0 "
                                            "(0: off)"),
         (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),

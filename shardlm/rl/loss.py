@@ -18,14 +18,20 @@ updates (num_iterations 1: logp itself, detached, so the ratio is exactly 1) and
                        quantile (`prepare`: a no-gradient pass over the step's rows, the quantile over DP x CP)
     KL (beta > 0)      l += beta w (exp(ref - logp) - (ref - logp) - 1)   (k3, with TRL's importance correction;
                        without w under rl.use_bias_correction_kl = false)
+    entropy bonus      loss -= c x the mean entropy H over the global batch's completion tokens (those the entropy
+                       mask keeps), with its gradient, whatever the loss type's normalizer; c = rl.entropy_coef, under
+                       Skywork-OR1's adaptive control (rl.use_adaptive_entropy) moved after each step by
+                       rl.entropy_coef_delta towards keeping that mean at rl.entropy_target, and 0 while the last
+                       step's mean was above it
 
 The loss is sum over tokens of `weight` x l (`shardlm.rl.batch`: the loss type's normalizer over the global batch);
 each micro-batch returns its share times micro-batches x DP, which the trainer's mean over micro-batches and DP
 turns back into that sum. A sequence's sums (GSPO's mean, VESPO's total, the mask's mean) span its CP ranks.
 Metrics, as TRL logs them: `kl` and `entropy` (token means), `clip_ratio/low_mean`, `clip_ratio/high_mean`,
 `clip_ratio/region_mean` (token means; sequence means under GSPO), `cispo_clip_ratio` or `vespo/phi_seq_mean` (the
-sequences' mean weight), and `logprob_diff_max`, the largest |rollout log-probability - training log-probability|
-over the round's first step (training-inference mismatch; 0 when they agree bitwise).
+sequences' mean weight), with an entropy bonus `policy_loss` (the loss without it) and `entropy_coef` (after the
+step's update), and `logprob_diff_max`, the largest |rollout log-probability - training log-probability| over the
+round's first step (training-inference mismatch; 0 when they agree bitwise).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
 
 SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-          "cispo_clip_ratio", "vespo/phi_seq_mean")
+          "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss", "bonus_entropy")
 CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -113,8 +119,12 @@ class RLLoss:
         self.sums = dict.fromkeys(SUMMED, 0.0)
         self.logprob_diff = 0.0
         self.first_step = True
+        self.bonus = cfg.entropy_coef != 0 or cfg.use_adaptive_entropy
+        self.entropy_coef = cfg.entropy_coef
+        self.last_entropy = math.inf  # the last step's mean entropy of the bonus's tokens (adaptive control)
         model.logit_temperature = cfg.temperature
         model.entropies = []
+        model.entropy_gradient = self.bonus
 
     def __call__(self, forward, batch: dict) -> torch.Tensor:
         return self.of_token_losses(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
@@ -143,10 +153,31 @@ class RLLoss:
             if cfg.use_bias_correction_kl:
                 kl = kl * coef
             losses = losses + cfg.beta * kl
-        loss = (torch.where(trained, losses, 0.0) * batch["weight"]).sum() * batch["scale"]
+        loss = policy = (torch.where(trained, losses, 0.0) * batch["weight"]).sum()
+        if self.bonus and entropy is not None:  # the global batch's mean over the bonus's tokens (`mark_high_entropy`)
+            mean_entropy = (entropy.double() * batch.get("entropy_weight", batch["token_weight"])).sum()
+            loss = policy - self.applied_coef() * mean_entropy
+            if self.model.training:
+                self.sums["policy_loss"] += policy.item()
+                self.sums["bonus_entropy"] += mean_entropy.item()
         if self.model.training:
             self._record(seen.detach(), advantage, kl, entropy, logp.detach(), batch)
-        return loss.float()
+        return (loss * batch["scale"]).float()
+
+    def applied_coef(self) -> float:
+        """The entropy bonus's coefficient this step (the adaptive one only at or below the target, as TRL)."""
+        if self.cfg.use_adaptive_entropy and self.last_entropy > self.cfg.entropy_target:
+            return 0.0
+        return self.entropy_coef
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the loss: the adaptive entropy control's coefficient and last mean."""
+        return {"entropy_coef": self.entropy_coef,
+                "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy_coef = state["entropy_coef"]
+        self.last_entropy = math.inf if state["last_entropy"] is None else state["last_entropy"]
 
     def prepare(self, forward, batches: list[dict]) -> None:
         """Before a step's micro-batches, with `rl.top_entropy_quantile` < 1: each micro-batch's `high_entropy` mask
@@ -154,7 +185,7 @@ class RLLoss:
         forward pass of each)."""
         if self.cfg.top_entropy_quantile >= 1:
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._entropies_without_gradient():
             for batch in batches:
                 self.record_entropies(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
         self.mark_high_entropy(batches)
@@ -164,9 +195,17 @@ class RLLoss:
         the last stage (which alone computes the loss)."""
         if self.cfg.top_entropy_quantile >= 1:
             return
-        pipeline.reference_pass(batches, self.record_entropies, contextlib.nullcontext())
+        pipeline.reference_pass(batches, self.record_entropies, self._entropies_without_gradient())
         if self.ctx.pp_rank == pipeline.last_rank:
             self.mark_high_entropy(batches)
+
+    @contextlib.contextmanager
+    def _entropies_without_gradient(self):
+        gradient, self.model.entropy_gradient = self.model.entropy_gradient, False
+        try:
+            yield
+        finally:
+            self.model.entropy_gradient = gradient
 
     def record_entropies(self, token_losses: torch.Tensor, batch: dict) -> None:
         """Keep the entropies (b, T) the forward that gave `token_losses` appended to the model's list."""
@@ -175,7 +214,8 @@ class RLLoss:
     def mark_high_entropy(self, batches: list[dict]) -> None:
         """Each batch's `high_entropy` (b, T): its counted tokens whose entropy is at least the (1 -
         top_entropy_quantile) quantile of every counted token's of the global batch (all-gathered over DP x CP; linear
-        interpolation, as `torch.quantile` in TRL's `get_high_entropy_mask`)."""
+        interpolation, as `torch.quantile` in TRL's `get_high_entropy_mask`), and its `entropy_weight` (b, T): 1 / the
+        global batch's count of such tokens on them (the entropy bonus's mean)."""
         group = self.ctx.dp_cp
         entropies = [b.pop("entropy").float() for b in batches]
         counted = [b["token_weight"] > 0 for b in batches]
@@ -184,8 +224,10 @@ class RLLoss:
         padded = torch.cat([local, local.new_zeros(max(sizes) - local.numel())])
         values = torch.cat([part[:size] for part, size in zip(group.all_gather(padded), sizes)])
         threshold = quantile(values, 1.0 - self.cfg.top_entropy_quantile) if values.numel() else math.inf
+        count = max(int((values >= threshold).sum()), 1)
         for batch, entropy, kept in zip(batches, entropies, counted):
             batch["high_entropy"] = kept & (entropy >= threshold)
+            batch["entropy_weight"] = batch["high_entropy"] / count
 
     def _policy_losses(self, coef, log_ratio, advantage, logp, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's policy term l (b, T) (module docstring) and what the loss type's metric reads: the ratio as
@@ -244,7 +286,8 @@ class RLLoss:
     def take_metrics(self) -> dict[str, float]:
         """The step's metrics over the global batch (one all-reduce over DP x CP and the pipeline group, whose last
         stage alone computed them), then reset."""
-        names = (["kl"] if self.cfg.beta else []) + ["entropy"] + loss_metrics(self.cfg.loss)
+        names = ((["kl"] if self.cfg.beta else []) + ["entropy"] + loss_metrics(self.cfg.loss)
+                 + (["policy_loss", "bonus_entropy"] if self.bonus else []))
         values = torch.tensor([self.sums[k] for k in names], dtype=torch.float64, device=self.ctx.device)
         diff = torch.tensor([self.logprob_diff], dtype=torch.float64, device=self.ctx.device)
         self.ctx.dp_cp.all_reduce(values)
@@ -260,4 +303,19 @@ class RLLoss:
             metrics["vespo/phi_seq_mean"] += 1.0
         if self.first_step:
             metrics["logprob_diff_max"] = diff.item()
+        if self.bonus:
+            self._adapt(metrics.pop("bonus_entropy"))
+            metrics["entropy_coef"] = self.entropy_coef
         return metrics
+
+    def _adapt(self, mean_entropy: float) -> None:
+        """Skywork-OR1's control after a step, as TRL's: the coefficient up by delta (at most the max) at or below the
+        target, else down (at least the min)."""
+        cfg = self.cfg
+        if not cfg.use_adaptive_entropy:
+            return
+        if mean_entropy <= cfg.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+        self.last_entropy = mean_entropy
