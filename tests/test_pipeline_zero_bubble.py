@@ -130,7 +130,6 @@ CASES = {
     "gpt zbv m8": (gpt(micro=1, schedule="zbv"), "gpt m1", 2),
     "gpt zbv m2": (gpt(micro=4, schedule="zbv"), "gpt m4", 2),
     "gpt dualpipev m4": (gpt(schedule="dualpipev"), "gpt m2", 2),
-    "gpt dualpipev m8": (gpt(micro=1, schedule="dualpipev"), "gpt m1", 2),
     "gpt interleaved-zb v1 m4": (gpt(schedule="interleaved-zb"), "gpt m2", 2),
     "gpt interleaved-zb v2 m8": (gpt(micro=1, schedule="interleaved-zb", virtual=2), "gpt m1", 2),
     "gpt zbv full recompute": (gpt(schedule="zbv", recompute="full"), "gpt m2", 2),
@@ -156,7 +155,6 @@ CASES = {
     "pp2 dp2 fsdp gpt zbv": (fsdp(schedule="zbv"), "fsdp gpt", 4),
     "pp2 dp2 fsdp gpt dualpipev": (fsdp(schedule="dualpipev"), "fsdp gpt", 4),
     "pp2 dp2 fsdp llama interleaved-zb": (fsdp("llama", schedule="interleaved-zb"), "fsdp llama", 4),
-    "pp2 dp2 fsdp llama dualpipev": (fsdp("llama", schedule="dualpipev"), "fsdp llama", 4),
     "pp2 ep2 moe zbv": (moe(ep=2, schedule="zbv"), "moe", 4),
     "pp2 ep2 moe interleaved-zb": (moe(ep=2, schedule="interleaved-zb"), "moe", 4),
 }

@@ -252,15 +252,14 @@ CASES = {
     # tests/test_rl_loss_variants.py checks it on ratios made to rise)
     "dapo_opsm": {"loss": "dapo", "num_iterations": 2, "epsilon": 0.1, "off_policy_mask_threshold": 0.3},
     # the 80/20 rule: the policy loss on the top 30% of tokens by entropy (TRL's quantile over its one micro-batch a
-    # step, the global batch here), with the KL on every token, its plain k3 term (no importance ratio)
-    "grpo_top_entropy_plain_kl": {"beta": 0.04, "num_iterations": 2, "top_entropy_quantile": 0.3,
-                                  "use_bias_correction_kl": False},
+    # step, the global batch here), with the KL on every token, its plain k3 term (no importance ratio), and the
+    # entropy bonus on those tokens (its gradient through the output layer; a mean over them, not GRPO's
+    # per-sequence weights)
+    "grpo_top_entropy_plain_kl_bonus": {"beta": 0.04, "num_iterations": 2, "top_entropy_quantile": 0.3,
+                                        "use_bias_correction_kl": False, "entropy_coef": 0.05},
     # GDPO: two reward functions, each normalized within its group, their weighted sum over the batch
     "gdpo": {"rewards": ["length_and_answer", "digits"], "reward_weights": [1.0, 2.0],
              "multi_objective_aggregation": "normalize_then_sum"},
-    # the entropy bonus (its gradient through the output layer) on the tokens the entropy mask keeps, under DAPO's
-    # token mean; the bonus is a mean over those tokens whatever the loss type's normalizer
-    "dapo_entropy_bonus": {"loss": "dapo", "num_iterations": 2, "top_entropy_quantile": 0.5, "entropy_coef": 0.05},
     # Skywork-OR1's adaptive control, the target above every entropy: no bonus at the first step (no mean yet), then
     # the coefficient 0.03 and 0.05, raised after each step
     "grpo_adaptive_entropy": {"steps": 3, "beta": 0.04, "entropy_coef": 0.01, "use_adaptive_entropy": True,
@@ -334,10 +333,10 @@ def test_another_temperature_misses_trl(setup, runs):
 
 
 @pytest.mark.parametrize("name, option", [("dapo_opsm", "off_policy_mask_threshold"),
-                                          ("grpo_top_entropy_plain_kl", "top_entropy_quantile"),
-                                          ("grpo_top_entropy_plain_kl", "use_bias_correction_kl"),
+                                          ("grpo_top_entropy_plain_kl_bonus", "top_entropy_quantile"),
+                                          ("grpo_top_entropy_plain_kl_bonus", "use_bias_correction_kl"),
                                           ("gdpo", "multi_objective_aggregation"),
-                                          ("dapo_entropy_bonus", "entropy_coef")])
+                                          ("grpo_top_entropy_plain_kl_bonus", "entropy_coef")])
 def test_without_its_option_it_misses_trl(setup, runs, name, option):
     """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term, GDPO's
     normalization or the entropy bonus (each at its default) misses TRL's run by far more than TOL."""
