@@ -57,6 +57,10 @@ class PreferenceConfig:
     discopop."""
     f_alpha_divergence_coef: float = 0.5
     """alpha_divergence: its alpha."""
+    ld_alpha: float = 1.0
+    """LD-DPO's weight, in [0, 1], of each answer's tokens past the shorter answer of its pair (the first
+    min(chosen, rejected) tokens of both count fully) in the sequence log-probabilities of the policy and the
+    reference; 1: no weighting (DPO)."""
     discopop_tau: float = 0.05
     """discopop: the temperature of the gate between its logistic and exponential parts."""
     simpo_gamma: float = 0.5

@@ -3,7 +3,7 @@ chat model's directory, the reference precomputed and saved with the run, the re
 a run stopped by SIGTERM after step 2 and restarted reads its saved reference and equals the uninterrupted run
 bitwise (steps, validation loss, final model); a restart with another pair count (records, held-out share) is
 refused in one line, and so is one with the same pairs in another order (the tables carry their pairs'
-fingerprint); the export
+fingerprint) or another LD-DPO weight; the export
 (`convert --to-hf`, and a LoRA run's `--to-peft --merge`) gives the run's own logits;
 `configs/dpo-tiny-qwen3.toml` with `scripts/dolly_pairs.py`; bad records and settings as one-line errors that
 leave nothing behind."""
@@ -199,6 +199,8 @@ CHANGED = [
                  "log-probabilities; the data has 16", id="another held-out share"),
     pytest.param(lambda records: records[::-1], [], "holds the reference log-probabilities of other train pairs "
                  "than the data's 18", id="the same pairs in another order"),
+    pytest.param(lambda records: records, ["preference.ld_alpha=0.5"], "holds reference log-probabilities summed "
+                 "with preference.ld_alpha=1, this run's is 0.5", id="another LD-DPO weight"),
 ]
 
 
@@ -272,6 +274,13 @@ ERRORS = [
      'preference.loss="sft" is supervised fine-tuning on the chosen answers'),
     ("weights for another count", lambda r: ['preference.loss="sigmoid+sft"', "preference.loss_weights=[1.0]"],
      'preference.loss_weights has 1 weights for the 2 losses of preference.loss="sigmoid+sft"'),
+    ("an LD-DPO weight above 1", lambda r: ["preference.ld_alpha=1.5"],
+     "preference.ld_alpha=1.5 must be in [0, 1] (1: no weighting)"),
+    ("LD-DPO on a length-normalized loss", lambda r: ['preference.loss="simpo"', "preference.ld_alpha=0.5"],
+     'preference.ld_alpha weighs the tokens past the shorter answer of a pair (LD-DPO); preference.loss="simpo" has '
+     "its own length normalization: set it to 1"),
+    ("LD-DPO without pairs", lambda r: ['preference.loss="kto"', "preference.ld_alpha=0.5"],
+     'preference.loss="kto" has no pairs: set it to 1'),
 ]
 
 

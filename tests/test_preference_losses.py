@@ -183,3 +183,47 @@ def test_a_batch_without_its_reference_needs_adapters_to_switch_off():
     loss = PreferenceLoss(PreferenceConfig(loss="dpo"), ParallelContext.single(), torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="no precomputed reference log-probabilities and no LoRA adapters"):
         loss.reference_logps(lambda *args, **kwargs: None, {"inputs": None, "targets": None, "documents": None})
+
+
+def test_length_weights_are_trls_shared_and_tail_masks():
+    """LD-DPO's token weights on packed rows (`length_weights`): two rows, three pair occurrences with answers of 2 to
+    5 tokens (one pair twice in a row is two occurrences, and a shorter chosen answer as well as a shorter rejected
+    one), prompts and padding between them. Each answer's weights are those TRL's lines give on its own padded row:
+    1 where the completion mask's cumsum is in [1, min(n_c, n_r)], alpha after; 0 off the answers."""
+    from shardlm.preference.loss import length_weights, pair_occurrences
+
+    alpha = 0.25
+    # (pair, side, answer length) of each answer along a row, a 2-token prompt before each pair and a pad after
+    rows = [[(0, 0, 3), (0, 1, 5), (1, 0, 4), (1, 1, 2)], [(2, 0, 2), (2, 1, 2), (0, 0, 3), (0, 1, 5)]]
+    pair, side, labels, expected = [], [], [], []
+    for answers in rows:
+        p, s, lab, want = [], [], [], []
+        lengths = {(a, b): n for a, b, n in answers}
+        for a, b, n in answers:
+            prompt = 2 if b == 0 else 0
+            p += [a] * (prompt + n)
+            s += [0] * prompt + [b] * n
+            lab += [-100] * prompt + [7] * n
+            shared = min(lengths[(a, 0)], lengths[(a, 1)])
+            mask = torch.tensor([0] * 3 + [1] * n + [0] * 4)  # TRL's completion mask on the answer's own padded row
+            position = mask.cumsum(0)
+            trl = ((position > 0) & (position <= shared)).double() + alpha * (position > shared).double()
+            want += [0.0] * prompt + trl[mask.bool()].tolist()
+        p, s, lab, want = p + [-1], s + [-1], lab + [-100], want + [0.0]  # a padding token
+        pair.append(p)
+        side.append(s)
+        labels.append(lab)
+        expected.append(want)
+    width = max(len(r) for r in pair)
+
+    def pad(row: list, value) -> list:
+        return row + [value] * (width - len(row))
+
+    pair = torch.tensor([pad(r, -1) for r in pair])
+    side = torch.tensor([pad(r, -1) for r in side])
+    labels = torch.tensor([pad(r, -100) for r in labels])
+    expected = torch.tensor([pad(r, 0.0) for r in expected], dtype=torch.float64)
+    _, occurrence = pair_occurrences(pair)
+    got = length_weights(labels, occurrence, side, alpha)
+    assert torch.equal(got, expected), (got, expected)
+    assert (got == alpha).sum() == 2 + 2 + 2  # the tails: pair 0's rejected (twice) and pair 1's chosen

@@ -134,15 +134,19 @@ def shardlm_metrics(setup, records, name: str, loss: list[str], per_step: int = 
                       if '"loss"' in line and '"val_loss"' not in line], "trainer": result.trainer}
 
 
-@pytest.fixture(scope="module")
-def trl_run(setup):
-    args = trl.DPOConfig(output_dir=str(setup["root"] / "trl"), max_length=None, beta=BETA, loss_type=["sigmoid"],
+def dpo_args(setup, name: str, **options):
+    """TRL's DPOConfig of the matched runs (sigmoid DPO; `options` on top)."""
+    return trl.DPOConfig(output_dir=str(setup["root"] / name), max_length=None, beta=BETA, loss_type=["sigmoid"],
                          per_device_train_batch_size=PAIRS_PER_STEP, max_steps=STEPS, learning_rate=LR,
                          lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
                          adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
                          save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                         bf16=False)
-    return trl_logs(trl.DPOTrainer, args, setup["pairs"], setup["hf"])
+                         bf16=False, **options)
+
+
+@pytest.fixture(scope="module")
+def trl_run(setup):
+    return trl_logs(trl.DPOTrainer, dpo_args(setup, "trl"), setup["pairs"], setup["hf"])
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +216,30 @@ def test_dpo_follows_trl_step_by_step(trl_run, shardlm_run):
     assert_follows(shardlm_run["steps"], trl_run["steps"], BETA)
     # the run learns the preference (a margin a hundred times the bound), so the later steps check the updates
     assert shardlm_run["steps"][-1]["reward_margin"] > 100 * TOL
+
+
+LD_ALPHA = 0.5
+
+
+@pytest.fixture(scope="module")
+def ld_runs(setup):
+    """LD-DPO at ld_alpha 0.5: (TRL's logged steps, shardlm's), each answer's tokens past the shorter answer of its
+    pair weighted by 0.5 in the policy's and the reference's log-probabilities (shardlm's reference table too)."""
+    theirs = trl_logs(trl.DPOTrainer, dpo_args(setup, "trl_ld", ld_alpha=LD_ALPHA), setup["pairs"], setup["hf"])
+    ours = shardlm_metrics(setup, setup["records"], "shardlm_ld", ["preference.loss=\"sigmoid\"",
+                                                                   f"preference.beta={BETA}",
+                                                                   f"preference.ld_alpha={LD_ALPHA}"])
+    return theirs["steps"], ours["steps"]
+
+
+def test_ld_dpo_follows_trl_step_by_step(ld_runs, trl_run, setup):
+    """LD-DPO's steps equal TRL's (`ld_alpha`); the pairs' answers differ in length, so the weighting moves TRL's first
+    gradient norm and rewards from DPO's by far more than the bound."""
+    theirs, ours = ld_runs
+    assert_follows(ours, theirs, BETA)
+    dpo = trl_run["steps"]
+    assert abs(theirs[0]["grad_norm"] - dpo[0]["grad_norm"]) > 100 * TOL * dpo[0]["grad_norm"]
+    assert abs(theirs[-1]["rewards/chosen"] - dpo[-1]["rewards/chosen"]) > 100 * TOL
 
 
 LN2, EXO_EPS = math.log(2), 1e-3

@@ -21,6 +21,7 @@ def reference_mode(config) -> str:
 
 def check_preference(config) -> str | None:
     """A one-line problem with a run's [preference] settings, or None."""
+    from shardlm.preference.kto import UNPAIRED
     from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCE_FREE, REFERENCED
 
     p = config.preference
@@ -48,6 +49,10 @@ def check_preference(config) -> str | None:
          f'preference.f_divergence_type="{p.f_divergence_type}" takes preference.loss '
          f'{", ".join(F_DIVERGENCE_LOSSES)}, not "{p.loss}"'),
         (p.discopop_tau > 0, f"preference.discopop_tau={p.discopop_tau} must be > 0"),
+        (0 <= p.ld_alpha <= 1, f"preference.ld_alpha={p.ld_alpha} must be in [0, 1] (1: no weighting)"),
+        (p.ld_alpha == 1 or p.loss not in REFERENCE_FREE + UNPAIRED,
+         f'preference.ld_alpha weighs the tokens past the shorter answer of a pair (LD-DPO); preference.loss='
+         f'"{p.loss}" has {"no pairs" if p.loss in UNPAIRED else "its own length normalization"}: set it to 1'),
         (p.desirable_weight > 0 and p.undesirable_weight > 0,
          f"preference.desirable_weight={p.desirable_weight:g} and undesirable_weight={p.undesirable_weight:g} must "
          "be > 0"),

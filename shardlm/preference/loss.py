@@ -34,6 +34,11 @@ per answer, s = f'(r) its f-divergence score (`f_divergence_type`: r itself for 
     kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`);
               apo_zero_unpaired the same without it
 
+LD-DPO (`ld_alpha` < 1, the losses with a reference): each answer's log-probability, the policy's and the
+reference's, counts its first min(n_c, n_r) tokens fully and the rest times ld_alpha (`length_weights`: positions
+within each answer found on the whole rows, before a CP split); the token counts and the "sft" term stay unweighted,
+as in TRL.
+
 Logged as TRL logs them: rewards of chosen and rejected (beta r; SimPO and ORPO: beta times the normalized
 log-probability), their margin and the accuracy (chosen reward above rejected), each a mean over the pairs.
 """
@@ -63,9 +68,10 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
-def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
+def preference_parts(batches: list[dict], ctx, count_pairs: bool = True, ld_alpha: float = 1.0) -> list[dict]:
     """This rank's micro-batches of pair rows (dicts of (b, T) arrays, `shardlm.preference.data`) -> dicts of
-    `inputs`, `targets`, `occurrence`, `side` (b, T / C: the zigzag part under CP), `documents`, `pairs` (the pair
+    `inputs`, `targets`, `occurrence`, `side` (b, T / C: the zigzag part under CP; with `ld_alpha` < 1 also
+    `length_weight`, LD-DPO's token weights: `length_weights`), `documents`, `pairs` (the pair
     index of each of the micro-batch's pair occurrences, `pair_occurrences`), `divisor` (module docstring) and
     `chosen_share` (the global batch's pairs / its chosen answers' trained tokens: the "sft" term's scale), both from
     one all-reduce over DP (None without `count_pairs`); KTO's micro-batches also `kl`, the same of their KL
@@ -84,8 +90,8 @@ def preference_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list
         chosen_share = total[0].item() / max(total[1].item(), 1.0)
     parts = []
     for batch, (pairs, occurrence) in zip(batches, found):
-        part = _local_part(batch, "", occurrence, ctx) | {"pairs": pairs, "divisor": divisor,
-                                                          "chosen_share": chosen_share}
+        part = _local_part(batch, "", occurrence, ctx, ld_alpha) | {"pairs": pairs, "divisor": divisor,
+                                                                    "chosen_share": chosen_share}
         if "kl_input_ids" in batch:  # KTO: the examples' KL sequences, their own rows (`shardlm.preference.kto`)
             kl_pairs, kl_occurrence = pair_occurrences(batch["kl_pair"])  # each row holds the same examples
             part["kl"] = _local_part(batch, "kl_", kl_occurrence, ctx) | {"pairs": kl_pairs, "divisor": divisor}
@@ -109,15 +115,38 @@ PAIR_SPAN = 1 << 40
 """More than any data set's pair count: (row, pair) -> row x PAIR_SPAN + pair keeps the order and fits int64."""
 
 
-def _local_part(batch: dict, prefix: str, occurrence: torch.Tensor, ctx) -> dict:
+def _local_part(batch: dict, prefix: str, occurrence: torch.Tensor, ctx, ld_alpha: float = 1.0) -> dict:
     """This rank's `inputs`, `targets`, `occurrence`, `side` and `documents` of the micro-batch's arrays named
-    `prefix` + `input_ids`, `labels`, `side`, `position_ids` and of `occurrence` (the zigzag part under CP)."""
+    `prefix` + `input_ids`, `labels`, `side`, `position_ids` and of `occurrence` (the zigzag part under CP), and
+    with `ld_alpha` < 1 the `length_weight` of its tokens."""
     local = {k: batch[prefix + k] for k in ("input_ids", "labels", "side")} | {"occurrence": occurrence}
+    if ld_alpha < 1:
+        local["length_weight"] = length_weights(local["labels"], occurrence, local["side"], ld_alpha)
     if ctx.cp_size > 1:
         local = {k: zigzag_split(v, ctx.cp_size, ctx.cp_rank) for k, v in local.items()}
     return {"inputs": local["input_ids"], "targets": local["labels"], "occurrence": local["occurrence"],
             "side": local["side"],
-            "documents": Documents.from_positions(batch[prefix + "position_ids"], ctx.cp_size, ctx.cp_rank)}
+            "documents": Documents.from_positions(batch[prefix + "position_ids"], ctx.cp_size, ctx.cp_rank)} | (
+        {"length_weight": local["length_weight"]} if "length_weight" in local else {})
+
+
+def length_weights(labels: torch.Tensor, occurrence: torch.Tensor, side: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's weights (b, T) fp64 of whole rows' tokens: on each pair occurrence's answers, 1 for an answer's first
+    min(n_chosen, n_rejected) trained tokens and `alpha` after them; 0 off the answers. An occurrence lies in one row,
+    so each answer's tokens come in order along it."""
+    trained = (occurrence >= 0) & (labels != -100)
+    weights = torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
+    slot = (occurrence * 2 + side)[trained]  # row-major: each answer's tokens in their order
+    if not len(slot):
+        return weights
+    counts = torch.zeros(int(slot.max()) // 2 * 2 + 2, dtype=torch.long, device=slot.device).index_add(
+        0, slot, torch.ones_like(slot))
+    order = torch.argsort(slot, stable=True)
+    position = torch.empty_like(slot)
+    position[order] = torch.arange(len(slot), device=slot.device) - (torch.cumsum(counts, 0) - counts)[slot[order]]
+    shared = torch.minimum(counts[0::2], counts[1::2])[slot // 2]
+    weights[trained] = torch.where(position < shared, 1.0, alpha).double()
+    return weights
 
 
 def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +156,8 @@ def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.T
     trained = (occurrence >= 0) & (batch["targets"] != -100)
     slot = occurrence.clamp(min=0) * 2 + side.clamp(min=0)
     slot, values = slot[trained], -token_losses[trained].double()
+    if "length_weight" in batch:  # LD-DPO
+        values = values * batch["length_weight"][trained]
     logps = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(0, slot, values)
     counts = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(
         0, slot, torch.ones_like(values))
@@ -137,10 +168,12 @@ def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.T
 
 
 def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None,
-                chosen_share: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                chosen_share: float | None = None, chosen_logps: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(per-pair losses (P,), per-pair metrics {name: (P,)}) of sequence log-probabilities (P, 2), their token
     counts (P, 2) and the reference's (P, 2) (None for the reference-free losses); fp64. `chosen_share`: the global
-    batch's pairs / chosen tokens (`preference_parts`), which the "sft" term of a weighted sum reads."""
+    batch's pairs / chosen tokens (`preference_parts`), which the "sft" term of a weighted sum reads, with the chosen
+    answers' log-probabilities `chosen_logps` (P,) (default logps[:, 0]; under LD-DPO the unweighted ones)."""
     beta = cfg.beta
     if cfg.loss in REFERENCE_FREE:
         mean = logps / counts
@@ -152,7 +185,8 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
         rewards = beta * mean.detach()
     else:
         ratio = logps - reference
-        terms = [-logps[:, 0] * chosen_share if part == "sft" else referenced_losses(cfg, part, ratio, counts)
+        chosen = logps[:, 0] if chosen_logps is None else chosen_logps
+        terms = [-chosen * chosen_share if part == "sft" else referenced_losses(cfg, part, ratio, counts)
                  for part in cfg.loss.split("+")]
         if cfg.loss_weights:  # a weighted sum ("a+b+...")
             terms = [weight * term for weight, term in zip(cfg.loss_weights, terms)]
@@ -348,7 +382,11 @@ class PreferenceLoss:
             losses, rewards = kto.kto_losses(self.cfg, logps[:, 0], reference[:, 0], batch["label"], self.kl)
             sums = kto.metric_sums(losses, rewards, batch["label"])
         else:
-            losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"))
+            plain = None  # LD-DPO's "sft" term: the chosen answers' unweighted log-probabilities
+            if "length_weight" in batch and "sft" in self.cfg.loss.split("+"):
+                unweighted = {k: v for k, v in batch.items() if k != "length_weight"}
+                plain = sequence_logps(token_losses, unweighted, self.ctx.cp)[0][:, 0]
+            losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"), plain)
             sums = torch.stack([losses.detach().sum()] + [metrics[k].sum() for k in METRICS]).cpu()
         if self.model.training:  # a training step's, not an evaluation's
             self.sums += sums

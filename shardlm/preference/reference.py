@@ -58,7 +58,7 @@ def precompute_reference(trainer, dataset, bar: tqdm | None = None) -> torch.Ten
     def part(start: int) -> dict:
         first = start + ctx.dp_rank * t.micro_batch_size  # this DP rank's rows of the step, as training reads them
         batch = _stacked([_epoch0_row(dataset, rows, first + j) for j in range(t.micro_batch_size)], ctx.device)
-        return preference_parts([batch], ctx, count_pairs=False)[0]
+        return preference_parts([batch], ctx, count_pairs=False, ld_alpha=trainer.config.preference.ld_alpha)[0]
 
     def record(token_losses: torch.Tensor, part: dict) -> None:
         logps = sequence_logps(token_losses, part, ctx.cp)[0]
@@ -124,20 +124,24 @@ def pairs_fingerprint(dataset) -> str:
     return digest.hexdigest()
 
 
-def save_reference(tables: dict[str, torch.Tensor], run_dir: Path, fingerprints: dict[str, str]) -> Path:
+def save_reference(tables: dict[str, torch.Tensor], run_dir: Path, fingerprints: dict[str, str],
+                   ld_alpha: float = 1.0) -> Path:
     """Write the tables ({"train": (pairs, 2), "valid": ...}) to the run directory's FILE (atomically), each with its
-    split's `pairs_fingerprint` in the file's metadata."""
+    split's `pairs_fingerprint` in the file's metadata, and the LD-DPO weight they were summed with."""
     path = Path(run_dir) / FILE
     tmp = path.with_name(f".{FILE}.tmp")
     save_file({f"{split}_reference_logps": table.cpu().contiguous() for split, table in tables.items()}, str(tmp),
-              metadata={f"{split}_pairs_sha256": fingerprints[split] for split in tables})
+              metadata={f"{split}_pairs_sha256": fingerprints[split] for split in tables}
+              | {"ld_alpha": repr(ld_alpha)})
     tmp.replace(path)
     return path
 
 
-def load_reference(run_dir: Path, pairs: dict[str, int], fingerprints: dict[str, str]) -> dict[str, torch.Tensor]:
+def load_reference(run_dir: Path, pairs: dict[str, int], fingerprints: dict[str, str],
+                   ld_alpha: float = 1.0) -> dict[str, torch.Tensor]:
     """The tables `save_reference` wrote, each checked against its split's pair count (`pairs`) and the fingerprint
-    of its pairs (`fingerprints`; a file saved without fingerprints is checked by the counts alone)."""
+    of its pairs (`fingerprints`; a file saved without fingerprints is checked by the counts alone), and the file
+    against the run's LD-DPO weight."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: a preference run resumed with preference.reference=\"precomputed\" reads "
@@ -145,6 +149,10 @@ def load_reference(run_dir: Path, pairs: dict[str, int], fingerprints: dict[str,
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as file:
         saved = file.metadata() or {}
+    if float(saved.get("ld_alpha", "1.0")) != ld_alpha:
+        raise UserError(f"{path} holds reference log-probabilities summed with preference.ld_alpha="
+                        f"{float(saved['ld_alpha']):g}, this run's is {ld_alpha:g}: the setting changed since its first "
+                        "start; restore it or start a new run directory")
     tables = {}
     for split, count in pairs.items():
         table = tensors.get(f"{split}_reference_logps")

@@ -178,11 +178,11 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     pairs = {split: d.num_pairs for split, d in data.items() if d is not None}
     fingerprints = {split: pairs_fingerprint(d) for split, d in data.items() if d is not None}
     if resumed:
-        trainer.loss.tables = load_reference(run_dir, pairs, fingerprints)
+        trainer.loss.tables = load_reference(run_dir, pairs, fingerprints, config.preference.ld_alpha)
         return line + f"read from {run_dir}"
     trainer.loss.tables = precompute_references(trainer, data)
     if trainer.ctx.is_main:
-        save_reference(trainer.loss.tables, run_dir, fingerprints)
+        save_reference(trainer.loss.tables, run_dir, fingerprints, config.preference.ld_alpha)
     unit = trainer.train_data.rows.stats.unit
     return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} {unit}"
 

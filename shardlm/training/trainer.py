@@ -329,7 +329,8 @@ class Trainer:
         if self.preference:
             from shardlm.preference.loss import preference_parts
 
-            return self.loss.attach_reference(preference_parts(batches, self.ctx), split)
+            return self.loss.attach_reference(preference_parts(batches, self.ctx,
+                                                               ld_alpha=self.config.preference.ld_alpha), split)
         if m.mtp_layers:  # the rolled targets of every depth come from the whole rows, before the CP split
             parts = packed_parts(batches, self.ctx) if is_packed(batches[0]) else token_parts(
                 [context_parallel_part(b, self.ctx.cp_size, self.ctx.cp_rank) if self.ctx.cp_size > 1 else b
