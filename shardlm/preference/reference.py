@@ -151,8 +151,8 @@ def load_reference(run_dir: Path, pairs: dict[str, int], fingerprints: dict[str,
         saved = file.metadata() or {}
     if float(saved.get("ld_alpha", "1.0")) != ld_alpha:
         raise UserError(f"{path} holds reference log-probabilities summed with preference.ld_alpha="
-                        f"{float(saved['ld_alpha']):g}, this run's is {ld_alpha:g}: the setting changed since its first "
-                        "start; restore it or start a new run directory")
+                        f"{float(saved['ld_alpha']):g}, this run's is {ld_alpha:g}: the setting changed since its "
+                        "first start; restore it or start a new run directory")
     tables = {}
     for split, count in pairs.items():
         table = tensors.get(f"{split}_reference_logps")
