@@ -61,6 +61,9 @@ class PreferenceConfig:
     """LD-DPO's weight, in [0, 1], of each answer's tokens past the shorter answer of its pair (the first
     min(chosen, rejected) tokens of both count fully) in the sequence log-probabilities of the policy and the
     reference; 1: no weighting (DPO)."""
+    use_weighting: bool = False
+    """WPO: each pair's loss times the product of its two answers' weights exp(mean over the answer's tokens of (log p
+    of the token - log sum of p^2 over the vocabulary)), the policy's, without gradient (as TRL's use_weighting)."""
     discopop_tau: float = 0.05
     """discopop: the temperature of the gate between its logistic and exponential parts."""
     simpo_gamma: float = 0.5

@@ -6,8 +6,8 @@ rows included), with ignored targets, a loss gradient that differs per token, ch
 inside the batch, fp32, bf16 autocast and bf16 parameters, and the GEMM width a GPU or half precision
 rounds up to (forced on the CPU in fp32, padding rows that are not zero); a GPT trains through it to the
 same losses and gradients as through the unfused head. Gemma's soft cap s tanh(z / cap) inside it (and in the
-entropy RL logs and its bonus differentiates) equals the unfused loss over the capped logits, alone, at TP 2 and 4,
-and in Gemma 4's head; so do the entropy's gradients.
+entropy RL logs and its bonus differentiates, and WPO's log sum p^2) equals the unfused loss over the capped logits,
+alone, at TP 2 and 4, and in Gemma 4's head; so do the entropy's gradients.
 At TP=2 and TP=4 (gloo workers): each rank's
 losses and gradients equal the unfused vocabulary-parallel path's (`F.linear` on this rank's rows,
 then `vocab_parallel_cross_entropy`), shards holding padding and shards of padding only included,
@@ -285,7 +285,7 @@ def _tensor_parallel_checks():
                 (1 if "max" in k else 2) for k in fused)  # the one ignored token's values are not sent
             out[(vocab, precision, softcap is not None)] = {"errors": rel, "same_comm": same, "comm": comm}
         for softcap in (None, SOFTCAP):  # the entropy: each rank's sums rescaled to the row's max, and its gradient
-            from shardlm.parallel.entropy import vocab_parallel_entropy
+            from shardlm.parallel.entropy import vocab_parallel_entropy, vocab_parallel_log_sum_sq_probs
 
             full_h, full_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
             log_p = capped(F.linear(full_h, full_w)[..., :vocab], softcap).log_softmax(-1)
@@ -295,9 +295,12 @@ def _tensor_parallel_checks():
             got = vocab_parallel_entropy(copy_to_tensor_parallel(h, ctx.tp), w, ctx.tp, vocab, softcap)
             (got * upstream).sum().backward()
             expected_w = full_w.grad.chunk(ctx.tp_size)[ctx.tp_rank]
+            squares = vocab_parallel_log_sum_sq_probs(hidden, shard, ctx.tp, vocab, softcap)
+            expected_squares = torch.logsumexp(2 * log_p.detach(), dim=-1)  # WPO's log sum p^2
             out[("entropy", vocab, softcap is not None)] = max(  # a shard of padding only: both gradients 0
                 ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-                for a, b in ((got, expected), (h.grad, full_h.grad), (w.grad, expected_w)))
+                for a, b in ((got, expected), (h.grad, full_h.grad), (w.grad, expected_w),
+                             (squares, expected_squares)))
     return out
 
 

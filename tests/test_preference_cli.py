@@ -281,6 +281,9 @@ ERRORS = [
      "its own length normalization: set it to 1"),
     ("LD-DPO without pairs", lambda r: ['preference.loss="kto"', "preference.ld_alpha=0.5"],
      'preference.loss="kto" has no pairs: set it to 1'),
+    ("WPO without a reference", lambda r: ['preference.loss="orpo"', "preference.use_weighting=true"],
+     'preference.use_weighting (WPO) weighs the pairs of the losses with a reference; preference.loss="orpo" takes '
+     "none: set it to false"),
 ]
 
 

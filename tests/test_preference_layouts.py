@@ -15,10 +15,11 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   at PP=2 (the base's forward pass through the stages before each step);
 - the control at CP=2: each sequence's sum over CP all-reduced forward only (`sum_over` without its backward
   all-reduce) keeps the loss but halves the first gradient norm;
-- world 2 also: length-normalized DPO over f-DPO's Jensen-Shannon scores at CP=2 (each answer's token count summed
-  over the CP ranks too), and MPO's sum under LD-DPO's weights at DP=2 and CP=2 (the chosen tokens' NLL a mean over
-  the global batch's chosen tokens; the weights from whole rows), each against its own one-process run (without the
-  weights, that run's gradient norms move);
+- world 2 also: length-normalized DPO over f-DPO's Jensen-Shannon scores with WPO's weights at CP=2 and TP=2 with SP
+  (each answer's token count summed over the CP ranks too; WPO's log sum p^2 over the vocabulary slices), and MPO's
+  sum under LD-DPO's weights at DP=2 and CP=2 (the chosen tokens' NLL a mean over the global batch's chosen tokens;
+  the weights from whole rows), each against its own one-process run (without WPO's or LD-DPO's weights, that run's
+  gradient norms move);
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
@@ -82,13 +83,14 @@ def valid_data() -> PairDataset:
 
 def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
                       moe: bool = False, loss: str = "sigmoid", lora: int = 0, divergence: str = "reverse_kl",
-                      loss_weights: tuple = (), ld_alpha: float = 1.0, **train):
+                      loss_weights: tuple = (), ld_alpha: float = 1.0, use_weighting: bool = False, **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if moe:
         model |= MIXTRAL
     sections = {"sft": {"data": ["unused.jsonl"]},
                 "preference": {"loss": loss, "beta": 0.5, "f_divergence_type": divergence,
-                               "loss_weights": list(loss_weights), "ld_alpha": ld_alpha},
+                               "loss_weights": list(loss_weights), "ld_alpha": ld_alpha,
+                               "use_weighting": use_weighting},
                 "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
                          **{"steps": STEPS, "eval_iters": 8, **train})
@@ -130,9 +132,10 @@ def run_layout(tp: int, pp: int, cp: int, ep: int, control: str | None = None, *
         return train_layout(layout_context(tp, pp, cp, ep), preference_config(tp=tp, cp=cp, ep=ep, pp=pp, **config))
 
 
-NORM_JS = {"loss": "sigmoid_norm", "divergence": "js_divergence"}
-"""Length-normalized DPO over f-DPO's Jensen-Shannon scores: each answer's token count, like its log-probability,
-summed over the CP ranks' chunks."""
+NORM_JS = {"loss": "sigmoid_norm", "divergence": "js_divergence", "use_weighting": True}
+"""Length-normalized DPO over f-DPO's Jensen-Shannon scores with WPO's weights: each answer's token count, like its
+log-probability, summed over the CP ranks' chunks; WPO's per-token log sum p^2 reduced over the TP ranks' vocabulary
+slices and its means over the CP ranks."""
 MPO = {"loss": "sigmoid+bco_pair+sft", "loss_weights": (0.8, 0.2, 1.0), "ld_alpha": 0.3}
 """MPO's sum: its chosen tokens' NLL a mean over the global batch's chosen tokens, counted over DP (and from whole
 rows under CP), under LD-DPO's weights (each answer's tokens past its pair's shorter answer times 0.3, their
@@ -148,7 +151,8 @@ WORLD2 = {
     "ep2 moe": layout(ep=2, moe=True),
     "dp2 lora": layout(lora=4),
     "pp2 lora": layout(pp=2, lora=4),
-    "cp2 norm js": layout(cp=2, loss="sigmoid_norm", divergence="js_divergence"),
+    "cp2 norm js": layout(cp=2, **NORM_JS),
+    "tp2 sp norm js": layout(tp=2, sp=True, **NORM_JS),
     "dp2 mpo": layout(**MPO),
     "cp2 mpo": layout(cp=2, **MPO),
 }
@@ -207,14 +211,17 @@ def kind_of(name: str) -> str:
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_preference_at_two_ranks_equals_one_process(world2, reference, name):
     for rank, value in enumerate(assert_every_rank(world2, name, reference[kind_of(name)], **SAME_RUN)):
-        if kind_of(name) != "mpo":  # (its loss adds the chosen answers' NLL)
+        if kind_of(name) not in ("mpo", "norm js"):  # (MPO's loss adds the chosen answers' NLL; WPO weighs it)
             assert_starts_at_ln2(value, f"{name} rank {rank}")
 
 
-def test_the_length_weights_reach_the_mpo_run(reference):
-    """The control: MPO without LD-DPO's weights moves the one-process gradient norms, so the layouts check them."""
-    plain = train_layout(ParallelContext.single(), preference_config(**(MPO | {"ld_alpha": 1.0})))["curve"]
-    assert max(abs(a[1] - b[1]) for a, b in zip(plain, reference["mpo"]["curve"])) > 1e-3
+@pytest.mark.parametrize("kind, variant, option, off", [("mpo", MPO, "ld_alpha", 1.0),
+                                                        ("norm js", NORM_JS, "use_weighting", False)])
+def test_the_weights_reach_their_runs(reference, kind, variant, option, off):
+    """The controls: MPO without LD-DPO's weights, length-normalized DPO without WPO's, moves the one-process gradient
+    norms, so the layouts check them."""
+    plain = train_layout(ParallelContext.single(), preference_config(**(variant | {option: off})))["curve"]
+    assert max(abs(a[1] - b[1]) for a, b in zip(plain, reference[kind]["curve"])) > 1e-3
 
 
 @pytest.mark.parametrize("name", list(WORLD4))

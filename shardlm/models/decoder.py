@@ -22,7 +22,7 @@ from shardlm.parallel import (
     invariant,
     vocab_parallel_cross_entropy,
 )
-from shardlm.parallel.entropy import vocab_parallel_entropy
+from shardlm.parallel.entropy import vocab_parallel_entropy, vocab_parallel_log_sum_sq_probs
 from shardlm.parallel.linear_cross_entropy import linear_cross_entropy
 from shardlm.parallel.random import recompute
 
@@ -205,6 +205,7 @@ class DecoderLM(nn.Module):
         self.logit_temperature = 1.0  # an RL run's log-probabilities are those of logits / temperature, as TRL's
         self.entropies: list | None = None  # when a list, `output_loss` appends each call's token entropies
         self.entropy_gradient = False  # whether those entropies carry a gradient (an RL run's entropy bonus)
+        self.log_sum_sq: list | None = None  # when a list, `output_loss` appends each call's log sum p^2 (WPO)
         return self.sequence_parallel
 
     @property
@@ -268,19 +269,26 @@ class DecoderLM(nn.Module):
         become their own gradient; never gathered, never copied). Training's path; `loss(output_layer(h))`
         computes the same. An RL run's `logit_temperature` divides the logits (as h / temperature), and its
         `entropies` list receives the (B, T) entropies of the same distributions (0 where there is no target; with
-        a gradient under `entropy_gradient`)."""
+        a gradient under `entropy_gradient`); a preference run's `log_sum_sq` list the (B, T) log sum p^2 (no
+        gradient)."""
         h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
         softcap = self.output_softcap()
         if softcap is None and self.logit_temperature != 1.0:
             h = h / self.logit_temperature
-        if self.entropies is not None:  # where there is a target
+        if self.entropies is not None or self.log_sum_sq is not None:  # where there is a target
             kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
             rows, weight = h.reshape(-1, h.shape[-1])[kept], self.output_weight
-            if not self.entropy_gradient:
-                rows, weight = rows.detach(), weight.detach()
-            values = vocab_parallel_entropy(rows, weight, self.ctx.tp, self.cfg.vocab_size, softcap)
-            entropy = torch.zeros(targets.numel(), device=h.device).index_put((kept,), values)
-            self.entropies.append(entropy.view(targets.shape))
+
+            def per_token(values: torch.Tensor) -> torch.Tensor:
+                return torch.zeros(targets.numel(), device=h.device).index_put((kept,), values).view(targets.shape)
+
+            if self.entropies is not None:
+                args = (rows, weight) if self.entropy_gradient else (rows.detach(), weight.detach())
+                self.entropies.append(per_token(vocab_parallel_entropy(*args, self.ctx.tp, self.cfg.vocab_size,
+                                                                       softcap)))
+            if self.log_sum_sq is not None:
+                self.log_sum_sq.append(per_token(vocab_parallel_log_sum_sq_probs(
+                    rows.detach(), weight.detach(), self.ctx.tp, self.cfg.vocab_size, softcap)))
         return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index,
                                     softcap)
 

@@ -1,11 +1,13 @@
 """The entropy of each position's next-token distribution under the vocabulary-parallel output layer: logged by an RL
-run (the policy's mean entropy over the completion tokens, as TRL logs it) and, with a gradient, its entropy bonus.
+run (the policy's mean entropy over the completion tokens, as TRL logs it) and, with a gradient, its entropy bonus;
+and the log of its sum of squared probabilities, log sum p^2 (WPO's weights in a preference run), no gradient.
 
 Each rank computes each chunk of rows' logits z over its slice of the vocabulary: its own max m_r per row, and
 against it the sum of exponentials s_r = sum exp(z - m_r) and of exponential-weighted logits t_r = sum exp(z - m_r)
 (z - m_r). The ranks agree on the row's max M (one all-reduce MAX of N values), then each rescales its sums to it,
 s = sum_r exp(m_r - M) s_r and t = sum_r exp(m_r - M) (t_r + (m_r - M) s_r) (one all-reduce SUM of 2 x N values):
-H = log s - t / s, and t / s = E_p[z] - M. Rows run in chunks of about 16 MiB of logits.
+H = log s - t / s, and t / s = E_p[z] - M. log sum p^2 = log q - 2 log s with q = sum exp(2 (z - M)), rescaled
+the same way (exp(2 (m_r - M))) and summed in the same all-reduce. Rows run in chunks of about 16 MiB of logits.
 
 The gradient (only when one is wanted: `vocab_parallel_entropy` on tensors that require one, with grad mode on) needs
 no communication: dH/dz_j = -p_j (z_j - E_p[z]), p_j = exp(z_j - M - log s), from the three saved per-row values and
@@ -31,14 +33,14 @@ def _logits(rows: torch.Tensor, w: torch.Tensor, softcap: tuple[float, float] | 
     return z if softcap is None else torch.tanh(z / softcap[0]) * softcap[1]
 
 
-def _entropy_stats(flat: torch.Tensor, w: torch.Tensor, tp: Communicator,
-                   softcap: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, h) rows, this rank's (real, h) rows of the weight -> each row's global max M, log s and t / s (N,) fp32
-    (module docstring)."""
+def _entropy_stats(flat: torch.Tensor, w: torch.Tensor, tp: Communicator, softcap: tuple[float, float] | None,
+                   squares: bool = False) -> tuple[torch.Tensor, ...]:
+    """(N, h) rows, this rank's (real, h) rows of the weight -> each row's global max M, log s and t / s (N,) fp32,
+    and with `squares` log sum p^2 (module docstring)."""
     n, real = flat.shape[0], w.shape[0]
     rows = _chunk_rows(real)
     local_max = torch.full((n,), float("-inf"), device=flat.device)
-    sums = torch.zeros(2, n, dtype=torch.float32, device=flat.device)  # s_r, t_r against this rank's max
+    sums = torch.zeros(3 if squares else 2, n, dtype=torch.float32, device=flat.device)  # s_r, t_r (, q_r)
     for first in range(0, n if real else 0, rows):
         chunk = slice(first, first + rows)
         z = _logits(flat[chunk], w, softcap)
@@ -47,14 +49,19 @@ def _entropy_stats(flat: torch.Tensor, w: torch.Tensor, tp: Communicator,
         weights = shifted.exp()
         sums[0, chunk] = weights.sum(dim=-1)
         sums[1, chunk] = (weights * shifted).sum(dim=-1)
+        if squares:
+            sums[2, chunk] = weights.square_().sum(dim=-1)
     row_max = local_max
     if tp.size > 1:
         row_max = tp.all_reduce(local_max.clone(), op=dist.ReduceOp.MAX)
         gap = local_max - row_max  # -inf where this rank holds no real column (padding only): its share is 0
         scale, held = gap.exp(), sums[0] > 0
-        sums = torch.stack((sums[0] * scale, torch.where(held, (sums[1] + gap * sums[0]) * scale, 0.0)))
-        tp.all_reduce(sums)
-    return row_max, sums[0].log(), sums[1] / sums[0]
+        rescaled = [sums[0] * scale, torch.where(held, (sums[1] + gap * sums[0]) * scale, 0.0)]
+        if squares:
+            rescaled.append(sums[2] * scale.square())
+        sums = tp.all_reduce(torch.stack(rescaled))
+    stats = (row_max, sums[0].log(), sums[1] / sums[0])
+    return stats + ((sums[2].log() - 2 * stats[1],) if squares else ())
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -105,3 +112,14 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Commu
         w = weight[:max(0, min(local, vocab_size - start))].to(flat.dtype)
         _, log_sum, mean_shift = _entropy_stats(flat, w, tp, softcap)
     return (log_sum - mean_shift).view(shape)
+
+
+@torch.no_grad()
+def vocab_parallel_log_sum_sq_probs(hidden: torch.Tensor, weight: torch.Tensor, tp: Communicator, vocab_size: int,
+                                    softcap: tuple[float, float] | None = None) -> torch.Tensor:
+    """As `vocab_parallel_entropy`'s arguments -> (...) float32 log sum_v p_v^2 of softmax(hidden @ weight.T) over the
+    real vocabulary (WPO's alignment term), without gradient."""
+    shape, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
+    local, start = weight.shape[0], tp.rank * weight.shape[0]
+    w = weight[:max(0, min(local, vocab_size - start))].to(flat.dtype)
+    return _entropy_stats(flat, w, tp, softcap, squares=True)[3].view(shape)

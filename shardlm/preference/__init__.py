@@ -50,6 +50,9 @@ def check_preference(config) -> str | None:
          f'{", ".join(F_DIVERGENCE_LOSSES)}, not "{p.loss}"'),
         (p.discopop_tau > 0, f"preference.discopop_tau={p.discopop_tau} must be > 0"),
         (0 <= p.ld_alpha <= 1, f"preference.ld_alpha={p.ld_alpha} must be in [0, 1] (1: no weighting)"),
+        (not p.use_weighting or p.loss not in REFERENCE_FREE + UNPAIRED,
+         f'preference.use_weighting (WPO) weighs the pairs of the losses with a reference; preference.loss="{p.loss}" '
+         "takes none: set it to false"),
         (p.ld_alpha == 1 or p.loss not in REFERENCE_FREE + UNPAIRED,
          f'preference.ld_alpha weighs the tokens past the shorter answer of a pair (LD-DPO); preference.loss='
          f'"{p.loss}" has {"no pairs" if p.loss in UNPAIRED else "its own length normalization"}: set it to 1'),

@@ -34,6 +34,10 @@ per answer, s = f'(r) its f-divergence score (`f_divergence_type`: r itself for 
     kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`);
               apo_zero_unpaired the same without it
 
+WPO (`use_weighting`, the losses with a reference): each pair's loss times w_c w_r, w = exp of the mean over the
+answer's tokens of (log p - log sum_v p_v^2), the policy's without gradient (`wpo_weights`; the vocabulary's sum of
+squares from the output layer, `log_sum_sq`, reduced over TP; the means over a sequence's CP ranks).
+
 LD-DPO (`ld_alpha` < 1, the losses with a reference): each answer's log-probability, the policy's and the
 reference's, counts its first min(n_c, n_r) tokens fully and the rest times ld_alpha (`length_weights`: positions
 within each answer found on the whole rows, before a CP split); the token counts and the "sft" term stay unweighted,
@@ -167,6 +171,15 @@ def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.T
     return logps.view(-1, 2), counts.view(-1, 2)
 
 
+def wpo_weights(token_losses: torch.Tensor, log_sum_sq: torch.Tensor, batch: dict, cp) -> torch.Tensor:
+    """WPO's weight (P,) of each pair occurrence: w_c w_r, w = exp(mean over the answer's trained tokens of (log p -
+    log sum_v p_v^2)), from the policy's token losses and log sums of squares (b, T_local), without gradient; the
+    means over the CP group (LD-DPO's weights left out, as in TRL)."""
+    plain = {k: v for k, v in batch.items() if k != "length_weight"}
+    sums, counts = sequence_logps(token_losses + log_sum_sq, plain, cp)  # sums of log p - log sum p^2
+    return torch.exp(sums / counts.clamp(min=1.0)).prod(dim=1)
+
+
 def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None,
                 chosen_share: float | None = None, chosen_logps: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -293,6 +306,8 @@ class PreferenceLoss:
         self.pairs = 0.0
         self.kl = torch.zeros((), dtype=torch.float64)  # KTO: z0 of the micro-batches being run (`prepare`)
         self.step_kl = 0.0  # and of the last training step's (on every rank: the pipeline's first stages too)
+        if cfg.use_weighting:  # WPO: each forward's log sum p^2 per token, from the output layer
+            model.log_sum_sq = []
 
     def set_labels(self, datasets: dict) -> None:
         """KTO: the examples' labels of each split ({"train": PairDataset, "valid": ...}, None skipped)."""
@@ -387,6 +402,10 @@ class PreferenceLoss:
                 unweighted = {k: v for k, v in batch.items() if k != "length_weight"}
                 plain = sequence_logps(token_losses, unweighted, self.ctx.cp)[0][:, 0]
             losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"), plain)
+            if self.cfg.use_weighting:
+                squares = self.model.log_sum_sq.pop()
+                self.model.log_sum_sq.clear()  # (a LoRA reference pass's, the policy's being the last)
+                losses = losses * wpo_weights(token_losses.detach(), squares, batch, self.ctx.cp)
             sums = torch.stack([losses.detach().sum()] + [metrics[k].sum() for k in METRICS]).cpu()
         if self.model.training:  # a training step's, not an evaluation's
             self.sums += sums

@@ -75,6 +75,7 @@ def precompute_reference(trainer, dataset, bar: tqdm | None = None) -> torch.Ten
             bar.update(sum(min(per_step, rows - start) for start in steps))
 
     trainer.model.eval()
+    squares, trainer.model.log_sum_sq = trainer.model.log_sum_sq, None  # (WPO's: the policy's, in training only)
     with trainer.autocast():
         if trainer.pipeline is None:
             for start in starts:
@@ -93,6 +94,7 @@ def precompute_reference(trainer, dataset, bar: tqdm | None = None) -> torch.Ten
                     trainer.pipeline.reference_pass([p["kl"] for p in parts], record_kl, contextlib.nullcontext())
                 advance(starts[i:i + group])
     trainer.model.train()
+    trainer.model.log_sum_sq = squares
     ctx.dp.all_reduce(table)
     if ctx.pp_size > 1:
         ctx.pp.all_reduce(table)
