@@ -15,8 +15,8 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   at PP=2 (the base's forward pass through the stages before each step);
 - the control at CP=2: each sequence's sum over CP all-reduced forward only (`sum_over` without its backward
   all-reduce) keeps the loss but halves the first gradient norm;
-- world 2 also: length-normalized DPO over f-DPO's Jensen-Shannon scores with WPO's weights at CP=2 and TP=2 with SP
-  (each answer's token count summed over the CP ranks too; WPO's log sum p^2 over the vocabulary slices), and MPO's
+- world 2 also: length-normalized DPO over f-DPO's Jensen-Shannon scores with WPO's weights at CP=2, TP=2 with SP
+  and PP=2 (each answer's token count summed over the CP ranks too; WPO's log sum p^2 over the vocabulary slices), and MPO's
   sum under LD-DPO's weights at DP=2 and CP=2 (the chosen tokens' NLL a mean over the global batch's chosen tokens;
   the weights from whole rows), each against its own one-process run (without WPO's or LD-DPO's weights, that run's
   gradient norms move);
@@ -153,6 +153,7 @@ WORLD2 = {
     "pp2 lora": layout(pp=2, lora=4),
     "cp2 norm js": layout(cp=2, **NORM_JS),
     "tp2 sp norm js": layout(tp=2, sp=True, **NORM_JS),
+    "pp2 norm js": layout(pp=2, **NORM_JS),
     "dp2 mpo": layout(**MPO),
     "cp2 mpo": layout(cp=2, **MPO),
 }
