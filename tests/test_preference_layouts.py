@@ -16,10 +16,10 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
 - the control at CP=2: each sequence's sum over CP all-reduced forward only (`sum_over` without its backward
   all-reduce) keeps the loss but halves the first gradient norm;
 - world 2 also: length-normalized DPO over f-DPO's Jensen-Shannon scores with WPO's weights at CP=2, TP=2 with SP
-  and PP=2 (each answer's token count summed over the CP ranks too; WPO's log sum p^2 over the vocabulary slices), and MPO's
-  sum under LD-DPO's weights at DP=2 and CP=2 (the chosen tokens' NLL a mean over the global batch's chosen tokens;
-  the weights from whole rows), each against its own one-process run (without WPO's or LD-DPO's weights, that run's
-  gradient norms move);
+  and PP=2 (each answer's token count summed over the CP ranks too; WPO's log sum p^2 over the vocabulary slices),
+  and MPO's sum under LD-DPO's weights at DP=2 and CP=2 (the chosen tokens' NLL a mean over the global batch's
+  chosen tokens; the weights from whole rows), each against its own one-process run (without WPO's or LD-DPO's
+  weights, that run's gradient norms move);
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
