@@ -108,6 +108,12 @@ class RLConfig:
     """Nucleus sampling (1 disables it)."""
     top_k: int = 0
     """Sample among the k most likely tokens (0 disables it)."""
+    min_p: float = 0.0
+    """Sample among the tokens at least min_p times as likely as the most likely one (0 disables it)."""
+    repetition_penalty: float = 1.0
+    """The logits of the ids already in the sequence (prompt and completion) divided by this where positive and
+    multiplied where negative before sampling, as transformers and vLLM apply it (1 disables it); the
+    log-probabilities stay the policy's own."""
     beta: float = 0.0
     """Weight of the KL penalty to the reference (k3 estimator); 0: no reference model."""
     use_bias_correction_kl: bool = True

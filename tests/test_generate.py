@@ -24,6 +24,8 @@ SAMPLERS = {
     "sample": SamplingConfig(max_new_tokens=12, temperature=0.9, seed=3),
     "top_k": SamplingConfig(max_new_tokens=12, temperature=1.0, top_k=20, seed=4),
     "top_p": SamplingConfig(max_new_tokens=12, temperature=1.2, top_p=0.8, seed=5),
+    "min_p penalty": SamplingConfig(max_new_tokens=12, temperature=1.0, min_p=0.05, repetition_penalty=1.3, seed=6),
+    "greedy penalty": SamplingConfig(max_new_tokens=12, temperature=0.0, repetition_penalty=1.5),
 }
 
 
@@ -83,6 +85,7 @@ def test_cache_gives_the_same_tokens_as_recomputing(model, reference, name):
 
 def test_generations_are_not_trivial(reference):
     assert reference["greedy"] != reference["sample"]
+    assert reference["greedy penalty"] != reference["greedy"]  # the penalty reaches greedy decoding
     assert len({t for tokens in reference["sample"] for t in tokens}) > 10
 
 
@@ -159,7 +162,8 @@ def test_inverse_cdf_sampling():
 
 def test_sampling_config_errors():
     for bad, message in [({"top_p": 0.0}, "top_p=0.0"), ({"temperature": -1.0}, "temperature=-1.0"),
-                         ({"max_new_tokens": 0}, "max_new_tokens=0"), ({"top_k": -2}, "top_k=-2")]:
+                         ({"max_new_tokens": 0}, "max_new_tokens=0"), ({"top_k": -2}, "top_k=-2"),
+                         ({"min_p": 1.5}, "min_p=1.5"), ({"repetition_penalty": 0.0}, "repetition_penalty=0.0")]:
         with pytest.raises(UserError, match=message):
             SamplingConfig(**bad).validate()
 

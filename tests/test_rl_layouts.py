@@ -23,7 +23,8 @@ three clip ratios, the reward, every final parameter on every rank:
   MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
   normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
-Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP), PP=2, EP=2, FSDP, CP=2,
+Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP; also under min-p and the
+repetition penalty), PP=2, EP=2, FSDP, CP=2,
 CP=2 x DP=2 (each rank its share of whole sequences), an MoE at EP=2 x CP=2 and PP=2 x FSDP DP=2 give one process's
 tokens, and their log-probabilities within 1e-5. Under batch-invariant numerics the rollout's log-probabilities
 equal the training forward's bitwise over 3 rounds of sampling and training, in one process (dense, MoE, LoRA) and at
@@ -70,6 +71,8 @@ option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate
 top 30% of tokens by entropy (the quantile over the global batch's tokens, gathered over DP x CP, or on the last
 pipeline stage) with the entropy bonus on them (its gradient through the vocabulary-parallel output layer; the
 adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step)."""
+PENALIZED = {"min_p": 0.03, "repetition_penalty": 1.2}
+"""Sampling with min-p and the repetition penalty (over each row's prompt and completion so far)."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
                   {"kind": "constant" if i == 0 else "varied"}) for i in range(6)]
 
@@ -103,7 +106,7 @@ class IdsTemplate:
 
 def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, moe: bool = False,
               hybrid: bool = False, gemma: bool = False, lora: int = 0, gspo: bool = False, rows: int = 8,
-              packing: str = "bfd", variant: str = "", **train):
+              packing: str = "bfd", variant: str = "", sampling: dict | None = None, **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if hybrid:
         model = {**HYBRID, "seq_length": SEQ, "vocab_size": VOCAB, "dropout": 0.0}
@@ -116,7 +119,7 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
                        "mask_truncated_completions": True, "temperature": 0.9,
                        **({"loss": "grpo", "importance_sampling": "sequence"} if gspo else {}),
-                       **VARIANTS.get(variant, {})},
+                       **VARIANTS.get(variant, {}), **(sampling or {})},
                 "lora": {"rank": lora, "targets": ["q", "v", "o", "gate", "up", "down"]}}
     config = layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
                            **{"steps": STEPS, "global_batch_size": rows, **train})
@@ -127,13 +130,14 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
 
 def rl_run(ctx, config, sample: bool = False) -> tuple[Trainer, RLRun]:
     """The trainer and the RL loop of `config` on `ctx`: the fixed completions, or (`sample`) the policy's own
-    (top-k 50, top-p 0.95)."""
+    (top-k 50, top-p 0.95, and the run's rl.min_p and rl.repetition_penalty)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, None, None)
     reference = ReferenceWeights(trainer.params) if not config.lora.rank else None
     generator = SyntheticCompletions()
     if sample:
-        sampling = SamplingConfig(max_new_tokens=MAX, temperature=config.rl.temperature, top_k=50, top_p=0.95)
+        sampling = SamplingConfig(max_new_tokens=MAX, temperature=config.rl.temperature, top_k=50, top_p=0.95,
+                                  min_p=config.rl.min_p, repetition_penalty=config.rl.repetition_penalty)
         generator = InProcessGenerator(trainer.model, ctx, sampling, EOD, lockstep=ctx.world_size > 1,
                                        pipeline=trainer.pipeline)  # as `shardlm.rl.setup` builds it
     rewards = [Reward("by_ids", by_ids, 1.0)]
@@ -215,6 +219,7 @@ SAMPLES2 = {
     "sample fsdp dp2": layout(data_sharding="full", sample=True),
     "sample pp2": layout(pp=2, sample=True),
     "sample tp2 sp": layout(tp=2, sp=True, sample=True),
+    "sample tp2 sp penalized": layout(tp=2, sp=True, sample=True, sampling=PENALIZED),
     "sample pp2 gemma4": layout(pp=2, gemma=True, sample=True),
     "parity pp2": layout(pp=2, parity=True),
     "parity tp2 sp": layout(tp=2, sp=True, parity=True),
@@ -259,7 +264,8 @@ def reference():
 def samples():
     ctx = ParallelContext.single()
     return {"dense": sample_layout(ctx, rl_config()), "moe": sample_layout(ctx, rl_config(moe=True)),
-            "gemma4": sample_layout(ctx, rl_config(gemma=True))}
+            "gemma4": sample_layout(ctx, rl_config(gemma=True)),
+            "penalized": sample_layout(ctx, rl_config(sampling=PENALIZED))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": COLUMNS,
@@ -300,12 +306,16 @@ def test_the_run_clips_and_penalizes(reference):
 
 
 @pytest.mark.parametrize("name", ["sample tp2", "sample tp2 sp", "sample pp2", "sample ep2 moe", "sample fsdp dp2",
-                                  "sample pp2 gemma4", "sample cp2"])
+                                  "sample pp2 gemma4", "sample cp2", "sample tp2 sp penalized"])
 def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
     """Each layout's rollouts are one process's, token for token; under pipeline stages the model's per-forward
-    carry (Gemma 4's shared keys and values) goes through the stage's layers as through the whole model's."""
-    ref = samples[next((kind for kind in ("moe", "gemma4") if kind in name), "dense")]
-    if "gemma4" not in name:  # (its soft-capped logits at init std 0.3 never pick the end token)
+    carry (Gemma 4's shared keys and values) goes through the stage's layers as through the whole model's; with
+    min-p and the repetition penalty too (which change the one-process tokens: they reach the sampler)."""
+    if "penalized" in name:
+        assert samples["penalized"]["tokens"] != samples["dense"]["tokens"]
+    ref = samples[next((kind for kind in ("moe", "gemma4", "penalized") if kind in name), "dense")]
+    if "gemma4" not in name and "penalized" not in name:  # (Gemma's soft-capped logits at init std 0.3 never pick
+        # the end token; min-p drops its small probability)
         assert any(not t for t in ref["truncated"]) and any(ref["truncated"]), ref  # some stop, some run out
     for rank, value in enumerate(check_result(world2, name)):
         assert value["tokens"] == ref["tokens"], f"{name} rank {rank}"

@@ -67,6 +67,11 @@ def add_parser(subparsers) -> None:
     generate.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0: greedy)")
     generate.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    generate.add_argument("--min-p", type=float, default=0.0,
+                          help="drop tokens below this share of the most likely one's probability (0: none)")
+    generate.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="divide the positive logits of ids already in the row by this, multiply the negative "
+                               "ones (1: none)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
     generate.add_argument("--no-cache", action="store_true", help="recompute the prefix every step")
     generate.add_argument("--ignore-eod", action="store_true", help="keep going after an end-of-document token")
@@ -235,7 +240,8 @@ def _sampling_config(args: argparse.Namespace):
     from shardlm.eval.generate import SamplingConfig
 
     return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eod=not args.ignore_eod,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop_at_eod=not args.ignore_eod,
                           use_cache=not args.no_cache)
 
 

@@ -36,6 +36,13 @@ class SamplingConfig:
     """Sample only among the k most likely tokens; 0 disables."""
     top_p: float = 1.0
     """Sample only among the most likely tokens whose probabilities sum to top_p (nucleus); 1 disables."""
+    min_p: float = 0.0
+    """Sample only among the tokens at least min_p times as likely as the most likely one (after top-k and top-p);
+    0 disables."""
+    repetition_penalty: float = 1.0
+    """The logits of the ids already in the row (its prompt and what it generated) divided by this where positive and
+    multiplied where negative, before the temperature (CTRL's penalty, as transformers and vLLM apply it; greedy
+    decoding too); 1 disables."""
     seed: int = 0
     """Seed of the sampling generator: the same seed and prompts give the same tokens."""
     stop_at_eod: bool = True
@@ -52,6 +59,10 @@ class SamplingConfig:
             raise UserError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             raise UserError(f"top_p={self.top_p} must be in (0, 1] (1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UserError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
 
 
 @dataclass
@@ -68,8 +79,18 @@ class Generation:
         return asdict(self)
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """(B, V) logits -> (B, V) float64 probabilities after temperature, top-k and top-p."""
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """(B, V) logits with the ids of each row's `seen` (B, P) int64 (its prompt and generated tokens) penalized: a
+    logit z becomes z / penalty where positive, z x penalty where not (as transformers' repetition penalty)."""
+    if penalty == 1.0 or seen.shape[-1] == 0:
+        return logits
+    values = logits.gather(-1, seen)
+    return logits.scatter(-1, seen, torch.where(values < 0, values * penalty, values / penalty))
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """(B, V) logits -> (B, V) float64 probabilities after temperature, top-k, top-p and min-p."""
     scores = logits.double() / temperature
     if 0 < top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[:, -1:]
@@ -82,16 +103,22 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
-def choose_next(logits: torch.Tensor, uniform: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """(B, V) real-vocabulary logits and (B,) uniforms in [0, 1) -> (B,) int64 next ids.
-    Greedy when temperature is 0; else the inverse CDF of the filtered distribution, sorted by
-    probability (ties by id), evaluated at `uniform`."""
+def choose_next(logits: torch.Tensor, uniform: torch.Tensor, config: SamplingConfig,
+                seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) real-vocabulary logits and (B,) uniforms in [0, 1) -> (B,) int64 next ids; `seen` (B, P): each row's
+    ids so far, for the repetition penalty. Greedy when temperature is 0; else the inverse CDF of the filtered
+    distribution, sorted by probability (ties by id), evaluated at `uniform`."""
+    if seen is not None:
+        logits = penalize_repetition(logits, seen.to(logits.device), config.repetition_penalty)
     if config.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits, config.temperature, config.top_k, config.top_p)
+    probs = filter_logits(logits, config.temperature, config.top_k, config.top_p, config.min_p)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     cdf = sorted_probs.cumsum(dim=-1)
     pick = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1]).unsqueeze(-1)).clamp_max(cdf.shape[-1] - 1)
@@ -139,7 +166,7 @@ def generate_tokens(model, prompts: list[list[int]], config: SamplingConfig,
     while position < total:
         full = model.full_logits(logits)  # (B, V): gathered, padding dropped
         uniform = torch.rand(batch, generator=generator, dtype=torch.float64)
-        chosen = ctx.tp.broadcast(choose_next(full, uniform, config).to(ctx.device), 0)
+        chosen = ctx.tp.broadcast(choose_next(full, uniform, config, tokens[:, :position]).to(ctx.device), 0)
         in_prompt = position < prompt_length
         step = torch.where(in_prompt, tokens[:, position], chosen)
         tokens[:, position] = step

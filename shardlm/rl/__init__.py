@@ -31,6 +31,8 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (r.temperature > 0, f"rl.temperature={r.temperature} must be > 0 (sampling needs a distribution)"),
         (0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]"),
         (r.top_k >= 0, f"rl.top_k={r.top_k} must be >= 0 (0 disables it)"),
+        (0 <= r.min_p <= 1, f"rl.min_p={r.min_p} must be in [0, 1] (0 disables it)"),
+        (r.repetition_penalty > 0, f"rl.repetition_penalty={r.repetition_penalty} must be > 0 (1 disables it)"),
         (r.max_completion_length >= 1, f"rl.max_completion_length={r.max_completion_length} must be at least 1"),
         (r.max_completion_length < config.model.seq_length,
          f"rl.max_completion_length={r.max_completion_length} leaves no room for a prompt in model.seq_length="

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import UserError
-from shardlm.eval.generate import SamplingConfig
+from shardlm.eval.generate import SamplingConfig, penalize_repetition
 from shardlm.parallel import invariant
 from shardlm.parallel.comm import Communicator
 from shardlm.parallel.pipeline import stage_owner
@@ -78,14 +78,19 @@ class GenerationStopped(Exception):
 
 
 def sample_next(logits: torch.Tensor, uniform: torch.Tensor, temperature: float, top_k: int = 0,
-                top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) real-vocabulary logits and (B,) uniforms in [0, 1) -> ((B,) sampled ids, (B, V) fp32 log-probabilities of
-    logits / temperature, unfiltered). The inverse CDF at `uniform` of the filtered distribution: over the
-    candidates in id order for plain temperature sampling (no sort of the vocabulary: it was most of a decoding
-    step at a 151,936-token vocabulary), over the top-k in decreasing order with `top_k`, and over the nucleus found
-    among the largest candidates (`topk` of 64, then 4x as many until it is covered) with `top_p`."""
+    logits / temperature, unfiltered and unpenalized: the policy's). The inverse CDF at `uniform` of the filtered
+    distribution (`filter_logits`' after `penalize_repetition` of the ids `seen` (B, P)): over the candidates in id
+    order for plain temperature sampling (no sort of the vocabulary: it was most of a decoding step at a
+    151,936-token vocabulary), over the top-k in decreasing order with `top_k`, and over the nucleus found among the
+    largest candidates (`topk` of 64, then 4x as many until it is covered) with `top_p`; `min_p` then drops the
+    candidates below min_p times the most likely one."""
+    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if seen is not None:
+        logits = penalize_repetition(logits, seen.to(logits.device), repetition_penalty)
     scores = logits.float() / temperature
-    logps = torch.log_softmax(scores, dim=-1)
     candidates = None
     if 0 < top_k < scores.shape[-1]:
         scores, candidates = scores.topk(top_k, dim=-1)
@@ -101,6 +106,8 @@ def sample_next(logits: torch.Tensor, uniform: torch.Tensor, temperature: float,
         candidates = order if candidates is None else candidates.gather(-1, order)
         before = kept.cumsum(dim=-1) - kept  # mass of the more likely candidates: the most likely is always kept
         probs = kept.masked_fill(before >= top_p, 0.0)
+    if min_p > 0.0:  # (the most likely candidate is always kept)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     cdf = probs.cumsum(dim=-1)
     pick = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1]).unsqueeze(-1)).clamp_max(cdf.shape[-1] - 1)
     chosen = pick if candidates is None else candidates.gather(-1, pick)
@@ -210,10 +217,13 @@ class InProcessGenerator:
                                     if not (forced or finished) else 0.0
                                     for g, forced, finished in zip(generators, in_prompt.tolist(), done)],
                                    dtype=torch.float64)
+            seen = tokens[:, :position]  # each row's prompt and completion so far (the repetition penalty's)
             if config.temperature == 0:
-                chosen, all_logps = full.argmax(dim=-1), torch.log_softmax(full.float(), dim=-1)
+                penalized = penalize_repetition(full, seen.to(full.device), config.repetition_penalty)
+                chosen, all_logps = penalized.argmax(dim=-1), torch.log_softmax(full.float(), dim=-1)
             else:
-                chosen, all_logps = sample_next(full, uniform, config.temperature, config.top_k, config.top_p)
+                chosen, all_logps = sample_next(full, uniform, config.temperature, config.top_k, config.top_p,
+                                                config.min_p, config.repetition_penalty, seen)
             chosen = ctx.tp.broadcast(chosen.to(ctx.device), 0)
             step = torch.where(in_prompt, tokens[:, position], chosen)
             if invariant.enabled():  # the training forward's own function: its numbers, bit for bit

@@ -91,7 +91,7 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None):
         source = f"fixed completions from {r.completions}"
     else:
         sampling = SamplingConfig(max_new_tokens=r.max_completion_length, temperature=r.temperature, top_k=r.top_k,
-                                  top_p=r.top_p)
+                                  top_p=r.top_p, min_p=r.min_p, repetition_penalty=r.repetition_penalty)
         generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, inputs.stops,
                                        lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline,
                                        stop_requested=stop_requested)
