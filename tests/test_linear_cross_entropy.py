@@ -321,3 +321,27 @@ def test_tensor_parallel_equals_unfused_vocab_parallel_path(tensor_parallel):
             tolerance = 1e-5 if precision == "fp32" else 2e-2
             assert max(case["errors"]) <= tolerance, (rank, vocab, precision, case["errors"])
             assert case["same_comm"], (rank, vocab, precision, case["comm"])
+
+
+def test_entropy_gradient_under_bf16_autocast():
+    """The entropy's GEMMs run in the autocast dtype (bf16), the same in the forward and the recomputing backward: its
+    value and gradients equal the unfused computation under the same autocast (bf16 logits, an fp32 softmax) within
+    bf16's rounding, in the inputs' own dtypes."""
+    from shardlm.parallel.entropy import vocab_parallel_entropy
+
+    hidden, weight, _, upstream = _inputs()
+    tp = ParallelContext.single().tp
+    results = []
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                got = vocab_parallel_entropy(h, w, tp, V)
+            else:
+                log_p = F.linear(h, w)[..., :V].float().log_softmax(-1)
+                got = -(log_p.exp() * log_p).sum(-1)
+        (got * upstream).sum().backward()
+        results.append((got.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype == torch.float32
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max(), (a - b).abs().max()

@@ -67,35 +67,46 @@ def _entropy_stats(flat: torch.Tensor, w: torch.Tensor, tp: Communicator, softca
 class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, weight, tp, vocab_size, softcap):
+        device = flat.device.type  # the GEMMs in the autocast dtype (as `F.linear` would run), the same both ways
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else flat.dtype
         local, start = weight.shape[0], tp.rank * weight.shape[0]
         real = max(0, min(local, vocab_size - start))
-        w = weight[:real].to(flat.dtype)
-        row_max, log_sum, mean_shift = _entropy_stats(flat, w, tp, softcap)
-        ctx.save_for_backward(flat, w, row_max, log_sum, mean_shift)
-        ctx.softcap, ctx.weight_shape, ctx.weight_dtype = softcap, weight.shape, weight.dtype
+        with torch.autocast(device, enabled=False):
+            rows, w = flat.to(dtype), weight[:real].to(dtype)
+            row_max, log_sum, mean_shift = _entropy_stats(rows, w, tp, softcap)
+        ctx.save_for_backward(rows, w, row_max, log_sum, mean_shift)
+        ctx.softcap, ctx.hidden_dtype = softcap, flat.dtype
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
         return log_sum - mean_shift
 
     @staticmethod
     def backward(ctx, grad_entropy):
         flat, w, row_max, log_sum, mean_shift = ctx.saved_tensors
-        softcap, real = ctx.softcap, w.shape[0]
         grad_hidden = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         grad_weight = torch.zeros(ctx.weight_shape, dtype=torch.float32, device=flat.device)
         g = grad_entropy.float()
-        rows = _chunk_rows(real)
-        for first in range(0, flat.shape[0] if real else 0, rows):
-            chunk = slice(first, first + rows)
-            raw = (flat[chunk] @ w.t()).float()
-            z = raw if softcap is None else torch.tanh(raw / softcap[0]) * softcap[1]
-            shifted = z - row_max[chunk].unsqueeze(-1)
-            p = (shifted - log_sum[chunk].unsqueeze(-1)).exp()
-            grad_z = p.mul_(shifted.sub_(mean_shift[chunk].unsqueeze(-1))).mul_(-g[chunk].unsqueeze(-1))
-            if softcap is not None:  # d(s tanh(z / cap)) / dz = s / cap (1 - tanh^2)
-                tanh = z / softcap[1]
-                grad_z = grad_z * (1 - tanh * tanh) * (softcap[1] / softcap[0])
-            grad_hidden[chunk] = grad_z @ w.float()
-            grad_weight[:real] += grad_z.t() @ flat[chunk].float()
-        return grad_hidden.to(flat.dtype), grad_weight.to(ctx.weight_dtype), None, None, None
+        with torch.autocast(flat.device.type, enabled=False):
+            _entropy_backward(flat, w, row_max, log_sum, mean_shift, g, ctx.softcap, grad_hidden, grad_weight)
+        return grad_hidden.to(ctx.hidden_dtype), grad_weight.to(ctx.weight_dtype), None, None, None
+
+
+def _entropy_backward(flat, w, row_max, log_sum, mean_shift, g, softcap, grad_hidden, grad_weight) -> None:
+    """`_VocabParallelEntropy`'s backward, chunk by chunk of rows: the logits recomputed as the forward made them,
+    dH/dz = -g p (z - E_p[z]) (through the soft cap's slope), written into the fp32 gradients in place."""
+    real = w.shape[0]
+    rows = _chunk_rows(real)
+    for first in range(0, flat.shape[0] if real else 0, rows):
+        chunk = slice(first, first + rows)
+        raw = (flat[chunk] @ w.t()).float()
+        z = raw if softcap is None else torch.tanh(raw / softcap[0]) * softcap[1]
+        shifted = z - row_max[chunk].unsqueeze(-1)
+        p = (shifted - log_sum[chunk].unsqueeze(-1)).exp()
+        grad_z = p.mul_(shifted.sub_(mean_shift[chunk].unsqueeze(-1))).mul_(-g[chunk].unsqueeze(-1))
+        if softcap is not None:  # d(s tanh(z / cap)) / dz = s / cap (1 - tanh^2)
+            tanh = z / softcap[1]
+            grad_z = grad_z * (1 - tanh * tanh) * (softcap[1] / softcap[0])
+        grad_hidden[chunk] = grad_z @ w.float()
+        grad_weight[:real] += grad_z.t() @ flat[chunk].float()
 
 
 def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Communicator, vocab_size: int,

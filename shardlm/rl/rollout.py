@@ -87,10 +87,10 @@ def sample_next(logits: torch.Tensor, uniform: torch.Tensor, temperature: float,
     151,936-token vocabulary), over the top-k in decreasing order with `top_k`, and over the nucleus found among the
     largest candidates (`topk` of 64, then 4x as many until it is covered) with `top_p`; `min_p` then drops the
     candidates below min_p times the most likely one."""
-    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if seen is not None:
-        logits = penalize_repetition(logits, seen.to(logits.device), repetition_penalty)
     scores = logits.float() / temperature
+    logps = torch.log_softmax(scores, dim=-1)
+    if seen is not None and repetition_penalty != 1.0:
+        scores = penalize_repetition(logits, seen.to(logits.device), repetition_penalty).float() / temperature
     candidates = None
     if 0 < top_k < scores.shape[-1]:
         scores, candidates = scores.topk(top_k, dim=-1)
