@@ -150,7 +150,6 @@ CASES = {
     "pp2 tp2 sp gpt interleaved-zb": (gpt(tp=2, schedule="interleaved-zb", sequence_parallel=True), "gpt m2", 4),
     "pp2 tp2 sp mtp zbv": (mtp(tp=2, sp=True, micro=2, schedule="zbv"), "mtp m2", 4),
     "pp2 dp2 zero1 gpt zbv": (gpt(micro=1, schedule="zbv"), "gpt m1", 4),
-    "pp2 dp2 zero1 gpt dualpipev": (gpt(micro=1, schedule="dualpipev"), "gpt m1", 4),
     "pp2 dp2 zero1 mtp interleaved-zb": (mtp(micro=2, schedule="interleaved-zb"), "mtp m2", 4),
     "pp2 dp2 fsdp gpt zbv": (fsdp(schedule="zbv"), "fsdp gpt", 4),
     "pp2 dp2 fsdp gpt dualpipev": (fsdp(schedule="dualpipev"), "fsdp gpt", 4),
@@ -158,7 +157,7 @@ CASES = {
     "pp2 ep2 moe zbv": (moe(ep=2, schedule="zbv"), "moe", 4),
     "pp2 ep2 moe interleaved-zb": (moe(ep=2, schedule="interleaved-zb"), "moe", 4),
 }
-for _name in ("pp2 dp2 zero1 gpt zbv", "pp2 dp2 zero1 gpt dualpipev", "pp2 dp2 zero1 mtp interleaved-zb"):
+for _name in ("pp2 dp2 zero1 gpt zbv", "pp2 dp2 zero1 mtp interleaved-zb"):
     CASES[_name][0].train.distributed_optimizer = True
 TENSOR = {name: 2 if "tp2" in name else 1 for name in CASES}
 EXPERT = {name: 2 if "ep2" in name else 1 for name in CASES}
