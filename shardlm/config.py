@@ -245,7 +245,7 @@ def _coerce(value, expected: type, key: str):
 
 
 def _field_types(section_cls) -> dict[str, type]:
-    hints = {"int": int, "float": float, "str": str, "bool": bool, "list": list}
+    hints = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
     return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in dataclasses.fields(section_cls)}
 
 

@@ -18,6 +18,9 @@ class SFTConfig:
     """A .jinja file replacing the tokenizer's chat template (e.g. one with {% generation %} tags)."""
     end_of_turn: str = ""
     """The token that ends an assistant turn; empty: the tokenizer's eos_token or a generation_config.json eos id."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Variables every conversation is rendered with, as transformers' `apply_chat_template(..., **kwargs)` and
+    TRL's `chat_template_kwargs` take them (Qwen3's {enable_thinking = false}): SFT, preference and RL prompts."""
     fields: str = "auto"
     """Instruction records' keys: "auto" (Dolly's, then Alpaca's), "dolly" or "alpaca"."""
     system_prompt: str = ""

@@ -169,6 +169,39 @@ def test_qwen3_renders_and_tokenizes_like_transformers(template, hf_tokenizer, c
         assert template.render(messages, add_generation_prompt=True, **kwargs) == expected
 
 
+def test_a_runs_template_kwargs_reach_sft_preference_and_rl_prompts(chat_dir, hf_tokenizer, conversations, dolly):
+    """`sft.chat_template_kwargs` (Qwen3's enable_thinking = false): the run's template (`run_template`, which SFT,
+    preference and RL build theirs with) renders every conversation as transformers' `apply_chat_template(...,
+    enable_thinking=False)`: an SFT conversation's ids (its empty think block now in the prompt, untrained), a
+    preference pair's prompt and an RL prompt's ids; without the kwargs the think block is trained and the
+    prompts differ."""
+    from shardlm.config import SFTConfig
+    from shardlm.preference.pairs import PreferencePair, tokenize_pair
+    from shardlm.rl.prompts import to_prompt
+    from shardlm.sft.dataset import run_template
+
+    template = run_template(SFTConfig(tokenizer=str(chat_dir / "qwen3"),
+                                      chat_template_kwargs={"enable_thinking": False}), "")
+    plain = run_template(SFTConfig(tokenizer=str(chat_dir / "qwen3")), "")
+    messages = conversations[0].messages
+    want = list(hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                 enable_thinking=False)["input_ids"])
+    doc, without = (tokenize_conversations(t, conversations[:1])[0] for t in (template, plain))
+    assert doc.input_ids == want == without.input_ids  # (a last turn renders its empty think block either way)
+    reply = unicodedata.normalize("NFC", dolly[0]["response"].lstrip("\n") + END)
+    (start, end), = _runs(doc.loss_mask)
+    assert _decode(hf_tokenizer, doc.input_ids[start:end]) == reply  # the think block is the prompt's, untrained
+    (start, end), = _runs(without.loss_mask)
+    assert _decode(hf_tokenizer, without.input_ids[start:end]) == unicodedata.normalize("NFC", THINK) + reply
+    prompt = list(hf_tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True,
+                                                   return_dict=True, enable_thinking=False)["input_ids"])
+    assert to_prompt(template, {"prompt": messages[:1]}, "rl").ids == prompt
+    assert to_prompt(plain, {"prompt": messages[:1]}, "rl").ids != prompt
+    rejected = [{"role": "assistant", "content": "No."}]
+    pair = tokenize_pair(template, PreferencePair(messages[:1], [messages[1]], rejected, "pair"), END)
+    assert pair.prompt == prompt
+
+
 def test_qwen3_mask_is_found_by_prefix_and_covers_the_reply_and_end_token(template, hf_tokenizer, dolly, docs):
     """Qwen3's template has no generation tags, so the mask comes from prefix comparison. For a single turn the
     template puts an empty think block before the reply; it is part of the trained reply (the model learns to

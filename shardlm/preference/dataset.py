@@ -4,15 +4,12 @@ their KL sequences) -> rows, with [sft]'s tokenizer, template, held-out share an
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from shardlm.config import SFTConfig
 from shardlm.errors import UserError
 from shardlm.preference.data import PairDataset, PairRows
 from shardlm.preference.pairs import load_pairs, tokenize_pair
 from shardlm.preference.unpaired import load_examples, tokenize_examples
-from shardlm.sft.dataset import SFTData, held_out, tokenizer_dir
-from shardlm.sft.template import ChatTemplate
+from shardlm.sft.dataset import SFTData, held_out, run_template
 
 
 def build_preference_datasets(sft: SFTConfig, seq_length: int, seed: int, init_from: str = "",
@@ -20,9 +17,7 @@ def build_preference_datasets(sft: SFTConfig, seq_length: int, seed: int, init_f
     """Read, split, tokenize and pack the preference records of `sft.data` (one-line UserErrors for bad input).
     `unpaired`: KTO's examples; `kl_group` > 0: with KL sequences, each split's completions rotated within groups of
     that many (`shardlm.preference.unpaired`)."""
-    template_source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
-    template = ChatTemplate.from_dir(tokenizer_dir(sft, init_from), end_of_turn=sft.end_of_turn or None,
-                                     template=template_source)
+    template = run_template(sft, init_from)
     eos = template.special_tokens.get("eos_token") or template.end_of_turn
     if unpaired:
         records = load_examples(list(sft.data))

@@ -11,7 +11,7 @@ from pathlib import Path
 from shardlm.rl import prompts_per_step
 from shardlm.rl.prompts import Prompt, load_prompts
 from shardlm.rl.rewards import Reward, load_rewards, reward_names
-from shardlm.sft.dataset import tokenizer_dir
+from shardlm.sft.dataset import run_template, tokenizer_dir
 from shardlm.sft.template import ChatTemplate
 
 
@@ -40,10 +40,8 @@ def load_rl_inputs(config) -> RLInputs:
     """The run's [rl] inputs (module docstring)."""
     r, sft = config.rl, config.sft
     rewards = load_rewards(list(r.rewards), [float(w) for w in r.reward_weights], r.format_pattern)
-    template_source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
     tokenizer_path = tokenizer_dir(sft, config.checkpoint.init_from)
-    template = ChatTemplate.from_dir(tokenizer_path,
-                                     end_of_turn=sft.end_of_turn or None, template=template_source)
+    template = run_template(sft, config.checkpoint.init_from)
     records = ()
     if r.task == "arithmetic":
         from shardlm.rl.arithmetic import arithmetic_records

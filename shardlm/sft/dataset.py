@@ -94,6 +94,17 @@ def tokenizer_dir(sft: SFTConfig, init_from: str) -> Path:
                     "sft.tokenizer to the directory holding tokenizer.json and the chat template")
 
 
+def run_template(sft: SFTConfig, init_from: str) -> ChatTemplate:
+    """The chat template an `[sft]` section's run renders with (SFT, preference and RL alike): the tokenizer
+    directory's (`tokenizer_dir`) or `sft.template`'s, `sft.end_of_turn`, and `sft.chat_template_kwargs` passed to
+    every rendering."""
+    source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
+    template = ChatTemplate.from_dir(tokenizer_dir(sft, init_from), end_of_turn=sft.end_of_turn or None,
+                                     template=source)
+    template.variables = dict(sft.chat_template_kwargs)
+    return template
+
+
 def held_out(count: int, fraction: float, seed: int) -> set[int]:
     """Indices of the conversations held out for validation: round(count x fraction), at least one when the
     fraction is above 0 and at least two conversations exist, chosen by `seed`."""
@@ -105,9 +116,7 @@ def held_out(count: int, fraction: float, seed: int) -> set[int]:
 
 def build_sft_datasets(sft: SFTConfig, seq_length: int, seed: int, init_from: str = "") -> SFTData:
     """Read, split, tokenize and pack an `[sft]` section's records (one-line UserErrors for bad input)."""
-    template_source = Path(sft.template).read_text(encoding="utf-8") if sft.template else None
-    template = ChatTemplate.from_dir(tokenizer_dir(sft, init_from), end_of_turn=sft.end_of_turn or None,
-                                     template=template_source)
+    template = run_template(sft, init_from)
     conversations = load_conversations(list(sft.data), FIELDS[sft.fields], sft.system_prompt or None)
     valid_ids = held_out(len(conversations), sft.valid_fraction, seed)
     train_docs = tokenize_conversations(template, [c for i, c in enumerate(conversations) if i not in valid_ids])

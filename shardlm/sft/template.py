@@ -189,6 +189,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source = source
         self.name = name
+        self.variables: dict[str, Any] = {}  # rendered with every conversation (a run's sft.chat_template_kwargs)
         self.special_tokens = special_tokens
         self.template = compile_template(source, name)
         self.mask_method = "generation-tags" if GENERATION_TAG.search(source) else "prefix"
@@ -230,7 +231,7 @@ class ChatTemplate:
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, spans: list | None,
                 template_kwargs: dict[str, Any]) -> str:
-        variables = {**self.special_tokens, **_plain(template_kwargs)}
+        variables = {**self.special_tokens, **_plain(self.variables), **_plain(template_kwargs)}
         variables.update(messages=_prepare_messages(messages), tools=None, documents=None,
                          add_generation_prompt=add_generation_prompt)
         env = self.template.environment
