@@ -113,6 +113,9 @@ class RLConfig:
     """Sample among the k most likely tokens (0 disables it)."""
     min_p: float = 0.0
     """Sample among the tokens at least min_p times as likely as the most likely one (0 disables it)."""
+    log_completions: bool = False
+    """Append each round's prompts, completions, rewards and advantages to the run directory's completions.jsonl
+    (the main rank; a resumed run's file equals the uninterrupted run's)."""
     repetition_penalty: float = 1.0
     """The logits of the ids already in the sequence (prompt and completion) divided by this where positive and
     multiplied where negative before sampling, as transformers and vLLM apply it (1 disables it); the

@@ -8,7 +8,8 @@ round's rows, whose old and reference log-probabilities came from weights it no 
 during round 1's sampling (after step 2), which saves step 2 and exits 143, then resumed. Every resumed step's
 metrics (loss, gradient norm, KL, reward, ...) and every final parameter equal the uninterrupted run's bit for bit.
 The run has an entropy bonus under Skywork-OR1's adaptive control, whose coefficient and last mean entropy the
-checkpoint keeps.
+checkpoint keeps, and logs its completions (`rl.log_completions`): each resumed run's completions.jsonl equals the
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def rl_config(data_dir, steps: int):
         "rl": {"loss": "dapo", "task": "arithmetic", "task_size": 16, "num_generations": 4, "prompts_per_step": 2,
                "max_completion_length": 6, "beta": 0.04, "num_iterations": 2, "temperature": 1.2,
                "entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_coef_delta": 0.02,
-               "entropy_target": 100.0},
+               "entropy_target": 100.0, "log_completions": True},
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": steps, "decay_steps": STEPS,
                   "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0, "precision": "fp32", "seed": 3},
         "log": {"interval": 1, "plot": False, "progress": False},
@@ -98,6 +99,21 @@ def test_a_run_stopped_mid_round_resumes_bitwise(runs, data_dir):
     assert abs(whole[4]["loss"] - whole[4]["policy_loss"]) > 0.1
     want, got = parameters(folder / "whole", data_dir), parameters(folder / "mid-round", data_dir)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_logged_completions_are_the_uninterrupted_runs(runs):
+    """`rl.log_completions`: each round once, in order (the round a SIGTERM interrupted while sampling is logged when
+    the resumed run samples it), so both resumed runs' completions.jsonl equal the uninterrupted run's, line for
+    line; each line holds the prompt, the completion's text, the rewards and the advantage."""
+    folder = runs[0]
+    whole = (folder / "whole" / "completions.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in whole]
+    assert [(r["round"], r["step"]) for r in records] == [(0, 1)] * 8 + [(1, 3)] * 8  # 2 prompts x 4, 2 rounds
+    assert all(isinstance(r["prompt"], list) and isinstance(r["completion"], str) and r["rewards"].keys() == {"math"}
+               and isinstance(r["advantage"], float) for r in records)
+    assert len({r["completion"] for r in records}) == len(records)  # sampled, each its own
+    for name in ("mid-round", "sigterm"):
+        assert (folder / name / "completions.jsonl").read_text().splitlines() == whole, name
 
 
 def test_sigterm_during_sampling_saves_the_last_step_and_resumes_bitwise(runs, data_dir, capsys):

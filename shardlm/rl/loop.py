@@ -87,9 +87,10 @@ class RLRun:
     """Joins the trainer, the prompts, the generator and the reward functions (module docstring)."""
 
     def __init__(self, trainer, prompts: list[Prompt], template, generator, rewards: list[Reward], pad_id: int,
-                 reference: ReferenceWeights | None = None):
+                 reference: ReferenceWeights | None = None, completions_file: Path | None = None):
         self.trainer, self.prompts, self.template = trainer, prompts, template
         self.generator, self.rewards, self.pad_id, self.reference = generator, rewards, pad_id, reference
+        self.completions_file = completions_file  # rl.log_completions: each round's samples appended (main rank)
         self.cfg, self.ctx = trainer.config.rl, trainer.ctx
         self.per_round = prompts_per_step(trainer.config)
         self.round_metrics: dict = {}
@@ -177,6 +178,8 @@ class RLRun:
             advantages, zero_std = decoupled_advantages(values, weights, cfg.num_generations)
         else:
             advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        if self.completions_file is not None and self.ctx.rank == 0:
+            self.log_round(round_index, owners, rollouts, values, rewards, advantages)
         t = trainer.config.train
         self.rows = StepRows(rollouts, advantages, cfg.loss, cfg.max_completion_length, cfg.mask_truncated_completions,
                              t.global_batch_size, trainer.config.model.seq_length, self.pad_id,
@@ -190,6 +193,24 @@ class RLRun:
         scoring_s = time.perf_counter() - start
         self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | {
             "generation_s": generation_s, "scoring_s": scoring_s}
+
+    def log_round(self, round_index: int, owners: list[int], rollouts: list[Rollout], values: np.ndarray,
+                  rewards: np.ndarray, advantages: np.ndarray) -> None:
+        """Append the round's sequences to `completions_file`, one JSON line each: the round, the step it starts, the
+        sequence, the prompt (as the reward functions saw it), the completion's text, whether it was truncated, each
+        function's reward (None where it gave none), their weighted sum and the advantage."""
+        step = round_index * self.cfg.num_iterations + 1
+        names = reward_names(self.rewards)
+        lines = []
+        for j, (owner, rollout) in enumerate(zip(owners, rollouts)):
+            scores = {n: None if np.isnan(v) else float(v) for n, v in zip(names, values[j])}
+            lines.append(json.dumps({"round": round_index, "step": step, "sequence": j,
+                                     "prompt": self.prompts[owner].prompt,
+                                     "completion": decode(self.template, rollout.completion),
+                                     "truncated": rollout.truncated, "rewards": scores,
+                                     "reward": float(rewards[j]), "advantage": float(advantages[j])}) + "\n")
+        with open(self.completions_file, "a", encoding="utf-8") as f:
+            f.write("".join(lines))
 
     def reference_context(self):
         if self.reference is not None:

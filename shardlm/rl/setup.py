@@ -77,8 +77,9 @@ def stop_ids(eod: int, pad_id: int | None, directory: Path) -> set[int]:
     return {int(i) for i in stops}
 
 
-def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None):
-    """(the run's `RLRun`, the line that describes it) once the trainer holds the starting weights."""
+def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run_dir: Path | None = None):
+    """(the run's `RLRun`, the line that describes it) once the trainer holds the starting weights; with
+    rl.log_completions the rounds go to `run_dir`/completions.jsonl."""
     from shardlm.eval.generate import SamplingConfig
     from shardlm.rl.loop import RLRun
     from shardlm.rl.rollout import FixedCompletions, InProcessGenerator
@@ -94,10 +95,13 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None):
                                        lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline,
                                        stop_requested=stop_requested)
         source = "sampled by the policy"
-    run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference)
+    completions = Path(run_dir) / "completions.jsonl" if r.log_completions and run_dir is not None else None
+    run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference,
+                completions)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
     ref = ("" if not r.beta else ", reference: " + ("the starting weights" if reference is not None
                                                      else "the base (adapters off)"))
     line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {r.num_generations} completions a round, "
-            f"{r.num_iterations} step(s) each, beta {r.beta:g}{ref}; completions {source}")
+            f"{r.num_iterations} step(s) each, beta {r.beta:g}{ref}; completions {source}"
+            + (f", logged to {completions}" if completions else ""))
     return run, line

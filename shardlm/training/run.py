@@ -286,7 +286,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if rl is not None:
         from shardlm.rl.setup import start_rl
 
-        rl_run, line = start_rl(trainer, rl, reference, stop_requested=lambda: signals.terminate_requested)
+        rl_run, line = start_rl(trainer, rl, reference, stop_requested=lambda: signals.terminate_requested,
+                                run_dir=run_dir)
         if resume_from:  # a checkpoint taken in the middle of a round keeps the round's rows
             rl_run.restore(Path(resume_from))
         step = rl_run.train_step
