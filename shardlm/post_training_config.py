@@ -75,6 +75,10 @@ class PreferenceConfig:
     """kto, apo_zero_unpaired: the weight of the desirable examples' losses."""
     undesirable_weight: float = 1.0
     """kto, apo_zero_unpaired: the weight of the undesirable examples' losses."""
+    disable_dropout: bool = True
+    """Train without dropout (model.dropout, model.attention_dropout and lora.dropout set to 0), as TRL's
+    `disable_dropout` default: the policy's log-probabilities and the reference's are those of the same
+    deterministic model, so the first step's DPO loss is ln 2."""
     reference: str = "auto"
     """The reference model's log-probabilities: "precomputed" (one pass of the starting weights over the data
     before the first step, saved in the run directory), "adapters" (a LoRA run's base: the same forward with the
@@ -113,6 +117,10 @@ class RLConfig:
     """Sample among the k most likely tokens (0 disables it)."""
     min_p: float = 0.0
     """Sample among the tokens at least min_p times as likely as the most likely one (0 disables it)."""
+    disable_dropout: bool = True
+    """Train without dropout (model.dropout, model.attention_dropout and lora.dropout set to 0), as TRL's
+    `disable_dropout` default: the training forward's log-probabilities are those the rollout sampled with, and
+    the reference's."""
     log_completions: bool = False
     """Append each round's prompts, completions, rewards and advantages to the run directory's completions.jsonl
     (the main rank; a resumed run's file equals the uninterrupted run's)."""
@@ -234,6 +242,9 @@ class DistillConfig:
     training layout (`docs/distillation.md`). The loss is the sum over the answer tokens of the global batch of
     each token's divergence, over their count (TRL's "batchmean")."""
 
+    disable_dropout: bool = True
+    """Train without dropout (model.dropout, model.attention_dropout and lora.dropout set to 0), as TRL's
+    `disable_dropout` default: the student's distributions are those it samples its on-policy completions from."""
     teacher: str = ""
     """The frozen teacher: a Hugging Face model directory or a shardlm checkpoint (a consolidated file or a sharded
     directory) with the student's vocabulary; empty: no distillation."""

@@ -222,14 +222,44 @@ def test_a_restart_with_changed_data_is_refused_in_one_line(setup, dpo_runs, tmp
 
 def test_the_tiny_dpo_config_trains(setup, tmp_path, capsys):
     """`configs/dpo-tiny-qwen3.toml` on the pairs `scripts/dolly_pairs.py` writes (one step, shorter rows; the
-    held-out share of the runs above: the config's 5 % of 20 pairs would hold out one, longer than a row)."""
+    held-out share of the runs above: the config's 5 % of 20 pairs would hold out one, longer than a row), asked for
+    dropout 0.2: `preference.disable_dropout` (TRL's default) turns it off, says so, and the first loss is ln 2 (with
+    dropout the policy's log-probabilities would not be the reference's)."""
     code = main(["train", "configs/dpo-tiny-qwen3.toml", f"sft.data=[\"{setup['records']}\"]", "model.seq_length=512",
                  "sft.valid_fraction=0.1", "train.steps=1", "train.eval_interval=0", "train.eval_iters=1",
-                 "log.progress=false", "log.plot=false", "log.tensorboard=false", "checkpoint.save=false",
-                 "--run-dir", str(tmp_path / "run")])
-    assert code == 0, capsys.readouterr().err
+                 "model.dropout=0.2", "log.progress=false", "log.plot=false", "log.tensorboard=false",
+                 "checkpoint.save=false", "--run-dir", str(tmp_path / "run")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "dropout off for preference (model.dropout=0.2 set to 0" in out.out + out.err
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["dropout"] == 0.0
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert abs(next(m["loss"] for m in metrics if "loss" in m) - math.log(2)) < 1e-6
+
+
+def test_disable_dropout_turns_off_what_the_run_would_drop():
+    """`disable_dropout` of the run's own section: model.dropout, attention dropout and LoRA's dropout to 0 for
+    preference, RL and distillation runs (the line names what was on); off (`false`) or in an SFT run nothing
+    changes."""
+    from shardlm.config import from_dict
+    from shardlm.training.run import disable_dropout
+
+    def config(section: dict, **model):
+        return from_dict({"model": {"dropout": 0.1, **model}, "lora": {"rank": 4, "dropout": 0.05}} | section)
+
+    for section, name in (({"preference": {"loss": "sigmoid"}}, "preference"), ({"rl": {"loss": "dapo"}}, "rl"),
+                          ({"distill": {"teacher": "t"}}, "distill")):
+        run = config(section, attention_dropout=0.3)
+        line = disable_dropout(run)
+        assert (run.model.dropout, run.model.attention_dropout, run.lora.dropout) == (0.0, 0.0, 0.0)
+        assert line == (f"dropout off for {name} (model.dropout=0.1, model.attention_dropout=0.3, lora.dropout=0.05 "
+                        f"set to 0; {name}.disable_dropout=false keeps it)")
+        kept = config({name: {**section[name], "disable_dropout": False}})
+        assert disable_dropout(kept) is None and (kept.model.dropout, kept.lora.dropout) == (0.1, 0.05)
+    sft = config({"sft": {"data": ["x.jsonl"]}})
+    assert disable_dropout(sft) is None and sft.model.dropout == 0.1
+    already = from_dict({"model": {"dropout": 0.0}, "preference": {"loss": "sigmoid"}})
+    assert disable_dropout(already) is None  # nothing to turn off: no line
 
 
 def bad_records(root: Path, text: str) -> list[str]:

@@ -187,11 +187,29 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     return line + f"precomputed by the starting weights for {' and '.join(f'{n} {s}' for s, n in pairs.items())} {unit}"
 
 
+def disable_dropout(config: RunConfig) -> str | None:
+    """A preference, RL or distillation run with its section's `disable_dropout` (TRL's default) trains without
+    dropout: model.dropout, model.attention_dropout and lora.dropout set to 0, in place (what config.json and the
+    checkpoints then record). Returns the line that says so when it turned some off, else None."""
+    sections = [s for s, on in (("preference", config.preference.loss), ("rl", config.rl.loss),
+                                ("distill", config.distill.teacher)) if on]
+    m, lora = config.model, config.lora
+    if not sections or not getattr(config, sections[0]).disable_dropout:
+        return None
+    was = {"model.dropout": m.dropout, "model.attention_dropout": max(m.attention_dropout, 0.0),
+           "lora.dropout": lora.dropout if lora.rank else 0.0}
+    m.dropout, m.attention_dropout, lora.dropout = 0.0, 0.0, 0.0
+    turned = [f"{k}={v:g}" for k, v in was.items() if v > 0]
+    return (f"dropout off for {sections[0]} ({', '.join(turned)} set to 0; {sections[0]}.disable_dropout=false "
+            "keeps it)") if turned else None
+
+
 def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, signals: StopSignals,
            progress: Progress) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_source = resolve_init(config, run_dir)  # before validation: [model] may take the checkpoint's shape
     adapter_line = resolve_adapter(config)  # and [lora] the peft adapter's settings
+    dropout_line = disable_dropout(config)  # TRL's default for preference, RL and distillation runs
     validate(config, world)
     t = config.train
     sft = rl = None
@@ -272,6 +290,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     elif init_source is not None:
         init_weights(trainer, init_source)
         logger.print(describe(init_source))
+    if dropout_line:
+        logger.print(dropout_line)
     if adapter_line:  # the [lora] keys the adapter set (`shardlm train` printed them when it resolved them)
         logger.print(adapter_line)
     if config.checkpoint.init_adapter and not resume_from:
