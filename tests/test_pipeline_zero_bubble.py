@@ -147,7 +147,6 @@ CASES = {
     "pp4 gpt interleaved-zb v2": (gpt(pp=4, micro=2, schedule="interleaved-zb", virtual=2), "gpt m2", 4),
     "pp2 tp2 sp gpt zbv": (gpt(tp=2, schedule="zbv", sequence_parallel=True), "gpt m2", 4),
     "pp2 tp2 sp gpt dualpipev": (gpt(tp=2, schedule="dualpipev", sequence_parallel=True), "gpt m2", 4),
-    "pp2 tp2 sp gpt interleaved-zb": (gpt(tp=2, schedule="interleaved-zb", sequence_parallel=True), "gpt m2", 4),
     "pp2 tp2 sp mtp zbv": (mtp(tp=2, sp=True, micro=2, schedule="zbv"), "mtp m2", 4),
     "pp2 dp2 zero1 gpt zbv": (gpt(micro=1, schedule="zbv"), "gpt m1", 4),
     "pp2 dp2 zero1 mtp interleaved-zb": (mtp(micro=2, schedule="interleaved-zb"), "mtp m2", 4),

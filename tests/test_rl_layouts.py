@@ -214,7 +214,6 @@ WORLD2 = {
     "tp2 sp entropy": layout(tp=2, sp=True, variant="entropy"),
 }
 SAMPLES2 = {
-    "sample tp2": layout(tp=2, sample=True),
     "sample ep2 moe": layout(ep=2, moe=True, sample=True),
     "sample fsdp dp2": layout(data_sharding="full", sample=True),
     "sample pp2": layout(pp=2, sample=True),
@@ -305,7 +304,7 @@ def test_the_run_clips_and_penalizes(reference):
     assert column["clip_ratio/region_mean"][0] == 0.0, column  # the first iteration's ratio is exactly 1
 
 
-@pytest.mark.parametrize("name", ["sample tp2", "sample tp2 sp", "sample pp2", "sample ep2 moe", "sample fsdp dp2",
+@pytest.mark.parametrize("name", ["sample tp2 sp", "sample pp2", "sample ep2 moe", "sample fsdp dp2",
                                   "sample pp2 gemma4", "sample cp2", "sample tp2 sp penalized"])
 def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
     """Each layout's rollouts are one process's, token for token; under pipeline stages the model's per-forward
