@@ -280,7 +280,7 @@ class DecoderLM(nn.Module):
             rows, weight = h.reshape(-1, h.shape[-1])[kept], self.output_weight
 
             def per_token(values: torch.Tensor) -> torch.Tensor:
-                return torch.zeros(targets.numel(), device=h.device).index_put((kept,), values).view(targets.shape)
+                return torch.zeros(targets.numel(), device=h.device).index_put_((kept,), values).view(targets.shape)
 
             if self.entropies is not None:
                 args = (rows, weight) if self.entropy_gradient else (rows.detach(), weight.detach())
