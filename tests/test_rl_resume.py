@@ -7,7 +7,8 @@ the same 4-step schedule: uninterrupted; stopped after step 3 (in the middle of 
 round's rows, whose old and reference log-probabilities came from weights it no longer holds) and resumed; SIGTERMed
 during round 1's sampling (after step 2), which saves step 2 and exits 143, then resumed. Every resumed step's
 metrics (loss, gradient norm, KL, reward, ...) and every final parameter equal the uninterrupted run's bit for bit.
-The run has an entropy bonus under Skywork-OR1's adaptive control, whose coefficient and last mean entropy the
+The run keeps dropout 0.1 on (`rl.disable_dropout = false`: the restored generators must draw the same masks) and
+has an entropy bonus under Skywork-OR1's adaptive control, whose coefficient and last mean entropy the
 checkpoint keeps, and logs its completions (`rl.log_completions`): each resumed run's completions.jsonl equals the
 uninterrupted run's.
 """
@@ -33,13 +34,13 @@ STEPS = 4
 def rl_config(data_dir, steps: int):
     return from_dict({
         "model": {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
-                  "head_dim": 8, "qk_norm": True, "ffn_hidden_size": 64, "seq_length": 64, "dropout": 0.0,
+                  "head_dim": 8, "qk_norm": True, "ffn_hidden_size": 64, "seq_length": 64, "dropout": 0.1,
                   "init_std": 0.05},
         "sft": {"tokenizer": str(data_dir / "chat" / "qwen3")},
         "rl": {"loss": "dapo", "task": "arithmetic", "task_size": 16, "num_generations": 4, "prompts_per_step": 2,
                "max_completion_length": 6, "beta": 0.04, "num_iterations": 2, "temperature": 1.2,
                "entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_coef_delta": 0.02,
-               "entropy_target": 100.0, "log_completions": True},
+               "entropy_target": 100.0, "log_completions": True, "disable_dropout": False},
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": steps, "decay_steps": STEPS,
                   "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0, "precision": "fp32", "seed": 3},
         "log": {"interval": 1, "plot": False, "progress": False},
@@ -93,6 +94,8 @@ def test_a_run_stopped_mid_round_resumes_bitwise(runs, data_dir):
     whole, resumed = metrics_of(folder / "whole"), metrics_of(folder / "mid-round")
     assert resumed[4] == whole[4], (resumed[4], whole[4])
     assert whole[4]["kl"] > 0 and whole[4]["loss"] != 0.0  # a step that trains
+    # with dropout on (rl.disable_dropout = false): the resumed run's dropout masks come from the restored generators
+    assert json.loads((folder / "mid-round" / "config.json").read_text())["model"]["dropout"] == 0.1
     # the adaptive entropy control's state came back from the checkpoint: raised after each of the 4 steps, applied
     # from the second (a fresh controller would apply none at step 4)
     assert whole[4]["entropy_coef"] == pytest.approx(0.01 + 4 * 0.02)

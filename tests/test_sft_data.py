@@ -180,21 +180,18 @@ def test_a_runs_template_kwargs_reach_sft_preference_and_rl_prompts(chat_dir, hf
     from shardlm.rl.prompts import to_prompt
     from shardlm.sft.dataset import run_template
 
-    template = run_template(SFTConfig(tokenizer=str(chat_dir / "qwen3"),
-                                      chat_template_kwargs={"enable_thinking": False}), "")
-    plain = run_template(SFTConfig(tokenizer=str(chat_dir / "qwen3")), "")
+    template, plain = (run_template(SFTConfig(tokenizer=str(chat_dir / "qwen3"), chat_template_kwargs=kwargs), "")
+                       for kwargs in ({"enable_thinking": False}, {}))
     messages = conversations[0].messages
-    want = list(hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                 enable_thinking=False)["input_ids"])
+    hf = {"tokenize": True, "return_dict": True, "enable_thinking": False}
     doc, without = (tokenize_conversations(t, conversations[:1])[0] for t in (template, plain))
-    assert doc.input_ids == want == without.input_ids  # (a last turn renders its empty think block either way)
+    # (a last turn renders its empty think block either way; without the kwargs it is trained)
+    assert doc.input_ids == list(hf_tokenizer.apply_chat_template(messages, **hf)["input_ids"]) == without.input_ids
     reply = unicodedata.normalize("NFC", dolly[0]["response"].lstrip("\n") + END)
-    (start, end), = _runs(doc.loss_mask)
-    assert _decode(hf_tokenizer, doc.input_ids[start:end]) == reply  # the think block is the prompt's, untrained
-    (start, end), = _runs(without.loss_mask)
-    assert _decode(hf_tokenizer, without.input_ids[start:end]) == unicodedata.normalize("NFC", THINK) + reply
-    prompt = list(hf_tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=True, enable_thinking=False)["input_ids"])
+    for tokens, trained in ((doc, reply), (without, unicodedata.normalize("NFC", THINK) + reply)):
+        (start, end), = _runs(tokens.loss_mask)
+        assert _decode(hf_tokenizer, tokens.input_ids[start:end]) == trained
+    prompt = list(hf_tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, **hf)["input_ids"])
     assert to_prompt(template, {"prompt": messages[:1]}, "rl").ids == prompt
     assert to_prompt(plain, {"prompt": messages[:1]}, "rl").ids != prompt
     rejected = [{"role": "assistant", "content": "No."}]
