@@ -64,15 +64,19 @@ def _entropy_stats(flat: torch.Tensor, w: torch.Tensor, tp: Communicator, softca
     return stats + ((sums[2].log() - 2 * stats[1],) if squares else ())
 
 
+def _real_rows(weight: torch.Tensor, tp: Communicator, vocab_size: int) -> torch.Tensor:
+    """This rank's rows of the (V_padded / tp, h) output weight that are real vocabulary entries (none past
+    `vocab_size`: padding)."""
+    return weight[:max(0, min(weight.shape[0], vocab_size - tp.rank * weight.shape[0]))]
+
+
 class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, weight, tp, vocab_size, softcap):
         device = flat.device.type  # the GEMMs in the autocast dtype (as `F.linear` would run), the same both ways
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else flat.dtype
-        local, start = weight.shape[0], tp.rank * weight.shape[0]
-        real = max(0, min(local, vocab_size - start))
         with torch.autocast(device, enabled=False):
-            rows, w = flat.to(dtype), weight[:real].to(dtype)
+            rows, w = flat.to(dtype), _real_rows(weight, tp, vocab_size).to(dtype)
             row_max, log_sum, mean_shift = _entropy_stats(rows, w, tp, softcap)
         ctx.save_for_backward(rows, w, row_max, log_sum, mean_shift)
         ctx.softcap, ctx.hidden_dtype = softcap, flat.dtype
@@ -119,9 +123,7 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight: torch.Tensor, tp: Commu
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _VocabParallelEntropy.apply(flat, weight, tp, vocab_size, softcap).view(shape)
     with torch.no_grad():
-        local, start = weight.shape[0], tp.rank * weight.shape[0]
-        w = weight[:max(0, min(local, vocab_size - start))].to(flat.dtype)
-        _, log_sum, mean_shift = _entropy_stats(flat, w, tp, softcap)
+        _, log_sum, mean_shift = _entropy_stats(flat, _real_rows(weight, tp, vocab_size).to(flat.dtype), tp, softcap)
     return (log_sum - mean_shift).view(shape)
 
 
@@ -131,6 +133,5 @@ def vocab_parallel_log_sum_sq_probs(hidden: torch.Tensor, weight: torch.Tensor, 
     """As `vocab_parallel_entropy`'s arguments -> (...) float32 log sum_v p_v^2 of softmax(hidden @ weight.T) over the
     real vocabulary (WPO's alignment term), without gradient."""
     shape, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
-    local, start = weight.shape[0], tp.rank * weight.shape[0]
-    w = weight[:max(0, min(local, vocab_size - start))].to(flat.dtype)
+    w = _real_rows(weight, tp, vocab_size).to(flat.dtype)
     return _entropy_stats(flat, w, tp, softcap, squares=True)[3].view(shape)

@@ -153,14 +153,16 @@ def length_weights(labels: torch.Tensor, occurrence: torch.Tensor, side: torch.T
     return weights
 
 
-def sequence_logps(token_losses: torch.Tensor, batch: dict, cp) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(token_losses: torch.Tensor, batch: dict, cp, weighted: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities (pairs, 2), answer token counts (pairs, 2)) of the micro-batch's pair occurrences, chosen
-    first, from per-token losses (b, T_local) (0 where the target is ignored), summed over the CP group."""
+    first, from per-token losses (b, T_local) (0 where the target is ignored), summed over the CP group; under
+    LD-DPO with its `length_weight` unless not `weighted`."""
     pairs, occurrence, side = batch["pairs"], batch["occurrence"], batch["side"]
     trained = (occurrence >= 0) & (batch["targets"] != -100)
     slot = occurrence.clamp(min=0) * 2 + side.clamp(min=0)
     slot, values = slot[trained], -token_losses[trained].double()
-    if "length_weight" in batch:  # LD-DPO
+    if weighted and "length_weight" in batch:  # LD-DPO
         values = values * batch["length_weight"][trained]
     logps = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(0, slot, values)
     counts = torch.zeros(2 * len(pairs), dtype=torch.float64, device=values.device).index_add(
@@ -175,8 +177,7 @@ def wpo_weights(token_losses: torch.Tensor, log_sum_sq: torch.Tensor, batch: dic
     """WPO's weight (P,) of each pair occurrence: w_c w_r, w = exp(mean over the answer's trained tokens of (log p -
     log sum_v p_v^2)), from the policy's token losses and log sums of squares (b, T_local), without gradient; the
     means over the CP group (LD-DPO's weights left out, as in TRL)."""
-    plain = {k: v for k, v in batch.items() if k != "length_weight"}
-    sums, counts = sequence_logps(token_losses + log_sum_sq, plain, cp)  # sums of log p - log sum p^2
+    sums, counts = sequence_logps(token_losses + log_sum_sq, batch, cp, weighted=False)  # of log p - log sum p^2
     return torch.exp(sums / counts.clamp(min=1.0)).prod(dim=1)
 
 
@@ -399,8 +400,7 @@ class PreferenceLoss:
         else:
             plain = None  # LD-DPO's "sft" term: the chosen answers' unweighted log-probabilities
             if "length_weight" in batch and "sft" in self.cfg.loss.split("+"):
-                unweighted = {k: v for k, v in batch.items() if k != "length_weight"}
-                plain = sequence_logps(token_losses, unweighted, self.ctx.cp)[0][:, 0]
+                plain = sequence_logps(token_losses, batch, self.ctx.cp, weighted=False)[0][:, 0]
             losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"), plain)
             if self.cfg.use_weighting:
                 squares = self.model.log_sum_sq.pop()

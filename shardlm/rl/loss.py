@@ -185,7 +185,7 @@ class RLLoss:
         forward pass of each)."""
         if self.cfg.top_entropy_quantile >= 1:
             return
-        with torch.no_grad(), self._entropies_without_gradient():
+        with torch.no_grad():  # (the entropies without gradient, whatever `entropy_gradient` says)
             for batch in batches:
                 self.record_entropies(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
         self.mark_high_entropy(batches)
@@ -195,17 +195,9 @@ class RLLoss:
         the last stage (which alone computes the loss)."""
         if self.cfg.top_entropy_quantile >= 1:
             return
-        pipeline.reference_pass(batches, self.record_entropies, self._entropies_without_gradient())
+        pipeline.reference_pass(batches, self.record_entropies, contextlib.nullcontext())  # (without gradient)
         if self.ctx.pp_rank == pipeline.last_rank:
             self.mark_high_entropy(batches)
-
-    @contextlib.contextmanager
-    def _entropies_without_gradient(self):
-        gradient, self.model.entropy_gradient = self.model.entropy_gradient, False
-        try:
-            yield
-        finally:
-            self.model.entropy_gradient = gradient
 
     def record_entropies(self, token_losses: torch.Tensor, batch: dict) -> None:
         """Keep the entropies (b, T) the forward that gave `token_losses` appended to the model's list."""
