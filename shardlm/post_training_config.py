@@ -104,7 +104,7 @@ class RLConfig:
     num_generations: int = 8
     """Completions sampled per prompt (G, the group)."""
     prompts_per_step: int = 0
-    """Prompts per generation batch (each gives num_generations sequences); 0: train.global_batch_size //
+    """Prompts per optimizer step (each gives num_generations sequences); 0: train.global_batch_size //
     num_generations."""
     max_completion_length: int = 64
     """Tokens sampled per completion at most; a completion that reaches it without the end-of-turn token is
@@ -182,7 +182,15 @@ class RLConfig:
     scale_rewards: str = "group"
     """Advantages are reward minus the group mean, divided by the "group"'s std, the "batch"'s std, or "none"."""
     num_iterations: int = 1
-    """Optimizer steps per generation batch (the ratio taken against the rollout's old log-probabilities)."""
+    """Optimizer steps on each step's rows of a generation round (the ratio taken against the old log-probabilities
+    of the policy that sampled them)."""
+    generation_batch_size: int = 0
+    """Completions sampled per generation round (TRL's name): a multiple of one step's prompts_per_step x
+    num_generations; the round's sequences are shuffled (seeded by train.seed and the round) and split into
+    generation_batch_size / (prompts_per_step x num_generations) optimizer steps, taken in turn, num_iterations
+    times over, each against the old log-probabilities of the policy that sampled them; advantages (and
+    scale_rewards="batch") span the round, and dapo, cispo and vespo normalize by the round's tokens over its steps,
+    as TRL does. 0: one step's. (TRL's steps_per_generation is gradient_accumulation_steps times the steps.)"""
     importance_sampling: str = "token"
     """"token" (GRPO) or "sequence" (GSPO: the mean log-ratio over the completion's tokens)."""
     mask_truncated_completions: bool = False

@@ -67,6 +67,11 @@ ERRORS = [
     ("unknown loss", lambda r: ['rl.loss="ppo"'],
      'rl.loss="ppo" must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo'),
     ("iterations", lambda r: ["rl.num_iterations=0"], "rl.num_iterations=0 must be at least 1"),
+    ("a round that is not whole steps", lambda r: ["rl.generation_batch_size=3"],
+     "rl.generation_batch_size=3 must be a multiple of one step's 2 completions (rl.prompts_per_step=1 x "
+     "rl.num_generations=2); 0: one step's"),
+    ("a round larger than the task", lambda r: ["rl.generation_batch_size=32"],
+     "rl.task_size=8 is below one generation round's 16 prompts"),
     ("scale", lambda r: ['rl.scale_rewards="mean"'], 'rl.scale_rewards="mean" must be one of group, batch, none'),
     ("GSPO with a token loss", lambda r: ['rl.importance_sampling="sequence"'],
      'rl.importance_sampling="sequence" (GSPO) takes rl.loss "grpo", "luspo" or "sapo", not "dapo"'),

@@ -13,14 +13,14 @@ enough that the second iteration clips), num_iterations 2 (the old log-probabili
 three clip ratios, the reward, every final parameter on every rank:
 - world 2: DP=2, TP=2 with SP, PP=2, DP=2 with ZeRO-1, FSDP, an MoE at EP=2, LoRA at DP=2 and PP=2, the hybrid
   linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2 and CP=2 (its parameters within
-  `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level
-  ratio, whose per-sequence means span the CP ranks: GRPO's loss, against a one-process GSPO run), VESPO with the
-  off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap at CP=2, SAPO at
-  PP=2, DAPO under the entropy mask (its quantile over the global batch, gathered over DP x CP) with the adaptive
-  entropy bonus at CP=2, PP=2 and TP=2 with SP (the bonus's gradient through the vocabulary-parallel output layer),
-  each against a one-process run of its loss;
-- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO), CP=2 x TP=2 with SP, CP=2 x PP=2, FSDP CP=2 x DP=2, an
-  MoE at EP=2 x CP=2;
+  `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level ratio, whose per-sequence means
+  span the CP ranks, in one generation round of two steps taken twice: GRPO's loss, against a one-process GSPO
+  run), VESPO with the off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's
+  cap at CP=2, SAPO at PP=2 (rounds of two steps), DAPO under the entropy mask (its quantile over the global batch,
+  gathered over DP x CP) with the adaptive entropy bonus at CP=2, PP=2 and TP=2 with SP (the bonus's gradient
+  through the vocabulary-parallel output layer), each against a one-process run of its loss;
+- world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO, its two-step round), CP=2 x TP=2 with SP, CP=2 x PP=2,
+  FSDP CP=2 x DP=2, an MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
   normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
 Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP; also under min-p and the
@@ -62,12 +62,14 @@ COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ra
            "clip_ratio/region_mean", "reward")
 VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
             "luspo": {"loss": "luspo", "delta": 1.04},
-            "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0},
+            "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0, "generation_batch_size": 32, "num_iterations": 1},
             "entropy": {"top_entropy_quantile": 0.3, "entropy_coef": 0.02, "use_adaptive_entropy": True,
                         "entropy_coef_delta": 0.05, "entropy_target": 100.0}}
 """Other losses in place of DAPO in `rl_config`: VESPO's weight of a sequence's log-ratio total and the off-policy
 mask's mean log-ratio (sums over a sequence's CP ranks), LUSPO's per-sequence sums with INTELLECT-2's cap (each
-option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip, DAPO on the
+option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip with
+generation rounds of two steps (32 completions a round, split between them: the second against the old
+log-probabilities of a scoring pass over both steps' rows), DAPO on the
 top 30% of tokens by entropy (the quantile over the global batch's tokens, gathered over DP x CP, or on the last
 pipeline stage) with the entropy bonus on them (its gradient through the vocabulary-parallel output layer; the
 adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step)."""
@@ -118,7 +120,8 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                 "rl": {"loss": "dapo", "num_generations": GROUP, "prompts_per_step": 4, "max_completion_length": MAX,
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
                        "mask_truncated_completions": True, "temperature": 0.9,
-                       **({"loss": "grpo", "importance_sampling": "sequence"} if gspo else {}),
+                       **({"loss": "grpo", "importance_sampling": "sequence", "generation_batch_size": 32}
+                          if gspo else {}),
                        **VARIANTS.get(variant, {}), **(sampling or {})},
                 "lora": {"rank": lora, "targets": ["q", "v", "o", "gate", "up", "down"]}}
     config = layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
@@ -323,12 +326,13 @@ def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
 
 
 @pytest.mark.parametrize("kind, option, off", [("vespo", "off_policy_mask_threshold", 0.0), ("luspo", "delta", 0.0),
+                                               ("sapo", "generation_batch_size", 0),
                                                ("entropy", "top_entropy_quantile", 1.0),
                                                ("entropy", "use_adaptive_entropy", False)])
 def test_the_variants_options_reach_the_run(reference, kind, option, off):
-    """The controls: without its off-policy mask (VESPO), its cap (LUSPO), the entropy mask or the adaptive entropy
-    bonus (a constant 0.02) the one-process run's gradient norms move (the mask from the second step, the cap at the
-    fourth), so the layouts above check them."""
+    """The controls: without its off-policy mask (VESPO), its cap (LUSPO), its two-step generation rounds (SAPO),
+    the entropy mask or the adaptive entropy bonus (a constant 0.02) the one-process run's gradient norms move (the
+    mask from the second step, the cap at the fourth), so the layouts above check them."""
     config = rl_config(variant=kind)
     setattr(config.rl, option, off)
     got = train_layout(ParallelContext.single(), config)["curve"]

@@ -8,6 +8,7 @@ e^25, past VESPO's clamp). shardlm's `RLLoss` on the packed rows gives the loss 
 log-probability; `trl_loss` below (TRL 1.16's lines on one padded row a sequence, a completion mask, advantages
 (B, 1)) gives them independently. Each case within 1e-12 (the gradients, float64) and 1e-6 relative (the loss, which
 `RLLoss` returns in float32); each option's control (the option off) moves the gradient by more than 1e-3.
+A round split between two steps (`rl.generation_batch_size`) weighs each step as TRL normalizes it.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def shardlm_loss(cfg: RLConfig, t: dict, logp: torch.Tensor) -> tuple[torch.Tens
     for name, key in (("old_logp", "old"), ("ref_logp", "ref")):
         part[name] = torch.zeros_like(packed).masked_scatter(trained, t[key][sequence, index])
     model = SimpleNamespace(training=True, entropies=[], logit_temperature=None)
-    rl = RLLoss(cfg, ParallelContext.single(), model)
+    rl = RLLoss(cfg, ParallelContext.single(), model, round_steps=cfg.num_iterations)
     loss = rl.of_token_losses(-packed, part)
     return loss, rl.take_metrics()
 
@@ -172,3 +173,28 @@ def test_vespo_weights_reach_their_clamps():
     assert total[0] > 20
     _, metrics = trl_loss(cfg, t, t["logp"])
     assert 0 < metrics["vespo/phi_seq_mean"] < 1
+
+
+@pytest.mark.parametrize("loss", ["grpo", "bnpo", "dapo", "luspo", "dr_grpo"])
+def test_a_round_of_two_steps_weighs_each_step_as_trl(loss):
+    """`StepRows` of a round split between two steps (`split_round`, rl.generation_batch_size): each step's
+    sequences packed into its own ROWS rows, in the step's half of the row range; the loss weights of each step sum,
+    per sequence, to TRL's normalizer of that step: the step's own sequences (grpo, luspo, dr_grpo) or tokens (bnpo),
+    and for dapo the round's tokens over the 2 steps (TRL's generation batch), so the steps' sums differ."""
+    rng = np.random.default_rng(3)
+    lengths = [int(n) for n in rng.integers(1, MAX + 1, size=8)]
+    rollouts = [Rollout([5, 6], list(range(20, 20 + n)), [math.nan] * n, False) for n in lengths]
+    step_of = np.array([0, 1, 1, 0, 1, 0, 0, 1])
+    rows = StepRows(rollouts, np.ones(8), loss, MAX, False, ROWS, SEQ, 0, step_of=step_of)
+    sequence, weight = rows.fields["sequence"], rows.fields["weight"]
+    assert len(rows) == 2 * ROWS
+    for step in (0, 1):
+        part = slice(step * ROWS, (step + 1) * ROWS)
+        own = [j for j in range(8) if step_of[j] == step]
+        assert sorted(set(sequence[part].ravel()) - {-1}) == own  # the step's sequences, and only them, in its rows
+        tokens = sum(lengths[j] for j in own)
+        want = {"grpo": 1.0, "luspo": tokens / 4, "dr_grpo": tokens / (4 * MAX), "bnpo": 1.0,
+                "dapo": tokens / (sum(lengths) / 2)}[loss]
+        assert weight[part].sum() == pytest.approx(want, rel=1e-12), (loss, step)
+        assert rows.fields["token_weight"][part].sum() == pytest.approx(1.0, rel=1e-12)  # metrics: the step's means
+    assert sum(lengths[j] for j in range(8) if step_of[j] == 0) != sum(lengths) / 2  # dapo's steps differ from bnpo's

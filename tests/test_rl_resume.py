@@ -2,9 +2,10 @@
 finished step with one line.
 
 One process, the built-in arithmetic task with the real Qwen3 tokenizer and chat template, a tiny model, rollouts
-sampled by the policy (2 prompts x 4 completions a round, 2 optimizer steps a round, a KL reference). Three runs of
-the same 4-step schedule: uninterrupted; stopped after step 3 (in the middle of a round: the checkpoint keeps the
-round's rows, whose old and reference log-probabilities came from weights it no longer holds) and resumed; SIGTERMed
+sampled by the policy (4 prompts x 4 completions a round, split between its 2 optimizer steps: rl.generation_batch_size
+16; a KL reference). Three runs of the same 4-step schedule: uninterrupted; stopped after step 3 (in the middle of
+a round: the checkpoint keeps the round's rows of both steps, whose old and reference log-probabilities came from
+weights it no longer holds) and resumed; SIGTERMed
 during round 1's sampling (after step 2), which saves step 2 and exits 143, then resumed. Every resumed step's
 metrics (loss, gradient norm, KL, reward, ...) and every final parameter equal the uninterrupted run's bit for bit.
 The run keeps dropout 0.1 on (`rl.disable_dropout = false`: the restored generators must draw the same masks) and
@@ -38,7 +39,7 @@ def rl_config(data_dir, steps: int):
                   "init_std": 0.05},
         "sft": {"tokenizer": str(data_dir / "chat" / "qwen3")},
         "rl": {"loss": "dapo", "task": "arithmetic", "task_size": 16, "num_generations": 4, "prompts_per_step": 2,
-               "max_completion_length": 6, "beta": 0.04, "num_iterations": 2, "temperature": 1.2,
+               "max_completion_length": 6, "beta": 0.04, "generation_batch_size": 16, "temperature": 1.2,
                "entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_coef_delta": 0.02,
                "entropy_target": 100.0, "log_completions": True, "disable_dropout": False},
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": steps, "decay_steps": STEPS,
@@ -111,7 +112,7 @@ def test_the_logged_completions_are_the_uninterrupted_runs(runs):
     folder = runs[0]
     whole = (folder / "whole" / "completions.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in whole]
-    assert [(r["round"], r["step"]) for r in records] == [(0, 1)] * 8 + [(1, 3)] * 8  # 2 prompts x 4, 2 rounds
+    assert [(r["round"], r["step"]) for r in records] == [(0, 1)] * 16 + [(1, 3)] * 16  # 4 prompts x 4, 2 rounds
     assert all(isinstance(r["prompt"], list) and isinstance(r["completion"], str) and r["rewards"].keys() == {"math"}
                and isinstance(r["advantage"], float) for r in records)
     assert len({r["completion"] for r in records}) == len(records)  # sampled, each its own

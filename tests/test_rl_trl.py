@@ -50,6 +50,7 @@ transformers = import_or_skip("transformers")
 
 from shardlm.bench.common import uncached_datasets  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
+from shardlm.rl.batch import split_round  # noqa: E402
 from shardlm.rl.loss import loss_metrics  # noqa: E402
 from shardlm.rl.prompts import round_prompts  # noqa: E402
 from shardlm.sft.template import ChatTemplate  # noqa: E402
@@ -64,6 +65,11 @@ PROMPTS = [
     {"prompt": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 6 x 7?"}],
      "answer": "42"},
 ]
+# Two more prompts for the cases whose generation round feeds two steps (rl.generation_batch_size): 4 a round
+EXTRA = [
+    {"prompt": [{"role": "user", "content": "What is 9 - 5?"}], "answer": "4"},
+    {"prompt": [{"role": "user", "content": "What is 8 / 2?"}], "answer": "4"},
+]
 # Each prompt's pool of completion texts: round r takes the G texts from position r on. True: finished (the
 # end-of-turn id follows the text); False: truncated (the text's first MAX_COMPLETION tokens).
 POOLS = [
@@ -72,6 +78,10 @@ POOLS = [
      ("Seven, since four after three makes seven in total", False)],
     [("42", True), ("Six times seven is a product I know well", False), ("It is 36", True), ("6x7=42", True),
      ("Multiplying six by seven gives forty two as", False), ("42.", True)],
+    [("4", True), ("Nine less five leaves four of them in the end", False), ("It is 5", True), ("9-5=4", True),
+     ("Taking five away from nine gives us four in", False), ("four", True)],
+    [("4.", True), ("Eight split in two equal parts is four each time", False), ("2", True), ("8/2 = 4", True),
+     ("Halving eight gives four, since four plus four", False), ("It is 4", True)],
 ]
 
 
@@ -105,7 +115,8 @@ def setup(tmp_path_factory, data_dir):
         shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
-    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    for name, records in (("prompts", PROMPTS), ("prompts4", PROMPTS + EXTRA)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in records))
 
     def tokens(text: str, finished: bool) -> list[int]:
         ids = template.encode(text)
@@ -116,13 +127,14 @@ def setup(tmp_path_factory, data_dir):
         return ids[:MAX_COMPLETION]
 
     rounds = [[[tokens(*pool[r + k]) for k in range(G)] for pool in POOLS] for r in range(ROUNDS)]
-    lines = []
-    for r, completions in enumerate(rounds):
-        owners = round_prompts(len(PROMPTS), len(PROMPTS), r, SEED)
-        lines += [json.dumps({"step": r, "sequence": j, "ids": completions[owners[j // G]][j % G]})
-                  for j in range(len(owners) * G)]
-    (root / "completions.jsonl").write_text("\n".join(lines) + "\n")
-    ids = [template.encode(template.render(p["prompt"], add_generation_prompt=True)) for p in PROMPTS]
+    for name, count in (("completions", len(PROMPTS)), ("completions4", len(PROMPTS + EXTRA))):
+        lines = []
+        for r, completions in enumerate(rounds):
+            owners = round_prompts(count, count, r, SEED)
+            lines += [json.dumps({"step": r, "sequence": j, "ids": completions[owners[j // G]][j % G]})
+                      for j in range(len(owners) * G)]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    ids = [template.encode(template.render(p["prompt"], add_generation_prompt=True)) for p in PROMPTS + EXTRA]
     # one tokenizer for every TRL run (parsing the 11 MB tokenizer.json is a CPU second a run; the trainers only
     # set its pad token, to the same end-of-text token each time)
     return {"root": root, "hf": root / "hf", "rounds": rounds, "ids": ids,
@@ -136,6 +148,7 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     prompt_index = {tuple(ids): i for i, ids in enumerate(setup["ids"])}
+    records = case_prompts(case)
 
     class FixedCompletions(trl.GRPOTrainer):
         rounds_done = 0
@@ -151,8 +164,29 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
                 assert i is not None, f"TRL rendered a prompt unlike shardlm's template: {ids}"
                 chosen.append(list(completions[i][taken[i]]))
                 taken[i] += 1
-            assert sorted(taken.values()) == [G] * len(PROMPTS)  # every prompt's group, once
+            assert sorted(taken.values()) == [G] * len(records)  # every prompt's group, once
             return chosen, None
+
+    def split_like_shardlm(batch: dict) -> dict:
+        """TRL's shuffle of its generation batch (before cutting it into steps) replaced by shardlm's split of the
+        round (`split_round`): each sequence, found by its completion's ids, goes to the step shardlm trains it in."""
+        r = len(rounds_split)
+        owners = round_prompts(len(records), len(records), r, SEED)
+        sequence = {tuple(setup["rounds"][r][owners[j // G]][j % G]): j for j in range(len(owners) * G)}
+        step_of = split_round(len(owners) * G, case["generation_batch_size"] // (G * len(PROMPTS)), SEED, r)
+        pad = setup["tokenizer"].pad_token_id
+        rows = [sequence[tuple(t for t in ids.tolist() if t != pad)] for ids in batch["completion_ids"]]
+        order = sorted(range(len(rows)), key=lambda i: step_of[rows[i]])
+        rounds_split.append(order)
+
+        def reorder(v):
+            if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+                return v
+            return v[torch.tensor(order)] if isinstance(v, torch.Tensor) else [v[i] for i in order]
+
+        return {k: reorder(v) for k, v in batch.items()}
+
+    rounds_split: list = []
 
     options = {"loss_type": case.get("loss", "grpo"), "beta": case.get("beta", 0.0),
                "num_iterations": case.get("num_iterations", 1), "epsilon": case.get("epsilon", 0.2),
@@ -174,16 +208,28 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
     with uncached_datasets():
         functions = [globals()[name] for name in case.get("rewards", ["length_and_answer"])]
         trainer = FixedCompletions(model=model, reward_funcs=functions, args=args,
-                                   train_dataset=datasets.Dataset.from_list(PROMPTS),
+                                   train_dataset=datasets.Dataset.from_list(records),
                                    processing_class=setup["tokenizer"])
-        trainer.train()
+        with pytest.MonkeyPatch.context() as patch:
+            if "generation_batch_size" in case:
+                patch.setattr(trl.trainer.grpo_trainer, "shuffle_sequence_dict", split_like_shardlm)
+            trainer.train()
     # every round from the fixed completions
-    assert trainer.rounds_done == -(-args.max_steps // options["num_iterations"])
+    round_steps = options["num_iterations"] * args.steps_per_generation
+    assert trainer.rounds_done == -(-args.max_steps // round_steps)
+    assert len(rounds_split) == (trainer.rounds_done if "generation_batch_size" in case else 0)
     return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def case_prompts(case: dict) -> list[dict]:
+    """The prompts of `case`'s dataset: 4 where a round feeds two steps, else 2 (one step's)."""
+    return PROMPTS + EXTRA if "generation_batch_size" in case else PROMPTS
 
 
 def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
     """shardlm's metrics.jsonl steps for `case` from the same directory, prompts and completions."""
+    files = ("prompts4.jsonl", "completions4.jsonl") if "generation_batch_size" in case else (
+        "prompts.jsonl", "completions.jsonl")
     rl = {"loss": f'"{case.get("loss", "grpo")}"', "beta": case.get("beta", 0.0),
           "num_iterations": case.get("num_iterations", 1), "epsilon": case.get("epsilon", 0.2),
           "epsilon_high": case.get("epsilon_high", 0.0),
@@ -193,10 +239,10 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
           "temperature": case.get("temperature", TEMPERATURE),
           **{k: toml_value(case[k]) for k in SAME_NAMES if k in case}}
     overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
-                 f"sft.data=[\"{setup['root'] / 'prompts.jsonl'}\"]", *(f"rl.{k}={v}" for k, v in rl.items()),
+                 f"sft.data=[\"{setup['root'] / files[0]}\"]", *(f"rl.{k}={v}" for k, v in rl.items()),
                  f"rl.num_generations={G}", f"rl.prompts_per_step={len(PROMPTS)}",
                  f"rl.max_completion_length={MAX_COMPLETION}",
-                 f"rl.completions=\"{setup['root'] / 'completions.jsonl'}\"",
+                 f"rl.completions=\"{setup['root'] / files[1]}\"",
                  "rl.rewards=[" + ", ".join(f'"test_rl_trl:{name}"' for name in case.get("rewards",
                                                                                          ["length_and_answer"])) + "]",
                  f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={ROWS}",
@@ -215,7 +261,7 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
 SAME_NAMES = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
               "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile",
               "use_bias_correction_kl", "multi_objective_aggregation", "reward_weights", "entropy_coef",
-              "use_adaptive_entropy", "entropy_coef_delta", "entropy_target")
+              "use_adaptive_entropy", "entropy_coef_delta", "entropy_target", "generation_batch_size")
 """Options that TRL's GRPOConfig and shardlm's [rl] name alike."""
 
 
@@ -264,6 +310,12 @@ CASES = {
     # the coefficient 0.03 and 0.05, raised after each step
     "grpo_adaptive_entropy": {"steps": 3, "beta": 0.04, "entropy_coef": 0.01, "use_adaptive_entropy": True,
                               "entropy_coef_delta": 0.02, "entropy_target": 12.0},
+    # a generation round of 16 completions (4 prompts) feeding two steps of 8, shuffled between them: the second
+    # step's ratios against the policy that sampled them, DAPO's normalizer the round's tokens over its 2 steps, the
+    # advantages' std over the round; 2 rounds. Then one round of 2 steps, each taken twice (steps 0, 1, 0, 1)
+    "dapo_generation_batch": {"loss": "dapo", "generation_batch_size": 16, "beta": 0.04, "scale_rewards": "batch",
+                              "steps": 4},
+    "grpo_generation_batch_twice": {"generation_batch_size": 16, "num_iterations": 2, "steps": 4},
 }
 METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "reward", "reward_std",
@@ -308,7 +360,9 @@ def test_grpo_follows_trl_step_by_step(runs, name):
     expected = {"loss", "grad_norm", "entropy", *clips, *(["kl"] if case.get("beta") else [])}
     assert all(expected <= set(log) for log in theirs), theirs
     assert len(theirs) == case.get("steps", STEPS), theirs
-    assert all("reward" in theirs[s] for s in range(0, len(theirs), case.get("num_iterations", 1)))
+    round_steps = case.get("num_iterations", 1) * case.get("generation_batch_size", G * len(PROMPTS)) // (
+        G * len(PROMPTS))
+    assert all("reward" in theirs[s] for s in range(0, len(theirs), round_steps))
     worst = differences(ours, theirs)
     assert all(value <= TOL for value in worst.values()), {k: v for k, v in worst.items() if v > TOL}
     if case.get("beta"):
@@ -316,7 +370,7 @@ def test_grpo_follows_trl_step_by_step(runs, name):
     if case.get("entropy_coef"):  # the bonus moved the loss (from the second step under the adaptive control)
         assert {"policy_loss", "entropy_coef"} <= set(ours[-1]) and {"policy_loss", "entropy_coef"} <= set(theirs[-1])
         assert all(abs(o["loss"] - o["policy_loss"]) > 0.1 for o in ours[case.get("use_adaptive_entropy", 0):])
-    if case.get("num_iterations", 1) > 1:  # the second step: the ratios against the round's old policy
+    if round_steps > 1:  # the second step: the ratios against the policy that sampled the round
         assert theirs[1]["grad_norm"] > 0, theirs[1]
         # some clipped (cispo: capped) tokens, or VESPO's weights off their value 1 at ratio 1
         assert not clips or any(abs(theirs[1][k] - (k == "vespo/phi_seq_mean")) > 1e-3 for k in clips), theirs[1]

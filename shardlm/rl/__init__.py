@@ -20,6 +20,7 @@ def check_rl(config, world_size: int = 1) -> str | None:
     """A one-line problem with a run's [rl] settings, or None (checked before any expensive work)."""
     r, t = config.rl, config.train
     prompts_per_step = r.prompts_per_step or t.global_batch_size // max(r.num_generations, 1)
+    round_prompts = prompts_per_step * max(r.generation_batch_size // max(prompts_per_step * r.num_generations, 1), 1)
     checks = [
         (r.loss in LOSSES, f'rl.loss="{r.loss}" must be one of {", ".join(LOSSES)}'),
         (r.num_generations >= 2, f"rl.num_generations={r.num_generations} must be at least 2: advantages compare "
@@ -27,6 +28,10 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (r.epsilon > 0, f"rl.epsilon={r.epsilon} must be > 0"),
         (r.epsilon_high >= 0, f"rl.epsilon_high={r.epsilon_high} must be > 0 (0: rl.epsilon)"),
         (r.num_iterations >= 1, f"rl.num_iterations={r.num_iterations} must be at least 1"),
+        (r.generation_batch_size >= 0 and r.generation_batch_size % max(prompts_per_step * r.num_generations, 1) == 0,
+         f"rl.generation_batch_size={r.generation_batch_size} must be a multiple of one step's "
+         f"{prompts_per_step * r.num_generations} completions (rl.prompts_per_step={prompts_per_step} x "
+         f"rl.num_generations={r.num_generations}); 0: one step's"),
         (r.beta >= 0, f"rl.beta={r.beta} must be >= 0"),
         (r.temperature > 0, f"rl.temperature={r.temperature} must be > 0 (sampling needs a distribution)"),
         (0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]"),
@@ -73,8 +78,8 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),
         (bool(r.task) != bool(config.sft.data), "an RL run reads its prompts from sft.data or rl.task; set exactly "
                                                 "one"),
-        (not r.task or r.task_size >= prompts_per_step, f"rl.task_size={r.task_size} is below one step's "
-                                                        f"{prompts_per_step} prompts"),
+        (not r.task or r.task_size >= round_prompts, f"rl.task_size={r.task_size} is below one generation round's "
+                                                     f"{round_prompts} prompts"),
         (prompts_per_step >= 1, f"train.global_batch_size={t.global_batch_size} is below rl.num_generations="
                                 f"{r.num_generations}; set rl.prompts_per_step"),
         (not r.reward_weights or len(r.reward_weights) == len(r.rewards),
@@ -105,3 +110,10 @@ def sampling_split_problem(config) -> str | None:
 def prompts_per_step(config) -> int:
     """Prompts of one generation batch (`rl.prompts_per_step`, 0 resolved)."""
     return config.rl.prompts_per_step or config.train.global_batch_size // config.rl.num_generations
+
+
+def steps_per_generation(config) -> int:
+    """Optimizer steps one generation round's sequences are split into (`rl.generation_batch_size` over one step's
+    sequences; 1 when it is 0). A round lasts this times rl.num_iterations steps."""
+    r = config.rl
+    return max(r.generation_batch_size // (prompts_per_step(config) * r.num_generations), 1)

@@ -14,14 +14,21 @@ micro-batches and data-parallel ranks; a sequence never splits. A row (`StepRows
   over sequences), `sample_logp` (the rollout's log-probability), `old_logp` and `ref_logp` (filled by the scoring
   passes: the policy before the round's updates, the reference).
 
-The weights make the loss the global batch's under every layout, never a mean of per-micro-batch means. With m the
-completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a sequence's
-tokens, N the round's sequences and L rl.max_completion_length:
+A round of rl.generation_batch_size sequences feeds S = `steps_per_generation` optimizer steps: its sequences are
+shuffled (`split_round`, seeded by train.seed and the round) and split into S equal parts, step s's packed into rows
+s x global_batch_size ... (s + 1) x global_batch_size - 1, so the trainer's sample counter (row i % rows) takes the
+steps in turn, rl.num_iterations times over.
+
+The weights make each step's loss its global batch's under every layout, never a mean of per-micro-batch means.
+With m the completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a
+sequence's tokens, N the step's sequences and L rl.max_completion_length:
 
     grpo, sapo      sum_j (sum_t m l) / max(n_j, 1) / N      per-sequence means, then their mean
     luspo           sum (m l) / N                            per-sequence sums (each times its length), their mean
     dr_grpo         sum (m l) / (N L)                        a constant normalizer
-    bnpo, dapo, cispo, vespo   sum (m l) / max(sum m, 1)    token mean over the global batch
+    bnpo            sum (m l) / max(sum m, 1)                token mean over the step's global batch
+    dapo, cispo, vespo   sum (m l) / (max(sum_round m, 1) / S)   the round's token mean, split over its steps (TRL's
+                                                             normalizer over the generation batch; S = 1: bnpo's)
 """
 
 from __future__ import annotations
@@ -40,41 +47,44 @@ class StepRows:
     on: row i % rows)."""
 
     def __init__(self, rollouts: list[Rollout], advantages: np.ndarray, loss: str, max_completion_length: int,
-                 mask_truncated: bool, num_rows: int, seq_length: int, pad_id: int, packing: str = "bfd"):
+                 mask_truncated: bool, num_rows: int, seq_length: int, pad_id: int, packing: str = "bfd",
+                 step_of: np.ndarray | None = None):
+        """`num_rows` rows a step; `step_of` (N,): each sequence's step of the round (`split_round`; None: one
+        step)."""
         lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
         if max(lengths) > seq_length:
             raise UserError(f"a sequence of {max(lengths)} tokens does not fit model.seq_length={seq_length}")
-        bins = plan_bins(lengths, seq_length, packing)
-        if len(bins) > num_rows:
-            raise UserError(f"the round's {len(rollouts)} sequences need {len(bins)} rows of {seq_length} tokens but "
-                            f"a step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")
+        step_of = np.zeros(len(rollouts), dtype=np.int64) if step_of is None else np.asarray(step_of)
+        steps = int(step_of.max()) + 1
         mask = [0.0 if (r.truncated and mask_truncated) else 1.0 for r in rollouts]
-        tokens = [len(r.completion) * m for r, m in zip(rollouts, mask)]
-        count, total = len(rollouts), max(sum(tokens), 1.0)
-        if loss in ("grpo", "sapo"):
-            per_token = [m / (max(n, 1.0) * count) for m, n in zip(mask, tokens)]
-        elif loss == "luspo":
-            per_token = [m / count for m in mask]
-        elif loss == "dr_grpo":
-            per_token = [m / (count * max_completion_length) for m in mask]
-        else:
-            per_token = [m / total for m in mask]
-        self.num_sequences, self.num_tokens = count, sum(tokens)
-        self.fields = {k: np.zeros((num_rows, seq_length), dtype=np.int64)
+        tokens = np.array([len(r.completion) * m for r, m in zip(rollouts, mask)])
+        members = [np.flatnonzero(step_of == s) for s in range(steps)]
+        round_tokens = max(tokens.sum(), 1.0) / steps  # dapo, cispo, vespo: the round's, a step's share
+        self.num_sequences, self.num_tokens = len(rollouts), float(tokens.sum())
+        self.fields = {k: np.zeros((steps * num_rows, seq_length), dtype=np.int64)
                        for k in ("input_ids", "position_ids", "labels", "sequence", "row")}
-        self.fields |= {k: np.zeros((num_rows, seq_length), dtype=np.float64) for k in FLOAT_FIELDS}
+        self.fields |= {k: np.zeros((steps * num_rows, seq_length), dtype=np.float64) for k in FLOAT_FIELDS}
         self.fields["labels"][:] = IGNORE_INDEX
         self.fields["sequence"][:] = -1
         self.fields["input_ids"][:] = pad_id
-        for row, members in enumerate(bins + [[] for _ in range(num_rows - len(bins))]):
-            self.fields["row"][row] = row
-            self.fields["position_ids"][row] = np.arange(seq_length)  # padding: positions of its own
-            start = 0
-            for j in sorted(members):
-                self._place(row, start, j, rollouts[j], advantages[j], per_token[j], mask[j] / total,
-                            mask[j] / (max(tokens[j], 1.0) * count))
-                start += lengths[j]
-            if start < seq_length:
+        self.fields["row"][:] = np.arange(steps * num_rows)[:, None]
+        self.fields["position_ids"][:] = np.arange(seq_length)  # padding: positions of its own
+        for s, own in enumerate(members):
+            bins = plan_bins([lengths[j] for j in own], seq_length, packing)
+            if len(bins) > num_rows:
+                raise UserError(f"a step's {len(own)} sequences need {len(bins)} rows of {seq_length} tokens but a "
+                                f"step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")
+            count, total = len(own), max(tokens[own].sum(), 1.0)
+            normalizer = {"grpo": None, "sapo": None, "luspo": count, "dr_grpo": count * max_completion_length,
+                          "bnpo": total}.get(loss, round_tokens)
+            for row, packed in enumerate(bins, start=s * num_rows):
+                start = 0
+                for j in sorted(own[i] for i in packed):
+                    per_sequence = mask[j] / (max(tokens[j], 1.0) * count)
+                    self._place(row, start, j, rollouts[j], advantages[j],
+                                per_sequence if normalizer is None else mask[j] / normalizer, mask[j] / total,
+                                per_sequence)
+                    start += lengths[j]
                 self.fields["position_ids"][row, start:] = np.arange(seq_length - start)
 
     def _place(self, row: int, start: int, j: int, rollout: Rollout, advantage: float, weight: float,
@@ -113,3 +123,13 @@ class StepRows:
     def store(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
         """Write (b, T) per-position values (`old_logp` or `ref_logp`) of the rows numbered `rows` (b,)."""
         self.fields[name][rows] = values
+
+
+def split_round(num_sequences: int, steps: int, seed: int, round_index: int) -> np.ndarray:
+    """(N,) each sequence's step of a round split into `steps`: the round's order shuffled by (seed, round) and cut
+    into equal contiguous parts (TRL shuffles its generation batch before splitting it); all 0 for one step."""
+    step_of = np.zeros(num_sequences, dtype=np.int64)
+    if steps > 1:
+        order = np.random.default_rng([seed, 13, round_index]).permutation(num_sequences)
+        step_of[order] = np.arange(num_sequences) // (num_sequences // steps)
+    return step_of

@@ -1,17 +1,18 @@
 """The RL loop: each generation round samples completions in the training processes, scores them, turns the
-rewards into group-relative advantages, packs the round's rows, and takes rl.num_iterations optimizer steps on them.
+rewards into group-relative advantages, packs the round's rows, and takes its optimizer steps on them: S =
+`steps_per_generation` steps of different rows (rl.generation_batch_size), taken in turn rl.num_iterations times over.
 
 One round, on every rank:
-  1. the round's prompts (`prompts.round_prompts`: rl.prompts_per_step of them, shuffled by train.seed epoch after
-     epoch), each repeated rl.num_generations times: sequence j completes prompt j // G;
+  1. the round's prompts (`prompts.round_prompts`: S x rl.prompts_per_step of them, shuffled by train.seed epoch
+     after epoch), each repeated rl.num_generations times: sequence j completes prompt j // G;
   2. each data x context-parallel rank samples its contiguous share of the sequences (`rollout.InProcessGenerator`,
      or the fixed completions of rl.completions), and every rank gathers all of them;
   3. the main rank calls the reward functions and broadcasts their values (a function that raises or returns the
      wrong count stops every rank with one line naming it, before any update: nothing saved is lost);
-  4. advantages (`advantages.group_advantages`, or GDPO's `decoupled_advantages`) and the rows (`batch.StepRows`),
-     the same on every rank;
-  5. scoring passes at the run's layout, without gradient: the policy's old log-probabilities when
-     rl.num_iterations > 1, the reference's when rl.beta > 0 (a LoRA run's base with the adapters off, else the
+  4. advantages over the round (`advantages.group_advantages`, or GDPO's `decoupled_advantages`) and the rows of its
+     S steps (`batch.StepRows`, the sequences split by `batch.split_round`), the same on every rank;
+  5. scoring passes at the run's layout, without gradient: the policy's old log-probabilities when the round has
+     more than one step, the reference's when rl.beta > 0 (a LoRA run's base with the adapters off, else the
      starting weights, `ReferenceWeights`);
   6. the trainer's steps (`Trainer.train_step`, whose loss is `loss.RLLoss`) on those rows.
 Nothing of a round is kept across steps but its rows: sampling seeds come from (train.seed, round, sequence), so a
@@ -33,9 +34,9 @@ import torch.distributed as dist
 from shardlm.errors import UserError
 from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
-from shardlm.rl import prompts_per_step
+from shardlm.rl import prompts_per_step, steps_per_generation
 from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
-from shardlm.rl.batch import StepRows
+from shardlm.rl.batch import StepRows, split_round
 from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
 from shardlm.rl.rollout import Rollout, gather_samples, sampling_share, sequence_seed
@@ -92,17 +93,19 @@ class RLRun:
         self.generator, self.rewards, self.pad_id, self.reference = generator, rewards, pad_id, reference
         self.completions_file = completions_file  # rl.log_completions: each round's samples appended (main rank)
         self.cfg, self.ctx = trainer.config.rl, trainer.ctx
-        self.per_round = prompts_per_step(trainer.config)
+        self.steps = steps_per_generation(trainer.config)  # optimizer steps of different rows a round
+        self.per_round = prompts_per_step(trainer.config) * self.steps
+        self.round_steps = self.steps * self.cfg.num_iterations  # optimizer steps a round lasts
         self.round_metrics: dict = {}
         self.rows: StepRows | None = None
 
     def train_step(self) -> dict:
-        """One optimizer step, after a new generation round when the last one's rl.num_iterations are done."""
+        """One optimizer step, after a new generation round when the last one's steps are done."""
         trainer = self.trainer
-        first = trainer.step % self.cfg.num_iterations == 0
+        first = trainer.step % self.round_steps == 0
         with batch_invariant(self.cfg.batch_invariant):  # sampling, scoring and training alike
             if first or self.rows is None:
-                self.start_round(trainer.step // self.cfg.num_iterations)
+                self.start_round(trainer.step // self.round_steps)
             trainer.loss.first_step = first
             return trainer.train_step() | self.round_metrics
 
@@ -110,11 +113,11 @@ class RLRun:
         return Path(directory) / f"rl_round.rank{self.ctx.rank}.npz"
 
     def save_round(self, directory: Path) -> None:
-        """Keep this rank's rows of the round in a checkpoint taken in the middle of one (rl.num_iterations > 1):
+        """Keep this rank's rows of the round in a checkpoint taken in the middle of one (of several steps):
         a resumed run trains on them as the uninterrupted run does (their old and reference log-probabilities came
         from weights the checkpoint no longer holds). At a round's boundary there is nothing to keep: the next
         round's seeds and weights make the same rows again."""
-        if self.rows is None or self.trainer.step % self.cfg.num_iterations == 0:
+        if self.rows is None or self.trainer.step % self.round_steps == 0:
             return
         path = self.round_file(directory)
         tmp = path.with_name(f".tmp-{path.name}")
@@ -125,7 +128,7 @@ class RLRun:
     def restore(self, directory: Path) -> None:
         """Read the rows a checkpoint taken in the middle of a round kept (`save_round`), if it did."""
         path = self.round_file(directory)
-        if self.trainer.step % self.cfg.num_iterations == 0 or not path.exists():
+        if self.trainer.step % self.round_steps == 0 or not path.exists():
             return
         with np.load(path) as saved:
             self.round_metrics = json.loads(str(saved["metrics"]))
@@ -183,10 +186,10 @@ class RLRun:
         t = trainer.config.train
         self.rows = StepRows(rollouts, advantages, cfg.loss, cfg.max_completion_length, cfg.mask_truncated_completions,
                              t.global_batch_size, trainer.config.model.seq_length, self.pad_id,
-                             trainer.config.sft.packing)
+                             trainer.config.sft.packing, split_round(len(rollouts), self.steps, t.seed, round_index))
         trainer.train_data = self.rows
         start = time.perf_counter()
-        if cfg.num_iterations > 1:
+        if self.round_steps > 1:
             self.score_rows("old_logp", contextlib.nullcontext())
         if cfg.beta:
             self.score_rows("ref_logp", self.reference_context())
@@ -199,7 +202,7 @@ class RLRun:
         """Append the round's sequences to `completions_file`, one JSON line each: the round, the step it starts, the
         sequence, the prompt (as the reward functions saw it), the completion's text, whether it was truncated, each
         function's reward (None where it gave none), their weighted sum and the advantage."""
-        step = round_index * self.cfg.num_iterations + 1
+        step = round_index * self.round_steps + 1
         names = reward_names(self.rewards)
         lines = []
         for j, (owner, rollout) in enumerate(zip(owners, rollouts)):
@@ -221,13 +224,13 @@ class RLRun:
 
     @torch.no_grad()
     def score_rows(self, name: str, context) -> None:
-        """Fill the rows' `name` ("old_logp" or "ref_logp") with this rank's micro-batches' log-probabilities, at
-        the run's layout (through the pipeline stages under PP: only the last stage, which computes the loss, keeps
-        them)."""
+        """Fill the rows' `name` ("old_logp" or "ref_logp") of every step of the round with this rank's
+        micro-batches' log-probabilities, at the run's layout (through the pipeline stages under PP: only the last
+        stage, which computes the loss, keeps them)."""
         trainer, t = self.trainer, self.trainer.config.train
-        batches = trainer.local_part(micro_batches(self.rows, trainer.consumed_samples, t.global_batch_size,
-                                                   t.micro_batch_size, self.ctx.dp_rank, self.ctx.dp_size,
-                                                   self.ctx.device))
+        batches = [b for s in range(self.steps) for b in trainer.local_part(micro_batches(
+            self.rows, trainer.consumed_samples + s * t.global_batch_size, t.global_batch_size, t.micro_batch_size,
+            self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device))]
 
         def record(token_losses, batch):  # (b, T / C) under CP: each rank stores the whole rows
             logps = gather_zigzag_rows(-token_losses.double(), self.ctx.cp)

@@ -3,7 +3,7 @@ as TRL's `GRPOTrainer` defines them (its `_compute_loss`, read in TRL 1.16's sou
 
 Per completion token, with logp the policy's log-probability of the token under logits / temperature (the
 vocabulary-parallel cross-entropy: tensor parallelism never gathers logits), old the policy's before the round's
-updates (num_iterations 1: logp itself, detached, so the ratio is exactly 1) and A its sequence's advantage:
+updates (a round of one step: logp itself, detached, so the ratio is exactly 1) and A its sequence's advantage:
 
     token ratio        w = exp(logp - old)
     sequence ratio     w = exp(mean over the completion of (logp - old))                     (GSPO)
@@ -111,10 +111,12 @@ class RLLoss:
     """The trainer's loss for an RL run: `loss(forward, batch)` of an `rl_parts` micro-batch, or
     `of_token_losses(token_losses, batch)` where the pipeline's last stage computed the token losses. Each training
     call adds its metric sums to `sums` (read and reset by the trainer's step: `take_metrics`). `first_step` says
-    whether the round's first update is running (the rollout's log-probabilities are then the policy's own)."""
+    whether the round's first update is running (the rollout's log-probabilities are then the policy's own);
+    `round_steps` is how many optimizer steps a round lasts (more than one: the rows carry the old log-probabilities
+    of the policy that sampled them)."""
 
-    def __init__(self, cfg: RLConfig, ctx, model):
-        self.cfg, self.ctx, self.model = cfg, ctx, model
+    def __init__(self, cfg: RLConfig, ctx, model, round_steps: int):
+        self.cfg, self.ctx, self.model, self.round_steps = cfg, ctx, model, round_steps
         self.eps_low, self.eps_high = cfg.epsilon, cfg.epsilon_high or cfg.epsilon
         self.sums = dict.fromkeys(SUMMED, 0.0)
         self.logprob_diff = 0.0
@@ -135,7 +137,7 @@ class RLLoss:
         entropy = self.model.entropies.pop() if self.model.entropies else None
         trained = batch["targets"] != -100
         logp = (-token_losses).double()
-        old = batch["old_logp"] if cfg.num_iterations > 1 else logp.detach()
+        old = batch["old_logp"] if self.round_steps > 1 else logp.detach()
         log_ratio = torch.where(trained, logp - old, 0.0)
         sequence_level = cfg.importance_sampling == "sequence"
         coef = torch.exp(sequence_mean(log_ratio, batch, self.ctx.cp) if sequence_level else log_ratio)

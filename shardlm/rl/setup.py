@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardlm.rl import prompts_per_step
+from shardlm.rl import prompts_per_step, steps_per_generation
 from shardlm.rl.prompts import Prompt, load_prompts
 from shardlm.rl.rewards import Reward, load_rewards, reward_names
 from shardlm.sft.dataset import run_template, tokenizer_dir
@@ -101,7 +101,9 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
     ref = ("" if not r.beta else ", reference: " + ("the starting weights" if reference is not None
                                                      else "the base (adapters off)"))
-    line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {r.num_generations} completions a round, "
-            f"{r.num_iterations} step(s) each, beta {r.beta:g}{ref}; completions {source}"
+    steps = steps_per_generation(trainer.config)
+    line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {r.num_generations} completions a step, "
+            + (f"{steps} steps a generation round, " if steps > 1 else "")
+            + f"{r.num_iterations} update(s) each, beta {r.beta:g}{ref}; completions {source}"
             + (f", logged to {completions}" if completions else ""))
     return run, line

@@ -113,9 +113,11 @@ class Trainer:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
         self.rl = bool(config.rl.loss)
         if self.rl:  # GRPO and its variants: a loss of the round's sequences (`shardlm.rl.loss`)
+            from shardlm.rl import steps_per_generation
             from shardlm.rl.loss import RLLoss
 
-            self.loss = RLLoss(config.rl, ctx, self.model)
+            self.loss = RLLoss(config.rl, ctx, self.model,
+                               round_steps=steps_per_generation(config) * config.rl.num_iterations)
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
         self.teacher = None
