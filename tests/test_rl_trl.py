@@ -25,7 +25,10 @@ cases cover grpo, dr_grpo, dapo, cispo, sapo, luspo and vespo, num_iterations 1 
 clip-higher, masked truncated completions, scale_rewards "batch" and "none", GSPO's sequence-level ratio and
 DeepSeek-V3.2's off-policy mask, the 80/20 rule's entropy mask, the KL without its importance ratio, GDPO's
 normalization of two reward functions, the entropy bonus (on the entropy mask's tokens) and Skywork-OR1's adaptive
-control of its coefficient (measured: within 1.1e-6, the gradient norms; `policy_loss` and `entropy_coef` too).
+control of its coefficient (measured: within 1.1e-6, the gradient norms; `policy_loss` and `entropy_coef` too),
+and generation rounds of 16 completions of 4 prompts split between two steps (rl.generation_batch_size; TRL's
+shuffle of its generation batch replaced by shardlm's split, so both train the same sequences in each step;
+measured within 1.2e-6).
 Control runs with another temperature, or without each of those options, miss TRL's numbers by far more than TOL,
 so the comparison can fail. (INTELLECT-2's `delta`
 has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
@@ -275,7 +278,6 @@ CASES = {
     # num_iterations 1: the ratio is exactly 1; the loss is the KL term's. 3 steps: the control's temperature
     # moves the second step's loss by 6.6e-4 only (the KL times beta), the third's by more than 1e-3
     "grpo_kl": {"beta": 0.04, "steps": 3},
-    "grpo_kl_unscaled": {"beta": 0.04, "num_iterations": 2, "scale_rewards": "none"},
     "dr_grpo_clip_higher": {"loss": "dr_grpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.1,
                             "epsilon_high": 0.28},
     "dapo_masked_batch": {"loss": "dapo", "num_iterations": 2, "mask_truncated_completions": True,
@@ -312,10 +314,12 @@ CASES = {
                               "entropy_coef_delta": 0.02, "entropy_target": 12.0},
     # a generation round of 16 completions (4 prompts) feeding two steps of 8, shuffled between them: the second
     # step's ratios against the policy that sampled them, DAPO's normalizer the round's tokens over its 2 steps, the
-    # advantages' std over the round; 2 rounds. Then one round of 2 steps, each taken twice (steps 0, 1, 0, 1)
+    # advantages' std over the round; 2 rounds. Then one round of 2 steps, each taken twice (steps 0, 1, 0, 1), with
+    # the KL and unscaled rewards
     "dapo_generation_batch": {"loss": "dapo", "generation_batch_size": 16, "beta": 0.04, "scale_rewards": "batch",
                               "steps": 4},
-    "grpo_generation_batch_twice": {"generation_batch_size": 16, "num_iterations": 2, "steps": 4},
+    "grpo_kl_unscaled_generation_batch_twice": {"generation_batch_size": 16, "num_iterations": 2, "steps": 4,
+                                                "beta": 0.04, "scale_rewards": "none"},
 }
 METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "reward", "reward_std",
