@@ -133,6 +133,14 @@ class RLConfig:
     use_bias_correction_kl: bool = True
     """Multiply each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased KL gradient, TRL's default);
     false: the plain k3 term."""
+    sync_ref_model: bool = False
+    """TR-DPO's reference updates (TRL's name): every ref_model_sync_steps optimizer steps the reference becomes
+    ref_model_mixup_alpha x the policy + (1 - alpha) x itself (full fine-tuning with beta > 0; saved in
+    checkpoints)."""
+    ref_model_mixup_alpha: float = 0.6
+    """The policy's share of the reference at each sync (1: a copy of the policy)."""
+    ref_model_sync_steps: int = 512
+    """Optimizer steps between the reference's syncs."""
     epsilon: float = 0.2
     """Lower clipping range of the importance ratio (1 - epsilon)."""
     epsilon_high: float = 0.0

@@ -8,9 +8,10 @@ completion's ids (and a record column: one prompt's group is rewarded alike, zer
 
 Settings that reach every part of the loss: DAPO's token mean, clip-higher (epsilon 0.02, epsilon_high 0.03, small
 enough that the second iteration clips), num_iterations 2 (the old log-probabilities from a scoring pass), beta 0.04
-(the reference: the starting weights swapped in, or a LoRA run's base), masked truncated completions, temperature
-0.9. Checks, each against one process within 1e-5 over 4 steps (2 rounds): loss, gradient norm, KL, entropy, the
-three clip ratios, the reward, every final parameter on every rank:
+(the reference: the starting weights swapped in, moved halfway to the policy after steps 2 and 4 by TR-DPO's sync;
+or a LoRA run's base), masked truncated completions, temperature 0.9. Checks, each against one process within 1e-5
+over 4 steps (2 rounds): loss, gradient norm, KL, entropy, the three clip ratios, the reward, every final parameter
+on every rank:
 - world 2: DP=2, TP=2 with SP, PP=2, DP=2 with ZeRO-1, FSDP, an MoE at EP=2, LoRA at DP=2 and PP=2, the hybrid
   linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2 and CP=2 (its parameters within
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level ratio, whose per-sequence means
@@ -120,6 +121,8 @@ def rl_config(micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                 "rl": {"loss": "dapo", "num_generations": GROUP, "prompts_per_step": 4, "max_completion_length": MAX,
                        "beta": 0.04, "epsilon": 0.02, "epsilon_high": 0.03, "num_iterations": 2,
                        "mask_truncated_completions": True, "temperature": 0.9,
+                       # TR-DPO's reference syncs after steps 2 and 4 (a LoRA run's reference is its base)
+                       "sync_ref_model": not lora, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5,
                        **({"loss": "grpo", "importance_sampling": "sequence", "generation_batch_size": 32}
                           if gspo else {}),
                        **VARIANTS.get(variant, {}), **(sampling or {})},
@@ -326,18 +329,20 @@ def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
 
 
 @pytest.mark.parametrize("kind, option, off", [("vespo", "off_policy_mask_threshold", 0.0), ("luspo", "delta", 0.0),
-                                               ("sapo", "generation_batch_size", 0),
+                                               ("sapo", "generation_batch_size", 0), ("dense", "sync_ref_model", False),
                                                ("entropy", "top_entropy_quantile", 1.0),
                                                ("entropy", "use_adaptive_entropy", False)])
 def test_the_variants_options_reach_the_run(reference, kind, option, off):
     """The controls: without its off-policy mask (VESPO), its cap (LUSPO), its two-step generation rounds (SAPO),
-    the entropy mask or the adaptive entropy bonus (a constant 0.02) the one-process run's gradient norms move (the
-    mask from the second step, the cap at the fourth), so the layouts above check them."""
+    the entropy mask or the adaptive entropy bonus (a constant 0.02) the one-process run's gradient norms move by
+    more than 1e-3 (the mask from the second step, the cap at the fourth), and without the reference's syncs its KL
+    at steps 3 and 4 by more than 100 x TOL, so the layouts above check them."""
     config = rl_config(variant=kind)
     setattr(config.rl, option, off)
     got = train_layout(ParallelContext.single(), config)["curve"]
     want = reference[kind]["curve"]
-    assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) > 1e-3, (got, want)
+    column, bound = (COLUMNS.index("kl"), 100 * TOL) if option == "sync_ref_model" else (1, 1e-3)
+    assert max(abs(a[column] - b[column]) for a, b in zip(got, want)) > bound, (got, want)
 
 
 def test_micro_batches_and_packing_change_nothing(reference):

@@ -2,12 +2,13 @@
 finished step with one line.
 
 One process, the built-in arithmetic task with the real Qwen3 tokenizer and chat template, a tiny model, rollouts
-sampled by the policy (4 prompts x 4 completions a round, split between its 2 optimizer steps: rl.generation_batch_size
-16; a KL reference). Three runs of the same 4-step schedule: uninterrupted; stopped after step 3 (in the middle of
-a round: the checkpoint keeps the round's rows of both steps, whose old and reference log-probabilities came from
-weights it no longer holds) and resumed; SIGTERMed
-during round 1's sampling (after step 2), which saves step 2 and exits 143, then resumed. Every resumed step's
-metrics (loss, gradient norm, KL, reward, ...) and every final parameter equal the uninterrupted run's bit for bit.
+sampled by the policy (4 prompts x 4 completions a round, split between its 2 optimizer steps:
+rl.generation_batch_size 16; a KL reference, which TR-DPO's sync moves towards the policy after every step). Three
+runs of the same 4-step schedule: uninterrupted; stopped after step 3 (in the middle of a round: the checkpoint
+keeps the round's rows of both steps, whose old and reference log-probabilities came from weights it no longer
+holds) and resumed; SIGTERMed during round 1's sampling (after step 2), which saves step 2 and exits 143, then
+resumed. Every resumed step's metrics (loss, gradient norm, KL, reward, ...) and every final parameter equal the
+uninterrupted run's bit for bit (the KL's reference comes back from the checkpoint: no longer the starting weights).
 The run keeps dropout 0.1 on (`rl.disable_dropout = false`: the restored generators must draw the same masks) and
 has an entropy bonus under Skywork-OR1's adaptive control, whose coefficient and last mean entropy the
 checkpoint keeps, and logs its completions (`rl.log_completions`): each resumed run's completions.jsonl equals the
@@ -22,8 +23,10 @@ import signal
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shardlm.checkpoint import latest_in, load_checkpoint
+from shardlm.checkpoint.sharded import model_file
 from shardlm.config import from_dict
 from shardlm.rl.rollout import InProcessGenerator
 from shardlm.signals import TERMINATED_EXIT_CODE
@@ -40,6 +43,7 @@ def rl_config(data_dir, steps: int):
         "sft": {"tokenizer": str(data_dir / "chat" / "qwen3")},
         "rl": {"loss": "dapo", "task": "arithmetic", "task_size": 16, "num_generations": 4, "prompts_per_step": 2,
                "max_completion_length": 6, "beta": 0.04, "generation_batch_size": 16, "temperature": 1.2,
+               "sync_ref_model": True, "ref_model_sync_steps": 1,
                "entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_coef_delta": 0.02,
                "entropy_target": 100.0, "log_completions": True, "disable_dropout": False},
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": steps, "decay_steps": STEPS,
@@ -63,6 +67,12 @@ def parameters(run_dir, data_dir) -> dict[str, torch.Tensor]:
     trainer = Trainer(config, ParallelContext.single(), None, None)
     load_checkpoint(trainer, latest_in(run_dir / "checkpoints"))
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def synced_reference(run_dir) -> dict[str, torch.Tensor]:
+    """The KL's reference weights the run's last checkpoint keeps (rl.sync_ref_model)."""
+    tensors = load_file(latest_in(run_dir / "checkpoints") / model_file(0))
+    return {k: v for k, v in tensors.items() if k.startswith("reference/")}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +113,9 @@ def test_a_run_stopped_mid_round_resumes_bitwise(runs, data_dir):
     assert abs(whole[4]["loss"] - whole[4]["policy_loss"]) > 0.1
     want, got = parameters(folder / "whole", data_dir), parameters(folder / "mid-round", data_dir)
     assert all(torch.equal(got[k], want[k]) for k in want)
+    # the reference synced after step 4 from the one the checkpoint of step 3 kept
+    want, got = synced_reference(folder / "whole"), synced_reference(folder / "mid-round")
+    assert want and want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_the_logged_completions_are_the_uninterrupted_runs(runs):

@@ -264,7 +264,8 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
 SAME_NAMES = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
               "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile",
               "use_bias_correction_kl", "multi_objective_aggregation", "reward_weights", "entropy_coef",
-              "use_adaptive_entropy", "entropy_coef_delta", "entropy_target", "generation_batch_size")
+              "use_adaptive_entropy", "entropy_coef_delta", "entropy_target", "generation_batch_size",
+              "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
 """Options that TRL's GRPOConfig and shardlm's [rl] name alike."""
 
 
@@ -309,9 +310,11 @@ CASES = {
     "gdpo": {"rewards": ["length_and_answer", "digits"], "reward_weights": [1.0, 2.0],
              "multi_objective_aggregation": "normalize_then_sum"},
     # Skywork-OR1's adaptive control, the target above every entropy: no bonus at the first step (no mean yet), then
-    # the coefficient 0.03 and 0.05, raised after each step
-    "grpo_adaptive_entropy": {"steps": 3, "beta": 0.04, "entropy_coef": 0.01, "use_adaptive_entropy": True,
-                              "entropy_coef_delta": 0.02, "entropy_target": 12.0},
+    # the coefficient 0.03 and 0.05, raised after each step; TR-DPO's reference syncs after each step (0.4 of the
+    # policy), which the KL of steps 2 and 3 sees
+    "grpo_adaptive_entropy_sync_ref": {"steps": 3, "beta": 0.04, "entropy_coef": 0.01, "use_adaptive_entropy": True,
+                                       "entropy_coef_delta": 0.02, "entropy_target": 12.0, "sync_ref_model": True,
+                                       "ref_model_mixup_alpha": 0.4, "ref_model_sync_steps": 1},
     # a generation round of 16 completions (4 prompts) feeding two steps of 8, shuffled between them: the second
     # step's ratios against the policy that sampled them, DAPO's normalizer the round's tokens over its 2 steps, the
     # advantages' std over the round; 2 rounds. Then one round of 2 steps, each taken twice (steps 0, 1, 0, 1), with
@@ -394,10 +397,12 @@ def test_another_temperature_misses_trl(setup, runs):
                                           ("grpo_top_entropy_plain_kl_bonus", "top_entropy_quantile"),
                                           ("grpo_top_entropy_plain_kl_bonus", "use_bias_correction_kl"),
                                           ("gdpo", "multi_objective_aggregation"),
-                                          ("grpo_top_entropy_plain_kl_bonus", "entropy_coef")])
+                                          ("grpo_top_entropy_plain_kl_bonus", "entropy_coef"),
+                                          ("grpo_adaptive_entropy_sync_ref", "sync_ref_model")])
 def test_without_its_option_it_misses_trl(setup, runs, name, option):
     """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term, GDPO's
-    normalization or the entropy bonus (each at its default) misses TRL's run by far more than TOL."""
+    normalization, the entropy bonus or the reference's syncs (each at its default) misses TRL's run by far more
+    than TOL."""
     theirs, _ = runs(name)
     case = {k: v for k, v in CASES[name].items() if k != option}
     worst = differences(shardlm_steps(setup, f"without_{option}", case), theirs)

@@ -1,10 +1,11 @@
 """Save and load a Trainer's whole state, at any TP x DP layout.
 
-What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), the loss
-scaler, step, skipped steps and consumed samples (the data position), every rank's generator states
-(Python, numpy, torch CPU and CUDA, the model-parallel tracker), the config and a manifest of files
-with sizes and sha256. Loading at another layout reshards the tensors (see `sharded.py`); generator
-states are restored only on the same layout, where they make the resumed run bitwise identical.
+What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), an RL run's synced
+reference weights (rl.sync_ref_model), the loss scaler, step, skipped steps and consumed samples (the data
+position), every rank's generator states (Python, numpy, torch CPU and CUDA, the model-parallel tracker), the
+config and a manifest of files with sizes and sha256. Loading at another layout reshards the tensors (see
+`sharded.py`); generator states are restored only on the same layout, where they make the resumed run bitwise
+identical.
 """
 
 from __future__ import annotations
@@ -111,6 +112,58 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
     return out
 
 
+def reference_tensors(trainer, dense: bool = True) -> dict[str, torch.Tensor]:
+    """"reference/NAME" of an RL run's synced reference (`trainer.synced_reference`, rl.sync_ref_model), as
+    `_model_tensors` names the model's: this rank's TP shard, FSDP's shards gathered over DP (collective: every
+    rank calls it). Empty without a synced reference."""
+    reference = getattr(trainer, "synced_reference", None)
+    if reference is None:
+        return {}
+    saved = {id(p): r for p, r in zip(reference.params, reference.saved)}
+    out = {}
+    for name, param in trainer.model.named_parameters():
+        value = saved.get(id(param))
+        if value is None or not is_saved(param, lora=False):
+            continue
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if dense or is_expert(param):
+            for stored, tensor in _stored(name, param, value.detach()).items():
+                out[f"reference/{stored}"] = tensor.cpu().contiguous()
+    return out
+
+
+class _Renamed:
+    """A `ShardedReader` whose "reference/NAME" tensors read as "model/NAME" (the model's loader reads them)."""
+
+    def __init__(self, reader: ShardedReader, prefix: str):
+        self.reader, self.prefix = reader, prefix
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key.removeprefix("model")
+
+    def keys(self) -> set[str]:
+        return {"model" + k.removeprefix(self.prefix) for k in self.reader.keys() if k.startswith(self.prefix + "/")}
+
+    def shape(self, key: str) -> list[int]:
+        return self.reader.shape(self._key(key))
+
+    def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.reader.read(self._key(key), split_dim, start, end)
+
+
+def load_reference(trainer, path: str | Path) -> None:
+    """Restore an RL run's synced reference (`trainer.synced_reference`) from a checkpoint saved at any layout."""
+    checkpoint = files.resolve(path)
+    meta = files.read_meta(checkpoint)
+    reader = _Renamed(reader_of(checkpoint, meta), "reference")
+    if not reader.keys():
+        raise UserError(f"the checkpoint {checkpoint} holds no synced reference (its run had rl.sync_ref_model "
+                        "off); resume with rl.sync_ref_model=false, or start a new run directory from its weights "
+                        "with checkpoint.init_from")
+    with trainer.synced_reference.swapped(keep=True):
+        load_weights(trainer.model, reader, trainer.ctx)
+
+
 def _rng_tensors(ctx: ParallelContext) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if ctx.device.type == "cuda":
@@ -186,12 +239,13 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
     # DP x CP) the other ranks of its EP group, their experts only; `expert_dp` is `dp_cp` without EP
     writes = ctx.expert_dp.rank == 0
     first = ctx.dp_cp.rank == 0
+    reference = reference_tensors(trainer, dense=first)  # (collective under FSDP)
     path = tmp
     try:
         if writes:
             name = model_file(ctx.tp_rank, ctx.pp_rank if ctx.pp_size > 1 else None, ctx.ep_rank)
             path = tmp / name
-            save_file(_model_tensors(trainer, full, dense=first), str(path))
+            save_file(_model_tensors(trainer, full, dense=first) | reference, str(path))
             records[name] = files.file_record(path)
         tensors, metadata = _rng_tensors(ctx)
         path = tmp / rng_file(ctx.rank)

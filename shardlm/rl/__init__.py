@@ -33,6 +33,13 @@ def check_rl(config, world_size: int = 1) -> str | None:
          f"{prompts_per_step * r.num_generations} completions (rl.prompts_per_step={prompts_per_step} x "
          f"rl.num_generations={r.num_generations}); 0: one step's"),
         (r.beta >= 0, f"rl.beta={r.beta} must be >= 0"),
+        (not r.sync_ref_model or r.beta > 0, "rl.sync_ref_model updates the KL's reference, which rl.beta=0 leaves "
+                                             "unused: set rl.beta > 0 or rl.sync_ref_model=false"),
+        (not r.sync_ref_model or not config.lora.rank,
+         "rl.sync_ref_model mixes the policy into a copy of the reference weights; a LoRA run's reference is its base "
+         "(adapters off): train every weight, or set rl.sync_ref_model=false"),
+        (0 <= r.ref_model_mixup_alpha <= 1, f"rl.ref_model_mixup_alpha={r.ref_model_mixup_alpha} must be in [0, 1]"),
+        (r.ref_model_sync_steps >= 1, f"rl.ref_model_sync_steps={r.ref_model_sync_steps} must be at least 1"),
         (r.temperature > 0, f"rl.temperature={r.temperature} must be > 0 (sampling needs a distribution)"),
         (0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]"),
         (r.top_k >= 0, f"rl.top_k={r.top_k} must be >= 0 (0 disables it)"),

@@ -101,6 +101,8 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
     ref = ("" if not r.beta else ", reference: " + ("the starting weights" if reference is not None
                                                      else "the base (adapters off)"))
+    if r.sync_ref_model:
+        ref += f", synced every {r.ref_model_sync_steps} steps ({r.ref_model_mixup_alpha:g} of the policy)"
     steps = steps_per_generation(trainer.config)
     line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {r.num_generations} completions a step, "
             + (f"{steps} steps a generation round, " if steps > 1 else "")

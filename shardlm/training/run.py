@@ -20,6 +20,7 @@ from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.checkpoint.init import describe, init_weights, resolve_init
 from shardlm.checkpoint.peft import load_adapter, resolve_adapter
+from shardlm.checkpoint.state import load_reference
 from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
@@ -300,6 +301,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         from shardlm.rl.loop import ReferenceWeights
 
         reference = ReferenceWeights(trainer.params)
+    if rl is not None and config.rl.sync_ref_model:  # moved towards the policy as it trains: checkpoints keep it
+        trainer.synced_reference = reference
+        if resume_from:
+            load_reference(trainer, resume_from)
     if trainer.preference:
         logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
     step, rl_run = trainer.train_step, None
