@@ -82,7 +82,15 @@ class PreferenceConfig:
     reference: str = "auto"
     """The reference model's log-probabilities: "precomputed" (one pass of the starting weights over the data
     before the first step, saved in the run directory), "adapters" (a LoRA run's base: the same forward with the
-    adapters off, no extra memory), "auto" (adapters with LoRA, else precomputed)."""
+    adapters off, no extra memory), "weights" (a copy of the starting weights, a no-gradient forward each step, as
+    TRL's reference model), "auto" (adapters with LoRA, weights under sync_ref_model, else precomputed)."""
+    sync_ref_model: bool = False
+    """TR-DPO (TRL's name): every ref_model_sync_steps optimizer steps the reference becomes ref_model_mixup_alpha
+    x the policy + (1 - alpha) x itself (full fine-tuning, the "weights" reference; saved in checkpoints)."""
+    ref_model_mixup_alpha: float = 0.6
+    """The policy's share of the reference at each sync (TR-DPO's alpha; 1: a copy of the policy)."""
+    ref_model_sync_steps: int = 512
+    """Optimizer steps between the reference's syncs (TR-DPO's tau)."""
 
 
 @dataclass

@@ -311,6 +311,16 @@ ERRORS = [
      "its own length normalization: set it to 1"),
     ("LD-DPO without pairs", lambda r: ['preference.loss="kto"', "preference.ld_alpha=0.5"],
      'preference.loss="kto" has no pairs: set it to 1'),
+    ("TR-DPO with a precomputed reference", lambda r: ["preference.sync_ref_model=true",
+                                                       'preference.reference="precomputed"'],
+     'preference.sync_ref_model moves the reference as the run trains; preference.reference="precomputed" holds it '
+     'fixed (precomputed once): use "weights" (or "auto")'),
+    ("TR-DPO without a reference", lambda r: ['preference.loss="simpo"', "preference.sync_ref_model=true"],
+     'preference.sync_ref_model updates the reference, which preference.loss="simpo" does not use'),
+    ("TR-DPO under LoRA", lambda r: ["preference.sync_ref_model=true", "lora.rank=4"],
+     "a LoRA run's reference is its base (adapters off)"),
+    ("a weights reference under LoRA", lambda r: ['preference.reference="weights"', "lora.rank=4"],
+     'a LoRA run\'s reference is its base: use "adapters"'),
     ("WPO without a reference", lambda r: ['preference.loss="orpo"', "preference.use_weighting=true"],
      'preference.use_weighting (WPO) weighs the pairs of the losses with a reference; preference.loss="orpo" takes '
      "none: set it to false"),

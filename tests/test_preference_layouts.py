@@ -47,6 +47,7 @@ from shardlm.preference.loss import METRICS, PreferenceLoss, preference_parts, s
 from shardlm.preference.pairs import TokenizedPair
 from shardlm.preference.reference import precompute_reference
 from shardlm.training.data import micro_batches
+from shardlm.training.reference import ReferenceWeights
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -83,14 +84,16 @@ def valid_data() -> PairDataset:
 
 def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
                       moe: bool = False, loss: str = "sigmoid", lora: int = 0, divergence: str = "reverse_kl",
-                      loss_weights: tuple = (), ld_alpha: float = 1.0, use_weighting: bool = False, **train):
+                      loss_weights: tuple = (), ld_alpha: float = 1.0, use_weighting: bool = False,
+                      sync_ref_model: bool = False, **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if moe:
         model |= MIXTRAL
     sections = {"sft": {"data": ["unused.jsonl"]},
                 "preference": {"loss": loss, "beta": 0.5, "f_divergence_type": divergence,
                                "loss_weights": list(loss_weights), "ld_alpha": ld_alpha,
-                               "use_weighting": use_weighting},
+                               "use_weighting": use_weighting, "sync_ref_model": sync_ref_model,
+                               "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5},
                 "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
                          **{"steps": STEPS, "eval_iters": 8, **train})
@@ -102,6 +105,9 @@ def train_layout(ctx: ParallelContext, config, data: tuple | None = None, metric
     validation loss before and after, and every parameter."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, *(data or (train_data(), valid_data())))
+    if reference_mode(config) == "weights":  # as `shardlm.training.run` sets it up
+        trainer.loss.weights = ReferenceWeights.of(trainer)
+        trainer.synced_reference = trainer.loss.weights if config.preference.sync_ref_model else None
     if reference_mode(config) == "precomputed":
         trainer.loss.tables = {"train": precompute_reference(trainer, trainer.train_data),
                                "valid": precompute_reference(trainer, trainer.valid_data)}
@@ -140,6 +146,10 @@ MPO = {"loss": "sigmoid+bco_pair+sft", "loss_weights": (0.8, 0.2, 1.0), "ld_alph
 """MPO's sum: its chosen tokens' NLL a mean over the global batch's chosen tokens, counted over DP (and from whole
 rows under CP), under LD-DPO's weights (each answer's tokens past its pair's shorter answer times 0.3, their
 positions found on the whole rows before the CP split; the NLL unweighted)."""
+TR_DPO = {"sync_ref_model": True}
+"""TR-DPO: the reference a copy of the starting weights (preference.reference "weights", "auto" under the sync) run
+in each step and evaluation (swapped in through the pipeline's stages; FSDP's shards copied in and back), moved
+halfway to the policy after steps 2 and 4 (each rank its shards)."""
 
 WORLD2 = {
     "dp2": layout(),
@@ -156,6 +166,9 @@ WORLD2 = {
     "pp2 norm js": layout(pp=2, **NORM_JS),
     "dp2 mpo": layout(**MPO),
     "cp2 mpo": layout(cp=2, **MPO),
+    "pp2 tr dpo": layout(pp=2, **TR_DPO),
+    "fsdp dp2 tr dpo": layout(data_sharding="full", **TR_DPO),
+    "tp2 sp tr dpo": layout(tp=2, sp=True, **TR_DPO),
 }
 CONTROL = "control cp2 forward-only sum"
 WORLD4 = {
@@ -181,7 +194,8 @@ def reference():
     return {"dense": train_layout(ctx, preference_config()), "moe": train_layout(ctx, preference_config(moe=True)),
             "lora": train_layout(ctx, preference_config(lora=4)),
             "norm js": train_layout(ctx, preference_config(**NORM_JS)),
-            "mpo": train_layout(ctx, preference_config(**MPO))}
+            "mpo": train_layout(ctx, preference_config(**MPO)),
+            "tr dpo": train_layout(ctx, preference_config(**TR_DPO))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": CURVE + METRICS, "absolute": METRICS,
@@ -206,7 +220,7 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora", "norm js", "mpo") if kind in name), "dense")
+    return next((kind for kind in ("moe", "lora", "norm js", "mpo", "tr dpo") if kind in name), "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -217,10 +231,12 @@ def test_preference_at_two_ranks_equals_one_process(world2, reference, name):
 
 
 @pytest.mark.parametrize("kind, variant, option, off", [("mpo", MPO, "ld_alpha", 1.0),
-                                                        ("norm js", NORM_JS, "use_weighting", False)])
+                                                        ("norm js", NORM_JS, "use_weighting", False),
+                                                        ("tr dpo", TR_DPO, "sync_ref_model", False)])
 def test_the_weights_reach_their_runs(reference, kind, variant, option, off):
-    """The controls: MPO without LD-DPO's weights, length-normalized DPO without WPO's, moves the one-process gradient
-    norms, so the layouts check them."""
+    """The controls: MPO without LD-DPO's weights, length-normalized DPO without WPO's, DPO without TR-DPO's syncs
+    (the reference the starting weights throughout), moves the one-process gradient norms, so the layouts check
+    them."""
     plain = train_layout(ParallelContext.single(), preference_config(**(variant | {option: off})))["curve"]
     assert max(abs(a[1] - b[1]) for a, b in zip(plain, reference[kind]["curve"])) > 1e-3
 

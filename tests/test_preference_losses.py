@@ -175,13 +175,13 @@ def test_the_fixture_reaches_both_sides_of_each_loss():
 
 
 def test_a_batch_without_its_reference_needs_adapters_to_switch_off():
-    """The reference of a run without LoRA is a precomputed table; a batch that reached the loss without it would
-    otherwise take the policy itself as its reference (the loss stuck at ln 2 with no error)."""
+    """The reference of a run without LoRA is a precomputed table or its own weights; a batch that reached the loss
+    without either would otherwise take the policy itself as its reference (the loss stuck at ln 2 with no error)."""
     from shardlm.parallel import ParallelContext
     from shardlm.preference.loss import PreferenceLoss
 
     loss = PreferenceLoss(PreferenceConfig(loss="dpo"), ParallelContext.single(), torch.nn.Linear(2, 2))
-    with pytest.raises(RuntimeError, match="no precomputed reference log-probabilities and no LoRA adapters"):
+    with pytest.raises(RuntimeError, match="no precomputed reference log-probabilities, no reference weights and no LoRA adapters"):
         loss.reference_logps(lambda *args, **kwargs: None, {"inputs": None, "targets": None, "documents": None})
 
 

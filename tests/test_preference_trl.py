@@ -16,7 +16,8 @@ it). Each of 3 steps' loss, chosen and rejected rewards and margin, and the firs
 larger: `assert_follows`); the first loss is ln 2.
 
 LD-DPO (`ld_alpha` 0.5) with WPO's weights (`use_weighting`) follows TRL's `DPOTrainer` with both the same way
-(each option's effect on shardlm's run: `tests/test_preference_layouts.py`).
+(each option's effect on shardlm's run: `tests/test_preference_layouts.py`); so does TR-DPO (`sync_ref_model`: the
+reference a copy of the weights run in each step, moved halfway to the policy after each).
 
 The other losses: at the end of those 3 steps (the policy off its reference, the two sides' weights equal to
 rounding), shardlm's IPO, hinge, robust, EXO, DiscoPOP, length-normalized DPO, NCA, BCO, SPPO-hard, APO-zero and
@@ -247,6 +248,23 @@ def test_ld_dpo_with_wpo_weights_follows_trl_step_by_step(ld_wpo_runs, trl_run):
     dpo = trl_run["steps"]
     assert abs(theirs[0]["grad_norm"] - dpo[0]["grad_norm"]) > 100 * TOL * dpo[0]["grad_norm"]
     assert abs(theirs[-1]["rewards/chosen"] - dpo[-1]["rewards/chosen"]) > 100 * TOL
+
+
+TR_DPO = ["preference.loss=\"sigmoid\"", f"preference.beta={BETA}", "preference.sync_ref_model=true",
+          "preference.ref_model_mixup_alpha=0.5", "preference.ref_model_sync_steps=1"]
+
+
+def test_tr_dpo_follows_trl_step_by_step(setup, trl_run):
+    """TR-DPO: the reference moves halfway to the policy after each step (`sync_ref_model`, alpha 0.5), shardlm's a
+    copy of the starting weights run in each step (preference.reference "weights", which "auto" resolves to), as
+    TRL's reference model is. Its steps follow TRL's; from the second step TRL's rewards move off plain DPO's by far
+    more than the bound, so shardlm's DPO (which follows `trl_run`) would miss them."""
+    theirs = trl_logs(trl.DPOTrainer, dpo_args(setup, "trl_tr_dpo", sync_ref_model=True, ref_model_mixup_alpha=0.5,
+                                               ref_model_sync_steps=1), setup["pairs"], setup["hf"])["steps"]
+    ours = shardlm_metrics(setup, setup["records"], "shardlm_tr_dpo", TR_DPO)["steps"]
+    assert_follows(ours, theirs, BETA)
+    dpo = trl_run["steps"]
+    assert abs(theirs[1]["rewards/chosen"] - dpo[1]["rewards/chosen"]) > 100 * TOL, (theirs[1], dpo[1])
 
 
 LN2, EXO_EPS = math.log(2), 1e-3

@@ -46,11 +46,12 @@ from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig
 from shardlm.parallel import ParallelContext
 from shardlm.rl import loss as loss_module
-from shardlm.rl.loop import ReferenceWeights, RLRun
+from shardlm.rl.loop import RLRun
 from shardlm.rl.loss import loss_metrics
 from shardlm.rl.prompts import Prompt
 from shardlm.rl.rewards import Reward
 from shardlm.rl.rollout import InProcessGenerator, Rollout, gather_samples, sampling_share
+from shardlm.training.reference import ReferenceWeights
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -139,7 +140,9 @@ def rl_run(ctx, config, sample: bool = False) -> tuple[Trainer, RLRun]:
     (top-k 50, top-p 0.95, and the run's rl.min_p and rl.repetition_penalty)."""
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, None, None)
-    reference = ReferenceWeights(trainer.params) if not config.lora.rank else None
+    reference = ReferenceWeights.of(trainer) if not config.lora.rank else None
+    if config.rl.sync_ref_model:  # the trainer's steps move it (as `shardlm.training.run` sets it)
+        trainer.synced_reference = reference
     generator = SyntheticCompletions()
     if sample:
         sampling = SamplingConfig(max_new_tokens=MAX, temperature=config.rl.temperature, top_k=50, top_p=0.95,

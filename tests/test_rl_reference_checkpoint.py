@@ -21,7 +21,7 @@ from shardlm.checkpoint import load_checkpoint, save_checkpoint
 from shardlm.checkpoint.state import load_reference
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
-from shardlm.rl.loop import ReferenceWeights
+from shardlm.training.reference import ReferenceWeights
 from shardlm.training.trainer import Trainer
 
 from layouts import layout, layout_context, spawn_layouts
@@ -74,7 +74,7 @@ def test_the_reference_comes_back_at_its_layout_and_in_one_process(world2, name)
     values = check_result(world2, name)
     assert all(v["same"] for v in values), values
     trainer = Trainer(rl_config(moe="moe" in name), ParallelContext.single(), None, None)
-    trainer.synced_reference = ReferenceWeights(trainer.params)
+    trainer.synced_reference = ReferenceWeights.of(trainer)
     load_checkpoint(trainer, values[0]["path"])
     load_reference(trainer, values[0]["path"])
     for p, r in zip(trainer.synced_reference.params, trainer.synced_reference.saved, strict=True):
@@ -84,6 +84,6 @@ def test_the_reference_comes_back_at_its_layout_and_in_one_process(world2, name)
 def test_a_checkpoint_without_a_reference_is_refused(tmp_path):
     trainer = Trainer(rl_config(), ParallelContext.single(), None, None)
     path = save_checkpoint(trainer, tmp_path)  # no synced reference
-    trainer.synced_reference = ReferenceWeights(trainer.params)
+    trainer.synced_reference = ReferenceWeights.of(trainer)
     with pytest.raises(UserError, match="holds no synced reference .* resume with rl.sync_ref_model=false"):
         load_reference(trainer, path)

@@ -106,8 +106,8 @@ class RLSteps:
 
     def __init__(self, shape: RLShape, model_dir: Path, run_dir: Path, threads: int, beta: float, task_size: int):
         from shardlm.config import load_config
-        from shardlm.rl.loop import ReferenceWeights
         from shardlm.rl.setup import load_rl_inputs, start_rl
+        from shardlm.training.reference import ReferenceWeights
         from shardlm.training.run import train
 
         m, quote = shape.model, json.dumps
@@ -126,7 +126,7 @@ class RLSteps:
             config = load_config(None, overrides)
             self.trainer = train(config, run_dir=run_dir).trainer
             self.inputs = load_rl_inputs(config)
-            reference = ReferenceWeights(self.trainer.params) if beta else None  # after the warm-up: the same work
+            reference = ReferenceWeights.of(self.trainer) if beta else None  # after the warm-up: the same work
             self.run, _ = start_rl(self.trainer, self.inputs, reference)
 
     def step(self) -> None:

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 
 def reference_mode(config) -> str:
-    """"none" (a reference-free loss), "adapters" or "precomputed": where a run's reference log-probabilities
-    come from (`preference.reference`, "auto" resolved)."""
+    """"none" (a reference-free loss), "adapters", "precomputed" or "weights": where a run's reference
+    log-probabilities come from (`preference.reference`, "auto" resolved: "weights" when TR-DPO syncs it)."""
     from shardlm.preference.loss import REFERENCE_FREE
 
     p = config.preference
     if p.loss in REFERENCE_FREE:
         return "none"
     if p.reference == "auto":
-        return "adapters" if config.lora.rank else "precomputed"
+        return "adapters" if config.lora.rank else "weights" if p.sync_ref_model else "precomputed"
     return p.reference
 
 
@@ -59,8 +59,22 @@ def check_preference(config) -> str | None:
         (p.desirable_weight > 0 and p.undesirable_weight > 0,
          f"preference.desirable_weight={p.desirable_weight:g} and undesirable_weight={p.undesirable_weight:g} must "
          "be > 0"),
-        (p.reference in ("auto", "precomputed", "adapters"),
-         f'preference.reference="{p.reference}" must be "auto", "precomputed" or "adapters"'),
+        (p.reference in ("auto", "precomputed", "adapters", "weights"),
+         f'preference.reference="{p.reference}" must be "auto", "precomputed", "adapters" or "weights"'),
+        (p.reference != "weights" or not config.lora.rank,
+         'preference.reference="weights" keeps a copy of a full fine-tuning run\'s starting weights; a LoRA run\'s '
+         'reference is its base: use "adapters" (or "precomputed")'),
+        (not p.sync_ref_model or p.loss not in REFERENCE_FREE,
+         f'preference.sync_ref_model updates the reference, which preference.loss="{p.loss}" does not use'),
+        (not p.sync_ref_model or not config.lora.rank,
+         "preference.sync_ref_model mixes the policy into a copy of the reference weights; a LoRA run's reference is "
+         "its base (adapters off): train every weight, or set preference.sync_ref_model=false"),
+        (not p.sync_ref_model or p.reference in ("auto", "weights"),
+         f'preference.sync_ref_model moves the reference as the run trains; preference.reference="{p.reference}" '
+         'holds it fixed (precomputed once): use "weights" (or "auto")'),
+        (0 <= p.ref_model_mixup_alpha <= 1,
+         f"preference.ref_model_mixup_alpha={p.ref_model_mixup_alpha} must be in [0, 1]"),
+        (p.ref_model_sync_steps >= 1, f"preference.ref_model_sync_steps={p.ref_model_sync_steps} must be at least 1"),
         (p.loss not in REFERENCE_FREE or p.reference == "auto",
          f'preference.loss="{p.loss}" uses no reference model; leave preference.reference at "auto"'),
         (p.reference != "adapters" or config.lora.rank > 0,

@@ -294,14 +294,16 @@ class PreferenceLoss:
     """The trainer's loss for a preference run: `loss(forward, batch)` of a `preference_parts` micro-batch, or
     `of_token_losses(token_losses, batch)` where the pipeline's last stage computed the token losses. The reference
     log-probabilities are the batch's `reference` ((pairs, 2): `attach_reference` copies them from the tables
-    precomputed over the training and validation sets, `tables`), or, in a LoRA run, come from the same forward
-    with the adapters off, without gradient (`record_reference` under pipeline stages). Each training call adds
-    its pairs' loss and metric sums to `sums` (read and reset by the trainer's step: `take_metrics`)."""
+    precomputed over the training and validation sets, `tables`), or come from a forward without gradient under
+    `reference_context`: a LoRA run's with the adapters off, or with the reference weights swapped in (`weights`, a
+    `ReferenceWeights`: preference.reference="weights") (`record_reference` under pipeline stages). Each training
+    call adds its pairs' loss and metric sums to `sums` (read and reset by the trainer's step: `take_metrics`)."""
 
     def __init__(self, cfg: PreferenceConfig, ctx, model):
         self.cfg, self.ctx, self.model = cfg, ctx, model
         self.unpaired = cfg.loss in kto.UNPAIRED
         self.tables: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs, 2) precomputed reference
+        self.weights = None  # the reference's weights (`ReferenceWeights`) of a "weights" reference
         self.labels: dict[str, torch.Tensor] = {}  # KTO: "train" / "valid" -> (examples,) bool, True: desirable
         self.sums = torch.zeros(len(kto.SUMS) if self.unpaired else len(METRICS) + 1, dtype=torch.float64)
         self.pairs = 0.0
@@ -350,7 +352,7 @@ class PreferenceLoss:
             return
         parts = [batch["kl"] for batch in batches]
         if self.needs_reference_pass(parts):
-            pipeline.reference_pass(parts, self.record_reference, adapters_off(self.model))
+            pipeline.reference_pass(parts, self.record_reference, self.reference_context())
         pipeline.reference_pass(parts, self.record_policy, contextlib.nullcontext())
         self._set_kl(batches)
 
@@ -369,17 +371,23 @@ class PreferenceLoss:
         batch["reference"] = sequence_logps(token_losses.detach(), batch, self.ctx.cp)[0]
 
     def needs_reference_pass(self, batches: list[dict]) -> bool:
-        """Whether these micro-batches still need the reference model's forward (a LoRA run's base)."""
+        """Whether these micro-batches still need the reference model's forward (under `reference_context`)."""
         return self.cfg.loss not in REFERENCE_FREE and any("reference" not in b for b in batches)
+
+    def reference_context(self):
+        """The reference model in the policy's place: its weights swapped in, or a LoRA run's adapters off."""
+        if self.weights is not None:
+            return self.weights.swapped()
+        if not has_adapters(self.model):  # the "reference" would be the policy itself: a loss stuck at ln 2
+            raise RuntimeError("a preference batch has no precomputed reference log-probabilities, no reference "
+                               "weights and no LoRA adapters to switch off for them")
+        return adapters_off(self.model)
 
     def reference_logps(self, forward, batch: dict) -> torch.Tensor | None:
         if self.cfg.loss in REFERENCE_FREE:
             return None
-        if "reference" not in batch:  # the base of a LoRA run, in the same step
-            if not has_adapters(self.model):  # the "reference" would be the policy itself: a loss stuck at ln 2
-                raise RuntimeError("a preference batch has no precomputed reference log-probabilities and no LoRA "
-                                   "adapters to switch off for them")
-            with torch.no_grad(), adapters_off(self.model):
+        if "reference" not in batch:  # the reference weights, or the base of a LoRA run, in the same step
+            with torch.no_grad(), self.reference_context():
                 self.record_reference(forward(batch["inputs"], batch["targets"], documents=batch["documents"]), batch)
         return batch["reference"]
 

@@ -41,56 +41,7 @@ from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
 from shardlm.rl.rollout import Rollout, gather_samples, sampling_share, sequence_seed
 from shardlm.training.data import micro_batches
-
-
-class ReferenceWeights:
-    """The starting weights of this rank's parameters (their local shards), kept aside: `swapped()` puts them in
-    place for a no-gradient forward and restores the policy's afterwards. The reference of a full fine-tuning run
-    with rl.beta > 0, at any layout, for one more copy of the weights; under rl.sync_ref_model `mix` moves it
-    towards the policy and checkpoints keep it (`shardlm.checkpoint.state.reference_tensors`). Plain parameters
-    exchange their storage with the saved tensors (nothing copied); FSDP's sharded parameters (DTensors, which FSDP
-    keeps views of) are copied in and back."""
-
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = params
-        self.saved = [p.detach().clone() for p in params]
-
-    @contextlib.contextmanager
-    def swapped(self, keep: bool = False):
-        """The reference in the parameters' place; `keep`: what is written to them meanwhile stays the reference
-        (a checkpoint's reference read by the model's loader)."""
-        if any(hasattr(p, "to_local") for p in self.params):
-            policy = [p.detach().clone() for p in self.params]
-            with torch.no_grad():
-                for p, r in zip(self.params, self.saved):
-                    p.copy_(r)
-            try:
-                yield
-                if keep:
-                    with torch.no_grad():
-                        for p, r in zip(self.params, self.saved):
-                            r.copy_(p)
-            finally:
-                with torch.no_grad():
-                    for p, q in zip(self.params, policy):
-                        p.copy_(q)
-            return
-        self._exchange()  # (the saved tensors are the parameters' storage meanwhile: writes land in them)
-        try:
-            yield
-        finally:
-            self._exchange()
-
-    @torch.no_grad()
-    def mix(self, alpha: float) -> None:
-        """TR-DPO's sync (rl.sync_ref_model): the reference becomes alpha x the policy + (1 - alpha) x itself, shard
-        by shard (as TRL's `SyncRefModelCallback` computes it)."""
-        for p, r in zip(self.params, self.saved):
-            r.mul_(1.0 - alpha).add_(p.detach(), alpha=alpha)
-
-    def _exchange(self) -> None:
-        for i, p in enumerate(self.params):
-            p.data, self.saved[i] = self.saved[i], p.data
+from shardlm.training.reference import ReferenceWeights
 
 
 def decode(template, ids: list[int]) -> str:
@@ -122,8 +73,6 @@ class RLRun:
                 self.start_round(trainer.step // self.round_steps)
             trainer.loss.first_step = first
             metrics = trainer.train_step() | self.round_metrics
-        if self.cfg.sync_ref_model and trainer.step % self.cfg.ref_model_sync_steps == 0:
-            self.reference.mix(self.cfg.ref_model_mixup_alpha)
         return metrics
 
     def round_file(self, directory: Path) -> Path:

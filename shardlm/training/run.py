@@ -28,6 +28,7 @@ from shardlm.lora import count_parameters
 from shardlm.lora.apply import describe_half_base
 from shardlm.lora.nf4 import describe_base
 from shardlm.parallel import init_distributed
+from shardlm.preference import reference_mode
 from shardlm.rl.rollout import GenerationStopped
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
@@ -35,6 +36,7 @@ from shardlm.training.cpu_precision import precision_warning, resolve_precision
 from shardlm.training.data import build_datasets
 from shardlm.training.logging import RunLogger
 from shardlm.training.parallelize import check_can_compile
+from shardlm.training.reference import ReferenceWeights
 from shardlm.training.trainer import Trainer, perplexity
 from shardlm.validation import validate
 
@@ -162,8 +164,8 @@ def report_interrupt(progress: Progress) -> None:
 
 def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
     """Give a preference run's loss its reference: precomputed by the starting weights (saved in the run directory,
-    read back on a resume), or the LoRA base; returns the line that says which."""
-    from shardlm.preference import reference_mode
+    read back on a resume), the starting weights kept (`trainer.loss.weights`), or the LoRA base; returns the line
+    that says which."""
     from shardlm.preference.reference import load_reference, pairs_fingerprint, precompute_references, save_reference
 
     config, mode = trainer.config, reference_mode(trainer.config)
@@ -173,6 +175,11 @@ def start_preference(trainer, run_dir: Path, resumed: bool) -> str:
 
         line += desirable_share(trainer.train_data.rows.labels) + ", "
     line += "reference: "
+    if mode == "weights":
+        p = config.preference
+        return line + "the starting weights (a copy, one forward each step)" + (
+            f", synced every {p.ref_model_sync_steps} steps ({p.ref_model_mixup_alpha:g} of the policy)"
+            if p.sync_ref_model else "")
     if mode != "precomputed":
         return line + {"none": "none (reference-free)", "adapters": "the base (adapters off)"}[mode]
     data = {"train": trainer.train_data, "valid": trainer.valid_data}
@@ -275,13 +282,13 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     # a checkpoint of this run (a restart after a crash) wins over checkpoint.load and checkpoint.init_from
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
     reference = None
-    keep_reference = rl is not None and config.rl.beta > 0 and not config.lora.rank  # the KL's: the starting weights
+    # the starting weights kept: RL's KL reference, a preference run's live reference (preference.reference="weights")
+    keep_reference = ((rl is not None and config.rl.beta > 0 and not config.lora.rank)
+                      or (trainer.preference and reference_mode(config) == "weights"))
     if keep_reference and resume_from:  # rebuilt from where the run started, before the checkpoint replaces them
-        from shardlm.rl.loop import ReferenceWeights
-
         if init_source is not None:
             init_weights(trainer, init_source)
-        reference = ReferenceWeights(trainer.params)
+        reference = ReferenceWeights.of(trainer)
     if resume_from:
         meta = load_checkpoint(trainer, resume_from)
         logger.resumed_at(trainer.step)
@@ -298,10 +305,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if config.checkpoint.init_adapter and not resume_from:
         logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
     if keep_reference and not resume_from:
-        from shardlm.rl.loop import ReferenceWeights
-
-        reference = ReferenceWeights(trainer.params)
-    if rl is not None and config.rl.sync_ref_model:  # moved towards the policy as it trains: checkpoints keep it
+        reference = ReferenceWeights.of(trainer)
+    if trainer.preference:
+        trainer.loss.weights = reference
+    if trainer.sync is not None:  # moved towards the policy after the steps (TR-DPO): checkpoints keep it
         trainer.synced_reference = reference
         if resume_from:
             load_reference(trainer, resume_from)

@@ -55,6 +55,7 @@ from shardlm.training.moe import finish_step, set_aux_loss_scale
 from shardlm.training.optim import clip_grad_norm, learning_rate
 from shardlm.training.parallelize import HALF, parallelize
 from shardlm.training.qk_clip import clip_qk, track_max_logits
+from shardlm.training.reference import sync_section
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16 tensor cores; V100: fp16).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "V100": 125.0, "L40S": 362.0, "A10": 125.0}
@@ -142,6 +143,10 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.consumed_samples = 0
+        # a run's reference weights that TR-DPO's syncs move after its steps (`shardlm.training.reference`) and its
+        # checkpoints keep; set by the run when [rl] or [preference] asks for sync_ref_model
+        self.synced_reference = None
+        self.sync = sync_section(config)
         self.flops_per_step = flops_per_step(config.model, t.global_batch_size)
 
     def num_parameters(self) -> int:
@@ -246,6 +251,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += t.global_batch_size
+        if self.synced_reference is not None and self.step % self.sync.ref_model_sync_steps == 0:
+            self.synced_reference.mix(self.sync.ref_model_mixup_alpha)
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * self.config.model.seq_length
         tflops = self.flops_per_step / elapsed / 1e12  # every token once: the global batch's FLOPs
@@ -298,15 +305,13 @@ class Trainer:
         return total.item() / (iters * ctx.dp_cp.size)
 
     def pipeline_reference(self, batches: list) -> None:
-        """Under pipeline stages, a LoRA preference run's reference log-probabilities (the base, adapters off):
+        """Under pipeline stages, a preference run's reference log-probabilities (its weights, or the LoRA base):
         one forward pass of the micro-batches through the stages before their step or evaluation; KTO's KL
         sequences' passes and an RL step's entropy pass too."""
         if self.teacher is not None:  # distillation: the teacher's hidden states, through its own stages
             self.loss.teacher_pass(batches)
         if self.preference and self.loss.needs_reference_pass(batches):
-            from shardlm.preference.loss import adapters_off
-
-            self.pipeline.reference_pass(batches, self.loss.record_reference, adapters_off(self.model))
+            self.pipeline.reference_pass(batches, self.loss.record_reference, self.loss.reference_context())
         if self.preference or self.rl:
             self.loss.prepare_stages(self.pipeline, batches)
 
