@@ -181,7 +181,8 @@ def test_a_batch_without_its_reference_needs_adapters_to_switch_off():
     from shardlm.preference.loss import PreferenceLoss
 
     loss = PreferenceLoss(PreferenceConfig(loss="dpo"), ParallelContext.single(), torch.nn.Linear(2, 2))
-    with pytest.raises(RuntimeError, match="no precomputed reference log-probabilities, no reference weights and no LoRA adapters"):
+    with pytest.raises(RuntimeError, match="no precomputed reference log-probabilities, no reference weights and "
+                                           "no LoRA adapters"):
         loss.reference_logps(lambda *args, **kwargs: None, {"inputs": None, "targets": None, "documents": None})
 
 

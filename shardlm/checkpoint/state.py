@@ -1,7 +1,7 @@
 """Save and load a Trainer's whole state, at any TP x DP layout.
 
-What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), an RL run's synced
-reference weights (rl.sync_ref_model), the loss scaler, step, skipped steps and consumed samples (the data
+What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), the reference weights
+TR-DPO's syncs move (sync_ref_model), the loss scaler, step, skipped steps and consumed samples (the data
 position), every rank's generator states (Python, numpy, torch CPU and CUDA, the model-parallel tracker), the
 config and a manifest of files with sizes and sha256. Loading at another layout reshards the tensors (see
 `sharded.py`); generator states are restored only on the same layout, where they make the resumed run bitwise
@@ -113,7 +113,7 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
 
 
 def reference_tensors(trainer, dense: bool = True) -> dict[str, torch.Tensor]:
-    """"reference/NAME" of an RL run's synced reference (`trainer.synced_reference`, rl.sync_ref_model), as
+    """"reference/NAME" of a run's synced reference (`trainer.synced_reference`: sync_ref_model), as
     `_model_tensors` names the model's: this rank's TP shard, FSDP's shards gathered over DP (collective: every
     rank calls it). Empty without a synced reference."""
     reference = getattr(trainer, "synced_reference", None)
@@ -152,14 +152,15 @@ class _Renamed:
 
 
 def load_reference(trainer, path: str | Path) -> None:
-    """Restore an RL run's synced reference (`trainer.synced_reference`) from a checkpoint saved at any layout."""
+    """Restore a run's synced reference (`trainer.synced_reference`) from a checkpoint saved at any layout."""
     checkpoint = files.resolve(path)
     meta = files.read_meta(checkpoint)
     reader = _Renamed(reader_of(checkpoint, meta), "reference")
     if not reader.keys():
-        raise UserError(f"the checkpoint {checkpoint} holds no synced reference (its run had rl.sync_ref_model "
-                        "off); resume with rl.sync_ref_model=false, or start a new run directory from its weights "
-                        "with checkpoint.init_from")
+        option = ("rl" if trainer.config.rl.loss else "preference") + ".sync_ref_model"
+        raise UserError(f"the checkpoint {checkpoint} holds no synced reference (its run had {option} off); resume "
+                        f"with {option}=false, or start a new run directory from its weights with "
+                        "checkpoint.init_from")
     with trainer.synced_reference.swapped(keep=True):
         load_weights(trainer.model, reader, trainer.ctx)
 

@@ -18,10 +18,10 @@ class ReferenceWeights:
     place for a no-gradient forward and restores the policy's afterwards. The reference of a full fine-tuning RL run
     with rl.beta > 0, or of a preference run with preference.reference = "weights", at any layout, for one more copy
     of the weights; under sync_ref_model the trainer `mix`es it towards the policy after its steps and checkpoints
-    keep it (`shardlm.checkpoint.state.reference_tensors`). Plain parameters
-    exchange their storage with the saved tensors (nothing copied); FSDP's sharded parameters (DTensors, which FSDP
-    keeps views of) are copied in and back, and the FSDP units of `modules` resharded each time (a root keeps its
-    gathered parameters after a forward: the next forward would use them as they were)."""
+    keep it (`shardlm.checkpoint.state.reference_tensors`). Plain parameters exchange their storage with the saved
+    tensors (nothing copied); FSDP's sharded parameters (DTensors, which FSDP keeps views of) are copied in and back,
+    and the FSDP units of `modules` resharded each time (a root keeps its gathered parameters after a forward: the
+    next forward would use them as they were)."""
 
     def __init__(self, params: list[torch.nn.Parameter], modules: list[torch.nn.Module] = ()):
         self.params, self.modules = params, list(modules)
