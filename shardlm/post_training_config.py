@@ -222,6 +222,13 @@ class RLConfig:
     batch)."""
     format_pattern: str = ""
     """The "format" reward's regex, matched against the whole completion."""
+    eval_prompts: int = 0
+    """Prompts held out from the prompt pool (sft.data's records or the task's, drawn by train.seed) to evaluate the
+    policy on, as TRL's evaluation: every train.eval_interval steps and at the end it samples num_generations_eval
+    completions of each (the training sampling settings, the same seeds each time) at the training layout and logs
+    their rewards (val_reward, val_rewards/<function>/mean, val_completions/mean_length, ...); 0: none."""
+    num_generations_eval: int = 0
+    """Completions sampled per held-out prompt (0: num_generations)."""
     batch_invariant: bool = False
     """Batch-invariant numerics (`shardlm.parallel.invariant`): the rollout's log-probabilities equal the training
     forward's bitwise in fp32 (dense attention models), at the cost of slower attention; off: they differ by

@@ -24,14 +24,20 @@ def logged(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
 
 
+def held_out(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"val_reward"' in x]
+
+
 def test_context_parallel_rl_run_equals_one_process(config, tmp_path, capfd):  # noqa: F811 - the fixture
     """4 steps of 2 rounds (num_iterations 2: the old log-probabilities from a scoring pass at the layout; beta 0.04:
     the reference's), 4 completions of one prompt a round: loss, gradient norm, reward, KL, entropy, clip ratio and
-    completion length within 1e-5 of one process."""
+    completion length within 1e-5 of one process; so are the rewards and lengths of 3 completions of each of 2
+    held-out prompts (rl.eval_prompts), sampled at steps 2 and 4."""
     (tmp_path / "reward.py").write_text(REWARD)
     settings = ["model.dropout=0.0", "model.attention_dropout=0.0", "train.steps=4", "checkpoint.save_interval=0",
                 f'rl.rewards=["{tmp_path / "reward.py"}:by_ids"]', "rl.num_generations=4", "rl.num_iterations=2",
-                "rl.beta=0.04", "train.global_batch_size=4", "train.lr=1e-2", "log.interval=1"]
+                "rl.beta=0.04", "train.global_batch_size=4", "train.lr=1e-2", "log.interval=1",
+                "rl.eval_prompts=2", "rl.num_generations_eval=3", "train.eval_interval=2"]
     assert main(["train", str(config), *settings, "--run-dir", str(tmp_path / "one")]) == 0
     assert main(["train", str(config), *settings, "parallel.context=2", "--nproc-per-node", "2",
                  "--run-dir", str(tmp_path / "cp2")]) == 0
@@ -43,3 +49,11 @@ def test_context_parallel_rl_run_equals_one_process(config, tmp_path, capfd):  #
     for step, (a, b) in enumerate(zip(one, cp2)):
         for key in COLUMNS:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (step, key, a[key], b[key])
+    # the held-out prompts' completions, sampled at steps 2 and 4 (each CP rank its share), scored alike
+    one, cp2 = held_out(tmp_path / "one"), held_out(tmp_path / "cp2")
+    assert [r["step"] for r in one] == [r["step"] for r in cp2] == [2, 4], (one, cp2)
+    assert one[0]["val_reward_std"] > 0 and one[0] != one[1], one  # varied rewards; the policy moved in between
+    for a, b in zip(one, cp2):
+        for key in ("val_reward", "val_reward_std", "val_completions/mean_length", "val_completions/clipped_ratio"):
+            assert abs(a[key] - b[key]) <= 1e-5, (key, a, b)
+    assert "validation at step 2: held-out reward" in out, out

@@ -348,6 +348,25 @@ def test_the_variants_options_reach_the_run(reference, kind, option, off):
     assert max(abs(a[column] - b[column]) for a, b in zip(got, want)) > bound, (got, want)
 
 
+def test_the_held_out_prompts_are_scored_on_their_own_completions():
+    """`RLRun.evaluate` (rl.eval_prompts): rl.num_generations_eval completions of each held-out prompt, their rewards
+    and lengths logged as the round's metrics are, with "val_"; checked against the fixed completions scored by
+    hand."""
+    config = rl_config()
+    config.rl.num_generations_eval = 3
+    run = rl_run(ParallelContext.single(), config)[1]
+    run.eval_prompts = PROMPTS[4:]
+    got = run.evaluate()
+    owners = [4, 4, 4, 5, 5, 5]
+    rollouts = SyntheticCompletions().generate([PROMPTS[i].ids for i in owners], None, 0, list(range(6)))
+    rewards = by_ids(None, None, [r.completion for r in rollouts], [PROMPTS[i].columns["kind"] for i in owners])
+    lengths = [len(r.completion) for r in rollouts]
+    assert got["val_reward"] == pytest.approx(np.mean(rewards)) and got["val_reward_std"] > 0
+    assert got["val_rewards/by_ids/mean"] == pytest.approx(np.mean(rewards))
+    assert got["val_completions/mean_length"] == pytest.approx(np.mean(lengths))
+    assert got["val_completions/clipped_ratio"] == pytest.approx(np.mean([r.truncated for r in rollouts]))
+
+
 def test_micro_batches_and_packing_change_nothing(reference):
     """One process: micro-batch 8 (one micro-batch a step) and one sequence a row (16 rows of 4 micro-batches)
     equal the layouts' reference (packed rows, micro-batch 2); so does micro-batch 8 under the entropy mask (its

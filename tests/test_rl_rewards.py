@@ -246,3 +246,19 @@ def test_arithmetic_sft_records_read_as_sft_conversations(tmp_path):
     path = write_arithmetic(tmp_path / "sub" / "train.jsonl", 20, seed=5, difficulty="easy", sft=True)
     assert [json.loads(line) for line in path.read_text().splitlines()] == sft
     assert [p.name for p in path.parent.iterdir()] == ["train.jsonl"]  # no temporary file left behind
+
+
+def test_held_out_prompts_are_a_seeded_draw_apart_from_the_training_ones():
+    """`hold_out` (rl.eval_prompts): `count` prompts drawn by the seed, the same draw each time and another under
+    another seed, none of them trained on, each part in the pool's order; holding out every prompt is refused."""
+    from shardlm.rl.prompts import Prompt, hold_out
+
+    pool = [Prompt([i], f"prompt {i}") for i in range(20)]
+    train, held = hold_out(pool, 5, seed=3)
+    assert len(held) == 5 and len(train) == 15 and not {p.prompt for p in train} & {p.prompt for p in held}
+    assert [p.prompt for p in train + held] != [p.prompt for p in pool]  # a draw, not the last five
+    assert train == sorted(train, key=pool.index) and held == sorted(held, key=pool.index)
+    assert hold_out(pool, 5, seed=3) == (train, held) and hold_out(pool, 5, seed=4)[1] != held
+    assert hold_out(pool, 0, seed=3) == (pool, [])
+    with pytest.raises(UserError, match="rl.eval_prompts=20 holds out every one of the 20 prompts"):
+        hold_out(pool, 20, seed=3)

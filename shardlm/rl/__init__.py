@@ -21,6 +21,7 @@ def check_rl(config, world_size: int = 1) -> str | None:
     r, t = config.rl, config.train
     prompts_per_step = r.prompts_per_step or t.global_batch_size // max(r.num_generations, 1)
     round_prompts = prompts_per_step * max(r.generation_batch_size // max(prompts_per_step * r.num_generations, 1), 1)
+    trained = r.task_size - r.eval_prompts  # the task's prompts left to train on
     checks = [
         (r.loss in LOSSES, f'rl.loss="{r.loss}" must be one of {", ".join(LOSSES)}'),
         (r.num_generations >= 2, f"rl.num_generations={r.num_generations} must be at least 2: advantages compare "
@@ -85,8 +86,13 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (r.task in ("", "arithmetic"), f'rl.task="{r.task}" must be "arithmetic" or empty (prompts from sft.data)'),
         (bool(r.task) != bool(config.sft.data), "an RL run reads its prompts from sft.data or rl.task; set exactly "
                                                 "one"),
-        (not r.task or r.task_size >= round_prompts, f"rl.task_size={r.task_size} is below one generation round's "
-                                                     f"{round_prompts} prompts"),
+        (r.eval_prompts >= 0 and r.num_generations_eval >= 0,
+         f"rl.eval_prompts={r.eval_prompts} and rl.num_generations_eval={r.num_generations_eval} must be >= 0"),
+        (not (r.eval_prompts and r.completions), "rl.eval_prompts samples completions of the held-out prompts; "
+                                                 "rl.completions fixes the training ones: set rl.eval_prompts=0"),
+        (not r.task or trained >= round_prompts,
+         f"rl.task_size={r.task_size} is below one generation round's {round_prompts} prompts"
+         + (f" and rl.eval_prompts={r.eval_prompts} held out" if r.eval_prompts else "")),
         (prompts_per_step >= 1, f"train.global_batch_size={t.global_batch_size} is below rl.num_generations="
                                 f"{r.num_generations}; set rl.prompts_per_step"),
         (not r.reward_weights or len(r.reward_weights) == len(r.rewards),
@@ -115,7 +121,7 @@ def sampling_split_problem(config) -> str | None:
 
 
 def prompts_per_step(config) -> int:
-    """Prompts of one generation batch (`rl.prompts_per_step`, 0 resolved)."""
+    """Prompts of one optimizer step (`rl.prompts_per_step`, 0 resolved)."""
     return config.rl.prompts_per_step or config.train.global_batch_size // config.rl.num_generations
 
 

@@ -39,7 +39,7 @@ from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_a
 from shardlm.rl.batch import StepRows, split_round
 from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
-from shardlm.rl.rollout import Rollout, gather_samples, sampling_share, sequence_seed
+from shardlm.rl.rollout import Rollout, evaluation_seed, gather_samples, sampling_share, sequence_seed
 from shardlm.training.data import micro_batches
 from shardlm.training.reference import ReferenceWeights
 
@@ -53,8 +53,10 @@ class RLRun:
     """Joins the trainer, the prompts, the generator and the reward functions (module docstring)."""
 
     def __init__(self, trainer, prompts: list[Prompt], template, generator, rewards: list[Reward], pad_id: int,
-                 reference: ReferenceWeights | None = None, completions_file: Path | None = None):
+                 reference: ReferenceWeights | None = None, completions_file: Path | None = None,
+                 eval_prompts: list[Prompt] = ()):
         self.trainer, self.prompts, self.template = trainer, prompts, template
+        self.eval_prompts = list(eval_prompts)  # held out (rl.eval_prompts): `evaluate`
         self.generator, self.rewards, self.pad_id, self.reference = generator, rewards, pad_id, reference
         self.completions_file = completions_file  # rl.log_completions: each round's samples appended (main rank)
         self.cfg, self.ctx = trainer.config.rl, trainer.ctx
@@ -72,8 +74,7 @@ class RLRun:
             if first or self.rows is None:
                 self.start_round(trainer.step // self.round_steps)
             trainer.loss.first_step = first
-            metrics = trainer.train_step() | self.round_metrics
-        return metrics
+            return trainer.train_step() | self.round_metrics
 
     def round_file(self, directory: Path) -> Path:
         return Path(directory) / f"rl_round.rank{self.ctx.rank}.npz"
@@ -115,12 +116,11 @@ class RLRun:
         self.reshard()
         return owners, gather_samples(local, self.ctx), elapsed
 
-    def score(self, owners: list[int], rollouts: list[Rollout]) -> np.ndarray:
-        """(N, F) reward values (NaN: None), computed on the main rank and broadcast; a failing function stops every
-        rank with the same one line."""
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> np.ndarray:
+        """(N, F) reward values (NaN: None) of each sequence's prompt and rollout, computed on the main rank and
+        broadcast; a failing function stops every rank with the same one line."""
         result: list = [None]
         if self.ctx.rank == 0:
-            prompts = [self.prompts[i] for i in owners]
             texts = [decode(self.template, r.completion) for r in rollouts]
             completions = [[{"role": "assistant", "content": t}] if p.conversational else t
                            for p, t in zip(prompts, texts)]
@@ -140,11 +140,10 @@ class RLRun:
     def start_round(self, round_index: int) -> None:
         cfg, trainer = self.cfg, self.trainer
         owners, rollouts, generation_s = self.rollouts(round_index)
-        values = self.score(owners, rollouts)
-        weights = np.array([float(w) for w in cfg.reward_weights] or [1.0] * len(self.rewards))
-        rewards = combine_rewards(values, weights)
+        values = self.score([self.prompts[i] for i in owners], rollouts)
+        rewards = combine_rewards(values, self.weights)
         if cfg.multi_objective_aggregation == "normalize_then_sum":
-            advantages, zero_std = decoupled_advantages(values, weights, cfg.num_generations)
+            advantages, zero_std = decoupled_advantages(values, self.weights, cfg.num_generations)
         else:
             advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
         if self.completions_file is not None and self.ctx.rank == 0:
@@ -162,6 +161,32 @@ class RLRun:
         scoring_s = time.perf_counter() - start
         self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | {
             "generation_s": generation_s, "scoring_s": scoring_s}
+
+    @property
+    def weights(self) -> np.ndarray:
+        """(F,) each reward function's weight (rl.reward_weights; 1 each by default)."""
+        return np.array([float(w) for w in self.cfg.reward_weights] or [1.0] * len(self.rewards))
+
+    def evaluate(self) -> dict | None:
+        """The held-out prompts' metrics (None without any): rl.num_generations_eval completions of each, sampled as
+        the rollouts are (each data x context-parallel rank its share, the training sampling settings) from seeds
+        that are the same at every evaluation, scored by the reward functions; the round's metrics (`describe`)
+        with a "val_" prefix, as TRL's evaluation logs them with "eval_"."""
+        if not self.eval_prompts:
+            return None
+        group = self.cfg.num_generations_eval or self.cfg.num_generations
+        owners = [i for i in range(len(self.eval_prompts)) for _ in range(group)]
+        share = sampling_share(len(owners), self.ctx)
+        seed = self.trainer.config.train.seed
+        with batch_invariant(self.cfg.batch_invariant), self.trainer.autocast():
+            local = self.generator.generate([self.eval_prompts[owners[j]].ids for j in share],
+                                            [evaluation_seed(seed, j) for j in share], 0, share)
+        self.reshard()
+        rollouts = gather_samples(local, self.ctx)
+        values = self.score([self.eval_prompts[i] for i in owners], rollouts)
+        rewards = combine_rewards(values, self.weights)
+        zero_std = group_advantages(rewards, group, "group")[1]
+        return {f"val_{k}": v for k, v in self.describe(values, rewards, zero_std, rollouts).items()}
 
     def log_round(self, round_index: int, owners: list[int], rollouts: list[Rollout], values: np.ndarray,
                   rewards: np.ndarray, advantages: np.ndarray) -> None:

@@ -62,6 +62,15 @@ def load_prompts(template: ChatTemplate, paths: Sequence[str | Path] = (), recor
     return prompts
 
 
+def hold_out(prompts: list[Prompt], count: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(the prompts to train on, the `count` held out for evaluation): a draw by `seed`, each part in the pool's
+    order. UserError when nothing would be left to train on."""
+    if count >= len(prompts):
+        raise UserError(f"rl.eval_prompts={count} holds out every one of the {len(prompts)} prompts; lower it")
+    held = set(np.random.default_rng([seed, 19]).permutation(len(prompts))[:count].tolist())
+    return ([p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held])
+
+
 def round_prompts(count: int, per_round: int, round_index: int, seed: int) -> list[int]:
     """The indices of generation round `round_index`'s `per_round` prompts among `count`: the prompts in an order
     shuffled by (seed, epoch), epoch after epoch, each round taking the next `per_round`."""

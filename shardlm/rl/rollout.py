@@ -119,6 +119,12 @@ def sequence_seed(seed: int, round_index: int, sequence: int) -> int:
     return int(np.random.SeedSequence([seed, round_index, sequence]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def evaluation_seed(seed: int, sequence: int) -> int:
+    """The sampling seed of one held-out sequence (`RLRun.evaluate`: the same at every evaluation); a key of
+    another length than `sequence_seed`'s, so never a training sequence's."""
+    return int(np.random.SeedSequence([seed, sequence, 0, 1]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def sampling_share(count: int, ctx) -> list[int]:
     """The sequences (of `count`) this rank samples: its contiguous share over the data x context-parallel ranks
     (`ctx.dp_cp`; the TP and pipeline ranks of one replica sample the same ones together)."""

@@ -5,11 +5,11 @@ trainer exists (`start_rl`: the generator and the loop)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.rl import prompts_per_step, steps_per_generation
-from shardlm.rl.prompts import Prompt, load_prompts
+from shardlm.rl.prompts import Prompt, hold_out, load_prompts
 from shardlm.rl.rewards import Reward, load_rewards, reward_names
 from shardlm.sft.dataset import run_template, tokenizer_dir
 from shardlm.sft.template import ChatTemplate
@@ -25,6 +25,7 @@ class RLInputs:
     eod: int
     pad_id: int
     stops: set[int]
+    eval_prompts: list[Prompt] = field(default_factory=list)  # held out (rl.eval_prompts)
 
     @property
     def max_token_id(self) -> int:
@@ -32,7 +33,8 @@ class RLInputs:
 
     def summary(self) -> str:
         lengths = [len(p.ids) for p in self.prompts]
-        return (f"rl: {len(self.prompts)} prompts of {min(lengths)}-{max(lengths)} tokens | rewards "
+        held = f" (+ {len(self.eval_prompts)} held out to evaluate on)" if self.eval_prompts else ""
+        return (f"rl: {len(self.prompts)} prompts{held} of {min(lengths)}-{max(lengths)} tokens | rewards "
                 f"{', '.join(reward_names(self.rewards))}")
 
 
@@ -47,10 +49,10 @@ def load_rl_inputs(config) -> RLInputs:
         from shardlm.rl.arithmetic import arithmetic_records
 
         records = arithmetic_records(r.task_size, config.train.seed, conversational=True)
-    prompts = load_prompts(template, list(sft.data), records)
+    prompts, held = hold_out(load_prompts(template, list(sft.data), records), r.eval_prompts, config.train.seed)
     eod, pad_id = end_ids(template)
     stops = stop_ids(eod, pad_id, tokenizer_path)
-    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops)
+    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops, held)
 
 
 def end_ids(template) -> tuple[int, int | None]:
@@ -97,7 +99,7 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run
         source = "sampled by the policy"
     completions = Path(run_dir) / "completions.jsonl" if r.log_completions and run_dir is not None else None
     run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference,
-                completions)
+                completions, inputs.eval_prompts)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
     ref = ("" if not r.beta else ", reference: " + ("the starting weights" if reference is not None
                                                      else "the base (adapters off)"))

@@ -1,7 +1,8 @@
 """Run logging on rank 0: console lines, a progress bar with ETA, metrics.jsonl, TensorBoard, a PNG.
 
 `metrics.jsonl` holds one JSON object per logged step (at least step, loss, lr, grad_norm,
-tokens_per_sec) and one per validation (`{"step", "val_loss", "val_ppl"}`).
+tokens_per_sec) and one per validation (`{"step", "val_loss", "val_ppl"}`; an RL run's held-out rewards,
+`{"step", "val_reward", ...}`).
 """
 
 from __future__ import annotations
@@ -114,6 +115,19 @@ class RunLogger:
             self.writer.add_scalar("valid/loss", loss, step)
             self.writer.add_scalar("valid/ppl", ppl, step)
 
+    def rl_validation(self, step: int, metrics: dict) -> None:
+        """An RL run's held-out rewards (`RLRun.evaluate`: val_reward, val_rewards/<function>/mean, ...)."""
+        if not self.enabled:
+            return
+        self._write({"step": step, **metrics})
+        self.print(f"validation at step {step}: held-out reward {metrics['val_reward']:.4f} (std "
+                   f"{metrics['val_reward_std']:.4f}) | completion length {metrics['val_completions/mean_length']:.1f}")
+        if self.writer:
+            for key in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio"):
+                value = metrics.get(f"val_{key}")
+                if value is not None and math.isfinite(value):
+                    self.writer.add_scalar(f"valid/{key}", value, step)
+
     def _write(self, record: dict) -> None:
         self.history.append(record)
         self.file.write(json.dumps(record) + "\n")
@@ -142,7 +156,7 @@ def run_figure(records: list[dict], title: str):
     a second panel below with what shows routing collapse, the least and most loaded expert's share of its
     layer's routed slots (1 = uniform; the extremes over all layers) and the balancing (aux + z) loss; for
     preference runs a panel with the reward margin and the accuracy (chosen rewarded above rejected); for RL runs
-    a panel with the mean reward of each round's completions and their mean length."""
+    a panel with the mean reward of each round's completions (and the held-out prompts') and their mean length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,6 +217,8 @@ def run_figure(records: list[dict], title: str):
     if reward:
         panel = axes[-1][0]
         panel.plot(*zip(*reward), color="tab:green", label="mean reward")
+        if series("val_reward"):
+            panel.plot(*zip(*series("val_reward")), "o-", color="tab:olive", label="held-out reward")
         panel.set_ylabel("reward")
         panel.grid(alpha=0.3)
         length = panel.twinx()

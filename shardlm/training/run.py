@@ -373,6 +373,23 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         report_stop(message)
         raise SystemExit(TERMINATED_EXIT_CODE)
 
+    def validate_now() -> dict:
+        """The validation loss (when the run has held-out data) and an RL run's held-out rewards, logged."""
+        out = {}
+        val = trainer.evaluate()
+        if val is not None:
+            logger.validation(trainer.step, val)
+            out = {"val_loss": val} | ({"val_ppl": perplexity(val)} if logger.perplexity else {})
+        if rl_run is not None:
+            try:
+                rewards = rl_run.evaluate()
+            except GenerationStopped:  # a SIGTERM while the held-out completions were sampled
+                stop_on_sigterm()
+            if rewards:
+                logger.rl_validation(trainer.step, rewards)
+                out |= rewards
+        return out
+
     metrics: dict = {}
     while trainer.step < t.steps:
         if signals.agree_to_stop(ctx):  # checked before each step: a SIGTERM during setup stops here
@@ -384,18 +401,13 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         progress.step = trainer.step
         logger.step(metrics, t.steps)
         if t.eval_interval and trainer.step % t.eval_interval == 0 and trainer.step != t.steps:
-            val = trainer.evaluate()
-            if val is not None:
-                logger.validation(trainer.step, val)
+            validate_now()
         interval = config.checkpoint.save_interval
         if save and interval and trainer.step % interval == 0 and trainer.step != t.steps:
             logger.print(f"saved checkpoint {checkpoint_now()}")
     if save and trainer.step != last_saved[0]:
         logger.print(f"saved checkpoint {checkpoint_now()}")
-    val = trainer.evaluate()
-    if val is not None:
-        logger.validation(trainer.step, val)
-        metrics = {**metrics, "val_loss": val} | ({"val_ppl": perplexity(val)} if logger.perplexity else {})
+    metrics = {**metrics, **validate_now()}
     plot = logger.close(plot=config.log.plot)
     if plot is not None:
         print(f"loss curve: {plot}", file=sys.stderr)
