@@ -30,7 +30,8 @@ class SFTConfig:
     overflow: str = "truncate"
     """A conversation longer than model.seq_length: "truncate" or "drop" (both counted and reported)."""
     shuffle: bool = True
-    """Reshuffle and repack the conversations every epoch (by train.seed); false keeps the records' order."""
+    """Reshuffle and repack the conversations every epoch (by train.seed); false keeps the records' order (an RL
+    run's prompts too: TRL's shuffle_dataset)."""
     valid_fraction: float = 0.05
     """Share of the conversations held out for the validation loss over assistant tokens (0: none)."""
 

@@ -262,3 +262,14 @@ def test_held_out_prompts_are_a_seeded_draw_apart_from_the_training_ones():
     assert hold_out(pool, 0, seed=3) == (pool, [])
     with pytest.raises(UserError, match="rl.eval_prompts=20 holds out every one of the 20 prompts"):
         hold_out(pool, 20, seed=3)
+
+
+def test_the_rounds_take_the_prompts_shuffled_or_in_order():
+    """`round_prompts`: each epoch every prompt once, in an order shuffled by (seed, epoch), or with sft.shuffle
+    false (TRL's `shuffle_dataset=False`) in the records' order, rounds running on across epochs."""
+    from shardlm.rl.prompts import round_prompts
+
+    shuffled = [round_prompts(5, 2, r, seed=1) for r in range(5)]
+    first, second = sum(shuffled[:2], []) + shuffled[2][:1], shuffled[2][1:] + sum(shuffled[3:], [])
+    assert sorted(first) == sorted(second) == list(range(5)) and first != second and first != list(range(5))
+    assert [round_prompts(5, 2, r, seed=1, shuffle=False) for r in range(3)] == [[0, 1], [2, 3], [4, 0]]

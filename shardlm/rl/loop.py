@@ -104,7 +104,8 @@ class RLRun:
 
     def rollouts(self, round_index: int) -> tuple[list[int], list[Rollout], float]:
         """(each sequence's prompt index, every sequence's rollout in order, seconds spent generating)."""
-        chosen = round_prompts(len(self.prompts), self.per_round, round_index, self.trainer.config.train.seed)
+        config = self.trainer.config
+        chosen = round_prompts(len(self.prompts), self.per_round, round_index, config.train.seed, config.sft.shuffle)
         owners = [i for i in chosen for _ in range(self.cfg.num_generations)]
         share = sampling_share(len(owners), self.ctx)
         start = time.perf_counter()

@@ -71,15 +71,17 @@ def hold_out(prompts: list[Prompt], count: int, seed: int) -> tuple[list[Prompt]
     return ([p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held])
 
 
-def round_prompts(count: int, per_round: int, round_index: int, seed: int) -> list[int]:
+def round_prompts(count: int, per_round: int, round_index: int, seed: int, shuffle: bool = True) -> list[int]:
     """The indices of generation round `round_index`'s `per_round` prompts among `count`: the prompts in an order
-    shuffled by (seed, epoch), epoch after epoch, each round taking the next `per_round`."""
+    shuffled by (seed, epoch), epoch after epoch (`shuffle` false, sft.shuffle's: the records' order, as TRL's
+    `shuffle_dataset=False`), each round taking the next `per_round`."""
     first = round_index * per_round
     orders: dict[int, np.ndarray] = {}
     picked = []
     for position in range(first, first + per_round):
         epoch, within = divmod(position, count)
         if epoch not in orders:
-            orders[epoch] = np.random.default_rng([seed, 11, epoch]).permutation(count)
+            orders[epoch] = (np.random.default_rng([seed, 11, epoch]).permutation(count) if shuffle
+                             else np.arange(count))
         picked.append(int(orders[epoch][within]))
     return picked
