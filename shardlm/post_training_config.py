@@ -105,7 +105,8 @@ class RLConfig:
     loss: str = ""
     """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch), "cispo", "sapo" (a soft sigmoid gate in
     place of the clip), "luspo" (each sequence's loss times its length) or "vespo" (a Gamma weight of the sequence's
-    ratio), as TRL defines them; empty: no RL run."""
+    ratio), as TRL's GRPOTrainer defines them, or "rloo" (TRL's RLOOTrainer: leave-one-out baselines, the KL in the
+    reward, the clipped surrogate on each sequence's whole ratio); empty: no RL run."""
     task: str = ""
     """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
     task_size: int = 512
@@ -196,6 +197,10 @@ class RLConfig:
     """DeepSeek-V3.2's off-policy sequence masking: a completion with a negative advantage whose mean
     log-probability under the policy that sampled it exceeds the current policy's by more than this gets no policy
     loss (the KL term stays); 0: off."""
+    normalize_advantages: bool = False
+    """rloo: normalize the advantages over the round's completions (mean 0, std 1; TRL's RLOO option)."""
+    reward_clip_range: list = field(default_factory=list)
+    """rloo: [low, high] the rewards are clamped to before the KL penalty and the baselines (TRL's); empty: none."""
     scale_rewards: str = "group"
     """Advantages are reward minus the group mean, divided by the "group"'s std, the "batch"'s std, or "none"."""
     num_iterations: int = 1

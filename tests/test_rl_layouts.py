@@ -15,11 +15,12 @@ on every rank:
 - world 2: DP=2, TP=2 with SP, PP=2, DP=2 with ZeRO-1, FSDP, an MoE at EP=2, LoRA at DP=2 and PP=2, the hybrid
   linear-attention model (Qwen3.5's Gated DeltaNet) at TP=2 and CP=2 (its parameters within
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level ratio, whose per-sequence means
-  span the CP ranks, in one generation round of two steps taken twice: GRPO's loss, against a one-process GSPO
-  run), VESPO with the off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's
-  cap at CP=2, SAPO at PP=2 (rounds of two steps), DAPO under the entropy mask (its quantile over the global batch,
-  gathered over DP x CP) with the adaptive entropy bonus at CP=2, PP=2 and TP=2 with SP (the bonus's gradient
-  through the vocabulary-parallel output layer), each against a one-process run of its loss;
+  span the CP ranks, in one generation round of two steps taken twice: GRPO's loss, against a one-process GSPO run),
+  VESPO with the off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap
+  at CP=2, SAPO at PP=2 (rounds of two steps), RLOO at DP=2, PP=2 and CP=2, DAPO under the entropy mask (its
+  quantile over the global batch, gathered over DP x CP) with the adaptive entropy bonus at CP=2, PP=2 and TP=2 with
+  SP (the bonus's gradient through the vocabulary-parallel output layer), each against a one-process run of its
+  loss;
 - world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO, its two-step round), CP=2 x TP=2 with SP, CP=2 x PP=2,
   FSDP CP=2 x DP=2, an MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
@@ -65,6 +66,8 @@ COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ra
 VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
             "luspo": {"loss": "luspo", "delta": 1.04},
             "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0, "generation_batch_size": 32, "num_iterations": 1},
+            "rloo": {"loss": "rloo", "mask_truncated_completions": False, "normalize_advantages": True,
+                     "reward_clip_range": [0.0, 0.8]},
             "entropy": {"top_entropy_quantile": 0.3, "entropy_coef": 0.02, "use_adaptive_entropy": True,
                         "entropy_coef_delta": 0.05, "entropy_target": 100.0}}
 """Other losses in place of DAPO in `rl_config`: VESPO's weight of a sequence's log-ratio total and the off-policy
@@ -74,7 +77,10 @@ generation rounds of two steps (32 completions a round, split between them: the 
 log-probabilities of a scoring pass over both steps' rows), DAPO on the
 top 30% of tokens by entropy (the quantile over the global batch's tokens, gathered over DP x CP, or on the last
 pipeline stage) with the entropy bonus on them (its gradient through the vocabulary-parallel output layer; the
-adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step)."""
+adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step), and RLOO (TRL's RLOOTrainer:
+leave-one-out baselines of rewards clamped to [0, 0.8], less the KL to the synced reference summed over each
+sequence from the scoring passes (summed over DP, sent from the last pipeline stage), normalized; the clipped
+surrogate on each sequence's whole ratio, summed over its CP ranks)."""
 PENALIZED = {"min_p": 0.03, "repetition_penalty": 1.2}
 """Sampling with min-p and the repetition penalty (over each row's prompt and completion so far)."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
@@ -218,6 +224,9 @@ WORLD2 = {
     "cp2 vespo": layout(cp=2, variant="vespo"),
     "cp2 luspo": layout(cp=2, variant="luspo"),
     "pp2 sapo": layout(pp=2, variant="sapo"),
+    "dp2 rloo": layout(variant="rloo"),
+    "pp2 rloo": layout(pp=2, variant="rloo"),
+    "cp2 rloo": layout(cp=2, variant="rloo"),
     "cp2 entropy": layout(cp=2, variant="entropy"),
     "pp2 entropy": layout(pp=2, variant="entropy"),
     "tp2 sp entropy": layout(tp=2, sp=True, variant="entropy"),
@@ -284,11 +293,12 @@ its reference) and the clip ratios (shares of tokens) within TOL absolute; every
 
 def same_run(name: str) -> dict:
     """`SAME_RUN` with the loss type's columns, the hybrid's parameters within
-    `agreement.LINEAR_ATTENTION_PARAMS_TOL`."""
+    `agreement.LINEAR_ATTENTION_PARAMS_TOL`; RLOO's loss absolute (at a round's first iteration it is minus the mean
+    advantage, and its leave-one-out advantages sum to 0 in each group: a rounding error around 0)."""
     kind = kind_of(name)
     loss = VARIANTS.get(kind, {}).get("loss", "grpo" if kind == "gspo" else "dapo")
     logged = columns(loss)
-    absolute = tuple(k for k in SAME_RUN["absolute"] if k in logged)
+    absolute = tuple(k for k in SAME_RUN["absolute"] if k in logged) + (("loss",) if loss == "rloo" else ())
     return SAME_RUN | {"columns": logged, "absolute": absolute} | (
         {"params_tol": LINEAR_ATTENTION_PARAMS_TOL} if kind == "hybrid" else {})
 

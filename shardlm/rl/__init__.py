@@ -1,14 +1,14 @@
 """Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO,
 SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask, the 80/20 rule's entropy
-mask, an entropy bonus with Skywork-OR1's adaptive control),
-the completions sampled by the policy in the training processes, at the training layout. Prompts and rewards
-(`prompts`, `rewards`, the built-in task `arithmetic`), rollouts (`rollout`), group-relative advantages
-(`advantages`), the step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`).
+mask, an entropy bonus with Skywork-OR1's adaptive control) and RLOO (TRL's RLOOTrainer), the completions sampled
+by the policy in the training processes, at the training layout. Prompts and rewards (`prompts`, `rewards`, the
+built-in task `arithmetic`), rollouts (`rollout`), group-relative and leave-one-out advantages (`advantages`), the
+step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`).
 `docs/rl.md`."""
 
 from __future__ import annotations
 
-LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """The losses of the clipped surrogate -min(w A, clip(w) A) (INTELLECT-2's `rl.delta` caps their ratio)."""
 SEQUENCE_RATIO = ("grpo", "luspo", "sapo")
@@ -52,6 +52,17 @@ def check_rl(config, world_size: int = 1) -> str | None:
          f"{config.model.seq_length}"),
         (r.scale_rewards in SCALE_REWARDS, f'rl.scale_rewards="{r.scale_rewards}" must be one of '
                                            f'{", ".join(SCALE_REWARDS)}'),
+        (r.loss != "rloo" or (r.scale_rewards == "group" and r.multi_objective_aggregation == "sum_then_normalize"),
+         'rl.loss="rloo" takes leave-one-out baselines of the weighted reward (rl.normalize_advantages scales them): '
+         "leave rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
+        (r.loss != "rloo" or not r.mask_truncated_completions,
+         'rl.loss="rloo" with rl.mask_truncated_completions is not supported (TRL still counts a masked completion\'s '
+         "constant loss in its mean): set it to false"),
+        (not r.reward_clip_range or (len(r.reward_clip_range) == 2
+                                     and r.reward_clip_range[0] <= r.reward_clip_range[1]),
+         f"rl.reward_clip_range={list(r.reward_clip_range)} must be [low, high] with low <= high (empty: none)"),
+        (r.loss == "rloo" or not (r.normalize_advantages or r.reward_clip_range),
+         'rl.normalize_advantages and rl.reward_clip_range are rl.loss="rloo"\'s (GRPO scales by rl.scale_rewards)'),
         (r.importance_sampling in ("token", "sequence"),
          f'rl.importance_sampling="{r.importance_sampling}" must be "token" or "sequence" (GSPO)'),
         (r.importance_sampling == "token" or r.loss in SEQUENCE_RATIO,

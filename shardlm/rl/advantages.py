@@ -49,6 +49,22 @@ def decoupled_advantages(per_function: np.ndarray, weights: np.ndarray, group: i
     return np.nan_to_num(advantages, nan=0.0), np.full(n, bool(np.isclose(batch_std, 0.0)))
 
 
+def rloo_advantages(rewards: np.ndarray, group: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """RLOO (TRL's RLOOTrainer): (N,) rewards (NaN: unscorable), groups of `group` -> ((N,) advantages, (N,) whether
+    the group's std was 0). Each completion's baseline is the mean of its group's other scorable rewards; `normalize`:
+    the advantages over the batch to mean 0 and std 1 (+1e-4); an unscorable completion, or one alone in its group,
+    gets 0."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        grouped = rewards.reshape(-1, group)
+        counts = np.repeat(np.sum(~np.isnan(grouped), axis=1), group)
+        sums = np.repeat(np.nansum(grouped, axis=1), group)
+        advantages = rewards - (sums - rewards) / (counts - 1)
+        if normalize:
+            advantages = (advantages - np.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+        std = np.repeat(nanstd(grouped, axis=1), group)
+    return np.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0), np.isclose(std, 0.0)
+
+
 def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
     """(N,) rewards (NaN: unscorable), groups of `group` consecutive completions -> ((N,) advantages, (N,) whether
     the completion's std was 0, for `frac_reward_zero_std`); float64."""

@@ -23,7 +23,8 @@ The weights make each step's loss its global batch's under every layout, never a
 With m the completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a
 sequence's tokens, N the step's sequences and L rl.max_completion_length:
 
-    grpo, sapo      sum_j (sum_t m l) / max(n_j, 1) / N      per-sequence means, then their mean
+    grpo, sapo, rloo   sum_j (sum_t m l) / max(n_j, 1) / N   per-sequence means, then their mean (rloo: l is its
+                                                             sequence's loss at every token: the sequences' mean)
     luspo           sum (m l) / N                            per-sequence sums (each times its length), their mean
     dr_grpo         sum (m l) / (N L)                        a constant normalizer
     bnpo            sum (m l) / max(sum m, 1)                token mean over the step's global batch
@@ -75,8 +76,9 @@ class StepRows:
                 raise UserError(f"a step's {len(own)} sequences need {len(bins)} rows of {seq_length} tokens but a "
                                 f"step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")
             count, total = len(own), max(tokens[own].sum(), 1.0)
-            normalizer = {"grpo": None, "sapo": None, "luspo": count, "dr_grpo": count * max_completion_length,
-                          "bnpo": total}.get(loss, round_tokens)
+            per_sequence_losses = ("grpo", "sapo", "rloo")  # (None: each sequence's own mean, below)
+            normalizer = None if loss in per_sequence_losses else {
+                "luspo": count, "dr_grpo": count * max_completion_length, "bnpo": total}.get(loss, round_tokens)
             for row, packed in enumerate(bins, start=s * num_rows):
                 start = 0
                 for j in sorted(own[i] for i in packed):
@@ -119,6 +121,13 @@ class StepRows:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         row = index % len(self)
         return {k: v[row] for k, v in self.fields.items()}
+
+    def set_advantages(self, advantages: np.ndarray) -> None:
+        """Give each completion token its sequence's advantage of `advantages` (N,) (RLOO's: known only after the
+        scoring passes)."""
+        f = self.fields
+        trained = f["labels"] != IGNORE_INDEX
+        f["advantage"][trained] = advantages[f["sequence"][trained]]
 
     def store(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
         """Write (b, T) per-position values (`old_logp` or `ref_logp`) of the rows numbered `rows` (b,)."""

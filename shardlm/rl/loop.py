@@ -35,7 +35,7 @@ from shardlm.errors import UserError
 from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
 from shardlm.rl import prompts_per_step, steps_per_generation
-from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
+from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd, rloo_advantages
 from shardlm.rl.batch import StepRows, split_round
 from shardlm.rl.prompts import Prompt, round_prompts
 from shardlm.rl.rewards import Reward, reward_names, score
@@ -143,25 +143,61 @@ class RLRun:
         owners, rollouts, generation_s = self.rollouts(round_index)
         values = self.score([self.prompts[i] for i in owners], rollouts)
         rewards = combine_rewards(values, self.weights)
-        if cfg.multi_objective_aggregation == "normalize_then_sum":
+        rloo = cfg.loss == "rloo"  # (its advantages after the scoring passes: the KL is in its reward)
+        if rloo:
+            advantages = zero_std = np.zeros(len(rollouts))
+        elif cfg.multi_objective_aggregation == "normalize_then_sum":
             advantages, zero_std = decoupled_advantages(values, self.weights, cfg.num_generations)
         else:
             advantages, zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
-        if self.completions_file is not None and self.ctx.rank == 0:
-            self.log_round(round_index, owners, rollouts, values, rewards, advantages)
         t = trainer.config.train
         self.rows = StepRows(rollouts, advantages, cfg.loss, cfg.max_completion_length, cfg.mask_truncated_completions,
                              t.global_batch_size, trainer.config.model.seq_length, self.pad_id,
                              trainer.config.sft.packing, split_round(len(rollouts), self.steps, t.seed, round_index))
         trainer.train_data = self.rows
         start = time.perf_counter()
-        if self.round_steps > 1:
+        if self.round_steps > 1 or (rloo and cfg.beta):
             self.score_rows("old_logp", contextlib.nullcontext())
         if cfg.beta:
             self.score_rows("ref_logp", self.reference_context())
         scoring_s = time.perf_counter() - start
-        self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | {
+        kl = {}
+        if rloo:
+            advantages, zero_std, kl = self.leave_one_out(rewards)
+            self.rows.set_advantages(advantages)
+        if self.completions_file is not None and self.ctx.rank == 0:
+            self.log_round(round_index, owners, rollouts, values, rewards, advantages)
+        self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | kl | {
             "generation_s": generation_s, "scoring_s": scoring_s}
+
+    def leave_one_out(self, rewards: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+        """RLOO's (advantages, zero-std flags, {"kl": the round's token mean} with beta), as TRL's RLOOTrainer: the
+        rewards clamped to rl.reward_clip_range, less beta x each sequence's summed log-ratio of the policy that
+        sampled it to the reference (first order, from the scoring passes), then leave-one-out baselines."""
+        cfg = self.cfg
+        if cfg.reward_clip_range:
+            rewards = np.clip(rewards, *[float(x) for x in cfg.reward_clip_range])
+        metrics = {}
+        if cfg.beta:
+            kl, tokens = self.sequence_kl()
+            rewards = rewards - cfg.beta * kl
+            metrics["kl"] = float(kl.sum() / max(tokens, 1))
+        advantages, zero_std = rloo_advantages(rewards, cfg.num_generations, cfg.normalize_advantages)
+        return advantages, zero_std, metrics
+
+    def sequence_kl(self) -> tuple[np.ndarray, int]:
+        """((N,) each sequence's sum over its completion tokens of old - reference log-probability, the round's
+        completion tokens): each DP rank's scored rows summed over DP (under pipeline stages the last stage's, which
+        scored them, sent to every stage)."""
+        f = self.rows.fields
+        counted = f["token_weight"] > 0
+        local = np.zeros(self.rows.num_sequences)
+        np.add.at(local, f["sequence"][counted], (f["old_logp"] - f["ref_logp"])[counted])
+        sums = torch.from_numpy(local).to(self.ctx.device)
+        self.ctx.dp.all_reduce(sums)
+        if self.trainer.pipeline is not None:
+            sums = self.trainer.pipeline.broadcast_from_last_stage(sums)
+        return sums.cpu().numpy(), int(counted.sum())
 
     @property
     def weights(self) -> np.ndarray:

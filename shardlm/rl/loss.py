@@ -140,7 +140,10 @@ class RLLoss:
         old = batch["old_logp"] if self.round_steps > 1 else logp.detach()
         log_ratio = torch.where(trained, logp - old, 0.0)
         sequence_level = cfg.importance_sampling == "sequence"
-        coef = torch.exp(sequence_mean(log_ratio, batch, self.ctx.cp) if sequence_level else log_ratio)
+        if cfg.loss == "rloo":  # TRL's RLOO: the ratio of the sequence's whole log-probability
+            coef = torch.exp(sequence_sums(log_ratio, batch, self.ctx.cp)[0])
+        else:
+            coef = torch.exp(sequence_mean(log_ratio, batch, self.ctx.cp) if sequence_level else log_ratio)
         advantage = batch["advantage"]
         losses, seen = self._policy_losses(coef, log_ratio, advantage, logp, batch)
         if cfg.off_policy_mask_threshold:
@@ -149,7 +152,7 @@ class RLLoss:
         if "high_entropy" in batch:
             losses = losses * batch["high_entropy"]
         kl = None
-        if cfg.beta:
+        if cfg.beta and cfg.loss != "rloo":  # (RLOO's KL is in its reward: `RLRun.leave_one_out`)
             delta = batch["ref_logp"] - logp
             kl = torch.exp(delta) - delta - 1
             if cfg.use_bias_correction_kl:
@@ -254,7 +257,8 @@ class RLLoss:
     def _record(self, coef, advantage, kl, entropy, logp, batch) -> None:
         """Add this micro-batch's metric sums (each token's value times its token or sequence weight)."""
         token_weight = batch["token_weight"]
-        weight = batch["sequence_weight"] if self.cfg.importance_sampling == "sequence" else token_weight
+        by_sequence = self.cfg.importance_sampling == "sequence" or self.cfg.loss == "rloo"
+        weight = batch["sequence_weight"] if by_sequence else token_weight
         sums = self.sums
         if kl is not None:
             sums["kl"] += (kl.detach() * token_weight).sum().item()
@@ -280,7 +284,8 @@ class RLLoss:
     def take_metrics(self) -> dict[str, float]:
         """The step's metrics over the global batch (one all-reduce over DP x CP and the pipeline group, whose last
         stage alone computed them), then reset."""
-        names = ((["kl"] if self.cfg.beta else []) + ["entropy"] + loss_metrics(self.cfg.loss)
+        kl = self.cfg.beta and self.cfg.loss != "rloo"  # (RLOO's is the round's, logged by the loop)
+        names = ((["kl"] if kl else []) + ["entropy"] + loss_metrics(self.cfg.loss)
                  + (["policy_loss", "bonus_entropy"] if self.bonus else []))
         values = torch.tensor([self.sums[k] for k in names], dtype=torch.float64, device=self.ctx.device)
         diff = torch.tensor([self.logprob_diff], dtype=torch.float64, device=self.ctx.device)
