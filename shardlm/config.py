@@ -118,6 +118,10 @@ class TrainConfig:
     precision: str = "auto"
     """"auto" (bf16 where the GPU or CPU multiplies bf16 natively, else fp32), "fp32", "bf16" or "fp16" (fp32 master
     weights; fp16 uses dynamic loss scaling)."""
+    cast_lm_head_to_fp32: bool = False
+    """Under bf16 or fp16 precision, run the output layer in fp32 (TRL's name; ScaleRL's fp32 head): the logits of
+    the loss, an RL run's log-probabilities and entropies, and the sampler's, from fp32 copies of the final hidden
+    states and the output weight (a distillation's divergence keeps its own precision); no effect in fp32."""
     recompute: str = "none"
     """Activation recomputation: "none", "selective" (the attention core) or "full" (whole layers)."""
     activation_checkpointing: bool = False

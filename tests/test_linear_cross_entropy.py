@@ -345,3 +345,47 @@ def test_entropy_gradient_under_bf16_autocast():
     for a, b in zip(*results):
         assert a.dtype == b.dtype == torch.float32
         assert (a - b).abs().max() <= 2e-2 * b.abs().max(), (a - b).abs().max()
+
+
+def test_the_fp32_head_under_bf16_autocast():
+    """`train.cast_lm_head_to_fp32` (TRL's name): under bf16 autocast the output layer runs in fp32 from fp32 copies
+    of the hidden states and the weight: the sampler's logits, the fused loss, the entropies and the weight's gradient
+    equal the unfused fp32 computation on the (bf16) hidden states, to fp32 rounding; without it the logits are bf16
+    and the losses move by bf16's rounding (the control). The trainer sets it on its model from the config."""
+    from shardlm.models.config import ModelConfig
+    from shardlm.models.gpt import GPT
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_heads=4, seq_length=16, vocab_size=V, dropout=0.0)
+    hidden = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    targets = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(3))
+    model = GPT(cfg, ParallelContext.single(), seed=5)
+    weight = model.output_weight.detach().clone().requires_grad_()
+    logits = F.linear(hidden.float(), weight)[..., :V]
+    want = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="none").view(3, 16)
+    want.sum().backward()
+    log_p = logits.detach().log_softmax(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    got = {}
+    for fp32 in (True, False):
+        model.lm_head_fp32, model.entropies = fp32, []
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sampled = model.output_layer(hidden)[..., :V]
+            losses = model.output_loss(hidden, targets)
+        losses.sum().backward()
+        got[fp32] = (sampled, losses.detach(), model.entropies[0], model.output_weight.grad)
+    sampled, losses, entropies, grad = got[True]
+    assert sampled.dtype == torch.float32 and got[False][0].dtype == torch.bfloat16
+    torch.testing.assert_close(sampled, logits.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses, want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropies, entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, weight.grad, rtol=1e-4, atol=1e-6)
+    assert (got[False][1] - want).abs().max() > 1e-4  # the bf16 head's losses: the option changes the numbers
+
+    from shardlm.config import from_dict
+    from shardlm.training.trainer import Trainer
+
+    config = from_dict({"model": {"num_layers": 1, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+                                  "vocab_size": V}, "train": {"precision": "bf16", "cast_lm_head_to_fp32": True,
+                                                              "micro_batch_size": 1, "global_batch_size": 1}})
+    assert Trainer(config, ParallelContext.single(), None).model.lm_head_fp32

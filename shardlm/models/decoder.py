@@ -9,6 +9,8 @@ or an untied output layer). Every method talks only to the tensor-parallel group
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -206,6 +208,7 @@ class DecoderLM(nn.Module):
         self.entropies: list | None = None  # when a list, `output_loss` appends each call's token entropies
         self.entropy_gradient = False  # whether those entropies carry a gradient (an RL run's entropy bonus)
         self.log_sum_sq: list | None = None  # when a list, `output_loss` appends each call's log sum p^2 (WPO)
+        self.lm_head_fp32 = False  # train.cast_lm_head_to_fp32: the output layer in fp32 under autocast (`fp32_head`)
         return self.sequence_parallel
 
     @property
@@ -249,10 +252,21 @@ class DecoderLM(nn.Module):
                 x = layer(x, None, documents, *extra)
         return x
 
+    def fp32_head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, contextlib.AbstractContextManager]:
+        """(h, the output weight, a context) for the output layer: under `lm_head_fp32` (train.cast_lm_head_to_fp32)
+        with autocast on, both cast to fp32 and autocast off, so the logits' GEMMs run in fp32 (TRL's
+        `cast_lm_head_to_fp32`, ScaleRL's fp32 head); else as they are, with a null context."""
+        device = h.device.type
+        if not (self.lm_head_fp32 and torch.is_autocast_enabled(device)):
+            return h, self.output_weight, contextlib.nullcontext()
+        return h.float(), self.output_weight.float(), torch.autocast(device, enabled=False)
+
     def output_layer(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, h) final-norm output -> (B, T, V_padded / tp) this rank's logits (the input gradient is
         all-reduced over TP, `f`; sequence chunks are all-gathered first under sequence parallelism, `f_sp`)."""
-        return invariant.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), self.output_weight)
+        h, weight, precision = self.fp32_head(h)
+        with precision:
+            return invariant.linear(enter_parallel_region(h, self.ctx.tp, self.sequence_parallel), weight)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) last layer output -> (B, T, V_padded / tp) logits: final norm and output layer."""
@@ -271,13 +285,19 @@ class DecoderLM(nn.Module):
         `entropies` list receives the (B, T) entropies of the same distributions (0 where there is no target; with
         a gradient under `entropy_gradient`); a preference run's `log_sum_sq` list the (B, T) log sum p^2 (no
         gradient)."""
+        h, weight, precision = self.fp32_head(h)
+        with precision:
+            return self._output_loss(h, weight, targets, ignore_index)
+
+    def _output_loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int
+                     ) -> torch.Tensor:
         h = enter_parallel_region(h, self.ctx.tp, self.sequence_parallel)
         softcap = self.output_softcap()
         if softcap is None and self.logit_temperature != 1.0:
             h = h / self.logit_temperature
         if self.entropies is not None or self.log_sum_sq is not None:  # where there is a target
             kept = (targets.reshape(-1) != ignore_index).nonzero().squeeze(-1)
-            rows, weight = h.reshape(-1, h.shape[-1])[kept], self.output_weight
+            rows = h.reshape(-1, h.shape[-1])[kept]
 
             def per_token(values: torch.Tensor) -> torch.Tensor:
                 return torch.zeros(targets.numel(), device=h.device).index_put_((kept,), values).view(targets.shape)
@@ -289,8 +309,7 @@ class DecoderLM(nn.Module):
             if self.log_sum_sq is not None:
                 self.log_sum_sq.append(per_token(vocab_parallel_log_sum_sq_probs(
                     rows.detach(), weight.detach(), self.ctx.tp, self.cfg.vocab_size, softcap)))
-        return linear_cross_entropy(h, self.output_weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index,
-                                    softcap)
+        return linear_cross_entropy(h, weight, targets, self.ctx.tp, self.cfg.vocab_size, ignore_index, softcap)
 
     def output_softcap(self) -> tuple[float, float] | None:
         """The logits' soft cap (cap, s) the fused loss applies, s tanh(z / cap) with the temperature inside s

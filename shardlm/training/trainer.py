@@ -103,6 +103,8 @@ class Trainer:
         self.model, self.pipeline, self.params = parts.model, parts.pipeline, parts.params
         self.optimizer = parts.optimizer
         self.ddp, self.master, self.fsdp = parts.ddp, parts.master, parts.fsdp
+        for module in [self.model] + (self.pipeline.stage_modules if self.pipeline is not None else []):
+            module.lm_head_fp32 = t.cast_lm_head_to_fp32  # (the output layer in fp32 under autocast)
         self.loss = training_loss(config.model.arch)
         self.preference = bool(config.preference.loss)
         if self.preference:  # DPO and relatives: a loss of whole pairs (`shardlm.preference.loss`)
