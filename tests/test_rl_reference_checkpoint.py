@@ -18,7 +18,7 @@ import torch
 from test_rl_layouts import rl_config, rl_run
 
 from shardlm.checkpoint import load_checkpoint, save_checkpoint
-from shardlm.checkpoint.state import load_reference
+from shardlm.checkpoint.reference import load_reference
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
 from shardlm.training.reference import ReferenceWeights

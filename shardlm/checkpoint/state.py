@@ -132,39 +132,6 @@ def reference_tensors(trainer, dense: bool = True) -> dict[str, torch.Tensor]:
     return out
 
 
-class _Renamed:
-    """A `ShardedReader` whose "reference/NAME" tensors read as "model/NAME" (the model's loader reads them)."""
-
-    def __init__(self, reader: ShardedReader, prefix: str):
-        self.reader, self.prefix = reader, prefix
-
-    def _key(self, key: str) -> str:
-        return self.prefix + key.removeprefix("model")
-
-    def keys(self) -> set[str]:
-        return {"model" + k.removeprefix(self.prefix) for k in self.reader.keys() if k.startswith(self.prefix + "/")}
-
-    def shape(self, key: str) -> list[int]:
-        return self.reader.shape(self._key(key))
-
-    def read(self, key: str, split_dim: int | None, start: int = 0, end: int | None = None) -> torch.Tensor:
-        return self.reader.read(self._key(key), split_dim, start, end)
-
-
-def load_reference(trainer, path: str | Path) -> None:
-    """Restore a run's synced reference (`trainer.synced_reference`) from a checkpoint saved at any layout."""
-    checkpoint = files.resolve(path)
-    meta = files.read_meta(checkpoint)
-    reader = _Renamed(reader_of(checkpoint, meta), "reference")
-    if not reader.keys():
-        option = ("rl" if trainer.config.rl.loss else "preference") + ".sync_ref_model"
-        raise UserError(f"the checkpoint {checkpoint} holds no synced reference (its run had {option} off); resume "
-                        f"with {option}=false, or start a new run directory from its weights with "
-                        "checkpoint.init_from")
-    with trainer.synced_reference.swapped(keep=True):
-        load_weights(trainer.model, reader, trainer.ctx)
-
-
 def _rng_tensors(ctx: ParallelContext) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if ctx.device.type == "cuda":

@@ -13,11 +13,13 @@ updates (a round of one step: logp itself, detached, so the ratio is exactly 1) 
     sapo               l = -sigmoid(tau (w - 1)) 4 / tau A          (tau: sapo_temperature_pos where A > 0, else _neg)
     vespo              l = -phi A logp, phi = exp(lambda + k log W - lambda W) detached, W the sequence's whole ratio
                        exp(sum of its clamped log-ratios) clamped to [1e-8, e^20]; k, lambda by the sign of A
+    rloo               l = -min(W A, clip(W, 1 - epsilon, 1 + epsilon_high) A), W = exp(sum over the completion of
+                       (logp - old)), the same at each of the sequence's tokens (TRL's RLOOTrainer; A leave-one-out)
     off-policy mask    l = 0 on a sequence with A < 0 whose mean (old - logp) exceeds rl.off_policy_mask_threshold
     entropy mask       l = 0 on a token whose entropy is below the global batch's (1 - rl.top_entropy_quantile)
                        quantile (`prepare`: a no-gradient pass over the step's rows, the quantile over DP x CP)
     KL (beta > 0)      l += beta w (exp(ref - logp) - (ref - logp) - 1)   (k3, with TRL's importance correction;
-                       without w under rl.use_bias_correction_kl = false)
+                       without w under rl.use_bias_correction_kl = false); rloo: none (its KL is in the reward)
     entropy bonus      loss -= c x the mean entropy H over the global batch's completion tokens (those the entropy
                        mask keeps), with its gradient, whatever the loss type's normalizer; c = rl.entropy_coef, under
                        Skywork-OR1's adaptive control (rl.use_adaptive_entropy) moved after each step by

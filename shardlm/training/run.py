@@ -20,7 +20,7 @@ from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.checkpoint.init import describe, init_weights, resolve_init
 from shardlm.checkpoint.peft import load_adapter, resolve_adapter
-from shardlm.checkpoint.state import load_reference
+from shardlm.checkpoint.reference import load_reference
 from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
