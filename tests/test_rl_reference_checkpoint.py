@@ -1,16 +1,19 @@
 """TR-DPO's synced reference (`rl.sync_ref_model`) goes into checkpoints at every layout and comes back at any.
 
 At each layout of world 2 (TP=2 with SP, PP=2, FSDP DP=2, ZeRO-1 DP=2, an MoE at EP=2) an RL trainer's reference
-is set to 2 x the starting weights + 0.5, shard by shard (an elementwise function, the same values at every
+is set to 2 x the starting weights + a shift of the parameter's own (`shift`, from its name: the norms' equal
+weights differ too, so a tensor read under another's name shows), shard by shard (the same values at every
 layout), and saved with the checkpoint (`reference/...` tensors beside `model/...`). A fresh trainer at the same
 layout loads the checkpoint and the reference (`load_reference`: under FSDP through its sharded parameters) and
 holds the saved shards bit for bit; one process loads each layout's checkpoint (resharded: TP shards joined, the
 pipeline stages' files, FSDP's shards gathered when saved, each expert by its global index) and its reference is
-2 x its own weights + 0.5, bit for bit. A checkpoint without a reference is refused in one line.
+2 x its own weights + the shift, bit for bit, every parameter. A checkpoint without a reference is refused in one
+line.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,11 @@ CASES = {"tp2 sp": layout(tp=2, sp=True), "pp2": layout(pp=2), "fsdp dp2": layou
          "zero dp2": layout(distributed_optimizer=True), "ep2 moe": layout(ep=2, moe=True)}
 
 
+def shift(name: str) -> float:
+    """A value of the parameter's own, the same at every layout (its name's)."""
+    return 0.5 + zlib.crc32(name.encode()) % 997 / 997
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -43,13 +51,15 @@ def with_reference(ctx, config) -> Trainer:
 
 
 def save_and_reload(tp: int, pp: int, cp: int, ep: int, folder: str, name: str, **options) -> dict:
-    """The reference 2 x the weights + 0.5, saved; whether a fresh trainer at this layout reads it back bitwise."""
+    """The reference 2 x the weights + `shift`, saved; whether a fresh trainer at this layout reads it back
+    bitwise."""
     ctx = layout_context(tp, pp, cp, ep)
     config = rl_config(tp=tp, pp=pp, cp=cp, ep=ep, **options)
     trainer = with_reference(ctx, config)
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
     with torch.no_grad():
-        for r in trainer.synced_reference.saved:
-            r.mul_(2.0).add_(0.5)
+        for p, r in zip(trainer.synced_reference.params, trainer.synced_reference.saved, strict=True):
+            r.mul_(2.0).add_(shift(names[id(p)]))
     path = save_checkpoint(trainer, Path(folder) / name)
     fresh = with_reference(ctx, config)
     load_checkpoint(fresh, path)
@@ -77,8 +87,11 @@ def test_the_reference_comes_back_at_its_layout_and_in_one_process(world2, name)
     trainer.synced_reference = ReferenceWeights.of(trainer)
     load_checkpoint(trainer, values[0]["path"])
     load_reference(trainer, values[0]["path"])
-    for p, r in zip(trainer.synced_reference.params, trainer.synced_reference.saved, strict=True):
-        assert torch.equal(r, p.detach() * 2.0 + 0.5)
+    saved = {id(p): r for p, r in zip(trainer.synced_reference.params, trainer.synced_reference.saved, strict=True)}
+    named = dict(trainer.model.named_parameters())
+    assert len(named) == len(saved)
+    for name, p in named.items():
+        assert torch.equal(saved[id(p)], p.detach() * 2.0 + shift(name)), name
 
 
 def test_a_checkpoint_without_a_reference_is_refused(tmp_path):
