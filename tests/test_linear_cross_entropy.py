@@ -351,24 +351,23 @@ def test_the_fp32_head_under_bf16_autocast():
     """`train.cast_lm_head_to_fp32` (TRL's name): under bf16 autocast the output layer runs in fp32 from fp32 copies
     of the hidden states and the weight: the sampler's logits, the fused loss, the entropies and the weight's gradient
     equal the unfused fp32 computation on the (bf16) hidden states, to fp32 rounding; without it the logits are bf16
-    and the losses move by bf16's rounding (the control). The trainer sets it on its model from the config."""
-    from shardlm.models.config import ModelConfig
+    and the losses move by bf16's rounding (the control). The trainer builds its model with it from the config."""
+    from shardlm.models.config import ModelConfig, ParallelOptions
     from shardlm.models.gpt import GPT
 
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_heads=4, seq_length=16, vocab_size=V, dropout=0.0)
     hidden = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
     targets = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(3))
-    model = GPT(cfg, ParallelContext.single(), seed=5)
-    weight = model.output_weight.detach().clone().requires_grad_()
+    weight = GPT(cfg, ParallelContext.single(), seed=5).output_weight.detach().clone().requires_grad_()
     logits = F.linear(hidden.float(), weight)[..., :V]
     want = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="none").view(3, 16)
     want.sum().backward()
     log_p = logits.detach().log_softmax(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     got = {}
-    for fp32 in (True, False):
-        model.lm_head_fp32, model.entropies = fp32, []
-        model.zero_grad()
+    for fp32 in (True, False):  # (the same seed: the same weights)
+        model = GPT(cfg, ParallelContext.single(), seed=5, options=ParallelOptions(lm_head_fp32=fp32))
+        model.entropies = []
         with torch.autocast("cpu", dtype=torch.bfloat16):
             sampled = model.output_layer(hidden)[..., :V]
             losses = model.output_loss(hidden, targets)

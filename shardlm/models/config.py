@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How a model's layers move data over the groups of its `ParallelContext`: build arguments, chosen by
-    the run (`parallel.expert_dispatcher`, `parallel.cp_comm`); the context holds only the groups."""
+    """How a model's layers move data over the groups of its `ParallelContext`, and the precision of its output
+    layer: build arguments, chosen by the run (`parallel.expert_dispatcher`, `parallel.cp_comm`,
+    `train.cast_lm_head_to_fp32`); the context holds only the groups."""
 
     expert_dispatcher: str = "all_to_all"
     """How MoE layers move tokens over the expert-parallel group: "all_to_all" or "all_gather"
@@ -16,6 +17,8 @@ class ParallelOptions:
     context_exchange: str = "ring"
     """How attention moves keys and values over the context-parallel group: "ring" or "allgather"
     (`shardlm.parallel.ring_attention`)."""
+    lm_head_fp32: bool = False
+    """The output layer in fp32 under autocast (`DecoderLM.fp32_head`)."""
 
 
 @dataclass

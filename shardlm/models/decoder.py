@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
-from shardlm.models.config import ModelConfig
+from shardlm.models.config import ModelConfig, ParallelOptions
 from shardlm.models.documents import Documents
 from shardlm.parallel import (
     ParallelContext,
@@ -194,7 +194,7 @@ class DecoderLM(nn.Module):
     logits). With `cache=model.new_kv_cache()`, tokens continue the cached positions."""
 
     def _init_run(self, cfg: ModelConfig, ctx: ParallelContext, seed: int, activation_checkpointing: bool,
-                  recompute: str | None, sequence_parallel: bool) -> bool:
+                  recompute: str | None, sequence_parallel: bool, options: ParallelOptions) -> bool:
         """Seed `ctx` when it has no generators yet and record the run settings; returns whether sequence
         parallelism is on (it needs TP > 1)."""
         if ctx.rng is None:
@@ -208,7 +208,7 @@ class DecoderLM(nn.Module):
         self.entropies: list | None = None  # when a list, `output_loss` appends each call's token entropies
         self.entropy_gradient = False  # whether those entropies carry a gradient (an RL run's entropy bonus)
         self.log_sum_sq: list | None = None  # when a list, `output_loss` appends each call's log sum p^2 (WPO)
-        self.lm_head_fp32 = False  # train.cast_lm_head_to_fp32: the output layer in fp32 under autocast (`fp32_head`)
+        self.lm_head_fp32 = options.lm_head_fp32  # the output layer in fp32 under autocast (`fp32_head`)
         return self.sequence_parallel
 
     @property

@@ -219,7 +219,7 @@ class DeepseekV4(Llama):
         for size, name in ((cfg.num_heads, "model.num_heads"), (cfg.output_groups, "model.output_groups")):
             if size % ctx.tp_size:
                 raise UserError(f"{name}={size} is not divisible by parallel.tensor={ctx.tp_size}")
-        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
+        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel, options)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp, vocab_size=cfg.vocab_size,
                                           std=cfg.init_std, seed=param_seed(seed, "wte"), device=ctx.device,
                                           sequence_parallel=sp)

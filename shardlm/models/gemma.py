@@ -265,7 +265,7 @@ class Gemma4(Llama):
         check_gemma(cfg, ctx.tp_size)
         nn.Module.__init__(self)
         options = options or ParallelOptions()
-        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
+        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel, options)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp, vocab_size=cfg.vocab_size,
                                           std=cfg.init_std, seed=param_seed(seed, "wte"), device=ctx.device,
                                           sequence_parallel=sp)

@@ -159,7 +159,7 @@ class GPT(DecoderLM):
                  options: ParallelOptions | None = None, finish_layer=None):
         super().__init__()
         options = options or ParallelOptions()
-        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
+        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel, options)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)

@@ -381,7 +381,7 @@ class Llama(DecoderLM):
         super().__init__()
         options = options or ParallelOptions()
         check_norm_options(cfg)
-        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel)
+        sp = self._init_run(cfg, ctx, seed, activation_checkpointing, recompute, sequence_parallel, options)
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, ctx.tp,
                                           vocab_size=cfg.vocab_size, std=cfg.init_std,
                                           seed=param_seed(seed, "wte"), device=ctx.device, sequence_parallel=sp)

@@ -141,3 +141,8 @@ def steps_per_generation(config) -> int:
     sequences; 1 when it is 0). A round lasts this times rl.num_iterations steps."""
     r = config.rl
     return max(r.generation_batch_size // (prompts_per_step(config) * r.num_generations), 1)
+
+
+def round_steps(config) -> int:
+    """Optimizer steps one generation round lasts: its steps of different rows, each rl.num_iterations times."""
+    return steps_per_generation(config) * config.rl.num_iterations

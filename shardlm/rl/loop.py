@@ -34,7 +34,7 @@ import torch.distributed as dist
 from shardlm.errors import UserError
 from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
-from shardlm.rl import prompts_per_step, steps_per_generation
+from shardlm.rl import prompts_per_step, round_steps, steps_per_generation
 from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd, rloo_advantages
 from shardlm.rl.batch import StepRows, split_round
 from shardlm.rl.prompts import Prompt, round_prompts
@@ -62,7 +62,7 @@ class RLRun:
         self.cfg, self.ctx = trainer.config.rl, trainer.ctx
         self.steps = steps_per_generation(trainer.config)  # optimizer steps of different rows a round
         self.per_round = prompts_per_step(trainer.config) * self.steps
-        self.round_steps = self.steps * self.cfg.num_iterations  # optimizer steps a round lasts
+        self.round_steps = round_steps(trainer.config)  # optimizer steps a round lasts
         self.round_metrics: dict = {}
         self.rows: StepRows | None = None
 
@@ -107,15 +107,21 @@ class RLRun:
         config = self.trainer.config
         chosen = round_prompts(len(self.prompts), self.per_round, round_index, config.train.seed, config.sft.shuffle)
         owners = [i for i in chosen for _ in range(self.cfg.num_generations)]
-        share = sampling_share(len(owners), self.ctx)
         start = time.perf_counter()
-        with self.trainer.autocast():  # the training forward's precision
-            local = self.generator.generate([self.prompts[owners[j]].ids for j in share],
-                                            [sequence_seed(self.trainer.config.train.seed, round_index, j)
-                                             for j in share], round_index, share)
-        elapsed = time.perf_counter() - start
+        rollouts = self.sample([self.prompts[i] for i in owners],
+                               lambda j: sequence_seed(config.train.seed, round_index, j), round_index)
+        return owners, rollouts, time.perf_counter() - start
+
+    def sample(self, prompts: list[Prompt], seed_of, round_index: int) -> list[Rollout]:
+        """Every sequence's rollout, in order, of `prompts` (one per sequence; sequence j sampled from the seed
+        `seed_of(j)`): each data x context-parallel rank samples its share in the training forward's precision, and
+        every rank gathers all of them."""
+        share = sampling_share(len(prompts), self.ctx)
+        with self.trainer.autocast():
+            local = self.generator.generate([prompts[j].ids for j in share], [seed_of(j) for j in share],
+                                            round_index, share)
         self.reshard()
-        return owners, gather_samples(local, self.ctx), elapsed
+        return gather_samples(local, self.ctx)
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> np.ndarray:
         """(N, F) reward values (NaN: None) of each sequence's prompt and rollout, computed on the main rank and
@@ -212,15 +218,11 @@ class RLRun:
         if not self.eval_prompts:
             return None
         group = self.cfg.num_generations_eval or self.cfg.num_generations
-        owners = [i for i in range(len(self.eval_prompts)) for _ in range(group)]
-        share = sampling_share(len(owners), self.ctx)
+        prompts = [p for p in self.eval_prompts for _ in range(group)]
         seed = self.trainer.config.train.seed
-        with batch_invariant(self.cfg.batch_invariant), self.trainer.autocast():
-            local = self.generator.generate([self.eval_prompts[owners[j]].ids for j in share],
-                                            [evaluation_seed(seed, j) for j in share], 0, share)
-        self.reshard()
-        rollouts = gather_samples(local, self.ctx)
-        values = self.score([self.eval_prompts[i] for i in owners], rollouts)
+        with batch_invariant(self.cfg.batch_invariant):
+            rollouts = self.sample(prompts, lambda j: evaluation_seed(seed, j), 0)
+        values = self.score(prompts, rollouts)
         rewards = combine_rewards(values, self.weights)
         zero_std = group_advantages(rewards, group, "group")[1]
         return {f"val_{k}": v for k, v in self.describe(values, rewards, zero_std, rollouts).items()}

@@ -127,7 +127,8 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
         from shardlm.training.pipeline import PipelineRunner, pipeline_layout
 
         layers, stage_ids = pipeline_layout(config, ctx)
-    options = ParallelOptions(expert_dispatcher=p.expert_dispatcher, context_exchange=p.cp_comm)
+    options = ParallelOptions(expert_dispatcher=p.expert_dispatcher, context_exchange=p.cp_comm,
+                              lm_head_fp32=t.cast_lm_head_to_fp32)
     finish_layer = None
     if config.lora.rank and config.lora.quantize:  # QLoRA: each layer in NF4 as soon as it is built
         from shardlm.lora.apply import quantize_base

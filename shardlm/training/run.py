@@ -306,13 +306,12 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
     if keep_reference and not resume_from:
         reference = ReferenceWeights.of(trainer)
-    if trainer.preference:
-        trainer.loss.weights = reference
     if trainer.sync is not None:  # moved towards the policy after the steps (TR-DPO): checkpoints keep it
         trainer.synced_reference = reference
         if resume_from:
             load_reference(trainer, resume_from)
     if trainer.preference:
+        trainer.loss.weights = reference  # (None unless preference.reference = "weights")
         logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
     step, rl_run = trainer.train_step, None
     if rl is not None:

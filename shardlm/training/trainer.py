@@ -103,8 +103,6 @@ class Trainer:
         self.model, self.pipeline, self.params = parts.model, parts.pipeline, parts.params
         self.optimizer = parts.optimizer
         self.ddp, self.master, self.fsdp = parts.ddp, parts.master, parts.fsdp
-        for module in [self.model] + (self.pipeline.stage_modules if self.pipeline is not None else []):
-            module.lm_head_fp32 = t.cast_lm_head_to_fp32  # (the output layer in fp32 under autocast)
         self.loss = training_loss(config.model.arch)
         self.preference = bool(config.preference.loss)
         if self.preference:  # DPO and relatives: a loss of whole pairs (`shardlm.preference.loss`)
@@ -116,11 +114,10 @@ class Trainer:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
         self.rl = bool(config.rl.loss)
         if self.rl:  # GRPO and its variants: a loss of the round's sequences (`shardlm.rl.loss`)
-            from shardlm.rl import steps_per_generation
+            from shardlm.rl import round_steps
             from shardlm.rl.loss import RLLoss
 
-            self.loss = RLLoss(config.rl, ctx, self.model,
-                               round_steps=steps_per_generation(config) * config.rl.num_iterations)
+            self.loss = RLLoss(config.rl, ctx, self.model, round_steps=round_steps(config))
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
         self.teacher = None
