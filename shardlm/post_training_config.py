@@ -44,7 +44,8 @@ class PreferenceConfig:
 
     loss: str = ""
     """"sigmoid" (DPO), "ipo", "hinge", "robust", "exo_pair", "discopop", "sigmoid_norm", "nca_pair", "bco_pair",
-    "sppo_hard", "apo_zero", "apo_down" (as TRL's DPOTrainer defines them) or a weighted sum of them joined by "+",
+    "sppo_hard", "apo_zero", "apo_down", "aot", "aot_unpaired" (as TRL's DPOTrainer defines them; AOT's sort spans
+    the global batch) or a weighted sum of them joined by "+",
     which may add "sft", the chosen answers' NLL (MPO: "sigmoid+bco_pair+sft" with loss_weights [0.8, 0.2, 1.0]); the
     reference-free "simpo" and "orpo"; on unpaired examples (`prompt`, `completion`, `label`) "kto" and
     "apo_zero_unpaired"; empty: no preference run."""
@@ -53,8 +54,8 @@ class PreferenceConfig:
     beta: float = 0.1
     """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
     label_smoothing: float = 0.0
-    """The share of pairs assumed flipped, in [0, 0.5): sigmoid (conservative DPO), robust (rDPO), exo_pair (its
-    target distribution's epsilon: must be > 0)."""
+    """The share of pairs assumed flipped, in [0, 0.5): sigmoid (conservative DPO), robust (rDPO), aot,
+    aot_unpaired, exo_pair (its target distribution's epsilon: must be > 0)."""
     f_divergence_type: str = "reverse_kl"
     """f-DPO's divergence to the reference: "reverse_kl" (DPO's), "forward_kl", "js_divergence" or
     "alpha_divergence"; other than "reverse_kl" with sigmoid, sigmoid_norm, ipo, hinge, robust, exo_pair or

@@ -324,6 +324,15 @@ ERRORS = [
     ("WPO without a reference", lambda r: ['preference.loss="orpo"', "preference.use_weighting=true"],
      'preference.use_weighting (WPO) weighs the pairs of the losses with a reference; preference.loss="orpo" takes '
      "none: set it to false"),
+    ("WPO under AOT", lambda r: ['preference.loss="aot"', "preference.use_weighting=true"],
+     'preference.use_weighting (WPO) is not defined for preference.loss="aot", which sorts the pairs\' log-ratios '
+     "across the batch (TRL refuses it too): set it to false"),
+    ("AOT with dropout", lambda r: ['preference.loss="aot_unpaired"', "preference.disable_dropout=false",
+                                    "model.dropout=0.2"],
+     'preference.loss="aot_unpaired" ranks the global batch\'s pairs in a pass before the step, which must see the '
+     "step's values: set preference.disable_dropout=true (or the dropouts to 0)"),
+    ("two AOT losses", lambda r: ['preference.loss="aot+aot_unpaired"'],
+     'preference.loss="aot+aot_unpaired" sums two AOT losses; keep one of aot, aot_unpaired'),
 ]
 
 

@@ -20,6 +20,9 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   and MPO's sum under LD-DPO's weights at DP=2 and CP=2 (the chosen tokens' NLL a mean over the global batch's
   chosen tokens; the weights from whole rows), each against its own one-process run (without WPO's or LD-DPO's
   weights, that run's gradient norms move);
+- world 2 also: AOT (its margins ranked over the global batch: a pass before the step, the ranks gathered over DP)
+  at DP=2 and PP=2, AOT's unpaired form with label smoothing at DP=2 and CP=2; at one process micro-batch 2 equals
+  micro-batch 8, and each micro-batch ranked on its own (TRL's per-device sort) moves the run;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
@@ -40,8 +43,8 @@ from test_training import VOCAB
 
 from shardlm.models import build_model
 from shardlm.parallel import ParallelContext, reduce_from_tensor_parallel
+from shardlm.preference import aot, reference_mode
 from shardlm.preference import loss as loss_module
-from shardlm.preference import reference_mode
 from shardlm.preference.data import PairDataset, PairRows
 from shardlm.preference.loss import METRICS, PreferenceLoss, preference_parts, sequence_logps
 from shardlm.preference.pairs import TokenizedPair
@@ -85,7 +88,7 @@ def valid_data() -> PairDataset:
 def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
                       moe: bool = False, loss: str = "sigmoid", lora: int = 0, divergence: str = "reverse_kl",
                       loss_weights: tuple = (), ld_alpha: float = 1.0, use_weighting: bool = False,
-                      sync_ref_model: bool = False, **train):
+                      sync_ref_model: bool = False, label_smoothing: float = 0.0, **train):
     model = tiny_model("llama", SEQ, layers=2, num_kv_heads=2)
     if moe:
         model |= MIXTRAL
@@ -93,6 +96,7 @@ def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp:
                 "preference": {"loss": loss, "beta": 0.5, "f_divergence_type": divergence,
                                "loss_weights": list(loss_weights), "ld_alpha": ld_alpha,
                                "use_weighting": use_weighting, "sync_ref_model": sync_ref_model,
+                               "label_smoothing": label_smoothing,
                                "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5},
                 "lora": {"rank": lora, "targets": ["v", "o", "gate", "up", "down"]}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, sections=sections,
@@ -150,6 +154,10 @@ TR_DPO = {"sync_ref_model": True}
 """TR-DPO: the reference a copy of the starting weights (preference.reference "weights", "auto" under the sync) run
 in each step and evaluation (swapped in through the pipeline's stages; FSDP's shards copied in and back), moved
 halfway to the policy after steps 2 and 4 (each rank its shards)."""
+AOT = {"loss": "aot"}
+AOT_UNPAIRED = {"loss": "aot_unpaired", "label_smoothing": 0.1}
+"""AOT: the global batch's margins (aot_unpaired: its chosen and rejected log-ratios) ranked after a pass before the
+step (through the stages under PP), gathered over DP; each micro-batch's pairs matched by those ranks."""
 
 WORLD2 = {
     "dp2": layout(),
@@ -169,6 +177,10 @@ WORLD2 = {
     "pp2 tr dpo": layout(pp=2, **TR_DPO),
     "fsdp dp2 tr dpo": layout(data_sharding="full", **TR_DPO),
     "tp2 sp tr dpo": layout(tp=2, sp=True, **TR_DPO),
+    "dp2 aot": layout(**AOT),
+    "pp2 aot": layout(pp=2, **AOT),
+    "dp2 aot unpaired": layout(**AOT_UNPAIRED),
+    "cp2 aot unpaired": layout(cp=2, **AOT_UNPAIRED),
 }
 CONTROL = "control cp2 forward-only sum"
 WORLD4 = {
@@ -195,7 +207,9 @@ def reference():
             "lora": train_layout(ctx, preference_config(lora=4)),
             "norm js": train_layout(ctx, preference_config(**NORM_JS)),
             "mpo": train_layout(ctx, preference_config(**MPO)),
-            "tr dpo": train_layout(ctx, preference_config(**TR_DPO))}
+            "tr dpo": train_layout(ctx, preference_config(**TR_DPO)),
+            "aot": train_layout(ctx, preference_config(**AOT)),
+            "aot unpaired": train_layout(ctx, preference_config(**AOT_UNPAIRED))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": CURVE + METRICS, "absolute": METRICS,
@@ -220,7 +234,8 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora", "norm js", "mpo", "tr dpo") if kind in name), "dense")
+    return next((kind for kind in ("moe", "lora", "norm js", "mpo", "tr dpo", "aot unpaired", "aot") if kind in name),
+                "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -232,11 +247,13 @@ def test_preference_at_two_ranks_equals_one_process(world2, reference, name):
 
 @pytest.mark.parametrize("kind, variant, option, off", [("mpo", MPO, "ld_alpha", 1.0),
                                                         ("norm js", NORM_JS, "use_weighting", False),
-                                                        ("tr dpo", TR_DPO, "sync_ref_model", False)])
+                                                        ("tr dpo", TR_DPO, "sync_ref_model", False),
+                                                        ("aot", AOT, "loss", "sigmoid"),
+                                                        ("aot unpaired", AOT_UNPAIRED, "loss", "sigmoid")])
 def test_the_weights_reach_their_runs(reference, kind, variant, option, off):
     """The controls: MPO without LD-DPO's weights, length-normalized DPO without WPO's, DPO without TR-DPO's syncs
-    (the reference the starting weights throughout), moves the one-process gradient norms, so the layouts check
-    them."""
+    (the reference the starting weights throughout), DPO in AOT's place (the pairs unmatched), moves the one-process
+    gradient norms, so the layouts check them."""
     plain = train_layout(ParallelContext.single(), preference_config(**(variant | {option: off})))["curve"]
     assert max(abs(a[1] - b[1]) for a, b in zip(plain, reference[kind]["curve"])) > 1e-3
 
@@ -276,6 +293,17 @@ def test_micro_batch_one_equals_micro_batch_eight(reference):
     assert_matches(ones, train_layout(ParallelContext.single(), preference_config(micro=8)), "micro 1")
     counts = [len(set(train_data()[i]["pair"].tolist()) - {-1}) for i in range(8)]
     assert len(set(counts)) > 1, counts
+
+
+def test_aot_sorts_the_global_batch(reference, monkeypatch):
+    """AOT at micro-batch 2 (4 micro-batches a step) equals micro-batch 8 (the global batch in one); the control:
+    each micro-batch ranked on its own (TRL's per-device sort) moves the gradient norms."""
+    one = train_layout(ParallelContext.single(), preference_config(micro=8, **AOT_UNPAIRED))
+    assert_matches(reference["aot unpaired"], one, "aot unpaired micro 2")
+    match = aot.match
+    monkeypatch.setattr(aot, "match", lambda batches, loss, dp: [match([b], loss, dp) for b in batches])
+    alone = train_layout(ParallelContext.single(), preference_config(**AOT_UNPAIRED))["curve"]
+    assert max(abs(a[1] - b[1]) for a, b in zip(alone, reference["aot unpaired"]["curve"])) > 1e-3
 
 
 def test_packed_pairs_equal_each_pair_alone():

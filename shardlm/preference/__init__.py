@@ -1,7 +1,7 @@
 """Preference optimization (DPO and TRL's relatives of it: IPO, hinge, robust, EXO, DiscoPOP, NCA, BCO, SPPO,
-APO, f-DPO; the reference-free SimPO and ORPO) on packed pairs, and KTO on unpaired examples: records and
+APO, AOT, f-DPO; the reference-free SimPO and ORPO) on packed pairs, and KTO on unpaired examples: records and
 their tokens (`pairs`, `unpaired`), rows of pairs or examples (`data`), the losses and the reference (`loss`, `kto`,
-`reference`), the run's data sets (`dataset`). `docs/preference.md`."""
+`aot`, `reference`), the run's data sets (`dataset`). `docs/preference.md`."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ def reference_mode(config) -> str:
 
 def check_preference(config) -> str | None:
     """A one-line problem with a run's [preference] settings, or None."""
+    from shardlm.preference.aot import AOT_LOSSES
     from shardlm.preference.kto import UNPAIRED
     from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCE_FREE, REFERENCED
 
     p = config.preference
     parts = p.loss.split("+")
     summed = len(parts) > 1 or p.loss == "sft"
+    dropouts = (config.model.dropout, max(config.model.attention_dropout, 0.0),
+                config.lora.dropout if config.lora.rank else 0.0)
     checks = [
         (p.loss in LOSSES or summed, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}, or a sum of '
                                      f'{", ".join(REFERENCED)} and "sft" joined by "+"'),
@@ -38,6 +41,14 @@ def check_preference(config) -> str | None:
         (not p.loss_weights or len(p.loss_weights) == len(parts),
          f"preference.loss_weights has {len(p.loss_weights)} weights for the {len(parts)} losses of "
          f'preference.loss="{p.loss}"'),
+        (sum(part in AOT_LOSSES for part in parts) <= 1,
+         f'preference.loss="{p.loss}" sums two AOT losses; keep one of {", ".join(AOT_LOSSES)}'),
+        (not p.use_weighting or not any(part in AOT_LOSSES for part in parts),
+         f'preference.use_weighting (WPO) is not defined for preference.loss="{p.loss}", which sorts the pairs\' '
+         "log-ratios across the batch (TRL refuses it too): set it to false"),
+        (p.disable_dropout or not any(part in AOT_LOSSES for part in parts) or not any(dropouts),
+         f'preference.loss="{p.loss}" ranks the global batch\'s pairs in a pass before the step, which must see '
+         "the step's values: set preference.disable_dropout=true (or the dropouts to 0)"),
         (p.beta > 0, f"preference.beta={p.beta} must be > 0"),
         (0 <= p.label_smoothing < 0.5, f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)"),
         ("exo_pair" not in parts or p.label_smoothing > 0,

@@ -58,15 +58,16 @@ import torch.nn.functional as F
 from shardlm.config import PreferenceConfig
 from shardlm.data.zigzag import zigzag_split
 from shardlm.errors import UserError
+from shardlm.lora.switch import adapters_off, has_adapters
 from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
-from shardlm.preference import kto
+from shardlm.preference import aot, kto
 
 REFERENCE_FREE = ("simpo", "orpo")
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "exo_pair", "discopop")
 """The losses of the score difference z, which take an f-divergence other than the reverse KL (TRL's list less its
 "sft"): the others read each side's log-ratio, where the f-DPO reparameterization's log Z(x) would not cancel."""
-REFERENCED = F_DIVERGENCE_LOSSES + ("nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")
+REFERENCED = F_DIVERGENCE_LOSSES + ("nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down") + aot.AOT_LOSSES
 LOSSES = REFERENCED + REFERENCE_FREE + kto.UNPAIRED
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -182,12 +183,13 @@ def wpo_weights(token_losses: torch.Tensor, log_sum_sq: torch.Tensor, batch: dic
 
 
 def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None,
-                chosen_share: float | None = None, chosen_logps: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                chosen_share: float | None = None, chosen_logps: torch.Tensor | None = None,
+                matched: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(per-pair losses (P,), per-pair metrics {name: (P,)}) of sequence log-probabilities (P, 2), their token
     counts (P, 2) and the reference's (P, 2) (None for the reference-free losses); fp64. `chosen_share`: the global
     batch's pairs / chosen tokens (`preference_parts`), which the "sft" term of a weighted sum reads, with the chosen
-    answers' log-probabilities `chosen_logps` (P,) (default logps[:, 0]; under LD-DPO the unweighted ones)."""
+    answers' log-probabilities `chosen_logps` (P,) (default logps[:, 0]; under LD-DPO the unweighted ones); AOT reads
+    the pairs' `matched` constants (P, 2) (`shardlm.preference.aot.match`)."""
     beta = cfg.beta
     if cfg.loss in REFERENCE_FREE:
         mean = logps / counts
@@ -200,7 +202,7 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
     else:
         ratio = logps - reference
         chosen = logps[:, 0] if chosen_logps is None else chosen_logps
-        terms = [-chosen * chosen_share if part == "sft" else referenced_losses(cfg, part, ratio, counts)
+        terms = [-chosen * chosen_share if part == "sft" else referenced_losses(cfg, part, ratio, counts, matched)
                  for part in cfg.loss.split("+")]
         if cfg.loss_weights:  # a weighted sum ("a+b+...")
             terms = [weight * term for weight, term in zip(cfg.loss_weights, terms)]
@@ -213,10 +215,13 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
                     "reward_accuracy": (margin > 0).double()}
 
 
-def referenced_losses(cfg: PreferenceConfig, loss: str, ratio: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def referenced_losses(cfg: PreferenceConfig, loss: str, ratio: torch.Tensor, counts: torch.Tensor,
+                      matched: torch.Tensor | None = None) -> torch.Tensor:
     """Per-pair losses (P,) of `loss`, one of the losses with a reference (module docstring; its options from `cfg`),
-    from the log-ratios r (P, 2) and the answers' token counts (P, 2)."""
+    from the log-ratios r (P, 2), the answers' token counts (P, 2) and AOT's `matched` constants (P, 2)."""
     beta, eps = cfg.beta, cfg.label_smoothing
+    if loss in aot.AOT_LOSSES:
+        return aot.aot_losses(loss, ratio, matched, beta, eps)
     if loss not in F_DIVERGENCE_LOSSES:
         chosen, rejected = beta * ratio[:, 0], beta * ratio[:, 1]
         if loss == "nca_pair":
@@ -264,32 +269,6 @@ def f_scores(cfg: PreferenceConfig, ratio: torch.Tensor) -> torch.Tensor:
     return ratio
 
 
-def _adapters(model) -> list:
-    from shardlm.lora.adapter import LoRA
-    from shardlm.lora.experts import ExpertLoRA
-
-    return [m for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
-
-
-def has_adapters(model) -> bool:
-    """Whether `model` carries LoRA adapters (whose base is a LoRA run's reference)."""
-    return bool(_adapters(model))
-
-
-@contextlib.contextmanager
-def adapters_off(model):
-    """The base model: every LoRA adapter's scale 0 for the block (the reference of a LoRA run)."""
-    adapters = _adapters(model)
-    scales = [m.scale for m in adapters]
-    for m in adapters:
-        m.scale = 0.0
-    try:
-        yield
-    finally:
-        for m, scale in zip(adapters, scales):
-            m.scale = scale
-
-
 class PreferenceLoss:
     """The trainer's loss for a preference run: `loss(forward, batch)` of a `preference_parts` micro-batch, or
     `of_token_losses(token_losses, batch)` where the pipeline's last stage computed the token losses. The reference
@@ -302,6 +281,7 @@ class PreferenceLoss:
     def __init__(self, cfg: PreferenceConfig, ctx, model):
         self.cfg, self.ctx, self.model = cfg, ctx, model
         self.unpaired = cfg.loss in kto.UNPAIRED
+        self.aot = next((part for part in cfg.loss.split("+") if part in aot.AOT_LOSSES), None)
         self.tables: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs, 2) precomputed reference
         self.weights = None  # the reference's weights (`ReferenceWeights`) of a "weights" reference
         self.labels: dict[str, torch.Tensor] = {}  # KTO: "train" / "valid" -> (examples,) bool, True: desirable
@@ -333,33 +313,46 @@ class PreferenceLoss:
         return parts
 
     def prepare(self, forward, batches: list[dict]) -> None:
-        """KTO, without pipeline stages: before a step's (or an evaluation's) micro-batches, their KL sequences'
-        reference log-probabilities (a LoRA run's base) and the policy's, without gradient, and z0 from them
-        (`shardlm.preference.kto`). Nothing for the other losses."""
-        if self.cfg.loss not in kto.KL_LOSSES:
-            return
+        """Without pipeline stages, before a step's (or an evaluation's) micro-batches, without gradient: KTO's KL
+        sequences' reference log-probabilities (a LoRA run's base) and the policy's, and z0 from them
+        (`shardlm.preference.kto`); AOT's the same of the pairs, and their matched constants
+        (`shardlm.preference.aot`). Nothing for the other losses."""
+        parts = self._before_step(batches)
         with torch.no_grad():
-            for batch in batches:
-                part = batch["kl"]
+            for part in parts:
                 self.reference_logps(forward, part)
                 self.record_policy(forward(part["inputs"], part["targets"], documents=part["documents"]), part)
-        self._set_kl(batches)
+        if parts:
+            self._after_pass(batches)
 
     def prepare_stages(self, pipeline, batches: list[dict]) -> None:
-        """`prepare` under pipeline stages: the KL sequences forward through the stages (the base's first where a
-        LoRA run needs it), recorded on the last stage."""
-        if self.cfg.loss not in kto.KL_LOSSES:
+        """`prepare` under pipeline stages: those sequences forward through the stages (the reference's first where
+        the step needs it), recorded on the last stage."""
+        parts = self._before_step(batches)
+        if not parts:
             return
-        parts = [batch["kl"] for batch in batches]
         if self.needs_reference_pass(parts):
             pipeline.reference_pass(parts, self.record_reference, self.reference_context())
         pipeline.reference_pass(parts, self.record_policy, contextlib.nullcontext())
-        self._set_kl(batches)
+        self._after_pass(batches)
 
-    def record_policy(self, token_losses: torch.Tensor, kl_part: dict) -> None:
-        """KTO: store the policy's log-probabilities (P, 1) of a micro-batch's KL sequences (`kl_part`, whose
-        sequences are all on side 0) from its token losses."""
-        kl_part["policy"] = sequence_logps(token_losses.detach(), kl_part, self.ctx.cp)[0][:, :1]
+    def _before_step(self, batches: list[dict]) -> list[dict]:
+        """The micro-batch parts whose policy log-probabilities the loss needs before the step: KTO's KL sequences,
+        AOT's pairs."""
+        if self.cfg.loss in kto.KL_LOSSES:
+            return [batch["kl"] for batch in batches]
+        return batches if self.aot else []
+
+    def _after_pass(self, batches: list[dict]) -> None:
+        if self.aot:
+            aot.match(batches, self.aot, self.ctx.dp)
+        else:
+            self._set_kl(batches)
+
+    def record_policy(self, token_losses: torch.Tensor, part: dict) -> None:
+        """Store the policy's log-probabilities (P, 2) of a micro-batch's pairs (or KTO's KL sequences, all on side
+        0) from its token losses, without gradient."""
+        part["policy"] = sequence_logps(token_losses.detach(), part, self.ctx.cp)[0]
 
     def _set_kl(self, batches: list[dict]) -> None:
         self.kl = kto.estimate_kl(batches, self.ctx)
@@ -409,7 +402,8 @@ class PreferenceLoss:
             plain = None  # LD-DPO's "sft" term: the chosen answers' unweighted log-probabilities
             if "length_weight" in batch and "sft" in self.cfg.loss.split("+"):
                 plain = sequence_logps(token_losses, batch, self.ctx.cp, weighted=False)[0][:, 0]
-            losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"), plain)
+            losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"), plain,
+                                          batch.get("aot"))
             if self.cfg.use_weighting:
                 squares = self.model.log_sum_sq.pop()
                 self.model.log_sum_sq.clear()  # (a LoRA reference pass's, the policy's being the last)

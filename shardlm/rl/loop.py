@@ -248,7 +248,7 @@ class RLRun:
     def reference_context(self):
         if self.reference is not None:
             return self.reference.swapped()
-        from shardlm.preference.loss import adapters_off
+        from shardlm.lora.switch import adapters_off
 
         return adapters_off(self.trainer.model)
 
