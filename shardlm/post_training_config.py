@@ -304,7 +304,12 @@ class DistillConfig:
     is on-policy with this probability (drawn from train.seed and the step): every conversation of the step's rows
     is cut before its last answer, the student completes it at the training layout (KV cache, the RL generator),
     and the divergence is taken over the sampled tokens. 0: offline only (the records' own answers)."""
+    seq_kd: bool = False
+    """GKD's sequence-level KD (TRL's `seq_kd`): the steps that are not on-policy train on the teacher's own
+    completions of each conversation's prompt (sampled by the teacher at the training layout, as the student samples
+    its own) instead of the records' answers."""
     max_new_tokens: int = 128
-    """An on-policy completion's length at most (it stops earlier at the end-of-turn token)."""
+    """An on-policy (or seq_kd) completion's length at most (it stops earlier at the end-of-turn token)."""
     sampling_temperature: float = 1.0
-    """The temperature the student samples its on-policy completions at (TRL's GKDConfig.temperature)."""
+    """The temperature the student (and under seq_kd the teacher) samples its completions at (TRL's
+    GKDConfig.temperature)."""

@@ -26,6 +26,10 @@ loss, every parameter on every rank):
   SP, DP=2, FSDP DP=2, PP=2 x 2 virtual stages (each decoding step through the stages), CP=2 and CP=2 x TP=2 with
   SP (each CP rank samples its share of whole sequences) and FSDP PP=2 x DP=2 equal one process; so does the
   per-token reverse KL of the student's samples (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
+- seq_kd (GKD's sequence-level KD: the steps that are not on-policy, step 3 here, train on the teacher's
+  completions, sampled at the layout through the teacher's own stages): TP=2 with SP, PP=2 x 2 virtual stages, FSDP
+  DP=2 and FSDP PP=2 x DP=2 (the teacher's gathered root freed after its sampling) equal one process; the teacher's
+  sampler at temperature 0 decodes as transformers' greedy `generate` of the teacher's directory;
 - one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
 """
 
@@ -86,13 +90,13 @@ def write_moe_teacher(root):
 def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
                    virtual: int = 1,
                    moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], lmbda: float = 0.0,
-                   loss: str = "jsd", **train):
+                   loss: str = "jsd", seq_kd: bool = False, **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
     if moe:
         model |= {"num_layers": 2} | MIXTRAL
     sections = {"sft": {"data": ["records.jsonl"]},
                 "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8,
-                            "loss": loss}}
+                            "loss": loss, "seq_kd": seq_kd}}
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
@@ -101,14 +105,13 @@ def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: i
 
 
 def on_policy_run(trainer):
-    """`shardlm.distill.on_policy` on the synthetic rows: completions of up to 8 tokens, stopped at id 0."""
-    from shardlm.distill.on_policy import OnPolicyDistill
+    """`shardlm.distill.on_policy` on the synthetic rows: completions of up to 8 tokens, stopped at id 0 (the
+    student's, and under seq_kd the teacher's)."""
+    from shardlm.distill.on_policy import OnPolicyDistill, samplers
     from shardlm.eval.generate import SamplingConfig
-    from shardlm.rl.rollout import InProcessGenerator
 
-    generator = InProcessGenerator(trainer.model, trainer.ctx, SamplingConfig(max_new_tokens=8, temperature=1.0),
-                                   {0}, lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline)
-    return OnPolicyDistill(trainer, generator, pad_id=0)
+    student, teacher = samplers(trainer, SamplingConfig(max_new_tokens=8, temperature=1.0), {0})
+    return OnPolicyDistill(trainer, student, pad_id=0, teacher_generator=teacher)
 
 
 def train_distill(ctx: ParallelContext, config) -> dict:
@@ -118,7 +121,7 @@ def train_distill(ctx: ParallelContext, config) -> dict:
     calls = []  # the teacher's layer forwards on this rank (under pipeline stages its forward is never called)
     for layer in trainer.teacher.layers.values():
         layer.register_forward_pre_hook(lambda *_: calls.append(1))
-    step = on_policy_run(trainer).train_step if config.distill.lmbda else trainer.train_step
+    step = on_policy_run(trainer).train_step if config.distill.lmbda or config.distill.seq_kd else trainer.train_step
     metrics = [step() for _ in range(STEPS)]
     curve = [(m["loss"], m["grad_norm"]) for m in metrics]
     assert all(p.grad is None for p in trainer.teacher.parameters())
@@ -126,7 +129,8 @@ def train_distill(ctx: ParallelContext, config) -> dict:
     # without the TP marks `stage_parameters` reads
     params = stage_parameters(trainer.model)
     return {"curve": curve, "valid": trainer.evaluate(), "params": params,
-            "on_policy": [m.get("on_policy") for m in metrics], "teacher": teacher_memory(trainer, len(calls))}
+            "on_policy": [m.get("on_policy") for m in metrics], "seq_kd": [m.get("seq_kd") for m in metrics],
+            "teacher": teacher_memory(trainer, len(calls))}
 
 
 def teacher_memory(trainer, calls: int) -> dict:
@@ -194,6 +198,9 @@ WORLD2 = {
     "on-policy pp2 virtual2": ("on-policy", layout(pp=2, virtual=2, micro=1, lmbda=0.2)),
     "on-policy cp2": ("on-policy", layout(cp=2, lmbda=0.2)),
     "token kl on-policy tp2 sp": ("token kl", layout(tp=2, sp=True, lmbda=1.0, loss="token_kl")),
+    "seq kd tp2 sp": ("seq kd", layout(tp=2, sp=True, lmbda=0.2, seq_kd=True)),
+    "seq kd pp2 virtual2": ("seq kd", layout(pp=2, virtual=2, micro=1, lmbda=0.2, seq_kd=True)),
+    "seq kd fsdp dp2": ("seq kd", layout(lmbda=0.2, seq_kd=True, data_sharding="full")),
 }
 WORLD4 = {
     "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
@@ -204,11 +211,12 @@ WORLD4 = {
     "fsdp pp2 dp2": ("dense", layout(pp=2, micro=1, data_sharding="full")),
     "on-policy cp2 tp2 sp": ("on-policy", layout(cp=2, tp=2, sp=True, lmbda=0.2)),
     "on-policy fsdp pp2 dp2": ("on-policy", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2)),
+    "seq kd fsdp pp2 dp2": ("seq kd", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2, seq_kd=True)),
 }
 REFERENCES = {"dense": {"micro": BATCH}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": WIDE_BATCH, "lora": True},
               "forward kl": {"micro": BATCH, "beta": 0.0}, "on-policy": {"micro": BATCH, "lmbda": 0.2},
               "token kl": {"micro": WIDE_BATCH, "lmbda": 1.0, "loss": "token_kl"},
-              "moe teacher": {"micro": 2, "moe": True}}
+              "moe teacher": {"micro": 2, "moe": True}, "seq kd": {"micro": BATCH, "lmbda": 0.2, "seq_kd": True}}
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +268,8 @@ def test_distillation_at_four_ranks_equals_one_process(world4, reference, name):
 TEACHER_SHARDS = {"fsdp dp2": ("world2", {2}), "on-policy fsdp dp2": ("world2", {2}), "fsdp cp2": ("world2", {2}),
                   "fsdp ep2 moe teacher": ("world2", {1, 2}), "fsdp tp2 dp2 sp": ("world4", {2}),
                   "hybrid fsdp dp4 groups of 2": ("world4", {2}), "fsdp pp2 dp2": ("world4", {2}),
-                  "dp2 zero1": ("world2", set())}
+                  "dp2 zero1": ("world2", set()), "seq kd fsdp dp2": ("world2", {2}),
+                  "seq kd fsdp pp2 dp2": ("world4", {2})}
 """Case: (its world, the shard counts of the teacher's tensors). Under EP=2 of 2 ranks the experts' own FSDP group
 (expert-DP) has one rank: they are DTensors of one shard; the hybrid case shards within groups of 2 of its 4 DP
 ranks and replicates across them; under pipeline stages the layers and the ends (the root) are sharded too."""
@@ -351,6 +360,38 @@ def test_on_policy_steps_train_on_the_students_completions(reference):
     first = kinds.index(1.0)
     assert on_policy["curve"][:first] == offline["curve"][:first]
     assert abs(on_policy["curve"][first][0] - offline["curve"][first][0]) > 1e-4 * offline["curve"][first][0]
+
+
+def test_seq_kd_steps_train_on_the_teachers_completions(reference):
+    """Under seq_kd the steps that are not on-policy (step 3 at this seed) train on the teacher's completions of
+    the same prompts: the on-policy steps before it are the on-policy run's bitwise, step 3's loss is not (that
+    run's step 3 is on the records' answers)."""
+    seq_kd, on_policy = reference["seq kd"], reference["on-policy"]
+    assert seq_kd["on_policy"] == [1.0, 1.0, 0.0] and seq_kd["seq_kd"] == [0.0, 0.0, 1.0]
+    assert seq_kd["curve"][:2] == on_policy["curve"][:2]
+    assert abs(seq_kd["curve"][2][0] - on_policy["curve"][2][0]) > 1e-4 * on_policy["curve"][2][0]
+
+
+def test_the_teachers_sampler_decodes_the_teacher(teacher):
+    """The seq_kd sampler at temperature 0 (argmax) completes prompts as transformers' greedy `generate` of the
+    teacher's directory does: the teacher's tokens, not the student's (which differ)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.distill.on_policy import samplers
+    from shardlm.eval.generate import SamplingConfig
+
+    config = distill_config(teacher, seq_kd=True)
+    validate(config, 1, check_paths=False)
+    trainer = Trainer(config, ParallelContext.single(), train_data())
+    student, sampler = samplers(trainer, SamplingConfig(max_new_tokens=6, temperature=0.0), set())
+    prompts = [[5, 17, 42, 8], [3, 99, 12, 61, 7, 30]]
+    ours = [r.completion for r in sampler.generate(prompts, [0, 1])]
+    hf = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    for prompt, completion in zip(prompts, ours):
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        assert completion == expected, (prompt, completion, expected)
+    assert [r.completion for r in student.generate(prompts, [0, 1])] != ours
 
 
 def test_the_prompt_is_cut_before_the_last_answer():

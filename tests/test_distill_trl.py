@@ -141,17 +141,19 @@ def trl_models(setup):
             "teacher_model": setup["teacher_model"], "processing_class": setup["tokenizer"]}
 
 
-def gkd_steps(setup, beta: float) -> list[dict]:
-    """`GKDTrainer`'s logged steps at `beta` on shardlm's ids, off-policy (lmbda 0, no sequence-level KD)."""
+def gkd_steps(setup, beta: float, name: str = "", trainer_class=None, **options) -> list[dict]:
+    """`GKDTrainer`'s (or `trainer_class`'s) logged steps at `beta` on shardlm's ids, off-policy (lmbda 0, no
+    sequence-level KD unless `options` say so)."""
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     rows = [{"messages": c["messages"], "input_ids": c["ids"],
              "completion_mask": [int(i >= c["start"]) for i in range(len(c["ids"]))]}
             for c in setup["conversations"]]
-    args = trl_args(GKDConfig, setup, f"gkd_{beta}", lmbda=0.0, seq_kd=False, beta=beta, max_length=SEQ,
-                    train_sampling_strategy="sequential")
+    args = trl_args(GKDConfig, setup, name or f"gkd_{beta}", **({"lmbda": 0.0, "seq_kd": False} | options),
+                    beta=beta, max_length=SEQ, train_sampling_strategy="sequential")
     with uncached_datasets():
-        trainer = GKDTrainer(args=args, train_dataset=datasets.Dataset.from_list(rows), **trl_models(setup))
+        trainer = (trainer_class or GKDTrainer)(args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                                **trl_models(setup))
         trainer.train()
     return [log for log in trainer.state.log_history if "loss" in log]
 
@@ -282,4 +284,54 @@ def test_on_policy_steps_follow_trl(setup, runs, monkeypatch):
     worst = differences(ours, distillation_steps(setup, 0.5, 2.0, sampled))
     assert all(value <= TOL for value in worst.values()), worst
     offline = differences(ours, runs("distillation", 0.5)[0])
+    assert offline["loss"] > 1000 * TOL, offline
+
+
+@pytest.mark.timeout(180)
+def test_seq_kd_steps_follow_trls_gkd(setup, runs, monkeypatch):
+    """Sequence-level KD (`distill.seq_kd` with lmbda 0: every step on the teacher's completions): `GKDTrainer` with
+    `seq_kd` has the teacher complete each conversation's prompt (at most 6 tokens) with transformers' `generate`,
+    shardlm samples them with its teacher at the training layout; both at temperature 1e-3, which leaves the
+    teacher's most likely token (its output layer is scaled up, its logits far apart), so both train on the same
+    completions (recorded on both sides and compared). Each step's loss and gradient norm within TOL (beta 0.5; GKD's
+    loss is at temperature 1 whatever its sampling temperature). TRL divides a step's summed divergence by the answer
+    tokens its batch held before `seq_kd` replaced the answers (the records' answers, 2.9 times the completions'
+    here: its loss would be off by that factor); the oracle is handed the step's completion tokens instead (2 x 6),
+    as shardlm counts the tokens it trains. The control: GKD's offline run is far off."""
+    from trl.experimental.gkd import GKDTrainer
+
+    from shardlm.rl import rollout
+
+    theirs_sampled, ours_sampled = {}, {}
+    generate = GKDTrainer.generate_on_policy_outputs
+
+    def trl_recording(model, inputs, generation_config):
+        ids, mask, labels = generate(model, inputs, generation_config)
+        prompt = inputs["prompts"][0].tolist()
+        theirs_sampled[tuple(prompt)] = ids[0, len(prompt):].tolist()
+        return ids, mask, labels
+
+    sample = rollout.InProcessGenerator.generate
+
+    def ours_recording(self, prompts, seeds, round_index=0, sequences=None):
+        rollouts = sample(self, prompts, seeds, round_index, sequences)
+        ours_sampled.update({tuple(r.prompt): list(r.completion) for r in rollouts})
+        return rollouts
+
+    class CompletionTokens(GKDTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return super().training_step(model, inputs, PER_STEP * 6)
+
+    monkeypatch.setattr(GKDTrainer, "generate_on_policy_outputs", staticmethod(trl_recording))
+    monkeypatch.setattr(rollout.InProcessGenerator, "generate", ours_recording)
+    theirs = gkd_steps(setup, 0.5, "gkd_seq_kd", CompletionTokens, seq_kd=True, temperature=1e-3, max_new_tokens=6)
+    ours = shardlm_steps(setup, "seq_kd", 0.5, 1.0, "distill.seq_kd=true", "distill.max_new_tokens=6",
+                         "distill.sampling_temperature=1e-3")
+    assert all(log["seq_kd"] == 1 and log["on_policy"] == 0 for log in ours), ours
+    answers = {tuple(c["ids"][:c["start"]]): c["ids"][c["start"]:] for c in setup["conversations"]}
+    assert ours_sampled == theirs_sampled and ours_sampled.keys() == answers.keys(), (ours_sampled, theirs_sampled)
+    assert all(len(ids) == 6 and ids != answers[prompt][:6] for prompt, ids in ours_sampled.items()), ours_sampled
+    worst = differences(ours, theirs)
+    assert all(value <= TOL for value in worst.values()), worst
+    offline = differences(ours, runs("gkd", 0.5)[0])
     assert offline["loss"] > 1000 * TOL, offline

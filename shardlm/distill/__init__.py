@@ -26,7 +26,7 @@ def check_distill(config, check_paths: bool = True) -> str | None:
     for ok, message in checks:
         if not ok:
             return message
-    if d.lmbda > 0:
+    if d.lmbda > 0 or d.seq_kd:
         from shardlm.rl import sampling_split_problem
 
         if (problem := sampling_split_problem(config)) is not None:

@@ -7,6 +7,11 @@ KV-cached generator, each sequence from its own seed; under pipeline stages each
 gathered, and packed into the step's rows as RL's rounds are (`shardlm.rl.batch.StepRows`; completions that no
 longer fit the step's rows are left out). The divergence then runs over the sampled tokens, as over the records'
 own answers on the other steps.
+
+Sequence-level KD (`distill.seq_kd`, TRL's GKD option): the steps that are not on-policy take the teacher's
+completions of the same prompts in place of the records' answers, sampled the same way by the frozen teacher at the
+training layout (`teacher_generator`; under pipeline stages through the teacher's own stages, `TeacherStages`).
+Under FSDP the teacher's root stays gathered from its sampling to the step's own release (`release_teacher`).
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ def step_prompts(dataset, first_sample: int, rows: int) -> list[list[int]]:
 
 
 class OnPolicyDistill:
-    """`train_step()` in the trainer's place (module docstring)."""
+    """`train_step()` in the trainer's place (module docstring): the student's `generator`, and under seq_kd the
+    teacher's (`teacher_generator`)."""
 
-    def __init__(self, trainer, generator, pad_id: int):
+    def __init__(self, trainer, generator, pad_id: int, teacher_generator=None):
         self.trainer, self.generator, self.pad_id = trainer, generator, pad_id
+        self.teacher_generator = teacher_generator
         self.cfg, self.ctx = trainer.config.distill, trainer.ctx
 
     def on_policy(self, step: int) -> bool:
@@ -53,18 +60,21 @@ class OnPolicyDistill:
 
     def train_step(self) -> dict:
         trainer = self.trainer
-        if not self.on_policy(trainer.step):
-            return trainer.train_step() | {"on_policy": 0.0}
-        rows = self.sampled_rows()
+        on_policy = self.on_policy(trainer.step)
+        kinds = {"on_policy": float(on_policy)} | ({"seq_kd": float(not on_policy)} if self.teacher_generator else {})
+        if not on_policy and self.teacher_generator is None:
+            return trainer.train_step() | kinds
+        rows = self.sampled_rows(self.generator if on_policy else self.teacher_generator)
         offline, trainer.train_data = trainer.train_data, rows
         try:
             metrics = trainer.train_step()
         finally:
             trainer.train_data = offline
-        return metrics | {"on_policy": 1.0, "completion_length": rows.num_tokens / max(rows.num_sequences, 1)}
+        return metrics | kinds | {"completion_length": rows.num_tokens / max(rows.num_sequences, 1)}
 
-    def sampled_rows(self):
-        """The step's rows with every last answer replaced by the student's completion."""
+    def sampled_rows(self, generator):
+        """The step's rows with every last answer replaced by `generator`'s completion (the student's or the
+        teacher's)."""
         from shardlm.rl.batch import StepRows
         from shardlm.rl.rollout import gather_samples, sampling_share, sequence_seed
         from shardlm.sft.packing import plan_bins
@@ -74,9 +84,8 @@ class OnPolicyDistill:
         prompts = step_prompts(trainer.train_data, trainer.consumed_samples, t.global_batch_size)
         share = sampling_share(len(prompts), ctx)
         with trainer.autocast():
-            local = self.generator.generate([prompts[j] for j in share],
-                                            [sequence_seed(t.seed, trainer.step, j) for j in share], trainer.step,
-                                            share)
+            local = generator.generate([prompts[j] for j in share],
+                                       [sequence_seed(t.seed, trainer.step, j) for j in share], trainer.step, share)
         rollouts = gather_samples(local, ctx)
         packing = trainer.config.sft.packing if trainer.config.sft.packing in ("bfd", "ffd") else "bfd"
         bins = plan_bins([len(r.prompt) + len(r.completion) for r in rollouts], m.seq_length, packing)
@@ -88,18 +97,34 @@ class OnPolicyDistill:
                         t.global_batch_size, m.seq_length, self.pad_id, packing)
 
 
+def samplers(trainer, sampling, stops: set[int], stop_requested=None) -> tuple:
+    """(the student's sampler, the teacher's under seq_kd else None) of `trainer` at its layout, with `sampling`
+    (a `SamplingConfig`) and the `stops` ids: the teacher's decodes through its own pipeline stages
+    (`TeacherStages`)."""
+    from shardlm.distill.teacher import TeacherStages
+    from shardlm.rl.rollout import InProcessGenerator
+
+    lockstep = trainer.ctx.world_size > 1
+    student = InProcessGenerator(trainer.model, trainer.ctx, sampling, stops, lockstep=lockstep,
+                                 pipeline=trainer.pipeline, stop_requested=stop_requested)
+    if not trainer.config.distill.seq_kd:
+        return student, None
+    stages = TeacherStages.of(trainer.teacher, trainer.ctx) if trainer.pipeline is not None else None
+    return student, InProcessGenerator(trainer.teacher, trainer.ctx, sampling, stops, lockstep=lockstep,
+                                       pipeline=stages, stop_requested=stop_requested)
+
+
 def start_on_policy(trainer, template, tokenizer_path, stop_requested=None):
     """(the run's `OnPolicyDistill`, the line that describes it), once the trainer holds the starting weights."""
     from shardlm.eval.generate import SamplingConfig
-    from shardlm.rl.rollout import InProcessGenerator
     from shardlm.rl.setup import end_ids, stop_ids
 
     cfg = trainer.config.distill
     eod, pad_id = end_ids(template)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sampling_temperature)
-    generator = InProcessGenerator(trainer.model, trainer.ctx, sampling, stop_ids(eod, pad_id, tokenizer_path),
-                                   lockstep=trainer.ctx.world_size > 1, pipeline=trainer.pipeline,
-                                   stop_requested=stop_requested)
-    line = (f"distill: on-policy on a share {cfg.lmbda:g} of the steps (completions of at most {cfg.max_new_tokens} "
-            f"tokens sampled by the student at temperature {cfg.sampling_temperature:g})")
-    return OnPolicyDistill(trainer, generator, pad_id if pad_id is not None else 0), line
+    student, teacher = samplers(trainer, sampling, stop_ids(eod, pad_id, tokenizer_path), stop_requested)
+    line = (f"distill: on-policy on a share {cfg.lmbda:g} of the steps"
+            + (", the teacher's completions on the others (seq_kd)" if cfg.seq_kd else "")
+            + f" (completions of at most {cfg.max_new_tokens} tokens sampled by the "
+            f"{'student and the teacher' if cfg.seq_kd else 'student'} at temperature {cfg.sampling_temperature:g})")
+    return OnPolicyDistill(trainer, student, pad_id if pad_id is not None else 0, teacher), line

@@ -15,6 +15,8 @@ so the teacher's does too."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shardlm.errors import UserError
@@ -136,6 +138,27 @@ def describe_teacher(teacher: torch.nn.Module, path: str) -> str:
     return (f"distill: teacher {path} ({m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
             f"{m.vocab_size}): {held / 2**20:,.1f} MiB of frozen weights on this rank{sharded}, no gradient, no "
             "optimizer state")
+
+
+@dataclass
+class TeacherStages:
+    """What the sampler (`shardlm.rl.rollout.InProcessGenerator`) reads of a pipeline runner, for the teacher's own
+    stages (seq_kd under pipeline stages): each stage's layer ids, the FSDP roots its decoding gathers, the stage
+    order, and whether (and which pipeline rank) runs the last stage."""
+
+    layers: list
+    stage_modules: list
+    v_shaped: bool
+    has_last: bool
+    last_rank: int
+
+    @classmethod
+    def of(cls, teacher, ctx) -> TeacherStages:
+        from shardlm.parallel.pipeline import stage_owner
+
+        count = len(teacher.stage_layers)
+        last = stage_owner(count - 1, ctx.pp_size, count, teacher.v_shaped)
+        return cls(teacher.stage_layers, [teacher], teacher.v_shaped, last == ctx.pp_rank, last)
 
 
 def pipelined_hidden(teacher, inputs: torch.Tensor, documents, ctx) -> torch.Tensor | None:

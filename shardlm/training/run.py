@@ -323,7 +323,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
             rl_run.restore(Path(resume_from))
         step = rl_run.train_step
         logger.print(line)
-    if config.distill.teacher and config.distill.lmbda > 0:  # GKD's mix: some steps on the student's samples
+    if config.distill.teacher and (config.distill.lmbda > 0 or config.distill.seq_kd):  # GKD's mix of samples
         from shardlm.distill.on_policy import start_on_policy
         from shardlm.sft.dataset import tokenizer_dir
 
