@@ -83,8 +83,6 @@ ERRORS = [
      "rl.task_size=8 is below one generation round's 1 prompts and rl.eval_prompts=8 held out"),
     ("rloo with scaled rewards", lambda r: ['rl.loss="rloo"', 'rl.scale_rewards="batch"'],
      "leave rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
-    ("rloo with masked truncation", lambda r: ['rl.loss="rloo"', "rl.mask_truncated_completions=true"],
-     'rl.loss="rloo" with rl.mask_truncated_completions is not supported'),
     ("a reward clip the wrong way round", lambda r: ['rl.loss="rloo"', "rl.reward_clip_range=[1.0, 0.0]"],
      "rl.reward_clip_range=[1.0, 0.0] must be [low, high] with low <= high (empty: none)"),
     ("rloo's options under GRPO", lambda r: ["rl.normalize_advantages=true"],

@@ -29,8 +29,8 @@ control of its coefficient (measured: within 1.1e-6, the gradient norms; `policy
 and generation rounds of 16 completions of 4 prompts split between two steps (rl.generation_batch_size; TRL's
 shuffle of its generation batch replaced by shardlm's split, so both train the same sequences in each step;
 measured within 1.2e-6). rl.loss="rloo" against TRL's `RLOOTrainer` (the same fixture, its generation replaced the
-same way): the KL in the reward over 3 steps, and two iterations a round on normalized advantages of clamped
-rewards (measured within 2.0e-6).
+same way): the KL in the reward with masked truncation over 3 steps, and two iterations a round on normalized
+advantages of clamped rewards (measured within 2.0e-6).
 Control runs with another temperature, or without each of those options, miss TRL's numbers by far more than TOL,
 so the comparison can fail. (INTELLECT-2's `delta`
 has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
@@ -331,7 +331,7 @@ CASES = {
     # TRL's RLOOTrainer: leave-one-out baselines; the first-order KL summed over each sequence, in the reward (3
     # steps: it is 0 at the first, the policy being its reference); then each round trained twice (the sequences'
     # whole ratios clipped) on normalized advantages of rewards clamped to [0, 1.2]
-    "rloo_kl": {"loss": "rloo", "beta": 0.05, "steps": 3},
+    "rloo_kl_masked": {"loss": "rloo", "beta": 0.05, "steps": 3, "mask_truncated_completions": True},
     "rloo_twice_normalized_clipped": {"loss": "rloo", "num_iterations": 2, "epsilon": 0.9, "epsilon_high": 9.0,
                                       "normalize_advantages": True, "reward_clip_range": [0.0, 1.2]},
 }
@@ -410,7 +410,7 @@ def test_another_temperature_misses_trl(setup, runs):
                                           ("gdpo", "multi_objective_aggregation"),
                                           ("grpo_top_entropy_plain_kl_bonus", "entropy_coef"),
                                           ("grpo_adaptive_entropy_sync_ref", "sync_ref_model"),
-                                          ("rloo_kl", "beta"),
+                                          ("rloo_kl_masked", "beta"), ("rloo_kl_masked", "mask_truncated_completions"),
                                           ("rloo_twice_normalized_clipped", "normalize_advantages"),
                                           ("rloo_twice_normalized_clipped", "reward_clip_range")])
 def test_without_its_option_it_misses_trl(setup, runs, name, option):

@@ -55,9 +55,6 @@ def check_rl(config, world_size: int = 1) -> str | None:
         (r.loss != "rloo" or (r.scale_rewards == "group" and r.multi_objective_aggregation == "sum_then_normalize"),
          'rl.loss="rloo" takes leave-one-out baselines of the weighted reward (rl.normalize_advantages scales them): '
          "leave rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
-        (r.loss != "rloo" or not r.mask_truncated_completions,
-         'rl.loss="rloo" with rl.mask_truncated_completions is not supported (TRL still counts a masked completion\'s '
-         "constant loss in its mean): set it to false"),
         (not r.reward_clip_range or (len(r.reward_clip_range) == 2
                                      and r.reward_clip_range[0] <= r.reward_clip_range[1]),
          f"rl.reward_clip_range={list(r.reward_clip_range)} must be [low, high] with low <= high (empty: none)"),

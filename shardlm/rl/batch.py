@@ -12,7 +12,9 @@ micro-batches and data-parallel ranks; a sequence never splits. A row (`StepRows
   loss of the global batch: the loss type's normalizer, below), `token_weight` (1 / the batch's completion tokens:
   token means such as KL and entropy), `sequence_weight` (1 / (its sequence's tokens x sequences): GSPO's means
   over sequences), `sample_logp` (the rollout's log-probability), `old_logp` and `ref_logp` (filled by the scoring
-  passes: the policy before the round's updates, the reference).
+  passes: the policy before the round's updates, the reference); RLOO with masked truncation also
+  `masked_share` (1 / (its sequence's tokens x sequences) on a masked sequence: TRL's RLOO counts such a sequence's
+  loss -A, its ratio exp(0) over no tokens, in the step's mean, a constant without gradient).
 
 A round of rl.generation_batch_size sequences feeds S = `steps_per_generation` optimizer steps: its sequences are
 shuffled (`split_round`, seeded by train.seed and the round) and split into S equal parts, step s's packed into rows
@@ -70,6 +72,8 @@ class StepRows:
         self.fields["input_ids"][:] = pad_id
         self.fields["row"][:] = np.arange(steps * num_rows)[:, None]
         self.fields["position_ids"][:] = np.arange(seq_length)  # padding: positions of its own
+        if loss == "rloo" and mask_truncated:  # TRL's RLOO counts a masked sequence's constant loss -A in its mean
+            self.fields["masked_share"] = np.zeros((steps * num_rows, seq_length), dtype=np.float64)
         for s, own in enumerate(members):
             bins = plan_bins([lengths[j] for j in own], seq_length, packing)
             if len(bins) > num_rows:
@@ -85,12 +89,12 @@ class StepRows:
                     per_sequence = mask[j] / (max(tokens[j], 1.0) * count)
                     self._place(row, start, j, rollouts[j], advantages[j],
                                 per_sequence if normalizer is None else mask[j] / normalizer, mask[j] / total,
-                                per_sequence)
+                                per_sequence, (1 - mask[j]) / (max(len(rollouts[j].completion), 1) * count))
                     start += lengths[j]
                 self.fields["position_ids"][row, start:] = np.arange(seq_length - start)
 
     def _place(self, row: int, start: int, j: int, rollout: Rollout, advantage: float, weight: float,
-               token_weight: float, sequence_weight: float) -> None:
+               token_weight: float, sequence_weight: float, masked_share: float) -> None:
         ids = rollout.prompt + rollout.completion
         n, p = len(ids), len(rollout.prompt)
         where = slice(start, start + n)
@@ -105,6 +109,8 @@ class StepRows:
         f["token_weight"][row, trained] = token_weight
         f["sequence_weight"][row, trained] = sequence_weight
         f["sample_logp"][row, trained] = rollout.logps
+        if "masked_share" in f:
+            f["masked_share"][row, trained] = masked_share
 
     @classmethod
     def from_fields(cls, fields: dict[str, np.ndarray]) -> StepRows:
