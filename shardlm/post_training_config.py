@@ -45,9 +45,10 @@ class PreferenceConfig:
     loss: str = ""
     """"sigmoid" (DPO), "ipo", "hinge", "robust", "exo_pair", "discopop", "sigmoid_norm", "nca_pair", "bco_pair",
     "sppo_hard", "apo_zero", "apo_down", "aot", "aot_unpaired" (as TRL's DPOTrainer defines them; AOT's sort spans
-    the global batch) or a weighted sum of them joined by "+",
-    which may add "sft", the chosen answers' NLL (MPO: "sigmoid+bco_pair+sft" with loss_weights [0.8, 0.2, 1.0]); the
-    reference-free "simpo" and "orpo"; on unpaired examples (`prompt`, `completion`, `label`) "kto" and
+    the global batch) or a weighted sum of them joined by "+", which may add "sft", the chosen answers' NLL (MPO:
+    "sigmoid+bco_pair+sft" with loss_weights [0.8, 0.2, 1.0]); the reference-free "simpo", "orpo" and CPO's "cpo",
+    "cpo_hinge", "cpo_ipo" (TRL's CPOTrainer), each but orpo with an optional "+sft" (CPO: "cpo+sft", its cpo_alpha
+    the second loss weight; CPO-SimPO "simpo+sft"); on unpaired examples (`prompt`, `completion`, `label`) "kto" and
     "apo_zero_unpaired"; empty: no preference run."""
     loss_weights: list = field(default_factory=list)
     """The weight of each loss of a sum ("a+b+..."), in its order; empty: 1 each."""
@@ -55,7 +56,7 @@ class PreferenceConfig:
     """Strength of the preference (DPO's beta; SimPO's beta; ORPO's lambda on its odds-ratio term)."""
     label_smoothing: float = 0.0
     """The share of pairs assumed flipped, in [0, 0.5): sigmoid (conservative DPO), robust (rDPO), aot,
-    aot_unpaired, exo_pair (its target distribution's epsilon: must be > 0)."""
+    aot_unpaired, simpo, cpo, exo_pair (its target distribution's epsilon: must be > 0)."""
     f_divergence_type: str = "reverse_kl"
     """f-DPO's divergence to the reference: "reverse_kl" (DPO's), "forward_kl", "js_divergence" or
     "alpha_divergence"; other than "reverse_kl" with sigmoid, sigmoid_norm, ipo, hinge, robust, exo_pair or
@@ -73,6 +74,9 @@ class PreferenceConfig:
     """discopop: the temperature of the gate between its logistic and exponential parts."""
     simpo_gamma: float = 0.5
     """simpo: the target margin gamma of the length-normalized rewards."""
+    alpha: float = 0.0
+    """AlphaPO (TRL's CPOConfig alpha) for simpo and the cpo losses: each answer's score s (its log-probability,
+    length-normalized for simpo and cpo_ipo) replaced by the reward shape (1 - exp(s)^-alpha) / alpha; 0: s itself."""
     desirable_weight: float = 1.0
     """kto, apo_zero_unpaired: the weight of the desirable examples' losses."""
     undesirable_weight: float = 1.0

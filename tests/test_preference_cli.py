@@ -331,6 +331,12 @@ ERRORS = [
                                     "model.dropout=0.2"],
      'preference.loss="aot_unpaired" ranks the global batch\'s pairs in a pass before the step, which must see the '
      "step's values: set preference.disable_dropout=true (or the dropouts to 0)"),
+    ("AlphaPO on DPO", lambda r: ["preference.alpha=0.1"],
+     'preference.alpha (AlphaPO) shapes the rewards of simpo, cpo, cpo_hinge, cpo_ipo, not preference.loss="sigmoid"'),
+    ("ORPO with a second NLL", lambda r: ['preference.loss="orpo+sft"'],
+     'preference.loss="orpo+sft": a sum joins sigmoid'),
+    ("a reference-free loss with a referenced one", lambda r: ['preference.loss="cpo+sigmoid"'],
+     'or one of simpo, cpo, cpo_hinge, cpo_ipo and "sft" (CPO: "cpo+sft")'),
     ("two AOT losses", lambda r: ['preference.loss="aot+aot_unpaired"'],
      'preference.loss="aot+aot_unpaired" sums two AOT losses; keep one of aot, aot_unpaired'),
 ]

@@ -22,7 +22,8 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   weights, that run's gradient norms move);
 - world 2 also: AOT (its margins ranked over the global batch: a pass before the step, the ranks gathered over DP)
   at DP=2 and PP=2, AOT's unpaired form with label smoothing at DP=2 and CP=2; at one process micro-batch 2 equals
-  micro-batch 8, and each micro-batch ranked on its own (TRL's per-device sort) moves the run;
+  micro-batch 8, and each micro-batch ranked on its own (TRL's per-device sort) moves the run; CPO with its NLL term
+  (reference-free: no table, no reference pass) at DP=2, PP=2 and CP=2;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
@@ -154,6 +155,8 @@ TR_DPO = {"sync_ref_model": True}
 """TR-DPO: the reference a copy of the starting weights (preference.reference "weights", "auto" under the sync) run
 in each step and evaluation (swapped in through the pipeline's stages; FSDP's shards copied in and back), moved
 halfway to the policy after steps 2 and 4 (each rank its shards)."""
+CPO = {"loss": "cpo+sft", "loss_weights": (1.0, 0.5), "label_smoothing": 0.1}
+"""CPO (TRL's CPOTrainer, cpo_alpha 0.5): reference-free, no reference pass or table at any layout."""
 AOT = {"loss": "aot"}
 AOT_UNPAIRED = {"loss": "aot_unpaired", "label_smoothing": 0.1}
 """AOT: the global batch's margins (aot_unpaired: its chosen and rejected log-ratios) ranked after a pass before the
@@ -181,6 +184,9 @@ WORLD2 = {
     "pp2 aot": layout(pp=2, **AOT),
     "dp2 aot unpaired": layout(**AOT_UNPAIRED),
     "cp2 aot unpaired": layout(cp=2, **AOT_UNPAIRED),
+    "dp2 cpo": layout(**CPO),
+    "pp2 cpo": layout(pp=2, **CPO),
+    "cp2 cpo": layout(cp=2, **CPO),
 }
 CONTROL = "control cp2 forward-only sum"
 WORLD4 = {
@@ -209,7 +215,8 @@ def reference():
             "mpo": train_layout(ctx, preference_config(**MPO)),
             "tr dpo": train_layout(ctx, preference_config(**TR_DPO)),
             "aot": train_layout(ctx, preference_config(**AOT)),
-            "aot unpaired": train_layout(ctx, preference_config(**AOT_UNPAIRED))}
+            "aot unpaired": train_layout(ctx, preference_config(**AOT_UNPAIRED)),
+            "cpo": train_layout(ctx, preference_config(**CPO))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": CURVE + METRICS, "absolute": METRICS,
@@ -234,14 +241,14 @@ def assert_matches(value: dict, ref: dict, where: str) -> None:
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "lora", "norm js", "mpo", "tr dpo", "aot unpaired", "aot") if kind in name),
-                "dense")
+    return next((kind for kind in ("moe", "lora", "norm js", "mpo", "tr dpo", "aot unpaired", "aot", "cpo")
+                 if kind in name), "dense")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_preference_at_two_ranks_equals_one_process(world2, reference, name):
     for rank, value in enumerate(assert_every_rank(world2, name, reference[kind_of(name)], **SAME_RUN)):
-        if kind_of(name) not in ("mpo", "norm js"):  # (MPO's loss adds the chosen answers' NLL; WPO weighs it)
+        if kind_of(name) not in ("mpo", "norm js", "cpo"):  # (MPO's and CPO's add the chosen NLL; WPO weighs it)
             assert_starts_at_ln2(value, f"{name} rank {rank}")
 
 

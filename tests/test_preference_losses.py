@@ -86,11 +86,19 @@ def by_hand(loss: str, eps: float = 0.0, divergence: str = "reverse_kl") -> tupl
         elif loss == "hinge":
             value = max(0.0, 1 - BETA * d)
         elif loss == "simpo":
-            value = -log_sigmoid(BETA * (mc - mr) - GAMMA)
+            value = -(1 - eps) * log_sigmoid(BETA * (mc - mr) - GAMMA) - eps * log_sigmoid(GAMMA - BETA * (mc - mr))
+        elif loss == "cpo":
+            value = -(1 - eps) * log_sigmoid(BETA * (lc - lr)) - eps * log_sigmoid(-BETA * (lc - lr))
+        elif loss == "cpo_hinge":
+            value = max(0.0, 1 - BETA * (lc - lr))
+        elif loss == "cpo_ipo":
+            value = ((mc - mr) - 1 / (2 * BETA)) ** 2
         else:  # orpo
             value = -mc - BETA * log_sigmoid(log_odds(mc) - log_odds(mr))
         losses.append(value)
-        rewards.append((BETA * mc, BETA * mr) if loss in ("simpo", "orpo") else (BETA * (lc - rc), BETA * (lr - rr)))
+        rewards.append((BETA * mc, BETA * mr) if loss in ("simpo", "orpo", "cpo_ipo")
+                       else (BETA * lc, BETA * lr) if loss in ("cpo", "cpo_hinge")
+                       else (BETA * (lc - rc), BETA * (lr - rr)))
     return losses, rewards
 
 
@@ -108,12 +116,13 @@ OTHERS = {  # (z = beta (s_c - s_r), c = beta r_c, r = beta r_r, z over token me
     "apo_down": lambda z, c, r, n, eps: sigmoid(c) + 1 - sigmoid(c - r),
 }
 ALPHA, TAU = 0.3, 0.05
+FREE = ("simpo", "orpo", "cpo", "cpo_hinge", "cpo_ipo")
 
 
 def shardlm_losses(loss: str, eps: float = 0.0, divergence: str = "reverse_kl"):
     cfg = PreferenceConfig(loss=loss, beta=BETA, label_smoothing=eps, simpo_gamma=GAMMA, discopop_tau=TAU,
                            f_divergence_type=divergence, f_alpha_divergence_coef=ALPHA)
-    reference = None if loss in ("simpo", "orpo") else torch.tensor(REFERENCE, dtype=torch.float64)
+    reference = None if loss in FREE else torch.tensor(REFERENCE, dtype=torch.float64)
     return pair_losses(cfg, torch.tensor(LOGPS, dtype=torch.float64), torch.tensor(COUNTS, dtype=torch.float64),
                        reference)
 
@@ -122,7 +131,8 @@ CASES = {"dpo": ("sigmoid", 0.0), "cdpo": ("sigmoid", 0.2), "ipo": ("ipo", 0.0),
          "simpo": ("simpo", 0.0), "orpo": ("orpo", 0.0), "robust": ("robust", 0.2), "exo_pair": ("exo_pair", 1e-3),
          "discopop": ("discopop", 0.0), "sigmoid_norm": ("sigmoid_norm", 0.0), "nca_pair": ("nca_pair", 0.0),
          "bco_pair": ("bco_pair", 0.0), "sppo_hard": ("sppo_hard", 0.0), "apo_zero": ("apo_zero", 0.0),
-         "apo_down": ("apo_down", 0.0)} | {
+         "apo_down": ("apo_down", 0.0), "smoothed simpo": ("simpo", 0.2), "cpo": ("cpo", 0.0),
+         "smoothed cpo": ("cpo", 0.2), "cpo_hinge": ("cpo_hinge", 0.0), "cpo_ipo": ("cpo_ipo", 0.0)} | {
     f"{loss} {kind}": (loss, 0.2 if loss == "robust" else 0.0, kind)
     for kind in ("forward_kl", "js_divergence", "alpha_divergence")
     for loss in ("sigmoid", "ipo", "hinge", "robust", "discopop", "sigmoid_norm")}
@@ -156,12 +166,45 @@ def test_a_weighted_sum_adds_the_chosen_tokens_nll():
     assert abs(losses.mean().item() - want) <= TOL * want, (losses.mean().item(), want)
 
 
+@pytest.mark.parametrize("loss", ["simpo", "cpo", "cpo_hinge", "cpo_ipo"])
+def test_alphapo_shapes_each_answers_score(loss):
+    """AlphaPO (`alpha` 0.3, TRL's CPOConfig alpha): each answer's score s (its log-probability, per token for simpo
+    and cpo_ipo) becomes (1 - exp(s)^-alpha) / alpha in the loss and the logged rewards (beta times it); written
+    with `math` on exp(s)."""
+    cfg = PreferenceConfig(loss=loss, beta=BETA, simpo_gamma=GAMMA, alpha=ALPHA)
+    losses, metrics = pair_losses(cfg, torch.tensor(LOGPS, dtype=torch.float64),
+                                  torch.tensor(COUNTS, dtype=torch.float64), None)
+    for pair, ((lc, lr), (nc, nr)) in enumerate(zip(LOGPS, COUNTS)):
+        sc, sr = (lc / nc, lr / nr) if loss in ("simpo", "cpo_ipo") else (lc, lr)
+        c, r = ((1 - math.exp(s) ** -ALPHA) / ALPHA for s in (sc, sr))
+        want = {"simpo": -log_sigmoid(BETA * (c - r) - GAMMA), "cpo": -log_sigmoid(BETA * (c - r)),
+                "cpo_hinge": max(0.0, 1 - BETA * (c - r)), "cpo_ipo": ((c - r) - 1 / (2 * BETA)) ** 2}[loss]
+        assert abs(losses[pair].item() - want) <= TOL * max(1.0, abs(want)), (loss, pair, losses[pair].item(), want)
+        assert math.isclose(metrics["rewards_chosen"][pair].item(), BETA * c, rel_tol=TOL)
+        assert math.isclose(metrics["rewards_rejected"][pair].item(), BETA * r, rel_tol=TOL)
+    assert (losses - torch.tensor(by_hand(loss)[0], dtype=torch.float64)).abs().max() > 1e-3  # the shape moves it
+
+
+def test_cpo_adds_the_chosen_tokens_nll():
+    """CPO as TRL's CPOTrainer trains it ("cpo+sft", cpo_alpha the second weight, 0.5 here): the mean over the
+    pairs is the CPO loss's mean plus cpo_alpha x the NLL per chosen token of the batch."""
+    cfg = PreferenceConfig(loss="cpo+sft", loss_weights=[1.0, 0.5], beta=BETA)
+    share = 2 / (COUNTS[0][0] + COUNTS[1][0])
+    losses, _ = pair_losses(cfg, torch.tensor(LOGPS, dtype=torch.float64), torch.tensor(COUNTS, dtype=torch.float64),
+                            None, share)
+    nll = -(LOGPS[0][0] + LOGPS[1][0]) / (COUNTS[0][0] + COUNTS[1][0])
+    want = sum(by_hand("cpo")[0]) / 2 + 0.5 * nll
+    assert abs(losses.mean().item() - want) <= TOL * want, (losses.mean().item(), want)
+
+
 def test_the_fixture_reaches_both_sides_of_each_loss():
     """The fixture is not a degenerate point: the hinge is active on one pair and clipped on the other; label
     smoothing changes DPO's value; per-token IPO differs from IPO on the summed log-ratios; the accuracy is 1 on
     one pair and 0 on the other."""
     hinge, _ = by_hand("hinge")
     assert hinge[0] == 0.0 and hinge[1] > 0
+    cpo_hinge, _ = by_hand("cpo_hinge")
+    assert cpo_hinge[0] == 0.0 and cpo_hinge[1] > 0
     assert all(abs(a - b) > 0.1 for a, b in zip(by_hand("sigmoid")[0], by_hand("sigmoid", 0.2)[0]))
     summed = [((lc - rc) - (lr - rr) - 1 / (2 * BETA)) ** 2 for (lc, lr), (rc, rr) in zip(LOGPS, REFERENCE)]
     assert all(abs(a - b) > 0.1 for a, b in zip(by_hand("ipo")[0], summed))

@@ -31,6 +31,9 @@ The reference-free SimPO against TRL's `CPOTrainer` with `loss_type="simpo"` and
 `trl.experimental.cpo`): the same pairs as plain text (the prompt rendered by the chat template with its generation
 prompt, the answers' text, which both sides end with the end-of-turn token), beta 2, gamma 0.5: the same losses,
 rewards (beta times the length-normalized log-probability) and margin at each step, and the first gradient norm.
+CPO the same way against `CPOTrainer`'s defaults (loss_type "sigmoid", its NLL term at cpo_alpha 1; shardlm's
+"cpo+sft"), with label smoothing 0.1; at its trained weights CPO's hinge and IPO and AlphaPO's reward shape equal
+`CPOTrainer`'s losses.
 """
 
 from __future__ import annotations
@@ -193,6 +196,66 @@ def shardlm_simpo_run(setup, text_pairs):
     return shardlm_metrics(setup, text_pairs["path"], "shardlm_simpo",
                            ["preference.loss=\"simpo\"", f"preference.beta={SIMPO_BETA}",
                             f"preference.simpo_gamma={SIMPO_GAMMA}"])
+
+
+CPO_SMOOTHING, ALPHAPO = 0.1, 0.05
+
+
+@pytest.fixture(scope="module")
+def cpo_runs(setup, text_pairs):
+    """CPO as TRL's `CPOTrainer` trains it by default (loss_type "sigmoid", cpo_alpha 1: the chosen tokens' NLL
+    added), with label smoothing 0.1, beta 0.1, on the text pairs: {"trl": TRL's run, "shardlm": shardlm's
+    "cpo+sft"}."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    args = CPOConfig(output_dir=str(setup["root"] / "cpo_sigmoid"), max_length=SEQ, loss_type="sigmoid", cpo_alpha=1.0,
+                     beta=BETA, label_smoothing=CPO_SMOOTHING, per_device_train_batch_size=PAIRS_PER_STEP,
+                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
+                     report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+                     disable_tqdm=True, bf16=False)
+    return {"trl": trl_logs(CPOTrainer, args, text_pairs["records"], setup["hf"]),
+            "shardlm": shardlm_metrics(setup, text_pairs["path"], "shardlm_cpo",
+                                       ["preference.loss=\"cpo+sft\"", f"preference.beta={BETA}",
+                                        f"preference.label_smoothing={CPO_SMOOTHING}"])}
+
+
+def test_cpo_follows_trls_cpo_trainer_step_by_step(cpo_runs):
+    """CPO (reference-free DPO on the summed log-probabilities, smoothed, plus the NLL of the batch's chosen tokens)
+    follows `CPOTrainer`'s loss, rewards (beta x the summed log-probability) and margin at each step, and its first
+    gradient norm."""
+    assert_follows(cpo_runs["shardlm"]["steps"], cpo_runs["trl"]["steps"], BETA)
+
+
+CPO_NOW = {"cpo_hinge": ("hinge", {}), "cpo_ipo": ("ipo", {}),
+           "simpo alphapo": ("simpo", {"alpha": ALPHAPO, "simpo_gamma": 0.5}),
+           "cpo_ipo alphapo": ("ipo", {"alpha": ALPHAPO})}
+"""shardlm's name: (CPOTrainer's loss_type, options on both sides). AlphaPO on the length-normalized losses only:
+on summed log-probabilities (near -350 nats) TRL's fp32 exp(logp) underflows to 0 and its reward shape to NaN, where
+shardlm computes exp(-alpha s) directly (`test_preference_losses.py` checks those by hand)."""
+
+
+@pytest.mark.parametrize("name", list(CPO_NOW))
+def test_the_other_cpo_losses_equal_trls_after_training(cpo_runs, name):
+    """At the end of the CPO runs (their weights equal to rounding), shardlm's CPO hinge and IPO losses and AlphaPO's
+    reward shape on SimPO and CPO's IPO (alpha 0.05) of the first step's pairs equal `CPOTrainer`'s with that loss_type
+    and alpha (its NLL term off) within `LOSS_TOL`; each loss is away from 0 (the hinge not clipped)."""
+    loss_type, options = CPO_NOW[name]
+    trainer, theirs = cpo_runs["shardlm"]["trainer"], cpo_runs["trl"]["trainer"]
+    part = trainer.local_part(micro_batches(trainer.train_data, 0, PAIRS_PER_STEP, PAIRS_PER_STEP, 0, 1,
+                                            trainer.ctx.device))[0]
+    inputs = next(iter(theirs.get_train_dataloader()))
+    trainer.model.eval()
+    theirs.model.eval()
+    loss = name.split()[0]
+    cfg = replace(trainer.config.preference, loss=loss, loss_weights=[], label_smoothing=0.0, **options)
+    trl_options = {"loss_type": loss_type, "cpo_alpha": 0.0, "label_smoothing": 0.0, "alpha": 0.0} | options
+    for key, value in trl_options.items():
+        setattr(theirs, key, value)
+    with torch.no_grad():
+        ours = PreferenceLoss(cfg, trainer.ctx, trainer.model)(trainer.model, part).item()
+        trls = theirs.compute_loss(theirs.model, inputs).item()
+    assert abs(ours - trls) <= LOSS_TOL * abs(trls) and abs(trls) > 1e-3, (ours, trls)
 
 
 def assert_follows(ours_runs: list[dict], trl_runs: list[dict], beta: float) -> None:

@@ -1,7 +1,7 @@
 """Preference optimization (DPO and TRL's relatives of it: IPO, hinge, robust, EXO, DiscoPOP, NCA, BCO, SPPO,
-APO, AOT, f-DPO; the reference-free SimPO and ORPO) on packed pairs, and KTO on unpaired examples: records and
+APO, AOT, f-DPO; the reference-free SimPO, ORPO and CPO) on packed pairs, and KTO on unpaired examples: records and
 their tokens (`pairs`, `unpaired`), rows of pairs or examples (`data`), the losses and the reference (`loss`, `kto`,
-`aot`, `reference`), the run's data sets (`dataset`). `docs/preference.md`."""
+`aot`, `reference_free`, `reference`), the run's data sets (`dataset`). `docs/preference.md`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 def reference_mode(config) -> str:
     """"none" (a reference-free loss), "adapters", "precomputed" or "weights": where a run's reference
     log-probabilities come from (`preference.reference`, "auto" resolved: "weights" when TR-DPO syncs it)."""
-    from shardlm.preference.loss import REFERENCE_FREE
+    from shardlm.preference.reference_free import reference_free
 
     p = config.preference
-    if p.loss in REFERENCE_FREE:
+    if reference_free(p.loss):
         return "none"
     if p.reference == "auto":
         return "adapters" if config.lora.rank else "weights" if p.sync_ref_model else "precomputed"
@@ -23,18 +23,24 @@ def check_preference(config) -> str | None:
     """A one-line problem with a run's [preference] settings, or None."""
     from shardlm.preference.aot import AOT_LOSSES
     from shardlm.preference.kto import UNPAIRED
-    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCE_FREE, REFERENCED
+    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCED
+    from shardlm.preference.reference_free import ALPHAPO, MEAN, reference_free
 
     p = config.preference
     parts = p.loss.split("+")
+    free = reference_free(p.loss)
+    unweighted = ("no pairs" if p.loss in UNPAIRED else "its own length normalization"
+                  if any(part in MEAN for part in parts) else "no reference model")  # (LD-DPO's refusals)
     summed = len(parts) > 1 or p.loss == "sft"
     dropouts = (config.model.dropout, max(config.model.attention_dropout, 0.0),
                 config.lora.dropout if config.lora.rank else 0.0)
     checks = [
         (p.loss in LOSSES or summed, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}, or a sum of '
                                      f'{", ".join(REFERENCED)} and "sft" joined by "+"'),
-        (not summed or all(part in REFERENCED + ("sft",) for part in parts),
-         f'preference.loss="{p.loss}": a sum joins {", ".join(REFERENCED)} and "sft" (MPO: "sigmoid+bco_pair+sft")'),
+        (not summed or all(part in REFERENCED + ("sft",) for part in parts)
+         or (sum(part in ALPHAPO for part in parts) == 1 and all(part in ALPHAPO + ("sft",) for part in parts)),
+         f'preference.loss="{p.loss}": a sum joins {", ".join(REFERENCED)} and "sft" (MPO: "sigmoid+bco_pair+sft"), '
+         f'or one of {", ".join(ALPHAPO)} and "sft" (CPO: "cpo+sft")'),
         (not summed or any(part != "sft" for part in parts),
          f'preference.loss="{p.loss}" is supervised fine-tuning on the chosen answers: add a preference loss '
          '("sigmoid+sft") or train them with [sft] alone'),
@@ -49,6 +55,8 @@ def check_preference(config) -> str | None:
         (p.disable_dropout or not any(part in AOT_LOSSES for part in parts) or not any(dropouts),
          f'preference.loss="{p.loss}" ranks the global batch\'s pairs in a pass before the step, which must see '
          "the step's values: set preference.disable_dropout=true (or the dropouts to 0)"),
+        (not p.alpha or any(part in ALPHAPO for part in parts),
+         f'preference.alpha (AlphaPO) shapes the rewards of {", ".join(ALPHAPO)}, not preference.loss="{p.loss}"'),
         (p.beta > 0, f"preference.beta={p.beta} must be > 0"),
         (0 <= p.label_smoothing < 0.5, f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)"),
         ("exo_pair" not in parts or p.label_smoothing > 0,
@@ -61,12 +69,12 @@ def check_preference(config) -> str | None:
          f'{", ".join(F_DIVERGENCE_LOSSES)}, not "{p.loss}"'),
         (p.discopop_tau > 0, f"preference.discopop_tau={p.discopop_tau} must be > 0"),
         (0 <= p.ld_alpha <= 1, f"preference.ld_alpha={p.ld_alpha} must be in [0, 1] (1: no weighting)"),
-        (not p.use_weighting or p.loss not in REFERENCE_FREE + UNPAIRED,
+        (not p.use_weighting or not (free or p.loss in UNPAIRED),
          f'preference.use_weighting (WPO) weighs the pairs of the losses with a reference; preference.loss="{p.loss}" '
          "takes none: set it to false"),
-        (p.ld_alpha == 1 or p.loss not in REFERENCE_FREE + UNPAIRED,
+        (p.ld_alpha == 1 or not (free or p.loss in UNPAIRED),
          f'preference.ld_alpha weighs the tokens past the shorter answer of a pair (LD-DPO); preference.loss='
-         f'"{p.loss}" has {"no pairs" if p.loss in UNPAIRED else "its own length normalization"}: set it to 1'),
+         f'"{p.loss}" has {unweighted}: set it to 1'),
         (p.desirable_weight > 0 and p.undesirable_weight > 0,
          f"preference.desirable_weight={p.desirable_weight:g} and undesirable_weight={p.undesirable_weight:g} must "
          "be > 0"),
@@ -75,7 +83,7 @@ def check_preference(config) -> str | None:
         (p.reference != "weights" or not config.lora.rank,
          'preference.reference="weights" keeps a copy of a full fine-tuning run\'s starting weights; a LoRA run\'s '
          'reference is its base: use "adapters" (or "precomputed")'),
-        (not p.sync_ref_model or p.loss not in REFERENCE_FREE,
+        (not p.sync_ref_model or not free,
          f'preference.sync_ref_model updates the reference, which preference.loss="{p.loss}" does not use'),
         (not p.sync_ref_model or not config.lora.rank,
          "preference.sync_ref_model mixes the policy into a copy of the reference weights; a LoRA run's reference is "
@@ -86,7 +94,7 @@ def check_preference(config) -> str | None:
         (0 <= p.ref_model_mixup_alpha <= 1,
          f"preference.ref_model_mixup_alpha={p.ref_model_mixup_alpha} must be in [0, 1]"),
         (p.ref_model_sync_steps >= 1, f"preference.ref_model_sync_steps={p.ref_model_sync_steps} must be at least 1"),
-        (p.loss not in REFERENCE_FREE or p.reference == "auto",
+        (not free or p.reference == "auto",
          f'preference.loss="{p.loss}" uses no reference model; leave preference.reference at "auto"'),
         (p.reference != "adapters" or config.lora.rank > 0,
          'preference.reference="adapters" is the base of a LoRA run; set lora.rank or use "precomputed"'),

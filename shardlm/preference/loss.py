@@ -28,9 +28,8 @@ per answer, s = f'(r) its f-divergence score (`f_divergence_type`: r itself for 
     a+b+...   the weighted sum of those losses (`loss_weights`; MPO: "sigmoid+bco_pair+sft", 0.8, 0.2, 1.0), where
               "sft" is the chosen answers' NLL, a mean over the global batch's chosen tokens (TRL's is per device
               micro-batch): each pair contributes -logp_c x pairs / chosen tokens, both counted over the global batch
-    simpo     -log sigmoid(beta (logp_c / n_c - logp_r / n_r) - gamma)      reference-free
-    orpo      -logp_c / n_c - beta log sigmoid(log odds_c - log odds_r),    reference-free; odds = p / (1 - p) of
-              the length-normalized probability (ORPO's lambda is beta)
+    simpo, orpo, cpo, cpo_hinge, cpo_ipo   reference-free (`shardlm.preference.reference_free`; a sum with "sft":
+              CPO's NLL term)
     kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`);
               apo_zero_unpaired the same without it
 
@@ -61,9 +60,9 @@ from shardlm.errors import UserError
 from shardlm.lora.switch import adapters_off, has_adapters
 from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
-from shardlm.preference import aot, kto
+from shardlm.preference import aot, kto, reference_free
+from shardlm.preference.reference_free import REFERENCE_FREE
 
-REFERENCE_FREE = ("simpo", "orpo")
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "exo_pair", "discopop")
 """The losses of the score difference z, which take an f-divergence other than the reverse KL (TRL's list less its
 "sft"): the others read each side's log-ratio, where the f-DPO reparameterization's log Z(x) would not cancel."""
@@ -190,26 +189,19 @@ def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor
     batch's pairs / chosen tokens (`preference_parts`), which the "sft" term of a weighted sum reads, with the chosen
     answers' log-probabilities `chosen_logps` (P,) (default logps[:, 0]; under LD-DPO the unweighted ones); AOT reads
     the pairs' `matched` constants (P, 2) (`shardlm.preference.aot.match`)."""
-    beta = cfg.beta
-    if cfg.loss in REFERENCE_FREE:
-        mean = logps / counts
-        if cfg.loss == "simpo":
-            losses = -F.logsigmoid(beta * (mean[:, 0] - mean[:, 1]) - cfg.simpo_gamma)
-        else:  # ORPO: log odds of the length-normalized probabilities
-            odds = mean - torch.log1p(-torch.exp(mean).clamp(max=1 - 1e-12))
-            losses = -mean[:, 0] - beta * F.logsigmoid(odds[:, 0] - odds[:, 1])
-        rewards = beta * mean.detach()
-    else:
-        ratio = logps - reference
-        chosen = logps[:, 0] if chosen_logps is None else chosen_logps
-        terms = [-chosen * chosen_share if part == "sft" else referenced_losses(cfg, part, ratio, counts, matched)
-                 for part in cfg.loss.split("+")]
-        if cfg.loss_weights:  # a weighted sum ("a+b+...")
-            terms = [weight * term for weight, term in zip(cfg.loss_weights, terms)]
-        losses = terms[0]
-        for term in terms[1:]:
-            losses = losses + term
-        rewards = beta * ratio.detach()
+    parts = cfg.loss.split("+")
+    free = next((part for part in parts if part in REFERENCE_FREE), None)
+    scored = logps - reference if free is None else reference_free.scores(free, logps, counts, cfg.alpha)
+    chosen = logps[:, 0] if chosen_logps is None else chosen_logps
+    terms = [-chosen * chosen_share if part == "sft"
+             else reference_free.reference_free_losses(cfg, part, logps, counts, scored) if part == free
+             else referenced_losses(cfg, part, scored, counts, matched) for part in parts]
+    if cfg.loss_weights:  # a weighted sum ("a+b+...")
+        terms = [weight * term for weight, term in zip(cfg.loss_weights, terms)]
+    losses = terms[0]
+    for term in terms[1:]:
+        losses = losses + term
+    rewards = cfg.beta * scored.detach()
     margin = rewards[:, 0] - rewards[:, 1]
     return losses, {"rewards_chosen": rewards[:, 0], "rewards_rejected": rewards[:, 1], "reward_margin": margin,
                     "reward_accuracy": (margin > 0).double()}
@@ -365,7 +357,7 @@ class PreferenceLoss:
 
     def needs_reference_pass(self, batches: list[dict]) -> bool:
         """Whether these micro-batches still need the reference model's forward (under `reference_context`)."""
-        return self.cfg.loss not in REFERENCE_FREE and any("reference" not in b for b in batches)
+        return not reference_free.reference_free(self.cfg.loss) and any("reference" not in b for b in batches)
 
     def reference_context(self):
         """The reference model in the policy's place: its weights swapped in, or a LoRA run's adapters off."""
@@ -377,7 +369,7 @@ class PreferenceLoss:
         return adapters_off(self.model)
 
     def reference_logps(self, forward, batch: dict) -> torch.Tensor | None:
-        if self.cfg.loss in REFERENCE_FREE:
+        if reference_free.reference_free(self.cfg.loss):
             return None
         if "reference" not in batch:  # the reference weights, or the base of a LoRA run, in the same step
             with torch.no_grad(), self.reference_context():
@@ -392,7 +384,7 @@ class PreferenceLoss:
     def of_token_losses(self, token_losses: torch.Tensor, batch: dict, reference: torch.Tensor | None = None
                         ) -> torch.Tensor:
         """The micro-batch's share of the global batch's mean pair loss, from the policy's token losses (b, T)."""
-        if reference is None and self.cfg.loss not in REFERENCE_FREE:
+        if reference is None and not reference_free.reference_free(self.cfg.loss):
             reference = batch["reference"]
         logps, counts = sequence_logps(token_losses, batch, self.ctx.cp)
         if self.unpaired:
