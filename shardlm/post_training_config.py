@@ -318,3 +318,12 @@ class DistillConfig:
     sampling_temperature: float = 1.0
     """The temperature the student (and under seq_kd the teacher) samples its completions at (TRL's
     GKDConfig.temperature)."""
+    top_p: float = 1.0
+    """On-policy (and seq_kd) sampling: nucleus sampling (1 disables it), as TRL's DistillationConfig.top_p."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 disables it)."""
+    min_p: float = 0.0
+    """Sample among the tokens at least min_p times as likely as the most likely one (0 disables it)."""
+    repetition_penalty: float = 1.0
+    """The logits of the ids already in the sequence divided by this where positive and multiplied where negative,
+    before the temperature (1 disables it)."""

@@ -97,6 +97,7 @@ ERRORS = [
      "distill.teacher="),
     ("beta", lambda tmp, data, teacher: ["distill.beta=1.5"], "distill.beta=1.5 must be in [0, 1]"),
     ("temperature", lambda tmp, data, teacher: ["distill.temperature=0.0"], "distill.temperature=0.0 must be > 0"),
+    ("top_p", lambda tmp, data, teacher: ["distill.top_p=0.0"], "distill.top_p=0.0 must be in (0, 1]"),
     ("dtype", lambda tmp, data, teacher: ['distill.teacher_dtype="fp16"'], 'distill.teacher_dtype="fp16" must be'),
     ("vocabulary size", lambda tmp, data, teacher: ["model.vocab_size=151936"],
      "has a vocabulary of 151669 entries, the student 151936"),
@@ -128,11 +129,13 @@ def test_a_teacher_with_another_tokenizer_is_refused(config, data_dir, teacher, 
 @pytest.mark.timeout(300)
 def test_on_policy_distillation_from_the_command_line(config, tmp_path, capsys):
     """distill.lmbda=1: every step trains on the student's own completions (at most 8 tokens, sampled with the
-    KV cache), the run says so in its first lines and logs each step's completion length."""
-    assert main(["train", str(config), "distill.lmbda=1.0", "distill.max_new_tokens=8",
-                 "--run-dir", str(tmp_path / "run")]) == 0
+    KV cache, top-k 50 and a repetition penalty), the run says so in its first lines and logs each step's completion
+    length."""
+    assert main(["train", str(config), "distill.lmbda=1.0", "distill.max_new_tokens=8", "distill.top_k=50",
+                 "distill.repetition_penalty=1.2", "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "distill: on-policy on a share 1 of the steps (completions of at most 8 tokens" in out, out
+    assert ("distill: on-policy on a share 1 of the steps (completions of at most 8 tokens sampled by the student at "
+            "temperature 1, top_k 50, repetition_penalty 1.2)") in out, out
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert [s["on_policy"] for s in steps] == [1.0, 1.0], steps
     assert all(0 < s["completion_length"] <= 8 for s in steps), steps

@@ -27,9 +27,10 @@ loss, every parameter on every rank):
   SP (each CP rank samples its share of whole sequences) and FSDP PP=2 x DP=2 equal one process; so does the
   per-token reverse KL of the student's samples (`loss = "token_kl"`, every step on-policy) at TP=2 with SP;
 - seq_kd (GKD's sequence-level KD: the steps that are not on-policy, step 3 here, train on the teacher's
-  completions, sampled at the layout through the teacher's own stages): TP=2 with SP, PP=2 x 2 virtual stages, FSDP
-  DP=2 and FSDP PP=2 x DP=2 (the teacher's gathered root freed after its sampling) equal one process; the teacher's
-  sampler at temperature 0 decodes as transformers' greedy `generate` of the teacher's directory;
+  completions, sampled at the layout through the teacher's own stages): PP=2 x 2 virtual stages, FSDP
+  DP=2 and FSDP PP=2 x DP=2 (the teacher DTensors again after the run) equal one process, with top-k, top-p, min-p
+  and the repetition penalty; the teacher's sampler at temperature 0 decodes as transformers' greedy `generate`
+  of the teacher's directory;
 - one process: a packed row's loss and gradients equal its documents' alone, and the teacher has no gradient.
 """
 
@@ -59,6 +60,9 @@ VOCAB = 300
 """Both models' vocabulary (the rows use its first 100 tokens): padded to 512 at TP=2, so each rank holds real
 entries (256 and 44) and the divergence's reductions over the split vocabulary count."""
 DISTILL = {"beta": 0.5, "temperature": 2.0}
+FILTERS = {"top_k": 40, "top_p": 0.95, "min_p": 0.02, "repetition_penalty": 1.3}
+"""The seq_kd cases' sampling filters (TRL's DistillationConfig names): the vocabulary's top 40, nucleus 0.95, min-p,
+the penalty on the row's ids so far."""
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
 
 
@@ -90,13 +94,13 @@ def write_moe_teacher(root):
 def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
                    virtual: int = 1,
                    moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], lmbda: float = 0.0,
-                   loss: str = "jsd", seq_kd: bool = False, **train):
+                   loss: str = "jsd", seq_kd: bool = False, filters: bool = False, **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
     if moe:
         model |= {"num_layers": 2} | MIXTRAL
     sections = {"sft": {"data": ["records.jsonl"]},
                 "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8,
-                            "loss": loss, "seq_kd": seq_kd}}
+                            "loss": loss, "seq_kd": seq_kd} | (FILTERS if filters else {})}
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
@@ -107,10 +111,9 @@ def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: i
 def on_policy_run(trainer):
     """`shardlm.distill.on_policy` on the synthetic rows: completions of up to 8 tokens, stopped at id 0 (the
     student's, and under seq_kd the teacher's)."""
-    from shardlm.distill.on_policy import OnPolicyDistill, samplers
-    from shardlm.eval.generate import SamplingConfig
+    from shardlm.distill.on_policy import OnPolicyDistill, samplers, sampling_of
 
-    student, teacher = samplers(trainer, SamplingConfig(max_new_tokens=8, temperature=1.0), {0})
+    student, teacher = samplers(trainer, sampling_of(trainer.config.distill), {0})
     return OnPolicyDistill(trainer, student, pad_id=0, teacher_generator=teacher)
 
 
@@ -198,9 +201,8 @@ WORLD2 = {
     "on-policy pp2 virtual2": ("on-policy", layout(pp=2, virtual=2, micro=1, lmbda=0.2)),
     "on-policy cp2": ("on-policy", layout(cp=2, lmbda=0.2)),
     "token kl on-policy tp2 sp": ("token kl", layout(tp=2, sp=True, lmbda=1.0, loss="token_kl")),
-    "seq kd tp2 sp": ("seq kd", layout(tp=2, sp=True, lmbda=0.2, seq_kd=True)),
-    "seq kd pp2 virtual2": ("seq kd", layout(pp=2, virtual=2, micro=1, lmbda=0.2, seq_kd=True)),
-    "seq kd fsdp dp2": ("seq kd", layout(lmbda=0.2, seq_kd=True, data_sharding="full")),
+    "seq kd pp2 virtual2": ("seq kd", layout(pp=2, virtual=2, micro=1, lmbda=0.2, seq_kd=True, filters=True)),
+    "seq kd fsdp dp2": ("seq kd", layout(lmbda=0.2, seq_kd=True, data_sharding="full", filters=True)),
 }
 WORLD4 = {
     "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
@@ -211,12 +213,14 @@ WORLD4 = {
     "fsdp pp2 dp2": ("dense", layout(pp=2, micro=1, data_sharding="full")),
     "on-policy cp2 tp2 sp": ("on-policy", layout(cp=2, tp=2, sp=True, lmbda=0.2)),
     "on-policy fsdp pp2 dp2": ("on-policy", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2)),
-    "seq kd fsdp pp2 dp2": ("seq kd", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2, seq_kd=True)),
+    "seq kd fsdp pp2 dp2": ("seq kd", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2, seq_kd=True,
+                                             filters=True)),
 }
 REFERENCES = {"dense": {"micro": BATCH}, "moe": {"micro": 2, "moe": True}, "lora": {"micro": WIDE_BATCH, "lora": True},
               "forward kl": {"micro": BATCH, "beta": 0.0}, "on-policy": {"micro": BATCH, "lmbda": 0.2},
               "token kl": {"micro": WIDE_BATCH, "lmbda": 1.0, "loss": "token_kl"},
-              "moe teacher": {"micro": 2, "moe": True}, "seq kd": {"micro": BATCH, "lmbda": 0.2, "seq_kd": True}}
+              "moe teacher": {"micro": 2, "moe": True}, "seq kd": {"micro": BATCH, "lmbda": 0.2, "seq_kd": True,
+                                                                        "filters": True}}
 
 
 @pytest.fixture(scope="module")
@@ -362,14 +366,18 @@ def test_on_policy_steps_train_on_the_students_completions(reference):
     assert abs(on_policy["curve"][first][0] - offline["curve"][first][0]) > 1e-4 * offline["curve"][first][0]
 
 
-def test_seq_kd_steps_train_on_the_teachers_completions(reference):
+def test_seq_kd_steps_train_on_the_teachers_completions(reference, teacher):
     """Under seq_kd the steps that are not on-policy (step 3 at this seed) train on the teacher's completions of
-    the same prompts: the on-policy steps before it are the on-policy run's bitwise, step 3's loss is not (that
-    run's step 3 is on the records' answers)."""
+    the same prompts: without the sampling filters the on-policy steps before it are the on-policy run's bitwise,
+    step 3's loss is not (that run's step 3 is on the records' answers); with them (the layouts' runs) every step
+    samples other tokens."""
     seq_kd, on_policy = reference["seq kd"], reference["on-policy"]
     assert seq_kd["on_policy"] == [1.0, 1.0, 0.0] and seq_kd["seq_kd"] == [0.0, 0.0, 1.0]
-    assert seq_kd["curve"][:2] == on_policy["curve"][:2]
-    assert abs(seq_kd["curve"][2][0] - on_policy["curve"][2][0]) > 1e-4 * on_policy["curve"][2][0]
+    plain = train_distill(ParallelContext.single(), distill_config(teacher, micro=BATCH, lmbda=0.2, seq_kd=True))
+    assert plain["curve"][:2] == on_policy["curve"][:2]  # (the filters off: the on-policy run's samples)
+    assert abs(plain["curve"][2][0] - on_policy["curve"][2][0]) > 1e-4 * on_policy["curve"][2][0]
+    # the control: the sampling filters reach both samplers (another loss from step 1)
+    assert all(abs(a[0] - b[0]) > 1e-4 * b[0] for a, b in zip(seq_kd["curve"], plain["curve"]))
 
 
 def test_the_teachers_sampler_decodes_the_teacher(teacher):

@@ -21,9 +21,9 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
   chosen tokens; the weights from whole rows), each against its own one-process run (without WPO's or LD-DPO's
   weights, that run's gradient norms move);
 - world 2 also: AOT (its margins ranked over the global batch: a pass before the step, the ranks gathered over DP)
-  at DP=2 and PP=2, AOT's unpaired form with label smoothing at DP=2 and CP=2; at one process micro-batch 2 equals
+  at PP=2, AOT's unpaired form with label smoothing at DP=2 and CP=2; at one process micro-batch 2 equals
   micro-batch 8, and each micro-batch ranked on its own (TRL's per-device sort) moves the run; CPO with its NLL term
-  (reference-free: no table, no reference pass) at DP=2, PP=2 and CP=2;
+  (reference-free: no table, no reference pass) at PP=2 and CP=2;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
@@ -180,11 +180,9 @@ WORLD2 = {
     "pp2 tr dpo": layout(pp=2, **TR_DPO),
     "fsdp dp2 tr dpo": layout(data_sharding="full", **TR_DPO),
     "tp2 sp tr dpo": layout(tp=2, sp=True, **TR_DPO),
-    "dp2 aot": layout(**AOT),
     "pp2 aot": layout(pp=2, **AOT),
     "dp2 aot unpaired": layout(**AOT_UNPAIRED),
     "cp2 aot unpaired": layout(cp=2, **AOT_UNPAIRED),
-    "dp2 cpo": layout(**CPO),
     "pp2 cpo": layout(pp=2, **CPO),
     "cp2 cpo": layout(cp=2, **CPO),
 }

@@ -114,17 +114,29 @@ def samplers(trainer, sampling, stops: set[int], stop_requested=None) -> tuple:
                                        pipeline=stages, stop_requested=stop_requested)
 
 
+FILTERS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+"""The sampling options of [distill] and the value that turns each off."""
+
+
+def sampling_of(cfg):
+    """The `SamplingConfig` of a run's on-policy (and seq_kd) completions, from its [distill] section."""
+    from shardlm.eval.generate import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sampling_temperature,
+                          **{name: getattr(cfg, name) for name in FILTERS})
+
+
 def start_on_policy(trainer, template, tokenizer_path, stop_requested=None):
     """(the run's `OnPolicyDistill`, the line that describes it), once the trainer holds the starting weights."""
-    from shardlm.eval.generate import SamplingConfig
     from shardlm.rl.setup import end_ids, stop_ids
 
     cfg = trainer.config.distill
     eod, pad_id = end_ids(template)
-    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sampling_temperature)
-    student, teacher = samplers(trainer, sampling, stop_ids(eod, pad_id, tokenizer_path), stop_requested)
+    student, teacher = samplers(trainer, sampling_of(cfg), stop_ids(eod, pad_id, tokenizer_path), stop_requested)
+    filters = ", ".join(f"{name} {getattr(cfg, name):g}" for name, off in FILTERS.items() if getattr(cfg, name) != off)
     line = (f"distill: on-policy on a share {cfg.lmbda:g} of the steps"
             + (", the teacher's completions on the others (seq_kd)" if cfg.seq_kd else "")
             + f" (completions of at most {cfg.max_new_tokens} tokens sampled by the "
-            f"{'student and the teacher' if cfg.seq_kd else 'student'} at temperature {cfg.sampling_temperature:g})")
+            f"{'student and the teacher' if cfg.seq_kd else 'student'} at temperature {cfg.sampling_temperature:g}"
+            + (f", {filters}" if filters else "") + ")")
     return OnPolicyDistill(trainer, student, pad_id if pad_id is not None else 0, teacher), line
