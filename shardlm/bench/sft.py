@@ -71,7 +71,7 @@ class SFTShape:
 
 SFT_BENCH = SFTShape()
 SFT_QUICK = SFTShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
-                     seq_length=256, rows_per_step=2, steps=2, warmup_steps=1, records=24,
+                     seq_length=256, rows_per_step=1, steps=2, warmup_steps=1, records=24,
                      attention_rows=1, attention_heads=4, attention_head_dim=32)
 
 
