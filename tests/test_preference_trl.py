@@ -178,17 +178,23 @@ def text_pairs(setup):
     return {"records": records, "path": path}
 
 
-@pytest.fixture(scope="module")
-def trl_simpo_run(setup, text_pairs):
+def cpo_run(setup, text_pairs, name: str, **options) -> dict:
+    """TRL's `CPOTrainer` (`trl.experimental.cpo`) on the text pairs with the matched settings and `options` (its
+    loss_type, cpo_alpha, beta, ...): `trl_logs`'s {"steps", "trainer"}."""
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    args = CPOConfig(output_dir=str(setup["root"] / "cpo"), max_length=SEQ, loss_type="simpo", cpo_alpha=0.0,
-                     beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA, per_device_train_batch_size=PAIRS_PER_STEP,
+    args = CPOConfig(output_dir=str(setup["root"] / name), max_length=SEQ, per_device_train_batch_size=PAIRS_PER_STEP,
                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                      adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
                      report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-                     disable_tqdm=True, bf16=False)
+                     disable_tqdm=True, bf16=False, **options)
     return trl_logs(CPOTrainer, args, text_pairs["records"], setup["hf"])
+
+
+@pytest.fixture(scope="module")
+def trl_simpo_run(setup, text_pairs):
+    return cpo_run(setup, text_pairs, "cpo", loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA,
+                   simpo_gamma=SIMPO_GAMMA)
 
 
 @pytest.fixture(scope="module")
@@ -206,15 +212,8 @@ def cpo_runs(setup, text_pairs):
     """CPO as TRL's `CPOTrainer` trains it by default (loss_type "sigmoid", cpo_alpha 1: the chosen tokens' NLL
     added), with label smoothing 0.1, beta 0.1, on the text pairs: {"trl": TRL's run, "shardlm": shardlm's
     "cpo+sft"}."""
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
-
-    args = CPOConfig(output_dir=str(setup["root"] / "cpo_sigmoid"), max_length=SEQ, loss_type="sigmoid", cpo_alpha=1.0,
-                     beta=BETA, label_smoothing=CPO_SMOOTHING, per_device_train_batch_size=PAIRS_PER_STEP,
-                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
-                     report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-                     disable_tqdm=True, bf16=False)
-    return {"trl": trl_logs(CPOTrainer, args, text_pairs["records"], setup["hf"]),
+    return {"trl": cpo_run(setup, text_pairs, "cpo_sigmoid", loss_type="sigmoid", cpo_alpha=1.0, beta=BETA,
+                           label_smoothing=CPO_SMOOTHING),
             "shardlm": shardlm_metrics(setup, text_pairs["path"], "shardlm_cpo",
                                        ["preference.loss=\"cpo+sft\"", f"preference.beta={BETA}",
                                         f"preference.label_smoothing={CPO_SMOOTHING}"])}

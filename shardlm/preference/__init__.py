@@ -29,8 +29,8 @@ def check_preference(config) -> str | None:
     p = config.preference
     parts = p.loss.split("+")
     free = reference_free(p.loss)
-    unweighted = ("no pairs" if p.loss in UNPAIRED else "its own length normalization"
-                  if any(part in MEAN for part in parts) else "no reference model")  # (LD-DPO's refusals)
+    ld_refusal = ("no pairs" if p.loss in UNPAIRED else "its own length normalization"
+                  if any(part in MEAN for part in parts) else "no reference model")  # why LD-DPO is refused
     summed = len(parts) > 1 or p.loss == "sft"
     dropouts = (config.model.dropout, max(config.model.attention_dropout, 0.0),
                 config.lora.dropout if config.lora.rank else 0.0)
@@ -74,7 +74,7 @@ def check_preference(config) -> str | None:
          "takes none: set it to false"),
         (p.ld_alpha == 1 or not (free or p.loss in UNPAIRED),
          f'preference.ld_alpha weighs the tokens past the shorter answer of a pair (LD-DPO); preference.loss='
-         f'"{p.loss}" has {unweighted}: set it to 1'),
+         f'"{p.loss}" has {ld_refusal}: set it to 1'),
         (p.desirable_weight > 0 and p.undesirable_weight > 0,
          f"preference.desirable_weight={p.desirable_weight:g} and undesirable_weight={p.undesirable_weight:g} must "
          "be > 0"),
