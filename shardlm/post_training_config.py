@@ -34,6 +34,10 @@ class SFTConfig:
     run's prompts too: TRL's shuffle_dataset)."""
     valid_fraction: float = 0.05
     """Share of the conversations held out for the validation loss over assistant tokens (0: none)."""
+    loss_type: str = "nll"
+    """"nll" (each trained token's negative log-likelihood, their mean over the global batch) or "dft" (Dynamic
+    Fine-Tuning, TRL's SFTConfig loss_type: each token's NLL times its probability, without gradient through that
+    weight); the SFT loss of runs without [preference], [rl] or [distill]."""
 
 
 @dataclass

@@ -232,6 +232,10 @@ def _validate_packed(config: RunConfig) -> None:
         (f.overflow in OVERFLOW, f'sft.overflow="{f.overflow}" must be "truncate" or "drop"'),
         (f.fields in ("auto", "dolly", "alpaca"), f'sft.fields="{f.fields}" must be "auto", "dolly" or "alpaca"'),
         (0 <= f.valid_fraction < 1, f"sft.valid_fraction={f.valid_fraction} must be in [0, 1)"),
+        (f.loss_type in ("nll", "dft"), f'sft.loss_type="{f.loss_type}" must be "nll" or "dft"'),
+        (f.loss_type == "nll" or not (config.preference.loss or config.rl.loss or config.distill.teacher),
+         f'sft.loss_type="{f.loss_type}" weighs the SFT loss; a preference, RL or distillation run has its own: leave '
+         'it at "nll"'),
     ]
     for ok, message in checks:
         if not ok:

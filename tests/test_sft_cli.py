@@ -162,6 +162,7 @@ ERRORS = [
     ("no chat template", no_template, "has no chat template"),
     ("with text_file", lambda r, hf: ["data.text_file=corpus.txt"], "sft.data replaces data.text_file"),
     ("packing", lambda r, hf: ['sft.packing="best"'], 'sft.packing="best" must be one of'),
+    ("loss type", lambda r, hf: ['sft.loss_type="focal"'], 'sft.loss_type="focal" must be "nll" or "dft"'),
     ("all too long, dropped", lambda r, hf: ["model.seq_length=8", 'sft.overflow="drop"'], "no conversation is left"),
     ("lora rank", lambda r, hf: ["lora.rank=-1"], "lora.rank=-1 must be at least 1"),
     ("lora unknown target", lambda r, hf: ["lora.rank=4", 'lora.targets=["attn"]'], "'attn', which is no projection"),

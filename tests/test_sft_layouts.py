@@ -14,7 +14,9 @@ held-out rows and every final parameter, on every rank):
   (middle stages need the documents too), CP=2 (GPT, Llama, MLA with values narrower than keys; the ring
   masks blocks by document; MLA with 2 multi-token-prediction depths, rolled within documents on the whole
   rows before the split), FSDP DP=2; gpt-oss's attention (sinks, a window on alternate layers, biases) at
-  CP=2, TP=2 with SP and PP=2 x 2 virtual stages;
+  CP=2, TP=2 with SP and PP=2 x 2 virtual stages; Dynamic Fine-Tuning (`sft.loss_type = "dft"`: each token's loss
+  times its probability) at TP=2 with SP (the vocabulary-parallel loss) and PP=2 x 2 virtual stages (the last
+  stage's loss), its first loss checked against p x (-log p) of the one-process model's tokens;
 - world 4: TP=2 x DP=2 with the distributed optimizer, PP=2 x DP=2, CP=2 x DP=2, CP=2 x TP=2 with SP, and an
   MoE (Mixtral-style, 4 experts) at EP=2 over DP=4 against its own one-process run;
 - one process: the packed forward and its gradients equal the documents run one by one, unpacked, for GPT,
@@ -40,7 +42,7 @@ from shardlm.parallel import ParallelContext
 from shardlm.sft.dataset import PackedDataset
 from shardlm.sft.packing import PackedRows
 from shardlm.sft.template import TokenizedConversation
-from shardlm.training.data import DocumentSamples
+from shardlm.training.data import DocumentSamples, micro_batches
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
@@ -83,7 +85,7 @@ def valid_data() -> PackedDataset:
 
 def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                sp: bool = False, virtual: int = 1, moe: bool = False, mtp: bool = False, dropout: float = 0.0,
-               **train):
+               dft: bool = False, **train):
     model = tiny_model(arch, SEQ, dropout=dropout)
     if arch == "llama":
         model["num_kv_heads"] = 2
@@ -95,7 +97,8 @@ def sft_config(arch: str = "gpt", micro: int = 2, tp: int = 1, pp: int = 1, cp: 
         model |= {"mtp_layers": 2, "mtp_loss_weight": 0.3}
     if moe:
         model |= {"num_layers": 2} | MIXTRAL
-    return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual,
+    sections = {"sft": {"data": ["unused.jsonl"], "loss_type": "dft"}} if dft else None  # (the rows are given)
+    return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
                          **{"steps": STEPS, "eval_iters": 64, **train})
 
 
@@ -160,6 +163,8 @@ WORLD2 = {
     "cp2 oss": layout(cp=2, arch="oss"),
     "tp2 sp oss": layout(tp=2, sp=True, arch="oss"),
     "pp2 virtual2 oss": layout(pp=2, virtual=2, micro=1, arch="oss"),
+    "tp2 sp gpt dft": layout(tp=2, sp=True, dft=True),
+    "pp2 virtual2 gpt dft": layout(pp=2, virtual=2, micro=1, dft=True),
 }
 CONTROLS = {  # the same layouts broken (see `broken`): each must train all STEPS and end off
     "control cp2 gpt ring mask": layout(cp=2, control="ring mask", steps=STEPS),
@@ -196,12 +201,13 @@ def reference():
     kinds = {"gpt": ("gpt", 8, False), "llama": ("llama", 8, False), "mla": ("mla", 8, False),
              "oss": ("oss", 8, False), "moe": ("gpt", 2, True)}
     return {kind: train_layout(ctx, sft_config(arch, micro=micro, moe=moe), TRAINED) for kind, (arch, micro, moe) in
-            kinds.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True), TRAINED)} | {
+            kinds.items()} | {"mtp": train_layout(ctx, sft_config("mla", micro=8, mtp=True), TRAINED),
+                              "dft": train_layout(ctx, sft_config(micro=8, dft=True), TRAINED)} | {
         f"{arch} control": train_layout(ctx, sft_config(arch, micro=8)) for arch in ("gpt", "llama")}
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind in ("moe", "llama", "mtp", "mla", "oss") if kind in name), "gpt")
+    return next((kind for kind in ("moe", "llama", "mtp", "mla", "oss", "dft") if kind in name), "gpt")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -222,6 +228,22 @@ def test_controls_without_the_documents_fail(world2, reference, name):
     for value in check_result(world2, name):
         assert_trained_but_off(value["curve"], value["params"], ref["params"], STEPS, ".attn.")
         assert max(abs(loss - r) / r for (loss, _), (r, _) in zip(value["curve"][1:], ref["curve"][1:])) > 1e-3
+
+
+def test_dft_weighs_each_token_by_its_probability(reference):
+    """Dynamic Fine-Tuning (`sft.loss_type = "dft"`): the first step's loss is the mean over the trained tokens of
+    p x (-log p), p = exp(-token loss), computed here from the one-process model's own token losses, and the run is
+    not the NLL run (its gradient norms move)."""
+    config = sft_config(micro=8, dft=True)
+    trainer = Trainer(config, ParallelContext.single(), train_data(), valid_data())
+    [batch] = trainer.local_part(micro_batches(trainer.train_data, 0, 8, 8, 0, 1, torch.device("cpu")))
+    with torch.no_grad():
+        losses = trainer.model(batch["inputs"], batch["targets"], documents=batch["documents"])
+    trained = batch["targets"] != -100
+    want = (losses * torch.exp(-losses))[trained].double().mean().item()
+    assert abs(reference["dft"]["curve"][0][0] - want) <= 1e-6 * want, (reference["dft"]["curve"][0], want)
+    plain = reference["gpt"]["curve"]
+    assert max(abs(a[1] - b[1]) for a, b in zip(plain, reference["dft"]["curve"])) > 1e-3
 
 
 def test_loss_is_the_mean_over_all_trained_tokens_not_a_mean_of_means(reference):

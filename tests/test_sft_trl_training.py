@@ -93,36 +93,43 @@ class InOrder(trl.SFTTrainer):
         return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
 
-@pytest.fixture(scope="module")
-def trl_run(setup):
+def trl_sft(setup, name: str, **options) -> tuple[list[dict], InOrder, dict]:
+    """TRL's SFTTrainer on the tokenized records, packed (bfd, padding-free), in order, with the matched settings
+    and `options` (its loss_type): (the logged steps, the trainer before `train()` has run, its first batch). Call
+    `trainer.train()` to run it."""
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False  # else transformers skips the packed-document mask (module docstring)
     dataset = datasets.Dataset.from_dict({"input_ids": [d.input_ids for d in setup["docs"]],
                                           "assistant_masks": [d.loss_mask for d in setup["docs"]]})
-    args = trl.SFTConfig(output_dir=str(setup["root"] / "trl"), max_length=SEQ, packing=True, packing_strategy="bfd",
+    args = trl.SFTConfig(output_dir=str(setup["root"] / name), max_length=SEQ, packing=True, packing_strategy="bfd",
                          padding_free=True, per_device_train_batch_size=ROWS_PER_STEP, max_steps=STEPS,
                          learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                          adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
                          report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-                         disable_tqdm=True, bf16=False)
+                         disable_tqdm=True, bf16=False, **options)
     logs: list[dict] = []
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                logs_copy = dict(logs)
-                logs_copy["step"] = state.global_step
-                records.append(logs_copy)
+                records.append(dict(logs) | {"step": state.global_step})
 
     records = logs
     with uncached_datasets():
         trainer = InOrder(model=model, args=args, train_dataset=dataset, callbacks=[Record()])
         first_batch = next(iter(trainer.get_train_dataloader()))
-        inputs = {k: v for k, v in first_batch.items() if k in ("input_ids", "position_ids", "labels")}
-        forward_loss, q_grad = loss_and_first_q_grad(model, inputs, use_cache=False)
-        leaking_loss, leaking_q_grad = loss_and_first_q_grad(model, inputs, use_cache=True)
+    return logs, trainer, first_batch
+
+
+@pytest.fixture(scope="module")
+def trl_run(setup):
+    logs, trainer, first_batch = trl_sft(setup, "trl")
+    inputs = {k: v for k, v in first_batch.items() if k in ("input_ids", "position_ids", "labels")}
+    forward_loss, q_grad = loss_and_first_q_grad(trainer.model, inputs, use_cache=False)
+    leaking_loss, leaking_q_grad = loss_and_first_q_grad(trainer.model, inputs, use_cache=True)
+    with uncached_datasets():
         trainer.train()
     return {"logs": logs, "forward_loss": forward_loss, "leaking_loss": leaking_loss, "q_grad": q_grad,
             "leaking_q_grad": leaking_q_grad}
@@ -138,8 +145,9 @@ def loss_and_first_q_grad(model, inputs: dict, use_cache: bool) -> tuple[float, 
     return loss.item(), grad
 
 
-@pytest.fixture(scope="module")
-def shardlm_run(setup):
+def shardlm_sft(setup, name: str, *more: str) -> list[dict]:
+    """shardlm's logged steps from the same directory and records in order, the matched settings, `more`
+    overrides."""
     overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
                  f"sft.data=[\"{setup['records']}\"]", "sft.shuffle=false", "sft.valid_fraction=0.0",
                  f"model.seq_length={SEQ}", f"train.micro_batch_size={ROWS_PER_STEP}",
@@ -147,12 +155,16 @@ def shardlm_run(setup):
                  f"train.min_lr={LR}", "train.decay_style=\"constant\"", "train.warmup_steps=0",
                  "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8", "train.clip_grad=1.0",
                  "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1", "log.progress=false",
-                 "log.plot=false",
-                 "log.tensorboard=false"]
-    run_dir = setup["root"] / "shardlm"
+                 "log.plot=false", "log.tensorboard=false", *more]
+    run_dir = setup["root"] / name
     train(load_config(None, overrides), run_dir=run_dir)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line and '"val_loss"' not in line]
+
+
+@pytest.fixture(scope="module")
+def shardlm_run(setup):
+    return shardlm_sft(setup, "shardlm")
 
 
 def test_first_batch_forward_equals_transformers_on_trls_padding_free_batch(trl_run, shardlm_run):
@@ -164,14 +176,32 @@ def test_first_batch_forward_equals_transformers_on_trls_padding_free_batch(trl_
     assert abs(trl_run["leaking_q_grad"] - trl_run["q_grad"]) > 10 * TOL * trl_run["q_grad"], trl_run
 
 
-def test_losses_follow_trl_step_by_step(trl_run, shardlm_run):
-    theirs = [log["loss"] for log in trl_run["logs"]]
-    ours = [m["loss"] for m in shardlm_run]
+def assert_follows(ours: list[dict], logs: list[dict]) -> None:
+    """Each step's loss and the first gradient norm within TOL relative of TRL's logged ones."""
+    theirs = [log["loss"] for log in logs]
     assert len(theirs) == len(ours) == STEPS, (theirs, ours)
-    for step, (a, b) in enumerate(zip(ours, theirs), 1):
+    for step, (a, b) in enumerate(zip([m["loss"] for m in ours], theirs), 1):
         assert abs(a - b) <= TOL * abs(b), f"step {step}: shardlm {a} vs TRL {b}"
-    assert ours[0] - ours[-1] > 0.01, "the run must train for the later steps to check the updates"
-    first_norm = trl_run["logs"][0]["grad_norm"]
-    assert abs(shardlm_run[0]["grad_norm"] - first_norm) <= TOL * first_norm
+    first_norm = logs[0]["grad_norm"]
+    assert abs(ours[0]["grad_norm"] - first_norm) <= TOL * first_norm
+
+
+def test_losses_follow_trl_step_by_step(trl_run, shardlm_run):
+    assert_follows(shardlm_run, trl_run["logs"])
+    assert shardlm_run[0]["loss"] - shardlm_run[-1]["loss"] > 0.01, "the run must train for the later steps to count"
+
+
+def test_dft_follows_trl_step_by_step(request, setup, trl_run):
+    """Dynamic Fine-Tuning (`sft.loss_type = "dft"`, TRL's loss_type "dft": each token's NLL times its probability,
+    no gradient through the weight) follows `SFTTrainer`'s steps; on this random model every probability is near
+    1 / 151,936, so DFT's losses are far below the NLL run's (the weights reach the loss)."""
+    if request.node.callspec.params["setup"] != "qwen3":
+        pytest.skip("the dense model's run is enough: the weighting is per token, after the output layer")
+    logs, trainer, _ = trl_sft(setup, "trl_dft", loss_type="dft")
+    with uncached_datasets():
+        trainer.train()
+    ours = shardlm_sft(setup, "shardlm_dft", 'sft.loss_type="dft"')
+    assert_follows(ours, logs)
+    assert ours[0]["loss"] < 1e-3 * trl_run["logs"][0]["loss"], (ours[0], trl_run["logs"][0])
 
 

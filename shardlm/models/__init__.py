@@ -57,11 +57,14 @@ def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | 
     of `inputs`, `targets`, `documents`, `divisor`, `shardlm.training.data.packed_parts`): the sum of the
     trained tokens' losses over `divisor` (the mean when it is None). With `mtp` in the dict (DeepSeek-V3's
     multi-token prediction, `shardlm.training.data.add_multi_token_targets`): the value is the next-token
-    loss, the gradient adds `mtp_weight` x the mean over depths, recorded in `batch["mtp_loss"]`."""
+    loss, the gradient adds `mtp_weight` x the mean over depths, recorded in `batch["mtp_loss"]`. With `dft` in the
+    dict the next-token losses are Dynamic Fine-Tuning's (`dynamic_fine_tuning`)."""
     if isinstance(batch, dict):
         mtp = batch.get("mtp")
         losses = forward(batch["inputs"], batch["targets"], documents=batch["documents"], mtp=mtp)
         main = losses[0] if mtp is not None else losses
+        if batch.get("dft"):
+            main = dynamic_fine_tuning(main)
         loss = main.mean() if batch["divisor"] is None else main.sum() / batch["divisor"]
         if mtp is None:
             return loss
@@ -71,6 +74,12 @@ def gpt_loss(forward, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | 
         return loss
     inputs, targets = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
     return forward(inputs, targets).mean()
+
+
+def dynamic_fine_tuning(token_losses: torch.Tensor) -> torch.Tensor:
+    """Dynamic Fine-Tuning (Wu et al., 2025; TRL's SFT loss_type "dft"): each token's loss -log p times p, the
+    token's probability exp(-loss) without gradient; ignored positions (loss 0) stay 0. Any shape."""
+    return token_losses * torch.exp(-token_losses.detach())
 
 
 def training_loss(arch: str) -> Callable:

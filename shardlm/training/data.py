@@ -135,9 +135,10 @@ def is_packed(batch) -> bool:
     return isinstance(batch, dict) and "position_ids" in batch
 
 
-def packed_parts(batches: list[dict], ctx) -> list[dict]:
+def packed_parts(batches: list[dict], ctx, dft: bool = False) -> list[dict]:
     """This rank's micro-batches of packed rows (dicts of (b, T) `input_ids`, `labels`, `position_ids`) ->
-    dicts of `inputs` and `targets` (b, T / C), `documents` (`Documents`) and `divisor`.
+    dicts of `inputs` and `targets` (b, T / C), `documents` (`Documents`) and `divisor` (with `dft`, also `dft`:
+    the token losses weighted by Dynamic Fine-Tuning, `shardlm.models.dynamic_fine_tuning`).
 
     The divisor is N / (M x DP x C), N the trained tokens of the global batch (one all-reduce over DP;
     the CP ranks of a replica read the same rows), M the micro-batches per rank: the trainer divides each
@@ -157,7 +158,8 @@ def packed_parts(batches: list[dict], ctx) -> list[dict]:
         if ctx.cp_size > 1:
             inputs, targets = (zigzag_split(x, ctx.cp_size, ctx.cp_rank) for x in (inputs, targets))
         documents = Documents.from_positions(batch["position_ids"], ctx.cp_size, ctx.cp_rank)
-        parts.append({"inputs": inputs, "targets": targets, "documents": documents, "divisor": divisor})
+        parts.append({"inputs": inputs, "targets": targets, "documents": documents, "divisor": divisor}
+                     | ({"dft": True} if dft else {}))
     return parts
 
 

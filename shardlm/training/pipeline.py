@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import RunConfig
+from shardlm.models import dynamic_fine_tuning
 from shardlm.models.mtp import add_mtp_gradient
 from shardlm.parallel import ParallelContext
 from shardlm.parallel.pipeline import (
@@ -70,6 +71,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.loss_factor = 1.0
         self.divisor: float | None = None  # packed rows: the step's sum-over-tokens divisor
+        self.dft = False  # packed rows of an sft.loss_type="dft" run: Dynamic Fine-Tuning's token weights
         self.mtp_divisors: list[float] = []  # multi-token prediction: each depth's divisor, and the loss weight
         self.mtp_weight = 0.0
         self.mtp_loss_sum = torch.zeros(())  # the last step's sum of micro-batch MTP losses, on every rank
@@ -113,6 +115,8 @@ class PipelineRunner:
                 return losses.sum() * 0.0
             loss = self.sequence_loss(losses, self._batches[chunk])
         else:
+            if self.dft:
+                losses = dynamic_fine_tuning(losses)
             loss = losses.mean() if self.divisor is None else losses.sum() / self.divisor
         self._losses.append(loss.detach())
         if depth_losses is not None and depth_losses.numel():
@@ -125,11 +129,12 @@ class PipelineRunner:
         packed rows' dict, `shardlm.training.data.packed_parts`, whose documents every stage gets, with
         multi-token prediction's `mtp` for the last stage, `add_multi_token_targets`); the sums of the
         micro-batch losses and MTP losses on the last stage (zeros elsewhere), shape (2,)."""
-        self.divisor = None
+        self.divisor, self.dft = None, False
         documents = mtp = None
         if isinstance(batches[0], dict):
             inputs, targets = torch.cat([b["inputs"] for b in batches]), torch.cat([b["targets"] for b in batches])
             documents, self.divisor = [b["documents"] for b in batches], batches[0]["divisor"]
+            self.dft = bool(batches[0].get("dft"))
             if "mtp" in batches[0]:
                 mtp = [b["mtp"] for b in batches]
                 self.mtp_divisors, self.mtp_weight = batches[0]["mtp_divisors"], batches[0]["mtp_weight"]

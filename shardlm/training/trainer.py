@@ -337,13 +337,14 @@ class Trainer:
 
             return self.loss.attach_reference(preference_parts(batches, self.ctx,
                                                                ld_alpha=self.config.preference.ld_alpha), split)
+        dft = self.config.sft.loss_type == "dft"
         if m.mtp_layers:  # the rolled targets of every depth come from the whole rows, before the CP split
-            parts = packed_parts(batches, self.ctx) if is_packed(batches[0]) else token_parts(
+            parts = packed_parts(batches, self.ctx, dft) if is_packed(batches[0]) else token_parts(
                 [context_parallel_part(b, self.ctx.cp_size, self.ctx.cp_rank) if self.ctx.cp_size > 1 else b
                  for b in batches], self.ctx)
             return add_multi_token_targets(batches, parts, self.ctx, m.mtp_layers, m.mtp_loss_weight)
         if is_packed(batches[0]):
-            return packed_parts(batches, self.ctx)
+            return packed_parts(batches, self.ctx, dft)
         if self.ctx.cp_size == 1:
             return batches
         return [context_parallel_part(batch, self.ctx.cp_size, self.ctx.cp_rank) for batch in batches]
