@@ -114,8 +114,10 @@ class RLConfig:
     loss: str = ""
     """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch), "cispo", "sapo" (a soft sigmoid gate in
     place of the clip), "luspo" (each sequence's loss times its length) or "vespo" (a Gamma weight of the sequence's
-    ratio), as TRL's GRPOTrainer defines them, or "rloo" (TRL's RLOOTrainer: leave-one-out baselines, the KL in the
-    reward, the clipped surrogate on each sequence's whole ratio); empty: no RL run."""
+    ratio), as TRL's GRPOTrainer defines them, "rloo" (TRL's RLOOTrainer: leave-one-out baselines, the KL in the
+    reward, the clipped surrogate on each sequence's whole ratio) or "gmpo" (TRL's experimental GMPOTrainer: the
+    geometric mean of the token ratios, each clipped in log space to [-epsilon, epsilon_high], the paper's 0.4);
+    empty: no RL run."""
     task: str = ""
     """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
     task_size: int = 512

@@ -81,6 +81,8 @@ ERRORS = [
      "rl.eval_prompts samples completions of the held-out prompts; rl.completions fixes the training ones"),
     ("a task held out whole", lambda r: ["rl.eval_prompts=8"],
      "rl.task_size=8 is below one generation round's 1 prompts and rl.eval_prompts=8 held out"),
+    ("gmpo with GSPO's ratio", lambda r: ['rl.loss="gmpo"', 'rl.importance_sampling="sequence"'],
+     'rl.loss="gmpo" is its own sequence weight (a geometric mean of clipped token ratios'),
     ("rloo with scaled rewards", lambda r: ['rl.loss="rloo"', 'rl.scale_rewards="batch"'],
      "leave rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
     ("a reward clip the wrong way round", lambda r: ['rl.loss="rloo"', "rl.reward_clip_range=[1.0, 0.0]"],

@@ -68,6 +68,7 @@ VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
             "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0, "generation_batch_size": 32, "num_iterations": 1},
             "rloo": {"loss": "rloo", "mask_truncated_completions": False, "normalize_advantages": True,
                      "reward_clip_range": [0.0, 0.8]},
+            "gmpo": {"loss": "gmpo", "epsilon": 0.1, "mask_truncated_completions": False},
             "entropy": {"top_entropy_quantile": 0.3, "entropy_coef": 0.02, "use_adaptive_entropy": True,
                         "entropy_coef_delta": 0.05, "entropy_target": 100.0}}
 """Other losses in place of DAPO in `rl_config`: VESPO's weight of a sequence's log-ratio total and the off-policy
@@ -82,7 +83,8 @@ leave-one-out baselines of rewards clamped to [0, 0.8], less the KL to the synce
 sequence from the scoring passes (summed over DP, sent from the last pipeline stage), normalized; the clipped
 surrogate on each sequence's whole ratio, summed over its CP ranks; truncation unmasked: with masking nearly every
 completion of this fixture is truncated, and the few left give a gradient norm near 3e-3 whose rounding at PP=2 and
-CP=2 reaches 2.4e-5 relative)."""
+CP=2 reaches 2.4e-5 relative), and GMPO (TRL's GMPOTrainer: each sequence's weight the geometric mean of its token
+ratios clipped in log space to 0.1 each way, the mean over its CP ranks; unmasked too)."""
 PENALIZED = {"min_p": 0.03, "repetition_penalty": 1.2}
 """Sampling with min-p and the repetition penalty (over each row's prompt and completion so far)."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
@@ -229,6 +231,7 @@ WORLD2 = {
     "dp2 rloo": layout(variant="rloo"),
     "pp2 rloo": layout(pp=2, variant="rloo"),
     "cp2 rloo": layout(cp=2, variant="rloo"),
+    "cp2 gmpo": layout(cp=2, variant="gmpo"),
     "cp2 entropy": layout(cp=2, variant="entropy"),
     "pp2 entropy": layout(pp=2, variant="entropy"),
     "tp2 sp entropy": layout(tp=2, sp=True, variant="entropy"),
@@ -295,12 +298,12 @@ its reference) and the clip ratios (shares of tokens) within TOL absolute; every
 
 def same_run(name: str) -> dict:
     """`SAME_RUN` with the loss type's columns, the hybrid's parameters within
-    `agreement.LINEAR_ATTENTION_PARAMS_TOL`; RLOO's loss absolute (at a round's first iteration it is minus the mean
-    advantage, and its leave-one-out advantages sum to 0 in each group: a rounding error around 0)."""
+    `agreement.LINEAR_ATTENTION_PARAMS_TOL`; RLOO's and GMPO's losses absolute (at a round's first iteration each is
+    minus the mean advantage, and the advantages sum to 0 in each group: a rounding error around 0)."""
     kind = kind_of(name)
     loss = VARIANTS.get(kind, {}).get("loss", "grpo" if kind == "gspo" else "dapo")
     logged = columns(loss)
-    absolute = tuple(k for k in SAME_RUN["absolute"] if k in logged) + (("loss",) if loss == "rloo" else ())
+    absolute = tuple(k for k in SAME_RUN["absolute"] if k in logged) + (("loss",) if loss in ("rloo", "gmpo") else ())
     return SAME_RUN | {"columns": logged, "absolute": absolute} | (
         {"params_tol": LINEAR_ATTENTION_PARAMS_TOL} if kind == "hybrid" else {})
 
@@ -346,10 +349,11 @@ def test_rollouts_at_two_ranks_equal_one_process(world2, samples, name):
 @pytest.mark.parametrize("kind, option, off", [("vespo", "off_policy_mask_threshold", 0.0), ("luspo", "delta", 0.0),
                                                ("sapo", "generation_batch_size", 0), ("dense", "sync_ref_model", False),
                                                ("entropy", "top_entropy_quantile", 1.0),
-                                               ("entropy", "use_adaptive_entropy", False)])
+                                               ("entropy", "use_adaptive_entropy", False), ("gmpo", "loss", "dapo")])
 def test_the_variants_options_reach_the_run(reference, kind, option, off):
     """The controls: without its off-policy mask (VESPO), its cap (LUSPO), its two-step generation rounds (SAPO),
-    the entropy mask or the adaptive entropy bonus (a constant 0.02) the one-process run's gradient norms move by
+    the entropy mask or the adaptive entropy bonus (a constant 0.02), or with DAPO's loss in GMPO's place, the
+    one-process run's gradient norms move by
     more than 1e-3 (the mask from the second step, the cap at the fourth), and without the reference's syncs its KL
     at steps 3 and 4 by more than 100 x TOL, so the layouts above check them."""
     config = rl_config(variant=kind)

@@ -9,8 +9,9 @@ log-probability; `trl_loss` below (TRL 1.16's lines on one padded row a sequence
 (B, 1)) gives them independently. Each case within 1e-12 (the gradients, float64) and 1e-6 relative (the loss, which
 `RLLoss` returns in float32); each option's control (the option off) moves the gradient by more than 1e-3.
 A round split between two steps (`rl.generation_batch_size`) weighs each step as TRL normalizes it. RLOO
-(`RLOOTrainer`'s loss: each sequence's whole ratio clipped, the mean over the sequences) counts the masked sequence's
-constant -A (its ratio exp(0)) in the loss, without gradient, as TRL does.
+(`RLOOTrainer`'s loss: each sequence's whole ratio clipped, the mean over the sequences) and GMPO (TRL's experimental
+`GMPOTrainer`: the geometric mean of the token ratios, each clipped in log space by its advantage's sign) count the
+masked sequence's constant -A (its ratio exp(0)) in the loss, without gradient, as TRL does.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def trl_loss(cfg: RLConfig, t: dict, logp: torch.Tensor) -> tuple[torch.Tensor, 
     weight over the sequences."""
     mask, advantage, old = t["mask"], t["advantage"], t["old"]
     log_ratio = logp - old
+    if cfg.loss == "gmpo":  # GMPOTrainer: the geometric mean of the sign-aware log-space-clipped token ratios
+        clamped = torch.clamp(log_ratio, min=-cfg.epsilon, max=cfg.epsilon_high)
+        clipped = torch.where(advantage > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+        coef = torch.exp((clipped * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))
+        kl = torch.exp(t["ref"] - logp) - (t["ref"] - logp) - 1
+        loss = (-coef * advantage[:, 0] + cfg.beta * (kl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        low, high = (log_ratio < -cfg.epsilon) & (advantage < 0), (log_ratio > cfg.epsilon_high) & (advantage > 0)
+        metrics = {f"clip_ratio/{name}_mean": ((share * mask).sum() / mask.sum()).item()
+                   for name, share in (("low", low), ("high", high), ("region", low | high))}
+        return loss, metrics
     if cfg.loss == "rloo":  # RLOOTrainer: the sequence's masked sum, its clipped ratio, the mean over sequences
         coef_1 = torch.exp((logp * mask).sum(1) - (old * mask).sum(1))
         coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
@@ -135,6 +146,7 @@ CASES = {
     "sapo": {"loss": "sapo", "sapo_temperature_pos": 1.5, "sapo_temperature_neg": 2.5},
     "vespo": {"loss": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5},
     "rloo_masked": {"loss": "rloo", "epsilon_high": 0.1},
+    "gmpo_masked": {"loss": "gmpo", "epsilon": 0.4, "epsilon_high": 0.3},
 }
 
 
@@ -159,7 +171,7 @@ def test_packed_rows_give_trl_loss_and_gradients(name):
     assert torch.allclose(got_grad, want_grad, rtol=0, atol=1e-12), (got_grad - want_grad).abs().max()
     mask = chosen()["mask"] > 0
     assert not want_grad[3].any() and want_grad[mask].abs().max() > 0  # the masked one has none, the others some
-    if cfg.loss != "rloo":  # (RLOO clips whole sequences: the e^25 one has none)
+    if cfg.loss not in ("rloo", "gmpo"):  # (RLOO clips whole sequences, GMPO clips to constants: some have none)
         assert want_grad[mask].abs().min() > 0
     for key, value in want_metrics.items():
         assert got_metrics[key] == pytest.approx(value, abs=1e-12), (key, got_metrics[key], value)

@@ -30,7 +30,8 @@ and generation rounds of 16 completions of 4 prompts split between two steps (rl
 shuffle of its generation batch replaced by shardlm's split, so both train the same sequences in each step;
 measured within 1.2e-6). rl.loss="rloo" against TRL's `RLOOTrainer` (the same fixture, its generation replaced the
 same way): the KL in the reward with masked truncation over 3 steps, and two iterations a round on normalized
-advantages of clamped rewards (measured within 2.0e-6).
+advantages of clamped rewards (measured within 2.0e-6). rl.loss="gmpo" against TRL's experimental `GMPOTrainer`
+(KL, two iterations a round, masked truncation).
 Control runs with another temperature, or without each of those options, miss TRL's numbers by far more than TOL,
 so the comparison can fail. (INTELLECT-2's `delta`
 has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
@@ -154,9 +155,12 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
 
     prompt_index = {tuple(ids): i for i, ids in enumerate(setup["ids"])}
     records = case_prompts(case)
-    rloo = case.get("loss") == "rloo"  # TRL's RLOOTrainer, else its GRPOTrainer
+    rloo, gmpo = case.get("loss") == "rloo", case.get("loss") == "gmpo"  # TRL's RLOOTrainer, GMPOTrainer, GRPOTrainer
+    if gmpo:
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+    base = trl.RLOOTrainer if rloo else GMPOTrainer if gmpo else trl.GRPOTrainer
 
-    class FixedCompletions(trl.RLOOTrainer if rloo else trl.GRPOTrainer):
+    class FixedCompletions(base):
         rounds_done = 0
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
@@ -197,12 +201,14 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
                "epsilon": case.get("epsilon", 0.2),
                "mask_truncated_completions": case.get("mask_truncated_completions", False)}
     if not rloo:
-        options |= {"loss_type": case.get("loss", "grpo"), "scale_rewards": case.get("scale_rewards", "group"),
+        options |= {"scale_rewards": case.get("scale_rewards", "group"),
                     "importance_sampling_level": case.get("importance_sampling", "token")}
+    if not (rloo or gmpo):
+        options["loss_type"] = case.get("loss", "grpo")
     if case.get("epsilon_high"):
         options["epsilon_high"] = case["epsilon_high"]
     options |= {k: case[k] for k in SAME_NAMES if k in case}
-    config = trl.RLOOConfig if rloo else trl.GRPOConfig
+    config = trl.RLOOConfig if rloo else GMPOConfig if gmpo else trl.GRPOConfig
     args = config(output_dir=str(setup["root"] / f"trl_{name}"), num_generations=G,
                           per_device_train_batch_size=G * len(PROMPTS), gradient_accumulation_steps=1,
                           max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,
@@ -332,6 +338,8 @@ CASES = {
     # steps: it is 0 at the first, the policy being its reference); then each round trained twice (the sequences'
     # whole ratios clipped) on normalized advantages of rewards clamped to [0, 1.2]
     "rloo_kl_masked": {"loss": "rloo", "beta": 0.05, "steps": 3, "mask_truncated_completions": True},
+    "gmpo_kl_masked": {"loss": "gmpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.4,
+                       "mask_truncated_completions": True},
     "rloo_twice_normalized_clipped": {"loss": "rloo", "num_iterations": 2, "epsilon": 0.9, "epsilon_high": 9.0,
                                       "normalize_advantages": True, "reward_clip_range": [0.0, 1.2]},
 }
@@ -411,12 +419,13 @@ def test_another_temperature_misses_trl(setup, runs):
                                           ("grpo_top_entropy_plain_kl_bonus", "entropy_coef"),
                                           ("grpo_adaptive_entropy_sync_ref", "sync_ref_model"),
                                           ("rloo_kl_masked", "beta"), ("rloo_kl_masked", "mask_truncated_completions"),
+                                          ("gmpo_kl_masked", "loss"),
                                           ("rloo_twice_normalized_clipped", "normalize_advantages"),
                                           ("rloo_twice_normalized_clipped", "reward_clip_range")])
 def test_without_its_option_it_misses_trl(setup, runs, name, option):
     """The controls: shardlm without the off-policy mask, the entropy mask, the KL's plain term, GDPO's
-    normalization, the entropy bonus, the reference's syncs, or RLOO's KL in the reward, normalized advantages or
-    clipped rewards (each at its default) misses TRL's run by far more than TOL."""
+    normalization, the entropy bonus, the reference's syncs, RLOO's KL in the reward, masking, normalized advantages
+    or clipped rewards, or GMPO's loss (GRPO's in its place) misses TRL's run by far more than TOL."""
     theirs, _ = runs(name)
     case = {k: v for k, v in CASES[name].items() if k != option}
     worst = differences(shardlm_steps(setup, f"without_{option}", case), theirs)

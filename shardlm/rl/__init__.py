@@ -8,7 +8,7 @@ step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`lo
 
 from __future__ import annotations
 
-LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo")
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo", "gmpo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """The losses of the clipped surrogate -min(w A, clip(w) A) (INTELLECT-2's `rl.delta` caps their ratio)."""
 SEQUENCE_RATIO = ("grpo", "luspo", "sapo")
@@ -60,6 +60,11 @@ def check_rl(config, world_size: int = 1) -> str | None:
          f"rl.reward_clip_range={list(r.reward_clip_range)} must be [low, high] with low <= high (empty: none)"),
         (r.loss == "rloo" or not (r.normalize_advantages or r.reward_clip_range),
          'rl.normalize_advantages and rl.reward_clip_range are rl.loss="rloo"\'s (GRPO scales by rl.scale_rewards)'),
+        (r.loss != "gmpo" or not (r.delta or r.off_policy_mask_threshold or r.entropy_coef
+                                  or r.top_entropy_quantile < 1 or r.importance_sampling != "token"),
+         'rl.loss="gmpo" is its own sequence weight (a geometric mean of clipped token ratios, as TRL\'s GMPOTrainer): '
+         "leave rl.delta, rl.off_policy_mask_threshold, rl.entropy_coef, rl.top_entropy_quantile and "
+         "rl.importance_sampling at their defaults"),
         (r.importance_sampling in ("token", "sequence"),
          f'rl.importance_sampling="{r.importance_sampling}" must be "token" or "sequence" (GSPO)'),
         (r.importance_sampling == "token" or r.loss in SEQUENCE_RATIO,

@@ -12,8 +12,8 @@ micro-batches and data-parallel ranks; a sequence never splits. A row (`StepRows
   loss of the global batch: the loss type's normalizer, below), `token_weight` (1 / the batch's completion tokens:
   token means such as KL and entropy), `sequence_weight` (1 / (its sequence's tokens x sequences): GSPO's means
   over sequences), `sample_logp` (the rollout's log-probability), `old_logp` and `ref_logp` (filled by the scoring
-  passes: the policy before the round's updates, the reference); RLOO with masked truncation also
-  `masked_share` (1 / (its sequence's tokens x sequences) on a masked sequence: TRL's RLOO counts such a sequence's
+  passes: the policy before the round's updates, the reference); RLOO and GMPO with masked truncation also
+  `masked_share` (1 / (its sequence's tokens x sequences) on a masked sequence: TRL's RLOO and GMPO count its
   loss -A, its ratio exp(0) over no tokens, in the step's mean, a constant without gradient).
 
 A round of rl.generation_batch_size sequences feeds S = `steps_per_generation` optimizer steps: its sequences are
@@ -25,8 +25,8 @@ The weights make each step's loss its global batch's under every layout, never a
 With m the completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a
 sequence's tokens, N the step's sequences and L rl.max_completion_length:
 
-    grpo, sapo, rloo   sum_j (sum_t m l) / max(n_j, 1) / N   per-sequence means, then their mean (rloo: l is its
-                                                             sequence's loss at every token: the sequences' mean)
+    grpo, sapo, rloo, gmpo   sum_j (sum_t m l) / max(n_j, 1) / N   per-sequence means, then their mean (rloo,
+                                                             gmpo: l is the sequence's loss at every token)
     luspo           sum (m l) / N                            per-sequence sums (each times its length), their mean
     dr_grpo         sum (m l) / (N L)                        a constant normalizer
     bnpo            sum (m l) / max(sum m, 1)                token mean over the step's global batch
@@ -72,7 +72,7 @@ class StepRows:
         self.fields["input_ids"][:] = pad_id
         self.fields["row"][:] = np.arange(steps * num_rows)[:, None]
         self.fields["position_ids"][:] = np.arange(seq_length)  # padding: positions of its own
-        if loss == "rloo" and mask_truncated:  # TRL's RLOO counts a masked sequence's constant loss -A in its mean
+        if loss in ("rloo", "gmpo") and mask_truncated:  # TRL's count a masked sequence's constant -A in the mean
             self.fields["masked_share"] = np.zeros((steps * num_rows, seq_length), dtype=np.float64)
         for s, own in enumerate(members):
             bins = plan_bins([lengths[j] for j in own], seq_length, packing)
@@ -80,7 +80,7 @@ class StepRows:
                 raise UserError(f"a step's {len(own)} sequences need {len(bins)} rows of {seq_length} tokens but a "
                                 f"step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")
             count, total = len(own), max(tokens[own].sum(), 1.0)
-            per_sequence_losses = ("grpo", "sapo", "rloo")  # (None: each sequence's own mean, below)
+            per_sequence_losses = ("grpo", "sapo", "rloo", "gmpo")  # (None: each sequence's own mean, below)
             normalizer = None if loss in per_sequence_losses else {
                 "luspo": count, "dr_grpo": count * max_completion_length, "bnpo": total}.get(loss, round_tokens)
             for row, packed in enumerate(bins, start=s * num_rows):

@@ -15,6 +15,9 @@ updates (a round of one step: logp itself, detached, so the ratio is exactly 1) 
                        exp(sum of its clamped log-ratios) clamped to [1e-8, e^20]; k, lambda by the sign of A
     rloo               l = -min(W A, clip(W, 1 - epsilon, 1 + epsilon_high) A), W = exp(sum over the completion of
                        (logp - old)), the same at each of the sequence's tokens (TRL's RLOOTrainer; A leave-one-out)
+    gmpo               l = -G A, G = exp(mean over the completion of r'), r' = min(r, clip(r)) where A > 0 else
+                       max(r, clip(r)), r = logp - old clipped to [-epsilon, epsilon_high] in log space (TRL's
+                       experimental GMPOTrainer: the geometric mean of the clipped token ratios; its KL without w)
     off-policy mask    l = 0 on a sequence with A < 0 whose mean (old - logp) exceeds rl.off_policy_mask_threshold
     entropy mask       l = 0 on a token whose entropy is below the global batch's (1 - rl.top_entropy_quantile)
                        quantile (`prepare`: a no-gradient pass over the step's rows, the quantile over DP x CP)
@@ -144,6 +147,11 @@ class RLLoss:
         sequence_level = cfg.importance_sampling == "sequence"
         if cfg.loss == "rloo":  # TRL's RLOO: the ratio of the sequence's whole log-probability
             coef = torch.exp(sequence_sums(log_ratio, batch, self.ctx.cp)[0])
+        elif cfg.loss == "gmpo":  # the geometric mean of the tokens' ratios, each clipped in log space by A's sign
+            clamped = log_ratio.clamp(-self.eps_low, self.eps_high)
+            clipped = torch.where(batch["advantage"] > 0, torch.minimum(log_ratio, clamped),
+                                  torch.maximum(log_ratio, clamped))
+            coef = torch.exp(sequence_mean(clipped, batch, self.ctx.cp))
         else:
             coef = torch.exp(sequence_mean(log_ratio, batch, self.ctx.cp) if sequence_level else log_ratio)
         advantage = batch["advantage"]
@@ -157,7 +165,7 @@ class RLLoss:
         if cfg.beta and cfg.loss != "rloo":  # (RLOO's KL is in its reward: `RLRun.leave_one_out`)
             delta = batch["ref_logp"] - logp
             kl = torch.exp(delta) - delta - 1
-            if cfg.use_bias_correction_kl:
+            if cfg.use_bias_correction_kl and cfg.loss != "gmpo":  # (GMPO's is the plain sequence mean)
                 kl = kl * coef
             losses = losses + cfg.beta * kl
         loss = policy = (torch.where(trained, losses, 0.0) * batch["weight"]).sum()
@@ -242,6 +250,8 @@ class RLLoss:
         if cfg.loss == "vespo":
             phi = self._gamma_weights(log_ratio.detach(), advantage, batch)
             return -phi * advantage * logp, phi
+        if cfg.loss == "gmpo":  # (its clip ratios count the tokens' log-ratios outside the log-space range)
+            return -coef * advantage, log_ratio
         clipped = torch.clamp(coef, 1 - self.eps_low, 1 + self.eps_high)
         if cfg.delta:
             coef = torch.clamp(coef, max=cfg.delta)
@@ -273,8 +283,9 @@ class RLLoss:
         elif self.cfg.loss == "vespo":  # the mean over sequences less 1 (a masked sequence's phi is exactly 1)
             sums["vespo/phi_seq_mean"] += ((coef - 1) * batch["sequence_weight"]).sum().item()
         elif self.cfg.loss != "sapo":
-            low = (coef < 1 - self.eps_low) & (advantage < 0)
-            high = (coef > 1 + self.eps_high) & (advantage > 0)
+            low, high = (coef < -self.eps_low, coef > self.eps_high) if self.cfg.loss == "gmpo" else (
+                coef < 1 - self.eps_low, coef > 1 + self.eps_high)  # (gmpo: the log-ratios, in log space)
+            low, high = low & (advantage < 0), high & (advantage > 0)
             sums["clip_ratio/low_mean"] += (low * weight).sum().item()
             sums["clip_ratio/high_mean"] += (high * weight).sum().item()
             sums["clip_ratio/region_mean"] += ((low | high) * weight).sum().item()
