@@ -228,7 +228,7 @@ class RLConfig:
     """"token" (GRPO) or "sequence" (GSPO: the mean log-ratio over the completion's tokens)."""
     mask_truncated_completions: bool = False
     """Give truncated completions no gradient (they still count as sequences in the normalizers, as in TRL;
-    rloo counts each one's constant loss -A, its ratio exp(0), as TRL's RLOO does)."""
+    rloo and gmpo count each one's constant loss -A, its ratio exp(0), as TRL's RLOO and GMPO do)."""
     rewards: list = field(default_factory=lambda: ["math"])
     """Reward functions: "math" (the last number or \\boxed{} against the record's `answer`), "format" (a regex,
     rl.format_pattern) or "module:function" with TRL's signature."""
