@@ -169,7 +169,7 @@ class RLLoss:
                 kl = kl * coef
             losses = losses + cfg.beta * kl
         loss = policy = (torch.where(trained, losses, 0.0) * batch["weight"]).sum()
-        if "masked_share" in batch:  # RLOO: a masked truncated sequence's constant -A in the mean (TRL's value)
+        if "masked_share" in batch:  # RLOO, GMPO: a masked truncated sequence's constant -A in the mean (TRL's)
             loss = policy = policy - (advantage * batch["masked_share"]).sum()
         if self.bonus and entropy is not None:  # the global batch's mean over the bonus's tokens (`mark_high_entropy`)
             mean_entropy = (entropy.double() * batch.get("entropy_weight", batch["token_weight"])).sum()
