@@ -12,16 +12,15 @@ step, the ranks gathered over DP): `tests/test_preference_layouts.py`; against T
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from shardlm.parallel import ParallelContext
 from shardlm.preference import aot
 
 SPLIT, BETA = (4, 3, 2), 0.5
-ONE_RANK = SimpleNamespace(size=1, rank=0)
+ONE_RANK = ParallelContext.single().dp
 
 
 def fixture_values() -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,6 +131,17 @@ class Communicator:
         if self.size > 1:
             dist.barrier(group=self.group)
 
+    def all_gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(every rank's rows of `tensor` (n_r, ...) concatenated in rank order, this rank's first row's index among
+        them): the row counts may differ between ranks (each rank's padded to the largest for the all-gather)."""
+        if self.size == 1:
+            return tensor, 0
+        counts = [int(n) for n in self.all_gather(torch.tensor([len(tensor)], device=tensor.device))]
+        padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
+        padded[:len(tensor)] = tensor
+        gathered = self.all_gather(padded)
+        return torch.cat([part[:n] for part, n in zip(gathered, counts)]), sum(counts[:self.rank])
+
     def all_gather_object(self, obj) -> list:
         """Gather a picklable object from every rank (small metadata only; not counted)."""
         if self.size == 1:

@@ -36,17 +36,6 @@ def sorted_keys(policy: torch.Tensor, reference: torch.Tensor, loss: str) -> tor
     return policy - reference
 
 
-def gather_rows(rows: torch.Tensor, group) -> tuple[torch.Tensor, int]:
-    """(the rows (n_g, k) of every rank of `group` in rank order, this rank's first row's index among them)."""
-    if group.size == 1:
-        return rows, 0
-    counts = [int(n) for n in group.all_gather(torch.tensor([len(rows)], device=rows.device))]
-    padded = rows.new_zeros((max(counts), rows.shape[1]))
-    padded[:len(rows)] = rows
-    gathered = group.all_gather(padded)
-    return torch.cat([part[:n] for part, n in zip(gathered, counts)]), sum(counts[:group.rank])
-
-
 def match(batches: list[dict], loss: str, dp) -> None:
     """Give each micro-batch holding the policy's log-probabilities (`policy` (P, 2), with `reference` (P, 2))
     its `aot` (P, 2) fp64 from the whole global batch's keys (`sorted_keys`, gathered over `dp`): aot column 0 v_i -
@@ -55,7 +44,7 @@ def match(batches: list[dict], loss: str, dp) -> None:
     held = [b for b in batches if "policy" in b]  # under pipeline stages the last stage's
     keys = torch.cat([sorted_keys(b["policy"], b["reference"], loss) for b in held]) if held else torch.zeros(
         (0, 2), dtype=torch.float64, device=batches[0]["inputs"].device if batches else None)
-    everyone, first = gather_rows(keys, dp)
+    everyone, first = dp.all_gather_rows(keys)
     ordered, order = torch.sort(everyone, dim=0, stable=True)
     ranks = torch.empty_like(order)
     ranks.scatter_(0, order, torch.arange(len(everyone), device=order.device).unsqueeze(1).expand_as(order))

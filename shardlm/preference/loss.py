@@ -274,6 +274,7 @@ class PreferenceLoss:
         self.cfg, self.ctx, self.model = cfg, ctx, model
         self.unpaired = cfg.loss in kto.UNPAIRED
         self.aot = next((part for part in cfg.loss.split("+") if part in aot.AOT_LOSSES), None)
+        self.no_reference = reference_free.reference_free(cfg.loss)  # a reference-free loss (or sum)
         self.tables: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs, 2) precomputed reference
         self.weights = None  # the reference's weights (`ReferenceWeights`) of a "weights" reference
         self.labels: dict[str, torch.Tensor] = {}  # KTO: "train" / "valid" -> (examples,) bool, True: desirable
@@ -357,7 +358,7 @@ class PreferenceLoss:
 
     def needs_reference_pass(self, batches: list[dict]) -> bool:
         """Whether these micro-batches still need the reference model's forward (under `reference_context`)."""
-        return not reference_free.reference_free(self.cfg.loss) and any("reference" not in b for b in batches)
+        return not self.no_reference and any("reference" not in b for b in batches)
 
     def reference_context(self):
         """The reference model in the policy's place: its weights swapped in, or a LoRA run's adapters off."""
@@ -369,7 +370,7 @@ class PreferenceLoss:
         return adapters_off(self.model)
 
     def reference_logps(self, forward, batch: dict) -> torch.Tensor | None:
-        if reference_free.reference_free(self.cfg.loss):
+        if self.no_reference:
             return None
         if "reference" not in batch:  # the reference weights, or the base of a LoRA run, in the same step
             with torch.no_grad(), self.reference_context():
@@ -384,7 +385,7 @@ class PreferenceLoss:
     def of_token_losses(self, token_losses: torch.Tensor, batch: dict, reference: torch.Tensor | None = None
                         ) -> torch.Tensor:
         """The micro-batch's share of the global batch's mean pair loss, from the policy's token losses (b, T)."""
-        if reference is None and not reference_free.reference_free(self.cfg.loss):
+        if reference is None and not self.no_reference:
             reference = batch["reference"]
         logps, counts = sequence_logps(token_losses, batch, self.ctx.cp)
         if self.unpaired:

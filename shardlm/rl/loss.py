@@ -225,13 +225,9 @@ class RLLoss:
         top_entropy_quantile) quantile of every counted token's of the global batch (all-gathered over DP x CP; linear
         interpolation, as `torch.quantile` in TRL's `get_high_entropy_mask`), and its `entropy_weight` (b, T): 1 / the
         global batch's count of such tokens on them (the entropy bonus's mean)."""
-        group = self.ctx.dp_cp
         entropies = [b.pop("entropy").float() for b in batches]
         counted = [b["token_weight"] > 0 for b in batches]
-        local = torch.cat([e[c] for e, c in zip(entropies, counted)])
-        sizes = [int(s.item()) for s in group.all_gather(torch.tensor([local.numel()], device=local.device))]
-        padded = torch.cat([local, local.new_zeros(max(sizes) - local.numel())])
-        values = torch.cat([part[:size] for part, size in zip(group.all_gather(padded), sizes)])
+        values = self.ctx.dp_cp.all_gather_rows(torch.cat([e[c] for e, c in zip(entropies, counted)]))[0]
         threshold = quantile(values, 1.0 - self.cfg.top_entropy_quantile) if values.numel() else math.inf
         count = max(int((values >= threshold).sum()), 1)
         for batch, entropy, kept in zip(batches, entropies, counted):
