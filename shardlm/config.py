@@ -18,7 +18,14 @@ from pathlib import Path
 
 from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
-from shardlm.post_training_config import DistillConfig, LoraConfig, PreferenceConfig, RLConfig, SFTConfig
+from shardlm.post_training_config import (
+    DistillConfig,
+    LoraConfig,
+    PreferenceConfig,
+    RewardConfig,
+    RLConfig,
+    SFTConfig,
+)
 
 try:
     import tomllib
@@ -221,6 +228,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -104,6 +104,24 @@ class PreferenceConfig:
 
 
 @dataclass
+class RewardConfig:
+    """The `[reward]` section: a reward model trained on the preference pairs of [sft]'s data (`prompt`, `chosen`,
+    `rejected`, an optional `margin`) with [sft]'s tokenizer and template, as TRL's RewardTrainer
+    (`docs/reward-model.md`)."""
+
+    loss: str = ""
+    """"bradley_terry": each pair's -log sigmoid(r_chosen - r_rejected - margin), r a sequence's scalar reward (the
+    score head on its last token's final hidden state), the margin the record's `margin` (0 without); empty: no
+    reward-model run."""
+    center_rewards_coefficient: float = 0.0
+    """TRL's center_rewards_coefficient (Eisenstein et al. 2023): each pair adds this x (r_chosen + r_rejected)^2,
+    which keeps the rewards near mean 0 (0.01 recommended; 0: off)."""
+    disable_dropout: bool = True
+    """Train without dropout (model.dropout and model.attention_dropout set to 0), as TRL's `disable_dropout`
+    default."""
+
+
+@dataclass
 class RLConfig:
     """The `[rl]` section: online reinforcement learning with verifiable rewards (GRPO and its 2025 variants). The
     prompts are [sft]'s records (text or messages, rendered with [sft]'s tokenizer and template; their other columns

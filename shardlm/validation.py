@@ -146,6 +146,11 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
 
         if (problem := check_preference(config)) is not None:
             raise UserError(problem)
+    if config.reward.loss:
+        from shardlm.reward import check_reward
+
+        if (problem := check_reward(config)) is not None:
+            raise UserError(problem)
     if config.rl.loss:
         from shardlm.rl import check_rl
 
@@ -233,9 +238,10 @@ def _validate_packed(config: RunConfig) -> None:
         (f.fields in ("auto", "dolly", "alpaca"), f'sft.fields="{f.fields}" must be "auto", "dolly" or "alpaca"'),
         (0 <= f.valid_fraction < 1, f"sft.valid_fraction={f.valid_fraction} must be in [0, 1)"),
         (f.loss_type in ("nll", "dft"), f'sft.loss_type="{f.loss_type}" must be "nll" or "dft"'),
-        (f.loss_type == "nll" or not (config.preference.loss or config.rl.loss or config.distill.teacher),
-         f'sft.loss_type="{f.loss_type}" weighs the SFT loss; a preference, RL or distillation run has its own: leave '
-         'it at "nll"'),
+        (f.loss_type == "nll" or not (config.preference.loss or config.rl.loss or config.distill.teacher
+                                      or config.reward.loss),
+         f'sft.loss_type="{f.loss_type}" weighs the SFT loss; a preference, RL, distillation or reward-model run has '
+         'its own: leave it at "nll"'),
     ]
     for ok, message in checks:
         if not ok:

@@ -332,7 +332,8 @@ ERRORS = [
      'preference.loss="aot_unpaired" ranks the global batch\'s pairs in a pass before the step, which must see the '
      "step's values: set preference.disable_dropout=true (or the dropouts to 0)"),
     ("DFT in a preference run", lambda r: ['sft.loss_type="dft"'],
-     'sft.loss_type="dft" weighs the SFT loss; a preference, RL or distillation run has its own: leave it at "nll"'),
+     'sft.loss_type="dft" weighs the SFT loss; a preference, RL, distillation or reward-model run has '
+     'its own: leave it at "nll"'),
     ("AlphaPO on DPO", lambda r: ["preference.alpha=0.1"],
      'preference.alpha (AlphaPO) shapes the rewards of simpo, cpo, cpo_hinge, cpo_ipo, not preference.loss="sigmoid"'),
     ("ORPO with a second NLL", lambda r: ['preference.loss="orpo+sft"'],

@@ -29,6 +29,7 @@ from shardlm.checkpoint import (
     hf_llama,
     hf_nemotron_h,
     hf_qwen3_next,
+    hf_reward,
 )
 from shardlm.checkpoint.hf_common import HFTensor, write_directory
 from shardlm.config import RunConfig, from_dict
@@ -123,9 +124,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
 
 def open_hf(hf_dir: str | Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     """(config, {shardlm name: its `HFTensor`, fp32 in shardlm's layout}) of a local HF GPT-2 or Llama-family
-    directory; nothing is read until a tensor is asked for. UserError (one line) for a missing directory,
+    directory; nothing is read until a tensor is asked for. A reward model (`XForSequenceClassification`, one
+    label) is its language model plus `score.weight` (`hf_reward`). UserError (one line) for a missing directory,
     config.json or weights, and for an architecture that does not convert."""
-    hf_dir = Path(hf_dir)
+    config, sources = _open_language_model(Path(hf_dir))
+    score = hf_reward.score_source(Path(hf_dir), json.loads((Path(hf_dir) / "config.json").read_text()))
+    return config, sources | ({hf_reward.SCORE: score} if score is not None else {})
+
+
+def _open_language_model(hf_dir: Path) -> tuple[RunConfig, dict[str, HFTensor]]:
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir} does not exist or is not a directory")
     config_file = hf_dir / "config.json"
@@ -223,6 +230,15 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
             single.unlink(missing_ok=True)
     check_convertible(consolidated_config(checkpoint).model)
     config, tensors = load_consolidated(checkpoint)
+    score = tensors.pop(f"model/{hf_reward.SCORE}", None)
+    if score is not None:  # a reward model: its language model without an output layer, then the head
+        config.model.tie_embeddings = True  # (its untied output layer was dropped: the class has none)
+        return hf_reward.write_reward_model(lambda directory: _write_language_model(config, tensors, directory),
+                                            score, out_dir)
+    return _write_language_model(config, tensors, out_dir)
+
+
+def _write_language_model(config: RunConfig, tensors: dict, out_dir: Path) -> Path:
     family = _family(config.model)
     if family is not None:
         return family.to_hf(config, tensors, out_dir)

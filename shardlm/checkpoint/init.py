@@ -40,6 +40,7 @@ from shardlm.lora.apply import add_adapters, is_adapter, quantize_base
 from shardlm.models.config import ModelConfig
 from shardlm.parallel import ParallelContext
 
+SCORE_WEIGHT = "score.weight"  # a reward model's head (`shardlm.reward.head`)
 VOCABULARY = ("model/wte.weight", "model/lm_head.weight")  # rows padded to a multiple of the TP size and more
 FREE_KEYS = ("dropout", "attention_dropout", "init_std", "make_vocab_size_divisible_by", "moe_aux_loss_coeff",
              "moe_z_loss_coeff")
@@ -188,9 +189,17 @@ def init_weights(trainer, source: WeightSource) -> None:
     base = None
     if trainer.config.lora.rank:  # the base under the adapters: every parameter but the adapters themselves
         base = {name for name, _ in trainer.model.named_parameters() if not is_adapter(name)}
+    if has_new_head(trainer.model, source):  # a reward model started from a language model: its head stays new
+        base = {name for name, _ in trainer.model.named_parameters() if name != SCORE_WEIGHT}
     if isinstance(source.reader, MappedReader):
         source.reader.expect(trainer.model, ctx.tp_size)
     load_weights(trainer.model, source.reader, ctx, trainer.optimizer, optimizer_step=0, names=base)
+
+
+def has_new_head(model, source: WeightSource) -> bool:
+    """Whether `model` has a reward model's score head that `source` (a language model) has no weights for."""
+    names = {name for name, _ in model.named_parameters()}
+    return SCORE_WEIGHT in names and f"model/{SCORE_WEIGHT}" not in source.reader.keys()
 
 
 def describe(source: WeightSource) -> str:
@@ -210,7 +219,7 @@ def load_model(path: str | Path, ctx: ParallelContext):
         source = open_source(path)
         config = source.config
         config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
-        model = build_model(config.model, ctx, seed=config.train.seed)
+        model = with_head(build_model(config.model, ctx, seed=config.train.seed), config, source.reader)
         source.reader.expect(model, ctx.tp_size)
         load_weights(model, source.reader, ctx)
         return model.eval(), config
@@ -223,12 +232,23 @@ def load_model(path: str | Path, ctx: ParallelContext):
                      device=ctx.device)
         config = from_dict(meta["config"])
     config.parallel.tensor, config.parallel.pipeline = ctx.tp_size, 1
-    model = build_model(config.model, ctx, seed=config.train.seed)
+    reader = ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta)
+    model = with_head(build_model(config.model, ctx, seed=config.train.seed), config, reader)
     names = None
     if not path.is_file() and meta.get("lora"):  # the base from its source, checked, then the adapters
         names = load_lora_base(model, config, meta["lora"], ctx)
-    load_weights(model, ShardedReader(paths) if path.is_file() else reader_of(checkpoint, meta), ctx, names=names)
+    load_weights(model, reader, ctx, names=names)
     return model.eval(), config
+
+
+def with_head(model, config: RunConfig, reader):
+    """`model` with a reward model's score head when the weights have one (a reward run's checkpoint, a Hugging
+    Face `XForSequenceClassification`)."""
+    if config.reward.loss or f"model/{SCORE_WEIGHT}" in reader.keys():
+        from shardlm.reward.head import add_score_head
+
+        add_score_head(model, config.train.seed)
+    return model
 
 
 def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) -> set[str]:

@@ -9,6 +9,9 @@ Record shapes (TRL's preference formats):
 - `{"chosen": [messages], "rejected": [messages]}`: conversational with the prompt implicit, the messages both
   share before their last turn.
 
+Any of them may carry a number `margin` (TRL's reward-modeling column): how much the chosen answer's reward should
+exceed the rejected one's (`shardlm.reward`); the preference losses do not read it.
+
 Tokenized as TRL does: the prompt, prompt + chosen and prompt + rejected are tokenized whole, and each answer
 starts where its tokens leave the prompt's (the common prefix), so a template that renders the prompt alone
 differently, or a token merging across the boundary, cannot misplace the answer. Every problem is a one-line
@@ -29,12 +32,14 @@ from shardlm.sft.template import ChatTemplate
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One record: `prompt` (str or messages), `chosen` and `rejected` (str or messages), `where` (file:line)."""
+    """One record: `prompt` (str or messages), `chosen` and `rejected` (str or messages), `where` (file:line) and
+    its `margin` (None when it has none)."""
 
     prompt: Any
     chosen: Any
     rejected: Any
     where: str
+    margin: float | None = None
 
     @property
     def conversational(self) -> bool:
@@ -43,12 +48,13 @@ class PreferencePair:
 
 @dataclass(frozen=True)
 class TokenizedPair:
-    """`prompt` ids, then each answer's ids (trained); a sequence is prompt + answer."""
+    """`prompt` ids, then each answer's ids (trained); a sequence is prompt + answer; the record's `margin`."""
 
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
     where: str
+    margin: float | None = None
 
     def __len__(self) -> int:
         """Tokens of both sequences."""
@@ -97,7 +103,11 @@ def to_pair(record: dict[str, Any], where: str) -> PreferencePair:
         raise UserError(f"{where}: a text record needs a string 'prompt' beside its string answers")
     if chosen == rejected:
         raise UserError(f"{where}: 'chosen' and 'rejected' are identical, so the pair prefers nothing; drop it")
-    return PreferencePair(prompt, chosen, rejected, where)
+    margin = record.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or margin != margin):
+        raise UserError(f"{where}: 'margin' must be a number, got {margin!r}")
+    return PreferencePair(prompt, chosen, rejected, where, None if margin is None else float(margin))
 
 
 def load_pairs(paths: str | Path | Sequence[str | Path]) -> list[PreferencePair]:
@@ -131,7 +141,7 @@ def tokenize_pair(template: ChatTemplate, pair: PreferencePair, eos: str | None)
         with_chosen = template.encode(pair.prompt + ended(pair.chosen))
         with_rejected = template.encode(pair.prompt + ended(pair.rejected))
     start = min(common_prefix(prompt, with_chosen), common_prefix(prompt, with_rejected))
-    tokenized = TokenizedPair(prompt[:start], with_chosen[start:], with_rejected[start:], pair.where)
+    tokenized = TokenizedPair(prompt[:start], with_chosen[start:], with_rejected[start:], pair.where, pair.margin)
     if not tokenized.chosen or not tokenized.rejected:
         raise UserError(f"{pair.where}: an answer renders to no token after the prompt; check the record")
     if tokenized.chosen == tokenized.rejected:

@@ -74,6 +74,8 @@ class RunLogger:
             moe += f" | reward margin {metrics['reward_margin']:.4g}"
             moe += (f" | accuracy {metrics['reward_accuracy']:.2f}" if "reward_accuracy" in metrics
                     else f" | kl {metrics['kl']:.4g}")  # KTO: the step's KL reference point instead
+        if "min_reward" in metrics:  # a reward model: its scores' margin and accuracy over the pairs (TRL's names)
+            moe += f" | margin {metrics['margin']:.4g} | accuracy {metrics['accuracy']:.2f}"
         if "frac_reward_zero_std" in metrics:  # RL: the round's reward, the KL to the reference, the mismatch
             moe += f" | reward {metrics['reward']:.3f} (std {metrics['reward_std']:.3f})"
             if "kl" in metrics:
@@ -94,19 +96,25 @@ class RunLogger:
         if self.writer:
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
                         "moe_aux_loss", "expert_load_min", "expert_load_max", "rewards_chosen", "rewards_rejected",
-                        "reward_margin", "reward_accuracy", "max_logit", "indexer_kl", "mtp_loss", *RL_KEYS):
+                        "reward_margin", "reward_accuracy", "accuracy", "margin", "max_logit", "indexer_kl",
+                        "mtp_loss", *RL_KEYS):
                 value = metrics.get(key)
                 if value is not None and math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
 
-    def validation(self, step: int, loss: float) -> None:
+    def validation(self, step: int, loss: float, extra: dict | None = None) -> None:
+        """The validation loss, with a reward model's held-out figures (`extra`: val_accuracy, val_margin)."""
         if not self.enabled:
             return
         if not self.perplexity:  # a preference, RL or distillation loss: exp of it is no perplexity
-            self._write({"step": step, "val_loss": loss})
-            self.print(f"validation at step {step}: loss {loss:.4f}")
+            extra = extra or {}
+            self._write({"step": step, "val_loss": loss, **extra})
+            self.print(f"validation at step {step}: loss {loss:.4f}"
+                       + "".join(f" | {k[4:]} {v:.4f}" for k, v in extra.items()))
             if self.writer:
                 self.writer.add_scalar("valid/loss", loss, step)
+                for key, value in extra.items():
+                    self.writer.add_scalar(f"valid/{key[4:]}", value, step)
             return
         ppl = math.exp(min(loss, 700.0))
         self._write({"step": step, "val_loss": loss, "val_ppl": ppl})
@@ -166,7 +174,9 @@ def run_figure(records: list[dict], title: str):
         return [(r["step"], r[key]) for r in records if key in r and r[key] is not None and math.isfinite(r[key])]
 
     train, valid = series("loss"), series("val_loss")
-    moe, margin = series("expert_load_min"), series("reward_margin")
+    scored = bool(series("min_reward"))  # a reward model's run: TRL's names for its margin and accuracy
+    moe, margin = series("expert_load_min"), series("margin" if scored else "reward_margin")
+    correct = series("accuracy" if scored else "reward_accuracy")
     reward = series("reward") if not margin else []
     panels = 1 + bool(moe) + bool(margin) + bool(reward)
     fig, axes = plt.subplots(panels, 1, figsize=(7, 4 + 2.5 * (panels - 1)), sharex=True, squeeze=False)
@@ -181,8 +191,9 @@ def run_figure(records: list[dict], title: str):
         kl.plot(*zip(*indexer), color="tab:purple", lw=0.8, label="indexer KL (right)")
         kl.set_ylabel("indexer KL (nats/token)")
         kl.legend(loc="upper center", fontsize="small")
-    per = "pair" if series("reward_accuracy") else "example"  # KTO: unpaired examples
-    ax.set_ylabel(f"preference loss (per {per})" if margin else "RL loss" if reward else "cross-entropy (nats/token)")
+    per = "pair" if correct else "example"  # KTO: unpaired examples
+    ax.set_ylabel("Bradley-Terry loss (per pair)" if scored else f"preference loss (per {per})" if margin
+                  else "RL loss" if reward else "cross-entropy (nats/token)")
     ax.set_title(f"shardlm: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -205,8 +216,8 @@ def run_figure(records: list[dict], title: str):
         rewards.set_ylabel("reward margin")
         rewards.grid(alpha=0.3)
         accuracy = rewards.twinx()
-        if series("reward_accuracy"):
-            accuracy.plot(*zip(*series("reward_accuracy")), color="tab:green", lw=0.8, label="accuracy (right)")
+        if correct:
+            accuracy.plot(*zip(*correct), color="tab:green", lw=0.8, label="accuracy (right)")
             accuracy.set_ylim(-0.05, 1.05)
             accuracy.set_ylabel("accuracy")
         else:  # KTO: the KL reference point z0

@@ -138,6 +138,10 @@ def parallelize(config: RunConfig, ctx: ParallelContext, micro_batches: int) -> 
     model = build_model(config.model, ctx, seed=t.seed, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                         layer_ids=None if layers is None else [i for s in stage_ids for i in layers[s]],
                         options=options, finish_layer=finish_layer)
+    if config.reward.loss:  # a reward model: the score head in place of the language-model head
+        from shardlm.reward.head import add_score_head
+
+        add_score_head(model, t.seed)
     if config.lora.rank:  # adapters on the targeted projections, the rest frozen (`shardlm.lora`)
         from shardlm.lora import add_adapters
         from shardlm.lora.apply import quantize_base

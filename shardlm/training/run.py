@@ -200,7 +200,7 @@ def disable_dropout(config: RunConfig) -> str | None:
     dropout: model.dropout, model.attention_dropout and lora.dropout set to 0, in place (what config.json and the
     checkpoints then record). Returns the line that says so when it turned some off, else None."""
     sections = [s for s, on in (("preference", config.preference.loss), ("rl", config.rl.loss),
-                                ("distill", config.distill.teacher)) if on]
+                                ("distill", config.distill.teacher), ("reward", config.reward.loss)) if on]
     m, lora = config.model, config.lora
     if not sections or not getattr(config, sections[0]).disable_dropout:
         return None
@@ -228,6 +228,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         check_vocabulary(config, rl.template.tokenizer.get_vocab_size(), rl.max_token_id)
     elif config.sft.data:  # chat (or preference) records, tokenized and packed before any process group exists
         build = build_sft_datasets
+        if config.reward.loss:  # a reward model's pairs, as a preference run's
+            from shardlm.preference.dataset import build_preference_datasets as build
         if config.preference.loss:
             from shardlm.preference.dataset import build_preference_datasets
             from shardlm.preference.kto import KL_LOSSES, UNPAIRED
@@ -259,7 +261,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         if warning:
             print(f"shardlm: {warning}", file=sys.stderr)
     run_dir = _agree_on_run_dir(run_dir, config_path)
-    cross_entropy = not (config.preference.loss or config.rl.loss or config.distill.teacher)
+    cross_entropy = not (config.preference.loss or config.rl.loss or config.distill.teacher or config.reward.loss)
     logger = progress.logger = RunLogger(run_dir, t.steps, ctx.is_main, config.log.interval, config.log.progress,
                                          config.log.tensorboard, perplexity=cross_entropy)
     if ctx.is_main:
@@ -313,6 +315,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     if trainer.preference:
         trainer.loss.weights = reference  # (None unless preference.reference = "weights")
         logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
+    if trainer.reward:
+        from shardlm.reward.loss import describe_run
+
+        logger.print(describe_run(trainer))
     step, rl_run = trainer.train_step, None
     if rl is not None:
         from shardlm.rl.setup import start_rl
@@ -377,8 +383,9 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         out = {}
         val = trainer.evaluate()
         if val is not None:
-            logger.validation(trainer.step, val)
-            out = {"val_loss": val} | ({"val_ppl": perplexity(val)} if logger.perplexity else {})
+            held_out = trainer.loss.take_eval_metrics() if trainer.reward else {}  # val_accuracy, val_margin
+            logger.validation(trainer.step, val, held_out)
+            out = {"val_loss": val} | ({"val_ppl": perplexity(val)} if logger.perplexity else {}) | held_out
         if rl_run is not None:
             try:
                 rewards = rl_run.evaluate()

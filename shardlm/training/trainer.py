@@ -112,6 +112,14 @@ class Trainer:
             self.loss.set_labels({"train": train_data, "valid": valid_data})  # KTO's unpaired examples
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
+        self.reward = bool(config.reward.loss)
+        if self.reward:  # a reward model: the Bradley-Terry loss of its pairs' scores (`shardlm.reward.loss`)
+            from shardlm.reward.loss import RewardLoss
+
+            self.loss = RewardLoss(config.reward, ctx, self.model)
+            self.loss.set_margins({"train": train_data, "valid": valid_data})
+            if self.pipeline is not None:
+                self.pipeline.hidden_loss = self.loss.of_hidden
         self.rl = bool(config.rl.loss)
         if self.rl:  # GRPO and its variants: a loss of the round's sequences (`shardlm.rl.loss`)
             from shardlm.rl import round_steps
@@ -239,8 +247,8 @@ class Trainer:
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
             ctx.dp_cp.all_reduce(mtp_sum)
             step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
-        if self.preference or self.rl:  # rewards, margin and accuracy over the pairs; KL, entropy, clip ratios
-            step_metrics |= self.loss.take_metrics()
+        if self.preference or self.rl or self.reward:  # rewards, margin and accuracy over the pairs; KL, entropy,
+            step_metrics |= self.loss.take_metrics()  # clip ratios
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step (not in a LoRA
             # run, whose router, biases included, is the frozen base's)
             step_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
@@ -332,6 +340,10 @@ class Trainer:
             from shardlm.rl.loss import rl_parts
 
             return rl_parts(batches, self.ctx)
+        if self.reward:
+            from shardlm.reward.loss import reward_parts
+
+            return self.loss.attach_margins(reward_parts(batches, self.ctx), split)
         if self.preference:
             from shardlm.preference.loss import preference_parts
 

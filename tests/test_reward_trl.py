@@ -1,0 +1,166 @@
+"""TRL's `RewardTrainer` as an external oracle for shardlm's reward modeling: the same losses, accuracies, margins,
+rewards and gradient norm, step by step, and the same trained model through a Hugging Face export.
+
+A random two-layer `Qwen3ForSequenceClassification` (one label) with the real Qwen3 vocabulary is saved beside the
+shared Qwen3 tokenizer. The pairs are the preference tests' (`tests/test_preference_trl.py`): the first Dolly records'
+prompts with their own response chosen and the next record's rejected (conversational, rendered with the chat
+template on both sides), 2 of the 4 with a `margin` (TRL's optional column). TRL (1.16) tokenizes them itself and
+pools each sequence at its last token that is not the pad token (here `<|endoftext|>`, which the template's turns
+never end with); shardlm packs one pair a row (`sft.packing="pad"`) in order (`sft.shuffle=false`), 2 pairs a step,
+and reads each sequence's last token. Matched: AdamW (betas 0.9 / 0.999, eps 1e-8, no weight decay), a constant
+learning rate, clipping at 1.0, `center_rewards_coefficient` 0.01, fp32 (`bf16=False`).
+
+Each of 3 steps' loss, accuracy, margin, mean, minimum and maximum reward and the first step's gradient norm agree
+within 1e-5 relative (1e-5 absolute for the rewards and margins, which cross 0); the run's export
+(`shardlm convert --to-hf`) loads as transformers' `Qwen3ForSequenceClassification` whose rewards of the pairs equal
+TRL's trained model's within 1e-5; a run without the margins misses TRL's second-step loss by more than 100 x the
+bound (the margin is read).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from llama_reference import spread_norm_weights
+
+from multiproc import import_or_skip
+
+trl = import_or_skip("trl", reason="trl is not installed (make install installs it with the dev extra)")
+datasets = import_or_skip("datasets")
+transformers = import_or_skip("transformers")
+
+from shardlm.bench.common import uncached_datasets  # noqa: E402
+from shardlm.checkpoint.hf import to_hf  # noqa: E402
+from shardlm.config import load_config  # noqa: E402
+from shardlm.preference.dolly import dolly_pairs  # noqa: E402
+from shardlm.sft.template import ChatTemplate  # noqa: E402
+from shardlm.training.run import train  # noqa: E402
+
+SEQ, PAIRS_PER_STEP, PAIRS, STEPS, LR, CENTER, TOL = 128, 2, 4, 3, 1e-3, 0.01, 1e-5
+MARGINS = (0.5, None, 1.5, None)  # the pairs' margins (None: the record has no `margin`); TRL reads 0 for those
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    root = tmp_path_factory.mktemp("reward_trl")
+    tokenizer_dir = data_dir / "chat" / "qwen3"
+    torch.manual_seed(0)
+    model = Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, tie_word_embeddings=True, num_labels=1,
+        pad_token_id=151643))  # <|endoftext|>, the tokenizer's pad token
+    assert spread_norm_weights(model)  # a swapped or dropped norm shows
+    with torch.no_grad():  # a head that separates the random model's sequences at step 0
+        model.score.weight.normal_(0.0, 0.1)
+    model.save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, root / "hf" / name)
+    template = ChatTemplate.from_dir(root / "hf")
+    lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()
+    pairs = [pair for pair in dolly_pairs(lines[:121])
+             if sum(len(template.encode(template.render(pair["prompt"] + pair[side])))
+                    for side in ("chosen", "rejected")) <= SEQ][:PAIRS]
+    assert len(pairs) == PAIRS
+    records = [pair | ({"margin": margin} if margin is not None else {}) for pair, margin in zip(pairs, MARGINS)]
+    (root / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (root / "no_margins.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
+    return {"root": root, "hf": root / "hf", "records": records}
+
+
+def trl_run(setup) -> dict:
+    """TRL's RewardTrainer on the records in order (every record given a margin, 0 where it has none: a dataset's
+    column is all or nothing): {"steps": its logged steps, "trainer": the trainer}."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+
+    class InOrder(trl.RewardTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    collected: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                collected.append(dict(logs))
+
+    args = trl.RewardConfig(output_dir=str(setup["root"] / "trl"), max_length=None, per_device_train_batch_size=2,
+                            center_rewards_coefficient=CENTER, max_steps=STEPS, learning_rate=LR,
+                            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+                            adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
+                            save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                            bf16=False, gradient_checkpointing=False)
+    records = [r | {"margin": r.get("margin", 0.0)} for r in setup["records"]]
+    model = AutoModelForSequenceClassification.from_pretrained(setup["hf"], dtype=torch.float32)
+    with uncached_datasets():
+        trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                          processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()])
+        trainer.train()
+    return {"steps": collected, "trainer": trainer}
+
+
+def shardlm_run(setup, name: str, records: str) -> dict:
+    """shardlm's reward run from the same directory (one pair a row, in order, 2 a step): {"steps": its logged
+    steps, "run": its directory}."""
+    overrides = [f"checkpoint.init_from={setup['hf']}", f"sft.data=[\"{setup['root'] / records}\"]",
+                 "sft.shuffle=false", "sft.valid_fraction=0.0", "sft.packing=\"pad\"", "reward.loss=\"bradley_terry\"",
+                 f"reward.center_rewards_coefficient={CENTER}", f"model.seq_length={SEQ}",
+                 f"train.micro_batch_size={PAIRS_PER_STEP}", f"train.global_batch_size={PAIRS_PER_STEP}",
+                 f"train.steps={STEPS}", f"train.lr={LR}", f"train.min_lr={LR}", "train.decay_style=\"constant\"",
+                 "train.warmup_steps=0", "train.weight_decay=0.0", "train.adam_beta2=0.999", "train.adam_eps=1e-8",
+                 "train.clip_grad=1.0", "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1",
+                 "log.progress=false", "log.plot=false", "log.tensorboard=false"]
+    run_dir = setup["root"] / name
+    train(load_config(None, overrides), run_dir=run_dir)
+    return {"steps": [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                      if '"loss"' in line and '"val_loss"' not in line], "run": run_dir}
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    return {"trl": trl_run(setup), "shardlm": shardlm_run(setup, "shardlm", "pairs.jsonl")}
+
+
+def close(ours: float, theirs: float, absolute: bool = False) -> bool:
+    return abs(ours - theirs) <= TOL * (1.0 if absolute else max(abs(theirs), 1e-12))
+
+
+def test_reward_model_follows_trl_step_by_step(runs):
+    theirs, ours = runs["trl"]["steps"], runs["shardlm"]["steps"]
+    assert len(theirs) == len(ours) == STEPS
+    for step, (t, o) in enumerate(zip(theirs, ours), start=1):
+        assert close(o["loss"], t["loss"]), (step, o["loss"], t["loss"])
+        assert o["accuracy"] == pytest.approx(t["accuracy"], abs=1e-12), step
+        for key in ("margin", "mean_reward", "min_reward", "max_reward"):
+            assert close(o[key], t[key], absolute=True), (step, key, o[key], t[key])
+    assert close(ours[0]["grad_norm"], theirs[0]["grad_norm"]), (ours[0]["grad_norm"], theirs[0]["grad_norm"])
+    assert len({round(s["loss"], 4) for s in ours}) == STEPS  # the loss moves: the steps train
+
+
+def test_exported_reward_model_scores_as_trls_trained_model(setup, runs, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = to_hf(runs["shardlm"]["run"] / "checkpoints", tmp_path / "exported")
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["architectures"] == ["Qwen3ForSequenceClassification"] and hf_config["pad_token_id"] == 151643
+    exported = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    trained = runs["trl"]["trainer"].model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(setup["hf"])
+    texts = [tokenizer.apply_chat_template(r["prompt"] + r[side], tokenize=False)
+             for r in setup["records"] for side in ("chosen", "rejected")]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ours, theirs = exported(**batch).logits.squeeze(-1), trained(**batch).logits.squeeze(-1)
+        start = AutoModelForSequenceClassification.from_pretrained(setup["hf"], dtype=torch.float32)(**batch).logits
+    assert torch.allclose(ours, theirs, rtol=TOL, atol=TOL), (ours, theirs)
+    assert (ours - start.squeeze(-1)).abs().max() > 100 * TOL  # trained away from the start
+
+
+def test_the_margin_is_read(setup, runs):
+    plain = shardlm_run(setup, "no_margins", "no_margins.jsonl")["steps"]
+    theirs = runs["trl"]["steps"]
+    assert abs(plain[1]["loss"] - theirs[1]["loss"]) > 100 * TOL * abs(theirs[1]["loss"])
