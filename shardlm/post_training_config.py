@@ -249,7 +249,8 @@ class RLConfig:
     rloo and gmpo count each one's constant loss -A, its ratio exp(0), as TRL's RLOO and GMPO do)."""
     rewards: list = field(default_factory=lambda: ["math"])
     """Reward functions: "math" (the last number or \\boxed{} against the record's `answer`), "format" (a regex,
-    rl.format_pattern) or "module:function" with TRL's signature."""
+    rl.format_pattern), "module:function" with TRL's signature, or "model:PATH", a trained reward model (a Hugging
+    Face XForSequenceClassification directory or a shardlm reward run's checkpoint) scored at the training layout."""
     reward_weights: list = field(default_factory=list)
     """Weight of each reward function (empty: 1 each); the reward is their weighted sum."""
     multi_objective_aggregation: str = "sum_then_normalize"

@@ -13,7 +13,7 @@ loss, every parameter on every rank):
   at TP=2 with SP, FSDP CP=2 and FSDP EP=2 with the Qwen3-MoE teacher;
 - world 4: TP=2 x DP=2 with SP, CP=2 x TP=2 with SP, PP=2 x TP=2 with SP, FSDP TP=2 x DP=2 with SP, hybrid FSDP in
   groups of 2 of DP=4, FSDP PP=2 x DP=2;
-- under FSDP the teacher is sharded over the student's mesh (`shardlm.distill.teacher.shard_teacher`): after the
+- under FSDP the teacher is sharded over the student's mesh (`shardlm.training.frozen.shard_frozen`): after the
   run every teacher parameter is a DTensor again (each rank 1/2 of each tensor whose first dimension DP divides;
   under PP the ends too), the log line's MiB is the rank's bytes, and every rank ran as many teacher
   layers (their all-gathers are collectives); under ZeRO-1 each rank holds the whole teacher;

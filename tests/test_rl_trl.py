@@ -31,7 +31,10 @@ shuffle of its generation batch replaced by shardlm's split, so both train the s
 measured within 1.2e-6). rl.loss="rloo" against TRL's `RLOOTrainer` (the same fixture, its generation replaced the
 same way): the KL in the reward with masked truncation over 3 steps, and two iterations a round on normalized
 advantages of clamped rewards (measured within 2.0e-6). rl.loss="gmpo" against TRL's experimental `GMPOTrainer`
-(KL, two iterations a round, masked truncation).
+(KL, two iterations a round, masked truncation). A trained reward model (a `Qwen3ForSequenceClassification` beside the
+shared tokenizer) among the rewards: TRL loads it from its path and scores each prompt and completion rendered with
+its chat template; shardlm's `rl.rewards` names it "model:PATH" and scores at the layout (its rewards/rm/mean and std,
+and the weighted reward, within TOL).
 Control runs with another temperature, or without each of those options, miss TRL's numbers by far more than TOL,
 so the comparison can fail. (INTELLECT-2's `delta`
 has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
@@ -117,8 +120,16 @@ def setup(tmp_path_factory, data_dir):
                                          max_position_embeddings=SEQ, tie_word_embeddings=True))
     assert spread_norm_weights(model)
     model.save_pretrained(root / "hf")
+    reward_model = transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(  # the "reward_model" reward
+        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, tie_word_embeddings=True, num_labels=1,
+        pad_token_id=151643))
+    with torch.no_grad():  # scores that differ within every group
+        reward_model.score.weight.normal_(0.0, 1.0)
+    reward_model.save_pretrained(root / "rm")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+        for folder in ("hf", "rm"):
+            shutil.copy(data_dir / "chat" / "qwen3" / name, root / folder / name)
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
     for name, records in (("prompts", PROMPTS), ("prompts4", PROMPTS + EXTRA)):
@@ -143,7 +154,7 @@ def setup(tmp_path_factory, data_dir):
     ids = [template.encode(template.render(p["prompt"], add_generation_prompt=True)) for p in PROMPTS + EXTRA]
     # one tokenizer for every TRL run (parsing the 11 MB tokenizer.json is a CPU second a run; the trainers only
     # set its pad token, to the same end-of-text token each time)
-    return {"root": root, "hf": root / "hf", "rounds": rounds, "ids": ids,
+    return {"root": root, "hf": root / "hf", "rm": root / "rm", "rounds": rounds, "ids": ids,
             "tokenizer": transformers.AutoTokenizer.from_pretrained(root / "hf")}
 
 
@@ -219,7 +230,8 @@ def trl_steps(setup, name: str, case: dict) -> list[dict]:
                           dataloader_num_workers=0, disable_tqdm=True, bf16=False, log_completions=False, **options)
     model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
     with uncached_datasets():
-        functions = [globals()[name] for name in case.get("rewards", ["length_and_answer"])]
+        functions = [str(setup["rm"]) if name == "reward_model" else globals()[name]  # TRL loads a model's path
+                     for name in case.get("rewards", ["length_and_answer"])]
         trainer = FixedCompletions(model=model, reward_funcs=functions, args=args,
                                    train_dataset=datasets.Dataset.from_list(records),
                                    processing_class=setup["tokenizer"])
@@ -256,8 +268,9 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
                  f"rl.num_generations={G}", f"rl.prompts_per_step={len(PROMPTS)}",
                  f"rl.max_completion_length={MAX_COMPLETION}",
                  f"rl.completions=\"{setup['root'] / files[1]}\"",
-                 "rl.rewards=[" + ", ".join(f'"test_rl_trl:{name}"' for name in case.get("rewards",
-                                                                                         ["length_and_answer"])) + "]",
+                 "rl.rewards=[" + ", ".join(f'"model:{setup["rm"]}"' if name == "reward_model" else
+                                            f'"test_rl_trl:{name}"'
+                                            for name in case.get("rewards", ["length_and_answer"])) + "]",
                  f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={ROWS}",
                  f"train.steps={case.get('steps', STEPS)}", f"train.seed={SEED}", f"train.lr={LR}",
                  f"train.min_lr={LR}",
@@ -340,13 +353,17 @@ CASES = {
     "rloo_kl_masked": {"loss": "rloo", "beta": 0.05, "steps": 3, "mask_truncated_completions": True},
     "gmpo_kl_masked": {"loss": "gmpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.4,
                        "mask_truncated_completions": True},
+    # a trained reward model (Qwen3ForSequenceClassification) beside a function: TRL renders each prompt and
+    # completion with the model's chat template and reads the score at the last token that is not padding
+    "grpo_reward_model": {"rewards": ["length_and_answer", "reward_model"], "reward_weights": [1.0, 0.5],
+                          "beta": 0.04},
     "rloo_twice_normalized_clipped": {"loss": "rloo", "num_iterations": 2, "epsilon": 0.9, "epsilon_high": 9.0,
                                       "normalize_advantages": True, "reward_clip_range": [0.0, 1.2]},
 }
 METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "reward", "reward_std",
            "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "policy_loss",
-           "entropy_coef")
+           "entropy_coef", "rewards/rm/mean", "rewards/rm/std")
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ class DistillLoss:
     documents and the global batch's answer-token count `divisor`): the teacher's final hidden states (no
     gradient), then the student's forward, which runs both output layers on its own and the divergence
     (`generalized_jsd`) inside its call; the answer tokens' sum over `divisor`. A teacher sharded by FSDP
-    (`teacher.shard_teacher`) runs its forward once per call, as the student does (so in lockstep over DP), and
-    its gathered root is freed once the student's forward returns."""
+    (`shardlm.training.frozen.shard_frozen`) runs its forward once per call, as the student does (so in lockstep
+    over DP), and its gathered root is freed once the student's forward returns."""
 
     def __init__(self, cfg: DistillConfig, ctx, student, teacher):
         self.cfg, self.ctx, self.student, self.teacher = cfg, ctx, student, teacher

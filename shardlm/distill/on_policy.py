@@ -10,7 +10,7 @@ own answers on the other steps.
 
 Sequence-level KD (`distill.seq_kd`, TRL's GKD option): the steps that are not on-policy take the teacher's
 completions of the same prompts in place of the records' answers, sampled the same way by the frozen teacher at the
-training layout (`teacher_generator`; under pipeline stages through the teacher's own stages, `TeacherStages`).
+training layout (`teacher_generator`; under pipeline stages through the teacher's own stages, `FrozenStages`).
 Under FSDP the teacher's root stays gathered from its sampling to the step's own release (`release_teacher`).
 """
 
@@ -100,16 +100,16 @@ class OnPolicyDistill:
 def samplers(trainer, sampling, stops: set[int], stop_requested=None) -> tuple:
     """(the student's sampler, the teacher's under seq_kd else None) of `trainer` at its layout, with `sampling`
     (a `SamplingConfig`) and the `stops` ids: the teacher's decodes through its own pipeline stages
-    (`TeacherStages`)."""
-    from shardlm.distill.teacher import TeacherStages
+    (`shardlm.training.frozen.FrozenStages`)."""
     from shardlm.rl.rollout import InProcessGenerator
+    from shardlm.training.frozen import FrozenStages
 
     lockstep = trainer.ctx.world_size > 1
     student = InProcessGenerator(trainer.model, trainer.ctx, sampling, stops, lockstep=lockstep,
                                  pipeline=trainer.pipeline, stop_requested=stop_requested)
     if not trainer.config.distill.seq_kd:
         return student, None
-    stages = TeacherStages.of(trainer.teacher, trainer.ctx) if trainer.pipeline is not None else None
+    stages = FrozenStages.of(trainer.teacher, trainer.ctx) if trainer.pipeline is not None else None
     return student, InProcessGenerator(trainer.teacher, trainer.ctx, sampling, stops, lockstep=lockstep,
                                        pipeline=stages, stop_requested=stop_requested)
 

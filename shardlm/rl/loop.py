@@ -65,6 +65,12 @@ class RLRun:
         self.round_steps = round_steps(trainer.config)  # optimizer steps a round lasts
         self.round_metrics: dict = {}
         self.rows: StepRows | None = None
+        self.scorers = {}  # the reward models (rl.rewards "model:PATH") by column, at the layout: collective
+        if any(reward.model for reward in rewards):
+            from shardlm.rl.reward_model import RewardModelScorer
+
+            self.scorers = {j: RewardModelScorer(reward.model, trainer) for j, reward in enumerate(rewards)
+                            if reward.model}
 
     def train_step(self) -> dict:
         """One optimizer step, after a new generation round when the last one's steps are done."""
@@ -124,13 +130,16 @@ class RLRun:
         return gather_samples(local, self.ctx)
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> np.ndarray:
-        """(N, F) reward values (NaN: None) of each sequence's prompt and rollout, computed on the main rank and
-        broadcast; a failing function stops every rank with the same one line."""
+        """(N, F) reward values (NaN: None) of each sequence's prompt and rollout: the functions' computed on the main
+        rank and broadcast (a failing function stops every rank with the same one line), the reward models' by every
+        rank at the layout (`shardlm.rl.reward_model`)."""
         result: list = [None]
-        if self.ctx.rank == 0:
+        completions = None
+        if self.ctx.rank == 0 or self.scorers:
             texts = [decode(self.template, r.completion) for r in rollouts]
             completions = [[{"role": "assistant", "content": t}] if p.conversational else t
                            for p, t in zip(prompts, texts)]
+        if self.ctx.rank == 0:
             keys = sorted({k for p in prompts for k in p.columns})
             columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
             try:
@@ -142,7 +151,10 @@ class RLRun:
             dist.broadcast_object_list(result, src=0)
         if isinstance(result[0], str):
             raise UserError(result[0])
-        return result[0]
+        table = result[0]
+        for column, scorer in self.scorers.items():
+            table[:, column] = scorer([p.prompt for p in prompts], completions)
+        return table
 
     def start_round(self, round_index: int) -> None:
         cfg, trainer = self.cfg, self.trainer

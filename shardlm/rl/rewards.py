@@ -8,7 +8,9 @@ completions' token ids, and each other column of the records a keyword argument 
 written for TRL (e.g. `def f(completions, **kwargs)`) works here unchanged; an `async def` one is awaited.
 
 Rewards are named in a run's config: a built-in (`math`, `format`) or `module:function`, where `module` is an
-importable dotted path (`pkg.mod:fn`) or a Python file (`path/to/rewards.py:fn`).
+importable dotted path (`pkg.mod:fn`) or a Python file (`path/to/rewards.py:fn`); or a trained reward model,
+`model:PATH`, which every rank scores at the training layout (`shardlm.rl.reward_model`; its column of `score`'s
+table is left NaN here and filled by the run).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import numpy as np
 from shardlm.errors import UserError
 
 BUILTINS = ("math", "format")
+MODEL_PREFIX = "model:"
+"""A reward model's entry in rl.rewards: this, then its path."""
 FIXED_ARGUMENTS = ("prompt", "completion", "completion_ids")
 """Record columns never passed as keyword arguments (TRL drops the same ones)."""
 
@@ -47,12 +51,14 @@ _RELATIVE_TOLERANCE = Fraction(1, 10**6)
 
 @dataclass
 class Reward:
-    """One reward function of a run. `name`: as given in the config ("math", "format" or "module:function");
-    `function`: called as TRL calls it (module docstring); `weight`: its factor in the weighted sum of rewards."""
+    """One reward function of a run. `name`: as given in the config ("math", "format", "module:function" or
+    "model:PATH"); `function`: called as TRL calls it (module docstring; None for a reward model); `weight`: its
+    factor in the weighted sum of rewards; `model`: a reward model's path (empty for a function)."""
 
     name: str
-    function: Callable[..., Any]
+    function: Callable[..., Any] | None
     weight: float
+    model: str = ""
 
 
 def completion_text(completion: Any) -> str:
@@ -222,7 +228,8 @@ def load_rewards(names: list[str], weights: list[float] | None = None, format_pa
     "format" reward. Every problem is a one-line `UserError` naming the reward and the fix.
     """
     if not names:
-        raise UserError('rl.rewards is empty; name at least one reward: "math", "format" or module:function')
+        raise UserError('rl.rewards is empty; name at least one reward: "math", "format", module:function or '
+                        'model:PATH')
     weights = list(weights) if weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise UserError(f"rl.reward_weights has {len(weights)} values for {len(names)} rewards ({', '.join(names)}); "
@@ -231,6 +238,12 @@ def load_rewards(names: list[str], weights: list[float] | None = None, format_pa
     for name, weight in zip(names, weights, strict=True):
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise UserError(f'rl.reward_weights: the weight of "{name}" is {weight!r}; give a finite number')
+        if name.startswith(MODEL_PREFIX):  # a reward model: checked now, loaded at the layout by the run
+            from shardlm.rl.reward_model import open_reward_model
+
+            open_reward_model(name[len(MODEL_PREFIX):])
+            rewards.append(Reward(name=name, function=None, weight=float(weight), model=name[len(MODEL_PREFIX):]))
+            continue
         if name == "math":
             function = math_answer
         elif name == "format":
@@ -255,6 +268,9 @@ def reward_names(rewards: list[Reward]) -> list[str]:
     for reward in rewards:
         if reward.name in BUILTINS:
             names.append(reward.name)
+            continue
+        if reward.model:  # as TRL names a reward model: its directory's name
+            names.append(Path(reward.model).name)
             continue
         function = reward.function
         while isinstance(function, functools.partial):
@@ -312,6 +328,9 @@ def score(rewards: list[Reward], prompts: list, completions: list, completion_id
     kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
     table = np.empty((n, len(rewards)), dtype=np.float64)
     for j, reward in enumerate(rewards):
+        if reward.model:  # scored by every rank at the layout (`shardlm.rl.reward_model`), filled by the run
+            table[:, j] = np.nan
+            continue
         values = _call(reward, kwargs)
         if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
             values = values.tolist()  # a numpy array or torch tensor, as TRL accepts
