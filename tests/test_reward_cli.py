@@ -3,8 +3,8 @@
 and the plot; `shardlm convert --to-hf` writes a `Qwen3ForSequenceClassification` whose scores (transformers'
 pooling: the last token that is not the pad token) are the run's own rewards (`shardlm.checkpoint.load_model`) within
 1e-5, and a second run started from that export reads its head back (its first loss equals the first run's last
-step's pairs scored again); `configs/reward-tiny-qwen3.toml`; bad settings and records as one-line errors that leave
-nothing behind."""
+step's pairs scored again); `configs/reward-tiny-qwen3.toml`; a GPT reward model's export as
+`GPT2ForSequenceClassification`; bad settings and records as one-line errors that leave nothing behind."""
 
 from __future__ import annotations
 
@@ -159,7 +159,6 @@ ERRORS = [
      "reward.center_rewards_coefficient=-1.0 must be >= 0 (0: off)"),
     ("with a preference loss", lambda w, s: ['preference.loss="sigmoid"'],
      "reward, preference, rl and distill are different losses"),
-    ("with LoRA", lambda w, s: ["lora.rank=4"], "a reward model trains all its weights here"),
     ("a margin that is no number", lambda w, s: bad_margin(w, s["records"]), "'margin' must be a number, got 'high'"),
     ("a classifier of two labels", lambda w, s: two_labels(w, s["hf"]),
      "is a Qwen3ForSequenceClassification with 2 labels; a reward model has one (num_labels=1)"),

@@ -11,7 +11,8 @@ included):
 - world 2: DP=2, TP=2 (the head whole on both ranks), TP=2 with SP (each rank scores the last tokens of its chunk:
   the rewards summed over TP, the head's gradient summed after the backward), CP=2 (each last token on one CP
   rank, the rewards summed over CP forward and backward), PP=2 and PP=2 x 2 virtual stages (4 layers; the head on
-  the last stage, no tied embedding copy there), DP=2 with ZeRO-1, FSDP, an MoE at EP=2;
+  the last stage, no tied embedding copy there), DP=2 with ZeRO-1, FSDP, an MoE at EP=2, and LoRA (r 4 on q, v,
+  up; the head trained whole beside the adapters) at TP=2 with SP and PP=2 against its own one-process run;
 - world 4: CP=2 x TP=2 with SP, PP=2 x FSDP DP=2;
 - the controls: under SP the head's gradient not summed over TP moves the TP=2 SP run's parameters; at one process,
   the margins dropped, or the centering, move the gradient norms;
@@ -54,10 +55,11 @@ def datasets() -> tuple[PairDataset, PairDataset]:
 
 
 def reward_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
-                  moe: bool = False, center: float = 0.05, virtual: int = 1, layers: int = 2, **train):
+                  moe: bool = False, center: float = 0.05, virtual: int = 1, layers: int = 2, lora: int = 0, **train):
     model = tiny_model("llama", SEQ, layers=layers, num_kv_heads=2) | (MIXTRAL if moe else {})
     sections = {"sft": {"data": ["unused.jsonl"]},
-                "reward": {"loss": "bradley_terry", "center_rewards_coefficient": center}}
+                "reward": {"loss": "bradley_terry", "center_rewards_coefficient": center},
+                "lora": {"rank": lora, "targets": ["q", "v", "up"]}}
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
                          **{"steps": STEPS, "eval_iters": 8, "lr": 3e-3, **train})
 
@@ -104,6 +106,8 @@ WORLD2 = {
     "zero dp2": layout(distributed_optimizer=True),
     "fsdp dp2": layout(data_sharding="full"),
     "ep2 moe": layout(ep=2, moe=True),
+    "tp2 sp lora": layout(tp=2, sp=True, lora=4),
+    "pp2 lora": layout(pp=2, lora=4),
 }
 CONTROL = "control tp2 sp head gradient not summed"
 WORLD4 = {
@@ -128,7 +132,8 @@ def reference():
     ctx = ParallelContext.single()
     return {"dense": train_layout(ctx, reward_config()), "moe": train_layout(ctx, reward_config(moe=True)),
             "micro1": train_layout(ctx, reward_config(micro=1)),
-            "four layers": train_layout(ctx, reward_config(micro=1, layers=4))}
+            "four layers": train_layout(ctx, reward_config(micro=1, layers=4)),
+            "lora": train_layout(ctx, reward_config(lora=4))}
 
 
 SAME_RUN = {"steps": STEPS, "tol": TOL, "columns": CURVE + METRICS, "absolute": METRICS,
@@ -138,7 +143,8 @@ within TOL absolute (they cross 0); the accuracy from step 2 (at step 1 a margin
 
 
 def reference_of(name: str, reference: dict) -> dict:
-    return reference["moe" if "moe" in name else "four layers" if "virtual" in name else "dense"]
+    kind = next((kind for kind in ("moe", "lora") if kind in name), "four layers" if "virtual" in name else "dense")
+    return reference[kind]
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

@@ -14,7 +14,8 @@ Each of 3 steps' loss, accuracy, margin, mean, minimum and maximum reward and th
 within 1e-5 relative (1e-5 absolute for the rewards and margins, which cross 0); the run's export
 (`shardlm convert --to-hf`) loads as transformers' `Qwen3ForSequenceClassification` whose rewards of the pairs equal
 TRL's trained model's within 1e-5; a run without the margins misses TRL's second-step loss by more than 100 x the
-bound (the margin is read).
+bound (the margin is read). With LoRA (peft's SEQ_CLS task: the head trained whole beside the adapters) from the same
+peft adapter directory, the same step by step, and the `--to-peft` export scores as TRL's trained PeftModel.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def setup(tmp_path_factory, data_dir):
     return {"root": root, "hf": root / "hf", "records": records}
 
 
-def trl_run(setup) -> dict:
+def trl_run(setup, adapter=None) -> dict:
     """TRL's RewardTrainer on the records in order (every record given a margin, 0 where it has none: a dataset's
-    column is all or nothing): {"steps": its logged steps, "trainer": the trainer}."""
+    column is all or nothing), the model with the peft `adapter` directory's adapters when given: {"steps": its
+    logged steps, "trainer": the trainer}."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
     class InOrder(trl.RewardTrainer):
@@ -96,6 +98,10 @@ def trl_run(setup) -> dict:
                             bf16=False, gradient_checkpointing=False)
     records = [r | {"margin": r.get("margin", 0.0)} for r in setup["records"]]
     model = AutoModelForSequenceClassification.from_pretrained(setup["hf"], dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     with uncached_datasets():
         trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
                           processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()])
@@ -103,10 +109,10 @@ def trl_run(setup) -> dict:
     return {"steps": collected, "trainer": trainer}
 
 
-def shardlm_run(setup, name: str, records: str) -> dict:
-    """shardlm's reward run from the same directory (one pair a row, in order, 2 a step): {"steps": its logged
-    steps, "run": its directory}."""
-    overrides = [f"checkpoint.init_from={setup['hf']}", f"sft.data=[\"{setup['root'] / records}\"]",
+def shardlm_run(setup, name: str, records: str, *extra: str) -> dict:
+    """shardlm's reward run from the same directory (one pair a row, in order, 2 a step; `extra` overrides):
+    {"steps": its logged steps, "run": its directory}."""
+    overrides = [*extra, f"checkpoint.init_from={setup['hf']}", f"sft.data=[\"{setup['root'] / records}\"]",
                  "sft.shuffle=false", "sft.valid_fraction=0.0", "sft.packing=\"pad\"", "reward.loss=\"bradley_terry\"",
                  f"reward.center_rewards_coefficient={CENTER}", f"model.seq_length={SEQ}",
                  f"train.micro_batch_size={PAIRS_PER_STEP}", f"train.global_batch_size={PAIRS_PER_STEP}",
@@ -164,3 +170,49 @@ def test_the_margin_is_read(setup, runs):
     plain = shardlm_run(setup, "no_margins", "no_margins.jsonl")["steps"]
     theirs = runs["trl"]["steps"]
     assert abs(plain[1]["loss"] - theirs[1]["loss"]) > 100 * TOL * abs(theirs[1]["loss"])
+
+
+def test_a_lora_reward_model_follows_trl_with_peft(setup, runs, tmp_path):
+    """LoRA (r 4 on q, v and the MLP's up projection, B drawn non-zero so every adapter counts) with the head trained
+    whole, as peft's SEQ_CLS task does: TRL's RewardTrainer on the PeftModel and shardlm's run from the same peft
+    directory (`checkpoint.init_adapter`) agree step by step as the full runs do; the run's `--to-peft` export
+    loads with `PeftModel.from_pretrained` (task SEQ_CLS, the head in modules_to_save) to TRL's trained scores."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from shardlm.checkpoint.peft import write_peft
+
+    base = AutoModelForSequenceClassification.from_pretrained(setup["hf"], dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj", "up_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    theirs = trl_run(setup, tmp_path / "adapter")
+    ours = shardlm_run(setup, "shardlm_lora", "pairs.jsonl", "lora.rank=4",
+                       f"checkpoint.init_adapter={tmp_path / 'adapter'}")
+    assert len(theirs["steps"]) == len(ours["steps"]) == STEPS
+    for step, (t, o) in enumerate(zip(theirs["steps"], ours["steps"]), start=1):
+        assert close(o["loss"], t["loss"]), (step, o["loss"], t["loss"])
+        for key in ("margin", "mean_reward"):
+            assert close(o[key], t[key], absolute=True), (step, key, o[key], t[key])
+    assert close(ours["steps"][0]["grad_norm"], theirs["steps"][0]["grad_norm"])
+    full = runs["shardlm"]["steps"][0]  # (the adapters and the head alone train: another gradient than all weights')
+    assert abs(ours["steps"][0]["grad_norm"] - full["grad_norm"]) > 0.1 * full["grad_norm"]
+
+    out = write_peft(ours["run"] / "checkpoints", tmp_path / "exported")
+    settings = json.loads((out / "adapter_config.json").read_text())
+    assert settings["task_type"] == "SEQ_CLS" and "score" in settings["modules_to_save"]
+    loaded = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(setup["hf"],
+                                                                                          dtype=torch.float32), out)
+    tokenizer = AutoTokenizer.from_pretrained(setup["hf"])
+    texts = [tokenizer.apply_chat_template(r["prompt"] + r[side], tokenize=False)
+             for r in setup["records"] for side in ("chosen", "rejected")]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        mine = loaded.eval()(**batch).logits.squeeze(-1)
+        trained = theirs["trainer"].model.eval()(**batch).logits.squeeze(-1)
+    assert torch.allclose(mine, trained, rtol=TOL, atol=TOL), (mine, trained)

@@ -190,7 +190,8 @@ def init_weights(trainer, source: WeightSource) -> None:
     if trainer.config.lora.rank:  # the base under the adapters: every parameter but the adapters themselves
         base = {name for name, _ in trainer.model.named_parameters() if not is_adapter(name)}
     if has_new_head(trainer.model, source):  # a reward model started from a language model: its head stays new
-        base = {name for name, _ in trainer.model.named_parameters() if name != SCORE_WEIGHT}
+        base = {name for name, _ in trainer.model.named_parameters() if name != SCORE_WEIGHT
+                and (base is None or name in base)}
     if isinstance(source.reader, MappedReader):
         source.reader.expect(trainer.model, ctx.tp_size)
     load_weights(trainer.model, source.reader, ctx, trainer.optimizer, optimizer_step=0, names=base)
@@ -263,5 +264,7 @@ def load_lora_base(model, config: RunConfig, saved: dict, ctx: ParallelContext) 
         source = open_source(config.checkpoint.init_from)
         if isinstance(source.reader, MappedReader):
             source.reader.expect(model, ctx.tp_size)
-        load_weights(model, source.reader, ctx, names={n for n, _ in model.named_parameters() if not is_adapter(n)})
+        new_head = {SCORE_WEIGHT} if has_new_head(model, source) else set()  # (trained: in the checkpoint)
+        load_weights(model, source.reader, ctx,
+                     names={n for n, _ in model.named_parameters() if not is_adapter(n)} - new_head)
     return {name for name, param in model.named_parameters() if param.requires_grad}

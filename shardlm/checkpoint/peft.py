@@ -38,7 +38,7 @@ from shardlm.errors import UserError
 from shardlm.models.config import ModelConfig
 
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
-WHOLE = {"wte", "lm_head", "ln_f"}  # modules_to_save's modules
+WHOLE = {"wte", "lm_head", "ln_f", "score"}  # modules_to_save's modules, and a reward model's head (SEQ_CLS)
 
 
 def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
@@ -83,7 +83,7 @@ def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     else:
         raise UserError(f"peft adapters convert for GPT and Llama-family models; this checkpoint's model is {cfg.arch}")
     return {ours.rsplit(".", 1)[0]: (theirs.rsplit(".", 1)[0], kind)
-            for ours, theirs, kind in pairs if ours.endswith(".weight")}
+            for ours, theirs, kind in pairs if ours.endswith(".weight")} | {"score": ("score", "copy")}
 
 
 def _to_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> torch.Tensor:
@@ -175,8 +175,11 @@ def adapter_config(config: RunConfig, base: str) -> dict:
     targets = sorted({_peft_target(hf, config.model) for ours, (hf, _) in modules.items()
                       if ours.startswith("layers.") and ours.rsplit(".", 1)[-1] in wanted})
     saved = sorted({modules[name][0] for name in _saved_modules(config.lora)})
+    if config.reward.loss:  # a reward model: its head trained whole, as peft's SEQ_CLS task lists it
+        saved = sorted(set(saved) | {"classifier", "score"})
     experts = "experts" in wanted and config.model.moe_num_experts > 0
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": config.lora.rank,
+    task = "SEQ_CLS" if config.reward.loss else "CAUSAL_LM"
+    return {"peft_type": "LORA", "task_type": task, "base_model_name_or_path": base, "r": config.lora.rank,
             "target_parameters": (expert_parameters(config.lora.expert_layers, expert_layout(config.model))
                                   if experts else None),
             "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout, "use_rslora": config.lora.rslora,
@@ -287,6 +290,8 @@ def adapter_settings(folder: str | Path) -> dict:
 
 
 SAVED_NAMES = {"embed_tokens": "embedding", "wte": "embedding", "lm_head": "output", "norm": "norm", "ln_f": "norm"}
+SEQ_CLS_HEADS = {"classifier", "score"}
+"""What peft's SEQ_CLS task lists in modules_to_save: a reward model's head, which a reward run trains anyway."""
 SCALARS = ("rank", "alpha", "dropout", "rslora")
 """[lora] keys that always take the adapter's value: its tensors' shapes and scale are those it was trained with."""
 
@@ -302,7 +307,7 @@ def _lora_of(settings: dict, folder) -> dict:
             "dropout": float(settings.get("lora_dropout", 0.0)), "rslora": bool(settings.get("use_rslora", False)),
             "targets": targets, "expert_layers": expert_layers_of(experts, folder) if experts else [],
             "modules_to_save": sorted({SAVED_NAMES.get(m.rsplit(".", 1)[-1], m)
-                                       for m in settings.get("modules_to_save") or []})}
+                                       for m in settings.get("modules_to_save") or []} - SEQ_CLS_HEADS)}
 
 
 def _adapted(targets: list, cfg: ModelConfig) -> set[str]:

@@ -148,7 +148,8 @@ def quantized_projections(model: nn.Module) -> dict[str, nn.Module]:
 
 def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, seed: int) -> dict[str, LoRA]:
     """Give every targeted projection of `model` (this rank's layers) an adapter seeded from its full name, and
-    freeze every other parameter except `modules_to_save`'s. Returns {projection name: adapter}."""
+    freeze every other parameter except `modules_to_save`'s and a reward model's score head (`shardlm.reward.head`;
+    peft's SEQ_CLS task trains it whole). Returns {projection name: adapter}."""
     check_lora(config)
     wanted = target_names(config)
     candidates = adaptable(model)
@@ -185,6 +186,8 @@ def add_adapters(model: nn.Module, config: LoraConfig, ctx: ParallelContext, see
                            partial=getattr(logical(module), "sequence_parallel", False))
         adapters[name] = module.lora
     trained = {id(p) for a in adapters.values() for p in a.parameters()}
+    if getattr(model, "score", None) is not None:  # a reward model's head trains whole (peft's SEQ_CLS task)
+        trained |= {id(p) for p in model.score.parameters()}
     for saved in config.modules_to_save:
         for attribute in SAVED_MODULES[saved]:
             module = getattr(model, attribute, None)

@@ -1,6 +1,7 @@
 """Reward modeling (`docs/reward-model.md`): a decoder LM with a scalar score head (`head`) trained on preference
-pairs with the Bradley-Terry loss (`loss`), as TRL's RewardTrainer; exported as Hugging Face's
-`XForSequenceClassification`. The pairs are the preference runs' (`shardlm.preference.dataset`)."""
+pairs with the Bradley-Terry loss (`loss`), as TRL's RewardTrainer; in full or with LoRA adapters (the head then
+trained whole beside them, as peft's SEQ_CLS task does); exported as Hugging Face's `XForSequenceClassification` (or a
+peft adapter of task SEQ_CLS). The pairs are the preference runs' (`shardlm.preference.dataset`)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ def check_reward(config) -> str | None:
         (m.arch in ("gpt", "llama"), f"a reward model is a decoder with a score head (model.arch gpt or llama), not "
                                      f"{m.arch}"),
         (not m.mtp_layers, "a reward model scores sequences, it predicts no tokens; set model.mtp_layers=0"),
-        (not config.lora.rank, "a reward model trains all its weights here (LoRA with a trained score head is not "
-                               "supported yet); set lora.rank=0"),
         (config.sft.loss_type == "nll", 'sft.loss_type is the SFT loss; a reward run has its own: leave it "nll"'),
     ]
     return next((message for ok, message in checks if not ok), None)

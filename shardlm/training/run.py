@@ -228,10 +228,11 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         check_vocabulary(config, rl.template.tokenizer.get_vocab_size(), rl.max_token_id)
     elif config.sft.data:  # chat (or preference) records, tokenized and packed before any process group exists
         build = build_sft_datasets
-        if config.reward.loss:  # a reward model's pairs, as a preference run's
-            from shardlm.preference.dataset import build_preference_datasets as build
-        if config.preference.loss:
+        if config.preference.loss or config.reward.loss:  # pairs (a reward model's too)
             from shardlm.preference.dataset import build_preference_datasets
+
+            build = build_preference_datasets
+        if config.preference.loss:
             from shardlm.preference.kto import KL_LOSSES, UNPAIRED
 
             # KTO: each example's KL sequence takes a completion of its group of a global batch's size
