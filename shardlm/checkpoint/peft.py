@@ -39,6 +39,7 @@ from shardlm.models.config import ModelConfig
 
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
 WHOLE = {"wte", "lm_head", "ln_f", "score"}  # modules_to_save's modules, and a reward model's head (SEQ_CLS)
+SEQ_CLS_HEAD = "score"  # a reward model's head: shardlm's module and transformers' (not in the causal LM's names)
 
 
 def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
@@ -83,7 +84,7 @@ def module_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     else:
         raise UserError(f"peft adapters convert for GPT and Llama-family models; this checkpoint's model is {cfg.arch}")
     return {ours.rsplit(".", 1)[0]: (theirs.rsplit(".", 1)[0], kind)
-            for ours, theirs, kind in pairs if ours.endswith(".weight")} | {"score": ("score", "copy")}
+            for ours, theirs, kind in pairs if ours.endswith(".weight")}
 
 
 def _to_hf(value: torch.Tensor, kind: str, cfg: ModelConfig, module: str) -> torch.Tensor:
@@ -143,7 +144,7 @@ def peft_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
                                                        else value.contiguous())
             continue
         module, _, leaf = name.rpartition(".")
-        hf, _ = modules.get(module, (None, None))
+        hf, _ = (SEQ_CLS_HEAD, None) if module == SEQ_CLS_HEAD else modules.get(module, (None, None))
         if hf is None or module not in WHOLE:
             raise UserError(f"tensor {name} of the checkpoint has no peft name")
         out[f"{PREFIX}{hf}.{leaf}"] = (value[:cfg.vocab_size] if module in ("wte", "lm_head") else value).contiguous()
@@ -238,7 +239,7 @@ def read_peft(folder: str | Path, cfg: ModelConfig) -> tuple[dict, dict[str, tor
         raise UserError(f"checkpoint.init_adapter={folder} has no {ADAPTER_FILE}; point it at a peft adapter directory")
     settings = adapter_settings(folder)
     theirs = {}
-    for ours, (hf, kind) in module_names(cfg).items():
+    for ours, (hf, kind) in (module_names(cfg) | {SEQ_CLS_HEAD: (SEQ_CLS_HEAD, "copy")}).items():
         theirs[f"{PREFIX}{hf}.lora_A.weight"] = (f"{ours}.lora.A", None)
         theirs[f"{PREFIX}{hf}.lora_B.weight"] = (f"{ours}.lora.B", kind if kind != "copy" else None)
         if ours in WHOLE:

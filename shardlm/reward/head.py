@@ -25,9 +25,9 @@ SCORE = "score"
 def add_score_head(model: nn.Module, seed: int) -> nn.Module:
     """Give a decoder LM (built, before pipeline stages, compilation or data parallelism wrap it) its score head
     (1, h), drawn from N(0, init_std^2) by the run's `seed` (and the head's name), the same on every rank, as
-    transformers initializes it. The head
-    replaces the language-model head on the last pipeline stage: the last stage keeps the final norm and the head,
-    and an untied output layer is dropped (its weights never get a gradient). Returns the model."""
+    transformers initializes it. The head replaces the language-model head on the last pipeline stage: the last
+    stage keeps the final norm and the head, and an untied output layer is dropped (its weights never get a
+    gradient). Returns the model."""
     cfg = model.cfg
     head = nn.Linear(cfg.hidden_size, 1, bias=False)
     generator = torch.Generator().manual_seed(param_seed(seed, SCORE))
