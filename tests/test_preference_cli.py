@@ -64,20 +64,25 @@ tensorboard = false
 """
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, data_dir):
-    root = tmp_path_factory.mktemp("preference_cli")
+def chat_model_and_pairs(root: Path, data_dir: Path, config: str) -> dict:
+    """A tiny chat model's HF directory (`hf`), the 20 pairs `scripts/dolly_pairs.py` writes from the first 21 Dolly
+    records (`records`) and `config` (a TOML template of {records}) written as the run's config file (`config`)."""
     tiny_qwen3_chat(root / "hf", data_dir, max_positions=512)
     source = root / "dolly.jsonl"
-    # 21 records: 20 pairs, 2 held out (each start's reference pass covers them all: fewer pairs, less of it)
     source.write_text("\n".join((data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()[:21]) + "\n")
     records = root / "pairs.jsonl"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "dolly_pairs.py"), str(source), str(records)],
                           capture_output=True, text=True, check=True)
     assert "20 pairs" in done.stdout
-    path = root / "dpo.toml"
-    path.write_text(CONFIG.format(records=records))
+    path = root / "run.toml"
+    path.write_text(config.format(records=records))
     return {"root": root, "hf": root / "hf", "config": path, "records": records}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_dir):
+    # 21 records: 20 pairs, 2 held out (each start's reference pass covers them all: fewer pairs, less of it)
+    return chat_model_and_pairs(tmp_path_factory.mktemp("preference_cli"), data_dir, CONFIG)
 
 
 def steps_of(run_dir: Path) -> list[dict]:

@@ -11,21 +11,18 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
-from llama_reference import tiny_qwen3_chat
+from test_preference_cli import chat_model_and_pairs
 
 from shardlm.checkpoint import load_model
 from shardlm.cli import main
 from shardlm.parallel import ParallelContext
 from shardlm.reward.head import SCORE
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """
 [model]
 seq_length = 512
@@ -57,16 +54,7 @@ tensorboard = false
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
-    root = tmp_path_factory.mktemp("reward_cli")
-    tiny_qwen3_chat(root / "hf", data_dir, max_positions=512)
-    source = root / "dolly.jsonl"
-    source.write_text("\n".join((data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()[:21]) + "\n")
-    records = root / "pairs.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "dolly_pairs.py"), str(source), str(records)],
-                   capture_output=True, text=True, check=True)
-    path = root / "reward.toml"
-    path.write_text(CONFIG.format(records=records))
-    return {"root": root, "hf": root / "hf", "config": path, "records": records}
+    return chat_model_and_pairs(tmp_path_factory.mktemp("reward_cli"), data_dir, CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,13 @@ import shutil
 import pytest
 import torch
 from llama_reference import spread_norm_weights
+from test_preference_trl import trl_logs
 
 from multiproc import import_or_skip
 
 trl = import_or_skip("trl", reason="trl is not installed (make install installs it with the dev extra)")
-datasets = import_or_skip("datasets")
 transformers = import_or_skip("transformers")
 
-from shardlm.bench.common import uncached_datasets  # noqa: E402
 from shardlm.checkpoint.hf import to_hf  # noqa: E402
 from shardlm.config import load_config  # noqa: E402
 from shardlm.preference.dolly import dolly_pairs  # noqa: E402
@@ -77,18 +76,7 @@ def trl_run(setup, adapter=None) -> dict:
     """TRL's RewardTrainer on the records in order (every record given a margin, 0 where it has none: a dataset's
     column is all or nothing), the model with the peft `adapter` directory's adapters when given: {"steps": its
     logged steps, "trainer": the trainer}."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
-
-    class InOrder(trl.RewardTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
-
-    collected: list[dict] = []
-
-    class Record(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                collected.append(dict(logs))
+    from transformers import AutoModelForSequenceClassification
 
     args = trl.RewardConfig(output_dir=str(setup["root"] / "trl"), max_length=None, per_device_train_batch_size=2,
                             center_rewards_coefficient=CENTER, max_steps=STEPS, learning_rate=LR,
@@ -102,11 +90,7 @@ def trl_run(setup, adapter=None) -> dict:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    with uncached_datasets():
-        trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
-                          processing_class=AutoTokenizer.from_pretrained(setup["hf"]), callbacks=[Record()])
-        trainer.train()
-    return {"steps": collected, "trainer": trainer}
+    return trl_logs(trl.RewardTrainer, args, records, setup["hf"], model)
 
 
 def shardlm_run(setup, name: str, records: str, *extra: str) -> dict:

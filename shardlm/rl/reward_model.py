@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from shardlm.errors import UserError
-from shardlm.rl.rewards import MODEL_PREFIX as PREFIX
+
+PREFIX = "model:"
+"""How `rl.rewards` names a reward model: this, then its path."""
 
 
 def open_reward_model(path: str):

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from shardlm.errors import UserError
+from shardlm.rl.reward_model import PREFIX as MODEL_PREFIX
+from shardlm.rl.reward_model import open_reward_model
 
 BUILTINS = ("math", "format")
-MODEL_PREFIX = "model:"
-"""A reward model's entry in rl.rewards: this, then its path."""
 FIXED_ARGUMENTS = ("prompt", "completion", "completion_ids")
 """Record columns never passed as keyword arguments (TRL drops the same ones)."""
 
@@ -239,8 +239,6 @@ def load_rewards(names: list[str], weights: list[float] | None = None, format_pa
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise UserError(f'rl.reward_weights: the weight of "{name}" is {weight!r}; give a finite number')
         if name.startswith(MODEL_PREFIX):  # a reward model: checked now, loaded at the layout by the run
-            from shardlm.rl.reward_model import open_reward_model
-
             open_reward_model(name[len(MODEL_PREFIX):])
             rewards.append(Reward(name=name, function=None, weight=float(weight), model=name[len(MODEL_PREFIX):]))
             continue
