@@ -3,7 +3,8 @@
 and the plot; `shardlm convert --to-hf` writes a `Qwen3ForSequenceClassification` whose scores (transformers'
 pooling: the last token that is not the pad token) are the run's own rewards (`shardlm.checkpoint.load_model`) within
 1e-5, and a second run started from that export reads its head back (its first loss equals the first run's last
-step's pairs scored again); `configs/reward-tiny-qwen3.toml`; a GPT reward model's export as
+step's pairs scored again); a run stopped by SIGTERM after step 2 resumes to the straight run's losses bitwise;
+`configs/reward-tiny-qwen3.toml`; a GPT reward model's export as
 `GPT2ForSequenceClassification`; bad settings and records as one-line errors that leave nothing behind."""
 
 from __future__ import annotations
@@ -205,3 +206,24 @@ def test_a_gpt_reward_model_exports_as_gpt2_for_sequence_classification(tmp_path
         theirs = hf(ids).logits.squeeze(-1)
         ours = model.score(model(ids, hidden_only=True)[:, -1]).squeeze(-1)
     assert torch.allclose(theirs, ours, rtol=1e-5, atol=1e-5), (theirs, ours)
+
+
+def test_a_stopped_reward_run_resumes_as_the_straight_run(setup, run, tmp_path):
+    """The same command stopped by SIGTERM after step 2 (it saves), then run again, resumes from step 2 (the head
+    and the optimizer's moments from the checkpoint) and ends as the straight run: the same losses, bitwise."""
+    from shardlm.signals import TERMINATED_EXIT_CODE
+    from shardlm.training.run import StopSignals
+
+    base = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", "--run-dir", str(tmp_path / "r")]
+    checks = iter([False, False, True])  # the check before each step: SIGTERM arrives during step 2
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        patch.setattr(StopSignals, "agree_to_stop", lambda self, ctx: next(checks))
+        with pytest.raises(SystemExit) as stop:
+            main(base)
+    assert stop.value.code == TERMINATED_EXIT_CODE
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(base) == 0
+    assert "resumed from" in out.getvalue()
+    losses = [r["loss"] for r in records_of(tmp_path / "r") if "accuracy" in r]
+    assert losses == [r["loss"] for r in records_of(run["dir"]) if "accuracy" in r], losses
