@@ -133,9 +133,10 @@ class RLConfig:
     """"grpo", "bnpo", "dr_grpo", "dapo" (token mean over the global batch), "cispo", "sapo" (a soft sigmoid gate in
     place of the clip), "luspo" (each sequence's loss times its length) or "vespo" (a Gamma weight of the sequence's
     ratio), as TRL's GRPOTrainer defines them, "rloo" (TRL's RLOOTrainer: leave-one-out baselines, the KL in the
-    reward, the clipped surrogate on each sequence's whole ratio) or "gmpo" (TRL's experimental GMPOTrainer: the
-    geometric mean of the token ratios, each clipped in log space to [-epsilon, epsilon_high], the paper's 0.4);
-    empty: no RL run."""
+    reward, the clipped surrogate on each sequence's whole ratio), "gmpo" (TRL's experimental GMPOTrainer: the
+    geometric mean of the token ratios, each clipped in log space to [-epsilon, epsilon_high], the paper's 0.4) or
+    "online_dpo" (TRL's experimental OnlineDPOTrainer: two completions a prompt, the better-rewarded one chosen, DPO's
+    sigmoid loss with beta against the reference); empty: no RL run."""
     task: str = ""
     """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
     task_size: int = 512
@@ -226,6 +227,8 @@ class RLConfig:
     """DeepSeek-V3.2's off-policy sequence masking: a completion with a negative advantage whose mean
     log-probability under the policy that sampled it exceeds the current policy's by more than this gets no policy
     loss (the KL term stays); 0: off."""
+    missing_eos_penalty: float = 0.0
+    """online_dpo: subtracted from the reward of a completion cut before its end token (TRL's missing_eos_penalty)."""
     normalize_advantages: bool = False
     """rloo: normalize the advantages over the round's completions (mean 0, std 1; TRL's RLOO option)."""
     reward_clip_range: list = field(default_factory=list)

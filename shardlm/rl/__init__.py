@@ -1,14 +1,14 @@
 """Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO,
 SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask, the 80/20 rule's entropy
-mask, an entropy bonus with Skywork-OR1's adaptive control) and RLOO (TRL's RLOOTrainer), the completions sampled
-by the policy in the training processes, at the training layout. Prompts and rewards (`prompts`, `rewards`, the
-built-in task `arithmetic`), rollouts (`rollout`), group-relative and leave-one-out advantages (`advantages`), the
-step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`).
-`docs/rl.md`."""
+mask, an entropy bonus with Skywork-OR1's adaptive control), RLOO (TRL's RLOOTrainer), GMPO and online DPO
+(`online_dpo`: DPO on pairs of the policy's own completions chosen by reward), the completions sampled by the policy
+in the training processes, at the training layout. Prompts and rewards (`prompts`, `rewards`, the built-in task
+`arithmetic`), rollouts (`rollout`), group-relative and leave-one-out advantages (`advantages`), the step's packed
+rows (`batch`), the losses (`loss`) and the loop joining them (`loop`). `docs/rl.md`."""
 
 from __future__ import annotations
 
-LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo", "gmpo")
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo", "gmpo", "online_dpo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """The losses of the clipped surrogate -min(w A, clip(w) A) (INTELLECT-2's `rl.delta` caps their ratio)."""
 SEQUENCE_RATIO = ("grpo", "luspo", "sapo")
@@ -65,6 +65,20 @@ def check_rl(config, world_size: int = 1) -> str | None:
          'rl.loss="gmpo" is its own sequence weight (a geometric mean of clipped token ratios, as TRL\'s GMPOTrainer): '
          "leave rl.delta, rl.off_policy_mask_threshold, rl.entropy_coef, rl.top_entropy_quantile and "
          "rl.importance_sampling at their defaults"),
+        (r.loss != "online_dpo" or (r.num_generations == 2 and r.beta > 0 and r.num_iterations == 1
+                                    and not r.generation_batch_size and not r.sync_ref_model),
+         'rl.loss="online_dpo" pairs two completions of each prompt in one step against the reference: set '
+         "rl.num_generations=2 and rl.beta > 0 (DPO's beta), and leave rl.num_iterations, rl.generation_batch_size "
+         "and rl.sync_ref_model at their defaults"),
+        (r.loss != "online_dpo" or not (r.delta or r.off_policy_mask_threshold or r.entropy_coef or
+                                        r.top_entropy_quantile < 1 or r.importance_sampling != "token" or
+                                        r.mask_truncated_completions or r.scale_rewards != "group" or
+                                        r.multi_objective_aggregation != "sum_then_normalize"),
+         'rl.loss="online_dpo" is DPO on the pairs, with no advantage, ratio or entropy term: leave rl.delta, '
+         "rl.off_policy_mask_threshold, rl.entropy_coef, rl.top_entropy_quantile, rl.importance_sampling, "
+         "rl.mask_truncated_completions, rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
+        (r.missing_eos_penalty >= 0 and (r.loss == "online_dpo" or not r.missing_eos_penalty),
+         f"rl.missing_eos_penalty={r.missing_eos_penalty} must be >= 0 and is rl.loss=\"online_dpo\"'s"),
         (r.importance_sampling in ("token", "sequence"),
          f'rl.importance_sampling="{r.importance_sampling}" must be "token" or "sequence" (GSPO)'),
         (r.importance_sampling == "token" or r.loss in SEQUENCE_RATIO,

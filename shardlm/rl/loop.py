@@ -15,6 +15,8 @@ One round, on every rank:
      more than one step, the reference's when rl.beta > 0 (a LoRA run's base with the adapters off, else the
      starting weights, `ReferenceWeights`);
   6. the trainer's steps (`Trainer.train_step`, whose loss is `loss.RLLoss`) on those rows.
+Online DPO (rl.loss="online_dpo") replaces 4-6: each prompt's two completions become a pair, the better-rewarded one
+chosen, and the step is DPO's on those pairs (`online_dpo`, the trainer's loss `PreferenceLoss`).
 Nothing of a round is kept across steps but its rows: sampling seeds come from (train.seed, round, sequence), so a
 run resumed at a round boundary samples what the uninterrupted run sampled.
 """
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from shardlm.errors import UserError
 from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
-from shardlm.rl import prompts_per_step, round_steps, steps_per_generation
+from shardlm.rl import online_dpo, prompts_per_step, round_steps, steps_per_generation
 from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd, rloo_advantages
 from shardlm.rl.batch import StepRows, split_round
 from shardlm.rl.prompts import Prompt, round_prompts
@@ -161,6 +163,12 @@ class RLRun:
         owners, rollouts, generation_s = self.rollouts(round_index)
         values = self.score([self.prompts[i] for i in owners], rollouts)
         rewards = combine_rewards(values, self.weights)
+        if cfg.loss == online_dpo.ONLINE_DPO:  # the step's pairs, chosen by reward, for DPO's loss
+            metrics = online_dpo.start_round(self, owners, rollouts, values, rewards)
+            zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)[1]
+            self.round_metrics = {k: v for k, v in self.describe(values, rewards, zero_std, rollouts).items()
+                                  if k != "frac_reward_zero_std"} | metrics | {"generation_s": generation_s}
+            return
         rloo = cfg.loss == "rloo"  # (its advantages after the scoring passes: the KL is in its reward)
         if rloo:
             advantages = zero_std = np.zeros(len(rollouts))

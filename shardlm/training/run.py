@@ -314,8 +314,9 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         if resume_from:
             load_reference(trainer, resume_from)
     if trainer.preference:
-        trainer.loss.weights = reference  # (None unless preference.reference = "weights")
-        logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
+        trainer.loss.weights = reference  # (None unless preference.reference = "weights" or online DPO's)
+        if not config.rl.loss:  # (online DPO's pairs come with each step)
+            logger.print(start_preference(trainer, run_dir, resumed=bool(resume_from)))
     if trainer.reward:
         from shardlm.reward.loss import describe_run
 

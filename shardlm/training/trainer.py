@@ -104,11 +104,14 @@ class Trainer:
         self.optimizer = parts.optimizer
         self.ddp, self.master, self.fsdp = parts.ddp, parts.master, parts.fsdp
         self.loss = training_loss(config.model.arch)
-        self.preference = bool(config.preference.loss)
+        online_dpo = config.rl.loss == "online_dpo"  # the policy's own pairs, DPO's loss (`shardlm.rl.online_dpo`)
+        self.preference = bool(config.preference.loss) or online_dpo
         if self.preference:  # DPO and relatives: a loss of whole pairs (`shardlm.preference.loss`)
             from shardlm.preference.loss import PreferenceLoss
+            from shardlm.rl.online_dpo import preference_config
 
-            self.loss = PreferenceLoss(config.preference, ctx, self.model)
+            self.loss = PreferenceLoss(preference_config(config.rl) if online_dpo else config.preference, ctx,
+                                       self.model)
             self.loss.set_labels({"train": train_data, "valid": valid_data})  # KTO's unpaired examples
             if self.pipeline is not None:
                 self.pipeline.sequence_loss = self.loss.of_token_losses
@@ -120,7 +123,7 @@ class Trainer:
             self.loss.set_margins({"train": train_data, "valid": valid_data})
             if self.pipeline is not None:
                 self.pipeline.hidden_loss = self.loss.of_hidden
-        self.rl = bool(config.rl.loss)
+        self.rl = bool(config.rl.loss) and not online_dpo
         if self.rl:  # GRPO and its variants: a loss of the round's sequences (`shardlm.rl.loss`)
             from shardlm.rl import round_steps
             from shardlm.rl.loss import RLLoss
