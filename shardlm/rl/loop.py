@@ -164,7 +164,7 @@ class RLRun:
         values = self.score([self.prompts[i] for i in owners], rollouts)
         rewards = combine_rewards(values, self.weights)
         if cfg.loss == online_dpo.ONLINE_DPO:  # the step's pairs, chosen by reward, for DPO's loss
-            metrics = online_dpo.start_round(self, owners, rollouts, values, rewards)
+            metrics = online_dpo.start_round(self, owners, rollouts, rewards)
             zero_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)[1]
             self.round_metrics = {k: v for k, v in self.describe(values, rewards, zero_std, rollouts).items()
                                   if k != "frac_reward_zero_std"} | metrics | {"generation_s": generation_s}

@@ -76,7 +76,7 @@ class StepPairs:
         return {key: value.numpy() for key, value in arrays.items()}
 
 
-def start_round(run, owners: list[int], rollouts: list, values: np.ndarray, rewards: np.ndarray) -> dict:
+def start_round(run, owners: list[int], rollouts: list, rewards: np.ndarray) -> dict:
     """An online DPO step's rows from its scored rollouts (`RLRun.start_round`'s part): the trainer's data set to the
     step's pairs; returns the round's metrics beside the reward's (TRL's `objective/scores_margin`)."""
     trainer, cfg = run.trainer, run.cfg
