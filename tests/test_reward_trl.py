@@ -15,7 +15,8 @@ within 1e-5 relative (1e-5 absolute for the rewards and margins, which cross 0);
 (`shardlm convert --to-hf`) loads as transformers' `Qwen3ForSequenceClassification` whose rewards of the pairs equal
 TRL's trained model's within 1e-5; a run without the margins misses TRL's second-step loss by more than 100 x the
 bound (the margin is read). With LoRA (peft's SEQ_CLS task: the head trained whole beside the adapters) from the same
-peft adapter directory, the same step by step, and the `--to-peft` export scores as TRL's trained PeftModel.
+peft adapter directory, the same step by step, and the `--to-peft` export, and the `--to-hf` export with the adapters
+folded in, score as TRL's trained PeftModel.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def test_a_lora_reward_model_follows_trl_with_peft(setup, runs, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from shardlm.checkpoint.peft import write_peft
+    from shardlm.checkpoint.peft import write_merged, write_peft
 
     base = AutoModelForSequenceClassification.from_pretrained(setup["hf"], dtype=torch.float32)
     peft_model = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
@@ -200,3 +201,8 @@ def test_a_lora_reward_model_follows_trl_with_peft(setup, runs, tmp_path):
         mine = loaded.eval()(**batch).logits.squeeze(-1)
         trained = theirs["trainer"].model.eval()(**batch).logits.squeeze(-1)
     assert torch.allclose(mine, trained, rtol=TOL, atol=TOL), (mine, trained)
+    merged = write_merged(ours["run"] / "checkpoints", tmp_path / "merged")  # `--to-hf` of a LoRA checkpoint
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen3ForSequenceClassification"]
+    with torch.no_grad():
+        folded = AutoModelForSequenceClassification.from_pretrained(merged, dtype=torch.float32).eval()(**batch)
+    assert torch.allclose(folded.logits.squeeze(-1), trained, rtol=TOL, atol=TOL)
