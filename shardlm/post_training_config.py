@@ -227,6 +227,9 @@ class RLConfig:
     """DeepSeek-V3.2's off-policy sequence masking: a completion with a negative advantage whose mean
     log-probability under the policy that sampled it exceeds the current policy's by more than this gets no policy
     loss (the KL term stays); 0: off."""
+    dpo_loss_type: str = "sigmoid"
+    """online_dpo: "sigmoid" (DPO) or "ipo" ((d - 1 / (2 beta))^2 of the summed log-ratio difference d), as TRL's
+    OnlineDPOConfig loss_type."""
     missing_eos_penalty: float = 0.0
     """online_dpo: subtracted from the reward of a completion cut before its end token (TRL's missing_eos_penalty)."""
     normalize_advantages: bool = False

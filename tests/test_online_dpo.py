@@ -12,7 +12,8 @@ learning rate, clipping at 1.0. shardlm packs each pair into one row (`sft.packi
 
 - Each of 3 steps' loss, chosen and rejected rewards (beta x the policy's log-ratio to the reference), their margin
   and accuracy, and TRL's `objective/scores_margin` agree within 1e-5 (absolute below 1, else relative), the first
-  gradient norm too; the chosen completion is the better-rewarded one (a tie: the first), as TRL picks it.
+  gradient norm too; the chosen completion is the better-rewarded one (a tie: the first), as TRL picks it. Both of
+  TRL's loss types: DPO's sigmoid and its online IPO (on the summed log-ratios).
 - The same run at DP=2, PP=2, CP=2 and TP=2 with SP equals one process within 1e-5 (losses, gradient norms, the
   rewards, margin, accuracy); a LoRA run (the reference its base, adapters off) trains.
 """
@@ -91,7 +92,7 @@ def setup(tmp_path_factory, data_dir):
     return {"root": root, "hf": root / "hf", "steps": steps, "ids": ids, "eos": eos}
 
 
-def trl_steps(setup) -> list[dict]:
+def trl_steps(setup, loss_type: str = "sigmoid") -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
@@ -123,6 +124,7 @@ def trl_steps(setup) -> list[dict]:
             return prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, None
 
     args = OnlineDPOConfig(output_dir=str(setup["root"] / "trl"), per_device_train_batch_size=len(PROMPTS),
+                           loss_type=loss_type,
                            max_new_tokens=MAX_NEW, beta=BETA, missing_eos_penalty=PENALTY, max_steps=STEPS,
                            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                            adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
@@ -166,8 +168,9 @@ PAIRS = {"loss": "loss", "rewards_chosen": "rewards/chosen", "rewards_rejected":
          "objective/scores_margin": "objective/scores_margin"}
 
 
-def test_online_dpo_follows_trl_step_by_step(setup):
-    theirs, ours = trl_steps(setup), shardlm_steps(setup, "shardlm")
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_online_dpo_follows_trl_step_by_step(setup, loss_type):
+    theirs, ours = trl_steps(setup, loss_type), shardlm_steps(setup, loss_type, f'rl.dpo_loss_type="{loss_type}"')
     assert len(theirs) == len(ours) == STEPS
     for step, (t, o) in enumerate(zip(theirs, ours), start=1):
         for mine, trls in PAIRS.items():

@@ -89,6 +89,8 @@ ERRORS = [
     ("online dpo with a clip", lambda r: ['rl.loss="online_dpo"', "rl.num_generations=2", "rl.beta=0.1",
                                          "rl.mask_truncated_completions=true"],
      'rl.loss="online_dpo" is DPO on the pairs, with no advantage, ratio or entropy term'),
+    ("an online loss type under GRPO", lambda r: ['rl.dpo_loss_type="ipo"'],
+     'rl.dpo_loss_type="ipo" must be "sigmoid" or "ipo", and is rl.loss="online_dpo"\'s'),
     ("an eos penalty under GRPO", lambda r: ["rl.missing_eos_penalty=1.0"],
      'rl.missing_eos_penalty=1.0 must be >= 0 and is rl.loss="online_dpo"\'s'),
     ("rloo with scaled rewards", lambda r: ['rl.loss="rloo"', 'rl.scale_rewards="batch"'],

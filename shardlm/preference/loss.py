@@ -67,6 +67,9 @@ F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "exo
 """The losses of the score difference z, which take an f-divergence other than the reverse KL (TRL's list less its
 "sft"): the others read each side's log-ratio, where the f-DPO reparameterization's log Z(x) would not cancel."""
 REFERENCED = F_DIVERGENCE_LOSSES + ("nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down") + aot.AOT_LOSSES
+IPO_SUMMED = "ipo_summed"
+"""IPO on the summed log-ratios, not divided by the answers' token counts: online DPO's "ipo" (TRL's
+OnlineDPOTrainer), set by `shardlm.rl.online_dpo`, not a [preference] loss."""
 LOSSES = REFERENCED + REFERENCE_FREE + kto.UNPAIRED
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -214,7 +217,7 @@ def referenced_losses(cfg: PreferenceConfig, loss: str, ratio: torch.Tensor, cou
     beta, eps = cfg.beta, cfg.label_smoothing
     if loss in aot.AOT_LOSSES:
         return aot.aot_losses(loss, ratio, matched, beta, eps)
-    if loss not in F_DIVERGENCE_LOSSES:
+    if loss not in F_DIVERGENCE_LOSSES + (IPO_SUMMED,):
         chosen, rejected = beta * ratio[:, 0], beta * ratio[:, 1]
         if loss == "nca_pair":
             return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
@@ -234,7 +237,7 @@ def referenced_losses(cfg: PreferenceConfig, loss: str, ratio: torch.Tensor, cou
         return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
     if loss == "sigmoid_norm":
         return -F.logsigmoid(z)
-    if loss == "ipo":
+    if loss in ("ipo", IPO_SUMMED):
         return (d - 1 / (2 * beta)) ** 2
     if loss == "hinge":
         return torch.relu(1 - z)

@@ -77,6 +77,8 @@ def check_rl(config, world_size: int = 1) -> str | None:
          'rl.loss="online_dpo" is DPO on the pairs, with no advantage, ratio or entropy term: leave rl.delta, '
          "rl.off_policy_mask_threshold, rl.entropy_coef, rl.top_entropy_quantile, rl.importance_sampling, "
          "rl.mask_truncated_completions, rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
+        (r.dpo_loss_type in ("sigmoid", "ipo") and (r.loss == "online_dpo" or r.dpo_loss_type == "sigmoid"),
+         f'rl.dpo_loss_type="{r.dpo_loss_type}" must be "sigmoid" or "ipo", and is rl.loss="online_dpo"\'s'),
         (r.missing_eos_penalty >= 0 and (r.loss == "online_dpo" or not r.missing_eos_penalty),
          f"rl.missing_eos_penalty={r.missing_eos_penalty} must be >= 0 and is rl.loss=\"online_dpo\"'s"),
         (r.importance_sampling in ("token", "sequence"),

@@ -2,7 +2,8 @@
 completions of each of the step's prompts at the training layout (the RL rollouts, `rl.num_generations = 2`), the
 run's rewards score them (functions and reward models, weighted; `rl.missing_eos_penalty` subtracted from a
 completion cut before its end token), the better one is chosen (a tie: the first sampled), and the step is DPO's
-sigmoid loss on those pairs with beta = `rl.beta`.
+sigmoid loss on those pairs with beta = `rl.beta` (or, `rl.dpo_loss_type = "ipo"`, TRL's online IPO: (d - 1 / (2
+beta))^2 of the summed log-ratio difference d, not divided by the answers' lengths as the DPO runs' "ipo" is).
 
 The pairs go through the preference runs' machinery: each pair's two sequences (prompt + chosen, prompt + rejected)
 packed into one row (`sft.packing`; `StepPairs` places the step's rows at its samples, empty rows after them), their
@@ -25,11 +26,14 @@ ONLINE_DPO = "online_dpo"
 
 
 def preference_config(rl):
-    """The `PreferenceConfig` of an online DPO run's loss: DPO's sigmoid with the run's beta, against the reference
-    weights (or a LoRA run's base: the adapters switched off)."""
+    """The `PreferenceConfig` of an online DPO run's loss: DPO's sigmoid (or IPO on the summed log-ratios, as TRL's
+    online "ipo", `rl.dpo_loss_type`) with the run's beta, against the reference weights (or a LoRA run's base: the
+    adapters switched off)."""
     from shardlm.config import PreferenceConfig
+    from shardlm.preference.loss import IPO_SUMMED
 
-    return PreferenceConfig(loss="sigmoid", beta=rl.beta, reference="weights")
+    loss = IPO_SUMMED if rl.dpo_loss_type == "ipo" else "sigmoid"
+    return PreferenceConfig(loss=loss, beta=rl.beta, reference="weights")
 
 
 def pairs_of(prompts: list, rollouts: list, rewards: np.ndarray, penalty: float) -> tuple[list, np.ndarray]:
