@@ -206,6 +206,34 @@ def tiny_qwen3_chat(folder: Path, data_dir: Path, max_positions: int) -> Path:
     return folder
 
 
+def save_with_chat_tokenizer(model, folder: Path, data_dir: Path) -> Path:
+    """`model.save_pretrained(folder)` with the shared chat tokenizer's files beside it (its tokenizer_config.json
+    holds the chat template): a chat model's HF directory."""
+    import shutil
+
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / "chat" / "qwen3" / name, folder / name)
+    return folder
+
+
+def tiny_qwen3_reward_model(folder: Path, data_dir: Path, max_positions: int, head_std: float, seed: int = 0) -> Path:
+    """A random two-layer `Qwen3ForSequenceClassification` with one label (the real 151,936-token vocabulary, tied
+    embeddings, the tokenizer's pad token `<|endoftext|>`), every norm weight spread (`spread_norm_weights`) and the
+    score head drawn from N(0, head_std^2) so the sequences score apart, saved with the shared chat tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        num_labels=1, pad_token_id=151643))
+    assert spread_norm_weights(model)  # a swapped or dropped norm shows
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, head_std)
+    return save_with_chat_tokenizer(model, folder, data_dir)
+
+
 def assert_router_without_bias_exports(ref: dict, root: Path, model_class) -> None:
     """The converted file's routers without their expert bias (`moe_expert_bias = false`, the tensors dropped: a
     model trained without one) exports with a zero score-correction bias that `model_class` loads to shardlm's own

@@ -21,11 +21,10 @@ learning rate, clipping at 1.0. shardlm packs each pair into one row (`sft.packi
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from llama_reference import spread_norm_weights
+from llama_reference import save_with_chat_tokenizer, spread_norm_weights
 
 from multiproc import import_or_skip
 
@@ -65,9 +64,7 @@ def setup(tmp_path_factory, data_dir):
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          max_position_embeddings=SEQ, tie_word_embeddings=True))
     assert spread_norm_weights(model)
-    model.save_pretrained(root / "hf")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "hf" / name)
+    save_with_chat_tokenizer(model, root / "hf", data_dir)
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
     ids = [template.encode(template.render(p["prompt"], add_generation_prompt=True)) for p in PROMPTS]

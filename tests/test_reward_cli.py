@@ -208,13 +208,18 @@ def test_a_gpt_reward_model_exports_as_gpt2_for_sequence_classification(tmp_path
     assert torch.allclose(theirs, ours, rtol=1e-5, atol=1e-5), (theirs, ours)
 
 
-def test_a_stopped_reward_run_resumes_as_the_straight_run(setup, run, tmp_path):
-    """The same command stopped by SIGTERM after step 2 (it saves), then run again, resumes from step 2 (the head
-    and the optimizer's moments from the checkpoint) and ends as the straight run: the same losses, bitwise."""
+def test_a_stopped_reward_run_resumes_as_the_straight_run(setup, tmp_path):
+    """With dropout on (reward.disable_dropout=false, model.dropout 0.2: the generators' states must come back too),
+    the same command stopped by SIGTERM after step 2 (it saves), then run again, resumes from step 2 (the head and the
+    optimizer's moments from the checkpoint) and ends as the straight run: the same losses, bitwise."""
     from shardlm.signals import TERMINATED_EXIT_CODE
     from shardlm.training.run import StopSignals
 
-    base = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", "--run-dir", str(tmp_path / "r")]
+    dropout = ["reward.disable_dropout=false", "model.dropout=0.2", "train.eval_interval=0", "sft.valid_fraction=0"]
+    straight = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", *dropout]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(straight + ["--run-dir", str(tmp_path / "straight")]) == 0
+    base = straight + ["--run-dir", str(tmp_path / "r")]
     checks = iter([False, False, True])  # the check before each step: SIGTERM arrives during step 2
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
@@ -226,4 +231,6 @@ def test_a_stopped_reward_run_resumes_as_the_straight_run(setup, run, tmp_path):
         assert main(base) == 0
     assert "resumed from" in out.getvalue()
     losses = [r["loss"] for r in records_of(tmp_path / "r") if "accuracy" in r]
-    assert losses == [r["loss"] for r in records_of(run["dir"]) if "accuracy" in r], losses
+    assert losses == [r["loss"] for r in records_of(tmp_path / "straight") if "accuracy" in r], losses
+    assert len(losses) == 3
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["model"]["dropout"] == 0.2  # it trained with it

@@ -22,11 +22,10 @@ folded in, score as TRL's trained PeftModel.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from llama_reference import spread_norm_weights
+from llama_reference import tiny_qwen3_reward_model
 from test_preference_trl import trl_logs
 
 from multiproc import import_or_skip
@@ -46,21 +45,9 @@ MARGINS = (0.5, None, 1.5, None)  # the pairs' margins (None: the record has no 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
     root = tmp_path_factory.mktemp("reward_trl")
-    tokenizer_dir = data_dir / "chat" / "qwen3"
-    torch.manual_seed(0)
-    model = Qwen3ForSequenceClassification(Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, tie_word_embeddings=True, num_labels=1,
-        pad_token_id=151643))  # <|endoftext|>, the tokenizer's pad token
-    assert spread_norm_weights(model)  # a swapped or dropped norm shows
-    with torch.no_grad():  # a head that separates the random model's sequences at step 0
-        model.score.weight.normal_(0.0, 0.1)
-    model.save_pretrained(root / "hf")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, root / "hf" / name)
+    tiny_qwen3_reward_model(root / "hf", data_dir, SEQ, head_std=0.1)  # a head that separates the sequences at step 0
     template = ChatTemplate.from_dir(root / "hf")
     lines = (data_dir / "chat" / "dolly-15k-first600.jsonl").read_text().splitlines()
     pairs = [pair for pair in dolly_pairs(lines[:121])

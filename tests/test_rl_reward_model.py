@@ -1,10 +1,10 @@
-"""A trained reward model as an RL reward (`rl.rewards = ["model:PATH"]`, `shardlm.rl.reward_model`): its scores
-equal TRL's way of computing them at one process, and every layout's equal one process's.
+"""A trained reward model as an RL reward (`rl.rewards = ["model:PATH"]`, `shardlm.rl.reward_model`): its scores equal
+TRL's way of computing them at one process, and every layout's equal one process's.
 
-The reward model: a random two-layer `Qwen3ForSequenceClassification` (one label) with the real Qwen3 vocabulary,
-saved beside the shared Qwen3 tokenizer (pad token `<|endoftext|>`). The sequences: 7 completions of conversational
-prompts (a system turn in some) and 2 of text prompts, of different lengths, so the padded batch and an odd share per
-rank are exercised.
+The reward model: a random two-layer `Qwen3ForSequenceClassification` (one label, every norm weight spread from 1.0)
+with the real Qwen3 vocabulary, saved beside the shared Qwen3 tokenizer (pad token `<|endoftext|>`). The sequences: 7
+completions of conversational prompts (a system turn in some) and 2 of text prompts, of different lengths, so the
+padded batch and an odd share per rank are exercised.
 
 - one process: each score equals TRL's lines written out with transformers (`GRPOTrainer._calculate_rewards`:
   conversational prompt + completion through `apply_chat_template`, text ones joined, the batch tokenized without
@@ -18,12 +18,12 @@ rank are exercised.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from llama_reference import tiny_qwen3_reward_model
 
 from shardlm.errors import UserError
 from shardlm.parallel import ParallelContext
@@ -50,20 +50,7 @@ def sequences() -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory, data_dir):
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
-
-    root = tmp_path_factory.mktemp("rl_reward_model")
-    torch.manual_seed(0)
-    model = Qwen3ForSequenceClassification(Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True, num_labels=1,
-        pad_token_id=151643))
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    model.save_pretrained(root / "rm")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(data_dir / "chat" / "qwen3" / name, root / "rm" / name)
-    return root / "rm"
+    return tiny_qwen3_reward_model(tmp_path_factory.mktemp("rl_reward_model") / "rm", data_dir, 128, head_std=1.0)
 
 
 def scorer_of(ctx, path: str, **layout_options) -> RewardModelScorer:

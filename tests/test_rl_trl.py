@@ -43,13 +43,12 @@ has nothing to cap on this fixture: `test_rl_loss_variants.py`.)
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 
 import pytest
 import torch
 from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
-from llama_reference import spread_norm_weights
+from llama_reference import save_with_chat_tokenizer, spread_norm_weights, tiny_qwen3_reward_model
 
 from multiproc import import_or_skip
 
@@ -119,17 +118,8 @@ def setup(tmp_path_factory, data_dir):
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                          max_position_embeddings=SEQ, tie_word_embeddings=True))
     assert spread_norm_weights(model)
-    model.save_pretrained(root / "hf")
-    reward_model = transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(  # the "reward_model" reward
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, tie_word_embeddings=True, num_labels=1,
-        pad_token_id=151643))
-    with torch.no_grad():  # scores that differ within every group
-        reward_model.score.weight.normal_(0.0, 1.0)
-    reward_model.save_pretrained(root / "rm")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        for folder in ("hf", "rm"):
-            shutil.copy(data_dir / "chat" / "qwen3" / name, root / folder / name)
+    save_with_chat_tokenizer(model, root / "hf", data_dir)
+    tiny_qwen3_reward_model(root / "rm", data_dir, SEQ, head_std=1.0)  # the "reward_model" reward
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
     for name, records in (("prompts", PROMPTS), ("prompts4", PROMPTS + EXTRA)):

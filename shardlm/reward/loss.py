@@ -27,8 +27,8 @@ from shardlm.data.zigzag import zigzag_split
 from shardlm.preference.loss import preference_parts
 from shardlm.reward.head import last_tokens, sequence_rewards
 
-SUMS = ("loss", "accuracy", "margin", "rewards_chosen", "rewards_rejected")
-"""Per-pair values summed over a step's pairs (then divided by their count)."""
+SUMS = ("accuracy", "margin", "rewards_chosen", "rewards_rejected", "pairs")
+"""Per-pair values summed over a step's pairs (then divided by their count, the last)."""
 
 
 def reward_parts(batches: list[dict], ctx, count_pairs: bool = True) -> list[dict]:
@@ -61,8 +61,7 @@ class RewardLoss:
     def __init__(self, cfg: RewardConfig, ctx, model):
         self.cfg, self.ctx, self.model = cfg, ctx, model
         self.margins: dict[str, torch.Tensor] = {}  # "train" / "valid" -> (pairs,) the records' margins
-        self.sums = {"train": torch.zeros(len(SUMS) + 1, dtype=torch.float64),
-                     "valid": torch.zeros(len(SUMS) + 1, dtype=torch.float64)}  # + the pair count
+        self.sums = {split: torch.zeros(len(SUMS), dtype=torch.float64) for split in ("train", "valid")}
         self.extremes = torch.tensor([-torch.inf, -torch.inf], dtype=torch.float64)  # max, -min of the rewards
 
     def set_margins(self, datasets: dict) -> None:
@@ -95,9 +94,9 @@ class RewardLoss:
         values = rewards.detach()
         difference = values[:, 0] - values[:, 1]
         split = "train" if self.model.training else "valid"
-        self.sums[split] += torch.stack([losses.detach().sum(), (difference > 0).double().sum(), difference.sum(),
-                                         values[:, 0].sum(), values[:, 1].sum(),
-                                         torch.tensor(float(len(values)), dtype=torch.float64)]).cpu()
+        self.sums[split] += torch.stack([(difference > 0).double().sum(), difference.sum(), values[:, 0].sum(),
+                                         values[:, 1].sum(), torch.tensor(float(len(values)), dtype=torch.float64)
+                                         ]).cpu()
         if self.model.training and len(values):
             self.extremes = torch.maximum(self.extremes, torch.stack([values.max(), -values.min()]).cpu())
         return (losses.sum() / batch["divisor"]).float()
@@ -120,7 +119,7 @@ class RewardLoss:
             self.ctx.pp.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
         self.extremes.fill_(-torch.inf)
         pairs = max(sums[-1].item(), 1.0)
-        means = {name: sums[i].item() / pairs for i, name in enumerate(SUMS) if name != "loss"}
+        means = {name: sums[i].item() / pairs for i, name in enumerate(SUMS[:-1])}
         means["mean_reward"] = (means["rewards_chosen"] + means["rewards_rejected"]) / 2
         return means | {"min_reward": -extremes[1].item(), "max_reward": extremes[0].item()}
 
@@ -130,7 +129,7 @@ class RewardLoss:
         pairs = sums[-1].item()
         if pairs == 0:
             return {}
-        return {"val_accuracy": sums[1].item() / pairs, "val_margin": sums[2].item() / pairs}
+        return {"val_accuracy": sums[0].item() / pairs, "val_margin": sums[1].item() / pairs}
 
 
 def describe_run(trainer) -> str:

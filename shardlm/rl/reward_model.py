@@ -74,9 +74,8 @@ class RewardModelScorer:
         self.path, self.trainer, self.ctx = path, trainer, trainer.ctx
         self.template = ChatTemplate.from_dir(tokenizer_dir(source, f'rl.rewards "{PREFIX}{path}"'))
         self.model = load_frozen(trainer.config, self.ctx, source, f'rl.rewards "{PREFIX}{path}"', score_head=True)
-        stages = FrozenStages.of(self.model, self.ctx) if self.ctx.pp_size > 1 else None
-        self.stages = stages
-        self.forward = InProcessGenerator(self.model, self.ctx, None, set(), pipeline=stages)._forward
+        self.stages = FrozenStages.of(self.model, self.ctx) if self.ctx.pp_size > 1 else None
+        self.forward = InProcessGenerator(self.model, self.ctx, None, set(), pipeline=self.stages)._forward
 
     def text(self, prompt, completion) -> str:
         """The text the reward model reads (module docstring)."""
