@@ -326,13 +326,21 @@ class DistillConfig:
     """"jsd": the generalized Jensen-Shannon divergence of the whole next-token distributions (`beta`); "token_kl":
     on-policy distillation's per-token reverse KL of the row's own tokens, log p_student - log p_teacher at each
     answer token, minimized as a reward (its gradient (log p_s - log p_t) x grad log p_s, the teacher's score a
-    per-token advantage; meant for on-policy steps, `lmbda` 1, where the tokens are the student's samples)."""
+    per-token advantage; meant for on-policy steps, `lmbda` 1, where the tokens are the student's samples);
+    "iw_opd": importance-weighted on-policy distillation (TRL's `IWOPDTrainer`): token_kl's advantage
+    log p_teacher - log p_student weighted by 1 + iw_opd_gamma (1 - the share of its document's summed |advantage|
+    before the token), the loss -weight x advantage x log p_student."""
     beta: float = 0.5
     """The generalized Jensen-Shannon divergence's weight of the teacher's side, as TRL's `generalized_jsd_loss`:
     beta KL(teacher || mixture) + (1 - beta) KL(student || mixture), the mixture (1 - beta) student + beta teacher;
     0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)."""
     temperature: float = 1.0
     """Both models' logits are divided by it before the divergence (as TRL's DistillationTrainer; no T^2 factor)."""
+    iw_opd_gamma: float = 0.5
+    """IW-OPD's amplification (TRL's `iw_opd_gamma`): a document's first answer token weighs 1 + gamma, its last
+    about 1 (loss "iw_opd" only)."""
+    iw_opd_epsilon: float = 1e-8
+    """The least a document's summed |advantage| counts as when the weights divide by it (TRL's `iw_opd_epsilon`)."""
     teacher_dtype: str = "fp32"
     """The teacher's weights: "fp32", or "bf16" (half the memory; its forward then runs under bf16 autocast)."""
     lmbda: float = 0.0

@@ -99,6 +99,10 @@ ERRORS = [
     ("temperature", lambda tmp, data, teacher: ["distill.temperature=0.0"], "distill.temperature=0.0 must be > 0"),
     ("top_p", lambda tmp, data, teacher: ["distill.top_p=0.0"], "distill.top_p=0.0 must be in (0, 1]"),
     ("dtype", lambda tmp, data, teacher: ['distill.teacher_dtype="fp16"'], 'distill.teacher_dtype="fp16" must be'),
+    ("iw_opd offline", lambda tmp, data, teacher: ['distill.loss="iw_opd"'],
+     'distill.loss="iw_opd" weighs the student\'s own samples; set distill.lmbda=1'),
+    ("iw_opd gamma", lambda tmp, data, teacher: ["distill.iw_opd_gamma=-0.5"],
+     "distill.iw_opd_gamma=-0.5 must be >= 0"),
     ("vocabulary size", lambda tmp, data, teacher: ["model.vocab_size=151936"],
      "has a vocabulary of 151669 entries, the student 151936"),
 ]

@@ -53,9 +53,9 @@ from multiproc import check_result
 
 STEPS, TOL, BATCH, WIDE_BATCH = 3, 1e-5, 4, 8
 """3 steps (the learning check's curve; both kinds of on-policy step) of 4 rows; those of the LoRA student and of the
-per-token KL of 8: on 4 rows some elements' gradients nearly cancel (LoRA's B, zero at the start; at TP=2 the token
-KL's layers.1.attn.o.weight ends 9e-6 off one process, on 8 rows 2e-6), where a layout's rounding turns them into
-whole AdamW steps."""
+per-token KL and IW-OPD of 8: on 4 rows some elements' gradients nearly cancel (LoRA's B, zero at the start; at
+TP=2 the token KL's layers.1.attn.o.weight ends 9e-6 off one process, on 8 rows 2e-6), where a layout's rounding
+turns them into whole AdamW steps."""
 VOCAB = 300
 """Both models' vocabulary (the rows use its first 100 tokens): padded to 512 at TP=2, so each rank holds real
 entries (256 and 44) and the divergence's reductions over the split vocabulary count."""
@@ -104,7 +104,7 @@ def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: i
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
-                         **{"steps": STEPS, "global_batch_size": WIDE_BATCH if lora or loss == "token_kl" else BATCH,
+                         **{"steps": STEPS, "global_batch_size": WIDE_BATCH if lora or loss != "jsd" else BATCH,
                             "eval_iters": 64, **train})
 
 
@@ -133,6 +133,7 @@ def train_distill(ctx: ParallelContext, config) -> dict:
     params = stage_parameters(trainer.model)
     return {"curve": curve, "valid": trainer.evaluate(), "params": params,
             "on_policy": [m.get("on_policy") for m in metrics], "seq_kd": [m.get("seq_kd") for m in metrics],
+            "iw_opd": [{k: v for k, v in m.items() if k.startswith("iw_opd/")} for m in metrics],
             "teacher": teacher_memory(trainer, len(calls))}
 
 
@@ -323,10 +324,12 @@ def test_the_run_learns_the_teachers_distributions(reference):
     assert curve[0][0] > 0.05 and curve[-1][0] < curve[0][0]
 
 
-def test_a_packed_row_equals_its_documents_alone(teacher):
+@pytest.mark.parametrize("loss", ["jsd", "iw_opd"])
+def test_a_packed_row_equals_its_documents_alone(teacher, loss):
     """One packed row of several conversations: its divergences, summed over its answer tokens, and the student's
-    gradients equal each conversation's computed alone (its own row), summed."""
-    config = distill_config(teacher, micro=1)
+    gradients equal each conversation's computed alone (its own row), summed; IW-OPD's too (each conversation's
+    weights from its own sums)."""
+    config = distill_config(teacher, micro=1, loss=loss, lmbda=float(loss == "iw_opd"))
     validate(config, 1, check_paths=False)
     trainer = Trainer(config, ParallelContext.single(), train_data())
     model, loss = trainer.model, trainer.loss

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import types
 
 import pytest
 import torch
@@ -174,6 +175,61 @@ def distillation_steps(setup, beta: float, temperature: float, answers: dict | N
     prompts = [{"prompt": c["messages"][:-1]} for c in setup["conversations"]]
     with uncached_datasets():
         trainer = FixedCompletions(args=args, train_dataset=datasets.Dataset.from_list(prompts), **trl_models(setup))
+        trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def iw_opd_steps(setup, temperature: float, answers: dict) -> list[dict]:
+    """`IWOPDTrainer`'s logged steps (its "iw_opd" objective; every step on-policy, as it requires) with each prompt
+    answered by `answers`' ids for its prompt ids instead of its student's `generate`. A collator hands it each
+    conversation's prompt ids as shardlm cuts them, in the records' order, and each micro-batch's left padding (from
+    the other prompt of its generation batch) is cut, since its forward would shift a left-padded row's positions.
+    Its loss divides by the answer tokens the trainer counted in the collated batch before the generation (none in a
+    batch of prompts: 0, a NaN loss); it is handed the step's completion tokens instead, as shardlm counts them."""
+    from trl.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
+
+    def left(values, fill):
+        width = max(map(len, values))
+        return torch.tensor([[fill] * (width - len(v)) + list(v) for v in values])
+
+    def collate(examples):
+        prompts = [e["prompt"] for e in examples]
+        return {"input_ids": left(prompts, 0), "attention_mask": left([[1] * len(p) for p in prompts], 0),
+                "labels": left([[-100] * len(p) for p in prompts], -100), "prompts": left(prompts, 0),
+                "prompt_attention_mask": left([[1] * len(p) for p in prompts], 0)}
+
+    class Answered(IWOPDTrainer):
+        @staticmethod
+        def _local_teacher_tokenizers_match(student, teacher):
+            return True  # the teacher's directory holds no tokenizer (see `setup`); it shares the student's
+
+        def _get_train_sampler(self, dataset=None):
+            return torch.utils.data.SequentialSampler(dataset if dataset is not None else self.train_dataset)
+
+        def _fill_buffer(self, generation_batch, buffer_steps):
+            super()._fill_buffer(generation_batch, buffer_steps)
+            for i, part in enumerate(self._buffered_inputs):
+                real = part["attention_mask"].bool().any(0)
+                self._buffered_inputs[i] = {k: v[:, real] if k in ("input_ids", "attention_mask", "labels") else v
+                                            for k, v in part.items()}
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            tokens = sum(int((part["labels"] != -100).sum()) for part in self._buffered_inputs)
+            return super().compute_loss(model, inputs, return_outputs, tokens)
+
+    def generate(input_ids, attention_mask, **_):
+        completions = [answers[tuple(ids[mask.bool()].tolist())] for ids, mask in zip(input_ids, attention_mask)]
+        pad = setup["tokenizer"].pad_token_id
+        tails = [c + [pad] * (max(map(len, completions)) - len(c)) for c in completions]
+        return types.SimpleNamespace(sequences=torch.cat([input_ids, torch.tensor(tails)], dim=1))
+
+    args = trl_args(IWOPDConfig, setup, f"iw_opd_{temperature}", temperature=temperature, lmbda=1.0,
+                    distillation_objective="iw_opd", iw_opd_gamma=0.5, max_length=SEQ, max_completion_length=SEQ - 8)
+    rows = [{"prompt": c["ids"][:c["start"]]} for c in setup["conversations"]]
+    models = trl_models(setup)
+    models["model"].generate = generate
+    with uncached_datasets():
+        trainer = Answered(args=args, data_collator=collate, train_dataset=datasets.Dataset.from_list(rows), **models)
         trainer.train()
     return [log for log in trainer.state.log_history if "loss" in log]
 
@@ -335,3 +391,36 @@ def test_seq_kd_steps_follow_trls_gkd(setup, runs, monkeypatch):
     assert all(value <= TOL for value in worst.values()), worst
     offline = differences(ours, runs("gkd", 0.5)[0])
     assert offline["loss"] > 1000 * TOL, offline
+
+
+@pytest.mark.timeout(180)
+def test_iw_opd_follows_trls_iw_opd_trainer(setup, monkeypatch):
+    """`distill.loss = "iw_opd"` (gamma 0.5, temperature 2, every step on-policy): shardlm's student completes each
+    prompt (at most 6 tokens; recorded) and `IWOPDTrainer` (its "iw_opd" objective) is handed those completions:
+    each step's gradient norm within TOL (measured 2.1e-7), its loss within TOL of max(1, |loss|) (measured 3e-6
+    absolute: the loss sums terms w a log p of both signs, the mean advantage 0.03 against a mean |a| of 1.2, each
+    term about 20, so a relative bound on the sum would amplify fp32 rounding fifty-fold). The control: the same
+    samples under token_kl's loss (no weights) are far off (gradient norm 0.25 relative)."""
+    from shardlm.rl import rollout
+
+    sampled = {}
+    generate = rollout.InProcessGenerator.generate
+
+    def recording(self, prompts, seeds, round_index=0, sequences=None):
+        rollouts = generate(self, prompts, seeds, round_index, sequences)
+        sampled.update({tuple(r.prompt): list(r.completion) for r in rollouts})
+        return rollouts
+
+    monkeypatch.setattr(rollout.InProcessGenerator, "generate", recording)
+    on_policy = ("distill.lmbda=1.0", "distill.max_new_tokens=6")
+    ours = shardlm_steps(setup, "iw_opd", 0.5, 2.0, 'distill.loss="iw_opd"', "distill.iw_opd_gamma=0.5", *on_policy)
+    assert len(sampled) == CONVERSATIONS and all(0 < len(ids) <= 6 for ids in sampled.values()), sampled
+    theirs = iw_opd_steps(setup, 2.0, sampled)
+    worst = differences(ours, theirs)
+    assert worst["grad_norm"] <= TOL, (worst, ours, theirs)
+    assert all(abs(mine["loss"] - trls["loss"]) <= TOL * max(1.0, abs(trls["loss"]))
+               for mine, trls in zip(ours, theirs)), (ours, theirs)
+    assert all(log["iw_opd/max_weight"] == 1.5 for log in ours), ours
+    token_kl = shardlm_steps(setup, "iw_opd_token_kl", 0.5, 2.0, 'distill.loss="token_kl"', *on_policy)
+    unweighted = differences(token_kl, theirs)
+    assert unweighted["grad_norm"] > 1000 * TOL, unweighted

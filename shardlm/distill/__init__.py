@@ -10,7 +10,11 @@ def check_distill(config, check_paths: bool = True) -> str | None:
     `check_paths`, the teacher is opened and its vocabulary compared with the student's)."""
     d, m = config.distill, config.model
     checks = [
-        (d.loss in ("jsd", "token_kl"), f'distill.loss="{d.loss}" must be "jsd" or "token_kl"'),
+        (d.loss in ("jsd", "token_kl", "iw_opd"), f'distill.loss="{d.loss}" must be "jsd", "token_kl" or "iw_opd"'),
+        (d.iw_opd_gamma >= 0, f"distill.iw_opd_gamma={d.iw_opd_gamma} must be >= 0 (0: token_kl's gradient)"),
+        (d.iw_opd_epsilon > 0, f"distill.iw_opd_epsilon={d.iw_opd_epsilon} must be > 0"),
+        (d.loss != "iw_opd" or d.lmbda == 1, f"distill.loss=\"iw_opd\" weighs the student's own samples; set "
+                                               f"distill.lmbda=1 (every step on-policy), not {d.lmbda}"),
         (0 <= d.beta <= 1, f"distill.beta={d.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)"),
         (d.temperature > 0, f"distill.temperature={d.temperature} must be > 0"),
         (d.teacher_dtype in ("fp32", "bf16"), f'distill.teacher_dtype="{d.teacher_dtype}" must be "fp32" or "bf16"'),

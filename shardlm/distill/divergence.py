@@ -73,22 +73,31 @@ def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, tp: Communicat
     return reduce_from_tensor_parallel(terms.sum(dim=-1), tp)
 
 
+def token_log_probs(student: torch.Tensor, teacher: torch.Tensor | None, targets: torch.Tensor, tp: Communicator,
+                    vocab_size: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The student's and the teacher's log-probabilities (each (n,) fp32, the student's differentiable) of the tokens
+    `targets` (n,) under logits / temperature: student, teacher (n, V_padded / tp) this rank's logits (teacher
+    None: the student's alone, None for the teacher's). Each rank picks the targets in its slice of the vocabulary;
+    one all-reduce adds them."""
+    local = student.shape[-1]
+    first = tp.rank * local
+    real = max(0, min(local, vocab_size - first))
+    mine = (targets >= first) & (targets < first + real)
+    index = torch.where(mine, targets - first, 0).unsqueeze(-1)
+    sides = [student] if teacher is None else [student, teacher.detach()]
+    picked = torch.stack([log_softmax(x[..., :real].float() / temperature, tp).gather(-1, index).squeeze(-1)
+                          for x in sides]) * mine
+    picked = reduce_from_tensor_parallel(picked, tp)
+    return picked[0], (picked[1] if teacher is not None else None)
+
+
 def token_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, tp: Communicator,
                      vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """On-policy distillation's per-token reverse KL of the tokens `targets` (n,): student, teacher (n, V_padded /
     tp) this rank's logits -> (n,) fp32 losses whose values are log p_s(x) - log p_t(x) (a one-sample estimate of
     KL(student || teacher) at each token) and whose gradient is (log p_s(x) - log p_t(x)) grad log p_s(x): the
     teacher's score as a per-token advantage, the REINFORCE form of the reverse KL's gradient when x is sampled
-    from the student. Each rank picks the targets in its slice of the vocabulary; one all-reduce adds them."""
-    local = student.shape[-1]
-    first = tp.rank * local
-    real = max(0, min(local, vocab_size - first))
-    s = log_softmax(student[..., :real].float() / temperature, tp)
-    t = log_softmax(teacher[..., :real].detach().float() / temperature, tp)
-    mine = (targets >= first) & (targets < first + real)
-    index = torch.where(mine, targets - first, 0).unsqueeze(-1)
-    picked = torch.stack([s.gather(-1, index).squeeze(-1), t.gather(-1, index).squeeze(-1)]) * mine
-    picked = reduce_from_tensor_parallel(picked, tp)
-    logp, teacher_logp = picked[0], picked[1]
+    from the student."""
+    logp, teacher_logp = token_log_probs(student, teacher, targets, tp, vocab_size, temperature)
     advantage = (logp - teacher_logp).detach()
     return advantage + advantage * (logp - logp.detach())

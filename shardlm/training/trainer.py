@@ -250,8 +250,8 @@ class Trainer:
                        else self.pipeline.mtp_loss_sum.clone())  # under PP: the last stage's, on every rank
             ctx.dp_cp.all_reduce(mtp_sum)
             step_metrics["mtp_loss"] = mtp_sum.item() / (len(batches) * ctx.dp_cp.size)
-        if self.preference or self.rl or self.reward:  # rewards, margin and accuracy over the pairs; KL, entropy,
-            step_metrics |= self.loss.take_metrics()  # clip ratios
+        if self.preference or self.rl or self.reward or self.teacher is not None:  # rewards, margin and accuracy
+            step_metrics |= self.loss.take_metrics()  # over the pairs; KL, entropy, clip ratios; IW-OPD's weights
         if self.moe:  # aux loss and expert loads of the step; expert biases move after the step (not in a LoRA
             # run, whose router, biases included, is the frozen base's)
             step_metrics |= finish_step(self.model, ctx, len(batches), self.config.parallel.sequence_parallel,
