@@ -100,15 +100,13 @@ def run_logits(model, ids: torch.Tensor) -> torch.Tensor:
 IDS = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="module")
-def dpo_runs(setup):
+def straight_and_resumed(setup, name: str, *extra: str) -> dict:
     """`straight`: 3 steps in one go. `stopped`: the same command stopped by SIGTERM after step 2 (it saves, as a
-    preempted job does), then run again: it resumes from step 2 and reads the reference its first start saved
-    (the checkpoint no longer holds the starting weights). The second start goes through `train` to keep its
-    trainer: the run's own model. Each start's printed lines are kept."""
+    preempted job does), then run again: it resumes from step 2. The second start goes through `train` to keep its
+    trainer: the run's own model. Each start's printed lines are kept. `extra`: further overrides of both."""
     root, printed = setup["root"], {}
-    base = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}"]
-    straight, stopped = root / "straight", root / "stopped"
+    base = ["train", str(setup["config"]), f"checkpoint.init_from={setup['hf']}", *extra]
+    straight, stopped = root / f"{name}_straight", root / f"{name}_stopped"
     with contextlib.redirect_stdout(io.StringIO()) as out:
         assert main(base + ["--run-dir", str(straight)]) == 0
     printed["straight"] = out.getvalue()
@@ -125,6 +123,13 @@ def dpo_runs(setup):
         result = train(load_config(str(setup["config"]), base[2:]), run_dir=stopped)
     printed["resumed"] = out.getvalue()
     return {"straight": straight, "stopped": stopped, "printed": printed, "trainer": result.trainer}
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(setup):
+    """A DPO run straight and stopped after step 2, then resumed: it reads the reference its first start saved (the
+    checkpoint no longer holds the starting weights)."""
+    return straight_and_resumed(setup, "dpo")
 
 
 def test_dpo_from_a_hf_directory_saves_its_reference_and_learns(dpo_runs):
@@ -152,6 +157,23 @@ def test_a_resumed_dpo_run_reads_its_saved_reference_and_equals_the_straight_run
     assert abs(resumed[2]["loss"] - math.log(2)) > 1e-3  # step 3 is off ln 2: the reference is not the policy
     trained, _ = load_model(dpo_runs["straight"] / "checkpoints", ParallelContext.single())
     assert torch.equal(run_logits(dpo_runs["trainer"].model, IDS), run_logits(trained, IDS))
+
+
+def test_a_resumed_tr_dpo_run_restores_its_synced_reference(setup, dpo_runs):
+    """TR-DPO (the reference moved halfway to the policy after every step, run each step from its weights): stopped
+    after step 2 and resumed, the checkpoint's synced reference comes back, so step 3 and the final validation equal
+    the straight run's bitwise. Checked by hand: with the reference rebuilt from the starting weights instead (the
+    resume's `load_reference` skipped), step 3's loss is 0.453 against the straight run's 0.596."""
+    runs = straight_and_resumed(setup, "tr_dpo", 'preference.reference="weights"', "preference.sync_ref_model=true",
+                                "preference.ref_model_sync_steps=1", "preference.ref_model_mixup_alpha=0.5")
+    assert "resumed from" in runs["printed"]["resumed"], runs["printed"]["resumed"]
+    straight, resumed = steps_of(runs["straight"]), steps_of(runs["stopped"])
+    assert [m.get("step") for m in resumed] == [1, 2, 3, 3], resumed
+    keys = ("loss", "grad_norm", "rewards_chosen", "rewards_rejected", "reward_margin", "val_loss")
+    for ours, theirs in zip(resumed, straight):
+        assert {k: ours.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
+    untouched = steps_of(dpo_runs["straight"])  # the same steps against the starting weights throughout
+    assert abs(straight[2]["loss"] - untouched[2]["loss"]) > 1e-4, (straight, untouched)
 
 
 def test_the_export_after_a_dpo_run_gives_the_runs_own_logits(setup, dpo_runs):
