@@ -136,7 +136,10 @@ class RLConfig:
     reward, the clipped surrogate on each sequence's whole ratio), "gmpo" (TRL's experimental GMPOTrainer: the
     geometric mean of the token ratios, each clipped in log space to [-epsilon, epsilon_high], the paper's 0.4) or
     "online_dpo" (TRL's experimental OnlineDPOTrainer: two completions a prompt, the better-rewarded one chosen, DPO's
-    sigmoid loss with beta against the reference); empty: no RL run."""
+    sigmoid loss with beta against the reference) or "a2po" (A*-PO, TRL's experimental A2POTrainer: before training
+    each prompt's optimal value V* from num_value_samples completions of the starting policy, then one completion a
+    prompt a step and the squared error of beta2 x its log-ratio to the reference against reward - V*); empty: no RL
+    run."""
     task: str = ""
     """"arithmetic": a built-in verifiable task generated from train.seed instead of sft.data."""
     task_size: int = 512
@@ -232,6 +235,15 @@ class RLConfig:
     OnlineDPOConfig loss_type."""
     missing_eos_penalty: float = 0.0
     """online_dpo: subtracted from the reward of a completion cut before its end token (TRL's missing_eos_penalty)."""
+    num_value_samples: int = 8
+    """a2po: completions of each training prompt the starting policy samples to estimate its optimal value (TRL's)."""
+    beta1: float = 0.5
+    """a2po: the temperature of the optimal value, V*(x) = beta1 log(mean over the samples of exp(reward / beta1))
+    (TRL's A2POConfig.beta1)."""
+    beta2: float = 1e-3
+    """a2po: the implicit reward's scale, beta2 log(pi(y|x) / pi_ref(y|x)) summed over the completion (TRL's beta2)."""
+    filter_all_incorrect: bool = True
+    """a2po: drop the training prompts whose value samples all scored 0 (no signal), as TRL's default."""
     normalize_advantages: bool = False
     """rloo: normalize the advantages over the round's completions (mean 0, std 1; TRL's RLOO option)."""
     reward_clip_range: list = field(default_factory=list)

@@ -1,14 +1,16 @@
 """Online reinforcement learning with verifiable rewards: GRPO and its 2025 variants (DAPO, Dr. GRPO, GSPO, CISPO,
 SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask, the 80/20 rule's entropy
-mask, an entropy bonus with Skywork-OR1's adaptive control), RLOO (TRL's RLOOTrainer), GMPO and online DPO
-(`online_dpo`: DPO on pairs of the policy's own completions chosen by reward), the completions sampled by the policy
+mask, an entropy bonus with Skywork-OR1's adaptive control), RLOO (TRL's RLOOTrainer), GMPO, online DPO
+(`online_dpo`: DPO on pairs of the policy's own completions chosen by reward) and A*-PO (`a2po`: a regression onto
+reward - V*, V* estimated before training), the completions sampled by the policy
 in the training processes, at the training layout. Prompts and rewards (`prompts`, `rewards`, the built-in task
 `arithmetic`), rollouts (`rollout`), group-relative and leave-one-out advantages (`advantages`), the step's packed
 rows (`batch`), the losses (`loss`) and the loop joining them (`loop`). `docs/rl.md`."""
 
 from __future__ import annotations
 
-LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo", "gmpo", "online_dpo")
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo", "gmpo", "online_dpo",
+          "a2po")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """The losses of the clipped surrogate -min(w A, clip(w) A) (INTELLECT-2's `rl.delta` caps their ratio)."""
 SEQUENCE_RATIO = ("grpo", "luspo", "sapo")
@@ -24,8 +26,23 @@ def check_rl(config, world_size: int = 1) -> str | None:
     trained = r.task_size - r.eval_prompts  # the task's prompts left to train on
     checks = [
         (r.loss in LOSSES, f'rl.loss="{r.loss}" must be one of {", ".join(LOSSES)}'),
-        (r.num_generations >= 2, f"rl.num_generations={r.num_generations} must be at least 2: advantages compare "
-                                 "the completions of one prompt"),
+        (r.num_generations >= 2 or r.loss == "a2po", f"rl.num_generations={r.num_generations} must be at least 2: "
+                                                     "advantages compare the completions of one prompt"),
+        (r.loss != "a2po" or r.num_generations == 1,
+         f'rl.loss="a2po" samples one completion a prompt a step (its baseline is V*); set rl.num_generations=1, not '
+         f"{r.num_generations}"),
+        (r.loss != "a2po" or (r.beta1 > 0 and r.beta2 > 0 and r.num_value_samples >= 1),
+         f"rl.beta1={r.beta1} and rl.beta2={r.beta2} must be > 0 and rl.num_value_samples={r.num_value_samples} at "
+         "least 1"),
+        (r.loss != "a2po" or not (r.beta or r.sync_ref_model or r.num_iterations != 1 or r.generation_batch_size
+                                  or r.delta or r.off_policy_mask_threshold or r.entropy_coef
+                                  or r.top_entropy_quantile < 1 or r.importance_sampling != "token"
+                                  or r.mask_truncated_completions or r.scale_rewards != "group"
+                                  or r.multi_objective_aggregation != "sum_then_normalize"),
+         'rl.loss="a2po" regresses beta2 x the log-ratio to the reference onto reward - V*, one update a completion: '
+         "leave rl.beta, rl.sync_ref_model, rl.num_iterations, rl.generation_batch_size, rl.delta, "
+         "rl.off_policy_mask_threshold, rl.entropy_coef, rl.top_entropy_quantile, rl.importance_sampling, "
+         "rl.mask_truncated_completions, rl.scale_rewards and rl.multi_objective_aggregation at their defaults"),
         (r.epsilon > 0, f"rl.epsilon={r.epsilon} must be > 0"),
         (r.epsilon_high >= 0, f"rl.epsilon_high={r.epsilon_high} must be > 0 (0: rl.epsilon)"),
         (r.num_iterations >= 1, f"rl.num_iterations={r.num_iterations} must be at least 1"),

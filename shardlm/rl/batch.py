@@ -25,8 +25,8 @@ The weights make each step's loss its global batch's under every layout, never a
 With m the completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a
 sequence's tokens, N the step's sequences and L rl.max_completion_length:
 
-    grpo, sapo, rloo, gmpo   sum_j (sum_t m l) / max(n_j, 1) / N   per-sequence means, then their mean (rloo,
-                                                             gmpo: l is the sequence's loss at every token)
+    grpo, sapo, rloo, gmpo, a2po   sum_j (sum_t m l) / max(n_j, 1) / N   per-sequence means, then their mean
+                                                             (rloo, gmpo, a2po: l is the sequence's loss at every token)
     luspo           sum (m l) / N                            per-sequence sums (each times its length), their mean
     dr_grpo         sum (m l) / (N L)                        a constant normalizer
     bnpo            sum (m l) / max(sum m, 1)                token mean over the step's global batch
@@ -80,7 +80,7 @@ class StepRows:
                 raise UserError(f"a step's {len(own)} sequences need {len(bins)} rows of {seq_length} tokens but a "
                                 f"step has train.global_batch_size={num_rows}; raise it or lower rl.prompts_per_step")
             count, total = len(own), max(tokens[own].sum(), 1.0)
-            per_sequence_losses = ("grpo", "sapo", "rloo", "gmpo")  # (None: each sequence's own mean, below)
+            per_sequence_losses = ("grpo", "sapo", "rloo", "gmpo", "a2po")  # (None: each sequence's own mean)
             normalizer = None if loss in per_sequence_losses else {
                 "luspo": count, "dr_grpo": count * max_completion_length, "bnpo": total}.get(loss, round_tokens)
             for row, packed in enumerate(bins, start=s * num_rows):

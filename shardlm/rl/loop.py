@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardlm.errors import UserError
 from shardlm.parallel import gather_zigzag_rows
 from shardlm.parallel.invariant import batch_invariant
-from shardlm.rl import online_dpo, prompts_per_step, round_steps, steps_per_generation
+from shardlm.rl import a2po, online_dpo, prompts_per_step, round_steps, steps_per_generation
 from shardlm.rl.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd, rloo_advantages
 from shardlm.rl.batch import StepRows, split_round
 from shardlm.rl.prompts import Prompt, round_prompts
@@ -67,6 +67,7 @@ class RLRun:
         self.round_steps = round_steps(trainer.config)  # optimizer steps a round lasts
         self.round_metrics: dict = {}
         self.rows: StepRows | None = None
+        self.values: np.ndarray | None = None  # a2po: each training prompt's V* (`shardlm.rl.a2po.prepare`)
         self.scorers = {}  # the reward models (rl.rewards "model:PATH") by column, at the layout: collective
         if any(reward.model for reward in rewards):
             from shardlm.rl.reward_model import RewardModelScorer
@@ -120,14 +121,14 @@ class RLRun:
                                lambda j: sequence_seed(config.train.seed, round_index, j), round_index)
         return owners, rollouts, time.perf_counter() - start
 
-    def sample(self, prompts: list[Prompt], seed_of, round_index: int) -> list[Rollout]:
-        """Every sequence's rollout, in order, of `prompts` (one per sequence; sequence j sampled from the seed
-        `seed_of(j)`): each data x context-parallel rank samples its share in the training forward's precision, and
-        every rank gathers all of them."""
+    def sample(self, prompts: list[Prompt], seed_of, round_index: int, offset: int = 0) -> list[Rollout]:
+        """Every sequence's rollout, in order, of `prompts` (one per sequence; the j-th is sequence offset + j of
+        the round, sampled from the seed `seed_of(offset + j)`): each data x context-parallel rank samples its share in
+        the training forward's precision, and every rank gathers all of them."""
         share = sampling_share(len(prompts), self.ctx)
         with self.trainer.autocast():
-            local = self.generator.generate([prompts[j].ids for j in share], [seed_of(j) for j in share],
-                                            round_index, share)
+            local = self.generator.generate([prompts[j].ids for j in share], [seed_of(offset + j) for j in share],
+                                            round_index, [offset + j for j in share])
         self.reshard()
         return gather_samples(local, self.ctx)
 
@@ -170,8 +171,12 @@ class RLRun:
                                   if k != "frac_reward_zero_std"} | metrics | {"generation_s": generation_s}
             return
         rloo = cfg.loss == "rloo"  # (its advantages after the scoring passes: the KL is in its reward)
+        values_of = {}
         if rloo:
             advantages = zero_std = np.zeros(len(rollouts))
+        elif cfg.loss == a2po.A2PO:  # its target r - V*(x) (no group: one completion a prompt)
+            advantages, values_of = a2po.targets(self, owners, rewards)
+            zero_std = np.zeros(len(rollouts))
         elif cfg.multi_objective_aggregation == "normalize_then_sum":
             advantages, zero_std = decoupled_advantages(values, self.weights, cfg.num_generations)
         else:
@@ -184,7 +189,7 @@ class RLRun:
         start = time.perf_counter()
         if self.round_steps > 1 or (rloo and cfg.beta):
             self.score_rows("old_logp", contextlib.nullcontext())
-        if cfg.beta:
+        if cfg.beta or cfg.loss == a2po.A2PO:
             self.score_rows("ref_logp", self.reference_context())
         scoring_s = time.perf_counter() - start
         kl = {}
@@ -193,7 +198,7 @@ class RLRun:
             self.rows.set_advantages(advantages)
         if self.completions_file is not None and self.ctx.rank == 0:
             self.log_round(round_index, owners, rollouts, values, rewards, advantages)
-        self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | kl | {
+        self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | kl | values_of | {
             "generation_s": generation_s, "scoring_s": scoring_s}
 
     def leave_one_out(self, rewards: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -244,7 +249,7 @@ class RLRun:
             rollouts = self.sample(prompts, lambda j: evaluation_seed(seed, j), 0)
         values = self.score(prompts, rollouts)
         rewards = combine_rewards(values, self.weights)
-        zero_std = group_advantages(rewards, group, "group")[1]
+        zero_std = group_advantages(rewards, group, "group")[1] if group > 1 else np.zeros(len(rewards))
         return {f"val_{k}": v for k, v in self.describe(values, rewards, zero_std, rollouts).items()}
 
     def log_round(self, round_index: int, owners: list[int], rollouts: list[Rollout], values: np.ndarray,

@@ -18,6 +18,9 @@ updates (a round of one step: logp itself, detached, so the ratio is exactly 1) 
     gmpo               l = -G A, G = exp(mean over the completion of r'), r' = min(r, clip(r)) where A > 0 else
                        max(r, clip(r)), r = logp - old clipped to [-epsilon, epsilon_high] in log space (TRL's
                        experimental GMPOTrainer: the geometric mean of the clipped token ratios; its KL without w)
+    a2po               l = (beta2 (S - S_ref) - A)^2, S the sequence's log-probability summed over its completion
+                       (and CP ranks), S_ref the reference's, A = r - V*(x) (TRL's experimental A2POTrainer; the
+                       log-probabilities of the raw logits, as its)
     off-policy mask    l = 0 on a sequence with A < 0 whose mean (old - logp) exceeds rl.off_policy_mask_threshold
     entropy mask       l = 0 on a token whose entropy is below the global batch's (1 - rl.top_entropy_quantile)
                        quantile (`prepare`: a no-gradient pass over the step's rows, the quantile over DP x CP)
@@ -52,7 +55,7 @@ from shardlm.models.documents import Documents
 from shardlm.parallel import sum_over
 
 SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-          "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss", "bonus_entropy")
+          "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss", "bonus_entropy", "implicit_reward")
 CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -109,7 +112,8 @@ def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
 
 def loss_metrics(loss: str) -> list[str]:
     """The metrics `loss` logs beside kl and entropy, as TRL logs them."""
-    return {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"], "sapo": []}.get(loss, list(CLIPS))
+    return {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"], "sapo": [],
+            "a2po": ["implicit_reward"]}.get(loss, list(CLIPS))
 
 
 class RLLoss:
@@ -129,7 +133,7 @@ class RLLoss:
         self.bonus = cfg.entropy_coef != 0 or cfg.use_adaptive_entropy
         self.entropy_coef = cfg.entropy_coef
         self.last_entropy = math.inf  # the last step's mean entropy of the bonus's tokens (adaptive control)
-        model.logit_temperature = cfg.temperature
+        model.logit_temperature = 1.0 if cfg.loss == "a2po" else cfg.temperature  # (A2PO's: the raw logits)
         model.entropies = []
         model.entropy_gradient = self.bonus
 
@@ -143,6 +147,8 @@ class RLLoss:
         trained = batch["targets"] != -100
         logp = (-token_losses).double()
         old = batch["old_logp"] if self.round_steps > 1 else logp.detach()
+        if cfg.loss == "a2po":
+            return self._a2po(logp, trained, entropy, batch)
         log_ratio = torch.where(trained, logp - old, 0.0)
         sequence_level = cfg.importance_sampling == "sequence"
         if cfg.loss == "rloo":  # TRL's RLOO: the ratio of the sequence's whole log-probability
@@ -179,6 +185,19 @@ class RLLoss:
                 self.sums["bonus_entropy"] += mean_entropy.item()
         if self.model.training:
             self._record(seen.detach(), advantage, kl, entropy, logp.detach(), batch)
+        return (loss * batch["scale"]).float()
+
+    def _a2po(self, logp: torch.Tensor, trained: torch.Tensor, entropy, batch: dict) -> torch.Tensor:
+        """A*-PO's share of the loss (module docstring): each sequence's squared error, the same at each of its tokens,
+        weighted to its mean over the global batch's sequences."""
+        cp, cfg = self.ctx.cp, self.cfg
+        total = sequence_sums(torch.where(trained, logp, 0.0), batch, cp)[0]
+        reference = sequence_sums(torch.where(trained, batch["ref_logp"], 0.0), batch, cp)[0]
+        implicit = cfg.beta2 * (total - reference)
+        loss = (torch.where(trained, (implicit - batch["advantage"]) ** 2, 0.0) * batch["weight"]).sum()
+        if self.model.training:
+            self.sums["implicit_reward"] += (implicit.detach() * batch["sequence_weight"]).sum().item()
+            self._record(None, batch["advantage"], None, entropy, logp.detach(), batch)
         return (loss * batch["scale"]).float()
 
     def applied_coef(self) -> float:
@@ -278,14 +297,14 @@ class RLLoss:
             sums["cispo_clip_ratio"] += (((coef > self.eps_high) & (advantage > 0)) * token_weight).sum().item()
         elif self.cfg.loss == "vespo":  # the mean over sequences less 1 (a masked sequence's phi is exactly 1)
             sums["vespo/phi_seq_mean"] += ((coef - 1) * batch["sequence_weight"]).sum().item()
-        elif self.cfg.loss != "sapo":
+        elif self.cfg.loss not in ("sapo", "a2po"):
             low, high = (coef < -self.eps_low, coef > self.eps_high) if self.cfg.loss == "gmpo" else (
                 coef < 1 - self.eps_low, coef > 1 + self.eps_high)  # (gmpo: the log-ratios, in log space)
             low, high = low & (advantage < 0), high & (advantage > 0)
             sums["clip_ratio/low_mean"] += (low * weight).sum().item()
             sums["clip_ratio/high_mean"] += (high * weight).sum().item()
             sums["clip_ratio/region_mean"] += ((low | high) * weight).sum().item()
-        if self.first_step:
+        if self.first_step and self.cfg.loss != "a2po":  # (A2PO's rollouts: logits / temperature; its loss: raw)
             sampled = batch["sample_logp"]
             known = (token_weight > 0) & ~torch.isnan(sampled)
             if known.any():
@@ -311,7 +330,7 @@ class RLLoss:
         metrics = dict(zip(names, values.tolist()))
         if "vespo/phi_seq_mean" in metrics:
             metrics["vespo/phi_seq_mean"] += 1.0
-        if self.first_step:
+        if self.first_step and self.cfg.loss != "a2po":
             metrics["logprob_diff_max"] = diff.item()
         if self.bonus:
             self._adapt(metrics.pop("bonus_entropy"))

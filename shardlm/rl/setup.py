@@ -101,13 +101,16 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run
     run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference,
                 completions, inputs.eval_prompts)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
-    ref = ("" if not r.beta else ", reference: " + ("the starting weights" if reference is not None
-                                                     else "the base (adapters off)"))
+    ref = ("" if not (r.beta or r.loss == "a2po") else ", reference: " + (
+        "the starting weights" if reference is not None else "the base (adapters off)"))
     if r.sync_ref_model:
         ref += f", synced every {r.ref_model_sync_steps} steps ({r.ref_model_mixup_alpha:g} of the policy)"
     steps = steps_per_generation(trainer.config)
-    line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {r.num_generations} completions a step, "
+    completions_a_step = f"{r.num_generations} completion{'s' if r.num_generations > 1 else ''}"
+    line = (f"rl: {kind} loss, {prompts_per_step(trainer.config)} prompts x {completions_a_step} a step, "
             + (f"{steps} steps a generation round, " if steps > 1 else "")
-            + f"{r.num_iterations} update(s) each, beta {r.beta:g}{ref}; completions {source}"
+            + f"{r.num_iterations} update(s) each, "
+            + (f"beta1 {r.beta1:g}, beta2 {r.beta2:g}" if r.loss == "a2po" else f"beta {r.beta:g}")
+            + f"{ref}; completions {source}"
             + (f", logged to {completions}" if completions else ""))
     return run, line

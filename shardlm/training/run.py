@@ -286,7 +286,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
     resume_from = latest_in(checkpoints) or (config.checkpoint.load or None)
     reference = None
     # the starting weights kept: RL's KL reference, a preference run's live reference (preference.reference="weights")
-    keep_reference = ((rl is not None and config.rl.beta > 0 and not config.lora.rank)
+    keep_reference = ((rl is not None and (config.rl.beta > 0 or config.rl.loss == "a2po") and not config.lora.rank)
                       or (trainer.preference and reference_mode(config) == "weights"))
     if keep_reference and resume_from:  # rebuilt from where the run started, before the checkpoint replaces them
         if init_source is not None:
@@ -331,6 +331,10 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
             rl_run.restore(Path(resume_from))
         step = rl_run.train_step
         logger.print(line)
+        if config.rl.loss == "a2po":  # stage 1: each training prompt's optimal value, from the starting weights
+            from shardlm.rl.a2po import prepare
+
+            logger.print(prepare(rl_run, run_dir, resumed=bool(resume_from)))
     if config.distill.teacher and (config.distill.lmbda > 0 or config.distill.seq_kd):  # GKD's mix of samples
         from shardlm.distill.on_policy import start_on_policy
         from shardlm.sft.dataset import tokenizer_dir
