@@ -149,3 +149,41 @@ def test_a2po_follows_trls_a2po_trainer(setup, a2po):
     doubled = differences(shardlm_a2po(setup, a2po, 2 * BETA2)[0], theirs)
     assert doubled["loss"] > 100 * TOL, doubled
 
+
+def by_length(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The resume check's reward: a tenth of the completion's length (a signal a random model's samples have)."""
+    return [len(ids) / 10 for ids in completion_ids]
+
+
+def resume_config(data_dir, steps: int):
+    from test_rl_resume import rl_config
+
+    config = rl_config(data_dir, steps)
+    rl = config.rl
+    rl.loss, rl.num_generations, rl.prompts_per_step, rl.beta, rl.sync_ref_model = "a2po", 1, 4, 0.0, False
+    rl.generation_batch_size, rl.entropy_coef, rl.use_adaptive_entropy, rl.num_value_samples = 0, 0.0, False, 2
+    rl.rewards, rl.log_completions = ["test_a2po:by_length"], False
+    config.train.decay_steps = 3
+    return config
+
+
+@pytest.mark.timeout(180)
+def test_a_resumed_a2po_run_reads_its_values_and_equals_the_straight_run(data_dir, tmp_path, capsys):
+    """3 steps straight against 2 steps, then a restart to 3: the restart reads stage 1's values from the run
+    directory (its weights are no longer the starting ones) and its step 3 equals the straight run's bitwise (the
+    reference rebuilt from the starting weights, dropout on). Without the values file a restart stops in one line."""
+    from test_rl_resume import metrics_of
+
+    from shardlm.errors import UserError
+
+    train(resume_config(data_dir, 3), tmp_path / "whole")
+    train(resume_config(data_dir, 2), tmp_path / "resumed")
+    capsys.readouterr()
+    train(resume_config(data_dir, 3), tmp_path / "resumed")
+    assert f"read from {tmp_path / 'resumed' / 'a2po_values.json'}" in capsys.readouterr().out
+    whole, resumed = metrics_of(tmp_path / "whole"), metrics_of(tmp_path / "resumed")
+    assert resumed[3] == whole[3] and whole[3]["implicit_reward"] != 0.0, (resumed[3], whole[3])
+    (tmp_path / "resumed" / "a2po_values.json").unlink()
+    with pytest.raises(UserError, match="needs the optimal values its start estimated"):
+        train(resume_config(data_dir, 4), tmp_path / "resumed")
+

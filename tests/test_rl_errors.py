@@ -64,6 +64,11 @@ def write(root, name: str, text: str) -> str:
 ERRORS = [
     ("one completion a prompt", lambda r: ["rl.num_generations=1"], "rl.num_generations=1 must be at least 2"),
     ("epsilon", lambda r: ["rl.epsilon=0.0"], "rl.epsilon=0.0 must be > 0"),
+    ("a2po with groups", lambda r: ['rl.loss="a2po"'], 'rl.loss="a2po" samples one completion a prompt a step'),
+    ("a2po with a KL", lambda r: ['rl.loss="a2po"', "rl.num_generations=1", "rl.beta=0.1"],
+     'rl.loss="a2po" regresses beta2 x the log-ratio to the reference onto reward - V*'),
+    ("a2po without beta2", lambda r: ['rl.loss="a2po"', "rl.num_generations=1", "rl.beta2=0"],
+     "rl.beta1=0.5 and rl.beta2=0.0 must be > 0"),
     ("unknown loss", lambda r: ['rl.loss="ppo"'],
      'rl.loss="ppo" must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, rloo'),
     ("iterations", lambda r: ["rl.num_iterations=0"], "rl.num_iterations=0 must be at least 1"),
