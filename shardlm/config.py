@@ -206,6 +206,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class BEMAConfig:
+    """The `[bema]` section: a bias-corrected exponential moving average of the weights (BEMA, Block and Zhang 2025,
+    TRL's `BEMACallback`), kept beside the training at its layout, in its checkpoints, and written at the end to
+    RUN_DIR/bema.safetensors (`docs/bema.md`). Every update_freq steps after update_after, with t the step and
+    theta_0 the weights at update_after: EMA <- (1 - beta_t) EMA + beta_t theta_t and the BEMA weights are
+    EMA + alpha_t (theta_t - theta_0), beta_t = max((lag + multiplier t)^-ema_power, min_ema_multiplier) and
+    alpha_t = (lag + multiplier t)^-bias_power."""
+
+    enabled: bool = False
+    """Keep the BEMA weights (two more copies of the trained weights and the BEMA weights themselves, each rank
+    its own shards)."""
+    update_freq: int = 400
+    """Update the average every this many steps (TRL's update_freq, the paper's phi)."""
+    ema_power: float = 0.5
+    """The EMA's decay power kappa; 0 disables the EMA (the BEMA weights then follow theta_0 + alpha x the drift)."""
+    bias_power: float = 0.2
+    """The bias correction's power eta; 0 keeps alpha at 1, a large value (8) drives it to 0 (plain EMA)."""
+    lag: int = 10
+    """The schedules' starting offset rho (a virtual age of the first update)."""
+    update_after: int = 0
+    """Steps of burn-in tau: theta_0 and the EMA are the weights at this step."""
+    multiplier: float = 1.0
+    """gamma, the schedules' multiplier of the step."""
+    min_ema_multiplier: float = 0.0
+    """The least the EMA's factor beta_t becomes."""
+
+
+@dataclass
 class LogConfig:
     """The `[log]` section."""
 
@@ -234,6 +262,7 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    bema: BEMAConfig = field(default_factory=BEMAConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:

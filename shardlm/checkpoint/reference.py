@@ -1,5 +1,5 @@
-"""A run's synced reference (TR-DPO: sync_ref_model) read back from a checkpoint saved at any layout: the
-`reference/NAME` tensors `state.reference_tensors` wrote beside the model's, through the model's own loader."""
+"""The weight copies a run keeps (TR-DPO's synced reference, BEMA's) read back from a checkpoint saved at any layout:
+the `PREFIX/NAME` tensors `state.reference_tensors` wrote beside the model's, through the model's own loader."""
 
 from __future__ import annotations
 
@@ -34,13 +34,29 @@ class _Renamed:
 
 def load_reference(trainer, path: str | Path) -> None:
     """Restore a run's synced reference (`trainer.synced_reference`) from a checkpoint saved at any layout."""
+    option = ("rl" if trainer.config.rl.loss else "preference") + ".sync_ref_model"
+    _load_copy(trainer, path, "reference", trainer.synced_reference,
+               f"synced reference (its run had {option} off); resume with {option}=false")
+
+
+def load_bema(trainer, path: str | Path) -> None:
+    """Restore a run's BEMA copies (`trainer.bema`: its weights, theta_0 and EMA) from a checkpoint saved at any
+    layout."""
+    for prefix, copy in trainer.bema.copies().items():
+        _load_copy(trainer, path, prefix, copy, "BEMA weights (its run had bema.enabled off); resume with "
+                   "bema.enabled=false")
+
+
+def _load_copy(trainer, path: str | Path, prefix: str, copy, missing: str) -> None:
+    """The checkpoint's "PREFIX/NAME" tensors into `copy` (a `ReferenceWeights`), through the model's loader;
+    `missing`: what a checkpoint without them lacks, and why."""
     checkpoint = files.resolve(path)
     meta = files.read_meta(checkpoint)
-    reader = _Renamed(reader_of(checkpoint, meta), "reference")
+    reader = _Renamed(reader_of(checkpoint, meta), prefix)
     if not reader.keys():
-        option = ("rl" if trainer.config.rl.loss else "preference") + ".sync_ref_model"
-        raise UserError(f"the checkpoint {checkpoint} holds no synced reference (its run had {option} off); resume "
-                        f"with {option}=false, or start a new run directory from its weights with "
-                        "checkpoint.init_from")
-    with trainer.synced_reference.swapped(keep=True):
-        load_weights(trainer.model, reader, trainer.ctx)
+        raise UserError(f"the checkpoint {checkpoint} holds no {missing}, or start a new run directory from its "
+                        "weights with checkpoint.init_from")
+    kept = {id(p) for p in copy.params}
+    with copy.swapped(keep=True):
+        load_weights(trainer.model, reader, trainer.ctx,
+                     names={name for name, p in trainer.model.named_parameters() if id(p) in kept})

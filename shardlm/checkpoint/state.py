@@ -1,28 +1,26 @@
 """Save and load a Trainer's whole state, at any TP x DP layout.
 
-What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), the reference weights
-TR-DPO's syncs move (sync_ref_model), the loss scaler, step, skipped steps and consumed samples (the data
-position), every rank's generator states (Python, numpy, torch CPU and CUDA, the model-parallel tracker), the
-config and a manifest of files with sizes and sha256. Loading at another layout reshards the tensors (see
-`sharded.py`); generator states are restored only on the same layout, where they make the resumed run bitwise
-identical.
+What a checkpoint holds: model shards and AdamW moments (fp32, safetensors; never pickle), the weight copies a run
+keeps beside its weights (the reference TR-DPO's syncs move, BEMA's average: `kept_copies`), the loss scaler, step,
+skipped steps and consumed samples (the data position), every rank's generator states (`rng.py`), the config and a
+manifest of files with sizes and sha256. Loading at another layout reshards the tensors (see `sharded.py`);
+generator states are restored only on the same layout, where they make the resumed run bitwise identical.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from shardlm.checkpoint import files
 from shardlm.checkpoint.compatibility import check_base, check_compatible, shared_fingerprint
+from shardlm.checkpoint.rng import restore_rng, rng_file, rng_tensors
 from shardlm.checkpoint.sharded import ShardedReader, expert_key, model_file, model_files
 from shardlm.config import RunConfig, from_dict
 from shardlm.errors import CheckpointWriteError, UserError
@@ -31,10 +29,6 @@ from shardlm.parallel import ParallelContext
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """The optimizer state a checkpoint keeps beside each parameter: AdamW's two moments, Muon's momentum."""
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank:05d}.safetensors"
 
 
 def split_dim(param: torch.Tensor) -> int | None:
@@ -112,36 +106,32 @@ def _model_tensors(trainer, full: dict | None = None, dense: bool = True) -> dic
     return out
 
 
+def kept_copies(trainer) -> dict:
+    """{checkpoint prefix: `ReferenceWeights`} of the weight copies a run keeps beside its weights: TR-DPO's synced
+    reference ("reference", sync_ref_model) and BEMA's three ("bema", "bema_theta0", "bema_ema")."""
+    copies = {}
+    if getattr(trainer, "synced_reference", None) is not None:
+        copies["reference"] = trainer.synced_reference
+    if getattr(trainer, "bema", None) is not None:
+        copies |= trainer.bema.copies()
+    return copies
+
+
 def reference_tensors(trainer, dense: bool = True) -> dict[str, torch.Tensor]:
-    """"reference/NAME" of a run's synced reference (`trainer.synced_reference`: sync_ref_model), as
-    `_model_tensors` names the model's: this rank's TP shard, FSDP's shards gathered over DP (collective: every
-    rank calls it). Empty without a synced reference."""
-    reference = getattr(trainer, "synced_reference", None)
-    if reference is None:
-        return {}
-    saved = {id(p): r for p, r in zip(reference.params, reference.saved)}
+    """"PREFIX/NAME" of each weight copy the run keeps (`kept_copies`), as `_model_tensors` names the model's: this
+    rank's TP shard, FSDP's shards gathered over DP (collective: every rank calls it). Empty without any."""
     out = {}
-    for name, param in trainer.model.named_parameters():
-        value = saved.get(id(param))
-        if value is None or not is_saved(param, lora=False):
-            continue
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        if dense or is_expert(param):
-            for stored, tensor in _stored(name, param, value.detach()).items():
-                out[f"reference/{stored}"] = tensor.cpu().contiguous()
+    for prefix, copy in kept_copies(trainer).items():
+        saved = {id(p): r for p, r in zip(copy.params, copy.saved)}
+        for name, param in trainer.model.named_parameters():
+            value = saved.get(id(param))
+            if value is None or not is_saved(param, lora=False):
+                continue
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if dense or is_expert(param):
+                for stored, tensor in _stored(name, param, value.detach()).items():
+                    out[f"{prefix}/{stored}"] = tensor.cpu().contiguous()
     return out
-
-
-def _rng_tensors(ctx: ParallelContext) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if ctx.device.type == "cuda":
-        tensors["torch_cuda"] = torch.cuda.get_rng_state(ctx.device)
-    for name, state in (ctx.rng.get_states() if ctx.rng else {}).items():
-        tensors[f"tracker/{name}"] = state.cpu()
-    np_state = np.random.get_state()
-    tensors["numpy_keys"] = torch.from_numpy(np_state[1].astype(np.int64))
-    metadata = {"python": json.dumps(random.getstate()), "numpy": json.dumps([np_state[0], *np_state[2:]])}
-    return tensors, metadata
 
 
 def _optimizer_step(trainer) -> int:
@@ -215,7 +205,7 @@ def save_checkpoint(trainer, directory: str | Path, keep_last: int = 2) -> Path:
             path = tmp / name
             save_file(_model_tensors(trainer, full, dense=first) | reference, str(path))
             records[name] = files.file_record(path)
-        tensors, metadata = _rng_tensors(ctx)
+        tensors, metadata = rng_tensors(ctx)
         path = tmp / rng_file(ctx.rank)
         save_file(tensors, str(path), metadata=metadata)
         records[rng_file(ctx.rank)] = files.file_record(path)
@@ -347,23 +337,6 @@ def _load_quantized(model, name: str, weight, reader) -> None:
     assign_whole(model.get_submodule(module), attribute, value)
 
 
-def _restore_rng(ctx: ParallelContext, path: Path) -> None:
-    from safetensors import safe_open
-
-    tensors = load_file(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
-    torch.set_rng_state(tensors["torch_cpu"])
-    if ctx.device.type == "cuda" and "torch_cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["torch_cuda"], ctx.device)
-    if ctx.rng is not None:
-        ctx.rng.set_states({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("tracker/")})
-    python = json.loads(metadata["python"])
-    random.setstate((python[0], tuple(python[1]), python[2]))
-    kind, pos, has_gauss, cached = json.loads(metadata["numpy"])
-    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
 def load_checkpoint(trainer, path: str | Path) -> dict:
     """Restore a trainer from a checkpoint saved at any layout; returns its metadata."""
     ctx = trainer.ctx
@@ -392,7 +365,7 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     if meta.get("loss") and hasattr(trainer.loss, "load_state_dict"):  # an RL run's adaptive entropy control
         trainer.loss.load_state_dict(meta["loss"])
     if same_layout:
-        _restore_rng(ctx, checkpoint / rng_file(ctx.rank))
+        restore_rng(ctx, checkpoint / rng_file(ctx.rank))
     return meta
 
 
@@ -436,15 +409,17 @@ def load_consolidated(path: Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
     return consolidated_config(path), load_file(str(path))
 
 
-def consolidate(path: str | Path, out: str | Path) -> Path:
-    """Write a checkpoint's model as one TP=1 safetensors file (vocabulary padding removed)."""
+def consolidate(path: str | Path, out: str | Path, prefix: str = "model") -> Path:
+    """Write a checkpoint's model as one TP=1 safetensors file (vocabulary padding removed); `prefix`: a weight copy
+    it keeps instead ("bema": the BEMA weights; a tensor the copy lacks, one not trained, is the model's)."""
     checkpoint = files.resolve(path)
     meta = files.read_meta(checkpoint)
     files.verify(checkpoint, meta, [n for row in model_files(meta) for n in row])
     reader = reader_of(checkpoint, meta)
     vocab = meta["config"]["model"]["vocab_size"]
-    tensors = {}
+    tensors, keys = {}, reader.keys()
     for name, info in meta["tensors"].items():
-        full = reader.read(f"model/{name}", info["split_dim"])
+        key = f"{prefix}/{name}" if f"{prefix}/{name}" in keys else f"model/{name}"
+        full = reader.read(key, info["split_dim"])
         tensors[f"model/{name}"] = (full[:vocab] if name in ("wte.weight", "lm_head.weight") else full).contiguous()
     return files.write_consolidated(Path(out), tensors, meta["config"], meta["step"])

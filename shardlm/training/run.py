@@ -20,7 +20,7 @@ from shardlm.checkpoint import latest_in, load_checkpoint, save_checkpoint
 from shardlm.checkpoint.files import read_meta, remove_unfinished
 from shardlm.checkpoint.init import describe, init_weights, resolve_init
 from shardlm.checkpoint.peft import load_adapter, resolve_adapter
-from shardlm.checkpoint.reference import load_reference
+from shardlm.checkpoint.reference import load_bema, load_reference
 from shardlm.config import RunConfig
 from shardlm.data.tokenizers import build_tokenizer_for
 from shardlm.errors import UserError
@@ -32,6 +32,7 @@ from shardlm.preference import reference_mode
 from shardlm.rl.rollout import GenerationStopped
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
+from shardlm.training.bema import BEMA, write_bema
 from shardlm.training.cpu_precision import precision_warning, resolve_precision
 from shardlm.training.data import build_datasets
 from shardlm.training.logging import RunLogger
@@ -313,6 +314,11 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         trainer.synced_reference = reference
         if resume_from:
             load_reference(trainer, resume_from)
+    if config.bema.enabled:  # the weights' BEMA copies, from the starting weights or the checkpoint's
+        trainer.bema = BEMA(config.bema, trainer)
+        if resume_from:
+            load_bema(trainer, resume_from)
+        logger.print(trainer.bema.describe())
     if trainer.preference:
         trainer.loss.weights = reference  # (None unless preference.reference = "weights" or online DPO's)
         if not config.rl.loss:  # (online DPO's pairs come with each step)
@@ -419,6 +425,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
             logger.print(f"saved checkpoint {checkpoint_now()}")
     if save and trainer.step != last_saved[0]:
         logger.print(f"saved checkpoint {checkpoint_now()}")
+    if trainer.bema is not None:
+        logger.print(write_bema(trainer, last_saved[1] if save else None, run_dir))
     metrics = {**metrics, **validate_now()}
     plot = logger.close(plot=config.log.plot)
     if plot is not None:

@@ -156,6 +156,7 @@ class Trainer:
         # a run's reference weights that TR-DPO's syncs move after its steps (`shardlm.training.reference`) and its
         # checkpoints keep; set by the run when [rl] or [preference] asks for sync_ref_model
         self.synced_reference = None
+        self.bema = None  # [bema]: the weights' BEMA copies (`shardlm.training.bema`), set once the weights are loaded
         self.sync = sync_section(config)
         self.flops_per_step = flops_per_step(config.model, t.global_batch_size)
 
@@ -261,6 +262,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += t.global_batch_size
+        if self.bema is not None:
+            self.bema.on_step_end(self.step)
         if self.synced_reference is not None and self.step % self.sync.ref_model_sync_steps == 0:
             self.synced_reference.mix(self.sync.ref_model_mixup_alpha)
         elapsed = time.perf_counter() - start
