@@ -232,6 +232,19 @@ class BEMAConfig:
     min_ema_multiplier: float = 0.0
     """The least the EMA's factor beta_t becomes."""
 
+    def problem(self, lora: bool) -> str | None:
+        """A one-line problem with these settings (the schedule; a [lora] run's adapters, not averaged yet), or
+        None."""
+        schedule = self.lag + self.multiplier > 0 and self.multiplier >= 0 and min(self.ema_power, self.bias_power) >= 0
+        checks = [(self.update_freq >= 1 and self.update_after >= 0,
+                   f"bema.update_freq={self.update_freq} must be at least 1 and bema.update_after={self.update_after} "
+                   ">= 0"),
+                  (schedule, "bema.lag + bema.multiplier must be > 0, bema.multiplier, bema.ema_power and "
+                             "bema.bias_power >= 0"),
+                  (not lora, "bema averages every trained weight; a [lora] run trains adapters only: set "
+                             "bema.enabled=false (BEMA of adapters is not done yet)")]
+        return next((message for ok, message in checks if not ok), None)
+
 
 @dataclass
 class LogConfig:

@@ -30,18 +30,6 @@ PREFIXES = ("bema", "bema_theta0", "bema_ema")
 FILE = "bema.safetensors"
 
 
-def check_bema(config) -> str | None:
-    """A one-line problem with a run's [bema] settings (its schedule, what it does not average yet), or None."""
-    b = config.bema
-    checks = [(b.update_freq >= 1 and b.update_after >= 0,
-               f"bema.update_freq={b.update_freq} must be at least 1 and bema.update_after={b.update_after} >= 0"),
-              (b.lag + b.multiplier > 0 and b.multiplier >= 0 and min(b.ema_power, b.bias_power) >= 0,
-               "bema.lag + bema.multiplier must be > 0, bema.multiplier, bema.ema_power and bema.bias_power >= 0"),
-              (not config.lora.rank, "bema averages every trained weight; a [lora] run trains adapters only: set "
-                                     "bema.enabled=false (BEMA of adapters is not done yet)")]
-    return next((message for ok, message in checks if not ok), None)
-
-
 class BEMA:
     """The three copies of module docstring over `trainer`'s parameters, each a `ReferenceWeights` (its `swapped()`
     puts the copy in the weights' place, e.g. to evaluate the BEMA weights)."""
