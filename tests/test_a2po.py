@@ -21,7 +21,19 @@ import pytest
 import test_rl_trl
 import torch
 from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
-from test_rl_trl import ADAM_EPS, LR, MAX_COMPLETION, POOLS, PROMPTS, SEED, SEQ, TEMPERATURE, TOL, length_and_answer
+from test_rl_trl import (
+    ADAM_EPS,
+    LR,
+    MAX_COMPLETION,
+    POOLS,
+    PROMPTS,
+    SEED,
+    SEQ,
+    TEMPERATURE,
+    TOL,
+    length_and_answer,
+    same_training,
+)
 
 from multiproc import import_or_skip
 
@@ -110,12 +122,7 @@ def shardlm_a2po(setup, a2po, beta2: float) -> list[dict]:
                  f"rl.prompts_per_step={len(PROMPTS)}", f"rl.num_value_samples={N}", f"rl.beta1={BETA1}",
                  f"rl.beta2={beta2}", f"rl.temperature={TEMPERATURE}", f"rl.max_completion_length={MAX_COMPLETION}",
                  f"rl.completions=\"{a2po['file']}\"", 'rl.rewards=["test_rl_trl:length_and_answer"]',
-                 f"model.seq_length={SEQ}", "train.micro_batch_size=1", f"train.global_batch_size={len(PROMPTS)}",
-                 f"train.steps={STEPS}", f"train.seed={SEED}", f"train.lr={LR}", f"train.min_lr={LR}",
-                 "train.decay_style=\"constant\"", "train.warmup_steps=0", "train.weight_decay=0.0",
-                 "train.adam_beta1=0.9", "train.adam_beta2=0.999", f"train.adam_eps={ADAM_EPS}",
-                 "train.clip_grad=1.0", "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1",
-                 "log.progress=false", "log.plot=false", "log.tensorboard=false"]
+                 f"model.seq_length={SEQ}", *same_training(STEPS, 1, len(PROMPTS))]
     run_dir = setup["root"] / f"shardlm_a2po_{beta2}"
     train(load_config(None, overrides), run_dir=run_dir)
     saved = json.loads((run_dir / "a2po_values.json").read_text())

@@ -313,14 +313,8 @@ def test_swapped_sides_miss_trl(setup, runs, monkeypatch):
     assert worst["grad_norm"] > 1000 * TOL and worst["loss"] > 10 * TOL, worst
 
 
-@pytest.mark.timeout(180)
-def test_on_policy_steps_follow_trl(setup, runs, monkeypatch):
-    """On-policy steps (`distill.lmbda = 1`): shardlm's student completes each conversation's prompt (at most 6
-    tokens, sampled at temperature 1; recorded), and TRL's `DistillationTrainer` is handed those completions for the
-    same prompts. Each step's loss and gradient norm within TOL at beta 0.5 and temperature 2. Beyond the offline
-    comparison this checks shardlm's on-policy path: the prompt cut before the last answer, the sampled rows (one
-    conversation a row here: two prompts and completions do not fit 48 tokens) and their masks (measured: within
-    6.3e-7 for a loss, 3.7e-7 a gradient norm). The control: TRL's run on the records' own answers is far off (4e-2)."""
+def record_samples(monkeypatch) -> dict:
+    """{prompt ids: completion ids} of every sequence shardlm's generator samples from now on in this test."""
     from shardlm.rl import rollout
 
     sampled = {}
@@ -332,6 +326,18 @@ def test_on_policy_steps_follow_trl(setup, runs, monkeypatch):
         return rollouts
 
     monkeypatch.setattr(rollout.InProcessGenerator, "generate", recording)
+    return sampled
+
+
+@pytest.mark.timeout(180)
+def test_on_policy_steps_follow_trl(setup, runs, monkeypatch):
+    """On-policy steps (`distill.lmbda = 1`): shardlm's student completes each conversation's prompt (at most 6
+    tokens, sampled at temperature 1; recorded), and TRL's `DistillationTrainer` is handed those completions for the
+    same prompts. Each step's loss and gradient norm within TOL at beta 0.5 and temperature 2. Beyond the offline
+    comparison this checks shardlm's on-policy path: the prompt cut before the last answer, the sampled rows (one
+    conversation a row here: two prompts and completions do not fit 48 tokens) and their masks (measured: within
+    6.3e-7 for a loss, 3.7e-7 a gradient norm). The control: TRL's run on the records' own answers is far off (4e-2)."""
+    sampled = record_samples(monkeypatch)
     ours = shardlm_steps(setup, "on_policy", 0.5, 2.0, "distill.lmbda=1.0", "distill.max_new_tokens=6")
     assert all(log["on_policy"] == 1 for log in ours), ours
     answers = {tuple(c["ids"][:c["start"]]): c["ids"][c["start"]:] for c in setup["conversations"]}
@@ -356,9 +362,7 @@ def test_seq_kd_steps_follow_trls_gkd(setup, runs, monkeypatch):
     as shardlm counts the tokens it trains. The control: GKD's offline run is far off."""
     from trl.experimental.gkd import GKDTrainer
 
-    from shardlm.rl import rollout
-
-    theirs_sampled, ours_sampled = {}, {}
+    theirs_sampled = {}
     generate = GKDTrainer.generate_on_policy_outputs
 
     def trl_recording(model, inputs, generation_config):
@@ -367,19 +371,12 @@ def test_seq_kd_steps_follow_trls_gkd(setup, runs, monkeypatch):
         theirs_sampled[tuple(prompt)] = ids[0, len(prompt):].tolist()
         return ids, mask, labels
 
-    sample = rollout.InProcessGenerator.generate
-
-    def ours_recording(self, prompts, seeds, round_index=0, sequences=None):
-        rollouts = sample(self, prompts, seeds, round_index, sequences)
-        ours_sampled.update({tuple(r.prompt): list(r.completion) for r in rollouts})
-        return rollouts
-
     class CompletionTokens(GKDTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             return super().training_step(model, inputs, PER_STEP * 6)
 
     monkeypatch.setattr(GKDTrainer, "generate_on_policy_outputs", staticmethod(trl_recording))
-    monkeypatch.setattr(rollout.InProcessGenerator, "generate", ours_recording)
+    ours_sampled = record_samples(monkeypatch)
     theirs = gkd_steps(setup, 0.5, "gkd_seq_kd", CompletionTokens, seq_kd=True, temperature=1e-3, max_new_tokens=6)
     ours = shardlm_steps(setup, "seq_kd", 0.5, 1.0, "distill.seq_kd=true", "distill.max_new_tokens=6",
                          "distill.sampling_temperature=1e-3")
@@ -401,17 +398,7 @@ def test_iw_opd_follows_trls_iw_opd_trainer(setup, monkeypatch):
     absolute: the loss sums terms w a log p of both signs, the mean advantage 0.03 against a mean |a| of 1.2, each
     term about 20, so a relative bound on the sum would amplify fp32 rounding fifty-fold). The control: the same
     samples under token_kl's loss (no weights) are far off (gradient norm 0.25 relative)."""
-    from shardlm.rl import rollout
-
-    sampled = {}
-    generate = rollout.InProcessGenerator.generate
-
-    def recording(self, prompts, seeds, round_index=0, sequences=None):
-        rollouts = generate(self, prompts, seeds, round_index, sequences)
-        sampled.update({tuple(r.prompt): list(r.completion) for r in rollouts})
-        return rollouts
-
-    monkeypatch.setattr(rollout.InProcessGenerator, "generate", recording)
+    sampled = record_samples(monkeypatch)
     on_policy = ("distill.lmbda=1.0", "distill.max_new_tokens=6")
     ours = shardlm_steps(setup, "iw_opd", 0.5, 2.0, 'distill.loss="iw_opd"', "distill.iw_opd_gamma=0.5", *on_policy)
     assert len(sampled) == CONVERSATIONS and all(0 < len(ids) <= 6 for ids in sampled.values()), sampled

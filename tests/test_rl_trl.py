@@ -261,17 +261,22 @@ def shardlm_steps(setup, name: str, case: dict) -> list[dict]:
                  "rl.rewards=[" + ", ".join(f'"model:{setup["rm"]}"' if name == "reward_model" else
                                             f'"test_rl_trl:{name}"'
                                             for name in case.get("rewards", ["length_and_answer"])) + "]",
-                 f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={ROWS}",
-                 f"train.steps={case.get('steps', STEPS)}", f"train.seed={SEED}", f"train.lr={LR}",
-                 f"train.min_lr={LR}",
-                 "train.decay_style=\"constant\"", "train.warmup_steps=0", "train.weight_decay=0.0",
-                 "train.adam_beta1=0.9", "train.adam_beta2=0.999", f"train.adam_eps={ADAM_EPS}",
-                 "train.clip_grad=1.0", "train.device=\"cpu\"", "train.precision=\"fp32\"", "log.interval=1",
-                 "log.progress=false", "log.plot=false", "log.tensorboard=false"]
+                 f"model.seq_length={SEQ}", *same_training(case.get("steps", STEPS), MICRO, ROWS)]
     run_dir = setup["root"] / f"shardlm_{name}"
     train(load_config(None, overrides), run_dir=run_dir)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line and '"val_loss"' not in line]
+
+
+def same_training(steps: int, micro: int, rows: int) -> list[str]:
+    """The [train] and [log] overrides of a shardlm run matching TRL's arguments here: fp32 on the CPU, `rows` rows a
+    step in micro-batches of `micro`, AdamW (betas 0.9 / 0.999, eps ADAM_EPS, no weight decay), a constant learning
+    rate, clipping at 1.0, every step logged."""
+    return [f"train.micro_batch_size={micro}", f"train.global_batch_size={rows}", f"train.steps={steps}",
+            f"train.seed={SEED}", f"train.lr={LR}", f"train.min_lr={LR}", "train.decay_style=\"constant\"",
+            "train.warmup_steps=0", "train.weight_decay=0.0", "train.adam_beta1=0.9", "train.adam_beta2=0.999",
+            f"train.adam_eps={ADAM_EPS}", "train.clip_grad=1.0", "train.device=\"cpu\"", "train.precision=\"fp32\"",
+            "log.interval=1", "log.progress=false", "log.plot=false", "log.tensorboard=false"]
 
 
 SAME_NAMES = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
