@@ -231,18 +231,31 @@ class BEMAConfig:
     """gamma, the schedules' multiplier of the step."""
     min_ema_multiplier: float = 0.0
     """The least the EMA's factor beta_t becomes."""
+    update_ref_model: bool = False
+    """Set the run's reference (a preference run's live reference, an RL run's KL reference) to the BEMA weights
+    every ref_model_update_freq steps after ref_model_update_after (TRL's bema_for_ref_model)."""
+    ref_model_update_freq: int = 400
+    """Steps between the reference's updates."""
+    ref_model_update_after: int = 0
+    """The first step the reference may be updated at."""
 
-    def problem(self, lora: bool) -> str | None:
-        """A one-line problem with these settings (the schedule; a [lora] run's adapters, not averaged yet), or
-        None."""
+    def problem(self, lora: bool, live_reference: bool) -> str | None:
+        """A one-line problem with these settings (the schedule; a [lora] run's adapters, not averaged yet; a
+        reference to update where the run has no `live_reference`, a copy of its weights), or None."""
         schedule = self.lag + self.multiplier > 0 and self.multiplier >= 0 and min(self.ema_power, self.bias_power) >= 0
         checks = [(self.update_freq >= 1 and self.update_after >= 0,
                    f"bema.update_freq={self.update_freq} must be at least 1 and bema.update_after={self.update_after} "
                    ">= 0"),
+                  (self.ref_model_update_freq >= 1 and self.ref_model_update_after >= 0,
+                   f"bema.ref_model_update_freq={self.ref_model_update_freq} must be at least 1 and "
+                   f"bema.ref_model_update_after={self.ref_model_update_after} >= 0"),
                   (schedule, "bema.lag + bema.multiplier must be > 0, bema.multiplier, bema.ema_power and "
                              "bema.bias_power >= 0"),
                   (not lora, "bema averages every trained weight; a [lora] run trains adapters only: set "
-                             "bema.enabled=false (BEMA of adapters is not done yet)")]
+                             "bema.enabled=false (BEMA of adapters is not done yet)"),
+                  (not self.update_ref_model or live_reference,
+                   "bema.update_ref_model moves a reference that is a copy of the weights: a [preference] run with "
+                   'preference.reference="weights" (or "auto") or an [rl] run with rl.beta > 0')]
         return next((message for ok, message in checks if not ok), None)
 
 

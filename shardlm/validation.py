@@ -162,8 +162,12 @@ def validate(config: RunConfig, world_size: int, check_paths: bool = True) -> in
         if (problem := check_distill(config, check_paths)) is not None:
             raise UserError(problem)
     _validate_optimizer(t)
-    if config.bema.enabled and (problem := config.bema.problem(bool(config.lora.rank))) is not None:
-        raise UserError(problem)
+    if config.bema.enabled:
+        from shardlm.preference import reference_mode
+
+        live = (config.preference.loss and reference_mode(config) == "weights") or (config.rl.loss and config.rl.beta)
+        if (problem := config.bema.problem(bool(config.lora.rank), bool(live))) is not None:
+            raise UserError(problem)
     if t.qk_clip > 0:
         _validate_qk_clip(config)
     for ok, message in checks:

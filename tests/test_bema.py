@@ -10,6 +10,8 @@
 - A run (dropout on) stopped after step 4 and restarted to step 6 writes the straight run's bema.safetensors bitwise
   (the three copies came back from the checkpoint); the file loads as a model (`load_model`) holding the run's BEMA
   weights, not its last weights; a checkpoint of a run without [bema] resumed with it is refused in one line.
+- `bema.update_ref_model` against TRL's experimental bema_for_ref_model `DPOTrainer` (the DPO comparison of
+  `test_preference_trl`): the reference set to the BEMA weights after steps 1 and 2, step by step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import test_preference_trl
 import torch
 from test_moe_parallel import stage_parameters
 from test_training import synthetic_data
@@ -33,6 +36,7 @@ from multiproc import check_result, import_or_skip
 
 STEPS, TOL = 6, 1e-5
 SCHEDULE = {"enabled": True, "update_freq": 2, "update_after": 1}
+setup, trl_run = test_preference_trl.setup, test_preference_trl.trl_run  # the DPO comparison's fixtures
 
 
 def test_bema_is_trls_bema_callback():
@@ -160,6 +164,7 @@ def test_a_restarted_run_writes_the_straight_runs_bema_weights(tmp_path, data_di
     (["bema.update_freq=0"], "bema.update_freq=0 must be at least 1"),
     (["bema.bias_power=-1.0"], "bema.ema_power and bema.bias_power >= 0"),
     (["lora.rank=4"], "a [lora] run trains adapters only: set bema.enabled=false"),
+    (["bema.update_ref_model=true"], "bema.update_ref_model moves a reference that is a copy of the weights"),
 ])
 def test_bema_errors_are_one_line(tmp_path, data_dir, capsys, extra, message):
     from test_cli_train import write_tiny_config
@@ -172,3 +177,24 @@ def test_bema_errors_are_one_line(tmp_path, data_dir, capsys, extra, message):
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_reference_moved_to_the_bema_weights_follows_trl(setup, trl_run):
+    """`bema.update_ref_model` (TRL's experimental bema_for_ref_model: its DPOTrainer with `BEMACallback`'s
+    update_ref_model): DPO whose reference becomes the BEMA weights after steps 1 and 2 (an average updated every step)
+    follows TRL's steps within its bound (`test_preference_trl.assert_follows`); plain DPO's rewards at step 2 are far
+    from them."""
+    from test_preference_trl import BETA, TOL, assert_follows, dpo_args, shardlm_metrics, trl_logs
+    from trl.experimental.bema_for_ref_model import DPOTrainer
+    from trl.experimental.bema_for_ref_model.callback import BEMACallback
+
+    callback = BEMACallback(update_freq=1, update_ref_model=True, ref_model_update_freq=1, ref_model_update_after=1)
+    theirs = trl_logs(DPOTrainer, dpo_args(setup, "trl_bema_reference"), setup["pairs"], setup["hf"],
+                      callbacks=[callback])["steps"]
+    options = ['preference.loss="sigmoid"', f"preference.beta={BETA}", "bema.enabled=true", "bema.update_freq=1",
+               "bema.update_ref_model=true", "bema.ref_model_update_freq=1", "bema.ref_model_update_after=1"]
+    ours = shardlm_metrics(setup, setup["records"], "shardlm_bema_reference", options)["steps"]
+    assert_follows(ours, theirs, BETA)
+    dpo = trl_run["steps"]
+    assert abs(theirs[1]["rewards/chosen"] - dpo[1]["rewards/chosen"]) > 100 * TOL, (theirs[1], dpo[1])

@@ -98,9 +98,9 @@ def setup(tmp_path_factory, data_dir):
     return {"root": root, "hf": root / "hf", "records": root / "pairs.jsonl", "pairs": pairs}
 
 
-def trl_logs(trainer_class, args, records: list[dict], hf, model=None) -> dict:
-    """Train `trainer_class` (a TRL trainer) on `records` in order, as `sft.shuffle=false` reads them, from the
-    directory `hf` (its causal LM, or `model`): {"steps": its logged steps, "trainer": the trainer}."""
+def trl_logs(trainer_class, args, records: list[dict], hf, model=None, callbacks=()) -> dict:
+    """Train `trainer_class` (a TRL trainer, with `callbacks`) on `records` in order, as `sft.shuffle=false` reads
+    them, from the directory `hf` (its causal LM, or `model`): {"steps": its logged steps, "trainer": the trainer}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     class InOrder(trainer_class):
@@ -117,7 +117,7 @@ def trl_logs(trainer_class, args, records: list[dict], hf, model=None) -> dict:
     model = model if model is not None else AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     with uncached_datasets():
         trainer = InOrder(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
-                          processing_class=AutoTokenizer.from_pretrained(hf), callbacks=[Record()])
+                          processing_class=AutoTokenizer.from_pretrained(hf), callbacks=[Record(), *callbacks])
         trainer.train()
     return {"steps": collected, "trainer": trainer}
 

@@ -34,7 +34,8 @@ class _Renamed:
 
 def load_reference(trainer, path: str | Path) -> None:
     """Restore a run's synced reference (`trainer.synced_reference`) from a checkpoint saved at any layout."""
-    option = ("rl" if trainer.config.rl.loss else "preference") + ".sync_ref_model"
+    option = ("bema.update_ref_model" if trainer.sync is None else
+              ("rl" if trainer.config.rl.loss else "preference") + ".sync_ref_model")
     _load_copy(trainer, path, "reference", trainer.synced_reference,
                f"synced reference (its run had {option} off); resume with {option}=false")
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 def reference_mode(config) -> str:
     """"none" (a reference-free loss), "adapters", "precomputed" or "weights": where a run's reference
-    log-probabilities come from (`preference.reference`, "auto" resolved: "weights" when TR-DPO syncs it)."""
+    log-probabilities come from (`preference.reference`, "auto" resolved: "weights" when TR-DPO's syncs or BEMA's
+    updates move it)."""
     from shardlm.preference.reference_free import reference_free
 
     p = config.preference
     if reference_free(p.loss):
         return "none"
     if p.reference == "auto":
-        return "adapters" if config.lora.rank else "weights" if p.sync_ref_model else "precomputed"
+        moves = p.sync_ref_model or (config.bema.enabled and config.bema.update_ref_model)
+        return "adapters" if config.lora.rank else "weights" if moves else "precomputed"
     return p.reference
 
 

@@ -12,7 +12,10 @@ then every `update_freq` steps):
     BEMA    =  EMA + alpha_t (theta_t - theta_0)
 
 every operation elementwise on each rank's shards (no communication), as TRL's callback computes it on whole tensors;
-before update_after both copies hold the starting weights and the BEMA weights are the starting weights. Checkpoints
+before update_after both copies hold the starting weights and the BEMA weights are the starting weights. With
+`update_ref_model` (TRL's bema_for_ref_model) the run's reference weights (a preference run's live reference, an RL
+run's KL reference: `ReferenceWeights` over the same parameters) become the BEMA weights every
+`ref_model_update_freq` steps from `ref_model_update_after` on, after the average's own update. Checkpoints
 keep the three copies (`bema/`, `bema_theta0/`, `bema_ema/` beside `model/`, resharded on loading like the model), so
 a resumed run continues them bitwise; the run's last checkpoint's BEMA weights are written at the end as a
 consolidated file (`RUN_DIR/bema.safetensors`), which `shardlm convert`, `shardlm eval` and `checkpoint.init_from`
@@ -40,6 +43,7 @@ class BEMA:
         self.theta0 = ReferenceWeights.of(trainer)
         self.ema = ReferenceWeights.of(trainer)
         self.params = self.weights.params
+        self.reference = None  # bema.update_ref_model: the run's reference weights, set to the BEMA weights
 
     def copies(self) -> dict[str, ReferenceWeights]:
         """{checkpoint prefix: copy}."""
@@ -66,6 +70,10 @@ class BEMA:
             for p, theta0, ema, bema in zip(self.params, self.theta0.saved, self.ema.saved, self.weights.saved):
                 ema.mul_(1 - beta).add_(p.detach(), alpha=beta)
                 bema.copy_(ema + alpha * (p.detach() - theta0))
+        after, every = cfg.ref_model_update_after, cfg.ref_model_update_freq
+        if self.reference is not None and step >= after and (step - after) % every == 0:
+            for reference, bema in zip(self.reference.saved, self.weights.saved):
+                reference.copy_(bema)
 
     def describe(self) -> str:
         cfg = self.cfg

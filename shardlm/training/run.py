@@ -310,12 +310,14 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         logger.print(load_adapter(trainer, config.checkpoint.init_adapter))
     if keep_reference and not resume_from:
         reference = ReferenceWeights.of(trainer)
-    if trainer.sync is not None:  # moved towards the policy after the steps (TR-DPO): checkpoints keep it
+    bema_reference = config.bema.enabled and config.bema.update_ref_model
+    if trainer.sync is not None or bema_reference:  # moved by TR-DPO's syncs or BEMA: checkpoints keep it
         trainer.synced_reference = reference
         if resume_from:
             load_reference(trainer, resume_from)
     if config.bema.enabled:  # the weights' BEMA copies, from the starting weights or the checkpoint's
         trainer.bema = BEMA(config.bema, trainer)
+        trainer.bema.reference = reference if bema_reference else None
         if resume_from:
             load_bema(trainer, resume_from)
         logger.print(trainer.bema.describe())

@@ -264,7 +264,8 @@ class Trainer:
         self.consumed_samples += t.global_batch_size
         if self.bema is not None:
             self.bema.on_step_end(self.step)
-        if self.synced_reference is not None and self.step % self.sync.ref_model_sync_steps == 0:
+        if self.sync is not None and self.synced_reference is not None and \
+                self.step % self.sync.ref_model_sync_steps == 0:  # TR-DPO
             self.synced_reference.mix(self.sync.ref_model_mixup_alpha)
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * self.config.model.seq_length
