@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -125,7 +126,8 @@ def cli_run(config_path, run_dir, steps: int, *more: str):
 @pytest.mark.timeout(300)
 def test_a_restarted_run_writes_the_straight_runs_bema_weights(tmp_path, data_dir, capsys):
     """6 steps straight against a run stopped by SIGTERM after step 4 (it saves) and restarted (dropout 0.1 on):
-    bema.safetensors bitwise equal (the updates at steps 3 and 5 on either side of the stop); it loads
+    bema.safetensors and the BEMA weights' final validation loss (`val_bema_loss`, not the run's) bitwise equal (the
+    updates at steps 3 and 5 on either side of the stop); it loads
     as a model holding the run's BEMA weights (not its last weights); a checkpoint of a run without [bema] resumed
     with it is refused in one line."""
     from safetensors.torch import load_file
@@ -147,6 +149,9 @@ def test_a_restarted_run_writes_the_straight_runs_bema_weights(tmp_path, data_di
     assert "bema: the BEMA weights of step 6 written to" in capsys.readouterr().out
     want, got = (load_file(tmp_path / run / "bema.safetensors") for run in ("straight", "restarted"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    final = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+              if '"val_loss"' in line][-1] for run in ("straight", "restarted")]
+    assert final[0]["val_bema_loss"] == final[1]["val_bema_loss"] != final[0]["val_loss"], final
     model, _ = load_model(tmp_path / "straight" / "bema.safetensors", ParallelContext.single())
     trainer = straight.trainer
     loaded = dict(model.named_parameters())

@@ -100,3 +100,16 @@ def write_bema(trainer, checkpoint, run_dir) -> str:
     trainer.ctx.world.barrier()
     return f"bema: the BEMA weights of step {trainer.step} written to {out}"
 
+
+def bema_validation(trainer) -> dict[str, float]:
+    """{"val_bema_loss": the BEMA weights' validation loss} on the run's own held-out data ({} without [bema] or
+    held-out data): a second evaluation with the BEMA weights swapped in (a reward model's held-out figures of it
+    dropped)."""
+    if trainer.bema is None:
+        return {}
+    with trainer.bema.weights.swapped():
+        loss = trainer.evaluate()
+    if trainer.reward:
+        trainer.loss.take_eval_metrics()
+    return {} if loss is None else {"val_bema_loss": loss}
+

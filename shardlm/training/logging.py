@@ -103,11 +103,12 @@ class RunLogger:
                     self.writer.add_scalar(f"train/{key}", value, step)
 
     def validation(self, step: int, loss: float, extra: dict | None = None) -> None:
-        """The validation loss, with a reward model's held-out figures (`extra`: val_accuracy, val_margin)."""
+        """The validation loss, with further held-out figures (`extra`: a reward model's val_accuracy and val_margin,
+        the BEMA weights' val_bema_loss)."""
         if not self.enabled:
             return
+        extra = extra or {}
         if not self.perplexity:  # a preference, RL or distillation loss: exp of it is no perplexity
-            extra = extra or {}
             self._write({"step": step, "val_loss": loss, **extra})
             self.print(f"validation at step {step}: loss {loss:.4f}"
                        + "".join(f" | {k[4:]} {v:.4f}" for k, v in extra.items()))
@@ -117,11 +118,14 @@ class RunLogger:
                     self.writer.add_scalar(f"valid/{key[4:]}", value, step)
             return
         ppl = math.exp(min(loss, 700.0))
-        self._write({"step": step, "val_loss": loss, "val_ppl": ppl})
-        self.print(f"validation at step {step}: loss {loss:.4f} | perplexity {ppl:.2f}")
+        self._write({"step": step, "val_loss": loss, "val_ppl": ppl, **extra})
+        self.print(f"validation at step {step}: loss {loss:.4f} | perplexity {ppl:.2f}"
+                   + "".join(f" | {k[4:]} {v:.4f}" for k, v in extra.items()))
         if self.writer:
             self.writer.add_scalar("valid/loss", loss, step)
             self.writer.add_scalar("valid/ppl", ppl, step)
+            for key, value in extra.items():
+                self.writer.add_scalar(f"valid/{key[4:]}", value, step)
 
     def rl_validation(self, step: int, metrics: dict) -> None:
         """An RL run's held-out rewards (`RLRun.evaluate`: val_reward, val_rewards/<function>/mean, ...)."""

@@ -32,7 +32,7 @@ from shardlm.preference import reference_mode
 from shardlm.rl.rollout import GenerationStopped
 from shardlm.sft.dataset import build_sft_datasets
 from shardlm.signals import TERMINATED_EXIT_CODE, exit_interrupted, is_main_process, report_stop
-from shardlm.training.bema import BEMA, write_bema
+from shardlm.training.bema import BEMA, bema_validation, write_bema
 from shardlm.training.cpu_precision import precision_warning, resolve_precision
 from shardlm.training.data import build_datasets
 from shardlm.training.logging import RunLogger
@@ -398,6 +398,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         val = trainer.evaluate()
         if val is not None:
             held_out = trainer.loss.take_eval_metrics() if trainer.reward else {}  # val_accuracy, val_margin
+            held_out |= bema_validation(trainer)  # val_bema_loss: the BEMA weights on the same held-out data
             logger.validation(trainer.step, val, held_out)
             out = {"val_loss": val} | ({"val_ppl": perplexity(val)} if logger.perplexity else {}) | held_out
         if rl_run is not None:
