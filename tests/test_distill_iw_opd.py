@@ -43,16 +43,15 @@ def trl_iw_opd(student_logits, tokens, labels, teacher_logprobs):
     """TRL's `IWOPDTrainer._compute_iw_opd_loss` on a (1, T) completion: (loss, its logged metrics)."""
     from trl.experimental.iw_opd import IWOPDTrainer
 
-    metrics: dict = {"train": {}}
     fake = SimpleNamespace(temperature=TEMPERATURE, iw_opd_gamma=GAMMA, iw_opd_epsilon=EPSILON,
-                           model=SimpleNamespace(training=True),
-                           _metrics={"train": _Lists()})
+                           model=SimpleNamespace(training=True), _metrics={"train": _Lists()})
     loss = IWOPDTrainer._compute_iw_opd_loss(fake, student_logits, tokens, labels, teacher_logprobs)
-    metrics = {name: values[0] for name, values in fake._metrics["train"].items()}
-    return loss, metrics
+    return loss, {name: values[0] for name, values in fake._metrics["train"].items()}
 
 
 class _Lists(dict):
+    """TRL's metric store: a list per name, made on first use."""
+
     def __missing__(self, key):
         self[key] = []
         return self[key]
