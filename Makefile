@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-learning lint demo demo-distill demo-rl bench bench-gpu bench-gpu-against clean
+.PHONY: install test test-learning test-bench lint demo demo-distill demo-rl bench bench-gpu bench-gpu-against clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,17 @@ install: $(STAMP)
 # most tests run one single-threaded process, so two of them fill two cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not learning" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not learning and not bench" tests
 
-# The learning runs (GRPO raising the reward: about 7 minutes of one core), left out of `make test`.
+# The learning runs (GRPO raising the reward: about 7 minutes of one core; the tiny DPO config's held-out pairs) and
+# the distillation demo's script at toy sizes, left out of `make test` for their time.
 test-learning: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m learning tests
+
+# The benchmark harness on tiny shapes (every section's keys, ratios and report: about 4 minutes on 2 cores), left
+# out of `make test` for its time; `make bench` runs it first.
+test-bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m bench tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardlm tests scripts
@@ -49,7 +55,7 @@ demo-rl: $(STAMP)
 	$(PY) scripts/rl_demo.py runs/rl-demo
 
 # Writes BENCHMARKS.md and benchmarks.json (40 to 60 minutes on a 2-core CPU).
-bench: $(STAMP)
+bench: test-bench
 	$(PY) -m shardlm.bench
 
 # One CUDA GPU: bf16 throughput, TFLOP/s and MFU of GPT-2 shapes up to 1.5B (not run in CI).

@@ -31,3 +31,16 @@ def cpu_kind(request, monkeypatch):
     flags (`SHARDLM_CPU_KIND`), so code that decides by the CPU's flags is tested on every kind from any machine."""
     monkeypatch.setenv(CPU_KIND_ENV, request.param)
     return request.param
+
+
+QUICK_BENCH_RUNS = {"test_bench": "quick_run", "test_bench_rl": "rl_run", "test_bench_distill": "run",
+                    "test_bench_families": "run", "test_bench_qlora": "run", "test_bench_sparse_attention": "run"}
+"""Each bench module's fixture that runs `make bench`'s harness on tiny shapes in a subprocess (`--quick`)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that reads a quick bench run checks the benchmark harness, not training: marked `bench`, run by
+    `make test-bench` (and before `make bench`), left out of `make test` for its time (about 220 core-seconds)."""
+    for item in items:
+        if QUICK_BENCH_RUNS.get(item.module.__name__) in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.bench)

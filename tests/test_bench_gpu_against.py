@@ -29,6 +29,7 @@ def bench(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
                           timeout=240, cwd=ROOT, env=env)
 
 
+@pytest.mark.bench  # two benches of a git tree side by side: `make test-bench`
 def test_side_by_side_against_head_tags_each_run_and_summarizes_the_rounds(tmp_path):
     """Against HEAD (the same code): 2 rounds in ABBA order, each run tagged; the summary's ratio is the median of
     the per-round ratios of step times; the profiled step's operators have the same call counts in both trees;

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.learning  # the demo script end to end: `make test-learning`, beside the demos
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "distill_demo.py"
 KEYS = {"teacher", "student", "steps", "eval_every", "divergence", "held_out", "curves", "cross_entropy",
         "distilled_run_val_loss", "wall_s", "cpu_s", "cpu", "cores", "threads", "distilled_passes_sft_final_at"}

@@ -19,6 +19,8 @@ from shardlm.preference.loss import sequence_logps
 from shardlm.training.data import micro_batches
 from shardlm.training.run import train
 
+pytestmark = pytest.mark.learning  # a training run to a measured result: `make test-learning`
+
 ROOT = Path(__file__).resolve().parents[1]
 # the first Dolly records: 119 pairs, of which those whose two sequences fit 256 tokens are kept, a fifth held out
 # (the run's reference pass covers every pair, most of the test's time)
