@@ -160,12 +160,14 @@ def test_a_resumed_dpo_run_reads_its_saved_reference_and_equals_the_straight_run
 
 
 def test_a_resumed_tr_dpo_run_restores_its_synced_reference(setup, dpo_runs):
-    """TR-DPO (the reference moved halfway to the policy after every step, run each step from its weights): stopped
-    after step 2 and resumed, the checkpoint's synced reference comes back, so step 3 and the final validation equal
-    the straight run's bitwise. Checked by hand: with the reference rebuilt from the starting weights instead (the
-    resume's `load_reference` skipped), step 3's loss is 0.453 against the straight run's 0.596."""
+    """TR-DPO (the reference moved halfway to the policy after every step, run each step from its weights), with
+    dropout on (0.2: the restored generators must draw the same masks): stopped after step 2 and resumed, the
+    checkpoint's synced reference comes back, so step 3 and the final validation equal the straight run's bitwise.
+    Checked by hand: with the reference rebuilt from the starting weights instead (the resume's `load_reference`
+    skipped), step 3's loss is 0.509 against the straight run's 0.626."""
     runs = straight_and_resumed(setup, "tr_dpo", 'preference.reference="weights"', "preference.sync_ref_model=true",
-                                "preference.ref_model_sync_steps=1", "preference.ref_model_mixup_alpha=0.5")
+                                "preference.ref_model_sync_steps=1", "preference.ref_model_mixup_alpha=0.5",
+                                "preference.disable_dropout=false", "model.dropout=0.2")
     assert "resumed from" in runs["printed"]["resumed"], runs["printed"]["resumed"]
     straight, resumed = steps_of(runs["straight"]), steps_of(runs["stopped"])
     assert [m.get("step") for m in resumed] == [1, 2, 3, 3], resumed

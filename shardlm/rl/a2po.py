@@ -48,20 +48,30 @@ def optimal_values(rewards: np.ndarray, beta1: float) -> np.ndarray:
 
 
 def estimate(run) -> dict:
-    """Stage 1 over `run`'s training prompts, a round's prompts at a time: {"values": V* per prompt,
+    """Stage 1 over `run`'s training prompts, a round's prompts at a time (announced in one line, counted by a
+    progress bar on the main rank, as the training steps are: `log.progress`): {"values": V* per prompt,
     "all_incorrect": whether its rewards sum to 0}, the same on every rank."""
+    from tqdm import tqdm
+
     from shardlm.rl.advantages import combine_rewards
 
     n, per_chunk = run.cfg.num_value_samples, max(run.per_round, 1)
-    seed = run.trainer.config.train.seed
+    config = run.trainer.config
     values, incorrect = [], []
-    for first in range(0, len(run.prompts), per_chunk):
-        owners = [i for i in range(first, min(first + per_chunk, len(run.prompts))) for _ in range(n)]
-        prompts = [run.prompts[i] for i in owners]
-        rollouts = run.sample(prompts, lambda j: value_seed(seed, j), VALUE_ROUND, offset=first * n)
-        rewards = combine_rewards(run.score(prompts, rollouts), run.weights).reshape(-1, n)
-        values += optimal_values(rewards, run.cfg.beta1).tolist()
-        incorrect += [bool(np.nansum(row) == 0) for row in rewards]
+    show = run.ctx.is_main and config.log.progress
+    if show:
+        tqdm.write(f"a2po: sampling {n} completions of each of {len(run.prompts)} prompts with the starting weights "
+                   "(stage 1: their optimal values)")
+    with tqdm(total=len(run.prompts), desc="a2po values", unit="prompt", dynamic_ncols=True, leave=False,
+              disable=not show) as bar:
+        for first in range(0, len(run.prompts), per_chunk):
+            owners = [i for i in range(first, min(first + per_chunk, len(run.prompts))) for _ in range(n)]
+            prompts = [run.prompts[i] for i in owners]
+            rollouts = run.sample(prompts, lambda j: value_seed(config.train.seed, j), VALUE_ROUND, offset=first * n)
+            rewards = combine_rewards(run.score(prompts, rollouts), run.weights).reshape(-1, n)
+            values += optimal_values(rewards, run.cfg.beta1).tolist()
+            incorrect += [bool(np.nansum(row) == 0) for row in rewards]
+            bar.update(len(rewards))
     return {"prompts": len(run.prompts), "num_value_samples": n, "beta1": run.cfg.beta1, "values": values,
             "all_incorrect": incorrect}
 

@@ -37,13 +37,15 @@ class BEMA:
     """The three copies of module docstring over `trainer`'s parameters, each a `ReferenceWeights` (its `swapped()`
     puts the copy in the weights' place, e.g. to evaluate the BEMA weights)."""
 
-    def __init__(self, cfg, trainer):
+    def __init__(self, cfg, trainer, reference=None):
+        """`reference`: the run's reference weights (`ReferenceWeights`) that `update_ref_model` sets to the BEMA
+        weights; None: none moves."""
         self.cfg = cfg
         self.weights = ReferenceWeights.of(trainer)
         self.theta0 = ReferenceWeights.of(trainer)
         self.ema = ReferenceWeights.of(trainer)
         self.params = self.weights.params
-        self.reference = None  # bema.update_ref_model: the run's reference weights, set to the BEMA weights
+        self.reference = reference
 
     def copies(self) -> dict[str, ReferenceWeights]:
         """{checkpoint prefix: copy}."""

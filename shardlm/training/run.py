@@ -316,8 +316,7 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
         if resume_from:
             load_reference(trainer, resume_from)
     if config.bema.enabled:  # the weights' BEMA copies, from the starting weights or the checkpoint's
-        trainer.bema = BEMA(config.bema, trainer)
-        trainer.bema.reference = reference if bema_reference else None
+        trainer.bema = BEMA(config.bema, trainer, reference if bema_reference else None)
         if resume_from:
             load_bema(trainer, resume_from)
         logger.print(trainer.bema.describe())
