@@ -206,6 +206,20 @@ def tiny_qwen3_chat(folder: Path, data_dir: Path, max_positions: int) -> Path:
     return folder
 
 
+def tiny_qwen3_policy(folder: Path, data_dir: Path, seq: int, hidden: int, head_dim: int) -> Path:
+    """A random two-layer Qwen3 (seed 0; the real 151,936-token vocabulary, tied embeddings, 4 heads over 2 KV
+    heads, MLP 2 x hidden, norm weights spread) saved in `folder` with the shared chat tokenizer: the RL
+    comparisons' policy."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=head_dim, max_position_embeddings=seq, tie_word_embeddings=True))
+    assert spread_norm_weights(model)
+    return save_with_chat_tokenizer(model, folder, data_dir)
+
+
 def save_with_chat_tokenizer(model, folder: Path, data_dir: Path) -> Path:
     """`model.save_pretrained(folder)` with the shared chat tokenizer's files beside it (its tokenizer_config.json
     holds the chat template): a chat model's HF directory."""

@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from llama_reference import save_with_chat_tokenizer, spread_norm_weights
+from llama_reference import tiny_qwen3_policy
 
 from multiproc import import_or_skip
 
@@ -56,15 +56,8 @@ def answer_and_length(prompts, completions, answer, **kwargs) -> list[float]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     root = tmp_path_factory.mktemp("online_dpo")
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                         max_position_embeddings=SEQ, tie_word_embeddings=True))
-    assert spread_norm_weights(model)
-    save_with_chat_tokenizer(model, root / "hf", data_dir)
+    tiny_qwen3_policy(root / "hf", data_dir, SEQ, hidden=32, head_dim=8)
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
     ids = [template.encode(template.render(p["prompt"], add_generation_prompt=True)) for p in PROMPTS]

@@ -48,7 +48,7 @@ from collections import Counter
 import pytest
 import torch
 from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
-from llama_reference import save_with_chat_tokenizer, spread_norm_weights, tiny_qwen3_reward_model
+from llama_reference import tiny_qwen3_policy, tiny_qwen3_reward_model
 
 from multiproc import import_or_skip
 
@@ -110,15 +110,8 @@ def setup(tmp_path_factory, data_dir):
     """The tiny Qwen3 directory `hf`, the prompts (prompts.jsonl) and each round's completions (completions.jsonl,
     shardlm's `rl.completions`) under `root`; "rounds": [prompt][k] completion ids of each round, "ids": each
     prompt's token ids as shardlm's template renders it; "tokenizer": TRL's tokenizer of `hf`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     root = tmp_path_factory.mktemp("rl_trl")
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=SEQ, tie_word_embeddings=True))
-    assert spread_norm_weights(model)
-    save_with_chat_tokenizer(model, root / "hf", data_dir)
+    tiny_qwen3_policy(root / "hf", data_dir, SEQ, hidden=64, head_dim=16)
     tiny_qwen3_reward_model(root / "rm", data_dir, SEQ, head_std=1.0)  # the "reward_model" reward
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
