@@ -52,8 +52,10 @@ class PreferenceConfig:
     the global batch) or a weighted sum of them joined by "+", which may add "sft", the chosen answers' NLL (MPO:
     "sigmoid+bco_pair+sft" with loss_weights [0.8, 0.2, 1.0]); the reference-free "simpo", "orpo" and CPO's "cpo",
     "cpo_hinge", "cpo_ipo" (TRL's CPOTrainer), each but orpo with an optional "+sft" (CPO: "cpo+sft", its cpo_alpha
-    the second loss weight; CPO-SimPO "simpo+sft"); on unpaired examples (`prompt`, `completion`, `label`) "kto" and
-    "apo_zero_unpaired"; empty: no preference run."""
+    the second loss weight; CPO-SimPO "simpo+sft"); "gold", the NLL of each record's gold answer (its `reference`),
+    in a sum: TPO (TRL's TPOTrainer) "cpo+gold", "cpo_hinge+gold", "cpo_ipo+gold" or TPO-L "simpo+gold", tpo_alpha
+    the second loss weight; on unpaired examples (`prompt`, `completion`, `label`) "kto" and "apo_zero_unpaired";
+    empty: no preference run."""
     loss_weights: list = field(default_factory=list)
     """The weight of each loss of a sum ("a+b+..."), in its order; empty: 1 each."""
     beta: float = 0.1

@@ -330,7 +330,21 @@ ERRORS = [
     ("a sum with a reference-free loss", lambda r: ['preference.loss="sigmoid+simpo"'],
      'preference.loss="sigmoid+simpo": a sum joins sigmoid'),
     ("the sft term alone", lambda r: ['preference.loss="sft"'],
-     'preference.loss="sft" is supervised fine-tuning on the chosen answers'),
+     'preference.loss="sft" is supervised fine-tuning on the answers'),
+    ("the gold term alone", lambda r: ['preference.loss="gold"'],
+     'preference.loss="gold" is supervised fine-tuning on the answers: add a preference loss ("sigmoid+sft", TPO\'s '
+     '"cpo+gold")'),
+    ("a gold term without gold answers", lambda r: ['preference.loss="cpo+gold"'],
+     'pairs.jsonl:1: the record has no \'reference\' (gold) answer, which preference.loss with "gold" (TPO) trains on'),
+    ("a gold answer of another kind", lambda r: ['preference.loss="cpo+gold"', *bad_records(
+        r, '{"prompt": "Say hi.", "chosen": "Hi.", "rejected": "No.", "reference": [{"role": "assistant", '
+           '"content": "Hello."}]}\n')],
+     "bad.jsonl:1: 'reference' must be of the answers' kind (a string, or a message list)"),
+    ("a gold answer off the implicit prompt", lambda r: ['preference.loss="cpo+gold"', *bad_records(
+        r, '{"chosen": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}], '
+           '"rejected": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "No."}], '
+           '"reference": [{"role": "user", "content": "Say no."}, {"role": "assistant", "content": "No."}]}\n')],
+     "bad.jsonl:1: 'reference' does not start with the prompt 'chosen' and 'rejected' share; give a 'prompt' key"),
     ("weights for another count", lambda r: ['preference.loss="sigmoid+sft"', "preference.loss_weights=[1.0]"],
      'preference.loss_weights has 1 weights for the 2 losses of preference.loss="sigmoid+sft"'),
     ("an LD-DPO weight above 1", lambda r: ["preference.ld_alpha=1.5"],
@@ -368,7 +382,7 @@ ERRORS = [
     ("ORPO with a second NLL", lambda r: ['preference.loss="orpo+sft"'],
      'preference.loss="orpo+sft": a sum joins sigmoid'),
     ("a reference-free loss with a referenced one", lambda r: ['preference.loss="cpo+sigmoid"'],
-     'or one of simpo, cpo, cpo_hinge, cpo_ipo and "sft" (CPO: "cpo+sft")'),
+     'or one of simpo, cpo, cpo_hinge, cpo_ipo, "sft" and "gold" (CPO: "cpo+sft", TPO: "cpo+gold")'),
     ("two AOT losses", lambda r: ['preference.loss="aot+aot_unpaired"'],
      'preference.loss="aot+aot_unpaired" sums two AOT losses; keep one of aot, aot_unpaired'),
 ]

@@ -23,7 +23,7 @@ sigmoid DPO with the reference precomputed by the starting weights (for the trai
 - world 2 also: AOT (its margins ranked over the global batch: a pass before the step, the ranks gathered over DP)
   at PP=2, AOT's unpaired form with label smoothing at DP=2 and CP=2; at one process micro-batch 2 equals
   micro-batch 8, and each micro-batch ranked on its own (TRL's per-device sort) moves the run; CPO with its NLL term
-  (reference-free: no table, no reference pass) at PP=2 and CP=2;
+  and TPO's gold answers' NLL (reference-free: no table, no reference pass) at DP=2, PP=2 and CP=2;
 - world 4: CP=2 x TP=2 with SP, TP=2 x DP=2;
 - one process: micro-batch 1 equals micro-batch 8; packed rows give each pair's losses and gradients run alone;
   a LoRA run's recorded reference, after the adapters have moved, equals a plain model's on the base weights, and
@@ -47,7 +47,7 @@ from shardlm.parallel import ParallelContext, reduce_from_tensor_parallel
 from shardlm.preference import aot, reference_mode
 from shardlm.preference import loss as loss_module
 from shardlm.preference.data import PairDataset, PairRows
-from shardlm.preference.loss import METRICS, PreferenceLoss, preference_parts, sequence_logps
+from shardlm.preference.loss import METRICS, PreferenceLoss, gold_logps, preference_parts, sequence_logps
 from shardlm.preference.pairs import TokenizedPair
 from shardlm.preference.reference import precompute_reference
 from shardlm.training.data import micro_batches
@@ -62,8 +62,10 @@ from multiproc import check_result
 SEQ, STEPS, TOL = 48, 4, 1e-5
 
 
-def synthetic_pairs(count: int = 40, seed: int = 1) -> list[TokenizedPair]:
-    rng = np.random.default_rng(seed)
+def synthetic_pairs(count: int = 40, seed: int = 1, gold: bool = False) -> list[TokenizedPair]:
+    """`count` pairs (module docstring); with `gold`, each with TPO's gold answer: the chosen answer's first 1-3
+    tokens (drawn apart, so the pairs are those without it)."""
+    rng, gold_rng = np.random.default_rng(seed), np.random.default_rng(seed + 100)
     successor = np.random.default_rng(0).permutation(VOCAB)
     pairs = []
     for i in range(count):
@@ -74,16 +76,17 @@ def synthetic_pairs(count: int = 40, seed: int = 1) -> list[TokenizedPair]:
         for _ in range(int(rng.integers(3, 13)) - 1):
             chosen.append(int(successor[chosen[-1]]))
         rejected = [int(x) for x in rng.integers(0, VOCAB, size=int(rng.integers(3, 13)))]
-        pairs.append(TokenizedPair(prompt, chosen, rejected, f"pair {i}"))
+        pairs.append(TokenizedPair(prompt, chosen, rejected, f"pair {i}",
+                                   gold=chosen[:int(gold_rng.integers(1, 4))] if gold else None))
     return pairs
 
 
-def train_data() -> PairDataset:
-    return PairDataset(PairRows(synthetic_pairs(), SEQ, seed=5))
+def train_data(gold: bool = False) -> PairDataset:
+    return PairDataset(PairRows(synthetic_pairs(gold=gold), SEQ, seed=5))
 
 
-def valid_data() -> PairDataset:
-    return PairDataset(PairRows(synthetic_pairs(12, seed=2), SEQ, seed=None), epochs=1)
+def valid_data(gold: bool = False) -> PairDataset:
+    return PairDataset(PairRows(synthetic_pairs(12, seed=2, gold=gold), SEQ, seed=None), epochs=1)
 
 
 def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
@@ -106,10 +109,11 @@ def preference_config(micro: int = 2, tp: int = 1, cp: int = 1, ep: int = 1, pp:
 
 def train_layout(ctx: ParallelContext, config, data: tuple | None = None, metrics: tuple = METRICS) -> dict:
     """STEPS steps from the same starting weights on `data` ((training, validation) datasets; the synthetic pairs by
-    default), the reference precomputed where the run uses one: the curve (loss, gradient norm, `metrics`), the
-    validation loss before and after, and every parameter."""
+    default, with gold answers where the loss trains on them), the reference precomputed where the run uses one: the
+    curve (loss, gradient norm, `metrics`), the validation loss before and after, and every parameter."""
     validate(config, ctx.world_size, check_paths=False)
-    trainer = Trainer(config, ctx, *(data or (train_data(), valid_data())))
+    gold = "gold" in config.preference.loss.split("+")
+    trainer = Trainer(config, ctx, *(data or (train_data(gold), valid_data(gold))))
     if reference_mode(config) == "weights":  # as `shardlm.training.run` sets it up
         trainer.loss.weights = ReferenceWeights.of(trainer)
         trainer.synced_reference = trainer.loss.weights if config.preference.sync_ref_model else None
@@ -155,8 +159,10 @@ TR_DPO = {"sync_ref_model": True}
 """TR-DPO: the reference a copy of the starting weights (preference.reference "weights", "auto" under the sync) run
 in each step and evaluation (swapped in through the pipeline's stages; FSDP's shards copied in and back), moved
 halfway to the policy after steps 2 and 4 (each rank its shards)."""
-CPO = {"loss": "cpo+sft", "loss_weights": (1.0, 0.5), "label_smoothing": 0.1}
-"""CPO (TRL's CPOTrainer, cpo_alpha 0.5): reference-free, no reference pass or table at any layout."""
+CPO = {"loss": "cpo+sft+gold", "loss_weights": (1.0, 0.5, 0.7), "label_smoothing": 0.1}
+"""CPO (TRL's CPOTrainer, cpo_alpha 0.5) with TPO's gold term (TRL's TPOTrainer, tpo_alpha 0.7): reference-free, no
+reference pass or table at any layout; each pair's third sequence, its gold answer, trained by a mean over the global
+batch's gold tokens (counted over DP, summed over CP)."""
 AOT = {"loss": "aot"}
 AOT_UNPAIRED = {"loss": "aot_unpaired", "label_smoothing": 0.1}
 """AOT: the global batch's margins (aot_unpaired: its chosen and rejected log-ratios) ranked after a pass before the
@@ -183,6 +189,7 @@ WORLD2 = {
     "pp2 aot": layout(pp=2, **AOT),
     "dp2 aot unpaired": layout(**AOT_UNPAIRED),
     "cp2 aot unpaired": layout(cp=2, **AOT_UNPAIRED),
+    "dp2 cpo": layout(**CPO),
     "pp2 cpo": layout(pp=2, **CPO),
     "cp2 cpo": layout(cp=2, **CPO),
 }
@@ -312,24 +319,27 @@ def test_aot_sorts_the_global_batch(reference, monkeypatch):
 
 
 def test_packed_pairs_equal_each_pair_alone():
-    """The log-probabilities and their gradients of 8 packed rows equal each pair's two sequences run alone."""
+    """The log-probabilities and their gradients of 8 packed rows equal each pair's sequences run alone: the chosen
+    and rejected ones (`sequence_logps`) and TPO's gold one (`gold_logps`), each its own sum."""
     ctx = ParallelContext.single()
     config = preference_config()
     model = build_model(config.model, ctx, seed=3)
-    data = train_data()
+    data = train_data(gold=True)
     batch = micro_batches(data, 0, 8, 8, 0, 1, torch.device("cpu"))[0]
     part = preference_parts([batch], ctx)[0]
-    logps, _ = sequence_logps(model(part["inputs"], part["targets"], documents=part["documents"]), part, ctx.cp)
+    token_losses = model(part["inputs"], part["targets"], documents=part["documents"])
+    logps = torch.cat([sequence_logps(token_losses, part, ctx.cp)[0], gold_logps(token_losses, part, ctx.cp)[:, None]],
+                      dim=1)
     packed = torch.autograd.grad(logps.sum(), list(model.parameters()))
     alone = []
     for index in part["pairs"].tolist():
         pair = data.rows.pairs[index]
-        for answer in (pair.chosen, pair.rejected):
+        for answer in (pair.chosen, pair.rejected, pair.gold):
             ids = torch.tensor([pair.prompt + answer])
             targets = ids[:, 1:].clone()
             targets[:, :len(pair.prompt) - 1] = -100
             alone.append(-model(ids[:, :-1], targets).sum())
-    alone = torch.stack(alone).view(-1, 2)
+    alone = torch.stack(alone).view(-1, 3)
     assert rel(logps.float(), alone) < 1e-6
     alone_grads = torch.autograd.grad(alone.sum(), list(model.parameters()))
     assert max(rel(a, b) for a, b in zip(packed, alone_grads)) < 1e-5

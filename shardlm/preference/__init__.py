@@ -25,7 +25,7 @@ def check_preference(config) -> str | None:
     """A one-line problem with a run's [preference] settings, or None."""
     from shardlm.preference.aot import AOT_LOSSES
     from shardlm.preference.kto import UNPAIRED
-    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, REFERENCED
+    from shardlm.preference.loss import F_DIVERGENCE_LOSSES, F_DIVERGENCES, LOSSES, NLL_TERMS, REFERENCED
     from shardlm.preference.reference_free import ALPHAPO, MEAN, reference_free
 
     p = config.preference
@@ -33,19 +33,20 @@ def check_preference(config) -> str | None:
     free = reference_free(p.loss)
     ld_refusal = ("no pairs" if p.loss in UNPAIRED else "its own length normalization"
                   if any(part in MEAN for part in parts) else "no reference model")  # why LD-DPO is refused
-    summed = len(parts) > 1 or p.loss == "sft"
+    summed = len(parts) > 1 or p.loss in NLL_TERMS
     dropouts = (config.model.dropout, max(config.model.attention_dropout, 0.0),
                 config.lora.dropout if config.lora.rank else 0.0)
     checks = [
         (p.loss in LOSSES or summed, f'preference.loss="{p.loss}" must be one of {", ".join(LOSSES)}, or a sum of '
-                                     f'{", ".join(REFERENCED)} and "sft" joined by "+"'),
-        (not summed or all(part in REFERENCED + ("sft",) for part in parts)
-         or (sum(part in ALPHAPO for part in parts) == 1 and all(part in ALPHAPO + ("sft",) for part in parts)),
-         f'preference.loss="{p.loss}": a sum joins {", ".join(REFERENCED)} and "sft" (MPO: "sigmoid+bco_pair+sft"), '
-         f'or one of {", ".join(ALPHAPO)} and "sft" (CPO: "cpo+sft")'),
-        (not summed or any(part != "sft" for part in parts),
-         f'preference.loss="{p.loss}" is supervised fine-tuning on the chosen answers: add a preference loss '
-         '("sigmoid+sft") or train them with [sft] alone'),
+                                     f'{", ".join(REFERENCED)}, "sft" and "gold" joined by "+"'),
+        (not summed or all(part in REFERENCED + NLL_TERMS for part in parts)
+         or (sum(part in ALPHAPO for part in parts) == 1 and all(part in ALPHAPO + NLL_TERMS for part in parts)),
+         f'preference.loss="{p.loss}": a sum joins {", ".join(REFERENCED)}, "sft" and "gold" (MPO: '
+         f'"sigmoid+bco_pair+sft"), or one of {", ".join(ALPHAPO)}, "sft" and "gold" (CPO: "cpo+sft", TPO: '
+         '"cpo+gold")'),
+        (not summed or any(part not in NLL_TERMS for part in parts),
+         f'preference.loss="{p.loss}" is supervised fine-tuning on the answers: add a preference loss '
+         '("sigmoid+sft", TPO\'s "cpo+gold") or train them with [sft] alone'),
         (not p.loss_weights or len(p.loss_weights) == len(parts),
          f"preference.loss_weights has {len(p.loss_weights)} weights for the {len(parts)} losses of "
          f'preference.loss="{p.loss}"'),
@@ -66,7 +67,7 @@ def check_preference(config) -> str | None:
          "paper uses 1e-3)"),
         (p.f_divergence_type in F_DIVERGENCES,
          f'preference.f_divergence_type="{p.f_divergence_type}" must be one of {", ".join(F_DIVERGENCES)}'),
-        (p.f_divergence_type == "reverse_kl" or all(part in F_DIVERGENCE_LOSSES + ("sft",) for part in parts),
+        (p.f_divergence_type == "reverse_kl" or all(part in F_DIVERGENCE_LOSSES + NLL_TERMS for part in parts),
          f'preference.f_divergence_type="{p.f_divergence_type}" takes preference.loss '
          f'{", ".join(F_DIVERGENCE_LOSSES)}, not "{p.loss}"'),
         (p.discopop_tau > 0, f"preference.discopop_tau={p.discopop_tau} must be > 0"),

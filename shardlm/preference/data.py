@@ -4,8 +4,9 @@ across rows, micro-batches or data-parallel ranks.
 
 A row (`PairDataset[i]`) is a dict of (T,) arrays: `input_ids`; `labels`, the next token where it is an answer's
 (-100 on the prompt, the last token and padding); `position_ids` restarting at every sequence; `pair`, the
-pair's index in the data set (-1 on padding); `side`, 0 on the chosen sequence and 1 on the rejected one. The
-loss sums the trained tokens' log-probabilities per (pair, side) (`shardlm.preference.loss`).
+pair's index in the data set (-1 on padding); `side`, 0 on the chosen sequence, 1 on the rejected one and 2 on TPO's
+gold one (prompt + gold answer, a third document after them). The loss sums the trained tokens' log-probabilities
+per (pair, side) (`shardlm.preference.loss`).
 
 KTO's unpaired examples (`shardlm.preference.unpaired.TokenizedExample`) are rows of the same kind: each example's
 sequence (prompt + completion, side 0) in the row's arrays, and its KL sequence (prompt + another example's
@@ -13,7 +14,7 @@ completion) at the same place in a second set of arrays of the row's length, `kl
 `kl_position_ids`, `kl_pair`, `kl_side`, so that the KL sequences can run forward on their own
 (`shardlm.preference.kto`); an example takes the longer of its two sequences.
 
-Pairs are packed by their two sequences' length (`sft.packing`: best-fit-decreasing, greedy in order, or one pair
+Pairs are packed by their sequences' length (`sft.packing`: best-fit-decreasing, greedy in order, or one pair
 a row), reshuffled and repacked every epoch by (seed, epoch) as `shardlm.sft.packing.PackedRows` does; a pair
 longer than a row is dropped (counted and reported).
 """
@@ -68,7 +69,7 @@ def _packed(sequences: list[tuple[list[int], list[int], int, int]], length: int,
 def build_pair_row(pairs: list[TokenizedPair], indices: list[int], length: int, pad_id: int) -> PairRow:
     """Pack `pairs` (data-set indices `indices`) into a row of `length` tokens, padding at the end."""
     sequences = [(pair.prompt, answer, index, s) for pair, index in zip(pairs, indices)
-                 for s, answer in enumerate((pair.chosen, pair.rejected))]
+                 for s, answer in enumerate((pair.chosen, pair.rejected, pair.gold)) if answer is not None]
     return PairRow(**_packed(sequences, length, pad_id), pairs=list(indices))
 
 

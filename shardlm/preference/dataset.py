@@ -13,10 +13,10 @@ from shardlm.sft.dataset import SFTData, held_out, run_template
 
 
 def build_preference_datasets(sft: SFTConfig, seq_length: int, seed: int, init_from: str = "",
-                              unpaired: bool = False, kl_group: int = 0) -> SFTData:
+                              unpaired: bool = False, kl_group: int = 0, gold: bool = False) -> SFTData:
     """Read, split, tokenize and pack the preference records of `sft.data` (one-line UserErrors for bad input).
     `unpaired`: KTO's examples; `kl_group` > 0: with KL sequences, each split's completions rotated within groups of
-    that many (`shardlm.preference.unpaired`)."""
+    that many (`shardlm.preference.unpaired`); `gold`: each pair with its gold answer (TPO)."""
     template = run_template(sft, init_from)
     eos = template.special_tokens.get("eos_token") or template.end_of_turn
     if unpaired:
@@ -29,10 +29,10 @@ def build_preference_datasets(sft: SFTConfig, seq_length: int, seed: int, init_f
         splits = [tokenize_examples(template, part, eos, kl_group) if part else [] for part in parts]
         tokens = [p.prompt + p.completion for split in splits for p in split]
     else:
-        pairs = [tokenize_pair(template, pair, eos) for pair in load_pairs(list(sft.data))]
+        pairs = [tokenize_pair(template, pair, eos) for pair in load_pairs(list(sft.data), gold)]
         valid_ids = held_out(len(pairs), sft.valid_fraction, seed)
         splits = [[p for i, p in enumerate(pairs) if (i in valid_ids) == held] for held in (False, True)]
-        tokens = [p.prompt + p.chosen + p.rejected for p in pairs]
+        tokens = [p.prompt + p.chosen + p.rejected + (p.gold or []) for p in pairs]
     pad = template.special_tokens.get("pad_token") or template.end_of_turn
     pad_id = template.tokenizer.token_to_id(pad) if pad else None
     pad_id = pad_id if pad_id is not None else 0

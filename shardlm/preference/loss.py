@@ -27,7 +27,9 @@ per answer, s = f'(r) its f-divergence score (`f_divergence_type`: r itself for 
     apo_down  sigma(beta r_c) + 1 - sigma(beta (r_c - r_r))
     a+b+...   the weighted sum of those losses (`loss_weights`; MPO: "sigmoid+bco_pair+sft", 0.8, 0.2, 1.0), where
               "sft" is the chosen answers' NLL, a mean over the global batch's chosen tokens (TRL's is per device
-              micro-batch): each pair contributes -logp_c x pairs / chosen tokens, both counted over the global batch
+              micro-batch): each pair contributes -logp_c x pairs / chosen tokens, both counted over the global batch;
+              "gold" the same NLL of TPO's gold answers (the records' `reference`, a third sequence of each pair:
+              TPO is "cpo+gold", TPO-L "simpo+gold", with loss_weights [1, tpo_alpha])
     simpo, orpo, cpo, cpo_hinge, cpo_ipo   reference-free (`shardlm.preference.reference_free`; a sum with "sft":
               CPO's NLL term)
     kto       unpaired examples, each desirable or not, against a KL reference point (`shardlm.preference.kto`);
@@ -71,6 +73,8 @@ IPO_SUMMED = "ipo_summed"
 """IPO on the summed log-ratios, not divided by the answers' token counts: online DPO's "ipo" (TRL's
 OnlineDPOTrainer), set by `shardlm.rl.online_dpo`, not a [preference] loss."""
 LOSSES = REFERENCED + REFERENCE_FREE + kto.UNPAIRED
+NLL_TERMS = ("sft", "gold")
+"""The terms of a sum ("a+b+...") that are answers' NLL: the chosen answers' and TPO's gold answers'."""
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
@@ -80,25 +84,27 @@ def preference_parts(batches: list[dict], ctx, count_pairs: bool = True, ld_alph
     `inputs`, `targets`, `occurrence`, `side` (b, T / C: the zigzag part under CP; with `ld_alpha` < 1 also
     `length_weight`, LD-DPO's token weights: `length_weights`), `documents`, `pairs` (the pair
     index of each of the micro-batch's pair occurrences, `pair_occurrences`), `divisor` (module docstring) and
-    `chosen_share` (the global batch's pairs / its chosen answers' trained tokens: the "sft" term's scale), both from
-    one all-reduce over DP (None without `count_pairs`); KTO's micro-batches also `kl`, the same of their KL
-    sequences."""
+    `chosen_share` and `gold_share` (the global batch's pairs / its chosen, or gold, answers' trained tokens: the
+    "sft" and "gold" terms' scales), all from one all-reduce over DP (None without `count_pairs`); KTO's micro-batches
+    also `kl`, the same of their KL sequences."""
     found = [pair_occurrences(b["pair"]) for b in batches]
-    divisor = chosen_share = None
+    divisor = chosen_share = gold_share = None
     if count_pairs:
-        chosen = sum(int(torch.count_nonzero((b["pair"] >= 0) & (b["side"] == 0) & (b["labels"] != -100)))
-                     for b in batches)
-        total = torch.tensor([float(sum(len(pairs) for pairs, _ in found)), float(chosen)], dtype=torch.float64,
-                             device=ctx.device)
+        def trained(b: dict, side: int) -> float:
+            return float(torch.count_nonzero((b["pair"] >= 0) & (b["side"] == side) & (b["labels"] != -100)))
+        total = torch.tensor([float(sum(len(pairs) for pairs, _ in found)), sum(trained(b, 0) for b in batches),
+                              sum(trained(b, 2) for b in batches)], dtype=torch.float64, device=ctx.device)
         ctx.dp.all_reduce(total)
         if total[0].item() == 0:
             raise UserError("a global batch holds no preference pair: check the records")
         divisor = total[0].item() / (len(batches) * ctx.dp_size)
         chosen_share = total[0].item() / max(total[1].item(), 1.0)
+        gold_share = total[0].item() / max(total[2].item(), 1.0)
     parts = []
     for batch, (pairs, occurrence) in zip(batches, found):
         part = _local_part(batch, "", occurrence, ctx, ld_alpha) | {"pairs": pairs, "divisor": divisor,
-                                                                    "chosen_share": chosen_share}
+                                                                    "chosen_share": chosen_share,
+                                                                    "gold_share": gold_share}
         if "kl_input_ids" in batch:  # KTO: the examples' KL sequences, their own rows (`shardlm.preference.kto`)
             kl_pairs, kl_occurrence = pair_occurrences(batch["kl_pair"])  # each row holds the same examples
             part["kl"] = _local_part(batch, "kl_", kl_occurrence, ctx) | {"pairs": kl_pairs, "divisor": divisor}
@@ -141,7 +147,7 @@ def length_weights(labels: torch.Tensor, occurrence: torch.Tensor, side: torch.T
     """LD-DPO's weights (b, T) fp64 of whole rows' tokens: on each pair occurrence's answers, 1 for an answer's first
     min(n_chosen, n_rejected) trained tokens and `alpha` after them; 0 off the answers. An occurrence lies in one row,
     so each answer's tokens come in order along it."""
-    trained = (occurrence >= 0) & (labels != -100)
+    trained = (occurrence >= 0) & (labels != -100) & (side < 2)  # (a gold answer is weighed by no LD-DPO)
     weights = torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
     slot = (occurrence * 2 + side)[trained]  # row-major: each answer's tokens in their order
     if not len(slot):
@@ -160,9 +166,9 @@ def sequence_logps(token_losses: torch.Tensor, batch: dict, cp, weighted: bool =
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities (pairs, 2), answer token counts (pairs, 2)) of the micro-batch's pair occurrences, chosen
     first, from per-token losses (b, T_local) (0 where the target is ignored), summed over the CP group; under
-    LD-DPO with its `length_weight` unless not `weighted`."""
+    LD-DPO with its `length_weight` unless not `weighted`. TPO's gold answers are left out (`gold_logps`)."""
     pairs, occurrence, side = batch["pairs"], batch["occurrence"], batch["side"]
-    trained = (occurrence >= 0) & (batch["targets"] != -100)
+    trained = (occurrence >= 0) & (batch["targets"] != -100) & (side < 2)
     slot = occurrence.clamp(min=0) * 2 + side.clamp(min=0)
     slot, values = slot[trained], -token_losses[trained].double()
     if weighted and "length_weight" in batch:  # LD-DPO
@@ -176,6 +182,16 @@ def sequence_logps(token_losses: torch.Tensor, batch: dict, cp, weighted: bool =
     return logps.view(-1, 2), counts.view(-1, 2)
 
 
+def gold_logps(token_losses: torch.Tensor, batch: dict, cp) -> torch.Tensor:
+    """The log-probabilities (pairs,) of the micro-batch's pair occurrences' gold answers (side 2: TPO's), from the
+    per-token losses (b, T_local), summed over the CP group."""
+    occurrence = batch["occurrence"]
+    gold = (occurrence >= 0) & (batch["targets"] != -100) & (batch["side"] == 2)
+    logps = torch.zeros(len(batch["pairs"]), dtype=torch.float64, device=token_losses.device).index_add(
+        0, occurrence[gold], -token_losses[gold].double())
+    return sum_over(logps, cp) if cp.size > 1 else logps
+
+
 def wpo_weights(token_losses: torch.Tensor, log_sum_sq: torch.Tensor, batch: dict, cp) -> torch.Tensor:
     """WPO's weight (P,) of each pair occurrence: w_c w_r, w = exp(mean over the answer's trained tokens of (log p -
     log sum_v p_v^2)), from the policy's token losses and log sums of squares (b, T_local), without gradient; the
@@ -186,17 +202,19 @@ def wpo_weights(token_losses: torch.Tensor, log_sum_sq: torch.Tensor, batch: dic
 
 def pair_losses(cfg: PreferenceConfig, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None,
                 chosen_share: float | None = None, chosen_logps: torch.Tensor | None = None,
-                matched: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                matched: torch.Tensor | None = None, gold: tuple[torch.Tensor, float] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(per-pair losses (P,), per-pair metrics {name: (P,)}) of sequence log-probabilities (P, 2), their token
     counts (P, 2) and the reference's (P, 2) (None for the reference-free losses); fp64. `chosen_share`: the global
     batch's pairs / chosen tokens (`preference_parts`), which the "sft" term of a weighted sum reads, with the chosen
-    answers' log-probabilities `chosen_logps` (P,) (default logps[:, 0]; under LD-DPO the unweighted ones); AOT reads
-    the pairs' `matched` constants (P, 2) (`shardlm.preference.aot.match`)."""
+    answers' log-probabilities `chosen_logps` (P,) (default logps[:, 0]; under LD-DPO the unweighted ones); the "gold"
+    term reads `gold`, the gold answers' log-probabilities (P,) and the batch's `gold_share`; AOT reads the pairs'
+    `matched` constants (P, 2) (`shardlm.preference.aot.match`)."""
     parts = cfg.loss.split("+")
     free = next((part for part in parts if part in REFERENCE_FREE), None)
     scored = logps - reference if free is None else reference_free.scores(free, logps, counts, cfg.alpha)
     chosen = logps[:, 0] if chosen_logps is None else chosen_logps
-    terms = [-chosen * chosen_share if part == "sft"
+    terms = [-chosen * chosen_share if part == "sft" else -gold[0] * gold[1] if part == "gold"
              else reference_free.reference_free_losses(cfg, part, logps, counts, scored) if part == free
              else referenced_losses(cfg, part, scored, counts, matched) for part in parts]
     if cfg.loss_weights:  # a weighted sum ("a+b+...")
@@ -398,8 +416,11 @@ class PreferenceLoss:
             plain = None  # LD-DPO's "sft" term: the chosen answers' unweighted log-probabilities
             if "length_weight" in batch and "sft" in self.cfg.loss.split("+"):
                 plain = sequence_logps(token_losses, batch, self.ctx.cp, weighted=False)[0][:, 0]
+            gold = None  # TPO's "gold" term: the gold answers' log-probabilities and the batch's scale
+            if "gold" in self.cfg.loss.split("+"):
+                gold = gold_logps(token_losses, batch, self.ctx.cp), batch["gold_share"]
             losses, metrics = pair_losses(self.cfg, logps, counts, reference, batch.get("chosen_share"), plain,
-                                          batch.get("aot"))
+                                          batch.get("aot"), gold)
             if self.cfg.use_weighting:
                 squares = self.model.log_sum_sq.pop()
                 self.model.log_sum_sq.clear()  # (a LoRA reference pass's, the policy's being the last)

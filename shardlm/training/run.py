@@ -239,7 +239,8 @@ def _train(config: RunConfig, run_dir: Path | None, config_path: str | None, sig
             # KTO: each example's KL sequence takes a completion of its group of a global batch's size
             loss = config.preference.loss
             build = functools.partial(build_preference_datasets, unpaired=loss in UNPAIRED,
-                                      kl_group=t.global_batch_size if loss in KL_LOSSES else 0)
+                                      kl_group=t.global_batch_size if loss in KL_LOSSES else 0,
+                                      gold="gold" in loss.split("+"))
         sft = build(config.sft, config.model.seq_length, t.seed, config.checkpoint.init_from)
         check_vocabulary(config, sft.template.tokenizer.get_vocab_size(), sft.max_token_id)
         if config.distill.teacher:  # the student's vocabulary is known now: the teacher's must be the same
