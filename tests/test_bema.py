@@ -24,6 +24,7 @@ import test_preference_trl
 import torch
 from test_moe_parallel import stage_parameters
 from test_training import synthetic_data
+from trl_oracle import trl_scores_answers_only  # noqa: F401 (TRL scores the labelled positions only)
 
 from shardlm.config import BEMAConfig
 from shardlm.parallel import ParallelContext

@@ -25,6 +25,7 @@ import json
 
 import pytest
 import torch
+from trl_oracle import trl_scores_answers_only  # noqa: F401 (TRL scores the labelled positions only)
 
 from multiproc import import_or_skip
 

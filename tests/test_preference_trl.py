@@ -47,6 +47,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from llama_reference import spread_norm_weights
+from trl_oracle import trl_scores_answers_only  # noqa: F401 (TRL scores the labelled positions only)
 
 from multiproc import import_or_skip
 

@@ -49,6 +49,7 @@ import pytest
 import torch
 from chat_cache import template_parsed_once  # noqa: F401 (parses the chat template once per module)
 from llama_reference import tiny_qwen3_policy, tiny_qwen3_reward_model
+from trl_oracle import trl_scores_answers_only  # noqa: F401 (TRL scores the labelled positions only)
 
 from multiproc import import_or_skip
 

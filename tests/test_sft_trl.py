@@ -29,6 +29,7 @@ import json
 
 import pytest
 import torch
+from trl_oracle import trl_scores_answers_only  # noqa: F401 (TRL scores the labelled positions only)
 
 from shardlm.bench.common import uncached_datasets
 from shardlm.sft.packing import PackedRows

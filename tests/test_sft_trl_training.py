@@ -33,6 +33,7 @@ import shutil
 
 import pytest
 import torch
+from trl_oracle import trl_scores_answers_only  # noqa: F401 (TRL scores the labelled positions only)
 
 from multiproc import import_or_skip
 
