@@ -350,6 +350,17 @@ class DistillConfig:
     0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)."""
     temperature: float = 1.0
     """Both models' logits are divided by it before the divergence (as TRL's DistillationTrainer; no T^2 factor)."""
+    loss_top_k: int = 0
+    """"jsd" on a top-k support (TRL's IW-OPD trainer's `loss_top_k`, 1 there): the teacher's k most likely tokens
+    (beta 0), the student's (beta 1; k 1: the reverse top-1 token) or both (the teacher's top token and the reverse
+    top-1 token at k 1), each position's distributions restricted to them; 0 (or at least the vocabulary): the whole
+    vocabulary."""
+    loss_add_tail: bool = True
+    """loss_top_k: the mass outside the support as one more entry of both distributions (TRL's `loss_add_tail`);
+    false: the support's probabilities renormalized."""
+    reverse_kl_top_1_mode: str = "sampled"
+    """loss_top_k 1 with beta > 0: the reverse top-1 token, "sampled" (the position's own next token: the sampled
+    one on an on-policy step) or "argmax" (the student's most likely token), as TRL's."""
     iw_opd_gamma: float = 0.5
     """IW-OPD's amplification (TRL's `iw_opd_gamma`): a document's first answer token weighs 1 + gamma, its last
     about 1 (loss "iw_opd" only)."""

@@ -103,6 +103,14 @@ ERRORS = [
      'distill.loss="iw_opd" weighs the student\'s own samples; set distill.lmbda=1'),
     ("iw_opd gamma", lambda tmp, data, teacher: ["distill.iw_opd_gamma=-0.5"],
      "distill.iw_opd_gamma=-0.5 must be >= 0"),
+    ("a negative top-k support", lambda tmp, data, teacher: ["distill.loss_top_k=-1"],
+     "distill.loss_top_k=-1 must be >= 0 (0: the whole vocabulary)"),
+    ("a top-k support of the sampled tokens' loss", lambda tmp, data, teacher: [
+        'distill.loss="token_kl"', "distill.lmbda=1.0", "distill.loss_top_k=5"],
+     'distill.loss_top_k restricts the "jsd" divergence to a support; distill.loss="token_kl" reads the sampled '
+     "tokens alone: set it to 0"),
+    ("an unknown reverse top-1 mode", lambda tmp, data, teacher: ['distill.reverse_kl_top_1_mode="max"'],
+     'distill.reverse_kl_top_1_mode="max" must be "sampled" or "argmax"'),
     ("vocabulary size", lambda tmp, data, teacher: ["model.vocab_size=151936"],
      "has a vocabulary of 151669 entries, the student 151936"),
 ]

@@ -42,7 +42,7 @@ import torch
 from test_moe_parallel import stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
 
-from shardlm.distill import divergence
+from shardlm.distill import divergence, top_k
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
@@ -64,6 +64,13 @@ FILTERS = {"top_k": 40, "top_p": 0.95, "min_p": 0.02, "repetition_penalty": 1.3}
 """The seq_kd cases' sampling filters (TRL's DistillationConfig names): the vocabulary's top 40, nucleus 0.95, min-p,
 the penalty on the row's ids so far."""
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
+TOP_K = {"loss_top_k": 50}
+"""The JSD (beta 0.5) on the union of the teacher's and the student's 50 most likely tokens, with the tail bucket: at
+TP=2 the second rank's slice holds 44 real entries, fewer than k."""
+TOP_1 = {"loss_top_k": 1, "loss_add_tail": False}
+"""The JSD on the teacher's top token and the sampled one, renormalized (no tail)."""
+TOP_1_ARGMAX = {"loss_top_k": 1, "reverse_kl_top_1_mode": "argmax"}
+"""The reverse KL (beta 1) on the student's top token and the tail."""
 
 
 def write_teacher(root):
@@ -94,13 +101,14 @@ def write_moe_teacher(root):
 def distill_config(teacher: str, micro: int = 2, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
                    virtual: int = 1,
                    moe: bool = False, lora: bool = False, beta: float = DISTILL["beta"], lmbda: float = 0.0,
-                   loss: str = "jsd", seq_kd: bool = False, filters: bool = False, **train):
+                   loss: str = "jsd", seq_kd: bool = False, filters: bool = False, top_k: dict | None = None,
+                   **train):
     model = tiny_model("llama", SEQ) | {"num_kv_heads": 2, "vocab_size": VOCAB}
     if moe:
         model |= {"num_layers": 2} | MIXTRAL
     sections = {"sft": {"data": ["records.jsonl"]},
                 "distill": {"teacher": teacher, **DISTILL, "beta": beta, "lmbda": lmbda, "max_new_tokens": 8,
-                            "loss": loss, "seq_kd": seq_kd} | (FILTERS if filters else {})}
+                            "loss": loss, "seq_kd": seq_kd} | (FILTERS if filters else {}) | (top_k or {})}
     if lora:
         sections["lora"] = LORA
     return layout_config(model, micro=micro, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, virtual=virtual, sections=sections,
@@ -167,17 +175,26 @@ def plain_sum(x, tp):
     return reduce_from_tensor_parallel(x, tp)
 
 
+def own_top_k(scores, k, tp, first):
+    """The top-k control's bug: each TP rank's support drawn from its own slice of the vocabulary alone."""
+    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices + first
+
+
 def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool = False, chunk: int = 0,
-                **spec) -> dict:
+                own_support: bool = False, **spec) -> dict:
     from shardlm.distill import loss
 
     if broken:
         divergence._SharedSum.apply = plain_sum
+    global_top_k = top_k.global_top_k
+    if own_support:
+        top_k.global_top_k = own_top_k
     loss.CHUNK = chunk or 1 << 22  # (the default: one chunk at these sizes)
     try:
         return train_distill(layout_context(tp, pp, cp, ep),
                              distill_config(teacher, tp=tp, pp=pp, cp=cp, ep=ep, **spec))
     finally:
+        top_k.global_top_k = global_top_k
         if broken:  # the cases after it in this world use the real one again
             del divergence._SharedSum.apply
 
@@ -204,6 +221,11 @@ WORLD2 = {
     "token kl on-policy tp2 sp": ("token kl", layout(tp=2, sp=True, lmbda=1.0, loss="token_kl")),
     "seq kd pp2 virtual2": ("seq kd", layout(pp=2, virtual=2, micro=1, lmbda=0.2, seq_kd=True, filters=True)),
     "seq kd fsdp dp2": ("seq kd", layout(lmbda=0.2, seq_kd=True, data_sharding="full", filters=True)),
+    "top-k tp2 sp": ("top k", layout(tp=2, sp=True, top_k=TOP_K)),
+    "top-k pp2": ("top k", layout(pp=2, micro=1, top_k=TOP_K)),
+    "top-1 on-policy tp2 sp": ("top 1", layout(tp=2, sp=True, lmbda=0.2, top_k=TOP_1)),
+    "top-1 argmax reverse kl cp2": ("top 1 argmax", layout(cp=2, beta=1.0, top_k=TOP_1_ARGMAX)),
+    "control top-k tp2 own support": ("top k", layout(tp=2, sp=True, top_k=TOP_K, own_support=True)),
 }
 WORLD4 = {
     "tp2 dp2 sp": ("dense", layout(tp=2, sp=True)),
@@ -213,6 +235,7 @@ WORLD4 = {
     "hybrid fsdp dp4 groups of 2": ("dense", layout(micro=1, data_sharding="full", fsdp_shard_size=2)),
     "fsdp pp2 dp2": ("dense", layout(pp=2, micro=1, data_sharding="full")),
     "on-policy cp2 tp2 sp": ("on-policy", layout(cp=2, tp=2, sp=True, lmbda=0.2)),
+    "top-k cp2 tp2 sp": ("top k", layout(cp=2, tp=2, sp=True, top_k=TOP_K)),
     "on-policy fsdp pp2 dp2": ("on-policy", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2)),
     "seq kd fsdp pp2 dp2": ("seq kd", layout(pp=2, micro=1, data_sharding="full", lmbda=0.2, seq_kd=True,
                                              filters=True)),
@@ -221,7 +244,9 @@ REFERENCES = {"dense": {"micro": BATCH}, "moe": {"micro": 2, "moe": True}, "lora
               "forward kl": {"micro": BATCH, "beta": 0.0}, "on-policy": {"micro": BATCH, "lmbda": 0.2},
               "token kl": {"micro": WIDE_BATCH, "lmbda": 1.0, "loss": "token_kl"},
               "moe teacher": {"micro": 2, "moe": True}, "seq kd": {"micro": BATCH, "lmbda": 0.2, "seq_kd": True,
-                                                                        "filters": True}}
+                                                                        "filters": True},
+              "top k": {"micro": BATCH, "top_k": TOP_K}, "top 1": {"micro": BATCH, "lmbda": 0.2, "top_k": TOP_1},
+              "top 1 argmax": {"micro": BATCH, "beta": 1.0, "top_k": TOP_1_ARGMAX}}
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +341,13 @@ def test_under_pipeline_stages_the_teacher_keeps_its_stages_ends_only(request, n
 def test_the_students_normalizer_must_sum_its_gradient_over_tp(world2, reference):
     for value in check_result(world2, "control tp2 unsummed"):
         assert_trained_but_off(value["curve"], value["params"], reference["forward kl"]["params"], STEPS, "layers.")
+
+
+def test_the_top_k_support_is_drawn_over_every_tp_rank(world2, reference):
+    """The control: each TP rank's support from its own slice (the ranks then sum divergences of different
+    supports) trains, and ends off one process."""
+    for value in check_result(world2, "control top-k tp2 own support"):
+        assert_trained_but_off(value["curve"], value["params"], reference["top k"]["params"], STEPS, "layers.")
 
 
 def test_the_run_learns_the_teachers_distributions(reference):

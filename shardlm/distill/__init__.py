@@ -16,6 +16,12 @@ def check_distill(config, check_paths: bool = True) -> str | None:
         (d.loss != "iw_opd" or d.lmbda == 1, f"distill.loss=\"iw_opd\" weighs the student's own samples; set "
                                                f"distill.lmbda=1 (every step on-policy), not {d.lmbda}"),
         (0 <= d.beta <= 1, f"distill.beta={d.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)"),
+        (d.loss_top_k >= 0, f"distill.loss_top_k={d.loss_top_k} must be >= 0 (0: the whole vocabulary)"),
+        (not d.loss_top_k or d.loss == "jsd",
+         f'distill.loss_top_k restricts the "jsd" divergence to a support; distill.loss="{d.loss}" reads the sampled '
+         "tokens alone: set it to 0"),
+        (d.reverse_kl_top_1_mode in ("sampled", "argmax"),
+         f'distill.reverse_kl_top_1_mode="{d.reverse_kl_top_1_mode}" must be "sampled" or "argmax"'),
         (d.temperature > 0, f"distill.temperature={d.temperature} must be > 0"),
         (d.teacher_dtype in ("fp32", "bf16"), f'distill.teacher_dtype="{d.teacher_dtype}" must be "fp32" or "bf16"'),
         (0 <= d.lmbda <= 1, f"distill.lmbda={d.lmbda} must be in [0, 1] (the share of on-policy steps)"),

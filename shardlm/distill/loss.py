@@ -12,6 +12,7 @@ from shardlm.config import DistillConfig
 from shardlm.distill.divergence import generalized_jsd, token_log_probs, token_reverse_kl
 from shardlm.distill.iw_opd import Tally, prefix_weights
 from shardlm.distill.teacher import pipelined_hidden, release_teacher
+from shardlm.distill.top_k import top_k_jsd
 from shardlm.models.decoder import enter_parallel_region
 from shardlm.parallel import invariant
 
@@ -111,6 +112,10 @@ class DistillLoss:
             teacher_logits = invariant.linear(teacher, self.teacher.output_weight)
         if self.cfg.loss == "token_kl":
             return token_reverse_kl(student_logits, teacher_logits, targets, self.ctx.tp, vocab, self.cfg.temperature)
+        if 0 < self.cfg.loss_top_k < vocab:
+            return top_k_jsd(student_logits, teacher_logits, targets, self.ctx.tp, vocab, self.cfg.beta,
+                             self.cfg.temperature, self.cfg.loss_top_k, self.cfg.loss_add_tail,
+                             self.cfg.reverse_kl_top_1_mode)
         return generalized_jsd(student_logits, teacher_logits, self.ctx.tp, vocab, self.cfg.beta, self.cfg.temperature)
 
     def teacher_pass(self, batches: list[dict]) -> None:
