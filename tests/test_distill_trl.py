@@ -26,7 +26,9 @@ control run whose divergence swaps the student's and the teacher's sides (a loca
 temperature 2 ignored (1.8 loss, 1.0 gradient norm), beta 0 and 1 exchanged (6.2e-3 and 9.5e-4 loss, 0.54 and
 9.1e-2 gradient norm), each micro-batch divided by its own answer tokens instead of the step's (3.4e-3, 9.3e-2).
 On-policy steps (`lmbda = 1`): `DistillationTrainer` is handed shardlm's sampled completions
-(`test_on_policy_steps_follow_trl`).
+(`test_on_policy_steps_follow_trl`); so is `IWOPDTrainer`, for IW-OPD and for its "jsd" objective on a top-k support
+(`distill.loss_top_k`: the teacher's top token and the sampled one with the tail, measured 3.2e-7 loss and 2.4e-7
+gradient norm; both top-4 renormalized, 1.1e-7 and 1.0e-7), whose whole-vocabulary JSD on the same samples misses.
 """
 
 from __future__ import annotations
@@ -179,9 +181,9 @@ def distillation_steps(setup, beta: float, temperature: float, answers: dict | N
     return [log for log in trainer.state.log_history if "loss" in log]
 
 
-def iw_opd_steps(setup, temperature: float, answers: dict) -> list[dict]:
-    """`IWOPDTrainer`'s logged steps (its "iw_opd" objective; every step on-policy, as it requires) with each prompt
-    answered by `answers`' ids for its prompt ids instead of its student's `generate`. A collator hands it each
+def iw_opd_steps(setup, temperature: float, answers: dict, name: str = "iw_opd", **options) -> list[dict]:
+    """`IWOPDTrainer`'s logged steps (its "iw_opd" objective, or `options`' ("jsd"); every step on-policy) with each
+    prompt answered by `answers`' ids for its prompt ids instead of its student's `generate`. A collator hands it each
     conversation's prompt ids as shardlm cuts them, in the records' order, and each micro-batch's left padding (from
     the other prompt of its generation batch) is cut, since its forward would shift a left-padded row's positions.
     Its loss divides by the answer tokens the trainer counted in the collated batch before the generation (none in a
@@ -223,8 +225,9 @@ def iw_opd_steps(setup, temperature: float, answers: dict) -> list[dict]:
         tails = [c + [pad] * (max(map(len, completions)) - len(c)) for c in completions]
         return types.SimpleNamespace(sequences=torch.cat([input_ids, torch.tensor(tails)], dim=1))
 
-    args = trl_args(IWOPDConfig, setup, f"iw_opd_{temperature}", temperature=temperature, lmbda=1.0,
-                    distillation_objective="iw_opd", iw_opd_gamma=0.5, max_length=SEQ, max_completion_length=SEQ - 8)
+    options = {"distillation_objective": "iw_opd", "iw_opd_gamma": 0.5} | options
+    args = trl_args(IWOPDConfig, setup, f"{name}_{temperature}", temperature=temperature, lmbda=1.0, max_length=SEQ,
+                    max_completion_length=SEQ - 8, **options)
     rows = [{"prompt": c["ids"][:c["start"]]} for c in setup["conversations"]]
     models = trl_models(setup)
     models["model"].generate = generate
@@ -411,3 +414,21 @@ def test_iw_opd_follows_trls_iw_opd_trainer(setup, monkeypatch):
     token_kl = shardlm_steps(setup, "iw_opd_token_kl", 0.5, 2.0, 'distill.loss="token_kl"', *on_policy)
     unweighted = differences(token_kl, theirs)
     assert unweighted["grad_norm"] > 1000 * TOL, unweighted
+
+
+@pytest.mark.parametrize("top_k, tail", [(1, True), (4, False)], ids=["top 1 tail", "top 4 renormalized"])
+def test_top_k_jsd_follows_trls_iw_opd_trainer(setup, monkeypatch, top_k, tail):
+    """`distill.loss_top_k` on the JSD (beta 0.5, temperature 2, every step on-policy): `IWOPDTrainer`'s "jsd"
+    objective handed shardlm's completions, with its default support (the teacher's top token and the sampled one,
+    with the tail bucket) and the union of both top-4 renormalized: each step's loss and gradient norm within TOL; the
+    whole vocabulary's JSD on the same samples misses the gradient norm."""
+    sampled = record_samples(monkeypatch)
+    on_policy = ("distill.lmbda=1.0", "distill.max_new_tokens=6")
+    support = (f"distill.loss_top_k={top_k}", f"distill.loss_add_tail={str(tail).lower()}")
+    ours = shardlm_steps(setup, f"top_{top_k}", 0.5, 2.0, *support, *on_policy)
+    theirs = iw_opd_steps(setup, 2.0, sampled, f"jsd_top_{top_k}", distillation_objective="jsd", beta=0.5,
+                          loss_top_k=top_k, loss_add_tail=tail)
+    worst = differences(ours, theirs)
+    assert worst["grad_norm"] <= TOL and worst["loss"] <= TOL, (worst, ours, theirs)
+    whole = shardlm_steps(setup, f"top_{top_k}_whole", 0.5, 2.0, *on_policy)
+    assert differences(whole, theirs)["grad_norm"] > 100 * TOL
