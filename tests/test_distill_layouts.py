@@ -176,8 +176,12 @@ def plain_sum(x, tp):
 
 
 def own_top_k(scores, k, tp, first):
-    """The top-k control's bug: each TP rank's support drawn from its own slice of the vocabulary alone."""
-    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices + first
+    """The top-k control's bug: each TP rank's support drawn from its own slice of the vocabulary alone (padded to k
+    as the real one, so every rank's collectives keep their shapes)."""
+    return GLOBAL_TOP_K(scores, k, ParallelContext.single().tp, first)
+
+
+GLOBAL_TOP_K = top_k.global_top_k
 
 
 def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool = False, chunk: int = 0,

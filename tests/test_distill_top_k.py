@@ -8,9 +8,10 @@ reverse mode: shardlm's `top_k_jsd` at one rank, averaged over the positions, eq
 relative, and its gradient with respect to the student's logits TRL's within 1e-5; each differs from the whole
 vocabulary's divergence.
 
-Split over TP: the same logits as slices of 2 and 3 ranks (50 tokens padded to 52 and 51: a slice holds fewer real
-tokens than k = 20) give each position's divergence and each slice's gradient of the one-process values within 1e-6;
-the control, each rank's support drawn from its own slice, does not.
+Split over TP: the same logits as slices of 2 and 3 ranks (50 tokens padded to 52 and 75: at TP=3 the last slice is
+padding alone, fewer real tokens than k = 20) give each position's divergence and each slice's gradient of the
+one-process values within 1e-6, and so do the whole vocabulary's JSD and the sampled tokens' log-probabilities
+(`divergence.token_log_probs`) on those slices; the control, each rank's support drawn from its own slice, does not.
 """
 
 from __future__ import annotations
@@ -80,22 +81,32 @@ def test_top_k_divergence_equals_trls(beta, k, tail, mode):
     assert abs(whole.item() - value.item()) > 1e-3 * abs(value.item())
 
 
+def own_top_k(scores, k, tp, first):
+    """The control's bug: each TP rank's support drawn from its own slice alone (padded to k as the real one, so
+    every rank's collectives keep their shapes)."""
+    return GLOBAL_TOP_K(scores, k, ParallelContext.single().tp, first)
+
+
+GLOBAL_TOP_K = top_k.global_top_k
+LOCAL = {2: 26, 3: 25}
+"""Each TP rank's slice: at TP=2 26 and 24 real tokens, at TP=3 25, 25 and none (the last slice padding alone)."""
+
+
 def split_case(ctx, beta: float, k: int, own_support: bool = False) -> dict:
-    """This TP rank's divergences and its slice's gradient of the module's logits, the vocabulary padded to a
-    multiple of the ranks."""
+    """This TP rank's divergences and its slice's gradient of the module's logits, the vocabulary padded to
+    `LOCAL` entries a rank."""
     student, teacher, targets = logits()
-    local = -(-VOCAB // ctx.tp_size)
+    local = LOCAL[ctx.tp_size]
     pad = local * ctx.tp_size - VOCAB
     part = slice(ctx.tp_rank * local, (ctx.tp_rank + 1) * local)
     mine = torch.nn.functional.pad(student, (0, pad))[:, part].clone().requires_grad_()
-    global_top_k = top_k.global_top_k
     if own_support:
-        top_k.global_top_k = lambda scores, k, tp, first: scores.topk(min(k, scores.shape[-1]), -1).indices + first
+        top_k.global_top_k = own_top_k
     try:
         values = ours(mine, torch.nn.functional.pad(teacher, (0, pad))[:, part], targets, beta, k, True, "sampled",
                       tp=ctx.tp)
     finally:
-        top_k.global_top_k = global_top_k
+        top_k.global_top_k = GLOBAL_TOP_K
     (grad,) = torch.autograd.grad(values.sum(), mine)
     return {"values": values.detach(), "grad": grad[:, :max(0, min(local, VOCAB - part.start))]}
 
@@ -103,10 +114,29 @@ def split_case(ctx, beta: float, k: int, own_support: bool = False) -> dict:
 SPLITS = {"beta 0.5 k 20": (0.5, 20), "beta 0 k 20": (0.0, 20), "beta 1 k 1": (1.0, 1), "beta 0.5 k 1": (0.5, 1)}
 
 
+def whole_vocabulary(student, teacher, targets, tp=None) -> torch.Tensor:
+    """The whole vocabulary's JSD (beta 0.5) plus the student's log-probability of each next token, per position."""
+    tp = tp or ParallelContext.single().tp
+    logp, _ = divergence.token_log_probs(student, teacher, targets, tp, VOCAB, TEMPERATURE)
+    return divergence.generalized_jsd(student, teacher, tp, VOCAB, 0.5, TEMPERATURE) + logp
+
+
+def split_whole(ctx) -> dict:
+    """`split_case` of `whole_vocabulary`."""
+    student, teacher, targets = logits()
+    local = LOCAL[ctx.tp_size]
+    pad, part = local * ctx.tp_size - VOCAB, slice(ctx.tp_rank * local, (ctx.tp_rank + 1) * local)
+    mine = torch.nn.functional.pad(student, (0, pad))[:, part].clone().requires_grad_()
+    values = whole_vocabulary(mine, torch.nn.functional.pad(teacher, (0, pad))[:, part], targets, tp=ctx.tp)
+    (grad,) = torch.autograd.grad(values.sum(), mine)
+    return {"values": values.detach(), "grad": grad[:, :max(0, min(local, VOCAB - part.start))]}
+
+
 def world_body(world_size: int) -> dict:
     ctx = ParallelContext.from_process_group(world_size)
     checks = {name: (lambda b=beta, k=k: split_case(ctx, b, k)) for name, (beta, k) in SPLITS.items()}
     checks["control"] = lambda: split_case(ctx, 0.5, 20, own_support=True)
+    checks["whole vocabulary"] = lambda: split_whole(ctx)
     return run_checks(checks)
 
 
@@ -123,6 +153,17 @@ def test_tp_slices_give_one_process_values(world, name):
     values = ours(whole, teacher, targets, beta, k, True, "sampled")
     (grad,) = torch.autograd.grad(values.sum(), whole)
     ranks = check_result(world, name)
+    for value in ranks:
+        assert (value["values"] - values.detach()).abs().max() <= 1e-6 * values.abs().max()
+    assert (torch.cat([r["grad"] for r in ranks], dim=-1) - grad).abs().max() <= 1e-6 * grad.abs().max()
+
+
+def test_the_whole_vocabulary_on_tp_slices_gives_one_process_values(world):
+    student, teacher, targets = logits()
+    whole = student.clone().requires_grad_()
+    values = whole_vocabulary(whole, teacher, targets)
+    (grad,) = torch.autograd.grad(values.sum(), whole)
+    ranks = check_result(world, "whole vocabulary")
     for value in ranks:
         assert (value["values"] - values.detach()).abs().max() <= 1e-6 * values.abs().max()
     assert (torch.cat([r["grad"] for r in ranks], dim=-1) - grad).abs().max() <= 1e-6 * grad.abs().max()

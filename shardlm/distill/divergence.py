@@ -54,6 +54,15 @@ def log_softmax(logits: torch.Tensor, tp: Communicator) -> torch.Tensor:
     return logits - peak - total.log()
 
 
+def pick(log_probs: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """(..., V_real_local) log-probabilities of this rank's slice (vocabulary ids `first`...), (..., m) ids -> (..., m)
+    the values of the ids this slice holds, 0 for the others (a slice of padding alone holds none)."""
+    mine = (ids >= first) & (ids < first + log_probs.shape[-1])
+    if not log_probs.shape[-1]:
+        return log_probs.sum(dim=-1, keepdim=True).expand(ids.shape) * 0  # (kept in the graph: a zero gradient)
+    return log_probs.gather(-1, torch.where(mine, ids - first, 0)) * mine
+
+
 def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, tp: Communicator, vocab_size: int, beta: float,
                     temperature: float = 1.0) -> torch.Tensor:
     """student (..., V_padded / tp) this rank's logits, teacher (..., V_padded / tp) its teacher's (no gradient;
@@ -82,11 +91,9 @@ def token_log_probs(student: torch.Tensor, teacher: torch.Tensor | None, targets
     local = student.shape[-1]
     first = tp.rank * local
     real = max(0, min(local, vocab_size - first))
-    mine = (targets >= first) & (targets < first + real)
-    index = torch.where(mine, targets - first, 0).unsqueeze(-1)
     sides = [student] if teacher is None else [student, teacher.detach()]
-    picked = torch.stack([log_softmax(x[..., :real].float() / temperature, tp).gather(-1, index).squeeze(-1)
-                          for x in sides]) * mine
+    picked = torch.stack([pick(log_softmax(x[..., :real].float() / temperature, tp), targets.unsqueeze(-1),
+                               first).squeeze(-1) for x in sides])
     picked = reduce_from_tensor_parallel(picked, tp)
     return picked[0], (picked[1] if teacher is not None else None)
 

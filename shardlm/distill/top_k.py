@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.distill.divergence import log_softmax
+from shardlm.distill.divergence import log_softmax, pick
 from shardlm.parallel import Communicator
 from shardlm.parallel.mappings import reduce_from_tensor_parallel
 
@@ -51,9 +51,7 @@ def global_top_k(scores: torch.Tensor, k: int, tp: Communicator, first: int) -> 
 def read(log_probs: torch.Tensor, ids: torch.Tensor, tp: Communicator, first: int) -> torch.Tensor:
     """(n, V_real_local) log-probabilities of this rank's slice, (n, m) vocabulary ids -> (n, m) their values, read
     by the rank holding each id and summed over TP (backward: the identity)."""
-    mine = (ids >= first) & (ids < first + log_probs.shape[-1])
-    picked = log_probs.gather(-1, torch.where(mine, ids - first, 0)) * mine
-    return reduce_from_tensor_parallel(picked, tp)
+    return reduce_from_tensor_parallel(pick(log_probs, ids, first), tp)
 
 
 def support(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, tp: Communicator, first: int,
