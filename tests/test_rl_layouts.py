@@ -66,7 +66,7 @@ COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ra
 VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
             "luspo": {"loss": "luspo", "delta": 1.04},
             "sapo": {"loss": "sapo", "sapo_temperature_neg": 2.0, "generation_batch_size": 32, "num_iterations": 1},
-            "rloo": {"loss": "rloo", "mask_truncated_completions": False, "normalize_advantages": True,
+            "rloo": {"loss": "rloo", "mask_truncated_completions": True, "normalize_advantages": True, "epsilon": 0.2,
                      "reward_clip_range": [0.0, 0.8]},
             "gmpo": {"loss": "gmpo", "epsilon": 0.1, "mask_truncated_completions": False},
             "entropy": {"top_entropy_quantile": 0.3, "entropy_coef": 0.02, "use_adaptive_entropy": True,
@@ -81,10 +81,12 @@ pipeline stage) with the entropy bonus on them (its gradient through the vocabul
 adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step), and RLOO (TRL's RLOOTrainer:
 leave-one-out baselines of rewards clamped to [0, 0.8], less the KL to the synced reference summed over each
 sequence from the scoring passes (summed over DP, sent from the last pipeline stage), normalized; the clipped
-surrogate on each sequence's whole ratio, summed over its CP ranks; truncation unmasked: with masking nearly every
-completion of this fixture is truncated, and the few left give a gradient norm near 3e-3 whose rounding at PP=2 and
-CP=2 reaches 2.4e-5 relative), and GMPO (TRL's GMPOTrainer: each sequence's weight the geometric mean of its token
-ratios clipped in log space to 0.1 each way, the mean over its CP ranks; unmasked too)."""
+surrogate on each sequence's whole ratio, summed over its CP ranks; truncated completions masked, each still
+counting its constant -A in the mean as TRL's does (`masked_share`, on the tokens of its CP ranks: without it steps 3
+and 4's losses move by 2e-3), with TRL's clip range 0.2: at the base's 0.02 the second iteration clipped nearly every
+token, and the gradient norm left, 3e-3, was rounding at PP=2 and CP=2 to 2.4e-5 relative), and GMPO (TRL's
+GMPOTrainer: each sequence's weight the geometric mean of its token ratios clipped in log space to 0.1 each way, the
+mean over its CP ranks; truncation unmasked)."""
 PENALIZED = {"min_p": 0.03, "repetition_penalty": 1.2}
 """Sampling with min-p and the repetition penalty (over each row's prompt and completion so far)."""
 PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(1, VOCAB - 1, size=3 + i)], f"prompt {i}",
