@@ -28,7 +28,9 @@ class SFTConfig:
     packing: str = "bfd"
     """Conversations per row: "bfd" (best-fit-decreasing), "greedy" (in order) or "pad" (one per row)."""
     overflow: str = "truncate"
-    """A conversation longer than model.seq_length: "truncate" or "drop" (both counted and reported)."""
+    """A conversation longer than model.seq_length: "truncate" or "drop" (both counted and reported); a preference
+    pair whose sequences do not fit one row: "truncate" cuts each of its k sequences to model.seq_length / k tokens,
+    keeping its start (TRL's max_length), or "drop"."""
     shuffle: bool = True
     """Reshuffle and repack the conversations every epoch (by train.seed); false keeps the records' order (an RL
     run's prompts too: TRL's shuffle_dataset)."""

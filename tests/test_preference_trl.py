@@ -145,8 +145,8 @@ def shardlm_metrics(setup, records, name: str, loss: list[str], per_step: int = 
 
 def dpo_args(setup, name: str, **options):
     """TRL's DPOConfig of the matched runs (sigmoid DPO; `options` on top)."""
-    options = {"loss_type": ["sigmoid"], "per_device_train_batch_size": PAIRS_PER_STEP} | options
-    return trl.DPOConfig(output_dir=str(setup["root"] / name), max_length=None, beta=BETA,
+    options = {"loss_type": ["sigmoid"], "per_device_train_batch_size": PAIRS_PER_STEP, "max_length": None} | options
+    return trl.DPOConfig(output_dir=str(setup["root"] / name), beta=BETA,
                          max_steps=STEPS, learning_rate=LR,
                          lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
                          adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],

@@ -15,13 +15,17 @@ completion) at the same place in a second set of arrays of the row's length, `kl
 (`shardlm.preference.kto`); an example takes the longer of its two sequences.
 
 Pairs are packed by their sequences' length (`sft.packing`: best-fit-decreasing, greedy in order, or one pair
-a row), reshuffled and repacked every epoch by (seed, epoch) as `shardlm.sft.packing.PackedRows` does; a pair
-longer than a row is dropped (counted and reported).
+a row), reshuffled and repacked every epoch by (seed, epoch) as `shardlm.sft.packing.PackedRows` does. A pair longer
+than a row (`sft.overflow`): "truncate" cuts each of its k sequences (2, 3 with a gold answer) to at most row / k
+tokens, keeping its start (TRL's `max_length` with `truncation_mode="keep_start"`, row / k being that max_length),
+and a KTO example each of its two sequences to the row; a sequence whose prompt alone fills that share (no answer
+token left) drops the pair, as TRL drops fully truncated examples; "drop" drops every such pair. Both are counted and
+reported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -83,25 +87,49 @@ def build_example_row(examples: list[TokenizedExample], indices: list[int], leng
     return PairRow(**_packed(own, length, pad_id), pairs=list(indices), kl=_packed(mismatched, length, pad_id))
 
 
+def fit(pair: TokenizedPair | TokenizedExample, seq_length: int) -> TokenizedPair | TokenizedExample | None:
+    """`pair` cut to fit a row of `seq_length` tokens (module docstring: each sequence to its share, its start kept),
+    itself when it fits, None when a sequence would keep no answer token."""
+    if len(pair) <= seq_length:
+        return pair
+    if isinstance(pair, TokenizedExample):
+        share, answers = seq_length, ("completion", "kl_completion")
+    else:
+        answers = ("chosen", "rejected") + (() if pair.gold is None else ("gold",))
+        share = seq_length // len(answers)
+    room = share - len(pair.prompt)
+    if room < 1:
+        return None
+    return replace(pair, **{name: getattr(pair, name)[:room] for name in answers if getattr(pair, name) is not None})
+
+
 class PairRows:
-    """Packed rows of tokenized pairs, epoch after epoch (the `PackedRows` interface `PackedDataset` reads)."""
+    """Packed rows of tokenized pairs, epoch after epoch (the `PackedRows` interface `PackedDataset` reads); pairs
+    longer than a row truncated or dropped (`overflow`, module docstring)."""
 
     def __init__(self, pairs: list[TokenizedPair] | list[TokenizedExample], seq_length: int, pad_id: int = 0,
-                 seed: int | None = 0, strategy: str = "bfd"):
-        self.pairs, self.seq_length, self.pad_id, self.seed = pairs, seq_length, pad_id, seed
+                 seed: int | None = 0, strategy: str = "bfd", overflow: str = "truncate"):
+        if overflow not in ("truncate", "drop"):
+            raise UserError(f"sft.overflow={overflow!r} is unknown; use 'truncate' or 'drop'")
+        fitted = [fit(p, seq_length) if overflow == "truncate" else p if len(p) <= seq_length else None
+                  for p in pairs]
+        self.pairs = [f if f is not None else p for f, p in zip(fitted, pairs)]
+        self.seq_length, self.pad_id, self.seed = seq_length, pad_id, seed
         self.strategy = strategy
         self.unpaired = bool(pairs) and isinstance(pairs[0], TokenizedExample)
         self.labels = [p.label for p in pairs] if self.unpaired else None
         """KTO: each example's label (True: desirable), by index; None for pairs."""
         self.with_kl = self.unpaired and pairs[0].kl_completion is not None
         """KTO: whether the rows carry the `kl_` arrays."""
-        self.kept = [i for i, p in enumerate(pairs) if len(p) <= seq_length]
+        self.kept = [i for i, f in enumerate(fitted) if f is not None]
         self.stats = PackStats(documents=len(pairs), dropped=len(pairs) - len(self.kept),
+                               truncated=sum(f is not None and f is not p for f, p in zip(fitted, pairs)),
                                unit="examples" if self.unpaired else "pairs")
         if not self.kept:
             what = "example is" if self.unpaired else "preference pair is"
             raise UserError(f"every {what} longer than model.seq_length={seq_length} ("
-                            + ("its sequence or its KL sequence" if self.unpaired else "its two sequences share a row")
+                            + ("its sequence or its KL sequence" if self.unpaired else "its sequences share a row")
+                            + (", its prompt longer than its share of a row" if overflow == "truncate" else "")
                             + "); raise model.seq_length")
         self._plan_epoch: int | None = None
         self._plan: list[list[int]] = []

@@ -36,8 +36,10 @@ def build_preference_datasets(sft: SFTConfig, seq_length: int, seed: int, init_f
     pad = template.special_tokens.get("pad_token") or template.end_of_turn
     pad_id = template.tokenizer.token_to_id(pad) if pad else None
     pad_id = pad_id if pad_id is not None else 0
-    train = PairRows(splits[0], seq_length, pad_id, seed=seed if sft.shuffle else None, strategy=sft.packing)
-    valid = PairRows(splits[1], seq_length, pad_id, seed=None, strategy=sft.packing) if splits[1] else None
+    train = PairRows(splits[0], seq_length, pad_id, seed=seed if sft.shuffle else None, strategy=sft.packing,
+                     overflow=sft.overflow)
+    valid = PairRows(splits[1], seq_length, pad_id, seed=None, strategy=sft.packing,
+                     overflow=sft.overflow) if splits[1] else None
     max_id = max(max(ids) for ids in tokens)
     return SFTData(PairDataset(train), PairDataset(valid, epochs=1) if valid else None, template, train.stats,
                    valid.stats if valid else None, max(max_id, pad_id))

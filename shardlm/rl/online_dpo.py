@@ -59,7 +59,7 @@ class StepPairs:
 
     def __init__(self, pairs: list[TokenizedPair], start: int, rows_per_step: int, seq_length: int, pad_id: int,
                  packing: str):
-        self.rows = PairRows(pairs, seq_length, pad_id, seed=None, strategy=packing)
+        self.rows = PairRows(pairs, seq_length, pad_id, seed=None, strategy=packing, overflow="drop")
         if self.rows.stats.dropped:
             longest = max(len(p) for p in pairs)
             raise UserError(f"an online DPO pair's two sequences take {longest} tokens, more than model.seq_length="
