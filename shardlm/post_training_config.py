@@ -28,7 +28,8 @@ class SFTConfig:
     packing: str = "bfd"
     """Conversations per row: "bfd" (best-fit-decreasing), "greedy" (in order) or "pad" (one per row)."""
     overflow: str = "truncate"
-    """A conversation longer than model.seq_length: "truncate" or "drop" (both counted and reported); a preference
+    """A conversation longer than model.seq_length: "truncate", "split" (pieces of model.seq_length tokens, each a
+    document of its own: no token lost, TRL's "bfd_split") or "drop" (each counted and reported); a preference
     pair whose sequences do not fit one row: "truncate" cuts each of its k sequences to model.seq_length / k tokens,
     keeping its start (TRL's max_length), or "drop"."""
     shuffle: bool = True

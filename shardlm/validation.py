@@ -240,7 +240,10 @@ def _validate_packed(config: RunConfig) -> None:
          "sft.data replaces data.text_file and data.prefixes; set only one of them"),
         (f.packing in STRATEGIES,
          f'sft.packing="{f.packing}" must be one of ' + ", ".join(f'"{s}"' for s in STRATEGIES)),
-        (f.overflow in OVERFLOW, f'sft.overflow="{f.overflow}" must be "truncate" or "drop"'),
+        (f.overflow in OVERFLOW, f'sft.overflow="{f.overflow}" must be "truncate", "split" or "drop"'),
+        (f.overflow != "split" or not (config.preference.loss or config.reward.loss),
+         'sft.overflow="split" cuts a long conversation into pieces; a preference pair\'s sequences stay whole in one '
+         'row: use "truncate" (each cut to its share of the row) or "drop"'),
         (f.fields in ("auto", "dolly", "alpaca"), f'sft.fields="{f.fields}" must be "auto", "dolly" or "alpaca"'),
         (0 <= f.valid_fraction < 1, f"sft.valid_fraction={f.valid_fraction} must be in [0, 1)"),
         (f.loss_type in ("nll", "dft"), f'sft.loss_type="{f.loss_type}" must be "nll" or "dft"'),

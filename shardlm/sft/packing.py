@@ -13,9 +13,11 @@ Each conversation (a *document* here) keeps its own causal context: in a packed 
 Strategies (`strategy=`): `"bfd"` best-fit-decreasing (longest documents first, each into the fullest row it
 fits; the same bins and row order as TRL's `pack_dataset(strategy="bfd")` when `seed=None`), `"greedy"`
 (documents in order, a new row when the next one does not fit) and `"pad"` (one document per row).
-Documents longer than T are truncated to T tokens (`overflow="truncate"`) or dropped (`"drop"`); a
-document left with no trained token is dropped; `PackStats` counts the truncated documents that were kept
-and all dropped ones.
+Documents longer than T are truncated to T tokens (`overflow="truncate"`), split into pieces of T tokens and a last
+shorter one, each packed as a document of its own, so no token is lost (`"split"`, TRL's `"bfd_split"`: a piece's
+positions start at 0 and its first token is no target), or dropped (`"drop"`); a document (or piece) left with no
+trained token is dropped; `PackStats` counts the truncated documents that were kept, the split ones and all dropped
+ones.
 
 `PackedRows` iterates rows epoch after epoch in an order fixed by `(seed, epoch)`, and its
 `state_dict()` / `load_state_dict()` (`{"epoch", "index"}`) restore the order mid-epoch.
@@ -36,7 +38,7 @@ from shardlm.sft.template import TokenizedConversation
 
 IGNORE_INDEX = -100
 STRATEGIES = ("bfd", "greedy", "pad")
-OVERFLOW = ("truncate", "drop")
+OVERFLOW = ("truncate", "split", "drop")
 
 
 def shift_labels(input_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:
@@ -53,6 +55,7 @@ class PackStats:
     rows: int = 0
     truncated: int = 0
     dropped: int = 0
+    split: int = 0
     tokens: int = 0
     row_tokens: int = 0
     targets: int = 0
@@ -65,7 +68,8 @@ class PackStats:
 
     def summary(self) -> str:
         return (f"packed {self.documents} {self.unit} into {self.rows} rows: {self.efficiency:.1%} of row tokens "
-                f"are real, {self.targets} trained tokens; {self.truncated} truncated, {self.dropped} dropped")
+                f"are real, {self.targets} trained tokens; {self.truncated} truncated, "
+                + (f"{self.split} split, " if self.split else "") + f"{self.dropped} dropped")
 
 
 @dataclass
@@ -135,9 +139,11 @@ def plan_bins(lengths: Sequence[int], seq_length: int, strategy: str = "bfd") ->
 
 
 def _fit(docs: Sequence[TokenizedConversation], seq_length: int, overflow: str, stats: PackStats):
-    """Per document: (input_ids, labels) within seq_length, or None when it is dropped."""
+    """Per document (under "split", per piece): (input_ids, labels) within seq_length, or None when it is dropped."""
     if overflow not in OVERFLOW:
-        raise UserError(f"overflow={overflow!r} is unknown; use 'truncate' or 'drop'")
+        raise UserError(f"overflow={overflow!r} is unknown; use 'truncate', 'split' or 'drop'")
+    if overflow == "split":
+        docs = [piece for doc in docs for piece in _pieces(doc, seq_length, stats)]
     fitted = []
     for doc in docs:
         ids, mask = list(doc.input_ids), list(doc.loss_mask)
@@ -155,6 +161,16 @@ def _fit(docs: Sequence[TokenizedConversation], seq_length: int, overflow: str, 
         stats.truncated += len(doc.input_ids) > seq_length
         fitted.append((ids, labels))
     return fitted
+
+
+def _pieces(doc: TokenizedConversation, seq_length: int, stats: PackStats) -> list[TokenizedConversation]:
+    """`doc` cut into pieces of `seq_length` tokens and a last shorter one (itself when it fits); counted."""
+    n = len(doc.input_ids)
+    if n <= seq_length:
+        return [doc]
+    stats.split += 1
+    return [TokenizedConversation(list(doc.input_ids[i:i + seq_length]), list(doc.loss_mask[i:i + seq_length]),
+                                  doc.where) for i in range(0, n, seq_length)]
 
 
 def build_row(pieces: Sequence[tuple[list[int], list[int]]], seq_length: int, pad_id: int,
