@@ -31,8 +31,6 @@ from shardlm.distill.divergence import log_softmax, pick
 from shardlm.parallel import Communicator
 from shardlm.parallel.mappings import reduce_from_tensor_parallel
 
-REVERSE_MODES = ("sampled", "argmax")
-
 
 def global_top_k(scores: torch.Tensor, k: int, tp: Communicator, first: int) -> torch.Tensor:
     """(n, V_real_local) this rank's scores of its slice (vocabulary ids `first`...) -> (n, k) the ids of each row's
