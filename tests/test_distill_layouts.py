@@ -39,10 +39,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_distill_top_k import own_supports
 from test_moe_parallel import stage_parameters
 from test_sft_layouts import SEQ, train_data, valid_data
 
-from shardlm.distill import divergence, top_k
+from shardlm.distill import divergence
 from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
@@ -68,33 +69,22 @@ TOP_K = {"loss_top_k": 50}
 """The JSD (beta 0.5) on the union of the teacher's and the student's 50 most likely tokens, with the tail bucket: at
 TP=2 the second rank's slice holds 44 real entries, fewer than k."""
 TOP_1 = {"loss_top_k": 1, "loss_add_tail": False}
-"""The JSD on the teacher's top token and the sampled one, renormalized (no tail)."""
+"""The JSD on the teacher's top token and the sampled one, renormalized; TOP_1_ARGMAX the reverse KL (beta 1) on
+the student's top token and the tail."""
 TOP_1_ARGMAX = {"loss_top_k": 1, "reverse_kl_top_1_mode": "argmax"}
-"""The reverse KL (beta 1) on the student's top token and the tail."""
 
 
-def write_teacher(root):
-    """The module docstring's teacher in `root`; returns its path as text."""
+def write_teacher(root, moe: bool = False):
+    """The module docstring's teacher in `root` (`moe`: a Qwen3-MoE, 2 layers of 4 experts, top-2); its path as text."""
     from test_lora_peft import save_random
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    save_random(Qwen3ForCausalLM, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
-    return str(root)
-
-
-def write_moe_teacher(root):
-    """A random transformers Qwen3-MoE teacher (2 layers of 4 experts, top-2) in `root`; its path as text."""
-    from test_lora_peft import save_random
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, moe_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=False,
-                            norm_topk_prob=True)
-    save_random(Qwen3MoeForCausalLM, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=12, max_position_embeddings=64, tie_word_embeddings=False)
+    moe_sizes = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    model, config = ((Qwen3MoeForCausalLM, Qwen3MoeConfig(num_hidden_layers=2, **moe_sizes, **common)) if moe
+                     else (Qwen3ForCausalLM, Qwen3Config(num_hidden_layers=4, **common)))
+    save_random(model, config, root, prepare=lambda model: model.lm_head.weight.mul_(8.0))
     return str(root)
 
 
@@ -175,30 +165,18 @@ def plain_sum(x, tp):
     return reduce_from_tensor_parallel(x, tp)
 
 
-def own_top_k(scores, k, tp, first):
-    """The top-k control's bug: each TP rank's support drawn from its own slice of the vocabulary alone (padded to k
-    as the real one, so every rank's collectives keep their shapes)."""
-    return GLOBAL_TOP_K(scores, k, ParallelContext.single().tp, first)
-
-
-GLOBAL_TOP_K = top_k.global_top_k
-
-
 def run_distill(tp: int, pp: int, cp: int, ep: int, teacher: str, broken: bool = False, chunk: int = 0,
                 own_support: bool = False, **spec) -> dict:
     from shardlm.distill import loss
 
     if broken:
         divergence._SharedSum.apply = plain_sum
-    global_top_k = top_k.global_top_k
-    if own_support:
-        top_k.global_top_k = own_top_k
     loss.CHUNK = chunk or 1 << 22  # (the default: one chunk at these sizes)
     try:
-        return train_distill(layout_context(tp, pp, cp, ep),
-                             distill_config(teacher, tp=tp, pp=pp, cp=cp, ep=ep, **spec))
+        with own_supports(own_support):
+            return train_distill(layout_context(tp, pp, cp, ep),
+                                 distill_config(teacher, tp=tp, pp=pp, cp=cp, ep=ep, **spec))
     finally:
-        top_k.global_top_k = global_top_k
         if broken:  # the cases after it in this world use the real one again
             del divergence._SharedSum.apply
 
@@ -260,7 +238,7 @@ def teacher(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_teacher(tmp_path_factory):
-    return write_moe_teacher(tmp_path_factory.mktemp("moe-teacher"))
+    return write_teacher(tmp_path_factory.mktemp("moe-teacher"), moe=True)
 
 
 def with_teacher(cases: dict, teacher: str, moe_teacher: str) -> dict:

@@ -16,6 +16,7 @@ one-process values within 1e-6, and so do the whole vocabulary's JSD and the sam
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from types import SimpleNamespace
 
@@ -88,6 +89,20 @@ def own_top_k(scores, k, tp, first):
 
 
 GLOBAL_TOP_K = top_k.global_top_k
+
+
+@contextlib.contextmanager
+def own_supports(on: bool = True):
+    """The control's bug (`own_top_k`) in place while the block runs, when `on` (also `tests/test_distill_layouts.py`'s
+    control)."""
+    if on:
+        top_k.global_top_k = own_top_k
+    try:
+        yield
+    finally:
+        top_k.global_top_k = GLOBAL_TOP_K
+
+
 LOCAL = {2: 26, 3: 25}
 """Each TP rank's slice: at TP=2 26 and 24 real tokens, at TP=3 25, 25 and none (the last slice padding alone)."""
 
@@ -100,13 +115,9 @@ def split_case(ctx, beta: float, k: int, own_support: bool = False) -> dict:
     pad = local * ctx.tp_size - VOCAB
     part = slice(ctx.tp_rank * local, (ctx.tp_rank + 1) * local)
     mine = torch.nn.functional.pad(student, (0, pad))[:, part].clone().requires_grad_()
-    if own_support:
-        top_k.global_top_k = own_top_k
-    try:
+    with own_supports(own_support):
         values = ours(mine, torch.nn.functional.pad(teacher, (0, pad))[:, part], targets, beta, k, True, "sampled",
                       tp=ctx.tp)
-    finally:
-        top_k.global_top_k = GLOBAL_TOP_K
     (grad,) = torch.autograd.grad(values.sum(), mine)
     return {"values": values.detach(), "grad": grad[:, :max(0, min(local, VOCAB - part.start))]}
 

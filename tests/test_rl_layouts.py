@@ -17,21 +17,19 @@ on every rank:
   `agreement.LINEAR_ATTENTION_PARAMS_TOL`), CP=2 (also with GSPO's sequence-level ratio, whose per-sequence means
   span the CP ranks, in one generation round of two steps taken twice: GRPO's loss, against a one-process GSPO run),
   VESPO with the off-policy mask at CP=2 (both read sums over a sequence's CP ranks), LUSPO with INTELLECT-2's cap
-  at CP=2, SAPO at PP=2 (rounds of two steps), RLOO at DP=2, PP=2 and CP=2, DAPO under the entropy mask (its
-  quantile over the global batch, gathered over DP x CP) with the adaptive entropy bonus at CP=2, PP=2 and TP=2 with
-  SP (the bonus's gradient through the vocabulary-parallel output layer), each against a one-process run of its
-  loss;
+  at CP=2, SAPO at PP=2 (rounds of two steps), RLOO (truncation masked) at DP=2, PP=2 and CP=2, DAPO under the
+  entropy mask (its quantile over the global batch, gathered over DP x CP) with the adaptive entropy bonus at CP=2,
+  PP=2 and TP=2 with SP (the bonus's gradient through the vocabulary output layer), each against a one-process run;
 - world 4: TP=2 x DP=2, PP=2 x DP=2, CP=2 x DP=2 (GSPO, its two-step round), CP=2 x TP=2 with SP, CP=2 x PP=2,
   FSDP CP=2 x DP=2, an MoE at EP=2 x CP=2;
 - one process: micro-batch 2 equals micro-batch 8 and packed rows equal one sequence a row; the control:
   normalizing each micro-batch by its own tokens (a mean of micro-batch means) moves the loss.
 Sampling (`InProcessGenerator`, prompts of different lengths in one batch): TP=2 (with SP; also under min-p and the
-repetition penalty), PP=2, EP=2, FSDP, CP=2,
-CP=2 x DP=2 (each rank its share of whole sequences), an MoE at EP=2 x CP=2 and PP=2 x FSDP DP=2 give one process's
-tokens, and their log-probabilities within 1e-5. Under batch-invariant numerics the rollout's log-probabilities
-equal the training forward's bitwise over 3 rounds of sampling and training, in one process (dense, MoE, LoRA) and at
-TP=2 with SP, PP=2, EP=2, FSDP, CP=2, CP=2 x TP=2 with SP and PP=2 x FSDP DP=2; without, they differ by round-off
-(the control).
+repetition penalty), PP=2, EP=2, FSDP, CP=2, CP=2 x DP=2 (each rank its share of whole sequences), an MoE at EP=2 x
+CP=2 and PP=2 x FSDP DP=2 give one process's tokens, and their log-probabilities within 1e-5. Under batch-invariant
+numerics the rollout's log-probabilities equal the training forward's bitwise over 3 rounds of sampling and training,
+in one process (dense, MoE, LoRA) and at TP=2 with SP, PP=2, EP=2, FSDP, CP=2, CP=2 x TP=2 with SP and PP=2 x FSDP
+DP=2; without, they differ by round-off (the control).
 """
 
 from __future__ import annotations
@@ -75,16 +73,16 @@ VARIANTS = {"vespo": {"loss": "vespo", "off_policy_mask_threshold": 0.005},
 mask's mean log-ratio (sums over a sequence's CP ranks), LUSPO's per-sequence sums with INTELLECT-2's cap (each
 option reaching the run: `test_the_variants_options_reach_the_run`), SAPO's gate in place of the clip with
 generation rounds of two steps (32 completions a round, split between them: the second against the old
-log-probabilities of a scoring pass over both steps' rows), DAPO on the
-top 30% of tokens by entropy (the quantile over the global batch's tokens, gathered over DP x CP, or on the last
-pipeline stage) with the entropy bonus on them (its gradient through the vocabulary-parallel output layer; the
-adaptive coefficient 0.02, then raised by 0.05 a step, applied from the second step), and RLOO (TRL's RLOOTrainer:
+log-probabilities of a scoring pass over both steps' rows), DAPO on the top 30% of tokens by entropy (the quantile
+over the global batch's tokens, gathered over DP x CP, or on the last pipeline stage) with the entropy bonus on them
+(its gradient through the vocabulary-parallel output layer; the adaptive coefficient 0.02, then raised by 0.05 a
+step, applied from the second step), and RLOO (TRL's RLOOTrainer:
 leave-one-out baselines of rewards clamped to [0, 0.8], less the KL to the synced reference summed over each
 sequence from the scoring passes (summed over DP, sent from the last pipeline stage), normalized; the clipped
 surrogate on each sequence's whole ratio, summed over its CP ranks; truncated completions masked, each still
-counting its constant -A in the mean as TRL's does (`masked_share`, on the tokens of its CP ranks: without it steps 3
-and 4's losses move by 2e-3), with TRL's clip range 0.2: at the base's 0.02 the second iteration clipped nearly every
-token, and the gradient norm left, 3e-3, was rounding at PP=2 and CP=2 to 2.4e-5 relative), and GMPO (TRL's
+counting its constant -A in the mean as TRL's does (`masked_share`, on its CP ranks' tokens: without it steps 3 and
+4's losses move by 2e-3), at TRL's clip range 0.2 (at 0.02 the second iteration clipped nearly every token, its
+gradient norm 3e-3 rounding at PP=2 and CP=2 to 2.4e-5 relative), and GMPO (TRL's
 GMPOTrainer: each sequence's weight the geometric mean of its token ratios clipped in log space to 0.1 each way, the
 mean over its CP ranks; truncation unmasked)."""
 PENALIZED = {"min_p": 0.03, "repetition_penalty": 1.2}
