@@ -33,13 +33,14 @@ from shardlm.parallel.mappings import reduce_from_tensor_parallel
 
 
 def global_top_k(scores: torch.Tensor, k: int, tp: Communicator, first: int) -> torch.Tensor:
-    """(n, V_real_local) this rank's scores of its slice (vocabulary ids `first`...) -> (n, k) the ids of each row's
-    k largest over every rank's slices, in decreasing order, the same on every rank."""
+    """(..., V_real_local) this rank's scores of its slice (vocabulary ids `first`...) -> (..., k) the ids of each
+    row's k largest over every rank's slices, in decreasing order, the same on every rank (one all-gather of values
+    and one of ids, whatever the leading dimensions)."""
     local = min(k, scores.shape[-1])
-    values, ids = scores.topk(local, dim=-1) if local else (scores[:, :0], scores[:, :0].long())
+    values, ids = scores.topk(local, dim=-1) if local else (scores[..., :0], scores[..., :0].long())
     if local < k:  # a slice narrower than k: never chosen over real entries
-        values = torch.cat([values, values.new_full((values.shape[0], k - local), float("-inf"))], dim=-1)
-        ids = torch.cat([ids, ids.new_zeros((ids.shape[0], k - local))], dim=-1)
+        values = torch.cat([values, values.new_full((*values.shape[:-1], k - local), float("-inf"))], dim=-1)
+        ids = torch.cat([ids, ids.new_zeros((*ids.shape[:-1], k - local))], dim=-1)
     ids = ids + first
     if tp.size > 1:
         values, ids = (torch.cat(tp.all_gather(x.contiguous()), dim=-1) for x in (values, ids))
@@ -47,8 +48,8 @@ def global_top_k(scores: torch.Tensor, k: int, tp: Communicator, first: int) -> 
 
 
 def read(log_probs: torch.Tensor, ids: torch.Tensor, tp: Communicator, first: int) -> torch.Tensor:
-    """(n, V_real_local) log-probabilities of this rank's slice, (n, m) vocabulary ids -> (n, m) their values, read
-    by the rank holding each id and summed over TP (backward: the identity)."""
+    """(..., V_real_local) log-probabilities of this rank's slice, (..., m) vocabulary ids -> (..., m) their values,
+    read by the rank holding each id and summed over TP in one all-reduce (backward: the identity)."""
     return reduce_from_tensor_parallel(pick(log_probs, ids, first), tp)
 
 
@@ -63,9 +64,11 @@ def support(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor,
         ids = global_top_k(teacher, k, tp, first)
     elif beta == 1:
         ids = reverse() if k == 1 else global_top_k(student, k, tp, first)
-    else:
-        ids = torch.cat([global_top_k(teacher, k, tp, first),
-                         reverse() if k == 1 else global_top_k(student, k, tp, first)], dim=-1)
+    elif k == 1:
+        ids = torch.cat([global_top_k(teacher, 1, tp, first), reverse()], dim=-1)
+    else:  # both sides' top-k drawn together
+        ids = global_top_k(torch.stack([teacher, student]), k, tp, first)
+        ids = torch.cat([ids[0], ids[1]], dim=-1)
     kept = torch.ones_like(ids, dtype=torch.bool)
     for i in range(1, ids.shape[-1]):  # each token once: a repeat of an earlier one is dropped
         kept[:, i] = ~(ids[:, i:i + 1] == ids[:, :i]).any(dim=-1)
@@ -91,8 +94,9 @@ def top_k_jsd(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tenso
     t_logits = teacher[..., :real].detach().float() / temperature
     ids, kept = support(s_logits.detach(), t_logits, targets, tp, first, beta, k, reverse_mode)
     off = torch.tensor(float("-inf"), device=student.device)
-    s = torch.where(kept, read(log_softmax(s_logits, tp), ids, tp, first), off)
-    t = torch.where(kept, read(log_softmax(t_logits, tp), ids, tp, first), off)
+    both = read(torch.stack([log_softmax(s_logits, tp), log_softmax(t_logits, tp)]), ids.expand(2, *ids.shape), tp,
+                first)  # the student's values and the teacher's in one all-reduce
+    s, t = torch.where(kept, both[0], off), torch.where(kept, both[1], off)
     if add_tail:
         s, t, kept = _with_tail(s), _with_tail(t), torch.cat([kept, kept[:, :1]], dim=-1)
     else:
