@@ -294,8 +294,19 @@ class RLConfig:
     forward's bitwise in fp32 (dense attention models), at the cost of slower attention; off: they differ by
     round-off (logged as logprob_diff_max)."""
     completions: str = ""
-    """A JSONL file of fixed completions (`{"step": s, "sequence": j, "ids": [...]}`) used instead of sampling:
-    for checking a layout or another trainer on the same tokens."""
+    """A JSONL file of fixed completions (`{"step": s, "sequence": j, "ids": [...]}`, with tools a `"turn": k` for
+    the reply after the k-th tool results) used instead of sampling: for checking a layout or another trainer on the
+    same tokens."""
+    tools: list = field(default_factory=list)
+    """Tools the policy may call while it completes a prompt (TRL's GRPOTrainer `tools`): "module:function" names of
+    Python functions with type hints and a Google-style docstring (their JSON schemas, rendered into each prompt by the
+    chat template, are transformers' `get_json_schema`'s). A reply's Hermes-format calls
+    (<tool_call>{"name": ..., "arguments": ...}</tool_call>) are run on the main rank, their results appended and the
+    policy continues; the results' tokens are never trained (`docs/rl.md`). Conversational prompts only; not with
+    online_dpo or a2po."""
+    max_tool_calling_iterations: int = 0
+    """The most rounds of tool results a completion gets (TRL's name); 0: no limit (a completion still ends within
+    max_completion_length)."""
 
 
 @dataclass

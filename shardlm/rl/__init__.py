@@ -2,10 +2,10 @@
 SAPO, LUSPO, VESPO, INTELLECT-2's two-sided clip, DeepSeek-V3.2's off-policy sequence mask, the 80/20 rule's entropy
 mask, an entropy bonus with Skywork-OR1's adaptive control), RLOO (TRL's RLOOTrainer), GMPO, online DPO
 (`online_dpo`: DPO on pairs of the policy's own completions chosen by reward) and A*-PO (`a2po`: a regression onto
-reward - V*, V* estimated before training), the completions sampled by the policy
-in the training processes, at the training layout. Prompts and rewards (`prompts`, `rewards`, the built-in task
-`arithmetic`), rollouts (`rollout`), group-relative and leave-one-out advantages (`advantages`), the step's packed
-rows (`batch`), the losses (`loss`) and the loop joining them (`loop`). `docs/rl.md`."""
+reward - V*, V* estimated before training), the completions sampled by the policy in the training processes, at the
+training layout. Prompts and rewards (`prompts`, `rewards`, the built-in task `arithmetic`), rollouts (`rollout`;
+with tools, `tools` and the multi-turn `agent`), group-relative and leave-one-out advantages (`advantages`), the
+step's packed rows (`batch`), the losses (`loss`) and the loop joining them (`loop`). `docs/rl.md`."""
 
 from __future__ import annotations
 
@@ -143,6 +143,11 @@ def check_rl(config, world_size: int = 1) -> str | None:
                                 f"{r.num_generations}; set rl.prompts_per_step"),
         (not r.reward_weights or len(r.reward_weights) == len(r.rewards),
          f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} reward functions"),
+        (not r.tools or r.loss not in ("online_dpo", "a2po"),
+         f'rl.tools runs multi-turn rollouts for the policy-gradient losses; rl.loss="{r.loss}" takes single replies: '
+         "leave rl.tools empty"),
+        (r.max_tool_calling_iterations >= 0,
+         f"rl.max_tool_calling_iterations={r.max_tool_calling_iterations} must be >= 0 (0: no limit)"),
         (not config.model.mtp_layers, "an RL run trains without multi-token prediction; set model.mtp_layers=0"),
         (not config.train.compile, "an RL run samples with the eager model; set train.compile=false"),
         (not config.preference.loss, "set either [preference] or [rl], not both"),

@@ -5,9 +5,9 @@ pack), packed best-fit-decreasing by length (`sft.packing`: "pad" puts one seque
 `train.global_batch_size` rows of model.seq_length tokens on every rank alike, before the rows are dealt out to
 micro-batches and data-parallel ranks; a sequence never splits. A row (`StepRows[i]`) is a dict of (T,) arrays:
 
-- `input_ids`, `position_ids` (restarting at every sequence), `labels` (the next token where it is a completion's,
-  -100 elsewhere: the prompt, the last token, padding), `sequence` (the sequence's index in the round, -1 on
-  padding), `row` (the row's index);
+- `input_ids`, `position_ids` (restarting at every sequence), `labels` (the next token where it is a completion's
+  and sampled by the policy, -100 elsewhere: the prompt, tool results (`shardlm.rl.agent`), the last token,
+  padding), `sequence` (the sequence's index in the round, -1 on padding), `row` (the row's index);
 - per completion token, at the position that predicts it: `advantage` (its sequence's), `weight` (its share of the
   loss of the global batch: the loss type's normalizer, below), `token_weight` (1 / the batch's completion tokens:
   token means such as KL and entropy), `sequence_weight` (1 / (its sequence's tokens x sequences): GSPO's means
@@ -23,7 +23,7 @@ steps in turn, rl.num_iterations times over.
 
 The weights make each step's loss its global batch's under every layout, never a mean of per-micro-batch means.
 With m the completion mask (0 on a masked truncated completion, whose sequence still counts, as in TRL), n_j a
-sequence's tokens, N the step's sequences and L rl.max_completion_length:
+sequence's tokens (the policy's: tool results never count), N the step's sequences and L rl.max_completion_length:
 
     grpo, sapo, rloo, gmpo, a2po   sum_j (sum_t m l) / max(n_j, 1) / N   per-sequence means, then their mean
                                                              (rloo, gmpo, a2po: l is the sequence's loss at every token)
@@ -60,7 +60,7 @@ class StepRows:
         step_of = np.zeros(len(rollouts), dtype=np.int64) if step_of is None else np.asarray(step_of)
         steps = int(step_of.max()) + 1
         mask = [0.0 if (r.truncated and mask_truncated) else 1.0 for r in rollouts]
-        tokens = np.array([len(r.completion) * m for r, m in zip(rollouts, mask)])
+        tokens = np.array([r.policy_tokens * m for r, m in zip(rollouts, mask)])  # (tool results untrained)
         members = [np.flatnonzero(step_of == s) for s in range(steps)]
         round_tokens = max(tokens.sum(), 1.0) / steps  # dapo, cispo, vespo: the round's, a step's share
         self.num_sequences, self.num_tokens = len(rollouts), float(tokens.sum())
@@ -89,7 +89,7 @@ class StepRows:
                     per_sequence = mask[j] / (max(tokens[j], 1.0) * count)
                     self._place(row, start, j, rollouts[j], advantages[j],
                                 per_sequence if normalizer is None else mask[j] / normalizer, mask[j] / total,
-                                per_sequence, (1 - mask[j]) / (max(len(rollouts[j].completion), 1) * count))
+                                per_sequence, (1 - mask[j]) / (max(rollouts[j].policy_tokens, 1) * count))
                     start += lengths[j]
                 self.fields["position_ids"][row, start:] = np.arange(seq_length - start)
 
@@ -101,14 +101,16 @@ class StepRows:
         f = self.fields
         f["input_ids"][row, where] = ids
         f["position_ids"][row, where] = np.arange(n)
-        f["labels"][row, where] = shift_labels(ids, [0] * p + [1] * len(rollout.completion))
+        policy = [1] * len(rollout.completion) if rollout.mask is None else rollout.mask
+        f["labels"][row, where] = shift_labels(ids, [0] * p + policy)
         f["sequence"][row, where] = j
-        trained = slice(start + p - 1, start + n - 1)  # the positions that predict the completion's tokens
+        keep = np.flatnonzero(policy)  # the policy's own tokens (not the tool results')
+        trained = start + p - 1 + keep  # the positions that predict them
         f["advantage"][row, trained] = advantage
         f["weight"][row, trained] = weight
         f["token_weight"][row, trained] = token_weight
         f["sequence_weight"][row, trained] = sequence_weight
-        f["sample_logp"][row, trained] = rollout.logps
+        f["sample_logp"][row, trained] = np.asarray(rollout.logps, dtype=np.float64)[keep]
         if "masked_share" in f:
             f["masked_share"][row, trained] = masked_share
 

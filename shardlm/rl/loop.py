@@ -56,10 +56,11 @@ class RLRun:
 
     def __init__(self, trainer, prompts: list[Prompt], template, generator, rewards: list[Reward], pad_id: int,
                  reference: ReferenceWeights | None = None, completions_file: Path | None = None,
-                 eval_prompts: list[Prompt] = ()):
+                 eval_prompts: list[Prompt] = (), agent=None):
         self.trainer, self.prompts, self.template = trainer, prompts, template
         self.eval_prompts = list(eval_prompts)  # held out (rl.eval_prompts): `evaluate`
         self.generator, self.rewards, self.pad_id, self.reference = generator, rewards, pad_id, reference
+        self.agent = agent  # rl.tools: the tool-calling loop (`shardlm.rl.agent.ToolLoop`), else None
         self.completions_file = completions_file  # rl.log_completions: each round's samples appended (main rank)
         self.cfg, self.ctx = trainer.config.rl, trainer.ctx
         self.steps = steps_per_generation(trainer.config)  # optimizer steps of different rows a round
@@ -124,13 +125,22 @@ class RLRun:
     def sample(self, prompts: list[Prompt], seed_of, round_index: int, offset: int = 0) -> list[Rollout]:
         """Every sequence's rollout, in order, of `prompts` (one per sequence; the j-th is sequence offset + j of
         the round, sampled from the seed `seed_of(offset + j)`): each data x context-parallel rank samples its share in
-        the training forward's precision, and every rank gathers all of them."""
-        share = sampling_share(len(prompts), self.ctx)
-        with self.trainer.autocast():
-            local = self.generator.generate([prompts[j].ids for j in share], [seed_of(offset + j) for j in share],
-                                            round_index, [offset + j for j in share])
-        self.reshard()
-        return gather_samples(local, self.ctx)
+        the training forward's precision, and every rank gathers all of them; with tools, the replies after the tool
+        results too (`shardlm.rl.agent`)."""
+        sequences = [offset + j for j in range(len(prompts))]
+        seeds = [seed_of(j) for j in sequences]
+
+        def generate(ids: list[list[int]], seeds: list[int], limits, turn: int, sequences: list[int]) -> list[Rollout]:
+            share = sampling_share(len(ids), self.ctx)
+            with self.trainer.autocast():
+                local = self.generator.generate([ids[j] for j in share], [seeds[j] for j in share], round_index,
+                                                [sequences[j] for j in share],
+                                                None if limits is None else [limits[j] for j in share], turn)
+            self.reshard()
+            return gather_samples(local, self.ctx)
+
+        first = generate([p.ids for p in prompts], seeds, None, 0, sequences)
+        return first if self.agent is None else self.agent.run(first, seeds, sequences, generate)
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> np.ndarray:
         """(N, F) reward values (NaN: None) of each sequence's prompt and rollout: the functions' computed on the main
@@ -140,8 +150,9 @@ class RLRun:
         completions = None
         if self.ctx.rank == 0 or self.scorers:
             texts = [decode(self.template, r.completion) for r in rollouts]
-            completions = [[{"role": "assistant", "content": t}] if p.conversational else t
-                           for p, t in zip(prompts, texts)]
+            completions = [r.messages if r.messages is not None else
+                           [{"role": "assistant", "content": t}] if p.conversational else t
+                           for p, t, r in zip(prompts, texts, rollouts)]
         if self.ctx.rank == 0:
             keys = sorted({k for p in prompts for k in p.columns})
             columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
@@ -266,6 +277,7 @@ class RLRun:
                                      "prompt": self.prompts[owner].prompt,
                                      "completion": decode(self.template, rollout.completion),
                                      "truncated": rollout.truncated, "rewards": scores,
+                                     **({"messages": rollout.messages} if rollout.messages is not None else {}),
                                      "reward": float(rewards[j]), "advantage": float(advantages[j])}) + "\n")
         with open(self.completions_file, "a", encoding="utf-8") as f:
             f.write("".join(lines))
@@ -324,9 +336,13 @@ class RLRun:
             column = values[:, i]
             metrics[f"rewards/{name}/mean"] = float(np.nanmean(column)) if not np.isnan(column).all() else float("nan")
             metrics[f"rewards/{name}/std"] = float(nanstd(column))
-        lengths = np.array([len(r.completion) for r in rollouts], dtype=np.float64)
+        lengths = np.array([r.policy_tokens for r in rollouts], dtype=np.float64)  # (tool results left out)
         truncated = np.array([r.truncated for r in rollouts])
         metrics |= {"frac_reward_zero_std": float(zero_std.mean()), "completions/mean_length": lengths.mean(),
                     "completions/min_length": lengths.min(), "completions/max_length": lengths.max(),
                     "completions/clipped_ratio": float(truncated.mean())}
+        if self.agent is not None:  # the last sampling's tool calls, as TRL's tools/ metrics
+            calls = self.agent.calls
+            metrics |= {"tools/call_frequency": calls / len(rollouts),
+                        "tools/failure_frequency": self.agent.failures / calls if calls else 0.0}
         return metrics

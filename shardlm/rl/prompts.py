@@ -35,14 +35,19 @@ class Prompt:
         return isinstance(self.prompt, list)
 
 
-def to_prompt(template: ChatTemplate, record: dict[str, Any], where: str) -> Prompt:
-    """A tokenized `Prompt` of one record (module docstring)."""
+def to_prompt(template: ChatTemplate, record: dict[str, Any], where: str, tools: list[dict] | None = None
+              ) -> Prompt:
+    """A tokenized `Prompt` of one record (module docstring); `tools`: the JSON schemas of rl.tools, rendered by the
+    template into a conversational prompt (a text prompt is refused)."""
     prompt = record.get("prompt")
     if prompt in (None, "", []):
         raise UserError(f"{where}: the record has no 'prompt'; RL records need a 'prompt' (text or messages)")
     if isinstance(prompt, list):
         check_messages(prompt + [{"role": "assistant", "content": ""}], where)  # the turns the answer would follow
-        ids = template.encode(template.render(prompt, add_generation_prompt=True))
+        ids = template.encode(template.render(prompt, add_generation_prompt=True, tools=tools or None))
+    elif tools:
+        raise UserError(f"{where}: rl.tools needs conversational prompts (a list of messages, which the chat template "
+                        "renders with the tools); this one is text")
     elif isinstance(prompt, str):
         ids = template.encode(prompt)
     else:
@@ -52,11 +57,12 @@ def to_prompt(template: ChatTemplate, record: dict[str, Any], where: str) -> Pro
     return Prompt(ids, prompt, {k: v for k, v in record.items() if k != "prompt"}, where)
 
 
-def load_prompts(template: ChatTemplate, paths: Sequence[str | Path] = (), records: Sequence[dict] = ()
-                 ) -> list[Prompt]:
-    """Every prompt of the JSONL / Parquet files `paths` (or of `records`, a built-in task's), tokenized."""
-    prompts = [to_prompt(template, record, where) for path in paths for record, where in read_records(path)]
-    prompts += [to_prompt(template, record, f"task:{i + 1}") for i, record in enumerate(records)]
+def load_prompts(template: ChatTemplate, paths: Sequence[str | Path] = (), records: Sequence[dict] = (),
+                 tools: list[dict] | None = None) -> list[Prompt]:
+    """Every prompt of the JSONL / Parquet files `paths` (or of `records`, a built-in task's), tokenized (with the
+    `tools`' schemas, rl.tools)."""
+    prompts = [to_prompt(template, record, where, tools) for path in paths for record, where in read_records(path)]
+    prompts += [to_prompt(template, record, f"task:{i + 1}", tools) for i, record in enumerate(records)]
     if not prompts:
         raise UserError(f"{', '.join(str(p) for p in paths) or 'the task'}: no prompts; the data is empty")
     return prompts

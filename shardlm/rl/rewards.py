@@ -161,12 +161,12 @@ def format_reward(pattern: str) -> Callable[..., list[float]]:
     return format_match
 
 
-def _import_module(name: str, module_path: str) -> Any:
+def _import_module(name: str, module_path: str, option: str) -> Any:
     if not (module_path.endswith(".py") or "/" in module_path):
         return importlib.import_module(module_path)
     path = Path(module_path)
     if not path.is_file():
-        raise UserError(f'rl.rewards: "{name}" names the file {path}, which does not exist; '
+        raise UserError(f'{option}: "{name}" names the file {path}, which does not exist; '
                         "give the path of a .py file (relative to the working directory) or a module name")
     module_name = f"shardlm_reward_{path.stem}"
     loaded = sys.modules.get(module_name)
@@ -183,27 +183,30 @@ def _import_module(name: str, module_path: str) -> Any:
     return module
 
 
-def _load_function(name: str) -> Callable[..., Any]:
+def load_function(name: str, option: str = "rl.rewards") -> Callable[..., Any]:
+    """The function `name` ("pkg.mod:fn" or "path/to/file.py:fn") names, for the config option `option` (a reward's
+    signature checked too); one-line errors naming the option."""
     module_path, _, attribute = name.rpartition(":")
     if not module_path or not attribute:
-        raise UserError(f'rl.rewards: "{name}" is neither a built-in reward ({", ".join(BUILTINS)}) nor '
-                        "module:function; write e.g. mypackage.rewards:score or path/to/rewards.py:score")
+        what = f"neither a built-in reward ({', '.join(BUILTINS)}) nor" if option == "rl.rewards" else "not"
+        raise UserError(f'{option}: "{name}" is {what} module:function; write e.g. mypackage.rewards:score or '
+                        "path/to/rewards.py:score")
     try:
-        module = _import_module(name, module_path)
+        module = _import_module(name, module_path, option)
     except UserError:
         raise
     except Exception as exc:  # an import may fail with anything the module raises
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise UserError(f'rl.rewards: "{name}" does not import ({reason}); check the module path or PYTHONPATH') \
+        raise UserError(f'{option}: "{name}" does not import ({reason}); check the module path or PYTHONPATH') \
             from exc
     function = getattr(module, attribute, None)
     if function is None:
-        raise UserError(f'rl.rewards: "{name}": module {module_path} has no attribute {attribute!r}; '
+        raise UserError(f'{option}: "{name}": module {module_path} has no attribute {attribute!r}; '
                         "check the function's name")
     if not callable(function):
-        raise UserError(f'rl.rewards: "{name}" is a {type(function).__name__}, not a function; name a function '
-                        "taking (prompts, completions, **kwargs)")
-    _check_signature(name, function)
+        raise UserError(f'{option}: "{name}" is a {type(function).__name__}, not a function; name a function')
+    if option == "rl.rewards":
+        _check_signature(name, function)
     return function
 
 
@@ -254,7 +257,7 @@ def load_rewards(names: list[str], weights: list[float] | None = None, format_pa
                 raise UserError(f"rl.format_pattern {format_pattern!r} is not a valid regular expression ({exc}); "
                                 "fix the pattern") from None
         else:
-            function = _load_function(name)
+            function = load_function(name)
         rewards.append(Reward(name=name, function=function, weight=float(weight)))
     return rewards
 

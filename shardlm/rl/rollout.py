@@ -57,19 +57,29 @@ from shardlm.training.fsdp import gather_root
 @dataclass
 class Rollout:
     """One sequence: the `prompt` ids, the sampled `completion` ids (the end-of-turn id last unless `truncated`)
-    and their log-probabilities `logps` under the sampling policy (NaN where unknown: fixed completions)."""
+    and their log-probabilities `logps` under the sampling policy (NaN where unknown: fixed completions, tool
+    results). With tools (`shardlm.rl.agent`): `mask` (1 on the policy's tokens, 0 on the tool results') and the
+    completion's `messages` (the replies parsed, the tool results)."""
 
     prompt: list[int]
     completion: list[int]
     logps: list[float]
     truncated: bool
+    mask: list[int] | None = None
+    messages: list[dict] | None = None
+
+    @property
+    def policy_tokens(self) -> int:
+        """The completion's tokens sampled by the policy (all but the tool results')."""
+        return len(self.completion) if self.mask is None else sum(self.mask)
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int,
-                 sequences: list[int]) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int, sequences: list[int],
+                 limits: list[int] | None = None, turn: int = 0) -> list[Rollout]:
         """Complete `prompts` (one per sequence; `seeds` one per sequence), sequences numbered `sequences` of
-        generation round `round_index`."""
+        generation round `round_index`; each with at most its `limits` tokens (None: the sampling settings'), the
+        `turn`-th reply of the sequence (after tool results: `shardlm.rl.agent`)."""
 
 
 class GenerationStopped(Exception):
@@ -256,27 +266,29 @@ class InProcessGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,
-                 sequences: list[int] | None = None) -> list[Rollout]:
+                 sequences: list[int] | None = None, limits: list[int] | None = None, turn: int = 0
+                 ) -> list[Rollout]:
         with sequence_parallel_off(self.model), context_parallel_off(self.ctx):
-            return self._generate(prompts, seeds)
+            return self._generate(prompts, seeds, limits)
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Rollout]:
+    def _generate(self, prompts: list[list[int]], seeds: list[int], limits: list[int] | None) -> list[Rollout]:
         model, ctx, config = self.model, self.ctx, self.sampling
-        seq_length, new_tokens = model.cfg.seq_length, config.max_new_tokens
+        seq_length = model.cfg.seq_length
+        limits = [config.max_new_tokens] * len(prompts) if limits is None else list(limits)
         lengths = [len(p) for p in prompts]
         if lengths and max(lengths) >= seq_length:
             raise UserError(f"a prompt of {max(lengths)} tokens leaves no room in model.seq_length={seq_length}; "
                             "shorten the prompts or raise model.seq_length")
         batch = len(prompts)
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        total = min(seq_length, max(lengths) + new_tokens) if prompts else 1
+        total = min(seq_length, max(n + k for n, k in zip(lengths, limits))) if prompts else 1
         tokens = torch.zeros(batch, total, dtype=torch.long, device=ctx.device)
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = torch.tensor(prompt)
         prompt_length = torch.tensor(lengths, device=ctx.device, dtype=torch.long)
         new: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
-        done = [False] * batch
+        done = [k <= 0 for k in limits]
         was_training, entropies = model.training, model.entropies
         model.eval()
         model.entropies = None  # the sampled tokens' log-probabilities only
@@ -284,7 +296,7 @@ class InProcessGenerator:
         position = min(lengths) if prompts else 0
         hidden = self._forward(tokens[:, :position], cache) if prompts else self._idle()
         hidden = hidden[:, -1:] if hidden is not None else None
-        active = bool(prompts)
+        active = bool(prompts) and not all(done)
         while True:  # each pass: sample one position where active, then one forward on every rank
             if active:
                 in_prompt = position < prompt_length
@@ -295,7 +307,7 @@ class InProcessGenerator:
                         continue
                     new[row].append(token)
                     logps[row].append(step_logps[row])
-                    done[row] = token in self.stops or len(new[row]) == new_tokens
+                    done[row] = token in self.stops or len(new[row]) == limits[row]
                 position += 1
                 active = not all(done) and position < total
             if not self._lockstep(active):
@@ -307,8 +319,9 @@ class InProcessGenerator:
 
 
 class FixedCompletions:
-    """Completions read from a JSONL file (`rl.completions`) instead of sampled: one record per sequence,
-    `{"step": round, "sequence": j, "ids": [completion ids]}`; their log-probabilities are unknown (NaN). For
+    """Completions read from a JSONL file (`rl.completions`) instead of sampled: one record per sequence and reply,
+    `{"step": round, "sequence": j, "ids": [completion ids]}` (with tools also `"turn": k`, the reply after the k-th
+    tool results; 0 by default), each cut to the reply's room; their log-probabilities are unknown (NaN). For
     checking that a layout, or another trainer, trains the same tokens the same way."""
 
     def __init__(self, path: str | Path, eod: int | set[int], max_length: int):
@@ -319,7 +332,8 @@ class FixedCompletions:
                     continue
                 try:
                     record = json.loads(line)
-                    key, ids = (int(record["step"]), int(record["sequence"])), [int(i) for i in record["ids"]]
+                    key = (int(record["step"]), int(record["sequence"]), int(record.get("turn", 0)))
+                    ids = [int(i) for i in record["ids"]]
                 except (ValueError, KeyError, TypeError) as exc:
                     raise UserError(f"{path}:{line_number}: a fixed completion needs 'step', 'sequence' and 'ids' "
                                     f"({exc})") from None
@@ -330,11 +344,14 @@ class FixedCompletions:
         self.path = path
 
     def generate(self, prompts: list[list[int]], seeds: list[int], round_index: int = 0,
-                 sequences: list[int] | None = None) -> list[Rollout]:
+                 sequences: list[int] | None = None, limits: list[int] | None = None, turn: int = 0
+                 ) -> list[Rollout]:
         rollouts = []
-        for prompt, sequence in zip(prompts, sequences):
-            ids = self.by_key.get((round_index, sequence))
+        for row, (prompt, sequence) in enumerate(zip(prompts, sequences)):
+            ids = self.by_key.get((round_index, sequence, turn))
             if ids is None:
-                raise UserError(f"{self.path}: no completion for step {round_index}, sequence {sequence}")
-            rollouts.append(Rollout(prompt, ids, [math.nan] * len(ids), ids[-1] not in self.stops))
+                raise UserError(f"{self.path}: no completion for step {round_index}, sequence {sequence}"
+                                + (f", turn {turn}" if turn else ""))
+            ids = ids if limits is None else ids[:limits[row]]
+            rollouts.append(Rollout(prompt, ids, [math.nan] * len(ids), not ids or ids[-1] not in self.stops))
         return rollouts

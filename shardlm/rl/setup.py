@@ -26,6 +26,7 @@ class RLInputs:
     pad_id: int
     stops: set[int]
     eval_prompts: list[Prompt] = field(default_factory=list)  # held out (rl.eval_prompts)
+    tools: list = field(default_factory=list)  # rl.tools (`shardlm.rl.tools.Tool`)
 
     @property
     def max_token_id(self) -> int:
@@ -34,8 +35,9 @@ class RLInputs:
     def summary(self) -> str:
         lengths = [len(p.ids) for p in self.prompts]
         held = f" (+ {len(self.eval_prompts)} held out to evaluate on)" if self.eval_prompts else ""
+        tools = f" | tools {', '.join(t.function_name for t in self.tools)}" if self.tools else ""
         return (f"rl: {len(self.prompts)} prompts{held} of {min(lengths)}-{max(lengths)} tokens | rewards "
-                f"{', '.join(reward_names(self.rewards))}")
+                f"{', '.join(reward_names(self.rewards))}{tools}")
 
 
 def load_rl_inputs(config) -> RLInputs:
@@ -49,10 +51,18 @@ def load_rl_inputs(config) -> RLInputs:
         from shardlm.rl.arithmetic import arithmetic_records
 
         records = arithmetic_records(r.task_size, config.train.seed, conversational=True)
-    prompts, held = hold_out(load_prompts(template, list(sft.data), records), r.eval_prompts, config.train.seed)
+    tools = []
+    if r.tools:
+        from shardlm.rl.tools import check_template, load_tools
+
+        tools = load_tools(list(r.tools))
+        check_template(template)
+    schemas = [tool.schema for tool in tools]
+    prompts, held = hold_out(load_prompts(template, list(sft.data), records, schemas), r.eval_prompts,
+                             config.train.seed)
     eod, pad_id = end_ids(template)
     stops = stop_ids(eod, pad_id, tokenizer_path)
-    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops, held)
+    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops, held, tools)
 
 
 def end_ids(template) -> tuple[int, int | None]:
@@ -98,8 +108,15 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run
                                        stop_requested=stop_requested)
         source = "sampled by the policy"
     completions = Path(run_dir) / "completions.jsonl" if r.log_completions and run_dir is not None else None
+    agent = None
+    if inputs.tools:
+        from shardlm.rl.agent import ToolLoop
+
+        agent = ToolLoop(inputs.tools, inputs.template, inputs.stops, r.max_tool_calling_iterations,
+                         r.max_completion_length, trainer.config.model.seq_length, trainer.ctx)
+        source += f", calling tools ({', '.join(t.function_name for t in inputs.tools)})"
     run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference,
-                completions, inputs.eval_prompts)
+                completions, inputs.eval_prompts, agent)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
     ref = ("" if not (r.beta or r.loss == "a2po") else ", reference: " + (
         "the starting weights" if reference is not None else "the base (adapters off)"))

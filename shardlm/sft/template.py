@@ -230,9 +230,9 @@ class ChatTemplate:
                    name=f"chat template of {path}", stop_ids=generation_stop_ids(path))
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, spans: list | None,
-                template_kwargs: dict[str, Any]) -> str:
+                template_kwargs: dict[str, Any], tools: list[dict] | None = None) -> str:
         variables = {**self.special_tokens, **_plain(self.variables), **_plain(template_kwargs)}
-        variables.update(messages=_prepare_messages(messages), tools=None, documents=None,
+        variables.update(messages=_prepare_messages(messages), tools=_plain(tools) if tools else None, documents=None,
                          add_generation_prompt=add_generation_prompt)
         env = self.template.environment
         try:
@@ -249,9 +249,11 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
             raise UserError(f"{self.name} failed to render: {_one_line(exc)}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, **template_kwargs) -> str:
-        """The conversation as text, as `apply_chat_template(messages, tokenize=False, ...)` renders it."""
-        return self._render(messages, add_generation_prompt, None, template_kwargs)
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The conversation as text, as `apply_chat_template(messages, tools=tools, tokenize=False, ...)` renders it
+        (`tools`: JSON schemas)."""
+        return self._render(messages, add_generation_prompt, None, template_kwargs, tools)
 
     def render_with_spans(self, messages: list[dict[str, Any]], **template_kwargs) -> tuple[str, list[tuple[int, int]]]:
         """The text and the `[start, end)` character spans of its `{% generation %}` blocks."""
