@@ -56,6 +56,10 @@ progress = false
     return path
 
 
+PLAIN = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+"""A chat template that renders no tool calls."""
+
+
 def write(root, name: str, text: str) -> str:
     (root / name).write_text(text)
     return str(root / name)
@@ -137,6 +141,23 @@ ERRORS = [
     ("a negative entropy target", lambda r: ["rl.entropy_target=-1"],
      "rl.entropy_target=-1.0 must be >= 0 (nats)"),
     ("reward that does not import", lambda r: ['rl.rewards=["no_such_module:score"]'], '"no_such_module:score"'),
+    ("tools with online dpo", lambda r: ['rl.loss="online_dpo"', "rl.num_generations=2", "rl.beta=0.1",
+                                        'rl.tools=["test_rl_tools:add"]'],
+     'rl.tools runs multi-turn rollouts for the policy-gradient losses; rl.loss="online_dpo" takes single replies'),
+    ("a negative tool iteration limit", lambda r: ["rl.max_tool_calling_iterations=-1"],
+     "rl.max_tool_calling_iterations=-1 must be >= 0 (0: no limit)"),
+    ("a tool that does not import", lambda r: ['rl.tools=["no_such_module:add"]'],
+     'rl.tools: "no_such_module:add" does not import'),
+    ("a tool without a docstring", lambda r: ['rl.tools=["test_rl_tools:undocumented"]'],
+     'rl.tools: "test_rl_tools:undocumented" has no JSON schema'),
+    ("two tools of one name", lambda r: ['rl.tools=["test_rl_tools:add", "test_rl_tools:add"]'],
+     "are both called 'add'"),
+    ("tools with text prompts", lambda r: ['rl.task=""', 'rl.tools=["test_rl_tools:add"]',
+                                           f'sft.data=["{write(r, "p.jsonl", json.dumps({"prompt": "2+2="}))}"]'],
+     "p.jsonl:1: rl.tools needs conversational prompts"),
+    ("tools with a template that cannot call them", lambda r: ['rl.tools=["test_rl_tools:add"]',
+                                                               f'sft.template="{write(r, "t.jinja", PLAIN)}"'],
+     "cannot render a tool call and its result"),
     ("weights", lambda r: ["rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 weights for 1 reward"),
     ("prompts and a task", lambda r: [f'sft.data=["{write(r, "p.jsonl", "{}")}"]'], "set exactly one"),
     ("record without a prompt", lambda r: ['rl.task=""', f'sft.data=["{write(r, "p.jsonl", json.dumps({"q": 1}))}"]'],

@@ -84,12 +84,13 @@ def check_template(template: ChatTemplate) -> None:
         text = ""
     if not all(s in text for s in _SENTINELS):
         raise UserError(f"rl.tools: the {template.name} cannot render a tool call and its result (a user, an "
-                        "assistant turn with tool_calls, a tool message); use a chat template with tool support")
+                        "assistant turn with tool_calls, a tool message); use a template with tool support "
+                        "(sft.template)")
     found = [_call_of(m.group(1)) for m in _CALL.finditer(text)]
     if {"name": name, "arguments": {key: value}} not in found:
         raise UserError(f"rl.tools: the {template.name} does not write a tool call as <tool_call>{{\"name\": ..., "
                         "\"arguments\": ...}</tool_call> (the Hermes format of Qwen2.5 and Qwen3, the one shardlm "
-                        "parses); use such a template (sft.chat_template)")
+                        "parses); use such a template (sft.template)")
 
 
 def _call_of(text: str) -> dict | None:
