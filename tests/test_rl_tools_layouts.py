@@ -75,9 +75,9 @@ class ByteTemplate:
 
     @staticmethod
     def render(messages, add_generation_prompt=False, tools=None) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" + "".join(call(c["function"]["name"], **c["function"]["arguments"])
-                                                                for c in m.get("tool_calls", [])) + "\0"
-                       for m in messages)
+        calls = ["".join(call(c["function"]["name"], **c["function"]["arguments"]) for c in m.get("tool_calls", []))
+                 for m in messages]
+        text = "".join(f"<{m['role']}>{m['content']}{c}\0" for m, c in zip(messages, calls))
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

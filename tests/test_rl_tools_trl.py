@@ -211,7 +211,8 @@ def shardlm_train(setup, name: str, case: dict) -> list[dict]:
     overrides = [f"checkpoint.init_from={setup['hf']}", "checkpoint.save=false",
                  f"sft.data=[\"{setup['root'] / 'prompts.jsonl'}\"]", *(f"rl.{k}={v}" for k, v in rl.items()),
                  f"rl.num_generations={G}", f"rl.prompts_per_step={len(PROMPTS)}", f"rl.temperature={TEMPERATURE}",
-                 f"rl.max_completion_length={MAX_COMPLETION}", f"rl.completions=\"{setup['root'] / 'completions.jsonl'}\"",
+                 f"rl.max_completion_length={MAX_COMPLETION}",
+                 f"rl.completions=\"{setup['root'] / 'completions.jsonl'}\"",
                  'rl.rewards=["test_rl_tools_trl:tool_reward"]',
                  'rl.tools=["test_rl_tools_trl:add", "test_rl_tools_trl:spell"]',
                  f"model.seq_length={SEQ}", *same_training(STEPS, MICRO, ROWS)]
@@ -226,9 +227,9 @@ CASES = {
     "dapo_masked_one_round_of_tools": {"loss": "dapo", "mask_truncated_completions": True,
                                        "max_tool_calling_iterations": 1},
 }
-METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-           "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
-           "completions/clipped_ratio", "tools/call_frequency", "tools/failure_frequency")
+METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+           "clip_ratio/region_mean", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+           "completions/max_length", "completions/clipped_ratio", "tools/call_frequency", "tools/failure_frequency")
 
 
 def differences(ours: list[dict], theirs: list[dict]) -> dict:

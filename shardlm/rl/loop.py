@@ -132,7 +132,7 @@ class RLRun:
 
         def generate(ids: list[list[int]], seeds: list[int], limits, turn: int, sequences: list[int]) -> list[Rollout]:
             share = sampling_share(len(ids), self.ctx)
-            more = {} if limits is None else {"limits": [limits[j] for j in share], "turn": turn}  # (replies after tools)
+            more = {} if limits is None else {"limits": [limits[j] for j in share], "turn": turn}  # (after tools)
             with self.trainer.autocast():
                 local = self.generator.generate([ids[j] for j in share], [seeds[j] for j in share], round_index,
                                                 [sequences[j] for j in share], **more)
