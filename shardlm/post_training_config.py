@@ -300,10 +300,15 @@ class RLConfig:
     tools: list = field(default_factory=list)
     """Tools the policy may call while it completes a prompt (TRL's GRPOTrainer `tools`): "module:function" names of
     Python functions with type hints and a Google-style docstring (their JSON schemas, rendered into each prompt by the
-    chat template, are transformers' `get_json_schema`'s). A reply's Hermes-format calls
-    (<tool_call>{"name": ..., "arguments": ...}</tool_call>) are run on the main rank, their results appended and the
-    policy continues; the results' tokens are never trained (`docs/rl.md`). Conversational prompts only; not with
-    online_dpo or a2po."""
+    chat template, are transformers' `get_json_schema`'s). A reply's calls (Hermes or Qwen3.5 format, or the
+    tokenizer's own response template) are run on the main rank, their results appended and the policy continues;
+    the results' tokens are never trained (`docs/rl.md`). Conversational prompts only; not with online_dpo or a2po."""
+    environment: str = ""
+    """A class ("module:Class") whose instances are the sequences' environments (TRL's GRPOTrainer
+    environment_factory): one a sequence on the main rank, reset with its record's columns before each sampling (the
+    text reset returns appended to the prompt's last message), its public methods the sequence's tools beside
+    rl.tools', its get_reward() (if defined) a reward function of its own; the reward functions get environments=
+    too (`docs/rl.md`). Empty: none."""
     max_tool_calling_iterations: int = 0
     """The most rounds of tool results a completion gets (TRL's name); 0: no limit (a completion still ends within
     max_completion_length)."""

@@ -46,9 +46,9 @@ def trained_rel(a: torch.Tensor, b: torch.Tensor, steps: int, lr: float = LR) ->
     return (a - b).norm().item() / scale
 
 
-def trained_errors(params: dict, ref_params: dict, steps: int) -> dict[str, float]:
-    """`trained_rel` of every parameter of the reference, by name."""
-    return {name: trained_rel(params[name], ref_params[name], steps) for name in ref_params}
+def trained_errors(params: dict, ref_params: dict, steps: int, lr: float = LR) -> dict[str, float]:
+    """`trained_rel` of every parameter of the reference, by name (`lr`: the run's peak learning rate)."""
+    return {name: trained_rel(params[name], ref_params[name], steps, lr) for name in ref_params}
 
 
 def assert_trained_but_off(curve: list, params: dict, ref_params: dict, steps: int, part: str,
@@ -63,11 +63,11 @@ def assert_trained_but_off(curve: list, params: dict, ref_params: dict, steps: i
 
 
 def assert_trained_parameters(params: dict, ref_params: dict, steps: int, tol: float = 1e-5,
-                              where: str = "") -> None:
-    """The same parameter names, and every one within `tol` of the reference by `trained_rel`; the
-    message names the worst."""
+                              where: str = "", lr: float = LR) -> None:
+    """The same parameter names, and every one within `tol` of the reference by `trained_rel` (`lr`: the run's
+    peak learning rate, where it is not LR); the message names the worst."""
     assert params.keys() == ref_params.keys(), f"{where}: {sorted(params.keys() ^ ref_params.keys())}"
-    errors = trained_errors(params, ref_params, steps)
+    errors = trained_errors(params, ref_params, steps, lr)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= tol, f"{where} final parameter {worst} differs by {errors[worst]:.2e}"
 
@@ -102,11 +102,12 @@ def assert_same_curve(curve: list, ref_curve: list, where: str = "", tol: float 
 
 def assert_same_run(run, ref, where: str = "", *, steps: int, tol: float = 1e-5, params_tol: float | None = None,
                     columns: tuple[str, ...] = CURVE, first_step: int = 1, absolute: tuple[str, ...] = (),
-                    column_tols: dict[str, float] | None = None, from_step_2: tuple[str, ...] = ()) -> None:
+                    column_tols: dict[str, float] | None = None, from_step_2: tuple[str, ...] = (),
+                    lr: float = LR) -> None:
     """A layout's run equals the one-process run: its curve (`assert_same_curve`, `tol` relative; `absolute`,
     `column_tols` and `from_step_2` as there), its validation loss within `tol` relative where the reference has
     one (a list of them, one per evaluation, each so), and every final parameter within `params_tol` (default `tol`)
-    by `trained_rel` after `steps` AdamW steps, the same names on both sides.
+    by `trained_rel` after `steps` steps at most `lr` (the run's peak learning rate), the same names on both sides.
 
     `run` and `ref` are dicts {"curve", "params", optionally "valid"} or tuples (curve, params, ...); a reference
     whose "valid" is None (or a tuple run) skips the validation loss. `where` (the case and the rank) leads every
@@ -120,7 +121,8 @@ def assert_same_run(run, ref, where: str = "", *, steps: int, tol: float = 1e-5,
         assert len(got) == len(want), f"{where}: {len(got)} validation losses, the reference {len(want)}"
         for when, (a, b) in enumerate(zip(got, want)):
             assert abs(a - b) <= tol * abs(b), f"{where}: validation{f' {when}' if many else ''} {a} vs {b}"
-    assert_trained_parameters(run["params"], ref["params"], steps, tol if params_tol is None else params_tol, where)
+    assert_trained_parameters(run["params"], ref["params"], steps, tol if params_tol is None else params_tol, where,
+                              lr)
 
 
 def as_run(run) -> dict:

@@ -1,18 +1,21 @@
-"""Multi-turn rollouts with tools (`shardlm.rl.agent`) give the one-process answer at every layout.
+"""Multi-turn rollouts with tools and environments (`shardlm.rl.agent`, `shardlm.rl.environments`) give the
+one-process answer at every layout.
 
 The replies are fixed by (round, sequence, turn) (`ScriptedReplies`), written in a byte-level toy chat format
-(`ByteTemplate`: one token a character, the end-of-turn id closing each message) that `tools.parse_reply` reads: some
-sequences answer at once, some call the tool `double` once or twice (a second round of results), some call it with an
-argument it refuses (a failure) or an unknown tool, and some replies after the results run out of room (truncated).
-The tool runs on the main rank and its results reach every rank; each rank continues its own share of the sequences
-that called; the results' tokens are in the packed rows without labels. DAPO with the KL to the starting weights, two
-iterations a round (the old log-probabilities of a scoring pass) and masked truncation, 4 steps (2 rounds), packed into
-8 rows of 256 tokens: the loss, gradient norm, KL, entropy, clip ratios, reward and tool metrics, and every final
-parameter on every rank, within 1e-5 of one process at DP=2, TP=2 with SP, PP=2, CP=2 (a sequence's tool results
-split over the CP ranks), and TP=2 x DP=2 and CP=2 x PP=2 on four ranks. The rows really hold tool results (masked
-tokens inside the sequences), and a reply's tokens stop at the room each sequence has left
-(`test_each_reply_stops_at_its_room`, which also samples with per-sequence limits at TP=2, PP=2 and CP=2: each row's
-tokens the one-process run's, a limited row the first tokens of the unlimited one).
+(`ByteTemplate`: one token a character, the end-of-turn id closing each message) that the Hermes parser reads: some
+sequences answer at once, some call the tool `double` and then their environment's `remember` (a second round of
+results), some call `double` with an argument it refuses (a failure) or an unknown tool, and some replies after the
+results run out of room (truncated). Each sequence has its environment (`Ledger`), reset before each sampling on the
+main rank (its observation appended to the prompt, whose ids every rank receives), whose `get_reward` is a reward of
+its own. The tools run on the main rank and their results reach every rank; each rank continues its own share of the
+sequences that called; the results' tokens are in the packed rows without labels. DAPO with the KL to the starting
+weights, two iterations a round (the old log-probabilities of a scoring pass) and masked truncation, 4 steps (2
+rounds), packed into 8 rows of 256 tokens: the loss, gradient norm, KL, entropy, clip ratios, rewards (the
+environment's too) and tool metrics, and every final parameter on every rank, within 1e-5 of one process at DP=2,
+TP=2 with SP, PP=2, CP=2 (a sequence's tool results split over the CP ranks), and TP=2 x DP=2 and CP=2 x PP=2 on
+four ranks. The rows really hold tool results (masked tokens inside the sequences), and a reply's tokens stop at the
+room each sequence has left (`test_each_reply_stops_at_its_room`, which also samples with per-sequence limits at
+TP=2, PP=2 and CP=2: each row's tokens the one-process run's, a limited row the first tokens of the unlimited one).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from test_moe_parallel import stage_parameters
 from shardlm.eval.generate import SamplingConfig
 from shardlm.parallel import ParallelContext
 from shardlm.rl.agent import ToolLoop
+from shardlm.rl.environments import Environments
 from shardlm.rl.loop import RLRun
 from shardlm.rl.prompts import Prompt
 from shardlm.rl.rewards import Reward
 from shardlm.rl.rollout import InProcessGenerator, Rollout, gather_samples, sampling_share
-from shardlm.rl.tools import Tool
+from shardlm.rl.tools import CallFormat, Tool
 from shardlm.training.reference import ReferenceWeights
 from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
@@ -40,11 +44,19 @@ from layouts import layout, layout_config, layout_context, spawn_layouts, tiny_m
 from multiproc import check_result
 
 VOCAB, SEQ, STEPS, GROUP, MAX, TOL = 130, 256, 4, 4, 200, 1e-5
+
+
+def letters(i: int) -> str:
+    return "".join(map(chr, np.random.default_rng(i).integers(97, 123, 3 + i)))
+
+
 EOD = VOCAB - 1
 COLUMNS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-           "clip_ratio/region_mean", "reward", "completions/mean_length", "tools/call_frequency",
+           "clip_ratio/region_mean", "reward", "rewards/Ledger/mean", "completions/mean_length", "tools/call_frequency",
            "tools/failure_frequency")
-PROMPTS = [Prompt([int(x) for x in np.random.default_rng(i).integers(97, 123, size=3 + i)], [], {}) for i in range(4)]
+PROMPTS = [Prompt([], [{"role": "user", "content": letters(i)}],
+                  {"index": i}) for i in range(4)]
+"""Their ids are rendered after each sampling's environment reset (`Environments.start`)."""
 
 
 def double(n: int) -> int:
@@ -58,16 +70,40 @@ def double(n: int) -> int:
     return 2 * n
 
 
+class Ledger:
+    """The sequences' environment: the numbers the policy asked it to remember."""
+
+    def __init__(self):
+        self.entries = []
+
+    def reset(self, prompt, index, **columns) -> str:
+        self.entries = []
+        return f" ({index})"
+
+    def remember(self, n: int) -> str:
+        """Remember a number.
+
+        Args:
+            n: The number.
+        """
+        self.entries.append(n)
+        return f"{len(self.entries)} kept"
+
+    def get_reward(self) -> float:
+        return 0.1 * sum(self.entries)
+
+
 class ByteTemplate:
     """A toy chat format over one token a character (ids below 128), each message `<role>content` closed by the
-    end-of-turn id EOD, an assistant's calls written as Hermes <tool_call>{json}</tool_call> blocks."""
+    end-of-turn id EOD (the character NUL), an assistant's calls written as Hermes <tool_call>{json}</tool_call>
+    blocks; the prompts end with the assistant's opening "<a>"."""
 
-    name, end_ids = "byte template", frozenset({EOD})
+    name, end_ids, end_of_turn, response_template = "byte template", frozenset({EOD}), "\0", None
 
     class tokenizer:  # noqa: N801 - as `ChatTemplate.tokenizer`
         @staticmethod
         def decode(ids, skip_special_tokens=True):
-            return "".join(chr(i) for i in ids if i < 128)
+            return "".join(chr(i) if i < 128 else "" if skip_special_tokens else "\0" for i in ids)
 
     @staticmethod
     def encode(text: str) -> list[int]:
@@ -77,8 +113,8 @@ class ByteTemplate:
     def render(messages, add_generation_prompt=False, tools=None) -> str:
         calls = ["".join(call(c["function"]["name"], **c["function"]["arguments"]) for c in m.get("tool_calls", []))
                  for m in messages]
-        text = "".join(f"<{m['role']}>{m['content']}{c}\0" for m, c in zip(messages, calls))
-        return text + ("<assistant>" if add_generation_prompt else "")
+        text = "".join(f"<{m['role'][0]}>{m['content']}{c}\0" for m, c in zip(messages, calls))
+        return text + ("<a>" if add_generation_prompt else "")
 
 
 def call(name: str, **arguments) -> str:
@@ -90,7 +126,7 @@ def script(round_index: int, j: int) -> list[str]:
     kind, n = (j + round_index) % 5, j % 8
     return [["answer " * (1 + n % 3)],
             [call("double", n=n), f"it is {2 * n}"],
-            ["go " + call("double", n=n % 4), call("double", n=n % 3 + 1), "done"],  # two rounds of results
+            ["go " + call("double", n=n % 4), call("remember", n=n % 3 + 1), "done"],  # the environment's tool too
             [call("nope"), "x" * 150 + "~"],  # an unknown tool, then a reply too long for the room: truncated
             [call("double", n=n + 7), "failed"]][kind]  # refused by the tool
 
@@ -127,9 +163,13 @@ def train_layout(ctx, config) -> dict:
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, None, None)
     r = config.rl
-    loop = ToolLoop([Tool("test:double", double)], ByteTemplate, {EOD}, r.max_tool_calling_iterations, MAX, SEQ, ctx)
-    run = RLRun(trainer, PROMPTS, ByteTemplate, ScriptedReplies(), [Reward("tool_reward", tool_reward, 1.0)], 0,
-                ReferenceWeights.of(trainer), agent=loop)
+    tools = [Tool("test:double", double)]
+    environments = Environments("test_rl_tools_layouts:Ledger", tools, ByteTemplate, ctx)
+    loop = ToolLoop(tools, CallFormat.of(ByteTemplate, environments.schemas), {EOD}, r.max_tool_calling_iterations,
+                    MAX, SEQ, ctx, environments.tools_of)
+    rewards = [Reward("tool_reward", tool_reward, 1.0), environments.reward()]
+    run = RLRun(trainer, PROMPTS, ByteTemplate, ScriptedReplies(), rewards, 0, ReferenceWeights.of(trainer),
+                agent=loop, environments=environments)
     curve, untrained = [], 0
     for _ in range(STEPS):
         metrics = run.train_step()
@@ -137,6 +177,10 @@ def train_layout(ctx, config) -> dict:
         f = run.rows.fields
         untrained += int(((f["sequence"] >= 0) & (f["labels"] == -100)).sum())
     return {"curve": curve, "params": stage_parameters(trainer.model), "untrained": untrained}
+
+
+def prompt_ids(i: int) -> list[int]:
+    return ByteTemplate.encode(ByteTemplate.render(PROMPTS[i].prompt, add_generation_prompt=True))
 
 
 def sample_layout(ctx, config) -> dict:
@@ -149,7 +193,7 @@ def sample_layout(ctx, config) -> dict:
                                    pipeline=trainer.pipeline)
     share = sampling_share(8, ctx)
     limits = [(3 * j) % 10 for j in range(8)]
-    local = generator.generate([PROMPTS[j % 4].ids for j in share], [100 + j for j in share], 0, share,
+    local = generator.generate([prompt_ids(j % 4) for j in share], [100 + j for j in share], 0, share,
                                limits=[limits[j] for j in share], turn=1)
     gathered = gather_samples(local, ctx)
     return {"tokens": [r.completion for r in gathered], "logps": [r.logps for r in gathered], "limits": limits}
@@ -217,7 +261,7 @@ def test_each_reply_stops_at_its_room(world2, name):
     config.model.init_std = 0.3
     trainer = Trainer(config, ctx, None, None)
     whole = InProcessGenerator(trainer.model, ctx, SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=50), EOD)
-    unlimited = whole.generate([PROMPTS[j % 4].ids for j in range(8)], [100 + j for j in range(8)], 0, list(range(8)))
+    unlimited = whole.generate([prompt_ids(j % 4) for j in range(8)], [100 + j for j in range(8)], 0, list(range(8)))
     for tokens, limit, full in zip(ref["tokens"], ref["limits"], unlimited):
         assert len(tokens) <= limit and tokens == full.completion[:len(tokens)], (tokens, limit, full.completion)
         assert len(tokens) == min(limit, len(full.completion))

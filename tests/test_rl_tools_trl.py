@@ -44,7 +44,7 @@ from shardlm.rl.prompts import round_prompts  # noqa: E402
 from shardlm.sft.template import ChatTemplate  # noqa: E402
 from shardlm.training.run import train  # noqa: E402
 
-G, STEPS, MAX_COMPLETION, SEQ, ROWS, MICRO = 4, 2, 64, 336, 8, 4
+G, STEPS, MAX_COMPLETION, SEQ, ROWS, MICRO = 4, 2, 64, 400, 8, 4
 
 
 def add(a: int, b: int) -> int:
@@ -91,6 +91,48 @@ SCRIPTS = [
 ]
 
 
+ENV_SCRIPTS = [
+    [[(call("increment", by=3) + "\n" + call("increment", by=4), True), ("7", True)],  # two calls on one state
+     [("7", True)],
+     [(call("increment", by=-1), True), ("No.", True)],  # refused by the environment
+     [(call("increment", by=7), True), (call("add", a=1, b=2), True), ("done", True)]],  # then a plain tool
+    [[(call("increment", by=40), True), (call("increment", by=2), True), ("42", True)],
+     [(call("increment", by=42), True), ("42", True)],
+     [(call("nope"), True), ("?", True)],
+     [("42", True)]],
+]
+
+
+class Counter:
+    """An environment (TRL's environment_factory): a counter the policy raises toward the record's answer."""
+
+    def __init__(self):
+        self.total, self.target = 0, 0
+
+    def reset(self, answer, **kwargs) -> str:
+        self.total, self.target = 0, int(answer)
+        return f" Reach {answer}."
+
+    def increment(self, by: int) -> int:
+        """Raise the counter.
+
+        Args:
+            by: How much.
+        """
+        if by < 0:
+            raise ValueError("the counter only goes up")
+        self.total += by
+        return self.total
+
+    def get_reward(self) -> float:
+        return 1.0 if self.total == self.target else -abs(self.total - self.target) / 10
+
+
+def counter_state(completions, environments, **kwargs) -> list[float]:
+    """A reward reading the environments: a tenth of each counter's total."""
+    return [0.1 * environment.total for environment in environments]
+
+
 def tool_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """The answer in the last message's content, 0.3 a tool result, 0.2 a reply with tool calls, 0.05 a word of the
     replies' contents: rewards that read every part of the messages."""
@@ -112,23 +154,35 @@ def setup(tmp_path_factory, data_dir):
     template = ChatTemplate.from_dir(root / "hf")
     eos = template.tokenizer.token_to_id("<|im_end|>")
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    replies = [[[template.encode(text) + ([eos] if finished else []) for text, finished in script]
-                for script in scripts] for scripts in SCRIPTS]
-    lines = []
-    for r in range(STEPS):
-        owners = round_prompts(len(PROMPTS), len(PROMPTS), r, SEED)
-        lines += [json.dumps({"step": r, "sequence": j, "turn": turn, "ids": ids})
-                  for j in range(len(owners) * G) for turn, ids in enumerate(replies[owners[j // G]][j % G])]
-    (root / "completions.jsonl").write_text("\n".join(lines) + "\n")
+    replies = {}
+    for name, scripts in (("completions", SCRIPTS), ("completions_env", ENV_SCRIPTS)):
+        replies[name] = [[[template.encode(text) + ([eos] if finished else []) for text, finished in script]
+                          for script in group] for group in scripts]
+        lines = []
+        for r in range(STEPS):
+            owners = round_prompts(len(PROMPTS), len(PROMPTS), r, SEED)
+            lines += [json.dumps({"step": r, "sequence": j, "turn": turn, "ids": ids}) for j in range(len(owners) * G)
+                      for turn, ids in enumerate(replies[name][owners[j // G]][j % G])]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     return {"root": root, "hf": root / "hf", "replies": replies,
             "tokenizer": transformers.AutoTokenizer.from_pretrained(root / "hf")}
+
+
+def replies_of(case: dict) -> str:
+    return "completions_env" if case.get("environment") else "completions"
+
+
+def prompt_index(messages: list[dict]) -> int:
+    """Which of PROMPTS `messages` is (an environment's observation may follow its last message's text)."""
+    return next(i for i, p in enumerate(PROMPTS) if messages[-1]["content"].startswith(p["prompt"][-1]["content"])
+                and len(messages) == len(p["prompt"]))
 
 
 def trl_run(setup, name: str, case: dict) -> tuple[list[dict], list[dict]]:
     """(TRL's logged steps, each round's sequences as {"completion": ids, "mask": tool mask}) for `case`."""
     from transformers import AutoModelForCausalLM
 
-    replies, seen = setup["replies"], []
+    replies, seen = setup["replies"][replies_of(case)], []
     prompt_ids = {}  # a prompt's token ids -> its index, learnt from TRL's first turn
 
     class ScriptedReplies(trl.GRPOTrainer):
@@ -140,7 +194,7 @@ def trl_run(setup, name: str, case: dict) -> tuple[list[dict], list[dict]]:
                 ids = tuple(ids)
                 i = next((i for p, i in prompt_ids.items() if ids[:len(p)] == p), None)
                 if i is None:  # a first turn: the next sequence of this prompt's group
-                    i = [p["prompt"] for p in PROMPTS].index(self._prompt_of[ids])
+                    i = prompt_index(self._prompt_of[ids])
                     prompt_ids[ids] = i
                 p = next(p for p, j in prompt_ids.items() if j == i)
                 rest = ids[len(p):]
@@ -177,9 +231,11 @@ def trl_run(setup, name: str, case: dict) -> tuple[list[dict], list[dict]]:
         max_tool_calling_iterations=case.get("max_tool_calling_iterations"))
     model = AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
     with uncached_datasets():
-        trainer = ScriptedReplies(model=model, reward_funcs=[tool_reward], args=args, tools=[add, spell],
+        environment = {"environment_factory": Counter} if case.get("environment") else {}
+        rewards = [tool_reward] + ([counter_state] if environment else [])
+        trainer = ScriptedReplies(model=model, reward_funcs=rewards, args=args, tools=[add, spell],
                                   train_dataset=datasets.Dataset.from_list(PROMPTS),
-                                  processing_class=setup["tokenizer"])
+                                  processing_class=setup["tokenizer"], **environment)
         trainer.train()
     return [log for log in trainer.state.log_history if "loss" in log], seen
 
@@ -212,8 +268,10 @@ def shardlm_train(setup, name: str, case: dict) -> list[dict]:
                  f"sft.data=[\"{setup['root'] / 'prompts.jsonl'}\"]", *(f"rl.{k}={v}" for k, v in rl.items()),
                  f"rl.num_generations={G}", f"rl.prompts_per_step={len(PROMPTS)}", f"rl.temperature={TEMPERATURE}",
                  f"rl.max_completion_length={MAX_COMPLETION}",
-                 f"rl.completions=\"{setup['root'] / 'completions.jsonl'}\"",
-                 'rl.rewards=["test_rl_tools_trl:tool_reward"]',
+                 f"rl.completions=\"{setup['root'] / replies_of(case)}.jsonl\"",
+                 'rl.rewards=["test_rl_tools_trl:tool_reward"' + (', "test_rl_tools_trl:counter_state"]'
+                                                                 if case.get("environment") else "]"),
+                 *(['rl.environment="test_rl_tools_trl:Counter"'] if case.get("environment") else []),
                  'rl.tools=["test_rl_tools_trl:add", "test_rl_tools_trl:spell"]',
                  f"model.seq_length={SEQ}", *same_training(STEPS, MICRO, ROWS)]
     run_dir = setup["root"] / f"shardlm_{name}"
@@ -226,10 +284,12 @@ CASES = {
     "grpo_kl_twice": {"beta": 0.04, "num_iterations": 2},
     "dapo_masked_one_round_of_tools": {"loss": "dapo", "mask_truncated_completions": True,
                                        "max_tool_calling_iterations": 1},
+    "grpo_kl_environment": {"beta": 0.04, "environment": True},
 }
 METRICS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
            "clip_ratio/region_mean", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-           "completions/max_length", "completions/clipped_ratio", "tools/call_frequency", "tools/failure_frequency")
+           "completions/max_length", "completions/clipped_ratio", "tools/call_frequency", "tools/failure_frequency",
+           "rewards/Counter/mean", "rewards/Counter/std", "rewards/counter_state/mean")
 
 
 def differences(ours: list[dict], theirs: list[dict]) -> dict:

@@ -143,9 +143,9 @@ def check_rl(config, world_size: int = 1) -> str | None:
                                 f"{r.num_generations}; set rl.prompts_per_step"),
         (not r.reward_weights or len(r.reward_weights) == len(r.rewards),
          f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} reward functions"),
-        (not r.tools or r.loss not in ("online_dpo", "a2po"),
-         f'rl.tools runs multi-turn rollouts for the policy-gradient losses; rl.loss="{r.loss}" takes single replies: '
-         "leave rl.tools empty"),
+        (not (r.tools or r.environment) or r.loss not in ("online_dpo", "a2po"),
+         f'rl.tools and rl.environment run multi-turn rollouts for the policy-gradient losses; rl.loss="{r.loss}" '
+         "takes single replies: leave them empty"),
         (r.max_tool_calling_iterations >= 0,
          f"rl.max_tool_calling_iterations={r.max_tool_calling_iterations} must be >= 0 (0: no limit)"),
         (not config.model.mtp_layers, "an RL run trains without multi-token prediction; set model.mtp_layers=0"),

@@ -56,11 +56,13 @@ class RLRun:
 
     def __init__(self, trainer, prompts: list[Prompt], template, generator, rewards: list[Reward], pad_id: int,
                  reference: ReferenceWeights | None = None, completions_file: Path | None = None,
-                 eval_prompts: list[Prompt] = (), agent=None):
+                 eval_prompts: list[Prompt] = (), agent=None, environments=None):
         self.trainer, self.prompts, self.template = trainer, prompts, template
         self.eval_prompts = list(eval_prompts)  # held out (rl.eval_prompts): `evaluate`
         self.generator, self.rewards, self.pad_id, self.reference = generator, rewards, pad_id, reference
         self.agent = agent  # rl.tools: the tool-calling loop (`shardlm.rl.agent.ToolLoop`), else None
+        self.environments = environments  # rl.environment (`shardlm.rl.environments.Environments`), else None
+        self.sampled: list[Prompt] = []  # the last sampling's prompts (an environment's observation appended)
         self.completions_file = completions_file  # rl.log_completions: each round's samples appended (main rank)
         self.cfg, self.ctx = trainer.config.rl, trainer.ctx
         self.steps = steps_per_generation(trainer.config)  # optimizer steps of different rows a round
@@ -129,6 +131,9 @@ class RLRun:
         results too (`shardlm.rl.agent`)."""
         sequences = [offset + j for j in range(len(prompts))]
         seeds = [seed_of(j) for j in sequences]
+        if self.environments is not None:  # each sequence's environment reset, its observation in the prompt
+            prompts = self.environments.start(prompts)
+        self.sampled = prompts
 
         def generate(ids: list[list[int]], seeds: list[int], limits, turn: int, sequences: list[int]) -> list[Rollout]:
             share = sampling_share(len(ids), self.ctx)
@@ -156,6 +161,8 @@ class RLRun:
         if self.ctx.rank == 0:
             keys = sorted({k for p in prompts for k in p.columns})
             columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
+            if self.environments is not None:
+                columns["environments"] = self.environments.active
             try:
                 result = [score(self.rewards, [p.prompt for p in prompts], completions,
                                 [r.completion for r in rollouts], columns)]
@@ -173,7 +180,7 @@ class RLRun:
     def start_round(self, round_index: int) -> None:
         cfg, trainer = self.cfg, self.trainer
         owners, rollouts, generation_s = self.rollouts(round_index)
-        values = self.score([self.prompts[i] for i in owners], rollouts)
+        values = self.score(self.sampled, rollouts)  # (the prompts as sampled: an environment's observation in)
         rewards = combine_rewards(values, self.weights)
         if cfg.loss == online_dpo.ONLINE_DPO:  # the step's pairs, chosen by reward, for DPO's loss
             metrics = online_dpo.start_round(self, owners, rollouts, rewards)
@@ -208,7 +215,7 @@ class RLRun:
             advantages, zero_std, kl = self.leave_one_out(rewards)
             self.rows.set_advantages(advantages)
         if self.completions_file is not None and self.ctx.rank == 0:
-            self.log_round(round_index, owners, rollouts, values, rewards, advantages)
+            self.log_round(round_index, rollouts, values, rewards, advantages)
         self.round_metrics = self.describe(values, rewards, zero_std, rollouts) | kl | values_of | {
             "generation_s": generation_s, "scoring_s": scoring_s}
 
@@ -258,12 +265,12 @@ class RLRun:
         seed = self.trainer.config.train.seed
         with batch_invariant(self.cfg.batch_invariant):
             rollouts = self.sample(prompts, lambda j: evaluation_seed(seed, j), 0)
-        values = self.score(prompts, rollouts)
+        values = self.score(self.sampled, rollouts)
         rewards = combine_rewards(values, self.weights)
         zero_std = group_advantages(rewards, group, "group")[1] if group > 1 else np.zeros(len(rewards))
         return {f"val_{k}": v for k, v in self.describe(values, rewards, zero_std, rollouts).items()}
 
-    def log_round(self, round_index: int, owners: list[int], rollouts: list[Rollout], values: np.ndarray,
+    def log_round(self, round_index: int, rollouts: list[Rollout], values: np.ndarray,
                   rewards: np.ndarray, advantages: np.ndarray) -> None:
         """Append the round's sequences to `completions_file`, one JSON line each: the round, the step it starts, the
         sequence, the prompt (as the reward functions saw it), the completion's text, whether it was truncated, each
@@ -271,10 +278,10 @@ class RLRun:
         step = round_index * self.round_steps + 1
         names = reward_names(self.rewards)
         lines = []
-        for j, (owner, rollout) in enumerate(zip(owners, rollouts)):
+        for j, rollout in enumerate(rollouts):
             scores = {n: None if np.isnan(v) else float(v) for n, v in zip(names, values[j])}
             lines.append(json.dumps({"round": round_index, "step": step, "sequence": j,
-                                     "prompt": self.prompts[owner].prompt,
+                                     "prompt": self.sampled[j].prompt,
                                      "completion": decode(self.template, rollout.completion),
                                      "truncated": rollout.truncated, "rewards": scores,
                                      **({"messages": rollout.messages} if rollout.messages is not None else {}),

@@ -188,9 +188,10 @@ def load_function(name: str, option: str = "rl.rewards") -> Callable[..., Any]:
     signature checked too); one-line errors naming the option."""
     module_path, _, attribute = name.rpartition(":")
     if not module_path or not attribute:
-        what = f"neither a built-in reward ({', '.join(BUILTINS)}) nor" if option == "rl.rewards" else "not"
-        raise UserError(f'{option}: "{name}" is {what} module:function; write e.g. mypackage.rewards:score or '
-                        "path/to/rewards.py:score")
+        what, example = ((f"neither a built-in reward ({', '.join(BUILTINS)}) nor", "rewards:score")
+                         if option == "rl.rewards" else ("not", "tools:search"))
+        raise UserError(f'{option}: "{name}" is {what} module:function; write e.g. mypackage.{example} or '
+                        f"path/to/{example.replace(':', '.py:')}")
     try:
         module = _import_module(name, module_path, option)
     except UserError:

@@ -27,6 +27,8 @@ class RLInputs:
     stops: set[int]
     eval_prompts: list[Prompt] = field(default_factory=list)  # held out (rl.eval_prompts)
     tools: list = field(default_factory=list)  # rl.tools (`shardlm.rl.tools.Tool`)
+    call_format: object = None  # how the template's replies are parsed (`shardlm.rl.tools.CallFormat`), with tools
+    environments: object = None  # rl.environment (`shardlm.rl.environments.Environments`)
 
     @property
     def max_token_id(self) -> int:
@@ -35,7 +37,9 @@ class RLInputs:
     def summary(self) -> str:
         lengths = [len(p.ids) for p in self.prompts]
         held = f" (+ {len(self.eval_prompts)} held out to evaluate on)" if self.eval_prompts else ""
-        tools = f" | tools {', '.join(t.function_name for t in self.tools)}" if self.tools else ""
+        names = [t.function_name for t in self.tools] + [t.function_name for t in getattr(self.environments,
+                                                                                         "methods", [])]
+        tools = f" | tools {', '.join(names)}" if names else ""
         return (f"rl: {len(self.prompts)} prompts{held} of {min(lengths)}-{max(lengths)} tokens | rewards "
                 f"{', '.join(reward_names(self.rewards))}{tools}")
 
@@ -43,26 +47,34 @@ class RLInputs:
 def load_rl_inputs(config) -> RLInputs:
     """The run's [rl] inputs (module docstring)."""
     r, sft = config.rl, config.sft
-    rewards = load_rewards(list(r.rewards), [float(w) for w in r.reward_weights], r.format_pattern)
     tokenizer_path = tokenizer_dir(sft, config.checkpoint.init_from)
     template = run_template(sft, config.checkpoint.init_from)
+    tools, call_format, environments = [], None, None
+    if r.tools or r.environment:
+        from shardlm.rl.tools import CallFormat, load_tools
+
+        tools = load_tools(list(r.tools))
+        if r.environment:
+            from shardlm.rl.environments import Environments
+
+            environments = Environments(r.environment, tools, template)
+        schemas = environments.schemas if environments else [tool.schema for tool in tools]
+        call_format = CallFormat.of(template, schemas)
+    own = environments.reward() if environments else None  # an environment's get_reward, a reward of its own
+    rewards = [] if own and not r.rewards else load_rewards(list(r.rewards), [float(w) for w in r.reward_weights],
+                                                             r.format_pattern)
+    rewards += [own] if own else []
     records = ()
     if r.task == "arithmetic":
         from shardlm.rl.arithmetic import arithmetic_records
 
         records = arithmetic_records(r.task_size, config.train.seed, conversational=True)
-    tools = []
-    if r.tools:
-        from shardlm.rl.tools import check_template, load_tools
-
-        tools = load_tools(list(r.tools))
-        check_template(template)
-    schemas = [tool.schema for tool in tools]
-    prompts, held = hold_out(load_prompts(template, list(sft.data), records, schemas), r.eval_prompts,
-                             config.train.seed)
+    prompts, held = hold_out(load_prompts(template, list(sft.data), records, call_format and call_format.schemas),
+                             r.eval_prompts, config.train.seed)
     eod, pad_id = end_ids(template)
     stops = stop_ids(eod, pad_id, tokenizer_path)
-    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops, held, tools)
+    return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops, held, tools,
+                    call_format, environments)
 
 
 def end_ids(template) -> tuple[int, int | None]:
@@ -108,15 +120,18 @@ def start_rl(trainer, inputs: RLInputs, reference=None, stop_requested=None, run
                                        stop_requested=stop_requested)
         source = "sampled by the policy"
     completions = Path(run_dir) / "completions.jsonl" if r.log_completions and run_dir is not None else None
-    agent = None
-    if inputs.tools:
+    agent, environments = None, inputs.environments
+    if inputs.call_format is not None:
         from shardlm.rl.agent import ToolLoop
 
-        agent = ToolLoop(inputs.tools, inputs.template, inputs.stops, r.max_tool_calling_iterations,
-                         r.max_completion_length, trainer.config.model.seq_length, trainer.ctx)
-        source += f", calling tools ({', '.join(t.function_name for t in inputs.tools)})"
+        if environments is not None:
+            environments.ctx = trainer.ctx
+        agent = ToolLoop(inputs.tools, inputs.call_format, inputs.stops, r.max_tool_calling_iterations,
+                         r.max_completion_length, trainer.config.model.seq_length, trainer.ctx,
+                         environments.tools_of if environments is not None else None)
+        source += ", calling tools" + (f" in {r.environment} environments" if environments is not None else "")
     run = RLRun(trainer, inputs.prompts, inputs.template, generator, inputs.rewards, inputs.pad_id, reference,
-                completions, inputs.eval_prompts, agent)
+                completions, inputs.eval_prompts, agent, environments)
     kind = r.loss + (" (GSPO: sequence-level ratio)" if r.importance_sampling == "sequence" else "")
     ref = ("" if not (r.beta or r.loss == "a2po") else ", reference: " + (
         "the starting weights" if reference is not None else "the base (adapters off)"))

@@ -185,8 +185,10 @@ class ChatTemplate:
     """A tokenizer plus its chat template. `mask_method` is `"generation-tags"` or `"prefix"` (module docstring)."""
 
     def __init__(self, tokenizer, source: str, special_tokens: dict[str, str], end_of_turn: str | None = None,
-                 name: str = "chat template", stop_ids: tuple[int, ...] = ()) -> None:
+                 name: str = "chat template", stop_ids: tuple[int, ...] = (), response_template: dict | None = None
+                 ) -> None:
         self.tokenizer = tokenizer
+        self.response_template = response_template  # transformers' parser of a reply, if the directory has one
         self.source = source
         self.name = name
         self.variables: dict[str, Any] = {}  # rendered with every conversation (a run's sft.chat_template_kwargs)
@@ -226,8 +228,10 @@ class ChatTemplate:
             raise UserError(f"{path}: the tokenizer has no chat template (none in tokenizer_config.json, no "
                             "chat_template.jinja); use a chat model's tokenizer or pass a template")
         special = {k: s for k in SPECIAL_TOKEN_NAMES if (s := _token_string(config.get(k))) is not None}
+        response = config.get("response_template")
         return cls(Tokenizer.from_file(str(path / "tokenizer.json")), source, special, end_of_turn,
-                   name=f"chat template of {path}", stop_ids=generation_stop_ids(path))
+                   name=f"chat template of {path}", stop_ids=generation_stop_ids(path),
+                   response_template=response if isinstance(response, dict) else None)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, spans: list | None,
                 template_kwargs: dict[str, Any], tools: list[dict] | None = None) -> str:
