@@ -95,6 +95,11 @@ class CallFormat:
 
     @classmethod
     def of(cls, template: ChatTemplate, schemas: list[dict]) -> CallFormat:
+        try:
+            from transformers.utils.chat_parsing.response_parser import parse_response  # noqa: F401
+        except ImportError:
+            raise UserError("rl.tools needs transformers 5.15 or later to parse the replies' calls; pip install "
+                            "'shardlm[tools]'") from None
         name, key, value, content = _SENTINELS
         calls = [{"type": "function", "function": {"name": name, "arguments": {key: value}}}]
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
