@@ -12,8 +12,9 @@ Second, the kernels: PyTorch picks its vector kernels by the CPU (`ATEN_CPU_CAPA
 holds with AVX-512's sums can fail with AVX2's (a bias at 1.1e-5 against 1e-5 on an AVX2-only EPYC, before
 `agreement.trained_rel`). Here a representative set of the layout and oracle tests runs again in a fresh pytest
 on the AVX2 kernels (`REPRESENTATIVE_TESTS`: LoRA on the experts at EP=2 and TP=2 with SP, QK-clip at TP, CP, PP,
-DP, ZeRO-1 and FSDP, DPO against TRL). Skipped where this process already runs those kernels (an AVX2-only CPU, or the
-suite under `ATEN_CPU_CAPABILITY=avx2` or `default`), since the whole suite is then the check.
+DP, ZeRO-1 and FSDP and with sparse attention at TP and CP, DPO against TRL). Skipped where this process already
+runs those kernels (an AVX2-only CPU, or the suite under `ATEN_CPU_CAPABILITY=avx2` or `default`), since the whole
+suite is then the check.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from shardlm.training import cpu_precision
 TESTS = Path(__file__).resolve().parent
 REPRESENTATIVE_TESTS = [
     "test_qk_clip.py::test_qk_clip_at_two_ranks_equals_one_process",  # QK-clip at TP, CP, PP, DP, ZeRO-1 and FSDP
+    # QK-clip with DeepSeek's sparse attention at TP=2 and CP=2: its indexer's norm bias once ended past the bound
+    # on an AVX2-only EPYC, at the reach of the layouts' usual learning rate instead of its own
+    "test_qk_clip_sparse.py::test_sparse_qk_clip_at_two_ranks_equals_one_process",
     "test_preference_trl.py::test_dpo_follows_trl_step_by_step",  # DPO's losses and rewards against TRL's
 ]
 """The layout and oracle tests whose fp32 bounds are rerun on the AVX2 kernels (about 20 s on 2 cores): each was
