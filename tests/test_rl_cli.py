@@ -32,9 +32,12 @@ def test_context_parallel_rl_run_equals_one_process(config, tmp_path, capfd):  #
     """4 steps of 2 rounds (num_iterations 2: the old log-probabilities from a scoring pass at the layout; beta 0.04:
     the reference's), 4 completions of one prompt a round: loss, gradient norm, reward, KL, entropy, clip ratio and
     completion length within 1e-5 of one process; so are the rewards and lengths of 3 completions of each of 2
-    held-out prompts (rl.eval_prompts), sampled at steps 2 and 4."""
+    held-out prompts (rl.eval_prompts), sampled at steps 2 and 4. The config keeps the model's default dropout
+    (attention dropout 0.1, which context parallelism refuses): the launcher checks the run as it will train, with
+    rl.disable_dropout's zeros."""
     (tmp_path / "reward.py").write_text(REWARD)
-    settings = ["model.dropout=0.0", "model.attention_dropout=0.0", "train.steps=4", "checkpoint.save_interval=0",
+    # (the model's default dropout: the run turns it off before the checks)
+    settings = ["train.steps=4", "checkpoint.save_interval=0",
                 f'rl.rewards=["{tmp_path / "reward.py"}:by_ids"]', "rl.num_generations=4", "rl.num_iterations=2",
                 "rl.beta=0.04", "train.global_batch_size=4", "train.lr=1e-2", "log.interval=1",
                 "rl.eval_prompts=2", "rl.num_generations_eval=3", "train.eval_interval=2"]

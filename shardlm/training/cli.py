@@ -8,6 +8,7 @@ local workers through PyTorch's elastic launcher, exactly as `torchrun --standal
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
     from shardlm.errors import UserError
     from shardlm.parallel.staged import backend_name
+    from shardlm.training.run import disable_dropout
     from shardlm.validation import validate
 
     config = load_config(args.config, args.overrides)
@@ -54,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(dataclasses.asdict(config), indent=2))
         return 0
-    validate(config, world)
+    checked = copy.deepcopy(config)  # validated as `train` will run it: a post-training run without dropout
+    disable_dropout(checked)
+    validate(checked, world)
     backend_name()  # a bad SHARDLM_BACKEND is one line here, not one per worker
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc-per-node={nproc} must be at least 1")
