@@ -51,6 +51,16 @@ class NoReset:
     """An environment class without its reset method."""
 
 
+class Bare:
+    """An environment with no tools of its own: a reset and a reward."""
+
+    def reset(self, **record) -> None:
+        return None
+
+    def get_reward(self) -> float:
+        return 0.0
+
+
 def hermes(name: str, **arguments) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 

@@ -37,17 +37,18 @@ class Prompt:
 
 def to_prompt(template: ChatTemplate, record: dict[str, Any], where: str, tools: list[dict] | None = None
               ) -> Prompt:
-    """A tokenized `Prompt` of one record (module docstring); `tools`: the JSON schemas of rl.tools, rendered by the
-    template into a conversational prompt (a text prompt is refused)."""
+    """A tokenized `Prompt` of one record (module docstring); `tools`: the JSON schemas of rl.tools and
+    rl.environment, rendered by the template into a conversational prompt (with them, even none, a text prompt is
+    refused)."""
     prompt = record.get("prompt")
     if prompt in (None, "", []):
         raise UserError(f"{where}: the record has no 'prompt'; RL records need a 'prompt' (text or messages)")
     if isinstance(prompt, list):
         check_messages(prompt + [{"role": "assistant", "content": ""}], where)  # the turns the answer would follow
         ids = template.encode(template.render(prompt, add_generation_prompt=True, tools=tools or None))
-    elif tools:
-        raise UserError(f"{where}: rl.tools needs conversational prompts (a list of messages, which the chat template "
-                        "renders with the tools); this one is text")
+    elif tools is not None:
+        raise UserError(f"{where}: rl.tools and rl.environment need conversational prompts (a list of messages, which "
+                        "the chat template renders with the tools); this one is text")
     elif isinstance(prompt, str):
         ids = template.encode(prompt)
     else:

@@ -69,8 +69,9 @@ def load_rl_inputs(config) -> RLInputs:
         from shardlm.rl.arithmetic import arithmetic_records
 
         records = arithmetic_records(r.task_size, config.train.seed, conversational=True)
-    prompts, held = hold_out(load_prompts(template, list(sft.data), records, call_format and call_format.schemas),
-                             r.eval_prompts, config.train.seed)
+    schemas = call_format.schemas if call_format is not None else None  # (with tools, text prompts are refused)
+    prompts, held = hold_out(load_prompts(template, list(sft.data), records, schemas), r.eval_prompts,
+                             config.train.seed)
     eod, pad_id = end_ids(template)
     stops = stop_ids(eod, pad_id, tokenizer_path)
     return RLInputs(template, prompts, rewards, eod, pad_id if pad_id is not None else 0, stops, held, tools,
