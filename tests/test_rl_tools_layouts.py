@@ -183,14 +183,20 @@ def prompt_ids(i: int) -> list[int]:
     return ByteTemplate.encode(ByteTemplate.render(PROMPTS[i].prompt, add_generation_prompt=True))
 
 
-def sample_layout(ctx, config) -> dict:
-    """Rollouts of 8 sequences by the starting weights (init std 0.3), each with its own limit (0 to 9 tokens)."""
+def sampler(ctx, config) -> InProcessGenerator:
+    """The starting weights' (init std 0.3) sampler at `config`'s layout: at most 12 tokens, temperature 0.9,
+    top-k 50."""
     config.model.init_std = 0.3
     validate(config, ctx.world_size, check_paths=False)
     trainer = Trainer(config, ctx, None, None)
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=50)
-    generator = InProcessGenerator(trainer.model, ctx, sampling, EOD, lockstep=ctx.world_size > 1,
-                                   pipeline=trainer.pipeline)
+    return InProcessGenerator(trainer.model, ctx, sampling, EOD, lockstep=ctx.world_size > 1,
+                              pipeline=trainer.pipeline)
+
+
+def sample_layout(ctx, config) -> dict:
+    """Rollouts of 8 sequences by `sampler`, each with its own limit (0 to 9 tokens)."""
+    generator = sampler(ctx, config)
     share = sampling_share(8, ctx)
     limits = [(3 * j) % 10 for j in range(8)]
     local = generator.generate([prompt_ids(j % 4) for j in share], [100 + j for j in share], 0, share,
@@ -257,11 +263,8 @@ def test_each_reply_stops_at_its_room(world2, name):
     sampled with the whole room (its own seed: the limit changes nothing before it)."""
     ctx = ParallelContext.single()
     ref = sample_layout(ctx, tools_config())
-    config = tools_config()
-    config.model.init_std = 0.3
-    trainer = Trainer(config, ctx, None, None)
-    whole = InProcessGenerator(trainer.model, ctx, SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=50), EOD)
-    unlimited = whole.generate([prompt_ids(j % 4) for j in range(8)], [100 + j for j in range(8)], 0, list(range(8)))
+    unlimited = sampler(ctx, tools_config()).generate([prompt_ids(j % 4) for j in range(8)],
+                                                      [100 + j for j in range(8)], 0, list(range(8)))
     for tokens, limit, full in zip(ref["tokens"], ref["limits"], unlimited):
         assert len(tokens) <= limit and tokens == full.completion[:len(tokens)], (tokens, limit, full.completion)
         assert len(tokens) == min(limit, len(full.completion))

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardlm.errors import UserError
-from shardlm.rl.prompts import Prompt
+from shardlm.rl.prompts import Prompt, to_prompt
 from shardlm.rl.rewards import Reward, load_function
 from shardlm.rl.tools import Tool
 
@@ -49,7 +49,7 @@ class Environments:
                             f"({type(exc).__name__}: {exc})") from None
         if not callable(getattr(probe, "reset", None)):
             raise UserError(f'rl.environment: "{name}" has no reset method; define reset(self, **record)')
-        self.name, self.template, self.ctx = name, template, ctx
+        self.template, self.ctx = template, ctx
         self.tools = tools  # rl.tools' functions, beside each instance's methods
         self.methods = [Tool(f"{name}.{m.__name__}", m) for m in _methods(probe)]
         self.schemas = [t.schema for t in tools] + [t.schema for t in self.methods]
@@ -81,13 +81,12 @@ class Environments:
                 messages = list(prompt.prompt)
                 if observation is not None:
                     messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
-                ids = self.template.encode(self.template.render(messages, add_generation_prompt=True,
-                                                                tools=self.schemas))
-                started.append((ids, messages))
+                started.append(to_prompt(self.template, {**prompt.columns, "prompt": messages}, prompt.where,
+                                         self.schemas))
             result = [started]
         if self.ctx is not None and self.ctx.world_size > 1:
             dist.broadcast_object_list(result, src=0)
-        return [Prompt(ids, messages, p.columns, p.where) for (ids, messages), p in zip(result[0], prompts)]
+        return result[0]
 
     def tools_of(self, sequence: int) -> dict[str, Any]:
         """The tools of the sequence at position `sequence` of the last sampling, by name (main rank)."""

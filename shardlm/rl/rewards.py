@@ -283,9 +283,7 @@ def reward_names(rewards: list[Reward]) -> list[str]:
 
 def _call(reward: Reward, kwargs: dict[str, Any]) -> Any:
     try:
-        result = reward.function(**kwargs)
-        if inspect.isawaitable(result):
-            result = asyncio.run(_await(result))
+        result = settled(reward.function(**kwargs))
     except UserError as exc:
         raise UserError(f'reward "{reward.name}": {exc}') from exc
     except Exception as exc:
@@ -294,6 +292,11 @@ def _call(reward: Reward, kwargs: dict[str, Any]) -> Any:
         raise UserError(f'reward "{reward.name}" raised {type(exc).__name__}: {message} '
                         f"(at {frame.filename}:{frame.lineno})") from exc
     return result
+
+
+def settled(result: Any) -> Any:
+    """`result`, or what it resolves to when it is awaitable (an `async def` reward or tool's)."""
+    return asyncio.run(_await(result)) if inspect.isawaitable(result) else result
 
 
 async def _await(awaitable: Any) -> Any:

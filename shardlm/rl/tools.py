@@ -22,13 +22,12 @@ messages and the next generation prompt.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 from shardlm.errors import UserError
+from shardlm.rl.rewards import load_function, settled
 from shardlm.sft.template import ChatTemplate
 
 _SENTINELS = ("tool_name_a8f3e2b1", "tool_arg_key_b9d4f5c2", "tool_arg_val_d6e7a9f3", "tool_content_c4f9a8e2")
@@ -72,8 +71,6 @@ class Tool:
 
 def load_tools(names: list[str]) -> list[Tool]:
     """The run's tools, imported and their schemas made (cheap: before any expensive work); one-line errors."""
-    from shardlm.rl.rewards import load_function
-
     tools = [Tool(name, load_function(name, "rl.tools")) for name in names]
     seen: dict[str, str] = {}
     for tool in tools:
@@ -175,18 +172,12 @@ def call_tools(calls: list[dict], tools: dict[str, Callable[..., Any]]) -> tuple
         try:
             if name not in tools:
                 raise ValueError(f"Tool {name} not found.")
-            result = tools[name](**function.get("arguments", {}))
-            if inspect.isawaitable(result):
-                result = asyncio.run(_await(result))
+            result = settled(tools[name](**function.get("arguments", {})))
         except Exception as exc:  # a tool's failure is the model's to learn from, not the run's
             failures += 1
             result = {"error": str(exc)}
         messages.append({"role": "tool", "name": name, "content": str(result)})
     return messages, failures
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
 
 
 def suffix_ids(template: ChatTemplate, tool_messages: list[dict]) -> list[int]:
