@@ -8,9 +8,13 @@ import pytest
 import torch
 
 from shardlm.cpu import CPU_KIND_ENV, CPU_KINDS
+from shardlm.parallel import spawn
 from shardlm.paths import DATA_ENV, shared_data_dir
 
 torch.set_num_threads(1)
+# What a test module's workers import besides shardlm's training stack, imported once by the fork server instead of
+# by each of the suite's thousands of workers as it unpickles its test function (peft alone takes 3 s of CPU).
+spawn.PRELOAD += ["pytest", "transformers", "peft", "trl"]
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +48,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if QUICK_BENCH_RUNS.get(item.module.__name__) in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.bench)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trainers_skip_the_device_cache_collection():
+    """transformers' `Trainer.train` (TRL's oracles) starts with accelerate's `free_memory`: a full `gc.collect()`
+    (tenths of a second in a worker holding the suite's modules, at every oracle run) before emptying a device cache
+    that a CPU does not have. Skipped: it changes no number."""
+    try:
+        from accelerate.utils import memory
+    except ImportError:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory, "clear_device_cache", lambda garbage_collection=False: None)
+        yield

@@ -18,6 +18,7 @@ EADDRINUSE or, worse, the other ranks join a stranger's world.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -49,11 +50,16 @@ def set_local_rank_env(rank: int, world_size: int, port: int, threads: int | str
                       OMP_NUM_THREADS=str(threads), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
-PRELOAD = ["torch", "torch.distributed", "shardlm.training.trainer"]
-"""Modules the fork server imports once for every worker it forks."""
+PRELOAD = ["torch", "torch.distributed", "shardlm.training.trainer", "shardlm.parallel.pipeline", "shardlm.checkpoint",
+           "shardlm.rl.loop"]
+"""Modules the fork server imports once for every worker it forks (one that fails to import is skipped). A test suite
+adds its own (`pytest`, the optional oracles) before the first world starts the server."""
 
 
 def _worker(rank, world_size, port, fn, args, queue, init, threads, environment):
+    # What the worker inherited (the fork server's modules) is left out of its garbage collections, which would
+    # otherwise walk every object of torch and shardlm again (and copy the pages they touch) in each worker.
+    gc.freeze()
     os.environ.clear()
     os.environ.update(environment)  # the caller's environment at the call, as a spawned worker gets it
     set_local_rank_env(rank, world_size, port, threads)

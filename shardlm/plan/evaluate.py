@@ -88,6 +88,7 @@ class Evaluator:
         self.rank_muon = lru_cache(maxsize=None)(self._rank_muon)
         self.rank_lora = lru_cache(maxsize=None)(self._rank_lora)
         self.lora = request.model.lora if request.model.lora.rank else None
+        self.memo: dict = {}  # `step_time`'s counts that depend on a few of the layout's sizes
         # a stage without the first dense layers can be the busiest: check every stage of such models
         self.mixed = 0 < moe_layer_count(self.cfg) < self.cfg.num_layers
 
@@ -207,7 +208,7 @@ class Evaluator:
         units = self.units(pp, layout.virtual, tp, 0, ep, v_shaped) if layout.full_sharding else None
         time = step_time(self.cfg, layout, request.global_batch, request.gpu, self.fmt, params, request.calibration,
                          attention_scores=self.megatron, scatter_gather=self.megatron or self.core, units=units,
-                         kernels=self.kernels)
+                         kernels=self.kernels, memo=self.memo)
         muon = self._muon_cost(layout, dualpipe.mirrored_ranks(pp) if dual else range(pp), dual)
         if muon is not None:
             time = replace(time, muon_s=muon.seconds)

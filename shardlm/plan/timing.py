@@ -158,11 +158,12 @@ def tp_comm_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: Numeric
     tokens = layout.micro_batch * cfg.seq_length
     layers = layers or -(-cfg.num_layers // layout.pp)
     forward_calls = 2 * layers * (2 if layout.checkpointing else 1)
-    sizes = ([tokens * cfg.hidden_size * fmt.tp_forward_bytes] * forward_calls
-             + [tokens * cfg.hidden_size * fmt.tp_backward_bytes] * (2 * layers + 1)  # layers + LM head
-             + [tokens * cfg.hidden_size * fmt.residual_bytes]  # embedding
-             + [tokens * 4, 2 * tokens * 4])  # cross-entropy MAX and SUM
-    return sum(ring_allreduce_seconds(n, layout.tp, intra, calibration.intra_node_latency_s) for n in sizes)
+    calls = ((tokens * cfg.hidden_size * fmt.tp_forward_bytes, forward_calls),
+             (tokens * cfg.hidden_size * fmt.tp_backward_bytes, 2 * layers + 1),  # layers + LM head
+             (tokens * cfg.hidden_size * fmt.residual_bytes, 1),  # embedding
+             (tokens * 4, 1), (2 * tokens * 4, 1))  # cross-entropy MAX and SUM
+    return sum(count * ring_allreduce_seconds(n, layout.tp, intra, calibration.intra_node_latency_s)
+               for n, count in calls)
 
 
 def p2p_seconds(cfg: ModelConfig, layout: Layout, gpu: GPUSpec, fmt: NumericFormat, calibration: Calibration,
@@ -328,18 +329,21 @@ def _pattern_selective_flops(cfg: ModelConfig, global_batch: int) -> float:
     return global_batch * s * per_token
 
 
-def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
-              params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
-              scatter_gather: bool = False, units: FSDPUnits | None = None, kernels: Kernels = SC21_KERNELS
-              ) -> StepTime:
-    """Predicted time of one optimizer step of `global_batch` sequences on `layout`; `params` are the
-    busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
-    the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers. `units`: with
-    FSDP, the FSDP units of the rank `params` describe (None: the whole model's, `fsdp.fsdp_units`)."""
-    accumulation = global_batch // (layout.dp * layout.micro_batch)
-    full_sequence, cfg = cfg, _changed(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
+def _remembered(memo: dict | None, key: tuple, compute):
+    """`compute()`, kept in `memo` under `key` (computed each time without a memo)."""
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _step_flops(full_sequence: ModelConfig, layout: Layout, global_batch: int) -> float:
+    """Matmul FLOPs of one step of `global_batch` sequences on `layout`: the model's (its vocabulary padded for
+    the TP size; sliding layers count s x w) and what the layout's recomputation runs again."""
+    cfg = _changed(full_sequence, seq_length=full_sequence.seq_length // layout.cp)
     padded = _changed(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
-    flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)  # sliding layers count s x w
+    flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
     if layout.recompute == "selective" and cfg.layer_pattern:
         flops += _pattern_selective_flops(full_sequence, global_batch)
     elif layout.recompute == "selective":  # QK^T and attention x V again: 4 b s^2 h per layer (s x w when sliding;
@@ -347,12 +351,32 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
         flops += (4 * global_batch * full_sequence.seq_length ** 2 * cfg.hidden_size * cfg.num_layers
                   * key_share(full_sequence))
         flops += global_batch * full_sequence.seq_length * rule_flops_per_token(cfg) * linear_layer_count(cfg)
+    return flops
+
+
+def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec, fmt: NumericFormat,
+              params: ParameterCount, calibration: Calibration, attention_scores: bool = False,
+              scatter_gather: bool = False, units: FSDPUnits | None = None, kernels: Kernels = SC21_KERNELS,
+              memo: dict | None = None) -> StepTime:
+    """Predicted time of one optimizer step of `global_batch` sequences on `layout`; `params` are the
+    busiest rank's (the first pipeline stage's). `attention_scores`: the implementation materializes
+    the s x s attention scores (Megatron 2021); `scatter_gather`: Megatron's pipeline transfers. `units`: with
+    FSDP, the FSDP units of the rank `params` describe (None: the whole model's, `fsdp.fsdp_units`). `memo`: a
+    dict kept across the calls of one `cfg` (a planner's tens of thousands of layouts), in which the FLOPs and the
+    busiest rank's layers, which depend on a few of the layout's sizes only, are counted once each."""
+    accumulation = global_batch // (layout.dp * layout.micro_batch)
+    full_sequence, cfg = cfg, _changed(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
+    padded = _changed(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
+    flops = _remembered(memo, ("flops", layout.cp, layout.tp, layout.checkpointing, layout.recompute, global_batch),
+                        lambda: _step_flops(full_sequence, layout, global_batch))
     # per pipeline rank: the busiest holds ceil(L / P) layers, (L + 2) / P with Llama 3's short end stages, and
     # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
     if kernels.dualpipe and layout.pp > 1:  # a rank runs half the micro-batches through each of its two stages
         layers, moe_layers, imbalance = dualpipe.pace(full_sequence, layout.pp)
     else:
-        layers, moe_layers = busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim, layout.v_shaped)
+        layers, moe_layers = _remembered(
+            memo, ("layers", layout.pp, layout.virtual, layout.end_trim, layout.v_shaped),
+            lambda: busiest_rank_layers(cfg, layout.pp, layout.virtual, layout.end_trim, layout.v_shaped))
         imbalance = layers * layout.pp / (cfg.num_layers + cfg.mtp_layers)  # 1 when P divides the layers
     peak = gpu.peak_tflops * 1e12
     compute = flops / (peak * calibration.compute_efficiency)
@@ -379,7 +403,8 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
         scores = layout.micro_batch * cfg.num_heads // layout.tp * full_sequence.seq_length * cfg.seq_length
         recomputed = layout.recompute != "none"
         elementwise_bytes += layers * scores * (SCORE_BYTES_FORWARD * (2 if recomputed else 1) + SCORE_BYTES_BACKWARD)
-    attending = layers * attention_layer_share(cfg)  # the rank's layers that attend over keys (not linear ones)
+    # the rank's layers that attend over keys (not linear ones)
+    attending = layers * _remembered(memo, ("attention share",), lambda: attention_layer_share(cfg))
     elementwise_bytes += attending * kernels.gqa_expanded_bytes(full_sequence, layout.tp, layout.micro_batch,
                                                                layout.cp, fmt.matmul_bytes)
     hbm = gpu.hbm_gbps * 1e9 * calibration.memory_efficiency
