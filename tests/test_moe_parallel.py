@@ -1,7 +1,8 @@
 """Expert parallelism gives the one-process answer (gloo; fp32, dropout 0).
 
-Each layout trains a tiny MoE model for 8 steps; loss, gradient norm and the reported aux loss at every
-step and every final parameter (experts gathered over EP and TP, expert biases included) must be within
+Each layout trains a tiny MoE model for 3 steps (2 of warm-up, 1 of decay: after 4 the DeepSeek routing's expert
+biases happen to be back at 0); loss, gradient norm and the reported aux loss at every step and every final
+parameter (experts gathered over EP and TP, expert biases included) must be within
 1e-5 (relative) of one process running the same micro-batches. World of 2: DP=2 (EP=1); EP=2 (DP=2)
 with Mixtral-style routing, both dispatchers, full recomputation, DeepSeek-style routing (sigmoid,
 expert bias, shared experts, group-limited top-k, first layer dense); PP=2 with MoE on the second stage
@@ -34,7 +35,7 @@ from agreement import assert_every_rank, assert_trained_but_off, assert_trained_
 from layouts import MIXTRAL, MOE
 from multiproc import check_result, merge_copies, run_checks, run_workers
 
-STEPS, TOL = 8, 1e-5
+STEPS, TOL = 3, 1e-5
 DEEPSEEK = {"moe_num_experts": 8, "moe_score": "sigmoid", "moe_expert_bias_rate": 0.01, "moe_shared_experts": 1,
             "moe_first_dense_layers": 1, "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scaling": 2.0,
             "moe_aux_loss_coeff": 0.001}
@@ -144,26 +145,26 @@ def dispatch_checks():
 # ------------------------------------------------------------------------------------------- worlds
 
 def checkpoint_check(directory: str):
-    """EP=2 DeepSeek-style with the distributed optimizer: 8 steps, save, then one more step."""
+    """EP=2 DeepSeek-style with the distributed optimizer: STEPS steps, save, then one more step."""
     ctx = ParallelContext.from_process_group(1, expert_parallel=2)
     config = moe_config("llama", "deepseek", 4, ep=2, distributed_optimizer=True)
     curve, params, trainer = train_layout(ctx, config)
     save_checkpoint(trainer, directory)
     after = trainer.train_step()
-    return {"curve": curve, "params": params, "step9": curve_of([after])[0],
-            "params9": full_parameters(trainer.model), "num_parameters": trainer.num_parameters()}
+    return {"curve": curve, "params": params, "next_step": curve_of([after])[0],
+            "next_params": full_parameters(trainer.model), "num_parameters": trainer.num_parameters()}
 
 
 def resume_check(directory: str):
-    """EP=2 with plain AdamW under DDP: 4 steps, save, a fresh trainer loads and runs 4 more."""
+    """EP=2 with plain AdamW under DDP: half the steps, save, a fresh trainer loads and runs the rest."""
     config = moe_config("gpt", "mixtral", 4, ep=2)
     ctx = ParallelContext.from_process_group(1, expert_parallel=2)
-    first, _, trainer = train_layout(ctx, config, steps=4)
+    first, _, trainer = train_layout(ctx, config, steps=STEPS // 2)
     save_checkpoint(trainer, directory)
     ctx.rng = None
     trainer = Trainer(config, ctx, synthetic_data())
     load_checkpoint(trainer, directory)
-    rest = curve_of([trainer.train_step() for _ in range(4)])
+    rest = curve_of([trainer.train_step() for _ in range(STEPS - STEPS // 2)])
     return first + rest, full_parameters(trainer.model)
 
 
@@ -296,7 +297,7 @@ def assert_same_run(run_result, ref, where: str = ""):
     ("ep2_gpt_mixtral_full_recompute", "gpt", "mixtral", 4),  # reruns counted: test_recompute_layouts
     ("ep2_llama_deepseek", "llama", "deepseek", 4),
     ("pp2_gpt_mixtral_first_dense", "gpt", "mixtral_first_dense", 4),  # stage 0 holds no MoE layer
-    ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after 4 steps, resumed by a fresh trainer
+    ("resume_ep2_gpt_mixtral", "gpt", "mixtral", 4),  # saved after STEPS // 2 steps, resumed by a fresh trainer
 ])
 def test_world2_expert_parallel_equals_one_process(world2, name, arch, routing, micro):
     # every rank: its data replicas and pipeline stages
@@ -382,10 +383,9 @@ def test_checkpoint_saved_at_ep2_loads_in_one_process(world2, checkpoint_dir, tm
     assert trainer.num_parameters() == result["num_parameters"]  # every EP rank's experts counted
     load_checkpoint(trainer, checkpoint_dir)
     after = curve_of([trainer.train_step()])[0]
-    for a, b in zip(after, result["step9"]):
+    for a, b in zip(after, result["next_step"]):
         assert abs(a - b) <= TOL * abs(b)
-    params9 = full_parameters(trainer.model)
-    assert_trained_parameters(params9, result["params9"], 9, TOL)
+    assert_trained_parameters(full_parameters(trainer.model), result["next_params"], STEPS + 1, TOL)
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep4(world2, world4):

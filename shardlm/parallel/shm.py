@@ -95,13 +95,13 @@ class SharedMemoryGroup:
 
     @classmethod
     def connect(cls, group, size: int, rank: int, timeout_s: float | None) -> SharedMemoryGroup | None:
-        ids = [None] * size
-        dist.all_gather_object(ids, machine_id(), group=group)
-        if len(set(ids)) != 1:
+        # one exchange: each rank's machine, and the name rank 0 gives the segment
+        offers = [None] * size
+        dist.all_gather_object(offers, (machine_id(), f"/dev/shm/shardlm-{uuid.uuid4().hex}" if rank == 0 else None),
+                               group=group)
+        if len({machine for machine, _ in offers}) != 1:
             return None  # the group spans machines: gloo
-        names = [f"/dev/shm/shardlm-{uuid.uuid4().hex}" if rank == 0 else None]
-        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
-        path, nbytes = names[0], header_bytes(size) + 2 * size * SLOT_BYTES
+        path, nbytes = offers[0][1], header_bytes(size) + 2 * size * SLOT_BYTES
         segment = None
         if rank == 0:
             try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS mid-step
@@ -117,8 +117,10 @@ class SharedMemoryGroup:
             segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         except (OSError, RuntimeError):
             segment = None
+        shared = None if segment is None else cls(segment, size, rank, timeout_s or DEFAULT_TIMEOUT_S)  # its pid
         mapped = [None] * size
-        dist.all_gather_object(mapped, segment is not None, group=group)  # also: every rank is done mapping
+        # also: every rank is done mapping, and its process id is in the header
+        dist.all_gather_object(mapped, segment is not None, group=group)
         if rank == 0:
             try:
                 os.unlink(path)
@@ -126,9 +128,7 @@ class SharedMemoryGroup:
                 pass
         if not all(mapped):
             return None
-        shared = cls(segment, size, rank, timeout_s or DEFAULT_TIMEOUT_S)
         shared.path = path  # unlinked above: the mapping lives on, the file does not
-        dist.barrier(group=group)  # every rank's process id is in the header
         return shared
 
     # --- waiting -----------------------------------------------------------------------------
