@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (`train.data_sharding = "full"`, FSDP2) gives the single-process run.
 
-Tiny GPT and Llama models (2 layers, fp32, dropout 0) train 8 steps in this process and, sharded by FSDP,
+Tiny GPT and Llama models (2 layers, fp32, dropout 0) train 4 steps in this process and, sharded by FSDP,
 in one world of 2 processes (DP=2) and one of 4 (DP=4, DP=2 x TP=2 with sequence parallelism); losses and
 gradient norms at every step and the final parameters (gathered over DP and TP) agree within 1e-5, with
 and without gradient accumulation and recomputation. bf16 parameters under FSDP's mixed precision are
@@ -29,7 +29,9 @@ from agreement import rel
 from layouts import layout, layout_context, spawn_layouts
 from multiproc import check_result, disturb_generators, needs
 
-STEPS = 8
+STEPS, SAVED = 4, 2
+"""Each run's steps (warm-up and decay both reached), and the step after which the resumed runs' checkpoints are
+saved."""
 # Tolerances, relative, about 3x the worst error measured over 8 steps on a 2-core Xeon with AMX and a 2-core
 # AMD EPYC with AVX-512-BF16; "biases" bounds only the final bias tensors (QKV, MLP and LayerNorm biases: small
 # tensors whose few elements each carry a rounding), "parameters" every other tensor.
@@ -132,7 +134,7 @@ def validation_loss(ctx: ParallelContext, cfg) -> float:
 
 
 def fp16_runs() -> dict:
-    """FSDP DP=2 in fp16 (dynamic loss scaling from 2^16): the curve and skipped steps of 8 steps, and one
+    """FSDP DP=2 in fp16 (dynamic loss scaling from 2^16): the curve and skipped steps of STEPS steps, and one
     step where only DP rank 1 finds an inf in its gradient shard (after the reduce-scatter)."""
     ctx = ParallelContext.from_process_group(1)
     cfg = config(micro=2, precision="fp16", initial_loss_scale=2.0**16)
@@ -180,17 +182,17 @@ def resume_from(folder: str) -> tuple:
 
 
 def bitwise_resume(folder: str) -> dict:
-    """FSDP DP=2 with dropout 0.1: 4 steps, save, 4 more; a fresh trainer, both its generators disturbed, loads
-    the save and runs the same 4 steps (the checkpoint must restore the dropout streams too)."""
+    """FSDP DP=2 with dropout 0.1: SAVED steps, save, the rest; a fresh trainer, both its generators disturbed,
+    loads the save and runs the same steps (the checkpoint must restore the dropout streams too)."""
     ctx = ParallelContext.from_process_group(1)
-    _, _, trainer = run(ctx, config(micro=2, dropout=0.1), steps=4)
+    _, _, trainer = run(ctx, config(micro=2, dropout=0.1), steps=SAVED)
     save_checkpoint(trainer, folder)
-    straight = run(ctx, None, steps=4, trainer=trainer)[:2]
+    straight = run(ctx, None, steps=STEPS - SAVED, trainer=trainer)[:2]
     ctx.rng = None  # seeded again by the trainer, as in a new process
     fresh = Trainer(config(micro=2, dropout=0.1), ctx, synthetic_data())
     disturb_generators(ctx)
     load_checkpoint(fresh, folder)
-    resumed = run(ctx, None, steps=4, trainer=fresh)[:2]
+    resumed = run(ctx, None, steps=STEPS - SAVED, trainer=fresh)[:2]
     return {"straight": straight, "resumed": resumed}
 
 
@@ -244,7 +246,7 @@ def world4_more(folder: str) -> dict:
     return {
         "bytes dp4": lambda: measured_bytes(1),
         "bytes dp2 x tp2": lambda: measured_bytes(2),
-        "save": lambda: save_at(folder, tp=2, steps=4),
+        "save": lambda: save_at(folder, tp=2, steps=SAVED),
     }
 
 
@@ -252,7 +254,7 @@ def world4_more(folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, no FSDP: 8-step runs of GPT, Llama and bf16-parameter GPT, and a checkpoint at step 4."""
+    """One process, no FSDP: STEPS-step runs of GPT, Llama and bf16-parameter GPT, and a checkpoint at step SAVED."""
     ctx = ParallelContext.single()
     out = {name: run(ctx, config(full=False, **kwargs))[:2] for name, kwargs in (
         ("gpt", {}), ("llama", {"arch": "llama"}),
@@ -262,7 +264,7 @@ def reference(tmp_path_factory):
     out["fp16 parameters"] = gathered_parameters(fp16)
     out["validation"] = validation_loss(ctx, config(full=False, micro=4, eval_iters=4))  # the same 16 samples
     folder = tmp_path_factory.mktemp("one_process")
-    _, _, trainer = run(ctx, config(full=False, micro=2), steps=4)
+    _, _, trainer = run(ctx, config(full=False, micro=2), steps=SAVED)
     save_checkpoint(trainer, folder)
     out["checkpoint"] = str(folder)
     return out
@@ -367,22 +369,22 @@ def test_fsdp_step_gathers_twice_and_reduce_scatters_once_without_regathering_pe
 
 
 def test_fsdp_checkpoint_loads_at_one_process_and_back(world2, world4, reference):
-    """FSDP DP=2 x TP=2 (with SP) saved at step 4 and resumed by one process, and one process's step-4
-    checkpoint resumed by FSDP DP=2: steps 5-8 and the final parameters within 1e-5 of one process."""
+    """FSDP DP=2 x TP=2 (with SP) saved at step SAVED and resumed by one process, and one process's step-SAVED
+    checkpoint resumed by FSDP DP=2: the remaining steps and the final parameters within 1e-5 of one process."""
     check_result(world4[0], "save")
     ctx = ParallelContext.single()
     trainer = Trainer(config(full=False, micro=2), ctx, synthetic_data())
     load_checkpoint(trainer, world4[1])
-    curve, params = run(ctx, None, steps=STEPS - 4, trainer=trainer)[:2]
+    curve, params = run(ctx, None, steps=STEPS - SAVED, trainer=trainer)[:2]
     ref_curve, ref_params = reference["gpt"]
-    assert_same_run((curve, params), (ref_curve[4:], ref_params), steps=STEPS - 4)
+    assert_same_run((curve, params), (ref_curve[SAVED:], ref_params), steps=STEPS - SAVED)
     for rank in check_result(world2, "resume from one process"):
-        assert_same_run(rank, (ref_curve[4:], ref_params), steps=STEPS - 4)
+        assert_same_run(rank, (ref_curve[SAVED:], ref_params), steps=STEPS - SAVED)
 
 
 def test_fsdp_resume_on_the_same_layout_is_bitwise(world2):
-    """FSDP DP=2 with dropout 0.1: steps 5-8 after loading a step-4 checkpoint into a trainer whose generators
-    moved equal the uninterrupted steps 5-8 (losses, gradient norms, every parameter on every rank), bitwise."""
+    """FSDP DP=2 with dropout 0.1: the steps after loading a step-SAVED checkpoint into a trainer whose generators
+    moved equal the uninterrupted ones (losses, gradient norms, every parameter on every rank), bitwise."""
     for value in check_result(world2, "bitwise"):
         (curve, params), (ref_curve, ref_params) = value["resumed"], value["straight"]
         assert curve == ref_curve

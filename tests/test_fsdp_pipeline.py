@@ -167,10 +167,10 @@ def reference():
     """One process, no FSDP: 8-step runs of the 2-layer GPT and the 4-layer GPT and Llama, and the
     validation loss after 2 steps."""
     ctx = ParallelContext.single()
-    out = {name: run(ctx, pp_config(arch, layers, micro=8, pp=1, full=False))[:2]
+    out = {name: run(ctx, pp_config(arch, layers, micro=8, pp=1, full=False), STEPS)[:2]
            for name, arch, layers in (("gpt 1f1b", "gpt", 2), ("gpt interleaved", "gpt", 4),
                                       ("llama interleaved", "llama", 4))}
-    out["gpt 1f1b bf16 params"] = run(ctx, pp_config(micro=8, pp=1, full=False, **BF16_PARAMS))[:2]
+    out["gpt 1f1b bf16 params"] = run(ctx, pp_config(micro=8, pp=1, full=False, **BF16_PARAMS), STEPS)[:2]
     out["validation"] = validation_loss(ctx, config(full=False, micro=4, eval_iters=4))  # the same 16 samples
     return out
 

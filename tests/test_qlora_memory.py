@@ -9,9 +9,9 @@ be held. glibc is told to return every large free block (`mallopt(M_MMAP_THRESHO
 what is held, not what the allocator keeps.
 
 - QLoRA (`lora.quantize = "nf4"`, no recomputation) builds the model layer by layer into NF4, reads the base tensor
-  by tensor (each quantized whole as it arrives) and trains 2 steps under the cap, to the losses of the same run
-  without a cap, bitwise;
-- FSDP DP=2 (each of the two ranks capped alike) trains under it too, to one process's losses within 1e-5;
+  by tensor (each quantized whole as it arrives) and trains 2 steps under the cap (the cap changes no arithmetic:
+  what it proves is that the run fits);
+- FSDP DP=2 (each of the two ranks capped alike) trains under it too, to the one-process run's losses within 1e-5;
 - the control: plain LoRA (the base kept in fp32) runs out of memory under the same cap.
 """
 
@@ -96,14 +96,12 @@ def cap_extra(root) -> int:
 def test_qlora_starts_and_trains_a_base_larger_than_the_cap(base):
     root, fp32_bytes = base
     assert cap_extra(root) < fp32_bytes  # the base's fp32 projections alone would not fit
-    free = run_workers(1, capped_run, str(root), True, None, init=False)[0]
     capped = run_workers(1, capped_run, str(root), True, cap_extra(root), init=False)[0]
     assert "losses" in capped, capped
-    assert capped["losses"] == free["losses"]
     fsdp = run_workers(2, capped_run, str(root), True, cap_extra(root), True, timeout=600)
     for rank, value in enumerate(fsdp):
         assert "losses" in value, (rank, value)
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(value["losses"], free["losses"])), rank
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(value["losses"], capped["losses"])), rank
 
 
 @pytest.mark.timeout(600)
