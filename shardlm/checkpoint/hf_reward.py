@@ -92,6 +92,6 @@ def pad_token_id(hf_dir: Path) -> int | None:
     pad = pad.get("content") if isinstance(pad, dict) else pad
     if not pad:
         return None
-    from tokenizers import Tokenizer
+    from shardlm.data.tokenizers import shared_tokenizer
 
-    return Tokenizer.from_file(str(vocabulary)).token_to_id(pad)
+    return shared_tokenizer(vocabulary).token_to_id(pad)

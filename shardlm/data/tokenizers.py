@@ -12,6 +12,7 @@ characters `<|endoftext|>` encodes them as ordinary text (as OpenAI's GPT-2 enco
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -132,6 +133,19 @@ def _bert_backend(vocab_file: Path, lower_case: bool) -> HFTokenizer:
     # Registered as special so that decode keeps them whole; encode never adds them.
     backend.add_special_tokens([t for t in BERT_SPECIAL_TOKENS.values() if t in vocab])
     return backend
+
+
+def shared_tokenizer(file: Path) -> HFTokenizer:
+    """The `tokenizers.Tokenizer` of a tokenizer.json, parsed once per process for each version of the file (a chat
+    model's is megabytes, and the SFT data, the RL prompts, a reward model and a teacher of one run each read it).
+    Shared by its callers: only encode, decode and look up with it, never configure it."""
+    stat = Path(file).stat()
+    return _parsed(str(Path(file).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(file: str, mtime_ns: int, size: int) -> HFTokenizer:
+    return HFTokenizer.from_file(file)
 
 
 def _json_backend(tokenizer_file: Path) -> tuple[HFTokenizer, str]:

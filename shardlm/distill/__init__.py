@@ -96,6 +96,6 @@ def _same_bytes(a, b) -> bool:
 
 
 def _vocabulary(path) -> dict:
-    from tokenizers import Tokenizer
+    from shardlm.data.tokenizers import shared_tokenizer
 
-    return Tokenizer.from_file(str(path)).get_vocab()
+    return shared_tokenizer(path).get_vocab()

@@ -338,11 +338,10 @@ def _remembered(memo: dict | None, key: tuple, compute):
     return memo[key]
 
 
-def _step_flops(full_sequence: ModelConfig, layout: Layout, global_batch: int) -> float:
-    """Matmul FLOPs of one step of `global_batch` sequences on `layout`: the model's (its vocabulary padded for
-    the TP size; sliding layers count s x w) and what the layout's recomputation runs again."""
-    cfg = _changed(full_sequence, seq_length=full_sequence.seq_length // layout.cp)
-    padded = _changed(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
+def _step_flops(full_sequence: ModelConfig, cfg: ModelConfig, padded: ModelConfig, layout: Layout,
+                global_batch: int) -> float:
+    """Matmul FLOPs of one step of `global_batch` sequences on `layout`: the model's (`padded`: its vocabulary padded
+    for the TP size; sliding layers count s x w) and what the layout's recomputation runs again (`cfg`: a CP rank's)."""
     flops = flops_per_step(padded, global_batch, recompute=layout.checkpointing)
     if layout.recompute == "selective" and cfg.layer_pattern:
         flops += _pattern_selective_flops(full_sequence, global_batch)
@@ -368,7 +367,7 @@ def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, gpu: GPUSpec,
     full_sequence, cfg = cfg, _changed(cfg, seq_length=cfg.seq_length // layout.cp)  # a CP rank's tokens
     padded = _changed(full_sequence, vocab_size=cfg.padded_vocab_size(layout.tp))
     flops = _remembered(memo, ("flops", layout.cp, layout.tp, layout.checkpointing, layout.recompute, global_batch),
-                        lambda: _step_flops(full_sequence, layout, global_batch))
+                        lambda: _step_flops(full_sequence, cfg, padded, layout, global_batch))
     # per pipeline rank: the busiest holds ceil(L / P) layers, (L + 2) / P with Llama 3's short end stages, and
     # the last one its layers plus the multi-token-prediction depths (`mtp.busiest_rank_layers`)
     if kernels.dualpipe and layout.pp > 1:  # a rank runs half the micro-batches through each of its two stages

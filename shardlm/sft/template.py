@@ -27,7 +27,6 @@ The loss mask (1 = the token is a training target) is found in one of two ways:
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shardlm.data.tokenizers import shared_tokenizer
 from shardlm.errors import UserError
 from shardlm.sft.records import Conversation
 
@@ -182,21 +182,6 @@ def generation_stop_ids(path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _tokenizer(file: Path):
-    """The `tokenizers.Tokenizer` of `file`, parsed once per process for each version of the file (a chat model's
-    tokenizer.json is megabytes: the SFT data, the RL prompts and a reward model of one run each load it). Shared by
-    the templates of that file, which only encode and decode with it."""
-    stat = file.stat()
-    return _parsed_tokenizer(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _parsed_tokenizer(file: str, mtime_ns: int, size: int):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(file)
-
-
 class ChatTemplate:
     """A tokenizer plus its chat template. `mask_method` is `"generation-tags"` or `"prefix"` (module docstring)."""
 
@@ -243,7 +228,7 @@ class ChatTemplate:
                             "chat_template.jinja); use a chat model's tokenizer or pass a template")
         special = {k: s for k in SPECIAL_TOKEN_NAMES if (s := _token_string(config.get(k))) is not None}
         response = config.get("response_template")
-        return cls(_tokenizer(path / "tokenizer.json"), source, special, end_of_turn,
+        return cls(shared_tokenizer(path / "tokenizer.json"), source, special, end_of_turn,
                    name=f"chat template of {path}", stop_ids=generation_stop_ids(path),
                    response_template=response if isinstance(response, dict) else None)
 
