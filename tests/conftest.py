@@ -8,13 +8,9 @@ import pytest
 import torch
 
 from shardlm.cpu import CPU_KIND_ENV, CPU_KINDS
-from shardlm.parallel import spawn
 from shardlm.paths import DATA_ENV, shared_data_dir
 
 torch.set_num_threads(1)
-# What a test module's workers import besides shardlm's training stack, imported once by the fork server instead of
-# by each of the suite's thousands of workers as it unpickles its test function (peft alone takes 3 s of CPU).
-spawn.PRELOAD += ["pytest", "transformers", "peft", "trl"]
 
 
 @pytest.fixture(scope="session")

@@ -50,10 +50,8 @@ def set_local_rank_env(rank: int, world_size: int, port: int, threads: int | str
                       OMP_NUM_THREADS=str(threads), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
-PRELOAD = ["torch", "torch.distributed", "shardlm.training.trainer", "shardlm.parallel.pipeline", "shardlm.checkpoint",
-           "shardlm.rl.loop"]
-"""Modules the fork server imports once for every worker it forks (one that fails to import is skipped). A test suite
-adds its own (`pytest`, the optional oracles) before the first world starts the server."""
+PRELOAD = ["torch", "torch.distributed", "shardlm.training.trainer"]
+"""Modules the fork server imports once for every worker it forks."""
 
 
 def _worker(rank, world_size, port, fn, args, queue, init, threads, environment):
