@@ -97,11 +97,25 @@ def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **config) -> dict
     return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, **config}
 
 
+_CONTEXTS: dict = {}
+"""This worker's context of each (tp, pp, cp, ep) that `layout_context` built: the cases of one layout share its
+process groups (tens of milliseconds to build, at every rank), as the processes of a run do."""
+
+
 def layout_context(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
-    """The `ParallelContext` of a case on the world this process is in (torch.distributed initialized)."""
+    """The `ParallelContext` of a case on the world this process is in (torch.distributed initialized): built once
+    per layout and world, handed to each later case with its traffic counts cleared and no generators (each
+    trainer seeds its own)."""
     from shardlm.parallel import ParallelContext
 
-    return ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    key = (tp, pp, cp, ep)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = ParallelContext.from_process_group(tp, pipeline_parallel=pp, context_parallel=cp,
+                                                            expert_parallel=ep)
+    ctx = _CONTEXTS[key]
+    ctx.comm.reset()
+    ctx.rng = None
+    return ctx
 
 
 def case_spec(case) -> dict:
@@ -114,8 +128,29 @@ def layout_checks(run, cases: dict, more=None, more_args: tuple = ()) -> dict:
     so one failing case fails only its own tests; `more`: a module-level function returning further named checks
     ({name: callable}) to run in the same world after the cases, called with `more_args` (a folder, say)."""
     specs = {name: case_spec(case) for name, case in cases.items()}
-    checks = {name: (lambda spec=spec: run(**spec)) for name, spec in specs.items()}
+    checks = {name: (lambda spec=spec: fresh_after_failure(run, spec)) for name, spec in specs.items()}
     return run_checks(checks | (more(*more_args) if more else {}))
+
+
+def fresh_after_failure(run, spec: dict):
+    """`run(**spec)` on every rank, then whether any rank failed (one all-reduce): if one did, every rank drops its
+    cached contexts (a rank may have left a collective half done on their groups), so that the next case builds
+    its groups afresh, all ranks alike."""
+    import torch
+    import torch.distributed as dist
+
+    failure = None
+    try:
+        result = run(**spec)
+    except Exception as exc:  # noqa: BLE001 - raised again below, once the ranks agree
+        failure = exc
+    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    dist.all_reduce(failed)
+    if failed.item():
+        _CONTEXTS.clear()
+    if failure is not None:
+        raise failure
+    return result
 
 
 def spawn_layouts(world_size: int, run, cases: dict, timeout: float = 600, more=None, more_args: tuple = ()) -> list:

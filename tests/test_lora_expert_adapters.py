@@ -34,6 +34,7 @@ import json
 import re
 import shutil
 from functools import partial
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
@@ -54,9 +55,11 @@ from shardlm.training.trainer import Trainer
 from shardlm.validation import validate
 
 from agreement import rel
-from multiproc import check_result, import_or_skip, run_checks, run_workers
+from multiproc import check_result, needs, run_checks, run_workers
 
-peft = import_or_skip("peft", "peft is the LoRA oracle (the dev extra installs it)")
+# peft is imported where it is used: the ranks this module spawns unpickle its functions, and importing peft
+# (transformers with it) would cost each of them seconds
+pytestmark = needs(find_spec("peft") is not None, "peft, the LoRA oracle (the dev extra installs it)")
 
 TOL = 1e-5
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -88,6 +91,7 @@ def qwen3_moe(root, vocab: int = VOCAB, hidden: int = 32, heads: int = 4, tied: 
 
 def peft_written(base, out):
     """peft's own adapter directory: q/k/v/o and the experts, r=4, lora_alpha=12, rsLoRA, every factor drawn."""
+    import peft
     from transformers import AutoModelForCausalLM
 
     config = peft.LoraConfig(r=4, lora_alpha=12, use_rslora=True, lora_dropout=0.0, target_modules=ATTENTION,
@@ -135,6 +139,7 @@ def in_order(adapter, out, order: list[str]):
 def peft_outputs(base, adapter, experts: bool = True) -> dict:
     """peft's loss on the first batch and logits on `TOKENS` with `adapter` on the transformers base (the experts'
     adapters zeroed when not `experts`)."""
+    import peft
     from transformers import AutoModelForCausalLM
 
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()

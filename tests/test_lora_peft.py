@@ -25,6 +25,7 @@ on the transformers model.
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
@@ -43,9 +44,11 @@ from shardlm.parallel import ParallelContext
 from shardlm.training.trainer import Trainer
 
 from agreement import rel
-from multiproc import import_or_skip, run_workers
+from multiproc import needs, run_workers
 
-peft = import_or_skip("peft", "peft is the LoRA oracle (the dev extra installs it)")
+# peft is imported where it is used: the ranks this module spawns unpickle its functions, and importing peft
+# (transformers with it) would cost each of them seconds
+pytestmark = needs(find_spec("peft") is not None, "peft, the LoRA oracle (the dev extra installs it)")
 
 SEQ, VOCAB, TOL = 16, 96, 1e-5
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -151,6 +154,7 @@ def peft_model(root, trainer: Trainer, targets: list[str], rslora: bool = False,
                experts: bool | list[str] = False, model_class=None):
     """peft on the transformers model in `root` (`model_class`, else AutoModelForCausalLM's) with `trainer`'s
     adapters; `experts`: adapters on the experts too (True: `EXPERT_PARAMETERS`, or the `target_parameters`)."""
+    import peft
     from transformers import AutoModelForCausalLM
 
     from shardlm.checkpoint.peft_experts import EXPERT_PARAMETERS
@@ -276,6 +280,7 @@ def start_from_adapter(root: str, adapter: str) -> float:
 
 
 def test_round_trip_through_peft_and_a_start_from_its_adapter(base, tmp_path, capsys):
+    import peft
     from transformers import AutoModelForCausalLM
 
     trainer = shardlm_trainer(base)
