@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from shardlm.data.zigzag import zigzag_positions
+from shardlm.parallel.graph_break import graph_break
 
 
 @torch.no_grad()
-@torch.compiler.disable
+@graph_break
 def max_attention_logits(q: torch.Tensor, k: torch.Tensor, cp, scale: float | None = None, documents=None,
                          window: int = 0) -> torch.Tensor:
     """(H,) fp32: each head's largest visible logit. q (B, H, T, d), k (B, Hkv, T, d) with H a multiple of Hkv (or
@@ -56,7 +57,7 @@ def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | N
         _raise_max_logits(module, q, k, scale, documents, window)
 
 
-@torch.compiler.disable
+@graph_break
 def _raise_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | None, documents, window: int) -> None:
     """`record_max_logits`'s update, outside `torch.compile`'s graphs: an in-place update of a module's tensor."""
     logits = max_attention_logits(q, k, module.ctx.cp, scale, documents, window)
@@ -64,7 +65,7 @@ def _raise_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float | N
 
 
 @torch.no_grad()
-@torch.compiler.disable
+@graph_break
 def max_chosen_logits(q: torch.Tensor, weight: torch.Tensor, nope: int, keys: torch.Tensor, indices: torch.Tensor,
                       valid: torch.Tensor, scale: float) -> torch.Tensor:
     """(H,) fp32: each head's largest logit over the keys sparse attention chose. q (B, H, T, nope + rope) rotated,

@@ -60,6 +60,7 @@ from shardlm.parallel import (
     reduce_scatter_to_sequence_parallel,
 )
 from shardlm.parallel.experts import build_dispatcher
+from shardlm.parallel.graph_break import graph_break
 from shardlm.parallel.init import normal_shard, param_seed
 
 
@@ -111,7 +112,7 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(d % elements == 0 for w in weights for d in w.shape[1:])
 
 
-@torch.compiler.disable
+@graph_break
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`torch._grouped_mm(x, weight^T)`, run eagerly under `train.compile` (in torch 2.13 its fake-tensor
     kernel accepts only bf16, while the CPU kernel also runs fp32)."""

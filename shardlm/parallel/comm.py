@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardlm.parallel.graph_break import graph_break
+
 
 @dataclass
 class CommStats:
@@ -80,7 +82,7 @@ class Communicator:
 
             self.shm = SharedMemoryGroup.connect(group, size, rank, timeout_s)
 
-    @torch.compiler.disable
+    @graph_break
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of `tensor` over this group; returns it."""
         if self.size == 1:
@@ -92,7 +94,7 @@ class Communicator:
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    @torch.compiler.disable
+    @graph_break
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather equal-shaped tensors from every rank of the group, in rank order."""
         if self.size == 1:
@@ -104,7 +106,7 @@ class Communicator:
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
 
-    @torch.compiler.disable
+    @graph_break
     def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum `tensor` over the group and return this rank's chunk of the sum along `dim` (equal chunks,
         in rank order). Recorded with the bytes of the whole input, as an all-reduce of it would be."""
@@ -118,7 +120,7 @@ class Communicator:
         dist.reduce_scatter(out, chunks, group=self.group)
         return out
 
-    @torch.compiler.disable
+    @graph_break
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0) -> torch.Tensor:
         if self.size == 1:
             return tensor

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from shardlm.parallel.comm import Communicator
+from shardlm.parallel.graph_break import graph_break
 
 
-@torch.compiler.disable
+@graph_break
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: Communicator) -> torch.Tensor:
     """Rows x[sum(send[:r]):sum(send[:r+1])] go to rank r; returns the recv[r] rows from each rank r, in rank order."""
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))

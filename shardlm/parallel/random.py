@@ -15,6 +15,8 @@ import contextlib
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from shardlm.parallel.graph_break import graph_break
+
 MODEL_PARALLEL_RNG = "model-parallel"
 MODEL_PARALLEL_SEED_OFFSET = 2718
 
@@ -88,7 +90,7 @@ class _AsAtForward:
         return False
 
 
-@torch.compiler.disable
+@graph_break
 def recompute(fn, *args, rng: RNGStatesTracker):
     """`fn(*args)` under `torch.utils.checkpoint` (non-reentrant): its activations are recomputed in
     the backward, which sees the tracker's RNG states as they were at the forward (so dropout draws

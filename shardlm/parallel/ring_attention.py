@@ -41,6 +41,7 @@ import torch.distributed as dist
 from shardlm.data.zigzag import zigzag_chunks
 from shardlm.errors import UserError
 from shardlm.parallel.comm import Communicator
+from shardlm.parallel.graph_break import graph_break
 
 EMPTY, CAUSAL, FULL = "empty", "causal", "full"
 
@@ -351,7 +352,7 @@ def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink
     return -(weight * (dout.float() * out.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
 
 
-@torch.compiler.disable
+@graph_break
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Communicator, *,
                                scale: float | None = None, exchange: str = "ring", kernel: str = "auto",
                                dropout_p: float = 0.0, counts: BlockCounts | None = None,

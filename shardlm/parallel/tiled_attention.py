@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.parallel.graph_break import graph_break
 from shardlm.parallel.ring_attention import (
     BlockCounts,
     attention_block,
@@ -78,7 +79,7 @@ class _TiledAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None
 
 
-@torch.compiler.disable
+@graph_break
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                     window: int = 0, sinks: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                     tile: int = 0, counts: BlockCounts | None = None) -> torch.Tensor:

@@ -50,7 +50,6 @@ from shardlm.errors import UserError
 from shardlm.eval.generate import SamplingConfig, penalize_repetition
 from shardlm.parallel import invariant
 from shardlm.parallel.comm import Communicator
-from shardlm.parallel.pipeline import stage_owner
 from shardlm.training.fsdp import gather_root
 
 
@@ -196,6 +195,8 @@ class InProcessGenerator:
         """The forward through the pipeline stages in order: each stage's owner runs its layers (with their part of
         the cache) and hands the (B, T, h) activations on (a broadcast over the pipeline group); the last stage's
         owner returns the final norm's output."""
+        from shardlm.parallel.pipeline import stage_owner  # loaded by pipeline runs only (it loads TorchDynamo)
+
         model, ctx, runner = self.model, self.ctx, self.pipeline
         count, x = len(runner.layers), None
         for stage in runner.stage_modules:  # FSDP roots whose layers and end pieces are called one by one

@@ -36,7 +36,7 @@ from shardlm.config import RunConfig
 from shardlm.errors import UserError
 from shardlm.models import build_model
 from shardlm.models.config import ParallelOptions
-from shardlm.parallel import ParallelContext
+from shardlm.parallel import ParallelContext, graph_break
 from shardlm.training.gradients import expert_gradient_divisor, is_split_expert
 from shardlm.training.optim import build_optimizer
 
@@ -76,6 +76,7 @@ def compile_layers(model: torch.nn.Module, device: torch.device) -> None:
     check_can_compile(device)
     if device.type == "cpu":
         inductor_cache_per_cpu_kind()
+    graph_break.arm()  # the collectives and other boundaries: graph breaks from the first trace on
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
     for layer in layers:
         layer.compile()
