@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardlm.bench.context_parallel import CAP_TOLERANCE, CPShape, memory_cap_demo
-from shardlm.bench.memory_cap import cap_process_memory, data_bytes, is_out_of_memory
+from shardlm.bench.memory_cap import cap_process_memory, data_bytes, is_out_of_memory, load_start_up
 from shardlm.parallel.spawn import run_workers
 
 pytestmark = pytest.mark.timeout(400)
@@ -27,6 +27,7 @@ HEADROOM = 240 * MIB
 def allocate_past_the_cap(capped: bool) -> str:
     """In a fresh worker: cap at 64 MiB above its start (or not), then allocate a 128 MiB tensor."""
     if capped:
+        load_start_up()  # loaded by `cap_process_memory` anyway: measured before the start
         cap_process_memory(data_bytes() + 64 * MIB)
     try:
         torch.ones(128 * MIB // 4)

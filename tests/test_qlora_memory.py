@@ -57,13 +57,14 @@ def batches():
 def capped_run(root: str, quantize: bool, cap_extra: int | None, fsdp: bool = False) -> dict:
     """In a worker: cap this process (`cap_extra` beyond its data once its process groups exist; None: no cap),
     build the trainer, load the base, train. {"losses", "peak_resident_bytes"} or {"out_of_memory": where}."""
-    from shardlm.bench.memory_cap import cap_process_memory
+    from shardlm.bench.memory_cap import cap_process_memory, load_start_up
     from shardlm.checkpoint.init import init_weights, open_source
     from shardlm.parallel import ParallelContext
     from shardlm.training.trainer import Trainer
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks go back to the system at free
     ctx = ParallelContext.from_process_group(1) if fsdp else ParallelContext.single()  # its groups' buffers: start-up
+    load_start_up()  # TorchDynamo, which the trainer's optimizer loads: start-up data too
     if cap_extra is not None:
         cap_process_memory(data_bytes() + cap_extra)
     config = run_config(root, steps=STEPS, **({"quantize": "nf4"} if quantize else {}))

@@ -35,9 +35,18 @@ def peak_resident_bytes() -> int:
     return _status_bytes("VmHWM")
 
 
+def load_start_up() -> None:
+    """Load what every training process loads on its way to the first step: TorchDynamo, which PyTorch's optimizers
+    load as they are built (`Optimizer.add_param_group`), tens of MiB of data. Called before measuring a start, so
+    that a cap set relative to it leaves the run the whole of its budget."""
+    import torch._dynamo  # noqa: F401
+
+
 def cap_process_memory(cap_bytes: int) -> None:
     """Lower this process's soft and hard `RLIMIT_DATA` to `cap_bytes` (it cannot raise them again unprivileged).
-    Raises ValueError if the process already holds more than that."""
+    Raises ValueError if the process already holds more than that. What every training process loads is loaded
+    first (`load_start_up`): start-up data, not the run's."""
+    load_start_up()
     now = data_bytes()
     if now >= cap_bytes:
         raise ValueError(f"memory cap {cap_bytes / 2**30:.2f} GiB is below this process's {now / 2**30:.2f} GiB "
@@ -64,6 +73,7 @@ def capped_training(config, dataset, cap_bytes: int | None, steps: int) -> dict 
     from shardlm.parallel import ParallelContext
     from shardlm.training.trainer import Trainer
 
+    load_start_up()
     start = data_bytes()
     if cap_bytes is not None:
         cap_process_memory(cap_bytes)
