@@ -100,18 +100,12 @@ def train(ctx: ParallelContext, config: RunConfig, steps: int = STEPS):
     return curve, trainer
 
 
-CONTEXTS = {}  # this worker's context of each layout (tp, pp, cp, ep) that `run_layout` has built
-
-
 def run_layout(tp: int, pp: int, cp: int, ep: int, micro: int, schedule: str, virtual: int = 1,
                checkpointing: bool = False) -> tuple:
     """One case on this rank: (curve, whole model) of TRAINED steps at TP=tp x PP=pp (DP the rest of the world),
     `micro` samples a micro-batch under `schedule` with `virtual` stages a rank. The cases of one layout share
-    its context (seeded again by each trainer), as its process groups take a while to build."""
-    if (tp, pp, cp, ep) not in CONTEXTS:
-        CONTEXTS[(tp, pp, cp, ep)] = layout_context(tp, pp, cp, ep)
-    ctx = CONTEXTS[(tp, pp, cp, ep)]
-    ctx.rng = None
+    its context (`layout_context`), seeded again by each trainer."""
+    ctx = layout_context(tp, pp, cp, ep)
     curve, trainer = train(ctx, pp_config(tp, pp, micro, schedule, virtual, checkpointing), TRAINED)
     return curve, whole_model(ctx, trainer)
 
